@@ -1,0 +1,12 @@
+"""The Redis Streams bus: typed publish, consumer groups, reclaim, dead letters, drain.
+
+See docs/architecture.md ("The bus") for the delivery contract and why it is hand-written over
+redis.asyncio rather than taken from a framework.
+"""
+
+from shared.bus.bus import Bus, DeadLetter, default_consumer_name
+from shared.bus.consumer import Consumer, ConsumerStats, Delivery, Handler
+from shared.bus.streams import trim_acked
+
+__all__ = ["Bus", "Consumer", "ConsumerStats", "DeadLetter", "Delivery", "Handler", "default_consumer_name",
+           "trim_acked"]

@@ -1,0 +1,76 @@
+"""Stream bookkeeping: consumer groups, entry ids, and trimming that never drops unread work."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+
+
+def parse_id(entry_id: bytes | str) -> tuple[int, int]:
+    """``b"1700000000000-3"`` -> ``(1700000000000, 3)``; ids compare as such tuples."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def format_id(ms: int, seq: int) -> str:
+    return f"{ms}-{seq}"
+
+
+async def ensure_group(r: Redis, stream: str, group: str) -> None:
+    """Create the group (and the stream) if missing. The group starts at the stream's beginning,
+    so work published before any consumer existed is still delivered."""
+    try:
+        await r.xgroup_create(stream, group, id="0", mkstream=True)
+        log.info("consumer group created", stream=stream, group=group)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def is_nogroup(exc: BaseException) -> bool:
+    """The group (or its stream) vanished, e.g. a Redis restart without persistence."""
+    return isinstance(exc, ResponseError) and "NOGROUP" in str(exc)
+
+
+async def safe_trim_point(r: Redis, stream: str) -> tuple[int, int] | None:
+    """The oldest entry id some group still needs, or None when nothing can be trimmed safely.
+
+    An entry is still needed if it is pending (delivered, not acked) in some group, or not yet
+    delivered to some group (newer than that group's last-delivered id). A stream with no group
+    is never trimmed this way: nobody has said what they have read.
+    """
+    try:
+        groups = await r.xinfo_groups(stream)
+    except ResponseError:
+        return None  # no such stream
+    if not groups:
+        return None
+    needed: list[tuple[int, int]] = []
+    for g in groups:
+        ms, seq = parse_id(g["last-delivered-id"])
+        needed.append((ms, seq + 1))
+        if g["pending"]:
+            summary = await r.xpending(stream, g["name"])
+            needed.append(parse_id(summary["min"]))
+    return min(needed)
+
+
+async def trim_acked(r: Redis, stream: str, *, soft_max_len: int) -> int:
+    """Trim entries every group has acked; warn (never drop) when the unread backlog is too long.
+
+    Returns the number of entries removed.
+    """
+    point = await safe_trim_point(r, stream)
+    removed = 0
+    if point is not None:
+        removed = int(await r.xtrim(stream, minid=format_id(*point), approximate=False))
+    length = int(await r.xlen(stream))
+    if length > soft_max_len:
+        log.warning("stream backlog over its bound; unread entries are kept, not dropped",
+                    stream=stream, length=length, bound=soft_max_len)
+    return removed

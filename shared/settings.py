@@ -1,0 +1,65 @@
+"""Runtime settings: the cluster spec plus the few documented environment overrides.
+
+Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. Tests build
+`Settings` directly. The environment variables, all optional:
+
+=====================  ==========================================================================
+``BUBBLETEA_CONFIG``   path of the cluster spec (default: ``configs/demo.yaml`` of this checkout)
+``REDIS_URL``          the bus; unset means "start an embedded redis-server" (launcher and demo)
+``BUBBLETEA_HTTP_HOST`` / ``BUBBLETEA_HTTP_PORT``  override ``http.host`` / ``http.port``
+``BUBBLETEA_LOG_LEVEL`` DEBUG, INFO (default), WARNING or ERROR
+=====================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from shared.config import ClusterSpec, ConfigError, load_spec
+
+DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True)
+class Settings:
+    spec: ClusterSpec
+    spec_path: Path
+    #: None means no external Redis was named: the launcher starts an embedded one.
+    redis_url: str | None = None
+    log_level: str = "INFO"
+
+    def require_redis_url(self) -> str:
+        """The bus URL for a service process; services never start a private Redis of their own."""
+        if not self.redis_url:
+            raise ConfigError("REDIS_URL is not set: start services with `bubbletea demo` (which starts an "
+                              "embedded Redis) or point REDIS_URL at a Redis 6.2+ server, e.g. "
+                              "redis://127.0.0.1:6379/0")
+        return self.redis_url
+
+
+def load_settings(config: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Load the spec named by `config` (or ``BUBBLETEA_CONFIG``) and apply environment overrides."""
+    env = os.environ if env is None else env
+    path = Path(config or env.get("BUBBLETEA_CONFIG") or DEFAULT_SPEC)
+    spec = load_spec(path)
+    http = spec.http
+    if host := env.get("BUBBLETEA_HTTP_HOST"):
+        http = msgspec.structs.replace(http, host=host)
+    if port := env.get("BUBBLETEA_HTTP_PORT"):
+        if not port.isdigit() or not 0 <= int(port) <= 65_535:
+            raise ConfigError(f"BUBBLETEA_HTTP_PORT: expected a port number 0-65535, got {port!r}")
+        http = msgspec.structs.replace(http, port=int(port))
+    spec = msgspec.structs.replace(spec, http=http)
+    level = env.get("BUBBLETEA_LOG_LEVEL", "INFO").upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"BUBBLETEA_LOG_LEVEL: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    url = env.get("REDIS_URL") or None
+    if url and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"REDIS_URL: expected redis://host:port/db, rediss:// or unix://, got {url!r}")
+    return Settings(spec=spec, spec_path=path, redis_url=url, log_level=level)
