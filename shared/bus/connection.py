@@ -49,11 +49,15 @@ def command_client(url: str, *, name: str = "bubbletea") -> Redis:
 
 
 def blocking_client(url: str, *, block_ms: int, name: str = "bubbletea-reader") -> Redis:
-    """A single-connection client for one consumer's blocking reads."""
+    """A client with a private pool, used only by one consumer's read loop (so one connection).
+
+    Not ``single_connection_client``: on cancellation that mode reconnects inside a ``finally``,
+    which can hang a shutdown; a private pool simply drops the interrupted connection.
+    """
     return Redis.from_url(
         url,
         protocol=2,
-        single_connection_client=True,
+        max_connections=2,
         socket_timeout=block_ms / 1000 + BLOCKING_SLACK_S,
         socket_connect_timeout=COMMAND_TIMEOUT_S,
         # The consumer loop owns reconnects (it must re-sync its pending entries afterwards).

@@ -36,7 +36,7 @@ from redis.exceptions import ResponseError
 
 from shared import keys
 from shared.bus.connection import TRANSIENT_ERRORS, backoff, blocking_client
-from shared.bus.streams import ensure_group, is_nogroup, trim_acked
+from shared.bus.streams import ensure_group, group_is_gone, trim_acked
 from shared.config import BusConfig
 from shared.logs import get_logger
 from shared.wire import FIELD, Message, WireError, decode, kind_of
@@ -94,6 +94,7 @@ class Consumer:
         self._acks: list[str] = []
         self._ack_wakeup = asyncio.Event()
         self._closing = False
+        self._stopping = False
         self._read_task: asyncio.Task[None] | None = None
         self._reclaim_task: asyncio.Task[None] | None = None
         self._ack_task: asyncio.Task[None] | None = None
@@ -117,6 +118,9 @@ class Consumer:
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: stop reading, give in-flight handlers `grace_s`, cancel the rest, flush acks."""
         grace = self.config.drain_grace_s if grace_s is None else grace_s
+        # The flag, not only the cancel, ends the read loop: redis-py may surface a cancelled
+        # blocking read as a ConnectionError, which the loop would otherwise retry.
+        self._stopping = True
         await _cancel_and_wait(self._read_task)
         pending: set[asyncio.Task[None]] = set()
         if self._inflight:
@@ -156,7 +160,7 @@ class Consumer:
     async def _read_loop(self) -> None:
         cursor = "0"  # "0": our own pending entries first; ">": new entries
         failures = 0
-        while True:
+        while not self._stopping:
             if self._resync.is_set():
                 self._resync.clear()
                 cursor = "0"
@@ -171,6 +175,8 @@ class Consumer:
                     block=None if cursor != ">" else self.config.block_ms)
                 failures = 0
             except TRANSIENT_ERRORS as exc:
+                if self._stopping:
+                    return
                 failures += 1
                 self.stats.reconnects += 1
                 delay = backoff().compute(failures)
@@ -180,7 +186,7 @@ class Consumer:
                 cursor = "0"  # a reply may have been lost in flight: re-read our pending entries
                 continue
             except ResponseError as exc:
-                if not is_nogroup(exc):
+                if not group_is_gone(exc):
                     raise
                 log.warning("consumer group missing (Redis restarted?); recreating", stream=self.stream)
                 await ensure_group(self.bus.redis, self.stream, self.group)
@@ -327,7 +333,7 @@ class Consumer:
                 self._resync.set()
                 await asyncio.sleep(backoff().compute(failures))
             except ResponseError as exc:
-                if not is_nogroup(exc):
+                if not group_is_gone(exc):
                     raise
                 await ensure_group(self.bus.redis, self.stream, self.group)
 

@@ -32,9 +32,13 @@ async def ensure_group(r: Redis, stream: str, group: str) -> None:
             raise
 
 
-def is_nogroup(exc: BaseException) -> bool:
-    """The group (or its stream) vanished, e.g. a Redis restart without persistence."""
-    return isinstance(exc, ResponseError) and "NOGROUP" in str(exc)
+def group_is_gone(exc: BaseException) -> bool:
+    """The group (or its stream) vanished, e.g. a Redis restart without persistence.
+
+    NOGROUP answers a read of a missing group; UNBLOCKED answers a blocked reader whose stream
+    was deleted under it (Redis 7).
+    """
+    return isinstance(exc, ResponseError) and str(exc).startswith(("NOGROUP", "UNBLOCKED"))
 
 
 async def safe_trim_point(r: Redis, stream: str) -> tuple[int, int] | None:

@@ -1,0 +1,341 @@
+"""Every bus behaviour against a real redis-server. No test sleeps to give time: each waits on
+the event it expects (a handler signal, a blocking read of the dead-letter stream) with a timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.bus import Bus, Delivery, trim_acked
+from shared.config import BusConfig
+from shared.redis_server import EmbeddedRedis
+from shared.wire import FIELD, Ping
+
+pytestmark = pytest.mark.integration
+
+FAST = BusConfig(claim_idle_ms=150, block_ms=200, max_deliveries=3, drain_grace_s=2.0)
+
+
+def pings(n: int, start: int = 0) -> list[Ping]:
+    return [Ping(seq=i, sent_ns=0) for i in range(start, start + n)]
+
+
+class Seen:
+    """Records handled seqs; `until(n)` waits until n distinct seqs were handled."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[int] = Counter()
+        self.attempts: dict[int, list[int]] = {}
+        self._changed = asyncio.Event()
+
+    async def __call__(self, d: Delivery) -> None:
+        assert isinstance(d.message, Ping)
+        self.add(d)
+
+    def add(self, d: Delivery) -> None:
+        assert isinstance(d.message, Ping)
+        self.calls[d.message.seq] += 1
+        self.attempts.setdefault(d.message.seq, []).append(d.attempt)
+        self._changed.set()
+
+    async def until(self, n: int, timeout: float = 10.0) -> None:
+        async def wait() -> None:
+            while len(self.calls) < n:
+                self._changed.clear()
+                await self._changed.wait()
+        await asyncio.wait_for(wait(), timeout)
+
+
+async def next_dead_letter(r: Redis, last_id: str = "0", timeout_ms: int = 10_000) -> tuple[str, dict]:
+    """Block on the dead-letter stream until an entry newer than last_id arrives."""
+    reply = await r.xread({keys.DEAD_LETTER_STREAM: last_id}, count=1, block=timeout_ms)
+    assert reply, "no dead letter arrived"
+    entry_id, fields = reply[0][1][0]
+    return entry_id.decode(), fields
+
+
+async def pending_count(r: Redis, stream: str, group: str) -> int:
+    return int((await r.xpending(stream, group))["pending"])
+
+
+async def test_publish_consume_ack_each_once(redis_url: str, redis: Redis) -> None:
+    seen = Seen()
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", seen) as c:
+        await bus.publish_many("s", pings(500))
+        await bus.publish("s", Ping(seq=500, sent_ns=1))
+        await seen.until(501)
+    assert set(seen.calls.values()) == {1}
+    assert c.stats.handled == 501
+    assert await pending_count(redis, "s", "g") == 0
+
+
+async def test_messages_published_before_the_group_exists_are_delivered(redis_url: str) -> None:
+    seen = Seen()
+    async with Bus(redis_url, FAST) as bus:
+        await bus.publish_many("early", pings(10))
+        async with bus.consumer("early", "g", seen):
+            await seen.until(10)
+
+
+async def test_own_pending_entries_are_drained_first_on_restart(redis_url: str, redis: Redis) -> None:
+    block = asyncio.Event()
+    took = Seen()
+
+    async def stuck(d: Delivery) -> None:
+        took.add(d)
+        await block.wait()
+
+    async with Bus(redis_url, FAST.__class__(claim_idle_ms=60_000, concurrency=5)) as bus:
+        c = await bus.consumer("s", "g", stuck, name="fixed").start()
+        await bus.publish_many("s", pings(5))
+        await took.until(5)
+        await c.stop(grace_s=0)  # like a crash: handlers cancelled, nothing acked
+        assert await pending_count(redis, "s", "g") == 5
+        await bus.publish_many("s", pings(3, start=100))
+        order: list[int] = []
+        done = Seen()
+
+        async def record(d: Delivery) -> None:
+            assert isinstance(d.message, Ping)
+            order.append(d.message.seq)
+            done.add(d)
+
+        async with bus.consumer("s", "g", record, name="fixed", config=BusConfig(concurrency=1)):
+            await done.until(8)
+    assert order[:5] == [0, 1, 2, 3, 4], "own pending entries must come before new ones"
+    assert sorted(order[5:]) == [100, 101, 102]
+    assert all(a == [2] for s, a in done.attempts.items() if s < 100)  # second delivery
+    assert await pending_count(redis, "s", "g") == 0
+
+
+async def test_entries_of_a_killed_consumer_are_reclaimed(redis_url: str, redis: Redis) -> None:
+    async with Bus(redis_url, FAST) as bus:
+        await bus.publish_many("s", pings(20))
+        script = Path(__file__).with_name("hanging_consumer.py")
+        proc = await asyncio.create_subprocess_exec(sys.executable, str(script), redis_url, "s", "g", "20",
+                                                    stdout=asyncio.subprocess.PIPE)
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line.strip() == b"took 20"
+        proc.kill()  # SIGKILL: no drain, no acks
+        await proc.wait()
+        assert await pending_count(redis, "s", "g") == 20
+        seen = Seen()
+        async with bus.consumer("s", "g", seen, name="survivor") as c:
+            await seen.until(20)
+        assert c.stats.reclaimed == 20
+        assert all(a == [2] for a in seen.attempts.values())
+        assert await pending_count(redis, "s", "g") == 0
+
+
+async def test_undecodable_message_is_dead_lettered_with_its_ack(redis_url: str, redis: Redis) -> None:
+    seen = Seen()
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", seen) as c:
+        bad_id = (await redis.xadd("s", {FIELD: b"\xc1not msgpack"})).decode()
+        await bus.publish("s", Ping(seq=1, sent_ns=0))
+        _, dl = await next_dead_letter(redis)
+        await seen.until(1)
+    assert dl[b"id"].decode() == bad_id and dl[b"stream"] == b"s" and dl[b"group"] == b"g"
+    assert dl[FIELD] == b"\xc1not msgpack"  # original payload kept for replay
+    assert b"undecodable" in dl[b"error"]
+    assert c.stats.dead_lettered == 1
+    assert await pending_count(redis, "s", "g") == 0
+    letters = await Bus(redis_url).dead_letters()
+    assert [d.source_id for d in letters] == [bad_id]
+
+
+async def test_failing_handler_is_retried_then_dead_lettered(redis_url: str, redis: Redis) -> None:
+    attempts: list[int] = []
+
+    async def poison(d: Delivery) -> None:
+        attempts.append(d.attempt)
+        raise ValueError("cannot handle this")
+
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", poison) as c:
+        await bus.publish("s", Ping(seq=7, sent_ns=0))
+        _, dl = await next_dead_letter(redis)
+    assert attempts == [1, 2, 3]  # max_deliveries=3
+    assert int(dl[b"attempts"]) == 3 and b"cannot handle this" in dl[b"error"]
+    assert c.stats.failed == 3 and c.stats.dead_lettered == 1
+    assert await pending_count(redis, "s", "g") == 0
+
+
+async def test_transient_failure_succeeds_on_retry(redis_url: str, redis: Redis) -> None:
+    seen = Seen()
+
+    async def flaky(d: Delivery) -> None:
+        if d.attempt == 1:
+            raise ConnectionResetError("downstream blip")
+        seen.add(d)
+
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", flaky):
+        await bus.publish_many("s", pings(3))
+        await seen.until(3)
+    assert all(a == [2] for a in seen.attempts.values())
+    assert await redis.xlen(keys.DEAD_LETTER_STREAM) == 0
+
+
+async def test_survives_redis_restart_mid_stream(tmp_path: Path) -> None:
+    server = EmbeddedRedis(persist=True, data_dir=str(tmp_path)).start()
+    try:
+        seen = Seen()
+        async with Bus(server.url, FAST) as bus, bus.consumer("s", "g", seen) as c:
+            await bus.publish_many("s", pings(100))
+            await seen.until(100)
+            server.kill()  # crash, no clean shutdown
+            server.start()  # same port, same append-only file
+            for m in pings(100, start=100):  # publishes ride the client's reconnect/retry
+                await bus.publish("s", m)
+            await seen.until(200, timeout=30)
+            assert c.stats.reconnects >= 1
+        r = Redis.from_url(server.url, protocol=2)
+        assert (await r.xpending("s", "g"))["pending"] == 0
+        await r.aclose()
+        assert set(seen.calls) == set(range(200))
+    finally:
+        server.stop()
+
+
+async def test_group_recreated_when_it_vanishes(redis_url: str, redis: Redis) -> None:
+    seen = Seen()
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", seen):
+        await bus.publish("s", Ping(seq=0, sent_ns=0))
+        await seen.until(1)
+        await redis.delete("s")  # stream and group gone, as after a restart without persistence
+        await bus.publish("s", Ping(seq=1, sent_ns=0))
+        await seen.until(2)
+
+
+async def test_drain_finishes_in_flight_work_within_grace(redis_url: str, redis: Redis) -> None:
+    started = Seen()
+    release = asyncio.Event()
+    finished: list[int] = []
+
+    async def slow(d: Delivery) -> None:
+        assert isinstance(d.message, Ping)
+        started.add(d)
+        await release.wait()
+        finished.append(d.message.seq)
+
+    async with Bus(redis_url, FAST) as bus:
+        c = await bus.consumer("s", "g", slow).start()
+        await bus.publish_many("s", pings(4))
+        await started.until(4)
+        stopping = asyncio.create_task(c.stop(grace_s=10))
+        assert c._read_task is not None
+        await asyncio.wait({c._read_task})  # reading has stopped; handlers still running
+        assert not stopping.done()
+        await bus.publish_many("s", pings(4, start=10))  # arrives after reading stopped: not taken
+        release.set()
+        await stopping
+    assert sorted(finished) == [0, 1, 2, 3]
+    assert await pending_count(redis, "s", "g") == 0  # all four acked during drain
+    assert await redis.xlen("s") == 8  # the later four wait in the stream, unread
+
+
+async def test_drain_cancels_after_grace_and_work_is_redelivered(redis_url: str, redis: Redis) -> None:
+    started = Seen()
+    never = asyncio.Event()
+
+    async def stuck(d: Delivery) -> None:
+        started.add(d)
+        await never.wait()
+
+    async with Bus(redis_url, FAST) as bus:
+        c = await bus.consumer("s", "g", stuck).start()
+        await bus.publish_many("s", pings(3))
+        await started.until(3)
+        await c.stop(grace_s=0.05)
+        assert await pending_count(redis, "s", "g") == 3
+        again = Seen()
+        async with bus.consumer("s", "g", again):
+            await again.until(3)
+
+
+async def test_idempotent_handlers_give_exactly_once_effect(redis_url: str, redis: Redis) -> None:
+    """Crash after the effect but before the ack: the entry is redelivered, the effect stays single."""
+    n = 50
+    executions: Counter[int] = Counter()
+    crash = asyncio.Event()
+    done = Seen()
+
+    async def effect_then_maybe_hang(d: Delivery) -> None:
+        assert isinstance(d.message, Ping)
+        executions[d.message.seq] += 1
+        await redis.hsetnx("effects", str(d.message.seq), d.id)  # idempotent write
+        if d.attempt == 1 and d.message.seq % 2 == 0:
+            crash.set()
+            await asyncio.Event().wait()  # "dies" before acking
+        done.add(d)
+
+    async with Bus(redis_url, FAST) as bus:
+        a = await bus.consumer("s", "g", effect_then_maybe_hang, name="a").start()
+        b = await bus.consumer("s", "g", effect_then_maybe_hang, name="b").start()
+        await bus.publish_many("s", pings(n))
+        await done.until(n // 2)
+        await a.stop(grace_s=0)  # crash a: its hung entries stay pending
+        await done.until(n, timeout=20)  # b reclaims them
+        await b.stop()
+    assert sum(executions.values()) > n  # really redelivered...
+    assert await redis.hlen("effects") == n  # ...yet each effect happened once
+    assert await pending_count(redis, "s", "g") == 0
+
+
+async def test_slow_live_handler_is_not_stolen_by_a_peer(redis_url: str, redis: Redis) -> None:
+    """A handler running for many claim_idle periods keeps its entry: its idle time is refreshed."""
+    release = asyncio.Event()
+    calls: Counter[str] = Counter()
+    started = asyncio.Event()
+
+    async def slow(d: Delivery) -> None:
+        calls[d.id] += 1
+        started.set()
+        await release.wait()
+
+    cfg = BusConfig(claim_idle_ms=100, block_ms=100)
+    async with Bus(redis_url, cfg) as bus:
+        a = bus.consumer("s", "g", slow, name="a")
+        b = bus.consumer("s", "g", slow, name="b")
+        async with a, b:
+            await bus.publish("s", Ping(seq=1, sent_ns=0))
+            await started.wait()
+            # Let the peers' reclaim passes (every 50 ms) run for ten claim_idle periods; the
+            # Redis clock decides idleness, so this waits on wall time by design.
+            await asyncio.sleep(1.0)
+            rows = await redis.xpending_range("s", "g", "-", "+", 10)
+            release.set()
+    assert list(calls.values()) == [1]
+    assert [r["times_delivered"] for r in rows] == [1]
+    assert a.stats.reclaimed == b.stats.reclaimed == 0
+
+
+async def test_trim_drops_only_acked_entries(redis_url: str, redis: Redis) -> None:
+    seen = Seen()
+    async with Bus(redis_url, FAST) as bus:
+        async with bus.consumer("s", "g", seen):
+            await bus.publish_many("s", pings(10))
+            await seen.until(10)
+        await bus.publish_many("s", pings(5, start=10))  # nobody has read these
+        await redis.xgroup_create("s", "late", id="0")  # a second group that read nothing
+        assert await trim_acked(redis, "s", soft_max_len=100) == 0  # "late" still needs all 15
+        await redis.xgroup_destroy("s", "late")
+        assert await trim_acked(redis, "s", soft_max_len=100) == 10
+        assert await redis.xlen("s") == 5
+        assert await redis.xlen("no-such-stream") == 0
+        assert await trim_acked(redis, "no-such-stream", soft_max_len=100) == 0
+
+
+async def test_trim_keeps_backlog_over_the_bound_and_says_so(redis_url: str, redis: Redis,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    async with Bus(redis_url, FAST) as bus:
+        await redis.xgroup_create("s", "g", id="0", mkstream=True)
+        await bus.publish_many("s", pings(150))
+        assert await trim_acked(redis, "s", soft_max_len=100) == 0
+    assert await redis.xlen("s") == 150
+    assert any("backlog over its bound" in r.getMessage() for r in caplog.records)

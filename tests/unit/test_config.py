@@ -1,0 +1,119 @@
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared.config import ConfigError, load_spec, parse_spec
+from shared.settings import DEFAULT_SPEC, load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DC = [{"name": "a", "gpus": 4}, {"name": "b", "gpus": 2}]
+
+
+def test_every_shipped_config_loads() -> None:
+    paths = sorted((ROOT / "configs").glob("*.yaml"))
+    assert paths, "no configs shipped"
+    for p in paths:
+        spec = load_spec(p)
+        assert spec.datacenters
+
+
+def test_demo_spec_values() -> None:
+    spec = load_spec(DEFAULT_SPEC)
+    assert [d.name for d in spec.datacenters] == ["dc-a", "dc-b"]
+    assert spec.parallelism.pp * spec.parallelism.dp <= sum(d.gpus for d in spec.datacenters)
+    assert spec.wan.sharing == "temporal"
+
+
+def test_spec_is_frozen() -> None:
+    spec = parse_spec({"datacenters": DC})
+    with pytest.raises(AttributeError):
+        spec.name = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"datacenters": [{"name": "a", "gpus": 0}]}, "datacenters[0].gpus: Expected `int` >= 1 (allowed: >= 1"),
+        ({"datacenters": [{"name": "a", "gpu": 1}]}, "datacenters[0]: Object contains unknown field `gpu`"),
+        ({"datacenters": []}, "datacenters: Expected `array` of length >= 1"),
+        ({}, "(top level): Object missing required field `datacenters`"),
+        ({"datacenters": DC, "wan": {"sharing": "best"}}, "wan.sharing: Invalid enum value 'best' (allowed: fair"),
+        ({"datacenters": DC, "bus": {"block_ms": "x"}}, "bus.block_ms: Expected `int`, got `str`"),
+        ({"datacenters": DC, "wan": {"default": {"bandwidth_gbps": 0}}}, "wan.default.bandwidth_gbps: Expected `float` > 0"),
+        ({"datacenters": DC, "prefill": {"model": {"layers": 999}}}, "prefill.model.layers: Expected `int` <= 256"),
+        ({"datacenters": DC, "model": {"d_model": 30, "heads": 4}}, "model.d_model: must be a multiple of model.heads"),
+        ({"datacenters": DC, "parallelism": {"pp": 8}, "model": {"layers": 4}}, "parallelism.pp: at most model.layers"),
+        ({"datacenters": [{"name": "a", "gpus": 1}, {"name": "a", "gpus": 1}]}, "datacenters[1].name: duplicate"),
+        ({"datacenters": DC, "wan": {"links": [{"src": "a", "dst": "z"}]}}, "wan.links[0].dst: unknown datacenter 'z'"),
+        ({"datacenters": DC, "wan": {"links": [{"src": "a", "dst": "a"}]}}, "wan.links[0]: src and dst are both"),
+        ({"datacenters": [{"name": "Bad Name", "gpus": 1}]}, "datacenters[0].name: Expected `str` matching regex"),
+        ([1, 2], "the spec must be a mapping"),
+    ],
+)
+def test_bad_values_name_the_field(data: object, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_spec(data, source="x.yaml")
+    assert str(err.value).startswith("x.yaml: ")
+    assert expected in str(err.value)
+
+
+def test_link_overrides_symmetric_and_directed() -> None:
+    spec = parse_spec({
+        "datacenters": DC + [{"name": "c", "gpus": 1}],
+        "wan": {"default": {"latency_ms": 40, "connections": 4},
+                "links": [{"src": "a", "dst": "b", "latency_ms": 10},
+                          {"src": "a", "dst": "c", "symmetric": False, "connections": 1}]},
+    })
+    assert spec.link("a", "b").latency_ms == 10
+    assert spec.link("b", "a").latency_ms == 10
+    assert spec.link("a", "c").connections == 1
+    assert spec.link("c", "a").connections == 4
+    assert spec.link("b", "c") == spec.wan.default
+
+
+def test_load_errors_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read cluster spec"):
+        load_spec(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("datacenters: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_spec(bad)
+
+
+def test_env_overrides() -> None:
+    s = load_settings(env={"REDIS_URL": "redis://h:1/0", "BUBBLETEA_HTTP_PORT": "9001",
+                           "BUBBLETEA_LOG_LEVEL": "debug"})
+    assert (s.redis_url, s.spec.http.port, s.log_level) == ("redis://h:1/0", 9001, "DEBUG")
+    assert s.spec.datacenters == load_spec(DEFAULT_SPEC).datacenters
+    assert load_settings(env={}).redis_url is None
+
+
+@pytest.mark.parametrize(
+    ("env", "field"),
+    [({"BUBBLETEA_HTTP_PORT": "http"}, "BUBBLETEA_HTTP_PORT"),
+     ({"BUBBLETEA_HTTP_PORT": "70000"}, "BUBBLETEA_HTTP_PORT"),
+     ({"BUBBLETEA_LOG_LEVEL": "loud"}, "BUBBLETEA_LOG_LEVEL"),
+     ({"REDIS_URL": "localhost:6379"}, "REDIS_URL")],
+)
+def test_bad_env_names_the_variable(env: dict[str, str], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        load_settings(env=env)
+
+
+def test_service_without_redis_url_gets_clear_error() -> None:
+    with pytest.raises(ConfigError, match="REDIS_URL is not set"):
+        load_settings(env={}).require_redis_url()
+
+
+def test_config_reference_documents_every_field() -> None:
+    """docs/config.md must mention every field of every section."""
+    from shared import config
+
+    doc = (ROOT / "docs" / "config.md").read_text()
+    for cls in (config.ClusterSpec, config.DataCenter, config.Wan, config.LinkParams, config.LinkOverride,
+                config.ModelSpec, config.Parallelism, config.Training, config.BubbleTea, config.Prefill,
+                config.Http, config.BusConfig):
+        for name in cls.__struct_fields__:
+            assert f"`{name}`" in doc, f"{cls.__name__}.{name} is not documented in docs/config.md"
+    assert msgspec.structs.fields(config.ClusterSpec)
