@@ -23,8 +23,9 @@ class ConfigError(ValueError):
 
 
 # Reusable constrained types: msgspec reports a violation as e.g. "Expected `int` >= 1 - at `$.x`".
-Name = Annotated[str, Meta(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$",
-                           description="lower-case letters, digits, '-' and '_', 1-63 chars")]
+Name = Annotated[
+    str, Meta(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$", description="lower-case letters, digits, '-' and '_', 1-63 chars")
+]
 Count = Annotated[int, Meta(ge=1, le=1_000_000)]
 Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
 
@@ -33,12 +34,12 @@ class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     """Base: immutable, and a misspelt key is an error rather than a silently ignored value."""
 
 
-class DataCenter(_Spec):
+class DataCenter(_Spec, frozen=True):
     name: Name
     gpus: Annotated[int, Meta(ge=1, le=1_000_000)]
 
 
-class LinkParams(_Spec):
+class LinkParams(_Spec, frozen=True):
     """One directed WAN link. The per-flow TCP cap is connections * window / RTT."""
 
     latency_ms: Annotated[float, Meta(ge=0, le=10_000)] = 40.0  # one-way
@@ -47,7 +48,7 @@ class LinkParams(_Spec):
     connections: Annotated[int, Meta(ge=1, le=1024)] = 4
 
 
-class LinkOverride(_Spec):
+class LinkOverride(_Spec, frozen=True):
     """Overrides the default link parameters between two DCs (both directions unless symmetric=false)."""
 
     src: Name
@@ -59,14 +60,14 @@ class LinkOverride(_Spec):
     connections: Annotated[int, Meta(ge=1, le=1024)] | None = None
 
 
-class Wan(_Spec):
+class Wan(_Spec, frozen=True):
     default: LinkParams = LinkParams()
     links: tuple[LinkOverride, ...] = ()
     #: fair = processor sharing; temporal = Atlas slot arbiter; fifo = naive one-at-a-time baseline.
     sharing: Literal["fair", "temporal", "fifo"] = "temporal"
 
 
-class ModelSpec(_Spec):
+class ModelSpec(_Spec, frozen=True):
     """A small GPT (nanoGPT shape) with a byte-level tokenizer."""
 
     layers: Annotated[int, Meta(ge=1, le=256)] = 4
@@ -77,13 +78,13 @@ class ModelSpec(_Spec):
     seed: Annotated[int, Meta(ge=0)] = 0
 
 
-class Parallelism(_Spec):
+class Parallelism(_Spec, frozen=True):
     pp: Annotated[int, Meta(ge=1, le=1024)] = 2
     dp: Annotated[int, Meta(ge=1, le=1024)] = 2
     tp: Annotated[int, Meta(ge=1, le=64)] = 1
 
 
-class Training(_Spec):
+class Training(_Spec, frozen=True):
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     microbatches: Annotated[int, Meta(ge=1, le=4096)] = 4
     microbatch_size: Annotated[int, Meta(ge=1, le=4096)] = 2
@@ -92,7 +93,7 @@ class Training(_Spec):
     seed: Annotated[int, Meta(ge=0)] = 0
 
 
-class BubbleTea(_Spec):
+class BubbleTea(_Spec, frozen=True):
     enabled: bool = True
     #: Safety margin kept free at the end of every bubble so prefill never delays training.
     guard_ms: Millis = 2.0
@@ -102,7 +103,7 @@ class BubbleTea(_Spec):
     order: Literal["deadline", "arrival"] = "deadline"
 
 
-class Prefill(_Spec):
+class Prefill(_Spec, frozen=True):
     model: ModelSpec = ModelSpec()
     #: Local checkpoint file (e.g. one the training job saved); None = seeded initialisation.
     checkpoint: str | None = None
@@ -113,12 +114,12 @@ class Prefill(_Spec):
     request_timeout_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0
 
 
-class Http(_Spec):
+class Http(_Spec, frozen=True):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65_535)] = 8000  # 0 = any free port
 
 
-class BusConfig(_Spec):
+class BusConfig(_Spec, frozen=True):
     """Delivery knobs of the Redis Streams bus (see docs/architecture.md, "The bus")."""
 
     #: After this many failed deliveries a message goes to the dead-letter stream.
@@ -136,7 +137,7 @@ class BusConfig(_Spec):
     drain_grace_s: Annotated[float, Meta(ge=0, le=600)] = 5.0
 
 
-class ClusterSpec(_Spec, kw_only=True):
+class ClusterSpec(_Spec, frozen=True, kw_only=True):
     name: Name = "bubbletea"
     datacenters: Annotated[tuple[DataCenter, ...], Meta(min_length=1)]
     wan: Wan = Wan()
@@ -167,16 +168,18 @@ def _check_semantics(spec: ClusterSpec) -> None:
     for i, o in enumerate(spec.wan.links):
         for end in ("src", "dst"):
             if getattr(o, end) not in names:
-                raise ConfigError(f"wan.links[{i}].{end}: unknown datacenter {getattr(o, end)!r} "
-                                  f"(known: {', '.join(names)})")
+                raise ConfigError(
+                    f"wan.links[{i}].{end}: unknown datacenter {getattr(o, end)!r} (known: {', '.join(names)})"
+                )
         if o.src == o.dst:
             raise ConfigError(f"wan.links[{i}]: src and dst are both {o.src!r}; a WAN link joins two DCs")
     for path, m in (("model", spec.model), ("prefill.model", spec.prefill.model)):
         if m.d_model % m.heads:
             raise ConfigError(f"{path}.d_model: must be a multiple of {path}.heads ({m.heads}); got {m.d_model}")
     if spec.parallelism.pp > spec.model.layers:
-        raise ConfigError(f"parallelism.pp: at most model.layers ({spec.model.layers}) stages; "
-                          f"got {spec.parallelism.pp}")
+        raise ConfigError(
+            f"parallelism.pp: at most model.layers ({spec.model.layers}) stages; got {spec.parallelism.pp}"
+        )
 
 
 _PATH = re.compile(r" - at `\$\.?(.*)`$")

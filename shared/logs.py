@@ -28,8 +28,13 @@ def _fmt(value: Any) -> str:
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
-        parts = [f"ts={ts}", f"level={record.levelname.lower()}", f"svc={_SERVICE}",
-                 f"logger={record.name}", f"msg={_fmt(record.getMessage())}"]
+        parts = [
+            f"ts={ts}",
+            f"level={record.levelname.lower()}",
+            f"svc={_SERVICE}",
+            f"logger={record.name}",
+            f"msg={_fmt(record.getMessage())}",
+        ]
         fields: dict[str, Any] = getattr(record, "fields", {})
         parts.extend(f"{k}={_fmt(v)}" for k, v in fields.items())
         if record.exc_info:
@@ -45,7 +50,7 @@ class KVLogger:
     def __init__(self, log: logging.Logger) -> None:
         self._log = log
 
-    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 - mirrors logging's name
+    def isEnabledFor(self, level: int) -> bool:
         return self._log.isEnabledFor(level)
 
     def _emit(self, level: int, msg: str, exc: bool, fields: dict[str, Any]) -> None:

@@ -43,8 +43,10 @@ def find_redis_server() -> str:
     packaged = packaged_redis_server()
     if packaged:
         return packaged
-    raise RedisServerError("no redis-server found: install Redis, set REDIS_URL to a running server, or "
-                           "reinstall the project (`make install`) to get the packaged binary")
+    raise RedisServerError(
+        "no redis-server found: install Redis, set REDIS_URL to a running server, or "
+        "reinstall the project (`make install`) to get the packaged binary"
+    )
 
 
 def packaged_redis_server() -> str | None:
@@ -81,8 +83,9 @@ def _wait_until_answers(port: int, proc: subprocess.Popen[bytes], timeout: float
 class EmbeddedRedis:
     """A private redis-server process. Synchronous `start`/`stop` plus async-with sugar."""
 
-    def __init__(self, *, port: int | None = None, binary: str | None = None, persist: bool = False,
-                 data_dir: str | None = None) -> None:
+    def __init__(
+        self, *, port: int | None = None, binary: str | None = None, persist: bool = False, data_dir: str | None = None
+    ) -> None:
         self.binary = binary or find_redis_server()
         self.port = port or free_port()
         #: With persist=True the server keeps an append-only file (fsync always) in `data_dir`,
@@ -97,14 +100,30 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.data_dir,
-                "--save", "", "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"]
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.data_dir,
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+        ]
         if self.persist:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
             args += ["--appendonly", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, start_new_session=True
+        )
         atexit.register(self.stop)
         try:
             _wait_until_answers(self.port, self.proc, timeout)
@@ -145,8 +164,9 @@ class EmbeddedRedis:
         self.start()
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await asyncio.to_thread(self.stop)
 
 
@@ -156,5 +176,5 @@ def _die_with_parent() -> None:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1  # noqa: N806 - name from <sys/prctl.h>
+        PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

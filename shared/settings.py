@@ -37,9 +37,11 @@ class Settings:
     def require_redis_url(self) -> str:
         """The bus URL for a service process; services never start a private Redis of their own."""
         if not self.redis_url:
-            raise ConfigError("REDIS_URL is not set: start services with `bubbletea demo` (which starts an "
-                              "embedded Redis) or point REDIS_URL at a Redis 6.2+ server, e.g. "
-                              "redis://127.0.0.1:6379/0")
+            raise ConfigError(
+                "REDIS_URL is not set: start services with `bubbletea demo` (which starts an "
+                "embedded Redis) or point REDIS_URL at a Redis 6.2+ server, e.g. "
+                "redis://127.0.0.1:6379/0"
+            )
         return self.redis_url
 
 

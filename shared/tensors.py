@@ -59,8 +59,9 @@ def from_blob(blob: TensorBlob) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = math.prod(blob.shape) * itemsize
     if len(blob.data) != expected:
-        raise WireError(f"tensor of dtype {blob.dtype} and shape {list(blob.shape)} needs {expected} bytes, "
-                        f"got {len(blob.data)}")
+        raise WireError(
+            f"tensor of dtype {blob.dtype} and shape {list(blob.shape)} needs {expected} bytes, got {len(blob.data)}"
+        )
     if expected == 0:
         return torch.empty(blob.shape, dtype=dtype)
     # bytearray: a private, writable copy, so the tensor never aliases the message buffer.

@@ -66,8 +66,9 @@ def decode(data: bytes | None) -> Message:
     except msgspec.DecodeError as exc:  # ValidationError is a subclass: unknown kind, bad field
         raise WireError(f"malformed message: {exc}") from exc
     if msg.v != WIRE_VERSION:
-        raise WireError(f"unsupported wire version {msg.v} for kind {kind_of(msg)!r}; this peer speaks "
-                        f"version {WIRE_VERSION}")
+        raise WireError(
+            f"unsupported wire version {msg.v} for kind {kind_of(msg)!r}; this peer speaks version {WIRE_VERSION}"
+        )
     return msg
 
 

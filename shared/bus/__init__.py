@@ -8,5 +8,13 @@ from shared.bus.bus import Bus, DeadLetter, default_consumer_name
 from shared.bus.consumer import Consumer, ConsumerStats, Delivery, Handler
 from shared.bus.streams import trim_acked
 
-__all__ = ["Bus", "Consumer", "ConsumerStats", "DeadLetter", "Delivery", "Handler", "default_consumer_name",
-           "trim_acked"]
+__all__ = [
+    "Bus",
+    "Consumer",
+    "ConsumerStats",
+    "DeadLetter",
+    "Delivery",
+    "Handler",
+    "default_consumer_name",
+    "trim_acked",
+]

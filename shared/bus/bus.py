@@ -8,6 +8,7 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 from shared import keys
 from shared.bus.connection import command_client
@@ -51,8 +52,9 @@ class Bus:
     async def __aenter__(self) -> Bus:
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -65,7 +67,7 @@ class Bus:
         losing old entries is by design (telemetry). Work streams are trimmed by consumers with
         `shared.bus.streams.trim_acked`, which never drops unread entries.
         """
-        entry_id = await self.redis.xadd(stream, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
+        entry_id: Any = await self.redis.xadd(stream, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
         return entry_id.decode()
 
     async def publish_many(self, stream: str, msgs: Iterable[Message], *, maxlen: int | None = None) -> list[str]:
@@ -76,21 +78,29 @@ class Bus:
             ids = await pipe.execute()
         return [i.decode() for i in ids]
 
-    def consumer(self, stream: str, group: str, handler: Handler, *, name: str | None = None,
-                 config: BusConfig | None = None) -> Consumer:
+    def consumer(
+        self, stream: str, group: str, handler: Handler, *, name: str | None = None, config: BusConfig | None = None
+    ) -> Consumer:
         """A consumer of `stream` in `group`; start it with ``async with`` or `Consumer.start`."""
-        return Consumer(self, stream, group, handler, name=name or default_consumer_name(group),
-                        config=config or self.config)
+        return Consumer(
+            self, stream, group, handler, name=name or default_consumer_name(group), config=config or self.config
+        )
 
     async def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The oldest `count` entries of the dead-letter stream (for operators and tests)."""
-        rows = await self.redis.xrange(keys.DEAD_LETTER_STREAM, count=count)
+        rows: Any = await self.redis.xrange(keys.DEAD_LETTER_STREAM, count=count)
         out = []
         for entry_id, f in rows:
-            out.append(DeadLetter(
-                id=entry_id.decode(), stream=f[b"stream"].decode(), group=f[b"group"].decode(),
-                source_id=f[b"id"].decode(), consumer=f[b"consumer"].decode(),
-                attempts=int(f[b"attempts"]), error=f[b"error"].decode(errors="replace"),
-                payload=f.get(FIELD, b""),
-            ))
+            out.append(
+                DeadLetter(
+                    id=entry_id.decode(),
+                    stream=f[b"stream"].decode(),
+                    group=f[b"group"].decode(),
+                    source_id=f[b"id"].decode(),
+                    consumer=f[b"consumer"].decode(),
+                    attempts=int(f[b"attempts"]),
+                    error=f[b"error"].decode(errors="replace"),
+                    payload=f.get(FIELD, b""),
+                )
+            )
         return out

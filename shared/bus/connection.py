@@ -1,14 +1,19 @@
 """Redis clients for the bus, with every timeout and protocol choice made explicitly.
 
-redis-py 8 changed defaults (a 5 s socket timeout, RESP3 replies). We pin both here so the bus
+redis-py 8 changed defaults (a 5 s socket timeout, RESP3 replies). We pin them here so the bus
 behaves the same across redis-py versions:
 
 * RESP2 replies, so stream replies keep their documented list shapes;
-* command clients: a pool, a short socket timeout, and redis-py's retry with jittered backoff on
-  connection errors, so a publish survives a Redis restart;
+* **no socket timeout**. With one set, redis-py wraps every socket write in ``asyncio.wait_for``,
+  and on Python 3.11 ``wait_for`` swallows a cancellation that lands in the same loop turn as the
+  write completing (fixed in 3.12): a cancelled consumer or heartbeat would then run on forever.
+  A crashed or restarted Redis still fails fast (the kernel resets the connection); TCP keepalive
+  catches silent peers; where we need a deadline we apply ``asyncio.timeout``, which is
+  cancellation-safe, around the call (see `BLOCKING_SLACK_S`);
+* command clients: a pool, and redis-py's retry with jittered backoff on connection errors, so a
+  publish survives a Redis restart;
 * blocking clients: one dedicated connection per consumer (a blocking XREADGROUP would otherwise
-  hold a pooled connection hostage), with a socket timeout comfortably longer than the block time,
-  so the read returns on its own before the socket gives up.
+  hold a pooled connection hostage).
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 #: Errors after which a client reconnects and retries: the server went away or stalled.
+#: OSError covers the builtin TimeoutError that `asyncio.timeout` raises.
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
-#: Command timeout: generous for a loaded 2-core box, short enough that a dead server is noticed.
-COMMAND_TIMEOUT_S = 5.0
+#: Connect timeout: generous for a loaded 2-core box, short enough that a dead server is noticed.
+CONNECT_TIMEOUT_S = 5.0
 
-#: Slack between a blocking read's BLOCK time and its socket timeout.
+#: A blocking read is abandoned (and the connection replaced) if no reply comes this long after
+#: its BLOCK time: the server must answer a BLOCK n read within n ms, so silence means trouble.
 BLOCKING_SLACK_S = 5.0
 
 
@@ -39,8 +46,9 @@ def command_client(url: str, *, name: str = "bubbletea") -> Redis:
     return Redis.from_url(
         url,
         protocol=2,
-        socket_timeout=COMMAND_TIMEOUT_S,
-        socket_connect_timeout=COMMAND_TIMEOUT_S,
+        socket_timeout=None,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_keepalive=True,
         retry=Retry(backoff(), retries=8),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
@@ -48,7 +56,7 @@ def command_client(url: str, *, name: str = "bubbletea") -> Redis:
     )
 
 
-def blocking_client(url: str, *, block_ms: int, name: str = "bubbletea-reader") -> Redis:
+def blocking_client(url: str, *, name: str = "bubbletea-reader") -> Redis:
     """A client with a private pool, used only by one consumer's read loop (so one connection).
 
     Not ``single_connection_client``: on cancellation that mode reconnects inside a ``finally``,
@@ -58,8 +66,9 @@ def blocking_client(url: str, *, block_ms: int, name: str = "bubbletea-reader") 
         url,
         protocol=2,
         max_connections=2,
-        socket_timeout=block_ms / 1000 + BLOCKING_SLACK_S,
-        socket_connect_timeout=COMMAND_TIMEOUT_S,
+        socket_timeout=None,  # the consumer bounds each read with asyncio.timeout instead
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_keepalive=True,
         # The consumer loop owns reconnects (it must re-sync its pending entries afterwards).
         retry=Retry(backoff(), retries=0),
         client_name=name,

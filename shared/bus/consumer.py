@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import ResponseError
 
 from shared import keys
-from shared.bus.connection import TRANSIENT_ERRORS, backoff, blocking_client
+from shared.bus.connection import BLOCKING_SLACK_S, TRANSIENT_ERRORS, backoff, blocking_client
 from shared.bus.streams import ensure_group, group_is_gone, trim_acked
 from shared.config import BusConfig
 from shared.logs import get_logger
@@ -78,8 +79,7 @@ class ConsumerStats:
 
 
 class Consumer:
-    def __init__(self, bus: Bus, stream: str, group: str, handler: Handler, *, name: str,
-                 config: BusConfig) -> None:
+    def __init__(self, bus: Bus, stream: str, group: str, handler: Handler, *, name: str, config: BusConfig) -> None:
         self.bus = bus
         self.stream = stream
         self.group = group
@@ -87,7 +87,7 @@ class Consumer:
         self.config = config
         self.stats = ConsumerStats()
         self._handler = handler
-        self._reader = blocking_client(bus.url, block_ms=config.block_ms, name=f"reader-{name}")
+        self._reader = blocking_client(bus.url, name=f"reader-{name}")
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._started_at: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
@@ -132,14 +132,24 @@ class Consumer:
         self._closing = True
         self._ack_wakeup.set()
         if self._ack_task is not None:
-            try:
-                await asyncio.wait_for(self._ack_task, timeout=max(grace, 1.0))
-            except TimeoutError:
-                log.warning("acks not flushed before shutdown; those entries will be redelivered",
-                            stream=self.stream, unacked=len(self._acks))
+            # asyncio.wait, not wait_for: on 3.11 wait_for can swallow our own cancellation.
+            done, _ = await asyncio.wait({self._ack_task}, timeout=max(grace, 1.0))
+            if not done:
+                await _cancel_and_wait(self._ack_task)
+                log.warning(
+                    "acks not flushed before shutdown; those entries will be redelivered",
+                    stream=self.stream,
+                    unacked=len(self._acks),
+                )
         await self._reader.aclose()
-        log.info("consumer stopped", stream=self.stream, group=self.group, consumer=self.name,
-                 handled=self.stats.handled, cancelled=len(pending))
+        log.info(
+            "consumer stopped",
+            stream=self.stream,
+            group=self.group,
+            consumer=self.name,
+            handled=self.stats.handled,
+            cancelled=len(pending),
+        )
 
     def _loop_ended(self, task: asyncio.Task[None]) -> None:
         """A background loop must only end by cancellation (or the ack loop on close)."""
@@ -151,8 +161,9 @@ class Consumer:
     async def __aenter__(self) -> Consumer:
         return await self.start()
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.stop()
 
     # --- reading ---------------------------------------------------------------------------
@@ -170,18 +181,24 @@ class Consumer:
                 await self._slot_freed.wait()
                 continue
             try:
-                reply = await self._reader.xreadgroup(
-                    self.group, self.name, {self.stream: cursor}, count=min(free, READ_BATCH),
-                    block=None if cursor != ">" else self.config.block_ms)
+                async with asyncio.timeout(self.config.block_ms / 1000 + BLOCKING_SLACK_S):
+                    reply: Any = await self._reader.xreadgroup(
+                        self.group,
+                        self.name,
+                        {self.stream: cursor},
+                        count=min(free, READ_BATCH),
+                        block=None if cursor != ">" else self.config.block_ms,
+                    )
                 failures = 0
-            except TRANSIENT_ERRORS as exc:
+            except TRANSIENT_ERRORS as exc:  # includes TimeoutError (an OSError) from asyncio.timeout
                 if self._stopping:
                     return
                 failures += 1
                 self.stats.reconnects += 1
                 delay = backoff().compute(failures)
-                log.warning("bus read failed; reconnecting", stream=self.stream, error=repr(exc),
-                            retry_in_s=round(delay, 3))
+                log.warning(
+                    "bus read failed; reconnecting", stream=self.stream, error=repr(exc), retry_in_s=round(delay, 3)
+                )
                 await asyncio.sleep(delay)
                 cursor = "0"  # a reply may have been lost in flight: re-read our pending entries
                 continue
@@ -213,9 +230,14 @@ class Consumer:
             self._spawn(entry_id, fields, counts.get(entry_id, 1))
 
     async def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
-        rows = await self.bus.redis.xpending_range(
-            self.stream, self.group, min=ids[0], max=ids[-1],
-            count=len(ids) + len(self._inflight) + 16, consumername=self.name)
+        rows: Any = await self.bus.redis.xpending_range(
+            self.stream,
+            self.group,
+            min=ids[0],
+            max=ids[-1],
+            count=len(ids) + len(self._inflight) + 16,
+            consumername=self.name,
+        )
         return {r["message_id"].decode(): int(r["times_delivered"]) for r in rows}
 
     def _spawn(self, entry_id: str, fields: dict[bytes, bytes] | None, attempt: int) -> None:
@@ -223,9 +245,9 @@ class Consumer:
         self._inflight[entry_id] = task
         self._started_at[entry_id] = time.monotonic()
         self.stats.in_flight = len(self._inflight)
-        task.add_done_callback(lambda _t, i=entry_id: self._done(i))
+        task.add_done_callback(functools.partial(self._done, entry_id))
 
-    def _done(self, entry_id: str) -> None:
+    def _done(self, entry_id: str, _task: asyncio.Task[None]) -> None:
         self._inflight.pop(entry_id, None)
         self._started_at.pop(entry_id, None)
         self.stats.in_flight = len(self._inflight)
@@ -237,8 +259,9 @@ class Consumer:
         t0 = time.perf_counter()
         if fields is None:
             # The entry was trimmed away while pending: there is nothing left to handle.
-            log.warning("pending entry was deleted from the stream before it was handled",
-                        stream=self.stream, id=entry_id)
+            log.warning(
+                "pending entry was deleted from the stream before it was handled", stream=self.stream, id=entry_id
+            )
             self._ack(entry_id)
             return
         raw = fields.get(FIELD)
@@ -249,8 +272,7 @@ class Consumer:
             return
         if attempt > self.config.max_deliveries:
             # Delivered too often without an ack: e.g. it crashes every consumer that takes it.
-            await self._dead_letter(entry_id, raw, f"gave up after {attempt - 1} deliveries without an ack",
-                                    attempt)
+            await self._dead_letter(entry_id, raw, f"gave up after {attempt - 1} deliveries without an ack", attempt)
             return
         try:
             await self._handler(Delivery(entry_id, self.stream, msg, attempt))
@@ -261,14 +283,27 @@ class Consumer:
             if attempt >= self.config.max_deliveries:
                 await self._dead_letter(entry_id, raw, f"handler failed {attempt} times; last: {exc!r}", attempt)
             else:
-                log.warning("handler failed; will retry", stream=self.stream, id=entry_id, kind=kind_of(msg),
-                            attempt=attempt, error=repr(exc), retry_after_ms=self.config.claim_idle_ms)
+                log.warning(
+                    "handler failed; will retry",
+                    stream=self.stream,
+                    id=entry_id,
+                    kind=kind_of(msg),
+                    attempt=attempt,
+                    error=repr(exc),
+                    retry_after_ms=self.config.claim_idle_ms,
+                )
             return
         self.stats.handled += 1
         self._ack(entry_id)
         if log.isEnabledFor(10):
-            log.debug("handled", stream=self.stream, id=entry_id, kind=kind_of(msg), attempt=attempt,
-                      ms=(time.perf_counter() - t0) * 1000)
+            log.debug(
+                "handled",
+                stream=self.stream,
+                id=entry_id,
+                kind=kind_of(msg),
+                attempt=attempt,
+                ms=(time.perf_counter() - t0) * 1000,
+            )
 
     def _ack(self, entry_id: str) -> None:
         self._acks.append(entry_id)
@@ -277,8 +312,13 @@ class Consumer:
     async def _dead_letter(self, entry_id: str, raw: bytes | None, error: str, attempt: int) -> None:
         """Move the entry to the dead-letter stream and ack it, atomically (MULTI/EXEC)."""
         record: dict[Any, Any] = {
-            "stream": self.stream, "group": self.group, "id": entry_id, "consumer": self.name,
-            "attempts": attempt, "error": error[:4000], FIELD: raw or b"",
+            "stream": self.stream,
+            "group": self.group,
+            "id": entry_id,
+            "consumer": self.name,
+            "attempts": attempt,
+            "error": error[:4000],
+            FIELD: raw or b"",
         }
         try:
             async with self.bus.redis.pipeline(transaction=True) as pipe:
@@ -286,12 +326,17 @@ class Consumer:
                 pipe.xack(self.stream, self.group, entry_id)
                 await pipe.execute()
         except TRANSIENT_ERRORS as exc:
-            log.warning("dead-lettering failed; entry stays pending and will be retried", stream=self.stream,
-                        id=entry_id, error=repr(exc))
+            log.warning(
+                "dead-lettering failed; entry stays pending and will be retried",
+                stream=self.stream,
+                id=entry_id,
+                error=repr(exc),
+            )
             return
         self.stats.dead_lettered += 1
-        log.error("message dead-lettered", stream=self.stream, group=self.group, id=entry_id,
-                  attempt=attempt, error=error)
+        log.error(
+            "message dead-lettered", stream=self.stream, group=self.group, id=entry_id, attempt=attempt, error=error
+        )
 
     # --- background loops ------------------------------------------------------------------
 
@@ -308,8 +353,9 @@ class Consumer:
                 except TRANSIENT_ERRORS as exc:
                     self._acks[:0] = ids  # keep them: the effects happened, the acks must follow
                     failures += 1
-                    log.warning("ack failed; retrying", stream=self.stream, pending_acks=len(self._acks),
-                                error=repr(exc))
+                    log.warning(
+                        "ack failed; retrying", stream=self.stream, pending_acks=len(self._acks), error=repr(exc)
+                    )
                     await asyncio.sleep(backoff().compute(failures))
             if self._closing:
                 return
@@ -342,8 +388,9 @@ class Consumer:
         horizon = time.monotonic() - self.config.claim_idle_ms / 2000
         slow = [i for i, t in self._started_at.items() if t < horizon]
         if slow:
-            await self.bus.redis.xclaim(self.stream, self.group, self.name, min_idle_time=0,
-                                        message_ids=slow, justid=True)
+            await self.bus.redis.xclaim(
+                self.stream, self.group, self.name, min_idle_time=0, message_ids=list[Any](slow), justid=True
+            )
             now = time.monotonic()
             for i in slow:
                 if i in self._started_at:
@@ -353,17 +400,19 @@ class Consumer:
         """Take over entries idle longer than claim_idle_ms (failed handlers, dead consumers)."""
         start = "0-0"
         while (free := self.config.concurrency - len(self._inflight)) > 0:
-            reply = await self.bus.redis.xautoclaim(
-                self.stream, self.group, self.name, min_idle_time=self.config.claim_idle_ms,
-                start_id=start, count=free)
+            reply: Any = await self.bus.redis.xautoclaim(
+                self.stream, self.group, self.name, min_idle_time=self.config.claim_idle_ms, start_id=start, count=free
+            )
             next_start, claimed = reply[0], reply[1]
             for deleted in reply[2] if len(reply) > 2 else []:
-                log.warning("pending entry was deleted from the stream before it was handled",
-                            stream=self.stream, id=deleted.decode())
+                log.warning(
+                    "pending entry was deleted from the stream before it was handled",
+                    stream=self.stream,
+                    id=deleted.decode(),
+                )
             if claimed:
                 self.stats.reclaimed += len(claimed)
-                log.info("reclaimed idle entries", stream=self.stream, count=len(claimed),
-                         first=claimed[0][0].decode())
+                log.info("reclaimed idle entries", stream=self.stream, count=len(claimed), first=claimed[0][0].decode())
                 await self._spawn_redelivered(claimed)
             start = next_start.decode() if isinstance(next_start, bytes) else next_start
             if start == "0-0":

@@ -75,6 +75,10 @@ async def trim_acked(r: Redis, stream: str, *, soft_max_len: int) -> int:
         removed = int(await r.xtrim(stream, minid=format_id(*point), approximate=False))
     length = int(await r.xlen(stream))
     if length > soft_max_len:
-        log.warning("stream backlog over its bound; unread entries are kept, not dropped",
-                    stream=stream, length=length, bound=soft_max_len)
+        log.warning(
+            "stream backlog over its bound; unread entries are kept, not dropped",
+            stream=stream,
+            length=length,
+            bound=soft_max_len,
+        )
     return removed

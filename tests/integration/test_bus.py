@@ -49,6 +49,7 @@ class Seen:
             while len(self.calls) < n:
                 self._changed.clear()
                 await self._changed.wait()
+
         await asyncio.wait_for(wait(), timeout)
 
 
@@ -118,8 +119,9 @@ async def test_entries_of_a_killed_consumer_are_reclaimed(redis_url: str, redis:
     async with Bus(redis_url, FAST) as bus:
         await bus.publish_many("s", pings(20))
         script = Path(__file__).with_name("hanging_consumer.py")
-        proc = await asyncio.create_subprocess_exec(sys.executable, str(script), redis_url, "s", "g", "20",
-                                                    stdout=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), redis_url, "s", "g", "20", stdout=asyncio.subprocess.PIPE
+        )
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
         assert line.strip() == b"took 20"
@@ -331,8 +333,9 @@ async def test_trim_drops_only_acked_entries(redis_url: str, redis: Redis) -> No
         assert await trim_acked(redis, "no-such-stream", soft_max_len=100) == 0
 
 
-async def test_trim_keeps_backlog_over_the_bound_and_says_so(redis_url: str, redis: Redis,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+async def test_trim_keeps_backlog_over_the_bound_and_says_so(
+    redis_url: str, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
     async with Bus(redis_url, FAST) as bus:
         await redis.xgroup_create("s", "g", id="0", mkstream=True)
         await bus.publish_many("s", pings(150))

@@ -40,7 +40,10 @@ def test_spec_is_frozen() -> None:
         ({}, "(top level): Object missing required field `datacenters`"),
         ({"datacenters": DC, "wan": {"sharing": "best"}}, "wan.sharing: Invalid enum value 'best' (allowed: fair"),
         ({"datacenters": DC, "bus": {"block_ms": "x"}}, "bus.block_ms: Expected `int`, got `str`"),
-        ({"datacenters": DC, "wan": {"default": {"bandwidth_gbps": 0}}}, "wan.default.bandwidth_gbps: Expected `float` > 0"),
+        (
+            {"datacenters": DC, "wan": {"default": {"bandwidth_gbps": 0}}},
+            "wan.default.bandwidth_gbps: Expected `float` > 0",
+        ),
         ({"datacenters": DC, "prefill": {"model": {"layers": 999}}}, "prefill.model.layers: Expected `int` <= 256"),
         ({"datacenters": DC, "model": {"d_model": 30, "heads": 4}}, "model.d_model: must be a multiple of model.heads"),
         ({"datacenters": DC, "parallelism": {"pp": 8}, "model": {"layers": 4}}, "parallelism.pp: at most model.layers"),
@@ -59,12 +62,18 @@ def test_bad_values_name_the_field(data: object, expected: str) -> None:
 
 
 def test_link_overrides_symmetric_and_directed() -> None:
-    spec = parse_spec({
-        "datacenters": DC + [{"name": "c", "gpus": 1}],
-        "wan": {"default": {"latency_ms": 40, "connections": 4},
-                "links": [{"src": "a", "dst": "b", "latency_ms": 10},
-                          {"src": "a", "dst": "c", "symmetric": False, "connections": 1}]},
-    })
+    spec = parse_spec(
+        {
+            "datacenters": [*DC, {"name": "c", "gpus": 1}],
+            "wan": {
+                "default": {"latency_ms": 40, "connections": 4},
+                "links": [
+                    {"src": "a", "dst": "b", "latency_ms": 10},
+                    {"src": "a", "dst": "c", "symmetric": False, "connections": 1},
+                ],
+            },
+        }
+    )
     assert spec.link("a", "b").latency_ms == 10
     assert spec.link("b", "a").latency_ms == 10
     assert spec.link("a", "c").connections == 1
@@ -82,8 +91,7 @@ def test_load_errors_are_config_errors(tmp_path: Path) -> None:
 
 
 def test_env_overrides() -> None:
-    s = load_settings(env={"REDIS_URL": "redis://h:1/0", "BUBBLETEA_HTTP_PORT": "9001",
-                           "BUBBLETEA_LOG_LEVEL": "debug"})
+    s = load_settings(env={"REDIS_URL": "redis://h:1/0", "BUBBLETEA_HTTP_PORT": "9001", "BUBBLETEA_LOG_LEVEL": "debug"})
     assert (s.redis_url, s.spec.http.port, s.log_level) == ("redis://h:1/0", 9001, "DEBUG")
     assert s.spec.datacenters == load_spec(DEFAULT_SPEC).datacenters
     assert load_settings(env={}).redis_url is None
@@ -91,10 +99,12 @@ def test_env_overrides() -> None:
 
 @pytest.mark.parametrize(
     ("env", "field"),
-    [({"BUBBLETEA_HTTP_PORT": "http"}, "BUBBLETEA_HTTP_PORT"),
-     ({"BUBBLETEA_HTTP_PORT": "70000"}, "BUBBLETEA_HTTP_PORT"),
-     ({"BUBBLETEA_LOG_LEVEL": "loud"}, "BUBBLETEA_LOG_LEVEL"),
-     ({"REDIS_URL": "localhost:6379"}, "REDIS_URL")],
+    [
+        ({"BUBBLETEA_HTTP_PORT": "http"}, "BUBBLETEA_HTTP_PORT"),
+        ({"BUBBLETEA_HTTP_PORT": "70000"}, "BUBBLETEA_HTTP_PORT"),
+        ({"BUBBLETEA_LOG_LEVEL": "loud"}, "BUBBLETEA_LOG_LEVEL"),
+        ({"REDIS_URL": "localhost:6379"}, "REDIS_URL"),
+    ],
 )
 def test_bad_env_names_the_variable(env: dict[str, str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -111,9 +121,20 @@ def test_config_reference_documents_every_field() -> None:
     from shared import config
 
     doc = (ROOT / "docs" / "config.md").read_text()
-    for cls in (config.ClusterSpec, config.DataCenter, config.Wan, config.LinkParams, config.LinkOverride,
-                config.ModelSpec, config.Parallelism, config.Training, config.BubbleTea, config.Prefill,
-                config.Http, config.BusConfig):
+    for cls in (
+        config.ClusterSpec,
+        config.DataCenter,
+        config.Wan,
+        config.LinkParams,
+        config.LinkOverride,
+        config.ModelSpec,
+        config.Parallelism,
+        config.Training,
+        config.BubbleTea,
+        config.Prefill,
+        config.Http,
+        config.BusConfig,
+    ):
         for name in cls.__struct_fields__:
             assert f"`{name}`" in doc, f"{cls.__name__}.{name} is not documented in docs/config.md"
     assert msgspec.structs.fields(config.ClusterSpec)

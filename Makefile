@@ -1,0 +1,56 @@
+# BubbleTea: two commands on a fresh machine.
+#   make test   set up .venv and run lint, type check and every test tier
+#   make demo   set up .venv and run the main job
+# `make install` only sets up. Everything lives in .venv; nothing is installed system-wide.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+# torch is pinned: a CPU build of 2.13.0 is found locally (pip find-links) on our machines; an
+# unpinned torch would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+
+.PHONY: install test lint typecheck unit integration e2e demo bench clean help
+
+help:
+	@echo "make test    - set up and run lint, type check, unit, integration and e2e tests"
+	@echo "make demo    - set up and run the main job (bubbletea demo)"
+	@echo "make install - set up .venv only"
+	@echo "make bench   - run every benchmark in quick mode"
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required, found " + sys.version.split()[0])'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+unit: install
+	$(VENV)/bin/pytest -q tests/unit
+
+integration: install
+	$(VENV)/bin/pytest -q tests/integration
+
+e2e: install
+	$(VENV)/bin/pytest -q tests/e2e
+
+test: lint typecheck
+	$(VENV)/bin/pytest -q tests
+
+demo: install
+	$(VENV)/bin/bubbletea demo
+
+bench: install
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

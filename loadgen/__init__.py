@@ -1,0 +1,1 @@
+"""The load generator (filled in by the serving-plane work): drives the HTTP prefill API."""

@@ -1,0 +1,23 @@
+"""python -m services.prefill_queue: read settings, set up logging, serve until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from services.prefill_queue.app import SERVICE, create_app
+from shared.service import run_service, serve_app
+from shared.settings import Settings
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    http = settings.spec.http
+    await serve_app(create_app(settings), http.host, http.port, stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service(SERVICE, serve, argv, description="BubbleTea HTTP prefill front door.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

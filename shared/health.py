@@ -1,0 +1,89 @@
+"""Liveness through Redis: each service instance refreshes a key with a TTL (arq's habit).
+
+A key that expires means the instance stopped beating: crashed, hung or cut off from Redis.
+The launcher and operators list live instances with `live_instances`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.bus.connection import TRANSIENT_ERRORS
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+
+HEARTBEAT_INTERVAL_S = 2.0
+
+
+def instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Heartbeat:
+    """Beats once at `start` (so a started service is visible at once), then every interval."""
+
+    def __init__(
+        self,
+        r: Redis,
+        service: str,
+        instance: str,
+        info: Callable[[], dict[str, Any]],
+        interval_s: float = HEARTBEAT_INTERVAL_S,
+    ) -> None:
+        self.r, self.service, self.instance, self.info, self.interval_s = r, service, instance, info, interval_s
+        self.key = keys.health_key(service, instance)
+        self.started = time.time()
+        self._task: asyncio.Task[None] | None = None
+
+    async def beat(self) -> None:
+        body = {
+            "service": self.service,
+            "instance": self.instance,
+            "pid": os.getpid(),
+            "started": self.started,
+            "ts": time.time(),
+            **self.info(),
+        }
+        try:
+            await self.r.set(self.key, json.dumps(body), px=int(self.interval_s * keys.HEALTH_TTL_BEATS * 1000))
+        except TRANSIENT_ERRORS as exc:
+            log.warning("heartbeat failed", service=self.service, error=repr(exc))
+
+    async def start(self) -> None:
+        await self.beat()
+        self._task = asyncio.create_task(self._loop(), name=f"heartbeat:{self.service}")
+
+    async def stop(self) -> None:
+        """Stop beating and delete the key (it would expire by itself within its TTL anyway)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self.r.delete(self.key)
+        except TRANSIENT_ERRORS:
+            log.warning("could not delete health key; it expires by itself", key=self.key)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)  # periodic by nature
+            await self.beat()
+
+
+async def live_instances(r: Redis) -> list[dict[str, Any]]:
+    """Every instance whose health key has not expired, sorted by service."""
+    out = []
+    async for key in r.scan_iter(match=keys.HEALTH_KEY_PATTERN, count=500):
+        raw = await r.get(key)
+        if raw:
+            out.append(json.loads(raw))
+    return sorted(out, key=lambda d: (d["service"], d["instance"]))

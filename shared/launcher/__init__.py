@@ -1,0 +1,1 @@
+"""Running the system as local processes: the service table, process supervision, the demo."""

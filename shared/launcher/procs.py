@@ -1,0 +1,108 @@
+"""Start service processes, prefix their output with their name, wait for health, stop them in order."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from shared.launcher.services import ServiceDef, command
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+
+#: How long a service may take from spawn to a healthy answer (imports torch on a slow box).
+START_TIMEOUT_S = 60.0
+#: How long a service gets to exit after SIGTERM before SIGKILL.
+STOP_TIMEOUT_S = 15.0
+
+
+class ServiceFailed(RuntimeError):
+    """A service process died or never became healthy; the message names it and says why."""
+
+
+@dataclass
+class Proc:
+    svc: ServiceDef
+    proc: asyncio.subprocess.Process
+    url: str | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    pump: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.svc.name
+
+
+async def spawn(svc: ServiceDef, env: dict[str, str], *, out: object = sys.stdout) -> Proc:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *command(svc),
+        env={**os.environ, **env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+    )
+    p = Proc(svc, proc)
+    p.pump = asyncio.create_task(_pump(p, out))
+    log.info("service started", service=svc.name, pid=proc.pid)
+    return p
+
+
+async def _pump(p: Proc, out: object) -> None:
+    """Copy the child's output line by line, each prefixed with the service name."""
+    assert p.proc.stdout is not None
+    width = 14
+    async for raw in p.proc.stdout:
+        line = raw.decode(errors="replace").rstrip("\n")
+        p.tail.append(line)
+        print(f"{p.name:<{width}}| {line}", file=out, flush=True)  # type: ignore[call-overload]
+
+
+async def wait_http_healthy(p: Proc, url: str, timeout: float = START_TIMEOUT_S) -> None:
+    """Poll GET url/health until 200; fail fast (naming the service) if the process exits."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while True:
+            if p.proc.returncode is not None:
+                raise ServiceFailed(
+                    f"{p.name} exited with code {p.proc.returncode} before it was healthy; "
+                    f"last output:\n" + "\n".join(p.tail)
+                )
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(f"{url}/health") as resp:
+                    if resp.status == 200:
+                        p.url = url
+                        return
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"{p.name} did not answer {url}/health with 200 within {timeout:.0f}s")
+            # Start-up poll: nothing to wait on before the socket listens. The exit check above
+            # runs every round, so a crash is reported at once.
+            await asyncio.sleep(0.1)
+
+
+async def stop_all(procs: list[Proc]) -> dict[str, int | None]:
+    """SIGTERM in reverse start order, wait, SIGKILL stragglers; returns exit codes by name."""
+    codes: dict[str, int | None] = {}
+    for p in reversed(procs):
+        if p.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(p.proc.wait(), STOP_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("service ignored SIGTERM; killing", service=p.name)
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.kill()
+            await p.proc.wait()
+        if p.pump is not None:
+            await asyncio.gather(p.pump, return_exceptions=True)
+        codes[p.name] = p.proc.returncode
+    return codes

@@ -1,0 +1,92 @@
+"""The common `__main__` of every service: read settings, set up logging, run under uvloop, stop cleanly.
+
+A service provides ``async def serve(settings, stop: asyncio.Event) -> None`` that returns once
+`stop` is set and everything it started is closed. SIGINT and SIGTERM set `stop`; a second
+signal while stopping exits at once. Tests call ``serve`` (or the app factory) directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
+import uvloop
+from aiohttp import web
+
+from shared.config import ConfigError
+from shared.logs import get_logger, setup_logging
+from shared.settings import Settings, load_settings
+
+log = get_logger(__name__)
+
+Serve = Callable[[Settings, asyncio.Event], Awaitable[None]]
+
+
+def run_service(name: str, serve: Serve, argv: Sequence[str] | None = None, *, description: str = "") -> int:
+    ap = argparse.ArgumentParser(
+        prog=f"python -m services.{name}",
+        description=description,
+        epilog="Environment: REDIS_URL (required), BUBBLETEA_CONFIG, BUBBLETEA_LOG_LEVEL, "
+        "BUBBLETEA_HTTP_HOST, BUBBLETEA_HTTP_PORT. See docs/config.md.",
+    )
+    ap.add_argument("--config", help="cluster spec file (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
+    args = ap.parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+        settings.require_redis_url()
+    except ConfigError as exc:
+        print(f"{name}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(name, settings.log_level)
+    return uvloop.run(_main(name, serve, settings))
+
+
+async def _main(name: str, serve: Serve, settings: Settings) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("second signal while stopping; exiting now", signal=sig.name)
+            raise SystemExit(130)
+        log.info("stopping", signal=sig.name)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    log.info("starting", service=name, spec=str(settings.spec_path))
+    try:
+        await serve(settings, stop)
+    except Exception as exc:
+        log.exception("service failed", service=name, error=repr(exc))
+        return 1
+    log.info("stopped", service=name)
+    return 0
+
+
+async def serve_app(
+    app: web.Application,
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    *,
+    on_listening: Callable[[str], None] | None = None,
+    shutdown_timeout: float = 10.0,
+) -> None:
+    """Run an aiohttp app until `stop` is set; cleanup contexts run in reverse order on the way out."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        addr = runner.addresses[0]
+        url = f"http://{addr[0]}:{addr[1]}"
+        log.info("listening", url=url)
+        if on_listening:
+            on_listening(url)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

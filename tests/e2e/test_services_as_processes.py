@@ -1,0 +1,114 @@
+"""Services as real processes, as `bubbletea demo` and compose run them."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from shared.launcher.procs import spawn, stop_all, wait_http_healthy
+from shared.launcher.services import SERVICES
+from shared.redis_server import EmbeddedRedis, free_port
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_prefill_queue_process_serves_and_stops_on_sigterm(redis_server: EmbeddedRedis) -> None:
+    svc = next(s for s in SERVICES if s.name == "prefill_queue")
+    port = free_port()
+    p = await spawn(svc, {"REDIS_URL": redis_server.url, "BUBBLETEA_HTTP_PORT": str(port)}, out=io.StringIO())
+    try:
+        await wait_http_healthy(p, f"http://127.0.0.1:{port}", timeout=60)
+        async with aiohttp.ClientSession() as http, http.get(f"{p.url}/metrics") as resp:
+            assert resp.status == 200
+    finally:
+        codes = await stop_all([p])
+    assert codes == {"prefill_queue": 0}  # SIGTERM is a clean stop
+    assert any("msg=stopped" in line for line in p.tail)
+
+
+def test_service_without_redis_url_fails_with_a_clear_message() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    r = subprocess.run(
+        [sys.executable, "-m", "services.prefill_queue"], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert r.returncode == 2
+    assert "REDIS_URL is not set" in r.stderr
+
+
+def test_bad_config_fails_at_start_naming_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("datacenters: [{name: a, gpus: -3}]\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "check-config", str(bad)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2
+    assert "datacenters[0].gpus" in r.stderr and ">= 1" in r.stderr
+
+
+def test_demo_runs_every_service_and_stops_cleanly() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # embedded Redis path
+    r = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "demo"], env=env, capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    for svc in SERVICES:
+        assert f"==> {svc.name} is healthy" in r.stdout
+    assert "bus round trip" in r.stdout
+    assert r.stdout.rstrip().endswith("==> stopped cleanly")
+
+
+def test_demo_stops_everything_on_ctrl_c() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "demo", "--hold"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "press Ctrl-C" in line:
+            break
+    pids = [int(m) for x in lines for m in re.findall(r"pid=(\d+)", x)]
+    assert len(pids) == 1 + len(SERVICES)  # redis-server and every service
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert "stopped cleanly" in rest
+    for pid in pids:  # redis-server and every service are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_redis_subcommand_prints_a_url_and_stops_on_sigterm() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "redis"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("REDIS_URL=redis://127.0.0.1:")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+async def test_compose_lists_the_same_services() -> None:
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    for svc in SERVICES:
+        spec = compose["services"][svc.name]
+        assert spec["command"] == ["python", "-m", svc.module]
+    await asyncio.sleep(0)
