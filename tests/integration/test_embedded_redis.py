@@ -1,0 +1,63 @@
+"""The embedded Redis: binary discovery, the packaged fallback, clean stops."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from shared.bus import Bus, Delivery
+from shared.config import BusConfig
+from shared.redis_server import EmbeddedRedis, RedisServerError, find_redis_server, packaged_redis_server
+from shared.wire import Ping
+
+pytestmark = pytest.mark.integration
+
+
+def test_packaged_binary_is_used_when_none_is_on_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("BUBBLETEA_REDIS_SERVER", raising=False)
+    assert find_redis_server() == packaged_redis_server() is not None
+
+
+def test_explicit_binary_must_exist(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("BUBBLETEA_REDIS_SERVER", str(tmp_path / "nope"))
+    with pytest.raises(RedisServerError, match="not an executable"):
+        find_redis_server()
+
+
+async def test_the_bus_works_on_the_packaged_redis_server() -> None:
+    """The packaged binary is Redis 6.2: its XAUTOCLAIM reply has no deleted-ids part."""
+    binary = packaged_redis_server()
+    assert binary is not None
+    async with EmbeddedRedis(binary=binary) as server:
+        seen: list[int] = []
+        all_done = asyncio.Event()
+
+        async def flaky(d: Delivery) -> None:
+            assert isinstance(d.message, Ping)
+            if d.attempt == 1 and d.message.seq == 0:
+                raise RuntimeError("first try fails")  # forces a reclaim through XAUTOCLAIM
+            seen.append(d.message.seq)
+            if len(set(seen)) == 10:
+                all_done.set()
+
+        async with Bus(server.url, BusConfig(claim_idle_ms=100)) as bus, bus.consumer("s", "g", flaky) as c:
+            info = await bus.redis.info("server")
+            assert str(info["redis_version"]).startswith("6.2")
+            await bus.publish_many("s", [Ping(seq=i, sent_ns=0) for i in range(10)])
+            await asyncio.wait_for(all_done.wait(), 10)
+        assert c.stats.reclaimed == 1 and sorted(seen) == list(range(10))
+
+
+def test_stop_removes_the_process_and_its_data() -> None:
+    server = EmbeddedRedis().start()
+    assert server.proc is not None
+    pid, data_dir = server.proc.pid, server.data_dir
+    server.stop()
+    server.stop()  # idempotent
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not Path(data_dir).exists()
