@@ -1,0 +1,113 @@
+"""Exact timelines of the link-sharing policies on small cases (bandwidth 100 B/s, latency 1 s)."""
+
+import math
+
+import pytest
+
+from shared.config import LinkParams
+from shared.policies.wan import MIB, LinkModel, LinkSharing, Sent
+
+LINK = LinkModel(bandwidth=100.0, latency=1.0, flow_cap=100.0)
+
+
+def run(
+    policy: str, transfers: list[tuple[str, int, tuple[int, ...], float]], model: LinkModel = LINK
+) -> dict[str, Sent]:
+    """Submit (id, bytes, priority, time) in time order, then drain; returns each transfer's record."""
+    link = LinkSharing(model, policy)
+    out: dict[str, Sent] = {}
+    for tid, nbytes, prio, t in transfers:
+        for s in link.advance(t):
+            out[s.id] = s
+        link.submit(tid, nbytes, prio, t)
+    while (t := link.next_tx_end()) is not None:
+        for s in link.advance(t):
+            out[s.id] = s
+    for s in link.advance(link.now):
+        out[s.id] = s
+    assert link.in_flight() == 0
+    return out
+
+
+def ends(out: dict[str, Sent]) -> dict[str, tuple[float, float, float]]:
+    return {k: (round(v.started, 9), round(v.tx_end, 9), round(v.arrival, 9)) for k, v in sorted(out.items())}
+
+
+@pytest.mark.parametrize("policy", ["fair", "temporal", "fifo"])
+def test_one_transfer_alone(policy: str) -> None:
+    assert ends(run(policy, [("a", 100, (0,), 0.0)])) == {"a": (0.0, 1.0, 2.0)}
+
+
+def test_two_transfers() -> None:
+    both = [("a", 100, (0,), 0.0), ("b", 100, (1,), 0.0)]
+    assert ends(run("fair", both)) == {"a": (0.0, 2.0, 3.0), "b": (0.0, 2.0, 3.0)}
+    assert ends(run("temporal", both)) == {"a": (0.0, 1.0, 2.0), "b": (1.0, 2.0, 3.0)}
+
+
+def test_four_transfers_fair_vs_temporal_vs_fifo() -> None:
+    # submitted in reverse priority order at the same instant
+    four = [(f"t{i}", 100, (3 - i,), 0.0) for i in range(4)]
+    assert {v[1] for v in ends(run("fair", four)).values()} == {4.0}
+    temporal = ends(run("temporal", four))
+    assert [temporal[f"t{i}"][1] for i in (3, 2, 1, 0)] == [1.0, 2.0, 3.0, 4.0]  # by priority
+    fifo = ends(run("fifo", four))
+    assert [fifo[f"t{i}"][1] for i in range(4)] == [1.0, 2.0, 3.0, 4.0]  # by submission
+
+
+def test_started_transfer_is_not_preempted() -> None:
+    out = ends(run("temporal", [("low", 100, (9,), 0.0), ("high", 100, (0,), 0.5)]))
+    assert out == {"low": (0.0, 1.0, 2.0), "high": (1.0, 2.0, 3.0)}
+
+
+def test_fair_rates_change_on_arrival_and_departure() -> None:
+    # a alone for 0.5 s (50 B), then shares: 50 B left at 50 B/s -> ends 1.5; b then alone
+    out = ends(run("fair", [("a", 100, (0,), 0.0), ("b", 100, (0,), 0.5)]))
+    assert out == {"a": (0.0, 1.5, 2.5), "b": (0.5, 2.0, 3.0)}
+
+
+def test_window_capped_flows() -> None:
+    capped = LinkModel(bandwidth=100.0, latency=1.0, flow_cap=25.0)
+    assert ends(run("fair", [("a", 100, (0,), 0.0)], capped)) == {"a": (0.0, 4.0, 5.0)}
+    two = [("a", 100, (0,), 0.0), ("b", 100, (1,), 0.0)]
+    # a single flow cannot fill the link: temporal is work-conserving and runs both at the cap
+    assert (
+        ends(run("fair", two, capped))
+        == ends(run("temporal", two, capped))
+        == {"a": (0.0, 4.0, 5.0), "b": (0.0, 4.0, 5.0)}
+    )
+    four = [(f"t{i}", 100, (i,), 0.0) for i in range(4)]
+    fair = ends(run("fair", four, LinkModel(100.0, 1.0, 40.0)))
+    assert {v[1] for v in fair.values()} == {4.0}
+    temporal = ends(run("temporal", four, LinkModel(100.0, 1.0, 40.0)))
+    # t0, t1 at 40 B/s; t2 at the remaining 20; at 2.5 t0/t1 are done, t2 (50 left) and t3 run at 40
+    assert temporal == {"t0": (0.0, 2.5, 3.5), "t1": (0.0, 2.5, 3.5), "t2": (0.0, 3.75, 4.75), "t3": (2.5, 5.0, 6.0)}
+
+
+def test_link_model_from_params() -> None:
+    m = LinkModel.from_params(LinkParams(latency_ms=40, bandwidth_gbps=10, tcp_window_mib=6, connections=1))
+    assert m.bandwidth == 10e9 / 8 and m.latency == 0.04
+    assert math.isclose(m.flow_cap, 6 * MIB / 0.08)  # ~1.3 Gb/s for one 6 MiB window on a 40 ms path
+    many = LinkModel.from_params(LinkParams(latency_ms=40, bandwidth_gbps=10, tcp_window_mib=6, connections=16))
+    assert many.flow_cap == many.bandwidth  # enough connections fill the link
+    assert LinkModel.from_params(LinkParams(latency_ms=0)).flow_cap == 10e9 / 8
+
+
+def test_utilization_stats_and_zero_bytes() -> None:
+    link = LinkSharing(LINK, "temporal")
+    link.submit("z", 0, (0,), 0.0)
+    assert [s.tx_end for s in link.advance(0.0)] == [0.0]
+    link.submit("a", 100, (0,), 1.0)
+    link.advance(5.0)
+    assert link.stats.bytes_sent == pytest.approx(100) and link.stats.busy_s == pytest.approx(1.0)
+    assert link.stats.transfers == 2
+
+
+def test_misuse_is_refused() -> None:
+    link = LinkSharing(LINK, "fair")
+    link.submit("a", 10, (0,), 1.0)
+    with pytest.raises(ValueError, match="already on this link"):
+        link.submit("a", 10, (0,), 1.0)
+    with pytest.raises(ValueError, match="backwards"):
+        link.advance(0.5)
+    with pytest.raises(ValueError, match="unknown sharing policy"):
+        LinkSharing(LINK, "greedy")
