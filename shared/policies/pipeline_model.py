@@ -14,6 +14,7 @@ for benchmarks and the live workers' bubble predictions before they have history
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Callable
@@ -187,7 +188,7 @@ def simulate(inp: PipelineInputs, iterations: int = 1) -> PipelineResult:
                 dur = (inp.fwd_s if a.op is Op.FWD else inp.bwd_s)[k]
                 spans.append(Span(d, k, it, a.op.value, now, now + dur, a.mb))
                 st.pos += 1
-                at(now + dur, lambda t, w=w: resume(w, t))
+                at(now + dur, functools.partial(resume, w))
                 return
             if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
                 send(w, a, it, now)
@@ -211,17 +212,17 @@ def simulate(inp: PipelineInputs, iterations: int = 1) -> PipelineResult:
                             spans.append(Span(peer[0], k, it, "wait", t0, last))
                         if done - last > _EPS:
                             spans.append(Span(peer[0], k, it, "allreduce", last, done))
-                        at(done, lambda t, peer=peer: resume(peer, t))
+                        at(done, functools.partial(resume, peer))
                 return
             if a.op is Op.STEP:
                 st.pos += 1
                 if inp.step_s > 0:
                     spans.append(Span(d, k, it, "step", now, now + inp.step_s))
-                at(now + inp.step_s, lambda t, w=w: resume(w, t))
+                at(now + inp.step_s, functools.partial(resume, w))
                 return
 
     for w in states:
-        at(0.0, lambda t, w=w: resume(w, t))
+        at(0.0, functools.partial(resume, w))
     while heap:
         ev = heapq.heappop(heap)
         ev.run(ev.time)
