@@ -93,6 +93,23 @@ class Training(_Spec, frozen=True):
     seed: Annotated[int, Meta(ge=0)] = 0
 
 
+class Device(_Spec, frozen=True):
+    """The emulated accelerator. With a profile, each operation *counts* for the profiled time: the
+    worker runs the real computation, then pads to the profiled duration (reporting lag if the real
+    computation is slower), so a small model on CPU can stand in for a large one on real GPUs."""
+
+    #: Forward time of one transformer block for one microbatch; None = use real compute time.
+    fwd_ms_per_layer: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
+    #: Backward time per block per microbatch; None = 2 x forward (the usual ratio).
+    bwd_ms_per_layer: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
+    #: Time of a stage's gradient all-reduce among its DP peers (inside one DC).
+    allreduce_ms: Millis = 0.0
+    #: Time of one optimizer step.
+    step_ms: Millis = 0.0
+    #: Accelerator memory; free memory is reported with each bubble.
+    memory_gib: Annotated[float, Meta(gt=0, le=100_000)] = 80.0
+
+
 class BubbleTea(_Spec, frozen=True):
     enabled: bool = True
     #: Safety margin kept free at the end of every bubble so prefill never delays training.
@@ -144,6 +161,7 @@ class ClusterSpec(_Spec, frozen=True, kw_only=True):
     model: ModelSpec = ModelSpec()
     parallelism: Parallelism = Parallelism()
     training: Training = Training()
+    device: Device = Device()
     bubbletea: BubbleTea = BubbleTea()
     prefill: Prefill = Prefill()
     http: Http = Http()

@@ -37,3 +37,52 @@ HEALTH_KEY_PATTERN = f"{PREFIX}:health:*"
 #: A health key lives for this many heartbeat intervals: one missed beat (a GC pause, a slow
 #: Redis) must not make a healthy service look dead, three missed beats mean it is gone.
 HEALTH_TTL_BEATS = 3
+
+
+# --- a training run's streams and keys ------------------------------------------------------
+# Everything a run creates is prefixed with its run id, so runs (e.g. the benchmark's several
+# configurations) never see each other's messages.
+
+
+def wan_stream(run: str) -> str:
+    """Transfer requests from workers to the wan_broker."""
+    return f"{PREFIX}:{run}:wan"
+
+
+def inbox(run: str, replica: int, stage: int) -> str:
+    """A stage worker's inbox: activations, gradients and all-reduce shards addressed to it."""
+    return f"{PREFIX}:{run}:w:{replica}:{stage}"
+
+
+def bubbles_stream(run: str) -> str:
+    """BubbleStart / BubbleEnd events from every worker (read by the dispatcher)."""
+    return f"{PREFIX}:{run}:bubbles"
+
+
+def spans_stream(run: str) -> str:
+    """Timeline spans of every worker (telemetry: trimmed by length, loss of old spans is fine)."""
+    return f"{PREFIX}:{run}:spans"
+
+
+#: Spans are telemetry: keep the last 500k (a long demo at ~50 spans per worker-iteration).
+SPANS_MAXLEN = 500_000
+
+
+def events_stream(run: str) -> str:
+    """Run progress: IterationDone, WorkerFailed, LinkReport."""
+    return f"{PREFIX}:{run}:events"
+
+
+#: Events are small and few; 100k covers thousands of iterations of a large pipeline.
+EVENTS_MAXLEN = 100_000
+
+
+def lease_key(run: str, replica: int, stage: int) -> str:
+    """Which worker process holds slot (replica, stage): a TTL lease it renews."""
+    return f"{PREFIX}:{run}:lease:{replica}:{stage}"
+
+
+#: A lease lives 3 s and is renewed every second: a crashed worker's slot frees within 3 s, and
+#: two missed renewals (a long GC pause, a slow Redis) are survived.
+LEASE_TTL_MS = 3_000
+LEASE_RENEW_S = 1.0

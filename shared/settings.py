@@ -8,12 +8,14 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``REDIS_URL``          the bus; unset means "start an embedded redis-server" (launcher and demo)
 ``BUBBLETEA_HTTP_HOST`` / ``BUBBLETEA_HTTP_PORT``  override ``http.host`` / ``http.port``
 ``BUBBLETEA_LOG_LEVEL`` DEBUG, INFO (default), WARNING or ERROR
+``BUBBLETEA_RUN``      the training run id that scopes streams and leases (default ``run``)
 =====================  ==========================================================================
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ class Settings:
     #: None means no external Redis was named: the launcher starts an embedded one.
     redis_url: str | None = None
     log_level: str = "INFO"
+    run: str = "run"
 
     def require_redis_url(self) -> str:
         """The bus URL for a service process; services never start a private Redis of their own."""
@@ -64,4 +67,7 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     url = env.get("REDIS_URL") or None
     if url and not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(f"REDIS_URL: expected redis://host:port/db, rediss:// or unix://, got {url!r}")
-    return Settings(spec=spec, spec_path=path, redis_url=url, log_level=level)
+    run = env.get("BUBBLETEA_RUN", "run")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", run):
+        raise ConfigError(f"BUBBLETEA_RUN: letters, digits, '.', '_' and '-' only (1-64 chars), got {run!r}")
+    return Settings(spec=spec, spec_path=path, redis_url=url, log_level=level, run=run)

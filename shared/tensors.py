@@ -9,18 +9,11 @@ import ctypes
 import math
 from typing import Final
 
-import msgspec
 import torch
 
-from shared.wire import WireError
+from shared.wire import TensorBlob, WireError
 
-
-class TensorBlob(msgspec.Struct, frozen=True, array_like=True):
-    """A tensor as it travels: dtype name, shape, and the row-major bytes of its elements."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
+__all__ = ["TensorBlob", "from_blob", "to_blob"]
 
 
 _DTYPES: Final[dict[str, torch.dtype]] = {

@@ -26,6 +26,15 @@ class WireError(ValueError):
     """Bytes that are not a valid message of a known kind at this wire version."""
 
 
+class TensorBlob(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor as it travels: dtype name, shape, and the row-major bytes of its elements.
+    Built and read by `shared.tensors` (`to_blob`, `from_blob`)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     """Base of every message kind. Subclasses set ``tag=`` to their stable kind name."""
 
@@ -45,8 +54,130 @@ class Pong(Message, frozen=True, kw_only=True, tag="pong"):
     sent_ns: int
 
 
+# --- training plane --------------------------------------------------------------------------
+
+
+class StageTensor(Message, frozen=True, kw_only=True, tag="stage_tensor"):
+    """An activation (``what="act"``, stage k -> k+1) or its gradient (``"grad"``, k+1 -> k)."""
+
+    run: str
+    what: str  # "act" | "grad"
+    iteration: int
+    microbatch: int
+    replica: int
+    src_stage: int
+    dst_stage: int
+    tensor: TensorBlob
+
+
+class GradShard(Message, frozen=True, kw_only=True, tag="grad_shard"):
+    """One replica's flattened gradients of a stage, sent to each DP peer for the all-reduce."""
+
+    run: str
+    iteration: int
+    stage: int
+    replica: int
+    tensor: TensorBlob
+
+
+class Transfer(Message, frozen=True, kw_only=True, tag="transfer"):
+    """Worker -> wan_broker: carry `payload` (an encoded message) over the src_dc -> dst_dc link
+    and append it to `deliver_to` when the link policy says its last byte has arrived."""
+
+    run: str
+    transfer_id: str
+    src_dc: str
+    dst_dc: str
+    nbytes: int
+    priority: tuple[int, ...]
+    deliver_to: str
+    payload: bytes
+
+
+class BubbleStart(Message, frozen=True, kw_only=True, tag="bubble_start"):
+    run: str
+    worker: str  # "r<replica>s<stage>"
+    replica: int
+    stage: int
+    dc: str
+    iteration: int
+    position: int  # index of the blocking receive in the stage's action list
+    predicted_ms: float
+    free_memory_bytes: int
+    at: float  # wall clock (time.time())
+
+
+class BubbleEnd(Message, frozen=True, kw_only=True, tag="bubble_end"):
+    run: str
+    worker: str
+    replica: int
+    stage: int
+    iteration: int
+    position: int
+    predicted_ms: float
+    actual_ms: float
+    at: float
+
+
+class SpanRecord(Message, frozen=True, kw_only=True, tag="span"):
+    """One span of a worker's timeline (wall-clock seconds)."""
+
+    run: str
+    replica: int
+    stage: int
+    iteration: int
+    span: str  # fwd, bwd, wait, allreduce, step, prefill
+    start: float
+    end: float
+    microbatch: int = -1
+
+
+class IterationDone(Message, frozen=True, kw_only=True, tag="iteration_done"):
+    """A worker finished an iteration; the last stage reports its replica's mean microbatch loss."""
+
+    run: str
+    replica: int
+    stage: int
+    iteration: int
+    started: float
+    ended: float
+    loss: float | None = None
+    lag_ms: float = 0.0  # how far real compute fell behind the device profile
+
+
+class WorkerFailed(Message, frozen=True, kw_only=True, tag="worker_failed"):
+    run: str
+    slot: str
+    reason: str
+
+
+class LinkReport(Message, frozen=True, kw_only=True, tag="link_report"):
+    """wan_broker's per-link utilisation and delivery accuracy, published periodically."""
+
+    run: str
+    src_dc: str
+    dst_dc: str
+    utilization: float  # busy fraction since the broker started
+    bytes_sent: float
+    transfers: int
+    in_flight: int
+    late_p99_ms: float  # delivery time minus the policy's arrival time, 99th percentile
+
+
 #: Every kind the bus can carry. New kinds are added here, so this union is the wire's index.
-AnyMessage = Ping | Pong
+AnyMessage = (
+    Ping
+    | Pong
+    | StageTensor
+    | GradShard
+    | Transfer
+    | BubbleStart
+    | BubbleEnd
+    | SpanRecord
+    | IterationDone
+    | WorkerFailed
+    | LinkReport
+)
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(AnyMessage)

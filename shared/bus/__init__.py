@@ -5,7 +5,7 @@ redis.asyncio rather than taken from a framework.
 """
 
 from shared.bus.bus import Bus, DeadLetter, default_consumer_name
-from shared.bus.consumer import Consumer, ConsumerStats, Delivery, Handler
+from shared.bus.consumer import Consumer, ConsumerStats, Delivery, Handler, Reject
 from shared.bus.streams import trim_acked
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "DeadLetter",
     "Delivery",
     "Handler",
+    "Reject",
     "default_consumer_name",
     "trim_acked",
 ]

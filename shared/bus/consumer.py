@@ -68,6 +68,11 @@ class Delivery:
 Handler = Callable[[Delivery], Awaitable[None]]
 
 
+class Reject(Exception):
+    """Raised by a handler for a message that can never succeed (e.g. it names an unknown link):
+    the bus dead-letters it at once instead of retrying it `max_deliveries` times."""
+
+
 @dataclass
 class ConsumerStats:
     handled: int = 0
@@ -278,6 +283,10 @@ class Consumer:
             await self._handler(Delivery(entry_id, self.stream, msg, attempt))
         except asyncio.CancelledError:
             raise  # left pending: redelivered after a restart or reclaimed by a peer
+        except Reject as exc:
+            self.stats.failed += 1
+            await self._dead_letter(entry_id, raw, f"rejected: {exc}", attempt)
+            return
         except Exception as exc:
             self.stats.failed += 1
             if attempt >= self.config.max_deliveries:

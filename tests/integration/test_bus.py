@@ -349,3 +349,20 @@ async def test_trim_keeps_backlog_over_the_bound_and_says_so(
         assert await trim_acked(redis, "s", soft_max_len=100) == 0
     assert await redis.xlen("s") == 150
     assert any("backlog over its bound" in r.getMessage() for r in caplog.records)
+
+
+async def test_rejected_message_is_dead_lettered_at_once(redis_url: str, redis: Redis) -> None:
+    from shared.bus import Reject
+
+    attempts: list[int] = []
+
+    async def refuse(d: Delivery) -> None:
+        attempts.append(d.attempt)
+        raise Reject("names a link that does not exist")
+
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", refuse):
+        await bus.publish("s", Ping(seq=1, sent_ns=0))
+        _, dl = await next_dead_letter(redis)
+    assert attempts == [1]
+    assert b"rejected: names a link" in dl[b"error"]
+    assert await pending_count(redis, "s", "g") == 0

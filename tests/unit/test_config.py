@@ -130,6 +130,7 @@ def test_config_reference_documents_every_field() -> None:
         config.ModelSpec,
         config.Parallelism,
         config.Training,
+        config.Device,
         config.BubbleTea,
         config.Prefill,
         config.Http,

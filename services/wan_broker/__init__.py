@@ -1,0 +1,1 @@
+"""The Atlas slot arbiter and WAN emulator."""

@@ -1,0 +1,92 @@
+"""wan_broker: owns every directed DC link of the spec and carries transfers over them.
+
+`serve(settings, stop)` consumes the run's transfer stream; each `Transfer` goes to the driver
+of its link and is acked only once its payload has been delivered. Per-link utilisation and
+delivery accuracy go to the run's events stream every second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import msgspec
+
+from services.wan_broker.links import LinkDriver
+from shared import keys
+from shared.bus import Bus, Delivery, Reject
+from shared.health import Heartbeat, instance_id
+from shared.logs import get_logger
+from shared.policies.wan import LinkModel
+from shared.settings import Settings
+from shared.wire import LinkReport, Transfer
+
+SERVICE = "wan_broker"
+REPORT_INTERVAL_S = 1.0
+#: Transfers in flight at once (each is one waiting handler): far above any pipeline's needs.
+MAX_IN_FLIGHT = 10_000
+
+log = get_logger(__name__)
+
+
+def directed_links(settings: Settings) -> list[tuple[str, str]]:
+    names = [dc.name for dc in settings.spec.datacenters]
+    return [(a, b) for a, b in itertools.permutations(names, 2)]
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    spec = settings.spec
+    async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
+        drivers = {
+            (a, b): LinkDriver(bus, a, b, LinkModel.from_params(spec.link(a, b)), spec.wan.sharing)
+            for a, b in directed_links(settings)
+        }
+
+        async def handle(d: Delivery) -> None:
+            msg = d.message
+            if not isinstance(msg, Transfer):
+                raise Reject(f"wan_broker carries Transfer messages, got {type(msg).__name__}")
+            driver = drivers.get((msg.src_dc, msg.dst_dc))
+            if driver is None:
+                raise Reject(f"no WAN link {msg.src_dc} -> {msg.dst_dc} in the spec")
+            await driver.carry(msg)
+
+        cfg = msgspec.structs.replace(spec.bus, concurrency=MAX_IN_FLIGHT)
+        hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {"run": settings.run, "links": len(drivers)})
+        await hb.start()
+        consumer = bus.consumer(
+            keys.wan_stream(settings.run), SERVICE, handle, name=f"{SERVICE}-{instance_id()}", config=cfg
+        )
+        log.info("broker ready", run=settings.run, links=len(drivers), sharing=spec.wan.sharing)
+        async with consumer:
+            while not stop.is_set() and not consumer.crashed.is_set():
+                try:
+                    async with asyncio.timeout(REPORT_INTERVAL_S):
+                        await stop.wait()
+                except TimeoutError:
+                    await _report(bus, settings.run, drivers)
+        await hb.stop()
+        for driver in drivers.values():
+            await driver.close()
+        if consumer.error is not None:
+            raise consumer.error
+
+
+async def _report(bus: Bus, run: str, drivers: dict[tuple[str, str], LinkDriver]) -> None:
+    for (a, b), driver in drivers.items():
+        st = driver.stats()
+        if st["transfers"] or st["in_flight"]:
+            await bus.publish(
+                keys.events_stream(run),
+                LinkReport(
+                    run=run,
+                    src_dc=a,
+                    dst_dc=b,
+                    utilization=st["utilization"],
+                    bytes_sent=st["bytes_sent"],
+                    transfers=int(st["transfers"]),
+                    in_flight=int(st["in_flight"]),
+                    late_p99_ms=st["late_p99_ms"],
+                ),
+                maxlen=keys.EVENTS_MAXLEN,
+            )

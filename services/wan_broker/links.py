@@ -1,0 +1,98 @@
+"""One directed WAN link driven by the real clock: the `LinkSharing` policy decides, this delivers.
+
+Path kept open for real WANs: today the broker holds the payload and appends it to the receiver's
+inbox at the emulated arrival time. Over a real WAN the same decisions become grants: the broker
+would tell the sender "transmit now" when the policy starts a transfer, and the sender would report
+"done" when its last byte is acknowledged; the policy object is unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import statistics
+from dataclasses import dataclass
+
+from shared.bus import Bus
+from shared.logs import get_logger
+from shared.policies.wan import LinkModel, LinkSharing, Sent
+from shared.timing import sleep_until
+from shared.wire import FIELD, Transfer
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _Pending:
+    msg: Transfer
+    done: asyncio.Future[None]
+
+
+class LinkDriver:
+    """Feeds transfers to the link policy on the loop clock and delivers them on time."""
+
+    def __init__(self, bus: Bus, src: str, dst: str, model: LinkModel, policy: str) -> None:
+        self.bus, self.src, self.dst, self.model = bus, src, dst, model
+        self.loop = asyncio.get_running_loop()
+        self.origin = self.loop.time()
+        self.sharing = LinkSharing(model, policy)
+        self.pending: dict[str, _Pending] = {}
+        #: Delivery time minus the policy's arrival time (ms), recent deliveries.
+        self.late_ms: collections.deque[float] = collections.deque(maxlen=10_000)
+        self._wake = asyncio.Event()
+        self._deliveries: set[asyncio.Task[None]] = set()
+        self._task = asyncio.create_task(self._run(), name=f"link:{src}->{dst}")
+
+    def now(self) -> float:
+        return self.loop.time() - self.origin
+
+    async def carry(self, msg: Transfer) -> None:
+        """Submit a transfer; return once its payload has been delivered (so the caller acks then)."""
+        if msg.transfer_id in self.pending:  # a redelivery of a transfer already under way
+            await asyncio.shield(self.pending[msg.transfer_id].done)
+            return
+        done: asyncio.Future[None] = self.loop.create_future()
+        self.pending[msg.transfer_id] = _Pending(msg, done)
+        self.sharing.submit(msg.transfer_id, msg.nbytes, msg.priority, self.now())
+        self._wake.set()
+        await asyncio.shield(done)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, *self._deliveries, return_exceptions=True)
+
+    def stats(self) -> dict[str, float]:
+        elapsed = max(self.now(), 1e-9)
+        late = sorted(self.late_ms)
+        return {
+            "utilization": self.sharing.stats.busy_s / elapsed,
+            "bytes_sent": self.sharing.stats.bytes_sent,
+            "transfers": self.sharing.stats.transfers,
+            "in_flight": self.sharing.in_flight(),
+            "late_p99_ms": late[int(0.99 * (len(late) - 1))] if late else 0.0,
+            "late_p50_ms": statistics.median(late) if late else 0.0,
+        }
+
+    async def _run(self) -> None:
+        while True:
+            for sent in self.sharing.advance(self.now()):
+                task = asyncio.create_task(self._deliver(sent))
+                self._deliveries.add(task)
+                task.add_done_callback(self._deliveries.discard)
+            nxt = self.sharing.next_tx_end()
+            self._wake.clear()
+            if nxt is None:
+                await self._wake.wait()
+            else:
+                await sleep_until(self.origin + nxt, wake=self._wake)
+
+    async def _deliver(self, sent: Sent) -> None:
+        await sleep_until(self.origin + sent.arrival)
+        p = self.pending.pop(sent.id)
+        self.late_ms.append((self.now() - sent.arrival) * 1000)
+        try:
+            await self.bus.redis.xadd(p.msg.deliver_to, {FIELD: p.msg.payload})
+        except Exception as exc:  # the request stays unacked and is redelivered, then resubmitted
+            p.done.set_exception(exc)
+            return
+        p.done.set_result(None)
