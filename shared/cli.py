@@ -10,7 +10,9 @@ import msgspec
 import uvloop
 
 from shared.config import ConfigError, load_spec
+from shared.launcher.procs import ServiceFailed
 from shared.logs import setup_logging
+from shared.policies.placement import PlacementError
 from shared.settings import load_settings
 
 DESCRIPTION = """\
@@ -28,6 +30,78 @@ def _demo(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     setup_logging("demo", "WARNING" if settings.log_level == "INFO" else settings.log_level)
     return uvloop.run(run_demo(settings, hold=args.hold))
+
+
+def _train(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    from shared.launcher.train import run_training
+    from shared.redis_server import EmbeddedRedis
+
+    settings = load_settings(args.config)
+    if args.run:
+        settings = dataclasses.replace(settings, run=args.run)
+    elif settings.run == "run":
+        settings = dataclasses.replace(settings, run=f"train-{int(time.time())}")
+    setup_logging("train", "WARNING")
+    embedded = None if settings.redis_url else EmbeddedRedis().start()
+    url = settings.redis_url or embedded.url  # type: ignore[union-attr]
+    try:
+        spec = settings.spec
+        print(
+            f"==> run {settings.run}: PP={spec.parallelism.pp} DP={spec.parallelism.dp} {spec.training.schedule}, "
+            f"{spec.training.iterations} iterations, WAN sharing {spec.wan.sharing}, bus {url}",
+            flush=True,
+        )
+        result = uvloop.run(run_training(settings, url, progress=True, quiet=not args.verbose))
+        print(
+            f"==> done: steady iteration time {result.steady_iteration_s() * 1000:.1f} ms, "
+            f"final loss {result.losses[-1]:.4f}",
+            flush=True,
+        )
+        return 0
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from shared.plan import plan_report, profile_ms
+
+    spec = load_spec(args.config)
+    prof = profile_ms(spec)
+    if prof is not None:
+        fwd, bwd, source = prof[0], prof[1], "device profile"
+    else:
+        fwd, bwd, source = args.fwd_ms, args.fwd_ms * 2, f"--fwd-ms {args.fwd_ms} (no device profile in the spec)"
+    print(plan_report(spec, fwd, bwd, source))
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    """Exit 0 if SERVICE has a live heartbeat in Redis (for compose healthchecks), else 1."""
+    import asyncio
+
+    from redis.asyncio import Redis
+
+    from shared.health import live_instances
+
+    settings = load_settings(args.config)
+
+    async def check() -> list[dict[str, object]]:
+        r = Redis.from_url(settings.require_redis_url(), protocol=2)
+        try:
+            return [i for i in await live_instances(r) if i["service"] == args.service]
+        finally:
+            await r.aclose()
+
+    live = asyncio.run(check())
+    for inst in live:
+        print(f"{args.service} {inst['instance']} ok")
+    if not live:
+        print(f"{args.service}: no live instance (no heartbeat in Redis)", file=sys.stderr)
+    return 0 if live else 1
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -77,6 +151,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_demo)
 
     p = sub.add_parser(
+        "train",
+        help="run one training job over live services (broker + a worker per slot)",
+        description="Start the wan_broker and one stage_worker per (replica, stage) slot, train for "
+        "training.iterations, print loss and iteration time, stop. Uses an embedded Redis unless REDIS_URL is set.",
+    )
+    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
+    p.add_argument("--run", help="run id scoping streams and leases (default: train-<unix time>)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser(
+        "plan",
+        help="print the placement, cross-DC hops and the analytic iteration time",
+        description="Atlas placement of the spec's stages on its datacenters, the WAN hops, and the analytic "
+        "pipeline model's iteration time and bubble fraction for each sharing policy.",
+    )
+    p.add_argument("--config", default=None, help="cluster spec (default: configs/demo.yaml)")
+    p.add_argument(
+        "--fwd-ms",
+        type=float,
+        default=10.0,
+        help="forward ms per layer per microbatch when the spec has no device profile (default 10)",
+    )
+    p.set_defaults(func=lambda a: _plan(_with_default_config(a)))
+
+    p = sub.add_parser(
         "check-config",
         help="validate a cluster spec file",
         description="Load and validate a cluster spec; exit 2 with a message naming the bad field.",
@@ -84,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="cluster spec file (YAML)")
     p.add_argument("--show", action="store_true", help="print the spec with every default filled in")
     p.set_defaults(func=_check_config)
+
+    p = sub.add_parser(
+        "health",
+        help="exit 0 if a service has a live heartbeat in Redis (REDIS_URL)",
+        description="Check the heartbeat keys services refresh in Redis; used by compose healthchecks.",
+    )
+    p.add_argument("service", help="service name, e.g. wan_broker or stage_worker")
+    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
+    p.set_defaults(func=_health)
 
     p = sub.add_parser(
         "redis",
@@ -96,13 +205,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _with_default_config(args: argparse.Namespace) -> argparse.Namespace:
+    if args.config is None:
+        from shared.settings import DEFAULT_SPEC
+
+        args.config = str(DEFAULT_SPEC)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except ConfigError as exc:
+    except (ConfigError, PlacementError) as exc:
         print(f"bubbletea: configuration error: {exc}", file=sys.stderr)
         return 2
+    except ServiceFailed as exc:
+        print(f"bubbletea: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("bubbletea: interrupted", file=sys.stderr)
         return 130

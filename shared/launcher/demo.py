@@ -1,14 +1,16 @@
 """`bubbletea demo`: the main job.
 
-Foundation stage: start the bus (embedded Redis unless REDIS_URL is set) and every service that
-exists as its own process, show that each is healthy and that a message makes a round trip over
-the bus, then stop everything cleanly. Training and prefill phases join as they are built.
+Start the bus (embedded Redis unless REDIS_URL is set) and the front door, show they are healthy
+and that a message makes a round trip over the bus, then train the demo model over live services
+(the WAN broker and one stage worker per pipeline slot) and print its loss and iteration times,
+then stop everything cleanly. Prefill in the bubbles joins as the serving plane is built.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -17,7 +19,8 @@ from shared import keys
 from shared.bus import Bus, Delivery
 from shared.health import live_instances
 from shared.launcher.procs import Proc, spawn, stop_all, wait_http_healthy
-from shared.launcher.services import SERVICES
+from shared.launcher.services import PREFILL_QUEUE, SERVICES
+from shared.launcher.train import run_training
 from shared.logs import get_logger
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings
@@ -42,7 +45,7 @@ async def run_demo(settings: Settings, *, hold: bool = False) -> int:
             url = embedded.url
             assert embedded.proc is not None
             say(f"==> started embedded Redis at {url} ({embedded.binary}, pid={embedded.proc.pid})")
-        for svc in SERVICES:
+        for svc in (s for s in SERVICES if not s.per_slot and s.name != "wan_broker"):
             env = {
                 "REDIS_URL": url,
                 "BUBBLETEA_CONFIG": str(settings.spec_path),
@@ -61,11 +64,24 @@ async def run_demo(settings: Settings, *, hold: bool = False) -> int:
         async with Bus(url, settings.spec.bus, name="demo") as bus:
             rtt_ms = await _bus_round_trip(bus)
             say(f"==> bus round trip (publish -> Redis -> consumer handler, first message): {rtt_ms:.2f} ms")
-            live = await _wait_heartbeats(bus, {s.name for s in SERVICES})
+            live = await _wait_heartbeats(bus, {PREFILL_QUEUE.name})
         say("")
         say(f"{'service':<16}{'instance':<28}{'health':<10}")
         for inst in live:
             say(f"{inst['service']:<16}{inst['instance']:<28}{'ok':<10}")
+        say("")
+        spec = settings.spec
+        run = dataclasses.replace(settings, run=f"demo-{os.getpid()}")
+        say(
+            f"==> training over live services: wan_broker + {spec.parallelism.pp * spec.parallelism.dp} stage workers "
+            f"(PP={spec.parallelism.pp} x DP={spec.parallelism.dp}, {spec.training.schedule}, "
+            f"WAN sharing {spec.wan.sharing}, {spec.training.iterations} iterations)"
+        )
+        result = await run_training(run, url, progress=True, quiet=True)
+        say(
+            f"==> trained: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
+            f"steady iteration time {result.steady_iteration_s() * 1000:.1f} ms"
+        )
         say("")
         if hold:
             say("==> every service is healthy; press Ctrl-C to stop")

@@ -41,7 +41,9 @@ class Proc:
         return self.svc.name
 
 
-async def spawn(svc: ServiceDef, env: dict[str, str], *, out: object = sys.stdout) -> Proc:
+async def spawn(svc: ServiceDef, env: dict[str, str], *, out: object = sys.stdout, quiet: bool = False) -> Proc:
+    """Start `svc` as a process; its output goes to `out`, each line prefixed with its name
+    (with `quiet`, only warnings and errors; every line is kept in `Proc.tail` regardless)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         *command(svc),
@@ -51,18 +53,23 @@ async def spawn(svc: ServiceDef, env: dict[str, str], *, out: object = sys.stdou
         start_new_session=True,
     )
     p = Proc(svc, proc)
-    p.pump = asyncio.create_task(_pump(p, out))
+    p.pump = asyncio.create_task(_pump(p, out, quiet))
     log.info("service started", service=svc.name, pid=proc.pid)
     return p
 
 
-async def _pump(p: Proc, out: object) -> None:
+_CHATTER = ("level=info", "level=debug")
+
+
+async def _pump(p: Proc, out: object, quiet: bool) -> None:
     """Copy the child's output line by line, each prefixed with the service name."""
     assert p.proc.stdout is not None
     width = 14
     async for raw in p.proc.stdout:
         line = raw.decode(errors="replace").rstrip("\n")
         p.tail.append(line)
+        if quiet and any(c in line for c in _CHATTER):
+            continue
         print(f"{p.name:<{width}}| {line}", file=out, flush=True)  # type: ignore[call-overload]
 
 

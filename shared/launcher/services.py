@@ -16,9 +16,15 @@ class ServiceDef:
     module: str
     #: Whether the service serves HTTP (then health is ``GET /health``); else its Redis heartbeat.
     http: bool = False
+    #: Started once per pipeline slot (PP x DP processes) instead of once.
+    per_slot: bool = False
 
 
-SERVICES: tuple[ServiceDef, ...] = (ServiceDef("prefill_queue", "services.prefill_queue", http=True),)
+PREFILL_QUEUE = ServiceDef("prefill_queue", "services.prefill_queue", http=True)
+WAN_BROKER = ServiceDef("wan_broker", "services.wan_broker")
+STAGE_WORKER = ServiceDef("stage_worker", "services.stage_worker", per_slot=True)
+
+SERVICES: tuple[ServiceDef, ...] = (PREFILL_QUEUE, WAN_BROKER, STAGE_WORKER)
 
 
 def command(svc: ServiceDef) -> list[str]:

@@ -61,9 +61,12 @@ def test_demo_runs_every_service_and_stops_cleanly() -> None:
         [sys.executable, "-m", "shared.cli", "demo"], env=env, capture_output=True, text=True, timeout=180, cwd=ROOT
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    for svc in SERVICES:
-        assert f"==> {svc.name} is healthy" in r.stdout
+    assert "==> prefill_queue is healthy" in r.stdout
     assert "bus round trip" in r.stdout
+    m = re.search(r"==> trained: loss ([\d.]+) -> ([\d.]+)", r.stdout)
+    assert m, r.stdout
+    assert float(m.group(2)) < float(m.group(1))  # the pipeline really trained
+    assert r.stdout.count("iteration ") >= 10
     assert r.stdout.rstrip().endswith("==> stopped cleanly")
 
 
@@ -85,7 +88,7 @@ def test_demo_stops_everything_on_ctrl_c() -> None:
         if "press Ctrl-C" in line:
             break
     pids = [int(m) for x in lines for m in re.findall(r"pid=(\d+)", x)]
-    assert len(pids) == 1 + len(SERVICES)  # redis-server and every service
+    assert len(pids) == 2  # redis-server and the front door (the training run has ended by now)
     proc.send_signal(signal.SIGINT)
     rest = proc.communicate(timeout=60)[0]
     assert proc.returncode == 130, "".join(lines) + rest

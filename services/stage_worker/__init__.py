@@ -1,0 +1,1 @@
+"""One emulated GPU: a (DP replica, PP stage) slot of the training pipeline."""

@@ -1,0 +1,40 @@
+"""Where a worker's inbox consumer leaves tensors for the schedule runner to pick up."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable
+from typing import Any
+
+
+class Mailbox:
+    """Keyed one-shot slots. `put` is idempotent (a redelivered message is dropped), `take` waits."""
+
+    def __init__(self) -> None:
+        self._items: dict[Hashable, Any] = {}
+        self._waiters: dict[Hashable, asyncio.Future[Any]] = {}
+        self._taken: set[Hashable] = set()
+
+    def put(self, key: Hashable, value: Any) -> None:
+        if key in self._taken or key in self._items:
+            return  # duplicate delivery (at-least-once bus): the first copy wins
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(value)
+            self._taken.add(key)
+        else:
+            self._items[key] = value
+
+    def ready(self, key: Hashable) -> bool:
+        return key in self._items
+
+    async def take(self, key: Hashable) -> Any:
+        if key in self._items:
+            self._taken.add(key)
+            return self._items.pop(key)
+        waiter = self._waiters.setdefault(key, asyncio.get_running_loop().create_future())
+        return await waiter
+
+    def forget_before(self, keep: Any) -> None:
+        """Drop bookkeeping of taken keys for which ``keep(key)`` is false (bounded memory)."""
+        self._taken = {k for k in self._taken if keep(k)}

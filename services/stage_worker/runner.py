@@ -1,0 +1,280 @@
+"""Walks the pipeline schedule with real compute, the bus for tensors, and bubble announcements.
+
+One `StageRunner` per worker process. Torch work runs in a thread (`asyncio.to_thread`) so the
+event loop keeps receiving tensors meanwhile. With a device profile each compute action is padded
+to its profiled duration (lag is reported when real compute is slower).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.stage_worker.lease import Slot
+from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.trainer import StageTrainer
+from shared import keys
+from shared.bus import Bus
+from shared.config import ClusterSpec
+from shared.logs import get_logger
+from shared.policies.bubbles import BubblePredictor
+from shared.policies.placement import Placement
+from shared.policies.schedules import Op, schedule
+from shared.policies.wan import transfer_priority
+from shared.tensors import from_blob, to_blob
+from shared.timing import sleep_until
+from shared.wire import (
+    BubbleEnd,
+    BubbleStart,
+    GradShard,
+    IterationDone,
+    Message,
+    SpanRecord,
+    StageTensor,
+    Transfer,
+    encode,
+)
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Profile:
+    """Seconds each operation counts for; None = as long as the real computation takes."""
+
+    fwd: float | None = None
+    bwd: float | None = None
+    allreduce: float = 0.0
+    step: float = 0.0
+
+
+@dataclass
+class StageRunner:
+    bus: Bus
+    spec: ClusterSpec
+    run: str
+    slot: Slot
+    placement: Placement
+    trainer: StageTrainer
+    mailbox: Mailbox
+    predictor: BubblePredictor
+    profile: Profile
+    free_memory_bytes: int
+    iteration: int = 0
+    lag_s: float = 0.0
+    _spans: list[Message] = field(default_factory=list)
+
+    @property
+    def stage(self) -> int:
+        return self.slot.stage
+
+    @property
+    def replica(self) -> int:
+        return self.slot.replica
+
+    async def run_all(self) -> None:
+        tr = self.spec.training
+        actions = schedule(tr.schedule, self.stage, self.spec.parallelism.pp, tr.microbatches)
+        for it in range(tr.iterations):
+            self.iteration = it
+            started, self.lag_s = time.time(), 0.0
+            await self._iteration(it, actions)
+            loss = self.trainer.take_loss()
+            self._spans.append(
+                IterationDone(
+                    run=self.run,
+                    replica=self.replica,
+                    stage=self.stage,
+                    iteration=it,
+                    started=started,
+                    ended=time.time(),
+                    loss=loss,
+                    lag_ms=self.lag_s * 1000,
+                )
+            )
+            await self._flush_telemetry()
+            self.mailbox.forget_before(lambda k, it=it: k[1] >= it)
+            log.info(
+                "iteration done",
+                slot=self.slot.name,
+                iteration=it,
+                loss=loss if loss is not None else "-",
+                ms=(time.time() - started) * 1000,
+                lag_ms=self.lag_s * 1000,
+            )
+
+    async def _iteration(self, it: int, actions: tuple[Any, ...]) -> None:
+        held: dict[tuple[str, int], torch.Tensor] = {}
+        for pos, a in enumerate(actions):
+            op, mb = a.op, a.mb
+            if op is Op.FWD:
+                out = await self._compute(
+                    "fwd", it, mb, self.profile.fwd, self.trainer.forward, it, mb, held.pop(("act", mb), None)
+                )
+                if out is not None:
+                    held[("out", mb)] = out
+            elif op is Op.BWD:
+                gin = await self._compute(
+                    "bwd", it, mb, self.profile.bwd, self.trainer.backward, mb, held.pop(("grad", mb), None)
+                )
+                if gin is not None:
+                    held[("gin", mb)] = gin
+            elif op is Op.SEND_ACT:
+                await self._send("act", it, mb, held.pop(("out", mb)), self.stage + 1)
+            elif op is Op.SEND_GRAD:
+                await self._send("grad", it, mb, held.pop(("gin", mb)), self.stage - 1)
+            elif op in (Op.RECV_ACT, Op.RECV_GRAD):
+                what = "act" if op is Op.RECV_ACT else "grad"
+                held[(what, mb)] = await self._recv((what, it, mb), it, pos)
+            elif op is Op.ALLREDUCE:
+                await self._allreduce(it)
+            elif op is Op.STEP:
+                await self._compute("step", it, -1, self.profile.step or None, self.trainer.step)
+
+    # --- actions ---------------------------------------------------------------------------
+
+    async def _compute(
+        self, kind: str, it: int, mb: int, target: float | None, fn: Callable[..., Any], *args: Any
+    ) -> Any:
+        loop = asyncio.get_running_loop()
+        t0, lt0 = time.time(), loop.time()
+        result = await asyncio.to_thread(fn, *args)
+        if target is not None:
+            spent = loop.time() - lt0
+            if spent < target:
+                await sleep_until(lt0 + target)  # count for the profiled time
+            else:
+                self.lag_s += spent - target
+        self._span(kind, it, t0, time.time(), mb)
+        return result
+
+    async def _send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
+        blob = to_blob(tensor)
+        msg = StageTensor(
+            run=self.run,
+            what=what,
+            iteration=it,
+            microbatch=mb,
+            replica=self.replica,
+            src_stage=self.stage,
+            dst_stage=dst,
+            tensor=blob,
+        )
+        target = keys.inbox(self.run, self.replica, dst)
+        src_dc, dst_dc = self.placement.stage_dc[self.stage], self.placement.stage_dc[dst]
+        if src_dc == dst_dc:
+            await self.bus.publish(target, msg)
+            return
+        await self.bus.publish(
+            keys.wan_stream(self.run),
+            Transfer(
+                run=self.run,
+                transfer_id=f"{what}:{it}:{mb}:{self.replica}:{self.stage}",
+                src_dc=src_dc,
+                dst_dc=dst_dc,
+                nbytes=len(blob.data),
+                priority=transfer_priority(it, mb, self.replica),
+                deliver_to=target,
+                payload=encode(msg),
+            ),
+        )
+
+    async def _recv(self, key: tuple[Any, ...], it: int, pos: int) -> torch.Tensor:
+        """Take a tensor from the mailbox; if it is not there yet, this is a bubble: announce it."""
+        if self.mailbox.ready(key):
+            return await self.mailbox.take(key)
+        predicted = self.predictor.predict(pos)
+        t0 = time.time()
+        await self.bus.publish(
+            keys.bubbles_stream(self.run),
+            BubbleStart(
+                run=self.run,
+                worker=self.slot.name,
+                replica=self.replica,
+                stage=self.stage,
+                dc=self.placement.stage_dc[self.stage],
+                iteration=it,
+                position=pos,
+                predicted_ms=predicted * 1000,
+                free_memory_bytes=self.free_memory_bytes,
+                at=t0,
+            ),
+        )
+        value = await self.mailbox.take(key)
+        t1 = time.time()
+        self.predictor.observe(pos, predicted, t1 - t0)
+        await self.bus.publish(
+            keys.bubbles_stream(self.run),
+            BubbleEnd(
+                run=self.run,
+                worker=self.slot.name,
+                replica=self.replica,
+                stage=self.stage,
+                iteration=it,
+                position=pos,
+                predicted_ms=predicted * 1000,
+                actual_ms=(t1 - t0) * 1000,
+                at=t1,
+            ),
+        )
+        self._span("wait", it, t0, t1, key[2] if len(key) > 2 else -1)
+        return value
+
+    async def _allreduce(self, it: int) -> None:
+        """Average gradients with the DP peers of this stage, summing in replica order everywhere
+        so every replica ends with bit-identical gradients."""
+        dp = self.spec.parallelism.dp
+        loop = asyncio.get_running_loop()
+        t0, lt0 = time.time(), loop.time()
+        if dp > 1:
+            mine = await asyncio.to_thread(self.trainer.flat_grads)
+            shard = GradShard(run=self.run, iteration=it, stage=self.stage, replica=self.replica, tensor=to_blob(mine))
+            for peer in range(dp):
+                if peer != self.replica:
+                    await self.bus.publish(keys.inbox(self.run, peer, self.stage), shard)
+            grads = {self.replica: mine}
+            for peer in range(dp):
+                if peer != self.replica:
+                    grads[peer] = await self.mailbox.take(("shard", it, peer))
+            total = grads[0].clone()
+            for peer in range(1, dp):
+                total += grads[peer]
+            await asyncio.to_thread(self.trainer.load_grads, total / dp)
+        if self.profile.allreduce:
+            await sleep_until(lt0 + self.profile.allreduce)
+        self._span("allreduce", it, t0, time.time())
+
+    # --- telemetry -------------------------------------------------------------------------
+
+    def _span(self, kind: str, it: int, start: float, end: float, mb: int = -1) -> None:
+        self._spans.append(
+            SpanRecord(
+                run=self.run,
+                replica=self.replica,
+                stage=self.stage,
+                iteration=it,
+                span=kind,
+                start=start,
+                end=end,
+                microbatch=mb,
+            )
+        )
+
+    async def _flush_telemetry(self) -> None:
+        """Spans and the iteration record go out once per iteration, in one round trip each."""
+        spans = [m for m in self._spans if isinstance(m, SpanRecord)]
+        done = [m for m in self._spans if not isinstance(m, SpanRecord)]
+        self._spans = []
+        if spans:
+            await self.bus.publish_many(keys.spans_stream(self.run), spans, maxlen=keys.SPANS_MAXLEN)
+        if done:
+            await self.bus.publish_many(keys.events_stream(self.run), done, maxlen=keys.EVENTS_MAXLEN)
+
+
+def tensor_of(msg: StageTensor | GradShard) -> torch.Tensor:
+    return from_blob(msg.tensor)

@@ -1,0 +1,178 @@
+"""stage_worker: lease a slot, build its stage, wait for every peer, train, finish cleanly.
+
+If any peer's lease expires (its process died), this worker publishes `WorkerFailed` naming the
+slot and stops with an error instead of waiting forever for tensors that will never come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from services.stage_worker.lease import Slot, SlotError, SlotLease
+from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.runner import Profile, StageRunner
+from services.stage_worker.trainer import StageTrainer
+from shared import keys
+from shared.bus import Bus, Delivery, Reject
+from shared.config import ClusterSpec
+from shared.health import Heartbeat, instance_id
+from shared.logs import get_logger
+from shared.model import ByteCorpus
+from shared.plan import placement_of, predict, profile_ms
+from shared.policies.bubbles import BubblePredictor
+from shared.settings import Settings
+from shared.tensors import from_blob
+from shared.wire import GradShard, StageTensor, WorkerFailed
+
+SERVICE = "stage_worker"
+#: How long a worker waits for all its peers to lease their slots.
+START_TIMEOUT_S = 180.0
+#: Data seed of the start-up timing probe (kept apart from the training data seed).
+TIMING_SEED = 0x5EED
+
+log = get_logger(__name__)
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    torch.set_num_threads(1)  # several workers share the machine's cores
+    spec, run = settings.spec, settings.run
+    placement_of(spec)  # an infeasible spec fails here, naming the missing GPUs
+    async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
+        lease = SlotLease(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp, holder=instance_id())
+        slot = await lease.acquire()
+        hb = Heartbeat(bus.redis, SERVICE, f"{run}-{slot.name}", lambda: {"run": run, "slot": slot.name})
+        await hb.start()
+        watch = asyncio.create_task(lease.watch(), name="lease")  # renews from now on
+        try:
+            await _train(bus, settings, lease, watch, slot, stop)
+        except SlotError as exc:
+            await bus.publish(
+                keys.events_stream(run),
+                WorkerFailed(run=run, slot=slot.name, reason=str(exc)),
+                maxlen=keys.EVENTS_MAXLEN,
+            )
+            raise
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            await hb.stop()
+            await lease.release()
+
+
+async def _train(
+    bus: Bus, settings: Settings, lease: SlotLease, watch: asyncio.Task[None], slot: Slot, stop: asyncio.Event
+) -> None:
+    spec, run = settings.spec, settings.run
+    corpus = await asyncio.to_thread(ByteCorpus.from_stdlib)
+    trainer = await asyncio.to_thread(StageTrainer, spec, slot.replica, slot.stage, corpus)
+    profile, prior = await asyncio.to_thread(_profile_and_prior, spec, slot, trainer)
+    mailbox = Mailbox()
+
+    async def on_inbox(d: Delivery) -> None:
+        m = d.message
+        if isinstance(m, StageTensor) and m.run == run:
+            mailbox.put((m.what, m.iteration, m.microbatch), from_blob(m.tensor))
+        elif isinstance(m, GradShard) and m.run == run:
+            mailbox.put(("shard", m.iteration, m.replica), from_blob(m.tensor))
+        else:
+            raise Reject(f"a stage worker's inbox takes StageTensor/GradShard of run {run}, got {type(m).__name__}")
+
+    memory = int(spec.device.memory_gib * (1 << 30))
+    runner = StageRunner(
+        bus,
+        spec,
+        run,
+        slot,
+        placement_of(spec),
+        trainer,
+        mailbox,
+        BubblePredictor(prior),
+        profile,
+        free_memory_bytes=max(0, memory - trainer.state_bytes()),
+    )
+    inbox = bus.consumer(keys.inbox(run, slot.replica, slot.stage), "worker", on_inbox, name=slot.name)
+    async with inbox:
+        barrier = asyncio.create_task(lease.wait_for_all(START_TIMEOUT_S), name="barrier")
+        await asyncio.wait({barrier, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done():
+            barrier.cancel()
+            watch.result()  # raises SlotError: our lease was lost during start-up
+        barrier.result()
+        log.info("all slots held; training", slot=slot.name, iterations=spec.training.iterations)
+        tasks = {
+            asyncio.create_task(runner.run_all(), name="train"),
+            watch,
+            asyncio.create_task(stop.wait(), name="stop"),
+            asyncio.create_task(inbox.crashed.wait(), name="inbox"),
+        }
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in pending - {watch}:
+            t.cancel()
+        await asyncio.gather(*(pending - {watch}), return_exceptions=True)
+        first = done.pop()
+        if first.get_name() == "train":
+            first.result()  # re-raise a training error
+            await lease.finish()
+            log.info(
+                "training finished",
+                slot=slot.name,
+                iterations=spec.training.iterations,
+                over_predicted_bubbles=round(runner.predictor.over_predicted_share(), 3),
+            )
+        elif first.get_name() == "lease":
+            first.result()  # raises SlotError naming the slot
+        elif first.get_name() == "inbox":
+            raise RuntimeError(f"inbox consumer crashed: {inbox.error!r}")
+        else:
+            log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
+
+
+def _profile_and_prior(spec: ClusterSpec, slot: Slot, trainer: StageTrainer) -> tuple[Profile, dict[int, float]]:
+    """The device profile, and the analytic model's bubble lengths for this slot (the prediction
+    before any history). Without a profile, per-layer times are measured on this stage."""
+    dev = spec.device
+    prof = profile_ms(spec)
+    if prof is not None:
+        fwd_ms, bwd_ms = prof
+        layers = len(trainer.model.blocks)
+        profile = Profile(
+            fwd=fwd_ms * layers / 1000,
+            bwd=bwd_ms * layers / 1000,
+            allreduce=dev.allreduce_ms / 1000,
+            step=dev.step_ms / 1000,
+        )
+    else:
+        fwd_ms, bwd_ms = _measure_ms_per_layer(trainer)
+        profile = Profile(allreduce=dev.allreduce_ms / 1000)
+    result = predict(spec, fwd_ms, bwd_ms, iterations=2)
+    prior = {
+        b.position: b.length
+        for b in result.bubbles
+        if (b.replica, b.stage, b.iteration) == (slot.replica, slot.stage, 1)
+    }
+    return profile, prior
+
+
+def _measure_ms_per_layer(trainer: StageTrainer, reps: int = 3) -> tuple[float, float]:
+    """Time this stage's forward and backward on a real microbatch (after a warm-up pass)."""
+    cfg = trainer.cfg
+    layers = max(1, len(trainer.model.blocks))
+    fwd, bwd = [], []
+    for i in range(reps + 1):
+        x, _ = trainer.corpus.batch(0, i, trainer.mbs, trainer.seq, seed=TIMING_SEED)  # not a training batch
+        inp: torch.Tensor = (
+            x if trainer.model.is_first else torch.randn(trainer.mbs, trainer.seq, cfg.d_model, requires_grad=True)
+        )
+        t0 = time.perf_counter()
+        out = trainer.model(inp)
+        t1 = time.perf_counter()
+        out.float().mean().backward()
+        t2 = time.perf_counter()
+        if i:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    trainer.model.zero_grad(set_to_none=True)
+    return min(fwd) * 1000 / layers, min(bwd) * 1000 / layers

@@ -1,0 +1,122 @@
+"""`bubbletea train`: one training run over live services (broker + one worker per slot).
+
+Starts the wan_broker and PP x DP stage workers as processes on the given Redis, follows the
+run's events stream until every worker has finished every iteration, then stops the broker.
+A worker that exits with an error or reports `WorkerFailed` ends the run with that reason.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from shared import keys
+from shared.bus import Bus
+from shared.launcher.procs import Proc, ServiceFailed, spawn, stop_all
+from shared.launcher.services import STAGE_WORKER, WAN_BROKER
+from shared.settings import Settings
+from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
+
+#: A run that makes no progress for this long is declared stuck (a generous bound on one iteration).
+STALL_TIMEOUT_S = 300.0
+
+
+@dataclass
+class TrainResult:
+    run: str
+    iterations: int
+    #: per iteration: mean over replicas of the last stage's mean microbatch loss
+    losses: list[float] = field(default_factory=list)
+    #: per iteration: wall time from the previous iteration's end (or the first start) to its end
+    iteration_s: list[float] = field(default_factory=list)
+    lag_ms: float = 0.0
+    links: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def steady_iteration_s(self) -> float:
+        """Median iteration time, leaving out the first (warm-up) iteration when there are several."""
+        times = self.iteration_s[1:] if len(self.iteration_s) > 2 else self.iteration_s
+        return statistics.median(times)
+
+
+async def run_training(
+    settings: Settings, redis_url: str, *, out: TextIO = sys.stdout, progress: bool = True, quiet: bool = False
+) -> TrainResult:
+    spec, run = settings.spec, settings.run
+    env = {
+        "REDIS_URL": redis_url,
+        "BUBBLETEA_CONFIG": str(settings.spec_path),
+        "BUBBLETEA_RUN": run,
+        "BUBBLETEA_LOG_LEVEL": settings.log_level,
+    }
+    workers = spec.parallelism.pp * spec.parallelism.dp
+    procs: list[Proc] = []
+    async with Bus(redis_url, spec.bus, name="train-launcher") as bus:
+        events = keys.events_stream(run)
+        cursor = "0"
+        try:
+            procs.append(await spawn(WAN_BROKER, env, out=out, quiet=quiet))
+            for _ in range(workers):
+                procs.append(await spawn(STAGE_WORKER, env, out=out, quiet=quiet))
+            return await _follow(bus, events, cursor, settings, procs, out if progress else None)
+        finally:
+            await stop_all(procs)
+
+
+async def _follow(
+    bus: Bus, stream: str, cursor: str, settings: Settings, procs: list[Proc], out: TextIO | None
+) -> TrainResult:
+    spec = settings.spec
+    iters, workers = spec.training.iterations, spec.parallelism.pp * spec.parallelism.dp
+    done: dict[int, list[IterationDone]] = {}
+    result = TrainResult(settings.run, iters)
+    last_progress = time.monotonic()
+    while sum(len(v) for v in done.values()) < iters * workers:
+        for p in procs:
+            if p.proc.returncode not in (None, 0):
+                raise ServiceFailed(
+                    f"{p.name} (pid {p.proc.pid}) exited with code {p.proc.returncode}; last output:\n"
+                    + "\n".join(p.tail)
+                )
+        if time.monotonic() - last_progress > STALL_TIMEOUT_S:
+            raise ServiceFailed(f"run {settings.run} made no progress for {STALL_TIMEOUT_S:.0f}s")
+        reply: Any = await bus.redis.xread({stream: cursor}, count=500, block=500)
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                cursor = entry_id.decode()
+                msg = decode(fields[b"m"])
+                if isinstance(msg, WorkerFailed):
+                    raise ServiceFailed(f"worker {msg.slot} failed: {msg.reason}")
+                if isinstance(msg, LinkReport):
+                    result.links[f"{msg.src_dc}->{msg.dst_dc}"] = {
+                        "utilization": msg.utilization,
+                        "late_p99_ms": msg.late_p99_ms,
+                    }
+                if isinstance(msg, IterationDone):
+                    last_progress = time.monotonic()
+                    done.setdefault(msg.iteration, []).append(msg)
+                    if len(done[msg.iteration]) == workers and out is not None:
+                        _print_iteration(out, msg.iteration, done)
+    prev_end = min(m.started for m in done[0])
+    for i in range(iters):
+        recs = done[i]
+        end = max(m.ended for m in recs)
+        result.iteration_s.append(end - prev_end)
+        prev_end = end
+        result.losses.append(statistics.fmean(m.loss for m in recs if m.loss is not None))
+        result.lag_ms += sum(m.lag_ms for m in recs)
+    return result
+
+
+def _print_iteration(out: TextIO, i: int, done: dict[int, list[IterationDone]]) -> None:
+    recs = done[i]
+    losses = [m.loss for m in recs if m.loss is not None]
+    end = max(m.ended for m in recs)
+    start = max(m.ended for m in done[i - 1]) if i > 0 else min(m.started for m in recs)
+    print(
+        f"iteration {i:4d}  loss {statistics.fmean(losses):.4f}  time {(end - start) * 1000:8.1f} ms",
+        file=out,
+        flush=True,
+    )

@@ -1,0 +1,116 @@
+"""From a cluster spec to the analytic pipeline model's inputs, and the `bubbletea plan` report."""
+
+from __future__ import annotations
+
+from shared.config import ClusterSpec
+from shared.model.gpt import split_layers
+from shared.policies.pipeline_model import PipelineInputs, PipelineResult, simulate
+from shared.policies.placement import Placement, place
+from shared.policies.schedules import compute_bubble_fraction
+from shared.policies.wan import LinkModel
+
+#: Bytes per activation element on the wire (float32).
+ACT_ELEMENT_BYTES = 4
+
+
+def placement_of(spec: ClusterSpec) -> Placement:
+    par = spec.parallelism
+    return place([(dc.name, dc.gpus) for dc in spec.datacenters], par.pp, par.dp, par.tp)
+
+
+def activation_bytes(spec: ClusterSpec) -> int:
+    """Bytes of one microbatch's activation (and of its gradient) between two stages."""
+    return spec.training.microbatch_size * spec.model.seq_len * spec.model.d_model * ACT_ELEMENT_BYTES
+
+
+def layers_per_stage(spec: ClusterSpec) -> list[int]:
+    return [b - a for a, b in split_layers(spec.model.layers, spec.parallelism.pp)]
+
+
+def stage_times(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: float) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds per microbatch for each stage."""
+    layers = layers_per_stage(spec)
+    return [n * fwd_ms_per_layer / 1000 for n in layers], [n * bwd_ms_per_layer / 1000 for n in layers]
+
+
+def profile_ms(spec: ClusterSpec) -> tuple[float, float] | None:
+    """(forward, backward) ms per layer per microbatch from the device profile, or None."""
+    dev = spec.device
+    if dev.fwd_ms_per_layer is None:
+        return None
+    return dev.fwd_ms_per_layer, dev.bwd_ms_per_layer or 2 * dev.fwd_ms_per_layer
+
+
+def model_inputs(
+    spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: float, sharing: str | None = None
+) -> PipelineInputs:
+    pl = placement_of(spec)
+    names = [dc.name for dc in spec.datacenters]
+    links = {(a, b): LinkModel.from_params(spec.link(a, b)) for a in names for b in names if a != b}
+    fwd, bwd = stage_times(spec, fwd_ms_per_layer, bwd_ms_per_layer)
+    return PipelineInputs(
+        stages=spec.parallelism.pp,
+        dp=spec.parallelism.dp,
+        microbatches=spec.training.microbatches,
+        schedule=spec.training.schedule,
+        stage_dc=pl.stage_dc,
+        fwd_s=tuple(fwd),
+        bwd_s=tuple(bwd),
+        act_bytes=activation_bytes(spec),
+        links=links,
+        sharing=sharing or spec.wan.sharing,
+        allreduce_s=(spec.device.allreduce_ms / 1000,) * spec.parallelism.pp,
+        step_s=spec.device.step_ms / 1000,
+    )
+
+
+def predict(
+    spec: ClusterSpec,
+    fwd_ms_per_layer: float,
+    bwd_ms_per_layer: float,
+    *,
+    iterations: int = 3,
+    sharing: str | None = None,
+) -> PipelineResult:
+    return simulate(model_inputs(spec, fwd_ms_per_layer, bwd_ms_per_layer, sharing), iterations)
+
+
+def plan_report(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: float, source: str) -> str:
+    """The text `bubbletea plan` prints."""
+    pl = placement_of(spec)
+    lines = [
+        f"cluster {spec.name}: " + ", ".join(f"{dc.name}={dc.gpus} GPUs" for dc in spec.datacenters),
+        f"parallelism PP={spec.parallelism.pp} DP={spec.parallelism.dp} TP={spec.parallelism.tp}, "
+        f"schedule {spec.training.schedule}, {spec.training.microbatches} microbatches, "
+        f"WAN sharing {spec.wan.sharing}",
+        "",
+        "placement:",
+    ]
+    layers = layers_per_stage(spec)
+    for k, dc in enumerate(pl.stage_dc):
+        lines.append(f"  stage {k}: {dc:<10} {layers[k]} layers, replicas 0..{spec.parallelism.dp - 1}")
+    hops = pl.hops()
+    lines.append("cross-DC hops: " + (", ".join(f"stage {k}->{k + 1} ({a}->{b})" for k, a, b in hops) or "none"))
+    act = activation_bytes(spec)
+    for _, a, b in hops:
+        link = LinkModel.from_params(spec.link(a, b))
+        lines.append(
+            f"  {a}->{b}: {link.bandwidth * 8 / 1e9:.2f} Gb/s, {link.latency * 1000:.1f} ms one way, "
+            f"per-transfer cap {link.flow_cap * 8 / 1e9:.2f} Gb/s; one activation ({act / 1e6:.3f} MB) "
+            f"alone takes {link.alone_s(act) * 1000:.2f} ms"
+        )
+    lines += [
+        "",
+        f"analytic model (compute: {source}; fwd {fwd_ms_per_layer:.3f} ms, bwd {bwd_ms_per_layer:.3f} ms "
+        "per layer per microbatch):",
+    ]
+    p, m = spec.parallelism.pp, spec.training.microbatches
+    for sharing in ("fair", "temporal", "fifo"):
+        r = predict(spec, fwd_ms_per_layer, bwd_ms_per_layer, sharing=sharing)
+        mark = "  <- spec" if sharing == spec.wan.sharing else ""
+        lines.append(
+            f"  {sharing:<9} iteration {r.iteration_times[-1] * 1000:9.2f} ms, "
+            f"bubble fraction {r.bubble_fraction():.3f}{mark}"
+        )
+    lines.append(f"  compute-only bubble fraction (p-1)/(m+p-1) = {compute_bubble_fraction(p, m):.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""Bubble length prediction for one worker (pure).
+
+A worker announces each bubble with a predicted length; the dispatcher fills at most that much
+(minus a guard), so over-predicting would delay training. The prediction is therefore
+conservative: the shortest of the last few bubbles seen at the same schedule position. Before any
+history exists it is the analytic pipeline model's length for that position.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+#: How many past bubbles per position the prediction looks at.
+HISTORY = 4
+
+
+@dataclass
+class BubblePredictor:
+    #: schedule position -> bubble length (s) from the analytic model
+    prior: dict[int, float] = field(default_factory=dict)
+    history: int = HISTORY
+    _seen: dict[int, collections.deque[float]] = field(default_factory=dict)
+    #: (predicted - actual) of every observed bubble, seconds; > 0 means over-predicted
+    errors: list[float] = field(default_factory=list)
+
+    def predict(self, position: int) -> float:
+        seen = self._seen.get(position)
+        if seen:
+            return min(seen)
+        return self.prior.get(position, 0.0)
+
+    def observe(self, position: int, predicted: float, actual: float) -> None:
+        self._seen.setdefault(position, collections.deque(maxlen=self.history)).append(actual)
+        self.errors.append(predicted - actual)
+
+    def over_predicted_share(self) -> float:
+        """Share of bubbles whose prediction exceeded the real length."""
+        return sum(e > 0 for e in self.errors) / len(self.errors) if self.errors else 0.0

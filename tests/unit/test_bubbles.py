@@ -1,0 +1,14 @@
+from shared.policies.bubbles import BubblePredictor
+
+
+def test_prior_before_history_then_shortest_recent() -> None:
+    p = BubblePredictor(prior={3: 0.010})
+    assert p.predict(3) == 0.010 and p.predict(7) == 0.0
+    p.observe(3, 0.010, 0.012)
+    p.observe(3, 0.012, 0.009)
+    assert p.predict(3) == 0.009  # conservative: the shortest seen
+    for actual in (0.02, 0.02, 0.02, 0.02):
+        p.observe(3, p.predict(3), actual)
+    assert p.predict(3) == 0.02  # old short ones age out of the window
+    assert p.errors[0] < 0 and p.errors[1] > 0
+    assert 0 < p.over_predicted_share() < 1
