@@ -55,6 +55,9 @@ class SlotLease:
     def _done_key(self, s: Slot) -> str:
         return self._key(s) + ":done"
 
+    def _aborted_key(self, s: Slot) -> str:
+        return self._key(s) + ":aborted"
+
     async def acquire(self) -> Slot:
         for s in self.all_slots:
             if await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
@@ -95,7 +98,13 @@ class SlotLease:
             await self.renew()
             if self.check_peers:
                 for s in await self._missing():
-                    raise SlotError(f"slot {s.name} lost its worker (its lease expired): the run cannot continue")
+                    # A peer that stopped because of another failure left that failure's reason.
+                    why = await self.r.get(self._aborted_key(s))
+                    raise SlotError(
+                        why.decode()
+                        if why
+                        else f"slot {s.name} lost its worker (its lease expired): the run cannot continue"
+                    )
 
     async def _missing(self) -> list[Slot]:
         held = await self.r.mget([self._key(s) for s in self.all_slots])
@@ -107,6 +116,12 @@ class SlotLease:
         if self.slot is not None:
             await self.r.set(self._done_key(self.slot), self.holder, ex=DONE_TTL_S)
             await self.release()
+
+    async def abort(self, reason: str) -> None:
+        """We stop because of `reason` (another slot's failure): leave it for the peers, so they
+        report the original culprit rather than our own departure."""
+        if self.slot is not None:
+            await self.r.set(self._aborted_key(self.slot), reason, ex=DONE_TTL_S)
 
     async def release(self) -> None:
         if self.slot is not None:

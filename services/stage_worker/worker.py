@@ -49,6 +49,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         try:
             await _train(bus, settings, lease, watch, slot, stop)
         except SlotError as exc:
+            await lease.abort(str(exc))
             await bus.publish(
                 keys.events_stream(run),
                 WorkerFailed(run=run, slot=slot.name, reason=str(exc)),

@@ -7,6 +7,7 @@ A worker that exits with an error or reports `WorkerFailed` ends the run with th
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 import time
@@ -108,6 +109,14 @@ async def _follow(
         result.losses.append(statistics.fmean(m.loss for m in recs if m.loss is not None))
         result.lag_ms += sum(m.lag_ms for m in recs)
     return result
+
+
+def _slot_of(p: Proc) -> str:
+    """The slot a worker process leased, from its log ("" if none)."""
+    for line in p.tail:
+        if m := re.search(r"slot leased.*slot=(r\d+s\d+)", line):
+            return f"of slot {m.group(1)} "
+    return ""
 
 
 def _print_iteration(out: TextIO, i: int, done: dict[int, list[IterationDone]]) -> None:

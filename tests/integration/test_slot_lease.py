@@ -1,0 +1,84 @@
+"""Slot leases against a real redis-server: exclusive, renewable, and loss is detected."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+
+from services.stage_worker.lease import Slot, SlotError, SlotLease
+from shared import keys
+
+pytestmark = pytest.mark.integration
+
+
+async def test_every_slot_goes_to_exactly_one_worker(redis: Redis) -> None:
+    leases = [SlotLease(redis, "r1", pp=2, dp=2, holder=f"w{i}") for i in range(4)]
+    slots = [await lease.acquire() for lease in leases]
+    assert sorted((s.replica, s.stage) for s in slots) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with pytest.raises(SlotError, match="all 4 slots of run 'r1'"):
+        await SlotLease(redis, "r1", pp=2, dp=2, holder="w4").acquire()
+    # another run has its own slots
+    assert await SlotLease(redis, "r2", pp=2, dp=2, holder="x").acquire() == Slot(0, 0)
+
+
+async def test_concurrent_acquires_never_share_a_slot(redis: Redis) -> None:
+    leases = [SlotLease(redis, "race", pp=3, dp=3, holder=f"w{i}") for i in range(12)]
+    results = await asyncio.gather(*(lease.acquire() for lease in leases), return_exceptions=True)
+    won = [r for r in results if isinstance(r, Slot)]
+    assert len(won) == 9 and len(set(won)) == 9
+    assert sum(isinstance(r, SlotError) for r in results) == 3
+
+
+async def test_renew_fails_once_the_lease_is_gone_and_a_freed_slot_is_reused(redis: Redis) -> None:
+    a = SlotLease(redis, "r", pp=1, dp=1, holder="a")
+    await a.acquire()
+    await a.renew()
+    assert 0 < await redis.pttl(keys.lease_key("r", 0, 0)) <= keys.LEASE_TTL_MS
+    await redis.delete(keys.lease_key("r", 0, 0))  # as if it expired while the worker was frozen
+    b = SlotLease(redis, "r", pp=1, dp=1, holder="b")
+    assert await b.acquire() == Slot(0, 0)  # a replacement takes the slot over
+    with pytest.raises(SlotError, match="lost the lease of slot r0s0"):
+        await a.renew()
+    await a.release()  # must not delete b's lease
+    assert await redis.get(keys.lease_key("r", 0, 0)) == b"b"
+
+
+async def test_barrier_and_peer_loss(redis: Redis) -> None:
+    a = SlotLease(redis, "p", pp=2, dp=1, holder="a")
+    b = SlotLease(redis, "p", pp=2, dp=1, holder="b")
+    await a.acquire()
+    barrier = asyncio.create_task(a.wait_for_all(timeout_s=10))
+    await b.acquire()
+    await asyncio.wait_for(barrier, 10)
+    alone = SlotLease(redis, "q", pp=2, dp=1, holder="c")
+    await alone.acquire()
+    with pytest.raises(SlotError, match="timed out after 0s waiting for workers of slots r0s1"):
+        await alone.wait_for_all(timeout_s=0)
+    watch = asyncio.create_task(a.watch())
+    await b.release()  # b's process "died": its lease is gone and it left no done marker
+    with pytest.raises(SlotError, match="slot r0s1 lost its worker"):
+        await asyncio.wait_for(watch, 10)
+
+
+async def test_a_finished_peer_is_not_a_failure(redis: Redis) -> None:
+    a = SlotLease(redis, "f", pp=2, dp=1, holder="a")
+    b = SlotLease(redis, "f", pp=2, dp=1, holder="b")
+    await a.acquire()
+    await b.acquire()
+    await a.wait_for_all(timeout_s=5)
+    await b.finish()
+    assert await a._missing() == []
+
+
+async def test_an_aborting_peer_passes_on_the_original_reason(redis: Redis) -> None:
+    a = SlotLease(redis, "c", pp=2, dp=1, holder="a")
+    b = SlotLease(redis, "c", pp=2, dp=1, holder="b")
+    await a.acquire()
+    await b.acquire()
+    await a.wait_for_all(timeout_s=5)
+    await b.abort("slot r9s9 lost its worker (its lease expired): the run cannot continue")
+    await b.release()
+    with pytest.raises(SlotError, match="slot r9s9 lost its worker"):
+        await asyncio.wait_for(a.watch(), 10)
