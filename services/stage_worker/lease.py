@@ -100,11 +100,9 @@ class SlotLease:
                 for s in await self._missing():
                     # A peer that stopped because of another failure left that failure's reason.
                     why = await self.r.get(self._aborted_key(s))
-                    raise SlotError(
-                        why.decode()
-                        if why
-                        else f"slot {s.name} lost its worker (its lease expired): the run cannot continue"
-                    )
+                    if isinstance(why, bytes):
+                        raise SlotError(why.decode())
+                    raise SlotError(f"slot {s.name} lost its worker (its lease expired): the run cannot continue")
 
     async def _missing(self) -> list[Slot]:
         held = await self.r.mget([self._key(s) for s in self.all_slots])

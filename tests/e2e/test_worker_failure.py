@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from redis.asyncio import Redis
 
 from shared import keys
+from shared.bus.connection import blocking_client
 from shared.launcher.procs import spawn, stop_all
 from shared.launcher.services import STAGE_WORKER, WAN_BROKER
 from shared.redis_server import EmbeddedRedis
@@ -39,7 +39,7 @@ async def test_killed_worker_stops_the_run_naming_its_slot(tmp_path: Path, redis
     workers = procs[1:]
     try:
         # wait until training is under way: block on the run's events for a second iteration
-        r = Redis.from_url(redis_server.url, protocol=2)
+        r = blocking_client(redis_server.url)  # no socket timeout cutting the long blocking read
         cursor = "0"
         while True:
             reply = await r.xread({keys.events_stream(env["BUBBLETEA_RUN"]): cursor}, block=120_000)
