@@ -92,6 +92,9 @@ class Transfer(Message, frozen=True, kw_only=True, tag="transfer"):
     priority: tuple[int, ...]
     deliver_to: str
     payload: bytes
+    #: Sender's wall clock (time.time()) when the bytes were ready: the emulated wire starts then,
+    #: not when the request reached the broker (one bus hop later).
+    sent_at: float = 0.0
 
 
 class BubbleStart(Message, frozen=True, kw_only=True, tag="bubble_start"):

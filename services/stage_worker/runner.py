@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
 from shared.policies.schedules import Op, schedule
 from shared.policies.wan import transfer_priority
-from shared.tensors import from_blob, to_blob
+from shared.tensors import to_blob
 from shared.timing import sleep_until
 from shared.wire import (
     BubbleEnd,
@@ -68,6 +68,10 @@ class StageRunner:
     iteration: int = 0
     lag_s: float = 0.0
     _spans: list[Message] = field(default_factory=list)
+    outbox: Outbox = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outbox = Outbox(self.bus)
 
     @property
     def stage(self) -> int:
@@ -97,7 +101,8 @@ class StageRunner:
                     lag_ms=self.lag_s * 1000,
                 )
             )
-            await self._flush_telemetry()
+            self._flush_telemetry()
+            self.outbox.raise_if_failed()
             self.mailbox.forget_before(lambda k, it=it: k[1] >= it)
             log.info(
                 "iteration done",
@@ -227,26 +232,29 @@ class StageRunner:
 
     async def _allreduce(self, it: int) -> None:
         """Average gradients with the DP peers of this stage, summing in replica order everywhere
-        so every replica ends with bit-identical gradients."""
+        so every replica ends with bit-identical gradients. Like a real collective it completes
+        for all peers together: the profiled cost counts from the moment the last shard is in."""
         dp = self.spec.parallelism.dp
         loop = asyncio.get_running_loop()
-        t0, lt0 = time.time(), loop.time()
+        t0 = time.time()
         if dp > 1:
             mine = await asyncio.to_thread(self.trainer.flat_grads)
             shard = GradShard(run=self.run, iteration=it, stage=self.stage, replica=self.replica, tensor=to_blob(mine))
             for peer in range(dp):
                 if peer != self.replica:
-                    await self.bus.publish(keys.inbox(self.run, peer, self.stage), shard)
+                    self.outbox.send(keys.inbox(self.run, peer, self.stage), shard)
             grads = {self.replica: mine}
             for peer in range(dp):
                 if peer != self.replica:
                     grads[peer] = await self.mailbox.take(("shard", it, peer))
+        all_in = loop.time()
+        if dp > 1:
             total = grads[0].clone()
             for peer in range(1, dp):
                 total += grads[peer]
             await asyncio.to_thread(self.trainer.load_grads, total / dp)
         if self.profile.allreduce:
-            await sleep_until(lt0 + self.profile.allreduce)
+            await sleep_until(all_in + self.profile.allreduce)
         self._span("allreduce", it, t0, time.time())
 
     # --- telemetry -------------------------------------------------------------------------
@@ -265,16 +273,52 @@ class StageRunner:
             )
         )
 
-    async def _flush_telemetry(self) -> None:
+    def _flush_telemetry(self) -> None:
         """Spans and the iteration record go out once per iteration, in one round trip each."""
         spans = [m for m in self._spans if isinstance(m, SpanRecord)]
         done = [m for m in self._spans if not isinstance(m, SpanRecord)]
         self._spans = []
         if spans:
-            await self.bus.publish_many(keys.spans_stream(self.run), spans, maxlen=keys.SPANS_MAXLEN)
+            self.outbox.send_many(keys.spans_stream(self.run), spans, maxlen=keys.SPANS_MAXLEN)
         if done:
-            await self.bus.publish_many(keys.events_stream(self.run), done, maxlen=keys.EVENTS_MAXLEN)
+            self.outbox.send_many(keys.events_stream(self.run), done, maxlen=keys.EVENTS_MAXLEN)
 
 
-def tensor_of(msg: StageTensor | GradShard) -> torch.Tensor:
-    return from_blob(msg.tensor)
+class Outbox:
+    """Publishes a worker's messages in order from a background task, so sending a tensor,
+    announcing a bubble or flushing telemetry never delays the computation that follows
+    (training is the owner). A publish failure surfaces at the next iteration boundary."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self._queue: asyncio.Queue[tuple[str, list[Message], int | None]] = asyncio.Queue()
+        self._task = asyncio.create_task(self._drain(), name="outbox")
+
+    def send(self, stream: str, msg: Message) -> None:
+        self._queue.put_nowait((stream, [msg], None))
+
+    def send_many(self, stream: str, msgs: Sequence[Message], *, maxlen: int | None = None) -> None:
+        self._queue.put_nowait((stream, list(msgs), maxlen))
+
+    def raise_if_failed(self) -> None:
+        if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
+            raise RuntimeError("publishing to the bus failed") from self._task.exception()
+
+    async def close(self) -> None:
+        """Send everything queued, then stop."""
+        if not self._task.done():
+            await self._queue.join()
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.raise_if_failed()
+
+    async def _drain(self) -> None:
+        while True:
+            stream, msgs, maxlen = await self._queue.get()
+            try:
+                if len(msgs) == 1 and maxlen is None:
+                    await self.bus.publish(stream, msgs[0])
+                else:
+                    await self.bus.publish_many(stream, msgs, maxlen=maxlen)
+            finally:
+                self._queue.task_done()

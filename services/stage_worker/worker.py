@@ -113,6 +113,7 @@ async def _train(
         for t in pending - {watch}:
             t.cancel()
         await asyncio.gather(*(pending - {watch}), return_exceptions=True)
+        await runner.outbox.close()
         first = done.pop()
         if first.get_name() == "train":
             first.result()  # re-raise a training error

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import statistics
+import time
 from dataclasses import dataclass
 
 from shared.bus import Bus
@@ -53,9 +54,19 @@ class LinkDriver:
             return
         done: asyncio.Future[None] = self.loop.create_future()
         self.pending[msg.transfer_id] = _Pending(msg, done)
-        self.sharing.submit(msg.transfer_id, msg.nbytes, msg.priority, self.now())
+        self.sharing.submit(msg.transfer_id, msg.nbytes, msg.priority, self._start_time(msg))
         self._wake.set()
         await asyncio.shield(done)
+
+    def _start_time(self, msg: Transfer) -> float:
+        """When the transfer entered the wire on the link's clock: the sender's send time (the bus
+        hop to the broker is not part of the emulated WAN), but never before the link's present
+        (the policy's past is settled) and never in the future (clock skew)."""
+        now = self.now()
+        if msg.sent_at <= 0:
+            return now
+        sent = now - max(0.0, time.time() - msg.sent_at)
+        return min(now, max(sent, self.sharing.now))
 
     async def close(self) -> None:
         self._task.cancel()

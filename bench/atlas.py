@@ -1,0 +1,178 @@
+"""Atlas benchmark: live training iteration time versus the analytic pipeline model.
+
+Runs the real services (wan_broker + PP x DP stage workers over a private redis-server) on
+WAN-bound specs with a device profile, so each operation counts for a known time, and compares
+the measured steady iteration time with the analytic model's, side by side in one run:
+
+* ``fair`` versus ``temporal`` sharing (several TCP connections per transfer);
+* one connection versus several (temporal sharing).
+
+    python bench/atlas.py            # 10 iterations per run
+    python bench/atlas.py --quick    # under 60 s
+    python bench/atlas.py --sweep    # DP degree x (transfer time / compute time), fair vs temporal
+
+Prints a table, then one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import uvloop
+import yaml
+
+from shared.launcher.train import run_training
+from shared.plan import activation_bytes, predict, profile_ms
+from shared.redis_server import EmbeddedRedis
+from shared.settings import load_settings
+
+FWD_MS_PER_LAYER = 10.0  # device profile: forward per block per microbatch (backward = 2x)
+
+BASE: dict[str, Any] = {
+    "name": "wan-bound",
+    "datacenters": [{"name": "dc-a", "gpus": 2}, {"name": "dc-b", "gpus": 2}],
+    "wan": {
+        "sharing": "temporal",
+        "default": {"latency_ms": 5.0, "bandwidth_gbps": 0.025, "tcp_window_mib": 4.0, "connections": 8},
+    },
+    "model": {"layers": 4, "d_model": 64, "heads": 4, "seq_len": 64, "vocab": 256, "seed": 0},
+    "parallelism": {"pp": 2, "dp": 2, "tp": 1},
+    "training": {"schedule": "1f1b", "microbatches": 4, "microbatch_size": 4, "iterations": 10, "lr": 3e-4},
+    # The all-reduce and step are profiled too (above their real cost here), so every operation on
+    # the critical path counts for a known time, as on a real accelerator.
+    "device": {"fwd_ms_per_layer": FWD_MS_PER_LAYER, "allreduce_ms": 15.0, "step_ms": 5.0},
+}
+
+
+def variant(
+    *, sharing: str, connections: int = 8, dp: int = 2, ratio: float | None = None, iterations: int = 10
+) -> dict[str, Any]:
+    """The base spec with the given sharing policy, connections, DP degree, and (optionally) a link
+    bandwidth chosen so one activation alone takes `ratio` x one stage's forward time."""
+    spec = copy.deepcopy(BASE)
+    spec["wan"]["sharing"] = sharing
+    spec["wan"]["default"]["connections"] = connections
+    spec["parallelism"]["dp"] = dp
+    # each DC holds exactly one stage's DP group, so every activation crosses the WAN
+    spec["datacenters"] = [{"name": "dc-a", "gpus": dp}, {"name": "dc-b", "gpus": dp}]
+    spec["training"]["iterations"] = iterations
+    if ratio is not None:
+        layers_per_stage = spec["model"]["layers"] // spec["parallelism"]["pp"]
+        fwd_s = FWD_MS_PER_LAYER * layers_per_stage / 1000
+        act = spec["training"]["microbatch_size"] * spec["model"]["seq_len"] * spec["model"]["d_model"] * 4
+        spec["wan"]["default"]["bandwidth_gbps"] = act * 8 / (ratio * fwd_s) / 1e9
+    # Size the TCP window so that ONE connection reaches a quarter of the link (window / RTT) and
+    # the default 8 connections twice the link: the regime where Atlas's extra connections matter.
+    link = spec["wan"]["default"]
+    rtt_s = 2 * link["latency_ms"] / 1000
+    link["tcp_window_mib"] = link["bandwidth_gbps"] * 1e9 / 8 * rtt_s / 4 / (1 << 20)
+    return spec
+
+
+async def measure(spec: dict[str, Any], url: str, tag: str, workdir: Path) -> dict[str, float]:
+    path = workdir / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    settings = load_settings(path, env={"BUBBLETEA_RUN": f"{tag}-{int(time.time() * 1000)}"})
+    result = await run_training(settings, url, out=io.StringIO(), progress=False)
+    measured = result.steady_iteration_s()
+    fwd, bwd = profile_ms(settings.spec) or (FWD_MS_PER_LAYER, 2 * FWD_MS_PER_LAYER)
+    model = predict(settings.spec, fwd, bwd, iterations=settings.spec.training.iterations)
+    analytic = model.iteration_times[-1]
+    late = max((v["late_p99_ms"] for v in result.links.values()), default=0.0)
+    row = {
+        "measured_ms": measured * 1000,
+        "model_ms": analytic * 1000,
+        "error": abs(measured - analytic) / analytic,
+        "broker_late_p99_ms": late,
+        "lag_ms": result.lag_ms,
+        "act_bytes": activation_bytes(settings.spec),
+    }
+    print(
+        f"  {tag:<28} measured {row['measured_ms']:8.1f} ms   model {row['model_ms']:8.1f} ms   "
+        f"error {row['error'] * 100:5.1f}%   broker late p99 {late:.2f} ms",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+async def main_runs(quick: bool) -> dict[str, Any]:
+    iters = 6 if quick else 10
+    with tempfile.TemporaryDirectory() as tmp:
+        async with EmbeddedRedis() as server:
+            print("Atlas: live services vs analytic model (steady iteration time)", file=sys.stderr)
+            fair = await measure(variant(sharing="fair", iterations=iters), server.url, "fair-8conn", Path(tmp))
+            temporal = await measure(
+                variant(sharing="temporal", iterations=iters), server.url, "temporal-8conn", Path(tmp)
+            )
+            one = await measure(
+                variant(sharing="temporal", connections=1, iterations=iters), server.url, "temporal-1conn", Path(tmp)
+            )
+    rows = [fair, temporal, one]
+    return {
+        "iter_ms_fair": round(fair["measured_ms"], 2),
+        "iter_ms_temporal": round(temporal["measured_ms"], 2),
+        "model_iter_ms_fair": round(fair["model_ms"], 2),
+        "model_iter_ms_temporal": round(temporal["model_ms"], 2),
+        "speedup_temporal": round(fair["measured_ms"] / temporal["measured_ms"], 3),
+        "model_speedup_temporal": round(fair["model_ms"] / temporal["model_ms"], 3),
+        "iter_ms_1conn": round(one["measured_ms"], 2),
+        "iter_ms_multiconn": round(temporal["measured_ms"], 2),
+        "model_iter_ms_1conn": round(one["model_ms"], 2),
+        "speedup_multiconn": round(one["measured_ms"] / temporal["measured_ms"], 3),
+        "model_speedup_multiconn": round(one["model_ms"] / temporal["model_ms"], 3),
+        "model_error_max": round(max(r["error"] for r in rows), 4),
+        "broker_late_p99_ms": round(max(r["broker_late_p99_ms"] for r in rows), 3),
+        "iterations": iters,
+    }
+
+
+async def main_sweep(quick: bool) -> dict[str, Any]:
+    iters = 5 if quick else 8
+    table = []
+    with tempfile.TemporaryDirectory() as tmp:
+        async with EmbeddedRedis() as server:
+            for dp in (1, 2, 4):
+                for ratio in (0.5, 1.0, 2.0):
+                    row: dict[str, Any] = {"dp": dp, "ratio": ratio}
+                    for sharing in ("fair", "temporal"):
+                        r = await measure(
+                            variant(sharing=sharing, dp=dp, ratio=ratio, iterations=iters),
+                            server.url,
+                            f"sweep-dp{dp}-r{ratio}-{sharing}",
+                            Path(tmp),
+                        )
+                        row[f"{sharing}_ms"], row[f"{sharing}_model_ms"] = r["measured_ms"], r["model_ms"]
+                    row["speedup"] = row["fair_ms"] / row["temporal_ms"]
+                    row["model_speedup"] = row["fair_model_ms"] / row["temporal_model_ms"]
+                    table.append(row)
+    print("\n| DP | transfer/compute | fair ms (model) | temporal ms (model) | speedup (model) |", file=sys.stderr)
+    print("|---|---|---|---|---|", file=sys.stderr)
+    for r in table:
+        print(
+            f"| {r['dp']} | {r['ratio']} | {r['fair_ms']:.1f} ({r['fair_model_ms']:.1f}) | "
+            f"{r['temporal_ms']:.1f} ({r['temporal_model_ms']:.1f}) | {r['speedup']:.2f} ({r['model_speedup']:.2f}) |",
+            file=sys.stderr,
+        )
+    errors = [abs(r[f"{s}_ms"] - r[f"{s}_model_ms"]) / r[f"{s}_model_ms"] for r in table for s in ("fair", "temporal")]
+    return {
+        "sweep": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in table],
+        "model_error_max": round(max(errors), 4),
+    }
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer iterations; the main runs finish in under 60 s")
+    ap.add_argument("--sweep", action="store_true", help="DP x transfer/compute sweep of fair vs temporal (minutes)")
+    args = ap.parse_args()
+    out = uvloop.run(main_sweep(args.quick) if args.sweep else main_runs(args.quick))
+    print(json.dumps(out))
