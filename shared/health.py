@@ -87,3 +87,10 @@ async def live_instances(r: Redis) -> list[dict[str, Any]]:
         if raw:
             out.append(json.loads(raw))
     return sorted(out, key=lambda d: (d["service"], d["instance"]))
+
+
+async def wait_live(r: Redis, service: str, timeout_s: float) -> None:
+    """Wait until `service` has a live heartbeat; TimeoutError after `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        while not [i for i in await live_instances(r) if i["service"] == service]:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # heartbeats are keys with TTLs: there is no event to wait on

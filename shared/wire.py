@@ -78,6 +78,9 @@ class GradShard(Message, frozen=True, kw_only=True, tag="grad_shard"):
     stage: int
     replica: int
     tensor: TensorBlob
+    #: Wall clock (time.time()) when this replica reached the all-reduce: every peer ends the
+    #: collective at the same instant, max(ready_at) + its profiled cost.
+    ready_at: float = 0.0
 
 
 class Transfer(Message, frozen=True, kw_only=True, tag="transfer"):

@@ -146,11 +146,10 @@ class StageRunner:
     async def _compute(
         self, kind: str, it: int, mb: int, target: float | None, fn: Callable[..., Any], *args: Any
     ) -> Any:
-        loop = asyncio.get_running_loop()
-        t0, lt0 = time.time(), loop.time()
+        t0, lt0 = time.time(), time.monotonic()
         result = await asyncio.to_thread(fn, *args)
         if target is not None:
-            spent = loop.time() - lt0
+            spent = time.monotonic() - lt0
             if spent < target:
                 await sleep_until(lt0 + target)  # count for the profiled time
             else:
@@ -232,29 +231,31 @@ class StageRunner:
 
     async def _allreduce(self, it: int) -> None:
         """Average gradients with the DP peers of this stage, summing in replica order everywhere
-        so every replica ends with bit-identical gradients. Like a real collective it completes
-        for all peers together: the profiled cost counts from the moment the last shard is in."""
+        so every replica ends with bit-identical gradients. Like a real collective it ends for all
+        peers at the same instant: the latest peer's arrival plus the profiled cost (the peers'
+        wall clocks are one machine's, or NTP-synchronised)."""
         dp = self.spec.parallelism.dp
-        loop = asyncio.get_running_loop()
         t0 = time.time()
+        ready = {self.replica: t0}
         if dp > 1:
             mine = await asyncio.to_thread(self.trainer.flat_grads)
-            shard = GradShard(run=self.run, iteration=it, stage=self.stage, replica=self.replica, tensor=to_blob(mine))
+            shard = GradShard(
+                run=self.run, iteration=it, stage=self.stage, replica=self.replica, tensor=to_blob(mine), ready_at=t0
+            )
             for peer in range(dp):
                 if peer != self.replica:
                     self.outbox.send(keys.inbox(self.run, peer, self.stage), shard)
             grads = {self.replica: mine}
             for peer in range(dp):
                 if peer != self.replica:
-                    grads[peer] = await self.mailbox.take(("shard", it, peer))
-        all_in = loop.time()
-        if dp > 1:
+                    grads[peer], ready[peer] = await self.mailbox.take(("shard", it, peer))
             total = grads[0].clone()
             for peer in range(1, dp):
                 total += grads[peer]
             await asyncio.to_thread(self.trainer.load_grads, total / dp)
         if self.profile.allreduce:
-            await sleep_until(all_in + self.profile.allreduce)
+            done_wall = max(ready.values()) + self.profile.allreduce
+            await sleep_until(time.monotonic() + (done_wall - time.time()))
         self._span("allreduce", it, t0, time.time())
 
     # --- telemetry -------------------------------------------------------------------------

@@ -77,7 +77,7 @@ async def _train(
         if isinstance(m, StageTensor) and m.run == run:
             mailbox.put((m.what, m.iteration, m.microbatch), from_blob(m.tensor))
         elif isinstance(m, GradShard) and m.run == run:
-            mailbox.put(("shard", m.iteration, m.replica), from_blob(m.tensor))
+            mailbox.put(("shard", m.iteration, m.replica), (from_blob(m.tensor), m.ready_at))
         else:
             raise Reject(f"a stage worker's inbox takes StageTensor/GradShard of run {run}, got {type(m).__name__}")
 

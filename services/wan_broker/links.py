@@ -35,7 +35,7 @@ class LinkDriver:
     def __init__(self, bus: Bus, src: str, dst: str, model: LinkModel, policy: str) -> None:
         self.bus, self.src, self.dst, self.model = bus, src, dst, model
         self.loop = asyncio.get_running_loop()
-        self.origin = self.loop.time()
+        self.origin = time.monotonic()  # not loop.time(): uvloop's clock has millisecond steps
         self.sharing = LinkSharing(model, policy)
         self.pending: dict[str, _Pending] = {}
         #: Delivery time minus the policy's arrival time (ms), recent deliveries.
@@ -45,7 +45,7 @@ class LinkDriver:
         self._task = asyncio.create_task(self._run(), name=f"link:{src}->{dst}")
 
     def now(self) -> float:
-        return self.loop.time() - self.origin
+        return time.monotonic() - self.origin
 
     async def carry(self, msg: Transfer) -> None:
         """Submit a transfer; return once its payload has been delivered (so the caller acks then)."""
