@@ -15,7 +15,6 @@ import contextlib
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from shared.lifetime import die_with_parent
 from shared.logs import get_logger
 
 log = get_logger(__name__)
@@ -122,7 +122,7 @@ class EmbeddedRedis:
         else:
             args += ["--appendonly", "no"]
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, start_new_session=True
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, start_new_session=True
         )
         atexit.register(self.stop)
         try:
@@ -168,13 +168,3 @@ class EmbeddedRedis:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         await asyncio.to_thread(self.stop)
-
-
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM us if the parent dies, so no redis outlives a crash."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

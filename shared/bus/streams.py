@@ -60,7 +60,9 @@ async def safe_trim_point(r: Redis, stream: str) -> tuple[int, int] | None:
         needed.append((ms, seq + 1))
         if g["pending"]:
             summary = await r.xpending(stream, g["name"])
-            needed.append(parse_id(summary["min"]))
+            # XINFO and XPENDING are two calls: the entries may have been acked in between.
+            if summary["min"] is not None:
+                needed.append(parse_id(summary["min"]))
     return min(needed)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from shared.launcher.services import ServiceDef, command
+from shared.lifetime import die_with_parent
 from shared.logs import get_logger
 
 log = get_logger(__name__)
@@ -51,6 +52,7 @@ async def spawn(svc: ServiceDef, env: dict[str, str], *, out: object = sys.stdou
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     p = Proc(svc, proc)
     p.pump = asyncio.create_task(_pump(p, out, quiet))

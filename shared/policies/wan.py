@@ -92,8 +92,11 @@ class LinkStats:
     transfers: int = 0
 
 
-# Bytes below this count as done: rates times float times leave crumbs like 1e-9 of a byte.
+# A flow is done when fewer bytes than this remain, or less than _EPS_S of sending: rates times
+# float times leave crumbs, and far from t=0 a crumb's duration is below the clock's resolution
+# (now + 1e-15 == now at t=15 s), which would otherwise stall the clock forever.
 _EPS_BYTES = 1e-6
+_EPS_S = 1e-9
 
 
 @dataclass
@@ -161,7 +164,7 @@ class LinkSharing:
                 f.remaining -= f.rate * dt
         self.now = t
         for f in list(self._flows.values()):
-            if f.rate > 0 and f.remaining <= _EPS_BYTES:
+            if f.rate > 0 and _is_done(f):
                 self._complete(f)
 
     def _finish_empty(self) -> None:
@@ -202,6 +205,10 @@ class LinkSharing:
                 f.started = self.now
             elif f.rate == 0 and not _has_sent(f):
                 f.started = None  # queued again before its first byte left
+
+
+def _is_done(f: _Flow) -> bool:
+    return f.remaining <= _EPS_BYTES or f.remaining <= f.rate * _EPS_S
 
 
 def _has_sent(f: _Flow) -> bool:

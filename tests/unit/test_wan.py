@@ -111,3 +111,15 @@ def test_misuse_is_refused() -> None:
         link.advance(0.5)
     with pytest.raises(ValueError, match="unknown sharing policy"):
         LinkSharing(LINK, "greedy")
+
+
+def test_large_transfers_far_from_time_zero_terminate() -> None:
+    """Regression: at t ~ 15 s a 33 MB transfer's last crumb lasts less than the clock's resolution."""
+    link = LinkSharing(LinkModel.from_params(LinkParams(latency_ms=40, bandwidth_gbps=10, connections=8)), "fair")
+    t = 15.705792458087393
+    for i in range(8):
+        link.submit(f"a{i}", 33_554_432, (i,), t + i * 1e-3)
+    done: list[Sent] = []
+    while (nxt := link.next_tx_end()) is not None:
+        done += link.advance(nxt)
+    assert len(done) == 8 and link.in_flight() == 0
