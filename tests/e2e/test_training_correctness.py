@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import io
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import yaml
+from redis.asyncio import Redis
 
+from shared import keys
 from shared.launcher.train import run_training
 from shared.model import ByteCorpus, GPTConfig, train_reference
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
+from shared.wire import BubbleEnd, BubbleStart, SpanRecord, decode
 
 pytestmark = pytest.mark.e2e
 
@@ -60,3 +64,31 @@ async def test_pipeline_losses_match_single_process_training(
     assert len(result.losses) == len(expected) == 5
     assert result.losses == pytest.approx(expected, abs=1e-5)
     assert expected[-1] < expected[0]  # it really trains
+    await check_telemetry(redis_server.url, settings.run, spec.training.iterations, spec.training.microbatches)
+
+
+async def check_telemetry(url: str, run: str, iterations: int, microbatches: int) -> None:
+    """The run published its timeline and announced its bubbles with predictions."""
+    r = Redis.from_url(url, protocol=2)
+    spans = [decode(f[b"m"]) for _, f in await r.xrange(keys.spans_stream(run))]
+    bubbles = [decode(f[b"m"]) for _, f in await r.xrange(keys.bubbles_stream(run))]
+    await r.aclose()
+    workers = {(s.replica, s.stage) for s in spans if isinstance(s, SpanRecord)}
+    assert workers == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for w in workers:
+        kinds = Counter(s.span for s in spans if isinstance(s, SpanRecord) and (s.replica, s.stage) == w)
+        assert kinds["fwd"] == kinds["bwd"] == iterations * microbatches
+        assert kinds["allreduce"] == kinds["step"] == iterations
+    starts = [b for b in bubbles if isinstance(b, BubbleStart)]
+    ends = [b for b in bubbles if isinstance(b, BubbleEnd)]
+    assert starts and len(starts) == len(ends)
+    # stage 1 always waits for its first activation: a bubble at position 0 in every iteration
+    assert {b.iteration for b in starts if b.stage == 1 and b.position == 0} == set(range(iterations))
+    for b in starts:
+        assert b.free_memory_bytes > 0 and b.dc in ("dc-a", "dc-b") and b.predicted_ms >= 0
+    for e in ends:
+        assert e.actual_ms > 0
+    # later iterations predict from history: the prediction equals an earlier bubble's length
+    later = [e for e in ends if e.iteration >= 2 and e.stage == 1 and e.position == 0]
+    history = {round(e.actual_ms, 6) for e in ends if e.stage == 1 and e.position == 0}
+    assert later and all(round(e.predicted_ms, 6) in history for e in later)
