@@ -121,6 +121,8 @@ class BubbleTea(_Spec, frozen=True):
 
 
 class Prefill(_Spec, frozen=True):
+    #: The model id clients name (`model` in the OpenAI API; listed by GET /v1/models).
+    model_name: Annotated[str, Meta(min_length=1, max_length=128)] = "bubbletea-gpt"
     model: ModelSpec = ModelSpec()
     #: Local checkpoint file (e.g. one the training job saved); None = seeded initialisation.
     checkpoint: str | None = None

@@ -86,3 +86,37 @@ def lease_key(run: str, replica: int, stage: int) -> str:
 #: two missed renewals (a long GC pause, a slow Redis) are survived.
 LEASE_TTL_MS = 3_000
 LEASE_RENEW_S = 1.0
+
+
+# --- the serving plane ------------------------------------------------------------------------
+
+#: Accepted prefill requests, from every prefill_queue instance to the dispatcher.
+PREFILL_REQUESTS_STREAM = f"{PREFIX}:prefill:requests"
+
+
+def prefill_results_stream(instance: str) -> str:
+    """Where the answers to one prefill_queue instance's requests are delivered."""
+    return f"{PREFIX}:prefill:results:{instance}"
+
+
+def prefill_result_key(request_id: str) -> str:
+    """The stored answer to a request, for GET /v1/prefill/{id} from any instance."""
+    return f"{PREFIX}:prefill:result:{request_id}"
+
+
+def prefill_status_key(request_id: str) -> str:
+    """A request's status while it has no answer yet ("queued")."""
+    return f"{PREFIX}:prefill:status:{request_id}"
+
+
+def idempotency_key(key: str) -> str:
+    """Maps a client's Idempotency-Key to the request id it created."""
+    return f"{PREFIX}:prefill:idem:{key}"
+
+
+#: Requests accepted and not yet answered, across all instances (admission control).
+PREFILL_INFLIGHT_KEY = f"{PREFIX}:prefill:inflight"
+
+#: Answers, statuses and idempotency keys live a day: long enough for any client to collect them,
+#: bounded so an abandoned request's records do not accumulate forever.
+PREFILL_RECORD_TTL_S = 86_400

@@ -9,6 +9,7 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``BUBBLETEA_HTTP_HOST`` / ``BUBBLETEA_HTTP_PORT``  override ``http.host`` / ``http.port``
 ``BUBBLETEA_LOG_LEVEL`` DEBUG, INFO (default), WARNING or ERROR
 ``BUBBLETEA_RUN``      the training run id that scopes streams and leases (default ``run``)
+``BUBBLETEA_API_KEY``  if set, the prefill API requires ``Authorization: Bearer <key>``
 =====================  ==========================================================================
 """
 
@@ -36,6 +37,7 @@ class Settings:
     redis_url: str | None = None
     log_level: str = "INFO"
     run: str = "run"
+    api_key: str | None = None
 
     def require_redis_url(self) -> str:
         """The bus URL for a service process; services never start a private Redis of their own."""
@@ -70,4 +72,5 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     run = env.get("BUBBLETEA_RUN", "run")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", run):
         raise ConfigError(f"BUBBLETEA_RUN: letters, digits, '.', '_' and '-' only (1-64 chars), got {run!r}")
-    return Settings(spec=spec, spec_path=path, redis_url=url, log_level=level, run=run)
+    api_key = env.get("BUBBLETEA_API_KEY") or None
+    return Settings(spec=spec, spec_path=path, redis_url=url, log_level=level, run=run, api_key=api_key)

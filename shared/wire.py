@@ -170,6 +170,44 @@ class LinkReport(Message, frozen=True, kw_only=True, tag="link_report"):
     late_p99_ms: float  # delivery time minus the policy's arrival time, 99th percentile
 
 
+# --- serving plane ---------------------------------------------------------------------------
+
+
+class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill_request"):
+    """A validated prompt accepted by prefill_queue, on its way to the dispatcher."""
+
+    id: str
+    model: str
+    tokens: tuple[int, ...]
+    temperature: float = 0.0
+    seed: int | None = None
+    logprobs: int = 0  # how many top alternatives to return (0 = only the chosen token's)
+    user: str = ""
+    submitted: float  # wall clock (time.time())
+    deadline: float | None = None  # wall clock; past it the request fails explicitly
+    reply_to: str  # the accepting prefill_queue instance's results stream
+
+
+class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
+    """The final answer to a PrefillRequest: the first token (ok) or why it failed."""
+
+    id: str
+    ok: bool
+    error: str = ""
+    token: int = -1
+    text: str = ""
+    logprob: float = 0.0
+    top: tuple[tuple[int, float], ...] = ()
+    prompt_tokens: int = 0
+    kv_key: str = ""  # where the KV cache is stored (a Redis key), for a decode service
+    kv_bytes: int = 0
+    kv_expires_at: float = 0.0  # wall clock
+    worker: str = ""
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    finished: float = 0.0  # wall clock
+
+
 #: Every kind the bus can carry. New kinds are added here, so this union is the wire's index.
 AnyMessage = (
     Ping
@@ -183,6 +221,8 @@ AnyMessage = (
     | IterationDone
     | WorkerFailed
     | LinkReport
+    | PrefillRequest
+    | PrefillResult
 )
 
 _encoder: Final = msgspec.msgpack.Encoder()

@@ -1,12 +1,16 @@
-"""The prefill_queue app: `create_app(settings)` builds it; tests drive it through aiohttp_client.
+"""The prefill_queue app: `create_app(settings)` builds it; tests drive it through aiohttp's test client.
 
-Foundation scope: `/health` and `/metrics`, the bus connection and the heartbeat. The prefill API
-(OpenAI-compatible and native) is added on top of this skeleton.
+Routes: the OpenAI-compatible ``POST /v1/completions`` (prefill only), the native asynchronous
+``POST /v1/prefill`` and ``GET /v1/prefill/{id}``, ``GET /v1/models``, ``/health``, ``/ready``,
+``/metrics`` and ``/openapi.json``. Accepted requests go to the request stream; answers come
+back on this instance's results stream (see `shared.serving`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -14,19 +18,28 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.prefill_queue import api, openapi
 from services.prefill_queue.metrics import Metrics
-from shared.bus import Bus
+from services.prefill_queue.state import (
+    BUS,
+    INSTANCE,
+    METRICS,
+    SETTINGS,
+    STARTED,
+    WAITERS,
+    Waiters,
+    instance_results_stream,
+)
+from services.prefill_queue.validation import BadRequest
+from shared import serving
+from shared.bus import Bus, Delivery, Reject
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.health import Heartbeat, instance_id
+from shared.health import Heartbeat, instance_id, live_instances
 from shared.logs import get_logger
 from shared.settings import Settings
+from shared.wire import PrefillResult
 
 SERVICE = "prefill_queue"
-SETTINGS = web.AppKey("settings", Settings)
-BUS = web.AppKey("bus", Bus)
-METRICS = web.AppKey("metrics", Metrics)
-STARTED = web.AppKey("started", float)
-
 #: /health answers 503 if Redis does not answer a PING within this time.
 HEALTH_REDIS_TIMEOUT_S = 1.0
 
@@ -35,15 +48,25 @@ log = get_logger(__name__)
 
 def create_app(settings: Settings) -> web.Application:
     app = web.Application(
-        client_max_size=settings.spec.prefill.max_body_bytes, middlewares=[_json_errors, _count_requests]
+        client_max_size=settings.spec.prefill.max_body_bytes,
+        middlewares=[_request_id, _json_errors, _count_requests, _api_key],
     )
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app[STARTED] = time.time()
+    app[WAITERS] = Waiters()
+    app[INSTANCE] = f"{instance_id()}-{secrets.token_hex(3)}"
     app.cleanup_ctx.append(_bus_ctx)
     app.cleanup_ctx.append(_heartbeat_ctx)
+    app.cleanup_ctx.append(_results_ctx)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/prefill", api.submit)
+    app.router.add_get("/v1/prefill/{id}", api.status)
+    app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_json)
     return app
 
 
@@ -58,15 +81,43 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _heartbeat_ctx(app: web.Application) -> AsyncIterator[None]:
-    hb = Heartbeat(app[BUS].redis, SERVICE, instance_id(), lambda: {})
+    hb = Heartbeat(app[BUS].redis, SERVICE, app[INSTANCE], lambda: {"waiting": len(app[WAITERS])})
     await hb.start()
     yield
     await hb.stop()
 
 
+async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Answers to this instance's requests wake the waiting HTTP handlers."""
+    m = app[METRICS]
+
+    async def on_result(d: Delivery) -> None:
+        r = d.message
+        if not isinstance(r, PrefillResult):
+            raise Reject(f"results stream takes PrefillResult, got {type(r).__name__}")
+        m.requests.labels("success" if r.ok else "failed").inc()
+        if r.ok:
+            m.queue_time.observe(r.queue_ms / 1000)
+            m.prefill_time.observe(r.prefill_ms / 1000)
+        app[WAITERS].deliver(r)
+
+    consumer = app[BUS].consumer(instance_results_stream(app), SERVICE, on_result, name=app[INSTANCE])
+    async with consumer:
+        yield
+
+
 # --- middlewares ---------------------------------------------------------------------------
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _request_id(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Echo the client's X-Request-Id (or give one), on every response."""
+    rid = request.headers.get("X-Request-Id") or secrets.token_hex(8)
+    resp = await handler(request)
+    resp.headers["X-Request-Id"] = rid
+    return resp
 
 
 @web.middleware
@@ -81,6 +132,9 @@ async def _count_requests(request: web.Request, handler: Handler) -> web.StreamR
     except web.HTTPException as exc:
         status = exc.status
         raise
+    except BadRequest as exc:
+        status = exc.status
+        raise
     finally:
         m = request.app[METRICS]
         m.http_requests.labels(route, request.method, str(status)).inc()
@@ -88,18 +142,32 @@ async def _count_requests(request: web.Request, handler: Handler) -> web.StreamR
 
 
 @web.middleware
+async def _api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[SETTINGS].api_key
+    if key and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise BadRequest(
+                "missing or wrong API key: send 'Authorization: Bearer <key>'", status=401, type_="authentication_error"
+            )
+    return await handler(request)
+
+
+@web.middleware
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error is JSON in the OpenAI error shape, so clients parse one format."""
     try:
         return await handler(request)
+    except BadRequest as exc:
+        headers = {"Retry-After": str(api.RETRY_AFTER_S)} if exc.status == 429 else None
+        return error_response(exc.status, exc.message, type_=exc.type, param=exc.param, headers=headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(
-            exc.status,
-            exc.reason if exc.text is None or exc.text.startswith(str(exc.status)) else exc.text,
-            headers=exc.headers,
-        )
+        message = exc.reason if exc.text is None or exc.text.startswith(str(exc.status)) else exc.text
+        if exc.status == 413:
+            message = f"the request body is larger than {request.app[SETTINGS].spec.prefill.max_body_bytes} bytes"
+        return error_response(exc.status, message, headers=exc.headers)
 
 
 def error_response(
@@ -110,23 +178,49 @@ def error_response(
     return web.json_response(body, status=status, headers=hdrs)
 
 
-# --- handlers ------------------------------------------------------------------------------
+# --- operational endpoints -----------------------------------------------------------------
+
+
+async def _redis_ok(app: web.Application) -> str | None:
+    """None if Redis answers a PING in time, else the reason."""
+    try:
+        async with asyncio.timeout(HEALTH_REDIS_TIMEOUT_S):  # not wait_for: see shared/bus/connection.py
+            await app[BUS].redis.ping()
+    except TRANSIENT_ERRORS as exc:  # includes TimeoutError
+        app[METRICS].redis_up.set(0)
+        return repr(exc)
+    app[METRICS].redis_up.set(1)
+    return None
 
 
 async def health(request: web.Request) -> web.Response:
     """200 when this process can reach Redis; 503 (with the reason) when it cannot."""
     app = request.app
     body: dict[str, Any] = {"service": SERVICE, "uptime_s": round(time.time() - app[STARTED], 3)}
-    try:
-        async with asyncio.timeout(HEALTH_REDIS_TIMEOUT_S):  # not wait_for: see shared/bus/connection.py
-            await app[BUS].redis.ping()
-    except TRANSIENT_ERRORS as exc:  # includes TimeoutError
-        app[METRICS].redis_up.set(0)
-        return web.json_response({**body, "status": "unavailable", "redis": repr(exc)}, status=503)
-    app[METRICS].redis_up.set(1)
+    problem = await _redis_ok(app)
+    if problem is not None:
+        return web.json_response({**body, "status": "unavailable", "redis": problem}, status=503)
     return web.json_response({**body, "status": "ok", "redis": "ok"})
 
 
+async def ready(request: web.Request) -> web.Response:
+    """200 when requests can be served: Redis answers and a dispatcher is alive to take them."""
+    app = request.app
+    problem = await _redis_ok(app)
+    if problem is None and not [i for i in await live_instances(app[BUS].redis) if i["service"] == "dispatcher"]:
+        problem = "no dispatcher is running: requests would wait in the queue"
+    if problem is not None:
+        return web.json_response({"status": "not ready", "reason": problem}, status=503)
+    return web.json_response({"status": "ready"})
+
+
 async def metrics(request: web.Request) -> web.Response:
-    data = generate_latest(request.app[METRICS].registry)
-    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    m = request.app[METRICS]
+    with contextlib.suppress(*TRANSIENT_ERRORS):  # if Redis is down the gauge keeps its last value
+        m.waiting.set(await serving.inflight(request.app[BUS].redis))
+    return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    p = request.app[SETTINGS].spec.prefill
+    return web.json_response(openapi.spec(p.model_name, p.max_prompt_tokens))

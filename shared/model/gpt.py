@@ -67,6 +67,22 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
         return self.c_proj(y)  # (B, T, C)
 
+    def forward_kv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward(x)` plus this layer's keys and values, for a KV cache.
+
+        Returns ``(y, k, v)``: `y` is bit-identical to ``forward(x)`` (same operations on the same
+        views), `k` and `v` are contiguous copies of shape (B, heads, T, head_dim), so keeping them
+        does not keep the whole (B, T, 3C) projection alive.
+        """
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
+        return self.c_proj(y), k.contiguous(), v.contiguous()  # (B, T, C), 2 x (B, nh, T, hs)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
@@ -92,6 +108,12 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
+
+    def forward_kv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward(x)` (bit-identical) plus the attention's k and v, each (B, heads, T, head_dim)."""
+        y, k, v = self.attn.forward_kv(self.ln_1(x))  # (B, T, C), 2 x (B, nh, T, hs)
+        x = x + y  # (B, T, C)
+        return x + self.mlp(self.ln_2(x)), k, v  # (B, T, C), 2 x (B, nh, T, hs)
 
 
 def split_layers(layers: int, stages: int) -> list[tuple[int, int]]:

@@ -1,0 +1,178 @@
+"""The prefill API handlers: OpenAI-compatible completions (prefill only) and the native async API."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Any
+
+from aiohttp import web
+
+from services.prefill_queue.state import BUS, METRICS, SETTINGS, WAITERS, instance_results_stream
+from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_completion, parse_native
+from shared import keys, serving
+from shared.wire import PrefillRequest, PrefillResult
+
+#: How long a 429 tells the client to wait before retrying: about one pipeline iteration.
+RETRY_AFTER_S = 1
+
+
+def limits(app: web.Application) -> Limits:
+    spec = app[SETTINGS].spec
+    return Limits(
+        model=spec.prefill.model_name,
+        vocab=spec.prefill.model.vocab,
+        max_prompt_tokens=spec.prefill.max_prompt_tokens,
+        default_timeout_s=spec.prefill.request_timeout_s,
+    )
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _enqueue(request: web.Request, parsed: ParsedRequest, request_id: str) -> PrefillRequest:
+    app = request.app
+    now = time.time()
+    req = PrefillRequest(
+        id=request_id,
+        model=parsed.model,
+        tokens=parsed.tokens,
+        temperature=parsed.temperature,
+        seed=parsed.seed,
+        logprobs=parsed.logprobs,
+        user=parsed.user,
+        submitted=now,
+        deadline=now + parsed.timeout_s,
+        reply_to=instance_results_stream(app),
+    )
+    if not await serving.accept(app[BUS].redis, req, app[SETTINGS].spec.prefill.max_queue_depth):
+        app[METRICS].requests.labels("rejected").inc()
+        raise BadRequest(
+            f"the queue is full ({app[SETTINGS].spec.prefill.max_queue_depth} requests waiting); "
+            f"retry after {RETRY_AFTER_S}s",
+            status=429,
+            type_="rate_limit_error",
+        )
+    return req
+
+
+async def completions(request: web.Request) -> web.Response:
+    """POST /v1/completions: waits for the first token and answers in the OpenAI completion shape."""
+    app = request.app
+    parsed = parse_completion(await _json(request), limits(app))
+    request_id = f"cmpl-{secrets.token_hex(12)}"
+    waiter = app[WAITERS].expect(request_id)
+    try:
+        req = await _enqueue(request, parsed, request_id)
+        try:
+            async with asyncio.timeout(parsed.timeout_s):
+                result = await waiter
+        except TimeoutError:
+            app[METRICS].requests.labels("timeout").inc()
+            raise BadRequest(
+                f"no result within {parsed.timeout_s:.0f}s; the request is still queued: GET /v1/prefill/{request_id}",
+                status=504,
+                type_="timeout_error",
+            ) from None
+    finally:
+        app[WAITERS].forget(request_id)
+    return web.json_response(openai_body(req, result, app[SETTINGS].spec.prefill.model_name))
+
+
+async def submit(request: web.Request) -> web.Response:
+    """POST /v1/prefill: 202 with an id at once; the same Idempotency-Key always returns the same id."""
+    app = request.app
+    parsed = parse_native(await _json(request), limits(app))
+    request_id = f"pf-{secrets.token_hex(12)}"
+    idem = request.headers.get("Idempotency-Key")
+    if idem is not None:
+        if not 1 <= len(idem) <= 200:
+            raise BadRequest("the Idempotency-Key header must be 1-200 characters", param="Idempotency-Key")
+        key = keys.idempotency_key(idem)
+        if not await app[BUS].redis.set(key, request_id, nx=True, ex=keys.PREFILL_RECORD_TTL_S):
+            existing: Any = await app[BUS].redis.get(key)
+            return web.json_response(
+                {"id": existing.decode(), "status": "duplicate"},
+                status=200,
+                headers={"Location": f"/v1/prefill/{existing.decode()}"},
+            )
+    try:
+        await _enqueue(request, parsed, request_id)
+    except BadRequest:
+        if idem is not None:
+            await app[BUS].redis.delete(keys.idempotency_key(idem))
+        raise
+    return web.json_response(
+        {"id": request_id, "status": "queued"}, status=202, headers={"Location": f"/v1/prefill/{request_id}"}
+    )
+
+
+async def status(request: web.Request) -> web.Response:
+    """GET /v1/prefill/{id}: queued, done (with the result) or failed (with the reason)."""
+    request_id = request.match_info["id"]
+    found = await serving.lookup(request.app[BUS].redis, request_id)
+    if found is None:
+        raise BadRequest(
+            f"no request {request_id!r} (unknown, or older than a day)", status=404, type_="not_found_error"
+        )
+    if isinstance(found, str):
+        return web.json_response({"id": request_id, "status": found})
+    body: dict[str, Any] = {"id": request_id, "status": "done" if found.ok else "failed"}
+    body["result" if found.ok else "error"] = result_body(found) if found.ok else found.error
+    return web.json_response(body)
+
+
+async def models(request: web.Request) -> web.Response:
+    name = request.app[SETTINGS].spec.prefill.model_name
+    return web.json_response(
+        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "bubbletea"}]}
+    )
+
+
+def result_body(r: PrefillResult) -> dict[str, Any]:
+    return {
+        "token": r.token,
+        "text": r.text,
+        "logprob": r.logprob,
+        "top_logprobs": [list(t) for t in r.top],
+        "prompt_tokens": r.prompt_tokens,
+        "kv_transfer_params": kv_params(r),
+        "worker": r.worker,
+        "queue_ms": r.queue_ms,
+        "prefill_ms": r.prefill_ms,
+    }
+
+
+def kv_params(r: PrefillResult) -> dict[str, Any]:
+    return {"store": "redis", "key": r.kv_key, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at}
+
+
+def openai_body(req: PrefillRequest, r: PrefillResult, model: str) -> dict[str, Any]:
+    if not r.ok:
+        raise BadRequest(
+            f"the prefill failed: {r.error}", status=504 if "deadline" in r.error else 500, type_="server_error"
+        )
+    logprobs = None
+    if req.logprobs:
+        from shared.model.data import decode
+
+        logprobs = {
+            "tokens": [r.text],
+            "token_logprobs": [r.logprob],
+            "top_logprobs": [{decode([t]): lp for t, lp in r.top}],
+            "text_offset": [0],
+        }
+    return {
+        "id": req.id,
+        "object": "text_completion",
+        "created": int(req.submitted),
+        "model": model,
+        "choices": [{"index": 0, "text": r.text, "logprobs": logprobs, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": 1, "total_tokens": r.prompt_tokens + 1},
+        "kv_transfer_params": kv_params(r),
+    }

@@ -1,0 +1,160 @@
+"""The OpenAPI description of the prefill API, served at /openapi.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_PROMPT = {
+    "oneOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+    ]
+}
+_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+_KV = {
+    "type": "object",
+    "description": "Where the KV cache is stored, for a decode service",
+    "properties": {
+        "store": {"type": "string"},
+        "key": {"type": "string"},
+        "bytes": {"type": "integer"},
+        "expires_at": {"type": "number"},
+    },
+}
+
+
+def _err(desc: str) -> dict[str, Any]:
+    return {"description": desc, "content": {"application/json": {"schema": _ERROR}}}
+
+
+def spec(model: str, max_prompt_tokens: int) -> dict[str, Any]:
+    errors = {
+        "400": _err("Invalid request (the message names the field)"),
+        "401": _err("Missing or wrong API key"),
+        "404": _err("Unknown model"),
+        "413": _err("Body too large"),
+        "429": _err("Queue full; see Retry-After"),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "BubbleTea prefill API",
+            "version": "1",
+            "description": "Prefill-as-a-service: the prompt phase of LLM inference, computed in the idle "
+            "bubbles of pipeline-parallel training. Returns the first token and a KV cache handle.",
+        },
+        "paths": {
+            "/v1/completions": {
+                "post": {
+                    "summary": "OpenAI-compatible completion, prefill only (max_tokens must be 1)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["model", "prompt"],
+                                    "properties": {
+                                        "model": {"type": "string", "enum": [model]},
+                                        "prompt": _PROMPT,
+                                        "max_tokens": {"type": "integer", "enum": [1], "default": 1},
+                                        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
+                                        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5},
+                                        "seed": {"type": ["integer", "null"]},
+                                        "user": {"type": "string"},
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": {"description": f"The first token (prompts of at most {max_prompt_tokens} tokens)"},
+                        "504": _err("No result in time; the request stays queued"),
+                        **errors,
+                    },
+                }
+            },
+            "/v1/prefill": {
+                "post": {
+                    "summary": "Submit a prefill; answers 202 with an id at once",
+                    "parameters": [
+                        {
+                            "name": "Idempotency-Key",
+                            "in": "header",
+                            "required": False,
+                            "schema": {"type": "string", "maxLength": 200},
+                        }
+                    ],
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["prompt"],
+                                    "properties": {
+                                        "prompt": _PROMPT,
+                                        "model": {"type": "string", "enum": [model]},
+                                        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 0},
+                                        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+                                        "seed": {"type": ["integer", "null"]},
+                                        "deadline_ms": {"type": "number", "minimum": 1},
+                                        "user": {"type": "string"},
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "responses": {
+                        "202": {"description": "Queued: {id, status}"},
+                        "200": {"description": "Same Idempotency-Key as an earlier request: its id"},
+                        **errors,
+                    },
+                }
+            },
+            "/v1/prefill/{id}": {
+                "get": {
+                    "summary": "Status and result of a submitted prefill",
+                    "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {
+                        "200": {
+                            "description": "queued | done (with result and kv_transfer_params) | failed",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"type": "object", "properties": {"kv_transfer_params": _KV}}
+                                }
+                            },
+                        },
+                        "404": _err("Unknown id"),
+                    },
+                }
+            },
+            "/v1/models": {"get": {"summary": "The served model", "responses": {"200": {"description": "Model list"}}}},
+            "/health": {
+                "get": {
+                    "summary": "200 when Redis answers",
+                    "responses": {"200": {"description": "ok"}, "503": {"description": "down"}},
+                }
+            },
+            "/ready": {
+                "get": {
+                    "summary": "200 when requests can be served (Redis and a dispatcher are up)",
+                    "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
+                }
+            },
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
+        },
+    }

@@ -1,0 +1,50 @@
+"""What the prefill_queue app holds: typed app keys, and the waiters for synchronous requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from services.prefill_queue.metrics import Metrics
+from shared import keys
+from shared.bus import Bus
+from shared.settings import Settings
+from shared.wire import PrefillResult
+
+
+class Waiters:
+    """Futures of the synchronous requests this instance is answering, by request id."""
+
+    def __init__(self) -> None:
+        self._futures: dict[str, asyncio.Future[PrefillResult]] = {}
+
+    def expect(self, request_id: str) -> asyncio.Future[PrefillResult]:
+        fut: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
+        self._futures[request_id] = fut
+        return fut
+
+    def deliver(self, result: PrefillResult) -> bool:
+        fut = self._futures.pop(result.id, None)
+        if fut is None or fut.done():
+            return False
+        fut.set_result(result)
+        return True
+
+    def forget(self, request_id: str) -> None:
+        self._futures.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+
+SETTINGS = web.AppKey("settings", Settings)
+BUS = web.AppKey("bus", Bus)
+METRICS = web.AppKey("metrics", Metrics)
+STARTED = web.AppKey("started", float)
+WAITERS = web.AppKey("waiters", Waiters)
+INSTANCE = web.AppKey("instance", str)
+
+
+def instance_results_stream(app: web.Application) -> str:
+    return keys.prefill_results_stream(app[INSTANCE])

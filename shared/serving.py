@@ -1,0 +1,91 @@
+"""The serving plane's records in Redis, written atomically (Lua), shared by every service.
+
+* `accept`: admission control and enqueue in one step: count the request in flight (refusing it
+  beyond the limit), mark it queued, append it to the request stream. A 2xx is only answered
+  after this succeeded, so an accepted request is always on the bus.
+* `answer`: the first answer to a request wins (exactly-once in effect): store it, clear its
+  queued mark, count it out of flight and notify the accepting front door, all or nothing.
+  A duplicate answer (a redelivered batch) changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.wire import FIELD, PrefillRequest, PrefillResult, decode, encode
+
+_ACCEPT = """
+local n = redis.call('INCR', KEYS[1])
+if n > tonumber(ARGV[1]) then
+  redis.call('DECR', KEYS[1])
+  return 0
+end
+redis.call('SET', KEYS[2], 'queued', 'EX', ARGV[3])
+redis.call('XADD', KEYS[3], '*', ARGV[4], ARGV[2])
+return n
+"""
+
+_ANSWER = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  redis.call('DEL', KEYS[2])
+  if tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+#: Each front door's results stream keeps its last 100k answers (it reads them within milliseconds).
+RESULTS_MAXLEN = 100_000
+
+
+async def accept(r: Redis, req: PrefillRequest, max_inflight: int) -> bool:
+    """Enqueue `req` unless `max_inflight` requests are already waiting; False = refused (429)."""
+    n: Any = await r.eval(
+        _ACCEPT,
+        3,
+        keys.PREFILL_INFLIGHT_KEY,
+        keys.prefill_status_key(req.id),
+        keys.PREFILL_REQUESTS_STREAM,
+        max_inflight,
+        encode(req),
+        keys.PREFILL_RECORD_TTL_S,
+        FIELD,
+    )
+    return int(n) > 0
+
+
+async def answer(r: Redis, result: PrefillResult, reply_to: str) -> bool:
+    """Record the answer to a request (first one wins) and notify its front door."""
+    ok: Any = await r.eval(
+        _ANSWER,
+        4,
+        keys.prefill_result_key(result.id),
+        keys.prefill_status_key(result.id),
+        keys.PREFILL_INFLIGHT_KEY,
+        reply_to,
+        encode(result),
+        keys.PREFILL_RECORD_TTL_S,
+        FIELD,
+        RESULTS_MAXLEN,
+    )
+    return bool(ok)
+
+
+async def lookup(r: Redis, request_id: str) -> PrefillResult | str | None:
+    """The stored answer, or "queued", or None (unknown or expired)."""
+    raw: Any = await r.get(keys.prefill_result_key(request_id))
+    if raw is not None:
+        msg = decode(raw)
+        assert isinstance(msg, PrefillResult)
+        return msg
+    status: Any = await r.get(keys.prefill_status_key(request_id))
+    return status.decode() if status is not None else None
+
+
+async def inflight(r: Redis) -> int:
+    n: Any = await r.get(keys.PREFILL_INFLIGHT_KEY)
+    return int(n) if n is not None else 0

@@ -1,0 +1,190 @@
+"""The prefill HTTP API over real HTTP against a real redis-server.
+
+Answers are written with `shared.serving.answer`, the same call the serving plane makes, so the
+front door's side of the contract is exercised for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from redis.asyncio import Redis
+
+from services.prefill_queue.app import create_app
+from services.prefill_queue.state import SETTINGS
+from shared import keys, serving
+from shared.bus.connection import blocking_client
+from shared.settings import Settings, load_settings
+from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
+
+pytestmark = pytest.mark.integration
+
+
+def settings_for(url: str, **env: str) -> Settings:
+    s = load_settings(env={"REDIS_URL": url, **env})
+    prefill = msgspec.structs.replace(
+        s.spec.prefill, max_queue_depth=3, max_prompt_tokens=64, request_timeout_s=5.0, max_body_bytes=4096
+    )
+    return Settings(**{**s.__dict__, "spec": msgspec.structs.replace(s.spec, prefill=prefill)})
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[TestClient]:
+    async with TestClient(TestServer(create_app(settings_for(redis_url)))) as c:
+        yield c
+
+
+async def queued(redis: Redis, n: int) -> list[PrefillRequest]:
+    rows: Any = await redis.xrange(keys.PREFILL_REQUESTS_STREAM)
+    reqs = [decode(f[FIELD]) for _, f in rows]
+    assert len(reqs) == n
+    return [r for r in reqs if isinstance(r, PrefillRequest)]
+
+
+def ok_result(req: PrefillRequest, token: int = 65) -> PrefillResult:
+    return PrefillResult(
+        id=req.id,
+        ok=True,
+        token=token,
+        text=chr(token),
+        logprob=-0.5,
+        top=((token, -0.5), (66, -1.5)),
+        prompt_tokens=len(req.tokens),
+        kv_key=f"bt:kv:{req.id}",
+        kv_bytes=1024,
+        kv_expires_at=time.time() + 60,
+        worker="r0s1",
+        queue_ms=1.0,
+        prefill_ms=2.0,
+    )
+
+
+async def test_completion_is_answered_in_the_openai_shape(client: TestClient, redis: Redis) -> None:
+    call = asyncio.create_task(
+        client.post(
+            "/v1/completions",
+            json={"model": "bubbletea-gpt", "prompt": "Hello", "max_tokens": 1, "logprobs": 1},
+            headers={"X-Request-Id": "abc123"},
+        )
+    )
+
+    reader = blocking_client(str(client.server.app[SETTINGS].redis_url))
+    got: Any = await reader.xread({keys.PREFILL_REQUESTS_STREAM: "0"}, count=1, block=5000)  # wait for it
+    await reader.aclose()
+    assert got, "the request never reached the stream"
+    req = decode(got[0][1][0][1][FIELD])
+    assert isinstance(req, PrefillRequest)
+    assert req.tokens == tuple(b"Hello") and req.temperature == 1.0 and req.logprobs == 1
+    assert await serving.answer(redis, ok_result(req), req.reply_to)
+    resp = await asyncio.wait_for(call, 5)
+    assert resp.status == 200 and resp.headers["X-Request-Id"] == "abc123"
+    body = await resp.json()
+    assert body["object"] == "text_completion" and body["model"] == "bubbletea-gpt"
+    assert body["choices"][0]["text"] == "A" and body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [-0.5]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    assert body["kv_transfer_params"]["key"] == f"bt:kv:{req.id}" and body["kv_transfer_params"]["bytes"] == 1024
+    assert await serving.inflight(redis) == 0
+    text = await (await client.get("/metrics")).text()
+    assert 'bubbletea:request_total{outcome="success"} 1.0' in text
+
+
+async def test_native_submit_status_and_idempotency(client: TestClient, redis: Redis) -> None:
+    r1 = await client.post("/v1/prefill", json={"prompt": [1, 2, 3]}, headers={"Idempotency-Key": "k1"})
+    assert r1.status == 202
+    rid = (await r1.json())["id"]
+    assert r1.headers["Location"] == f"/v1/prefill/{rid}"
+    r2 = await client.post("/v1/prefill", json={"prompt": [1, 2, 3]}, headers={"Idempotency-Key": "k1"})
+    assert r2.status == 200 and (await r2.json())["id"] == rid  # same key, same request
+    assert len(await queued(redis, 1)) == 1  # enqueued once
+    assert (await (await client.get(f"/v1/prefill/{rid}")).json())["status"] == "queued"
+    req = (await queued(redis, 1))[0]
+    assert await serving.answer(redis, ok_result(req, 66), req.reply_to)
+    assert not await serving.answer(redis, ok_result(req, 67), req.reply_to)  # first answer wins
+    got = await (await client.get(f"/v1/prefill/{rid}")).json()
+    assert got["status"] == "done" and got["result"]["token"] == 66
+    assert (await client.get("/v1/prefill/pf-nope")).status == 404
+
+
+async def test_a_failed_answer_is_reported(client: TestClient, redis: Redis) -> None:
+    rid = (await (await client.post("/v1/prefill", json={"prompt": "x"})).json())["id"]
+    req = (await queued(redis, 1))[0]
+    await serving.answer(
+        redis, PrefillResult(id=rid, ok=False, error="deadline passed before a bubble ran it"), req.reply_to
+    )
+    got = await (await client.get(f"/v1/prefill/{rid}")).json()
+    assert got == {"id": rid, "status": "failed", "error": "deadline passed before a bubble ran it"}
+
+
+async def test_queue_full_answers_429_with_retry_after(client: TestClient, redis: Redis) -> None:
+    for _ in range(3):
+        assert (await client.post("/v1/prefill", json={"prompt": "x"})).status == 202
+    resp = await client.post("/v1/prefill", json={"prompt": "x"}, headers={"Idempotency-Key": "late"})
+    assert resp.status == 429 and resp.headers["Retry-After"] == "1"
+    assert "queue is full" in (await resp.json())["error"]["message"]
+    assert len(await queued(redis, 3)) == 3  # the refused one was not enqueued...
+    assert await redis.get(keys.idempotency_key("late")) is None  # ...and its key can be used again
+
+
+async def test_sync_request_times_out_explicitly_and_stays_queued(redis_url: str, redis: Redis) -> None:
+    s = settings_for(redis_url)
+    s = Settings(
+        **{
+            **s.__dict__,
+            "spec": msgspec.structs.replace(
+                s.spec, prefill=msgspec.structs.replace(s.spec.prefill, request_timeout_s=0.2)
+            ),
+        }
+    )
+    async with TestClient(TestServer(create_app(s))) as c:
+        resp = await c.post("/v1/completions", json={"model": "bubbletea-gpt", "prompt": "x"})
+        assert resp.status == 504
+        message = (await resp.json())["error"]["message"]
+        assert "still queued: GET /v1/prefill/cmpl-" in message
+        rid = message.split("GET /v1/prefill/")[1]
+        assert (await (await c.get(f"/v1/prefill/{rid}")).json())["status"] == "queued"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "fragment"),
+    [
+        ("/v1/completions", b"{not json", 400, "not valid JSON"),
+        ("/v1/completions", b'{"model": "bubbletea-gpt", "prompt": "x", "max_tokens": 8}', 400, "prefill only"),
+        ("/v1/completions", b'{"model": "other", "prompt": "x"}', 404, "does not exist"),
+        ("/v1/completions", b'{"model": "bubbletea-gpt", "prompt": [999]}', 400, "outside the vocabulary"),
+        ("/v1/prefill", b'{"prompt": "' + b"y" * 65 + b'"}', 400, "at most 64"),
+        ("/v1/prefill", b'{"prompt": "' + b"z" * 5000 + b'"}', 413, "larger than 4096 bytes"),
+        ("/v1/prefill", b'"just a string"', 400, "must be a JSON object"),
+    ],
+)
+async def test_bad_input_gets_a_clear_4xx_and_nothing_is_queued(
+    client: TestClient, redis: Redis, path: str, body: bytes, status: int, fragment: str
+) -> None:
+    resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
+    assert resp.status == status
+    assert fragment in (await resp.json())["error"]["message"]
+    assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0
+
+
+async def test_api_key(redis_url: str) -> None:
+    async with TestClient(TestServer(create_app(settings_for(redis_url, BUBBLETEA_API_KEY="s3cret")))) as c:
+        assert (await c.get("/v1/models")).status == 401
+        assert (await c.get("/v1/models", headers={"Authorization": "Bearer wrong"})).status == 401
+        ok = await c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status == 200 and (await ok.json())["data"][0]["id"] == "bubbletea-gpt"
+        assert (await c.get("/health")).status == 200  # operational endpoints stay open
+
+
+async def test_ready_needs_a_dispatcher_and_openapi_is_served(client: TestClient) -> None:
+    resp = await client.get("/ready")
+    assert resp.status == 503 and "no dispatcher" in (await resp.json())["reason"]
+    spec = await (await client.get("/openapi.json")).json()
+    assert spec["openapi"].startswith("3.") and {"/v1/completions", "/v1/prefill", "/v1/prefill/{id}"} <= set(
+        spec["paths"]
+    )
