@@ -57,30 +57,28 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # q, k, v for all heads at once
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _attend(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Causal attention before the output projection: (y (B, T, C), k, v (B, nh, T, hs) views)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
+        return y.transpose(1, 2).contiguous().view(B, T, C), k, v  # (B, T, C): heads side by side
+
+    def forward(self, x: Tensor) -> Tensor:
+        y, _, _ = self._attend(x)
         return self.c_proj(y)  # (B, T, C)
 
     def forward_kv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """`forward(x)` plus this layer's keys and values, for a KV cache.
 
-        Returns ``(y, k, v)``: `y` is bit-identical to ``forward(x)`` (same operations on the same
-        views), `k` and `v` are contiguous copies of shape (B, heads, T, head_dim), so keeping them
-        does not keep the whole (B, T, 3C) projection alive.
+        Returns ``(y, k, v)``: `y` is bit-identical to ``forward(x)`` (the same operations), `k` and
+        `v` are contiguous copies of shape (B, heads, T, head_dim), so keeping them does not keep
+        the whole (B, T, 3C) projection alive.
         """
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
+        y, k, v = self._attend(x)
         return self.c_proj(y), k.contiguous(), v.contiguous()  # (B, T, C), 2 x (B, nh, T, hs)
 
 
