@@ -26,6 +26,20 @@ import msgspec
 from shared.config import ClusterSpec, ConfigError, load_spec
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+
+#: Every environment variable BubbleTea reads (here, and BUBBLETEA_REDIS_SERVER in redis_server).
+ENV_VARS = frozenset(
+    {
+        "REDIS_URL",
+        "BUBBLETEA_CONFIG",
+        "BUBBLETEA_HTTP_HOST",
+        "BUBBLETEA_HTTP_PORT",
+        "BUBBLETEA_LOG_LEVEL",
+        "BUBBLETEA_RUN",
+        "BUBBLETEA_API_KEY",
+        "BUBBLETEA_REDIS_SERVER",
+    }
+)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 

@@ -107,14 +107,37 @@ def test_redis_subcommand_prints_a_url_and_stops_on_sigterm() -> None:
     assert proc.wait(30) == 0
 
 
-async def test_compose_lists_the_same_services() -> None:
+def test_compose_matches_the_service_table_and_the_settings() -> None:
+    """No Docker engine runs here, so compose.yaml is checked against what the code really does."""
     import yaml
 
+    from shared.cli import build_parser
+    from shared.settings import ENV_VARS
+
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    for svc in SERVICES:
-        spec = compose["services"][svc.name]
-        assert spec["command"] == ["python", "-m", svc.module]
-    await asyncio.sleep(0)
+    services = compose["services"]
+    for svc in SERVICES:  # the same services, with the same commands, as `bubbletea demo` runs
+        assert services[svc.name]["command"] == ["python", "-m", svc.module]
+    subcommands = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    for name, spec in services.items():
+        if name == "redis":
+            continue
+        env = spec.get("environment", {})
+        unknown = set(env) - ENV_VARS
+        assert not unknown, f"{name} sets environment variables nothing reads: {unknown}"
+        redis = env["REDIS_URL"]
+        assert redis.startswith("redis://redis:"), f"{name} must reach the compose redis service"
+        test = spec["healthcheck"]["test"]
+        if test[1] == "bubbletea":
+            assert test[2] in subcommands and test[3] == name  # a real subcommand, about itself
+        for volume in spec.get("volumes", []):
+            src, dst = volume.split(":")[:2]
+            assert (ROOT / src).exists() and dst == env["BUBBLETEA_CONFIG"]
+        for port in spec.get("ports", []):
+            _, container = port.split(":")
+            assert container == env["BUBBLETEA_HTTP_PORT"]  # the published port is the one it listens on
+    assert services["redis"]["healthcheck"]["test"][1] == "redis-cli"
+    assert "--appendonly" in services["redis"]["command"]  # acked work survives a restart
 
 
 async def test_demo_works_with_no_redis_on_the_path() -> None:

@@ -139,3 +139,14 @@ def test_config_reference_documents_every_field() -> None:
         for name in cls.__struct_fields__:
             assert f"`{name}`" in doc, f"{cls.__name__}.{name} is not documented in docs/config.md"
     assert msgspec.structs.fields(config.ClusterSpec)
+
+
+def test_every_environment_variable_is_documented_and_read() -> None:
+    from shared.settings import ENV_VARS
+
+    doc = (ROOT / "docs" / "config.md").read_text()
+    code = "".join(p.read_text() for p in (ROOT / "shared").rglob("*.py"))
+    for var in ENV_VARS:
+        assert f"`{var}`" in doc, f"{var} is not documented in docs/config.md"
+        # once in ENV_VARS itself, at least once where it is read
+        assert code.count(f'"{var}"') >= 2, f"{var} is listed in ENV_VARS but never read"
