@@ -12,7 +12,7 @@ Life of an entry, as this consumer sees it:
    loop takes over entries left behind by a consumer that died.
 4. An entry that cannot be decoded, or has failed ``max_deliveries`` times, is moved to the
    **dead-letter stream** in one MULTI/EXEC with its XACK: it is never both lost and acked.
-5. While a handler runs longer than half of ``claim_idle_ms``, the reclaim loop refreshes the
+5. While a handler runs longer than a quarter of ``claim_idle_ms``, the reclaim loop refreshes the
    entry's idle time (XCLAIM JUSTID, which does not count as a delivery), so a slow but live
    handler is not mistaken for a dead one.
 
@@ -370,7 +370,9 @@ class Consumer:
                 return
 
     async def _reclaim_loop(self) -> None:
-        interval = max(self.config.claim_idle_ms / 2000, 0.005)
+        # Every quarter of claim_idle: a live slow handler's entry is refreshed before it is half
+        # idle, leaving half of claim_idle as margin for scheduling jitter before a peer may steal it.
+        interval = max(self.config.claim_idle_ms / 4000, 0.005)
         last_trim = time.monotonic()
         failures = 0
         while True:
@@ -394,7 +396,7 @@ class Consumer:
 
     async def _refresh_slow_handlers(self) -> None:
         """Reset the idle time of entries whose handlers are still running (not a new delivery)."""
-        horizon = time.monotonic() - self.config.claim_idle_ms / 2000
+        horizon = time.monotonic() - self.config.claim_idle_ms / 4000
         slow = [i for i, t in self._started_at.items() if t < horizon]
         if slow:
             await self.bus.redis.xclaim(
