@@ -92,7 +92,7 @@ def _health(args: argparse.Namespace) -> int:
     async def check() -> list[dict[str, object]]:
         r = Redis.from_url(settings.require_redis_url(), protocol=2)
         try:
-            return [i for i in await live_instances(r) if i["service"] == args.service]
+            return await live_instances(r, args.service)
         finally:
             await r.aclose()
 

@@ -79,18 +79,20 @@ class Heartbeat:
             await self.beat()
 
 
-async def live_instances(r: Redis) -> list[dict[str, Any]]:
-    """Every instance whose health key has not expired, sorted by service."""
+async def live_instances(r: Redis, service: str | None = None) -> list[dict[str, Any]]:
+    """Every instance (of `service`, if given) whose health key has not expired, sorted by service."""
     out = []
     async for key in r.scan_iter(match=keys.HEALTH_KEY_PATTERN, count=500):
         raw = await r.get(key)
         if raw:
-            out.append(json.loads(raw))
+            inst = json.loads(raw)
+            if service is None or inst["service"] == service:
+                out.append(inst)
     return sorted(out, key=lambda d: (d["service"], d["instance"]))
 
 
 async def wait_live(r: Redis, service: str, timeout_s: float) -> None:
     """Wait until `service` has a live heartbeat; TimeoutError after `timeout_s`."""
     async with asyncio.timeout(timeout_s):
-        while not [i for i in await live_instances(r) if i["service"] == service]:  # noqa: ASYNC110
+        while not await live_instances(r, service):  # noqa: ASYNC110
             await asyncio.sleep(0.05)  # heartbeats are keys with TTLs: there is no event to wait on

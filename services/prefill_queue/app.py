@@ -207,7 +207,7 @@ async def ready(request: web.Request) -> web.Response:
     """200 when requests can be served: Redis answers and a dispatcher is alive to take them."""
     app = request.app
     problem = await _redis_ok(app)
-    if problem is None and not [i for i in await live_instances(app[BUS].redis) if i["service"] == "dispatcher"]:
+    if problem is None and not await live_instances(app[BUS].redis, "dispatcher"):
         problem = "no dispatcher is running: requests would wait in the queue"
     if problem is not None:
         return web.json_response({"status": "not ready", "reason": problem}, status=503)

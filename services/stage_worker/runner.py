@@ -67,7 +67,7 @@ class StageRunner:
     free_memory_bytes: int
     iteration: int = 0
     lag_s: float = 0.0
-    _spans: list[Message] = field(default_factory=list)
+    _spans: list[SpanRecord] = field(default_factory=list)
     outbox: Outbox = field(init=False)
 
     def __post_init__(self) -> None:
@@ -89,19 +89,18 @@ class StageRunner:
             started, self.lag_s = time.time(), 0.0
             await self._iteration(it, actions)
             loss = self.trainer.take_loss()
-            self._spans.append(
-                IterationDone(
-                    run=self.run,
-                    replica=self.replica,
-                    stage=self.stage,
-                    iteration=it,
-                    started=started,
-                    ended=time.time(),
-                    loss=loss,
-                    lag_ms=self.lag_s * 1000,
-                )
+            self._flush_spans()
+            done = IterationDone(
+                run=self.run,
+                replica=self.replica,
+                stage=self.stage,
+                iteration=it,
+                started=started,
+                ended=time.time(),
+                loss=loss,
+                lag_ms=self.lag_s * 1000,
             )
-            self._flush_telemetry()
+            self.outbox.send_many(keys.events_stream(self.run), [done], maxlen=keys.EVENTS_MAXLEN)
             self.outbox.raise_if_failed()
             self.mailbox.forget_before(lambda k, it=it: k[1] >= it)
             log.info(
@@ -274,15 +273,11 @@ class StageRunner:
             )
         )
 
-    def _flush_telemetry(self) -> None:
-        """Spans and the iteration record go out once per iteration, in one round trip each."""
-        spans = [m for m in self._spans if isinstance(m, SpanRecord)]
-        done = [m for m in self._spans if not isinstance(m, SpanRecord)]
-        self._spans = []
+    def _flush_spans(self) -> None:
+        """An iteration's spans go out together, in one round trip."""
+        spans, self._spans = self._spans, []
         if spans:
             self.outbox.send_many(keys.spans_stream(self.run), spans, maxlen=keys.SPANS_MAXLEN)
-        if done:
-            self.outbox.send_many(keys.events_stream(self.run), done, maxlen=keys.EVENTS_MAXLEN)
 
 
 class Outbox:

@@ -23,6 +23,7 @@ from shared.logs import get_logger
 from shared.model import ByteCorpus
 from shared.plan import placement_of, predict, profile_ms
 from shared.policies.bubbles import BubblePredictor
+from shared.policies.placement import Placement
 from shared.settings import Settings
 from shared.tensors import from_blob
 from shared.wire import GradShard, StageTensor, WorkerFailed
@@ -39,7 +40,7 @@ log = get_logger(__name__)
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     torch.set_num_threads(1)  # several workers share the machine's cores
     spec, run = settings.spec, settings.run
-    placement_of(spec)  # an infeasible spec fails here, naming the missing GPUs
+    placement = placement_of(spec)  # an infeasible spec fails here, naming the missing GPUs
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
         lease = SlotLease(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp, holder=instance_id())
         slot = await lease.acquire()
@@ -47,7 +48,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         await hb.start()
         watch = asyncio.create_task(lease.watch(), name="lease")  # renews from now on
         try:
-            await _train(bus, settings, lease, watch, slot, stop)
+            await _train(bus, settings, placement, lease, watch, slot, stop)
         except SlotError as exc:
             await lease.abort(str(exc))
             await bus.publish(
@@ -64,7 +65,13 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
 
 async def _train(
-    bus: Bus, settings: Settings, lease: SlotLease, watch: asyncio.Task[None], slot: Slot, stop: asyncio.Event
+    bus: Bus,
+    settings: Settings,
+    placement: Placement,
+    lease: SlotLease,
+    watch: asyncio.Task[None],
+    slot: Slot,
+    stop: asyncio.Event,
 ) -> None:
     spec, run = settings.spec, settings.run
     corpus = await asyncio.to_thread(ByteCorpus.from_stdlib)
@@ -87,7 +94,7 @@ async def _train(
         spec,
         run,
         slot,
-        placement_of(spec),
+        placement,
         trainer,
         mailbox,
         BubblePredictor(prior),

@@ -17,9 +17,9 @@ import time
 
 from shared import keys
 from shared.bus import Bus, Delivery
-from shared.health import live_instances
+from shared.health import live_instances, wait_live
 from shared.launcher.procs import Proc, spawn, stop_all, wait_http_healthy
-from shared.launcher.services import PREFILL_QUEUE, SERVICES
+from shared.launcher.services import PREFILL_QUEUE
 from shared.launcher.train import run_training
 from shared.logs import get_logger
 from shared.redis_server import EmbeddedRedis, free_port
@@ -45,7 +45,8 @@ async def run_demo(settings: Settings, *, hold: bool = False) -> int:
             url = embedded.url
             assert embedded.proc is not None
             say(f"==> started embedded Redis at {url} ({embedded.binary}, pid={embedded.proc.pid})")
-        for svc in (s for s in SERVICES if not s.per_slot and s.name != "wan_broker"):
+        # The front door runs for the whole demo; the broker and workers belong to the training run.
+        for svc in (PREFILL_QUEUE,):
             env = {
                 "REDIS_URL": url,
                 "BUBBLETEA_CONFIG": str(settings.spec_path),
@@ -64,7 +65,11 @@ async def run_demo(settings: Settings, *, hold: bool = False) -> int:
         async with Bus(url, settings.spec.bus, name="demo") as bus:
             rtt_ms = await _bus_round_trip(bus)
             say(f"==> bus round trip (publish -> Redis -> consumer handler, first message): {rtt_ms:.2f} ms")
-            live = await _wait_heartbeats(bus, {PREFILL_QUEUE.name})
+            try:
+                await wait_live(bus.redis, PREFILL_QUEUE.name, timeout_s=10)
+            except TimeoutError:
+                print(f"warning: no heartbeat from {PREFILL_QUEUE.name}", file=sys.stderr)
+            live = await live_instances(bus.redis)
         say("")
         say(f"{'service':<16}{'instance':<28}{'health':<10}")
         for inst in live:
@@ -127,16 +132,3 @@ async def _bus_round_trip(bus: Bus) -> float:
     with contextlib.suppress(Exception):
         await bus.redis.xgroup_destroy(keys.PING_STREAM, group)
     return elapsed
-
-
-async def _wait_heartbeats(bus: Bus, names: set[str], timeout: float = 10.0) -> list[dict[str, object]]:
-    """Every service also beats in Redis; wait until each has a live heartbeat key."""
-    deadline = time.monotonic() + timeout
-    while True:
-        live = await live_instances(bus.redis)
-        if names <= {str(i["service"]) for i in live} or time.monotonic() > deadline:
-            missing = names - {str(i["service"]) for i in live}
-            if missing:
-                print(f"warning: no heartbeat from {', '.join(sorted(missing))}", file=sys.stderr)
-            return live
-        await asyncio.sleep(0.1)  # heartbeats are keys with TTLs: there is no event to wait on

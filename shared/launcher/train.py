@@ -56,24 +56,22 @@ async def run_training(
     procs: list[Proc] = []
     async with Bus(redis_url, spec.bus, name="train-launcher") as bus:
         events = keys.events_stream(run)
-        cursor = "0"
         try:
             procs.append(await spawn(WAN_BROKER, env, out=out, quiet=quiet))
             for _ in range(workers):
                 procs.append(await spawn(STAGE_WORKER, env, out=out, quiet=quiet))
-            return await _follow(bus, events, cursor, settings, procs, out if progress else None)
+            return await _follow(bus, events, settings, procs, out if progress else None)
         finally:
             await stop_all(procs)
 
 
-async def _follow(
-    bus: Bus, stream: str, cursor: str, settings: Settings, procs: list[Proc], out: TextIO | None
-) -> TrainResult:
+async def _follow(bus: Bus, stream: str, settings: Settings, procs: list[Proc], out: TextIO | None) -> TrainResult:
     spec = settings.spec
     iters, workers = spec.training.iterations, spec.parallelism.pp * spec.parallelism.dp
     done: dict[int, list[IterationDone]] = {}
     result = TrainResult(settings.run, iters)
     last_progress = time.monotonic()
+    cursor = "0"  # the run's events from the beginning
     while sum(len(v) for v in done.values()) < iters * workers:
         for p in procs:
             if p.proc.returncode not in (None, 0):
