@@ -131,6 +131,8 @@ class Prefill(_Spec, frozen=True):
     max_queue_depth: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000
     max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 1 << 20
     request_timeout_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0
+    #: How long a finished prefill's KV cache stays in Redis for a decode service (0 = not stored).
+    kv_ttl_s: Annotated[int, Meta(ge=0, le=86_400)] = 30
 
 
 class Http(_Spec, frozen=True):

@@ -59,6 +59,29 @@ def bubbles_stream(run: str) -> str:
     return f"{PREFIX}:{run}:bubbles"
 
 
+def fill_stream(run: str, replica: int, stage: int) -> str:
+    """Prefill batches from the dispatcher to one worker (kept apart from its training inbox, so
+    a flood of prefill work never sits in front of an activation)."""
+    return f"{PREFIX}:{run}:fill:{replica}:{stage}"
+
+
+def prefill_reports_stream(run: str) -> str:
+    """Workers' reports on the prefill batches they ran (read by the dispatcher)."""
+    return f"{PREFIX}:{run}:prefill:reports"
+
+
+def prefill_snapshot_key(run: str, request_id: str, layer: int) -> str:
+    """A preempted prefill's state (hidden + KV of finished layers) at `layer`, for the worker that
+    resumes it. The layer is part of the key: a later snapshot never overwrites the one the
+    dispatcher knows about, so a worker that dies mid-batch cannot leave a mismatched state."""
+    return f"{PREFIX}:{run}:prefill:snap:{request_id}:{layer}"
+
+
+#: A snapshot waits for a later bubble; a minute covers any pipeline's iteration many times over,
+#: and a request resumed later than that has long passed its deadline.
+PREFILL_SNAPSHOT_TTL_S = 300
+
+
 def spans_stream(run: str) -> str:
     """Timeline spans of every worker (telemetry: trimmed by length, loss of old spans is fine)."""
     return f"{PREFIX}:{run}:spans"
@@ -107,6 +130,11 @@ def prefill_result_key(request_id: str) -> str:
 def prefill_status_key(request_id: str) -> str:
     """A request's status while it has no answer yet ("queued")."""
     return f"{PREFIX}:prefill:status:{request_id}"
+
+
+def kv_cache_key(request_id: str) -> str:
+    """A finished prefill's KV cache, for a decode service to fetch (see `shared.kvstore`)."""
+    return f"{PREFIX}:prefill:kv:{request_id}"
 
 
 def idempotency_key(key: str) -> str:

@@ -208,6 +208,79 @@ class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
     finished: float = 0.0  # wall clock
 
 
+class PrefillItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One request's share of a batch: run blocks [from_layer, to_layer) of its prompt."""
+
+    id: str
+    tokens: tuple[int, ...]
+    from_layer: int
+    to_layer: int
+    temperature: float = 0.0
+    seed: int | None = None
+    logprobs: int = 0
+    submitted: float = 0.0
+    reply_to: str = ""
+    #: Where the state to resume from is stored (`keys.prefill_snapshot_key`) when from_layer > 0.
+    snapshot_key: str = ""
+
+
+class PrefillBatch(Message, frozen=True, kw_only=True, tag="prefill_batch"):
+    """dispatcher -> one worker's fill stream: prefill work for the bubble it just announced."""
+
+    run: str
+    worker: str
+    batch_id: str
+    items: tuple[PrefillItem, ...]
+    bubble_at: float  # wall clock of the BubbleStart this batch is for
+    sent_at: float
+    predicted_s: float  # what the packing policy expects the batch to take
+
+
+class PrefillProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """How far one item of a batch got: `reached_layer` blocks done, `seconds` spent on it now.
+    `done`: the worker answered the request (ok, or failed with `error`)."""
+
+    id: str
+    reached_layer: int
+    seconds: float
+    done: bool = False
+    error: str = ""
+
+
+class PrefillReport(Message, frozen=True, kw_only=True, tag="prefill_report"):
+    """worker -> dispatcher: a batch ran (fully, partly, or not at all) and where each item is."""
+
+    run: str
+    worker: str
+    batch_id: str
+    progress: tuple[PrefillProgress, ...]
+    bubble_at: float
+    started_at: float  # wall clock when the first layer began (0 if nothing ran)
+    ended_at: float
+    preempted: bool  # training input arrived before the batch was finished
+    first_in_bubble: bool  # the first batch run in its bubble (its start measures dispatch latency)
+
+
+class PrefillSnapshot(Message, frozen=True, kw_only=True, tag="prefill_snapshot"):
+    """A preempted prefill's state: the input of block `next_layer` and the KV of blocks before it."""
+
+    id: str
+    tokens: tuple[int, ...]
+    next_layer: int
+    hidden: TensorBlob
+    kv: tuple[tuple[TensorBlob, TensorBlob], ...]
+
+
+class KVCache(Message, frozen=True, kw_only=True, tag="kv_cache"):
+    """A finished prefill's KV cache as stored for a decode service: one (k, v) per layer,
+    each float32 (1, heads, prompt_tokens, head_dim)."""
+
+    id: str
+    model: str
+    prompt_tokens: int
+    kv: tuple[tuple[TensorBlob, TensorBlob], ...]
+
+
 #: Every kind the bus can carry. New kinds are added here, so this union is the wire's index.
 AnyMessage = (
     Ping
@@ -223,6 +296,10 @@ AnyMessage = (
     | LinkReport
     | PrefillRequest
     | PrefillResult
+    | PrefillBatch
+    | PrefillReport
+    | PrefillSnapshot
+    | KVCache
 )
 
 _encoder: Final = msgspec.msgpack.Encoder()

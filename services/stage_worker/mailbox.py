@@ -28,6 +28,11 @@ class Mailbox:
     def ready(self, key: Hashable) -> bool:
         return key in self._items
 
+    def arrived(self, key: Hashable) -> bool:
+        """Whether `key` was put (taken or not). Safe to call from another thread: a prefill
+        thread polls it between layers (set/dict membership is atomic under the GIL)."""
+        return key in self._items or key in self._taken
+
     async def take(self, key: Hashable) -> Any:
         if key in self._items:
             self._taken.add(key)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from services.stage_worker.filler import Filler
 from services.stage_worker.lease import Slot
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.trainer import StageTrainer
@@ -65,6 +66,7 @@ class StageRunner:
     predictor: BubblePredictor
     profile: Profile
     free_memory_bytes: int
+    filler: Filler | None = None  # BubbleTea: runs prefill batches in this worker's bubbles
     iteration: int = 0
     lag_s: float = 0.0
     _spans: list[SpanRecord] = field(default_factory=list)
@@ -208,7 +210,7 @@ class StageRunner:
                 at=t0,
             ),
         )
-        value = await self.mailbox.take(key)
+        value = await self._wait_filling(key)
         t1 = time.time()
         self.predictor.observe(pos, predicted, t1 - t0)
         await self.bus.publish(
@@ -227,6 +229,18 @@ class StageRunner:
         )
         self._span("wait", it, t0, t1, key[2] if len(key) > 2 else -1)
         return value
+
+    async def _wait_filling(self, key: tuple[Any, ...]) -> Any:
+        """Wait for `key`; meanwhile, with BubbleTea, run prefill until it arrives."""
+        if self.filler is None:
+            return await self.mailbox.take(key)
+        take = asyncio.ensure_future(self.mailbox.take(key))
+        try:
+            await self.filler.fill(lambda: self.mailbox.arrived(key), take)
+            return await take
+        finally:
+            if not take.done():
+                take.cancel()
 
     async def _allreduce(self, it: int) -> None:
         """Average gradients with the DP peers of this stage, summing in replica order everywhere
@@ -272,6 +286,9 @@ class StageRunner:
                 microbatch=mb,
             )
         )
+
+    def prefill_span(self, start: float, end: float) -> None:
+        self._span("prefill", self.iteration, start, end)
 
     def _flush_spans(self) -> None:
         """An iteration's spans go out together, in one round trip."""

@@ -9,18 +9,21 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import torch
 
+from services.stage_worker.filler import Filler
 from services.stage_worker.lease import Slot, SlotError, SlotLease
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
 from shared import keys
-from shared.bus import Bus, Delivery, Reject
+from shared.bus import Bus, Consumer, Delivery, Reject
 from shared.config import ClusterSpec
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.model import ByteCorpus
+from shared.model.prefill import PrefillModel
 from shared.plan import placement_of, predict, profile_ms
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
@@ -31,6 +34,8 @@ from shared.wire import GradShard, StageTensor, WorkerFailed
 SERVICE = "stage_worker"
 #: How long a worker waits for all its peers to lease their slots.
 START_TIMEOUT_S = 180.0
+#: Prefill batches a worker holds at once (one bubble's worth; more simply wait in the stream).
+FILL_CONCURRENCY = 8
 #: Data seed of the start-up timing probe (kept apart from the training data seed).
 TIMING_SEED = 0x5EED
 
@@ -89,6 +94,10 @@ async def _train(
             raise Reject(f"a stage worker's inbox takes StageTensor/GradShard of run {run}, got {type(m).__name__}")
 
     memory = int(spec.device.memory_gib * (1 << 30))
+    prefill = None
+    if spec.bubbletea.enabled:
+        prefill = await asyncio.to_thread(PrefillModel.from_spec, spec.prefill)
+        memory -= model_bytes(prefill)  # the guest's weights live beside the owner's
     runner = StageRunner(
         bus,
         spec,
@@ -102,6 +111,38 @@ async def _train(
         free_memory_bytes=max(0, memory - trainer.state_bytes()),
     )
     inbox = bus.consumer(keys.inbox(run, slot.replica, slot.stage), "worker", on_inbox, name=slot.name)
+    fill = None
+    if prefill is not None:
+        runner.filler = Filler(
+            bus, run, slot.name, prefill, spec.prefill.model_name, spec.prefill.kv_ttl_s, runner.prefill_span
+        )
+        fill = bus.consumer(
+            keys.fill_stream(run, slot.replica, slot.stage),
+            "worker",
+            runner.filler.on_batch,
+            name=slot.name,
+            config=msgspec.structs.replace(spec.bus, concurrency=FILL_CONCURRENCY),
+        )
+        await fill.start()
+    try:
+        await _run(runner, inbox, lease, watch, slot, stop)
+    finally:
+        if runner.filler is not None:
+            await runner.filler.close()  # answer and report what already ran
+        if fill is not None:
+            # A batch still unreported stays pending; the dispatcher requeues it when no report comes.
+            await fill.stop(grace_s=1.0)
+
+
+async def _run(
+    runner: StageRunner,
+    inbox: Consumer,
+    lease: SlotLease,
+    watch: asyncio.Task[None],
+    slot: Slot,
+    stop: asyncio.Event,
+) -> None:
+    spec = runner.spec
     async with inbox:
         barrier = asyncio.create_task(lease.wait_for_all(START_TIMEOUT_S), name="barrier")
         await asyncio.wait({barrier, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -137,6 +178,10 @@ async def _train(
             raise RuntimeError(f"inbox consumer crashed: {inbox.error!r}")
         else:
             log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
+
+
+def model_bytes(model: PrefillModel) -> int:
+    return sum(p.numel() * p.element_size() for p in model.module.parameters())
 
 
 def _profile_and_prior(spec: ClusterSpec, slot: Slot, trainer: StageTrainer) -> tuple[Profile, dict[int, float]]:

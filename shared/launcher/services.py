@@ -23,8 +23,9 @@ class ServiceDef:
 PREFILL_QUEUE = ServiceDef("prefill_queue", "services.prefill_queue", http=True)
 WAN_BROKER = ServiceDef("wan_broker", "services.wan_broker")
 STAGE_WORKER = ServiceDef("stage_worker", "services.stage_worker", per_slot=True)
+DISPATCHER = ServiceDef("dispatcher", "services.dispatcher")
 
-SERVICES: tuple[ServiceDef, ...] = (PREFILL_QUEUE, WAN_BROKER, STAGE_WORKER)
+SERVICES: tuple[ServiceDef, ...] = (PREFILL_QUEUE, WAN_BROKER, STAGE_WORKER, DISPATCHER)
 
 
 def command(svc: ServiceDef) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from shared import keys
 from shared.bus import Bus
 from shared.launcher.procs import Proc, ServiceFailed, spawn, stop_all
-from shared.launcher.services import STAGE_WORKER, WAN_BROKER
+from shared.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
 from shared.settings import Settings
 from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
 
@@ -43,8 +43,16 @@ class TrainResult:
 
 
 async def run_training(
-    settings: Settings, redis_url: str, *, out: TextIO = sys.stdout, progress: bool = True, quiet: bool = False
+    settings: Settings,
+    redis_url: str,
+    *,
+    out: TextIO = sys.stdout,
+    progress: bool = True,
+    quiet: bool = False,
+    dispatcher: bool = False,
 ) -> TrainResult:
+    """Train once over live services. With `dispatcher`, a BubbleTea dispatcher for the run is
+    started too, so prefill requests queued on the same Redis are served in the run's bubbles."""
     spec, run = settings.spec, settings.run
     env = {
         "REDIS_URL": redis_url,
@@ -58,6 +66,8 @@ async def run_training(
         events = keys.events_stream(run)
         try:
             procs.append(await spawn(WAN_BROKER, env, out=out, quiet=quiet))
+            if dispatcher:
+                procs.append(await spawn(DISPATCHER, env, out=out, quiet=quiet))
             for _ in range(workers):
                 procs.append(await spawn(STAGE_WORKER, env, out=out, quiet=quiet))
             return await _follow(bus, events, settings, procs, out if progress else None)

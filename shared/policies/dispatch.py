@@ -39,6 +39,7 @@ class Bubble:
     free_memory: int
     sent_s: float = 0.0  # predicted seconds of work already dispatched into this bubble
     sent_bytes: int = 0
+    tag: object = None  # which of the worker's bubbles (e.g. (iteration, position)), to match its end
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,28 @@ class DispatchState:
             self.requests[req.id] = req
         return self._fill_all(now)
 
-    def bubble_start(self, worker: str, predicted_s: float, free_memory: int, now: float) -> list[Dispatch]:
-        self.bubbles[worker] = Bubble(worker, now, predicted_s, free_memory)
+    def bubble_start(
+        self,
+        worker: str,
+        predicted_s: float,
+        free_memory: int,
+        now: float,
+        *,
+        started: float | None = None,
+        tag: object = None,
+    ) -> list[Dispatch]:
+        """A worker waits for training input. `started` is when the bubble began on the worker
+        (default `now`): the time the event took to get here is already gone from the budget."""
+        self.bubbles[worker] = Bubble(worker, now if started is None else started, predicted_s, free_memory, tag=tag)
         return self._fill(worker, now)
 
-    def bubble_end(self, worker: str) -> None:
-        """Training input arrived: send nothing more there (what runs stops at a layer boundary)."""
-        self.bubbles.pop(worker, None)
+    def bubble_end(self, worker: str, tag: object = None) -> None:
+        """Training input arrived: send nothing more there (what runs stops at a layer boundary).
+        With a `tag`, only the bubble it names is closed (an end that overtook the next start is
+        ignored)."""
+        b = self.bubbles.get(worker)
+        if b is not None and (tag is None or b.tag == tag):
+            del self.bubbles[worker]
 
     def report(self, worker: str, progress: list[Progress], now: float) -> tuple[list[str], list[Dispatch]]:
         """A worker finished (or was preempted in) a batch. Returns the ids now complete and any new
@@ -107,6 +123,15 @@ class DispatchState:
         for rid in gone:
             del self.requests[rid]
         return gone
+
+    def requeue(self, worker: str, ids: list[str], now: float) -> list[Dispatch]:
+        """A batch sent to `worker` never reported back (lost with its worker, or stuck): its
+        requests wait again at their last reported layer."""
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is not None and req.in_bubble == worker:
+                req.in_bubble = None
+        return self._fill_all(now)
 
     def worker_lost(self, worker: str) -> None:
         """A worker died: its running requests go back to the queue at their last reported layer."""

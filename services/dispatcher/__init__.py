@@ -1,0 +1,1 @@
+"""BubbleTea's dispatcher: queued prefill requests into the training pipeline's bubbles."""

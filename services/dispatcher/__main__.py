@@ -1,0 +1,21 @@
+"""python -m services.dispatcher: the BubbleTea dispatcher for the run named by $BUBBLETEA_RUN."""
+
+from __future__ import annotations
+
+import sys
+
+from services.dispatcher.dispatcher import SERVICE, serve
+from shared.service import run_service
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service(
+        SERVICE,
+        serve,
+        argv,
+        description="BubbleTea dispatcher: packs queued prefill requests into the bubbles the run's workers announce.",
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

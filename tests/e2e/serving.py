@@ -1,0 +1,80 @@
+"""Helpers for the serving-plane end-to-end tests: a spec with real bubbles, a live front door."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from shared.launcher.procs import Proc, spawn, stop_all, wait_http_healthy
+from shared.launcher.services import PREFILL_QUEUE
+from shared.redis_server import free_port
+
+#: PP=2 x DP=2 with a device profile: each stage's forward counts for 40 ms, so every worker
+#: waits tens of milliseconds for its peer in each iteration: bubbles to fill.
+SPEC: dict[str, Any] = {
+    "name": "serving",
+    "datacenters": [{"name": "dc-a", "gpus": 2}, {"name": "dc-b", "gpus": 2}],
+    "wan": {"sharing": "temporal", "default": {"latency_ms": 5, "bandwidth_gbps": 1, "connections": 4}},
+    "model": {"layers": 2, "d_model": 32, "heads": 4, "seq_len": 16, "vocab": 256, "seed": 3},
+    "parallelism": {"pp": 2, "dp": 2, "tp": 1},
+    "training": {"schedule": "1f1b", "microbatches": 4, "microbatch_size": 2, "iterations": 8, "seed": 7},
+    "device": {"fwd_ms_per_layer": 20.0, "allreduce_ms": 5.0, "step_ms": 2.0},
+    "bubbletea": {"enabled": True, "guard_ms": 2.0, "dispatch_overhead_ms": 1.0, "max_batch_requests": 8},
+    "prefill": {
+        "model": {"layers": 4, "d_model": 32, "heads": 4, "seq_len": 128, "vocab": 256, "seed": 11},
+        "max_prompt_tokens": 128,
+        "request_timeout_s": 60,
+        "kv_ttl_s": 120,
+    },
+}
+
+
+def write_spec(tmp_path: Path, **overrides: Any) -> Path:
+    spec = {**SPEC, **overrides}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def service_env(redis_url: str, spec_path: Path, run: str) -> dict[str, str]:
+    return {
+        "REDIS_URL": redis_url,
+        "BUBBLETEA_CONFIG": str(spec_path),
+        "BUBBLETEA_RUN": run,
+        "BUBBLETEA_LOG_LEVEL": "INFO",
+    }
+
+
+async def start_front_door(env: dict[str, str], out: Any) -> Proc:
+    port = free_port()
+    p = await spawn(PREFILL_QUEUE, {**env, "BUBBLETEA_HTTP_PORT": str(port)}, out=out, quiet=True)
+    await wait_http_healthy(p, f"http://127.0.0.1:{port}")
+    return p
+
+
+@contextlib.asynccontextmanager
+async def front_door(env: dict[str, str], out: Any) -> AsyncIterator[Proc]:
+    p = await start_front_door(env, out)
+    try:
+        yield p
+    finally:
+        await stop_all([p])
+
+
+async def submit(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
+    async with http.post(f"{url}/v1/prefill", json=body) as resp:
+        assert resp.status == 202, await resp.text()
+        rid: str = (await resp.json())["id"]
+        return rid
+
+
+async def status(http: aiohttp.ClientSession, url: str, rid: str) -> dict[str, Any]:
+    async with http.get(f"{url}/v1/prefill/{rid}") as resp:
+        assert resp.status == 200, await resp.text()
+        body: dict[str, Any] = await resp.json()
+        return body

@@ -1,0 +1,103 @@
+"""Prefill served in the bubbles of a live training run: every answer is really computed.
+
+Real processes (front door, dispatcher, WAN broker, four stage workers) over a real redis-server;
+requests go in over real HTTP while the pipeline trains. Each answer (first token, logprob, top
+alternatives) and each stored KV cache must equal what `PrefillModel.prefill` computes for the
+same prompt in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import random
+import uuid
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from redis.asyncio import Redis
+
+from shared import keys, kvstore
+from shared.launcher.train import run_training
+from shared.model.prefill import PrefillModel
+from shared.redis_server import EmbeddedRedis
+from shared.settings import load_settings
+from shared.wire import PrefillReport, SpanRecord, decode
+from tests.e2e.serving import front_door, service_env, status, submit, write_spec
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_prompts_submitted_during_training_are_answered_with_computed_tokens(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    path = write_spec(tmp_path)
+    run = f"serve-{uuid.uuid4().hex[:6]}"
+    settings = load_settings(path, env={"BUBBLETEA_RUN": run})
+    env = service_env(redis_server.url, path, run)
+    out = io.StringIO()
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 128))] for _ in range(40)]
+    bodies = [
+        {"prompt": p, "logprobs": 3, **({"temperature": 0.8, "seed": i} if i % 3 == 0 else {})}
+        for i, p in enumerate(prompts)
+    ]
+    async with front_door(env, out) as door, aiohttp.ClientSession() as http:
+        assert door.url is not None
+        training = asyncio.create_task(
+            run_training(settings, redis_server.url, out=out, progress=False, dispatcher=True)
+        )
+        await asyncio.sleep(3)  # let the workers start: the first requests then wait for a bubble
+        ids = []
+        for body in bodies:
+            ids.append(await submit(http, door.url, body))
+            await asyncio.sleep(0.02)
+        result = await training
+        answers = [await status(http, door.url, rid) for rid in ids]
+        # Readiness: the dispatcher is gone with the run, so the front door says it cannot serve.
+        async with http.get(f"{door.url}/ready") as resp:
+            assert resp.status == 503
+
+    assert len(result.losses) == settings.spec.training.iterations
+    not_done = [(i, a) for i, a in enumerate(answers) if a["status"] != "done"]
+    assert not not_done, f"unanswered or failed: {not_done[:3]}\n{out.getvalue()[-3000:]}"
+
+    model = PrefillModel.from_spec(settings.spec.prefill)
+    r = Redis.from_url(redis_server.url)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run: the same reduction order, so bit-identical KV
+    try:
+        for rid, body, answer in zip(ids, bodies, answers, strict=True):
+            got = answer["result"]
+            want = model.prefill(
+                body["prompt"], temperature=body.get("temperature", 0.0), seed=body.get("seed"), top_logprobs=3
+            )
+            assert got["token"] == want.token
+            assert got["logprob"] == pytest.approx(want.logprob, abs=1e-6)
+            assert [t for t, _ in got["top_logprobs"]] == [t for t, _ in want.top]
+            assert got["prompt_tokens"] == len(body["prompt"])
+            assert got["worker"].startswith("r")
+            kv = await kvstore.fetch_kv(r, rid)
+            assert kv is not None and len(kv) == len(want.kv)
+            for (k, v), (wk, wv) in zip(kv, want.kv, strict=True):
+                assert torch.equal(k, wk) and torch.equal(v, wv)
+            handle = got["kv_transfer_params"]
+            assert handle["key"] == keys.kv_cache_key(rid) and handle["bytes"] > 0
+
+        # The work ran in bubbles: prefill spans in the telemetry, reports from the workers.
+        spans = [decode(f[b"m"]) for _, f in await r.xrange(keys.spans_stream(run))]
+        prefill_spans = [s for s in spans if isinstance(s, SpanRecord) and s.span == "prefill"]
+        assert prefill_spans
+        reports = [decode(f[b"m"]) for _, f in await r.xrange(keys.prefill_reports_stream(run))]
+        assert all(isinstance(m, PrefillReport) for m in reports)
+        assert {m.worker for m in reports if isinstance(m, PrefillReport) and m.started_at} <= {
+            "r0s0",
+            "r0s1",
+            "r1s0",
+            "r1s1",
+        }
+    finally:
+        torch.set_num_threads(threads)
+        await r.aclose()
