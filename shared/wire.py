@@ -231,9 +231,11 @@ class PrefillBatch(Message, frozen=True, kw_only=True, tag="prefill_batch"):
     worker: str
     batch_id: str
     items: tuple[PrefillItem, ...]
-    bubble_at: float  # wall clock of the BubbleStart this batch is for
+    bubble_at: float  # wall clock of the BubbleStart this batch is for (0 for a staged batch)
     sent_at: float
     predicted_s: float  # what the packing policy expects the batch to take
+    #: Staged for the worker's next bubble: held there until it starts, not returned at once.
+    hold: bool = False
 
 
 class PrefillProgress(msgspec.Struct, frozen=True, kw_only=True):

@@ -29,7 +29,7 @@ from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import estimate_kv_bytes
-from shared.policies.dispatch import Dispatch, DispatchState, Progress, Request
+from shared.policies.dispatch import HOLD_STAGED_S, Dispatch, DispatchState, Progress, Request
 from shared.settings import Settings
 from shared.wire import (
     BubbleEnd,
@@ -50,6 +50,8 @@ BATCH_GRACE_S = 3.0
 #: Requests held at once (each is one waiting handler, acked when answered): the front door's
 #: admission limit bounds the real number far below this.
 MAX_HELD_REQUESTS = 1_000_000
+#: A bubble event older than this is history (read from the backlog after a restart), not news.
+STALE_BUBBLE_S = 1.0
 #: A progress line in the log this often.
 LOG_EVERY_S = 10.0
 
@@ -111,7 +113,7 @@ class Dispatcher:
     async def on_bubble(self, d: Delivery) -> None:
         m, now = d.message, time.time()
         if isinstance(m, BubbleStart):
-            if not self.spec.bubbletea.enabled or m.at + m.predicted_ms / 1000 < now:
+            if not self.spec.bubbletea.enabled or now - m.at > STALE_BUBBLE_S:
                 return  # off, or an old event (e.g. read from the backlog after a restart)
             self.fill_streams[m.worker] = keys.fill_stream(self.run, m.replica, m.stage)
             dispatches = self.state.bubble_start(
@@ -124,7 +126,7 @@ class Dispatcher:
             )
             await self._send(dispatches, bubble_at=m.at)
         elif isinstance(m, BubbleEnd):
-            self.state.bubble_end(m.worker, tag=(m.iteration, m.position))
+            await self._send(self.state.bubble_end(m.worker, tag=(m.iteration, m.position), now=now))
         else:
             raise Reject(f"the bubble stream takes BubbleStart/BubbleEnd, got {type(m).__name__}")
 
@@ -213,9 +215,9 @@ class Dispatcher:
             predicted = sum(a.seconds for a in dsp.assignments)
             batch_id = f"{self._tag}-{next(self._batch_ids)}"
             bubble = self.state.bubbles.get(dsp.worker)
-            self.batches[batch_id] = InFlight(
-                dsp.worker, [a.id for a in dsp.assignments], time.monotonic() + predicted + BATCH_GRACE_S
-            )
+            # A staged batch may wait on its worker for the next bubble to start.
+            expires = time.monotonic() + predicted + BATCH_GRACE_S + (HOLD_STAGED_S if dsp.hold else 0.0)
+            self.batches[batch_id] = InFlight(dsp.worker, [a.id for a in dsp.assignments], expires)
             self.counts["batches"] += 1
             await self.bus.publish(
                 stream,
@@ -227,6 +229,7 @@ class Dispatcher:
                     bubble_at=bubble_at or (bubble.started if bubble else 0.0),
                     sent_at=time.time(),
                     predicted_s=predicted,
+                    hold=dsp.hold,
                 ),
             )
 

@@ -3,7 +3,9 @@
 Training is the owner, prefill the guest:
 
 * A batch is run only while the worker waits for training input (`fill`, called by the runner in
-  a bubble). One that arrives outside a bubble goes straight back to the dispatcher, unrun.
+  a bubble). One that arrives outside a bubble goes straight back to the dispatcher, unrun,
+  unless it was staged for the next bubble (`hold`): then it waits here, so that bubble starts
+  filling at once, and goes back unrun if no bubble starts within `HOLD_STAGED_S`.
 * The batch runs in a thread on the `PrefillModel`, one block at a time; before each block it
   checks whether the awaited activation or gradient has arrived, and yields at that layer
   boundary. The runner resumes training as soon as the thread returns: within one block's time.
@@ -26,6 +28,7 @@ from shared import keys, kvstore, serving
 from shared.bus import Bus, Delivery, Reject
 from shared.logs import get_logger
 from shared.model.prefill import PrefillModel, PrefillResult, PrefillState
+from shared.policies.dispatch import HOLD_STAGED_S
 from shared.wire import PrefillBatch, PrefillItem, PrefillProgress, PrefillReport
 from shared.wire import PrefillResult as ResultMessage
 
@@ -62,10 +65,11 @@ class Filler:
         model_name: str,
         kv_ttl_s: int,
         on_span: Callable[[float, float], None],
+        min_bubble_s: float = 0.0,
     ) -> None:
         self.bus, self.run, self.worker = bus, run, worker
         self.model, self.model_name, self.kv_ttl_s = model, model_name, kv_ttl_s
-        self.on_span = on_span
+        self.on_span, self.min_bubble_s = on_span, min_bubble_s
         self._queue: deque[tuple[PrefillBatch, asyncio.Future[None]]] = deque()
         self._work = asyncio.Event()
         self._post: set[asyncio.Task[None]] = set()
@@ -78,19 +82,39 @@ class Filler:
         batch = d.message
         if not isinstance(batch, PrefillBatch) or batch.run != self.run:
             raise Reject(f"a worker's fill stream takes PrefillBatch of run {self.run}, got {type(batch).__name__}")
-        if not self.in_bubble:
+        if not self.in_bubble and not batch.hold:
             # The bubble closed before the batch got here: hand it back at once, unrun.
-            await self._finish_batch(batch, BatchRun(0.0, time.time(), [], preempted=True), first=False)
+            await self._finish_batch(batch, BatchRun(0.0, time.time(), [], preempted=True), 0.0, first=False)
             return
-        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
         self._queue.append((batch, done))
         self._work.set()
+        if not self.in_bubble:
+            loop.call_later(HOLD_STAGED_S, self._give_back_held, batch.batch_id)
         await asyncio.shield(done)  # acked once answered and reported
+
+    def _give_back_held(self, batch_id: str) -> None:
+        """A staged batch whose bubble never came (training paused or over): back, unrun."""
+        if self.in_bubble:
+            return  # a bubble is running: the batch will be run or handed back at its end
+        for entry in list(self._queue):
+            batch, done = entry
+            if batch.batch_id == batch_id:
+                self._queue.remove(entry)
+                self._background(self._finish_batch(batch, BatchRun(0.0, time.time(), [], True), 0.0, False), done)
 
     # --- inside a bubble (called by the runner) --------------------------------------------
 
-    async def fill(self, arrived: Arrived, training_input: asyncio.Future[Any]) -> None:
-        """Run queued batches until training input has arrived (`arrived()` turns true)."""
+    async def fill(
+        self, arrived: Arrived, training_input: asyncio.Future[Any], bubble_at: float, predicted_s: float
+    ) -> None:
+        """Run queued batches until training input has arrived (`arrived()` turns true).
+        `bubble_at`: when the bubble began (wall clock), for the dispatch latency in reports. A
+        bubble predicted shorter than the guard is left alone: staged work waits for a longer one."""
+        if predicted_s < self.min_bubble_s:
+            await asyncio.wait({training_input})
+            return
         self.in_bubble, first = True, True
         try:
             while not arrived() and not training_input.done():
@@ -106,13 +130,23 @@ class Filler:
                 self.batches_run += 1
                 if run.outcomes:
                     self.on_span(run.started, run.ended)
-                self._background(self._finish_batch(batch, run, first=first), done)
+                self._background(self._finish_batch(batch, run, bubble_at, first=first), done)
                 first = False
         finally:
             self.in_bubble = False
-            while self._queue:  # arrived too late for this bubble: back to the dispatcher, unrun
-                batch, done = self._queue.popleft()
-                self._background(self._finish_batch(batch, BatchRun(0.0, time.time(), [], True), first=False), done)
+            self._hand_back(staged_too=False)
+
+    def _hand_back(self, *, staged_too: bool) -> None:
+        """Queued batches back to the dispatcher, unrun: the ones sent for the bubble that just
+        ended (and, when closing, those staged for a next one)."""
+        keep: deque[tuple[PrefillBatch, asyncio.Future[None]]] = deque()
+        while self._queue:
+            batch, done = self._queue.popleft()
+            if batch.hold and not staged_too:
+                keep.append((batch, done))
+                continue
+            self._background(self._finish_batch(batch, BatchRun(0.0, time.time(), [], True), 0.0, False), done)
+        self._queue = keep
 
     async def _load_snapshots(self, batch: PrefillBatch) -> dict[str, PrefillState | None]:
         """The saved states of resumed items (None when one has expired)."""
@@ -174,7 +208,7 @@ class Filler:
         self._post.add(task)
         task.add_done_callback(self._post.discard)
 
-    async def _finish_batch(self, batch: PrefillBatch, run: BatchRun, *, first: bool) -> None:
+    async def _finish_batch(self, batch: PrefillBatch, run: BatchRun, bubble_at: float, first: bool) -> None:
         r = self.bus.redis
         progress: list[PrefillProgress] = []
         for o in run.outcomes:
@@ -205,7 +239,7 @@ class Filler:
                 worker=self.worker,
                 batch_id=batch.batch_id,
                 progress=tuple(progress),
-                bubble_at=batch.bubble_at,
+                bubble_at=bubble_at,
                 started_at=run.started,
                 ended_at=run.ended,
                 preempted=run.preempted,
@@ -244,6 +278,7 @@ class Filler:
         )
 
     async def close(self) -> None:
-        """Finish answering and reporting what already ran."""
+        """Hand back what did not run; finish answering and reporting what did."""
+        self._hand_back(staged_too=True)
         if self._post:
             await asyncio.gather(*self._post, return_exceptions=True)

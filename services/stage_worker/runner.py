@@ -195,7 +195,8 @@ class StageRunner:
             return await self.mailbox.take(key)
         predicted = self.predictor.predict(pos)
         t0 = time.time()
-        await self.bus.publish(
+        # Through the outbox: staged prefill starts now, not after a round trip to Redis.
+        self.outbox.send(
             keys.bubbles_stream(self.run),
             BubbleStart(
                 run=self.run,
@@ -210,10 +211,10 @@ class StageRunner:
                 at=t0,
             ),
         )
-        value = await self._wait_filling(key)
+        value = await self._wait_filling(key, t0, predicted)
         t1 = time.time()
         self.predictor.observe(pos, predicted, t1 - t0)
-        await self.bus.publish(
+        self.outbox.send(
             keys.bubbles_stream(self.run),
             BubbleEnd(
                 run=self.run,
@@ -230,13 +231,13 @@ class StageRunner:
         self._span("wait", it, t0, t1, key[2] if len(key) > 2 else -1)
         return value
 
-    async def _wait_filling(self, key: tuple[Any, ...]) -> Any:
+    async def _wait_filling(self, key: tuple[Any, ...], bubble_at: float, predicted_s: float) -> Any:
         """Wait for `key`; meanwhile, with BubbleTea, run prefill until it arrives."""
         if self.filler is None:
             return await self.mailbox.take(key)
         take = asyncio.ensure_future(self.mailbox.take(key))
         try:
-            await self.filler.fill(lambda: self.mailbox.arrived(key), take)
+            await self.filler.fill(lambda: self.mailbox.arrived(key), take, bubble_at, predicted_s)
             return await take
         finally:
             if not take.done():

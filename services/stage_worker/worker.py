@@ -7,6 +7,7 @@ slot and stops with an error instead of waiting forever for tensors that will ne
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import msgspec
@@ -34,6 +35,7 @@ from shared.wire import GradShard, StageTensor, WorkerFailed
 SERVICE = "stage_worker"
 #: How long a worker waits for all its peers to lease their slots.
 START_TIMEOUT_S = 180.0
+SWITCH_INTERVAL_S = 0.0005
 #: Prefill batches a worker holds at once (one bubble's worth; more simply wait in the stream).
 FILL_CONCURRENCY = 8
 #: Data seed of the start-up timing probe (kept apart from the training data seed).
@@ -44,6 +46,10 @@ log = get_logger(__name__)
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     torch.set_num_threads(1)  # several workers share the machine's cores
+    # A prefill thread holds the GIL between torch ops; the default 5 ms switch interval would
+    # let it delay the event loop's handling of an arriving activation by that much. 0.5 ms
+    # bounds how late the loop notices training input (and so how late prefill yields).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     spec, run = settings.spec, settings.run
     placement = placement_of(spec)  # an infeasible spec fails here, naming the missing GPUs
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
@@ -114,7 +120,14 @@ async def _train(
     fill = None
     if prefill is not None:
         runner.filler = Filler(
-            bus, run, slot.name, prefill, spec.prefill.model_name, spec.prefill.kv_ttl_s, runner.prefill_span
+            bus,
+            run,
+            slot.name,
+            prefill,
+            spec.prefill.model_name,
+            spec.prefill.kv_ttl_s,
+            runner.prefill_span,
+            min_bubble_s=spec.bubbletea.guard_ms / 1000,
         )
         fill = bus.consumer(
             keys.fill_stream(run, slot.replica, slot.stage),

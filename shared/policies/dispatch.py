@@ -9,11 +9,26 @@ workers' progress reports with a clock, and sends out the `Dispatch` decisions i
   while a bubble is open; a bubble's budget shrinks by what was already sent into it.
 * A request is never in two bubbles at once; a worker's report moves it on (to the layer it
   reached) or out (done); what a worker could not finish is queued again at its resume point.
+* A bubble's budget counts only work still outstanding there: a reported batch gives back its
+  predicted time, so a worker that finishes early is topped up from the same bubble.
+* **Staging**: when a bubble ends, the next one's first batch is sent at once (sized for the
+  median of the worker's recent bubbles), and the worker holds it until a bubble long enough to
+  use it starts (the worker knows each bubble's predicted length; it skips ones shorter than the
+  guard).
+  A bubble then starts filling without waiting for a round trip through the bus; the dispatcher
+  tops it up once the bubble's own start event arrives.
+* **Overtime**: a bubble still open past its predicted end is longer than predicted (predictions
+  are conservative); it gets small slices of work (`OVERTIME_SLICE_S`) while it lasts, each a
+  bounded risk since the worker yields at the next layer boundary when training input arrives.
+* Packing uses the cost model's mean prediction, not a pessimistic one: a misprediction costs at
+  most one layer's time, because the worker yields at the next layer boundary when training input
+  arrives, and the guard covers that.
 * A queued request whose deadline has passed is expired (the shell fails it explicitly).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from shared.policies.packing import Assignment, Candidate, budget, layered_cost, pack
@@ -28,7 +43,8 @@ class Request:
     kv_bytes: int
     deadline: float | None = None
     next_layer: int = 0
-    in_bubble: str | None = None  # the worker running it now, if any
+    in_bubble: str | None = None  # the worker running (or holding) it now, if any
+    assigned_s: float = 0.0  # predicted seconds of the work it was last sent with
 
 
 @dataclass
@@ -37,7 +53,7 @@ class Bubble:
     started: float
     predicted_s: float
     free_memory: int
-    sent_s: float = 0.0  # predicted seconds of work already dispatched into this bubble
+    sent_s: float = 0.0  # predicted seconds of work sent into this bubble and not yet reported
     sent_bytes: int = 0
     tag: object = None  # which of the worker's bubbles (e.g. (iteration, position)), to match its end
 
@@ -46,6 +62,19 @@ class Bubble:
 class Dispatch:
     worker: str
     assignments: tuple[Assignment, ...]
+    hold: bool = False  # staged for the worker's next bubble (it holds the batch until then)
+
+
+#: Bubble lengths remembered per worker, to size the batch staged for its next bubble.
+RECENT_BUBBLES = 8
+#: Work outstanding in a bubble that outlived its prediction: small, so an overrun costs little.
+OVERTIME_SLICE_S = 0.004
+#: Work is staged only on a worker that had a bubble this recently: one that stopped training
+#: (run over, or dead) must not keep being handed requests.
+STAGE_WINDOW_S = 2.0
+#: A worker holds a staged batch this long at most; if no bubble starts by then it hands it back
+#: unrun (the run may be over), and the requests queue again.
+HOLD_STAGED_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -65,8 +94,14 @@ class DispatchState:
     max_batch: int
     order: str = "deadline"
     cost: PrefillCostModel = field(default_factory=PrefillCostModel)
+    stage_next: bool = True
     requests: dict[str, Request] = field(default_factory=dict)
     bubbles: dict[str, Bubble] = field(default_factory=dict)
+    #: per worker: predicted seconds (and KV bytes) of the batch staged for its next bubble
+    staged: dict[str, tuple[float, int]] = field(default_factory=dict)
+    recent: dict[str, deque[float]] = field(default_factory=dict)
+    free_memory: dict[str, int] = field(default_factory=dict)
+    last_seen: dict[str, float] = field(default_factory=dict)  # the worker's last bubble event
 
     # --- events ----------------------------------------------------------------------------
 
@@ -87,16 +122,40 @@ class DispatchState:
     ) -> list[Dispatch]:
         """A worker waits for training input. `started` is when the bubble began on the worker
         (default `now`): the time the event took to get here is already gone from the budget."""
-        self.bubbles[worker] = Bubble(worker, now if started is None else started, predicted_s, free_memory, tag=tag)
+        staged_s, staged_bytes = self.staged.pop(worker, (0.0, 0))
+        self.bubbles[worker] = Bubble(
+            worker, now if started is None else started, predicted_s, free_memory, staged_s, staged_bytes, tag=tag
+        )
+        self.recent.setdefault(worker, deque(maxlen=RECENT_BUBBLES)).append(predicted_s)
+        self.free_memory[worker] = free_memory
+        self.last_seen[worker] = now
         return self._fill(worker, now)
 
-    def bubble_end(self, worker: str, tag: object = None) -> None:
+    def bubble_end(self, worker: str, tag: object = None, *, now: float = 0.0) -> list[Dispatch]:
         """Training input arrived: send nothing more there (what runs stops at a layer boundary).
         With a `tag`, only the bubble it names is closed (an end that overtook the next start is
         ignored)."""
         b = self.bubbles.get(worker)
         if b is not None and (tag is None or b.tag == tag):
             del self.bubbles[worker]
+        self.last_seen[worker] = now
+        return self.stage(worker, now)
+
+    def stage(self, worker: str, now: float) -> list[Dispatch]:
+        """The first batch of `worker`'s next bubble, sent now and held there until it starts
+        (none if staging is off, something is staged already, or nothing fits)."""
+        recent = self.recent.get(worker)
+        if not self.stage_next or worker in self.staged or not recent or worker in self.bubbles:
+            return []
+        if now - self.last_seen.get(worker, -1e18) > STAGE_WINDOW_S:
+            return []
+        typical = sorted(recent)[len(recent) // 2]
+        plan = self._pack(max(0.0, typical - self.guard_s - self.overhead_s), self.free_memory.get(worker, 0), now)
+        if not plan:
+            return []
+        secs, nbytes = self._assign(worker, plan)
+        self.staged[worker] = (secs, nbytes)
+        return [Dispatch(worker, plan, hold=True)]
 
     def report(self, worker: str, progress: list[Progress], now: float) -> tuple[list[str], list[Dispatch]]:
         """A worker finished (or was preempted in) a batch. Returns the ids now complete and any new
@@ -109,6 +168,7 @@ class DispatchState:
             ran = p.reached_layer - req.next_layer
             if ran > 0 and p.seconds > 0:
                 self.cost.observe(req.tokens, p.seconds * self.layers / ran)  # scale to a whole prompt
+            self._give_back(worker, req)
             req.next_layer, req.in_bubble = max(req.next_layer, p.reached_layer), None
             if req.next_layer >= self.layers:
                 done.append(p.id)
@@ -116,13 +176,18 @@ class DispatchState:
         return done, self._fill_all(now)
 
     def expire(self, now: float) -> list[str]:
-        """Queued (not running) requests whose deadline has passed: removed, to be failed explicitly."""
+        """Requests past their deadline that are not running in an open bubble (queued, or staged
+        on a worker): removed, to be failed explicitly. One a worker still runs finishes first."""
         gone = [
-            r.id for r in self.requests.values() if r.deadline is not None and r.deadline < now and r.in_bubble is None
+            r
+            for r in self.requests.values()
+            if r.deadline is not None and r.deadline < now and (r.in_bubble is None or r.in_bubble not in self.bubbles)
         ]
-        for rid in gone:
-            del self.requests[rid]
-        return gone
+        for r in gone:
+            if r.in_bubble is not None:
+                self._give_back(r.in_bubble, r)
+            del self.requests[r.id]
+        return [r.id for r in gone]
 
     def requeue(self, worker: str, ids: list[str], now: float) -> list[Dispatch]:
         """A batch sent to `worker` never reported back (lost with its worker, or stuck): its
@@ -130,12 +195,15 @@ class DispatchState:
         for rid in ids:
             req = self.requests.get(rid)
             if req is not None and req.in_bubble == worker:
+                self._give_back(worker, req)
                 req.in_bubble = None
         return self._fill_all(now)
 
     def worker_lost(self, worker: str) -> None:
         """A worker died: its running requests go back to the queue at their last reported layer."""
         self.bubbles.pop(worker, None)
+        self.staged.pop(worker, None)
+        self.recent.pop(worker, None)
         for r in self.requests.values():
             if r.in_bubble == worker:
                 r.in_bubble = None
@@ -146,6 +214,8 @@ class DispatchState:
         out: list[Dispatch] = []
         for worker in sorted(self.bubbles, key=lambda w: self.bubbles[w].started):
             out += self._fill(worker, now)
+        for worker in sorted(self.recent):  # then stage work for idle workers' next bubbles
+            out += self.stage(worker, now)
         return out
 
     def _fill(self, worker: str, now: float) -> list[Dispatch]:
@@ -153,28 +223,55 @@ class DispatchState:
         if b is None:
             return []
         left = budget(b.predicted_s, now - b.started, self.guard_s, self.overhead_s) - b.sent_s
+        if now - b.started > b.predicted_s:  # overtime: the prediction was short
+            left = OVERTIME_SLICE_S - b.sent_s
+        plan = self._pack(left, b.free_memory - b.sent_bytes, now)
+        if not plan:
+            return []
+        secs, nbytes = self._assign(worker, plan)
+        b.sent_s += secs
+        b.sent_bytes += nbytes
+        return [Dispatch(worker, plan)]
+
+    def _pack(self, left: float, free_memory: int, now: float) -> tuple[Assignment, ...]:
         waiting = [
             Candidate(r.id, r.tokens, r.next_layer, r.arrival, r.kv_bytes, r.deadline)
             for r in self.requests.values()
             if r.in_bubble is None
         ]
         if left <= 0 or not waiting:
-            return []
-        plan = pack(
+            return ()
+        return pack(
             waiting,
             budget_s=left,
-            free_memory=b.free_memory - b.sent_bytes,
+            free_memory=free_memory,
             layers=self.layers,
-            cost=layered_cost(self.cost.predict_safe, self.layers),
+            cost=layered_cost(self.cost.predict, self.layers),
             now=now,
             max_requests=self.max_batch,
             order=self.order,
-        )
-        if not plan.assignments:
-            return []
-        for a in plan.assignments:
+        ).assignments
+
+    def _assign(self, worker: str, plan: tuple[Assignment, ...]) -> tuple[float, int]:
+        secs, nbytes = 0.0, 0
+        for a in plan:
             r = self.requests[a.id]
-            r.in_bubble = worker
-            b.sent_s += a.seconds
-            b.sent_bytes += r.kv_bytes
-        return [Dispatch(worker, plan.assignments)]
+            r.in_bubble, r.assigned_s = worker, a.seconds
+            secs += a.seconds
+            nbytes += r.kv_bytes
+        return secs, nbytes
+
+    def _give_back(self, worker: str, req: Request) -> None:
+        """A request left `worker` (reported or requeued): its share no longer counts there."""
+        b = self.bubbles.get(worker)
+        if b is not None:
+            b.sent_s = max(0.0, b.sent_s - req.assigned_s)
+            b.sent_bytes = max(0, b.sent_bytes - req.kv_bytes)
+        elif worker in self.staged:
+            secs, nbytes = self.staged[worker]
+            left_s, left_b = max(0.0, secs - req.assigned_s), max(0, nbytes - req.kv_bytes)
+            if left_s <= 0 and left_b <= 0:
+                del self.staged[worker]
+            else:
+                self.staged[worker] = (left_s, left_b)
+        req.assigned_s = 0.0

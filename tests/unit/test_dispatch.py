@@ -44,7 +44,7 @@ def test_a_request_arriving_in_an_open_bubble_uses_what_is_left() -> None:
 
 
 def test_reports_complete_or_requeue_at_the_resume_point() -> None:
-    s = state()
+    s = state(stage_next=False)
     s.add_request(req(0, 100), now=0.0)  # 100 ms: longer than the bubbles below
     s.bubble_start("w1", predicted_s=0.053, free_memory=10**9, now=0.0)  # 50 ms: 2 of 4 layers
     assert s.requests["r0"].in_bubble == "w1"
@@ -102,3 +102,58 @@ def test_reports_teach_the_cost_model() -> None:
         s.bubble_start("w1", predicted_s=10.0, free_memory=10**9, now=float(i))
         s.report("w1", [Progress(f"r{i}", 4, 0.3)], now=float(i))  # really 3x slower than predicted
     assert s.cost.predict(100) == pytest.approx(0.3, rel=0.1) and s.cost.predict(100) > before
+
+
+def test_a_report_gives_back_budget_so_an_early_finish_is_topped_up() -> None:
+    s = state(stage_next=False)
+    for i in range(4):
+        s.add_request(req(i, 10), now=0.0)
+    (d1,) = s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.0)  # 30 ms: r0..r2
+    assert [a.id for a in d1.assignments] == ["r0", "r1", "r2"]
+    assert s.add_request(req(9, 10), now=0.0) == []  # nothing left in this bubble
+    # r0..r2 finished in 6 ms instead of 30: the bubble has 33 - 3 - 6 = 24 ms left for the rest
+    done, (d2,) = s.report("w1", [Progress(f"r{i}", 4, 0.002) for i in range(3)], now=0.006)
+    assert done == ["r0", "r1", "r2"] and d2.worker == "w1" and not d2.hold
+    assert [a.id for a in d2.assignments] == ["r3", "r9"]
+
+
+def test_the_next_bubble_is_staged_when_one_ends_and_counts_against_its_budget() -> None:
+    s = state()
+    s.bubble_start("w1", predicted_s=0.023, free_memory=10**9, now=0.0)  # nothing queued yet
+    s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.1)  # recent: 23, 33 ms
+    s.bubble_end("w1", now=0.15)
+    (staged,) = s.add_request(req(0, 10), now=0.2)
+    for i in range(1, 5):
+        assert s.add_request(req(i, 10), now=0.2) == []
+    # staged at once for w1's next bubble, sized by the median of its recent bubbles (33 ms)
+    # minus guard and overhead: r0 went alone when it arrived, the others wait for the bubble
+    assert staged is not None and staged.hold and [a.id for a in staged.assignments] == ["r0"]
+    assert s.staged["w1"][0] == pytest.approx(0.010)
+    assert all(s.requests[f"r{i}"].in_bubble is None for i in range(1, 5))
+    (top,) = s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.3)
+    # 33 - 3 = 30 ms budget, 10 ms of it staged already: two more
+    assert not top.hold and [a.id for a in top.assignments] == ["r1", "r2"]
+    assert "w1" not in s.staged
+
+
+def test_a_staged_batch_returned_unrun_goes_back_to_the_queue() -> None:
+    s = state()
+    s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.0)
+    s.bubble_end("w1", now=0.05)
+    (staged,) = s.add_request(req(0, 10), now=0.1)
+    assert staged.hold
+    done, again = s.report("w1", [Progress("r0", 0, 0.0)], now=0.2)  # the worker held it too long
+    # free again, and staged anew on the worker (it had a bubble recently)
+    assert done == [] and again[0].hold and s.requests["r0"].in_bubble == "w1"
+    # a worker with no bubble for a while gets nothing staged: the request waits in the queue ...
+    done, again = s.report("w1", [Progress("r0", 0, 0.0)], now=5.0)
+    assert again == [] and s.requests["r0"].in_bubble is None and "w1" not in s.staged
+
+
+def test_staged_requests_past_their_deadline_expire() -> None:
+    s = state()
+    s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.0)
+    s.bubble_end("w1", now=0.05)
+    (staged,) = s.add_request(req(0, 10, deadline=1.0), now=0.1)
+    assert staged.hold
+    assert s.expire(now=2.0) == ["r0"] and "w1" not in s.staged and s.requests == {}

@@ -1,0 +1,237 @@
+"""Turning request outcomes into the benchmark's numbers and its text table (pure).
+
+The numbers follow `vllm bench serve` so results can be compared: throughputs are over the
+benchmark's wall-clock duration (first send to last answer), latency statistics are over the
+successful requests only, percentiles are numpy's (linear interpolation), std is the population
+std. Failed requests are not dropped quietly: they are counted, classified, and sampled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from loadgen.client import Outcome
+
+#: The latency metrics a report can show. A prefill-only service answers with its first (and
+#: only) token, so the end-to-end latency is the TTFT; "e2el" is accepted so vLLM command lines
+#: and dashboards keep working, and reports under its own name.
+METRICS = {"ttft": ("TTFT", "Time to First Token"), "e2el": ("E2EL", "End-to-end Latency")}
+#: At most this many distinct messages are kept per error class in error_samples.
+SAMPLES_PER_ERROR = 3
+WIDTH = 50
+
+
+# --- parsing the report options ------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> list[str]:
+    """'ttft,e2el' -> ['ttft', 'e2el']; unknown names raise ValueError listing the known ones."""
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("no metric given")
+    unknown = [n for n in names if n not in METRICS]
+    if unknown:
+        raise ValueError(f"unknown metric {unknown[0]!r}; choose from {', '.join(METRICS)}")
+    return list(dict.fromkeys(names))  # drop repeats, keep order
+
+
+def parse_percentiles(text: str) -> list[float]:
+    """'50,90,99' -> [50.0, 90.0, 99.0]; each must be a number in [0, 100]."""
+    out: list[float] = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        try:
+            p = float(item)
+        except ValueError:
+            raise ValueError(f"percentile {item!r} is not a number") from None
+        if not 0 <= p <= 100:
+            raise ValueError(f"percentile {item} is outside 0..100")
+        out.append(p)
+    if not out:
+        raise ValueError("no percentile given")
+    return list(dict.fromkeys(out))
+
+
+def parse_goodput(items: Sequence[str]) -> dict[str, float]:
+    """['ttft:500'] -> {'ttft': 500.0}: service-level objectives in milliseconds. Items may also
+    be comma-separated ('ttft:500,e2el:800')."""
+    slos: dict[str, float] = {}
+    for item in (part.strip() for raw in items for part in raw.split(",")):
+        if not item:
+            continue
+        name, sep, value = item.partition(":")
+        name = name.strip().lower()
+        if not sep or name not in METRICS:
+            raise ValueError(f"goodput objective {item!r} must be METRIC:MS with METRIC one of {', '.join(METRICS)}")
+        try:
+            limit = float(value)
+        except ValueError:
+            raise ValueError(f"goodput objective {item!r}: {value!r} is not a number of milliseconds") from None
+        if not (math.isfinite(limit) and limit > 0):
+            raise ValueError(f"goodput objective {item!r}: the limit must be > 0 ms")
+        slos[name] = limit
+    if not slos:
+        raise ValueError("no goodput objective given")
+    return slos
+
+
+def percentile_name(p: float) -> str:
+    """50.0 -> '50', 99.9 -> '99.9': the name used in keys such as p99_ttft_ms."""
+    return str(int(p)) if float(p).is_integer() else f"{p:g}"
+
+
+# --- computing ---------------------------------------------------------------------------------
+
+
+def latency_ms(outcome: Outcome, metric: str) -> float | None:
+    """The metric for one request, in ms, or None if it failed. Both metrics are the TTFT: see
+    METRICS."""
+    if not outcome.ok or outcome.ttft_s is None:
+        return None
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}")
+    return outcome.ttft_s * 1000.0
+
+
+def _stats(values: list[float], metric: str, percentiles: Sequence[float]) -> dict[str, float | None]:
+    """mean/median/std and the percentiles; None when no request succeeded (0 would read as a
+    wonderfully fast server)."""
+    arr = np.asarray(values, dtype=float)
+    have = arr.size > 0
+    out: dict[str, float | None] = {
+        f"mean_{metric}_ms": float(arr.mean()) if have else None,
+        f"median_{metric}_ms": float(np.median(arr)) if have else None,
+        f"std_{metric}_ms": float(arr.std()) if have else None,
+    }
+    for p in percentiles:
+        out[f"p{percentile_name(p)}_{metric}_ms"] = float(np.percentile(arr, p)) if have else None
+    return out
+
+
+def _error_key(key: str) -> tuple[int, int, str]:
+    """HTTP statuses first, numerically, then the client's own classes by name."""
+    return (0, int(key), "") if key.isdigit() else (1, 0, key)
+
+
+def count_errors(outcomes: Sequence[Outcome]) -> dict[str, int]:
+    counts = Counter(o.error or "unknown" for o in outcomes if not o.ok)
+    return {k: counts[k] for k in sorted(counts, key=_error_key)}
+
+
+def error_samples(outcomes: Sequence[Outcome], per_error: int = SAMPLES_PER_ERROR) -> list[dict[str, Any]]:
+    """A few distinct messages per error class, in order of first occurrence: enough to see why
+    requests failed without storing thousands of identical 429 messages."""
+    seen: dict[str, list[str]] = {}
+    samples: list[dict[str, Any]] = []
+    for o in outcomes:
+        if o.ok:
+            continue
+        kind = o.error or "unknown"
+        messages = seen.setdefault(kind, [])
+        if len(messages) < per_error and o.message not in messages:
+            messages.append(o.message)
+            samples.append({"error": kind, "status": o.status, "message": o.message})
+    return samples
+
+
+def is_good(outcome: Outcome, slos: dict[str, float]) -> bool:
+    """Succeeded and met every objective (limits inclusive)."""
+    if not outcome.ok:
+        return False
+    for metric, limit in slos.items():
+        value = latency_ms(outcome, metric)
+        if value is None or value > limit:
+            return False
+    return True
+
+
+def summarize(
+    outcomes: Sequence[Outcome],
+    duration_s: float,
+    *,
+    metrics: Sequence[str] = ("ttft",),
+    percentiles: Sequence[float] = (50, 90, 99),
+    goodput: dict[str, float] | None = None,
+    clamped_prompts: int = 0,
+) -> dict[str, Any]:
+    """The measured part of the result (the run adds its configuration)."""
+    done = [o for o in outcomes if o.ok]
+
+    def rate(n: float) -> float:
+        return n / duration_s if duration_s > 0 else 0.0  # no time passed: nothing was measured
+
+    total_input = sum(o.prompt_tokens for o in done)
+    ttfts = [v for o in done if (v := latency_ms(o, "ttft")) is not None]
+    summary: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "errors": count_errors(outcomes),
+        "error_samples": error_samples(outcomes),
+        "duration_s": duration_s,
+        "total_input_tokens": total_input,
+        "request_throughput": rate(len(done)),
+        "input_throughput": rate(total_input),
+        "goodput": rate(sum(is_good(o, goodput) for o in done)) if goodput else None,
+        "goodput_slos_ms": dict(goodput) if goodput else None,
+        "clamped_prompts": clamped_prompts,
+        "percentile_metrics": list(metrics),
+        "metric_percentiles": list(percentiles),
+    }
+    # TTFT statistics are always there (the headline); other metrics when asked for.
+    summary.update(_stats(ttfts, "ttft", percentiles if "ttft" in metrics else ()))
+    for metric in metrics:
+        if metric != "ttft":
+            summary.update(_stats([v for o in done if (v := latency_ms(o, metric)) is not None], metric, percentiles))
+    summary["ttfts_ms"] = ttfts
+    return summary
+
+
+# --- the text table ----------------------------------------------------------------------------
+
+
+def _line(label: str, value: Any, fmt: str = "") -> str:
+    shown = "n/a" if value is None else format(value, fmt)
+    return f"{label:<40} {shown:<10}".rstrip()
+
+
+def _rule(title: str = "", fill: str = "-") -> str:
+    return f"{title:{fill}^{WIDTH}}"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as the text table `vllm bench serve` prints."""
+    lines = [
+        _rule(" Serving Benchmark Result ", "="),
+        _line("Successful requests:", summary["completed"]),
+        _line("Failed requests:", summary["failed"]),
+        _line("Benchmark duration (s):", summary["duration_s"], ".2f"),
+        _line("Total input tokens:", summary["total_input_tokens"]),
+        _line("Request throughput (req/s):", summary["request_throughput"], ".2f"),
+        _line("Input token throughput (tok/s):", summary["input_throughput"], ".1f"),
+    ]
+    if summary.get("goodput") is not None:
+        lines.append(_line("Request goodput (req/s):", summary["goodput"], ".2f"))
+    if summary.get("clamped_prompts"):
+        lines.append(_line("Prompts clamped to --max-input-len:", summary["clamped_prompts"]))
+    for metric in summary["percentile_metrics"]:
+        short, title = METRICS[metric]
+        lines.append(_rule(title))
+        lines.append(_line(f"Mean {short} (ms):", summary[f"mean_{metric}_ms"], ".2f"))
+        lines.append(_line(f"Median {short} (ms):", summary[f"median_{metric}_ms"], ".2f"))
+        for p in summary["metric_percentiles"]:
+            if p == 50:
+                continue  # the median, just above
+            name = percentile_name(p)
+            lines.append(_line(f"P{name} {short} (ms):", summary[f"p{name}_{metric}_ms"], ".2f"))
+    if summary["errors"]:
+        lines.append(_rule("Errors"))
+        for kind, count in summary["errors"].items():
+            lines.append(_line(f"HTTP {kind}:" if kind.isdigit() else f"{kind}:", count))
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
