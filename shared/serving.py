@@ -76,13 +76,15 @@ async def answer(r: Redis, result: PrefillResult, reply_to: str) -> bool:
 
 
 async def lookup(r: Redis, request_id: str) -> PrefillResult | str | None:
-    """The stored answer, or "queued", or None (unknown or expired)."""
-    raw: Any = await r.get(keys.prefill_result_key(request_id))
+    """The stored answer, or "queued", or None (unknown or expired).
+
+    Both keys in one MGET: read one after the other, an answer landing in between (status key
+    deleted, result key written) would make a live request look unknown."""
+    raw, status = await r.mget(keys.prefill_result_key(request_id), keys.prefill_status_key(request_id))
     if raw is not None:
         msg = decode(raw)
         assert isinstance(msg, PrefillResult)
         return msg
-    status: Any = await r.get(keys.prefill_status_key(request_id))
     return status.decode() if status is not None else None
 
 

@@ -10,15 +10,16 @@ behaves the same across redis-py versions:
   A crashed or restarted Redis still fails fast (the kernel resets the connection); TCP keepalive
   catches silent peers; where we need a deadline we apply ``asyncio.timeout``, which is
   cancellation-safe, around the call (see `BLOCKING_SLACK_S`);
-* command clients: a pool, and redis-py's retry with jittered backoff on connection errors, so a
-  publish survives a Redis restart;
+* command clients: a *blocking* pool of `COMMAND_POOL_SIZE` connections (a burst of requests
+  waits its turn for a connection instead of failing with "Too many connections"), and redis-py's
+  retry with jittered backoff on connection errors, so a publish survives a Redis restart;
 * blocking clients: one dedicated connection per consumer (a blocking XREADGROUP would otherwise
   hold a pooled connection hostage).
 """
 
 from __future__ import annotations
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -36,6 +37,11 @@ CONNECT_TIMEOUT_S = 5.0
 BLOCKING_SLACK_S = 5.0
 
 
+#: Connections per command client; more concurrent commands queue for one (up to POOL_WAIT_S).
+COMMAND_POOL_SIZE = 64
+POOL_WAIT_S = 30.0
+
+
 def backoff() -> ExponentialWithJitterBackoff:
     """Reconnect backoff: starts at 20 ms, doubles, capped at 2 s, jittered so peers don't stampede."""
     return ExponentialWithJitterBackoff(cap=2.0, base=0.02)
@@ -43,8 +49,10 @@ def backoff() -> ExponentialWithJitterBackoff:
 
 def command_client(url: str, *, name: str = "bubbletea") -> Redis:
     """Pooled client for non-blocking commands (XADD, XACK, XAUTOCLAIM, keys)."""
-    return Redis.from_url(
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=COMMAND_POOL_SIZE,
+        timeout=POOL_WAIT_S,
         protocol=2,
         socket_timeout=None,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
@@ -54,6 +62,7 @@ def command_client(url: str, *, name: str = "bubbletea") -> Redis:
         health_check_interval=30,
         client_name=name,
     )
+    return Redis.from_pool(pool)
 
 
 def blocking_client(url: str, *, name: str = "bubbletea-reader") -> Redis:
