@@ -80,7 +80,8 @@ async def lookup(r: Redis, request_id: str) -> PrefillResult | str | None:
 
     Both keys in one MGET: read one after the other, an answer landing in between (status key
     deleted, result key written) would make a live request look unknown."""
-    raw, status = await r.mget(keys.prefill_result_key(request_id), keys.prefill_status_key(request_id))
+    found: Any = await r.mget(keys.prefill_result_key(request_id), keys.prefill_status_key(request_id))
+    raw, status = found
     if raw is not None:
         msg = decode(raw)
         assert isinstance(msg, PrefillResult)
