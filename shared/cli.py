@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 import uvloop
@@ -29,7 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     settings = load_settings(args.config)
     setup_logging("demo", "WARNING" if settings.log_level == "INFO" else settings.log_level)
-    return uvloop.run(run_demo(settings, hold=args.hold))
+    return uvloop.run(run_demo(settings, hold=args.hold, out_root=Path(args.out)))
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -142,12 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="run the main job: start the system, show it working, stop cleanly",
-        description="Start Redis (embedded unless REDIS_URL is set) and every service as a "
-        "process, check their health and the bus, then stop everything.",
+        help="the main job: fair vs Atlas vs Atlas+BubbleTea, with a table and pictures",
+        description="Start Redis (embedded unless REDIS_URL is set) and the front door, then train the spec "
+        "three ways over live services: fair WAN sharing with one connection, Atlas (temporal sharing, several "
+        "connections), and Atlas + BubbleTea while the load generator sends prefill requests over HTTP. Prints "
+        "a comparison table and writes a run folder with the JSON, the table and the pictures.",
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
-    p.add_argument("--hold", action="store_true", help="keep the system running until Ctrl-C")
+    p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
+    p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser(
@@ -195,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_health)
 
     p = sub.add_parser(
+        "report",
+        help="draw a run folder's pictures and comparison table",
+        description="Read RUN_DIR (written by `bubbletea demo`) and write the pipeline timelines, the "
+        "utilization chart, the TTFT distribution and the Markdown table. See docs/report.md.",
+        add_help=False,
+    )
+    p.set_defaults(func=None)
+
+    p = sub.add_parser(
         "redis",
         help="run an embedded redis-server on a free port until Ctrl-C",
         description="Start a private redis-server (from the PATH or the packaged binary) "
@@ -214,6 +227,11 @@ def _with_default_config(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:  # its own parser (shared.report.command) owns the arguments
+        from shared.report import main as report_main
+
+        return report_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

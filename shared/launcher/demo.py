@@ -1,9 +1,15 @@
-"""`bubbletea demo`: the main job.
+"""`bubbletea demo`: the main job. Three training runs of the same spec, side by side.
 
-Start the bus (embedded Redis unless REDIS_URL is set) and the front door, show they are healthy
-and that a message makes a round trip over the bus, then train the demo model over live services
-(the WAN broker and one stage worker per pipeline slot) and print its loss and iteration times,
-then stop everything cleanly. Prefill in the bubbles joins as the serving plane is built.
+1. **fair**: the WAN links shared fairly, one TCP connection per transfer, BubbleTea off
+   (what a plain pipeline over a WAN gets);
+2. **atlas**: Atlas's temporal sharing with several connections per transfer, BubbleTea off;
+3. **bubbletea**: Atlas plus BubbleTea, with the load generator sending prefill requests over
+   HTTP for the whole run: they are answered with first tokens computed in the bubbles.
+
+Everything runs as real processes on one Redis (embedded unless REDIS_URL is set): the front
+door for the whole demo; per run the WAN broker, one stage worker per slot and (run 3) the
+dispatcher. It prints a comparison table and writes a run folder (``runs/demo-<time>/``) with
+summary.json, each run's spans, the TTFTs, the table and the pictures (see docs/report.md).
 """
 
 from __future__ import annotations
@@ -11,31 +17,75 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import json
 import os
+import statistics
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
-from shared import keys
-from shared.bus import Bus, Delivery
-from shared.health import live_instances, wait_live
+import msgspec
+import yaml
+
+from shared import keys, runstats
+from shared.bus import Bus
+from shared.config import BusConfig, ClusterSpec
+from shared.health import wait_live
 from shared.launcher.procs import Proc, spawn, stop_all, wait_http_healthy
 from shared.launcher.services import PREFILL_QUEUE
-from shared.launcher.train import run_training
+from shared.launcher.train import TrainResult, run_training
+from shared.lifetime import die_with_parent
 from shared.logs import get_logger
 from shared.redis_server import EmbeddedRedis, free_port
-from shared.settings import Settings
-from shared.wire import Ping
+from shared.settings import Settings, load_settings
+from shared.wire import SpanRecord
 
 log = get_logger(__name__)
 
+#: The load during the BubbleTea run: Poisson arrivals of random prompts of 48-144 tokens.
+LOAD_RATE_PER_S = 30.0
+LOAD_INPUT_LEN = 96
+LOAD_RANGE_RATIO = 0.5
 
-def say(text: str) -> None:
+
+def say(text: str = "") -> None:
     print(text, flush=True)
 
 
-async def run_demo(settings: Settings, *, hold: bool = False) -> int:
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    label: str
+    sharing: str
+    connections: int | None  # None: as in the spec
+    bubbletea: bool
+
+
+PHASES = (
+    Phase("fair", "Fair sharing, 1 connection, BubbleTea off", "fair", 1, False),
+    Phase("atlas", "Atlas (temporal sharing, several connections), BubbleTea off", "temporal", None, False),
+    Phase("bubbletea", "Atlas + BubbleTea, prefill load over HTTP", "temporal", None, True),
+)
+
+
+def phase_spec(spec: ClusterSpec, phase: Phase) -> dict[str, Any]:
+    raw: dict[str, Any] = msgspec.to_builtins(spec)
+    raw["wan"]["sharing"] = phase.sharing
+    if phase.connections is not None:
+        raw["wan"]["default"]["connections"] = phase.connections
+        for link in raw["wan"]["links"]:
+            link["connections"] = phase.connections
+    raw["bubbletea"]["enabled"] = phase.bubbletea
+    return raw
+
+
+async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | None = None) -> int:
     embedded: EmbeddedRedis | None = None
     procs: list[Proc] = []
+    folder = (out_root or Path("runs")) / time.strftime("demo-%Y%m%d-%H%M%S")
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         if settings.redis_url:
             url = settings.redis_url
@@ -45,54 +95,46 @@ async def run_demo(settings: Settings, *, hold: bool = False) -> int:
             url = embedded.url
             assert embedded.proc is not None
             say(f"==> started embedded Redis at {url} ({embedded.binary}, pid={embedded.proc.pid})")
-        # The front door runs for the whole demo; the broker and workers belong to the training run.
-        for svc in (PREFILL_QUEUE,):
-            env = {
-                "REDIS_URL": url,
-                "BUBBLETEA_CONFIG": str(settings.spec_path),
-                "BUBBLETEA_LOG_LEVEL": settings.log_level,
-            }
-            port = None
-            if svc.http:
-                port = free_port()
-                env["BUBBLETEA_HTTP_PORT"] = str(port)
-                env["BUBBLETEA_HTTP_HOST"] = "127.0.0.1"
-            p = await spawn(svc, env)
-            procs.append(p)
-            if port is not None:
-                await wait_http_healthy(p, f"http://127.0.0.1:{port}")
-            say(f"==> {svc.name} is healthy" + (f" at {p.url}" if p.url else "") + f" (pid={p.proc.pid})")
+        port = free_port()
+        env = {
+            "REDIS_URL": url,
+            "BUBBLETEA_CONFIG": str(settings.spec_path),
+            "BUBBLETEA_LOG_LEVEL": settings.log_level,
+            "BUBBLETEA_HTTP_HOST": "127.0.0.1",
+            "BUBBLETEA_HTTP_PORT": str(port),
+        }
+        door = await spawn(PREFILL_QUEUE, env, quiet=True)
+        procs.append(door)
+        api = f"http://127.0.0.1:{port}"
+        await wait_http_healthy(door, api)
         async with Bus(url, settings.spec.bus, name="demo") as bus:
-            rtt_ms = await _bus_round_trip(bus)
-            say(f"==> bus round trip (publish -> Redis -> consumer handler, first message): {rtt_ms:.2f} ms")
-            try:
-                await wait_live(bus.redis, PREFILL_QUEUE.name, timeout_s=10)
-            except TimeoutError:
-                print(f"warning: no heartbeat from {PREFILL_QUEUE.name}", file=sys.stderr)
-            live = await live_instances(bus.redis)
-        say("")
-        say(f"{'service':<16}{'instance':<28}{'health':<10}")
-        for inst in live:
-            say(f"{inst['service']:<16}{inst['instance']:<28}{'ok':<10}")
-        say("")
-        spec = settings.spec
-        run = dataclasses.replace(settings, run=f"demo-{os.getpid()}")
-        say(
-            f"==> training over live services: wan_broker + {spec.parallelism.pp * spec.parallelism.dp} stage workers "
-            f"(PP={spec.parallelism.pp} x DP={spec.parallelism.dp}, {spec.training.schedule}, "
-            f"WAN sharing {spec.wan.sharing}, {spec.training.iterations} iterations)"
+            await wait_live(bus.redis, PREFILL_QUEUE.name, timeout_s=10)
+        say(f"==> prefill_queue is healthy at {api} (pid={door.proc.pid}); run folder: {folder}")
+        rows = []
+        atlas_wall = 0.0
+        for i, phase in enumerate(PHASES, 1):
+            say("")
+            say(f"==> [{i}/{len(PHASES)}] {phase.label}")
+            row, wall = await _run_phase(settings, phase, url, api, folder, load_s=atlas_wall)
+            if phase.name == "atlas":  # the load runs for about as long as that run trained
+                atlas_wall = wall
+            rows.append(row)
+        _finish_summary(rows)
+        (folder / "summary.json").write_text(
+            json.dumps(
+                {
+                    "spec": str(settings.spec_path),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "runs": rows,
+                },
+                indent=2,
+            )
         )
-        result = await run_training(run, url, progress=True, quiet=True)
-        say(
-            f"==> trained: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
-            f"steady iteration time {result.steady_iteration_s() * 1000:.1f} ms"
-        )
-        say("")
+        _report(folder)
         if hold:
-            say("==> every service is healthy; press Ctrl-C to stop")
+            say(f"==> the front door stays up at {api}; press Ctrl-C to stop")
             await _until_a_service_dies(procs)
             return 1
-        say("==> every service is healthy; stopping")
         return 0
     finally:
         codes = await stop_all(procs)
@@ -104,6 +146,142 @@ async def run_demo(settings: Settings, *, hold: bool = False) -> int:
         say("==> stopped cleanly" if all(c == 0 for c in codes.values()) else "==> stopped (with errors)")
 
 
+async def _run_phase(
+    settings: Settings, phase: Phase, url: str, api: str, folder: Path, *, load_s: float
+) -> tuple[dict[str, Any], float]:
+    spec_path = folder / phase.name / "spec.yaml"
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(yaml.safe_dump(phase_spec(settings.spec, phase), sort_keys=False))
+    run = f"demo-{phase.name}-{os.getpid()}-{int(time.time())}"
+    phase_settings = load_settings(spec_path, env={"BUBBLETEA_RUN": run, "REDIS_URL": url})
+    load: asyncio.Task[dict[str, Any]] | None = None
+    if phase.bubbletea:
+        load = asyncio.create_task(_load(api, url, run, max(5.0, load_s), folder / phase.name))
+    result = await run_training(phase_settings, url, progress=True, quiet=True, dispatcher=phase.bubbletea)
+    wall = sum(result.iteration_s) * 0.8  # most of the training time (start-up left out)
+    loadgen = await load if load is not None else None
+    async with Bus(url, settings.spec.bus, name="demo") as bus:
+        spans = await runstats.run_spans(bus.redis, run)
+    _write_spans(folder / phase.name / "spans.jsonl", spans)
+    ttfts: list[float] = loadgen["ttfts_ms"] if loadgen else []
+    (folder / phase.name / "ttft_ms.json").write_text(json.dumps(ttfts))
+    m = _metrics(result, spans, loadgen)
+    row = {"name": phase.name, "label": phase.label, "metrics": m}
+    say(
+        f"    iteration {m['iteration_ms']:.1f} ms, bubble fraction {m['bubble_fraction']:.1%}, "
+        f"utilization {m['utilization']:.1%}"
+        + (
+            f", {m['requests_answered']} prefill requests answered, TTFT p50 {m['ttft_p50_ms']:.0f} ms"
+            if loadgen and m["ttft_p50_ms"] is not None
+            else ""
+        )
+    )
+    return row, wall
+
+
+async def _load(api: str, url: str, run: str, duration_s: float, folder: Path) -> dict[str, Any]:
+    """Run the load generator (as a user would: its own process, niced like the front door) once
+    the run's first bubble opened, for `duration_s`; returns its JSON summary."""
+    async with Bus(url, BusConfig(), name="demo-load") as bus:
+        await bus.redis.xread({keys.bubbles_stream(run): "0"}, count=1, block=120_000)
+    out = folder / "loadgen.json"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "loadgen",
+        "--base-url",
+        api,
+        "--request-rate",
+        str(LOAD_RATE_PER_S),
+        "--duration",
+        f"{duration_s:.1f}",
+        "--input-len",
+        str(LOAD_INPUT_LEN),
+        "--range-ratio",
+        str(LOAD_RANGE_RATIO),
+        "--seed",
+        "0",
+        "--disable-tqdm",
+        "--json-out",
+        str(out),
+        stdout=asyncio.subprocess.DEVNULL,
+        preexec_fn=functools.partial(_nice_child, 10),
+    )
+    if await proc.wait() != 0:
+        raise RuntimeError(f"the load generator exited with code {proc.returncode}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def _nice_child(nice: int) -> None:
+    die_with_parent()
+    os.nice(nice)
+
+
+def _metrics(result: TrainResult, spans: list[SpanRecord], load: dict[str, Any] | None) -> dict[str, Any]:
+    u = runstats.utilization(spans)
+    m: dict[str, Any] = {
+        "iteration_ms": round(result.steady_iteration_s() * 1000, 1),
+        "bubble_fraction": round(u.bubble, 4),
+        "utilization": round(u.busy, 4),
+        "training_utilization": round(u.training, 4),
+        "prefill_tokens_per_s": 0.0,
+        "ttft_p50_ms": None,
+        "ttft_p99_ms": None,
+        "train_slowdown_pct": None,
+        "requests_lost": None,
+        "final_loss": round(result.losses[-1], 4),
+        # how late the WAN broker delivered against its own policy (CPU contention shows here)
+        "wan_late_p99_ms": round(max((v["late_p99_ms"] for v in result.links.values()), default=0.0), 2),
+    }
+    if load is not None:
+        ttfts = load["ttfts_ms"]
+        m.update(
+            prefill_tokens_per_s=round(load["input_throughput"], 1),
+            ttft_p50_ms=round(statistics.median(ttfts), 1) if ttfts else None,
+            ttft_p99_ms=round(runstats.percentile(ttfts, 99) or 0.0, 1) if ttfts else None,
+            requests_answered=load["completed"],
+            requests_failed=load["failed"],
+            errors=load["errors"],
+            bubble_fill_ratio=round(u.fill_ratio, 3),
+            # accepted but never answered nor failed explicitly: the client lost its connection or
+            # gave up waiting (explicit failures are HTTP statuses, counted in `errors`)
+            requests_lost=sum(n for k, n in load["errors"].items() if not k.isdigit()),
+        )
+    return m
+
+
+def _finish_summary(rows: list[dict[str, Any]]) -> None:
+    """Training slowdown of the BubbleTea run against the Atlas run (same spec, BubbleTea off)."""
+    by = {r["name"]: r["metrics"] for r in rows}
+    if "atlas" in by and "bubbletea" in by:
+        base, on = by["atlas"]["iteration_ms"], by["bubbletea"]["iteration_ms"]
+        by["bubbletea"]["train_slowdown_pct"] = round((on / base - 1) * 100, 2)
+        by["atlas"]["train_slowdown_pct"] = 0.0
+    if "fair" in by and "atlas" in by:
+        by["atlas"]["speedup_vs_fair"] = round(by["fair"]["iteration_ms"] / by["atlas"]["iteration_ms"], 3)
+
+
+def _write_spans(path: Path, spans: list[SpanRecord]) -> None:
+    with path.open("w") as f:
+        for s in spans:
+            f.write(json.dumps({k: v for k, v in msgspec.to_builtins(s).items() if k not in ("kind", "v", "run")}))
+            f.write("\n")
+
+
+def _report(folder: Path) -> None:
+    from shared.report import markdown_table, write_report
+    from shared.report.data import load_run_folder
+
+    written = write_report(folder)
+    say("")
+    say(markdown_table(load_run_folder(folder).summary))
+    say("")
+    say(f"==> report: {folder / 'report.md'} ({len(written)} files: tables and pictures)")
+    for p in written:
+        say(f"    {p}")
+
+
 async def _until_a_service_dies(procs: list[Proc]) -> None:
     """Block until Ctrl-C (cancellation) or until a service exits on its own (then say which)."""
     waits = {asyncio.create_task(p.proc.wait()): p for p in procs}
@@ -112,23 +290,8 @@ async def _until_a_service_dies(procs: list[Proc]) -> None:
     finally:
         for t in waits:
             t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*waits, return_exceptions=True)
     for t in done:
         p = waits[t]
         say(f"==> {p.name} exited on its own with code {p.proc.returncode}; stopping the rest")
-
-
-async def _bus_round_trip(bus: Bus) -> float:
-    got = asyncio.Event()
-
-    async def handler(_: Delivery) -> None:
-        got.set()
-
-    group = f"demo-{os.getpid()}"
-    async with bus.consumer(keys.PING_STREAM, group, handler):
-        t0 = time.perf_counter()
-        await bus.publish(keys.PING_STREAM, Ping(seq=0, sent_ns=time.perf_counter_ns()))
-        await asyncio.wait_for(got.wait(), 10)
-        elapsed = (time.perf_counter() - t0) * 1000
-    with contextlib.suppress(Exception):
-        await bus.redis.xgroup_destroy(keys.PING_STREAM, group)
-    return elapsed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -52,12 +53,19 @@ async def spawn(svc: ServiceDef, env: dict[str, str], *, out: object = sys.stdou
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=die_with_parent,
+        preexec_fn=functools.partial(_child_setup, svc.nice),
     )
     p = Proc(svc, proc)
     p.pump = asyncio.create_task(_pump(p, out, quiet))
     log.info("service started", service=svc.name, pid=proc.pid)
     return p
+
+
+def _child_setup(nice: int) -> None:
+    """In the child before exec: die with the launcher, and take the service's niceness."""
+    die_with_parent()
+    if nice:
+        os.nice(nice)
 
 
 _CHATTER = ("level=info", "level=debug")

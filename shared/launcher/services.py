@@ -18,9 +18,12 @@ class ServiceDef:
     http: bool = False
     #: Started once per pipeline slot (PP x DP processes) instead of once.
     per_slot: bool = False
+    #: Scheduling niceness on a shared machine: the serving front door yields the CPU to the
+    #: training processes (training is the owner), which matters when everything shares a few cores.
+    nice: int = 0
 
 
-PREFILL_QUEUE = ServiceDef("prefill_queue", "services.prefill_queue", http=True)
+PREFILL_QUEUE = ServiceDef("prefill_queue", "services.prefill_queue", http=True, nice=10)
 WAN_BROKER = ServiceDef("wan_broker", "services.wan_broker")
 STAGE_WORKER = ServiceDef("stage_worker", "services.stage_worker", per_slot=True)
 DISPATCHER = ServiceDef("dispatcher", "services.dispatcher")

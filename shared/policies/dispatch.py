@@ -18,8 +18,9 @@ workers' progress reports with a clock, and sends out the `Dispatch` decisions i
   A bubble then starts filling without waiting for a round trip through the bus; the dispatcher
   tops it up once the bubble's own start event arrives.
 * **Overtime**: a bubble still open past its predicted end is longer than predicted (predictions
-  are conservative); it gets small slices of work (`OVERTIME_SLICE_S`) while it lasts, each a
-  bounded risk since the worker yields at the next layer boundary when training input arrives.
+  are conservative); it gets small slices of work (`OVERTIME_SLICE_S`) while it lasts, two
+  outstanding at a time so the worker never idles waiting for the next; each is a bounded risk
+  since the worker yields at the next layer boundary when training input arrives.
 * Packing uses the cost model's mean prediction, not a pessimistic one: a misprediction costs at
   most one layer's time, because the worker yields at the next layer boundary when training input
   arrives, and the guard covers that.
@@ -69,6 +70,7 @@ class Dispatch:
 RECENT_BUBBLES = 8
 #: Work outstanding in a bubble that outlived its prediction: small, so an overrun costs little.
 OVERTIME_SLICE_S = 0.004
+OVERTIME_SLICES = 2
 #: Work is staged only on a worker that had a bubble this recently: one that stopped training
 #: (run over, or dead) must not keep being handed requests.
 STAGE_WINDOW_S = 2.0
@@ -224,7 +226,7 @@ class DispatchState:
             return []
         left = budget(b.predicted_s, now - b.started, self.guard_s, self.overhead_s) - b.sent_s
         if now - b.started > b.predicted_s:  # overtime: the prediction was short
-            left = OVERTIME_SLICE_S - b.sent_s
+            left = OVERTIME_SLICES * OVERTIME_SLICE_S - b.sent_s
         plan = self._pack(left, b.free_memory - b.sent_bytes, now)
         if not plan:
             return []
