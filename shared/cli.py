@@ -33,6 +33,23 @@ def _demo(args: argparse.Namespace) -> int:
     return uvloop.run(run_demo(settings, hold=args.hold, out_root=Path(args.out)))
 
 
+def _up(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from shared.launcher.up import run_up
+
+    settings = load_settings(args.config)
+    if args.run:
+        settings = dataclasses.replace(settings, run=args.run)
+    if args.iterations is not None:
+        if args.iterations < 1:
+            raise ConfigError(f"--iterations must be >= 1, got {args.iterations}")
+        training = msgspec.structs.replace(settings.spec.training, iterations=args.iterations)
+        settings = dataclasses.replace(settings, spec=msgspec.structs.replace(settings.spec, training=training))
+    setup_logging("up", "WARNING")
+    return uvloop.run(run_up(settings, out_root=Path(args.out), verbose=args.verbose))
+
+
 def _train(args: argparse.Namespace) -> int:
     import dataclasses
     import time
@@ -153,6 +170,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser(
+        "up",
+        help="run the whole system as local processes (one training run with prefill serving)",
+        description="Start Redis (embedded unless REDIS_URL is set), the WAN broker, the dispatcher, the "
+        "prefill front door and one stage worker per pipeline slot; wait until each is healthy; print the API "
+        "URL. Stops on Ctrl-C, when a process dies (naming it), or when training finishes; then writes the "
+        "run folder (spans, summary, pictures).",
+    )
+    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
+    p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
+    p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
+    p.add_argument(
+        "--iterations", type=int, help="train this many iterations instead of the spec's (serving lasts as long)"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
+    p.set_defaults(func=_up)
 
     p = sub.add_parser(
         "train",

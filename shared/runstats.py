@@ -121,3 +121,16 @@ async def read_stream(r: Redis, stream: str) -> list[Any]:
 
 async def run_spans(r: Redis, run: str) -> list[SpanRecord]:
     return [m for m in await read_stream(r, keys.spans_stream(run)) if isinstance(m, SpanRecord)]
+
+
+def span_dict(s: SpanRecord) -> dict[str, Any]:
+    """A span as one line of a run folder's spans.jsonl (docs/report.md)."""
+    return {
+        "replica": s.replica,
+        "stage": s.stage,
+        "iteration": s.iteration,
+        "span": s.span,
+        "start": s.start,
+        "end": s.end,
+        "microbatch": s.microbatch,
+    }

@@ -41,7 +41,12 @@ def run_service(name: str, serve: Serve, argv: Sequence[str] | None = None, *, d
         print(f"{name}: configuration error: {exc}", file=sys.stderr)
         return 2
     setup_logging(name, settings.log_level)
-    return uvloop.run(_main(name, serve, settings))
+    code = uvloop.run(_main(name, serve, settings))
+    # Stopped: a late SIGTERM (a launcher stopping everything) must not turn a clean exit into a
+    # death by signal while the interpreter tears down.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
 
 
 async def _main(name: str, serve: Serve, settings: Settings) -> int:

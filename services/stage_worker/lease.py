@@ -31,6 +31,14 @@ class SlotError(RuntimeError):
     """No free slot, a lost lease, or a peer that disappeared; the message names the slot."""
 
 
+class RunStopped(SlotError):
+    """A peer was stopped on purpose (an operator's Ctrl-C or SIGTERM): the run ends, not failed."""
+
+
+#: The abort reason of a deliberate stop starts with this.
+STOPPED_PREFIX = "stopped: "
+
+
 @dataclass(frozen=True)
 class Slot:
     replica: int
@@ -101,7 +109,10 @@ class SlotLease:
                     # A peer that stopped because of another failure left that failure's reason.
                     why = await self.r.get(self._aborted_key(s))
                     if isinstance(why, bytes):
-                        raise SlotError(why.decode())
+                        reason = why.decode()
+                        if reason.startswith(STOPPED_PREFIX):
+                            raise RunStopped(reason)
+                        raise SlotError(reason)
                     raise SlotError(f"slot {s.name} lost its worker (its lease expired): the run cannot continue")
 
     async def _missing(self) -> list[Slot]:
@@ -120,6 +131,12 @@ class SlotLease:
         report the original culprit rather than our own departure."""
         if self.slot is not None:
             await self.r.set(self._aborted_key(self.slot), reason, ex=DONE_TTL_S)
+
+    async def mark_stopped(self, reason: str) -> None:
+        """We were told to stop (SIGTERM, Ctrl-C): peers that notice our departure stop quietly
+        with this reason instead of reporting a lost worker."""
+        if self.slot is not None:
+            await self.r.set(self._aborted_key(self.slot), f"{STOPPED_PREFIX}{reason}", ex=DONE_TTL_S)
 
     async def release(self) -> None:
         if self.slot is not None:

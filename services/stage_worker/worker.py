@@ -14,7 +14,7 @@ import msgspec
 import torch
 
 from services.stage_worker.filler import Filler
-from services.stage_worker.lease import Slot, SlotError, SlotLease
+from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
@@ -60,6 +60,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         watch = asyncio.create_task(lease.watch(), name="lease")  # renews from now on
         try:
             await _train(bus, settings, placement, lease, watch, slot, stop)
+        except RunStopped as exc:
+            log.info("run stopped by a peer's deliberate stop", slot=slot.name, reason=str(exc))
+            await lease.mark_stopped(f"slot {slot.name} stopped with its peers")
         except SlotError as exc:
             await lease.abort(str(exc))
             await bus.publish(
@@ -191,6 +194,7 @@ async def _run(
             raise RuntimeError(f"inbox consumer crashed: {inbox.error!r}")
         else:
             log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
+            await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {runner.iteration}")
 
 
 def model_bytes(model: PrefillModel) -> int:

@@ -265,8 +265,7 @@ def _finish_summary(rows: list[dict[str, Any]]) -> None:
 def _write_spans(path: Path, spans: list[SpanRecord]) -> None:
     with path.open("w") as f:
         for s in spans:
-            f.write(json.dumps({k: v for k, v in msgspec.to_builtins(s).items() if k not in ("kind", "v", "run")}))
-            f.write("\n")
+            f.write(json.dumps(runstats.span_dict(s)) + "\n")
 
 
 def _report(folder: Path) -> None:

@@ -11,6 +11,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
@@ -35,6 +36,7 @@ class Proc:
     svc: ServiceDef
     proc: asyncio.subprocess.Process
     url: str | None = None
+    label: str = ""
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     pump: asyncio.Task[None] | None = None
 
@@ -43,9 +45,18 @@ class Proc:
         return self.svc.name
 
 
-async def spawn(svc: ServiceDef, env: dict[str, str], *, out: object = sys.stdout, quiet: bool = False) -> Proc:
-    """Start `svc` as a process; its output goes to `out`, each line prefixed with its name
-    (with `quiet`, only warnings and errors; every line is kept in `Proc.tail` regardless)."""
+async def spawn(
+    svc: ServiceDef,
+    env: dict[str, str],
+    *,
+    out: object = sys.stdout,
+    quiet: bool = False,
+    log_file: Path | None = None,
+    label: str | None = None,
+) -> Proc:
+    """Start `svc` as a process; its output goes to `out`, each line prefixed with its name (or
+    `label`; with `quiet`, only warnings and errors), and every line to `log_file` if given and
+    to `Proc.tail` regardless."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         *command(svc),
@@ -55,8 +66,8 @@ async def spawn(svc: ServiceDef, env: dict[str, str], *, out: object = sys.stdou
         start_new_session=True,
         preexec_fn=functools.partial(_child_setup, svc.nice),
     )
-    p = Proc(svc, proc)
-    p.pump = asyncio.create_task(_pump(p, out, quiet))
+    p = Proc(svc, proc, label=label or svc.name)
+    p.pump = asyncio.create_task(_pump(p, out, quiet, log_file))
     log.info("service started", service=svc.name, pid=proc.pid)
     return p
 
@@ -71,16 +82,23 @@ def _child_setup(nice: int) -> None:
 _CHATTER = ("level=info", "level=debug")
 
 
-async def _pump(p: Proc, out: object, quiet: bool) -> None:
+async def _pump(p: Proc, out: object, quiet: bool, log_file: Path | None) -> None:
     """Copy the child's output line by line, each prefixed with the service name."""
     assert p.proc.stdout is not None
     width = 14
-    async for raw in p.proc.stdout:
-        line = raw.decode(errors="replace").rstrip("\n")
-        p.tail.append(line)
-        if quiet and any(c in line for c in _CHATTER):
-            continue
-        print(f"{p.name:<{width}}| {line}", file=out, flush=True)  # type: ignore[call-overload]
+    sink = log_file.open("a", buffering=1) if log_file is not None else None
+    try:
+        async for raw in p.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            p.tail.append(line)
+            if sink is not None:
+                sink.write(line + "\n")
+            if quiet and any(c in line for c in _CHATTER):
+                continue
+            print(f"{p.label:<{width}}| {line}", file=out, flush=True)  # type: ignore[call-overload]
+    finally:
+        if sink is not None:
+            sink.close()
 
 
 async def wait_http_healthy(p: Proc, url: str, timeout: float = START_TIMEOUT_S) -> None:
@@ -121,5 +139,5 @@ async def stop_all(procs: list[Proc]) -> dict[str, int | None]:
             await p.proc.wait()
         if p.pump is not None:
             await asyncio.gather(p.pump, return_exceptions=True)
-        codes[p.name] = p.proc.returncode
+        codes[p.label or p.name] = p.proc.returncode
     return codes

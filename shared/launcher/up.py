@@ -1,0 +1,185 @@
+"""`bubbletea up`: the whole system as local processes, for one training run with serving.
+
+Starts Redis (embedded unless REDIS_URL is set), then every service of the table in
+`shared.launcher.services` (the same table `compose.yaml` is checked against): the WAN broker,
+the dispatcher, the prefill front door and one stage worker per pipeline slot. Waits until each
+is healthy (HTTP /health for the front door, heartbeats for the rest), prints the API URL and
+where the logs go, and then follows the run:
+
+* each process's lines are prefixed with its name (warnings and errors only, unless --verbose;
+  every line goes to ``<run folder>/logs/<name>.log``);
+* Ctrl-C stops everything cleanly;
+* a process that dies stops everything, naming it and showing its last lines;
+* when training finishes (every worker exited 0) everything stops; the run folder then holds the
+  run's spans and summary, and the report pictures (`bubbletea report` can redraw them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import msgspec
+import yaml
+
+from shared import runstats
+from shared.bus import Bus
+from shared.health import live_instances
+from shared.launcher.procs import Proc, ServiceFailed, spawn, stop_all, wait_http_healthy
+from shared.launcher.services import SERVICES
+from shared.redis_server import EmbeddedRedis, free_port
+from shared.settings import Settings
+
+#: How long every service gets to report healthy.
+HEALTHY_TIMEOUT_S = 90.0
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False) -> int:
+    spec = settings.spec
+    run = settings.run if settings.run != "run" else f"up-{int(time.time())}"
+    settings = dataclasses.replace(settings, run=run)
+    folder = out_root / run
+    logs = folder / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    # The services read the spec from a file: the one in effect (with any --iterations) goes there.
+    spec_file = folder / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(msgspec.to_builtins(spec), sort_keys=False))
+    embedded: EmbeddedRedis | None = None
+    procs: list[Proc] = []
+    started = time.time()
+    try:
+        if settings.redis_url:
+            url = settings.redis_url
+            say(f"==> Redis: {url} (REDIS_URL)")
+        else:
+            embedded = EmbeddedRedis().start()
+            url = embedded.url
+            say(f"==> Redis: {url} (embedded {embedded.binary})")
+        port = spec.http.port or free_port()  # 0 in the spec: any free port, chosen here to print it
+        env = {
+            "REDIS_URL": url,
+            "BUBBLETEA_CONFIG": str(spec_file),
+            "BUBBLETEA_RUN": run,
+            "BUBBLETEA_LOG_LEVEL": settings.log_level,
+            "BUBBLETEA_HTTP_HOST": spec.http.host,
+            "BUBBLETEA_HTTP_PORT": str(port),
+        }
+        slots = spec.parallelism.pp * spec.parallelism.dp
+        for svc in SERVICES:
+            for i in range(slots if svc.per_slot else 1):
+                label = f"{svc.name}-{i}" if svc.per_slot else svc.name
+                procs.append(
+                    await spawn(svc, env, quiet=not verbose, log_file=logs / f"{label}.log", label=label)
+                )
+        api = f"http://{spec.http.host}:{port}"
+        await _wait_healthy(procs, url, settings, api)
+        say("")
+        say(f"==> BubbleTea is up: run {run}, PP={spec.parallelism.pp} x DP={spec.parallelism.dp}, {slots} workers")
+        say(f"    API:  {api}   (OpenAI-compatible: POST {api}/v1/completions; docs/api.md)")
+        body = '{"prompt": "Hello"}'
+        say(f"    try:  curl -s {api}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+        say(f"    logs: {logs}/<service>.log (warnings and errors also here{'' if verbose else '; -v for all'})")
+        say("    Ctrl-C stops everything")
+        say("")
+        try:
+            return await _follow(procs)
+        finally:  # also on Ctrl-C: what ran so far is worth a report
+            await _write_run_folder(url, settings, folder, started)
+    finally:
+        codes = await stop_all(procs)
+        bad = {n: c for n, c in codes.items() if c not in (0, None)}
+        if embedded is not None:
+            embedded.stop()
+        say("==> stopped cleanly" if not bad else f"==> stopped; exit codes: {bad}")
+
+
+async def _wait_healthy(procs: list[Proc], url: str, settings: Settings, api: str) -> None:
+    """The front door answers /health; every other service has a heartbeat (workers: one each)."""
+    for p in procs:
+        if p.svc.http:
+            await wait_http_healthy(p, api, timeout=HEALTHY_TIMEOUT_S)
+    want: dict[str, int] = {}
+    for p in procs:
+        if not p.svc.http:
+            want[p.svc.name] = want.get(p.svc.name, 0) + 1
+    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
+    async with Bus(url, settings.spec.bus, name="up") as bus:
+        while True:
+            _raise_if_dead(procs)
+            live = await live_instances(bus.redis)
+            have: dict[str, int] = {}
+            for inst in live:
+                if inst["service"] in want and inst.get("run", settings.run) == settings.run:
+                    have[inst["service"]] = have.get(inst["service"], 0) + 1
+            missing = {n: k - have.get(n, 0) for n, k in want.items() if have.get(n, 0) < k}
+            if not missing:
+                for name in want:
+                    say(f"==> {name} healthy ({have[name]})")
+                return
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"not healthy within {HEALTHY_TIMEOUT_S:.0f}s: {missing}")
+            await asyncio.sleep(0.2)  # heartbeats are TTL keys: nothing to wait on but time
+
+
+def _raise_if_dead(procs: list[Proc]) -> None:
+    for p in procs:
+        if p.proc.returncode is not None and p.proc.returncode != 0:
+            raise ServiceFailed(
+                f"{p.label} (pid {p.proc.pid}) exited with code {p.proc.returncode}; last output:\n"
+                + "\n".join(p.tail)
+            )
+
+
+async def _follow(procs: list[Proc]) -> int:
+    """Until Ctrl-C, a failure, or the end of training (every worker exited 0)."""
+    workers = [p for p in procs if p.svc.per_slot]
+    while True:
+        _raise_if_dead(procs)
+        others_gone = [p for p in procs if not p.svc.per_slot and p.proc.returncode is not None]
+        if others_gone:
+            p = others_gone[0]
+            raise ServiceFailed(
+                f"{p.label} exited on its own (code {p.proc.returncode}); last output:\n" + "\n".join(p.tail)
+            )
+        if workers and all(p.proc.returncode == 0 for p in workers):
+            say("==> training finished: every worker completed its iterations; stopping")
+            return 0
+        await asyncio.sleep(0.2)  # polling child exit codes; a failure is reported within 0.2 s
+
+
+async def _write_run_folder(url: str, settings: Settings, folder: Path, started: float) -> None:
+    """The run's spans and a one-row summary, then the report pictures."""
+    async with Bus(url, settings.spec.bus, name="up") as bus:
+        spans = await runstats.run_spans(bus.redis, settings.run)
+    (folder / "run").mkdir(exist_ok=True)
+    with (folder / "run" / "spans.jsonl").open("w") as f:
+        for s in spans:
+            f.write(json.dumps(runstats.span_dict(s)) + "\n")
+    u = runstats.utilization(spans)
+    summary = {
+        "spec": str(settings.spec_path),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "runs": [
+            {
+                "name": "run",
+                "label": f"{settings.run} ({'BubbleTea on' if settings.spec.bubbletea.enabled else 'BubbleTea off'})",
+                "metrics": {
+                    "bubble_fraction": round(u.bubble, 4),
+                    "utilization": round(u.busy, 4),
+                    "bubble_fill_ratio": round(u.fill_ratio, 3),
+                },
+            }
+        ],
+    }
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+    from shared.report import write_report
+
+    written = write_report(folder)
+    say(f"==> run folder: {folder} (report.md and {len(written) - 1} more files)")
