@@ -156,7 +156,7 @@ async def _run_phase(
     phase_settings = load_settings(spec_path, env={"BUBBLETEA_RUN": run, "REDIS_URL": url})
     load: asyncio.Task[dict[str, Any]] | None = None
     if phase.bubbletea:
-        load = asyncio.create_task(_load(api, url, run, max(5.0, load_s), folder / phase.name))
+        load = asyncio.create_task(_load(api, url, run, max(1.0, load_s), folder / phase.name))
     result = await run_training(phase_settings, url, progress=True, quiet=True, dispatcher=phase.bubbletea)
     wall = sum(result.iteration_s) * 0.8  # most of the training time (start-up left out)
     loadgen = await load if load is not None else None

