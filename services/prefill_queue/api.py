@@ -149,6 +149,10 @@ def result_body(r: PrefillResult) -> dict[str, Any]:
 
 
 def kv_params(r: PrefillResult) -> dict[str, Any]:
+    """Where a decode service fetches the prompt's KV cache (`shared.kvstore.fetch_kv`); with
+    `prefill.kv_ttl_s: 0` nothing is stored and the store is "none"."""
+    if not r.kv_key:
+        return {"store": "none", "key": None, "bytes": 0, "expires_at": None}
     return {"store": "redis", "key": r.kv_key, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at}
 
 

@@ -132,6 +132,7 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
     """No Docker engine runs here, so compose.yaml is checked against what the code really does."""
     import yaml
 
+    from loadgen.cli import parse_config
     from shared.cli import build_parser
     from shared.settings import ENV_VARS
 
@@ -148,6 +149,14 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
         assert not unknown, f"{name} sets environment variables nothing reads: {unknown}"
         redis = env["REDIS_URL"]
         assert redis.startswith("redis://redis:"), f"{name} must reach the compose redis service"
+        for dep, cond in spec.get("depends_on", {}).items():  # waits only on what can report health
+            assert cond == {"condition": "service_healthy"} and "healthcheck" in services[dep], (name, dep)
+        if "loadgen" in spec.get("profiles", []):
+            # a one-off job: its command is the real load generator, with options it accepts
+            assert spec["command"][:3] == ["python", "-m", "loadgen"]
+            cfg = parse_config(spec["command"][3:])
+            assert cfg.base_url == f"http://prefill_queue:{services['prefill_queue']['environment']['BUBBLETEA_HTTP_PORT']}"
+            continue
         test = spec["healthcheck"]["test"]
         if test[1] == "bubbletea":
             assert test[2] in subcommands and test[3] == name  # a real subcommand, about itself
