@@ -1,0 +1,137 @@
+"""The worker's fill executor against a real Redis and a real prefill model.
+
+Preemption: when training input arrives mid-prefill, at most the block already running finishes;
+the unfinished request is snapshotted at the layer it reached, reported, and a later bubble (here:
+a second `fill`) resumes it to exactly the answer of one uninterrupted prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from services.stage_worker.filler import Filler
+from services.stage_worker.mailbox import Mailbox
+from shared import keys, kvstore, serving
+from shared.bus import Bus, Delivery
+from shared.config import BusConfig
+from shared.model.gpt import GPTConfig
+from shared.model.prefill import PrefillModel
+from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, PrefillResult, decode
+
+pytestmark = pytest.mark.integration
+
+RUN = "fill"
+LAYERS = 24
+CFG = GPTConfig(layers=LAYERS, d_model=64, heads=4, seq_len=256, vocab=256)
+PROMPT = tuple(range(7, 7 + 200))
+
+
+def batch(item: PrefillItem, n: int) -> PrefillBatch:
+    return PrefillBatch(
+        run=RUN,
+        worker="r0s0",
+        batch_id=f"b{n}",
+        items=(item,),
+        bubble_at=time.time(),
+        sent_at=time.time(),
+        predicted_s=0.01,
+    )
+
+
+async def one_bubble(
+    filler: Filler, b: PrefillBatch, *, arrive_after_s: float | None
+) -> tuple[list[float], float | None]:
+    """Run one bubble with `b` queued; training input arrives after `arrive_after_s` (None: once the
+    batch is done). Returns the times the prefill thread checked for input, and the arrival time."""
+    mailbox, key = Mailbox(), ("grad", 0, 0)
+    checks: list[float] = []
+
+    def arrived() -> bool:
+        checks.append(time.perf_counter())
+        return mailbox.arrived(key)
+
+    take = asyncio.ensure_future(mailbox.take(key))
+    fill = asyncio.create_task(filler.fill(arrived, take, time.time(), predicted_s=1.0))
+    handled = asyncio.create_task(filler.on_batch(Delivery("1-0", "s", b, 1)))
+    put_at = None
+    if arrive_after_s is not None:
+        await asyncio.sleep(arrive_after_s)
+        put_at = time.perf_counter()
+        mailbox.put(key, torch.zeros(1))
+    else:
+        await handled  # done and reported (the report is sent before the batch is acked)
+        mailbox.put(key, torch.zeros(1))
+    await asyncio.wait_for(fill, 10)
+    await asyncio.wait_for(handled, 10)
+    await take
+    return checks, put_at
+
+
+async def reports(bus: Bus) -> list[PrefillReport]:
+    rows: Any = await bus.redis.xrange(keys.prefill_reports_stream(RUN))
+    return [m for _, f in rows if isinstance(m := decode(f[b"m"]), PrefillReport)]
+
+
+async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_exactly(redis_url: str) -> None:
+    torch.set_num_threads(1)
+    model = PrefillModel(CFG, seed=5)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        req = PrefillRequest(id="req-1", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
+        assert await serving.accept(bus.redis, req, 100)
+        spans: list[tuple[float, float]] = []
+        filler = Filler(bus, RUN, "r0s0", model, "m", kv_ttl_s=60, on_span=lambda a, b: spans.append((a, b)))
+
+        # Bubble 1: the grad arrives while the prefill is running (about a third of the way in).
+        whole = time.perf_counter()
+        model.prefill(list(PROMPT))
+        whole = time.perf_counter() - whole
+        item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
+        checks, put_at = await one_bubble(filler, batch(item, 1), arrive_after_s=whole / 3)
+        (first,) = await reports(bus)
+        (p,) = first.progress
+        assert first.preempted and not p.done and 0 < p.reached_layer < LAYERS
+        # One check before the item, then one before each block: blocks finished before the
+        # arrival = checks before it - 1 (the first check precedes block 0). At most the block
+        # in progress at arrival may finish afterwards.
+        assert put_at is not None
+        finished_before = sum(1 for c in checks if c < put_at) - 1
+        assert p.reached_layer - finished_before <= 1, (p.reached_layer, finished_before)
+        assert spans and await serving.lookup(bus.redis, req.id) == "queued"
+        snap_key = keys.prefill_snapshot_key(RUN, req.id, p.reached_layer)
+        assert await kvstore.load_snapshot(bus.redis, snap_key) is not None
+
+        # Bubble 2: resume where it stopped; the answer equals one uninterrupted prefill.
+        rest = PrefillItem(
+            id=req.id,
+            tokens=PROMPT,
+            from_layer=p.reached_layer,
+            to_layer=LAYERS,
+            reply_to=req.reply_to,
+            snapshot_key=snap_key,
+        )
+        await one_bubble(filler, batch(rest, 2), arrive_after_s=None)
+        second = (await reports(bus))[1]
+        assert second.progress[0].done and not second.preempted
+        got = await serving.lookup(bus.redis, req.id)
+        want = model.prefill(list(PROMPT))
+        assert isinstance(got, PrefillResult) and got.ok
+        assert (got.token, got.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))
+        kv = await kvstore.fetch_kv(bus.redis, req.id)
+        assert kv is not None and all(
+            torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(kv, want.kv, strict=True)
+        )
+
+
+async def test_a_batch_arriving_outside_a_bubble_goes_back_unrun(redis_url: str) -> None:
+    model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        filler = Filler(bus, RUN, "r0s0", model, "m", kv_ttl_s=0, on_span=lambda a, b: None)
+        item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
+        await filler.on_batch(Delivery("1-0", "s", batch(item, 1), 1))  # no bubble open
+        (rep,) = await reports(bus)
+        assert rep.progress[0].reached_layer == 0 and not rep.progress[0].done and rep.started_at == 0
