@@ -99,6 +99,7 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
         if r.ok:
             m.queue_time.observe(r.queue_ms / 1000)
             m.prefill_time.observe(r.prefill_ms / 1000)
+            m.ttft.observe((r.queue_ms + r.prefill_ms) / 1000)  # submission to the answer
         app[WAITERS].deliver(r)
 
     consumer = app[BUS].consumer(instance_results_stream(app), SERVICE, on_result, name=app[INSTANCE])

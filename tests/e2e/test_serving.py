@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import random
+import re
 import uuid
 from pathlib import Path
 
@@ -56,6 +57,11 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
             await asyncio.sleep(0.02)
         result = await training
         answers = [await status(http, door.url, rid) for rid in ids]
+        async with http.get(f"{door.url}/metrics") as resp:
+            metrics = await resp.text()
+        ttft = re.search(r"^bubbletea:time_to_first_token_seconds_count (\S+)", metrics, re.M)
+        ok = re.search(r'^bubbletea:request_total\{outcome="success"\} (\S+)', metrics, re.M)
+        assert ttft and ok and float(ttft.group(1)) == float(ok.group(1)) == len(bodies), metrics
         # Readiness: the dispatcher is gone with the run, so the front door says it cannot serve.
         async with http.get(f"{door.url}/ready") as resp:
             assert resp.status == 503
