@@ -160,7 +160,16 @@ class Dispatcher:
         for bid in lost:
             b = self.batches.pop(bid)
             self.counts["requeued"] += len(b.ids)
-            log.warning("batch never reported back; requeueing", batch=bid, worker=b.worker, requests=len(b.ids))
+            log.warning(
+                "batch never reported back; its worker is presumed gone, requeueing",
+                batch=bid,
+                worker=b.worker,
+                requests=len(b.ids),
+            )
+            # A live worker reports within a layer of its bubble's end: this one died (or hangs).
+            # Close its bubble too, or its requests would keep being sent there until their
+            # deadlines; if it is alive after all, its next BubbleStart opens a bubble again.
+            self.state.worker_lost(b.worker)
             await self._send(self.state.requeue(b.worker, b.ids, now))
 
     async def _fail_expired(self, rid: str, now: float) -> None:

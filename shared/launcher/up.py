@@ -75,9 +75,7 @@ async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False) -
         for svc in SERVICES:
             for i in range(slots if svc.per_slot else 1):
                 label = f"{svc.name}-{i}" if svc.per_slot else svc.name
-                procs.append(
-                    await spawn(svc, env, quiet=not verbose, log_file=logs / f"{label}.log", label=label)
-                )
+                procs.append(await spawn(svc, env, quiet=not verbose, log_file=logs / f"{label}.log", label=label))
         api = f"http://{spec.http.host}:{port}"
         await _wait_healthy(procs, url, settings, api)
         say("")
@@ -132,8 +130,7 @@ def _raise_if_dead(procs: list[Proc]) -> None:
     for p in procs:
         if p.proc.returncode is not None and p.proc.returncode != 0:
             raise ServiceFailed(
-                f"{p.label} (pid {p.proc.pid}) exited with code {p.proc.returncode}; last output:\n"
-                + "\n".join(p.tail)
+                f"{p.label} (pid {p.proc.pid}) exited with code {p.proc.returncode}; last output:\n" + "\n".join(p.tail)
             )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,12 @@ from typing import Any
 import aiohttp
 import yaml
 
+from shared import keys
+from shared.bus.connection import blocking_client
 from shared.launcher.procs import Proc, spawn, stop_all, wait_http_healthy
 from shared.launcher.services import PREFILL_QUEUE
 from shared.redis_server import free_port
+from shared.wire import IterationDone, WorkerFailed, decode
 
 #: PP=2 x DP=2 with a device profile: each stage's forward counts for 40 ms, so every worker
 #: waits tens of milliseconds for its peer in each iteration: bubbles to fill.
@@ -78,3 +82,23 @@ async def status(http: aiohttp.ClientSession, url: str, rid: str) -> dict[str, A
         assert resp.status == 200, await resp.text()
         body: dict[str, Any] = await resp.json()
         return body
+
+
+async def wait_for_iteration(redis_url: str, run: str, iteration: int, timeout: float = 90.0) -> None:
+    """Block on the run's events until some worker finished `iteration` (training is under way);
+    fails at once if a worker reports a failure."""
+    r = blocking_client(redis_url)  # no socket timeout cutting the blocking reads
+    cursor, deadline = "0", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            reply: Any = await r.xread({keys.events_stream(run): cursor}, block=1000)
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    cursor = entry_id
+                    msg = decode(fields[b"m"])
+                    assert not isinstance(msg, WorkerFailed), f"training failed: {msg}"
+                    if isinstance(msg, IterationDone) and msg.iteration >= iteration:
+                        return
+        raise AssertionError(f"run {run} did not reach iteration {iteration} within {timeout:.0f}s")
+    finally:
+        await r.aclose()

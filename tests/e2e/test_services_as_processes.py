@@ -155,7 +155,10 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
             # a one-off job: its command is the real load generator, with options it accepts
             assert spec["command"][:3] == ["python", "-m", "loadgen"]
             cfg = parse_config(spec["command"][3:])
-            assert cfg.base_url == f"http://prefill_queue:{services['prefill_queue']['environment']['BUBBLETEA_HTTP_PORT']}"
+            assert (
+                cfg.base_url
+                == f"http://prefill_queue:{services['prefill_queue']['environment']['BUBBLETEA_HTTP_PORT']}"
+            )
             continue
         test = spec["healthcheck"]["test"]
         if test[1] == "bubbletea":

@@ -1,0 +1,106 @@
+"""The official `openai` client, unchanged, against the live API while a pipeline trains.
+
+Real processes (front door, dispatcher, WAN broker, four stage workers) over a real redis-server.
+What the client gets back is what a local `PrefillModel` computes for the same prompt (tokenized
+at byte level, as the front door does a string prompt), sampled the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from openai import AsyncOpenAI
+
+from shared import keys
+from shared.launcher.train import run_training
+from shared.model.data import decode as decode_text
+from shared.model.data import encode as encode_text
+from shared.model.prefill import PrefillModel
+from shared.settings import load_settings
+from tests.e2e.serving import SPEC, front_door, service_env, wait_for_iteration, write_spec
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "Hello, BubbleTea"
+#: A generous bound for a loaded 2-core machine (a completion waits for a bubble).
+REQUEST_TIMEOUT_S = 60.0
+
+
+async def test_official_openai_client_gets_computed_completions(tmp_path: Path, redis_url: str) -> None:
+    # Long enough that every call below is made while the pipeline trains, even on a loaded box.
+    path = write_spec(tmp_path, training={**SPEC["training"], "iterations": 30})
+    run = f"openai-{uuid.uuid4().hex[:6]}"
+    settings = load_settings(path, env={"BUBBLETEA_RUN": run})
+    model_name = settings.spec.prefill.model_name
+    env = service_env(redis_url, path, run)
+    out = io.StringIO()
+    async with front_door(env, out) as door:
+        assert door.url is not None
+        training = asyncio.create_task(run_training(settings, redis_url, out=out, progress=False, dispatcher=True))
+        client = AsyncOpenAI(base_url=f"{door.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+        try:
+            await wait_for_iteration(redis_url, run, 1)
+            models = await client.models.list()
+            # As documented: the OpenAI call unchanged (so sampled at temperature 1, with the seed)...
+            sampled = await client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, logprobs=2, seed=1)
+            # ... and greedy.
+            greedy = await client.completions.create(
+                model=model_name, prompt=PROMPT, max_tokens=1, logprobs=2, seed=1, temperature=0
+            )
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5)
+            result = await training
+        finally:
+            await client.close()
+            if not training.done():
+                training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+
+    assert len(result.losses) == settings.spec.training.iterations
+    assert model_name in [m.id for m in models.data]
+
+    tokens = encode_text(PROMPT)  # the front door tokenizes a string prompt at byte level
+    assert tokens == list(PROMPT.encode())
+    model = PrefillModel.from_spec(settings.spec.prefill)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run
+    try:
+        want_sampled = model.prefill(tokens, temperature=1.0, seed=1, top_logprobs=2)
+        want_greedy = model.prefill(tokens, temperature=0.0, top_logprobs=2)
+    finally:
+        torch.set_num_threads(threads)
+
+    for got, want in ((sampled, want_sampled), (greedy, want_greedy)):
+        assert got.object == "text_completion" and got.model == model_name
+        assert len(got.choices) == 1
+        choice = got.choices[0]
+        assert choice.text == want.text == decode_text([want.token])
+        assert choice.finish_reason == "length"
+        assert got.usage is not None
+        assert got.usage.prompt_tokens == len(tokens) == 16
+        assert got.usage.completion_tokens == 1 and got.usage.total_tokens == len(tokens) + 1
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens == [want.text]
+        assert lp.token_logprobs is not None and lp.token_logprobs[0] == pytest.approx(want.logprob, abs=1e-5)
+        assert lp.top_logprobs is not None
+        top = lp.top_logprobs[0]
+        assert set(top) == {decode_text([t]) for t, _ in want.top}
+        for t, logprob in want.top:
+            if [decode_text([u]) for u, _ in want.top].count(decode_text([t])) == 1:  # no U+FFFD clash
+                assert top[decode_text([t])] == pytest.approx(logprob, abs=1e-5)
+        # Beyond the OpenAI shape: where the prompt's KV cache waits for a decode service.
+        kv = (got.model_extra or {})["kv_transfer_params"]
+        assert kv["store"] == "redis" and kv["key"] == keys.kv_cache_key(got.id) and kv["bytes"] > 0
+    # The greedy answer is the most likely token.
+    assert want_greedy.token == want_greedy.top[0][0]
+
+    err = refused.value
+    assert err.status_code == 400
+    assert "prefill" in err.message
+    assert isinstance(err.body, dict) and err.body["param"] == "max_tokens" and "prefill" in err.body["message"]
