@@ -118,6 +118,11 @@ class BubbleTea(_Spec, frozen=True):
     dispatch_overhead_ms: Millis = 1.0
     max_batch_requests: Annotated[int, Meta(ge=1, le=4096)] = 32
     order: Literal["deadline", "arrival"] = "deadline"
+    #: Work kept outstanding on a worker while its bubble is open, beyond the predicted budget if
+    #: need be (0 = strictly the budget). Safe: prefill yields at the next layer boundary.
+    keep_ahead_ms: Millis = 0.0
+    #: At most this much work sent ahead for a worker's next bubble when one ends (0 = no staging).
+    stage_ms: Millis = 1000.0
 
 
 class Prefill(_Spec, frozen=True):

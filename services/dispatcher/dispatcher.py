@@ -78,6 +78,9 @@ class Dispatcher:
             overhead_s=bt.dispatch_overhead_ms / 1000,
             max_batch=bt.max_batch_requests,
             order=bt.order,
+            stage_next=bt.stage_ms > 0,
+            stage_s=bt.stage_ms / 1000,
+            ahead_s=bt.keep_ahead_ms / 1000,
         )
         self.requests: dict[str, PrefillRequest] = {}
         self.answered: dict[str, asyncio.Future[None]] = {}
