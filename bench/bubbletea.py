@@ -23,7 +23,6 @@ import asyncio
 import copy
 import io
 import json
-import os
 import random
 import sys
 import tempfile
@@ -35,9 +34,7 @@ import uvloop
 import yaml
 from redis.asyncio import Redis
 
-from shared import keys
-from shared.bus import Bus
-from shared.config import BusConfig
+from shared.launcher.load import run_loadgen
 from shared.launcher.procs import spawn, stop_all, wait_http_healthy
 from shared.launcher.services import PREFILL_QUEUE
 from shared.launcher.train import TrainResult, run_training
@@ -67,21 +64,12 @@ def bench_spec(*, enabled: bool, iterations: int, dp: int) -> dict[str, Any]:
 
 
 async def load(api: str, url: str, run: str, concurrency: int, duration_s: float, out: Path) -> dict[str, Any]:
-    """The load generator as its own (niced) process: `concurrency` requests always in flight
-    (closed loop), from the run's first bubble on, for `duration_s`."""
-    async with Bus(url, BusConfig(), name="bench-load") as bus:
-        await bus.redis.xread({keys.bubbles_stream(run): "0"}, count=1, block=120_000)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "loadgen", "--base-url", api, "--request-rate", "inf",
-        "--max-concurrency", str(concurrency), "--duration", f"{duration_s:.2f}", "--num-prompts", "1000000",
-        "--input-len", "96", "--range-ratio", "0.33", "--seed", "1", "--disable-tqdm", "--json-out", str(out),
-        stdout=asyncio.subprocess.DEVNULL,
-        preexec_fn=lambda: os.nice(10),
-    )  # fmt: skip
-    if await proc.wait() != 0:
-        raise RuntimeError(f"loadgen exited with code {proc.returncode}")
-    result: dict[str, Any] = json.loads(await asyncio.to_thread(out.read_text))
-    return result
+    """The load generator: `concurrency` requests always in flight (closed loop), from the run's
+    first bubble on, for `duration_s`."""
+    args = ["--base-url", api, "--request-rate", "inf", "--max-concurrency", str(concurrency)]
+    args += ["--duration", f"{duration_s:.2f}", "--num-prompts", "1000000", "--input-len", "96"]
+    args += ["--range-ratio", "0.33", "--seed", "1"]
+    return await run_loadgen(url, run, args, out)
 
 
 async def one_run(

@@ -54,8 +54,8 @@ def _train(args: argparse.Namespace) -> int:
     import dataclasses
     import time
 
+    from shared.launcher.procs import open_redis
     from shared.launcher.train import run_training
-    from shared.redis_server import EmbeddedRedis
 
     settings = load_settings(args.config)
     if args.run:
@@ -63,8 +63,7 @@ def _train(args: argparse.Namespace) -> int:
     elif settings.run == "run":
         settings = dataclasses.replace(settings, run=f"train-{int(time.time())}")
     setup_logging("train", "WARNING")
-    embedded = None if settings.redis_url else EmbeddedRedis().start()
-    url = settings.redis_url or embedded.url  # type: ignore[union-attr]
+    url, embedded, _ = open_redis(settings.redis_url)
     try:
         spec = settings.spec
         print(

@@ -14,10 +14,12 @@ The window leaves out iteration 0 (start-up: the first tensors, allocator warm-u
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
@@ -134,3 +136,10 @@ def span_dict(s: SpanRecord) -> dict[str, Any]:
         "end": s.end,
         "microbatch": s.microbatch,
     }
+
+
+def write_spans(path: Path, spans: Iterable[SpanRecord]) -> None:
+    """A run folder's spans.jsonl: one `span_dict` per line."""
+    with path.open("w") as f:
+        for s in spans:
+            f.write(json.dumps(span_dict(s)) + "\n")

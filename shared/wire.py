@@ -231,7 +231,6 @@ class PrefillBatch(Message, frozen=True, kw_only=True, tag="prefill_batch"):
     worker: str
     batch_id: str
     items: tuple[PrefillItem, ...]
-    bubble_at: float  # wall clock of the BubbleStart this batch is for (0 for a staged batch)
     sent_at: float
     predicted_s: float  # what the packing policy expects the batch to take
     #: Staged for the worker's next bubble: held there until it starts, not returned at once.
@@ -256,11 +255,9 @@ class PrefillReport(Message, frozen=True, kw_only=True, tag="prefill_report"):
     worker: str
     batch_id: str
     progress: tuple[PrefillProgress, ...]
-    bubble_at: float
     started_at: float  # wall clock when the first layer began (0 if nothing ran)
     ended_at: float
     preempted: bool  # training input arrived before the batch was finished
-    first_in_bubble: bool  # the first batch run in its bubble (its start measures dispatch latency)
 
 
 class PrefillSnapshot(Message, frozen=True, kw_only=True, tag="prefill_snapshot"):

@@ -127,7 +127,7 @@ class Dispatcher:
                 started=m.at,
                 tag=(m.iteration, m.position),
             )
-            await self._send(dispatches, bubble_at=m.at)
+            await self._send(dispatches)
         elif isinstance(m, BubbleEnd):
             await self._send(self.state.bubble_end(m.worker, tag=(m.iteration, m.position), now=now))
         else:
@@ -201,7 +201,7 @@ class Dispatcher:
 
     # --- output ----------------------------------------------------------------------------
 
-    async def _send(self, dispatches: list[Dispatch], *, bubble_at: float = 0.0) -> None:
+    async def _send(self, dispatches: list[Dispatch]) -> None:
         for dsp in dispatches:
             stream = self.fill_streams.get(dsp.worker)
             if stream is None:  # cannot happen: a bubble is only open after its start named it
@@ -226,7 +226,6 @@ class Dispatcher:
                 )
             predicted = sum(a.seconds for a in dsp.assignments)
             batch_id = f"{self._tag}-{next(self._batch_ids)}"
-            bubble = self.state.bubbles.get(dsp.worker)
             # A staged batch may wait on its worker for the next bubble to start.
             expires = time.monotonic() + predicted + BATCH_GRACE_S + (HOLD_STAGED_S if dsp.hold else 0.0)
             self.batches[batch_id] = InFlight(dsp.worker, [a.id for a in dsp.assignments], expires)
@@ -238,7 +237,6 @@ class Dispatcher:
                     worker=dsp.worker,
                     batch_id=batch_id,
                     items=tuple(items),
-                    bubble_at=bubble_at or (bubble.started if bubble else 0.0),
                     sent_at=time.time(),
                     predicted_s=predicted,
                     hold=dsp.hold,

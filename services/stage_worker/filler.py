@@ -84,7 +84,7 @@ class Filler:
             raise Reject(f"a worker's fill stream takes PrefillBatch of run {self.run}, got {type(batch).__name__}")
         if not self.in_bubble and not batch.hold:
             # The bubble closed before the batch got here: hand it back at once, unrun.
-            await self._finish_batch(batch, BatchRun(0.0, time.time(), [], preempted=True), 0.0, first=False)
+            await self._finish_batch(batch, BatchRun(0.0, time.time(), [], preempted=True))
             return
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -102,20 +102,17 @@ class Filler:
             batch, done = entry
             if batch.batch_id == batch_id:
                 self._queue.remove(entry)
-                self._background(self._finish_batch(batch, BatchRun(0.0, time.time(), [], True), 0.0, False), done)
+                self._background(self._finish_batch(batch, BatchRun(0.0, time.time(), [], True)), done)
 
     # --- inside a bubble (called by the runner) --------------------------------------------
 
-    async def fill(
-        self, arrived: Arrived, training_input: asyncio.Future[Any], bubble_at: float, predicted_s: float
-    ) -> None:
-        """Run queued batches until training input has arrived (`arrived()` turns true).
-        `bubble_at`: when the bubble began (wall clock), for the dispatch latency in reports. A
-        bubble predicted shorter than the guard is left alone: staged work waits for a longer one."""
+    async def fill(self, arrived: Arrived, training_input: asyncio.Future[Any], predicted_s: float) -> None:
+        """Run queued batches until training input has arrived (`arrived()` turns true). A bubble
+        predicted shorter than the guard is left alone: staged work waits for a longer one."""
         if predicted_s < self.min_bubble_s:
             await asyncio.wait({training_input})
             return
-        self.in_bubble, first = True, True
+        self.in_bubble = True
         try:
             while not arrived() and not training_input.done():
                 if not self._queue:
@@ -130,8 +127,7 @@ class Filler:
                 self.batches_run += 1
                 if run.outcomes:
                     self.on_span(run.started, run.ended)
-                self._background(self._finish_batch(batch, run, bubble_at, first=first), done)
-                first = False
+                self._background(self._finish_batch(batch, run), done)
         finally:
             self.in_bubble = False
             self._hand_back(staged_too=False)
@@ -145,7 +141,7 @@ class Filler:
             if batch.hold and not staged_too:
                 keep.append((batch, done))
                 continue
-            self._background(self._finish_batch(batch, BatchRun(0.0, time.time(), [], True), 0.0, False), done)
+            self._background(self._finish_batch(batch, BatchRun(0.0, time.time(), [], True)), done)
         self._queue = keep
 
     async def _load_snapshots(self, batch: PrefillBatch) -> dict[str, PrefillState | None]:
@@ -208,7 +204,7 @@ class Filler:
         self._post.add(task)
         task.add_done_callback(self._post.discard)
 
-    async def _finish_batch(self, batch: PrefillBatch, run: BatchRun, bubble_at: float, first: bool) -> None:
+    async def _finish_batch(self, batch: PrefillBatch, run: BatchRun) -> None:
         r = self.bus.redis
         progress: list[PrefillProgress] = []
         for o in run.outcomes:
@@ -239,11 +235,9 @@ class Filler:
                 worker=self.worker,
                 batch_id=batch.batch_id,
                 progress=tuple(progress),
-                bubble_at=bubble_at,
                 started_at=run.started,
                 ended_at=run.ended,
                 preempted=run.preempted,
-                first_in_bubble=first,
             ),
         )
 

@@ -211,7 +211,7 @@ class StageRunner:
                 at=t0,
             ),
         )
-        value = await self._wait_filling(key, t0, predicted)
+        value = await self._wait_filling(key, predicted)
         t1 = time.time()
         self.predictor.observe(pos, predicted, t1 - t0)
         self.outbox.send(
@@ -231,13 +231,13 @@ class StageRunner:
         self._span("wait", it, t0, t1, key[2] if len(key) > 2 else -1)
         return value
 
-    async def _wait_filling(self, key: tuple[Any, ...], bubble_at: float, predicted_s: float) -> Any:
+    async def _wait_filling(self, key: tuple[Any, ...], predicted_s: float) -> Any:
         """Wait for `key`; meanwhile, with BubbleTea, run prefill until it arrives."""
         if self.filler is None:
             return await self.mailbox.take(key)
         take = asyncio.ensure_future(self.mailbox.take(key))
         try:
-            await self.filler.fill(lambda: self.mailbox.arrived(key), take, bubble_at, predicted_s)
+            await self.filler.fill(lambda: self.mailbox.arrived(key), take, predicted_s)
             return await take
         finally:
             if not take.done():

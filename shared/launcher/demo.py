@@ -17,11 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,14 +27,14 @@ from typing import Any
 import msgspec
 import yaml
 
-from shared import keys, runstats
+from shared import runstats
 from shared.bus import Bus
-from shared.config import BusConfig, ClusterSpec
+from shared.config import ClusterSpec
 from shared.health import wait_live
-from shared.launcher.procs import Proc, spawn, stop_all, wait_http_healthy
+from shared.launcher.load import run_loadgen
+from shared.launcher.procs import Proc, open_redis, spawn, stop_all, wait_http_healthy
 from shared.launcher.services import PREFILL_QUEUE
 from shared.launcher.train import TrainResult, run_training
-from shared.lifetime import die_with_parent
 from shared.logs import get_logger
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings, load_settings
@@ -88,14 +86,8 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
     folder = (out_root or Path("runs")) / time.strftime("demo-%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        if settings.redis_url:
-            url = settings.redis_url
-            say(f"==> using Redis at {url} (REDIS_URL)")
-        else:
-            embedded = EmbeddedRedis().start()
-            url = embedded.url
-            assert embedded.proc is not None
-            say(f"==> started embedded Redis at {url} ({embedded.binary}, pid={embedded.proc.pid})")
+        url, embedded, where = open_redis(settings.redis_url)
+        say(f"==> {where}")
         port = free_port()
         env = {
             "REDIS_URL": url,
@@ -163,7 +155,7 @@ async def _run_phase(
     loadgen = await load if load is not None else None
     async with Bus(url, settings.spec.bus, name="demo") as bus:
         spans = await runstats.run_spans(bus.redis, run)
-    _write_spans(folder / phase.name / "spans.jsonl", spans)
+    runstats.write_spans(folder / phase.name / "spans.jsonl", spans)
     ttfts: list[float] = loadgen["ttfts_ms"] if loadgen else []
     (folder / phase.name / "ttft_ms.json").write_text(json.dumps(ttfts))
     m = _metrics(result, spans, loadgen)
@@ -181,42 +173,10 @@ async def _run_phase(
 
 
 async def _load(api: str, url: str, run: str, duration_s: float, folder: Path) -> dict[str, Any]:
-    """Run the load generator (as a user would: its own process, niced like the front door) once
-    the run's first bubble opened, for `duration_s`; returns its JSON summary."""
-    async with Bus(url, BusConfig(), name="demo-load") as bus:
-        await bus.redis.xread({keys.bubbles_stream(run): "0"}, count=1, block=120_000)
-    out = folder / "loadgen.json"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "loadgen",
-        "--base-url",
-        api,
-        "--request-rate",
-        str(LOAD_RATE_PER_S),
-        "--duration",
-        f"{duration_s:.1f}",
-        "--input-len",
-        str(LOAD_INPUT_LEN),
-        "--range-ratio",
-        str(LOAD_RANGE_RATIO),
-        "--seed",
-        "0",
-        "--disable-tqdm",
-        "--json-out",
-        str(out),
-        stdout=asyncio.subprocess.DEVNULL,
-        preexec_fn=functools.partial(_nice_child, 10),
-    )
-    if await proc.wait() != 0:
-        raise RuntimeError(f"the load generator exited with code {proc.returncode}")
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
-
-
-def _nice_child(nice: int) -> None:
-    die_with_parent()
-    os.nice(nice)
+    """The load generator from the run's first bubble on, for `duration_s`: its JSON summary."""
+    args = ["--base-url", api, "--request-rate", str(LOAD_RATE_PER_S), "--duration", f"{duration_s:.1f}"]
+    args += ["--input-len", str(LOAD_INPUT_LEN), "--range-ratio", str(LOAD_RANGE_RATIO), "--seed", "0"]
+    return await run_loadgen(url, run, args, folder / "loadgen.json")
 
 
 def _metrics(result: TrainResult, spans: list[SpanRecord], load: dict[str, Any] | None) -> dict[str, Any]:
@@ -261,12 +221,6 @@ def _finish_summary(rows: list[dict[str, Any]]) -> None:
         by["atlas"]["train_slowdown_pct"] = 0.0
     if "fair" in by and "atlas" in by:
         by["atlas"]["speedup_vs_fair"] = round(by["fair"]["iteration_ms"] / by["atlas"]["iteration_ms"], 3)
-
-
-def _write_spans(path: Path, spans: list[SpanRecord]) -> None:
-    with path.open("w") as f:
-        for s in spans:
-            f.write(json.dumps(runstats.span_dict(s)) + "\n")
 
 
 def _report(folder: Path) -> None:

@@ -18,6 +18,7 @@ import aiohttp
 from shared.launcher.services import ServiceDef, command
 from shared.lifetime import die_with_parent
 from shared.logs import get_logger
+from shared.redis_server import EmbeddedRedis
 
 log = get_logger(__name__)
 
@@ -64,7 +65,7 @@ async def spawn(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=functools.partial(_child_setup, svc.nice),
+        preexec_fn=functools.partial(child_setup, svc.nice),
     )
     p = Proc(svc, proc, label=label or svc.name)
     p.pump = asyncio.create_task(_pump(p, out, quiet, log_file))
@@ -72,11 +73,21 @@ async def spawn(
     return p
 
 
-def _child_setup(nice: int) -> None:
+def child_setup(nice: int) -> None:
     """In the child before exec: die with the launcher, and take the service's niceness."""
     die_with_parent()
     if nice:
         os.nice(nice)
+
+
+def open_redis(redis_url: str | None) -> tuple[str, EmbeddedRedis | None, str]:
+    """The bus to use: `redis_url` if given, else a freshly started embedded redis-server (the
+    caller stops it). Returns (url, the embedded server or None, a line saying which)."""
+    if redis_url:
+        return redis_url, None, f"Redis: {redis_url} (REDIS_URL)"
+    embedded = EmbeddedRedis().start()
+    assert embedded.proc is not None
+    return embedded.url, embedded, f"Redis: {embedded.url} (embedded {embedded.binary}, pid={embedded.proc.pid})"
 
 
 _CHATTER = ("level=info", "level=debug")

@@ -28,7 +28,7 @@ import yaml
 from shared import runstats
 from shared.bus import Bus
 from shared.health import live_instances
-from shared.launcher.procs import Proc, ServiceFailed, spawn, stop_all, wait_http_healthy
+from shared.launcher.procs import Proc, ServiceFailed, open_redis, spawn, stop_all, wait_http_healthy
 from shared.launcher.services import SERVICES
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings
@@ -55,13 +55,8 @@ async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False) -
     procs: list[Proc] = []
     started = time.time()
     try:
-        if settings.redis_url:
-            url = settings.redis_url
-            say(f"==> Redis: {url} (REDIS_URL)")
-        else:
-            embedded = EmbeddedRedis().start()
-            url = embedded.url
-            say(f"==> Redis: {url} (embedded {embedded.binary})")
+        url, embedded, where = open_redis(settings.redis_url)
+        say(f"==> {where}")
         port = spec.http.port or free_port()  # 0 in the spec: any free port, chosen here to print it
         env = {
             "REDIS_URL": url,
@@ -156,9 +151,7 @@ async def _write_run_folder(url: str, settings: Settings, folder: Path, started:
     async with Bus(url, settings.spec.bus, name="up") as bus:
         spans = await runstats.run_spans(bus.redis, settings.run)
     (folder / "run").mkdir(exist_ok=True)
-    with (folder / "run" / "spans.jsonl").open("w") as f:
-        for s in spans:
-            f.write(json.dumps(runstats.span_dict(s)) + "\n")
+    runstats.write_spans(folder / "run" / "spans.jsonl", spans)
     u = runstats.utilization(spans)
     summary = {
         "spec": str(settings.spec_path),
