@@ -17,7 +17,7 @@ import torch
 from services.stage_worker.filler import Filler
 from services.stage_worker.mailbox import Mailbox
 from shared import keys, kvstore, serving
-from shared.bus import Bus, Delivery
+from shared.bus import Bus, Delivery, Reject
 from shared.config import BusConfig
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel
@@ -37,7 +37,6 @@ def batch(item: PrefillItem, n: int) -> PrefillBatch:
         worker="r0s0",
         batch_id=f"b{n}",
         items=(item,),
-        bubble_at=time.time(),
         sent_at=time.time(),
         predicted_s=0.01,
     )
@@ -56,7 +55,7 @@ async def one_bubble(
         return mailbox.arrived(key)
 
     take = asyncio.ensure_future(mailbox.take(key))
-    fill = asyncio.create_task(filler.fill(arrived, take, time.time(), predicted_s=1.0))
+    fill = asyncio.create_task(filler.fill(arrived, take, predicted_s=1.0))
     handled = asyncio.create_task(filler.on_batch(Delivery("1-0", "s", b, 1)))
     put_at = None
     if arrive_after_s is not None:
@@ -135,3 +134,12 @@ async def test_a_batch_arriving_outside_a_bubble_goes_back_unrun(redis_url: str)
         await filler.on_batch(Delivery("1-0", "s", batch(item, 1), 1))  # no bubble open
         (rep,) = await reports(bus)
         assert rep.progress[0].reached_layer == 0 and not rep.progress[0].done and rep.started_at == 0
+
+
+async def test_a_batch_of_another_run_is_rejected(redis_url: str) -> None:
+    model = PrefillModel(GPTConfig(layers=1, d_model=32, heads=4, seq_len=16, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        filler = Filler(bus, "other-run", "r0s0", model, "m", kv_ttl_s=0, on_span=lambda a, b: None)
+        item = PrefillItem(id="x", tokens=(1,), from_layer=0, to_layer=1, reply_to="bt:test:results")
+        with pytest.raises(Reject, match="of run other-run"):
+            await filler.on_batch(Delivery("1-0", "s", batch(item, 1), 1))

@@ -150,3 +150,10 @@ def test_every_environment_variable_is_documented_and_read() -> None:
         assert f"`{var}`" in doc, f"{var} is not documented in docs/config.md"
         # once in ENV_VARS itself, at least once where it is read
         assert code.count(f'"{var}"') >= 2, f"{var} is listed in ENV_VARS but never read"
+
+
+def test_up_refuses_a_bad_iteration_count_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    from shared.cli import main
+
+    assert main(["up", "--iterations", "0"]) == 2
+    assert "--iterations must be >= 1, got 0" in capsys.readouterr().err
