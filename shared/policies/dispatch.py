@@ -277,4 +277,3 @@ class DispatchState:
             else:
                 self.staged[worker] = (left_s, left_b)
         req.assigned_s = 0.0
-
