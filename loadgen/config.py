@@ -1,0 +1,102 @@
+"""`BenchmarkConfig`: everything one load-generator run needs, validated in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadgen import arrivals, datasets, report
+from loadgen.client import ENDPOINTS
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+@dataclass
+class BenchmarkConfig:
+    """Everything a run needs. Built by the CLI from its options, or directly by other code."""
+
+    base_url: str = DEFAULT_BASE_URL
+    endpoint: str = "completions"
+    model: str | None = None  # None: the first model GET /v1/models lists
+    api_key: str | None = None
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_prompts: int | None = 100  # None: only duration_s limits the run
+    duration_s: float | None = None
+    dataset: str = "random"  # or "trace"
+    input_len: int = 128
+    range_ratio: float = 0.0
+    trace: str | None = None
+    time_scale: float = 1.0
+    max_input_len: int = 256
+    goodput: dict[str, float] | None = None  # metric -> limit in ms
+    percentile_metrics: list[str] = field(default_factory=lambda: ["ttft"])
+    metric_percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    seed: int = 0
+    json_out: str | None = None
+    timeout_s: float = 120.0
+    disable_tqdm: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError with a readable reason for a configuration that cannot run."""
+        self._validate_load()
+        self._validate_dataset()
+        self._validate_results()
+
+    def _validate_load(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"the endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        arrivals.validate(self.request_rate, self.burstiness)
+        _check(self.max_concurrency is None or self.max_concurrency >= 1, "--max-concurrency must be >= 1")
+        _check(self.num_prompts is None or self.num_prompts >= 1, "--num-prompts must be >= 1")
+        _check(self.duration_s is None or self.duration_s > 0, "--duration must be > 0")
+        _check(self.num_prompts is not None or self.duration_s is not None, "give --num-prompts or --duration")
+        _check(self.timeout_s > 0, "--timeout must be > 0")
+        _check(self.seed >= 0, "--seed must be >= 0")
+
+    def _validate_dataset(self) -> None:
+        if self.dataset == "random":
+            datasets.length_range(self.input_len, self.range_ratio)
+            # Everything at once, for as long as the duration, with no cap: an endless burst.
+            endless = self.num_prompts is None and math.isinf(self.request_rate) and self.max_concurrency is None
+            _check(not endless, "--duration with an infinite --request-rate needs --max-concurrency (or a finite rate)")
+        elif self.dataset == "trace":
+            _check(self.trace is not None, "the trace dataset needs --trace FILE")
+            _check(math.isfinite(self.time_scale) and self.time_scale > 0, "--time-scale must be > 0")
+            _check(self.max_input_len >= 1, "--max-input-len must be >= 1")
+        else:
+            raise ValueError(f"unknown dataset {self.dataset!r}: choose random or trace")
+
+    def _validate_results(self) -> None:
+        for metric in [*self.percentile_metrics, *(self.goodput or {})]:
+            _check(metric in report.METRICS, f"unknown metric {metric!r}; choose from {', '.join(report.METRICS)}")
+        _check(all(0 <= p <= 100 for p in self.metric_percentiles), "percentiles must be within 0..100")
+        if self.json_out is not None:
+            # Checked before the run, so a typo does not cost the results at the end of it.
+            parent = Path(self.json_out).parent
+            _check(parent.is_dir(), f"--json-out: the directory {parent} does not exist")
+
+    def describe(self) -> dict[str, Any]:
+        """The configuration as recorded with the results: JSON-safe, and without the API key."""
+        d = asdict(self)
+        # The summary reports these itself (goodput_slos_ms, ...): "goodput" there is the result.
+        for key in ("api_key", "disable_tqdm", "goodput", "percentile_metrics", "metric_percentiles"):
+            del d[key]
+        # "duration_s" in the results is the measured duration; the limit gets its own name.
+        d["duration_limit_s"] = d.pop("duration_s")
+        # JSON has no infinity; "inf" is what vLLM writes too.
+        d["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
+        if self.dataset == "trace":
+            for key in ("request_rate", "burstiness", "input_len", "range_ratio"):
+                d[key] = None  # not used: the trace decides arrivals and lengths
+        else:
+            d["trace"] = d["time_scale"] = d["max_input_len"] = None
+        return d
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

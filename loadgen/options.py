@@ -1,0 +1,215 @@
+"""The `loadgen` command line: every option, and how it becomes a `BenchmarkConfig`.
+
+Usage errors (conflicting options, bad values) exit 2 through argparse, naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Sequence
+from typing import TypeVar
+
+from loadgen import report
+from loadgen.client import ENDPOINTS, normalize_base_url
+from loadgen.config import DEFAULT_BASE_URL, BenchmarkConfig
+
+T = TypeVar("T")
+
+
+DESCRIPTION = """\
+Load generator for the BubbleTea prefill API (modelled on `vllm bench serve`): sends prompts on
+a chosen arrival schedule, measures the time to first token of each, and prints a summary.
+
+Prompts are random token ids (0..255; the model is byte-level). Arrivals are a gamma process
+(--request-rate, --burstiness), or replay an Azure LLM inference trace (--trace). Failed
+requests are counted by HTTP status or error class and reported, never hidden. See docs/loadgen.md.
+"""
+
+EPILOG = """\
+examples:
+  loadgen --request-rate 20 --num-prompts 500 --input-len 128 --range-ratio 0.5
+  loadgen --request-rate 20 --burstiness 0.25 --duration 60 --goodput ttft:500
+  loadgen --trace AzureLLMInferenceTrace_conv.csv --time-scale 10 --duration 60 --max-input-len 256
+exit status: 0 the run completed (even with failed requests), 1 the API could not be used, 2 usage error
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loadgen", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    server = p.add_argument_group("server")
+    server.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"the API's address (default: {DEFAULT_BASE_URL})")
+    server.add_argument(
+        "--endpoint",
+        choices=ENDPOINTS,
+        default="completions",
+        help="completions: POST /v1/completions, answered when the result is ready (OpenAI, the default); "
+        "native: POST /v1/prefill, then poll GET /v1/prefill/{id} until done or failed",
+    )
+    server.add_argument("--model", help="the model to ask for (default: the first one GET /v1/models lists)")
+    server.add_argument(
+        "--api-key", help="sent as 'Authorization: Bearer KEY' (default: $BUBBLETEA_API_KEY, else $OPENAI_API_KEY)"
+    )
+    server.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="give up on a request after this long; it counts as a 'timeout' error (default: 120)",
+    )
+
+    load = p.add_argument_group("load")
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        metavar="RPS",
+        help="mean requests per second; inf sends every request at once (default: inf). Not with --trace",
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        metavar="K",
+        help="shape of the gamma distribution of inter-arrival times: 1 = Poisson, < 1 burstier, > 1 smoother; "
+        "the mean rate stays --request-rate (default: 1.0). Not with --trace",
+    )
+    load.add_argument(
+        "--max-concurrency", type=int, metavar="N", help="at most N requests in flight (default: no limit)"
+    )
+    load.add_argument(
+        "--num-prompts",
+        type=int,
+        metavar="N",
+        help="send N requests (default: 100, unless --duration is given; with both, whichever ends first)",
+    )
+    load.add_argument(
+        "--duration",
+        type=float,
+        metavar="SECONDS",
+        help="send until this much time has passed; with --trace, replay the part of the trace within it",
+    )
+    load.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default: 0)")
+
+    data = p.add_argument_group("dataset")
+    data.add_argument(
+        "--dataset",
+        choices=("random", "trace"),
+        help="random: random prompts of --input-len tokens (the default); trace: the one --trace names",
+    )
+    data.add_argument("--input-len", type=int, metavar="TOKENS", help="mean prompt length (default: 128)")
+    data.add_argument(
+        "--range-ratio",
+        type=float,
+        metavar="R",
+        help="prompt lengths are uniform in [input_len*(1-R), input_len*(1+R)], at least 1; 0 <= R < 1 (default: 0.0)",
+    )
+    data.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="replay an Azure LLM inference trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens): arrivals follow "
+        "its timestamps, prompt lengths its ContextTokens",
+    )
+    data.add_argument(
+        "--time-scale",
+        type=float,
+        metavar="X",
+        help="replay the trace X times faster (default: 1.0). Only with --trace",
+    )
+    data.add_argument(
+        "--max-input-len",
+        type=int,
+        metavar="TOKENS",
+        help="clamp trace prompts to this length, counting how many were cut (default: 256). Only with --trace",
+    )
+
+    out = p.add_argument_group("results")
+    out.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="METRIC:MS",
+        help="service-level objectives, e.g. ttft:500: a request is good if it succeeded within every one; "
+        "reports good requests per second (metrics: ttft, e2el)",
+    )
+    out.add_argument(
+        "--percentile-metrics",
+        default="ttft",
+        metavar="LIST",
+        help="comma-separated metrics to report percentiles of: ttft, e2el (for a prefill-only service "
+        "the end-to-end latency is the TTFT) (default: ttft)",
+    )
+    out.add_argument(
+        "--metric-percentiles",
+        default="50,90,99",
+        metavar="LIST",
+        help="comma-separated percentiles to report (default: 50,90,99)",
+    )
+    out.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    return p
+
+
+#: Options that only make sense for one dataset: given with the other, they are a usage error
+#: rather than silently ignored.
+RANDOM_ONLY = {
+    "request_rate": "--request-rate",
+    "burstiness": "--burstiness",
+    "input_len": "--input-len",
+    "range_ratio": "--range-ratio",
+}
+TRACE_ONLY = {"time_scale": "--time-scale", "max_input_len": "--max-input-len"}
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchmarkConfig:
+    """Check the options together and build the config; usage errors exit via parser.error (2)."""
+    if args.dataset == "trace" and args.trace is None:
+        parser.error("--dataset trace needs --trace FILE")
+    if args.dataset == "random" and args.trace is not None:
+        parser.error("--dataset random and --trace conflict: --trace replays a trace")
+    dataset = "trace" if args.trace is not None else "random"
+    foreign = TRACE_ONLY if dataset == "random" else RANDOM_ONLY
+    for attr, flag in foreign.items():
+        if getattr(args, attr) is not None:
+            if dataset == "trace":
+                parser.error(f"{flag} does not apply with --trace: the trace sets arrival times and prompt lengths")
+            parser.error(f"{flag} applies only with --trace")
+    try:
+        config = BenchmarkConfig(
+            base_url=normalize_base_url(args.base_url),
+            endpoint=args.endpoint,
+            model=args.model,
+            api_key=args.api_key or os.environ.get("BUBBLETEA_API_KEY") or os.environ.get("OPENAI_API_KEY") or None,
+            request_rate=_default(args.request_rate, math.inf),
+            burstiness=_default(args.burstiness, 1.0),
+            max_concurrency=args.max_concurrency,
+            num_prompts=args.num_prompts if args.num_prompts is not None or args.duration is not None else 100,
+            duration_s=args.duration,
+            dataset=dataset,
+            input_len=_default(args.input_len, 128),
+            range_ratio=_default(args.range_ratio, 0.0),
+            trace=args.trace,
+            time_scale=_default(args.time_scale, 1.0),
+            max_input_len=_default(args.max_input_len, 256),
+            goodput=report.parse_goodput(args.goodput) if args.goodput else None,
+            percentile_metrics=report.parse_metrics(args.percentile_metrics),
+            metric_percentiles=report.parse_percentiles(args.metric_percentiles),
+            seed=args.seed,
+            json_out=args.json_out,
+            timeout_s=args.timeout,
+            disable_tqdm=args.disable_tqdm,
+        )
+        config.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config
+
+
+def _default(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def parse_config(argv: Sequence[str] | None = None) -> BenchmarkConfig:
+    """The config the command line describes (exits 2 on a usage error)."""
+    parser = build_parser()
+    return config_from_args(parser.parse_args(argv), parser)
