@@ -41,7 +41,7 @@ async def test_up_serves_prompts_while_training_and_stops_cleanly_on_ctrl_c(tmp_
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "shared.cli",
+        "bubbletea.cli",
         "up",
         "--config",
         str(path),
@@ -103,7 +103,7 @@ def test_up_reports_a_dead_service_by_name(tmp_path: Path) -> None:
 
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     res = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "up", "--config", str(path), "--out", str(tmp_path / "runs")],
+        [sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), "--out", str(tmp_path / "runs")],
         cwd=ROOT,
         env=env,
         capture_output=True,

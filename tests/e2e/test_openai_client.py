@@ -17,11 +17,11 @@ import pytest
 import torch
 from openai import AsyncOpenAI
 
+from bubbletea.launcher.train import run_training
 from shared import keys
-from shared.launcher.train import run_training
-from shared.model.data import decode as decode_text
-from shared.model.data import encode as encode_text
 from shared.model.prefill import PrefillModel
+from shared.model.tokenizer import decode as decode_text
+from shared.model.tokenizer import encode as encode_text
 from shared.settings import load_settings
 from tests.e2e.serving import SPEC, front_door, service_env, wait_for_iteration, write_spec
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shared.launcher.procs import spawn, stop_all, wait_http_healthy
-from shared.launcher.services import SERVICES
+from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
+from bubbletea.launcher.services import SERVICES
 from shared.redis_server import EmbeddedRedis, free_port
 from tests.e2e.serving import SPEC, write_spec
 
@@ -51,7 +51,7 @@ def test_bad_config_fails_at_start_naming_the_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("datacenters: [{name: a, gpus: -3}]\n")
     r = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "check-config", str(bad)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "bubbletea.cli", "check-config", str(bad)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2
     assert "datacenters[0].gpus" in r.stderr and ">= 1" in r.stderr
@@ -65,7 +65,7 @@ def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # embedded Redis path
     spec = _tiny_spec(tmp_path)
     r = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "demo", "--config", str(spec), "--out", str(tmp_path / "runs")],
+        [sys.executable, "-m", "bubbletea.cli", "demo", "--config", str(spec), "--out", str(tmp_path / "runs")],
         env=env,
         capture_output=True,
         text=True,
@@ -94,7 +94,7 @@ def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     spec = _tiny_spec(tmp_path, iterations=2)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "demo", "--hold", "--config", str(spec), "--out", str(tmp_path)],
+        [sys.executable, "-m", "bubbletea.cli", "demo", "--hold", "--config", str(spec), "--out", str(tmp_path)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -120,7 +120,7 @@ def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
 
 
 def test_redis_subcommand_prints_a_url_and_stops_on_sigterm() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "redis"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "bubbletea.cli", "redis"], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("REDIS_URL=redis://127.0.0.1:")
@@ -132,8 +132,8 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
     """No Docker engine runs here, so compose.yaml is checked against what the code really does."""
     import yaml
 
+    from bubbletea.cli import build_parser
     from loadgen.cli import parse_config
-    from shared.cli import build_parser
     from shared.settings import ENV_VARS
 
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -180,7 +180,7 @@ async def test_demo_works_with_no_redis_on_the_path(tmp_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "shared.cli",
+        "bubbletea.cli",
         "demo",
         "--config",
         str(spec),

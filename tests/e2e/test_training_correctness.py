@@ -15,9 +15,11 @@ import pytest
 import yaml
 from redis.asyncio import Redis
 
+from bubbletea.launcher.train import run_training
 from shared import keys
-from shared.launcher.train import run_training
-from shared.model import ByteCorpus, GPTConfig, train_reference
+from shared.model.data import ByteCorpus
+from shared.model.reference import train_reference
+from shared.model.shape import GPTConfig
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.wire import BubbleEnd, BubbleStart, SpanRecord, decode

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bubbletea.launcher.procs import spawn, stop_all
+from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER
 from shared import keys
 from shared.bus.connection import blocking_client
-from shared.launcher.procs import spawn, stop_all
-from shared.launcher.services import STAGE_WORKER, WAN_BROKER
 from shared.redis_server import EmbeddedRedis
 from shared.wire import IterationDone, decode
 

@@ -153,7 +153,7 @@ def test_every_environment_variable_is_documented_and_read() -> None:
 
 
 def test_up_refuses_a_bad_iteration_count_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
-    from shared.cli import main
+    from bubbletea.cli import main
 
     assert main(["up", "--iterations", "0"]) == 2
     assert "--iterations must be >= 1, got 0" in capsys.readouterr().err

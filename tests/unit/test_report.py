@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from shared.report import (
+from bubbletea.report import (
     ReportError,
     RunInfo,
     Span,
@@ -20,11 +20,9 @@ from shared.report import (
     main,
     markdown_table,
     select_iterations,
-    steady_window,
-    union_length,
-    utilization,
     write_report,
 )
+from bubbletea.runstats import steady_window, union_length, worker_usage
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -63,24 +61,24 @@ SPANS = [
 
 
 def test_utilization_full_window_resolves_overlaps() -> None:
-    usage = utilization(SPANS)
+    usage = worker_usage(SPANS)
     assert list(usage) == ["r0s0", "r1s0", "r0s1"]  # stage, then replica
-    assert usage["r0s0"] == {"training": 1.75, "prefill": 0.75, "other": 0.0, "idle": 1.5, "total": 4.0}
-    assert usage["r0s1"] == {"training": 1.0, "prefill": 0.75, "other": 0.0, "idle": 2.25, "total": 4.0}
-    assert usage["r1s0"] == {"training": 0.5, "prefill": 0.0, "other": 0.25, "idle": 3.25, "total": 4.0}
+    assert usage["r0s0"] == {"training": 1.75, "prefill": 0.75, "other": 0.0, "idle": 1.5, "wait": 1.5, "total": 4.0}
+    assert usage["r0s1"] == {"training": 1.0, "prefill": 0.75, "other": 0.0, "idle": 2.25, "wait": 2.0, "total": 4.0}
+    assert usage["r1s0"] == {"training": 0.5, "prefill": 0.0, "other": 0.25, "idle": 3.25, "wait": 0.0, "total": 4.0}
 
 
 def test_utilization_custom_window_clips_spans() -> None:
-    usage = utilization(SPANS, window=(1.0, 3.0))
-    assert usage["r0s0"] == {"training": 0.5, "prefill": 0.75, "other": 0.0, "idle": 0.75, "total": 2.0}
-    assert usage["r0s1"] == {"training": 0.5, "prefill": 0.25, "other": 0.0, "idle": 1.25, "total": 2.0}
-    assert usage["r1s0"] == {"training": 0.0, "prefill": 0.0, "other": 0.0, "idle": 2.0, "total": 2.0}
+    usage = worker_usage(SPANS, window=(1.0, 3.0))
+    assert usage["r0s0"] == {"training": 0.5, "prefill": 0.75, "other": 0.0, "idle": 0.75, "wait": 1.5, "total": 2.0}
+    assert usage["r0s1"] == {"training": 0.5, "prefill": 0.25, "other": 0.0, "idle": 1.25, "wait": 1.0, "total": 2.0}
+    assert usage["r1s0"] == {"training": 0.0, "prefill": 0.0, "other": 0.0, "idle": 2.0, "wait": 0.0, "total": 2.0}
 
 
 def test_utilization_edge_cases() -> None:
-    assert utilization([]) == {}
+    assert worker_usage([]) == {}
     with pytest.raises(ValueError, match="window ends before it starts"):
-        utilization(SPANS, window=(2.0, 1.0))
+        worker_usage(SPANS, window=(2.0, 1.0))
 
 
 def test_union_length() -> None:
@@ -102,7 +100,7 @@ def test_select_iterations_skips_warmup_and_gaps() -> None:
 
 def test_steady_window_excludes_warmup() -> None:
     spans = [span("fwd", 0.0, 5.0), span("wait", 4.0, 6.0, it=1), span("fwd", 6.0, 7.0, it=1)]
-    assert steady_window(spans) == (6.0, 7.0)  # iteration 1 starts with its first compute
+    assert steady_window(spans) == (4.0, 7.0)  # iteration 1 starts with its first span (a wait counts)
     assert steady_window(spans[:1]) == (0.0, 5.0)
 
 
@@ -246,7 +244,7 @@ def test_unknown_span_kind_is_other_not_a_crash(tmp_path: Path) -> None:
     folder = load_run_folder(make_run_folder(tmp_path / "run"))
     spans = folder.spans["atlas"]
     assert any(s.kind == "checkpoint" for s in spans)
-    usage = utilization(spans)
+    usage = worker_usage(spans)
     assert usage["r0s1"]["other"] == pytest.approx(2 * 0.015, abs=1e-6)  # 70..85 ms, twice; epoch seconds
     assert usage["r0s0"]["other"] == 0.0
 
@@ -316,7 +314,7 @@ def test_main_reports_errors_with_exit_code_2(tmp_path: Path, capsys: pytest.Cap
 
 def test_module_entry_point_help() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "shared.report", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "bubbletea.report", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: bubbletea report") and "--out DIR" in result.stdout

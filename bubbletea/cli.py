@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import uvloop
 
+from bubbletea.launcher.procs import ServiceFailed
 from shared.config import ConfigError, load_spec
-from shared.launcher.procs import ServiceFailed
 from shared.logs import setup_logging
 from shared.policies.placement import PlacementError
 from shared.settings import load_settings
@@ -26,7 +26,7 @@ BUBBLETEA_LOG_LEVEL, BUBBLETEA_HTTP_HOST, BUBBLETEA_HTTP_PORT. See docs/config.m
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from shared.launcher.demo import run_demo
+    from bubbletea.launcher.demo import run_demo
 
     settings = load_settings(args.config)
     setup_logging("demo", "WARNING" if settings.log_level == "INFO" else settings.log_level)
@@ -36,7 +36,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from shared.launcher.up import run_up
+    from bubbletea.launcher.up import run_up
 
     settings = load_settings(args.config)
     if args.run:
@@ -54,8 +54,8 @@ def _train(args: argparse.Namespace) -> int:
     import dataclasses
     import time
 
-    from shared.launcher.procs import open_redis
-    from shared.launcher.train import run_training
+    from bubbletea.launcher.procs import open_redis
+    from bubbletea.launcher.train import run_training
 
     settings = load_settings(args.config)
     if args.run:
@@ -84,7 +84,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from shared.plan import plan_report, profile_ms
+    from bubbletea.plan import plan_report
+    from shared.plan import profile_ms
 
     spec = load_spec(args.config)
     prof = profile_ms(spec)
@@ -261,8 +262,8 @@ def _with_default_config(args: argparse.Namespace) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["report"]:  # its own parser (shared.report.command) owns the arguments
-        from shared.report import main as report_main
+    if argv[:1] == ["report"]:  # its own parser (bubbletea.report.command) owns the arguments
+        from bubbletea.report import main as report_main
 
         return report_main(argv[1:])
     args = build_parser().parse_args(argv)

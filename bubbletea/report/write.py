@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from shared.report.compute import NULL_CELL, markdown_table, select_iterations, steady_window, utilization
-from shared.report.data import ReportError, RunFolder, Span, load_run_folder
+from bubbletea.report.compute import NULL_CELL, markdown_table, select_iterations
+from bubbletea.report.data import ReportError, RunFolder, load_run_folder
+from bubbletea.runstats import Span, Usage, steady_usage
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -28,9 +29,10 @@ HOW_TO_READ = {
         "is prefill filling a bubble; white gaps are idle time."
     ),
     "utilization": (
-        "For each run, one bar per worker: the share of the measured window (from the start of "
-        "iteration 1, after the warm-up, to the last span) spent training, running prefill, or idle "
-        "(waiting counts as idle unless prefill filled it)."
+        "For each run, one bar per worker: the share of the measured window (the spans of iteration 1 "
+        "and later, after the warm-up, from the first to the last) spent training, running prefill, or "
+        "idle (waiting counts as idle unless prefill filled it). The panel's mean of training + prefill "
+        "is the run's GPU utilization in the table."
     ),
     "ttft": (
         "For each run that answered requests: the share of requests (y) whose first token came "
@@ -68,7 +70,7 @@ def write_folder_report(folder: RunFolder, out: Path) -> list[Path]:
 
 
 def _timelines(folder: RunFolder, out: Path) -> list[Picture]:
-    from shared.report.plots import timeline_figure  # matplotlib is imported only to draw
+    from bubbletea.report.plots import timeline_figure  # matplotlib is imported only to draw
 
     pictures = []
     for run in folder.summary.runs:
@@ -84,21 +86,27 @@ def _timelines(folder: RunFolder, out: Path) -> list[Picture]:
 
 
 def _utilization(folder: RunFolder, out: Path) -> list[Picture]:
-    from shared.report.plots import utilization_figure
+    from bubbletea.report.plots import utilization_figure
 
-    runs = [(r.label, folder.spans[r.name]) for r in folder.summary.runs if folder.spans[r.name]]
-    if not runs:
+    usage = usage_by_run(folder)
+    if not usage:
         return []
-    warmup_skipped = all(any(s.iteration >= 1 for s in spans) for _, spans in runs)
+    runs = [folder.spans[r.name] for r in folder.summary.runs if folder.spans[r.name]]
+    warmup_skipped = all(any(s.iteration >= 1 for s in spans) for spans in runs)
     window = "iterations 1 and later, warm-up excluded" if warmup_skipped else "all iterations"
-    usage = [(label, utilization(spans, steady_window(spans))) for label, spans in runs]
     path = out / "utilization.png"
     _save(utilization_figure(usage, f"Where each worker's time went ({window})"), path)
     return [Picture("utilization", "Where the time went", path)]
 
 
+def usage_by_run(folder: RunFolder) -> list[tuple[str, dict[str, Usage]]]:
+    """What utilization.png draws: per run with spans, its label and `steady_usage` (the usage the
+    run's headline figures in summary.json are computed from, bubbletea.runstats)."""
+    return [(r.label, steady_usage(folder.spans[r.name])) for r in folder.summary.runs if folder.spans[r.name]]
+
+
 def _ttft(folder: RunFolder, out: Path) -> list[Picture]:
-    from shared.report.plots import ttft_figure
+    from bubbletea.report.plots import ttft_figure
 
     runs = [(r.label, folder.ttfts_ms[r.name]) for r in folder.summary.runs if folder.ttfts_ms[r.name]]
     if not runs:
@@ -163,7 +171,7 @@ def _writing(path: Path) -> Iterator[None]:
 def _save(fig: Figure, path: Path) -> None:
     """Write a PNG; matplotlib is imported here, not at module level, so importing the package
     (e.g. to build the `bubbletea` CLI) stays fast."""
-    from shared.report.plots import save_png
+    from bubbletea.report.plots import save_png
 
     with _writing(path):
         save_png(fig, path)

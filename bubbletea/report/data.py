@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bubbletea.runstats import TRAINING_KINDS, Span
+
 SUMMARY_FILE = "summary.json"
 SPANS_FILE = "spans.jsonl"
 TTFT_FILE = "ttft_ms.json"
 
 #: Span kinds the report knows how to draw; any other kind is drawn in grey and counted as "other".
-TRAINING_KINDS = frozenset({"fwd", "bwd", "allreduce", "step"})
 KNOWN_KINDS = TRAINING_KINDS | {"wait", "prefill"}
 
 
@@ -47,28 +48,6 @@ METRIC_COLUMNS: tuple[MetricColumn, ...] = (
 
 class ReportError(ValueError):
     """A run folder that cannot be reported on; the message names the file and the problem."""
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """One interval of one worker's time, in wall-clock seconds (a line of spans.jsonl)."""
-
-    replica: int
-    stage: int
-    iteration: int
-    kind: str
-    start: float
-    end: float
-    microbatch: int | None = None
-
-    @property
-    def worker(self) -> str:
-        """The worker's display name, "r<replica>s<stage>", as used throughout the project."""
-        return f"r{self.replica}s{self.stage}"
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The load generator as a user runs it: its own process, started once a training run has bubbles.
 
-Shared by `bubbletea demo` and `bench/bubbletea.py`. It is niced like the front door: on a machine
+Shared by `bubbletea demo` and `bench/bubble_fill.py`. It is niced like the front door: on a machine
 where everything shares a few cores, the guests yield the CPU to training (the owner).
 """
 
@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bubbletea.launcher.procs import child_setup
 from shared import keys
 from shared.bus import Bus
 from shared.config import BusConfig
-from shared.launcher.procs import child_setup
 
 #: Niceness of the load generator (as the front door's, `PREFILL_QUEUE.nice`).
 LOAD_NICE = 10

@@ -1,35 +1,27 @@
 """The run report: a run folder (the demo's output) turned into pictures and a Markdown table.
 
     load_run_folder(path) -> RunFolder       read and validate (ReportError names the bad file)
-    utilization(spans, window=None)           per worker: training / prefill / other / idle seconds
     select_iterations(spans, first, count)    the spans of a few iterations, for the timeline
     markdown_table(summary) -> str            the runs side by side
     write_report(run_dir, out_dir=None)       every picture, table.md and report.md; the paths
     main(argv)                                `bubbletea report RUN_DIR [--out DIR]`
 
+The figures the pictures show (per-worker usage, utilization) are defined in `bubbletea.runstats`.
 matplotlib is imported only when pictures are drawn. Format and how to read: docs/report.md.
 """
 
-from shared.report.command import main
-from shared.report.compute import (
-    Usage,
-    full_window,
-    markdown_table,
-    select_iterations,
-    steady_window,
-    union_length,
-    utilization,
-)
-from shared.report.data import (
+from bubbletea.report.command import main
+from bubbletea.report.compute import markdown_table, select_iterations
+from bubbletea.report.data import (
     METRIC_COLUMNS,
     ReportError,
     RunFolder,
     RunInfo,
-    Span,
     Summary,
     load_run_folder,
 )
-from shared.report.write import write_report
+from bubbletea.report.write import write_report
+from bubbletea.runstats import Span  # the run folder's span record (defined with the figures)
 
 __all__ = [
     "METRIC_COLUMNS",
@@ -38,14 +30,9 @@ __all__ = [
     "RunInfo",
     "Span",
     "Summary",
-    "Usage",
-    "full_window",
     "load_run_folder",
     "main",
     "markdown_table",
     "select_iterations",
-    "steady_window",
-    "union_length",
-    "utilization",
     "write_report",
 ]

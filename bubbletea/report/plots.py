@@ -19,8 +19,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
-from shared.report.compute import USAGE_PARTS, Usage, UsagePart, iteration_starts, kind_of, worker_order
-from shared.report.data import Span
+from bubbletea.report.compute import iteration_starts, kind_of
+from bubbletea.runstats import USAGE_PARTS, Span, Usage, UsagePart, share, worker_order
 
 DPI = 120
 WIDTH_IN = 12.0
@@ -199,7 +199,7 @@ def utilization_figure(runs: Sequence[tuple[str, dict[str, Usage]]], title: str)
 
 
 def _fractions(usage: dict[str, Usage], part: UsagePart) -> np.ndarray:
-    return np.array([u[part] / u["total"] if u["total"] > 0 else 0.0 for u in usage.values()])
+    return np.array([share(u, part) for u in usage.values()])
 
 
 def _usage_panel(ax: Axes, label: str, usage: dict[str, Usage], parts: Sequence[UsagePart]) -> None:

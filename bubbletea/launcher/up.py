@@ -1,7 +1,7 @@
 """`bubbletea up`: the whole system as local processes, for one training run with serving.
 
 Starts Redis (embedded unless REDIS_URL is set), then every service of the table in
-`shared.launcher.services` (the same table `compose.yaml` is checked against): the WAN broker,
+`bubbletea.launcher.services` (the same table `compose.yaml` is checked against): the WAN broker,
 the dispatcher, the prefill front door and one stage worker per pipeline slot. Waits until each
 is healthy (HTTP /health for the front door, heartbeats for the rest), prints the API URL and
 where the logs go, and then follows the run:
@@ -25,11 +25,11 @@ from pathlib import Path
 import msgspec
 import yaml
 
-from shared import runstats
+from bubbletea import runstats
+from bubbletea.launcher.procs import Proc, ServiceFailed, open_redis, spawn, stop_all, wait_http_healthy
+from bubbletea.launcher.services import SERVICES
 from shared.bus import Bus
 from shared.health import live_instances
-from shared.launcher.procs import Proc, ServiceFailed, open_redis, spawn, stop_all, wait_http_healthy
-from shared.launcher.services import SERVICES
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings
 
@@ -169,7 +169,7 @@ async def _write_run_folder(url: str, settings: Settings, folder: Path, started:
         ],
     }
     (folder / "summary.json").write_text(json.dumps(summary, indent=2))
-    from shared.report import write_report
+    from bubbletea.report import write_report
 
     written = write_report(folder)
     say(f"==> run folder: {folder} (report.md and {len(written) - 1} more files)")

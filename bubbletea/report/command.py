@@ -1,4 +1,4 @@
-"""`bubbletea report RUN_DIR [--out DIR]` (also `python -m shared.report RUN_DIR`)."""
+"""`bubbletea report RUN_DIR [--out DIR]` (also `python -m bubbletea.report RUN_DIR`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from shared.report.compute import markdown_table
-from shared.report.data import ReportError, load_run_folder
-from shared.report.write import write_folder_report
+from bubbletea.report.compute import markdown_table
+from bubbletea.report.data import ReportError, load_run_folder
+from bubbletea.report.write import write_folder_report
 
 DESCRIPTION = """\
 Turn a run folder written by the demo into pictures and a Markdown table: a pipeline timeline

@@ -27,23 +27,22 @@ from typing import Any
 import msgspec
 import yaml
 
-from shared import runstats
+from bubbletea import runstats
+from bubbletea.launcher.load import run_loadgen
+from bubbletea.launcher.procs import Proc, open_redis, spawn, stop_all, wait_http_healthy
+from bubbletea.launcher.services import PREFILL_QUEUE
+from bubbletea.launcher.train import TrainResult, run_training
 from shared.bus import Bus
 from shared.config import ClusterSpec
 from shared.health import wait_live
-from shared.launcher.load import run_loadgen
-from shared.launcher.procs import Proc, open_redis, spawn, stop_all, wait_http_healthy
-from shared.launcher.services import PREFILL_QUEUE
-from shared.launcher.train import TrainResult, run_training
 from shared.logs import get_logger
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings, load_settings
-from shared.wire import SpanRecord
 
 log = get_logger(__name__)
 
 #: The load during the BubbleTea run: Poisson arrivals of random prompts of 48-144 tokens, well
-#: within what the bubbles can serve (the benchmark, bench/bubbletea.py, keeps them saturated).
+#: within what the bubbles can serve (the benchmark, bench/bubble_fill.py, keeps them saturated).
 LOAD_RATE_PER_S = 80.0
 LOAD_INPUT_LEN = 96
 LOAD_RANGE_RATIO = 0.5
@@ -179,7 +178,7 @@ async def _load(api: str, url: str, run: str, duration_s: float, folder: Path) -
     return await run_loadgen(url, run, args, folder / "loadgen.json")
 
 
-def _metrics(result: TrainResult, spans: list[SpanRecord], load: dict[str, Any] | None) -> dict[str, Any]:
+def _metrics(result: TrainResult, spans: list[runstats.Span], load: dict[str, Any] | None) -> dict[str, Any]:
     u = runstats.utilization(spans)
     m: dict[str, Any] = {
         "iteration_ms": round(result.steady_iteration_s() * 1000, 1),
@@ -224,8 +223,8 @@ def _finish_summary(rows: list[dict[str, Any]]) -> None:
 
 
 def _report(folder: Path) -> None:
-    from shared.report import markdown_table, write_report
-    from shared.report.data import load_run_folder
+    from bubbletea.report import markdown_table, write_report
+    from bubbletea.report.data import load_run_folder
 
     written = write_report(folder)
     say("")

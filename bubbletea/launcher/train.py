@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from bubbletea.launcher.procs import Proc, ServiceFailed, spawn, stop_all
+from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
 from shared import keys
 from shared.bus import Bus
-from shared.launcher.procs import Proc, ServiceFailed, spawn, stop_all
-from shared.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
 from shared.settings import Settings
 from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
 

@@ -5,8 +5,8 @@ over real services on a private redis-server. With BubbleTea on, the load genera
 process) keeps `--concurrency` prefill requests in flight over real HTTP (`POST /v1/completions`)
 for most of the run, so requests are always waiting when a bubble opens.
 
-    python bench/bubbletea.py            # 16 iterations per run
-    python bench/bubbletea.py --quick    # under 60 s
+    python bench/bubble_fill.py            # 16 iterations per run
+    python bench/bubble_fill.py --quick    # under 60 s
 
 Prints a table, then one JSON object on the last line. Keys:
 dispatch_p50_ms / dispatch_p99_ms (bubble start on the worker -> its first prefill running),
@@ -34,12 +34,12 @@ import uvloop
 import yaml
 from redis.asyncio import Redis
 
-from shared.launcher.load import run_loadgen
-from shared.launcher.procs import spawn, stop_all, wait_http_healthy
-from shared.launcher.services import PREFILL_QUEUE
-from shared.launcher.train import TrainResult, run_training
+from bubbletea.launcher.load import run_loadgen
+from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
+from bubbletea.launcher.services import PREFILL_QUEUE
+from bubbletea.launcher.train import TrainResult, run_training
+from bubbletea.runstats import dispatch_latencies_ms, median, percentile, run_spans, utilization
 from shared.redis_server import EmbeddedRedis, free_port
-from shared.runstats import dispatch_latencies_ms, median, percentile, run_spans, utilization
 from shared.settings import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent

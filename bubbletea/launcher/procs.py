@@ -15,7 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
-from shared.launcher.services import ServiceDef, command
+from bubbletea.launcher.services import ServiceDef, command
 from shared.lifetime import die_with_parent
 from shared.logs import get_logger
 from shared.redis_server import EmbeddedRedis

@@ -1,0 +1,49 @@
+"""The text `bubbletea plan` prints: the placement, the WAN hops and the analytic model's numbers."""
+
+from __future__ import annotations
+
+from shared.config import ClusterSpec
+from shared.plan import activation_bytes, layers_per_stage, placement_of, predict
+from shared.policies.schedules import compute_bubble_fraction
+from shared.policies.wan import LinkModel
+
+
+def plan_report(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: float, source: str) -> str:
+    """The text `bubbletea plan` prints."""
+    pl = placement_of(spec)
+    lines = [
+        f"cluster {spec.name}: " + ", ".join(f"{dc.name}={dc.gpus} GPUs" for dc in spec.datacenters),
+        f"parallelism PP={spec.parallelism.pp} DP={spec.parallelism.dp} TP={spec.parallelism.tp}, "
+        f"schedule {spec.training.schedule}, {spec.training.microbatches} microbatches, "
+        f"WAN sharing {spec.wan.sharing}",
+        "",
+        "placement:",
+    ]
+    layers = layers_per_stage(spec)
+    for k, dc in enumerate(pl.stage_dc):
+        lines.append(f"  stage {k}: {dc:<10} {layers[k]} layers, replicas 0..{spec.parallelism.dp - 1}")
+    hops = pl.hops()
+    lines.append("cross-DC hops: " + (", ".join(f"stage {k}->{k + 1} ({a}->{b})" for k, a, b in hops) or "none"))
+    act = activation_bytes(spec)
+    for _, a, b in hops:
+        link = LinkModel.from_params(spec.link(a, b))
+        lines.append(
+            f"  {a}->{b}: {link.bandwidth * 8 / 1e9:.2f} Gb/s, {link.latency * 1000:.1f} ms one way, "
+            f"per-transfer cap {link.flow_cap * 8 / 1e9:.2f} Gb/s; one activation ({act / 1e6:.3f} MB) "
+            f"alone takes {link.alone_s(act) * 1000:.2f} ms"
+        )
+    lines += [
+        "",
+        f"analytic model (compute: {source}; fwd {fwd_ms_per_layer:.3f} ms, bwd {bwd_ms_per_layer:.3f} ms "
+        "per layer per microbatch):",
+    ]
+    p, m = spec.parallelism.pp, spec.training.microbatches
+    for sharing in ("fair", "temporal", "fifo"):
+        r = predict(spec, fwd_ms_per_layer, bwd_ms_per_layer, sharing=sharing)
+        mark = "  <- spec" if sharing == spec.wan.sharing else ""
+        lines.append(
+            f"  {sharing:<9} iteration {r.iteration_times[-1] * 1000:9.2f} ms, "
+            f"bubble fraction {r.bubble_fraction():.3f}{mark}"
+        )
+    lines.append(f"  compute-only bubble fraction (p-1)/(m+p-1) = {compute_bubble_fraction(p, m):.3f}")
+    return "\n".join(lines)

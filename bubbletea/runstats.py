@@ -1,0 +1,301 @@
+"""The one definition of each run figure, from a run's spans; and reading / writing those spans.
+
+The demo's table (summary.json), `bubbletea up`'s summary, the report's utilization picture and
+`bench/bubble_fill.py` all take their numbers from here, so they cannot disagree about one run.
+
+* **steady window**: the spans of iterations 1 and later (iteration 0 is start-up: the first
+  tensors, allocator warm-up), from the first one's start to the last one's end; all spans if
+  iteration 0 is all there is. Iteration-0 spans are left out, not clipped into the window.
+* **per-worker usage** (`worker_usage`): seconds of the window spent training (fwd, bwd,
+  all-reduce, step), on prefill, on other work, idle, and waiting for a peer (the bubbles).
+* **utilization**: (training + prefill) / window per worker, the mean over workers.
+* **bubble fraction**: wait time / window per worker, the mean over workers.
+* **fill ratio**: prefill time / wait time (mean prefill share / mean wait share): how much of the
+  bubbles BubbleTea used.
+* **dispatch latency**: bubble start on the worker to the first prefill of that bubble running.
+
+Each time is the length of a union of intervals, so nothing is counted twice; training, prefill and
+other work are resolved by priority (training > prefill > other; the rest is idle). A worker does
+one training operation at a time and runs prefill only inside a wait, so on a live run's spans
+(no two spans of one class overlap on a worker, and prefill never overlaps training) every figure
+equals the plain sum of span durations over the window (tests/unit/test_runstats.py pins this).
+
+Spans are `Span` values: a run folder's spans.jsonl holds them, and the wire's `SpanRecord`s are
+turned into them as they are read (`run_spans`, `Span.from_record`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
+
+from shared import keys
+from shared.wire import SpanRecord, decode
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+#: The span kinds that are training work; `wait` and `prefill` are the bubbles and their filling.
+TRAINING_KINDS = frozenset({"fwd", "bwd", "allreduce", "step"})
+
+Window = tuple[float, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One interval of one worker's time, in wall-clock seconds (a line of spans.jsonl)."""
+
+    replica: int
+    stage: int
+    iteration: int
+    kind: str  # fwd, bwd, wait, allreduce, step, prefill; anything else is "other" work
+    start: float
+    end: float
+    microbatch: int | None = None
+
+    @classmethod
+    def from_record(cls, record: SpanRecord) -> Span:
+        """The span a worker sent on the wire (where microbatch -1 means none)."""
+        mb = record.microbatch if record.microbatch >= 0 else None
+        return cls(record.replica, record.stage, record.iteration, record.span, record.start, record.end, mb)
+
+    @property
+    def worker(self) -> str:
+        """The worker's display name, "r<replica>s<stage>", as used throughout the project."""
+        return f"r{self.replica}s{self.stage}"
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+# --- the window ------------------------------------------------------------------------------
+
+
+def steady(spans: Iterable[Span]) -> list[Span]:
+    """The spans of iterations after the first, if the run had more than one iteration."""
+    spans = list(spans)
+    return [s for s in spans if s.iteration >= 1] if any(s.iteration >= 1 for s in spans) else spans
+
+
+def full_window(spans: Sequence[Span]) -> Window:
+    """First start to last end over all workers: the time the spans cover."""
+    if not spans:
+        raise ValueError("no spans: the window is undefined")
+    return min(s.start for s in spans), max(s.end for s in spans)
+
+
+def steady_window(spans: Sequence[Span]) -> Window:
+    """The window of the figures: the hull of the `steady` spans."""
+    return full_window(steady(spans))
+
+
+# --- per-worker usage ------------------------------------------------------------------------
+
+
+UsagePart = Literal["training", "prefill", "other", "idle"]
+#: The parts of a worker's time that add up to the window, in the order the picture stacks them.
+USAGE_PARTS: tuple[UsagePart, ...] = ("training", "prefill", "other", "idle")
+
+
+class Usage(TypedDict):
+    """How one worker spent a window, in seconds. training + prefill + other + idle == total;
+    wait (the bubbles, filled or not) overlaps prefill and idle and is not one of the parts."""
+
+    training: float
+    prefill: float
+    other: float
+    idle: float
+    wait: float
+    total: float
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping intervals, so nothing is counted twice
+    (two wait spans for two peers, or a fwd span reported overlapping an allreduce)."""
+    total = 0.0
+    current: tuple[float, float] | None = None
+    for start, end in sorted(intervals):
+        if current is None or start > current[1]:
+            if current is not None:
+                total += current[1] - current[0]
+            current = (start, end)
+        else:
+            current = (current[0], max(current[1], end))
+    if current is not None:
+        total += current[1] - current[0]
+    return total
+
+
+def worker_order(spans: Iterable[Span]) -> list[str]:
+    """Workers sorted by stage, then replica: the order of the rows in pipeline diagrams."""
+    workers = {(s.stage, s.replica) for s in spans}
+    return [f"r{replica}s{stage}" for stage, replica in sorted(workers)]
+
+
+def worker_usage(spans: Sequence[Span], window: Window | None = None) -> dict[str, Usage]:
+    """Per worker, the seconds of `window` (default: `full_window`) spent training, prefilling,
+    on other work, idle, and waiting; spans are clipped to the window.
+
+    Overlaps are resolved by priority training > prefill > other > idle, each measured as a union:
+    prefill runs while a worker waits, so a prefill span over a wait span is prefill (the bubble
+    was filled), and a wait span on its own is idle. Workers are ordered as in `worker_order`.
+    """
+    if not spans:
+        return {}
+    lo, hi = window if window is not None else full_window(spans)
+    if hi < lo:
+        raise ValueError(f"window ends before it starts: {lo} .. {hi}")
+    by_class: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for span in spans:
+        start, end = max(span.start, lo), min(span.end, hi)
+        if end > start:
+            by_class[span.worker][_usage_class(span.kind)].append((start, end))
+    return {worker: _usage(by_class[worker], hi - lo) for worker in worker_order(spans)}
+
+
+def _usage_class(kind: str) -> str:
+    if kind in TRAINING_KINDS:
+        return "training"
+    return kind if kind in ("prefill", "wait") else "other"
+
+
+def _usage(intervals: dict[str, list[tuple[float, float]]], total: float) -> Usage:
+    training = union_length(intervals["training"])
+    with_prefill = union_length(intervals["training"] + intervals["prefill"])
+    busy = union_length(intervals["training"] + intervals["prefill"] + intervals["other"])
+    return Usage(
+        training=training,
+        prefill=max(0.0, with_prefill - training),
+        other=max(0.0, busy - with_prefill),
+        idle=max(0.0, total - busy),
+        wait=union_length(intervals["wait"]),
+        total=total,
+    )
+
+
+def steady_usage(spans: Sequence[Span]) -> dict[str, Usage]:
+    """`worker_usage` of the steady spans over the steady window: what the figures are made of
+    (the utilization picture draws exactly this)."""
+    kept = steady(spans)
+    return worker_usage(kept, full_window(kept)) if kept else {}
+
+
+def share(usage: Usage, part: Literal["training", "prefill", "other", "idle", "wait"]) -> float:
+    """A part of one worker's usage as a share of its window (0 for an empty window)."""
+    return usage[part] / usage["total"] if usage["total"] > 0 else 0.0
+
+
+# --- the headline figures --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Utilization:
+    training: float  # mean over workers of training time / window
+    prefill: float  # mean over workers of prefill time / window
+    bubble: float  # mean over workers of wait time / window: the bubble fraction
+    fill_ratio: float  # prefill time / wait time (0 when there were no bubbles)
+    window_s: float
+    workers: int
+
+    @property
+    def busy(self) -> float:
+        """Utilization: training + prefill time over the window, mean over workers."""
+        return self.training + self.prefill
+
+
+def utilization(spans: Iterable[Span]) -> Utilization:
+    """The headline figures of a run, from `steady_usage`."""
+    usage = list(steady_usage(list(spans)).values())
+    if not usage:
+        return Utilization(0.0, 0.0, 0.0, 0.0, 0.0, 0)
+    n = len(usage)
+    training = sum(share(u, "training") for u in usage) / n
+    prefill = sum(share(u, "prefill") for u in usage) / n
+    wait = sum(share(u, "wait") for u in usage) / n
+    fill = (prefill / wait) if wait > 0 else 0.0
+    return Utilization(training, prefill, wait, fill, usage[0]["total"], n)
+
+
+def dispatch_latencies_ms(spans: Iterable[Span]) -> list[float]:
+    """Per filled bubble: its start (a `wait` span's start) to the first prefill running in it, ms.
+    (Read from spans, not reports: the report stream is a work queue, trimmed once consumed.)"""
+    by_worker: dict[tuple[int, int], list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.kind in ("wait", "prefill"):
+            by_worker[(s.replica, s.stage)].append(s)
+    out = []
+    for seq in by_worker.values():
+        seq.sort(key=lambda s: (s.start, s.kind != "wait"))  # a wait before a prefill starting with it
+        wait: Span | None = None
+        for s in seq:
+            if s.kind == "wait":
+                wait = s
+            elif wait is not None and wait.start <= s.start <= wait.end:
+                out.append((s.start - wait.start) * 1000)
+                wait = None  # only the bubble's first prefill
+    return out
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """The p-th percentile (0-100) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+# --- reading and writing spans ---------------------------------------------------------------
+
+
+async def read_stream(r: Redis, stream: str) -> list[Any]:
+    """Every message on a stream, oldest first (telemetry streams are bounded; this reads in pages)."""
+    out: list[Any] = []
+    cursor = "-"
+    while True:
+        rows: Any = await r.xrange(stream, min=cursor, count=10_000)
+        if cursor != "-" and rows:
+            rows = rows[1:]  # the page starts at the last entry already read
+        if not rows:
+            return out
+        out += [decode(f[b"m"]) for _, f in rows]
+        cursor = rows[-1][0].decode()
+
+
+async def run_spans(r: Redis, run: str) -> list[Span]:
+    """Every span of a run, from its spans stream."""
+    return [Span.from_record(m) for m in await read_stream(r, keys.spans_stream(run)) if isinstance(m, SpanRecord)]
+
+
+def span_dict(s: Span) -> dict[str, Any]:
+    """A span as one line of a run folder's spans.jsonl (docs/report.md)."""
+    return {
+        "replica": s.replica,
+        "stage": s.stage,
+        "iteration": s.iteration,
+        "span": s.kind,
+        "start": s.start,
+        "end": s.end,
+        "microbatch": s.microbatch,
+    }
+
+
+def write_spans(path: Path, spans: Iterable[Span]) -> None:
+    """A run folder's spans.jsonl: one `span_dict` per line."""
+    with path.open("w") as f:
+        for s in spans:
+            f.write(json.dumps(span_dict(s)) + "\n")
