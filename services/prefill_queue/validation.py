@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shared.model.data import encode
+from shared.model.tokenizer import encode
 
 #: OpenAI allows up to 5 top logprobs on completions; we follow it.
 MAX_LOGPROBS = 5

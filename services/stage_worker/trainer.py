@@ -11,7 +11,9 @@ import torch
 from torch import Tensor
 
 from shared.config import ClusterSpec
-from shared.model import ByteCorpus, GPTConfig, build_stage, lm_loss, make_optimizer
+from shared.model.data import ByteCorpus
+from shared.model.gpt import build_stage, lm_loss, make_optimizer
+from shared.model.shape import GPTConfig
 
 
 class StageTrainer:

@@ -1,47 +1,19 @@
-"""A small GPT for pipeline-parallel training on CPU: the model and its stages (`gpt`), the
-byte-level data (`data`), the single-process reference trainer (`reference`) and resumable
-prefill inference (`prefill`)."""
+"""A small GPT for pipeline-parallel training on CPU. Import the submodule you need; this package
+imports none of them, so importing it never loads torch.
 
-from shared.model.data import ByteCorpus, decode, encode
-from shared.model.gpt import (
-    Block,
-    GPTConfig,
-    StageModule,
-    build_full,
-    build_stage,
-    lm_loss,
-    make_optimizer,
-    split_layers,
-)
-from shared.model.prefill import (
-    CheckpointError,
-    PrefillModel,
-    PrefillResult,
-    PrefillState,
-    estimate_kv_bytes,
-    kv_bytes,
-    save_checkpoint,
-)
-from shared.model.reference import train_reference
+Without torch (safe for the HTTP front door and the dispatcher):
 
-__all__ = [
-    "Block",
-    "ByteCorpus",
-    "CheckpointError",
-    "GPTConfig",
-    "PrefillModel",
-    "PrefillResult",
-    "PrefillState",
-    "StageModule",
-    "build_full",
-    "build_stage",
-    "decode",
-    "encode",
-    "estimate_kv_bytes",
-    "kv_bytes",
-    "lm_loss",
-    "make_optimizer",
-    "save_checkpoint",
-    "split_layers",
-    "train_reference",
-]
+- `tokenizer`: text to byte ids and back (`encode`, `decode`, the `Tokenizer` protocol).
+- `shape`: the model's shape (`GPTConfig`), its stage split (`split_layers`), and the KV-cache
+  size of a prompt (`estimate_kv_bytes`).
+
+With torch:
+
+- `gpt`: the model and its pipeline stages (`build_stage`, `build_full`, `lm_loss`, `make_optimizer`).
+- `data`: the byte-level training corpus (`ByteCorpus`) and a `decode` that also takes a tensor.
+- `prefill`: resumable prefill inference (`PrefillModel`) and checkpoints.
+- `reference`: the single-process reference trainer (`train_reference`).
+- `seeds`: derived seeds and local generators.
+
+`tests/unit/test_imports.py` checks that the services that need no tensors stay torch-free.
+"""

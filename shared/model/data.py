@@ -1,6 +1,7 @@
-"""Byte-level tokenizer and a deterministic training corpus.
+"""A deterministic byte-level training corpus, and the byte tokenizer made tensor-aware.
 
-Tokens are UTF-8 bytes (ids 0..255), so any model with ``vocab >= 256`` can read any text.
+Tokens are UTF-8 bytes (ids 0..255), so any model with ``vocab >= 256`` can read any text. The
+tokenizer itself is `shared.model.tokenizer` (no torch); `decode` here also takes a tensor.
 
 The default corpus is the Python standard library's own source (`ByteCorpus.from_stdlib`): it
 exists on every machine that has Python, so no download is needed. It is identical on two
@@ -22,24 +23,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from shared.model import tokenizer
 from shared.model.seeds import generator
+from shared.model.tokenizer import encode as encode  # re-exported beside the tensor-aware decode
 
 #: Directory names never descended into when collecting the stdlib corpus.
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
 
 
-def encode(text: str) -> list[int]:
-    """The UTF-8 bytes of `text`, as ints in 0..255."""
-    return list(text.encode("utf-8"))
-
-
 def decode(ids: Iterable[int] | Tensor) -> str:
-    """Text from byte ids; invalid UTF-8 becomes U+FFFD. `ValueError` for an id outside 0..255."""
-    values = ids.tolist() if isinstance(ids, Tensor) else list(ids)
-    bad = [i for i in values if not 0 <= i <= 255]
-    if bad:
-        raise ValueError(f"byte ids must be in 0..255, got {bad[:5]}")
-    return bytes(values).decode("utf-8", errors="replace")
+    """`shared.model.tokenizer.decode` of byte ids given as ints or as a tensor of them."""
+    return tokenizer.decode(ids.tolist() if isinstance(ids, Tensor) else ids)
 
 
 def _stdlib_sources(root: Path) -> list[Path]:

@@ -10,44 +10,23 @@ parameter's name in the full model (e.g. ``blocks.3.attn.c_attn.weight``). So `b
 yields exactly the corresponding parameters of `build_full` without building the whole model,
 and neither touches the global RNG. Weight tying is deliberately absent: it would make the first
 and the last stage share a tensor.
+
+The shape (`GPTConfig`) and the stage split (`split_layers`) need no torch: they live in
+`shared.model.shape` and are importable from here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shared.config import ModelSpec
 from shared.model.seeds import generator
+from shared.model.shape import GPTConfig, split_layers
 
 INIT_STD = 0.02
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape of the model. Dropout is always 0, so a forward pass is a deterministic function."""
-
-    layers: int
-    d_model: int
-    heads: int
-    seq_len: int  # the longest sequence the position embedding covers
-    vocab: int
-
-    def __post_init__(self) -> None:
-        for field in ("layers", "d_model", "heads", "seq_len", "vocab"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
-        if self.d_model % self.heads:
-            raise ValueError(f"GPTConfig.d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
-
-    @classmethod
-    def from_spec(cls, spec: ModelSpec) -> GPTConfig:
-        """The model shape of a cluster spec's `model` section (its `seed` is passed separately)."""
-        return cls(layers=spec.layers, d_model=spec.d_model, heads=spec.heads, seq_len=spec.seq_len, vocab=spec.vocab)
 
 
 class CausalSelfAttention(nn.Module):
@@ -112,27 +91,6 @@ class Block(nn.Module):
         y, k, v = self.attn.forward_kv(self.ln_1(x))  # (B, T, C), 2 x (B, nh, T, hs)
         x = x + y  # (B, T, C)
         return x + self.mlp(self.ln_2(x)), k, v  # (B, T, C), 2 x (B, nh, T, hs)
-
-
-def split_layers(layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` block ranges, one per stage, covering ``range(layers)``.
-
-    Sizes differ by at most one and the earlier stages get the extra blocks, e.g.
-    ``split_layers(5, 2) == [(0, 3), (3, 5)]``. Every stage gets at least one block:
-    `ValueError` if ``stages < 1`` or ``stages > layers``.
-    """
-    if stages < 1:
-        raise ValueError(f"need at least one pipeline stage, got {stages}")
-    if stages > layers:
-        raise ValueError(f"cannot split {layers} layers into {stages} stages (at most one stage per layer)")
-    base, extra = divmod(layers, stages)
-    ranges: list[tuple[int, int]] = []
-    start = 0
-    for s in range(stages):
-        end = start + base + (1 if s < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
 
 
 class StageModule(nn.Module):

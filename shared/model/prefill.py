@@ -30,11 +30,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from shared.config import Prefill
-from shared.model.data import decode
-from shared.model.gpt import Block, GPTConfig, StageModule, build_full
+from shared.model.gpt import Block, StageModule, build_full
+from shared.model.shape import GPTConfig
+from shared.model.shape import estimate_kv_bytes as estimate_kv_bytes  # re-exported: it used to live here
+from shared.model.tokenizer import decode
 
 KV = tuple[Tensor, Tensor]  # (k, v) of one layer, each float32 (1, heads, T, head_dim)
-FLOAT32_BYTES = 4
 
 
 class CheckpointError(ValueError):
@@ -279,10 +280,3 @@ def save_checkpoint(model: PrefillModel | StageModule, path: str | Path) -> None
 def kv_bytes(item: PrefillState | PrefillResult) -> int:
     """Bytes held by the KV tensors of a state (finished layers only) or a result."""
     return sum(t.numel() * t.element_size() for kv in item.kv for t in kv)
-
-
-def estimate_kv_bytes(cfg: GPTConfig, tokens: int) -> int:
-    """Bytes of a full KV cache for a `tokens`-long prompt: k and v, float32, every layer."""
-    if tokens < 0:
-        raise ValueError(f"tokens must be >= 0, got {tokens}")
-    return 2 * cfg.layers * tokens * cfg.d_model * FLOAT32_BYTES

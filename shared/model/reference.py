@@ -18,7 +18,8 @@ the same gradient of the mean loss over all ``dp * microbatches`` microbatches.
 from __future__ import annotations
 
 from shared.model.data import ByteCorpus
-from shared.model.gpt import GPTConfig, build_full, lm_loss, make_optimizer
+from shared.model.gpt import build_full, lm_loss, make_optimizer
+from shared.model.shape import GPTConfig
 
 
 def train_reference(

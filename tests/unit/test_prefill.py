@@ -8,21 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from shared.config import ModelSpec, Prefill
-from shared.model import (
-    Block,
+from shared.model.gpt import Block, build_full, build_stage
+from shared.model.prefill import (
     CheckpointError,
-    GPTConfig,
     PrefillModel,
     PrefillResult,
     PrefillState,
-    build_full,
-    build_stage,
-    decode,
-    encode,
-    estimate_kv_bytes,
     kv_bytes,
     save_checkpoint,
 )
+from shared.model.shape import GPTConfig, estimate_kv_bytes
+from shared.model.tokenizer import decode, encode
 
 CFG = GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256)
 SEED = 7
