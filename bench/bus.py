@@ -30,7 +30,7 @@ from shared import keys
 from shared.bus import Bus, Delivery
 from shared.config import BusConfig
 from shared.redis_server import EmbeddedRedis
-from shared.wire import FIELD, Ping, Pong, encode
+from shared.wire import FIELD, Message, Ping, Pong, encode
 
 PIPELINE = 500  # XADDs per round trip for both publishers: the same batching on both sides
 
@@ -58,7 +58,7 @@ async def bus_throughput(bus: Bus, n: int) -> float:
         if handled == n:
             done.set()
 
-    consumer = await bus.consumer("bench:tput", "bench", handler, config=BusConfig(concurrency=512)).start()
+    consumer = await bus.consumer("bench:tput", "bench", {Ping: handler}, config=BusConfig(concurrency=512)).start()
     t0 = time.perf_counter()
     for start in range(0, n, PIPELINE):
         batch = (Ping(seq=i, sent_ns=0) for i in range(start, min(n, start + PIPELINE)))
@@ -79,7 +79,7 @@ async def echo_service(url: str, ready: Any, stop: Any) -> None:
             assert isinstance(m, Ping)
             await bus.publish(keys.PONG_STREAM, Pong(seq=m.seq, sent_ns=m.sent_ns))
 
-        async with bus.consumer(keys.PING_STREAM, "bench-echo", echo):
+        async with bus.consumer(keys.PING_STREAM, "bench-echo", {Ping: echo}):
             ready.set()
             await asyncio.to_thread(stop.wait)
 
@@ -108,10 +108,11 @@ async def _timed_pings(
     waiters: dict[int, asyncio.Future[None]],
     n: int,
     reply_stream: str | None = None,
+    reply_kind: type[Message] = Ping,
 ) -> list[float]:
     lat: list[float] = []
     loop = asyncio.get_running_loop()
-    async with bus.consumer(reply_stream or stream, "bench-client", handler):
+    async with bus.consumer(reply_stream or stream, "bench-client", {reply_kind: handler}):
         for i in range(n + 50):  # the first 50 warm up connections and are not counted
             fut = loop.create_future()
             waiters[i] = fut
@@ -140,7 +141,9 @@ async def request_reply(bus: Bus, n: int) -> list[float]:
     try:
         if not await asyncio.to_thread(ready.wait, 60):
             raise RuntimeError("echo service did not start")
-        lat = await _timed_pings(bus, keys.PING_STREAM, on_pong, waiters, n, reply_stream=keys.PONG_STREAM)
+        lat = await _timed_pings(
+            bus, keys.PING_STREAM, on_pong, waiters, n, reply_stream=keys.PONG_STREAM, reply_kind=Pong
+        )
     finally:
         stop.set()
         await asyncio.to_thread(echo.join, 10)

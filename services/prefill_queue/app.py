@@ -32,7 +32,7 @@ from services.prefill_queue.state import (
 )
 from services.prefill_queue.validation import BadRequest
 from shared import serving
-from shared.bus import Bus, Delivery, Reject
+from shared.bus import Bus, Delivery
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.health import Heartbeat, instance_id, live_instances
 from shared.logs import get_logger
@@ -93,8 +93,7 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
 
     async def on_result(d: Delivery) -> None:
         r = d.message
-        if not isinstance(r, PrefillResult):
-            raise Reject(f"results stream takes PrefillResult, got {type(r).__name__}")
+        assert isinstance(r, PrefillResult)  # the handler table routes only this kind here
         m.requests.labels("success" if r.ok else "failed").inc()
         if r.ok:
             m.queue_time.observe(r.queue_ms / 1000)
@@ -102,7 +101,7 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
             m.ttft.observe((r.queue_ms + r.prefill_ms) / 1000)  # submission to the answer
         app[WAITERS].deliver(r)
 
-    consumer = app[BUS].consumer(instance_results_stream(app), SERVICE, on_result, name=app[INSTANCE])
+    consumer = app[BUS].consumer(instance_results_stream(app), SERVICE, {PrefillResult: on_result}, name=app[INSTANCE])
     async with consumer:
         yield
 

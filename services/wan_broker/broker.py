@@ -42,10 +42,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             for a, b in directed_links(settings)
         }
 
-        async def handle(d: Delivery) -> None:
+        async def on_transfer(d: Delivery) -> None:
             msg = d.message
-            if not isinstance(msg, Transfer):
-                raise Reject(f"wan_broker carries Transfer messages, got {type(msg).__name__}")
+            assert isinstance(msg, Transfer)  # the handler table routes only this kind here
             driver = drivers.get((msg.src_dc, msg.dst_dc))
             if driver is None:
                 raise Reject(f"no WAN link {msg.src_dc} -> {msg.dst_dc} in the spec")
@@ -55,7 +54,11 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {"run": settings.run, "links": len(drivers)})
         await hb.start()
         consumer = bus.consumer(
-            keys.wan_stream(settings.run), SERVICE, handle, name=f"{SERVICE}-{instance_id()}", config=cfg
+            keys.wan_stream(settings.run),
+            SERVICE,
+            {Transfer: on_transfer},
+            name=f"{SERVICE}-{instance_id()}",
+            config=cfg,
         )
         log.info("broker ready", run=settings.run, links=len(drivers), sharing=spec.wan.sharing)
         async with consumer:

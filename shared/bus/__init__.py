@@ -5,16 +5,20 @@ redis.asyncio rather than taken from a framework.
 """
 
 from shared.bus.bus import Bus, DeadLetter, default_consumer_name
-from shared.bus.consumer import Consumer, ConsumerStats, Delivery, Handler, Reject
+from shared.bus.consumer import Consumer, ConsumerStats
+from shared.bus.delivery import HOLD, Delivery, Handler, Handlers, Outcome, Reject
 from shared.bus.streams import trim_acked
 
 __all__ = [
+    "HOLD",
     "Bus",
     "Consumer",
     "ConsumerStats",
     "DeadLetter",
     "Delivery",
     "Handler",
+    "Handlers",
+    "Outcome",
     "Reject",
     "default_consumer_name",
     "trim_acked",

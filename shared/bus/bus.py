@@ -12,7 +12,8 @@ from typing import Any
 
 from shared import keys
 from shared.bus.connection import command_client
-from shared.bus.consumer import Consumer, Handler
+from shared.bus.consumer import Consumer
+from shared.bus.delivery import Handlers
 from shared.config import BusConfig
 from shared.wire import FIELD, Message, encode
 
@@ -79,11 +80,12 @@ class Bus:
         return [i.decode() for i in ids]
 
     def consumer(
-        self, stream: str, group: str, handler: Handler, *, name: str | None = None, config: BusConfig | None = None
+        self, stream: str, group: str, handlers: Handlers, *, name: str | None = None, config: BusConfig | None = None
     ) -> Consumer:
-        """A consumer of `stream` in `group`; start it with ``async with`` or `Consumer.start`."""
+        """A consumer of `stream` in `group` with its handler table (`{message kind: handler}`);
+        start it with ``async with`` or `Consumer.start`."""
         return Consumer(
-            self, stream, group, handler, name=name or default_consumer_name(group), config=config or self.config
+            self, stream, group, handlers, name=name or default_consumer_name(group), config=config or self.config
         )
 
     async def dead_letters(self, count: int = 100) -> list[DeadLetter]:

@@ -4,9 +4,12 @@ Life of an entry, as this consumer sees it:
 
 1. On start it first re-reads its **own pending entries** (delivered to this consumer name before
    a crash or a lost connection, never acked), then blocks for new ones (``>``).
-2. Each entry is decoded and handed to the handler in its own task (at most
-   ``config.concurrency`` at once). The entry is **acked only after the handler returns**; acks
-   are batched into one XACK per wake-up, so under load many acks share a round trip.
+2. Each entry is decoded and handed to the handler its kind has in the consumer's **handler
+   table** (`shared.bus.delivery`), in its own task (at most ``config.concurrency`` at once); a
+   kind the table does not name is dead-lettered. The entry is **acked only after the handler
+   returns**, or, if the handler returns `HOLD`, when the service calls `release` (the entry stays
+   pending and refreshed meanwhile, without a task). Acks are batched into one XACK per wake-up,
+   so under load many acks share a round trip.
 3. If the handler raises, the entry stays pending. After ``claim_idle_ms`` idle the **reclaim
    loop** (XAUTOCLAIM, run by every consumer of the group) takes it over and retries it. The same
    loop takes over entries left behind by a consumer that died.
@@ -14,12 +17,16 @@ Life of an entry, as this consumer sees it:
    **dead-letter stream** in one MULTI/EXEC with its XACK: it is never both lost and acked.
 5. While a handler runs longer than a quarter of ``claim_idle_ms``, the reclaim loop refreshes the
    entry's idle time (XCLAIM JUSTID, which does not count as a delivery), so a slow but live
-   handler is not mistaken for a dead one.
+   handler is not mistaken for a dead one; held entries are refreshed the same way.
 
 Connection loss (e.g. a Redis restart) never crashes the consumer: reads back off and reconnect,
 the group is recreated if it vanished, unsent acks are kept and retried, and the own-pending pass
 runs again. Shutdown (`stop`) stops reading, lets in-flight handlers finish within the grace
 period, cancels the rest (they stay pending and are redelivered), flushes acks, then closes.
+
+Over 300 lines on purpose: the read, handle, ack and reclaim loops are one state machine over the
+same in-flight and held tables; split apart, each piece would reach into the others' state. What
+stands alone lives beside it (`delivery.py`: the handler table; `streams.py`: groups and trimming).
 """
 
 from __future__ import annotations
@@ -28,8 +35,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -37,10 +43,11 @@ from redis.exceptions import ResponseError
 
 from shared import keys
 from shared.bus.connection import BLOCKING_SLACK_S, TRANSIENT_ERRORS, backoff, blocking_client
+from shared.bus.delivery import HOLD, Delivery, Handlers, Reject, route
 from shared.bus.streams import ensure_group, group_is_gone, trim_acked
 from shared.config import BusConfig
 from shared.logs import get_logger
-from shared.wire import FIELD, Message, WireError, decode, kind_of
+from shared.wire import FIELD, WireError, decode, kind_of
 
 if TYPE_CHECKING:
     from shared.bus.bus import Bus
@@ -55,24 +62,6 @@ READ_BATCH = 256
 TRIM_INTERVAL_S = 5.0
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """One delivery of a message to a handler. `attempt` is 1 on first delivery."""
-
-    id: str
-    stream: str
-    message: Message
-    attempt: int
-
-
-Handler = Callable[[Delivery], Awaitable[None]]
-
-
-class Reject(Exception):
-    """Raised by a handler for a message that can never succeed (e.g. it names an unknown link):
-    the bus dead-letters it at once instead of retrying it `max_deliveries` times."""
-
-
 @dataclass
 class ConsumerStats:
     handled: int = 0
@@ -80,21 +69,26 @@ class ConsumerStats:
     dead_lettered: int = 0
     reclaimed: int = 0
     reconnects: int = 0
-    in_flight: int = field(default=0)
+    in_flight: int = 0
+    held: int = 0
 
 
 class Consumer:
-    def __init__(self, bus: Bus, stream: str, group: str, handler: Handler, *, name: str, config: BusConfig) -> None:
+    def __init__(self, bus: Bus, stream: str, group: str, handlers: Handlers, *, name: str, config: BusConfig) -> None:
         self.bus = bus
         self.stream = stream
         self.group = group
         self.name = name
         self.config = config
         self.stats = ConsumerStats()
-        self._handler = handler
+        if not handlers:
+            raise ValueError(f"a consumer of {stream} needs a handler table with at least one message kind")
+        self._handlers = dict(handlers)
         self._reader = blocking_client(bus.url, name=f"reader-{name}")
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._started_at: dict[str, float] = {}
+        #: Entries whose handler returned HOLD: pending, ours, refreshed, until `release`.
+        self._held: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
         self._acks: list[str] = []
         self._ack_wakeup = asyncio.Event()
@@ -171,6 +165,13 @@ class Consumer:
     ) -> None:
         await self.stop()
 
+    def release(self, entry_id: str) -> None:
+        """Ack an entry its handler held (`HOLD`): its effect has now happened. Unknown ids (already
+        released, or held by a previous incarnation) are acked too: acking is idempotent."""
+        self._held.pop(entry_id, None)
+        self.stats.held = len(self._held)
+        self._ack(entry_id)
+
     # --- reading ---------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
@@ -227,7 +228,8 @@ class Consumer:
 
     async def _spawn_redelivered(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
         """Start handlers for entries delivered before (own pending, or reclaimed)."""
-        fresh = [(i.decode(), f) for i, f in entries if i.decode() not in self._inflight]
+        mine = self._inflight.keys() | self._held.keys()
+        fresh = [(i.decode(), f) for i, f in entries if i.decode() not in mine]
         if not fresh:
             return
         counts = await self._delivery_counts([i for i, _ in fresh])
@@ -280,7 +282,7 @@ class Consumer:
             await self._dead_letter(entry_id, raw, f"gave up after {attempt - 1} deliveries without an ack", attempt)
             return
         try:
-            await self._handler(Delivery(entry_id, self.stream, msg, attempt))
+            outcome = await route(self._handlers, self.stream, msg)(Delivery(entry_id, self.stream, msg, attempt))
         except asyncio.CancelledError:
             raise  # left pending: redelivered after a restart or reclaimed by a peer
         except Reject as exc:
@@ -303,7 +305,11 @@ class Consumer:
                 )
             return
         self.stats.handled += 1
-        self._ack(entry_id)
+        if outcome is HOLD:
+            self._held[entry_id] = time.monotonic()
+            self.stats.held = len(self._held)
+        else:
+            self._ack(entry_id)
         if log.isEnabledFor(10):
             log.debug(
                 "handled",
@@ -397,15 +403,16 @@ class Consumer:
     async def _refresh_slow_handlers(self) -> None:
         """Reset the idle time of entries whose handlers are still running (not a new delivery)."""
         horizon = time.monotonic() - self.config.claim_idle_ms / 4000
-        slow = [i for i, t in self._started_at.items() if t < horizon]
+        slow = [i for table in (self._started_at, self._held) for i, t in table.items() if t < horizon]
         if slow:
             await self.bus.redis.xclaim(
                 self.stream, self.group, self.name, min_idle_time=0, message_ids=list[Any](slow), justid=True
             )
             now = time.monotonic()
-            for i in slow:
-                if i in self._started_at:
-                    self._started_at[i] = now
+            for table in (self._started_at, self._held):
+                for i in slow:
+                    if i in table:
+                        table[i] = now
 
     async def _reclaim_idle(self) -> None:
         """Take over entries idle longer than claim_idle_ms (failed handlers, dead consumers)."""

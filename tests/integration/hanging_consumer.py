@@ -9,6 +9,7 @@ import sys
 
 from shared.bus import Bus, Delivery
 from shared.config import BusConfig
+from shared.wire import Ping
 
 
 async def main(url: str, stream: str, group: str, n: int) -> None:
@@ -22,7 +23,7 @@ async def main(url: str, stream: str, group: str, n: int) -> None:
             print(f"took {n}", flush=True)
         await forever.wait()
 
-    async with Bus(url, BusConfig(concurrency=n)) as bus, bus.consumer(stream, group, hang, name="doomed"):
+    async with Bus(url, BusConfig(concurrency=n)) as bus, bus.consumer(stream, group, {Ping: hang}, name="doomed"):
         await forever.wait()
 
 

@@ -13,10 +13,10 @@ import pytest
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.bus import Bus, Delivery, trim_acked
+from shared.bus import HOLD, Bus, Delivery, Outcome, trim_acked
 from shared.config import BusConfig
 from shared.redis_server import EmbeddedRedis
-from shared.wire import FIELD, Ping
+from shared.wire import FIELD, Ping, Pong
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ async def pending_count(r: Redis, stream: str, group: str) -> int:
 
 async def test_publish_consume_ack_each_once(redis_url: str, redis: Redis) -> None:
     seen = Seen()
-    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", seen) as c:
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", {Ping: seen}) as c:
         await bus.publish_many("s", pings(500))
         await bus.publish("s", Ping(seq=500, sent_ns=1))
         await seen.until(501)
@@ -81,7 +81,7 @@ async def test_messages_published_before_the_group_exists_are_delivered(redis_ur
     seen = Seen()
     async with Bus(redis_url, FAST) as bus:
         await bus.publish_many("early", pings(10))
-        async with bus.consumer("early", "g", seen):
+        async with bus.consumer("early", "g", {Ping: seen}):
             await seen.until(10)
 
 
@@ -94,7 +94,7 @@ async def test_own_pending_entries_are_drained_first_on_restart(redis_url: str, 
         await block.wait()
 
     async with Bus(redis_url, FAST.__class__(claim_idle_ms=60_000, concurrency=5)) as bus:
-        c = await bus.consumer("s", "g", stuck, name="fixed").start()
+        c = await bus.consumer("s", "g", {Ping: stuck}, name="fixed").start()
         await bus.publish_many("s", pings(5))
         await took.until(5)
         await c.stop(grace_s=0)  # like a crash: handlers cancelled, nothing acked
@@ -108,7 +108,7 @@ async def test_own_pending_entries_are_drained_first_on_restart(redis_url: str, 
             order.append(d.message.seq)
             done.add(d)
 
-        async with bus.consumer("s", "g", record, name="fixed", config=BusConfig(concurrency=1)):
+        async with bus.consumer("s", "g", {Ping: record}, name="fixed", config=BusConfig(concurrency=1)):
             await done.until(8)
     assert order[:5] == [0, 1, 2, 3, 4], "own pending entries must come before new ones"
     assert sorted(order[5:]) == [100, 101, 102]
@@ -130,7 +130,7 @@ async def test_entries_of_a_killed_consumer_are_reclaimed(redis_url: str, redis:
         await proc.wait()
         assert await pending_count(redis, "s", "g") == 20
         seen = Seen()
-        async with bus.consumer("s", "g", seen, name="survivor") as c:
+        async with bus.consumer("s", "g", {Ping: seen}, name="survivor") as c:
             await seen.until(20)
         assert c.stats.reclaimed == 20
         assert all(a == [2] for a in seen.attempts.values())
@@ -139,7 +139,7 @@ async def test_entries_of_a_killed_consumer_are_reclaimed(redis_url: str, redis:
 
 async def test_undecodable_message_is_dead_lettered_with_its_ack(redis_url: str, redis: Redis) -> None:
     seen = Seen()
-    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", seen) as c:
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", {Ping: seen}) as c:
         bad_id = (await redis.xadd("s", {FIELD: b"\xc1not msgpack"})).decode()
         await bus.publish("s", Ping(seq=1, sent_ns=0))
         _, dl = await next_dead_letter(redis)
@@ -160,7 +160,7 @@ async def test_failing_handler_is_retried_then_dead_lettered(redis_url: str, red
         attempts.append(d.attempt)
         raise ValueError("cannot handle this")
 
-    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", poison) as c:
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", {Ping: poison}) as c:
         await bus.publish("s", Ping(seq=7, sent_ns=0))
         _, dl = await next_dead_letter(redis)
     assert attempts == [1, 2, 3]  # max_deliveries=3
@@ -177,7 +177,7 @@ async def test_transient_failure_succeeds_on_retry(redis_url: str, redis: Redis)
             raise ConnectionResetError("downstream blip")
         seen.add(d)
 
-    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", flaky):
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", {Ping: flaky}):
         await bus.publish_many("s", pings(3))
         await seen.until(3)
     assert all(a == [2] for a in seen.attempts.values())
@@ -188,7 +188,7 @@ async def test_survives_redis_restart_mid_stream(tmp_path: Path) -> None:
     server = EmbeddedRedis(persist=True, data_dir=str(tmp_path)).start()
     try:
         seen = Seen()
-        async with Bus(server.url, FAST) as bus, bus.consumer("s", "g", seen) as c:
+        async with Bus(server.url, FAST) as bus, bus.consumer("s", "g", {Ping: seen}) as c:
             await bus.publish_many("s", pings(100))
             await seen.until(100)
             server.kill()  # crash, no clean shutdown
@@ -207,7 +207,7 @@ async def test_survives_redis_restart_mid_stream(tmp_path: Path) -> None:
 
 async def test_group_recreated_when_it_vanishes(redis_url: str, redis: Redis) -> None:
     seen = Seen()
-    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", seen):
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", {Ping: seen}):
         await bus.publish("s", Ping(seq=0, sent_ns=0))
         await seen.until(1)
         await redis.delete("s")  # stream and group gone, as after a restart without persistence
@@ -227,7 +227,7 @@ async def test_drain_finishes_in_flight_work_within_grace(redis_url: str, redis:
         finished.append(d.message.seq)
 
     async with Bus(redis_url, FAST) as bus:
-        c = await bus.consumer("s", "g", slow).start()
+        c = await bus.consumer("s", "g", {Ping: slow}).start()
         await bus.publish_many("s", pings(4))
         await started.until(4)
         stopping = asyncio.create_task(c.stop(grace_s=10))
@@ -251,13 +251,13 @@ async def test_drain_cancels_after_grace_and_work_is_redelivered(redis_url: str,
         await never.wait()
 
     async with Bus(redis_url, FAST) as bus:
-        c = await bus.consumer("s", "g", stuck).start()
+        c = await bus.consumer("s", "g", {Ping: stuck}).start()
         await bus.publish_many("s", pings(3))
         await started.until(3)
         await c.stop(grace_s=0.05)
         assert await pending_count(redis, "s", "g") == 3
         again = Seen()
-        async with bus.consumer("s", "g", again):
+        async with bus.consumer("s", "g", {Ping: again}):
             await again.until(3)
 
 
@@ -282,11 +282,11 @@ async def test_idempotent_handlers_give_exactly_once_effect(redis_url: str, redi
         return effect
 
     async with Bus(redis_url, FAST) as bus:
-        a = await bus.consumer("s", "g", handler(crashes=True), name="a").start()
+        a = await bus.consumer("s", "g", {Ping: handler(crashes=True)}, name="a").start()
         await bus.publish_many("s", pings(n))
         await taken_by_a.until(n)  # a holds every entry: odd ones done, even ones stuck
         assert len(done.calls) == n // 2
-        b = await bus.consumer("s", "g", handler(crashes=False), name="b").start()
+        b = await bus.consumer("s", "g", {Ping: handler(crashes=False)}, name="b").start()
         await a.stop(grace_s=0)  # crash a: its stuck entries stay pending, effects already written
         await done.until(n, timeout=20)  # b reclaims and re-runs them
         await b.stop()
@@ -309,8 +309,8 @@ async def test_slow_live_handler_is_not_stolen_by_a_peer(redis_url: str, redis: 
 
     cfg = BusConfig(claim_idle_ms=100, block_ms=100)
     async with Bus(redis_url, cfg) as bus:
-        a = bus.consumer("s", "g", slow, name="a")
-        b = bus.consumer("s", "g", slow, name="b")
+        a = bus.consumer("s", "g", {Ping: slow}, name="a")
+        b = bus.consumer("s", "g", {Ping: slow}, name="b")
         async with a, b:
             await bus.publish("s", Ping(seq=1, sent_ns=0))
             await started.wait()
@@ -327,7 +327,7 @@ async def test_slow_live_handler_is_not_stolen_by_a_peer(redis_url: str, redis: 
 async def test_trim_drops_only_acked_entries(redis_url: str, redis: Redis) -> None:
     seen = Seen()
     async with Bus(redis_url, FAST) as bus:
-        async with bus.consumer("s", "g", seen):
+        async with bus.consumer("s", "g", {Ping: seen}):
             await bus.publish_many("s", pings(10))
             await seen.until(10)
         await bus.publish_many("s", pings(5, start=10))  # nobody has read these
@@ -360,9 +360,55 @@ async def test_rejected_message_is_dead_lettered_at_once(redis_url: str, redis: 
         attempts.append(d.attempt)
         raise Reject("names a link that does not exist")
 
-    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", refuse):
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", {Ping: refuse}):
         await bus.publish("s", Ping(seq=1, sent_ns=0))
         _, dl = await next_dead_letter(redis)
     assert attempts == [1]
     assert b"rejected: names a link" in dl[b"error"]
     assert await pending_count(redis, "s", "g") == 0
+
+
+async def test_a_kind_outside_the_handler_table_is_dead_lettered_naming_stream_and_kind(
+    redis_url: str, redis: Redis
+) -> None:
+    seen = Seen()
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", {Ping: seen}) as c:
+        await bus.publish("s", Pong(seq=1, sent_ns=0))
+        _, dl = await next_dead_letter(redis)
+        await bus.publish("s", Ping(seq=2, sent_ns=0))
+        await seen.until(1)  # the consumer goes on with the kinds it takes
+    assert dl[b"error"] == b"rejected: stream s takes ping; got kind 'pong'"
+    assert dl[b"stream"] == b"s"
+    assert c.stats.dead_lettered == 1
+    assert await pending_count(redis, "s", "g") == 0
+
+
+async def test_a_held_entry_stays_pending_and_ours_until_released(redis_url: str, redis: Redis) -> None:
+    """HOLD: acked only on `release`; meanwhile its idle time is refreshed, so a peer's reclaim
+    loop never takes it, and it does not count against the consumer's concurrency."""
+    held: list[str] = []
+    all_held = asyncio.Event()
+    stolen = Seen()
+
+    async def hold(d: Delivery) -> Outcome:
+        held.append(d.id)
+        if len(held) == 3:
+            all_held.set()
+        return HOLD
+
+    one_at_a_time = BusConfig(claim_idle_ms=150, block_ms=200, max_deliveries=3, concurrency=1)
+    async with Bus(redis_url, FAST) as bus:
+        c = await bus.consumer("s", "g", {Ping: hold}, name="holder", config=one_at_a_time).start()
+        await bus.publish_many("s", pings(3))
+        await asyncio.wait_for(all_held.wait(), 10)  # concurrency 1: held entries do not block the next
+        async with bus.consumer("s", "g", {Ping: stolen}, name="peer"):
+            # The property is about a span of time: four claim_idle periods, after which an
+            # unrefreshed entry would have been reclaimed by the peer.
+            await asyncio.sleep(0.6)
+        assert stolen.calls == Counter()
+        assert await pending_count(redis, "s", "g") == 3
+        assert c.stats.held == 3
+        for entry_id in held:
+            c.release(entry_id)
+        await c.stop()  # flushes the acks
+    assert c.stats.held == 0

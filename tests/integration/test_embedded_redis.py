@@ -44,7 +44,7 @@ async def test_the_bus_works_on_the_packaged_redis_server() -> None:
             if len(set(seen)) == 10:
                 all_done.set()
 
-        async with Bus(server.url, BusConfig(claim_idle_ms=100)) as bus, bus.consumer("s", "g", flaky) as c:
+        async with Bus(server.url, BusConfig(claim_idle_ms=100)) as bus, bus.consumer("s", "g", {Ping: flaky}) as c:
             info = await bus.redis.info("server")
             assert str(info["redis_version"]).startswith("6.2")
             await bus.publish_many("s", [Ping(seq=i, sent_ns=0) for i in range(10)])
