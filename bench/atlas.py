@@ -28,19 +28,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import uvloop
 import yaml
 
+from bubbletea.launcher.procs import spawn, stop_all
+from bubbletea.launcher.services import WAN_BROKER
+from bubbletea.launcher.train import run_training
+from services.stage_worker.outbox import Outbox, wan_transfer
 from shared import keys
 from shared.bus import Bus
 from shared.health import wait_live
-from shared.launcher.procs import spawn, stop_all
-from shared.launcher.services import WAN_BROKER
-from shared.launcher.train import run_training
 from shared.plan import activation_bytes, predict, profile_ms
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
-from shared.wire import LinkReport, Ping, Transfer, decode, encode
+from shared.wire import LinkReport, Ping, decode
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The base spec: WAN-bound, with a device profile (each operation counts for a known time) and a
@@ -116,23 +118,14 @@ async def broker_accuracy(url: str, workdir: Path, n: int) -> float:
         async with Bus(url, name="bench") as bus:
             await wait_live(bus.redis, "wan_broker", timeout_s=60)
             rng = random.Random(0)
+            outbox = Outbox(bus)  # the path a worker's cross-DC send takes: outbox, then broker
             for i in range(n):
-                payload = encode(Ping(seq=i, sent_ns=0))
-                await bus.publish(
-                    keys.wan_stream(run),
-                    Transfer(
-                        run=run,
-                        transfer_id=f"x{i}",
-                        src_dc="dc-a",
-                        dst_dc="dc-b",
-                        nbytes=rng.choice([200, 2_000, 20_000]),
-                        priority=(i,),
-                        deliver_to=f"bt:{run}:sink",
-                        payload=payload,
-                        sent_at=time.time(),
-                    ),
-                )
+                payload = Ping(seq=i, sent_ns=0)
+                nbytes = rng.choice([200, 2_000, 20_000])
+                transfer = wan_transfer(run, payload, f"x{i}", "dc-a", "dc-b", f"bt:{run}:sink", (i,))
+                outbox.send(keys.wan_stream(run), msgspec.structs.replace(transfer, nbytes=nbytes))
                 await asyncio.sleep(rng.uniform(0.0, 0.004))  # arrivals spread over time, bursts included
+            await outbox.close()
             cursor = "0"
             while True:
                 reply: Any = await bus.redis.xread({keys.events_stream(run): cursor}, block=3000)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 from services.stage_worker.filler import Filler
 from services.stage_worker.lease import Slot
 from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.outbox import Outbox, wan_transfer
 from services.stage_worker.trainer import StageTrainer
 from shared import keys
 from shared.bus import Bus
@@ -34,11 +35,8 @@ from shared.wire import (
     BubbleStart,
     GradShard,
     IterationDone,
-    Message,
     SpanRecord,
     StageTensor,
-    Transfer,
-    encode,
 )
 
 log = get_logger(__name__)
@@ -131,9 +129,9 @@ class StageRunner:
                 if gin is not None:
                     held[("gin", mb)] = gin
             elif op is Op.SEND_ACT:
-                await self._send("act", it, mb, held.pop(("out", mb)), self.stage + 1)
+                self._send("act", it, mb, held.pop(("out", mb)), self.stage + 1)
             elif op is Op.SEND_GRAD:
-                await self._send("grad", it, mb, held.pop(("gin", mb)), self.stage - 1)
+                self._send("grad", it, mb, held.pop(("gin", mb)), self.stage - 1)
             elif op in (Op.RECV_ACT, Op.RECV_GRAD):
                 what = "act" if op is Op.RECV_ACT else "grad"
                 held[(what, mb)] = await self._recv((what, it, mb), it, pos)
@@ -158,8 +156,10 @@ class StageRunner:
         self._span(kind, it, t0, time.time(), mb)
         return result
 
-    async def _send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
-        blob = to_blob(tensor)
+    def _send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
+        """Queue the tensor for stage `dst` on the outbox and go on computing (training is the
+        owner: a send never delays the next operation). Same-DC sends go to the peer's inbox;
+        cross-DC sends go to the broker, stamped with this moment as the start of the wire."""
         msg = StageTensor(
             run=self.run,
             what=what,
@@ -168,26 +168,17 @@ class StageRunner:
             replica=self.replica,
             src_stage=self.stage,
             dst_stage=dst,
-            tensor=blob,
+            tensor=to_blob(tensor),
         )
         target = keys.inbox(self.run, self.replica, dst)
         src_dc, dst_dc = self.placement.stage_dc[self.stage], self.placement.stage_dc[dst]
         if src_dc == dst_dc:
-            await self.bus.publish(target, msg)
+            self.outbox.send(target, msg)
             return
-        await self.bus.publish(
-            keys.wan_stream(self.run),
-            Transfer(
-                run=self.run,
-                transfer_id=f"{what}:{it}:{mb}:{self.replica}:{self.stage}",
-                src_dc=src_dc,
-                dst_dc=dst_dc,
-                nbytes=len(blob.data),
-                priority=transfer_priority(it, mb, self.replica),
-                deliver_to=target,
-                payload=encode(msg),
-            ),
-        )
+        transfer_id = f"{what}:{it}:{mb}:{self.replica}:{self.stage}"
+        priority = transfer_priority(it, mb, self.replica)
+        transfer = wan_transfer(self.run, msg, transfer_id, src_dc, dst_dc, target, priority)
+        self.outbox.send(keys.wan_stream(self.run), transfer)
 
     async def _recv(self, key: tuple[Any, ...], it: int, pos: int) -> torch.Tensor:
         """Take a tensor from the mailbox; if it is not there yet, this is a bubble: announce it."""
@@ -296,43 +287,3 @@ class StageRunner:
         spans, self._spans = self._spans, []
         if spans:
             self.outbox.send_many(keys.spans_stream(self.run), spans, maxlen=keys.SPANS_MAXLEN)
-
-
-class Outbox:
-    """Publishes a worker's messages in order from a background task, so sending a tensor,
-    announcing a bubble or flushing telemetry never delays the computation that follows
-    (training is the owner). A publish failure surfaces at the next iteration boundary."""
-
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
-        self._queue: asyncio.Queue[tuple[str, list[Message], int | None]] = asyncio.Queue()
-        self._task = asyncio.create_task(self._drain(), name="outbox")
-
-    def send(self, stream: str, msg: Message) -> None:
-        self._queue.put_nowait((stream, [msg], None))
-
-    def send_many(self, stream: str, msgs: Sequence[Message], *, maxlen: int | None = None) -> None:
-        self._queue.put_nowait((stream, list(msgs), maxlen))
-
-    def raise_if_failed(self) -> None:
-        if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
-            raise RuntimeError("publishing to the bus failed") from self._task.exception()
-
-    async def close(self) -> None:
-        """Send everything queued, then stop."""
-        if not self._task.done():
-            await self._queue.join()
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self.raise_if_failed()
-
-    async def _drain(self) -> None:
-        while True:
-            stream, msgs, maxlen = await self._queue.get()
-            try:
-                if len(msgs) == 1 and maxlen is None:
-                    await self.bus.publish(stream, msgs[0])
-                else:
-                    await self.bus.publish_many(stream, msgs, maxlen=maxlen)
-            finally:
-                self._queue.task_done()
