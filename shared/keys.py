@@ -77,8 +77,8 @@ def prefill_snapshot_key(run: str, request_id: str, layer: int) -> str:
     return f"{PREFIX}:{run}:prefill:snap:{request_id}:{layer}"
 
 
-#: A snapshot waits for a later bubble; a minute covers any pipeline's iteration many times over,
-#: and a request resumed later than that has long passed its deadline.
+#: A snapshot waits for a later bubble; five minutes cover any pipeline's iteration many times
+#: over, and a request resumed later than that has long passed its deadline.
 PREFILL_SNAPSHOT_TTL_S = 300
 
 
@@ -105,6 +105,15 @@ def lease_key(run: str, replica: int, stage: int) -> str:
     return f"{PREFIX}:{run}:lease:{replica}:{stage}"
 
 
+def lease_end_key(run: str, replica: int, stage: int) -> str:
+    """How slot (replica, stage) ended: a hash with its `LeaseState` (``state``) and ``reason``, so
+    peers that notice the lease gone tell a finished or stopped worker from a lost one."""
+    return f"{PREFIX}:{run}:lease:{replica}:{stage}:end"
+
+
+#: An end marker outlives any run's tail (peers still finishing their last steps), then goes.
+LEASE_END_TTL_S = 3_600
+
 #: A lease lives 3 s and is renewed every second: a crashed worker's slot frees within 3 s, and
 #: two missed renewals (a long GC pause, a slow Redis) are survived.
 LEASE_TTL_MS = 3_000
@@ -128,7 +137,7 @@ def prefill_result_key(request_id: str) -> str:
 
 
 def prefill_status_key(request_id: str) -> str:
-    """A request's status while it has no answer yet ("queued")."""
+    """A request's status while it has no answer yet (`RequestStatus.QUEUED`)."""
     return f"{PREFIX}:prefill:status:{request_id}"
 
 

@@ -10,12 +10,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.wire import FIELD, PrefillRequest, PrefillResult, decode, encode
+from shared.status import RequestStatus
+from shared.wire import FIELD, PrefillRequest, PrefillResult, WireError, decode, encode
 
 _ACCEPT = """
 local n = redis.call('INCR', KEYS[1])
@@ -23,7 +25,7 @@ if n > tonumber(ARGV[1]) then
   redis.call('DECR', KEYS[1])
   return 0
 end
-redis.call('SET', KEYS[2], 'queued', 'EX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[3])
 redis.call('XADD', KEYS[3], '*', ARGV[4], ARGV[2])
 return n
 """
@@ -54,6 +56,7 @@ async def accept(r: Redis, req: PrefillRequest, max_inflight: int) -> bool:
         encode(req),
         keys.PREFILL_RECORD_TTL_S,
         FIELD,
+        RequestStatus.QUEUED.value,
     )
     return int(n) > 0
 
@@ -75,8 +78,16 @@ async def answer(r: Redis, result: PrefillResult, reply_to: str) -> bool:
     return bool(ok)
 
 
-async def lookup(r: Redis, request_id: str) -> PrefillResult | str | None:
-    """The stored answer, or "queued", or None (unknown or expired).
+@dataclass(frozen=True)
+class Lookup:
+    """What Redis knows of a request: its status, and its answer once it has one."""
+
+    status: RequestStatus
+    result: PrefillResult | None = None
+
+
+async def lookup(r: Redis, request_id: str) -> Lookup | None:
+    """The request's status (with its answer when answered), or None (unknown or expired).
 
     Both keys in one MGET: read one after the other, an answer landing in between (status key
     deleted, result key written) would make a live request look unknown."""
@@ -84,9 +95,10 @@ async def lookup(r: Redis, request_id: str) -> PrefillResult | str | None:
     raw, status = found
     if raw is not None:
         msg = decode(raw)
-        assert isinstance(msg, PrefillResult)
-        return msg
-    return status.decode() if status is not None else None
+        if not isinstance(msg, PrefillResult):
+            raise WireError(f"the record of request {request_id} holds a {type(msg).__name__}, not a PrefillResult")
+        return Lookup(msg.status, msg)
+    return Lookup(RequestStatus(status.decode())) if status is not None else None
 
 
 async def inflight(r: Redis) -> int:

@@ -16,8 +16,6 @@ import time
 #: Wake this long before the deadline with a timer, then yield until the deadline.
 SPIN_S = 0.002
 
-now = time.monotonic
-
 
 async def sleep_until(when: float, *, wake: asyncio.Event | None = None) -> bool:
     """Sleep until monotonic time `when`; return early (True) if `wake` is set first, else False."""

@@ -7,6 +7,8 @@ encoded message carries its kind (the tagged-union tag, field ``kind``) and the 
 `WireError`; the bus dead-letters such entries instead of half-handling them.
 
 Tensors travel as dtype + shape + raw bytes (`shared.tensors.TensorBlob`), never pickle.
+
+Over 300 lines on purpose: this module is the wire's one index, every message kind in one place.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from typing import Any, Final
 
 import msgspec
 
+from shared.status import FailureReason, ItemOutcome, RequestStatus
+
 #: Bump when a message changes incompatibly; peers at another version are refused loudly.
-WIRE_VERSION: Final = 1
+#: 2: statuses are enums (`shared.status`); unread batch/report timing fields removed.
+WIRE_VERSION: Final = 2
 
 #: The stream entry field that holds the encoded message.
 FIELD: Final = b"m"
@@ -189,10 +194,12 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill_request"):
 
 
 class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
-    """The final answer to a PrefillRequest: the first token (ok) or why it failed."""
+    """The final answer to a PrefillRequest: the first token (DONE) or why it failed (FAILED,
+    with a `reason` and a sentence for people in `error`)."""
 
     id: str
-    ok: bool
+    status: RequestStatus
+    reason: FailureReason | None = None
     error: str = ""
     token: int = -1
     text: str = ""
@@ -206,6 +213,10 @@ class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     finished: float = 0.0  # wall clock
+
+    @property
+    def ok(self) -> bool:
+        return self.status is RequestStatus.DONE
 
 
 class PrefillItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -231,21 +242,18 @@ class PrefillBatch(Message, frozen=True, kw_only=True, tag="prefill_batch"):
     worker: str
     batch_id: str
     items: tuple[PrefillItem, ...]
-    sent_at: float
-    predicted_s: float  # what the packing policy expects the batch to take
     #: Staged for the worker's next bubble: held there until it starts, not returned at once.
     hold: bool = False
 
 
 class PrefillProgress(msgspec.Struct, frozen=True, kw_only=True):
     """How far one item of a batch got: `reached_layer` blocks done, `seconds` spent on it now.
-    `done`: the worker answered the request (ok, or failed with `error`)."""
+    `outcome` DONE or FAILED: the worker answered the request; PARTIAL: resume at `reached_layer`."""
 
     id: str
+    outcome: ItemOutcome
     reached_layer: int
     seconds: float
-    done: bool = False
-    error: str = ""
 
 
 class PrefillReport(Message, frozen=True, kw_only=True, tag="prefill_report"):
@@ -255,9 +263,7 @@ class PrefillReport(Message, frozen=True, kw_only=True, tag="prefill_report"):
     worker: str
     batch_id: str
     progress: tuple[PrefillProgress, ...]
-    started_at: float  # wall clock when the first layer began (0 if nothing ran)
-    ended_at: float
-    preempted: bool  # training input arrived before the batch was finished
+    preempted: bool  # training input arrived (or the bubble ended) before the batch was finished
 
 
 class PrefillSnapshot(Message, frozen=True, kw_only=True, tag="prefill_snapshot"):

@@ -12,10 +12,19 @@ from aiohttp import web
 from services.prefill_queue.state import BUS, METRICS, SETTINGS, WAITERS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_completion, parse_native
 from shared import keys, serving
+from shared.model.tokenizer import decode
+from shared.status import FailureReason, RequestStatus
 from shared.wire import PrefillRequest, PrefillResult
 
 #: How long a 429 tells the client to wait before retrying: about one pipeline iteration.
 RETRY_AFTER_S = 1
+
+#: The HTTP status of a request that was failed explicitly, by its reason (every reason has one).
+FAILURE_STATUS: dict[FailureReason, int] = {
+    FailureReason.DEADLINE: 504,  # no bubble had room in time: a gateway timeout, worth retrying later
+    FailureReason.STATE_EXPIRED: 503,  # its partial prefill was lost: transient, retry
+    FailureReason.MODEL_REFUSED: 500,  # the serving model cannot run an accepted prompt: our fault
+}
 
 
 def limits(app: web.Application) -> Limits:
@@ -108,7 +117,9 @@ async def submit(request: web.Request) -> web.Response:
             await app[BUS].redis.delete(keys.idempotency_key(idem))
         raise
     return web.json_response(
-        {"id": request_id, "status": "queued"}, status=202, headers={"Location": f"/v1/prefill/{request_id}"}
+        {"id": request_id, "status": RequestStatus.QUEUED},
+        status=202,
+        headers={"Location": f"/v1/prefill/{request_id}"},
     )
 
 
@@ -120,10 +131,12 @@ async def status(request: web.Request) -> web.Response:
         raise BadRequest(
             f"no request {request_id!r} (unknown, or older than a day)", status=404, type_="not_found_error"
         )
-    if isinstance(found, str):
-        return web.json_response({"id": request_id, "status": found})
-    body: dict[str, Any] = {"id": request_id, "status": "done" if found.ok else "failed"}
-    body["result" if found.ok else "error"] = result_body(found) if found.ok else found.error
+    body: dict[str, Any] = {"id": request_id, "status": found.status}
+    r = found.result
+    if r is not None and r.ok:
+        body["result"] = result_body(r)
+    elif r is not None:
+        body["error"], body["reason"] = r.error, r.reason
     return web.json_response(body)
 
 
@@ -158,13 +171,10 @@ def kv_params(r: PrefillResult) -> dict[str, Any]:
 
 def openai_body(req: PrefillRequest, r: PrefillResult, model: str) -> dict[str, Any]:
     if not r.ok:
-        raise BadRequest(
-            f"the prefill failed: {r.error}", status=504 if "deadline" in r.error else 500, type_="server_error"
-        )
+        status = FAILURE_STATUS[r.reason] if r.reason is not None else 500
+        raise BadRequest(f"the prefill failed: {r.error}", status=status, type_="server_error")
     logprobs = None
     if req.logprobs:
-        from shared.model.data import decode
-
         logprobs = {
             "tokens": [r.text],
             "token_logprobs": [r.logprob],

@@ -1,14 +1,13 @@
 """The worker's fill executor: prefill batches run inside this worker's bubbles, and only there.
 
-Training is the owner, prefill the guest:
+Training is the owner, prefill the guest. Every timing rule is the pure `FillPolicy`
+(shared/policies/fill.py); this module only obeys it, with threads and Redis I/O:
 
-* A batch is run only while the worker waits for training input (`fill`, called by the runner in
-  a bubble). One that arrives outside a bubble goes straight back to the dispatcher, unrun,
-  unless it was staged for the next bubble (`hold`): then it waits here, so that bubble starts
-  filling at once, and goes back unrun if no bubble starts within `HOLD_STAGED_S`.
-* The batch runs in a thread on the `PrefillModel`, one block at a time; before each block it
-  checks whether the awaited activation or gradient has arrived, and yields at that layer
-  boundary. The runner resumes training as soon as the thread returns: within one block's time.
+* A batch arriving in a bubble runs there; a staged one (`hold`) waits for the next bubble (and
+  goes back unrun if none takes it in time); any other goes straight back, unrun.
+* The batch runs in a thread on the `PrefillModel`, one block at a time; before each block the
+  policy says whether it may start (the awaited activation or gradient has not arrived), so the
+  thread yields at that layer boundary and the runner resumes training within one block's time.
 * Afterwards, off the training path (a background task): finished requests are answered (first
   token, logprobs, KV handle) and their KV caches stored; preempted ones are snapshotted so any
   worker can resume them; and one `PrefillReport` tells the dispatcher where every item got to.
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +26,8 @@ from shared import keys, kvstore, serving
 from shared.bus import Bus, Delivery, Reject
 from shared.logs import get_logger
 from shared.model.prefill import PrefillModel, PrefillResult, PrefillState
-from shared.policies.dispatch import HOLD_STAGED_S
+from shared.policies.fill import Arrival, FillPolicy, Held
+from shared.status import FailureReason, ItemOutcome, RequestStatus
 from shared.wire import PrefillBatch, PrefillItem, PrefillProgress, PrefillReport
 from shared.wire import PrefillResult as ResultMessage
 
@@ -44,7 +43,7 @@ class Outcome:
     seconds: float
     state: PrefillState | None = None
     result: PrefillResult | None = None
-    error: str = ""
+    failure: tuple[FailureReason, str] | None = None
 
 
 @dataclass
@@ -53,6 +52,13 @@ class BatchRun:
     ended: float
     outcomes: list[Outcome]
     preempted: bool
+
+
+@dataclass
+class Queued:
+    batch: PrefillBatch
+    done: asyncio.Future[None]  # set once answered and reported: the delivery is acked then
+    held: Held
 
 
 class Filler:
@@ -65,84 +71,75 @@ class Filler:
         model_name: str,
         kv_ttl_s: int,
         on_span: Callable[[float, float], None],
-        min_bubble_s: float = 0.0,
+        policy: FillPolicy,
     ) -> None:
         self.bus, self.run, self.worker = bus, run, worker
         self.model, self.model_name, self.kv_ttl_s = model, model_name, kv_ttl_s
-        self.on_span, self.min_bubble_s = on_span, min_bubble_s
-        self._queue: deque[tuple[PrefillBatch, asyncio.Future[None]]] = deque()
+        self.on_span, self.policy = on_span, policy
+        self._queue: list[Queued] = []
         self._work = asyncio.Event()
         self._post: set[asyncio.Task[None]] = set()
         self.in_bubble = False
-        self.batches_run = 0
 
     # --- the fill stream's handler ---------------------------------------------------------
 
     async def on_batch(self, d: Delivery) -> None:
         batch = d.message
-        if not isinstance(batch, PrefillBatch) or batch.run != self.run:
-            raise Reject(f"a worker's fill stream takes PrefillBatch of run {self.run}, got {type(batch).__name__}")
-        if not self.in_bubble and not batch.hold:
-            # The bubble closed before the batch got here: hand it back at once, unrun.
+        assert isinstance(batch, PrefillBatch)  # the handler table routes only this kind here
+        if batch.run != self.run:
+            raise Reject(f"the fill stream of run {self.run} got a batch of run {batch.run}")
+        action = self.policy.on_arrival(staged=batch.hold, in_bubble=self.in_bubble)
+        if action is Arrival.RETURN:  # the bubble closed before the batch got here
             await self._finish_batch(batch, BatchRun(0.0, time.time(), [], preempted=True))
             return
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        self._queue.append((batch, done))
+        q = Queued(batch, loop.create_future(), Held(batch.batch_id, batch.hold, time.monotonic()))
+        self._queue.append(q)
         self._work.set()
-        if not self.in_bubble:
-            loop.call_later(HOLD_STAGED_S, self._give_back_held, batch.batch_id)
-        await asyncio.shield(done)  # acked once answered and reported
+        if action is Arrival.HOLD:
+            loop.call_later(self.policy.hold_s, self._give_back_expired_holds)
+        await asyncio.shield(q.done)  # acked once answered and reported
 
-    def _give_back_held(self, batch_id: str) -> None:
-        """A staged batch whose bubble never came (training paused or over): back, unrun."""
-        if self.in_bubble:
-            return  # a bubble is running: the batch will be run or handed back at its end
-        for entry in list(self._queue):
-            batch, done = entry
-            if batch.batch_id == batch_id:
-                self._queue.remove(entry)
-                self._background(self._finish_batch(batch, BatchRun(0.0, time.time(), [], True)), done)
+    def _give_back_expired_holds(self) -> None:
+        """Staged batches whose bubble never came (training paused or over): back, unrun."""
+        held = [q.held for q in self._queue]
+        self._hand_back(self.policy.expired_holds(held, in_bubble=self.in_bubble, now=time.monotonic()))
 
     # --- inside a bubble (called by the runner) --------------------------------------------
 
     async def fill(self, arrived: Arrived, training_input: asyncio.Future[Any], predicted_s: float) -> None:
-        """Run queued batches until training input has arrived (`arrived()` turns true). A bubble
-        predicted shorter than the guard is left alone: staged work waits for a longer one."""
-        if predicted_s < self.min_bubble_s:
+        """Run queued batches until training input has arrived (`arrived()` turns true)."""
+        if not self.policy.worth_filling(predicted_s):
             await asyncio.wait({training_input})
             return
         self.in_bubble = True
         try:
             while not arrived() and not training_input.done():
-                if not self._queue:
+                i = self.policy.next_batch([q.held for q in self._queue])
+                if i is None:
                     self._work.clear()
                     waiter = asyncio.ensure_future(self._work.wait())
                     await asyncio.wait({training_input, waiter}, return_when=asyncio.FIRST_COMPLETED)
                     waiter.cancel()
                     continue
-                batch, done = self._queue.popleft()
-                states = await self._load_snapshots(batch)
-                run = await asyncio.to_thread(self._compute, batch, states, arrived)
-                self.batches_run += 1
+                q = self._queue.pop(i)
+                states = await self._load_snapshots(q.batch)
+                run = await asyncio.to_thread(self._compute, q.batch, states, arrived)
                 if run.outcomes:
                     self.on_span(run.started, run.ended)
-                self._background(self._finish_batch(batch, run), done)
+                self._background(self._finish_batch(q.batch, run), q.done)
         finally:
             self.in_bubble = False
-            self._hand_back(staged_too=False)
+            self._hand_back(self.policy.at_bubble_end([q.held for q in self._queue]))
 
-    def _hand_back(self, *, staged_too: bool) -> None:
-        """Queued batches back to the dispatcher, unrun: the ones sent for the bubble that just
-        ended (and, when closing, those staged for a next one)."""
-        keep: deque[tuple[PrefillBatch, asyncio.Future[None]]] = deque()
-        while self._queue:
-            batch, done = self._queue.popleft()
-            if batch.hold and not staged_too:
-                keep.append((batch, done))
-                continue
-            self._background(self._finish_batch(batch, BatchRun(0.0, time.time(), [], True)), done)
-        self._queue = keep
+    def _hand_back(self, batch_ids: list[str]) -> None:
+        """These queued batches go back to the dispatcher, unrun."""
+        if not batch_ids:
+            return
+        back = [q for q in self._queue if q.held.batch_id in batch_ids]
+        self._queue = [q for q in self._queue if q.held.batch_id not in batch_ids]
+        for q in back:
+            self._background(self._finish_batch(q.batch, BatchRun(0.0, time.time(), [], True)), q.done)
 
     async def _load_snapshots(self, batch: PrefillBatch) -> dict[str, PrefillState | None]:
         """The saved states of resumed items (None when one has expired)."""
@@ -154,30 +151,33 @@ class Filler:
         return states
 
     def _compute(self, batch: PrefillBatch, states: dict[str, PrefillState | None], arrived: Arrived) -> BatchRun:
-        """In a worker thread: the items in order, block by block, until done or preempted."""
+        """In a worker thread: the items in order, block by block, while the policy lets blocks start."""
+
+        def stop() -> bool:
+            return not self.policy.may_start_block(input_arrived=arrived(), now=time.monotonic())
+
         started = time.time()
         outcomes: list[Outcome] = []
         preempted = False
         for item in batch.items:
-            if arrived():
+            if stop():
                 preempted = True
                 break
             t0 = time.perf_counter()
             if item.from_layer and states.get(item.id) is None:
-                outcomes.append(
-                    Outcome(item, item.from_layer, 0.0, error="its saved partial state expired before it could resume")
-                )
+                why = "its saved partial state expired before it could resume"
+                outcomes.append(Outcome(item, item.from_layer, 0.0, failure=(FailureReason.STATE_EXPIRED, why)))
                 continue
             try:
                 state = states.get(item.id) or self.model.start(item.tokens)
-                self.model.run_layers(state, max_layers=item.to_layer - state.next_layer, should_stop=arrived)
+                self.model.run_layers(state, max_layers=item.to_layer - state.next_layer, should_stop=stop)
                 result = None
                 if state.done:
                     result = self.model.finish(
                         state, temperature=item.temperature, seed=item.seed, top_logprobs=item.logprobs
                     )
             except ValueError as exc:  # a prompt this model cannot run (e.g. another spec's limits)
-                outcomes.append(Outcome(item, item.from_layer, 0.0, error=str(exc)))
+                outcomes.append(Outcome(item, item.from_layer, 0.0, failure=(FailureReason.MODEL_REFUSED, str(exc))))
                 continue
             outcomes.append(Outcome(item, state.next_layer, time.perf_counter() - t0, state, result))
             if state.next_layer < item.to_layer:
@@ -210,24 +210,31 @@ class Filler:
         for o in run.outcomes:
             if o.result is not None:
                 await self._answer(o, o.result)
-                progress.append(PrefillProgress(id=o.item.id, reached_layer=o.reached, seconds=o.seconds, done=True))
-            elif o.error:
-                await serving.answer(
-                    r,
-                    ResultMessage(id=o.item.id, ok=False, error=o.error, worker=self.worker, finished=time.time()),
-                    o.item.reply_to,
+                outcome = ItemOutcome.DONE
+            elif o.failure is not None:
+                reason, why = o.failure
+                failed = ResultMessage(
+                    id=o.item.id,
+                    status=RequestStatus.FAILED,
+                    reason=reason,
+                    error=why,
+                    worker=self.worker,
+                    finished=time.time(),
                 )
-                progress.append(
-                    PrefillProgress(id=o.item.id, reached_layer=o.reached, seconds=0.0, done=True, error=o.error)
-                )
+                await serving.answer(r, failed, o.item.reply_to)
+                outcome = ItemOutcome.FAILED
             else:
                 if o.state is not None and o.reached > o.item.from_layer:
                     key = keys.prefill_snapshot_key(self.run, o.item.id, o.reached)
                     await kvstore.save_snapshot(r, key, kvstore.snapshot(o.item.id, o.state))
-                progress.append(PrefillProgress(id=o.item.id, reached_layer=o.reached, seconds=o.seconds))
+                outcome = ItemOutcome.PARTIAL
+            progress.append(PrefillProgress(id=o.item.id, outcome=outcome, reached_layer=o.reached, seconds=o.seconds))
         ran = {o.item.id for o in run.outcomes}
         unrun = [it for it in batch.items if it.id not in ran]
-        progress += [PrefillProgress(id=it.id, reached_layer=it.from_layer, seconds=0.0) for it in unrun]
+        progress += [
+            PrefillProgress(id=it.id, outcome=ItemOutcome.PARTIAL, reached_layer=it.from_layer, seconds=0.0)
+            for it in unrun
+        ]
         await self.bus.publish(
             keys.prefill_reports_stream(self.run),
             PrefillReport(
@@ -235,8 +242,6 @@ class Filler:
                 worker=self.worker,
                 batch_id=batch.batch_id,
                 progress=tuple(progress),
-                started_at=run.started,
-                ended_at=run.ended,
                 preempted=run.preempted,
             ),
         )
@@ -254,7 +259,7 @@ class Filler:
             self.bus.redis,
             ResultMessage(
                 id=o.item.id,
-                ok=True,
+                status=RequestStatus.DONE,
                 token=res.token,
                 text=res.text,
                 logprob=res.logprob,
@@ -273,6 +278,6 @@ class Filler:
 
     async def close(self) -> None:
         """Hand back what did not run; finish answering and reporting what did."""
-        self._hand_back(staged_too=True)
+        self._hand_back(self.policy.at_close([q.held for q in self._queue]))
         if self._post:
             await asyncio.gather(*self._post, return_exceptions=True)

@@ -3,7 +3,8 @@
 A lease is a Redis key holding the worker's id with a TTL, renewed every second. Two workers
 never hold one slot (SET NX); a crashed worker's slot frees within the TTL, so a replacement can
 take it, and its peers notice the loss and stop with an error naming the slot instead of hanging.
-A worker that finishes its training leaves a `done` marker, so its departure is not a failure.
+A worker that leaves on purpose writes its slot's end marker first (`LeaseState`: done, stopped,
+or aborted because of another slot, with the reason), so its departure is read for what it was.
 """
 
 from __future__ import annotations
@@ -11,20 +12,19 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
 
 from shared import keys
 from shared.logs import get_logger
+from shared.status import LeaseState
 
 log = get_logger(__name__)
 
 # Compare-and-renew / compare-and-delete: only the holder may touch its lease.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
-
-#: A finished worker's marker outlives any run's tail (peers still finishing their last steps).
-DONE_TTL_S = 3600
 
 
 class SlotError(RuntimeError):
@@ -33,10 +33,6 @@ class SlotError(RuntimeError):
 
 class RunStopped(SlotError):
     """A peer was stopped on purpose (an operator's Ctrl-C or SIGTERM): the run ends, not failed."""
-
-
-#: The abort reason of a deliberate stop starts with this.
-STOPPED_PREFIX = "stopped: "
 
 
 @dataclass(frozen=True)
@@ -60,11 +56,8 @@ class SlotLease:
     def _key(self, s: Slot) -> str:
         return keys.lease_key(self.run, s.replica, s.stage)
 
-    def _done_key(self, s: Slot) -> str:
-        return self._key(s) + ":done"
-
-    def _aborted_key(self, s: Slot) -> str:
-        return self._key(s) + ":aborted"
+    def _end_key(self, s: Slot) -> str:
+        return keys.lease_end_key(self.run, s.replica, s.stage)
 
     async def acquire(self) -> Slot:
         for s in self.all_slots:
@@ -106,37 +99,52 @@ class SlotLease:
             await self.renew()
             if self.check_peers:
                 for s in await self._missing():
-                    # A peer that stopped because of another failure left that failure's reason.
-                    why = await self.r.get(self._aborted_key(s))
-                    if isinstance(why, bytes):
-                        reason = why.decode()
-                        if reason.startswith(STOPPED_PREFIX):
-                            raise RunStopped(reason)
+                    state, reason = await self.ended(s)
+                    if state is LeaseState.STOPPED:
+                        raise RunStopped(reason)
+                    if state is LeaseState.ABORTED:  # it left because of another slot: blame that one
                         raise SlotError(reason)
                     raise SlotError(f"slot {s.name} lost its worker (its lease expired): the run cannot continue")
 
     async def _missing(self) -> list[Slot]:
+        """Slots with neither a live lease nor a `done` end (a finished worker is not missing)."""
         held = await self.r.mget([self._key(s) for s in self.all_slots])
-        done = await self.r.mget([self._done_key(s) for s in self.all_slots])
-        return [s for s, h, d in zip(self.all_slots, held, done, strict=True) if h is None and d is None]
+        out = []
+        for s, h in zip(self.all_slots, held, strict=True):
+            if h is None and (await self.ended(s))[0] is not LeaseState.DONE:
+                out.append(s)
+        return out
+
+    async def ended(self, s: Slot) -> tuple[LeaseState | None, str]:
+        """How slot `s` ended (None: it has not, or its worker vanished without a word)."""
+        found: Any = await self.r.hmget(self._end_key(s), ["state", "reason"])
+        state, reason = found
+        if state is None:
+            return None, ""
+        return LeaseState(state.decode()), (reason or b"").decode()
+
+    async def _end(self, state: LeaseState, reason: str) -> None:
+        if self.slot is not None:
+            key = self._end_key(self.slot)
+            async with self.r.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping={"state": state.value, "reason": reason, "holder": self.holder})
+                pipe.expire(key, keys.LEASE_END_TTL_S)
+                await pipe.execute()
 
     async def finish(self) -> None:
         """Mark our slot done (so peers don't count our exit as a failure), then release it."""
-        if self.slot is not None:
-            await self.r.set(self._done_key(self.slot), self.holder, ex=DONE_TTL_S)
-            await self.release()
+        await self._end(LeaseState.DONE, f"slot {self.slot.name if self.slot else '?'} finished training")
+        await self.release()
 
     async def abort(self, reason: str) -> None:
         """We stop because of `reason` (another slot's failure): leave it for the peers, so they
         report the original culprit rather than our own departure."""
-        if self.slot is not None:
-            await self.r.set(self._aborted_key(self.slot), reason, ex=DONE_TTL_S)
+        await self._end(LeaseState.ABORTED, reason)
 
     async def mark_stopped(self, reason: str) -> None:
         """We were told to stop (SIGTERM, Ctrl-C): peers that notice our departure stop quietly
         with this reason instead of reporting a lost worker."""
-        if self.slot is not None:
-            await self.r.set(self._aborted_key(self.slot), f"{STOPPED_PREFIX}{reason}", ex=DONE_TTL_S)
+        await self._end(LeaseState.STOPPED, reason)
 
     async def release(self) -> None:
         if self.slot is not None:

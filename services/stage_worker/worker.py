@@ -23,14 +23,15 @@ from shared.bus import Bus, Consumer, Delivery, Reject
 from shared.config import ClusterSpec
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
-from shared.model import ByteCorpus
+from shared.model.data import ByteCorpus
 from shared.model.prefill import PrefillModel
 from shared.plan import placement_of, predict, profile_ms
 from shared.policies.bubbles import BubblePredictor
+from shared.policies.fill import FillPolicy
 from shared.policies.placement import Placement
 from shared.settings import Settings
 from shared.tensors import from_blob
-from shared.wire import GradShard, StageTensor, WorkerFailed
+from shared.wire import GradShard, PrefillBatch, StageTensor, WorkerFailed
 
 SERVICE = "stage_worker"
 #: How long a worker waits for all its peers to lease their slots.
@@ -93,14 +94,21 @@ async def _train(
     profile, prior = await asyncio.to_thread(_profile_and_prior, spec, slot, trainer)
     mailbox = Mailbox()
 
-    async def on_inbox(d: Delivery) -> None:
+    def same_run(m: StageTensor | GradShard) -> None:
+        if m.run != run:
+            raise Reject(f"the inbox of run {run} got a {type(m).__name__} of run {m.run}")
+
+    async def on_tensor(d: Delivery) -> None:
         m = d.message
-        if isinstance(m, StageTensor) and m.run == run:
-            mailbox.put((m.what, m.iteration, m.microbatch), from_blob(m.tensor))
-        elif isinstance(m, GradShard) and m.run == run:
-            mailbox.put(("shard", m.iteration, m.replica), (from_blob(m.tensor), m.ready_at))
-        else:
-            raise Reject(f"a stage worker's inbox takes StageTensor/GradShard of run {run}, got {type(m).__name__}")
+        assert isinstance(m, StageTensor)
+        same_run(m)
+        mailbox.put((m.what, m.iteration, m.microbatch), from_blob(m.tensor))
+
+    async def on_shard(d: Delivery) -> None:
+        m = d.message
+        assert isinstance(m, GradShard)
+        same_run(m)
+        mailbox.put(("shard", m.iteration, m.replica), (from_blob(m.tensor), m.ready_at))
 
     memory = int(spec.device.memory_gib * (1 << 30))
     prefill = None
@@ -119,7 +127,12 @@ async def _train(
         profile,
         free_memory_bytes=max(0, memory - trainer.state_bytes()),
     )
-    inbox = bus.consumer(keys.inbox(run, slot.replica, slot.stage), "worker", on_inbox, name=slot.name)
+    inbox = bus.consumer(
+        keys.inbox(run, slot.replica, slot.stage),
+        "worker",
+        {StageTensor: on_tensor, GradShard: on_shard},
+        name=slot.name,
+    )
     fill = None
     if prefill is not None:
         runner.filler = Filler(
@@ -130,12 +143,12 @@ async def _train(
             spec.prefill.model_name,
             spec.prefill.kv_ttl_s,
             runner.prefill_span,
-            min_bubble_s=spec.bubbletea.guard_ms / 1000,
+            FillPolicy(guard_s=spec.bubbletea.guard_ms / 1000),
         )
         fill = bus.consumer(
             keys.fill_stream(run, slot.replica, slot.stage),
             "worker",
-            runner.filler.on_batch,
+            {PrefillBatch: runner.filler.on_batch},
             name=slot.name,
             config=msgspec.structs.replace(spec.bus, concurrency=FILL_CONCURRENCY),
         )

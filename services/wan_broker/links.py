@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -81,7 +80,6 @@ class LinkDriver:
             "transfers": self.sharing.stats.transfers,
             "in_flight": self.sharing.in_flight(),
             "late_p99_ms": late[int(0.99 * (len(late) - 1))] if late else 0.0,
-            "late_p50_ms": statistics.median(late) if late else 0.0,
         }
 
     async def _run(self) -> None:

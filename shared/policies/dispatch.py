@@ -1,41 +1,72 @@
-"""The dispatcher's state and decisions (pure): open bubbles, queued requests, what goes where.
+"""BubbleTea's dispatch policy (pure): open bubbles, queued requests, batches in flight, and what
+goes where. Every entry point takes `now` and returns a `Decisions` value (shared/policies/decisions.py).
 
-The `dispatcher` service is a thin shell: it feeds this object bubble events, new requests and
-workers' progress reports with a clock, and sends out the `Dispatch` decisions it returns.
+The `dispatcher` service is a thin shell: it feeds this object bubble events, new requests, workers'
+reports and a timer, then executes the decisions (send batches, fail requests, ack finished ones)
+and logs each one's why. The simulator feeds it the same inputs from a virtual clock.
 
 * A request waits in the queue until some open bubble has room for (part of) it; packing is
   `shared.policies.packing.pack` with the learned `PrefillCostModel`.
 * Dispatch happens at bubble start, and whenever a request arrives (or a report frees a request)
   while a bubble is open; a bubble's budget shrinks by what was already sent into it.
 * A request is never in two bubbles at once; a worker's report moves it on (to the layer it
-  reached) or out (done); what a worker could not finish is queued again at its resume point.
+  reached) or out (answered); what a worker could not finish is queued again at its resume point.
 * A bubble's budget counts only work still outstanding there: a reported batch gives back its
   predicted time, so a worker that finishes early is topped up from the same bubble.
 * **Staging**: when a bubble ends, the next one's first batch is sent at once and the worker holds
-  it until a bubble long enough to use it starts (the worker knows each bubble's predicted length;
-  it skips ones shorter than the guard). A bubble then starts filling without waiting for a round
-  trip through the bus; the dispatcher tops it up once the bubble's own start event arrives. The
-  staged batch is sized for the median of the worker's recent bubbles, capped at `stage_s`
-  (requests held on an idle worker are not available to open bubbles elsewhere).
+  it until a bubble long enough to use it starts (the fill policy decides that on the worker). A
+  bubble then starts filling without waiting for a round trip through the bus; the dispatcher tops
+  it up once the bubble's own start event arrives. The staged batch is sized for the median of the
+  worker's recent bubbles, capped at `stage_s` (requests held on an idle worker are not available
+  to open bubbles elsewhere). Only workers with a bubble in the last `STAGE_WINDOW_S` get staged work.
 * **Keeping ahead**: while a bubble is open, at least `ahead_s` of work stays outstanding on its
-  worker, also past the bubble's predicted budget (predictions are conservative, and one batch's
-  end would otherwise leave the worker idle for a round trip to the dispatcher). Work beyond the
-  budget is safe because the worker yields at the next layer boundary when training input arrives;
-  `ahead_s = 0` (the default) keeps strictly to the budget. Measured on 2 shared cores, keeping
-  8 ms ahead did not raise the fill ratio and slowed training more (more preemptions), so it is off.
-* Packing uses the cost model's mean prediction, not a pessimistic one: a misprediction costs at
-  most one layer's time, because the worker yields at the next layer boundary when training input
-  arrives, and the guard covers that.
-* A queued request whose deadline has passed is expired (the shell fails it explicitly).
+  worker, also past the bubble's predicted budget. `ahead_s = 0` (the default) keeps strictly to
+  the budget: measured on 2 shared cores, keeping 8 ms ahead slowed training without raising the fill.
+* Packing uses the cost model's mean prediction: a misprediction costs at most one layer's time,
+  because the worker yields at the next layer boundary when training input arrives.
+* **Deadlines**: a request past its deadline that is not running in an open bubble is failed
+  (`FailureReason.DEADLINE`); one a worker still runs finishes first.
+* **Lost batches**: a batch with no report `BATCH_GRACE_S` after it should have ended (its
+  predicted time, plus the hold time of a staged batch) was lost with its worker: its requests queue
+  again at their last reported layer, and the worker's bubble is closed so nothing more goes there
+  (if the worker is alive after all, its next bubble start opens a bubble again).
+
+Over 300 lines on purpose: one state machine whose rules share the same tables (requests, bubbles,
+staged work, batches in flight); the values it returns live in `decisions.py`, packing in `packing.py`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
+from shared.policies.decisions import (
+    Batch,
+    BatchItem,
+    Decisions,
+    Failure,
+    Finished,
+    Ignored,
+    LostBatch,
+    Trigger,
+    Why,
+)
+from shared.policies.fill import HOLD_STAGED_S
 from shared.policies.packing import Assignment, Candidate, budget, layered_cost, pack
 from shared.policies.prefill_cost import PrefillCostModel
+from shared.status import FailureReason
+
+#: Bubble lengths remembered per worker, to size the batch staged for its next bubble.
+RECENT_BUBBLES = 8
+#: Work is staged only on a worker that had a bubble this recently: one that stopped training
+#: (run over, or dead) must not keep being handed requests.
+STAGE_WINDOW_S = 2.0
+#: A batch with no report this long after its predicted end is presumed lost with its worker
+#: (a live worker reports within one layer of its bubble's end: milliseconds).
+BATCH_GRACE_S = 3.0
+#: A bubble event older than this is history (read from the backlog after a restart), not news.
+STALE_BUBBLE_S = 1.0
 
 
 @dataclass
@@ -45,9 +76,23 @@ class Request:
     arrival: float
     kv_bytes: int
     deadline: float | None = None
+    ticket: str = ""  # what the service acks once the request is answered or failed (its bus entry)
+    payload: Any = None  # passed through to the batches (the service's wire message)
     next_layer: int = 0
     in_bubble: str | None = None  # the worker running (or holding) it now, if any
     assigned_s: float = 0.0  # predicted seconds of the work it was last sent with
+
+
+@dataclass(frozen=True)
+class BubbleOpened:
+    """A worker's bubble start, as the policy needs it."""
+
+    worker: str
+    address: str  # where that worker takes batches
+    predicted_s: float
+    free_memory: int
+    started: float  # when the bubble began on the worker (the event's trip here is already spent)
+    tag: object = None  # which of the worker's bubbles (e.g. (iteration, position)), to match its end
 
 
 @dataclass
@@ -58,33 +103,34 @@ class Bubble:
     free_memory: int
     sent_s: float = 0.0  # predicted seconds of work sent into this bubble and not yet reported
     sent_bytes: int = 0
-    tag: object = None  # which of the worker's bubbles (e.g. (iteration, position)), to match its end
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    worker: str
-    assignments: tuple[Assignment, ...]
-    hold: bool = False  # staged for the worker's next bubble (it holds the batch until then)
-
-
-#: Bubble lengths remembered per worker, to size the batch staged for its next bubble.
-RECENT_BUBBLES = 8
-#: Work is staged only on a worker that had a bubble this recently: one that stopped training
-#: (run over, or dead) must not keep being handed requests.
-STAGE_WINDOW_S = 2.0
-#: A worker holds a staged batch this long at most; if no bubble starts by then it hands it back
-#: unrun (the run may be over), and the requests queue again.
-HOLD_STAGED_S = 1.0
+    tag: object = None
 
 
 @dataclass(frozen=True)
 class Progress:
-    """A worker's report on one request: the layer it reached and the seconds it spent."""
+    """A worker's report on one request: the layer it reached, the seconds it spent, and whether
+    the request is finished (answered by the worker, ok or failed)."""
 
     id: str
     reached_layer: int
     seconds: float
+    finished: bool = False
+
+
+@dataclass
+class InFlight:
+    worker: str
+    ids: tuple[str, ...]
+    report_by: float
+
+
+@dataclass
+class Counts:
+    requests: int = 0
+    batches: int = 0
+    done: int = 0
+    expired: int = 0
+    requeued: int = 0
 
 
 @dataclass
@@ -97,7 +143,9 @@ class DispatchState:
     cost: PrefillCostModel = field(default_factory=PrefillCostModel)
     stage_next: bool = True
     stage_s: float = 1.0  # at most this much work staged for a worker's next bubble
-    ahead_s: float = 0.0  # work kept outstanding in an open bubble beyond its budget (see the docstring)
+    ahead_s: float = 0.0  # work kept outstanding in an open bubble beyond its budget
+    enabled: bool = True  # BubbleTea off: bubbles are ignored, requests wait for their deadlines
+    batch_prefix: str = "b"  # batch ids are <prefix>-<n>: unique per dispatcher incarnation
     requests: dict[str, Request] = field(default_factory=dict)
     bubbles: dict[str, Bubble] = field(default_factory=dict)
     #: per worker: predicted seconds (and KV bytes) of the batch staged for its next bubble
@@ -105,145 +153,174 @@ class DispatchState:
     recent: dict[str, deque[float]] = field(default_factory=dict)
     free_memory: dict[str, int] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)  # the worker's last bubble event
+    addresses: dict[str, str] = field(default_factory=dict)
+    in_flight: dict[str, InFlight] = field(default_factory=dict)
+    counts: Counts = field(default_factory=Counts)
 
-    # --- events ----------------------------------------------------------------------------
+    # --- inputs ----------------------------------------------------------------------------
 
-    def add_request(self, req: Request, now: float) -> list[Dispatch]:
-        if req.id not in self.requests:  # a redelivered request is already known
-            self.requests[req.id] = req
-        return self._fill_all(now)
+    def add_request(self, req: Request, now: float) -> Decisions:
+        if req.id in self.requests:  # a redelivered request is already known
+            return Decisions(ignored=(Ignored(f"request {req.id}", "already queued or running"),))
+        self.requests[req.id] = req
+        self.counts.requests += 1
+        return self._fill_all(now, Trigger.REQUEST)
 
-    def bubble_start(
-        self,
-        worker: str,
-        predicted_s: float,
-        free_memory: int,
-        now: float,
-        *,
-        started: float | None = None,
-        tag: object = None,
-    ) -> list[Dispatch]:
-        """A worker waits for training input. `started` is when the bubble began on the worker
-        (default `now`): the time the event took to get here is already gone from the budget."""
-        staged_s, staged_bytes = self.staged.pop(worker, (0.0, 0))
-        self.bubbles[worker] = Bubble(
-            worker, now if started is None else started, predicted_s, free_memory, staged_s, staged_bytes, tag=tag
+    def bubble_start(self, b: BubbleOpened, now: float) -> Decisions:
+        if not self.enabled:
+            return Decisions(ignored=(Ignored(f"bubble of {b.worker}", "BubbleTea is disabled in the spec"),))
+        if now - b.started > STALE_BUBBLE_S:
+            why = f"started {now - b.started:.1f}s ago: history (read from the backlog after a restart)"
+            return Decisions(ignored=(Ignored(f"bubble of {b.worker}", why),))
+        staged_s, staged_bytes = self.staged.pop(b.worker, (0.0, 0))
+        self.bubbles[b.worker] = Bubble(
+            b.worker, b.started, b.predicted_s, b.free_memory, sent_s=staged_s, sent_bytes=staged_bytes, tag=b.tag
         )
-        self.recent.setdefault(worker, deque(maxlen=RECENT_BUBBLES)).append(predicted_s)
-        self.free_memory[worker] = free_memory
-        self.last_seen[worker] = now
-        return self._fill(worker, now)
+        self.recent.setdefault(b.worker, deque(maxlen=RECENT_BUBBLES)).append(b.predicted_s)
+        self.free_memory[b.worker] = b.free_memory
+        self.last_seen[b.worker] = now
+        self.addresses[b.worker] = b.address
+        return self._fill(b.worker, now, Trigger.BUBBLE_START)
 
-    def bubble_end(self, worker: str, tag: object = None, *, now: float = 0.0) -> list[Dispatch]:
+    def bubble_end(self, worker: str, tag: object = None, *, now: float) -> Decisions:
         """Training input arrived: send nothing more there (what runs stops at a layer boundary).
         With a `tag`, only the bubble it names is closed (an end that overtook the next start is
-        ignored)."""
+        ignored). The worker's next bubble gets its staged batch now."""
         b = self.bubbles.get(worker)
         if b is not None and (tag is None or b.tag == tag):
             del self.bubbles[worker]
         self.last_seen[worker] = now
-        return self.stage(worker, now)
+        return self._stage(worker, now, Trigger.BUBBLE_END)
 
-    def stage(self, worker: str, now: float) -> list[Dispatch]:
-        """The first batch of `worker`'s next bubble, sent now and held there until it starts
-        (none if staging is off, something is staged already, or nothing fits)."""
-        recent = self.recent.get(worker)
-        if not self.stage_next or worker in self.staged or not recent or worker in self.bubbles:
-            return []
-        if now - self.last_seen.get(worker, -1e18) > STAGE_WINDOW_S:
-            return []
-        typical = sorted(recent)[len(recent) // 2]
-        room = min(self.stage_s, typical - self.guard_s - self.overhead_s)
-        plan = self._pack(max(0.0, room), self.free_memory.get(worker, 0), now)
-        if not plan:
-            return []
-        secs, nbytes = self._assign(worker, plan)
-        self.staged[worker] = (secs, nbytes)
-        return [Dispatch(worker, plan, hold=True)]
-
-    def report(self, worker: str, progress: list[Progress], now: float) -> tuple[list[str], list[Dispatch]]:
-        """A worker finished (or was preempted in) a batch. Returns the ids now complete and any new
-        dispatches the freed requests allow."""
-        done: list[str] = []
+    def report(self, batch_id: str, worker: str, progress: list[Progress], now: float) -> Decisions:
+        """A worker finished (or was preempted in, or handed back) a batch."""
+        if self.in_flight.pop(batch_id, None) is None:
+            # Sent by a previous dispatcher, or already requeued as lost: its requests are being
+            # handled afresh, and anything it answered stays answered (first answer wins).
+            return Decisions(ignored=(Ignored(f"report of batch {batch_id}", "not in flight"),))
+        finished: list[Finished] = []
         for p in progress:
             req = self.requests.get(p.id)
             if req is None or req.in_bubble != worker:
-                continue  # stale or duplicate report
+                continue  # stale or duplicate
             ran = p.reached_layer - req.next_layer
-            if ran > 0 and p.seconds > 0:
+            if not p.finished and ran > 0 and p.seconds > 0:
                 self.cost.observe(req.tokens, p.seconds * self.layers / ran)  # scale to a whole prompt
             self._give_back(worker, req)
             req.next_layer, req.in_bubble = max(req.next_layer, p.reached_layer), None
-            if req.next_layer >= self.layers:
-                done.append(p.id)
+            if p.finished or req.next_layer >= self.layers:
+                finished.append(Finished(req.id, req.ticket))
                 del self.requests[p.id]
-        return done, self._fill_all(now)
+        self.counts.done += len(finished)
+        return Decisions(finished=tuple(finished)) + self._fill_all(now, Trigger.REPORT)
 
-    def expire(self, now: float) -> list[str]:
-        """Requests past their deadline that are not running in an open bubble (queued, or staged
-        on a worker): removed, to be failed explicitly. One a worker still runs finishes first."""
+    def tick(self, now: float) -> Decisions:
+        """The timer: fail requests past their deadline, requeue batches that never reported."""
+        failed = self._expire(now)
+        lost: list[LostBatch] = []
+        for batch_id, b in list(self.in_flight.items()):
+            if batch_id in self.in_flight and b.report_by < now:
+                lost += self._worker_lost(b.worker, now)
+        out = Decisions(failed=failed, lost=tuple(lost))
+        return out + self._fill_all(now, Trigger.TICK) if lost else out
+
+    def info(self) -> dict[str, object]:
+        """Counters for the service's heartbeat and progress log."""
+        running = sum(1 for r in self.requests.values() if r.in_bubble is not None)
+        return {
+            "queued": len(self.requests) - running,
+            "running": running,
+            "open_bubbles": len(self.bubbles),
+            "batches_in_flight": len(self.in_flight),
+            **vars(self.counts),
+        }
+
+    # --- decisions -------------------------------------------------------------------------
+
+    def _expire(self, now: float) -> tuple[Failure, ...]:
         gone = [
             r
             for r in self.requests.values()
             if r.deadline is not None and r.deadline < now and (r.in_bubble is None or r.in_bubble not in self.bubbles)
         ]
         for r in gone:
-            if r.in_bubble is not None:
+            if r.in_bubble is not None:  # staged on a worker: no longer counts there
                 self._give_back(r.in_bubble, r)
             del self.requests[r.id]
-        return [r.id for r in gone]
+        self.counts.expired += len(gone)
+        detail = "deadline passed after {:.1f}s in the queue: no pipeline bubble had room for it"
+        return tuple(
+            Failure(r.id, r.ticket, r.payload, FailureReason.DEADLINE, detail.format(now - r.arrival)) for r in gone
+        )
 
-    def requeue(self, worker: str, ids: list[str], now: float) -> list[Dispatch]:
-        """A batch sent to `worker` never reported back (lost with its worker, or stuck): its
-        requests wait again at their last reported layer."""
-        for rid in ids:
-            req = self.requests.get(rid)
-            if req is not None and req.in_bubble == worker:
-                self._give_back(worker, req)
-                req.in_bubble = None
-        return self._fill_all(now)
-
-    def worker_lost(self, worker: str) -> None:
-        """A worker died: its running requests go back to the queue at their last reported layer."""
+    def _worker_lost(self, worker: str, now: float) -> list[LostBatch]:
+        """A batch of `worker` never reported back: the worker is presumed dead. All its batches in
+        flight are lost, their requests queue again at their last reported layer, and its bubble
+        closes with nothing staged there; it opens again on the worker's next bubble start."""
+        lost = []
+        for batch_id, b in list(self.in_flight.items()):
+            if b.worker != worker:
+                continue
+            del self.in_flight[batch_id]
+            back = [r for r in (self.requests.get(i) for i in b.ids) if r is not None and r.in_bubble == worker]
+            for r in back:
+                r.in_bubble, r.assigned_s = None, 0.0
+            self.counts.requeued += len(back)
+            lost.append(LostBatch(batch_id, worker, len(back), now - b.report_by))
         self.bubbles.pop(worker, None)
         self.staged.pop(worker, None)
         self.recent.pop(worker, None)
-        for r in self.requests.values():
-            if r.in_bubble == worker:
-                r.in_bubble = None
+        return lost
 
-    # --- decisions -------------------------------------------------------------------------
-
-    def _fill_all(self, now: float) -> list[Dispatch]:
-        out: list[Dispatch] = []
+    def _fill_all(self, now: float, trigger: Trigger) -> Decisions:
+        out = Decisions()
         for worker in sorted(self.bubbles, key=lambda w: self.bubbles[w].started):
-            out += self._fill(worker, now)
+            out += self._fill(worker, now, trigger)
         for worker in sorted(self.recent):  # then stage work for idle workers' next bubbles
-            out += self.stage(worker, now)
+            out += self._stage(worker, now, trigger)
         return out
 
-    def _fill(self, worker: str, now: float) -> list[Dispatch]:
+    def _fill(self, worker: str, now: float, trigger: Trigger) -> Decisions:
         b = self.bubbles.get(worker)
         if b is None:
-            return []
+            return Decisions()
         left = max(budget(b.predicted_s, now - b.started, self.guard_s, self.overhead_s), self.ahead_s) - b.sent_s
-        plan = self._pack(left, b.free_memory - b.sent_bytes, now)
+        plan, queued = self._pack(left, b.free_memory - b.sent_bytes, now)
         if not plan:
-            return []
-        secs, nbytes = self._assign(worker, plan)
-        b.sent_s += secs
-        b.sent_bytes += nbytes
-        return [Dispatch(worker, plan)]
+            return Decisions()
+        why = Why(trigger, b.tag, b.predicted_s, left, sum(a.seconds for a in plan), queued)
+        batch = self._send(worker, plan, hold=False, why=why, now=now)
+        b.sent_s += batch.predicted_s
+        b.sent_bytes += sum(self.requests[i.id].kv_bytes for i in batch.items)
+        return Decisions(batches=(batch,))
 
-    def _pack(self, left: float, free_memory: int, now: float) -> tuple[Assignment, ...]:
+    def _stage(self, worker: str, now: float, trigger: Trigger) -> Decisions:
+        """The first batch of `worker`'s next bubble, sent now and held there until it starts
+        (none if staging is off, something is staged already, or nothing fits)."""
+        recent = self.recent.get(worker)
+        if not self.stage_next or worker in self.staged or not recent or worker in self.bubbles:
+            return Decisions()
+        if now - self.last_seen.get(worker, -1e18) > STAGE_WINDOW_S:
+            return Decisions()
+        typical = sorted(recent)[len(recent) // 2]
+        room = max(0.0, min(self.stage_s, typical - self.guard_s - self.overhead_s))
+        plan, queued = self._pack(room, self.free_memory.get(worker, 0), now)
+        if not plan:
+            return Decisions()
+        why = Why(trigger, None, typical, room, sum(a.seconds for a in plan), queued)
+        batch = self._send(worker, plan, hold=True, why=why, now=now)
+        self.staged[worker] = (batch.predicted_s, sum(self.requests[i.id].kv_bytes for i in batch.items))
+        return Decisions(batches=(batch,))
+
+    def _pack(self, left: float, free_memory: int, now: float) -> tuple[tuple[Assignment, ...], int]:
         waiting = [
             Candidate(r.id, r.tokens, r.next_layer, r.arrival, r.kv_bytes, r.deadline)
             for r in self.requests.values()
             if r.in_bubble is None
         ]
         if left <= 0 or not waiting:
-            return ()
-        return pack(
+            return (), len(waiting)
+        plan = pack(
             waiting,
             budget_s=left,
             free_memory=free_memory,
@@ -252,16 +329,22 @@ class DispatchState:
             now=now,
             max_requests=self.max_batch,
             order=self.order,
-        ).assignments
+        )
+        return plan.assignments, len(waiting)
 
-    def _assign(self, worker: str, plan: tuple[Assignment, ...]) -> tuple[float, int]:
-        secs, nbytes = 0.0, 0
+    def _send(self, worker: str, plan: tuple[Assignment, ...], *, hold: bool, why: Why, now: float) -> Batch:
+        items = []
         for a in plan:
             r = self.requests[a.id]
             r.in_bubble, r.assigned_s = worker, a.seconds
-            secs += a.seconds
-            nbytes += r.kv_bytes
-        return secs, nbytes
+            items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds))
+        self.counts.batches += 1
+        batch_id = f"{self.batch_prefix}-{self.counts.batches}"
+        batch = Batch(batch_id, worker, self.addresses[worker], tuple(items), hold, why)
+        # A staged batch may wait on its worker for the next bubble to start.
+        report_by = now + batch.predicted_s + BATCH_GRACE_S + (HOLD_STAGED_S if hold else 0.0)
+        self.in_flight[batch.batch_id] = InFlight(worker, tuple(a.id for a in plan), report_by)
+        return batch
 
     def _give_back(self, worker: str, req: Request) -> None:
         """A request left `worker` (reported or requeued): its share no longer counts there."""

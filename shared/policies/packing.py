@@ -13,8 +13,7 @@ a plan of layer ranges to run. Rules:
   many whole layers as fit; it resumes at that layer in a later bubble, so any request completes
   across bubbles. Only the head of the queue is split, so a long request is not starved by short
   ones behind it, and it is never overtaken once started.
-* **Expired**: a request whose deadline has passed is returned as expired (to be failed
-  explicitly), not planned.
+* **Expired**: a request whose deadline has passed is not planned (the dispatch policy fails it).
 """
 
 from __future__ import annotations
@@ -45,12 +44,7 @@ class Assignment:
 @dataclass(frozen=True)
 class Plan:
     assignments: tuple[Assignment, ...]
-    expired: tuple[str, ...]
     budget_s: float
-
-    @property
-    def planned_s(self) -> float:
-        return sum(a.seconds for a in self.assignments)
 
 
 #: cost(tokens, from_layer, to_layer) -> predicted seconds to run those layers of that prompt
@@ -90,8 +84,7 @@ def pack(
     max_requests: int,
     order: str = "deadline",
 ) -> Plan:
-    expired = tuple(c.id for c in candidates if c.deadline is not None and c.deadline < now)
-    live = sorted((c for c in candidates if c.id not in expired), key=order_key(order))
+    live = sorted((c for c in candidates if c.deadline is None or c.deadline >= now), key=order_key(order))
     left, memory = budget_s, free_memory
     plan: list[Assignment] = []
     for c in live:
@@ -113,4 +106,4 @@ def pack(
             plan.append(Assignment(c.id, c.next_layer, end, secs))
             memory -= c.kv_bytes
         break  # the head of the queue takes the rest of the bubble: no overtaking it
-    return Plan(tuple(plan), expired, budget_s)
+    return Plan(tuple(plan), budget_s)

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
 
+from bubbletea.launcher.procs import Proc, spawn, stop_all, wait_http_healthy
+from bubbletea.launcher.services import PREFILL_QUEUE
 from shared import keys
 from shared.bus.connection import blocking_client
-from shared.launcher.procs import Proc, spawn, stop_all, wait_http_healthy
-from shared.launcher.services import PREFILL_QUEUE
 from shared.redis_server import free_port
 from shared.wire import IterationDone, WorkerFailed, decode
 
@@ -102,3 +103,22 @@ async def wait_for_iteration(redis_url: str, run: str, iteration: int, timeout: 
         raise AssertionError(f"run {run} did not reach iteration {iteration} within {timeout:.0f}s")
     finally:
         await r.aclose()
+
+
+async def wait_for_first_bubble(redis_url: str, run: str, timeout: float = 90.0) -> None:
+    """Block on the run's bubble stream until a worker announces its first bubble."""
+    r = blocking_client(redis_url)
+    try:
+        reply: Any = await r.xread({keys.bubbles_stream(run): "0"}, count=1, block=int(timeout * 1000))
+        assert reply, f"run {run} announced no bubble within {timeout:.0f}s"
+    finally:
+        await r.aclose()
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
+    """Poll a condition on stored state (Redis has no event for it) until it holds, or fail naming it."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f}s: {what}")
+        await asyncio.sleep(0.02)

@@ -20,13 +20,14 @@ import pytest
 import torch
 from redis.asyncio import Redis
 
-from shared import keys, kvstore, runstats
-from shared.launcher.train import run_training
+from bubbletea import runstats
+from bubbletea.launcher.train import run_training
+from shared import keys, kvstore
 from shared.model.prefill import PrefillModel
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.wire import SpanRecord
-from tests.e2e.serving import front_door, service_env, status, submit, write_spec
+from tests.e2e.serving import front_door, service_env, status, submit, wait_for_first_bubble, write_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -50,11 +51,11 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
         training = asyncio.create_task(
             run_training(settings, redis_server.url, out=out, progress=False, dispatcher=True)
         )
-        await asyncio.sleep(3)  # let the workers start: the first requests then wait for a bubble
+        await wait_for_first_bubble(redis_server.url, run)  # training is under way
         ids = []
         for body in bodies:
             ids.append(await submit(http, door.url, body))
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # arrivals spread over the training run (load shape, not a wait)
         result = await training
         answers = [await status(http, door.url, rid) for rid in ids]
         async with http.get(f"{door.url}/metrics") as resp:
@@ -103,7 +104,7 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
                 (w.replica, w.stage) == (p.replica, p.stage) and w.start <= p.start and p.end <= w.end + 0.020
                 for w in waits
             ), f"prefill outside a bubble: {p}"
-        assert runstats.dispatch_latencies_ms(spans)
+        assert runstats.dispatch_latencies_ms([runstats.Span.from_record(s) for s in spans])
     finally:
         torch.set_num_threads(threads)
         await r.aclose()

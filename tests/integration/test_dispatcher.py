@@ -1,44 +1,80 @@
-"""The dispatcher's handlers refuse what does not belong on their streams (the bus then
-dead-letters it, keeping the payload), and an expired request is failed explicitly."""
+"""The dispatcher service against a real redis-server: its streams dead-letter every kind outside
+their handler tables (naming stream and kind, keeping the payload), and a request whose deadline
+passes in the queue is failed explicitly, then its held entry acked."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
+from redis.asyncio import Redis
 
-from services.dispatcher.dispatcher import Dispatcher
-from shared import serving
-from shared.bus import Bus, Delivery, Reject
+from services.dispatcher.dispatcher import Dispatcher, serve
+from shared import keys, serving
+from shared.bus import Bus, Delivery
 from shared.config import BusConfig
 from shared.settings import load_settings
-from shared.wire import Ping, PrefillRequest, PrefillResult
+from shared.status import FailureReason, RequestStatus
+from shared.wire import FIELD, Ping, PrefillRequest, decode, encode
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("handler", ["on_request", "on_bubble", "on_report"])
-async def test_a_message_of_the_wrong_kind_is_rejected_naming_it(redis_url: str, handler: str) -> None:
-    async with Bus(redis_url, BusConfig(), name="test") as bus:
-        d = Dispatcher(bus, load_settings(None).spec, "run")
-        with pytest.raises(Reject, match="got Ping"):
-            await getattr(d, handler)(Delivery("1-0", "s", Ping(seq=1, sent_ns=0), 1))
+async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str, redis: Redis) -> None:
+    settings = dataclasses.replace(load_settings(None), redis_url=redis_url, run="t")
+    stop = asyncio.Event()
+    service = asyncio.create_task(serve(settings, stop))
+    streams = {
+        keys.PREFILL_REQUESTS_STREAM: "prefill_request",
+        keys.bubbles_stream("t"): "bubble_end, bubble_start",
+        keys.prefill_reports_stream("t"): "prefill_report",
+    }
+    try:
+        async with Bus(redis_url, name="test") as bus:
+            for stream in streams:
+                await bus.publish(stream, Ping(seq=1, sent_ns=0))
+            errors: dict[str, bytes] = {}
+            cursor = "0"
+            while len(errors) < len(streams):
+                reply = await redis.xread({keys.DEAD_LETTER_STREAM: cursor}, block=10_000)
+                assert reply, f"dead letters so far: {errors}"
+                for entry_id, f in reply[0][1]:
+                    cursor = entry_id.decode()
+                    errors[f[b"stream"].decode()] = f[b"error"]
+                    assert isinstance(decode(f[FIELD]), Ping)  # the payload is kept
+    finally:
+        stop.set()
+        await asyncio.wait_for(service, 30)
+    for stream, takes in streams.items():
+        assert errors[stream] == f"rejected: stream {stream} takes {takes}; got kind 'ping'".encode()
+
+
+class Acks:
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    def release(self, entry_id: str) -> None:
+        self.released.append(entry_id)
 
 
 async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(redis_url: str) -> None:
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         d = Dispatcher(bus, load_settings(None).spec, "run")
+        d.acks = acks = Acks()
         now = time.time()
         req = PrefillRequest(
             id="late", model="m", tokens=(1, 2), submitted=now, deadline=now + 0.05, reply_to="bt:test:results"
         )
         assert await serving.accept(bus.redis, req, 10)
-        handled = d.on_request(Delivery("1-0", "s", req, 1))  # held until answered or failed
-        task = asyncio.create_task(handled)
-        await asyncio.sleep(0.1)  # no bubble ever opens: past the deadline
-        await d.tick()
-        await asyncio.wait_for(task, 5)  # released: the delivery can be acked
+        assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # held until answered or failed
+        await d.execute(d.state.tick(now + 0.1))  # no bubble ever opened: past the deadline
+        assert acks.released == ["1-0"]
         got = await serving.lookup(bus.redis, "late")
-        assert isinstance(got, PrefillResult) and not got.ok and "deadline passed" in got.error
+        assert got is not None and got.status is RequestStatus.FAILED and got.result is not None
+        assert got.result.reason is FailureReason.DEADLINE and "deadline passed" in got.result.error
         assert await serving.inflight(bus.redis) == 0
+        # redelivered after a restart: already answered, so acked at once and not queued again
+        assert await d.on_request(Delivery("1-0", "s", req, 2)) is None and d.state.requests == {}
+        assert encode(got.result)  # the stored answer is a whole message

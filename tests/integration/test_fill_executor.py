@@ -21,7 +21,9 @@ from shared.bus import Bus, Delivery, Reject
 from shared.config import BusConfig
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel
-from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, PrefillResult, decode
+from shared.policies.fill import FillPolicy
+from shared.status import ItemOutcome, RequestStatus
+from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, decode
 
 pytestmark = pytest.mark.integration
 
@@ -31,15 +33,13 @@ CFG = GPTConfig(layers=LAYERS, d_model=64, heads=4, seq_len=256, vocab=256)
 PROMPT = tuple(range(7, 7 + 200))
 
 
-def batch(item: PrefillItem, n: int) -> PrefillBatch:
-    return PrefillBatch(
-        run=RUN,
-        worker="r0s0",
-        batch_id=f"b{n}",
-        items=(item,),
-        sent_at=time.time(),
-        predicted_s=0.01,
-    )
+def batch(item: PrefillItem, n: int, *, hold: bool = False) -> PrefillBatch:
+    return PrefillBatch(run=RUN, worker="r0s0", batch_id=f"b{n}", items=(item,), hold=hold)
+
+
+def filler_for(bus: Bus, model: PrefillModel, *, run: str = RUN, kv_ttl_s: int = 0, **kw: Any) -> Filler:
+    spans = kw.pop("on_span", lambda a, b: None)
+    return Filler(bus, run, "r0s0", model, "m", kv_ttl_s, spans, FillPolicy(guard_s=0.0, **kw))
 
 
 async def one_bubble(
@@ -83,7 +83,7 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         req = PrefillRequest(id="req-1", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
         assert await serving.accept(bus.redis, req, 100)
         spans: list[tuple[float, float]] = []
-        filler = Filler(bus, RUN, "r0s0", model, "m", kv_ttl_s=60, on_span=lambda a, b: spans.append((a, b)))
+        filler = filler_for(bus, model, kv_ttl_s=60, on_span=lambda a, b: spans.append((a, b)))
 
         # Bubble 1: the grad arrives while the prefill is running (about a third of the way in).
         whole = time.perf_counter()
@@ -93,14 +93,15 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         checks, put_at = await one_bubble(filler, batch(item, 1), arrive_after_s=whole / 3)
         (first,) = await reports(bus)
         (p,) = first.progress
-        assert first.preempted and not p.done and 0 < p.reached_layer < LAYERS
+        assert first.preempted and p.outcome is ItemOutcome.PARTIAL and 0 < p.reached_layer < LAYERS
         # One check before the item, then one before each block: blocks finished before the
         # arrival = checks before it - 1 (the first check precedes block 0). At most the block
         # in progress at arrival may finish afterwards.
         assert put_at is not None
         finished_before = sum(1 for c in checks if c < put_at) - 1
         assert p.reached_layer - finished_before <= 1, (p.reached_layer, finished_before)
-        assert spans and await serving.lookup(bus.redis, req.id) == "queued"
+        queued = await serving.lookup(bus.redis, req.id)
+        assert spans and queued is not None and queued.status is RequestStatus.QUEUED
         snap_key = keys.prefill_snapshot_key(RUN, req.id, p.reached_layer)
         assert await kvstore.load_snapshot(bus.redis, snap_key) is not None
 
@@ -115,10 +116,11 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         )
         await one_bubble(filler, batch(rest, 2), arrive_after_s=None)
         second = (await reports(bus))[1]
-        assert second.progress[0].done and not second.preempted
-        got = await serving.lookup(bus.redis, req.id)
+        assert second.progress[0].outcome is ItemOutcome.DONE and not second.preempted
+        found = await serving.lookup(bus.redis, req.id)
         want = model.prefill(list(PROMPT))
-        assert isinstance(got, PrefillResult) and got.ok
+        assert found is not None and found.status is RequestStatus.DONE and found.result is not None
+        got = found.result
         assert (got.token, got.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))
         kv = await kvstore.fetch_kv(bus.redis, req.id)
         assert kv is not None and all(
@@ -129,17 +131,31 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
 async def test_a_batch_arriving_outside_a_bubble_goes_back_unrun(redis_url: str) -> None:
     model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        filler = Filler(bus, RUN, "r0s0", model, "m", kv_ttl_s=0, on_span=lambda a, b: None)
+        filler = filler_for(bus, model)
         item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
         await filler.on_batch(Delivery("1-0", "s", batch(item, 1), 1))  # no bubble open
         (rep,) = await reports(bus)
-        assert rep.progress[0].reached_layer == 0 and not rep.progress[0].done and rep.started_at == 0
+        (p,) = rep.progress
+        assert p.reached_layer == 0 and p.outcome is ItemOutcome.PARTIAL and rep.preempted
+
+
+async def test_a_staged_batch_no_bubble_takes_goes_back_after_the_hold(redis_url: str) -> None:
+    model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        filler = filler_for(bus, model, hold_s=0.05)
+        item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
+        t0 = time.monotonic()
+        # held for the next bubble; none comes, so it goes back (the handler returns once reported)
+        await asyncio.wait_for(filler.on_batch(Delivery("1-0", "s", batch(item, 1, hold=True), 1)), 5)
+        assert time.monotonic() - t0 >= 0.05
+        (rep,) = await reports(bus)
+        assert rep.preempted and rep.progress[0].outcome is ItemOutcome.PARTIAL
 
 
 async def test_a_batch_of_another_run_is_rejected(redis_url: str) -> None:
     model = PrefillModel(GPTConfig(layers=1, d_model=32, heads=4, seq_len=16, vocab=256), seed=1)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        filler = Filler(bus, "other-run", "r0s0", model, "m", kv_ttl_s=0, on_span=lambda a, b: None)
+        filler = filler_for(bus, model, run="other-run")
         item = PrefillItem(id="x", tokens=(1,), from_layer=0, to_layer=1, reply_to="bt:test:results")
         with pytest.raises(Reject, match="of run other-run"):
             await filler.on_batch(Delivery("1-0", "s", batch(item, 1), 1))

@@ -27,6 +27,7 @@ from services.prefill_queue.app import create_app
 from shared import keys, serving
 from shared.bus.connection import blocking_client
 from shared.settings import Settings, load_settings
+from shared.status import FailureReason, RequestStatus
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
 pytestmark = pytest.mark.integration
@@ -121,10 +122,15 @@ async def answering(redis_url: str, fails: Callable[[PrefillRequest], bool]) -> 
 
 def result_for(req: PrefillRequest, failed: bool) -> PrefillResult:
     if failed:
-        return PrefillResult(id=req.id, ok=False, error="boom: the stand-in refused it")
+        return PrefillResult(
+            id=req.id,
+            status=RequestStatus.FAILED,
+            reason=FailureReason.MODEL_REFUSED,
+            error="boom: the stand-in refused it",
+        )
     return PrefillResult(
         id=req.id,
-        ok=True,
+        status=RequestStatus.DONE,
         token=65,
         text="A",
         prompt_tokens=len(req.tokens),

@@ -16,11 +16,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
+from services.prefill_queue.api import FAILURE_STATUS
 from services.prefill_queue.app import create_app
 from services.prefill_queue.state import SETTINGS
 from shared import keys, serving
 from shared.bus.connection import blocking_client
 from shared.settings import Settings, load_settings
+from shared.status import FailureReason, RequestStatus
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
 pytestmark = pytest.mark.integration
@@ -50,7 +52,7 @@ async def queued(redis: Redis, n: int) -> list[PrefillRequest]:
 def ok_result(req: PrefillRequest, token: int = 65) -> PrefillResult:
     return PrefillResult(
         id=req.id,
-        ok=True,
+        status=RequestStatus.DONE,
         token=token,
         text=chr(token),
         logprob=-0.5,
@@ -115,11 +117,35 @@ async def test_native_submit_status_and_idempotency(client: TestClient, redis: R
 async def test_a_failed_answer_is_reported(client: TestClient, redis: Redis) -> None:
     rid = (await (await client.post("/v1/prefill", json={"prompt": "x"})).json())["id"]
     req = (await queued(redis, 1))[0]
-    await serving.answer(
-        redis, PrefillResult(id=rid, ok=False, error="deadline passed before a bubble ran it"), req.reply_to
+    failed = PrefillResult(
+        id=rid,
+        status=RequestStatus.FAILED,
+        reason=FailureReason.DEADLINE,
+        error="deadline passed before a bubble ran it",
     )
+    await serving.answer(redis, failed, req.reply_to)
     got = await (await client.get(f"/v1/prefill/{rid}")).json()
-    assert got == {"id": rid, "status": "failed", "error": "deadline passed before a bubble ran it"}
+    assert got == {
+        "id": rid,
+        "status": "failed",
+        "reason": "deadline",
+        "error": "deadline passed before a bubble ran it",
+    }
+
+
+@pytest.mark.parametrize("reason", list(FailureReason))
+async def test_a_failed_completion_answers_the_http_status_of_its_reason(
+    client: TestClient, redis: Redis, reason: FailureReason
+) -> None:
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}))
+    got: Any = await redis.xread({keys.PREFILL_REQUESTS_STREAM: "0"}, count=1, block=5000)  # wait for it
+    req = decode(got[0][1][0][1][FIELD])
+    assert isinstance(req, PrefillRequest)
+    failed = PrefillResult(id=req.id, status=RequestStatus.FAILED, reason=reason, error=f"it failed: {reason}")
+    assert await serving.answer(redis, failed, req.reply_to)
+    resp = await asyncio.wait_for(call, 5)
+    assert resp.status == FAILURE_STATUS[reason] and resp.status >= 500
+    assert (await resp.json())["error"]["message"] == f"the prefill failed: it failed: {reason}"
 
 
 async def test_queue_full_answers_429_with_retry_after(client: TestClient, redis: Redis) -> None:

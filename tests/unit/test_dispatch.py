@@ -1,112 +1,196 @@
-"""The dispatcher's pure state machine: bubbles, queue, reports, expiry."""
+"""The dispatcher's pure state machine: bubbles, queue, reports, expiry, lost batches, and the why
+of every decision. A fake clock (plain numbers) drives it; nothing sleeps and nothing needs Redis."""
 
 import pytest
 
-from shared.policies.dispatch import Dispatch, DispatchState, Progress, Request
+from shared.policies.decisions import Batch, Decisions, Trigger
+from shared.policies.dispatch import BATCH_GRACE_S, STALE_BUBBLE_S, BubbleOpened, DispatchState, Progress, Request
+from shared.policies.fill import HOLD_STAGED_S
 from shared.policies.prefill_cost import PrefillCostModel
+from shared.status import FailureReason
 
 LAYERS = 4
 
 
 def state(**kw: object) -> DispatchState:
-    # a cost model that has learned 1 ms per token (whole prompt), with no safety margin left
+    # a cost model that has learned 1 ms per token (whole prompt)
     cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])
-    cost._rel_err = 0.0
     args = {"layers": LAYERS, "guard_s": 0.002, "overhead_s": 0.001, "max_batch": 8, "cost": cost}
     args.update(kw)
     return DispatchState(**args)  # type: ignore[arg-type]
 
 
-def one(ds: list[Dispatch]) -> Dispatch:
-    """The one batch of a fill."""
-    assert ds and len({d.worker for d in ds}) == 1 and len({d.hold for d in ds}) == 1, ds
-    return Dispatch(ds[0].worker, tuple(a for d in ds for a in d.assignments), ds[0].hold)
+def start(s: DispatchState, worker: str, predicted_s: float, *, now: float, free_memory: int = 10**9) -> Decisions:
+    return s.bubble_start(BubbleOpened(worker, f"fill:{worker}", predicted_s, free_memory, started=now), now)
+
+
+def one(ds: Decisions) -> Batch:
+    """The one batch of a decision."""
+    assert len(ds.batches) == 1, ds
+    return ds.batches[0]
+
+
+def ranges(b: Batch) -> list[tuple[str, int, int]]:
+    return [(i.id, i.from_layer, i.to_layer) for i in b.items]
+
+
+def ids(b: Batch) -> list[str]:
+    return [i.id for i in b.items]
+
+
+def finished(ds: Decisions) -> list[str]:
+    return [f.id for f in ds.finished]
 
 
 def req(i: int, tokens: int = 10, *, deadline: float | None = None, kv: int = 100) -> Request:
-    return Request(id=f"r{i}", tokens=tokens, arrival=float(i), kv_bytes=kv, deadline=deadline)
+    return Request(id=f"r{i}", tokens=tokens, arrival=float(i), kv_bytes=kv, deadline=deadline, ticket=f"t{i}")
 
 
 def test_requests_wait_for_a_bubble_then_are_packed_into_it() -> None:
     s = state()
-    assert s.add_request(req(0), now=0.0) == [] and s.add_request(req(1), now=0.0) == []
-    d = one(s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=1.0))
+    assert not s.add_request(req(0), now=0.0) and not s.add_request(req(1), now=0.0)
+    d = one(start(s, "w1", 0.033, now=1.0))
     # budget 33 - 2 guard - 1 overhead = 30 ms: both 10 ms requests whole
-    assert d.worker == "w1" and [(a.id, a.from_layer, a.to_layer) for a in d.assignments] == [
-        ("r0", 0, 4),
-        ("r1", 0, 4),
-    ]
+    assert d.worker == "w1" and d.address == "fill:w1" and ranges(d) == [("r0", 0, 4), ("r1", 0, 4)]
     assert all(s.requests[r].in_bubble == "w1" for r in ("r0", "r1"))
+    assert d.items[0].payload is None and d.predicted_s == pytest.approx(0.020)
+
+
+def test_every_batch_says_why() -> None:
+    s = state()
+    s.add_request(req(0), now=0.0)
+    d = one(s.bubble_start(BubbleOpened("w1", "fill:w1", 0.033, 10**9, started=0.99, tag=(3, 7)), now=1.0))
+    w = d.why
+    assert w.trigger is Trigger.BUBBLE_START and w.bubble == (3, 7) and w.queued == 1
+    # 33 ms predicted, 10 ms of it gone before the event arrived, 3 ms guard and overhead: 20 ms left
+    assert w.predicted_bubble_s == 0.033 and w.budget_s == pytest.approx(0.020)
+    assert w.predicted_s == pytest.approx(0.010)
+    assert set(w.fields()) == {"trigger", "bubble", "bubble_ms", "budget_ms", "predicted_ms", "queued"}
+    d2 = one(s.add_request(req(1), now=1.0))
+    assert d2.why.trigger is Trigger.REQUEST and d2.batch_id != d.batch_id
 
 
 def test_a_request_arriving_in_an_open_bubble_uses_what_is_left() -> None:
     s = state()
-    s.bubble_start("w1", predicted_s=0.0335, free_memory=10**9, now=0.0)
+    start(s, "w1", 0.0335, now=0.0)
     d1 = one(s.add_request(req(0, 20), now=0.0))  # 20 of 30.5 ms
-    assert [(a.id, a.to_layer) for a in d1.assignments] == [("r0", 4)]
+    assert ranges(d1) == [("r0", 0, 4)]
     d2 = one(s.add_request(req(1, 20), now=0.0))  # 10.5 ms left: two of its four 5 ms layers
-    assert [(a.id, a.from_layer, a.to_layer) for a in d2.assignments] == [("r1", 0, 2)]
-    assert s.add_request(req(2, 20), now=0.0) == []  # the bubble is full
+    assert ranges(d2) == [("r1", 0, 2)]
+    assert not s.add_request(req(2, 20), now=0.0).batches  # the bubble is full
 
 
 def test_reports_complete_or_requeue_at_the_resume_point() -> None:
     s = state(stage_next=False)
     s.add_request(req(0, 100), now=0.0)  # 100 ms: longer than the bubbles below
-    s.bubble_start("w1", predicted_s=0.053, free_memory=10**9, now=0.0)  # 50 ms: 2 of 4 layers
+    b1 = one(start(s, "w1", 0.053, now=0.0))  # 50 ms: 2 of 4 layers
     assert s.requests["r0"].in_bubble == "w1"
-    s.bubble_end("w1")
-    done, _ = s.report("w1", [Progress("r0", reached_layer=2, seconds=0.050)], now=0.1)
-    assert done == [] and s.requests["r0"].next_layer == 2 and s.requests["r0"].in_bubble is None
-    d = one(s.bubble_start("w2", predicted_s=0.054, free_memory=10**9, now=0.2))  # another worker resumes it
-    assert [(a.id, a.from_layer, a.to_layer) for a in d.assignments] == [("r0", 2, 4)]
-    done, _ = s.report("w2", [Progress("r0", reached_layer=4, seconds=0.050)], now=0.3)
-    assert done == ["r0"] and s.requests == {}
+    s.bubble_end("w1", now=0.05)
+    ds = s.report(b1.batch_id, "w1", [Progress("r0", reached_layer=2, seconds=0.050)], now=0.1)
+    assert finished(ds) == [] and s.requests["r0"].next_layer == 2 and s.requests["r0"].in_bubble is None
+    d = one(start(s, "w2", 0.054, now=0.2))  # another worker resumes it
+    assert ranges(d) == [("r0", 2, 4)]
+    ds = s.report(d.batch_id, "w2", [Progress("r0", reached_layer=4, seconds=0.050)], now=0.3)
+    assert [(f.id, f.ticket) for f in ds.finished] == [("r0", "t0")] and s.requests == {}
+
+
+def test_a_request_the_worker_failed_is_finished_whatever_layer_it_reached() -> None:
+    s = state(stage_next=False)
+    s.add_request(req(0, 100), now=0.0)
+    b = one(start(s, "w1", 0.053, now=0.0))
+    ds = s.report(b.batch_id, "w1", [Progress("r0", reached_layer=0, seconds=0.0, finished=True)], now=0.1)
+    assert finished(ds) == ["r0"] and s.requests == {} and s.counts.done == 1
 
 
 def test_stale_and_duplicate_reports_change_nothing() -> None:
     s = state()
     s.add_request(req(0), now=0.0)
-    s.bubble_start("w1", predicted_s=1.0, free_memory=10**9, now=0.0)
-    assert s.report("w9", [Progress("r0", 4, 0.01)], now=0.1) == ([], [])  # not its worker
-    assert s.report("w1", [Progress("r0", 4, 0.01)], now=0.1)[0] == ["r0"]
-    assert s.report("w1", [Progress("r0", 4, 0.01)], now=0.2) == ([], [])  # duplicate
+    b = one(start(s, "w1", 1.0, now=0.0))
+    assert not s.report("nope", "w1", [Progress("r0", 4, 0.01)], now=0.1).finished  # not in flight
+    assert finished(s.report(b.batch_id, "w1", [Progress("r0", 4, 0.01)], now=0.1)) == ["r0"]
+    again = s.report(b.batch_id, "w1", [Progress("r0", 4, 0.01)], now=0.2)  # duplicate
+    assert not again.finished and again.ignored[0].why == "not in flight"
 
 
 def test_a_request_is_never_in_two_bubbles() -> None:
     s = state()
     s.add_request(req(0, 100), now=0.0)
-    s.bubble_start("w1", predicted_s=0.053, free_memory=10**9, now=0.0)
-    assert s.bubble_start("w2", predicted_s=1.0, free_memory=10**9, now=0.0) == []
+    start(s, "w1", 0.053, now=0.0)
+    assert not start(s, "w2", 1.0, now=0.0)
+    assert s.add_request(req(0, 100), now=0.0).ignored  # redelivered: already known
 
 
-def test_expiry_spares_running_requests_and_lost_workers_requeue() -> None:
+def test_expired_requests_fail_with_their_reason_but_running_ones_finish() -> None:
     s = state()
     s.add_request(req(0, deadline=1.0), now=0.0)
     s.add_request(req(1, deadline=1.0, tokens=10**6), now=0.0)  # too long for any bubble here
-    s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.5)
+    start(s, "w1", 0.033, now=0.5)
     assert s.requests["r0"].in_bubble == "w1"
-    assert s.expire(now=2.0) == ["r1"]  # r0 is running: its worker's report decides
-    s.worker_lost("w1")
-    assert s.requests["r0"].in_bubble is None and "w1" not in s.bubbles
+    ds = s.tick(now=2.0)  # r0 is running: its worker's report decides
+    (f,) = ds.failed
+    assert (f.id, f.ticket, f.reason) == ("r1", "t1", FailureReason.DEADLINE)
+    assert "deadline passed after 1.0s in the queue" in f.detail and s.counts.expired == 1
+
+
+def test_a_batch_that_never_reports_back_is_requeued_and_its_worker_bubble_closed() -> None:
+    s = state(stage_next=False)
+    s.add_request(req(0, 10), now=0.0)
+    b = one(start(s, "w1", 0.033, now=0.0))
+    assert not s.tick(now=b.predicted_s + BATCH_GRACE_S - 0.001).lost  # still within its grace
+    ds = s.tick(now=b.predicted_s + BATCH_GRACE_S + 0.5)
+    (lost,) = ds.lost
+    assert (lost.batch_id, lost.worker, lost.requests) == (b.batch_id, "w1", 1)
+    assert lost.overdue_s == pytest.approx(0.5)
+    assert "w1" not in s.bubbles and s.requests["r0"].in_bubble is None and s.counts.requeued == 1
+    # a late report from the presumed-dead worker changes nothing; the next bubble elsewhere takes r0
+    assert s.report(b.batch_id, "w1", [Progress("r0", 4, 0.01)], now=4.0).ignored
+    assert ids(one(start(s, "w2", 0.033, now=4.0))) == ["r0"]
+
+
+def test_a_lost_worker_loses_all_its_batches_at_once() -> None:
+    s = state()
+    for i in range(2):
+        s.add_request(req(i, 10), now=0.0)
+    first = one(start(s, "w1", 0.023, now=0.0))  # 20 ms: r0, r1
+    s.bubble_end("w1", now=0.02)
+    staged = one(s.add_request(req(3, 10), now=0.02))  # staged for w1's next bubble
+    assert staged.hold and ids(first) == ["r0", "r1"]
+    later = HOLD_STAGED_S + BATCH_GRACE_S + 1.0
+    ds = s.tick(now=later)
+    assert {lb.batch_id for lb in ds.lost} == {first.batch_id, staged.batch_id} and s.in_flight == {}
+    assert all(r.in_bubble is None for r in s.requests.values()) and "w1" not in s.staged
+
+
+def test_bubbles_are_ignored_when_stale_or_disabled() -> None:
+    s = state()
+    s.add_request(req(0), now=0.0)
+    old = BubbleOpened("w1", "fill:w1", 1.0, 10**9, started=0.0)
+    (ign,) = s.bubble_start(old, now=STALE_BUBBLE_S + 1).ignored
+    assert "history" in ign.why and s.bubbles == {}
+    off = state(enabled=False)
+    off.add_request(req(0), now=0.0)
+    assert (
+        "disabled" in off.bubble_start(BubbleOpened("w1", "fill:w1", 1.0, 10**9, started=0.0), now=0.0).ignored[0].why
+    )
 
 
 def test_memory_and_batch_limits_hold_across_dispatches() -> None:
     s = state(max_batch=2)
     for i in range(5):
         s.add_request(req(i, tokens=1, kv=400), now=0.0)
-    d = one(s.bubble_start("w1", predicted_s=1.0, free_memory=1000, now=0.0))
-    assert len(d.assignments) == 2  # batch limit
+    d = one(start(s, "w1", 1.0, now=0.0, free_memory=1000))
+    assert len(d.items) == 2  # batch limit
     d2 = one(s.add_request(req(9, tokens=1, kv=150), now=0.0))  # 200 bytes left: only the small one fits
-    assert [a.id for a in d2.assignments] == ["r9"]
+    assert ids(d2) == ["r9"]
 
 
 def test_reports_teach_the_cost_model() -> None:
     s = state()
     before = s.cost.predict(100)
     for i in range(50):
-        s.add_request(req(i, tokens=100), now=float(i))
-        s.bubble_start("w1", predicted_s=10.0, free_memory=10**9, now=float(i))
-        s.report("w1", [Progress(f"r{i}", 4, 0.3)], now=float(i))  # really 3x slower than predicted
+        # the first request waits for the bubble; later ones go straight into it (it stays open)
+        b = one(s.add_request(req(i, tokens=100), now=float(i)) + start(s, "w1", 10.0, now=float(i)))
+        s.report(b.batch_id, "w1", [Progress(f"r{i}", 4, 0.3)], now=float(i))  # really 3x slower than predicted
     assert s.cost.predict(100) == pytest.approx(0.3, rel=0.1) and s.cost.predict(100) > before
 
 
@@ -114,64 +198,65 @@ def test_a_report_gives_back_budget_so_an_early_finish_is_topped_up() -> None:
     s = state(stage_next=False)
     for i in range(4):
         s.add_request(req(i, 10), now=0.0)
-    d1 = one(s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.0))  # 30 ms: r0..r2
-    assert [a.id for a in d1.assignments] == ["r0", "r1", "r2"]
-    assert s.add_request(req(9, 10), now=0.0) == []  # nothing left in this bubble
+    d1 = one(start(s, "w1", 0.033, now=0.0))  # 30 ms: r0..r2
+    assert ids(d1) == ["r0", "r1", "r2"]
+    assert not s.add_request(req(9, 10), now=0.0).batches  # nothing left in this bubble
     # r0..r2 finished in 6 ms instead of 30: the bubble has 33 - 3 - 6 = 24 ms left for the rest
-    done, ds = s.report("w1", [Progress(f"r{i}", 4, 0.002) for i in range(3)], now=0.006)
+    ds = s.report(d1.batch_id, "w1", [Progress(f"r{i}", 4, 0.002) for i in range(3)], now=0.006)
     d2 = one(ds)
-    assert done == ["r0", "r1", "r2"] and d2.worker == "w1" and not d2.hold
-    assert [a.id for a in d2.assignments] == ["r3", "r9"]
+    assert finished(ds) == ["r0", "r1", "r2"] and d2.worker == "w1" and not d2.hold
+    assert ids(d2) == ["r3", "r9"] and d2.why.trigger is Trigger.REPORT
 
 
 def test_the_next_bubble_is_staged_when_one_ends_and_counts_against_its_budget() -> None:
     s = state(stage_s=1.0)  # staging limited only by the worker's bubbles
-    s.bubble_start("w1", predicted_s=0.023, free_memory=10**9, now=0.0)  # nothing queued yet
-    s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.1)  # recent: 23, 33 ms
+    start(s, "w1", 0.023, now=0.0)  # nothing queued yet
+    start(s, "w1", 0.033, now=0.1)  # recent: 23, 33 ms
     s.bubble_end("w1", now=0.15)
-    (staged,) = s.add_request(req(0, 10), now=0.2)
+    staged = one(s.add_request(req(0, 10), now=0.2))
     for i in range(1, 5):
-        assert s.add_request(req(i, 10), now=0.2) == []
+        assert not s.add_request(req(i, 10), now=0.2).batches
     # staged at once for w1's next bubble, sized by the median of its recent bubbles (33 ms)
     # minus guard and overhead: r0 went alone when it arrived, the others wait for the bubble
-    assert staged is not None and staged.hold and [a.id for a in staged.assignments] == ["r0"]
+    assert staged.hold and ids(staged) == ["r0"] and staged.why.bubble is None
     assert s.staged["w1"][0] == pytest.approx(0.010)
     assert all(s.requests[f"r{i}"].in_bubble is None for i in range(1, 5))
-    top = one(s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.3))
+    top = one(start(s, "w1", 0.033, now=0.3))
     # 33 - 3 = 30 ms budget, 10 ms of it staged already: two more
-    assert not top.hold and [a.id for a in top.assignments] == ["r1", "r2"]
+    assert not top.hold and ids(top) == ["r1", "r2"]
     assert "w1" not in s.staged
 
 
 def test_a_staged_batch_returned_unrun_goes_back_to_the_queue() -> None:
     s = state()
-    s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.0)
+    start(s, "w1", 0.033, now=0.0)
     s.bubble_end("w1", now=0.05)
-    (staged,) = s.add_request(req(0, 10), now=0.1)
+    staged = one(s.add_request(req(0, 10), now=0.1))
     assert staged.hold
-    done, again = s.report("w1", [Progress("r0", 0, 0.0)], now=0.2)  # the worker held it too long
+    ds = s.report(staged.batch_id, "w1", [Progress("r0", 0, 0.0)], now=0.2)  # the worker held it too long
     # free again, and staged anew on the worker (it had a bubble recently)
-    assert done == [] and again[0].hold and s.requests["r0"].in_bubble == "w1"
+    again = one(ds)
+    assert finished(ds) == [] and again.hold and s.requests["r0"].in_bubble == "w1"
     # a worker with no bubble for a while gets nothing staged: the request waits in the queue ...
-    done, again = s.report("w1", [Progress("r0", 0, 0.0)], now=5.0)
-    assert again == [] and s.requests["r0"].in_bubble is None and "w1" not in s.staged
+    ds = s.report(again.batch_id, "w1", [Progress("r0", 0, 0.0)], now=5.0)
+    assert not ds.batches and s.requests["r0"].in_bubble is None and "w1" not in s.staged
 
 
 def test_staged_requests_past_their_deadline_expire() -> None:
     s = state()
-    s.bubble_start("w1", predicted_s=0.033, free_memory=10**9, now=0.0)
+    start(s, "w1", 0.033, now=0.0)
     s.bubble_end("w1", now=0.05)
-    (staged,) = s.add_request(req(0, 10, deadline=1.0), now=0.1)
+    staged = one(s.add_request(req(0, 10, deadline=1.0), now=0.1))
     assert staged.hold
-    assert s.expire(now=2.0) == ["r0"] and "w1" not in s.staged and s.requests == {}
+    assert [f.id for f in s.tick(now=2.0).failed] == ["r0"] and "w1" not in s.staged and s.requests == {}
 
 
 def test_staging_is_small_so_idle_workers_do_not_hoard_requests() -> None:
     s = state(stage_s=0.006)
-    s.bubble_start("w1", predicted_s=0.100, free_memory=10**9, now=0.0)
+    start(s, "w1", 0.100, now=0.0)
     s.bubble_end("w1", now=0.05)
-    (staged,) = s.add_request(req(0, 4), now=0.1)  # 4 ms: fits the 6 ms staging allowance
-    assert staged.hold and s.add_request(req(1, 4), now=0.1) == []  # the next one waits for a bubble
+    staged = one(s.add_request(req(0, 4), now=0.1))  # 4 ms: fits the 6 ms staging allowance
+    assert staged.hold and not s.add_request(req(1, 4), now=0.1).batches  # the next one waits for a bubble
     assert s.requests["r1"].in_bubble is None
 
 
@@ -181,11 +266,11 @@ def test_an_open_bubble_keeps_work_ahead_beyond_its_budget_when_asked() -> None:
         for i in range(3):
             s.add_request(req(i, 4), now=0.0)
     # a 5.5 ms bubble: 2.5 ms of budget after guard and overhead
-    d = one(strict.bubble_start("w1", predicted_s=0.0055, free_memory=10**9, now=0.0))
-    assert [(a.id, a.to_layer) for a in d.assignments] == [("r0", 2)]  # two of four 1 ms layers
-    d = one(ahead.bubble_start("w1", predicted_s=0.0055, free_memory=10**9, now=0.0))
-    assert [(a.id, a.to_layer) for a in d.assignments] == [("r0", 4), ("r1", 4)]  # 8 ms outstanding
+    d = one(start(strict, "w1", 0.0055, now=0.0))
+    assert [(i.id, i.to_layer) for i in d.items] == [("r0", 2)]  # two of four 1 ms layers
+    d = one(start(ahead, "w1", 0.0055, now=0.0))
+    assert [(i.id, i.to_layer) for i in d.items] == [("r0", 4), ("r1", 4)]  # 8 ms outstanding
     # r0 reported done: 4 ms freed, r2 goes out to keep 8 ms ahead (the bubble outlived its budget)
-    done, ds = ahead.report("w1", [Progress("r0", 4, 0.004)], now=0.010)
+    ds = ahead.report(d.batch_id, "w1", [Progress("r0", 4, 0.004)], now=0.010)
     d2 = one(ds)
-    assert done == ["r0"] and [a.id for a in d2.assignments] == ["r2"]
+    assert finished(ds) == ["r0"] and ids(d2) == ["r2"]

@@ -1,0 +1,132 @@
+"""What the dispatch policy decides, as values: the service executes them and logs each one's why.
+
+`DispatchState` (shared/policies/dispatch.py) returns a `Decisions` from every entry point; the
+dispatcher service sends its batches, answers its failures, acks the requests it finished, and
+writes one log line per decision from the `why` it carries. The simulator consumes the same values.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from shared.status import FailureReason
+
+
+class Trigger(enum.StrEnum):
+    """What made the policy decide."""
+
+    BUBBLE_START = "bubble_start"  # a worker announced a bubble
+    BUBBLE_END = "bubble_end"  # a bubble ended: the worker's next bubble gets staged work
+    REQUEST = "request"  # a request arrived while a bubble was open
+    REPORT = "report"  # a worker reported a batch: its budget and requests are free again
+    TICK = "tick"  # the timer: deadlines passed, batches lost
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One request's share of a batch: run blocks [from_layer, to_layer), predicted `seconds`."""
+
+    id: str
+    payload: Any  # what the service attached to the request (the wire message), passed through
+    from_layer: int
+    to_layer: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Why:
+    """Why a batch went where it went: enough to answer the question after the fact."""
+
+    trigger: Trigger
+    bubble: object  # which of the worker's bubbles (its (iteration, position) tag); None if staged
+    predicted_bubble_s: float  # the bubble's predicted length (for a staged batch: the typical one)
+    budget_s: float  # room left in the bubble when packing
+    predicted_s: float  # the batch's predicted prefill time (fits in the budget)
+    queued: int  # requests waiting when it was packed
+
+    def fields(self) -> dict[str, object]:
+        """For the service's one log line (key=value)."""
+        return {
+            "trigger": self.trigger.value,
+            "bubble": self.bubble,
+            "bubble_ms": round(self.predicted_bubble_s * 1000, 2),
+            "budget_ms": round(self.budget_s * 1000, 2),
+            "predicted_ms": round(self.predicted_s * 1000, 2),
+            "queued": self.queued,
+        }
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Send `items` to `worker` at `address`; `hold`: staged for its next bubble."""
+
+    batch_id: str
+    worker: str
+    address: str
+    items: tuple[BatchItem, ...]
+    hold: bool
+    why: Why
+
+    @property
+    def predicted_s(self) -> float:
+        return sum(i.seconds for i in self.items)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Fail request `id` explicitly (answer it with `reason`), then ack its `ticket`."""
+
+    id: str
+    ticket: str
+    payload: Any
+    reason: FailureReason
+    detail: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Request `id` was answered by a worker: ack its `ticket`."""
+
+    id: str
+    ticket: str
+
+
+@dataclass(frozen=True)
+class LostBatch:
+    """A batch whose report never came: its requests were queued again, its worker's bubble closed."""
+
+    batch_id: str
+    worker: str
+    requests: int
+    overdue_s: float
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """An input that changed nothing, and why (a stale bubble event, an unknown batch's report)."""
+
+    what: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Decisions:
+    batches: tuple[Batch, ...] = ()
+    failed: tuple[Failure, ...] = ()
+    finished: tuple[Finished, ...] = ()
+    lost: tuple[LostBatch, ...] = ()
+    ignored: tuple[Ignored, ...] = ()
+
+    def __add__(self, other: Decisions) -> Decisions:
+        return Decisions(
+            self.batches + other.batches,
+            self.failed + other.failed,
+            self.finished + other.finished,
+            self.lost + other.lost,
+            self.ignored + other.ignored,
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.batches or self.failed or self.finished or self.lost or self.ignored)

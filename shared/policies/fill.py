@@ -1,0 +1,86 @@
+"""The fill policy (pure): what a worker does with prefill batches around its bubbles.
+
+Training is the owner, prefill the guest. The worker's fill executor (services/stage_worker/filler.py)
+only obeys these decisions; its threads and Redis I/O hold no timing rule of their own, and the
+simulator runs the same rules on a virtual clock.
+
+* A batch that arrives while a bubble is open runs in it. A staged batch (`hold`) waits for the
+  next bubble. Any other batch arrived too late (its bubble is over) and goes back unrun.
+* A bubble predicted shorter than the guard is not worth filling: staged work waits for a longer one.
+* Batches run in arrival order, one block (one layer of one request) at a time. A block may start
+  only while the awaited training input has not arrived and, when the bubble's end is predicted and
+  the block's time known, only if it would end before that end (training resumes within one block).
+* When a bubble ends, the batches sent for it that did not run go back; staged ones stay for the next.
+* A staged batch that no bubble has taken within `hold_s` goes back unrun (training paused or over),
+  and the dispatcher queues its requests again.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+#: A worker holds a staged batch this long at most; if no bubble starts by then it hands it back
+#: unrun (the run may be over), and the requests queue again.
+HOLD_STAGED_S = 1.0
+
+
+class Arrival(enum.StrEnum):
+    """What to do with a batch that just arrived on a worker."""
+
+    RUN = "run"  # a bubble is open: queue it for this bubble
+    HOLD = "hold"  # staged for the next bubble: keep it until one starts (or `hold_s` passes)
+    RETURN = "return"  # its bubble is over: hand it back unrun
+
+
+@dataclass(frozen=True)
+class Held:
+    """A batch waiting on the worker, as the policy sees it."""
+
+    batch_id: str
+    staged: bool  # sent ahead for the worker's next bubble
+    received: float  # when it arrived on the worker
+
+
+@dataclass(frozen=True)
+class FillPolicy:
+    guard_s: float  # a bubble predicted shorter than this is not filled
+    hold_s: float = HOLD_STAGED_S
+
+    def on_arrival(self, *, staged: bool, in_bubble: bool) -> Arrival:
+        if in_bubble:
+            return Arrival.RUN
+        return Arrival.HOLD if staged else Arrival.RETURN
+
+    def worth_filling(self, predicted_s: float) -> bool:
+        return predicted_s >= self.guard_s
+
+    def next_batch(self, queued: list[Held]) -> int | None:
+        """Index of the batch to run next (arrival order), or None when none is waiting."""
+        return 0 if queued else None
+
+    def may_start_block(
+        self, *, input_arrived: bool, now: float, ends_at: float | None = None, block_s: float | None = None
+    ) -> bool:
+        """Whether the next block may start. `ends_at`: the bubble's predicted end minus the guard;
+        `block_s`: the block's expected time (both None when unknown: only arrival stops it)."""
+        if input_arrived:
+            return False
+        if ends_at is None or block_s is None:
+            return True
+        return now + block_s <= ends_at
+
+    def at_bubble_end(self, queued: list[Held]) -> list[str]:
+        """Ids of the batches to hand back unrun when a bubble ends: those sent for it."""
+        return [h.batch_id for h in queued if not h.staged]
+
+    def expired_holds(self, queued: list[Held], *, in_bubble: bool, now: float) -> list[str]:
+        """Ids of staged batches no bubble took within `hold_s` (none while a bubble is open: it
+        runs them or hands them back at its end)."""
+        if in_bubble:
+            return []
+        return [h.batch_id for h in queued if h.staged and now - h.received >= self.hold_s]
+
+    def at_close(self, queued: list[Held]) -> list[str]:
+        """Ids of every batch to hand back when the worker stops: nothing more will run here."""
+        return [h.batch_id for h in queued]

@@ -1,0 +1,47 @@
+"""Every status in the system as an enum (like vLLM's `RequestStatus`, arq's `JobStatus`).
+
+The members' values are what goes on the wire (msgspec encodes an enum by value) and into Redis
+records, so they are stable names; code compares members, never strings. What a status means for a
+client (an HTTP code) is a table in the front door, keyed by these members.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class RequestStatus(enum.StrEnum):
+    """Where an accepted prefill request is. QUEUED until its one answer is stored."""
+
+    QUEUED = "queued"  # accepted and on the bus, no answer yet (waiting, or running in a bubble)
+    DONE = "done"  # answered: first token, logprobs, KV handle
+    FAILED = "failed"  # answered with a `FailureReason`
+
+
+class FailureReason(enum.StrEnum):
+    """Why an accepted request was failed explicitly (it is never dropped silently)."""
+
+    DEADLINE = "deadline"  # its deadline passed before pipeline bubbles could run it
+    STATE_EXPIRED = "state_expired"  # the saved partial prefill it should resume from had expired
+    MODEL_REFUSED = "model_refused"  # the worker's model cannot run this prompt (e.g. another spec's limits)
+
+
+class ItemOutcome(enum.StrEnum):
+    """How far one request of a prefill batch got on a worker (`PrefillProgress`)."""
+
+    PARTIAL = "partial"  # ran some layers (or none) and stopped: resume at `reached_layer`
+    DONE = "done"  # finished and answered
+    FAILED = "failed"  # answered with a failure; nothing to resume
+
+    @property
+    def finished(self) -> bool:
+        """The request left the dispatcher's hands: answered, one way or the other."""
+        return self is not ItemOutcome.PARTIAL
+
+
+class LeaseState(enum.StrEnum):
+    """How a worker's slot ended, as its peers read it from the slot's end marker."""
+
+    DONE = "done"  # trained to the end: its departure is not a failure
+    STOPPED = "stopped"  # stopped on purpose (Ctrl-C, SIGTERM): peers stop quietly too
+    ABORTED = "aborted"  # stopped because of another slot's failure, whose reason it carries
