@@ -191,8 +191,10 @@ async def no_batch_pending(redis_url: str, run: str) -> bool:
     """No worker holds an unacked prefill batch (every batch sent was run or handed back)."""
     r = Redis.from_url(redis_url)
     try:
-        streams = [k.decode() async for k in r.scan_iter(match=keys.fill_stream(run, 0, 0).replace(":0:0", ":*"))]
-        return all(not (await r.xpending(s, "worker"))["pending"] for s in streams)
+        async for stream in r.scan_iter(match=keys.fill_stream(run, 0, 0).replace(":0:0", ":*")):
+            if (await r.xpending(stream, "worker"))["pending"]:
+                return False
+        return True
     finally:
         await r.aclose()
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 from redis.asyncio import Redis
@@ -101,6 +102,18 @@ async def test_temporal_sends_one_at_a_time_in_priority_order(broker: Settings, 
     assert 0.055 < times[0] < 0.100
     for a, b in itertools.pairwise(times):
         assert 0.040 < b - a < 0.070
+
+
+@pytest.mark.parametrize("broker", ["temporal"], indirect=True)
+async def test_the_wire_starts_at_the_senders_send_time(broker: Settings, redis_url: str) -> None:
+    """A transfer that reaches the broker 40 ms after its sender sent it (a slow bus hop, say) has
+    been on the emulated wire for those 40 ms: it arrives about 20 ms later, not 60."""
+    async with Bus(redis_url) as bus:
+        t0 = time.time()
+        late = msgspec.structs.replace(transfer(0, (0,)), sent_at=t0 - 0.040)
+        await bus.publish(keys.wan_stream(broker.run), late)
+        ((_, arrived),) = await arrivals(redis_url, 1)
+    assert 0.010 < arrived - t0 < 0.045  # 60 ms emulated, 40 of them spent before the broker saw it
 
 
 @pytest.mark.parametrize("broker", ["fair"], indirect=True)
