@@ -17,7 +17,8 @@ from bubbletea.launcher.services import PREFILL_QUEUE
 from shared import keys
 from shared.bus.connection import blocking_client
 from shared.redis_server import free_port
-from shared.wire import IterationDone, WorkerFailed, decode
+from shared.status import ItemOutcome
+from shared.wire import IterationDone, PrefillReport, WorkerFailed, decode
 
 #: PP=2 x DP=2 with a device profile: each stage's forward counts for 40 ms, so every worker
 #: waits tens of milliseconds for its peer in each iteration: bubbles to fill.
@@ -122,3 +123,21 @@ async def wait_until(check: Callable[[], Awaitable[bool]], what: str, timeout: f
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:.0f}s: {what}")
         await asyncio.sleep(0.02)
+
+
+async def wait_for_an_answer(redis_url: str, run: str, timeout: float = 60.0) -> None:
+    """Block on the run's prefill reports until a worker reports a request answered."""
+    r = blocking_client(redis_url)
+    cursor, deadline = "0", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            reply: Any = await r.xread({keys.prefill_reports_stream(run): cursor}, block=1000)
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    cursor = entry_id
+                    msg = decode(fields[b"m"])
+                    if isinstance(msg, PrefillReport) and any(p.outcome is ItemOutcome.DONE for p in msg.progress):
+                        return
+        raise AssertionError(f"run {run} answered no request within {timeout:.0f}s")
+    finally:
+        await r.aclose()

@@ -44,6 +44,7 @@ from tests.e2e.serving import (
     start_front_door,
     status,
     submit,
+    wait_for_an_answer,
     wait_for_iteration,
     wait_until,
     write_spec,
@@ -348,6 +349,7 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str) 
             procs += [broker, dispatcher, *workers]
             await wait_for_iteration(redis_url, run, 1)
             submitter = asyncio.create_task(keep_submitting(http, door.url))
+            await wait_for_an_answer(redis_url, run)  # requests are being answered: now kill mid-batch
             victim, survivors = workers[0], workers[1:]
             slot = slot_of(victim)
             replica, stage = (int(x) for x in re.fullmatch(r"r(\d+)s(\d+)", slot).groups())  # type: ignore[union-attr]
