@@ -1,19 +1,30 @@
-"""BubbleTea benchmark: the same training run with prefill in its bubbles off, then on.
+"""BubbleTea benchmark: the same training run with prefill in its bubbles off and on, in pairs.
 
-Both runs use the same spec and seed (WAN-bound, with a device profile: configs/wan-bound.yaml)
-over real services on a private redis-server. With BubbleTea on, the load generator (its own
-process) keeps `--concurrency` prefill requests in flight over real HTTP (`POST /v1/completions`)
-for most of the run, so requests are always waiting when a bubble opens.
+Every run uses the same spec and seed (WAN-bound, with a training device profile:
+configs/wan-bound.yaml) over real services on a private redis-server. With BubbleTea on, the load
+generator (its own process) keeps `--concurrency` prefill requests in flight over real HTTP
+(`POST /v1/completions`, closed loop) for the whole run, so requests are waiting whenever a bubble
+opens. Runs go off, on, off, on, ... (`--pairs` interleaved pairs, so slow drift of a shared machine
+hits both sides); a case's figure is the median over its pairs, and latency percentiles are over
+the bubbles of all its pairs.
 
-    python bench/bubble_fill.py            # 16 iterations per run
-    python bench/bubble_fill.py --quick    # under 60 s
+Cases: DP=2 (four workers) and DP=1 (two), each in two modes:
+* ``profiled``: prefill counts for the spec's prefill profile (each block = one layer of one prompt
+  = 0.25 ms + 8 us per token, padded in the worker; compute slower than that is reported as lag);
+* ``raw``: prefill counts for its real CPU compute time.
 
-Prints a table, then one JSON object on the last line. Keys:
-dispatch_p50_ms / dispatch_p99_ms (bubble start on the worker -> its first prefill running),
-bubble_fill_ratio (prefill time / bubble time), utilization_off / utilization_on (training +
-prefill time / wall time, mean over workers), train_slowdown_pct (steady iteration time, on vs
-off), prefill_tokens_per_s, ttft_p50_ms / ttft_p99_ms (HTTP request to answer), requests_lost
-(accepted but neither answered nor failed explicitly).
+    python bench/bubble_fill.py            # every case, 3 pairs of 16 iterations each
+    python bench/bubble_fill.py --quick    # the headline case only (DP=2, profiled), 3 pairs of 8
+
+Prints a table per case and one JSON line per case; the last line is always the headline case.
+Keys: dispatch_p50_ms / dispatch_p99_ms (bubble start on the worker -> its first prefill running),
+bubble_fill_ratio (prefill time / bubble time, steady window), utilization_off / utilization_on
+(training + prefill time / window, mean over workers), train_slowdown_pct (median over pairs of
+steady iteration time on vs off), prediction_error_p50_ms / _p90_ms (|actual - predicted| bubble
+length), overrun_p50_ms / _p99_ms (training input arrived -> training resumed, per filled bubble),
+prefill_lag_ms_on (real prefill compute behind the profile), prefill_tokens_per_s, ttft_p50_ms /
+ttft_p99_ms (HTTP request to answer), requests_lost (accepted but neither answered nor failed
+explicitly), losses_equal (bit-identical training losses on and off), mode, pairs.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +50,16 @@ from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import PREFILL_QUEUE
 from bubbletea.launcher.train import TrainResult, run_training
-from bubbletea.runstats import dispatch_latencies_ms, median, percentile, run_spans, utilization
+from bubbletea.runstats import (
+    Span,
+    dispatch_latencies_ms,
+    median,
+    overruns_ms,
+    percentile,
+    prediction_errors_ms,
+    run_spans,
+    utilization,
+)
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import load_settings
 
@@ -46,8 +67,16 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "wan-bound.yaml").read_text())
 
 
-def bench_spec(*, enabled: bool, iterations: int, dp: int) -> dict[str, Any]:
+#: The profiled mode's prefill cost per block (one layer of one prompt): ~1 ms for the load's
+#: ~96-token prompts, half the guard, and 2-3x this CPU's real compute for the benchmark's model.
+PREFILL_PROFILE = {"prefill_ms_per_layer": 0.25, "prefill_us_per_token": 8.0}
+MODES = ("profiled", "raw")
+
+
+def bench_spec(*, enabled: bool, iterations: int, dp: int, mode: str = "profiled") -> dict[str, Any]:
     spec = copy.deepcopy(BASE)
+    if mode == "profiled":
+        spec["device"] |= PREFILL_PROFILE
     spec["name"] = "bubbletea-bench"
     spec["parallelism"]["dp"] = dp
     spec["training"]["iterations"] = iterations
@@ -73,9 +102,17 @@ async def load(api: str, url: str, run: str, concurrency: int, duration_s: float
 
 
 async def one_run(
-    url: str, workdir: Path, *, enabled: bool, iterations: int, dp: int, concurrency: int, load_s: float = 0.0
+    url: str,
+    workdir: Path,
+    *,
+    enabled: bool,
+    iterations: int,
+    dp: int,
+    concurrency: int,
+    mode: str,
+    load_s: float = 0.0,
 ) -> tuple[TrainResult, dict[str, Any]]:
-    spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp)
+    spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp, mode=mode)
     path = workdir / f"bt-{'on' if enabled else 'off'}.yaml"
     path.write_text(yaml.safe_dump(spec))
     run = f"bench-bt-{'on' if enabled else 'off'}-{random.randrange(1 << 30):x}"
@@ -104,67 +141,123 @@ async def one_run(
     return result, {"spans": spans, **extra}
 
 
-async def bench(quick: bool, dp: int, concurrency: int) -> dict[str, Any]:
-    iterations = 8 if quick else 16
-    with tempfile.TemporaryDirectory() as tmp:
-        async with EmbeddedRedis() as redis:
-            off, off_t = await one_run(
-                redis.url, Path(tmp), enabled=False, iterations=iterations, dp=dp, concurrency=concurrency
-            )
-            # the load lasts most of the training time (measured with BubbleTea off), not its tail
-            load_s = 0.8 * sum(off.iteration_s)
-            on, on_t = await one_run(
-                redis.url, Path(tmp), enabled=True, iterations=iterations, dp=dp, concurrency=concurrency, load_s=load_s
-            )
-    u_off, u_on = utilization(off_t["spans"]), utilization(on_t["spans"])
-    dispatch = dispatch_latencies_ms(on_t["spans"])
-    lg: dict[str, Any] = on_t["load"]
-    ttft = lg["ttfts_ms"]
-    it_off, it_on = off.steady_iteration_s(), on.steady_iteration_s()
+@dataclass
+class Pair:
+    off: TrainResult
+    on: TrainResult
+    spans_off: list[Span]
+    spans_on: list[Span]
+    load: dict[str, Any]
+
+
+async def run_case(
+    url: str, workdir: Path, *, dp: int, mode: str, pairs: int, iterations: int, concurrency: int
+) -> dict[str, Any]:
+    """`pairs` interleaved off/on runs of one case, summarised."""
+    done: list[Pair] = []
+    for i in range(pairs):
+        print(f"  dp={dp} {mode}: pair {i + 1}/{pairs}", file=sys.stderr, flush=True)
+        kw: dict[str, Any] = {"iterations": iterations, "dp": dp, "concurrency": concurrency, "mode": mode}
+        off, off_t = await one_run(url, workdir, enabled=False, **kw)
+        # closed loop for the whole run: the load lasts as long as the training did with BubbleTea off
+        on, on_t = await one_run(url, workdir, enabled=True, load_s=sum(off.iteration_s), **kw)
+        done.append(Pair(off, on, off_t["spans"], on_t["spans"], on_t["load"]))
+    return summarise(done, dp=dp, mode=mode, iterations=iterations, concurrency=concurrency)
+
+
+def summarise(pairs: list[Pair], **case: Any) -> dict[str, Any]:
+    def med(values: list[float]) -> float:
+        return float(median(values) or 0.0)
+
+    u_off = [utilization(p.spans_off) for p in pairs]
+    u_on = [utilization(p.spans_on) for p in pairs]
+    slowdowns = [(p.on.steady_iteration_s() / p.off.steady_iteration_s() - 1) * 100 for p in pairs]
+    dispatch = [x for p in pairs for x in dispatch_latencies_ms(p.spans_on)]
+    errors_ms = [x for p in pairs for x in prediction_errors_ms(p.spans_on)]
+    overrun = [x for p in pairs for x in overruns_ms(p.spans_on)]
+    ttft = [x for p in pairs for x in p.load["ttfts_ms"]]
+    errors: dict[str, int] = {}
+    for p in pairs:
+        for k, n in p.load["errors"].items():
+            errors[k] = errors.get(k, 0) + n
     return {
-        "iterations": iterations,
-        "dp": dp,
-        "concurrency": concurrency,
-        "iter_ms_off": round(it_off * 1000, 2),
-        "iter_ms_on": round(it_on * 1000, 2),
-        "train_slowdown_pct": round((it_on / it_off - 1) * 100, 2),
+        **case,
+        "pairs": len(pairs),
+        "iter_ms_off": round(med([p.off.steady_iteration_s() for p in pairs]) * 1000, 2),
+        "iter_ms_on": round(med([p.on.steady_iteration_s() for p in pairs]) * 1000, 2),
+        "train_slowdown_pct": round(med(slowdowns), 2),
+        "train_slowdown_pct_pairs": [round(x, 2) for x in slowdowns],
         # how far real compute fell behind the device profile, summed over workers and iterations
-        "lag_ms_off": round(off.lag_ms, 1),
-        "lag_ms_on": round(on.lag_ms, 1),
-        "bubble_fraction_off": round(u_off.bubble, 3),
-        "utilization_off": round(u_off.busy, 3),
-        "utilization_on": round(u_on.busy, 3),
-        "bubble_fill_ratio": round(u_on.fill_ratio, 3),
+        "lag_ms_off": round(med([p.off.lag_ms for p in pairs]), 1),
+        "lag_ms_on": round(med([p.on.lag_ms for p in pairs]), 1),
+        "prefill_lag_ms_on": round(med([p.on.prefill_lag_ms for p in pairs]), 1),
+        "bubble_fraction_off": round(med([u.bubble for u in u_off]), 3),
+        "utilization_off": round(med([u.busy for u in u_off]), 3),
+        "utilization_on": round(med([u.busy for u in u_on]), 3),
+        "bubble_fill_ratio": round(med([u.fill_ratio for u in u_on]), 3),
         "dispatch_p50_ms": _r(median(dispatch)),
         "dispatch_p99_ms": _r(percentile(dispatch, 99)),
         "bubbles_dispatched": len(dispatch),
-        "prefill_tokens_per_s": round(lg["input_throughput"], 1),
-        "requests_answered": lg["completed"],
+        "prediction_error_p50_ms": _r(median(errors_ms)),
+        "prediction_error_p90_ms": _r(percentile(errors_ms, 90)),
+        "overrun_p50_ms": _r(median(overrun)),
+        "overrun_p99_ms": _r(percentile(overrun, 99)),
+        "prefill_tokens_per_s": round(med([p.load["input_throughput"] for p in pairs]), 1),
+        "requests_answered": sum(p.load["completed"] for p in pairs),
         "ttft_p50_ms": _r(median(ttft)),
         "ttft_p99_ms": _r(percentile(ttft, 99)),
-        "errors": lg["errors"],
+        "errors": errors,
         # accepted but never answered nor failed explicitly (an HTTP status is an explicit answer)
-        "requests_lost": sum(n for k, n in lg["errors"].items() if not k.isdigit()),
-        "losses_equal": off.losses == on.losses,
+        "requests_lost": sum(n for k, n in errors.items() if not k.isdigit()),
+        "losses_equal": all(p.off.losses == p.on.losses for p in pairs),
     }
+
+
+async def bench(cases: list[tuple[int, str]], *, pairs: int, iterations: int, concurrency: int) -> list[dict[str, Any]]:
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        async with EmbeddedRedis() as redis:
+            for dp, mode in cases:
+                kw = {"dp": dp, "mode": mode, "pairs": pairs, "iterations": iterations, "concurrency": concurrency}
+                out.append(await run_case(redis.url, Path(tmp), **kw))
+    return out
 
 
 def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 3)
 
 
+#: The case the last JSON line always reports: the one the targets are set for.
+HEADLINE = (2, "profiled")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="8 iterations per run; finishes in under 60 s")
-    ap.add_argument("--dp", type=int, default=2, help="data-parallel replicas (workers = 2 x DP); default 2")
+    ap.add_argument("--quick", action="store_true", help="only the headline case (DP=2, profiled), 8 iterations a run")
+    ap.add_argument("--dp", type=int, choices=(1, 2), help="only this DP degree (workers = 2 x DP)")
+    ap.add_argument("--mode", choices=MODES, help="only this prefill mode")
+    ap.add_argument("--pairs", type=int, default=3, help="interleaved off/on pairs per case; default 3")
+    ap.add_argument("--iterations", type=int, help="training iterations per run; default 8 with --quick, else 16")
     ap.add_argument("--concurrency", type=int, default=32, help="requests the client keeps in flight; default 32")
     args = ap.parse_args(argv)
+    if args.pairs < 1:
+        ap.error("--pairs must be at least 1")
+    if args.quick:
+        cases = [HEADLINE]
+    else:
+        cases = [(dp, mode) for dp in (2, 1) for mode in MODES]
+        cases = [c for c in cases if (args.dp in (None, c[0])) and (args.mode in (None, c[1]))]
+        cases.sort(key=lambda c: c == HEADLINE)  # the headline case last
+    iterations = args.iterations or (8 if args.quick else 16)
     t0 = time.perf_counter()
-    res = uvloop.run(bench(args.quick, args.dp, args.concurrency))
-    res["bench_s"] = round(time.perf_counter() - t0, 1)
-    for k, v in res.items():
-        print(f"{k:<24} {v}", file=sys.stderr)
-    print(json.dumps(res))
+    results = uvloop.run(bench(cases, pairs=args.pairs, iterations=iterations, concurrency=args.concurrency))
+    for res in results:
+        res["bench_s"] = round(time.perf_counter() - t0, 1)
+        print(f"== dp={res['dp']} mode={res['mode']}", file=sys.stderr)
+        for k, v in res.items():
+            print(f"{k:<26} {v}", file=sys.stderr)
+    for res in results:
+        print(json.dumps(res))
     return 0
 
 

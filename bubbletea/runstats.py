@@ -57,12 +57,27 @@ class Span:
     start: float
     end: float
     microbatch: int | None = None
+    #: wait spans: the bubble's predicted length (ms) and when the awaited input arrived (wall clock)
+    predicted_ms: float | None = None
+    input_at: float | None = None
 
     @classmethod
     def from_record(cls, record: SpanRecord) -> Span:
         """The span a worker sent on the wire (where microbatch -1 means none)."""
         mb = record.microbatch if record.microbatch >= 0 else None
-        return cls(record.replica, record.stage, record.iteration, record.span, record.start, record.end, mb)
+        predicted = record.predicted_ms if record.predicted_ms >= 0 else None
+        arrived = record.input_at if record.input_at > 0 else None
+        return cls(
+            record.replica,
+            record.stage,
+            record.iteration,
+            record.span,
+            record.start,
+            record.end,
+            mb,
+            predicted,
+            arrived,
+        )
 
     @property
     def worker(self) -> str:
@@ -239,6 +254,33 @@ def dispatch_latencies_ms(spans: Iterable[Span]) -> list[float]:
             elif wait is not None and wait.start <= s.start <= wait.end:
                 out.append((s.start - wait.start) * 1000)
                 wait = None  # only the bubble's first prefill
+    return out
+
+
+def prediction_errors_ms(spans: Iterable[Span]) -> list[float]:
+    """Per bubble of the steady window (a `wait` span announced with a prediction): |actual length
+    - predicted length|, ms. How far the length a worker announced was from the bubble it had."""
+    return [
+        abs(s.duration * 1000 - s.predicted_ms)
+        for s in steady(spans)
+        if s.kind == "wait" and s.predicted_ms is not None
+    ]
+
+
+def overruns_ms(spans: Iterable[Span]) -> list[float]:
+    """Per filled bubble (a `wait` span with prefill inside it): training input arrived to training
+    resumed (the wait's end), ms. What filling the bubble cost training; 0 when prefill had
+    stopped before the input came."""
+    by_worker: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.kind == "prefill":
+            by_worker[s.worker].append(s)
+    out = []
+    for w in steady(spans):
+        if w.kind != "wait" or w.input_at is None:
+            continue
+        if any(w.start <= p.start < w.end for p in by_worker.get(w.worker, ())):
+            out.append(max(0.0, (w.end - w.input_at) * 1000))
     return out
 
 

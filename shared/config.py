@@ -108,6 +108,10 @@ class Device(_Spec, frozen=True):
     step_ms: Millis = 0.0
     #: Accelerator memory; free memory is reported with each bubble.
     memory_gib: Annotated[float, Meta(gt=0, le=100_000)] = 80.0
+    #: Prefill profile: one transformer block of one prompt of T tokens counts for
+    #: prefill_ms_per_layer + T x prefill_us_per_token / 1000 ms. Both None = real compute time.
+    prefill_ms_per_layer: Annotated[float, Meta(ge=0, le=3_600_000)] | None = None
+    prefill_us_per_token: Annotated[float, Meta(ge=0, le=3_600_000)] | None = None
 
 
 class BubbleTea(_Spec, frozen=True):

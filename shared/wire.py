@@ -141,6 +141,10 @@ class SpanRecord(Message, frozen=True, kw_only=True, tag="span"):
     start: float
     end: float
     microbatch: int = -1
+    #: wait spans only: the bubble's predicted length (ms) when it was announced, and when the
+    #: awaited training input arrived (wall clock; `end` minus it is how late training resumed)
+    predicted_ms: float = -1.0
+    input_at: float = 0.0
 
 
 class IterationDone(Message, frozen=True, kw_only=True, tag="iteration_done"):
@@ -154,6 +158,7 @@ class IterationDone(Message, frozen=True, kw_only=True, tag="iteration_done"):
     ended: float
     loss: float | None = None
     lag_ms: float = 0.0  # how far real compute fell behind the device profile
+    prefill_lag_ms: float = 0.0  # how far real prefill compute fell behind the prefill profile
 
 
 class WorkerFailed(Message, frozen=True, kw_only=True, tag="worker_failed"):

@@ -34,6 +34,7 @@ class TrainResult:
     #: per iteration: wall time from the previous iteration's end (or the first start) to its end
     iteration_s: list[float] = field(default_factory=list)
     lag_ms: float = 0.0
+    prefill_lag_ms: float = 0.0
     links: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def steady_iteration_s(self) -> float:
@@ -116,6 +117,7 @@ async def _follow(bus: Bus, stream: str, settings: Settings, procs: list[Proc], 
         prev_end = end
         result.losses.append(statistics.fmean(m.loss for m in recs if m.loss is not None))
         result.lag_ms += sum(m.lag_ms for m in recs)
+        result.prefill_lag_ms += sum(m.prefill_lag_ms for m in recs)
     return result
 
 

@@ -27,6 +27,7 @@ from shared.bus import Bus, Delivery, Reject
 from shared.logs import get_logger
 from shared.model.prefill import PrefillModel, PrefillResult, PrefillState
 from shared.policies.fill import Arrival, FillPolicy, Held
+from shared.policies.prefill_cost import PrefillProfile
 from shared.status import FailureReason, ItemOutcome, RequestStatus
 from shared.wire import PrefillBatch, PrefillItem, PrefillProgress, PrefillReport
 from shared.wire import PrefillResult as ResultMessage
@@ -52,6 +53,7 @@ class BatchRun:
     ended: float
     outcomes: list[Outcome]
     preempted: bool
+    out_of_time: bool = False  # stopped because the next block would end after the bubble's predicted end
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Queued:
     batch: PrefillBatch
     done: asyncio.Future[None]  # set once answered and reported: the delivery is acked then
     held: Held
+    states: dict[str, PrefillState | None]  # resumed items' saved states, loaded on arrival
 
 
 class Filler:
@@ -72,10 +75,14 @@ class Filler:
         kv_ttl_s: int,
         on_span: Callable[[float, float], None],
         policy: FillPolicy,
+        profile: PrefillProfile | None = None,
     ) -> None:
         self.bus, self.run, self.worker = bus, run, worker
         self.model, self.model_name, self.kv_ttl_s = model, model_name, kv_ttl_s
-        self.on_span, self.policy = on_span, policy
+        self.on_span, self.policy, self.profile = on_span, policy, profile
+        #: how far real prefill compute fell behind the profile (seconds); the runner takes it
+        #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
+        self.lag_s = 0.0
         self._queue: list[Queued] = []
         self._work = asyncio.Event()
         self._post: set[asyncio.Task[None]] = set()
@@ -93,7 +100,9 @@ class Filler:
             await self._finish_batch(batch, BatchRun(0.0, time.time(), [], preempted=True))
             return
         loop = asyncio.get_running_loop()
-        q = Queued(batch, loop.create_future(), Held(batch.batch_id, batch.hold, time.monotonic()))
+        # Snapshots are read now, not when the bubble opens: no Redis round trip on its critical path.
+        states = await self._load_snapshots(batch)
+        q = Queued(batch, loop.create_future(), Held(batch.batch_id, batch.hold, time.monotonic()), states)
         self._queue.append(q)
         self._work.set()
         if action is Arrival.HOLD:
@@ -107,11 +116,16 @@ class Filler:
 
     # --- inside a bubble (called by the runner) --------------------------------------------
 
-    async def fill(self, arrived: Arrived, training_input: asyncio.Future[Any], predicted_s: float) -> None:
-        """Run queued batches until training input has arrived (`arrived()` turns true)."""
+    async def fill(
+        self, arrived: Arrived, training_input: asyncio.Future[Any], predicted_s: float, started: float
+    ) -> None:
+        """Run queued batches until training input has arrived (`arrived()` turns true). `started`:
+        when the bubble began (time.monotonic()); no block starts that would end after its
+        predicted end minus the guard."""
         if not self.policy.worth_filling(predicted_s):
             await asyncio.wait({training_input})
             return
+        ends_at = self.policy.fill_until(started, predicted_s)
         self.in_bubble = True
         try:
             while not arrived() and not training_input.done():
@@ -123,11 +137,12 @@ class Filler:
                     waiter.cancel()
                     continue
                 q = self._queue.pop(i)
-                states = await self._load_snapshots(q.batch)
-                run = await asyncio.to_thread(self._compute, q.batch, states, arrived)
+                run = await asyncio.to_thread(self._compute, q.batch, q.states, arrived, ends_at)
                 if run.outcomes:
                     self.on_span(run.started, run.ended)
                 self._background(self._finish_batch(q.batch, run), q.done)
+                if run.out_of_time:  # the rest of the bubble is the guard's: wait for the input
+                    await asyncio.wait({training_input})
         finally:
             self.in_bubble = False
             self._hand_back(self.policy.at_bubble_end([q.held for q in self._queue]))
@@ -150,19 +165,17 @@ class Filler:
             states[it.id] = kvstore.restore(snap, self.model.cfg.layers) if snap is not None else None
         return states
 
-    def _compute(self, batch: PrefillBatch, states: dict[str, PrefillState | None], arrived: Arrived) -> BatchRun:
-        """In a worker thread: the items in order, block by block, while the policy lets blocks start."""
-
-        def stop() -> bool:
-            return not self.policy.may_start_block(input_arrived=arrived(), now=time.monotonic())
-
+    def _compute(
+        self, batch: PrefillBatch, states: dict[str, PrefillState | None], arrived: Arrived, ends_at: float
+    ) -> BatchRun:
+        """In a worker thread: the items in order, one block (one layer of one request) at a time,
+        each started only when the policy allows it. With a device profile a started block counts
+        for its whole profiled time: the thread sleeps out the rest (a GPU kernel is not cut short),
+        and real compute slower than the profile is added to `lag_s`."""
         started = time.time()
         outcomes: list[Outcome] = []
-        preempted = False
+        preempted = out_of_time = False
         for item in batch.items:
-            if stop():
-                preempted = True
-                break
             t0 = time.perf_counter()
             if item.from_layer and states.get(item.id) is None:
                 why = "its saved partial state expired before it could resume"
@@ -170,7 +183,7 @@ class Filler:
                 continue
             try:
                 state = states.get(item.id) or self.model.start(item.tokens)
-                self.model.run_layers(state, max_layers=item.to_layer - state.next_layer, should_stop=stop)
+                out_of_time = self._run_blocks(state, item.to_layer, arrived, ends_at)
                 result = None
                 if state.done:
                     result = self.model.finish(
@@ -183,7 +196,34 @@ class Filler:
             if state.next_layer < item.to_layer:
                 preempted = True
                 break
-        return BatchRun(started, time.time(), outcomes, preempted)
+        return BatchRun(started, time.time(), outcomes, preempted, out_of_time)
+
+    def _run_blocks(self, state: PrefillState, to_layer: int, arrived: Arrived, ends_at: float) -> bool:
+        """Blocks of one request up to `to_layer`, while the policy lets the next one start.
+        Returns True when it stopped for time (the input had not arrived)."""
+        profiled = self.profile.block_s(len(state.tokens)) if self.profile is not None else None
+        expected = profiled  # raw mode: the next block is expected to take as long as the last one
+        while state.next_layer < to_layer and not state.done:
+            input_arrived = arrived()
+            if not self.policy.may_start_block(
+                input_arrived=input_arrived, now=time.monotonic(), ends_at=ends_at, block_s=expected
+            ):
+                return not input_arrived
+            b0 = time.monotonic()
+            self.model.run_layers(state, max_layers=1)
+            spent = time.monotonic() - b0
+            if profiled is None:
+                expected = spent
+            elif spent < profiled:
+                time.sleep(profiled - spent)  # sleeping releases the GIL: the event loop runs on
+            else:
+                self.lag_s += spent - profiled
+        return False
+
+    def take_lag(self) -> float:
+        """Prefill lag behind the profile since the last call, seconds."""
+        lag, self.lag_s = self.lag_s, 0.0
+        return lag
 
     # --- after the batch, off the training path --------------------------------------------
 

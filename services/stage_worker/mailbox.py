@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Hashable
 from typing import Any
 
@@ -14,10 +15,12 @@ class Mailbox:
         self._items: dict[Hashable, Any] = {}
         self._waiters: dict[Hashable, asyncio.Future[Any]] = {}
         self._taken: set[Hashable] = set()
+        self._arrived_at: dict[Hashable, float] = {}
 
     def put(self, key: Hashable, value: Any) -> None:
         if key in self._taken or key in self._items:
             return  # duplicate delivery (at-least-once bus): the first copy wins
+        self._arrived_at[key] = time.time()
         waiter = self._waiters.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(value)
@@ -33,6 +36,10 @@ class Mailbox:
         thread polls it between layers (set/dict membership is atomic under the GIL)."""
         return key in self._items or key in self._taken
 
+    def arrived_at(self, key: Hashable) -> float | None:
+        """When `key` was first put (wall clock), or None if it has not been."""
+        return self._arrived_at.get(key)
+
     async def take(self, key: Hashable) -> Any:
         if key in self._items:
             self._taken.add(key)
@@ -43,3 +50,4 @@ class Mailbox:
     def forget_before(self, keep: Any) -> None:
         """Drop bookkeeping of taken keys for which ``keep(key)`` is false (bounded memory)."""
         self._taken = {k for k in self._taken if keep(k)}
+        self._arrived_at = {k: t for k, t in self._arrived_at.items() if keep(k)}

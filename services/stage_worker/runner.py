@@ -89,6 +89,7 @@ class StageRunner:
             started, self.lag_s = time.time(), 0.0
             await self._iteration(it, actions)
             loss = self.trainer.take_loss()
+            prefill_lag_ms = self.filler.take_lag() * 1000 if self.filler is not None else 0.0
             self._flush_spans()
             done = IterationDone(
                 run=self.run,
@@ -99,6 +100,7 @@ class StageRunner:
                 ended=time.time(),
                 loss=loss,
                 lag_ms=self.lag_s * 1000,
+                prefill_lag_ms=prefill_lag_ms,
             )
             self.outbox.send_many(keys.events_stream(self.run), [done], maxlen=keys.EVENTS_MAXLEN)
             self.outbox.raise_if_failed()
@@ -110,7 +112,13 @@ class StageRunner:
                 loss=loss if loss is not None else "-",
                 ms=(time.time() - started) * 1000,
                 lag_ms=self.lag_s * 1000,
+                prefill_lag_ms=prefill_lag_ms,
             )
+            if prefill_lag_ms > 0:
+                # Never hidden: the prefill profile claims a faster device than this one keeps up with.
+                log.warning(
+                    "prefill fell behind its device profile", slot=self.slot.name, iteration=it, lag_ms=prefill_lag_ms
+                )
 
     async def _iteration(self, it: int, actions: tuple[Any, ...]) -> None:
         held: dict[tuple[str, int], torch.Tensor] = {}
@@ -185,7 +193,7 @@ class StageRunner:
         if self.mailbox.ready(key):
             return await self.mailbox.take(key)
         predicted = self.predictor.predict(pos)
-        t0 = time.time()
+        t0, started = time.time(), time.monotonic()
         # Through the outbox: staged prefill starts now, not after a round trip to Redis.
         self.outbox.send(
             keys.bubbles_stream(self.run),
@@ -202,7 +210,7 @@ class StageRunner:
                 at=t0,
             ),
         )
-        value = await self._wait_filling(key, predicted)
+        value = await self._wait_filling(key, predicted, started)
         t1 = time.time()
         self.predictor.observe(pos, predicted, t1 - t0)
         self.outbox.send(
@@ -219,16 +227,18 @@ class StageRunner:
                 at=t1,
             ),
         )
-        self._span("wait", it, t0, t1, key[2] if len(key) > 2 else -1)
+        arrived = self.mailbox.arrived_at(key) or t1
+        self._span("wait", it, t0, t1, key[2] if len(key) > 2 else -1, predicted_ms=predicted * 1000, input_at=arrived)
         return value
 
-    async def _wait_filling(self, key: tuple[Any, ...], predicted_s: float) -> Any:
-        """Wait for `key`; meanwhile, with BubbleTea, run prefill until it arrives."""
+    async def _wait_filling(self, key: tuple[Any, ...], predicted_s: float, started: float) -> Any:
+        """Wait for `key`; meanwhile, with BubbleTea, run prefill until it arrives. `started`: when
+        the bubble began (time.monotonic())."""
         if self.filler is None:
             return await self.mailbox.take(key)
         take = asyncio.ensure_future(self.mailbox.take(key))
         try:
-            await self.filler.fill(lambda: self.mailbox.arrived(key), take, predicted_s)
+            await self.filler.fill(lambda: self.mailbox.arrived(key), take, predicted_s, started)
             return await take
         finally:
             if not take.done():
@@ -265,7 +275,17 @@ class StageRunner:
 
     # --- telemetry -------------------------------------------------------------------------
 
-    def _span(self, kind: str, it: int, start: float, end: float, mb: int = -1) -> None:
+    def _span(
+        self,
+        kind: str,
+        it: int,
+        start: float,
+        end: float,
+        mb: int = -1,
+        *,
+        predicted_ms: float = -1.0,
+        input_at: float = 0.0,
+    ) -> None:
         self._spans.append(
             SpanRecord(
                 run=self.run,
@@ -276,6 +296,8 @@ class StageRunner:
                 start=start,
                 end=end,
                 microbatch=mb,
+                predicted_ms=predicted_ms,
+                input_at=input_at,
             )
         )
 

@@ -29,6 +29,7 @@ from shared.plan import placement_of, predict, profile_ms
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillPolicy
 from shared.policies.placement import Placement
+from shared.policies.prefill_cost import PrefillProfile
 from shared.settings import Settings
 from shared.tensors import from_blob
 from shared.wire import GradShard, PrefillBatch, StageTensor, WorkerFailed
@@ -144,6 +145,7 @@ async def _train(
             spec.prefill.kv_ttl_s,
             runner.prefill_span,
             FillPolicy(guard_s=spec.bubbletea.guard_ms / 1000),
+            PrefillProfile.from_device(spec.device.prefill_ms_per_layer, spec.device.prefill_us_per_token),
         )
         fill = bus.consumer(
             keys.fill_stream(run, slot.replica, slot.stage),

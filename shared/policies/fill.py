@@ -55,6 +55,10 @@ class FillPolicy:
     def worth_filling(self, predicted_s: float) -> bool:
         return predicted_s >= self.guard_s
 
+    def fill_until(self, started: float, predicted_s: float) -> float:
+        """The moment no block may end after: the bubble's predicted end minus the guard."""
+        return started + predicted_s - self.guard_s
+
     def next_batch(self, queued: list[Held]) -> int | None:
         """Index of the batch to run next (arrival order), or None when none is waiting."""
         return 0 if queued else None

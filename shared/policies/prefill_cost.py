@@ -25,6 +25,27 @@ def _features(tokens: int) -> tuple[float, float, float]:
     return (1.0, t, t * t)
 
 
+@dataclass(frozen=True)
+class PrefillProfile:
+    """What one prefill block (one transformer layer of one prompt) counts for on the emulated
+    device: a fixed part (kernel launches, weight reads) plus a part per prompt token (the matmuls;
+    attention's T^2 term is small next to them at prompt lengths a bubble takes)."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def block_s(self, tokens: int) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+    @classmethod
+    def from_device(cls, fixed_ms: float | None, per_token_us: float | None) -> PrefillProfile | None:
+        """The spec's `device.prefill_ms_per_layer` / `prefill_us_per_token`; None when both are
+        unset (prefill counts for its real compute time)."""
+        if fixed_ms is None and per_token_us is None:
+            return None
+        return cls((fixed_ms or 0.0) / 1000, (per_token_us or 0.0) / 1e6)
+
+
 @dataclass
 class PrefillCostModel:
     """Seconds to prefill a whole prompt on one device kind."""

@@ -55,7 +55,7 @@ async def one_bubble(
         return mailbox.arrived(key)
 
     take = asyncio.ensure_future(mailbox.take(key))
-    fill = asyncio.create_task(filler.fill(arrived, take, predicted_s=1.0))
+    fill = asyncio.create_task(filler.fill(arrived, take, predicted_s=1.0, started=time.monotonic()))
     handled = asyncio.create_task(filler.on_batch(Delivery("1-0", "s", b, 1)))
     put_at = None
     if arrive_after_s is not None:
@@ -94,12 +94,12 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         (first,) = await reports(bus)
         (p,) = first.progress
         assert first.preempted and p.outcome is ItemOutcome.PARTIAL and 0 < p.reached_layer < LAYERS
-        # One check before the item, then one before each block: blocks finished before the
-        # arrival = checks before it - 1 (the first check precedes block 0). At most the block
-        # in progress at arrival may finish afterwards.
+        # One check as the bubble's fill loop starts, then one before each block: blocks started
+        # before the arrival = checks before it - 1. At most the block in progress at arrival may
+        # finish afterwards: none starts after it.
         assert put_at is not None
-        finished_before = sum(1 for c in checks if c < put_at) - 1
-        assert p.reached_layer - finished_before <= 1, (p.reached_layer, finished_before)
+        started_before = sum(1 for c in checks if c < put_at) - 1
+        assert p.reached_layer <= started_before, (p.reached_layer, started_before)
         queued = await serving.lookup(bus.redis, req.id)
         assert spans and queued is not None and queued.status is RequestStatus.QUEUED
         snap_key = keys.prefill_snapshot_key(RUN, req.id, p.reached_layer)

@@ -52,6 +52,11 @@ def test_spec_is_frozen() -> None:
         ({"datacenters": DC, "wan": {"links": [{"src": "a", "dst": "a"}]}}, "wan.links[0]: src and dst are both"),
         ({"datacenters": [{"name": "Bad Name", "gpus": 1}]}, "datacenters[0].name: Expected `str` matching regex"),
         ([1, 2], "the spec must be a mapping"),
+        (
+            {"datacenters": DC, "device": {"prefill_us_per_token": -1}},
+            "device.prefill_us_per_token: Expected `float` >= 0",
+        ),
+        ({"datacenters": DC, "device": {"prefill_ms_per_layer": "fast"}}, "device.prefill_ms_per_layer: Expected"),
     ],
 )
 def test_bad_values_name_the_field(data: object, expected: str) -> None:
