@@ -212,7 +212,7 @@ class StageRunner:
         )
         value = await self._wait_filling(key, predicted, started)
         t1 = time.time()
-        self.predictor.observe(pos, predicted, t1 - t0)
+        self.predictor.observe(pos, predicted, t1 - t0, it)
         self.outbox.send(
             keys.bubbles_stream(self.run),
             BubbleEnd(

@@ -12,3 +12,12 @@ def test_prior_before_history_then_shortest_recent() -> None:
     assert p.predict(3) == 0.02  # old short ones age out of the window
     assert p.errors[0] < 0 and p.errors[1] > 0
     assert 0 < p.over_predicted_share() < 1
+
+
+def test_warm_up_bubbles_do_not_pin_the_prediction() -> None:
+    p = BubblePredictor(prior={0: 0.100})
+    p.observe(0, 0.100, 0.0015, iteration=0)  # start-up: a short first bubble
+    assert p.predict(0) == 0.100  # still the analytic prior, not the warm-up outlier
+    p.observe(0, 0.100, 0.120, iteration=1)
+    assert p.predict(0) == 0.120
+    assert len(p.errors) == 2  # the warm-up bubble still counts in the error record
