@@ -22,6 +22,9 @@ equals the plain sum of span durations over the window (tests/unit/test_runstats
 
 Spans are `Span` values: a run folder's spans.jsonl holds them, and the wire's `SpanRecord`s are
 turned into them as they are read (`run_spans`, `Span.from_record`).
+
+Over 300 lines on purpose: the one definition of every run figure lives in one module, so no
+figure can be computed two ways.
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ Training is the owner, prefill the guest. Every timing rule is the pure `FillPol
 * The batch runs in a thread on the `PrefillModel`, one block at a time; before each block the
   policy says whether it may start (the awaited activation or gradient has not arrived), so the
   thread yields at that layer boundary and the runner resumes training within one block's time.
-* Afterwards, off the training path (a background task): finished requests are answered (first
-  token, logprobs, KV handle) and their KV caches stored; preempted ones are snapshotted so any
-  worker can resume them; and one `PrefillReport` tells the dispatcher where every item got to.
-  Only then is the batch acked, so a worker killed mid-batch leaves it for the dispatcher to requeue.
+* Afterwards, off the training path (a background task, `reporting.py`): answers, snapshots and
+  one `PrefillReport`; only then is the batch acked, so a worker killed mid-batch leaves it for
+  the dispatcher to requeue.
 """
 
 from __future__ import annotations
@@ -22,38 +21,19 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from shared import keys, kvstore, serving
+from services.stage_worker.reporting import BatchRun, Outcome, Reporter
+from shared import kvstore
 from shared.bus import Bus, Delivery, Reject
 from shared.logs import get_logger
-from shared.model.prefill import PrefillModel, PrefillResult, PrefillState
+from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import Arrival, FillPolicy, Held
 from shared.policies.prefill_cost import PrefillProfile
-from shared.status import FailureReason, ItemOutcome, RequestStatus
-from shared.wire import PrefillBatch, PrefillItem, PrefillProgress, PrefillReport
-from shared.wire import PrefillResult as ResultMessage
+from shared.status import FailureReason
+from shared.wire import PrefillBatch
 
 log = get_logger(__name__)
 
 Arrived = Callable[[], bool]
-
-
-@dataclass
-class Outcome:
-    item: PrefillItem
-    reached: int
-    seconds: float
-    state: PrefillState | None = None
-    result: PrefillResult | None = None
-    failure: tuple[FailureReason, str] | None = None
-
-
-@dataclass
-class BatchRun:
-    started: float  # wall clock when the first block began
-    ended: float
-    outcomes: list[Outcome]
-    preempted: bool
-    out_of_time: bool = False  # stopped because the next block would end after the bubble's predicted end
 
 
 @dataclass
@@ -80,6 +60,7 @@ class Filler:
         self.bus, self.run, self.worker = bus, run, worker
         self.model, self.model_name, self.kv_ttl_s = model, model_name, kv_ttl_s
         self.on_span, self.policy, self.profile = on_span, policy, profile
+        self.reporter = Reporter(bus, run, worker, model_name, kv_ttl_s)
         #: how far real prefill compute fell behind the profile (seconds); the runner takes it
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
         self.lag_s = 0.0
@@ -97,7 +78,7 @@ class Filler:
             raise Reject(f"the fill stream of run {self.run} got a batch of run {batch.run}")
         action = self.policy.on_arrival(staged=batch.hold, in_bubble=self.in_bubble)
         if action is Arrival.RETURN:  # the bubble closed before the batch got here
-            await self._finish_batch(batch, BatchRun(0.0, time.time(), [], preempted=True))
+            await self.reporter.finish_batch(batch, BatchRun(0.0, time.time(), [], preempted=True))
             return
         loop = asyncio.get_running_loop()
         # Snapshots are read now, not when the bubble opens: no Redis round trip on its critical path.
@@ -140,7 +121,7 @@ class Filler:
                 run = await asyncio.to_thread(self._compute, q.batch, q.states, arrived, ends_at)
                 if run.outcomes:
                     self.on_span(run.started, run.ended)
-                self._background(self._finish_batch(q.batch, run), q.done)
+                self._background(self.reporter.finish_batch(q.batch, run), q.done)
                 if run.out_of_time:  # the rest of the bubble is the guard's: wait for the input
                     await asyncio.wait({training_input})
         finally:
@@ -154,7 +135,7 @@ class Filler:
         back = [q for q in self._queue if q.held.batch_id in batch_ids]
         self._queue = [q for q in self._queue if q.held.batch_id not in batch_ids]
         for q in back:
-            self._background(self._finish_batch(q.batch, BatchRun(0.0, time.time(), [], True)), q.done)
+            self._background(self.reporter.finish_batch(q.batch, BatchRun(0.0, time.time(), [], True)), q.done)
 
     async def _load_snapshots(self, batch: PrefillBatch) -> dict[str, PrefillState | None]:
         """The saved states of resumed items (None when one has expired)."""
@@ -243,78 +224,6 @@ class Filler:
         task = asyncio.create_task(run())
         self._post.add(task)
         task.add_done_callback(self._post.discard)
-
-    async def _finish_batch(self, batch: PrefillBatch, run: BatchRun) -> None:
-        r = self.bus.redis
-        progress: list[PrefillProgress] = []
-        for o in run.outcomes:
-            if o.result is not None:
-                await self._answer(o, o.result)
-                outcome = ItemOutcome.DONE
-            elif o.failure is not None:
-                reason, why = o.failure
-                failed = ResultMessage(
-                    id=o.item.id,
-                    status=RequestStatus.FAILED,
-                    reason=reason,
-                    error=why,
-                    worker=self.worker,
-                    finished=time.time(),
-                )
-                await serving.answer(r, failed, o.item.reply_to)
-                outcome = ItemOutcome.FAILED
-            else:
-                if o.state is not None and o.reached > o.item.from_layer:
-                    key = keys.prefill_snapshot_key(self.run, o.item.id, o.reached)
-                    await kvstore.save_snapshot(r, key, kvstore.snapshot(o.item.id, o.state))
-                outcome = ItemOutcome.PARTIAL
-            progress.append(PrefillProgress(id=o.item.id, outcome=outcome, reached_layer=o.reached, seconds=o.seconds))
-        ran = {o.item.id for o in run.outcomes}
-        unrun = [it for it in batch.items if it.id not in ran]
-        progress += [
-            PrefillProgress(id=it.id, outcome=ItemOutcome.PARTIAL, reached_layer=it.from_layer, seconds=0.0)
-            for it in unrun
-        ]
-        await self.bus.publish(
-            keys.prefill_reports_stream(self.run),
-            PrefillReport(
-                run=self.run,
-                worker=self.worker,
-                batch_id=batch.batch_id,
-                progress=tuple(progress),
-                preempted=run.preempted,
-            ),
-        )
-
-    async def _answer(self, o: Outcome, res: PrefillResult) -> None:
-        now = time.time()
-        kv_key, kv_size, expires = "", 0, 0.0
-        if self.kv_ttl_s > 0:
-            kv_key, kv_size = await kvstore.store_kv(
-                self.bus.redis, kvstore.kv_message(o.item.id, self.model_name, res.kv), self.kv_ttl_s
-            )
-            expires = now + self.kv_ttl_s
-        prefill_ms = o.seconds * 1000
-        await serving.answer(
-            self.bus.redis,
-            ResultMessage(
-                id=o.item.id,
-                status=RequestStatus.DONE,
-                token=res.token,
-                text=res.text,
-                logprob=res.logprob,
-                top=tuple((t, lp) for t, lp in res.top),
-                prompt_tokens=res.prompt_tokens,
-                kv_key=kv_key,
-                kv_bytes=kv_size,
-                kv_expires_at=expires,
-                worker=self.worker,
-                queue_ms=max(0.0, (now - o.item.submitted) * 1000 - prefill_ms),
-                prefill_ms=prefill_ms,
-                finished=now,
-            ),
-            o.item.reply_to,
-        )
 
     async def close(self) -> None:
         """Hand back what did not run; finish answering and reporting what did."""

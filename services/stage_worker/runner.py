@@ -3,6 +3,9 @@
 One `StageRunner` per worker process. Torch work runs in a thread (`asyncio.to_thread`) so the
 event loop keeps receiving tensors meanwhile. With a device profile each compute action is padded
 to its profiled duration (lag is reported when real compute is slower).
+
+Over 300 lines on purpose: one schedule walk whose actions (compute, send, receive-or-bubble,
+all-reduce, telemetry) share the iteration's state; the outbox and the fill executor live beside it.
 """
 
 from __future__ import annotations
