@@ -86,34 +86,43 @@ async def status(http: aiohttp.ClientSession, url: str, rid: str) -> dict[str, A
         return body
 
 
-async def wait_for_iteration(redis_url: str, run: str, iteration: int, timeout: float = 90.0) -> None:
-    """Block on the run's events until some worker finished `iteration` (training is under way);
-    fails at once if a worker reports a failure."""
+async def wait_for_message(
+    redis_url: str, stream: str, found: Callable[[Any], bool], what: str, timeout: float = 90.0
+) -> None:
+    """Block on `stream` until a message satisfies `found` (which may also fail on what it sees)."""
     r = blocking_client(redis_url)  # no socket timeout cutting the blocking reads
     cursor, deadline = "0", time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            reply: Any = await r.xread({keys.events_stream(run): cursor}, block=1000)
+            reply: Any = await r.xread({stream: cursor}, block=1000)
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     cursor = entry_id
-                    msg = decode(fields[b"m"])
-                    assert not isinstance(msg, WorkerFailed), f"training failed: {msg}"
-                    if isinstance(msg, IterationDone) and msg.iteration >= iteration:
+                    if found(decode(fields[b"m"])):
                         return
-        raise AssertionError(f"run {run} did not reach iteration {iteration} within {timeout:.0f}s")
+        raise AssertionError(f"{what}: not within {timeout:.0f}s")
     finally:
         await r.aclose()
+
+
+async def wait_for_iteration(redis_url: str, run: str, iteration: int, timeout: float = 90.0) -> None:
+    """Block on the run's events until some worker finished `iteration` (training is under way);
+    fails at once if a worker reports a failure."""
+
+    def done(msg: Any) -> bool:
+        assert not isinstance(msg, WorkerFailed), f"training failed: {msg}"
+        return isinstance(msg, IterationDone) and msg.iteration >= iteration
+
+    await wait_for_message(
+        redis_url, keys.events_stream(run), done, f"run {run} reaching iteration {iteration}", timeout
+    )
 
 
 async def wait_for_first_bubble(redis_url: str, run: str, timeout: float = 90.0) -> None:
     """Block on the run's bubble stream until a worker announces its first bubble."""
-    r = blocking_client(redis_url)
-    try:
-        reply: Any = await r.xread({keys.bubbles_stream(run): "0"}, count=1, block=int(timeout * 1000))
-        assert reply, f"run {run} announced no bubble within {timeout:.0f}s"
-    finally:
-        await r.aclose()
+    await wait_for_message(
+        redis_url, keys.bubbles_stream(run), lambda _: True, f"run {run} announcing a bubble", timeout
+    )
 
 
 async def wait_until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
@@ -127,17 +136,8 @@ async def wait_until(check: Callable[[], Awaitable[bool]], what: str, timeout: f
 
 async def wait_for_an_answer(redis_url: str, run: str, timeout: float = 60.0) -> None:
     """Block on the run's prefill reports until a worker reports a request answered."""
-    r = blocking_client(redis_url)
-    cursor, deadline = "0", time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            reply: Any = await r.xread({keys.prefill_reports_stream(run): cursor}, block=1000)
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    cursor = entry_id
-                    msg = decode(fields[b"m"])
-                    if isinstance(msg, PrefillReport) and any(p.outcome is ItemOutcome.DONE for p in msg.progress):
-                        return
-        raise AssertionError(f"run {run} answered no request within {timeout:.0f}s")
-    finally:
-        await r.aclose()
+
+    def answered(msg: Any) -> bool:
+        return isinstance(msg, PrefillReport) and any(p.outcome is ItemOutcome.DONE for p in msg.progress)
+
+    await wait_for_message(redis_url, keys.prefill_reports_stream(run), answered, f"run {run} answering", timeout)
