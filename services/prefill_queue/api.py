@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from typing import Any
 
 from aiohttp import web
 
-from services.prefill_queue.state import BUS, METRICS, SETTINGS, WAITERS, instance_results_stream
-from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_completion, parse_native
+from services.prefill_queue.state import BUS, METRICS, SETTINGS, instance_results_stream
+from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
 from shared import keys, serving
-from shared.model.tokenizer import decode
 from shared.status import FailureReason, RequestStatus
 from shared.wire import PrefillRequest, PrefillResult
 
@@ -44,7 +42,7 @@ async def _json(request: web.Request) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def _enqueue(request: web.Request, parsed: ParsedRequest, request_id: str) -> PrefillRequest:
+async def enqueue(request: web.Request, parsed: ParsedRequest, request_id: str) -> PrefillRequest:
     app = request.app
     now = time.time()
     req = PrefillRequest(
@@ -70,29 +68,6 @@ async def _enqueue(request: web.Request, parsed: ParsedRequest, request_id: str)
     return req
 
 
-async def completions(request: web.Request) -> web.Response:
-    """POST /v1/completions: waits for the first token and answers in the OpenAI completion shape."""
-    app = request.app
-    parsed = parse_completion(await _json(request), limits(app))
-    request_id = f"cmpl-{secrets.token_hex(12)}"
-    waiter = app[WAITERS].expect(request_id)
-    try:
-        req = await _enqueue(request, parsed, request_id)
-        try:
-            async with asyncio.timeout(parsed.timeout_s):
-                result = await waiter
-        except TimeoutError:
-            app[METRICS].requests.labels("timeout").inc()
-            raise BadRequest(
-                f"no result within {parsed.timeout_s:.0f}s; the request is still queued: GET /v1/prefill/{request_id}",
-                status=504,
-                type_="timeout_error",
-            ) from None
-    finally:
-        app[WAITERS].forget(request_id)
-    return web.json_response(openai_body(req, result, app[SETTINGS].spec.prefill.model_name))
-
-
 async def submit(request: web.Request) -> web.Response:
     """POST /v1/prefill: 202 with an id at once; the same Idempotency-Key always returns the same id."""
     app = request.app
@@ -111,7 +86,7 @@ async def submit(request: web.Request) -> web.Response:
                 headers={"Location": f"/v1/prefill/{existing.decode()}"},
             )
     try:
-        await _enqueue(request, parsed, request_id)
+        await enqueue(request, parsed, request_id)
     except BadRequest:
         if idem is not None:
             await app[BUS].redis.delete(keys.idempotency_key(idem))
@@ -142,9 +117,17 @@ async def status(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     name = request.app[SETTINGS].spec.prefill.model_name
-    return web.json_response(
-        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "bubbletea"}]}
-    )
+    spec = request.app[SETTINGS].spec.prefill
+    model = {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "bubbletea",
+        "root": name,  # vLLM's benchmark reads the served model from here when --model is not given
+        "parent": None,
+        "max_model_len": min(spec.max_prompt_tokens, spec.model.seq_len),
+    }
+    return web.json_response({"object": "list", "data": [model]})
 
 
 def result_body(r: PrefillResult) -> dict[str, Any]:
@@ -162,31 +145,11 @@ def result_body(r: PrefillResult) -> dict[str, Any]:
 
 
 def kv_params(r: PrefillResult) -> dict[str, Any]:
-    """Where a decode service fetches the prompt's KV cache (`shared.kvstore.fetch_kv`); with
+    """Where a decode service fetches the prompt's KV cache (`shared.kvstore.fetch_kv`), in vLLM's
+    disaggregated-prefill shape (`do_remote_prefill`: the decode side takes over from a prefill
+    done here) plus this system's handle (`store`, `key`, `bytes`, `expires_at`). With
     `prefill.kv_ttl_s: 0` nothing is stored and the store is "none"."""
+    vllm = {"do_remote_prefill": bool(r.kv_key), "do_remote_decode": False, "remote_engine_id": "bubbletea"}
     if not r.kv_key:
-        return {"store": "none", "key": None, "bytes": 0, "expires_at": None}
-    return {"store": "redis", "key": r.kv_key, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at}
-
-
-def openai_body(req: PrefillRequest, r: PrefillResult, model: str) -> dict[str, Any]:
-    if not r.ok:
-        status = FAILURE_STATUS[r.reason] if r.reason is not None else 500
-        raise BadRequest(f"the prefill failed: {r.error}", status=status, type_="server_error")
-    logprobs = None
-    if req.logprobs:
-        logprobs = {
-            "tokens": [r.text],
-            "token_logprobs": [r.logprob],
-            "top_logprobs": [{decode([t]): lp for t, lp in r.top}],
-            "text_offset": [0],
-        }
-    return {
-        "id": req.id,
-        "object": "text_completion",
-        "created": int(req.submitted),
-        "model": model,
-        "choices": [{"index": 0, "text": r.text, "logprobs": logprobs, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": 1, "total_tokens": r.prompt_tokens + 1},
-        "kv_transfer_params": kv_params(r),
-    }
+        return {**vllm, "store": "none", "key": None, "bytes": 0, "expires_at": None}
+    return {**vllm, "store": "redis", "key": r.kv_key, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at}

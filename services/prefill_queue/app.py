@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.prefill_queue import api, openapi
+from services.prefill_queue import api, completions, openapi
 from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.state import (
     BUS,
@@ -59,7 +59,7 @@ def create_app(settings: Settings) -> web.Application:
     app.cleanup_ctx.append(_bus_ctx)
     app.cleanup_ctx.append(_heartbeat_ctx)
     app.cleanup_ctx.append(_results_ctx)
-    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/completions", completions.completions)
     app.router.add_post("/v1/prefill", api.submit)
     app.router.add_get("/v1/prefill/{id}", api.status)
     app.router.add_get("/v1/models", api.models)

@@ -10,6 +10,8 @@ _PROMPT = {
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
     ]
 }
+#: /v1/completions also takes a list of prompts (one choice each).
+_PROMPTS = {"oneOf": [*_PROMPT["oneOf"], {"type": "array", "items": _PROMPT, "minItems": 1, "maxItems": 256}]}
 _ERROR = {
     "type": "object",
     "properties": {
@@ -66,22 +68,57 @@ def spec(model: str, max_prompt_tokens: int) -> dict[str, Any]:
                             "application/json": {
                                 "schema": {
                                     "type": "object",
-                                    "required": ["model", "prompt"],
+                                    "required": ["prompt"],
+                                    "additionalProperties": False,
                                     "properties": {
                                         "model": {"type": "string", "enum": [model]},
-                                        "prompt": _PROMPT,
-                                        "max_tokens": {"type": "integer", "enum": [1], "default": 1},
-                                        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
+                                        "prompt": _PROMPTS,
+                                        "max_tokens": {"type": ["integer", "null"], "enum": [1, None], "default": 1},
+                                        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+                                        "top_p": {"type": ["number", "null"], "enum": [1, None]},
+                                        "n": {"type": ["integer", "null"], "enum": [1, None]},
+                                        "best_of": {"type": ["integer", "null"], "enum": [1, None]},
+                                        "stream": {"type": ["boolean", "null"]},
+                                        "stream_options": {
+                                            "type": ["object", "null"],
+                                            "additionalProperties": False,
+                                            "properties": {
+                                                "include_usage": {"type": "boolean"},
+                                                "continuous_usage_stats": {"type": "boolean"},
+                                            },
+                                        },
                                         "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5},
+                                        "echo": {"type": ["boolean", "null"], "enum": [False, None]},
+                                        "stop": {
+                                            "oneOf": [
+                                                {"type": "null"},
+                                                {"type": "string", "minLength": 1},
+                                                {
+                                                    "type": "array",
+                                                    "items": {"type": "string", "minLength": 1},
+                                                    "maxItems": 4,
+                                                },
+                                            ]
+                                        },
+                                        "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+                                        "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+                                        "repetition_penalty": {"type": ["number", "null"], "enum": [1, None]},
+                                        "logit_bias": {"type": ["object", "null"], "maxProperties": 0},
+                                        "suffix": {"type": ["string", "null"], "enum": ["", None]},
+                                        "ignore_eos": {"type": ["boolean", "null"]},
                                         "seed": {"type": ["integer", "null"]},
-                                        "user": {"type": "string"},
+                                        "user": {"type": ["string", "null"]},
+                                        "kv_transfer_params": {"type": ["object", "null"]},
                                     },
                                 }
                             }
                         },
                     },
                     "responses": {
-                        "200": {"description": f"The first token (prompts of at most {max_prompt_tokens} tokens)"},
+                        "200": {
+                            "description": f"The first token per prompt (prompts of at most {max_prompt_tokens} "
+                            "tokens); with stream, server-sent events: a chunk per prompt, usage if asked, [DONE]"
+                        },
                         "504": _err("No result in time; the request stays queued"),
                         **errors,
                     },

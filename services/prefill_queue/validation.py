@@ -15,6 +15,24 @@ from shared.model.tokenizer import encode
 
 #: OpenAI allows up to 5 top logprobs on completions; we follow it.
 MAX_LOGPROBS = 5
+#: OpenAI allows up to 4 stop sequences.
+MAX_STOP = 4
+#: Prompts in one completions request (each is queued and answered on its own).
+MAX_PROMPTS = 256
+
+#: Every field /v1/completions accepts; each is honoured or refused with a 400 naming it
+#: (docs/api.md says how). Anything else is refused as unknown.
+COMPLETION_FIELDS = frozenset(
+    {
+        "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
+        "echo", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of", "logit_bias",
+        "user", "seed", "suffix", "ignore_eos", "kv_transfer_params",
+    }
+)  # fmt: skip
+#: The keys of vLLM's `kv_transfer_params` (disaggregated prefill) a request may carry.
+KV_TRANSFER_FIELDS = frozenset(
+    {"do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port"}
+)
 
 
 class BadRequest(Exception):
@@ -36,6 +54,16 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Completion:
+    """A validated /v1/completions body: one `ParsedRequest` per prompt, and how to answer."""
+
+    prompts: tuple[ParsedRequest, ...]
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ParsedRequest:
     model: str
     tokens: tuple[int, ...]
@@ -53,7 +81,7 @@ def _type_error(field: str, expected: str, value: Any) -> BadRequest:
 def _int(body: dict[str, Any], field: str, default: int | None, lo: int, hi: int) -> int | None:
     v = body.get(field, default)
     if v is None:
-        return None
+        return default  # an explicit null means the default, as in the OpenAI API
     if isinstance(v, bool) or not isinstance(v, int):
         raise _type_error(field, "an integer", v)
     if not lo <= v <= hi:
@@ -83,7 +111,9 @@ def _tokens(prompt: Any, limits: Limits) -> tuple[int, ...]:
         if not prompt:
             raise BadRequest("'prompt' is an empty list", param="prompt")
         if any(isinstance(p, str) for p in prompt):
-            raise BadRequest("one prompt per request: 'prompt' must be a string or a list of token ids", param="prompt")
+            raise BadRequest(
+                "'prompt' must be a string, a list of token ids, or a list of those (one choice each)", param="prompt"
+            )
         if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
             raise BadRequest("'prompt' as a list must hold integer token ids", param="prompt")
         bad = [t for t in prompt if not 0 <= t < limits.vocab]
@@ -114,7 +144,7 @@ def _common(body: Any, limits: Limits, *, default_temperature: float) -> tuple[d
         )
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", param="prompt")
-    user = body.get("user", "")
+    user = body.get("user") or ""
     if not isinstance(user, str):
         raise _type_error("user", "a string", user)
     logprobs = _int(body, "logprobs", 0, 0, MAX_LOGPROBS) or 0
@@ -130,10 +160,29 @@ def _common(body: Any, limits: Limits, *, default_temperature: float) -> tuple[d
     return body, parsed
 
 
-def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
-    """An OpenAI completions request. Only the prefill (one token) is served: ``max_tokens`` must
-    be 1 (it defaults to 1 here); the KV cache handle goes to a decode service."""
-    body, parsed = _common(body, limits, default_temperature=1.0)
+def parse_completion(body: Any, limits: Limits) -> Completion:
+    """An OpenAI completions request (what the official client and `vllm bench serve` send).
+
+    Only the prefill is served: ``max_tokens`` must be 1 (the default here); the KV cache handle
+    goes to a decode service. ``prompt`` may be a list of prompts (one choice each). Fields that
+    cannot change the first token are accepted as they are honoured exactly (``presence_penalty``,
+    ``frequency_penalty`` count output tokens, of which there are none before the first;
+    ``ignore_eos``: the model has no end-of-sequence token); ``stop`` is applied to the token's
+    text; fields the service cannot honour are refused unless they have their neutral value."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - COMPLETION_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field '{unknown[0]}' for /v1/completions", param=unknown[0])
+    if "prompt" not in body:
+        raise BadRequest("'prompt' is required", param="prompt")
+    prompt = body["prompt"]
+    many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    if many and len(prompt) > MAX_PROMPTS:
+        raise BadRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+    prompts = prompt if many else [prompt]
+    parsed = tuple(_common({**body, "prompt": p}, limits, default_temperature=1.0)[1] for p in prompts)
+    parse_kv_transfer(body)
     max_tokens = _int(body, "max_tokens", 1, 0, 2**31)
     if max_tokens != 1:
         raise BadRequest(
@@ -141,12 +190,78 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
             f"a handle to the KV cache (kv_transfer_params) for a decode service; got {max_tokens}",
             param="max_tokens",
         )
-    if body.get("stream"):
-        raise BadRequest("streaming is not supported: a prefill returns one token", param="stream")
-    n = _int(body, "n", 1, 1, 2**31)
-    if n != 1:
-        raise BadRequest(f"'n' must be 1, got {n}", param="n")
-    return parsed
+    for field, neutral in (("n", 1), ("best_of", 1)):
+        if _int(body, field, neutral, 1, 2**31) != neutral:
+            raise BadRequest(f"'{field}' must be 1: one completion per prompt", param=field)
+    if _number(body, "top_p", 1.0, 0.0, 1.0) != 1.0:
+        raise BadRequest("'top_p' must be 1: the first token is sampled from the whole distribution", param="top_p")
+    if _number(body, "repetition_penalty", 1.0, 0.0, 100.0) != 1.0:
+        raise BadRequest("'repetition_penalty' must be 1: it is not applied", param="repetition_penalty")
+    for field in ("presence_penalty", "frequency_penalty"):
+        _number(body, field, 0.0, -2.0, 2.0)  # honoured: no output token precedes the first
+    for field in ("echo", "ignore_eos", "stream"):
+        if not isinstance(body.get(field, False) or False, bool):
+            raise _type_error(field, "a boolean", body[field])
+    if body.get("echo"):
+        raise BadRequest("'echo' is not supported: the answer holds the first token only", param="echo")
+    if body.get("suffix") not in (None, ""):
+        raise BadRequest("'suffix' is not supported", param="suffix")
+    if body.get("logit_bias") not in (None, {}):
+        raise BadRequest("'logit_bias' is not supported", param="logit_bias")
+    stream = bool(body.get("stream"))
+    return Completion(
+        prompts=parsed,
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        stop=_stop(body.get("stop")),
+    )
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise BadRequest("'stream_options' is only allowed with 'stream': true", param="stream_options")
+    if not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise BadRequest(f"unknown field 'stream_options.{unknown[0]}'", param=f"stream_options.{unknown[0]}")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise _type_error("stream_options.include_usage", "a boolean", include)
+    return include
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
+    if len(stops) > MAX_STOP:
+        raise BadRequest(f"at most {MAX_STOP} stop sequences, got {len(stops)}", param="stop")
+    return tuple(stops)
+
+
+def parse_kv_transfer(body: dict[str, Any]) -> None:
+    """vLLM's disaggregated-prefill request field: this service is the prefill side, so a request
+    may ask for remote decode (the default here) but not for a remote prefill."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise _type_error("kv_transfer_params", "an object", params)
+    unknown = sorted(set(params) - KV_TRANSFER_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field 'kv_transfer_params.{unknown[0]}'", param=f"kv_transfer_params.{unknown[0]}")
+    if params.get("do_remote_prefill"):
+        raise BadRequest(
+            "'kv_transfer_params.do_remote_prefill' asks this service to decode from a remote KV cache; "
+            "it is the prefill side (send do_remote_decode)",
+            param="kv_transfer_params.do_remote_prefill",
+        )
 
 
 def parse_native(body: Any, limits: Limits) -> ParsedRequest:

@@ -28,6 +28,7 @@ from tests.e2e.serving import SPEC, front_door, service_env, wait_for_iteration,
 pytestmark = pytest.mark.e2e
 
 PROMPT = "Hello, BubbleTea"
+OTHER = "Bubbles in the pipeline"
 #: A generous bound for a loaded 2-core machine (a completion waits for a bubble).
 REQUEST_TIMEOUT_S = 60.0
 
@@ -53,6 +54,20 @@ async def test_official_openai_client_gets_computed_completions(tmp_path: Path, 
             greedy = await client.completions.create(
                 model=model_name, prompt=PROMPT, max_tokens=1, logprobs=2, seed=1, temperature=0
             )
+            # Streamed, as vLLM's benchmark and genai-perf always ask: the token, then usage, then [DONE].
+            stream = await client.completions.create(
+                model=model_name,
+                prompt=PROMPT,
+                max_tokens=1,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = [chunk async for chunk in stream]
+            # A list of prompts: one choice each.
+            several = await client.completions.create(
+                model=model_name, prompt=[PROMPT, OTHER], max_tokens=1, temperature=0
+            )
             with pytest.raises(openai.BadRequestError) as refused:
                 await client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5)
             result = await training
@@ -73,6 +88,7 @@ async def test_official_openai_client_gets_computed_completions(tmp_path: Path, 
     try:
         want_sampled = model.prefill(tokens, temperature=1.0, seed=1, top_logprobs=2)
         want_greedy = model.prefill(tokens, temperature=0.0, top_logprobs=2)
+        want_other = model.prefill(encode_text(OTHER), temperature=0.0)
     finally:
         torch.set_num_threads(threads)
 
@@ -97,6 +113,14 @@ async def test_official_openai_client_gets_computed_completions(tmp_path: Path, 
         # Beyond the OpenAI shape: where the prompt's KV cache waits for a decode service.
         kv = (got.model_extra or {})["kv_transfer_params"]
         assert kv["store"] == "redis" and kv["key"] == keys.kv_cache_key(got.id) and kv["bytes"] > 0
+    token_chunk, usage_chunk = chunks
+    assert [c.text for c in token_chunk.choices] == [want_greedy.text] and token_chunk.choices[
+        0
+    ].finish_reason == "length"
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (16, 1)
+    assert [(c.index, c.text) for c in several.choices] == [(0, want_greedy.text), (1, want_other.text)]
+    assert several.usage is not None and several.usage.prompt_tokens == 16 + len(OTHER)
     # The greedy answer is the most likely token.
     assert want_greedy.token == want_greedy.top[0][0]
 

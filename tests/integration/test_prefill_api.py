@@ -7,6 +7,7 @@ front door's side of the contract is exercised for real.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -214,3 +215,120 @@ async def test_ready_needs_a_dispatcher_and_openapi_is_served(client: TestClient
     assert spec["openapi"].startswith("3.") and {"/v1/completions", "/v1/prefill", "/v1/prefill/{id}"} <= set(
         spec["paths"]
     )
+
+
+async def take_requests(redis: Redis, n: int, after: str = "0") -> list[PrefillRequest]:
+    """Block until `n` requests are on the request stream after `after`; return them in order."""
+    reqs: list[PrefillRequest] = []
+    while len(reqs) < n:
+        got: Any = await redis.xread({keys.PREFILL_REQUESTS_STREAM: after}, block=5000)
+        assert got, f"only {len(reqs)} of {n} requests reached the stream"
+        for entry_id, f in got[0][1]:
+            after = entry_id.decode()
+            m = decode(f[FIELD])
+            assert isinstance(m, PrefillRequest)
+            reqs.append(m)
+    return reqs
+
+
+async def read_sse(resp: Any) -> tuple[list[dict[str, Any]], float | None, bool]:
+    """The events of a server-sent stream as `vllm bench serve` reads them: JSON per `data:` line,
+    the time of the first chunk whose first choice has text (its TTFT), and whether [DONE] came."""
+    events: list[dict[str, Any]] = []
+    first_text_at, done = None, False
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            done = True
+            continue
+        event = json.loads(data)
+        events.append(event)
+        if (choices := event.get("choices")) and choices[0].get("text") and first_text_at is None:
+            first_text_at = time.perf_counter()
+    return events, first_text_at, done
+
+
+async def test_streaming_answers_as_vllm_bench_serve_reads_it(client: TestClient, redis: Redis) -> None:
+    body = {
+        "model": "bubbletea-gpt",
+        "prompt": "Hello",
+        "temperature": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": 1,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    call = asyncio.create_task(client.post("/v1/completions", json=body))
+    (req,) = await take_requests(redis, 1)
+    assert await serving.answer(redis, ok_result(req), req.reply_to)
+    resp = await asyncio.wait_for(call, 5)
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    events, first_text_at, done = await read_sse(resp)
+    assert done and first_text_at is not None and first_text_at > t0
+    token, tail = events
+    assert token["object"] == "text_completion" and token["choices"][0]["text"] == "A"
+    assert token["choices"][0]["finish_reason"] == "length" and token["usage"] is None
+    assert tail["choices"] == [] and tail["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+
+
+async def test_a_list_of_prompts_gets_one_choice_each_in_prompt_order(client: TestClient, redis: Redis) -> None:
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": ["ab", [1, 2, 3], "c"]}))
+    reqs = await take_requests(redis, 3)
+    assert [r.tokens for r in reqs] == [(97, 98), (1, 2, 3), (99,)]
+    for req, token in reversed(list(zip(reqs, (65, 66, 67), strict=True))):  # answered out of order
+        assert await serving.answer(redis, ok_result(req, token), req.reply_to)
+    body = await (await asyncio.wait_for(call, 5)).json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "A"), (1, "B"), (2, "C")]
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+
+
+async def test_a_streamed_list_sends_each_choice_as_it_is_answered(client: TestClient, redis: Redis) -> None:
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": ["ab", "cd"], "stream": True}))
+    first, second = await take_requests(redis, 2)
+    assert await serving.answer(redis, ok_result(second, 66), second.reply_to)  # the second lands first
+    resp = await asyncio.wait_for(call, 5)
+    assert await serving.answer(redis, ok_result(first, 65), first.reply_to)
+    events, _, done = await read_sse(resp)
+    assert done and [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events] == [(1, "B"), (0, "A")]
+    assert all("usage" not in e for e in events)  # not asked for
+
+
+async def test_a_stop_sequence_in_the_token_ends_the_choice_there(client: TestClient, redis: Redis) -> None:
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "stop": ["A"]}))
+    (req,) = await take_requests(redis, 1)
+    assert await serving.answer(redis, ok_result(req, 65), req.reply_to)
+    (c,) = (await (await asyncio.wait_for(call, 5)).json())["choices"]
+    assert (c["text"], c["finish_reason"], c["stop_reason"]) == ("", "stop", "A")
+
+
+async def test_a_failure_before_the_stream_keeps_its_http_status(client: TestClient, redis: Redis) -> None:
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
+    (req,) = await take_requests(redis, 1)
+    failed = PrefillResult(id=req.id, status=RequestStatus.FAILED, reason=FailureReason.DEADLINE, error="too late")
+    assert await serving.answer(redis, failed, req.reply_to)
+    resp = await asyncio.wait_for(call, 5)
+    assert resp.status == 504 and (await resp.json())["error"]["message"] == "the prefill failed: too late"
+
+
+async def test_x_request_id_names_the_completion_and_kv_params_follow_vllm(client: TestClient, redis: Redis) -> None:
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "abc-1"}))
+    (req,) = await take_requests(redis, 1)
+    assert await serving.answer(redis, ok_result(req), req.reply_to)
+    resp = await asyncio.wait_for(call, 5)
+    body = await resp.json()
+    assert body["id"].startswith("cmpl-abc-1-") and resp.headers["X-Request-Id"] == "abc-1"
+    kv = body["kv_transfer_params"]
+    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False and kv["key"] == f"bt:kv:{req.id}"
+    bad = await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "no spaces"})
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "X-Request-Id"
+
+
+async def test_models_carry_what_vllm_clients_read(client: TestClient) -> None:
+    (m,) = (await (await client.get("/v1/models")).json())["data"]
+    assert m["id"] == m["root"] == "bubbletea-gpt" and m["owned_by"] == "bubbletea"
+    assert m["max_model_len"] == min(m["max_model_len"], 256) > 0

@@ -6,10 +6,61 @@ LIM = Limits(model="bubbletea-gpt", vocab=256, max_prompt_tokens=8, default_time
 
 
 def test_openai_shape() -> None:
-    p = parse_completion({"model": "bubbletea-gpt", "prompt": "hi", "max_tokens": 1, "logprobs": 2, "seed": 7}, LIM)
+    c = parse_completion({"model": "bubbletea-gpt", "prompt": "hi", "max_tokens": 1, "logprobs": 2, "seed": 7}, LIM)
+    (p,) = c.prompts
     assert p.tokens == (104, 105) and p.logprobs == 2 and p.seed == 7 and p.temperature == 1.0
-    assert parse_completion({"model": "bubbletea-gpt", "prompt": ["hi"]}, LIM).tokens == (104, 105)
-    assert parse_completion({"model": "bubbletea-gpt", "prompt": [1, 2, 3]}, LIM).tokens == (1, 2, 3)
+    assert not c.stream and not c.include_usage and c.stop == ()
+    assert parse_completion({"model": "bubbletea-gpt", "prompt": ["hi"]}, LIM).prompts[0].tokens == (104, 105)
+    assert parse_completion({"model": "bubbletea-gpt", "prompt": [1, 2, 3]}, LIM).prompts[0].tokens == (1, 2, 3)
+
+
+def test_a_list_of_prompts_is_one_choice_each() -> None:
+    c = parse_completion({"prompt": ["hi", [1, 2], "x"], "temperature": 0}, LIM)
+    assert [p.tokens for p in c.prompts] == [(104, 105), (1, 2), (120,)]
+    assert all(p.temperature == 0.0 for p in c.prompts)
+
+
+def test_what_vllm_bench_serve_sends_is_accepted() -> None:
+    body = {
+        "model": "bubbletea-gpt",
+        "prompt": "hello",
+        "temperature": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": 1,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    c = parse_completion(body, LIM)
+    assert c.stream and c.include_usage and c.prompts[0].logprobs == 0
+
+
+def test_neutral_values_and_honoured_fields_are_accepted() -> None:
+    body = {
+        "prompt": "x",
+        "top_p": 1,
+        "n": 1,
+        "best_of": 1,
+        "echo": False,
+        "suffix": None,
+        "logit_bias": {},
+        "presence_penalty": 1.5,  # counts output tokens: none precede the first
+        "frequency_penalty": -1,
+        "stop": ["\n", "x"],
+        "kv_transfer_params": {"do_remote_decode": True, "remote_engine_id": None},
+    }
+    assert parse_completion(body, LIM).stop == ("\n", "x")
+    assert parse_completion({"prompt": "x", "stop": "end"}, LIM).stop == ("end",)
+
+
+def test_null_means_the_default() -> None:
+    nulls = {"max_tokens", "temperature", "top_p", "n", "best_of", "stream", "stream_options", "logprobs", "echo"}
+    nulls |= {"stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "suffix"}
+    nulls |= {"ignore_eos", "seed", "user", "kv_transfer_params"}
+    c = parse_completion({"prompt": "x", **dict.fromkeys(nulls)}, LIM)
+    (p,) = c.prompts
+    assert (p.temperature, p.seed, p.logprobs, p.user, c.stream, c.stop) == (1.0, None, 0, "", False, ())
 
 
 def test_native_shape_defaults() -> None:
@@ -25,14 +76,34 @@ def test_native_shape_defaults() -> None:
         ({"model": "bubbletea-gpt"}, 400, "prompt", "'prompt' is required"),
         ({"model": "bubbletea-gpt", "prompt": ""}, 400, "prompt", "empty"),
         ({"model": "bubbletea-gpt", "prompt": []}, 400, "prompt", "empty list"),
-        ({"model": "bubbletea-gpt", "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+        ({"model": "bubbletea-gpt", "prompt": ["a", 1]}, 400, "prompt", "or a list of those"),
         ({"model": "bubbletea-gpt", "prompt": [1, 300]}, 400, "prompt", "token id 300 is outside"),
         ({"model": "bubbletea-gpt", "prompt": [1, True]}, 400, "prompt", "integer token ids"),
         ({"model": "bubbletea-gpt", "prompt": 5}, 400, "prompt", "must be a string or a list"),
         ({"model": "bubbletea-gpt", "prompt": "123456789"}, 400, "prompt", "9 tokens; this service accepts at most 8"),
         ({"model": "bubbletea-gpt", "prompt": "x", "max_tokens": 16}, 400, "max_tokens", "prefill only"),
         ({"model": "bubbletea-gpt", "prompt": "x", "max_tokens": "1"}, 400, "max_tokens", "must be an integer"),
-        ({"model": "bubbletea-gpt", "prompt": "x", "stream": True}, 400, "stream", "streaming"),
+        ({"prompt": "x", "stream": "yes"}, 400, "stream", "must be a boolean"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with"),
+        ({"prompt": "x", "stream": True, "stream_options": {"x": 1}}, 400, "stream_options.x", "unknown field"),
+        ({"prompt": "x", "top_p": 0.9}, 400, "top_p", "'top_p' must be 1"),
+        ({"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+        ({"prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
+        ({"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+        ({"prompt": "x", "best_of": 2}, 400, "best_of", "must be 1"),
+        ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty", "must be 1"),
+        ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "between -2.0 and 2.0"),
+        ({"prompt": "x", "stop": ["a", ""]}, 400, "stop", "non-empty"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+        ({"prompt": "x", "top_k": 5}, 400, "top_k", "unknown field 'top_k'"),
+        (
+            {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}},
+            400,
+            "kv_transfer_params.do_remote_prefill",
+            "prefill side",
+        ),
+        ({"prompt": "x", "kv_transfer_params": {"block": 1}}, 400, "kv_transfer_params.block", "unknown field"),
+        ({"prompt": ["x"] * 300}, 400, "prompt", "at most 256 prompts"),
         ({"model": "bubbletea-gpt", "prompt": "x", "n": 2}, 400, "n", "'n' must be 1"),
         ({"model": "bubbletea-gpt", "prompt": "x", "logprobs": 9}, 400, "logprobs", "between 0 and 5"),
         ({"model": "bubbletea-gpt", "prompt": "x", "temperature": -1}, 400, "temperature", "between 0.0 and 2.0"),
@@ -52,3 +123,12 @@ def test_bad_completion_requests(body: object, status: int, param: str | None, t
 def test_bad_native_deadline() -> None:
     with pytest.raises(BadRequest, match="'deadline_ms' must be between"):
         parse_native({"prompt": "x", "deadline_ms": 0}, LIM)
+
+
+def test_the_openapi_schema_names_exactly_the_accepted_fields() -> None:
+    from services.prefill_queue.openapi import spec
+    from services.prefill_queue.validation import COMPLETION_FIELDS
+
+    schema = spec("bubbletea-gpt", 8)["paths"]["/v1/completions"]["post"]["requestBody"]["content"]
+    body = schema["application/json"]["schema"]
+    assert set(body["properties"]) == COMPLETION_FIELDS and body["additionalProperties"] is False
