@@ -5,11 +5,15 @@ Usage::
     log = get_logger(__name__)
     log.info("handled", id=entry_id, kind="ping", attempt=1, ms=0.12)
 
-prints ``ts=2026-11-22T01:02:03.456Z level=info svc=prefill_queue logger=... msg=handled id=...``.
+prints ``ts=2026-11-22T01:02:03.456Z level=info svc=prefill_queue logger=... msg=handled id=...``,
+or with ``BUBBLETEA_LOG_FORMAT=json`` the same fields as one JSON object per line
+(``{"ts": "...", "level": "info", "svc": "prefill_queue", "logger": "...", "msg": "handled", "id": ...}``)
+for log collectors that parse JSON.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -25,9 +29,31 @@ def _fmt(value: Any) -> str:
     return text
 
 
+def _ts(record: logging.LogRecord) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: the same fields as the key=value format, values kept typed."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": _ts(record),
+            "level": record.levelname.lower(),
+            "svc": _SERVICE,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for k, v in getattr(record, "fields", {}).items():
+            line.setdefault(k, v)  # a field never overwrites the envelope
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        ts = _ts(record)
         parts = [
             f"ts={ts}",
             f"level={record.levelname.lower()}",
@@ -77,12 +103,13 @@ def get_logger(name: str) -> KVLogger:
     return KVLogger(logging.getLogger(name))
 
 
-def setup_logging(service: str, level: str = "INFO") -> None:
-    """Route all logging to stderr as key=value lines tagged with the service name."""
+def setup_logging(service: str, level: str = "INFO", fmt: str = "kv") -> None:
+    """Route all logging to stderr as key=value lines (``fmt="kv"``) or JSON lines (``"json"``),
+    tagged with the service name."""
     global _SERVICE
     _SERVICE = service
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(KeyValueFormatter())
+    handler.setFormatter(JsonFormatter() if fmt == "json" else KeyValueFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -40,7 +40,7 @@ def run_service(name: str, serve: Serve, argv: Sequence[str] | None = None, *, d
     except ConfigError as exc:
         print(f"{name}: configuration error: {exc}", file=sys.stderr)
         return 2
-    setup_logging(name, settings.log_level)
+    setup_logging(name, settings.log_level, settings.log_format)
     code = uvloop.run(_main(name, serve, settings))
     # Stopped: a late SIGTERM (a launcher stopping everything) must not turn a clean exit into a
     # death by signal while the interpreter tears down.

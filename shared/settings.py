@@ -8,6 +8,7 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``REDIS_URL``          the bus; unset means "start an embedded redis-server" (launcher and demo)
 ``BUBBLETEA_HTTP_HOST`` / ``BUBBLETEA_HTTP_PORT``  override ``http.host`` / ``http.port``
 ``BUBBLETEA_LOG_LEVEL`` DEBUG, INFO (default), WARNING or ERROR
+``BUBBLETEA_LOG_FORMAT`` ``kv`` (default: key=value lines) or ``json`` (one JSON object per line)
 ``BUBBLETEA_RUN``      the training run id that scopes streams and leases (default ``run``)
 ``BUBBLETEA_API_KEY``  if set, the prefill API requires ``Authorization: Bearer <key>``
 =====================  ==========================================================================
@@ -35,12 +36,14 @@ ENV_VARS = frozenset(
         "BUBBLETEA_HTTP_HOST",
         "BUBBLETEA_HTTP_PORT",
         "BUBBLETEA_LOG_LEVEL",
+        "BUBBLETEA_LOG_FORMAT",
         "BUBBLETEA_RUN",
         "BUBBLETEA_API_KEY",
         "BUBBLETEA_REDIS_SERVER",
     }
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("kv", "json")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Settings:
     #: None means no external Redis was named: the launcher starts an embedded one.
     redis_url: str | None = None
     log_level: str = "INFO"
+    log_format: str = "kv"
     run: str = "run"
     api_key: str | None = None
 
@@ -80,6 +84,9 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     level = env.get("BUBBLETEA_LOG_LEVEL", "INFO").upper()
     if level not in LOG_LEVELS:
         raise ConfigError(f"BUBBLETEA_LOG_LEVEL: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    log_format = env.get("BUBBLETEA_LOG_FORMAT", "kv").lower()
+    if log_format not in LOG_FORMATS:
+        raise ConfigError(f"BUBBLETEA_LOG_FORMAT: expected one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
     url = env.get("REDIS_URL") or None
     if url and not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(f"REDIS_URL: expected redis://host:port/db, rediss:// or unix://, got {url!r}")
@@ -87,4 +94,6 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", run):
         raise ConfigError(f"BUBBLETEA_RUN: letters, digits, '.', '_' and '-' only (1-64 chars), got {run!r}")
     api_key = env.get("BUBBLETEA_API_KEY") or None
-    return Settings(spec=spec, spec_path=path, redis_url=url, log_level=level, run=run, api_key=api_key)
+    return Settings(
+        spec=spec, spec_path=path, redis_url=url, log_level=level, log_format=log_format, run=run, api_key=api_key
+    )

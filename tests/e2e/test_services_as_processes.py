@@ -38,6 +38,20 @@ async def test_prefill_queue_process_serves_and_stops_on_sigterm(redis_server: E
     assert any("msg=stopped" in line for line in p.tail)
 
 
+async def test_a_service_logs_json_lines_when_asked(redis_server: EmbeddedRedis) -> None:
+    svc = next(s for s in SERVICES if s.name == "prefill_queue")
+    port = free_port()
+    env = {"REDIS_URL": redis_server.url, "BUBBLETEA_HTTP_PORT": str(port), "BUBBLETEA_LOG_FORMAT": "json"}
+    p = await spawn(svc, env, out=io.StringIO())
+    try:
+        await wait_http_healthy(p, f"http://127.0.0.1:{port}", timeout=60)
+    finally:
+        await stop_all([p])
+    lines = [json.loads(line) for line in p.tail if line.strip()]  # every line is one JSON object
+    assert lines and all(rec["svc"] == "prefill_queue" and "ts" in rec and "level" in rec for rec in lines)
+    assert any(rec["msg"] == "stopped" for rec in lines)
+
+
 def test_service_without_redis_url_fails_with_a_clear_message() -> None:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     r = subprocess.run(

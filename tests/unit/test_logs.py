@@ -1,6 +1,11 @@
+import json
 import logging
 
-from shared.logs import KeyValueFormatter
+import pytest
+
+from shared.config import ConfigError
+from shared.logs import JsonFormatter, KeyValueFormatter
+from shared.settings import load_settings
 
 
 def render(msg: str, **fields: object) -> str:
@@ -15,3 +20,20 @@ def test_key_value_line_with_quoting() -> None:
     assert " id=1-0 kind=ping ms=0.123 " in line
     assert line.endswith('note="a \\"b\\" c"')
     assert "\n" not in render("two\nlines")
+
+
+def test_json_lines_carry_the_same_fields_typed() -> None:
+    rec = logging.LogRecord("t", logging.WARNING, __file__, 1, "handled", None, None)
+    rec.fields = {"id": "1-0", "attempt": 2, "ms": 0.5, "msg": "not the envelope"}
+    line = JsonFormatter().format(rec)
+    assert "\n" not in line
+    got = json.loads(line)
+    assert got["level"] == "warning" and got["msg"] == "handled" and got["logger"] == "t"
+    assert (got["id"], got["attempt"], got["ms"]) == ("1-0", 2, 0.5)
+
+
+def test_the_log_format_is_read_once_and_validated() -> None:
+    assert load_settings(env={"BUBBLETEA_LOG_FORMAT": "JSON"}).log_format == "json"
+    assert load_settings(env={}).log_format == "kv"
+    with pytest.raises(ConfigError, match="BUBBLETEA_LOG_FORMAT: expected one of kv, json"):
+        load_settings(env={"BUBBLETEA_LOG_FORMAT": "xml"})
