@@ -52,7 +52,7 @@ def create_app(settings: Settings) -> web.Application:
         middlewares=[_request_id, _json_errors, _count_requests, _api_key],
     )
     app[SETTINGS] = settings
-    app[METRICS] = Metrics()
+    app[METRICS] = Metrics(settings.spec.prefill.model_name)
     app[STARTED] = time.time()
     app[WAITERS] = Waiters()
     app[INSTANCE] = f"{instance_id()}-{secrets.token_hex(3)}"
@@ -96,6 +96,8 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
         assert isinstance(r, PrefillResult)  # the handler table routes only this kind here
         m.requests.labels("success" if r.ok else "failed").inc()
         if r.ok:
+            m.prompt_tokens.labels(m.model_name).inc(r.prompt_tokens)
+            m.request_prompt_tokens.labels(m.model_name).observe(r.prompt_tokens)
             m.queue_time.observe(r.queue_ms / 1000)
             m.prefill_time.observe(r.prefill_ms / 1000)
             m.ttft.observe((r.queue_ms + r.prefill_ms) / 1000)  # submission to the answer
@@ -218,6 +220,7 @@ async def metrics(request: web.Request) -> web.Response:
     m = request.app[METRICS]
     with contextlib.suppress(*TRANSIENT_ERRORS):  # if Redis is down the gauge keeps its last value
         m.waiting.set(await serving.inflight(request.app[BUS].redis))
+    m.running.labels(m.model_name).set(len(request.app[WAITERS]))
     return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

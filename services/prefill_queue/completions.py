@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from services.prefill_queue.api import FAILURE_STATUS, enqueue, kv_params, limits
-from services.prefill_queue.state import SETTINGS, WAITERS
+from services.prefill_queue.state import METRICS, SETTINGS, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion, parse_completion
 from shared.model.tokenizer import decode
 from shared.wire import PrefillRequest, PrefillResult
@@ -32,6 +32,7 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 async def completions(request: web.Request) -> web.StreamResponse:
     app = request.app
+    received = time.perf_counter()
     try:
         body = await request.json()
     except (ValueError, UnicodeDecodeError) as exc:
@@ -44,7 +45,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         reqs = [await enqueue(request, parsed, rid) for parsed, rid in zip(c.prompts, ids, strict=True)]
         answers = _as_answered(waiters, c.prompts[0].timeout_s)
         if c.stream:
-            return await _stream(request, c, completion_id, reqs, answers)
+            return await _stream(request, received, c, completion_id, reqs, answers)
         results: dict[str, PrefillResult] = {}
         async for rid, result in answers:
             _raise_if_failed(result)
@@ -54,6 +55,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             app[WAITERS].forget(rid)
     model = app[SETTINGS].spec.prefill.model_name
     choices = [choice(i, req, results[req.id], c.stop) for i, req in enumerate(reqs)]
+    _observe(app, received, choices)
     return web.json_response(
         {
             **_head(completion_id, reqs[0], model),
@@ -130,8 +132,16 @@ def usage(results: list[PrefillResult]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": len(results), "total_tokens": prompt + len(results)}
 
 
+def _observe(app: web.Application, received: float, choices: list[dict[str, Any]]) -> None:
+    m = app[METRICS]
+    m.e2e_latency.labels(m.model_name).observe(time.perf_counter() - received)
+    for ch in choices:
+        m.success.labels(ch["finish_reason"], m.model_name).inc()
+
+
 async def _stream(
     request: web.Request,
+    received: float,
     c: Completion,
     completion_id: str,
     reqs: list[PrefillRequest],
@@ -151,11 +161,13 @@ async def _stream(
         await resp.write(f"data: {json.dumps(event)}\n\n".encode())
 
     rid, result = first_id, first
+    sent: list[dict[str, Any]] = []
     try:
         while True:
             if result.ok:
                 done.append(result)
-                chunk = {**head, "choices": [choice(index[rid], by_id[rid], result, c.stop)]}
+                sent.append(choice(index[rid], by_id[rid], result, c.stop))
+                chunk = {**head, "choices": [sent[-1]]}
                 await send({**chunk, "usage": None} if c.include_usage else chunk)
             else:
                 status = FAILURE_STATUS[result.reason] if result.reason is not None else 500
@@ -170,4 +182,5 @@ async def _stream(
         await send({**head, "choices": [], "usage": usage(done)})
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
+    _observe(request.app, received, sent)
     return resp

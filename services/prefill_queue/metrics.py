@@ -1,6 +1,7 @@
 """Prometheus metrics of the front door, in a per-app registry (no global state).
 
-Names follow vLLM's (`vllm:time_to_first_token_seconds` ...) with our own prefix.
+Names follow vLLM's (`vllm:time_to_first_token_seconds` ...) with our own prefix, and the request
+metrics carry vLLM's `model_name` label, so a vLLM dashboard needs only the prefix changed.
 """
 
 from __future__ import annotations
@@ -8,11 +9,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.process_collector import ProcessCollector
 
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "bubbletea-gpt") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         r = self.registry
@@ -54,5 +57,35 @@ class Metrics:
             "bubbletea:request_prefill_time_seconds",
             "Time spent computing the prefill.",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        # vLLM's request metrics, by model
+        self.running = Gauge(
+            "bubbletea:num_requests_running",
+            "Requests this instance accepted and is answering now (waiting for their first token).",
+            ["model_name"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "bubbletea:prompt_tokens", "Prompt tokens of answered requests.", ["model_name"], registry=r
+        )
+        self.request_prompt_tokens = Histogram(
+            "bubbletea:request_prompt_tokens",
+            "Prompt length of answered requests.",
+            ["model_name"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "bubbletea:e2e_request_latency_seconds",
+            "HTTP request received to its completion answered (POST /v1/completions).",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.success = Counter(
+            "bubbletea:request_success",
+            "Completed choices by finish reason (length: the one token; stop: a stop sequence).",
+            ["finished_reason", "model_name"],
             registry=r,
         )

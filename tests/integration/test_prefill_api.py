@@ -332,3 +332,26 @@ async def test_models_carry_what_vllm_clients_read(client: TestClient) -> None:
     (m,) = (await (await client.get("/v1/models")).json())["data"]
     assert m["id"] == m["root"] == "bubbletea-gpt" and m["owned_by"] == "bubbletea"
     assert m["max_model_len"] == min(m["max_model_len"], 256) > 0
+
+
+async def test_vllm_request_metrics_count_what_was_answered(client: TestClient, redis: Redis) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": ["ab", "cde"], "stop": "B"}))
+    first, second = await take_requests(redis, 2)
+    assert await serving.answer(redis, ok_result(first, 65), first.reply_to)
+    assert await serving.answer(redis, ok_result(second, 66), second.reply_to)  # "B": stopped
+    assert (await asyncio.wait_for(call, 5)).status == 200
+    text = await (await client.get("/metrics")).text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    model = ("model_name", "bubbletea-gpt")
+    assert samples[("bubbletea:prompt_tokens_total", (model,))] == 5
+    assert samples[("bubbletea:request_prompt_tokens_count", (model,))] == 2
+    assert samples[("bubbletea:e2e_request_latency_seconds_count", (model,))] == 1
+    assert samples[("bubbletea:request_success_total", (("finished_reason", "length"), model))] == 1
+    assert samples[("bubbletea:request_success_total", (("finished_reason", "stop"), model))] == 1
+    assert samples[("bubbletea:num_requests_running", (model,))] == 0
