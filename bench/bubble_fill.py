@@ -182,7 +182,7 @@ def summarise(pairs: list[Pair], **case: Any) -> dict[str, Any]:
     ttft = [x for p in pairs for x in p.load["ttfts_ms"]]
     errors: dict[str, int] = {}
     for p in pairs:
-        for k, n in p.load["errors"].items():
+        for k, n in p.load["error_counts"].items():
             errors[k] = errors.get(k, 0) + n
     return {
         **case,

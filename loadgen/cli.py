@@ -1,7 +1,8 @@
 """The `loadgen` command and `run_benchmark`, the same run for code that calls it in-process.
 
-A run: check the API answers (GET /v1/models), then send the workload on its arrival schedule,
-with at most --max-concurrency requests in flight, and summarize what came back. The schedule is
+A run: check the API answers (GET /v1/models, retried up to --ready-check-timeout-sec), send the
+--num-warmups requests and wait for them, then send the workload on its arrival schedule, with at
+most --max-concurrency requests in flight, and summarize what came back. The schedule is
 open-loop, as in `vllm bench serve`: arrivals do not wait for earlier answers, so a slow server
 sees its queue grow instead of the load generator politely slowing down and hiding it.
 """
@@ -10,22 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import math
 import sys
 import time
 from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from tqdm import tqdm
 
-from loadgen import arrivals, datasets, report
-from loadgen.client import ApiUnavailable, Outcome, PrefillClient, new_session
+from loadgen import arrivals, datasets, report, result
+from loadgen.client import ApiUnavailable, PrefillClient, new_session
 from loadgen.config import BenchmarkConfig
 from loadgen.options import parse_config
+from loadgen.outcome import Outcome
 
 #: Independent random streams per purpose, so that changing the request rate does not change the
 #: prompts (a rate sweep then compares like with like), and vice versa.
@@ -85,11 +86,12 @@ def build_workload(config: BenchmarkConfig) -> Workload:
 
 
 async def run_benchmark(config: BenchmarkConfig) -> dict[str, Any]:
-    """Run one benchmark and return its summary (the JSON --json-out writes, which it also
-    writes when config.json_out is set). Raises ValueError for a bad config, datasets.TraceError
-    for a bad trace, ApiUnavailable if the API cannot be used; failed requests do not raise:
-    they are counted in the summary."""
+    """Run one benchmark and return its result (the JSON `--json-out` and `--save-result` write,
+    which it also writes when the config asks). Raises ValueError for a bad config,
+    datasets.TraceError for a bad trace, ApiUnavailable if the API cannot be used; failed
+    requests do not raise: they are counted in the result."""
     config.validate()
+    result.check_metadata(config)
     workload = build_workload(config)
     async with new_session() as session:
         client = PrefillClient(
@@ -99,10 +101,14 @@ async def run_benchmark(config: BenchmarkConfig) -> dict[str, Any]:
             model=config.model,
             api_key=config.api_key,
             timeout_s=config.timeout_s,
+            stream=config.stream,
+            headers=config.headers,
         )
-        models = await client.list_models()
+        models = await client.wait_ready(config.ready_check_timeout_s)
         if client.model is None and models:
             client.model = models[0]
+        if config.num_warmups:
+            await warm_up(client, workload, config)
         outcomes, duration_s = await drive(client, workload, config)
     summary = report.summarize(
         outcomes,
@@ -112,23 +118,37 @@ async def run_benchmark(config: BenchmarkConfig) -> dict[str, Any]:
         goodput=config.goodput,
         clamped_prompts=workload.clamped,
     )
-    settings = {**config.describe(), "base_url": client.base_url, "model": client.model}
-    clash = settings.keys() & summary.keys()
-    assert not clash, f"configuration keys would overwrite results: {clash}"
-    result = {**summary, **settings}
-    if config.json_out is not None:
-        await asyncio.to_thread(write_json, config.json_out, result)
-    return result
-
-
-def write_json(path: str, result: dict[str, Any]) -> None:
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    run = result.assemble(
+        config, summary, model=client.model, base_url=client.base_url, date=result.run_date(datetime.now())
+    )
+    for path in result.save_paths(config, run):
+        await asyncio.to_thread(result.write, path, run)
+    return run
 
 
 class Sender(Protocol):
     """What `drive` needs of a client (a protocol, so tests can drive a stand-in)."""
 
     async def send(self, prompt: list[int]) -> Outcome: ...
+
+
+async def warm_up(client: Sender, workload: Workload, config: BenchmarkConfig) -> None:
+    """Send the workload's first prompt `num_warmups` times (at most --max-concurrency at once, as
+    vLLM does) and wait for all of them; they are not measured and the workload is unchanged."""
+    first = next(workload.requests, None)
+    if first is None:
+        return  # nothing to send at all
+    workload.requests = itertools.chain([first], workload.requests)
+    prompt = first[1]
+    slots = asyncio.Semaphore(config.max_concurrency or config.num_warmups)
+
+    async def one() -> None:
+        async with slots:
+            await client.send(prompt)
+
+    async with asyncio.TaskGroup() as group:
+        for _ in range(config.num_warmups):
+            group.create_task(one())
 
 
 async def drive(client: Sender, workload: Workload, config: BenchmarkConfig) -> tuple[list[Outcome], float]:
@@ -195,7 +215,7 @@ def _run_loop(main: Coroutine[Any, Any, T]) -> T:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     try:
-        result = _run_loop(run_benchmark(config))
+        run = _run_loop(run_benchmark(config))
     except ApiUnavailable as exc:
         print(f"loadgen: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
@@ -205,9 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("loadgen: interrupted", file=sys.stderr)
         return 130
-    print(report.format_summary(result))
-    if config.json_out is not None:
-        print(f"results written to {config.json_out}", file=sys.stderr)
+    print(report.format_summary(run))
+    for path in result.save_paths(config, run):
+        print(f"results written to {path}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -1,59 +1,71 @@
 """Sending one request to the prefill API and recording what happened.
 
-Every request ends in an `Outcome`, never an exception: a load test must count failures, not
-stop at the first one. Errors are classified by what a reader of the report needs to tell apart:
-the server's HTTP status ("429", "504", ...), or the client's own "timeout", "connection_error",
-"client_error" (another aiohttp failure) and "bad_response" (a 2xx the client could not read).
-A native request the server reports as failed counts as "failed".
+Every request ends in an `Outcome` (loadgen/outcome.py, with the error classes), never an
+exception: a load test must count failures, not stop at the first one. With the completions
+endpoint the request streams by default, as `vllm bench serve` does (`"stream": true` with
+`stream_options.include_usage`), and the events are read as loadgen/stream.py describes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from loadgen.outcome import MAX_MESSAGE, Answer, Outcome, RequestFailed, error_message
+from loadgen.stream import StreamTally, as_int, json_or_none, sse_data
+
 ENDPOINTS = ("completions", "native")
+#: What --endpoint accepts: vLLM passes the path, loadgen's own names are kept.
+ENDPOINT_NAMES = {
+    "/v1/completions": "completions",
+    "completions": "completions",
+    "/v1/prefill": "native",
+    "native": "native",
+}
+#: The `backend` recorded in the results (vLLM's key): the OpenAI completions API, or the native one.
+BACKENDS = {"completions": "openai", "native": "bubbletea"}
 #: Native status polling: start fast (a prefill can take a few ms), back off so thousands of
 #: waiting requests do not turn into a flood of GETs that competes with the work measured.
 POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.05
-#: Longest error message kept per request: enough to read the server's explanation.
-MAX_MESSAGE = 300
+#: Retrying GET /v1/models while the API starts (--ready-check-timeout-sec): a server that is
+#: starting needs seconds, so a tenth of a second doubling to one second loses little time.
+READY_FIRST_S = 0.1
+READY_MAX_S = 1.0
+#: One GET /v1/models attempt gives up after this long.
+MODELS_TIMEOUT_S = 10.0
+#: An HTTP header name (RFC 9110 token); a value may not contain a line break.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 class ApiUnavailable(Exception):
-    """The API cannot be used at all (unreachable, or refuses us): the run does not start."""
+    """The API cannot be used at all (unreachable, or refuses us): the run does not start.
+    `retryable` when waiting may help (no answer, or a 5xx from a server that is starting)."""
 
-
-@dataclass(frozen=True)
-class Outcome:
-    """What happened to one request. `ttft_s` is from just before the request was sent to the
-    moment its result was seen; for a prefill-only service that is also the end-to-end latency."""
-
-    ok: bool
-    prompt_tokens: int  # as the server counted them when it answered, else as sent
-    ttft_s: float | None = None  # set when ok
-    status: int | None = None  # the last HTTP status seen, None if no response
-    error: str | None = None  # the error class when not ok: "429", "timeout", ...
-    message: str = ""  # the server's or the client's explanation
-
-    @staticmethod
-    def failure(kind: str, message: str, prompt_tokens: int, status: int | None = None) -> Outcome:
-        return Outcome(False, prompt_tokens, status=status, error=kind, message=message[:MAX_MESSAGE])
-
-
-class _Failed(Exception):
-    """Internal: carries a classified failure out of nested request code to one handler."""
-
-    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
         super().__init__(message)
-        self.kind, self.message, self.status = kind, message, status
+        self.retryable = retryable
+
+
+def endpoint_name(text: str) -> str:
+    """'/v1/completions' -> 'completions', '/v1/prefill' -> 'native'; loadgen's own names pass."""
+    try:
+        return ENDPOINT_NAMES[text]
+    except KeyError:
+        raise ValueError(f"the endpoint must be one of {', '.join(ENDPOINT_NAMES)}, got {text!r}") from None
+
+
+def check_header(name: str, value: str) -> None:
+    """Refuse a header aiohttp would refuse on every request (the run would be all errors)."""
+    if not _HEADER_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a valid HTTP header name")
+    if "\r" in value or "\n" in value:
+        raise ValueError(f"the value of header {name!r} contains a line break")
 
 
 def poll_delays(first: float = POLL_FIRST_S, cap: float = POLL_MAX_S) -> Iterator[float]:
@@ -62,18 +74,6 @@ def poll_delays(first: float = POLL_FIRST_S, cap: float = POLL_MAX_S) -> Iterato
     while True:
         yield delay
         delay = min(delay * 2, cap)
-
-
-def error_message(body: Any, text: str) -> str:
-    """The explanation in an error response: the OpenAI shape's error.message when present,
-    otherwise the raw body (a proxy's HTML page is still better than nothing)."""
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
-        if isinstance(err, str):
-            return err
-    return text.strip() or "(empty body)"
 
 
 def normalize_base_url(url: str) -> str:
@@ -109,6 +109,8 @@ class PrefillClient:
         model: str | None = None,
         api_key: str | None = None,
         timeout_s: float = 120.0,
+        stream: bool = True,
+        headers: dict[str, str] | None = None,
     ) -> None:
         if endpoint not in ENDPOINTS:
             raise ValueError(f"the endpoint must be one of {ENDPOINTS}, got {endpoint!r}")
@@ -117,11 +119,13 @@ class PrefillClient:
         self.endpoint = endpoint
         self.model = model
         self.timeout_s = timeout_s
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.stream = stream and endpoint == "completions"  # the native API never streams
+        # Extra headers win over the API key's, as in vLLM (--header Authorization=... replaces it).
+        self.headers = {**({"Authorization": f"Bearer {api_key}"} if api_key else {}), **(headers or {})}
 
     # --- start-up check ------------------------------------------------------------------------
 
-    async def list_models(self, timeout_s: float = 10.0) -> list[str]:
+    async def list_models(self, timeout_s: float = MODELS_TIMEOUT_S) -> list[str]:
         """GET /v1/models. Raises ApiUnavailable with a one-line reason if it cannot be used."""
         url = f"{self.base_url}/v1/models"
         try:
@@ -131,18 +135,40 @@ class PrefillClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             reason = f"no answer within {timeout_s:g}s" if isinstance(exc, TimeoutError) else _describe(exc)
             raise ApiUnavailable(
-                f"cannot reach the BubbleTea API at {self.base_url}: {reason} (is `bubbletea up` running?)"
+                f"cannot reach the BubbleTea API at {self.base_url}: {reason} (is `bubbletea up` running?)",
+                retryable=True,
             ) from None
-        body = _json_or_none(text)
+        body = json_or_none(text)
         if status != 200:
             raise ApiUnavailable(
                 f"the BubbleTea API at {self.base_url} answered GET /v1/models with HTTP "
-                f"{status}: {error_message(body, text)[:MAX_MESSAGE]}"
+                f"{status}: {error_message(body, text)[:MAX_MESSAGE]}",
+                retryable=status >= 500,
             )
         try:
             return [m["id"] for m in body["data"]]
         except (TypeError, KeyError):
             raise ApiUnavailable(f"GET {url} did not answer a model list: {text[:MAX_MESSAGE]!r}") from None
+
+    async def wait_ready(self, timeout_s: float = 0.0) -> list[str]:
+        """`list_models`, retried for up to `timeout_s` while the API is unreachable or answers
+        5xx (it may be starting); 0 asks once. A 4xx or a malformed answer fails at once."""
+        deadline = time.monotonic() + timeout_s
+        delays = poll_delays(READY_FIRST_S, READY_MAX_S)
+        while True:
+            # Each attempt within what is left of the wait (but at least a moment).
+            left = deadline - time.monotonic()
+            attempt_s = MODELS_TIMEOUT_S if timeout_s == 0 else min(MODELS_TIMEOUT_S, max(left, 0.1))
+            try:
+                return await self.list_models(attempt_s)
+            except ApiUnavailable as exc:
+                delay = next(delays)
+                if exc.retryable and time.monotonic() + delay <= deadline:
+                    await asyncio.sleep(delay)
+                    continue
+                if timeout_s > 0 and exc.retryable:
+                    raise ApiUnavailable(f"{exc}; gave up after {timeout_s:g}s (--ready-check-timeout-sec)") from None
+                raise
 
     # --- one request ---------------------------------------------------------------------------
 
@@ -151,11 +177,13 @@ class PrefillClient:
         start = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout_s):
-                if self.endpoint == "completions":
-                    prompt_tokens = await self._complete(prompt)
+                if self.endpoint == "native":
+                    answer = await self._prefill(prompt)
+                elif self.stream:
+                    answer = await self._complete_streamed(prompt)
                 else:
-                    prompt_tokens = await self._prefill(prompt)
-        except _Failed as f:
+                    answer = await self._complete(prompt)
+        except RequestFailed as f:
             return Outcome.failure(f.kind, f.message, len(prompt), f.status)
         except TimeoutError:
             return Outcome.failure("timeout", f"no result within {self.timeout_s:g}s (--timeout)", len(prompt))
@@ -163,7 +191,8 @@ class PrefillClient:
             return Outcome.failure("connection_error", _describe(exc), len(prompt))
         except aiohttp.ClientError as exc:  # anything else aiohttp raises (payload errors, ...)
             return Outcome.failure("client_error", _describe(exc), len(prompt))
-        return Outcome(True, prompt_tokens, ttft_s=time.perf_counter() - start, status=200)
+        first = answer.first_token_at if answer.first_token_at is not None else time.perf_counter()
+        return Outcome(True, answer.prompt_tokens, ttft_s=first - start, status=200, output_tokens=answer.output_tokens)
 
     def _body(self, prompt: list[int]) -> dict[str, Any]:
         body: dict[str, Any] = {"prompt": prompt}
@@ -171,6 +200,9 @@ class PrefillClient:
             body["model"] = self.model
         if self.endpoint == "completions":
             body["max_tokens"] = 1
+            if self.stream:
+                body["stream"] = True
+                body["stream_options"] = {"include_usage": True}
         else:
             # The server fails the request at this deadline instead of computing a result that
             # nobody will read; ms, and at least 1 (the API's minimum).
@@ -181,20 +213,45 @@ class PrefillClient:
         async with self.session.post(f"{self.base_url}{path}", json=self._body(prompt), headers=self.headers) as resp:
             return resp.status, await _read(resp)
 
-    async def _complete(self, prompt: list[int]) -> int:
-        """POST /v1/completions; the answer is the result. Returns the prompt's token count."""
+    async def _complete(self, prompt: list[int]) -> Answer:
+        """POST /v1/completions without streaming; the answer is the result."""
         status, body = await self._post("/v1/completions", prompt)
         try:
-            return int(body["usage"]["prompt_tokens"])
-        except (TypeError, KeyError, ValueError):
-            raise _Failed("bad_response", f"HTTP {status} without usage.prompt_tokens", status) from None
+            usage = body["usage"]
+            return Answer(int(usage["prompt_tokens"]), as_int(usage.get("completion_tokens")) or 0)
+        except (TypeError, KeyError, ValueError, AttributeError):
+            raise RequestFailed("bad_response", f"HTTP {status} without usage.prompt_tokens", status) from None
 
-    async def _prefill(self, prompt: list[int]) -> int:
+    async def _complete_streamed(self, prompt: list[int]) -> Answer:
+        """POST /v1/completions with `stream: true`, read as server-sent events to `[DONE]`."""
+        url = f"{self.base_url}/v1/completions"
+        async with self.session.post(url, json=self._body(prompt), headers=self.headers) as resp:
+            status = resp.status
+            if status >= 300 or resp.content_type != "text/event-stream":
+                await _read(resp)  # raises the error status (or takes the 2xx JSON body)
+                raise RequestFailed(
+                    "bad_response",
+                    f"HTTP {status} answered {resp.content_type}, not an event stream "
+                    "(--no-stream reads a JSON answer)",
+                    status,
+                )
+            tally = StreamTally(status)
+            try:
+                async for data in sse_data(resp.content):
+                    if tally.feed(data, time.perf_counter()):
+                        break
+                else:
+                    raise RequestFailed("client_error", "the event stream ended without data: [DONE]", status)
+            except ValueError as exc:  # a line over aiohttp's limit, or bytes that are not UTF-8
+                raise RequestFailed("bad_response", f"an unreadable event stream: {exc}", status) from None
+        return tally.answer(len(prompt))
+
+    async def _prefill(self, prompt: list[int]) -> Answer:
         """POST /v1/prefill, then poll GET /v1/prefill/{id} until done or failed."""
         status, body = await self._post("/v1/prefill", prompt)
         request_id = body.get("id") if isinstance(body, dict) else None
         if not isinstance(request_id, str):
-            raise _Failed("bad_response", f"HTTP {status} without a request id", status)
+            raise RequestFailed("bad_response", f"HTTP {status} without a request id", status)
         url = f"{self.base_url}/v1/prefill/{request_id}"
         for delay in poll_delays():
             async with self.session.get(url, headers=self.headers) as resp:
@@ -203,9 +260,9 @@ class PrefillClient:
             if state == "done":
                 result = got.get("result")
                 tokens = result.get("prompt_tokens") if isinstance(result, dict) else None
-                return int(tokens) if isinstance(tokens, int) else len(prompt)
+                return Answer(int(tokens) if isinstance(tokens, int) else len(prompt), 1)  # one token: a prefill
             if state == "failed":
-                raise _Failed("failed", str(got.get("error") or "the server reports the prefill failed"), status)
+                raise RequestFailed("failed", str(got.get("error") or "the server reports the prefill failed"), status)
             await asyncio.sleep(delay)  # queued (or any other not-yet-final state)
         raise AssertionError("unreachable: poll_delays is endless")
 
@@ -213,19 +270,14 @@ class PrefillClient:
 async def _read(resp: aiohttp.ClientResponse) -> Any:
     """The JSON body of a 2xx response; any other status becomes a failure named by its code."""
     text = await resp.text()
-    body = _json_or_none(text)
+    body = json_or_none(text)
     if resp.status >= 300:
-        raise _Failed(str(resp.status), error_message(body, text), resp.status)
+        raise RequestFailed(str(resp.status), error_message(body, text), resp.status)
     if body is None:
-        raise _Failed("bad_response", f"HTTP {resp.status} with a body that is not JSON: {text[:100]!r}", resp.status)
+        raise RequestFailed(
+            "bad_response", f"HTTP {resp.status} with a body that is not JSON: {text[:100]!r}", resp.status
+        )
     return body
-
-
-def _json_or_none(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 def _describe(exc: BaseException) -> str:

@@ -8,9 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from loadgen import arrivals, datasets, report
-from loadgen.client import ENDPOINTS
+from loadgen.client import ENDPOINTS, check_header
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+#: Fields `describe` leaves out: the API key and the headers may carry credentials, the metadata
+#: goes to the result's top level, and the summary reports the rest itself (goodput_slos_ms, ...;
+#: "request_goodput" there is the measured goodput).
+NOT_RECORDED = ("api_key", "headers", "metadata", "disable_tqdm", "goodput", "percentile_metrics", "metric_percentiles")
 
 
 @dataclass
@@ -39,6 +43,15 @@ class BenchmarkConfig:
     json_out: str | None = None
     timeout_s: float = 120.0
     disable_tqdm: bool = False
+    stream: bool = True  # completions only: server-sent events, TTFT at the first chunk (as vLLM)
+    headers: dict[str, str] = field(default_factory=dict)  # extra HTTP headers on every request
+    ready_check_timeout_s: float = 0.0  # retry GET /v1/models this long; 0: ask once
+    num_warmups: int = 0  # requests sent and awaited before the measured run, not counted
+    save_result: bool = False  # write the result JSON under vLLM's file name (result.save_paths)
+    result_dir: str | None = None  # with save_result: the folder (created if needed)
+    result_filename: str | None = None  # with save_result: the file name instead of the default
+    metadata: dict[str, str] = field(default_factory=dict)  # added to the result JSON's top level
+    label: str | None = None  # recorded, and the file name's prefix instead of the backend
 
     def validate(self) -> None:
         """Raise ValueError with a readable reason for a configuration that cannot run."""
@@ -56,6 +69,16 @@ class BenchmarkConfig:
         _check(self.num_prompts is not None or self.duration_s is not None, "give --num-prompts or --duration")
         _check(self.timeout_s > 0, "--timeout must be > 0")
         _check(self.seed >= 0, "--seed must be >= 0")
+        _check(self.num_warmups >= 0, "--num-warmups must be >= 0")
+        _check(
+            math.isfinite(self.ready_check_timeout_s) and self.ready_check_timeout_s >= 0,
+            "--ready-check-timeout-sec must be >= 0",
+        )
+        for name, value in self.headers.items():
+            try:
+                check_header(name, value)
+            except ValueError as exc:
+                raise ValueError(f"--header: {exc}") from None
 
     def _validate_dataset(self) -> None:
         if self.dataset == "random":
@@ -78,15 +101,20 @@ class BenchmarkConfig:
             # Checked before the run, so a typo does not cost the results at the end of it.
             parent = Path(self.json_out).parent
             _check(parent.is_dir(), f"--json-out: the directory {parent} does not exist")
+        for value, flag in [(self.result_dir, "--result-dir"), (self.result_filename, "--result-filename")]:
+            _check(value is None or self.save_result, f"{flag} applies only with --save-result")
+            _check(value != "", f"{flag} must not be empty")
+        _check(all(key.strip() for key in self.metadata), "--metadata: a key must not be empty")
 
     def describe(self) -> dict[str, Any]:
         """The configuration as recorded with the results: JSON-safe, and without the API key."""
         d = asdict(self)
-        # The summary reports these itself (goodput_slos_ms, ...): "goodput" there is the result.
-        for key in ("api_key", "disable_tqdm", "goodput", "percentile_metrics", "metric_percentiles"):
+        for key in NOT_RECORDED:
             del d[key]
-        # "duration_s" in the results is the measured duration; the limit gets its own name.
+        # "duration" in the results is the measured duration; the limit gets its own name.
         d["duration_limit_s"] = d.pop("duration_s")
+        if self.endpoint != "completions":
+            d["stream"] = None  # the native API does not stream
         # JSON has no infinity; "inf" is what vLLM writes too.
         d["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
         if self.dataset == "trace":

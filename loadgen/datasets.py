@@ -61,14 +61,16 @@ class TracePlan:
 
 
 def length_range(input_len: int, range_ratio: float) -> tuple[int, int]:
-    """The inclusive range prompt lengths are drawn from: input_len * (1 -/+ range_ratio), at
-    least 1 token (an empty prompt is not a request the server accepts)."""
+    """The inclusive range prompt lengths are drawn from, as `vllm bench serve --dataset-name random`
+    computes it: [floor(input_len * (1 - range_ratio)), ceil(input_len * (1 + range_ratio))], with
+    0 <= range_ratio < 1. One difference: the low end is at least 1 token (an empty prompt is not a
+    request the server accepts; vLLM refuses such a range instead)."""
     if input_len < 1:
         raise ValueError(f"the input length must be >= 1, got {input_len}")
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"the range ratio must be in [0, 1), got {range_ratio}")
-    lo = max(1, math.floor(input_len * (1.0 - range_ratio)))
-    hi = max(lo, math.floor(input_len * (1.0 + range_ratio)))
+    lo = max(1, math.floor(input_len * (1 - range_ratio)))
+    hi = max(lo, math.ceil(input_len * (1 + range_ratio)))
     return lo, hi
 
 

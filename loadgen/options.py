@@ -1,6 +1,11 @@
 """The `loadgen` command line: every option, and how it becomes a `BenchmarkConfig`.
 
+The options are `vllm bench serve`'s names for what loadgen does (--endpoint /v1/completions,
+--dataset-name random, --random-input-len, --save-result, ...), beside loadgen's own older names,
+which keep working (--dataset, --input-len, --range-ratio, --endpoint completions|native, --json-out).
 Usage errors (conflicting options, bad values) exit 2 through argparse, naming the option.
+
+Over 300 lines on purpose: one parser, so every option and its check are read in one place.
 """
 
 from __future__ import annotations
@@ -11,8 +16,8 @@ import os
 from collections.abc import Sequence
 from typing import TypeVar
 
-from loadgen import report
-from loadgen.client import ENDPOINTS, normalize_base_url
+from loadgen import report, result
+from loadgen.client import ENDPOINT_NAMES, endpoint_name, normalize_base_url
 from loadgen.config import DEFAULT_BASE_URL, BenchmarkConfig
 
 T = TypeVar("T")
@@ -30,6 +35,8 @@ requests are counted by HTTP status or error class and reported, never hidden. S
 EPILOG = """\
 examples:
   loadgen --request-rate 20 --num-prompts 500 --input-len 128 --range-ratio 0.5
+  loadgen --endpoint /v1/completions --dataset-name random --random-input-len 128 --random-range-ratio 0.5 \\
+      --request-rate 20 --num-prompts 500 --save-result --result-dir results --metadata run=1
   loadgen --request-rate 20 --burstiness 0.25 --duration 60 --goodput ttft:500
   loadgen --trace AzureLLMInferenceTrace_conv.csv --time-scale 10 --duration 60 --max-input-len 256
 exit status: 0 the run completed (even with failed requests), 1 the API could not be used, 2 usage error
@@ -44,14 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"the API's address (default: {DEFAULT_BASE_URL})")
     server.add_argument(
         "--endpoint",
-        choices=ENDPOINTS,
-        default="completions",
-        help="completions: POST /v1/completions, answered when the result is ready (OpenAI, the default); "
-        "native: POST /v1/prefill, then poll GET /v1/prefill/{id} until done or failed",
+        choices=ENDPOINT_NAMES,
+        default="/v1/completions",
+        help="/v1/completions (or completions): the OpenAI completions API, streamed unless --no-stream "
+        "(the default); /v1/prefill (or native): POST /v1/prefill, then poll GET /v1/prefill/{id} until done "
+        "or failed",
     )
     server.add_argument("--model", help="the model to ask for (default: the first one GET /v1/models lists)")
     server.add_argument(
         "--api-key", help="sent as 'Authorization: Bearer KEY' (default: $BUBBLETEA_API_KEY, else $OPENAI_API_KEY)"
+    )
+    server.add_argument(
+        "--header",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="extra HTTP headers sent with every request, e.g. --header x-run=7 x-team=a (never recorded)",
     )
     server.add_argument(
         "--timeout",
@@ -59,6 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         metavar="SECONDS",
         help="give up on a request after this long; it counts as a 'timeout' error (default: 120)",
+    )
+    server.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        help="completions only: ask for server-sent events and take the TTFT at the first chunk with a choice, "
+        "as vLLM does (the default); --no-stream reads one JSON answer and takes the TTFT when it is complete",
+    )
+    server.add_argument(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="retry GET /v1/models for up to S seconds while the API is unreachable or answers 5xx; "
+        "0 asks once (default: 0)",
     )
 
     load = p.add_argument_group("load")
@@ -91,19 +119,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="send until this much time has passed; with --trace, replay the part of the trace within it",
     )
     load.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default: 0)")
+    load.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first send the first prompt N times and wait for the answers; not measured (default: 0)",
+    )
 
     data = p.add_argument_group("dataset")
     data.add_argument(
+        "--dataset-name",
         "--dataset",
+        dest="dataset",
         choices=("random", "trace"),
-        help="random: random prompts of --input-len tokens (the default); trace: the one --trace names",
+        help="random: random prompts of --random-input-len tokens (the default); trace: the one --trace names",
     )
-    data.add_argument("--input-len", type=int, metavar="TOKENS", help="mean prompt length (default: 128)")
     data.add_argument(
+        "--random-input-len",
+        "--input-len",
+        dest="input_len",
+        type=int,
+        metavar="TOKENS",
+        help="mean prompt length (default: 128)",
+    )
+    data.add_argument(
+        "--random-range-ratio",
         "--range-ratio",
+        dest="range_ratio",
         type=float,
         metavar="R",
-        help="prompt lengths are uniform in [input_len*(1-R), input_len*(1+R)], at least 1; 0 <= R < 1 (default: 0.0)",
+        help="prompt lengths are uniform integers in [floor(len*(1-R)), ceil(len*(1+R))] (as vLLM), at least 1; "
+        "0 <= R < 1 (default: 0.0)",
     )
     data.add_argument(
         "--trace",
@@ -145,6 +192,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help="comma-separated percentiles to report (default: 50,90,99)",
     )
+    out.add_argument(
+        "--save-result",
+        action="store_true",
+        help="write the results as JSON, named as vLLM does: "
+        "{label}-{request_rate}qps[-concurrency{N}]-{model}-{date}.json",
+    )
+    out.add_argument(
+        "--result-dir", metavar="DIR", help="with --save-result: the folder (created if needed; default: here)"
+    )
+    out.add_argument("--result-filename", metavar="NAME", help="with --save-result: the file name instead")
+    out.add_argument(
+        "--metadata",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="pairs added to the result JSON's top level, e.g. --metadata version=0.3 tp=1",
+    )
+    out.add_argument(
+        "--label", help="recorded as 'label', and the saved file's name starts with it (default: the backend)"
+    )
     out.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return p
@@ -155,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
 RANDOM_ONLY = {
     "request_rate": "--request-rate",
     "burstiness": "--burstiness",
-    "input_len": "--input-len",
-    "range_ratio": "--range-ratio",
+    "input_len": "--random-input-len/--input-len",
+    "range_ratio": "--random-range-ratio/--range-ratio",
 }
 TRACE_ONLY = {"time_scale": "--time-scale", "max_input_len": "--max-input-len"}
 
@@ -174,10 +240,13 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             if dataset == "trace":
                 parser.error(f"{flag} does not apply with --trace: the trace sets arrival times and prompt lengths")
             parser.error(f"{flag} applies only with --trace")
+    endpoint = endpoint_name(args.endpoint)
+    if endpoint == "native" and args.stream is not None:
+        parser.error(f"--{'' if args.stream else 'no-'}stream applies only to the completions endpoint")
     try:
         config = BenchmarkConfig(
             base_url=normalize_base_url(args.base_url),
-            endpoint=args.endpoint,
+            endpoint=endpoint,
             model=args.model,
             api_key=args.api_key or os.environ.get("BUBBLETEA_API_KEY") or os.environ.get("OPENAI_API_KEY") or None,
             request_rate=_default(args.request_rate, math.inf),
@@ -198,11 +267,33 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             json_out=args.json_out,
             timeout_s=args.timeout,
             disable_tqdm=args.disable_tqdm,
+            stream=_default(args.stream, True),
+            headers=parse_pairs(args.header or [], "--header"),
+            ready_check_timeout_s=args.ready_check_timeout_sec,
+            num_warmups=args.num_warmups,
+            save_result=args.save_result,
+            result_dir=args.result_dir,
+            result_filename=args.result_filename,
+            metadata=parse_pairs(args.metadata or [], "--metadata"),
+            label=args.label,
         )
         config.validate()
+        result.check_metadata(config)
     except ValueError as exc:
         parser.error(str(exc))
     return config
+
+
+def parse_pairs(items: Sequence[str], flag: str) -> dict[str, str]:
+    """['a=1', 'b = x=y'] -> {'a': '1', 'b': 'x=y'}: split at the first '=', both sides stripped
+    (as vLLM reads --header and --metadata); a later key replaces an earlier one."""
+    pairs: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} {item!r} is not KEY=VALUE")
+        pairs[key.strip()] = value.strip()
+    return pairs
 
 
 def _default(value: T | None, default: T) -> T:

@@ -1,9 +1,12 @@
 """Turning request outcomes into the benchmark's numbers and its text table (pure).
 
-The numbers follow `vllm bench serve` so results can be compared: throughputs are over the
-benchmark's wall-clock duration (first send to last answer), latency statistics are over the
-successful requests only, percentiles are numpy's (linear interpolation), std is the population
-std. Failed requests are not dropped quietly: they are counted, classified, and sampled.
+The numbers follow `vllm bench serve` so results can be compared, under vLLM's keys: throughputs
+are over the benchmark's wall-clock duration (first send to last answer), latency statistics are
+over the successful requests only, percentiles are numpy's (linear interpolation), std is the
+population std, and the per-request lists (`ttfts`, `input_lens`, `output_lens`, `errors`) have one
+entry per request in send order. Two differences: with no successful request the statistics are
+None, not vLLM's 0 (which would read as a wonderfully fast server), and failed requests are also
+counted by class (`error_counts`) and sampled (`error_samples`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.client import Outcome
+from loadgen.outcome import Outcome
 
 #: The latency metrics a report can show. A prefill-only service answers with its first (and
 #: only) token, so the end-to-end latency is the TTFT; "e2el" is accepted so vLLM command lines
@@ -114,6 +117,26 @@ def _stats(values: list[float], metric: str, percentiles: Sequence[float]) -> di
     return out
 
 
+def error_label(kind: str) -> str:
+    """'429' -> 'HTTP 429', 'timeout' -> 'timeout': how an error class is shown."""
+    return f"HTTP {kind}" if kind.isdigit() else kind
+
+
+def error_text(outcome: Outcome) -> str:
+    """One request's entry in `errors` (vLLM's per-request list): '' when it succeeded."""
+    if outcome.ok:
+        return ""
+    return f"{error_label(outcome.error or 'unknown')}: {outcome.message}"
+
+
+def output_len(outcome: Outcome) -> int:
+    """Output tokens of one request as vLLM counts them: the server's count, 1 when it gave none
+    (no tokenizer to count with; a prefill answers one token), 0 for a failure."""
+    if not outcome.ok:
+        return 0
+    return outcome.output_tokens or 1
+
+
 def _error_key(key: str) -> tuple[int, int, str]:
     """HTTP statuses first, numerically, then the client's own classes by name."""
     return (0, int(key), "") if key.isdigit() else (1, 0, key)
@@ -160,25 +183,31 @@ def summarize(
     goodput: dict[str, float] | None = None,
     clamped_prompts: int = 0,
 ) -> dict[str, Any]:
-    """The measured part of the result (the run adds its configuration)."""
+    """The measured part of the result (the run adds its configuration), under vLLM's keys where
+    vLLM has one. `duration_s` is the benchmark duration."""
     done = [o for o in outcomes if o.ok]
 
     def rate(n: float) -> float:
         return n / duration_s if duration_s > 0 else 0.0  # no time passed: nothing was measured
 
     total_input = sum(o.prompt_tokens for o in done)
+    output_lens = [output_len(o) for o in outcomes]
+    total_output = sum(output_lens)
     ttfts = [v for o in done if (v := latency_ms(o, "ttft")) is not None]
     summary: dict[str, Any] = {
+        "duration": duration_s,
         "completed": len(done),
         "failed": len(outcomes) - len(done),
-        "errors": count_errors(outcomes),
-        "error_samples": error_samples(outcomes),
-        "duration_s": duration_s,
         "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
         "request_throughput": rate(len(done)),
+        "request_goodput": rate(sum(is_good(o, goodput) for o in done)) if goodput else None,
+        "output_throughput": rate(total_output),
+        "total_token_throughput": rate(total_input + total_output),
         "input_throughput": rate(total_input),
-        "goodput": rate(sum(is_good(o, goodput) for o in done)) if goodput else None,
         "goodput_slos_ms": dict(goodput) if goodput else None,
+        "error_counts": count_errors(outcomes),
+        "error_samples": error_samples(outcomes),
         "clamped_prompts": clamped_prompts,
         "percentile_metrics": list(metrics),
         "metric_percentiles": list(percentiles),
@@ -188,7 +217,12 @@ def summarize(
     for metric in metrics:
         if metric != "ttft":
             summary.update(_stats([v for o in done if (v := latency_ms(o, metric)) is not None], metric, percentiles))
-    summary["ttfts_ms"] = ttfts
+    # Per request, in send order, as vLLM writes them: seconds, 0.0 for a failed request.
+    summary["ttfts"] = [o.ttft_s if o.ok and o.ttft_s is not None else 0.0 for o in outcomes]
+    summary["input_lens"] = [o.prompt_tokens for o in outcomes]
+    summary["output_lens"] = output_lens
+    summary["errors"] = [error_text(o) for o in outcomes]
+    summary["ttfts_ms"] = ttfts  # successful requests only, in ms (for plotting the distribution)
     return summary
 
 
@@ -210,13 +244,14 @@ def format_summary(summary: dict[str, Any]) -> str:
         _rule(" Serving Benchmark Result ", "="),
         _line("Successful requests:", summary["completed"]),
         _line("Failed requests:", summary["failed"]),
-        _line("Benchmark duration (s):", summary["duration_s"], ".2f"),
+        _line("Benchmark duration (s):", summary["duration"], ".2f"),
         _line("Total input tokens:", summary["total_input_tokens"]),
+        _line("Total generated tokens:", summary["total_output_tokens"]),
         _line("Request throughput (req/s):", summary["request_throughput"], ".2f"),
         _line("Input token throughput (tok/s):", summary["input_throughput"], ".1f"),
     ]
-    if summary.get("goodput") is not None:
-        lines.append(_line("Request goodput (req/s):", summary["goodput"], ".2f"))
+    if summary.get("request_goodput") is not None:
+        lines.append(_line("Request goodput (req/s):", summary["request_goodput"], ".2f"))
     if summary.get("clamped_prompts"):
         lines.append(_line("Prompts clamped to --max-input-len:", summary["clamped_prompts"]))
     for metric in summary["percentile_metrics"]:
@@ -229,9 +264,9 @@ def format_summary(summary: dict[str, Any]) -> str:
                 continue  # the median, just above
             name = percentile_name(p)
             lines.append(_line(f"P{name} {short} (ms):", summary[f"p{name}_{metric}_ms"], ".2f"))
-    if summary["errors"]:
+    if summary["error_counts"]:
         lines.append(_rule("Errors"))
-        for kind, count in summary["errors"].items():
-            lines.append(_line(f"HTTP {kind}:" if kind.isdigit() else f"{kind}:", count))
+        for kind, count in summary["error_counts"].items():
+            lines.append(_line(f"{error_label(kind)}:", count))
     lines.append("=" * WIDTH)
     return "\n".join(lines)

@@ -202,11 +202,11 @@ def _metrics(result: TrainResult, spans: list[runstats.Span], load: dict[str, An
             ttft_p99_ms=round(runstats.percentile(ttfts, 99) or 0.0, 1) if ttfts else None,
             requests_answered=load["completed"],
             requests_failed=load["failed"],
-            errors=load["errors"],
+            errors=load["error_counts"],
             bubble_fill_ratio=round(u.fill_ratio, 3),
             # accepted but never answered nor failed explicitly: the client lost its connection or
             # gave up waiting (explicit failures are HTTP statuses, counted in `errors`)
-            requests_lost=sum(n for k, n in load["errors"].items() if not k.isdigit()),
+            requests_lost=sum(n for k, n in load["error_counts"].items() if not k.isdigit()),
         )
     return m
 

@@ -4,6 +4,11 @@ No dispatcher runs here, so by itself the API answers nothing but errors: those 
 that the load generator counts them by status code, exactly. For the success path a small
 stand-in answers requests straight off the request stream with `shared.serving.answer`, the same
 call the serving plane makes.
+
+Where the timing of the stream itself is under test, a stand-in front door streams the events of
+`services/prefill_queue/completions.py` (built by its own `choice` and `usage`) at chosen moments:
+the time to first token must be the moment of the first chunk with a choice, not the response
+headers nor the end of the stream.
 """
 
 from __future__ import annotations
@@ -13,17 +18,21 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
 from loadgen.cli import BenchmarkConfig, build_workload, run_benchmark
+from loadgen.client import ApiUnavailable
 from loadgen.report import format_summary
 from services.prefill_queue.app import create_app
+from services.prefill_queue.completions import choice, usage
 from shared import keys, serving
 from shared.bus.connection import blocking_client
 from shared.settings import Settings, load_settings
@@ -71,12 +80,15 @@ async def test_errors_are_counted_by_status_and_written_to_json(redis_url: str, 
         result = await run_benchmark(cfg)
 
     assert result["completed"] == 0 and result["failed"] == 12
-    assert result["errors"] == {"400": too_long, "429": 12 - too_long - 3, "504": 3}
+    assert result["error_counts"] == {"400": too_long, "429": 12 - too_long - 3, "504": 3}
+    # one entry per request, in send order
+    assert [e.startswith("HTTP 400: ") for e in result["errors"]] == [n > MAX_PROMPT for n in lengths]
     messages = {s["error"]: s["message"] for s in result["error_samples"]}
     assert f"at most {MAX_PROMPT}" in messages["400"]
     assert "queue is full" in messages["429"]
     assert "still queued" in messages["504"]
     assert result["ttfts_ms"] == [] and result["mean_ttft_ms"] is None and result["p99_ttft_ms"] is None
+    assert result["ttfts"] == [0.0] * 12 and result["input_lens"] == lengths and result["output_lens"] == [0] * 12
     assert result["model"] == "bubbletea-gpt" and result["endpoint"] == "completions"
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     table = format_summary(result)
@@ -87,8 +99,8 @@ async def test_native_requests_time_out_on_the_client(redis_url: str) -> None:
     # The server would wait 30 s; the client gives up after 0.3 s while polling "queued".
     async with api(redis_url, max_queue_depth=3, request_timeout_s=30.0) as url:
         result = await run_benchmark(config(url, endpoint="native", num_prompts=5, input_len=8, timeout_s=0.3))
-    assert result["errors"] == {"429": 2, "timeout": 3}
-    assert result["completed"] == 0
+    assert result["error_counts"] == {"429": 2, "timeout": 3}
+    assert result["completed"] == 0 and result["backend"] == "bubbletea"
 
 
 @contextlib.asynccontextmanager
@@ -139,8 +151,11 @@ def result_for(req: PrefillRequest, failed: bool) -> PrefillResult:
     )
 
 
-@pytest.mark.parametrize(("endpoint", "failure"), [("completions", "500"), ("native", "failed")])
-async def test_answered_requests_are_measured(redis_url: str, endpoint: str, failure: str) -> None:
+@pytest.mark.parametrize(
+    ("endpoint", "stream", "failure"),
+    [("completions", True, "500"), ("completions", False, "500"), ("native", True, "failed")],
+)
+async def test_answered_requests_are_measured(redis_url: str, endpoint: str, stream: bool, failure: str) -> None:
     def fails(req: PrefillRequest) -> bool:
         return req.tokens[0] % 4 == 0  # about a quarter, decided by the (seeded) prompt
 
@@ -148,6 +163,7 @@ async def test_answered_requests_are_measured(redis_url: str, endpoint: str, fai
         cfg = config(
             url,
             endpoint=endpoint,
+            stream=stream,
             num_prompts=20,
             request_rate=200.0,
             input_len=16,
@@ -162,14 +178,16 @@ async def test_answered_requests_are_measured(redis_url: str, endpoint: str, fai
     bad = [p for p in sent if p[0] % 4 == 0]
     good = [p for p in sent if p[0] % 4 != 0]
     assert bad and good  # the seed gives a mix
-    errors = dict(result["errors"])
     # (native polling once saw 404s here: lookup read two keys non-atomically; it uses MGET now)
-    assert errors == {failure: len(bad)}, result["error_samples"]
+    assert result["error_counts"] == {failure: len(bad)}, result["error_samples"]
+    assert [e == "" for e in result["errors"]] == [p[0] % 4 != 0 for p in sent]
     assert result["completed"] == len(good) and result["failed"] == len(bad)
     assert result["total_input_tokens"] == sum(len(p) for p in good)
     assert all("boom" in s["message"] for s in result["error_samples"] if s["error"] == failure)
     assert len(result["ttfts_ms"]) == result["completed"] and all(t > 0 for t in result["ttfts_ms"])
-    assert result["goodput"] == pytest.approx(result["request_throughput"])  # a generous objective
+    assert result["total_output_tokens"] == len(good)  # one token per prefill
+    assert result["input_lens"] == [len(p) for p in sent]  # as the server counted them, or as sent
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # a generous objective
     assert result["p99_e2el_ms"] == pytest.approx(result["p99_ttft_ms"])
     assert await _inflight(redis_url) == 0  # every request was answered: none is left behind
 
@@ -180,3 +198,129 @@ async def _inflight(redis_url: str) -> int:
         return await serving.inflight(r)
     finally:
         await r.aclose()
+
+
+# --- a stand-in front door that streams at chosen moments --------------------------------------
+
+
+@dataclass
+class FrontDoor:
+    """Streams /v1/completions as services/prefill_queue/completions.py does, with `first_token_s`
+    between the response headers and the first chunk and `tail_s` before the usage chunk and
+    `[DONE]`. `mode` breaks the stream on purpose: "error" sends an error event instead of the
+    token, "cut" ends the body without `[DONE]`. /v1/models answers 503 `models_unavailable` times
+    first."""
+
+    first_token_s: float = 0.0
+    tail_s: float = 0.0
+    mode: str = "ok"
+    models_unavailable: int = 0
+    model_calls: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.model_calls += 1
+        if self.model_calls <= self.models_unavailable:
+            return web.json_response({"error": {"message": "starting", "code": 503}}, status=503)
+        return web.json_response({"object": "list", "data": [{"id": "bubbletea-gpt", "root": "bubbletea-gpt"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        req = PrefillRequest(
+            id="cmpl-1", model="bubbletea-gpt", tokens=tuple(body["prompt"]), submitted=time.time(), reply_to="-"
+        )
+        answer = PrefillResult(id=req.id, status=RequestStatus.DONE, token=65, text="A", prompt_tokens=len(req.tokens))
+        head = {"id": req.id, "object": "text_completion", "created": int(req.submitted), "model": req.model}
+        if not body.get("stream"):
+            return web.json_response({**head, "choices": [choice(0, req, answer, ())], "usage": usage([answer])})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(event: dict[str, Any]) -> None:
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+
+        await asyncio.sleep(self.first_token_s)
+        if self.mode == "error":
+            await send({"error": {"message": "the prefill failed: boom", "code": 503}})
+        else:
+            await send({**head, "choices": [choice(0, req, answer, ())], "usage": None})
+        await asyncio.sleep(self.tail_s)
+        if self.mode != "cut":
+            await send({**head, "choices": [], "usage": usage([answer] if self.mode == "ok" else [])})
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@contextlib.asynccontextmanager
+async def front_door(door: FrontDoor) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_get("/v1/models", door.models)
+    app.router.add_post("/v1/completions", door.completions)
+    async with TestServer(app) as server:
+        yield str(server.make_url("")).rstrip("/")
+
+
+async def test_the_ttft_is_the_first_chunk_with_a_choice() -> None:
+    door = FrontDoor(first_token_s=0.2, tail_s=1.0)
+    async with front_door(door) as url:
+        result = await run_benchmark(config(url, num_prompts=2, input_len=8, max_concurrency=1))
+    assert door.bodies[0]["stream"] is True and door.bodies[0]["stream_options"] == {"include_usage": True}
+    assert door.bodies[0]["max_tokens"] == 1 and door.bodies[0]["model"] == "bubbletea-gpt"
+    assert result["completed"] == 2 and result["errors"] == ["", ""]
+    # After the headers (0 s), at the first chunk (0.2 s), well before [DONE] (1.2 s).
+    assert all(0.2 <= t < 1.0 for t in result["ttfts"]), result["ttfts"]
+    assert result["output_lens"] == [1, 1] and result["input_lens"] == [8, 8]  # from the usage chunk
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind", "message"),
+    [("error", "503", "HTTP 503: the prefill failed: boom"), ("cut", "client_error", "client_error: the event")],
+)
+async def test_a_broken_stream_is_a_failure(mode: str, kind: str, message: str) -> None:
+    async with front_door(FrontDoor(mode=mode)) as url:
+        result = await run_benchmark(config(url, num_prompts=3, input_len=8))
+    assert result["completed"] == 0 and result["error_counts"] == {kind: 3}
+    assert all(e.startswith(message) for e in result["errors"]), result["errors"]
+    assert result["ttfts"] == [0.0] * 3
+
+
+async def test_no_stream_reads_one_json_answer() -> None:
+    door = FrontDoor()
+    async with front_door(door) as url:
+        result = await run_benchmark(config(url, num_prompts=2, input_len=8, stream=False))
+    assert "stream" not in door.bodies[0] and result["completed"] == 2 and result["stream"] is False
+
+
+async def test_ready_check_warmups_headers_and_saved_results(tmp_path: Path) -> None:
+    door = FrontDoor(models_unavailable=2)
+    async with front_door(door) as url:
+        with pytest.raises(ApiUnavailable, match="HTTP 503"):
+            await run_benchmark(config(url, num_prompts=1))  # 0: one check, as before
+        cfg = config(
+            url,
+            num_prompts=4,
+            input_len=8,
+            ready_check_timeout_s=30.0,
+            num_warmups=3,
+            headers={"x-run": "7", "Authorization": "Bearer from-header"},
+            api_key="from-key",
+            save_result=True,
+            result_dir=str(tmp_path / "results"),
+            metadata={"version": "0.3.3"},
+            label="nightly",
+        )
+        result = await run_benchmark(cfg)
+    assert door.model_calls == 3  # the first refused, then retried until it answered
+    assert len(door.bodies) == 3 + 4 and result["completed"] == 4 and len(result["ttfts"]) == 4  # warmups not counted
+    assert all(h["x-run"] == "7" and h["Authorization"] == "Bearer from-header" for h in door.headers)
+    assert door.bodies[0] == door.bodies[1] == door.bodies[2] == door.bodies[3]  # warmups send the first prompt
+    [saved] = (tmp_path / "results").iterdir()
+    assert saved.name == f"nightly-infqps-bubbletea-gpt-{result['date']}.json"
+    written = json.loads(saved.read_text())
+    assert written == json.loads(json.dumps(result))
+    assert written["version"] == "0.3.3" and written["label"] == "nightly"
+    assert "from-header" not in saved.read_text() and "from-key" not in saved.read_text()  # never recorded

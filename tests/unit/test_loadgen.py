@@ -1,21 +1,27 @@
-"""The load generator's pure parts: arrivals, datasets, trace parsing, the summary, the CLI."""
+"""The load generator's pure parts: arrivals, datasets, trace parsing, the summary and the result
+JSON (vLLM's keys), reading an event stream, and the CLI (vLLM's flag names and loadgen's own)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import shlex
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from loadgen import arrivals, datasets, report
-from loadgen.cli import BenchmarkConfig, Workload, build_workload, drive, main, parse_config
-from loadgen.client import Outcome, error_message, normalize_base_url, poll_delays
+from loadgen import arrivals, datasets, report, result
+from loadgen.cli import BenchmarkConfig, Workload, build_workload, drive, main, parse_config, warm_up
+from loadgen.client import normalize_base_url, poll_delays
+from loadgen.outcome import Outcome, RequestFailed, error_message
+from loadgen.stream import StreamTally, sse_data
 
 # --- arrivals ----------------------------------------------------------------------------------
 
@@ -51,10 +57,12 @@ def test_arrival_parameters_are_checked(rate: float, burstiness: float) -> None:
 # --- random prompts ----------------------------------------------------------------------------
 
 
-def test_length_range() -> None:
+def test_length_range_is_vllms() -> None:
+    # vLLM's random dataset: [floor(len * (1 - r)), ceil(len * (1 + r))], 0 <= r < 1.
     assert datasets.length_range(128, 0.0) == (128, 128)
     assert datasets.length_range(128, 0.5) == (64, 192)
-    assert datasets.length_range(2, 0.9) == (1, 3)  # never below one token
+    assert datasets.length_range(96, 0.33) == (64, 128)  # floor(64.32), ceil(127.68)
+    assert datasets.length_range(2, 0.9) == (1, 4)  # never below one token (vLLM would refuse 0)
     for bad in [(0, 0.0), (10, 1.0), (10, -0.1)]:
         with pytest.raises(ValueError):
             datasets.length_range(*bad)
@@ -166,8 +174,8 @@ def test_random_workload_is_reproducible_and_bounded_by_duration() -> None:
 # --- the summary -------------------------------------------------------------------------------
 
 
-def ok(ttft_ms: float, tokens: int) -> Outcome:
-    return Outcome(True, tokens, ttft_s=ttft_ms / 1000, status=200)
+def ok(ttft_ms: float, tokens: int, output_tokens: int = 1) -> Outcome:
+    return Outcome(True, tokens, ttft_s=ttft_ms / 1000, status=200, output_tokens=output_tokens)
 
 
 def bad(kind: str, message: str, status: int | None = None) -> Outcome:
@@ -179,7 +187,7 @@ OUTCOMES = [
     bad("429", "the queue is full", 429),
     ok(20, 6),
     bad("timeout", "no result within 1s"),
-    ok(30, 7),
+    ok(30, 7, output_tokens=0),  # the server gave no count: one token, as vLLM counts without a tokenizer
     bad("429", "the queue is full", 429),
     bad("504", "still queued", 504),
     ok(40, 8),
@@ -189,12 +197,16 @@ OUTCOMES = [
 
 def test_summary_numbers() -> None:
     s = report.summarize(OUTCOMES, 2.0, goodput={"ttft": 20.0}, percentiles=[50, 90, 99, 99.9], clamped_prompts=3)
+    assert s["duration"] == 2.0
     assert s["completed"] == 4 and s["failed"] == 5
-    assert s["errors"] == {"429": 2, "504": 1, "connection_error": 1, "timeout": 1}
-    assert list(s["errors"]) == ["429", "504", "connection_error", "timeout"]  # statuses first
+    assert s["error_counts"] == {"429": 2, "504": 1, "connection_error": 1, "timeout": 1}
+    assert list(s["error_counts"]) == ["429", "504", "connection_error", "timeout"]  # statuses first
     assert s["total_input_tokens"] == 26  # successful requests only
+    assert s["total_output_tokens"] == 4  # one token per answered prefill
     assert s["request_throughput"] == 2.0 and s["input_throughput"] == 13.0
-    assert s["goodput"] == 1.0  # 10 and 20 ms meet ttft <= 20 ms (inclusive); 30 and 40 do not
+    assert s["output_throughput"] == 2.0 and s["total_token_throughput"] == 15.0
+    assert s["request_goodput"] == 1.0  # 10 and 20 ms meet ttft <= 20 ms (inclusive); 30 and 40 do not
+    assert s["goodput_slos_ms"] == {"ttft": 20.0}
     assert s["mean_ttft_ms"] == pytest.approx(25.0) and s["median_ttft_ms"] == pytest.approx(25.0)
     assert s["std_ttft_ms"] == pytest.approx(math.sqrt(125))  # population std, as vLLM
     assert s["p50_ttft_ms"] == pytest.approx(25.0)
@@ -211,10 +223,31 @@ def test_summary_numbers() -> None:
     ]
 
 
+def test_per_request_lists_are_vllms() -> None:
+    # One entry per request, in send order, as vLLM writes them: a failed request has TTFT 0.0,
+    # output length 0 and its error; a successful one has the error "".
+    s = report.summarize(OUTCOMES, 2.0)
+    assert s["ttfts"] == pytest.approx([0.010, 0.0, 0.020, 0.0, 0.030, 0.0, 0.0, 0.040, 0.0])  # seconds
+    assert s["input_lens"] == [5, 9, 6, 9, 7, 9, 9, 8, 9]
+    assert s["output_lens"] == [1, 0, 1, 0, 1, 0, 0, 1, 0]
+    assert s["errors"] == [
+        "",
+        "HTTP 429: the queue is full",
+        "",
+        "timeout: no result within 1s",
+        "",
+        "HTTP 429: the queue is full",
+        "HTTP 504: still queued",
+        "",
+        "connection_error: connection refused",
+    ]
+
+
 def test_summary_without_successes_or_time() -> None:
     s = report.summarize([bad("400", "too long", 400)], 0.0, metrics=["e2el"])
-    assert s["completed"] == 0 and s["request_throughput"] == 0.0 and s["goodput"] is None
+    assert s["completed"] == 0 and s["request_throughput"] == 0.0 and s["request_goodput"] is None
     assert s["mean_ttft_ms"] is None and s["p99_e2el_ms"] is None and s["ttfts_ms"] == []
+    assert s["ttfts"] == [0.0] and s["output_lens"] == [0] and s["errors"] == ["HTTP 400: too long"]
     assert "p99_ttft_ms" not in s  # percentiles only for the chosen metrics; the mean always
     assert "Mean E2EL (ms):                          n/a" in report.format_summary(s)
 
@@ -230,6 +263,7 @@ def test_summary_table() -> None:
     assert lines[0] == "============ Serving Benchmark Result ============"
     assert lines[-1] == "=" * 50
     assert "Successful requests:                     4" in lines
+    assert "Total generated tokens:                  4" in lines
     assert "Request goodput (req/s):                 1.00" in lines
     assert "---------------Time to First Token----------------" in lines
     assert "P90 TTFT (ms):                           37.00" in lines
@@ -273,6 +307,64 @@ def test_base_url_and_error_messages() -> None:
     assert error_message(None, "<html>Bad Gateway</html>\n") == "<html>Bad Gateway</html>"
 
 
+async def _lines(*lines: bytes) -> AsyncIterator[bytes]:
+    for line in lines:
+        yield line
+
+
+async def test_server_sent_events_are_split_at_blank_lines() -> None:
+    body = [b": keep-alive\n", b"\n", b'data: {"a": 1}\n', b"\n", b"event: x\n", b"data: one\r\n"]
+    body += [b"data:two\n", b"\n", b"data: [DONE]\n", b"\n", b"data: cut"]
+    assert [d async for d in sse_data(_lines(*body))] == ['{"a": 1}', "one\ntwo", "[DONE]", "cut"]
+
+
+def chunk(text: str | None = "A", **extra: object) -> str:
+    """A chunk as the front door streams it (services/prefill_queue/completions.py)."""
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}]
+    head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "bubbletea-gpt"}
+    return json.dumps({**head, "choices": choices, **extra})
+
+
+def test_the_first_token_is_the_first_chunk_with_a_choice() -> None:
+    tally = StreamTally(200)
+    assert not tally.feed(chunk(None, usage=None), now=1.0)  # no choice: not a token
+    assert not tally.feed(chunk("", usage=None), now=2.0)  # a choice with empty text is one (vLLM)
+    assert not tally.feed(chunk("B", usage=None), now=3.0)
+    assert not tally.feed(chunk(None, usage={"prompt_tokens": 12, "completion_tokens": 2}), now=4.0)
+    assert tally.feed("[DONE]", now=5.0)
+    answer = tally.answer(sent_tokens=10)
+    assert (answer.first_token_at, answer.prompt_tokens, answer.output_tokens) == (2.0, 12, 2)
+    without_usage = StreamTally(200)
+    without_usage.feed(chunk("A"), now=1.0)
+    assert without_usage.answer(sent_tokens=10).prompt_tokens == 10  # as sent; one token per chunk
+    assert without_usage.answer(sent_tokens=10).output_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "kind", "status"),
+    [
+        ('{"error": {"message": "the prefill failed: boom", "code": 503}}', "503", 503),
+        ('{"error": {"message": "it broke"}}', "failed", 200),
+        ('{"error": "plain"}', "failed", 200),
+        ("not json", "bad_response", 200),
+    ],
+)
+def test_an_error_event_fails_the_request_by_its_code(data: str, kind: str, status: int) -> None:
+    tally = StreamTally(200)
+    tally.feed(chunk("A"), now=1.0)  # a token first does not save it
+    with pytest.raises(RequestFailed) as exc:
+        tally.feed(data, now=2.0)
+    assert (exc.value.kind, exc.value.status) == (kind, status)
+
+
+def test_a_stream_without_a_token_is_a_bad_response() -> None:
+    tally = StreamTally(200)
+    tally.feed(chunk(None, usage={"prompt_tokens": 3, "completion_tokens": 0}), now=1.0)
+    with pytest.raises(RequestFailed, match="without a chunk with a choice") as exc:
+        tally.answer(sent_tokens=3)
+    assert exc.value.kind == "bad_response"
+
+
 # --- sending on schedule -----------------------------------------------------------------------
 
 
@@ -309,6 +401,16 @@ async def test_sending_follows_the_schedule_and_stops_at_the_duration() -> None:
     assert len(outcomes) == 2 and 0.04 < elapsed < 0.5
 
 
+async def test_warmups_send_the_first_prompt_and_leave_the_workload_whole() -> None:
+    client = FakeClient(0.01)
+    work = Workload(iter([(0.0, [7, 7]), (0.0, [8])]), 2)
+    await warm_up(client, work, BenchmarkConfig(num_warmups=5, max_concurrency=2))
+    assert client.sent == 5 and client.peak == 2  # all awaited, within --max-concurrency
+    assert [p for _, p in work.requests] == [[7, 7], [8]]  # the measured run still sends both
+    await warm_up(client, Workload(iter([]), 0), BenchmarkConfig(num_warmups=3))  # nothing to send
+    assert client.sent == 5
+
+
 # --- the command line --------------------------------------------------------------------------
 
 
@@ -317,7 +419,11 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for option in ["--request-rate", "--burstiness", "--trace", "--time-scale", "--goodput", "--json-out"]:
+    options = ["--request-rate", "--burstiness", "--trace", "--time-scale", "--goodput", "--json-out", "--dataset"]
+    options += ["--dataset-name", "--random-input-len", "--random-range-ratio", "--save-result", "--result-dir"]
+    options += ["--result-filename", "--metadata", "--label", "--num-warmups", "--header", "--no-stream"]
+    options += ["--ready-check-timeout-sec", "--input-len", "--range-ratio"]
+    for option in options:
         assert option in out
 
 
@@ -335,6 +441,27 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
         (["--range-ratio", "1.5"], "range ratio"),
         (["--duration", "10"], "needs --max-concurrency"),
         (["--endpoint", "chat"], "invalid choice"),
+        (["--endpoint", "/v1/chat/completions"], "invalid choice"),
+        (["--dataset-name", "sharegpt"], "invalid choice"),
+        (["--trace", "t.csv", "--random-input-len", "5"], "--random-input-len/--input-len does not apply with --trace"),
+        (["--trace", "t.csv", "--random-range-ratio", "0.5"], "--random-range-ratio/--range-ratio does not apply"),
+        (["--random-range-ratio", "1.0"], "range ratio must be in [0, 1)"),
+        (["--random-input-len", "0"], "input length must be >= 1"),
+        (["--num-warmups", "-1"], "--num-warmups must be >= 0"),
+        (["--ready-check-timeout-sec", "-1"], "--ready-check-timeout-sec must be >= 0"),
+        (["--ready-check-timeout-sec", "soon"], "invalid float value"),
+        (["--header", "x-run"], "--header 'x-run' is not KEY=VALUE"),
+        (["--header", "=7"], "--header '=7' is not KEY=VALUE"),
+        (["--header", "x run=7"], "--header: 'x run' is not a valid HTTP header name"),
+        (["--header"], "expected at least one argument"),
+        (["--metadata", "version"], "--metadata 'version' is not KEY=VALUE"),
+        (["--metadata", "completed=7"], "--metadata would replace the result's completed"),
+        (["--metadata", "p90_ttft_ms=1"], "--metadata would replace the result's p90_ttft_ms"),
+        (["--result-dir", "out"], "--result-dir applies only with --save-result"),
+        (["--result-filename", "r.json"], "--result-filename applies only with --save-result"),
+        (["--save-result", "--result-filename", ""], "--result-filename must not be empty"),
+        (["--endpoint", "/v1/prefill", "--no-stream"], "--no-stream applies only to the completions endpoint"),
+        (["--endpoint", "native", "--stream"], "--stream applies only to the completions endpoint"),
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -360,6 +487,132 @@ def test_config_defaults_and_api_key_from_the_environment(monkeypatch: pytest.Mo
     assert timed.describe()["duration_limit_s"] == 30
 
 
+def test_vllm_flag_names_mean_the_same_as_loadgens() -> None:
+    common = " --request-rate 5 --num-prompts 20"
+    vllm = parse_config(
+        shlex.split(
+            "--endpoint /v1/completions --dataset-name random --random-input-len 64 --random-range-ratio 0.25" + common
+        )
+    )
+    ours = parse_config(
+        shlex.split("--endpoint completions --dataset random --input-len 64 --range-ratio 0.25" + common)
+    )
+    assert vllm == ours
+    assert (vllm.endpoint, vllm.dataset, vllm.input_len, vllm.range_ratio) == ("completions", "random", 64, 0.25)
+    assert parse_config(["--endpoint", "/v1/prefill"]).endpoint == "native"
+    assert parse_config(["--endpoint", "native"]).endpoint == "native"
+
+
+def test_new_options_and_their_defaults(tmp_path: Path) -> None:
+    cfg = parse_config([])
+    assert cfg.endpoint == "completions" and cfg.stream is True  # streams by default, as vLLM
+    assert (cfg.num_warmups, cfg.ready_check_timeout_s, cfg.headers, cfg.metadata) == (0, 0.0, {}, {})
+    assert (cfg.save_result, cfg.result_dir, cfg.result_filename, cfg.label) == (False, None, None, None)
+    given = parse_config(
+        shlex.split(
+            "--no-stream --num-warmups 3 --ready-check-timeout-sec 30 --label nightly --header x-run=7 "
+            "'Authorization = Bearer b=c' --metadata version=0.3.3 tp=1 --save-result "
+            f"--result-dir {tmp_path / 'new'} --result-filename r.json"
+        )
+    )
+    assert given.stream is False and given.num_warmups == 3 and given.ready_check_timeout_s == 30.0
+    assert given.headers == {"x-run": "7", "Authorization": "Bearer b=c"}  # split at the first '='
+    assert given.metadata == {"version": "0.3.3", "tp": "1"} and given.label == "nightly"
+    assert given.save_result and given.result_dir == str(tmp_path / "new") and given.result_filename == "r.json"
+    described = given.describe()
+    assert "headers" not in described and "metadata" not in described  # headers may carry credentials
+    assert described["stream"] is False and described["num_warmups"] == 3
+    assert parse_config(["--endpoint", "native"]).describe()["stream"] is None
+
+
+# --- the result JSON -----------------------------------------------------------------------------
+
+VLLM_KEYS = [
+    "date",
+    "backend",
+    "label",
+    "model_id",
+    "tokenizer_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "std_ttft_ms",
+    "p99_ttft_ms",
+    "ttfts",
+    "input_lens",
+    "output_lens",
+    "errors",
+]
+
+
+def test_the_result_has_vllms_keys_in_vllms_order() -> None:
+    cfg = BenchmarkConfig(
+        request_rate=20.0, burstiness=0.5, max_concurrency=4, num_prompts=9, goodput={"ttft": 20.0}, label="night"
+    )
+    cfg.metadata = {"version": "0.3.3", "tp": "1"}
+    summary = report.summarize(OUTCOMES, 2.0, goodput=cfg.goodput)
+    r = result.assemble(cfg, summary, model="org/bubbletea-gpt", base_url="http://h:1", date="20250102-030405")
+    assert set(VLLM_KEYS) <= r.keys()
+    assert list(r)[:8] == ["date", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "version", "tp"]
+    assert (r["date"], r["backend"], r["label"], r["model_id"], r["tokenizer_id"]) == (
+        "20250102-030405",
+        "openai",
+        "night",
+        "org/bubbletea-gpt",
+        None,
+    )
+    assert (r["num_prompts"], r["request_rate"], r["burstiness"], r["max_concurrency"]) == (9, 20.0, 0.5, 4)
+    assert (r["version"], r["tp"]) == ("0.3.3", "1")  # metadata at the top level, as vLLM
+    assert (r["duration"], r["completed"], r["failed"]) == (2.0, 4, 5)
+    assert (r["total_input_tokens"], r["total_output_tokens"]) == (26, 4)
+    assert (r["request_throughput"], r["request_goodput"]) == (2.0, 1.0)
+    assert (r["output_throughput"], r["total_token_throughput"]) == (2.0, 15.0)
+    assert r["p99_ttft_ms"] == pytest.approx(39.7) and r["std_ttft_ms"] == pytest.approx(math.sqrt(125))
+    assert r["ttfts"] == summary["ttfts"] and len(r["errors"]) == len(r["input_lens"]) == len(OUTCOMES)
+    assert r["error_counts"] == {"429": 2, "504": 1, "connection_error": 1, "timeout": 1}
+    assert (r["model"], r["base_url"], r["endpoint"]) == ("org/bubbletea-gpt", "http://h:1", "completions")
+    assert json.loads(json.dumps(r)) == r  # JSON as it is
+    native = result.assemble(
+        BenchmarkConfig(endpoint="native"), report.summarize(OUTCOMES, 2.0), model=None, base_url="", date="d"
+    )
+    assert native["backend"] == "bubbletea" and native["label"] is None and native["request_goodput"] is None
+    assert native["request_rate"] == "inf"
+
+
+def test_saved_file_names_follow_vllm(tmp_path: Path) -> None:
+    date = "20250102-030405"
+    assert (
+        result.default_filename(BenchmarkConfig(), "bubbletea-gpt", date) == f"openai-infqps-bubbletea-gpt-{date}.json"
+    )
+    cfg = BenchmarkConfig(endpoint="native", request_rate=20, max_concurrency=8, label="nightly")
+    assert result.default_filename(cfg, "org/m", date) == f"nightly-20.0qps-concurrency8-m-{date}.json"
+    trace = BenchmarkConfig(dataset="trace", trace="t.csv")
+    assert result.default_filename(trace, None, date) == f"openai-trace-unknown-model-{date}.json"
+    r = {"model_id": "bubbletea-gpt", "date": date}
+    assert result.save_paths(BenchmarkConfig(), r) == []
+    assert result.save_paths(BenchmarkConfig(json_out="a.json", save_result=True), r) == [
+        Path("a.json"),
+        Path(f"openai-infqps-bubbletea-gpt-{date}.json"),
+    ]
+    cfg = BenchmarkConfig(save_result=True, result_dir=str(tmp_path / "new"), result_filename="r.json")
+    [path] = result.save_paths(cfg, r)
+    assert path == tmp_path / "new" / "r.json"
+    result.write(path, {"completed": 1})  # the folder is created, as vLLM does
+    assert json.loads(path.read_text()) == {"completed": 1}
+
+
 def test_recorded_configuration_does_not_shadow_results(tmp_path: Path) -> None:
     results = report.summarize(OUTCOMES, 1.0, goodput={"ttft": 1.0}, metrics=["ttft", "e2el"])
     for cfg in [BenchmarkConfig(duration_s=5.0, goodput={"ttft": 1.0}), BenchmarkConfig(dataset="trace", trace="t")]:
@@ -378,6 +631,29 @@ def test_an_unreachable_server_is_one_clear_line(capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"loadgen: cannot reach the BubbleTea API at {url}: ")
     assert err.endswith("(is `bubbletea up` running?)") and "\n" not in err
+
+
+def test_the_ready_check_retries_then_says_how_long_it_waited(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["--base-url", url, "--disable-tqdm", "--ready-check-timeout-sec", "0.3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "connection refused" in err and err.endswith("gave up after 0.3s (--ready-check-timeout-sec)")
+
+
+def test_the_command_lines_in_the_docs_parse() -> None:
+    """docs/loadgen.md's first example block: the vLLM-style command and loadgen's own."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "loadgen.md").read_text()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    commands = [shlex.split(line, comments=True) for line in block.splitlines() if line.startswith("loadgen ")]
+    assert len(commands) == 2 and "--dataset-name" in commands[0]
+    vllm, ours = (parse_config(argv[1:]) for argv in commands)
+    assert vllm.save_result and vllm.num_warmups == 10 and vllm.metadata == {"run": "1"}
+    assert (vllm.input_len, vllm.range_ratio, vllm.request_rate, vllm.num_prompts) == (
+        ours.input_len,
+        ours.range_ratio,
+        ours.request_rate,
+        ours.num_prompts,
+    )
 
 
 def test_a_bad_trace_exits_2_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

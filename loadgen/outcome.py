@@ -1,0 +1,67 @@
+"""What one request ends as: an `Outcome` (never an exception), its successful `Answer` on the way,
+and `RequestFailed`, a classified failure raised inside the request code and turned into an
+Outcome by `PrefillClient.send`.
+
+Error classes are what a reader of the report needs to tell apart: the server's HTTP status
+("429", "504", ...), or the client's own "timeout", "connection_error", "client_error" (another
+aiohttp failure, or a stream cut before `data: [DONE]`) and "bad_response" (a 2xx the client could
+not use). A native request the server reports as failed counts as "failed"; so does a streamed
+error event that carries no status code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: Longest error message kept per request: enough to read the server's explanation.
+MAX_MESSAGE = 300
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one request. `ttft_s` is from just before the request was sent to its first
+    token (the first streamed chunk with a choice, or the whole answer when not streaming); for a
+    prefill-only service that is also the end-to-end latency."""
+
+    ok: bool
+    prompt_tokens: int  # as the server counted them when it answered, else as sent
+    ttft_s: float | None = None  # set when ok
+    status: int | None = None  # the last HTTP status seen, None if no response
+    error: str | None = None  # the error class when not ok: "429", "timeout", ...
+    message: str = ""  # the server's or the client's explanation
+    output_tokens: int = 0  # as the server counted them (usage.completion_tokens); 0: not said
+
+    @staticmethod
+    def failure(kind: str, message: str, prompt_tokens: int, status: int | None = None) -> Outcome:
+        return Outcome(False, prompt_tokens, status=status, error=kind, message=message[:MAX_MESSAGE])
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a successful request returned, before it is timed into an Outcome."""
+
+    prompt_tokens: int
+    output_tokens: int = 0
+    first_token_at: float | None = None  # perf_counter of the first token when streamed
+
+
+class RequestFailed(Exception):
+    """A classified failure (`kind` is the error class), carried out of the request code to
+    `PrefillClient.send`, which turns it into an Outcome: it never leaves the client."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.message, self.status = kind, message, status
+
+
+def error_message(body: Any, text: str) -> str:
+    """The explanation in an error response: the OpenAI shape's error.message when present,
+    otherwise the raw body (a proxy's HTML page is still better than nothing)."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+    return text.strip() or "(empty body)"
