@@ -57,8 +57,7 @@ class Filler:
         policy: FillPolicy,
         profile: PrefillProfile | None = None,
     ) -> None:
-        self.bus, self.run, self.worker = bus, run, worker
-        self.model, self.model_name, self.kv_ttl_s = model, model_name, kv_ttl_s
+        self.bus, self.run, self.model = bus, run, model
         self.on_span, self.policy, self.profile = on_span, policy, profile
         self.reporter = Reporter(bus, run, worker, model_name, kv_ttl_s)
         #: how far real prefill compute fell behind the profile (seconds); the runner takes it
@@ -78,7 +77,7 @@ class Filler:
             raise Reject(f"the fill stream of run {self.run} got a batch of run {batch.run}")
         action = self.policy.on_arrival(staged=batch.hold, in_bubble=self.in_bubble)
         if action is Arrival.RETURN:  # the bubble closed before the batch got here
-            await self.reporter.finish_batch(batch, BatchRun(0.0, time.time(), [], preempted=True))
+            await self.reporter.finish_batch(batch, BatchRun.unrun())
             return
         loop = asyncio.get_running_loop()
         # Snapshots are read now, not when the bubble opens: no Redis round trip on its critical path.
@@ -135,7 +134,7 @@ class Filler:
         back = [q for q in self._queue if q.held.batch_id in batch_ids]
         self._queue = [q for q in self._queue if q.held.batch_id not in batch_ids]
         for q in back:
-            self._background(self.reporter.finish_batch(q.batch, BatchRun(0.0, time.time(), [], True)), q.done)
+            self._background(self.reporter.finish_batch(q.batch, BatchRun.unrun()), q.done)
 
     async def _load_snapshots(self, batch: PrefillBatch) -> dict[str, PrefillState | None]:
         """The saved states of resumed items (None when one has expired)."""
@@ -214,7 +213,7 @@ class Filler:
                 await work
             except Exception as exc:
                 # The batch stays unacked: the dispatcher requeues it when no report arrives.
-                log.error("prefill batch post-processing failed", worker=self.worker, error=repr(exc))
+                log.error("prefill batch post-processing failed", worker=self.reporter.worker, error=repr(exc))
                 if not done.done():
                     done.set_exception(exc)
                 return

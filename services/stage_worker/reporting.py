@@ -39,6 +39,11 @@ class BatchRun:
     preempted: bool
     out_of_time: bool = False  # stopped because the next block would end after the bubble's predicted end
 
+    @classmethod
+    def unrun(cls) -> BatchRun:
+        """A batch handed back before any of it ran (its bubble was over, or never came)."""
+        return cls(0.0, time.time(), [], preempted=True)
+
 
 @dataclass
 class Reporter:

@@ -289,9 +289,9 @@ class DispatchState:
         if not plan:
             return Decisions()
         why = Why(trigger, b.tag, b.predicted_s, left, sum(a.seconds for a in plan), queued)
-        batch = self._send(worker, plan, hold=False, why=why, now=now)
+        batch, kv_bytes = self._send(worker, plan, hold=False, why=why, now=now)
         b.sent_s += batch.predicted_s
-        b.sent_bytes += sum(self.requests[i.id].kv_bytes for i in batch.items)
+        b.sent_bytes += kv_bytes
         return Decisions(batches=(batch,))
 
     def _stage(self, worker: str, now: float, trigger: Trigger) -> Decisions:
@@ -308,8 +308,8 @@ class DispatchState:
         if not plan:
             return Decisions()
         why = Why(trigger, None, typical, room, sum(a.seconds for a in plan), queued)
-        batch = self._send(worker, plan, hold=True, why=why, now=now)
-        self.staged[worker] = (batch.predicted_s, sum(self.requests[i.id].kv_bytes for i in batch.items))
+        batch, kv_bytes = self._send(worker, plan, hold=True, why=why, now=now)
+        self.staged[worker] = (batch.predicted_s, kv_bytes)
         return Decisions(batches=(batch,))
 
     def _pack(self, left: float, free_memory: int, now: float) -> tuple[tuple[Assignment, ...], int]:
@@ -332,19 +332,24 @@ class DispatchState:
         )
         return plan.assignments, len(waiting)
 
-    def _send(self, worker: str, plan: tuple[Assignment, ...], *, hold: bool, why: Why, now: float) -> Batch:
-        items = []
+    def _send(
+        self, worker: str, plan: tuple[Assignment, ...], *, hold: bool, why: Why, now: float
+    ) -> tuple[Batch, int]:
+        """The batch of `plan` for `worker`, its requests marked there and it put in flight; with
+        the KV bytes its requests will hold on the worker."""
+        items, kv_bytes = [], 0
         for a in plan:
             r = self.requests[a.id]
             r.in_bubble, r.assigned_s = worker, a.seconds
             items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds))
+            kv_bytes += r.kv_bytes
         self.counts.batches += 1
         batch_id = f"{self.batch_prefix}-{self.counts.batches}"
         batch = Batch(batch_id, worker, self.addresses[worker], tuple(items), hold, why)
         # A staged batch may wait on its worker for the next bubble to start.
         report_by = now + batch.predicted_s + BATCH_GRACE_S + (HOLD_STAGED_S if hold else 0.0)
         self.in_flight[batch.batch_id] = InFlight(worker, tuple(a.id for a in plan), report_by)
-        return batch
+        return batch, kv_bytes
 
     def _give_back(self, worker: str, req: Request) -> None:
         """A request left `worker` (reported or requeued): its share no longer counts there."""
