@@ -11,7 +11,7 @@ import msgspec
 import uvloop
 
 from bubbletea.launcher.procs import ServiceFailed
-from shared.config import ConfigError, load_spec
+from shared.config import UNTIL_STOPPED, ConfigError, load_spec
 from shared.logs import setup_logging
 from shared.policies.placement import PlacementError
 from shared.settings import load_settings
@@ -41,11 +41,12 @@ def _up(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     if args.run:
         settings = dataclasses.replace(settings, run=args.run)
-    if args.iterations is not None:
-        if args.iterations < 1:
-            raise ConfigError(f"--iterations must be >= 1, got {args.iterations}")
-        training = msgspec.structs.replace(settings.spec.training, iterations=args.iterations)
-        settings = dataclasses.replace(settings, spec=msgspec.structs.replace(settings.spec, training=training))
+    if args.iterations is not None and args.iterations < 1:
+        raise ConfigError(f"--iterations must be >= 1, got {args.iterations}")
+    # A service: it trains (and so serves) until stopped, whatever the spec says, unless told a number.
+    iterations = args.iterations if args.iterations is not None else UNTIL_STOPPED
+    training = msgspec.structs.replace(settings.spec.training, iterations=iterations)
+    settings = dataclasses.replace(settings, spec=msgspec.structs.replace(settings.spec, training=training))
     setup_logging("up", "WARNING")
     return uvloop.run(run_up(settings, out_root=Path(args.out), verbose=args.verbose))
 
@@ -175,15 +176,19 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         help="run the whole system as local processes (one training run with prefill serving)",
         description="Start Redis (embedded unless REDIS_URL is set), the WAN broker, the dispatcher, the "
-        "prefill front door and one stage worker per pipeline slot; wait until each is healthy; print the API "
-        "URL. Stops on Ctrl-C, when a process dies (naming it), or when training finishes; then writes the "
-        "run folder (spans, summary, pictures).",
+        "prefill front door and one stage worker per pipeline slot; wait until each is healthy and serving is "
+        "ready; print the API URL and every service's /metrics. Training (and so serving) goes on until Ctrl-C, "
+        "whatever training.iterations the spec says, unless --iterations N is given. Stops on Ctrl-C, when a "
+        "process dies (naming it), or when a finite run finishes; then writes the run folder (spans, summary, "
+        "pictures).",
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.add_argument(
-        "--iterations", type=int, help="train this many iterations instead of the spec's (serving lasts as long)"
+        "--iterations",
+        type=int,
+        help="train this many iterations, then stop (default: train and serve until Ctrl-C)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
     p.set_defaults(func=_up)

@@ -152,8 +152,38 @@ class PrefillClient:
 
     async def wait_ready(self, timeout_s: float = 0.0) -> list[str]:
         """`list_models`, retried for up to `timeout_s` while the API is unreachable or answers
-        5xx (it may be starting); 0 asks once. A 4xx or a malformed answer fails at once."""
+        5xx (it may be starting); 0 asks once. A 4xx or a malformed answer fails at once. With a
+        wait, then also until GET /ready answers 200 (BubbleTea serves only while training runs;
+        a server without /ready, 404, is taken as ready)."""
         deadline = time.monotonic() + timeout_s
+        models = await self._wait_models(deadline, timeout_s)
+        if timeout_s > 0:
+            await self._wait_serving(deadline, timeout_s)
+        return models
+
+    async def _wait_serving(self, deadline: float, timeout_s: float) -> None:
+        url, last = f"{self.base_url}/ready", ""
+        delays = poll_delays(READY_FIRST_S, READY_MAX_S)
+        while True:
+            try:
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    async with self.session.get(url, headers=self.headers) as resp:
+                        if resp.status in (200, 404):
+                            return
+                        text = await resp.text()
+                        body = json_or_none(text)
+                        last = str(body.get("reason", text)) if isinstance(body, dict) else text
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                last = _describe(exc) if not isinstance(exc, TimeoutError) else "no answer"
+            delay = next(delays)
+            if time.monotonic() + delay > deadline:
+                raise ApiUnavailable(
+                    f"the BubbleTea API at {self.base_url} is not ready to serve: {last[:MAX_MESSAGE]}; "
+                    f"gave up after {timeout_s:g}s (--ready-check-timeout-sec)"
+                )
+            await asyncio.sleep(delay)
+
+    async def _wait_models(self, deadline: float, timeout_s: float) -> list[str]:
         delays = poll_delays(READY_FIRST_S, READY_MAX_S)
         while True:
             # Each attempt within what is left of the wait (but at least a moment).

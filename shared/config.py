@@ -84,13 +84,28 @@ class Parallelism(_Spec, frozen=True):
     tp: Annotated[int, Meta(ge=1, le=64)] = 1
 
 
+#: `training.iterations` of a run that trains until it is stopped (a service, not a finite job).
+UNTIL_STOPPED = "until_stopped"
+
+
 class Training(_Spec, frozen=True):
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     microbatches: Annotated[int, Meta(ge=1, le=4096)] = 4
     microbatch_size: Annotated[int, Meta(ge=1, le=4096)] = 2
-    iterations: Annotated[int, Meta(ge=1, le=10_000_000)] = 10
+    #: A number of iterations, or "until_stopped": train until SIGTERM/Ctrl-C (what `bubbletea up`
+    #: and compose do, so serving never runs out of bubbles).
+    iterations: Annotated[int, Meta(ge=1, le=10_000_000)] | Literal["until_stopped"] = 10
     lr: Annotated[float, Meta(gt=0, le=10)] = 3e-4
     seed: Annotated[int, Meta(ge=0)] = 0
+
+    @property
+    def until_stopped(self) -> bool:
+        return self.iterations == UNTIL_STOPPED
+
+    @property
+    def iteration_limit(self) -> int | None:
+        """The number of iterations to train, or None for a run that trains until stopped."""
+        return None if isinstance(self.iterations, str) else self.iterations
 
 
 class Device(_Spec, frozen=True):
@@ -127,6 +142,9 @@ class BubbleTea(_Spec, frozen=True):
     keep_ahead_ms: Millis = 0.0
     #: At most this much work sent ahead for a worker's next bubble when one ends (0 = no staging).
     stage_ms: Millis = 1000.0
+    #: Serving is declared stalled (`/ready` 503, new requests 503, queued ones failed) when every
+    #: slot is held but no bubble was announced for this long. Keep it above the longest iteration.
+    unready_after_s: Annotated[float, Meta(gt=0, le=86_400)] = 10.0
 
 
 class Prefill(_Spec, frozen=True):

@@ -157,3 +157,17 @@ PREFILL_INFLIGHT_KEY = f"{PREFIX}:prefill:inflight"
 #: Answers, statuses and idempotency keys live a day: long enough for any client to collect them,
 #: bounded so an abandoned request's records do not accumulate forever.
 PREFILL_RECORD_TTL_S = 86_400
+
+
+def serving_key(instance: str) -> str:
+    """One dispatcher's readiness verdict (`shared.serving.Readiness`, JSON), for the front doors."""
+    return f"{PREFIX}:serving:{instance}"
+
+
+#: The set of dispatcher instances that published a verdict: readers MGET their keys (no SCAN over
+#: the keyspace) and drop the members whose key expired.
+SERVING_INSTANCES_KEY = f"{PREFIX}:serving-instances"
+
+#: A verdict is rewritten every `READINESS_EVERY_S` (shared.serving); one that is not rewritten for
+#: this long belongs to a dispatcher that is gone, and goes.
+SERVING_TTL_S = 3

@@ -6,6 +6,8 @@
 * `answer`: the first answer to a request wins (exactly-once in effect): store it, clear its
   queued mark, count it out of flight and notify the accepting front door, all or nothing.
   A duplicate answer (a redelivered batch) changes nothing.
+* `publish_readiness` / `readiness`: each dispatcher's verdict on whether prefill can be served
+  (`shared.policies.readiness`), a key with a short TTL that the front doors read.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.status import RequestStatus
+from shared.status import RequestStatus, ServingState
 from shared.wire import FIELD, PrefillRequest, PrefillResult, WireError, decode, encode
 
 _ACCEPT = """
@@ -104,3 +107,67 @@ async def lookup(r: Redis, request_id: str) -> Lookup | None:
 async def inflight(r: Redis) -> int:
     n: Any = await r.get(keys.PREFILL_INFLIGHT_KEY)
     return int(n) if n is not None else 0
+
+
+# --- readiness ---------------------------------------------------------------------------------
+
+#: A dispatcher rewrites its verdict this often (and at once when it changes); front doors re-read
+#: it as often, so a change reaches clients within about twice this.
+READINESS_EVERY_S = 0.25
+
+
+class Readiness(msgspec.Struct, frozen=True, kw_only=True):
+    """One dispatcher's verdict, as stored for the front doors."""
+
+    instance: str
+    run: str
+    state: ServingState
+    reason: str
+    retry_after_s: int
+    at: float  # wall clock of the verdict
+
+    @property
+    def ready(self) -> bool:
+        return self.state.ready
+
+
+async def publish_readiness(r: Redis, verdict: Readiness) -> None:
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.set(keys.serving_key(verdict.instance), msgspec.json.encode(verdict), ex=keys.SERVING_TTL_S)
+        pipe.sadd(keys.SERVING_INSTANCES_KEY, verdict.instance)
+        await pipe.execute()
+
+
+async def withdraw_readiness(r: Redis, instance: str) -> None:
+    """A dispatcher that stops takes its verdict with it (it would expire within the TTL anyway)."""
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.serving_key(instance))
+        pipe.srem(keys.SERVING_INSTANCES_KEY, instance)
+        await pipe.execute()
+
+
+async def readiness(r: Redis) -> list[Readiness]:
+    """The verdicts of every live dispatcher; a member whose verdict expired (its dispatcher died
+    without withdrawing it) is dropped from the set. Unreadable records are skipped."""
+    members: Any = await r.smembers(keys.SERVING_INSTANCES_KEY)
+    instances = sorted(m.decode() for m in members)
+    raws: Any = await r.mget([keys.serving_key(i) for i in instances]) if instances else []
+    out = []
+    for instance, raw in zip(instances, raws, strict=True):
+        if raw is None:
+            await r.srem(keys.SERVING_INSTANCES_KEY, instance)
+            continue
+        try:
+            out.append(msgspec.json.decode(raw, type=Readiness))
+        except msgspec.DecodeError:
+            continue
+    return out
+
+
+def combined(verdicts: list[Readiness]) -> Readiness | None:
+    """What a front door does with the verdicts: serve if any dispatcher serves; else the newest
+    refusal. None when no dispatcher is alive (requests are accepted and wait for one)."""
+    if not verdicts:
+        return None
+    serving = [v for v in verdicts if v.ready]
+    return max(serving or verdicts, key=lambda v: v.at)

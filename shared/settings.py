@@ -11,6 +11,10 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``BUBBLETEA_LOG_FORMAT`` ``kv`` (default: key=value lines) or ``json`` (one JSON object per line)
 ``BUBBLETEA_RUN``      the training run id that scopes streams and leases (default ``run``)
 ``BUBBLETEA_API_KEY``  if set, the prefill API requires ``Authorization: Bearer <key>``
+``BUBBLETEA_ITERATIONS`` override ``training.iterations``: a number, or ``until_stopped``
+``BUBBLETEA_METRICS_HOST`` / ``BUBBLETEA_METRICS_PORT``  where a bus service (dispatcher, worker,
+                       broker) serves Prometheus ``/metrics``: default 127.0.0.1 and port 0 (any
+                       free port, advertised in its heartbeat); ``off`` turns the endpoint off
 =====================  ==========================================================================
 """
 
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import msgspec
 
-from shared.config import ClusterSpec, ConfigError, load_spec
+from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, Training, load_spec
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -40,6 +44,9 @@ ENV_VARS = frozenset(
         "BUBBLETEA_RUN",
         "BUBBLETEA_API_KEY",
         "BUBBLETEA_REDIS_SERVER",
+        "BUBBLETEA_ITERATIONS",
+        "BUBBLETEA_METRICS_HOST",
+        "BUBBLETEA_METRICS_PORT",
     }
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -56,6 +63,9 @@ class Settings:
     log_format: str = "kv"
     run: str = "run"
     api_key: str | None = None
+    #: Where a bus service serves Prometheus /metrics; port 0 = any free port, None = no endpoint.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 0
 
     def require_redis_url(self) -> str:
         """The bus URL for a service process; services never start a private Redis of their own."""
@@ -81,6 +91,8 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
             raise ConfigError(f"BUBBLETEA_HTTP_PORT: expected a port number 0-65535, got {port!r}")
         http = msgspec.structs.replace(http, port=int(port))
     spec = msgspec.structs.replace(spec, http=http)
+    if iterations := env.get("BUBBLETEA_ITERATIONS"):
+        spec = msgspec.structs.replace(spec, training=_iterations(spec, iterations))
     level = env.get("BUBBLETEA_LOG_LEVEL", "INFO").upper()
     if level not in LOG_LEVELS:
         raise ConfigError(f"BUBBLETEA_LOG_LEVEL: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
@@ -94,6 +106,31 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", run):
         raise ConfigError(f"BUBBLETEA_RUN: letters, digits, '.', '_' and '-' only (1-64 chars), got {run!r}")
     api_key = env.get("BUBBLETEA_API_KEY") or None
+    metrics_port = _metrics_port(env.get("BUBBLETEA_METRICS_PORT", "0"))
     return Settings(
-        spec=spec, spec_path=path, redis_url=url, log_level=level, log_format=log_format, run=run, api_key=api_key
+        spec=spec,
+        spec_path=path,
+        redis_url=url,
+        log_level=level,
+        log_format=log_format,
+        run=run,
+        api_key=api_key,
+        metrics_host=env.get("BUBBLETEA_METRICS_HOST") or "127.0.0.1",
+        metrics_port=metrics_port,
     )
+
+
+def _iterations(spec: ClusterSpec, value: str) -> Training:
+    if value == UNTIL_STOPPED:
+        return msgspec.structs.replace(spec.training, iterations=UNTIL_STOPPED)
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"BUBBLETEA_ITERATIONS: expected a number >= 1 or {UNTIL_STOPPED!r}, got {value!r}")
+    return msgspec.structs.replace(spec.training, iterations=int(value))
+
+
+def _metrics_port(value: str) -> int | None:
+    if value.lower() == "off":
+        return None
+    if not value.isdigit() or not 0 <= int(value) <= 65_535:
+        raise ConfigError(f"BUBBLETEA_METRICS_PORT: expected a port number 0-65535 or 'off', got {value!r}")
+    return int(value)

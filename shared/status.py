@@ -24,6 +24,7 @@ class FailureReason(enum.StrEnum):
     DEADLINE = "deadline"  # its deadline passed before pipeline bubbles could run it
     STATE_EXPIRED = "state_expired"  # the saved partial prefill it should resume from had expired
     MODEL_REFUSED = "model_refused"  # the worker's model cannot run this prompt (e.g. another spec's limits)
+    UNAVAILABLE = "unavailable"  # nothing can serve it: training finished, stopped or stalled (`ServingState`)
 
 
 class ItemOutcome(enum.StrEnum):
@@ -45,3 +46,19 @@ class LeaseState(enum.StrEnum):
     DONE = "done"  # trained to the end: its departure is not a failure
     STOPPED = "stopped"  # stopped on purpose (Ctrl-C, SIGTERM): peers stop quietly too
     ABORTED = "aborted"  # stopped because of another slot's failure, whose reason it carries
+
+
+class ServingState(enum.StrEnum):
+    """Whether prefill can be served now, as the dispatcher judges it (`shared.policies.readiness`)."""
+
+    SERVING = "serving"  # every slot of the run is training and bubbles are announced
+    STARTING = "starting"  # not every slot is held yet: training has not started
+    STALLED = "stalled"  # every slot is held, but no bubble was announced for `unready_after_s`
+    FINISHED = "finished"  # the run trained all its iterations
+    STOPPED = "stopped"  # the run was stopped on purpose (Ctrl-C, SIGTERM)
+    LOST = "lost"  # a worker was lost and the run stopped because of it
+    DISABLED = "disabled"  # BubbleTea is off in the spec: bubbles are not filled
+
+    @property
+    def ready(self) -> bool:
+        return self is ServingState.SERVING

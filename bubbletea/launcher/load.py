@@ -22,11 +22,14 @@ from shared.config import BusConfig
 LOAD_NICE = 10
 #: How long to wait for a training run's first bubble before giving up.
 FIRST_BUBBLE_TIMEOUT_MS = 120_000
+#: And then for the API to say it serves.
+READY_TIMEOUT_S = 30
 
 
 async def run_loadgen(redis_url: str, run: str, args: list[str], json_out: Path) -> dict[str, Any]:
     """Wait for `run`'s first bubble, run ``python -m loadgen ARGS --json-out JSON_OUT --disable-tqdm``
-    and return its JSON summary (`RuntimeError` if it fails)."""
+    and return its JSON summary (`RuntimeError` if it fails). The load generator itself then waits
+    for the front door's /ready (the dispatcher's verdict reaches it a moment after the bubble)."""
     async with Bus(redis_url, BusConfig(), name="loadgen-launcher") as bus:
         await bus.redis.xread({keys.bubbles_stream(run): "0"}, count=1, block=FIRST_BUBBLE_TIMEOUT_MS)
     proc = await asyncio.create_subprocess_exec(
@@ -34,6 +37,8 @@ async def run_loadgen(redis_url: str, run: str, args: list[str], json_out: Path)
         "-m",
         "loadgen",
         *args,
+        "--ready-check-timeout-sec",
+        str(READY_TIMEOUT_S),
         "--disable-tqdm",
         "--json-out",
         str(json_out),

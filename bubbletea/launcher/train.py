@@ -18,6 +18,7 @@ from bubbletea.launcher.procs import Proc, ServiceFailed, spawn, stop_all
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
 from shared import keys
 from shared.bus import Bus
+from shared.config import ConfigError
 from shared.settings import Settings
 from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
 
@@ -55,6 +56,11 @@ async def run_training(
     """Train once over live services. With `dispatcher`, a BubbleTea dispatcher for the run is
     started too, so prefill requests queued on the same Redis are served in the run's bubbles."""
     spec, run = settings.spec, settings.run
+    if spec.training.iteration_limit is None:
+        raise ConfigError(
+            f"training.iterations is {spec.training.iterations!r}: this job trains a number of iterations; set "
+            "one in the spec or with BUBBLETEA_ITERATIONS (a run that trains until stopped is `bubbletea up`)"
+        )
     env = {
         "REDIS_URL": redis_url,
         "BUBBLETEA_CONFIG": str(settings.spec_path),
@@ -78,7 +84,7 @@ async def run_training(
 
 async def _follow(bus: Bus, stream: str, settings: Settings, procs: list[Proc], out: TextIO | None) -> TrainResult:
     spec = settings.spec
-    iters, workers = spec.training.iterations, spec.parallelism.pp * spec.parallelism.dp
+    iters, workers = spec.training.iteration_limit or 0, spec.parallelism.pp * spec.parallelism.dp
     done: dict[int, list[IterationDone]] = {}
     result = TrainResult(settings.run, iters)
     last_progress = time.monotonic()

@@ -1,27 +1,34 @@
-"""`bubbletea up`: the whole system as local processes, for one training run with serving.
+"""`bubbletea up`: the whole system as local processes: a training run that serves prefill.
 
 Starts Redis (embedded unless REDIS_URL is set), then every service of the table in
 `bubbletea.launcher.services` (the same table `compose.yaml` is checked against): the WAN broker,
 the dispatcher, the prefill front door and one stage worker per pipeline slot. Waits until each
-is healthy (HTTP /health for the front door, heartbeats for the rest), prints the API URL and
-where the logs go, and then follows the run:
+is healthy (HTTP /health for the front door, heartbeats for the rest) and serving is ready (the
+front door's /ready: training runs and a dispatcher fills its bubbles), prints the API URL, every
+service's /metrics and where the logs go, writes ``<run folder>/prometheus-targets.json`` (the
+endpoints for a Prometheus ``file_sd_configs``), and then follows the run:
 
+* training goes on until Ctrl-C (the CLI sets ``training.iterations: until_stopped`` unless
+  ``--iterations N`` is given; then everything stops when training finishes, every worker exit 0);
 * each process's lines are prefixed with its name (warnings and errors only, unless --verbose;
   every line goes to ``<run folder>/logs/<name>.log``);
 * Ctrl-C stops everything cleanly;
 * a process that dies stops everything, naming it and showing its last lines;
-* when training finishes (every worker exited 0) everything stops; the run folder then holds the
-  run's spans and summary, and the report pictures (`bubbletea report` can redraw them).
+* on the way out the run folder gets the run's spans and summary, and the report pictures
+  (`bubbletea report` can redraw them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import aiohttp
 import msgspec
 import yaml
 
@@ -33,8 +40,9 @@ from shared.health import live_instances
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings
 
-#: How long every service gets to report healthy.
+#: How long every service gets to report healthy, and then serving to be ready.
 HEALTHY_TIMEOUT_S = 90.0
+READY_TIMEOUT_S = 90.0
 
 
 def say(text: str = "") -> None:
@@ -65,6 +73,7 @@ async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False) -
             "BUBBLETEA_LOG_LEVEL": settings.log_level,
             "BUBBLETEA_HTTP_HOST": spec.http.host,
             "BUBBLETEA_HTTP_PORT": str(port),
+            "BUBBLETEA_METRICS_PORT": "0",  # each picks a free port and advertises it in its heartbeat
         }
         slots = spec.parallelism.pp * spec.parallelism.dp
         for svc in SERVICES:
@@ -73,11 +82,19 @@ async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False) -
                 procs.append(await spawn(svc, env, quiet=not verbose, log_file=logs / f"{label}.log", label=label))
         api = f"http://{spec.http.host}:{port}"
         await _wait_healthy(procs, url, settings, api)
+        state = await _wait_ready(procs, api)
+        endpoints = await _metrics_endpoints(url, settings, api)
+        _write_targets(folder / "prometheus-targets.json", endpoints)
+        until = "until Ctrl-C" if spec.training.until_stopped else f"for {spec.training.iterations} iterations"
         say("")
         say(f"==> BubbleTea is up: run {run}, PP={spec.parallelism.pp} x DP={spec.parallelism.dp}, {slots} workers")
+        say(f"    serving: {state}; training {until}")
         say(f"    API:  {api}   (OpenAI-compatible: POST {api}/v1/completions; docs/api.md)")
         body = '{"prompt": "Hello"}'
         say(f"    try:  curl -s {api}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+        say(f"    metrics: {len(endpoints)} endpoints, in {folder / 'prometheus-targets.json'} (Prometheus file_sd)")
+        for label, metrics_url in endpoints:
+            say(f"      {label:<16} {metrics_url}")
         say(f"    logs: {logs}/<service>.log (warnings and errors also here{'' if verbose else '; -v for all'})")
         say("    Ctrl-C stops everything")
         say("")
@@ -119,6 +136,47 @@ async def _wait_healthy(procs: list[Proc], url: str, settings: Settings, api: st
             if time.monotonic() > deadline:
                 raise ServiceFailed(f"not healthy within {HEALTHY_TIMEOUT_S:.0f}s: {missing}")
             await asyncio.sleep(0.2)  # heartbeats are TTL keys: nothing to wait on but time
+
+
+async def _wait_ready(procs: list[Proc], api: str) -> str:
+    """Poll the front door's /ready until 200 (training runs, a dispatcher fills its bubbles); the
+    last reason is in the error if it never comes. Returns the serving state's reason."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    last = "no answer"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
+        while True:
+            _raise_if_dead(procs)
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(f"{api}/ready") as resp:
+                    body = await resp.json()
+                    if resp.status == 200:
+                        say("==> serving ready")
+                        return str(body.get("reason", "ready"))
+                    last = str(body.get("reason", body))
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"serving not ready within {READY_TIMEOUT_S:.0f}s: {last}")
+            await asyncio.sleep(0.2)  # readiness is a verdict re-published every 0.25 s: poll it
+
+
+async def _metrics_endpoints(url: str, settings: Settings, api: str) -> list[tuple[str, str]]:
+    """(label, /metrics URL) of every service: the front door's API, the others' heartbeats."""
+    out = [("prefill_queue", f"{api}/metrics")]
+    async with Bus(url, settings.spec.bus, name="up") as bus:
+        live = await live_instances(bus.redis)
+    for inst in live:
+        if inst.get("metrics_url") and inst.get("run", settings.run) == settings.run:
+            label = inst["service"] + (f"-{inst['slot']}" if inst.get("slot") else "")
+            out.append((label, inst["metrics_url"]))
+    return out
+
+
+def _write_targets(path: Path, endpoints: list[tuple[str, str]]) -> None:
+    """Prometheus `file_sd_configs` targets: one group per endpoint, labelled with its service."""
+    groups = []
+    for label, metrics_url in endpoints:
+        u = urlsplit(metrics_url)
+        groups.append({"targets": [u.netloc], "labels": {"job": label.split("-")[0], "bubbletea_service": label}})
+    path.write_text(json.dumps(groups, indent=2))
 
 
 def _raise_if_dead(procs: list[Proc]) -> None:

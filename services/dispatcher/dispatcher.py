@@ -11,27 +11,39 @@ returns, and logs one line per decision with its why. The streams and their hand
 * the run's report stream, `{PrefillReport}`: how far each item of a batch got.
 
 A timer feeds the state `tick(now)`: deadlines passed, batches that never reported back.
+
+Every `serving.READINESS_EVERY_S` the dispatcher judges whether prefill can be served at all (the
+pure `ServingGate` of shared/policies/readiness.py, fed the run's slot leases and the bubbles seen)
+and publishes the verdict for the front doors (`/ready`, and a 503 for new requests when nothing
+can serve). When the verdict says so (training finished, stopped, lost a worker, or stalled), it
+fails every request still waiting, explicitly, instead of letting each wait for its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from typing import Protocol
 
 import msgspec
 
+from services.dispatcher.metrics import DispatcherMetrics
 from shared import keys, serving
 from shared.bus import HOLD, Bus, Delivery, Outcome
+from shared.bus.connection import TRANSIENT_ERRORS
 from shared.config import ClusterSpec
 from shared.health import Heartbeat, instance_id
+from shared.leases import read_slots
 from shared.logs import get_logger
 from shared.model.shape import GPTConfig, estimate_kv_bytes
 from shared.policies.decisions import Batch, Decisions, Failure
-from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request
+from shared.policies.dispatch import STALE_BUBBLE_S, BubbleOpened, DispatchState, Progress, Request
+from shared.policies.readiness import ServingGate, Verdict
 from shared.settings import Settings
-from shared.status import RequestStatus
+from shared.status import RequestStatus, ServingState
+from shared.telemetry import MetricsServer
 from shared.wire import (
     BubbleEnd,
     BubbleStart,
@@ -80,6 +92,11 @@ class Dispatcher:
             batch_prefix=secrets.token_hex(3),
         )
         self.acks: Acks | None = None  # the request stream's consumer, once it exists
+        self.metrics = DispatcherMetrics(run, spec.prefill.model_name)
+        self.instance = f"{SERVICE}-{instance_id()}"
+        self.gate = ServingGate(run=run, enabled=bt.enabled, unready_after_s=bt.unready_after_s)
+        self.verdict = Verdict.of(ServingState.STARTING, "the dispatcher is starting")
+        self.metrics.serving_state(self.verdict.state)
 
     # --- handlers (the tables are in `serve`) ----------------------------------------------
 
@@ -98,7 +115,10 @@ class Dispatcher:
             ticket=d.id,
             payload=req,
         )
-        await self.execute(self.state.add_request(entry, time.time()))
+        now = time.time()
+        await self.execute(self.state.add_request(entry, now))
+        if self.verdict.fail_queued:  # accepted by a front door that had not heard yet
+            await self.execute(self.state.fail_waiting(self.verdict.reason, now))
         return HOLD  # acked once answered or failed
 
     async def on_start(self, d: Delivery) -> None:
@@ -112,11 +132,17 @@ class Dispatcher:
             started=m.at,
             tag=(m.iteration, m.position),
         )
-        await self.execute(self.state.bubble_start(opened, time.time()))
+        now = time.time()
+        if now - m.at <= STALE_BUBBLE_S:  # a bubble from the backlog says nothing about training now
+            self.gate.saw_bubble(m.at)
+            if not self.verdict.ready:  # training runs: say so now, not at the next periodic check
+                await self.check_readiness()
+        await self.execute(self.state.bubble_start(opened, now))
 
     async def on_end(self, d: Delivery) -> None:
         m = d.message
         assert isinstance(m, BubbleEnd)
+        self.metrics.bubble_ended(m.actual_ms, m.predicted_ms)
         await self.execute(self.state.bubble_end(m.worker, (m.iteration, m.position), now=time.time()))
 
     async def on_report(self, d: Delivery) -> None:
@@ -136,6 +162,37 @@ class Dispatcher:
     async def tick(self) -> None:
         await self.execute(self.state.tick(time.time()))
 
+    async def check_readiness(self) -> None:
+        """Judge whether anything can serve, publish the verdict, and act on it. With Redis away
+        nothing is judged: the published verdict expires, and the next check tries again."""
+        p = self.spec.parallelism
+        try:
+            slots = await read_slots(self.bus.redis, self.run, p.pp, p.dp)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("readiness check failed", error=repr(exc))
+            return
+        now = time.time()
+        verdict = self.gate.assess(slots, now)
+        if verdict.state is not self.verdict.state:
+            level = log.info if verdict.state in (ServingState.SERVING, ServingState.STARTING) else log.warning
+            level("serving state", state=verdict.state.value, was=self.verdict.state.value, reason=verdict.reason)
+        self.verdict = verdict
+        self.metrics.serving_state(verdict.state)
+        record = serving.Readiness(
+            instance=self.instance,
+            run=self.run,
+            state=verdict.state,
+            reason=verdict.reason,
+            retry_after_s=verdict.retry_after_s,
+            at=now,
+        )
+        try:
+            await serving.publish_readiness(self.bus.redis, record)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("readiness not published", error=repr(exc))
+        if verdict.fail_queued:
+            await self.execute(self.state.fail_waiting(verdict.reason, now))
+
     # --- executing decisions ---------------------------------------------------------------
 
     async def execute(self, ds: Decisions) -> None:
@@ -145,7 +202,9 @@ class Dispatcher:
             await self._fail(f)
         for done in ds.finished:
             self._release(done.ticket)
+            self.metrics.request_finished()
         for lost in ds.lost:
+            self.metrics.batch_lost()
             log.warning(
                 "batch never reported back: its worker is presumed gone; requests queued again, bubble closed",
                 batch=lost.batch_id,
@@ -178,6 +237,7 @@ class Dispatcher:
             run=self.run, worker=batch.worker, batch_id=batch.batch_id, items=tuple(items), hold=batch.hold
         )
         await self.bus.publish(batch.address, msg)
+        self.metrics.batch_sent(batch, self.state.bubbles.get(batch.worker), time.time())
         log.info(
             "batch sent",
             batch=batch.batch_id,
@@ -201,6 +261,7 @@ class Dispatcher:
         )
         await serving.answer(self.bus.redis, result, req.reply_to)
         self._release(f.ticket)
+        self.metrics.request_failed(f.reason)
         log.info("request failed", id=f.id, reason=f.reason.value, detail=f.detail)
 
     def _release(self, ticket: str) -> None:
@@ -208,15 +269,22 @@ class Dispatcher:
             self.acks.release(ticket)
 
     def info(self) -> dict[str, object]:
-        return {"run": self.run, **self.state.info()}
+        return {"run": self.run, "serving": self.verdict.state.value, **self.state.info()}
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec, run = settings.spec, settings.run
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
         d = Dispatcher(bus, spec, run)
-        me = f"{SERVICE}-{instance_id()}"
-        hb = Heartbeat(bus.redis, SERVICE, instance_id(), d.info)
+        me = d.instance
+        server = MetricsServer(
+            d.metrics.registry,
+            settings.metrics_host,
+            settings.metrics_port,
+            refresh=lambda: d.metrics.refresh(bus.redis, d.state),
+        )
+        url = await server.start()
+        hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "metrics_url": url})
         held = msgspec.structs.replace(spec.bus, concurrency=MAX_HELD_REQUESTS)
         # Bubble events are handled one at a time, in order: a bubble's end never overtakes its start.
         ordered = msgspec.structs.replace(spec.bus, concurrency=1)
@@ -237,17 +305,22 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             ),
             requests,
         ]
+        d.metrics.streams.add(*consumers)
         await hb.start()
         for c in consumers:
             await c.start()
         log.info("dispatcher ready", run=run, enabled=spec.bubbletea.enabled, order=spec.bubbletea.order)
         next_log = time.monotonic() + LOG_EVERY_S
+        next_check = time.monotonic()
         try:
             while not stop.is_set():
                 crashed = next((c for c in consumers if c.crashed.is_set()), None)
                 if crashed is not None:
                     raise RuntimeError(f"consumer of {crashed.stream} crashed: {crashed.error!r}")
                 await d.tick()
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + serving.READINESS_EVERY_S
+                    await d.check_readiness()
                 if time.monotonic() > next_log:
                     next_log += LOG_EVERY_S
                     log.info("dispatcher progress", **d.info())
@@ -260,4 +333,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             for c in reversed(consumers):
                 # Held requests stay pending for the next dispatcher: no grace needed for them.
                 await c.stop(grace_s=0 if c is requests else None)
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                await serving.withdraw_readiness(bus.redis, d.instance)
             await hb.stop()
+            await server.stop()

@@ -2,27 +2,56 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from typing import Any
 
 from aiohttp import web
 
-from services.prefill_queue.state import BUS, METRICS, SETTINGS, instance_results_stream
+from services.prefill_queue.state import BUS, GATE, METRICS, SETTINGS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
 from shared import keys, serving
+from shared.bus.connection import TRANSIENT_ERRORS
 from shared.status import FailureReason, RequestStatus
 from shared.wire import PrefillRequest, PrefillResult
 
 #: How long a 429 tells the client to wait before retrying: about one pipeline iteration.
 RETRY_AFTER_S = 1
 
+#: How long a client whose request was failed with a 503 is told to wait (`Retry-After`).
+FAILED_RETRY_AFTER_S = 5
+
 #: The HTTP status of a request that was failed explicitly, by its reason (every reason has one).
 FAILURE_STATUS: dict[FailureReason, int] = {
     FailureReason.DEADLINE: 504,  # no bubble had room in time: a gateway timeout, worth retrying later
     FailureReason.STATE_EXPIRED: 503,  # its partial prefill was lost: transient, retry
     FailureReason.MODEL_REFUSED: 500,  # the serving model cannot run an accepted prompt: our fault
+    FailureReason.UNAVAILABLE: 503,  # training finished, stopped or stalled: no bubble will come soon
 }
+
+
+async def refuse_if_not_serving(app: web.Application) -> None:
+    """503 with Retry-After and the reason, at once, when the dispatcher says nothing can serve.
+    A refusal is checked against a fresh read: the cached verdict may be a poll interval old."""
+    v = app[GATE].refusal()
+    if v is not None:
+        await read_gate(app)
+        v = app[GATE].refusal()
+    if v is not None:
+        app[METRICS].requests.labels("unavailable").inc()
+        raise BadRequest(
+            f"not serving: {v.reason}; retry after {v.retry_after_s}s",
+            status=503,
+            type_="service_unavailable",
+            retry_after_s=v.retry_after_s,
+        )
+
+
+async def read_gate(app: web.Application) -> None:
+    """Re-read the dispatchers' verdict now (a Redis error keeps the last one)."""
+    with contextlib.suppress(*TRANSIENT_ERRORS):
+        app[GATE].verdict = serving.combined(await serving.readiness(app[BUS].redis))
 
 
 def limits(app: web.Application) -> Limits:
@@ -64,6 +93,7 @@ async def enqueue(request: web.Request, parsed: ParsedRequest, request_id: str) 
             f"retry after {RETRY_AFTER_S}s",
             status=429,
             type_="rate_limit_error",
+            retry_after_s=RETRY_AFTER_S,
         )
     return req
 
@@ -72,6 +102,7 @@ async def submit(request: web.Request) -> web.Response:
     """POST /v1/prefill: 202 with an id at once; the same Idempotency-Key always returns the same id."""
     app = request.app
     parsed = parse_native(await _json(request), limits(app))
+    await refuse_if_not_serving(app)
     request_id = f"pf-{secrets.token_hex(12)}"
     idem = request.headers.get("Idempotency-Key")
     if idem is not None:

@@ -22,11 +22,13 @@ from services.prefill_queue import api, completions, openapi
 from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.state import (
     BUS,
+    GATE,
     INSTANCE,
     METRICS,
     SETTINGS,
     STARTED,
     WAITERS,
+    Gate,
     Waiters,
     instance_results_stream,
 )
@@ -34,7 +36,7 @@ from services.prefill_queue.validation import BadRequest
 from shared import serving
 from shared.bus import Bus, Delivery
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.health import Heartbeat, instance_id, live_instances
+from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.settings import Settings
 from shared.wire import PrefillResult
@@ -56,9 +58,11 @@ def create_app(settings: Settings) -> web.Application:
     app[STARTED] = time.time()
     app[WAITERS] = Waiters()
     app[INSTANCE] = f"{instance_id()}-{secrets.token_hex(3)}"
+    app[GATE] = Gate()
     app.cleanup_ctx.append(_bus_ctx)
     app.cleanup_ctx.append(_heartbeat_ctx)
     app.cleanup_ctx.append(_results_ctx)
+    app.cleanup_ctx.append(_gate_ctx)
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_post("/v1/prefill", api.submit)
     app.router.add_get("/v1/prefill/{id}", api.status)
@@ -106,6 +110,26 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
     consumer = app[BUS].consumer(instance_results_stream(app), SERVICE, {PrefillResult: on_result}, name=app[INSTANCE])
     async with consumer:
         yield
+
+
+async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Keep the dispatchers' readiness verdict fresh (read every `serving.READINESS_EVERY_S`)."""
+
+    async def watch() -> None:
+        gate = app[GATE]
+        while True:
+            was = gate.verdict.state.value if gate.verdict else "no dispatcher"
+            await api.read_gate(app)  # a Redis error keeps the last verdict; /ready reports Redis
+            now = gate.verdict.state.value if gate.verdict else "no dispatcher"
+            if now != was:
+                log.info("serving state", state=now, reason=gate.verdict.reason if gate.verdict else "")
+            await asyncio.sleep(serving.READINESS_EVERY_S)  # a poll: the verdict is a key with a TTL
+
+    await api.read_gate(app)
+    task = asyncio.create_task(watch(), name="readiness")
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 # --- middlewares ---------------------------------------------------------------------------
@@ -161,7 +185,7 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
     try:
         return await handler(request)
     except BadRequest as exc:
-        headers = {"Retry-After": str(api.RETRY_AFTER_S)} if exc.status == 429 else None
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
         return error_response(exc.status, exc.message, type_=exc.type, param=exc.param, headers=headers)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -206,14 +230,22 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 when requests can be served: Redis answers and a dispatcher is alive to take them."""
+    """200 when requests can be served: Redis answers, and a dispatcher says training is running
+    with bubbles to fill. 503 otherwise, with the reason, the serving state and Retry-After."""
     app = request.app
     problem = await _redis_ok(app)
-    if problem is None and not await live_instances(app[BUS].redis, "dispatcher"):
-        problem = "no dispatcher is running: requests would wait in the queue"
     if problem is not None:
-        return web.json_response({"status": "not ready", "reason": problem}, status=503)
-    return web.json_response({"status": "ready"})
+        return web.json_response({"status": "not ready", "state": "redis", "reason": problem}, status=503)
+    await api.read_gate(app)  # fresh, not up to a poll interval old: a probe asks rarely
+    v = app[GATE].verdict
+    if v is None:
+        reason = "no dispatcher is running: requests are accepted but wait in the queue until one starts"
+        return web.json_response({"status": "not ready", "state": "no_dispatcher", "reason": reason}, status=503)
+    body = {"state": v.state.value, "reason": v.reason, "run": v.run}
+    if not v.ready:
+        headers = {"Retry-After": str(v.retry_after_s)}
+        return web.json_response({"status": "not ready", **body}, status=503, headers=headers)
+    return web.json_response({"status": "ready", **body})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -20,7 +20,14 @@ from typing import Any
 
 from aiohttp import web
 
-from services.prefill_queue.api import FAILURE_STATUS, enqueue, kv_params, limits
+from services.prefill_queue.api import (
+    FAILED_RETRY_AFTER_S,
+    FAILURE_STATUS,
+    enqueue,
+    kv_params,
+    limits,
+    refuse_if_not_serving,
+)
 from services.prefill_queue.state import METRICS, SETTINGS, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion, parse_completion
 from shared.model.tokenizer import decode
@@ -38,6 +45,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     c = parse_completion(body, limits(app))
+    await refuse_if_not_serving(app)  # once for all the prompts: none is queued if the answer is no
     completion_id = _completion_id(request)
     ids = [completion_id] if len(c.prompts) == 1 else [f"{completion_id}-{i}" for i in range(len(c.prompts))]
     waiters = {rid: app[WAITERS].expect(rid) for rid in ids}
@@ -100,7 +108,8 @@ async def _as_answered(
 def _raise_if_failed(r: PrefillResult) -> None:
     if not r.ok:
         status = FAILURE_STATUS[r.reason] if r.reason is not None else 500
-        raise BadRequest(f"the prefill failed: {r.error}", status=status, type_="server_error")
+        retry = FAILED_RETRY_AFTER_S if status == 503 else None
+        raise BadRequest(f"the prefill failed: {r.error}", status=status, type_="server_error", retry_after_s=retry)
 
 
 def _head(completion_id: str, req: PrefillRequest, model: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from aiohttp import web
 from services.prefill_queue.metrics import Metrics
 from shared import keys
 from shared.bus import Bus
+from shared.serving import Readiness
 from shared.settings import Settings
 from shared.wire import PrefillResult
 
@@ -38,12 +39,28 @@ class Waiters:
         return len(self._futures)
 
 
+class Gate:
+    """The dispatchers' readiness verdict as this instance last read it (`shared.serving`).
+
+    `verdict` None: no dispatcher is alive; requests are accepted and wait for one (a dispatcher
+    that restarts costs latency, not answers). A verdict that is not ready refuses new requests."""
+
+    def __init__(self) -> None:
+        self.verdict: Readiness | None = None
+
+    def refusal(self) -> Readiness | None:
+        """The verdict to refuse a new request with, or None to accept it."""
+        v = self.verdict
+        return v if v is not None and not v.ready else None
+
+
 SETTINGS = web.AppKey("settings", Settings)
 BUS = web.AppKey("bus", Bus)
 METRICS = web.AppKey("metrics", Metrics)
 STARTED = web.AppKey("started", float)
 WAITERS = web.AppKey("waiters", Waiters)
 INSTANCE = web.AppKey("instance", str)
+GATE = web.AppKey("gate", Gate)
 
 
 def instance_results_stream(app: web.Application) -> str:

@@ -39,10 +39,18 @@ class BadRequest(Exception):
     """An invalid request: HTTP `status`, a message for the client, and the offending field."""
 
     def __init__(
-        self, message: str, *, param: str | None = None, status: int = 400, type_: str = "invalid_request_error"
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.type = message, param, status, type_
+        #: Sent as `Retry-After` (seconds) with a 429 or 503.
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.reporting import BatchRun, Outcome, Reporter
 from shared import kvstore
 from shared.bus import Bus, Delivery, Reject
@@ -56,10 +57,11 @@ class Filler:
         on_span: Callable[[float, float], None],
         policy: FillPolicy,
         profile: PrefillProfile | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.bus, self.run, self.model = bus, run, model
         self.on_span, self.policy, self.profile = on_span, policy, profile
-        self.reporter = Reporter(bus, run, worker, model_name, kv_ttl_s)
+        self.reporter = Reporter(bus, run, worker, model_name, kv_ttl_s, metrics)
         #: how far real prefill compute fell behind the profile (seconds); the runner takes it
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
         self.lag_s = 0.0

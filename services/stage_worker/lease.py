@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from redis.asyncio import Redis
 
 from shared import keys
+from shared.leases import slot_end, slot_name
 from shared.logs import get_logger
 from shared.status import LeaseState
 
@@ -42,7 +42,7 @@ class Slot:
 
     @property
     def name(self) -> str:
-        return f"r{self.replica}s{self.stage}"
+        return slot_name(self.replica, self.stage)
 
 
 class SlotLease:
@@ -117,11 +117,7 @@ class SlotLease:
 
     async def ended(self, s: Slot) -> tuple[LeaseState | None, str]:
         """How slot `s` ended (None: it has not, or its worker vanished without a word)."""
-        found: Any = await self.r.hmget(self._end_key(s), ["state", "reason"])
-        state, reason = found
-        if state is None:
-            return None, ""
-        return LeaseState(state.decode()), (reason or b"").decode()
+        return await slot_end(self.r, self.run, s.replica, s.stage)
 
     async def _end(self, state: LeaseState, reason: str) -> None:
         if self.slot is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from services.stage_worker.metrics import WorkerMetrics
 from shared import keys, kvstore, serving
 from shared.bus import Bus
 from shared.model.prefill import PrefillResult, PrefillState
@@ -52,6 +53,7 @@ class Reporter:
     worker: str
     model_name: str
     kv_ttl_s: int
+    metrics: WorkerMetrics | None = None
 
     async def finish_batch(self, batch: PrefillBatch, run: BatchRun) -> None:
         r = self.bus.redis
@@ -94,6 +96,8 @@ class Reporter:
                 preempted=run.preempted,
             ),
         )
+        if self.metrics is not None:  # counted once reported (an unreported batch is requeued)
+            self.metrics.reported(progress, {o.item.id: o.result.prompt_tokens for o in run.outcomes if o.result})
 
     async def _answer(self, o: Outcome, res: PrefillResult) -> None:
         now = time.time()

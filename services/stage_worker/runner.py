@@ -11,6 +11,7 @@ all-reduce, telemetry) share the iteration's state; the outbox and the fill exec
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 from services.stage_worker.filler import Filler
 from services.stage_worker.lease import Slot
 from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.outbox import Outbox, wan_transfer
 from services.stage_worker.trainer import StageTrainer
 from shared import keys
@@ -68,6 +70,7 @@ class StageRunner:
     profile: Profile
     free_memory_bytes: int
     filler: Filler | None = None  # BubbleTea: runs prefill batches in this worker's bubbles
+    metrics: WorkerMetrics | None = None  # Prometheus: recorded where the runner has each value
     iteration: int = 0
     lag_s: float = 0.0
     _spans: list[SpanRecord] = field(default_factory=list)
@@ -87,7 +90,8 @@ class StageRunner:
     async def run_all(self) -> None:
         tr = self.spec.training
         actions = schedule(tr.schedule, self.stage, self.spec.parallelism.pp, tr.microbatches)
-        for it in range(tr.iterations):
+        limit = tr.iteration_limit
+        for it in range(limit) if limit is not None else itertools.count():  # until_stopped: until cancelled
             self.iteration = it
             started, self.lag_s = time.time(), 0.0
             await self._iteration(it, actions)
@@ -106,6 +110,8 @@ class StageRunner:
                 prefill_lag_ms=prefill_lag_ms,
             )
             self.outbox.send_many(keys.events_stream(self.run), [done], maxlen=keys.EVENTS_MAXLEN)
+            if self.metrics is not None:
+                self.metrics.iteration(started, done.ended, loss, self.lag_s, prefill_lag_ms / 1000)
             self.outbox.raise_if_failed()
             self.mailbox.forget_before(lambda k, it=it: k[1] >= it)
             log.info(
@@ -216,6 +222,8 @@ class StageRunner:
         value = await self._wait_filling(key, predicted, started)
         t1 = time.time()
         self.predictor.observe(pos, predicted, t1 - t0, it)
+        if self.metrics is not None:
+            self.metrics.bubble(t1 - t0, predicted)
         self.outbox.send(
             keys.bubbles_stream(self.run),
             BubbleEnd(
@@ -306,6 +314,8 @@ class StageRunner:
 
     def prefill_span(self, start: float, end: float) -> None:
         self._span("prefill", self.iteration, start, end)
+        if self.metrics is not None:
+            self.metrics.prefill(end - start)
 
     def _flush_spans(self) -> None:
         """An iteration's spans go out together, in one round trip."""

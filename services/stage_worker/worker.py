@@ -16,6 +16,7 @@ import torch
 from services.stage_worker.filler import Filler
 from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
 from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
 from shared import keys
@@ -31,6 +32,7 @@ from shared.policies.fill import FillPolicy
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
 from shared.settings import Settings
+from shared.telemetry import MetricsServer
 from shared.tensors import from_blob
 from shared.wire import GradShard, PrefillBatch, StageTensor, WorkerFailed
 
@@ -57,11 +59,17 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
         lease = SlotLease(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp, holder=instance_id())
         slot = await lease.acquire()
-        hb = Heartbeat(bus.redis, SERVICE, f"{run}-{slot.name}", lambda: {"run": run, "slot": slot.name})
+        metrics = WorkerMetrics(run, slot.name, spec.prefill.model_name)
+        server = MetricsServer(
+            metrics.registry, settings.metrics_host, settings.metrics_port, refresh=lambda: metrics.refresh(bus.redis)
+        )
+        url = await server.start()  # a port in use fails here (the slot's lease expires by itself)
+        info = {"run": run, "slot": slot.name, "metrics_url": url}
+        hb = Heartbeat(bus.redis, SERVICE, f"{run}-{slot.name}", lambda: info)
         await hb.start()
         watch = asyncio.create_task(lease.watch(), name="lease")  # renews from now on
         try:
-            await _train(bus, settings, placement, lease, watch, slot, stop)
+            await _train(bus, settings, placement, lease, watch, slot, stop, metrics)
         except RunStopped as exc:
             log.info("run stopped by a peer's deliberate stop", slot=slot.name, reason=str(exc))
             await lease.mark_stopped(f"slot {slot.name} stopped with its peers")
@@ -77,6 +85,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
             await hb.stop()
+            await server.stop()
             await lease.release()
 
 
@@ -88,6 +97,7 @@ async def _train(
     watch: asyncio.Task[None],
     slot: Slot,
     stop: asyncio.Event,
+    metrics: WorkerMetrics,
 ) -> None:
     spec, run = settings.spec, settings.run
     corpus = await asyncio.to_thread(ByteCorpus.from_stdlib)
@@ -127,6 +137,7 @@ async def _train(
         BubblePredictor(prior),
         profile,
         free_memory_bytes=max(0, memory - trainer.state_bytes()),
+        metrics=metrics,
     )
     inbox = bus.consumer(
         keys.inbox(run, slot.replica, slot.stage),
@@ -134,6 +145,7 @@ async def _train(
         {StageTensor: on_tensor, GradShard: on_shard},
         name=slot.name,
     )
+    metrics.streams.add(inbox)
     fill = None
     if prefill is not None:
         runner.filler = Filler(
@@ -146,6 +158,7 @@ async def _train(
             runner.prefill_span,
             FillPolicy(guard_s=spec.bubbletea.guard_ms / 1000),
             PrefillProfile.from_device(spec.device.prefill_ms_per_layer, spec.device.prefill_us_per_token),
+            metrics,
         )
         fill = bus.consumer(
             keys.fill_stream(run, slot.replica, slot.stage),
@@ -154,6 +167,7 @@ async def _train(
             name=slot.name,
             config=msgspec.structs.replace(spec.bus, concurrency=FILL_CONCURRENCY),
         )
+        metrics.streams.add(fill)
         await fill.start()
     try:
         await _run(runner, inbox, lease, watch, slot, stop)

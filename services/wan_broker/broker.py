@@ -13,12 +13,14 @@ import itertools
 import msgspec
 
 from services.wan_broker.links import LinkDriver
+from services.wan_broker.metrics import BrokerMetrics
 from shared import keys
 from shared.bus import Bus, Delivery, Reject
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.policies.wan import LinkModel
 from shared.settings import Settings
+from shared.telemetry import MetricsServer
 from shared.wire import LinkReport, Transfer
 
 SERVICE = "wan_broker"
@@ -37,10 +39,18 @@ def directed_links(settings: Settings) -> list[tuple[str, str]]:
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec = settings.spec
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
+        metrics = BrokerMetrics(settings.run)
         drivers = {
-            (a, b): LinkDriver(bus, a, b, LinkModel.from_params(spec.link(a, b)), spec.wan.sharing)
+            (a, b): LinkDriver(bus, a, b, LinkModel.from_params(spec.link(a, b)), spec.wan.sharing, metrics)
             for a, b in directed_links(settings)
         }
+        server = MetricsServer(
+            metrics.registry,
+            settings.metrics_host,
+            settings.metrics_port,
+            refresh=lambda: metrics.refresh(bus.redis, drivers),
+        )
+        url = await server.start()
 
         async def on_transfer(d: Delivery) -> None:
             msg = d.message
@@ -51,7 +61,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             await driver.carry(msg)
 
         cfg = msgspec.structs.replace(spec.bus, concurrency=MAX_IN_FLIGHT)
-        hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {"run": settings.run, "links": len(drivers)})
+        info = {"run": settings.run, "links": len(drivers), "metrics_url": url}
+        hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: info)
         await hb.start()
         consumer = bus.consumer(
             keys.wan_stream(settings.run),
@@ -60,6 +71,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             name=f"{SERVICE}-{instance_id()}",
             config=cfg,
         )
+        metrics.streams.add(consumer)
         log.info("broker ready", run=settings.run, links=len(drivers), sharing=spec.wan.sharing)
         async with consumer:
             while not stop.is_set() and not consumer.crashed.is_set():
@@ -69,6 +81,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 except TimeoutError:
                     await _report(bus, settings.run, drivers)
         await hb.stop()
+        await server.stop()
         for driver in drivers.values():
             await driver.close()
         if consumer.error is not None:

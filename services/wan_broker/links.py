@@ -13,6 +13,7 @@ import collections
 import time
 from dataclasses import dataclass
 
+from services.wan_broker.metrics import BrokerMetrics
 from shared.bus import Bus
 from shared.logs import get_logger
 from shared.policies.wan import LinkModel, LinkSharing, Sent
@@ -26,13 +27,18 @@ log = get_logger(__name__)
 class _Pending:
     msg: Transfer
     done: asyncio.Future[None]
+    started: float = 0.0  # when it entered the wire, on the link's clock
 
 
 class LinkDriver:
     """Feeds transfers to the link policy on the loop clock and delivers them on time."""
 
-    def __init__(self, bus: Bus, src: str, dst: str, model: LinkModel, policy: str) -> None:
-        self.bus, self.src, self.dst, self.model = bus, src, dst, model
+    def __init__(
+        self, bus: Bus, src: str, dst: str, model: LinkModel, policy: str, metrics: BrokerMetrics | None = None
+    ) -> None:
+        self.bus, self.src, self.dst, self.model, self.metrics = bus, src, dst, model, metrics
+        if metrics is not None:
+            metrics.link(src, dst)
         self.loop = asyncio.get_running_loop()
         self.origin = time.monotonic()  # not loop.time(): uvloop's clock has millisecond steps
         self.sharing = LinkSharing(model, policy)
@@ -52,8 +58,8 @@ class LinkDriver:
             await asyncio.shield(self.pending[msg.transfer_id].done)
             return
         done: asyncio.Future[None] = self.loop.create_future()
-        self.pending[msg.transfer_id] = _Pending(msg, done)
-        self.sharing.submit(msg.transfer_id, msg.nbytes, msg.priority, self._start_time(msg))
+        self.pending[msg.transfer_id] = p = _Pending(msg, done, self._start_time(msg))
+        self.sharing.submit(msg.transfer_id, msg.nbytes, msg.priority, p.started)
         self._wake.set()
         await asyncio.shield(done)
 
@@ -104,4 +110,6 @@ class LinkDriver:
         except Exception as exc:  # the request stays unacked and is redelivered, then resubmitted
             p.done.set_exception(exc)
             return
+        if self.metrics is not None:
+            self.metrics.delivered(self.src, self.dst, p.msg.nbytes, self.now() - p.started)
         p.done.set_result(None)

@@ -28,8 +28,10 @@ class BubblePredictor:
     prior: dict[int, float] = field(default_factory=dict)
     history: int = HISTORY
     _seen: dict[int, collections.deque[float]] = field(default_factory=dict)
-    #: (predicted - actual) of every observed bubble, seconds; > 0 means over-predicted
-    errors: list[float] = field(default_factory=list)
+    #: Bubbles observed, and how many of them were over-predicted (counts, not a list: a run that
+    #: trains until stopped observes bubbles forever)
+    observed: int = 0
+    over_predicted: int = 0
 
     def predict(self, position: int) -> float:
         seen = self._seen.get(position)
@@ -40,8 +42,9 @@ class BubblePredictor:
     def observe(self, position: int, predicted: float, actual: float, iteration: int = WARMUP_ITERATIONS) -> None:
         if iteration >= WARMUP_ITERATIONS:
             self._seen.setdefault(position, collections.deque(maxlen=self.history)).append(actual)
-        self.errors.append(predicted - actual)
+        self.observed += 1
+        self.over_predicted += predicted > actual
 
     def over_predicted_share(self) -> float:
         """Share of bubbles whose prediction exceeded the real length."""
-        return sum(e > 0 for e in self.errors) / len(self.errors) if self.errors else 0.0
+        return self.over_predicted / self.observed if self.observed else 0.0

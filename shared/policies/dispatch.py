@@ -26,6 +26,9 @@ and logs each one's why. The simulator feeds it the same inputs from a virtual c
   because the worker yields at the next layer boundary when training input arrives.
 * **Deadlines**: a request past its deadline that is not running in an open bubble is failed
   (`FailureReason.DEADLINE`); one a worker still runs finishes first.
+* **Nothing can serve** (`fail_waiting`, when the readiness gate of `readiness.py` says training
+  finished, stopped or stalled): every request not running in an open bubble is failed at once
+  (`FailureReason.UNAVAILABLE`) instead of waiting for its deadline.
 * **Lost batches**: a batch with no report `BATCH_GRACE_S` after it should have ended (its
   predicted time, plus the hold time of a staged batch) was lost with its worker: its requests queue
   again at their last reported layer, and the worker's bubble is closed so nothing more goes there
@@ -38,6 +41,7 @@ staged work, batches in flight); the values it returns live in `decisions.py`, p
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +134,7 @@ class Counts:
     batches: int = 0
     done: int = 0
     expired: int = 0
+    unavailable: int = 0
     requeued: int = 0
 
 
@@ -224,6 +229,13 @@ class DispatchState:
         out = Decisions(failed=failed, lost=tuple(lost))
         return out + self._fill_all(now, Trigger.TICK) if lost else out
 
+    def fail_waiting(self, why: str, now: float) -> Decisions:
+        """Nothing can serve (the readiness gate says so): fail every request not running in an
+        open bubble now, with `why`. One that runs finishes (or is failed once it is handed back)."""
+        gone = self._not_running()
+        self.counts.unavailable += len(gone)
+        return Decisions(failed=self._drop(gone, FailureReason.UNAVAILABLE, lambda r: why))
+
     def info(self) -> dict[str, object]:
         """Counters for the service's heartbeat and progress log."""
         running = sum(1 for r in self.requests.values() if r.in_bubble is not None)
@@ -238,20 +250,23 @@ class DispatchState:
     # --- decisions -------------------------------------------------------------------------
 
     def _expire(self, now: float) -> tuple[Failure, ...]:
-        gone = [
-            r
-            for r in self.requests.values()
-            if r.deadline is not None and r.deadline < now and (r.in_bubble is None or r.in_bubble not in self.bubbles)
-        ]
+        gone = [r for r in self._not_running() if r.deadline is not None and r.deadline < now]
+        self.counts.expired += len(gone)
+        detail = "deadline passed after {:.1f}s in the queue: no pipeline bubble had room for it"
+        return self._drop(gone, FailureReason.DEADLINE, lambda r: detail.format(now - r.arrival))
+
+    def _not_running(self) -> list[Request]:
+        """Requests not running in an open bubble now: queued, or staged on an idle worker."""
+        return [r for r in self.requests.values() if r.in_bubble is None or r.in_bubble not in self.bubbles]
+
+    def _drop(
+        self, gone: list[Request], reason: FailureReason, detail: Callable[[Request], str]
+    ) -> tuple[Failure, ...]:
         for r in gone:
             if r.in_bubble is not None:  # staged on a worker: no longer counts there
                 self._give_back(r.in_bubble, r)
             del self.requests[r.id]
-        self.counts.expired += len(gone)
-        detail = "deadline passed after {:.1f}s in the queue: no pipeline bubble had room for it"
-        return tuple(
-            Failure(r.id, r.ticket, r.payload, FailureReason.DEADLINE, detail.format(now - r.arrival)) for r in gone
-        )
+        return tuple(Failure(r.id, r.ticket, r.payload, reason, detail(r)) for r in gone)
 
     def _worker_lost(self, worker: str, now: float) -> list[LostBatch]:
         """A batch of `worker` never reported back: the worker is presumed dead. All its batches in

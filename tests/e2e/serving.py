@@ -125,6 +125,16 @@ async def wait_for_first_bubble(redis_url: str, run: str, timeout: float = 90.0)
     )
 
 
+async def wait_ready(http: aiohttp.ClientSession, url: str, timeout: float = 30.0) -> None:
+    """Poll the front door's /ready until 200: training runs and a dispatcher fills its bubbles."""
+
+    async def ready() -> bool:
+        async with http.get(f"{url}/ready") as resp:
+            return resp.status == 200
+
+    await wait_until(ready, f"{url}/ready answering 200", timeout)
+
+
 async def wait_until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
     """Poll a condition on stored state (Redis has no event for it) until it holds, or fail naming it."""
     deadline = time.monotonic() + timeout

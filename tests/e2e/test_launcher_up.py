@@ -1,9 +1,12 @@
-"""`bubbletea up` as a user runs it: every service healthy, prompts answered while training runs,
-the run folder and report written, a clean stop on Ctrl-C."""
+"""`bubbletea up` as a user runs it: every service healthy, serving ready, prompts answered while
+training runs, and training going on past the spec's iterations (it serves until stopped); every
+service's /metrics scraped and parsed with prometheus_client's parser; the run folder and report
+written, a clean stop on Ctrl-C."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -13,8 +16,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.serving import SPEC, status, submit
+from tests.e2e.serving import SPEC, status, submit, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +37,20 @@ async def _read_until(stream: asyncio.StreamReader, pattern: str, seen: list[str
                 return m
 
 
-async def test_up_serves_prompts_while_training_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
+async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Every sample of one /metrics, summed over label sets, by sample name."""
+    async with http.get(url) as resp:
+        assert resp.status == 200, url
+        assert resp.headers["Content-Type"].startswith("text/plain"), url
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):  # raises on a malformed exposition
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: Path) -> None:
     spec = {**SPEC, "http": {"host": "127.0.0.1", "port": 0}}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -44,9 +61,7 @@ async def test_up_serves_prompts_while_training_and_stops_cleanly_on_ctrl_c(tmp_
         "bubbletea.cli",
         "up",
         "--config",
-        str(path),
-        "--iterations",
-        "400",  # far longer than the test: it ends with Ctrl-C
+        str(path),  # training.iterations: 8 in this spec; `up` trains until stopped all the same
         "--out",
         str(tmp_path / "runs"),
         cwd=ROOT,
@@ -57,10 +72,15 @@ async def test_up_serves_prompts_while_training_and_stops_cleanly_on_ctrl_c(tmp_
     assert proc.stdout is not None
     seen: list[str] = []
     try:
-        api = (await _read_until(proc.stdout, r"API:\s+(http://\S+)", seen, timeout=120)).group(1)
+        await _read_until(proc.stdout, r"serving: .*training until Ctrl-C", seen, timeout=120)
+        api = (await _read_until(proc.stdout, r"API:\s+(http://\S+)", seen, timeout=10)).group(1)
         folder = Path((await _read_until(proc.stdout, r"logs:\s+(\S+)/<service>\.log", seen, timeout=10)).group(1))
+        endpoints = dict(re.findall(r"^\s+(\S+)\s+(http://\S+/metrics)$", "".join(seen), re.M))
         drain = asyncio.create_task(_drain(proc.stdout, seen))
         async with aiohttp.ClientSession() as http:
+            async with http.get(f"{api}/ready") as resp:
+                ready = await resp.json()
+                assert resp.status == 200 and ready["state"] == "serving", ready
             ids = [await submit(http, api, {"prompt": f"prompt number {i}"}) for i in range(20)]
             answers = {}
             async with asyncio.timeout(60):
@@ -69,7 +89,32 @@ async def test_up_serves_prompts_while_training_and_stops_cleanly_on_ctrl_c(tmp_
                         if rid not in answers and (a := await status(http, api, rid))["status"] != "queued":
                             answers[rid] = a
                     await asyncio.sleep(0.2)
-        assert all(a["status"] == "done" and a["result"]["text"] for a in answers.values()), answers
+            assert all(a["status"] == "done" and a["result"]["text"] for a in answers.values()), answers
+
+            # every service, each of its own /metrics, as a Prometheus server would scrape them
+            workers = [f"stage_worker-r{d}s{k}" for d in range(2) for k in range(2)]
+            assert set(endpoints) == {"prefill_queue", "dispatcher", "wan_broker", *workers}, endpoints
+            targets = json.loads((folder.parent / "prometheus-targets.json").read_text())
+            assert {g["labels"]["bubbletea_service"] for g in targets} == set(endpoints)
+
+            # training goes on past the spec's 8 iterations: the service does not run out of bubbles
+            async def past_the_spec() -> bool:
+                done = [(await scrape(http, endpoints[w]))["bubbletea:iterations_total"] for w in workers]
+                return min(done) > 8
+
+            await wait_until(past_the_spec, "every worker training past the spec's 8 iterations", timeout=90)
+            scraped = {name: await scrape(http, url) for name, url in endpoints.items()}
+        door, disp, broker = scraped["prefill_queue"], scraped["dispatcher"], scraped["wan_broker"]
+        assert door["bubbletea:request_total"] >= len(ids) and door["bubbletea:time_to_first_token_seconds_count"] > 0
+        assert disp["bubbletea:bubbles_total"] > 0 and disp["bubbletea:dispatch_latency_seconds_count"] > 0
+        assert disp["bubbletea:serving"] == 1
+        assert broker["bubbletea:wan_bytes_total"] > 0 and broker["bubbletea:wan_transfers_total"] > 0
+        for w in workers:
+            m = scraped[w]
+            assert m["bubbletea:iteration_seconds_count"] > 8 and m["bubbletea:bubble_seconds_total"] > 0, w
+            assert "bubbletea:stream_lag" in m and "bubbletea:dead_lettered" in m, w
+        # the prompts ran in bubbles: some worker spent prefill time there
+        assert sum(scraped[w]["bubbletea:prefill_seconds_total"] for w in workers) > 0
         proc.send_signal(signal.SIGINT)
         async with asyncio.timeout(60):
             code = await proc.wait()

@@ -312,7 +312,9 @@ async def test_requests_survive_a_killed_front_door(tmp_path: Path, redis_url: s
 
 async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str) -> None:
     """SIGKILL a worker while a prefill batch it was sent is unfinished: the run aborts, and every
-    request still ends answered or failed at its deadline, with the reason."""
+    request still ends answered or failed with the reason: at once once the dispatcher sees the run
+    stopped (`unavailable`, naming the lost slot), or at its deadline if that came first. From then
+    on new requests are refused at once with 503 and the same reason."""
     deadline_ms = 8000
     path = write_spec(tmp_path, training={**SPEC["training"], "iterations": 10_000})
     run = f"noloss-w-{uuid.uuid4().hex[:6]}"
@@ -323,18 +325,25 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str) 
     rng = random.Random(4)
     bodies: list[dict[str, Any]] = []
     ids: list[str] = []
+    refused: list[dict[str, Any]] = []
     procs: list[Proc] = []
     stop_submitting = asyncio.Event()
 
     async def keep_submitting(http: aiohttp.ClientSession, url: str) -> None:
-        """A steady trickle, so batches are in flight whenever the worker dies."""
+        """A steady trickle, so batches are in flight whenever the worker dies (once the run is
+        known to be stopped, the front door refuses them: those are kept to check the refusal)."""
         i = 0
         while not stop_submitting.is_set():
             body = {"prompt": [rng.randrange(256) for _ in range(rng.randint(1, 128))], "deadline_ms": deadline_ms}
             if i % 3 == 0:
                 body |= {"temperature": 0.8, "seed": i}
-            bodies.append(body)
-            ids.append(await submit(http, url, body))
+            async with http.post(f"{url}/v1/prefill", json=body) as resp:
+                if resp.status == 503:
+                    refused.append({"retry_after": resp.headers.get("Retry-After"), **await resp.json()})
+                else:
+                    assert resp.status == 202, await resp.text()
+                    bodies.append(body)
+                    ids.append((await resp.json())["id"])
             i += 1
             await asyncio.sleep(0.02)  # arrivals spread over the run (load shape, not a wait)
 
@@ -363,9 +372,10 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str) 
             codes = await asyncio.wait_for(asyncio.gather(*(p.proc.wait() for p in survivors)), 60)
             stop_submitting.set()
             await submitter
-            # Accepted with no training left: no bubble will ever come, they must fail at their deadline.
-            late = await submit_all(http, door.url, [{"prompt": [1, 2, 3], "deadline_ms": deadline_ms}] * 3)
-            statuses = await settle(http, door.url, ids + late, timeout=deadline_ms / 1000 + 30)
+            # No training left: no bubble will ever come, so a new request is refused at once, saying why.
+            async with http.post(f"{door.url}/v1/prefill", json={"prompt": [1, 2, 3]}) as resp:
+                late = (resp.status, resp.headers.get("Retry-After"), await resp.json())
+            statuses = await settle(http, door.url, ids, timeout=deadline_ms / 1000 + 30)
             left_inflight = await inflight(redis_url)
         finally:
             if submitter is not None and not submitter.done():
@@ -386,11 +396,17 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str) 
     assert any(f"worker={slot}" in line for line in requeued), dispatcher_out.getvalue()[-4000:]
     assert_none_lost(statuses, log)
     assert all(statuses[rid]["status"] in FINAL for rid in lost_ids)
-    for s in statuses.values():  # the only way to fail here: no bubble before the deadline
-        assert s["status"] == "done" or "deadline passed" in s["error"], s
+    for s in statuses.values():  # failed only because the run stopped, or (first) at the deadline
+        if s["status"] == "failed" and s["reason"] == "unavailable":
+            assert f"slot {slot} lost its worker" in s["error"], s
+        else:
+            assert s["status"] == "done" or "deadline passed" in s["error"], s
     # Before the kill requests were answered, really computed; after it, nothing can be.
     assert counts(statuses).get("done", 0) > 0
     assert_answers_computed(settings.spec.prefill, bodies, ids, statuses)
-    for rid in late:
-        assert statuses[rid]["status"] == "failed" and "deadline passed" in statuses[rid]["error"], statuses[rid]
+    status, retry_after, body = late
+    assert status == 503 and retry_after == "30", body
+    assert f"slot {slot} lost its worker" in body["error"]["message"], body
+    for r_ in refused:
+        assert r_["retry_after"] is not None and "not serving" in r_["error"]["message"], r_
     assert left_inflight == 0

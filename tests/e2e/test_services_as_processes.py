@@ -158,6 +158,10 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
     for name, spec in services.items():
         if name == "redis":
             continue
+        if "monitoring" in spec.get("profiles", []):  # Prometheus and Grafana: their files must exist
+            for volume in spec["volumes"]:
+                assert (ROOT / volume.split(":")[0]).exists(), (name, volume)
+            continue
         env = spec.get("environment", {})
         unknown = set(env) - ENV_VARS
         assert not unknown, f"{name} sets environment variables nothing reads: {unknown}"
@@ -174,7 +178,12 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
                 == f"http://prefill_queue:{services['prefill_queue']['environment']['BUBBLETEA_HTTP_PORT']}"
             )
             continue
+        # A service: it trains until stopped, and whatever exits is restarted
+        assert spec["restart"] == "unless-stopped", name
+        assert spec["environment"]["BUBBLETEA_ITERATIONS"] == "until_stopped", name
         test = spec["healthcheck"]["test"]
+        if name == "prefill_queue":  # healthy means it can serve, not merely that it runs
+            assert "/ready'" in test[-1]
         if test[1] == "bubbletea":
             assert test[2] in subcommands and test[3] == name  # a real subcommand, about itself
         for volume in spec.get("volumes", []):

@@ -27,7 +27,15 @@ from shared.model.prefill import PrefillModel
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.wire import SpanRecord
-from tests.e2e.serving import front_door, service_env, status, submit, wait_for_first_bubble, write_spec
+from tests.e2e.serving import (
+    front_door,
+    service_env,
+    status,
+    submit,
+    wait_for_first_bubble,
+    wait_ready,
+    write_spec,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +60,7 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
             run_training(settings, redis_server.url, out=out, progress=False, dispatcher=True)
         )
         await wait_for_first_bubble(redis_server.url, run)  # training is under way
+        await wait_ready(http, door.url)  # and the front door has heard so
         ids = []
         for body in bodies:
             ids.append(await submit(http, door.url, body))

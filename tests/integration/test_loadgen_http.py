@@ -324,3 +324,22 @@ async def test_ready_check_warmups_headers_and_saved_results(tmp_path: Path) -> 
     assert written == json.loads(json.dumps(result))
     assert written["version"] == "0.3.3" and written["label"] == "nightly"
     assert "from-header" not in saved.read_text() and "from-key" not in saved.read_text()  # never recorded
+
+
+async def test_the_ready_check_waits_for_serving_and_says_why_it_gave_up(redis_url: str, redis: Redis) -> None:
+    """BubbleTea serves only while training runs: with a wait, loadgen also waits for /ready."""
+    from shared.status import ServingState
+
+    verdict = serving.Readiness(
+        instance="dispatcher-test",
+        run="r",
+        state=ServingState.STARTING,
+        reason="training of run r has not started: 0 of 4 slots held by workers",
+        retry_after_s=2,
+        at=time.time(),
+    )
+    await serving.publish_readiness(redis, verdict)
+    async with api(redis_url) as url:
+        with pytest.raises(ApiUnavailable, match="not ready to serve: training of run r has not started"):
+            await run_benchmark(config(url, num_prompts=1, ready_check_timeout_s=0.5))
+        await serving.withdraw_readiness(redis, "dispatcher-test")

@@ -10,8 +10,9 @@ def test_prior_before_history_then_shortest_recent() -> None:
     for actual in (0.02, 0.02, 0.02, 0.02):
         p.observe(3, p.predict(3), actual)
     assert p.predict(3) == 0.02  # old short ones age out of the window
-    assert p.errors[0] < 0 and p.errors[1] > 0
-    assert 0 < p.over_predicted_share() < 1
+    # the first was under-predicted, the second over: 1 of 6 (the later four were exact or under)
+    assert p.observed == 6 and p.over_predicted == 1
+    assert p.over_predicted_share() == 1 / 6
 
 
 def test_warm_up_bubbles_do_not_pin_the_prediction() -> None:
@@ -20,4 +21,4 @@ def test_warm_up_bubbles_do_not_pin_the_prediction() -> None:
     assert p.predict(0) == 0.100  # still the analytic prior, not the warm-up outlier
     p.observe(0, 0.100, 0.120, iteration=1)
     assert p.predict(0) == 0.120
-    assert len(p.errors) == 2  # the warm-up bubble still counts in the error record
+    assert p.observed == 2 and p.over_predicted == 1  # the warm-up bubble still counts in the record

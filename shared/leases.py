@@ -1,0 +1,44 @@
+"""The run's slot leases as anyone may read them (the dispatcher's readiness gate, the workers).
+
+A worker holds its (replica, stage) slot with a TTL key and, when it leaves on purpose, writes the
+slot's end marker (a hash: `LeaseState` and reason); see services/stage_worker/lease.py, which
+writes them. Reading needs no worker code, so it lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.policies.readiness import SlotView
+from shared.status import LeaseState
+
+
+def slot_name(replica: int, stage: int) -> str:
+    return f"r{replica}s{stage}"
+
+
+async def slot_end(r: Redis, run: str, replica: int, stage: int) -> tuple[LeaseState | None, str]:
+    """How the slot ended (None: it has not, or its worker vanished without a word), and why."""
+    found: Any = await r.hmget(keys.lease_end_key(run, replica, stage), ["state", "reason"])
+    state, reason = found
+    if state is None:
+        return None, ""
+    return LeaseState(state.decode()), (reason or b"").decode()
+
+
+async def read_slots(r: Redis, run: str, pp: int, dp: int) -> list[SlotView]:
+    """Every slot of the run: held or not, and its end marker, in two round trips."""
+    slots = [(d, k) for k in range(pp) for d in range(dp)]
+    held: Any = await r.mget([keys.lease_key(run, d, k) for d, k in slots])
+    async with r.pipeline(transaction=False) as pipe:
+        for d, k in slots:
+            pipe.hmget(keys.lease_end_key(run, d, k), ["state", "reason"])
+        ends: Any = await pipe.execute()
+    out = []
+    for (d, k), h, (state, reason) in zip(slots, held, ends, strict=True):
+        ended = LeaseState(state.decode()) if state is not None else None
+        out.append(SlotView(slot_name(d, k), h is not None, ended, (reason or b"").decode()))
+    return out

@@ -1,0 +1,135 @@
+"""Serving readiness (pure): can queued prefill be served now, and if not, why not.
+
+BubbleTea serves prefill only inside the bubbles of a training run, so "ready" is a property of
+training, not of the HTTP front door: with no training there are no bubbles, and a request would
+only wait for its deadline. The dispatcher feeds this gate what it sees (the run's slot leases and
+their end markers, read from Redis, and the bubbles it is told about) with the clock; the verdict
+goes to the front door, which answers `/ready` and refuses new requests with it, and the dispatcher
+fails its queued requests explicitly when the verdict says so.
+
+The verdicts (`ServingState`), first match wins:
+
+* DISABLED: `bubbletea.enabled` is false; nothing fills bubbles.
+* SERVING: every slot is held (or done, with at least one still held), and a bubble was announced
+  within `unready_after_s`, or the slots were all held less than `unready_after_s` ago (the first
+  iteration is still warming up: a request queued now waits at most that long for its bubble).
+* STALLED: every slot is held but no bubble for longer than `unready_after_s`.
+* STARTING: training was never seen running (not every slot held yet). End markers are not read
+  before that: they are left by an earlier life of the same run id (a restarted compose project).
+
+Once training was seen running, a run that no longer holds every slot is:
+
+* FINISHED: every slot ended done (the run trained all its iterations).
+* STOPPED: a slot ended on purpose (Ctrl-C, SIGTERM); the reason is the slot's own.
+* LOST: a slot ended because of another slot's failure (its reason names the culprit), or a
+  slot lost its worker (its lease expired without an end marker).
+
+A slot that is held again after an end marker (a restarted worker) counts as held: the marker is
+history. Queued requests are failed in every state but SERVING and STARTING: while the run is
+starting they are kept for its first bubbles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.status import LeaseState, ServingState
+
+#: How long a client is told to wait before retrying (`Retry-After`), per state: a starting run is
+#: serving within an iteration or two; a stalled or lost one needs an operator or a restart.
+RETRY_AFTER_S: dict[ServingState, int] = {
+    ServingState.SERVING: 0,
+    ServingState.STARTING: 2,
+    ServingState.STALLED: 10,
+    ServingState.LOST: 30,
+    ServingState.STOPPED: 60,
+    ServingState.FINISHED: 60,
+    ServingState.DISABLED: 300,
+}
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """One (replica, stage) slot of the run as Redis shows it."""
+
+    name: str  # "r<replica>s<stage>"
+    held: bool  # a live lease
+    ended: LeaseState | None = None  # its end marker, if any
+    reason: str = ""  # the end marker's reason
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: ServingState
+    reason: str  # one sentence a client can act on
+    retry_after_s: int
+
+    @classmethod
+    def of(cls, state: ServingState, reason: str) -> Verdict:
+        return cls(state, reason, RETRY_AFTER_S[state])
+
+    @property
+    def ready(self) -> bool:
+        return self.state.ready
+
+    @property
+    def fail_queued(self) -> bool:
+        """Whether requests waiting for a bubble should be failed now rather than kept."""
+        return self.state not in (ServingState.SERVING, ServingState.STARTING)
+
+
+class ServingGate:
+    """Judges readiness from slot views and bubble times; remembers when training was last seen running."""
+
+    def __init__(self, *, run: str, enabled: bool, unready_after_s: float) -> None:
+        self.run, self.enabled, self.unready_after_s = run, enabled, unready_after_s
+        self.last_bubble_at: float | None = None
+        #: Since when every slot has been held (None: not all held at the last look).
+        self.all_held_since: float | None = None
+        #: Whether training was ever seen running (every slot held, or a bubble).
+        self.started = False
+
+    def saw_bubble(self, at: float) -> None:
+        self.last_bubble_at = at if self.last_bubble_at is None else max(self.last_bubble_at, at)
+        self.started = True
+
+    def assess(self, slots: Sequence[SlotView], now: float) -> Verdict:
+        return Verdict.of(*self._assess(slots, now))
+
+    def _assess(self, slots: Sequence[SlotView], now: float) -> tuple[ServingState, str]:
+        if not self.enabled:
+            return (
+                ServingState.DISABLED,
+                "BubbleTea is off in this spec (bubbletea.enabled: false): no bubble is filled",
+            )
+        held = [s for s in slots if s.held]
+        gone = [s for s in slots if not s.held]
+        running = bool(held) and all(s.ended is LeaseState.DONE for s in gone)
+        if running:
+            if self.all_held_since is None:
+                self.all_held_since = now
+            self.started = True
+            quiet_since = max(self.all_held_since, self.last_bubble_at or self.all_held_since)
+            quiet_s = now - quiet_since
+            if quiet_s <= self.unready_after_s:
+                return ServingState.SERVING, f"run {self.run} is training: {len(held)} slots held"
+            return ServingState.STALLED, (
+                f"no pipeline bubble announced for {quiet_s:.1f}s (bubbletea.unready_after_s is "
+                f"{self.unready_after_s:g}): training of run {self.run} is stalled"
+            )
+        self.all_held_since = None
+        if not self.started:  # end markers before that are an earlier life of the run id: history
+            return ServingState.STARTING, (
+                f"training of run {self.run} has not started: {len(held)} of {len(slots)} slots held by workers"
+            )
+        if all(s.ended is LeaseState.DONE for s in slots):
+            return ServingState.FINISHED, f"training finished: run {self.run} trained all its iterations"
+        for s in gone:
+            if s.ended is LeaseState.STOPPED:
+                return ServingState.STOPPED, f"training was stopped: {s.reason or f'slot {s.name} stopped'}"
+        for s in gone:
+            if s.ended is LeaseState.ABORTED:
+                return ServingState.LOST, f"training stopped: {s.reason}"
+        missing = ", ".join(s.name for s in gone if s.ended is None)
+        return ServingState.LOST, f"training stopped: slot {missing} lost its worker (its lease expired)"

@@ -1,0 +1,115 @@
+"""Serving readiness end to end over real Redis and real HTTP: the dispatcher judges it from the
+run's slot leases (taken and ended by the workers' own lease code), the front door answers /ready
+and refuses new requests with it at once, and queued requests are failed explicitly when the run
+finishes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from redis.asyncio import Redis
+
+from services.dispatcher.dispatcher import serve
+from services.prefill_queue.app import create_app
+from services.stage_worker.lease import SlotLease
+from shared import keys
+from shared.settings import Settings, load_settings
+
+pytestmark = pytest.mark.integration
+
+RUN = "ready-test"
+
+
+async def wait_ready_state(client: TestClient, state: str, timeout_s: float = 10.0) -> tuple[int, dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        resp = await client.get("/ready")
+        body = await resp.json()
+        if body.get("state") == state:
+            return resp.status, {**body, "retry_after": resp.headers.get("Retry-After")}
+        assert time.monotonic() < deadline, f"/ready never said {state!r}; last: {body}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
+    return dataclasses.replace(load_settings(None), redis_url=redis_url, run=RUN)
+
+
+@pytest.fixture
+async def dispatcher(settings: Settings) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(settings, stop))
+    yield
+    stop.set()
+    await asyncio.wait_for(task, 30)
+
+
+async def test_ready_follows_the_run_and_queued_requests_fail_when_it_finishes(
+    settings: Settings, dispatcher: None, redis: Redis
+) -> None:
+    p = settings.spec.parallelism
+    async with TestClient(TestServer(create_app(settings))) as client:
+        # no worker yet: not ready, and a new request is refused at once with the reason
+        status, body = await wait_ready_state(client, "starting")
+        assert status == 503 and "has not started: 0 of 4 slots held" in body["reason"] and body["retry_after"] == "2"
+        t0 = time.monotonic()
+        resp = await client.post("/v1/completions", json={"model": "bubbletea-gpt", "prompt": "hi"})
+        assert resp.status == 503 and resp.headers["Retry-After"] == "2" and time.monotonic() - t0 < 1.0
+        error = (await resp.json())["error"]
+        assert error["type"] == "service_unavailable" and "has not started" in error["message"]
+        assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0  # nothing was queued
+
+        # the workers take every slot: serving (before the first bubble, which would come within it)
+        leases = [SlotLease(redis, RUN, p.pp, p.dp, holder=f"w{i}") for i in range(p.pp * p.dp)]
+        for lease in leases:
+            await lease.acquire()
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(0.5)
+                for lease in leases:
+                    await lease.renew()
+
+        renewing = asyncio.create_task(renew())
+        try:
+            status, body = await wait_ready_state(client, "serving")
+            assert status == 200 and body["status"] == "ready" and body["run"] == RUN
+            resp = await client.post("/v1/prefill", json={"prompt": "queued while serving"})
+            assert resp.status == 202
+            rid = (await resp.json())["id"]
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
+
+        # the run finishes (each worker marks its slot done): the queued request fails at once, not at its deadline
+        for lease in leases:
+            await lease.finish()
+        t0 = time.monotonic()
+        while (answer := await (await client.get(f"/v1/prefill/{rid}")).json())["status"] == "queued":
+            assert time.monotonic() - t0 < 5, "the queued request was not failed"
+            await asyncio.sleep(0.05)
+        assert answer["status"] == "failed" and answer["reason"] == "unavailable"
+        assert "training finished" in answer["error"]
+        status, body = await wait_ready_state(client, "finished")
+        assert status == 503 and body["retry_after"] == "60"
+        resp = await client.post("/v1/prefill", json={"prompt": "too late"})
+        assert resp.status == 503 and "training finished" in (await resp.json())["error"]["message"]
+
+
+async def test_no_dispatcher_means_not_ready_but_requests_are_accepted(settings: Settings, redis: Redis) -> None:
+    """A dispatcher that restarts costs latency, not answers: without one, requests wait for it."""
+    async with TestClient(TestServer(create_app(settings))) as client:
+        resp = await client.get("/ready")
+        body = await resp.json()
+        assert resp.status == 503 and body["state"] == "no_dispatcher" and "no dispatcher" in body["reason"]
+        assert (await client.post("/v1/prefill", json={"prompt": "waits"})).status == 202
+        assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 1

@@ -1,0 +1,96 @@
+"""The serving readiness gate on a fake clock: every verdict, its reason, and when queued work goes."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.policies.dispatch import DispatchState, Request
+from shared.policies.readiness import ServingGate, SlotView
+from shared.status import FailureReason, LeaseState, ServingState
+
+HELD = [SlotView("r0s0", True), SlotView("r0s1", True)]
+
+
+def gate(**kw: object) -> ServingGate:
+    args: dict[str, object] = {"run": "r1", "enabled": True, "unready_after_s": 10.0, **kw}
+    return ServingGate(**args)  # type: ignore[arg-type]
+
+
+def test_starting_until_every_slot_is_held_then_serving_before_the_first_bubble() -> None:
+    g = gate()
+    v = g.assess([SlotView("r0s0", True), SlotView("r0s1", False)], now=0.0)
+    assert v.state is ServingState.STARTING and not v.ready and not v.fail_queued
+    assert "1 of 2 slots held" in v.reason and v.retry_after_s == 2
+    # every slot held: serving at once (the first iteration's bubbles come within it)
+    assert g.assess(HELD, now=1.0).ready
+
+
+def test_stalled_when_no_bubble_for_the_configured_time_and_serving_again_on_the_next() -> None:
+    g = gate(unready_after_s=5.0)
+    g.assess(HELD, now=0.0)
+    g.saw_bubble(3.0)
+    assert g.assess(HELD, now=8.0).ready  # 5 s after the last bubble: still within
+    v = g.assess(HELD, now=8.5)
+    assert v.state is ServingState.STALLED and v.fail_queued
+    assert "no pipeline bubble announced for 5.5s" in v.reason
+    g.saw_bubble(9.0)
+    assert g.assess(HELD, now=9.1).ready
+
+
+def test_no_first_bubble_within_the_time_is_a_stall_too() -> None:
+    g = gate(unready_after_s=5.0)
+    g.assess(HELD, now=0.0)
+    assert g.assess(HELD, now=6.0).state is ServingState.STALLED
+
+
+def test_finished_stopped_and_lost_runs_say_why() -> None:
+    done = [SlotView("r0s0", False, LeaseState.DONE), SlotView("r0s1", False, LeaseState.DONE)]
+    g = gate()
+    g.assess(HELD, now=0.0)
+    v = g.assess(done, now=1.0)
+    assert v.state is ServingState.FINISHED and "trained all its iterations" in v.reason and v.fail_queued
+    # the last slots still finishing while the first ones are done: still serving
+    assert g.assess([SlotView("r0s0", False, LeaseState.DONE), SlotView("r0s1", True)], now=1.0).ready
+
+    stopped = [SlotView("r0s0", False, LeaseState.STOPPED, "slot r0s0 was stopped at iteration 7"), HELD[1]]
+    v = g.assess(stopped, now=2.0)
+    assert v.state is ServingState.STOPPED and "stopped at iteration 7" in v.reason
+
+    aborted = [SlotView("r0s0", False, LeaseState.ABORTED, "slot r0s1 lost its worker"), SlotView("r0s1", False)]
+    v = g.assess(aborted, now=3.0)
+    assert v.state is ServingState.LOST and "slot r0s1 lost its worker" in v.reason and v.retry_after_s == 30
+
+    v = g.assess([HELD[0], SlotView("r0s1", False)], now=4.0)  # a lease expired without a word
+    assert v.state is ServingState.LOST and "slot r0s1 lost its worker (its lease expired)" in v.reason
+
+
+def test_end_markers_before_training_was_seen_running_are_history() -> None:
+    """A restarted compose project: the run id's old markers must not fail the new start."""
+    g = gate()
+    old = [SlotView("r0s0", True), SlotView("r0s1", False, LeaseState.STOPPED, "stopped yesterday")]
+    assert g.assess(old, now=0.0).state is ServingState.STARTING
+    # a worker that holds its slot again counts as held, whatever its marker says
+    assert g.assess([HELD[0], SlotView("r0s1", True, LeaseState.STOPPED)], now=1.0).ready
+
+
+def test_disabled_bubbletea_never_serves() -> None:
+    v = gate(enabled=False).assess(HELD, now=0.0)
+    assert v.state is ServingState.DISABLED and "bubbletea.enabled: false" in v.reason and v.fail_queued
+
+
+@pytest.mark.parametrize("running_in_open_bubble", [False, True])
+def test_fail_waiting_fails_what_waits_and_lets_running_work_finish(running_in_open_bubble: bool) -> None:
+    from shared.policies.dispatch import BubbleOpened
+
+    s = DispatchState(layers=4, guard_s=0.0, overhead_s=0.0, max_batch=8, stage_next=False)
+    if running_in_open_bubble:
+        s.bubble_start(BubbleOpened("w", "addr", predicted_s=10.0, free_memory=1 << 30, started=0.0), now=0.0)
+    s.add_request(Request("a", tokens=8, arrival=0.0, kv_bytes=1, ticket="t-a"), now=0.0)
+    out = s.fail_waiting("training finished: run r1 trained all its iterations", now=1.0)
+    if running_in_open_bubble:  # sent into the open bubble: it finishes there
+        assert out.failed == () and "a" in s.requests
+    else:
+        (f,) = out.failed
+        assert (f.id, f.ticket, f.reason) == ("a", "t-a", FailureReason.UNAVAILABLE)
+        assert "trained all its iterations" in f.detail and s.requests == {}
+        assert s.info()["unavailable"] == 1
