@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import signal
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -50,6 +51,30 @@ def say(text: str = "") -> None:
 
 
 async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False) -> int:
+    """Run until Ctrl-C, SIGTERM (as a service manager or `kill` stops it: the same clean stop,
+    exit 0), a dead service, or the end of a finite run."""
+    task = asyncio.current_task()
+    assert task is not None
+    terminated = asyncio.Event()
+
+    def on_sigterm() -> None:
+        say("==> SIGTERM: stopping")
+        terminated.set()
+        task.cancel()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await _run_up(settings, out_root=out_root, verbose=verbose)
+    except asyncio.CancelledError:
+        if not terminated.is_set():
+            raise  # Ctrl-C: asyncio turns it into KeyboardInterrupt
+        return 0
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+async def _run_up(settings: Settings, *, out_root: Path, verbose: bool) -> int:
     spec = settings.spec
     run = settings.run if settings.run != "run" else f"up-{int(time.time())}"
     settings = dataclasses.replace(settings, run=run)
@@ -94,7 +119,7 @@ async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False) -
         say(f"    try:  curl -s {api}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
         say(f"    metrics: {len(endpoints)} endpoints, in {folder / 'prometheus-targets.json'} (Prometheus file_sd)")
         for label, metrics_url in endpoints:
-            say(f"      {label:<16} {metrics_url}")
+            say(f"      {label:<18} {metrics_url}")
         say(f"    logs: {logs}/<service>.log (warnings and errors also here{'' if verbose else '; -v for all'})")
         say("    Ctrl-C stops everything")
         say("")

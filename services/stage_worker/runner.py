@@ -44,6 +44,9 @@ from shared.wire import (
     StageTensor,
 )
 
+#: The prefill-lag warning is logged at most this often (with the sum since the last one).
+LAG_WARN_EVERY_S = 60.0
+
 log = get_logger(__name__)
 
 
@@ -74,6 +77,9 @@ class StageRunner:
     iteration: int = 0
     lag_s: float = 0.0
     _spans: list[SpanRecord] = field(default_factory=list)
+    _lag_warned_at: float = -LAG_WARN_EVERY_S  # monotonic; the first lag is warned at once
+    _lag_unreported_ms: float = 0.0
+    _lag_iterations: int = 0
     outbox: Outbox = field(init=False)
 
     def __post_init__(self) -> None:
@@ -123,11 +129,28 @@ class StageRunner:
                 lag_ms=self.lag_s * 1000,
                 prefill_lag_ms=prefill_lag_ms,
             )
-            if prefill_lag_ms > 0:
-                # Never hidden: the prefill profile claims a faster device than this one keeps up with.
-                log.warning(
-                    "prefill fell behind its device profile", slot=self.slot.name, iteration=it, lag_ms=prefill_lag_ms
-                )
+            self._warn_prefill_lag(it, prefill_lag_ms)
+
+    def _warn_prefill_lag(self, it: int, lag_ms: float) -> None:
+        """Never hidden (the prefill profile claims a faster device than this one keeps up with),
+        but a service that trains for days must not warn every iteration: at most one line per
+        `LAG_WARN_EVERY_S`, summing what it covers (the metric prefill_lag_seconds_total has it all)."""
+        if lag_ms <= 0:
+            return
+        self._lag_unreported_ms += lag_ms
+        self._lag_iterations += 1
+        now = time.monotonic()
+        if now < self._lag_warned_at + LAG_WARN_EVERY_S:
+            return
+        log.warning(
+            "prefill fell behind its device profile",
+            slot=self.slot.name,
+            iteration=it,
+            iterations_behind=self._lag_iterations,
+            lag_ms=self._lag_unreported_ms,
+            next_warning_in_s=LAG_WARN_EVERY_S,
+        )
+        self._lag_warned_at, self._lag_unreported_ms, self._lag_iterations = now, 0.0, 0
 
     async def _iteration(self, it: int, actions: tuple[Any, ...]) -> None:
         held: dict[tuple[str, int], torch.Tensor] = {}

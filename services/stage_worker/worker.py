@@ -190,16 +190,23 @@ async def _run(
     spec = runner.spec
     async with inbox:
         barrier = asyncio.create_task(lease.wait_for_all(START_TIMEOUT_S), name="barrier")
-        await asyncio.wait({barrier, watch}, return_when=asyncio.FIRST_COMPLETED)
+        stopping = asyncio.create_task(stop.wait(), name="stop")
+        await asyncio.wait({barrier, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if watch.done():
             barrier.cancel()
+            stopping.cancel()
             watch.result()  # raises SlotError: our lease was lost during start-up
+        if not barrier.done():  # told to stop while waiting for the peers (they may never come)
+            barrier.cancel()
+            log.info("stopped before training started", slot=slot.name)
+            await lease.mark_stopped(f"slot {slot.name} was stopped before training started")
+            return
         barrier.result()
         log.info("all slots held; training", slot=slot.name, iterations=spec.training.iterations)
         tasks = {
             asyncio.create_task(runner.run_all(), name="train"),
             watch,
-            asyncio.create_task(stop.wait(), name="stop"),
+            stopping,
             asyncio.create_task(inbox.crashed.wait(), name="inbox"),
         }
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

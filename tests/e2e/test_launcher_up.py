@@ -158,3 +158,31 @@ def test_up_reports_a_dead_service_by_name(tmp_path: Path) -> None:
     assert res.returncode == 1, res.stdout + res.stderr
     assert re.search(r"stage_worker-\d \(pid \d+\) exited with code 1", res.stderr), res.stdout + res.stderr
     assert "missing.pt" in res.stderr
+
+
+async def test_up_stops_cleanly_on_sigterm_as_on_ctrl_c(tmp_path: Path) -> None:
+    """A service manager (or `kill`) sends SIGTERM: the same clean stop as Ctrl-C, exit 0."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({**SPEC, "http": {"host": "127.0.0.1", "port": 0}}))
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), "--out", str(tmp_path / "runs")),
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    try:
+        await _read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(60):
+            await _drain(proc.stdout, seen)
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    out = "".join(seen)
+    assert code == 0 and "==> SIGTERM: stopping" in out and "==> stopped cleanly" in out, out
