@@ -17,7 +17,7 @@ import time
 from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 from tqdm import tqdm
@@ -29,8 +29,8 @@ from loadgen.options import parse_config
 from loadgen.outcome import Outcome
 
 #: Independent random streams per purpose, so that changing the request rate does not change the
-#: prompts (a rate sweep then compares like with like), and vice versa.
-ARRIVAL_STREAM, PROMPT_STREAM = 1, 2
+#: prompts (a rate sweep then compares like with like), and vice versa; nor does the output length.
+ARRIVAL_STREAM, PROMPT_STREAM, OUTPUT_STREAM = 1, 2, 3
 #: Exit codes: 0 the run completed (failed requests are reported, not fatal), 1 the API could
 #: not be used, 2 a usage error (argparse's convention).
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
@@ -41,17 +41,26 @@ T = TypeVar("T")
 # --- the workload ------------------------------------------------------------------------------
 
 
+class Request(NamedTuple):
+    """One request of a workload: when it is sent (s after the start), its prompt's token ids and
+    how many tokens it asks for (`max_tokens`; 1 is a prefill only)."""
+
+    offset_s: float
+    prompt: list[int]
+    max_tokens: int = 1
+
+
 @dataclass
 class Workload:
-    """The requests to send, lazily: (send time in s after the start, prompt token ids)."""
+    """The requests to send, lazily, in time order."""
 
-    requests: Iterator[tuple[float, list[int]]]
+    requests: Iterator[Request]
     total: int | None  # how many, if known in advance (for the progress bar)
     clamped: int = 0  # trace prompts cut to --max-input-len
 
 
 def stream_rng(seed: int, stream: int) -> np.random.Generator:
-    """The generator of one purpose (ARRIVAL_STREAM, PROMPT_STREAM) for a seed."""
+    """The generator of one purpose (ARRIVAL_STREAM, PROMPT_STREAM, OUTPUT_STREAM) for a seed."""
     return np.random.default_rng([stream, seed])
 
 
@@ -67,16 +76,17 @@ def build_workload(config: BenchmarkConfig) -> Workload:
             max_input_len=config.max_input_len,
             duration_s=config.duration_s,
             limit=config.num_prompts,
+            max_output_len=config.max_output_len,
         )
-        prompts = (datasets.random_tokens(n, prompt_rng) for n in plan.lengths)
-        return Workload(zip(plan.offsets_s, prompts, strict=False), len(plan.offsets_s), plan.clamped)
+        planned = (datasets.random_tokens(n, prompt_rng) for n in plan.lengths)
+        return Workload(map(Request, plan.offsets_s, planned, plan.output_lens), len(plan.offsets_s), plan.clamped)
     offsets = arrivals.arrival_offsets(config.request_rate, config.burstiness, stream_rng(config.seed, ARRIVAL_STREAM))
-    requests: Iterator[tuple[float, list[int]]] = zip(
-        offsets, datasets.random_prompts(config.input_len, config.range_ratio, prompt_rng), strict=False
-    )
+    prompts = datasets.random_prompts(config.input_len, config.range_ratio, prompt_rng)
+    outputs = datasets.random_output_lens(config.output_len, config.range_ratio, stream_rng(config.seed, OUTPUT_STREAM))
+    requests: Iterator[Request] = map(Request, offsets, prompts, outputs)
     if config.duration_s is not None:
         limit = config.duration_s
-        requests = itertools.takewhile(lambda r: r[0] < limit, requests)
+        requests = itertools.takewhile(lambda r: r.offset_s < limit, requests)
     if config.num_prompts is not None:
         requests = itertools.islice(requests, config.num_prompts)
     return Workload(requests, config.num_prompts)
@@ -129,22 +139,21 @@ async def run_benchmark(config: BenchmarkConfig) -> dict[str, Any]:
 class Sender(Protocol):
     """What `drive` needs of a client (a protocol, so tests can drive a stand-in)."""
 
-    async def send(self, prompt: list[int]) -> Outcome: ...
+    async def send(self, prompt: list[int], max_tokens: int = 1) -> Outcome: ...
 
 
 async def warm_up(client: Sender, workload: Workload, config: BenchmarkConfig) -> None:
-    """Send the workload's first prompt `num_warmups` times (at most --max-concurrency at once, as
+    """Send the workload's first request `num_warmups` times (at most --max-concurrency at once, as
     vLLM does) and wait for all of them; they are not measured and the workload is unchanged."""
     first = next(workload.requests, None)
     if first is None:
         return  # nothing to send at all
     workload.requests = itertools.chain([first], workload.requests)
-    prompt = first[1]
     slots = asyncio.Semaphore(config.max_concurrency or config.num_warmups)
 
     async def one() -> None:
         async with slots:
-            await client.send(prompt)
+            await client.send(first.prompt, first.max_tokens)
 
     async with asyncio.TaskGroup() as group:
         for _ in range(config.num_warmups):
@@ -158,10 +167,10 @@ async def drive(client: Sender, workload: Workload, config: BenchmarkConfig) -> 
     bar = tqdm(total=workload.total, disable=config.disable_tqdm, file=sys.stderr, unit="req", desc="loadgen")
     failed = 0
 
-    async def one(prompt: list[int]) -> Outcome:
+    async def one(request: Request) -> Outcome:
         nonlocal failed
         try:
-            outcome = await client.send(prompt)
+            outcome = await client.send(request.prompt, request.max_tokens)
         finally:
             if slots is not None:
                 slots.release()
@@ -176,8 +185,8 @@ async def drive(client: Sender, workload: Workload, config: BenchmarkConfig) -> 
     stop_at = start + config.duration_s if config.duration_s is not None else math.inf
     try:
         async with asyncio.TaskGroup() as group:
-            for offset, prompt in workload.requests:
-                due = start + offset
+            for request in workload.requests:
+                due = start + request.offset_s
                 if due >= stop_at:
                     break  # due after the end (workloads are in time order): do not wait for it
                 # Sleep on the event loop's timer (about 1 ms resolution): good enough for arrival
@@ -194,7 +203,7 @@ async def drive(client: Sender, workload: Workload, config: BenchmarkConfig) -> 
                     if slots is not None:
                         slots.release()
                     break
-                tasks.append(group.create_task(one(prompt)))
+                tasks.append(group.create_task(one(request)))
     finally:
         bar.close()
     return [t.result() for t in tasks], time.perf_counter() - start

@@ -1,4 +1,5 @@
-"""Sending one request to the prefill API and recording what happened.
+"""Sending one request to the API (a prefill, or with max_tokens > 1 a whole completion) and
+recording what happened.
 
 Every request ends in an `Outcome` (loadgen/outcome.py, with the error classes), never an
 exception: a load test must count failures, not stop at the first one. With the completions
@@ -202,17 +203,20 @@ class PrefillClient:
 
     # --- one request ---------------------------------------------------------------------------
 
-    async def send(self, prompt: list[int]) -> Outcome:
-        """Send one prompt and wait for its result (or its failure) within the timeout."""
+    async def send(self, prompt: list[int], max_tokens: int = 1) -> Outcome:
+        """Send one prompt asking for `max_tokens` tokens (completions only; the native API answers
+        one) and wait for its result (or its failure) within the timeout."""
+        if max_tokens != 1 and self.endpoint != "completions":
+            raise ValueError(f"/v1/prefill answers one token; max_tokens {max_tokens} needs the completions endpoint")
         start = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout_s):
                 if self.endpoint == "native":
                     answer = await self._prefill(prompt)
                 elif self.stream:
-                    answer = await self._complete_streamed(prompt)
+                    answer = await self._complete_streamed(prompt, max_tokens)
                 else:
-                    answer = await self._complete(prompt)
+                    answer = await self._complete(prompt, max_tokens)
         except RequestFailed as f:
             return Outcome.failure(f.kind, f.message, len(prompt), f.status)
         except TimeoutError:
@@ -221,15 +225,29 @@ class PrefillClient:
             return Outcome.failure("connection_error", _describe(exc), len(prompt))
         except aiohttp.ClientError as exc:  # anything else aiohttp raises (payload errors, ...)
             return Outcome.failure("client_error", _describe(exc), len(prompt))
-        first = answer.first_token_at if answer.first_token_at is not None else time.perf_counter()
-        return Outcome(True, answer.prompt_tokens, ttft_s=first - start, status=200, output_tokens=answer.output_tokens)
+        # Not streamed: the whole answer is the first token and the last.
+        end = time.perf_counter()
+        first = answer.first_token_at if answer.first_token_at is not None else end
+        last = answer.last_token_at if answer.last_token_at is not None else first
+        return Outcome(
+            True,
+            answer.prompt_tokens,
+            ttft_s=first - start,
+            status=200,
+            output_tokens=answer.output_tokens,
+            latency_s=last - start,
+            itls=answer.itls,
+            streamed=answer.first_token_at is not None,
+        )
 
-    def _body(self, prompt: list[int]) -> dict[str, Any]:
+    def _body(self, prompt: list[int], max_tokens: int = 1) -> dict[str, Any]:
         body: dict[str, Any] = {"prompt": prompt}
         if self.model is not None:
             body["model"] = self.model
         if self.endpoint == "completions":
-            body["max_tokens"] = 1
+            # No `ignore_eos` (--ignore-eos is accepted but not sent): the served model has no
+            # end-of-sequence token, so a completion runs to max_tokens unless a stop sequence hits.
+            body["max_tokens"] = max_tokens
             if self.stream:
                 body["stream"] = True
                 body["stream_options"] = {"include_usage": True}
@@ -239,23 +257,25 @@ class PrefillClient:
             body["deadline_ms"] = max(1.0, self.timeout_s * 1000)
         return body
 
-    async def _post(self, path: str, prompt: list[int]) -> tuple[int, Any]:
-        async with self.session.post(f"{self.base_url}{path}", json=self._body(prompt), headers=self.headers) as resp:
+    async def _post(self, path: str, prompt: list[int], max_tokens: int = 1) -> tuple[int, Any]:
+        body = self._body(prompt, max_tokens)
+        async with self.session.post(f"{self.base_url}{path}", json=body, headers=self.headers) as resp:
             return resp.status, await _read(resp)
 
-    async def _complete(self, prompt: list[int]) -> Answer:
-        """POST /v1/completions without streaming; the answer is the result."""
-        status, body = await self._post("/v1/completions", prompt)
+    async def _complete(self, prompt: list[int], max_tokens: int) -> Answer:
+        """POST /v1/completions without streaming; the answer is the result (its output tokens are
+        usage.completion_tokens)."""
+        status, body = await self._post("/v1/completions", prompt, max_tokens)
         try:
             usage = body["usage"]
             return Answer(int(usage["prompt_tokens"]), as_int(usage.get("completion_tokens")) or 0)
         except (TypeError, KeyError, ValueError, AttributeError):
             raise RequestFailed("bad_response", f"HTTP {status} without usage.prompt_tokens", status) from None
 
-    async def _complete_streamed(self, prompt: list[int]) -> Answer:
+    async def _complete_streamed(self, prompt: list[int], max_tokens: int) -> Answer:
         """POST /v1/completions with `stream: true`, read as server-sent events to `[DONE]`."""
         url = f"{self.base_url}/v1/completions"
-        async with self.session.post(url, json=self._body(prompt), headers=self.headers) as resp:
+        async with self.session.post(url, json=self._body(prompt, max_tokens), headers=self.headers) as resp:
             status = resp.status
             if status >= 300 or resp.content_type != "text/event-stream":
                 await _read(resp)  # raises the error status (or takes the 2xx JSON body)

@@ -33,11 +33,14 @@ class BenchmarkConfig:
     dataset: str = "random"  # or "trace"
     input_len: int = 128
     range_ratio: float = 0.0
+    output_len: int = 1  # random dataset: mean max_tokens (1: prefill only, exactly)
     trace: str | None = None
     time_scale: float = 1.0
     max_input_len: int = 256
+    max_output_len: int = 1  # trace: GeneratedTokens clamped to this (1: prefill only)
+    ignore_eos: bool = False  # accepted for vLLM's command lines; not sent (the model has no EOS)
     goodput: dict[str, float] | None = None  # metric -> limit in ms
-    percentile_metrics: list[str] = field(default_factory=lambda: ["ttft"])
+    percentile_metrics: list[str] = field(default_factory=lambda: list(report.DEFAULT_METRICS))
     metric_percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
     seed: int = 0
     json_out: str | None = None
@@ -83,6 +86,7 @@ class BenchmarkConfig:
     def _validate_dataset(self) -> None:
         if self.dataset == "random":
             datasets.length_range(self.input_len, self.range_ratio)
+            datasets.output_range(self.output_len, self.range_ratio)
             # Everything at once, for as long as the duration, with no cap: an endless burst.
             endless = self.num_prompts is None and math.isinf(self.request_rate) and self.max_concurrency is None
             _check(not endless, "--duration with an infinite --request-rate needs --max-concurrency (or a finite rate)")
@@ -90,12 +94,25 @@ class BenchmarkConfig:
             _check(self.trace is not None, "the trace dataset needs --trace FILE")
             _check(math.isfinite(self.time_scale) and self.time_scale > 0, "--time-scale must be > 0")
             _check(self.max_input_len >= 1, "--max-input-len must be >= 1")
+            _check(self.max_output_len >= 1, "--max-output-len must be >= 1")
         else:
             raise ValueError(f"unknown dataset {self.dataset!r}: choose random or trace")
+        decodes = self.output_len > 1 if self.dataset == "random" else self.max_output_len > 1
+        _check(
+            not decodes or self.endpoint == "completions",
+            "/v1/prefill answers one token: --random-output-len and --max-output-len above 1 need /v1/completions",
+        )
 
     def _validate_results(self) -> None:
-        for metric in [*self.percentile_metrics, *(self.goodput or {})]:
+        for metric in self.percentile_metrics:
             _check(metric in report.METRICS, f"unknown metric {metric!r}; choose from {', '.join(report.METRICS)}")
+        for metric in self.goodput or {}:
+            choices = ", ".join(report.GOODPUT_METRICS)
+            _check(metric in report.GOODPUT_METRICS, f"unknown goodput metric {metric!r}; choose from {choices}")
+        _check(
+            "tpot" not in (self.goodput or {}) or self.stream or self.endpoint != "completions",
+            "--goodput tpot needs a streamed answer: with --no-stream the first token's time is not seen",
+        )
         _check(all(0 <= p <= 100 for p in self.metric_percentiles), "percentiles must be within 0..100")
         if self.json_out is not None:
             # Checked before the run, so a typo does not cost the results at the end of it.
@@ -118,10 +135,10 @@ class BenchmarkConfig:
         # JSON has no infinity; "inf" is what vLLM writes too.
         d["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
         if self.dataset == "trace":
-            for key in ("request_rate", "burstiness", "input_len", "range_ratio"):
+            for key in ("request_rate", "burstiness", "input_len", "range_ratio", "output_len"):
                 d[key] = None  # not used: the trace decides arrivals and lengths
         else:
-            d["trace"] = d["time_scale"] = d["max_input_len"] = None
+            d["trace"] = d["time_scale"] = d["max_input_len"] = d["max_output_len"] = None
         return d
 
 

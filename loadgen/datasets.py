@@ -2,7 +2,9 @@
 
 The served model is byte-level (a vocabulary of 256), so a prompt of N tokens is N ids in 0..255
 and the content does not matter to the cost of a prefill: only the length does. Both datasets
-therefore send random ids; a trace contributes lengths and timing, not text.
+therefore send random ids; a trace contributes lengths and timing, not text. Each request also
+asks for a number of output tokens (`max_tokens`): 1 by default (prefill only), drawn like the
+prompt lengths with --random-output-len, or the trace's GeneratedTokens clamped to --max-output-len.
 
 The trace format is Azure's public LLM inference trace (AzurePublicDataset):
 
@@ -20,7 +22,7 @@ import csv
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import NamedTuple
@@ -41,11 +43,13 @@ class TraceError(ValueError):
 
 
 class TraceRequest(NamedTuple):
-    """One request of a trace: when it arrives (seconds after the trace's first request) and its
-    prompt length in tokens as recorded (before any clamping)."""
+    """One request of a trace: when it arrives (seconds after the trace's first request), its
+    prompt length in tokens and the tokens it generated, as recorded (before any clamping; None
+    when the trace has no GeneratedTokens column)."""
 
     offset_s: float
     context_tokens: int
+    generated_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,23 +59,41 @@ class TracePlan:
     offsets_s: list[float]  # send times after the start, already divided by the time scale
     lengths: list[int]  # prompt lengths, clamped to [1, max_input_len]
     clamped: int  # how many prompts were longer than max_input_len and were cut
+    output_lens: list[int] = field(default_factory=list)  # max_tokens: generated, in [1, max_output_len]
 
 
 # --- random prompts ----------------------------------------------------------------------------
 
 
-def length_range(input_len: int, range_ratio: float) -> tuple[int, int]:
+def length_range(input_len: int, range_ratio: float, what: str = "input length") -> tuple[int, int]:
     """The inclusive range prompt lengths are drawn from, as `vllm bench serve --dataset-name random`
     computes it: [floor(input_len * (1 - range_ratio)), ceil(input_len * (1 + range_ratio))], with
     0 <= range_ratio < 1. One difference: the low end is at least 1 token (an empty prompt is not a
-    request the server accepts; vLLM refuses such a range instead)."""
+    request the server accepts; vLLM refuses such a range instead). Output lengths use the same
+    range (`output_range`), whose low end vLLM also raises to 1."""
     if input_len < 1:
-        raise ValueError(f"the input length must be >= 1, got {input_len}")
+        raise ValueError(f"the {what} must be >= 1, got {input_len}")
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"the range ratio must be in [0, 1), got {range_ratio}")
     lo = max(1, math.floor(input_len * (1 - range_ratio)))
     hi = max(lo, math.ceil(input_len * (1 + range_ratio)))
     return lo, hi
+
+
+def output_range(output_len: int, range_ratio: float) -> tuple[int, int]:
+    """The inclusive range of `max_tokens` for --random-output-len: `length_range`, as vLLM draws
+    output lengths, except that 1 (the default: prefill only) is always exactly 1, so a prefill-only
+    server keeps working with any --random-range-ratio."""
+    if output_len == 1:
+        return 1, 1
+    return length_range(output_len, range_ratio, "output length")
+
+
+def random_output_lens(output_len: int, range_ratio: float, rng: np.random.Generator) -> Iterator[int]:
+    """An endless stream of `max_tokens`, uniform in `output_range` (no draw at all for 1)."""
+    lo, hi = output_range(output_len, range_ratio)
+    while True:
+        yield lo if lo == hi else int(rng.integers(lo, hi + 1))
 
 
 def random_tokens(length: int, rng: np.random.Generator) -> list[int]:
@@ -115,29 +137,38 @@ def _column(header: list[str], name: str, path: Path) -> int:
     return names.index(name.lower())
 
 
-def _parse_row(row: list[str], ts_col: int, ctx_col: int, where: str) -> tuple[int, int]:
-    if len(row) <= max(ts_col, ctx_col):
-        raise TraceError(f"{where}: expected at least {max(ts_col, ctx_col) + 1} fields, got {len(row)}: {row}")
+def _count(row: list[str], col: int, name: str, where: str) -> int:
+    try:
+        tokens = int(row[col].strip())
+    except ValueError:
+        raise TraceError(f"{where}: {name} must be an integer, got {row[col]!r}") from None
+    if tokens < 0:
+        raise TraceError(f"{where}: {name} must be >= 0, got {tokens}")
+    return tokens
+
+
+def _parse_row(
+    row: list[str], ts_col: int, ctx_col: int, gen_col: int | None, where: str
+) -> tuple[int, int, int | None]:
+    needed = max(ts_col, ctx_col, -1 if gen_col is None else gen_col) + 1
+    if len(row) < needed:
+        raise TraceError(f"{where}: expected at least {needed} fields, got {len(row)}: {row}")
     try:
         ns = parse_timestamp_ns(row[ts_col])
     except ValueError as exc:
         raise TraceError(f"{where}: {exc}") from None
-    try:
-        tokens = int(row[ctx_col].strip())
-    except ValueError:
-        raise TraceError(f"{where}: ContextTokens must be an integer, got {row[ctx_col]!r}") from None
-    if tokens < 0:
-        raise TraceError(f"{where}: ContextTokens must be >= 0, got {tokens}")
-    return ns, tokens
+    tokens = _count(row, ctx_col, "ContextTokens", where)
+    generated = None if gen_col is None else _count(row, gen_col, "GeneratedTokens", where)
+    return ns, tokens, generated
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
     """Read an Azure-format trace CSV: one TraceRequest per row, offsets relative to the earliest
     timestamp, in arrival order. Columns are found by name (case-insensitive), so extra or
-    reordered columns are fine. Blank lines are skipped; anything malformed raises TraceError
-    naming the line."""
+    reordered columns are fine; GeneratedTokens may be missing (then None). Blank lines are
+    skipped; anything malformed raises TraceError naming the line."""
     path = Path(path)
-    rows: list[tuple[int, int]] = []
+    rows: list[tuple[int, int, int | None]] = []
     try:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
@@ -145,10 +176,12 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
             if header is None:
                 raise TraceError(f"{path}: the file is empty")
             ts_col, ctx_col = _column(header, "TIMESTAMP", path), _column(header, "ContextTokens", path)
+            names = [h.strip().lower() for h in header]
+            gen_col = names.index("generatedtokens") if "generatedtokens" in names else None
             for row in reader:
                 if not any(cell.strip() for cell in row):
                     continue
-                rows.append(_parse_row(row, ts_col, ctx_col, f"{path}:{reader.line_num}"))
+                rows.append(_parse_row(row, ts_col, ctx_col, gen_col, f"{path}:{reader.line_num}"))
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise TraceError(f"cannot read the trace {path}: {exc}") from None
     if not rows:
@@ -157,7 +190,7 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     # or concatenated file replay correctly instead of producing negative offsets.
     rows.sort(key=lambda r: r[0])
     first = rows[0][0]
-    return [TraceRequest((ns - first) / 1e9, tokens) for ns, tokens in rows]
+    return [TraceRequest((ns - first) / 1e9, tokens, generated) for ns, tokens, generated in rows]
 
 
 def plan_trace(
@@ -167,6 +200,7 @@ def plan_trace(
     max_input_len: int = 256,
     duration_s: float | None = None,
     limit: int | None = None,
+    max_output_len: int = 1,
 ) -> TracePlan:
     """Select and shape the part of a trace to replay.
 
@@ -175,13 +209,18 @@ def plan_trace(
     clamped to [1, max_input_len]: the server refuses longer prompts, and a replay is meant to
     reproduce the arrival pattern, so cutting (and counting the cuts) beats sending requests that
     can only fail. A recorded length of 0 becomes 1, since an empty prompt is not a request.
+    Output lengths (`max_tokens`) are the recorded GeneratedTokens clamped to [1, max_output_len]:
+    1 by default (prefill only); above 1 the trace must have the column (TraceError otherwise).
     """
     if not (math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"the time scale must be a finite number > 0, got {time_scale}")
     if max_input_len < 1:
         raise ValueError(f"the maximum input length must be >= 1, got {max_input_len}")
+    if max_output_len < 1:
+        raise ValueError(f"the maximum output length must be >= 1, got {max_output_len}")
     offsets: list[float] = []
     lengths: list[int] = []
+    output_lens: list[int] = []
     clamped = 0
     for req in trace:
         if limit is not None and len(offsets) >= limit:
@@ -193,4 +232,10 @@ def plan_trace(
             clamped += 1
         offsets.append(offset)
         lengths.append(min(max(req.context_tokens, 1), max_input_len))
-    return TracePlan(offsets, lengths, clamped)
+        if max_output_len == 1:
+            output_lens.append(1)
+        elif req.generated_tokens is None:
+            raise TraceError("the trace has no GeneratedTokens column, which --max-output-len above 1 replays")
+        else:
+            output_lens.append(min(max(req.generated_tokens, 1), max_output_len))
+    return TracePlan(offsets, lengths, clamped, output_lens)

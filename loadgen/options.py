@@ -1,8 +1,9 @@
 """The `loadgen` command line: every option, and how it becomes a `BenchmarkConfig`.
 
 The options are `vllm bench serve`'s names for what loadgen does (--endpoint /v1/completions,
---dataset-name random, --random-input-len, --save-result, ...), beside loadgen's own older names,
-which keep working (--dataset, --input-len, --range-ratio, --endpoint completions|native, --json-out).
+--dataset-name random, --random-input-len, --random-output-len, --save-result, ...), beside
+loadgen's own older names, which keep working (--dataset, --input-len, --range-ratio, --endpoint
+completions|native, --json-out).
 Usage errors (conflicting options, bad values) exit 2 through argparse, naming the option.
 
 Over 300 lines on purpose: one parser, so every option and its check are read in one place.
@@ -24,8 +25,10 @@ T = TypeVar("T")
 
 
 DESCRIPTION = """\
-Load generator for the BubbleTea prefill API (modelled on `vllm bench serve`): sends prompts on
-a chosen arrival schedule, measures the time to first token of each, and prints a summary.
+Load generator for the BubbleTea API (modelled on `vllm bench serve`): sends prompts on a chosen
+arrival schedule, measures the time to first token of each (and, when they ask for more than one
+token with --random-output-len or --max-output-len, the time per output token and the inter-token
+latencies), and prints a summary.
 
 Prompts are random token ids (0..255; the model is byte-level). Arrivals are a gamma process
 (--request-rate, --burstiness), or replay an Azure LLM inference trace (--trace). Failed
@@ -38,6 +41,7 @@ examples:
   loadgen --endpoint /v1/completions --dataset-name random --random-input-len 128 --random-range-ratio 0.5 \\
       --request-rate 20 --num-prompts 500 --save-result --result-dir results --metadata run=1
   loadgen --request-rate 20 --burstiness 0.25 --duration 60 --goodput ttft:500
+  loadgen --request-rate 5 --num-prompts 100 --random-input-len 128 --random-output-len 64 --goodput tpot:50
   loadgen --trace AzureLLMInferenceTrace_conv.csv --time-scale 10 --duration 60 --max-input-len 256
 exit status: 0 the run completed (even with failed requests), 1 the API could not be used, 2 usage error
 """
@@ -153,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         "0 <= R < 1 (default: 0.0)",
     )
     data.add_argument(
+        "--random-output-len",
+        dest="output_len",
+        type=int,
+        metavar="TOKENS",
+        help="mean max_tokens asked for: uniform integers in [floor(len*(1-R)), ceil(len*(1+R))] with R the "
+        "--random-range-ratio (as vLLM), at least 1; 1 is exactly 1 (default: 1, prefill only)",
+    )
+    data.add_argument(
         "--trace",
         metavar="FILE",
         help="replay an Azure LLM inference trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens): arrivals follow "
@@ -170,21 +182,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help="clamp trace prompts to this length, counting how many were cut (default: 256). Only with --trace",
     )
+    data.add_argument(
+        "--max-output-len",
+        type=int,
+        metavar="TOKENS",
+        help="ask each trace request for its GeneratedTokens, clamped to [1, TOKENS] "
+        "(default: 1, prefill only). Only with --trace",
+    )
+    data.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="accepted for vLLM's command lines and recorded, not sent: the served model has no end-of-sequence "
+        "token, so a completion always runs to max_tokens unless a stop sequence ends it",
+    )
 
     out = p.add_argument_group("results")
     out.add_argument(
         "--goodput",
         nargs="+",
         metavar="METRIC:MS",
-        help="service-level objectives, e.g. ttft:500: a request is good if it succeeded within every one; "
-        "reports good requests per second (metrics: ttft, e2el)",
+        help="service-level objectives, e.g. ttft:500 tpot:50: a request is good if it succeeded within every "
+        "one; reports good requests per second (metrics: ttft, tpot, e2el; a request with one output token "
+        "meets any tpot objective, as in vLLM)",
     )
     out.add_argument(
         "--percentile-metrics",
-        default="ttft",
+        default=",".join(report.DEFAULT_METRICS),
         metavar="LIST",
-        help="comma-separated metrics to report percentiles of: ttft, e2el (for a prefill-only service "
-        "the end-to-end latency is the TTFT) (default: ttft)",
+        help="comma-separated metrics to report percentiles of: ttft, tpot, itl, e2el (for a prefill, max_tokens "
+        "1, the end-to-end latency is the TTFT and there is no tpot nor itl) (default: ttft,tpot,itl)",
     )
     out.add_argument(
         "--metric-percentiles",
@@ -223,8 +249,9 @@ RANDOM_ONLY = {
     "burstiness": "--burstiness",
     "input_len": "--random-input-len/--input-len",
     "range_ratio": "--random-range-ratio/--range-ratio",
+    "output_len": "--random-output-len",
 }
-TRACE_ONLY = {"time_scale": "--time-scale", "max_input_len": "--max-input-len"}
+TRACE_ONLY = {"time_scale": "--time-scale", "max_input_len": "--max-input-len", "max_output_len": "--max-output-len"}
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchmarkConfig:
@@ -238,7 +265,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     for attr, flag in foreign.items():
         if getattr(args, attr) is not None:
             if dataset == "trace":
-                parser.error(f"{flag} does not apply with --trace: the trace sets arrival times and prompt lengths")
+                parser.error(f"{flag} does not apply with --trace: the trace sets arrival times and lengths")
             parser.error(f"{flag} applies only with --trace")
     endpoint = endpoint_name(args.endpoint)
     if endpoint == "native" and args.stream is not None:
@@ -257,9 +284,12 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             dataset=dataset,
             input_len=_default(args.input_len, 128),
             range_ratio=_default(args.range_ratio, 0.0),
+            output_len=_default(args.output_len, 1),
             trace=args.trace,
             time_scale=_default(args.time_scale, 1.0),
             max_input_len=_default(args.max_input_len, 256),
+            max_output_len=_default(args.max_output_len, 1),
+            ignore_eos=args.ignore_eos,
             goodput=report.parse_goodput(args.goodput) if args.goodput else None,
             percentile_metrics=report.parse_metrics(args.percentile_metrics),
             metric_percentiles=report.parse_percentiles(args.metric_percentiles),

@@ -21,8 +21,11 @@ MAX_MESSAGE = 300
 @dataclass(frozen=True)
 class Outcome:
     """What happened to one request. `ttft_s` is from just before the request was sent to its first
-    token (the first streamed chunk with a choice, or the whole answer when not streaming); for a
-    prefill-only service that is also the end-to-end latency."""
+    token (the first streamed chunk with a choice, or the whole answer when not streaming);
+    `latency_s` to its last token (the last streamed chunk with a choice, as vLLM times it, or the
+    whole answer), and `itls` the gaps between successive chunks with a choice (one entry per chunk,
+    however many tokens it carries, as vLLM counts them). `streamed` says the token times were seen:
+    without it the time per output token cannot be measured."""
 
     ok: bool
     prompt_tokens: int  # as the server counted them when it answered, else as sent
@@ -30,7 +33,15 @@ class Outcome:
     status: int | None = None  # the last HTTP status seen, None if no response
     error: str | None = None  # the error class when not ok: "429", "timeout", ...
     message: str = ""  # the server's or the client's explanation
-    output_tokens: int = 0  # as the server counted them (usage.completion_tokens); 0: not said
+    output_tokens: int = 0  # usage.completion_tokens, else the chunks with a choice; 0: not said
+    latency_s: float | None = None  # end to end when ok; None: the same as ttft_s
+    itls: tuple[float, ...] = ()  # seconds between successive chunks with a choice
+    streamed: bool = False  # the answer was streamed: each chunk's time is known
+
+    @property
+    def e2el_s(self) -> float | None:
+        """The end-to-end latency: from the send to the last token."""
+        return self.latency_s if self.latency_s is not None else self.ttft_s
 
     @staticmethod
     def failure(kind: str, message: str, prompt_tokens: int, status: int | None = None) -> Outcome:
@@ -44,6 +55,8 @@ class Answer:
     prompt_tokens: int
     output_tokens: int = 0
     first_token_at: float | None = None  # perf_counter of the first token when streamed
+    last_token_at: float | None = None  # perf_counter of the last chunk with a choice when streamed
+    itls: tuple[float, ...] = ()  # seconds between successive chunks with a choice when streamed
 
 
 class RequestFailed(Exception):

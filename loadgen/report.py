@@ -3,10 +3,12 @@
 The numbers follow `vllm bench serve` so results can be compared, under vLLM's keys: throughputs
 are over the benchmark's wall-clock duration (first send to last answer), latency statistics are
 over the successful requests only, percentiles are numpy's (linear interpolation), std is the
-population std, and the per-request lists (`ttfts`, `input_lens`, `output_lens`, `errors`) have one
-entry per request in send order. Two differences: with no successful request the statistics are
-None, not vLLM's 0 (which would read as a wonderfully fast server), and failed requests are also
-counted by class (`error_counts`) and sampled (`error_samples`).
+population std, and the per-request lists (`ttfts`, `itls`, `input_lens`, `output_lens`, `errors`)
+have one entry per request in send order. The decoding metrics are vLLM's: a request's TPOT is
+(e2el - ttft) / (output tokens - 1) when it has more than one output token, and the ITLs of all
+requests are pooled (one per streamed chunk after the first). Two differences: with no value the
+statistics are None, not vLLM's 0 (which would read as a wonderfully fast server), and failed
+requests are also counted by class (`error_counts`) and sampled (`error_samples`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,21 @@ import numpy as np
 
 from loadgen.outcome import Outcome
 
-#: The latency metrics a report can show. A prefill-only service answers with its first (and
-#: only) token, so the end-to-end latency is the TTFT; "e2el" is accepted so vLLM command lines
-#: and dashboards keep working, and reports under its own name.
-METRICS = {"ttft": ("TTFT", "Time to First Token"), "e2el": ("E2EL", "End-to-end Latency")}
+#: The latency metrics a report can show, with vLLM's names and headings. A prefill (max_tokens 1)
+#: answers with its first and only token, so its end-to-end latency is its TTFT and it has no TPOT
+#: nor ITL.
+METRICS = {
+    "ttft": ("TTFT", "Time to First Token"),
+    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("ITL", "Inter-token Latency"),
+    "e2el": ("E2EL", "End-to-end Latency"),
+}
+#: --percentile-metrics' default: vLLM's.
+DEFAULT_METRICS = ("ttft", "tpot", "itl")
+#: Metrics whose mean, median and std are always in the result (percentiles when chosen).
+ALWAYS = ("ttft", "tpot", "itl")
+#: What a --goodput objective may bound: vLLM's (the ITL is not one value per request).
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 #: At most this many distinct messages are kept per error class in error_samples.
 SAMPLES_PER_ERROR = 3
 WIDTH = 50
@@ -62,16 +75,17 @@ def parse_percentiles(text: str) -> list[float]:
 
 
 def parse_goodput(items: Sequence[str]) -> dict[str, float]:
-    """['ttft:500'] -> {'ttft': 500.0}: service-level objectives in milliseconds. Items may also
-    be comma-separated ('ttft:500,e2el:800')."""
+    """['ttft:500'] -> {'ttft': 500.0}: service-level objectives in milliseconds, on ttft, tpot or
+    e2el (vLLM's). Items may also be comma-separated ('ttft:500,tpot:50')."""
     slos: dict[str, float] = {}
     for item in (part.strip() for raw in items for part in raw.split(",")):
         if not item:
             continue
         name, sep, value = item.partition(":")
         name = name.strip().lower()
-        if not sep or name not in METRICS:
-            raise ValueError(f"goodput objective {item!r} must be METRIC:MS with METRIC one of {', '.join(METRICS)}")
+        if not sep or name not in GOODPUT_METRICS:
+            names = ", ".join(GOODPUT_METRICS)
+            raise ValueError(f"goodput objective {item!r} must be METRIC:MS with METRIC one of {names}")
         try:
             limit = float(value)
         except ValueError:
@@ -92,14 +106,41 @@ def percentile_name(p: float) -> str:
 # --- computing ---------------------------------------------------------------------------------
 
 
-def latency_ms(outcome: Outcome, metric: str) -> float | None:
-    """The metric for one request, in ms, or None if it failed. Both metrics are the TTFT: see
-    METRICS."""
-    if not outcome.ok or outcome.ttft_s is None:
+def tpot_s(outcome: Outcome) -> float | None:
+    """vLLM's time per output token of one request, the first excluded: (e2el - ttft) / (output
+    tokens - 1). None when it failed, has at most one output token, or was not streamed (its first
+    token's time is not known: the TTFT is the whole answer)."""
+    n = output_len(outcome)
+    if not outcome.ok or not outcome.streamed or n <= 1 or outcome.ttft_s is None or outcome.e2el_s is None:
         return None
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}")
-    return outcome.ttft_s * 1000.0
+    return (outcome.e2el_s - outcome.ttft_s) / (n - 1)
+
+
+def latency_ms(outcome: Outcome, metric: str) -> float | None:
+    """A per-request metric (ttft, tpot, e2el) of one request, in ms; None if it failed or the
+    metric does not apply (tpot_s). The ITL is not one value per request: see `values_ms`."""
+    if metric not in METRICS or metric == "itl":
+        raise ValueError(f"not a per-request metric: {metric!r}")
+    if not outcome.ok:
+        return None
+    value = {"ttft": outcome.ttft_s, "e2el": outcome.e2el_s, "tpot": tpot_s(outcome)}[metric]
+    return None if value is None else value * 1000.0
+
+
+def values_ms(outcomes: Sequence[Outcome], metric: str) -> list[float]:
+    """Every value of a metric over the successful requests, in ms, in send order: one per request
+    where it applies, and for the ITL every gap of every request, pooled (as vLLM does)."""
+    if metric == "itl":
+        return [gap * 1000.0 for o in outcomes if o.ok for gap in o.itls]
+    return [v for o in outcomes if (v := latency_ms(o, metric)) is not None]
+
+
+def slo_ms(outcome: Outcome, metric: str) -> float | None:
+    """What a goodput objective on `metric` checks: the metric, except that a request with at most
+    one output token has a TPOT of 0 (vLLM's rule: it meets any TPOT objective)."""
+    if metric == "tpot" and outcome.ok and output_len(outcome) <= 1:
+        return 0.0
+    return latency_ms(outcome, metric)
 
 
 def _stats(values: list[float], metric: str, percentiles: Sequence[float]) -> dict[str, float | None]:
@@ -168,7 +209,7 @@ def is_good(outcome: Outcome, slos: dict[str, float]) -> bool:
     if not outcome.ok:
         return False
     for metric, limit in slos.items():
-        value = latency_ms(outcome, metric)
+        value = slo_ms(outcome, metric)
         if value is None or value > limit:
             return False
     return True
@@ -178,7 +219,7 @@ def summarize(
     outcomes: Sequence[Outcome],
     duration_s: float,
     *,
-    metrics: Sequence[str] = ("ttft",),
+    metrics: Sequence[str] = DEFAULT_METRICS,
     percentiles: Sequence[float] = (50, 90, 99),
     goodput: dict[str, float] | None = None,
     clamped_prompts: int = 0,
@@ -193,7 +234,7 @@ def summarize(
     total_input = sum(o.prompt_tokens for o in done)
     output_lens = [output_len(o) for o in outcomes]
     total_output = sum(output_lens)
-    ttfts = [v for o in done if (v := latency_ms(o, "ttft")) is not None]
+    ttfts = values_ms(done, "ttft")
     summary: dict[str, Any] = {
         "duration": duration_s,
         "completed": len(done),
@@ -212,13 +253,17 @@ def summarize(
         "percentile_metrics": list(metrics),
         "metric_percentiles": list(percentiles),
     }
-    # TTFT statistics are always there (the headline); other metrics when asked for.
-    summary.update(_stats(ttfts, "ttft", percentiles if "ttft" in metrics else ()))
+    # TTFT, TPOT and ITL statistics are always there (their percentiles when asked for); E2EL's
+    # when asked for.
+    for metric in ALWAYS:
+        summary.update(_stats(values_ms(done, metric), metric, percentiles if metric in metrics else ()))
     for metric in metrics:
-        if metric != "ttft":
-            summary.update(_stats([v for o in done if (v := latency_ms(o, metric)) is not None], metric, percentiles))
-    # Per request, in send order, as vLLM writes them: seconds, 0.0 for a failed request.
+        if metric not in ALWAYS:
+            summary.update(_stats(values_ms(done, metric), metric, percentiles))
+    # Per request, in send order, as vLLM writes them, in seconds; a failed request has TTFT 0.0
+    # and no ITL.
     summary["ttfts"] = [o.ttft_s if o.ok and o.ttft_s is not None else 0.0 for o in outcomes]
+    summary["itls"] = [list(o.itls) if o.ok else [] for o in outcomes]
     summary["input_lens"] = [o.prompt_tokens for o in outcomes]
     summary["output_lens"] = output_lens
     summary["errors"] = [error_text(o) for o in outcomes]
@@ -249,12 +294,16 @@ def format_summary(summary: dict[str, Any]) -> str:
         _line("Total generated tokens:", summary["total_output_tokens"]),
         _line("Request throughput (req/s):", summary["request_throughput"], ".2f"),
         _line("Input token throughput (tok/s):", summary["input_throughput"], ".1f"),
+        _line("Output token throughput (tok/s):", summary["output_throughput"], ".2f"),
+        _line("Total Token throughput (tok/s):", summary["total_token_throughput"], ".2f"),
     ]
     if summary.get("request_goodput") is not None:
         lines.append(_line("Request goodput (req/s):", summary["request_goodput"], ".2f"))
     if summary.get("clamped_prompts"):
         lines.append(_line("Prompts clamped to --max-input-len:", summary["clamped_prompts"]))
     for metric in summary["percentile_metrics"]:
+        if metric in ("tpot", "itl") and summary.get(f"mean_{metric}_ms") is None:
+            continue  # nothing was decoded (or not streamed): no section, rather than a page of n/a
         short, title = METRICS[metric]
         lines.append(_rule(title))
         lines.append(_line(f"Mean {short} (ms):", summary[f"mean_{metric}_ms"], ".2f"))

@@ -3,8 +3,11 @@
 The body is server-sent events: `data: {...}` chunks, the usage chunk (`choices: []`) that
 `stream_options.include_usage` asks for, then `data: [DONE]`. The first token is the first chunk
 that carries a choice: vLLM's rule, under which its text may be empty and a usage-only chunk is not
-a token. The request succeeded if such a chunk came and the stream ended with `[DONE]`; an
-`{"error": ...}` event fails it under the event's `code` (an HTTP status).
+a token. Each later chunk with a choice adds one inter-token latency (the gap since the previous
+one, however many tokens the chunk carries, as vLLM counts them), and the last one ends the
+end-to-end latency. The output tokens are the usage chunk's `completion_tokens`, else one per
+chunk with a choice. The request succeeded if such a chunk came and the stream ended with
+`[DONE]`; an `{"error": ...}` event fails it under the event's `code` (an HTTP status).
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ class StreamTally:
     def __init__(self, status: int) -> None:
         self.status = status  # the HTTP status the stream came with
         self.first_token_at: float | None = None
-        self.choices = 0  # chunks with a choice: tokens
+        self.last_token_at: float | None = None
+        self.itls: list[float] = []  # seconds between successive chunks with a choice
+        self.choices = 0  # chunks with a choice: tokens when the server does not count them
         self.prompt_tokens: int | None = None
         self.output_tokens = 0
 
@@ -60,8 +65,11 @@ class StreamTally:
             raise RequestFailed(str(code), error_message(event, data), code)
         if event.get("choices"):  # a token, even if its text is empty (vLLM's rule)
             self.choices += 1
-            if self.first_token_at is None:
+            if self.last_token_at is None:
                 self.first_token_at = now
+            else:
+                self.itls.append(now - self.last_token_at)
+            self.last_token_at = now
         if isinstance(usage := event.get("usage"), dict):  # the include_usage chunk (choices: [])
             self.prompt_tokens = as_int(usage.get("prompt_tokens"))
             self.output_tokens = as_int(usage.get("completion_tokens")) or 0
@@ -74,7 +82,13 @@ class StreamTally:
                 "bad_response", "the event stream ended without a chunk with a choice (no token)", self.status
             )
         prompt_tokens = self.prompt_tokens if self.prompt_tokens is not None else sent_tokens
-        return Answer(prompt_tokens, self.output_tokens or self.choices, self.first_token_at)
+        return Answer(
+            prompt_tokens,
+            self.output_tokens or self.choices,
+            self.first_token_at,
+            last_token_at=self.last_token_at,
+            itls=tuple(self.itls),
+        )
 
 
 def json_or_none(text: str) -> Any:

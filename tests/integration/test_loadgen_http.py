@@ -8,7 +8,9 @@ call the serving plane makes.
 Where the timing of the stream itself is under test, a stand-in front door streams the events of
 `services/prefill_queue/completions.py` (built by its own `choice` and `usage`) at chosen moments:
 the time to first token must be the moment of the first chunk with a choice, not the response
-headers nor the end of the stream.
+headers nor the end of the stream. For a whole completion (max_tokens > 1) it streams more chunks,
+of one or more tokens each, at chosen gaps: the inter-token latencies, the time per output token
+and the end-to-end latency are checked against them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +66,7 @@ def config(base_url: str, **overrides: Any) -> BenchmarkConfig:
 
 def prompt_lengths(cfg: BenchmarkConfig) -> list[int]:
     """The lengths the run will send: the workload is deterministic for a config."""
-    return [len(prompt) for _, prompt in build_workload(cfg).requests]
+    return [len(r.prompt) for r in build_workload(cfg).requests]
 
 
 async def test_errors_are_counted_by_status_and_written_to_json(redis_url: str, tmp_path: Path) -> None:
@@ -172,7 +174,7 @@ async def test_answered_requests_are_measured(redis_url: str, endpoint: str, str
             goodput={"ttft": 60_000.0},
             percentile_metrics=["ttft", "e2el"],
         )
-        sent = [prompt for _, prompt in build_workload(cfg).requests]
+        sent = [r.prompt for r in build_workload(cfg).requests]
         result = await run_benchmark(cfg)
 
     bad = [p for p in sent if p[0] % 4 == 0]
@@ -207,12 +209,16 @@ async def _inflight(redis_url: str) -> int:
 class FrontDoor:
     """Streams /v1/completions as services/prefill_queue/completions.py does, with `first_token_s`
     between the response headers and the first chunk and `tail_s` before the usage chunk and
-    `[DONE]`. `mode` breaks the stream on purpose: "error" sends an error event instead of the
-    token, "cut" ends the body without `[DONE]`. /v1/models answers 503 `models_unavailable` times
-    first."""
+    `[DONE]`. `more` decodes: after the first chunk, one more per (gap in seconds, tokens in it),
+    the last with the finish reason; `usage_chunk` False leaves out the usage chunk (so the client
+    must count the tokens itself). `mode` breaks the stream on purpose: "error" sends an error event
+    instead of the token, "cut" ends the body without `[DONE]`. /v1/models answers 503
+    `models_unavailable` times first."""
 
     first_token_s: float = 0.0
     tail_s: float = 0.0
+    more: list[tuple[float, int]] = field(default_factory=list)
+    usage_chunk: bool = True
     mode: str = "ok"
     models_unavailable: int = 0
     model_calls: int = 0
@@ -234,22 +240,34 @@ class FrontDoor:
         )
         answer = PrefillResult(id=req.id, status=RequestStatus.DONE, token=65, text="A", prompt_tokens=len(req.tokens))
         head = {"id": req.id, "object": "text_completion", "created": int(req.submitted), "model": req.model}
+        tokens = 1 + sum(n for _, n in self.more)
+        counted = {**usage([answer]), "completion_tokens": tokens, "total_tokens": len(req.tokens) + tokens}
+        first = choice(0, req, answer, ())
         if not body.get("stream"):
-            return web.json_response({**head, "choices": [choice(0, req, answer, ())], "usage": usage([answer])})
+            whole = {**first, "text": "A" + "".join("B" * n for _, n in self.more)}
+            return web.json_response({**head, "choices": [whole], "usage": counted})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
         async def send(event: dict[str, Any]) -> None:
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
 
+        def piece(text: str, last: bool) -> dict[str, Any]:
+            finish = {} if last else {"finish_reason": None, "stop_reason": None}
+            return {**head, "choices": [{**first, "text": text, **finish}], "usage": None}
+
         await asyncio.sleep(self.first_token_s)
         if self.mode == "error":
             await send({"error": {"message": "the prefill failed: boom", "code": 503}})
         else:
-            await send({**head, "choices": [choice(0, req, answer, ())], "usage": None})
+            await send(piece("A", not self.more))
+            for i, (gap_s, n) in enumerate(self.more):
+                await asyncio.sleep(gap_s)
+                await send(piece("B" * n, i == len(self.more) - 1))
         await asyncio.sleep(self.tail_s)
         if self.mode != "cut":
-            await send({**head, "choices": [], "usage": usage([answer] if self.mode == "ok" else [])})
+            if self.usage_chunk:
+                await send({**head, "choices": [], "usage": counted if self.mode == "ok" else usage([])})
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -274,6 +292,95 @@ async def test_the_ttft_is_the_first_chunk_with_a_choice() -> None:
     # After the headers (0 s), at the first chunk (0.2 s), well before [DONE] (1.2 s).
     assert all(0.2 <= t < 1.0 for t in result["ttfts"]), result["ttfts"]
     assert result["output_lens"] == [1, 1] and result["input_lens"] == [8, 8]  # from the usage chunk
+    # One token: no inter-token latency nor time per output token, and no section for them.
+    assert result["itls"] == [[], []] and result["mean_itl_ms"] is None and result["mean_tpot_ms"] is None
+    assert "TPOT" not in format_summary(result) and "ITL" not in format_summary(result)
+
+
+def decoding(usage_chunk: bool = True) -> FrontDoor:
+    """A stand-in that decodes: after the first token at 0.1 s, chunks of 1, 2 and 1 tokens 0.05,
+    0.1 and 0.15 s apart (the last at 0.4 s), then 0.2 s before the usage chunk and [DONE]."""
+    return FrontDoor(first_token_s=0.1, more=[(0.05, 1), (0.1, 2), (0.15, 1)], tail_s=0.2, usage_chunk=usage_chunk)
+
+
+#: Timing tolerance: the stand-in and the client share one event loop, whose timers are about 1 ms.
+SLACK_S = 0.01
+
+
+async def test_a_streamed_completion_is_timed_as_vllm_does() -> None:
+    door = decoding()
+    async with front_door(door) as url:
+        cfg = config(url, num_prompts=2, input_len=8, max_concurrency=1, output_len=5)
+        result = await run_benchmark(replace(cfg, percentile_metrics=["ttft", "tpot", "itl", "e2el"]))
+    assert [b["max_tokens"] for b in door.bodies] == [5, 5] and "ignore_eos" not in door.bodies[0]
+    assert result["completed"] == 2 and result["output_lens"] == [5, 5]  # usage.completion_tokens
+    assert result["total_output_tokens"] == 10
+    assert result["output_throughput"] == pytest.approx(10 / result["duration"])
+    assert result["total_token_throughput"] == pytest.approx(26 / result["duration"])
+    assert result["ttfts"] == [pytest.approx(0.1, abs=SLACK_S)] * 2
+    # One ITL per chunk after the first, whatever it carries (vLLM's count).
+    assert result["itls"] == [[pytest.approx(gap, abs=SLACK_S) for gap in (0.05, 0.1, 0.15)]] * 2
+    # The end-to-end latency runs to the last chunk with a choice (0.4 s), not to [DONE] (0.6 s) ...
+    assert result["mean_e2el_ms"] == pytest.approx(400, abs=2 * SLACK_S * 1000)
+    # ... so the TPOT, (e2el - ttft) / (5 - 1), is the ITLs' sum over 4 tokens: 75 ms.
+    assert result["mean_tpot_ms"] == pytest.approx(75, abs=SLACK_S * 1000)
+    # Exactly so, request by request: e2el = ttft + the ITLs, TPOT = their sum / (5 - 1).
+    e2els_ms = [(ttft + sum(itls)) * 1000 for ttft, itls in zip(result["ttfts"], result["itls"], strict=True)]
+    tpots_ms = [sum(itls) / 4 * 1000 for itls in result["itls"]]
+    assert result["mean_e2el_ms"] == pytest.approx(sum(e2els_ms) / 2, rel=1e-9)
+    assert result["mean_tpot_ms"] == pytest.approx(sum(tpots_ms) / 2, rel=1e-9)
+    assert result["p99_tpot_ms"] == pytest.approx(result["mean_tpot_ms"], abs=1)
+    assert result["mean_itl_ms"] == pytest.approx(100, abs=SLACK_S * 1000)
+    assert result["median_itl_ms"] == pytest.approx(100, abs=SLACK_S * 1000)
+    assert result["p99_itl_ms"] == pytest.approx(150, abs=SLACK_S * 1000)
+    table = format_summary(result)
+    assert "Time per Output Token (excl. 1st token)" in table and "Inter-token Latency" in table
+
+
+async def test_without_a_usage_chunk_the_chunks_are_counted() -> None:
+    door = decoding(usage_chunk=False)
+    async with front_door(door) as url:
+        result = await run_benchmark(config(url, num_prompts=1, input_len=8, output_len=5))
+    assert result["output_lens"] == [4] and result["input_lens"] == [8]  # 4 chunks with a choice, as sent
+    assert result["mean_tpot_ms"] == pytest.approx(100, abs=SLACK_S * 1000)  # 0.3 s over 3 tokens
+
+
+async def test_a_completion_not_streamed_has_no_itl_nor_tpot() -> None:
+    door = decoding()
+    async with front_door(door) as url:
+        cfg = config(url, num_prompts=2, input_len=8, output_len=5, stream=False, percentile_metrics=["ttft", "e2el"])
+        result = await run_benchmark(cfg)
+    assert [b["max_tokens"] for b in door.bodies] == [5, 5] and "stream" not in door.bodies[0]
+    assert result["output_lens"] == [5, 5] and result["itls"] == [[], []]  # usage.completion_tokens
+    assert result["mean_itl_ms"] is None and result["mean_tpot_ms"] is None  # the token times are not seen
+    assert result["mean_e2el_ms"] == pytest.approx(result["mean_ttft_ms"])  # the whole answer
+
+
+async def test_random_output_len_asks_for_max_tokens_in_vllms_range() -> None:
+    door = FrontDoor()
+    async with front_door(door) as url:
+        cfg = config(url, num_prompts=40, input_len=8, output_len=10, range_ratio=0.5, max_concurrency=1)
+        planned = [r.max_tokens for r in build_workload(cfg).requests]
+        result = await run_benchmark(cfg)
+    sent = [b["max_tokens"] for b in door.bodies]
+    assert sent == planned and min(sent) >= 5 and max(sent) <= 15 and len(set(sent)) > 3
+    assert result["completed"] == 40 and result["output_len"] == 10
+
+
+async def test_a_trace_asks_for_its_generated_tokens_clamped(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    rows += [f"2023-11-16 18:17:0{i}.0000000,{8 + i},{g}" for i, g in enumerate([10, 3, 0, 500])]
+    trace.write_text("\n".join(rows) + "\n")
+    door = FrontDoor()
+    async with front_door(door) as url:
+        cfg = config(url, dataset="trace", trace=str(trace), time_scale=100.0, max_concurrency=1)
+        await run_benchmark(replace(cfg, max_output_len=64))
+        decoded = [b["max_tokens"] for b in door.bodies]
+        door.bodies.clear()
+        await run_benchmark(cfg)  # --max-output-len 1, the default: prefill only
+    assert decoded == [10, 3, 1, 64]  # a recorded 0 asks for 1; 500 is clamped
+    assert [b["max_tokens"] for b in door.bodies] == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from loadgen import arrivals, datasets, report, result
-from loadgen.cli import BenchmarkConfig, Workload, build_workload, drive, main, parse_config, warm_up
+from loadgen.cli import BenchmarkConfig, Request, Workload, build_workload, drive, main, parse_config, warm_up
 from loadgen.client import normalize_base_url, poll_delays
 from loadgen.outcome import Outcome, RequestFailed, error_message
 from loadgen.stream import StreamTally, sse_data
@@ -68,6 +68,19 @@ def test_length_range_is_vllms() -> None:
             datasets.length_range(*bad)
 
 
+def test_output_lengths_are_drawn_like_vllms_and_1_stays_1() -> None:
+    assert datasets.output_range(128, 0.5) == (64, 192)  # vLLM's range, as for the prompts
+    assert datasets.output_range(2, 0.9) == (1, 4)  # at least one token (vLLM raises its low end to 1 too)
+    assert datasets.output_range(1, 0.5) == (1, 1)  # the default: prefill only, whatever the ratio
+    with pytest.raises(ValueError, match="output length must be >= 1"):
+        datasets.output_range(0, 0.0)
+    lens = datasets.random_output_lens(100, 0.25, np.random.default_rng(0))
+    drawn = [next(lens) for _ in range(400)]
+    assert min(drawn) == 75 and max(drawn) == 125 and all(type(n) is int for n in drawn)
+    ones = datasets.random_output_lens(1, 0.5, np.random.default_rng(0))
+    assert [next(ones) for _ in range(5)] == [1] * 5
+
+
 def test_random_prompts_lengths_ids_and_seeding() -> None:
     def take(seed: int, n: int = 400) -> list[list[int]]:
         stream = datasets.random_prompts(100, 0.25, np.random.default_rng(seed))
@@ -115,7 +128,10 @@ def test_timestamps_with_seven_fractional_digits() -> None:
 def test_trace_offsets_are_relative_to_the_first_request(tmp_path: Path) -> None:
     trace = datasets.read_trace(write(tmp_path, TRACE))
     assert [t.context_tokens for t in trace] == [4808, 100, 300, 0]
+    assert [t.generated_tokens for t in trace] == [10, 8, 27, 14]
     assert [t.offset_s for t in trace] == pytest.approx([0.0, 0.052, 1.0200401, 60.0], abs=1e-9)
+    without = datasets.read_trace(write(tmp_path, "TIMESTAMP,ContextTokens\n2023-11-16 18:17:03.9799600,5\n"))
+    assert without == [datasets.TraceRequest(0.0, 5, None)]  # GeneratedTokens is optional
 
 
 def test_trace_time_scale_duration_limit_and_clamping(tmp_path: Path) -> None:
@@ -130,13 +146,28 @@ def test_trace_time_scale_duration_limit_and_clamping(tmp_path: Path) -> None:
     assert datasets.plan_trace(trace, max_input_len=5000).clamped == 0
 
 
+def test_trace_output_lengths_are_generated_tokens_clamped(tmp_path: Path) -> None:
+    trace = datasets.read_trace(write(tmp_path, TRACE.replace("0,14", "0,0")))
+    assert datasets.plan_trace(trace).output_lens == [1, 1, 1, 1]  # the default: prefill only
+    assert datasets.plan_trace(trace, max_output_len=20).output_lens == [10, 8, 20, 1]  # a recorded 0 asks for 1
+    assert datasets.plan_trace(trace, max_output_len=1000, limit=2).output_lens == [10, 8]
+    with pytest.raises(ValueError, match="maximum output length"):
+        datasets.plan_trace(trace, max_output_len=0)
+    bare = datasets.read_trace(write(tmp_path, "TIMESTAMP,ContextTokens\n2023-11-16 18:17:03.9799600,5\n"))
+    assert datasets.plan_trace(bare).output_lens == [1]
+    with pytest.raises(datasets.TraceError, match="no GeneratedTokens column"):
+        datasets.plan_trace(bare, max_output_len=2)
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
         (TRACE.replace("2023-11-16 18:17:04.0319600", "not-a-time"), "trace.csv:3: not a timestamp"),
         (TRACE.replace("300,27", "lots,27"), "trace.csv:5: ContextTokens must be an integer"),
         (TRACE.replace("100,8", "-5,8"), "trace.csv:3: ContextTokens must be >= 0"),
-        (TRACE.replace(",4808,10", ""), "trace.csv:2: expected at least 2 fields"),
+        (TRACE.replace(",4808,10", ""), "trace.csv:2: expected at least 3 fields"),
+        (TRACE.replace("300,27", "300,lots"), "trace.csv:5: GeneratedTokens must be an integer"),
+        (TRACE.replace("100,8", "100,-8"), "trace.csv:3: GeneratedTokens must be >= 0"),
         ("TIME,Tokens\n2023-11-16 18:17:03.9799600,1\n", "no TIMESTAMP column"),
         ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests"),
         ("", "empty"),
@@ -156,19 +187,37 @@ def test_trace_workload(tmp_path: Path) -> None:
     cfg = BenchmarkConfig(dataset="trace", trace=str(write(tmp_path, TRACE)), time_scale=2.0, max_input_len=200)
     work = build_workload(cfg)
     sent = list(work.requests)
-    assert [o for o, _ in sent] == pytest.approx([0.0, 0.026, 0.51002005, 30.0])
-    assert [len(p) for _, p in sent] == [200, 100, 200, 1]
+    assert [r.offset_s for r in sent] == pytest.approx([0.0, 0.026, 0.51002005, 30.0])
+    assert [len(r.prompt) for r in sent] == [200, 100, 200, 1]
+    assert [r.max_tokens for r in sent] == [1, 1, 1, 1]  # prefill only unless --max-output-len says more
     assert work.total == 4 and work.clamped == 2
+    cfg.max_output_len = 12
+    decoding = list(build_workload(cfg).requests)
+    assert [r.max_tokens for r in decoding] == [10, 8, 12, 12]  # GeneratedTokens, clamped
+    assert [r.prompt for r in decoding] == [r.prompt for r in sent]  # the same prompts
 
 
 def test_random_workload_is_reproducible_and_bounded_by_duration() -> None:
     cfg = BenchmarkConfig(request_rate=50.0, num_prompts=None, duration_s=1.0, input_len=8)
     first = list(build_workload(cfg).requests)
     assert first == list(build_workload(cfg).requests)
-    assert 25 < len(first) < 80 and all(o < 1.0 for o, _ in first)
+    assert 25 < len(first) < 80 and all(r.offset_s < 1.0 for r in first)
     # The prompts do not depend on the rate: a rate sweep compares like with like.
     faster = list(build_workload(BenchmarkConfig(request_rate=80.0, num_prompts=5, input_len=8)).requests)
-    assert [p for _, p in faster] == [p for _, p in first[:5]]
+    assert [r.prompt for r in faster] == [r.prompt for r in first[:5]]
+    assert all(r.max_tokens == 1 for r in first)
+
+
+def test_random_output_len_sets_max_tokens_without_changing_the_prompts() -> None:
+    plain = list(build_workload(BenchmarkConfig(num_prompts=300, input_len=8, range_ratio=0.5)).requests)
+    assert {r.max_tokens for r in plain} == {1}  # 1 stays exactly 1 whatever the range ratio
+    cfg = BenchmarkConfig(num_prompts=300, input_len=8, range_ratio=0.5, output_len=40)
+    decoding = list(build_workload(cfg).requests)
+    assert min(r.max_tokens for r in decoding) == 20 and max(r.max_tokens for r in decoding) == 60
+    assert [r.prompt for r in decoding] == [r.prompt for r in plain]  # a separate random stream
+    assert decoding == list(build_workload(cfg).requests)  # seeded
+    fixed = BenchmarkConfig(num_prompts=5, output_len=7)
+    assert [r.max_tokens for r in build_workload(fixed).requests] == [7] * 5  # range ratio 0: exactly
 
 
 # --- the summary -------------------------------------------------------------------------------
@@ -252,6 +301,81 @@ def test_summary_without_successes_or_time() -> None:
     assert "Mean E2EL (ms):                          n/a" in report.format_summary(s)
 
 
+def decoded(ttft_ms: float, itls_ms: list[float], output_tokens: int, e2el_ms: float | None = None) -> Outcome:
+    """A streamed completion: its first chunk at `ttft_ms`, one more chunk after each gap."""
+    end = ttft_ms + sum(itls_ms) if e2el_ms is None else e2el_ms
+    itls = tuple(gap / 1000 for gap in itls_ms)
+    return Outcome(
+        True, 10, ttft_s=ttft_ms / 1000, status=200, output_tokens=output_tokens, latency_s=end / 1000, itls=itls,
+        streamed=True,
+    )  # fmt: skip
+
+
+DECODED = [
+    decoded(100, [50, 100, 150], 5),  # e2el 400, TPOT (400 - 100) / 4 = 75
+    decoded(200, [20, 20], 3),  # e2el 240, TPOT 40 / 2 = 20
+    decoded(30, [], 1),  # one token: no TPOT, no ITL (and TPOT 0 for goodput, as vLLM)
+    Outcome(True, 10, ttft_s=0.5, status=200, output_tokens=4),  # not streamed: TTFT = e2el, no TPOT/ITL
+    bad("429", "the queue is full", 429),
+]
+
+
+def test_decoding_metrics_are_vllms() -> None:
+    s = report.summarize(DECODED, 2.0, metrics=["ttft", "tpot", "itl", "e2el"], percentiles=[50, 99])
+    assert s["output_lens"] == [5, 3, 1, 4, 0] and s["total_output_tokens"] == 13
+    assert s["output_throughput"] == 6.5 and s["total_token_throughput"] == 26.5
+    # TPOT per request with more than one token, streamed: (e2el - ttft) / (output tokens - 1).
+    assert report.tpot_s(DECODED[0]) == pytest.approx(0.075) and report.tpot_s(DECODED[1]) == pytest.approx(0.02)
+    assert [report.tpot_s(o) for o in DECODED[2:]] == [None, None, None]
+    assert s["mean_tpot_ms"] == pytest.approx(47.5) and s["median_tpot_ms"] == pytest.approx(47.5)
+    assert s["std_tpot_ms"] == pytest.approx(27.5) and s["p99_tpot_ms"] == pytest.approx(74.45)
+    # ITLs: every gap of every request, pooled (one per chunk after the first).
+    assert s["mean_itl_ms"] == pytest.approx(68.0) and s["median_itl_ms"] == pytest.approx(50.0)
+    assert s["std_itl_ms"] == pytest.approx(math.sqrt(2536)) and s["p99_itl_ms"] == pytest.approx(148.0)
+    assert s["p50_itl_ms"] == pytest.approx(50.0)
+    assert s["itls"] == [pytest.approx([0.05, 0.1, 0.15]), pytest.approx([0.02, 0.02]), [], [], []]  # seconds
+    # E2EL: to the last chunk with a choice (vLLM), or the whole answer.
+    assert s["mean_e2el_ms"] == pytest.approx((400 + 240 + 30 + 500) / 4)
+    assert s["ttfts"] == pytest.approx([0.1, 0.2, 0.03, 0.5, 0.0])
+    assert json.loads(json.dumps(s)) == s
+
+
+@pytest.mark.parametrize(
+    ("slos", "good"),
+    [
+        ({"tpot": 50.0}, 2),  # 20 ms, and the one-token request (0); 75 ms is over, the unstreamed unmeasured
+        ({"tpot": 76.0}, 3),
+        ({"e2el": 300.0}, 2),  # 240 and 30 ms
+        ({"tpot": 80.0, "e2el": 450.0}, 3),  # the unstreamed one is 500 ms end to end
+        ({"ttft": 100.0, "tpot": 80.0}, 2),
+    ],
+)
+def test_goodput_on_tpot_and_e2el(slos: dict[str, float], good: int) -> None:
+    assert report.summarize(DECODED, 2.0, goodput=slos)["request_goodput"] == good / 2.0
+
+
+def test_without_decoding_the_tpot_and_itl_are_none_and_not_shown() -> None:
+    s = report.summarize(OUTCOMES, 2.0)  # prefills: one token each
+    assert s["percentile_metrics"] == ["ttft", "tpot", "itl"]  # vLLM's default
+    assert s["mean_tpot_ms"] is None and s["p99_tpot_ms"] is None and s["mean_itl_ms"] is None
+    assert s["itls"] == [[]] * len(OUTCOMES)
+    table = report.format_summary(s)
+    assert "Time to First Token" in table and "TPOT" not in table and "ITL" not in table
+    chosen = report.summarize(OUTCOMES, 2.0, metrics=["ttft"])
+    assert "p99_tpot_ms" not in chosen and chosen["mean_tpot_ms"] is None  # mean/median/std always there
+
+
+def test_the_table_shows_the_decoding_sections() -> None:
+    lines = report.format_summary(report.summarize(DECODED, 2.0)).splitlines()
+    assert "-----Time per Output Token (excl. 1st token)------" in lines
+    assert "Mean TPOT (ms):                          47.50" in lines
+    assert "P99 TPOT (ms):                           74.45" in lines
+    assert "---------------Inter-token Latency----------------" in lines
+    assert "Median ITL (ms):                         50.00" in lines
+    assert "Output token throughput (tok/s):         6.50" in lines
+    assert "Total Token throughput (tok/s):          26.50" in lines
+
+
 def test_error_samples_are_capped_per_class() -> None:
     many = [bad("500", f"error {i}", 500) for i in range(10)]
     assert len(report.error_samples(many)) == report.SAMPLES_PER_ERROR
@@ -278,16 +402,18 @@ def test_summary_table() -> None:
 
 def test_option_parsers() -> None:
     assert report.parse_metrics("ttft, E2EL,ttft") == ["ttft", "e2el"]
+    assert report.parse_metrics("ttft,tpot,itl,e2el") == ["ttft", "tpot", "itl", "e2el"]  # vLLM's four
     assert report.parse_percentiles("50,99.9") == [50.0, 99.9]
     assert report.parse_goodput(["ttft:500", "e2el:800"]) == {"ttft": 500.0, "e2el": 800.0}
     assert report.parse_goodput(["ttft:250,e2el:300"]) == {"ttft": 250.0, "e2el": 300.0}
-    for text in ["itl", ""]:
+    assert report.parse_goodput(["TPOT:50", "e2el:900,ttft:1e3"]) == {"tpot": 50.0, "e2el": 900.0, "ttft": 1000.0}
+    for text in ["tbt", "ttft,goodput", ""]:
         with pytest.raises(ValueError):
             report.parse_metrics(text)
     for text in ["101", "p99", ""]:
         with pytest.raises(ValueError):
             report.parse_percentiles(text)
-    for item in ["ttft", "tpot:5", "ttft:-1", "ttft:soon"]:
+    for item in ["ttft", "itl:5", "ttft:-1", "ttft:soon", "tpot:0"]:  # no ITL objective: vLLM has none
         with pytest.raises(ValueError):
             report.parse_goodput([item])
 
@@ -334,6 +460,21 @@ def test_the_first_token_is_the_first_chunk_with_a_choice() -> None:
     assert tally.feed("[DONE]", now=5.0)
     answer = tally.answer(sent_tokens=10)
     assert (answer.first_token_at, answer.prompt_tokens, answer.output_tokens) == (2.0, 12, 2)
+    assert (answer.last_token_at, answer.itls) == (3.0, (1.0,))  # the usage chunk is no token
+
+
+def test_every_later_chunk_with_a_choice_is_one_inter_token_latency() -> None:
+    tally = StreamTally(200)
+    for now, text in [(0.5, "A"), (0.75, "BC"), (1.0, ""), (1.5, "D")]:  # "BC": two tokens, one gap (vLLM)
+        assert not tally.feed(chunk(text, usage=None), now=now)
+    tally.feed(chunk(None, usage={"prompt_tokens": 3, "completion_tokens": 5}), now=2.0)
+    answer = tally.answer(sent_tokens=3)
+    assert (answer.first_token_at, answer.last_token_at, answer.output_tokens) == (0.5, 1.5, 5)
+    assert answer.itls == (0.25, 0.25, 0.5)
+    uncounted = StreamTally(200)  # no usage chunk: one token per chunk with a choice
+    for now in (1.0, 2.0, 4.0):
+        uncounted.feed(chunk("x"), now=now)
+    assert uncounted.answer(sent_tokens=3).output_tokens == 3
     without_usage = StreamTally(200)
     without_usage.feed(chunk("A"), now=1.0)
     assert without_usage.answer(sent_tokens=10).prompt_tokens == 10  # as sent; one token per chunk
@@ -373,8 +514,10 @@ class FakeClient:
 
     def __init__(self, delay_s: float) -> None:
         self.delay_s, self.inflight, self.peak, self.sent = delay_s, 0, 0, 0
+        self.max_tokens: list[int] = []
 
-    async def send(self, prompt: list[int]) -> Outcome:
+    async def send(self, prompt: list[int], max_tokens: int = 1) -> Outcome:
+        self.max_tokens.append(max_tokens)
         self.inflight += 1
         self.sent += 1
         self.peak = max(self.peak, self.inflight)
@@ -385,15 +528,16 @@ class FakeClient:
 
 async def test_max_concurrency_caps_requests_in_flight() -> None:
     client = FakeClient(0.01)
-    work = Workload(iter([(0.0, [i + 1] * (i + 1)) for i in range(12)]), 12)
+    work = Workload(iter([Request(0.0, [i + 1] * (i + 1), i + 1) for i in range(12)]), 12)
     outcomes, duration = await drive(client, work, BenchmarkConfig(max_concurrency=3, disable_tqdm=True))
     assert client.peak == 3 and [o.prompt_tokens for o in outcomes] == list(range(1, 13))  # in send order
+    assert client.max_tokens == list(range(1, 13))  # each request's max_tokens is sent
     assert duration >= 0.04  # four rounds of three
 
 
 async def test_sending_follows_the_schedule_and_stops_at_the_duration() -> None:
     client = FakeClient(0.0)
-    work = Workload(iter([(0.0, [1]), (0.05, [2]), (10.0, [3])]), 3)
+    work = Workload(iter([Request(0.0, [1]), Request(0.05, [2]), Request(10.0, [3])]), 3)
     t0 = time.perf_counter()
     outcomes, _ = await drive(client, work, BenchmarkConfig(duration_s=0.2, disable_tqdm=True))
     elapsed = time.perf_counter() - t0
@@ -403,10 +547,11 @@ async def test_sending_follows_the_schedule_and_stops_at_the_duration() -> None:
 
 async def test_warmups_send_the_first_prompt_and_leave_the_workload_whole() -> None:
     client = FakeClient(0.01)
-    work = Workload(iter([(0.0, [7, 7]), (0.0, [8])]), 2)
+    work = Workload(iter([Request(0.0, [7, 7], 9), Request(0.0, [8])]), 2)
     await warm_up(client, work, BenchmarkConfig(num_warmups=5, max_concurrency=2))
     assert client.sent == 5 and client.peak == 2  # all awaited, within --max-concurrency
-    assert [p for _, p in work.requests] == [[7, 7], [8]]  # the measured run still sends both
+    assert client.max_tokens == [9] * 5  # the first request as it is, max_tokens included
+    assert [r.prompt for r in work.requests] == [[7, 7], [8]]  # the measured run still sends both
     await warm_up(client, Workload(iter([]), 0), BenchmarkConfig(num_warmups=3))  # nothing to send
     assert client.sent == 5
 
@@ -422,7 +567,8 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     options = ["--request-rate", "--burstiness", "--trace", "--time-scale", "--goodput", "--json-out", "--dataset"]
     options += ["--dataset-name", "--random-input-len", "--random-range-ratio", "--save-result", "--result-dir"]
     options += ["--result-filename", "--metadata", "--label", "--num-warmups", "--header", "--no-stream"]
-    options += ["--ready-check-timeout-sec", "--input-len", "--range-ratio"]
+    options += ["--ready-check-timeout-sec", "--input-len", "--range-ratio", "--random-output-len"]
+    options += ["--max-output-len", "--ignore-eos"]
     for option in options:
         assert option in out
 
@@ -435,8 +581,17 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
         (["--trace", "t.csv", "--dataset", "random"], "conflict"),
         (["--dataset", "trace"], "needs --trace"),
         (["--time-scale", "10"], "--time-scale applies only with --trace"),
-        (["--percentile-metrics", "ttft,itl"], "unknown metric 'itl'"),
+        (["--percentile-metrics", "ttft,tbt"], "unknown metric 'tbt'"),
         (["--goodput", "ttft"], "METRIC:MS"),
+        (["--goodput", "itl:5"], "METRIC:MS with METRIC one of ttft, tpot, e2el"),
+        (["--no-stream", "--goodput", "tpot:50"], "--goodput tpot needs a streamed answer"),
+        (["--random-output-len", "0"], "output length must be >= 1"),
+        (["--random-output-len", "4", "--random-range-ratio", "1"], "range ratio must be in [0, 1)"),
+        (["--trace", "t.csv", "--random-output-len", "5"], "--random-output-len does not apply with --trace"),
+        (["--max-output-len", "5"], "--max-output-len applies only with --trace"),
+        (["--trace", "t.csv", "--max-output-len", "0"], "--max-output-len must be >= 1"),
+        (["--endpoint", "/v1/prefill", "--random-output-len", "8"], "/v1/prefill answers one token"),
+        (["--endpoint", "native", "--trace", "t.csv", "--max-output-len", "8"], "/v1/prefill answers one token"),
         (["--request-rate", "0"], "must be > 0"),
         (["--range-ratio", "1.5"], "range ratio"),
         (["--duration", "10"], "needs --max-concurrency"),
@@ -525,6 +680,21 @@ def test_new_options_and_their_defaults(tmp_path: Path) -> None:
     assert parse_config(["--endpoint", "native"]).describe()["stream"] is None
 
 
+def test_output_length_options() -> None:
+    cfg = parse_config([])
+    assert (cfg.output_len, cfg.max_output_len, cfg.ignore_eos) == (1, 1, False)  # prefill only by default
+    assert cfg.percentile_metrics == ["ttft", "tpot", "itl"]  # vLLM's default
+    given = parse_config(shlex.split("--random-output-len 64 --random-range-ratio 0.5 --ignore-eos --goodput tpot:50"))
+    assert (given.output_len, given.range_ratio, given.ignore_eos, given.goodput) == (64, 0.5, True, {"tpot": 50.0})
+    described = given.describe()
+    assert (described["output_len"], described["max_output_len"], described["ignore_eos"]) == (64, None, True)
+    trace = parse_config(["--trace", "t.csv", "--max-output-len", "256"])
+    assert trace.max_output_len == 256 and trace.describe()["output_len"] is None
+    assert trace.describe()["max_output_len"] == 256
+    # A prefill-only service keeps working unchanged: the native API with the default of 1.
+    assert parse_config(["--endpoint", "/v1/prefill", "--goodput", "tpot:5"]).output_len == 1
+
+
 # --- the result JSON -----------------------------------------------------------------------------
 
 VLLM_KEYS = [
@@ -550,7 +720,16 @@ VLLM_KEYS = [
     "median_ttft_ms",
     "std_ttft_ms",
     "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "std_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "std_itl_ms",
+    "p99_itl_ms",
     "ttfts",
+    "itls",
     "input_lens",
     "output_lens",
     "errors",
@@ -654,6 +833,15 @@ def test_the_command_lines_in_the_docs_parse() -> None:
         ours.request_rate,
         ours.num_prompts,
     )
+
+
+def test_the_decoding_command_line_in_the_docs_parses() -> None:
+    """docs/loadgen.md's second example block: vLLM's decoding benchmark."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "loadgen.md").read_text()
+    block = text.split("```bash\n")[2].split("```", 1)[0].replace("\\\n", " ")
+    [argv] = [shlex.split(line) for line in block.splitlines() if line.startswith("loadgen ")]
+    cfg = parse_config(argv[1:])
+    assert (cfg.output_len, cfg.range_ratio, cfg.goodput) == (64, 0.5, {"ttft": 500.0, "tpot": 50.0})
 
 
 def test_a_bad_trace_exits_2_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
