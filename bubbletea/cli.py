@@ -46,7 +46,10 @@ def _up(args: argparse.Namespace) -> int:
     # A service: it trains (and so serves) until stopped, whatever the spec says, unless told a number.
     iterations = args.iterations if args.iterations is not None else UNTIL_STOPPED
     training = msgspec.structs.replace(settings.spec.training, iterations=iterations)
-    settings = dataclasses.replace(settings, spec=msgspec.structs.replace(settings.spec, training=training))
+    spec = msgspec.structs.replace(settings.spec, training=training)
+    if args.decode:
+        spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, enabled=True))
+    settings = dataclasses.replace(settings, spec=spec)
     setup_logging("up", "WARNING")
     return uvloop.run(run_up(settings, out_root=Path(args.out), verbose=args.verbose))
 
@@ -72,12 +75,15 @@ def _train(args: argparse.Namespace) -> int:
             f"{spec.training.iterations} iterations, WAN sharing {spec.wan.sharing}, bus {url}",
             flush=True,
         )
-        result = uvloop.run(run_training(settings, url, progress=True, quiet=not args.verbose))
+        save = Path(args.save) if args.save else None
+        result = uvloop.run(run_training(settings, url, progress=True, quiet=not args.verbose, save=save))
         print(
             f"==> done: steady iteration time {result.steady_iteration_s() * 1000:.1f} ms, "
             f"final loss {result.losses[-1]:.4f}",
             flush=True,
         )
+        if save is not None:
+            print(f"==> saved the trained model to {save} (set prefill.checkpoint: {save} to serve it)", flush=True)
         return 0
     finally:
         if embedded is not None:
@@ -190,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="train this many iterations, then stop (default: train and serve until Ctrl-C)",
     )
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="also start the decoder: /v1/completions then answers whole completions (max_tokens > 1), "
+        "prefilled in the bubbles and decoded from the KV cache (decode.enabled)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
     p.set_defaults(func=_up)
 
@@ -201,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--run", help="run id scoping streams and leases (default: train-<unix time>)")
+    p.add_argument(
+        "--save",
+        metavar="DIR",
+        help="write the trained model to DIR as a checkpoint (Hugging Face GPT-2 format: config.json, "
+        "model.safetensors, tokenizer.json) that prefill.checkpoint accepts",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
     p.set_defaults(func=_train)
 

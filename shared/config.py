@@ -109,10 +109,14 @@ class Training(_Spec, frozen=True):
 
 
 class Device(_Spec, frozen=True):
-    """The emulated accelerator. With a profile, each operation *counts* for the profiled time: the
-    worker runs the real computation, then pads to the profiled duration (reporting lag if the real
-    computation is slower), so a small model on CPU can stand in for a large one on real GPUs."""
+    """The accelerator. `kind` picks where a worker really computes (`shared.devices`). With a
+    profile, each operation *counts* for the profiled time: the worker runs the real computation,
+    then pads to the profiled duration (reporting lag if the real computation is slower), so a small
+    model on CPU can stand in for a large one on real GPUs."""
 
+    #: Where training and prefill run: auto = the GPU of this worker's slot when torch sees CUDA,
+    #: else the CPU; cpu = always the CPU; cuda = a GPU or the worker refuses to start.
+    kind: Literal["auto", "cpu", "cuda"] = "auto"
     #: Forward time of one transformer block for one microbatch; None = use real compute time.
     fwd_ms_per_layer: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
     #: Backward time per block per microbatch; None = 2 x forward (the usual ratio).
@@ -150,8 +154,12 @@ class BubbleTea(_Spec, frozen=True):
 class Prefill(_Spec, frozen=True):
     #: The model id clients name (`model` in the OpenAI API; listed by GET /v1/models).
     model_name: Annotated[str, Meta(min_length=1, max_length=128)] = "bubbletea-gpt"
+    #: The nanoGPT's shape when no Hugging Face directory is served (seeded, or a state_dict file).
     model: ModelSpec = ModelSpec()
-    #: Local checkpoint file (e.g. one the training job saved); None = seeded initialisation.
+    #: A local Hugging Face model directory (config.json, *.safetensors, tokenizer.json: gpt2,
+    #: llama, mistral or qwen2; its config.json gives the shape and `model` is not used), or a
+    #: state_dict file of the nanoGPT of shape `model`; None = `model` seeded with `model.seed`.
+    #: Nothing is ever downloaded (docs/config.md, "Models").
     checkpoint: str | None = None
     max_prompt_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] = 512
     #: Beyond this many queued requests the HTTP front door answers 429 with Retry-After.
@@ -160,6 +168,21 @@ class Prefill(_Spec, frozen=True):
     request_timeout_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0
     #: How long a finished prefill's KV cache stays in Redis for a decode service (0 = not stored).
     kv_ttl_s: Annotated[int, Meta(ge=0, le=86_400)] = 30
+
+
+class Decode(_Spec, frozen=True):
+    """The decoder service: whole completions after the bubbles' prefill (`max_tokens` > 1)."""
+
+    #: With false, the front door serves prefill only (max_tokens must be 1). `bubbletea up
+    #: --decode` and BUBBLETEA_DECODE=on turn it on (and up starts the decoder).
+    enabled: bool = False
+    #: The largest `max_tokens` a request may ask for.
+    max_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
+    #: Completions one decoder generates at once (each in its own thread, token by token).
+    concurrency: Annotated[int, Meta(ge=1, le=1024)] = 4
+    #: A chunk of tokens goes to the client at least this often (and at every stop), so a
+    #: streamed completion arrives token by token without a Redis round trip per token.
+    chunk_ms: Annotated[float, Meta(ge=0, le=10_000)] = 20.0
 
 
 class Http(_Spec, frozen=True):
@@ -195,6 +218,7 @@ class ClusterSpec(_Spec, frozen=True, kw_only=True):
     device: Device = Device()
     bubbletea: BubbleTea = BubbleTea()
     prefill: Prefill = Prefill()
+    decode: Decode = Decode()
     http: Http = Http()
     bus: BusConfig = BusConfig()
 

@@ -159,6 +159,25 @@ PREFILL_INFLIGHT_KEY = f"{PREFIX}:prefill:inflight"
 PREFILL_RECORD_TTL_S = 86_400
 
 
+def save_request_key(run: str) -> str:
+    """Set (by `bubbletea train --save`) to ask the run's workers for their weights at its end."""
+    return f"{PREFIX}:{run}:save"
+
+
+def weights_key(run: str, stage: int) -> str:
+    """One pipeline stage's trained weights (safetensors bytes, the full model's parameter names),
+    written by the stage's replica-0 worker at the end of training when the run was asked to save."""
+    return f"{PREFIX}:{run}:weights:{stage}"
+
+
+#: The saved weights wait this long for the launcher that asked for them.
+WEIGHTS_TTL_S = 3_600
+
+
+#: Finished prefills to continue, from the front doors to the decoders (`DecodeRequest`).
+DECODE_REQUESTS_STREAM = f"{PREFIX}:decode:requests"
+
+
 def serving_key(instance: str) -> str:
     """One dispatcher's readiness verdict (`shared.serving.Readiness`, JSON), for the front doors."""
     return f"{PREFIX}:serving:{instance}"

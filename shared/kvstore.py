@@ -3,22 +3,46 @@
 * A **snapshot** is a prefill stopped at a layer boundary (the input of its next block and the
   KV of the blocks before it). Any worker can resume it in a later bubble, bit-exactly.
 * A **KV cache** is what a finished prefill hands to a decode service: the handle in the answer
-  (`kv_transfer_params`) names its key, size and expiry; `fetch_kv` reads it back.
+  (`kv_transfer_params`) names its key, format, size and expiry; `fetch_kv` reads it back.
 
-Tensors travel as `TensorBlob`s (dtype + shape + raw bytes), never pickle.
+Snapshots are internal and travel as `TensorBlob`s (dtype + shape + raw bytes). A KV cache leaves
+the system, so it is stored in a format others read: **safetensors** (`KV_FORMAT`, documented in
+docs/api.md, "The KV cache"): one tensor per layer and kind, ``layers.<i>.k`` and ``layers.<i>.v``,
+each float32 ``(kv_heads, prompt_tokens, head_dim)`` (position ``p`` of the prompt at index ``p``),
+and the string metadata of `KV_METADATA`. Never pickle.
 """
 
 from __future__ import annotations
 
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from torch import Tensor
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from shared import keys
 from shared.model.prefill import KV, PrefillState
 from shared.tensors import from_blob, to_blob
-from shared.wire import KVCache, PrefillSnapshot, TensorBlob, WireError, decode, encode
+from shared.wire import PrefillSnapshot, TensorBlob, WireError, decode, encode
+
+#: The `format` metadata of a stored KV cache; bumped if the layout ever changes.
+KV_FORMAT = "bubbletea-kv/1"
+#: The metadata keys every stored KV cache has (safetensors metadata values are strings).
+KV_METADATA = (
+    "format",  # KV_FORMAT
+    "id",  # the request id
+    "model",  # the served model's name
+    "layers",  # how many layers (tensors layers.0.k ... layers.<layers-1>.v)
+    "prompt_tokens",  # T: positions 0..T-1 are in the cache
+    "prompt",  # the prompt's token ids, a JSON list
+    "first_token",  # the token sampled after the prompt (not in the cache: decoding starts with it)
+    "dtype",  # of every tensor: float32
+    "layout",  # a sentence saying the shape of each tensor
+)
 
 
 def _blobs(kv: list[KV]) -> tuple[tuple[TensorBlob, TensorBlob], ...]:
@@ -66,24 +90,82 @@ async def load_snapshot(r: Redis, key: str) -> PrefillSnapshot | None:
     return msg
 
 
-def kv_message(request_id: str, model: str, kv: list[KV]) -> KVCache:
-    prompt_tokens = int(kv[0][0].shape[2]) if kv else 0
-    return KVCache(id=request_id, model=model, prompt_tokens=prompt_tokens, kv=_blobs(kv))
+@dataclass(frozen=True)
+class StoredKV:
+    """A KV cache read back: one (k, v) per layer, each (1, kv_heads, T, head_dim) as the model
+    uses them, and the file's metadata (`KV_METADATA`)."""
+
+    kv: list[KV]
+    meta: dict[str, str]
+
+    @property
+    def prompt(self) -> list[int]:
+        ids: list[int] = json.loads(self.meta["prompt"])
+        return ids
+
+    @property
+    def first_token(self) -> int:
+        return int(self.meta["first_token"])
 
 
-async def store_kv(r: Redis, msg: KVCache, ttl_s: int) -> tuple[str, int]:
-    """Store a KV cache for `ttl_s` seconds; returns (key, bytes stored)."""
-    key, data = keys.kv_cache_key(msg.id), encode(msg)
+def kv_file(request_id: str, model: str, prompt: Sequence[int], first_token: int, kv: list[KV]) -> bytes:
+    """A finished prefill's KV cache as safetensors bytes (the layout in the module docstring)."""
+    tensors = {}
+    for i, (k, v) in enumerate(kv):
+        tensors[f"layers.{i}.k"] = k[0].detach().to("cpu", copy=False).contiguous()  # (kv_heads, T, head_dim)
+        tensors[f"layers.{i}.v"] = v[0].detach().to("cpu", copy=False).contiguous()
+    meta = {
+        "format": KV_FORMAT,
+        "id": request_id,
+        "model": model,
+        "layers": str(len(kv)),
+        "prompt_tokens": str(len(prompt)),
+        "prompt": json.dumps(list(prompt)),
+        "first_token": str(first_token),
+        "dtype": "float32",
+        "layout": "layers.<i>.k and layers.<i>.v: (kv_heads, prompt_tokens, head_dim), position p at index p",
+    }
+    return st_save(tensors, metadata=meta)
+
+
+def read_kv_file(data: bytes) -> StoredKV:
+    """Parse `kv_file` bytes (`WireError` if they are not a KV cache of this format)."""
+    meta = safetensors_metadata(data)
+    if meta.get("format") != KV_FORMAT:
+        raise WireError(f"not a {KV_FORMAT} KV cache (format {meta.get('format')!r})")
+    tensors = st_load(data)
+    layers = int(meta["layers"])
+    kv = [(tensors[f"layers.{i}.k"].unsqueeze(0), tensors[f"layers.{i}.v"].unsqueeze(0)) for i in range(layers)]
+    return StoredKV(kv, meta)
+
+
+def safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes: the format is an 8-byte little-endian header
+    length, then that many bytes of JSON (`safetensors.torch.load` does not return the metadata)."""
+    if len(data) < 8:
+        raise WireError("not safetensors: shorter than its header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as exc:
+        raise WireError(f"not safetensors: unreadable header ({exc})") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return dict(meta) if isinstance(meta, dict) else {}
+
+
+async def store_kv(r: Redis, request_id: str, data: bytes, ttl_s: int) -> tuple[str, int]:
+    """Store KV cache bytes (`kv_file`) for `ttl_s` seconds; returns (key, bytes stored)."""
+    key = keys.kv_cache_key(request_id)
     await r.set(key, data, ex=ttl_s)
     return key, len(data)
 
 
-async def fetch_kv(r: Redis, request_id: str) -> list[tuple[Tensor, Tensor]] | None:
-    """The KV cache of a finished prefill as tensors, or None once it expired."""
+async def fetch_kv(r: Redis, request_id: str) -> StoredKV | None:
+    """The KV cache of a finished prefill, or None once it expired (or was used and deleted)."""
     raw: Any = await r.get(keys.kv_cache_key(request_id))
-    if raw is None:
-        return None
-    msg = decode(raw)
-    if not isinstance(msg, KVCache):
-        raise WireError(f"KV key of {request_id} holds a {type(msg).__name__}")
-    return _tensors(msg.kv)
+    return read_kv_file(raw) if raw is not None else None
+
+
+async def delete_kv(r: Redis, request_id: str) -> bool:
+    """A decode service deletes a KV cache once it used it: none is left behind."""
+    return bool(await r.delete(keys.kv_cache_key(request_id)))

@@ -11,6 +11,7 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``BUBBLETEA_LOG_FORMAT`` ``kv`` (default: key=value lines) or ``json`` (one JSON object per line)
 ``BUBBLETEA_RUN``      the training run id that scopes streams and leases (default ``run``)
 ``BUBBLETEA_API_KEY``  if set, the prefill API requires ``Authorization: Bearer <key>``
+``BUBBLETEA_DECODE``   ``on`` or ``off``: override ``decode.enabled``
 ``BUBBLETEA_ITERATIONS`` override ``training.iterations``: a number, or ``until_stopped``
 ``BUBBLETEA_METRICS_HOST`` / ``BUBBLETEA_METRICS_PORT``  where a bus service (dispatcher, worker,
                        broker) serves Prometheus ``/metrics``: default 127.0.0.1 and port 0 (any
@@ -45,6 +46,7 @@ ENV_VARS = frozenset(
         "BUBBLETEA_API_KEY",
         "BUBBLETEA_REDIS_SERVER",
         "BUBBLETEA_ITERATIONS",
+        "BUBBLETEA_DECODE",
         "BUBBLETEA_METRICS_HOST",
         "BUBBLETEA_METRICS_PORT",
     }
@@ -91,6 +93,10 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
             raise ConfigError(f"BUBBLETEA_HTTP_PORT: expected a port number 0-65535, got {port!r}")
         http = msgspec.structs.replace(http, port=int(port))
     spec = msgspec.structs.replace(spec, http=http)
+    if decode := env.get("BUBBLETEA_DECODE"):
+        if decode not in ("on", "off"):
+            raise ConfigError(f"BUBBLETEA_DECODE: expected on or off, got {decode!r}")
+        spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, enabled=decode == "on"))
     if iterations := env.get("BUBBLETEA_ITERATIONS"):
         spec = msgspec.structs.replace(spec, training=_iterations(spec, iterations))
     level = env.get("BUBBLETEA_LOG_LEVEL", "INFO").upper()

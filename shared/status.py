@@ -24,6 +24,7 @@ class FailureReason(enum.StrEnum):
     DEADLINE = "deadline"  # its deadline passed before pipeline bubbles could run it
     STATE_EXPIRED = "state_expired"  # the saved partial prefill it should resume from had expired
     MODEL_REFUSED = "model_refused"  # the worker's model cannot run this prompt (e.g. another spec's limits)
+    KV_MISSING = "kv_missing"  # the decoder found no KV cache for it (expired, or never stored)
     UNAVAILABLE = "unavailable"  # nothing can serve it: training finished, stopped or stalled (`ServingState`)
 
 

@@ -224,6 +224,39 @@ class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
         return self.status is RequestStatus.DONE
 
 
+class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode_request"):
+    """A finished prefill to continue: the decoder loads the KV cache of request `id` (whose
+    metadata carries the prompt and its first token) and generates up to `max_tokens` tokens in
+    all, the first token included, stopping early at a `stop` sequence."""
+
+    id: str
+    model: str
+    max_tokens: int  # in all, the prefill's first token included (OpenAI's max_tokens)
+    temperature: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    submitted: float  # wall clock
+    deadline: float | None = None  # wall clock; past it decoding stops with a failure
+    reply_to: str  # the accepting front door's results stream
+
+
+class DecodeChunk(Message, frozen=True, kw_only=True, tag="decode_chunk"):
+    """Tokens the decoder generated for request `id` since its last chunk (`index`: the position
+    in the completion of the first of them, the prefill's token being 0). The last chunk has
+    `done`, with `finish_reason` ("length" or "stop", and the `stop_reason` sequence) or, for a
+    failure, `status` FAILED with a `reason` and a sentence in `error`."""
+
+    id: str
+    index: int
+    tokens: tuple[int, ...] = ()  # the front door makes the text, from all the completion's tokens
+    done: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    status: RequestStatus = RequestStatus.DONE
+    reason: FailureReason | None = None
+    error: str = ""
+
+
 class PrefillItem(msgspec.Struct, frozen=True, kw_only=True):
     """One request's share of a batch: run blocks [from_layer, to_layer) of its prompt."""
 
@@ -281,16 +314,6 @@ class PrefillSnapshot(Message, frozen=True, kw_only=True, tag="prefill_snapshot"
     kv: tuple[tuple[TensorBlob, TensorBlob], ...]
 
 
-class KVCache(Message, frozen=True, kw_only=True, tag="kv_cache"):
-    """A finished prefill's KV cache as stored for a decode service: one (k, v) per layer,
-    each float32 (1, heads, prompt_tokens, head_dim)."""
-
-    id: str
-    model: str
-    prompt_tokens: int
-    kv: tuple[tuple[TensorBlob, TensorBlob], ...]
-
-
 #: Every kind the bus can carry. New kinds are added here, so this union is the wire's index.
 AnyMessage = (
     Ping
@@ -309,7 +332,8 @@ AnyMessage = (
     | PrefillBatch
     | PrefillReport
     | PrefillSnapshot
-    | KVCache
+    | DecodeRequest
+    | DecodeChunk
 )
 
 _encoder: Final = msgspec.msgpack.Encoder()

@@ -21,14 +21,17 @@ class ServiceDef:
     #: Scheduling niceness on a shared machine: the serving front door yields the CPU to the
     #: training processes (training is the owner), which matters when everything shares a few cores.
     nice: int = 0
+    #: Started only when the spec turns decoding on (`decode.enabled`; compose: the decode profile).
+    decode_only: bool = False
 
 
 PREFILL_QUEUE = ServiceDef("prefill_queue", "services.prefill_queue", http=True, nice=10)
 WAN_BROKER = ServiceDef("wan_broker", "services.wan_broker")
 STAGE_WORKER = ServiceDef("stage_worker", "services.stage_worker", per_slot=True)
 DISPATCHER = ServiceDef("dispatcher", "services.dispatcher")
+DECODER = ServiceDef("decoder", "services.decoder", decode_only=True)
 
-SERVICES: tuple[ServiceDef, ...] = (PREFILL_QUEUE, WAN_BROKER, STAGE_WORKER, DISPATCHER)
+SERVICES: tuple[ServiceDef, ...] = (PREFILL_QUEUE, WAN_BROKER, STAGE_WORKER, DISPATCHER, DECODER)
 
 
 def command(svc: ServiceDef) -> list[str]:

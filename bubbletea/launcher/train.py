@@ -7,11 +7,13 @@ A worker that exits with an error or reports `WorkerFailed` ends the run with th
 
 from __future__ import annotations
 
+import asyncio
 import re
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from bubbletea.launcher.procs import Proc, ServiceFailed, spawn, stop_all
@@ -52,9 +54,12 @@ async def run_training(
     progress: bool = True,
     quiet: bool = False,
     dispatcher: bool = False,
+    save: Path | None = None,
 ) -> TrainResult:
     """Train once over live services. With `dispatcher`, a BubbleTea dispatcher for the run is
-    started too, so prefill requests queued on the same Redis are served in the run's bubbles."""
+    started too, so prefill requests queued on the same Redis are served in the run's bubbles.
+    With `save`, the trained model is written there as a checkpoint directory (Hugging Face GPT-2
+    format, `shared.model.export`) that `prefill.checkpoint` accepts."""
     spec, run = settings.spec, settings.run
     if spec.training.iteration_limit is None:
         raise ConfigError(
@@ -71,15 +76,54 @@ async def run_training(
     procs: list[Proc] = []
     async with Bus(redis_url, spec.bus, name="train-launcher") as bus:
         events = keys.events_stream(run)
+        if save is not None:
+            await bus.redis.set(keys.save_request_key(run), "1", ex=keys.WEIGHTS_TTL_S)
         try:
             procs.append(await spawn(WAN_BROKER, env, out=out, quiet=quiet))
             if dispatcher:
                 procs.append(await spawn(DISPATCHER, env, out=out, quiet=quiet))
             for _ in range(workers):
                 procs.append(await spawn(STAGE_WORKER, env, out=out, quiet=quiet))
-            return await _follow(bus, events, settings, procs, out if progress else None)
+            result = await _follow(bus, events, settings, procs, out if progress else None)
+            if save is not None:
+                await _save(bus, settings, procs, save)
+            return result
         finally:
             await stop_all(procs)
+
+
+#: How long the workers get to hand over their weights after the last iteration.
+SAVE_TIMEOUT_S = 60.0
+
+
+async def _save(bus: Bus, settings: Settings, procs: list[Proc], directory: Path) -> None:
+    """Assemble the stages' weights (left in Redis by the replica-0 workers) and write them."""
+    from safetensors.torch import load
+
+    from shared.model.export import save_gpt2_checkpoint
+    from shared.model.shape import GPTConfig
+
+    stages = settings.spec.parallelism.pp
+    wanted = [keys.weights_key(settings.run, s) for s in range(stages)]
+    deadline = time.monotonic() + SAVE_TIMEOUT_S
+    while True:
+        found: Any = await bus.redis.mget(wanted)
+        if all(f is not None for f in found):
+            break
+        for p in procs:
+            if p.proc.returncode not in (None, 0):
+                raise ServiceFailed(f"{p.name} exited with code {p.proc.returncode} before saving its weights")
+        if time.monotonic() > deadline:
+            missing = [s for s, f in enumerate(found) if f is None]
+            raise ServiceFailed(
+                f"the workers of stages {missing} did not hand over their weights in {SAVE_TIMEOUT_S:.0f}s"
+            )
+        await asyncio.sleep(0.1)  # weights are keys the workers write once: poll them
+    state: dict[str, Any] = {}
+    for raw in found:
+        state.update(load(raw))
+    save_gpt2_checkpoint(state, GPTConfig.from_spec(settings.spec.model), directory)
+    await bus.redis.delete(keys.save_request_key(settings.run), *wanted)
 
 
 async def _follow(bus: Bus, stream: str, settings: Settings, procs: list[Proc], out: TextIO | None) -> TrainResult:

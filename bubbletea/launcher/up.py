@@ -102,6 +102,8 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool) -> int:
         }
         slots = spec.parallelism.pp * spec.parallelism.dp
         for svc in SERVICES:
+            if svc.decode_only and not spec.decode.enabled:
+                continue
             for i in range(slots if svc.per_slot else 1):
                 label = f"{svc.name}-{i}" if svc.per_slot else svc.name
                 procs.append(await spawn(svc, env, quiet=not verbose, log_file=logs / f"{label}.log", label=label))

@@ -37,7 +37,7 @@ from shared.config import ClusterSpec
 from shared.health import Heartbeat, instance_id
 from shared.leases import read_slots
 from shared.logs import get_logger
-from shared.model.shape import GPTConfig, estimate_kv_bytes
+from shared.model.shape import model_info
 from shared.policies.decisions import Batch, Decisions, Failure
 from shared.policies.dispatch import STALE_BUBBLE_S, BubbleOpened, DispatchState, Progress, Request
 from shared.policies.readiness import ServingGate, Verdict
@@ -78,9 +78,9 @@ class Dispatcher:
     def __init__(self, bus: Bus, spec: ClusterSpec, run: str) -> None:
         bt = spec.bubbletea
         self.bus, self.spec, self.run = bus, spec, run
-        self.model_cfg = GPTConfig.from_spec(spec.prefill.model)
+        self.model_info = model_info(spec.prefill)  # the served model's layers and KV size (config.json if HF)
         self.state = DispatchState(
-            layers=self.model_cfg.layers,
+            layers=self.model_info.layers,
             guard_s=bt.guard_ms / 1000,
             overhead_s=bt.dispatch_overhead_ms / 1000,
             max_batch=bt.max_batch_requests,
@@ -110,7 +110,7 @@ class Dispatcher:
             id=req.id,
             tokens=len(req.tokens),
             arrival=req.submitted,
-            kv_bytes=estimate_kv_bytes(self.model_cfg, len(req.tokens)),
+            kv_bytes=self.model_info.kv_bytes(len(req.tokens)),
             deadline=req.deadline,
             ticket=d.id,
             payload=req,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import time
 from typing import Any
@@ -13,11 +14,19 @@ from services.prefill_queue.state import BUS, GATE, METRICS, SETTINGS, instance_
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
 from shared import keys, serving
 from shared.bus.connection import TRANSIENT_ERRORS
+from shared.config import Prefill
+from shared.model.shape import ModelInfo, model_info
+from shared.model.tokenizer import Tokenizer, tokenizer_for
 from shared.status import FailureReason, RequestStatus
 from shared.wire import PrefillRequest, PrefillResult
 
 #: How long a 429 tells the client to wait before retrying: about one pipeline iteration.
 RETRY_AFTER_S = 1
+
+#: The KV cache's format as the handle names it: safetensors with the layout `shared.kvstore`
+#: writes (`kvstore.KV_FORMAT`; the front door stays torch-free, so the name is repeated here and a
+#: test keeps the two equal).
+KV_HANDLE_FORMAT = "safetensors:bubbletea-kv/1"
 
 #: How long a client whose request was failed with a 503 is told to wait (`Retry-After`).
 FAILED_RETRY_AFTER_S = 5
@@ -27,6 +36,7 @@ FAILURE_STATUS: dict[FailureReason, int] = {
     FailureReason.DEADLINE: 504,  # no bubble had room in time: a gateway timeout, worth retrying later
     FailureReason.STATE_EXPIRED: 503,  # its partial prefill was lost: transient, retry
     FailureReason.MODEL_REFUSED: 500,  # the serving model cannot run an accepted prompt: our fault
+    FailureReason.KV_MISSING: 503,  # the prompt's KV cache expired before the decoder took it: retry
     FailureReason.UNAVAILABLE: 503,  # training finished, stopped or stalled: no bubble will come soon
 }
 
@@ -54,13 +64,31 @@ async def read_gate(app: web.Application) -> None:
         app[GATE].verdict = serving.combined(await serving.readiness(app[BUS].redis))
 
 
+@functools.lru_cache(maxsize=4)
+def served_model(spec: Prefill) -> tuple[ModelInfo, Tokenizer]:
+    """The served model's shape and tokenizer (torch-free: a checkpoint directory's config.json and
+    tokenizer.json, else `prefill.model` and bytes), read once per spec. `CheckpointError` if the
+    checkpoint directory is unusable."""
+    return model_info(spec), tokenizer_for(spec)
+
+
 def limits(app: web.Application) -> Limits:
     spec = app[SETTINGS].spec
+    info, tokenizer = served_model(spec.prefill)
+    decoding = spec.decode.enabled and spec.prefill.kv_ttl_s > 0
+    if not spec.decode.enabled:
+        why = "this service does prefill only (decode.enabled is false: start it with bubbletea up --decode)"
+    else:
+        why = "decoding needs the KV cache, and prefill.kv_ttl_s is 0 (nothing is stored)"
     return Limits(
         model=spec.prefill.model_name,
-        vocab=spec.prefill.model.vocab,
-        max_prompt_tokens=spec.prefill.max_prompt_tokens,
+        vocab=info.vocab,
+        max_prompt_tokens=min(spec.prefill.max_prompt_tokens, info.max_model_len),
         default_timeout_s=spec.prefill.request_timeout_s,
+        tokenizer=tokenizer,
+        max_tokens=spec.decode.max_tokens if decoding else 1,
+        max_model_len=info.max_model_len,
+        prefill_only_because=why,
     )
 
 
@@ -156,7 +184,7 @@ async def models(request: web.Request) -> web.Response:
         "owned_by": "bubbletea",
         "root": name,  # vLLM's benchmark reads the served model from here when --model is not given
         "parent": None,
-        "max_model_len": min(spec.max_prompt_tokens, spec.model.seq_len),
+        "max_model_len": min(spec.max_prompt_tokens, served_model(spec)[0].max_model_len),
     }
     return web.json_response({"object": "list", "data": [model]})
 
@@ -178,9 +206,11 @@ def result_body(r: PrefillResult) -> dict[str, Any]:
 def kv_params(r: PrefillResult) -> dict[str, Any]:
     """Where a decode service fetches the prompt's KV cache (`shared.kvstore.fetch_kv`), in vLLM's
     disaggregated-prefill shape (`do_remote_prefill`: the decode side takes over from a prefill
-    done here) plus this system's handle (`store`, `key`, `bytes`, `expires_at`). With
+    done here) plus this system's handle (`store`, `key`, `format`, `bytes`, `expires_at`): a
+    Redis string holding safetensors bytes (docs/api.md, "The KV cache"). With
     `prefill.kv_ttl_s: 0` nothing is stored and the store is "none"."""
     vllm = {"do_remote_prefill": bool(r.kv_key), "do_remote_decode": False, "remote_engine_id": "bubbletea"}
     if not r.kv_key:
-        return {**vllm, "store": "none", "key": None, "bytes": 0, "expires_at": None}
-    return {**vllm, "store": "redis", "key": r.kv_key, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at}
+        return {**vllm, "store": "none", "key": None, "format": None, "bytes": 0, "expires_at": None}
+    handle = {"store": "redis", "key": r.kv_key, "format": KV_HANDLE_FORMAT}
+    return {**vllm, **handle, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at}

@@ -36,10 +36,11 @@ from services.prefill_queue.validation import BadRequest
 from shared import serving
 from shared.bus import Bus, Delivery
 from shared.bus.connection import TRANSIENT_ERRORS
+from shared.bus.delivery import Handlers
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.settings import Settings
-from shared.wire import PrefillResult
+from shared.wire import DecodeChunk, PrefillResult
 
 SERVICE = "prefill_queue"
 #: /health answers 503 if Redis does not answer a PING within this time.
@@ -54,6 +55,7 @@ def create_app(settings: Settings) -> web.Application:
         middlewares=[_request_id, _json_errors, _count_requests, _api_key],
     )
     app[SETTINGS] = settings
+    api.served_model(settings.spec.prefill)  # an unusable checkpoint directory stops the start, naming why
     app[METRICS] = Metrics(settings.spec.prefill.model_name)
     app[STARTED] = time.time()
     app[WAITERS] = Waiters()
@@ -107,7 +109,13 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
             m.ttft.observe((r.queue_ms + r.prefill_ms) / 1000)  # submission to the answer
         app[WAITERS].deliver(r)
 
-    consumer = app[BUS].consumer(instance_results_stream(app), SERVICE, {PrefillResult: on_result}, name=app[INSTANCE])
+    async def on_chunk(d: Delivery) -> None:
+        chunk = d.message
+        assert isinstance(chunk, DecodeChunk)
+        app[WAITERS].deliver_chunk(chunk)
+
+    handlers: Handlers = {PrefillResult: on_result, DecodeChunk: on_chunk}
+    consumer = app[BUS].consumer(instance_results_stream(app), SERVICE, handlers, name=app[INSTANCE])
     async with consumer:
         yield
 
@@ -258,4 +266,4 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def openapi_json(request: web.Request) -> web.Response:
     p = request.app[SETTINGS].spec.prefill
-    return web.json_response(openapi.spec(p.model_name, p.max_prompt_tokens))
+    return web.json_response(openapi.spec(p.model_name, api.limits(request.app).max_prompt_tokens))

@@ -1,11 +1,14 @@
 """POST /v1/completions: the OpenAI completions API as the official client and `vllm bench serve` speak it.
 
-Each prompt of the request is queued on its own and answered with its first token (prefill only).
+Each prompt of the request is queued on its own and prefilled in the bubbles; its answer is the
+first token. With ``max_tokens`` > 1 (the decoder on: `decode.enabled`) the decoder continues each
+prompt from its KV cache (`decoding.continue_completion`) and the choice is the whole completion.
 Without streaming the answer is one JSON body with a choice per prompt. With ``stream: true`` it is
-server-sent events: one chunk per prompt as its answer lands (the token, its logprobs and its
-finish reason), a usage chunk when ``stream_options.include_usage`` is set, then ``data: [DONE]``.
-The stream starts only once the first answer is in, so a request that fails before anything was
-sent still gets its HTTP error status; a failure after that is an ``error`` event.
+server-sent events: a chunk per prompt as its first token lands (its text, logprobs and, if that
+ends it, its finish reason), then chunks of further text as the decoder produces them, a usage chunk
+when ``stream_options.include_usage`` is set, then ``data: [DONE]``. The stream starts only once the
+first answer is in, so a request that fails before anything was sent still gets its HTTP error
+status; a failure after that is an ``error`` event.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -28,9 +32,11 @@ from services.prefill_queue.api import (
     limits,
     refuse_if_not_serving,
 )
+from services.prefill_queue.decoding import continue_completion
 from services.prefill_queue.state import METRICS, SETTINGS, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion, parse_completion
-from shared.model.tokenizer import decode
+from shared.model.tokenizer import BYTES, Tokenizer, find_stop, token_text
+from shared.status import RequestStatus
 from shared.wire import PrefillRequest, PrefillResult
 
 #: An X-Request-Id a client sends becomes the completion's id (as vLLM does): printable, bounded.
@@ -44,7 +50,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    c = parse_completion(body, limits(app))
+    lim = limits(app)
+    c = parse_completion(body, lim)
     await refuse_if_not_serving(app)  # once for all the prompts: none is queued if the answer is no
     completion_id = _completion_id(request)
     ids = [completion_id] if len(c.prompts) == 1 else [f"{completion_id}-{i}" for i in range(len(c.prompts))]
@@ -52,6 +59,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     try:
         reqs = [await enqueue(request, parsed, rid) for parsed, rid in zip(c.prompts, ids, strict=True)]
         answers = _as_answered(waiters, c.prompts[0].timeout_s)
+        if c.max_tokens > 1:
+            return await _whole(request, received, c, completion_id, reqs, answers, lim.tokenizer)
         if c.stream:
             return await _stream(request, received, c, completion_id, reqs, answers)
         results: dict[str, PrefillResult] = {}
@@ -62,7 +71,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         for rid in ids:
             app[WAITERS].forget(rid)
     model = app[SETTINGS].spec.prefill.model_name
-    choices = [choice(i, req, results[req.id], c.stop) for i, req in enumerate(reqs)]
+    choices = [choice(i, req, results[req.id], c.stop, tokenizer=lim.tokenizer) for i, req in enumerate(reqs)]
     _observe(app, received, choices)
     return web.json_response(
         {
@@ -72,6 +81,182 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "kv_transfer_params": kv_params(results[reqs[0].id]),
         }
     )
+
+
+# --- whole completions (the decoder) --------------------------------------------------------
+
+
+@dataclass
+class _Text:
+    """One choice's text as its tokens come: what was sent, and how it ended."""
+
+    tokenizer: Tokenizer
+    stop: tuple[str, ...]
+    tokens: list[int] = field(default_factory=list)
+    sent: str = ""
+    finish: str | None = None
+    stop_reason: str | None = None
+
+    def add(self, tokens: tuple[int, ...] | list[int], *, done: bool = False) -> str:
+        """Take more tokens; return the text not sent yet (held back while it ends in an unfinished
+        character). A stop sequence ends the choice there."""
+        self.tokens += tokens
+        text = self.tokenizer.decode(self.tokens)
+        hit = find_stop(text, self.stop)
+        if hit is not None:
+            text, self.finish, self.stop_reason, done = text[: hit[0]], "stop", hit[1], True
+        if not done and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        new = text[len(self.sent) :] if text.startswith(self.sent) else ""
+        self.sent += new
+        if done and self.finish is None:
+            self.finish = "length"
+        return new
+
+
+async def _whole(
+    request: web.Request,
+    received: float,
+    c: Completion,
+    completion_id: str,
+    reqs: list[PrefillRequest],
+    answers: AsyncIterator[tuple[str, PrefillResult]],
+    tokenizer: Tokenizer,
+) -> web.StreamResponse:
+    """Prefill answers, then each prompt's decoding, as one JSON body or as server-sent events."""
+    app = request.app
+    index = {req.id: i for i, req in enumerate(reqs)}
+    by_id = {req.id: req for req in reqs}
+    texts = {req.id: _Text(tokenizer, c.stop) for req in reqs}
+    events: asyncio.Queue[tuple[str, str, bool] | BadRequest] = asyncio.Queue()  # (id, new text, done)
+
+    async def decode(rid: str, first: PrefillResult) -> None:
+        t = texts[rid]
+        new = t.add([first.token], done=c.max_tokens == 1)
+        await events.put((rid, new, t.finish is not None))
+        if t.finish is not None:
+            return  # the first token already ended it (a stop sequence)
+        try:
+            async for chunk in continue_completion(app, by_id[rid], c.max_tokens, c.stop):
+                if chunk.status is not RequestStatus.DONE:
+                    status = FAILURE_STATUS[chunk.reason] if chunk.reason is not None else 500
+                    await events.put(
+                        BadRequest(f"the decode failed: {chunk.error}", status=status, type_="server_error")
+                    )
+                    return
+                new = t.add(chunk.tokens, done=chunk.done)
+                if t.finish is None and chunk.done:
+                    t.finish = chunk.finish_reason or "length"
+                await events.put((rid, new, t.finish is not None))
+                if t.finish is not None:
+                    return
+        except BadRequest as exc:
+            await events.put(exc)
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        first_id, first = await anext(answers)  # before any byte: a failure keeps its HTTP status
+        _raise_if_failed(first)
+        results = {first_id: first}
+        tasks.append(asyncio.create_task(decode(first_id, first)))
+
+        async def rest() -> None:
+            async for rid, result in answers:
+                results[rid] = result
+                if result.ok:
+                    tasks.append(asyncio.create_task(decode(rid, result)))
+                else:
+                    status = FAILURE_STATUS[result.reason] if result.reason is not None else 500
+                    await events.put(BadRequest(f"the prefill failed: {result.error}", status=status))
+
+        collector = asyncio.create_task(rest())
+        tasks.append(collector)
+        if c.stream:
+            return await _stream_whole(request, received, c, completion_id, reqs, texts, events, results)
+        ended = 0
+        while ended < len(reqs):
+            ev = await events.get()
+            if isinstance(ev, BadRequest):
+                raise ev
+            ended += ev[2]
+    finally:
+        for t in tasks:
+            t.cancel()
+        for req in reqs:
+            app[WAITERS].forget(req.id)
+    model = app[SETTINGS].spec.prefill.model_name
+    choices = [_whole_choice(index[r.id], texts[r.id]) for r in reqs]
+    _observe(app, received, choices)
+    return web.json_response(
+        {
+            **_head(completion_id, reqs[0], model),
+            "choices": choices,
+            "usage": _whole_usage(reqs, results, texts),
+            "kv_transfer_params": kv_params(results[reqs[0].id]),
+        }
+    )
+
+
+def _whole_choice(i: int, t: _Text, text: str | None = None) -> dict[str, Any]:
+    return {
+        "index": i,
+        "text": t.sent if text is None else text,
+        "logprobs": None,
+        "finish_reason": t.finish,
+        "stop_reason": t.stop_reason,
+    }
+
+
+def _whole_usage(
+    reqs: list[PrefillRequest], results: dict[str, PrefillResult], texts: dict[str, _Text]
+) -> dict[str, int]:
+    prompt = sum(r.prompt_tokens for r in results.values())
+    completion = sum(len(texts[r.id].tokens) for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _stream_whole(
+    request: web.Request,
+    received: float,
+    c: Completion,
+    completion_id: str,
+    reqs: list[PrefillRequest],
+    texts: dict[str, _Text],
+    events: asyncio.Queue[tuple[str, str, bool] | BadRequest],
+    results: dict[str, PrefillResult],
+) -> web.StreamResponse:
+    """The events of `_whole` as server-sent events: a chunk per piece of new text."""
+    head = _head(completion_id, reqs[0], request.app[SETTINGS].spec.prefill.model_name)
+    index = {req.id: i for i, req in enumerate(reqs)}
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+
+    async def send(event: dict[str, Any]) -> None:
+        await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+
+    ended = 0
+    while ended < len(reqs):
+        ev = await events.get()
+        if isinstance(ev, BadRequest):
+            await send({"error": {"message": ev.message, "type": ev.type, "code": ev.status}})
+            ended += 1
+            continue
+        rid, new, done = ev
+        if not new and not done:
+            continue
+        t = texts[rid]
+        chunk = {
+            **head,
+            "choices": [{**_whole_choice(index[rid], t, new), "finish_reason": t.finish if done else None}],
+        }
+        await send({**chunk, "usage": None} if c.include_usage else chunk)
+        ended += done
+    if c.include_usage:
+        await send({**head, "choices": [], "usage": _whole_usage(reqs, results, texts)})
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    _observe(request.app, received, [_whole_choice(index[r.id], texts[r.id]) for r in reqs])
+    return resp
 
 
 def _completion_id(request: web.Request) -> str:
@@ -116,9 +301,12 @@ def _head(completion_id: str, req: PrefillRequest, model: str) -> dict[str, Any]
     return {"id": completion_id, "object": "text_completion", "created": int(req.submitted), "model": model}
 
 
-def choice(index: int, req: PrefillRequest, r: PrefillResult, stop: tuple[str, ...]) -> dict[str, Any]:
+def choice(
+    index: int, req: PrefillRequest, r: PrefillResult, stop: tuple[str, ...], *, tokenizer: Tokenizer = BYTES
+) -> dict[str, Any]:
     """One prompt's choice. A stop sequence in the token's text ends it there (finish_reason "stop",
-    `stop_reason` the sequence, as vLLM reports it); otherwise the one token is the length limit."""
+    `stop_reason` the sequence, as vLLM reports it); otherwise the one token is the length limit.
+    The top logprobs are keyed by each token's text in the served model's `tokenizer`."""
     text, finish, stop_reason = r.text, "length", None
     for s in stop:
         at = text.find(s)
@@ -130,7 +318,7 @@ def choice(index: int, req: PrefillRequest, r: PrefillResult, stop: tuple[str, .
         logprobs = {
             "tokens": [r.text],
             "token_logprobs": [r.logprob],
-            "top_logprobs": [{decode([t]): lp for t, lp in r.top}],
+            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in r.top}],
             "text_offset": [0],
         }
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
@@ -157,6 +345,7 @@ async def _stream(
     answers: AsyncIterator[tuple[str, PrefillResult]],
 ) -> web.StreamResponse:
     model = request.app[SETTINGS].spec.prefill.model_name
+    tokenizer = limits(request.app).tokenizer
     index = {req.id: i for i, req in enumerate(reqs)}
     by_id = {req.id: req for req in reqs}
     head = _head(completion_id, reqs[0], model)
@@ -175,7 +364,7 @@ async def _stream(
         while True:
             if result.ok:
                 done.append(result)
-                sent.append(choice(index[rid], by_id[rid], result, c.stop))
+                sent.append(choice(index[rid], by_id[rid], result, c.stop, tokenizer=tokenizer))
                 chunk = {**head, "choices": [sent[-1]]}
                 await send({**chunk, "usage": None} if c.include_usage else chunk)
             else:

@@ -11,14 +11,28 @@ from shared import keys
 from shared.bus import Bus
 from shared.serving import Readiness
 from shared.settings import Settings
-from shared.wire import PrefillResult
+from shared.wire import DecodeChunk, PrefillResult
 
 
 class Waiters:
-    """Futures of the synchronous requests this instance is answering, by request id."""
+    """Futures of the synchronous requests this instance is answering, by request id; and, for
+    completions being decoded, a queue of their `DecodeChunk`s."""
 
     def __init__(self) -> None:
         self._futures: dict[str, asyncio.Future[PrefillResult]] = {}
+        self._chunks: dict[str, asyncio.Queue[DecodeChunk]] = {}
+
+    def expect_chunks(self, request_id: str) -> asyncio.Queue[DecodeChunk]:
+        q: asyncio.Queue[DecodeChunk] = asyncio.Queue()
+        self._chunks[request_id] = q
+        return q
+
+    def deliver_chunk(self, chunk: DecodeChunk) -> bool:
+        q = self._chunks.get(chunk.id)
+        if q is None:
+            return False  # its client is gone (or another instance's): dropped, the decoder is not told
+        q.put_nowait(chunk)
+        return True
 
     def expect(self, request_id: str) -> asyncio.Future[PrefillResult]:
         fut: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
@@ -34,6 +48,7 @@ class Waiters:
 
     def forget(self, request_id: str) -> None:
         self._futures.pop(request_id, None)
+        self._chunks.pop(request_id, None)
 
     def __len__(self) -> int:
         return len(self._futures)

@@ -1,8 +1,8 @@
 """Parsing and validating prefill requests (pure): every bad input gets a 4xx that names the field.
 
 Two shapes: the OpenAI completions body (``POST /v1/completions``) and the native body
-(``POST /v1/prefill``). Both become one `ParsedRequest`. Prompts are text (tokenized at byte level)
-or a list of token ids.
+(``POST /v1/prefill``). Both become one `ParsedRequest`. Prompts are text (tokenized by the served
+model's tokenizer, `Limits.tokenizer`) or a list of token ids.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shared.model.tokenizer import encode
+from shared.model.tokenizer import BYTES, Tokenizer
 
 #: OpenAI allows up to 5 top logprobs on completions; we follow it.
 MAX_LOGPROBS = 5
@@ -56,9 +56,16 @@ class BadRequest(Exception):
 @dataclass(frozen=True)
 class Limits:
     model: str  # the served model id
-    vocab: int
-    max_prompt_tokens: int
+    vocab: int  # the model's vocabulary: token ids 0..vocab-1
+    max_prompt_tokens: int  # min(prefill.max_prompt_tokens, the model's max_model_len)
     default_timeout_s: float
+    tokenizer: Tokenizer = BYTES  # what text prompts are tokenized with (the served model's)
+    #: The largest `max_tokens`: 1 serves prefill only; more with the decoder (`decode.enabled`).
+    max_tokens: int = 1
+    #: Positions the model has: a prompt and its completion together fit in it (vLLM's rule).
+    max_model_len: int = 1 << 30
+    #: Why `max_tokens` is 1 when it is (what to change to get whole completions).
+    prefill_only_because: str = "this service does prefill only"
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class Completion:
     stream: bool
     include_usage: bool
     stop: tuple[str, ...]
+    max_tokens: int = 1  # tokens per choice in all: 1 = the prefill's first token only
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,7 @@ def _tokens(prompt: Any, limits: Limits) -> tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("'prompt' is empty", param="prompt")
-        ids = tuple(encode(prompt))
+        ids = tuple(limits.tokenizer.encode(prompt))
     elif isinstance(prompt, list):
         if not prompt:
             raise BadRequest("'prompt' is an empty list", param="prompt")
@@ -192,12 +200,30 @@ def parse_completion(body: Any, limits: Limits) -> Completion:
     parsed = tuple(_common({**body, "prompt": p}, limits, default_temperature=1.0)[1] for p in prompts)
     parse_kv_transfer(body)
     max_tokens = _int(body, "max_tokens", 1, 0, 2**31)
-    if max_tokens != 1:
+    assert max_tokens is not None
+    if limits.max_tokens == 1 and max_tokens != 1:
         raise BadRequest(
-            f"'max_tokens' must be 1: this service does prefill only and returns the first token with "
+            f"'max_tokens' must be 1: {limits.prefill_only_because}, and returns the first token with "
             f"a handle to the KV cache (kv_transfer_params) for a decode service; got {max_tokens}",
             param="max_tokens",
         )
+    if not 1 <= max_tokens <= limits.max_tokens:
+        raise BadRequest(
+            f"'max_tokens' must be between 1 and {limits.max_tokens}, got {max_tokens}", param="max_tokens"
+        )
+    if max_tokens > 1:
+        longest = max(len(p.tokens) for p in parsed)
+        if longest + max_tokens > limits.max_model_len:
+            raise BadRequest(
+                f"the model's context is {limits.max_model_len} tokens: a prompt of {longest} tokens leaves room "
+                f"for {max(0, limits.max_model_len - longest)} more, but max_tokens is {max_tokens}",
+                param="max_tokens",
+            )
+        if any(p.logprobs for p in parsed):
+            raise BadRequest("'logprobs' needs max_tokens 1: the decoder does not return them", param="logprobs")
+        for field in ("presence_penalty", "frequency_penalty"):
+            if _number(body, field, 0.0, -2.0, 2.0) != 0.0:
+                raise BadRequest(f"'{field}' must be 0 with max_tokens > 1: it is not applied", param=field)
     for field, neutral in (("n", 1), ("best_of", 1)):
         if _int(body, field, neutral, 1, 2**31) != neutral:
             raise BadRequest(f"'{field}' must be 1: one completion per prompt", param=field)
@@ -222,6 +248,7 @@ def parse_completion(body: Any, limits: Limits) -> Completion:
         stream=stream,
         include_usage=_stream_options(body, stream),
         stop=_stop(body.get("stop")),
+        max_tokens=max_tokens,
     )
 
 

@@ -144,7 +144,7 @@ class Filler:
         states: dict[str, PrefillState | None] = {}
         for it in resumed:
             snap = await kvstore.load_snapshot(self.bus.redis, it.snapshot_key)
-            states[it.id] = kvstore.restore(snap, self.model.cfg.layers) if snap is not None else None
+            states[it.id] = kvstore.restore(snap, self.model.layers) if snap is not None else None
         return states
 
     def _compute(

@@ -103,9 +103,8 @@ class Reporter:
         now = time.time()
         kv_key, kv_size, expires = "", 0, 0.0
         if self.kv_ttl_s > 0:
-            kv_key, kv_size = await kvstore.store_kv(
-                self.bus.redis, kvstore.kv_message(o.item.id, self.model_name, res.kv), self.kv_ttl_s
-            )
+            data = kvstore.kv_file(o.item.id, self.model_name, o.item.tokens, res.token, res.kv)
+            kv_key, kv_size = await kvstore.store_kv(self.bus.redis, o.item.id, data, self.kv_ttl_s)
             expires = now + self.kv_ttl_s
         prefill_ms = o.seconds * 1000
         await serving.answer(

@@ -33,7 +33,7 @@ from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
 from shared.policies.schedules import Op, schedule
 from shared.policies.wan import transfer_priority
-from shared.tensors import to_blob
+from shared.tensors import TensorBlob, to_blob
 from shared.timing import sleep_until
 from shared.wire import (
     BubbleEnd,
@@ -287,9 +287,10 @@ class StageRunner:
         t0 = time.time()
         ready = {self.replica: t0}
         if dp > 1:
-            mine = await asyncio.to_thread(self.trainer.flat_grads)
+            # In the thread: the copy off the device for the wire stays off the event loop.
+            mine, blob = await asyncio.to_thread(self._flat_grads_and_blob)
             shard = GradShard(
-                run=self.run, iteration=it, stage=self.stage, replica=self.replica, tensor=to_blob(mine), ready_at=t0
+                run=self.run, iteration=it, stage=self.stage, replica=self.replica, tensor=blob, ready_at=t0
             )
             for peer in range(dp):
                 if peer != self.replica:
@@ -298,14 +299,17 @@ class StageRunner:
             for peer in range(dp):
                 if peer != self.replica:
                     grads[peer], ready[peer] = await self.mailbox.take(("shard", it, peer))
-            total = grads[0].clone()
-            for peer in range(1, dp):
-                total += grads[peer]
-            await asyncio.to_thread(self.trainer.load_grads, total / dp)
+            # Summed on this worker's device, in replica order everywhere.
+            await asyncio.to_thread(self.trainer.load_mean, [grads[r] for r in range(dp)])
         if self.profile.allreduce:
             done_wall = max(ready.values()) + self.profile.allreduce
             await sleep_until(time.monotonic() + (done_wall - time.time()))
         self._span("allreduce", it, t0, time.time())
+
+    def _flat_grads_and_blob(self) -> tuple[torch.Tensor, TensorBlob]:
+        """This stage's flat gradients (on the device) and their CPU copy for the wire."""
+        mine = self.trainer.flat_grads()
+        return mine, to_blob(mine)
 
     # --- telemetry -------------------------------------------------------------------------
 

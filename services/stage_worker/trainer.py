@@ -3,23 +3,36 @@
 Blocking: the runner calls these methods in a worker thread. Semantics match
 `shared.model.reference.train_reference`: the last stage backpropagates loss / microbatches per
 microbatch, and the all-reduce averages the replicas' summed gradients.
+
+Everything runs on `device` (`shared.devices`): the model (built on the CPU, so every device starts
+from the same weights, then moved), the optimizer state, the microbatches, received activations and
+gradients (moved there on arrival here), and the all-reduce's sum. Tensors handed back for the wire
+are on the CPU, and each step ends by synchronising the device, so a step's time is the GPU's time
+and no copy off the GPU blocks the event loop. On the CPU every move is a no-op: the same tensors,
+the same operations, bit for bit.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from shared.config import ClusterSpec
+from shared.devices import synchronize
 from shared.model.data import ByteCorpus
 from shared.model.gpt import build_stage, lm_loss, make_optimizer
 from shared.model.shape import GPTConfig
 
 
 class StageTrainer:
-    def __init__(self, spec: ClusterSpec, replica: int, stage: int, corpus: ByteCorpus) -> None:
+    def __init__(
+        self, spec: ClusterSpec, replica: int, stage: int, corpus: ByteCorpus, device: torch.device | None = None
+    ) -> None:
+        self.device = torch.device("cpu") if device is None else device
         self.cfg = GPTConfig.from_spec(spec.model)
-        self.model = build_stage(self.cfg, spec.model.seed, stage, spec.parallelism.pp)
+        self.model = build_stage(self.cfg, spec.model.seed, stage, spec.parallelism.pp).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = make_optimizer(self.params, spec.training.lr)
         self.corpus, self.replica, self.stage = corpus, replica, stage
@@ -30,50 +43,72 @@ class StageTrainer:
         self._losses: list[float] = []
 
     def _batch(self, iteration: int, mb: int) -> tuple[Tensor, Tensor]:
-        return self.corpus.batch(iteration, self.replica * self.m + mb, self.mbs, self.seq, self.data_seed)
+        x, y = self.corpus.batch(iteration, self.replica * self.m + mb, self.mbs, self.seq, self.data_seed)
+        return x.to(self.device), y.to(self.device)  # (B, T) each
 
     def forward(self, iteration: int, mb: int, act: Tensor | None) -> Tensor | None:
-        """Run the stage on microbatch `mb`; returns the activation to send on (None on the last stage)."""
+        """Run the stage on microbatch `mb`; returns the activation to send on, on the CPU (None on
+        the last stage). `act` (a later stage's input) may be on any device."""
         if self.model.is_first:
             inp, _ = self._batch(iteration, mb)  # token ids (B, T)
         else:
             assert act is not None, "a later stage needs the previous stage's activation"
-            inp = act.requires_grad_(True)  # (B, T, C)
+            inp = act.to(self.device).requires_grad_(True)  # (B, T, C)
             self._inputs[mb] = inp
         out = self.model(inp)  # (B, T, C), or logits (B, T, V) on the last stage
         if self.model.is_last:
             _, targets = self._batch(iteration, mb)
             loss = lm_loss(out, targets)
-            self._losses.append(loss.item())
+            self._losses.append(loss.item())  # waits for the device
             self._outputs[mb] = loss
             return None
         self._outputs[mb] = out
-        return out.detach()
+        sent = out.detach().cpu()  # for the wire (on the CPU: the same tensor)
+        synchronize(self.device)
+        return sent
 
     def backward(self, mb: int, grad: Tensor | None) -> Tensor | None:
-        """Backpropagate microbatch `mb`; returns the gradient for the previous stage (None on stage 0)."""
+        """Backpropagate microbatch `mb`; returns the gradient for the previous stage, on the CPU
+        (None on stage 0). `grad` may be on any device."""
         out = self._outputs.pop(mb)
         if self.model.is_last:
             (out / self.m).backward()
         else:
             assert grad is not None, "an earlier stage needs the next stage's gradient"
-            out.backward(grad)
+            out.backward(grad.to(self.device))
         inp = self._inputs.pop(mb, None)
-        return None if inp is None else inp.grad
+        sent = None if inp is None or inp.grad is None else inp.grad.cpu()
+        synchronize(self.device)
+        return sent
 
     def flat_grads(self) -> Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        """This stage's gradients as one flat tensor, on the device (the all-reduce's input)."""
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        synchronize(self.device)
+        return flat
 
     def load_grads(self, flat: Tensor) -> None:
+        flat = flat.to(self.device)
         offset = 0
         for p in self.params:
             n = p.numel()
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
+        synchronize(self.device)
+
+    def load_mean(self, grads: Sequence[Tensor]) -> None:
+        """The all-reduce's arithmetic on this device: sum the replicas' flat gradients in the order
+        given (replica order, on every replica, so all end with bit-identical gradients), divide by
+        their number and load the mean. Inputs may be on any device."""
+        total = grads[0].to(self.device).clone()
+        for g in grads[1:]:
+            total += g.to(self.device)
+        self.load_grads(total / len(grads))
 
     def step(self) -> None:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        synchronize(self.device)
 
     def take_loss(self) -> float | None:
         """Mean microbatch loss of the iteration just finished (last stage only)."""

@@ -22,6 +22,7 @@ from services.stage_worker.trainer import StageTrainer
 from shared import keys
 from shared.bus import Bus, Consumer, Delivery, Reject
 from shared.config import ClusterSpec
+from shared.devices import DeviceError, check_kind, describe, select_device, slot_index, synchronize
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.model.data import ByteCorpus
@@ -49,7 +50,13 @@ log = get_logger(__name__)
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    torch.set_num_threads(1)  # several workers share the machine's cores
+    try:  # before anything is leased: `device.kind: cuda` on a machine without CUDA stops here
+        kind = check_kind(settings.spec.device.kind)
+    except DeviceError as exc:
+        log.error("cannot start: the configured device is not available", error=str(exc))
+        raise SystemExit(2) from None
+    if kind == "cpu":
+        torch.set_num_threads(1)  # several workers share the machine's cores
     # A prefill thread holds the GIL between torch ops; the default 5 ms switch interval would
     # let it delay the event loop's handling of an arriving activation by that much. 0.5 ms
     # bounds how late the loop notices training input (and so how late prefill yields).
@@ -59,6 +66,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
         lease = SlotLease(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp, holder=instance_id())
         slot = await lease.acquire()
+        device = select_device(spec.device.kind, slot_index(slot.replica, slot.stage, spec.parallelism.pp))
+        log.info("device chosen", slot=slot.name, kind=spec.device.kind, **describe(device))
         metrics = WorkerMetrics(run, slot.name, spec.prefill.model_name)
         server = MetricsServer(
             metrics.registry, settings.metrics_host, settings.metrics_port, refresh=lambda: metrics.refresh(bus.redis)
@@ -69,7 +78,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         await hb.start()
         watch = asyncio.create_task(lease.watch(), name="lease")  # renews from now on
         try:
-            await _train(bus, settings, placement, lease, watch, slot, stop, metrics)
+            await _train(bus, settings, placement, lease, watch, slot, stop, metrics, device)
         except RunStopped as exc:
             log.info("run stopped by a peer's deliberate stop", slot=slot.name, reason=str(exc))
             await lease.mark_stopped(f"slot {slot.name} stopped with its peers")
@@ -98,10 +107,11 @@ async def _train(
     slot: Slot,
     stop: asyncio.Event,
     metrics: WorkerMetrics,
+    device: torch.device,
 ) -> None:
     spec, run = settings.spec, settings.run
     corpus = await asyncio.to_thread(ByteCorpus.from_stdlib)
-    trainer = await asyncio.to_thread(StageTrainer, spec, slot.replica, slot.stage, corpus)
+    trainer = await asyncio.to_thread(StageTrainer, spec, slot.replica, slot.stage, corpus, device)
     profile, prior = await asyncio.to_thread(_profile_and_prior, spec, slot, trainer)
     mailbox = Mailbox()
 
@@ -124,7 +134,7 @@ async def _train(
     memory = int(spec.device.memory_gib * (1 << 30))
     prefill = None
     if spec.bubbletea.enabled:
-        prefill = await asyncio.to_thread(PrefillModel.from_spec, spec.prefill)
+        prefill = await asyncio.to_thread(_prefill_model, spec, device)
         memory -= model_bytes(prefill)  # the guest's weights live beside the owner's
     runner = StageRunner(
         bus,
@@ -217,6 +227,7 @@ async def _run(
         first = done.pop()
         if first.get_name() == "train":
             first.result()  # re-raise a training error
+            await _save_weights_if_asked(runner)
             await lease.finish()
             log.info(
                 "training finished",
@@ -231,6 +242,28 @@ async def _run(
         else:
             log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
             await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {runner.iteration}")
+
+
+async def _save_weights_if_asked(runner: StageRunner) -> None:
+    """At the end of training, if the run was asked to save (`bubbletea train --save`), replica 0
+    of each stage leaves its stage's weights in Redis, named as in the full model, for the launcher
+    to assemble (every replica holds the same weights after the all-reduce)."""
+    r = runner.bus.redis
+    if runner.replica != 0 or not await r.exists(keys.save_request_key(runner.run)):
+        return
+    from safetensors.torch import save
+
+    model = runner.trainer.model
+    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.global_named_parameters()}
+    await r.set(keys.weights_key(runner.run, runner.stage), save(tensors), ex=keys.WEIGHTS_TTL_S)
+    log.info("weights saved for the launcher", slot=runner.slot.name, tensors=len(tensors))
+
+
+def _prefill_model(spec: ClusterSpec, device: torch.device) -> PrefillModel:
+    """The guest model, on this worker's device (it creates its inputs where its weights are)."""
+    model = PrefillModel.from_spec(spec.prefill)
+    model.module.to(device)
+    return model
 
 
 def model_bytes(model: PrefillModel) -> int:
@@ -264,19 +297,25 @@ def _profile_and_prior(spec: ClusterSpec, slot: Slot, trainer: StageTrainer) -> 
 
 
 def _measure_ms_per_layer(trainer: StageTrainer, reps: int = 3) -> tuple[float, float]:
-    """Time this stage's forward and backward on a real microbatch (after a warm-up pass)."""
-    cfg = trainer.cfg
+    """Time this stage's forward and backward on a real microbatch (after a warm-up pass), on its
+    device (synchronised, so a GPU's time is measured and not its kernel launches)."""
+    cfg, dev = trainer.cfg, trainer.device
     layers = max(1, len(trainer.model.blocks))
     fwd, bwd = [], []
     for i in range(reps + 1):
         x, _ = trainer.corpus.batch(0, i, trainer.mbs, trainer.seq, seed=TIMING_SEED)  # not a training batch
         inp: torch.Tensor = (
-            x if trainer.model.is_first else torch.randn(trainer.mbs, trainer.seq, cfg.d_model, requires_grad=True)
+            x.to(dev)
+            if trainer.model.is_first
+            else torch.randn(trainer.mbs, trainer.seq, cfg.d_model, device=dev, requires_grad=True)
         )
+        synchronize(dev)
         t0 = time.perf_counter()
         out = trainer.model(inp)
+        synchronize(dev)
         t1 = time.perf_counter()
         out.float().mean().backward()
+        synchronize(dev)
         t2 = time.perf_counter()
         if i:
             fwd.append(t1 - t0)

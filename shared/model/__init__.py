@@ -1,17 +1,24 @@
-"""A small GPT for pipeline-parallel training on CPU. Import the submodule you need; this package
-imports none of them, so importing it never loads torch.
+"""A small GPT for pipeline-parallel training on CPU, and the models that serve prefill. Import the
+submodule you need; this package imports none of them, so importing it never loads torch.
 
 Without torch (safe for the HTTP front door and the dispatcher):
 
-- `tokenizer`: text to byte ids and back (`encode`, `decode`, the `Tokenizer` protocol).
-- `shape`: the model's shape (`GPTConfig`), its stage split (`split_layers`), and the KV-cache
-  size of a prompt (`estimate_kv_bytes`).
+- `tokenizer`: the `Tokenizer` protocol, bytes (`ByteTokenizer`, `encode`, `decode`), a Hugging
+  Face `tokenizer.json` (`HFTokenizer`), and the served model's (`tokenizer_for`).
+- `shape`: the model's shape (`GPTConfig`), its stage split (`split_layers`), the KV-cache
+  size of a prompt (`estimate_kv_bytes`), and the served model's shape (`ModelInfo`,
+  `model_info`: from a checkpoint directory's config.json, or the spec), `CheckpointError`.
 
 With torch:
 
 - `gpt`: the model and its pipeline stages (`build_stage`, `build_full`, `lm_loss`, `make_optimizer`).
 - `data`: the byte-level training corpus (`ByteCorpus`) and a `decode` that also takes a tensor.
-- `prefill`: resumable prefill inference (`PrefillModel`) and checkpoints.
+- `causal`: the layer-by-layer `CausalLM` interface (`embed`, `block` with a KV cache, `head`).
+- `families`: one module per architecture: `nanogpt` (the model above), `gpt2`, `llama` (llama,
+  mistral, qwen2).
+- `checkpoint`: Hugging Face checkpoint directories (safetensors) as a `CausalLM` (`load_causal_lm`).
+- `prefill`: resumable prefill inference over any `CausalLM` (`PrefillModel`, `decode_step`,
+  `sample`) and nanoGPT state_dict files.
 - `reference`: the single-process reference trainer (`train_reference`).
 - `seeds`: derived seeds and local generators.
 

@@ -3,18 +3,24 @@
 A worker runs a prompt inside pipeline bubbles, so a prefill must be able to stop at any layer
 boundary and resume later, possibly much later and on a copy of its state:
 
-    model = PrefillModel(cfg, seed=0)
-    state = model.start(encode("Hello"))          # validated prompt, nothing computed yet
+    model = PrefillModel.from_spec(spec.prefill)  # or PrefillModel(cfg, seed=0), PrefillModel(lm)
+    state = model.start(model.tokenizer.encode("Hello"))  # validated prompt, nothing computed yet
     model.run_layers(state, max_layers=2)         # embeddings + blocks 0, 1
     model.run_layers(state, should_stop=bubble_over)  # more blocks, until the bubble closes
     ...
     result = model.finish(state)                  # once state.done: next token, logprobs, KV cache
 
+The model is any `CausalLM` (`shared.model.causal`), run layer by layer: the seeded or trained
+nanoGPT, or a Hugging Face checkpoint directory (`shared.model.checkpoint`: GPT-2, Llama, Mistral,
+Qwen2). `from_spec` picks it from the spec's `prefill` section, with the tokenizer that goes with
+it. After a prefill, `decode_step` runs one more token at a time through every block with the
+cache (what a decoder does), and `sample` is the one sampling rule for both.
+
 Resuming is exact: the blocks run the same operations on the same tensors however the run is
 split, so the first token, its logprob and every KV tensor are bit-identical to one uninterrupted
-`prefill`. All computation happens under `torch.inference_mode()` on the CPU in float32; the
-tensors in a state are therefore inference tensors (fine to read, copy and resume from, not to
-use in autograd).
+`prefill`. All computation happens under `torch.inference_mode()` in float32 on the device of the
+weights (`device`; the caller may move `module` with `.to(device)`); the tensors in a state are
+therefore inference tensors (fine to read, copy and resume from, not to use in autograd).
 """
 
 from __future__ import annotations
@@ -30,16 +36,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from shared.config import Prefill
-from shared.model.gpt import Block, StageModule, build_full
-from shared.model.shape import GPTConfig
+from shared.model.causal import KV as KV  # re-exported: (k, v) of one layer, each (1, kv_heads, T, head_dim)
+from shared.model.causal import CausalLM
+from shared.model.checkpoint import load_causal_lm
+from shared.model.families.nanogpt import NanoGPT
+from shared.model.gpt import StageModule
+from shared.model.shape import CheckpointError as CheckpointError  # re-exported: it used to live here
+from shared.model.shape import GPTConfig, ModelInfo
 from shared.model.shape import estimate_kv_bytes as estimate_kv_bytes  # re-exported: it used to live here
-from shared.model.tokenizer import decode
-
-KV = tuple[Tensor, Tensor]  # (k, v) of one layer, each float32 (1, heads, T, head_dim)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file does not hold a state_dict of the full model with the expected shape."""
+from shared.model.tokenizer import BYTES, Tokenizer, token_text, tokenizer_for
 
 
 @dataclass
@@ -47,7 +52,8 @@ class PrefillState:
     """One request's progress: blocks ``[0, next_layer)`` have run (see `PrefillModel.run_layers`).
 
     `hidden` is None until the embeddings ran, then the float32 (1, T, C) input of block
-    `next_layer` (the output of the last block once done). `kv[i]` is block i's (k, v).
+    `next_layer` (the output of the last block once done). `kv[i]` is block i's (k, v), each
+    float32 (1, kv_heads, T, head_dim).
     """
 
     tokens: list[int]
@@ -66,43 +72,63 @@ class PrefillResult:
     """The first generated token of a finished prefill, and the prompt's KV cache."""
 
     token: int
-    text: str  # decode([token]); U+FFFD if the id is not a byte or the byte is not UTF-8 on its own
+    text: str  # the model's tokenizer's text of `token` (`token_text`); U+FFFD for an id it does not know
     logprob: float  # log-softmax at temperature 1 of `token` (<= 0)
     top: list[tuple[int, float]]  # the most likely ids with their logprobs, most likely first
     prompt_tokens: int
-    kv: list[KV]  # one (k, v) per layer, each (1, heads, T, head_dim)
+    kv: list[KV]  # one (k, v) per layer, each (1, kv_heads, T, head_dim)
 
 
 class PrefillModel:
-    """A full `StageModule` in eval mode, frozen, run only under `torch.inference_mode()`.
+    """A `CausalLM` in eval mode, frozen, run only under `torch.inference_mode()`.
 
+    `PrefillModel(lm)` serves any `CausalLM` (e.g. `load_causal_lm(directory)`). For the nanoGPT,
     `PrefillModel(cfg, seed)` has the weights of `build_full(cfg, seed)`; with `state_dict` the
     weights are replaced by those (checked like a checkpoint, `CheckpointError` if they do not
-    fit). Prompts may have at most ``min(cfg.seq_len, max_prompt_tokens)`` tokens. The model holds
+    fit). Prompts may have at most ``min(info.max_model_len, max_prompt_tokens)`` tokens
+    (`max_tokens`). `tokenizer` gives the text of a result (bytes unless given). The model holds
     no per-request state, so one instance can serve many interleaved requests.
     """
 
     def __init__(
         self,
-        cfg: GPTConfig,
+        model: GPTConfig | CausalLM,
         seed: int = 0,
         *,
         state_dict: Mapping[str, object] | None = None,
         max_prompt_tokens: int | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
-        self.cfg = cfg
-        self.max_tokens = cfg.seq_len if max_prompt_tokens is None else min(cfg.seq_len, max_prompt_tokens)
-        self.module = build_full(cfg, seed)
-        if state_dict is not None:
-            _check_state_dict(self.module, state_dict)
-            self.module.load_state_dict(state_dict, strict=True)
-        self.module.eval().requires_grad_(False)
+        if isinstance(model, GPTConfig):
+            lm: CausalLM = NanoGPT(model, seed)
+            if state_dict is not None:
+                assert isinstance(lm, NanoGPT)
+                _check_state_dict(lm, state_dict)
+                lm.load_state_dict(state_dict, strict=True)
+        elif state_dict is not None:
+            raise ValueError("state_dict is for a nanoGPT built from a GPTConfig; a CausalLM comes with its weights")
+        else:
+            lm = model
+        self.module = lm.eval().requires_grad_(False)
+        self.info: ModelInfo = lm.info
+        limit = self.info.max_model_len
+        self.max_tokens = limit if max_prompt_tokens is None else min(limit, max_prompt_tokens)
+        self.tokenizer: Tokenizer = BYTES if tokenizer is None else tokenizer
+
+    @property
+    def layers(self) -> int:
+        return self.info.layers
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (and so where inputs are created and every state's tensors live)."""
+        return next(self.module.parameters()).device
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, cfg: GPTConfig, *, max_prompt_tokens: int | None = None) -> PrefillModel:
-        """A model with the weights of a full model's state_dict saved by `save_checkpoint` (or torch.save).
+        """A nanoGPT with the weights of a full model's state_dict saved by `save_checkpoint` (or torch.save).
 
         Loaded with ``torch.load(weights_only=True)`` (no pickled code runs). `CheckpointError` if
         the file cannot be read, or misses, adds or reshapes any parameter of `cfg`'s model.
@@ -120,11 +146,26 @@ class PrefillModel:
 
     @classmethod
     def from_spec(cls, spec: Prefill) -> PrefillModel:
-        """The model of a spec's `prefill` section: its checkpoint if set, else seeded with `model.seed`."""
+        """The model of a spec's `prefill` section, on the CPU (the caller may move `module`):
+
+        * `checkpoint` a directory: the Hugging Face model in it (`load_causal_lm`) with its
+          `tokenizer.json` (`CheckpointError` for anything missing or unsupported);
+        * `checkpoint` a file: a nanoGPT of shape `model` with that state_dict (`from_checkpoint`);
+        * no checkpoint: the nanoGPT of shape `model` seeded with `model.seed`.
+        """
         cfg = GPTConfig.from_spec(spec.model)
-        if spec.checkpoint is not None:
+        if spec.checkpoint is None:
+            return cls(cfg, spec.model.seed, max_prompt_tokens=spec.max_prompt_tokens)
+        if not Path(spec.checkpoint).is_dir():
             return cls.from_checkpoint(spec.checkpoint, cfg, max_prompt_tokens=spec.max_prompt_tokens)
-        return cls(cfg, spec.model.seed, max_prompt_tokens=spec.max_prompt_tokens)
+        tokenizer = tokenizer_for(spec)  # a missing tokenizer.json fails before the weights are read
+        lm = load_causal_lm(spec.checkpoint)
+        if tokenizer.vocab_size > lm.info.vocab:
+            raise CheckpointError(
+                f"checkpoint {spec.checkpoint}: tokenizer.json has ids up to {tokenizer.vocab_size - 1}, "
+                f"but the model's vocabulary has {lm.info.vocab} rows"
+            )
+        return cls(lm, max_prompt_tokens=spec.max_prompt_tokens, tokenizer=tokenizer)
 
     def start(self, tokens: Sequence[int]) -> PrefillState:
         """A fresh state for prompt `tokens`; `ValueError` if it is empty, too long or has a bad id."""
@@ -133,10 +174,11 @@ class PrefillModel:
             raise ValueError("prompt is empty: a prefill needs at least one token")
         if len(ids) > self.max_tokens:
             raise ValueError(f"prompt has {len(ids)} tokens, more than this model's limit of {self.max_tokens}")
+        vocab = self.info.vocab
         for pos, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab:
-                raise ValueError(f"prompt token {t!r} at position {pos} is not an id in 0..{self.cfg.vocab - 1}")
-        return PrefillState(tokens=ids, layers=self.cfg.layers)
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token {t!r} at position {pos} is not an id in 0..{vocab - 1}")
+        return PrefillState(tokens=ids, layers=self.info.layers)
 
     def run_layers(
         self,
@@ -155,40 +197,39 @@ class PrefillModel:
         self._check_state(state)
         ran = 0
         with torch.inference_mode():
+            dev = self.device  # inputs go where the weights are
+            pos = torch.arange(len(state.tokens), dtype=torch.long, device=dev)  # (T,)
             if state.hidden is None:
-                ids = torch.tensor([state.tokens], dtype=torch.long)  # (1, T)
-                pos = torch.arange(ids.shape[1], dtype=torch.long)  # (T,)
-                assert self.module.wte is not None and self.module.wpe is not None  # a full model has both
-                state.hidden = self.module.wte(ids) + self.module.wpe(pos)  # (1, T, C) + (T, C) -> (1, T, C)
+                ids = torch.tensor([state.tokens], dtype=torch.long, device=dev)  # (1, T)
+                state.hidden = self.module.embed(ids, pos)  # (1, T, C)
+            state.hidden = state.hidden.to(dev)  # a resumed snapshot arrives on the CPU (a no-op there)
             while not state.done and (max_layers is None or ran < max_layers):
                 if should_stop is not None and should_stop():
                     break
-                block = self.module.blocks[state.next_layer]
-                assert isinstance(block, Block)  # ModuleList items are typed as plain Modules
-                state.hidden, k, v = block.forward_kv(state.hidden)  # (1, T, C), 2 x (1, nh, T, hs)
-                state.kv.append((k, v))
+                state.hidden, kv = self.module.block(state.next_layer, state.hidden, pos, None)  # (1, T, C)
+                state.kv.append(kv)  # 2 x (1, kv_heads, T, head_dim)
                 state.next_layer += 1
                 ran += 1
         return state
 
     def last_logits(self, state: PrefillState) -> Tensor:
-        """ln_f + lm_head of the last prompt position of a done state: float32 (vocab,)."""
+        """Final norm + head of the last prompt position of a done state: float32 (vocab,)."""
         if not state.done:
             raise ValueError(f"prefill not finished: {state.next_layer} of {state.layers} layers have run")
         self._check_state(state)
-        assert state.hidden is not None and self.module.ln_f is not None and self.module.lm_head is not None
+        assert state.hidden is not None
         with torch.inference_mode():
-            last = state.hidden[:, -1, :]  # (1, C)
-            return self.module.lm_head(self.module.ln_f(last))[0]  # (1, C) -> (1, vocab) -> (vocab,)
+            last = state.hidden[:, -1, :].to(self.device)  # (1, C)
+            return self.module.head(last)  # (vocab,)
 
     def finish(
         self, state: PrefillState, *, temperature: float = 0.0, seed: int | None = None, top_logprobs: int = 0
     ) -> PrefillResult:
         """The next token after the prompt of a done state (`ValueError` if not done); `state` is unchanged.
 
-        ``temperature == 0``: the argmax (greedy). Otherwise a sample from softmax(logits /
-        temperature), drawn with a local generator seeded by `seed` (same seed, same token; None =
-        fresh entropy); the global RNG is never used. `logprob` and `top` are at temperature 1.
+        The token is `sample(logits, temperature, seed=seed)`: the argmax at temperature 0, else a
+        draw seeded by `seed` (same seed, same token; None = fresh entropy); the global RNG is never
+        used. `logprob` and `top` are at temperature 1; `text` is the tokenizer's.
         """
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
@@ -197,24 +238,13 @@ class PrefillModel:
         logits = self.last_logits(state)  # (vocab,)
         with torch.inference_mode():
             logprobs = F.log_softmax(logits, dim=-1)  # (vocab,)
-            if temperature == 0:
-                token = int(torch.argmax(logits).item())
-            else:
-                gen = torch.Generator(device="cpu")
-                if seed is None:
-                    gen.seed()
-                else:
-                    gen.manual_seed(seed)
-                # Shift by the max before dividing: a tiny temperature then gives -inf (probability
-                # 0) for the others instead of inf - inf = nan.
-                probs = F.softmax((logits - logits.max()) / temperature, dim=-1)  # (vocab,)
-                token = int(torch.multinomial(probs, 1, generator=gen).item())
-            k = min(top_logprobs, self.cfg.vocab)
+            token = sample(logits, temperature, seed=seed)
+            k = min(top_logprobs, self.info.vocab)
             top_vals, top_ids = torch.topk(logprobs, k)  # (k,), (k,): sorted, most likely first
             top = [(int(i), float(lp)) for i, lp in zip(top_ids.tolist(), top_vals.tolist(), strict=True)]
         return PrefillResult(
             token=token,
-            text=decode([token]) if token < 256 else "\ufffd",
+            text=token_text(self.tokenizer, token),
             logprob=float(logprobs[token].item()),
             top=top,
             prompt_tokens=len(state.tokens),
@@ -228,12 +258,46 @@ class PrefillModel:
         state = self.run_layers(self.start(tokens))
         return self.finish(state, temperature=temperature, seed=seed, top_logprobs=top_logprobs)
 
+    def decode_step(self, kv: Sequence[KV], token: int, position: int) -> tuple[Tensor, list[KV]]:
+        """One more token through every block with the cache: its logits (vocab,) and the grown cache.
+
+        `kv` is one (k, v) per layer covering positions ``0 .. position - 1`` (a finished prefill's
+        `kv`, or the cache the last step returned; on any device: it is moved to the weights');
+        `token` is the token at `position`. Returns the logits of the token after it and the cache
+        covering ``0 .. position``. `kv` itself is not changed. `ValueError` if the cache does not
+        fit the model, `token` is not an id, or `position` is past the model's `max_model_len`.
+        """
+        info = self.info
+        if len(kv) != info.layers:
+            raise ValueError(f"the cache has {len(kv)} layers, this model {info.layers}")
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < info.vocab:
+            raise ValueError(f"token {token!r} is not an id in 0..{info.vocab - 1}")
+        if not 0 <= position < info.max_model_len:
+            raise ValueError(f"position {position} is outside the model's 0..{info.max_model_len - 1}")
+        want = (1, info.kv_heads, position, info.head_dim)
+        for i, (k, v) in enumerate(kv):
+            if tuple(k.shape) != want or tuple(v.shape) != want:
+                raise ValueError(
+                    f"layer {i}'s cache has shapes {tuple(k.shape)}, {tuple(v.shape)}; expected {want} "
+                    f"(positions 0..{position - 1})"
+                )
+        with torch.inference_mode():
+            dev = self.device
+            ids = torch.tensor([[token]], dtype=torch.long, device=dev)  # (1, 1)
+            pos = torch.tensor([position], dtype=torch.long, device=dev)  # (1,)
+            hidden = self.module.embed(ids, pos)  # (1, 1, C)
+            grown: list[KV] = []
+            for i, (k, v) in enumerate(kv):
+                hidden, layer_kv = self.module.block(i, hidden, pos, (k.to(dev), v.to(dev)))
+                grown.append(layer_kv)  # 2 x (1, kv_heads, position + 1, head_dim)
+            return self.module.head(hidden[:, -1, :]), grown
+
     def _check_state(self, state: PrefillState) -> None:
         """`ValueError` if `state` is inconsistent or was started by a model of another shape."""
-        T, C = len(state.tokens), self.cfg.d_model
-        if state.layers != self.cfg.layers or not 0 <= state.next_layer <= state.layers:
+        T, C, layers = len(state.tokens), self.info.d_model, self.info.layers
+        if state.layers != layers or not 0 <= state.next_layer <= state.layers:
             raise ValueError(
-                f"state is at layer {state.next_layer} of {state.layers}, but this model has {self.cfg.layers} layers"
+                f"state is at layer {state.next_layer} of {state.layers}, but this model has {layers} layers"
             )
         if len(state.kv) != state.next_layer:
             raise ValueError(f"state has {len(state.kv)} KV entries for {state.next_layer} finished layers")
@@ -241,6 +305,33 @@ class PrefillModel:
             raise ValueError(f"state is at layer {state.next_layer} but has no hidden state")
         if state.hidden is not None and tuple(state.hidden.shape) != (1, T, C):
             raise ValueError(f"state hidden has shape {tuple(state.hidden.shape)}, expected {(1, T, C)}")
+
+
+def sample(
+    logits: Tensor, temperature: float, *, seed: int | None = None, generator: torch.Generator | None = None
+) -> int:
+    """The next token from `logits` (vocab,), as `PrefillModel.finish` and a decoder pick it.
+
+    ``temperature == 0``: the argmax (greedy; nothing is drawn). Otherwise a draw from
+    softmax(logits / temperature) with `generator` if given, else a fresh CPU generator seeded by
+    `seed` (None = fresh entropy). The draw happens on the generator's device (the CPU unless a
+    generator says otherwise; the probabilities are copied there), so a seed picks the same token
+    whichever device computed the logits. The global RNG is never used.
+    """
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if temperature == 0:
+        return int(torch.argmax(logits).item())
+    if generator is None:
+        generator = torch.Generator(device="cpu")  # deliberately the CPU: see the docstring
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+    # Shift by the max before dividing: a tiny temperature then gives -inf (probability 0) for the
+    # others instead of inf - inf = nan.
+    probs = F.softmax((logits - logits.max()) / temperature, dim=-1)  # (vocab,)
+    return int(torch.multinomial(probs.to(generator.device), 1, generator=generator).item())
 
 
 def _check_state_dict(module: StageModule, loaded: Mapping[str, object]) -> None:
@@ -266,6 +357,8 @@ def _check_state_dict(module: StageModule, loaded: Mapping[str, object]) -> None
 def save_checkpoint(model: PrefillModel | StageModule, path: str | Path) -> None:
     """torch.save the full model's state_dict to `path`, atomically (a temporary file, then rename)."""
     module = model.module if isinstance(model, PrefillModel) else model
+    if not isinstance(module, StageModule):
+        raise ValueError(f"only the nanoGPT is saved as a state_dict file, not a {type(module).__name__}")
     if module.stages != 1:
         raise ValueError(f"only a full model can be saved, got stage {module.stage} of {module.stages}")
     target = Path(path)

@@ -18,7 +18,7 @@ the same gradient of the mean loss over all ``dp * microbatches`` microbatches.
 from __future__ import annotations
 
 from shared.model.data import ByteCorpus
-from shared.model.gpt import build_full, lm_loss, make_optimizer
+from shared.model.gpt import StageModule, build_full, lm_loss, make_optimizer
 from shared.model.shape import GPTConfig
 
 
@@ -38,6 +38,33 @@ def train_reference(
 
     Deterministic: the same arguments give the same losses (no global RNG is used).
     """
+    losses, _ = train_reference_model(
+        cfg,
+        corpus,
+        seed=seed,
+        data_seed=data_seed,
+        lr=lr,
+        iterations=iterations,
+        dp=dp,
+        microbatches=microbatches,
+        microbatch_size=microbatch_size,
+    )
+    return losses
+
+
+def train_reference_model(
+    cfg: GPTConfig,
+    corpus: ByteCorpus,
+    *,
+    seed: int,
+    data_seed: int,
+    lr: float,
+    iterations: int,
+    dp: int,
+    microbatches: int,
+    microbatch_size: int,
+) -> tuple[list[float], StageModule]:
+    """`train_reference`, also returning the trained model (to compare saved weights with)."""
     for name, value in (("iterations", iterations), ("dp", dp), ("microbatches", microbatches)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -57,4 +84,4 @@ def train_reference(
                 total += loss.item()
         optimizer.step()
         losses.append(total / parts)
-    return losses
+    return losses, model

@@ -1,17 +1,33 @@
 """Text to token ids and back, without torch (the HTTP front door tokenizes with this).
 
-The served model reads bytes: `ByteTokenizer` maps text to its UTF-8 bytes (ids 0..255), so any
-model with ``vocab >= 256`` can read any text. A subword tokenizer (e.g. one backed by HF
-`tokenizers`) would be another class beside it satisfying the same `Tokenizer` protocol.
-`encode` and `decode` are the byte tokenizer's methods, for callers that need nothing else.
+Two tokenizers satisfy the `Tokenizer` protocol:
+
+* `ByteTokenizer`: text as its UTF-8 bytes (ids 0..255), so any model with ``vocab >= 256`` can
+  read any text. The seeded and trained nanoGPT read bytes.
+* `HFTokenizer`: a Hugging Face checkpoint's `tokenizer.json`, run by the `tokenizers` library
+  (Rust, no torch). `encode` applies the tokenizer's own post-processor, so special tokens are
+  added exactly when the checkpoint's tokenizer adds them (e.g. Llama's BOS; GPT-2 and Qwen2 add
+  none), as ``tokenizer(text)`` in transformers does; `decode` skips special tokens, as vLLM does
+  by default, so the text of an end-of-sequence token is "".
+
+`tokenizer_for(prefill_spec)` picks the one the served model reads. `encode` and `decode` are the
+byte tokenizer's methods, for callers that need nothing else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Protocol
 
+from tokenizers import Tokenizer as _RustTokenizer
+
+from shared.config import Prefill
+from shared.model.shape import CheckpointError, is_checkpoint_dir
+
 BYTE_VOCAB = 256  # ids 0..255, one per byte value
+#: The tokenizer file of a Hugging Face checkpoint directory.
+TOKENIZER_FILE = "tokenizer.json"
 
 
 class Tokenizer(Protocol):
@@ -54,6 +70,73 @@ class ByteTokenizer:
         return bytes(values).decode("utf-8", errors="replace")
 
 
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (any model the `tokenizers` library reads).
+
+    `vocab_size` is one more than the largest id it knows, added tokens included. `encode` adds
+    special tokens only where the file's post-processor says so; `decode` drops special tokens
+    and refuses (`ValueError`) an id outside ``0..vocab_size - 1``.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._tok = _RustTokenizer.from_file(str(self.path))
+        except Exception as exc:  # the library raises a plain Exception for unreadable files
+            raise CheckpointError(f"cannot read tokenizer {self.path}: {exc}") from exc
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise CheckpointError(f"tokenizer {self.path} has an empty vocabulary")
+        self._vocab_size = max(vocab.values()) + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text`, with the special tokens the tokenizer's post-processor adds."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids`, special tokens skipped; `ValueError` for an unknown id (up to five named)."""
+        values = list(ids)
+        bad = [i for i in values if not 0 <= i < self._vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in 0..{self._vocab_size - 1}, got {bad[:5]}")
+        return str(self._tok.decode(values, skip_special_tokens=True))
+
+
 BYTES = ByteTokenizer()
 encode = BYTES.encode
 decode = BYTES.decode
+
+
+def token_text(tokenizer: Tokenizer, token: int) -> str:
+    """The text of one generated token: U+FFFD for an id the tokenizer does not know (a model's
+    vocabulary may be larger than its tokenizer's, e.g. padded embeddings, or vocab > 256 bytes)."""
+    return tokenizer.decode([token]) if 0 <= token < tokenizer.vocab_size else "\ufffd"
+
+
+def tokenizer_for(spec: Prefill) -> Tokenizer:
+    """The tokenizer of the model a spec's `prefill` section serves.
+
+    A `checkpoint` directory: its `tokenizer.json` (`CheckpointError`, a `ValueError`, naming the
+    file if it is missing). Otherwise (seeded nanoGPT or a nanoGPT state_dict file): bytes.
+    """
+    if is_checkpoint_dir(spec):
+        assert spec.checkpoint is not None
+        path = Path(spec.checkpoint) / TOKENIZER_FILE
+        if not path.is_file():
+            raise CheckpointError(
+                f"checkpoint directory {spec.checkpoint} has no {TOKENIZER_FILE}: the served text is "
+                f"tokenized with the checkpoint's own tokenizer (the fast tokenizer file; "
+                f"tokenizer.model/vocab.json alone are not read)"
+            )
+        return HFTokenizer(path)
+    return BYTES
+
+
+def find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """Where the earliest stop sequence starts in `text`, and which (None if none occurs)."""
+    found = [(text.find(s), s) for s in stops if s and s in text]
+    return min(found) if found else None

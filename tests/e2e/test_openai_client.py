@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import openai
@@ -128,3 +129,75 @@ async def test_official_openai_client_gets_computed_completions(tmp_path: Path, 
     assert err.status_code == 400
     assert "prefill" in err.message
     assert isinstance(err.body, dict) and err.body["param"] == "max_tokens" and "prefill" in err.body["message"]
+
+
+async def test_official_client_gets_whole_completions_decoded_from_the_bubbles_kv(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """With the decoder on: the prompt is prefilled in the bubbles, the decoder continues it from its
+    KV cache, and the text equals a local full generation with the same model, token for token."""
+    from bubbletea.launcher.procs import spawn, stop_all
+    from bubbletea.launcher.services import DECODER
+    from shared.model.generate import generate
+
+    path = write_spec(
+        tmp_path, training={**SPEC["training"], "iterations": 60}, decode={"enabled": True, "max_tokens": 64}
+    )
+    run = f"decode-{uuid.uuid4().hex[:6]}"
+    settings = load_settings(path, env={"BUBBLETEA_RUN": run})
+    model_name = settings.spec.prefill.model_name
+    env = service_env(redis_url, path, run)
+    out = io.StringIO()
+    async with front_door(env, out) as door:
+        assert door.url is not None
+        decoder = await spawn(DECODER, env, out=out, quiet=True)
+        training = asyncio.create_task(run_training(settings, redis_url, out=out, progress=False, dispatcher=True))
+        client = AsyncOpenAI(base_url=f"{door.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+        try:
+            await wait_for_iteration(redis_url, run, 1)
+            whole = await client.completions.create(model=model_name, prompt=PROMPT, max_tokens=20, temperature=0)
+            seeded = await client.completions.create(
+                model=model_name, prompt=OTHER, max_tokens=16, temperature=0.8, seed=5
+            )
+            stream = await client.completions.create(
+                model=model_name,
+                prompt=PROMPT,
+                max_tokens=20,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = [chunk async for chunk in stream]
+            leftovers = [k async for k in _kv_keys(redis_url)]
+        finally:
+            await client.close()
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+            await stop_all([decoder])
+
+    model = PrefillModel.from_spec(settings.spec.prefill)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run
+    try:
+        want = decode_text(generate(model, encode_text(PROMPT), 20))
+        want_seeded = decode_text(generate(model, encode_text(OTHER), 16, temperature=0.8, seed=5))
+    finally:
+        torch.set_num_threads(threads)
+    assert whole.choices[0].text == want and whole.choices[0].finish_reason == "length", out.getvalue()[-3000:]
+    assert whole.usage is not None and whole.usage.completion_tokens == 20
+    assert seeded.choices[0].text == want_seeded
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == want and len([c for c in chunks if c.choices]) >= 2  # it arrived in pieces
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert leftovers == []  # every KV cache was deleted once decoded
+
+
+async def _kv_keys(redis_url: str) -> AsyncIterator[bytes]:
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(redis_url)
+    try:
+        async for k in r.scan_iter(match=keys.kv_cache_key("*")):
+            yield k
+    finally:
+        await r.aclose()

@@ -95,9 +95,10 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
             assert [t for t, _ in got["top_logprobs"]] == [t for t, _ in want.top]
             assert got["prompt_tokens"] == len(body["prompt"])
             assert got["worker"].startswith("r")
-            kv = await kvstore.fetch_kv(r, rid)
-            assert kv is not None and len(kv) == len(want.kv)
-            for (k, v), (wk, wv) in zip(kv, want.kv, strict=True):
+            stored = await kvstore.fetch_kv(r, rid)
+            assert stored is not None and len(stored.kv) == len(want.kv)
+            assert stored.prompt == body["prompt"] and stored.first_token == want.token
+            for (k, v), (wk, wv) in zip(stored.kv, want.kv, strict=True):
                 assert torch.equal(k, wk) and torch.equal(v, wv)
             handle = got["kv_transfer_params"]
             assert handle["key"] == keys.kv_cache_key(rid) and handle["bytes"] > 0

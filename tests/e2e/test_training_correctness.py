@@ -32,6 +32,8 @@ SPEC = {
     "wan": {"sharing": "temporal", "default": {"latency_ms": 2, "bandwidth_gbps": 1, "connections": 4}},
     "model": {"layers": 4, "d_model": 32, "heads": 4, "seq_len": 16, "vocab": 256, "seed": 3},
     "parallelism": {"pp": 2, "dp": 2, "tp": 1},
+    # compared with the single-process reference on the CPU: train there too, even where a GPU exists
+    "device": {"kind": "cpu"},
     "training": {"schedule": "1f1b", "microbatches": 3, "microbatch_size": 2, "iterations": 5, "lr": 3e-3, "seed": 7},
 }
 

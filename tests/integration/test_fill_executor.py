@@ -122,9 +122,11 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         assert found is not None and found.status is RequestStatus.DONE and found.result is not None
         got = found.result
         assert (got.token, got.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))
-        kv = await kvstore.fetch_kv(bus.redis, req.id)
-        assert kv is not None and all(
-            torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(kv, want.kv, strict=True)
+        stored = await kvstore.fetch_kv(bus.redis, req.id)
+        assert stored is not None and stored.meta["format"] == kvstore.KV_FORMAT
+        assert stored.prompt == list(PROMPT) and stored.first_token == want.token
+        assert all(
+            torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(stored.kv, want.kv, strict=True)
         )
 
 

@@ -324,6 +324,10 @@ async def test_x_request_id_names_the_completion_and_kv_params_follow_vllm(clien
     assert body["id"].startswith("cmpl-abc-1-") and resp.headers["X-Request-Id"] == "abc-1"
     kv = body["kv_transfer_params"]
     assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False and kv["key"] == f"bt:kv:{req.id}"
+    from services.prefill_queue.api import KV_HANDLE_FORMAT
+    from shared.kvstore import KV_FORMAT
+
+    assert kv["format"] == KV_HANDLE_FORMAT == f"safetensors:{KV_FORMAT}"  # the handle names what the store holds
     bad = await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "no spaces"})
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "X-Request-Id"
 

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from shared.config import ModelSpec, Prefill
+from shared.model.causal import CausalLM
+from shared.model.families.nanogpt import NanoGPT
 from shared.model.gpt import Block, build_full, build_stage
 from shared.model.prefill import (
     CheckpointError,
@@ -15,10 +17,11 @@ from shared.model.prefill import (
     PrefillResult,
     PrefillState,
     kv_bytes,
+    sample,
     save_checkpoint,
 )
-from shared.model.shape import GPTConfig, estimate_kv_bytes
-from shared.model.tokenizer import decode, encode
+from shared.model.shape import GPTConfig, ModelInfo, estimate_kv_bytes, model_info
+from shared.model.tokenizer import BYTES, decode, encode
 
 CFG = GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256)
 SEED = 7
@@ -305,3 +308,65 @@ def test_estimate_kv_bytes_equals_real_size(model: PrefillModel, tokens: list[in
     result = model.finish(model.run_layers(state))
     assert kv_bytes(result) == kv_bytes(state) == estimate_kv_bytes(CFG, len(tokens))
     assert estimate_kv_bytes(CFG, len(tokens)) == 2 * CFG.layers * len(tokens) * CFG.d_model * 4
+    info = model_info(Prefill(model=ModelSpec(layers=4, d_model=32, heads=4, seq_len=64, vocab=256)))
+    assert info == model.info == ModelInfo.of_gpt(CFG) and info.family == "nanogpt" and info.max_model_len == 64
+    assert info.kv_bytes(len(tokens)) == estimate_kv_bytes(CFG, len(tokens)) == kv_bytes(result)
+
+
+# --- (g) the CausalLM interface, decoding with the cache, sampling ------------------------------
+
+
+def test_the_nanogpt_is_a_causal_lm_with_the_training_models_weights(model: PrefillModel) -> None:
+    lm = model.module
+    assert isinstance(lm, CausalLM) and isinstance(lm, NanoGPT) and model.layers == CFG.layers
+    full = build_full(CFG, SEED)
+    assert all(torch.equal(p, full.state_dict()[n]) for n, p in lm.state_dict().items())
+    again = PrefillModel(NanoGPT(CFG, SEED))  # from a CausalLM: the same model
+    assert_same(again.prefill(PROMPTS[0], top_logprobs=3), model.prefill(PROMPTS[0], top_logprobs=3))
+    with pytest.raises(ValueError, match="state_dict is for a nanoGPT"):
+        PrefillModel(NanoGPT(CFG, SEED), state_dict=full.state_dict())
+    assert model.device == torch.device("cpu") and model.tokenizer is BYTES
+
+
+@pytest.mark.parametrize("tokens", PROMPTS[:2] + PROMPTS[3:], ids=["hello", "one", "random"])
+def test_decode_steps_equal_prefills_of_the_longer_prompt(model: PrefillModel, tokens: list[int]) -> None:
+    """Each decode step's logits and grown cache are what a prefill of the prompt so far computes."""
+    first = model.prefill(tokens)
+    seq, kv = [*tokens, first.token], first.kv
+    for _ in range(4):
+        logits, grown = model.decode_step(kv, seq[-1], len(seq) - 1)
+        again = model.run_layers(model.start(seq))
+        assert torch.allclose(logits, model.last_logits(again), atol=1e-5, rtol=0)
+        for (k, v), (k2, v2) in zip(grown, again.kv, strict=True):
+            assert k.shape == k2.shape == (1, CFG.heads, len(seq), CFG.d_model // CFG.heads)
+            assert torch.allclose(k, k2, atol=1e-5) and torch.allclose(v, v2, atol=1e-5)
+        assert kv[0][0].shape[2] == len(seq) - 1  # the cache given is not changed
+        seq.append(sample(logits, 0.0))
+        kv = grown
+
+
+def test_decode_step_refuses_what_does_not_fit(model: PrefillModel) -> None:
+    first = model.prefill(encode("hi"))
+    with pytest.raises(ValueError, match=r"expected \(1, 4, 3, 8\) \(positions 0\.\.2\)"):
+        model.decode_step(first.kv, first.token, 3)
+    with pytest.raises(ValueError, match="the cache has 1 layers, this model 4"):
+        model.decode_step(first.kv[:1], first.token, 2)
+    with pytest.raises(ValueError, match=r"token 256 is not an id in 0\.\.255"):
+        model.decode_step(first.kv, 256, 2)
+    with pytest.raises(ValueError, match=r"position 64 is outside the model's 0\.\.63"):
+        model.decode_step(first.kv, 1, CFG.seq_len)
+
+
+def test_sample_is_the_rule_finish_uses(model: PrefillModel) -> None:
+    state = model.run_layers(model.start(encode("The cat sat on the")))
+    logits = model.last_logits(state)
+    assert sample(logits, 0.0) == int(logits.argmax())
+    rng_before = torch.get_rng_state()
+    for s in range(10):
+        token = sample(logits, 0.8, seed=s)
+        assert token == model.finish(state, temperature=0.8, seed=s).token
+        assert token == sample(logits, 0.8, generator=torch.Generator().manual_seed(s))
+    assert torch.equal(torch.get_rng_state(), rng_before)  # the global RNG is left alone
+    assert sample(logits, 1e-30, seed=0) == int(logits.argmax())
+    with pytest.raises(ValueError, match="temperature"):
+        sample(logits, -0.5)

@@ -132,3 +132,31 @@ def test_the_openapi_schema_names_exactly_the_accepted_fields() -> None:
     schema = spec("bubbletea-gpt", 8)["paths"]["/v1/completions"]["post"]["requestBody"]["content"]
     body = schema["application/json"]["schema"]
     assert set(body["properties"]) == COMPLETION_FIELDS and body["additionalProperties"] is False
+
+
+def test_whole_completions_are_accepted_only_with_the_decoder_and_what_it_honours() -> None:
+    from services.prefill_queue.validation import Limits, parse_completion
+
+    prefill_only = Limits(model="m", vocab=256, max_prompt_tokens=64, default_timeout_s=5.0)
+    decoding = Limits(model="m", vocab=256, max_prompt_tokens=64, default_timeout_s=5.0, max_tokens=32)
+    with pytest.raises(BadRequest, match="prefill only"):
+        parse_completion({"prompt": "x", "max_tokens": 8}, prefill_only)
+    assert parse_completion({"prompt": "x", "max_tokens": 8, "stop": "\n"}, decoding).max_tokens == 8
+    for body, field in (
+        ({"prompt": "x", "max_tokens": 33}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 8, "logprobs": 2}, "logprobs"),
+        ({"prompt": "x", "max_tokens": 8, "presence_penalty": 0.5}, "presence_penalty"),
+    ):
+        with pytest.raises(BadRequest) as refused:
+            parse_completion(body, decoding)
+        assert refused.value.param == field and refused.value.status == 400
+    assert parse_completion({"prompt": "x", "presence_penalty": 0.5}, decoding).max_tokens == 1  # honoured: no effect
+
+
+def test_a_completion_must_fit_the_models_context() -> None:
+    from services.prefill_queue.validation import Limits, parse_completion
+
+    small = Limits(model="m", vocab=256, max_prompt_tokens=32, default_timeout_s=5.0, max_tokens=64, max_model_len=32)
+    assert parse_completion({"prompt": "x" * 24, "max_tokens": 8}, small).max_tokens == 8
+    with pytest.raises(BadRequest, match="context is 32 tokens: a prompt of 24 tokens leaves room for 8 more"):
+        parse_completion({"prompt": "x" * 24, "max_tokens": 9}, small)

@@ -1,0 +1,1 @@
+"""The decoder service: whole completions from the KV caches prefilled in the bubbles."""

@@ -1,0 +1,160 @@
+"""decoder: generates the rest of a completion from the KV cache a worker prefilled in a bubble.
+
+For `/v1/completions` with ``max_tokens > 1`` the front door has the prompt prefilled inside the
+pipeline bubbles as for any request; the answer carries the first token and the KV cache's handle.
+The front door then publishes a `DecodeRequest` on `bt:decode:requests`, and a decoder:
+
+1. loads the KV cache (`shared.kvstore.fetch_kv`: safetensors bytes; their metadata carry the
+   prompt and its first token); a missing or expired cache fails the request explicitly
+   (`FailureReason.KV_MISSING`: the front door answers 503 and the client may retry);
+2. continues it token by token (`shared.model.generate.Continuation`: greedy, or seeded per
+   position, so the tokens equal a local full generation with the same model) in a thread, so
+   the event loop keeps the heartbeat and the other completions going;
+3. sends the tokens to the accepting front door's results stream as `DecodeChunk`s, at least every
+   `decode.chunk_ms` (a streamed completion arrives as it is generated), until `max_tokens` or a
+   `stop` sequence in the completion's text (the first token's included); the last chunk says why
+   it ended (the front door makes the text from the tokens and cuts it at the stop sequence);
+4. deletes the KV cache: none is left behind.
+
+The request's entry is acked only after its last chunk, so a decoder that dies mid-completion
+leaves it pending for another, which starts it again from the KV cache (the front door drops
+chunks it already has, by their `index`). Past its deadline a completion stops with a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+
+from shared import keys, kvstore, serving
+from shared.bus import Bus, Delivery
+from shared.config import ClusterSpec
+from shared.health import Heartbeat, instance_id
+from shared.logs import get_logger
+from shared.model.generate import Continuation
+from shared.model.prefill import PrefillModel
+from shared.model.tokenizer import find_stop, tokenizer_for
+from shared.settings import Settings
+from shared.status import FailureReason, RequestStatus
+from shared.wire import DecodeChunk, DecodeRequest, WireError
+
+SERVICE = "decoder"
+
+log = get_logger(__name__)
+
+
+class Decoder:
+    def __init__(self, bus: Bus, spec: ClusterSpec, model: PrefillModel) -> None:
+        self.bus, self.spec, self.model = bus, spec, model
+        self.tokenizer = tokenizer_for(spec.prefill)  # stop sequences are matched on the text
+        self.chunk_s = spec.decode.chunk_ms / 1000
+        self.running = 0
+        self.completions = 0
+        self.tokens = 0
+
+    async def on_request(self, d: Delivery) -> None:
+        req = d.message
+        assert isinstance(req, DecodeRequest)
+        self.running += 1
+        try:
+            await self._decode(req)
+        finally:
+            self.running -= 1
+
+    async def _decode(self, req: DecodeRequest) -> None:
+        try:
+            stored = await kvstore.fetch_kv(self.bus.redis, req.id)
+        except WireError as exc:
+            stored, why = None, f"the KV cache of {req.id} is unreadable: {exc}"
+        else:
+            why = f"no KV cache for {req.id}: it expired (prefill.kv_ttl_s) or was never stored"
+        if stored is None:
+            await self._fail(req, 1, FailureReason.KV_MISSING, why)
+            return
+        c = Continuation(self.model, stored.kv, len(stored.prompt), stored.first_token, req.temperature, req.seed)
+        sent = 1  # the first token is the prefill's answer: the client has it
+        finish, stop_reason = "length", None
+        t0 = time.perf_counter()
+        while True:
+            if req.deadline is not None and time.time() > req.deadline:
+                await self._fail(req, sent, FailureReason.DEADLINE, "deadline passed while decoding")
+                return
+            if len(c.tokens) < req.max_tokens:
+                try:
+                    await asyncio.to_thread(self._steps, c, req.max_tokens)
+                except ValueError as exc:  # e.g. past the model's positions: the front door checks, but be safe
+                    await self._fail(req, sent, FailureReason.MODEL_REFUSED, f"the model cannot continue: {exc}")
+                    return
+            hit = find_stop(self.tokenizer.decode(c.tokens), req.stop) if req.stop else None
+            if hit is not None:
+                finish, stop_reason = "stop", hit[1]
+            done = hit is not None or len(c.tokens) >= req.max_tokens
+            chunk = DecodeChunk(
+                id=req.id,
+                index=sent,
+                tokens=tuple(c.tokens[sent:]),
+                done=done,
+                finish_reason=finish if done else None,
+                stop_reason=stop_reason,
+            )
+            await self._send(req, chunk)
+            sent = len(c.tokens)
+            if done:
+                break
+        await kvstore.delete_kv(self.bus.redis, req.id)
+        self.completions += 1
+        self.tokens += len(c.tokens) - 1
+        log.info(
+            "completion decoded",
+            id=req.id,
+            tokens=len(c.tokens),
+            finish_reason=finish,
+            tokens_per_s=round((len(c.tokens) - 1) / max(time.perf_counter() - t0, 1e-9), 1),
+        )
+
+    def _steps(self, c: Continuation, max_tokens: int) -> None:
+        """Generate until `chunk_s` has passed or the completion is long enough (in a thread)."""
+        until = time.perf_counter() + self.chunk_s
+        while len(c.tokens) < max_tokens:
+            c.step()
+            if time.perf_counter() >= until:
+                return
+
+    async def _send(self, req: DecodeRequest, chunk: DecodeChunk) -> None:
+        await self.bus.publish(req.reply_to, chunk, maxlen=serving.RESULTS_MAXLEN)
+
+    async def _fail(self, req: DecodeRequest, index: int, reason: FailureReason, why: str) -> None:
+        chunk = DecodeChunk(id=req.id, index=index, done=True, status=RequestStatus.FAILED, reason=reason, error=why)
+        await self._send(req, chunk)
+        await kvstore.delete_kv(self.bus.redis, req.id)
+        log.info("completion failed", id=req.id, reason=reason.value, detail=why)
+
+    def info(self) -> dict[str, object]:
+        return {"running": self.running, "completions": self.completions, "tokens": self.tokens}
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    spec = settings.spec
+    model = await asyncio.to_thread(PrefillModel.from_spec, spec.prefill)
+    async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
+        d = Decoder(bus, spec, model)
+        me = f"{SERVICE}-{instance_id()}"
+        hb = Heartbeat(bus.redis, SERVICE, instance_id(), d.info)
+        config = msgspec.structs.replace(spec.bus, concurrency=spec.decode.concurrency)
+        consumer = bus.consumer(
+            keys.DECODE_REQUESTS_STREAM, SERVICE, {DecodeRequest: d.on_request}, name=me, config=config
+        )
+        await hb.start()
+        async with consumer:
+            log.info("decoder ready", model=spec.prefill.model_name, concurrency=spec.decode.concurrency)
+            while not stop.is_set() and not consumer.crashed.is_set():
+                try:
+                    async with asyncio.timeout(1.0):
+                        await stop.wait()
+                except TimeoutError:
+                    pass
+        await hb.stop()
+        if consumer.error is not None:
+            raise RuntimeError(f"the decode request consumer crashed: {consumer.error!r}")

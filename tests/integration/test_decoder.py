@@ -1,0 +1,112 @@
+"""The decoder service against a real redis-server: it continues a prompt from the KV cache a
+prefill stored (safetensors, as the workers store it), token for token as a local full generation
+does, greedy and seeded, stops at a stop sequence, deletes the KV cache once used, and fails a
+request whose KV cache is gone explicitly."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+from redis.asyncio import Redis
+
+from services.decoder.decoder import serve
+from shared import keys, kvstore
+from shared.bus import Bus
+from shared.model.generate import generate
+from shared.model.prefill import PrefillModel
+from shared.model.tokenizer import decode
+from shared.settings import Settings, load_settings
+from shared.status import FailureReason, RequestStatus
+from shared.wire import FIELD, DecodeChunk, DecodeRequest
+from shared.wire import decode as decode_msg
+
+pytestmark = pytest.mark.integration
+
+REPLY = "bt:test:decode-replies"
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
+    s = load_settings(None)
+    decode_cfg = msgspec.structs.replace(s.spec.decode, enabled=True, chunk_ms=1.0)
+    return dataclasses.replace(s, redis_url=redis_url, spec=msgspec.structs.replace(s.spec, decode=decode_cfg))
+
+
+@pytest.fixture
+async def decoder(settings: Settings) -> AsyncIterator[PrefillModel]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(settings, stop))
+    yield PrefillModel.from_spec(settings.spec.prefill)  # the same weights the decoder loads
+    stop.set()
+    await asyncio.wait_for(task, 30)
+
+
+async def prefill_and_store(redis: Redis, model: PrefillModel, rid: str, prompt: list[int], **kw: Any) -> int:
+    res = model.prefill(prompt, **kw)
+    await kvstore.store_kv(redis, rid, kvstore.kv_file(rid, "m", prompt, res.token, res.kv), ttl_s=60)
+    return res.token
+
+
+async def completion(redis: Redis, rid: str, cursor: str = "0") -> tuple[list[DecodeChunk], str]:
+    chunks: list[DecodeChunk] = []
+    async with asyncio.timeout(60):
+        while not chunks or not chunks[-1].done:
+            got: Any = await redis.xread({REPLY: cursor}, block=1000)
+            for _, entries in got or []:
+                for entry_id, fields in entries:
+                    cursor = entry_id.decode()
+                    msg = decode_msg(fields[FIELD])
+                    if isinstance(msg, DecodeChunk) and msg.id == rid:
+                        chunks.append(msg)
+    return chunks, cursor
+
+
+def request(rid: str, max_tokens: int, **kw: Any) -> DecodeRequest:
+    return DecodeRequest(id=rid, model="m", max_tokens=max_tokens, submitted=time.time(), reply_to=REPLY, **kw)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11}])
+async def test_decoding_equals_a_local_full_generation(
+    decoder: PrefillModel, redis: Redis, redis_url: str, sampling: dict[str, Any]
+) -> None:
+    prompt = list(b"Once upon a time")
+    first = await prefill_and_store(redis, decoder, "r1", prompt, **sampling)
+    async with Bus(redis_url, name="test") as bus:
+        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("r1", 24, **sampling))
+    chunks, _ = await completion(redis, "r1")
+    tokens = [first] + [t for c in chunks for t in c.tokens]
+    assert tokens == generate(decoder, prompt, 24, **sampling)
+    assert [c.index for c in chunks] == [1 + sum(len(c.tokens) for c in chunks[:i]) for i in range(len(chunks))]
+    assert chunks[-1].done and chunks[-1].finish_reason == "length" and chunks[-1].status is RequestStatus.DONE
+    assert await redis.exists(keys.kv_cache_key("r1")) == 0  # used, then deleted: none left behind
+
+
+async def test_a_stop_sequence_ends_the_completion(decoder: PrefillModel, redis: Redis, redis_url: str) -> None:
+    prompt = list(b"abc")
+    first = await prefill_and_store(redis, decoder, "r2", prompt)
+    want = generate(decoder, prompt, 40)
+    text = decode(want)
+    stop = text[3:5]  # a piece of what greedy decoding will write
+    async with Bus(redis_url, name="test") as bus:
+        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("r2", 40, stop=(stop,)))
+    chunks, _ = await completion(redis, "r2")
+    tokens = [first] + [t for c in chunks for t in c.tokens]
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == stop
+    assert len(tokens) < 40 and stop in decode(tokens) and tokens == want[: len(tokens)]
+
+
+async def test_a_missing_kv_cache_fails_the_request_explicitly(
+    decoder: PrefillModel, redis: Redis, redis_url: str
+) -> None:
+    async with Bus(redis_url, name="test") as bus:
+        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("gone", 8))
+    chunks, _ = await completion(redis, "gone")
+    (last,) = chunks
+    assert last.done and last.status is RequestStatus.FAILED and last.reason is FailureReason.KV_MISSING
+    assert "no KV cache for gone" in last.error
