@@ -128,6 +128,7 @@ def _atomic(target: Path, write: Callable[[Path], object]) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # readable by a server running as another user (safetensors writes 0600)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ def test_the_saved_checkpoint_is_the_same_model_for_transformers(tmp_path: Path)
     ours = build_full(cfg, seed=5).eval()
     save_gpt2_checkpoint(ours.state_dict(), cfg, tmp_path / "ckpt")
     assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert all((p.stat().st_mode & 0o444) == 0o444 for p in (tmp_path / "ckpt").iterdir())  # readable by all
     theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt").eval()
     ids = torch.tensor([list(b"The quick brown fox")])
     with torch.no_grad():
