@@ -235,6 +235,7 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode_request"):
     temperature: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    eos: tuple[int, ...] = ()  # tokens that end the completion (the model's EOS; none with ignore_eos)
     submitted: float  # wall clock
     deadline: float | None = None  # wall clock; past it decoding stops with a failure
     reply_to: str  # the accepting front door's results stream

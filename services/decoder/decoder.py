@@ -87,10 +87,15 @@ class Decoder:
                 except ValueError as exc:  # e.g. past the model's positions: the front door checks, but be safe
                     await self._fail(req, sent, FailureReason.MODEL_REFUSED, f"the model cannot continue: {exc}")
                     return
+            eos = next((i for i in range(sent, len(c.tokens)) if c.tokens[i] in req.eos), None)
+            if eos is not None:  # the model ended the completion: nothing after its EOS token counts
+                del c.tokens[eos + 1 :]
             hit = find_stop(self.tokenizer.decode(c.tokens), req.stop) if req.stop else None
             if hit is not None:
                 finish, stop_reason = "stop", hit[1]
-            done = hit is not None or len(c.tokens) >= req.max_tokens
+            elif eos is not None:
+                finish = "stop"  # vLLM's finish reason for an EOS token (stop_reason stays None)
+            done = hit is not None or eos is not None or len(c.tokens) >= req.max_tokens
             chunk = DecodeChunk(
                 id=req.id,
                 index=sent,

@@ -31,13 +31,17 @@ from services.prefill_queue.api import (
     kv_params,
     limits,
     refuse_if_not_serving,
+    served_model,
 )
 from services.prefill_queue.decoding import continue_completion
 from services.prefill_queue.state import METRICS, SETTINGS, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion, parse_completion
+from shared.logs import get_logger
 from shared.model.tokenizer import BYTES, Tokenizer, find_stop, token_text
 from shared.status import RequestStatus
 from shared.wire import PrefillRequest, PrefillResult
+
+log = get_logger(__name__)
 
 #: An X-Request-Id a client sends becomes the completion's id (as vLLM does): printable, bounded.
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -97,9 +101,10 @@ class _Text:
     finish: str | None = None
     stop_reason: str | None = None
 
-    def add(self, tokens: tuple[int, ...] | list[int], *, done: bool = False) -> str:
+    def add(self, tokens: tuple[int, ...] | list[int], *, done: bool = False, finish: str | None = None) -> str:
         """Take more tokens; return the text not sent yet (held back while it ends in an unfinished
-        character). A stop sequence ends the choice there."""
+        character). A stop sequence ends the choice there; else `done` ends it with `finish`
+        (the decoder's reason: "stop" for an end-of-sequence token) or "length"."""
         self.tokens += tokens
         text = self.tokenizer.decode(self.tokens)
         hit = find_stop(text, self.stop)
@@ -110,7 +115,7 @@ class _Text:
         new = text[len(self.sent) :] if text.startswith(self.sent) else ""
         self.sent += new
         if done and self.finish is None:
-            self.finish = "length"
+            self.finish = finish or "length"
         return new
 
 
@@ -128,25 +133,33 @@ async def _whole(
     index = {req.id: i for i, req in enumerate(reqs)}
     by_id = {req.id: req for req in reqs}
     texts = {req.id: _Text(tokenizer, c.stop) for req in reqs}
+    eos = () if c.ignore_eos else served_model(app[SETTINGS].spec.prefill)[0].eos_token_ids
     events: asyncio.Queue[tuple[str, str, bool] | BadRequest] = asyncio.Queue()  # (id, new text, done)
 
     async def decode(rid: str, first: PrefillResult) -> None:
+        try:
+            await decode_one(rid, first)
+        except Exception as exc:  # never a silent hang: the client gets the failure
+            log.exception("decoding a completion failed", id=rid)
+            await events.put(BadRequest(f"decoding failed: {exc!r}", status=500, type_="server_error"))
+
+    async def decode_one(rid: str, first: PrefillResult) -> None:
         t = texts[rid]
         new = t.add([first.token], done=c.max_tokens == 1)
+        if first.token in eos and t.finish is None:
+            t.finish = "stop"  # the model ended it at once (vLLM's finish reason for EOS)
         await events.put((rid, new, t.finish is not None))
         if t.finish is not None:
             return  # the first token already ended it (a stop sequence)
         try:
-            async for chunk in continue_completion(app, by_id[rid], c.max_tokens, c.stop):
+            async for chunk in continue_completion(app, by_id[rid], c.max_tokens, c.stop, eos):
                 if chunk.status is not RequestStatus.DONE:
                     status = FAILURE_STATUS[chunk.reason] if chunk.reason is not None else 500
                     await events.put(
                         BadRequest(f"the decode failed: {chunk.error}", status=status, type_="server_error")
                     )
                     return
-                new = t.add(chunk.tokens, done=chunk.done)
-                if t.finish is None and chunk.done:
-                    t.finish = chunk.finish_reason or "length"
+                new = t.add(chunk.tokens, done=chunk.done, finish=chunk.finish_reason)
                 await events.put((rid, new, t.finish is not None))
                 if t.finish is not None:
                     return

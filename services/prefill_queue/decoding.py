@@ -24,7 +24,7 @@ from shared.wire import DecodeChunk, DecodeRequest, PrefillRequest
 
 
 async def continue_completion(
-    app: web.Application, req: PrefillRequest, max_tokens: int, stop: tuple[str, ...]
+    app: web.Application, req: PrefillRequest, max_tokens: int, stop: tuple[str, ...], eos: tuple[int, ...] = ()
 ) -> AsyncIterator[DecodeChunk]:
     """The chunks of `req`'s completion after its first token, ending with the one marked done."""
     queue = app[WAITERS].expect_chunks(req.id)
@@ -36,6 +36,7 @@ async def continue_completion(
         temperature=req.temperature,
         seed=req.seed,
         stop=stop,
+        eos=eos,
         submitted=req.submitted,
         deadline=req.deadline,
         reply_to=instance_results_stream(app),

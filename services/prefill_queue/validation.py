@@ -77,6 +77,7 @@ class Completion:
     include_usage: bool
     stop: tuple[str, ...]
     max_tokens: int = 1  # tokens per choice in all: 1 = the prefill's first token only
+    ignore_eos: bool = False  # decode past the model's end-of-sequence tokens (vLLM's field)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ def parse_completion(body: Any, limits: Limits) -> Completion:
     goes to a decode service. ``prompt`` may be a list of prompts (one choice each). Fields that
     cannot change the first token are accepted as they are honoured exactly (``presence_penalty``,
     ``frequency_penalty`` count output tokens, of which there are none before the first;
-    ``ignore_eos``: the model has no end-of-sequence token); ``stop`` is applied to the token's
+    ``ignore_eos``: with max_tokens 1 nothing follows the first token; with more, the decoder goes
+    past the model's end-of-sequence tokens); ``stop`` is applied to the token's
     text; fields the service cannot honour are refused unless they have their neutral value."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -249,6 +251,7 @@ def parse_completion(body: Any, limits: Limits) -> Completion:
         include_usage=_stream_options(body, stream),
         stop=_stop(body.get("stop")),
         max_tokens=max_tokens,
+        ignore_eos=bool(body.get("ignore_eos") or False),
     )
 
 

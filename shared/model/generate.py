@@ -65,11 +65,16 @@ def generate(
     *,
     temperature: float = 0.0,
     seed: int | None = None,
+    eos: Sequence[int] = (),
 ) -> list[int]:
     """A local full generation: prefill the prompt in one pass, then continue to `max_tokens`
-    tokens in all. The reference the decoder service is held to."""
+    tokens in all, or to the first of the `eos` tokens (included). The reference the decoder
+    service is held to."""
     first = model.prefill(prompt, temperature=temperature, seed=seed)
     c = Continuation(model, first.kv, len(prompt), first.token, temperature, seed)
-    for _ in c.run(max_tokens):
-        pass
+    if first.token in eos:
+        return c.tokens
+    for token in c.run(max_tokens):
+        if token in eos:
+            break
     return c.tokens

@@ -107,10 +107,12 @@ class ModelInfo:
     kv_heads: int
     head_dim: int
     max_model_len: int
+    #: Tokens that end a completion (config.json `eos_token_id`); none for the byte-level nanoGPT.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name != "family" and getattr(self, f.name) < 1:
+            if f.name not in ("family", "eos_token_ids") and getattr(self, f.name) < 1:
                 raise ValueError(f"ModelInfo.{f.name} must be >= 1, got {getattr(self, f.name)}")
         if self.heads % self.kv_heads:
             raise ValueError(f"ModelInfo.heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
@@ -195,6 +197,7 @@ def info_from_config(config: Mapping[str, Any]) -> ModelInfo:
             kv_heads=heads,
             head_dim=d_model // heads,
             max_model_len=config_int(config, "n_positions"),
+            eos_token_ids=_eos(config),
         )
     d_model, heads = config_int(config, "hidden_size"), config_int(config, "num_attention_heads")
     kv_heads = config_int(config, "num_key_value_heads", heads)
@@ -216,7 +219,17 @@ def info_from_config(config: Mapping[str, Any]) -> ModelInfo:
         kv_heads=kv_heads,
         head_dim=config_int(config, "head_dim", d_model // heads),
         max_model_len=config_int(config, "max_position_embeddings"),
+        eos_token_ids=_eos(config),
     )
+
+
+def _eos(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """config.json's `eos_token_id`: an id, a list of ids, or absent/null (then none)."""
+    value = config.get("eos_token_id")
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"config.json 'eos_token_id' must be a token id or a list of them, got {value!r}")
+    return tuple(ids)
 
 
 def is_checkpoint_dir(spec: Prefill) -> bool:

@@ -98,12 +98,22 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=True).ids)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """The text of `ids`, special tokens skipped; `ValueError` for an unknown id (up to five named)."""
-        values = list(ids)
-        bad = [i for i in values if not 0 <= i < self._vocab_size]
-        if bad:
-            raise ValueError(f"token ids must be in 0..{self._vocab_size - 1}, got {bad[:5]}")
-        return str(self._tok.decode(values, skip_special_tokens=True))
+        """The text of `ids`, special tokens skipped. An id the tokenizer does not have (a model's
+        embedding is often padded past its tokenizer, and a model may generate such an id) is
+        U+FFFD, as `token_text` shows it, rather than an error in the middle of a completion."""
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if 0 <= i < self._vocab_size:
+                run.append(i)
+                continue
+            if run:
+                out.append(str(self._tok.decode(run, skip_special_tokens=True)))
+                run = []
+            out.append("\ufffd")
+        if run:
+            out.append(str(self._tok.decode(run, skip_special_tokens=True)))
+        return "".join(out)
 
 
 BYTES = ByteTokenizer()

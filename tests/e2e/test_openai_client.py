@@ -201,3 +201,59 @@ async def _kv_keys(redis_url: str) -> AsyncIterator[bytes]:
             yield k
     finally:
         await r.aclose()
+
+
+async def test_a_hugging_face_checkpoint_serves_whole_completions_as_transformers_generates(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A user's local checkpoint directory (here a tiny random Qwen2 made by transformers): the
+    prompt tokenized by its tokenizer, prefilled in the bubbles, decoded by the decoder; the text
+    is what transformers' own greedy `generate` gives, stopping at the model's EOS token too."""
+    from bubbletea.launcher.procs import spawn, stop_all
+    from bubbletea.launcher.services import DECODER
+    from shared.model.tokenizer import tokenizer_for
+    from tests.unit.test_hf_models import save
+
+    ckpt = save("qwen2", tmp_path / "qwen2")
+    path = write_spec(
+        tmp_path,
+        training={**SPEC["training"], "iterations": 60},
+        prefill={**SPEC["prefill"], "checkpoint": str(ckpt.path)},
+        decode={"enabled": True, "max_tokens": 32},
+    )
+    run = f"hf-{uuid.uuid4().hex[:6]}"
+    settings = load_settings(path, env={"BUBBLETEA_RUN": run})
+    env = service_env(redis_url, path, run)
+    out = io.StringIO()
+    prompts = ["the quick brown fox", "bubble tea, hello", "lazy dog"]
+    async with front_door(env, out) as door:
+        assert door.url is not None
+        decoder = await spawn(DECODER, env, out=out, quiet=True)
+        training = asyncio.create_task(run_training(settings, redis_url, out=out, progress=False, dispatcher=True))
+        client = AsyncOpenAI(base_url=f"{door.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+        try:
+            await wait_for_iteration(redis_url, run, 1)
+            try:
+                got = await client.completions.create(
+                    model=settings.spec.prefill.model_name, prompt=prompts, max_tokens=24, temperature=0
+                )
+            except openai.APITimeoutError:
+                raise AssertionError(out.getvalue()[-6000:]) from None
+            models = await client.models.list()
+        finally:
+            await client.close()
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+            await stop_all([decoder])
+
+    tok = tokenizer_for(settings.spec.prefill)
+    assert models.data[0].model_extra is not None and models.data[0].model_extra["max_model_len"] == 128
+    for choice, prompt in zip(sorted(got.choices, key=lambda ch: ch.index), prompts, strict=True):
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            full = ckpt.hf.generate(
+                torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=1, pad_token_id=1
+            )[0, len(ids) :].tolist()
+        assert choice.text == tok.decode(full), (prompt, full, out.getvalue()[-2000:])
+        assert choice.finish_reason == ("stop" if full[-1] == 1 else "length")  # EOS (id 1) ends it
+    assert got.usage is not None and got.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)

@@ -110,3 +110,19 @@ async def test_a_missing_kv_cache_fails_the_request_explicitly(
     (last,) = chunks
     assert last.done and last.status is RequestStatus.FAILED and last.reason is FailureReason.KV_MISSING
     assert "no KV cache for gone" in last.error
+
+
+async def test_an_end_of_sequence_token_ends_the_completion(
+    decoder: PrefillModel, redis: Redis, redis_url: str
+) -> None:
+    prompt = list(b"xyz")
+    first = await prefill_and_store(redis, decoder, "r3", prompt)
+    want = generate(decoder, prompt, 30)
+    eos = want[5]  # a token greedy decoding writes: call it the end of sequence
+    cut = want.index(eos)
+    async with Bus(redis_url, name="test") as bus:
+        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("r3", 30, eos=(eos,)))
+    chunks, _ = await completion(redis, "r3")
+    tokens = [first] + [t for c in chunks for t in c.tokens]
+    assert tokens == want[: cut + 1] == generate(decoder, prompt, 30, eos=(eos,))  # it ends with the EOS token
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason is None
