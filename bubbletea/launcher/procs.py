@@ -40,6 +40,8 @@ class Proc:
     label: str = ""
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     pump: asyncio.Task[None] | None = None
+    #: When it was spawned (`time.monotonic()`): how long it lived, for the restart policy.
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def name(self) -> str:

@@ -13,7 +13,12 @@ endpoints for a Prometheus ``file_sd_configs``), and then follows the run:
 * each process's lines are prefixed with its name (warnings and errors only, unless --verbose;
   every line goes to ``<run folder>/logs/<name>.log``);
 * Ctrl-C stops everything cleanly;
-* a process that dies stops everything, naming it and showing its last lines;
+* it supervises (`bubbletea.launcher.supervise`): a stateless service that dies (the front door,
+  the dispatcher, the WAN broker, the decoder) is restarted with the same environment (the front
+  door on the same port) after a backoff (`shared.policies.restarts`), and waited on until healthy;
+  a crash loop (more than 5 deaths in 60 s) stops everything, naming it and showing its last lines.
+  A stage worker that dies still stops everything: training cannot survive a lost worker yet;
+* a process that dies while everything starts stops everything, naming it and showing its last lines;
 * on the way out the run folder gets the run's spans and summary, and the report pictures
   (`bubbletea report` can redraw them).
 """
@@ -36,6 +41,7 @@ import yaml
 from bubbletea import runstats
 from bubbletea.launcher.procs import Proc, ServiceFailed, open_redis, spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import SERVICES
+from bubbletea.launcher.supervise import Supervisor
 from shared.bus import Bus
 from shared.health import live_instances
 from shared.redis_server import EmbeddedRedis, free_port
@@ -107,7 +113,21 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool) -> int:
             for i in range(slots if svc.per_slot else 1):
                 label = f"{svc.name}-{i}" if svc.per_slot else svc.name
                 procs.append(await spawn(svc, env, quiet=not verbose, log_file=logs / f"{label}.log", label=label))
+                say(f"==> started {label} (pid {procs[-1].proc.pid})")
         api = f"http://{spec.http.host}:{port}"
+
+        async def respawn(dead: Proc) -> Proc:
+            """The same service, environment (the front door: its port) and label; the same log."""
+            p = await spawn(dead.svc, env, quiet=not verbose, log_file=logs / f"{dead.label}.log", label=dead.label)
+            say(f"==> started {p.label} (pid {p.proc.pid})")
+            return p
+
+        async def healthy(p: Proc) -> None:
+            await _wait_restarted(p, url, settings, api)
+            if p.proc.returncode is None:  # its /metrics moved (a free port): Prometheus follows the file
+                pids = {q.proc.pid for q in procs}
+                _write_targets(folder / "prometheus-targets.json", await _metrics_endpoints(url, settings, api, pids))
+
         await _wait_healthy(procs, url, settings, api)
         state = await _wait_ready(procs, api)
         endpoints = await _metrics_endpoints(url, settings, api)
@@ -123,10 +143,10 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool) -> int:
         for label, metrics_url in endpoints:
             say(f"      {label:<18} {metrics_url}")
         say(f"    logs: {logs}/<service>.log (warnings and errors also here{'' if verbose else '; -v for all'})")
-        say("    Ctrl-C stops everything")
+        say("    Ctrl-C stops everything; a dead front door, dispatcher, WAN broker or decoder is restarted")
         say("")
         try:
-            return await _follow(procs)
+            return await Supervisor(procs, respawn=respawn, healthy=healthy, say=say).follow()
         finally:  # also on Ctrl-C: what ran so far is worth a report
             await _write_run_folder(url, settings, folder, started)
     finally:
@@ -165,6 +185,29 @@ async def _wait_healthy(procs: list[Proc], url: str, settings: Settings, api: st
             await asyncio.sleep(0.2)  # heartbeats are TTL keys: nothing to wait on but time
 
 
+async def _wait_restarted(p: Proc, url: str, settings: Settings, api: str) -> None:
+    """A restarted process is healthy: the front door answers /health, another service has a
+    heartbeat from its new pid. Returns early if it died again (the supervisor sees that death)."""
+    if p.svc.http:
+        try:
+            await wait_http_healthy(p, api, timeout=HEALTHY_TIMEOUT_S)
+        except ServiceFailed:
+            if p.proc.returncode is None:
+                raise  # alive but not healthy in time
+        return
+    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
+    async with Bus(url, settings.spec.bus, name="up") as bus:
+        while p.proc.returncode is None:
+            live = await live_instances(bus.redis, p.svc.name)
+            if any(inst.get("pid") == p.proc.pid for inst in live):
+                return
+            if time.monotonic() > deadline:
+                raise ServiceFailed(
+                    f"{p.label} (pid {p.proc.pid}) restarted but not healthy within {HEALTHY_TIMEOUT_S:.0f}s"
+                )
+            await asyncio.sleep(0.2)  # heartbeats are TTL keys: nothing to wait on but time
+
+
 async def _wait_ready(procs: list[Proc], api: str) -> str:
     """Poll the front door's /ready until 200 (training runs, a dispatcher fills its bubbles); the
     last reason is in the error if it never comes. Returns the serving state's reason."""
@@ -185,12 +228,17 @@ async def _wait_ready(procs: list[Proc], api: str) -> str:
             await asyncio.sleep(0.2)  # readiness is a verdict re-published every 0.25 s: poll it
 
 
-async def _metrics_endpoints(url: str, settings: Settings, api: str) -> list[tuple[str, str]]:
-    """(label, /metrics URL) of every service: the front door's API, the others' heartbeats."""
+async def _metrics_endpoints(
+    url: str, settings: Settings, api: str, pids: set[int] | None = None
+) -> list[tuple[str, str]]:
+    """(label, /metrics URL) of every service: the front door's API, the others' heartbeats (only
+    those of `pids` if given: a killed process's heartbeat outlives it by its TTL)."""
     out = [("prefill_queue", f"{api}/metrics")]
     async with Bus(url, settings.spec.bus, name="up") as bus:
         live = await live_instances(bus.redis)
     for inst in live:
+        if pids is not None and inst.get("pid") not in pids:
+            continue
         if inst.get("metrics_url") and inst.get("run", settings.run) == settings.run:
             label = inst["service"] + (f"-{inst['slot']}" if inst.get("slot") else "")
             out.append((label, inst["metrics_url"]))
@@ -212,23 +260,6 @@ def _raise_if_dead(procs: list[Proc]) -> None:
             raise ServiceFailed(
                 f"{p.label} (pid {p.proc.pid}) exited with code {p.proc.returncode}; last output:\n" + "\n".join(p.tail)
             )
-
-
-async def _follow(procs: list[Proc]) -> int:
-    """Until Ctrl-C, a failure, or the end of training (every worker exited 0)."""
-    workers = [p for p in procs if p.svc.per_slot]
-    while True:
-        _raise_if_dead(procs)
-        others_gone = [p for p in procs if not p.svc.per_slot and p.proc.returncode is not None]
-        if others_gone:
-            p = others_gone[0]
-            raise ServiceFailed(
-                f"{p.label} exited on its own (code {p.proc.returncode}); last output:\n" + "\n".join(p.tail)
-            )
-        if workers and all(p.proc.returncode == 0 for p in workers):
-            say("==> training finished: every worker completed its iterations; stopping")
-            return 0
-        await asyncio.sleep(0.2)  # polling child exit codes; a failure is reported within 0.2 s
 
 
 async def _write_run_folder(url: str, settings: Settings, folder: Path, started: float) -> None:

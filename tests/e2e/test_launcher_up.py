@@ -12,13 +12,17 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
 
-from tests.e2e.serving import SPEC, status, submit, wait_until
+from shared.health import live_instances
+from tests.e2e.serving import SPEC, status, submit, wait_ready, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -158,6 +162,81 @@ def test_up_reports_a_dead_service_by_name(tmp_path: Path) -> None:
     assert res.returncode == 1, res.stdout + res.stderr
     assert re.search(r"stage_worker-\d \(pid \d+\) exited with code 1", res.stderr), res.stdout + res.stderr
     assert "missing.pt" in res.stderr
+
+
+async def _answered(http: aiohttp.ClientSession, api: str, prompt: str) -> dict[str, Any]:
+    """Submit a prompt once serving is ready, and wait for its final status."""
+    await wait_ready(http, api, timeout=30)
+    rid = await submit(http, api, {"prompt": prompt})
+    async with asyncio.timeout(30):
+        while (answer := await status(http, api, rid))["status"] == "queued":  # noqa: ASYNC110
+            await asyncio.sleep(0.2)  # a client polls the native API: there is no push to wait on
+    return answer
+
+
+async def test_up_restarts_a_killed_dispatcher_and_front_door(tmp_path: Path) -> None:
+    """kill -9 the dispatcher, then the front door: `up` says so, restarts each (a new pid, a new
+    heartbeat; the front door on the same port), and prompts submitted after each kill are answered."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({**SPEC, "http": {"host": "127.0.0.1", "port": 0}}))
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), "--out", str(tmp_path / "runs")),
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    try:
+        await _read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
+        out = "".join(seen)
+        pids = {label: int(pid) for label, pid in re.findall(r"==> started (\S+) \(pid (\d+)\)", out)}
+        api = re.findall(r"API:\s+(http://\S+)", out)[0]
+        redis_url = re.findall(r"==> Redis: (redis://\S+)", out)[0]
+        logs = Path(re.findall(r"logs:\s+(\S+)/<service>\.log", out)[0])
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            # the dispatcher: restarted with a heartbeat of its own, and it fills bubbles again
+            os.kill(pids["dispatcher"], signal.SIGKILL)
+            await _read_until(
+                proc.stdout, r"==> dispatcher died \(exit code -9\); restarting in 0.5s \(restart 1\)", seen, 10
+            )
+            m = await _read_until(proc.stdout, r"==> dispatcher restarted \(pid (\d+)\): healthy", seen, 60)
+            new_pid = int(m.group(1))
+            assert new_pid != pids["dispatcher"]
+            r = Redis.from_url(redis_url)
+            try:
+                beats = {inst["pid"]: inst for inst in await live_instances(r, "dispatcher")}
+            finally:
+                await r.aclose()
+            assert new_pid in beats, beats  # a heartbeat of its own
+            # Prometheus's file_sd targets follow it to its new /metrics port (the old one is gone)
+            targets = json.loads((logs.parent / "prometheus-targets.json").read_text())
+            dispatchers = [g["targets"] for g in targets if g["labels"]["bubbletea_service"] == "dispatcher"]
+            assert dispatchers == [[urlsplit(beats[new_pid]["metrics_url"]).netloc]], targets
+            answer = await _answered(http, api, "after the dispatcher was killed")
+            assert answer["status"] == "done" and answer["result"]["text"], answer
+
+            # the front door: restarted on the same port (the same API URL answers again)
+            os.kill(pids["prefill_queue"], signal.SIGKILL)
+            await _read_until(proc.stdout, r"==> prefill_queue died \(exit code -9\); restarting in 0.5s", seen, 10)
+            m = await _read_until(proc.stdout, r"==> prefill_queue restarted \(pid (\d+)\): healthy", seen, 60)
+            assert int(m.group(1)) != pids["prefill_queue"]
+            async with http.get(f"{api}/health") as resp:
+                assert resp.status == 200
+            answer = await _answered(http, api, "after the front door was killed")
+            assert answer["status"] == "done" and answer["result"]["text"], answer
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(60):
+            await _drain(proc.stdout, seen)
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    out = "".join(seen)
+    assert code == 0 and "==> stopped cleanly" in out, out
 
 
 async def test_up_stops_cleanly_on_sigterm_as_on_ctrl_c(tmp_path: Path) -> None:
