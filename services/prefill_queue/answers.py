@@ -1,0 +1,85 @@
+"""The OpenAI completion's pieces, shared by the one-token and the whole-completion answers: waiting
+for the prefill answers, the HTTP status of a failed one, and the JSON shapes (head, choice,
+usage) with the request metrics they feed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from services.prefill_queue.api import FAILED_RETRY_AFTER_S, FAILURE_STATUS
+from services.prefill_queue.state import METRICS
+from services.prefill_queue.validation import BadRequest
+from shared.model.tokenizer import BYTES, Tokenizer, token_text
+from shared.wire import PrefillRequest, PrefillResult
+
+
+async def as_answered(
+    waiters: dict[str, asyncio.Future[PrefillResult]], timeout_s: float
+) -> AsyncIterator[tuple[str, PrefillResult]]:
+    """(request id, answer) in the order the answers land; 504 if some do not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    pending = {fut: rid for rid, fut in waiters.items()}
+    while pending:
+        done, _ = await asyncio.wait(
+            pending, timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_COMPLETED"
+        )
+        if not done:
+            first = next(iter(pending.values()))
+            raise BadRequest(
+                f"no result within {timeout_s:.0f}s; the request is still queued: GET /v1/prefill/{first}",
+                status=504,
+                type_="timeout_error",
+            )
+        for fut in done:
+            yield pending.pop(fut), fut.result()
+
+
+def raise_if_failed(r: PrefillResult) -> None:
+    if not r.ok:
+        status = FAILURE_STATUS[r.reason] if r.reason is not None else 500
+        retry = FAILED_RETRY_AFTER_S if status == 503 else None
+        raise BadRequest(f"the prefill failed: {r.error}", status=status, type_="server_error", retry_after_s=retry)
+
+
+def head(completion_id: str, req: PrefillRequest, model: str) -> dict[str, Any]:
+    return {"id": completion_id, "object": "text_completion", "created": int(req.submitted), "model": model}
+
+
+def choice(
+    index: int, req: PrefillRequest, r: PrefillResult, stop: tuple[str, ...], *, tokenizer: Tokenizer = BYTES
+) -> dict[str, Any]:
+    """One prompt's choice. A stop sequence in the token's text ends it there (finish_reason "stop",
+    `stop_reason` the sequence, as vLLM reports it); otherwise the one token is the length limit.
+    The top logprobs are keyed by each token's text in the served model's `tokenizer`."""
+    text, finish, stop_reason = r.text, "length", None
+    for s in stop:
+        at = text.find(s)
+        if at >= 0:
+            text, finish, stop_reason = text[:at], "stop", s
+            break
+    logprobs = None
+    if req.logprobs:
+        logprobs = {
+            "tokens": [r.text],
+            "token_logprobs": [r.logprob],
+            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in r.top}],
+            "text_offset": [0],
+        }
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
+
+
+def usage(results: list[PrefillResult]) -> dict[str, int]:
+    prompt = sum(r.prompt_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": len(results), "total_tokens": prompt + len(results)}
+
+
+def observe(app: web.Application, received: float, choices: list[dict[str, Any]]) -> None:
+    m = app[METRICS]
+    m.e2e_latency.labels(m.model_name).observe(time.perf_counter() - received)
+    for ch in choices:
+        m.success.labels(ch["finish_reason"], m.model_name).inc()
