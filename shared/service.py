@@ -80,9 +80,11 @@ async def serve_app(
     *,
     on_listening: Callable[[str], None] | None = None,
     shutdown_timeout: float = 10.0,
+    runner_class: Callable[..., web.AppRunner] = web.AppRunner,
 ) -> None:
-    """Run an aiohttp app until `stop` is set; cleanup contexts run in reverse order on the way out."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout, handle_signals=False)
+    """Run an aiohttp app until `stop` is set; cleanup contexts run in reverse order on the way out.
+    `runner_class` builds the runner (a service's own, for its HTTP server's limits and timeouts)."""
+    runner = runner_class(app, access_log=None, shutdown_timeout=shutdown_timeout, handle_signals=False)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

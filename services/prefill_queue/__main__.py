@@ -6,13 +6,14 @@ import asyncio
 import sys
 
 from services.prefill_queue.app import SERVICE, create_app
+from services.prefill_queue.server import Runner
 from shared.service import run_service, serve_app
 from shared.settings import Settings
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     http = settings.spec.http
-    await serve_app(create_app(settings), http.host, http.port, stop)
+    await serve_app(create_app(settings), http.host, http.port, stop, runner_class=Runner)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.hdrs import CONTENT_TYPE
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.prefill_queue import api, completions, openapi
@@ -32,7 +33,7 @@ from services.prefill_queue.state import (
     Waiters,
     instance_results_stream,
 )
-from services.prefill_queue.validation import BadRequest
+from services.prefill_queue.validation import MAX_JSON_DEPTH, BadRequest, json_too_deep
 from shared import serving
 from shared.bus import Bus, Delivery
 from shared.bus.connection import TRANSIENT_ERRORS
@@ -45,14 +46,13 @@ from shared.wire import DecodeChunk, PrefillResult
 SERVICE = "prefill_queue"
 #: /health answers 503 if Redis does not answer a PING within this time.
 HEALTH_REDIS_TIMEOUT_S = 1.0
-
 log = get_logger(__name__)
 
 
 def create_app(settings: Settings) -> web.Application:
     app = web.Application(
         client_max_size=settings.spec.prefill.max_body_bytes,
-        middlewares=[_request_id, _json_errors, _count_requests, _api_key],
+        middlewares=[_request_id, _json_errors, _count_requests, _api_key, _json_body],
     )
     app[SETTINGS] = settings
     api.served_model(settings.spec.prefill)  # an unusable checkpoint directory stops the start, naming why
@@ -179,8 +179,10 @@ async def _count_requests(request: web.Request, handler: Handler) -> web.StreamR
 async def _api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[SETTINGS].api_key
     if key and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+        # The scheme is case-insensitive (RFC 9110, 11.1); the key is compared in constant time.
+        right_key = secrets.compare_digest(given.strip().encode(), key.encode())
+        if not (right_key and scheme.lower() == "bearer"):
             raise BadRequest(
                 "missing or wrong API key: send 'Authorization: Bearer <key>'", status=401, type_="authentication_error"
             )
@@ -188,20 +190,58 @@ async def _api_key(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 @web.middleware
+async def _json_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A POST body must be JSON (415 otherwise; a missing Content-Type is read as JSON) nested at
+    most `MAX_JSON_DEPTH` deep (400 otherwise), checked before any handler parses it. The body read
+    here is cached by aiohttp, so the handler's `request.json()` does not read it again."""
+    if request.method != "POST" or request.match_info.http_exception is not None:
+        return await handler(request)
+    if CONTENT_TYPE in request.headers and request.content_type != "application/json":
+        raise BadRequest(
+            f"the request body must be JSON, sent with 'Content-Type: application/json'; got {request.content_type!r}",
+            param="Content-Type",
+            status=415,
+        )
+    if json_too_deep(await request.read()):
+        raise BadRequest(f"the request body's JSON is nested deeper than {MAX_JSON_DEPTH} levels")
+    return await handler(request)
+
+
+@web.middleware
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error is JSON in the OpenAI error shape, so clients parse one format."""
+    """Every error is JSON in the OpenAI error shape, so clients parse one format. Client errors
+    are logged in one line at info; an unexpected exception is logged with its traceback and
+    answered as a JSON 500."""
     try:
         return await handler(request)
     except BadRequest as exc:
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
-        return error_response(exc.status, exc.message, type_=exc.type, param=exc.param, headers=headers)
+        message = exc.message
+        resp = error_response(exc.status, message, type_=exc.type, param=exc.param, headers=headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         message = exc.reason if exc.text is None or exc.text.startswith(str(exc.status)) else exc.text
-        if exc.status == 413:
+        type_ = "invalid_request_error"
+        if isinstance(exc, web.HTTPNotFound):
+            type_ = "not_found_error"  # the message stays "Not Found" (a test pins it); the log names the path
+        elif isinstance(exc, web.HTTPMethodNotAllowed):
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            message = f"method {exc.method} is not allowed on {request.path}; allowed: {allowed}"
+        elif exc.status == 413:
             message = f"the request body is larger than {request.app[SETTINGS].spec.prefill.max_body_bytes} bytes"
-        return error_response(exc.status, message, headers=exc.headers)
+        resp = error_response(exc.status, message, type_=type_, headers=exc.headers)
+    except Exception as exc:
+        if request.writer.output_size > 0:
+            raise  # a stream already started: aiohttp closes the connection
+        log.exception("request failed", method=request.method, path=request.path, error=repr(exc))
+        resp = error_response(500, "internal error: the request failed on the server", type_="server_error")
+        return resp
+    # One line per error answer: info for a client's error, warning for a 5xx; never a traceback.
+    (log.info if resp.status < 500 else log.warning)(
+        "error answer", method=request.method, path=request.path, status=resp.status, error=message
+    )
+    return resp
 
 
 def error_response(

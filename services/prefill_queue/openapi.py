@@ -48,7 +48,9 @@ def spec(model: str, max_prompt_tokens: int) -> dict[str, Any]:
         "401": _err("Missing or wrong API key"),
         "404": _err("Unknown model"),
         "413": _err("Body too large"),
+        "415": _err("The body is not sent as application/json"),
         "429": _err("Queue full; see Retry-After"),
+        "503": _err("Not serving now (training not running); see Retry-After"),
     }
     return {
         "openapi": "3.1.0",

@@ -8,6 +8,7 @@ model's tokenizer, `Limits.tokenizer`) or a list of token ids.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -308,3 +309,29 @@ def parse_native(body: Any, limits: Limits) -> ParsedRequest:
     body, parsed = _common(body, limits, default_temperature=0.0)
     deadline_ms = _number(body, "deadline_ms", limits.default_timeout_s * 1000, 1.0, 86_400_000.0)
     return ParsedRequest(**{**parsed.__dict__, "timeout_s": deadline_ms / 1000})
+
+
+#: The deepest JSON nesting a request body may have (objects and arrays; a valid request needs 3).
+#: Deeper bodies get a 400 before they are parsed: the JSON parser recurses, and 10,000 levels would
+#: exhaust Python's stack.
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"(?:[^"\\]+|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `body` (JSON text, valid or not) nests arrays and objects deeper than `limit`.
+
+    Iterative, never recursive: strings are cut out (brackets inside them do not count) and the
+    brackets left are counted, stopping at the first one past the limit. UTF-8 multi-byte sequences
+    hold no ASCII bytes, so scanning bytes is exact."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False  # the common case: a valid request has a handful of brackets
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    depth = 0
+    for b in brackets:
+        depth += _STEP[b]
+        if depth > limit:
+            return True
+    return False
