@@ -12,31 +12,50 @@ from typing import Any
 from aiohttp import web
 
 from services.prefill_queue.api import FAILED_RETRY_AFTER_S, FAILURE_STATUS
-from services.prefill_queue.state import METRICS
+from services.prefill_queue.state import METRICS, Stopping
 from services.prefill_queue.validation import BadRequest
 from shared.model.tokenizer import BYTES, Tokenizer, token_text
 from shared.wire import PrefillRequest, PrefillResult
 
 
 async def as_answered(
-    waiters: dict[str, asyncio.Future[PrefillResult]], timeout_s: float
+    waiters: dict[str, asyncio.Future[PrefillResult]], timeout_s: float, stopping: Stopping | None = None
 ) -> AsyncIterator[tuple[str, PrefillResult]]:
-    """(request id, answer) in the order the answers land; 504 if some do not within `timeout_s`."""
+    """(request id, answer) in the order the answers land; 504 if some do not within `timeout_s`;
+    503 if the front door stops and they do not come within its grace period (they stay queued)."""
+    stopping = stopping or Stopping()
     deadline = time.monotonic() + timeout_s
-    pending = {fut: rid for rid, fut in waiters.items()}
-    while pending:
-        done, _ = await asyncio.wait(
-            pending, timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_COMPLETED"
-        )
-        if not done:
-            first = next(iter(pending.values()))
-            raise BadRequest(
-                f"no result within {timeout_s:.0f}s; the request is still queued: GET /v1/prefill/{first}",
-                status=504,
-                type_="timeout_error",
-            )
-        for fut in done:
-            yield pending.pop(fut), fut.result()
+    pending: dict[asyncio.Future[Any], str] = {fut: rid for rid, fut in waiters.items()}
+    stop_wait = asyncio.ensure_future(stopping.event.wait())
+    try:
+        while pending:
+            left = max(0.0, stopping.deadline(deadline) - time.monotonic())
+            watch = {*pending} if stop_wait.done() else {*pending, stop_wait}
+            done, _ = await asyncio.wait(watch, timeout=left, return_when="FIRST_COMPLETED")
+            done.discard(stop_wait)  # stopping: the loop goes on with the grace deadline
+            if not done and time.monotonic() >= stopping.deadline(deadline):
+                first = next(iter(pending.values()))
+                if stopping.event.is_set():
+                    raise stopping_error(first)
+                raise BadRequest(
+                    f"no result within {timeout_s:.0f}s; the request is still queued: GET /v1/prefill/{first}",
+                    status=504,
+                    type_="timeout_error",
+                )
+            for fut in done:
+                yield pending.pop(fut), fut.result()
+    finally:
+        stop_wait.cancel()
+
+
+def stopping_error(request_id: str) -> BadRequest:
+    return BadRequest(
+        f"this front door is stopping; the request stays queued and its answer will be stored: "
+        f"GET /v1/prefill/{request_id} from another instance",
+        status=503,
+        type_="service_unavailable",
+        retry_after_s=1,
+    )
 
 
 def raise_if_failed(r: PrefillResult) -> None:

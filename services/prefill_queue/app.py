@@ -28,8 +28,11 @@ from services.prefill_queue.state import (
     METRICS,
     SETTINGS,
     STARTED,
+    STOP_GRACE_S,
+    STOPPING,
     WAITERS,
     Gate,
+    Stopping,
     Waiters,
     instance_results_stream,
 )
@@ -52,7 +55,7 @@ log = get_logger(__name__)
 def create_app(settings: Settings) -> web.Application:
     app = web.Application(
         client_max_size=settings.spec.prefill.max_body_bytes,
-        middlewares=[_request_id, _json_errors, _count_requests, _api_key, _json_body],
+        middlewares=[_request_id, _json_errors, _count_requests, _stopping, _api_key, _json_body],
     )
     app[SETTINGS] = settings
     api.served_model(settings.spec.prefill)  # an unusable checkpoint directory stops the start, naming why
@@ -61,6 +64,8 @@ def create_app(settings: Settings) -> web.Application:
     app[WAITERS] = Waiters()
     app[INSTANCE] = f"{instance_id()}-{secrets.token_hex(3)}"
     app[GATE] = Gate()
+    app[STOPPING] = Stopping()
+    app.on_shutdown.append(_begin_stopping)
     app.cleanup_ctx.append(_bus_ctx)
     app.cleanup_ctx.append(_heartbeat_ctx)
     app.cleanup_ctx.append(_results_ctx)
@@ -186,6 +191,26 @@ async def _api_key(request: web.Request, handler: Handler) -> web.StreamResponse
             raise BadRequest(
                 "missing or wrong API key: send 'Authorization: Bearer <key>'", status=401, type_="authentication_error"
             )
+    return await handler(request)
+
+
+async def _begin_stopping(app: web.Application) -> None:
+    """aiohttp calls this once the listening socket is closed and before it waits for the handlers
+    in flight: they get their answer within the grace period, or a 503 (see `state.Stopping`)."""
+    log.info("stopping: no new requests; answering those in flight", grace_s=STOP_GRACE_S, waiting=len(app[WAITERS]))
+    app[STOPPING].set()
+
+
+@web.middleware
+async def _stopping(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """While stopping, a new request on a connection still open is refused at once (503, JSON)."""
+    if request.app[STOPPING].event.is_set() and request.path.startswith("/v1/"):
+        raise BadRequest(
+            "this front door is stopping: send the request to another instance",
+            status=503,
+            type_="service_unavailable",
+            retry_after_s=1,
+        )
     return await handler(request)
 
 

@@ -25,7 +25,7 @@ from aiohttp import web
 from services.prefill_queue.answers import as_answered, choice, head, observe, raise_if_failed, usage
 from services.prefill_queue.api import FAILURE_STATUS, enqueue, kv_params, limits, refuse_if_not_serving
 from services.prefill_queue.decoding import whole
-from services.prefill_queue.state import SETTINGS, WAITERS
+from services.prefill_queue.state import SETTINGS, STOPPING, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion, parse_completion
 from shared.wire import PrefillRequest, PrefillResult
 
@@ -50,7 +50,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     waiters = {rid: app[WAITERS].expect(rid) for rid in ids}
     try:
         reqs = [await enqueue(request, parsed, rid) for parsed, rid in zip(c.prompts, ids, strict=True)]
-        answers = as_answered(waiters, c.prompts[0].timeout_s)
+        answers = as_answered(waiters, c.prompts[0].timeout_s, app[STOPPING])
         if c.max_tokens > 1:
             return await whole(request, received, c, completion_id, reqs, answers, lim.tokenizer)
         if c.stream:

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from services.prefill_queue.answers import head, observe, raise_if_failed
 from services.prefill_queue.api import FAILURE_STATUS, kv_params, served_model
-from services.prefill_queue.state import BUS, SETTINGS, WAITERS, instance_results_stream
+from services.prefill_queue.state import BUS, SETTINGS, STOPPING, WAITERS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Completion
 from shared import keys
 from shared.logs import get_logger
@@ -36,6 +36,9 @@ from shared.status import RequestStatus
 from shared.wire import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
 
 log = get_logger(__name__)
+
+#: A decode wait wakes at least this often to notice the front door stopping.
+POLL_S = 0.5
 
 
 async def continue_completion(
@@ -59,11 +62,22 @@ async def continue_completion(
     await app[BUS].publish(keys.DECODE_REQUESTS_STREAM, decode)
     expected = 1  # index of the next token: the prefill's token is 0
     deadline = req.deadline if req.deadline is not None else time.time() + app[SETTINGS].spec.prefill.request_timeout_s
+    stopping = app[STOPPING]
     while True:
-        try:
-            async with asyncio.timeout(max(0.0, deadline - time.time())):
+        grace_left = stopping.deadline(float("inf")) - time.monotonic()
+        try:  # woken at least every POLL_S, to notice the front door stopping
+            async with asyncio.timeout(max(0.0, min(deadline - time.time(), grace_left, POLL_S))):
                 chunk = await queue.get()
         except TimeoutError:
+            if stopping.event.is_set() and time.monotonic() >= stopping.deadline(float("inf")):
+                raise BadRequest(
+                    f"this front door is stopping; the completion was not finished ({expected} tokens received)",
+                    status=503,
+                    type_="service_unavailable",
+                    retry_after_s=1,
+                ) from None
+            if time.time() < deadline:
+                continue
             raise BadRequest(
                 f"the completion was not finished by its deadline ({expected} tokens received); is a decoder "
                 "running? (bubbletea up --decode, or compose's decode profile)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiohttp import web
 
@@ -54,6 +55,30 @@ class Waiters:
         return len(self._futures)
 
 
+class Stopping:
+    """Set when the front door begins to stop (SIGTERM): the listening socket is closed already, new
+    requests on open connections get 503, and a request still waiting for its answer gets it if it
+    lands within `STOP_GRACE_S`, else a 503 saying where its answer will be (it stays queued)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.since = 0.0  # monotonic time it was set
+
+    def set(self) -> None:
+        if not self.event.is_set():
+            self.since = time.monotonic()
+            self.event.set()
+
+    def deadline(self, deadline: float) -> float:
+        """A wait's monotonic `deadline`, cut to the grace period once stopping."""
+        return min(deadline, self.since + STOP_GRACE_S) if self.event.is_set() else deadline
+
+
+#: How long requests in flight get to be answered once the front door stops (under the 10 s the
+#: server waits for its handlers, and compose's stop_grace_period of 20 s).
+STOP_GRACE_S = 5.0
+
+
 class Gate:
     """The dispatchers' readiness verdict as this instance last read it (`shared.serving`).
 
@@ -76,6 +101,7 @@ STARTED = web.AppKey("started", float)
 WAITERS = web.AppKey("waiters", Waiters)
 INSTANCE = web.AppKey("instance", str)
 GATE = web.AppKey("gate", Gate)
+STOPPING = web.AppKey("stopping", Stopping)
 
 
 def instance_results_stream(app: web.Application) -> str:
