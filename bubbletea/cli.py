@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,7 +52,8 @@ def _up(args: argparse.Namespace) -> int:
         spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, enabled=True))
     settings = dataclasses.replace(settings, spec=spec)
     setup_logging("up", "WARNING")
-    return uvloop.run(run_up(settings, out_root=Path(args.out), verbose=args.verbose))
+    persist = args.persist or os.environ.get("BUBBLETEA_REDIS_PERSIST", "").lower() in ("1", "true", "yes", "on")
+    return uvloop.run(run_up(settings, out_root=Path(args.out), verbose=args.verbose, persist=persist))
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -201,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also start the decoder: /v1/completions then answers whole completions (max_tokens > 1), "
         "prefilled in the bubbles and decoded from the KV cache (decode.enabled)",
+    )
+    p.add_argument(
+        "--persist",
+        action="store_true",
+        help="run the embedded Redis with an append-only file (fsync always) in <run folder>/redis, so a "
+        "restart of it loses no accepted request (default: off, or $BUBBLETEA_REDIS_PERSIST=1; ignored "
+        "with REDIS_URL, whose server has its own settings)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
     p.set_defaults(func=_up)

@@ -17,7 +17,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.bus.connection import TRANSIENT_ERRORS
+from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.logs import get_logger
 
 log = get_logger(__name__)
@@ -44,6 +44,9 @@ class Heartbeat:
         self.key = keys.health_key(service, instance)
         self.started = time.time()
         self._task: asyncio.Task[None] | None = None
+        #: A Redis outage never stops the beating: one warning when beats start failing, one info
+        #: when one lands again (the key may have expired meanwhile: "gone" until then).
+        self.outage = Outage(f"heartbeat of {service}")
 
     async def beat(self) -> None:
         body = {
@@ -57,7 +60,9 @@ class Heartbeat:
         try:
             await self.r.set(self.key, json.dumps(body), px=int(self.interval_s * keys.HEALTH_TTL_BEATS * 1000))
         except TRANSIENT_ERRORS as exc:
-            log.warning("heartbeat failed", service=self.service, error=repr(exc))
+            self.outage.failed(exc)
+        else:
+            self.outage.ok()
 
     async def start(self) -> None:
         await self.beat()

@@ -16,11 +16,26 @@ PREFIX = "bt"
 DEAD_LETTER_STREAM = f"{PREFIX}:dead"
 
 #: The dead-letter stream is trimmed (approximately) at this length. It only grows on bugs or
-#: bad input, so 100k entries is days of a broken producer, yet bounded memory (~100 MB worst case).
-DEAD_LETTER_MAXLEN = 100_000
+#: bad input; 1,000 entries is far more than an operator reads before fixing the cause, and with
+#: the payload and error caps below its bytes are bounded: ~1,100 entries (XADD's ``~`` trims whole
+#: nodes of 100) x (64 KiB + 1 KiB + ~200 B) = ~72 MB at the very worst.
+DEAD_LETTER_MAXLEN = 1_000
 
-#: Streams used by `bench/bus.py` and the `bubbletea demo` bus check.
+#: A dead letter keeps at most this many bytes of the original payload (the first ones); a longer
+#: payload is truncated and the entry says so (``payload_truncated``), with the original length
+#: (``payload_bytes``) and its SHA-256 (``payload_sha256``). Every message of the demo is far
+#: smaller (a 256-token PrefillRequest is ~1 KiB); only a poison blob (e.g. a 1 MB garbage entry)
+#: is cut, and 7 of those then cost ~0.5 MB instead of 7 MB.
+DEAD_LETTER_PAYLOAD_MAX_BYTES = 64 * 1024
+
+#: The error text of a dead letter is cut at this many characters (a repr of a huge exception
+#: must not undo the payload cap).
+DEAD_LETTER_ERROR_MAX_CHARS = 1024
+
+#: Streams used by `bench/bus.py` and the `bubbletea demo` bus check (work streams: acked entries
+#: are trimmed by their consumers, `bus.max_stream_len`).
 PING_STREAM = f"{PREFIX}:ping"
+
 PONG_STREAM = f"{PREFIX}:pong"
 
 
@@ -28,7 +43,7 @@ PONG_STREAM = f"{PREFIX}:pong"
 
 
 def health_key(service: str, instance: str) -> str:
-    """Key a live service instance refreshes with a TTL (see `shared.health`)."""
+    """Key a live service instance refreshes with a TTL (see `shared.health`): bound, the TTL below."""
     return f"{PREFIX}:health:{service}:{instance}"
 
 
@@ -42,6 +57,13 @@ HEALTH_TTL_BEATS = 3
 # --- a training run's streams and keys ------------------------------------------------------
 # Everything a run creates is prefixed with its run id, so runs (e.g. the benchmark's several
 # configurations) never see each other's messages.
+#
+# Bounds: the work streams (wan, inboxes, bubbles, fill, reports) are trimmed by their consumers
+# once every group acked an entry (`shared.bus.streams.trim_acked`, every 5 s), so they hold only
+# unread work; `bus.max_stream_len` warns (never drops) past a backlog. Telemetry (spans, events)
+# is trimmed by length at every publish. Keys (snapshots, leases, end markers, weights) have TTLs.
+# A finished run's streams stay until deleted (each costs at most its telemetry bounds, a few MB):
+# `redis-cli --scan --pattern 'bt:<run>:*' | xargs redis-cli unlink` removes one.
 
 
 def wan_stream(run: str) -> str:
@@ -87,8 +109,10 @@ def spans_stream(run: str) -> str:
     return f"{PREFIX}:{run}:spans"
 
 
-#: Spans are telemetry: keep the last 500k (a long demo at ~50 spans per worker-iteration).
-SPANS_MAXLEN = 500_000
+#: Spans are telemetry: keep the last 100k (trimmed at every publish, ``MAXLEN ~``). A span is
+#: ~150 B on the wire, ~200 B in Redis: ~20 MB at most per run; 100k spans are ~500 iterations of
+#: the demo's 4 workers (~50 spans per worker-iteration), more than a report needs.
+SPANS_MAXLEN = 100_000
 
 
 def events_stream(run: str) -> str:
@@ -96,7 +120,8 @@ def events_stream(run: str) -> str:
     return f"{PREFIX}:{run}:events"
 
 
-#: Events are small and few; 100k covers thousands of iterations of a large pipeline.
+#: Events are small (~100 B) and few; 100k (~10 MB at most) covers thousands of iterations of a
+#: large pipeline.
 EVENTS_MAXLEN = 100_000
 
 
@@ -131,6 +156,17 @@ def prefill_results_stream(instance: str) -> str:
     return f"{PREFIX}:prefill:results:{instance}"
 
 
+#: A front door's results stream: its consumer trims acked answers every 5 s; every answer also
+#: caps it at this length (``MAXLEN ~``: a front door reads answers within milliseconds, so 100k
+#: is minutes of a stalled reader; ~50 MB at most).
+PREFILL_RESULTS_MAXLEN = 100_000
+
+#: Every answer (re)sets this TTL on the results stream it goes to: the stream of a front door that
+#: died (its instance id is never reused) goes an hour after its last answer. A live front door
+#: idle that long loses its stream and group; its consumer recreates them (NOGROUP is handled).
+PREFILL_RESULTS_TTL_S = 3_600
+
+
 def prefill_result_key(request_id: str) -> str:
     """The stored answer to a request, for GET /v1/prefill/{id} from any instance."""
     return f"{PREFIX}:prefill:result:{request_id}"
@@ -142,8 +178,16 @@ def prefill_status_key(request_id: str) -> str:
 
 
 def kv_cache_key(request_id: str) -> str:
-    """A finished prefill's KV cache, for a decode service to fetch (see `shared.kvstore`)."""
+    """A finished prefill's KV cache, for a decode service to fetch (see `shared.kvstore`). Bound:
+    its TTL, `prefill.kv_ttl_s`, and the byte budget `prefill.kv_budget_mb` (below)."""
     return f"{PREFIX}:prefill:kv:{request_id}"
+
+
+def kv_budget_bucket_key(bucket: int) -> str:
+    """Bytes of KV caches stored during one time bucket (`shared.kvstore.KV_BUDGET_BUCKETS` buckets
+    span `prefill.kv_ttl_s`): the sum over the live buckets is what the caches can still hold, counted
+    against `prefill.kv_budget_mb`. Each counter expires once every cache it counted has expired."""
+    return f"{PREFIX}:prefill:kvbytes:{bucket}"
 
 
 def idempotency_key(key: str) -> str:
@@ -151,16 +195,21 @@ def idempotency_key(key: str) -> str:
     return f"{PREFIX}:prefill:idem:{key}"
 
 
-#: Requests accepted and not yet answered, across all instances (admission control).
+#: Requests accepted and not yet answered, across all instances (admission control). One integer,
+#: no TTL: it is the count itself, bounded by `prefill.max_queue_depth`.
 PREFILL_INFLIGHT_KEY = f"{PREFIX}:prefill:inflight"
 
-#: Answers, statuses and idempotency keys live a day: long enough for any client to collect them,
-#: bounded so an abandoned request's records do not accumulate forever.
-PREFILL_RECORD_TTL_S = 86_400
+#: Answers, statuses and idempotency keys live an hour: long enough for any client to collect them
+#: (a synchronous request waits `prefill.request_timeout_s`, at most a day, but polls come within
+#: seconds), bounded so an abandoned request's records do not accumulate: an answer is ~0.5 KiB, so
+#: at 20 req/s an hour of records is ~72k x ~0.7 KiB (with the status and idempotency keys) = ~50 MB
+#: (a day would be ~1.2 GB, more than the default maxmemory).
+PREFILL_RECORD_TTL_S = 3_600
 
 
 def save_request_key(run: str) -> str:
-    """Set (by `bubbletea train --save`) to ask the run's workers for their weights at its end."""
+    """Set (by `bubbletea train --save`) to ask the run's workers for their weights at its end.
+    Bound: `WEIGHTS_TTL_S`."""
     return f"{PREFIX}:{run}:save"
 
 
@@ -170,11 +219,13 @@ def weights_key(run: str, stage: int) -> str:
     return f"{PREFIX}:{run}:weights:{stage}"
 
 
-#: The saved weights wait this long for the launcher that asked for them.
+#: The saved weights wait this long for the launcher that asked for them (it deletes them once
+#: read); one copy of the model per stage, only when a run was asked to save.
 WEIGHTS_TTL_S = 3_600
 
 
-#: Finished prefills to continue, from the front doors to the decoders (`DecodeRequest`).
+#: Finished prefills to continue, from the front doors to the decoders (`DecodeRequest`). Like the
+#: request stream, a work stream: trimmed by its consumers once acked (`bus.max_stream_len`).
 DECODE_REQUESTS_STREAM = f"{PREFIX}:decode:requests"
 
 
@@ -184,8 +235,11 @@ def serving_key(instance: str) -> str:
 
 
 #: The set of dispatcher instances that published a verdict: readers MGET their keys (no SCAN over
-#: the keyspace) and drop the members whose key expired.
+#: the keyspace) and drop the members whose key expired. Bounded by the live dispatchers (a few)
+#: plus the dead ones not yet noticed by a reader; every verdict also resets its TTL below, so with
+#: no dispatcher left the set goes too.
 SERVING_INSTANCES_KEY = f"{PREFIX}:serving-instances"
+SERVING_INSTANCES_TTL_S = 60
 
 #: A verdict is rewritten every `READINESS_EVERY_S` (shared.serving); one that is not rewritten for
 #: this long belongs to a dispatcher that is gone, and goes.

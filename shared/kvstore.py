@@ -160,6 +160,52 @@ async def store_kv(r: Redis, request_id: str, data: bytes, ttl_s: int) -> tuple[
     return key, len(data)
 
 
+#: The KV byte budget counts stored bytes in this many time buckets per `kv_ttl_s` (plus the
+#: current one): a cache counts until the bucket after its expiry ends, so the count errs high by
+#: at most one bucket (1/16 of the TTL), never low. Caches deleted early (a decoder used them) stay
+#: counted until they would have expired: the budget bounds what is stored, conservatively.
+KV_BUDGET_BUCKETS = 16
+
+_STORE_WITHIN_BUDGET = """
+local size = string.len(ARGV[1])
+local used = 0
+for i = 2, #KEYS do used = used + tonumber(redis.call('GET', KEYS[i]) or '0') end
+if used + size > tonumber(ARGV[3]) then return {0, used} end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('INCRBY', KEYS[#KEYS], size)
+redis.call('EXPIRE', KEYS[#KEYS], ARGV[4])
+return {1, used + size}
+"""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What `store_kv_within_budget` did: `key` is "" when the cache was not stored (over budget)."""
+
+    key: str
+    size: int
+    used: int  # bytes counted against the budget (after storing, if it was stored)
+    budget: int
+
+
+async def store_kv_within_budget(
+    r: Redis, request_id: str, data: bytes, ttl_s: int, budget_bytes: int, now: float
+) -> Stored:
+    """Store KV cache bytes for `ttl_s` seconds unless the caches stored in the last `ttl_s` (a
+    counter per time bucket, `keys.kv_budget_bucket_key`) and this one exceed `budget_bytes`; the
+    check and the store are one step (Lua), so concurrent workers never overshoot together."""
+    width = max(1, -(-ttl_s // KV_BUDGET_BUCKETS))  # ceil
+    last = int(now) // width
+    first = (int(now) - ttl_s) // width
+    buckets = [keys.kv_budget_bucket_key(b) for b in range(first, last + 1)]
+    key = keys.kv_cache_key(request_id)
+    reply: Any = await r.eval(
+        _STORE_WITHIN_BUDGET, 1 + len(buckets), key, *buckets, data, ttl_s, budget_bytes, ttl_s + 2 * width
+    )
+    stored, used = int(reply[0]), int(reply[1])
+    return Stored(key if stored else "", len(data), used, budget_bytes)
+
+
 async def fetch_kv(r: Redis, request_id: str) -> StoredKV | None:
     """The KV cache of a finished prefill, or None once it expired (or was used and deleted)."""
     raw: Any = await r.get(keys.kv_cache_key(request_id))

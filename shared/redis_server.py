@@ -28,6 +28,21 @@ from shared.logs import get_logger
 log = get_logger(__name__)
 
 
+#: The embedded server's memory limit, unless ``$BUBBLETEA_REDIS_MAXMEMORY`` names another (a
+#: redis-server size: ``512mb``, ``2gb``...). The budget of docs/architecture.md ("Memory budget")
+#: fits in it with room to spare at the documented load.
+DEFAULT_MAXMEMORY = "1gb"
+#: At the limit writes fail ("OOM command not allowed"), reads go on: nothing is ever evicted, so
+#: queued work, answers and pending entries are never dropped silently (the front door answers
+#: errors instead). Every key that may go has a TTL or a bound of its own (shared/keys.py).
+MAXMEMORY_POLICY = "noeviction"
+
+
+def maxmemory_setting() -> str:
+    """The embedded server's ``maxmemory``: ``$BUBBLETEA_REDIS_MAXMEMORY`` or `DEFAULT_MAXMEMORY`."""
+    return os.environ.get("BUBBLETEA_REDIS_MAXMEMORY") or DEFAULT_MAXMEMORY
+
+
 class RedisServerError(RuntimeError):
     """No redis-server binary, or the server did not come up."""
 
@@ -84,7 +99,13 @@ class EmbeddedRedis:
     """A private redis-server process. Synchronous `start`/`stop` plus async-with sugar."""
 
     def __init__(
-        self, *, port: int | None = None, binary: str | None = None, persist: bool = False, data_dir: str | None = None
+        self,
+        *,
+        port: int | None = None,
+        binary: str | None = None,
+        persist: bool = False,
+        data_dir: str | None = None,
+        maxmemory: str | None = None,
     ) -> None:
         self.binary = binary or find_redis_server()
         self.port = port or free_port()
@@ -94,6 +115,8 @@ class EmbeddedRedis:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="bubbletea-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
+        #: Redis's memory limit (`maxmemory_setting`), with the `MAXMEMORY_POLICY` that never evicts.
+        self.maxmemory = maxmemory or maxmemory_setting()
 
     @property
     def url(self) -> str:
@@ -116,6 +139,10 @@ class EmbeddedRedis:
             "no",
             "--loglevel",
             "warning",
+            "--maxmemory",
+            self.maxmemory,
+            "--maxmemory-policy",
+            MAXMEMORY_POLICY,
         ]
         if self.persist:
             args += ["--appendonly", "yes", "--appendfsync", "always"]

@@ -38,13 +38,15 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
   redis.call('DEL', KEYS[2])
   if tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], ARGV[1])
+  redis.call('EXPIRE', KEYS[4], ARGV[5])
   return 1
 end
 return 0
 """
 
-#: Each front door's results stream keeps its last 100k answers (it reads them within milliseconds).
-RESULTS_MAXLEN = 100_000
+#: Each front door's results stream keeps its last answers (it reads them within milliseconds),
+#: and goes an hour after the last one (its front door is gone): see `keys.PREFILL_RESULTS_MAXLEN`.
+RESULTS_MAXLEN = keys.PREFILL_RESULTS_MAXLEN
 
 
 async def accept(r: Redis, req: PrefillRequest, max_inflight: int) -> bool:
@@ -77,6 +79,7 @@ async def answer(r: Redis, result: PrefillResult, reply_to: str) -> bool:
         keys.PREFILL_RECORD_TTL_S,
         FIELD,
         RESULTS_MAXLEN,
+        keys.PREFILL_RESULTS_TTL_S,
     )
     return bool(ok)
 
@@ -135,6 +138,7 @@ async def publish_readiness(r: Redis, verdict: Readiness) -> None:
     async with r.pipeline(transaction=True) as pipe:
         pipe.set(keys.serving_key(verdict.instance), msgspec.json.encode(verdict), ex=keys.SERVING_TTL_S)
         pipe.sadd(keys.SERVING_INSTANCES_KEY, verdict.instance)
+        pipe.expire(keys.SERVING_INSTANCES_KEY, keys.SERVING_INSTANCES_TTL_S)
         await pipe.execute()
 
 

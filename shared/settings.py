@@ -16,6 +16,9 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``BUBBLETEA_METRICS_HOST`` / ``BUBBLETEA_METRICS_PORT``  where a bus service (dispatcher, worker,
                        broker) serves Prometheus ``/metrics``: default 127.0.0.1 and port 0 (any
                        free port, advertised in its heartbeat); ``off`` turns the endpoint off
+``BUBBLETEA_METRICS_AUTH`` ``on``: the front door's ``/metrics`` needs the API key too (default ``off``)
+``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy
+                       ``noeviction``)
 =====================  ==========================================================================
 """
 
@@ -24,8 +27,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
@@ -49,6 +53,8 @@ ENV_VARS = frozenset(
         "BUBBLETEA_DECODE",
         "BUBBLETEA_METRICS_HOST",
         "BUBBLETEA_METRICS_PORT",
+        "BUBBLETEA_METRICS_AUTH",
+        "BUBBLETEA_REDIS_MAXMEMORY",
     }
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -59,12 +65,15 @@ LOG_FORMATS = ("kv", "json")
 class Settings:
     spec: ClusterSpec
     spec_path: Path
-    #: None means no external Redis was named: the launcher starts an embedded one.
-    redis_url: str | None = None
+    #: None means no external Redis was named: the launcher starts an embedded one. It may hold a
+    #: password: log `mask_url(redis_url)`, never the URL itself (kept out of the repr).
+    redis_url: str | None = field(default=None, repr=False)
     log_level: str = "INFO"
     log_format: str = "kv"
     run: str = "run"
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    #: The front door's /metrics asks for the API key too (BUBBLETEA_METRICS_AUTH=on).
+    metrics_auth: bool = False
     #: Where a bus service serves Prometheus /metrics; port 0 = any free port, None = no endpoint.
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0
@@ -112,6 +121,11 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", run):
         raise ConfigError(f"BUBBLETEA_RUN: letters, digits, '.', '_' and '-' only (1-64 chars), got {run!r}")
     api_key = env.get("BUBBLETEA_API_KEY") or None
+    metrics_auth = env.get("BUBBLETEA_METRICS_AUTH", "off").lower()
+    if metrics_auth not in ("on", "off"):
+        raise ConfigError(f"BUBBLETEA_METRICS_AUTH: expected on or off, got {metrics_auth!r}")
+    if metrics_auth == "on" and not api_key:
+        raise ConfigError("BUBBLETEA_METRICS_AUTH=on puts /metrics behind the API key: set BUBBLETEA_API_KEY too")
     metrics_port = _metrics_port(env.get("BUBBLETEA_METRICS_PORT", "0"))
     return Settings(
         spec=spec,
@@ -123,7 +137,20 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         api_key=api_key,
         metrics_host=env.get("BUBBLETEA_METRICS_HOST") or "127.0.0.1",
         metrics_port=metrics_port,
+        metrics_auth=metrics_auth == "on",
     )
+
+
+def mask_url(url: str) -> str:
+    """`url` with its password (and a username-only secret) replaced by ``***``, for logs and
+    printed lines: ``redis://:s3cret@redis:6379/0`` -> ``redis://:***@redis:6379/0``."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    creds, _, host = parts.netloc.rpartition("@")
+    user, colon, _ = creds.partition(":")
+    masked = f"{user}:***" if colon else "***"
+    return urlunsplit(parts._replace(netloc=f"{masked}@{host}"))
 
 
 def _iterations(spec: ClusterSpec, value: str) -> Training:

@@ -214,6 +214,7 @@ class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
     kv_key: str = ""  # where the KV cache is stored (a Redis key), for a decode service
     kv_bytes: int = 0
     kv_expires_at: float = 0.0  # wall clock
+    kv_note: str = ""  # why no KV cache was stored (kv_key empty), e.g. the KV byte budget was full
     worker: str = ""
     queue_ms: float = 0.0
     prefill_ms: float = 0.0

@@ -19,6 +19,7 @@ from bubbletea.launcher.services import ServiceDef, command
 from shared.lifetime import die_with_parent
 from shared.logs import get_logger
 from shared.redis_server import EmbeddedRedis
+from shared.settings import mask_url
 
 log = get_logger(__name__)
 
@@ -82,14 +83,25 @@ def child_setup(nice: int) -> None:
         os.nice(nice)
 
 
-def open_redis(redis_url: str | None) -> tuple[str, EmbeddedRedis | None, str]:
+def open_redis(redis_url: str | None, *, persist_dir: Path | None = None) -> tuple[str, EmbeddedRedis | None, str]:
     """The bus to use: `redis_url` if given, else a freshly started embedded redis-server (the
-    caller stops it). Returns (url, the embedded server or None, a line saying which)."""
+    caller stops it). With `persist_dir` the embedded server keeps an append-only file there
+    (fsync on every write), so a restart of it loses no accepted request. Returns (url, the
+    embedded server or None, a line saying which)."""
     if redis_url:
-        return redis_url, None, f"Redis: {redis_url} (REDIS_URL)"
-    embedded = EmbeddedRedis().start()
+        return redis_url, None, f"Redis: {mask_url(redis_url)} (REDIS_URL)"
+    if persist_dir is not None:
+        persist_dir.mkdir(parents=True, exist_ok=True)
+    embedded = EmbeddedRedis(
+        persist=persist_dir is not None, data_dir=str(persist_dir) if persist_dir is not None else None
+    ).start()
     assert embedded.proc is not None
-    return embedded.url, embedded, f"Redis: {embedded.url} (embedded {embedded.binary}, pid={embedded.proc.pid})"
+    kept = f", AOF in {persist_dir}" if persist_dir is not None else ", no persistence"
+    return (
+        embedded.url,
+        embedded,
+        f"Redis: {embedded.url} (embedded {embedded.binary}, pid={embedded.proc.pid}{kept})",
+    )
 
 
 _CHATTER = ("level=info", "level=debug")

@@ -56,7 +56,7 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
-async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False) -> int:
+async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False, persist: bool = False) -> int:
     """Run until Ctrl-C, SIGTERM (as a service manager or `kill` stops it: the same clean stop,
     exit 0), a dead service, or the end of a finite run."""
     task = asyncio.current_task()
@@ -71,7 +71,7 @@ async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False) -
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
-        return await _run_up(settings, out_root=out_root, verbose=verbose)
+        return await _run_up(settings, out_root=out_root, verbose=verbose, persist=persist)
     except asyncio.CancelledError:
         if not terminated.is_set():
             raise  # Ctrl-C: asyncio turns it into KeyboardInterrupt
@@ -80,7 +80,7 @@ async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False) -
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-async def _run_up(settings: Settings, *, out_root: Path, verbose: bool) -> int:
+async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist: bool) -> int:
     spec = settings.spec
     run = settings.run if settings.run != "run" else f"up-{int(time.time())}"
     settings = dataclasses.replace(settings, run=run)
@@ -94,7 +94,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool) -> int:
     procs: list[Proc] = []
     started = time.time()
     try:
-        url, embedded, where = open_redis(settings.redis_url)
+        url, embedded, where = open_redis(settings.redis_url, persist_dir=folder / "redis" if persist else None)
         say(f"==> {where}")
         port = spec.http.port or free_port()  # 0 in the spec: any free port, chosen here to print it
         env = {

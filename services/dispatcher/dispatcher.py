@@ -32,7 +32,7 @@ import msgspec
 from services.dispatcher.metrics import DispatcherMetrics
 from shared import keys, serving
 from shared.bus import HOLD, Bus, Delivery, Outcome
-from shared.bus.connection import TRANSIENT_ERRORS
+from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.config import ClusterSpec
 from shared.health import Heartbeat, instance_id
 from shared.leases import read_slots
@@ -312,15 +312,21 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         log.info("dispatcher ready", run=run, enabled=spec.bubbletea.enabled, order=spec.bubbletea.order)
         next_log = time.monotonic() + LOG_EVERY_S
         next_check = time.monotonic()
+        outage = Outage("dispatcher tick")
         try:
             while not stop.is_set():
                 crashed = next((c for c in consumers if c.crashed.is_set()), None)
                 if crashed is not None:
                     raise RuntimeError(f"consumer of {crashed.stream} crashed: {crashed.error!r}")
-                await d.tick()
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + serving.READINESS_EVERY_S
-                    await d.check_readiness()
+                try:  # a Redis outage is ridden out: back off, then tick again (the state is kept)
+                    await d.tick()
+                    if time.monotonic() >= next_check:
+                        next_check = time.monotonic() + serving.READINESS_EVERY_S
+                        await d.check_readiness()
+                except TRANSIENT_ERRORS as exc:
+                    await _sleep_unless(stop, outage.failed(exc))
+                    continue
+                outage.ok()
                 if time.monotonic() > next_log:
                     next_log += LOG_EVERY_S
                     log.info("dispatcher progress", **d.info())
@@ -337,3 +343,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 await serving.withdraw_readiness(bus.redis, d.instance)
             await hb.stop()
             await server.stop()
+
+
+async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, or less if `stop` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()

@@ -208,9 +208,11 @@ def kv_params(r: PrefillResult) -> dict[str, Any]:
     disaggregated-prefill shape (`do_remote_prefill`: the decode side takes over from a prefill
     done here) plus this system's handle (`store`, `key`, `format`, `bytes`, `expires_at`): a
     Redis string holding safetensors bytes (docs/api.md, "The KV cache"). With
-    `prefill.kv_ttl_s: 0` nothing is stored and the store is "none"."""
+    `prefill.kv_ttl_s: 0`, or past the KV byte budget (`prefill.kv_budget_mb`), nothing is stored:
+    the store is "none" and `why` says which."""
     vllm = {"do_remote_prefill": bool(r.kv_key), "do_remote_decode": False, "remote_engine_id": "bubbletea"}
     if not r.kv_key:
-        return {**vllm, "store": "none", "key": None, "format": None, "bytes": 0, "expires_at": None}
+        none = {"store": "none", "key": None, "format": None, "bytes": 0, "expires_at": None}
+        return {**vllm, **none, "why": r.kv_note or "no KV cache was stored"}
     handle = {"store": "redis", "key": r.kv_key, "format": KV_HANDLE_FORMAT}
     return {**vllm, **handle, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at}

@@ -49,6 +49,8 @@ from shared.wire import DecodeChunk, PrefillResult
 SERVICE = "prefill_queue"
 #: /health answers 503 if Redis does not answer a PING within this time.
 HEALTH_REDIS_TIMEOUT_S = 1.0
+#: Retry-After of the 503 a request gets while Redis does not answer (a restart takes seconds).
+REDIS_DOWN_RETRY_AFTER_S = 2
 log = get_logger(__name__)
 
 
@@ -85,7 +87,9 @@ def create_app(settings: Settings) -> web.Application:
 
 
 async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
-    bus = Bus(app[SETTINGS].require_redis_url(), app[SETTINGS].spec.bus, name=SERVICE)
+    # ride_out_s=0: a request that needs Redis while it is down gets a 503 once the client's own
+    # few retries give up (seconds), rather than waiting out the outage.
+    bus = Bus(app[SETTINGS].require_redis_url(), app[SETTINGS].spec.bus, name=SERVICE, ride_out_s=0)
     app[BUS] = bus
     yield
     await bus.aclose()
@@ -174,6 +178,9 @@ async def _count_requests(request: web.Request, handler: Handler) -> web.StreamR
     except BadRequest as exc:
         status = exc.status
         raise
+    except TRANSIENT_ERRORS:
+        status = 503  # `_json_errors` answers Redis being away with a 503
+        raise
     finally:
         m = request.app[METRICS]
         m.http_requests.labels(route, request.method, str(status)).inc()
@@ -182,8 +189,10 @@ async def _count_requests(request: web.Request, handler: Handler) -> web.StreamR
 
 @web.middleware
 async def _api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-    key = request.app[SETTINGS].api_key
-    if key and request.path.startswith("/v1/"):
+    settings = request.app[SETTINGS]
+    key = settings.api_key
+    guarded = request.path.startswith("/v1/") or (settings.metrics_auth and request.path == "/metrics")
+    if key and guarded:
         scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
         # The scheme is case-insensitive (RFC 9110, 11.1); the key is compared in constant time.
         right_key = secrets.compare_digest(given.strip().encode(), key.encode())
@@ -235,8 +244,9 @@ async def _json_body(request: web.Request, handler: Handler) -> web.StreamRespon
 @web.middleware
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error is JSON in the OpenAI error shape, so clients parse one format. Client errors
-    are logged in one line at info; an unexpected exception is logged with its traceback and
-    answered as a JSON 500."""
+    are logged in one line at info; Redis not answering (`TRANSIENT_ERRORS`) is a 503
+    `service_unavailable` with Retry-After; an unexpected exception is logged with its traceback
+    and answered as a JSON 500."""
     try:
         return await handler(request)
     except BadRequest as exc:
@@ -256,6 +266,12 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         elif exc.status == 413:
             message = f"the request body is larger than {request.app[SETTINGS].spec.prefill.max_body_bytes} bytes"
         resp = error_response(exc.status, message, type_=type_, headers=exc.headers)
+    except TRANSIENT_ERRORS as exc:
+        if request.writer.output_size > 0:
+            raise  # a stream already started: aiohttp closes the connection
+        message = f"Redis, the queue behind this service, is not answering ({type(exc).__name__}): retry shortly"
+        headers = {"Retry-After": str(REDIS_DOWN_RETRY_AFTER_S)}
+        resp = error_response(503, message, type_="service_unavailable", headers=headers)
     except Exception as exc:
         if request.writer.output_size > 0:
             raise  # a stream already started: aiohttp closes the connection

@@ -25,6 +25,7 @@ from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.reporting import BatchRun, Outcome, Reporter
 from shared import kvstore
 from shared.bus import Bus, Delivery, Reject
+from shared.config import DEFAULT_KV_BUDGET_MB
 from shared.logs import get_logger
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import Arrival, FillPolicy, Held
@@ -58,10 +59,12 @@ class Filler:
         policy: FillPolicy,
         profile: PrefillProfile | None = None,
         metrics: WorkerMetrics | None = None,
+        *,
+        kv_budget_mb: int = DEFAULT_KV_BUDGET_MB,
     ) -> None:
         self.bus, self.run, self.model = bus, run, model
         self.on_span, self.policy, self.profile = on_span, policy, profile
-        self.reporter = Reporter(bus, run, worker, model_name, kv_ttl_s, metrics)
+        self.reporter = Reporter(bus, run, worker, model_name, kv_ttl_s, metrics, kv_budget_mb << 20)
         #: how far real prefill compute fell behind the profile (seconds); the runner takes it
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
         self.lag_s = 0.0

@@ -5,6 +5,13 @@ never hold one slot (SET NX); a crashed worker's slot frees within the TTL, so a
 take it, and its peers notice the loss and stop with an error naming the slot instead of hanging.
 A worker that leaves on purpose writes its slot's end marker first (`LeaseState`: done, stopped,
 or aborted because of another slot, with the reason), so its departure is read for what it was.
+
+A Redis outage is not a lost lease. While Redis does not answer, `watch` backs off and retries
+(logging once); on reconnect it renews, and if our key expired meanwhile (the outage outlasted the
+TTL) it takes the slot back with SET NX: nobody could take it while Redis was down. A slot held
+by another worker on reconnect is lost (SlotError); so is every slot if Redis restarted without
+an append-only file (the run's tensors in flight are gone: the run fails, saying so). For
+`PEER_GRACE_S` after a reconnect the peers' leases are not checked, so they can re-take theirs.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from shared import keys
+from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.leases import slot_end, slot_name
 from shared.logs import get_logger
 from shared.status import LeaseState
@@ -25,6 +33,11 @@ log = get_logger(__name__)
 # Compare-and-renew / compare-and-delete: only the holder may touch its lease.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+
+#: After a Redis outage, how long peers' missing leases are tolerated: each peer re-takes its own
+#: as it reconnects (its client's retry, its backoff and one renew interval: a few seconds).
+PEER_GRACE_S = 10.0
 
 
 class SlotError(RuntimeError):
@@ -52,6 +65,8 @@ class SlotLease:
         self.all_slots = [Slot(d, k) for k in range(pp) for d in range(dp)]
         #: Set after the start barrier: from then on a missing peer is a failure.
         self.check_peers = False
+        #: The Redis server's run_id when we leased (a restart changes it).
+        self.redis_run_id = ""
 
     def _key(self, s: Slot) -> str:
         return keys.lease_key(self.run, s.replica, s.stage)
@@ -63,6 +78,7 @@ class SlotLease:
         for s in self.all_slots:
             if await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
                 self.slot = s
+                self.redis_run_id = await self._redis_run_id()
                 log.info("slot leased", run=self.run, slot=s.name, holder=self.holder)
                 return s
         raise SlotError(
@@ -70,17 +86,53 @@ class SlotLease:
             "held by live workers; start fewer workers or raise the parallelism in the spec"
         )
 
-    async def renew(self) -> None:
+    async def renew(self, *, last_ok: float | None = None) -> None:
+        """Renew our lease. If the last successful renewal (`last_ok`, monotonic) is older than the
+        TTL, Redis was unreachable in between and the key may have expired by itself: it is taken
+        back if still free, unless Redis restarted without an append-only file (then the run's
+        messages in flight are gone too, and the run fails saying so). Raises SlotError if the key
+        expired otherwise or another worker holds it."""
         assert self.slot is not None
-        ok = await self.r.eval(_RENEW, 1, self._key(self.slot), self.holder, keys.LEASE_TTL_MS)
-        if not ok:
-            raise SlotError(f"lost the lease of slot {self.slot.name} (expired or taken over)")
+        key = self._key(self.slot)
+        ok = await self.r.eval(_RENEW, 1, key, self.holder, keys.LEASE_TTL_MS)
+        if ok:
+            return
+        late = last_ok is not None and time.monotonic() - last_ok > keys.LEASE_TTL_MS / 1000
+        if late:
+            await self._check_not_wiped()
+            if await self.r.set(key, self.holder, nx=True, px=keys.LEASE_TTL_MS):
+                log.warning("lease expired during the Redis outage; taken back", run=self.run, slot=self.slot.name)
+                return
+        raise SlotError(f"lost the lease of slot {self.slot.name} (expired or taken over)")
+
+    async def _redis_run_id(self) -> str:
+        info = await self.r.info("server")
+        return str(info.get("run_id", ""))
+
+    async def _check_not_wiped(self) -> None:
+        """SlotError if Redis restarted since we leased (its run_id changed) without AOF."""
+        assert self.slot is not None
+        if await self._redis_run_id() == self.redis_run_id:
+            return
+        persistence = await self.r.info("persistence")
+        if not int(persistence.get("aof_enabled", 0)):
+            raise SlotError(
+                f"Redis restarted without persistence (no append-only file) while slot {self.slot.name} was "
+                "training: the run's messages in flight are lost, so the run cannot continue"
+            )
 
     async def wait_for_all(self, timeout_s: float) -> None:
         """Start barrier: return once every slot is held (`watch` keeps renewing ours meanwhile)."""
         deadline = time.monotonic() + timeout_s
+        outage = Outage(f"start barrier of run {self.run}")
         while True:
-            missing = await self._missing()
+            try:
+                missing = await self._missing()
+            except TRANSIENT_ERRORS as exc:  # Redis away: keep waiting (the deadline still holds)
+                missing = self.all_slots
+                await asyncio.sleep(outage.failed(exc))
+            else:
+                outage.ok()
             if not missing:
                 self.check_peers = True
                 return
@@ -93,18 +145,33 @@ class SlotLease:
 
     async def watch(self) -> None:
         """From acquisition on: renew our lease and (after the start barrier) check the peers',
-        until cancelled; raises `SlotError` on a loss."""
+        until cancelled; raises `SlotError` on a loss. A Redis outage is ridden out (see the
+        module's docstring), however long: the peers' inputs stop coming meanwhile anyway."""
+        assert self.slot is not None
+        outage = Outage(f"lease of slot {self.slot.name}")
+        peers_from = 0.0  # monotonic time from which the peers' leases are checked
+        last_ok = time.monotonic()
         while True:
             await asyncio.sleep(keys.LEASE_RENEW_S)
-            await self.renew()
-            if self.check_peers:
-                for s in await self._missing():
-                    state, reason = await self.ended(s)
-                    if state is LeaseState.STOPPED:
-                        raise RunStopped(reason)
-                    if state is LeaseState.ABORTED:  # it left because of another slot: blame that one
-                        raise SlotError(reason)
-                    raise SlotError(f"slot {s.name} lost its worker (its lease expired): the run cannot continue")
+            try:
+                await self.renew(last_ok=last_ok)
+                late = time.monotonic() - last_ok > keys.LEASE_TTL_MS / 1000
+                last_ok = time.monotonic()
+                if outage.ok() or late:
+                    peers_from = time.monotonic() + PEER_GRACE_S
+                if self.check_peers and time.monotonic() >= peers_from:
+                    await self._check_peers()
+            except TRANSIENT_ERRORS as exc:
+                await asyncio.sleep(outage.failed(exc))
+
+    async def _check_peers(self) -> None:
+        for s in await self._missing():
+            state, reason = await self.ended(s)
+            if state is LeaseState.STOPPED:
+                raise RunStopped(reason)
+            if state is LeaseState.ABORTED:  # it left because of another slot: blame that one
+                raise SlotError(reason)
+            raise SlotError(f"slot {s.name} lost its worker (its lease expired): the run cannot continue")
 
     async def _missing(self) -> list[Slot]:
         """Slots with neither a live lease nor a `done` end (a finished worker is not missing)."""

@@ -11,15 +11,22 @@ to requeue.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.stage_worker.metrics import WorkerMetrics
 from shared import keys, kvstore, serving
 from shared.bus import Bus
+from shared.config import DEFAULT_KV_BUDGET_MB
+from shared.logs import get_logger
 from shared.model.prefill import PrefillResult, PrefillState
 from shared.status import FailureReason, ItemOutcome, RequestStatus
 from shared.wire import PrefillBatch, PrefillItem, PrefillProgress, PrefillReport
 from shared.wire import PrefillResult as ResultMessage
+
+log = get_logger(__name__)
+
+#: "KV budget full" is logged at most this often (with how many caches were skipped meanwhile).
+BUDGET_LOG_EVERY_S = 60.0
 
 
 @dataclass
@@ -54,6 +61,11 @@ class Reporter:
     model_name: str
     kv_ttl_s: int
     metrics: WorkerMetrics | None = None
+    #: `prefill.kv_budget_mb` in bytes: past it finished prefills answer without a stored KV cache.
+    kv_budget_bytes: int = DEFAULT_KV_BUDGET_MB << 20
+    #: When "KV budget full" was last logged (monotonic), and how many caches were skipped since.
+    _budget_logged: float = field(default=-BUDGET_LOG_EVERY_S, repr=False)
+    _budget_skipped: int = field(default=0, repr=False)
 
     async def finish_batch(self, batch: PrefillBatch, run: BatchRun) -> None:
         r = self.bus.redis
@@ -96,16 +108,35 @@ class Reporter:
                 preempted=run.preempted,
             ),
         )
+        # The snapshots this batch resumed from are spent once the dispatcher has the report (it
+        # resumes from the layer reported, or the request is answered): deleted now, not left for
+        # their 5-minute TTL, which at 20 req/s held ~0.5 GB of stale prefill state.
+        spent = {
+            o.item.snapshot_key
+            for o in run.outcomes
+            if o.item.snapshot_key and (o.result is not None or o.failure is not None or o.reached > o.item.from_layer)
+        }
+        if spent:
+            await r.delete(*spent)
         if self.metrics is not None:  # counted once reported (an unreported batch is requeued)
             self.metrics.reported(progress, {o.item.id: o.result.prompt_tokens for o in run.outcomes if o.result})
 
     async def _answer(self, o: Outcome, res: PrefillResult) -> None:
         now = time.time()
-        kv_key, kv_size, expires = "", 0, 0.0
+        kv_key, kv_size, expires, note = "", 0, 0.0, "prefill.kv_ttl_s is 0: KV caches are not stored"
         if self.kv_ttl_s > 0:
             data = kvstore.kv_file(o.item.id, self.model_name, o.item.tokens, res.token, res.kv)
-            kv_key, kv_size = await kvstore.store_kv(self.bus.redis, o.item.id, data, self.kv_ttl_s)
-            expires = now + self.kv_ttl_s
+            stored = await kvstore.store_kv_within_budget(
+                self.bus.redis, o.item.id, data, self.kv_ttl_s, self.kv_budget_bytes, now
+            )
+            if stored.key:
+                kv_key, kv_size, expires, note = stored.key, stored.size, now + self.kv_ttl_s, ""
+            else:
+                note = (
+                    f"KV cache budget full: {stored.used} bytes of {stored.budget} (prefill.kv_budget_mb) are held "
+                    f"by the caches of the last {self.kv_ttl_s} s; this {stored.size}-byte cache was not stored"
+                )
+                self._over_budget(stored)
         prefill_ms = o.seconds * 1000
         await serving.answer(
             self.bus.redis,
@@ -120,6 +151,7 @@ class Reporter:
                 kv_key=kv_key,
                 kv_bytes=kv_size,
                 kv_expires_at=expires,
+                kv_note=note,
                 worker=self.worker,
                 queue_ms=max(0.0, (now - o.item.submitted) * 1000 - prefill_ms),
                 prefill_ms=prefill_ms,
@@ -127,3 +159,17 @@ class Reporter:
             ),
             o.item.reply_to,
         )
+
+    def _over_budget(self, stored: kvstore.Stored) -> None:
+        """Log the first skipped cache, then at most once a minute with the count since."""
+        self._budget_skipped += 1
+        t = time.monotonic()
+        if t - self._budget_logged >= BUDGET_LOG_EVERY_S:
+            log.warning(
+                "KV cache budget full: finished prefills answer without a stored KV cache",
+                used_bytes=stored.used,
+                budget_bytes=stored.budget,
+                skipped=self._budget_skipped,
+                kv_ttl_s=self.kv_ttl_s,
+            )
+            self._budget_logged, self._budget_skipped = t, 0

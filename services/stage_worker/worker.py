@@ -169,6 +169,7 @@ async def _train(
             FillPolicy(guard_s=spec.bubbletea.guard_ms / 1000),
             PrefillProfile.from_device(spec.device.prefill_ms_per_layer, spec.device.prefill_us_per_token),
             metrics,
+            kv_budget_mb=spec.prefill.kv_budget_mb,
         )
         fill = bus.consumer(
             keys.fill_stream(run, slot.replica, slot.stage),

@@ -16,6 +16,7 @@ from services.wan_broker.links import LinkDriver
 from services.wan_broker.metrics import BrokerMetrics
 from shared import keys
 from shared.bus import Bus, Delivery, Reject
+from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.policies.wan import LinkModel
@@ -73,13 +74,19 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         )
         metrics.streams.add(consumer)
         log.info("broker ready", run=settings.run, links=len(drivers), sharing=spec.wan.sharing)
+        outage = Outage("link reports")
         async with consumer:
             while not stop.is_set() and not consumer.crashed.is_set():
                 try:
                     async with asyncio.timeout(REPORT_INTERVAL_S):
                         await stop.wait()
                 except TimeoutError:
-                    await _report(bus, settings.run, drivers)
+                    try:  # telemetry: a report Redis cannot take is skipped, the loop goes on
+                        await _report(bus, settings.run, drivers)
+                    except TRANSIENT_ERRORS as exc:
+                        outage.failed(exc)
+                    else:
+                        outage.ok()
         await hb.stop()
         await server.stop()
         for driver in drivers.values():
@@ -105,4 +112,5 @@ async def _report(bus: Bus, run: str, drivers: dict[tuple[str, str], LinkDriver]
                     late_p99_ms=st["late_p99_ms"],
                 ),
                 maxlen=keys.EVENTS_MAXLEN,
+                ride_out_s=0,  # telemetry: skipped rather than waited for (the next one follows in 1 s)
             )

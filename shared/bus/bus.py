@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from shared import keys
-from shared.bus.connection import command_client
+from shared.bus.connection import RIDE_OUT_S, command_client, ride_out
 from shared.bus.consumer import Consumer
 from shared.bus.delivery import Handlers
 from shared.config import BusConfig
@@ -29,7 +29,12 @@ class DeadLetter:
     consumer: str
     attempts: int
     error: str
+    #: The payload as stored: its first `keys.DEAD_LETTER_PAYLOAD_MAX_BYTES` bytes.
     payload: bytes
+    #: The original payload's length and SHA-256, and whether `payload` is cut short of it.
+    payload_bytes: int = 0
+    payload_sha256: str = ""
+    truncated: bool = False
 
 
 def default_consumer_name(prefix: str = "c") -> str:
@@ -44,11 +49,17 @@ class Bus:
     `aclose()` (or ``async with``) after every consumer made from it has stopped.
     """
 
-    def __init__(self, url: str, config: BusConfig | None = None, *, name: str = "bubbletea") -> None:
+    def __init__(
+        self, url: str, config: BusConfig | None = None, *, name: str = "bubbletea", ride_out_s: float = RIDE_OUT_S
+    ) -> None:
         self.url = url
         self.config = config or BusConfig()
         self.name = name
         self.redis = command_client(url, name=name)
+        #: How long `publish` keeps retrying through a Redis outage (beyond the client's own few
+        #: retries) before raising; 0: fail as soon as the client gives up (the front door, which
+        #: answers 503 rather than keep a client waiting).
+        self.ride_out_s = ride_out_s
 
     async def __aenter__(self) -> Bus:
         return self
@@ -61,23 +72,45 @@ class Bus:
     async def aclose(self) -> None:
         await self.redis.aclose()
 
-    async def publish(self, stream: str, msg: Message, *, maxlen: int | None = None) -> str:
+    async def publish(
+        self, stream: str, msg: Message, *, maxlen: int | None = None, ride_out_s: float | None = None
+    ) -> str:
         """Append one message; returns its entry id.
 
         `maxlen` trims the stream approximately *regardless of readers*: only for streams where
         losing old entries is by design (telemetry). Work streams are trimmed by consumers with
-        `shared.bus.streams.trim_acked`, which never drops unread entries.
+        `shared.bus.streams.trim_acked`, which never drops unread entries. `ride_out_s`
+        overrides the bus's `ride_out_s` for this call.
         """
-        entry_id: Any = await self.redis.xadd(stream, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
+        data: dict[Any, Any] = {FIELD: encode(msg)}
+
+        async def xadd() -> Any:
+            return await self.redis.xadd(stream, data, maxlen=maxlen, approximate=True)
+
+        entry_id: Any = await self._ride_out(xadd, stream, ride_out_s)
         return entry_id.decode()
 
     async def publish_many(self, stream: str, msgs: Iterable[Message], *, maxlen: int | None = None) -> list[str]:
         """Append many messages in one round trip (pipelined, not transactional)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for msg in msgs:
-                pipe.xadd(stream, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
-            ids = await pipe.execute()
+        payloads = [encode(msg) for msg in msgs]
+
+        async def xadds() -> Any:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for payload in payloads:
+                    pipe.xadd(stream, {FIELD: payload}, maxlen=maxlen, approximate=True)
+                return await pipe.execute()
+
+        ids = await self._ride_out(xadds, stream, None)
         return [i.decode() for i in ids]
+
+    async def _ride_out(self, op: Callable[[], Awaitable[Any]], stream: str, ride_out_s: float | None) -> Any:
+        """A publish rides out a Redis restart: the client retries a few times, then `ride_out`
+        backs off and retries for up to `ride_out_s` (at-least-once: a retried XADD whose reply
+        was lost may land twice; consumers are idempotent)."""
+        give_up_s = self.ride_out_s if ride_out_s is None else ride_out_s
+        if give_up_s <= 0:
+            return await op()
+        return await ride_out(op, f"publish to {stream}", give_up_s=give_up_s)
 
     def consumer(
         self, stream: str, group: str, handlers: Handlers, *, name: str | None = None, config: BusConfig | None = None
@@ -103,6 +136,9 @@ class Bus:
                     attempts=int(f[b"attempts"]),
                     error=f[b"error"].decode(errors="replace"),
                     payload=f.get(FIELD, b""),
+                    payload_bytes=int(f.get(b"payload_bytes", len(f.get(FIELD, b"")))),
+                    payload_sha256=f.get(b"payload_sha256", b"").decode(),
+                    truncated=f.get(b"payload_truncated", b"0") == b"1",
                 )
             )
         return out

@@ -19,11 +19,21 @@ behaves the same across redis-py versions:
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
+
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+T = TypeVar("T")
 
 #: Errors after which a client reconnects and retries: the server went away or stalled.
 #: OSError covers the builtin TimeoutError that `asyncio.timeout` raises.
@@ -45,6 +55,65 @@ POOL_WAIT_S = 30.0
 def backoff() -> ExponentialWithJitterBackoff:
     """Reconnect backoff: starts at 20 ms, doubles, capped at 2 s, jittered so peers don't stampede."""
     return ExponentialWithJitterBackoff(cap=2.0, base=0.02)
+
+
+#: How long a service's own Redis calls (a publish, a lease renewal) keep retrying through an
+#: outage before giving up: a Redis restart, even a slow one, is ridden out; a Redis that stays
+#: away longer than this is a failure to report. Loops that can wait (heartbeats, reports) never
+#: give up; they log and try again next round.
+RIDE_OUT_S = 30.0
+
+
+class Outage:
+    """Logs a Redis outage once: one warning when calls start failing, one info when one succeeds
+    again (with how long it lasted), however many calls failed in between."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since: float | None = None
+        self.failures = 0
+
+    @property
+    def down(self) -> bool:
+        return self.since is not None
+
+    def failed(self, exc: BaseException) -> float:
+        """Count a failure; returns how long to back off before the next try."""
+        if self.since is None:
+            self.since = time.monotonic()
+            log.warning("redis unreachable; retrying with backoff", what=self.what, error=repr(exc))
+        self.failures += 1
+        return backoff().compute(self.failures)
+
+    def elapsed(self) -> float:
+        return 0.0 if self.since is None else time.monotonic() - self.since
+
+    def ok(self) -> bool:
+        """A call succeeded; True if that ended an outage (logged once)."""
+        if self.since is None:
+            return False
+        log.info("redis reachable again", what=self.what, outage_s=round(self.elapsed(), 2), failures=self.failures)
+        self.since, self.failures = None, 0
+        return True
+
+
+async def ride_out(op: Callable[[], Awaitable[T]], what: str, *, give_up_s: float = RIDE_OUT_S) -> T:
+    """Run `op`, retrying transient Redis errors with `backoff` for up to `give_up_s` (then the
+    last error is raised). A retried write may be applied twice (its reply was lost): callers
+    rely on at-least-once semantics, as the bus does."""
+    outage = Outage(what)
+    while True:
+        try:
+            result = await op()
+        except TRANSIENT_ERRORS as exc:
+            delay = outage.failed(exc)
+            if outage.elapsed() + delay > give_up_s:
+                log.error("redis still unreachable; giving up", what=what, outage_s=round(outage.elapsed(), 2))
+                raise
+            await asyncio.sleep(delay)
+            continue
+        outage.ok()
+        return result
 
 
 def command_client(url: str, *, name: str = "bubbletea") -> Redis:

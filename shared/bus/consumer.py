@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -332,8 +333,8 @@ class Consumer:
             "id": entry_id,
             "consumer": self.name,
             "attempts": attempt,
-            "error": error[:4000],
-            FIELD: raw or b"",
+            "error": error[: keys.DEAD_LETTER_ERROR_MAX_CHARS],
+            **dead_letter_payload(raw or b""),
         }
         try:
             async with self.bus.redis.pipeline(transaction=True) as pipe:
@@ -435,6 +436,20 @@ class Consumer:
             start = next_start.decode() if isinstance(next_start, bytes) else next_start
             if start == "0-0":
                 return
+
+
+def dead_letter_payload(raw: bytes) -> dict[Any, Any]:
+    """The payload fields of a dead letter: the payload itself up to
+    `keys.DEAD_LETTER_PAYLOAD_MAX_BYTES` (its first bytes past that, with ``payload_truncated``
+    set), its original length and SHA-256, so the stream's bytes are bounded (count x size) and a
+    truncated payload can still be matched with the producer's copy."""
+    cap = keys.DEAD_LETTER_PAYLOAD_MAX_BYTES
+    return {
+        FIELD: raw[:cap],
+        "payload_bytes": len(raw),
+        "payload_sha256": hashlib.sha256(raw).hexdigest(),
+        "payload_truncated": int(len(raw) > cap),
+    }
 
 
 async def _cancel_and_wait(task: asyncio.Task[None] | None) -> None:

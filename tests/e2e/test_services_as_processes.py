@@ -152,6 +152,9 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
 
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]
+    redis_cmd = services["redis"]["command"]  # AUTH with no committed secret; a limit that never evicts
+    assert redis_cmd[redis_cmd.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    assert redis_cmd[redis_cmd.index("--maxmemory-policy") + 1] == "noeviction" and "--maxmemory" in redis_cmd
     for svc in SERVICES:  # the same services, with the same commands, as `bubbletea demo` runs
         assert services[svc.name]["command"] == ["python", "-m", svc.module]
     subcommands = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
@@ -166,7 +169,9 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
         unknown = set(env) - ENV_VARS
         assert not unknown, f"{name} sets environment variables nothing reads: {unknown}"
         redis = env["REDIS_URL"]
-        assert redis.startswith("redis://redis:"), f"{name} must reach the compose redis service"
+        # the compose redis service, with the password from the environment (no secret committed)
+        assert redis.startswith("redis://:${REDIS_PASSWORD:?"), f"{name} must authenticate with REDIS_PASSWORD"
+        assert redis.endswith("}@redis:6379/0"), f"{name} must reach the compose redis service"
         for dep, cond in spec.get("depends_on", {}).items():  # waits only on what can report health
             assert cond == {"condition": "service_healthy"} and "healthcheck" in services[dep], (name, dep)
         if "loadgen" in spec.get("profiles", []):

@@ -153,6 +153,27 @@ async def test_undecodable_message_is_dead_lettered_with_its_ack(redis_url: str,
     assert [d.source_id for d in letters] == [bad_id]
 
 
+async def test_a_huge_poison_message_is_dead_lettered_truncated_with_its_length_and_hash(
+    redis_url: str, redis: Redis
+) -> None:
+    """bt:dead is bounded in bytes, not only in count: a 1 MB poison payload keeps its first
+    DEAD_LETTER_PAYLOAD_MAX_BYTES, its length and SHA-256, and a note that it was cut."""
+    import hashlib
+
+    poison = b"\xc1" + bytes(range(256)) * 4096  # ~1 MB, undecodable
+    async with Bus(redis_url, FAST) as bus, bus.consumer("s", "g", {Ping: Seen()}) as c:
+        await redis.xadd("s", {FIELD: poison})
+        _, dl = await next_dead_letter(redis)
+    cap = keys.DEAD_LETTER_PAYLOAD_MAX_BYTES
+    assert dl[FIELD] == poison[:cap]
+    assert int(dl[b"payload_bytes"]) == len(poison) and dl[b"payload_truncated"] == b"1"
+    assert dl[b"payload_sha256"].decode() == hashlib.sha256(poison).hexdigest()
+    assert c.stats.dead_lettered == 1
+    assert int(await redis.memory_usage(keys.DEAD_LETTER_STREAM)) < 2 * cap  # not ~1 MB
+    [letter] = await Bus(redis_url).dead_letters()
+    assert letter.truncated and letter.payload_bytes == len(poison) and len(letter.payload) == cap
+
+
 async def test_failing_handler_is_retried_then_dead_lettered(redis_url: str, redis: Redis) -> None:
     attempts: list[int] = []
 

@@ -61,3 +61,28 @@ def test_stop_removes_the_process_and_its_data() -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert not Path(data_dir).exists()
+
+
+async def test_the_embedded_server_has_a_memory_limit_and_never_evicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work is never evicted silently: maxmemory with noeviction (writes fail at the limit)."""
+    from redis.asyncio import Redis
+    from redis.exceptions import ResponseError
+
+    from shared.redis_server import DEFAULT_MAXMEMORY
+
+    monkeypatch.delenv("BUBBLETEA_REDIS_MAXMEMORY", raising=False)
+    assert DEFAULT_MAXMEMORY == "1gb"
+    async with EmbeddedRedis() as server:
+        r = Redis.from_url(server.url)
+        assert await r.config_get("maxmemory") == {"maxmemory": str(1 << 30)}
+        assert await r.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        await r.aclose()
+    monkeypatch.setenv("BUBBLETEA_REDIS_MAXMEMORY", "2mb")
+    async with EmbeddedRedis() as server:
+        r = Redis.from_url(server.url)
+        assert await r.config_get("maxmemory") == {"maxmemory": str(2 << 20)}
+        with pytest.raises(ResponseError, match="maxmemory"):  # at the limit a write fails, nothing is evicted
+            for i in range(100):
+                await r.set(f"k{i}", b"x" * 100_000)
+        assert await r.get("k0") == b"x" * 100_000
+        await r.aclose()

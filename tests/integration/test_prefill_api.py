@@ -206,6 +206,16 @@ async def test_api_key(redis_url: str) -> None:
         ok = await c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert ok.status == 200 and (await ok.json())["data"][0]["id"] == "bubbletea-gpt"
         assert (await c.get("/health")).status == 200  # operational endpoints stay open
+        assert (await c.get("/metrics")).status == 200  # /metrics too, unless BUBBLETEA_METRICS_AUTH=on
+
+
+async def test_metrics_behind_the_api_key(redis_url: str) -> None:
+    env = {"BUBBLETEA_API_KEY": "s3cret", "BUBBLETEA_METRICS_AUTH": "on"}
+    async with TestClient(TestServer(create_app(settings_for(redis_url, **env)))) as c:
+        assert (await c.get("/metrics")).status == 401
+        ok = await c.get("/metrics", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status == 200 and "bubbletea:" in await ok.text()
+        assert (await c.get("/health")).status == 200
 
 
 async def test_ready_needs_a_dispatcher_and_openapi_is_served(client: TestClient) -> None:

@@ -123,8 +123,11 @@ async def test_fair_shares_the_link(broker: Settings, redis_url: str) -> None:
         await bus.publish_many(keys.wan_stream(broker.run), [transfer(0, (0,)), transfer(1, (1,))])
         got = await arrivals(redis_url, 2)
     times = sorted(t - t0 for _, t in got)
-    # both share 80 kB/s: each finishes sending at ~100 ms, arrives at ~110 ms, together
-    assert times[0] > 0.100 and times[1] - times[0] < 0.015
+    # both share 80 kB/s: each finishes sending at ~100 ms, arrives at ~110 ms, together. If the
+    # broker takes the second a few ms after the first (a loaded machine), the first runs alone at
+    # the full 160 kB/s meanwhile and lands somewhat earlier: still far from temporal sharing's
+    # ~35 ms for the first (one at a time), which is what this tells apart.
+    assert times[0] > 0.075 and times[1] - times[0] < 0.015
 
 
 @pytest.mark.parametrize("broker", ["temporal"], indirect=True)

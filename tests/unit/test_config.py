@@ -162,3 +162,28 @@ def test_up_refuses_a_bad_iteration_count_before_starting_anything(capsys: pytes
 
     assert main(["up", "--iterations", "0"]) == 2
     assert "--iterations must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_secrets_are_never_logged_or_in_the_settings_repr(capsys: pytest.CaptureFixture[str]) -> None:
+    from bubbletea.launcher.procs import open_redis
+    from shared.settings import load_settings, mask_url
+
+    assert mask_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert mask_url("redis://user:s3cret@h:1/0") == "redis://user:***@h:1/0"
+    assert mask_url("rediss://tok@h:1") == "rediss://***@h:1"
+    assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    env = {"REDIS_URL": "redis://:s3cret@redis:6379/0", "BUBBLETEA_API_KEY": "k3y"}
+    s = load_settings(env=env)
+    assert s.redis_url == env["REDIS_URL"] and "s3cret" not in repr(s) and "k3y" not in repr(s)
+    url, embedded, line = open_redis(s.redis_url)  # the line `bubbletea up`/`demo` print
+    assert url == env["REDIS_URL"] and embedded is None and "s3cret" not in line and ":***@redis" in line
+
+
+def test_metrics_auth_needs_an_api_key() -> None:
+    from shared.settings import load_settings
+
+    with pytest.raises(ConfigError, match="BUBBLETEA_API_KEY"):
+        load_settings(env={"BUBBLETEA_METRICS_AUTH": "on"})
+    with pytest.raises(ConfigError, match="on or off"):
+        load_settings(env={"BUBBLETEA_METRICS_AUTH": "yes", "BUBBLETEA_API_KEY": "k"})
+    assert load_settings(env={"BUBBLETEA_METRICS_AUTH": "on", "BUBBLETEA_API_KEY": "k"}).metrics_auth

@@ -1,0 +1,139 @@
+"""Every service rides out a Redis restart (issue 14): a real redis-server is SIGKILLed and
+restarted on the same port after `OUTAGE_S`, while the services run in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from redis.asyncio import Redis
+
+from services.prefill_queue.app import create_app
+from services.stage_worker import lease as lease_mod
+from services.stage_worker.lease import SlotError, SlotLease
+from services.wan_broker.broker import serve as serve_broker
+from shared import keys
+from shared.bus import Bus
+from shared.health import Heartbeat, live_instances, wait_live
+from shared.redis_server import EmbeddedRedis
+from shared.wire import FIELD, Ping, decode
+from tests.integration.test_prefill_api import settings_for
+from tests.integration.test_wan_broker import settings as broker_settings
+from tests.integration.test_wan_broker import transfer
+
+pytestmark = pytest.mark.integration
+
+#: Longer than a lease's TTL (3 s) and a heartbeat's (6 s is not needed: the key comes back).
+OUTAGE_S = 4.0
+
+
+@pytest.fixture
+def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[EmbeddedRedis]:
+    persist = getattr(request, "param", True)
+    s = EmbeddedRedis(persist=persist, data_dir=str(tmp_path / "redis")) if persist else EmbeddedRedis()
+    if persist:
+        (tmp_path / "redis").mkdir()
+    s.start()
+    yield s
+    s.stop()
+
+
+async def restart_after(server: EmbeddedRedis, outage_s: float = OUTAGE_S) -> None:
+    """SIGKILL the server, keep it down `outage_s`, start it again on the same port (and files)."""
+    server.kill()
+    await asyncio.sleep(outage_s)
+    server.start()
+
+
+async def test_leases_and_heartbeats_ride_out_a_restart(server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lease_mod, "PEER_GRACE_S", 2.0)  # peers are checked again soon after
+    r = Redis.from_url(server.url, protocol=2)
+    leases = [SlotLease(r, "rr", 2, 1, holder=f"w{i}") for i in range(2)]
+    for ls in leases:
+        await ls.acquire()
+        ls.check_peers = True  # as after the start barrier: a missing peer would be a failure
+    hb = Heartbeat(r, "stage_worker", "rr-0", lambda: {}, interval_s=0.5)
+    await hb.start()
+    watches = [asyncio.create_task(ls.watch()) for ls in leases]
+    await restart_after(server)
+    check = Redis.from_url(server.url, protocol=2)
+    async with asyncio.timeout(20):
+        while [await check.get(keys.lease_key("rr", 0, k)) for k in range(2)] != [b"w0", b"w1"]:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+    await wait_live(check, "stage_worker", timeout_s=10)
+    await asyncio.sleep(3.0)  # past the peer grace: both check each other again, and find each other
+    assert not any(w.done() for w in watches), [w.exception() for w in watches if w.done()]
+    for w in watches:
+        w.cancel()
+    await asyncio.gather(*watches, return_exceptions=True)
+    await hb.stop()
+    await r.aclose()
+    await check.aclose()
+
+
+@pytest.mark.parametrize("server", [False], indirect=True)
+async def test_a_restart_without_persistence_fails_the_lease_explicitly(server: EmbeddedRedis) -> None:
+    r = Redis.from_url(server.url, protocol=2)
+    ls = SlotLease(r, "rr", 1, 1, holder="w0")
+    await ls.acquire()
+    watch = asyncio.create_task(ls.watch())
+    await restart_after(server)
+    with pytest.raises(SlotError, match="without persistence"):
+        await asyncio.wait_for(watch, 20)
+    await r.aclose()
+
+
+async def test_the_wan_broker_rides_out_a_restart(server: EmbeddedRedis, tmp_path: Path) -> None:
+    s = broker_settings(tmp_path, server.url, "temporal")
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_broker(s, stop))
+    r = Redis.from_url(server.url, protocol=2)
+    await wait_live(r, "wan_broker", timeout_s=30)
+    async with Bus(server.url) as bus:
+        await bus.publish(keys.wan_stream(s.run), transfer(0, (0,)))
+        await restart_after(server)
+        await asyncio.sleep(2.0)  # its report loop and heartbeat meet the new server
+        assert not task.done(), task.exception()
+        await bus.publish(keys.wan_stream(s.run), transfer(1, (0,)))  # works after the restart
+        seqs: set[int] = set()
+        async with asyncio.timeout(20):
+            while seqs != {0, 1}:
+                rows: Any = await r.xrange("inbox")
+                seqs = {m.seq for _, f in rows if isinstance(m := decode(f[FIELD]), Ping)}
+                await asyncio.sleep(0.1)
+    assert await live_instances(r, "wan_broker")
+    stop.set()
+    await asyncio.wait_for(task, 15)
+    await r.aclose()
+
+
+async def test_the_front_door_answers_503_while_redis_is_down_and_keeps_accepted_requests(
+    server: EmbeddedRedis,
+) -> None:
+    async with TestClient(TestServer(create_app(settings_for(server.url)))) as c:
+        before = await c.post("/v1/prefill", json={"prompt": [1, 2, 3]})
+        assert before.status == 202
+        rid = (await before.json())["id"]
+        server.kill()
+        t0 = time.monotonic()
+        down = await c.post("/v1/prefill", json={"prompt": [4, 5, 6]})
+        assert down.status == 503, await down.text()
+        assert down.headers["Retry-After"] == "2" and down.content_type == "application/json"
+        assert (await down.json())["error"]["type"] == "service_unavailable"
+        assert (await c.get(f"/v1/prefill/{rid}")).status == 503
+        assert (await c.get("/health")).status == 503
+        await asyncio.sleep(max(0.0, OUTAGE_S - (time.monotonic() - t0)))
+        server.start()  # same port, same append-only file
+        got = await c.get(f"/v1/prefill/{rid}")
+        assert got.status == 200 and (await got.json())["status"] == "queued"  # persisted across the restart
+        after = await c.post("/v1/prefill", json={"prompt": [7, 8, 9]})
+        assert after.status == 202
+        assert (await c.get("/health")).status == 200
+    r = Redis.from_url(server.url, protocol=2)
+    assert await r.xlen(keys.PREFILL_REQUESTS_STREAM) == 2  # the accepted one and the one after
+    await r.aclose()
