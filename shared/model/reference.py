@@ -17,6 +17,7 @@ the same gradient of the mean loss over all ``dp * microbatches`` microbatches.
 
 from __future__ import annotations
 
+from shared.config import ClusterSpec
 from shared.model.data import ByteCorpus
 from shared.model.gpt import StageModule, build_full, lm_loss, make_optimizer
 from shared.model.shape import GPTConfig
@@ -85,3 +86,23 @@ def train_reference_model(
         optimizer.step()
         losses.append(total / parts)
     return losses, model
+
+
+def train_reference_for(spec: ClusterSpec) -> tuple[list[float], StageModule]:
+    """`train_reference_model` on what a cluster spec trains: the model, seeds, optimizer, DP x
+    microbatches of the same global batches (what the live pipeline's results are compared with)."""
+    tr = spec.training
+    iterations = tr.iteration_limit
+    if iterations is None:
+        raise ValueError("the reference trains a number of iterations; the spec trains until stopped")
+    return train_reference_model(
+        GPTConfig.from_spec(spec.model),
+        ByteCorpus.from_stdlib(),
+        seed=spec.model.seed,
+        data_seed=tr.seed,
+        lr=tr.lr,
+        iterations=iterations,
+        dp=spec.parallelism.dp,
+        microbatches=tr.microbatches,
+        microbatch_size=tr.microbatch_size,
+    )

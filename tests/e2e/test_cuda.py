@@ -35,10 +35,8 @@ from services.stage_worker.worker import _prefill_model
 from shared import kvstore
 from shared.config import parse_spec
 from shared.devices import select_device
-from shared.model.data import ByteCorpus
 from shared.model.prefill import PrefillResult
-from shared.model.reference import train_reference
-from shared.model.shape import GPTConfig
+from shared.model.reference import train_reference_for
 from shared.model.tokenizer import encode
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
@@ -90,17 +88,7 @@ async def test_pp_dp_training_on_the_device_matches_the_cpu_reference(
     result = await run_training(settings, redis_server.url, out=out, progress=False)
 
     spec = settings.spec
-    expected = train_reference(  # on the CPU, in this process
-        GPTConfig.from_spec(spec.model),
-        ByteCorpus.from_stdlib(),
-        seed=spec.model.seed,
-        data_seed=spec.training.seed,
-        lr=spec.training.lr,
-        iterations=spec.training.iterations,
-        dp=spec.parallelism.dp,
-        microbatches=spec.training.microbatches,
-        microbatch_size=spec.training.microbatch_size,
-    )
+    expected, _ = train_reference_for(spec)  # on the CPU, in this process
     assert len(result.losses) == len(expected) == spec.training.iterations
     if kind == "cuda":
         assert result.losses == pytest.approx(expected, rel=LOSS_RTOL)

@@ -13,9 +13,8 @@ import pytest
 import torch
 import yaml
 
-from shared.model.data import ByteCorpus
 from shared.model.gpt import build_full
-from shared.model.reference import train_reference_model
+from shared.model.reference import train_reference_for
 from shared.model.shape import GPTConfig
 from shared.settings import load_settings
 from tests.e2e.test_training_correctness import SPEC
@@ -45,17 +44,7 @@ def test_train_save_writes_the_trained_model(tmp_path: Path) -> None:
 
     spec = load_settings(spec_path).spec
     cfg = GPTConfig.from_spec(spec.model)
-    _, reference = train_reference_model(
-        cfg,
-        ByteCorpus.from_stdlib(),
-        seed=spec.model.seed,
-        data_seed=spec.training.seed,
-        lr=spec.training.lr,
-        iterations=spec.training.iterations,
-        dp=spec.parallelism.dp,
-        microbatches=spec.training.microbatches,
-        microbatch_size=spec.training.microbatch_size,
-    )
+    _, reference = train_reference_for(spec)
     saved = GPT2LMHeadModel.from_pretrained(out).eval()
     ids = torch.tensor([list(b"to be or not to")])
     with torch.no_grad():

@@ -17,9 +17,7 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.train import run_training
 from shared import keys
-from shared.model.data import ByteCorpus
-from shared.model.reference import train_reference
-from shared.model.shape import GPTConfig
+from shared.model.reference import train_reference_for
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.wire import BubbleEnd, BubbleStart, SpanRecord, decode
@@ -54,17 +52,7 @@ async def test_pipeline_losses_match_single_process_training(
     result = await run_training(settings, redis_server.url, out=io.StringIO(), progress=False)
 
     spec = settings.spec
-    expected = train_reference(
-        GPTConfig.from_spec(spec.model),
-        ByteCorpus.from_stdlib(),
-        seed=spec.model.seed,
-        data_seed=spec.training.seed,
-        lr=spec.training.lr,
-        iterations=spec.training.iterations,
-        dp=spec.parallelism.dp,
-        microbatches=spec.training.microbatches,
-        microbatch_size=spec.training.microbatch_size,
-    )
+    expected, _ = train_reference_for(spec)
     assert len(result.losses) == len(expected) == 5
     assert result.losses == pytest.approx(expected, abs=1e-5)
     assert expected[-1] < expected[0]  # it really trains
