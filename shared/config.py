@@ -97,6 +97,19 @@ class Training(_Spec, frozen=True):
     iterations: Annotated[int, Meta(ge=1, le=10_000_000)] | Literal["until_stopped"] = 10
     lr: Annotated[float, Meta(gt=0, le=10)] = 3e-4
     seed: Annotated[int, Meta(ge=0)] = 0
+    #: Every worker checkpoints its stage (weights and optimizer state, in Redis) after every this
+    #: many iterations, so a run survives a lost worker: it pauses, a replacement takes the slot and
+    #: every worker resumes from the newest checkpoint all slots have. 0 = no checkpoints: a lost
+    #: worker stops the run.
+    checkpoint_every: Annotated[int, Meta(ge=0, le=1_000_000)] = 10
+    #: How long the run waits for a lost worker's replacement before it gives up (the peers stop,
+    #: naming the slot).
+    recovery_timeout_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0
+
+    @property
+    def recovers(self) -> bool:
+        """Whether a lost worker is replaced and the run resumes (it needs checkpoints)."""
+        return self.checkpoint_every > 0
 
     @property
     def until_stopped(self) -> bool:

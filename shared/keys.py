@@ -139,6 +139,39 @@ def lease_end_key(run: str, replica: int, stage: int) -> str:
 #: An end marker outlives any run's tail (peers still finishing their last steps), then goes.
 LEASE_END_TTL_S = 3_600
 
+def generation_key(run: str) -> str:
+    """The run's recovery generation (an integer): every worker that joins the run, at start or
+    after noticing a lost peer, moves it on; workers train together only within one generation."""
+    return f"{PREFIX}:{run}:gen"
+
+
+def generation_joined_key(run: str, generation: int) -> str:
+    """The slots that joined `generation` (a set): when it holds every slot, the generation trains."""
+    return f"{PREFIX}:{run}:gen:{generation}:joined"
+
+
+def generation_resume_key(run: str, generation: int) -> str:
+    """The iteration `generation` resumes after (the newest checkpoint every slot has; -1: none),
+    written once (SET NX) by the first worker through the barrier, so every worker reads the same."""
+    return f"{PREFIX}:{run}:gen:{generation}:resume"
+
+
+def checkpoint_key(run: str, replica: int, stage: int) -> str:
+    """Slot (replica, stage)'s checkpoints: a hash from iteration to its stage's state (safetensors:
+    weights and AdamW moments). Bound: the newest `CHECKPOINTS_KEPT` per slot, and
+    `RUN_STATE_TTL_S` after the last write."""
+    return f"{PREFIX}:{run}:ckpt:{replica}:{stage}"
+
+
+#: Slots are at most one checkpoint apart (a stage cannot finish an iteration before every other
+#: stage has started it), so the newest checkpoint common to all slots is among each slot's newest
+#: two. One copy of the model and twice its size in optimizer state, twice over.
+CHECKPOINTS_KEPT = 2
+
+#: A run's generation keys and checkpoints go an hour after their last write: a run stopped for
+#: longer is not resumed (`bubbletea up` starts a new run id anyway; compose resumes within it).
+RUN_STATE_TTL_S = 3_600
+
 #: A lease lives 3 s and is renewed every second: a crashed worker's slot frees within 3 s, and
 #: two missed renewals (a long GC pause, a slow Redis) are survived.
 LEASE_TTL_MS = 3_000

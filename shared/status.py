@@ -57,9 +57,11 @@ class ServingState(enum.StrEnum):
     STALLED = "stalled"  # every slot is held, but no bubble was announced for `unready_after_s`
     FINISHED = "finished"  # the run trained all its iterations
     STOPPED = "stopped"  # the run was stopped on purpose (Ctrl-C, SIGTERM)
+    RECOVERING = "recovering"  # a worker was lost; the run waits for a replacement to resume
     LOST = "lost"  # a worker was lost and the run stopped because of it
     DISABLED = "disabled"  # BubbleTea is off in the spec: bubbles are not filled
 
     @property
     def ready(self) -> bool:
-        return self is ServingState.SERVING
+        """Whether new requests are taken: while a run recovers they wait for its next bubbles."""
+        return self in (ServingState.SERVING, ServingState.RECOVERING)

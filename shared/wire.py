@@ -73,6 +73,9 @@ class StageTensor(Message, frozen=True, kw_only=True, tag="stage_tensor"):
     src_stage: int
     dst_stage: int
     tensor: TensorBlob
+    #: The run's recovery generation it was sent in: a receiver drops tensors of another one (sent
+    #: before the run last resumed from a checkpoint).
+    generation: int = 0
 
 
 class GradShard(Message, frozen=True, kw_only=True, tag="grad_shard"):
@@ -86,6 +89,8 @@ class GradShard(Message, frozen=True, kw_only=True, tag="grad_shard"):
     #: Wall clock (time.time()) when this replica reached the all-reduce: every peer ends the
     #: collective at the same instant, max(ready_at) + its profiled cost.
     ready_at: float = 0.0
+    #: As `StageTensor.generation`.
+    generation: int = 0
 
 
 class Transfer(Message, frozen=True, kw_only=True, tag="transfer"):
@@ -159,6 +164,9 @@ class IterationDone(Message, frozen=True, kw_only=True, tag="iteration_done"):
     loss: float | None = None
     lag_ms: float = 0.0  # how far real compute fell behind the device profile
     prefill_lag_ms: float = 0.0  # how far real prefill compute fell behind the prefill profile
+    #: The run's recovery generation: after a lost worker the run resumes from a checkpoint and
+    #: trains some iterations again; the newest generation's report of an iteration is the one.
+    generation: int = 0
 
 
 class WorkerFailed(Message, frozen=True, kw_only=True, tag="worker_failed"):

@@ -129,7 +129,9 @@ async def _save(bus: Bus, settings: Settings, procs: list[Proc], directory: Path
 async def _follow(bus: Bus, stream: str, settings: Settings, procs: list[Proc], out: TextIO | None) -> TrainResult:
     spec = settings.spec
     iters, workers = spec.training.iteration_limit or 0, spec.parallelism.pp * spec.parallelism.dp
-    done: dict[int, list[IterationDone]] = {}
+    # per iteration, per slot: the newest generation's report (a run that resumed from a checkpoint
+    # trains some iterations again)
+    done: dict[int, dict[tuple[int, int], IterationDone]] = {}
     result = TrainResult(settings.run, iters)
     last_progress = time.monotonic()
     cursor = "0"  # the run's events from the beginning
@@ -156,12 +158,15 @@ async def _follow(bus: Bus, stream: str, settings: Settings, procs: list[Proc], 
                     }
                 if isinstance(msg, IterationDone):
                     last_progress = time.monotonic()
-                    done.setdefault(msg.iteration, []).append(msg)
-                    if len(done[msg.iteration]) == workers and out is not None:
+                    slots = done.setdefault(msg.iteration, {})
+                    had = slots.get((msg.replica, msg.stage))
+                    if had is None or had.generation <= msg.generation:
+                        slots[(msg.replica, msg.stage)] = msg
+                    if had is None and len(slots) == workers and out is not None:
                         _print_iteration(out, msg.iteration, done)
-    prev_end = min(m.started for m in done[0])
+    prev_end = min(m.started for m in done[0].values())
     for i in range(iters):
-        recs = done[i]
+        recs = list(done[i].values())
         end = max(m.ended for m in recs)
         result.iteration_s.append(end - prev_end)
         prev_end = end
@@ -179,11 +184,11 @@ def _slot_of(p: Proc) -> str:
     return ""
 
 
-def _print_iteration(out: TextIO, i: int, done: dict[int, list[IterationDone]]) -> None:
-    recs = done[i]
+def _print_iteration(out: TextIO, i: int, done: dict[int, dict[tuple[int, int], IterationDone]]) -> None:
+    recs = list(done[i].values())
     losses = [m.loss for m in recs if m.loss is not None]
     end = max(m.ended for m in recs)
-    start = max(m.ended for m in done[i - 1]) if i > 0 else min(m.started for m in recs)
+    start = max(m.ended for m in done[i - 1].values()) if i > 0 else min(m.started for m in recs)
     print(
         f"iteration {i:4d}  loss {statistics.fmean(losses):.4f}  time {(end - start) * 1000:8.1f} ms",
         file=out,

@@ -94,7 +94,14 @@ class Dispatcher:
         self.acks: Acks | None = None  # the request stream's consumer, once it exists
         self.metrics = DispatcherMetrics(run, spec.prefill.model_name)
         self.instance = f"{SERVICE}-{instance_id()}"
-        self.gate = ServingGate(run=run, enabled=bt.enabled, unready_after_s=bt.unready_after_s)
+        tr = spec.training
+        self.gate = ServingGate(
+            run=run,
+            enabled=bt.enabled,
+            unready_after_s=bt.unready_after_s,
+            # the workers wait this long for a replacement, plus a lease TTL to notice the loss
+            recovery_s=tr.recovery_timeout_s + keys.LEASE_TTL_MS / 1000 if tr.recovers else 0.0,
+        )
         self.verdict = Verdict.of(ServingState.STARTING, "the dispatcher is starting")
         self.metrics.serving_state(self.verdict.state)
 

@@ -59,12 +59,15 @@ class Slot:
 
 
 class SlotLease:
-    def __init__(self, r: Redis, run: str, pp: int, dp: int, holder: str) -> None:
+    def __init__(self, r: Redis, run: str, pp: int, dp: int, holder: str, *, recoverable: bool = False) -> None:
         self.r, self.run, self.pp, self.dp, self.holder = r, run, pp, dp, holder
         self.slot: Slot | None = None
         self.all_slots = [Slot(d, k) for k in range(pp) for d in range(dp)]
-        #: Set after the start barrier: from then on a missing peer is a failure.
+        #: Set while training: from then on a missing peer is a failure (or, if the run
+        #: `recoverable`, a loss to recover from: `peer_lost` is set instead of raising).
         self.check_peers = False
+        self.recoverable = recoverable
+        self.peer_lost = asyncio.Event()
         #: The Redis server's run_id when we leased (a restart changes it).
         self.redis_run_id = ""
 
@@ -171,6 +174,11 @@ class SlotLease:
                 raise RunStopped(reason)
             if state is LeaseState.ABORTED:  # it left because of another slot: blame that one
                 raise SlotError(reason)
+            if self.recoverable:
+                log.warning("a peer lost its worker; the run pauses for a replacement", run=self.run, slot=s.name)
+                self.check_peers = False  # until the run has recovered
+                self.peer_lost.set()
+                return
             raise SlotError(f"slot {s.name} lost its worker (its lease expired): the run cannot continue")
 
     async def _missing(self) -> list[Slot]:

@@ -47,6 +47,16 @@ class Mailbox:
         waiter = self._waiters.setdefault(key, asyncio.get_running_loop().create_future())
         return await waiter
 
+    def reset(self) -> None:
+        """Forget everything (the run resumes from a checkpoint and replays iterations): held
+        tensors, what was taken, and any waiter (cancelled; its iteration was cut short)."""
+        for waiter in self._waiters.values():
+            waiter.cancel()
+        self._items.clear()
+        self._waiters.clear()
+        self._taken.clear()
+        self._arrived_at.clear()
+
     def forget_before(self, keep: Any) -> None:
         """Drop bookkeeping of taken keys for which ``keep(key)`` is false (bounded memory)."""
         self._taken = {k for k in self._taken if keep(k)}

@@ -1,6 +1,6 @@
 """Walks the pipeline schedule with real compute, the bus for tensors, and bubble announcements.
 
-One `StageRunner` per worker process. Torch work runs in a thread (`asyncio.to_thread`) so the
+One `StageRunner` per worker process. Torch work runs in a thread (`in_torch_thread`) so the
 event loop keeps receiving tensors meanwhile. With a device profile each compute action is padded
 to its profiled duration (lag is reported when real compute is slower).
 
@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from services.stage_worker.lease import Slot
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.outbox import Outbox, wan_transfer
+from services.stage_worker.recovery import CheckpointStore
 from services.stage_worker.trainer import StageTrainer
 from shared import keys
 from shared.bus import Bus
@@ -31,6 +33,7 @@ from shared.config import ClusterSpec
 from shared.logs import get_logger
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
+from shared.policies.recovery import checkpoint_due
 from shared.policies.schedules import Op, schedule
 from shared.policies.wan import transfer_priority
 from shared.tensors import TensorBlob, to_blob
@@ -74,6 +77,9 @@ class StageRunner:
     free_memory_bytes: int
     filler: Filler | None = None  # BubbleTea: runs prefill batches in this worker's bubbles
     metrics: WorkerMetrics | None = None  # Prometheus: recorded where the runner has each value
+    checkpoints: CheckpointStore | None = None  # where `training.checkpoint_every` checkpoints go
+    #: The run's recovery generation this runner trains in (stamped on every tensor it sends).
+    generation: int = 0
     iteration: int = 0
     lag_s: float = 0.0
     _spans: list[SpanRecord] = field(default_factory=list)
@@ -81,9 +87,26 @@ class StageRunner:
     _lag_unreported_ms: float = 0.0
     _lag_iterations: int = 0
     outbox: Outbox = field(init=False)
+    #: The one thread the stage's torch work runs in. One, so that work stays in order even when
+    #: a cut-short iteration's last operation still runs while the run restores a checkpoint.
+    _torch: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.outbox = Outbox(self.bus)
+        self._torch = ThreadPoolExecutor(1, thread_name_prefix=f"torch-{self.slot.name}")
+
+    async def in_torch_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run blocking torch work in the stage's thread, after whatever is already there."""
+        return await asyncio.get_running_loop().run_in_executor(self._torch, fn, *args)
+
+    def close(self) -> None:
+        self._torch.shutdown(wait=False)
+
+    def enter_generation(self, generation: int) -> None:
+        """The run resumes in `generation`: what a cut-short iteration recorded is dropped (the
+        caller empties the mailbox and restores the trainer)."""
+        self.generation = generation
+        self._spans = []
 
     @property
     def stage(self) -> int:
@@ -93,14 +116,19 @@ class StageRunner:
     def replica(self) -> int:
         return self.slot.replica
 
-    async def run_all(self) -> None:
+    async def run_all(self, start: int = 0) -> None:
+        """Train from iteration `start` (after a resumption: the checkpoint's next) to the end."""
         tr = self.spec.training
         actions = schedule(tr.schedule, self.stage, self.spec.parallelism.pp, tr.microbatches)
         limit = tr.iteration_limit
-        for it in range(limit) if limit is not None else itertools.count():  # until_stopped: until cancelled
+        # until_stopped: until cancelled
+        for it in range(start, limit) if limit is not None else itertools.count(start):
             self.iteration = it
             started, self.lag_s = time.time(), 0.0
             await self._iteration(it, actions)
+            if self.checkpoints is not None and checkpoint_due(it, tr.checkpoint_every):
+                blob = await self.in_torch_thread(self.trainer.checkpoint)
+                await self.checkpoints.save(self.slot, it, blob)
             loss = self.trainer.take_loss()
             prefill_lag_ms = self.filler.take_lag() * 1000 if self.filler is not None else 0.0
             self._flush_spans()
@@ -114,6 +142,7 @@ class StageRunner:
                 loss=loss,
                 lag_ms=self.lag_s * 1000,
                 prefill_lag_ms=prefill_lag_ms,
+                generation=self.generation,
             )
             self.outbox.send_many(keys.events_stream(self.run), [done], maxlen=keys.EVENTS_MAXLEN)
             if self.metrics is not None:
@@ -186,7 +215,7 @@ class StageRunner:
         self, kind: str, it: int, mb: int, target: float | None, fn: Callable[..., Any], *args: Any
     ) -> Any:
         t0, lt0 = time.time(), time.monotonic()
-        result = await asyncio.to_thread(fn, *args)
+        result = await self.in_torch_thread(fn, *args)
         if target is not None:
             spent = time.monotonic() - lt0
             if spent < target:
@@ -209,6 +238,7 @@ class StageRunner:
             src_stage=self.stage,
             dst_stage=dst,
             tensor=to_blob(tensor),
+            generation=self.generation,
         )
         target = keys.inbox(self.run, self.replica, dst)
         src_dc, dst_dc = self.placement.stage_dc[self.stage], self.placement.stage_dc[dst]
@@ -288,9 +318,15 @@ class StageRunner:
         ready = {self.replica: t0}
         if dp > 1:
             # In the thread: the copy off the device for the wire stays off the event loop.
-            mine, blob = await asyncio.to_thread(self._flat_grads_and_blob)
+            mine, blob = await self.in_torch_thread(self._flat_grads_and_blob)
             shard = GradShard(
-                run=self.run, iteration=it, stage=self.stage, replica=self.replica, tensor=blob, ready_at=t0
+                run=self.run,
+                iteration=it,
+                stage=self.stage,
+                replica=self.replica,
+                tensor=blob,
+                ready_at=t0,
+                generation=self.generation,
             )
             for peer in range(dp):
                 if peer != self.replica:
@@ -300,7 +336,7 @@ class StageRunner:
                 if peer != self.replica:
                     grads[peer], ready[peer] = await self.mailbox.take(("shard", it, peer))
             # Summed on this worker's device, in replica order everywhere.
-            await asyncio.to_thread(self.trainer.load_mean, [grads[r] for r in range(dp)])
+            await self.in_torch_thread(self.trainer.load_mean, [grads[r] for r in range(dp)])
         if self.profile.allreduce:
             done_wall = max(ready.values()) + self.profile.allreduce
             await sleep_until(time.monotonic() + (done_wall - time.time()))

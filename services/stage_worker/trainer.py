@@ -32,9 +32,10 @@ class StageTrainer:
     ) -> None:
         self.device = torch.device("cpu") if device is None else device
         self.cfg = GPTConfig.from_spec(spec.model)
-        self.model = build_stage(self.cfg, spec.model.seed, stage, spec.parallelism.pp).to(self.device)
+        self.seed, self.stages, self.lr = spec.model.seed, spec.parallelism.pp, spec.training.lr
+        self.model = build_stage(self.cfg, self.seed, stage, self.stages).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = make_optimizer(self.params, spec.training.lr)
+        self.opt = make_optimizer(self.params, self.lr)
         self.corpus, self.replica, self.stage = corpus, replica, stage
         self.m = spec.training.microbatches
         self.mbs, self.seq, self.data_seed = spec.training.microbatch_size, spec.model.seq_len, spec.training.seed
@@ -116,6 +117,53 @@ class StageTrainer:
             return None
         loss, self._losses = sum(self._losses) / len(self._losses), []
         return loss
+
+    # --- checkpoints (a run survives a lost worker: shared/policies/recovery.py) ---------------
+
+    def checkpoint(self) -> bytes:
+        """This stage's state after a step, as safetensors bytes: every trainable parameter
+        (``param.<i>``) and AdamW's state for it (``opt.<i>.step``, ``.exp_avg``, ``.exp_avg_sq``),
+        copied to the CPU. Together with the iteration it is everything the next step depends on."""
+        from safetensors.torch import save
+
+        tensors: dict[str, Tensor] = {}
+        for i, p in enumerate(self.params):
+            tensors[f"param.{i}"] = p.detach().to("cpu").contiguous()
+            for name, value in self.opt.state.get(p, {}).items():
+                tensors[f"opt.{i}.{name}"] = value.detach().to("cpu").contiguous()
+        return save(tensors)
+
+    def restore(self, blob: bytes | None) -> None:
+        """Continue from a `checkpoint` (None: from the initial weights with a fresh optimizer),
+        dropping whatever a cut-short iteration left behind. Bit-exact on the CPU: the next step
+        computes what it would have computed had the run never stopped."""
+        from safetensors.torch import load
+
+        self._inputs.clear()
+        self._outputs.clear()
+        self._losses.clear()
+        self.opt.zero_grad(set_to_none=True)
+        if blob is None:
+            fresh = build_stage(self.cfg, self.seed, self.stage, self.stages)
+            weights = [p.detach() for p in fresh.parameters() if p.requires_grad]
+            state: dict[int, dict[str, Tensor]] = {}
+        else:
+            tensors = load(blob)
+            weights = [tensors[f"param.{i}"] for i in range(len(self.params))]
+            state = {}
+            for key, value in tensors.items():
+                if key.startswith("opt."):
+                    _, i, name = key.split(".", 2)
+                    state.setdefault(int(i), {})[name] = value
+        with torch.no_grad():
+            for p, w in zip(self.params, weights, strict=True):
+                p.copy_(w.to(self.device))
+        # The optimizer's own loader puts each moment on its parameter's device (the step count
+        # stays on the CPU, as AdamW keeps it).
+        self.opt = make_optimizer(self.params, self.lr)
+        if state:
+            self.opt.load_state_dict({"state": state, "param_groups": self.opt.state_dict()["param_groups"]})
+        synchronize(self.device)
 
     def state_bytes(self) -> int:
         """Parameters, gradients and AdamW's two moments, in bytes."""

@@ -1,7 +1,11 @@
 """stage_worker: lease a slot, build its stage, wait for every peer, train, finish cleanly.
 
-If any peer's lease expires (its process died), this worker publishes `WorkerFailed` naming the
-slot and stops with an error instead of waiting forever for tensors that will never come.
+If a peer's lease expires (its process died) and the run checkpoints (`training.checkpoint_every`),
+the run pauses: this worker drops the cut-short iteration, joins a new recovery generation
+(`recovery.py`), waits for a replacement to take the slot, restores the newest checkpoint every slot
+has and trains on from there. Without checkpoints, or when no replacement comes within
+`training.recovery_timeout_s`, it publishes `WorkerFailed` naming the slot and stops with an error
+instead of waiting forever for tensors that will never come.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from services.stage_worker.filler import Filler
 from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics
+from services.stage_worker.recovery import CheckpointStore, Generations
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
 from shared import keys
 from shared.bus import Bus, Consumer, Delivery, Reject
+from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.config import ClusterSpec
 from shared.devices import DeviceError, check_kind, describe, select_device, slot_index, synchronize
 from shared.health import Heartbeat, instance_id
@@ -32,6 +38,7 @@ from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillPolicy
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
+from shared.policies.recovery import FROM_SCRATCH
 from shared.settings import Settings
 from shared.telemetry import MetricsServer
 from shared.tensors import from_blob
@@ -64,7 +71,14 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec, run = settings.spec, settings.run
     placement = placement_of(spec)  # an infeasible spec fails here, naming the missing GPUs
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
-        lease = SlotLease(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp, holder=instance_id())
+        lease = SlotLease(
+            bus.redis,
+            run,
+            spec.parallelism.pp,
+            spec.parallelism.dp,
+            holder=instance_id(),
+            recoverable=spec.training.recovers,
+        )
         slot = await lease.acquire()
         device = select_device(spec.device.kind, slot_index(slot.replica, slot.stage, spec.parallelism.pp))
         log.info("device chosen", slot=slot.name, kind=spec.device.kind, **describe(device))
@@ -114,22 +128,26 @@ async def _train(
     trainer = await asyncio.to_thread(StageTrainer, spec, slot.replica, slot.stage, corpus, device)
     profile, prior = await asyncio.to_thread(_profile_and_prior, spec, slot, trainer)
     mailbox = Mailbox()
+    gens = Generations(bus.redis, run, lease.all_slots)
 
-    def same_run(m: StageTensor | GradShard) -> None:
+    def current(m: StageTensor | GradShard) -> bool:
+        """Whether `m` belongs to this run's current generation (else it is dropped: it was sent
+        before the run resumed from a checkpoint)."""
         if m.run != run:
             raise Reject(f"the inbox of run {run} got a {type(m).__name__} of run {m.run}")
+        return m.generation == gens.current
 
     async def on_tensor(d: Delivery) -> None:
         m = d.message
         assert isinstance(m, StageTensor)
-        same_run(m)
-        mailbox.put((m.what, m.iteration, m.microbatch), from_blob(m.tensor))
+        if current(m):
+            mailbox.put((m.what, m.iteration, m.microbatch), from_blob(m.tensor))
 
     async def on_shard(d: Delivery) -> None:
         m = d.message
         assert isinstance(m, GradShard)
-        same_run(m)
-        mailbox.put(("shard", m.iteration, m.replica), (from_blob(m.tensor), m.ready_at))
+        if current(m):
+            mailbox.put(("shard", m.iteration, m.replica), (from_blob(m.tensor), m.ready_at))
 
     memory = int(spec.device.memory_gib * (1 << 30))
     prefill = None
@@ -148,6 +166,7 @@ async def _train(
         profile,
         free_memory_bytes=max(0, memory - trainer.state_bytes()),
         metrics=metrics,
+        checkpoints=CheckpointStore(bus.redis, run, lease.all_slots) if spec.training.recovers else None,
     )
     inbox = bus.consumer(
         keys.inbox(run, slot.replica, slot.stage),
@@ -181,8 +200,9 @@ async def _train(
         metrics.streams.add(fill)
         await fill.start()
     try:
-        await _run(runner, inbox, lease, watch, slot, stop)
+        await _run(runner, inbox, lease, watch, gens, stop)
     finally:
+        runner.close()
         if runner.filler is not None:
             await runner.filler.close()  # answer and report what already ran
         if fill is not None:
@@ -195,54 +215,123 @@ async def _run(
     inbox: Consumer,
     lease: SlotLease,
     watch: asyncio.Task[None],
-    slot: Slot,
+    gens: Generations,
     stop: asyncio.Event,
 ) -> None:
-    spec = runner.spec
+    """Join the run, train; after a lost peer, join again and resume, until the end or a stop."""
+    slot, tr = runner.slot, runner.spec.training
     async with inbox:
-        barrier = asyncio.create_task(lease.wait_for_all(START_TIMEOUT_S), name="barrier")
         stopping = asyncio.create_task(stop.wait(), name="stop")
-        await asyncio.wait({barrier, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if watch.done():
-            barrier.cancel()
-            stopping.cancel()
-            watch.result()  # raises SlotError: our lease was lost during start-up
-        if not barrier.done():  # told to stop while waiting for the peers (they may never come)
-            barrier.cancel()
-            log.info("stopped before training started", slot=slot.name)
-            await lease.mark_stopped(f"slot {slot.name} was stopped before training started")
+        crashed = asyncio.create_task(inbox.crashed.wait(), name="inbox")
+        try:
+            after_loss = False
+            while True:
+                start = await _join(runner, lease, watch, gens, stopping, after_loss=after_loss)
+                if start is None:  # told to stop while waiting for the peers (they may never come)
+                    log.info("stopped before training started", slot=slot.name)
+                    await lease.mark_stopped(f"slot {slot.name} was stopped before training started")
+                    return
+                log.info("all slots held; training", slot=slot.name, iterations=tr.iterations, start=start)
+                train = asyncio.create_task(runner.run_all(start), name="train")
+                lost = asyncio.create_task(lease.peer_lost.wait(), name="lost")
+                moved = asyncio.create_task(_generation_moved(gens), name="moved")
+                done, _ = await asyncio.wait(
+                    {train, watch, stopping, crashed, lost, moved}, return_when=asyncio.FIRST_COMPLETED
+                )
+                for t in (train, lost, moved):
+                    t.cancel()
+                await asyncio.gather(train, lost, moved, return_exceptions=True)
+                if train in done:
+                    train.result()  # re-raise a training error
+                    await runner.outbox.close()
+                    await _save_weights_if_asked(runner)
+                    await lease.finish()
+                    log.info(
+                        "training finished",
+                        slot=slot.name,
+                        iterations=tr.iterations,
+                        over_predicted_bubbles=round(runner.predictor.over_predicted_share(), 3),
+                    )
+                    return
+                if watch in done:
+                    watch.result()  # raises SlotError naming the slot
+                if crashed in done:
+                    raise RuntimeError(f"inbox consumer crashed: {inbox.error!r}")
+                if stopping in done:
+                    log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
+                    await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {runner.iteration}")
+                    return
+                log.warning(
+                    "the run pauses to recover: iteration cut short",
+                    slot=slot.name,
+                    iteration=runner.iteration,
+                    generation=gens.current,
+                    why="a peer lost its worker" if lost in done else "a replacement joined the run",
+                )
+                after_loss = True
+        finally:
+            for t in (stopping, crashed):
+                t.cancel()
+            await runner.outbox.close()
+
+
+async def _join(
+    runner: StageRunner,
+    lease: SlotLease,
+    watch: asyncio.Task[None],
+    gens: Generations,
+    stopping: asyncio.Task[bool],
+    *,
+    after_loss: bool,
+) -> int | None:
+    """Join a new generation and wait for every slot; restore the checkpoint it resumes from.
+    Returns the iteration to train from, or None if told to stop meanwhile."""
+    slot, tr = runner.slot, runner.spec.training
+
+    def enter(gen: int) -> None:  # before anything of the new generation can arrive
+        runner.mailbox.reset()
+        runner.enter_generation(gen)
+
+    lease.check_peers = False
+    enter(await gens.enter(after_loss=after_loss))
+    timeout = tr.recovery_timeout_s if after_loss else START_TIMEOUT_S
+    barrier = asyncio.create_task(gens.barrier(slot, timeout, on_enter=enter), name="barrier")
+    await asyncio.wait({barrier, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not barrier.done():
+        barrier.cancel()
+        await asyncio.gather(barrier, return_exceptions=True)
+        watch.result() if watch.done() else None  # our own lease was lost: raises SlotError
+        return None
+    gen = barrier.result()
+    resume = await gens.resume_point(runner.checkpoints) if runner.checkpoints is not None else FROM_SCRATCH
+    if after_loss or resume != FROM_SCRATCH:
+        blob = None if resume == FROM_SCRATCH else await runner.checkpoints.load(slot, resume)  # type: ignore[union-attr]
+        try:
+            await runner.in_torch_thread(runner.trainer.restore, blob)
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise SlotError(
+                f"slot {slot.name} cannot restore the checkpoint of iteration {resume} of run {runner.run} "
+                f"({exc}); it was written for another spec: start a new run id (BUBBLETEA_RUN)"
+            ) from None
+    lease.peer_lost.clear()
+    lease.check_peers = True
+    log.info("joined the run", slot=slot.name, generation=gen, resume_after=resume)
+    return resume + 1
+
+
+async def _generation_moved(gens: Generations) -> None:
+    """Return once the run's generation moved past ours (a replacement joined: the run resumes)."""
+    outage = Outage(f"generation watch of run {gens.run}")
+    while True:
+        await asyncio.sleep(keys.LEASE_RENEW_S)  # a counter in Redis: nothing to block on
+        try:
+            newest = await gens.read()
+        except TRANSIENT_ERRORS as exc:
+            await asyncio.sleep(outage.failed(exc))
+            continue
+        outage.ok()
+        if newest > gens.current:
             return
-        barrier.result()
-        log.info("all slots held; training", slot=slot.name, iterations=spec.training.iterations)
-        tasks = {
-            asyncio.create_task(runner.run_all(), name="train"),
-            watch,
-            stopping,
-            asyncio.create_task(inbox.crashed.wait(), name="inbox"),
-        }
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for t in pending - {watch}:
-            t.cancel()
-        await asyncio.gather(*(pending - {watch}), return_exceptions=True)
-        await runner.outbox.close()
-        first = done.pop()
-        if first.get_name() == "train":
-            first.result()  # re-raise a training error
-            await _save_weights_if_asked(runner)
-            await lease.finish()
-            log.info(
-                "training finished",
-                slot=slot.name,
-                iterations=spec.training.iterations,
-                over_predicted_bubbles=round(runner.predictor.over_predicted_share(), 3),
-            )
-        elif first.get_name() == "lease":
-            first.result()  # raises SlotError naming the slot
-        elif first.get_name() == "inbox":
-            raise RuntimeError(f"inbox consumer crashed: {inbox.error!r}")
-        else:
-            log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
-            await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {runner.iteration}")
 
 
 async def _save_weights_if_asked(runner: StageRunner) -> None:

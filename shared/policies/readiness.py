@@ -21,12 +21,16 @@ Once training was seen running, a run that no longer holds every slot is:
 
 * FINISHED: every slot ended done (the run trained all its iterations).
 * STOPPED: a slot ended on purpose (Ctrl-C, SIGTERM); the reason is the slot's own.
+* RECOVERING: a slot lost its worker (its lease expired without an end marker) less than
+  `recovery_s` ago, in a run that checkpoints: the run pauses for a replacement and resumes from
+  a checkpoint (services/stage_worker/recovery.py). Requests are still taken and kept: they wait
+  for the resumed run's bubbles (a lost worker costs latency, not answers).
 * LOST: a slot ended because of another slot's failure (its reason names the culprit), or a
-  slot lost its worker (its lease expired without an end marker).
+  slot lost its worker longer ago than that (or in a run that cannot recover).
 
 A slot that is held again after an end marker (a restarted worker) counts as held: the marker is
-history. Queued requests are failed in every state but SERVING and STARTING: while the run is
-starting they are kept for its first bubbles.
+history. Queued requests are failed in every state but SERVING, RECOVERING and STARTING: while the
+run is starting they are kept for its first bubbles.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ RETRY_AFTER_S: dict[ServingState, int] = {
     ServingState.SERVING: 0,
     ServingState.STARTING: 2,
     ServingState.STALLED: 10,
+    ServingState.RECOVERING: 5,
     ServingState.LOST: 30,
     ServingState.STOPPED: 60,
     ServingState.FINISHED: 60,
@@ -76,14 +81,17 @@ class Verdict:
     @property
     def fail_queued(self) -> bool:
         """Whether requests waiting for a bubble should be failed now rather than kept."""
-        return self.state not in (ServingState.SERVING, ServingState.STARTING)
+        return self.state not in (ServingState.SERVING, ServingState.RECOVERING, ServingState.STARTING)
 
 
 class ServingGate:
     """Judges readiness from slot views and bubble times; remembers when training was last seen running."""
 
-    def __init__(self, *, run: str, enabled: bool, unready_after_s: float) -> None:
-        self.run, self.enabled, self.unready_after_s = run, enabled, unready_after_s
+    def __init__(self, *, run: str, enabled: bool, unready_after_s: float, recovery_s: float = 0.0) -> None:
+        """`recovery_s`: how long the run waits for a lost worker's replacement (0: it cannot recover)."""
+        self.run, self.enabled, self.unready_after_s, self.recovery_s = run, enabled, unready_after_s, recovery_s
+        #: Since when a slot has been missing its worker (None: none is).
+        self.lost_since: float | None = None
         self.last_bubble_at: float | None = None
         #: Since when every slot has been held (None: not all held at the last look).
         self.all_held_since: float | None = None
@@ -107,6 +115,7 @@ class ServingGate:
         gone = [s for s in slots if not s.held]
         running = bool(held) and all(s.ended is LeaseState.DONE for s in gone)
         if running:
+            self.lost_since = None
             if self.all_held_since is None:
                 self.all_held_since = now
             self.started = True
@@ -132,4 +141,11 @@ class ServingGate:
             if s.ended is LeaseState.ABORTED:
                 return ServingState.LOST, f"training stopped: {s.reason}"
         missing = ", ".join(s.name for s in gone if s.ended is None)
+        if self.lost_since is None:
+            self.lost_since = now
+        if self.recovery_s > 0 and now - self.lost_since <= self.recovery_s:
+            return ServingState.RECOVERING, (
+                f"slot {missing} lost its worker: run {self.run} pauses until a replacement takes the slot and "
+                f"resumes from its last checkpoint (gives up after {self.recovery_s:g}s); requests wait"
+            )
         return ServingState.LOST, f"training stopped: slot {missing} lost its worker (its lease expired)"

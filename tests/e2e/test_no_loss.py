@@ -7,8 +7,10 @@ with one of them killed hard (SIGKILL) mid-run:
   and they are answered, computed in the bubbles of the still-running training;
 * the front door (`prefill_queue`) right after accepting requests: a new instance reports every
   request's final status, because answers live in Redis, not in the process that accepted them;
-* a stage worker while a prefill batch is in flight: training aborts (its peers stop with an error
-  naming the slot), and every request still ends answered or failed at its deadline with a reason.
+* a stage worker while a prefill batch is in flight: in a run that checkpoints, a replacement
+  takes the slot, training resumes and every request is answered (the dead worker's batch is
+  requeued); in one that does not, training aborts (its peers stop with an error naming the slot),
+  and every request still ends answered or failed with a reason.
 
 Every request ends "done" or "failed" with a reason (none stays "queued", none is unknown), and
 every "done" answer is the token a local `PrefillModel` computes for the same prompt.
@@ -46,6 +48,7 @@ from tests.e2e.serving import (
     submit,
     wait_for_an_answer,
     wait_for_iteration,
+    wait_for_message,
     wait_until,
     write_spec,
 )
@@ -310,13 +313,21 @@ async def test_requests_survive_a_killed_front_door(tmp_path: Path, redis_url: s
 # --- c. a stage worker ---------------------------------------------------------------------
 
 
-async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str) -> None:
-    """SIGKILL a worker while a prefill batch it was sent is unfinished: the run aborts, and every
-    request still ends answered or failed with the reason: at once once the dispatcher sees the run
-    stopped (`unavailable`, naming the lost slot), or at its deadline if that came first. From then
-    on new requests are refused at once with 503 and the same reason."""
-    deadline_ms = 8000
-    path = write_spec(tmp_path, training={**SPEC["training"], "iterations": 10_000})
+@pytest.mark.parametrize("recover", [True, False], ids=["replaced", "no-checkpoints"])
+async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str, recover: bool) -> None:
+    """SIGKILL a worker while a prefill batch it was sent is unfinished.
+
+    With checkpoints (`recover`), a replacement worker is started: the run pauses, resumes, and
+    every request is answered, the dead worker's batch requeued and run elsewhere; requests keep
+    being accepted throughout (a lost worker costs latency, not answers).
+
+    Without, the run aborts, and every request still ends answered or failed with the reason: at
+    once once the dispatcher sees the run stopped (`unavailable`, naming the lost slot), or at its
+    deadline if that came first. From then on new requests are refused at once with 503 and the
+    same reason."""
+    deadline_ms = 60_000 if recover else 8000
+    training = {**SPEC["training"], "iterations": 10_000, "checkpoint_every": 2 if recover else 0}
+    path = write_spec(tmp_path, training=training)
     run = f"noloss-w-{uuid.uuid4().hex[:6]}"
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})
     env = service_env(redis_url, path, run)
@@ -369,10 +380,22 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str) 
                     await asyncio.sleep(0.002)  # a pending count, not an event: poll it closely
             await kill(victim)
             lost_ids = await unfinished_batch_items(r, fill)
-            codes = await asyncio.wait_for(asyncio.gather(*(p.proc.wait() for p in survivors)), 60)
+            if recover:
+                procs.append(await spawn(STAGE_WORKER, env, out=out, quiet=True))
+                await wait_for_resumed_training(redis_url, run)
+                resumed_at = len(ids)
+
+                async def accepted_since() -> bool:
+                    return len(ids) > resumed_at + 20
+
+                await wait_until(accepted_since, "requests accepted after the resumption")
+                codes = [p.proc.returncode for p in survivors]  # still training
+            else:
+                codes = await asyncio.wait_for(asyncio.gather(*(p.proc.wait() for p in survivors)), 60)
             stop_submitting.set()
             await submitter
-            # No training left: no bubble will ever come, so a new request is refused at once, saying why.
+            # Resumed: a new request is answered. Stopped: no bubble will ever come, so a new
+            # request is refused at once, saying why.
             async with http.post(f"{door.url}/v1/prefill", json={"prompt": [1, 2, 3]}) as resp:
                 late = (resp.status, resp.headers.get("Retry-After"), await resp.json())
             statuses = await settle(http, door.url, ids, timeout=deadline_ms / 1000 + 30)
@@ -387,15 +410,24 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str) 
     log = out.getvalue() + dispatcher_out.getvalue()
     print(f"\nkilled {slot} holding {lost_ids}; survivors' exit codes {codes}; {counts(statuses)}")
     print("failures:", sorted({s["error"].split(" in the queue")[0] for s in statuses.values() if "error" in s}))
-    # The run stopped with an error naming the dead worker's slot; nobody hangs.
-    assert codes == [1, 1, 1]
-    for p in survivors:
-        assert any(f"slot {slot} lost its worker" in line for line in p.tail), "\n".join(p.tail)
     assert lost_ids, "the killed worker held no unfinished batch: the kill was not mid-batch"
     requeued = [line for line in dispatcher_out.getvalue().splitlines() if "batch never reported back" in line]
     assert any(f"worker={slot}" in line for line in requeued), dispatcher_out.getvalue()[-4000:]
     assert_none_lost(statuses, log)
     assert all(statuses[rid]["status"] in FINAL for rid in lost_ids)
+    assert_answers_computed(settings.spec.prefill, bodies, ids, statuses)
+    assert left_inflight == 0
+    status, retry_after, body = late
+    if recover:
+        assert codes == [None, None, None]  # the survivors paused and resumed: none exited
+        assert not refused, refused[:3]  # requests were accepted throughout
+        assert counts(statuses) == {"done": len(ids)}, counts(statuses)  # every one answered, none failed
+        assert status == 202, body
+        return
+    # The run stopped with an error naming the dead worker's slot; nobody hangs.
+    assert codes == [1, 1, 1]
+    for p in survivors:
+        assert any(f"slot {slot} lost its worker" in line for line in p.tail), "\n".join(p.tail)
     for s in statuses.values():  # failed only because the run stopped, or (first) at the deadline
         if s["status"] == "failed" and s["reason"] == "unavailable":
             assert f"slot {slot} lost its worker" in s["error"], s
@@ -403,10 +435,20 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str) 
             assert s["status"] == "done" or "deadline passed" in s["error"], s
     # Before the kill requests were answered, really computed; after it, nothing can be.
     assert counts(statuses).get("done", 0) > 0
-    assert_answers_computed(settings.spec.prefill, bodies, ids, statuses)
-    status, retry_after, body = late
     assert status == 503 and retry_after == "30", body
     assert f"slot {slot} lost its worker" in body["error"]["message"], body
     for r_ in refused:
         assert r_["retry_after"] is not None and "not serving" in r_["error"]["message"], r_
-    assert left_inflight == 0
+
+
+async def wait_for_resumed_training(redis_url: str, run: str, timeout: float = 90.0) -> None:
+    """Block on the run's events until an iteration of a later recovery generation is done."""
+    first: list[int] = []
+
+    def resumed(msg: Any) -> bool:
+        if not isinstance(msg, IterationDone):
+            return False
+        first.append(msg.generation) if not first else None
+        return msg.generation > first[0]
+
+    await wait_for_message(redis_url, keys.events_stream(run), resumed, f"run {run} resuming", timeout)

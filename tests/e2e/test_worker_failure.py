@@ -1,4 +1,6 @@
-"""A worker that dies mid-run stops the run with an error naming its slot; nobody hangs."""
+"""A worker that dies mid-run, in a run that cannot recover (no checkpoints, or no replacement in
+time), stops the run with an error naming its slot; nobody hangs. (A run that checkpoints and gets a
+replacement resumes: test_worker_recovery.py.)"""
 
 from __future__ import annotations
 
@@ -25,14 +27,24 @@ SPEC = {
     "wan": {"default": {"latency_ms": 2}},
     "model": {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8},
     "parallelism": {"pp": 2, "dp": 2},
-    "training": {"microbatches": 2, "microbatch_size": 1, "iterations": 100_000},
+    "training": {"microbatches": 2, "microbatch_size": 1, "iterations": 100_000, "checkpoint_every": 0},
     "device": {"fwd_ms_per_layer": 5},
 }
 
 
-async def test_killed_worker_stops_the_run_naming_its_slot(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+@pytest.mark.parametrize(
+    ("training", "says"),
+    [
+        ({"checkpoint_every": 0}, "slot {slot} lost its worker"),
+        # checkpoints, but nobody replaces the dead worker: the peers give up after the timeout
+        ({"checkpoint_every": 1, "recovery_timeout_s": 3}, "waiting for workers of slots {slot} to join"),
+    ],
+)
+async def test_killed_worker_stops_the_run_naming_its_slot(
+    tmp_path: Path, redis_server: EmbeddedRedis, training: dict[str, float], says: str
+) -> None:
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(SPEC))
+    spec.write_text(yaml.safe_dump({**SPEC, "training": {**SPEC["training"], **training}}))  # type: ignore[dict-item]
     env = {"REDIS_URL": redis_server.url, "BUBBLETEA_CONFIG": str(spec), "BUBBLETEA_RUN": f"f{uuid.uuid4().hex[:6]}"}
     procs = [await spawn(WAN_BROKER, env, out=io.StringIO())]
     procs += [await spawn(STAGE_WORKER, env, out=io.StringIO()) for _ in range(4)]
@@ -55,6 +67,6 @@ async def test_killed_worker_stops_the_run_naming_its_slot(tmp_path: Path, redis
         codes = await asyncio.wait_for(asyncio.gather(*(p.proc.wait() for p in survivors)), 30)
         assert codes == [1, 1, 1]  # each stopped with an error instead of hanging
         for p in survivors:
-            assert any(f"slot {slot} lost its worker" in line for line in p.tail), "\n".join(p.tail)
+            assert any(says.format(slot=slot) in line for line in p.tail), "\n".join(p.tail)
     finally:
         await stop_all(procs)

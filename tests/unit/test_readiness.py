@@ -64,6 +64,27 @@ def test_finished_stopped_and_lost_runs_say_why() -> None:
     assert v.state is ServingState.LOST and "slot r0s1 lost its worker (its lease expired)" in v.reason
 
 
+def test_a_lost_worker_in_a_run_that_checkpoints_is_recovering_until_the_timeout() -> None:
+    g = gate(recovery_s=30.0)
+    g.assess(HELD, now=0.0)
+    lost = [HELD[0], SlotView("r0s1", False)]
+    v = g.assess(lost, now=5.0)
+    assert v.state is ServingState.RECOVERING and v.ready and not v.fail_queued  # requests wait, new ones taken
+    assert "slot r0s1 lost its worker" in v.reason and "resumes from its last checkpoint" in v.reason
+    assert g.assess(lost, now=35.0).state is ServingState.RECOVERING  # 30 s after the loss was first seen
+    # a replacement took the slot: serving, and the quiet time of the pause is not a stall
+    g2 = gate(recovery_s=30.0, unready_after_s=5.0)
+    g2.assess(HELD, now=0.0)
+    g2.assess(lost, now=1.0)
+    assert g2.assess(HELD, now=20.0).state is ServingState.SERVING
+    # nobody came in time: lost, and queued work goes
+    v = g.assess(lost, now=35.5)
+    assert v.state is ServingState.LOST and v.fail_queued and "lost its worker" in v.reason
+    # a new loss later starts a new window
+    g.assess(HELD, now=40.0)
+    assert g.assess(lost, now=41.0).state is ServingState.RECOVERING
+
+
 def test_end_markers_before_training_was_seen_running_are_history() -> None:
     """A restarted compose project: the run id's old markers must not fail the new start."""
     g = gate()

@@ -1,0 +1,171 @@
+"""A run's recovery generations and its checkpoints in Redis (the worker's side of
+shared/policies/recovery.py).
+
+Workers train together only within one *generation*. Every worker joins one when it starts and
+again when it notices a lost peer (or that the generation moved on without it):
+
+1. **enter**: a starting worker moves the generation on (INCR); a worker that noticed a loss moves
+   it on from the one it trained in (compare-and-set, so peers noticing the same loss together move
+   it once), or adopts a newer one someone else already began. It drops everything it held of the
+   old generation *before* it says it joined, so any tensor of the new one it receives is kept.
+2. **barrier**: it adds its slot to the generation's joined set and waits until every slot is there
+   (so every lease is held by a live worker again). If the generation moves on meanwhile (another
+   replacement arrived), it enters the newer one. Two replacements arriving together cost one extra
+   round, never a split: a worker only ever joins the current generation.
+3. **resume point**: the first worker through writes the newest checkpoint common to every slot
+   (SET NX) and every worker reads that one value, so they all restore the same iteration.
+
+Tensors carry the generation they were sent in; a receiver drops another generation's (sent before
+the run resumed; the broker may still deliver them). No stage can finish an iteration of the new
+generation before every stage has restored (its gradient depends on all of them), so no checkpoint
+is written between the barrier and the last restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from redis.asyncio import Redis
+
+from services.stage_worker.lease import Slot, SlotError
+from shared import keys
+from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.logs import get_logger
+from shared.policies.recovery import FROM_SCRATCH, resume_after, superseded
+
+log = get_logger(__name__)
+
+#: Moves the generation on from ARGV[1] (the one the caller trained in) unless it already moved;
+#: returns the current one either way.
+_MOVE_ON = """
+local g = tonumber(redis.call('get', KEYS[1]) or '0')
+if g == tonumber(ARGV[1]) then g = redis.call('incr', KEYS[1]) end
+redis.call('expire', KEYS[1], ARGV[2])
+return g
+"""
+#: How often the barrier looks at the joined set and the generation (a few round trips a second).
+POLL_S = 0.05
+
+
+class Generations:
+    def __init__(self, r: Redis, run: str, slots: Iterable[Slot]) -> None:
+        self.r, self.run = r, run
+        self.slots = [s.name for s in slots]
+        #: The generation this worker trains in (0: not joined yet).
+        self.current = 0
+
+    async def read(self) -> int:
+        return int(await self.r.get(keys.generation_key(self.run)) or 0)
+
+    async def enter(self, *, after_loss: bool) -> int:
+        """Join a new generation: INCR for a starting worker; after a loss, move on from the one we
+        trained in (or adopt a newer one). Sets `current` before anything else can see us join."""
+        gen_key = keys.generation_key(self.run)
+        if after_loss:
+            gen = int(await self.r.eval(_MOVE_ON, 1, gen_key, self.current, keys.RUN_STATE_TTL_S))
+        else:
+            async with self.r.pipeline(transaction=True) as pipe:
+                pipe.incr(gen_key)
+                pipe.expire(gen_key, keys.RUN_STATE_TTL_S)
+                gen = int((await pipe.execute())[0])
+        self.current = gen
+        return gen
+
+    async def barrier(self, slot: Slot, timeout_s: float, on_enter: Any = None) -> int:
+        """Wait until every slot joined the current generation (entering newer ones as they come);
+        returns it. `on_enter(gen)` runs each time we move to a newer one (to drop what we held).
+        Raises SlotError naming the slots still missing after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        outage = Outage(f"recovery barrier of run {self.run}")
+        joined_gen = 0
+        missing: list[str] = list(self.slots)
+        while True:
+            try:
+                if joined_gen != self.current:
+                    await self._join(self.current, slot)
+                    joined_gen = self.current
+                joined, newest = await self._look(self.current)
+                outage.ok()
+                if newest > self.current:  # a replacement began a newer generation: follow it
+                    self.current = newest
+                    if on_enter is not None:
+                        on_enter(newest)
+                    continue
+                missing = [s for s in self.slots if s not in joined]
+                if not missing:
+                    return self.current
+            except TRANSIENT_ERRORS as exc:  # Redis away: keep waiting (the deadline still holds)
+                await asyncio.sleep(outage.failed(exc))
+                continue
+            if time.monotonic() > deadline:
+                raise SlotError(
+                    f"timed out after {timeout_s:.0f}s waiting for workers of slots {', '.join(missing)} "
+                    f"to join the run (generation {self.current})"
+                )
+            await asyncio.sleep(POLL_S)  # joins are set members: there is no event to wait on
+
+    async def _join(self, gen: int, slot: Slot) -> None:
+        key = keys.generation_joined_key(self.run, gen)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.sadd(key, slot.name)
+            pipe.expire(key, keys.RUN_STATE_TTL_S)
+            await pipe.execute()
+
+    async def _look(self, gen: int) -> tuple[set[str], int]:
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.smembers(keys.generation_joined_key(self.run, gen))
+            pipe.get(keys.generation_key(self.run))
+            members, newest = await pipe.execute()
+        return {m.decode() for m in members}, int(newest or 0)
+
+    async def resume_point(self, store: CheckpointStore) -> int:
+        """The iteration the current generation resumes after, the same for every worker."""
+        key = keys.generation_resume_key(self.run, self.current)
+        found = await self.r.get(key)
+        if found is None:
+            candidate = resume_after(await store.iterations(), self.slots)
+            await self.r.set(key, candidate, nx=True, ex=keys.RUN_STATE_TTL_S)
+            found = await self.r.get(key)
+        return int(found) if found is not None else FROM_SCRATCH
+
+
+class CheckpointStore:
+    """Every slot's checkpoints in Redis (a hash per slot: iteration -> safetensors bytes)."""
+
+    def __init__(self, r: Redis, run: str, slots: Iterable[Slot]) -> None:
+        self.r, self.run = r, run
+        self.slots = list(slots)
+
+    def _key(self, s: Slot) -> str:
+        return keys.checkpoint_key(self.run, s.replica, s.stage)
+
+    async def save(self, slot: Slot, iteration: int, blob: bytes) -> None:
+        """Store `slot`'s checkpoint of `iteration`, keep its newest `CHECKPOINTS_KEPT`, and keep the
+        run's generation counter alive as long as the run checkpoints."""
+        key = self._key(slot)
+        have = [int(f) for f in await self.r.hkeys(key)]
+        old = superseded([*have, iteration], keys.CHECKPOINTS_KEPT)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(key, str(iteration), blob)
+            if old:
+                pipe.hdel(key, *[str(i) for i in old])
+            pipe.expire(key, keys.RUN_STATE_TTL_S)
+            pipe.expire(keys.generation_key(self.run), keys.RUN_STATE_TTL_S)
+            await pipe.execute()
+
+    async def load(self, slot: Slot, iteration: int) -> bytes:
+        blob: Any = await self.r.hget(self._key(slot), str(iteration))
+        if blob is None:
+            raise SlotError(f"the checkpoint of iteration {iteration} of slot {slot.name} is gone (expired?)")
+        return bytes(blob)
+
+    async def iterations(self) -> dict[str, list[int]]:
+        """Which iterations each slot has a checkpoint of."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            for s in self.slots:
+                pipe.hkeys(self._key(s))
+            found = await pipe.execute()
+        return {s.name: [int(f) for f in fields] for s, fields in zip(self.slots, found, strict=True)}

@@ -1,0 +1,88 @@
+"""Training survives a lost worker: kill -9 one, start a replacement, and the run resumes from the
+newest common checkpoint with exactly the losses of a run that never stopped.
+
+The broker and PP x DP stage workers run as real processes over a real redis-server; the
+reference trains the full model in this process on the same global batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+import statistics
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bubbletea.launcher.procs import spawn, stop_all
+from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER
+from shared import keys
+from shared.bus.connection import blocking_client
+from shared.model.reference import train_reference_for
+from shared.redis_server import EmbeddedRedis
+from shared.settings import load_settings
+from shared.wire import IterationDone, decode
+from tests.e2e.test_training_correctness import SPEC
+
+pytestmark = pytest.mark.e2e
+
+ITERATIONS = 8
+
+
+async def test_a_replaced_worker_resumes_the_run_with_uninterrupted_losses(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    training = {**SPEC["training"], "iterations": ITERATIONS, "checkpoint_every": 2}  # type: ignore[dict-item]
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({**SPEC, "training": training}))
+    run = f"rec{uuid.uuid4().hex[:6]}"
+    env = {"REDIS_URL": redis_server.url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": run}
+    procs = [await spawn(WAN_BROKER, env, out=io.StringIO())]
+    procs += [await spawn(STAGE_WORKER, env, out=io.StringIO()) for _ in range(4)]
+    r = blocking_client(redis_server.url)  # no socket timeout cutting the long blocking reads
+    try:
+        # kill a worker once iteration 4 is under way (checkpoints of iterations 1 and 3 exist)
+        cursor = "0"
+        while True:
+            reply = await r.xread({keys.events_stream(run): cursor}, block=120_000)
+            assert reply, "training never got to iteration 4"
+            cursor = reply[0][1][-1][0]
+            if any(isinstance(m := decode(f[b"m"]), IterationDone) and m.iteration >= 4 for _, f in reply[0][1]):
+                break
+        victim = procs[1]
+        slot = next(m.group(1) for line in victim.tail if (m := re.search(r"slot leased.*slot=(r\d+s\d+)", line)))
+        victim.proc.kill()
+        await victim.proc.wait()
+        replacement = await spawn(STAGE_WORKER, env, out=io.StringIO())
+        procs.append(replacement)
+        workers = [*procs[2:5], replacement]
+        codes = await asyncio.wait_for(asyncio.gather(*(p.proc.wait() for p in workers)), 240)
+        assert codes == [0, 0, 0, 0], "\n".join(line for p in workers for line in p.tail[-10:])
+        assert any(f"slot={slot}" in line and "slot leased" in line for line in replacement.tail)
+        for p in procs[2:5]:  # the survivors paused and resumed rather than failing
+            assert any("the run pauses to recover" in line for line in p.tail), "\n".join(p.tail)
+
+        events = [decode(f[b"m"]) for _, f in await r.xrange(keys.events_stream(run))]
+    finally:
+        await r.aclose()
+        await stop_all(procs)
+
+    done = [m for m in events if isinstance(m, IterationDone)]
+    newest: dict[tuple[int, int, int], IterationDone] = {}
+    for m in done:  # the newest generation's report of each (iteration, replica, stage)
+        k = (m.iteration, m.replica, m.stage)
+        if k not in newest or newest[k].generation <= m.generation:
+            newest[k] = m
+    assert len(done) > len(newest), "no iteration was trained again: the run did not resume from a checkpoint"
+    resumed = {m.iteration for m in newest.values() if m.generation > min(x.generation for x in done)}
+    assert min(resumed) in (2, 4), f"resumed at iteration {min(resumed)}, not after a checkpoint (1 or 3)"
+
+    losses = [
+        statistics.fmean(m.loss for (i, _, _), m in newest.items() if i == it and m.loss is not None)
+        for it in range(ITERATIONS)
+    ]
+    expected, _ = train_reference_for(load_settings(path, env={}).spec)
+    assert losses == pytest.approx(expected, abs=1e-5)
