@@ -1,4 +1,4 @@
-"""`bubbletea up`'s supervisor: restart a dead stateless service, keep today's rule for workers.
+"""`bubbletea up`'s supervisor: restart a dead service; a dead stage worker too when the run can recover.
 
 Once everything is up, `Supervisor.follow` watches every process until Ctrl-C/SIGTERM (the caller
 cancels it), a failure it cannot fix, or the end of a finite run:
@@ -11,8 +11,10 @@ cancels it), a failure it cannot fix, or the end of a finite run:
   so: ``==> dispatcher died (exit code -9); restarting in 0.5s (restart 1)``, then
   ``==> dispatcher restarted (pid N): healthy``. When the policy gives up (a crash loop), everything
   stops with a message naming the service and its last lines;
-* a stage worker that exits with an error stops everything, as before: training cannot survive a
-  lost worker yet (its peers abort the run), so restarting only the dead one would not help;
+* a stage worker that exits with an error is restarted the same way when the run checkpoints
+  (`training.checkpoint_every` > 0): the new process takes the free slot and the run resumes from
+  its newest checkpoint (services/stage_worker/recovery.py). Without checkpoints a lost worker
+  stops the run (its peers abort), so it stops everything, naming the worker;
 * when every stage worker exited 0 (a finite run trained all its iterations) it returns 0.
 """
 
@@ -32,9 +34,12 @@ POLL_S = 0.2
 DRAIN_S = 5.0
 
 
-def restartable(p: Proc) -> bool:
-    """Whether `up` restarts this process when it dies: every service but the stage workers."""
-    return not p.svc.per_slot
+def restartable(p: Proc, *, workers: bool) -> bool:
+    """Whether `up` restarts this process when it exits: every service but the stage workers, and
+    (`workers`: the run recovers from a lost worker) a stage worker that exits with an error."""
+    if not p.svc.per_slot:
+        return True
+    return workers and p.proc.returncode != 0
 
 
 class Supervisor:
@@ -52,8 +57,10 @@ class Supervisor:
         say: Callable[[str], None],
         policy: RestartPolicy = DEFAULT_POLICY,
         clock: Callable[[], float] = time.monotonic,
+        restart_workers: bool = False,
     ) -> None:
         self.procs = procs
+        self.restart_workers = restart_workers
         self.respawn, self.healthy, self.say = respawn, healthy, say
         self.policy, self.clock = policy, clock
         self.deaths: dict[str, list[Death]] = {}
@@ -73,12 +80,12 @@ class Supervisor:
                 for i, p in enumerate(self.procs):
                     if p.proc.returncode is None or i in self._restarting:
                         continue
-                    if restartable(p):
+                    if restartable(p, workers=self.restart_workers):
                         self._on_death(i, p)
                     elif p.proc.returncode != 0:
                         raise ServiceFailed(
                             f"{p.label} (pid {p.proc.pid}) exited with code {p.proc.returncode}; stage workers are "
-                            "not restarted (training cannot survive a lost worker yet); last output:\n"
+                            "not restarted in a run without checkpoints (training.checkpoint_every: 0); last output:\n"
                             + "\n".join(p.tail)
                         )
                 workers = [p for p in self.procs if p.svc.per_slot]

@@ -143,10 +143,15 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
         for label, metrics_url in endpoints:
             say(f"      {label:<18} {metrics_url}")
         say(f"    logs: {logs}/<service>.log (warnings and errors also here{'' if verbose else '; -v for all'})")
-        say("    Ctrl-C stops everything; a dead front door, dispatcher, WAN broker or decoder is restarted")
+        stateless = "a dead front door, dispatcher, WAN broker or decoder"
+        restarted = "every service" if spec.training.recovers else stateless
+        say(f"    Ctrl-C stops everything; {restarted} is restarted if it dies")
         say("")
         try:
-            return await Supervisor(procs, respawn=respawn, healthy=healthy, say=say).follow()
+            supervisor = Supervisor(
+                procs, respawn=respawn, healthy=healthy, say=say, restart_workers=spec.training.recovers
+            )
+            return await supervisor.follow()
         finally:  # also on Ctrl-C: what ran so far is worth a report
             await _write_run_folder(url, settings, folder, started)
     finally:

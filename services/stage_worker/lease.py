@@ -77,13 +77,20 @@ class SlotLease:
     def _end_key(self, s: Slot) -> str:
         return keys.lease_end_key(self.run, s.replica, s.stage)
 
-    async def acquire(self) -> Slot:
-        for s in self.all_slots:
-            if await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
-                self.slot = s
-                self.redis_run_id = await self._redis_run_id()
-                log.info("slot leased", run=self.run, slot=s.name, holder=self.holder)
-                return s
+    async def acquire(self, wait_s: float = 0.0) -> Slot:
+        """Lease the first free slot. If every slot is held, look again for `wait_s` (a replacement
+        started as its dead predecessor's lease has yet to expire), then fail."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for s in self.all_slots:
+                if await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
+                    self.slot = s
+                    self.redis_run_id = await self._redis_run_id()
+                    log.info("slot leased", run=self.run, slot=s.name, holder=self.holder)
+                    return s
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.1)  # leases expire by TTL: there is no event to wait on
         raise SlotError(
             f"all {len(self.all_slots)} slots of run {self.run!r} (PP={self.pp} x DP={self.dp}) are "
             "held by live workers; start fewer workers or raise the parallelism in the spec"

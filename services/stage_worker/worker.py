@@ -79,7 +79,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             holder=instance_id(),
             recoverable=spec.training.recovers,
         )
-        slot = await lease.acquire()
+        # A replacement may start before its dead predecessor's lease expired: it waits that long.
+        slot = await lease.acquire(wait_s=keys.LEASE_TTL_MS / 1000 + 1 if spec.training.recovers else 0.0)
         device = select_device(spec.device.kind, slot_index(slot.replica, slot.stage, spec.parallelism.pp))
         log.info("device chosen", slot=slot.name, kind=spec.device.kind, **describe(device))
         metrics = WorkerMetrics(run, slot.name, spec.prefill.model_name)

@@ -174,9 +174,10 @@ async def _answered(http: aiohttp.ClientSession, api: str, prompt: str) -> dict[
     return answer
 
 
-async def test_up_restarts_a_killed_dispatcher_and_front_door(tmp_path: Path) -> None:
-    """kill -9 the dispatcher, then the front door: `up` says so, restarts each (a new pid, a new
-    heartbeat; the front door on the same port), and prompts submitted after each kill are answered."""
+async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: Path) -> None:
+    """kill -9 the dispatcher, then the front door, then a stage worker: `up` says so, restarts each
+    (a new pid, a new heartbeat; the front door on the same port; the worker takes the free slot and
+    training resumes from its checkpoint), and prompts submitted after each kill are answered."""
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**SPEC, "http": {"host": "127.0.0.1", "port": 0}}))
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
@@ -227,6 +228,16 @@ async def test_up_restarts_a_killed_dispatcher_and_front_door(tmp_path: Path) ->
                 assert resp.status == 200
             answer = await _answered(http, api, "after the front door was killed")
             assert answer["status"] == "done" and answer["result"]["text"], answer
+
+            # a stage worker: the run pauses, the new worker takes its slot, training resumes
+            os.kill(pids["stage_worker-0"], signal.SIGKILL)
+            await _read_until(proc.stdout, r"==> stage_worker-0 died \(exit code -9\); restarting in 0.5s", seen, 10)
+            m = await _read_until(proc.stdout, r"==> stage_worker-0 restarted \(pid (\d+)\): healthy", seen, 60)
+            assert int(m.group(1)) != pids["stage_worker-0"]
+            answer = await _answered(http, api, "after a worker was killed")
+            assert answer["status"] == "done" and answer["result"]["text"], answer
+            log = (logs / "stage_worker-1.log").read_text()
+            assert "the run pauses to recover" in log and "joined the run" in log, log[-3000:]
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(60):
             await _drain(proc.stdout, seen)
