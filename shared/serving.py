@@ -23,6 +23,10 @@ from shared.status import RequestStatus, ServingState
 from shared.wire import FIELD, PrefillRequest, PrefillResult, WireError, decode, encode
 
 _ACCEPT = """
+if ARGV[6] ~= '' then
+  local existing = redis.call('GET', KEYS[4])
+  if existing then return existing end
+end
 local n = redis.call('INCR', KEYS[1])
 if n > tonumber(ARGV[1]) then
   redis.call('DECR', KEYS[1])
@@ -30,6 +34,7 @@ if n > tonumber(ARGV[1]) then
 end
 redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[3])
 redis.call('XADD', KEYS[3], '*', ARGV[4], ARGV[2])
+if ARGV[6] ~= '' then redis.call('SET', KEYS[4], ARGV[6], 'EX', ARGV[3]) end
 return n
 """
 
@@ -49,20 +54,29 @@ return 0
 RESULTS_MAXLEN = keys.PREFILL_RESULTS_MAXLEN
 
 
-async def accept(r: Redis, req: PrefillRequest, max_inflight: int) -> bool:
-    """Enqueue `req` unless `max_inflight` requests are already waiting; False = refused (429)."""
+async def accept(r: Redis, req: PrefillRequest, max_inflight: int, *, idempotency_key: str | None = None) -> bool | str:
+    """Enqueue `req` unless `max_inflight` requests are already waiting; False = refused (429).
+
+    With a client's `idempotency_key`: if it was used before, nothing is enqueued and the id of the
+    request it created is returned (a str). The key is recorded in the same script as the enqueue,
+    so a front door killed (or Redis lost) in between can never leave a key naming a request that
+    was never queued."""
     n: Any = await r.eval(
         _ACCEPT,
-        3,
+        4,
         keys.PREFILL_INFLIGHT_KEY,
         keys.prefill_status_key(req.id),
         keys.PREFILL_REQUESTS_STREAM,
+        keys.idempotency_key(idempotency_key or ""),
         max_inflight,
         encode(req),
         keys.PREFILL_RECORD_TTL_S,
         FIELD,
         RequestStatus.QUEUED.value,
+        req.id if idempotency_key is not None else "",
     )
+    if isinstance(n, bytes):
+        return n.decode()
     return int(n) > 0
 
 

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from services.prefill_queue.state import BUS, GATE, METRICS, SETTINGS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
-from shared import keys, serving
+from shared import serving
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.config import Prefill
 from shared.model.shape import ModelInfo, model_info
@@ -99,7 +99,18 @@ async def _json(request: web.Request) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def enqueue(request: web.Request, parsed: ParsedRequest, request_id: str) -> PrefillRequest:
+class Duplicate(Exception):
+    """The client's Idempotency-Key was used before: `request_id` is what it created."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
+
+
+async def enqueue(
+    request: web.Request, parsed: ParsedRequest, request_id: str, idempotency_key: str | None = None
+) -> PrefillRequest:
+    """Accept and queue one prompt (429 past `max_queue_depth`; `Duplicate` for a used key)."""
     app = request.app
     now = time.time()
     req = PrefillRequest(
@@ -114,7 +125,12 @@ async def enqueue(request: web.Request, parsed: ParsedRequest, request_id: str) 
         deadline=now + parsed.timeout_s,
         reply_to=instance_results_stream(app),
     )
-    if not await serving.accept(app[BUS].redis, req, app[SETTINGS].spec.prefill.max_queue_depth):
+    accepted = await serving.accept(
+        app[BUS].redis, req, app[SETTINGS].spec.prefill.max_queue_depth, idempotency_key=idempotency_key
+    )
+    if isinstance(accepted, str):
+        raise Duplicate(accepted)
+    if not accepted:
         app[METRICS].requests.labels("rejected").inc()
         raise BadRequest(
             f"the queue is full ({app[SETTINGS].spec.prefill.max_queue_depth} requests waiting); "
@@ -133,23 +149,16 @@ async def submit(request: web.Request) -> web.Response:
     await refuse_if_not_serving(app)
     request_id = f"pf-{secrets.token_hex(12)}"
     idem = request.headers.get("Idempotency-Key")
-    if idem is not None:
-        if not 1 <= len(idem) <= 200:
-            raise BadRequest("the Idempotency-Key header must be 1-200 characters", param="Idempotency-Key")
-        key = keys.idempotency_key(idem)
-        if not await app[BUS].redis.set(key, request_id, nx=True, ex=keys.PREFILL_RECORD_TTL_S):
-            existing: Any = await app[BUS].redis.get(key)
-            return web.json_response(
-                {"id": existing.decode(), "status": "duplicate"},
-                status=200,
-                headers={"Location": f"/v1/prefill/{existing.decode()}"},
-            )
+    if idem is not None and not 1 <= len(idem) <= 200:
+        raise BadRequest("the Idempotency-Key header must be 1-200 characters", param="Idempotency-Key")
     try:
-        await enqueue(request, parsed, request_id)
-    except BadRequest:
-        if idem is not None:
-            await app[BUS].redis.delete(keys.idempotency_key(idem))
-        raise
+        await enqueue(request, parsed, request_id, idem)
+    except Duplicate as dup:
+        return web.json_response(
+            {"id": dup.request_id, "status": "duplicate"},
+            status=200,
+            headers={"Location": f"/v1/prefill/{dup.request_id}"},
+        )
     return web.json_response(
         {"id": request_id, "status": RequestStatus.QUEUED},
         status=202,
