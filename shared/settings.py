@@ -16,7 +16,7 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``BUBBLETEA_METRICS_HOST`` / ``BUBBLETEA_METRICS_PORT``  where a bus service (dispatcher, worker,
                        broker) serves Prometheus ``/metrics``: default 127.0.0.1 and port 0 (any
                        free port, advertised in its heartbeat); ``off`` turns the endpoint off
-``BUBBLETEA_METRICS_AUTH`` ``on``: the front door's ``/metrics`` needs the API key too (default ``off``)
+``BUBBLETEA_METRICS_AUTH`` ``on``: every service's ``/metrics`` needs the API key too (default ``off``)
 ``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy
                        ``noeviction``)
 =====================  ==========================================================================
@@ -72,11 +72,16 @@ class Settings:
     log_format: str = "kv"
     run: str = "run"
     api_key: str | None = field(default=None, repr=False)
-    #: The front door's /metrics asks for the API key too (BUBBLETEA_METRICS_AUTH=on).
+    #: Every service's /metrics asks for the API key too (BUBBLETEA_METRICS_AUTH=on).
     metrics_auth: bool = False
     #: Where a bus service serves Prometheus /metrics; port 0 = any free port, None = no endpoint.
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0
+
+    @property
+    def metrics_key(self) -> str | None:
+        """The key a scrape of /metrics must carry, or None when /metrics is open."""
+        return self.api_key if self.metrics_auth else None
 
     def require_redis_url(self) -> str:
         """The bus URL for a service process; services never start a private Redis of their own."""

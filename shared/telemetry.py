@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import keys
+from shared.auth import bearer_ok
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.logs import get_logger
 
@@ -64,8 +65,11 @@ class MetricsServer:
         port: int | None = 0,
         *,
         refresh: Refresh | None = None,
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: scrapes must send it as a bearer token (`BUBBLETEA_METRICS_AUTH=on`)."""
         self.registry, self.host, self.port, self.refresh = registry, host, port, refresh
+        self.api_key = api_key
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._refresh_failing = False
@@ -96,6 +100,9 @@ class MetricsServer:
             await runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.api_key and not bearer_ok(request.headers.get("Authorization", ""), self.api_key):
+            error = {"message": "missing or wrong API key: send 'Authorization: Bearer <key>'"}
+            return web.json_response({"error": {**error, "type": "authentication_error"}}, status=401)
         if self.refresh is not None:
             await self._refresh()
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

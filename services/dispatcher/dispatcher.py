@@ -289,6 +289,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             settings.metrics_host,
             settings.metrics_port,
             refresh=lambda: d.metrics.refresh(bus.redis, d.state),
+            api_key=settings.metrics_key,
         )
         url = await server.start()
         hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "metrics_url": url})

@@ -38,6 +38,7 @@ from services.prefill_queue.state import (
 )
 from services.prefill_queue.validation import MAX_JSON_DEPTH, BadRequest, json_too_deep
 from shared import serving
+from shared.auth import bearer_ok
 from shared.bus import Bus, Delivery
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.bus.delivery import Handlers
@@ -192,14 +193,10 @@ async def _api_key(request: web.Request, handler: Handler) -> web.StreamResponse
     settings = request.app[SETTINGS]
     key = settings.api_key
     guarded = request.path.startswith("/v1/") or (settings.metrics_auth and request.path == "/metrics")
-    if key and guarded:
-        scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
-        # The scheme is case-insensitive (RFC 9110, 11.1); the key is compared in constant time.
-        right_key = secrets.compare_digest(given.strip().encode(), key.encode())
-        if not (right_key and scheme.lower() == "bearer"):
-            raise BadRequest(
-                "missing or wrong API key: send 'Authorization: Bearer <key>'", status=401, type_="authentication_error"
-            )
+    if key and guarded and not bearer_ok(request.headers.get("Authorization", ""), key):
+        raise BadRequest(
+            "missing or wrong API key: send 'Authorization: Bearer <key>'", status=401, type_="authentication_error"
+        )
     return await handler(request)
 
 

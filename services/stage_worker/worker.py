@@ -85,7 +85,11 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         log.info("device chosen", slot=slot.name, kind=spec.device.kind, **describe(device))
         metrics = WorkerMetrics(run, slot.name, spec.prefill.model_name)
         server = MetricsServer(
-            metrics.registry, settings.metrics_host, settings.metrics_port, refresh=lambda: metrics.refresh(bus.redis)
+            metrics.registry,
+            settings.metrics_host,
+            settings.metrics_port,
+            refresh=lambda: metrics.refresh(bus.redis),
+            api_key=settings.metrics_key,
         )
         url = await server.start()  # a port in use fails here (the slot's lease expires by itself)
         info = {"run": run, "slot": slot.name, "metrics_url": url}

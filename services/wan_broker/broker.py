@@ -50,6 +50,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             settings.metrics_host,
             settings.metrics_port,
             refresh=lambda: metrics.refresh(bus.redis, drivers),
+            api_key=settings.metrics_key,
         )
         url = await server.start()
 

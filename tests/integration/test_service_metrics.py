@@ -141,6 +141,22 @@ async def test_the_server_serves_its_registry_on_the_port_it_bound() -> None:
         await scrape(url)  # stopped: nothing listens any more
 
 
+async def test_metrics_behind_the_api_key_refuse_a_scrape_without_it() -> None:
+    """BUBBLETEA_METRICS_AUTH=on: a bus service's /metrics asks for the key, as the front door's does."""
+    server = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, api_key="s3cret")
+    url = await server.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+                async with http.get(url, headers=headers) as resp:
+                    assert resp.status == 401, headers
+                    assert (await resp.json())["error"]["type"] == "authentication_error"
+            async with http.get(url, headers={"Authorization": "bearer s3cret"}) as resp:  # any case of Bearer
+                assert resp.status == 200 and resp.headers["Content-Type"] == CONTENT_TYPE_LATEST
+    finally:
+        await server.stop()
+
+
 async def test_port_none_serves_nothing() -> None:
     server = MetricsServer(CollectorRegistry(), "127.0.0.1", None)
     assert await server.start() == "" and server.url == ""
