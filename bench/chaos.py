@@ -1,0 +1,307 @@
+"""Chaos: kill -9 every service in turn under load, restart Redis; is anything lost? (issue 14, item 7)
+
+Starts a private redis-server with persistence (append-only file, fsync always), runs `bubbletea up`
+on it (every service, training until stopped, checkpoints every `training.checkpoint_every`), and
+drives a steady load of native prefill requests (`POST /v1/prefill`, each with its own
+Idempotency-Key, retried with the same key while the front door is down). Each round kills, with
+SIGKILL, the front door, the dispatcher, the WAN broker and one stage worker (a different one each
+round), waiting each time for `up` to report it restarted and healthy, then kills Redis itself and
+starts it again on the same port and files. Then every accepted request's final status is read.
+
+Figures (the JSON line last):
+
+* `accepted`: requests answered 202; `answered`: of those, done; `failed`: by reason;
+  `refused`: not accepted, by HTTP status (a 503 while Redis is down, for instance);
+* `lost`: accepted and never answered nor failed (must be 0);
+* `duplicated`: client requests given two different ids across retries (must be 0);
+* `training_resumed`: the run trained iterations in a later recovery generation after the worker
+  kills; `losses_equal`: every iteration's loss (the newest generation's, mean over replicas)
+  equals single-process training of the same spec within 1e-5, and so do iterations trained twice.
+
+    python bench/chaos.py [--rounds 3] [--rate 10] [--gap 10] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from redis import Redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shared import keys  # noqa: E402
+from shared.config import load_spec  # noqa: E402
+from shared.model.reference import train_reference_for  # noqa: E402
+from shared.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from shared.wire import IterationDone, decode  # noqa: E402
+
+SERVICES = ("prefill_queue", "dispatcher", "wan_broker", "stage_worker-{}")
+#: How long a client retries one request (same Idempotency-Key) while the front door is down.
+RETRY_FOR_S = 60.0
+#: Each request's deadline: long enough to wait out a worker's replacement and a Redis restart.
+DEADLINE_MS = 120_000
+
+
+class Up:
+    """`bubbletea up` as a child, its output followed: the newest pid of each service label."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc, self.lines, self.pids = proc, list[str](), dict[str, int]()
+        self.changed = asyncio.Event()
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        async for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            self.lines.append(line)
+            if m := re.search(r"==> started (\S+) \(pid (\d+)\)", line):
+                self.pids[m.group(1)] = int(m.group(2))
+            self.changed.set()
+
+    async def wait_for(self, pattern: str, timeout: float, since: int = 0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.lines[since:]:
+                if m := re.search(pattern, line):
+                    return m
+            if self.proc.returncode is not None:
+                raise SystemExit("bubbletea up exited:\n" + "\n".join(self.lines[-30:]))
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise SystemExit(f"not within {timeout:.0f}s: {pattern}\n" + "\n".join(self.lines[-30:])) from None
+
+
+class Load:
+    """A steady stream of prefill requests; what became of each one."""
+
+    def __init__(self, api: str, rate: float, seed: int = 0) -> None:
+        self.api, self.rate, self.rng = api, rate, random.Random(seed)
+        self.ids: dict[str, str] = {}  # idempotency key -> request id
+        self.duplicated = 0
+        self.refused: Counter[int] = Counter()
+        self.retries = 0
+        self.stop = asyncio.Event()
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, http: aiohttp.ClientSession) -> None:
+        while not self.stop.is_set():
+            task = asyncio.create_task(self._one(http))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+            await asyncio.sleep(self.rng.expovariate(self.rate))  # Poisson arrivals
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _one(self, http: aiohttp.ClientSession) -> None:
+        key = uuid.uuid4().hex
+        prompt = [self.rng.randrange(256) for _ in range(self.rng.randint(8, 128))]
+        body = {"prompt": prompt, "deadline_ms": DEADLINE_MS}
+        give_up = time.monotonic() + RETRY_FOR_S
+        while True:
+            try:
+                async with http.post(f"{self.api}/v1/prefill", json=body, headers={"Idempotency-Key": key}) as resp:
+                    if resp.status in (200, 202):  # 200: a retry found its key already used
+                        rid = (await resp.json())["id"]
+                        if self.ids.setdefault(key, rid) != rid:
+                            self.duplicated += 1
+                    else:
+                        self.refused[resp.status] += 1
+                    return
+            except (aiohttp.ClientError, TimeoutError):  # the front door is down: retry, same key
+                if time.monotonic() > give_up:
+                    self.refused[0] += 1
+                    return
+                self.retries += 1
+                await asyncio.sleep(0.5)
+
+    async def settle(self, http: aiohttp.ClientSession, timeout: float) -> dict[str, str]:
+        """Every accepted request's final status (`done`, `failed:<reason>`), or its last one."""
+        final: dict[str, str] = {}
+        deadline = time.monotonic() + timeout
+        todo = set(self.ids.values())
+        while todo and time.monotonic() < deadline:
+            for rid in list(todo):
+                try:
+                    async with http.get(f"{self.api}/v1/prefill/{rid}") as resp:
+                        data = await resp.json() if resp.status < 500 else {}
+                except (aiohttp.ClientError, TimeoutError):
+                    continue
+                st = data.get("status", f"http-{resp.status}")
+                final[rid] = st if st != "failed" else f"failed:{data.get('reason')}"
+                if st in ("done", "failed"):
+                    todo.discard(rid)
+            if todo:
+                await asyncio.sleep(1.0)  # a poll of stored statuses: there is no push to wait on
+        return final
+
+
+async def stop_up(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM, as a service manager stops it; SIGKILL only if it does not stop in 90 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), 90)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+
+
+async def wait_ready(http: aiohttp.ClientSession, api: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            async with http.get(f"{api}/ready") as resp:
+                if resp.status == 200:
+                    return
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        await asyncio.sleep(0.5)  # /ready is the only signal there is
+    raise SystemExit(f"serving not ready within {timeout:.0f}s")
+
+
+def training_figures(url: str, config: str, run: str) -> dict[str, Any]:
+    """Did training resume after the worker kills, and are its losses those of an uninterrupted run?"""
+    r = Redis.from_url(url)
+    try:
+        done = [m for _, f in r.xrange(keys.events_stream(run)) if isinstance(m := decode(f[b"m"]), IterationDone)]
+    finally:
+        r.close()
+    losses: dict[int, dict[tuple[int, int], list[tuple[int, float]]]] = {}
+    for m in done:
+        if m.loss is not None:
+            losses.setdefault(m.iteration, {}).setdefault((m.replica, m.stage), []).append((m.generation, m.loss))
+    spec = load_spec(config)
+    n = 0  # iterations 0 .. n-1 have a loss from every replica
+    while len(losses.get(n, {})) == spec.parallelism.dp:
+        n += 1
+    spec = msgspec.structs.replace(spec, training=msgspec.structs.replace(spec.training, iterations=max(n, 1)))
+    expected, _ = train_reference_for(spec)
+    newest = [sum(max(v)[1] for v in losses[i].values()) / len(losses[i]) for i in range(n)]
+    replays = [abs(a[1] - b[1]) for i in range(n) for v in losses[i].values() for a, b in itertools.pairwise(v)]
+    err = max((abs(a - b) for a, b in zip(newest, expected, strict=True)), default=0.0)
+    generations = sorted({m.generation for m in done})
+    return {
+        "iterations_checked": n,
+        "iterations_trained_twice": len(replays),
+        "generations": len(generations),
+        "training_resumed": len(generations) > 1 and any(m.generation == generations[-1] for m in done),
+        "loss_max_abs_err": err,
+        "losses_equal": bool(n) and err <= 1e-5 and all(d <= 1e-5 for d in replays),
+    }
+
+
+async def chaos(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(tempfile.mkdtemp(prefix="bubbletea-chaos-"))
+    redis_dir = out / "redis"
+    redis_dir.mkdir()
+    redis_srv = EmbeddedRedis(persist=True, data_dir=str(redis_dir)).start()
+    port = free_port()
+    run = f"chaos-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "REDIS_URL": redis_srv.url, "BUBBLETEA_HTTP_PORT": str(port), "BUBBLETEA_RUN": run}
+    env.pop("BUBBLETEA_API_KEY", None)
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "bubbletea.cli", "up", "--config", args.config, "--out", str(out)),
+        env=env,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    up = Up(proc)
+    api = f"http://127.0.0.1:{port}"
+    load = Load(api, args.rate)
+    faults: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    try:
+        await up.wait_for(r"Ctrl-C stops everything", 240)
+        workers = sorted(label for label in up.pids if label.startswith("stage_worker-"))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
+            loader = asyncio.create_task(load.run(http))
+            await asyncio.sleep(args.gap)
+            for rnd in range(args.rounds):
+                for pattern in SERVICES:
+                    label = pattern.format(rnd % len(workers))
+                    since, started = len(up.lines), time.monotonic()
+                    os.kill(up.pids[label], signal.SIGKILL)
+                    await up.wait_for(rf"==> {re.escape(label)} restarted \(pid \d+\): healthy", 180, since)
+                    faults.append({"round": rnd, "killed": label, "back_after_s": round(time.monotonic() - started, 1)})
+                    print(json.dumps(faults[-1]), flush=True)
+                    await asyncio.sleep(args.gap)
+                started = time.monotonic()
+                redis_srv.kill()  # SIGKILL: the append-only file (fsync always) is all that survives
+                await asyncio.sleep(2.0)  # Redis stays down a while
+                redis_srv = EmbeddedRedis(port=redis_srv.port, persist=True, data_dir=str(redis_dir)).start()
+                await wait_ready(http, api, 120)
+                faults.append({"round": rnd, "killed": "redis", "back_after_s": round(time.monotonic() - started, 1)})
+                print(json.dumps(faults[-1]), flush=True)
+                await asyncio.sleep(args.gap)
+            load.stop.set()
+            await loader
+            final = await load.settle(http, DEADLINE_MS / 1000 + 60)
+        settled_s = round(time.monotonic() - t0, 1)
+        await stop_up(proc)  # training stops: every iteration it reported is checked, on a quiet machine
+        training = await asyncio.to_thread(training_figures, redis_srv.url, args.config, run)
+    finally:
+        if proc.returncode is None:
+            await stop_up(proc)
+        await asyncio.gather(up.reader, return_exceptions=True)
+        redis_srv.stop()
+        (out / "up.out").write_text("\n".join(up.lines) + "\n")
+        print(f"bubbletea up's output and the run folder: {out}", flush=True)
+    statuses = Counter(final.get(rid, "unknown") for rid in load.ids.values())
+    lost = sum(n for st, n in statuses.items() if st not in ("done",) and not st.startswith("failed:"))
+    restarts = Counter(m.group(1) for line in up.lines if (m := re.search(r"==> (\S+) restarted \(pid", line)))
+    return {
+        "rounds": args.rounds,
+        "rate": args.rate,
+        "faults": len(faults),
+        "accepted": len(load.ids),
+        "answered": statuses.get("done", 0),
+        "failed": {st.removeprefix("failed:"): n for st, n in statuses.items() if st.startswith("failed:")},
+        "refused": {str(k): v for k, v in load.refused.items()},
+        "client_retries": load.retries,
+        "lost": lost,
+        "duplicated": load.duplicated,
+        **training,
+        "restarts": dict(restarts),
+        "up_exit_code": proc.returncode,
+        "max_back_after_s": max((f["back_after_s"] for f in faults), default=0.0),
+        "settled_after_s": settled_s,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of faults (default 3)")
+    p.add_argument("--rate", type=float, default=10.0, help="requests per second (default 10)")
+    p.add_argument("--gap", type=float, default=10.0, help="seconds of load between faults (default 10)")
+    p.add_argument("--quick", action="store_true", help="one round, 6 s between faults (a few minutes)")
+    p.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"), help="the spec `up` runs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.gap = 1, 6.0
+    result = asyncio.run(chaos(args))
+    print(json.dumps(result))
+    return 0 if result["lost"] == 0 and result["duplicated"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
