@@ -106,6 +106,12 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from sim.command import main as simulate_main
+
+    return simulate_main(args)
+
+
 def _health(args: argparse.Namespace) -> int:
     """Exit 0 if SERVICE has a live heartbeat in Redis (for compose healthchecks), else 1."""
     import asyncio
@@ -245,6 +251,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="forward ms per layer per microbatch when the spec has no device profile (default 10)",
     )
     p.set_defaults(func=lambda a: _plan(_with_default_config(a)))
+
+    p = sub.add_parser(
+        "simulate",
+        help="simulate the spec on a virtual clock with BubbleTea off and on (any scale, in seconds)",
+        description="Run the spec's training and prefill serving on a virtual clock, with the very policies the "
+        "live services run (placement, schedules, WAN sharing, bubble prediction, dispatch, fill, prefill cost). "
+        "Prints iteration time, bubble fraction, utilization with BubbleTea off and on, fill ratio, training "
+        "slowdown, TTFT percentiles, requests served and expired; writes a run folder that `bubbletea report` "
+        "draws. See docs/simulator.md.",
+    )
+    from sim.command import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(p)
+    p.set_defaults(func=_simulate)
 
     p = sub.add_parser(
         "check-config",

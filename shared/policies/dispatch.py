@@ -161,6 +161,11 @@ class DispatchState:
     addresses: dict[str, str] = field(default_factory=dict)
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     counts: Counts = field(default_factory=Counts)
+    #: Requests with `in_bubble is None` (queued, not on any worker): kept so that a trigger with
+    #: nothing to pack costs O(1), not a pass over every request and worker (the simulator runs
+    #: this policy for thousands of workers). Decisions do not depend on it.
+    _waiting: int = field(default=0, init=False, repr=False)
+    _recent_order: list[str] | None = field(default=None, init=False, repr=False)  # sorted(self.recent), cached
 
     # --- inputs ----------------------------------------------------------------------------
 
@@ -168,6 +173,7 @@ class DispatchState:
         if req.id in self.requests:  # a redelivered request is already known
             return Decisions(ignored=(Ignored(f"request {req.id}", "already queued or running"),))
         self.requests[req.id] = req
+        self._waiting += req.in_bubble is None
         self.counts.requests += 1
         return self._fill_all(now, Trigger.REQUEST)
 
@@ -181,6 +187,8 @@ class DispatchState:
         self.bubbles[b.worker] = Bubble(
             b.worker, b.started, b.predicted_s, b.free_memory, sent_s=staged_s, sent_bytes=staged_bytes, tag=b.tag
         )
+        if b.worker not in self.recent:
+            self._recent_order = None
         self.recent.setdefault(b.worker, deque(maxlen=RECENT_BUBBLES)).append(b.predicted_s)
         self.free_memory[b.worker] = b.free_memory
         self.last_seen[b.worker] = now
@@ -216,6 +224,8 @@ class DispatchState:
             if p.finished or req.next_layer >= self.layers:
                 finished.append(Finished(req.id, req.ticket))
                 del self.requests[p.id]
+            else:
+                self._waiting += 1
         self.counts.done += len(finished)
         return Decisions(finished=tuple(finished)) + self._fill_all(now, Trigger.REPORT)
 
@@ -265,6 +275,8 @@ class DispatchState:
         for r in gone:
             if r.in_bubble is not None:  # staged on a worker: no longer counts there
                 self._give_back(r.in_bubble, r)
+            else:
+                self._waiting -= 1
             del self.requests[r.id]
         return tuple(Failure(r.id, r.ticket, r.payload, reason, detail(r)) for r in gone)
 
@@ -280,19 +292,35 @@ class DispatchState:
             back = [r for r in (self.requests.get(i) for i in b.ids) if r is not None and r.in_bubble == worker]
             for r in back:
                 r.in_bubble, r.assigned_s = None, 0.0
+            self._waiting += len(back)
             self.counts.requeued += len(back)
             lost.append(LostBatch(batch_id, worker, len(back), now - b.report_by))
         self.bubbles.pop(worker, None)
         self.staged.pop(worker, None)
-        self.recent.pop(worker, None)
+        if self.recent.pop(worker, None) is not None:
+            self._recent_order = None
         return lost
 
     def _fill_all(self, now: float, trigger: Trigger) -> Decisions:
         out = Decisions()
+        # Nothing waiting, nothing to pack: stop there (the same decisions, without visiting every
+        # open bubble and idle worker).
+        if not self._waiting:
+            return out
         for worker in sorted(self.bubbles, key=lambda w: self.bubbles[w].started):
-            out += self._fill(worker, now, trigger)
-        for worker in sorted(self.recent):  # then stage work for idle workers' next bubbles
-            out += self._stage(worker, now, trigger)
+            d = self._fill(worker, now, trigger)
+            if d:
+                out += d
+                if not self._waiting:
+                    return out
+        if self._recent_order is None:
+            self._recent_order = sorted(self.recent)
+        for worker in self._recent_order:  # then stage work for idle workers' next bubbles
+            d = self._stage(worker, now, trigger)
+            if d:
+                out += d
+                if not self._waiting:
+                    return out
         return out
 
     def _fill(self, worker: str, now: float, trigger: Trigger) -> Decisions:
@@ -328,6 +356,8 @@ class DispatchState:
         return Decisions(batches=(batch,))
 
     def _pack(self, left: float, free_memory: int, now: float) -> tuple[tuple[Assignment, ...], int]:
+        if left <= 0 or not self._waiting:
+            return (), self._waiting  # no room, or nothing to put there: no pass over the requests
         waiting = [
             Candidate(r.id, r.tokens, r.next_layer, r.arrival, r.kv_bytes, r.deadline)
             for r in self.requests.values()
@@ -356,6 +386,7 @@ class DispatchState:
         for a in plan:
             r = self.requests[a.id]
             r.in_bubble, r.assigned_s = worker, a.seconds
+            self._waiting -= 1
             items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds))
             kv_bytes += r.kv_bytes
         self.counts.batches += 1

@@ -1,6 +1,8 @@
 """The dispatcher's pure state machine: bubbles, queue, reports, expiry, lost batches, and the why
 of every decision. A fake clock (plain numbers) drives it; nothing sleeps and nothing needs Redis."""
 
+import random
+
 import pytest
 
 from shared.policies.decisions import Batch, Decisions, Trigger
@@ -274,3 +276,33 @@ def test_an_open_bubble_keeps_work_ahead_beyond_its_budget_when_asked() -> None:
     ds = ahead.report(d.batch_id, "w1", [Progress("r0", 4, 0.004)], now=0.010)
     d2 = one(ds)
     assert finished(ds) == ["r0"] and ids(d2) == ["r2"]
+
+
+def test_the_dispatchers_waiting_count_stays_exact() -> None:
+    """`DispatchState` keeps a count of waiting requests to skip work at scale; random traffic
+    (requests, bubbles, reports, ticks, lost batches, fail_waiting) must never make it drift."""
+    rnd = random.Random(7)
+    st = DispatchState(layers=4, guard_s=0.001, overhead_s=0.0005, max_batch=4)
+    batches: dict[str, Batch] = {}
+    now, n = 0.0, 0
+    for _ in range(3000):
+        now += rnd.random() * 0.01
+        op = rnd.random()
+        if op < 0.35:
+            n += 1
+            ds = st.add_request(Request(f"q{n}", rnd.randint(8, 200), now, 1000, deadline=now + rnd.random()), now)
+        elif op < 0.55:
+            w = f"w{rnd.randint(0, 5)}"
+            ds = st.bubble_start(BubbleOpened(w, w, rnd.random() * 0.05, 10**9, now), now)
+        elif op < 0.7:
+            ds = st.bubble_end(f"w{rnd.randint(0, 5)}", now=now)
+        elif op < 0.9 and batches:
+            b = batches.pop(rnd.choice(sorted(batches)))
+            progress = [Progress(i.id, rnd.randint(i.from_layer, i.to_layer), 0.001) for i in b.items]
+            ds = st.report(b.batch_id, b.worker, progress, now)
+        elif op < 0.98:
+            ds = st.tick(now + rnd.random() * 5)
+        else:
+            ds = st.fail_waiting("test", now)
+        batches.update({b.batch_id: b for b in ds.batches})
+        assert st._waiting == sum(r.in_bubble is None for r in st.requests.values())

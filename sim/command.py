@@ -1,0 +1,95 @@
+"""`bubbletea simulate`: the command's work (bubbletea/cli.py only parses and calls `main`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from shared.config import ConfigError, load_spec
+from shared.policies.placement import PlacementError
+from shared.settings import DEFAULT_SPEC
+from sim.output import figures, lines, write_folder
+from sim.run import SimOptions, simulate
+from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError
+
+#: Iterations when neither --iterations nor a finite training.iterations in the spec says.
+DEFAULT_ITERATIONS = 10
+#: The spec's training.iterations is used up to this many (a paper-scale spec asks for 100).
+MAX_DEFAULT_ITERATIONS = 12
+#: Without --request-rate the load is what the bubbles could hold, up to this many requests/s: a
+#: paper-scale spec's bubbles could take ~13,000/s of the demo's tiny prompts, millions per run.
+MAX_DEFAULT_RATE = 500.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
+    p.add_argument("--trace", metavar="CSV", type=Path, help="replay an Azure LLM inference trace (arrivals, lengths)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="replay the trace this many times faster")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        metavar="R",
+        help="requests/s, Poisson (default: what the bubbles could hold, estimated from the BubbleTea-off run, "
+        f"at most {MAX_DEFAULT_RATE:g}/s)",
+    )
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the intervals (1 = Poisson)")
+    p.add_argument("--input-len", type=int, default=96, help="mean prompt length in tokens (default 96)")
+    p.add_argument("--range-ratio", type=float, default=0.5, help="prompt lengths within +-this share (default 0.5)")
+    p.add_argument(
+        "--iterations",
+        type=int,
+        help=f"training iterations to simulate (default: the spec's, at most {MAX_DEFAULT_ITERATIONS})",
+    )
+    p.add_argument("--fwd-ms", type=float, default=DEFAULT_FWD_MS, help="forward ms per layer without a profile")
+    p.add_argument("--bus-ms", type=float, default=BUS_S * 1000, help="one hop over the bus (default 0.3 ms)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the load (default 0)")
+    p.add_argument("--off-only", action="store_true", help="simulate training with BubbleTea off only")
+    p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
+    p.add_argument("--no-folder", action="store_true", help="write no run folder")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit 0 after printing the figures; 2 with one sentence on stderr for a bad spec or option."""
+    try:
+        spec = load_spec(args.config or os.environ.get("BUBBLETEA_CONFIG") or DEFAULT_SPEC)
+        limit = spec.training.iteration_limit
+        iterations = (
+            args.iterations if args.iterations is not None else min(limit or DEFAULT_ITERATIONS, MAX_DEFAULT_ITERATIONS)
+        )
+        if not args.bus_ms >= 0:
+            raise SimError(f"--bus-ms must be >= 0, got {args.bus_ms}")
+        options = SimOptions(
+            iterations=iterations,
+            request_rate=args.request_rate,
+            trace=args.trace,
+            time_scale=args.time_scale,
+            input_len=args.input_len,
+            range_ratio=args.range_ratio,
+            burstiness=args.burstiness,
+            seed=args.seed,
+            fwd_ms=args.fwd_ms,
+            bus_s=args.bus_ms / 1000,
+            bubbletea=not args.off_only,
+            max_rate=MAX_DEFAULT_RATE,
+        )
+        runs = 1 if args.off_only else 2
+        with tqdm(total=iterations * runs, unit="it", desc="simulating", leave=False, disable=None) as bar:
+            result = simulate(spec, options, progress=lambda it, now: bar.update(1))
+    except (ConfigError, PlacementError, SimError) as exc:
+        print(f"bubbletea simulate: {exc}", file=sys.stderr)
+        return 2
+    f = figures(result)
+    for line in lines(result, f):
+        print(line)
+    if not args.no_folder:
+        folder = write_folder(result, f, Path(args.out))
+        print(f"  run folder: {folder} (draw it: bubbletea report {folder})")
+    if args.json:
+        print(json.dumps(f))
+    return 0

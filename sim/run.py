@@ -1,0 +1,165 @@
+"""One simulation of a spec: training with BubbleTea off, then on under a load, and the figures.
+
+1. **off**: the pipeline alone (`sim.training.Training` with no guest). Its iteration-1 bubbles
+   are every worker's prior bubble lengths, as a live worker takes them from the analytic model
+   (which this run reproduces exactly).
+2. **on**: the same pipeline with `sim.serving.Serving` as its guest, requests arriving from the
+   load generator's processes or a trace, until the last iteration ends.
+
+Every figure comes from `bubbletea.runstats` on the runs' spans (utilization, bubble fraction, fill
+ratio: the one definition the live report uses); iteration time is the median of the iterations
+after the first, as `bubbletea train` reports it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bubbletea import runstats
+from bubbletea.runstats import Span
+from shared.config import ClusterSpec
+from sim.events import EventQueue
+from sim.serving import Serving, ServingStats
+from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError, SimSetup, build
+from sim.training import Training
+from sim.workload import Arrivals, generated, replayed
+
+#: The load's prompts when no trace is given: 48-144 tokens, as the demo's load generator sends.
+INPUT_LEN = 96
+RANGE_RATIO = 0.5
+
+Progress = Callable[[int, float], None]  # (iteration, virtual time) at each iteration's end
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    iterations: int = 10
+    request_rate: float | None = None  # None: `load` x the bubbles' estimated capacity (`capacity_rate`)
+    load: float = 1.0
+    max_rate: float = math.inf  # the default rate is at most this
+    trace: Path | None = None
+    time_scale: float = 1.0
+    input_len: int = INPUT_LEN
+    range_ratio: float = RANGE_RATIO
+    burstiness: float = 1.0
+    seed: int = 0
+    fwd_ms: float = DEFAULT_FWD_MS
+    bus_s: float = BUS_S
+    bubbletea: bool = True  # run the second, BubbleTea-on simulation
+
+
+@dataclass
+class RunResult:
+    """One simulated training run."""
+
+    spans: list[Span]
+    iteration_times: list[float]
+    events: int
+    wall_s: float
+    serving: ServingStats | None = None
+    priors: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def iteration_s(self) -> float:
+        """Median iteration time after the warm-up iteration (as `bubbletea train` reports it)."""
+        times = self.iteration_times[1:] if len(self.iteration_times) > 2 else self.iteration_times
+        return statistics.median(times)
+
+    @property
+    def makespan(self) -> float:
+        return sum(self.iteration_times)
+
+
+@dataclass
+class SimResult:
+    setup: SimSetup
+    options: SimOptions
+    off: RunResult
+    on: RunResult | None
+    request_rate: float | None  # requests/s offered (None: a trace)
+
+
+def simulate(spec: ClusterSpec, options: SimOptions, progress: Progress | None = None) -> SimResult:
+    if options.iterations < 2:
+        raise SimError(f"--iterations must be at least 2 (iteration 0 is the warm-up), got {options.iterations}")
+    setup = build(spec, fwd_ms=options.fwd_ms, bus_s=options.bus_s)
+    off = run_off(setup, options.iterations, progress)
+    if not options.bubbletea:
+        return SimResult(setup, options, off, None, None)
+    rate = None
+    if options.trace is not None:
+        arrivals = replayed(options.trace, max_tokens=spec.prefill.max_prompt_tokens, time_scale=options.time_scale)
+    else:
+        rate = options.request_rate
+        if rate is None:
+            if not options.load > 0:
+                raise SimError(f"the load must be a share > 0 of the bubbles' capacity, got {options.load}")
+            rate = min(options.load * capacity_rate(setup, off, options), options.max_rate)
+        arrivals = generated(
+            rate,
+            input_len=options.input_len,
+            range_ratio=options.range_ratio,
+            max_tokens=spec.prefill.max_prompt_tokens,
+            burstiness=options.burstiness,
+            seed=options.seed,
+        )
+    on = run_on(setup, options.iterations, off.priors, arrivals, progress)
+    return SimResult(setup, options, off, on, rate)
+
+
+def run_off(setup: SimSetup, iterations: int, progress: Progress | None = None) -> RunResult:
+    q = EventQueue()
+    training = Training(setup.pipeline, iterations, q, on_iteration=progress)
+    wall = time.perf_counter()
+    training.start()
+    q.run()
+    result = training.result()
+    priors = result.priors(len(training.slots), iteration=1)
+    return RunResult(result.spans, result.iteration_times, q.events, time.perf_counter() - wall, priors=priors)
+
+
+def run_on(
+    setup: SimSetup,
+    iterations: int,
+    priors: list[dict[int, float]],
+    arrivals: Arrivals,
+    progress: Progress | None = None,
+) -> RunResult:
+    q = EventQueue()
+    serving = Serving(setup.serving, q, arrivals)
+    training = Training(
+        setup.pipeline,
+        iterations,
+        q,
+        guest=serving,
+        priors=priors,
+        on_iteration=progress,
+        on_done=lambda now: q.stop(),
+    )
+    slots = training.slots
+    serving.iteration_of = lambda w: slots[w].iteration
+    wall = time.perf_counter()
+    training.start()
+    serving.start()
+    q.run()
+    result = training.result()
+    spans = result.spans + [
+        Span(slots[w].replica, slots[w].stage, it, "prefill", start, end) for w, it, start, end in serving.spans
+    ]
+    return RunResult(spans, result.iteration_times, q.events, time.perf_counter() - wall, serving.stats)
+
+
+def capacity_rate(setup: SimSetup, off: RunResult, options: SimOptions) -> float:
+    """Requests/s the bubbles could hold: bubble seconds per second over all workers, divided by
+    one mean prompt's whole prefill time. The default load, so the bubbles have work to fill."""
+    u = runstats.utilization(off.spans)
+    per_request = setup.model.layers * setup.serving.profile.block_s(options.input_len)
+    rate = u.workers * u.bubble / per_request if per_request > 0 else 0.0
+    if rate <= 0:
+        raise SimError("the pipeline has no bubbles to fill: give --request-rate to simulate a load anyway")
+    return rate

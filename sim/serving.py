@@ -1,0 +1,172 @@
+"""The serving plane on the virtual clock: the front door, the dispatcher and every worker's fill executor.
+
+The dispatcher is the live one's policy object, `DispatchState`, configured from the spec as
+services/dispatcher does it, fed the same inputs (requests, bubble starts and ends, reports, a
+50 ms timer) and executed the same way: batches go to the worker's executor, failures are counted
+by reason. Every message crosses the bus with a fixed latency (`bus_s`), as on Redis: bubble events
+and reports to the dispatcher, batches to the worker, answers to the front door. A request's time
+to first token runs from its arrival at the front door to its answer getting back there.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from shared.policies.decisions import Batch, Decisions
+from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request
+from shared.policies.fill import FillPolicy
+from shared.policies.prefill_cost import PrefillProfile
+from sim.events import EventQueue
+from sim.executor import Executor, SimRequest
+
+#: The dispatcher's timer (services/dispatcher: TICK_S): deadlines are kept to within this.
+TICK_S = 0.05
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    workers: tuple[str, ...]  # slot names, "r<replica>s<stage>", indexed like the training slots
+    layers: int  # of the served model
+    guard_s: float
+    overhead_s: float
+    max_batch: int
+    order: str
+    stage_s: float
+    ahead_s: float
+    profile: PrefillProfile
+    free_memory: int  # bytes a worker reports with each bubble
+    kv_bytes: Callable[[int], int]  # a prompt's KV cache size
+    timeout_s: float  # a request's deadline after its arrival
+    max_queue: int  # the front door's admission limit (beyond it: 429)
+    bus_s: float  # one hop over the bus
+
+
+@dataclass
+class ServingStats:
+    sent: int = 0  # requests the load offered
+    rejected: int = 0  # refused by admission control (the queue was full)
+    ttfts_s: list[float] = field(default_factory=list)  # one per answered request
+    tokens: int = 0  # prompt tokens answered
+    failed: Counter[str] = field(default_factory=Counter)  # by FailureReason
+    batches: int = 0
+    returned: int = 0  # batches handed back unrun
+
+
+class Serving:
+    """The `Guest` of `sim.training.Training`."""
+
+    def __init__(self, cfg: ServingConfig, queue: EventQueue, arrivals: Iterator[tuple[float, int]]) -> None:
+        self.cfg, self.q, self._arrivals = cfg, queue, arrivals
+        self.state = DispatchState(
+            layers=cfg.layers,
+            guard_s=cfg.guard_s,
+            overhead_s=cfg.overhead_s,
+            max_batch=cfg.max_batch,
+            order=cfg.order,
+            stage_next=cfg.stage_s > 0,
+            stage_s=cfg.stage_s,
+            ahead_s=cfg.ahead_s,
+        )
+        policy = FillPolicy(guard_s=cfg.guard_s)
+        self.executors = [Executor(w, cfg.layers, policy, cfg.profile, queue, self) for w in range(len(cfg.workers))]
+        self._index = {name: w for w, name in enumerate(cfg.workers)}
+        self.stats = ServingStats()
+        #: (worker, iteration, start, end) of each prefill run; `iteration_of` is training's
+        self.spans: list[tuple[int, int, float, float]] = []
+        self.iteration_of: Callable[[int], int] = lambda worker: 0
+        self._seq = 0
+
+    def start(self) -> None:
+        self._next_arrival()
+        self.q.at(TICK_S, self._tick)
+
+    # --- the guest of training -------------------------------------------------------------
+
+    def bubble_start(self, worker: int, iteration: int, position: int, predicted_s: float, now: float) -> None:
+        self.executors[worker].open(now, predicted_s)
+        opened = BubbleOpened(
+            worker=self.cfg.workers[worker],
+            address=self.cfg.workers[worker],
+            predicted_s=predicted_s,
+            free_memory=self.cfg.free_memory,
+            started=now,
+            tag=(iteration, position),
+        )
+        self.q.at(now + self.cfg.bus_s, self._on_bubble_start, opened)
+
+    def input_arrived(self, worker: int, now: float) -> float:
+        return self.executors[worker].input_arrived(now)
+
+    def bubble_end(self, worker: int, iteration: int, position: int, now: float) -> None:
+        self.executors[worker].close(now)
+        self.q.at(now + self.cfg.bus_s, self._on_bubble_end, (self.cfg.workers[worker], (iteration, position)))
+
+    # --- the host of the executors ---------------------------------------------------------
+
+    def report(self, worker: int, batch: Batch, progress: list[Progress], now: float) -> None:
+        if not any(p.seconds > 0 for p in progress):
+            self.stats.returned += 1
+        self.q.at(now + self.cfg.bus_s, self._on_report, (batch.batch_id, self.cfg.workers[worker], progress))
+
+    def answered(self, requests: list[SimRequest], now: float) -> None:
+        back = now + self.cfg.bus_s  # the answer's trip to the front door
+        for r in requests:
+            self.stats.ttfts_s.append(back - r.arrival)
+            self.stats.tokens += r.tokens
+
+    def prefill_span(self, worker: int, start: float, end: float) -> None:
+        self.spans.append((worker, self.iteration_of(worker), start, end))
+
+    # --- the dispatcher --------------------------------------------------------------------
+
+    def _on_bubble_start(self, now: float, opened: BubbleOpened) -> None:
+        self._execute(self.state.bubble_start(opened, now), now)
+
+    def _on_bubble_end(self, now: float, arg: tuple[str, object]) -> None:
+        worker, tag = arg
+        self._execute(self.state.bubble_end(worker, tag, now=now), now)
+
+    def _on_report(self, now: float, arg: tuple[str, str, list[Progress]]) -> None:
+        batch_id, worker, progress = arg
+        self._execute(self.state.report(batch_id, worker, progress, now), now)
+
+    def _on_request(self, now: float, req: Request) -> None:
+        self._execute(self.state.add_request(req, now), now)
+
+    def _tick(self, now: float, _: object = None) -> None:
+        self._execute(self.state.tick(now), now)
+        self.q.at(now + TICK_S, self._tick)
+
+    def _execute(self, ds: Decisions, now: float) -> None:
+        for batch in ds.batches:
+            self.stats.batches += 1
+            self.q.at(now + self.cfg.bus_s, self.executors[self._index[batch.worker]].on_batch, batch)
+        for f in ds.failed:
+            self.stats.failed[f.reason.value] += 1
+
+    # --- the front door --------------------------------------------------------------------
+
+    def _next_arrival(self) -> None:
+        nxt = next(self._arrivals, None)
+        if nxt is not None:
+            self.q.at(max(nxt[0], self.q.now), self._on_arrival, nxt[1])
+
+    def _on_arrival(self, now: float, tokens: int) -> None:
+        self.stats.sent += 1
+        self._seq += 1
+        if len(self.state.requests) >= self.cfg.max_queue:
+            self.stats.rejected += 1
+        else:
+            rid = f"q{self._seq}"
+            req = Request(
+                id=rid,
+                tokens=tokens,
+                arrival=now,
+                kv_bytes=self.cfg.kv_bytes(tokens),
+                deadline=now + self.cfg.timeout_s,
+                payload=SimRequest(rid, tokens, now),
+            )
+            self.q.at(now + self.cfg.bus_s, self._on_request, req)
+        self._next_arrival()

@@ -1,0 +1,221 @@
+"""The simulator with BubbleTea on: the fill executor's rules, whole runs, the trace path, the command."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from bubbletea.cli import main as cli_main
+from shared.config import load_spec
+from shared.policies.decisions import Batch, BatchItem, Trigger, Why
+from shared.policies.dispatch import Progress
+from shared.policies.fill import FillPolicy
+from shared.policies.prefill_cost import PrefillProfile
+from sim.events import EventQueue
+from sim.executor import Executor, SimRequest
+from sim.output import figures
+from sim.run import SimOptions, SimResult, simulate
+from sim.setup import SimError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DEMO = CONFIGS / "demo.yaml"
+
+
+class Host:
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, list[Progress], float]] = []
+        self.answers: list[tuple[str, float]] = []
+        self.spans: list[tuple[float, float]] = []
+
+    def report(self, worker: int, batch: Batch, progress: list[Progress], now: float) -> None:
+        self.reports.append((batch.batch_id, progress, now))
+
+    def answered(self, requests: list[SimRequest], now: float) -> None:
+        self.answers += [(r.id, now) for r in requests]
+
+    def prefill_span(self, worker: int, start: float, end: float) -> None:
+        self.spans.append((start, end))
+
+
+def _batch(batch_id: str, tokens: int, layers: int, *, hold: bool = False) -> Batch:
+    item = BatchItem(batch_id + "-r", SimRequest(batch_id + "-r", tokens, 0.0), 0, layers, 0.004)
+    return Batch(batch_id, "r0s0", "r0s0", (item,), hold, Why(Trigger.BUBBLE_START, None, 0.01, 0.01, 0.004, 1))
+
+
+def _executor() -> tuple[EventQueue, Executor, Host]:
+    q, host = EventQueue(), Host()
+    # one block = 1 ms (0.5 ms + 5 us x 100 tokens); the guard 2 ms
+    ex = Executor(0, 4, FillPolicy(guard_s=0.002), PrefillProfile(0.0005, 0.000005), q, host)
+    return q, ex, host
+
+
+def test_a_started_block_runs_to_its_end_when_the_input_arrives() -> None:
+    """Training resumes at the end of the running block, not at the input: BubbleTea's only cost."""
+    q, ex, host = _executor()
+    ex.open(0.0, predicted_s=0.010)
+    ex.on_batch(0.0, _batch("b1", 100, 4))
+    q.run(until=0.0025)
+    resume = ex.input_arrived(0.0025)  # in the middle of the third block
+    assert resume == pytest.approx(0.003)
+    ex.close(resume)
+    [(batch_id, progress, at)] = host.reports
+    assert batch_id == "b1" and at == pytest.approx(0.003)
+    assert progress[0].reached_layer == 3 and progress[0].seconds == pytest.approx(0.003)
+    assert not progress[0].finished and host.answers == []
+    assert host.spans == [(0.0, pytest.approx(0.003))]
+
+
+def test_no_block_starts_that_would_end_after_the_predicted_end_minus_the_guard() -> None:
+    q, ex, host = _executor()
+    ex.open(0.0, predicted_s=0.0045)  # room until 2.5 ms: two 1-ms blocks, not three
+    ex.on_batch(0.0, _batch("b1", 100, 4))
+    ex.on_batch(0.0, _batch("b2", 100, 4))
+    q.run()
+    [(batch_id, progress, at)] = host.reports  # b2 waits: out of time, nothing more starts
+    assert (batch_id, progress[0].reached_layer, at) == ("b1", 2, pytest.approx(0.002))
+    assert ex.out_of_time
+    ex.close(ex.input_arrived(0.0045))  # the input comes on time: b2 goes back unrun
+    assert [(b, p[0].reached_layer, p[0].seconds) for b, p, _ in host.reports[1:]] == [("b2", 0, 0.0)]
+
+
+def test_a_finished_request_is_answered_when_its_batch_ends() -> None:
+    q, ex, host = _executor()
+    ex.open(0.0, predicted_s=0.1)
+    ex.on_batch(0.001, _batch("b1", 100, 4))
+    q.run()
+    assert host.answers == [("b1-r", pytest.approx(0.005))]
+    assert host.reports[0][1][0].finished
+
+
+def test_staged_batches_wait_for_a_bubble_and_others_go_back() -> None:
+    q, ex, host = _executor()
+    ex.on_batch(0.0, _batch("late", 100, 4))  # no bubble open: its bubble is over
+    ex.on_batch(0.0, _batch("staged", 100, 4, hold=True))
+    assert [b for b, _, _ in host.reports] == ["late"]
+    ex.open(0.5, predicted_s=0.1)  # the next bubble takes the staged batch at once
+    q.run(until=0.6)
+    assert [b for b, _, _ in host.reports] == ["late", "staged"] and host.answers[0][0] == "staged-r"
+    ex.close(0.6)
+    ex.on_batch(0.7, _batch("held", 100, 4, hold=True))
+    q.run(until=2.0)  # no bubble within the hold time: handed back unrun
+    assert host.reports[-1][0] == "held" and host.reports[-1][1][0].seconds == 0.0
+
+
+def _run(**options: object) -> SimResult:
+    return simulate(load_spec(DEMO), SimOptions(iterations=6, **options))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def demo_run() -> SimResult:
+    return _run()
+
+
+def test_bubbletea_fills_the_bubbles_without_slowing_training(demo_run: SimResult) -> None:
+    f = figures(demo_run)
+    assert f["bubble_fraction"] > 0.3  # the demo is WAN-bound: there is something to fill
+    assert f["fill_ratio"] > 0.8
+    assert f["utilization_on"] > f["utilization_off"] + 0.3
+    assert abs(f["train_slowdown_pct"]) < 1.0
+    assert f["requests_served"] > 100 and f["requests_expired"] == 0
+    assert 0 < f["ttft_p50_ms"] <= f["ttft_p99_ms"]
+
+
+def test_prefill_runs_only_inside_bubbles(demo_run: SimResult) -> None:
+    assert demo_run.on is not None
+    waits: dict[str, list[tuple[float, float]]] = {}
+    for s in demo_run.on.spans:
+        if s.kind == "wait":
+            waits.setdefault(s.worker, []).append((s.start, s.end))
+    prefills = [s for s in demo_run.on.spans if s.kind == "prefill"]
+    assert prefills
+    for p in prefills:
+        assert any(a - 1e-9 <= p.start and p.end <= b + 1e-9 for a, b in waits[p.worker]), p
+
+
+def test_training_work_never_overlaps_on_a_worker(demo_run: SimResult) -> None:
+    assert demo_run.on is not None
+    by_worker: dict[str, list[tuple[float, float]]] = {}
+    for s in demo_run.on.spans:
+        if s.kind in ("fwd", "bwd", "allreduce", "step", "wait"):
+            by_worker.setdefault(s.worker, []).append((s.start, s.end))
+    for spans in by_worker.values():
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-9 for a, b in itertools.pairwise(spans))
+
+
+def test_deterministic_given_a_seed(demo_run: SimResult) -> None:
+    again = _run()
+    assert again.on is not None and demo_run.on is not None
+    assert again.on.spans == demo_run.on.spans
+    assert again.on.serving == demo_run.on.serving
+    other = _run(seed=1)
+    assert other.on is not None and other.on.serving != demo_run.on.serving
+
+
+def test_overload_expires_requests_and_slows_training_at_most_a_little() -> None:
+    f = figures(simulate(load_spec(DEMO), SimOptions(iterations=4, request_rate=1000.0)))
+    assert f["requests_unfinished"] + f["requests_expired"] > 0
+    assert f["fill_ratio"] > 0.8 and abs(f["train_slowdown_pct"]) < 1.0
+
+
+def test_a_trace_is_replayed(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    rows = [f"2023-11-16 18:17:0{i}.{i}000000,{40 + 100 * i},5" for i in range(3)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    r = _run(trace=trace, time_scale=4.0)  # 3 requests within the first ~0.6 s of a 2.6 s run
+    f = figures(r)
+    assert f["requests_sent"] == 3 and f["requests_served"] == 3
+    assert r.request_rate is None and f["request_rate"] is None
+
+
+def test_a_bad_trace_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,Tokens\n2023-11-16 18:17:03.0,4\n")
+    with pytest.raises(SimError, match="no ContextTokens column"):
+        _run(trace=bad)
+    with pytest.raises(SimError, match="at least 2"):
+        simulate(load_spec(DEMO), SimOptions(iterations=1))
+
+
+def test_the_command_ends_with_one_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli_main(["simulate", "--config", str(DEMO), "--iterations", "3", "--json", "--out", str(tmp_path)])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    f = json.loads(out[-1])
+    for key in ("iteration_ms", "bubble_fraction", "utilization_off", "utilization_on", "fill_ratio", "ttft_p50_ms"):
+        assert isinstance(f[key], float), key
+    [folder] = list(tmp_path.iterdir())
+    summary = json.loads((folder / "summary.json").read_text())
+    assert [r["name"] for r in summary["runs"]] == ["off", "on"]
+    assert (folder / "on" / "spans.jsonl").stat().st_size > 0 and (folder / "on" / "ttft_ms.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--config", "no-such.yaml"], "cannot read cluster spec"),
+        (["--trace", "no-such.csv"], "cannot read the trace"),
+        (["--request-rate", "0"], "request rate must be > 0"),
+        (["--iterations", "1"], "at least 2"),
+    ],
+)
+def test_a_bad_spec_or_option_exits_2_with_one_sentence(
+    argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["simulate", "--config", str(DEMO), "--no-folder", *argv]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_an_infeasible_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "big.yaml"
+    spec.write_text(
+        DEMO.read_text().replace("parallelism: {pp: 2, dp: 2, tp: 1}", "parallelism: {pp: 2, dp: 4, tp: 1}")
+    )
+    assert cli_main(["simulate", "--config", str(spec), "--no-folder"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot place 2 pipeline stages" in err and "Traceback" not in err
