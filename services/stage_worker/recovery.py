@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -74,7 +74,7 @@ class Generations:
         self.current = gen
         return gen
 
-    async def barrier(self, slot: Slot, timeout_s: float, on_enter: Any = None) -> int:
+    async def barrier(self, slot: Slot, timeout_s: float, on_enter: Callable[[int], None] | None = None) -> int:
         """Wait until every slot joined the current generation (entering newer ones as they come);
         returns it. `on_enter(gen)` runs each time we move to a newer one (to drop what we held).
         Raises SlotError naming the slots still missing after `timeout_s`."""

@@ -305,12 +305,14 @@ async def _join(
     if not barrier.done():
         barrier.cancel()
         await asyncio.gather(barrier, return_exceptions=True)
-        watch.result() if watch.done() else None  # our own lease was lost: raises SlotError
-        return None
+        if watch.done():
+            watch.result()  # our own lease was lost: raises SlotError
+        return None  # told to stop
     gen = barrier.result()
-    resume = await gens.resume_point(runner.checkpoints) if runner.checkpoints is not None else FROM_SCRATCH
+    store = runner.checkpoints
+    resume = await gens.resume_point(store) if store is not None else FROM_SCRATCH
     if after_loss or resume != FROM_SCRATCH:
-        blob = None if resume == FROM_SCRATCH else await runner.checkpoints.load(slot, resume)  # type: ignore[union-attr]
+        blob = None if store is None or resume == FROM_SCRATCH else await store.load(slot, resume)
         try:
             await runner.in_torch_thread(runner.trainer.restore, blob)
         except (KeyError, RuntimeError, ValueError) as exc:

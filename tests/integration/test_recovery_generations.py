@@ -1,0 +1,67 @@
+"""The recovery generations over a real redis-server: peers noticing a loss together and a
+replacement arriving meanwhile end in one generation, resuming from one checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+
+from services.stage_worker.lease import Slot, SlotError
+from services.stage_worker.recovery import CheckpointStore, Generations
+
+SLOTS = [Slot(0, 0), Slot(0, 1), Slot(1, 0), Slot(1, 1)]
+
+
+async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_point(redis: Redis) -> None:
+    run = "gen1"
+    store = CheckpointStore(redis, run, SLOTS)
+    for s in SLOTS:  # every slot checkpointed iteration 1; all but r1s1 also iteration 3
+        await store.save(s, 1, b"one")
+        if s != Slot(1, 1):
+            await store.save(s, 3, b"three")
+    assert (await store.iterations())["r1s1"] == [1]
+
+    # every slot trained in generation 1; r1s1 died; its replacement starts while the peers notice
+    start = [Generations(redis, run, SLOTS) for _ in SLOTS]
+    await asyncio.gather(*(g.enter(after_loss=False) for g in start))
+    peers = start[:3]
+    for g in peers:
+        g.current = 1
+    await redis.set(f"bt:{run}:gen", 1)
+    replacement = Generations(redis, run, SLOTS)
+
+    async def peer(g: Generations, slot: Slot) -> tuple[int, int]:
+        await g.enter(after_loss=True)
+        gen = await g.barrier(slot, timeout_s=10)
+        return gen, await g.resume_point(store)
+
+    async def newcomer() -> tuple[int, int]:
+        await asyncio.sleep(0.05)  # it arrives after the peers moved on together
+        await replacement.enter(after_loss=False)
+        gen = await replacement.barrier(Slot(1, 1), timeout_s=10)
+        return gen, await replacement.resume_point(store)
+
+    results = await asyncio.gather(*(peer(g, s) for g, s in zip(peers, SLOTS, strict=False)), newcomer())
+    assert len(set(results)) == 1, results  # one generation, one resume point
+    gen, resume = results[0]
+    assert gen == 3  # the peers moved 1 -> 2 once (not three times), the replacement 2 -> 3
+    assert resume == 1  # the newest checkpoint every slot has (r1s1 never wrote iteration 3)
+
+
+async def test_a_slot_keeps_its_newest_two_checkpoints(redis: Redis) -> None:
+    store = CheckpointStore(redis, "gen3", SLOTS)
+    for it in (1, 3, 5):
+        await store.save(Slot(0, 0), it, str(it).encode())
+    assert sorted((await store.iterations())["r0s0"]) == [3, 5]
+    assert await store.load(Slot(0, 0), 5) == b"5"
+    with pytest.raises(SlotError, match="iteration 1 of slot r0s0 is gone"):
+        await store.load(Slot(0, 0), 1)
+
+
+async def test_a_barrier_nobody_completes_times_out_naming_the_missing_slots(redis: Redis) -> None:
+    g = Generations(redis, "gen2", SLOTS)
+    await g.enter(after_loss=False)
+    with pytest.raises(SlotError, match=r"waiting for workers of slots r0s1, r1s0, r1s1"):
+        await g.barrier(Slot(0, 0), timeout_s=0.2)
