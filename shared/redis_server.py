@@ -176,6 +176,15 @@ class EmbeddedRedis:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         atexit.unregister(self.stop)
 
+    def restart(self, timeout: float = 10.0) -> EmbeddedRedis:
+        """Start the server again after it died: the same port and files (with `persist`, its
+        append-only file: every acknowledged write comes back; without, it comes back empty)."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.stdout:
+            proc.stdout.close()
+        atexit.unregister(self.stop)
+        return self.start(timeout)
+
     def kill(self) -> None:
         """SIGKILL the server without cleaning up its data (tests: simulate a crash)."""
         if self.proc is not None:

@@ -31,7 +31,9 @@ import dataclasses
 import json
 import signal
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -40,6 +42,7 @@ import yaml
 
 from bubbletea import runstats
 from bubbletea.launcher.procs import Proc, ServiceFailed, open_redis, spawn, stop_all, wait_http_healthy
+from bubbletea.launcher.redis_watch import keep_redis_alive
 from bubbletea.launcher.services import SERVICES
 from bubbletea.launcher.supervise import Supervisor
 from shared.bus import Bus
@@ -151,7 +154,9 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
             supervisor = Supervisor(
                 procs, respawn=respawn, healthy=healthy, say=say, restart_workers=spec.training.recovers
             )
-            return await supervisor.follow()
+            if embedded is None:
+                return await supervisor.follow()
+            return await _first(supervisor.follow(), keep_redis_alive(embedded, say))
         finally:  # also on Ctrl-C: what ran so far is worth a report
             await _write_run_folder(url, settings, folder, started)
     finally:
@@ -160,6 +165,20 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
         if embedded is not None:
             embedded.stop()
         say("==> stopped cleanly" if not bad else f"==> stopped; exit codes: {bad}")
+
+
+async def _first(main: Coroutine[Any, Any, int], guard: Coroutine[Any, Any, None]) -> int:
+    """`main`'s result, unless `guard` (which runs until cancelled) fails first: its error then."""
+    first, second = asyncio.ensure_future(main), asyncio.ensure_future(guard)
+    try:
+        done, _ = await asyncio.wait({first, second}, return_when=asyncio.FIRST_COMPLETED)
+        if second in done:
+            second.result()  # raises: a guard ends only by failing
+        return await first
+    finally:
+        for t in (first, second):
+            t.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
 
 
 async def _wait_healthy(procs: list[Proc], url: str, settings: Settings, api: str) -> None:

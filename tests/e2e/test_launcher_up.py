@@ -250,13 +250,16 @@ async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: P
     assert code == 0 and "==> stopped cleanly" in out, out
 
 
-async def test_up_stops_cleanly_on_sigterm_as_on_ctrl_c(tmp_path: Path) -> None:
-    """A service manager (or `kill`) sends SIGTERM: the same clean stop as Ctrl-C, exit 0."""
+async def test_up_restarts_its_redis_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """kill -9 the embedded redis-server of `up --persist`: up starts it again on the same port and
+    append-only file, no service exits (each rides the outage out), and a prompt is answered. Then a
+    service manager (or `kill`) sends SIGTERM: the same clean stop as Ctrl-C, exit 0."""
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**SPEC, "http": {"host": "127.0.0.1", "port": 0}}))
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), "--out", str(tmp_path / "runs")),
+        *(sys.executable, "-m", "bubbletea.cli", "up", "--persist", "--config", str(path)),
+        *("--out", str(tmp_path / "runs")),
         cwd=ROOT,
         env=env,
         stdout=asyncio.subprocess.PIPE,
@@ -266,6 +269,16 @@ async def test_up_stops_cleanly_on_sigterm_as_on_ctrl_c(tmp_path: Path) -> None:
     seen: list[str] = []
     try:
         await _read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
+        out = "".join(seen)
+        api = re.findall(r"API:\s+(http://\S+)", out)[0]
+        redis_pid = int(re.findall(r"==> Redis: \S+ \(embedded .*pid=(\d+), AOF in", out)[0])
+        os.kill(redis_pid, signal.SIGKILL)
+        await _read_until(proc.stdout, r"==> redis died \(exit code -9\); restarting in 0.5s", seen, 10)
+        await _read_until(proc.stdout, r"==> redis restarted \(pid \d+\)", seen, 30)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            answer = await _answered(http, api, "after Redis was restarted")
+        assert answer["status"] == "done" and answer["result"]["text"], answer
+        assert not re.search(r"==> (?!redis)\S+ died", "".join(seen)), "".join(seen)  # no service exited
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(60):
             await _drain(proc.stdout, seen)
