@@ -239,7 +239,9 @@ async def _run(
                 log.info("all slots held; training", slot=slot.name, iterations=tr.iterations, start=start)
                 train = asyncio.create_task(runner.run_all(start), name="train")
                 lost = asyncio.create_task(lease.peer_lost.wait(), name="lost")
-                moved = asyncio.create_task(_generation_moved(gens), name="moved")
+                # a run without checkpoints does not resume: only a lost lease ends it
+                watch_generation = _generation_moved(gens) if tr.recovers else asyncio.Event().wait()
+                moved = asyncio.create_task(watch_generation, name="moved")
                 done, _ = await asyncio.wait(
                     {train, watch, stopping, crashed, lost, moved}, return_when=asyncio.FIRST_COMPLETED
                 )
