@@ -267,6 +267,11 @@ class Dispatcher:
             finished=now,
         )
         await serving.answer(self.bus.redis, result, req.reply_to)
+        # It will not resume: the partial prefills saved for it (at whatever layer) go now, not at
+        # their TTL (under overload, requests failing at their deadline left ~0.5 GB of them).
+        saved = [keys.prefill_snapshot_key(self.run, f.id, layer) for layer in range(1, self.state.layers)]
+        if saved:
+            await self.bus.redis.delete(*saved)
         self._release(f.ticket)
         self.metrics.request_failed(f.reason)
         log.info("request failed", id=f.id, reason=f.reason.value, detail=f.detail)

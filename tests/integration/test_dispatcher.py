@@ -68,9 +68,12 @@ async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(red
             id="late", model="m", tokens=(1, 2), submitted=now, deadline=now + 0.05, reply_to="bt:test:results"
         )
         assert await serving.accept(bus.redis, req, 10)
+        snapshot = keys.prefill_snapshot_key("run", "late", 2)  # a partial prefill saved for it earlier
+        await bus.redis.set(snapshot, b"state", ex=300)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # held until answered or failed
         await d.execute(d.state.tick(now + 0.1))  # no bubble ever opened: past the deadline
         assert acks.released == ["1-0"]
+        assert not await bus.redis.exists(snapshot)  # it will not resume: its saved state is gone
         got = await serving.lookup(bus.redis, "late")
         assert got is not None and got.status is RequestStatus.FAILED and got.result is not None
         assert got.result.reason is FailureReason.DEADLINE and "deadline passed" in got.result.error
