@@ -4,7 +4,11 @@ The same mechanism as the analytic model (`shared.policies.pipeline_model`) and 
 `stage_worker`: the action lists of `shared.policies.schedules`, compute for its profiled time,
 same-DC sends arriving at once, cross-DC sends through one `LinkSharing` per directed link (the
 broker's policy object) ordered by `transfer_priority`, the all-reduce a barrier of the stage's DP
-peers plus its cost. With BubbleTea off it reproduces the analytic model's timeline exactly
+peers plus its cost. Two things the analytic model leaves out, as the live worker has them: every
+tensor crosses the bus once (`bus_s`: same-DC sends to the peer's inbox, cross-DC ones from the
+broker to the inbox, the last DP peer's gradients), and the wait at the all-reduce barrier is
+inside the slot's `allreduce` span (no bubble is announced there). With no bus latency and that
+one span merged, BubbleTea off reproduces the analytic model's timeline exactly
 (tests/unit/test_sim_training.py).
 
 What the model lacks and the live worker has, this adds: a receive whose input is not there is a
@@ -21,11 +25,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from bubbletea.runstats import Span
+from shared.policies import pipeline_model
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.pipeline_model import PipelineInputs
 from shared.policies.schedules import Action, Op, schedule
 from shared.policies.wan import LinkSharing, transfer_priority
 from sim.events import EventQueue
+from sim.setup import BUS_S
 
 #: A wait shorter than this is no wait (as in the analytic model).
 EPS = 1e-12
@@ -63,15 +69,25 @@ class TrainingResult:
     spans: list[Span]
     iteration_ends: list[float]  # when the last slot finished each iteration's step
     bubbles: dict[tuple[int, int, int], float] = field(default_factory=dict)  # (worker, iteration, position) -> s
+    inputs: PipelineInputs | None = None  # the analytic model's inputs, for the workers' priors
 
     @property
     def iteration_times(self) -> list[float]:
         return [b - a for a, b in zip([0.0, *self.iteration_ends], self.iteration_ends, strict=False)]
 
     def priors(self, workers: int, iteration: int = 1) -> list[dict[int, float]]:
-        """Each slot's bubble lengths by schedule position in `iteration`: a live worker's prior
-        (the analytic model's bubbles of iteration 1, which this run reproduces)."""
+        """Each slot's bubble lengths by schedule position in `iteration` of the analytic model (of
+        this run when it has no `inputs`): a live worker's prior (`predict(spec, ..., iterations=2)`
+        in services/stage_worker/worker.py). The model's, not this run's: the bus hops make this
+        run's bubbles a little longer than the prior a live worker starts from."""
         out: list[dict[int, float]] = [{} for _ in range(workers)]
+        if self.inputs is not None:
+            model = pipeline_model.simulate(self.inputs, iteration + 1)
+            stages = self.inputs.stages
+            for b in model.bubbles:
+                if b.iteration == iteration:
+                    out[b.replica * stages + b.stage][b.position] = b.length
+            return out
         for (w, it, pos), length in self.bubbles.items():
             if it == iteration:
                 out[w][pos] = length
@@ -91,9 +107,11 @@ class Training:
         priors: list[dict[int, float]] | None = None,
         on_iteration: Callable[[int, float], None] | None = None,
         on_done: Callable[[float], None] | None = None,
+        bus_s: float = BUS_S,
     ) -> None:
         p = inp.stages
         self.inp, self.iterations, self.q, self.guest = inp, iterations, queue, guest
+        self.bus_s = bus_s
         acts = [schedule(inp.schedule, k, p, inp.microbatches) for k in range(p)]
         self.slots = [_Slot(d, k, acts[k]) for d in range(inp.dp) for k in range(p)]
         self.predictors = [BubblePredictor(dict(priors[w]) if priors else {}) for w in range(len(self.slots))]
@@ -117,7 +135,7 @@ class Training:
         if len(self._ends) != self.iterations:
             blocked = [f"r{s.replica}s{s.stage}@{s.actions[s.pos]}" for s in self.slots if s.pos < len(s.actions)]
             raise RuntimeError(f"the simulated pipeline deadlocked; blocked slots: {blocked[:8]}")
-        return TrainingResult(self.spans, [self._ends[i] for i in range(self.iterations)], self.bubbles)
+        return TrainingResult(self.spans, [self._ends[i] for i in range(self.iterations)], self.bubbles, self.inp)
 
     # --- tensors ---------------------------------------------------------------------------
 
@@ -141,8 +159,8 @@ class Training:
     def _pump(self, now: float, lk: tuple[str, str]) -> None:
         """Hand finished transfers to their receivers and book the link's next completion."""
         link = self.links[lk]
-        for sent in link.advance(now):
-            self.q.at(sent.arrival, self._arrive, self._in_flight.pop(sent.id))
+        for sent in link.advance(now):  # the broker delivers at the arrival: one hop to the inbox
+            self.q.at(sent.arrival + self.bus_s, self._arrive, self._in_flight.pop(sent.id))
         self._link_version[lk] += 1
         nxt = link.next_tx_end()
         if nxt is not None:
@@ -159,8 +177,8 @@ class Training:
         dst = k + 1 if act else k - 1
         key: Key = (d, dst, "act" if act else "grad", it, a.mb)
         src_dc, dst_dc = self.inp.stage_dc[k], self.inp.stage_dc[dst]
-        if src_dc == dst_dc:
-            self.q.at(now, self._arrive, key)
+        if src_dc == dst_dc:  # straight to the peer's inbox: one hop
+            self.q.at(now + self.bus_s, self._arrive, key)
             return
         lk = (src_dc, dst_dc)
         tid = f"{d}:{dst}:{key[2]}:{it}:{a.mb}"
@@ -233,7 +251,10 @@ class Training:
         st.pos += 1
 
     def _allreduce(self, st: _Slot, w: int, now: float) -> None:
-        """A barrier of the stage's DP peers, then the cost; waiting for a slower peer is idle time."""
+        """A barrier of the stage's DP peers, then the cost, ending for all at one instant. As on a
+        live worker, one `allreduce` span runs from the slot's arrival to that end: waiting there
+        for a slower peer is part of the collective (no bubble is announced), not a `wait`. The
+        last peer's gradients cross the bus to the others (one hop) before they can be summed."""
         k, it = st.stage, st.iteration
         group = self._barrier.setdefault((k, it), [])
         group.append((w, now))
@@ -242,13 +263,11 @@ class Training:
             return
         del self._barrier[(k, it)]
         last = max(t for _, t in group)
-        done = last + (self.inp.allreduce_s[k] if self.inp.allreduce_s else 0.0)
+        cost = self.inp.allreduce_s[k] if self.inp.allreduce_s else 0.0
+        done = last + (max(cost, self.bus_s) if self.inp.dp > 1 else cost)
         for peer, t0 in group:
-            replica = self.slots[peer].replica
-            if last - t0 > EPS:
-                self.spans.append(Span(replica, k, it, "wait", t0, last))
-            if done - last > EPS:
-                self.spans.append(Span(replica, k, it, "allreduce", last, done))
+            if done - t0 > EPS:
+                self.spans.append(Span(self.slots[peer].replica, k, it, "allreduce", t0, done))
             self.q.at(done, self._resume, peer)
 
     def _finish_iteration(self, st: _Slot, now: float) -> bool:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from bubbletea.runstats import Span
 from shared.config import ClusterSpec, load_spec
 from shared.plan import model_inputs
 from shared.policies.pipeline_model import PipelineInputs, simulate
@@ -47,24 +49,48 @@ def test_stop_ends_the_run_after_the_current_event() -> None:
 
 
 def _model_spans(inp: PipelineInputs, iterations: int) -> tuple[list[tuple[object, ...]], list[float], float]:
+    """The analytic model's timeline, its all-reduce as a live worker records it: the wait at the
+    barrier (a mb-less wait ending where the slot's all-reduce starts) and the cost in one span."""
     r = simulate(inp, iterations)
-    spans = sorted((s.replica, s.stage, s.iteration, s.kind, s.start, s.end, s.mb) for s in r.spans)
-    return spans, r.iteration_ends, r.bubble_fraction()
+    reduce_end = {(s.replica, s.stage, s.iteration): (s.start, s.end) for s in r.spans if s.kind == "allreduce"}
+    barrier_waits = {
+        (s.replica, s.stage, s.iteration): s.start
+        for s in r.spans
+        if s.kind == "wait"
+        and (s.mb is None or s.mb < 0)
+        and reduce_end.get((s.replica, s.stage, s.iteration), (None,))[0] == s.end
+    }
+    spans: list[tuple[object, ...]] = []
+    for s in r.spans:
+        slot = (s.replica, s.stage, s.iteration)
+        if s.kind == "wait" and (s.mb is None or s.mb < 0) and slot in barrier_waits:
+            continue
+        start = barrier_waits.get(slot, s.start) if s.kind == "allreduce" else s.start
+        spans.append((*slot, s.kind, start, s.end, -1 if s.mb is None else s.mb))
+    return sorted(spans), r.iteration_ends, _bubble(spans, inp, r.iteration_ends[-1])
+
+
+def _same(sim: tuple[list[tuple[object, ...]], list[float], float], model: tuple[object, ...]) -> None:
+    assert sim[:2] == model[:2]
+    assert sim[2] == pytest.approx(model[2])
+
+
+def _bubble(spans: list[tuple[object, ...]], inp: PipelineInputs, end: float) -> float:
+    busy = sum(float(s[5]) - float(s[4]) for s in spans if s[3] != "wait")  # type: ignore[arg-type]
+    return 1 - busy / (inp.stages * inp.dp * end)
 
 
 def _sim_spans(inp: PipelineInputs, iterations: int) -> tuple[list[tuple[object, ...]], list[float], float]:
     q = EventQueue()
-    t = Training(inp, iterations, q)
+    t = Training(inp, iterations, q, bus_s=0.0)
     t.start()
     q.run()
     r = t.result()
-    spans = sorted(
+    spans: list[tuple[object, ...]] = sorted(
         (s.replica, s.stage, s.iteration, s.kind, s.start, s.end, -1 if s.microbatch is None else s.microbatch)
         for s in r.spans
     )
-    busy = sum(s.end - s.start for s in r.spans if s.kind != "wait")
-    slots = inp.stages * inp.dp
-    return spans, r.iteration_ends, 1 - busy / (slots * r.iteration_ends[-1])
+    return spans, r.iteration_ends, _bubble(spans, inp, r.iteration_ends[-1])
 
 
 def _variant(spec: ClusterSpec, **training: object) -> ClusterSpec:
@@ -75,11 +101,12 @@ def _variant(spec: ClusterSpec, **training: object) -> ClusterSpec:
 @pytest.mark.parametrize("sharing", ["temporal", "fair", "fifo"])
 @pytest.mark.parametrize("sched", ["1f1b", "gpipe"])
 def test_bubbletea_off_reproduces_the_analytic_model(config: str, sharing: str, sched: str) -> None:
-    """Same spans (every fwd, bwd, wait, all-reduce, step), same iteration ends, same bubble
+    """With no bus latency: same spans (every fwd, bwd, wait, all-reduce, step; the wait at the
+    all-reduce inside its span, as a live worker records it), same iteration ends, same bubble
     fraction: the simulator's training is the analytic model's, on the shipped specs."""
     spec = _variant(load_spec(CONFIGS / config), schedule=sched)
     inp = model_inputs(spec, 10.0, 20.0, sharing)
-    assert _sim_spans(inp, 4) == _model_spans(inp, 4)
+    _same(_sim_spans(inp, 4), _model_spans(inp, 4))
 
 
 def test_three_datacenters_deep_pipeline_matches_too() -> None:
@@ -87,7 +114,7 @@ def test_three_datacenters_deep_pipeline_matches_too() -> None:
     spec = _variant(spec, microbatches=4)
     inp = model_inputs(spec, 4.0, 8.0)
     assert len(set(inp.stage_dc)) == 3
-    assert _sim_spans(inp, 2) == _model_spans(inp, 2)
+    _same(_sim_spans(inp, 2), _model_spans(inp, 2))
 
 
 def test_the_off_run_gives_every_worker_the_models_prior() -> None:
@@ -101,3 +128,38 @@ def test_the_off_run_gives_every_worker_the_models_prior() -> None:
         expected = {b.position: b.length for b in model.bubbles if (b.replica, b.stage, b.iteration) == (d, k, 1)}
         assert prior == pytest.approx(expected)
     assert any(off.priors)
+
+
+def _run(inp: PipelineInputs, iterations: int, bus_s: float) -> list[Span]:
+    q = EventQueue()
+    t = Training(inp, iterations, q, bus_s=bus_s)
+    t.start()
+    q.run()
+    return t.result().spans
+
+
+def test_waiting_at_the_all_reduce_is_inside_its_span_as_on_a_live_worker() -> None:
+    """services/stage_worker/runner.py: one `allreduce` span from the slot's arrival to the end,
+    the same instant for every DP peer; no `wait` (no bubble) at the barrier."""
+    inp = model_inputs(load_spec(CONFIGS / "demo.yaml"), 10.0, 20.0)
+    spans = _run(dataclasses.replace(inp, fwd_s=(0.01, 0.013)), 2, 0.0)
+    assert not [s for s in spans if s.kind == "wait" and s.microbatch is None]
+    ends: dict[tuple[int, int], set[float]] = {}
+    for s in spans:
+        if s.kind == "allreduce":
+            ends.setdefault((s.stage, s.iteration), set()).add(s.end)
+    assert ends and all(len(e) == 1 for e in ends.values())
+
+
+def test_every_tensor_crosses_the_bus_once() -> None:
+    """A same-DC activation reaches the next stage one bus hop after it was sent; a cross-DC one
+    one hop after the WAN delivered it; the last peer's gradients one hop before the all-reduce ends."""
+    hop = 0.002
+    inp = model_inputs(load_spec(CONFIGS / "demo.yaml"), 10.0, 20.0)
+    local = dataclasses.replace(inp, stage_dc=("dc-a", "dc-a"), allreduce_s=(0.0, 0.0))
+    first_wait = {bus: next(s for s in _run(local, 1, bus) if s.stage == 1 and s.kind == "wait") for bus in (0, hop)}
+    assert first_wait[hop].end - first_wait[0].end == pytest.approx(hop)
+    reduce = [s for s in _run(local, 1, hop) if s.kind == "allreduce"]
+    assert reduce and all(s.end - s.start >= hop - 1e-12 for s in reduce)
+    wan = {bus: next(s for s in _run(inp, 1, bus) if s.stage == 1 and s.kind == "wait") for bus in (0, hop)}
+    assert wan[hop].end - wan[0].end == pytest.approx(hop)
