@@ -1,0 +1,391 @@
+"""The papers side by side: baselines, each Atlas step and BubbleTea, simulated (docs/paper.md).
+
+Every iteration time and utilization comes from the project's simulator (`sim.run.simulate`, the
+shared policies on a virtual clock) run on configs/paper-*.yaml or on variants of them built here
+(WAN bandwidth, latency, scale). The one baseline the simulator cannot express, data parallelism
+across datacenters, is the simulated in-DC pipeline plus an analytic ring all-reduce of the whole
+model's gradients over the WAN (`wan_allreduce_s`, written out in docs/paper.md).
+
+Prints the table (the 5 Gb/s, 40 ms case), then the sweeps, writes the pictures to docs/paper/ and
+ends with one JSON line: speedups and utilizations by name.
+
+    python bench/paper.py            # every sweep point, scale up to 4,096 GPUs (several minutes)
+    python bench/paper.py --quick    # fewer points, scale up to 512 GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from shared.config import ClusterSpec, parse_spec
+from shared.plan import ACT_ELEMENT_BYTES
+from shared.policies.schedules import compute_bubble_fraction
+from shared.policies.wan import LinkModel
+from sim.output import figures
+from sim.run import SimOptions, simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {
+    "a": ROOT / "configs" / "paper-pp-1conn-fair.yaml",
+    "b": ROOT / "configs" / "paper-pp-fair.yaml",
+    "c": ROOT / "configs" / "paper-atlas.yaml",
+}
+PICTURES = ROOT / "docs" / "paper"
+DPI = 100
+#: Prompt length of the prefill load (tokens): long prompts keep the request count, and so the
+#: simulation's cost, small while the bubbles last seconds.
+INPUT_LEN = 2048
+#: The load as a share of what the bubbles could hold (sim.run.capacity_rate).
+LOAD = 1.0
+#: Scale sweep: sequences per iteration kept fixed while DP grows (microbatches = this / DP).
+GLOBAL_BATCH = 256
+#: Scale sweep: WAN capacity per DC pair per 4 DP replicas (the base case's 5 Gb/s at DP=4).
+SCALE_GBPS_PER_4_REPLICAS = 5.0
+#: PipeFill's scale, for the compute-only bubble formula only (not simulated).
+PIPEFILL_GPUS = 8192
+
+
+@dataclass(frozen=True)
+class Case:
+    """One simulated (or simulated + analytic) configuration."""
+
+    name: str
+    label: str
+    iteration_s: float
+    utilization: float  # training only (fwd, bwd, all-reduce, step) over the steady window
+    utilization_on: float | None = None  # training + prefill, BubbleTea on
+    bubble_fraction: float | None = None
+    slowdown_pct: float | None = None
+
+
+def load_raw(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert isinstance(data, dict)
+    return data
+
+
+def spec_of(raw: dict[str, Any]) -> ClusterSpec:
+    return parse_spec(raw, source=str(raw.get("name")))
+
+
+def with_wan(raw: dict[str, Any], **link: float) -> dict[str, Any]:
+    out = copy.deepcopy(raw)
+    out["wan"]["default"].update(link)
+    return out
+
+
+def run(raw: dict[str, Any], iterations: int, bubbletea: bool) -> dict[str, Any]:
+    opts = SimOptions(iterations=iterations, input_len=INPUT_LEN, load=LOAD, seed=0, bubbletea=bubbletea)
+    return figures(simulate(spec_of(raw), opts))
+
+
+def pp_case(name: str, label: str, raw: dict[str, Any], iterations: int, bubbletea: bool = False) -> Case:
+    f = run(raw, iterations, bubbletea)
+    if not bubbletea:
+        return Case(name, label, f["iteration_ms_off"] / 1000, f["utilization_off"], None, f["bubble_fraction"])
+    return Case(
+        name,
+        label,
+        f["iteration_ms"] / 1000,
+        f["utilization_off"],
+        f["utilization_on"],
+        f["bubble_fraction"],
+        f["train_slowdown_pct"],
+    )
+
+
+# --- data parallelism across DCs: simulated in-DC pipeline + analytic WAN all-reduce -----------------
+
+
+def param_count(spec: ClusterSpec) -> int:
+    """GPT parameters: 12 d^2 per block (attention 4 d^2, MLP 8 d^2), token and position
+    embeddings and an untied output head (biases and norms left out)."""
+    m = spec.model
+    return 12 * m.layers * m.d_model**2 + (2 * m.vocab + m.seq_len) * m.d_model
+
+
+def wan_allreduce_s(spec: ClusterSpec, n: int) -> float:
+    """A ring all-reduce of the whole model's gradients among n DCs over the WAN:
+    each DC sends 2 (n-1)/n x S bytes on its link to the next DC, at the link's per-transfer rate
+    (min(bandwidth, connections x window / RTT), the spec's connections), plus 2 (n-1) one-way
+    latencies (the ring's steps). S = parameters x ACT_ELEMENT_BYTES (float32, as activations)."""
+    if n < 2:
+        return 0.0
+    link = LinkModel.from_params(spec.wan.default)
+    grad_bytes = param_count(spec) * ACT_ELEMENT_BYTES
+    return 2 * (n - 1) / n * grad_bytes / link.flow_cap + 2 * (n - 1) * link.latency
+
+
+def local_raw(raw: dict[str, Any], replicas: int, microbatches: int) -> dict[str, Any]:
+    """The same job's pipelines in one DC: `replicas` whole pipelines of `microbatches` each, no WAN."""
+    out = copy.deepcopy(raw)
+    par = out["parallelism"]
+    out["datacenters"] = [{"name": "local", "gpus": par["pp"] * par["tp"] * replicas}]
+    par["dp"] = replicas
+    out["training"]["microbatches"] = microbatches
+    out["name"] = f"{raw['name']}-local"
+    return out
+
+
+def dp_cases(raw: dict[str, Any], iterations: int) -> tuple[Case, Case, Case]:
+    """(no WAN at all, DP across DCs serial, DP across DCs with the all-reduce fully overlapped).
+
+    Every DC holds gpus // (PP x TP) whole pipeline replicas, R in all, and the global batch (DP x
+    microbatches of the PP-across-DCs job) is split evenly over them (rounded up). The pipelines
+    inside the fullest DC are simulated (every DC waits for it at the all-reduce), then the WAN ring
+    all-reduce among the DCs that hold a replica is added. GPUs left out of a whole pipeline idle,
+    and utilization counts them (over every GPU of the cluster)."""
+    spec = spec_of(raw)
+    par = spec.parallelism
+    per_replica = par.pp * par.tp
+    local = [dc.gpus // per_replica for dc in spec.datacenters]
+    replicas = sum(local)
+    if replicas < 1:
+        raise SystemExit(f"{spec.name}: no DC holds a whole pipeline of {per_replica} GPUs")
+    batch = par.dp * spec.training.microbatches
+    ideal_f = run(local_raw(raw, par.dp, spec.training.microbatches), iterations, bubbletea=False)
+    ideal = Case(
+        "no_wan", "same job in one DC (no WAN)", ideal_f["iteration_ms_off"] / 1000, ideal_f["utilization_off"]
+    )
+    f = run(local_raw(raw, max(local), math.ceil(batch / replicas)), iterations, bubbletea=False)
+    t0 = f["iteration_ms_off"] / 1000
+    u0 = f["utilization_off"] * replicas * per_replica / sum(dc.gpus for dc in spec.datacenters)
+    t_wan = wan_allreduce_s(spec, sum(1 for n in local if n > 0))
+    serial = t0 + t_wan
+    hidden = max(t0, t_wan)
+    return (
+        ideal,
+        Case("dp", "DP across DCs (ring all-reduce over the WAN)", serial, u0 * t0 / serial),
+        Case("dp_overlap", "DP across DCs, all-reduce hidden behind compute", hidden, u0 * t0 / hidden),
+    )
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+
+def table_cases(raws: dict[str, dict[str, Any]], iterations: int) -> list[Case]:
+    ideal, dp, dp_overlap = dp_cases(raws["c"], iterations)
+    return [
+        dp,
+        dp_overlap,
+        pp_case("pp_1conn_fair", "(a) PP across DCs, 1 TCP connection, fair sharing", raws["a"], iterations),
+        pp_case("pp_fair", "(b) (a) + 16 connections per transfer", raws["b"], iterations),
+        pp_case("atlas", "(c) (b) + temporal sharing = Atlas", raws["c"], iterations),
+        pp_case("atlas_bubbletea", "(c) + BubbleTea (prefill in the bubbles)", raws["c"], iterations, bubbletea=True),
+        ideal,
+    ]
+
+
+def print_table(cases: list[Case]) -> None:
+    by = {c.name: c for c in cases}
+    dp, base = by["dp_overlap"], by["pp_1conn_fair"]
+    print(f"{'configuration':<52} {'iter s':>8} {'vs DP':>7} {'vs (a)':>7} {'util':>6} {'util+BT':>8} {'bubbles':>8}")
+    for c in cases:
+        on = "" if c.utilization_on is None else f"{c.utilization_on:.1%}"
+        bub = "" if c.bubble_fraction is None else f"{c.bubble_fraction:.1%}"
+        print(
+            f"{c.label:<52} {c.iteration_s:8.2f} {dp.iteration_s / c.iteration_s:6.2f}x "
+            f"{base.iteration_s / c.iteration_s:6.2f}x {c.utilization:6.1%} {on:>8} {bub:>8}"
+        )
+    bt = by["atlas_bubbletea"]
+    print(
+        f"  'vs DP' is against the overlapped DP row (the kinder baseline); BubbleTea's training slowdown "
+        f"{bt.slowdown_pct:+.2f}%",
+        flush=True,
+    )
+
+
+# --- sweeps --------------------------------------------------------------------------------------------
+
+
+def sweep_point(raws: dict[str, dict[str, Any]], iterations: int) -> dict[str, float]:
+    """Atlas (+BubbleTea), baseline (a) and DP across DCs on one WAN setting."""
+    _, _, dp_overlap = dp_cases(raws["c"], iterations)
+    a = pp_case("a", "", raws["a"], iterations)
+    c = pp_case("c", "", raws["c"], iterations, bubbletea=True)
+    assert c.utilization_on is not None and c.bubble_fraction is not None
+    return {
+        "speedup_vs_a": a.iteration_s / c.iteration_s,
+        "speedup_vs_dp": dp_overlap.iteration_s / c.iteration_s,
+        "util_a": a.utilization,
+        "util_dp": dp_overlap.utilization,
+        "util_atlas": c.utilization,
+        "util_atlas_bt": c.utilization_on,
+        "bubbles_atlas": c.bubble_fraction,
+        "iteration_s": c.iteration_s,
+    }
+
+
+def wan_sweep(
+    raws: dict[str, dict[str, Any]], iterations: int, key: str, values: list[float]
+) -> list[dict[str, float]]:
+    rows = []
+    for v in values:
+        t = time.perf_counter()
+        row = sweep_point({k: with_wan(r, **{key: v}) for k, r in raws.items()}, iterations)
+        row[key] = v
+        rows.append(row)
+        print(
+            f"  {key}={v:g}: Atlas {row['iteration_s']:.2f} s/iteration, speedup {row['speedup_vs_a']:.2f}x vs (a), "
+            f"{row['speedup_vs_dp']:.2f}x vs DP; utilization (a) {row['util_a']:.1%}, Atlas {row['util_atlas']:.1%}, "
+            f"+BubbleTea {row['util_atlas_bt']:.1%} ({time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
+    return rows
+
+
+def scaled(raw: dict[str, Any], dp: int) -> dict[str, Any]:
+    """The base job at DP=dp: DC sizes hold 4, 2 and 2 stages of dp x TP GPUs, microbatches =
+    GLOBAL_BATCH / dp, WAN capacity SCALE_GBPS_PER_4_REPLICAS x dp / 4 per DC pair."""
+    out = copy.deepcopy(raw)
+    tp = out["parallelism"]["tp"]
+    out["parallelism"]["dp"] = dp
+    out["datacenters"] = [
+        {"name": "us-east", "gpus": 4 * dp * tp},
+        {"name": "us-west", "gpus": 2 * dp * tp},
+        {"name": "eu-west", "gpus": 2 * dp * tp},
+    ]
+    out["training"]["microbatches"] = GLOBAL_BATCH // dp
+    out["wan"]["default"]["bandwidth_gbps"] = SCALE_GBPS_PER_4_REPLICAS * dp / 4
+    return out
+
+
+def scale_sweep(raws: dict[str, dict[str, Any]], iterations: int, dps: list[int]) -> list[dict[str, float]]:
+    rows = []
+    for dp in dps:
+        t = time.perf_counter()
+        row = sweep_point({k: scaled(r, dp) for k, r in raws.items()}, iterations)
+        spec = spec_of(scaled(raws["c"], dp))
+        row["gpus"] = spec.parallelism.pp * dp * spec.parallelism.tp
+        row["microbatches"] = spec.training.microbatches
+        row["compute_bubbles"] = compute_bubble_fraction(spec.parallelism.pp, spec.training.microbatches)
+        rows.append(row)
+        print(
+            f"  {row['gpus']:.0f} GPUs (DP={dp}, {row['microbatches']:.0f} microbatches): Atlas "
+            f"{row['iteration_s']:.2f} s/iteration, bubbles {row['bubbles_atlas']:.1%} (compute-only formula "
+            f"{row['compute_bubbles']:.1%}), speedup {row['speedup_vs_a']:.2f}x vs (a), {row['speedup_vs_dp']:.2f}x vs "
+            f"DP; utilization Atlas {row['util_atlas']:.1%}, +BubbleTea {row['util_atlas_bt']:.1%} "
+            f"({time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
+    return rows
+
+
+# --- pictures ------------------------------------------------------------------------------------------
+
+
+def picture(rows: list[dict[str, float]], key: str, xlabel: str, path: Path, *, logx: bool = False) -> None:
+    fig = Figure(figsize=(9.0, 3.4), dpi=DPI)
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    xs = [r[key] for r in rows]
+    left.plot(xs, [r["speedup_vs_a"] for r in rows], "o-", label="Atlas vs (a) PP, 1 conn., fair")
+    left.plot(xs, [r["speedup_vs_dp"] for r in rows], "s-", label="Atlas vs DP across DCs")
+    left.axhline(1.0, color="grey", lw=0.8)
+    left.set_ylabel("speedup (iteration time ratio)")
+    right.plot(xs, [r["util_atlas_bt"] for r in rows], "o-", color="#e0457b", label="Atlas + BubbleTea")
+    right.plot(xs, [r["util_atlas"] for r in rows], "o-", color="#3b75af", label="Atlas")
+    right.plot(xs, [r["util_a"] for r in rows], "^-", color="#808080", label="(a) PP, 1 conn., fair")
+    right.plot(xs, [r["util_dp"] for r in rows], "s--", color="#404040", label="DP across DCs")
+    right.set_ylabel("GPU utilization")
+    right.set_ylim(0, 1)
+    right.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
+    for ax in (left, right):
+        ax.set_xlabel(xlabel)
+        if logx:
+            ax.set_xscale("log")
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
+            ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    print(f"  wrote {path} ({path.stat().st_size // 1024} KiB)", flush=True)
+
+
+# --- the claims ----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer sweep points, scale up to 512 GPUs")
+    ap.add_argument("--iterations", type=int, default=3, help="simulated iterations per case (default 3)")
+    ap.add_argument("--out", type=Path, default=PICTURES, help="folder of the pictures (default docs/paper/)")
+    args = ap.parse_args(argv)
+    wall = time.perf_counter()
+    raws = {k: load_raw(p) for k, p in CONFIGS.items()}
+    base = spec_of(raws["c"])
+    link = base.wan.default
+    print(
+        f"paper side by side: {base.parallelism.pp * base.parallelism.dp * base.parallelism.tp} GPUs in "
+        f"{len(base.datacenters)} DCs, PP={base.parallelism.pp} DP={base.parallelism.dp} TP={base.parallelism.tp}, "
+        f"{param_count(base) / 1e9:.2f}B parameters, {base.training.microbatches} microbatches; WAN "
+        f"{link.bandwidth_gbps:g} Gb/s, {link.latency_ms:g} ms one way, {link.tcp_window_mib:g} MiB window; "
+        f"{args.iterations} simulated iterations per case",
+        flush=True,
+    )
+    print(f"  DP across DCs: WAN ring all-reduce {wan_allreduce_s(base, len(base.datacenters)):.2f} s per iteration")
+    cases = table_cases(raws, args.iterations)
+    print_table(cases)
+    if args.quick:
+        bandwidths, latencies, dps = [1.4, 5.0, 20.0], [10.0, 40.0, 100.0], [4, 8]
+    else:
+        bandwidths, latencies, dps = (
+            [1.4, 2.5, 5.0, 10.0, 20.0, 40.0, 100.0, 400.0],
+            [10.0, 30.0, 50.0, 75.0, 100.0],
+            [4, 8, 16, 32, 64],
+        )
+    print("WAN bandwidth sweep (40 ms):", flush=True)
+    bw = wan_sweep(raws, args.iterations, "bandwidth_gbps", bandwidths)
+    print("WAN latency sweep (5 Gb/s):", flush=True)
+    lat = wan_sweep(raws, args.iterations, "latency_ms", latencies)
+    print("WAN corner (100 ms, 40 Gb/s):", flush=True)
+    corner = wan_sweep(
+        {k: with_wan(r, latency_ms=100.0) for k, r in raws.items()}, args.iterations, "bandwidth_gbps", [40.0]
+    )
+    print(f"scale sweep ({GLOBAL_BATCH} sequences per iteration, {SCALE_GBPS_PER_4_REPLICAS:g} Gb/s per 4 replicas):")
+    scale = scale_sweep(raws, args.iterations, dps)
+    picture(bw, "bandwidth_gbps", "WAN bandwidth per DC pair (Gb/s), 40 ms", args.out / "bandwidth.png", logx=True)
+    picture(lat, "latency_ms", "WAN one-way latency (ms), 5 Gb/s", args.out / "latency.png")
+    picture(scale, "gpus", "GPUs (fixed global batch, WAN grows with DP)", args.out / "scale.png", logx=True)
+
+    by = {c.name: c for c in cases}
+    sweeps = bw + lat + corner + scale
+    bt = by["atlas_bubbletea"]
+    assert bt.utilization_on is not None and bt.slowdown_pct is not None
+    p = base.parallelism.pp
+    pipefill_m = max(1, GLOBAL_BATCH // (PIPEFILL_GPUS // (p * base.parallelism.tp)))
+    out: dict[str, Any] = {
+        "quick": args.quick,
+        "iterations": args.iterations,
+        "speedup": {c.name: round(by["pp_1conn_fair"].iteration_s / c.iteration_s, 3) for c in cases},
+        "speedup_vs_dp": {c.name: round(by["dp_overlap"].iteration_s / c.iteration_s, 3) for c in cases},
+        "utilization": {c.name: round(c.utilization, 4) for c in cases},
+        "utilization_bubbletea": round(bt.utilization_on, 4),
+        "train_slowdown_pct": bt.slowdown_pct,
+        "max_speedup_vs_a": round(max(r["speedup_vs_a"] for r in sweeps), 3),
+        "max_speedup_vs_dp": round(max(r["speedup_vs_dp"] for r in sweeps), 3),
+        "max_utilization_bubbletea": round(max(r["util_atlas_bt"] for r in sweeps), 4),
+        "scale_bubbles": {f"{r['gpus']:.0f}": round(r["bubbles_atlas"], 4) for r in scale},
+        "compute_bubbles_8192": round(compute_bubble_fraction(p, pipefill_m), 4),
+        "wall_s": round(time.perf_counter() - wall, 1),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
