@@ -63,6 +63,7 @@ class RunResult:
     wall_s: float
     serving: ServingStats | None = None
     priors: list[dict[int, float]] = field(default_factory=list)
+    cpu_s: float = 0.0  # this process's CPU seconds for it (beside wall_s on a shared machine)
 
     @property
     def iteration_s(self) -> float:
@@ -114,13 +115,20 @@ def simulate(spec: ClusterSpec, options: SimOptions, progress: Progress | None =
 
 def run_off(setup: SimSetup, iterations: int, progress: Progress | None = None) -> RunResult:
     q = EventQueue()
-    training = Training(setup.pipeline, iterations, q, on_iteration=progress)
-    wall = time.perf_counter()
+    training = Training(setup.pipeline, iterations, q, on_iteration=progress, bus_s=setup.serving.bus_s)
+    wall, cpu = time.perf_counter(), time.process_time()
     training.start()
     q.run()
     result = training.result()
     priors = result.priors(len(training.slots), iteration=1)
-    return RunResult(result.spans, result.iteration_times, q.events, time.perf_counter() - wall, priors=priors)
+    return RunResult(
+        result.spans,
+        result.iteration_times,
+        q.events,
+        time.perf_counter() - wall,
+        priors=priors,
+        cpu_s=time.process_time() - cpu,
+    )
 
 
 def run_on(
@@ -140,10 +148,11 @@ def run_on(
         priors=priors,
         on_iteration=progress,
         on_done=lambda now: q.stop(),
+        bus_s=setup.serving.bus_s,  # --bus-ms reaches training's tensors too
     )
     slots = training.slots
     serving.iteration_of = lambda w: slots[w].iteration
-    wall = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     training.start()
     serving.start()
     q.run()
@@ -151,7 +160,14 @@ def run_on(
     spans = result.spans + [
         Span(slots[w].replica, slots[w].stage, it, "prefill", start, end) for w, it, start, end in serving.spans
     ]
-    return RunResult(spans, result.iteration_times, q.events, time.perf_counter() - wall, serving.stats)
+    return RunResult(
+        spans,
+        result.iteration_times,
+        q.events,
+        time.perf_counter() - wall,
+        serving.stats,
+        cpu_s=time.process_time() - cpu,
+    )
 
 
 def capacity_rate(setup: SimSetup, off: RunResult, options: SimOptions) -> float:

@@ -34,14 +34,27 @@ and logs each one's why. The simulator feeds it the same inputs from a virtual c
   again at their last reported layer, and the worker's bubble is closed so nothing more goes there
   (if the worker is alive after all, its next bubble start opens a bubble again).
 
+**Cost at scale** (the simulator runs this for thousands of workers): a trigger visits only the open
+bubbles that may still take work and the idle workers that may take staged work, each kept in the
+order a full scan visits them (bubbles by start, ties in the order they opened; workers by name);
+packing reads the head of a queue kept in packing order (`packing.WaitingQueue`), never sorting it.
+A bubble or worker leaves its index only for a reason that lasts (no time left, something staged,
+out of the staging window; a bubble's time left never grows until a report gives some back) and is
+put back by whatever undoes it; a bubble whose time left did not hold a layer of the queue's head
+is set aside until a head that needs less, or does not fit its memory, comes (`dispatch_index.RoomIndex`). The
+decisions are exactly those of visiting everything (tests/unit/test_dispatch.py checks this on long
+random input sequences); time going backwards (a clock step) rebuilds the indexes.
+
 Over 300 lines on purpose: one state machine whose rules share the same tables (requests, bubbles,
-staged work, batches in flight); the values it returns live in `decisions.py`, packing in `packing.py`.
+staged work, batches in flight) and the indexes kept beside them; the values it returns live in
+`decisions.py`, packing and the ordered queue in `packing.py`, the bubble index in `dispatch_index.py`.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,8 +69,16 @@ from shared.policies.decisions import (
     Trigger,
     Why,
 )
+from shared.policies.dispatch_index import BubbleKey, Head, RoomIndex, add_sorted, discard_sorted
 from shared.policies.fill import HOLD_STAGED_S
-from shared.policies.packing import Assignment, Candidate, budget, layered_cost, pack
+from shared.policies.packing import (
+    Assignment,
+    Candidate,
+    WaitingQueue,
+    budget,
+    layered_cost,
+    pack_ordered,
+)
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.status import FailureReason
 
@@ -161,11 +182,24 @@ class DispatchState:
     addresses: dict[str, str] = field(default_factory=dict)
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     counts: Counts = field(default_factory=Counts)
-    #: Requests with `in_bubble is None` (queued, not on any worker): kept so that a trigger with
-    #: nothing to pack costs O(1), not a pass over every request and worker (the simulator runs
-    #: this policy for thousands of workers). Decisions do not depend on it.
+    # Indexes that make a trigger cost what it changes, not the cluster's size (see the module's
+    # docstring); the decisions do not depend on them.
+    #: requests with `in_bubble is None` (queued, not on any worker): nothing to pack costs O(1)
     _waiting: int = field(default=0, init=False, repr=False)
-    _recent_order: list[str] | None = field(default=None, init=False, repr=False)  # sorted(self.recent), cached
+    #: the waiting requests in packing order
+    _queue: WaitingQueue = field(init=False, repr=False)
+    #: every open bubble's place in the visiting order: (started, opened rank, worker)
+    _bubble_key: dict[str, BubbleKey] = field(default_factory=dict, init=False, repr=False)
+    #: the open bubbles that may still take work, in visiting order
+    _room: RoomIndex = field(init=False, repr=False)
+    #: the workers that may take staged work, by name
+    _idle: list[str] = field(default_factory=list, init=False, repr=False)
+    _opened: int = field(default=0, init=False, repr=False)  # bubbles opened so far (their rank)
+    _clock: float = field(default=-math.inf, init=False, repr=False)  # the latest `now` of a full visit
+
+    def __post_init__(self) -> None:
+        self._queue = WaitingQueue(self.order)
+        self._room = RoomIndex()
 
     # --- inputs ----------------------------------------------------------------------------
 
@@ -173,7 +207,10 @@ class DispatchState:
         if req.id in self.requests:  # a redelivered request is already known
             return Decisions(ignored=(Ignored(f"request {req.id}", "already queued or running"),))
         self.requests[req.id] = req
-        self._waiting += req.in_bubble is None
+        self._queue.know(req.id, req.deadline, req.arrival)
+        if req.in_bubble is None:
+            self._queue.put(req.id)
+            self._waiting += 1
         self.counts.requests += 1
         return self._fill_all(now, Trigger.REQUEST)
 
@@ -184,11 +221,16 @@ class DispatchState:
             why = f"started {now - b.started:.1f}s ago: history (read from the backlog after a restart)"
             return Decisions(ignored=(Ignored(f"bubble of {b.worker}", why),))
         staged_s, staged_bytes = self.staged.pop(b.worker, (0.0, 0))
+        old = self._bubble_key.get(b.worker)
+        if old is not None:  # replaced: it keeps its place in `self.bubbles`, so its rank
+            self._room.remove(old)
+        self._opened += 1
+        key = (b.started, old[1] if old is not None else self._opened, b.worker)
+        self._bubble_key[b.worker] = key
+        self._room.add(key)
         self.bubbles[b.worker] = Bubble(
             b.worker, b.started, b.predicted_s, b.free_memory, sent_s=staged_s, sent_bytes=staged_bytes, tag=b.tag
         )
-        if b.worker not in self.recent:
-            self._recent_order = None
         self.recent.setdefault(b.worker, deque(maxlen=RECENT_BUBBLES)).append(b.predicted_s)
         self.free_memory[b.worker] = b.free_memory
         self.last_seen[b.worker] = now
@@ -201,8 +243,9 @@ class DispatchState:
         ignored). The worker's next bubble gets its staged batch now."""
         b = self.bubbles.get(worker)
         if b is not None and (tag is None or b.tag == tag):
-            del self.bubbles[worker]
+            self._close(worker)
         self.last_seen[worker] = now
+        add_sorted(self._idle, worker)
         return self._stage(worker, now, Trigger.BUBBLE_END)
 
     def report(self, batch_id: str, worker: str, progress: list[Progress], now: float) -> Decisions:
@@ -224,7 +267,9 @@ class DispatchState:
             if p.finished or req.next_layer >= self.layers:
                 finished.append(Finished(req.id, req.ticket))
                 del self.requests[p.id]
+                self._queue.forget(p.id)
             else:
+                self._queue.put(p.id)
                 self._waiting += 1
         self.counts.done += len(finished)
         return Decisions(finished=tuple(finished)) + self._fill_all(now, Trigger.REPORT)
@@ -278,6 +323,7 @@ class DispatchState:
             else:
                 self._waiting -= 1
             del self.requests[r.id]
+            self._queue.forget(r.id)
         return tuple(Failure(r.id, r.ticket, r.payload, reason, detail(r)) for r in gone)
 
     def _worker_lost(self, worker: str, now: float) -> list[LostBatch]:
@@ -292,47 +338,94 @@ class DispatchState:
             back = [r for r in (self.requests.get(i) for i in b.ids) if r is not None and r.in_bubble == worker]
             for r in back:
                 r.in_bubble, r.assigned_s = None, 0.0
+                self._queue.put(r.id)
             self._waiting += len(back)
             self.counts.requeued += len(back)
             lost.append(LostBatch(batch_id, worker, len(back), now - b.report_by))
-        self.bubbles.pop(worker, None)
+        if worker in self.bubbles:
+            self._close(worker)
         self.staged.pop(worker, None)
-        if self.recent.pop(worker, None) is not None:
-            self._recent_order = None
+        self.recent.pop(worker, None)
         return lost
 
     def _fill_all(self, now: float, trigger: Trigger) -> Decisions:
+        """Top up every open bubble, oldest first, then stage work for idle workers' next bubbles,
+        until nothing waits. Visits only the indexed bubbles and workers: the others would take
+        nothing (the same decisions as visiting all of them)."""
         out = Decisions()
-        # Nothing waiting, nothing to pack: stop there (the same decisions, without visiting every
-        # open bubble and idle worker).
-        if not self._waiting:
+        if not self._waiting:  # nothing to pack
             return out
-        for worker in sorted(self.bubbles, key=lambda w: self.bubbles[w].started):
-            d = self._fill(worker, now, trigger)
+        if now < self._clock:  # time went back: what was dropped for lack of time may have some
+            self._reindex()
+        self._clock = now
+        head = self._head(now)
+        if head is None:  # every waiting request has expired: nothing is packed anywhere
+            return out
+        self._room.release(head)
+        key = self._room.first()
+        while key is not None:
+            b = self.bubbles[key[2]]
+            left, memory = self._left(b, now), b.free_memory - b.sent_bytes
+            if left <= 0:  # and stays so until a report gives some back (`_give_back`)
+                self._room.remove(key)
+            elif head.blocks(left, memory):  # and so for any head that needs as much
+                self._room.set_aside(key, left, memory)
+            else:
+                d = self._fill_bubble(b, left, now, trigger)
+                if d:
+                    out += d
+                    if not self._waiting:
+                        return out
+                    head = self._head(now)
+                    if head is None:
+                        return out
+                    self._room.release(head)  # those it frees that come before `key` wait for the next pass
+            key = self._room.after(key)
+        for worker in list(self._idle):
+            room = self._stage_room(worker, now)
+            if room is None:  # and stays so until its bubble ends or its staged work comes back
+                discard_sorted(self._idle, worker)
+                continue
+            if head.blocks(room[1], self.free_memory.get(worker, 0)):
+                continue
+            d = self._stage_batch(worker, *room, now, trigger)
             if d:
                 out += d
                 if not self._waiting:
                     return out
-        if self._recent_order is None:
-            self._recent_order = sorted(self.recent)
-        for worker in self._recent_order:  # then stage work for idle workers' next bubbles
-            d = self._stage(worker, now, trigger)
-            if d:
-                out += d
-                if not self._waiting:
+                head = self._head(now)
+                if head is None:
                     return out
         return out
+
+    def _head(self, now: float) -> Head | None:
+        """The first waiting request that packing would consider now (none: all expired)."""
+        for c in self._candidates():
+            if c.deadline is None or c.deadline >= now:
+                cost = layered_cost(self.cost.predict, self.layers)
+                return Head(
+                    c.kv_bytes,
+                    cost(c.tokens, c.next_layer, self.layers),
+                    cost(c.tokens, c.next_layer, c.next_layer + 1),
+                )
+        return None
 
     def _fill(self, worker: str, now: float, trigger: Trigger) -> Decisions:
         b = self.bubbles.get(worker)
         if b is None:
             return Decisions()
-        left = max(budget(b.predicted_s, now - b.started, self.guard_s, self.overhead_s), self.ahead_s) - b.sent_s
+        return self._fill_bubble(b, self._left(b, now), now, trigger)
+
+    def _left(self, b: Bubble, now: float) -> float:
+        """Seconds of work `b` still takes (never more as time passes, less as work is sent)."""
+        return max(budget(b.predicted_s, now - b.started, self.guard_s, self.overhead_s), self.ahead_s) - b.sent_s
+
+    def _fill_bubble(self, b: Bubble, left: float, now: float, trigger: Trigger) -> Decisions:
         plan, queued = self._pack(left, b.free_memory - b.sent_bytes, now)
         if not plan:
             return Decisions()
         why = Why(trigger, b.tag, b.predicted_s, left, sum(a.seconds for a in plan), queued)
-        batch, kv_bytes = self._send(worker, plan, hold=False, why=why, now=now)
+        batch, kv_bytes = self._send(b.worker, plan, hold=False, why=why, now=now)
         b.sent_s += batch.predicted_s
         b.sent_bytes += kv_bytes
         return Decisions(batches=(batch,))
@@ -340,13 +433,21 @@ class DispatchState:
     def _stage(self, worker: str, now: float, trigger: Trigger) -> Decisions:
         """The first batch of `worker`'s next bubble, sent now and held there until it starts
         (none if staging is off, something is staged already, or nothing fits)."""
+        room = self._stage_room(worker, now)
+        return Decisions() if room is None else self._stage_batch(worker, *room, now, trigger)
+
+    def _stage_room(self, worker: str, now: float) -> tuple[float, float] | None:
+        """(typical bubble, room) for work staged on `worker` now; None if it may take none."""
         recent = self.recent.get(worker)
         if not self.stage_next or worker in self.staged or not recent or worker in self.bubbles:
-            return Decisions()
+            return None
         if now - self.last_seen.get(worker, -1e18) > STAGE_WINDOW_S:
-            return Decisions()
+            return None
         typical = sorted(recent)[len(recent) // 2]
         room = max(0.0, min(self.stage_s, typical - self.guard_s - self.overhead_s))
+        return (typical, room) if room > 0 else None
+
+    def _stage_batch(self, worker: str, typical: float, room: float, now: float, trigger: Trigger) -> Decisions:
         plan, queued = self._pack(room, self.free_memory.get(worker, 0), now)
         if not plan:
             return Decisions()
@@ -356,26 +457,25 @@ class DispatchState:
         return Decisions(batches=(batch,))
 
     def _pack(self, left: float, free_memory: int, now: float) -> tuple[tuple[Assignment, ...], int]:
+        """The plan for `left` seconds and `free_memory` bytes, and how many requests waited."""
         if left <= 0 or not self._waiting:
             return (), self._waiting  # no room, or nothing to put there: no pass over the requests
-        waiting = [
-            Candidate(r.id, r.tokens, r.next_layer, r.arrival, r.kv_bytes, r.deadline)
-            for r in self.requests.values()
-            if r.in_bubble is None
-        ]
-        if left <= 0 or not waiting:
-            return (), len(waiting)
-        plan = pack(
-            waiting,
+        plan = pack_ordered(
+            self._candidates(),
             budget_s=left,
             free_memory=free_memory,
             layers=self.layers,
             cost=layered_cost(self.cost.predict, self.layers),
             now=now,
             max_requests=self.max_batch,
-            order=self.order,
         )
-        return plan.assignments, len(waiting)
+        return plan.assignments, self._waiting
+
+    def _candidates(self) -> Iterator[Candidate]:
+        """The waiting requests in packing order, read lazily (packing stops at the plan's end)."""
+        for rid in self._queue:
+            r = self.requests[rid]
+            yield Candidate(r.id, r.tokens, r.next_layer, r.arrival, r.kv_bytes, r.deadline)
 
     def _send(
         self, worker: str, plan: tuple[Assignment, ...], *, hold: bool, why: Why, now: float
@@ -386,6 +486,7 @@ class DispatchState:
         for a in plan:
             r = self.requests[a.id]
             r.in_bubble, r.assigned_s = worker, a.seconds
+            self._queue.take(a.id)
             self._waiting -= 1
             items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds))
             kv_bytes += r.kv_bytes
@@ -403,11 +504,22 @@ class DispatchState:
         if b is not None:
             b.sent_s = max(0.0, b.sent_s - req.assigned_s)
             b.sent_bytes = max(0, b.sent_bytes - req.kv_bytes)
+            self._room.add(self._bubble_key[worker])  # it may have room again
         elif worker in self.staged:
             secs, nbytes = self.staged[worker]
             left_s, left_b = max(0.0, secs - req.assigned_s), max(0, nbytes - req.kv_bytes)
             if left_s <= 0 and left_b <= 0:
                 del self.staged[worker]
+                add_sorted(self._idle, worker)  # it may take staged work again
             else:
                 self.staged[worker] = (left_s, left_b)
         req.assigned_s = 0.0
+
+    def _close(self, worker: str) -> None:
+        del self.bubbles[worker]
+        self._room.remove(self._bubble_key.pop(worker))
+
+    def _reindex(self) -> None:
+        """Every open bubble and every worker with recent bubbles back in the indexes."""
+        self._room = RoomIndex(self._bubble_key.values())
+        self._idle = sorted(self.recent)

@@ -14,13 +14,19 @@ a plan of layer ranges to run. Rules:
   across bubbles. Only the head of the queue is split, so a long request is not starved by short
   ones behind it, and it is never overtaken once started.
 * **Expired**: a request whose deadline has passed is not planned (the dispatch policy fails it).
+
+`pack` sorts its candidates; `pack_ordered` takes them already in order (a `WaitingQueue`, which
+keeps a dispatcher's queue sorted as requests come and go) and reads only as many as the plan needs.
+Both make the same plan.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from bisect import bisect_left, insort
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -65,12 +71,18 @@ def budget(predicted_s: float, elapsed_s: float, guard_s: float, overhead_s: flo
     return max(0.0, predicted_s - guard_s - overhead_s - elapsed_s)
 
 
-def order_key(order: str) -> Callable[[Candidate], tuple[float, ...]]:
+def queue_key(order: str) -> Callable[[float | None, float], tuple[float, ...]]:
+    """A request's place in the queue, from its deadline and arrival."""
     if order == "deadline":
-        return lambda c: (0 if c.deadline is not None else 1, c.deadline or 0.0, c.arrival)
+        return lambda deadline, arrival: (0 if deadline is not None else 1, deadline or 0.0, arrival)
     if order == "arrival":
-        return lambda c: (c.arrival,)
+        return lambda deadline, arrival: (arrival,)
     raise ValueError(f"unknown order {order!r}; known: deadline, arrival")
+
+
+def order_key(order: str) -> Callable[[Candidate], tuple[float, ...]]:
+    key = queue_key(order)
+    return lambda c: key(c.deadline, c.arrival)
 
 
 def pack(
@@ -84,12 +96,36 @@ def pack(
     max_requests: int,
     order: str = "deadline",
 ) -> Plan:
-    live = sorted((c for c in candidates if c.deadline is None or c.deadline >= now), key=order_key(order))
+    return pack_ordered(
+        sorted(candidates, key=order_key(order)),
+        budget_s=budget_s,
+        free_memory=free_memory,
+        layers=layers,
+        cost=cost,
+        now=now,
+        max_requests=max_requests,
+    )
+
+
+def pack_ordered(
+    ordered: Iterable[Candidate],
+    *,
+    budget_s: float,
+    free_memory: int,
+    layers: int,
+    cost: Cost,
+    now: float,
+    max_requests: int,
+) -> Plan:
+    """`pack` of candidates already in packing order (ties as they come); reads no more of
+    `ordered` than the plan needs, so a long queue costs only its head."""
     left, memory = budget_s, free_memory
     plan: list[Assignment] = []
-    for c in live:
+    for c in ordered:
         if len(plan) >= max_requests or left <= 0:
             break
+        if c.deadline is not None and c.deadline < now:
+            continue  # expired: not planned
         if c.kv_bytes > memory:
             continue  # its KV cache does not fit on this worker now; a roomier bubble takes it
         whole = cost(c.tokens, c.next_layer, layers)
@@ -98,8 +134,7 @@ def pack(
             left -= whole
             memory -= c.kv_bytes
             continue
-        per_layer = cost(c.tokens, c.next_layer, c.next_layer + 1)
-        fit = math.floor(left / per_layer) if per_layer > 0 else 0
+        fit = layers_fitting(left, cost(c.tokens, c.next_layer, c.next_layer + 1))
         if fit >= 1:
             end = min(layers, c.next_layer + fit)
             secs = cost(c.tokens, c.next_layer, end)
@@ -107,3 +142,55 @@ def pack(
             memory -= c.kv_bytes
         break  # the head of the queue takes the rest of the bubble: no overtaking it
     return Plan(tuple(plan), budget_s)
+
+
+def layers_fitting(budget_s: float, per_layer: float) -> int:
+    """Whole layers of `per_layer` seconds each that `budget_s` holds."""
+    return math.floor(budget_s / per_layer) if per_layer > 0 else 0
+
+
+def places_any(whole: float, per_layer: float, budget_s: float) -> bool:
+    """Whether `pack` puts some of a candidate that fits in memory in `budget_s`, the candidate's
+    remaining layers costing `whole` seconds, one of them `per_layer`."""
+    return whole <= budget_s or layers_fitting(budget_s, per_layer) >= 1
+
+
+class WaitingQueue:
+    """Request ids in packing order, kept sorted as requests are queued and taken, so that packing
+    a bubble reads the head of the queue instead of sorting all of it.
+
+    The order is `order_key`'s, ties in the order the requests became known (`know`), as `pack`
+    orders candidates listed in that order. A known request keeps its place while it is out of
+    the queue (running on a worker) and comes back to it (`put`)."""
+
+    __slots__ = ("_entries", "_key", "_known", "_sorted")
+
+    def __init__(self, order: str) -> None:
+        self._key = queue_key(order)  # an unknown order fails here
+        self._known = 0
+        self._entries: dict[str, tuple[Any, ...]] = {}  # every known request's (*key, rank, id)
+        self._sorted: list[tuple[Any, ...]] = []  # the queued ones' entries, in order
+
+    def know(self, id: str, deadline: float | None, arrival: float) -> None:
+        self._known += 1
+        self._entries[id] = (*self._key(deadline, arrival), self._known, id)
+
+    def put(self, id: str) -> None:
+        insort(self._sorted, self._entries[id])
+
+    def take(self, id: str) -> None:
+        entry = self._entries[id]
+        i = bisect_left(self._sorted, entry)
+        if i < len(self._sorted) and self._sorted[i] == entry:
+            del self._sorted[i]
+
+    def forget(self, id: str) -> None:
+        """`id` is gone for good (answered or failed): out of the queue and unknown."""
+        self.take(id)
+        del self._entries[id]
+
+    def __iter__(self) -> Iterator[str]:
+        return (entry[-1] for entry in self._sorted)
+
+    def __len__(self) -> int:
+        return len(self._sorted)

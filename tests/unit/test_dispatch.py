@@ -8,6 +8,7 @@ import pytest
 from shared.policies.decisions import Batch, Decisions, Trigger
 from shared.policies.dispatch import BATCH_GRACE_S, STALE_BUBBLE_S, BubbleOpened, DispatchState, Progress, Request
 from shared.policies.fill import HOLD_STAGED_S
+from shared.policies.packing import Assignment, Candidate, layered_cost, pack
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.status import FailureReason
 
@@ -306,3 +307,125 @@ def test_the_dispatchers_waiting_count_stays_exact() -> None:
             ds = st.fail_waiting("test", now)
         batches.update({b.batch_id: b for b in ds.batches})
         assert st._waiting == sum(r.in_bubble is None for r in st.requests.values())
+
+
+class FullScan(DispatchState):
+    """The dispatcher without its indexes, as the reference: every trigger visits every open bubble
+    (by start, ties in the order they opened) and every worker with recent bubbles (by name), and
+    packing sorts the whole queue (`pack`). No shortcut: nothing waiting just packs nothing."""
+
+    def _fill_all(self, now: float, trigger: Trigger) -> Decisions:
+        out = Decisions()
+        for worker in sorted(self.bubbles, key=lambda w: self.bubbles[w].started):
+            out += self._fill(worker, now, trigger)
+        for worker in sorted(self.recent):
+            out += self._stage(worker, now, trigger)
+        return out
+
+    def _pack(self, left: float, free_memory: int, now: float) -> tuple[tuple[Assignment, ...], int]:
+        waiting = [
+            Candidate(r.id, r.tokens, r.next_layer, r.arrival, r.kv_bytes, r.deadline)
+            for r in self.requests.values()
+            if r.in_bubble is None
+        ]
+        if left <= 0 or not waiting:
+            return (), len(waiting)
+        plan = pack(
+            waiting,
+            budget_s=left,
+            free_memory=free_memory,
+            layers=self.layers,
+            cost=layered_cost(self.cost.predict, self.layers),
+            now=now,
+            max_requests=self.max_batch,
+            order=self.order,
+        )
+        return plan.assignments, len(waiting)
+
+
+def snapshot(s: DispatchState) -> object:
+    return (
+        [(r.id, r.next_layer, r.in_bubble, r.assigned_s) for r in s.requests.values()],
+        [(w, b.started, b.sent_s, b.sent_bytes, b.tag) for w, b in s.bubbles.items()],
+        s.staged,
+        {w: list(d) for w, d in s.recent.items()},
+        s.in_flight,
+        s.counts,
+        s._waiting,
+    )
+
+
+@pytest.mark.parametrize(
+    ("seed", "kw"),
+    [
+        (1, {}),
+        (2, {"order": "arrival", "max_batch": 3}),
+        (3, {"ahead_s": 0.004, "stage_s": 0.01}),
+        (4, {"stage_next": False}),
+    ],
+)
+def test_the_indexed_dispatcher_decides_exactly_as_a_full_scan(seed: int, kw: dict[str, object]) -> None:
+    """The indexes (open bubbles with room, idle workers, the queue in packing order) change the
+    cost only: a long random input sequence gives identical decisions, step by step, to a full scan."""
+    rnd = random.Random(seed)
+    args: dict[str, object] = {"layers": 4, "guard_s": 0.001, "overhead_s": 0.0005, "max_batch": 6, **kw}
+    fast, full = DispatchState(**args), FullScan(**args)  # type: ignore[arg-type]
+    workers = [f"w{i}" for i in range(12)]  # "w10" sorts before "w2", as names do
+    out: dict[str, Batch] = {}  # batches in flight, as the reference sent them
+    tags: dict[str, int] = {}
+    now, n, skipped = 0.0, 0, set()
+    for _ in range(1500):
+        now += rnd.choice((0.0, 0.0, 0.0005, 0.002, 0.006)) * rnd.random() if rnd.random() < 0.5 else 0.0
+        op = rnd.random()
+        if op < 0.3:
+            n += 1 if rnd.random() < 0.95 else 0  # now and then a redelivered request
+            deadline = None if rnd.random() < 0.2 else now + rnd.uniform(0.01, 0.5)
+            arrival = now - rnd.choice((0.0, 0.0, 0.01))
+            tokens, kv = rnd.choice((4, 10, 40, 200)), rnd.choice((100, 1000, 5000))
+
+            def request(n: int = n, t: int = tokens, a: float = arrival, k: int = kv, d: float | None = deadline):
+                return Request(f"q{n}", t, a, k, deadline=d, ticket=f"t{n}")
+
+            step = "add_request", (request(),), (request(),), now
+        elif op < 0.5:
+            w = rnd.choice(workers)
+            tags[w] = tags.get(w, 0) + 1
+            started = now - rnd.choice((0.0, 0.0, 0.001, STALE_BUBBLE_S + 0.5))  # ties, and history
+            opened = BubbleOpened(w, f"a:{w}", rnd.uniform(0.0, 0.04), rnd.choice((10**9, 6000)), started, tags[w])
+            step = "bubble_start", (opened,), (opened,), now
+        elif op < 0.65:
+            w = rnd.choice(workers)
+            tag = rnd.choice((tags.get(w), None, -1))
+            step = "bubble_end", (w, tag), (w, tag), now
+        elif op < 0.88 and out:
+            b = out.pop(rnd.choice(sorted(out)))
+            progress = []
+            for i in b.items:
+                reached = rnd.randint(i.from_layer, i.to_layer)
+                progress.append(Progress(i.id, reached, i.seconds * rnd.uniform(0.5, 2.0), rnd.random() < 0.03))
+            if rnd.random() < 0.05:
+                out[b.batch_id] = b  # reported twice
+            step = "report", (b.batch_id, b.worker, progress), (b.batch_id, b.worker, progress), now
+        elif op < 0.997:
+            at = now + (rnd.uniform(3.0, 6.0) if rnd.random() < 0.05 else 0.0)  # lost batches; then time goes back
+            step = "tick", (), (), at
+        else:
+            step = "fail_waiting", ("test",), ("test",), now
+        name, a_fast, a_full, at = step
+        if name == "bubble_end":
+            got, want = fast.bubble_end(*a_fast, now=at), full.bubble_end(*a_full, now=at)  # type: ignore[arg-type]
+        else:
+            got, want = getattr(fast, name)(*a_fast, at), getattr(full, name)(*a_full, at)
+        assert got == want, name
+        assert snapshot(fast) == snapshot(full)
+        out.update({b.batch_id: b for b in want.batches})
+        for lb in want.lost:
+            out.pop(lb.batch_id, None)
+        if len(fast._room._visit) < len(fast.bubbles):
+            skipped.add("bubbles")
+        if fast._room._aside:
+            skipped.add("blocked")
+        if len(fast._idle) < len(fast.recent):
+            skipped.add("workers")
+    assert fast.counts.batches > 200 and fast.counts.done > 30  # it did dispatch
+    assert skipped >= {"bubbles", "blocked"} | ({"workers"} if fast.stage_next else set())  # the indexes skipped some
