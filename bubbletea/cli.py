@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan",
         help="print the placement, cross-DC hops and the analytic iteration time",
-        description="Atlas placement of the spec's stages on its datacenters, the WAN hops, and the analytic "
+        description="The placement of the spec's stages on its datacenters (parallelism.placement: Atlas's or "
+        "round-robin), the WAN hops, and the analytic "
         "pipeline model's iteration time and bubble fraction for each sharing policy.",
     )
     p.add_argument("--config", default=None, help="cluster spec (default: configs/demo.yaml)")

@@ -7,6 +7,12 @@ from shared.plan import activation_bytes, layers_per_stage, placement_of, predic
 from shared.policies.schedules import compute_bubble_fraction
 from shared.policies.wan import LinkModel
 
+#: How `bubbletea plan` names each `parallelism.placement` (shared/policies/placement.py).
+PLACEMENT_RULES = {
+    "atlas": "atlas: largest DC first, consecutive stages",
+    "round_robin": "round_robin: stages dealt over the DCs in spec order",
+}
+
 
 def plan_report(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: float, source: str) -> str:
     """The text `bubbletea plan` prints."""
@@ -17,18 +23,25 @@ def plan_report(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: fl
         f"schedule {spec.training.schedule}, {spec.training.microbatches} microbatches, "
         f"WAN sharing {spec.wan.sharing}",
         "",
-        "placement:",
+        f"placement ({PLACEMENT_RULES[spec.parallelism.placement]}):",
     ]
     layers = layers_per_stage(spec)
     for k, dc in enumerate(pl.stage_dc):
         lines.append(f"  stage {k}: {dc:<10} {layers[k]} layers, replicas 0..{spec.parallelism.dp - 1}")
     hops = pl.hops()
-    lines.append("cross-DC hops: " + (", ".join(f"stage {k}->{k + 1} ({a}->{b})" for k, a, b in hops) or "none"))
+    lines.append(
+        f"cross-DC hops ({len(hops)} of {len(pl.stage_dc) - 1}): "
+        + (", ".join(f"stage {k}->{k + 1} ({a}->{b})" for k, a, b in hops) or "none")
+    )
     act = activation_bytes(spec)
+    per_link: dict[tuple[str, str], int] = {}
     for _, a, b in hops:
+        per_link[(a, b)] = per_link.get((a, b), 0) + 1
+    for (a, b), n in per_link.items():
         link = LinkModel.from_params(spec.link(a, b))
+        shared = f" ({n} hops share it)" if n > 1 else ""
         lines.append(
-            f"  {a}->{b}: {link.bandwidth * 8 / 1e9:.2f} Gb/s, {link.latency * 1000:.1f} ms one way, "
+            f"  {a}->{b}{shared}: {link.bandwidth * 8 / 1e9:.2f} Gb/s, {link.latency * 1000:.1f} ms one way, "
             f"per-transfer cap {link.flow_cap * 8 / 1e9:.2f} Gb/s; one activation ({act / 1e6:.3f} MB) "
             f"alone takes {link.alone_s(act) * 1000:.2f} ms"
         )

@@ -82,6 +82,9 @@ class Parallelism(_Spec, frozen=True):
     pp: Annotated[int, Meta(ge=1, le=1024)] = 2
     dp: Annotated[int, Meta(ge=1, le=1024)] = 2
     tp: Annotated[int, Meta(ge=1, le=64)] = 1
+    #: Which DC runs each stage: atlas = largest DC first, consecutive stages (few WAN hops);
+    #: round_robin = stages dealt over the DCs in spec order (the naive baseline, most hops cross the WAN).
+    placement: Literal["atlas", "round_robin"] = "atlas"
 
 
 #: `training.iterations` of a run that trains until it is stopped (a service, not a finite job).

@@ -10,7 +10,7 @@ from __future__ import annotations
 from shared.config import ClusterSpec
 from shared.model.shape import split_layers
 from shared.policies.pipeline_model import PipelineInputs, PipelineResult, simulate
-from shared.policies.placement import Placement, place
+from shared.policies.placement import Placement, place, round_robin
 from shared.policies.wan import LinkModel
 
 #: Bytes per activation element on the wire (float32).
@@ -18,8 +18,14 @@ ACT_ELEMENT_BYTES = 4
 
 
 def placement_of(spec: ClusterSpec) -> Placement:
+    """The spec's stage placement, by `parallelism.placement`; an infeasible spec raises `PlacementError`."""
     par = spec.parallelism
-    return place([(dc.name, dc.gpus) for dc in spec.datacenters], par.pp, par.dp, par.tp)
+    dcs = [(dc.name, dc.gpus) for dc in spec.datacenters]
+    match par.placement:
+        case "atlas":
+            return place(dcs, par.pp, par.dp, par.tp)
+        case "round_robin":
+            return round_robin(dcs, par.pp, par.dp, par.tp)
 
 
 def activation_bytes(spec: ClusterSpec) -> int:

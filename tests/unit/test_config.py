@@ -47,6 +47,10 @@ def test_spec_is_frozen() -> None:
         ({"datacenters": DC, "prefill": {"model": {"layers": 999}}}, "prefill.model.layers: Expected `int` <= 256"),
         ({"datacenters": DC, "model": {"d_model": 30, "heads": 4}}, "model.d_model: must be a multiple of model.heads"),
         ({"datacenters": DC, "parallelism": {"pp": 8}, "model": {"layers": 4}}, "parallelism.pp: at most model.layers"),
+        (
+            {"datacenters": DC, "parallelism": {"placement": "random"}},
+            "parallelism.placement: Invalid enum value 'random' (allowed: atlas, round_robin)",
+        ),
         ({"datacenters": [{"name": "a", "gpus": 1}, {"name": "a", "gpus": 1}]}, "datacenters[1].name: duplicate"),
         ({"datacenters": DC, "wan": {"links": [{"src": "a", "dst": "z"}]}}, "wan.links[0].dst: unknown datacenter 'z'"),
         ({"datacenters": DC, "wan": {"links": [{"src": "a", "dst": "a"}]}}, "wan.links[0]: src and dst are both"),

@@ -1,5 +1,5 @@
 """The paper-side-by-side specs (configs/paper-*.yaml, docs/paper.md): each loads, simulates, and
-the three Atlas steps differ only in what each step changes."""
+the three Atlas steps, and the naive-placement variant, differ only in what each step changes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from shared.config import load_spec
+from shared.plan import placement_of
 from sim.run import SimOptions, simulate
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -18,7 +19,13 @@ PAPER = sorted(CONFIGS.glob("paper-*.yaml"))
 
 def test_the_paper_specs_are_shipped() -> None:
     names = {p.name for p in PAPER}
-    assert {"paper-pp-1conn-fair.yaml", "paper-pp-fair.yaml", "paper-atlas.yaml", "paper-scale.yaml"} <= names
+    assert {
+        "paper-pp-1conn-fair.yaml",
+        "paper-pp-fair.yaml",
+        "paper-atlas.yaml",
+        "paper-round-robin.yaml",
+        "paper-scale.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
@@ -44,3 +51,13 @@ def test_atlas_steps_differ_only_in_sharing_and_connections() -> None:
         raw["wan"]["sharing"] = c["wan"]["sharing"]
         raw["wan"]["default"]["connections"] = c["wan"]["default"]["connections"]
         assert raw == c
+
+
+def test_naive_placement_differs_from_atlas_only_in_placement() -> None:
+    rr, c = _raw("paper-round-robin.yaml"), _raw("paper-atlas.yaml")
+    assert rr["parallelism"].pop("placement") == "round_robin"
+    assert "placement" not in c["parallelism"]  # Atlas's, the default
+    assert rr == c
+    # what docs/paper.md states: 6 WAN hops against Atlas's 2
+    assert len(placement_of(load_spec(CONFIGS / "paper-round-robin.yaml")).hops()) == 6
+    assert len(placement_of(load_spec(CONFIGS / "paper-atlas.yaml")).hops()) == 2
