@@ -82,6 +82,26 @@ def wait_ready(url: str, up: subprocess.Popen[bytes], timeout: float) -> None:
     raise SystemExit(f"serving not ready within {timeout:.0f}s")
 
 
+def family(key: str) -> str:
+    """A key's family: its name with ids and numbers left out (bt:<run>:prefill:snap:<id>:<layer>
+    -> bt:*:prefill:snap), so the memory of each kind of record can be added up."""
+    parts = key.split(":")
+    if len(parts) > 2 and parts[1] not in ("prefill", "decode", "serving", "health", "dead", "ping", "pong"):
+        parts[1] = "*"  # the run id
+    kept = [p for p in parts[:4] if not any(c.isdigit() for c in p) or p.startswith("bt")]
+    return ":".join(kept)
+
+
+def memory_by_family(r: Redis) -> dict[str, float]:
+    """MB of Redis memory per key family (MEMORY USAGE of every key), largest first."""
+    sizes: dict[str, int] = {}
+    for raw in r.scan_iter(count=1000):
+        key = raw.decode()
+        used: Any = r.memory_usage(key, samples=0) or 0  # 0: every element, not a sample
+        sizes[family(key)] = sizes.get(family(key), 0) + int(used)
+    return {k: round(v / 2**20, 1) for k, v in sorted(sizes.items(), key=lambda kv: -kv[1])[:8]}
+
+
 def growth(first: float, last: float) -> float:
     return round((last - first) / first * 100, 2) if first else 0.0
 
@@ -110,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     r = Redis.from_url(redis_srv.url)
     samples: list[dict[str, Any]] = []
+    families: dict[str, float] = {}
     load: subprocess.Popen[bytes] | None = None
     try:
         api = f"http://127.0.0.1:{port}"
@@ -132,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                 "rss_kb": {k: v for k, v in rss.items() if v is not None},
             }
             samples.append(sample)
+            if not families and time.monotonic() - t0 > duration - 2 * args.every:
+                families = memory_by_family(r)  # near the end, still under load: what holds the memory
+                mem: Any = r.info("memory")
+                families["(dataset, all keys)"] = round(int(mem["used_memory_dataset"]) / 2**20, 1)
+                families["(used_memory)"] = round(int(mem["used_memory"]) / 2**20, 1)
             print(json.dumps({"t": sample["t"], "redis_used_mb": round(sample["redis_used_memory"] / 2**20, 1)}))
             time.sleep(args.every)  # a sampling period
         loadgen = json.loads((out / "load.json").read_text()) if (out / "load.json").exists() else {}
@@ -162,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_growth_pct": per_proc,
         "rss_growth_pct_max": max(per_proc.values(), default=0.0),
         "rss_end_mb_total": round(sum(last["rss_kb"].values()) / 1024, 1),
+        "redis_mb_by_family_under_load": families,
         "completed": loadgen.get("completed"),
         "failed": loadgen.get("failed"),
     }

@@ -18,12 +18,17 @@ from aiohttp import web
 
 from shared.config import ConfigError
 from shared.logs import get_logger, setup_logging
+from shared.model.shape import CheckpointError
 from shared.settings import Settings, load_settings
 
 log = get_logger(__name__)
 
 Serve = Callable[[Settings, asyncio.Event], Awaitable[None]]
 
+
+#: The exit code of a service that cannot run with its configuration (a bad spec, a checkpoint that
+#: cannot be loaded, a device that is not there): a supervisor does not restart it.
+EXIT_CONFIG = 2
 
 def run_service(name: str, serve: Serve, argv: Sequence[str] | None = None, *, description: str = "") -> int:
     ap = argparse.ArgumentParser(
@@ -39,7 +44,7 @@ def run_service(name: str, serve: Serve, argv: Sequence[str] | None = None, *, d
         settings.require_redis_url()
     except ConfigError as exc:
         print(f"{name}: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     setup_logging(name, settings.log_level, settings.log_format)
     code = uvloop.run(_main(name, serve, settings))
     # Stopped: a late SIGTERM (a launcher stopping everything) must not turn a clean exit into a
@@ -65,6 +70,9 @@ async def _main(name: str, serve: Serve, settings: Settings) -> int:
     log.info("starting", service=name, spec=str(settings.spec_path))
     try:
         await serve(settings, stop)
+    except (ConfigError, CheckpointError) as exc:  # the same every time: a restart cannot help
+        log.error("cannot run with this configuration", service=name, error=str(exc))
+        return EXIT_CONFIG
     except Exception as exc:
         log.exception("service failed", service=name, error=repr(exc))
         return 1

@@ -15,6 +15,8 @@ cancels it), a failure it cannot fix, or the end of a finite run:
   (`training.checkpoint_every` > 0): the new process takes the free slot and the run resumes from
   its newest checkpoint (services/stage_worker/recovery.py). Without checkpoints a lost worker
   stops the run (its peers abort), so it stops everything, naming the worker;
+* a process that exits with `EXIT_CONFIG` (2: it cannot run with this configuration, e.g. a
+  checkpoint that cannot be loaded) is never restarted: everything stops, naming it;
 * when every stage worker exited 0 (a finite run trained all its iterations) it returns 0.
 """
 
@@ -27,6 +29,7 @@ from collections.abc import Awaitable, Callable
 
 from bubbletea.launcher.procs import Proc, ServiceFailed
 from shared.policies.restarts import DEFAULT_POLICY, Death, GiveUp, RestartPolicy, decide
+from shared.service import EXIT_CONFIG
 
 #: How often child exit codes are polled: a death is noticed within this.
 POLL_S = 0.2
@@ -80,6 +83,11 @@ class Supervisor:
                 for i, p in enumerate(self.procs):
                     if p.proc.returncode is None or i in self._restarting:
                         continue
+                    if p.proc.returncode == EXIT_CONFIG:  # the same every time: a restart cannot help
+                        raise ServiceFailed(
+                            f"{p.label} (pid {p.proc.pid}) cannot run with this configuration (exit code "
+                            f"{EXIT_CONFIG}); not restarting; last output:\n" + "\n".join(p.tail)
+                        )
                     if restartable(p, workers=self.restart_workers):
                         self._on_death(i, p)
                     elif p.proc.returncode != 0:

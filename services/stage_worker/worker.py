@@ -39,6 +39,7 @@ from shared.policies.fill import FillPolicy
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.recovery import FROM_SCRATCH
+from shared.service import EXIT_CONFIG
 from shared.settings import Settings
 from shared.telemetry import MetricsServer
 from shared.tensors import from_blob
@@ -61,7 +62,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         kind = check_kind(settings.spec.device.kind)
     except DeviceError as exc:
         log.error("cannot start: the configured device is not available", error=str(exc))
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_CONFIG) from None
     if kind == "cpu":
         torch.set_num_threads(1)  # several workers share the machine's cores
     # A prefill thread holds the GIL between torch ops; the default 5 ms switch interval would

@@ -165,7 +165,32 @@ async def test_a_crash_loop_stops_everything_naming_the_service_and_its_last_lin
     assert len([line for line in lines if "died" in line]) == MAX_DEATHS_IN_WINDOW
 
 
-async def test_a_dead_worker_is_not_restarted_and_stops_everything() -> None:
+async def test_a_dead_worker_of_a_run_without_checkpoints_is_not_restarted_and_stops_everything() -> None:
     procs = [fake(DISPATCHER, "dispatcher"), fake(STAGE_WORKER, "stage_worker-1", returncode=1)]
     with pytest.raises(ServiceFailed, match=r"stage_worker-1 \(pid \d+\) exited with code 1; stage workers are not"):
         await asyncio.wait_for(supervisor(procs, respawn_code=None, lines=[]).follow(), 5)
+
+
+async def test_a_dead_worker_of_a_run_that_checkpoints_is_restarted() -> None:
+    procs = [fake(DISPATCHER, "dispatcher"), fake(STAGE_WORKER, "stage_worker-1", returncode=-9)]
+    lines: list[str] = []
+    sup = supervisor(procs, respawn_code=None, lines=lines)
+    sup.restart_workers = True
+    task = asyncio.create_task(sup.follow())
+    async with asyncio.timeout(5):
+        while not any("restarted" in line for line in lines):  # noqa: ASYNC110
+            await asyncio.sleep(0.001)  # polling the fake supervisor's output
+    assert lines[0] == "==> stage_worker-1 died (exit code -9); restarting in 0s (restart 1)"
+    procs[1].proc.returncode = 0  # the new one finished training: not a death
+    assert await asyncio.wait_for(task, 5) == 0
+
+
+async def test_a_service_that_cannot_run_with_its_configuration_is_never_restarted() -> None:
+    """Exit code 2 (a checkpoint that cannot be loaded, a device that is not there) is the same every time."""
+    procs = [fake(DISPATCHER, "dispatcher"), fake(STAGE_WORKER, "stage_worker-0", returncode=2)]
+    lines: list[str] = []
+    sup = supervisor(procs, respawn_code=None, lines=lines)
+    sup.restart_workers = True
+    with pytest.raises(ServiceFailed, match=r"stage_worker-0 \(pid \d+\) cannot run with this configuration"):
+        await asyncio.wait_for(sup.follow(), 5)
+    assert lines == []
