@@ -27,7 +27,9 @@ Policies:
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
+from itertools import chain
 
 from shared.config import LinkParams
 
@@ -83,6 +85,8 @@ class _Flow:
     remaining: float
     rate: float = 0.0
     started: float | None = None
+    key: tuple[tuple[int, ...], int] = ((), 0)  # place in the policy order: (priority or (), seq)
+    sent_group: bool = False  # in `_sent` (has sent bytes), else in `_waiting`
 
 
 @dataclass
@@ -101,17 +105,33 @@ _EPS_S = 1e-9
 
 @dataclass
 class LinkSharing:
+    """One directed link's transfers under `policy`. Under temporal and fifo an event costs what it
+    changes, not the number waiting: the transfers stay in policy order (`_sent`, then `_waiting`),
+    an allocation walks only the head that gets bandwidth, and the clock moves only the flows with
+    a rate (`_rated`). Results are those of re-sorting every flow at every change, bit for bit
+    (tests/unit/test_wan_reference.py compares both on random inputs)."""
+
     model: LinkModel
     policy: str = "temporal"
     now: float = 0.0
     stats: LinkStats = field(default_factory=LinkStats)
-    _flows: dict[str, _Flow] = field(default_factory=dict)
+    _flows: dict[str, _Flow] = field(default_factory=dict)  # in submission order
     _done: list[Sent] = field(default_factory=list)
     _seq: int = 0
+    # flows whose rate is not 0, in submission order (under fair: all of them, or none)
+    _rated: dict[str, _Flow] = field(default_factory=dict)
+    # temporal / fifo: flows that have sent bytes, then the others, each sorted by `_Flow.key`
+    _sent: list[tuple[tuple[tuple[int, ...], int], _Flow]] = field(default_factory=list)
+    _waiting: list[tuple[tuple[tuple[int, ...], int], _Flow]] = field(default_factory=list)
+    _low: dict[str, _Flow] = field(default_factory=dict)  # may have <= _EPS_BYTES left
+    _dirty: bool = False  # the flows or their order changed since the last allocation
+    _slot_rates: list[float] = field(default_factory=list)  # rate of the i-th flow in order
+    _slot_left: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown sharing policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        self._slot_left = self.model.bandwidth
 
     # --- the interface ---------------------------------------------------------------------
 
@@ -121,7 +141,14 @@ class LinkSharing:
             raise ValueError(f"transfer {transfer_id!r} is already on this link")
         self._run_until(now)
         self._seq += 1
-        self._flows[transfer_id] = _Flow(transfer_id, nbytes, tuple(priority), self._seq, now, float(nbytes))
+        f = _Flow(transfer_id, nbytes, tuple(priority), self._seq, now, float(nbytes))
+        self._flows[transfer_id] = f
+        if self.policy != "fair":
+            f.key = (f.priority if self.policy == "temporal" else (), f.seq)
+            insort(self._waiting, (f.key, f))
+        if f.remaining <= _EPS_BYTES:
+            self._low[transfer_id] = f
+        self._dirty = True
         self._allocate()
         self._finish_empty()
 
@@ -133,7 +160,7 @@ class LinkSharing:
 
     def next_tx_end(self) -> float | None:
         """When the next transfer will finish sending if nothing new is submitted (None if idle)."""
-        ends = [self.now + f.remaining / f.rate for f in self._flows.values() if f.rate > 0]
+        ends = [self.now + f.remaining / f.rate for f in self._rated.values() if f.rate > 0]
         return min(ends) if ends else None
 
     def in_flight(self) -> int:
@@ -155,56 +182,113 @@ class LinkSharing:
 
     def _progress(self, t: float) -> None:
         dt = t - self.now
+        rated = list(self._rated.values())
         if dt > 0:
-            total = sum(f.rate for f in self._flows.values())
+            # a flow without a rate keeps its bytes (x - 0.0 * dt == x) unless dt is infinite
+            moved = rated
+            if dt == math.inf:
+                moved, self._dirty = list(self._flows.values()), True
+            total = sum(f.rate for f in rated)  # the others add 0.0: the same sum
             if total > 0:
                 self.stats.busy_s += dt
                 self.stats.bytes_sent += total * dt
-            for f in self._flows.values():
+            ordered = self.policy != "fair"
+            for f in moved:
                 f.remaining -= f.rate * dt
+                if f.remaining <= _EPS_BYTES:
+                    self._low[f.id] = f
+                if ordered and _has_sent(f) != f.sent_group:
+                    self._regroup(f)
         self.now = t
-        for f in list(self._flows.values()):
+        for f in rated:
             if f.rate > 0 and _is_done(f):
                 self._complete(f)
 
     def _finish_empty(self) -> None:
-        for f in list(self._flows.values()):
-            if f.remaining <= _EPS_BYTES:
-                if f.started is None:
-                    f.started = self.now
-                self._complete(f)
-        if any(f.rate == 0 for f in self._flows.values()):
+        if self._low:
+            for f in sorted(self._low.values(), key=_seq_of):
+                if f.remaining <= _EPS_BYTES and self._flows.get(f.id) is f:
+                    if f.started is None:
+                        f.started = self.now
+                    self._complete(f)
+            self._low.clear()
+        if len(self._rated) < len(self._flows):  # some flow has rate 0
             self._allocate()
 
     def _complete(self, f: _Flow) -> None:
         del self._flows[f.id]
+        self._rated.pop(f.id, None)
+        if self.policy != "fair":
+            group = self._sent if f.sent_group else self._waiting
+            del group[bisect_left(group, (f.key,))]
+        self._dirty = True
         self.stats.transfers += 1
         started = f.started if f.started is not None else self.now
         self._done.append(Sent(f.id, f.nbytes, f.submitted, started, self.now, self.now + self.model.latency))
 
+    def _regroup(self, f: _Flow) -> None:
+        """`f` started (or, with no bytes sent after all, stopped) counting as sent: move its place."""
+        old, new = (self._sent, self._waiting) if f.sent_group else (self._waiting, self._sent)
+        del old[bisect_left(old, (f.key,))]
+        insort(new, (f.key, f))
+        f.sent_group = not f.sent_group
+        self._dirty = True
+
     def _allocate(self) -> None:
-        """Give every flow its rate under the policy (called whenever the set of flows changes)."""
-        flows = list(self._flows.values())
-        cap, bw = self.model.flow_cap, self.model.bandwidth
+        """Give every flow its rate under the policy (called whenever the set of flows changes).
+        Depends only on the flows, their order and what they have sent, so with none of these
+        changed since the last call it would change nothing."""
+        if not self._dirty:
+            return
+        self._dirty = False
         if self.policy == "fair":
+            flows = list(self._flows.values())
+            cap, bw = self.model.flow_cap, self.model.bandwidth
             share = min(cap, bw / len(flows)) if flows else 0.0
             for f in flows:
                 f.rate = share
-        else:
-            # Flows that have sent bytes keep their place (no preemption); the rest queue by policy
-            # order. Several submitted at the same instant are therefore ordered by priority.
-            def order(f: _Flow) -> tuple[int, tuple[int, ...], int]:
-                return (0 if _has_sent(f) else 1, f.priority if self.policy == "temporal" else (), f.seq)
-
-            left = bw
-            for f in sorted(flows, key=order):
-                f.rate = min(cap, left) if left > bw * 1e-12 else 0.0
-                left -= f.rate
-        for f in flows:
+            self._rated = dict(self._flows) if share != 0 else {}
+            for f in flows:
+                if f.rate > 0 and f.started is None:
+                    f.started = self.now
+                elif f.rate == 0 and not _has_sent(f):
+                    f.started = None
+            return
+        # Flows that have sent bytes keep their place (no preemption); the rest queue by policy
+        # order. Several submitted at the same instant are therefore ordered by priority. The i-th
+        # flow in that order always gets the same rate, and once one gets 0 so do all after it.
+        rated: list[_Flow] = []
+        for i, (_, f) in enumerate(chain(self._sent, self._waiting)):
+            if (rate := self._slot_rate(i)) == 0:
+                break
+            f.rate = rate
+            rated.append(f)
+        new = {f.id for f in rated}
+        for f in self._rated.values():
+            if f.id not in new:
+                f.rate = 0.0
+                if not _has_sent(f):
+                    f.started = None  # queued again before its first byte left
+        for f in rated:
             if f.rate > 0 and f.started is None:
                 f.started = self.now
-            elif f.rate == 0 and not _has_sent(f):
-                f.started = None  # queued again before its first byte left
+        rated.sort(key=_seq_of)
+        self._rated = {f.id: f for f in rated}
+
+    def _slot_rate(self, i: int) -> float:
+        """The rate of the i-th flow in policy order: what the cap and the link's rest leave it."""
+        rates = self._slot_rates
+        bw = self.model.bandwidth
+        while len(rates) <= i and not (rates and rates[-1] == 0):
+            left = self._slot_left
+            rate = min(self.model.flow_cap, left) if left > bw * 1e-12 else 0.0
+            self._slot_left = left - rate
+            rates.append(rate)
+        return rates[i] if i < len(rates) else 0.0
+
+
+def _seq_of(f: _Flow) -> int:
+    return f.seq
 
 
 def _is_done(f: _Flow) -> bool:
