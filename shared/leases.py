@@ -42,3 +42,13 @@ async def read_slots(r: Redis, run: str, pp: int, dp: int) -> list[SlotView]:
         ended = LeaseState(state.decode()) if state is not None else None
         out.append(SlotView(slot_name(d, k), h is not None, ended, (reason or b"").decode()))
     return out
+
+
+async def generation_joined(r: Redis, run: str, slots: int) -> bool:
+    """Whether every slot joined the run's current recovery generation: its workers are past their
+    set-up (model built, checkpoint restored) and train together (services/stage_worker/recovery.py)."""
+    gen: Any = await r.get(keys.generation_key(run))
+    if gen is None:
+        return False
+    joined: Any = await r.scard(keys.generation_joined_key(run, int(gen)))
+    return int(joined) >= slots

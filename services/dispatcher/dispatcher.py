@@ -35,7 +35,7 @@ from shared.bus import HOLD, Bus, Delivery, Outcome
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.config import ClusterSpec
 from shared.health import Heartbeat, instance_id
-from shared.leases import read_slots
+from shared.leases import generation_joined, read_slots
 from shared.logs import get_logger
 from shared.model.shape import model_info
 from shared.policies.decisions import Batch, Decisions, Failure
@@ -175,11 +175,12 @@ class Dispatcher:
         p = self.spec.parallelism
         try:
             slots = await read_slots(self.bus.redis, self.run, p.pp, p.dp)
+            joined = await generation_joined(self.bus.redis, self.run, p.pp * p.dp)
         except TRANSIENT_ERRORS as exc:
             log.warning("readiness check failed", error=repr(exc))
             return
         now = time.time()
-        verdict = self.gate.assess(slots, now)
+        verdict = self.gate.assess(slots, now, joined=joined)
         if verdict.state is not self.verdict.state:
             level = log.info if verdict.state in (ServingState.SERVING, ServingState.STARTING) else log.warning
             level("serving state", state=verdict.state.value, was=self.verdict.state.value, reason=verdict.reason)

@@ -10,19 +10,22 @@ fails its queued requests explicitly when the verdict says so.
 The verdicts (`ServingState`), first match wins:
 
 * DISABLED: `bubbletea.enabled` is false; nothing fills bubbles.
-* SERVING: every slot is held (or done, with at least one still held), and a bubble was announced
+* SERVING: every slot is held (or done, with at least one still held) by a worker that joined the
+  run's current generation (past its set-up: `joined`), and a bubble was announced
   within `unready_after_s`, or the slots were all held less than `unready_after_s` ago (the first
   iteration is still warming up: a request queued now waits at most that long for its bubble).
 * STALLED: every slot is held but no bubble for longer than `unready_after_s`.
-* STARTING: training was never seen running (not every slot held yet). End markers are not read
-  before that: they are left by an earlier life of the same run id (a restarted compose project).
+* STARTING: training was never seen running (not every slot held, or held by workers still setting
+  up). End markers are not read before that: they are left by an earlier life of the same run id
+  (a restarted compose project).
 
 Once training was seen running, a run that no longer holds every slot is:
 
 * FINISHED: every slot ended done (the run trained all its iterations).
 * STOPPED: a slot ended on purpose (Ctrl-C, SIGTERM); the reason is the slot's own.
 * RECOVERING: a slot lost its worker (its lease expired without an end marker) less than
-  `recovery_s` ago, in a run that checkpoints: the run pauses for a replacement and resumes from
+  `recovery_s` ago, or every slot is held again but not every worker rejoined yet, in a run that
+  checkpoints: the run pauses for a replacement and resumes from
   a checkpoint (services/stage_worker/recovery.py). Requests are still taken and kept: they wait
   for the resumed run's bubbles (a lost worker costs latency, not answers).
 * LOST: a slot ended because of another slot's failure (its reason names the culprit), or a
@@ -102,10 +105,12 @@ class ServingGate:
         self.last_bubble_at = at if self.last_bubble_at is None else max(self.last_bubble_at, at)
         self.started = True
 
-    def assess(self, slots: Sequence[SlotView], now: float) -> Verdict:
-        return Verdict.of(*self._assess(slots, now))
+    def assess(self, slots: Sequence[SlotView], now: float, *, joined: bool = True) -> Verdict:
+        """`joined`: every slot's worker joined the run's current generation (past its set-up, or
+        its resumption from a checkpoint); a held slot whose worker has not is not training yet."""
+        return Verdict.of(*self._assess(slots, now, joined))
 
-    def _assess(self, slots: Sequence[SlotView], now: float) -> tuple[ServingState, str]:
+    def _assess(self, slots: Sequence[SlotView], now: float, joined: bool) -> tuple[ServingState, str]:
         if not self.enabled:
             return (
                 ServingState.DISABLED,
@@ -114,6 +119,17 @@ class ServingGate:
         held = [s for s in slots if s.held]
         gone = [s for s in slots if not s.held]
         running = bool(held) and all(s.ended is LeaseState.DONE for s in gone)
+        if running and not joined:  # every slot held, but its workers still setting up or resuming
+            self.lost_since, self.all_held_since = None, None
+            if not self.started:
+                return ServingState.STARTING, (
+                    f"training of run {self.run} has not started: its workers are setting up ({len(held)} slots held)"
+                )
+            if self.recovery_s > 0:
+                return ServingState.RECOVERING, (
+                    f"run {self.run} is resuming from its last checkpoint: every slot is held again and its "
+                    "workers are rejoining; requests wait"
+                )
         if running:
             self.lost_since = None
             if self.all_held_since is None:

@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from services.dispatcher.dispatcher import serve
 from services.prefill_queue.app import create_app
 from services.stage_worker.lease import SlotLease
+from services.stage_worker.recovery import Generations
 from shared import keys
 from shared.settings import Settings, load_settings
 
@@ -27,12 +28,15 @@ pytestmark = pytest.mark.integration
 RUN = "ready-test"
 
 
-async def wait_ready_state(client: TestClient, state: str, timeout_s: float = 10.0) -> tuple[int, dict[str, Any]]:
+async def wait_ready_state(
+    client: TestClient, state: str, timeout_s: float = 10.0, *, saying: str = ""
+) -> tuple[int, dict[str, Any]]:
+    """Poll /ready until it says `state` (with `saying` in its reason)."""
     deadline = time.monotonic() + timeout_s
     while True:
         resp = await client.get("/ready")
         body = await resp.json()
-        if body.get("state") == state:
+        if body.get("state") == state and saying in body.get("reason", ""):
             return resp.status, {**body, "retry_after": resp.headers.get("Retry-After")}
         assert time.monotonic() < deadline, f"/ready never said {state!r}; last: {body}"
         await asyncio.sleep(0.05)
@@ -67,10 +71,9 @@ async def test_ready_follows_the_run_and_queued_requests_fail_when_it_finishes(
         assert error["type"] == "service_unavailable" and "has not started" in error["message"]
         assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0  # nothing was queued
 
-        # the workers take every slot: serving (before the first bubble, which would come within it)
+        # the workers take every slot, then set up: still starting until they join the run
         leases = [SlotLease(redis, RUN, p.pp, p.dp, holder=f"w{i}") for i in range(p.pp * p.dp)]
-        for lease in leases:
-            await lease.acquire()
+        slots = [await lease.acquire() for lease in leases]
 
         async def renew() -> None:
             while True:
@@ -80,6 +83,14 @@ async def test_ready_follows_the_run_and_queued_requests_fail_when_it_finishes(
 
         renewing = asyncio.create_task(renew())
         try:
+            setting_up = "its workers are setting up (4 slots held)"
+            status, body = await wait_ready_state(client, "starting", saying=setting_up)
+            assert status == 503
+            # every worker joins the run's generation (its model built): serving (before the first
+            # bubble, which would come within it)
+            gens = [Generations(redis, RUN, leases[0].all_slots) for _ in leases]
+            await asyncio.gather(*(g.enter(after_loss=False) for g in gens))
+            await asyncio.gather(*(g.barrier(slot, timeout_s=10) for g, slot in zip(gens, slots, strict=True)))
             status, body = await wait_ready_state(client, "serving")
             assert status == 200 and body["status"] == "ready" and body["run"] == RUN
             resp = await client.post("/v1/prefill", json={"prompt": "queued while serving"})

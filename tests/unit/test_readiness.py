@@ -85,6 +85,21 @@ def test_a_lost_worker_in_a_run_that_checkpoints_is_recovering_until_the_timeout
     assert g.assess(lost, now=41.0).state is ServingState.RECOVERING
 
 
+def test_held_slots_whose_workers_have_not_joined_are_not_training_yet() -> None:
+    """Workers lease first, then build their models (seconds): only joining the run's generation
+    means they train. Until then no bubble can come, so the stall clock must not run."""
+    g = gate(recovery_s=30.0, unready_after_s=5.0)
+    v = g.assess(HELD, now=0.0, joined=False)
+    assert v.state is ServingState.STARTING and "setting up" in v.reason and not v.ready
+    assert g.assess(HELD, now=20.0, joined=False).state is ServingState.STARTING  # however long it takes
+    assert g.assess(HELD, now=21.0).state is ServingState.SERVING  # joined: the first bubble's grace starts
+    # a resumption: held again, rejoining: recovering (taking requests), not stalled
+    v = g.assess(HELD, now=40.0, joined=False)
+    assert v.state is ServingState.RECOVERING and v.ready and not v.fail_queued
+    assert g.assess(HELD, now=60.0, joined=False).state is ServingState.RECOVERING
+    assert g.assess(HELD, now=61.0).state is ServingState.SERVING
+
+
 def test_end_markers_before_training_was_seen_running_are_history() -> None:
     """A restarted compose project: the run id's old markers must not fail the new start."""
     g = gate()
