@@ -74,8 +74,11 @@ async def check_telemetry(url: str, run: str, iterations: int, microbatches: int
     starts = [b for b in bubbles if isinstance(b, BubbleStart)]
     ends = [b for b in bubbles if isinstance(b, BubbleEnd)]
     assert starts and len(starts) == len(ends)
-    # stage 1 always waits for its first activation: a bubble at position 0 in every iteration
-    assert {b.iteration for b in starts if b.stage == 1 and b.position == 0} == set(range(iterations))
+    # stage 1 always waits for its first activation: a bubble at position 0 in every iteration after
+    # the first (in iteration 0 it may reach that receive after the activation came: the workers
+    # leave the start barrier milliseconds apart, whichever reads it first)
+    firsts = {b.iteration for b in starts if b.stage == 1 and b.position == 0}
+    assert set(range(1, iterations)) <= firsts <= set(range(iterations))
     for b in starts:
         assert b.free_memory_bytes > 0 and b.dc in ("dc-a", "dc-b") and b.predicted_ms >= 0
     for e in ends:
