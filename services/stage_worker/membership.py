@@ -1,0 +1,167 @@
+"""A worker's part in its run: join, train, and after a lost peer join again and resume.
+
+The protocol is `recovery.py`'s (generations, the barrier, the resume point); this module drives
+one worker through it with its lease, its inbox and its runner, until the run ends, it is told to
+stop, or a failure it cannot ride out (raised as `SlotError` naming the slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.stage_worker.lease import SlotError, SlotLease
+from services.stage_worker.recovery import Generations
+from services.stage_worker.runner import StageRunner
+from shared import keys
+from shared.bus import Consumer
+from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.logs import get_logger
+from shared.policies.recovery import FROM_SCRATCH
+
+#: How long a worker waits for all its peers to lease their slots.
+START_TIMEOUT_S = 180.0
+
+log = get_logger(__name__)
+
+
+async def take_part(
+    runner: StageRunner,
+    inbox: Consumer,
+    lease: SlotLease,
+    watch: asyncio.Task[None],
+    gens: Generations,
+    stop: asyncio.Event,
+) -> None:
+    """Join the run, train; after a lost peer, join again and resume, until the end or a stop."""
+    slot, tr = runner.slot, runner.spec.training
+    async with inbox:
+        stopping = asyncio.create_task(stop.wait(), name="stop")
+        crashed = asyncio.create_task(inbox.crashed.wait(), name="inbox")
+        try:
+            after_loss = False
+            while True:
+                start = await _join(runner, lease, watch, gens, stopping, after_loss=after_loss)
+                if start is None:  # told to stop while waiting for the peers (they may never come)
+                    log.info("stopped before training started", slot=slot.name)
+                    await lease.mark_stopped(f"slot {slot.name} was stopped before training started")
+                    return
+                log.info("all slots held; training", slot=slot.name, iterations=tr.iterations, start=start)
+                train = asyncio.create_task(runner.run_all(start), name="train")
+                lost = asyncio.create_task(lease.peer_lost.wait(), name="lost")
+                # a run without checkpoints does not resume: only a lost lease ends it
+                watch_generation = _generation_moved(gens) if tr.recovers else asyncio.Event().wait()
+                moved = asyncio.create_task(watch_generation, name="moved")
+                done, _ = await asyncio.wait(
+                    {train, watch, stopping, crashed, lost, moved}, return_when=asyncio.FIRST_COMPLETED
+                )
+                for t in (train, lost, moved):
+                    t.cancel()
+                await asyncio.gather(train, lost, moved, return_exceptions=True)
+                if train in done:
+                    train.result()  # re-raise a training error
+                    await runner.outbox.close()
+                    await _save_weights_if_asked(runner)
+                    await lease.finish()
+                    log.info(
+                        "training finished",
+                        slot=slot.name,
+                        iterations=tr.iterations,
+                        over_predicted_bubbles=round(runner.predictor.over_predicted_share(), 3),
+                    )
+                    return
+                if watch in done:
+                    watch.result()  # raises SlotError naming the slot
+                if crashed in done:
+                    raise RuntimeError(f"inbox consumer crashed: {inbox.error!r}")
+                if stopping in done:
+                    log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
+                    await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {runner.iteration}")
+                    return
+                log.warning(
+                    "the run pauses to recover: iteration cut short",
+                    slot=slot.name,
+                    iteration=runner.iteration,
+                    generation=gens.current,
+                    why="a peer lost its worker" if lost in done else "a replacement joined the run",
+                )
+                after_loss = True
+        finally:
+            for t in (stopping, crashed):
+                t.cancel()
+            await runner.outbox.close()
+
+
+async def _join(
+    runner: StageRunner,
+    lease: SlotLease,
+    watch: asyncio.Task[None],
+    gens: Generations,
+    stopping: asyncio.Task[bool],
+    *,
+    after_loss: bool,
+) -> int | None:
+    """Join a new generation and wait for every slot; restore the checkpoint it resumes from.
+    Returns the iteration to train from, or None if told to stop meanwhile."""
+    slot, tr = runner.slot, runner.spec.training
+
+    def enter(gen: int) -> None:  # before anything of the new generation can arrive
+        runner.mailbox.reset()
+        runner.enter_generation(gen)
+
+    lease.check_peers = False
+    enter(await gens.enter(after_loss=after_loss))
+    timeout = tr.recovery_timeout_s if after_loss else START_TIMEOUT_S
+    barrier = asyncio.create_task(gens.barrier(slot, timeout, on_enter=enter), name="barrier")
+    await asyncio.wait({barrier, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not barrier.done():
+        barrier.cancel()
+        await asyncio.gather(barrier, return_exceptions=True)
+        if watch.done():
+            watch.result()  # our own lease was lost: raises SlotError
+        return None  # told to stop
+    gen = barrier.result()
+    store = runner.checkpoints
+    resume = await gens.resume_point(store) if store is not None else FROM_SCRATCH
+    if after_loss or resume != FROM_SCRATCH:
+        blob = None if store is None or resume == FROM_SCRATCH else await store.load(slot, resume)
+        try:
+            await runner.in_torch_thread(runner.trainer.restore, blob)
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise SlotError(
+                f"slot {slot.name} cannot restore the checkpoint of iteration {resume} of run {runner.run} "
+                f"({exc}); it was written for another spec: start a new run id (BUBBLETEA_RUN)"
+            ) from None
+    lease.peer_lost.clear()
+    lease.check_peers = True
+    log.info("joined the run", slot=slot.name, generation=gen, resume_after=resume)
+    return resume + 1
+
+
+async def _generation_moved(gens: Generations) -> None:
+    """Return once the run's generation moved past ours (a replacement joined: the run resumes)."""
+    outage = Outage(f"generation watch of run {gens.run}")
+    while True:
+        await asyncio.sleep(keys.LEASE_RENEW_S)  # a counter in Redis: nothing to block on
+        try:
+            newest = await gens.read()
+        except TRANSIENT_ERRORS as exc:
+            await asyncio.sleep(outage.failed(exc))
+            continue
+        outage.ok()
+        if newest > gens.current:
+            return
+
+
+async def _save_weights_if_asked(runner: StageRunner) -> None:
+    """At the end of training, if the run was asked to save (`bubbletea train --save`), replica 0
+    of each stage leaves its stage's weights in Redis, named as in the full model, for the launcher
+    to assemble (every replica holds the same weights after the all-reduce)."""
+    r = runner.bus.redis
+    if runner.replica != 0 or not await r.exists(keys.save_request_key(runner.run)):
+        return
+    from safetensors.torch import save
+
+    model = runner.trainer.model
+    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.global_named_parameters()}
+    await r.set(keys.weights_key(runner.run, runner.stage), save(tensors), ex=keys.WEIGHTS_TTL_S)
+    log.info("weights saved for the launcher", slot=runner.slot.name, tensors=len(tensors))
