@@ -19,6 +19,9 @@ Figures (the JSON line last):
   equals single-process training of the same spec within 1e-5, and so do iterations trained twice.
 
     python bench/chaos.py [--rounds 3] [--rate 10] [--gap 10] [--quick]
+
+Over 300 lines on purpose: one benchmark (the `up` follower, the load, the faults, the figures) a
+reader follows top to bottom.
 """
 
 from __future__ import annotations

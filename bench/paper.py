@@ -11,6 +11,9 @@ ends with one JSON line: speedups and utilizations by name.
 
     python bench/paper.py            # every sweep point, scale up to 4,096 GPUs (several minutes)
     python bench/paper.py --quick    # fewer points, scale up to 512 GPUs
+
+Over 300 lines on purpose: one benchmark, the table, the sweeps and the pictures of docs/paper.md,
+which a reader checks against that page top to bottom.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The `bubbletea` command: one entry point, one subcommand per job."""
+"""The `bubbletea` command: one entry point, one subcommand per job.
+
+Over 300 lines on purpose: the one `bubbletea` command, a parser and thin wrapper per subcommand.
+"""
 
 from __future__ import annotations
 

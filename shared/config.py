@@ -4,6 +4,8 @@ Every field, its default and its allowed range are documented in `docs/config.md
 fails at load time with a `ConfigError` that names the field (as a path such as
 ``datacenters[1].gpus``) and says what is allowed. Services get these objects passed in; nothing
 reads the file or the environment after start-up (see `shared.settings` for the environment).
+
+Over 300 lines on purpose: the spec's one home, every section and its validation together.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ endpoints for a Prometheus ``file_sd_configs``), and then follows the run:
 * a process that dies while everything starts stops everything, naming it and showing its last lines;
 * on the way out the run folder gets the run's spans and summary, and the report pictures
   (`bubbletea report` can redraw them).
+
+Over 300 lines on purpose: one command's start-up, health and readiness waits and shutdown, in
+the order they run; supervision lives in supervise.py and the Redis watch in redis_watch.py.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ pure `ServingGate` of shared/policies/readiness.py, fed the run's slot leases an
 and publishes the verdict for the front doors (`/ready`, and a 503 for new requests when nothing
 can serve). When the verdict says so (training finished, stopped, lost a worker, or stalled), it
 fails every request still waiting, explicitly, instead of letting each wait for its deadline.
+
+Over 300 lines on purpose: the dispatcher's one shell (its handler tables, executing decisions,
+the readiness loop); every decision is in shared/policies (dispatch, readiness).
 """
 
 from __future__ import annotations
