@@ -17,10 +17,19 @@ from services.wan_broker.metrics import BrokerMetrics
 from shared.bus import Bus
 from shared.logs import get_logger
 from shared.policies.wan import LinkModel, LinkSharing, Sent
-from shared.timing import sleep_until
+from shared.timing import SPIN_S, sleep_until
 from shared.wire import FIELD, Transfer
 
 log = get_logger(__name__)
+
+#: How far the policy's clock stays behind the real one, at most. Transfers sent together reach
+#: the broker one after the other, a bus hop and a read apart; had the first one's submission moved
+#: the link's clock to the present, the next would start that much late on the emulated wire. Kept
+#: this far back, a transfer read up to this long after it was sent still starts at its send time.
+#: Deliveries stay on time: a transfer's last byte leaves at `tx_end`, which the policy learns
+#: `settle` later, and it arrives `latency` after `tx_end`; `settle` leaves its delivery the lead
+#: of a precise sleep (`shared.timing.SPIN_S`), so it is at most the latency minus that.
+SETTLE_S = 0.005
 
 
 @dataclass
@@ -42,6 +51,7 @@ class LinkDriver:
         self.loop = asyncio.get_running_loop()
         self.origin = time.monotonic()  # not loop.time(): uvloop's clock has millisecond steps
         self.sharing = LinkSharing(model, policy)
+        self.settle = max(0.0, min(SETTLE_S, model.latency - SPIN_S))
         self.pending: dict[str, _Pending] = {}
         #: Delivery time minus the policy's arrival time (ms), recent deliveries.
         self.late_ms: collections.deque[float] = collections.deque(maxlen=10_000)
@@ -65,8 +75,9 @@ class LinkDriver:
 
     def _start_time(self, msg: Transfer) -> float:
         """When the transfer entered the wire on the link's clock: the sender's send time (the bus
-        hop to the broker is not part of the emulated WAN), but never before the link's present
-        (the policy's past is settled) and never in the future (clock skew)."""
+        hop to the broker is not part of the emulated WAN), but never before the policy's clock
+        (its past is settled; it runs `settle` behind the present) and never in the future (clock
+        skew)."""
         now = self.now()
         if msg.sent_at <= 0:
             return now
@@ -90,7 +101,7 @@ class LinkDriver:
 
     async def _run(self) -> None:
         while True:
-            for sent in self.sharing.advance(self.now()):
+            for sent in self.sharing.advance(max(self.sharing.now, self.now() - self.settle)):
                 task = asyncio.create_task(self._deliver(sent))
                 self._deliveries.add(task)
                 task.add_done_callback(self._deliveries.discard)
@@ -99,7 +110,7 @@ class LinkDriver:
             if nxt is None:
                 await self._wake.wait()
             else:
-                await sleep_until(self.origin + nxt, wake=self._wake)
+                await sleep_until(self.origin + nxt + self.settle, wake=self._wake)
 
     async def _deliver(self, sent: Sent) -> None:
         await sleep_until(self.origin + sent.arrival)

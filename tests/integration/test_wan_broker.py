@@ -15,10 +15,12 @@ import yaml
 from redis.asyncio import Redis
 
 from services.wan_broker.broker import serve
+from services.wan_broker.links import LinkDriver
 from shared import keys
 from shared.bus import Bus
 from shared.bus.connection import blocking_client
 from shared.health import wait_live
+from shared.policies.wan import LinkModel
 from shared.settings import Settings, load_settings
 from shared.wire import FIELD, Ping, Transfer, decode, encode
 
@@ -114,6 +116,31 @@ async def test_the_wire_starts_at_the_senders_send_time(broker: Settings, redis_
         await bus.publish(keys.wan_stream(broker.run), late)
         ((_, arrived),) = await arrivals(redis_url, 1)
     assert 0.010 < arrived - t0 < 0.045  # 60 ms emulated, 40 of them spent before the broker saw it
+
+
+async def test_transfers_read_apart_start_on_the_wire_when_they_were_sent(redis_url: str) -> None:
+    """Two replicas send at the same instant; the broker reads the first 1 ms later (a bus hop, a
+    busy loop) and the second 1 ms after that. Both start on the emulated wire at their send time:
+    had the first one's submission moved the link's clock to the present, the second would start
+    over 1 ms late and, under fair sharing, the replicas would drift apart (live, 2-7 ms an
+    iteration, where the simulator keeps them in lockstep)."""
+    model = LinkModel(bandwidth=80_000.0, latency=0.010, flow_cap=80_000.0)
+    async with Bus(redis_url) as bus:
+        driver = LinkDriver(bus, "a", "b", model, "fair")
+        await asyncio.sleep(0.020)  # the link's clock starts with the driver: send after that
+        sent = time.time() - 0.001
+        first = asyncio.create_task(driver.carry(msgspec.structs.replace(transfer(0, (0,)), sent_at=sent)))
+        await asyncio.sleep(0.001)
+        second = asyncio.create_task(driver.carry(msgspec.structs.replace(transfer(1, (1,)), sent_at=sent)))
+        await asyncio.sleep(0.001)
+        starts = sorted(p.started for p in driver.pending.values())
+        await asyncio.wait_for(asyncio.gather(first, second), 5)
+        done = time.time() - sent
+        late = max(driver.late_ms)
+        await driver.close()
+    assert len(starts) == 2 and starts[1] - starts[0] < 0.0005
+    assert 0.105 < done < 0.150  # 8,000 bytes at 80 kB/s + 10 ms: both arrive at ~110 ms
+    assert late < 5.0  # and the settled clock delivers on time (ms)
 
 
 @pytest.mark.parametrize("broker", ["fair"], indirect=True)
