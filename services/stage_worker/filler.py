@@ -31,6 +31,7 @@ from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import Arrival, FillPolicy, Held
 from shared.policies.prefill_cost import PrefillProfile
 from shared.status import FailureReason
+from shared.timing import Schedule
 from shared.wire import PrefillBatch
 
 log = get_logger(__name__)
@@ -65,7 +66,7 @@ class Filler:
         self.bus, self.run, self.model = bus, run, model
         self.on_span, self.policy, self.profile = on_span, policy, profile
         self.reporter = Reporter(bus, run, worker, model_name, kv_ttl_s, metrics, kv_budget_mb << 20)
-        #: how far real prefill compute fell behind the profile (seconds); the runner takes it
+        #: how far prefill batches ran past their profiled schedule (seconds); the runner takes it
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
         self.lag_s = 0.0
         self._queue: list[Queued] = []
@@ -154,21 +155,26 @@ class Filler:
         self, batch: PrefillBatch, states: dict[str, PrefillState | None], arrived: Arrived, ends_at: float
     ) -> BatchRun:
         """In a worker thread: the items in order, one block (one layer of one request) at a time,
-        each started only when the policy allows it. With a device profile a started block counts
-        for its whole profiled time: the thread sleeps out the rest (a GPU kernel is not cut short),
-        and real compute slower than the profile is added to `lag_s`."""
-        started = time.time()
+        each started only when the policy allows it. With a device profile the batch keeps to its
+        profiled schedule (`Schedule`): a block starts once the previous one is due (a started
+        block counts for its whole profiled time, the thread sleeping out the rest: a GPU kernel is
+        not cut short), and the batch ends on the device when its last block is due, or when its
+        real work ended if that was later (added to `lag_s`). That end, not when the sleeping
+        thread woke up, ends the batch's span: a late wake-up is the host's, not the device's."""
+        started, origin = time.time(), time.monotonic()
+        schedule = Schedule(origin)
         outcomes: list[Outcome] = []
         preempted = out_of_time = False
         for item in batch.items:
-            t0 = time.perf_counter()
             if item.from_layer and states.get(item.id) is None:
                 why = "its saved partial state expired before it could resume"
                 outcomes.append(Outcome(item, item.from_layer, 0.0, failure=(FailureReason.STATE_EXPIRED, why)))
                 continue
+            # the item's device time: from when the device is free for it to when it is done
+            t0 = max(schedule.due, time.monotonic())
             try:
                 state = states.get(item.id) or self.model.start(item.tokens)
-                out_of_time = self._run_blocks(state, item.to_layer, arrived, ends_at)
+                out_of_time = self._run_blocks(state, item.to_layer, arrived, ends_at, schedule)
                 result = None
                 if state.done:
                     result = self.model.finish(
@@ -177,18 +183,29 @@ class Filler:
             except ValueError as exc:  # a prompt this model cannot run (e.g. another spec's limits)
                 outcomes.append(Outcome(item, item.from_layer, 0.0, failure=(FailureReason.MODEL_REFUSED, str(exc))))
                 continue
-            outcomes.append(Outcome(item, state.next_layer, time.perf_counter() - t0, state, result))
+            seconds = max(schedule.due, time.monotonic()) - t0
+            outcomes.append(Outcome(item, state.next_layer, seconds, state, result))
             if state.next_layer < item.to_layer:
                 preempted = True
                 break
-        return BatchRun(started, time.time(), outcomes, preempted, out_of_time)
+        done = time.monotonic()  # the batch's real work ended
+        if self.profile is not None:
+            self.lag_s += schedule.behind(done)
+            if (wait := schedule.wait_s(done)) > 0:
+                time.sleep(wait)  # the last block still runs on the device
+        return BatchRun(started, started + max(schedule.due, done) - origin, outcomes, preempted, out_of_time)
 
-    def _run_blocks(self, state: PrefillState, to_layer: int, arrived: Arrived, ends_at: float) -> bool:
-        """Blocks of one request up to `to_layer`, while the policy lets the next one start.
-        Returns True when it stopped for time (the input had not arrived)."""
+    def _run_blocks(
+        self, state: PrefillState, to_layer: int, arrived: Arrived, ends_at: float, schedule: Schedule
+    ) -> bool:
+        """Blocks of one request up to `to_layer`, while the policy lets the next one start, each
+        started once the batch's `schedule` has the previous one done. Returns True when it stopped
+        for time (the input had not arrived)."""
         profiled = self.profile.block_s(len(state.tokens)) if self.profile is not None else None
         expected = profiled  # raw mode: the next block is expected to take as long as the last one
         while state.next_layer < to_layer and not state.done:
+            if (wait := schedule.wait_s(time.monotonic())) > 0:
+                time.sleep(wait)  # the previous block still runs; sleeping releases the GIL
             input_arrived = arrived()
             if not self.policy.may_start_block(
                 input_arrived=input_arrived, now=time.monotonic(), ends_at=ends_at, block_s=expected
@@ -196,13 +213,10 @@ class Filler:
                 return not input_arrived
             b0 = time.monotonic()
             self.model.run_layers(state, max_layers=1)
-            spent = time.monotonic() - b0
             if profiled is None:
-                expected = spent
-            elif spent < profiled:
-                time.sleep(profiled - spent)  # sleeping releases the GIL: the event loop runs on
+                expected = time.monotonic() - b0
             else:
-                self.lag_s += spent - profiled
+                schedule.add(profiled)
         return False
 
     def take_lag(self) -> float:

@@ -51,7 +51,7 @@ class WorkerMetrics:
         ).labels(run, worker)
         self._prefill_lag = Counter(
             "bubbletea:prefill_lag_seconds",
-            "Seconds the real prefill compute took beyond the device's prefill profile (per block).",
+            "Seconds prefill batches ran past their device profile's schedule (real work slower than the profile).",
             who,
             registry=r,
         ).labels(run, worker)
