@@ -94,7 +94,7 @@ def simulate(spec: ClusterSpec, options: SimOptions, progress: Progress | None =
         return SimResult(setup, options, off, None, None)
     rate = None
     if options.trace is not None:
-        arrivals = replayed(options.trace, max_tokens=spec.prefill.max_prompt_tokens, time_scale=options.time_scale)
+        arrivals = replayed(options.trace, max_tokens=setup.max_prompt_tokens, time_scale=options.time_scale)
     else:
         rate = options.request_rate
         if rate is None:
@@ -105,7 +105,7 @@ def simulate(spec: ClusterSpec, options: SimOptions, progress: Progress | None =
             rate,
             input_len=options.input_len,
             range_ratio=options.range_ratio,
-            max_tokens=spec.prefill.max_prompt_tokens,
+            max_tokens=setup.max_prompt_tokens,
             burstiness=options.burstiness,
             seed=options.seed,
         )

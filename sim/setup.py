@@ -42,6 +42,12 @@ class SimSetup:
     prefill_profile: str  # where the prefill times come from
     model: ModelInfo
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt the front door accepts: `prefill.max_prompt_tokens`, capped by what
+        the served model can take (as `services/prefill_queue/api.py` limits it)."""
+        return min(self.spec.prefill.max_prompt_tokens, self.model.max_model_len)
+
 
 def build(spec: ClusterSpec, *, fwd_ms: float = DEFAULT_FWD_MS, bus_s: float = BUS_S) -> SimSetup:
     prof = profile_ms(spec)

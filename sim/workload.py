@@ -5,7 +5,8 @@
   load generator's random dataset draws them.
 * `replayed`: an Azure LLM inference trace (`loadgen.datasets.read_trace` / `plan_trace`):
   its arrival times (divided by a time scale) and its prompt lengths, clamped to what the front
-  door accepts (`prefill.max_prompt_tokens`).
+  door accepts (`SimSetup.max_prompt_tokens`: `prefill.max_prompt_tokens`, capped by the served
+  model's length).
 
 Each yields `(arrival time in seconds from the start, prompt tokens)`, lazily and in time order.
 """

@@ -18,7 +18,8 @@ from sim.events import EventQueue
 from sim.executor import Executor, SimRequest
 from sim.output import figures
 from sim.run import SimOptions, SimResult, simulate
-from sim.setup import SimError
+from sim.setup import SimError, build
+from sim.workload import generated
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEMO = CONFIGS / "demo.yaml"
@@ -219,3 +220,13 @@ def test_an_infeasible_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert cli_main(["simulate", "--config", str(spec), "--no-folder"]) == 2
     err = capsys.readouterr().err
     assert "cannot place 2 pipeline stages" in err and "Traceback" not in err
+
+
+def test_prompts_are_clamped_to_what_the_front_door_accepts() -> None:
+    # wan-bound serves a model of 64 positions under prefill.max_prompt_tokens 512: the front door
+    # refuses prompts over 64 tokens (services/prefill_queue/api.py), so the simulator's load never
+    # holds a longer one
+    setup = build(load_spec(CONFIGS / "wan-bound.yaml"))
+    assert setup.spec.prefill.max_prompt_tokens == 512 and setup.max_prompt_tokens == 64
+    lengths = [n for _, n in itertools.islice(generated(50.0, input_len=96, range_ratio=0.5, max_tokens=64), 200)]
+    assert max(lengths) == 64 and min(lengths) >= 48
