@@ -374,10 +374,8 @@ class DispatchState:
                 d = self._fill_bubble(b, left, now, trigger)
                 if d:
                     out += d
-                    if not self._waiting:
-                        return out
                     head = self._head(now)
-                    if head is None:
+                    if head is None:  # nothing left to pack
                         return out
                     self._room.release(head)  # those it frees that come before `key` wait for the next pass
             key = self._room.after(key)
@@ -391,15 +389,16 @@ class DispatchState:
             d = self._stage_batch(worker, *room, now, trigger)
             if d:
                 out += d
-                if not self._waiting:
-                    return out
                 head = self._head(now)
                 if head is None:
                     return out
         return out
 
     def _head(self, now: float) -> Head | None:
-        """The first waiting request that packing would consider now (none: all expired)."""
+        """The first waiting request that packing would consider now (none: nothing waits, or all
+        that waits has expired)."""
+        if not self._waiting:
+            return None
         for c in self._candidates():
             if c.deadline is None or c.deadline >= now:
                 cost = layered_cost(self.cost.predict, self.layers)
