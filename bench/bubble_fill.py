@@ -51,8 +51,7 @@ import yaml
 from redis.asyncio import Redis
 
 from bubbletea.launcher.load import run_loadgen
-from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
-from bubbletea.launcher.services import PREFILL_QUEUE
+from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
 from bubbletea.runstats import (
     Span,
@@ -64,7 +63,7 @@ from bubbletea.runstats import (
     run_spans,
     utilization,
 )
-from shared.redis_server import EmbeddedRedis, free_port
+from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,17 +125,12 @@ async def one_run(
     if not enabled:
         result = await run_training(settings, url, out=out, progress=False, quiet=True)
     else:
-        port = free_port()
-        env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_HTTP_PORT": str(port)}
-        door = await spawn(PREFILL_QUEUE, env, out=out, quiet=True)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            await wait_http_healthy(door, base)
-            client = asyncio.create_task(load(base, url, run, concurrency, load_s, workdir / "loadgen.json"))
+        env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path)}
+        async with front_door(env, out=out) as door:
+            assert door.url is not None
+            client = asyncio.create_task(load(door.url, url, run, concurrency, load_s, workdir / "loadgen.json"))
             result = await run_training(settings, url, out=out, progress=False, quiet=True, dispatcher=True)
             extra = {"load": await client}
-        finally:
-            await stop_all([door])
     r = Redis.from_url(url)
     try:
         spans = await run_spans(r, run)

@@ -10,15 +10,16 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-from bubbletea.launcher.services import ServiceDef, command
+from bubbletea.launcher.services import PREFILL_QUEUE, ServiceDef, command
 from shared.lifetime import die_with_parent
 from shared.logs import get_logger
-from shared.redis_server import EmbeddedRedis
+from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import mask_url
 
 log = get_logger(__name__)
@@ -146,6 +147,29 @@ async def wait_http_healthy(p: Proc, url: str, timeout: float = START_TIMEOUT_S)
             # Start-up poll: nothing to wait on before the socket listens. The exit check above
             # runs every round, so a crash is reported at once.
             await asyncio.sleep(0.1)
+
+
+async def start_front_door(env: dict[str, str], *, out: object = sys.stdout, quiet: bool = True) -> Proc:
+    """A prefill_queue on a free port of 127.0.0.1 with `env`, once it answers healthy (its base URL
+    in `Proc.url`); stopped again if it never does."""
+    port = free_port()
+    p = await spawn(PREFILL_QUEUE, {**env, "BUBBLETEA_HTTP_PORT": str(port)}, out=out, quiet=quiet)
+    try:
+        await wait_http_healthy(p, f"http://127.0.0.1:{port}")
+    except BaseException:
+        await stop_all([p])
+        raise
+    return p
+
+
+@contextlib.asynccontextmanager
+async def front_door(env: dict[str, str], *, out: object = sys.stdout, quiet: bool = True) -> AsyncIterator[Proc]:
+    """`start_front_door`, stopped on the way out."""
+    p = await start_front_door(env, out=out, quiet=quiet)
+    try:
+        yield p
+    finally:
+        await stop_all([p])
 
 
 async def stop_all(procs: list[Proc]) -> dict[str, int | None]:

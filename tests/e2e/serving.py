@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
 
-from bubbletea.launcher.procs import Proc, spawn, stop_all, wait_http_healthy
-from bubbletea.launcher.services import PREFILL_QUEUE
 from shared import keys
 from shared.bus.connection import blocking_client
-from shared.redis_server import free_port
 from shared.status import ItemOutcome
 from shared.wire import IterationDone, PrefillReport, WorkerFailed, decode
 
@@ -55,22 +51,6 @@ def service_env(redis_url: str, spec_path: Path, run: str) -> dict[str, str]:
         "BUBBLETEA_RUN": run,
         "BUBBLETEA_LOG_LEVEL": "INFO",
     }
-
-
-async def start_front_door(env: dict[str, str], out: Any) -> Proc:
-    port = free_port()
-    p = await spawn(PREFILL_QUEUE, {**env, "BUBBLETEA_HTTP_PORT": str(port)}, out=out, quiet=True)
-    await wait_http_healthy(p, f"http://127.0.0.1:{port}")
-    return p
-
-
-@contextlib.asynccontextmanager
-async def front_door(env: dict[str, str], out: Any) -> AsyncIterator[Proc]:
-    p = await start_front_door(env, out)
-    try:
-        yield p
-    finally:
-        await stop_all([p])
 
 
 async def submit(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:

@@ -32,7 +32,7 @@ import pytest
 import torch
 from redis.asyncio import Redis
 
-from bubbletea.launcher.procs import Proc, spawn, stop_all
+from bubbletea.launcher.procs import Proc, front_door, spawn, start_front_door, stop_all
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
 from shared import keys, serving
 from shared.config import Prefill
@@ -41,9 +41,7 @@ from shared.settings import load_settings
 from shared.wire import IterationDone, PrefillBatch, decode
 from tests.e2e.serving import (
     SPEC,
-    front_door,
     service_env,
-    start_front_door,
     status,
     submit,
     wait_for_an_answer,
@@ -234,7 +232,7 @@ async def test_requests_survive_a_killed_dispatcher(tmp_path: Path, redis_url: s
     out = io.StringIO()
     before, meanwhile = random_bodies(1, 60), random_bodies(2, 10)
     procs: list[Proc] = []
-    async with front_door(env, out) as door, aiohttp.ClientSession() as http:
+    async with front_door(env, out=out) as door, aiohttp.ClientSession() as http:
         assert door.url is not None
         try:
             broker, dispatcher, workers = await start_pipeline(env, out)
@@ -284,7 +282,7 @@ async def test_requests_survive_a_killed_front_door(tmp_path: Path, redis_url: s
     procs: list[Proc] = []
     async with aiohttp.ClientSession() as http:
         try:
-            first = await start_front_door(env, out)
+            first = await start_front_door(env, out=out)
             procs.append(first)
             assert first.url is not None
             broker, dispatcher, workers = await start_pipeline(env, out)
@@ -293,7 +291,7 @@ async def test_requests_survive_a_killed_front_door(tmp_path: Path, redis_url: s
             ids = await submit_all(http, first.url, bodies)
             await kill(first)
             at_kill = await stored_statuses(redis_url, ids)
-            second = await start_front_door(env, out)
+            second = await start_front_door(env, out=out)
             procs.append(second)
             assert second.url is not None and second.url != first.url
             statuses = await settle(http, second.url, ids)
@@ -360,7 +358,7 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str, 
 
     r = Redis.from_url(redis_url)
     submitter: asyncio.Task[None] | None = None
-    async with front_door(env, out) as door, aiohttp.ClientSession() as http:
+    async with front_door(env, out=out) as door, aiohttp.ClientSession() as http:
         assert door.url is not None
         try:
             broker = await spawn(WAN_BROKER, env, out=out, quiet=True)

@@ -21,6 +21,7 @@ import torch
 from redis.asyncio import Redis
 
 from bubbletea import runstats
+from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
 from shared import keys, kvstore
 from shared.model.prefill import PrefillModel
@@ -28,7 +29,6 @@ from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.wire import SpanRecord
 from tests.e2e.serving import (
-    front_door,
     service_env,
     status,
     submit,
@@ -54,7 +54,7 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
         {"prompt": p, "logprobs": 3, **({"temperature": 0.8, "seed": i} if i % 3 == 0 else {})}
         for i, p in enumerate(prompts)
     ]
-    async with front_door(env, out) as door, aiohttp.ClientSession() as http:
+    async with front_door(env, out=out) as door, aiohttp.ClientSession() as http:
         assert door.url is not None
         training = asyncio.create_task(
             run_training(settings, redis_server.url, out=out, progress=False, dispatcher=True)
