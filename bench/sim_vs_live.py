@@ -5,9 +5,10 @@ training run (`bubbletea.launcher.train.run_training`: the broker and PP x DP st
 processes on a private redis-server; with BubbleTea on also the front door, the dispatcher and the
 load generator, as `bubbletea demo` runs them). Simulated, it is `sim.run.run_off` / `run_on` on
 the very same spec. With BubbleTea on both get the same load: the load generator's Poisson arrivals
-at the demo's rate and prompt lengths (`--request-rate`, 96 tokens +-50%), and the simulator replays
-exactly the requests the load generator sends (its seeded arrival and prompt streams), shifted so
-that the first one arrives where it arrived live, relative to the steady window.
+at the demo's rate (`--request-rate`) with prompts of 96 tokens +-50% (fewer where the spec's front
+door accepts less), and the simulator replays exactly the requests the live front door accepted,
+read off its request stream as they were queued (submission time and prompt length), at the same
+moments relative to the steady window.
 
 Every figure comes from `bubbletea.runstats` on each side's spans (steady iteration time as
 `bubbletea train` reports it); per case and overall the relative error |sim - live| / live of the
@@ -16,9 +17,12 @@ iteration time, the bubble fraction and (BubbleTea on) the fill ratio.
     python bench/sim_vs_live.py                    # demo and wan-bound, fair and temporal, off and on
     python bench/sim_vs_live.py --quick            # fewer iterations and cases (a few minutes)
     python bench/sim_vs_live.py --config FILE      # any spec (with a device profile), fair and temporal
+    python bench/sim_vs_live.py --prefill-scale 3  # a prefill profile 3x slower, one a small machine keeps
 
-Prints a table, then one JSON line last (keys ending in `_rel_err`, `max_rel_err`; `lag_ms`: how
-far live compute fell behind the device profile, summed over workers and iterations).
+Prints a table, then one JSON line last (keys ending in `_rel_err`, `max_rel_err`; per case
+`lag_ms`: how far live training compute fell behind the device profile, summed over workers and
+iterations; `prefill_lag_share`: the share of live prefill time that was prefill running behind its
+profile, which the simulator cannot know and which inflates the live fill ratio by about as much).
 """
 
 from __future__ import annotations
@@ -26,13 +30,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import itertools
 import json
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,16 +47,14 @@ from redis.asyncio import Redis
 from bubbletea import runstats
 from bubbletea.launcher.demo import LOAD_INPUT_LEN, LOAD_RANGE_RATIO, LOAD_RATE_PER_S
 from bubbletea.launcher.load import run_loadgen
-from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
-from bubbletea.launcher.services import PREFILL_QUEUE
+from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
-from loadgen.arrivals import arrival_offsets
-from loadgen.cli import ARRIVAL_STREAM, PROMPT_STREAM, stream_rng
-from loadgen.datasets import random_prompts
+from loadgen.datasets import length_range
 from shared import keys
 from shared.config import ClusterSpec, load_spec
-from shared.redis_server import EmbeddedRedis, free_port
+from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
+from shared.wire import FIELD, PrefillRequest, decode
 from sim.run import run_off, run_on
 from sim.setup import DEFAULT_PREFILL, build
 
@@ -66,8 +66,8 @@ SHARINGS = ("fair", "temporal")
 REQUEST_TIMEOUT_S = 5
 SEED = 0
 FIGURES = ("iteration", "bubble_fraction", "fill_ratio")
-#: How long to wait for the load's first request (the load starts at the run's first bubble).
-FIRST_REQUEST_TIMEOUT_MS = 300_000
+#: How long one read of the request stream blocks (the watcher is cancelled when the run ends).
+WATCH_BLOCK_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,9 @@ class Case:
         return f"{self.spec.stem}-{self.sharing}-{'on' if self.bubbletea else 'off'}"
 
 
-def case_spec(case: Case, iterations: int | None) -> dict[str, Any]:
-    """The spec of one case, as plain data (written to a file for the live services)."""
+def case_spec(case: Case, iterations: int | None, prefill_scale: float = 1.0) -> dict[str, Any]:
+    """The spec of one case, as plain data (written to a file for the live services); its prefill
+    profile times `prefill_scale`."""
     raw: dict[str, Any] = msgspec.to_builtins(load_spec(case.spec))
     raw["wan"]["sharing"] = case.sharing
     raw["bubbletea"]["enabled"] = case.bubbletea
@@ -93,6 +94,8 @@ def case_spec(case: Case, iterations: int | None) -> dict[str, Any]:
         # which the simulator cannot know: both sides get the profile the simulator assumes
         raw["device"]["prefill_ms_per_layer"] = round(DEFAULT_PREFILL.fixed_s * 1000, 6)
         raw["device"]["prefill_us_per_token"] = round(DEFAULT_PREFILL.per_token_s * 1e6, 6)
+    for k in ("prefill_ms_per_layer", "prefill_us_per_token"):
+        raw["device"][k] = round((raw["device"][k] or 0.0) * prefill_scale, 6)
     return raw
 
 
@@ -100,78 +103,84 @@ def case_spec(case: Case, iterations: int | None) -> dict[str, Any]:
 class Live:
     train: TrainResult
     spans: list[runstats.Span]
-    first_request: float | None  # wall clock: the first request reaching the front door
+    #: the requests the front door accepted: (wall-clock submission time s, prompt tokens)
+    requests: list[tuple[float, int]]
 
 
-def load_plan(rate: float, duration_s: float) -> list[tuple[float, int]]:
-    """Exactly what the load generator sends with these options and SEED: (offset s, prompt tokens)."""
-    offsets = arrival_offsets(rate, 1.0, stream_rng(SEED, ARRIVAL_STREAM))
-    prompts = random_prompts(LOAD_INPUT_LEN, LOAD_RANGE_RATIO, stream_rng(SEED, PROMPT_STREAM))
-    plan = zip(offsets, (len(p) for p in prompts), strict=False)
-    return list(itertools.takewhile(lambda r: r[0] < duration_s, plan))
+def load_input_len(max_prompt_tokens: int) -> int:
+    """The load's mean prompt length: the demo's, or less, so that every drawn prompt fits what the
+    spec's front door accepts (a longer one is refused with a 400 and never reaches a bubble)."""
+    n = LOAD_INPUT_LEN
+    while n > 1 and length_range(n, LOAD_RANGE_RATIO)[1] > max_prompt_tokens:
+        n -= 1
+    return n
 
 
-async def first_entry_time(url: str, stream: str) -> float | None:
-    """Wall-clock time (s) of the next entry published on `stream` (its Redis id's milliseconds)."""
+async def watch_requests(url: str, stream: str, into: list[tuple[float, int]]) -> None:
+    """Every request queued on `stream` from now on, appended to `into` as it comes (read before
+    the dispatcher's consumer group trims it), until cancelled."""
     r = Redis.from_url(url, socket_timeout=None)
+    last = "$"
     try:
-        reply: Any = await r.xread({stream: "$"}, count=1, block=FIRST_REQUEST_TIMEOUT_MS)
-        return int(reply[0][1][0][0].decode().split("-")[0]) / 1000 if reply else None
+        while True:
+            reply: Any = await r.xread({stream: last}, block=WATCH_BLOCK_MS)
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    last = entry_id
+                    req = decode(fields[FIELD])
+                    if isinstance(req, PrefillRequest):
+                        into.append((req.submitted, len(req.tokens)))
     finally:
         await r.aclose()
 
 
-async def run_live(spec: dict[str, Any], url: str, workdir: Path, *, rate: float, load_s: float) -> Live:
+async def run_live(
+    spec: dict[str, Any], url: str, workdir: Path, *, rate: float, load_s: float, input_len: int
+) -> Live:
     tag = f"svl-{spec['name']}-{random.randrange(1 << 30):x}"
     path = workdir / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(spec))
     settings = load_settings(path, env={"BUBBLETEA_RUN": tag})
     out = io.StringIO()
-    first: float | None = None
+    requests: list[tuple[float, int]] = []
     if not spec["bubbletea"]["enabled"]:
         result = await run_training(settings, url, out=out, progress=False, quiet=True)
     else:
-        port = free_port()
-        env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_HTTP_PORT": str(port)}
-        door = await spawn(PREFILL_QUEUE, env, out=out, quiet=True)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            await wait_http_healthy(door, base)
-            seen = asyncio.create_task(first_entry_time(url, keys.PREFILL_REQUESTS_STREAM))
-            args = ["--base-url", base, "--request-rate", f"{rate:g}", "--duration", f"{load_s:.2f}"]
-            args += ["--input-len", str(LOAD_INPUT_LEN), "--range-ratio", str(LOAD_RANGE_RATIO), "--seed", str(SEED)]
+        env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path)}
+        async with front_door(env, out=out) as door:
+            assert door.url is not None
+            seen = asyncio.create_task(watch_requests(url, keys.PREFILL_REQUESTS_STREAM, requests))
+            args = ["--base-url", door.url, "--request-rate", f"{rate:g}", "--duration", f"{load_s:.2f}"]
+            args += ["--input-len", str(input_len), "--range-ratio", str(LOAD_RANGE_RATIO), "--seed", str(SEED)]
             client = asyncio.create_task(run_loadgen(url, tag, args, workdir / f"{tag}-load.json"))
             try:
                 result = await run_training(settings, url, out=out, progress=False, quiet=True, dispatcher=True)
                 await client
-                first = await seen
             finally:
                 for task in (client, seen):
                     task.cancel()
                 await asyncio.gather(client, seen, return_exceptions=True)
-        finally:
-            await stop_all([door])
     r = Redis.from_url(url)
     try:
         spans = await runstats.run_spans(r, tag)
     finally:
         await r.aclose()
-    return Live(result, spans, first)
+    requests.sort()
+    return Live(result, spans, requests)
 
 
-def simulate(spec: ClusterSpec, live: Live, *, rate: float, load_s: float) -> tuple[float, list[runstats.Span]]:
-    """The case simulated: (steady iteration s, spans). With BubbleTea on, the live load's requests
-    arrive at the same moments relative to the steady window's start as they did live."""
+def simulate(spec: ClusterSpec, live: Live) -> tuple[float, list[runstats.Span]]:
+    """The case simulated: (steady iteration s, spans). With BubbleTea on, the requests the live
+    front door accepted arrive at the same moments relative to the steady window's start as live."""
     setup = build(spec)
     iterations = len(live.train.iteration_s)
     off = run_off(setup, iterations)
     if not spec.bubbletea.enabled:
         return off.iteration_s, off.spans
-    assert live.first_request is not None, "the live run got no request"
+    if not live.requests:
+        raise RuntimeError("the live run accepted no request")
     shift = runstats.steady_window(off.spans)[0] - runstats.steady_window(live.spans)[0]
-    start = live.first_request + shift
-    arrivals: Iterator[tuple[float, int]] = ((start + t, n) for t, n in load_plan(rate, load_s))
-    on = run_on(setup, iterations, off.priors, arrivals)
+    on = run_on(setup, iterations, off.priors, iter([(t + shift, n) for t, n in live.requests]))
     return on.iteration_s, on.spans
 
 
@@ -181,17 +190,20 @@ def figures(iteration_s: float, spans: list[runstats.Span], bubbletea: bool) -> 
     return {"iteration": iteration_s * 1000, "bubble_fraction": u.bubble, "fill_ratio": fill}
 
 
-async def run_case(case: Case, url: str, workdir: Path, *, iterations: int | None, rate: float) -> dict[str, Any]:
-    raw = case_spec(case, iterations)
+async def run_case(
+    case: Case, url: str, workdir: Path, *, iterations: int | None, rate: float, prefill_scale: float
+) -> dict[str, Any]:
+    raw = case_spec(case, iterations, prefill_scale)
     path = workdir / f"{case.name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     spec = load_spec(path)
     predicted = run_off(build(spec), spec.training.iteration_limit or 2)
     load_s = 1.3 * sum(predicted.iteration_times) + 2.0  # from the first bubble to past training's end
     t0 = time.perf_counter()
-    live = await run_live(raw, url, workdir, rate=rate, load_s=load_s)
+    input_len = load_input_len(build(spec).max_prompt_tokens)
+    live = await run_live(raw, url, workdir, rate=rate, load_s=load_s, input_len=input_len)
     wall = time.perf_counter() - t0
-    sim_iter, sim_spans = simulate(spec, live, rate=rate, load_s=load_s)
+    sim_iter, sim_spans = simulate(spec, live)
     got_live = figures(live.train.steady_iteration_s(), live.spans, case.bubbletea)
     got_sim = figures(sim_iter, sim_spans, case.bubbletea)
     row: dict[str, Any] = {"case": case.name, "iterations": len(live.train.iteration_s)}
@@ -200,12 +212,17 @@ async def run_case(case: Case, url: str, workdir: Path, *, iterations: int | Non
         row[f"{f}_live"], row[f"{f}_sim"] = _r(a), _r(b)
         row[f"{f}_rel_err"] = None if a is None or b is None or a == 0 else round(abs(b - a) / abs(a), 4)
     row.update(lag_ms=round(live.train.lag_ms, 1), prefill_lag_ms=round(live.train.prefill_lag_ms, 1))
-    # What limits agreement: the share of live worker time compute ran behind the profile (which the
-    # simulator cannot know), and when the live load began, from the steady window's start (s).
+    # What limits agreement: the share of live worker time training compute ran behind the profile,
+    # the share of live prefill time that was prefill running behind its profile (neither of which
+    # the simulator can know), and when the live load began, from the steady window's start (s).
     slots = spec.parallelism.pp * spec.parallelism.dp
     row["lag_share"] = round(live.train.lag_ms / 1000 / (slots * sum(live.train.iteration_s)), 4)
-    if live.first_request is not None:
-        row["load_from_s"] = round(live.first_request - runstats.steady_window(live.spans)[0], 3)
+    prefill_s = sum(s.duration for s in live.spans if s.kind == "prefill")
+    if prefill_s > 0:
+        row["prefill_lag_share"] = round(live.train.prefill_lag_ms / 1000 / prefill_s, 4)
+    if live.requests:
+        row["load_from_s"] = round(live.requests[0][0] - runstats.steady_window(live.spans)[0], 3)
+        row["requests"], row["input_len"] = len(live.requests), input_len
     row["live_s"] = round(wall, 1)
     print(_line(row), file=sys.stderr, flush=True)
     return row
@@ -222,7 +239,8 @@ def _line(r: dict[str, Any]) -> str:
         scale = 1.0 if f == "iteration" else 100.0
         return f"{r[f'{f}_live'] * scale:8.2f} {r[f'{f}_sim'] * scale:8.2f} {r[f'{f}_rel_err'] * 100:5.1f}%  "
 
-    return f"| {r['case']:<24} | " + " | ".join(cell(f) for f in FIGURES) + f" | {r['lag_ms']:8.1f} |"
+    lag = f"{r['prefill_lag_share']:.1%}" if "prefill_lag_share" in r else ""
+    return f"| {r['case']:<24} | " + " | ".join(cell(f) for f in FIGURES) + f" | {r['lag_ms']:8.1f} | {lag:>8} |"
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -250,14 +268,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     cases = cases_for(args)
     iterations = args.iterations or (6 if args.quick else None)
     header = " | ".join(f"{f + ' live/sim/err':<28}" for f in FIGURES)
-    print(f"| {'case':<24} | {header} | {'lag ms':>8} |", file=sys.stderr)
+    print(f"| {'case':<24} | {header} | {'lag ms':>8} | {'prefill lag':>8} |", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedRedis() as server:
             for case in cases:
                 try:
                     rows.append(
-                        await run_case(case, server.url, Path(tmp), iterations=iterations, rate=args.request_rate)
+                        await run_case(
+                            case,
+                            server.url,
+                            Path(tmp),
+                            iterations=iterations,
+                            rate=args.request_rate,
+                            prefill_scale=args.prefill_scale,
+                        )
                     )
                 except RuntimeError as exc:  # e.g. the load generator gave up: no live figures to compare
                     print(f"| {case.name:<24} | failed live: {exc}", file=sys.stderr, flush=True)
@@ -271,7 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="6 iterations a run, each spec once off and once on")
     ap.add_argument("--iterations", type=int, help="training iterations per run (default: the spec's; 6 quick)")
     ap.add_argument("--request-rate", type=float, default=LOAD_RATE_PER_S, help="requests/s with BubbleTea on")
+    ap.add_argument(
+        "--prefill-scale",
+        type=float,
+        default=1.0,
+        help="multiply the specs' prefill profile (a device the live machine can keep up with; default 1)",
+    )
     args = ap.parse_args(argv)
+    if not args.prefill_scale > 0:
+        ap.error(f"--prefill-scale must be > 0, got {args.prefill_scale}")
     if args.config and load_spec(args.config).device.fwd_ms_per_layer is None:
         ap.error("--config: the spec needs a device profile (device.fwd_ms_per_layer), or live compute is unknown")
     out = uvloop.run(main_async(args))
