@@ -81,8 +81,16 @@ class Filler:
         assert isinstance(batch, PrefillBatch)  # the handler table routes only this kind here
         if batch.run != self.run:
             raise Reject(f"the fill stream of run {self.run} got a batch of run {batch.run}")
-        action = self.policy.on_arrival(staged=batch.hold, in_bubble=self.in_bubble)
-        if action is Arrival.RETURN:  # the bubble closed before the batch got here
+        redelivered = d.attempt > 1  # a restarted worker re-reads its slot's unacked entries
+        action = self.policy.on_arrival(staged=batch.hold, in_bubble=self.in_bubble, redelivered=redelivered)
+        if redelivered:
+            log.info(
+                "prefill batch delivered again: a previous worker of this slot held it unfinished",
+                batch=batch.batch_id,
+                attempt=d.attempt,
+                action=str(action),
+            )
+        if action is Arrival.RETURN:  # its bubble closed before it got here, or its process died
             await self.reporter.finish_batch(batch, BatchRun.unrun())
             return
         loop = asyncio.get_running_loop()

@@ -47,7 +47,13 @@ class FillPolicy:
     guard_s: float  # a bubble predicted shorter than this is not filled
     hold_s: float = HOLD_STAGED_S
 
-    def on_arrival(self, *, staged: bool, in_bubble: bool) -> Arrival:
+    def on_arrival(self, *, staged: bool, in_bubble: bool, redelivered: bool = False) -> Arrival:
+        """`redelivered`: delivered before and never acked, so sent for a bubble of this slot's
+        previous process. It goes back unrun: the dispatcher may already have requeued it (running
+        it again would only duplicate that work), and if not, the report requeues it at once
+        instead of when the report is overdue."""
+        if redelivered:
+            return Arrival.RETURN
         if in_bubble:
             return Arrival.RUN
         return Arrival.HOLD if staged else Arrival.RETURN

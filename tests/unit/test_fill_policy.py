@@ -5,11 +5,15 @@ from shared.policies.fill import Arrival, FillPolicy, Held
 P = FillPolicy(guard_s=0.005, hold_s=1.0)
 
 
-def test_a_batch_runs_in_an_open_bubble_waits_if_staged_and_goes_back_if_late() -> None:
+def test_a_batch_runs_in_an_open_bubble_waits_if_staged_and_goes_back_if_late_or_redelivered() -> None:
     assert P.on_arrival(staged=False, in_bubble=True) is Arrival.RUN
     assert P.on_arrival(staged=True, in_bubble=True) is Arrival.RUN
     assert P.on_arrival(staged=True, in_bubble=False) is Arrival.HOLD
     assert P.on_arrival(staged=False, in_bubble=False) is Arrival.RETURN  # its bubble is over
+    # Sent to this slot's previous process, which died holding it: back, whatever the bubble.
+    for staged in (False, True):
+        for in_bubble in (False, True):
+            assert P.on_arrival(staged=staged, in_bubble=in_bubble, redelivered=True) is Arrival.RETURN
 
 
 def test_a_bubble_shorter_than_the_guard_is_left_alone() -> None:
