@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from bubbletea.launcher.train import run_training
 from shared import keys
 from shared.model.reference import train_reference_for
+from shared.policies.bubbles import HISTORY, WARMUP_ITERATIONS
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.wire import BubbleEnd, BubbleStart, SpanRecord, decode
@@ -83,7 +84,16 @@ async def check_telemetry(url: str, run: str, iterations: int, microbatches: int
         assert b.free_memory_bytes > 0 and b.dc in ("dc-a", "dc-b") and b.predicted_ms >= 0
     for e in ends:
         assert e.actual_ms > 0
-    # later iterations predict from history: the prediction equals an earlier bubble's length
-    later = [e for e in ends if e.iteration >= 2 and e.stage == 1 and e.position == 0]
-    history = {round(e.actual_ms, 6) for e in ends if e.stage == 1 and e.position == 0}
-    assert later and all(round(e.predicted_ms, 6) in history for e in later)
+    # Later bubbles are predicted from history: the shortest of the worker's last HISTORY bubbles
+    # at that position since the warm-up (a position it has no history at yet keeps the prior).
+    predicted_from_history = 0
+    for worker in {e.worker for e in ends}:
+        seen: dict[int, list[float]] = {}
+        for e in sorted((e for e in ends if e.worker == worker), key=lambda e: (e.iteration, e.at)):
+            history = seen.get(e.position, [])[-HISTORY:]
+            if history:
+                assert e.predicted_ms == min(history), (worker, e.iteration, e.position, history)
+                predicted_from_history += 1
+            if e.iteration >= WARMUP_ITERATIONS:
+                seen.setdefault(e.position, []).append(e.actual_ms)
+    assert predicted_from_history > 0
