@@ -19,16 +19,13 @@ from aiohttp import web
 from shared.config import ConfigError
 from shared.logs import get_logger, setup_logging
 from shared.model.shape import CheckpointError
+from shared.policies.restarts import EXIT_CONFIG  # a bad spec, an unloadable checkpoint, a missing device
 from shared.settings import Settings, load_settings
 
 log = get_logger(__name__)
 
 Serve = Callable[[Settings, asyncio.Event], Awaitable[None]]
 
-
-#: The exit code of a service that cannot run with its configuration (a bad spec, a checkpoint that
-#: cannot be loaded, a device that is not there): a supervisor does not restart it.
-EXIT_CONFIG = 2
 
 def run_service(name: str, serve: Serve, argv: Sequence[str] | None = None, *, description: str = "") -> int:
     ap = argparse.ArgumentParser(

@@ -1,23 +1,20 @@
 """`bubbletea up`'s supervisor: restart a dead service; a dead stage worker too when the run can recover.
 
 Once everything is up, `Supervisor.follow` watches every process until Ctrl-C/SIGTERM (the caller
-cancels it), a failure it cannot fix, or the end of a finite run:
+cancels it), a failure it cannot fix, or the end of a finite run. What to do about an exit is the
+restart policy's decision (`shared.policies.restarts.on_exit`); this shell executes it:
 
-* a stateless service (every service not started per slot: the front door, the dispatcher, the
-  WAN broker, the decoder) that exits, whatever its exit code, is restarted with the same
-  environment and label (the front door keeps its port) after the backoff the restart policy
-  (`shared.policies.restarts`) says, and waited on until healthy again. Its state lives in Redis
-  (queued requests, pending stream entries, answers), so a new instance carries on. One line says
-  so: ``==> dispatcher died (exit code -9); restarting in 0.5s (restart 1)``, then
-  ``==> dispatcher restarted (pid N): healthy``. When the policy gives up (a crash loop), everything
-  stops with a message naming the service and its last lines;
-* a stage worker that exits with an error is restarted the same way when the run checkpoints
-  (`training.checkpoint_every` > 0): the new process takes the free slot and the run resumes from
-  its newest checkpoint (services/stage_worker/recovery.py). Without checkpoints a lost worker
-  stops the run (its peers abort), so it stops everything, naming the worker;
-* a process that exits with `EXIT_CONFIG` (2: it cannot run with this configuration, e.g. a
-  checkpoint that cannot be loaded) is never restarted: everything stops, naming it;
-* when every stage worker exited 0 (a finite run trained all its iterations) it returns 0.
+* `Restart`: the process is started again with the same environment and label (the front door
+  keeps its port) after the policy's backoff, and waited on until healthy again. A stateless
+  service's state lives in Redis (queued requests, pending stream entries, answers), so a new
+  instance carries on; a new stage worker takes the free slot and the run resumes from its newest
+  checkpoint (services/stage_worker/recovery.py). One line says so:
+  ``==> dispatcher died (exit code -9); restarting in 0.5s (restart 1)``, then
+  ``==> dispatcher restarted (pid N): healthy``;
+* `GiveUp` (a crash loop, exit code `EXIT_CONFIG`, a worker lost in a run without checkpoints):
+  everything stops with a message naming the process, the reason and its last lines;
+* `Finished`: a stage worker that trained all its iterations; when every worker has, `follow`
+  returns 0.
 """
 
 from __future__ import annotations
@@ -28,21 +25,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 from bubbletea.launcher.procs import Proc, ServiceFailed
-from shared.policies.restarts import DEFAULT_POLICY, Death, GiveUp, RestartPolicy, decide
-from shared.service import EXIT_CONFIG
+from shared.policies.restarts import DEFAULT_POLICY, Death, Exited, Finished, GiveUp, RestartPolicy, on_exit
 
 #: How often child exit codes are polled: a death is noticed within this.
 POLL_S = 0.2
 #: How long a dead process's output gets to drain into its log before the new one starts.
 DRAIN_S = 5.0
-
-
-def restartable(p: Proc, *, workers: bool) -> bool:
-    """Whether `up` restarts this process when it exits: every service but the stage workers, and
-    (`workers`: the run recovers from a lost worker) a stage worker that exits with an error."""
-    if not p.svc.per_slot:
-        return True
-    return workers and p.proc.returncode != 0
 
 
 class Supervisor:
@@ -81,21 +69,8 @@ class Supervisor:
                 for task in [t for t in self._restarting.values() if t.done()]:
                     task.result()  # a restart that failed (never healthy) fails the whole run
                 for i, p in enumerate(self.procs):
-                    if p.proc.returncode is None or i in self._restarting:
-                        continue
-                    if p.proc.returncode == EXIT_CONFIG:  # the same every time: a restart cannot help
-                        raise ServiceFailed(
-                            f"{p.label} (pid {p.proc.pid}) cannot run with this configuration (exit code "
-                            f"{EXIT_CONFIG}); not restarting; last output:\n" + "\n".join(p.tail)
-                        )
-                    if restartable(p, workers=self.restart_workers):
-                        self._on_death(i, p)
-                    elif p.proc.returncode != 0:
-                        raise ServiceFailed(
-                            f"{p.label} (pid {p.proc.pid}) exited with code {p.proc.returncode}; stage workers are "
-                            "not restarted in a run without checkpoints (training.checkpoint_every: 0); last output:\n"
-                            + "\n".join(p.tail)
-                        )
+                    if p.proc.returncode is not None and i not in self._restarting:
+                        self._on_exit(i, p)
                 workers = [p for p in self.procs if p.svc.per_slot]
                 if workers and all(p.proc.returncode == 0 for p in workers):
                     self.say("==> training finished: every worker completed its iterations; stopping")
@@ -106,17 +81,18 @@ class Supervisor:
                 task.cancel()
             await asyncio.gather(*self._restarting.values(), return_exceptions=True)
 
-    def _on_death(self, i: int, p: Proc) -> None:
-        now = self.clock()
-        deaths = self.deaths.setdefault(p.label, [])
-        deaths.append(Death(p.started, now))
-        verdict = decide(deaths, now, self.policy)
+    def _on_exit(self, i: int, p: Proc) -> None:
         code = p.proc.returncode
+        assert code is not None
+        now = self.clock()
+        deaths = [*self.deaths.get(p.label, []), Death(p.started, now)]
+        exited = Exited(code, worker=p.svc.per_slot)
+        verdict = on_exit(exited, deaths, now, recoverable=self.restart_workers, policy=self.policy)
+        if isinstance(verdict, Finished):
+            return  # not a death: `follow` ends once every worker has finished
+        self.deaths[p.label] = deaths
         if isinstance(verdict, GiveUp):
-            raise ServiceFailed(
-                f"{p.label} (pid {p.proc.pid}) died (exit code {code}) and {verdict.reason}; last output:\n"
-                + "\n".join(p.tail)
-            )
+            raise ServiceFailed(f"{p.label} (pid {p.proc.pid}) {verdict.reason}; last output:\n" + "\n".join(p.tail))
         self.say(
             f"==> {p.label} died (exit code {code}); restarting in {verdict.delay_s:g}s (restart {verdict.attempt})"
         )

@@ -38,7 +38,7 @@ from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillPolicy
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
-from shared.service import EXIT_CONFIG
+from shared.policies.restarts import EXIT_CONFIG
 from shared.settings import Settings
 from shared.telemetry import MetricsServer
 from shared.tensors import from_blob

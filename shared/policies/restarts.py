@@ -1,11 +1,21 @@
-"""Restart policy (pure): when a supervised service process dies, restart it after how long, or give up.
+"""Restart policy (pure): when a supervised process exits, restart it after how long, or give up.
 
-`bubbletea up` supervises its stateless services (front door, dispatcher, WAN broker, decoder):
-when one dies it feeds this policy the service's death history and the clock, and gets back a
-value: `Restart` (after `delay_s`) or `GiveUp` (stop everything, with the reason). No I/O, no
-clock of its own: the caller passes `now`, so a test drives it with a fake clock.
+`bubbletea up` supervises every process it starts. When one exits it feeds `on_exit` the exit
+(code, and whether it is a stage worker), the service's death history and the clock, and gets back
+a value: `Restart` (after `delay_s`), `GiveUp` (stop everything, with the reason) or `Finished` (a
+stage worker that trained all its iterations: nothing to do). No I/O, no clock of its own: the
+caller passes `now`, so a test drives it with a fake clock.
 
-The rules (constants below):
+Which exits are restarted (`on_exit`):
+
+* exit code `EXIT_CONFIG` (2: the process cannot run with this configuration, e.g. a checkpoint
+  that cannot be loaded): never, whatever the service; the next start would fail the same way;
+* a stage worker that exits 0 completed its iterations: `Finished`;
+* a stage worker that fails is restarted only when the run can recover (it checkpoints: the new
+  process takes the free slot and resumes); without checkpoints its peers abort, so give up;
+* any other exit of any service (the stateless ones keep their state in Redis): the backoff rules.
+
+The backoff rules (`decide`; constants below):
 
 * Backoff: the first restart after a stable life waits `BACKOFF_INITIAL_S`; each further death in
   a row of short lives doubles it, up to `BACKOFF_MAX_S` (0.5, 1, 2, 4, 8, 10, 10 ... s).
@@ -22,6 +32,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+#: The exit code of a process that cannot run with its configuration: restarting cannot help.
+EXIT_CONFIG = 2
 
 #: The delay before the first restart (and after a stable life).
 BACKOFF_INITIAL_S = 0.5
@@ -72,9 +85,48 @@ class Restart:
 
 @dataclass(frozen=True)
 class GiveUp:
-    """Do not restart: stop everything; `reason` says why (a crash loop)."""
+    """Do not restart: stop everything; `reason` says why (a crash loop, a configuration that
+    cannot run, a worker lost in a run that cannot recover)."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A stage worker that exited 0: it trained all its iterations. Not a death."""
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A supervised process exited with `code`; `worker`: it is a stage worker (one per slot)."""
+
+    code: int
+    worker: bool
+
+
+def on_exit(
+    exited: Exited,
+    deaths: Sequence[Death],
+    now: float,
+    *,
+    recoverable: bool,
+    policy: RestartPolicy = DEFAULT_POLICY,
+) -> Restart | GiveUp | Finished:
+    """What to do about a process that exited. `deaths`: its service's, oldest first, this exit
+    last; `recoverable`: the run resumes from a checkpoint when it loses a worker."""
+    if exited.code == EXIT_CONFIG:
+        return GiveUp(f"cannot run with this configuration (exit code {EXIT_CONFIG}); not restarting")
+    if exited.worker and exited.code == 0:
+        return Finished()
+    if exited.worker and not recoverable:
+        return GiveUp(
+            f"exited with code {exited.code}; stage workers are not restarted in a run without "
+            "checkpoints (training.checkpoint_every: 0)"
+        )
+    verdict = decide(deaths, now, policy)
+    if isinstance(verdict, GiveUp):
+        return GiveUp(f"died (exit code {exited.code}) and {verdict.reason}")
+    return verdict
 
 
 def decide(deaths: Sequence[Death], now: float, policy: RestartPolicy = DEFAULT_POLICY) -> Restart | GiveUp:

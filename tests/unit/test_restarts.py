@@ -16,14 +16,18 @@ from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, ServiceDef
 from shared.policies.restarts import (
     BACKOFF_INITIAL_S,
     BACKOFF_MAX_S,
+    EXIT_CONFIG,
     MAX_DEATHS_IN_WINDOW,
     STABLE_AFTER_S,
     WINDOW_S,
     Death,
+    Exited,
+    Finished,
     GiveUp,
     Restart,
     RestartPolicy,
     decide,
+    on_exit,
 )
 
 
@@ -111,6 +115,28 @@ def test_decide_needs_a_death() -> None:
 # --- the supervisor, over fake processes ---------------------------------------------------------
 
 _pids = itertools.count(100)
+
+
+ONE = [Death(0.0, 100.0)]  # a first death, after a stable life
+
+
+def test_which_exits_are_restarted() -> None:
+    """`on_exit`: a configuration that cannot run is never restarted; a worker that exits 0 has
+    finished; a failed worker is restarted only when the run recovers; any other exit backs off."""
+    for worker in (False, True):
+        for recoverable in (False, True):
+            v = on_exit(Exited(EXIT_CONFIG, worker), ONE, 100.0, recoverable=recoverable)
+            assert isinstance(v, GiveUp) and "cannot run with this configuration (exit code 2)" in v.reason
+    for recoverable in (False, True):
+        assert on_exit(Exited(0, worker=True), ONE, 100.0, recoverable=recoverable) == Finished()
+    lost = on_exit(Exited(-9, worker=True), ONE, 100.0, recoverable=False)
+    assert isinstance(lost, GiveUp) and "not restarted in a run without checkpoints" in lost.reason
+    assert on_exit(Exited(-9, worker=True), ONE, 100.0, recoverable=True) == Restart(BACKOFF_INITIAL_S, 1)
+    for code in (0, 1, -9):  # a stateless service: whatever its exit code
+        assert on_exit(Exited(code, worker=False), ONE, 100.0, recoverable=False) == Restart(BACKOFF_INITIAL_S, 1)
+    loop = [Death(t, t + 1.0) for t in range(0, 12, 2)]  # six short lives within 12 s
+    crash = on_exit(Exited(1, worker=False), loop, 12.0, recoverable=False)
+    assert isinstance(crash, GiveUp) and crash.reason.startswith("died (exit code 1) and died 6 times within 60s")
 
 
 class FakeProcess:
