@@ -6,10 +6,10 @@ shared policies on a virtual clock) run on configs/paper-*.yaml or on variants o
 across datacenters, is the simulated in-DC pipeline plus an analytic ring all-reduce of the whole
 model's gradients over the WAN (`wan_allreduce_s`, written out in docs/paper.md).
 
-Prints the table (the 5 Gb/s, 40 ms case), then the sweeps, writes the pictures to docs/paper/ and
-ends with one JSON line: speedups and utilizations by name.
+Prints the table (the 5 Gb/s, 40 ms case), then the sweeps, writes the pictures to docs/paper/
+(--quick: to runs/paper-quick/) and ends with one JSON line: speedups and utilizations by name.
 
-    python bench/paper.py            # every sweep point, scale up to 4,096 GPUs (several minutes)
+    python bench/paper.py            # every sweep point, scale up to 4,096 GPUs (under a minute)
     python bench/paper.py --quick    # fewer points, scale up to 512 GPUs
 
 Over 300 lines on purpose: one benchmark, the table, the sweeps and the pictures of docs/paper.md,
@@ -48,6 +48,7 @@ CONFIGS = {
     "rr": ROOT / "configs" / "paper-round-robin.yaml",
 }
 PICTURES = ROOT / "docs" / "paper"
+QUICK_PICTURES = ROOT / "runs" / "paper-quick"
 DPI = 100
 #: Prompt length of the prefill load (tokens): long prompts keep the request count, and so the
 #: simulation's cost, small while the bubbles last seconds.
@@ -339,8 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer sweep points, scale up to 512 GPUs")
     ap.add_argument("--iterations", type=int, default=3, help="simulated iterations per case (default 3)")
-    ap.add_argument("--out", type=Path, default=PICTURES, help="folder of the pictures (default docs/paper/)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder of the pictures (default docs/paper/; with --quick runs/paper-quick/, so a quick "
+        "run never replaces the documented pictures)",
+    )
     args = ap.parse_args(argv)
+    if args.iterations < 2:
+        ap.error(f"--iterations must be at least 2 (iteration 0 is the warm-up), got {args.iterations}")
+    if args.out is None:
+        args.out = QUICK_PICTURES if args.quick else PICTURES
     wall = time.perf_counter()
     raws = {k: load_raw(p) for k, p in CONFIGS.items()}
     base = spec_of(raws["c"])
