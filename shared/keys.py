@@ -139,6 +139,7 @@ def lease_end_key(run: str, replica: int, stage: int) -> str:
 #: An end marker outlives any run's tail (peers still finishing their last steps), then goes.
 LEASE_END_TTL_S = 3_600
 
+
 def generation_key(run: str) -> str:
     """The run's recovery generation (an integer): every worker that joins the run, at start or
     after noticing a lost peer, moves it on; workers train together only within one generation."""
