@@ -15,13 +15,14 @@ import yaml
 from redis.asyncio import Redis
 
 from services.wan_broker.broker import serve
-from services.wan_broker.links import LinkDriver
+from services.wan_broker.links import SETTLE_S, LinkDriver
 from shared import keys
 from shared.bus import Bus
 from shared.bus.connection import blocking_client
 from shared.health import wait_live
 from shared.policies.wan import LinkModel
 from shared.settings import Settings, load_settings
+from shared.timing import SPIN_S
 from shared.wire import FIELD, Ping, Transfer, decode, encode
 
 pytestmark = pytest.mark.integration
@@ -140,7 +141,21 @@ async def test_transfers_read_apart_start_on_the_wire_when_they_were_sent(redis_
         await driver.close()
     assert len(starts) == 2 and starts[1] - starts[0] < 0.0005
     assert 0.105 < done < 0.150  # 8,000 bytes at 80 kB/s + 10 ms: both arrive at ~110 ms
-    assert late < 5.0  # and the settled clock delivers on time (ms)
+    # The settled clock still delivers on time by design (its cap, pinned below); what lateness
+    # remains is the host's scheduling, several ms at worst on a loaded 2-core machine.
+    assert late < 20.0, late
+
+
+async def test_the_settle_leaves_every_delivery_the_lead_of_a_precise_sleep(redis_url: str) -> None:
+    """A transfer's last byte is known `settle` after it left and arrives `latency` after: the
+    settle is capped at the latency minus a precise sleep's lead, so no delivery is late by design."""
+    async with Bus(redis_url) as bus:
+        for latency, settle in ((0.040, SETTLE_S), (0.010, SETTLE_S), (0.004, 0.002), (0.002, 0.0), (0.0, 0.0)):
+            model = LinkModel(bandwidth=80_000.0, latency=latency, flow_cap=80_000.0)
+            driver = LinkDriver(bus, "a", "b", model, "fair")
+            assert driver.settle == pytest.approx(settle), latency
+            assert driver.settle <= max(0.0, latency - SPIN_S) + 1e-12
+            await driver.close()
 
 
 @pytest.mark.parametrize("broker", ["fair"], indirect=True)
