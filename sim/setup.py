@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import ClusterSpec
-from shared.model.shape import CheckpointError, ModelInfo, model_info
+from shared.model.shape import CheckpointError, ModelInfo, max_prompt_tokens, model_info
 from shared.plan import layers_per_stage, model_inputs, profile_ms
 from shared.policies.pipeline_model import PipelineInputs
 from shared.policies.prefill_cost import PrefillProfile
@@ -44,9 +44,8 @@ class SimSetup:
 
     @property
     def max_prompt_tokens(self) -> int:
-        """The longest prompt the front door accepts: `prefill.max_prompt_tokens`, capped by what
-        the served model can take (as `services/prefill_queue/api.py` limits it)."""
-        return min(self.spec.prefill.max_prompt_tokens, self.model.max_model_len)
+        """The longest prompt the front door accepts (`shared.model.shape.max_prompt_tokens`)."""
+        return max_prompt_tokens(self.spec.prefill, self.model)
 
 
 def build(spec: ClusterSpec, *, fwd_ms: float = DEFAULT_FWD_MS, bus_s: float = BUS_S) -> SimSetup:

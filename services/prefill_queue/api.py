@@ -15,7 +15,7 @@ from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest,
 from shared import serving
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.config import Prefill
-from shared.model.shape import ModelInfo, model_info
+from shared.model.shape import ModelInfo, max_prompt_tokens, model_info
 from shared.model.tokenizer import Tokenizer, tokenizer_for
 from shared.status import FailureReason, RequestStatus
 from shared.wire import PrefillRequest, PrefillResult
@@ -83,7 +83,7 @@ def limits(app: web.Application) -> Limits:
     return Limits(
         model=spec.prefill.model_name,
         vocab=info.vocab,
-        max_prompt_tokens=min(spec.prefill.max_prompt_tokens, info.max_model_len),
+        max_prompt_tokens=max_prompt_tokens(spec.prefill, info),
         default_timeout_s=spec.prefill.request_timeout_s,
         tokenizer=tokenizer,
         max_tokens=spec.decode.max_tokens if decoding else 1,
@@ -193,7 +193,7 @@ async def models(request: web.Request) -> web.Response:
         "owned_by": "bubbletea",
         "root": name,  # vLLM's benchmark reads the served model from here when --model is not given
         "parent": None,
-        "max_model_len": min(spec.max_prompt_tokens, served_model(spec)[0].max_model_len),
+        "max_model_len": max_prompt_tokens(spec, served_model(spec)[0]),
     }
     return web.json_response({"object": "list", "data": [model]})
 

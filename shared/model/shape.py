@@ -248,3 +248,9 @@ def model_info(spec: Prefill) -> ModelInfo:
         assert spec.checkpoint is not None
         return info_from_config(read_config(spec.checkpoint))
     return ModelInfo.of_gpt(GPTConfig.from_spec(spec.model))
+
+
+def max_prompt_tokens(spec: Prefill, info: ModelInfo) -> int:
+    """The longest prompt the front door accepts (and the simulator's load may hold):
+    `prefill.max_prompt_tokens`, capped by what the served model `info` can take."""
+    return min(spec.max_prompt_tokens, info.max_model_len)
