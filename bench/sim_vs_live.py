@@ -197,10 +197,11 @@ async def run_case(
     path = workdir / f"{case.name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     spec = load_spec(path)
-    predicted = run_off(build(spec), spec.training.iteration_limit or 2)
+    setup = build(spec)
+    predicted = run_off(setup, spec.training.iteration_limit or 2)
     load_s = 1.3 * sum(predicted.iteration_times) + 2.0  # from the first bubble to past training's end
     t0 = time.perf_counter()
-    input_len = load_input_len(build(spec).max_prompt_tokens)
+    input_len = load_input_len(setup.max_prompt_tokens)
     live = await run_live(raw, url, workdir, rate=rate, load_s=load_s, input_len=input_len)
     wall = time.perf_counter() - t0
     sim_iter, sim_spans = simulate(spec, live)
