@@ -9,11 +9,15 @@ with one of them killed hard (SIGKILL) mid-run:
   request's final status, because answers live in Redis, not in the process that accepted them;
 * a stage worker while a prefill batch is in flight: in a run that checkpoints, a replacement
   takes the slot, training resumes and every request is answered (the dead worker's batch is
-  requeued); in one that does not, training aborts (its peers stop with an error naming the slot),
-  and every request still ends answered or failed with a reason.
+  requeued by the dispatcher, or handed back by the replacement); in one that does not, training
+  aborts (its peers stop with an error naming the slot), and every request still ends answered or
+  failed with a reason.
 
 Every request ends "done" or "failed" with a reason (none stays "queued", none is unknown), and
 every "done" answer is the token a local `PrefillModel` computes for the same prompt.
+
+Over 300 lines on purpose: one property (no accepted request is lost) against each process kill,
+with the helpers those kills share (spawning the pipeline, settling statuses, checking answers).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim_vs_live import Case, case_spec, load_input_len, watch_requests
+from bench.sim_vs_live import Case, case_spec, load_input_len, main, watch_requests
 from loadgen.datasets import length_range
 from shared import keys, serving
 from shared.bus import Bus
@@ -52,3 +52,11 @@ async def test_the_accepted_requests_are_read_off_the_request_stream(redis_url: 
     watcher.cancel()
     await asyncio.gather(watcher, return_exceptions=True)
     assert got == sent
+
+
+@pytest.mark.parametrize("scale", ["0", "-1"])
+def test_a_prefill_scale_that_is_not_positive_is_a_usage_error(scale: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--quick", "--prefill-scale", scale])
+    assert e.value.code == 2
+    assert f"--prefill-scale must be > 0, got {float(scale)}" in capsys.readouterr().err
