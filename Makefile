@@ -10,11 +10,14 @@ STAMP  := $(VENV)/.installed-stamp
 # torch is pinned: a CPU build of 2.13.0 is found locally (pip find-links) on our machines; an
 # unpinned torch would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
+# CPU hogs for `make test-stress` (each keeps one core busy for the whole run).
+HOGS   ?= 1
 
-.PHONY: install test lint typecheck unit integration e2e demo bench clean help
+.PHONY: install test test-stress lint typecheck unit integration e2e demo bench clean help
 
 help:
 	@echo "make test    - set up and run lint, type check, unit, integration and e2e tests"
+	@echo "make test-stress - the integration and e2e tiers while $(HOGS) process(es) keep a core busy"
 	@echo "make demo    - set up and run the main job (bubbletea demo)"
 	@echo "make install - set up .venv only"
 	@echo "make bench   - run every benchmark in quick mode"
@@ -45,6 +48,10 @@ e2e: install
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q tests
+
+# The tiers with processes and timing in them, on a busy machine: must pass as `make test` does.
+test-stress: install
+	$(VENV)/bin/pytest -q --cpu-hogs $(HOGS) tests/integration tests/e2e
 
 demo: install
 	$(VENV)/bin/bubbletea demo

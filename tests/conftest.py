@@ -1,9 +1,15 @@
 """Fixtures shared by every tier. Integration tests get a real redis-server on a free port,
-started with the same code the launcher uses (`shared.redis_server.EmbeddedRedis`)."""
+started with the same code the launcher uses (`shared.redis_server.EmbeddedRedis`).
+
+`--cpu-hogs N` keeps N processes spinning on the CPU for the whole session: the suite run on a
+busy machine (`make test-stress`), where which process reaches a receive first, or how long a
+sleep really lasts, is the scheduler's choice. Every test must pass that way too."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -11,6 +17,38 @@ from redis.asyncio import Redis
 
 from shared.logs import KeyValueFormatter
 from shared.redis_server import EmbeddedRedis
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-hogs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep N processes spinning on the CPU while the tests run (a busy machine; default 0)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if (n := config.getoption("--cpu-hogs")) < 0:
+        raise pytest.UsageError(f"--cpu-hogs: expected a number >= 0, got {n}")
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    n = config.getoption("--cpu-hogs")
+    return f"cpu hogs: {n} process(es) spinning for the whole session" if n else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_hogs(request: pytest.FixtureRequest) -> Iterator[None]:
+    n = request.config.getoption("--cpu-hogs")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 @pytest.fixture(scope="session", autouse=True)
