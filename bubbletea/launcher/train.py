@@ -20,7 +20,7 @@ from bubbletea.launcher.procs import Proc, ServiceFailed, spawn, stop_all
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
 from shared import keys
 from shared.bus import Bus
-from shared.config import ConfigError
+from shared.config import UNTIL_STOPPED, ConfigError
 from shared.settings import Settings
 from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
 
@@ -55,11 +55,16 @@ async def run_training(
     quiet: bool = False,
     dispatcher: bool = False,
     save: Path | None = None,
+    until: asyncio.Future[Any] | None = None,
 ) -> TrainResult:
     """Train once over live services. With `dispatcher`, a BubbleTea dispatcher for the run is
     started too, so prefill requests queued on the same Redis are served in the run's bubbles.
     With `save`, the trained model is written there as a checkpoint directory (Hugging Face GPT-2
-    format, `shared.model.export`) that `prefill.checkpoint` accepts."""
+    format, `shared.model.export`) that `prefill.checkpoint` accepts.
+
+    With `until`, the workers go on training past the spec's iterations until `until` is done
+    (the demo's prefill load, however late it got going, is served by a training run rather than
+    refused because the run ended first); the result still covers the spec's iterations."""
     spec, run = settings.spec, settings.run
     if spec.training.iteration_limit is None:
         raise ConfigError(
@@ -72,6 +77,8 @@ async def run_training(
         "BUBBLETEA_RUN": run,
         "BUBBLETEA_LOG_LEVEL": settings.log_level,
     }
+    if until is not None:
+        env["BUBBLETEA_ITERATIONS"] = UNTIL_STOPPED  # stopped by `stop_all` below once `until` is done
     workers = spec.parallelism.pp * spec.parallelism.dp
     procs: list[Proc] = []
     async with Bus(redis_url, spec.bus, name="train-launcher") as bus:
@@ -84,7 +91,7 @@ async def run_training(
                 procs.append(await spawn(DISPATCHER, env, out=out, quiet=quiet))
             for _ in range(workers):
                 procs.append(await spawn(STAGE_WORKER, env, out=out, quiet=quiet))
-            result = await _follow(bus, events, settings, procs, out if progress else None)
+            result = await _follow(bus, events, settings, procs, out if progress else None, until)
             if save is not None:
                 await _save(bus, settings, procs, save)
             return result
@@ -126,7 +133,9 @@ async def _save(bus: Bus, settings: Settings, procs: list[Proc], directory: Path
     await bus.redis.delete(keys.save_request_key(settings.run), *wanted)
 
 
-async def _follow(bus: Bus, stream: str, settings: Settings, procs: list[Proc], out: TextIO | None) -> TrainResult:
+async def _follow(
+    bus: Bus, stream: str, settings: Settings, procs: list[Proc], out: TextIO | None, until: asyncio.Future[Any] | None
+) -> TrainResult:
     spec = settings.spec
     iters, workers = spec.training.iteration_limit or 0, spec.parallelism.pp * spec.parallelism.dp
     # per iteration, per slot: the newest generation's report (a run that resumed from a checkpoint
@@ -135,7 +144,12 @@ async def _follow(bus: Bus, stream: str, settings: Settings, procs: list[Proc], 
     result = TrainResult(settings.run, iters)
     last_progress = time.monotonic()
     cursor = "0"  # the run's events from the beginning
-    while sum(len(v) for v in done.values()) < iters * workers:
+
+    def finished() -> bool:
+        trained = sum(len(done.get(i, ())) for i in range(iters)) == iters * workers
+        return trained and (until is None or until.done())
+
+    while not finished():
         for p in procs:
             if p.proc.returncode not in (None, 0):
                 raise ServiceFailed(
