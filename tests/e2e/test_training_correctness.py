@@ -28,7 +28,7 @@ pytestmark = pytest.mark.e2e
 SPEC = {
     "name": "correctness",
     "datacenters": [{"name": "dc-a", "gpus": 2}, {"name": "dc-b", "gpus": 2}],
-    "wan": {"sharing": "temporal", "default": {"latency_ms": 2, "bandwidth_gbps": 1, "connections": 4}},
+    "wan": {"sharing": "temporal", "default": {"latency_ms": 10, "bandwidth_gbps": 1, "connections": 4}},
     "model": {"layers": 4, "d_model": 32, "heads": 4, "seq_len": 16, "vocab": 256, "seed": 3},
     "parallelism": {"pp": 2, "dp": 2, "tp": 1},
     # compared with the single-process reference on the CPU: train there too, even where a GPU exists
@@ -74,26 +74,36 @@ async def check_telemetry(url: str, run: str, iterations: int, microbatches: int
         assert kinds["allreduce"] == kinds["step"] == iterations
     starts = [b for b in bubbles if isinstance(b, BubbleStart)]
     ends = [b for b in bubbles if isinstance(b, BubbleEnd)]
-    assert starts and len(starts) == len(ends)
-    # stage 1 always waits for its first activation: a bubble at position 0 in every iteration after
-    # the first (in iteration 0 it may reach that receive after the activation came: the workers
-    # leave the start barrier milliseconds apart, whichever reads it first)
-    firsts = {b.iteration for b in starts if b.stage == 1 and b.position == 0}
-    assert set(range(1, iterations)) <= firsts <= set(range(iterations))
+
+    # Every bubble announced has exactly one end, with the same prediction. (Which receives find
+    # their tensor not there yet is the operating system's choice, not the code's: a check that a
+    # given stage waits in a given iteration would fail by chance on a busy machine.)
+    def ident(b: BubbleStart | BubbleEnd) -> tuple[str, int, int]:
+        return (b.worker, b.iteration, b.position)
+
+    assert starts and sorted(map(ident, starts)) == sorted(map(ident, ends))
+    assert len(set(map(ident, starts))) == len(starts)
+    start_predictions = {ident(b): b.predicted_ms for b in starts}
     for b in starts:
         assert b.free_memory_bytes > 0 and b.dc in ("dc-a", "dc-b") and b.predicted_ms >= 0
     for e in ends:
-        assert e.actual_ms > 0
-    # Later bubbles are predicted from history: the shortest of the worker's last HISTORY bubbles
-    # at that position since the warm-up (a position it has no history at yet keeps the prior).
+        assert e.actual_ms > 0 and e.predicted_ms == start_predictions[ident(e)]
+    # The predictor's rule, replayed per worker: the shortest of the worker's last HISTORY bubbles
+    # at that position since the warm-up; a position with no history yet keeps one prior value.
     predicted_from_history = 0
     for worker in {e.worker for e in ends}:
         seen: dict[int, list[float]] = {}
+        prior: dict[int, float] = {}
         for e in sorted((e for e in ends if e.worker == worker), key=lambda e: (e.iteration, e.at)):
             history = seen.get(e.position, [])[-HISTORY:]
             if history:
                 assert e.predicted_ms == min(history), (worker, e.iteration, e.position, history)
                 predicted_from_history += 1
+            else:
+                assert e.predicted_ms == prior.setdefault(e.position, e.predicted_ms), (worker, e.position)
             if e.iteration >= WARMUP_ITERATIONS:
                 seen.setdefault(e.position, []).append(e.actual_ms)
+    # Stage 0 waits for each microbatch's gradient at least two WAN latencies (2 x 10 ms) after it
+    # sent the activation, far longer than its next forward: it waits at the same positions in
+    # every iteration, so history-based predictions exist.
     assert predicted_from_history > 0

@@ -29,7 +29,9 @@ from tests.e2e.test_training_correctness import SPEC
 
 pytestmark = pytest.mark.e2e
 
-ITERATIONS = 8
+#: Far more than the kill point (iteration 4), so the run is still training when the kill lands
+#: however late this process reads the event on a busy machine.
+ITERATIONS = 12
 
 
 async def test_a_replaced_worker_resumes_the_run_with_uninterrupted_losses(
@@ -44,7 +46,7 @@ async def test_a_replaced_worker_resumes_the_run_with_uninterrupted_losses(
     procs += [await spawn(STAGE_WORKER, env, out=io.StringIO()) for _ in range(4)]
     r = blocking_client(redis_server.url)  # no socket timeout cutting the long blocking reads
     try:
-        # kill a worker once iteration 4 is under way (checkpoints of iterations 1 and 3 exist)
+        # kill a worker once some worker finished iteration 4 (checkpoints of iterations 1 and 3 exist)
         cursor = "0"
         while True:
             reply = await r.xread({keys.events_stream(run): cursor}, block=120_000)
@@ -54,6 +56,7 @@ async def test_a_replaced_worker_resumes_the_run_with_uninterrupted_losses(
                 break
         victim = procs[1]
         slot = next(m.group(1) for line in victim.tail if (m := re.search(r"slot leased.*slot=(r\d+s\d+)", line)))
+        assert victim.proc.returncode is None, "the victim finished training before it could be killed"
         victim.proc.kill()
         await victim.proc.wait()
         replacement = await spawn(STAGE_WORKER, env, out=io.StringIO())
@@ -78,7 +81,11 @@ async def test_a_replaced_worker_resumes_the_run_with_uninterrupted_losses(
             newest[k] = m
     assert len(done) > len(newest), "no iteration was trained again: the run did not resume from a checkpoint"
     resumed = {m.iteration for m in newest.values() if m.generation > min(x.generation for x in done)}
-    assert min(resumed) in (2, 4), f"resumed at iteration {min(resumed)}, not after a checkpoint (1 or 3)"
+    # A worker that finished iteration 4 implies every worker stepped iteration 3 (the pipeline and
+    # the all-reduce join them), so the newest common checkpoint is at least iteration 3's. Which
+    # later one it is depends on how far the run got before this process read the event and
+    # killed: any checkpoint (every 2 iterations: 1, 3, 5, ...) from 3 on is right.
+    assert min(resumed) >= 4 and min(resumed) % 2 == 0, f"resumed at iteration {min(resumed)}: not after a checkpoint"
 
     losses = [
         statistics.fmean(m.loss for (i, _, _), m in newest.items() if i == it and m.loss is not None)
