@@ -25,7 +25,7 @@ from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import decode as decode_text
 from shared.model.tokenizer import encode as encode_text
 from shared.settings import load_settings
-from tests.e2e.serving import SPEC, service_env, wait_for_iteration, write_spec
+from tests.e2e.serving import SPEC, service_env, wait_for_iteration, wait_until, write_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -33,11 +33,13 @@ PROMPT = "Hello, BubbleTea"
 OTHER = "Bubbles in the pipeline"
 #: A generous bound for a loaded 2-core machine (a completion waits for a bubble).
 REQUEST_TIMEOUT_S = 60.0
+#: Training goes on until the test has its answers and stops it: however slow a busy machine makes
+#: the calls, each is made while the pipeline trains (a run that ended would refuse them).
+UNTIL_DONE = 100_000
 
 
 async def test_official_openai_client_gets_computed_completions(tmp_path: Path, redis_url: str) -> None:
-    # Long enough that every call below is made while the pipeline trains, even on a loaded box.
-    path = write_spec(tmp_path, training={**SPEC["training"], "iterations": 30})
+    path = write_spec(tmp_path, training={**SPEC["training"], "iterations": UNTIL_DONE})
     run = f"openai-{uuid.uuid4().hex[:6]}"
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})
     model_name = settings.spec.prefill.model_name
@@ -72,14 +74,12 @@ async def test_official_openai_client_gets_computed_completions(tmp_path: Path, 
             )
             with pytest.raises(openai.BadRequestError) as refused:
                 await client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5)
-            result = await training
+            assert not training.done(), out.getvalue()[-3000:]  # it trained throughout, without failing
         finally:
             await client.close()
-            if not training.done():
-                training.cancel()
+            training.cancel()
             await asyncio.gather(training, return_exceptions=True)
 
-    assert len(result.losses) == settings.spec.training.iterations
     assert model_name in [m.id for m in models.data]
 
     tokens = encode_text(PROMPT)  # the front door tokenizes a string prompt at byte level
@@ -142,7 +142,7 @@ async def test_official_client_gets_whole_completions_decoded_from_the_bubbles_k
     from shared.model.generate import generate
 
     path = write_spec(
-        tmp_path, training={**SPEC["training"], "iterations": 60}, decode={"enabled": True, "max_tokens": 64}
+        tmp_path, training={**SPEC["training"], "iterations": UNTIL_DONE}, decode={"enabled": True, "max_tokens": 64}
     )
     run = f"decode-{uuid.uuid4().hex[:6]}"
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})
@@ -170,12 +170,14 @@ async def test_official_client_gets_whole_completions_decoded_from_the_bubbles_k
             )
             chunks = [chunk async for chunk in stream]
             # The decoder deletes a KV cache right after the last chunk it sends (so one that dies
-            # before the chunk is out can be resumed from it): soon after the answer, not before it.
-            for _ in range(100):
-                leftovers = [k async for k in _kv_keys(redis_url)]
-                if not leftovers:
-                    break
-                await asyncio.sleep(0.05)
+            # before the chunk is out can be resumed from it): after the answer, not before it.
+            leftovers: list[bytes] = []
+
+            async def all_deleted() -> bool:
+                leftovers[:] = [k async for k in _kv_keys(redis_url)]
+                return not leftovers
+
+            await wait_until(all_deleted, "the decoder deleting every KV cache it decoded", timeout=30)
         finally:
             await client.close()
             training.cancel()
@@ -224,7 +226,7 @@ async def test_a_hugging_face_checkpoint_serves_whole_completions_as_transformer
     ckpt = save("qwen2", tmp_path / "qwen2")
     path = write_spec(
         tmp_path,
-        training={**SPEC["training"], "iterations": 60},
+        training={**SPEC["training"], "iterations": UNTIL_DONE},
         prefill={**SPEC["prefill"], "checkpoint": str(ckpt.path)},
         decode={"enabled": True, "max_tokens": 32},
     )
