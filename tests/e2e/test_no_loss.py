@@ -64,6 +64,11 @@ SETTLE_TIMEOUT_S = 45.0
 #: How long to wait for the victim worker to hold an unfinished prefill batch.
 IN_FLIGHT_TIMEOUT_S = 60.0
 WORKERS = SPEC["parallelism"]["pp"] * SPEC["parallelism"]["dp"]
+#: For the kills that must land while requests still wait: one request per bubble, and a burst
+#: far larger than the bubbles that pass while it is accepted (about 30 a second here, busy or
+#: not), so the killed process always leaves requests unanswered, however slow the burst.
+ONE_PER_BUBBLE = {**SPEC["bubbletea"], "max_batch_requests": 1}
+BURST = 120
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -235,12 +240,13 @@ async def test_requests_survive_a_killed_dispatcher(tmp_path: Path, redis_url: s
         # ~13 s here, less than a restart can take); the test stops it once everything is answered.
         training={**SPEC["training"], "iterations": 10_000},
         bus={"claim_idle_ms": 1000},  # the successor reclaims the dead one's requests after 1 s idle
+        bubbletea=ONE_PER_BUBBLE,
     )
     run = f"noloss-d-{uuid.uuid4().hex[:6]}"
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})
     env = service_env(redis_url, path, run)
     out = io.StringIO()
-    before, meanwhile = random_bodies(1, 60), random_bodies(2, 10)
+    before, meanwhile = random_bodies(1, BURST), random_bodies(2, 10)
     procs: list[Proc] = []
     async with front_door(env, out=out) as door, aiohttp.ClientSession() as http:
         assert door.url is not None
@@ -283,12 +289,12 @@ async def test_requests_survive_a_killed_dispatcher(tmp_path: Path, redis_url: s
 async def test_requests_survive_a_killed_front_door(tmp_path: Path, redis_url: str) -> None:
     """SIGKILL the front door right after it accepted a burst; a new instance (another port)
     reports every request's final status: answers are kept in Redis, not in the accepting process."""
-    path = write_spec(tmp_path, training={**SPEC["training"], "iterations": 10_000})
+    path = write_spec(tmp_path, training={**SPEC["training"], "iterations": 10_000}, bubbletea=ONE_PER_BUBBLE)
     run = f"noloss-q-{uuid.uuid4().hex[:6]}"
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})
     env = service_env(redis_url, path, run)
     out = io.StringIO()
-    bodies = random_bodies(3, 40)
+    bodies = random_bodies(3, BURST)
     procs: list[Proc] = []
     async with aiohttp.ClientSession() as http:
         try:
