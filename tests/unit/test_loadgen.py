@@ -541,8 +541,9 @@ async def test_sending_follows_the_schedule_and_stops_at_the_duration() -> None:
     t0 = time.perf_counter()
     outcomes, _ = await drive(client, work, BenchmarkConfig(duration_s=0.2, disable_tqdm=True))
     elapsed = time.perf_counter() - t0
-    # The third is due after the end: not sent, and not waited for either.
-    assert len(outcomes) == 2 and 0.04 < elapsed < 0.5
+    # The third is due after the end: not sent, and not waited for either (the run ends near the
+    # 0.2 s duration, far from the third's 10 s: the bound tells the two apart on a busy machine).
+    assert len(outcomes) == 2 and 0.04 < elapsed < 5.0
 
 
 async def test_warmups_send_the_first_prompt_and_leave_the_workload_whole() -> None:
