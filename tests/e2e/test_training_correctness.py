@@ -6,6 +6,7 @@ reference (`train_reference`) trains the full model in this process on the same 
 
 from __future__ import annotations
 
+import asyncio
 import io
 import uuid
 from collections import Counter
@@ -22,6 +23,7 @@ from shared.policies.bubbles import HISTORY, WARMUP_ITERATIONS
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.wire import BubbleEnd, BubbleStart, SpanRecord, decode
+from tests.e2e.serving import wait_for_iteration
 
 pytestmark = pytest.mark.e2e
 
@@ -107,3 +109,20 @@ async def check_telemetry(url: str, run: str, iterations: int, microbatches: int
     # sent the activation, far longer than its next forward: it waits at the same positions in
     # every iteration, so history-based predictions exist.
     assert predicted_from_history > 0
+
+
+async def test_a_run_given_until_trains_past_its_iterations_until_that_is_done(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """`run_training(until=...)` (the demo's BubbleTea run, whose load may end late): the workers
+    train on past the spec's iterations until `until` is done; the result covers the spec's."""
+    path = write_spec(tmp_path, iterations=2)
+    settings = load_settings(path, env={"BUBBLETEA_RUN": f"until-{uuid.uuid4().hex[:6]}"})
+    later = asyncio.create_task(wait_for_iteration(redis_server.url, settings.run, 4))  # past the spec's 2
+    result = await asyncio.wait_for(
+        run_training(settings, redis_server.url, out=io.StringIO(), progress=False, until=later), 120
+    )
+    assert later.done() and later.exception() is None
+    expected, _ = train_reference_for(settings.spec)
+    assert len(result.losses) == len(result.iteration_s) == 2
+    assert result.losses == pytest.approx(expected, abs=1e-5)
