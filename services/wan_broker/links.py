@@ -55,6 +55,11 @@ class LinkDriver:
         self.pending: dict[str, _Pending] = {}
         #: Delivery time minus the policy's arrival time (ms), recent deliveries.
         self.late_ms: collections.deque[float] = collections.deque(maxlen=10_000)
+        #: The policy's schedule of recent deliveries, in delivery order: what each was modelled to
+        #: be (start, end of sending, arrival), so a test can hold the live broker to the policy
+        #: exactly rather than to wall-clock windows that a busy machine stretches. A delivery
+        #: whose append fails is resubmitted, and then recorded again.
+        self.delivered: collections.deque[Sent] = collections.deque(maxlen=10_000)
         self._wake = asyncio.Event()
         self._deliveries: set[asyncio.Task[None]] = set()
         self._task = asyncio.create_task(self._run(), name=f"link:{src}->{dst}")
@@ -116,6 +121,7 @@ class LinkDriver:
         await sleep_until(self.origin + sent.arrival)
         p = self.pending.pop(sent.id)
         self.late_ms.append((self.now() - sent.arrival) * 1000)
+        self.delivered.append(sent)  # before the append to the inbox: whoever reads it finds this
         try:
             await self.bus.redis.xadd(p.msg.deliver_to, {FIELD: p.msg.payload})
         except Exception as exc:  # the request stays unacked and is redelivered, then resubmitted

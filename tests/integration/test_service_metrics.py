@@ -88,7 +88,7 @@ def value(got: Samples, name: str, **labels: str) -> float:
     return found[0]
 
 
-async def until(url: str, ok: Callable[[Samples], bool], timeout_s: float = 10.0) -> Samples:
+async def until(url: str, ok: Callable[[Samples], bool], timeout_s: float = 60.0) -> Samples:
     """Scrape until `ok` holds on the samples (the services act on their own tasks)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -186,14 +186,13 @@ async def test_a_refresh_that_cannot_reach_redis_keeps_the_last_values(
         assert value(samples((await scrape(url))[1]), "bubbletea:test_from_redis") == 8
 
         async def slow() -> None:
-            await asyncio.sleep(10)
+            await asyncio.sleep(10)  # far past the refresh timeout (the test's input)
             g.set(-1)
 
         monkeypatch.setattr(telemetry, "REFRESH_TIMEOUT_S", 0.1)
         server.refresh = slow
-        t0 = time.monotonic()
+        # the scrape did not wait for the refresh (that would have set -1): it kept the last value
         assert value(samples((await scrape(url))[1]), "bubbletea:test_from_redis") == 8
-        assert time.monotonic() - t0 < 5
     finally:
         await server.stop()
         await down.aclose()
@@ -225,7 +224,7 @@ async def test_stream_metrics_read_lag_pending_and_dead_letters(redis_url: str, 
         assert value(got, "bubbletea:stream_pending", stream="bt:test:s", group="g") == 0
         assert value(got, "bubbletea:dead_lettered", stream="bt:test:s") == 0
         async with c:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while (len(held) < 3 or c.stats.dead_lettered < 1) and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)  # the consumer's own tasks: no event to wait on
             await sm.refresh(redis)
@@ -297,12 +296,14 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
             dc="dc-a",
             iteration=1,
             position=2,
-            predicted_ms=80.0,
+            # a long bubble: still open, with room, whenever the dispatcher gets to the request
+            predicted_ms=10_000.0,
             free_memory_bytes=1 << 30,
             at=now,
         )
         await bus.publish(keys.bubbles_stream(run), start)
         req = PrefillRequest(id="q1", model=model, tokens=tuple(range(1, 9)), submitted=now, reply_to="bt:test:results")
+        accepted = time.time()  # the dispatcher cannot pack the request into the bubble before this
         assert await serving.accept(bus.redis, req, 10)
         # the request arrives while the bubble is open: packed into it at once
         got = await until(
@@ -313,7 +314,10 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
             ),  # sent, unanswered
         )
         assert value(got, "bubbletea:prefill_batches_total", run=run, outcome="sent") == 1
-        assert 0 <= value(got, "bubbletea:dispatch_latency_seconds_sum", run=run) < 5
+        # from the bubble's start to the batch's publication, which came after the request was
+        # accepted and before this scrape saw it (causality bounds it both ways; its size is the host's)
+        latency = value(got, "bubbletea:dispatch_latency_seconds_sum", run=run)
+        assert accepted - now <= latency <= time.time() - now
         requests_stream = keys.PREFILL_REQUESTS_STREAM
         held = {"stream": requests_stream, "group": "dispatcher"}
         got = await until(url, lambda g: value(g, "bubbletea:stream_pending", **held) == 1)  # held, unacked
@@ -340,13 +344,13 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
             stage=1,
             iteration=1,
             position=2,
-            predicted_ms=80.0,
-            actual_ms=50.0,
-            at=now + 0.05,
+            predicted_ms=10_000.0,
+            actual_ms=9_970.0,
+            at=now + 9.97,
         )
         await bus.publish(keys.bubbles_stream(run), end)
         got = await until(url, lambda g: value(g, "bubbletea:bubbles_total", run=run) == 1)
-        assert value(got, "bubbletea:bubble_seconds_total", run=run) == pytest.approx(0.05)
+        assert value(got, "bubbletea:bubble_seconds_total", run=run) == pytest.approx(9.97)
         assert value(got, "bubbletea:bubble_prediction_error_seconds_sum", run=run) == pytest.approx(0.03)
         # a request whose deadline passes while no bubble is open fails explicitly
         late = PrefillRequest(
@@ -379,7 +383,7 @@ async def broker(tmp_path: Path, redis_url: str) -> AsyncIterator[Settings]:
     task = asyncio.create_task(serve_broker(s, stop))
     yield s
     stop.set()
-    await asyncio.wait_for(task, 10)
+    await asyncio.wait_for(task, 30)
 
 
 async def test_broker_metrics_count_a_delivered_transfer(broker: Settings, redis_url: str) -> None:
@@ -405,8 +409,9 @@ async def test_broker_metrics_count_a_delivered_transfer(broker: Settings, redis
         got = await until(url, lambda g: value(g, "bubbletea:wan_transfers_total", **ab) == 1)
     assert value(got, "bubbletea:wan_bytes_total", **ab) == 4000
     assert value(got, "bubbletea:wan_transfer_seconds_count", **ab) == 1
-    # alone on the link: 50 ms sending 4,000 bytes at 80 kB/s, then 10 ms latency
-    assert 0.05 < value(got, "bubbletea:wan_transfer_seconds_sum", **ab) < 1.0
+    # alone on the link: 50 ms sending 4,000 bytes at 80 kB/s, then 10 ms latency; never delivered
+    # before that (how much later is the host's scheduling: bench/atlas.py measures it)
+    assert value(got, "bubbletea:wan_transfer_seconds_sum", **ab) >= 0.060 - 1e-6
     assert value(got, "bubbletea:wan_link_utilization", **ab) > 0
     assert value(got, "bubbletea:wan_transfers_in_flight", **ab) == 0
     got = await until(url, lambda g: value(g, "bubbletea:dead_lettered", stream=keys.wan_stream("wm")) == 1)
@@ -432,13 +437,15 @@ async def test_worker_prefill_metrics_follow_a_real_batch(redis_url: str) -> Non
         mailbox, key = Mailbox(), ("grad", 0, 0)
         take = asyncio.ensure_future(mailbox.take(key))
         t0 = time.monotonic()
-        fill = asyncio.create_task(filler.fill(lambda: mailbox.arrived(key), take, 1.0, t0))
+        # a long bubble: the batch runs whole (its input comes only once the batch is answered)
+        predicted_s = 600.0
+        fill = asyncio.create_task(filler.fill(lambda: mailbox.arrived(key), take, predicted_s, t0))
         batch = PrefillBatch(run="fm", worker="r0s0", batch_id="b1", items=(item,), hold=False)
         await _within(filler.on_batch(Delivery("1-0", "s", batch, 1)))  # returns once answered and reported
         mailbox.put(key, torch.zeros(1))
         await _within(fill)
         await take
-        m.bubble(time.monotonic() - t0, 1.0)
+        m.bubble(time.monotonic() - t0, predicted_s)
         m.iteration(time.time() - 1, time.time(), 2.5, 0.0, 0.0)
     got = samples(_exposition(m.registry))
     who = {"run": "fm", "worker": "r0s0"}
@@ -453,5 +460,5 @@ async def test_worker_prefill_metrics_follow_a_real_batch(redis_url: str) -> Non
     assert value(got, "bubbletea:iterations_total", **who) == 1
 
 
-async def _within(aw: Awaitable[Any], timeout_s: float = 10.0) -> Any:
+async def _within(aw: Awaitable[Any], timeout_s: float = 60.0) -> Any:
     return await asyncio.wait_for(aw, timeout_s)
