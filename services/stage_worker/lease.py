@@ -68,6 +68,9 @@ class SlotLease:
         self.check_peers = False
         self.recoverable = recoverable
         self.peer_lost = asyncio.Event()
+        #: Checks of the peers' leases that `watch` has completed: a passing check leaves no other
+        #: trace, and a test waits for one (e.g. the first after a Redis restart's grace period).
+        self.peer_checks = 0
         #: The Redis server's run_id when we leased (a restart changes it).
         self.redis_run_id = ""
 
@@ -171,6 +174,7 @@ class SlotLease:
                     peers_from = time.monotonic() + PEER_GRACE_S
                 if self.check_peers and time.monotonic() >= peers_from:
                     await self._check_peers()
+                    self.peer_checks += 1
             except TRANSIENT_ERRORS as exc:
                 await asyncio.sleep(outage.failed(exc))
 

@@ -21,7 +21,7 @@ from shared import keys
 from shared.bus import Bus
 from shared.health import Heartbeat, live_instances, wait_live
 from shared.redis_server import EmbeddedRedis
-from shared.wire import FIELD, Ping, decode
+from shared.wire import FIELD, LinkReport, Ping, decode
 from tests.integration.test_prefill_api import settings_for
 from tests.integration.test_wan_broker import settings as broker_settings
 from tests.integration.test_wan_broker import transfer
@@ -43,15 +43,27 @@ def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[EmbeddedR
     s.stop()
 
 
-async def restart_after(server: EmbeddedRedis, outage_s: float = OUTAGE_S) -> None:
-    """SIGKILL the server, keep it down `outage_s`, start it again on the same port (and files)."""
+async def restart_after(server: EmbeddedRedis, outage_s: float = OUTAGE_S) -> float:
+    """SIGKILL the server, keep it down `outage_s`, start it again on the same port (and files).
+    Returns the wall-clock time it was back."""
     server.kill()
-    await asyncio.sleep(outage_s)
+    await asyncio.sleep(outage_s)  # the outage's length is the test's input
     server.start()
+    return time.time()
+
+
+async def beat_since(r: Redis, service: str, since: float, timeout_s: float = 60.0) -> None:
+    """Wait until `service` has beaten at or after `since` (wall clock): a heartbeat that met the
+    restarted server, not a key restored from its append-only file."""
+    async with asyncio.timeout(timeout_s):
+        while not any(inst["ts"] >= since for inst in await live_instances(r, service)):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # heartbeats are keys with TTLs: there is no event to wait on
 
 
 async def test_leases_and_heartbeats_ride_out_a_restart(server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lease_mod, "PEER_GRACE_S", 2.0)  # peers are checked again soon after
+    # Peers are checked again this long after the reconnect (10 s in production): time for each
+    # worker to take its lease back (its reconnect backoff, capped at 2 s, plus a renewal period).
+    monkeypatch.setattr(lease_mod, "PEER_GRACE_S", 5.0)
     r = Redis.from_url(server.url, protocol=2)
     leases = [SlotLease(r, "rr", 2, 1, holder=f"w{i}") for i in range(2)]
     for ls in leases:
@@ -60,13 +72,17 @@ async def test_leases_and_heartbeats_ride_out_a_restart(server: EmbeddedRedis, m
     hb = Heartbeat(r, "stage_worker", "rr-0", lambda: {}, interval_s=0.5)
     await hb.start()
     watches = [asyncio.create_task(ls.watch()) for ls in leases]
-    await restart_after(server)
+    restarted = await restart_after(server)
+    # No peer check completes while Redis is down; each one from here on comes after the grace.
+    checked = [ls.peer_checks for ls in leases]
     check = Redis.from_url(server.url, protocol=2)
-    async with asyncio.timeout(20):
-        while [await check.get(keys.lease_key("rr", 0, k)) for k in range(2)] != [b"w0", b"w1"]:  # noqa: ASYNC110
-            await asyncio.sleep(0.1)
-    await wait_live(check, "stage_worker", timeout_s=10)
-    await asyncio.sleep(3.0)  # past the peer grace: both check each other again, and find each other
+    async with asyncio.timeout(60):
+        # both take their leases back, then past the grace check each other again, and find each other
+        while any(ls.peer_checks == n for ls, n in zip(leases, checked, strict=True)):
+            assert not any(w.done() for w in watches), [w.exception() for w in watches if w.done()]
+            await asyncio.sleep(0.1)  # the watches poll on their own clock: no event to wait on
+    assert [await check.get(keys.lease_key("rr", 0, k)) for k in range(2)] == [b"w0", b"w1"]
+    await beat_since(check, "stage_worker", restarted)
     assert not any(w.done() for w in watches), [w.exception() for w in watches if w.done()]
     for w in watches:
         w.cancel()
@@ -84,7 +100,7 @@ async def test_a_restart_without_persistence_fails_the_lease_explicitly(server: 
     watch = asyncio.create_task(ls.watch())
     await restart_after(server)
     with pytest.raises(SlotError, match="without persistence"):
-        await asyncio.wait_for(watch, 20)
+        await asyncio.wait_for(watch, 60)
     await r.aclose()
 
 
@@ -94,21 +110,34 @@ async def test_the_wan_broker_rides_out_a_restart(server: EmbeddedRedis, tmp_pat
     task = asyncio.create_task(serve_broker(s, stop))
     r = Redis.from_url(server.url, protocol=2)
     await wait_live(r, "wan_broker", timeout_s=30)
+    await r.aclose()
+    events = keys.events_stream(s.run)
     async with Bus(server.url) as bus:
         await bus.publish(keys.wan_stream(s.run), transfer(0, (0,)))
-        await restart_after(server)
-        await asyncio.sleep(2.0)  # its report loop and heartbeat meet the new server
+        restarted = await restart_after(server)
+        r = Redis.from_url(server.url, protocol=2)
+        # its heartbeat and its report loop (reporting the link that carries transfer 0) meet the new server
+        await beat_since(r, "wan_broker", restarted)
+        last: Any = await r.xrevrange(events, count=1)
+        cursor = last[0][0].decode() if last else "0-0"
+        reported = False
+        async with asyncio.timeout(60):
+            while not reported:
+                reply: Any = await r.xread({events: cursor}, block=1000)
+                for entry_id, fields in reply[0][1] if reply else []:
+                    cursor = entry_id.decode()
+                    reported = reported or isinstance(decode(fields[FIELD]), LinkReport)
         assert not task.done(), task.exception()
         await bus.publish(keys.wan_stream(s.run), transfer(1, (0,)))  # works after the restart
         seqs: set[int] = set()
-        async with asyncio.timeout(20):
+        async with asyncio.timeout(60):
             while seqs != {0, 1}:
                 rows: Any = await r.xrange("inbox")
                 seqs = {m.seq for _, f in rows if isinstance(m := decode(f[FIELD]), Ping)}
                 await asyncio.sleep(0.1)
     assert await live_instances(r, "wan_broker")
     stop.set()
-    await asyncio.wait_for(task, 15)
+    await asyncio.wait_for(task, 30)
     await r.aclose()
 
 
