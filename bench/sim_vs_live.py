@@ -123,8 +123,11 @@ async def watch_requests(url: str, stream: str, into: list[tuple[float, int]]) -
     """Every request queued on `stream` from now on, appended to `into` as it comes (read before
     the dispatcher's consumer group trims it), until cancelled."""
     r = Redis.from_url(url, socket_timeout=None)
-    last = "$"
     try:
+        # "From now on" is the newest entry's id, taken once: reading from "$" again after a block
+        # that timed out would miss a request queued between the two reads.
+        newest: Any = await r.xrevrange(stream, count=1)
+        last = newest[0][0] if newest else "0-0"
         while True:
             reply: Any = await r.xread({stream: last}, block=WATCH_BLOCK_MS)
             for _, entries in reply or ():

@@ -37,18 +37,16 @@ async def test_the_accepted_requests_are_read_off_the_request_stream(redis_url: 
     watcher = asyncio.create_task(watch_requests(redis_url, keys.PREFILL_REQUESTS_STREAM, got))
     sent = []
     async with Bus(redis_url) as bus:
-        for _ in range(200):  # the watcher reads from "now on": send once it is blocked reading
-            if any(c.get("cmd") == "xread" for c in await bus.redis.client_list()):
-                break
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(60):  # the watcher reads from "now on": send once it reads
+            while not any(c.get("cmd") == "xread" for c in await bus.redis.client_list()):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)  # another connection's state: no event to wait on
         for i, n in enumerate((5, 17, 3)):
             req = PrefillRequest(id=f"r{i}", model="m", tokens=tuple(range(n)), submitted=time.time(), reply_to="x")
             assert await serving.accept(bus.redis, req, 100)
             sent.append((req.submitted, n))
-        for _ in range(100):
-            if len(got) == 3:
-                break
-            await asyncio.sleep(0.02)
+        async with asyncio.timeout(60):
+            while len(got) < 3:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)  # the watcher appends as it reads: no event to wait on
     watcher.cancel()
     await asyncio.gather(watcher, return_exceptions=True)
     assert got == sent
