@@ -45,7 +45,7 @@ class Seen:
         self.attempts.setdefault(d.message.seq, []).append(d.attempt)
         self._changed.set()
 
-    async def until(self, n: int, timeout: float = 10.0) -> None:
+    async def until(self, n: int, timeout: float = 60.0) -> None:
         async def wait() -> None:
             while len(self.calls) < n:
                 self._changed.clear()
@@ -54,7 +54,7 @@ class Seen:
         await asyncio.wait_for(wait(), timeout)
 
 
-async def next_dead_letter(r: Redis, last_id: str = "0", timeout_ms: int = 10_000) -> tuple[str, dict]:
+async def next_dead_letter(r: Redis, last_id: str = "0", timeout_ms: int = 60_000) -> tuple[str, dict]:
     """Block on the dead-letter stream until an entry newer than last_id arrives."""
     reply = await r.xread({keys.DEAD_LETTER_STREAM: last_id}, count=1, block=timeout_ms)
     assert reply, "no dead letter arrived"
@@ -216,7 +216,7 @@ async def test_survives_redis_restart_mid_stream(tmp_path: Path) -> None:
             server.start()  # same port, same append-only file
             for m in pings(100, start=100):  # publishes ride the client's reconnect/retry
                 await bus.publish("s", m)
-            await seen.until(200, timeout=30)
+            await seen.until(200)
             assert c.stats.reconnects >= 1
         r = Redis.from_url(server.url, protocol=2)
         assert (await r.xpending("s", "g"))["pending"] == 0
@@ -309,7 +309,7 @@ async def test_idempotent_handlers_give_exactly_once_effect(redis_url: str, redi
         assert len(done.calls) == n // 2
         b = await bus.consumer("s", "g", {Ping: handler(crashes=False)}, name="b").start()
         await a.stop(grace_s=0)  # crash a: its stuck entries stay pending, effects already written
-        await done.until(n, timeout=20)  # b reclaims and re-runs them
+        await done.until(n)  # b reclaims and re-runs them
         await b.stop()
     assert sum(executions.values()) == n + n // 2  # every even entry really ran twice...
     assert await redis.hlen("effects") == n  # ...yet each effect happened once
@@ -328,16 +328,18 @@ async def test_slow_live_handler_is_not_stolen_by_a_peer(redis_url: str, redis: 
         started.set()
         await release.wait()
 
-    cfg = BusConfig(claim_idle_ms=100, block_ms=100)
+    # The handler's entry is refreshed every quarter of claim_idle, so a peer could steal it only
+    # if the host stalled the holder for about half of claim_idle: 250 ms here, not 50 ms.
+    cfg = BusConfig(claim_idle_ms=500, block_ms=100)
     async with Bus(redis_url, cfg) as bus:
         a = bus.consumer("s", "g", {Ping: slow}, name="a")
         b = bus.consumer("s", "g", {Ping: slow}, name="b")
         async with a, b:
             await bus.publish("s", Ping(seq=1, sent_ns=0))
-            await started.wait()
-            # Let the peers' reclaim passes (every 50 ms) run for ten claim_idle periods; the
-            # Redis clock decides idleness, so this waits on wall time by design.
-            await asyncio.sleep(1.0)
+            await asyncio.wait_for(started.wait(), 30)
+            # The property is about a span of time (the test's input): the peers' reclaim passes
+            # (every 125 ms) run for four claim_idle periods; the Redis clock decides idleness.
+            await asyncio.sleep(2.0)
             rows = await redis.xpending_range("s", "g", "-", "+", 10)
             release.set()
     assert list(calls.values()) == [1]
@@ -417,15 +419,18 @@ async def test_a_held_entry_stays_pending_and_ours_until_released(redis_url: str
             all_held.set()
         return HOLD
 
-    one_at_a_time = BusConfig(claim_idle_ms=150, block_ms=200, max_deliveries=3, concurrency=1)
-    async with Bus(redis_url, FAST) as bus:
+    # Held entries are refreshed every quarter of claim_idle: a peer could steal one only if the
+    # host stalled the holder for about half of claim_idle (250 ms here).
+    slow_claims = BusConfig(claim_idle_ms=500, block_ms=200, max_deliveries=3)
+    one_at_a_time = BusConfig(claim_idle_ms=500, block_ms=200, max_deliveries=3, concurrency=1)
+    async with Bus(redis_url, slow_claims) as bus:
         c = await bus.consumer("s", "g", {Ping: hold}, name="holder", config=one_at_a_time).start()
         await bus.publish_many("s", pings(3))
-        await asyncio.wait_for(all_held.wait(), 10)  # concurrency 1: held entries do not block the next
+        await asyncio.wait_for(all_held.wait(), 30)  # concurrency 1: held entries do not block the next
         async with bus.consumer("s", "g", {Ping: stolen}, name="peer"):
-            # The property is about a span of time: four claim_idle periods, after which an
-            # unrefreshed entry would have been reclaimed by the peer.
-            await asyncio.sleep(0.6)
+            # The property is about a span of time (the test's input): four claim_idle periods,
+            # after which an unrefreshed entry would have been reclaimed by the peer.
+            await asyncio.sleep(2.0)
         assert stolen.calls == Counter()
         assert await pending_count(redis, "s", "g") == 3
         assert c.stats.held == 3

@@ -38,7 +38,7 @@ async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str,
             errors: dict[str, bytes] = {}
             cursor = "0"
             while len(errors) < len(streams):
-                reply = await redis.xread({keys.DEAD_LETTER_STREAM: cursor}, block=10_000)
+                reply = await redis.xread({keys.DEAD_LETTER_STREAM: cursor}, block=30_000)
                 assert reply, f"dead letters so far: {errors}"
                 for entry_id, f in reply[0][1]:
                     cursor = entry_id.decode()

@@ -48,7 +48,7 @@ async def test_the_bus_works_on_the_packaged_redis_server() -> None:
             info = await bus.redis.info("server")
             assert str(info["redis_version"]).startswith("6.2")
             await bus.publish_many("s", [Ping(seq=i, sent_ns=0) for i in range(10)])
-            await asyncio.wait_for(all_done.wait(), 10)
+            await asyncio.wait_for(all_done.wait(), 60)
         assert c.stats.reclaimed == 1 and sorted(seen) == list(range(10))
 
 

@@ -8,7 +8,10 @@ a second `fill`) resumes it to exactly the answer of one uninterrupted prefill.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +23,7 @@ from shared import keys, kvstore, serving
 from shared.bus import Bus, Delivery, Reject
 from shared.config import BusConfig
 from shared.model.gpt import GPTConfig
-from shared.model.prefill import PrefillModel
+from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import FillPolicy
 from shared.status import ItemOutcome, RequestStatus
 from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, decode
@@ -42,32 +45,67 @@ def filler_for(bus: Bus, model: PrefillModel, *, run: str = RUN, kv_ttl_s: int =
     return Filler(bus, run, "r0s0", model, "m", kv_ttl_s, spans, FillPolicy(guard_s=0.0, **kw))
 
 
+@contextlib.contextmanager
+def arriving_during_block(model: PrefillModel, block: int, arrive: Callable[[], None]) -> Iterator[None]:
+    """Meanwhile `arrive()` runs on the event loop once block `block` of `model` has started, and
+    the block waits for it: training input that lands while that block runs, however the host
+    schedules the loop and the prefill thread (its arrival is the test's input, not a race)."""
+    loop = asyncio.get_running_loop()
+    run_layers = model.run_layers
+
+    def run_block(state: PrefillState, *args: Any, **kw: Any) -> PrefillState:
+        if state.next_layer == block:
+            landed = threading.Event()
+
+            def land() -> None:
+                arrive()
+                landed.set()
+
+            loop.call_soon_threadsafe(land)
+            assert landed.wait(60), "the event loop never took the training input"
+        return run_layers(state, *args, **kw)
+
+    model.run_layers = run_block  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.run_layers  # the class's method again
+
+
 async def one_bubble(
-    filler: Filler, b: PrefillBatch, *, arrive_after_s: float | None
+    filler: Filler, b: PrefillBatch, *, arrive_during_block: int | None, model: PrefillModel
 ) -> tuple[list[float], float | None]:
-    """Run one bubble with `b` queued; training input arrives after `arrive_after_s` (None: once the
-    batch is done). Returns the times the prefill thread checked for input, and the arrival time."""
+    """Run one bubble with `b` queued; training input arrives while block `arrive_during_block` of
+    `model` runs (None: once the batch is done and reported). Returns the times the prefill thread
+    checked for input (once before each block), and the arrival time."""
     mailbox, key = Mailbox(), ("grad", 0, 0)
     checks: list[float] = []
+    put_at: float | None = None
+    loop_thread = threading.get_ident()
 
-    def arrived() -> bool:
-        checks.append(time.perf_counter())
-        return mailbox.arrived(key)
-
-    take = asyncio.ensure_future(mailbox.take(key))
-    fill = asyncio.create_task(filler.fill(arrived, take, predicted_s=1.0, started=time.monotonic()))
-    handled = asyncio.create_task(filler.on_batch(Delivery("1-0", "s", b, 1)))
-    put_at = None
-    if arrive_after_s is not None:
-        await asyncio.sleep(arrive_after_s)
+    def put() -> None:
+        nonlocal put_at
         put_at = time.perf_counter()
         mailbox.put(key, torch.zeros(1))
-    else:
-        await handled  # done and reported (the report is sent before the batch is acked)
-        mailbox.put(key, torch.zeros(1))
-    await asyncio.wait_for(fill, 10)
-    await asyncio.wait_for(handled, 10)
-    await take
+
+    def arrived() -> bool:
+        if threading.get_ident() != loop_thread:  # not the fill loop's own checks between batches
+            checks.append(time.perf_counter())
+        return mailbox.arrived(key)
+
+    with contextlib.ExitStack() as stack:
+        if arrive_during_block is not None:
+            stack.enter_context(arriving_during_block(model, arrive_during_block, put))
+        take = asyncio.ensure_future(mailbox.take(key))
+        # a long bubble: only the training input's arrival stops the prefill, never its predicted end
+        fill = asyncio.create_task(filler.fill(arrived, take, predicted_s=600.0, started=time.monotonic()))
+        handled = asyncio.create_task(filler.on_batch(Delivery("1-0", "s", b, 1)))
+        if arrive_during_block is None:
+            await asyncio.wait_for(handled, 60)  # done and reported (the report is sent before the batch is acked)
+            put()
+        await asyncio.wait_for(fill, 60)
+        await asyncio.wait_for(handled, 60)
+        await take
     return checks, put_at
 
 
@@ -85,21 +123,18 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         spans: list[tuple[float, float]] = []
         filler = filler_for(bus, model, kv_ttl_s=60, on_span=lambda a, b: spans.append((a, b)))
 
-        # Bubble 1: the grad arrives while the prefill is running (about a third of the way in).
-        whole = time.perf_counter()
-        model.prefill(list(PROMPT))
-        whole = time.perf_counter() - whole
+        # Bubble 1: the grad arrives while the prefill is running (in its ninth block of 24).
         item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
-        checks, put_at = await one_bubble(filler, batch(item, 1), arrive_after_s=whole / 3)
+        during = LAYERS // 3
+        checks, put_at = await one_bubble(filler, batch(item, 1), arrive_during_block=during, model=model)
         (first,) = await reports(bus)
         (p,) = first.progress
-        assert first.preempted and p.outcome is ItemOutcome.PARTIAL and 0 < p.reached_layer < LAYERS
-        # One check as the bubble's fill loop starts, then one before each block: blocks started
-        # before the arrival = checks before it - 1. At most the block in progress at arrival may
-        # finish afterwards: none starts after it.
+        assert first.preempted and p.outcome is ItemOutcome.PARTIAL
+        # The prefill thread checks before each block: blocks started before the arrival = checks
+        # before it. The block in progress at arrival finishes; none starts after it.
         assert put_at is not None
-        started_before = sum(1 for c in checks if c < put_at) - 1
-        assert p.reached_layer <= started_before, (p.reached_layer, started_before)
+        started_before = sum(1 for c in checks if c < put_at)
+        assert p.reached_layer == started_before == during + 1, (p.reached_layer, started_before)
         queued = await serving.lookup(bus.redis, req.id)
         assert spans and queued is not None and queued.status is RequestStatus.QUEUED
         snap_key = keys.prefill_snapshot_key(RUN, req.id, p.reached_layer)
@@ -114,7 +149,7 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
             reply_to=req.reply_to,
             snapshot_key=snap_key,
         )
-        await one_bubble(filler, batch(rest, 2), arrive_after_s=None)
+        await one_bubble(filler, batch(rest, 2), arrive_during_block=None, model=model)
         second = (await reports(bus))[1]
         assert second.progress[0].outcome is ItemOutcome.DONE and not second.preempted
         assert not await bus.redis.exists(snap_key)  # spent once reported, not left for its TTL
@@ -149,7 +184,7 @@ async def test_a_staged_batch_no_bubble_takes_goes_back_after_the_hold(redis_url
         item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
         t0 = time.monotonic()
         # held for the next bubble; none comes, so it goes back (the handler returns once reported)
-        await asyncio.wait_for(filler.on_batch(Delivery("1-0", "s", batch(item, 1, hold=True), 1)), 5)
+        await asyncio.wait_for(filler.on_batch(Delivery("1-0", "s", batch(item, 1, hold=True), 1)), 60)
         assert time.monotonic() - t0 >= 0.05
         (rep,) = await reports(bus)
         assert rep.preempted and rep.progress[0].outcome is ItemOutcome.PARTIAL

@@ -32,15 +32,22 @@ async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_poi
     await redis.set(f"bt:{run}:gen", 1)
     replacement = Generations(redis, run, SLOTS)
 
+    moved_on: list[Generations] = []
+    all_moved_on = asyncio.Event()
+
     async def peer(g: Generations, slot: Slot) -> tuple[int, int]:
         await g.enter(after_loss=True)
-        gen = await g.barrier(slot, timeout_s=10)
+        moved_on.append(g)
+        if len(moved_on) == len(peers):
+            all_moved_on.set()
+        gen = await g.barrier(slot, timeout_s=60)
         return gen, await g.resume_point(store)
 
     async def newcomer() -> tuple[int, int]:
-        await asyncio.sleep(0.05)  # it arrives after the peers moved on together
+        # it arrives after the peers moved on together (and before their barrier, which waits for it)
+        await asyncio.wait_for(all_moved_on.wait(), 60)
         await replacement.enter(after_loss=False)
-        gen = await replacement.barrier(Slot(1, 1), timeout_s=10)
+        gen = await replacement.barrier(Slot(1, 1), timeout_s=60)
         return gen, await replacement.resume_point(store)
 
     results = await asyncio.gather(*(peer(g, s) for g, s in zip(peers, SLOTS, strict=False)), newcomer())

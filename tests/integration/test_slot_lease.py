@@ -49,9 +49,9 @@ async def test_barrier_and_peer_loss(redis: Redis) -> None:
     a = SlotLease(redis, "p", pp=2, dp=1, holder="a")
     b = SlotLease(redis, "p", pp=2, dp=1, holder="b")
     await a.acquire()
-    barrier = asyncio.create_task(a.wait_for_all(timeout_s=10))
+    barrier = asyncio.create_task(a.wait_for_all(timeout_s=60))
     await b.acquire()
-    await asyncio.wait_for(barrier, 10)
+    await asyncio.wait_for(barrier, 60)
     alone = SlotLease(redis, "q", pp=2, dp=1, holder="c")
     await alone.acquire()
     with pytest.raises(SlotError, match="timed out after 0s waiting for workers of slots r0s1"):
@@ -59,7 +59,7 @@ async def test_barrier_and_peer_loss(redis: Redis) -> None:
     watch = asyncio.create_task(a.watch())
     await b.release()  # b's process "died": its lease is gone and it left no done marker
     with pytest.raises(SlotError, match="slot r0s1 lost its worker"):
-        await asyncio.wait_for(watch, 10)
+        await asyncio.wait_for(watch, 60)
 
 
 async def test_a_finished_peer_is_not_a_failure(redis: Redis) -> None:
@@ -67,7 +67,7 @@ async def test_a_finished_peer_is_not_a_failure(redis: Redis) -> None:
     b = SlotLease(redis, "f", pp=2, dp=1, holder="b")
     await a.acquire()
     await b.acquire()
-    await a.wait_for_all(timeout_s=5)
+    await a.wait_for_all(timeout_s=60)
     await b.finish()
     assert await a._missing() == []
 
@@ -77,8 +77,8 @@ async def test_an_aborting_peer_passes_on_the_original_reason(redis: Redis) -> N
     b = SlotLease(redis, "c", pp=2, dp=1, holder="b")
     await a.acquire()
     await b.acquire()
-    await a.wait_for_all(timeout_s=5)
+    await a.wait_for_all(timeout_s=60)
     await b.abort("slot r9s9 lost its worker (its lease expired): the run cannot continue")
     await b.release()
     with pytest.raises(SlotError, match="slot r9s9 lost its worker"):
-        await asyncio.wait_for(a.watch(), 10)
+        await asyncio.wait_for(a.watch(), 60)
