@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -132,3 +133,10 @@ async def wait_for_an_answer(redis_url: str, run: str, timeout: float = 60.0) ->
         return isinstance(msg, PrefillReport) and any(p.outcome is ItemOutcome.DONE for p in msg.progress)
 
     await wait_for_message(redis_url, keys.prefill_reports_stream(run), answered, f"run {run} answering", timeout)
+
+
+def as_from_a_terminal() -> None:
+    """`preexec_fn` for a child a test stops with SIGINT, as Ctrl-C would: SIGINT's default action
+    restored. A suite started in the background by a script (`make test &`) inherits SIGINT
+    ignored, and a child that ignores it would never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

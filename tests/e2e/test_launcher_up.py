@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from shared.health import live_instances
-from tests.e2e.serving import SPEC, status, submit, wait_ready, wait_until
+from tests.e2e.serving import SPEC, as_from_a_terminal, status, submit, wait_ready, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -72,6 +72,7 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        preexec_fn=as_from_a_terminal,  # stopped by the Ctrl-C below, however the suite was started
     )
     assert proc.stdout is not None
     seen: list[str] = []

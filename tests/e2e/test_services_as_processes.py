@@ -18,7 +18,7 @@ import pytest
 from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import SERVICES
 from shared.redis_server import EmbeddedRedis, free_port
-from tests.e2e.serving import SPEC, write_spec
+from tests.e2e.serving import SPEC, as_from_a_terminal, write_spec
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,6 +115,7 @@ def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
         text=True,
         cwd=ROOT,
         start_new_session=True,
+        preexec_fn=as_from_a_terminal,  # stopped by the Ctrl-C below, however the suite was started
     )
     assert proc.stdout is not None
     lines = []
