@@ -67,6 +67,11 @@ class Wan(_Spec, frozen=True):
     links: tuple[LinkOverride, ...] = ()
     #: fair = processor sharing; temporal = Atlas slot arbiter; fifo = naive one-at-a-time baseline.
     sharing: Literal["fair", "temporal", "fifo"] = "temporal"
+    #: How cross-DC bytes meet the WAN (docs/config.md#wan-modes): `model` = real sockets on one
+    #: machine, the receiver released when the broker's link model says; `kernel` = each DC a
+    #: network namespace, links shaped in the kernel, the broker granting slots; `none` = a real
+    #: network between hosts, nothing emulated, the broker granting slots.
+    mode: Literal["model", "kernel", "none"] = "model"
 
 
 class ModelSpec(_Spec, frozen=True):

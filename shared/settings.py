@@ -17,6 +17,11 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
                        broker) serves Prometheus ``/metrics``: default 127.0.0.1 and port 0 (any
                        free port, advertised in its heartbeat); ``off`` turns the endpoint off
 ``BUBBLETEA_METRICS_AUTH`` ``on``: every service's ``/metrics`` needs the API key too (default ``off``)
+``BUBBLETEA_WAN``       ``model``, ``kernel`` or ``none``: override ``wan.mode``
+``BUBBLETEA_PLANE_HOST`` the address this host's stage workers bind for the data plane (default
+                       127.0.0.1; with ``wan.mode: none`` an address the other hosts can reach)
+``BUBBLETEA_DC``        a stage worker takes only slots whose stage is placed in this datacenter
+                       (the workers of one DC on one host; default: any slot)
 ``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy
                        ``noeviction``)
 =====================  ==========================================================================
@@ -55,10 +60,14 @@ ENV_VARS = frozenset(
         "BUBBLETEA_METRICS_PORT",
         "BUBBLETEA_METRICS_AUTH",
         "BUBBLETEA_REDIS_MAXMEMORY",
+        "BUBBLETEA_WAN",
+        "BUBBLETEA_PLANE_HOST",
+        "BUBBLETEA_DC",
     }
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("kv", "json")
+WAN_MODES = ("model", "kernel", "none")
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,10 @@ class Settings:
     #: Where a bus service serves Prometheus /metrics; port 0 = any free port, None = no endpoint.
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0
+    #: The address this host's stage workers bind for the data plane (BUBBLETEA_PLANE_HOST).
+    plane_host: str = "127.0.0.1"
+    #: A stage worker takes only slots of this datacenter's stages (BUBBLETEA_DC); None = any.
+    dc: str | None = None
 
     @property
     def metrics_key(self) -> str | None:
@@ -111,6 +124,14 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         if decode not in ("on", "off"):
             raise ConfigError(f"BUBBLETEA_DECODE: expected on or off, got {decode!r}")
         spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, enabled=decode == "on"))
+    if wan := env.get("BUBBLETEA_WAN"):
+        if wan not in WAN_MODES:
+            raise ConfigError(f"BUBBLETEA_WAN: expected one of {', '.join(WAN_MODES)}, got {wan!r}")
+        spec = msgspec.structs.replace(spec, wan=msgspec.structs.replace(spec.wan, mode=wan))
+    dc = env.get("BUBBLETEA_DC") or None
+    if dc is not None and dc not in {d.name for d in spec.datacenters}:
+        names = ", ".join(d.name for d in spec.datacenters)
+        raise ConfigError(f"BUBBLETEA_DC: {dc!r} is not a datacenter of the spec (it has {names})")
     if iterations := env.get("BUBBLETEA_ITERATIONS"):
         spec = msgspec.structs.replace(spec, training=_iterations(spec, iterations))
     level = env.get("BUBBLETEA_LOG_LEVEL", "INFO").upper()
@@ -143,6 +164,8 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         metrics_host=env.get("BUBBLETEA_METRICS_HOST") or "127.0.0.1",
         metrics_port=metrics_port,
         metrics_auth=metrics_auth == "on",
+        plane_host=env.get("BUBBLETEA_PLANE_HOST") or "127.0.0.1",
+        dc=dc,
     )
 
 

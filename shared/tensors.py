@@ -13,7 +13,7 @@ import torch
 
 from shared.wire import TensorBlob, WireError
 
-__all__ = ["TensorBlob", "from_blob", "to_blob"]
+__all__ = ["TensorBlob", "dtype_name", "from_blob", "to_blob", "torch_dtype"]
 
 
 _DTYPES: Final[dict[str, torch.dtype]] = {
@@ -27,6 +27,22 @@ _DTYPES: Final[dict[str, torch.dtype]] = {
     "bool": torch.bool,
 }
 _NAMES: Final[dict[torch.dtype, str]] = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype; `WireError` for one that cannot travel."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        raise WireError(f"dtype {dtype} cannot go on the wire; supported: {', '.join(_DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire name; `WireError` for an unknown one."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise WireError(f"unknown tensor dtype {name!r}; supported: {', '.join(_DTYPES)}")
+    return dtype
 
 
 def to_blob(tensor: torch.Tensor) -> TensorBlob:

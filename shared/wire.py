@@ -62,8 +62,10 @@ class Pong(Message, frozen=True, kw_only=True, tag="pong"):
 # --- training plane --------------------------------------------------------------------------
 
 
-class StageTensor(Message, frozen=True, kw_only=True, tag="stage_tensor"):
-    """An activation (``what="act"``, stage k -> k+1) or its gradient (``"grad"``, k+1 -> k)."""
+class TensorReady(Message, frozen=True, kw_only=True, tag="tensor_ready"):
+    """An activation (``what="act"``, stage k -> k+1) or its gradient (``"grad"``, k+1 -> k) is on
+    the data plane: the receiver posts its receive for it (dtype, shape, tag say what to expect).
+    The tensor itself never rides Redis (`shared.dataplane`)."""
 
     run: str
     what: str  # "act" | "grad"
@@ -72,30 +74,24 @@ class StageTensor(Message, frozen=True, kw_only=True, tag="stage_tensor"):
     replica: int
     src_stage: int
     dst_stage: int
-    tensor: TensorBlob
+    dtype: str
+    shape: tuple[int, ...]
     #: The run's recovery generation it was sent in: a receiver drops tensors of another one (sent
-    #: before the run last resumed from a checkpoint).
+    #: before the run last resumed from a checkpoint), and the groups it travels on are that
+    #: generation's.
     generation: int = 0
-
-
-class GradShard(Message, frozen=True, kw_only=True, tag="grad_shard"):
-    """One replica's flattened gradients of a stage, sent to each DP peer for the all-reduce."""
-
-    run: str
-    iteration: int
-    stage: int
-    replica: int
-    tensor: TensorBlob
-    #: Wall clock (time.time()) when this replica reached the all-reduce: every peer ends the
-    #: collective at the same instant, max(ready_at) + its profiled cost.
-    ready_at: float = 0.0
-    #: As `StageTensor.generation`.
-    generation: int = 0
+    #: WAN mode `model`: the bytes move at once, but the receiver may use them only once the
+    #: broker's link model says they arrived (the broker then delivers a copy with `release`).
+    hold: bool = False
+    #: This copy comes from the broker at the modelled arrival time: the held tensor may be used.
+    release: bool = False
 
 
 class Transfer(Message, frozen=True, kw_only=True, tag="transfer"):
-    """Worker -> wan_broker: carry `payload` (an encoded message) over the src_dc -> dst_dc link
-    and append it to `deliver_to` when the link policy says its last byte has arrived."""
+    """Worker -> wan_broker, WAN mode `model`: the bytes of a cross-DC send move on the data plane
+    at once; the broker runs them through the src_dc -> dst_dc link model and appends `payload` (a
+    small encoded `TensorReady` with `release`) to `deliver_to` when the model says the last byte
+    has arrived. `nbytes` is the tensor's size on the data plane."""
 
     run: str
     transfer_id: str
@@ -108,6 +104,41 @@ class Transfer(Message, frozen=True, kw_only=True, tag="transfer"):
     #: Sender's wall clock (time.time()) when the bytes were ready: the emulated wire starts then,
     #: not when the request reached the broker (one bus hop later).
     sent_at: float = 0.0
+
+
+class SlotRequest(Message, frozen=True, kw_only=True, tag="slot_request"):
+    """Worker -> wan_broker, WAN modes `kernel` and `none`: may this cross-DC transfer go on the
+    src_dc -> dst_dc link now? The broker's sharing policy answers with a `SlotGrant` on
+    `reply_to` when it may; the worker moves the bytes itself and then sends `SlotDone`."""
+
+    run: str
+    transfer_id: str
+    src_dc: str
+    dst_dc: str
+    nbytes: int
+    priority: tuple[int, ...]
+    microbatch: int
+    what: str  # "act" | "grad": the direction along the pipeline
+    reply_to: str
+    sent_at: float = 0.0
+
+
+class SlotGrant(Message, frozen=True, kw_only=True, tag="slot_grant"):
+    """wan_broker -> worker: transmit `transfer_id` now, and why it was granted now."""
+
+    run: str
+    transfer_id: str
+    why: str
+
+
+class SlotDone(Message, frozen=True, kw_only=True, tag="slot_done"):
+    """Worker -> wan_broker: the granted transfer's last byte has left (the slot is free)."""
+
+    run: str
+    transfer_id: str
+    src_dc: str
+    dst_dc: str
+    seconds: float = 0.0  # grant to done, as the worker saw it
 
 
 class BubbleStart(Message, frozen=True, kw_only=True, tag="bubble_start"):
@@ -328,9 +359,11 @@ class PrefillSnapshot(Message, frozen=True, kw_only=True, tag="prefill_snapshot"
 AnyMessage = (
     Ping
     | Pong
-    | StageTensor
-    | GradShard
+    | TensorReady
     | Transfer
+    | SlotRequest
+    | SlotGrant
+    | SlotDone
     | BubbleStart
     | BubbleEnd
     | SpanRecord

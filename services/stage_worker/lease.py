@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -80,12 +81,14 @@ class SlotLease:
     def _end_key(self, s: Slot) -> str:
         return keys.lease_end_key(self.run, s.replica, s.stage)
 
-    async def acquire(self, wait_s: float = 0.0) -> Slot:
-        """Lease the first free slot. If every slot is held, look again for `wait_s` (a replacement
-        started as its dead predecessor's lease has yet to expire), then fail."""
+    async def acquire(self, wait_s: float = 0.0, allowed: Callable[[Slot], bool] | None = None) -> Slot:
+        """Lease the first free slot (among those `allowed`: the slots of this host's datacenter,
+        `BUBBLETEA_DC`). If every one is held, look again for `wait_s` (a replacement started as
+        its dead predecessor's lease has yet to expire), then fail."""
         deadline = time.monotonic() + wait_s
+        candidates = [s for s in self.all_slots if allowed is None or allowed(s)]
         while True:
-            for s in self.all_slots:
+            for s in candidates:
                 if await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
                     self.slot = s
                     self.redis_run_id = await self._redis_run_id()
@@ -94,8 +97,13 @@ class SlotLease:
             if time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.1)  # leases expire by TTL: there is no event to wait on
+        which = (
+            ""
+            if len(candidates) == len(self.all_slots)
+            else f" ({len(candidates)} of them in this worker's datacenter)"
+        )
         raise SlotError(
-            f"all {len(self.all_slots)} slots of run {self.run!r} (PP={self.pp} x DP={self.dp}) are "
+            f"all {len(self.all_slots)} slots of run {self.run!r} (PP={self.pp} x DP={self.dp}){which} are "
             "held by live workers; start fewer workers or raise the parallelism in the spec"
         )
 

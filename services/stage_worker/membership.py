@@ -15,6 +15,7 @@ from services.stage_worker.runner import StageRunner
 from shared import keys
 from shared.bus import Consumer
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.dataplane import PlaneError
 from shared.logs import get_logger
 from shared.policies.recovery import FROM_SCRATCH
 
@@ -120,6 +121,11 @@ async def _join(
             watch.result()  # our own lease was lost: raises SlotError
         return None  # told to stop
     gen = barrier.result()
+    if runner.transport is not None:  # the data plane's groups of this generation, with every peer
+        try:
+            await asyncio.to_thread(runner.transport.form, gen)
+        except PlaneError as exc:
+            raise SlotError(f"slot {slot.name} could not join the data plane of generation {gen}: {exc}") from None
     store = runner.checkpoints
     resume = await gens.resume_point(store) if store is not None else FROM_SCRATCH
     if after_loss or resume != FROM_SCRATCH:

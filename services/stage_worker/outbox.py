@@ -12,16 +12,24 @@ import time
 from collections.abc import Sequence
 
 from shared.bus import Bus
-from shared.wire import Message, StageTensor, Transfer, encode
+from shared.wire import Message, Transfer, encode
 
 
 def wan_transfer(
-    run: str, msg: Message, transfer_id: str, src_dc: str, dst_dc: str, deliver_to: str, priority: tuple[int, ...]
+    run: str,
+    msg: Message,
+    transfer_id: str,
+    src_dc: str,
+    dst_dc: str,
+    deliver_to: str,
+    priority: tuple[int, ...],
+    nbytes: int,
 ) -> Transfer:
-    """A cross-DC send as the broker takes it, stamped now (`sent_at`): the emulated wire starts at
-    the sender's send time, not one bus hop later when the broker reads it."""
+    """A cross-DC send as the broker takes it in WAN mode `model`: `nbytes` (the tensor's size on
+    the data plane) go through the link model, and `msg` (the receiver's release) is delivered at
+    the modelled arrival. Stamped now (`sent_at`): the emulated wire starts at the sender's send
+    time, not one bus hop later when the broker reads it."""
     payload = encode(msg)
-    nbytes = len(msg.tensor.data) if isinstance(msg, StageTensor) else len(payload)
     return Transfer(
         run=run,
         transfer_id=transfer_id,

@@ -1,8 +1,9 @@
-"""Walks the pipeline schedule with real compute, the bus for tensors, and bubble announcements.
+"""Walks the pipeline schedule: real compute, tensors on the data plane, bubble announcements.
 
 One `StageRunner` per worker process. Torch work runs in a thread (`in_torch_thread`) so the
-event loop keeps receiving tensors meanwhile. With a device profile each compute action is padded
-to its profiled duration (lag is reported when real compute is slower).
+event loop keeps receiving tensors meanwhile. Tensors travel on the data plane (`transport.py`:
+torch.distributed, never Redis); the bus carries their announcements. With a device profile each
+compute action is padded to its profiled duration (lag is reported when real compute is slower).
 
 Over 300 lines on purpose: one schedule walk whose actions (compute, send, receive-or-bubble,
 all-reduce, telemetry) share the iteration's state; the outbox and the fill executor live beside it.
@@ -16,39 +17,36 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from services.stage_worker.filler import Filler
-from services.stage_worker.lease import Slot
+from services.stage_worker.lease import Slot, SlotError
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.outbox import Outbox, wan_transfer
+from services.stage_worker.outbox import Outbox
 from services.stage_worker.recovery import CheckpointStore
 from services.stage_worker.trainer import StageTrainer
+from services.stage_worker.transport import Transport
 from shared import keys
 from shared.bus import Bus
 from shared.config import ClusterSpec
+from shared.dataplane import PlaneError
 from shared.logs import get_logger
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
 from shared.policies.recovery import checkpoint_due
 from shared.policies.schedules import Op, schedule
-from shared.policies.wan import transfer_priority
-from shared.tensors import TensorBlob, to_blob
 from shared.timing import sleep_until
-from shared.wire import (
-    BubbleEnd,
-    BubbleStart,
-    GradShard,
-    IterationDone,
-    SpanRecord,
-    StageTensor,
-)
+from shared.wire import BubbleEnd, BubbleStart, IterationDone, SpanRecord
 
 #: The prefill-lag warning is logged at most this often (with the sum since the last one).
 LAG_WARN_EVERY_S = 60.0
+#: After a data-plane failure, how long the runner waits for the recovery path (a peer's lease
+#: expiring, a new generation) to cut its iteration short before it gives up itself: longer than
+#: a lease's lifetime plus one check of the peers.
+PLANE_FAILURE_GRACE_S = keys.LEASE_TTL_MS / 1000 + 2 * keys.LEASE_RENEW_S
 
 log = get_logger(__name__)
 
@@ -78,6 +76,7 @@ class StageRunner:
     filler: Filler | None = None  # BubbleTea: runs prefill batches in this worker's bubbles
     metrics: WorkerMetrics | None = None  # Prometheus: recorded where the runner has each value
     checkpoints: CheckpointStore | None = None  # where `training.checkpoint_every` checkpoints go
+    transport: Transport | None = None  # the data plane (set by the worker before training)
     #: The run's recovery generation this runner trains in (stamped on every tensor it sends).
     generation: int = 0
     iteration: int = 0
@@ -107,6 +106,8 @@ class StageRunner:
         caller empties the mailbox and restores the trainer)."""
         self.generation = generation
         self._spans = []
+        if self.transport is not None:
+            self.transport.reset()
 
     @property
     def stage(self) -> int:
@@ -183,6 +184,7 @@ class StageRunner:
 
     async def _iteration(self, it: int, actions: tuple[Any, ...]) -> None:
         held: dict[tuple[str, int], torch.Tensor] = {}
+        received: dict[tuple[str, int], torch.Tensor] = {}  # plane buffers, back to the pool after BWD
         for pos, a in enumerate(actions):
             op, mb = a.op, a.mb
             if op is Op.FWD:
@@ -197,13 +199,16 @@ class StageRunner:
                 )
                 if gin is not None:
                     held[("gin", mb)] = gin
+                for what in ("act", "grad"):  # the stage's input and its gradient are dead now
+                    if (buf := received.pop((what, mb), None)) is not None:
+                        self._plane().plane.release(buf)
             elif op is Op.SEND_ACT:
                 self._send("act", it, mb, held.pop(("out", mb)), self.stage + 1)
             elif op is Op.SEND_GRAD:
                 self._send("grad", it, mb, held.pop(("gin", mb)), self.stage - 1)
             elif op in (Op.RECV_ACT, Op.RECV_GRAD):
                 what = "act" if op is Op.RECV_ACT else "grad"
-                held[(what, mb)] = await self._recv((what, it, mb), it, pos)
+                held[(what, mb)] = received[(what, mb)] = await self._recv((what, it, mb), it, pos)
             elif op is Op.ALLREDUCE:
                 await self._allreduce(it)
             elif op is Op.STEP:
@@ -225,35 +230,44 @@ class StageRunner:
         self._span(kind, it, t0, time.time(), mb)
         return result
 
+    def _plane(self) -> Transport:
+        assert self.transport is not None, "the worker sets the transport before training"
+        return self.transport
+
     def _send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
-        """Queue the tensor for stage `dst` on the outbox and go on computing (training is the
-        owner: a send never delays the next operation). Same-DC sends go to the peer's inbox;
-        cross-DC sends go to the broker, stamped with this moment as the start of the wire."""
-        msg = StageTensor(
-            run=self.run,
-            what=what,
-            iteration=it,
-            microbatch=mb,
-            replica=self.replica,
-            src_stage=self.stage,
-            dst_stage=dst,
-            tensor=to_blob(tensor),
-            generation=self.generation,
+        """Put the tensor for stage `dst` on the data plane and go on computing (training is the
+        owner: a send never delays the next operation; `transport.py` says how it travels)."""
+        self._plane().send(what, it, mb, tensor, dst)
+
+    async def _plane_failed(self, error: str) -> NoReturn:
+        """Give the recovery path (which cancels this task) a lease's lifetime, then fail."""
+        await asyncio.sleep(PLANE_FAILURE_GRACE_S)
+        raise SlotError(
+            f"slot {self.slot.name}: {error}; no peer was lost and the run did not recover "
+            f"within {PLANE_FAILURE_GRACE_S:.0f} s"
         )
-        target = keys.inbox(self.run, self.replica, dst)
-        src_dc, dst_dc = self.placement.stage_dc[self.stage], self.placement.stage_dc[dst]
-        if src_dc == dst_dc:
-            self.outbox.send(target, msg)
-            return
-        transfer_id = f"{what}:{it}:{mb}:{self.replica}:{self.stage}"
-        priority = transfer_priority(it, mb, self.replica)
-        transfer = wan_transfer(self.run, msg, transfer_id, src_dc, dst_dc, target, priority)
-        self.outbox.send(keys.wan_stream(self.run), transfer)
+
+    async def _take(self, key: tuple[Any, ...]) -> Any:
+        """The tensor `key` from the mailbox, or, if the data plane fails first (a peer died
+        mid-transfer), a `SlotError` after `PLANE_FAILURE_GRACE_S` unless the recovery path
+        cuts this iteration short before (it cancels this wait)."""
+        transport = self._plane()
+        take = asyncio.ensure_future(self.mailbox.take(key))
+        failed = asyncio.ensure_future(transport.failed.wait())
+        try:
+            await asyncio.wait({take, failed}, return_when=asyncio.FIRST_COMPLETED)
+            if take.done():
+                return take.result()
+            await self._plane_failed(transport.error)
+        finally:
+            for t in (take, failed):
+                if not t.done():
+                    t.cancel()
 
     async def _recv(self, key: tuple[Any, ...], it: int, pos: int) -> torch.Tensor:
         """Take a tensor from the mailbox; if it is not there yet, this is a bubble: announce it."""
         if self.mailbox.ready(key):
-            return await self.mailbox.take(key)
+            return await self._take(key)
         predicted = self.predictor.predict(pos)
         t0, started = time.time(), time.monotonic()
         # Through the outbox: staged prefill starts now, not after a round trip to Redis.
@@ -299,8 +313,8 @@ class StageRunner:
         """Wait for `key`; meanwhile, with BubbleTea, run prefill until it arrives. `started`: when
         the bubble began (time.monotonic())."""
         if self.filler is None:
-            return await self.mailbox.take(key)
-        take = asyncio.ensure_future(self.mailbox.take(key))
+            return await self._take(key)
+        take = asyncio.ensure_future(self._take(key))
         try:
             await self.filler.fill(lambda: self.mailbox.arrived(key), take, predicted_s, started)
             return await take
@@ -309,43 +323,28 @@ class StageRunner:
                 take.cancel()
 
     async def _allreduce(self, it: int) -> None:
-        """Average gradients with the DP peers of this stage, summing in replica order everywhere
-        so every replica ends with bit-identical gradients. Like a real collective it ends for all
-        peers at the same instant: the latest peer's arrival plus the profiled cost (the peers'
-        wall clocks are one machine's, or NTP-synchronised)."""
-        dp = self.spec.parallelism.dp
+        """Average gradients with the DP peers of this stage: a gloo all-reduce of the stage's
+        group (inside one DC), then the mean. Like the emulated collective before it, it ends for
+        all peers at one instant: the collective returns when the last peer has arrived, and the
+        profiled cost is counted from there."""
         t0 = time.time()
-        ready = {self.replica: t0}
-        if dp > 1:
-            # In the thread: the copy off the device for the wire stays off the event loop.
-            mine, blob = await self.in_torch_thread(self._flat_grads_and_blob)
-            shard = GradShard(
-                run=self.run,
-                iteration=it,
-                stage=self.stage,
-                replica=self.replica,
-                tensor=blob,
-                ready_at=t0,
-                generation=self.generation,
-            )
-            for peer in range(dp):
-                if peer != self.replica:
-                    self.outbox.send(keys.inbox(self.run, peer, self.stage), shard)
-            grads = {self.replica: mine}
-            for peer in range(dp):
-                if peer != self.replica:
-                    grads[peer], ready[peer] = await self.mailbox.take(("shard", it, peer))
-            # Summed on this worker's device, in replica order everywhere.
-            await self.in_torch_thread(self.trainer.load_mean, [grads[r] for r in range(dp)])
+        if self.spec.parallelism.dp > 1:
+            try:
+                await self.in_torch_thread(self._reduce_grads)
+            except PlaneError as exc:
+                log.warning(
+                    "gradient all-reduce failed; waiting for the recovery path", slot=self.slot.name, error=str(exc)
+                )
+                await self._plane_failed(str(exc))
         if self.profile.allreduce:
-            done_wall = max(ready.values()) + self.profile.allreduce
-            await sleep_until(time.monotonic() + (done_wall - time.time()))
+            await sleep_until(time.monotonic() + self.profile.allreduce)
         self._span("allreduce", it, t0, time.time())
 
-    def _flat_grads_and_blob(self) -> tuple[torch.Tensor, TensorBlob]:
-        """This stage's flat gradients (on the device) and their CPU copy for the wire."""
-        mine = self.trainer.flat_grads()
-        return mine, to_blob(mine)
+    def _reduce_grads(self) -> None:
+        """In the torch thread: this stage's flat gradients, summed over the DP group and divided
+        by its size (for two replicas bit for bit the replica-order sum of the reference)."""
+        flat = self.trainer.flat_grads().to("cpu")
+        self.trainer.load_grads(self._plane().plane.all_reduce_mean(flat))
 
     # --- telemetry -------------------------------------------------------------------------
 

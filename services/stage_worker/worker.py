@@ -25,9 +25,11 @@ from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.recovery import CheckpointStore, Generations
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
+from services.stage_worker.transport import Transport, plane_addresses
 from shared import keys
-from shared.bus import Bus, Delivery, Reject
+from shared.bus import Bus
 from shared.config import ClusterSpec
+from shared.dataplane import DataPlane
 from shared.devices import DeviceError, check_kind, describe, select_device, slot_index, synchronize
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
@@ -41,8 +43,7 @@ from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.restarts import EXIT_CONFIG
 from shared.settings import Settings
 from shared.telemetry import MetricsServer
-from shared.tensors import from_blob
-from shared.wire import GradShard, PrefillBatch, StageTensor, WorkerFailed
+from shared.wire import PrefillBatch, SlotGrant, TensorReady, WorkerFailed
 
 SERVICE = "stage_worker"
 SWITCH_INTERVAL_S = 0.0005
@@ -78,7 +79,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             recoverable=spec.training.recovers,
         )
         # A replacement may start before its dead predecessor's lease expired: it waits that long.
-        slot = await lease.acquire(wait_s=keys.LEASE_TTL_MS / 1000 + 1 if spec.training.recovers else 0.0)
+        slot = await lease.acquire(
+            wait_s=keys.LEASE_TTL_MS / 1000 + 1 if spec.training.recovers else 0.0,
+            allowed=None if settings.dc is None else lambda s: placement.stage_dc[s.stage] == settings.dc,
+        )
         device = select_device(spec.device.kind, slot_index(slot.replica, slot.stage, spec.parallelism.pp))
         log.info("device chosen", slot=slot.name, kind=spec.device.kind, **describe(device))
         metrics = WorkerMetrics(run, slot.name, spec.prefill.model_name)
@@ -132,26 +136,6 @@ async def _train(
     profile, prior = await asyncio.to_thread(_profile_and_prior, spec, slot, trainer)
     mailbox = Mailbox()
     gens = Generations(bus.redis, run, lease.all_slots)
-
-    def current(m: StageTensor | GradShard) -> bool:
-        """Whether `m` belongs to this run's current generation (else it is dropped: it was sent
-        before the run resumed from a checkpoint)."""
-        if m.run != run:
-            raise Reject(f"the inbox of run {run} got a {type(m).__name__} of run {m.run}")
-        return m.generation == gens.current
-
-    async def on_tensor(d: Delivery) -> None:
-        m = d.message
-        assert isinstance(m, StageTensor)
-        if current(m):
-            mailbox.put((m.what, m.iteration, m.microbatch), from_blob(m.tensor))
-
-    async def on_shard(d: Delivery) -> None:
-        m = d.message
-        assert isinstance(m, GradShard)
-        if current(m):
-            mailbox.put(("shard", m.iteration, m.replica), (from_blob(m.tensor), m.ready_at))
-
     memory = int(spec.device.memory_gib * (1 << 30))
     prefill = None
     if spec.bubbletea.enabled:
@@ -171,10 +155,14 @@ async def _train(
         metrics=metrics,
         checkpoints=CheckpointStore(bus.redis, run, lease.all_slots) if spec.training.recovers else None,
     )
+    plane = DataPlane(settings.require_redis_url(), run, plane_addresses(settings, slot, placement))
+    runner.transport = transport = Transport(
+        runner.outbox, plane, spec, run, slot, placement, mailbox, generation=lambda: gens.current
+    )
     inbox = bus.consumer(
         keys.inbox(run, slot.replica, slot.stage),
         "worker",
-        {StageTensor: on_tensor, GradShard: on_shard},
+        {TensorReady: transport.on_ready, SlotGrant: transport.on_grant},
         name=slot.name,
     )
     metrics.streams.add(inbox)
@@ -206,6 +194,7 @@ async def _train(
         await take_part(runner, inbox, lease, watch, gens, stop)
     finally:
         runner.close()
+        await transport.close()
         if runner.filler is not None:
             await runner.filler.close()  # answer and report what already ran
         if fill is not None:

@@ -1,8 +1,15 @@
-"""wan_broker: owns every directed DC link of the spec and carries transfers over them.
+"""wan_broker: the Atlas slot arbiter of every directed DC link of the spec.
 
-`serve(settings, stop)` consumes the run's transfer stream; each `Transfer` goes to the driver
-of its link and is acked only once its payload has been delivered. Per-link utilisation and
-delivery accuracy go to the run's events stream every second.
+`serve(settings, stop)` consumes the run's WAN stream. The tensors themselves never pass through
+here (they move on the workers' data plane); what the broker does depends on `wan.mode`:
+
+* `model`: each `Transfer` (a cross-DC send already under way on the data plane) goes through its
+  link's model (`LinkDriver`), and the receiver is released (a small `TensorReady` appended to its
+  inbox) when the model says the last byte arrived; acked then;
+* `kernel` / `none`: each `SlotRequest` is granted by the link's `SlotArbiter` (`SlotDriver`); the
+  worker transmits on grant and reports `SlotDone`; the request is acked then.
+
+Per-link utilisation goes to the run's events stream every second.
 """
 
 from __future__ import annotations
@@ -12,17 +19,18 @@ import itertools
 
 import msgspec
 
+from services.wan_broker.grants import SlotDriver
 from services.wan_broker.links import LinkDriver
 from services.wan_broker.metrics import BrokerMetrics
 from shared import keys
-from shared.bus import Bus, Delivery, Reject
+from shared.bus import HOLD, Bus, Delivery, Outcome, Reject
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.policies.wan import LinkModel
 from shared.settings import Settings
 from shared.telemetry import MetricsServer
-from shared.wire import LinkReport, Transfer
+from shared.wire import LinkReport, SlotDone, SlotRequest, Transfer
 
 SERVICE = "wan_broker"
 REPORT_INTERVAL_S = 1.0
@@ -41,8 +49,18 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec = settings.spec
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
         metrics = BrokerMetrics(settings.run)
-        drivers = {
-            (a, b): LinkDriver(bus, a, b, LinkModel.from_params(spec.link(a, b)), spec.wan.sharing, metrics)
+        mode = spec.wan.mode
+        consumer_ref: list[object] = []
+
+        def release(entry: str) -> None:
+            consumer_ref[0].release(entry)  # type: ignore[attr-defined]
+
+        drivers: dict[tuple[str, str], LinkDriver | SlotDriver] = {
+            (a, b): (
+                LinkDriver(bus, a, b, LinkModel.from_params(spec.link(a, b)), spec.wan.sharing, metrics)
+                if mode == "model"
+                else SlotDriver(bus, a, b, LinkModel.from_params(spec.link(a, b)), spec.wan.sharing, release, metrics)
+            )
             for a, b in directed_links(settings)
         }
         server = MetricsServer(
@@ -54,13 +72,35 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         )
         url = await server.start()
 
+        def driver_of(src: str, dst: str, kind: type) -> LinkDriver | SlotDriver:
+            driver = drivers.get((src, dst))
+            if driver is None:
+                raise Reject(f"no WAN link {src} -> {dst} in the spec")
+            if not isinstance(driver, kind):
+                raise Reject(f"wan.mode is {mode!r}: this broker does not take {kind.__name__} messages")
+            return driver
+
         async def on_transfer(d: Delivery) -> None:
             msg = d.message
             assert isinstance(msg, Transfer)  # the handler table routes only this kind here
-            driver = drivers.get((msg.src_dc, msg.dst_dc))
-            if driver is None:
-                raise Reject(f"no WAN link {msg.src_dc} -> {msg.dst_dc} in the spec")
+            driver = driver_of(msg.src_dc, msg.dst_dc, LinkDriver)
+            assert isinstance(driver, LinkDriver)
             await driver.carry(msg)
+
+        async def on_request(d: Delivery) -> Outcome:
+            msg = d.message
+            assert isinstance(msg, SlotRequest)
+            driver = driver_of(msg.src_dc, msg.dst_dc, SlotDriver)
+            assert isinstance(driver, SlotDriver)
+            await driver.on_request(msg, d.id)
+            return HOLD  # acked when the transfer is done
+
+        async def on_done(d: Delivery) -> None:
+            msg = d.message
+            assert isinstance(msg, SlotDone)
+            driver = driver_of(msg.src_dc, msg.dst_dc, SlotDriver)
+            assert isinstance(driver, SlotDriver)
+            await driver.on_done(msg)
 
         cfg = msgspec.structs.replace(spec.bus, concurrency=MAX_IN_FLIGHT)
         info = {"run": settings.run, "links": len(drivers), "metrics_url": url}
@@ -69,12 +109,13 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         consumer = bus.consumer(
             keys.wan_stream(settings.run),
             SERVICE,
-            {Transfer: on_transfer},
+            {Transfer: on_transfer, SlotRequest: on_request, SlotDone: on_done},
             name=f"{SERVICE}-{instance_id()}",
             config=cfg,
         )
+        consumer_ref.append(consumer)
         metrics.streams.add(consumer)
-        log.info("broker ready", run=settings.run, links=len(drivers), sharing=spec.wan.sharing)
+        log.info("broker ready", run=settings.run, links=len(drivers), sharing=spec.wan.sharing, wan=mode)
         outage = Outage("link reports")
         async with consumer:
             while not stop.is_set() and not consumer.crashed.is_set():
@@ -96,7 +137,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             raise consumer.error
 
 
-async def _report(bus: Bus, run: str, drivers: dict[tuple[str, str], LinkDriver]) -> None:
+async def _report(bus: Bus, run: str, drivers: dict[tuple[str, str], LinkDriver | SlotDriver]) -> None:
     for (a, b), driver in drivers.items():
         st = driver.stats()
         if st["transfers"] or st["in_flight"]:

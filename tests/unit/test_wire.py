@@ -54,19 +54,48 @@ def test_every_training_message_round_trips() -> None:
     from shared.wire import (
         BubbleEnd,
         BubbleStart,
-        GradShard,
         IterationDone,
         LinkReport,
+        PrefillSnapshot,
+        SlotDone,
+        SlotGrant,
+        SlotRequest,
         SpanRecord,
-        StageTensor,
+        TensorReady,
         Transfer,
         WorkerFailed,
     )
 
     t = to_blob(torch.arange(6, dtype=torch.float32).reshape(2, 3))
     msgs = [
-        StageTensor(run="r", what="act", iteration=1, microbatch=2, replica=0, src_stage=0, dst_stage=1, tensor=t),
-        GradShard(run="r", iteration=1, stage=0, replica=1, tensor=t),
+        PrefillSnapshot(id="q", tokens=(1, 2), next_layer=1, hidden=t, kv=((t, t),)),
+        TensorReady(
+            run="r",
+            what="act",
+            iteration=1,
+            microbatch=2,
+            replica=0,
+            src_stage=0,
+            dst_stage=1,
+            dtype="float32",
+            shape=(2, 3),
+            generation=4,
+            hold=True,
+        ),
+        SlotRequest(
+            run="r",
+            transfer_id="x",
+            src_dc="a",
+            dst_dc="b",
+            nbytes=10,
+            priority=(1, 2, 0),
+            microbatch=2,
+            what="act",
+            reply_to="s",
+            sent_at=1.5,
+        ),
+        SlotGrant(run="r", transfer_id="x", why="temporal: link free"),
+        SlotDone(run="r", transfer_id="x", src_dc="a", dst_dc="b", seconds=0.25),
         Transfer(
             run="r",
             transfer_id="x",
@@ -102,5 +131,5 @@ def test_every_training_message_round_trips() -> None:
     for m in msgs:
         assert decode(encode(m)) == m
     back = decode(encode(msgs[0]))
-    assert isinstance(back, StageTensor)
-    assert torch.equal(from_blob(back.tensor), torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert isinstance(back, PrefillSnapshot)
+    assert torch.equal(from_blob(back.hidden), torch.arange(6, dtype=torch.float32).reshape(2, 3))

@@ -1,0 +1,272 @@
+"""A worker's tensors on the data plane, with their control messages on the bus.
+
+Sending an activation or gradient (`send`, never blocking the schedule):
+
+* same DC: the bytes go on the pair's connection at once, and a `TensorReady` tells the receiver
+  to take them;
+* another DC, `wan.mode: model`: the same, but the receiver holds the tensor (`hold`) until the
+  broker, which got a `Transfer` of the tensor's size stamped with the send time, releases it at
+  the arrival time of its link model;
+* another DC, `kernel` or `none`: a `SlotRequest` to the broker first; on its `SlotGrant` the bytes
+  go, chunked over the link's `connections`, then `SlotDone` frees the slot.
+
+Receiving (`on_ready`, the inbox handler of `TensorReady`): post the receive for the announced
+tensor, and put it in the mailbox once it has landed (and, if held, once released). A tensor of
+another generation is drained if this worker still has that generation's groups, else dropped.
+
+A data-plane failure in the current generation (a peer died mid-transfer) sets `failed`; the
+runner waits a lease's lifetime for the recovery path to take over before giving up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from services.stage_worker.lease import Slot
+from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.outbox import Outbox, wan_transfer
+from shared import keys
+from shared.bus import Delivery, Reject
+from shared.config import ClusterSpec
+from shared.dataplane import DataPlane, GroupSpec, PairSpec, PlaneError, in_thread, tag_of
+from shared.leases import slot_name
+from shared.logs import get_logger
+from shared.policies.placement import Placement
+from shared.policies.wan import transfer_priority
+from shared.settings import Settings
+from shared.tensors import dtype_name, torch_dtype
+from shared.wire import SlotDone, SlotGrant, SlotRequest, TensorReady
+
+log = get_logger(__name__)
+
+
+def plane_addresses(settings: Settings, slot: Slot, placement: Placement) -> list[str]:
+    """The local addresses this worker's groups bind, one per connection index: the host's
+    (`BUBBLETEA_PLANE_HOST`) in modes `model` and `none`; in `kernel` mode the addresses its
+    DC's namespace gives this slot, one per connection, so the kernel shapes each connection."""
+    spec = settings.spec
+    if spec.wan.mode != "kernel":
+        return [settings.plane_host]
+    from shared.kernel_net import plan_kernel_net
+
+    plan = plan_kernel_net(spec, settings.run)
+    dc = placement.stage_dc[slot.stage]
+    return plan.worker_addresses(dc, plan.local_index(spec, slot.replica, slot.stage))
+
+
+def pairs_of(spec: ClusterSpec, placement: Placement, slot: Slot) -> list[PairSpec]:
+    """This slot's pairs with its pipeline neighbours: a cross-DC pair has its link's
+    `connections`, a same-DC pair one."""
+    r, k, pp = slot.replica, slot.stage, spec.parallelism.pp
+    pairs = []
+    for lo in (k - 1, k):
+        hi = lo + 1
+        if lo < 0 or hi >= pp:
+            continue
+        a, b = placement.stage_dc[lo], placement.stage_dc[hi]
+        conns = 1 if a == b else spec.link(a, b).connections
+        peer = hi if lo == k else lo
+        pairs.append(PairSpec(slot_name(r, peer), f"r{r}:s{lo}-s{hi}", 0 if lo == k else 1, conns))
+    return pairs
+
+
+def dp_group_of(spec: ClusterSpec, slot: Slot) -> GroupSpec:
+    return GroupSpec(f"dp:s{slot.stage}", slot.replica, spec.parallelism.dp)
+
+
+@dataclass
+class Transport:
+    outbox: Outbox
+    plane: DataPlane
+    spec: ClusterSpec
+    run: str
+    slot: Slot
+    placement: Placement
+    mailbox: Mailbox
+    generation: Callable[[], int]
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str = ""
+    _posted: set[tuple[int, str, int, int]] = field(default_factory=set)
+    _landed: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+    _released: set[tuple[str, int, int]] = field(default_factory=set)
+    _grants: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    _tasks: set[asyncio.Future[Any]] = field(default_factory=set)
+
+    @property
+    def mode(self) -> str:
+        return self.spec.wan.mode
+
+    def form(self, generation: int) -> None:
+        """Build this generation's groups (blocking: run it in a thread)."""
+        self.plane.form(generation, pairs_of(self.spec, self.placement, self.slot), dp_group_of(self.spec, self.slot))
+
+    def reset(self) -> None:
+        """A new generation: forget what the cut-short one had under way."""
+        self._posted.clear()
+        self._landed.clear()
+        self._released.clear()
+        for fut in self._grants.values():
+            fut.cancel()
+        self._grants.clear()
+        self.failed.clear()
+        self.error = ""
+
+    # --- sending ---------------------------------------------------------------------------
+
+    def send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
+        gen = self.generation()
+        src_dc, dst_dc = self.placement.stage_dc[self.slot.stage], self.placement.stage_dc[dst]
+        ready = TensorReady(
+            run=self.run,
+            what=what,
+            iteration=it,
+            microbatch=mb,
+            replica=self.slot.replica,
+            src_stage=self.slot.stage,
+            dst_stage=dst,
+            dtype=dtype_name(tensor.dtype),
+            shape=tuple(tensor.shape),
+            generation=gen,
+            hold=src_dc != dst_dc and self.mode == "model",
+        )
+        inbox = keys.inbox(self.run, self.slot.replica, dst)
+        peer = slot_name(self.slot.replica, dst)
+        if src_dc == dst_dc or self.mode == "model":
+            self._track(self._transmit(gen, peer, tensor, tag_of(what, it, mb)))
+            self.outbox.send(inbox, ready)
+            if ready.hold:
+                transfer_id = f"{what}:{gen}:{it}:{mb}:{self.slot.replica}:{self.slot.stage}"
+                priority = transfer_priority(it, mb, self.slot.replica)
+                release = msgspec.structs.replace(ready, hold=False, release=True)
+                nbytes = tensor.numel() * tensor.element_size()
+                transfer = wan_transfer(self.run, release, transfer_id, src_dc, dst_dc, inbox, priority, nbytes)
+                self.outbox.send(keys.wan_stream(self.run), transfer)
+            return
+        self._track(self._granted_send(ready, gen, peer, tensor, src_dc, dst_dc, inbox))
+
+    async def _transmit(self, gen: int, peer: str, tensor: torch.Tensor, tag: int) -> None:
+        try:
+            await in_thread(self.plane.send, gen, peer, tensor, tag)
+        except PlaneError as exc:
+            self._fail(gen, exc)
+
+    async def _granted_send(
+        self, ready: TensorReady, gen: int, peer: str, tensor: torch.Tensor, src_dc: str, dst_dc: str, inbox: str
+    ) -> None:
+        """Ask the broker for the link, send on grant, free the slot (`kernel` / `none`)."""
+        transfer_id = f"{ready.what}:{gen}:{ready.iteration}:{ready.microbatch}:{self.slot.replica}:{self.slot.stage}"
+        granted = self._grants.setdefault(transfer_id, asyncio.get_running_loop().create_future())
+        asked = time.time()
+        self.outbox.send(
+            keys.wan_stream(self.run),
+            SlotRequest(
+                run=self.run,
+                transfer_id=transfer_id,
+                src_dc=src_dc,
+                dst_dc=dst_dc,
+                nbytes=tensor.numel() * tensor.element_size(),
+                priority=transfer_priority(ready.iteration, ready.microbatch, self.slot.replica),
+                microbatch=ready.microbatch,
+                what=ready.what,
+                reply_to=keys.inbox(self.run, self.slot.replica, self.slot.stage),
+                sent_at=asked,
+            ),
+        )
+        await granted
+        started = time.monotonic()
+        self.outbox.send(inbox, ready)
+        await self._transmit(gen, peer, tensor, tag_of(ready.what, ready.iteration, ready.microbatch))
+        self._grants.pop(transfer_id, None)
+        self.outbox.send(
+            keys.wan_stream(self.run),
+            SlotDone(
+                run=self.run, transfer_id=transfer_id, src_dc=src_dc, dst_dc=dst_dc, seconds=time.monotonic() - started
+            ),
+        )
+
+    async def on_grant(self, d: Delivery) -> None:
+        m = d.message
+        assert isinstance(m, SlotGrant)
+        fut = self._grants.get(m.transfer_id)
+        if fut is not None and not fut.done():
+            fut.set_result(None)  # a grant for a transfer not (or no longer) waiting is a repeat
+
+    # --- receiving -------------------------------------------------------------------------
+
+    async def on_ready(self, d: Delivery) -> None:
+        m = d.message
+        assert isinstance(m, TensorReady)
+        if m.run != self.run:
+            raise Reject(f"the inbox of run {self.run} got a TensorReady of run {m.run}")
+        key = (m.what, m.iteration, m.microbatch)
+        gen = self.generation()
+        if m.generation != gen:
+            if not m.release and m.generation == self.plane.previous_generation:
+                await self._drain(m)
+            return
+        if m.release:
+            self._released.add(key)
+            if key in self._landed:
+                self.mailbox.put(key, self._landed.pop(key))
+            return
+        posted = (m.generation, *key)
+        if posted in self._posted:
+            return  # a redelivery: the receive is already posted
+        self._posted.add(posted)
+        peer = slot_name(m.replica, m.src_stage)
+        try:
+            tensor = await in_thread(self.plane.recv, gen, peer, torch_dtype(m.dtype), tuple(m.shape), tag_of(*key))
+        except PlaneError as exc:
+            self._fail(gen, exc)
+            return
+        if gen != self.generation():
+            return  # the run moved on while it landed
+        if m.hold and key not in self._released:
+            self._landed[key] = tensor
+        else:
+            self.mailbox.put(key, tensor)
+
+    async def _drain(self, m: TensorReady) -> None:
+        """Take a tensor a peer sent before the run resumed, and drop it: its sender's thread is
+        then free instead of waiting for a receive that would never be posted."""
+        try:
+            t = await in_thread(
+                self.plane.recv,
+                m.generation,
+                slot_name(m.replica, m.src_stage),
+                torch_dtype(m.dtype),
+                tuple(m.shape),
+                tag_of(m.what, m.iteration, m.microbatch),
+            )
+            self.plane.release(t)
+        except PlaneError:
+            pass  # that generation's peer is gone: nothing waits for this tensor any more
+
+    # --- failures --------------------------------------------------------------------------
+
+    def _fail(self, gen: int, exc: PlaneError) -> None:
+        if gen != self.generation():
+            log.debug("a transfer of an earlier generation failed", error=str(exc))
+            return
+        if not self.failed.is_set():
+            self.error = str(exc)
+            log.warning("data plane failure; waiting for the recovery path", slot=self.slot.name, error=str(exc))
+            self.failed.set()
+
+    def _track(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.plane.close()

@@ -1,0 +1,276 @@
+"""The data plane: tensors between workers over torch.distributed (gloo), never through Redis.
+
+Each worker holds, per recovery generation:
+
+* one **pair** with each pipeline neighbour: `connections` two-rank gloo groups, each its own TCP
+  connection. A tensor is cut into that many contiguous chunks that travel concurrently, one per
+  connection (Atlas: several TCP connections per cross-DC transfer, so a window-capped WAN link is
+  filled). Same-DC pairs use one connection;
+* one **DP group** with the other replicas of its stage (inside one DC): the gradient all-reduce.
+
+Rank 0 of a pair is the earlier stage. gloo's rank 0 listens and rank 1 connects, so each of a
+pair's connections has a distinct listening address (the earlier stage's address for that
+connection index): that is what the kernel WAN mode classifies each connection by.
+
+Control stays on Redis: a sender announces each tensor (`TensorReady`, which names its dtype, shape
+and tag) and the receiver posts its receive only then, so a receive never waits for a tensor that
+is not coming. gloo has no way to cancel a posted operation; this design never needs one. A peer
+that dies mid-transfer closes its sockets and the operation on this side fails at once
+(`PlaneError`); a peer that hangs is bounded by the groups' timeout.
+
+Blocking calls (`send`, `recv`, `all_reduce_mean`, `form`) run in threads; `in_thread` wraps one
+as an awaitable on a daemon thread of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shared.dataplane.store import RedisStore
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+#: Buffers kept per (dtype, shape) for reuse: a fresh 64 MB receive buffer costs more in page
+#: faults than the transfer itself on this class of machine (bench/transport.py).
+POOL_PER_SHAPE = 8
+#: Largest microbatch index a tag can carry.
+MAX_MICROBATCHES = 4096
+
+
+class PlaneError(RuntimeError):
+    """A transfer or collective failed (a peer died, or did not answer within the timeout)."""
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """This worker's end of the pair with one pipeline neighbour."""
+
+    peer: str  # the neighbour's slot name, e.g. "r0s1"
+    key: str  # the pair's name, the same at both ends, e.g. "r0:s0-s1"
+    rank: int  # 0 = the earlier stage (listens), 1 = the later
+    connections: int
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """This worker's place in its stage's DP group."""
+
+    key: str  # e.g. "dp:s0"
+    rank: int  # the replica
+    size: int
+
+
+def tag_of(what: str, iteration: int, microbatch: int) -> int:
+    """The gloo tag of one tensor: unique per (what, iteration, microbatch) within a generation
+    (iterations wrap after 2**18; tensors that far apart are never in flight together)."""
+    if not 0 <= microbatch < MAX_MICROBATCHES:
+        raise ValueError(f"microbatch {microbatch} outside 0..{MAX_MICROBATCHES - 1}")
+    return ((iteration % (1 << 18)) * MAX_MICROBATCHES + microbatch) * 2 + (what == "grad")
+
+
+def chunks_of(flat: torch.Tensor, connections: int) -> list[torch.Tensor]:
+    """The contiguous pieces one tensor travels in, one per connection; both ends cut the same
+    flat tensor the same way (fewer pieces than connections when it has fewer elements)."""
+    return [c for c in flat.chunk(max(1, connections)) if c.numel()] or [flat]
+
+
+def in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """Run a blocking call on a daemon thread of its own; its result (or error) as a future of the
+    running loop. A thread per call: a send may wait for its receiver for a long time, and must
+    not hold up other transfers behind it in a pool."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def body() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(settle, False, exc)
+        else:
+            loop.call_soon_threadsafe(settle, True, result)
+
+    threading.Thread(target=body, name=f"plane-{getattr(fn, '__name__', 'op')}", daemon=True).start()
+    return fut
+
+
+class BufferPool:
+    """Receive buffers by (dtype, shape), handed back with `release` once the tensor is dead."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((dtype, shape))
+            if free:
+                return free.pop()
+        return torch.empty(shape, dtype=dtype)
+
+    def release(self, t: torch.Tensor) -> None:
+        """Take back a buffer nothing uses any more. A received activation became a leaf that
+        required grad (the stage's input): both are reset, or the next use would accumulate
+        into a stale `.grad`."""
+        t.grad = None
+        if t.requires_grad:
+            t.requires_grad_(False)
+        key = (t.dtype, tuple(t.shape))
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            if len(free) < POOL_PER_SHAPE:
+                free.append(t)
+
+
+@dataclass
+class _Formed:
+    generation: int
+    pairs: dict[str, list[dist.ProcessGroup]]  # peer -> one group per connection
+    dp: dist.ProcessGroup | None
+
+
+class DataPlane:
+    """One worker's groups. `form` (re)builds them for a generation; the previous generation's are
+    kept until the next one forms, so a transfer still finishing on them completes or fails
+    cleanly instead of having its group destroyed under it."""
+
+    def __init__(self, redis_url: str, run: str, addresses: Sequence[str], timeout_s: float = 60.0) -> None:
+        if not addresses:
+            raise ValueError("the data plane needs at least one local address to bind")
+        self.redis_url, self.run, self.addresses = redis_url, run, list(addresses)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.pool = BufferPool()
+        self._current: _Formed | None = None
+        self._previous: _Formed | None = None
+
+    @property
+    def generation(self) -> int | None:
+        return None if self._current is None else self._current.generation
+
+    def _group(self, key: str, rank: int, size: int, address: str) -> dist.ProcessGroup:
+        store = RedisStore(self.redis_url, key + ":", timeout_s=self.timeout.total_seconds())
+        # The gloo options object that takes devices (one bound address) and a timeout.
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        opts._timeout = self.timeout
+        try:
+            group: dist.ProcessGroup = dist.ProcessGroupGloo(store, rank, size, opts)  # type: ignore[assignment]
+            return group
+        except RuntimeError as exc:
+            raise PlaneError(
+                f"data-plane group {key} (rank {rank} of {size}, bound to {address}) did not form: {exc}"
+            ) from None
+        finally:
+            store.close()
+
+    def form(self, generation: int, pairs: Sequence[PairSpec], dp: GroupSpec | None) -> None:
+        """Build every group of `generation` (blocking; every peer must form its end). All groups
+        form concurrently, so no order between workers can deadlock."""
+        prefix = f"bt:{self.run}:plane:{generation}:"
+        jobs: dict[tuple[str, int], Callable[[], dist.ProcessGroup]] = {}
+        for p in pairs:
+            for c in range(p.connections):
+                addr = self.addresses[c % len(self.addresses)]
+                jobs[(p.peer, c)] = functools.partial(self._group, f"{prefix}{p.key}:{c}", p.rank, 2, addr)
+        if dp is not None and dp.size > 1:
+            jobs[("dp", 0)] = functools.partial(self._group, prefix + dp.key, dp.rank, dp.size, self.addresses[0])
+        with ThreadPoolExecutor(max(1, len(jobs))) as ex:
+            futures = {k: ex.submit(job) for k, job in jobs.items()}
+            groups = {k: f.result() for k, f in futures.items()}
+        formed = _Formed(
+            generation,
+            {p.peer: [groups[(p.peer, c)] for c in range(p.connections)] for p in pairs},
+            groups.get(("dp", 0)),
+        )
+        self._previous, self._current = self._current, formed
+        log.info(
+            "data plane formed",
+            generation=generation,
+            pairs=",".join(f"{p.peer}x{p.connections}" for p in pairs) or "-",
+            dp=dp.size if dp is not None else 1,
+        )
+
+    @property
+    def previous_generation(self) -> int | None:
+        """The generation before the current one, whose groups are still kept (or None)."""
+        return None if self._previous is None else self._previous.generation
+
+    def _groups(self, generation: int, peer: str) -> list[dist.ProcessGroup]:
+        for formed in (self._current, self._previous):
+            if formed is not None and formed.generation == generation:
+                return formed.pairs[peer]
+        raise PlaneError(f"no data-plane groups of generation {generation} (current {self.generation})")
+
+    def connections(self, peer: str) -> int:
+        assert self._current is not None
+        return len(self._current.pairs[peer])
+
+    def send(self, generation: int, peer: str, tensor: torch.Tensor, tag: int) -> None:
+        """Send `tensor` to `peer` in chunks over the pair's connections, concurrently; returns once
+        every chunk has left (blocking)."""
+        groups = self._groups(generation, peer)
+        flat = tensor.detach().contiguous().reshape(-1)
+        rank = 1 - _rank_in(groups[0])
+        works = [g.send([c], rank, tag) for g, c in zip(groups, chunks_of(flat, len(groups)), strict=False)]
+        _wait_all(works, f"send to {peer}")
+
+    def recv(self, generation: int, peer: str, dtype: torch.dtype, shape: tuple[int, ...], tag: int) -> torch.Tensor:
+        """Receive the tensor `peer` announced into a pooled buffer (blocking); `release` it when
+        it is dead."""
+        groups = self._groups(generation, peer)
+        out = self.pool.take(dtype, shape)
+        flat = out.reshape(-1)
+        rank = 1 - _rank_in(groups[0])
+        works = [g.recv([c], rank, tag) for g, c in zip(groups, chunks_of(flat, len(groups)), strict=False)]
+        _wait_all(works, f"receive from {peer}")
+        return out
+
+    def all_reduce_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """The DP group's mean of `flat` (in place; blocking). With one replica, `flat` itself."""
+        assert self._current is not None, "form the plane first"
+        group = self._current.dp
+        if group is None:
+            return flat
+        work = group.allreduce([flat])
+        _wait_all([work], "gradient all-reduce")
+        flat /= group.size()
+        return flat
+
+    def release(self, tensor: torch.Tensor) -> None:
+        self.pool.release(tensor)
+
+    def close(self) -> None:
+        """Drop every group: their sockets close, so a peer still waiting on one fails at once."""
+        self._current = self._previous = None
+
+
+def _rank_in(group: dist.ProcessGroup) -> int:
+    return group.rank()
+
+
+def _wait_all(works: list[Any], what: str) -> None:
+    try:
+        for w in works:
+            w.wait()
+    except RuntimeError as exc:
+        raise PlaneError(f"data plane: {what} failed: {str(exc).splitlines()[0]}") from None
