@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 import uvloop
 
+from bubbletea.launcher.kernel_wan import KernelWanError
 from bubbletea.launcher.procs import ServiceFailed
 from shared.config import UNTIL_STOPPED, ConfigError, load_spec
 from shared.logs import setup_logging
@@ -29,7 +30,15 @@ BUBBLETEA_LOG_LEVEL, BUBBLETEA_HTTP_HOST, BUBBLETEA_HTTP_PORT. See docs/config.m
 """
 
 
+def _wan_override(args: argparse.Namespace) -> None:
+    """`--wan MODE` overrides `wan.mode` here and in every process the command starts (they read
+    the spec themselves): through the environment they inherit."""
+    if getattr(args, "wan", None):
+        os.environ["BUBBLETEA_WAN"] = args.wan
+
+
 def _demo(args: argparse.Namespace) -> int:
+    _wan_override(args)
     from bubbletea.launcher.demo import run_demo
 
     settings = load_settings(args.config)
@@ -38,6 +47,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    _wan_override(args)
     import dataclasses
 
     from bubbletea.launcher.up import run_up
@@ -60,6 +70,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    _wan_override(args)
     import dataclasses
     import time
 
@@ -186,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
+    p.add_argument(
+        "--wan",
+        choices=("model", "kernel", "none"),
+        help="how cross-DC bytes meet the WAN (default: the spec's wan.mode, model): model = the broker's link "
+        "model releases receivers; kernel = one network namespace per DC, links shaped by the kernel, the broker "
+        "granting slots (root only); none = a real network, nothing emulated (docs/config.md#wan-modes)",
+    )
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.set_defaults(func=_demo)
 
@@ -201,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
+    p.add_argument(
+        "--wan",
+        choices=("model", "kernel", "none"),
+        help="how cross-DC bytes meet the WAN (default: the spec's wan.mode, model): model = the broker's link "
+        "model releases receivers; kernel = one network namespace per DC, links shaped by the kernel, the broker "
+        "granting slots (root only); none = a real network, nothing emulated (docs/config.md#wan-modes)",
+    )
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.add_argument(
         "--iterations",
@@ -231,6 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--run", help="run id scoping streams and leases (default: train-<unix time>)")
+    p.add_argument(
+        "--wan",
+        choices=("model", "kernel", "none"),
+        help="how cross-DC bytes meet the WAN (default: the spec's wan.mode, model): model = the broker's link "
+        "model releases receivers; kernel = one network namespace per DC, links shaped by the kernel, the broker "
+        "granting slots (root only); none = a real network, nothing emulated (docs/config.md#wan-modes)",
+    )
     p.add_argument(
         "--save",
         metavar="DIR",
@@ -331,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServiceFailed as exc:
         print(f"bubbletea: {exc}", file=sys.stderr)
         return 1
+    except KernelWanError as exc:  # --wan kernel without the privileges, or a link that failed
+        print(f"bubbletea: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("bubbletea: interrupted", file=sys.stderr)
         return 130

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,11 +58,14 @@ async def spawn(
     quiet: bool = False,
     log_file: Path | None = None,
     label: str | None = None,
+    prefix: Sequence[str] = (),
 ) -> Proc:
     """Start `svc` as a process; its output goes to `out`, each line prefixed with its name (or
     `label`; with `quiet`, only warnings and errors), and every line to `log_file` if given and
-    to `Proc.tail` regardless."""
+    to `Proc.tail` regardless. `prefix` runs it through a wrapper that execs it (`ip netns exec
+    NS`: a worker of the kernel WAN mode inside its datacenter's namespace)."""
     proc = await asyncio.create_subprocess_exec(
+        *prefix,
         sys.executable,
         *command(svc),
         env={**os.environ, **env},

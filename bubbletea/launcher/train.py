@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from bubbletea.launcher.procs import Proc, ServiceFailed, spawn, stop_all
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
+from bubbletea.launcher.wan_modes import worker_launches
 from shared import keys
 from shared.bus import Bus
 from shared.config import UNTIL_STOPPED, ConfigError
@@ -79,24 +80,24 @@ async def run_training(
     }
     if until is not None:
         env["BUBBLETEA_ITERATIONS"] = UNTIL_STOPPED  # stopped by `stop_all` below once `until` is done
-    workers = spec.parallelism.pp * spec.parallelism.dp
     procs: list[Proc] = []
     async with Bus(redis_url, spec.bus, name="train-launcher") as bus:
         events = keys.events_stream(run)
         if save is not None:
             await bus.redis.set(keys.save_request_key(run), "1", ex=keys.WEIGHTS_TTL_S)
-        try:
-            procs.append(await spawn(WAN_BROKER, env, out=out, quiet=quiet))
-            if dispatcher:
-                procs.append(await spawn(DISPATCHER, env, out=out, quiet=quiet))
-            for _ in range(workers):
-                procs.append(await spawn(STAGE_WORKER, env, out=out, quiet=quiet))
-            result = await _follow(bus, events, settings, procs, out if progress else None, until)
-            if save is not None:
-                await _save(bus, settings, procs, save)
-            return result
-        finally:
-            await stop_all(procs)
+        async with worker_launches(settings, redis_url) as launches:
+            try:
+                procs.append(await spawn(WAN_BROKER, env, out=out, quiet=quiet))
+                if dispatcher:
+                    procs.append(await spawn(DISPATCHER, env, out=out, quiet=quiet))
+                for w in launches:  # in kernel mode: inside their datacenter's namespace
+                    procs.append(await spawn(STAGE_WORKER, {**env, **w.env}, out=out, quiet=quiet, prefix=w.prefix))
+                result = await _follow(bus, events, settings, procs, out if progress else None, until)
+                if save is not None:
+                    await _save(bus, settings, procs, save)
+                return result
+            finally:
+                await stop_all(procs)
 
 
 #: How long the workers get to hand over their weights after the last iteration.

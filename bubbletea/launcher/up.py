@@ -48,6 +48,7 @@ from bubbletea.launcher.procs import Proc, ServiceFailed, open_redis, spawn, sto
 from bubbletea.launcher.redis_watch import keep_redis_alive
 from bubbletea.launcher.services import SERVICES
 from bubbletea.launcher.supervise import Supervisor
+from bubbletea.launcher.wan_modes import WorkerLaunch, worker_launches
 from shared.bus import Bus
 from shared.health import live_instances
 from shared.redis_server import EmbeddedRedis, free_port
@@ -99,9 +100,12 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
     embedded: EmbeddedRedis | None = None
     procs: list[Proc] = []
     started = time.time()
+    wan = contextlib.AsyncExitStack()  # kernel mode: the namespaces the workers run in
     try:
         url, embedded, where = open_redis(settings.redis_url, persist_dir=folder / "redis" if persist else None)
         say(f"==> {where}")
+        launches = await wan.enter_async_context(worker_launches(settings, url))
+        launch_of: dict[str, WorkerLaunch] = {}
         port = spec.http.port or free_port()  # 0 in the spec: any free port, chosen here to print it
         env = {
             "REDIS_URL": url,
@@ -118,13 +122,31 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
                 continue
             for i in range(slots if svc.per_slot else 1):
                 label = f"{svc.name}-{i}" if svc.per_slot else svc.name
-                procs.append(await spawn(svc, env, quiet=not verbose, log_file=logs / f"{label}.log", label=label))
+                launch_of[label] = launch = launches[i] if svc.per_slot else WorkerLaunch()
+                procs.append(
+                    await spawn(
+                        svc,
+                        {**env, **launch.env},
+                        quiet=not verbose,
+                        log_file=logs / f"{label}.log",
+                        label=label,
+                        prefix=launch.prefix,
+                    )
+                )
                 say(f"==> started {label} (pid {procs[-1].proc.pid})")
         api = f"http://{spec.http.host}:{port}"
 
         async def respawn(dead: Proc) -> Proc:
             """The same service, environment (the front door: its port) and label; the same log."""
-            p = await spawn(dead.svc, env, quiet=not verbose, log_file=logs / f"{dead.label}.log", label=dead.label)
+            launch = launch_of.get(dead.label, WorkerLaunch())
+            p = await spawn(
+                dead.svc,
+                {**env, **launch.env},
+                quiet=not verbose,
+                log_file=logs / f"{dead.label}.log",
+                label=dead.label,
+                prefix=launch.prefix,
+            )
             say(f"==> started {p.label} (pid {p.proc.pid})")
             return p
 
@@ -165,6 +187,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
     finally:
         codes = await stop_all(procs)
         bad = {n: c for n, c in codes.items() if c not in (0, None)}
+        await wan.aclose()
         if embedded is not None:
             embedded.stop()
         say("==> stopped cleanly" if not bad else f"==> stopped; exit codes: {bad}")
