@@ -1,0 +1,249 @@
+"""`--wan kernel` on this machine's kernel: real namespaces, real veths, real htb, real TCP.
+
+A 2-DC spec (PP=2, DP=1) with an 80 Mbit/s link and a per-connection cap of about a quarter of it
+(window 0.025 MiB over a 10 ms RTT: 20.97 Mbit/s). A receiver runs in dc-b's namespace on a dc-b
+worker address, a sender in dc-a's bound to dc-a worker addresses; the receiver counts what each
+connection delivers over one second after a short warm-up; the demo's own tiny rates (3.28 Mbit/s,
+a quarter of it per connection) are checked the same way. Then: everything of a plan is gone
+after the context (however it ends), ip_forward is back, and an unprivileged user gets one line.
+
+Needs root and a kernel with namespaces, veth, htb and u32: skipped otherwise, with the reason
+`check_privileges` gives (the refusal test runs either way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from bubbletea.launcher.kernel_wan import KernelWanError, check_privileges, kernel_wan, teardown
+from shared.config import ClusterSpec, load_spec, parse_spec
+from shared.kernel_net import KernelPlan, link_rates, plan_kernel_net
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = str(Path(__file__).with_name("kernel_wan_traffic.py"))
+SPEC: ClusterSpec = parse_spec(
+    {
+        "name": "kwan",
+        "datacenters": [{"name": "dc-a", "gpus": 1}, {"name": "dc-b", "gpus": 1}],
+        "wan": {"default": {"latency_ms": 5.0, "bandwidth_gbps": 0.08, "tcp_window_mib": 0.025, "connections": 8}},
+        "parallelism": {"pp": 2, "dp": 1},
+    }
+)
+LINK_BPS, CAP_BPS = link_rates(SPEC.link("dc-a", "dc-b"))  # bytes/s: 10 MB/s and 2.62 MB/s
+TOLERANCE = 0.15
+WARMUP_S, WINDOW_S = 0.3, 1.0
+
+
+def _why_not() -> str | None:
+    try:
+        check_privileges()
+    except KernelWanError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="module")
+def privileged() -> None:
+    if (why := _why_not()) is not None:
+        pytest.skip(f"needs root and network namespaces: {why}")
+
+
+def ip_forward() -> str:
+    return Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+
+
+def remains(plan: KernelPlan) -> list[str]:
+    """Names of `plan`'s namespaces and root-side interfaces that exist now."""
+    nss = {line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                                      check=True).stdout.splitlines() if line.strip()}  # fmt: skip
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    names = {line.split(":")[1].strip().split("@")[0] for line in links.splitlines()}
+    return sorted((set(plan.namespaces) & nss) | (set(plan.interfaces) & names))
+
+
+@pytest.fixture
+async def wan(privileged: None) -> AsyncIterator[KernelPlan]:
+    plan = plan_kernel_net(SPEC, "kwan-test-shaping")
+    async with kernel_wan(plan):
+        yield plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    rates: list[float]  # bytes/s of each connection
+    total: float
+
+
+async def measure(plan: KernelPlan, sources: list[str], *, from_root: bool = False) -> Measured:
+    """Bytes/s delivered to a dc-b worker address by one connection per source address (sent from
+    dc-a's namespace, or from the root namespace)."""
+    dst = plan.worker_addresses("dc-b", 0)[0]
+    recv = await asyncio.create_subprocess_exec(
+        *plan.netns_prefix("dc-b"), sys.executable, SCRIPT, "recv", dst, str(len(sources)), str(WARMUP_S),
+        str(WINDOW_S), stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    send: asyncio.subprocess.Process | None = None
+    try:
+        assert recv.stdout is not None
+        port = (await asyncio.wait_for(recv.stdout.readline(), 20)).decode().split()[1]
+        prefix = [] if from_root else plan.netns_prefix("dc-a")
+        send = await asyncio.create_subprocess_exec(*prefix, sys.executable, SCRIPT, "send", dst, port, *sources)
+        raw = json.loads(await asyncio.wait_for(recv.stdout.readline(), 20))
+        result = Measured(rates=[float(r) for r in raw["rates"]], total=float(raw["total"]))
+    finally:
+        for proc in (send, recv):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    print(f"sources={len(sources)} from_root={from_root} result={result}")
+    return result
+
+
+def near(measured: float, expected: float) -> bool:
+    return abs(measured - expected) <= TOLERANCE * expected
+
+
+async def test_one_connection_gets_the_per_connection_cap(wan: KernelPlan) -> None:
+    got = await measure(wan, wan.worker_addresses("dc-a", 0)[:1])
+    assert near(got.total, CAP_BPS), (got, CAP_BPS)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+async def test_connections_together_get_the_link_or_their_caps(wan: KernelPlan, n: int) -> None:
+    # 2 connections: window-bound (2 x 2.62 MB/s); 8: link-bound (10 MB/s, shared equally)
+    got = await measure(wan, wan.worker_addresses("dc-a", 0)[:n])
+    expected = min(LINK_BPS, n * CAP_BPS)
+    assert near(got.total, expected), (got, expected)
+    assert len(got.rates) == n
+    assert all(r <= CAP_BPS * (1 + TOLERANCE) for r in got.rates), got
+
+
+@pytest.mark.parametrize("n", [1, 8])
+async def test_the_demos_tiny_rates_are_shaped_too(privileged: None, n: int) -> None:
+    # configs/demo.yaml: a 3.28 Mbit/s link, a quarter of it per connection (1 KiB window, 10 ms RTT)
+    spec = load_spec(Path(__file__).parents[2] / "configs" / "demo.yaml")
+    plan = plan_kernel_net(spec, "kwan-test-demo")
+    link, cap = link_rates(spec.link("dc-a", "dc-b"))
+    async with kernel_wan(plan):
+        got = await measure(plan, plan.worker_addresses("dc-a", 0)[:n])
+    assert near(got.total, min(link, n * cap)), (got, link, cap)
+
+
+async def test_traffic_from_the_root_namespace_is_not_shaped(wan: KernelPlan) -> None:
+    got = await measure(wan, ["-"], from_root=True)
+    assert got.total > 5 * LINK_BPS, got
+
+
+async def test_everything_is_removed_and_ip_forward_restored(privileged: None) -> None:
+    plan = plan_kernel_net(SPEC, "kwan-test-down")
+    before = ip_forward()
+    async with kernel_wan(plan):
+        assert remains(plan) == sorted([*plan.namespaces, *(d.host_if for d in plan.dcs)])
+        assert ip_forward() == "1"
+    assert remains(plan) == []
+    assert ip_forward() == before
+
+
+async def test_teardown_when_the_body_raises(privileged: None) -> None:
+    plan = plan_kernel_net(SPEC, "kwan-test-raise")
+    before = ip_forward()
+    with pytest.raises(RuntimeError, match="boom"):
+        async with kernel_wan(plan):
+            raise RuntimeError("boom")
+    assert remains(plan) == []
+    assert ip_forward() == before
+
+
+async def test_teardown_when_cancelled(privileged: None) -> None:
+    plan = plan_kernel_net(SPEC, "kwan-test-cancel")
+    before = ip_forward()
+    up = asyncio.Event()
+
+    async def body() -> None:
+        async with kernel_wan(plan):
+            up.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.create_task(body())
+    await asyncio.wait_for(up.wait(), 20)
+    task.cancel()  # what Ctrl-C does to the launcher's main task
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert remains(plan) == []
+    assert ip_forward() == before
+
+
+async def test_leftovers_of_a_crashed_run_are_removed_first(privileged: None) -> None:
+    plan = plan_kernel_net(SPEC, "kwan-test-crash")
+    before = ip_forward()
+    for cmd in plan.up_commands()[:4]:  # half a plan, as a killed run leaves it
+        proc = await asyncio.create_subprocess_exec(*cmd)
+        assert await proc.wait() == 0, cmd
+    try:
+        async with kernel_wan(plan):
+            assert ip_forward() == "1"
+        assert remains(plan) == []
+        assert ip_forward() == before
+    finally:
+        teardown(plan)
+
+
+async def test_a_failing_step_names_the_command_and_undoes_the_rest(privileged: None) -> None:
+    plan = plan_kernel_net(SPEC, "kwan-test-fail")
+    bad = dataclasses.replace(plan.dcs[1], control_address="10.77.2.300")
+    plan = dataclasses.replace(plan, dcs=(plan.dcs[0], bad))
+    before = ip_forward()
+    with pytest.raises(KernelWanError) as err:
+        async with kernel_wan(plan):
+            pytest.fail("the body must not run")
+    assert "`ip addr add 10.77.2.300/24 dev" in str(err.value) and "\n" not in str(err.value)
+    assert remains(plan) == []
+    assert ip_forward() == before
+
+
+async def test_two_runs_at_once_need_two_bases(privileged: None) -> None:
+    first, clash = plan_kernel_net(SPEC, "kwan-test-one"), plan_kernel_net(SPEC, "kwan-test-two")
+    second = plan_kernel_net(SPEC, "kwan-test-two", base="10.78")
+    before = ip_forward()
+    async with kernel_wan(first):
+        with pytest.raises(KernelWanError, match="in use"):
+            async with kernel_wan(clash):
+                pytest.fail("the body must not run")
+        async with kernel_wan(second):
+            assert len(remains(first)) == len(remains(second)) == 4
+        assert ip_forward() == "1", "the first run is still up: forwarding stays on"
+        assert remains(second) == []
+    assert ip_forward() == before
+
+
+def test_an_unprivileged_user_is_refused_in_one_line() -> None:
+    code = (
+        "from bubbletea.launcher.kernel_wan import KernelWanError, check_privileges\n"
+        "try:\n    check_privileges()\nexcept KernelWanError as exc:\n    print(exc)\n    raise SystemExit(3)\n"
+    )
+    if os.geteuid() != 0:  # we are the unprivileged user
+        with pytest.raises(KernelWanError) as err:
+            check_privileges()
+        lines = [str(err.value)]
+    else:
+        if shutil.which("setpriv") is None:
+            pytest.skip("setpriv not found: cannot drop root to test the refusal")
+        r = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+            capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
+        )  # fmt: skip
+        assert r.returncode == 3, (r.stdout, r.stderr)
+        lines = r.stdout.splitlines()
+    assert len(lines) == 1, lines
+    assert "--wan kernel needs root" in lines[0] and "--wan model" in lines[0], lines[0]
