@@ -65,9 +65,13 @@ async def worker_launches(settings: Settings, redis_url: str) -> AsyncIterator[l
     async with kernel_wan(plan):
         redis = Redis.from_url(redis_url, protocol=2)
         old_bind = str((await redis.config_get("bind")).get("bind") or "127.0.0.1")
+        old_protected = str((await redis.config_get("protected-mode")).get("protected-mode") or "yes")
         controls = sorted({plan.control_address(dc.name) for dc in spec.datacenters})
         try:
             await redis.config_set("bind", " ".join(["127.0.0.1", *controls]))
+            # Protected mode refuses every non-loopback client of a server without a password; the
+            # extra addresses are this machine's private namespace links, reachable from nowhere else.
+            await redis.config_set("protected-mode", "no")
             launches = []
             for dc in spec.datacenters:
                 slots = sum(1 for k in range(spec.parallelism.pp) if placement.stage_dc[k] == dc.name)
@@ -87,4 +91,5 @@ async def worker_launches(settings: Settings, redis_url: str) -> AsyncIterator[l
         finally:
             with contextlib.suppress(Exception):
                 await redis.config_set("bind", old_bind)
+                await redis.config_set("protected-mode", old_protected)
             await redis.aclose()
