@@ -123,7 +123,7 @@ async def _join(
     gen = barrier.result()
     if runner.transport is not None:  # the data plane's groups of this generation, with every peer
         try:
-            await asyncio.to_thread(runner.transport.form, gen)
+            await runner.transport.form(gen)
         except PlaneError as exc:
             raise SlotError(f"slot {slot.name} could not join the data plane of generation {gen}: {exc}") from None
     store = runner.checkpoints

@@ -32,7 +32,7 @@ from services.stage_worker.transport import Transport
 from shared import keys
 from shared.bus import Bus
 from shared.config import ClusterSpec
-from shared.dataplane import PlaneError
+from shared.dataplane import PlaneError, in_thread
 from shared.logs import get_logger
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
@@ -326,25 +326,31 @@ class StageRunner:
         """Average gradients with the DP peers of this stage: a gloo all-reduce of the stage's
         group (inside one DC), then the mean. Like the emulated collective before it, it ends for
         all peers at one instant: the collective returns when the last peer has arrived, and the
-        profiled cost is counted from there."""
+        profiled cost is counted from there.
+
+        The collective waits on a thread of its own, not the torch thread: if a peer is lost
+        mid-collective, the run's recovery restores a checkpoint in the torch thread, which must
+        not queue behind a collective that can only time out."""
         t0 = time.time()
         if self.spec.parallelism.dp > 1:
+            plane = self._plane().plane
+            flat = await self.in_torch_thread(self._flat_grads_on_cpu)
             try:
-                await self.in_torch_thread(self._reduce_grads)
+                mean = await in_thread(plane.all_reduce_mean, flat)
             except PlaneError as exc:
                 log.warning(
                     "gradient all-reduce failed; waiting for the recovery path", slot=self.slot.name, error=str(exc)
                 )
                 await self._plane_failed(str(exc))
+            await self.in_torch_thread(self.trainer.load_grads, mean)
         if self.profile.allreduce:
             await sleep_until(time.monotonic() + self.profile.allreduce)
         self._span("allreduce", it, t0, time.time())
 
-    def _reduce_grads(self) -> None:
-        """In the torch thread: this stage's flat gradients, summed over the DP group and divided
-        by its size (for two replicas bit for bit the replica-order sum of the reference)."""
-        flat = self.trainer.flat_grads().to("cpu")
-        self.trainer.load_grads(self._plane().plane.all_reduce_mean(flat))
+    def _flat_grads_on_cpu(self) -> torch.Tensor:
+        """In the torch thread: this stage's flat gradients, on the CPU for gloo (divided by the
+        group's size after the sum: for two replicas bit for bit the replica-order mean)."""
+        return self.trainer.flat_grads().to("cpu")
 
     # --- telemetry -------------------------------------------------------------------------
 

@@ -92,6 +92,9 @@ class Transport:
     mailbox: Mailbox
     generation: Callable[[], int]
     failed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set once this generation's groups exist: an announcement from a peer that formed its end
+    #: first waits for ours (its receive needs our groups).
+    formed: asyncio.Event = field(default_factory=asyncio.Event)
     error: str = ""
     _posted: set[tuple[int, str, int, int]] = field(default_factory=set)
     _landed: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
@@ -103,9 +106,12 @@ class Transport:
     def mode(self) -> str:
         return self.spec.wan.mode
 
-    def form(self, generation: int) -> None:
-        """Build this generation's groups (blocking: run it in a thread)."""
-        self.plane.form(generation, pairs_of(self.spec, self.placement, self.slot), dp_group_of(self.spec, self.slot))
+    async def form(self, generation: int) -> None:
+        """Build this generation's groups, with every peer (in a thread: it blocks until they come)."""
+        pairs, dp = pairs_of(self.spec, self.placement, self.slot), dp_group_of(self.spec, self.slot)
+        await asyncio.to_thread(self.plane.form, generation, pairs, dp)
+        if generation == self.generation():
+            self.formed.set()
 
     def reset(self) -> None:
         """A new generation: forget what the cut-short one had under way."""
@@ -116,6 +122,7 @@ class Transport:
             fut.cancel()
         self._grants.clear()
         self.failed.clear()
+        self.formed.clear()
         self.error = ""
 
     # --- sending ---------------------------------------------------------------------------
@@ -211,6 +218,9 @@ class Transport:
             if not m.release and m.generation == self.plane.previous_generation:
                 await self._drain(m)
             return
+        await self.formed.wait()
+        if m.generation != self.generation():
+            return  # the run moved on meanwhile
         if m.release:
             self._released.add(key)
             if key in self._landed:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Any
 
 import msgspec
 
@@ -34,6 +35,8 @@ from shared.wire import LinkReport, SlotDone, SlotRequest, Transfer
 
 SERVICE = "wan_broker"
 REPORT_INTERVAL_S = 1.0
+#: The WAN modes in which the broker grants slots (the workers move the bytes on real links).
+GRANTING = ("kernel", "none")
 #: Transfers in flight at once (each is one waiting handler): far above any pipeline's needs.
 MAX_IN_FLIGHT = 10_000
 
@@ -72,35 +75,29 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         )
         url = await server.start()
 
-        def driver_of(src: str, dst: str, kind: type) -> LinkDriver | SlotDriver:
+        def driver_of(src: str, dst: str, modes: tuple[str, ...], kind: str) -> Any:
             driver = drivers.get((src, dst))
             if driver is None:
                 raise Reject(f"no WAN link {src} -> {dst} in the spec")
-            if not isinstance(driver, kind):
-                raise Reject(f"wan.mode is {mode!r}: this broker does not take {kind.__name__} messages")
+            if mode not in modes:
+                raise Reject(f"wan.mode is {mode!r}: a {kind} belongs to wan.mode {' or '.join(modes)}")
             return driver
 
         async def on_transfer(d: Delivery) -> None:
             msg = d.message
             assert isinstance(msg, Transfer)  # the handler table routes only this kind here
-            driver = driver_of(msg.src_dc, msg.dst_dc, LinkDriver)
-            assert isinstance(driver, LinkDriver)
-            await driver.carry(msg)
+            await driver_of(msg.src_dc, msg.dst_dc, ("model",), "Transfer").carry(msg)
 
         async def on_request(d: Delivery) -> Outcome:
             msg = d.message
             assert isinstance(msg, SlotRequest)
-            driver = driver_of(msg.src_dc, msg.dst_dc, SlotDriver)
-            assert isinstance(driver, SlotDriver)
-            await driver.on_request(msg, d.id)
+            await driver_of(msg.src_dc, msg.dst_dc, GRANTING, "SlotRequest").on_request(msg, d.id)
             return HOLD  # acked when the transfer is done
 
         async def on_done(d: Delivery) -> None:
             msg = d.message
             assert isinstance(msg, SlotDone)
-            driver = driver_of(msg.src_dc, msg.dst_dc, SlotDriver)
-            assert isinstance(driver, SlotDriver)
-            await driver.on_done(msg)
+            await driver_of(msg.src_dc, msg.dst_dc, GRANTING, "SlotDone").on_done(msg)
 
         cfg = msgspec.structs.replace(spec.bus, concurrency=MAX_IN_FLIGHT)
         info = {"run": settings.run, "links": len(drivers), "metrics_url": url}

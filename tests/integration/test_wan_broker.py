@@ -261,5 +261,5 @@ async def test_bad_requests_are_dead_lettered(broker: Broker, redis_url: str, re
                 cursor = entry_id.decode()
                 letters.append(fields[b"error"].decode())
     assert any("no WAN link a -> nowhere" in e for e in letters)
-    assert any(e.endswith("takes transfer; got kind 'ping'") for e in letters)
+    assert any("got kind 'ping'" in e and "transfer" in e for e in letters)
     assert any("undecodable" in e for e in letters)
