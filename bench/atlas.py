@@ -7,9 +7,17 @@ the measured steady iteration time with the analytic model's, side by side in on
 * ``fair`` versus ``temporal`` sharing (several TCP connections per transfer);
 * one connection versus several (temporal sharing).
 
-    python bench/atlas.py            # 10 iterations per run
-    python bench/atlas.py --quick    # under 60 s
-    python bench/atlas.py --sweep    # DP degree x (transfer time / compute time), fair vs temporal
+    python bench/atlas.py                # 10 iterations per run
+    python bench/atlas.py --quick        # under 60 s
+    python bench/atlas.py --sweep        # DP degree x (transfer time / compute time), fair vs temporal
+    python bench/atlas.py --wan kernel   # the same runs on real TCP shaped by the kernel (root)
+
+`--wan model` (the default): the broker's link model releases each transfer's receiver, as the
+simulator computes it. `--wan kernel`: each DC is a network namespace, every link shaped by htb
+(its rate; a per-connection cap for window / RTT), the broker granting slots; the bytes take the
+time real TCP takes. There the JSON also has `link_efficiency_min`: over the links, the achieved
+throughput (bytes / time with a transfer on the link, as the receivers measured it) over
+min(link rate, connections x per-connection cap), the most one transfer can reach.
 
 Prints a table, then one JSON object on the last line.
 """
@@ -28,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import uvloop
 import yaml
 
+from bubbletea.launcher.kernel_wan import KernelWanError
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import WAN_BROKER
 from bubbletea.launcher.train import run_training
@@ -40,6 +48,7 @@ from shared import keys
 from shared.bus import Bus
 from shared.health import wait_live
 from shared.plan import activation_bytes, predict, profile_ms
+from shared.policies.wan import LinkModel
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.wire import LinkReport, Ping, decode
@@ -52,12 +61,19 @@ FWD_MS_PER_LAYER: float = BASE["device"]["fwd_ms_per_layer"]
 
 
 def variant(
-    *, sharing: str, connections: int = 8, dp: int = 2, ratio: float | None = None, iterations: int = 10
+    *,
+    sharing: str,
+    connections: int = 8,
+    dp: int = 2,
+    ratio: float | None = None,
+    iterations: int = 10,
+    wan: str = "model",
 ) -> dict[str, Any]:
     """The base spec with the given sharing policy, connections, DP degree, and (optionally) a link
     bandwidth chosen so one activation alone takes `ratio` x one stage's forward time."""
     spec = copy.deepcopy(BASE)
     spec["wan"]["sharing"] = sharing
+    spec["wan"]["mode"] = wan
     spec["wan"]["default"]["connections"] = connections
     spec["parallelism"]["dp"] = dp
     # each DC holds exactly one stage's DP group, so every activation crosses the WAN
@@ -86,6 +102,12 @@ async def measure(spec: dict[str, Any], url: str, tag: str, workdir: Path) -> di
     model = predict(settings.spec, fwd, bwd, iterations=settings.spec.training.iterations)
     analytic = model.iteration_times[-1]
     late = max((v["late_p99_ms"] for v in result.links.values()), default=0.0)
+    efficiency = {}
+    for name, link in result.links.items():
+        src, dst = name.split("->")
+        cap = LinkModel.from_params(settings.spec.link(src, dst)).flow_cap
+        if link.get("busy_s", 0.0) > 0:
+            efficiency[name] = link["bytes_sent"] / link["busy_s"] / cap
     row = {
         "measured_ms": measured * 1000,
         "model_ms": analytic * 1000,
@@ -93,10 +115,12 @@ async def measure(spec: dict[str, Any], url: str, tag: str, workdir: Path) -> di
         "broker_late_p99_ms": late,
         "lag_ms": result.lag_ms,
         "act_bytes": activation_bytes(settings.spec),
+        "link_efficiency_min": min(efficiency.values(), default=0.0),
     }
     print(
         f"  {tag:<28} measured {row['measured_ms']:8.1f} ms   model {row['model_ms']:8.1f} ms   "
-        f"error {row['error'] * 100:5.1f}%   broker late p99 {late:.2f} ms",
+        f"error {row['error'] * 100:5.1f}%   broker late p99 {late:.2f} ms   "
+        f"link efficiency {row['link_efficiency_min']:.2f}",
         file=sys.stderr,
         flush=True,
     )
@@ -122,8 +146,8 @@ async def broker_accuracy(url: str, workdir: Path, n: int) -> float:
             for i in range(n):
                 payload = Ping(seq=i, sent_ns=0)
                 nbytes = rng.choice([200, 2_000, 20_000])
-                transfer = wan_transfer(run, payload, f"x{i}", "dc-a", "dc-b", f"bt:{run}:sink", (i,))
-                outbox.send(keys.wan_stream(run), msgspec.structs.replace(transfer, nbytes=nbytes))
+                transfer = wan_transfer(run, payload, f"x{i}", "dc-a", "dc-b", f"bt:{run}:sink", (i,), nbytes)
+                outbox.send(keys.wan_stream(run), transfer)
                 await asyncio.sleep(rng.uniform(0.0, 0.004))  # arrivals spread over time, bursts included
             await outbox.close()
             cursor = "0"
@@ -139,23 +163,30 @@ async def broker_accuracy(url: str, workdir: Path, n: int) -> float:
         await stop_all([broker])
 
 
-async def main_runs(quick: bool) -> dict[str, Any]:
+async def main_runs(quick: bool, wan: str = "model") -> dict[str, Any]:
     iters = 6 if quick else 10
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedRedis() as server:
-            # first, while the machine is quiet: the broker's own timing accuracy
-            alone = await broker_accuracy(server.url, Path(tmp), 500 if quick else 1000)
-            print(f"broker alone on loopback: delivery late p99 {alone:.3f} ms", file=sys.stderr)
-            print("Atlas: live services vs analytic model (steady iteration time)", file=sys.stderr)
-            fair = await measure(variant(sharing="fair", iterations=iters), server.url, "fair-8conn", Path(tmp))
+            alone = 0.0
+            if wan == "model":  # first, while the machine is quiet: the broker's own timing accuracy
+                alone = await broker_accuracy(server.url, Path(tmp), 500 if quick else 1000)
+                print(f"broker alone on loopback: delivery late p99 {alone:.3f} ms", file=sys.stderr)
+            print(f"Atlas ({wan} WAN): live services vs analytic model (steady iteration time)", file=sys.stderr)
+            fair = await measure(
+                variant(sharing="fair", iterations=iters, wan=wan), server.url, "fair-8conn", Path(tmp)
+            )
             temporal = await measure(
-                variant(sharing="temporal", iterations=iters), server.url, "temporal-8conn", Path(tmp)
+                variant(sharing="temporal", iterations=iters, wan=wan), server.url, "temporal-8conn", Path(tmp)
             )
             one = await measure(
-                variant(sharing="temporal", connections=1, iterations=iters), server.url, "temporal-1conn", Path(tmp)
+                variant(sharing="temporal", connections=1, iterations=iters, wan=wan),
+                server.url,
+                "temporal-1conn",
+                Path(tmp),
             )
     rows = [fair, temporal, one]
     return {
+        "wan": wan,
         "iter_ms_fair": round(fair["measured_ms"], 2),
         "iter_ms_temporal": round(temporal["measured_ms"], 2),
         "model_iter_ms_fair": round(fair["model_ms"], 2),
@@ -170,6 +201,7 @@ async def main_runs(quick: bool) -> dict[str, Any]:
         "model_error_max": round(max(r["error"] for r in rows), 4),
         "broker_late_p99_ms": round(alone, 3),
         "broker_late_p99_ms_under_training": round(max(r["broker_late_p99_ms"] for r in rows), 3),
+        "link_efficiency_min": round(min(r["link_efficiency_min"] for r in rows), 3),
         "iterations": iters,
     }
 
@@ -213,6 +245,19 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations; the main runs finish in under 60 s")
     ap.add_argument("--sweep", action="store_true", help="DP x transfer/compute sweep of fair vs temporal (minutes)")
+    ap.add_argument(
+        "--wan",
+        choices=("model", "kernel"),
+        default="model",
+        help="model: the broker's link model releases receivers (default); kernel: real TCP shaped by the "
+        "kernel between one network namespace per DC (needs root)",
+    )
     args = ap.parse_args()
-    out = uvloop.run(main_sweep(args.quick) if args.sweep else main_runs(args.quick))
+    if args.wan == "kernel" and args.sweep:
+        ap.error("--sweep runs on the model WAN only")
+    try:
+        out = uvloop.run(main_sweep(args.quick) if args.sweep else main_runs(args.quick, args.wan))
+    except KernelWanError as exc:
+        print(f"atlas: {exc}", file=sys.stderr)
+        sys.exit(2)
     print(json.dumps(out))

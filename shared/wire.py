@@ -85,6 +85,12 @@ class TensorReady(Message, frozen=True, kw_only=True, tag="tensor_ready"):
     hold: bool = False
     #: This copy comes from the broker at the modelled arrival time: the held tensor may be used.
     release: bool = False
+    #: WAN modes `kernel`/`none`: the transfer id of the WAN slot the sender holds for it; the
+    #: receiver frees the slot (`SlotDone`) once the last byte has landed.
+    slot: str = ""
+    #: The sender's wall clock when its bytes started (granting modes): the receiver reports the
+    #: time on the wire as its landing time minus this (hosts NTP-synchronised, or one machine).
+    sent_at: float = 0.0
 
 
 class Transfer(Message, frozen=True, kw_only=True, tag="transfer"):
@@ -132,13 +138,16 @@ class SlotGrant(Message, frozen=True, kw_only=True, tag="slot_grant"):
 
 
 class SlotDone(Message, frozen=True, kw_only=True, tag="slot_done"):
-    """Worker -> wan_broker: the granted transfer's last byte has left (the slot is free)."""
+    """Receiving worker -> wan_broker: the granted transfer's last byte has arrived (the slot is
+    free). Sent by the receiver, not the sender: a send returns once its bytes are in the socket
+    buffer, which on a slow link holds seconds of data."""
 
     run: str
     transfer_id: str
     src_dc: str
     dst_dc: str
-    seconds: float = 0.0  # grant to done, as the worker saw it
+    #: From the sender starting (`TensorReady.sent_at`) to the last byte landed.
+    seconds: float = 0.0
 
 
 class BubbleStart(Message, frozen=True, kw_only=True, tag="bubble_start"):
@@ -217,6 +226,9 @@ class LinkReport(Message, frozen=True, kw_only=True, tag="link_report"):
     transfers: int
     in_flight: int
     late_p99_ms: float  # delivery time minus the policy's arrival time, 99th percentile
+    #: Seconds with at least one transfer on the link (granting modes: measured by the receivers;
+    #: model mode: the model's busy time). bytes_sent / busy_s is the link's achieved throughput.
+    busy_s: float = 0.0
 
 
 # --- serving plane ---------------------------------------------------------------------------

@@ -170,6 +170,8 @@ async def _follow(
                     result.links[f"{msg.src_dc}->{msg.dst_dc}"] = {
                         "utilization": msg.utilization,
                         "late_p99_ms": msg.late_p99_ms,
+                        "bytes_sent": msg.bytes_sent,
+                        "busy_s": msg.busy_s,
                     }
                 if isinstance(msg, IterationDone):
                     last_progress = time.monotonic()

@@ -8,7 +8,9 @@ Sending an activation or gradient (`send`, never blocking the schedule):
   broker, which got a `Transfer` of the tensor's size stamped with the send time, releases it at
   the arrival time of its link model;
 * another DC, `kernel` or `none`: a `SlotRequest` to the broker first; on its `SlotGrant` the bytes
-  go, chunked over the link's `connections`, then `SlotDone` frees the slot.
+  go, chunked over the link's `connections`, and the receiver's `SlotDone` frees the slot once
+  the last byte has landed (not the sender's: its send returns when the bytes are in the socket
+  buffer, seconds ahead of the wire on a slow link).
 
 Receiving (`on_ready`, the inbox handler of `TensorReady`): post the receive for the announced
 tensor, and put it in the mailbox once it has landed (and, if held, once released). A tensor of
@@ -226,10 +228,9 @@ class Transport:
             if key in self._landed:
                 self.mailbox.put(key, self._landed.pop(key))
             return
-        posted = (m.generation, *key)
-        if posted in self._posted:
+        if (m.generation, *key) in self._posted:
             return  # a redelivery: the receive is already posted
-        self._posted.add(posted)
+        self._posted.add((m.generation, *key))
         peer = slot_name(m.replica, m.src_stage)
         try:
             tensor = await in_thread(self.plane.recv, gen, peer, torch_dtype(m.dtype), tuple(m.shape), tag_of(*key))

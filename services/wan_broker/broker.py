@@ -149,6 +149,7 @@ async def _report(bus: Bus, run: str, drivers: dict[tuple[str, str], LinkDriver 
                     transfers=int(st["transfers"]),
                     in_flight=int(st["in_flight"]),
                     late_p99_ms=st["late_p99_ms"],
+                    busy_s=st["busy_s"],
                 ),
                 maxlen=keys.EVENTS_MAXLEN,
                 ride_out_s=0,  # telemetry: skipped rather than waited for (the next one follows in 1 s)

@@ -49,7 +49,8 @@ class SlotDriver:
         self.open: dict[str, _Open] = {}
         self.bytes_sent = 0
         self.transfers = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # the union of the transfers' times on the wire, as their receivers measured
+        self._busy_until = 0.0
 
     def now(self) -> float:
         return time.monotonic() - self.origin
@@ -65,10 +66,14 @@ class SlotDriver:
         o = self.open.pop(done.transfer_id, None)
         grants = self.arbiter.done(done.transfer_id, self.now())
         if o is not None:
-            seconds = time.monotonic() - o.granted_at if o.granted_at else done.seconds
+            now = self.now()
+            seconds = done.seconds if done.seconds > 0 else (time.monotonic() - o.granted_at if o.granted_at else 0.0)
+            start = now - seconds  # on the wire [start, now]: add what the busy union lacks
+            self.busy_s += max(0.0, now - max(start, self._busy_until))
+            self._busy_until = max(self._busy_until, now)
             self.bytes_sent += o.request.nbytes
             self.transfers += 1
-            self.busy_s += seconds
+            log.debug("slot done", link=f"{self.src}->{self.dst}", transfer=done.transfer_id, wire_ms=seconds * 1000)
             if self.metrics is not None:
                 self.metrics.delivered(self.src, self.dst, o.request.nbytes, seconds)
             self.release(o.entry)
@@ -99,6 +104,7 @@ class SlotDriver:
             "transfers": float(self.transfers),
             "in_flight": float(len(self.open)),
             "late_p99_ms": 0.0,
+            "busy_s": self.busy_s,
         }
 
     async def close(self) -> None:

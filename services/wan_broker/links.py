@@ -102,6 +102,7 @@ class LinkDriver:
             "transfers": self.sharing.stats.transfers,
             "in_flight": self.sharing.in_flight(),
             "late_p99_ms": late[int(0.99 * (len(late) - 1))] if late else 0.0,
+            "busy_s": self.sharing.stats.busy_s,
         }
 
     async def _run(self) -> None:
