@@ -48,6 +48,9 @@ from shared.wire import SlotDone, SlotGrant, SlotRequest, TensorReady
 
 log = get_logger(__name__)
 
+#: How long a stopping worker waits for its sends under way to be taken by their receivers.
+CLOSE_GRACE_S = 5.0
+
 
 def plane_addresses(settings: Settings, slot: Slot, placement: Placement) -> list[str]:
     """The local addresses this worker's groups bind, one per connection index: the host's
@@ -277,6 +280,10 @@ class Transport:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
+        """Let the sends under way finish (their receivers are taking them), then drop the groups.
+        A data-plane thread still inside gloo when the interpreter exits aborts the process."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=CLOSE_GRACE_S)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -25,7 +25,9 @@ as an awaitable on a daemon thread of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -87,10 +89,48 @@ def chunks_of(flat: torch.Tensor, connections: int) -> list[torch.Tensor]:
     return [c for c in flat.chunk(max(1, connections)) if c.numel()] or [flat]
 
 
+class _Threads:
+    """Daemon threads that run blocking data-plane calls, kept for reuse, grown on demand.
+
+    Why not a thread per call: `Thread.start()` waits until the new thread holds the GIL once, and
+    on a worker whose prefill thread is busy that handoff stalled the event loop for milliseconds
+    at every transfer. Why not a `ThreadPoolExecutor`: its threads are joined at interpreter exit,
+    and a send whose receiver died can block until the groups' timeout. Here a call is a queue put;
+    a new thread starts only when every existing one is busy (a few per worker in steady state)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._count = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            grow = self._idle == 0
+            if grow:
+                self._count += 1
+            else:
+                self._idle -= 1
+        self._jobs.put(job)
+        if grow:
+            threading.Thread(target=self._run, name=f"plane-{self._count}", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            with contextlib.suppress(RuntimeError):  # the awaiting loop closed: the worker is stopping
+                job()
+            with self._lock:
+                self._idle += 1
+
+
+_THREADS = _Threads()
+
+
 def in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """Run a blocking call on a daemon thread of its own; its result (or error) as a future of the
-    running loop. A thread per call: a send may wait for its receiver for a long time, and must
-    not hold up other transfers behind it in a pool."""
+    """Run a blocking call on a data-plane thread; its result (or error) as a future of the
+    running loop. Calls never queue behind each other: a send may wait for its receiver for a
+    long time, and must not hold up other transfers."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()
 
@@ -110,7 +150,7 @@ def in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         else:
             loop.call_soon_threadsafe(settle, True, result)
 
-    threading.Thread(target=body, name=f"plane-{getattr(fn, '__name__', 'op')}", daemon=True).start()
+    _THREADS.submit(body)
     return fut
 
 
@@ -160,6 +200,10 @@ class DataPlane:
         self.redis_url, self.run, self.addresses = redis_url, run, list(addresses)
         self.timeout = timedelta(seconds=timeout_s)
         self.pool = BufferPool()
+        #: One gloo device per local address, shared by every group bound there: each device runs
+        #: an event-loop thread, and a worker with 8 connections to each of two neighbours would
+        #: otherwise wake 17 of them on a 2-core machine.
+        self._devices: dict[str, Any] = {}
         self._current: _Formed | None = None
         self._previous: _Formed | None = None
 
@@ -171,8 +215,13 @@ class DataPlane:
         store = RedisStore(self.redis_url, key + ":", timeout_s=self.timeout.total_seconds())
         # The gloo options object that takes devices (one bound address) and a timeout.
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        if address not in self._devices:
+            self._devices[address] = dist.ProcessGroupGloo.create_device(hostname=address)
+        opts._devices = [self._devices[address]]
         opts._timeout = self.timeout
+        # Worker threads run collectives; a pair only sends and receives (done on the caller's
+        # thread), and the DP group runs one all-reduce at a time.
+        opts._threads = 1
         try:
             group: dist.ProcessGroup = dist.ProcessGroupGloo(store, rank, size, opts)  # type: ignore[assignment]
             return group
@@ -188,6 +237,9 @@ class DataPlane:
         form concurrently, so no order between workers can deadlock."""
         prefix = f"bt:{self.run}:plane:{generation}:"
         jobs: dict[tuple[str, int], Callable[[], dist.ProcessGroup]] = {}
+        for addr in self.addresses:  # created here, once, before the threads below share them
+            if addr not in self._devices:
+                self._devices[addr] = dist.ProcessGroupGloo.create_device(hostname=addr)
         for p in pairs:
             for c in range(p.connections):
                 addr = self.addresses[c % len(self.addresses)]
@@ -231,7 +283,10 @@ class DataPlane:
         groups = self._groups(generation, peer)
         flat = tensor.detach().contiguous().reshape(-1)
         rank = 1 - _rank_in(groups[0])
-        works = [g.send([c], rank, tag) for g, c in zip(groups, chunks_of(flat, len(groups)), strict=False)]
+        try:
+            works = [g.send([c], rank, tag) for g, c in zip(groups, chunks_of(flat, len(groups)), strict=False)]
+        except RuntimeError as exc:  # posting on a connection that is already closed
+            raise PlaneError(f"data plane: send to {peer} failed: {str(exc).splitlines()[0]}") from None
         _wait_all(works, f"send to {peer}")
 
     def recv(self, generation: int, peer: str, dtype: torch.dtype, shape: tuple[int, ...], tag: int) -> torch.Tensor:
@@ -241,7 +296,10 @@ class DataPlane:
         out = self.pool.take(dtype, shape)
         flat = out.reshape(-1)
         rank = 1 - _rank_in(groups[0])
-        works = [g.recv([c], rank, tag) for g, c in zip(groups, chunks_of(flat, len(groups)), strict=False)]
+        try:
+            works = [g.recv([c], rank, tag) for g, c in zip(groups, chunks_of(flat, len(groups)), strict=False)]
+        except RuntimeError as exc:
+            raise PlaneError(f"data plane: receive from {peer} failed: {str(exc).splitlines()[0]}") from None
         _wait_all(works, f"receive from {peer}")
         return out
 
@@ -251,7 +309,10 @@ class DataPlane:
         group = self._current.dp
         if group is None:
             return flat
-        work = group.allreduce([flat])
+        try:
+            work = group.allreduce([flat])
+        except RuntimeError as exc:
+            raise PlaneError(f"data plane: gradient all-reduce failed: {str(exc).splitlines()[0]}") from None
         _wait_all([work], "gradient all-reduce")
         flat /= group.size()
         return flat
