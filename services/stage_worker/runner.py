@@ -324,19 +324,21 @@ class StageRunner:
 
     async def _allreduce(self, it: int) -> None:
         """Average gradients with the DP peers of this stage: a gloo all-reduce of the stage's
-        group (inside one DC), then the mean. Like the emulated collective before it, it ends for
-        all peers at one instant: the collective returns when the last peer has arrived, and the
-        profiled cost is counted from there.
+        group (inside one DC), then the mean. With a device profile it counts for its profiled
+        time from when the last replica reached it (the collective also returns that instant), so
+        it ends for all peers at one instant, like the collective it stands in for; real
+        communication slower than that is lag.
 
         The collective waits on a thread of its own, not the torch thread: if a peer is lost
         mid-collective, the run's recovery restores a checkpoint in the torch thread, which must
         not queue behind a collective that can only time out."""
         t0 = time.time()
+        latest = t0
         if self.spec.parallelism.dp > 1:
             plane = self._plane().plane
             flat = await self.in_torch_thread(self._flat_grads_on_cpu)
             try:
-                mean = await in_thread(plane.all_reduce_mean, flat)
+                mean, latest = await in_thread(plane.all_reduce_mean, flat, t0)
             except PlaneError as exc:
                 log.warning(
                     "gradient all-reduce failed; waiting for the recovery path", slot=self.slot.name, error=str(exc)
@@ -344,7 +346,11 @@ class StageRunner:
                 await self._plane_failed(str(exc))
             await self.in_torch_thread(self.trainer.load_grads, mean)
         if self.profile.allreduce:
-            await sleep_until(time.monotonic() + self.profile.allreduce)
+            behind = time.time() - (latest + self.profile.allreduce)
+            if behind < 0:
+                await sleep_until(time.monotonic() - behind)
+            else:
+                self.lag_s += behind
         self._span("allreduce", it, t0, time.time())
 
     def _flat_grads_on_cpu(self) -> torch.Tensor:

@@ -68,7 +68,12 @@ def plane_addresses(settings: Settings, slot: Slot, placement: Placement) -> lis
 
 def pairs_of(spec: ClusterSpec, placement: Placement, slot: Slot) -> list[PairSpec]:
     """This slot's pairs with its pipeline neighbours: a cross-DC pair has its link's
-    `connections`, a same-DC pair one."""
+    `connections` where real links carry the bytes (`kernel`, `none`), a same-DC pair one.
+
+    In `model` mode a cross-DC pair has one connection too: the link model already accounts for
+    the connections (its per-transfer cap), the bytes cross loopback, and cutting every tensor
+    into `connections` pieces only costs CPU (measured on the demo: the stage workers' CPU time
+    rose by 29% with 8, which slowed training under BubbleTea's load on 2 cores)."""
     r, k, pp = slot.replica, slot.stage, spec.parallelism.pp
     pairs = []
     for lo in (k - 1, k):
@@ -76,7 +81,7 @@ def pairs_of(spec: ClusterSpec, placement: Placement, slot: Slot) -> list[PairSp
         if lo < 0 or hi >= pp:
             continue
         a, b = placement.stage_dc[lo], placement.stage_dc[hi]
-        conns = 1 if a == b else spec.link(a, b).connections
+        conns = 1 if a == b or spec.wan.mode == "model" else spec.link(a, b).connections
         peer = hi if lo == k else lo
         pairs.append(PairSpec(slot_name(r, peer), f"r{r}:s{lo}-s{hi}", 0 if lo == k else 1, conns))
     return pairs

@@ -303,19 +303,22 @@ class DataPlane:
         _wait_all(works, f"receive from {peer}")
         return out
 
-    def all_reduce_mean(self, flat: torch.Tensor) -> torch.Tensor:
-        """The DP group's mean of `flat` (in place; blocking). With one replica, `flat` itself."""
+    def all_reduce_mean(self, flat: torch.Tensor, ready_at: float = 0.0) -> tuple[torch.Tensor, float]:
+        """The DP group's mean of `flat` (in place; blocking), and the latest `ready_at` of the
+        group (when the last replica reached the collective: a device profile counts the
+        collective's time from there). With one replica, `flat` itself and `ready_at`."""
         assert self._current is not None, "form the plane first"
         group = self._current.dp
         if group is None:
-            return flat
+            return flat, ready_at
+        latest = torch.tensor([ready_at], dtype=torch.float64)
         try:
-            work = group.allreduce([flat])
+            works = [group.allreduce([flat]), group.allreduce([latest], _max_options())]
         except RuntimeError as exc:
             raise PlaneError(f"data plane: gradient all-reduce failed: {str(exc).splitlines()[0]}") from None
-        _wait_all([work], "gradient all-reduce")
+        _wait_all(works, "gradient all-reduce")
         flat /= group.size()
-        return flat
+        return flat, float(latest.item())
 
     def release(self, tensor: torch.Tensor) -> None:
         self.pool.release(tensor)
@@ -323,6 +326,12 @@ class DataPlane:
     def close(self) -> None:
         """Drop every group: their sockets close, so a peer still waiting on one fails at once."""
         self._current = self._previous = None
+
+
+def _max_options() -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # the stub types the enum value apart
+    return opts
 
 
 def _rank_in(group: dist.ProcessGroup) -> int:

@@ -40,8 +40,8 @@ def main(url: str, run: str, me: str, peer: str, rank: int, connections: int, ac
     if action == "reduce":
         plane.form(1, [], GroupSpec("dp:s0", rank, int(peer)))
         print("formed", flush=True)
-        out = plane.all_reduce_mean(torch.full((1000,), float(rank + 1)))
-        print(json.dumps({"mean": sorted(set(out.tolist()))}), flush=True)
+        out, latest = plane.all_reduce_mean(torch.full((1000,), float(rank + 1)), float(rank))
+        print(json.dumps({"mean": sorted(set(out.tolist())), "latest": latest}), flush=True)
         return
     plane.form(1, [PairSpec(peer, "r0:s0-s1", rank, connections)], None)
     print("formed", flush=True)

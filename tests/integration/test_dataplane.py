@@ -103,8 +103,9 @@ async def test_the_dp_group_averages_every_replicas_gradients(redis_url: str) ->
     try:
         for p in procs:
             assert await line(p) == "formed"
-        means = [json.loads(await line(p))["mean"] for p in procs]
-        assert means == [[2.0], [2.0], [2.0]]  # (1 + 2 + 3) / 3 on every replica
+        got = [json.loads(await line(p)) for p in procs]
+        assert [g["mean"] for g in got] == [[2.0], [2.0], [2.0]]  # (1 + 2 + 3) / 3 on every replica
+        assert [g["latest"] for g in got] == [2.0, 2.0, 2.0]  # when the last one arrived, everywhere
     finally:
         await bye(*procs)
 
