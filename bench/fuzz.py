@@ -34,7 +34,12 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given
 from msgspec.structs import replace
 from schemathesis.specs.openapi import checks as oas_checks
+from schemathesis.specs.openapi import schemas as _oas_schemas  # noqa: F401
 
+# ^ Imported here, not lazily by `schemathesis.openapi.from_url` inside `fuzz`: that ran while the
+# front door served in its thread (`serving`), and CPython 3.11's AST validator keeps its recursion
+# depth in shared state, so two threads compiling at once (pytest rewrites imported modules) fail
+# with "SystemError: AST constructor recursion depth mismatch" (seen in a full `make test`).
 from services.prefill_queue.app import create_app
 from services.prefill_queue.server import Runner
 from shared.service import serve_app

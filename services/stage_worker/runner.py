@@ -46,7 +46,7 @@ LAG_WARN_EVERY_S = 60.0
 #: After a data-plane failure, how long the runner waits for the recovery path (a peer's lease
 #: expiring, a new generation) to cut its iteration short before it gives up itself: longer than
 #: a lease's lifetime plus one check of the peers.
-PLANE_FAILURE_GRACE_S = keys.LEASE_TTL_MS / 1000 + 2 * keys.LEASE_RENEW_S
+PLANE_FAILURE_GRACE_S = 3 * keys.LEASE_TTL_MS / 1000 + 2 * keys.LEASE_RENEW_S
 
 log = get_logger(__name__)
 
