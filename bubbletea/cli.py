@@ -30,6 +30,16 @@ BUBBLETEA_LOG_LEVEL, BUBBLETEA_HTTP_HOST, BUBBLETEA_HTTP_PORT. See docs/config.m
 """
 
 
+def _add_wan_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--wan",
+        choices=("model", "kernel", "none"),
+        help="how cross-DC bytes meet the WAN (default: the spec's wan.mode, model): model = the broker's link "
+        "model releases receivers; kernel = one network namespace per DC, links shaped by the kernel, the broker "
+        "granting slots (root only); none = a real network, nothing emulated (docs/config.md#wan-modes)",
+    )
+
+
 def _wan_override(args: argparse.Namespace) -> None:
     """`--wan MODE` overrides `wan.mode` here and in every process the command starts (they read
     the spec themselves): through the environment they inherit."""
@@ -197,13 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
-    p.add_argument(
-        "--wan",
-        choices=("model", "kernel", "none"),
-        help="how cross-DC bytes meet the WAN (default: the spec's wan.mode, model): model = the broker's link "
-        "model releases receivers; kernel = one network namespace per DC, links shaped by the kernel, the broker "
-        "granting slots (root only); none = a real network, nothing emulated (docs/config.md#wan-modes)",
-    )
+    _add_wan_argument(p)
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.set_defaults(func=_demo)
 
@@ -219,13 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
-    p.add_argument(
-        "--wan",
-        choices=("model", "kernel", "none"),
-        help="how cross-DC bytes meet the WAN (default: the spec's wan.mode, model): model = the broker's link "
-        "model releases receivers; kernel = one network namespace per DC, links shaped by the kernel, the broker "
-        "granting slots (root only); none = a real network, nothing emulated (docs/config.md#wan-modes)",
-    )
+    _add_wan_argument(p)
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.add_argument(
         "--iterations",
@@ -256,13 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--run", help="run id scoping streams and leases (default: train-<unix time>)")
-    p.add_argument(
-        "--wan",
-        choices=("model", "kernel", "none"),
-        help="how cross-DC bytes meet the WAN (default: the spec's wan.mode, model): model = the broker's link "
-        "model releases receivers; kernel = one network namespace per DC, links shaped by the kernel, the broker "
-        "granting slots (root only); none = a real network, nothing emulated (docs/config.md#wan-modes)",
-    )
+    _add_wan_argument(p)
     p.add_argument(
         "--save",
         metavar="DIR",
