@@ -44,8 +44,9 @@ from shared.wire import BubbleEnd, BubbleStart, IterationDone, SpanRecord
 #: The prefill-lag warning is logged at most this often (with the sum since the last one).
 LAG_WARN_EVERY_S = 60.0
 #: After a data-plane failure, how long the runner waits for the recovery path (a peer's lease
-#: expiring, a new generation) to cut its iteration short before it gives up itself: longer than
-#: a lease's lifetime plus one check of the peers.
+#: expiring, a new generation) to cut its iteration short before it gives up itself: three lease
+#: lifetimes and two checks of the peers (one lifetime plus a check, 5 s, was too short on a busy
+#: machine: a recovery test failed there).
 PLANE_FAILURE_GRACE_S = 3 * keys.LEASE_TTL_MS / 1000 + 2 * keys.LEASE_RENEW_S
 
 log = get_logger(__name__)
