@@ -82,3 +82,14 @@ async def test_an_aborting_peer_passes_on_the_original_reason(redis: Redis) -> N
     await b.release()
     with pytest.raises(SlotError, match="slot r9s9 lost its worker"):
         await asyncio.wait_for(a.watch(), 60)
+
+
+async def test_a_worker_of_one_datacenter_takes_only_its_slots(redis: Redis) -> None:
+    """BUBBLETEA_DC: stages 0 and 1 in one DC, stage 2 in another; its workers take only stage 2."""
+    in_dc_b = lambda s: s.stage == 2  # noqa: E731 - the placement's answer, as the worker asks it
+    got = [await SlotLease(redis, "dc", pp=3, dp=2, holder=f"b{i}").acquire(allowed=in_dc_b) for i in range(2)]
+    assert got == [Slot(0, 2), Slot(1, 2)]
+    with pytest.raises(SlotError, match=r"\(2 of them in this worker's datacenter\) are held"):
+        await SlotLease(redis, "dc", pp=3, dp=2, holder="b2").acquire(allowed=in_dc_b)
+    # the other datacenter's slots are still free for its own workers
+    assert await SlotLease(redis, "dc", pp=3, dp=2, holder="a0").acquire() == Slot(0, 0)

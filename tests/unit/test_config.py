@@ -191,3 +191,38 @@ def test_metrics_auth_needs_an_api_key() -> None:
     with pytest.raises(ConfigError, match="on or off"):
         load_settings(env={"BUBBLETEA_METRICS_AUTH": "yes", "BUBBLETEA_API_KEY": "k"})
     assert load_settings(env={"BUBBLETEA_METRICS_AUTH": "on", "BUBBLETEA_API_KEY": "k"}).metrics_auth
+
+
+def test_the_wan_mode_defaults_to_model_and_the_environment_picks_another() -> None:
+    assert load_settings(env={}).spec.wan.mode == "model"
+    s = load_settings(env={"BUBBLETEA_WAN": "kernel", "BUBBLETEA_DC": "dc-b", "BUBBLETEA_PLANE_HOST": "10.0.1.5"})
+    assert (s.spec.wan.mode, s.dc, s.plane_host) == ("kernel", "dc-b", "10.0.1.5")
+    assert (load_settings(env={}).dc, load_settings(env={}).plane_host) == (None, "127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"BUBBLETEA_WAN": "tunnel"}, "BUBBLETEA_WAN: expected one of model, kernel, none, got 'tunnel'"),
+        ({"BUBBLETEA_DC": "dc-z"}, "BUBBLETEA_DC: 'dc-z' is not a datacenter of the spec (it has dc-a, dc-b)"),
+    ],
+)
+def test_a_bad_wan_setting_is_refused_naming_it(env: dict[str, str], says: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_settings(env=env)
+    assert str(exc.value) == says
+
+
+def test_a_spec_names_its_wan_mode_and_refuses_an_unknown_one() -> None:
+    data = yaml_of(DEFAULT_SPEC)
+    data["wan"]["mode"] = "none"
+    assert parse_spec(data).wan.mode == "none"
+    data["wan"]["mode"] = "carrier-pigeon"
+    with pytest.raises(ConfigError, match="mode"):
+        parse_spec(data)
+
+
+def yaml_of(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())
