@@ -47,9 +47,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def to_blob(tensor: torch.Tensor) -> TensorBlob:
     """Snapshot a tensor (any device, any layout) into a `TensorBlob`."""
-    name = _NAMES.get(tensor.dtype)
-    if name is None:
-        raise WireError(f"dtype {tensor.dtype} cannot go on the wire; supported: {', '.join(_DTYPES)}")
+    name = dtype_name(tensor.dtype)
     t = tensor.detach().to("cpu").contiguous()
     nbytes = t.numel() * t.element_size()
     # One copy straight out of the tensor's memory: works for bfloat16, which numpy lacks,
@@ -60,9 +58,7 @@ def to_blob(tensor: torch.Tensor) -> TensorBlob:
 
 def from_blob(blob: TensorBlob) -> torch.Tensor:
     """Rebuild the tensor (on CPU, writable, owning its memory); `WireError` if inconsistent."""
-    dtype = _DTYPES.get(blob.dtype)
-    if dtype is None:
-        raise WireError(f"unknown tensor dtype {blob.dtype!r}; supported: {', '.join(_DTYPES)}")
+    dtype = torch_dtype(blob.dtype)
     if any(d < 0 for d in blob.shape):
         raise WireError(f"negative dimension in tensor shape {list(blob.shape)}")
     itemsize = torch.empty((), dtype=dtype).element_size()

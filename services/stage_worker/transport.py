@@ -23,6 +23,7 @@ runner waits a lease's lifetime for the recovery path to take over before giving
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ class Transport:
     #: first waits for ours (its receive needs our groups).
     formed: asyncio.Event = field(default_factory=asyncio.Event)
     error: str = ""
-    _posted: set[tuple[int, str, int, int]] = field(default_factory=set)
+    _posted: set[tuple[str, int, int]] = field(default_factory=set)  # this generation's (reset clears it)
     _landed: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     _released: set[tuple[str, int, int]] = field(default_factory=set)
     _grants: dict[str, asyncio.Future[None]] = field(default_factory=dict)
@@ -236,12 +237,11 @@ class Transport:
             if key in self._landed:
                 self.mailbox.put(key, self._landed.pop(key))
             return
-        if (m.generation, *key) in self._posted:
+        if key in self._posted:
             return  # a redelivery: the receive is already posted
-        self._posted.add((m.generation, *key))
-        peer = slot_name(m.replica, m.src_stage)
+        self._posted.add(key)
         try:
-            tensor = await in_thread(self.plane.recv, gen, peer, torch_dtype(m.dtype), tuple(m.shape), tag_of(*key))
+            tensor = await self._receive(m)
         except PlaneError as exc:
             self._fail(gen, exc)
             return
@@ -252,21 +252,16 @@ class Transport:
         else:
             self.mailbox.put(key, tensor)
 
+    def _receive(self, m: TensorReady) -> asyncio.Future[torch.Tensor]:
+        """Post the receive of the tensor `m` announces, on the groups of its generation."""
+        peer, tag = slot_name(m.replica, m.src_stage), tag_of(m.what, m.iteration, m.microbatch)
+        return in_thread(self.plane.recv, m.generation, peer, torch_dtype(m.dtype), tuple(m.shape), tag)
+
     async def _drain(self, m: TensorReady) -> None:
         """Take a tensor a peer sent before the run resumed, and drop it: its sender's thread is
         then free instead of waiting for a receive that would never be posted."""
-        try:
-            t = await in_thread(
-                self.plane.recv,
-                m.generation,
-                slot_name(m.replica, m.src_stage),
-                torch_dtype(m.dtype),
-                tuple(m.shape),
-                tag_of(m.what, m.iteration, m.microbatch),
-            )
-            self.plane.release(t)
-        except PlaneError:
-            pass  # that generation's peer is gone: nothing waits for this tensor any more
+        with contextlib.suppress(PlaneError):  # that generation's peer is gone: nothing waits for it
+            self.plane.release(await self._receive(m))
 
     # --- failures --------------------------------------------------------------------------
 
