@@ -26,7 +26,7 @@ from shared.health import wait_live
 from shared.policies.wan import LinkModel, Sent
 from shared.settings import Settings, load_settings
 from shared.timing import SPIN_S
-from shared.wire import FIELD, Ping, Transfer, decode, encode
+from shared.wire import FIELD, Ping, SlotRequest, Transfer, decode, encode
 
 pytestmark = pytest.mark.integration
 
@@ -263,3 +263,21 @@ async def test_bad_requests_are_dead_lettered(broker: Broker, redis_url: str, re
     assert any("no WAN link a -> nowhere" in e for e in letters)
     assert any("got kind 'ping'" in e and "transfer" in e for e in letters)
     assert any("undecodable" in e for e in letters)
+
+
+@pytest.mark.parametrize("broker", ["temporal"], indirect=True)
+async def test_a_slot_request_to_a_model_mode_broker_is_dead_lettered_saying_why(
+    broker: Broker, redis_url: str, redis: Redis
+) -> None:
+    """Slots are granted in the kernel and none modes only: a SlotRequest in model mode is refused."""
+    stream = keys.wan_stream(broker.settings.run)
+    req = SlotRequest(
+        run="r", transfer_id="s0", src_dc="a", dst_dc="b", nbytes=10, priority=(0,), microbatch=0,
+        what="act", reply_to="inbox",
+    )  # fmt: skip
+    async with Bus(redis_url) as bus:
+        await bus.publish(stream, req)
+    reply: Any = await redis.xread({keys.DEAD_LETTER_STREAM: "0"}, block=30_000)
+    assert reply, "nothing was dead-lettered"
+    errors = [fields[b"error"].decode() for _, fields in reply[0][1]]
+    assert any("wan.mode is 'model': a SlotRequest belongs to wan.mode kernel or none" in e for e in errors), errors
