@@ -58,6 +58,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: model small enough that real compute stays well inside the profiled times on 2 cores.
 BASE: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "wan-bound.yaml").read_text())
 FWD_MS_PER_LAYER: float = BASE["device"]["fwd_ms_per_layer"]
+#: `--wan kernel` widens d_model and seq_len by this factor (see `variant`).
+KERNEL_WIDEN = 4
 
 
 def variant(
@@ -79,6 +81,14 @@ def variant(
     # each DC holds exactly one stage's DP group, so every activation crosses the WAN
     spec["datacenters"] = [{"name": "dc-a", "gpus": dp}, {"name": "dc-b", "gpus": dp}]
     spec["training"]["iterations"] = iterations
+    if wan == "kernel":
+        # Real TCP shapes at packet granularity: an 8 KiB activation is one packet per connection,
+        # and htb lets a packet through on an idle class's burst, so fair sharing and the link
+        # rate never take hold. Widen the model (activations KERNEL_WIDEN^2 x larger: 128 KiB, ~11
+        # packets per connection) and the link as much: the same transfer-to-compute ratio.
+        spec["model"]["d_model"] *= KERNEL_WIDEN
+        spec["model"]["seq_len"] *= KERNEL_WIDEN
+        spec["wan"]["default"]["bandwidth_gbps"] *= KERNEL_WIDEN**2
     if ratio is not None:
         layers_per_stage = spec["model"]["layers"] // spec["parallelism"]["pp"]
         fwd_s = FWD_MS_PER_LAYER * layers_per_stage / 1000
@@ -92,11 +102,20 @@ def variant(
     return spec
 
 
+#: Where each run's service logs go (`--logs DIR`); by default they are dropped.
+LOGS: Path | None = None
+
+
 async def measure(spec: dict[str, Any], url: str, tag: str, workdir: Path) -> dict[str, float]:
     path = workdir / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(spec))
     settings = load_settings(path, env={"BUBBLETEA_RUN": f"{tag}-{int(time.time() * 1000)}"})
-    result = await run_training(settings, url, out=io.StringIO(), progress=False)
+    out = io.StringIO()
+    try:
+        result = await run_training(settings, url, out=out, progress=False)
+    finally:  # a failed run's logs are the ones most wanted
+        if LOGS is not None:
+            await asyncio.to_thread((LOGS / f"{tag}.log").write_text, out.getvalue())
     measured = result.steady_iteration_s()
     fwd, bwd = profile_ms(settings.spec) or (FWD_MS_PER_LAYER, 2 * FWD_MS_PER_LAYER)
     model = predict(settings.spec, fwd, bwd, iterations=settings.spec.training.iterations)
@@ -252,7 +271,11 @@ if __name__ == "__main__":
         help="model: the broker's link model releases receivers (default); kernel: real TCP shaped by the "
         "kernel between one network namespace per DC (needs root)",
     )
+    ap.add_argument("--logs", type=Path, metavar="DIR", help="write each run's service logs to DIR/<run>.log")
     args = ap.parse_args()
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        LOGS = args.logs
     if args.wan == "kernel" and args.sweep:
         ap.error("--sweep runs on the model WAN only")
     try:

@@ -88,9 +88,6 @@ class TensorReady(Message, frozen=True, kw_only=True, tag="tensor_ready"):
     #: WAN modes `kernel`/`none`: the transfer id of the WAN slot the sender holds for it; the
     #: receiver frees the slot (`SlotDone`) once the last byte has landed.
     slot: str = ""
-    #: The sender's wall clock when its bytes started (granting modes): the receiver reports the
-    #: time on the wire as its landing time minus this (hosts NTP-synchronised, or one machine).
-    sent_at: float = 0.0
 
 
 class Transfer(Message, frozen=True, kw_only=True, tag="transfer"):
@@ -146,7 +143,9 @@ class SlotDone(Message, frozen=True, kw_only=True, tag="slot_done"):
     transfer_id: str
     src_dc: str
     dst_dc: str
-    #: From the sender starting (`TensorReady.sent_at`) to the last byte landed.
+    #: The transfer's time on the wire, on the receiver's clock: from posting its receive (gloo
+    #: moves an announced tensor's bytes once the receiver is ready for them) to the last byte.
+    #: 0 when unknown (the sender freeing the slot of a send that failed).
     seconds: float = 0.0
 
 

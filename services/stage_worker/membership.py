@@ -12,6 +12,7 @@ import asyncio
 from services.stage_worker.lease import SlotError, SlotLease
 from services.stage_worker.recovery import Generations
 from services.stage_worker.runner import StageRunner
+from services.stage_worker.transport import FINISH_GRACE_S
 from shared import keys
 from shared.bus import Consumer
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
@@ -60,6 +61,7 @@ async def take_part(
                 await asyncio.gather(train, lost, moved, return_exceptions=True)
                 if train in done:
                     train.result()  # re-raise a training error
+                    await _finish_sends(runner)
                     await runner.outbox.close()
                     await _save_weights_if_asked(runner)
                     await lease.finish()
@@ -90,6 +92,13 @@ async def take_part(
             for t in (stopping, crashed):
                 t.cancel()
             await runner.outbox.close()
+
+
+async def _finish_sends(runner: StageRunner) -> None:
+    """The last sends may still wait for their WAN slot, granted on the inbox: read it until they
+    are out, so the peers downstream get their last tensors."""
+    if runner.transport is not None and not await runner.transport.flush(FINISH_GRACE_S):
+        log.warning("sends still under way at the end of training", slot=runner.slot.name, waited_s=FINISH_GRACE_S)
 
 
 async def _join(

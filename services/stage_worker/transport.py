@@ -51,6 +51,9 @@ log = get_logger(__name__)
 
 #: How long a stopping worker waits for its sends under way to be taken by their receivers.
 CLOSE_GRACE_S = 5.0
+#: How long a worker that finished training waits for its last sends: on a shared WAN link a
+#: send may first wait for its slot behind the other transfers.
+FINISH_GRACE_S = 60.0
 
 
 def plane_addresses(settings: Settings, slot: Slot, placement: Placement) -> list[str]:
@@ -198,16 +201,23 @@ class Transport:
             ),
         )
         await granted
-        started = time.monotonic()
-        self.outbox.send(inbox, ready)
-        await self._transmit(gen, peer, tensor, tag_of(ready.what, ready.iteration, ready.microbatch))
         self._grants.pop(transfer_id, None)
-        self.outbox.send(
-            keys.wan_stream(self.run),
-            SlotDone(
-                run=self.run, transfer_id=transfer_id, src_dc=src_dc, dst_dc=dst_dc, seconds=time.monotonic() - started
-            ),
-        )
+        self.outbox.send(inbox, msgspec.structs.replace(ready, slot=transfer_id))
+        try:
+            await in_thread(self.plane.send, gen, peer, tensor, tag_of(ready.what, ready.iteration, ready.microbatch))
+        except PlaneError as exc:  # the receiver will not report: free the slot here
+            self._slot_done(transfer_id, src_dc, dst_dc, 0.0)
+            self._fail(gen, exc)
+
+    def _slot_done(self, transfer_id: str, src_dc: str, dst_dc: str, seconds: float) -> None:
+        done = SlotDone(run=self.run, transfer_id=transfer_id, src_dc=src_dc, dst_dc=dst_dc, seconds=seconds)
+        self.outbox.send(keys.wan_stream(self.run), done)
+
+    def _landed_slot(self, m: TensorReady, seconds: float = 0.0) -> None:
+        """The receiver's end of a granted transfer: its last byte is here (or it never will be)."""
+        if m.slot:
+            src_dc, dst_dc = self.placement.stage_dc[m.src_stage], self.placement.stage_dc[m.dst_stage]
+            self._slot_done(m.slot, src_dc, dst_dc, seconds)
 
     async def on_grant(self, d: Delivery) -> None:
         m = d.message
@@ -228,9 +238,11 @@ class Transport:
         if m.generation != gen:
             if not m.release and m.generation == self.plane.previous_generation:
                 await self._drain(m)
+            self._landed_slot(m)
             return
         await self.formed.wait()
         if m.generation != self.generation():
+            self._landed_slot(m)
             return  # the run moved on meanwhile
         if m.release:
             self._released.add(key)
@@ -240,11 +252,14 @@ class Transport:
         if key in self._posted:
             return  # a redelivery: the receive is already posted
         self._posted.add(key)
+        posted = time.monotonic()
         try:
             tensor = await self._receive(m)
         except PlaneError as exc:
             self._fail(gen, exc)
             return
+        finally:
+            self._landed_slot(m, time.monotonic() - posted)
         if gen != self.generation():
             return  # the run moved on while it landed
         if m.hold and key not in self._released:
@@ -279,11 +294,18 @@ class Transport:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait for the sends under way, those still waiting for their WAN slot included (the
+        grant comes on the inbox: a worker that finished must keep reading it until then).
+        Returns whether they all finished in time."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        return not self._tasks
+
     async def close(self) -> None:
         """Let the sends under way finish (their receivers are taking them), then drop the groups.
         A data-plane thread still inside gloo when the interpreter exits aborts the process."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=CLOSE_GRACE_S)
+        await self.flush(CLOSE_GRACE_S)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -121,6 +121,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                         await stop.wait()
                 except TimeoutError:
                     try:  # telemetry: a report Redis cannot take is skipped, the loop goes on
+                        for driver in drivers.values():
+                            if isinstance(driver, SlotDriver):
+                                await driver.expire()
                         await _report(bus, settings.run, drivers)
                     except TRANSIENT_ERRORS as exc:
                         outage.failed(exc)

@@ -5,6 +5,7 @@ The decisions are the pure `SlotArbiter`'s; this shell stamps them with the link
 each `SlotGrant` to the requesting worker's inbox, logs why, and keeps each request's bus entry
 pending (`HOLD`) until its `SlotDone`, so a broker that dies forgets nothing: its successor
 re-reads the requests still open and grants them again (a worker ignores a grant it already had).
+A grant whose end never comes is reclaimed by the arbiter's `expire`, run with the link reports.
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ class SlotDriver:
                 self.metrics.delivered(self.src, self.dst, o.request.nbytes, seconds)
             self.release(o.entry)
         await self._publish(grants)
+
+    async def expire(self) -> None:
+        """Reclaim the grants whose `SlotDone` never came (a receiver died after the bytes left)."""
+        expiry = self.arbiter.expire(self.now())
+        for g in expiry.reclaimed:
+            o = self.open.pop(g.id, None)
+            log.warning("slot reclaimed", link=f"{self.src}->{self.dst}", transfer=g.id, why=g.why)
+            if o is not None:
+                self.release(o.entry)
+        await self._publish(expiry.grants)
 
     async def _publish(self, grants: list[Grant]) -> None:
         for g in grants:

@@ -12,6 +12,10 @@ On shaped or real links (`kernel`, `none`) the bytes move on real TCP and the br
   is granted too; a granted transfer is never taken back;
 * `fifo`: temporal in arrival order.
 
+A granted transfer whose end is never reported (its receiver died after the sender's bytes left)
+would hold its share of the link forever; `expire` reclaims it once it has been granted far longer
+than the link model says it can take (`stale_after_s`), with the reason.
+
 Pure: `now` is an input, every call returns the grants it makes, each with the reason.
 """
 
@@ -29,12 +33,27 @@ class Grant:
     why: str
 
 
+#: A granted transfer is reclaimed after STALE_FLOOR_S + STALE_FACTOR x its time alone on the
+#: link: generous (a recovery restarts the run's transfers within seconds), but finite.
+STALE_FLOOR_S = 30.0
+STALE_FACTOR = 4.0
+
+
 @dataclass
 class _Request:
     id: str
     nbytes: int
     priority: tuple[int, ...]
     submitted: float
+    granted: float = 0.0
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """What `expire` decided: the transfers reclaimed (id, why) and the grants that freed."""
+
+    reclaimed: list[Grant]
+    grants: list[Grant]
 
 
 @dataclass
@@ -64,25 +83,41 @@ class SlotArbiter:
         req = _Request(transfer_id, nbytes, tuple(priority), now)
         key = (req.priority if self.policy == "temporal" else (), self._seq)
         insort(self._queue, (key, req), key=lambda e: e[0])
-        return self._grant()
+        return self._grant(now)
 
     def done(self, transfer_id: str, now: float) -> list[Grant]:
         """A granted transfer's last byte left: its share of the link is free."""
         if self.granted.pop(transfer_id, None) is None:
             return []
-        return self._grant()
+        return self._grant(now)
 
-    def _grant(self) -> list[Grant]:
+    def stale_after_s(self, nbytes: int) -> float:
+        return STALE_FLOOR_S + STALE_FACTOR * self.model.alone_s(nbytes)
+
+    def expire(self, now: float) -> Expiry:
+        """Reclaim the grants whose end never came (see the module docstring)."""
+        reclaimed = []
+        for req in list(self.granted.values()):
+            limit = self.stale_after_s(req.nbytes)
+            if now - req.granted > limit:
+                del self.granted[req.id]
+                why = f"granted {now - req.granted:.1f} s ago and never reported done (limit {limit:.1f} s): reclaimed"
+                reclaimed.append(Grant(req.id, why))
+        return Expiry(reclaimed, self._grant(now) if reclaimed else [])
+
+    def _grant(self, now: float) -> list[Grant]:
         grants: list[Grant] = []
         if self.policy == "fair":
             while self._queue:
                 _, req = self._queue.pop(0)
+                req.granted = now
                 self.granted[req.id] = req
                 grants.append(Grant(req.id, f"fair: granted at once; {len(self.granted)} transfers share the link"))
             return grants
         while self._queue and self._room():
             _, req = self._queue.pop(0)
             busy = len(self.granted)
+            req.granted = now
             self.granted[req.id] = req
             order = "workload-aware order" if self.policy == "temporal" else "arrival order"
             if busy == 0:

@@ -26,7 +26,8 @@ from shared.health import wait_live
 from shared.policies.wan import LinkModel, Sent
 from shared.settings import Settings, load_settings
 from shared.timing import SPIN_S
-from shared.wire import FIELD, Ping, SlotRequest, Transfer, decode, encode
+from shared.policies import slots
+from shared.wire import FIELD, LinkReport, Ping, SlotDone, SlotGrant, SlotRequest, Transfer, decode, encode
 
 pytestmark = pytest.mark.integration
 
@@ -38,13 +39,13 @@ LATENCY_S = 0.010
 EXACT = 1e-9
 
 
-def settings(tmp_path: Path, url: str, sharing: str) -> Settings:
+def settings(tmp_path: Path, url: str, sharing: str, mode: str = "model") -> Settings:
     path = tmp_path / "spec.yaml"
     path.write_text(
         yaml.safe_dump(
             {
                 "datacenters": [{"name": "a", "gpus": 1}, {"name": "b", "gpus": 1}],
-                "wan": {"sharing": sharing, "default": LINK},
+                "wan": {"sharing": sharing, "default": LINK, "mode": mode},
                 "parallelism": {"pp": 2, "dp": 1},
             }
         )
@@ -281,3 +282,73 @@ async def test_a_slot_request_to_a_model_mode_broker_is_dead_lettered_saying_why
     assert reply, "nothing was dead-lettered"
     errors = [fields[b"error"].decode() for _, fields in reply[0][1]]
     assert any("wan.mode is 'model': a SlotRequest belongs to wan.mode kernel or none" in e for e in errors), errors
+
+
+async def test_a_granting_broker_frees_a_slot_on_its_done_and_reclaims_one_never_done(
+    tmp_path: Path, redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wan.mode none, temporal: one grant at a time; the receiver's SlotDone frees the link (its
+    wire time is the link's busy time) and acks the request; a grant never reported done is
+    reclaimed once stale, and the next transfer gets the link."""
+    monkeypatch.setattr(slots, "STALE_FLOOR_S", 1.0)
+    s = settings(tmp_path, redis_url, "temporal", mode="none")
+    run, stream = s.run, keys.wan_stream(s.run)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(s, stop))
+    await wait_live(redis, "wan_broker", timeout_s=30)
+    cursor = "0"
+
+    async def grants(wait_s: float) -> list[str]:
+        nonlocal cursor
+        reply: Any = await redis.xread({"inbox": cursor}, block=int(wait_s * 1000))
+        out = []
+        for entry_id, fields in reply[0][1] if reply else []:
+            cursor = entry_id.decode()
+            msg = decode(fields[FIELD])
+            assert isinstance(msg, SlotGrant) and msg.why
+            out.append(msg.transfer_id)
+        return out
+
+    def request(i: int) -> SlotRequest:
+        return SlotRequest(
+            run=run, transfer_id=f"s{i}", src_dc="a", dst_dc="b", nbytes=100, priority=(0, i, 0), microbatch=i,
+            what="act", reply_to="inbox",
+        )  # fmt: skip
+
+    def done(i: int, seconds: float) -> SlotDone:
+        return SlotDone(run=run, transfer_id=f"s{i}", src_dc="a", dst_dc="b", seconds=seconds)
+
+    try:
+        async with Bus(redis_url) as bus:
+            await bus.publish(stream, request(0))
+            await bus.publish(stream, request(1))
+            assert await grants(30) == ["s0"]
+            assert await grants(0.5) == [], "temporal granted a second transfer while the first was on the link"
+            await bus.publish(stream, done(0, 0.25))
+            assert await grants(30) == ["s1"]
+            await bus.publish(stream, request(2))  # s1's receiver never reports: s1 goes stale
+            t0 = time.monotonic()
+            assert await grants(30) == ["s2"]
+            assert time.monotonic() - t0 >= 0.5, "s2 was granted before s1 went stale"
+
+            async def pending() -> int:
+                info: Any = await redis.xpending(stream, "wan_broker")
+                return int(info["pending"])
+
+            deadline = time.monotonic() + 30  # acks are batched: wait for them, boundedly
+            while await pending() != 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert await pending() == 1  # s0 done, s1 reclaimed: only s2's request is still held
+            cur = "0"
+            while True:
+                reply: Any = await redis.xread({keys.events_stream(run): cur}, block=30_000)
+                assert reply, "no link report"
+                for entry_id, fields in reply[0][1]:
+                    cur = entry_id.decode()
+                    msg = decode(fields[FIELD])
+                    if isinstance(msg, LinkReport) and msg.transfers == 1 and msg.in_flight == 1:
+                        assert msg.bytes_sent == 100 and msg.busy_s == pytest.approx(0.25)
+                        return
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)

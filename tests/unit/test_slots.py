@@ -1,10 +1,11 @@
 """The slot arbiter grants real links as the link model shares them: fair at once, temporal one
 transfer at a time in workload-aware order (work-conserving when a transfer is window-capped),
-fifo in arrival order; a granted transfer is never taken back; every grant says why."""
+fifo in arrival order; a granted transfer is never taken back unless its end never comes (then
+reclaimed after a bound the link model sets); every grant says why."""
 
 import pytest
 
-from shared.policies.slots import SlotArbiter
+from shared.policies.slots import STALE_FACTOR, STALE_FLOOR_S, SlotArbiter
 from shared.policies.wan import LinkModel
 
 FULL = LinkModel(bandwidth=100.0, latency=0.01, flow_cap=100.0)  # one transfer fills the link
@@ -73,3 +74,19 @@ def test_every_grant_says_why() -> None:
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown sharing policy"):
         SlotArbiter(FULL, "random")
+
+
+def test_a_grant_whose_end_never_comes_is_reclaimed_after_its_bound_and_the_next_is_granted() -> None:
+    a = SlotArbiter(FULL, "temporal")
+    a.request("lost", 1000, (0, 0, 0), 0.0)  # 10 s alone on the link (+ latency)
+    a.request("next", 10, (0, 1, 0), 1.0)
+    limit = a.stale_after_s(1000)
+    assert limit == pytest.approx(STALE_FLOOR_S + STALE_FACTOR * 10.01)
+    kept = a.expire(limit - 0.01)  # granted at 0: not yet stale
+    assert kept.reclaimed == [] and kept.grants == [] and "lost" in a.granted
+    expiry = a.expire(limit + 0.01)
+    assert ids(expiry.reclaimed) == ["lost"] and "never reported done" in expiry.reclaimed[0].why
+    assert ids(expiry.grants) == ["next"]
+    # the clock of a grant starts when it is granted, not when it was asked for
+    assert a.expire(limit + 0.02 + a.stale_after_s(10) - 0.05).reclaimed == []
+    assert a.done("lost", limit + 1) == []  # a late end of a reclaimed transfer changes nothing
