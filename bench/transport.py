@@ -44,6 +44,11 @@ run that fails fails the benchmark (``training_failures`` is 0 in every JSON lin
     python bench/transport.py --quick         # fewer transfers
     python bench/transport.py --no-training   # part 1 only
 
+Part 3 (KV caches): a finished prefill's 0.5 MiB KV cache (the demo model, a 256-token prompt)
+fetched by a decoder from its holder, a separate process, over the data plane
+(`shared.dataplane.kv.fetch`: a group formed per fetch), against a Redis GET of the same bytes:
+``kv_fetch_ms_p50``, ``kv_fetch_ms_p99``, ``kv_redis_get_ms_p50``.
+
 Prints human-readable lines on stderr, then one JSON object on the last line of stdout.
 """
 
@@ -77,7 +82,10 @@ import redis.asyncio
 import torch
 import yaml
 
+from shared.bus import Bus
 from shared.dataplane import DataPlane, PairSpec
+from shared.dataplane import kv as kv_plane
+from shared.dataplane.kv import KvServer, KvShelf
 from shared.lifetime import die_with_parent
 from shared.redis_server import EmbeddedRedis
 from shared.tensors import from_blob, to_blob
@@ -536,6 +544,67 @@ async def training_part(iterations: int) -> dict[str, Any]:
     }
 
 
+#: Part 3: a KV cache of the demo model (4 layers, d_model 64) for a 256-token prompt: 0.5 MiB.
+KV_CACHE_BYTES = 8 * 4 * 256 * 64
+
+
+def kv_holder_main(url: str, holder: str, ids: list[str], size: int, ready: Any) -> None:
+    """A stage worker's KV holder, alone in a process: `ids` held, served until terminated."""
+
+    async def serve() -> None:
+        async with Bus(url) as bus:
+            shelf = KvShelf(ttl_s=3600, budget_bytes=1 << 34)
+            for rid in ids:
+                shelf.put(rid, bytes(size), time.time())
+            server = KvServer(bus, url, holder, "127.0.0.1", shelf)
+            await server.start()
+            ready.set()
+            await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+async def kv_part(repeat: int) -> dict[str, Any]:
+    """A finished prefill's KV cache to a decoder: over the data plane from its holder process
+    (`prefill.kv_store: plane`, a group formed per fetch) against a Redis GET of the same bytes
+    (`redis`), each timed in the fetcher from the request to the bytes in hand."""
+    print(f"KV cache fetch ({KV_CACHE_BYTES} B): data plane from the holder vs Redis GET", file=sys.stderr)
+    ids = [f"kv{i}" for i in range(repeat + WARMUP)]
+    ctx = mp.get_context("spawn")
+    async with EmbeddedRedis() as server, Bus(server.url) as bus:
+        ready = ctx.Event()
+        proc = ctx.Process(target=kv_holder_main, args=(server.url, "bench", ids, KV_CACHE_BYTES, ready), daemon=True)
+        proc.start()
+        try:
+            await asyncio.to_thread(ready.wait, 60)
+            plane, redis_get = [], []
+            await bus.redis.set("bench:kv", bytes(KV_CACHE_BYTES))
+            for i, rid in enumerate(ids):
+                t0 = time.perf_counter()
+                data, why = await kv_plane.fetch(bus, server.url, "bench", rid, "127.0.0.1", "bench")
+                t1 = time.perf_counter()
+                got = await bus.redis.get("bench:kv")
+                t2 = time.perf_counter()
+                assert data is not None and len(data) == KV_CACHE_BYTES, why
+                assert got is not None and len(got) == KV_CACHE_BYTES
+                if i >= WARMUP:
+                    plane.append(t1 - t0)
+                    redis_get.append(t2 - t1)
+        finally:
+            proc.terminate()
+            proc.join(10)
+    p50 = statistics.median(plane) * 1000
+    p99 = sorted(plane)[min(len(plane) - 1, math.ceil(0.99 * len(plane)) - 1)] * 1000
+    get50 = statistics.median(redis_get) * 1000
+    print(f"  plane fetch p50 {p50:.2f} ms, p99 {p99:.2f} ms; Redis GET p50 {get50:.2f} ms", file=sys.stderr)
+    return {
+        "kv_bytes": KV_CACHE_BYTES,
+        "kv_fetch_ms_p50": round(p50, 2),
+        "kv_fetch_ms_p99": round(p99, 2),
+        "kv_redis_get_ms_p50": round(get50, 2),
+    }
+
+
 def _terminate(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through every `finally`: children and servers stop
 
@@ -571,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"bench": "transport"}
     try:
         result.update(transport_part(repeat, repeat_64, args.connections))
+        result.update(asyncio.run(kv_part(max(repeat, 20))))
         if args.training:
             result.update(asyncio.run(training_part(args.iterations)))
     except KeyboardInterrupt:

@@ -194,10 +194,15 @@ class Prefill(_Spec, frozen=True):
     max_queue_depth: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000
     max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 1 << 20
     request_timeout_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0
-    #: How long a finished prefill's KV cache stays in Redis for a decode service (0 = not stored).
+    #: How long a finished prefill's KV cache is kept for a decode service (0 = not kept).
     kv_ttl_s: Annotated[int, Meta(ge=0, le=86_400)] = 30
-    #: Bytes of KV caches Redis may hold at once (counted as stored, until their TTL): past it a
-    #: finished prefill still answers, but its KV cache is not stored (the handle says why).
+    #: Where it is kept: `plane` = in the memory of the worker that computed it, fetched over the
+    #: data plane (Redis holds only the handle); `redis` = as a safetensors string in Redis, which
+    #: any Redis client can GET (docs/api.md, "The KV cache").
+    kv_store: Literal["plane", "redis"] = "plane"
+    #: Bytes of KV caches kept at once (`plane`: per worker, until freed or expired; `redis`: in
+    #: Redis, counted as stored until their TTL): past it a finished prefill still answers, but its
+    #: KV cache is not kept (the handle says why).
     kv_budget_mb: Annotated[int, Meta(ge=1, le=1_048_576)] = DEFAULT_KV_BUDGET_MB
 
 

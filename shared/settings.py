@@ -18,8 +18,10 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
                        free port, advertised in its heartbeat); ``off`` turns the endpoint off
 ``BUBBLETEA_METRICS_AUTH`` ``on``: every service's ``/metrics`` needs the API key too (default ``off``)
 ``BUBBLETEA_WAN``       ``model``, ``kernel`` or ``none``: override ``wan.mode``
-``BUBBLETEA_PLANE_HOST`` the address this host's stage workers bind for the data plane (default
-                       127.0.0.1; with ``wan.mode: none`` an address the other hosts can reach)
+``BUBBLETEA_PLANE_HOST`` the address this host's stage workers (and decoders) bind for the data
+                       plane (default 127.0.0.1; with ``wan.mode: none`` an address the other
+                       hosts can reach; ``auto``: the address this host's name resolves to, e.g.
+                       a container's own on a Docker network)
 ``BUBBLETEA_DC``        a stage worker takes only slots whose stage is placed in this datacenter
                        (the workers of one DC on one host; default: any slot)
 ``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,9 +167,21 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         metrics_host=env.get("BUBBLETEA_METRICS_HOST") or "127.0.0.1",
         metrics_port=metrics_port,
         metrics_auth=metrics_auth == "on",
-        plane_host=env.get("BUBBLETEA_PLANE_HOST") or "127.0.0.1",
+        plane_host=_plane_host(env.get("BUBBLETEA_PLANE_HOST") or "127.0.0.1"),
         dc=dc,
     )
+
+
+def _plane_host(value: str) -> str:
+    if value != "auto":
+        return value
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError as exc:
+        raise ConfigError(
+            f"BUBBLETEA_PLANE_HOST is 'auto', but this host's name {name!r} does not resolve: {exc}"
+        ) from None
 
 
 def mask_url(url: str) -> str:

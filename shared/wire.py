@@ -261,7 +261,10 @@ class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
     logprob: float = 0.0
     top: tuple[tuple[int, float], ...] = ()
     prompt_tokens: int = 0
-    kv_key: str = ""  # where the KV cache is stored (a Redis key), for a decode service
+    kv_key: str = ""  # the KV cache's key for a decode service: a Redis key, or an id on `kv_holder`
+    #: Set when the KV cache stays on the data plane (`prefill.kv_store: plane`): the worker that
+    #: holds it in memory, reached by a `KvFetch` on `keys.kv_holder_stream(kv_holder)`.
+    kv_holder: str = ""
     kv_bytes: int = 0
     kv_expires_at: float = 0.0  # wall clock
     kv_note: str = ""  # why no KV cache was stored (kv_key empty), e.g. the KV byte budget was full
@@ -290,6 +293,9 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode_request"):
     submitted: float  # wall clock
     deadline: float | None = None  # wall clock; past it decoding stops with a failure
     reply_to: str  # the accepting front door's results stream
+    #: Where the KV cache is: empty = the Redis key of `id` (`prefill.kv_store: redis`); else the
+    #: data-plane holder of the prefill's answer (`PrefillResult.kv_holder`).
+    kv_holder: str = ""
 
 
 class DecodeChunk(Message, frozen=True, kw_only=True, tag="decode_chunk"):
@@ -366,6 +372,22 @@ class PrefillSnapshot(Message, frozen=True, kw_only=True, tag="prefill_snapshot"
     kv: tuple[tuple[TensorBlob, TensorBlob], ...]
 
 
+class KvFetch(Message, frozen=True, kw_only=True, tag="kv_fetch"):
+    """Decode service -> the worker holding a KV cache (its `keys.kv_holder_stream`): send me the
+    KV cache of request `id` on a data-plane group formed under `rendezvous` (you rank 0). The
+    answer comes on that group: a header (found, bytes), then the safetensors bytes."""
+
+    id: str
+    rendezvous: str  # the group's key prefix in the run's Redis, fresh per fetch
+    fetcher: str  # who asks, for the logs
+
+
+class KvDelete(Message, frozen=True, kw_only=True, tag="kv_delete"):
+    """Decode service -> holder: the KV cache of `id` is used; free it."""
+
+    id: str
+
+
 #: Every kind the bus can carry. New kinds are added here, so this union is the wire's index.
 AnyMessage = (
     Ping
@@ -388,6 +410,8 @@ AnyMessage = (
     | PrefillSnapshot
     | DecodeRequest
     | DecodeChunk
+    | KvFetch
+    | KvDelete
 )
 
 _encoder: Final = msgspec.msgpack.Encoder()

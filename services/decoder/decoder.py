@@ -4,8 +4,10 @@ For `/v1/completions` with ``max_tokens > 1`` the front door has the prompt pref
 pipeline bubbles as for any request; the answer carries the first token and the KV cache's handle.
 The front door then publishes a `DecodeRequest` on `bt:decode:requests`, and a decoder:
 
-1. loads the KV cache (`shared.kvstore.fetch_kv`: safetensors bytes; their metadata carry the
-   prompt and its first token); a missing or expired cache fails the request explicitly
+1. loads the KV cache: from the memory of the worker that prefilled it, over the data plane
+   (`shared.dataplane.kv.fetch`, `prefill.kv_store: plane`), or from Redis
+   (`shared.kvstore.fetch_kv`, `redis`): safetensors bytes, whose metadata carry the prompt and
+   its first token; a missing or expired cache, or a holder that is gone, fails the request explicitly
    (`FailureReason.KV_MISSING`: the front door answers 503 and the client may retry);
 2. continues it token by token (`shared.model.generate.Continuation`: greedy, or seeded per
    position, so the tokens equal a local full generation with the same model) in a thread, so
@@ -14,7 +16,7 @@ The front door then publishes a `DecodeRequest` on `bt:decode:requests`, and a d
    `decode.chunk_ms` (a streamed completion arrives as it is generated), until `max_tokens` or a
    `stop` sequence in the completion's text (the first token's included); the last chunk says why
    it ended (the front door makes the text from the tokens and cuts it at the stop sequence);
-4. deletes the KV cache: none is left behind.
+4. frees the KV cache (`KvDelete` to its holder, or a Redis DEL): none is left behind.
 
 The request's entry is acked only after its last chunk, so a decoder that dies mid-completion
 leaves it pending for another, which starts it again from the KV cache (the front door drops
@@ -31,6 +33,7 @@ import msgspec
 from shared import keys, kvstore, serving
 from shared.bus import Bus, Delivery
 from shared.config import ClusterSpec
+from shared.dataplane import kv as kv_plane
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.model.generate import Continuation
@@ -46,8 +49,14 @@ log = get_logger(__name__)
 
 
 class Decoder:
-    def __init__(self, bus: Bus, spec: ClusterSpec, model: PrefillModel) -> None:
+    def __init__(
+        self, bus: Bus, spec: ClusterSpec, model: PrefillModel, redis_url: str = "", plane_host: str = "127.0.0.1"
+    ) -> None:
         self.bus, self.spec, self.model = bus, spec, model
+        #: For KV caches on the data plane: the run's Redis (the fetch's rendezvous) and the local
+        #: address this decoder's end of a fetch binds.
+        self.redis_url, self.plane_host = redis_url, plane_host
+        self.name = f"{SERVICE}-{instance_id()}"
         self.tokenizer = tokenizer_for(spec.prefill)  # stop sequences are matched on the text
         self.chunk_s = spec.decode.chunk_ms / 1000
         self.running = 0
@@ -63,13 +72,27 @@ class Decoder:
         finally:
             self.running -= 1
 
-    async def _decode(self, req: DecodeRequest) -> None:
+    async def _load(self, req: DecodeRequest) -> tuple[kvstore.StoredKV | None, str]:
+        """The request's KV cache, from its holder's memory over the data plane or from Redis."""
         try:
+            if req.kv_holder:
+                data, why = await kv_plane.fetch(
+                    self.bus, self.redis_url, req.kv_holder, req.id, self.plane_host, self.name
+                )
+                return (kvstore.read_kv_file(data) if data is not None else None), why
             stored = await kvstore.fetch_kv(self.bus.redis, req.id)
         except WireError as exc:
-            stored, why = None, f"the KV cache of {req.id} is unreadable: {exc}"
+            return None, f"the KV cache of {req.id} is unreadable: {exc}"
+        return stored, f"no KV cache for {req.id}: it expired (prefill.kv_ttl_s) or was never stored"
+
+    async def _free(self, req: DecodeRequest) -> None:
+        if req.kv_holder:
+            await kv_plane.delete(self.bus, req.kv_holder, req.id)
         else:
-            why = f"no KV cache for {req.id}: it expired (prefill.kv_ttl_s) or was never stored"
+            await kvstore.delete_kv(self.bus.redis, req.id)
+
+    async def _decode(self, req: DecodeRequest) -> None:
+        stored, why = await self._load(req)
         if stored is None:
             await self._fail(req, 1, FailureReason.KV_MISSING, why)
             return
@@ -108,7 +131,7 @@ class Decoder:
             sent = len(c.tokens)
             if done:
                 break
-        await kvstore.delete_kv(self.bus.redis, req.id)
+        await self._free(req)
         self.completions += 1
         self.tokens += len(c.tokens) - 1
         log.info(
@@ -133,7 +156,7 @@ class Decoder:
     async def _fail(self, req: DecodeRequest, index: int, reason: FailureReason, why: str) -> None:
         chunk = DecodeChunk(id=req.id, index=index, done=True, status=RequestStatus.FAILED, reason=reason, error=why)
         await self._send(req, chunk)
-        await kvstore.delete_kv(self.bus.redis, req.id)
+        await self._free(req)
         log.info("completion failed", id=req.id, reason=reason.value, detail=why)
 
     def info(self) -> dict[str, object]:
@@ -144,7 +167,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec = settings.spec
     model = await asyncio.to_thread(PrefillModel.from_spec, spec.prefill)
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
-        d = Decoder(bus, spec, model)
+        d = Decoder(bus, spec, model, settings.require_redis_url(), settings.plane_host)
         me = f"{SERVICE}-{instance_id()}"
         hb = Heartbeat(bus.redis, SERVICE, instance_id(), d.info)
         config = msgspec.structs.replace(spec.bus, concurrency=spec.decode.concurrency)

@@ -213,15 +213,19 @@ def result_body(r: PrefillResult) -> dict[str, Any]:
 
 
 def kv_params(r: PrefillResult) -> dict[str, Any]:
-    """Where a decode service fetches the prompt's KV cache (`shared.kvstore.fetch_kv`), in vLLM's
-    disaggregated-prefill shape (`do_remote_prefill`: the decode side takes over from a prefill
-    done here) plus this system's handle (`store`, `key`, `format`, `bytes`, `expires_at`): a
-    Redis string holding safetensors bytes (docs/api.md, "The KV cache"). With
-    `prefill.kv_ttl_s: 0`, or past the KV byte budget (`prefill.kv_budget_mb`), nothing is stored:
-    the store is "none" and `why` says which."""
+    """Where a decode service fetches the prompt's KV cache, in vLLM's disaggregated-prefill shape
+    (`do_remote_prefill`: the decode side takes over from a prefill done here) plus this system's
+    handle (`store`, `key`, `format`, `bytes`, `expires_at`; docs/api.md, "The KV cache"): store
+    "plane" = in the memory of the worker `holder`, fetched over the data plane
+    (`shared.dataplane.kv.fetch`); "redis" = a Redis string of safetensors bytes at `key`
+    (`shared.kvstore.fetch_kv`). With `prefill.kv_ttl_s: 0`, or past the KV byte budget
+    (`prefill.kv_budget_mb`), nothing is kept: the store is "none" and `why` says which."""
     vllm = {"do_remote_prefill": bool(r.kv_key), "do_remote_decode": False, "remote_engine_id": "bubbletea"}
     if not r.kv_key:
         none = {"store": "none", "key": None, "format": None, "bytes": 0, "expires_at": None}
         return {**vllm, **none, "why": r.kv_note or "no KV cache was stored"}
-    handle = {"store": "redis", "key": r.kv_key, "format": KV_HANDLE_FORMAT}
+    if r.kv_holder:
+        handle = {"store": "plane", "holder": r.kv_holder, "key": r.kv_key, "format": KV_HANDLE_FORMAT}
+    else:
+        handle = {"store": "redis", "key": r.kv_key, "format": KV_HANDLE_FORMAT}
     return {**vllm, **handle, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at}

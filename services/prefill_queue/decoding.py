@@ -42,9 +42,15 @@ POLL_S = 0.5
 
 
 async def continue_completion(
-    app: web.Application, req: PrefillRequest, max_tokens: int, stop: tuple[str, ...], eos: tuple[int, ...] = ()
+    app: web.Application,
+    req: PrefillRequest,
+    max_tokens: int,
+    stop: tuple[str, ...],
+    eos: tuple[int, ...] = (),
+    kv_holder: str = "",
 ) -> AsyncIterator[DecodeChunk]:
-    """The chunks of `req`'s completion after its first token, ending with the one marked done."""
+    """The chunks of `req`'s completion after its first token, ending with the one marked done.
+    `kv_holder`: the prefill answer's, where its KV cache is (empty: in Redis)."""
     queue = app[WAITERS].expect_chunks(req.id)
     model = app[SETTINGS].spec.prefill.model_name
     decode = DecodeRequest(
@@ -58,6 +64,7 @@ async def continue_completion(
         submitted=req.submitted,
         deadline=req.deadline,
         reply_to=instance_results_stream(app),
+        kv_holder=kv_holder,
     )
     await app[BUS].publish(keys.DECODE_REQUESTS_STREAM, decode)
     expected = 1  # index of the next token: the prefill's token is 0
@@ -157,7 +164,7 @@ async def whole(
         if t.finish is not None:
             return  # the first token already ended it (a stop sequence)
         try:
-            async for chunk in continue_completion(app, by_id[rid], c.max_tokens, c.stop, eos):
+            async for chunk in continue_completion(app, by_id[rid], c.max_tokens, c.stop, eos, first.kv_holder):
                 if chunk.status is not RequestStatus.DONE:
                     status = FAILURE_STATUS[chunk.reason] if chunk.reason is not None else 500
                     await events.put(

@@ -28,10 +28,11 @@ _ERROR = {
 }
 _KV = {
     "type": "object",
-    "description": "Where the KV cache is stored, for a decode service",
+    "description": "Where the KV cache is kept, for a decode service",
     "properties": {
-        "store": {"type": "string"},
-        "key": {"type": "string"},
+        "store": {"type": "string", "enum": ["plane", "redis", "none"]},
+        "holder": {"type": "string", "description": "store plane: the worker holding it in memory"},
+        "key": {"type": ["string", "null"]},
         "bytes": {"type": "integer"},
         "expires_at": {"type": "number"},
     },

@@ -26,6 +26,7 @@ from services.stage_worker.reporting import BatchRun, Outcome, Reporter
 from shared import kvstore
 from shared.bus import Bus, Delivery, Reject
 from shared.config import DEFAULT_KV_BUDGET_MB
+from shared.dataplane.kv import KvServer
 from shared.logs import get_logger
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import Arrival, FillPolicy, Held
@@ -62,10 +63,11 @@ class Filler:
         metrics: WorkerMetrics | None = None,
         *,
         kv_budget_mb: int = DEFAULT_KV_BUDGET_MB,
+        kv_server: KvServer | None = None,
     ) -> None:
         self.bus, self.run, self.model = bus, run, model
         self.on_span, self.policy, self.profile = on_span, policy, profile
-        self.reporter = Reporter(bus, run, worker, model_name, kv_ttl_s, metrics, kv_budget_mb << 20)
+        self.reporter = Reporter(bus, run, worker, model_name, kv_ttl_s, metrics, kv_budget_mb << 20, kv_server)
         #: how far prefill batches ran past their profiled schedule (seconds); the runner takes it
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
         self.lag_s = 0.0

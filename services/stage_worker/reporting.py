@@ -17,6 +17,7 @@ from services.stage_worker.metrics import WorkerMetrics
 from shared import keys, kvstore, serving
 from shared.bus import Bus
 from shared.config import DEFAULT_KV_BUDGET_MB
+from shared.dataplane.kv import KvServer
 from shared.logs import get_logger
 from shared.model.prefill import PrefillResult, PrefillState
 from shared.status import FailureReason, ItemOutcome, RequestStatus
@@ -63,6 +64,8 @@ class Reporter:
     metrics: WorkerMetrics | None = None
     #: `prefill.kv_budget_mb` in bytes: past it finished prefills answer without a stored KV cache.
     kv_budget_bytes: int = DEFAULT_KV_BUDGET_MB << 20
+    #: `prefill.kv_store: plane`: the caches stay in this worker, served by this (else in Redis).
+    kv_server: KvServer | None = None
     #: When "KV budget full" was last logged (monotonic), and how many caches were skipped since.
     _budget_logged: float = field(default=-BUDGET_LOG_EVERY_S, repr=False)
     _budget_skipped: int = field(default=0, repr=False)
@@ -124,17 +127,23 @@ class Reporter:
     async def _answer(self, o: Outcome, res: PrefillResult) -> None:
         now = time.time()
         kv_key, kv_size, expires, note = "", 0, 0.0, "prefill.kv_ttl_s is 0: KV caches are not stored"
+        holder = ""
         if self.kv_ttl_s > 0:
             data = kvstore.kv_file(o.item.id, self.model_name, o.item.tokens, res.token, res.kv)
-            stored = await kvstore.store_kv_within_budget(
-                self.bus.redis, o.item.id, data, self.kv_ttl_s, self.kv_budget_bytes, now
-            )
+            if self.kv_server is not None:
+                stored = self.kv_server.shelf.put(o.item.id, data, now)
+                holder = self.kv_server.holder if stored.key else ""
+            else:
+                stored = await kvstore.store_kv_within_budget(
+                    self.bus.redis, o.item.id, data, self.kv_ttl_s, self.kv_budget_bytes, now
+                )
             if stored.key:
                 kv_key, kv_size, expires, note = stored.key, stored.size, now + self.kv_ttl_s, ""
             else:
+                where = "this worker" if self.kv_server is not None else f"the caches of the last {self.kv_ttl_s} s"
                 note = (
                     f"KV cache budget full: {stored.used} bytes of {stored.budget} (prefill.kv_budget_mb) are held "
-                    f"by the caches of the last {self.kv_ttl_s} s; this {stored.size}-byte cache was not stored"
+                    f"by {where}; this {stored.size}-byte cache was not stored"
                 )
                 self._over_budget(stored)
         prefill_ms = o.seconds * 1000
@@ -149,6 +158,7 @@ class Reporter:
                 top=tuple((t, lp) for t, lp in res.top),
                 prompt_tokens=res.prompt_tokens,
                 kv_key=kv_key,
+                kv_holder=holder,
                 kv_bytes=kv_size,
                 kv_expires_at=expires,
                 kv_note=note,

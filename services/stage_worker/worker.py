@@ -30,6 +30,7 @@ from shared import keys
 from shared.bus import Bus
 from shared.config import ClusterSpec
 from shared.dataplane import DataPlane
+from shared.dataplane.kv import KvServer, KvShelf
 from shared.devices import DeviceError, check_kind, describe, select_device, slot_index, synchronize
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
@@ -166,8 +167,14 @@ async def _train(
         name=slot.name,
     )
     metrics.streams.add(inbox)
-    fill = None
+    fill = kv_server = None
     if prefill is not None:
+        if spec.prefill.kv_store == "plane" and spec.prefill.kv_ttl_s > 0:
+            # The KV caches this worker computes stay here; decoders fetch them on the data plane.
+            shelf = KvShelf(spec.prefill.kv_ttl_s, spec.prefill.kv_budget_mb << 20)
+            holder = f"{run}:{slot.name}:{instance_id()}"
+            kv_server = KvServer(bus, settings.require_redis_url(), holder, plane.addresses[0], shelf)
+            await kv_server.start()
         runner.filler = Filler(
             bus,
             run,
@@ -180,6 +187,7 @@ async def _train(
             PrefillProfile.from_device(spec.device.prefill_ms_per_layer, spec.device.prefill_us_per_token),
             metrics,
             kv_budget_mb=spec.prefill.kv_budget_mb,
+            kv_server=kv_server,
         )
         fill = bus.consumer(
             keys.fill_stream(run, slot.replica, slot.stage),
@@ -200,6 +208,8 @@ async def _train(
         if fill is not None:
             # A batch still unreported stays pending; the dispatcher requeues it when no report comes.
             await fill.stop(grace_s=1.0)
+        if kv_server is not None:  # last: the caches die with the worker (a later fetch fails, saying so)
+            await kv_server.close()
 
 
 def _prefill_model(spec: ClusterSpec, device: torch.device) -> PrefillModel:

@@ -182,6 +182,45 @@ class BufferPool:
                 free.append(t)
 
 
+#: One gloo device per local address in this process, shared by every group bound there: each
+#: device runs an event-loop thread, and a worker with 8 connections to each of two neighbours
+#: would otherwise wake 17 of them on a 2-core machine.
+_DEVICES: dict[str, Any] = {}
+_DEVICES_LOCK = threading.Lock()
+
+
+def device_for(address: str) -> Any:
+    with _DEVICES_LOCK:
+        if address not in _DEVICES:
+            _DEVICES[address] = dist.ProcessGroupGloo.create_device(hostname=address)
+        return _DEVICES[address]
+
+
+def form_group(
+    redis_url: str, prefix: str, rank: int, size: int, address: str, timeout: timedelta
+) -> dist.ProcessGroup:
+    """A gloo group of `size` ranks, this process being `rank`, bound to `address`, meeting the
+    others under `prefix` in Redis (blocking until all are there, at most `timeout`)."""
+    store = RedisStore(redis_url, prefix, timeout_s=timeout.total_seconds())
+    # The gloo options object that takes devices (one bound address) and a timeout.
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._devices = [device_for(address)]
+    opts._timeout = timeout
+    # Worker threads run collectives; a pair only sends and receives (done on the caller's
+    # thread), and the DP group runs one all-reduce at a time.
+    opts._threads = 1
+    try:
+        group: dist.ProcessGroup = dist.ProcessGroupGloo(store, rank, size, opts)  # type: ignore[assignment]
+        return group
+    except RuntimeError as exc:
+        raise PlaneError(
+            f"data-plane group {prefix.rstrip(':')} (rank {rank} of {size}, bound to {address}) did not form: "
+            f"{str(exc).splitlines()[0]}"
+        ) from None
+    finally:
+        store.close()
+
+
 @dataclass
 class _Formed:
     generation: int
@@ -200,10 +239,6 @@ class DataPlane:
         self.redis_url, self.run, self.addresses = redis_url, run, list(addresses)
         self.timeout = timedelta(seconds=timeout_s)
         self.pool = BufferPool()
-        #: One gloo device per local address, shared by every group bound there: each device runs
-        #: an event-loop thread, and a worker with 8 connections to each of two neighbours would
-        #: otherwise wake 17 of them on a 2-core machine.
-        self._devices: dict[str, Any] = {}
         self._current: _Formed | None = None
         self._previous: _Formed | None = None
 
@@ -212,25 +247,7 @@ class DataPlane:
         return None if self._current is None else self._current.generation
 
     def _group(self, key: str, rank: int, size: int, address: str) -> dist.ProcessGroup:
-        store = RedisStore(self.redis_url, key + ":", timeout_s=self.timeout.total_seconds())
-        # The gloo options object that takes devices (one bound address) and a timeout.
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        if address not in self._devices:
-            self._devices[address] = dist.ProcessGroupGloo.create_device(hostname=address)
-        opts._devices = [self._devices[address]]
-        opts._timeout = self.timeout
-        # Worker threads run collectives; a pair only sends and receives (done on the caller's
-        # thread), and the DP group runs one all-reduce at a time.
-        opts._threads = 1
-        try:
-            group: dist.ProcessGroup = dist.ProcessGroupGloo(store, rank, size, opts)  # type: ignore[assignment]
-            return group
-        except RuntimeError as exc:
-            raise PlaneError(
-                f"data-plane group {key} (rank {rank} of {size}, bound to {address}) did not form: {exc}"
-            ) from None
-        finally:
-            store.close()
+        return form_group(self.redis_url, key + ":", rank, size, address, self.timeout)
 
     def form(self, generation: int, pairs: Sequence[PairSpec], dp: GroupSpec | None) -> None:
         """Build every group of `generation` (blocking; every peer must form its end). All groups
@@ -238,8 +255,7 @@ class DataPlane:
         prefix = f"bt:{self.run}:plane:{generation}:"
         jobs: dict[tuple[str, int], Callable[[], dist.ProcessGroup]] = {}
         for addr in self.addresses:  # created here, once, before the threads below share them
-            if addr not in self._devices:
-                self._devices[addr] = dist.ProcessGroupGloo.create_device(hostname=addr)
+            device_for(addr)
         for p in pairs:
             for c in range(p.connections):
                 addr = self.addresses[c % len(self.addresses)]

@@ -114,7 +114,7 @@ async def test_official_openai_client_gets_computed_completions(tmp_path: Path, 
                 assert top[decode_text([t])] == pytest.approx(logprob, abs=1e-5)
         # Beyond the OpenAI shape: where the prompt's KV cache waits for a decode service.
         kv = (got.model_extra or {})["kv_transfer_params"]
-        assert kv["store"] == "redis" and kv["key"] == keys.kv_cache_key(got.id) and kv["bytes"] > 0
+        assert kv["store"] == "plane" and kv["key"] == got.id and kv["holder"] and kv["bytes"] > 0
     token_chunk, usage_chunk = chunks
     assert [c.text for c in token_chunk.choices] == [want_greedy.text] and token_chunk.choices[
         0
@@ -169,15 +169,20 @@ async def test_official_client_gets_whole_completions_decoded_from_the_bubbles_k
                 stream_options={"include_usage": True},
             )
             chunks = [chunk async for chunk in stream]
-            # The decoder deletes a KV cache right after the last chunk it sends (so one that dies
-            # before the chunk is out can be resumed from it): after the answer, not before it.
-            leftovers: list[bytes] = []
+            # The KV caches stay in the workers that prefilled them (prefill.kv_store: plane): the
+            # decoder fetched each over the data plane and frees it right after the last chunk it
+            # sends (so one that dies before the chunk is out can be resumed from it): after the
+            # answer, not before it. Redis saw only the fetch and free requests.
+            leftovers: set[str] = set()
 
-            async def all_deleted() -> bool:
-                leftovers[:] = [k async for k in _kv_keys(redis_url)]
-                return not leftovers
+            async def all_freed() -> bool:
+                fetched, freed = await _kv_requests(redis_url)
+                leftovers.clear()
+                leftovers.update(fetched - freed)
+                return len(fetched) == 3 and not leftovers
 
-            await wait_until(all_deleted, "the decoder deleting every KV cache it decoded", timeout=30)
+            await wait_until(all_freed, "the decoder freeing every KV cache it fetched", timeout=30)
+            assert not [k async for k in _kv_keys(redis_url)], "a KV cache went through Redis"
         finally:
             await client.close()
             training.cancel()
@@ -198,7 +203,28 @@ async def test_official_client_gets_whole_completions_decoded_from_the_bubbles_k
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == want and len([c for c in chunks if c.choices]) >= 2  # it arrived in pieces
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
-    assert leftovers == []  # every KV cache was deleted once decoded
+    assert leftovers == set()  # every KV cache was freed once decoded
+
+
+async def _kv_requests(redis_url: str) -> tuple[set[str], set[str]]:
+    """The request ids decoders asked KV holders for, and those they asked them to free."""
+    from redis.asyncio import Redis
+
+    from shared.wire import KvDelete, KvFetch, decode
+
+    r = Redis.from_url(redis_url)
+    fetched, freed = set(), set()
+    try:
+        async for stream in r.scan_iter(match=keys.kv_holder_stream("*"), _type="STREAM"):
+            for _, fields in await r.xrange(stream):
+                msg = decode(fields[b"m"])
+                if isinstance(msg, KvFetch):
+                    fetched.add(msg.id)
+                elif isinstance(msg, KvDelete):
+                    freed.add(msg.id)
+    finally:
+        await r.aclose()
+    return fetched, freed
 
 
 async def _kv_keys(redis_url: str) -> AsyncIterator[bytes]:

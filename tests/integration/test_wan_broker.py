@@ -23,11 +23,12 @@ from shared import keys
 from shared.bus import Bus
 from shared.bus.connection import blocking_client
 from shared.health import wait_live
+from shared.policies import slots
 from shared.policies.wan import LinkModel, Sent
 from shared.settings import Settings, load_settings
 from shared.timing import SPIN_S
-from shared.policies import slots
 from shared.wire import FIELD, LinkReport, Ping, SlotDone, SlotGrant, SlotRequest, Transfer, decode, encode
+from tests.e2e.serving import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -335,10 +336,10 @@ async def test_a_granting_broker_frees_a_slot_on_its_done_and_reclaims_one_never
                 info: Any = await redis.xpending(stream, "wan_broker")
                 return int(info["pending"])
 
-            deadline = time.monotonic() + 30  # acks are batched: wait for them, boundedly
-            while await pending() != 1 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert await pending() == 1  # s0 done, s1 reclaimed: only s2's request is still held
+            async def only_s2_held() -> bool:  # s0 done, s1 reclaimed (acks are batched: polled)
+                return await pending() == 1
+
+            await wait_until(only_s2_held, "the requests of s0 (done) and s1 (reclaimed) acked")
             cur = "0"
             while True:
                 reply: Any = await redis.xread({keys.events_stream(run): cur}, block=30_000)

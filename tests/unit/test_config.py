@@ -1,3 +1,4 @@
+import socket
 from pathlib import Path
 
 import msgspec
@@ -198,6 +199,16 @@ def test_the_wan_mode_defaults_to_model_and_the_environment_picks_another() -> N
     s = load_settings(env={"BUBBLETEA_WAN": "kernel", "BUBBLETEA_DC": "dc-b", "BUBBLETEA_PLANE_HOST": "10.0.1.5"})
     assert (s.spec.wan.mode, s.dc, s.plane_host) == ("kernel", "dc-b", "10.0.1.5")
     assert (load_settings(env={}).dc, load_settings(env={}).plane_host) == (None, "127.0.0.1")
+    # auto: the address the host's name resolves to (a container's own on a Docker network)
+    auto = load_settings(env={"BUBBLETEA_PLANE_HOST": "auto"}).plane_host
+    assert auto == socket.gethostbyname(socket.gethostname())
+
+
+def test_an_unresolvable_host_name_is_refused_for_an_auto_plane_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket, "gethostname", lambda: "no-such-host.invalid")
+    with pytest.raises(ConfigError) as exc:
+        load_settings(env={"BUBBLETEA_PLANE_HOST": "auto"})
+    assert str(exc.value).startswith("BUBBLETEA_PLANE_HOST is 'auto', but this host's name 'no-such-host.invalid'")
 
 
 @pytest.mark.parametrize(
