@@ -431,6 +431,13 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str, 
                 codes = await asyncio.wait_for(asyncio.gather(*(p.proc.wait() for p in survivors)), 60)
             stop_submitting.set()
             await submitter
+            if not recover:  # the dispatcher's verdict follows the survivors' exit by one of its reads
+
+                async def refusing() -> bool:
+                    async with http.get(f"{door.url}/ready") as resp:
+                        return resp.status == 503
+
+                await wait_until(refusing, "/ready answering 503 once the run stopped")
             # Resumed: a new request is answered. Stopped: no bubble will ever come, so a new
             # request is refused at once, saying why.
             async with http.post(f"{door.url}/v1/prefill", json={"prompt": [1, 2, 3]}) as resp:
