@@ -38,6 +38,7 @@ import asyncio
 import copy
 import io
 import json
+import os
 import random
 import sys
 import tempfile
@@ -63,6 +64,7 @@ from bubbletea.runstats import (
     run_spans,
     utilization,
 )
+from shared.priority import PRIORITIES
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 
@@ -239,7 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     # 64: with 32, four workers' open bubbles and staged batches emptied the queue at bubble ends,
     # and bubbles opened with nothing staged (dispatch p99 21 ms against 8.6 ms at 64)
     ap.add_argument("--concurrency", type=int, default=64, help="requests the client keeps in flight; default 64")
+    ap.add_argument(
+        "--priority",
+        choices=PRIORITIES,
+        default="low",
+        help="the workers' torch threads below the event loops (low, the default) or not (normal): "
+        "BUBBLETEA_COMPUTE_PRIORITY, shared/priority.py",
+    )
     args = ap.parse_args(argv)
+    os.environ["BUBBLETEA_COMPUTE_PRIORITY"] = args.priority  # the services inherit it
     if args.pairs < 1:
         ap.error("--pairs must be at least 1")
     if args.quick:
@@ -253,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     results = uvloop.run(bench(cases, pairs=args.pairs, iterations=iterations, concurrency=args.concurrency))
     for res in results:
         res["bench_s"] = round(time.perf_counter() - t0, 1)
+        res["compute_priority"] = args.priority
         print(f"== dp={res['dp']} mode={res['mode']}", file=sys.stderr)
         for k, v in res.items():
             print(f"{k:<26} {v}", file=sys.stderr)

@@ -22,6 +22,9 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
                        plane (default 127.0.0.1; with ``wan.mode: none`` an address the other
                        hosts can reach; ``auto``: the address this host's name resolves to, e.g.
                        a container's own on a Docker network)
+``BUBBLETEA_COMPUTE_PRIORITY`` ``low`` (default): a stage worker runs its torch threads below the
+                       event loops (training at nice 5, prefill at nice 15: `shared.priority`);
+                       ``normal``: every thread at nice 0
 ``BUBBLETEA_DC``        a stage worker takes only slots whose stage is placed in this datacenter
                        (the workers of one DC on one host; default: any slot)
 ``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy
@@ -42,6 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 import msgspec
 
 from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, Training, load_spec
+from shared.priority import PRIORITIES
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -66,6 +70,7 @@ ENV_VARS = frozenset(
         "BUBBLETEA_WAN",
         "BUBBLETEA_PLANE_HOST",
         "BUBBLETEA_DC",
+        "BUBBLETEA_COMPUTE_PRIORITY",
     }
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -91,6 +96,8 @@ class Settings:
     metrics_port: int | None = 0
     #: The address this host's stage workers bind for the data plane (BUBBLETEA_PLANE_HOST).
     plane_host: str = "127.0.0.1"
+    #: Torch threads below the event loops (BUBBLETEA_COMPUTE_PRIORITY=low) or not (normal).
+    compute_priority: str = "low"
     #: A stage worker takes only slots of this datacenter's stages (BUBBLETEA_DC); None = any.
     dc: str | None = None
 
@@ -156,6 +163,9 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     if metrics_auth == "on" and not api_key:
         raise ConfigError("BUBBLETEA_METRICS_AUTH=on puts /metrics behind the API key: set BUBBLETEA_API_KEY too")
     metrics_port = _metrics_port(env.get("BUBBLETEA_METRICS_PORT", "0"))
+    priority = env.get("BUBBLETEA_COMPUTE_PRIORITY", "low").lower()
+    if priority not in PRIORITIES:
+        raise ConfigError(f"BUBBLETEA_COMPUTE_PRIORITY: expected low or normal, got {priority!r}")
     return Settings(
         spec=spec,
         spec_path=path,
@@ -168,6 +178,7 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         metrics_port=metrics_port,
         metrics_auth=metrics_auth == "on",
         plane_host=_plane_host(env.get("BUBBLETEA_PLANE_HOST") or "127.0.0.1"),
+        compute_priority=priority,
         dc=dc,
     )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from shared.logs import get_logger
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import Arrival, FillPolicy, Held
 from shared.policies.prefill_cost import PrefillProfile
+from shared.priority import lower_this_thread, prefill_nice
 from shared.status import FailureReason
 from shared.timing import Schedule
 from shared.wire import PrefillBatch
@@ -71,6 +73,10 @@ class Filler:
         #: how far prefill batches ran past their profiled schedule (seconds); the runner takes it
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
         self.lag_s = 0.0
+        #: Prefill compute runs here, below training and the event loops (`shared.priority`).
+        self._thread = ThreadPoolExecutor(
+            1, thread_name_prefix=f"prefill-{worker}", initializer=lower_this_thread, initargs=(prefill_nice(),)
+        )
         self._queue: list[Queued] = []
         self._work = asyncio.Event()
         self._post: set[asyncio.Task[None]] = set()
@@ -133,7 +139,9 @@ class Filler:
                     waiter.cancel()
                     continue
                 q = self._queue.pop(i)
-                run = await asyncio.to_thread(self._compute, q.batch, q.states, arrived, ends_at)
+                run = await asyncio.get_running_loop().run_in_executor(
+                    self._thread, self._compute, q.batch, q.states, arrived, ends_at
+                )
                 if run.outcomes:
                     self.on_span(run.started, run.ended)
                 self._background(self.reporter.finish_batch(q.batch, run), q.done)
@@ -258,3 +266,4 @@ class Filler:
         self._hand_back(self.policy.at_close([q.held for q in self._queue]))
         if self._post:
             await asyncio.gather(*self._post, return_exceptions=True)
+        self._thread.shutdown(wait=False)

@@ -38,6 +38,7 @@ from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
 from shared.policies.recovery import checkpoint_due
 from shared.policies.schedules import Op, schedule
+from shared.priority import lower_this_thread, train_nice
 from shared.timing import sleep_until
 from shared.wire import BubbleEnd, BubbleStart, IterationDone, SpanRecord
 
@@ -93,7 +94,9 @@ class StageRunner:
 
     def __post_init__(self) -> None:
         self.outbox = Outbox(self.bus)
-        self._torch = ThreadPoolExecutor(1, thread_name_prefix=f"torch-{self.slot.name}")
+        self._torch = ThreadPoolExecutor(
+            1, thread_name_prefix=f"torch-{self.slot.name}", initializer=lower_this_thread, initargs=(train_nice(),)
+        )
 
     async def in_torch_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking torch work in the stage's thread, after whatever is already there."""

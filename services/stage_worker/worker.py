@@ -26,7 +26,7 @@ from services.stage_worker.recovery import CheckpointStore, Generations
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
 from services.stage_worker.transport import Transport, plane_addresses
-from shared import keys
+from shared import keys, priority
 from shared.bus import Bus
 from shared.config import ClusterSpec
 from shared.dataplane import DataPlane
@@ -62,6 +62,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     except DeviceError as exc:
         log.error("cannot start: the configured device is not available", error=str(exc))
         raise SystemExit(EXIT_CONFIG) from None
+    priority.configure(settings.compute_priority)
     if kind == "cpu":
         torch.set_num_threads(1)  # several workers share the machine's cores
     # A prefill thread holds the GIL between torch ops; the default 5 ms switch interval would
