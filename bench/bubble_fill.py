@@ -64,9 +64,11 @@ from bubbletea.runstats import (
     run_spans,
     utilization,
 )
+from shared.config import parse_spec
 from shared.priority import PRIORITIES
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
+from shared.timescale import calibrate
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "wan-bound.yaml").read_text())
@@ -165,9 +167,16 @@ async def run_case(
     return summarise(done, dp=dp, mode=mode, iterations=iterations, concurrency=concurrency)
 
 
+def lag_pct(lag_ms: float, spans: list[Span]) -> float:
+    prefill_ms = sum(s.duration for s in spans if s.kind == "prefill") * 1000
+    return 100 * lag_ms / prefill_ms if prefill_ms > 0 else 0.0
+
+
 def summarise(pairs: list[Pair], **case: Any) -> dict[str, Any]:
     def med(values: list[float]) -> float:
         return float(median(values) or 0.0)
+
+    scale = float(os.environ.get("BUBBLETEA_TIME_SCALE", "1"))
 
     u_off = [utilization(p.spans_off) for p in pairs]
     u_on = [utilization(p.spans_on) for p in pairs]
@@ -183,14 +192,18 @@ def summarise(pairs: list[Pair], **case: Any) -> dict[str, Any]:
     return {
         **case,
         "pairs": len(pairs),
-        "iter_ms_off": round(med([p.off.steady_iteration_s() for p in pairs]) * 1000, 2),
-        "iter_ms_on": round(med([p.on.steady_iteration_s() for p in pairs]) * 1000, 2),
+        # emulated ms: real seconds over the device time scale
+        "iter_ms_off": round(med([p.off.steady_iteration_s() for p in pairs]) * 1000 / scale, 2),
+        "iter_ms_on": round(med([p.on.steady_iteration_s() for p in pairs]) * 1000 / scale, 2),
         "train_slowdown_pct": round(med(slowdowns), 2),
         "train_slowdown_pct_pairs": [round(x, 2) for x in slowdowns],
         # how far real compute fell behind the device profile, summed over workers and iterations
         "lag_ms_off": round(med([p.off.lag_ms for p in pairs]), 1),
         "lag_ms_on": round(med([p.on.lag_ms for p in pairs]), 1),
         "prefill_lag_ms_on": round(med([p.on.prefill_lag_ms for p in pairs]), 1),
+        # prefill lag over prefill time (both real), percent: how far the real prefill compute ran
+        # behind the profile it pads to
+        "prefill_lag_pct": round(med([lag_pct(p.on.prefill_lag_ms, p.spans_on) for p in pairs]), 2),
         "bubble_fraction_off": round(med([u.bubble for u in u_off]), 3),
         "utilization_off": round(med([u.busy for u in u_off]), 3),
         "utilization_on": round(med([u.busy for u in u_on]), 3),
@@ -218,9 +231,26 @@ async def bench(cases: list[tuple[int, str]], *, pairs: int, iterations: int, co
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedRedis() as redis:
             for dp, mode in cases:
-                kw = {"dp": dp, "mode": mode, "pairs": pairs, "iterations": iterations, "concurrency": concurrency}
+                kw: dict[str, Any] = {
+                    "dp": dp,
+                    "mode": mode,
+                    "pairs": pairs,
+                    "iterations": iterations,
+                    "concurrency": concurrency,
+                }
                 out.append(await run_case(redis.url, Path(tmp), **kw))
     return out
+
+
+def time_scale(arg: str, dp: int) -> float:
+    """`--time-scale`: a number, or `auto`: this machine measured with the workers of the largest
+    case computing at once (shared/timescale.py)."""
+    if arg != "auto":
+        return float(arg)
+    spec = parse_spec(bench_spec(enabled=True, iterations=1, dp=dp))
+    cal = calibrate(spec)
+    print(cal.line(), file=sys.stderr, flush=True)
+    return cal.scale
 
 
 def _r(v: float | None) -> float | None:
@@ -242,6 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     # and bubbles opened with nothing staged (dispatch p99 21 ms against 8.6 ms at 64)
     ap.add_argument("--concurrency", type=int, default=64, help="requests the client keeps in flight; default 64")
     ap.add_argument(
+        "--time-scale",
+        default="auto",
+        metavar="K",
+        help="the device time scale (one profiled ms = K real ms, shared/timescale.py): auto (the default) "
+        "measures this machine first and picks it; or a number >= 1",
+    )
+    ap.add_argument(
         "--priority",
         choices=PRIORITIES,
         default="low",
@@ -259,11 +296,14 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if (args.dp in (None, c[0])) and (args.mode in (None, c[1]))]
         cases.sort(key=lambda c: c == HEADLINE)  # the headline case last
     iterations = args.iterations or (8 if args.quick else 16)
+    scale = time_scale(args.time_scale, max(dp for dp, _ in cases))
+    os.environ["BUBBLETEA_TIME_SCALE"] = f"{scale:g}"  # the services inherit it
     t0 = time.perf_counter()
     results = uvloop.run(bench(cases, pairs=args.pairs, iterations=iterations, concurrency=args.concurrency))
     for res in results:
         res["bench_s"] = round(time.perf_counter() - t0, 1)
         res["compute_priority"] = args.priority
+        res["device_time_scale"] = scale
         print(f"== dp={res['dp']} mode={res['mode']}", file=sys.stderr)
         for k, v in res.items():
             print(f"{k:<26} {v}", file=sys.stderr)

@@ -25,6 +25,9 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``BUBBLETEA_COMPUTE_PRIORITY`` ``low`` (default): a stage worker runs its torch threads below the
                        event loops (training at nice 5, prefill at nice 15: `shared.priority`);
                        ``normal``: every thread at nice 0
+``BUBBLETEA_TIME_SCALE`` the device time scale k >= 1: one profiled millisecond lasts k real ones
+                       (device profile, WAN, work sent ahead: `shared.timescale`); the launchers
+                       measure and set it (default 1)
 ``BUBBLETEA_DC``        a stage worker takes only slots whose stage is placed in this datacenter
                        (the workers of one DC on one host; default: any slot)
 ``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy
@@ -34,6 +37,7 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -46,6 +50,7 @@ import msgspec
 
 from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, Training, load_spec
 from shared.priority import PRIORITIES
+from shared.timescale import MAX_SCALE, scale_spec
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -71,6 +76,7 @@ ENV_VARS = frozenset(
         "BUBBLETEA_PLANE_HOST",
         "BUBBLETEA_DC",
         "BUBBLETEA_COMPUTE_PRIORITY",
+        "BUBBLETEA_TIME_SCALE",
     }
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -98,6 +104,11 @@ class Settings:
     plane_host: str = "127.0.0.1"
     #: Torch threads below the event loops (BUBBLETEA_COMPUTE_PRIORITY=low) or not (normal).
     compute_priority: str = "low"
+    #: One profiled ms lasts this many real ms (BUBBLETEA_TIME_SCALE; `spec` is already scaled).
+    time_scale: float = 1.0
+    #: `spec` before the time scale: what a launcher writes for the services it starts (they
+    #: apply the scale themselves, from the environment they inherit).
+    base_spec: ClusterSpec | None = None
     #: A stage worker takes only slots of this datacenter's stages (BUBBLETEA_DC); None = any.
     dc: str | None = None
 
@@ -142,6 +153,7 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     if dc is not None and dc not in {d.name for d in spec.datacenters}:
         names = ", ".join(d.name for d in spec.datacenters)
         raise ConfigError(f"BUBBLETEA_DC: {dc!r} is not a datacenter of the spec (it has {names})")
+    time_scale = _time_scale(env.get("BUBBLETEA_TIME_SCALE", "1"))
     if iterations := env.get("BUBBLETEA_ITERATIONS"):
         spec = msgspec.structs.replace(spec, training=_iterations(spec, iterations))
     level = env.get("BUBBLETEA_LOG_LEVEL", "INFO").upper()
@@ -167,7 +179,8 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     if priority not in PRIORITIES:
         raise ConfigError(f"BUBBLETEA_COMPUTE_PRIORITY: expected low or normal, got {priority!r}")
     return Settings(
-        spec=spec,
+        spec=scale_spec(spec, time_scale),
+        base_spec=spec,
         spec_path=path,
         redis_url=url,
         log_level=level,
@@ -179,8 +192,19 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         metrics_auth=metrics_auth == "on",
         plane_host=_plane_host(env.get("BUBBLETEA_PLANE_HOST") or "127.0.0.1"),
         compute_priority=priority,
+        time_scale=time_scale,
         dc=dc,
     )
+
+
+def _time_scale(value: str) -> float:
+    try:
+        k = float(value)
+    except ValueError:
+        k = math.nan
+    if not (1 <= k <= MAX_SCALE):
+        raise ConfigError(f"BUBBLETEA_TIME_SCALE: expected a number from 1 to {MAX_SCALE:g}, got {value!r}")
+    return k
 
 
 def _plane_host(value: str) -> str:

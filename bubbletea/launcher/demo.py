@@ -31,6 +31,7 @@ from bubbletea import runstats
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import Proc, open_redis, spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import PREFILL_QUEUE
+from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.train import TrainResult, run_training
 from shared.bus import Bus
 from shared.config import ClusterSpec
@@ -87,6 +88,7 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
     try:
         url, embedded, where = open_redis(settings.redis_url)
         say(f"==> {where}")
+        scale = await pick_time_scale(settings, say)
         port = free_port()
         env = {
             "REDIS_URL": url,
@@ -107,7 +109,7 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
         for i, phase in enumerate(PHASES, 1):
             say("")
             say(f"==> [{i}/{len(PHASES)}] {phase.label}")
-            row, wall = await _run_phase(settings, phase, url, api, folder, load_s=atlas_wall)
+            row, wall = await _run_phase(settings, phase, url, api, folder, load_s=atlas_wall, scale=scale)
             if phase.name == "atlas":  # the load runs for about as long as that run trained
                 atlas_wall = wall
             rows.append(row)
@@ -116,6 +118,7 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
             json.dumps(
                 {
                     "spec": str(settings.spec_path),
+                    "device_time_scale": scale,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "runs": rows,
                 },
@@ -139,16 +142,21 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
 
 
 async def _run_phase(
-    settings: Settings, phase: Phase, url: str, api: str, folder: Path, *, load_s: float
+    settings: Settings, phase: Phase, url: str, api: str, folder: Path, *, load_s: float, scale: float
 ) -> tuple[dict[str, Any], float]:
     spec_path = folder / phase.name / "spec.yaml"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
-    spec_path.write_text(yaml.safe_dump(phase_spec(settings.spec, phase), sort_keys=False))
+    base = settings.base_spec or settings.spec  # unscaled: the services apply the time scale
+    spec_path.write_text(yaml.safe_dump(phase_spec(base, phase), sort_keys=False))
     run = f"demo-{phase.name}-{os.getpid()}-{int(time.time())}"
-    phase_settings = load_settings(spec_path, env={"BUBBLETEA_RUN": run, "REDIS_URL": url})
+    phase_settings = load_settings(
+        spec_path, env={"BUBBLETEA_RUN": run, "REDIS_URL": url, "BUBBLETEA_TIME_SCALE": f"{scale:g}"}
+    )
     load: asyncio.Task[dict[str, Any]] | None = None
     if phase.bubbletea:
-        load = asyncio.create_task(_load(api, url, run, max(1.0, load_s), folder / phase.name))
+        # the load's rate is per emulated second: a device k times slower serves k times fewer a real one
+        rate = LOAD_RATE_PER_S / scale
+        load = asyncio.create_task(_load(api, url, run, max(1.0, load_s), folder / phase.name, rate))
     # The BubbleTea run trains on until the load is done: a load generator that got going late (a
     # busy machine, a short spec) still has bubbles to be served in, never a run that has ended.
     result = await run_training(phase_settings, url, progress=True, quiet=True, dispatcher=phase.bubbletea, until=load)
@@ -159,11 +167,12 @@ async def _run_phase(
     runstats.write_spans(folder / phase.name / "spans.jsonl", spans)
     ttfts: list[float] = loadgen["ttfts_ms"] if loadgen else []
     (folder / phase.name / "ttft_ms.json").write_text(json.dumps(ttfts))
-    m = _metrics(result, spans, loadgen)
+    m = _metrics(result, spans, loadgen, scale)
     row = {"name": phase.name, "label": phase.label, "metrics": m}
     say(
         f"    iteration {m['iteration_ms']:.1f} ms, bubble fraction {m['bubble_fraction']:.1%}, "
-        f"utilization {m['utilization']:.1%}"
+        f"utilization {m['utilization']:.1%}, compute behind the profile: training {m['training_lag_ms']:.0f} ms, "
+        f"prefill {m['prefill_lag_pct']:.2f}% of its time"
         + (
             f", {m['requests_answered']} prefill requests answered, TTFT p50 {m['ttft_p50_ms']:.0f} ms"
             if loadgen and m["ttft_p50_ms"] is not None
@@ -173,17 +182,25 @@ async def _run_phase(
     return row, wall
 
 
-async def _load(api: str, url: str, run: str, duration_s: float, folder: Path) -> dict[str, Any]:
+async def _load(api: str, url: str, run: str, duration_s: float, folder: Path, rate: float) -> dict[str, Any]:
     """The load generator from the run's first bubble on, for `duration_s`: its JSON summary."""
-    args = ["--base-url", api, "--request-rate", str(LOAD_RATE_PER_S), "--duration", f"{duration_s:.1f}"]
+    args = ["--base-url", api, "--request-rate", f"{rate:g}", "--duration", f"{duration_s:.1f}"]
     args += ["--input-len", str(LOAD_INPUT_LEN), "--range-ratio", str(LOAD_RANGE_RATIO), "--seed", "0"]
     return await run_loadgen(url, run, args, folder / "loadgen.json")
 
 
-def _metrics(result: TrainResult, spans: list[runstats.Span], load: dict[str, Any] | None) -> dict[str, Any]:
+def _metrics(
+    result: TrainResult, spans: list[runstats.Span], load: dict[str, Any] | None, scale: float = 1.0
+) -> dict[str, Any]:
+    """The row of one run. Times in emulated ms (real over the device time scale `scale`)."""
     u = runstats.utilization(spans)
+    prefill_ms = sum(s.duration for s in spans if s.kind == "prefill") * 1000
     m: dict[str, Any] = {
-        "iteration_ms": round(result.steady_iteration_s() * 1000, 1),
+        "iteration_ms": round(result.steady_iteration_s() * 1000 / scale, 1),
+        "device_time_scale": scale,
+        # how far real compute ran behind the profile it pads to (real ms; the prefill's as a share)
+        "training_lag_ms": round(result.lag_ms, 1),
+        "prefill_lag_pct": round(100 * result.prefill_lag_ms / prefill_ms, 3) if prefill_ms > 0 else 0.0,
         "bubble_fraction": round(u.bubble, 4),
         "utilization": round(u.busy, 4),
         "training_utilization": round(u.training, 4),
@@ -199,9 +216,9 @@ def _metrics(result: TrainResult, spans: list[runstats.Span], load: dict[str, An
     if load is not None:
         ttfts = load["ttfts_ms"]
         m.update(
-            prefill_tokens_per_s=round(load["input_throughput"], 1),
-            ttft_p50_ms=round(statistics.median(ttfts), 1) if ttfts else None,
-            ttft_p99_ms=round(runstats.percentile(ttfts, 99) or 0.0, 1) if ttfts else None,
+            prefill_tokens_per_s=round(load["input_throughput"] * scale, 1),  # per emulated second
+            ttft_p50_ms=round(statistics.median(ttfts) / scale, 1) if ttfts else None,
+            ttft_p99_ms=round((runstats.percentile(ttfts, 99) or 0.0) / scale, 1) if ttfts else None,
             requests_answered=load["completed"],
             requests_failed=load["failed"],
             errors=load["error_counts"],

@@ -48,6 +48,7 @@ from bubbletea.launcher.procs import Proc, ServiceFailed, open_redis, spawn, sto
 from bubbletea.launcher.redis_watch import keep_redis_alive
 from bubbletea.launcher.services import SERVICES
 from bubbletea.launcher.supervise import Supervisor
+from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.wan_modes import WorkerLaunch, worker_launches
 from shared.bus import Bus
 from shared.health import live_instances
@@ -88,7 +89,7 @@ async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False, p
 
 
 async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist: bool) -> int:
-    spec = settings.spec
+    spec = settings.base_spec or settings.spec  # unscaled: the services apply the time scale
     run = settings.run if settings.run != "run" else f"up-{int(time.time())}"
     settings = dataclasses.replace(settings, run=run)
     folder = out_root / run
@@ -104,6 +105,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
     try:
         url, embedded, where = open_redis(settings.redis_url, persist_dir=folder / "redis" if persist else None)
         say(f"==> {where}")
+        await pick_time_scale(settings, say)
         launches = await wan.enter_async_context(worker_launches(settings, url))
         launch_of: dict[str, WorkerLaunch] = {}
         port = spec.http.port or free_port()  # 0 in the spec: any free port, chosen here to print it

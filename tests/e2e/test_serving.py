@@ -24,7 +24,7 @@ from redis.asyncio import Redis
 from bubbletea import runstats
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
-from shared import keys, kvstore
+from shared import keys, kvstore, priority
 from shared.bus import Bus
 from shared.dataplane import kv as kv_plane
 from shared.model.prefill import PrefillModel
@@ -84,6 +84,12 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
 
             await wait_until(all_final, "every request answered or failed", timeout=120)
             assert not training.done(), out.getvalue()[-3000:]  # it trained throughout, without failing
+            # compute below the control plane: each worker's event loop at nice 0, its training
+            # thread at TRAIN_NICE and its prefill thread at PREFILL_NICE (shared/priority.py)
+            workers = worker_nices(run)
+            assert len(workers) == 4, workers
+            for nices in workers.values():
+                assert {0, priority.TRAIN_NICE, priority.PREFILL_NICE} <= nices, workers
             # The KV caches stay in the workers (prefill.kv_store: plane): fetched over the data
             # plane while the workers still run (they die with them).
             kvs = {}
@@ -152,3 +158,22 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
     finally:
         torch.set_num_threads(threads)
         await r.aclose()
+
+
+def worker_nices(run: str) -> dict[int, set[int]]:
+    """The nice values of every thread of the run's stage-worker processes, by pid (/proc)."""
+    out: dict[int, set[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes()
+            if b"services.stage_worker" not in cmdline or f"BUBBLETEA_RUN={run}".encode() not in environ:
+                continue
+            out[int(proc.name)] = {
+                int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in (proc / "task").iterdir()
+            }
+        except OSError:  # a process that ended meanwhile
+            continue
+    return out

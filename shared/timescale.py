@@ -1,0 +1,222 @@
+"""The device time scale: an emulated device this machine can keep.
+
+A device profile makes each operation *count* for a stated time: the worker runs the real
+computation, then pads to the profiled duration (`services/stage_worker/runner.py`, `filler.py`).
+That is honest only while the real work fits inside the time it pads to. When four workers, the
+front door, the dispatcher, the load generator and Redis share two cores, it may not: real compute
+runs past the profile (lag), and the late work then delays training in a way the emulated device
+never would.
+
+So before a run the launcher measures what the real compute of the profiled operations costs here,
+with as many processes computing at once as there will be workers (`measure`), and picks the scale
+`k` (one profiled millisecond = k real milliseconds) that keeps every operation's real cost within
+`SHARE` of its scaled profiled time (`choose_scale`, pure); a profile that would need more than
+`MAX_SCALE` is refused, naming the operation and by how much. The scale is applied to the spec
+(`scale_spec`, pure), so every service sees the same slower device *and* the same slower WAN: the
+device profile times are multiplied by k, the WAN's latencies too and its bandwidths divided by k,
+and so are the amounts of work the dispatcher sends ahead (`stage_ms`, `keep_ahead_ms`) and the
+stall bound (`unready_after_s`). The control plane's own real-time settings (`guard_ms`,
+`dispatch_overhead_ms`) stay as they are: they are about this machine's latencies, not the device.
+
+The services read the scale from ``BUBBLETEA_TIME_SCALE`` (`shared.settings`); ratios (fill ratio,
+slowdown, lag share, utilization) are the same on either clock, and times reported as emulated
+milliseconds are divided by k.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+
+import msgspec
+
+from shared.config import ClusterSpec, ConfigError, LinkOverride, LinkParams
+
+#: Real compute may take at most this share of an operation's (scaled) profiled time. Measured
+#: with `bench/bubble_fill.py --quick` on 2 cores (four workers, the front door, the dispatcher,
+#: the load generator and Redis): a prefill block's real cost at 30% of its profiled time left the
+#: prefill 18% behind its profile and training 4-5% slower; at 15%, 2.3% and 1.4%; at 10%, 0.4%
+#: and 0.5%. The rest of the cores are the serving stack's.
+SHARE = 0.1
+#: A profile that would need a larger scale is refused: the machine cannot keep it.
+MAX_SCALE = 20.0
+#: A prompt of this many tokens stands for a prefill block (the benchmark's load: ~96 tokens).
+PREFILL_TOKENS = 128
+#: Timed repetitions per operation and process (after one warm-up).
+REPS = 5
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One profiled operation: what it costs here (median over processes computing at once) and
+    what it counts for on the emulated device, both in milliseconds."""
+
+    name: str
+    real_ms: float
+    profiled_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.real_ms / self.profiled_ms if self.profiled_ms > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Calibration:
+    scale: float
+    ops: tuple[OpCost, ...]
+    processes: int
+    why: str
+
+    def line(self) -> str:
+        """One line for the run's output."""
+        costs = ", ".join(f"{o.name} {o.real_ms:.2f} ms real / {o.profiled_ms:.2f} ms profiled" for o in self.ops)
+        return f"device time scale {self.scale:g} ({self.why}; {costs}; {self.processes} processes at once)"
+
+
+def choose_scale(ops: list[OpCost], processes: int, share: float = SHARE, max_scale: float = MAX_SCALE) -> Calibration:
+    """The smallest scale, at least 1 and rounded up to a tenth, at which every operation's real
+    cost is within `share` of its scaled profiled time. `ConfigError` past `max_scale`."""
+    if not ops:
+        return Calibration(1.0, (), processes, "no device profile: every operation counts for its real time")
+    worst = max(ops, key=lambda o: o.ratio)
+    need = worst.ratio / share
+    if need > max_scale:
+        raise ConfigError(
+            f"this machine cannot keep the device profile: {worst.name} takes {worst.real_ms:.2f} ms of real "
+            f"compute with {processes} processes computing at once, {worst.ratio:.1f}x its profiled "
+            f"{worst.profiled_ms:.2f} ms; keeping it within {share:.0%} would take a time scale of {need:.1f} "
+            f"(at most {max_scale:g}): profile a slower device or a smaller model"
+        )
+    scale = max(1.0, math.ceil(need * 10) / 10)
+    why = (
+        f"{worst.name} needs {worst.ratio:.2f}x its profiled time here; scaled to keep it within {share:.0%}"
+        if scale > 1
+        else f"real compute within {share:.0%} of the profile without scaling"
+    )
+    return Calibration(scale, tuple(ops), processes, why)
+
+
+def scale_spec(spec: ClusterSpec, k: float) -> ClusterSpec:
+    """The spec on a device (and WAN) `k` times slower; see the module docstring."""
+    if k == 1:
+        return spec
+
+    def times(v: float | None) -> float | None:
+        return None if v is None else v * k
+
+    dev = spec.device
+    device = msgspec.structs.replace(
+        dev,
+        fwd_ms_per_layer=times(dev.fwd_ms_per_layer),
+        bwd_ms_per_layer=times(dev.bwd_ms_per_layer),
+        allreduce_ms=dev.allreduce_ms * k,
+        step_ms=dev.step_ms * k,
+        prefill_ms_per_layer=times(dev.prefill_ms_per_layer),
+        prefill_us_per_token=times(dev.prefill_us_per_token),
+    )
+
+    def link(p: LinkParams) -> LinkParams:
+        return msgspec.structs.replace(p, latency_ms=p.latency_ms * k, bandwidth_gbps=p.bandwidth_gbps / k)
+
+    def override(o: LinkOverride) -> LinkOverride:
+        bandwidth = None if o.bandwidth_gbps is None else o.bandwidth_gbps / k
+        return msgspec.structs.replace(o, latency_ms=times(o.latency_ms), bandwidth_gbps=bandwidth)
+
+    wan = msgspec.structs.replace(spec.wan, default=link(spec.wan.default), links=tuple(map(override, spec.wan.links)))
+    bt = spec.bubbletea
+    bubbletea = msgspec.structs.replace(
+        bt, stage_ms=bt.stage_ms * k, keep_ahead_ms=bt.keep_ahead_ms * k, unready_after_s=bt.unready_after_s * k
+    )
+    return msgspec.structs.replace(spec, device=device, wan=wan, bubbletea=bubbletea)
+
+
+# --- measuring (torch; in processes of their own) ----------------------------------------------
+
+
+def _time_ops(spec: ClusterSpec, start_at: float) -> dict[str, float]:
+    """In one process: the median real ms of each profiled operation (starting together at
+    `start_at`, so the processes compete for the cores as the workers will)."""
+    import torch
+
+    from shared.model.gpt import build_stage
+    from shared.model.prefill import PrefillModel
+    from shared.model.shape import GPTConfig
+    from shared.plan import profile_ms
+
+    torch.set_num_threads(1)  # as a worker runs
+    out: dict[str, float] = {}
+    stages = spec.parallelism.pp
+    model = build_stage(GPTConfig.from_spec(spec.model), spec.model.seed, 1 if stages > 1 else 0, stages)
+    x = torch.randn(spec.training.microbatch_size, spec.model.seq_len, spec.model.d_model)
+    prefill = PrefillModel.from_spec(spec.prefill) if spec.bubbletea.enabled else None
+    tokens = [i % 200 + 1 for i in range(min(PREFILL_TOKENS, spec.prefill.max_prompt_tokens))]
+    time.sleep(max(0.0, start_at - time.time()))
+    if profile_ms(spec) is not None:
+        samples = []
+        for i in range(REPS + 1):
+            t0 = time.perf_counter()
+            inp = x.clone().requires_grad_(True)
+            model(inp).float().sum().backward()
+            if i:
+                samples.append((time.perf_counter() - t0) * 1000)
+        out["train"] = statistics.median(samples)
+    if prefill is not None and _prefill_profiled(spec):
+        samples = []
+        for i in range(REPS + 1):
+            t0 = time.perf_counter()
+            prefill.prefill(tokens)
+            if i:
+                samples.append((time.perf_counter() - t0) * 1000 / prefill.layers)
+        out["prefill"] = statistics.median(samples)
+    return out
+
+
+def measure(spec: ClusterSpec, processes: int) -> list[OpCost]:
+    """The profiled operations' real cost here with `processes` computing at once: a forward and
+    backward of one stage on one microbatch (a middle stage: no embedding or loss), and one
+    prefill block of a `PREFILL_TOKENS`-token prompt."""
+    from shared.plan import profile_ms
+
+    prof = profile_ms(spec)
+    start_at = time.time() + 2.0  # every process has built its models by then
+    with ProcessPoolExecutor(processes, mp_context=get_context("spawn")) as pool:
+        results = list(pool.map(_time_ops, [spec] * processes, [start_at] * processes))
+    ops = []
+    if prof is not None:
+        layers = max(1, spec.model.layers // spec.parallelism.pp)
+        real = statistics.median(r["train"] for r in results)
+        ops.append(OpCost("a stage's forward + backward", real, (prof[0] + prof[1]) * layers))
+    if results and "prefill" in results[0]:
+        dev = spec.device
+        profiled = (dev.prefill_ms_per_layer or 0.0) + (dev.prefill_us_per_token or 0.0) * len_tokens(spec) / 1000
+        ops.append(
+            OpCost(
+                f"a prefill block ({len_tokens(spec)} tokens)",
+                statistics.median(r["prefill"] for r in results),
+                profiled,
+            )
+        )
+    return ops
+
+
+def _prefill_profiled(spec: ClusterSpec) -> bool:
+    return spec.device.prefill_ms_per_layer is not None or spec.device.prefill_us_per_token is not None
+
+
+def len_tokens(spec: ClusterSpec) -> int:
+    return min(PREFILL_TOKENS, spec.prefill.max_prompt_tokens)
+
+
+def calibrate(spec: ClusterSpec, processes: int | None = None) -> Calibration:
+    """Measure and choose (a run's launcher calls this before starting its workers)."""
+    from shared.plan import profile_ms
+
+    n = processes or spec.parallelism.pp * spec.parallelism.dp
+    if profile_ms(spec) is None and not (spec.bubbletea.enabled and _prefill_profiled(spec)):
+        return choose_scale([], n)  # nothing pads: nothing to keep
+    return choose_scale(measure(spec, max(1, min(n, 2 * (os.cpu_count() or 1)))), n)
