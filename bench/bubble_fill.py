@@ -18,7 +18,10 @@ Cases: DP=2 (four workers) and DP=1 (two), each in two modes:
 
 Prints a table per case and one JSON line per case; the last line is always the headline case.
 Keys: dispatch_p50_ms / dispatch_p99_ms (bubble start on the worker -> its first prefill running),
-bubble_fill_ratio (prefill time / bubble time, steady window), utilization_off / utilization_on
+bubble_fill_ratio (prefill time / bubble time, steady window), device_time_scale (one profiled ms
+= K real ms: measured and chosen first unless --time-scale K; times reported in emulated ms),
+prefill_lag_pct (prefill lag over prefill time, %), cpu_share_max (the busiest process's CPU share
+in the BubbleTea runs, 1.0 = one core; per service in cpu_share_by_service), utilization_off / utilization_on
 (training + prefill time / window, mean over workers), train_slowdown_pct (median over pairs of
 steady iteration time on vs off), prediction_error_p50_ms / _p90_ms (|actual - predicted| bubble
 length), overrun_p50_ms / _p99_ms (training input arrived -> training resumed, per filled bubble),
@@ -108,6 +111,68 @@ async def load(api: str, url: str, run: str, concurrency: int, duration_s: float
     return await run_loadgen(url, run, args, out)
 
 
+class CpuSampler:
+    """Every `PERIOD_S`, the CPU time (user + system) of this process and of every process it
+    started, directly or not (/proc): each one's share of one core while it was seen (1.0 = a
+    whole core). Keyed "<service>:<pid>"."""
+
+    PERIOD_S = 0.25
+
+    def __init__(self) -> None:
+        self.first: dict[int, tuple[float, float]] = {}
+        self.last: dict[int, tuple[float, float]] = {}
+        self.names: dict[int, str] = {}
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.to_thread(self.sample)
+            await asyncio.sleep(self.PERIOD_S)
+
+    def sample(self) -> None:
+        now, parent, cpu = time.monotonic(), {}, {}
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            pid = int(d.name)
+            parent[pid] = int(fields[1])
+            cpu[pid] = (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
+        mine, frontier = {os.getpid()}, [os.getpid()]
+        while frontier:
+            kids = [p for p, pp in parent.items() if pp in frontier and p not in mine]
+            mine.update(kids)
+            frontier = kids
+        for pid in mine:
+            self.first.setdefault(pid, (now, cpu[pid]))
+            self.last[pid] = (now, cpu[pid])
+            if pid not in self.names:
+                self.names[pid] = _service_name(pid)
+
+    def shares(self) -> dict[str, float]:
+        out = {}
+        for pid, (t1, c1) in self.last.items():
+            t0, c0 = self.first[pid]
+            if t1 - t0 >= 1.0:
+                out[f"{self.names[pid]}:{pid}"] = round((c1 - c0) / (t1 - t0), 3)
+        return out
+
+
+def _service_name(pid: int) -> str:
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    words = [a.decode(errors="replace") for a in args if a]
+    for w in words:
+        if w.startswith("services.") or w in ("loadgen", "bench/bubble_fill.py"):
+            return w.removeprefix("services.")
+    return Path(words[0]).name if words else "?"
+
+
 async def one_run(
     url: str,
     workdir: Path,
@@ -130,11 +195,18 @@ async def one_run(
         result = await run_training(settings, url, out=out, progress=False, quiet=True)
     else:
         env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path)}
-        async with front_door(env, out=out) as door:
-            assert door.url is not None
-            client = asyncio.create_task(load(door.url, url, run, concurrency, load_s, workdir / "loadgen.json"))
-            result = await run_training(settings, url, out=out, progress=False, quiet=True, dispatcher=True)
-            extra = {"load": await client}
+        sampler = CpuSampler()
+        sampling = asyncio.create_task(sampler.run())
+        try:
+            async with front_door(env, out=out) as door:
+                assert door.url is not None
+                client = asyncio.create_task(load(door.url, url, run, concurrency, load_s, workdir / "loadgen.json"))
+                result = await run_training(settings, url, out=out, progress=False, quiet=True, dispatcher=True)
+                extra = {"load": await client}
+        finally:
+            sampling.cancel()
+            await asyncio.gather(sampling, return_exceptions=True)
+        extra["cpu"] = sampler.shares()
     r = Redis.from_url(url)
     try:
         spans = await run_spans(r, run)
@@ -150,6 +222,7 @@ class Pair:
     spans_off: list[Span]
     spans_on: list[Span]
     load: dict[str, Any]
+    cpu: dict[str, float]  # the BubbleTea run's processes: share of one core each
 
 
 async def run_case(
@@ -163,8 +236,17 @@ async def run_case(
         off, off_t = await one_run(url, workdir, enabled=False, **kw)
         # closed loop for the whole run: the load lasts as long as the training did with BubbleTea off
         on, on_t = await one_run(url, workdir, enabled=True, load_s=sum(off.iteration_s), **kw)
-        done.append(Pair(off, on, off_t["spans"], on_t["spans"], on_t["load"]))
+        done.append(Pair(off, on, off_t["spans"], on_t["spans"], on_t["load"], on_t["cpu"]))
     return summarise(done, dp=dp, mode=mode, iterations=iterations, concurrency=concurrency)
+
+
+def _by_service(runs: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for cpu in runs:
+        for key, share in cpu.items():
+            name = key.rsplit(":", 1)[0]
+            out[name] = max(out.get(name, 0.0), share)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def lag_pct(lag_ms: float, spans: list[Span]) -> float:
@@ -223,6 +305,10 @@ def summarise(pairs: list[Pair], **case: Any) -> dict[str, Any]:
         # accepted but never answered nor failed explicitly (an HTTP status is an explicit answer)
         "requests_lost": sum(n for k, n in errors.items() if not k.isdigit()),
         "losses_equal": all(p.off.losses == p.on.losses for p in pairs),
+        # each process's CPU share in the BubbleTea runs (1.0 = one whole core): the largest, and
+        # per service the largest over its processes and pairs
+        "cpu_share_max": round(max((x for p in pairs for x in p.cpu.values()), default=0.0), 3),
+        "cpu_share_by_service": _by_service(p.cpu for p in pairs),
     }
 
 
