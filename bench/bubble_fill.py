@@ -19,7 +19,8 @@ Cases: DP=2 (four workers) and DP=1 (two), each in two modes:
 Prints a table per case and one JSON line per case; the last line is always the headline case.
 Keys: dispatch_p50_ms / dispatch_p99_ms (bubble start on the worker -> its first prefill running),
 bubble_fill_ratio (prefill time / bubble time, steady window), device_time_scale (one profiled ms
-= K real ms: measured and chosen first unless --time-scale K; times reported in emulated ms),
+= K real ms: measured and chosen first unless --time-scale K; iter_ms_off / iter_ms_on are in
+emulated ms, the latencies and tokens/s on the real clock),
 prefill_lag_pct (prefill lag over prefill time, %), cpu_share_max (the busiest process's CPU share
 in the BubbleTea runs, 1.0 = one core; per service in cpu_share_by_service), utilization_off / utilization_on
 (training + prefill time / window, mean over workers), train_slowdown_pct (median over pairs of
