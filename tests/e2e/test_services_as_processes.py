@@ -88,12 +88,15 @@ def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "==> prefill_queue is healthy" in r.stdout
+    assert "==> device time scale " in r.stdout  # measured here and said (shared/timescale.py)
     for step in ("[1/3] Fair sharing", "[2/3] Atlas", "[3/3] Atlas + BubbleTea"):
         assert step in r.stdout
     assert r.stdout.count("iteration ") >= 12  # progress of every run is visible
     (folder,) = (tmp_path / "runs").iterdir()
     summary = json.loads((folder / "summary.json").read_text())
     runs = {run["name"]: run["metrics"] for run in summary["runs"]}
+    assert summary["device_time_scale"] >= 1
+    assert all(m["device_time_scale"] == summary["device_time_scale"] for m in runs.values())
     assert list(runs) == ["fair", "atlas", "bubbletea"]
     assert runs["bubbletea"]["requests_answered"] > 0 and runs["bubbletea"]["requests_lost"] == 0
     assert runs["bubbletea"]["ttft_p50_ms"] > 0 and runs["bubbletea"]["prefill_tokens_per_s"] > 0
