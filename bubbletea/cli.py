@@ -203,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start Redis (embedded unless REDIS_URL is set) and the front door, then train the spec "
         "three ways over live services: fair WAN sharing with one connection, Atlas (temporal sharing, several "
         "connections), and Atlas + BubbleTea while the load generator sends prefill requests over HTTP. Prints "
-        "a comparison table and writes a run folder with the JSON, the table and the pictures.",
+        "a comparison table and writes a run folder with the JSON, the table and the pictures. First it measures "
+        "this machine and picks the device time scale that keeps real compute within 10%% of the profiled time "
+        "(times are then reported in emulated ms); BUBBLETEA_TIME_SCALE=K sets it instead.",
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
@@ -219,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ready; print the API URL and every service's /metrics. Training (and so serving) goes on until Ctrl-C, "
         "whatever training.iterations the spec says, unless --iterations N is given. Stops on Ctrl-C, when a "
         "process dies (naming it), or when a finite run finishes; then writes the run folder (spans, summary, "
-        "pictures).",
+        "pictures). Like demo, it first picks the device time scale (BUBBLETEA_TIME_SCALE=K sets it).",
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
