@@ -16,7 +16,7 @@ import uvloop
 
 from bubbletea.launcher.kernel_wan import KernelWanError
 from bubbletea.launcher.procs import ServiceFailed
-from shared.config import UNTIL_STOPPED, ConfigError, load_spec
+from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, load_spec
 from shared.logs import setup_logging
 from shared.policies.placement import PlacementError
 from shared.settings import load_settings
@@ -69,11 +69,16 @@ def _up(args: argparse.Namespace) -> int:
         raise ConfigError(f"--iterations must be >= 1, got {args.iterations}")
     # A service: it trains (and so serves) until stopped, whatever the spec says, unless told a number.
     iterations = args.iterations if args.iterations is not None else UNTIL_STOPPED
-    training = msgspec.structs.replace(settings.spec.training, iterations=iterations)
-    spec = msgspec.structs.replace(settings.spec, training=training)
-    if args.decode:
-        spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, enabled=True))
-    settings = dataclasses.replace(settings, spec=spec)
+
+    def adjusted(spec: ClusterSpec) -> ClusterSpec:
+        spec = msgspec.structs.replace(spec, training=msgspec.structs.replace(spec.training, iterations=iterations))
+        if args.decode:
+            spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, enabled=True))
+        return spec
+
+    # both the spec in effect and the unscaled one the services are given (they apply the time scale)
+    base = adjusted(settings.base_spec or settings.spec)
+    settings = dataclasses.replace(settings, spec=adjusted(settings.spec), base_spec=base)
     setup_logging("up", "WARNING")
     persist = args.persist or os.environ.get("BUBBLETEA_REDIS_PERSIST", "").lower() in ("1", "true", "yes", "on")
     return uvloop.run(run_up(settings, out_root=Path(args.out), verbose=args.verbose, persist=persist))

