@@ -10,6 +10,10 @@ door accepts less), and the simulator replays exactly the requests the live fron
 read off its request stream as they were queued (submission time and prompt length), at the same
 moments relative to the steady window.
 
+Both sides run on the device time scale (`shared.timescale`: measured here per case unless
+`--time-scale K`): the live services get it from the environment, the simulator runs the scaled
+spec, the load's rate is per emulated second, and iteration times are reported in emulated ms.
+
 Every figure comes from `bubbletea.runstats` on each side's spans (steady iteration time as
 `bubbletea train` reports it); per case and overall the relative error |sim - live| / live of the
 iteration time, the bubble fraction and (BubbleTea on) the fill ratio.
@@ -34,6 +38,7 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import random
 import sys
 import tempfile
@@ -57,6 +62,7 @@ from shared import keys
 from shared.config import ClusterSpec, load_spec
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
+from shared.timescale import calibrate, scale_spec
 from shared.wire import FIELD, PrefillRequest, decode
 from sim.run import run_off, run_on
 from sim.setup import DEFAULT_PREFILL, build
@@ -197,12 +203,25 @@ def figures(iteration_s: float, spans: list[runstats.Span], bubbletea: bool) -> 
 
 
 async def run_case(
-    case: Case, url: str, workdir: Path, *, iterations: int | None, rate: float, prefill_scale: float
+    case: Case,
+    url: str,
+    workdir: Path,
+    *,
+    iterations: int | None,
+    rate: float,
+    prefill_scale: float,
+    time_scale: float | None = None,
 ) -> dict[str, Any]:
     raw = case_spec(case, iterations, prefill_scale)
     path = workdir / f"{case.name}.yaml"
     path.write_text(yaml.safe_dump(raw))
-    spec = load_spec(path)
+    # The live services run the spec on the device time scale (this machine measured, unless
+    # --time-scale K); the simulator runs the same scaled spec, so both sides share one clock, and
+    # the load's rate is per emulated second. Times are reported in emulated ms (real / k).
+    k = time_scale if time_scale is not None else (await asyncio.to_thread(calibrate, load_spec(path))).scale
+    os.environ["BUBBLETEA_TIME_SCALE"] = f"{k:g}"  # the live services inherit it
+    spec = scale_spec(load_spec(path), k)
+    rate /= k
     setup = build(spec)
     predicted = run_off(setup, spec.training.iteration_limit or 2)
     load_s = 1.3 * sum(predicted.iteration_times) + 2.0  # from the first bubble to past training's end
@@ -211,9 +230,9 @@ async def run_case(
     live = await run_live(raw, url, workdir, rate=rate, load_s=load_s, input_len=input_len)
     wall = time.perf_counter() - t0
     sim_iter, sim_spans = simulate(spec, live)
-    got_live = figures(live.train.steady_iteration_s(), live.spans, case.bubbletea)
-    got_sim = figures(sim_iter, sim_spans, case.bubbletea)
-    row: dict[str, Any] = {"case": case.name, "iterations": len(live.train.iteration_s)}
+    got_live = figures(live.train.steady_iteration_s() / k, live.spans, case.bubbletea)
+    got_sim = figures(sim_iter / k, sim_spans, case.bubbletea)
+    row: dict[str, Any] = {"case": case.name, "iterations": len(live.train.iteration_s), "device_time_scale": k}
     for f in FIGURES:
         a, b = got_live[f], got_sim[f]
         row[f"{f}_live"], row[f"{f}_sim"] = _r(a), _r(b)
@@ -289,6 +308,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                             iterations=iterations,
                             rate=args.request_rate,
                             prefill_scale=args.prefill_scale,
+                            time_scale=None if args.time_scale == "auto" else float(args.time_scale),
                         )
                     )
                 except RuntimeError as exc:  # e.g. the load generator gave up: no live figures to compare
@@ -308,6 +328,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=1.0,
         help="multiply the specs' prefill profile (a device the live machine can keep up with; default 1)",
+    )
+    ap.add_argument(
+        "--time-scale",
+        default="auto",
+        metavar="K",
+        help="the device time scale of every case (shared/timescale.py): auto (the default) measures this "
+        "machine for each case's spec; or a number >= 1 (1: the profile as written)",
     )
     args = ap.parse_args(argv)
     if not args.prefill_scale > 0:

@@ -154,7 +154,8 @@ def _time_ops(spec: ClusterSpec, start_at: float) -> dict[str, float]:
     model = build_stage(GPTConfig.from_spec(spec.model), spec.model.seed, 1 if stages > 1 else 0, stages)
     x = torch.randn(spec.training.microbatch_size, spec.model.seq_len, spec.model.d_model)
     prefill = PrefillModel.from_spec(spec.prefill) if spec.bubbletea.enabled else None
-    tokens = [i % 200 + 1 for i in range(min(PREFILL_TOKENS, spec.prefill.max_prompt_tokens))]
+    n = min(len_tokens(spec), prefill.max_tokens) if prefill is not None else 0
+    tokens = [i % 200 + 1 for i in range(n)]
     time.sleep(max(0.0, start_at - time.time()))
     if profile_ms(spec) is not None:
         samples = []
@@ -173,6 +174,7 @@ def _time_ops(spec: ClusterSpec, start_at: float) -> dict[str, float]:
             if i:
                 samples.append((time.perf_counter() - t0) * 1000 / prefill.layers)
         out["prefill"] = statistics.median(samples)
+        out["prefill_tokens"] = n
     return out
 
 
@@ -192,11 +194,11 @@ def measure(spec: ClusterSpec, processes: int) -> list[OpCost]:
         real = statistics.median(r["train"] for r in results)
         ops.append(OpCost("a stage's forward + backward", real, (prof[0] + prof[1]) * layers))
     if results and "prefill" in results[0]:
-        dev = spec.device
-        profiled = (dev.prefill_ms_per_layer or 0.0) + (dev.prefill_us_per_token or 0.0) * len_tokens(spec) / 1000
+        dev, n = spec.device, int(results[0]["prefill_tokens"])
+        profiled = (dev.prefill_ms_per_layer or 0.0) + (dev.prefill_us_per_token or 0.0) * n / 1000
         ops.append(
             OpCost(
-                f"a prefill block ({len_tokens(spec)} tokens)",
+                f"a prefill block ({n} tokens)",
                 statistics.median(r["prefill"] for r in results),
                 profiled,
             )
