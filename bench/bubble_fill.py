@@ -65,6 +65,7 @@ from bubbletea.runstats import (
     overruns_ms,
     percentile,
     prediction_errors_ms,
+    prefill_lag_share,
     run_spans,
     utilization,
 )
@@ -250,11 +251,6 @@ def _by_service(runs: Any) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def lag_pct(lag_ms: float, spans: list[Span]) -> float:
-    prefill_ms = sum(s.duration for s in spans if s.kind == "prefill") * 1000
-    return 100 * lag_ms / prefill_ms if prefill_ms > 0 else 0.0
-
-
 def summarise(pairs: list[Pair], **case: Any) -> dict[str, Any]:
     def med(values: list[float]) -> float:
         return float(median(values) or 0.0)
@@ -286,7 +282,7 @@ def summarise(pairs: list[Pair], **case: Any) -> dict[str, Any]:
         "prefill_lag_ms_on": round(med([p.on.prefill_lag_ms for p in pairs]), 1),
         # prefill lag over prefill time (both real), percent: how far the real prefill compute ran
         # behind the profile it pads to
-        "prefill_lag_pct": round(med([lag_pct(p.on.prefill_lag_ms, p.spans_on) for p in pairs]), 2),
+        "prefill_lag_pct": round(med([100 * prefill_lag_share(p.on.prefill_lag_ms, p.spans_on) for p in pairs]), 2),
         "bubble_fraction_off": round(med([u.bubble for u in u_off]), 3),
         "utilization_off": round(med([u.busy for u in u_off]), 3),
         "utilization_on": round(med([u.busy for u in u_on]), 3),

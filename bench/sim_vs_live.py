@@ -243,9 +243,8 @@ async def run_case(
     # the simulator can know), and when the live load began, from the steady window's start (s).
     slots = spec.parallelism.pp * spec.parallelism.dp
     row["lag_share"] = round(live.train.lag_ms / 1000 / (slots * sum(live.train.iteration_s)), 4)
-    prefill_s = sum(s.duration for s in live.spans if s.kind == "prefill")
-    if prefill_s > 0:
-        row["prefill_lag_share"] = round(live.train.prefill_lag_ms / 1000 / prefill_s, 4)
+    if any(s.kind == "prefill" for s in live.spans):
+        row["prefill_lag_share"] = round(runstats.prefill_lag_share(live.train.prefill_lag_ms, live.spans), 4)
     if live.requests:
         row["load_from_s"] = round(live.requests[0][0] - runstats.steady_window(live.spans)[0], 3)
         row["requests"], row["input_len"] = len(live.requests), input_len

@@ -287,6 +287,13 @@ def overruns_ms(spans: Iterable[Span]) -> list[float]:
     return out
 
 
+def prefill_lag_share(prefill_lag_ms: float, spans: Iterable[Span]) -> float:
+    """The prefill lag behind the device profile over the run's prefill time (both real): the
+    share of prefill time that was real compute running late. 0 without prefill."""
+    prefill_ms = sum(s.duration for s in spans if s.kind == "prefill") * 1000
+    return prefill_lag_ms / prefill_ms if prefill_ms > 0 else 0.0
+
+
 def percentile(values: list[float], p: float) -> float | None:
     """The p-th percentile (0-100) by linear interpolation; None for no values."""
     if not values:

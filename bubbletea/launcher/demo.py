@@ -194,13 +194,12 @@ def _metrics(
 ) -> dict[str, Any]:
     """The row of one run. Times in emulated ms (real over the device time scale `scale`)."""
     u = runstats.utilization(spans)
-    prefill_ms = sum(s.duration for s in spans if s.kind == "prefill") * 1000
     m: dict[str, Any] = {
         "iteration_ms": round(result.steady_iteration_s() * 1000 / scale, 1),
         "device_time_scale": scale,
         # how far real compute ran behind the profile it pads to (real ms; the prefill's as a share)
         "training_lag_ms": round(result.lag_ms, 1),
-        "prefill_lag_pct": round(100 * result.prefill_lag_ms / prefill_ms, 3) if prefill_ms > 0 else 0.0,
+        "prefill_lag_pct": round(100 * runstats.prefill_lag_share(result.prefill_lag_ms, spans), 3),
         "bubble_fraction": round(u.bubble, 4),
         "utilization": round(u.busy, 4),
         "training_utilization": round(u.training, 4),

@@ -224,8 +224,7 @@ def kv_params(r: PrefillResult) -> dict[str, Any]:
     if not r.kv_key:
         none = {"store": "none", "key": None, "format": None, "bytes": 0, "expires_at": None}
         return {**vllm, **none, "why": r.kv_note or "no KV cache was stored"}
+    handle = {"store": "plane" if r.kv_holder else "redis", "key": r.kv_key, "format": KV_HANDLE_FORMAT}
     if r.kv_holder:
-        handle = {"store": "plane", "holder": r.kv_holder, "key": r.kv_key, "format": KV_HANDLE_FORMAT}
-    else:
-        handle = {"store": "redis", "key": r.kv_key, "format": KV_HANDLE_FORMAT}
+        handle["holder"] = r.kv_holder
     return {**vllm, **handle, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at}

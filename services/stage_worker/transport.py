@@ -172,11 +172,14 @@ class Transport:
             return
         self._track(self._granted_send(ready, gen, peer, tensor, src_dc, dst_dc, inbox))
 
-    async def _transmit(self, gen: int, peer: str, tensor: torch.Tensor, tag: int) -> None:
+    async def _transmit(self, gen: int, peer: str, tensor: torch.Tensor, tag: int) -> bool:
+        """Send on the data plane; False (the failure recorded) if the peer is gone."""
         try:
             await in_thread(self.plane.send, gen, peer, tensor, tag)
         except PlaneError as exc:
             self._fail(gen, exc)
+            return False
+        return True
 
     async def _granted_send(
         self, ready: TensorReady, gen: int, peer: str, tensor: torch.Tensor, src_dc: str, dst_dc: str, inbox: str
@@ -203,11 +206,8 @@ class Transport:
         await granted
         self._grants.pop(transfer_id, None)
         self.outbox.send(inbox, msgspec.structs.replace(ready, slot=transfer_id))
-        try:
-            await in_thread(self.plane.send, gen, peer, tensor, tag_of(ready.what, ready.iteration, ready.microbatch))
-        except PlaneError as exc:  # the receiver will not report: free the slot here
-            self._slot_done(transfer_id, src_dc, dst_dc, 0.0)
-            self._fail(gen, exc)
+        if not await self._transmit(gen, peer, tensor, tag_of(ready.what, ready.iteration, ready.microbatch)):
+            self._slot_done(transfer_id, src_dc, dst_dc, 0.0)  # the receiver will not report: free it here
 
     def _slot_done(self, transfer_id: str, src_dc: str, dst_dc: str, seconds: float) -> None:
         done = SlotDone(run=self.run, transfer_id=transfer_id, src_dc=src_dc, dst_dc=dst_dc, seconds=seconds)

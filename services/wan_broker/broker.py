@@ -122,8 +122,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 except TimeoutError:
                     try:  # telemetry: a report Redis cannot take is skipped, the loop goes on
                         for driver in drivers.values():
-                            if isinstance(driver, SlotDriver):
-                                await driver.expire()
+                            await driver.expire()
                         await _report(bus, settings.run, drivers)
                     except TRANSIENT_ERRORS as exc:
                         outage.failed(exc)

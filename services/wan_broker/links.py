@@ -89,6 +89,9 @@ class LinkDriver:
         sent = now - max(0.0, time.time() - msg.sent_at)
         return min(now, max(sent, self.sharing.now))
 
+    async def expire(self) -> None:
+        """Nothing to reclaim: the link model releases every transfer itself."""
+
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, *self._deliveries, return_exceptions=True)

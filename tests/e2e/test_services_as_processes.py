@@ -75,17 +75,21 @@ def _tiny_spec(tmp_path: Path, iterations: int = 4) -> Path:
     return write_spec(tmp_path, training={**SPEC["training"], "iterations": iterations})
 
 
-def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # embedded Redis path
-    spec = _tiny_spec(tmp_path)
-    r = subprocess.run(
+def _demo(tmp_path: Path, spec: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`bubbletea demo` as a new user runs it: the embedded Redis, the time scale measured here."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_TIME_SCALE")}
+    return subprocess.run(
         [sys.executable, "-m", "bubbletea.cli", "demo", "--config", str(spec), "--out", str(tmp_path / "runs")],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         cwd=ROOT,
     )
+
+
+def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
+    r = _demo(tmp_path, _tiny_spec(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "==> prefill_queue is healthy" in r.stdout
     assert "==> device time scale " in r.stdout  # measured here and said (shared/timescale.py)
@@ -232,16 +236,7 @@ def test_demo_refuses_a_device_profile_this_machine_cannot_keep(tmp_path: Path) 
     """A prefill block profiled at 1 µs: no time scale up to the limit keeps the real compute within
     its share, so the demo refuses before starting anything, naming the operation (exit 2)."""
     device = {**SPEC["device"], "prefill_ms_per_layer": 0.001, "prefill_us_per_token": 0.0}
-    spec = write_spec(tmp_path, device=device)
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_TIME_SCALE")}
-    r = subprocess.run(
-        [sys.executable, "-m", "bubbletea.cli", "demo", "--config", str(spec), "--out", str(tmp_path / "runs")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    r = _demo(tmp_path, write_spec(tmp_path, device=device), timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "cannot keep the device profile: a prefill block" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
