@@ -29,26 +29,31 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
+from multiprocessing.synchronize import Barrier
 
 import msgspec
 
 from shared.config import ClusterSpec, ConfigError, LinkOverride, LinkParams
 
-#: Real compute may take at most this share of an operation's (scaled) profiled time. Measured
-#: with `bench/bubble_fill.py --quick` on 2 cores (four workers, the front door, the dispatcher,
-#: the load generator and Redis): a prefill block's real cost at 30% of its profiled time left the
-#: prefill 18% behind its profile and training 4-5% slower; at 15%, 2.3% and 1.4%; at 10%, 0.4%
-#: and 0.5%. The rest of the cores are the serving stack's.
-SHARE = 0.1
+#: Real compute may take at most this share of an operation's (scaled) profiled time, its cost
+#: measured with every worker computing at once (`measure`: about twice the unshared cost when four
+#: workers share two cores). Measured with `bench/bubble_fill.py --quick` on 2 cores (four workers,
+#: the front door, the dispatcher, the load generator and Redis), by the scale it led to: at 2.6 the
+#: prefill ran 1.9% behind its profile and training 1.0% slower (fill ratio 0.87); at 4, 1.5% and
+#: 0.8%; at 5.2 (this share), 0.1% and 0.3% (fill 0.92); at 8.1, 0.04% and 0.1%. The rest of the
+#: cores are the serving stack's.
+SHARE = 0.15
 #: A profile that would need a larger scale is refused: the machine cannot keep it.
 MAX_SCALE = 20.0
 #: A prompt of this many tokens stands for a prefill block (the benchmark's load: ~96 tokens).
 PREFILL_TOKENS = 128
-#: Timed repetitions per operation and process (after one warm-up).
-REPS = 5
+#: Each operation is repeated this long by every process at once (and at least `MIN_REPS` times).
+WINDOW_S = 0.5
+MIN_REPS = 5
 
 
 @dataclass(frozen=True)
@@ -138,9 +143,19 @@ def scale_spec(spec: ClusterSpec, k: float) -> ClusterSpec:
 # --- measuring (torch; in processes of their own) ----------------------------------------------
 
 
-def _time_ops(spec: ClusterSpec, start_at: float) -> dict[str, float]:
-    """In one process: the median real ms of each profiled operation (starting together at
-    `start_at`, so the processes compete for the cores as the workers will)."""
+_barrier: Barrier | None = None  # in a measuring process: every process built its models
+
+
+def _join(barrier: Barrier) -> None:
+    global _barrier
+    _barrier = barrier
+
+
+def _time_ops(spec: ClusterSpec) -> dict[str, float]:
+    """In one process: the real ms of each profiled operation. Every process repeats each
+    operation for the same `WINDOW_S`, starting together once all have built their models, so they compete for the
+    cores the whole time as the workers will (a handful of repetitions each was too short to
+    overlap: the chosen scale swung between 2.7 and 8.1 from one measurement to the next)."""
     import torch
 
     from shared.model.gpt import build_stage
@@ -156,26 +171,36 @@ def _time_ops(spec: ClusterSpec, start_at: float) -> dict[str, float]:
     prefill = PrefillModel.from_spec(spec.prefill) if spec.bubbletea.enabled else None
     n = min(len_tokens(spec), prefill.max_tokens) if prefill is not None else 0
     tokens = [i % 200 + 1 for i in range(n)]
-    time.sleep(max(0.0, start_at - time.time()))
+
+    def train() -> None:
+        model(x.clone().requires_grad_(True)).float().sum().backward()
+
+    train()  # warm-up, before the common start
+    if prefill is not None:
+        prefill.prefill(tokens)
+    assert _barrier is not None, "measure() starts the processes with the barrier"
+    _barrier.wait(timeout=120)
+    at = time.time()
     if profile_ms(spec) is not None:
-        samples = []
-        for i in range(REPS + 1):
-            t0 = time.perf_counter()
-            inp = x.clone().requires_grad_(True)
-            model(inp).float().sum().backward()
-            if i:
-                samples.append((time.perf_counter() - t0) * 1000)
-        out["train"] = statistics.median(samples)
+        out["train"] = _repeat(train, at)
+        at += WINDOW_S
     if prefill is not None and _prefill_profiled(spec):
-        samples = []
-        for i in range(REPS + 1):
-            t0 = time.perf_counter()
-            prefill.prefill(tokens)
-            if i:
-                samples.append((time.perf_counter() - t0) * 1000 / prefill.layers)
-        out["prefill"] = statistics.median(samples)
+        out["prefill"] = _repeat(lambda: prefill.prefill(tokens), at) / prefill.layers
         out["prefill_tokens"] = n
     return out
+
+
+def _repeat(op: Callable[[], object], start_at: float) -> float:
+    """`op`'s cost in wall ms, repeated from `start_at` for `WINDOW_S` (at least `MIN_REPS` times):
+    the window over the repetitions, so time spent waiting for a core counts. (The median of single
+    repetitions did not: an operation shorter than the scheduler's slice is seldom preempted, and
+    the figure swung between the unshared cost and twice it from one measurement to the next.)"""
+    time.sleep(max(0.0, start_at - time.time()))
+    t0, reps = time.perf_counter(), 0
+    while reps < MIN_REPS or time.time() < start_at + WINDOW_S:
+        op()
+        reps += 1
+    return (time.perf_counter() - t0) * 1000 / reps
 
 
 def measure(spec: ClusterSpec, processes: int) -> list[OpCost]:
@@ -185,9 +210,9 @@ def measure(spec: ClusterSpec, processes: int) -> list[OpCost]:
     from shared.plan import profile_ms
 
     prof = profile_ms(spec)
-    start_at = time.time() + 2.0  # every process has built its models by then
-    with ProcessPoolExecutor(processes, mp_context=get_context("spawn")) as pool:
-        results = list(pool.map(_time_ops, [spec] * processes, [start_at] * processes))
+    ctx = get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=ctx, initializer=_join, initargs=(ctx.Barrier(processes),)) as pool:
+        results = list(pool.map(_time_ops, [spec] * processes))
     ops = []
     if prof is not None:
         layers = max(1, spec.model.layers // spec.parallelism.pp)

@@ -2,21 +2,34 @@
 cost within its share of the profiled time, a profile the machine cannot keep refused naming the
 operation, and the spec scaled consistently (device and WAN slower together)."""
 
+import time
+
 import msgspec
 import pytest
 
 from shared.config import ConfigError, LinkOverride, load_spec
 from shared.plan import predict, profile_ms
 from shared.settings import DEFAULT_SPEC, load_settings
-from shared.timescale import MAX_SCALE, SHARE, OpCost, choose_scale, scale_spec
+from shared.timescale import MAX_SCALE, SHARE, WINDOW_S, OpCost, _repeat, choose_scale, scale_spec
 
 
 def test_the_scale_keeps_the_worst_operation_within_its_share() -> None:
     ops = [OpCost("train", 1.0, 60.0), OpCost("prefill block", 0.34, 1.27)]
-    cal = choose_scale(ops, processes=4)
+    cal = choose_scale(ops, processes=4, share=0.1)
     assert cal.scale == pytest.approx(2.7)  # 0.34 / 1.27 / 0.1 = 2.68, rounded up to a tenth
-    assert all(o.real_ms <= SHARE * o.profiled_ms * cal.scale for o in ops)
+    assert all(o.real_ms <= 0.1 * o.profiled_ms * cal.scale for o in ops)
     assert "prefill block" in cal.why and "device time scale 2.7" in cal.line()
+    default = choose_scale(ops, processes=4)
+    assert all(o.real_ms <= SHARE * o.profiled_ms * default.scale for o in ops)
+
+
+def test_an_operation_costs_its_wall_time_over_the_window_waits_included() -> None:
+    """The measured cost is the window over the repetitions, not one repetition's time: time an
+    operation spends off the CPU (here asleep; under contention, waiting for a core) counts."""
+    started = time.time()
+    cost = _repeat(lambda: time.sleep(0.004), started)
+    assert 4.0 <= cost < 8.0
+    assert time.time() - started >= WINDOW_S
 
 
 def test_a_machine_fast_enough_keeps_scale_one_and_no_profile_needs_none() -> None:
