@@ -164,7 +164,7 @@ async def run_live(
             seen = asyncio.create_task(watch_requests(url, keys.PREFILL_REQUESTS_STREAM, requests))
             args = ["--base-url", door.url, "--request-rate", f"{rate:g}", "--duration", f"{load_s:.2f}"]
             args += ["--input-len", str(input_len), "--range-ratio", str(LOAD_RANGE_RATIO), "--seed", str(SEED)]
-            client = asyncio.create_task(run_loadgen(url, tag, args, workdir / f"{tag}-load.json"))
+            client = asyncio.create_task(run_loadgen(args, workdir / f"{tag}-load.json"))
             try:
                 result = await run_training(settings, url, out=out, progress=False, quiet=True, dispatcher=True)
                 await client

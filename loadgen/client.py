@@ -34,10 +34,12 @@ BACKENDS = {"completions": "openai", "native": "bubbletea"}
 #: waiting requests do not turn into a flood of GETs that competes with the work measured.
 POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.05
-#: Retrying GET /v1/models while the API starts (--ready-check-timeout-sec): a server that is
-#: starting needs seconds, so a tenth of a second doubling to one second loses little time.
+#: Retrying GET /v1/models and /ready while the API starts (--ready-check-timeout-sec): a tenth of
+#: a second doubling to a quarter. A training run's service opens the moment its first bubbles are
+#: announced (the front door re-reads that verdict every 0.25 s), and a load started while the
+#: run starts should follow within that, not a second later; four GETs a second cost nothing.
 READY_FIRST_S = 0.1
-READY_MAX_S = 1.0
+READY_MAX_S = 0.25
 #: One GET /v1/models attempt gives up after this long.
 MODELS_TIMEOUT_S = 10.0
 #: An HTTP header name (RFC 9110 token); a value may not contain a line break.

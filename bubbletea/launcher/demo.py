@@ -156,7 +156,7 @@ async def _run_phase(
     if phase.bubbletea:
         # the load's rate is per emulated second: a device k times slower serves k times fewer a real one
         rate = LOAD_RATE_PER_S / scale
-        load = asyncio.create_task(_load(api, url, run, max(1.0, load_s), folder / phase.name, rate))
+        load = asyncio.create_task(_load(api, max(1.0, load_s), folder / phase.name, rate))
     # The BubbleTea run trains on until the load is done: a load generator that got going late (a
     # busy machine, a short spec) still has bubbles to be served in, never a run that has ended.
     result = await run_training(phase_settings, url, progress=True, quiet=True, dispatcher=phase.bubbletea, until=load)
@@ -182,11 +182,11 @@ async def _run_phase(
     return row, wall
 
 
-async def _load(api: str, url: str, run: str, duration_s: float, folder: Path, rate: float) -> dict[str, Any]:
-    """The load generator from the run's first bubble on, for `duration_s`: its JSON summary."""
+async def _load(api: str, duration_s: float, folder: Path, rate: float) -> dict[str, Any]:
+    """The load generator from the moment the run serves, for `duration_s`: its JSON summary."""
     args = ["--base-url", api, "--request-rate", f"{rate:g}", "--duration", f"{duration_s:.1f}"]
     args += ["--input-len", str(LOAD_INPUT_LEN), "--range-ratio", str(LOAD_RANGE_RATIO), "--seed", "0"]
-    return await run_loadgen(url, run, args, folder / "loadgen.json")
+    return await run_loadgen(args, folder / "loadgen.json")
 
 
 def _metrics(

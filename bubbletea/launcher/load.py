@@ -1,4 +1,4 @@
-"""The load generator as a user runs it: its own process, started once a training run has bubbles.
+"""The load generator as a user runs it: its own process, started with the training run.
 
 Shared by `bubbletea demo` and `bench/bubble_fill.py`. It is niced like the front door: on a machine
 where everything shares a few cores, the guests yield the CPU to training (the owner).
@@ -14,24 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from bubbletea.launcher.procs import child_setup
-from shared import keys
-from shared.bus import Bus
-from shared.config import BusConfig
 
 #: Niceness of the load generator (as the front door's, `PREFILL_QUEUE.nice`).
 LOAD_NICE = 10
-#: How long to wait for a training run's first bubble before giving up.
-FIRST_BUBBLE_TIMEOUT_MS = 120_000
-#: And then for the API to say it serves.
-READY_TIMEOUT_S = 30
+#: How long the load generator waits for the API to say it serves: a training run's workers start
+#: and announce their first bubbles within this (the dispatcher's verdict then opens the service).
+READY_TIMEOUT_S = 150
 
 
-async def run_loadgen(redis_url: str, run: str, args: list[str], json_out: Path) -> dict[str, Any]:
-    """Wait for `run`'s first bubble, run ``python -m loadgen ARGS --json-out JSON_OUT --disable-tqdm``
-    and return its JSON summary (`RuntimeError` if it fails). The load generator itself then waits
-    for the front door's /ready (the dispatcher's verdict reaches it a moment after the bubble)."""
-    async with Bus(redis_url, BusConfig(), name="loadgen-launcher") as bus:
-        await bus.redis.xread({keys.bubbles_stream(run): "0"}, count=1, block=FIRST_BUBBLE_TIMEOUT_MS)
+async def run_loadgen(args: list[str], json_out: Path) -> dict[str, Any]:
+    """Run ``python -m loadgen ARGS --json-out JSON_OUT --disable-tqdm`` and return its JSON summary
+    (`RuntimeError` if it fails). Started with the training run, not after its first bubble: the
+    process is up and polling /ready while the workers start, so its first requests are queued
+    within a poll of the service opening, not after a process start (a second here) that the
+    run's first bubbles spent empty."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
