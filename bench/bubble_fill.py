@@ -19,7 +19,7 @@ Cases: DP=2 (four workers) and DP=1 (two), each in two modes:
 Prints a table per case and one JSON line per case; the last line is always the headline case.
 Keys: dispatch_p50_ms / dispatch_p99_ms (bubble start on the worker -> its first prefill running;
 over every bubble, and in _steady over iterations after the first: no request can wait for the
-first bubbles, since the service opens once they are announced),
+first bubbles, since the service opens once every worker has joined, as training starts),
 bubble_fill_ratio (prefill time / bubble time, steady window), device_time_scale (one profiled ms
 = K real ms: measured and chosen first unless --time-scale K; iter_ms_off / iter_ms_on are in
 emulated ms, the latencies and tokens/s on the real clock),
@@ -109,7 +109,7 @@ def bench_spec(*, enabled: bool, iterations: int, dp: int, mode: str = "profiled
 
 async def load(api: str, concurrency: int, duration_s: float, out: Path) -> dict[str, Any]:
     """The load generator: `concurrency` requests always in flight (closed loop), from the moment
-    the run serves (its first bubbles announced), for `duration_s`."""
+    the run serves (every worker joined: training starts), for `duration_s`."""
     args = ["--base-url", api, "--request-rate", "inf", "--max-concurrency", str(concurrency)]
     args += ["--duration", f"{duration_s:.2f}", "--num-prompts", "1000000", "--input-len", "96"]
     args += ["--range-ratio", "0.33", "--seed", "1"]
@@ -265,8 +265,8 @@ def summarise(pairs: list[Pair], **case: Any) -> dict[str, Any]:
     slowdowns = [(p.on.steady_iteration_s() / p.off.steady_iteration_s() - 1) * 100 for p in pairs]
     dispatch = [x for p in pairs for x in dispatch_latencies_ms(p.spans_on)]
     # the same latencies over the window of every other per-bubble figure (iterations after the
-    # first): the service opens once the first bubbles are announced, so no request can be waiting
-    # when those open, and the first request to arrive starts the bubble's prefill late
+    # first): the service opens once every worker has joined, as training starts, so no request can
+    # be waiting when the first bubbles open, and the first request to arrive starts their prefill late
     dispatch_steady = [x for p in pairs for x in dispatch_latencies_ms(steady(p.spans_on))]
     errors_ms = [x for p in pairs for x in prediction_errors_ms(p.spans_on)]
     overrun = [x for p in pairs for x in overruns_ms(p.spans_on)]

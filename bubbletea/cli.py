@@ -20,6 +20,7 @@ from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, load_spec
 from shared.logs import setup_logging
 from shared.policies.placement import PlacementError
 from shared.settings import load_settings
+from shared.timescale import SHARE
 
 DESCRIPTION = """\
 BubbleTea: pipeline-parallel training across datacenters (Atlas) with prefill-as-a-service
@@ -209,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         "three ways over live services: fair WAN sharing with one connection, Atlas (temporal sharing, several "
         "connections), and Atlas + BubbleTea while the load generator sends prefill requests over HTTP. Prints "
         "a comparison table and writes a run folder with the JSON, the table and the pictures. First it measures "
-        "this machine and picks the device time scale that keeps real compute within 10% of the profiled time "
+        f"this machine and picks the device time scale that keeps real compute within {SHARE:.0%} of the profiled time "
         "(times are then reported in emulated ms); BUBBLETEA_TIME_SCALE=K sets it instead.",
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")

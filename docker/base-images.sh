@@ -68,13 +68,12 @@ tar -C "$ROOTFS" -c . | docker import \
 
 say "building $BASE_TAG"
 mkdir -p "$WORK/wheels"
+printf 'FROM %s\nENV PIP_FIND_LINKS=/opt/wheels\n' "$DEBIAN_TAG" >"$WORK/wheels/Dockerfile"
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
     say "  with the wheels in $WHEELS: $(cd "$WHEELS" && echo ./*.whl)"
     cp "$WHEELS"/*.whl "$WORK/wheels/"
+    echo 'COPY *.whl /opt/wheels/' >>"$WORK/wheels/Dockerfile"
 fi
-printf 'FROM %s\nCOPY *.whl* /opt/wheels/\nENV PIP_FIND_LINKS=/opt/wheels\n' "$DEBIAN_TAG" >"$WORK/Dockerfile"
-touch "$WORK/wheels/.whl"  # COPY needs a match even without wheels
-mv "$WORK/Dockerfile" "$WORK/wheels/Dockerfile"
 build "$BASE_TAG" "$WORK/wheels"
 
 say "building $REDIS_TAG"

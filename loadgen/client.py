@@ -35,9 +35,9 @@ BACKENDS = {"completions": "openai", "native": "bubbletea"}
 POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.05
 #: Retrying GET /v1/models and /ready while the API starts (--ready-check-timeout-sec): a tenth of
-#: a second doubling to a quarter. A training run's service opens the moment its first bubbles are
-#: announced (the front door re-reads that verdict every 0.25 s), and a load started while the
-#: run starts should follow within that, not a second later; four GETs a second cost nothing.
+#: a second doubling to a quarter. A training run's service opens the moment its workers have all
+#: joined (the front door re-reads that verdict every 0.25 s), and a load started while the run
+#: starts should follow within that, not a second later; four GETs a second cost nothing.
 READY_FIRST_S = 0.1
 READY_MAX_S = 0.25
 #: One GET /v1/models attempt gives up after this long.

@@ -153,9 +153,10 @@ def _join(barrier: Barrier) -> None:
 
 def _time_ops(spec: ClusterSpec) -> dict[str, float]:
     """In one process: the real ms of each profiled operation. Every process repeats each
-    operation for the same `WINDOW_S`, starting together once all have built their models, so they compete for the
-    cores the whole time as the workers will (a handful of repetitions each was too short to
-    overlap: the chosen scale swung between 2.7 and 8.1 from one measurement to the next)."""
+    operation for the same `WINDOW_S`, starting together once all have built their models, so
+    they compete for the cores the whole time as the workers will (a handful of repetitions each
+    was too short to overlap: the chosen scale swung between 2.7 and 8.1 from one measurement to
+    the next)."""
     import torch
 
     from shared.model.gpt import build_stage

@@ -18,7 +18,7 @@ from bubbletea.launcher.procs import child_setup
 #: Niceness of the load generator (as the front door's, `PREFILL_QUEUE.nice`).
 LOAD_NICE = 10
 #: How long the load generator waits for the API to say it serves: a training run's workers start
-#: and announce their first bubbles within this (the dispatcher's verdict then opens the service).
+#: and join the run within this (the dispatcher's verdict then opens the service).
 READY_TIMEOUT_S = 150
 
 
