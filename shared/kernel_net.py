@@ -48,6 +48,11 @@ Rates are whole bytes per second, handed to tc in bit/s (``<n>bit``). htb counts
 length on the wire (Ethernet, IP and TCP headers included), so TCP goodput is about 4.4 % below a
 class's rate at a 1500-byte MTU (1448 payload bytes in a 1514-byte frame): as on a real link.
 
+Forwarding. The root namespace routes between the DCs, so the plan turns on ``ip_forward`` and
+puts one ``iptables -I FORWARD 1 -i <root-side veth> -j ACCEPT`` per DC first in the FORWARD chain:
+a host whose policy there is DROP (every host running a Docker engine) would otherwise route
+nothing between the namespaces.
+
 Concurrent runs on one host get distinct names from their run ids, but the addresses come from
 `base`: give each concurrent run its own base (the executor refuses a base already in use).
 """
@@ -333,6 +338,17 @@ class KernelPlan:
                     cmds += [leaf.cls.command(s.device) for leaf in s.leaves]
                     cmds += [leaf.filter_command(s.device) for leaf in s.leaves]
         return cmds
+
+    def forward_accept_commands(self) -> list[list[str]]:
+        """iptables rules that let the root namespace forward the plan's traffic: one per DC, on the
+        DC's root-side veth, first in FORWARD. A host whose FORWARD policy drops (a Docker engine
+        sets DROP) would otherwise route nothing between the DCs; on an accepting host they change
+        nothing. The executor adds them only where `iptables` exists."""
+        return [["iptables", "-I", "FORWARD", "1", "-i", d.host_if, "-j", "ACCEPT"] for d in self.dcs]
+
+    def forward_remove_commands(self) -> list[list[str]]:
+        """The rules of `forward_accept_commands`, deleted (a rule that is gone is fine)."""
+        return [["iptables", "-D", "FORWARD", "-i", d.host_if, "-j", "ACCEPT"] for d in self.dcs]
 
     def down_commands(self) -> list[list[str]]:
         """Commands that remove the plan, in order. Deleting a veth end removes its peer and every

@@ -3,8 +3,10 @@
 The plan is pure; this module runs it: `check_privileges` says in one line why a machine cannot
 (not root, no iproute2, no namespaces, no veth/htb/u32), and ``async with kernel_wan(plan):``
 builds the namespaces, veths, addresses and htb shaping, turns on IPv4 forwarding in the root
-namespace (it routes between the DCs), and removes everything and restores forwarding on the way
-out, whether the body returns, raises or is cancelled (Ctrl-C cancels the launcher's main task).
+namespace (it routes between the DCs) and, where iptables exists, accepts the DCs' forwarded traffic
+first in FORWARD (a Docker engine sets that chain's policy to DROP), and removes everything and
+restores forwarding on the way out, whether the body returns, raises or is cancelled (Ctrl-C
+cancels the launcher's main task).
 
 Crash safety. Leftovers of the same plan (same run id: a run that was killed) are removed before
 anything is built, so a rerun starts clean. The value ip_forward had before the first kernel-WAN
@@ -38,7 +40,7 @@ log = get_logger(__name__)
 STATE_DIR = Path("/run/bubbletea")
 
 #: stderr of a command whose object is already gone: fine on the way down.
-_MISSING = ("Cannot find device", "No such file or directory", "does not exist")
+_MISSING = ("Cannot find device", "No such file or directory", "does not exist", "Bad rule")
 
 _ADVICE = "run as root, or use --wan model"
 
@@ -162,6 +164,12 @@ def _sysctls_restore(plan: KernelPlan) -> None:
 # --- up and down -------------------------------------------------------------------------------
 
 
+def _firewall(cmds: list[list[str]]) -> list[list[str]]:
+    """The plan's FORWARD rules, where there is an iptables to take them (none: no firewall of its
+    kind to open either)."""
+    return cmds if shutil.which("iptables") else []
+
+
 def _down_sync(plan: KernelPlan) -> int:
     """Run the plan's down commands, tolerating what is already gone; returns how many removed."""
     for ns in plan.namespaces:
@@ -171,7 +179,7 @@ def _down_sync(plan: KernelPlan) -> int:
         if pids:
             log.warning("kernel wan processes left in namespace", namespace=ns, pids=",".join(pids))
     removed = 0
-    for cmd in plan.down_commands():
+    for cmd in [*_firewall(plan.forward_remove_commands()), *plan.down_commands()]:
         r = _run_sync(cmd)
         if r.returncode == 0:
             removed += 1
@@ -234,7 +242,7 @@ async def kernel_wan(plan: KernelPlan) -> AsyncIterator[KernelPlan]:
             _sysctls_on(plan)
         except OSError as exc:
             raise KernelWanError(f"--wan kernel: cannot set {IP_FORWARD_PATH}: {exc}; {_ADVICE}") from None
-        cmds = plan.up_commands()
+        cmds = [*plan.up_commands(), *_firewall(plan.forward_accept_commands())]
         for cmd in cmds:
             rc, err = await _run(cmd)
             if rc != 0:

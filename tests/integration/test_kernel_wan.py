@@ -63,6 +63,14 @@ def ip_forward() -> str:
     return Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
 
 
+def forward_rules(plan: KernelPlan) -> list[str]:
+    """The FORWARD rules naming one of `plan`'s interfaces (none where there is no iptables)."""
+    if shutil.which("iptables") is None:
+        return []
+    rules = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True, check=True).stdout
+    return [r for r in rules.splitlines() if any(f" {d.host_if} " in f"{r} " for d in plan.dcs)]
+
+
 def remains(plan: KernelPlan) -> list[str]:
     """Names of `plan`'s namespaces and root-side interfaces that exist now."""
     nss = {line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
@@ -151,7 +159,10 @@ async def test_everything_is_removed_and_ip_forward_restored(privileged: None) -
     async with kernel_wan(plan):
         assert remains(plan) == sorted([*plan.namespaces, *(d.host_if for d in plan.dcs)])
         assert ip_forward() == "1"
+        if shutil.which("iptables"):  # forwarding accepted even where the policy drops (a Docker engine's)
+            assert sorted(forward_rules(plan)) == sorted(f"-A FORWARD -i {d.host_if} -j ACCEPT" for d in plan.dcs)
     assert remains(plan) == []
+    assert forward_rules(plan) == []
     assert ip_forward() == before
 
 

@@ -200,3 +200,11 @@ def test_a_bad_base_is_refused() -> None:
     with pytest.raises(ValueError, match="two octets"):
         plan_kernel_net(spec_of("demo.yaml"), "r", base="10.300")
     assert plan_kernel_net(spec_of("demo.yaml"), "r", base="10.78").dcs[1].control_address == "10.78.2.1"
+
+
+def test_forwarding_is_accepted_on_each_dcs_root_side_veth_and_removed_the_same_way(plan: KernelPlan) -> None:
+    """A FORWARD policy of DROP (a Docker engine's) must not cut the DCs apart: one ACCEPT per DC,
+    first in the chain, matched by the root-side veth the DC's traffic arrives on."""
+    up, down = plan.forward_accept_commands(), plan.forward_remove_commands()
+    assert up == [["iptables", "-I", "FORWARD", "1", "-i", d.host_if, "-j", "ACCEPT"] for d in plan.dcs]
+    assert down == [["iptables", "-D", "FORWARD", "-i", d.host_if, "-j", "ACCEPT"] for d in plan.dcs]
