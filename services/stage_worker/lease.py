@@ -17,6 +17,7 @@ an append-only file (the run's tensors in flight are gone: the run fails, saying
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 #: After a Redis outage, how long peers' missing leases are tolerated: each peer re-takes its own
 #: as it reconnects (its client's retry, its backoff and one renew interval: a few seconds).
 PEER_GRACE_S = 10.0
+#: How often a spare looks for a free slot: a lost worker's slot frees when its lease expires
+#: (LEASE_TTL_MS), so this adds little to a takeover.
+SPARE_POLL_S = 0.5
 
 
 class SlotError(RuntimeError):
@@ -106,6 +110,30 @@ class SlotLease:
             f"all {len(self.all_slots)} slots of run {self.run!r} (PP={self.pp} x DP={self.dp}){which} are "
             "held by live workers; start fewer workers or raise the parallelism in the spec"
         )
+
+    async def wait_as_spare(
+        self, stop: asyncio.Event, allowed: Callable[[Slot], bool] | None = None, poll_s: float = SPARE_POLL_S
+    ) -> Slot | None:
+        """Every slot is held: wait, as a spare, for the first one to free (its worker died and its
+        lease expired, or it was stopped) and lease it; None if `stop` is set first. Only a run
+        that recovers has use for a spare: the peers resume with it from the newest checkpoint."""
+        candidates = [s for s in self.all_slots if allowed is None or allowed(s)]
+        log.info(
+            "every slot is held: waiting as a spare to take over the first that frees",
+            run=self.run,
+            slots=len(candidates),
+            holder=self.holder,
+        )
+        while not stop.is_set():
+            for s in candidates:
+                if await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
+                    self.slot = s
+                    self.redis_run_id = await self._redis_run_id()
+                    log.info("slot leased by a spare", run=self.run, slot=s.name, holder=self.holder)
+                    return s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), poll_s)
+        return None
 
     async def renew(self, *, last_ok: float | None = None) -> None:
         """Renew our lease. If the last successful renewal (`last_ok`, monotonic) is older than the

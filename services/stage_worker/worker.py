@@ -80,11 +80,20 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             holder=instance_id(),
             recoverable=spec.training.recovers,
         )
+        allowed = None if settings.dc is None else lambda s: placement.stage_dc[s.stage] == settings.dc
         # A replacement may start before its dead predecessor's lease expired: it waits that long.
-        slot = await lease.acquire(
-            wait_s=keys.LEASE_TTL_MS / 1000 + 1 if spec.training.recovers else 0.0,
-            allowed=None if settings.dc is None else lambda s: placement.stage_dc[s.stage] == settings.dc,
-        )
+        try:
+            slot = await lease.acquire(
+                wait_s=keys.LEASE_TTL_MS / 1000 + 1 if spec.training.recovers else 0.0, allowed=allowed
+            )
+        except SlotError:
+            if not spec.training.recovers:  # nothing could resume with a spare: an extra worker is a mistake
+                raise
+            spare = await lease.wait_as_spare(stop, allowed)
+            if spare is None:
+                log.info("stopped while waiting as a spare")
+                return
+            slot = spare
         device = select_device(spec.device.kind, slot_index(slot.replica, slot.stage, spec.parallelism.pp))
         log.info("device chosen", slot=slot.name, kind=spec.device.kind, **describe(device))
         metrics = WorkerMetrics(run, slot.name, spec.prefill.model_name)

@@ -93,3 +93,23 @@ async def test_a_worker_of_one_datacenter_takes_only_its_slots(redis: Redis) -> 
         await SlotLease(redis, "dc", pp=3, dp=2, holder="b2").acquire(allowed=in_dc_b)
     # the other datacenter's slots are still free for its own workers
     assert await SlotLease(redis, "dc", pp=3, dp=2, holder="a0").acquire() == Slot(0, 0)
+
+
+async def test_a_spare_takes_the_first_slot_that_frees_and_stops_when_told(redis: Redis) -> None:
+    holders = [SlotLease(redis, "sp", pp=2, dp=1, holder=f"w{i}") for i in range(2)]
+    for lease in holders:
+        await lease.acquire()
+    spare = SlotLease(redis, "sp", pp=2, dp=1, holder="spare")
+    stop = asyncio.Event()
+    waiting = asyncio.create_task(spare.wait_as_spare(stop, poll_s=0.05))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # every slot is held: it waits instead of failing
+    await holders[1].release()  # the slot's worker stopped (or its lease expired)
+    assert await asyncio.wait_for(waiting, 5) == Slot(0, 1) == spare.slot
+    assert await redis.get(keys.lease_key("sp", 0, 1)) == b"spare"
+
+    second = SlotLease(redis, "sp", pp=2, dp=1, holder="spare2")
+    waiting = asyncio.create_task(second.wait_as_spare(stop, poll_s=0.05))
+    await asyncio.sleep(0.2)
+    stop.set()
+    assert await asyncio.wait_for(waiting, 5) is None and second.slot is None
