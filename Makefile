@@ -13,10 +13,11 @@ TORCH  := torch==2.13.0
 # CPU hogs for `make test-stress` (each keeps one core busy for the whole run).
 HOGS   ?= 1
 
-.PHONY: install test test-stress lint typecheck unit integration e2e demo bench clean help
+.PHONY: install test test-compose test-stress lint typecheck unit integration e2e demo bench clean help
 
 help:
 	@echo "make test    - set up and run lint, type check, unit, integration and e2e tests"
+	@echo "make test-compose - the compose tier alone (needs a running Docker engine)"
 	@echo "make test-stress - the integration and e2e tiers while $(HOGS) process(es) keep a core busy"
 	@echo "make demo    - set up and run the main job (bubbletea demo)"
 	@echo "make install - set up .venv only"
@@ -26,7 +27,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required, found " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,report]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -46,8 +47,13 @@ integration: install
 e2e: install
 	$(VENV)/bin/pytest -q tests/e2e
 
+# -rs: the summary says why a test was skipped (no CUDA, no Docker engine).
 test: lint typecheck
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -rs tests
+
+# docker compose on a real engine (build, up, clients, crash, spares, down); skipped without one.
+test-compose: install
+	$(VENV)/bin/pytest -q -rs tests/compose
 
 # The tiers with processes and timing in them, on a busy machine: must pass as `make test` does.
 test-stress: install

@@ -6,16 +6,18 @@
 #   sudo docker/base-images.sh >> .env     # the settings it prints go to compose's .env
 #
 # It makes four images:
-#   bubbletea/debian:bookworm   debootstrap --variant=minbase with python3 (3.11, also as `python`), venv, pip and CA
-#                               certificates, plus this machine's extra CAs (a TLS-inspecting proxy's);
-#   bubbletea/base:bookworm     that, plus the local wheels (a CPU torch), if any: the project
-#                               image's BASE (pip finds the wheels before any index);
+#   bubbletea/debian:bookworm   debootstrap --variant=minbase with python3 (3.11, also as `python`) and CA
+#                               certificates, plus this machine's extra CAs (a TLS-inspecting proxy's):
+#                               the project image's RUNTIME (its final stage; no pip, no venv);
+#   bubbletea/base:bookworm     that, plus python3-venv, pip and the local wheels (a CPU torch), if
+#                               any: the project image's BASE (its build stage; pip finds the wheels
+#                               before any index);
 #   bubbletea/redis:7           the first with Debian's redis-server (7.0), for compose's redis;
 #   bubbletea/prometheus:2      the first with Debian's prometheus, for the monitoring profile
 #                               (the flags and paths of the prom/prometheus image).
 # Grafana is not packaged by Debian: the monitoring profile's Grafana still needs its upstream image.
 #
-# Progress goes to stderr; stdout gets only the compose settings (BASE=..., TORCH_INDEX=...,
+# Progress goes to stderr; stdout gets only the compose settings (BASE=..., RUNTIME=..., TORCH_INDEX=...,
 # REDIS_IMAGE=..., PROMETHEUS_IMAGE=...). Settings (environment): SUITE (bookworm), MIRROR
 # (http://deb.debian.org/debian), EXTRA_CA_DIR (/usr/local/share/ca-certificates), WHEELS
 # (/opt/wheels: its *.whl go into the base image). Needs root (debootstrap), debootstrap and a
@@ -45,7 +47,7 @@ ROOTFS=$WORK/rootfs
 build() { docker build -q -t "$1" "${2:--}" >/dev/null 2>"$WORK/build.log" || { cat "$WORK/build.log" >&2; die "building $1 failed"; }; }
 
 say "debootstrap $SUITE from $MIRROR"
-debootstrap --variant=minbase --include=python3,python-is-python3,python3-venv,python3-pip,ca-certificates \
+debootstrap --variant=minbase --include=python3,python-is-python3,ca-certificates \
     "$SUITE" "$ROOTFS" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 \
     || { tail -20 "$WORK/debootstrap.log" >&2; die "debootstrap failed (its log above)"; }
 if compgen -G "$EXTRA_CA_DIR/*.crt" >/dev/null; then
@@ -68,7 +70,10 @@ tar -C "$ROOTFS" -c . | docker import \
 
 say "building $BASE_TAG"
 mkdir -p "$WORK/wheels"
-printf 'FROM %s\nENV PIP_FIND_LINKS=/opt/wheels\n' "$DEBIAN_TAG" >"$WORK/wheels/Dockerfile"
+printf '%s\n' "FROM $DEBIAN_TAG" \
+    "RUN apt-get update && apt-get install -y --no-install-recommends python3-venv python3-pip \\" \
+    "    && rm -rf /var/lib/apt/lists/*" \
+    "ENV PIP_FIND_LINKS=/opt/wheels" >"$WORK/wheels/Dockerfile"
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
     say "  with the wheels in $WHEELS: $(cd "$WHEELS" && echo ./*.whl)"
     cp "$WHEELS"/*.whl "$WORK/wheels/"
@@ -96,4 +101,5 @@ docker images --format '{{.Repository}}:{{.Tag}}  {{.Size}}' \
 index=https://download.pytorch.org/whl/cpu
 if compgen -G "$WHEELS/torch-*.whl" >/dev/null; then index=https://pypi.org/simple; fi
 say "done: the lines below go in compose's .env (next to REDIS_PASSWORD)"
-printf 'BASE=%s\nTORCH_INDEX=%s\nREDIS_IMAGE=%s\nPROMETHEUS_IMAGE=%s\n' "$BASE_TAG" "$index" "$REDIS_TAG" "$PROMETHEUS_TAG"
+printf 'BASE=%s\nRUNTIME=%s\nTORCH_INDEX=%s\nREDIS_IMAGE=%s\nPROMETHEUS_IMAGE=%s\n' \
+    "$BASE_TAG" "$DEBIAN_TAG" "$index" "$REDIS_TAG" "$PROMETHEUS_TAG"

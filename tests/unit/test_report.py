@@ -312,6 +312,18 @@ def test_main_reports_errors_with_exit_code_2(tmp_path: Path, capsys: pytest.Cap
     assert err.startswith("error: ") and "missing" in err
 
 
+def test_main_without_matplotlib_says_how_to_install_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matplotlib is the `report` extra (the service image leaves it out): its absence is one line."""
+    run_dir = make_run_folder(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert main([str(run_dir), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bubbletea[report]" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_module_entry_point_help() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bubbletea.report", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60

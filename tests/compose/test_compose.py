@@ -1,0 +1,209 @@
+"""`docker compose`, run by a real Docker engine: the way most people first use the system.
+
+The tier runs whenever a Docker engine answers (`docker info`) and is skipped, with the reason,
+otherwise (or with BUBBLETEA_COMPOSE_TESTS=off). It uses a project of its own
+(`bubbletea-test-<pid>`), loopback ports, a fresh Redis password and API key, and the checkout's
+`.env` for the image settings (docker/base-images.sh prints them where Docker Hub is out of reach).
+The tests share one `up` and run in file order: the image, readiness, the official client, a
+wrong key, a load burst, Prometheus, a crashed worker, spares, and `down -v`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.compose.harness import BUILD_ADVICE, ROOT, TIMINGS, Project, docker, engine_problem
+
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
+
+#: From `up -d` to /ready answering "serving" (measured here: about 26 s on 2 cores).
+READY_BOUND_S = 180
+#: From a crashed worker to the run serving again (measured here: about 6 s).
+RECOVERY_BOUND_S = 90
+#: The services compose runs by default, each with a healthcheck.
+SERVICES = {"redis", "prefill_queue", "wan_broker", "dispatcher", "stage_worker"}
+#: The Prometheus jobs (docker/prometheus/prometheus.yml) and how many targets each has.
+SCRAPED = {"prefill_queue": 1, "wan_broker": 1, "dispatcher": 1, "stage_worker": 4}
+
+
+@pytest.fixture(scope="module")
+def project() -> Iterator[Project]:
+    problem = engine_problem()
+    if problem:
+        pytest.skip(problem)
+    p = Project()
+    t0 = time.monotonic()
+    try:
+        p.compose("build", timeout=1800)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{BUILD_ADVICE}") from None
+    TIMINGS["build"] = f"{time.monotonic() - t0:.0f} s"
+    try:
+        t0 = time.monotonic()
+        p.compose("up", "--detach")
+        p.wait_ready(READY_BOUND_S)
+        TIMINGS["up_to_ready"] = f"{time.monotonic() - t0:.0f} s"
+        yield p
+    finally:
+        p.down(check=False)
+
+
+def test_every_service_is_healthy_and_ready_within_the_bound(project: Project) -> None:
+    rows = [json.loads(line) for line in project.compose("ps", "--format", "json").stdout.splitlines()]
+    assert {r["Service"] for r in rows} == SERVICES
+    assert all(r["Health"] == "healthy" for r in rows if r["Service"] != "prefill_queue"), rows
+    assert len([r for r in rows if r["Service"] == "stage_worker"]) == 4
+    ready = project.ready()
+    assert ready is not None and ready["state"] == "serving", ready
+
+
+def test_the_image_holds_the_services_and_no_build_leftovers(project: Project) -> None:
+    image = "bubbletea:latest"
+    size = int(docker("image", "inspect", "--format", "{{.Size}}", image))
+    TIMINGS["image"] = f"{size / 1e9:.2f} GB"
+    probe = (
+        "import os, importlib.util as u; "
+        "print(os.getuid(), u.find_spec('pip') is not None, os.path.exists('/opt/wheels'), os.path.exists('/src'), "
+        "all(u.find_spec(m) for m in ('torch', 'services', 'sim', 'loadgen', 'bubbletea')))"
+    )
+    out = docker("run", "--rm", "--entrypoint", "python", image, "-c", probe).split()
+    assert out == ["10001", "False", "False", "False", "True"], f"uid, pip, wheels, source, packages: {out}"
+
+
+def test_the_official_openai_client_completes_and_streams(project: Project) -> None:
+    client = openai.OpenAI(base_url=f"{project.base_url}/v1", api_key=project.api_key, max_retries=0, timeout=30)
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt="The bubbles of a pipeline", max_tokens=1)
+    assert done.choices[0].text and done.usage is not None and done.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model=model, prompt="Fill them with prefill", max_tokens=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices), chunks
+
+
+def test_a_wrong_api_key_is_refused(project: Project) -> None:
+    client = openai.OpenAI(base_url=f"{project.base_url}/v1", api_key="not-the-key", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        client.completions.create(model="bubbletea-gpt", prompt="let me in", max_tokens=1)
+    assert refused.value.status_code == 401
+
+
+def test_a_load_burst_from_the_loadgen_profile_loses_nothing(project: Project, tmp_path: Path) -> None:
+    tmp_path.chmod(0o777)  # the container's unprivileged user writes the result here
+    project.compose(
+        "--profile", "loadgen", "run", "--rm", "--no-deps", "--volume", f"{tmp_path}:/out", "loadgen",
+        "python", "-m", "loadgen", "--base-url", "http://prefill_queue:8000", "--request-rate", "10",
+        "--duration", "20", "--input-len", "128", "--range-ratio", "0.5", "--disable-tqdm",
+        "--json-out", "/out/burst.json",
+        timeout=300,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "burst.json").read_text())
+    TIMINGS["burst"] = (
+        f"{result['completed']} ok, {result['failed']} failed, "
+        f"TTFT p50 {result['median_ttft_ms']:.0f} / p99 {result['p99_ttft_ms']:.0f} ms"
+    )
+    assert result["failed"] == 0, result["error_counts"]
+    assert result["completed"] >= 150  # 10 requests/s for 20 s, Poisson arrivals
+
+
+def test_prometheus_scrapes_every_service(project: Project) -> None:
+    project.compose("--profile", "monitoring", "up", "--detach", "prometheus")
+    url = f"http://127.0.0.1:{project.prometheus_port}/api/v1/targets"
+    deadline, health = time.monotonic() + 90, {}
+    while time.monotonic() < deadline:
+        try:
+            targets = json.loads(_get(url))["data"]["activeTargets"]
+        except (OSError, ValueError, KeyError):
+            targets = []
+        health = {}
+        for t in targets:
+            health.setdefault(t["labels"]["job"], []).append(t["health"])
+        if {job: len(h) for job, h in health.items()} == SCRAPED and all(
+            h == "up" for hs in health.values() for h in hs
+        ):
+            return
+        time.sleep(1)
+    raise AssertionError(f"Prometheus's targets by job after 90 s: {health} (expected every one up: {SCRAPED})")
+
+
+def test_a_crashed_stage_worker_is_restarted_and_takes_its_slot_back_under_load(
+    project: Project, tmp_path: Path
+) -> None:
+    """A crash (the process killed outside the engine's API, as the OOM killer does) is what the
+    restart policy is for; nothing the load sends meanwhile may be lost."""
+    victim = project.containers("stage_worker")[1]
+    pid = int(project.inspect(victim, "{{.State.Pid}}"))
+    load = subprocess.Popen(
+        [sys.executable, "-m", "loadgen", "--base-url", project.base_url, "--api-key", project.api_key,
+         "--request-rate", "5", "--duration", "40", "--input-len", "64", "--disable-tqdm",
+         "--json-out", str(tmp_path / "load.json")],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(8)
+        since = time.time()
+        try:
+            os.kill(pid, 9)
+        except PermissionError:
+            pytest.skip(f"no permission to kill the container's process {pid} (the tier kills it as root)")
+        t0 = time.monotonic()
+        _wait_for(lambda: project.inspect(victim, "{{.RestartCount}}") != "0", 60, "the restart policy to act")
+        _wait_for(lambda: "all slots held; training" in project.logs(victim, since), RECOVERY_BOUND_S, "rejoining")
+        project.wait_ready(RECOVERY_BOUND_S)
+        TIMINGS["crash_to_recovered"] = f"{time.monotonic() - t0:.1f} s"
+        assert "resume_after=" in project.logs(victim, since)
+        _, err = load.communicate(timeout=120)
+    finally:
+        load.kill()
+    assert load.returncode == 0, err
+    result = json.loads((tmp_path / "load.json").read_text())
+    assert result["failed"] == 0 and result["completed"] > 100, result["error_counts"]
+
+
+def test_extra_workers_wait_as_spares_and_take_over_a_freed_slot(project: Project) -> None:
+    """`docker kill` is a deliberate stop to the engine: no restart; a spare takes the slot."""
+    project.compose("up", "--detach", "--no-recreate", "--scale", "stage_worker=6")
+    workers = project.containers("stage_worker")
+    assert len(workers) == 6
+    spares = workers[4:]
+    for spare in spares:
+        _wait_for(lambda s=spare: "waiting as a spare" in project.logs(s), 60, f"{spare} to wait as a spare")
+    holder = workers[0]
+    docker("kill", holder)
+    t0 = time.monotonic()
+    _wait_for(
+        lambda: any("slot leased by a spare" in project.logs(s) for s in spares), RECOVERY_BOUND_S, "a spare's lease"
+    )
+    project.wait_ready(RECOVERY_BOUND_S)
+    TIMINGS["kill_to_spare_serving"] = f"{time.monotonic() - t0:.1f} s"
+    assert project.inspect(holder, "{{.State.Status}} {{.RestartCount}}").startswith("exited")
+    client = openai.OpenAI(base_url=f"{project.base_url}/v1", api_key=project.api_key, max_retries=0, timeout=30)
+    assert client.completions.create(model="bubbletea-gpt", prompt="after the takeover", max_tokens=1).choices
+
+
+def test_down_leaves_nothing_behind(project: Project) -> None:
+    project.down()
+    for kind in ("containers", "networks", "volumes"):
+        assert project.resources(kind) == [], kind
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def _wait_for(ok: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ok():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
