@@ -92,6 +92,11 @@ class Parallelism(_Spec, frozen=True):
     #: Which DC runs each stage: atlas = largest DC first, consecutive stages (few WAN hops);
     #: round_robin = stages dealt over the DCs in spec order (the naive baseline, most hops cross the WAN).
     placement: Literal["atlas", "round_robin"] = "atlas"
+    #: How layers are cut into stages: layers = as evenly as the count allows (earlier stages take
+    #: the extra ones); params = balance the parameters each stage computes with (12 d_model^2 per
+    #: layer, vocab x d_model for the embedding on the first stage and for the head on the last),
+    #: so a large vocabulary's stages get fewer layers.
+    split: Literal["layers", "params"] = "layers"
 
 
 #: `training.iterations` of a run that trains until it is stopped (a service, not a finite job).
@@ -115,6 +120,26 @@ class Training(_Spec, frozen=True):
     #: How long the run waits for a lost worker's replacement before it gives up (the peers stop,
     #: naming the slot).
     recovery_timeout_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0
+    #: A local Hugging Face model directory to train (config.json; its safetensors, if any, are
+    #: the starting weights, else it is initialised as its family does). None: the small GPT of the
+    #: top-level `model` section trains. With a directory, `model`'s shape is read from it.
+    model: str | None = None
+    #: Local text or JSONL files to train on, tokenized with the model directory's tokenizer.json
+    #: (needs `model`). None: the standard library's bytes (the small GPT's corpus).
+    data: list[str] | None = None
+    #: The learning rate: linear warm-up over `warmup_iters`, then a cosine decay to
+    #: `lr * min_lr_ratio` at `decay_iters` (None: the run's iterations; a run that trains until
+    #: stopped keeps `lr` after the warm-up), then flat. `constant`: `lr` after the warm-up.
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_iters: Annotated[int, Meta(ge=0, le=10_000_000)] = 0
+    decay_iters: Annotated[int, Meta(ge=1, le=10_000_000)] | None = None
+    min_lr_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    #: Gradients are scaled so their global norm (over every stage's parameters) is at most this;
+    #: 0 = no clipping.
+    clip_grad_norm: Annotated[float, Meta(ge=0, le=1e6)] = 1.0
+    #: With `bubbletea train --save DIR`: write DIR after every this many iterations too (and at
+    #: the end); 0 = at the end only.
+    save_every: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
 
     @property
     def recovers(self) -> bool:
@@ -282,9 +307,18 @@ def _check_semantics(spec: ClusterSpec) -> None:
                 )
         if o.src == o.dst:
             raise ConfigError(f"wan.links[{i}]: src and dst are both {o.src!r}; a WAN link joins two DCs")
-    for path, m in (("model", spec.model), ("prefill.model", spec.prefill.model)):
+    tr = spec.training
+    small_gpts = [("prefill.model", spec.prefill.model)] + ([] if tr.model else [("model", spec.model)])
+    for path, m in small_gpts:
         if m.d_model % m.heads:
             raise ConfigError(f"{path}.d_model: must be a multiple of {path}.heads ({m.heads}); got {m.d_model}")
+    if tr.data is not None and tr.model is None:
+        raise ConfigError(
+            "training.data: needs training.model (a Hugging Face directory and its tokenizer); "
+            "the small GPT trains on the standard library's bytes"
+        )
+    if tr.data is not None and not tr.data:
+        raise ConfigError("training.data: is empty; expected a list of local text or JSONL files")
     if spec.parallelism.pp > spec.model.layers:
         raise ConfigError(
             f"parallelism.pp: at most model.layers ({spec.model.layers}) stages; got {spec.parallelism.pp}"
@@ -331,10 +365,33 @@ def parse_spec(data: object, *, source: str = "<spec>") -> ClusterSpec:
         allowed = _allowed(field) if m else ""
         raise ConfigError(f"{source}: {field}: {_PATH.sub('', text)}" + (f" ({allowed})" if allowed else "")) from None
     try:
+        spec = _with_training_model(spec)
         _check_semantics(spec)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     return spec
+
+
+def _with_training_model(spec: ClusterSpec) -> ClusterSpec:
+    """With `training.model`, the `model` section takes that directory's shape (layers, d_model,
+    heads, vocab), so the stage split, the activation size and the device profile describe the model
+    that trains; `model.seq_len` stays the training sequence length (at most the model's positions)."""
+    if spec.training.model is None:
+        return spec
+    from shared.model.shape import CheckpointError, info_from_config, read_config  # shape imports this module
+
+    try:
+        info = info_from_config(read_config(spec.training.model))
+    except CheckpointError as exc:
+        raise ConfigError(f"training.model: {exc}") from None
+    if spec.model.seq_len > info.max_model_len:
+        raise ConfigError(
+            f"model.seq_len: {spec.model.seq_len} is longer than training.model's {info.max_model_len} positions"
+        )
+    model = msgspec.structs.replace(
+        spec.model, layers=info.layers, d_model=info.d_model, heads=info.heads, vocab=info.vocab
+    )
+    return msgspec.structs.replace(spec, model=model)
 
 
 def load_spec(path: str | Path) -> ClusterSpec:

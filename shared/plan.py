@@ -33,8 +33,55 @@ def activation_bytes(spec: ClusterSpec) -> int:
     return spec.training.microbatch_size * spec.model.seq_len * spec.model.d_model * ACT_ELEMENT_BYTES
 
 
+def stage_layer_ranges(spec: ClusterSpec) -> list[tuple[int, int]]:
+    """Each stage's ``[start, end)`` layers, by `parallelism.split` (the cost stated in config.md)."""
+    m, stages = spec.model, spec.parallelism.pp
+    if spec.parallelism.split == "layers":
+        return split_layers(m.layers, stages)
+    layer = 12.0 * m.d_model * m.d_model
+    costs = [layer] * m.layers
+    costs[0] += m.vocab * m.d_model  # the embedding
+    costs[-1] += m.vocab * m.d_model  # the head (tied or not, it is a vocab x d_model matmul)
+    return balanced_split(costs, stages)
+
+
+def balanced_split(costs: list[float], stages: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of `costs` (every stage at least one item) whose largest sum is as small
+    as it can be; ties go to the earlier stages. `ValueError` if there are fewer items than stages."""
+    n = len(costs)
+    if stages < 1 or stages > n:
+        raise ValueError(f"cannot split {n} layers into {stages} stages (at least one layer each)")
+
+    def cut(limit: float) -> list[tuple[int, int]] | None:
+        ranges: list[tuple[int, int]] = []
+        start, total = 0, 0.0
+        for i, c in enumerate(costs):
+            left_items, left_stages = n - i, stages - len(ranges)
+            if i > start and (total + c > limit or left_items < left_stages):
+                ranges.append((start, i))
+                start, total = i, 0.0
+            total += c
+        ranges.append((start, n))
+        return ranges if len(ranges) <= stages and max(costs) <= limit else None
+
+    lo, hi = max(costs), sum(costs)
+    for _ in range(100):  # bisect the smallest feasible largest-stage cost
+        mid = (lo + hi) / 2
+        if cut(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    ranges = cut(hi)
+    assert ranges is not None
+    while len(ranges) < stages:  # fewer stages than asked: split the widest (never raises the largest sum)
+        i = max(range(len(ranges)), key=lambda j: ranges[j][1] - ranges[j][0])
+        a, b = ranges[i]
+        ranges[i : i + 1] = [(a, b - 1), (b - 1, b)]
+    return ranges
+
+
 def layers_per_stage(spec: ClusterSpec) -> list[int]:
-    return [b - a for a, b in split_layers(spec.model.layers, spec.parallelism.pp)]
+    return [b - a for a, b in stage_layer_ranges(spec)]
 
 
 def stage_times(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: float) -> tuple[list[float], list[float]]:

@@ -108,8 +108,9 @@ async def _save(bus: Bus, settings: Settings, procs: list[Proc], directory: Path
     """Assemble the stages' weights (left in Redis by the replica-0 workers) and write them."""
     from safetensors.torch import load
 
-    from shared.model.export import save_gpt2_checkpoint
+    from shared.model.export import save_gpt2_checkpoint, save_hf_checkpoint
     from shared.model.shape import GPTConfig
+    from shared.model.training import config_json
 
     stages = settings.spec.parallelism.pp
     wanted = [keys.weights_key(settings.run, s) for s in range(stages)]
@@ -130,7 +131,11 @@ async def _save(bus: Bus, settings: Settings, procs: list[Proc], directory: Path
     state: dict[str, Any] = {}
     for raw in found:
         state.update(load(raw))
-    save_gpt2_checkpoint(state, GPTConfig.from_spec(settings.spec.model), directory)
+    spec = settings.spec
+    if spec.training.model is not None:  # the workers named the tensors as the checkpoint stores them
+        save_hf_checkpoint(state, config_json(spec), spec.training.model, directory)
+    else:
+        save_gpt2_checkpoint(state, GPTConfig.from_spec(spec.model), directory)
     await bus.redis.delete(keys.save_request_key(settings.run), *wanted)
 
 

@@ -18,6 +18,7 @@ from shared.bus import Consumer
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.dataplane import PlaneError
 from shared.logs import get_logger
+from shared.model.hf_stage import HFStage
 from shared.policies.recovery import FROM_SCRATCH
 
 #: How long a worker waits for all its peers to lease their slots.
@@ -177,6 +178,9 @@ async def _save_weights_if_asked(runner: StageRunner) -> None:
     from safetensors.torch import save
 
     model = runner.trainer.model
-    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.global_named_parameters()}
+    if isinstance(model, HFStage):  # named and laid out as the checkpoint stores them
+        tensors = model.hf_tensors()
+    else:
+        tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.global_named_parameters()}
     await r.set(keys.weights_key(runner.run, runner.stage), save(tensors), ex=keys.WEIGHTS_TTL_S)
     log.info("weights saved for the launcher", slot=runner.slot.name, tensors=len(tensors))

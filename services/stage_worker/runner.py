@@ -28,7 +28,7 @@ from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.outbox import Outbox
 from services.stage_worker.recovery import CheckpointStore
 from services.stage_worker.trainer import StageTrainer
-from services.stage_worker.transport import Transport
+from services.stage_worker.transport import Transport, stages_group, tie_group
 from shared import keys
 from shared.bus import Bus
 from shared.config import ClusterSpec
@@ -216,7 +216,7 @@ class StageRunner:
             elif op is Op.ALLREDUCE:
                 await self._allreduce(it)
             elif op is Op.STEP:
-                await self._compute("step", it, -1, self.profile.step or None, self.trainer.step)
+                await self._step(it)
 
     # --- actions ---------------------------------------------------------------------------
 
@@ -356,6 +356,31 @@ class StageRunner:
             else:
                 self.lag_s += behind
         self._span("allreduce", it, t0, time.time())
+
+    async def _step(self, it: int) -> None:
+        """The optimizer step, after the pipeline's own collectives (each on a data-plane thread):
+        the tied embedding's gradient summed across the first and the last stage (group
+        ``tie:r<replica>``), and the stages' squared gradient norms summed for clipping by the
+        global norm (group ``stages:r<replica>``). Every replica computes the same, since its
+        gradients are already the DP mean."""
+        trainer, pp = self.trainer, self.spec.parallelism.pp
+        total_sq: float | None = None
+        try:
+            if trainer.tied is not None:
+                grad = await self.in_torch_thread(trainer.tied_grad)
+                summed = await in_thread(self._plane().plane.all_reduce_sum, tie_group(self.replica), grad)
+                await self.in_torch_thread(trainer.set_tied_grad, summed)
+            if self.spec.training.clip_grad_norm > 0 and pp > 1:
+                share = await self.in_torch_thread(trainer.grad_sq_norm)
+                both = torch.tensor([share], dtype=torch.float64)
+                total = await in_thread(self._plane().plane.all_reduce_sum, stages_group(self.replica), both)
+                total_sq = float(total.item())
+        except PlaneError as exc:
+            log.warning(
+                "pipeline collective failed; waiting for the recovery path", slot=self.slot.name, error=str(exc)
+            )
+            await self._plane_failed(str(exc))
+        await self._compute("step", it, -1, self.profile.step or None, trainer.step, it, total_sq)
 
     def _flat_grads_on_cpu(self) -> torch.Tensor:
         """In the torch thread: this stage's flat gradients, on the CPU for gloo (divided by the

@@ -14,6 +14,7 @@ the same operations, bit for bit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -21,20 +22,30 @@ from torch import Tensor
 
 from shared.config import ClusterSpec
 from shared.devices import synchronize
-from shared.model.data import ByteCorpus
-from shared.model.gpt import build_stage, lm_loss, make_optimizer
-from shared.model.shape import GPTConfig
+from shared.model.gpt import lm_loss
+from shared.model.optim import clip_coefficient, lr_at, make_optimizer, set_lr
+from shared.model.training import (
+    Corpus,
+    build_training_stage,
+    grad_sq_norm,
+    layer_count,
+    norm_parameters,
+    tied_parameter,
+)
 
 
 class StageTrainer:
     def __init__(
-        self, spec: ClusterSpec, replica: int, stage: int, corpus: ByteCorpus, device: torch.device | None = None
+        self, spec: ClusterSpec, replica: int, stage: int, corpus: Corpus, device: torch.device | None = None
     ) -> None:
         self.device = torch.device("cpu") if device is None else device
-        self.cfg = GPTConfig.from_spec(spec.model)
+        self.spec = spec
         self.seed, self.stages, self.lr = spec.model.seed, spec.parallelism.pp, spec.training.lr
-        self.model = build_stage(self.cfg, self.seed, stage, self.stages).to(self.device)
+        self.model = build_training_stage(spec, stage).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        #: The tied embedding this stage shares with the other end of the pipeline (None: none).
+        self.tied = tied_parameter(self.model)
+        self._norm_params = norm_parameters(self.model)
         self.opt = make_optimizer(self.params, self.lr)
         self.corpus, self.replica, self.stage = corpus, replica, stage
         self.m = spec.training.microbatches
@@ -42,6 +53,11 @@ class StageTrainer:
         self._inputs: dict[int, Tensor] = {}
         self._outputs: dict[int, Tensor] = {}
         self._losses: list[float] = []
+        self.last_lr, self.last_grad_norm = self.lr, 0.0
+
+    @property
+    def layers(self) -> int:
+        return layer_count(self.model)
 
     def _batch(self, iteration: int, mb: int) -> tuple[Tensor, Tensor]:
         x, y = self.corpus.batch(iteration, self.replica * self.m + mb, self.mbs, self.seq, self.data_seed)
@@ -106,7 +122,38 @@ class StageTrainer:
             total += g.to(self.device)
         self.load_grads(total / len(grads))
 
-    def step(self) -> None:
+    def grad_sq_norm(self) -> float:
+        """This stage's share of the global gradient norm, squared (a tied copy counted once)."""
+        return grad_sq_norm(self._norm_params)
+
+    def tied_grad(self) -> Tensor:
+        """The tied embedding's gradient, on the CPU (the all-reduce's input)."""
+        assert self.tied is not None and self.tied.grad is not None
+        grad = self.tied.grad.detach().to("cpu").clone()
+        synchronize(self.device)
+        return grad
+
+    def set_tied_grad(self, total: Tensor) -> None:
+        """Both ends' gradients summed: the tied weight's whole gradient, the same on both stages."""
+        assert self.tied is not None
+        self.tied.grad = total.to(self.device).view_as(self.tied).clone()
+        synchronize(self.device)
+
+    def step(self, it: int, total_sq_norm: float | None = None) -> None:
+        """The optimizer step of iteration `it`: gradients clipped to `training.clip_grad_norm` by
+        the global norm (``sqrt(total_sq_norm)``, every stage's share summed; None: this stage's
+        own, for a single stage), then AdamW at the schedule's learning rate."""
+        tr = self.spec.training
+        if tr.clip_grad_norm > 0:
+            total = self.grad_sq_norm() if total_sq_norm is None else total_sq_norm
+            self.last_grad_norm = math.sqrt(total)
+            coef = clip_coefficient(self.last_grad_norm, tr.clip_grad_norm)
+            if coef < 1.0:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        self.last_lr = lr_at(tr, it)
+        set_lr(self.opt, self.last_lr)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         synchronize(self.device)
@@ -144,7 +191,7 @@ class StageTrainer:
         self._losses.clear()
         self.opt.zero_grad(set_to_none=True)
         if blob is None:
-            fresh = build_stage(self.cfg, self.seed, self.stage, self.stages)
+            fresh = build_training_stage(self.spec, self.stage)
             weights = [p.detach() for p in fresh.parameters() if p.requires_grad]
             state: dict[int, dict[str, Tensor]] = {}
         else:

@@ -95,6 +95,28 @@ def dp_group_of(spec: ClusterSpec, slot: Slot) -> GroupSpec:
     return GroupSpec(f"dp:s{slot.stage}", slot.replica, spec.parallelism.dp)
 
 
+def tie_group(replica: int) -> str:
+    return f"tie:r{replica}"
+
+
+def stages_group(replica: int) -> str:
+    return f"stages:r{replica}"
+
+
+def pipeline_groups_of(spec: ClusterSpec, slot: Slot, tied: bool) -> list[GroupSpec]:
+    """The replica's own collectives across its stages: the tied embedding's gradient sum between
+    the first and the last stage (`tied`: the model ties its head to the embedding), and the sum
+    of the stages' squared gradient norms (clipping by the global norm). None with one stage."""
+    pp, groups = spec.parallelism.pp, []
+    if pp == 1:
+        return []
+    if tied and slot.stage in (0, pp - 1):
+        groups.append(GroupSpec(tie_group(slot.replica), 0 if slot.stage == 0 else 1, 2))
+    if spec.training.clip_grad_norm > 0:
+        groups.append(GroupSpec(stages_group(slot.replica), slot.stage, pp))
+    return groups
+
+
 @dataclass
 class Transport:
     outbox: Outbox
@@ -105,6 +127,8 @@ class Transport:
     placement: Placement
     mailbox: Mailbox
     generation: Callable[[], int]
+    #: Whether the model ties its head to the embedding across the first and the last stage.
+    tied: bool = False
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set once this generation's groups exist: an announcement from a peer that formed its end
     #: first waits for ours (its receive needs our groups).
@@ -123,7 +147,8 @@ class Transport:
     async def form(self, generation: int) -> None:
         """Build this generation's groups, with every peer (in a thread: it blocks until they come)."""
         pairs, dp = pairs_of(self.spec, self.placement, self.slot), dp_group_of(self.spec, self.slot)
-        await asyncio.to_thread(self.plane.form, generation, pairs, dp)
+        groups = pipeline_groups_of(self.spec, self.slot, self.tied)
+        await asyncio.to_thread(self.plane.form, generation, pairs, dp, groups)
         if generation == self.generation():
             self.formed.set()
 

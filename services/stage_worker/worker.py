@@ -34,8 +34,8 @@ from shared.dataplane.kv import KvServer, KvShelf
 from shared.devices import DeviceError, check_kind, describe, select_device, slot_index, synchronize
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
-from shared.model.data import ByteCorpus
 from shared.model.prefill import PrefillModel
+from shared.model.training import load_corpus
 from shared.plan import placement_of, predict, profile_ms
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillPolicy
@@ -142,7 +142,7 @@ async def _train(
     device: torch.device,
 ) -> None:
     spec, run = settings.spec, settings.run
-    corpus = await asyncio.to_thread(ByteCorpus.from_stdlib)
+    corpus = await asyncio.to_thread(load_corpus, spec)
     trainer = await asyncio.to_thread(StageTrainer, spec, slot.replica, slot.stage, corpus, device)
     profile, prior = await asyncio.to_thread(_profile_and_prior, spec, slot, trainer)
     mailbox = Mailbox()
@@ -168,7 +168,15 @@ async def _train(
     )
     plane = DataPlane(settings.require_redis_url(), run, plane_addresses(settings, slot, placement))
     runner.transport = transport = Transport(
-        runner.outbox, plane, spec, run, slot, placement, mailbox, generation=lambda: gens.current
+        runner.outbox,
+        plane,
+        spec,
+        run,
+        slot,
+        placement,
+        mailbox,
+        generation=lambda: gens.current,
+        tied=getattr(trainer.model, "tied", False),
     )
     inbox = bus.consumer(
         keys.inbox(run, slot.replica, slot.stage),
@@ -240,7 +248,7 @@ def _profile_and_prior(spec: ClusterSpec, slot: Slot, trainer: StageTrainer) -> 
     prof = profile_ms(spec)
     if prof is not None:
         fwd_ms, bwd_ms = prof
-        layers = len(trainer.model.blocks)
+        layers = trainer.layers
         profile = Profile(
             fwd=fwd_ms * layers / 1000,
             bwd=bwd_ms * layers / 1000,
@@ -262,15 +270,15 @@ def _profile_and_prior(spec: ClusterSpec, slot: Slot, trainer: StageTrainer) -> 
 def _measure_ms_per_layer(trainer: StageTrainer, reps: int = 3) -> tuple[float, float]:
     """Time this stage's forward and backward on a real microbatch (after a warm-up pass), on its
     device (synchronised, so a GPU's time is measured and not its kernel launches)."""
-    cfg, dev = trainer.cfg, trainer.device
-    layers = max(1, len(trainer.model.blocks))
+    d_model, dev = trainer.spec.model.d_model, trainer.device
+    layers = max(1, trainer.layers)
     fwd, bwd = [], []
     for i in range(reps + 1):
         x, _ = trainer.corpus.batch(0, i, trainer.mbs, trainer.seq, seed=TIMING_SEED)  # not a training batch
         inp: torch.Tensor = (
             x.to(dev)
             if trainer.model.is_first
-            else torch.randn(trainer.mbs, trainer.seq, cfg.d_model, device=dev, requires_grad=True)
+            else torch.randn(trainer.mbs, trainer.seq, d_model, device=dev, requires_grad=True)
         )
         synchronize(dev)
         t0 = time.perf_counter()

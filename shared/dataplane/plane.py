@@ -226,6 +226,7 @@ class _Formed:
     generation: int
     pairs: dict[str, list[dist.ProcessGroup]]  # peer -> one group per connection
     dp: dist.ProcessGroup | None
+    groups: dict[str, dist.ProcessGroup]  # other collectives' groups by key (the pipeline's own: tie, stages)
 
 
 class DataPlane:
@@ -249,8 +250,11 @@ class DataPlane:
     def _group(self, key: str, rank: int, size: int, address: str) -> dist.ProcessGroup:
         return form_group(self.redis_url, key + ":", rank, size, address, self.timeout)
 
-    def form(self, generation: int, pairs: Sequence[PairSpec], dp: GroupSpec | None) -> None:
-        """Build every group of `generation` (blocking; every peer must form its end). All groups
+    def form(
+        self, generation: int, pairs: Sequence[PairSpec], dp: GroupSpec | None, groups: Sequence[GroupSpec] = ()
+    ) -> None:
+        """Build every group of `generation` (blocking; every peer must form its end): the pairs,
+        the DP group and the other `groups` (`all_reduce_sum` runs on them by key). All groups
         form concurrently, so no order between workers can deadlock."""
         prefix = f"bt:{self.run}:plane:{generation}:"
         jobs: dict[tuple[str, int], Callable[[], dist.ProcessGroup]] = {}
@@ -262,13 +266,16 @@ class DataPlane:
                 jobs[(p.peer, c)] = functools.partial(self._group, f"{prefix}{p.key}:{c}", p.rank, 2, addr)
         if dp is not None and dp.size > 1:
             jobs[("dp", 0)] = functools.partial(self._group, prefix + dp.key, dp.rank, dp.size, self.addresses[0])
+        for g in groups:
+            jobs[(g.key, -1)] = functools.partial(self._group, prefix + g.key, g.rank, g.size, self.addresses[0])
         with ThreadPoolExecutor(max(1, len(jobs))) as ex:
             futures = {k: ex.submit(job) for k, job in jobs.items()}
-            groups = {k: f.result() for k, f in futures.items()}
+            formed_groups = {k: f.result() for k, f in futures.items()}
         formed = _Formed(
             generation,
-            {p.peer: [groups[(p.peer, c)] for c in range(p.connections)] for p in pairs},
-            groups.get(("dp", 0)),
+            {p.peer: [formed_groups[(p.peer, c)] for c in range(p.connections)] for p in pairs},
+            formed_groups.get(("dp", 0)),
+            {g.key: formed_groups[(g.key, -1)] for g in groups},
         )
         self._previous, self._current = self._current, formed
         log.info(
@@ -335,6 +342,17 @@ class DataPlane:
         _wait_all(works, "gradient all-reduce")
         flat /= group.size()
         return flat, float(latest.item())
+
+    def all_reduce_sum(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        """The sum of `flat` over the current generation's group `key` (in place; blocking)."""
+        assert self._current is not None, "form the plane first"
+        group = self._current.groups[key]
+        try:
+            works = [group.allreduce([flat])]
+        except RuntimeError as exc:
+            raise PlaneError(f"data plane: all-reduce of {key} failed: {str(exc).splitlines()[0]}") from None
+        _wait_all(works, f"all-reduce of {key}")
+        return flat
 
     def release(self, tensor: torch.Tensor) -> None:
         self.pool.release(tensor)

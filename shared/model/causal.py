@@ -133,8 +133,23 @@ class LoadableLM(CausalLM):
     assigns them (`load_state_dict(assign=True)`).
     """
 
+    #: Where a pipeline stage cuts the module (`shared.model.hf_stage`): the first stage's
+    #: embedding attributes, the ModuleList of layers, the last stage's final norm and head, and
+    #: the embedding a tied head reads its weight from.
+    EMBEDDINGS: tuple[str, ...] = ()
+    LAYERS: str = ""
+    FINAL: tuple[str, ...] = ()
+    TIED_EMBEDDING: str = ""
+    #: Whether the head reuses the token embedding (`tie_word_embeddings`).
+    tied: bool = False
+
     @classmethod
     def from_config(cls, config: Mapping[str, Any], info: ModelInfo) -> LoadableLM:
+        raise NotImplementedError
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm and head of every position: float (..., C) -> logits (..., vocab); `head`
+        is this for one position."""
         raise NotImplementedError
 
     def rename(self, name: str) -> str | None:

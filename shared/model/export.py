@@ -16,6 +16,7 @@ The directory holds `config.json`, `model.safetensors` and `tokenizer.json`: wha
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -122,6 +123,31 @@ def save_gpt2_checkpoint(state_dict: Mapping[str, Tensor], cfg: GPTConfig, direc
     # The training corpus is bytes: ids 0..255 (a larger vocab's other ids are never produced).
     _atomic(d / "tokenizer.json", lambda p: p.write_text(byte_tokenizer_json()))
     return d
+
+
+#: Tokenizer files copied from the trained model's directory into a checkpoint of it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def save_hf_checkpoint(
+    tensors: Mapping[str, Tensor], config_json: str, source: str | Path, directory: str | Path
+) -> Path:
+    """A trained Hugging Face model (`training.model`) as a directory: `config.json` (float32),
+    `model.safetensors` (`tensors`, named as the checkpoint stores them) and the source directory's
+    tokenizer files. Each file is written to a temporary name and renamed."""
+    d, src = Path(directory), Path(source)
+    d.mkdir(parents=True, exist_ok=True)
+    contiguous = {name: t.contiguous() for name, t in tensors.items()}
+    _atomic(d / "model.safetensors", lambda p: save_file(contiguous, str(p), metadata={"format": "pt"}))
+    _atomic(d / "config.json", lambda p: p.write_text(config_json))
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and (src / name).resolve() != (d / name).resolve():
+            _atomic(d / name, functools.partial(_copy, src / name))
+    return d
+
+
+def _copy(source: Path, target: Path) -> None:
+    target.write_bytes(source.read_bytes())
 
 
 def _atomic(target: Path, write: Callable[[Path], object]) -> None:

@@ -17,12 +17,13 @@ The shape (`GPTConfig`) and the stage split (`split_layers`) need no torch: they
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shared.model.optim import make_optimizer as make_optimizer  # the one optimizer; importable from here too
 from shared.model.seeds import generator
 from shared.model.shape import GPTConfig, split_layers
 
@@ -107,9 +108,11 @@ class StageModule(nn.Module):
     ln_f: nn.LayerNorm | None
     lm_head: nn.Linear | None
 
-    def __init__(self, cfg: GPTConfig, *, seed: int, stage: int, stages: int) -> None:
+    def __init__(
+        self, cfg: GPTConfig, *, seed: int, stage: int, stages: int, ranges: list[tuple[int, int]] | None = None
+    ) -> None:
         super().__init__()
-        ranges = split_layers(cfg.layers, stages)
+        ranges = split_layers(cfg.layers, stages) if ranges is None else ranges
         if not 0 <= stage < stages:
             raise ValueError(f"stage must be in [0, {stages}), got {stage}")
         self.cfg = cfg
@@ -184,9 +187,12 @@ class StageModule(nn.Module):
         return x
 
 
-def build_stage(cfg: GPTConfig, seed: int, stage: int, stages: int) -> StageModule:
-    """Stage `stage` of a `stages`-way split, with exactly the parameters of `build_full(cfg, seed)`."""
-    return StageModule(cfg, seed=seed, stage=stage, stages=stages)
+def build_stage(
+    cfg: GPTConfig, seed: int, stage: int, stages: int, ranges: list[tuple[int, int]] | None = None
+) -> StageModule:
+    """Stage `stage` of a `stages`-way split (`ranges`, default `split_layers`), with exactly the
+    parameters of `build_full(cfg, seed)`."""
+    return StageModule(cfg, seed=seed, stage=stage, stages=stages, ranges=ranges)
 
 
 def build_full(cfg: GPTConfig, seed: int) -> StageModule:
@@ -197,12 +203,3 @@ def build_full(cfg: GPTConfig, seed: int) -> StageModule:
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross-entropy: logits (B, T, V) float, targets (B, T) int64 -> scalar."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))  # (B*T, V) vs (B*T,)
-
-
-def make_optimizer(params: Iterable[nn.Parameter], lr: float) -> torch.optim.AdamW:
-    """The one optimizer every trainer uses: AdamW, betas (0.9, 0.95), eps 1e-8, no weight decay.
-
-    `foreach=False` pins the per-parameter implementation, so a stage holding a subset of the
-    parameters updates each of them exactly as the full model's optimizer would.
-    """
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False)

@@ -114,7 +114,7 @@ def test_the_trainer_on_an_explicit_cpu_device_is_bit_identical_to_the_default()
         assert tr.backward(0, from_blob(to_blob(grad))) is None  # stage 0 sends no gradient back
         mine = tr.flat_grads()
         tr.load_mean([mine * 0.5, mine])  # as the all-reduce does, replica order
-        tr.step()
+        tr.step(0)
         results.append((act, mine, torch.cat([p.detach().reshape(-1) for p in tr.params])))
     (a0, g0, w0), (a1, g1, w1) = results
     assert torch.equal(a0, a1) and torch.equal(g0, g1) and torch.equal(w0, w1)

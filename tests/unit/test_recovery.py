@@ -46,7 +46,7 @@ def train(t: StageTrainer, iterations: range) -> list[float]:
         for mb in range(t.m):
             t.forward(it, mb, None)
             t.backward(mb, None)
-        t.step()
+        t.step(it)
         loss = t.take_loss()
         assert loss is not None
         losses.append(loss)

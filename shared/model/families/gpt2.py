@@ -64,6 +64,10 @@ class GPT2Block(nn.Module):
 
 class GPT2(LoadableLM):
     lm_head: nn.Linear | None
+    EMBEDDINGS = ("wte", "wpe")
+    LAYERS = "h"
+    FINAL = ("ln_f", "lm_head")
+    TIED_EMBEDDING = "wte"
 
     def __init__(self, config: Mapping[str, Any], info: ModelInfo) -> None:
         super().__init__()
@@ -126,6 +130,9 @@ class GPT2(LoadableLM):
         hidden = hidden + blk.mlp.c_proj(self.act(blk.mlp.c_fc(blk.ln_2(hidden))))
         return hidden, (k, v)
 
-    def head(self, hidden_last: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor) -> Tensor:
         weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.ln_f(hidden_last), weight)[0]  # (1, C) -> (vocab,)
+        return F.linear(self.ln_f(hidden), weight)  # (..., C) -> (..., vocab)
+
+    def head(self, hidden_last: Tensor) -> Tensor:
+        return self.logits(hidden_last)[0]  # (1, C) -> (vocab,)

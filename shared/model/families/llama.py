@@ -158,6 +158,10 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Llama(LoadableLM):
     lm_head: nn.Linear | None
     inv_freq: Tensor
+    EMBEDDINGS = ("embed_tokens",)
+    LAYERS = "layers"
+    FINAL = ("norm", "lm_head")
+    TIED_EMBEDDING = "embed_tokens"
 
     def __init__(self, config: Mapping[str, Any], info: ModelInfo) -> None:
         super().__init__()
@@ -220,6 +224,9 @@ class Llama(LoadableLM):
         mlp = layer.mlp
         return hidden + mlp.down_proj(self.act(mlp.gate_proj(x)) * mlp.up_proj(x)), (k, v)
 
-    def head(self, hidden_last: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor) -> Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden_last), weight)[0]  # (1, C) -> (vocab,)
+        return F.linear(self.norm(hidden), weight)  # (..., C) -> (..., vocab)
+
+    def head(self, hidden_last: Tensor) -> Tensor:
+        return self.logits(hidden_last)[0]  # (1, C) -> (vocab,)

@@ -1,0 +1,128 @@
+"""What a spec trains, built the same way by the pipeline's stages and by the single-process reference.
+
+* `stage_ranges(spec)`: the layers of each stage (`shared.plan.stage_layer_ranges`, torch-free);
+* `build_training_stage(spec, stage)`: the small GPT's `StageModule` (no `training.model`) or a
+  Hugging Face family's `HFStage` (`training.model`: its config.json, and its safetensors as the
+  starting weights when there are any);
+* `load_corpus(spec)`: the standard library's bytes, or `training.data` tokenized with the model
+  directory's tokenizer.json (`TokenCorpus`);
+* `grad_sq_norm(params)`: the squared L2 norm of the parameters' gradients, summed in float64 (a
+  pipeline adds its stages' sums before the square root).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from shared.config import ClusterSpec
+from shared.model.corpus import TokenCorpus
+from shared.model.data import ByteCorpus
+from shared.model.gpt import StageModule, build_stage
+from shared.model.hf_stage import HFStage
+from shared.model.shape import GPTConfig, read_config
+from shared.plan import stage_layer_ranges
+
+TOKENIZER_FILE = "tokenizer.json"
+
+Corpus = ByteCorpus | TokenCorpus
+TrainingStage = StageModule | HFStage
+
+
+def stage_ranges(spec: ClusterSpec) -> list[tuple[int, int]]:
+    return stage_layer_ranges(spec)
+
+
+def model_config(spec: ClusterSpec) -> dict[str, Any] | None:
+    """The config.json of `training.model`, or None for the small GPT."""
+    return None if spec.training.model is None else read_config(spec.training.model)
+
+
+def has_weights(directory: str | Path) -> bool:
+    d = Path(directory)
+    return any(d.glob("*.safetensors"))
+
+
+def build_training_stage(spec: ClusterSpec, stage: int, *, fresh: bool = False) -> TrainingStage:
+    """Stage `stage` of the spec's pipeline (see the module docstring), on the CPU. `fresh`:
+    ignore the directory's weights (an initialised model, e.g. to compare against)."""
+    config = model_config(spec)
+    if config is None:
+        cfg = GPTConfig.from_spec(spec.model)
+        return build_stage(cfg, spec.model.seed, stage, spec.parallelism.pp, stage_ranges(spec))
+    directory = spec.training.model
+    assert directory is not None
+    weights = directory if has_weights(directory) and not fresh else None
+    return HFStage(config, stage=stage, ranges=stage_ranges(spec), seed=spec.model.seed, weights=weights)
+
+
+def load_corpus(spec: ClusterSpec) -> Corpus:
+    tr = spec.training
+    if tr.data is None:
+        return ByteCorpus.from_stdlib()
+    assert tr.model is not None
+    return TokenCorpus.from_files(tr.data, Path(tr.model) / TOKENIZER_FILE, vocab=spec.model.vocab)
+
+
+def layer_count(model: nn.Module) -> int:
+    """How many transformer layers a training stage holds."""
+    if isinstance(model, HFStage):
+        start, end = model.layer_range
+        return end - start
+    assert isinstance(model, StageModule)
+    return len(model.blocks)
+
+
+def grad_sq_norm(params: Iterable[nn.Parameter]) -> float:
+    """Sum of the squared gradient entries, in float64 (parameters without a gradient count 0)."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(p.grad.detach().double().pow(2).sum())
+    return total
+
+
+def config_json(spec: ClusterSpec) -> str:
+    """The config.json a saved checkpoint of this run holds (float32 weights)."""
+    config = model_config(spec)
+    assert config is not None
+    return json.dumps({**config, "torch_dtype": "float32", "dtype": "float32"}, indent=2, sort_keys=True) + "\n"
+
+
+def tied_parameter(model: nn.Module) -> nn.Parameter | None:
+    """The tied token embedding a stage shares with another stage (first and last of a pipeline
+    whose head is tied), whose gradient the two sum each step; None otherwise."""
+    if not isinstance(model, HFStage) or not model.tied or model.stages == 1:
+        return None
+    if not (model.is_first or model.is_last):
+        return None
+    weight = getattr(model.lm, model.lm.TIED_EMBEDDING).weight
+    assert isinstance(weight, nn.Parameter)
+    return weight
+
+
+def norm_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradients count in the global norm: all, but the last stage's copy of a
+    tied embedding (the first stage's counts it, once, as the single tensor of the whole model)."""
+    if isinstance(model, HFStage):
+        return [p for name, p in model.lm.named_parameters() if not model.is_tied_copy(name)]
+    return list(model.parameters())
+
+
+__all__ = [
+    "Corpus",
+    "TrainingStage",
+    "build_training_stage",
+    "config_json",
+    "grad_sq_norm",
+    "layer_count",
+    "load_corpus",
+    "model_config",
+    "norm_parameters",
+    "stage_ranges",
+    "tied_parameter",
+]
