@@ -203,7 +203,7 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
             src, dst = volume.split(":")[:2]
             assert (ROOT / src).exists() and dst == env["BUBBLETEA_CONFIG"]
         for port in spec.get("ports", []):
-            _, container = port.split(":")
+            container = port.rsplit(":", 1)[1]  # "${BUBBLETEA_PORT:-8000}:8000" publishes 8000
             assert container == env["BUBBLETEA_HTTP_PORT"]  # the published port is the one it listens on
     assert services["redis"]["healthcheck"]["test"][1] == "redis-cli"
     assert "--appendonly" in services["redis"]["command"]  # acked work survives a restart
