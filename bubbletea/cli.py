@@ -108,7 +108,10 @@ def _train(args: argparse.Namespace) -> int:
             flush=True,
         )
         save = Path(args.save) if args.save else None
-        result = uvloop.run(run_training(settings, url, progress=True, quiet=not args.verbose, save=save))
+        resume = Path(args.resume).absolute() if args.resume else None
+        result = uvloop.run(
+            run_training(settings, url, progress=True, quiet=not args.verbose, save=save, resume=resume)
+        )
         print(
             f"==> done: steady iteration time {result.steady_iteration_s() * 1000:.1f} ms, "
             f"final loss {result.losses[-1]:.4f}",
@@ -266,8 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--save",
         metavar="DIR",
-        help="write the trained model to DIR as a checkpoint (Hugging Face GPT-2 format: config.json, "
-        "model.safetensors, tokenizer.json) that prefill.checkpoint accepts",
+        help="write the trained model to DIR after the last iteration (and every training.save_every): a Hugging "
+        "Face directory (config.json, model.safetensors, tokenizer.json; the small GPT as GPT-2) that "
+        "prefill.checkpoint and transformers load, plus optimizer/ and trainer_state.json for --resume",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from a directory --save wrote: its weights, optimizer state and iteration, up to "
+        "training.iterations in total (same model and pipeline split; losses as an uninterrupted run's)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
     p.set_defaults(func=_train)

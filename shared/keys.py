@@ -258,15 +258,21 @@ PREFILL_RECORD_TTL_S = 3_600
 
 
 def save_request_key(run: str) -> str:
-    """Set (by `bubbletea train --save`) to ask the run's workers for their weights at its end.
-    Bound: `WEIGHTS_TTL_S`."""
+    """Set (by `bubbletea train --save`) to ask the run's workers for their state after the
+    iterations it saves (`training.save_every`, and the last). Bound: `WEIGHTS_TTL_S`."""
     return f"{PREFIX}:{run}:save"
 
 
-def weights_key(run: str, stage: int) -> str:
-    """One pipeline stage's trained weights (safetensors bytes, the full model's parameter names),
-    written by the stage's replica-0 worker at the end of training when the run was asked to save."""
-    return f"{PREFIX}:{run}:weights:{stage}"
+def weights_key(run: str, iteration: int, stage: int) -> str:
+    """One pipeline stage's weights after `iteration` (safetensors bytes, named as the saved
+    checkpoint stores them), written by the stage's replica-0 worker when the run was asked to save."""
+    return f"{PREFIX}:{run}:weights:{iteration}:{stage}"
+
+
+def train_state_key(run: str, iteration: int, stage: int) -> str:
+    """Beside `weights_key`: the stage's resumable state after `iteration` (its parameters and
+    AdamW's, the trainer's checkpoint bytes), which `bubbletea train --resume` restores."""
+    return f"{PREFIX}:{run}:trainstate:{iteration}:{stage}"
 
 
 #: The saved weights wait this long for the launcher that asked for them (it deletes them once

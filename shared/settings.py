@@ -28,6 +28,7 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``BUBBLETEA_TIME_SCALE`` the device time scale k >= 1: one profiled millisecond lasts k real ones
                        (device profile, WAN, work sent ahead: `shared.timescale`); the launchers
                        measure and set it (default 1)
+``BUBBLETEA_RESUME``    a stage worker restores its stage from this save directory (``bubbletea train --resume``)
 ``BUBBLETEA_DC``        a stage worker takes only slots whose stage is placed in this datacenter
                        (the workers of one DC on one host; default: any slot)
 ``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy
@@ -75,6 +76,7 @@ ENV_VARS = frozenset(
         "BUBBLETEA_WAN",
         "BUBBLETEA_PLANE_HOST",
         "BUBBLETEA_DC",
+        "BUBBLETEA_RESUME",
         "BUBBLETEA_COMPUTE_PRIORITY",
         "BUBBLETEA_TIME_SCALE",
     }
@@ -111,6 +113,8 @@ class Settings:
     base_spec: ClusterSpec | None = None
     #: A stage worker takes only slots of this datacenter's stages (BUBBLETEA_DC); None = any.
     dc: str | None = None
+    #: A save directory the stage workers continue training from (BUBBLETEA_RESUME).
+    resume: Path | None = None
 
     @property
     def metrics_key(self) -> str | None:
@@ -194,6 +198,7 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         compute_priority=priority,
         time_scale=time_scale,
         dc=dc,
+        resume=Path(env["BUBBLETEA_RESUME"]) if env.get("BUBBLETEA_RESUME") else None,
     )
 
 

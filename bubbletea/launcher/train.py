@@ -22,6 +22,8 @@ from bubbletea.launcher.wan_modes import worker_launches
 from shared import keys
 from shared.bus import Bus
 from shared.config import UNTIL_STOPPED, ConfigError
+from shared.model.trainstate import check_resume, write_save
+from shared.policies.recovery import save_due
 from shared.settings import Settings
 from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
 
@@ -33,6 +35,10 @@ STALL_TIMEOUT_S = 300.0
 class TrainResult:
     run: str
     iterations: int
+    #: the first iteration this run trained (after `--resume`: the one after the save's)
+    first: int = 0
+    #: tokens one iteration trains on (DP x microbatches x microbatch size x sequence length)
+    tokens_per_iteration: int = 0
     #: per iteration: mean over replicas of the last stage's mean microbatch loss
     losses: list[float] = field(default_factory=list)
     #: per iteration: wall time from the previous iteration's end (or the first start) to its end
@@ -56,12 +62,15 @@ async def run_training(
     quiet: bool = False,
     dispatcher: bool = False,
     save: Path | None = None,
+    resume: Path | None = None,
     until: asyncio.Future[Any] | None = None,
 ) -> TrainResult:
     """Train once over live services. With `dispatcher`, a BubbleTea dispatcher for the run is
     started too, so prefill requests queued on the same Redis are served in the run's bubbles.
-    With `save`, the trained model is written there as a checkpoint directory (Hugging Face GPT-2
-    format, `shared.model.export`) that `prefill.checkpoint` accepts.
+    With `save`, the trained model is written there (`shared.model.trainstate`: a Hugging Face
+    directory that `prefill.checkpoint` and transformers load, plus the optimizer state) after every
+    `training.save_every` iterations and after the last. With `resume`, a directory such a save
+    wrote, training continues after its iteration up to `training.iterations` (the total).
 
     With `until`, the workers go on training past the spec's iterations until `until` is done
     (the demo's prefill load, however late it got going, is served by a training run rather than
@@ -72,12 +81,15 @@ async def run_training(
             f"training.iterations is {spec.training.iterations!r}: this job trains a number of iterations; set "
             "one in the spec or with BUBBLETEA_ITERATIONS (a run that trains until stopped is `bubbletea up`)"
         )
+    first = 0 if resume is None else check_resume(resume, spec) + 1  # a save that does not fit fails here
     env = {
         "REDIS_URL": redis_url,
         "BUBBLETEA_CONFIG": str(settings.spec_path),
         "BUBBLETEA_RUN": run,
         "BUBBLETEA_LOG_LEVEL": settings.log_level,
     }
+    if resume is not None:
+        env["BUBBLETEA_RESUME"] = str(resume)  # absolute (the CLI makes it so): the workers' cwd may differ
     if until is not None:
         env["BUBBLETEA_ITERATIONS"] = UNTIL_STOPPED  # stopped by `stop_all` below once `until` is done
     procs: list[Proc] = []
@@ -92,67 +104,92 @@ async def run_training(
                     procs.append(await spawn(DISPATCHER, env, out=out, quiet=quiet))
                 for w in launches:  # in kernel mode: inside their datacenter's namespace
                     procs.append(await spawn(STAGE_WORKER, {**env, **w.env}, out=out, quiet=quiet, prefix=w.prefix))
-                result = await _follow(bus, events, settings, procs, out if progress else None, until)
+                saver = None
                 if save is not None:
-                    await _save(bus, settings, procs, save)
+                    saver = asyncio.create_task(_saver(bus, settings, procs, save, first, out if progress else None))
+                try:
+                    result = await _follow(bus, events, settings, procs, out if progress else None, until, first)
+                    if saver is not None:  # the last iteration's save, which the workers hand over last
+                        await saver
+                finally:
+                    if saver is not None and not saver.done():
+                        saver.cancel()
+                        await asyncio.gather(saver, return_exceptions=True)
                 return result
             finally:
                 await stop_all(procs)
 
 
-#: How long the workers get to hand over their weights after the last iteration.
-SAVE_TIMEOUT_S = 60.0
-
-
-async def _save(bus: Bus, settings: Settings, procs: list[Proc], directory: Path) -> None:
-    """Assemble the stages' weights (left in Redis by the replica-0 workers) and write them."""
+async def _saver(
+    bus: Bus, settings: Settings, procs: list[Proc], directory: Path, first: int, out: TextIO | None
+) -> None:
+    """Write the save directory after each saved iteration, from the stages' states the replica-0
+    workers leave in Redis (`StageRunner._hand_over_state`), in iteration order, until the last."""
     from safetensors.torch import load
 
     from shared.model.export import save_gpt2_checkpoint, save_hf_checkpoint
     from shared.model.shape import GPTConfig
     from shared.model.training import config_json
 
-    stages = settings.spec.parallelism.pp
-    wanted = [keys.weights_key(settings.run, s) for s in range(stages)]
-    deadline = time.monotonic() + SAVE_TIMEOUT_S
+    spec, run = settings.spec, settings.run
+    tr, stages = spec.training, spec.parallelism.pp
+    limit = tr.iteration_limit
+    assert limit is not None
+    for it in (i for i in range(first, limit) if save_due(i, tr.save_every, limit)):
+        wanted = [keys.weights_key(run, it, s) for s in range(stages)]
+        wanted += [keys.train_state_key(run, it, s) for s in range(stages)]
+        found = await _wait_for_keys(bus, procs, wanted, f"the state of iteration {it}")
+        weights: dict[str, Any] = {}
+        for raw in found[:stages]:
+            weights.update(load(raw))
+
+        def write_model(d: Path, weights: dict[str, Any] = weights) -> None:
+            if tr.model is not None:  # the workers named the tensors as the checkpoint stores them
+                save_hf_checkpoint(weights, config_json(spec), tr.model, d)
+            else:
+                save_gpt2_checkpoint(weights, GPTConfig.from_spec(spec.model), d)
+
+        await asyncio.to_thread(write_save, directory, spec, it, write_model, found[stages:])
+        await bus.redis.delete(*wanted)
+        if out is not None:
+            print(f"saved iteration {it} to {directory}", file=out, flush=True)
+    await bus.redis.delete(keys.save_request_key(run))
+
+
+async def _wait_for_keys(bus: Bus, procs: list[Proc], wanted: list[str], what: str) -> list[bytes]:
+    """The values of `wanted` once all are there; fails if a worker exits with an error first."""
     while True:
         found: Any = await bus.redis.mget(wanted)
         if all(f is not None for f in found):
-            break
+            return list(found)
         for p in procs:
             if p.proc.returncode not in (None, 0):
-                raise ServiceFailed(f"{p.name} exited with code {p.proc.returncode} before saving its weights")
-        if time.monotonic() > deadline:
-            missing = [s for s, f in enumerate(found) if f is None]
-            raise ServiceFailed(
-                f"the workers of stages {missing} did not hand over their weights in {SAVE_TIMEOUT_S:.0f}s"
-            )
-        await asyncio.sleep(0.1)  # weights are keys the workers write once: poll them
-    state: dict[str, Any] = {}
-    for raw in found:
-        state.update(load(raw))
-    spec = settings.spec
-    if spec.training.model is not None:  # the workers named the tensors as the checkpoint stores them
-        save_hf_checkpoint(state, config_json(spec), spec.training.model, directory)
-    else:
-        save_gpt2_checkpoint(state, GPTConfig.from_spec(spec.model), directory)
-    await bus.redis.delete(keys.save_request_key(settings.run), *wanted)
+                raise ServiceFailed(f"{p.name} exited with code {p.proc.returncode} before handing over {what}")
+        await asyncio.sleep(0.1)  # keys the workers write once: poll them
 
 
 async def _follow(
-    bus: Bus, stream: str, settings: Settings, procs: list[Proc], out: TextIO | None, until: asyncio.Future[Any] | None
+    bus: Bus,
+    stream: str,
+    settings: Settings,
+    procs: list[Proc],
+    out: TextIO | None,
+    until: asyncio.Future[Any] | None,
+    first: int = 0,
 ) -> TrainResult:
     spec = settings.spec
-    iters, workers = spec.training.iteration_limit or 0, spec.parallelism.pp * spec.parallelism.dp
+    limit, workers = spec.training.iteration_limit or 0, spec.parallelism.pp * spec.parallelism.dp
+    tr = spec.training
+    tokens = spec.parallelism.dp * tr.microbatches * tr.microbatch_size * spec.model.seq_len
     # per iteration, per slot: the newest generation's report (a run that resumed from a checkpoint
     # trains some iterations again)
     done: dict[int, dict[tuple[int, int], IterationDone]] = {}
-    result = TrainResult(settings.run, iters)
+    result = TrainResult(settings.run, limit - first, first, tokens)
     last_progress = time.monotonic()
     cursor = "0"  # the run's events from the beginning
 
     def finished() -> bool:
-        trained = sum(len(done.get(i, ())) for i in range(iters)) == iters * workers
+        trained = sum(len(done.get(i, ())) for i in range(first, limit)) == (limit - first) * workers
         return trained and (until is None or until.done())
 
     while not finished():
@@ -185,9 +222,9 @@ async def _follow(
                     if had is None or had.generation <= msg.generation:
                         slots[(msg.replica, msg.stage)] = msg
                     if had is None and len(slots) == workers and out is not None:
-                        _print_iteration(out, msg.iteration, done)
-    prev_end = min(m.started for m in done[0].values())
-    for i in range(iters):
+                        _print_iteration(out, msg.iteration, done, tokens)
+    prev_end = min(m.started for m in done[first].values())
+    for i in range(first, limit):
         recs = list(done[i].values())
         end = max(m.ended for m in recs)
         result.iteration_s.append(end - prev_end)
@@ -206,13 +243,15 @@ def _slot_of(p: Proc) -> str:
     return ""
 
 
-def _print_iteration(out: TextIO, i: int, done: dict[int, dict[tuple[int, int], IterationDone]]) -> None:
+def _print_iteration(out: TextIO, i: int, done: dict[int, dict[tuple[int, int], IterationDone]], tokens: int) -> None:
     recs = list(done[i].values())
     losses = [m.loss for m in recs if m.loss is not None]
     end = max(m.ended for m in recs)
-    start = max(m.ended for m in done[i - 1].values()) if i > 0 else min(m.started for m in recs)
+    start = max(m.ended for m in done[i - 1].values()) if i - 1 in done else min(m.started for m in recs)
+    seconds = max(end - start, 1e-9)
     print(
-        f"iteration {i:4d}  loss {statistics.fmean(losses):.4f}  time {(end - start) * 1000:8.1f} ms",
+        f"iteration {i:4d}  loss {statistics.fmean(losses):.4f}  time {seconds * 1000:8.1f} ms  "
+        f"{tokens / seconds:9.0f} tokens/s",
         file=out,
         flush=True,
     )

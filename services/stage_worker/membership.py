@@ -18,7 +18,6 @@ from shared.bus import Consumer
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.dataplane import PlaneError
 from shared.logs import get_logger
-from shared.model.hf_stage import HFStage
 from shared.policies.recovery import FROM_SCRATCH
 
 #: How long a worker waits for all its peers to lease their slots.
@@ -64,7 +63,6 @@ async def take_part(
                     train.result()  # re-raise a training error
                     await _finish_sends(runner)
                     await runner.outbox.close()
-                    await _save_weights_if_asked(runner)
                     await lease.finish()
                     log.info(
                         "training finished",
@@ -138,8 +136,12 @@ async def _join(
             raise SlotError(f"slot {slot.name} could not join the data plane of generation {gen}: {exc}") from None
     store = runner.checkpoints
     resume = await gens.resume_point(store) if store is not None else FROM_SCRATCH
+    if resume == FROM_SCRATCH and runner.resume_from is not None:  # `bubbletea train --resume`, no checkpoint yet
+        resume, saved = runner.resume_from
+    else:
+        saved = None
     if after_loss or resume != FROM_SCRATCH:
-        blob = None if store is None or resume == FROM_SCRATCH else await store.load(slot, resume)
+        blob = saved or (None if store is None or resume == FROM_SCRATCH else await store.load(slot, resume))
         try:
             await runner.in_torch_thread(runner.trainer.restore, blob)
         except (KeyError, RuntimeError, ValueError) as exc:
@@ -166,21 +168,3 @@ async def _generation_moved(gens: Generations) -> None:
         outage.ok()
         if newest > gens.current:
             return
-
-
-async def _save_weights_if_asked(runner: StageRunner) -> None:
-    """At the end of training, if the run was asked to save (`bubbletea train --save`), replica 0
-    of each stage leaves its stage's weights in Redis, named as in the full model, for the launcher
-    to assemble (every replica holds the same weights after the all-reduce)."""
-    r = runner.bus.redis
-    if runner.replica != 0 or not await r.exists(keys.save_request_key(runner.run)):
-        return
-    from safetensors.torch import save
-
-    model = runner.trainer.model
-    if isinstance(model, HFStage):  # named and laid out as the checkpoint stores them
-        tensors = model.hf_tensors()
-    else:
-        tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.global_named_parameters()}
-    await r.set(keys.weights_key(runner.run, runner.stage), save(tensors), ex=keys.WEIGHTS_TTL_S)
-    log.info("weights saved for the launcher", slot=runner.slot.name, tensors=len(tensors))

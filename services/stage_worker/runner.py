@@ -36,7 +36,7 @@ from shared.dataplane import PlaneError, in_thread
 from shared.logs import get_logger
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
-from shared.policies.recovery import checkpoint_due
+from shared.policies.recovery import checkpoint_due, save_due
 from shared.policies.schedules import Op, schedule
 from shared.priority import lower_this_thread, train_nice
 from shared.timing import sleep_until
@@ -78,6 +78,10 @@ class StageRunner:
     filler: Filler | None = None  # BubbleTea: runs prefill batches in this worker's bubbles
     metrics: WorkerMetrics | None = None  # Prometheus: recorded where the runner has each value
     checkpoints: CheckpointStore | None = None  # where `training.checkpoint_every` checkpoints go
+    #: `bubbletea train --save`: replica 0 hands its stage's state to the launcher after the saved iterations.
+    saving: bool = False
+    #: `bubbletea train --resume`: the iteration saved last and this stage's state then (restored at start).
+    resume_from: tuple[int, bytes] | None = None
     transport: Transport | None = None  # the data plane (set by the worker before training)
     #: The run's recovery generation this runner trains in (stamped on every tensor it sends).
     generation: int = 0
@@ -134,6 +138,8 @@ class StageRunner:
             if self.checkpoints is not None and checkpoint_due(it, tr.checkpoint_every):
                 blob = await self.in_torch_thread(self.trainer.checkpoint)
                 await self.checkpoints.save(self.slot, it, blob)
+            if self.saving and self.replica == 0 and save_due(it, tr.save_every, limit):
+                await self._hand_over_state(it)
             loss = self.trainer.take_loss()
             prefill_lag_ms = self.filler.take_lag() * 1000 if self.filler is not None else 0.0
             self._flush_spans()
@@ -164,6 +170,22 @@ class StageRunner:
                 prefill_lag_ms=prefill_lag_ms,
             )
             self._warn_prefill_lag(it, prefill_lag_ms)
+
+    async def _hand_over_state(self, it: int) -> None:
+        """Leave this stage's weights (named as the saved checkpoint stores them) and its trainer
+        checkpoint after iteration `it` in Redis, for the launcher to write the save directory
+        (every replica holds the same state after the step)."""
+        from safetensors.torch import save
+
+        weights, state = await self.in_torch_thread(
+            lambda: (save(self.trainer.saved_tensors()), self.trainer.checkpoint())
+        )
+        r = self.bus.redis
+        async with r.pipeline(transaction=True) as pipe:
+            pipe.set(keys.weights_key(self.run, it, self.stage), weights, ex=keys.WEIGHTS_TTL_S)
+            pipe.set(keys.train_state_key(self.run, it, self.stage), state, ex=keys.WEIGHTS_TTL_S)
+            await pipe.execute()
+        log.info("state handed over for the save", slot=self.slot.name, iteration=it, bytes=len(weights) + len(state))
 
     def _warn_prefill_lag(self, it: int, lag_ms: float) -> None:
         """Never hidden (the prefill profile claims a faster device than this one keeps up with),

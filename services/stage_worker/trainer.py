@@ -23,6 +23,7 @@ from torch import Tensor
 from shared.config import ClusterSpec
 from shared.devices import synchronize
 from shared.model.gpt import lm_loss
+from shared.model.hf_stage import HFStage
 from shared.model.optim import clip_coefficient, lr_at, make_optimizer, set_lr
 from shared.model.training import (
     Corpus,
@@ -211,6 +212,14 @@ class StageTrainer:
         if state:
             self.opt.load_state_dict({"state": state, "param_groups": self.opt.state_dict()["param_groups"]})
         synchronize(self.device)
+
+    def saved_tensors(self) -> dict[str, Tensor]:
+        """The stage's weights as the save directory stores them: a Hugging Face model's under its
+        checkpoint names (`HFStage.hf_tensors`), the small GPT's under the full model's names (the
+        launcher exports them as GPT-2)."""
+        if isinstance(self.model, HFStage):
+            return self.model.hf_tensors()
+        return {name: p.detach().to("cpu").contiguous() for name, p in self.model.global_named_parameters()}
 
     def state_bytes(self) -> int:
         """Parameters, gradients and AdamW's two moments, in bytes."""

@@ -36,6 +36,7 @@ from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.model.prefill import PrefillModel
 from shared.model.training import load_corpus
+from shared.model.trainstate import check_resume, stage_state
 from shared.plan import placement_of, predict, profile_ms
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillPolicy
@@ -165,7 +166,12 @@ async def _train(
         free_memory_bytes=max(0, memory - trainer.state_bytes()),
         metrics=metrics,
         checkpoints=CheckpointStore(bus.redis, run, lease.all_slots) if spec.training.recovers else None,
+        saving=bool(await bus.redis.exists(keys.save_request_key(run))),
     )
+    if settings.resume is not None:  # `bubbletea train --resume`: this stage's state after the saved iteration
+        saved_it = check_resume(settings.resume, spec)
+        runner.resume_from = (saved_it, stage_state(settings.resume, slot.stage, spec.parallelism.pp))
+        log.info("resuming from a save", slot=slot.name, directory=str(settings.resume), after_iteration=saved_it)
     plane = DataPlane(settings.require_redis_url(), run, plane_addresses(settings, slot, placement))
     runner.transport = transport = Transport(
         runner.outbox,

@@ -24,6 +24,12 @@ def checkpoint_due(iteration: int, every: int) -> bool:
     return every > 0 and (iteration + 1) % every == 0
 
 
+def save_due(iteration: int, every: int, limit: int | None) -> bool:
+    """Whether a run asked to save (`bubbletea train --save`) writes its state after `iteration`:
+    after every `every`-th (`training.save_every`, 0 = never) and after the last of `limit`."""
+    return (limit is not None and iteration == limit - 1) or (every > 0 and (iteration + 1) % every == 0)
+
+
 def resume_after(checkpoints: Mapping[str, Collection[int]], slots: Iterable[str]) -> int:
     """The newest iteration every slot in `slots` has a checkpoint of (training resumes at the next
     one), or `FROM_SCRATCH` if they have none in common."""

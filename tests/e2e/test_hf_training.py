@@ -13,6 +13,7 @@ with `AutoModelForCausalLM.from_pretrained` and gives the reference model's logi
 from __future__ import annotations
 
 import io
+import json
 import math
 import uuid
 from pathlib import Path
@@ -22,9 +23,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from bubbletea.launcher.train import run_training
+from shared.model.checkpoint import load_causal_lm
 from shared.model.corpus import TokenCorpus, train_bpe_tokenizer
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
@@ -89,7 +92,7 @@ def make_model_dir(tmp_path: Path, family: str) -> tuple[Path, Path]:
     return directory, data
 
 
-def write_spec(tmp_path: Path, directory: Path, data: Path) -> Path:
+def write_spec(tmp_path: Path, directory: Path, data: Path, name: str = "spec.yaml", **training: Any) -> Path:
     spec = {
         "name": "hf-correctness",
         "datacenters": [{"name": "dc-a", "gpus": 2}, {"name": "dc-b", "gpus": 2}],
@@ -101,10 +104,10 @@ def write_spec(tmp_path: Path, directory: Path, data: Path) -> Path:
         "training": {
             "schedule": "1f1b", "microbatches": MICROBATCHES, "microbatch_size": MBS, "iterations": ITERATIONS,
             "lr": LR, "seed": 5, "model": str(directory), "data": [str(data)], "warmup_iters": WARMUP,
-            "min_lr_ratio": MIN_RATIO, "clip_grad_norm": CLIP, "checkpoint_every": 0,
+            "min_lr_ratio": MIN_RATIO, "clip_grad_norm": CLIP, "checkpoint_every": 0, **training,
         },
     }  # fmt: skip
-    path = tmp_path / "spec.yaml"
+    path = tmp_path / name
     path.write_text(yaml.safe_dump(spec))
     return path
 
@@ -162,3 +165,42 @@ async def test_pp2_dp2_training_matches_transformers_and_saves_a_loadable_checkp
     with torch.no_grad():
         assert torch.allclose(trained(input_ids=x).logits, reference(input_ids=x).logits, atol=1e-4)
     assert (saved / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
+
+
+async def test_a_resumed_run_equals_an_uninterrupted_one_and_serves_its_checkpoint(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Train 5 iterations saving every 2; train 3 and save, then resume to 5: the same losses and
+    weights, bit for bit; the save is what `prefill.checkpoint` serves."""
+    directory, data = make_model_dir(tmp_path, "llama")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    runs = []
+    for name, saved, resume, training in (
+        ("whole.yaml", whole, None, {"save_every": 2}),
+        ("part.yaml", part, None, {"iterations": 3, "decay_iters": ITERATIONS}),
+        ("rest.yaml", part, part, {"decay_iters": ITERATIONS}),
+    ):
+        settings = load_settings(
+            write_spec(tmp_path, directory, data, name, **training), env={"BUBBLETEA_RUN": f"r-{uuid.uuid4().hex[:6]}"}
+        )
+        runs.append(
+            await run_training(settings, redis_server.url, out=io.StringIO(), progress=False, save=saved, resume=resume)
+        )
+    uninterrupted, first, rest = (r.losses for r in runs)
+    assert first + rest == uninterrupted and runs[2].first == 3
+    assert json.loads((part / "trainer_state.json").read_text())["iteration"] == ITERATIONS - 1
+    a, b = load_file(whole / "model.safetensors"), load_file(part / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in (part / "optimizer").iterdir()) == [
+        "stage-00001-of-00002.safetensors",
+        "stage-00002-of-00002.safetensors",
+    ]
+
+    served = load_causal_lm(part)  # what prefill.checkpoint loads
+    reference = AutoModelForCausalLM.from_pretrained(part, dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.no_grad():
+        hidden = served.embed(ids, torch.arange(6))
+        for i in range(served.info.layers):
+            hidden, _ = served.block(i, hidden, torch.arange(6), None)
+        assert torch.allclose(served.logits(hidden), reference(input_ids=ids).logits, atol=1e-5)

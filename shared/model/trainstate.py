@@ -1,0 +1,155 @@
+"""The directory `bubbletea train --save DIR` writes, and what `--resume DIR` checks before continuing.
+
+DIR is a model others can use, plus what this project needs to continue training it:
+
+* the model: for `training.model` a Hugging Face directory (`config.json` in float32,
+  `model.safetensors`, the source directory's tokenizer files), which `transformers`
+  `AutoModelForCausalLM.from_pretrained` and `prefill.checkpoint` load; for the small GPT its
+  GPT-2 export (`shared.model.export`);
+* ``optimizer/stage-<k>-of-<P>.safetensors``: each stage's trainer checkpoint (every trainable
+  parameter and AdamW's moments and step count, the same bytes the run's recovery keeps in Redis);
+* ``trainer_state.json``: the iteration trained last (the data position: every batch is a pure
+  function of the iteration), the pipeline split and the model's shape.
+
+A save is written into a sibling temporary directory and swapped in, so a reader never sees the
+files of two iterations mixed. `check_resume` refuses, in one line naming the field, a directory
+that is not such a save, or one of another model or split, or one that already has every iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from shared.config import ClusterSpec, ConfigError
+from shared.plan import stage_layer_ranges
+
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_DIR = "optimizer"
+FORMAT = "bubbletea-train/1"
+
+
+class ResumeError(ConfigError):
+    """`--resume DIR` cannot continue from DIR; the message is one line saying why."""
+
+
+def stage_file(stage: int, stages: int) -> str:
+    return f"stage-{stage + 1:05d}-of-{stages:05d}.safetensors"
+
+
+def model_identity(spec: ClusterSpec) -> dict[str, Any]:
+    """What must match for a saved state to continue this spec's training."""
+    m = spec.model
+    return {
+        "family": _family(spec),
+        "layers": m.layers,
+        "d_model": m.d_model,
+        "heads": m.heads,
+        "vocab": m.vocab,
+    }
+
+
+def _family(spec: ClusterSpec) -> str:
+    if spec.training.model is None:
+        return "small-gpt"
+    from shared.model.shape import read_config
+
+    return str(read_config(spec.training.model)["model_type"])
+
+
+def trainer_state(spec: ClusterSpec, iteration: int) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "iteration": iteration,
+        "next_iteration": iteration + 1,
+        "pp": spec.parallelism.pp,
+        "dp": spec.parallelism.dp,
+        "stage_ranges": [list(r) for r in stage_layer_ranges(spec)],
+        "model": model_identity(spec),
+        "seq_len": spec.model.seq_len,
+        "data_seed": spec.training.seed,
+    }
+
+
+def write_save(
+    directory: str | Path,
+    spec: ClusterSpec,
+    iteration: int,
+    write_model: Callable[[Path], object],
+    stage_states: Sequence[bytes],
+) -> Path:
+    """Write a save of `iteration` to `directory` (see the module docstring); `write_model` writes
+    the model's files into the directory it is given."""
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_model(tmp)
+        (tmp / OPTIMIZER_DIR).mkdir()
+        for k, blob in enumerate(stage_states):
+            (tmp / OPTIMIZER_DIR / stage_file(k, len(stage_states))).write_bytes(blob)
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state(spec, iteration), indent=2) + "\n")
+        for path in [tmp, *tmp.rglob("*")]:  # readable by a server running as another user
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        old = target.with_name(f".{target.name}.{os.getpid()}.old")
+        if target.exists():
+            target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def check_resume(directory: str | Path, spec: ClusterSpec) -> int:
+    """The iteration `directory` was saved after, if this spec can continue from it; `ResumeError`
+    naming what does not fit otherwise."""
+    d = Path(directory)
+    path = d / TRAINER_STATE
+    if not path.is_file():
+        what = "does not exist" if not d.exists() else f"has no {TRAINER_STATE}"
+        raise ResumeError(f"--resume {d}: the directory {what}; expected one `bubbletea train --save` wrote")
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        saved_it, saved_model = int(state["iteration"]), dict(state["model"])
+        saved_pp, saved_ranges = int(state["pp"]), [tuple(r) for r in state["stage_ranges"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ResumeError(f"--resume {d}: cannot read {TRAINER_STATE}: {exc!r}") from None
+    if state.get("format") != FORMAT:
+        raise ResumeError(f"--resume {d}: {TRAINER_STATE} has format {state.get('format')!r}, expected {FORMAT!r}")
+    mine = model_identity(spec)
+    for key, value in mine.items():
+        if saved_model.get(key) != value:
+            field = "training.model" if key == "family" else f"model.{key}"
+            raise ResumeError(
+                f"--resume {d}: a checkpoint of another model: {field} is {value!r} here but "
+                f"{saved_model.get(key)!r} in the checkpoint"
+            )
+    if saved_pp != spec.parallelism.pp or saved_ranges != [tuple(r) for r in stage_layer_ranges(spec)]:
+        raise ResumeError(
+            f"--resume {d}: parallelism.pp / split: the checkpoint's stages hold layers {saved_ranges}, this spec's "
+            f"{stage_layer_ranges(spec)}; resume with the same pipeline split"
+        )
+    missing = [
+        stage_file(k, saved_pp) for k in range(saved_pp) if not (d / OPTIMIZER_DIR / stage_file(k, saved_pp)).is_file()
+    ]
+    if missing:
+        raise ResumeError(f"--resume {d}: {OPTIMIZER_DIR}/ lacks {missing}")
+    limit = spec.training.iteration_limit
+    if limit is not None and saved_it + 1 >= limit:
+        raise ResumeError(
+            f"--resume {d}: training.iterations is {limit} and the checkpoint already has {saved_it + 1}: "
+            "nothing left to train (raise training.iterations to go on)"
+        )
+    return saved_it
+
+
+def stage_state(directory: str | Path, stage: int, stages: int) -> bytes:
+    """Stage `stage`'s trainer checkpoint bytes from a save."""
+    return (Path(directory) / OPTIMIZER_DIR / stage_file(stage, stages)).read_bytes()
