@@ -99,6 +99,13 @@ def _train(args: argparse.Namespace) -> int:
     elif settings.run == "run":
         settings = dataclasses.replace(settings, run=f"train-{int(time.time())}")
     setup_logging("train", "WARNING")
+    from shared.model.training import check_training
+
+    check_training(settings.spec)  # a model or data the workers cannot train is refused here, in one line
+    if args.resume:
+        from shared.model.trainstate import check_resume
+
+        check_resume(Path(args.resume), settings.spec)  # and a save it cannot continue from
     url, embedded, _ = open_redis(settings.redis_url)
     try:
         spec = settings.spec
@@ -109,9 +116,13 @@ def _train(args: argparse.Namespace) -> int:
         )
         save = Path(args.save) if args.save else None
         resume = Path(args.resume).absolute() if args.resume else None
-        result = uvloop.run(
-            run_training(settings, url, progress=True, quiet=not args.verbose, save=save, resume=resume)
-        )
+        folder = Path(args.out) / settings.run
+        folder.mkdir(parents=True, exist_ok=True)
+        print(f"==> per-iteration loss and tokens/s also in {folder / 'train.jsonl'}", flush=True)
+        with (folder / "train.jsonl").open("a", encoding="utf-8") as log:
+            result = uvloop.run(
+                run_training(settings, url, progress=True, quiet=not args.verbose, save=save, resume=resume, log=log)
+            )
         print(
             f"==> done: steady iteration time {result.steady_iteration_s() * 1000:.1f} ms, "
             f"final loss {result.losses[-1]:.4f}",
@@ -273,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Face directory (config.json, model.safetensors, tokenizer.json; the small GPT as GPT-2) that "
         "prefill.checkpoint and transformers load, plus optimizer/ and trainer_state.json for --resume",
     )
+    p.add_argument("--out", default="runs", help="the run folder goes here: <out>/<run>/train.jsonl (default: runs)")
     p.add_argument(
         "--resume",
         metavar="DIR",
@@ -338,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     p.set_defaults(func=None)
+
+    from bubbletea.initmodel import add_parser as add_init_model
+
+    add_init_model(sub)
 
     p = sub.add_parser(
         "redis",

@@ -137,6 +137,9 @@ class Training(_Spec, frozen=True):
     #: Gradients are scaled so their global norm (over every stage's parameters) is at most this;
     #: 0 = no clipping.
     clip_grad_norm: Annotated[float, Meta(ge=0, le=1e6)] = 1.0
+    #: auto: bf16 autocast for the forward on CUDA (the loss in float32), float32 on the CPU;
+    #: fp32: float32 everywhere (e.g. to compare a GPU run with a CPU reference closely).
+    precision: Literal["auto", "fp32"] = "auto"
     #: With `bubbletea train --save DIR`: write DIR after every this many iterations too (and at
     #: the end); 0 = at the end only.
     save_every: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
@@ -320,8 +323,9 @@ def _check_semantics(spec: ClusterSpec) -> None:
     if tr.data is not None and not tr.data:
         raise ConfigError("training.data: is empty; expected a list of local text or JSONL files")
     if spec.parallelism.pp > spec.model.layers:
+        layers = f"training.model's {spec.model.layers} layers" if tr.model else f"model.layers ({spec.model.layers})"
         raise ConfigError(
-            f"parallelism.pp: at most model.layers ({spec.model.layers}) stages; got {spec.parallelism.pp}"
+            f"parallelism.pp: {spec.parallelism.pp} stages would leave a stage without a layer: at most {layers}"
         )
 
 

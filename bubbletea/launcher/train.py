@@ -8,6 +8,7 @@ A worker that exits with an error or reports `WorkerFailed` ends the run with th
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import statistics
 import sys
@@ -64,13 +65,15 @@ async def run_training(
     save: Path | None = None,
     resume: Path | None = None,
     until: asyncio.Future[Any] | None = None,
+    log: TextIO | None = None,
 ) -> TrainResult:
     """Train once over live services. With `dispatcher`, a BubbleTea dispatcher for the run is
     started too, so prefill requests queued on the same Redis are served in the run's bubbles.
     With `save`, the trained model is written there (`shared.model.trainstate`: a Hugging Face
     directory that `prefill.checkpoint` and transformers load, plus the optimizer state) after every
     `training.save_every` iterations and after the last. With `resume`, a directory such a save
-    wrote, training continues after its iteration up to `training.iterations` (the total).
+    wrote, training continues after its iteration up to `training.iterations` (the total). With
+    `log`, each iteration is also written there as a JSON line (`iteration_record`).
 
     With `until`, the workers go on training past the spec's iterations until `until` is done
     (the demo's prefill load, however late it got going, is served by a training run rather than
@@ -108,7 +111,8 @@ async def run_training(
                 if save is not None:
                     saver = asyncio.create_task(_saver(bus, settings, procs, save, first, out if progress else None))
                 try:
-                    result = await _follow(bus, events, settings, procs, out if progress else None, until, first)
+                    shown = out if progress else None
+                    result = await _follow(bus, events, settings, procs, shown, until, first, log)
                     if saver is not None:  # the last iteration's save, which the workers hand over last
                         await saver
                 finally:
@@ -176,6 +180,7 @@ async def _follow(
     out: TextIO | None,
     until: asyncio.Future[Any] | None,
     first: int = 0,
+    log: TextIO | None = None,
 ) -> TrainResult:
     spec = settings.spec
     limit, workers = spec.training.iteration_limit or 0, spec.parallelism.pp * spec.parallelism.dp
@@ -221,8 +226,8 @@ async def _follow(
                     had = slots.get((msg.replica, msg.stage))
                     if had is None or had.generation <= msg.generation:
                         slots[(msg.replica, msg.stage)] = msg
-                    if had is None and len(slots) == workers and out is not None:
-                        _print_iteration(out, msg.iteration, done, tokens)
+                    if had is None and len(slots) == workers:
+                        _report_iteration(out, log, iteration_record(msg.iteration, done, tokens))
     prev_end = min(m.started for m in done[first].values())
     for i in range(first, limit):
         recs = list(done[i].values())
@@ -243,15 +248,25 @@ def _slot_of(p: Proc) -> str:
     return ""
 
 
-def _print_iteration(out: TextIO, i: int, done: dict[int, dict[tuple[int, int], IterationDone]], tokens: int) -> None:
+def iteration_record(i: int, done: dict[int, dict[tuple[int, int], IterationDone]], tokens: int) -> dict[str, Any]:
+    """Iteration `i` once every slot reported it: its mean loss, wall time (from the previous
+    iteration's end, or its own first start) and tokens per second."""
     recs = list(done[i].values())
     losses = [m.loss for m in recs if m.loss is not None]
     end = max(m.ended for m in recs)
     start = max(m.ended for m in done[i - 1].values()) if i - 1 in done else min(m.started for m in recs)
     seconds = max(end - start, 1e-9)
-    print(
-        f"iteration {i:4d}  loss {statistics.fmean(losses):.4f}  time {seconds * 1000:8.1f} ms  "
-        f"{tokens / seconds:9.0f} tokens/s",
-        file=out,
-        flush=True,
-    )
+    return {"iteration": i, "loss": statistics.fmean(losses), "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def _report_iteration(out: TextIO | None, log: TextIO | None, record: dict[str, Any]) -> None:
+    if out is not None:
+        print(
+            f"iteration {record['iteration']:4d}  loss {record['loss']:.4f}  time {record['seconds'] * 1000:8.1f} ms  "
+            f"{record['tokens_per_s']:9.0f} tokens/s",
+            file=out,
+            flush=True,
+        )
+    if log is not None:
+        log.write(json.dumps(record) + "\n")
+        log.flush()

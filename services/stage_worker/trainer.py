@@ -55,6 +55,8 @@ class StageTrainer:
         self._outputs: dict[int, Tensor] = {}
         self._losses: list[float] = []
         self.last_lr, self.last_grad_norm = self.lr, 0.0
+        #: bf16 autocast of the forward (`training.precision: auto` on CUDA); backward follows it.
+        self.bf16 = self.device.type == "cuda" and spec.training.precision == "auto"
 
     @property
     def layers(self) -> int:
@@ -73,10 +75,11 @@ class StageTrainer:
             assert act is not None, "a later stage needs the previous stage's activation"
             inp = act.to(self.device).requires_grad_(True)  # (B, T, C)
             self._inputs[mb] = inp
-        out = self.model(inp)  # (B, T, C), or logits (B, T, V) on the last stage
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16):
+            out = self.model(inp)  # (B, T, C), or logits (B, T, V) on the last stage
         if self.model.is_last:
             _, targets = self._batch(iteration, mb)
-            loss = lm_loss(out, targets)
+            loss = lm_loss(out.float(), targets)
             self._losses.append(loss.item())  # waits for the device
             self._outputs[mb] = loss
             return None

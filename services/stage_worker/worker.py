@@ -34,7 +34,9 @@ from shared.dataplane.kv import KvServer, KvShelf
 from shared.devices import DeviceError, check_kind, describe, select_device, slot_index, synchronize
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
+from shared.model.corpus import DataError
 from shared.model.prefill import PrefillModel
+from shared.model.shape import CheckpointError
 from shared.model.training import load_corpus
 from shared.model.trainstate import check_resume, stage_state
 from shared.plan import placement_of, predict, profile_ms
@@ -143,8 +145,12 @@ async def _train(
     device: torch.device,
 ) -> None:
     spec, run = settings.spec, settings.run
-    corpus = await asyncio.to_thread(load_corpus, spec)
-    trainer = await asyncio.to_thread(StageTrainer, spec, slot.replica, slot.stage, corpus, device)
+    try:  # what the launcher's check_training refuses; a worker started on its own says it too
+        corpus = await asyncio.to_thread(load_corpus, spec)
+        trainer = await asyncio.to_thread(StageTrainer, spec, slot.replica, slot.stage, corpus, device)
+    except (CheckpointError, DataError) as exc:
+        log.error("cannot train the spec's model or data", slot=slot.name, error=str(exc))
+        raise SystemExit(EXIT_CONFIG) from None
     profile, prior = await asyncio.to_thread(_profile_and_prior, spec, slot, trainer)
     mailbox = Mailbox()
     gens = Generations(bus.redis, run, lease.all_slots)

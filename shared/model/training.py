@@ -19,12 +19,13 @@ from typing import Any
 
 from torch import nn
 
-from shared.config import ClusterSpec
-from shared.model.corpus import TokenCorpus
+from shared.config import ClusterSpec, ConfigError
+from shared.model.checkpoint import FAMILIES, _checked_state, _read_tensors
+from shared.model.corpus import DataError, TokenCorpus, load_tokenizer
 from shared.model.data import ByteCorpus
 from shared.model.gpt import StageModule, build_stage
 from shared.model.hf_stage import HFStage
-from shared.model.shape import GPTConfig, read_config
+from shared.model.shape import CheckpointError, GPTConfig, info_from_config, read_config
 from shared.plan import stage_layer_ranges
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -58,6 +59,41 @@ def build_training_stage(spec: ClusterSpec, stage: int, *, fresh: bool = False) 
     assert directory is not None
     weights = directory if has_weights(directory) and not fresh else None
     return HFStage(config, stage=stage, ranges=stage_ranges(spec), seed=spec.model.seed, weights=weights)
+
+
+class TrainingInputError(ConfigError):
+    """`training.model` or `training.data` cannot be trained here; one line naming the field."""
+
+
+def check_training(spec: ClusterSpec) -> None:
+    """Refuse, before anything starts, what the workers could not train: a family, rope type,
+    quantization or config variant the model code does not implement, weights that do not fit the
+    config, a tokenizer that does not match the vocabulary, missing or empty data files. Each as a
+    `TrainingInputError` of one line naming the field."""
+    tr = spec.training
+    if tr.model is None:
+        return
+    try:
+        config = read_config(tr.model)
+        info = info_from_config(config)
+        lm = FAMILIES[config["model_type"]].from_config(config, info)  # on the meta device: refuses variants
+        if has_weights(tr.model):
+            _checked_state(lm, _read_tensors(Path(tr.model)), Path(tr.model))
+    except CheckpointError as exc:
+        raise TrainingInputError(f"training.model: {exc}") from None
+    if tr.data is None:
+        return
+    try:
+        load_tokenizer(Path(tr.model) / TOKENIZER_FILE, spec.model.vocab)
+        for name in tr.data:
+            path = Path(name)
+            if not path.is_file():
+                what = "does not exist (nothing is downloaded)" if not path.exists() else "is not a file"
+                raise DataError(f"training.data: {path} {what}: expected a local text or JSONL file")
+            if path.stat().st_size == 0:
+                raise DataError(f"training.data: {path} is empty: expected a file with at least one document")
+    except DataError as exc:
+        raise TrainingInputError(str(exc)) from None
 
 
 def load_corpus(spec: ClusterSpec) -> Corpus:
@@ -115,8 +151,10 @@ def norm_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 __all__ = [
     "Corpus",
+    "TrainingInputError",
     "TrainingStage",
     "build_training_stage",
+    "check_training",
     "config_json",
     "grad_sq_norm",
     "layer_count",

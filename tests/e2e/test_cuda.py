@@ -61,8 +61,12 @@ TRAIN_SPEC = {
     "wan": {"sharing": "temporal", "default": {"latency_ms": 2, "bandwidth_gbps": 1, "connections": 4}},
     "model": {"layers": 4, "d_model": 32, "heads": 4, "seq_len": 16, "vocab": 256, "seed": 3},
     "parallelism": {"pp": 2, "dp": 2, "tp": 1},
-    "training": {"schedule": "1f1b", "microbatches": 3, "microbatch_size": 2, "iterations": 4, "lr": 3e-3, "seed": 7},
-}
+    # float32 on the GPU too (bf16 autocast would be off by more than LOSS_RTOL: see the bf16 test)
+    "training": {"schedule": "1f1b", "microbatches": 3, "microbatch_size": 2, "iterations": 4, "lr": 3e-3, "seed": 7,
+                 "precision": "fp32"},
+}  # fmt: skip
+#: bf16 autocast keeps about 3 significant digits of the activations: the loss stays this close.
+BF16_LOSS_RTOL = 3e-2
 
 PREFILL_SPEC = {
     "datacenters": [{"name": "dc-a", "gpus": 1}],
@@ -75,6 +79,21 @@ PROMPTS = [
     "BubbleTea fills pipeline bubbles with prefill",
     "a",
 ]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+async def test_bf16_autocast_on_cuda_trains_close_to_the_fp32_reference(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    training = {**TRAIN_SPEC["training"], "precision": "auto"}  # type: ignore[dict-item]
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({**TRAIN_SPEC, "device": {"kind": "cuda"}, "training": training}))
+    settings = load_settings(path, env={"BUBBLETEA_RUN": f"bf16-{uuid.uuid4().hex[:6]}"})
+    result = await run_training(settings, redis_server.url, out=io.StringIO(), progress=False)
+    expected, _ = train_reference_for(settings.spec)
+    assert result.losses == pytest.approx(expected, rel=BF16_LOSS_RTOL)
+    assert result.losses[-1] < result.losses[0]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -47,7 +47,7 @@ def test_spec_is_frozen() -> None:
         ),
         ({"datacenters": DC, "prefill": {"model": {"layers": 999}}}, "prefill.model.layers: Expected `int` <= 256"),
         ({"datacenters": DC, "model": {"d_model": 30, "heads": 4}}, "model.d_model: must be a multiple of model.heads"),
-        ({"datacenters": DC, "parallelism": {"pp": 8}, "model": {"layers": 4}}, "parallelism.pp: at most model.layers"),
+        ({"datacenters": DC, "parallelism": {"pp": 8}, "model": {"layers": 4}}, "parallelism.pp: 8 stages would leave"),
         (
             {"datacenters": DC, "parallelism": {"placement": "random"}},
             "parallelism.placement: Invalid enum value 'random' (allowed: atlas, round_robin)",
