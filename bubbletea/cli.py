@@ -121,7 +121,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"==> per-iteration loss and tokens/s also in {folder / 'train.jsonl'}", flush=True)
         with (folder / "train.jsonl").open("a", encoding="utf-8") as log:
             result = uvloop.run(
-                run_training(settings, url, progress=True, quiet=not args.verbose, save=save, resume=resume, log=log)
+                run_training(settings, url, progress=True, quiet=not args.verbose, save=save, resume=resume, record=log)
             )
         print(
             f"==> done: steady iteration time {result.steady_iteration_s() * 1000:.1f} ms, "

@@ -23,10 +23,13 @@ from bubbletea.launcher.wan_modes import worker_launches
 from shared import keys
 from shared.bus import Bus
 from shared.config import UNTIL_STOPPED, ConfigError
-from shared.model.trainstate import check_resume, write_save
+from shared.logs import get_logger
+from shared.model.trainstate import check_resume, saved_iteration, write_save
 from shared.policies.recovery import save_due
 from shared.settings import Settings
 from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
+
+log = get_logger(__name__)
 
 #: A run that makes no progress for this long is declared stuck (a generous bound on one iteration).
 STALL_TIMEOUT_S = 300.0
@@ -65,7 +68,7 @@ async def run_training(
     save: Path | None = None,
     resume: Path | None = None,
     until: asyncio.Future[Any] | None = None,
-    log: TextIO | None = None,
+    record: TextIO | None = None,
 ) -> TrainResult:
     """Train once over live services. With `dispatcher`, a BubbleTea dispatcher for the run is
     started too, so prefill requests queued on the same Redis are served in the run's bubbles.
@@ -73,7 +76,7 @@ async def run_training(
     directory that `prefill.checkpoint` and transformers load, plus the optimizer state) after every
     `training.save_every` iterations and after the last. With `resume`, a directory such a save
     wrote, training continues after its iteration up to `training.iterations` (the total). With
-    `log`, each iteration is also written there as a JSON line (`iteration_record`).
+    `record`, each iteration is also written there as a JSON line (`iteration_record`).
 
     With `until`, the workers go on training past the spec's iterations until `until` is done
     (the demo's prefill load, however late it got going, is served by a training run rather than
@@ -100,6 +103,8 @@ async def run_training(
         events = keys.events_stream(run)
         if save is not None:
             await bus.redis.set(keys.save_request_key(run), "1", ex=keys.WEIGHTS_TTL_S)
+        saver: asyncio.Task[None] | None = None
+        finished = False
         async with worker_launches(settings, redis_url) as launches:
             try:
                 procs.append(await spawn(WAN_BROKER, env, out=out, quiet=quiet))
@@ -107,21 +112,23 @@ async def run_training(
                     procs.append(await spawn(DISPATCHER, env, out=out, quiet=quiet))
                 for w in launches:  # in kernel mode: inside their datacenter's namespace
                     procs.append(await spawn(STAGE_WORKER, {**env, **w.env}, out=out, quiet=quiet, prefix=w.prefix))
-                saver = None
                 if save is not None:
                     saver = asyncio.create_task(_saver(bus, settings, procs, save, first, out if progress else None))
                 try:
                     shown = out if progress else None
-                    result = await _follow(bus, events, settings, procs, shown, until, first, log)
+                    result = await _follow(bus, events, settings, procs, shown, until, first, record)
                     if saver is not None:  # the last iteration's save, which the workers hand over last
                         await saver
+                    finished = True
                 finally:
                     if saver is not None and not saver.done():
                         saver.cancel()
                         await asyncio.gather(saver, return_exceptions=True)
                 return result
             finally:
-                await stop_all(procs)
+                await stop_all(procs)  # workers told to stop hand over their last finished iteration
+                if save is not None and not finished:
+                    await _save_on_stop(bus, settings, save)
 
 
 async def _saver(
@@ -129,6 +136,18 @@ async def _saver(
 ) -> None:
     """Write the save directory after each saved iteration, from the stages' states the replica-0
     workers leave in Redis (`StageRunner._hand_over_state`), in iteration order, until the last."""
+    tr = settings.spec.training
+    limit = tr.iteration_limit
+    assert limit is not None
+    for it in (i for i in range(first, limit) if save_due(i, tr.save_every, limit)):
+        await _write_iteration(bus, settings, directory, it, procs)
+        if out is not None:
+            print(f"saved iteration {it} to {directory}", file=out, flush=True)
+    await bus.redis.delete(keys.save_request_key(settings.run))
+
+
+async def _write_iteration(bus: Bus, settings: Settings, directory: Path, it: int, procs: list[Proc]) -> None:
+    """Wait for every stage's state after iteration `it`, write the save directory, drop the keys."""
     from safetensors.torch import load
 
     from shared.model.export import save_gpt2_checkpoint, save_hf_checkpoint
@@ -136,28 +155,45 @@ async def _saver(
     from shared.model.training import config_json
 
     spec, run = settings.spec, settings.run
-    tr, stages = spec.training, spec.parallelism.pp
-    limit = tr.iteration_limit
-    assert limit is not None
-    for it in (i for i in range(first, limit) if save_due(i, tr.save_every, limit)):
-        wanted = [keys.weights_key(run, it, s) for s in range(stages)]
-        wanted += [keys.train_state_key(run, it, s) for s in range(stages)]
-        found = await _wait_for_keys(bus, procs, wanted, f"the state of iteration {it}")
-        weights: dict[str, Any] = {}
-        for raw in found[:stages]:
-            weights.update(load(raw))
+    stages = spec.parallelism.pp
+    wanted = [keys.weights_key(run, it, s) for s in range(stages)]
+    wanted += [keys.train_state_key(run, it, s) for s in range(stages)]
+    found = await _wait_for_keys(bus, procs, wanted, f"the state of iteration {it}")
+    weights: dict[str, Any] = {}
+    for raw in found[:stages]:
+        weights.update(load(raw))
 
-        def write_model(d: Path, weights: dict[str, Any] = weights) -> None:
-            if tr.model is not None:  # the workers named the tensors as the checkpoint stores them
-                save_hf_checkpoint(weights, config_json(spec), tr.model, d)
-            else:
-                save_gpt2_checkpoint(weights, GPTConfig.from_spec(spec.model), d)
+    def write_model(d: Path) -> None:
+        if spec.training.model is not None:  # the workers named the tensors as the checkpoint stores them
+            save_hf_checkpoint(weights, config_json(spec), spec.training.model, d)
+        else:
+            save_gpt2_checkpoint(weights, GPTConfig.from_spec(spec.model), d)
 
-        await asyncio.to_thread(write_save, directory, spec, it, write_model, found[stages:])
-        await bus.redis.delete(*wanted)
-        if out is not None:
-            print(f"saved iteration {it} to {directory}", file=out, flush=True)
-    await bus.redis.delete(keys.save_request_key(run))
+    await asyncio.to_thread(write_save, directory, spec, it, write_model, found[stages:])
+    await bus.redis.delete(*wanted)
+
+
+async def _save_on_stop(bus: Bus, settings: Settings, directory: Path) -> None:
+    """A run stopped before its end (Ctrl-C): write the newest iteration whose state every stage
+    handed over (`StageRunner.hand_over_on_stop`), if it is newer than what the save holds."""
+    run, stages = settings.run, settings.spec.parallelism.pp
+    held: dict[int, set[int]] = {}
+    async for key in bus.redis.scan_iter(match=keys.train_state_key(run, 0, 0).rsplit(":", 2)[0] + ":*"):
+        _, it, stage = key.decode().rsplit(":", 2)
+        held.setdefault(int(it), set()).add(int(stage))
+    complete = [it for it, s in held.items() if len(s) == stages]
+    if not complete:
+        log.warning("stopped before any iteration finished: nothing to save", run=run)
+        return
+    newest = max(complete)
+    try:
+        saved = await asyncio.to_thread(saved_iteration, directory)
+    except ConfigError:
+        saved = None
+    if saved is not None and saved >= newest:
+        return
+    await _write_iteration(bus, settings, directory, newest, [])
+    print(f"==> stopped: saved iteration {newest} to {directory}", flush=True)
 
 
 async def _wait_for_keys(bus: Bus, procs: list[Proc], wanted: list[str], what: str) -> list[bytes]:
@@ -180,7 +216,7 @@ async def _follow(
     out: TextIO | None,
     until: asyncio.Future[Any] | None,
     first: int = 0,
-    log: TextIO | None = None,
+    record: TextIO | None = None,
 ) -> TrainResult:
     spec = settings.spec
     limit, workers = spec.training.iteration_limit or 0, spec.parallelism.pp * spec.parallelism.dp
@@ -227,7 +263,7 @@ async def _follow(
                     if had is None or had.generation <= msg.generation:
                         slots[(msg.replica, msg.stage)] = msg
                     if had is None and len(slots) == workers:
-                        _report_iteration(out, log, iteration_record(msg.iteration, done, tokens))
+                        _report_iteration(out, record, iteration_record(msg.iteration, done, tokens))
     prev_end = min(m.started for m in done[first].values())
     for i in range(first, limit):
         recs = list(done[i].values())
@@ -259,7 +295,7 @@ def iteration_record(i: int, done: dict[int, dict[tuple[int, int], IterationDone
     return {"iteration": i, "loss": statistics.fmean(losses), "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
-def _report_iteration(out: TextIO | None, log: TextIO | None, record: dict[str, Any]) -> None:
+def _report_iteration(out: TextIO | None, sink: TextIO | None, record: dict[str, Any]) -> None:
     if out is not None:
         print(
             f"iteration {record['iteration']:4d}  loss {record['loss']:.4f}  time {record['seconds'] * 1000:8.1f} ms  "
@@ -267,6 +303,6 @@ def _report_iteration(out: TextIO | None, log: TextIO | None, record: dict[str, 
             file=out,
             flush=True,
         )
-    if log is not None:
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+    if sink is not None:
+        sink.write(json.dumps(record) + "\n")
+        sink.flush()

@@ -77,6 +77,7 @@ async def take_part(
                     raise RuntimeError(f"inbox consumer crashed: {inbox.error!r}")
                 if stopping in done:
                     log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
+                    await runner.hand_over_on_stop()  # `--save`: the last finished iteration is saved too
                     await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {runner.iteration}")
                     return
                 log.warning(

@@ -150,6 +150,17 @@ def check_resume(directory: str | Path, spec: ClusterSpec) -> int:
     return saved_it
 
 
+def saved_iteration(directory: str | Path) -> int | None:
+    """The iteration a save directory holds, or None if there is none (no directory, no state)."""
+    path = Path(directory) / TRAINER_STATE
+    if not path.is_file():
+        return None
+    try:
+        return int(json.loads(path.read_text(encoding="utf-8"))["iteration"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ResumeError(f"{path}: cannot read the saved iteration: {exc!r}") from None
+
+
 def stage_state(directory: str | Path, stage: int, stages: int) -> bytes:
     """Stage `stage`'s trainer checkpoint bytes from a save."""
     return (Path(directory) / OPTIMIZER_DIR / stage_file(stage, stages)).read_bytes()

@@ -4,19 +4,27 @@ model a single process trains on the same batches."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import yaml
 
+from bubbletea.launcher.train import run_training
 from shared.model.gpt import build_full
 from shared.model.reference import train_reference_for
 from shared.model.shape import GPTConfig
+from shared.model.trainstate import saved_iteration
+from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
+from tests.e2e.serving import wait_for_iteration
 from tests.e2e.test_training_correctness import SPEC
 
 pytestmark = pytest.mark.e2e
@@ -54,3 +62,30 @@ def test_train_save_writes_the_trained_model(tmp_path: Path) -> None:
     with torch.no_grad():
         untrained = build_full(cfg, spec.model.seed).eval()(ids)
     assert not torch.allclose(got, untrained, atol=1e-4)  # what was saved is the trained model
+
+
+async def test_a_stopped_run_saves_its_last_finished_iteration_and_resumes_from_it(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Ctrl-C (the launcher's task cancelled) under --save: the workers hand over the state after
+    their last finished iteration and the launcher writes it; a resume then trains the rest with
+    the losses of an uninterrupted run."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({**SPEC, "training": {**SPEC["training"], "iterations": 8, "checkpoint_every": 0}}))
+
+    def settings() -> Any:
+        return load_settings(path, env={"BUBBLETEA_RUN": f"stop-{uuid.uuid4().hex[:6]}"})
+
+    uninterrupted = await run_training(settings(), redis_server.url, out=io.StringIO(), progress=False)
+    saved = tmp_path / "saved"
+    stopped = settings()
+    task = asyncio.create_task(run_training(stopped, redis_server.url, out=io.StringIO(), progress=False, save=saved))
+    await wait_for_iteration(redis_server.url, stopped.run, 3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    at = saved_iteration(saved)
+    assert at is not None and 2 <= at < 7
+    rest = await run_training(settings(), redis_server.url, out=io.StringIO(), progress=False, resume=saved)
+    assert rest.first == at + 1
+    assert rest.losses == uninterrupted.losses[at + 1 :]
