@@ -48,7 +48,7 @@ def load_causal_lm(path: str | Path) -> CausalLM:
     config = read_config(directory)  # a missing directory or config.json fails here
     info = info_from_config(config)  # an unsupported model_type fails here
     lm = FAMILIES[config["model_type"]].from_config(config, info)
-    state = _checked_state(lm, _read_tensors(directory), directory)
+    state = checked_state(lm, read_tensors(directory), directory)
     lm.load_state_dict(state, strict=True, assign=True)
     lm.eval().requires_grad_(False)
     return lm
@@ -82,7 +82,7 @@ def weight_files(directory: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(directory: Path) -> dict[str, Tensor]:
+def read_tensors(directory: Path) -> dict[str, Tensor]:
     """Every tensor of the directory's safetensors files, by stored name (each name once)."""
     tensors: dict[str, Tensor] = {}
     where: dict[str, str] = {}
@@ -101,7 +101,7 @@ def _read_tensors(directory: Path) -> dict[str, Tensor]:
     return tensors
 
 
-def _checked_state(lm: LoadableLM, stored: dict[str, Tensor], directory: Path) -> dict[str, Tensor]:
+def checked_state(lm: LoadableLM, stored: dict[str, Tensor], directory: Path) -> dict[str, Tensor]:
     """The module's state_dict from the stored tensors; `CheckpointError` naming every problem."""
     expected = {name: tuple(t.shape) for name, t in lm.state_dict().items()}  # meta tensors: shapes only
     state: dict[str, Tensor] = {}

@@ -35,7 +35,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import Tensor
 
-from shared.model.seeds import generator
+from shared.model.data import sample_windows
 
 #: End-of-text tokens looked for, in this order, in a tokenizer's vocabulary (GPT-2/Qwen2, Llama 2
 #: and Mistral, Llama 3, Gemma): the first one present separates packed documents.
@@ -231,18 +231,7 @@ class TokenCorpus:
         stream; the global RNG is neither used nor advanced. In pipeline training, microbatch j of
         data-parallel replica d uses ``index = d * microbatches + j``.
         """
-        if iteration < 0 or index < 0:
-            raise ValueError(f"iteration and index must be >= 0, got {iteration} and {index}")
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
-        n = len(self)
-        if n < seq_len + 1:
-            raise ValueError(f"corpus of {n} tokens is too short for windows of {seq_len} + 1 tokens")
-        g = generator("tokens", seed, iteration, index)
-        starts = torch.randint(0, n - seq_len, (batch_size,), generator=g)  # (B,) in [0, n - seq_len - 1]
-        offsets = starts[:, None] + torch.arange(seq_len + 1)  # (B, T + 1)
-        window = self.tokens[offsets].long()  # (B, T + 1)
-        return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # (B, T), (B, T)
+        return sample_windows(self.tokens, "tokens", iteration, index, batch_size, seq_len, seed, unit="tokens")
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str | Path) -> Path:

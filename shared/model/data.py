@@ -105,15 +105,24 @@ class ByteCorpus:
         the global RNG is neither used nor advanced. In pipeline training, microbatch j of
         data-parallel replica d uses ``index = d * microbatches + j``.
         """
-        if iteration < 0 or index < 0:
-            raise ValueError(f"iteration and index must be >= 0, got {iteration} and {index}")
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
-        n = len(self)
-        if n < seq_len + 1:
-            raise ValueError(f"corpus of {n} bytes is too short for windows of {seq_len} + 1 bytes")
-        g = generator("batch", seed, iteration, index)
-        starts = torch.randint(0, n - seq_len, (batch_size,), generator=g)  # (B,) in [0, n - seq_len - 1]
-        offsets = starts[:, None] + torch.arange(seq_len + 1)  # (B, T + 1)
-        window = self.data[offsets].long()  # (B, T + 1)
-        return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # (B, T), (B, T)
+        return sample_windows(self.data, "batch", iteration, index, batch_size, seq_len, seed, unit="bytes")
+
+
+def sample_windows(
+    stream: Tensor, key: str, iteration: int, index: int, batch_size: int, seq_len: int, seed: int, *, unit: str
+) -> tuple[Tensor, Tensor]:
+    """`batch_size` random windows of `seq_len` + 1 ids of the 1-D `stream`, as inputs x and targets
+    y (int64 (batch_size, seq_len), y one id ahead), their starts drawn from the generator keyed by
+    (`key`, seed, iteration, index): a pure function of those, the global RNG untouched."""
+    if iteration < 0 or index < 0:
+        raise ValueError(f"iteration and index must be >= 0, got {iteration} and {index}")
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+    n = stream.numel()
+    if n < seq_len + 1:
+        raise ValueError(f"corpus of {n} {unit} is too short for windows of {seq_len} + 1 {unit}")
+    g = generator(key, seed, iteration, index)
+    starts = torch.randint(0, n - seq_len, (batch_size,), generator=g)  # (B,) in [0, n - seq_len - 1]
+    offsets = starts[:, None] + torch.arange(seq_len + 1)  # (B, T + 1)
+    window = stream[offsets].long()  # (B, T + 1)
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # (B, T), (B, T)

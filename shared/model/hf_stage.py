@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from shared.model.causal import LoadableLM, config_float
-from shared.model.checkpoint import FAMILIES, _checked_state, _read_tensors
+from shared.model.checkpoint import FAMILIES, checked_state, read_tensors
 from shared.model.seeds import generator
 from shared.model.shape import ModelInfo, info_from_config
 
@@ -71,7 +71,7 @@ class HFStage(nn.Module):
         self.holds_tied_copy = self.tied and self.is_last and not self.is_first
         if weights is not None:  # validated whole, as prefill loads it, before the module is cut
             directory = Path(weights)
-            full = _checked_state(lm, _read_tensors(directory), directory)
+            full = checked_state(lm, read_tensors(directory), directory)
         self._cut(lm)
         kept = {n: b.clone() for n, b in lm.named_buffers() if not b.is_meta}  # computed buffers (rotary)
         lm.to_empty(device="cpu")

@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from shared.config import ClusterSpec, ConfigError
-from shared.model.checkpoint import FAMILIES, _checked_state, _read_tensors
+from shared.model.checkpoint import FAMILIES, checked_state, read_tensors
 from shared.model.corpus import DataError, TokenCorpus, load_tokenizer
 from shared.model.data import ByteCorpus
 from shared.model.gpt import StageModule, build_stage
@@ -78,7 +78,7 @@ def check_training(spec: ClusterSpec) -> None:
         info = info_from_config(config)
         lm = FAMILIES[config["model_type"]].from_config(config, info)  # on the meta device: refuses variants
         if has_weights(tr.model):
-            _checked_state(lm, _read_tensors(Path(tr.model)), Path(tr.model))
+            checked_state(lm, read_tensors(Path(tr.model)), Path(tr.model))
     except CheckpointError as exc:
         raise TrainingInputError(f"training.model: {exc}") from None
     if tr.data is None:
