@@ -6,10 +6,13 @@ Over 300 lines on purpose: the one `bubbletea` command, a parser and thin wrappe
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 import uvloop
@@ -21,6 +24,8 @@ from shared.logs import setup_logging
 from shared.policies.placement import PlacementError
 from shared.settings import load_settings
 from shared.timescale import SHARE
+
+T = TypeVar("T")
 
 DESCRIPTION = """\
 BubbleTea: pipeline-parallel training across datacenters (Atlas) with prefill-as-a-service
@@ -102,10 +107,12 @@ def _train(args: argparse.Namespace) -> int:
     from shared.model.training import check_training
 
     check_training(settings.spec)  # a model or data the workers cannot train is refused here, in one line
-    if args.resume:
-        from shared.model.trainstate import check_resume
+    from shared.model.trainstate import check_resume, check_save_target
 
+    if args.resume:
         check_resume(Path(args.resume), settings.spec)  # and a save it cannot continue from
+    if args.save:
+        check_save_target(Path(args.save))  # or a directory a save would replace
     url, embedded, _ = open_redis(settings.redis_url)
     try:
         spec = settings.spec
@@ -120,9 +127,14 @@ def _train(args: argparse.Namespace) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         print(f"==> per-iteration loss and tokens/s also in {folder / 'train.jsonl'}", flush=True)
         with (folder / "train.jsonl").open("a", encoding="utf-8") as log:
-            result = uvloop.run(
-                run_training(settings, url, progress=True, quiet=not args.verbose, save=save, resume=resume, record=log)
+            job = run_training(
+                settings, url, progress=True, quiet=not args.verbose, save=save, resume=resume, record=log
             )
+            try:
+                result = uvloop.run(_cancelled_by_sigterm(job))
+            except asyncio.CancelledError:  # SIGTERM (Ctrl-C arrives as KeyboardInterrupt instead)
+                print("bubbletea: terminated", file=sys.stderr)
+                return 143
         print(
             f"==> done: steady iteration time {result.steady_iteration_s() * 1000:.1f} ms, "
             f"final loss {result.losses[-1]:.4f}",
@@ -134,6 +146,18 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         if embedded is not None:
             embedded.stop()
+
+
+async def _cancelled_by_sigterm(job: Coroutine[Any, Any, T]) -> T:
+    """Run `job`, cancelling it on SIGTERM as Ctrl-C does (so a `--save` run stops cleanly)."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await job
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -195,8 +219,6 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _redis(args: argparse.Namespace) -> int:
-    import signal
-
     from shared.redis_server import EmbeddedRedis
 
     setup_logging("redis", "WARNING")

@@ -70,6 +70,13 @@ def init_model(
 
     if family not in FAMILIES:
         raise ValueError(f"--family {family!r}: supported: {', '.join(FAMILIES)}")
+    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv-heads", kv_heads)):
+        if value < 1:
+            raise ValueError(f"--{name} must be at least 1, got {value}")
+    if positions < 2 or tokenizer_vocab < 257:
+        raise ValueError(
+            f"--positions must be >= 2 and --tokenizer-vocab >= 257, got {positions} and {tokenizer_vocab}"
+        )
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"--hidden ({hidden}) must be a multiple of --heads ({heads}), and --heads of --kv-heads")
     missing = [str(p) for p in texts if not p.is_file()]

@@ -269,6 +269,13 @@ def weights_key(run: str, iteration: int, stage: int) -> str:
     return f"{PREFIX}:{run}:weights:{iteration}:{stage}"
 
 
+def stop_after_key(run: str) -> str:
+    """Set by `bubbletea train --save` when told to stop: every worker finishes this iteration,
+    hands its state over for the save and stops (a clean stop at one iteration for all).
+    Bound: `WEIGHTS_TTL_S`."""
+    return f"{PREFIX}:{run}:stop-after"
+
+
 def train_state_key(run: str, iteration: int, stage: int) -> str:
     """Beside `weights_key`: the stage's resumable state after `iteration` (its parameters and
     AdamW's, the trainer's checkpoint bytes), which `bubbletea train --resume` restores."""

@@ -24,12 +24,15 @@ from shared import keys
 from shared.bus import Bus
 from shared.config import UNTIL_STOPPED, ConfigError
 from shared.logs import get_logger
-from shared.model.trainstate import check_resume, saved_iteration, write_save
+from shared.model.trainstate import check_resume, check_save_target, write_save
 from shared.policies.recovery import save_due
 from shared.settings import Settings
 from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
 
 log = get_logger(__name__)
+
+#: The least time a clean stop waits for the workers to finish their last iteration and hand it over.
+CLEAN_STOP_MIN_S = 30.0
 
 #: A run that makes no progress for this long is declared stuck (a generous bound on one iteration).
 STALL_TIMEOUT_S = 300.0
@@ -88,6 +91,8 @@ async def run_training(
             "one in the spec or with BUBBLETEA_ITERATIONS (a run that trains until stopped is `bubbletea up`)"
         )
     first = 0 if resume is None else check_resume(resume, spec) + 1  # a save that does not fit fails here
+    if save is not None:
+        check_save_target(save)
     env = {
         "REDIS_URL": redis_url,
         "BUBBLETEA_CONFIG": str(settings.spec_path),
@@ -105,6 +110,7 @@ async def run_training(
             await bus.redis.set(keys.save_request_key(run), "1", ex=keys.WEIGHTS_TTL_S)
         saver: asyncio.Task[None] | None = None
         finished = False
+        reached = Progress(first - 1)
         async with worker_launches(settings, redis_url) as launches:
             try:
                 procs.append(await spawn(WAN_BROKER, env, out=out, quiet=quiet))
@@ -116,7 +122,7 @@ async def run_training(
                     saver = asyncio.create_task(_saver(bus, settings, procs, save, first, out if progress else None))
                 try:
                     shown = out if progress else None
-                    result = await _follow(bus, events, settings, procs, shown, until, first, record)
+                    result = await _follow(bus, events, settings, procs, shown, until, first, record, reached)
                     if saver is not None:  # the last iteration's save, which the workers hand over last
                         await saver
                     finished = True
@@ -125,10 +131,12 @@ async def run_training(
                         saver.cancel()
                         await asyncio.gather(saver, return_exceptions=True)
                 return result
+            except asyncio.CancelledError:  # Ctrl-C (or SIGTERM): with --save, stop cleanly and save
+                if save is not None and not finished and procs:
+                    await _clean_stop(bus, settings, procs, save, reached)
+                raise
             finally:
-                await stop_all(procs)  # workers told to stop hand over their last finished iteration
-                if save is not None and not finished:
-                    await _save_on_stop(bus, settings, save)
+                await stop_all(procs)
 
 
 async def _saver(
@@ -173,27 +181,32 @@ async def _write_iteration(bus: Bus, settings: Settings, directory: Path, it: in
     await bus.redis.delete(*wanted)
 
 
-async def _save_on_stop(bus: Bus, settings: Settings, directory: Path) -> None:
-    """A run stopped before its end (Ctrl-C): write the newest iteration whose state every stage
-    handed over (`StageRunner.hand_over_on_stop`), if it is newer than what the save holds."""
-    run, stages = settings.run, settings.spec.parallelism.pp
-    held: dict[int, set[int]] = {}
-    async for key in bus.redis.scan_iter(match=keys.train_state_key(run, 0, 0).rsplit(":", 2)[0] + ":*"):
-        _, it, stage = key.decode().rsplit(":", 2)
-        held.setdefault(int(it), set()).add(int(stage))
-    complete = [it for it, s in held.items() if len(s) == stages]
-    if not complete:
-        log.warning("stopped before any iteration finished: nothing to save", run=run)
-        return
-    newest = max(complete)
+@dataclass
+class Progress:
+    """The newest iteration any worker reported finished, and how long the slowest took."""
+
+    newest: int
+    iteration_s: float = 0.0
+
+
+async def _clean_stop(bus: Bus, settings: Settings, procs: list[Proc], directory: Path, progress: Progress) -> None:
+    """Told to stop under `--save`: ask every worker to finish one iteration a little ahead (two
+    past the newest reported, so none has passed it yet: stages are at most one apart), hand its
+    state over and stop; write that save. A second Ctrl-C stops at once (the last save stays)."""
+    limit = settings.spec.training.iteration_limit
+    assert limit is not None
+    stop_at = min(progress.newest + 2, limit - 1)
+    await bus.redis.set(keys.stop_after_key(settings.run), stop_at, ex=keys.WEIGHTS_TTL_S)
+    print(f"==> stopping after iteration {stop_at} to save it (Ctrl-C again to stop at once)", flush=True)
+    timeout = max(CLEAN_STOP_MIN_S, 4 * progress.iteration_s)
     try:
-        saved = await asyncio.to_thread(saved_iteration, directory)
-    except ConfigError:
-        saved = None
-    if saved is not None and saved >= newest:
+        await asyncio.wait_for(_write_iteration(bus, settings, directory, stop_at, procs), timeout)
+    except (TimeoutError, ServiceFailed) as exc:
+        log.warning(
+            "the clean stop did not save", iteration=stop_at, error=str(exc) or "timed out", kept=str(directory)
+        )
         return
-    await _write_iteration(bus, settings, directory, newest, [])
-    print(f"==> stopped: saved iteration {newest} to {directory}", flush=True)
+    print(f"==> stopped: saved iteration {stop_at} to {directory}", flush=True)
 
 
 async def _wait_for_keys(bus: Bus, procs: list[Proc], wanted: list[str], what: str) -> list[bytes]:
@@ -217,6 +230,7 @@ async def _follow(
     until: asyncio.Future[Any] | None,
     first: int = 0,
     record: TextIO | None = None,
+    progress: Progress | None = None,
 ) -> TrainResult:
     spec = settings.spec
     limit, workers = spec.training.iteration_limit or 0, spec.parallelism.pp * spec.parallelism.dp
@@ -262,8 +276,13 @@ async def _follow(
                     had = slots.get((msg.replica, msg.stage))
                     if had is None or had.generation <= msg.generation:
                         slots[(msg.replica, msg.stage)] = msg
+                    if progress is not None and msg.iteration > progress.newest:
+                        progress.newest = msg.iteration
                     if had is None and len(slots) == workers:
-                        _report_iteration(out, record, iteration_record(msg.iteration, done, tokens))
+                        line = iteration_record(msg.iteration, done, tokens)
+                        if progress is not None:
+                            progress.iteration_s = max(progress.iteration_s, line["seconds"])
+                        _report_iteration(out, record, line)
     prev_end = min(m.started for m in done[first].values())
     for i in range(first, limit):
         recs = list(done[i].values())

@@ -77,7 +77,6 @@ async def take_part(
                     raise RuntimeError(f"inbox consumer crashed: {inbox.error!r}")
                 if stopping in done:
                     log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
-                    await runner.hand_over_on_stop()  # `--save`: the last finished iteration is saved too
                     await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {runner.iteration}")
                     return
                 log.warning(
@@ -137,10 +136,11 @@ async def _join(
             raise SlotError(f"slot {slot.name} could not join the data plane of generation {gen}: {exc}") from None
     store = runner.checkpoints
     resume = await gens.resume_point(store) if store is not None else FROM_SCRATCH
+    saved = None
     if resume == FROM_SCRATCH and runner.resume_from is not None:  # `bubbletea train --resume`, no checkpoint yet
         resume, saved = runner.resume_from
-    else:
-        saved = None
+        if store is not None:  # a replacement (started without the save) and its peers resume from it too
+            await store.save(slot, resume, saved)
     if after_loss or resume != FROM_SCRATCH:
         blob = saved or (None if store is None or resume == FROM_SCRATCH else await store.load(slot, resume))
         try:

@@ -82,9 +82,6 @@ class StageRunner:
     saving: bool = False
     #: `bubbletea train --resume`: the iteration saved last and this stage's state then (restored at start).
     resume_from: tuple[int, bytes] | None = None
-    #: The last iteration this runner finished (its optimizer step taken), and the saved ones it handed over.
-    completed: int | None = None
-    _handed_over: set[int] = field(default_factory=set)
     transport: Transport | None = None  # the data plane (set by the worker before training)
     #: The run's recovery generation this runner trains in (stamped on every tensor it sends).
     generation: int = 0
@@ -141,8 +138,11 @@ class StageRunner:
             if self.checkpoints is not None and checkpoint_due(it, tr.checkpoint_every):
                 blob = await self.in_torch_thread(self.trainer.checkpoint)
                 await self.checkpoints.save(self.slot, it, blob)
-            self.completed = it
-            if self.saving and self.replica == 0 and save_due(it, tr.save_every, limit):
+            due = save_due(it, tr.save_every, limit)
+            if self.saving and self.replica == 0 and due:
+                await self._hand_over_state(it)
+            stop_here = self.saving and await self._stop_requested(it)
+            if stop_here and self.replica == 0 and not due:
                 await self._hand_over_state(it)
             loss = self.trainer.take_loss()
             prefill_lag_ms = self.filler.take_lag() * 1000 if self.filler is not None else 0.0
@@ -174,13 +174,15 @@ class StageRunner:
                 prefill_lag_ms=prefill_lag_ms,
             )
             self._warn_prefill_lag(it, prefill_lag_ms)
+            if stop_here:
+                log.info("stopped cleanly after an iteration, as the launcher asked", slot=self.slot.name, iteration=it)
+                return
 
-    async def hand_over_on_stop(self) -> None:
-        """Told to stop mid-run while asked to save: hand over the state after the last finished
-        iteration (a cut-short iteration only added gradients, so the weights and the optimizer
-        are still that iteration's), for the launcher to save it on its way out."""
-        if self.saving and self.replica == 0 and self.completed is not None and self.completed not in self._handed_over:
-            await self._hand_over_state(self.completed)
+    async def _stop_requested(self, it: int) -> bool:
+        """Whether the launcher asked the run to stop after iteration `it` (a clean stop under
+        `--save`: every worker finishes the same iteration, so the save holds one iteration)."""
+        value = await self.bus.redis.get(keys.stop_after_key(self.run))
+        return value is not None and it >= int(value)
 
     async def _hand_over_state(self, it: int) -> None:
         """Leave this stage's weights (named as the saved checkpoint stores them) and its trainer
@@ -196,7 +198,6 @@ class StageRunner:
             pipe.set(keys.weights_key(self.run, it, self.stage), weights, ex=keys.WEIGHTS_TTL_S)
             pipe.set(keys.train_state_key(self.run, it, self.stage), state, ex=keys.WEIGHTS_TTL_S)
             await pipe.execute()
-        self._handed_over.add(it)
         log.info("state handed over for the save", slot=self.slot.name, iteration=it, bytes=len(weights) + len(state))
 
     def _warn_prefill_lag(self, it: int, lag_ms: float) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from shared.config import ClusterSpec, ConfigError
 from shared.model.checkpoint import FAMILIES, checked_state, read_tensors
-from shared.model.corpus import DataError, TokenCorpus, load_tokenizer
+from shared.model.corpus import DataError, TokenCorpus
 from shared.model.data import ByteCorpus
 from shared.model.gpt import StageModule, build_stage
 from shared.model.hf_stage import HFStage
@@ -61,6 +61,13 @@ def build_training_stage(spec: ClusterSpec, stage: int, *, fresh: bool = False) 
     return HFStage(config, stage=stage, ranges=stage_ranges(spec), seed=spec.model.seed, weights=weights)
 
 
+#: Bytes a stage's state takes in Redis per parameter: a checkpoint (weights + AdamW's two
+#: moments, float32) and, when saving, the weights once more.
+STATE_BYTES_PER_PARAM = 16
+#: The largest value Redis stores (proto-max-bulk-len's default).
+REDIS_VALUE_LIMIT = 512 << 20
+
+
 class TrainingInputError(ConfigError):
     """`training.model` or `training.data` cannot be trained here; one line naming the field."""
 
@@ -81,19 +88,25 @@ def check_training(spec: ClusterSpec) -> None:
             checked_state(lm, read_tensors(Path(tr.model)), Path(tr.model))
     except CheckpointError as exc:
         raise TrainingInputError(f"training.model: {exc}") from None
+    per_stage = sum(p.numel() for p in lm.parameters()) / spec.parallelism.pp
+    if (tr.checkpoint_every > 0 or tr.save_every > 0) and per_stage * STATE_BYTES_PER_PARAM > REDIS_VALUE_LIMIT:
+        raise TrainingInputError(
+            f"training.model: about {per_stage / 1e6:.0f} M parameters per stage; a stage's checkpoint "
+            f"({STATE_BYTES_PER_PARAM} B per parameter: weights and AdamW's two moments, plus the weights for "
+            f"a save) exceeds Redis's {REDIS_VALUE_LIMIT >> 20} MB value limit: use more stages (parallelism.pp), "
+            "or training.checkpoint_every: 0 and no save"
+        )
     if tr.data is None:
         return
-    try:
-        load_tokenizer(Path(tr.model) / TOKENIZER_FILE, spec.model.vocab)
-        for name in tr.data:
-            path = Path(name)
-            if not path.is_file():
-                what = "does not exist (nothing is downloaded)" if not path.exists() else "is not a file"
-                raise DataError(f"training.data: {path} {what}: expected a local text or JSONL file")
-            if path.stat().st_size == 0:
-                raise DataError(f"training.data: {path} is empty: expected a file with at least one document")
+    try:  # tokenized here as the workers will: every refusal of corpus.py, once, before anything starts
+        corpus = TokenCorpus.from_files(tr.data, Path(tr.model) / TOKENIZER_FILE, vocab=spec.model.vocab)
     except DataError as exc:
         raise TrainingInputError(str(exc)) from None
+    if len(corpus) < spec.model.seq_len + 1:
+        raise TrainingInputError(
+            f"training.data: {len(corpus)} tokens in all, fewer than one window of model.seq_len "
+            f"({spec.model.seq_len}) + 1: expected more text"
+        )
 
 
 def load_corpus(spec: ClusterSpec) -> Corpus:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,11 @@ OPTIMIZER_DIR = "optimizer"
 FORMAT = "bubbletea-train/1"
 
 
-class ResumeError(ConfigError):
+class SaveError(ConfigError):
+    """`--save DIR` cannot write DIR; the message is one line saying why."""
+
+
+class ResumeError(SaveError):
     """`--resume DIR` cannot continue from DIR; the message is one line saying why."""
 
 
@@ -41,24 +46,23 @@ def stage_file(stage: int, stages: int) -> str:
     return f"stage-{stage + 1:05d}-of-{stages:05d}.safetensors"
 
 
+#: config.json keys that do not change the function a model computes (a save sets its own dtype).
+NEUTRAL_CONFIG_KEYS = frozenset({"torch_dtype", "dtype", "transformers_version", "architectures", "_name_or_path"})
+
+
 def model_identity(spec: ClusterSpec) -> dict[str, Any]:
-    """What must match for a saved state to continue this spec's training."""
+    """What must match for a saved state to continue this spec's training: the family and shape,
+    and for a Hugging Face model every config.json key that shapes its function."""
     m = spec.model
-    return {
-        "family": _family(spec),
-        "layers": m.layers,
-        "d_model": m.d_model,
-        "heads": m.heads,
-        "vocab": m.vocab,
-    }
+    identity: dict[str, Any] = {"family": "small-gpt", "layers": m.layers, "d_model": m.d_model, "heads": m.heads}
+    identity["vocab"] = m.vocab
+    if spec.training.model is not None:
+        from shared.model.shape import read_config
 
-
-def _family(spec: ClusterSpec) -> str:
-    if spec.training.model is None:
-        return "small-gpt"
-    from shared.model.shape import read_config
-
-    return str(read_config(spec.training.model)["model_type"])
+        config = read_config(spec.training.model)
+        identity["family"] = config["model_type"]
+        identity["config"] = {k: v for k, v in sorted(config.items()) if k not in NEUTRAL_CONFIG_KEYS}
+    return identity
 
 
 def trainer_state(spec: ClusterSpec, iteration: int) -> dict[str, Any]:
@@ -85,9 +89,10 @@ def write_save(
     """Write a save of `iteration` to `directory` (see the module docstring); `write_model` writes
     the model's files into the directory it is given."""
     target = Path(directory)
+    check_save_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    unique = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"  # two writers (a periodic save, a stop) never share one
+    tmp, old = target.with_name(f".{target.name}.{unique}.tmp"), target.with_name(f".{target.name}.{unique}.old")
     tmp.mkdir()
     try:
         write_model(tmp)
@@ -97,14 +102,29 @@ def write_save(
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state(spec, iteration), indent=2) + "\n")
         for path in [tmp, *tmp.rglob("*")]:  # readable by a server running as another user
             path.chmod(0o755 if path.is_dir() else 0o644)
-        old = target.with_name(f".{target.name}.{os.getpid()}.old")
         if target.exists():
             target.rename(old)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if old.exists():  # put the previous save back rather than leave none
+                old.rename(target)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def check_save_target(directory: Path) -> None:
+    """`--save DIR` replaces DIR whole: refuse a DIR that holds something other than a save."""
+    if directory.exists() and (
+        not directory.is_dir() or (any(directory.iterdir()) and not (directory / TRAINER_STATE).is_file())
+    ):
+        raise SaveError(
+            f"--save {directory}: it exists and is not a save (no {TRAINER_STATE}); each save replaces the "
+            "directory whole, so give a new or empty directory, or an earlier save"
+        )
 
 
 def check_resume(directory: str | Path, spec: ClusterSpec) -> int:
@@ -125,11 +145,21 @@ def check_resume(directory: str | Path, spec: ClusterSpec) -> int:
         raise ResumeError(f"--resume {d}: {TRAINER_STATE} has format {state.get('format')!r}, expected {FORMAT!r}")
     mine = model_identity(spec)
     for key, value in mine.items():
+        if key == "config":
+            continue
         if saved_model.get(key) != value:
             field = "training.model" if key == "family" else f"model.{key}"
             raise ResumeError(
                 f"--resume {d}: a checkpoint of another model: {field} is {value!r} here but "
                 f"{saved_model.get(key)!r} in the checkpoint"
+            )
+    theirs = saved_model.get("config", {})
+    for key in sorted(set(mine.get("config", {})) | set(theirs)):
+        here, there = mine.get("config", {}).get(key), theirs.get(key)
+        if here != there:
+            raise ResumeError(
+                f"--resume {d}: a checkpoint of another model: training.model's config.json has {key} = {here!r} "
+                f"here but {there!r} in the checkpoint"
             )
     if saved_pp != spec.parallelism.pp or saved_ranges != [tuple(r) for r in stage_layer_ranges(spec)]:
         raise ResumeError(

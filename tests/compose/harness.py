@@ -44,6 +44,34 @@ def engine_problem() -> str | None:
     return None
 
 
+#: The images compose builds from or pulls, with compose.yaml's defaults.
+IMAGE_SETTINGS = {"BASE": "python:3.11-slim", "REDIS_IMAGE": "redis:7-alpine"}
+
+
+def dotenv(path: Path = ROOT / ".env") -> dict[str, str]:
+    """The KEY=VALUE lines of compose's .env (comments and blank lines skipped)."""
+    if not path.is_file():
+        return {}
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line and not line.startswith("#"))
+    return {k.strip(): v.strip().strip("'\"") for k, v in pairs}
+
+
+def images_problem() -> str | None:
+    """Why the images compose needs cannot be had here, or None: each is present, or pulls."""
+    settings = {**IMAGE_SETTINGS, **{k: v for k, v in dotenv().items() if k in IMAGE_SETTINGS}}
+    settings.update({k: os.environ[k] for k in IMAGE_SETTINGS if os.environ.get(k)})
+    for key, image in settings.items():
+        if subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=30).returncode == 0:
+            continue
+        try:
+            pulled = subprocess.run(["docker", "pull", image], capture_output=True, timeout=120).returncode == 0
+        except subprocess.TimeoutExpired:
+            pulled = False
+        if not pulled:
+            return f"{key} image {image} is not here and cannot be pulled: {BUILD_ADVICE}"
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,7 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.compose.harness import BUILD_ADVICE, ROOT, TIMINGS, Project, docker, engine_problem
+from tests.compose.harness import BUILD_ADVICE, ROOT, TIMINGS, Project, docker, engine_problem, images_problem
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
 
@@ -38,7 +38,7 @@ SCRAPED = {"prefill_queue": 1, "wan_broker": 1, "dispatcher": 1, "stage_worker":
 
 @pytest.fixture(scope="module")
 def project() -> Iterator[Project]:
-    problem = engine_problem()
+    problem = engine_problem() or images_problem()
     if problem:
         pytest.skip(problem)
     p = Project()

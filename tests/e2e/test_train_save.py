@@ -67,9 +67,9 @@ def test_train_save_writes_the_trained_model(tmp_path: Path) -> None:
 async def test_a_stopped_run_saves_its_last_finished_iteration_and_resumes_from_it(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
-    """Ctrl-C (the launcher's task cancelled) under --save: the workers hand over the state after
-    their last finished iteration and the launcher writes it; a resume then trains the rest with
-    the losses of an uninterrupted run."""
+    """Ctrl-C (the launcher's task cancelled) under --save: every worker finishes the same
+    iteration, a little ahead, hands its state over and stops, and the launcher writes it; a resume
+    then trains the rest with the losses of an uninterrupted run."""
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**SPEC, "training": {**SPEC["training"], "iterations": 8, "checkpoint_every": 0}}))
 
@@ -85,7 +85,7 @@ async def test_a_stopped_run_saves_its_last_finished_iteration_and_resumes_from_
     with pytest.raises(asyncio.CancelledError):
         await task
     at = saved_iteration(saved)
-    assert at is not None and 2 <= at < 7
+    assert at is not None and 4 <= at < 7  # at least two past the iteration that was reached
     rest = await run_training(settings(), redis_server.url, out=io.StringIO(), progress=False, resume=saved)
     assert rest.first == at + 1
     assert rest.losses == uninterrupted.losses[at + 1 :]

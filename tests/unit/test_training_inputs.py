@@ -12,7 +12,7 @@ import pytest
 from shared.config import ConfigError, parse_spec
 from shared.model.corpus import train_bpe_tokenizer
 from shared.model.training import TrainingInputError, check_training
-from shared.model.trainstate import ResumeError, check_resume, trainer_state
+from shared.model.trainstate import ResumeError, SaveError, check_resume, check_save_target, trainer_state
 
 LLAMA: dict[str, Any] = {
     "model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -87,10 +87,24 @@ def test_missing_and_empty_data_files_are_refused(tmp_path: Path) -> None:
         check_training(spec_for(d, [str(tmp_path / "nope.txt")]))
     assert "training.data:" in one_line(refused) and "nope.txt does not exist" in str(refused.value)
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(TrainingInputError, match=r"training\.data: .*empty\.txt is empty"):
+    with pytest.raises(TrainingInputError, match=r"training\.data: .*empty\.txt yields no tokens"):
         check_training(spec_for(d, [str(tmp_path / "empty.txt")]))
     with pytest.raises(ConfigError, match=r"training\.data: is empty"):
         spec_for(d, [])
+    (tmp_path / "short.txt").write_text("the pipeline")
+    with pytest.raises(TrainingInputError, match=r"fewer than one window of model\.seq_len \(16\) \+ 1"):
+        check_training(spec_for(d, [str(tmp_path / "short.txt")]))
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": 1}\n')
+    with pytest.raises(TrainingInputError, match=r"bad\.jsonl line 2 has no 'text' field"):
+        check_training(spec_for(d, [str(tmp_path / "bad.jsonl")]))
+
+
+def test_a_model_too_big_for_a_redis_checkpoint_is_refused(tmp_path: Path) -> None:
+    d = model_dir(tmp_path, hidden_size=4096, intermediate_size=16384, num_hidden_layers=2, vocab_size=32000)
+    with pytest.raises(TrainingInputError) as refused:
+        check_training(spec_for(d))
+    assert "M parameters per stage" in one_line(refused) and "512 MB value limit" in str(refused.value)
+    check_training(spec_for(d, checkpoint_every=0))  # no checkpoints, no save: nothing goes to Redis
 
 
 def test_a_split_that_leaves_a_stage_without_a_layer_is_refused(tmp_path: Path) -> None:
@@ -120,3 +134,16 @@ def test_a_resume_from_another_model_or_split_is_refused(tmp_path: Path) -> None
         check_resume(save, spec_for(d, iterations=4))
     with pytest.raises(ResumeError, match=r"has no trainer_state\.json"):
         check_resume(d, spec_for(d, iterations=10))
+
+
+def test_a_save_never_replaces_a_directory_that_is_not_a_save(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SaveError) as refused:
+        check_save_target(tmp_path)
+    assert "it exists and is not a save" in one_line(refused)
+    check_save_target(tmp_path / "new")  # new: fine
+    (tmp_path / "empty").mkdir()
+    check_save_target(tmp_path / "empty")  # empty: fine
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "trainer_state.json").write_text("{}")
+    check_save_target(tmp_path / "earlier")  # an earlier save: replaced
