@@ -137,6 +137,8 @@ async def run_training(
                 raise
             finally:
                 await stop_all(procs)
+                if save is not None:  # what an unfinished save left (each a stage's whole state)
+                    await _drop_save_keys(bus, run)
 
 
 async def _saver(
@@ -207,6 +209,13 @@ async def _clean_stop(bus: Bus, settings: Settings, procs: list[Proc], directory
         )
         return
     print(f"==> stopped: saved iteration {stop_at} to {directory}", flush=True)
+
+
+async def _drop_save_keys(bus: Bus, run: str) -> None:
+    stale = [keys.save_request_key(run), keys.stop_after_key(run)]
+    for pattern in (keys.weights_key(run, 0, 0), keys.train_state_key(run, 0, 0)):
+        stale += [k async for k in bus.redis.scan_iter(match=pattern.rsplit(":", 2)[0] + ":*")]
+    await bus.redis.delete(*stale)
 
 
 async def _wait_for_keys(bus: Bus, procs: list[Proc], wanted: list[str], what: str) -> list[bytes]:

@@ -172,6 +172,8 @@ class StageRunner:
                 ms=(time.time() - started) * 1000,
                 lag_ms=self.lag_s * 1000,
                 prefill_lag_ms=prefill_lag_ms,
+                lr=self.trainer.last_lr,
+                grad_norm=self.trainer.last_grad_norm if self.trainer.last_grad_norm is not None else "-",
             )
             self._warn_prefill_lag(it, prefill_lag_ms)
             if stop_here:

@@ -54,7 +54,9 @@ class StageTrainer:
         self._inputs: dict[int, Tensor] = {}
         self._outputs: dict[int, Tensor] = {}
         self._losses: list[float] = []
-        self.last_lr, self.last_grad_norm = self.lr, 0.0
+        #: The last step's learning rate, and its global gradient norm (None with clipping off).
+        self.last_lr = self.lr
+        self.last_grad_norm: float | None = None
         #: bf16 autocast of the forward (`training.precision: auto` on CUDA); backward follows it.
         self.bf16 = self.device.type == "cuda" and spec.training.precision == "auto"
 
