@@ -11,9 +11,20 @@ ROOT = Path(__file__).resolve().parents[2]
 DC = [{"name": "a", "gpus": 4}, {"name": "b", "gpus": 2}]
 
 
-def test_every_shipped_config_loads() -> None:
+def test_every_shipped_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Llama configs name directories the README's commands make (relative to the checkout):
+    `bubbletea init-model models/llama-tiny` and the save `runs/llama-tiny` (its config.json)."""
+    from bubbletea.initmodel import default_texts, init_model
+
     paths = sorted((ROOT / "configs").glob("*.yaml"))
     assert paths, "no configs shipped"
+    monkeypatch.chdir(tmp_path)
+    init_model(
+        Path("models/llama-tiny"), "llama", layers=4, hidden=128, heads=4, kv_heads=2, positions=256,
+        tokenizer_vocab=300, texts=default_texts()[:1],
+    )  # fmt: skip
+    Path("runs/llama-tiny").mkdir(parents=True)
+    (Path("runs/llama-tiny") / "config.json").write_text(Path("models/llama-tiny/config.json").read_text())
     for p in paths:
         spec = load_spec(p)
         assert spec.datacenters
