@@ -112,7 +112,8 @@ def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
 
 
 def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    # the stop is the subject: a given time scale skips the measurement (test_demo_compares_... has it)
+    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "BUBBLETEA_TIME_SCALE": "1"}
     spec = _tiny_spec(tmp_path, iterations=2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "bubbletea.cli", "demo", "--hold", "--config", str(spec), "--out", str(tmp_path)],
@@ -212,6 +213,7 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
 async def test_demo_works_with_no_redis_on_the_path(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_REDIS_SERVER")}
     env["PATH"] = "/nonexistent"
+    env["BUBBLETEA_TIME_SCALE"] = "1"  # the embedded Redis is the subject, not the measured time scale
     spec = _tiny_spec(tmp_path, iterations=2)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
