@@ -387,7 +387,8 @@ def _with_training_model(spec: ClusterSpec) -> ClusterSpec:
     try:
         info = info_from_config(read_config(spec.training.model))
     except CheckpointError as exc:
-        raise ConfigError(f"training.model: {exc}") from None
+        hint = "" if Path(spec.training.model).exists() else f"; `bubbletea init-model {spec.training.model}` makes one"
+        raise ConfigError(f"training.model: {exc}{hint}") from None
     if spec.model.seq_len > info.max_model_len:
         raise ConfigError(
             f"model.seq_len: {spec.model.seq_len} is longer than training.model's {info.max_model_len} positions"
