@@ -308,8 +308,7 @@ def run_case(case: str, raw: dict[str, Any], workdir: Path) -> dict[str, Any]:
     final_loss = result.losses[-1]
     if not all(math.isfinite(x) for x in result.losses):
         raise CaseFailed(f"{case}: a loss is not finite: {result.losses}")
-    tr, dp = spec.training, spec.parallelism.dp
-    tokens = dp * tr.microbatches * tr.microbatch_size * spec.model.seq_len
+    tokens = result.tokens_per_iteration
     steady = result.steady_iteration_s()
     peak = max(memory.peaks.values()) / MB
     row = {

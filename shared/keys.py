@@ -269,6 +269,11 @@ def weights_key(run: str, iteration: int, stage: int) -> str:
     return f"{PREFIX}:{run}:weights:{iteration}:{stage}"
 
 
+def saved_state_patterns(run: str) -> tuple[str, str]:
+    """SCAN patterns of every `weights_key` and `train_state_key` of a run."""
+    return f"{PREFIX}:{run}:weights:*", f"{PREFIX}:{run}:trainstate:*"
+
+
 def stop_after_key(run: str) -> str:
     """Set by `bubbletea train --save` when told to stop: every worker finishes this iteration,
     hands its state over for the save and stops (a clean stop at one iteration for all).

@@ -10,7 +10,7 @@ from __future__ import annotations
 from shared.config import ClusterSpec
 from shared.model.shape import split_layers
 from shared.policies.pipeline_model import PipelineInputs, PipelineResult, simulate
-from shared.policies.placement import Placement, place, round_robin
+from shared.policies.placement import Placement, balanced_split, place, round_robin
 from shared.policies.wan import LinkModel
 
 #: Bytes per activation element on the wire (float32).
@@ -43,41 +43,6 @@ def stage_layer_ranges(spec: ClusterSpec) -> list[tuple[int, int]]:
     costs[0] += m.vocab * m.d_model  # the embedding
     costs[-1] += m.vocab * m.d_model  # the head (tied or not, it is a vocab x d_model matmul)
     return balanced_split(costs, stages)
-
-
-def balanced_split(costs: list[float], stages: int) -> list[tuple[int, int]]:
-    """Contiguous ranges of `costs` (every stage at least one item) whose largest sum is as small
-    as it can be; ties go to the earlier stages. `ValueError` if there are fewer items than stages."""
-    n = len(costs)
-    if stages < 1 or stages > n:
-        raise ValueError(f"cannot split {n} layers into {stages} stages (at least one layer each)")
-
-    def cut(limit: float) -> list[tuple[int, int]] | None:
-        ranges: list[tuple[int, int]] = []
-        start, total = 0, 0.0
-        for i, c in enumerate(costs):
-            left_items, left_stages = n - i, stages - len(ranges)
-            if i > start and (total + c > limit or left_items < left_stages):
-                ranges.append((start, i))
-                start, total = i, 0.0
-            total += c
-        ranges.append((start, n))
-        return ranges if len(ranges) <= stages and max(costs) <= limit else None
-
-    lo, hi = max(costs), sum(costs)
-    for _ in range(100):  # bisect the smallest feasible largest-stage cost
-        mid = (lo + hi) / 2
-        if cut(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    ranges = cut(hi)
-    assert ranges is not None
-    while len(ranges) < stages:  # fewer stages than asked: split the widest (never raises the largest sum)
-        i = max(range(len(ranges)), key=lambda j: ranges[j][1] - ranges[j][0])
-        a, b = ranges[i]
-        ranges[i : i + 1] = [(a, b - 1), (b - 1, b)]
-    return ranges
 
 
 def layers_per_stage(spec: ClusterSpec) -> list[int]:

@@ -25,7 +25,7 @@ from shared.bus import Bus
 from shared.config import UNTIL_STOPPED, ConfigError
 from shared.logs import get_logger
 from shared.model.trainstate import check_resume, check_save_target, write_save
-from shared.policies.recovery import save_due
+from shared.policies.recovery import clean_stop_iteration, save_due
 from shared.settings import Settings
 from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
 
@@ -192,12 +192,12 @@ class Progress:
 
 
 async def _clean_stop(bus: Bus, settings: Settings, procs: list[Proc], directory: Path, progress: Progress) -> None:
-    """Told to stop under `--save`: ask every worker to finish one iteration a little ahead (two
-    past the newest reported, so none has passed it yet: stages are at most one apart), hand its
-    state over and stop; write that save. A second Ctrl-C stops at once (the last save stays)."""
+    """Told to stop under `--save`: ask every worker to finish one iteration a little ahead
+    (`clean_stop_iteration`), hand its state over and stop; write that save. A second Ctrl-C stops
+    at once (the last save stays)."""
     limit = settings.spec.training.iteration_limit
     assert limit is not None
-    stop_at = min(progress.newest + 2, limit - 1)
+    stop_at = clean_stop_iteration(progress.newest, limit)
     await bus.redis.set(keys.stop_after_key(settings.run), stop_at, ex=keys.WEIGHTS_TTL_S)
     print(f"==> stopping after iteration {stop_at} to save it (Ctrl-C again to stop at once)", flush=True)
     timeout = max(CLEAN_STOP_MIN_S, 4 * progress.iteration_s)
@@ -213,8 +213,8 @@ async def _clean_stop(bus: Bus, settings: Settings, procs: list[Proc], directory
 
 async def _drop_save_keys(bus: Bus, run: str) -> None:
     stale = [keys.save_request_key(run), keys.stop_after_key(run)]
-    for pattern in (keys.weights_key(run, 0, 0), keys.train_state_key(run, 0, 0)):
-        stale += [k async for k in bus.redis.scan_iter(match=pattern.rsplit(":", 2)[0] + ":*")]
+    for pattern in keys.saved_state_patterns(run):
+        stale += [k async for k in bus.redis.scan_iter(match=pattern)]
     await bus.redis.delete(*stale)
 
 

@@ -138,11 +138,8 @@ class StageRunner:
             if self.checkpoints is not None and checkpoint_due(it, tr.checkpoint_every):
                 blob = await self.in_torch_thread(self.trainer.checkpoint)
                 await self.checkpoints.save(self.slot, it, blob)
-            due = save_due(it, tr.save_every, limit)
-            if self.saving and self.replica == 0 and due:
-                await self._hand_over_state(it)
             stop_here = self.saving and await self._stop_requested(it)
-            if stop_here and self.replica == 0 and not due:
+            if self.saving and self.replica == 0 and (stop_here or save_due(it, tr.save_every, limit)):
                 await self._hand_over_state(it)
             loss = self.trainer.take_loss()
             prefill_lag_ms = self.filler.take_lag() * 1000 if self.filler is not None else 0.0

@@ -14,7 +14,6 @@ the same operations, bit for bit.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -24,15 +23,8 @@ from shared.config import ClusterSpec
 from shared.devices import synchronize
 from shared.model.gpt import lm_loss
 from shared.model.hf_stage import HFStage
-from shared.model.optim import clip_coefficient, lr_at, make_optimizer, set_lr
-from shared.model.training import (
-    Corpus,
-    build_training_stage,
-    grad_sq_norm,
-    layer_count,
-    norm_parameters,
-    tied_parameter,
-)
+from shared.model.optim import clip_and_step, grad_sq_norm, make_optimizer
+from shared.model.training import Corpus, build_training_stage, layer_count, norm_parameters, tied_parameter
 
 
 class StageTrainer:
@@ -146,21 +138,12 @@ class StageTrainer:
         synchronize(self.device)
 
     def step(self, it: int, total_sq_norm: float | None = None) -> None:
-        """The optimizer step of iteration `it`: gradients clipped to `training.clip_grad_norm` by
-        the global norm (``sqrt(total_sq_norm)``, every stage's share summed; None: this stage's
-        own, for a single stage), then AdamW at the schedule's learning rate."""
-        tr = self.spec.training
-        if tr.clip_grad_norm > 0:
-            total = self.grad_sq_norm() if total_sq_norm is None else total_sq_norm
-            self.last_grad_norm = math.sqrt(total)
-            coef = clip_coefficient(self.last_grad_norm, tr.clip_grad_norm)
-            if coef < 1.0:
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        self.last_lr = lr_at(tr, it)
-        set_lr(self.opt, self.last_lr)
-        self.opt.step()
+        """The optimizer step of iteration `it` (`shared.model.optim.clip_and_step`): clipped by the
+        global norm (``sqrt(total_sq_norm)``, every stage's share summed; None: this stage's own, for
+        a single stage), then AdamW at the schedule's learning rate."""
+        if total_sq_norm is None and self.spec.training.clip_grad_norm > 0:
+            total_sq_norm = self.grad_sq_norm()  # a tied copy counted once
+        self.last_lr, self.last_grad_norm = clip_and_step(self.opt, self.params, self.spec.training, it, total_sq_norm)
         self.opt.zero_grad(set_to_none=True)
         synchronize(self.device)
 

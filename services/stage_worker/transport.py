@@ -127,7 +127,7 @@ class Transport:
     placement: Placement
     mailbox: Mailbox
     generation: Callable[[], int]
-    #: Whether the model ties its head to the embedding across the first and the last stage.
+    #: Whether this stage holds an embedding tied across the first and the last stage.
     tied: bool = False
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set once this generation's groups exist: an announcement from a peer that formed its end

@@ -188,7 +188,7 @@ async def _train(
         placement,
         mailbox,
         generation=lambda: gens.current,
-        tied=getattr(trainer.model, "tied", False),
+        tied=trainer.tied is not None,
     )
     inbox = bus.consumer(
         keys.inbox(run, slot.replica, slot.stage),

@@ -10,6 +10,7 @@ and one process compute the same updates (up to the summation order of the norm)
   ``lr * (it + 1) / warmup_iters``), then with `cosine` a half-cosine from `lr` down to
   ``lr * min_lr_ratio`` at `decay_iters` (default: the run's iterations), flat after; a run that
   trains until stopped and names no `decay_iters` keeps `lr` (it has no end to decay towards);
+* `clip_and_step(optimizer, params, training, it, total_sq_norm)`: both, then AdamW;
 * `clip_coefficient(total_norm, max_norm)`: what torch's `clip_grad_norm_` multiplies gradients by,
   ``min(1, max_norm / (total_norm + 1e-6))``; 1 with clipping off (`max_norm` 0). The total norm is
   over every parameter of the model, so a pipeline sums its stages' squared norms first (a tied
@@ -19,7 +20,7 @@ and one process compute the same updates (up to the summation order of the norm)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -65,3 +66,37 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def grad_sq_norm(params: Iterable[nn.Parameter]) -> float:
+    """Sum of the squared gradient entries, in float64 (parameters without a gradient count 0): a
+    pipeline adds its stages' sums before the square root."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(p.grad.detach().double().pow(2).sum())
+    return total
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[nn.Parameter],
+    tr: Training,
+    it: int,
+    total_sq_norm: float | None = None,
+) -> tuple[float, float | None]:
+    """Iteration `it`'s step: gradients scaled by `clip_coefficient` of the global norm
+    (``sqrt(total_sq_norm)``; None: `params`' own), AdamW at `lr_at(tr, it)`. Returns the learning
+    rate and the norm (None with clipping off). The gradients are left for the caller to zero."""
+    norm = None
+    if tr.clip_grad_norm > 0:
+        norm = math.sqrt(grad_sq_norm(params) if total_sq_norm is None else total_sq_norm)
+        coef = clip_coefficient(norm, tr.clip_grad_norm)
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    lr = lr_at(tr, it)
+    set_lr(optimizer, lr)
+    optimizer.step()
+    return lr, norm

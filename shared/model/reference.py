@@ -19,17 +19,15 @@ one tensor here and two copies there whose gradients are summed: the same gradie
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 from torch import nn
 
 from shared.config import ClusterSpec, Parallelism, Training
 from shared.model.data import ByteCorpus
 from shared.model.gpt import StageModule, build_full, lm_loss
-from shared.model.optim import clip_coefficient, lr_at, make_optimizer, set_lr
+from shared.model.optim import clip_and_step, make_optimizer
 from shared.model.shape import GPTConfig
-from shared.model.training import Corpus, TrainingStage, build_training_stage, grad_sq_norm, load_corpus
+from shared.model.training import Corpus, TrainingStage, build_training_stage, load_corpus
 
 
 def train_reference(
@@ -83,14 +81,7 @@ def train_model(
                 loss = lm_loss(model(x), y)  # logits (B, T, vocab) -> scalar
                 (loss / parts).backward()  # accumulate the gradient of the mean over all microbatches
                 total += loss.item()
-        if tr.clip_grad_norm > 0:
-            coef = clip_coefficient(math.sqrt(grad_sq_norm(params)), tr.clip_grad_norm)
-            if coef < 1.0:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        set_lr(optimizer, lr_at(tr, it))
-        optimizer.step()
+        clip_and_step(optimizer, params, tr, it)
         losses.append(total / parts)
     return losses, model
 

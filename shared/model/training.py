@@ -1,19 +1,18 @@
 """What a spec trains, built the same way by the pipeline's stages and by the single-process reference.
 
-* `stage_ranges(spec)`: the layers of each stage (`shared.plan.stage_layer_ranges`, torch-free);
 * `build_training_stage(spec, stage)`: the small GPT's `StageModule` (no `training.model`) or a
   Hugging Face family's `HFStage` (`training.model`: its config.json, and its safetensors as the
   starting weights when there are any);
 * `load_corpus(spec)`: the standard library's bytes, or `training.data` tokenized with the model
   directory's tokenizer.json (`TokenCorpus`);
-* `grad_sq_norm(params)`: the squared L2 norm of the parameters' gradients, summed in float64 (a
-  pipeline adds its stages' sums before the square root).
+* `check_training(spec)`: what the workers could not train, refused before anything starts;
+* `tied_parameter`, `norm_parameters`: what a stage shares with another, and what counts in the
+  global gradient norm (`shared.model.optim`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +33,6 @@ Corpus = ByteCorpus | TokenCorpus
 TrainingStage = StageModule | HFStage
 
 
-def stage_ranges(spec: ClusterSpec) -> list[tuple[int, int]]:
-    return stage_layer_ranges(spec)
-
-
 def model_config(spec: ClusterSpec) -> dict[str, Any] | None:
     """The config.json of `training.model`, or None for the small GPT."""
     return None if spec.training.model is None else read_config(spec.training.model)
@@ -48,17 +43,15 @@ def has_weights(directory: str | Path) -> bool:
     return any(d.glob("*.safetensors"))
 
 
-def build_training_stage(spec: ClusterSpec, stage: int, *, fresh: bool = False) -> TrainingStage:
-    """Stage `stage` of the spec's pipeline (see the module docstring), on the CPU. `fresh`:
-    ignore the directory's weights (an initialised model, e.g. to compare against)."""
-    config = model_config(spec)
+def build_training_stage(spec: ClusterSpec, stage: int) -> TrainingStage:
+    """Stage `stage` of the spec's pipeline (see the module docstring), on the CPU."""
+    config, ranges = model_config(spec), stage_layer_ranges(spec)
     if config is None:
-        cfg = GPTConfig.from_spec(spec.model)
-        return build_stage(cfg, spec.model.seed, stage, spec.parallelism.pp, stage_ranges(spec))
+        return build_stage(GPTConfig.from_spec(spec.model), spec.model.seed, stage, spec.parallelism.pp, ranges)
     directory = spec.training.model
     assert directory is not None
-    weights = directory if has_weights(directory) and not fresh else None
-    return HFStage(config, stage=stage, ranges=stage_ranges(spec), seed=spec.model.seed, weights=weights)
+    weights = directory if has_weights(directory) else None
+    return HFStage(config, stage=stage, ranges=ranges, seed=spec.model.seed, weights=weights)
 
 
 #: Bytes a stage's state takes in Redis per parameter: a checkpoint (weights + AdamW's two
@@ -99,7 +92,7 @@ def check_training(spec: ClusterSpec) -> None:
     if tr.data is None:
         return
     try:  # tokenized here as the workers will: every refusal of corpus.py, once, before anything starts
-        corpus = TokenCorpus.from_files(tr.data, Path(tr.model) / TOKENIZER_FILE, vocab=spec.model.vocab)
+        corpus = load_corpus(spec)
     except DataError as exc:
         raise TrainingInputError(str(exc)) from None
     if len(corpus) < spec.model.seq_len + 1:
@@ -124,15 +117,6 @@ def layer_count(model: nn.Module) -> int:
         return end - start
     assert isinstance(model, StageModule)
     return len(model.blocks)
-
-
-def grad_sq_norm(params: Iterable[nn.Parameter]) -> float:
-    """Sum of the squared gradient entries, in float64 (parameters without a gradient count 0)."""
-    total = 0.0
-    for p in params:
-        if p.grad is not None:
-            total += float(p.grad.detach().double().pow(2).sum())
-    return total
 
 
 def config_json(spec: ClusterSpec) -> str:
@@ -169,11 +153,9 @@ __all__ = [
     "build_training_stage",
     "check_training",
     "config_json",
-    "grad_sq_norm",
     "layer_count",
     "load_corpus",
     "model_config",
     "norm_parameters",
-    "stage_ranges",
     "tied_parameter",
 ]

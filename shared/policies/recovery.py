@@ -27,7 +27,13 @@ def checkpoint_due(iteration: int, every: int) -> bool:
 def save_due(iteration: int, every: int, limit: int | None) -> bool:
     """Whether a run asked to save (`bubbletea train --save`) writes its state after `iteration`:
     after every `every`-th (`training.save_every`, 0 = never) and after the last of `limit`."""
-    return (limit is not None and iteration == limit - 1) or (every > 0 and (iteration + 1) % every == 0)
+    return (limit is not None and iteration == limit - 1) or checkpoint_due(iteration, every)
+
+
+def clean_stop_iteration(newest: int, limit: int) -> int:
+    """Where a run told to stop under `--save` stops: two past the newest iteration any worker
+    reported (stages are at most one iteration apart, so none has passed it yet), at most the last."""
+    return min(newest + 2, limit - 1)
 
 
 def resume_after(checkpoints: Mapping[str, Collection[int]], slots: Iterable[str]) -> int:
