@@ -8,7 +8,14 @@ import torch
 from services.stage_worker.trainer import StageTrainer
 from shared.config import parse_spec
 from shared.model.data import ByteCorpus
-from shared.policies.recovery import FROM_SCRATCH, checkpoint_due, resume_after, superseded
+from shared.policies.recovery import (
+    FROM_SCRATCH,
+    checkpoint_due,
+    clean_stop_iteration,
+    resume_after,
+    save_due,
+    superseded,
+)
 
 SPEC = parse_spec(
     {
@@ -72,3 +79,15 @@ def test_restoring_nothing_starts_over_from_the_initial_weights() -> None:
     train(trained, range(4))
     trained.restore(None)
     assert train(trained, range(2)) == expected
+
+
+def test_a_save_is_due_every_save_every_iterations_and_after_the_last() -> None:
+    assert [i for i in range(10) if save_due(i, 4, 10)] == [3, 7, 9]
+    assert [i for i in range(10) if save_due(i, 0, 10)] == [9]
+    assert not any(save_due(i, 0, None) for i in range(10))  # until stopped, no save_every: none
+
+
+def test_a_clean_stop_lands_two_past_the_newest_iteration_but_not_past_the_last() -> None:
+    assert clean_stop_iteration(3, 10) == 5
+    assert clean_stop_iteration(8, 10) == 9
+    assert clean_stop_iteration(-1, 10) == 1  # nothing reported yet
