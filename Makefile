@@ -47,13 +47,14 @@ integration: install
 e2e: install
 	$(VENV)/bin/pytest -q tests/e2e
 
-# -rs: the summary says why a test was skipped (no CUDA, no Docker engine).
+# -rsEf: the summary says why a test was skipped (no CUDA, no Docker engine), then, last, each error's
+# and failure's message (the end of the output is what CI logs keep).
 test: lint typecheck
-	$(VENV)/bin/pytest -q -rs tests
+	$(VENV)/bin/pytest -q -rsEf tests
 
 # docker compose on a real engine (build, up, clients, crash, spares, down); skipped without one.
 test-compose: install
-	$(VENV)/bin/pytest -q -rs tests/compose
+	$(VENV)/bin/pytest -q -rsEf tests/compose
 
 # The tiers with processes and timing in them, on a busy machine: must pass as `make test` does.
 test-stress: install
