@@ -32,7 +32,7 @@ from shared.logs import get_logger
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import Arrival, FillPolicy, Held
 from shared.policies.prefill_cost import PrefillProfile
-from shared.priority import lower_this_thread, prefill_nice
+from shared.priority import lower_this_thread, prefill_nice, prefill_slice_us
 from shared.status import FailureReason
 from shared.timing import Schedule
 from shared.wire import PrefillBatch
@@ -75,7 +75,10 @@ class Filler:
         self.lag_s = 0.0
         #: Prefill compute runs here, below training and the event loops (`shared.priority`).
         self._thread = ThreadPoolExecutor(
-            1, thread_name_prefix=f"prefill-{worker}", initializer=lower_this_thread, initargs=(prefill_nice(),)
+            1,
+            thread_name_prefix=f"prefill-{worker}",
+            initializer=lower_this_thread,
+            initargs=(prefill_nice(), prefill_slice_us()),
         )
         self._queue: list[Queued] = []
         self._work = asyncio.Event()

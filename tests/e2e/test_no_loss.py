@@ -460,7 +460,7 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str, 
             await r.aclose()
 
     log = out.getvalue() + dispatcher_out.getvalue() + replacement_out.getvalue()
-    print(f"\nkilled {slot} holding {lost_ids}; survivors' exit codes {codes}; {counts(statuses)}")
+    print(f"\nkilled {slot} holding {lost_ids}; survivors' exit codes {codes}; {counts(statuses)}; {timeline}")
     print("failures:", sorted({s["error"].split(" in the queue")[0] for s in statuses.values() if "error" in s}))
     assert lost_ids, "the killed worker held no unfinished batch: the kill was not mid-batch"
     print(f"requeued by the dispatcher: {requeued_by_dispatcher()}; handed back: {handed_back_by_replacement()}")
