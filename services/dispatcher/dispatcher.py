@@ -225,6 +225,8 @@ class Dispatcher:
             )
         for ignored in ds.ignored:
             log.debug("ignored", what=ignored.what, why=ignored.why)
+        if ds.spent:  # partial prefills no batch resumes from again: gone now, not at their TTL
+            await self.bus.redis.delete(*(keys.prefill_snapshot_key(self.run, s.id, s.layer) for s in ds.spent))
 
     async def _send(self, batch: Batch) -> None:
         items = []

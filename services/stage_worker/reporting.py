@@ -111,16 +111,9 @@ class Reporter:
                 preempted=run.preempted,
             ),
         )
-        # The snapshots this batch resumed from are spent once the dispatcher has the report (it
-        # resumes from the layer reported, or the request is answered): deleted now, not left for
-        # their 5-minute TTL, which at 20 req/s held ~0.5 GB of stale prefill state.
-        spent = {
-            o.item.snapshot_key
-            for o in run.outcomes
-            if o.item.snapshot_key and (o.result is not None or o.failure is not None or o.reached > o.item.from_layer)
-        }
-        if spent:
-            await r.delete(*spent)
+        # The snapshots this batch resumed from are not deleted here: the dispatcher deletes them
+        # once it accepts this report (`Spent`). This batch may be a stale copy (given up on as
+        # lost while this worker paused) whose requests now resume elsewhere from the same state.
         if self.metrics is not None:  # counted once reported (an unreported batch is requeued)
             self.metrics.reported(progress, {o.item.id: o.result.prompt_tokens for o in run.outcomes if o.result})
 

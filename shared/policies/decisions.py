@@ -104,6 +104,19 @@ class LostBatch:
 
 
 @dataclass(frozen=True)
+class Spent:
+    """The partial prefill of request `id` saved at `layer` is used up: no batch resumes from it
+    again (the request moved past it, or is answered), so its stored state can go.
+
+    Only an accepted report spends one. A worker still running a batch the policy gave up on
+    (declared lost while its worker only paused) resumes from the same saved state as the batch
+    that replaced it: if that stale run deleted the state, the live one would find it gone."""
+
+    id: str
+    layer: int
+
+
+@dataclass(frozen=True)
 class Ignored:
     """An input that changed nothing, and why (a stale bubble event, an unknown batch's report)."""
 
@@ -118,6 +131,7 @@ class Decisions:
     finished: tuple[Finished, ...] = ()
     lost: tuple[LostBatch, ...] = ()
     ignored: tuple[Ignored, ...] = ()
+    spent: tuple[Spent, ...] = ()
 
     def __add__(self, other: Decisions) -> Decisions:
         return Decisions(
@@ -126,7 +140,8 @@ class Decisions:
             self.finished + other.finished,
             self.lost + other.lost,
             self.ignored + other.ignored,
+            self.spent + other.spent,
         )
 
     def __bool__(self) -> bool:
-        return bool(self.batches or self.failed or self.finished or self.lost or self.ignored)
+        return bool(self.batches or self.failed or self.finished or self.lost or self.ignored or self.spent)

@@ -32,7 +32,10 @@ and logs each one's why. The simulator feeds it the same inputs from a virtual c
 * **Lost batches**: a batch with no report `BATCH_GRACE_S` after it should have ended (its
   predicted time, plus the hold time of a staged batch) was lost with its worker: its requests queue
   again at their last reported layer, and the worker's bubble is closed so nothing more goes there
-  (if the worker is alive after all, its next bubble start opens a bubble again).
+  (if the worker is alive after all, its next bubble start opens a bubble again). Such a worker
+  may still run the batch (first answer wins); its report changes nothing, and in particular
+  spends no saved partial state: only an accepted report does (`Spent`), so the batch that
+  replaced it still finds the state it resumes from.
 
 **Cost at scale** (the simulator runs this for thousands of workers): a trigger visits only the open
 bubbles that may still take work and the idle workers that may take staged work, each kept in the
@@ -66,6 +69,7 @@ from shared.policies.decisions import (
     Finished,
     Ignored,
     LostBatch,
+    Spent,
     Trigger,
     Why,
 )
@@ -255,6 +259,7 @@ class DispatchState:
             # handled afresh, and anything it answered stays answered (first answer wins).
             return Decisions(ignored=(Ignored(f"report of batch {batch_id}", "not in flight"),))
         finished: list[Finished] = []
+        spent: list[Spent] = []
         for p in progress:
             req = self.requests.get(p.id)
             if req is None or req.in_bubble != worker:
@@ -263,6 +268,8 @@ class DispatchState:
             if not p.finished and ran > 0 and p.seconds > 0:
                 self.cost.observe(req.tokens, p.seconds * self.layers / ran)  # scale to a whole prompt
             self._give_back(worker, req)
+            if req.next_layer > 0 and (p.finished or ran > 0):  # it resumed from a saved state, now used up
+                spent.append(Spent(req.id, req.next_layer))
             req.next_layer, req.in_bubble = max(req.next_layer, p.reached_layer), None
             if p.finished or req.next_layer >= self.layers:
                 finished.append(Finished(req.id, req.ticket))
@@ -272,7 +279,7 @@ class DispatchState:
                 self._queue.put(p.id)
                 self._waiting += 1
         self.counts.done += len(finished)
-        return Decisions(finished=tuple(finished)) + self._fill_all(now, Trigger.REPORT)
+        return Decisions(finished=tuple(finished), spent=tuple(spent)) + self._fill_all(now, Trigger.REPORT)
 
     def tick(self, now: float) -> Decisions:
         """The timer: fail requests past their deadline, requeue batches that never reported."""

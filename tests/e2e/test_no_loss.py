@@ -451,7 +451,12 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str, 
             left_inflight = await inflight(redis_url)
             # The requests may all be final before the batch is declared lost (a stopped run fails
             # what waits at once): give the dispatcher until the report is overdue to say so.
-            await wait_until(batch_came_back, "the dead worker's batch requeued or handed back", timeout=15)
+            try:
+                await wait_until(batch_came_back, "the dead worker's batch requeued or handed back", timeout=15)
+            except AssertionError as exc:  # say what the dispatcher and the replacement did instead
+                said = (dispatcher_out.getvalue() + replacement_out.getvalue()).splitlines()
+                about = [ln for ln in said if any(b in ln for b in lost) or "never reported" in ln]
+                raise AssertionError(f"{exc}: lost {lost}; {timeline}\n" + "\n".join(about[-20:])) from None
         finally:
             if submitter is not None and not submitter.done():
                 submitter.cancel()

@@ -1,6 +1,7 @@
 """The dispatcher service against a real redis-server: its streams dead-letter every kind outside
 their handler tables (naming stream and kind, keeping the payload), and a request whose deadline
-passes in the queue is failed explicitly, then its held entry acked."""
+passes in the queue is failed explicitly, then its held entry acked; a spent partial prefill is
+deleted."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from services.dispatcher.dispatcher import Dispatcher, serve
 from shared import keys, serving
 from shared.bus import Bus, Delivery
 from shared.config import BusConfig
+from shared.policies.decisions import Decisions, Spent
 from shared.settings import load_settings
 from shared.status import FailureReason, RequestStatus
 from shared.wire import FIELD, Ping, PrefillRequest, decode, encode
@@ -81,3 +83,13 @@ async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(red
         # redelivered after a restart: already answered, so acked at once and not queued again
         assert await d.on_request(Delivery("1-0", "s", req, 2)) is None and d.state.requests == {}
         assert encode(got.result)  # the stored answer is a whole message
+
+
+async def test_spent_partial_prefills_are_deleted_and_others_kept(redis_url: str) -> None:
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        d = Dispatcher(bus, load_settings(None).spec, "run")
+        spent, kept = keys.prefill_snapshot_key("run", "a", 2), keys.prefill_snapshot_key("run", "a", 3)
+        for key in (spent, kept):
+            await bus.redis.set(key, b"state", ex=300)
+        await d.execute(Decisions(spent=(Spent("a", 2),)))
+        assert not await bus.redis.exists(spent) and await bus.redis.exists(kept)

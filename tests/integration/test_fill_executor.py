@@ -152,7 +152,9 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         await one_bubble(filler, batch(rest, 2), arrive_during_block=None, model=model)
         second = (await reports(bus))[1]
         assert second.progress[0].outcome is ItemOutcome.DONE and not second.preempted
-        assert not await bus.redis.exists(snap_key)  # spent once reported, not left for its TTL
+        # left for the dispatcher, which deletes it once it accepts the report (a stale copy of this
+        # batch must not delete the state a live one resumes from)
+        assert await bus.redis.exists(snap_key)
         found = await serving.lookup(bus.redis, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.status is RequestStatus.DONE and found.result is not None

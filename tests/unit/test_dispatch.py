@@ -97,6 +97,29 @@ def test_reports_complete_or_requeue_at_the_resume_point() -> None:
     assert [(f.id, f.ticket) for f in ds.finished] == [("r0", "t0")] and s.requests == {}
 
 
+def test_only_an_accepted_report_that_moves_a_resumed_request_on_spends_its_saved_state() -> None:
+    s = state(stage_next=False)
+    s.add_request(req(0, 100), now=0.0)
+    b1 = one(start(s, "w1", 0.053, now=0.0))  # layers 0-2: nothing saved to resume from yet
+    s.bubble_end("w1", now=0.05)
+    assert not s.report(b1.batch_id, "w1", [Progress("r0", 2, 0.050)], now=0.1).spent
+    # w2 resumes it from layer 2; w2 pauses past its report time and the batch is given up as lost
+    b2 = one(start(s, "w2", 0.030, now=0.2))
+    assert ranges(b2) == [("r0", 2, 3)]
+    s.bubble_end("w2", now=0.23)
+    assert s.tick(now=10.0).lost and s.requests["r0"].next_layer == 2
+    b3 = one(start(s, "w3", 0.054, now=10.0))  # the replacement batch resumes from the same state
+    assert ranges(b3) == [("r0", 2, 4)]
+    # w2's stale run reports layer 3: ignored, so the state w3 resumes from is not spent
+    assert not s.report(b2.batch_id, "w2", [Progress("r0", 3, 0.025)], now=10.01).spent
+    # w3 hands it back unrun first (its bubble closed): nothing used up either
+    s.bubble_end("w3", now=10.02)
+    assert not s.report(b3.batch_id, "w3", [Progress("r0", 2, 0.0)], now=10.03).spent
+    b4 = one(start(s, "w3", 0.054, now=11.0))
+    ds = s.report(b4.batch_id, "w3", [Progress("r0", 4, 0.050)], now=11.1)
+    assert finished(ds) == ["r0"] and [(x.id, x.layer) for x in ds.spent] == [("r0", 2)]
+
+
 def test_a_request_the_worker_failed_is_finished_whatever_layer_it_reached() -> None:
     s = state(stage_next=False)
     s.add_request(req(0, 100), now=0.0)
