@@ -80,9 +80,11 @@ def lower_this_thread(nice: int, slice_us: int = 0) -> None:
         else:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (OSError, AttributeError) as exc:  # not Linux, or not allowed: run at normal priority
-        _warn_once("could not lower a compute thread's priority; it runs at normal priority", exc)
         if slice_us > 0:  # sched_setattr is missing or refused: the nice value alone still helps
+            _warn_once("could not ask for a short scheduler slice; the thread keeps the kernel's", exc)
             lower_this_thread(nice)
+        else:
+            _warn_once("could not lower a compute thread's priority; it runs at normal priority", exc)
 
 
 def thread_nice() -> int:

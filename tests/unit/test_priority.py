@@ -49,3 +49,12 @@ def test_normal_priority_leaves_compute_at_zero() -> None:
         priority.configure("low")
     with pytest.raises(Exception, match="BUBBLETEA_COMPUTE_PRIORITY: expected low or normal"):
         load_settings(env={"BUBBLETEA_COMPUTE_PRIORITY": "high"})
+
+
+def test_without_sched_setattr_the_prefill_thread_still_gets_its_nice_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(priority, "_SYSCALLS", (-1, -1))  # as on a machine whose syscall numbers we do not know
+    monkeypatch.setattr(priority, "_warned", False)
+    args = (priority.PREFILL_NICE, priority.PREFILL_SLICE_US)
+    with ThreadPoolExecutor(1, initializer=priority.lower_this_thread, initargs=args) as pool:
+        assert pool.submit(priority.thread_nice).result() == max(priority.thread_nice(), priority.PREFILL_NICE)
+    assert priority._warned  # said once in the log
