@@ -48,9 +48,9 @@ e2e: install
 	$(VENV)/bin/pytest -q tests/e2e
 
 # -rsEf: the summary says why a test was skipped (no CUDA, no Docker engine), then, last, each error's
-# and failure's message (the end of the output is what CI logs keep).
+# and failure's message (the end of the output is what CI logs keep); --durations: where the time went.
 test: lint typecheck
-	$(VENV)/bin/pytest -q -rsEf tests
+	$(VENV)/bin/pytest -q -rsEf --durations=12 tests
 
 # docker compose on a real engine (build, up, clients, crash, spares, down); skipped without one.
 test-compose: install
