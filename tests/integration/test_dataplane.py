@@ -45,10 +45,16 @@ async def line(proc: asyncio.subprocess.Process, timeout: float = 60.0) -> str:
 
 
 async def bye(*procs: asyncio.subprocess.Process) -> None:
+    """Ask each peer to leave, then wait for all (killing one that hangs). A peer may have exited
+    before its exit was noticed (`returncode` still None): writing to it then fails, and it is
+    waited for like the others, so no process or pipe outlives the test."""
     for p in procs:
         if p.returncode is None and p.stdin is not None:
-            p.stdin.write(b"bye\n")
-            await p.stdin.drain()
+            try:
+                p.stdin.write(b"bye\n")
+                await p.stdin.drain()
+            except (ConnectionResetError, BrokenPipeError):
+                pass  # already gone: the wait below reaps it
     for p in procs:
         try:
             await asyncio.wait_for(p.wait(), 30)
