@@ -96,8 +96,7 @@ def thread_slice_us() -> int:
     """The calling thread's EEVDF slice in microseconds: the kernel's default, or the one it asked
     for (0 before Linux 6.12, which does not report it)."""
     attr = _SchedAttr()
-    if _syscall(_SYSCALLS[1], threading.get_native_id(), ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    _syscall("sched_getattr", threading.get_native_id(), ctypes.byref(attr), ctypes.sizeof(attr), 0)
     return attr.sched_runtime // 1000
 
 
@@ -133,16 +132,17 @@ _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}.get(platform.machine()
 _SCHED_OTHER = 0
 
 
-def _syscall(number: int, *args: object) -> int:
+def _syscall(name: str, *args: object) -> None:
+    """Call `sched_setattr` or `sched_getattr`; OSError when unknown here or refused."""
+    number = _SYSCALLS[0 if name == "sched_setattr" else 1]
     if number < 0:
-        raise OSError(f"sched_setattr is not known on {platform.machine()}")
-    libc = ctypes.CDLL(None, use_errno=True)
-    return int(libc.syscall(number, *args))
+        raise OSError(f"{name} is not known on {platform.machine()}")
+    if ctypes.CDLL(None, use_errno=True).syscall(number, *args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}: {os.strerror(err)}")
 
 
 def _set_fair_attr(nice: int, slice_ns: int) -> None:
     attr = _SchedAttr(size=ctypes.sizeof(_SchedAttr), sched_policy=_SCHED_OTHER, sched_nice=nice)
     attr.sched_runtime = slice_ns
-    if _syscall(_SYSCALLS[0], threading.get_native_id(), ctypes.byref(attr), 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"sched_setattr: {os.strerror(err)}")
+    _syscall("sched_setattr", threading.get_native_id(), ctypes.byref(attr), 0)
