@@ -53,7 +53,8 @@ class ServingState(enum.StrEnum):
     """Whether prefill can be served now, as the dispatcher judges it (`shared.policies.readiness`)."""
 
     SERVING = "serving"  # every slot of the run is training and bubbles are announced
-    STARTING = "starting"  # not every slot is held yet: training has not started
+    STARTING = "starting"  # training has not started: not every slot is held yet (or set-up runs long)
+    JOINING = "joining"  # every slot is held, its workers set up: requests wait for the first bubbles
     STALLED = "stalled"  # every slot is held, but no bubble was announced for `unready_after_s`
     FINISHED = "finished"  # the run trained all its iterations
     STOPPED = "stopped"  # the run was stopped on purpose (Ctrl-C, SIGTERM)
@@ -63,5 +64,6 @@ class ServingState(enum.StrEnum):
 
     @property
     def ready(self) -> bool:
-        """Whether new requests are taken: while a run recovers they wait for its next bubbles."""
-        return self in (ServingState.SERVING, ServingState.RECOVERING)
+        """Whether new requests are taken: while a run's workers set up or recover, they wait for
+        its next bubbles."""
+        return self in (ServingState.SERVING, ServingState.JOINING, ServingState.RECOVERING)

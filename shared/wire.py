@@ -162,6 +162,20 @@ class BubbleStart(Message, frozen=True, kw_only=True, tag="bubble_start"):
     at: float  # wall clock (time.time())
 
 
+class WorkerJoined(Message, frozen=True, kw_only=True, tag="worker_joined"):
+    """A worker has set up and entered the run's generation: it trains as soon as every slot has,
+    and its first bubble may open at once. Sent ahead of that bubble, so the dispatcher can stage
+    its first batch there before it opens (`DispatchState.worker_joined`)."""
+
+    run: str
+    worker: str
+    replica: int
+    stage: int
+    typical_bubble_ms: float  # the median of its predicted bubbles: what a staged batch may fill
+    free_memory_bytes: int
+    at: float  # wall clock (time.time())
+
+
 class BubbleEnd(Message, frozen=True, kw_only=True, tag="bubble_end"):
     run: str
     worker: str
@@ -398,6 +412,7 @@ AnyMessage = (
     | SlotGrant
     | SlotDone
     | BubbleStart
+    | WorkerJoined
     | BubbleEnd
     | SpanRecord
     | IterationDone

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from shared.policies.decisions import Batch, Decisions
-from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request
+from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.fill import FillPolicy
 from shared.policies.prefill_cost import PrefillProfile
 from sim.events import EventQueue
@@ -96,6 +96,16 @@ class Serving:
         )
         self.q.at(now + self.cfg.bus_s, self._on_bubble_start, opened)
 
+    def joined(self, worker: int, typical_s: float, now: float) -> None:
+        ready = WorkerReady(
+            worker=self.cfg.workers[worker],
+            address=self.cfg.workers[worker],
+            typical_s=typical_s,
+            free_memory=self.cfg.free_memory,
+            at=now,
+        )
+        self.q.at(now + self.cfg.bus_s, self._on_joined, ready)
+
     def input_arrived(self, worker: int, now: float) -> float:
         return self.executors[worker].input_arrived(now)
 
@@ -123,6 +133,9 @@ class Serving:
 
     def _on_bubble_start(self, now: float, opened: BubbleOpened) -> None:
         self._execute(self.state.bubble_start(opened, now), now)
+
+    def _on_joined(self, now: float, ready: WorkerReady) -> None:
+        self._execute(self.state.worker_joined(ready, now), now)
 
     def _on_bubble_end(self, now: float, arg: tuple[str, object]) -> None:
         worker, tag = arg

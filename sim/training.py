@@ -42,6 +42,10 @@ Key = tuple[int, int, str, int, int]  # (replica, stage, "act" | "grad", iterati
 class Guest(Protocol):
     """The serving side, as training sees it (`sim.serving.Serving`)."""
 
+    def joined(self, worker: int, typical_s: float, now: float) -> None:
+        """The worker entered the run (its typical predicted bubble): as a live worker's `WorkerJoined`."""
+        ...
+
     def bubble_start(self, worker: int, iteration: int, position: int, predicted_s: float, now: float) -> None: ...
 
     def input_arrived(self, worker: int, now: float) -> float:
@@ -129,6 +133,8 @@ class Training:
 
     def start(self) -> None:
         for w in range(len(self.slots)):
+            if self.guest is not None:
+                self.guest.joined(w, self.predictors[w].typical(), 0.0)
             self.q.at(0.0, self._resume, w)
 
     def result(self) -> TrainingResult:

@@ -7,7 +7,7 @@ returns, and logs one line per decision with its why. The streams and their hand
 * the request stream, `{PrefillRequest}`: every accepted request. Its entry is *held* (not acked)
   until the request is answered or failed, so a dispatcher killed mid-flight leaves it pending for
   its successor, without a task parked per request;
-* the run's bubble stream, `{BubbleStart, BubbleEnd}`, one at a time and in order;
+* the run's bubble stream, `{BubbleStart, WorkerJoined, BubbleEnd}`, one at a time and in order;
 * the run's report stream, `{PrefillReport}`: how far each item of a batch got.
 
 A timer feeds the state `tick(now)`: deadlines passed, batches that never reported back.
@@ -42,7 +42,7 @@ from shared.leases import generation_joined, read_slots
 from shared.logs import get_logger
 from shared.model.shape import model_info
 from shared.policies.decisions import Batch, Decisions, Failure
-from shared.policies.dispatch import STALE_BUBBLE_S, BubbleOpened, DispatchState, Progress, Request
+from shared.policies.dispatch import STALE_BUBBLE_S, BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.readiness import ServingGate, Verdict
 from shared.settings import Settings
 from shared.status import RequestStatus, ServingState
@@ -55,6 +55,7 @@ from shared.wire import (
     PrefillReport,
     PrefillRequest,
     PrefillResult,
+    WorkerJoined,
 )
 
 SERVICE = "dispatcher"
@@ -149,6 +150,19 @@ class Dispatcher:
                 await self.check_readiness()
         await self.execute(self.state.bubble_start(opened, now))
 
+    async def on_joined(self, d: Delivery) -> None:
+        m = d.message
+        assert isinstance(m, WorkerJoined)
+        log.info("worker joined", worker=m.worker, typical_bubble_ms=round(m.typical_bubble_ms, 2))
+        ready = WorkerReady(
+            worker=m.worker,
+            address=keys.fill_stream(self.run, m.replica, m.stage),
+            typical_s=m.typical_bubble_ms / 1000,
+            free_memory=m.free_memory_bytes,
+            at=m.at,
+        )
+        await self.execute(self.state.worker_joined(ready, time.time()))
+
     async def on_end(self, d: Delivery) -> None:
         m = d.message
         assert isinstance(m, BubbleEnd)
@@ -185,7 +199,8 @@ class Dispatcher:
         now = time.time()
         verdict = self.gate.assess(slots, now, joined=joined)
         if verdict.state is not self.verdict.state:
-            level = log.info if verdict.state in (ServingState.SERVING, ServingState.STARTING) else log.warning
+            quiet = (ServingState.SERVING, ServingState.JOINING, ServingState.STARTING)
+            level = log.info if verdict.state in quiet else log.warning
             level("serving state", state=verdict.state.value, was=self.verdict.state.value, reason=verdict.reason)
         self.verdict = verdict
         self.metrics.serving_state(verdict.state)
@@ -315,7 +330,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             bus.consumer(
                 keys.bubbles_stream(run),
                 SERVICE,
-                {BubbleStart: d.on_start, BubbleEnd: d.on_end},
+                {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end},
                 name=me,
                 config=ordered,
             ),

@@ -90,8 +90,8 @@ class DispatcherMetrics:
         ).labels(run)
         self._state = Gauge(
             "bubbletea:serving_state",
-            "The readiness gate's verdict: 1 for the current state (serving, starting, stalled, finished, "
-            "stopped, lost, disabled), 0 for the others.",
+            "The readiness gate's verdict: 1 for the current state (serving, joining, starting, stalled, "
+            "finished, stopped, recovering, lost, disabled), 0 for the others.",
             ["run", "state"],
             registry=r,
         )

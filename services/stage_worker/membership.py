@@ -119,6 +119,7 @@ async def _join(
 
     lease.check_peers = False
     enter(await gens.enter(after_loss=after_loss))
+    runner.announce_joined()  # while the barrier waits for the others: its first batch gets staged
     timeout = tr.recovery_timeout_s if after_loss else START_TIMEOUT_S
     barrier = asyncio.create_task(gens.barrier(slot, timeout, on_enter=enter), name="barrier")
     await asyncio.wait({barrier, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -40,7 +40,7 @@ from shared.policies.recovery import checkpoint_due, save_due
 from shared.policies.schedules import Op, schedule
 from shared.priority import lower_this_thread, train_nice
 from shared.timing import sleep_until
-from shared.wire import BubbleEnd, BubbleStart, IterationDone, SpanRecord
+from shared.wire import BubbleEnd, BubbleStart, IterationDone, SpanRecord, WorkerJoined
 
 #: The prefill-lag warning is logged at most this often (with the sum since the last one).
 LAG_WARN_EVERY_S = 60.0
@@ -301,6 +301,25 @@ class StageRunner:
             for t in (take, failed):
                 if not t.done():
                     t.cancel()
+
+    def announce_joined(self) -> None:
+        """Tell the dispatcher this worker has set up and entered the run (with BubbleTea on): its
+        first bubble may open the moment every slot has, so its first batch is staged here now,
+        not sent after that bubble's start made a round trip through the bus."""
+        if self.filler is None:
+            return
+        self.outbox.send(
+            keys.bubbles_stream(self.run),
+            WorkerJoined(
+                run=self.run,
+                worker=self.slot.name,
+                replica=self.replica,
+                stage=self.stage,
+                typical_bubble_ms=self.predictor.typical() * 1000,
+                free_memory_bytes=self.free_memory_bytes,
+                at=time.time(),
+            ),
+        )
 
     async def _recv(self, key: tuple[Any, ...], it: int, pos: int) -> torch.Tensor:
         """Take a tensor from the mailbox; if it is not there yet, this is a bubble: announce it."""

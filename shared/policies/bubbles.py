@@ -39,6 +39,12 @@ class BubblePredictor:
             return min(seen)
         return self.prior.get(position, 0.0)
 
+    def typical(self) -> float:
+        """The median of this worker's predicted bubbles, one per schedule position (0.0 when it
+        predicts none): the size of the work worth staging on it before a bubble opens."""
+        lengths = sorted(self.predict(p) for p in self.prior.keys() | self._seen.keys())
+        return lengths[len(lengths) // 2] if lengths else 0.0
+
     def observe(self, position: int, predicted: float, actual: float, iteration: int = WARMUP_ITERATIONS) -> None:
         if iteration >= WARMUP_ITERATIONS:
             self._seen.setdefault(position, collections.deque(maxlen=self.history)).append(actual)

@@ -19,6 +19,7 @@ class Trigger(enum.StrEnum):
 
     BUBBLE_START = "bubble_start"  # a worker announced a bubble
     BUBBLE_END = "bubble_end"  # a bubble ended: the worker's next bubble gets staged work
+    JOINED = "joined"  # a worker joined the run: its first bubble gets staged work
     REQUEST = "request"  # a request arrived while a bubble was open
     REPORT = "report"  # a worker reported a batch: its budget and requests are free again
     TICK = "tick"  # the timer: deadlines passed, batches lost

@@ -124,6 +124,17 @@ class BubbleOpened:
     tag: object = None  # which of the worker's bubbles (e.g. (iteration, position)), to match its end
 
 
+@dataclass(frozen=True)
+class WorkerReady:
+    """A worker that joined the run, as the policy needs it (its first bubble may open at once)."""
+
+    worker: str
+    address: str  # where that worker takes batches
+    typical_s: float  # its typical predicted bubble: what work staged on it may fill
+    free_memory: int
+    at: float  # when it joined, on its clock
+
+
 @dataclass
 class Bubble:
     worker: str
@@ -251,6 +262,26 @@ class DispatchState:
         self.last_seen[worker] = now
         add_sorted(self._idle, worker)
         return self._stage(worker, now, Trigger.BUBBLE_END)
+
+    def worker_joined(self, j: WorkerReady, now: float) -> Decisions:
+        """A worker set up and entered the run: it is in no bubble, and its first may open at once.
+        Its first batch is staged there now, sized for the typical bubble it announced (unless it
+        has bubbles on record, a worker rejoining after a recovery): so that bubble, too, starts
+        without a round trip through the bus."""
+        if not self.enabled:
+            return Decisions(ignored=(Ignored(f"worker {j.worker}", "BubbleTea is disabled in the spec"),))
+        if now - j.at > STALE_BUBBLE_S:
+            why = f"joined {now - j.at:.1f}s ago: history (read from the backlog after a restart)"
+            return Decisions(ignored=(Ignored(f"worker {j.worker}", why),))
+        if j.worker in self.bubbles:  # a bubble of its previous life, whose end never came
+            self._close(j.worker)
+        if not self.recent.get(j.worker) and j.typical_s > 0:
+            self.recent[j.worker] = deque([j.typical_s], maxlen=RECENT_BUBBLES)
+        self.free_memory[j.worker] = j.free_memory
+        self.last_seen[j.worker] = now
+        self.addresses[j.worker] = j.address
+        add_sorted(self._idle, j.worker)
+        return self._stage(j.worker, now, Trigger.JOINED)
 
     def report(self, batch_id: str, worker: str, progress: list[Progress], now: float) -> Decisions:
         """A worker finished (or was preempted in, or handed back) a batch."""

@@ -15,9 +15,17 @@ The verdicts (`ServingState`), first match wins:
   within `unready_after_s`, or the slots were all held less than `unready_after_s` ago (the first
   iteration is still warming up: a request queued now waits at most that long for its bubble).
 * STALLED: every slot is held but no bubble for longer than `unready_after_s`.
-* STARTING: training was never seen running (not every slot held, or held by workers still setting
-  up). End markers are not read before that: they are left by an earlier life of the same run id
-  (a restarted compose project).
+* JOINING: training was never seen running, every slot is held, and its workers are still setting
+  up (they have not joined: models being built), for less than `unready_after_s` so far. Requests
+  are taken and wait for the first bubbles, which open the moment the workers join: queued then,
+  they are there when the first bubbles start, which a request sent once training runs cannot be
+  (its trip through the front door and the dispatcher takes longer than the first bubble's start).
+  A request taken now waits about `unready_after_s` at most, the same bound as the first
+  iteration's grace under SERVING.
+* STARTING: training was never seen running, and not every slot is held, or the workers have been
+  setting up for longer than `unready_after_s` (a long set-up, a real checkpoint loading, say: a
+  client is told to come back rather than left to its deadline). End markers are not read before
+  that: they are left by an earlier life of the same run id (a restarted compose project).
 
 Once training was seen running, a run that no longer holds every slot is:
 
@@ -32,8 +40,8 @@ Once training was seen running, a run that no longer holds every slot is:
   slot lost its worker longer ago than that (or in a run that cannot recover).
 
 A slot that is held again after an end marker (a restarted worker) counts as held: the marker is
-history. Queued requests are failed in every state but SERVING, RECOVERING and STARTING: while the
-run is starting they are kept for its first bubbles.
+history. Queued requests are failed in every state but SERVING, RECOVERING, JOINING and STARTING:
+while the run is starting they are kept for its first bubbles.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from shared.status import LeaseState, ServingState
 RETRY_AFTER_S: dict[ServingState, int] = {
     ServingState.SERVING: 0,
     ServingState.STARTING: 2,
+    ServingState.JOINING: 0,
     ServingState.STALLED: 10,
     ServingState.RECOVERING: 5,
     ServingState.LOST: 30,
@@ -84,7 +93,12 @@ class Verdict:
     @property
     def fail_queued(self) -> bool:
         """Whether requests waiting for a bubble should be failed now rather than kept."""
-        return self.state not in (ServingState.SERVING, ServingState.RECOVERING, ServingState.STARTING)
+        return self.state not in (
+            ServingState.SERVING,
+            ServingState.RECOVERING,
+            ServingState.JOINING,
+            ServingState.STARTING,
+        )
 
 
 class ServingGate:
@@ -98,6 +112,9 @@ class ServingGate:
         self.last_bubble_at: float | None = None
         #: Since when every slot has been held (None: not all held at the last look).
         self.all_held_since: float | None = None
+        #: Since when every slot has been held by workers still setting up, before training was
+        #: first seen running (None: not so at the last look).
+        self.setting_up_since: float | None = None
         #: Whether training was ever seen running (every slot held, or a bubble).
         self.started = False
 
@@ -122,8 +139,17 @@ class ServingGate:
         if running and not joined:  # every slot held, but its workers still setting up or resuming
             self.lost_since, self.all_held_since = None, None
             if not self.started:
+                if self.setting_up_since is None:
+                    self.setting_up_since = now
+                setting_up_s = now - self.setting_up_since
+                if setting_up_s <= self.unready_after_s:
+                    return ServingState.JOINING, (
+                        f"training of run {self.run} starts once its workers have set up ({len(held)} slots held): "
+                        "requests are taken and wait for its first bubbles"
+                    )
                 return ServingState.STARTING, (
-                    f"training of run {self.run} has not started: its workers are setting up ({len(held)} slots held)"
+                    f"training of run {self.run} has not started: its workers are setting up ({len(held)} slots held) "
+                    f"for {setting_up_s:.0f}s, longer than bubbletea.unready_after_s ({self.unready_after_s:g})"
                 )
             if self.recovery_s > 0:
                 return ServingState.RECOVERING, (
@@ -131,7 +157,7 @@ class ServingGate:
                     "workers are rejoining; requests wait"
                 )
         if running:
-            self.lost_since = None
+            self.lost_since = self.setting_up_since = None
             if self.all_held_since is None:
                 self.all_held_since = now
             self.started = True
@@ -143,7 +169,7 @@ class ServingGate:
                 f"no pipeline bubble announced for {quiet_s:.1f}s (bubbletea.unready_after_s is "
                 f"{self.unready_after_s:g}): training of run {self.run} is stalled"
             )
-        self.all_held_since = None
+        self.all_held_since = self.setting_up_since = None
         if not self.started:  # end markers before that are an earlier life of the run id: history
             return ServingState.STARTING, (
                 f"training of run {self.run} has not started: {len(held)} of {len(slots)} slots held by workers"

@@ -1,7 +1,7 @@
 """The dispatcher service against a real redis-server: its streams dead-letter every kind outside
 their handler tables (naming stream and kind, keeping the payload), and a request whose deadline
 passes in the queue is failed explicitly, then its held entry acked; a spent partial prefill is
-deleted."""
+deleted; a worker that joins gets its first batch staged."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from shared.config import BusConfig
 from shared.policies.decisions import Decisions, Spent
 from shared.settings import load_settings
 from shared.status import FailureReason, RequestStatus
-from shared.wire import FIELD, Ping, PrefillRequest, decode, encode
+from shared.wire import FIELD, Ping, PrefillBatch, PrefillRequest, WorkerJoined, decode, encode
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str,
     service = asyncio.create_task(serve(settings, stop))
     streams = {
         keys.PREFILL_REQUESTS_STREAM: "prefill_request",
-        keys.bubbles_stream("t"): "bubble_end, bubble_start",
+        keys.bubbles_stream("t"): "bubble_end, bubble_start, worker_joined",
         keys.prefill_reports_stream("t"): "prefill_report",
     }
     try:
@@ -93,3 +93,25 @@ async def test_spent_partial_prefills_are_deleted_and_others_kept(redis_url: str
             await bus.redis.set(key, b"state", ex=300)
         await d.execute(Decisions(spent=(Spent("a", 2),)))
         assert not await bus.redis.exists(spent) and await bus.redis.exists(kept)
+
+
+async def test_a_joined_worker_gets_its_first_batch_staged_on_its_fill_stream(redis_url: str) -> None:
+    """`WorkerJoined` (sent by a worker that has set up, before the start barrier): a request
+    already queued goes to that worker's fill stream at once, held for its first bubble."""
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        d = Dispatcher(bus, load_settings(None).spec, "run")
+        d.acks = Acks()
+        now = time.time()
+        req = PrefillRequest(id="early", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:results")
+        assert await serving.accept(bus.redis, req, 10)
+        assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # no worker yet: it waits
+        fill = keys.fill_stream("run", 0, 1)
+        assert await bus.redis.xlen(fill) == 0
+        joined = WorkerJoined(
+            run="run", worker="r0s1", replica=0, stage=1, typical_bubble_ms=50.0, free_memory_bytes=1 << 30, at=now
+        )
+        await d.on_joined(Delivery("2-0", keys.bubbles_stream("run"), joined, 1))
+        [(_, fields)] = await bus.redis.xrange(fill)
+        batch = decode(fields[FIELD])
+        assert isinstance(batch, PrefillBatch) and batch.hold and [i.id for i in batch.items] == ["early"]
+        assert d.state.requests["early"].in_bubble == "r0s1"

@@ -80,7 +80,8 @@ async def test_ready_follows_the_run_and_queued_requests_fail_when_it_finishes(
         assert error["type"] == "service_unavailable" and "has not started" in error["message"]
         assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0  # nothing was queued
 
-        # the workers take every slot, then set up: still starting until they join the run
+        # the workers take every slot, then set up: joining until they join the run; a request
+        # is taken now and waits for the first bubbles
         leases = [SlotLease(redis, RUN, p.pp, p.dp, holder=f"w{i}") for i in range(p.pp * p.dp)]
         slots = [await lease.acquire() for lease in leases]
 
@@ -92,9 +93,12 @@ async def test_ready_follows_the_run_and_queued_requests_fail_when_it_finishes(
 
         renewing = asyncio.create_task(renew())
         try:
-            setting_up = "its workers are setting up (4 slots held)"
-            status, body = await wait_ready_state(client, "starting", saying=setting_up)
-            assert status == 503
+            setting_up = "starts once its workers have set up (4 slots held)"
+            status, body = await wait_ready_state(client, "joining", saying=setting_up)
+            assert status == 200 and body["status"] == "ready"
+            resp = await client.post("/v1/prefill", json={"prompt": "queued while its workers set up"})
+            assert resp.status == 202
+            early = (await resp.json())["id"]
             # every worker joins the run's generation (its model built): serving (before the first
             # bubble, which would come within it)
             gens = [Generations(redis, RUN, leases[0].all_slots) for _ in leases]
@@ -120,6 +124,9 @@ async def test_ready_follows_the_run_and_queued_requests_fail_when_it_finishes(
             await asyncio.sleep(0.05)
         assert answer["status"] == "failed" and answer["reason"] == "unavailable"
         assert "training finished" in answer["error"]
+        # the one taken while the workers set up waited as long, and is failed the same way
+        answer = await (await client.get(f"/v1/prefill/{early}")).json()
+        assert answer["status"] == "failed" and answer["reason"] == "unavailable"
         status, body = await wait_ready_state(client, "finished")
         assert status == 503 and body["retry_after"] == "60"
         resp = await client.post("/v1/prefill", json={"prompt": "too late"})

@@ -22,3 +22,12 @@ def test_warm_up_bubbles_do_not_pin_the_prediction() -> None:
     p.observe(0, 0.100, 0.120, iteration=1)
     assert p.predict(0) == 0.120
     assert p.observed == 2 and p.over_predicted == 1  # the warm-up bubble still counts in the record
+
+
+def test_the_typical_bubble_is_the_median_of_the_predictions_by_position() -> None:
+    p = BubblePredictor(prior={0: 0.010, 3: 0.050, 5: 0.002})
+    assert p.typical() == 0.010
+    p.observe(3, 0.050, 0.004, iteration=1)  # position 3 now predicts 4 ms
+    p.observe(7, 0.0, 0.030, iteration=1)  # a position the model had not predicted
+    assert p.typical() == 0.010  # of 2, 4, 10, 30 ms: the upper middle, as the dispatcher takes it
+    assert BubblePredictor().typical() == 0.0

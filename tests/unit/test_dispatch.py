@@ -6,7 +6,15 @@ import random
 import pytest
 
 from shared.policies.decisions import Batch, Decisions, Trigger
-from shared.policies.dispatch import BATCH_GRACE_S, STALE_BUBBLE_S, BubbleOpened, DispatchState, Progress, Request
+from shared.policies.dispatch import (
+    BATCH_GRACE_S,
+    STALE_BUBBLE_S,
+    BubbleOpened,
+    DispatchState,
+    Progress,
+    Request,
+    WorkerReady,
+)
 from shared.policies.fill import HOLD_STAGED_S
 from shared.policies.packing import Assignment, Candidate, layered_cost, pack
 from shared.policies.prefill_cost import PrefillCostModel
@@ -277,6 +285,47 @@ def test_staged_requests_past_their_deadline_expire() -> None:
     assert [f.id for f in s.tick(now=2.0).failed] == ["r0"] and "w1" not in s.staged and s.requests == {}
 
 
+def joined(s: DispatchState, worker: str, typical_s: float, *, now: float, free_memory: int = 10**9) -> Decisions:
+    return s.worker_joined(WorkerReady(worker, f"fill:{worker}", typical_s, free_memory, at=now), now)
+
+
+def test_a_worker_that_joins_gets_its_first_bubbles_batch_staged_before_that_bubble() -> None:
+    """Requests taken while the workers set up are there when they join: the first bubble starts
+    with a staged batch, sized for the typical bubble the worker announced."""
+    s = state()
+    for i in range(3):
+        s.add_request(req(i, 10), now=0.0)
+    d = one(joined(s, "w1", 0.0235, now=1.0))  # 23.5 ms typical: 20.5 ms of room after guard and overhead
+    assert d.hold and d.address == "fill:w1" and ranges(d) == [("r0", 0, 4), ("r1", 0, 4)]
+    assert d.why.trigger is Trigger.JOINED and d.why.predicted_bubble_s == 0.0235
+    assert not joined(s, "w1", 0.023, now=1.1).batches  # staged once: a repeat sends nothing more
+    # its first bubble counts the staged batch against its budget and tops up with the rest
+    top = one(start(s, "w1", 0.043, now=1.2))
+    assert not top.hold and ranges(top) == [("r2", 0, 4)]
+
+
+def test_a_joining_worker_with_bubbles_on_record_is_staged_by_them() -> None:
+    """A worker rejoining after a recovery keeps its measured bubbles; a bubble of its previous
+    life that never ended is closed (a worker that joins is in no bubble)."""
+    s = state()
+    start(s, "w1", 0.0135, now=0.0)  # 10.5 ms of room, left open: its end never came
+    for i in range(3):
+        s.add_request(req(i, 10), now=1.0)  # nothing goes to the stale bubble: its time has passed
+    assert "w1" in s.bubbles
+    d = one(joined(s, "w1", 0.5, now=1.0))
+    assert "w1" not in s.bubbles and d.hold and ranges(d) == [("r0", 0, 4)]  # sized by the 13.5 ms on record
+    assert d.why.predicted_bubble_s == 0.0135
+
+
+def test_a_joined_worker_is_staged_once_requests_come_and_history_is_ignored() -> None:
+    s = state()
+    assert not joined(s, "w1", 0.023, now=0.0).batches  # nothing waits yet
+    assert one(s.add_request(req(0, 10), now=0.1)).hold  # the first request is staged there
+    old = s.worker_joined(WorkerReady("w2", "fill:w2", 0.023, 10**9, at=0.0), now=STALE_BUBBLE_S + 1.0)
+    assert not old.batches and "history" in old.ignored[0].why  # read from the backlog after a restart
+    assert not state(enabled=False).worker_joined(WorkerReady("w1", "a", 0.02, 10**9, 0.0), 0.0).batches
+
+
 def test_staging_is_small_so_idle_workers_do_not_hoard_requests() -> None:
     s = state(stage_s=0.006)
     start(s, "w1", 0.100, now=0.0)
@@ -416,10 +465,15 @@ def test_the_indexed_dispatcher_decides_exactly_as_a_full_scan(seed: int, kw: di
             started = now - rnd.choice((0.0, 0.0, 0.001, STALE_BUBBLE_S + 0.5))  # ties, and history
             opened = BubbleOpened(w, f"a:{w}", rnd.uniform(0.0, 0.04), rnd.choice((10**9, 6000)), started, tags[w])
             step = "bubble_start", (opened,), (opened,), now
-        elif op < 0.65:
+        elif op < 0.62:
             w = rnd.choice(workers)
             tag = rnd.choice((tags.get(w), None, -1))
             step = "bubble_end", (w, tag), (w, tag), now
+        elif op < 0.65:
+            w = rnd.choice(workers)
+            at = now - rnd.choice((0.0, 0.0, STALE_BUBBLE_S + 0.5))  # and history
+            ready = WorkerReady(w, f"a:{w}", rnd.uniform(0.0, 0.04), rnd.choice((10**9, 6000)), at)
+            step = "worker_joined", (ready,), (ready,), now
         elif op < 0.88 and out:
             b = out.pop(rnd.choice(sorted(out)))
             progress = []

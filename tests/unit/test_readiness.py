@@ -87,10 +87,17 @@ def test_a_lost_worker_in_a_run_that_checkpoints_is_recovering_until_the_timeout
 
 def test_held_slots_whose_workers_have_not_joined_are_not_training_yet() -> None:
     """Workers lease first, then build their models (seconds): only joining the run's generation
-    means they train. Until then no bubble can come, so the stall clock must not run."""
+    means they train. Until then no bubble can come, so the stall clock must not run. Requests are
+    taken while they set up (to be there when the first bubbles open), but only for
+    `unready_after_s`: a set-up that runs longer tells clients to come back."""
     g = gate(recovery_s=30.0, unready_after_s=5.0)
     v = g.assess(HELD, now=0.0, joined=False)
-    assert v.state is ServingState.STARTING and "setting up" in v.reason and not v.ready
+    assert v.state is ServingState.JOINING and "set up" in v.reason and v.ready and not v.fail_queued
+    assert v.retry_after_s == 0
+    assert g.assess(HELD, now=5.0, joined=False).state is ServingState.JOINING
+    v = g.assess(HELD, now=5.5, joined=False)  # setting up longer than unready_after_s
+    assert v.state is ServingState.STARTING and "setting up" in v.reason and "for 6s" in v.reason
+    assert not v.ready and not v.fail_queued  # what was taken keeps waiting
     assert g.assess(HELD, now=20.0, joined=False).state is ServingState.STARTING  # however long it takes
     assert g.assess(HELD, now=21.0).state is ServingState.SERVING  # joined: the first bubble's grace starts
     # a resumption: held again, rejoining: recovering (taking requests), not stalled
@@ -98,6 +105,15 @@ def test_held_slots_whose_workers_have_not_joined_are_not_training_yet() -> None
     assert v.state is ServingState.RECOVERING and v.ready and not v.fail_queued
     assert g.assess(HELD, now=60.0, joined=False).state is ServingState.RECOVERING
     assert g.assess(HELD, now=61.0).state is ServingState.SERVING
+
+
+def test_the_set_up_window_starts_again_when_a_slot_is_let_go_before_training() -> None:
+    """A worker that leaves during set-up (and is started again) gives the next set-up its own window."""
+    g = gate(unready_after_s=5.0)
+    assert g.assess(HELD, now=0.0, joined=False).state is ServingState.JOINING
+    assert g.assess([HELD[0], SlotView("r0s1", False)], now=4.0).state is ServingState.STARTING
+    assert g.assess(HELD, now=8.0, joined=False).state is ServingState.JOINING  # 0 s into the new set-up
+    assert g.assess(HELD, now=13.5, joined=False).state is ServingState.STARTING
 
 
 def test_end_markers_before_training_was_seen_running_are_history() -> None:

@@ -64,6 +64,7 @@ def test_every_training_message_round_trips() -> None:
         TensorReady,
         Transfer,
         WorkerFailed,
+        WorkerJoined,
     )
 
     t = to_blob(torch.arange(6, dtype=torch.float32).reshape(2, 3))
@@ -117,6 +118,9 @@ def test_every_training_message_round_trips() -> None:
             predicted_ms=1.5,
             free_memory_bytes=1 << 30,
             at=1.0,
+        ),
+        WorkerJoined(
+            run="r", worker="r0s1", replica=0, stage=1, typical_bubble_ms=12.5, free_memory_bytes=1 << 30, at=0.5
         ),
         BubbleEnd(
             run="r", worker="r0s1", replica=0, stage=1, iteration=0, position=0, predicted_ms=1.5, actual_ms=2.0, at=2.0
