@@ -4,7 +4,10 @@ Every run uses the same spec and seed (WAN-bound, with a training device profile
 configs/wan-bound.yaml) over real services on a private redis-server. With BubbleTea on, the load
 generator (its own process) keeps `--concurrency` prefill requests in flight over real HTTP
 (`POST /v1/completions`, closed loop) for the whole run, so requests are waiting whenever a bubble
-opens. Runs go off, on, off, on, ... (`--pairs` interleaved pairs, so slow drift of a shared machine
+opens: it starts once the workers hold their slots (requests wait while they set up) and lasts as long
+as the run with BubbleTea off took from its launch; should it end later than the spec's iterations,
+training goes on until it is done, and those extra iterations are left out of every figure. Runs
+go off, on, off, on, ... (`--pairs` interleaved pairs, so slow drift of a shared machine
 hits both sides); a case's figure is the median over its pairs, and latency percentiles are over
 the bubbles of all its pairs.
 
@@ -18,8 +21,9 @@ Cases: DP=2 (four workers) and DP=1 (two), each in two modes:
 
 Prints a table per case and one JSON line per case; the last line is always the headline case.
 Keys: dispatch_p50_ms / dispatch_p99_ms (bubble start on the worker -> its first prefill running;
-over every bubble, and in _steady over iterations after the first: no request can wait for the
-first bubbles, since the service opens once every worker has joined, as training starts),
+over every bubble, and in _steady over iterations after the first, the window of the other
+per-bubble figures; the service takes requests while the workers set up, and each worker's first
+batch is staged as it joins, so the first bubbles start as later ones do),
 bubble_fill_ratio (prefill time / bubble time, steady window), device_time_scale (one profiled ms
 = K real ms: measured and chosen first unless --time-scale K; iter_ms_off / iter_ms_on are in
 emulated ms, the latencies and tokens/s on the real clock),
@@ -32,9 +36,8 @@ prefill_lag_ms_on (real prefill compute behind the profile), prefill_tokens_per_
 ttft_p99_ms (HTTP request to answer), requests_lost (accepted but neither answered nor failed
 explicitly), losses_equal (bit-identical training losses on and off), mode, pairs.
 
-`errors` counts explicit failures by HTTP status. In a closed loop the requests in flight when a
-run's training ends (up to `--concurrency` per pair) have no bubble left to run in: they are failed
-explicitly at their 5 s deadline (504), not lost.
+`errors` counts explicit failures by HTTP status (a request whose 5 s deadline passed before a
+bubble could take it: 504; one refused because the run had finished: 503), not lost.
 """
 
 from __future__ import annotations
@@ -196,6 +199,7 @@ async def one_run(
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})
     out = io.StringIO()
     extra: dict[str, Any] = {}
+    launched = time.monotonic()
     if not enabled:
         result = await run_training(settings, url, out=out, progress=False, quiet=True)
     else:
@@ -206,15 +210,20 @@ async def one_run(
             async with front_door(env, out=out) as door:
                 assert door.url is not None
                 client = asyncio.create_task(load(door.url, concurrency, load_s, workdir / "loadgen.json"))
-                result = await run_training(settings, url, out=out, progress=False, quiet=True, dispatcher=True)
+                # trains on past the spec's iterations until the load is done (those are left out
+                # below): every bubble of the spec's iterations has requests waiting, the last too
+                result = await run_training(
+                    settings, url, out=out, progress=False, quiet=True, dispatcher=True, until=client
+                )
                 extra = {"load": await client}
         finally:
             sampling.cancel()
             await asyncio.gather(sampling, return_exceptions=True)
         extra["cpu"] = sampler.shares()
+    extra["wall_s"] = time.monotonic() - launched
     r = Redis.from_url(url)
     try:
-        spans = await run_spans(r, run)
+        spans = [s for s in await run_spans(r, run) if s.iteration < iterations]
     finally:
         await r.aclose()
     return result, {"spans": spans, **extra}
@@ -239,8 +248,9 @@ async def run_case(
         print(f"  dp={dp} {mode}: pair {i + 1}/{pairs}", file=sys.stderr, flush=True)
         kw: dict[str, Any] = {"iterations": iterations, "dp": dp, "concurrency": concurrency, "mode": mode}
         off, off_t = await one_run(url, workdir, enabled=False, **kw)
-        # closed loop for the whole run: the load lasts as long as the training did with BubbleTea off
-        on, on_t = await one_run(url, workdir, enabled=True, load_s=sum(off.iteration_s), **kw)
+        # closed loop for the whole run: the load, which starts once the workers hold their slots
+        # and set up, lasts as long as the run with BubbleTea off took from its launch
+        on, on_t = await one_run(url, workdir, enabled=True, load_s=off_t["wall_s"], **kw)
         done.append(Pair(off, on, off_t["spans"], on_t["spans"], on_t["load"], on_t["cpu"]))
     return summarise(done, dp=dp, mode=mode, iterations=iterations, concurrency=concurrency)
 
@@ -264,9 +274,7 @@ def summarise(pairs: list[Pair], **case: Any) -> dict[str, Any]:
     u_on = [utilization(p.spans_on) for p in pairs]
     slowdowns = [(p.on.steady_iteration_s() / p.off.steady_iteration_s() - 1) * 100 for p in pairs]
     dispatch = [x for p in pairs for x in dispatch_latencies_ms(p.spans_on)]
-    # the same latencies over the window of every other per-bubble figure (iterations after the
-    # first): the service opens once every worker has joined, as training starts, so no request can
-    # be waiting when the first bubbles open, and the first request to arrive starts their prefill late
+    # the same latencies over the window of every other per-bubble figure (iterations after the first)
     dispatch_steady = [x for p in pairs for x in dispatch_latencies_ms(steady(p.spans_on))]
     errors_ms = [x for p in pairs for x in prediction_errors_ms(p.spans_on)]
     overrun = [x for p in pairs for x in overruns_ms(p.spans_on)]
