@@ -54,6 +54,7 @@ from shared.bus import Bus
 from shared.health import live_instances
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings
+from shared.status import ServingState
 
 #: How long every service gets to report healthy, and then serving to be ready.
 HEALTHY_TIMEOUT_S = 90.0
@@ -261,8 +262,9 @@ async def _wait_restarted(p: Proc, url: str, settings: Settings, api: str) -> No
 
 
 async def _wait_ready(procs: list[Proc], api: str) -> str:
-    """Poll the front door's /ready until 200 (training runs, a dispatcher fills its bubbles); the
-    last reason is in the error if it never comes. Returns the serving state's reason."""
+    """Poll the front door's /ready until 200 with training running (a dispatcher fills its
+    bubbles): `joining`, requests already taken while the workers set up, is not yet "up". The last
+    reason is in the error if it never comes. Returns the serving state's reason."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     last = "no answer"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
@@ -271,7 +273,7 @@ async def _wait_ready(procs: list[Proc], api: str) -> str:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with http.get(f"{api}/ready") as resp:
                     body = await resp.json()
-                    if resp.status == 200:
+                    if resp.status == 200 and body.get("state") != ServingState.JOINING:
                         say("==> serving ready")
                         return str(body.get("reason", "ready"))
                     last = str(body.get("reason", body))
