@@ -26,6 +26,7 @@ import asyncio
 import io
 import random
 import re
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -86,6 +87,23 @@ async def kill(p: Proc) -> None:
     """SIGKILL: no shutdown code runs, nothing is acked or handed back."""
     p.proc.kill()
     await p.proc.wait()
+
+
+async def freeze_holding_a_batch(p: Proc, r: Redis, fill: str) -> dict[str, list[str]]:
+    """Stop worker `p` (SIGSTOP) at a moment it holds a prefill batch it has not finished, and
+    return those batches. A pending count alone races the worker's ack: a batch that finishes
+    between the look and the kill would leave nothing lost. Frozen, it can ack nothing more; an ack
+    it wrote just before reaches Redis within the pause, so what is still pending after it stays."""
+    async with asyncio.timeout(IN_FLIGHT_TIMEOUT_S):
+        while True:
+            while not (await r.xpending(fill, "worker"))["pending"]:  # noqa: ASYNC110
+                await asyncio.sleep(0.002)  # a pending count, not an event: poll it closely
+            p.proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(0.05)
+            held = await unfinished_batches(r, fill)
+            if held:
+                return held
+            p.proc.send_signal(signal.SIGCONT)  # it finished in between: look again
 
 
 def slot_of(p: Proc) -> str:
@@ -412,12 +430,9 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str, 
             replica, stage = (int(x) for x in re.fullmatch(r"r(\d+)s(\d+)", slot).groups())  # type: ignore[union-attr]
             fill = keys.fill_stream(run, replica, stage)
             # Kill it the moment it holds a batch it has not finished (delivered, not acked).
-            async with asyncio.timeout(IN_FLIGHT_TIMEOUT_S):
-                while not (await r.xpending(fill, "worker"))["pending"]:  # noqa: ASYNC110
-                    await asyncio.sleep(0.002)  # a pending count, not an event: poll it closely
+            lost = await freeze_holding_a_batch(victim, r, fill)
             await kill(victim)
             killed_at = time.monotonic()
-            lost = await unfinished_batches(r, fill)
             lost_ids = [rid for ids_ in lost.values() for rid in ids_]
             if recover:
                 procs.append(await spawn(STAGE_WORKER, env, out=replacement_out))
