@@ -50,7 +50,7 @@ from shared.telemetry import MetricsServer
 from shared.wire import PrefillBatch, SlotGrant, TensorReady, WorkerFailed
 
 SERVICE = "stage_worker"
-SWITCH_INTERVAL_S = 0.0005
+SWITCH_INTERVAL_S = 0.0001
 #: Prefill batches a worker holds at once (one bubble's worth; more simply wait in the stream).
 FILL_CONCURRENCY = 8
 #: Data seed of the start-up timing probe (kept apart from the training data seed).
@@ -68,9 +68,13 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     priority.configure(settings.compute_priority)
     if kind == "cpu":
         torch.set_num_threads(1)  # several workers share the machine's cores
-    # A prefill thread holds the GIL between torch ops; the default 5 ms switch interval would
-    # let it delay the event loop's handling of an arriving activation by that much. 0.5 ms
-    # bounds how late the loop notices training input (and so how late prefill yields).
+    # Two threads hand the GIL to each other at the moments that matter: the prefill thread holds
+    # it between torch ops when training input arrives (the loop must notice it and make prefill
+    # yield), and the loop holds it, sending the bubble's start, when the prefill thread wakes to
+    # run the staged batch. The default 5 ms switch interval would delay either by that much. At
+    # 0.1 ms rather than 0.5 the bubble's prefill starts 0.2 ms sooner (dispatch p50 0.55-0.58
+    # against 0.75-0.81 ms, bench/bubble_fill.py --time-scale 6, two runs each, interleaved), with
+    # slowdown and fill unchanged.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     spec, run = settings.spec, settings.run
     placement = placement_of(spec)  # an infeasible spec fails here, naming the missing GPUs
