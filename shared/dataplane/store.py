@@ -7,12 +7,18 @@ and `wait` to exchange each rank's listening address when a group forms; it call
 C++ threads, synchronously, so this store uses redis-py's blocking client on a connection of its own.
 
 Every key gets a TTL: a group's rendezvous is needed only while it forms.
+
+A Redis restart while a group forms (`bubbletea up --persist` restarts its Redis at once, on the
+same files) is ridden out like everywhere else in the system: each call is tried again until Redis
+answers, within the store's timeout, and only then fails the formation (a `PlaneError`, naming it).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import redis
 import torch.distributed as dist
@@ -21,6 +27,11 @@ import torch.distributed as dist
 KEY_TTL_S = 3600
 #: How often a waiting `get` / `wait` looks again (a group forms once per generation: cheap enough).
 POLL_S = 0.002
+#: The first and the longest pause between tries while Redis does not answer.
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 1.0
+
+T = TypeVar("T")
 
 
 class RedisStore(dist.Store):
@@ -35,26 +46,47 @@ class RedisStore(dist.Store):
     def _key(self, key: str) -> str:
         return self._prefix + key
 
+    def _call(self, op: Callable[[], T]) -> T:
+        """`op` against Redis, tried again while Redis does not answer (a restart), until the
+        store's timeout; then a RuntimeError, which gloo turns into a failed formation."""
+        limit = self._timeout.total_seconds()
+        deadline, pause = time.monotonic() + limit, RETRY_FIRST_S
+        while True:
+            try:
+                return op()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() + pause > deadline:
+                    raise RuntimeError(
+                        f"data-plane rendezvous under {self._prefix!r}: Redis did not answer for {limit:.0f} s ({exc})"
+                    ) from None
+                time.sleep(pause)  # a blocking client on gloo's own thread: nothing else waits on it
+                pause = min(pause * 2, RETRY_MAX_S)
+
     def set(self, key: str, value: bytes | str) -> None:
-        self._redis.set(self._key(key), value, ex=KEY_TTL_S)
+        self._call(lambda: self._redis.set(self._key(key), value, ex=KEY_TTL_S))
 
     def get(self, key: str) -> bytes:
         self.wait([key])
-        value = self._redis.get(self._key(key))
+        value = self._call(lambda: self._redis.get(self._key(key)))
         if value is None:  # expired between the wait and the read
             raise RuntimeError(f"data-plane rendezvous key {self._key(key)!r} vanished")
         return value if isinstance(value, bytes) else str(value).encode()
 
     def add(self, key: str, amount: int) -> int:
         k = self._key(key)
-        with self._redis.pipeline() as p:
-            p.incrby(k, amount)
-            p.expire(k, KEY_TTL_S)
-            value, _ = p.execute()
-        return int(value)
+
+        def incr() -> Any:
+            with self._redis.pipeline() as p:
+                p.incrby(k, amount)
+                p.expire(k, KEY_TTL_S)
+                return p.execute()[0]
+
+        return int(self._call(incr))
 
     def check(self, keys: list[str]) -> bool:
-        return bool(keys) and self._redis.exists(*(self._key(k) for k in keys)) == len(keys)
+        if not keys:
+            return False
+        return self._call(lambda: self._redis.exists(*(self._key(k) for k in keys))) == len(keys)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self._timeout).total_seconds()
@@ -68,13 +100,13 @@ class RedisStore(dist.Store):
             time.sleep(POLL_S)
 
     def delete_key(self, key: str) -> bool:
-        return bool(self._redis.delete(self._key(key)))
+        return bool(self._call(lambda: self._redis.delete(self._key(key))))
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout
 
     def num_keys(self) -> int:
-        return sum(1 for _ in self._redis.scan_iter(match=self._prefix + "*"))
+        return self._call(lambda: sum(1 for _ in self._redis.scan_iter(match=self._prefix + "*")))
 
     def close(self) -> None:
         self._redis.close()

@@ -19,6 +19,7 @@ from services.stage_worker.lease import SlotError, SlotLease
 from services.wan_broker.broker import serve as serve_broker
 from shared import keys
 from shared.bus import Bus
+from shared.dataplane.store import RedisStore
 from shared.health import Heartbeat, live_instances, wait_live
 from shared.redis_server import EmbeddedRedis
 from shared.wire import FIELD, LinkReport, Ping, decode
@@ -166,3 +167,32 @@ async def test_the_front_door_answers_503_while_redis_is_down_and_keeps_accepted
     r = Redis.from_url(server.url, protocol=2)
     assert await r.xlen(keys.PREFILL_REQUESTS_STREAM) == 2  # the accepted one and the one after
     await r.aclose()
+
+
+async def test_the_data_plane_rendezvous_rides_out_a_restart(server: EmbeddedRedis) -> None:
+    """A group forming while Redis restarts (gloo's store calls are blocking, on its own threads):
+    the store tries again until Redis answers, and a key written before the outage is still read."""
+    store = RedisStore(server.url, "bt:t:plane:1:pair:", timeout_s=30.0)
+    try:
+        store.set("rank0", b"10.0.0.1:1234")
+        server.kill()
+        writing = asyncio.create_task(asyncio.to_thread(store.set, "rank1", b"10.0.0.2:5678"))
+        await asyncio.sleep(1.0)  # the outage's length is the test's input
+        assert not writing.done()  # still trying
+        server.start()
+        await asyncio.wait_for(writing, 30)
+        assert await asyncio.to_thread(store.get, "rank0") == b"10.0.0.1:1234"  # from the append-only file
+        assert await asyncio.to_thread(store.get, "rank1") == b"10.0.0.2:5678"
+    finally:
+        store.close()
+
+
+async def test_the_data_plane_rendezvous_gives_up_after_its_timeout(server: EmbeddedRedis) -> None:
+    store = RedisStore(server.url, "bt:t:plane:1:pair:", timeout_s=1.0)
+    try:
+        server.kill()
+        with pytest.raises(RuntimeError, match="Redis did not answer for 1 s"):
+            await asyncio.to_thread(store.set, "rank0", b"x")
+    finally:
+        store.close()
+        server.start()  # the fixture stops it
