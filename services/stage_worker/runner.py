@@ -250,7 +250,7 @@ class StageRunner:
             elif op is Op.ALLREDUCE:
                 await self._allreduce(it)
             elif op is Op.STEP:
-                await self._step(it)
+                await self._step(it, pos)
 
     # --- actions ---------------------------------------------------------------------------
 
@@ -322,9 +322,26 @@ class StageRunner:
         )
 
     async def _recv(self, key: tuple[Any, ...], it: int, pos: int) -> torch.Tensor:
-        """Take a tensor from the mailbox; if it is not there yet, this is a bubble: announce it."""
+        """Take a tensor from the mailbox; if it is not there yet, this is a bubble."""
         if self.mailbox.ready(key):
             return await self._take(key)
+        take = asyncio.ensure_future(self._take(key))
+        arrived_at = lambda: self.mailbox.arrived_at(key)  # noqa: E731
+        return await self._bubble(it, pos, key[2], take, lambda: self.mailbox.arrived(key), arrived_at)
+
+    async def _bubble(
+        self,
+        it: int,
+        pos: int,
+        mb: int,
+        awaited: asyncio.Future[Any],
+        arrived: Callable[[], bool],
+        arrived_at: Callable[[], float | None],
+    ) -> Any:
+        """The device idles until `awaited` (training's input: a tensor, or the peers of a
+        collective) is done: a bubble. Announce it, fill it with prefill (BubbleTea), announce its
+        end, and return what was awaited. `arrived()`: whether the input is here (safe from the
+        prefill thread); `arrived_at()`: since when (wall clock), if known."""
         predicted = self.predictor.predict(pos)
         t0, started = time.time(), time.monotonic()
         # Through the outbox: staged prefill starts now, not after a round trip to Redis.
@@ -343,7 +360,7 @@ class StageRunner:
                 at=t0,
             ),
         )
-        value = await self._wait_filling(key, predicted, started)
+        value = await self._wait_filling(awaited, arrived, predicted, started)
         t1 = time.time()
         self.predictor.observe(pos, predicted, t1 - t0, it)
         if self.metrics is not None:
@@ -362,22 +379,21 @@ class StageRunner:
                 at=t1,
             ),
         )
-        arrived = self.mailbox.arrived_at(key) or t1
-        self._span("wait", it, t0, t1, key[2] if len(key) > 2 else -1, predicted_ms=predicted * 1000, input_at=arrived)
+        self._span("wait", it, t0, t1, mb, predicted_ms=predicted * 1000, input_at=arrived_at() or t1)
         return value
 
-    async def _wait_filling(self, key: tuple[Any, ...], predicted_s: float, started: float) -> Any:
-        """Wait for `key`; meanwhile, with BubbleTea, run prefill until it arrives. `started`: when
-        the bubble began (time.monotonic())."""
-        if self.filler is None:
-            return await self._take(key)
-        take = asyncio.ensure_future(self._take(key))
+    async def _wait_filling(
+        self, awaited: asyncio.Future[Any], arrived: Callable[[], bool], predicted_s: float, started: float
+    ) -> Any:
+        """Wait for `awaited`; meanwhile, with BubbleTea, run prefill until it has arrived.
+        `started`: when the bubble began (time.monotonic())."""
         try:
-            await self.filler.fill(lambda: self.mailbox.arrived(key), take, predicted_s, started)
-            return await take
+            if self.filler is not None:
+                await self.filler.fill(arrived, awaited, predicted_s, started)
+            return await awaited
         finally:
-            if not take.done():
-                take.cancel()
+            if not awaited.done():
+                awaited.cancel()
 
     async def _allreduce(self, it: int) -> None:
         """Average gradients with the DP peers of this stage: a gloo all-reduce of the stage's
@@ -410,12 +426,25 @@ class StageRunner:
                 self.lag_s += behind
         self._span("allreduce", it, t0, time.time())
 
-    async def _step(self, it: int) -> None:
-        """The optimizer step, after the pipeline's own collectives (each on a data-plane thread):
-        the tied embedding's gradient summed across the first and the last stage (group
-        ``tie:r<replica>``), and the stages' squared gradient norms summed for clipping by the
-        global norm (group ``stages:r<replica>``). Every replica computes the same, since its
-        gradients are already the DP mean."""
+    async def _step(self, it: int, pos: int) -> None:
+        """The optimizer step, after the pipeline's own collectives (`_pipeline_collectives`).
+        Those wait for every stage of this replica to finish its backward passes: the stages that
+        finish first idle there until the last one does, so that wait is a bubble like a missing
+        tensor's (announced, filled, at this schedule position), not unaccounted idle time."""
+        total_sq: float | None = None
+        tied, clipped = self.trainer.tied is not None, self.spec.training.clip_grad_norm > 0
+        if tied or (clipped and self.spec.parallelism.pp > 1):
+            finished: list[float] = []
+            phase = asyncio.ensure_future(self._pipeline_collectives(finished))
+            total_sq = await self._bubble(it, pos, -1, phase, phase.done, lambda: finished[0] if finished else None)
+        await self._compute("step", it, -1, self.profile.step or None, self.trainer.step, it, total_sq)
+
+    async def _pipeline_collectives(self, finished: list[float]) -> float | None:
+        """Each on a data-plane thread: the tied embedding's gradient summed across the first and
+        the last stage (group ``tie:r<replica>``), and the stages' squared gradient norms summed
+        for clipping by the global norm (group ``stages:r<replica>``; the total is returned).
+        Every replica computes the same, since its gradients are already the DP mean. Appends to
+        `finished` when they are done (wall clock)."""
         trainer, pp = self.trainer, self.spec.parallelism.pp
         total_sq: float | None = None
         try:
@@ -433,7 +462,8 @@ class StageRunner:
                 "pipeline collective failed; waiting for the recovery path", slot=self.slot.name, error=str(exc)
             )
             await self._plane_failed(str(exc))
-        await self._compute("step", it, -1, self.profile.step or None, trainer.step, it, total_sq)
+        finished.append(time.time())
+        return total_sq
 
     def _flat_grads_on_cpu(self) -> torch.Tensor:
         """In the torch thread: this stage's flat gradients, on the CPU for gloo (divided by the

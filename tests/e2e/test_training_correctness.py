@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from bubbletea.launcher.train import run_training
 from shared import keys
 from shared.model.reference import train_reference_for
+from shared.policies import schedules
 from shared.policies.bubbles import HISTORY, WARMUP_ITERATIONS
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
@@ -59,10 +60,12 @@ async def test_pipeline_losses_match_single_process_training(
     assert len(result.losses) == len(expected) == 5
     assert result.losses == pytest.approx(expected, abs=1e-5)
     assert expected[-1] < expected[0]  # it really trains
-    await check_telemetry(redis_server.url, settings.run, spec.training.iterations, spec.training.microbatches)
+    await check_telemetry(
+        redis_server.url, settings.run, spec.training.iterations, spec.training.microbatches, schedule
+    )
 
 
-async def check_telemetry(url: str, run: str, iterations: int, microbatches: int) -> None:
+async def check_telemetry(url: str, run: str, iterations: int, microbatches: int, schedule_name: str) -> None:
     """The run published its timeline and announced its bubbles with predictions."""
     r = Redis.from_url(url, protocol=2)
     spans = [decode(f[b"m"]) for _, f in await r.xrange(keys.spans_stream(run))]
@@ -85,6 +88,13 @@ async def check_telemetry(url: str, run: str, iterations: int, microbatches: int
 
     assert starts and sorted(map(ident, starts)) == sorted(map(ident, ends))
     assert len(set(map(ident, starts))) == len(starts)
+    # The step waits for the pipeline's collectives (the tied embedding's gradient, the global
+    # norm): a bubble every worker announces in every iteration, at the step's position.
+    for w in workers:
+        actions = schedules.schedule(schedule_name, w[1], 2, microbatches)
+        step = next(pos for pos, a in enumerate(actions) if a.op is schedules.Op.STEP)
+        at_step = {b.iteration for b in starts if b.worker == f"r{w[0]}s{w[1]}" and b.position == step}
+        assert at_step == set(range(iterations)), (w, at_step)
     start_predictions = {ident(b): b.predicted_ms for b in starts}
     for b in starts:
         assert b.free_memory_bytes > 0 and b.dc in ("dc-a", "dc-b") and b.predicted_ms >= 0
