@@ -101,6 +101,8 @@ class Parallelism(_Spec, frozen=True):
 
 #: `training.iterations` of a run that trains until it is stopped (a service, not a finite job).
 UNTIL_STOPPED = "until_stopped"
+#: The most iterations a spec (or its schedule's warm-up and decay) may name.
+MAX_ITERATIONS = 10_000_000
 
 
 class Training(_Spec, frozen=True):
@@ -109,7 +111,7 @@ class Training(_Spec, frozen=True):
     microbatch_size: Annotated[int, Meta(ge=1, le=4096)] = 2
     #: A number of iterations, or "until_stopped": train until SIGTERM/Ctrl-C (what `bubbletea up`
     #: and compose do, so serving never runs out of bubbles).
-    iterations: Annotated[int, Meta(ge=1, le=10_000_000)] | Literal["until_stopped"] = 10
+    iterations: Annotated[int, Meta(ge=1, le=MAX_ITERATIONS)] | Literal["until_stopped"] = 10
     lr: Annotated[float, Meta(gt=0, le=10)] = 3e-4
     seed: Annotated[int, Meta(ge=0)] = 0
     #: Every worker checkpoints its stage (weights and optimizer state, in Redis) after every this
@@ -131,8 +133,8 @@ class Training(_Spec, frozen=True):
     #: `lr * min_lr_ratio` at `decay_iters` (None: the run's iterations; a run that trains until
     #: stopped keeps `lr` after the warm-up), then flat. `constant`: `lr` after the warm-up.
     lr_schedule: Literal["cosine", "constant"] = "cosine"
-    warmup_iters: Annotated[int, Meta(ge=0, le=10_000_000)] = 0
-    decay_iters: Annotated[int, Meta(ge=1, le=10_000_000)] | None = None
+    warmup_iters: Annotated[int, Meta(ge=0, le=MAX_ITERATIONS)] = 0
+    decay_iters: Annotated[int, Meta(ge=1, le=MAX_ITERATIONS)] | None = None
     min_lr_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.1
     #: Gradients are scaled so their global norm (over every stage's parameters) is at most this;
     #: 0 = no clipping.

@@ -13,6 +13,8 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``BUBBLETEA_API_KEY``  if set, the prefill API requires ``Authorization: Bearer <key>``
 ``BUBBLETEA_DECODE``   ``on`` or ``off``: override ``decode.enabled``
 ``BUBBLETEA_ITERATIONS`` override ``training.iterations``: a number, or ``until_stopped``
+``BUBBLETEA_DECAY_ITERS`` override ``training.decay_iters`` (where the cosine learning rate ends):
+                       a number (a run trained past its iterations keeps the spec's schedule)
 ``BUBBLETEA_METRICS_HOST`` / ``BUBBLETEA_METRICS_PORT``  where a bus service (dispatcher, worker,
                        broker) serves Prometheus ``/metrics``: default 127.0.0.1 and port 0 (any
                        free port, advertised in its heartbeat); ``off`` turns the endpoint off
@@ -49,7 +51,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
-from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, Training, load_spec
+from shared.config import MAX_ITERATIONS, UNTIL_STOPPED, ClusterSpec, ConfigError, Training, load_spec
 from shared.priority import PRIORITIES
 from shared.timescale import MAX_SCALE, scale_spec
 
@@ -68,6 +70,7 @@ ENV_VARS = frozenset(
         "BUBBLETEA_API_KEY",
         "BUBBLETEA_REDIS_SERVER",
         "BUBBLETEA_ITERATIONS",
+        "BUBBLETEA_DECAY_ITERS",
         "BUBBLETEA_DECODE",
         "BUBBLETEA_METRICS_HOST",
         "BUBBLETEA_METRICS_PORT",
@@ -160,6 +163,10 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     time_scale = _time_scale(env.get("BUBBLETEA_TIME_SCALE", "1"))
     if iterations := env.get("BUBBLETEA_ITERATIONS"):
         spec = msgspec.structs.replace(spec, training=_iterations(spec, iterations))
+    if decay := env.get("BUBBLETEA_DECAY_ITERS"):
+        if not decay.isdigit() or not 1 <= int(decay) <= MAX_ITERATIONS:
+            raise ConfigError(f"BUBBLETEA_DECAY_ITERS: expected a number from 1 to {MAX_ITERATIONS:,}, got {decay!r}")
+        spec = msgspec.structs.replace(spec, training=msgspec.structs.replace(spec.training, decay_iters=int(decay)))
     level = env.get("BUBBLETEA_LOG_LEVEL", "INFO").upper()
     if level not in LOG_LEVELS:
         raise ConfigError(f"BUBBLETEA_LOG_LEVEL: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")

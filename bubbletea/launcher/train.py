@@ -103,6 +103,10 @@ async def run_training(
         env["BUBBLETEA_RESUME"] = str(resume)  # absolute (the CLI makes it so): the workers' cwd may differ
     if until is not None:
         env["BUBBLETEA_ITERATIONS"] = UNTIL_STOPPED  # stopped by `stop_all` below once `until` is done
+        if spec.training.decay_iters is None:
+            # the learning rate still decays over the spec's iterations (a run with no end keeps
+            # `lr`): the spec's iterations train as they would without `until`, bit for bit
+            env["BUBBLETEA_DECAY_ITERS"] = str(spec.training.iteration_limit)
     procs: list[Proc] = []
     async with Bus(redis_url, spec.bus, name="train-launcher") as bus:
         events = keys.events_stream(run)

@@ -125,14 +125,16 @@ async def test_a_run_given_until_trains_past_its_iterations_until_that_is_done(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
     """`run_training(until=...)` (the demo's BubbleTea run, whose load may end late): the workers
-    train on past the spec's iterations until `until` is done; the result covers the spec's."""
-    path = write_spec(tmp_path, iterations=2)
+    train on past the spec's iterations until `until` is done; the result covers the spec's, with
+    the spec's learning-rate schedule (its cosine ends at the spec's iterations, not never: the
+    third loss would differ)."""
+    path = write_spec(tmp_path, iterations=3)
     settings = load_settings(path, env={"BUBBLETEA_RUN": f"until-{uuid.uuid4().hex[:6]}"})
-    later = asyncio.create_task(wait_for_iteration(redis_server.url, settings.run, 4))  # past the spec's 2
+    later = asyncio.create_task(wait_for_iteration(redis_server.url, settings.run, 5))  # past the spec's 3
     result = await asyncio.wait_for(
         run_training(settings, redis_server.url, out=io.StringIO(), progress=False, until=later), 120
     )
     assert later.done() and later.exception() is None
     expected, _ = train_reference_for(settings.spec)
-    assert len(result.losses) == len(result.iteration_s) == 2
+    assert len(result.losses) == len(result.iteration_s) == 3
     assert result.losses == pytest.approx(expected, abs=1e-5)

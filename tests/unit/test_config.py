@@ -5,6 +5,7 @@ import msgspec
 import pytest
 
 from shared.config import ConfigError, load_spec, parse_spec
+from shared.model.optim import lr_at
 from shared.settings import DEFAULT_SPEC, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,11 +126,25 @@ def test_env_overrides() -> None:
         ({"BUBBLETEA_HTTP_PORT": "70000"}, "BUBBLETEA_HTTP_PORT"),
         ({"BUBBLETEA_LOG_LEVEL": "loud"}, "BUBBLETEA_LOG_LEVEL"),
         ({"REDIS_URL": "localhost:6379"}, "REDIS_URL"),
+        ({"BUBBLETEA_DECAY_ITERS": "0"}, "BUBBLETEA_DECAY_ITERS"),
+        ({"BUBBLETEA_DECAY_ITERS": "soon"}, "BUBBLETEA_DECAY_ITERS"),
     ],
 )
 def test_bad_env_names_the_variable(env: dict[str, str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         load_settings(env=env)
+
+
+def test_a_run_trained_until_stopped_keeps_the_learning_rate_horizon_it_is_given() -> None:
+    """`run_training(until=...)` trains past the spec's iterations with the spec's schedule: the
+    cosine still ends at the horizon given, and stays at its floor after (with no horizon a run
+    that trains until stopped keeps `lr`)."""
+    env = {"BUBBLETEA_ITERATIONS": "until_stopped"}
+    endless = load_settings(env=env).spec.training
+    kept = load_settings(env={**env, "BUBBLETEA_DECAY_ITERS": "4"}).spec.training
+    assert endless.iteration_limit is None and endless.decay_iters is None and kept.decay_iters == 4
+    assert lr_at(endless, 3) == endless.lr
+    assert lr_at(kept, 3) < kept.lr and lr_at(kept, 9) == lr_at(kept, 4) == kept.lr * kept.min_lr_ratio
 
 
 def test_service_without_redis_url_gets_clear_error() -> None:
