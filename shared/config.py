@@ -199,6 +199,9 @@ class BubbleTea(_Spec, frozen=True):
     keep_ahead_ms: Millis = 0.0
     #: At most this much work sent ahead for a worker's next bubble when one ends (0 = no staging).
     stage_ms: Millis = 1000.0
+    #: How long a worker keeps such work for its next bubble before handing it back unrun (training
+    #: paused or over). Keep it above the longest time between two of a worker's bubbles.
+    hold_ms: Annotated[float, Meta(gt=0, le=3_600_000)] = 1000.0
     #: Serving is declared stalled (`/ready` 503, new requests 503, queued ones failed) when every
     #: slot is held but no bubble was announced for this long. Keep it above the longest iteration.
     unready_after_s: Annotated[float, Meta(gt=0, le=86_400)] = 10.0

@@ -135,7 +135,11 @@ def scale_spec(spec: ClusterSpec, k: float) -> ClusterSpec:
     wan = msgspec.structs.replace(spec.wan, default=link(spec.wan.default), links=tuple(map(override, spec.wan.links)))
     bt = spec.bubbletea
     bubbletea = msgspec.structs.replace(
-        bt, stage_ms=bt.stage_ms * k, keep_ahead_ms=bt.keep_ahead_ms * k, unready_after_s=bt.unready_after_s * k
+        bt,
+        stage_ms=bt.stage_ms * k,
+        keep_ahead_ms=bt.keep_ahead_ms * k,
+        hold_ms=bt.hold_ms * k,
+        unready_after_s=bt.unready_after_s * k,
     )
     return msgspec.structs.replace(spec, device=device, wan=wan, bubbletea=bubbletea)
 

@@ -34,6 +34,7 @@ class ServingConfig:
     max_batch: int
     order: str
     stage_s: float
+    hold_s: float
     ahead_s: float
     profile: PrefillProfile
     free_memory: int  # bytes a worker reports with each bubble
@@ -67,9 +68,10 @@ class Serving:
             order=cfg.order,
             stage_next=cfg.stage_s > 0,
             stage_s=cfg.stage_s,
+            hold_s=cfg.hold_s,
             ahead_s=cfg.ahead_s,
         )
-        policy = FillPolicy(guard_s=cfg.guard_s)
+        policy = FillPolicy(guard_s=cfg.guard_s, hold_s=cfg.hold_s)
         self.executors = [Executor(w, cfg.layers, policy, cfg.profile, queue, self) for w in range(len(cfg.workers))]
         self._index = {name: w for w, name in enumerate(cfg.workers)}
         self.stats = ServingStats()

@@ -78,6 +78,7 @@ def build(spec: ClusterSpec, *, fwd_ms: float = DEFAULT_FWD_MS, bus_s: float = B
         max_batch=bt.max_batch_requests,
         order=bt.order,
         stage_s=bt.stage_ms / 1000,
+        hold_s=bt.hold_ms / 1000,
         ahead_s=bt.keep_ahead_ms / 1000,
         profile=prefill,
         free_memory=free_memory(spec, info),

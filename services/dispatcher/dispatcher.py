@@ -91,6 +91,7 @@ class Dispatcher:
             order=bt.order,
             stage_next=bt.stage_ms > 0,
             stage_s=bt.stage_ms / 1000,
+            hold_s=bt.hold_ms / 1000,
             ahead_s=bt.keep_ahead_ms / 1000,
             enabled=bt.enabled,
             batch_prefix=secrets.token_hex(3),

@@ -184,6 +184,7 @@ class DispatchState:
     cost: PrefillCostModel = field(default_factory=PrefillCostModel)
     stage_next: bool = True
     stage_s: float = 1.0  # at most this much work staged for a worker's next bubble
+    hold_s: float = HOLD_STAGED_S  # how long the worker keeps it for that bubble (then hands it back)
     ahead_s: float = 0.0  # work kept outstanding in an open bubble beyond its budget
     enabled: bool = True  # BubbleTea off: bubbles are ignored, requests wait for their deadlines
     batch_prefix: str = "b"  # batch ids are <prefix>-<n>: unique per dispatcher incarnation
@@ -531,7 +532,7 @@ class DispatchState:
         batch_id = f"{self.batch_prefix}-{self.counts.batches}"
         batch = Batch(batch_id, worker, self.addresses[worker], tuple(items), hold, why)
         # A staged batch may wait on its worker for the next bubble to start.
-        report_by = now + batch.predicted_s + BATCH_GRACE_S + (HOLD_STAGED_S if hold else 0.0)
+        report_by = now + batch.predicted_s + BATCH_GRACE_S + (self.hold_s if hold else 0.0)
         self.in_flight[batch.batch_id] = InFlight(worker, tuple(a.id for a in plan), report_by)
         return batch, kv_bytes
 

@@ -21,7 +21,8 @@ import enum
 from dataclasses import dataclass
 
 #: A worker holds a staged batch this long at most; if no bubble starts by then it hands it back
-#: unrun (the run may be over), and the requests queue again.
+#: unrun (the run may be over), and the requests queue again. The spec's default
+#: (`bubbletea.hold_ms`), which the device time scale stretches like the gaps between bubbles.
 HOLD_STAGED_S = 1.0
 
 

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from shared.config import BubbleTea
 from shared.policies.decisions import Batch, Decisions, Trigger
 from shared.policies.dispatch import (
     BATCH_GRACE_S,
@@ -15,7 +16,7 @@ from shared.policies.dispatch import (
     Request,
     WorkerReady,
 )
-from shared.policies.fill import HOLD_STAGED_S
+from shared.policies.fill import HOLD_STAGED_S, FillPolicy
 from shared.policies.packing import Assignment, Candidate, layered_cost, pack
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.status import FailureReason
@@ -193,6 +194,26 @@ def test_a_lost_worker_loses_all_its_batches_at_once() -> None:
     ds = s.tick(now=later)
     assert {lb.batch_id for lb in ds.lost} == {first.batch_id, staged.batch_id} and s.in_flight == {}
     assert all(r.in_bubble is None for r in s.requests.values()) and "w1" not in s.staged
+
+
+def test_a_staged_batch_is_not_lost_while_its_worker_may_still_hold_it() -> None:
+    """The lost-batch rule waits for the worker's hold time (`bubbletea.hold_ms`, stretched by the
+    device time scale) on top of the grace: a slow device's next bubble comes later."""
+    s = state(hold_s=5.0)
+    s.add_request(req(0, 10), now=0.0)
+    first = one(start(s, "w1", 0.013, now=0.0))  # 10 ms: r0, done within the bubble
+    assert not s.report(first.batch_id, "w1", [Progress("r0", LAYERS, 0.01)], now=0.012).ignored
+    s.bubble_end("w1", now=0.02)
+    staged = one(s.add_request(req(1, 10), now=0.02))  # staged for w1's next bubble
+    assert staged.hold
+    end = 0.02 + staged.predicted_s + BATCH_GRACE_S
+    assert not s.tick(now=end + 4.9).lost  # the worker may still hold it
+    (lost,) = s.tick(now=end + 5.1).lost
+    assert lost.batch_id == staged.batch_id and "w1" not in s.staged
+
+
+def test_a_default_hold_is_the_specs() -> None:
+    assert BubbleTea().hold_ms == HOLD_STAGED_S * 1000 == FillPolicy(guard_s=0.0).hold_s * 1000
 
 
 def test_bubbles_are_ignored_when_stale_or_disabled() -> None:

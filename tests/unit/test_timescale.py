@@ -57,6 +57,8 @@ def test_the_spec_is_scaled_device_and_wan_together() -> None:
     assert scaled.wan.default.bandwidth_gbps == pytest.approx(spec.wan.default.bandwidth_gbps / k)
     assert scaled.bubbletea.guard_ms == spec.bubbletea.guard_ms  # the control plane's own real time
     assert scaled.bubbletea.stage_ms == pytest.approx(spec.bubbletea.stage_ms * k)
+    # a worker keeps staged work across the gaps between its bubbles, which stretch with the device
+    assert scaled.bubbletea.hold_ms == pytest.approx(spec.bubbletea.hold_ms * k)
     # the whole emulated iteration is k times longer: every ratio the benchmarks report is unchanged
     base = predict(spec, *profile_ms(spec), iterations=3).iteration_times[-1]  # type: ignore[misc]
     slow = predict(scaled, *profile_ms(scaled), iterations=3).iteration_times[-1]  # type: ignore[misc]
