@@ -8,7 +8,10 @@ history exists it is the analytic pipeline model's length for that position.
 Bubbles of the warm-up iterations (the first: start-up, first tensors, allocator warm-up) do not
 enter the history: they are not what later iterations look like, and one short warm-up bubble
 would otherwise pin the prediction of its position for `HISTORY` iterations (measured: a 120 ms
-bubble announced as 1.5 ms, left empty, four iterations running).
+bubble announced as 1.5 ms, left empty, four iterations running). A position the analytic model
+gives no prior for (the step's wait for the pipeline's collectives, which it does not model) is
+predicted from its last warm-up bubble until it has history: better than 0, which left the first
+steady iteration's step bubbles empty (1/7 of their time in an 8-iteration run).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class BubblePredictor:
     prior: dict[int, float] = field(default_factory=dict)
     history: int = HISTORY
     _seen: dict[int, collections.deque[float]] = field(default_factory=dict)
+    #: the last warm-up bubble per position: the prediction where there is neither history nor prior
+    _warmup: dict[int, float] = field(default_factory=dict)
     #: Bubbles observed, and how many of them were over-predicted (counts, not a list: a run that
     #: trains until stopped observes bubbles forever)
     observed: int = 0
@@ -37,17 +42,19 @@ class BubblePredictor:
         seen = self._seen.get(position)
         if seen:
             return min(seen)
-        return self.prior.get(position, 0.0)
+        return self.prior.get(position) or self._warmup.get(position, 0.0)
 
     def typical(self) -> float:
         """The median of this worker's predicted bubbles, one per schedule position (0.0 when it
         predicts none): the size of the work worth staging on it before a bubble opens."""
-        lengths = sorted(self.predict(p) for p in self.prior.keys() | self._seen.keys())
+        lengths = sorted(self.predict(p) for p in self.prior.keys() | self._seen.keys() | self._warmup.keys())
         return lengths[len(lengths) // 2] if lengths else 0.0
 
     def observe(self, position: int, predicted: float, actual: float, iteration: int = WARMUP_ITERATIONS) -> None:
         if iteration >= WARMUP_ITERATIONS:
             self._seen.setdefault(position, collections.deque(maxlen=self.history)).append(actual)
+        else:
+            self._warmup[position] = actual
         self.observed += 1
         self.over_predicted += predicted > actual
 

@@ -101,20 +101,25 @@ async def check_telemetry(url: str, run: str, iterations: int, microbatches: int
     for e in ends:
         assert e.actual_ms > 0 and e.predicted_ms == start_predictions[ident(e)]
     # The predictor's rule, replayed per worker: the shortest of the worker's last HISTORY bubbles
-    # at that position since the warm-up; a position with no history yet keeps one prior value.
+    # at that position since the warm-up; a position with no history yet keeps one prior value, or
+    # where the analytic model gave none (the step's), its warm-up bubble's length.
     predicted_from_history = 0
     for worker in {e.worker for e in ends}:
         seen: dict[int, list[float]] = {}
         prior: dict[int, float] = {}
+        warm: dict[int, float] = {}
         for e in sorted((e for e in ends if e.worker == worker), key=lambda e: (e.iteration, e.at)):
             history = seen.get(e.position, [])[-HISTORY:]
             if history:
                 assert e.predicted_ms == min(history), (worker, e.iteration, e.position, history)
                 predicted_from_history += 1
             else:
-                assert e.predicted_ms == prior.setdefault(e.position, e.predicted_ms), (worker, e.position)
+                analytic = prior.setdefault(e.position, e.predicted_ms)  # the first: the model's, or 0
+                assert e.predicted_ms == (analytic or warm.get(e.position, 0.0)), (worker, e.position)
             if e.iteration >= WARMUP_ITERATIONS:
                 seen.setdefault(e.position, []).append(e.actual_ms)
+            else:
+                warm[e.position] = e.actual_ms
     # Stage 0 waits for each microbatch's gradient at least two WAN latencies (2 x 10 ms) after it
     # sent the activation, far longer than its next forward: it waits at the same positions in
     # every iteration, so history-based predictions exist.

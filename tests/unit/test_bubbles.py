@@ -24,6 +24,18 @@ def test_warm_up_bubbles_do_not_pin_the_prediction() -> None:
     assert p.observed == 2 and p.over_predicted == 1  # the warm-up bubble still counts in the record
 
 
+def test_a_position_without_a_prior_is_predicted_from_its_warm_up_bubble_until_it_has_history() -> None:
+    """The step's wait for the pipeline's collectives: the analytic model has no prior for it."""
+    p = BubblePredictor(prior={0: 0.100})
+    p.observe(9, 0.0, 0.370, iteration=0)
+    assert p.predict(9) == 0.370  # not 0: the first steady iteration's step bubble gets filled
+    p.observe(0, 0.100, 0.0015, iteration=0)
+    assert p.predict(0) == 0.100  # where a prior exists it still wins over the warm-up
+    p.observe(9, 0.370, 0.380, iteration=1)
+    p.observe(9, 0.380, 0.375, iteration=2)
+    assert p.predict(9) == 0.375  # history replaces it, and it never enters the history
+
+
 def test_the_typical_bubble_is_the_median_of_the_predictions_by_position() -> None:
     p = BubblePredictor(prior={0: 0.010, 3: 0.050, 5: 0.002})
     assert p.typical() == 0.010
