@@ -5,9 +5,11 @@ Training is the owner, prefill the guest. Every timing rule is the pure `FillPol
 
 * A batch arriving in a bubble runs there; a staged one (`hold`) waits for the next bubble (and
   goes back unrun if none takes it in time); any other goes straight back, unrun.
-* The batch runs in a thread on the `PrefillModel`, one block at a time; before each block the
-  policy says whether it may start (the awaited activation or gradient has not arrived), so the
-  thread yields at that layer boundary and the runner resumes training within one block's time.
+* The batch runs on the `PrefillModel`, one block at a time; before each block the policy says
+  whether it may start (the awaited activation or gradient has not arrived), so the batch yields
+  at that layer boundary and the runner resumes training within one block's time. Its first block
+  runs in the worker's event loop, the thread that is on a core as the bubble opens; the rest in
+  the prefill thread (`_run_batch` says why).
 * Afterwards, off the training path (a background task, `reporting.py`): answers, snapshots and
   one `PrefillReport`; only then is the batch acked, so a worker killed mid-batch leaves it for
   the dispatcher to requeue.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -142,9 +144,7 @@ class Filler:
                     waiter.cancel()
                     continue
                 q = self._queue.pop(i)
-                run = await asyncio.get_running_loop().run_in_executor(
-                    self._thread, self._compute, q.batch, q.states, arrived, ends_at
-                )
+                run = await self._run_batch(q, arrived, ends_at)
                 if run.outcomes:
                     self.on_span(run.started, run.ended)
                 self._background(self.reporter.finish_batch(q.batch, run), q.done)
@@ -153,6 +153,26 @@ class Filler:
         finally:
             self.in_bubble = False
             self._hand_back(self.policy.at_bubble_end([q.held for q in self._queue]))
+
+    async def _run_batch(self, q: Queued, arrived: Arrived, ends_at: float) -> BatchRun:
+        """Run one batch: its first block here, in the worker's event loop, and the rest in the
+        prefill thread.
+
+        Why the first block runs here: this thread is the one on a core when the bubble opens (it
+        just saw the awaited tensor missing). Handing the whole batch to the prefill thread made
+        the batch wait for that thread to wake, get a core and take the interpreter lock, at the
+        very moment the pipeline's other workers, Redis and the dispatcher all wake too: 2.6-8 ms
+        at the tail on a 2-core machine, whatever the thread's priority. The loop is blocked only
+        for one block's real compute, during this worker's own bubble; the thread then has that
+        block's device time (with a profile) to wake before the next block is due, so a late
+        wake-up no longer delays the start, and one later than that shows as prefill lag."""
+        steps = self._compute(q.batch, q.states, arrived, ends_at)
+        try:
+            next(steps)
+        except StopIteration as done:  # nothing more to run (stopped or failed before a 2nd block)
+            run: BatchRun = done.value
+            return run
+        return await asyncio.get_running_loop().run_in_executor(self._thread, _run_to_end, steps)
 
     def _hand_back(self, batch_ids: list[str]) -> None:
         """These queued batches go back to the dispatcher, unrun."""
@@ -174,8 +194,11 @@ class Filler:
 
     def _compute(
         self, batch: PrefillBatch, states: dict[str, PrefillState | None], arrived: Arrived, ends_at: float
-    ) -> BatchRun:
-        """In a worker thread: the items in order, one block (one layer of one request) at a time,
+    ) -> Generator[None, None, BatchRun]:
+        """Steps through the batch, pausing (yield) after each block, so that whichever thread
+        advances it runs the next block (`_run_batch`); returns the `BatchRun`.
+
+        The items in order, one block (one layer of one request) at a time,
         each started only when the policy allows it. With a device profile the batch keeps to its
         profiled schedule (`Schedule`): a block starts once the previous one is due (a started
         block counts for its whole profiled time, the thread sleeping out the rest: a GPU kernel is
@@ -195,7 +218,7 @@ class Filler:
             t0 = max(schedule.due, time.monotonic())
             try:
                 state = states.get(item.id) or self.model.start(item.tokens)
-                out_of_time = self._run_blocks(state, item.to_layer, arrived, ends_at, schedule)
+                out_of_time = yield from self._run_blocks(state, item.to_layer, arrived, ends_at, schedule)
                 result = None
                 if state.done:
                     result = self.model.finish(
@@ -218,10 +241,10 @@ class Filler:
 
     def _run_blocks(
         self, state: PrefillState, to_layer: int, arrived: Arrived, ends_at: float, schedule: Schedule
-    ) -> bool:
+    ) -> Generator[None, None, bool]:
         """Blocks of one request up to `to_layer`, while the policy lets the next one start, each
-        started once the batch's `schedule` has the previous one done. Returns True when it stopped
-        for time (the input had not arrived)."""
+        started once the batch's `schedule` has the previous one done, pausing after each. Returns
+        True when it stopped for time (the input had not arrived)."""
         profiled = self.profile.block_s(len(state.tokens)) if self.profile is not None else None
         expected = profiled  # raw mode: the next block is expected to take as long as the last one
         while state.next_layer < to_layer and not state.done:
@@ -238,6 +261,7 @@ class Filler:
                 expected = time.monotonic() - b0
             else:
                 schedule.add(profiled)
+            yield
         return False
 
     def take_lag(self) -> float:
@@ -270,3 +294,13 @@ class Filler:
         if self._post:
             await asyncio.gather(*self._post, return_exceptions=True)
         self._thread.shutdown(wait=False)
+
+
+def _run_to_end(steps: Generator[None, None, BatchRun]) -> BatchRun:
+    """In the prefill thread: the rest of a batch `_run_batch` started."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            run: BatchRun = done.value
+            return run

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,12 +50,16 @@ def filler_for(bus: Bus, model: PrefillModel, *, run: str = RUN, kv_ttl_s: int =
 def arriving_during_block(model: PrefillModel, block: int, arrive: Callable[[], None]) -> Iterator[None]:
     """Meanwhile `arrive()` runs on the event loop once block `block` of `model` has started, and
     the block waits for it: training input that lands while that block runs, however the host
-    schedules the loop and the prefill thread (its arrival is the test's input, not a race)."""
+    schedules the loop and the prefill thread (its arrival is the test's input, not a race). A
+    batch's first block runs on the event loop itself: there the input lands directly."""
     loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
     run_layers = model.run_layers
 
     def run_block(state: PrefillState, *args: Any, **kw: Any) -> PrefillState:
-        if state.next_layer == block:
+        if state.next_layer == block and threading.get_ident() == loop_thread:
+            arrive()
+        elif state.next_layer == block:
             landed = threading.Event()
 
             def land() -> None:
@@ -76,12 +81,12 @@ async def one_bubble(
     filler: Filler, b: PrefillBatch, *, arrive_during_block: int | None, model: PrefillModel
 ) -> tuple[list[float], float | None]:
     """Run one bubble with `b` queued; training input arrives while block `arrive_during_block` of
-    `model` runs (None: once the batch is done and reported). Returns the times the prefill thread
-    checked for input (once before each block), and the arrival time."""
+    `model` runs (None: once the batch is done and reported). Returns the times the batch checked
+    for input (once before each block: the first in the event loop, the rest in the prefill thread),
+    and the arrival time."""
     mailbox, key = Mailbox(), ("grad", 0, 0)
     checks: list[float] = []
     put_at: float | None = None
-    loop_thread = threading.get_ident()
 
     def put() -> None:
         nonlocal put_at
@@ -89,7 +94,7 @@ async def one_bubble(
         mailbox.put(key, torch.zeros(1))
 
     def arrived() -> bool:
-        if threading.get_ident() != loop_thread:  # not the fill loop's own checks between batches
+        if sys._getframe(1).f_code.co_name == "_run_blocks":  # not the fill loop's own checks between batches
             checks.append(time.perf_counter())
         return mailbox.arrived(key)
 
@@ -130,7 +135,7 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         (first,) = await reports(bus)
         (p,) = first.progress
         assert first.preempted and p.outcome is ItemOutcome.PARTIAL
-        # The prefill thread checks before each block: blocks started before the arrival = checks
+        # The batch checks before each block: blocks started before the arrival = checks
         # before it. The block in progress at arrival finishes; none starts after it.
         assert put_at is not None
         started_before = sum(1 for c in checks if c < put_at)
@@ -166,6 +171,29 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         assert all(
             torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(stored.kv, want.kv, strict=True)
         )
+
+
+async def test_a_batchs_first_block_runs_on_the_event_loop_and_the_rest_in_the_prefill_thread(
+    redis_url: str,
+) -> None:
+    """The loop is on a core as the bubble opens; the prefill thread takes over after one block."""
+    model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    loop_thread = threading.get_ident()
+    ran_on: list[tuple[int, bool]] = []  # (layer, on the loop's thread)
+    run_layers = model.run_layers
+
+    def recording(state: PrefillState, *args: Any, **kw: Any) -> PrefillState:
+        ran_on.append((state.next_layer, threading.get_ident() == loop_thread))
+        return run_layers(state, *args, **kw)
+
+    model.run_layers = recording  # type: ignore[method-assign]
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        filler = filler_for(bus, model)
+        item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=4, reply_to="bt:test:results")
+        await one_bubble(filler, batch(item, 1), arrive_during_block=None, model=model)
+        (rep,) = await reports(bus)
+    assert rep.progress[0].outcome is ItemOutcome.DONE
+    assert ran_on == [(0, True), (1, False), (2, False), (3, False)]
 
 
 async def test_a_batch_arriving_outside_a_bubble_goes_back_unrun(redis_url: str) -> None:
