@@ -368,9 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=MODES, help="only this prefill mode")
     ap.add_argument("--pairs", type=int, default=3, help="interleaved off/on pairs per case; default 3")
     ap.add_argument("--iterations", type=int, help="training iterations per run; default 8 with --quick, else 16")
-    # 64: with 32, four workers' open bubbles and staged batches emptied the queue at bubble ends,
-    # and bubbles opened with nothing staged (dispatch p99 21 ms against 8.6 ms at 64)
-    ap.add_argument("--concurrency", type=int, default=64, help="requests the client keeps in flight; default 64")
+    # 128: enough that requests are always waiting when a bubble ends. With 32, then (once the
+    # step's wait was a bubble too, 2026-11-26) with 64, four workers' open bubbles and staged
+    # batches emptied the queue at bubble ends, and the bubble after a step opened with nothing
+    # staged: dispatch p99 21 ms against 8.6 ms at 64 then; 4.5 ms in one of three runs at 64
+    # against 0.15 ms at 128 now (more requests then fail their 5 s deadline while queued: 504s)
+    ap.add_argument("--concurrency", type=int, default=128, help="requests the client keeps in flight; default 128")
     ap.add_argument(
         "--time-scale",
         default="auto",
