@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NoReturn
 
 import torch
@@ -326,8 +327,8 @@ class StageRunner:
         if self.mailbox.ready(key):
             return await self._take(key)
         take = asyncio.ensure_future(self._take(key))
-        arrived_at = lambda: self.mailbox.arrived_at(key)  # noqa: E731
-        return await self._bubble(it, pos, key[2], take, lambda: self.mailbox.arrived(key), arrived_at)
+        arrived, arrived_at = partial(self.mailbox.arrived, key), partial(self.mailbox.arrived_at, key)
+        return await self._bubble(it, pos, key[2], take, arrived, arrived_at)
 
     async def _bubble(
         self,
