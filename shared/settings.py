@@ -164,9 +164,8 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     if iterations := env.get("BUBBLETEA_ITERATIONS"):
         spec = msgspec.structs.replace(spec, training=_iterations(spec, iterations))
     if decay := env.get("BUBBLETEA_DECAY_ITERS"):
-        if not decay.isdigit() or not 1 <= int(decay) <= MAX_ITERATIONS:
-            raise ConfigError(f"BUBBLETEA_DECAY_ITERS: expected a number from 1 to {MAX_ITERATIONS:,}, got {decay!r}")
-        spec = msgspec.structs.replace(spec, training=msgspec.structs.replace(spec.training, decay_iters=int(decay)))
+        decay_iters = _count("BUBBLETEA_DECAY_ITERS", decay)
+        spec = msgspec.structs.replace(spec, training=msgspec.structs.replace(spec.training, decay_iters=decay_iters))
     level = env.get("BUBBLETEA_LOG_LEVEL", "INFO").upper()
     if level not in LOG_LEVELS:
         raise ConfigError(f"BUBBLETEA_LOG_LEVEL: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
@@ -246,9 +245,16 @@ def mask_url(url: str) -> str:
 def _iterations(spec: ClusterSpec, value: str) -> Training:
     if value == UNTIL_STOPPED:
         return msgspec.structs.replace(spec.training, iterations=UNTIL_STOPPED)
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"BUBBLETEA_ITERATIONS: expected a number >= 1 or {UNTIL_STOPPED!r}, got {value!r}")
-    return msgspec.structs.replace(spec.training, iterations=int(value))
+    iterations = _count("BUBBLETEA_ITERATIONS", value, f" or {UNTIL_STOPPED!r}")
+    return msgspec.structs.replace(spec.training, iterations=iterations)
+
+
+def _count(var: str, value: str, alternative: str = "") -> int:
+    """`value` as a number of iterations, within what a spec may name (the environment bypasses the
+    spec's own validation), or a ConfigError naming `var`."""
+    if not value.isdigit() or not 1 <= int(value) <= MAX_ITERATIONS:
+        raise ConfigError(f"{var}: expected a number from 1 to {MAX_ITERATIONS:,}{alternative}, got {value!r}")
+    return int(value)
 
 
 def _metrics_port(value: str) -> int | None:

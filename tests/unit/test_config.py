@@ -128,6 +128,8 @@ def test_env_overrides() -> None:
         ({"REDIS_URL": "localhost:6379"}, "REDIS_URL"),
         ({"BUBBLETEA_DECAY_ITERS": "0"}, "BUBBLETEA_DECAY_ITERS"),
         ({"BUBBLETEA_DECAY_ITERS": "soon"}, "BUBBLETEA_DECAY_ITERS"),
+        ({"BUBBLETEA_ITERATIONS": "0"}, "BUBBLETEA_ITERATIONS"),
+        ({"BUBBLETEA_ITERATIONS": "20000000"}, "BUBBLETEA_ITERATIONS"),
     ],
 )
 def test_bad_env_names_the_variable(env: dict[str, str], field: str) -> None:
