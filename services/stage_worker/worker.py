@@ -70,11 +70,11 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         torch.set_num_threads(1)  # several workers share the machine's cores
     # Two threads hand the GIL to each other at the moments that matter: the prefill thread holds
     # it between torch ops when training input arrives (the loop must notice it and make prefill
-    # yield), and the loop holds it, sending the bubble's start, when the prefill thread wakes to
-    # run the staged batch. The default 5 ms switch interval would delay either by that much. At
-    # 0.1 ms rather than 0.5 the bubble's prefill starts 0.2 ms sooner (dispatch p50 0.55-0.58
-    # against 0.75-0.81 ms, bench/bubble_fill.py --time-scale 6, two runs each, interleaved), with
-    # slowdown and fill unchanged.
+    # yield), and the loop holds it when the prefill thread wakes to take over a batch. The default
+    # 5 ms switch interval would delay either by that much. 0.1 ms rather than 0.5 was measured
+    # while the prefill thread also ran a batch's first block (it runs on the loop now): the
+    # bubble's prefill started 0.2 ms sooner (dispatch p50 0.55-0.58 against 0.75-0.81 ms,
+    # bench/bubble_fill.py --time-scale 6, two runs each, interleaved), slowdown and fill unchanged.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     spec, run = settings.spec, settings.run
     placement = placement_of(spec)  # an infeasible spec fails here, naming the missing GPUs
