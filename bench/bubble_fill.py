@@ -38,6 +38,9 @@ explicitly), losses_equal (bit-identical training losses on and off), mode, pair
 
 `errors` counts explicit failures by HTTP status (a request whose 5 s deadline passed before a
 bubble could take it: 504; one refused because the run had finished: 503), not lost.
+
+Over 300 lines on purpose: one benchmark (the spec, a run off and on with its load, and the figures
+over its pairs), read top to bottom.
 """
 
 from __future__ import annotations

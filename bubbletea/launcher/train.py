@@ -3,6 +3,9 @@
 Starts the wan_broker and PP x DP stage workers as processes on the given Redis, follows the
 run's events stream until every worker has finished every iteration, then stops the broker.
 A worker that exits with an error or reports `WorkerFailed` ends the run with that reason.
+
+Over 300 lines on purpose: one run's life (checks, processes, the events it follows, the save it
+writes), each part used only here.
 """
 
 from __future__ import annotations
