@@ -74,6 +74,7 @@ def test_spec_is_frozen() -> None:
             "device.prefill_us_per_token: Expected `float` >= 0",
         ),
         ({"datacenters": DC, "device": {"prefill_ms_per_layer": "fast"}}, "device.prefill_ms_per_layer: Expected"),
+        ({"datacenters": DC, "bubbletea": {"hold_ms": 0}}, "bubbletea.hold_ms: Expected `float` > 0"),
     ],
 )
 def test_bad_values_name_the_field(data: object, expected: str) -> None:
