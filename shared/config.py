@@ -31,6 +31,17 @@ Name = Annotated[
 Count = Annotated[int, Meta(ge=1, le=1_000_000)]
 Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
 
+# Every duration (and rate) in the spec declares its clock (docs/config.md, "Clocks"); the time
+# scale k (`shared.timescale.scale_spec`) reads these marks, so no field is stretched by a list
+# kept elsewhere, and a test refuses a duration without one.
+#: Device time: what the emulated hardware takes, and margins sized against its bubbles. At a time
+#: scale k it lasts k times as long in real time.
+DEVICE = Meta(extra={"clock": "device"})
+#: A rate per unit of device time (a link's bandwidth): at a time scale k it is k times lower.
+DEVICE_RATE = Meta(extra={"clock": "device-rate"})
+#: Host time: this machine's own waits (processes, sockets, clients, memory). Never stretched.
+HOST = Meta(extra={"clock": "host"})
+
 
 class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Base: immutable, and a misspelt key is an error rather than a silently ignored value."""
@@ -44,8 +55,8 @@ class DataCenter(_Spec, frozen=True):
 class LinkParams(_Spec, frozen=True):
     """One directed WAN link. The per-flow TCP cap is connections * window / RTT."""
 
-    latency_ms: Annotated[float, Meta(ge=0, le=10_000)] = 40.0  # one-way
-    bandwidth_gbps: Annotated[float, Meta(gt=0, le=100_000)] = 10.0
+    latency_ms: Annotated[float, Meta(ge=0, le=10_000), DEVICE] = 40.0  # one-way
+    bandwidth_gbps: Annotated[float, Meta(gt=0, le=100_000), DEVICE_RATE] = 10.0
     tcp_window_mib: Annotated[float, Meta(gt=0, le=4096)] = 6.0
     connections: Annotated[int, Meta(ge=1, le=1024)] = 4
 
@@ -56,8 +67,8 @@ class LinkOverride(_Spec, frozen=True):
     src: Name
     dst: Name
     symmetric: bool = True
-    latency_ms: Annotated[float, Meta(ge=0, le=10_000)] | None = None
-    bandwidth_gbps: Annotated[float, Meta(gt=0, le=100_000)] | None = None
+    latency_ms: Annotated[float, Meta(ge=0, le=10_000), DEVICE] | None = None
+    bandwidth_gbps: Annotated[float, Meta(gt=0, le=100_000), DEVICE_RATE] | None = None
     tcp_window_mib: Annotated[float, Meta(gt=0, le=4096)] | None = None
     connections: Annotated[int, Meta(ge=1, le=1024)] | None = None
 
@@ -121,7 +132,7 @@ class Training(_Spec, frozen=True):
     checkpoint_every: Annotated[int, Meta(ge=0, le=1_000_000)] = 10
     #: How long the run waits for a lost worker's replacement before it gives up (the peers stop,
     #: naming the slot).
-    recovery_timeout_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0
+    recovery_timeout_s: Annotated[float, Meta(gt=0, le=86_400), HOST] = 60.0
     #: A local Hugging Face model directory to train (config.json; its safetensors, if any, are
     #: the starting weights, else it is initialised as its family does). None: the small GPT of the
     #: top-level `model` section trains. With a directory, `model`'s shape is read from it.
@@ -171,40 +182,40 @@ class Device(_Spec, frozen=True):
     #: else the CPU; cpu = always the CPU; cuda = a GPU or the worker refuses to start.
     kind: Literal["auto", "cpu", "cuda"] = "auto"
     #: Forward time of one transformer block for one microbatch; None = use real compute time.
-    fwd_ms_per_layer: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
+    fwd_ms_per_layer: Annotated[float, Meta(gt=0, le=3_600_000), DEVICE] | None = None
     #: Backward time per block per microbatch; None = 2 x forward (the usual ratio).
-    bwd_ms_per_layer: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
+    bwd_ms_per_layer: Annotated[float, Meta(gt=0, le=3_600_000), DEVICE] | None = None
     #: Time of a stage's gradient all-reduce among its DP peers (inside one DC).
-    allreduce_ms: Millis = 0.0
+    allreduce_ms: Annotated[Millis, DEVICE] = 0.0
     #: Time of one optimizer step.
-    step_ms: Millis = 0.0
+    step_ms: Annotated[Millis, DEVICE] = 0.0
     #: Accelerator memory; free memory is reported with each bubble.
     memory_gib: Annotated[float, Meta(gt=0, le=100_000)] = 80.0
     #: Prefill profile: one transformer block of one prompt of T tokens counts for
     #: prefill_ms_per_layer + T x prefill_us_per_token / 1000 ms. Both None = real compute time.
-    prefill_ms_per_layer: Annotated[float, Meta(ge=0, le=3_600_000)] | None = None
-    prefill_us_per_token: Annotated[float, Meta(ge=0, le=3_600_000)] | None = None
+    prefill_ms_per_layer: Annotated[float, Meta(ge=0, le=3_600_000), DEVICE] | None = None
+    prefill_us_per_token: Annotated[float, Meta(ge=0, le=3_600_000), DEVICE] | None = None
 
 
 class BubbleTea(_Spec, frozen=True):
     enabled: bool = True
     #: Safety margin kept free at the end of every bubble so prefill never delays training.
-    guard_ms: Millis = 2.0
+    guard_ms: Annotated[Millis, DEVICE] = 2.0
     #: Expected time from bubble start to the batch running on the worker.
-    dispatch_overhead_ms: Millis = 1.0
+    dispatch_overhead_ms: Annotated[Millis, DEVICE] = 1.0
     max_batch_requests: Annotated[int, Meta(ge=1, le=4096)] = 32
     order: Literal["deadline", "arrival"] = "deadline"
     #: Work kept outstanding on a worker while its bubble is open, beyond the predicted budget if
     #: need be (0 = strictly the budget). Safe: prefill yields at the next layer boundary.
-    keep_ahead_ms: Millis = 0.0
+    keep_ahead_ms: Annotated[Millis, DEVICE] = 0.0
     #: At most this much work sent ahead for a worker's next bubble when one ends (0 = no staging).
-    stage_ms: Millis = 1000.0
+    stage_ms: Annotated[Millis, DEVICE] = 1000.0
     #: How long a worker keeps such work for its next bubble before handing it back unrun (training
     #: paused or over). Keep it above the longest time between two of a worker's bubbles.
-    hold_ms: Annotated[float, Meta(gt=0, le=3_600_000)] = 1000.0
+    hold_ms: Annotated[float, Meta(gt=0, le=3_600_000), DEVICE] = 1000.0
     #: Serving is declared stalled (`/ready` 503, new requests 503, queued ones failed) when every
     #: slot is held but no bubble was announced for this long. Keep it above the longest iteration.
-    unready_after_s: Annotated[float, Meta(gt=0, le=86_400)] = 10.0
+    unready_after_s: Annotated[float, Meta(gt=0, le=86_400), DEVICE] = 10.0
 
 
 #: `prefill.kv_budget_mb`'s default: a quarter of the default Redis maxmemory (1 GiB), e.g. 30 s of
@@ -226,9 +237,9 @@ class Prefill(_Spec, frozen=True):
     #: Beyond this many queued requests the HTTP front door answers 429 with Retry-After.
     max_queue_depth: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000
     max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 1 << 20
-    request_timeout_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0
+    request_timeout_s: Annotated[float, Meta(gt=0, le=86_400), DEVICE] = 60.0
     #: How long a finished prefill's KV cache is kept for a decode service (0 = not kept).
-    kv_ttl_s: Annotated[int, Meta(ge=0, le=86_400)] = 30
+    kv_ttl_s: Annotated[int, Meta(ge=0, le=86_400), HOST] = 30
     #: Where it is kept: `plane` = in the memory of the worker that computed it, fetched over the
     #: data plane (Redis holds only the handle); `redis` = as a safetensors string in Redis, which
     #: any Redis client can GET (docs/api.md, "The KV cache").
@@ -251,7 +262,7 @@ class Decode(_Spec, frozen=True):
     concurrency: Annotated[int, Meta(ge=1, le=1024)] = 4
     #: A chunk of tokens goes to the client at least this often (and at every stop), so a
     #: streamed completion arrives token by token without a Redis round trip per token.
-    chunk_ms: Annotated[float, Meta(ge=0, le=10_000)] = 20.0
+    chunk_ms: Annotated[float, Meta(ge=0, le=10_000), HOST] = 20.0
 
 
 class Http(_Spec, frozen=True):
@@ -265,16 +276,16 @@ class BusConfig(_Spec, frozen=True):
     #: After this many failed deliveries a message goes to the dead-letter stream.
     max_deliveries: Annotated[int, Meta(ge=1, le=1000)] = 5
     #: A pending entry idle this long is assumed abandoned (its consumer died) and is reclaimed.
-    claim_idle_ms: Annotated[int, Meta(ge=10, le=3_600_000)] = 5_000
+    claim_idle_ms: Annotated[int, Meta(ge=10, le=3_600_000), HOST] = 5_000
     #: Blocking reads wait at most this long; kept well under the socket timeout.
-    block_ms: Annotated[int, Meta(ge=1, le=60_000)] = 1_000
+    block_ms: Annotated[int, Meta(ge=1, le=60_000), HOST] = 1_000
     #: Handlers a consumer runs at once.
     concurrency: Annotated[int, Meta(ge=1, le=10_000)] = 64
     #: Soft bound on a work stream's length: fully-acked entries are trimmed; unread ones are kept
     #: and a warning says how far over the bound the backlog is.
     max_stream_len: Annotated[int, Meta(ge=100, le=100_000_000)] = 100_000
     #: In-flight handlers get this long to finish on shutdown before they are cancelled.
-    drain_grace_s: Annotated[float, Meta(ge=0, le=600)] = 5.0
+    drain_grace_s: Annotated[float, Meta(ge=0, le=600), HOST] = 5.0
 
 
 class ClusterSpec(_Spec, frozen=True, kw_only=True):

@@ -67,3 +67,10 @@ class ServingState(enum.StrEnum):
         """Whether new requests are taken: while a run's workers set up or recover, they wait for
         its next bubbles."""
         return self in (ServingState.SERVING, ServingState.JOINING, ServingState.RECOVERING)
+
+
+class ControlEvent(enum.StrEnum):
+    """Which control message the dispatcher saw (`ControlSeen`, telemetry for the run's figures)."""
+
+    BUBBLE_START = "bubble_start"  # a worker's bubble opened
+    REPORT = "report"  # a worker reported a prefill batch

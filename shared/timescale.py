@@ -10,13 +10,16 @@ never would.
 So before a run the launcher measures what the real compute of the profiled operations costs here,
 with as many processes computing at once as there will be workers (`measure`), and picks the scale
 `k` (one profiled millisecond = k real milliseconds) that keeps every operation's real cost within
-`SHARE` of its scaled profiled time (`choose_scale`, pure); a profile that would need more than
-`MAX_SCALE` is refused, naming the operation and by how much. The scale is applied to the spec
-(`scale_spec`, pure), so every service sees the same slower device *and* the same slower WAN: the
-device profile times are multiplied by k, the WAN's latencies too and its bandwidths divided by k,
-and so are the amounts of work the dispatcher sends ahead (`stage_ms`, `keep_ahead_ms`) and the
-stall bound (`unready_after_s`). The control plane's own real-time settings (`guard_ms`,
-`dispatch_overhead_ms`) stay as they are: they are about this machine's latencies, not the device.
+`SHARE` of its scaled profiled time (`choose_scale`, pure). A profile that would need more than
+`MAX_SCALE` still runs at the scale it needs: the launcher warns once, naming the cost, unless the
+user set a cap (`--max-time-scale`), past which it is refused. The scale is applied to the spec
+(`scale_spec`, pure) by the clock each field declares (docs/config.md, "Clocks"): every device time
+(the profile, the WAN's latencies, and the margins and windows sized against bubbles: guard,
+dispatch overhead, staging, hold, deadlines) is multiplied by k, device rates (bandwidths) divided
+by k, host times kept. The dispatch policy stretches its own windows the same way
+(`DispatchState.time_scale`). So every bubble, margin and window keeps its proportions, and only the
+host's own latencies (the bus, the event loops) shrink relative to a bubble: the figures report those
+as a share of the bubble at k = 1 (`control_share_*`).
 
 The services read the scale from ``BUBBLETEA_TIME_SCALE`` (`shared.settings`); ratios (fill ratio,
 slowdown, lag share, utilization) are the same on either clock, and times reported as emulated
@@ -34,10 +37,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.synchronize import Barrier
+from typing import TypeVar
 
 import msgspec
+import msgspec.inspect as mi
 
-from shared.config import ClusterSpec, ConfigError, LinkOverride, LinkParams
+from shared.config import ClusterSpec, ConfigError
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 #: Real compute may take at most this share of an operation's (scaled) profiled time, its cost
 #: measured with every worker computing at once (`measure`: about twice the unshared cost when four
@@ -106,42 +113,67 @@ def choose_scale(ops: list[OpCost], processes: int, share: float = SHARE, max_sc
     return Calibration(scale, tuple(ops), processes, why)
 
 
+def field_clock(field_type: mi.Type) -> str | None:
+    """The clock a spec field's type declares (`shared.config.DEVICE`, `DEVICE_RATE`, `HOST`), if any;
+    an optional field (`X | None`) declares it on X."""
+    if isinstance(field_type, mi.UnionType):
+        marks = {field_clock(t) for t in field_type.types} - {None}
+        return marks.pop() if marks else None
+    if isinstance(field_type, mi.Metadata):
+        return (field_type.extra or {}).get("clock") or field_clock(field_type.type)
+    return None
+
+
+def spec_clocks(cls: type[msgspec.Struct] = ClusterSpec, prefix: str = "") -> dict[str, str | None]:
+    """Every leaf field of the spec by its path (``bubbletea.guard_ms``, ``wan.links[].latency_ms``)
+    and the clock it declares (None: not a duration): the table of docs/config.md, "Clocks"."""
+    out: dict[str, str | None] = {}
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    for f in info.fields:
+        inner = _struct_of(f.type)
+        if inner is not None:
+            many = "[]" if isinstance(f.type, mi.VarTupleType | mi.ListType) else ""
+            out |= spec_clocks(inner, f"{prefix}{f.name}{many}.")
+        else:
+            out[f"{prefix}{f.name}"] = field_clock(f.type)
+    return out
+
+
+def _struct_of(t: mi.Type) -> type[msgspec.Struct] | None:
+    if isinstance(t, mi.StructType):
+        return t.cls
+    if isinstance(t, mi.VarTupleType | mi.ListType):
+        return _struct_of(t.item_type)
+    return None
+
+
+def scale_struct(value: S, k: float) -> S:
+    """`value` (a spec or any of its sections) with every field of device time multiplied by `k`,
+    every device rate divided by it, host times as they are; nested sections alike."""
+    info = mi.type_info(type(value))
+    assert isinstance(info, mi.StructType)
+    changes: dict[str, object] = {}
+    for f in info.fields:
+        v = getattr(value, f.name)
+        clock = field_clock(f.type)
+        if v is None:
+            continue
+        if clock == "device":
+            changes[f.name] = v * k
+        elif clock == "device-rate":
+            changes[f.name] = v / k
+        elif isinstance(v, msgspec.Struct):
+            changes[f.name] = scale_struct(v, k)
+        elif isinstance(v, tuple) and v and all(isinstance(x, msgspec.Struct) for x in v):
+            changes[f.name] = tuple(scale_struct(x, k) for x in v)
+    return msgspec.structs.replace(value, **changes)
+
+
 def scale_spec(spec: ClusterSpec, k: float) -> ClusterSpec:
-    """The spec on a device (and WAN) `k` times slower; see the module docstring."""
-    if k == 1:
-        return spec
-
-    def times(v: float | None) -> float | None:
-        return None if v is None else v * k
-
-    dev = spec.device
-    device = msgspec.structs.replace(
-        dev,
-        fwd_ms_per_layer=times(dev.fwd_ms_per_layer),
-        bwd_ms_per_layer=times(dev.bwd_ms_per_layer),
-        allreduce_ms=dev.allreduce_ms * k,
-        step_ms=dev.step_ms * k,
-        prefill_ms_per_layer=times(dev.prefill_ms_per_layer),
-        prefill_us_per_token=times(dev.prefill_us_per_token),
-    )
-
-    def link(p: LinkParams) -> LinkParams:
-        return msgspec.structs.replace(p, latency_ms=p.latency_ms * k, bandwidth_gbps=p.bandwidth_gbps / k)
-
-    def override(o: LinkOverride) -> LinkOverride:
-        bandwidth = None if o.bandwidth_gbps is None else o.bandwidth_gbps / k
-        return msgspec.structs.replace(o, latency_ms=times(o.latency_ms), bandwidth_gbps=bandwidth)
-
-    wan = msgspec.structs.replace(spec.wan, default=link(spec.wan.default), links=tuple(map(override, spec.wan.links)))
-    bt = spec.bubbletea
-    bubbletea = msgspec.structs.replace(
-        bt,
-        stage_ms=bt.stage_ms * k,
-        keep_ahead_ms=bt.keep_ahead_ms * k,
-        hold_ms=bt.hold_ms * k,
-        unready_after_s=bt.unready_after_s * k,
-    )
-    return msgspec.structs.replace(spec, device=device, wan=wan, bubbletea=bubbletea)
+    """The spec on a device (and WAN) `k` times slower: every field marked device time stretched,
+    device rates slowed, host times kept (`scale_struct`; see the module docstring)."""
+    return spec if k == 1 else scale_struct(spec, k)
 
 
 # --- measuring (torch; in processes of their own) ----------------------------------------------

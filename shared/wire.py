@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import msgspec
 
-from shared.status import FailureReason, ItemOutcome, RequestStatus
+from shared.status import ControlEvent, FailureReason, ItemOutcome, RequestStatus
 
 #: Bump when a message changes incompatibly; peers at another version are refused loudly.
 #: 2: statuses are enums (`shared.status`); unread batch/report timing fields removed.
@@ -205,6 +205,20 @@ class SpanRecord(Message, frozen=True, kw_only=True, tag="span"):
     input_at: float = 0.0
 
 
+class ControlSeen(Message, frozen=True, kw_only=True, tag="control_seen"):
+    """dispatcher -> the run's spans stream (telemetry): when it handled a worker's bubble start or
+    batch report, against when the worker sent it; the run's figures take the control plane's
+    latency and which bubbles opened with work from these (bubbletea/runstats.py)."""
+
+    run: str
+    worker: str
+    event: ControlEvent
+    at: float  # sent by the worker (wall clock)
+    seen: float  # handled by the dispatcher (wall clock)
+    #: bubble starts: requests were queued, or a batch was staged for this worker, as it opened
+    with_work: bool = False
+
+
 class IterationDone(Message, frozen=True, kw_only=True, tag="iteration_done"):
     """A worker finished an iteration; the last stage reports its replica's mean microbatch loss."""
 
@@ -374,6 +388,7 @@ class PrefillReport(Message, frozen=True, kw_only=True, tag="prefill_report"):
     batch_id: str
     progress: tuple[PrefillProgress, ...]
     preempted: bool  # training input arrived (or the bubble ended) before the batch was finished
+    at: float = 0.0  # when the worker sent it (wall clock); 0 = unknown (an older worker)
 
 
 class PrefillSnapshot(Message, frozen=True, kw_only=True, tag="prefill_snapshot"):
@@ -415,6 +430,7 @@ AnyMessage = (
     | WorkerJoined
     | BubbleEnd
     | SpanRecord
+    | ControlSeen
     | IterationDone
     | WorkerFailed
     | LinkReport

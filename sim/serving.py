@@ -15,14 +15,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from shared.policies.decisions import Batch, Decisions
-from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request, WorkerReady
+from shared.policies.dispatch import TICK_S, BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.fill import FillPolicy
 from shared.policies.prefill_cost import PrefillProfile
 from sim.events import EventQueue
 from sim.executor import Executor, SimRequest
-
-#: The dispatcher's timer (services/dispatcher: TICK_S): deadlines are kept to within this.
-TICK_S = 0.05
 
 
 @dataclass(frozen=True)

@@ -42,14 +42,15 @@ from shared.leases import generation_joined, read_slots
 from shared.logs import get_logger
 from shared.model.shape import model_info
 from shared.policies.decisions import Batch, Decisions, Failure
-from shared.policies.dispatch import STALE_BUBBLE_S, BubbleOpened, DispatchState, Progress, Request, WorkerReady
+from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.readiness import ServingGate, Verdict
 from shared.settings import Settings
-from shared.status import RequestStatus, ServingState
+from shared.status import ControlEvent, RequestStatus, ServingState
 from shared.telemetry import MetricsServer
 from shared.wire import (
     BubbleEnd,
     BubbleStart,
+    ControlSeen,
     PrefillBatch,
     PrefillItem,
     PrefillReport,
@@ -59,8 +60,6 @@ from shared.wire import (
 )
 
 SERVICE = "dispatcher"
-#: How often the timer runs: deadlines are kept to within this.
-TICK_S = 0.05
 #: Requests held at once without a handler task (each is a pending entry, acked when answered):
 #: the front door's admission limit bounds the real number far below this.
 MAX_HELD_REQUESTS = 1_000_000
@@ -79,22 +78,13 @@ class Acks(Protocol):
 class Dispatcher:
     """Feeds `DispatchState` from the bus and executes what it decides."""
 
-    def __init__(self, bus: Bus, spec: ClusterSpec, run: str) -> None:
+    def __init__(self, bus: Bus, spec: ClusterSpec, run: str, time_scale: float = 1.0) -> None:
+        """`spec` is already on the time scale `time_scale` (`Settings.spec`)."""
         bt = spec.bubbletea
         self.bus, self.spec, self.run = bus, spec, run
         self.model_info = model_info(spec.prefill)  # the served model's layers and KV size (config.json if HF)
-        self.state = DispatchState(
-            layers=self.model_info.layers,
-            guard_s=bt.guard_ms / 1000,
-            overhead_s=bt.dispatch_overhead_ms / 1000,
-            max_batch=bt.max_batch_requests,
-            order=bt.order,
-            stage_next=bt.stage_ms > 0,
-            stage_s=bt.stage_ms / 1000,
-            hold_s=bt.hold_ms / 1000,
-            ahead_s=bt.keep_ahead_ms / 1000,
-            enabled=bt.enabled,
-            batch_prefix=secrets.token_hex(3),
+        self.state = DispatchState.for_spec(
+            spec, self.model_info.layers, time_scale=time_scale, batch_prefix=secrets.token_hex(3)
         )
         self.acks: Acks | None = None  # the request stream's consumer, once it exists
         self.metrics = DispatcherMetrics(run, spec.prefill.model_name)
@@ -145,11 +135,13 @@ class Dispatcher:
             tag=(m.iteration, m.position),
         )
         now = time.time()
-        if now - m.at <= STALE_BUBBLE_S:  # a bubble from the backlog says nothing about training now
+        with_work = self.state.work_for(m.worker)
+        if now - m.at <= self.state.stale_bubble_s:  # a bubble from the backlog says nothing about training now
             self.gate.saw_bubble(m.at)
             if not self.verdict.ready:  # training runs: say so now, not at the next periodic check
                 await self.check_readiness()
         await self.execute(self.state.bubble_start(opened, now))
+        await self._seen(ControlEvent.BUBBLE_START, m.worker, m.at, now, with_work=with_work)
 
     async def on_joined(self, d: Delivery) -> None:
         m = d.message
@@ -182,7 +174,16 @@ class Dispatcher:
             finished=sum(p.finished for p in progress),
             preempted=m.preempted,
         )
-        await self.execute(self.state.report(m.batch_id, m.worker, progress, time.time()))
+        now = time.time()
+        await self.execute(self.state.report(m.batch_id, m.worker, progress, now))
+        if m.at > 0:
+            await self._seen(ControlEvent.REPORT, m.worker, m.at, now)
+
+    async def _seen(self, event: ControlEvent, worker: str, at: float, seen: float, *, with_work: bool = False) -> None:
+        """Telemetry, after the decision's effects: what the run's figures need of this event
+        (which bubbles opened with work; the control plane's latency)."""
+        msg = ControlSeen(run=self.run, worker=worker, event=event, at=at, seen=seen, with_work=with_work)
+        await self.bus.publish(keys.spans_stream(self.run), msg, maxlen=keys.SPANS_MAXLEN)
 
     async def tick(self) -> None:
         await self.execute(self.state.tick(time.time()))
@@ -309,7 +310,7 @@ class Dispatcher:
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec, run = settings.spec, settings.run
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
-        d = Dispatcher(bus, spec, run)
+        d = Dispatcher(bus, spec, run, settings.time_scale)
         me = d.instance
         server = MetricsServer(
             d.metrics.registry,
@@ -366,7 +367,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                     next_log += LOG_EVERY_S
                     log.info("dispatcher progress", **d.info())
                 try:
-                    async with asyncio.timeout(TICK_S):
+                    async with asyncio.timeout(d.state.tick_s):
                         await stop.wait()
                 except TimeoutError:
                     pass

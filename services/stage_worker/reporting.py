@@ -109,6 +109,7 @@ class Reporter:
                 batch_id=batch.batch_id,
                 progress=tuple(progress),
                 preempted=run.preempted,
+                at=time.time(),
             ),
         )
         # The snapshots this batch resumed from are not deleted here: the dispatcher deletes them

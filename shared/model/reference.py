@@ -91,12 +91,24 @@ def single_stage(spec: ClusterSpec) -> ClusterSpec:
     return msgspec.structs.replace(spec, parallelism=Parallelism(pp=1, dp=1, tp=1))
 
 
-def train_reference_for(spec: ClusterSpec) -> tuple[list[float], TrainingStage]:
+def train_reference_for(spec: ClusterSpec, iterations: int | None = None) -> tuple[list[float], TrainingStage]:
     """The reference on what a cluster spec trains: its model (the small GPT or `training.model`),
     data, seeds, optimizer and schedule, DP x microbatches of the same global batches (what the
-    live pipeline's results are compared with)."""
+    live pipeline's results are compared with).
+
+    `iterations`: how many to train (None: the spec's; a spec that trains until stopped needs it).
+    The schedule stays the spec's: the first `iterations` of a run that trains until stopped keep
+    `lr` (or decay to its `decay_iters`), as its workers do, where a spec rewritten to train
+    `iterations` would decay over them instead."""
     model = build_training_stage(single_stage(spec), 0)
-    losses, _ = train_model(model, load_corpus(spec), spec.training, dp=spec.parallelism.dp, seq_len=spec.model.seq_len)
+    losses, _ = train_model(
+        model,
+        load_corpus(spec),
+        spec.training,
+        dp=spec.parallelism.dp,
+        seq_len=spec.model.seq_len,
+        iterations=iterations,
+    )
     return losses, model
 
 

@@ -61,6 +61,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.config import ClusterSpec
 from shared.policies.decisions import (
     Batch,
     BatchItem,
@@ -88,14 +89,20 @@ from shared.status import FailureReason
 
 #: Bubble lengths remembered per worker, to size the batch staged for its next bubble.
 RECENT_BUBBLES = 8
-#: Work is staged only on a worker that had a bubble this recently: one that stopped training
-#: (run over, or dead) must not keep being handed requests.
+# The policy's own windows are sized against bubbles, so they are in device seconds: at a time
+# scale k, `DispatchState` stretches them by k like every device time of the spec (docs/config.md,
+# "Clocks"), and each keeps the share of a bubble it has at k = 1.
+#: Work is staged only on a worker that had a bubble this recently (device s): one that stopped
+#: training (run over, or dead) must not keep being handed requests.
 STAGE_WINDOW_S = 2.0
 #: A batch with no report this long after its predicted end is presumed lost with its worker
-#: (a live worker reports within one layer of its bubble's end: milliseconds).
+#: (device s; a live worker reports within one layer of its bubble's end: milliseconds).
 BATCH_GRACE_S = 3.0
-#: A bubble event older than this is history (read from the backlog after a restart), not news.
+#: A bubble event older than this is history (read from the backlog after a restart), not news
+#: (device s).
 STALE_BUBBLE_S = 1.0
+#: How often the service's timer feeds `tick` (device s): deadlines are kept to within this.
+TICK_S = 0.05
 
 
 @dataclass
@@ -188,6 +195,13 @@ class DispatchState:
     ahead_s: float = 0.0  # work kept outstanding in an open bubble beyond its budget
     enabled: bool = True  # BubbleTea off: bubbles are ignored, requests wait for their deadlines
     batch_prefix: str = "b"  # batch ids are <prefix>-<n>: unique per dispatcher incarnation
+    #: One device second lasts this many real seconds: the windows above (`STAGE_WINDOW_S`, ...)
+    #: are stretched by it; the durations given as arguments come stretched already (a scaled spec).
+    time_scale: float = 1.0
+    #: the windows in real seconds (set from the constants and `time_scale`)
+    stage_window_s: float = field(default=STAGE_WINDOW_S, init=False)
+    batch_grace_s: float = field(default=BATCH_GRACE_S, init=False)
+    stale_bubble_s: float = field(default=STALE_BUBBLE_S, init=False)
     requests: dict[str, Request] = field(default_factory=dict)
     bubbles: dict[str, Bubble] = field(default_factory=dict)
     #: per worker: predicted seconds (and KV bytes) of the batch staged for its next bubble
@@ -216,6 +230,42 @@ class DispatchState:
     def __post_init__(self) -> None:
         self._queue = WaitingQueue(self.order)
         self._room = RoomIndex()
+        k = self.time_scale
+        self.stage_window_s, self.batch_grace_s = STAGE_WINDOW_S * k, BATCH_GRACE_S * k
+        self.stale_bubble_s = STALE_BUBBLE_S * k
+
+    @classmethod
+    def for_spec(
+        cls, spec: ClusterSpec, layers: int, *, time_scale: float = 1.0, batch_prefix: str = "b"
+    ) -> DispatchState:
+        """The state a dispatcher (or the simulator) runs for `spec` (already scaled by
+        `time_scale`) serving a model of `layers` blocks."""
+        bt = spec.bubbletea
+        return cls(
+            layers=layers,
+            guard_s=bt.guard_ms / 1000,
+            overhead_s=bt.dispatch_overhead_ms / 1000,
+            max_batch=bt.max_batch_requests,
+            order=bt.order,
+            cost=PrefillCostModel.scaled(time_scale),
+            stage_next=bt.stage_ms > 0,
+            stage_s=bt.stage_ms / 1000,
+            hold_s=bt.hold_ms / 1000,
+            ahead_s=bt.keep_ahead_ms / 1000,
+            enabled=bt.enabled,
+            batch_prefix=batch_prefix,
+            time_scale=time_scale,
+        )
+
+    @property
+    def tick_s(self) -> float:
+        """How often the service should call `tick` (real s)."""
+        return TICK_S * self.time_scale
+
+    def work_for(self, worker: str) -> bool:
+        """Whether a bubble of `worker` opening now has work to take: requests wait in the queue,
+        or a batch is staged there (what the run's figures count a bubble 'with work' by)."""
+        return self._waiting > 0 or worker in self.staged
 
     # --- inputs ----------------------------------------------------------------------------
 
@@ -233,7 +283,7 @@ class DispatchState:
     def bubble_start(self, b: BubbleOpened, now: float) -> Decisions:
         if not self.enabled:
             return Decisions(ignored=(Ignored(f"bubble of {b.worker}", "BubbleTea is disabled in the spec"),))
-        if now - b.started > STALE_BUBBLE_S:
+        if now - b.started > self.stale_bubble_s:
             why = f"started {now - b.started:.1f}s ago: history (read from the backlog after a restart)"
             return Decisions(ignored=(Ignored(f"bubble of {b.worker}", why),))
         staged_s, staged_bytes = self.staged.pop(b.worker, (0.0, 0))
@@ -271,7 +321,7 @@ class DispatchState:
         without a round trip through the bus."""
         if not self.enabled:
             return Decisions(ignored=(Ignored(f"worker {j.worker}", "BubbleTea is disabled in the spec"),))
-        if now - j.at > STALE_BUBBLE_S:
+        if now - j.at > self.stale_bubble_s:
             why = f"joined {now - j.at:.1f}s ago: history (read from the backlog after a restart)"
             return Decisions(ignored=(Ignored(f"worker {j.worker}", why),))
         if j.worker in self.bubbles:  # a bubble of its previous life, whose end never came
@@ -479,7 +529,7 @@ class DispatchState:
         recent = self.recent.get(worker)
         if not self.stage_next or worker in self.staged or not recent or worker in self.bubbles:
             return None
-        if now - self.last_seen.get(worker, -1e18) > STAGE_WINDOW_S:
+        if now - self.last_seen.get(worker, -1e18) > self.stage_window_s:
             return None
         typical = sorted(recent)[len(recent) // 2]
         room = max(0.0, min(self.stage_s, typical - self.guard_s - self.overhead_s))
@@ -532,7 +582,7 @@ class DispatchState:
         batch_id = f"{self.batch_prefix}-{self.counts.batches}"
         batch = Batch(batch_id, worker, self.addresses[worker], tuple(items), hold, why)
         # A staged batch may wait on its worker for the next bubble to start.
-        report_by = now + batch.predicted_s + BATCH_GRACE_S + (self.hold_s if hold else 0.0)
+        report_by = now + batch.predicted_s + self.batch_grace_s + (self.hold_s if hold else 0.0)
         self.in_flight[batch.batch_id] = InFlight(worker, tuple(a.id for a in plan), report_by)
         return batch, kv_bytes
 

@@ -16,7 +16,7 @@ import numpy as np
 
 #: Weight of older reports decays by this factor per new report (memory of ~50 reports).
 FORGET = 0.98
-#: No prefill is predicted to take less than this (1 microsecond).
+#: No prefill is predicted to take less than this (1 microsecond of device time).
 MIN_SECONDS = 1e-6
 
 
@@ -56,6 +56,17 @@ class PrefillCostModel:
     _xty: list[float] = field(default_factory=lambda: [0.0] * 3)
     _coef: tuple[float, float, float] = (0.0, 0.0, 0.0)
     reports: int = 0
+    #: the least it predicts: `MIN_SECONDS` on the device's clock (stretched with the prior)
+    floor_s: float = MIN_SECONDS
+
+    @classmethod
+    def scaled(cls, time_scale: float) -> PrefillCostModel:
+        """A fresh model whose prior is on a device `time_scale` times slower (the prior is in
+        device seconds; reports come in real seconds of the scaled run)."""
+        model = cls()
+        if time_scale == 1:
+            return model
+        return cls(prior=[(t, s * time_scale) for t, s in model.prior], floor_s=MIN_SECONDS * time_scale)
 
     def __post_init__(self) -> None:
         for tokens, seconds in self.prior:
@@ -66,7 +77,7 @@ class PrefillCostModel:
         """Expected seconds for a whole prompt of `tokens` tokens (never negative)."""
         f = _features(tokens)
         fit = sum(c * x for c, x in zip(self._coef, f, strict=True))
-        return max(fit, MIN_SECONDS)  # a quadratic fit can dip below zero far from its data
+        return max(fit, self.floor_s)  # a quadratic fit can dip below zero far from its data
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A worker measured `seconds` for a whole prompt of `tokens` (or scaled from a partial run)."""

@@ -55,7 +55,10 @@ def test_the_spec_is_scaled_device_and_wan_together() -> None:
     assert s.prefill_ms_per_layer == pytest.approx(d.prefill_ms_per_layer * k)
     assert scaled.wan.default.latency_ms == pytest.approx(spec.wan.default.latency_ms * k)
     assert scaled.wan.default.bandwidth_gbps == pytest.approx(spec.wan.default.bandwidth_gbps / k)
-    assert scaled.bubbletea.guard_ms == spec.bubbletea.guard_ms  # the control plane's own real time
+    # the margins sized against bubbles keep their share of a bubble (docs/config.md, "Clocks")
+    assert scaled.bubbletea.guard_ms == pytest.approx(spec.bubbletea.guard_ms * k)
+    assert scaled.prefill.request_timeout_s == pytest.approx(spec.prefill.request_timeout_s * k)
+    assert scaled.bus == spec.bus  # host time: never stretched
     assert scaled.bubbletea.stage_ms == pytest.approx(spec.bubbletea.stage_ms * k)
     # a worker keeps staged work across the gaps between its bubbles, which stretch with the device
     assert scaled.bubbletea.hold_ms == pytest.approx(spec.bubbletea.hold_ms * k)
