@@ -23,7 +23,7 @@ from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, load_spec
 from shared.logs import setup_logging
 from shared.policies.placement import PlacementError
 from shared.settings import load_settings
-from shared.timescale import SHARE
+from shared.timescale import SHARE, WARN_SCALE
 
 T = TypeVar("T")
 
@@ -46,6 +46,23 @@ def _add_wan_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_scale_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-time-scale",
+        type=float,
+        metavar="K",
+        help="refuse to run if keeping the device profile on this machine would take a time scale above K "
+        "(default: no cap: a slow or busy machine runs at the scale it needs, with a warning above "
+        f"{WARN_SCALE:g}); BUBBLETEA_MAX_TIME_SCALE sets it too",
+    )
+
+
+def _scale_override(args: argparse.Namespace) -> None:
+    """`--max-time-scale K`, here and in what the command starts: through the environment."""
+    if args.max_time_scale is not None:
+        os.environ["BUBBLETEA_MAX_TIME_SCALE"] = f"{args.max_time_scale:g}"
+
+
 def _wan_override(args: argparse.Namespace) -> None:
     """`--wan MODE` overrides `wan.mode` here and in every process the command starts (they read
     the spec themselves): through the environment they inherit."""
@@ -55,6 +72,7 @@ def _wan_override(args: argparse.Namespace) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     _wan_override(args)
+    _scale_override(args)
     from bubbletea.launcher.demo import run_demo
 
     settings = load_settings(args.config)
@@ -64,6 +82,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     _wan_override(args)
+    _scale_override(args)
     import dataclasses
 
     from bubbletea.launcher.up import run_up
@@ -252,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
     _add_wan_argument(p)
+    _add_scale_argument(p)
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.set_defaults(func=_demo)
 
@@ -268,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
     _add_wan_argument(p)
+    _add_scale_argument(p)
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.add_argument(
         "--iterations",

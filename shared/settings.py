@@ -53,7 +53,7 @@ import msgspec
 
 from shared.config import MAX_ITERATIONS, UNTIL_STOPPED, ClusterSpec, ConfigError, Training, load_spec
 from shared.priority import PRIORITIES
-from shared.timescale import MAX_SCALE, scale_spec
+from shared.timescale import LIMIT_SCALE, scale_spec
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -111,6 +111,8 @@ class Settings:
     compute_priority: str = "low"
     #: One profiled ms lasts this many real ms (BUBBLETEA_TIME_SCALE; `spec` is already scaled).
     time_scale: float = 1.0
+    #: A launcher refuses a measured time scale above this (BUBBLETEA_MAX_TIME_SCALE); None = no cap.
+    max_time_scale: float | None = None
     #: `spec` before the time scale: what a launcher writes for the services it starts (they
     #: apply the scale themselves, from the environment they inherit).
     base_spec: ClusterSpec | None = None
@@ -161,6 +163,8 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         names = ", ".join(d.name for d in spec.datacenters)
         raise ConfigError(f"BUBBLETEA_DC: {dc!r} is not a datacenter of the spec (it has {names})")
     time_scale = _time_scale(env.get("BUBBLETEA_TIME_SCALE", "1"))
+    cap = env.get("BUBBLETEA_MAX_TIME_SCALE")
+    max_time_scale = _time_scale(cap, "BUBBLETEA_MAX_TIME_SCALE") if cap else None
     if iterations := env.get("BUBBLETEA_ITERATIONS"):
         spec = msgspec.structs.replace(spec, training=_iterations(spec, iterations))
     if decay := env.get("BUBBLETEA_DECAY_ITERS"):
@@ -203,18 +207,19 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         plane_host=_plane_host(env.get("BUBBLETEA_PLANE_HOST") or "127.0.0.1"),
         compute_priority=priority,
         time_scale=time_scale,
+        max_time_scale=max_time_scale,
         dc=dc,
         resume=Path(env["BUBBLETEA_RESUME"]) if env.get("BUBBLETEA_RESUME") else None,
     )
 
 
-def _time_scale(value: str) -> float:
+def _time_scale(value: str, var: str = "BUBBLETEA_TIME_SCALE") -> float:
     try:
         k = float(value)
     except ValueError:
         k = math.nan
-    if not (1 <= k <= MAX_SCALE):
-        raise ConfigError(f"BUBBLETEA_TIME_SCALE: expected a number from 1 to {MAX_SCALE:g}, got {value!r}")
+    if not (1 <= k <= LIMIT_SCALE):
+        raise ConfigError(f"{var}: expected a number from 1 to {LIMIT_SCALE:g}, got {value!r}")
     return k
 
 

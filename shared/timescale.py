@@ -11,7 +11,7 @@ So before a run the launcher measures what the real compute of the profiled oper
 with as many processes computing at once as there will be workers (`measure`), and picks the scale
 `k` (one profiled millisecond = k real milliseconds) that keeps every operation's real cost within
 `SHARE` of its scaled profiled time (`choose_scale`, pure). A profile that would need more than
-`MAX_SCALE` still runs at the scale it needs: the launcher warns once, naming the cost, unless the
+`WARN_SCALE` still runs at the scale it needs: the launcher warns once, naming the cost, unless the
 user set a cap (`--max-time-scale`), past which it is refused. The scale is applied to the spec
 (`scale_spec`, pure) by the clock each field declares (docs/config.md, "Clocks"): every device time
 (the profile, the WAN's latencies, and the margins and windows sized against bubbles: guard,
@@ -54,8 +54,13 @@ S = TypeVar("S", bound=msgspec.Struct)
 #: 0.8%; at 5.2 (this share), 0.1% and 0.3% (fill 0.92); at 8.1, 0.04% and 0.1%. The rest of the
 #: cores are the serving stack's.
 SHARE = 0.15
-#: A profile that would need a larger scale is refused: the machine cannot keep it.
-MAX_SCALE = 20.0
+#: Above this scale a run still runs, but warns once, naming what the profile costs here: the
+#: run takes that many times the device's time, and host-side latencies are that much smaller
+#: against its bubbles (the figures report them at k = 1: `control_share_*`).
+WARN_SCALE = 20.0
+#: The largest scale `BUBBLETEA_TIME_SCALE` may name (a sanity bound, not a policy: a cap a user
+#: wants is `--max-time-scale`).
+LIMIT_SCALE = 1000.0
 #: A prompt of this many tokens stands for a prefill block (the benchmark's load: ~96 tokens).
 PREFILL_TOKENS = 128
 #: Each operation is repeated this long by every process at once (and at least `MIN_REPS` times).
@@ -83,6 +88,8 @@ class Calibration:
     ops: tuple[OpCost, ...]
     processes: int
     why: str
+    #: set above `WARN_SCALE`: what keeping the profile costs on this machine
+    warning: str | None = None
 
     def line(self) -> str:
         """One line for the run's output."""
@@ -90,19 +97,25 @@ class Calibration:
         return f"device time scale {self.scale:g} ({self.why}; {costs}; {self.processes} processes at once)"
 
 
-def choose_scale(ops: list[OpCost], processes: int, share: float = SHARE, max_scale: float = MAX_SCALE) -> Calibration:
+def choose_scale(
+    ops: list[OpCost], processes: int, share: float = SHARE, max_scale: float | None = None
+) -> Calibration:
     """The smallest scale, at least 1 and rounded up to a tenth, at which every operation's real
-    cost is within `share` of its scaled profiled time. `ConfigError` past `max_scale`."""
+    cost is within `share` of its scaled profiled time. Above `WARN_SCALE` it says what that costs
+    (`Calibration.warning`); past a `max_scale` the user set, `ConfigError`."""
     if not ops:
         return Calibration(1.0, (), processes, "no device profile: every operation counts for its real time")
     worst = max(ops, key=lambda o: o.ratio)
     need = worst.ratio / share
-    if need > max_scale:
+    cost = (
+        f"{worst.name} takes {worst.real_ms:.2f} ms of real compute with {processes} processes computing at "
+        f"once, {worst.ratio:.1f}x its profiled {worst.profiled_ms:.2f} ms; keeping it within {share:.0%} "
+        f"takes a time scale of {need:.1f}"
+    )
+    if max_scale is not None and need > max_scale:
         raise ConfigError(
-            f"this machine cannot keep the device profile: {worst.name} takes {worst.real_ms:.2f} ms of real "
-            f"compute with {processes} processes computing at once, {worst.ratio:.1f}x its profiled "
-            f"{worst.profiled_ms:.2f} ms; keeping it within {share:.0%} would take a time scale of {need:.1f} "
-            f"(at most {max_scale:g}): profile a slower device or a smaller model"
+            f"this machine cannot keep the device profile within --max-time-scale {max_scale:g}: {cost}; "
+            "raise the cap, profile a slower device or a smaller model, or run on a quieter machine"
         )
     scale = max(1.0, math.ceil(need * 10) / 10)
     why = (
@@ -110,7 +123,13 @@ def choose_scale(ops: list[OpCost], processes: int, share: float = SHARE, max_sc
         if scale > 1
         else f"real compute within {share:.0%} of the profile without scaling"
     )
-    return Calibration(scale, tuple(ops), processes, why)
+    warning = None
+    if scale > WARN_SCALE:
+        warning = (
+            f"a slow or busy machine for this profile: {cost}, above {WARN_SCALE:g}; the run takes {scale:g}x "
+            "the device's time (set a cap with --max-time-scale)"
+        )
+    return Calibration(scale, tuple(ops), processes, why, warning)
 
 
 def field_clock(field_type: mi.Type) -> str | None:
@@ -276,11 +295,11 @@ def len_tokens(spec: ClusterSpec) -> int:
     return min(PREFILL_TOKENS, spec.prefill.max_prompt_tokens)
 
 
-def calibrate(spec: ClusterSpec, processes: int | None = None) -> Calibration:
+def calibrate(spec: ClusterSpec, processes: int | None = None, max_scale: float | None = None) -> Calibration:
     """Measure and choose (a run's launcher calls this before starting its workers)."""
     from shared.plan import profile_ms
 
     n = processes or spec.parallelism.pp * spec.parallelism.dp
     if profile_ms(spec) is None and not (spec.bubbletea.enabled and _prefill_profiled(spec)):
         return choose_scale([], n)  # nothing pads: nothing to keep
-    return choose_scale(measure(spec, max(1, min(n, 2 * (os.cpu_count() or 1)))), n)
+    return choose_scale(measure(spec, max(1, min(n, 2 * (os.cpu_count() or 1)))), n, max_scale=max_scale)

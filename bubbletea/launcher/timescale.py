@@ -12,16 +12,17 @@ from shared.timescale import calibrate
 
 
 async def pick_time_scale(settings: Settings, say: Callable[[str], None]) -> float:
-    """`BUBBLETEA_TIME_SCALE` when the user set it; otherwise measured on this machine (a profile it
-    cannot keep raises `ConfigError`, naming the operation). Exported to this process's environment,
-    which every service it starts inherits, and said in one line."""
+    """`BUBBLETEA_TIME_SCALE` when the user set it; otherwise measured on this machine: the scale it
+    needs, with one warning line naming the cost above `WARN_SCALE` (`ConfigError`, naming the
+    operation, only past a cap the user set: `settings.max_time_scale`). Exported to this process's
+    environment, which every service it starts inherits, and said in one line."""
     if os.environ.get("BUBBLETEA_TIME_SCALE"):
         say(f"==> device time scale {settings.time_scale:g} (BUBBLETEA_TIME_SCALE)")
         return settings.time_scale
     try:
-        cal = await asyncio.to_thread(calibrate, settings.spec)
+        cal = await asyncio.to_thread(calibrate, settings.spec, None, settings.max_time_scale)
     except ConfigError:
-        raise  # a profile this machine cannot keep: refused, saying why
+        raise  # past the user's cap: refused, saying why
     except Exception as exc:  # the measurement itself failed (e.g. a checkpoint that does not load)
         why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         os.environ["BUBBLETEA_TIME_SCALE"] = "1"
@@ -29,4 +30,6 @@ async def pick_time_scale(settings: Settings, say: Callable[[str], None]) -> flo
         return 1.0
     os.environ["BUBBLETEA_TIME_SCALE"] = f"{cal.scale:g}"
     say(f"==> {cal.line()}")
+    if cal.warning:
+        say(f"==> warning: {cal.warning}")
     return cal.scale
