@@ -63,8 +63,9 @@ test-stress: install
 demo: install
 	$(VENV)/bin/bubbletea demo
 
+# bench/_*.py are helpers, not benchmarks; bench/transport.py only runs the three bench/transport_*.py again
 bench: install
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b --quick || exit 1; done
+	@for b in bench/[!_]*.py; do [ $$b = bench/transport.py ] && continue; echo "== $$b"; $(PY) $$b --quick || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,126 @@
+"""KV cache fetch: a finished prefill's KV cache to a decoder, over the data plane against Redis.
+
+A 0.5 MiB KV cache (the demo model: 4 layers, d_model 64, a 256-token prompt) is fetched by a
+decoder (this process) from its holder, a separate process running a stage worker's `KvServer`
+over a `KvShelf`, over the data plane (`shared.dataplane.kv.fetch`: a group formed per fetch, as
+``prefill.kv_store: plane`` does), against a Redis GET of the same bytes. Each is timed in the
+fetcher from the request to the bytes in hand; 2 warm-up fetches, then N timed ones:
+``kv_fetch_ms_p50``, ``kv_fetch_ms_p99`` (nearest rank), ``kv_redis_get_ms_p50``.
+
+``valid``: every fetch, warm-ups included, returned the very bytes the holder holds for that
+request (each cache has contents of its own), and every GET the bytes set; ``why`` says which did
+not.
+
+    python bench/transport_kv.py            # 50 timed fetches
+    python bench/transport_kv.py --quick    # 20
+
+Human-readable lines on stderr, then one JSON object on the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from typing import Any
+
+import _common
+from _common import WARMUP, stderr
+
+from shared.bus import Bus
+from shared.dataplane import kv as kv_plane
+from shared.dataplane.kv import KvServer, KvShelf
+from shared.redis_server import EmbeddedRedis
+
+#: A KV cache of the demo model (4 layers, d_model 64; K and V, float32) for a 256-token prompt.
+KV_CACHE_BYTES = 8 * 4 * 256 * 64
+
+
+def cache_bytes(rid: str, size: int) -> bytes:
+    """The cache held for request `rid`: its name repeated (every cache differs from every other)."""
+    unit = f"{rid}|".encode()
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def holder_main(url: str, holder: str, ids: list[str], size: int, ready: Any) -> None:
+    """A stage worker's KV holder, alone in a process: `ids` held, served until terminated."""
+
+    async def serve() -> None:
+        async with Bus(url) as bus:
+            shelf = KvShelf(ttl_s=3600, budget_bytes=1 << 34)
+            for rid in ids:
+                shelf.put(rid, cache_bytes(rid, size), time.time())
+            server = KvServer(bus, url, holder, "127.0.0.1", shelf)
+            await server.start()
+            ready.set()
+            await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+async def run(repeat: int) -> dict[str, Any]:
+    """Every figure, ``valid`` and ``why``."""
+    stderr(f"KV cache fetch ({KV_CACHE_BYTES} B): data plane from the holder vs Redis GET")
+    ids = [f"kv{i}" for i in range(repeat + WARMUP)]
+    problems: list[str] = []
+    plane, redis_get = [], []
+    async with EmbeddedRedis() as server, Bus(server.url) as bus:
+        ready = mp.get_context("spawn").Event()
+        proc = _common.spawn_child(holder_main, (server.url, "bench", ids, KV_CACHE_BYTES, ready), "kv-holder")
+        try:
+            if not await asyncio.to_thread(ready.wait, 60):
+                raise TimeoutError("the KV holder was not serving within 60 s")
+            expected_get = cache_bytes("redis", KV_CACHE_BYTES)
+            await bus.redis.set("bench:kv", expected_get)
+            for i, rid in enumerate(ids):
+                t0 = time.perf_counter()
+                data, why = await kv_plane.fetch(bus, server.url, "bench", rid, "127.0.0.1", "bench")
+                t1 = time.perf_counter()
+                got = await bus.redis.get("bench:kv")
+                t2 = time.perf_counter()
+                if data != cache_bytes(rid, KV_CACHE_BYTES):
+                    problems.append(f"fetch {rid}: " + (why or f"{len(data or b'')} B, not its cache"))
+                if got != expected_get:
+                    problems.append(f"GET {i}: {len(got or b'')} B, not the bytes set")
+                if i >= WARMUP:
+                    plane.append(t1 - t0)
+                    redis_get.append(t2 - t1)
+        finally:
+            _common.stop_child(proc, 0)
+    p50, p99 = statistics.median(plane) * 1000, _common.p99(plane) * 1000
+    get50 = statistics.median(redis_get) * 1000
+    stderr(f"  plane fetch p50 {p50:.2f} ms, p99 {p99:.2f} ms; Redis GET p50 {get50:.2f} ms")
+    return {
+        "kv_bytes": KV_CACHE_BYTES,
+        "kv_fetch_ms_p50": round(p50, 2),
+        "kv_fetch_ms_p99": round(p99, 2),
+        "kv_redis_get_ms_p50": round(get50, 2),
+        **_common.verdict(problems, f"all {len(ids)} fetches and GETs returned their exact bytes"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="20 timed fetches")
+    ap.add_argument("--repeat", type=int, metavar="N", help="timed fetches (default 50; --quick 20)")
+    args = ap.parse_args(argv)
+    repeat = args.repeat if args.repeat is not None else (20 if args.quick else 50)
+    if repeat < 1:
+        ap.error("--repeat must be at least 1")
+    _common.stop_on_sigterm()
+    started = time.perf_counter()
+    try:
+        result = {"bench": "transport_kv", **asyncio.run(run(repeat))}
+    except KeyboardInterrupt:
+        stderr("interrupted: holder and redis-server stopped")
+        return 130
+    result.update(repeat=repeat, warmup=WARMUP, quick=args.quick, seconds=round(time.perf_counter() - started, 1))
+    _common.emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
