@@ -26,6 +26,7 @@ class FailureReason(enum.StrEnum):
     MODEL_REFUSED = "model_refused"  # the worker's model cannot run this prompt (e.g. another spec's limits)
     KV_MISSING = "kv_missing"  # the decoder found no KV cache for it (expired, or never stored)
     UNAVAILABLE = "unavailable"  # nothing can serve it: training finished, stopped or stalled (`ServingState`)
+    OVERLOADED = "overloaded"  # more prefill is queued ahead of it than the bubbles serve before its deadline
 
 
 class ItemOutcome(enum.StrEnum):

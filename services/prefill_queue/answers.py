@@ -61,8 +61,9 @@ def stopping_error(request_id: str) -> BadRequest:
 def raise_if_failed(r: PrefillResult) -> None:
     if not r.ok:
         status = FAILURE_STATUS[r.reason] if r.reason is not None else 500
-        retry = FAILED_RETRY_AFTER_S if status == 503 else None
-        raise BadRequest(f"the prefill failed: {r.error}", status=status, type_="server_error", retry_after_s=retry)
+        retry = FAILED_RETRY_AFTER_S if status in (429, 503) else None
+        type_ = "rate_limit_error" if status == 429 else "server_error"
+        raise BadRequest(f"the prefill failed: {r.error}", status=status, type_=type_, retry_after_s=retry)
 
 
 def head(completion_id: str, req: PrefillRequest, model: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ RETRY_AFTER_S = 1
 #: test keeps the two equal).
 KV_HANDLE_FORMAT = "safetensors:bubbletea-kv/1"
 
-#: How long a client whose request was failed with a 503 is told to wait (`Retry-After`).
+#: How long a client whose request was failed with a 503 or 429 is told to wait (`Retry-After`).
 FAILED_RETRY_AFTER_S = 5
 
 #: The HTTP status of a request that was failed explicitly, by its reason (every reason has one).
@@ -38,6 +38,7 @@ FAILURE_STATUS: dict[FailureReason, int] = {
     FailureReason.MODEL_REFUSED: 500,  # the serving model cannot run an accepted prompt: our fault
     FailureReason.KV_MISSING: 503,  # the prompt's KV cache expired before the decoder took it: retry
     FailureReason.UNAVAILABLE: 503,  # training finished, stopped or stalled: no bubble will come soon
+    FailureReason.OVERLOADED: 429,  # refused at once: the bubbles could not start it before its deadline
 }
 
 

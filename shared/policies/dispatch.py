@@ -24,6 +24,11 @@ and logs each one's why. The simulator feeds it the same inputs from a virtual c
   the budget: measured on 2 shared cores, keeping 8 ms ahead slowed training without raising the fill.
 * Packing uses the cost model's mean prediction: a misprediction costs at most one layer's time,
   because the worker yields at the next layer boundary when training input arrives.
+* **Admission** (`Admission`): a request that arrives behind more queued prefill than the bubbles
+  serve before its deadline is refused at once (`FailureReason.OVERLOADED`, a 429 with
+  Retry-After), not left to expire in the queue: past capacity the excess is turned away early
+  and what is admitted is served in time. The bubbles' rate is learned from the bubbles announced
+  over the last `RATE_WINDOW_S`; until that long has been seen, every request is admitted.
 * **Deadlines**: a request past its deadline that is not running in an open bubble is failed
   (`FailureReason.DEADLINE`); one a worker still runs finishes first.
 * **Nothing can serve** (`fail_waiting`, when the readiness gate of `readiness.py` says training
@@ -62,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.config import ClusterSpec
+from shared.policies.admission import Admission
 from shared.policies.decisions import (
     Batch,
     BatchItem,
@@ -103,6 +109,9 @@ BATCH_GRACE_S = 3.0
 STALE_BUBBLE_S = 1.0
 #: How often the service's timer feeds `tick` (device s): deadlines are kept to within this.
 TICK_S = 0.05
+#: The bubbles' serving rate is measured over this much of the recent past (device s): a few
+#: iterations of a pipeline, so it follows a change of load without jumping at each bubble.
+RATE_WINDOW_S = 2.0
 
 
 @dataclass
@@ -117,6 +126,7 @@ class Request:
     next_layer: int = 0
     in_bubble: str | None = None  # the worker running (or holding) it now, if any
     assigned_s: float = 0.0  # predicted seconds of the work it was last sent with
+    queued_s: float = 0.0  # while waiting: its predicted seconds as counted in the queue's total
 
 
 @dataclass(frozen=True)
@@ -174,6 +184,7 @@ class InFlight:
 @dataclass
 class Counts:
     requests: int = 0
+    overloaded: int = 0  # refused at arrival (`Admission`)
     batches: int = 0
     done: int = 0
     expired: int = 0
@@ -216,6 +227,9 @@ class DispatchState:
     # docstring); the decisions do not depend on them.
     #: requests with `in_bubble is None` (queued, not on any worker): nothing to pack costs O(1)
     _waiting: int = field(default=0, init=False, repr=False)
+    #: their predicted seconds, as each was counted when it joined the queue (for admission)
+    _queued_s: float = field(default=0.0, init=False, repr=False)
+    _admission: Admission = field(init=False, repr=False)
     #: the waiting requests in packing order
     _queue: WaitingQueue = field(init=False, repr=False)
     #: every open bubble's place in the visiting order: (started, opened rank, worker)
@@ -233,6 +247,7 @@ class DispatchState:
         k = self.time_scale
         self.stage_window_s, self.batch_grace_s = STAGE_WINDOW_S * k, BATCH_GRACE_S * k
         self.stale_bubble_s = STALE_BUBBLE_S * k
+        self._admission = Admission(RATE_WINDOW_S * k)
 
     @classmethod
     def for_spec(
@@ -272,11 +287,15 @@ class DispatchState:
     def add_request(self, req: Request, now: float) -> Decisions:
         if req.id in self.requests:  # a redelivered request is already known
             return Decisions(ignored=(Ignored(f"request {req.id}", "already queued or running"),))
+        if self.enabled and req.in_bubble is None and req.next_layer == 0:
+            why = self._admission.refusal(self._queued_s, self._remaining_s(req), req.deadline, now)
+            if why is not None:
+                self.counts.overloaded += 1
+                return Decisions(failed=(Failure(req.id, req.ticket, req.payload, FailureReason.OVERLOADED, why),))
         self.requests[req.id] = req
         self._queue.know(req.id, req.deadline, req.arrival)
         if req.in_bubble is None:
-            self._queue.put(req.id)
-            self._waiting += 1
+            self._enqueue(req)
         self.counts.requests += 1
         return self._fill_all(now, Trigger.REQUEST)
 
@@ -298,6 +317,7 @@ class DispatchState:
             b.worker, b.started, b.predicted_s, b.free_memory, sent_s=staged_s, sent_bytes=staged_bytes, tag=b.tag
         )
         self.recent.setdefault(b.worker, deque(maxlen=RECENT_BUBBLES)).append(b.predicted_s)
+        self._admission.bubble(b.started, budget(b.predicted_s, 0.0, self.guard_s, self.overhead_s))
         self.free_memory[b.worker] = b.free_memory
         self.last_seen[b.worker] = now
         self.addresses[b.worker] = b.address
@@ -358,8 +378,7 @@ class DispatchState:
                 del self.requests[p.id]
                 self._queue.forget(p.id)
             else:
-                self._queue.put(p.id)
-                self._waiting += 1
+                self._enqueue(req)
         self.counts.done += len(finished)
         return Decisions(finished=tuple(finished), spent=tuple(spent)) + self._fill_all(now, Trigger.REPORT)
 
@@ -410,7 +429,7 @@ class DispatchState:
             if r.in_bubble is not None:  # staged on a worker: no longer counts there
                 self._give_back(r.in_bubble, r)
             else:
-                self._waiting -= 1
+                self._dequeued(r)
             del self.requests[r.id]
             self._queue.forget(r.id)
         return tuple(Failure(r.id, r.ticket, r.payload, reason, detail(r)) for r in gone)
@@ -427,8 +446,7 @@ class DispatchState:
             back = [r for r in (self.requests.get(i) for i in b.ids) if r is not None and r.in_bubble == worker]
             for r in back:
                 r.in_bubble, r.assigned_s = None, 0.0
-                self._queue.put(r.id)
-            self._waiting += len(back)
+                self._enqueue(r)
             self.counts.requeued += len(back)
             lost.append(LostBatch(batch_id, worker, len(back), now - b.report_by))
         if worker in self.bubbles:
@@ -575,7 +593,7 @@ class DispatchState:
             r = self.requests[a.id]
             r.in_bubble, r.assigned_s = worker, a.seconds
             self._queue.take(a.id)
-            self._waiting -= 1
+            self._dequeued(r)
             items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds))
             kv_bytes += r.kv_bytes
         self.counts.batches += 1
@@ -585,6 +603,24 @@ class DispatchState:
         report_by = now + batch.predicted_s + self.batch_grace_s + (self.hold_s if hold else 0.0)
         self.in_flight[batch.batch_id] = InFlight(worker, tuple(a.id for a in plan), report_by)
         return batch, kv_bytes
+
+    def _remaining_s(self, req: Request) -> float:
+        """The predicted seconds of what `req` has left to run."""
+        return self.cost.predict(req.tokens) * (self.layers - req.next_layer) / self.layers
+
+    def _enqueue(self, req: Request) -> None:
+        """`req` waits in the queue (again)."""
+        self._queue.put(req.id)
+        self._waiting += 1
+        req.queued_s = self._remaining_s(req)
+        self._queued_s += req.queued_s
+
+    def _dequeued(self, req: Request) -> None:
+        """`req` left the queue (sent to a worker, or failed); the queue's own `take`/`forget` is
+        the caller's."""
+        self._waiting -= 1
+        self._queued_s = max(0.0, self._queued_s - req.queued_s) if self._waiting else 0.0
+        req.queued_s = 0.0
 
     def _give_back(self, worker: str, req: Request) -> None:
         """A request left `worker` (reported or requeued): its share no longer counts there."""

@@ -145,7 +145,11 @@ async def test_a_failed_completion_answers_the_http_status_of_its_reason(
     failed = PrefillResult(id=req.id, status=RequestStatus.FAILED, reason=reason, error=f"it failed: {reason}")
     assert await serving.answer(redis, failed, req.reply_to)
     resp = await asyncio.wait_for(call, 60)
-    assert resp.status == FAILURE_STATUS[reason] and resp.status >= 500
+    assert resp.status == FAILURE_STATUS[reason]
+    # every failure is the server's (5xx) except a refusal for load: 429, with when to come back
+    assert resp.status >= 500 or (reason is FailureReason.OVERLOADED and resp.status == 429)
+    if resp.status in (429, 503):
+        assert int(resp.headers["Retry-After"]) > 0
     assert (await resp.json())["error"]["message"] == f"the prefill failed: it failed: {reason}"
 
 

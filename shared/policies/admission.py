@@ -1,0 +1,56 @@
+"""Admission (pure): may a request join the prefill queue, or would it wait past its deadline?
+
+The bubbles serve prefill at a rate: the usable seconds of the bubbles workers announced over the
+last `window_s` (each bubble's predicted length less the guard and dispatch overhead), per second.
+A request arriving behind `queued_s` of predicted prefill would start, at that rate, after about
+`queued_s / rate`; if that and its own predicted time end past its deadline, it is refused now
+(`FailureReason.OVERLOADED`: the front door answers 429 with Retry-After), rather than queued to
+expire there (a 504 after a wait). Past capacity the excess is turned away early, and what is
+admitted is served in time. Until `window_s` of bubbles has been seen there is no rate, and every
+request is admitted; likewise when no bubble came in the window (a paused pipeline is the
+readiness gate's call, not admission's).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Admission:
+    window_s: float  # real seconds of bubbles the rate is measured over
+    #: (when it started, its usable seconds) for the bubbles of the window, oldest first
+    _bubbles: deque[tuple[float, float]] = field(default_factory=deque)
+    _usable_s: float = 0.0  # the sum of the window's usable seconds
+    _first: float | None = None  # when the first bubble was seen
+
+    def bubble(self, started: float, usable_s: float) -> None:
+        """A bubble opened at `started` offering `usable_s` seconds to prefill."""
+        if self._first is None:
+            self._first = started
+        self._bubbles.append((started, usable_s))
+        self._usable_s += usable_s
+
+    def rate(self, now: float) -> float | None:
+        """Usable bubble seconds per second over the window; None before a whole window was seen
+        or when nothing came in it."""
+        while self._bubbles and self._bubbles[0][0] < now - self.window_s:
+            self._usable_s -= self._bubbles.popleft()[1]
+        if self._first is None or now - self._first < self.window_s or not self._bubbles:
+            return None
+        return max(0.0, self._usable_s) / self.window_s
+
+    def refusal(self, queued_s: float, own_s: float, deadline: float | None, now: float) -> str | None:
+        """Why a request of `own_s` predicted seconds, arriving behind `queued_s`, cannot be served
+        before `deadline`; None to admit it."""
+        rate = self.rate(now)
+        if deadline is None or not rate:
+            return None
+        done_in = (queued_s + own_s) / rate
+        if now + done_in <= deadline:
+            return None
+        return (
+            f"overloaded: {queued_s:.2f}s of prefill queued ahead and the bubbles serve {rate:.2f}s of it per "
+            f"second: it would finish in about {done_in:.2f}s, past its deadline in {max(0.0, deadline - now):.2f}s"
+        )
