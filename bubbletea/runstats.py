@@ -9,10 +9,16 @@ The demo's table (summary.json), `bubbletea up`'s summary, the report's utilizat
 * **per-worker usage** (`worker_usage`): seconds of the window spent training (fwd, bwd,
   all-reduce, step), on prefill, on other work, idle, and waiting for a peer (the bubbles).
 * **utilization**: (training + prefill) / window per worker, the mean over workers.
-* **bubble fraction**: wait time / window per worker, the mean over workers.
-* **fill ratio**: prefill time / wait time (mean prefill share / mean wait share): how much of the
-  bubbles BubbleTea used.
-* **dispatch latency**: bubble start on the worker to the first prefill of that bubble running.
+* **bubble**: a `wait` span from its start to the arrival of the training input it awaited
+  (`input_at`); the rest of the span, where prefill ran on past that arrival, is **overrun**: it
+  delayed training, and it is neither bubble nor fill.
+* **bubble fraction**: bubble time / window per worker, the mean over workers.
+* **fill ratio**: prefill time inside the bubbles / bubble time (mean filled share / mean bubble
+  share): how much of the bubbles BubbleTea used. Prefill during overrun does not count.
+* **overrun** (`overrun_ms_total`): per bubble with prefill in it, training input arrived to
+  training resumed, summed.
+* the per-bubble dispatch figures (every bubble that opened with work, filled or not) are in
+  `bubbletea/bubblestats.py`.
 
 Each time is the length of a union of intervals, so nothing is counted twice; training, prefill and
 other work are resolved by priority (training > prefill > other; the rest is idle). A worker does
@@ -123,13 +129,15 @@ USAGE_PARTS: tuple[UsagePart, ...] = ("training", "prefill", "other", "idle")
 
 class Usage(TypedDict):
     """How one worker spent a window, in seconds. training + prefill + other + idle == total;
-    wait (the bubbles, filled or not) overlaps prefill and idle and is not one of the parts."""
+    wait (the bubbles, filled or not, up to their input's arrival) overlaps prefill and idle and is
+    not one of the parts; filled is the prefill inside them."""
 
     training: float
     prefill: float
     other: float
     idle: float
     wait: float
+    filled: float
     total: float
 
 
@@ -171,10 +179,17 @@ def worker_usage(spans: Sequence[Span], window: Window | None = None) -> dict[st
         raise ValueError(f"window ends before it starts: {lo} .. {hi}")
     by_class: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for span in spans:
-        start, end = max(span.start, lo), min(span.end, hi)
+        end = bubble_end(span) if span.kind == "wait" else span.end
+        start, end = max(span.start, lo), min(end, hi)
         if end > start:
             by_class[span.worker][_usage_class(span.kind)].append((start, end))
     return {worker: _usage(by_class[worker], hi - lo) for worker in worker_order(spans)}
+
+
+def bubble_end(wait: Span) -> float:
+    """Where a wait span's bubble ends: when the training input it awaited arrived (the span's end
+    when that is not known, or came later: a span never grows)."""
+    return min(wait.end, wait.input_at) if wait.input_at is not None else wait.end
 
 
 def _usage_class(kind: str) -> str:
@@ -185,6 +200,7 @@ def _usage_class(kind: str) -> str:
 
 def _usage(intervals: dict[str, list[tuple[float, float]]], total: float) -> Usage:
     training = union_length(intervals["training"])
+    wait, prefill = union_length(intervals["wait"]), union_length(intervals["prefill"])
     with_prefill = union_length(intervals["training"] + intervals["prefill"])
     busy = union_length(intervals["training"] + intervals["prefill"] + intervals["other"])
     return Usage(
@@ -192,7 +208,8 @@ def _usage(intervals: dict[str, list[tuple[float, float]]], total: float) -> Usa
         prefill=max(0.0, with_prefill - training),
         other=max(0.0, busy - with_prefill),
         idle=max(0.0, total - busy),
-        wait=union_length(intervals["wait"]),
+        wait=wait,
+        filled=max(0.0, wait + prefill - union_length(intervals["wait"] + intervals["prefill"])),
         total=total,
     )
 
@@ -204,7 +221,7 @@ def steady_usage(spans: Sequence[Span]) -> dict[str, Usage]:
     return worker_usage(kept, full_window(kept)) if kept else {}
 
 
-def share(usage: Usage, part: Literal["training", "prefill", "other", "idle", "wait"]) -> float:
+def share(usage: Usage, part: Literal["training", "prefill", "other", "idle", "wait", "filled"]) -> float:
     """A part of one worker's usage as a share of its window (0 for an empty window)."""
     return usage[part] / usage["total"] if usage["total"] > 0 else 0.0
 
@@ -216,8 +233,8 @@ def share(usage: Usage, part: Literal["training", "prefill", "other", "idle", "w
 class Utilization:
     training: float  # mean over workers of training time / window
     prefill: float  # mean over workers of prefill time / window
-    bubble: float  # mean over workers of wait time / window: the bubble fraction
-    fill_ratio: float  # prefill time / wait time (0 when there were no bubbles)
+    bubble: float  # mean over workers of bubble time / window: the bubble fraction
+    fill_ratio: float  # prefill time inside bubbles / bubble time (0 when there were no bubbles)
     window_s: float
     workers: int
 
@@ -236,55 +253,9 @@ def utilization(spans: Iterable[Span]) -> Utilization:
     training = sum(share(u, "training") for u in usage) / n
     prefill = sum(share(u, "prefill") for u in usage) / n
     wait = sum(share(u, "wait") for u in usage) / n
-    fill = (prefill / wait) if wait > 0 else 0.0
+    filled = sum(share(u, "filled") for u in usage) / n
+    fill = (filled / wait) if wait > 0 else 0.0
     return Utilization(training, prefill, wait, fill, usage[0]["total"], n)
-
-
-def dispatch_latencies_ms(spans: Iterable[Span]) -> list[float]:
-    """Per filled bubble: its start (a `wait` span's start) to the first prefill running in it, ms.
-    (Read from spans, not reports: the report stream is a work queue, trimmed once consumed.)"""
-    by_worker: dict[tuple[int, int], list[Span]] = defaultdict(list)
-    for s in spans:
-        if s.kind in ("wait", "prefill"):
-            by_worker[(s.replica, s.stage)].append(s)
-    out = []
-    for seq in by_worker.values():
-        seq.sort(key=lambda s: (s.start, s.kind != "wait"))  # a wait before a prefill starting with it
-        wait: Span | None = None
-        for s in seq:
-            if s.kind == "wait":
-                wait = s
-            elif wait is not None and wait.start <= s.start <= wait.end:
-                out.append((s.start - wait.start) * 1000)
-                wait = None  # only the bubble's first prefill
-    return out
-
-
-def prediction_errors_ms(spans: Iterable[Span]) -> list[float]:
-    """Per bubble of the steady window (a `wait` span announced with a prediction): |actual length
-    - predicted length|, ms. How far the length a worker announced was from the bubble it had."""
-    return [
-        abs(s.duration * 1000 - s.predicted_ms)
-        for s in steady(spans)
-        if s.kind == "wait" and s.predicted_ms is not None
-    ]
-
-
-def overruns_ms(spans: Iterable[Span]) -> list[float]:
-    """Per filled bubble (a `wait` span with prefill inside it): training input arrived to training
-    resumed (the wait's end), ms. What filling the bubble cost training; 0 when prefill had
-    stopped before the input came."""
-    by_worker: dict[str, list[Span]] = defaultdict(list)
-    for s in spans:
-        if s.kind == "prefill":
-            by_worker[s.worker].append(s)
-    out = []
-    for w in steady(spans):
-        if w.kind != "wait" or w.input_at is None:
-            continue
-        if any(w.start <= p.start < w.end for p in by_worker.get(w.worker, ())):
-            out.append(max(0.0, (w.end - w.input_at) * 1000))
-    return out
 
 
 def prefill_lag_share(prefill_lag_ms: float, spans: Iterable[Span]) -> float:

@@ -13,9 +13,6 @@ from bubbletea.report.write import usage_by_run
 from bubbletea.runstats import (
     TRAINING_KINDS,
     Span,
-    dispatch_latencies_ms,
-    overruns_ms,
-    prediction_errors_ms,
     share,
     span_dict,
     steady,
@@ -145,34 +142,3 @@ def test_span_from_record_and_back() -> None:
         "end": 1000.625,
         "microbatch": None,
     }
-
-
-def test_dispatch_latency_is_bubble_start_to_its_first_prefill() -> None:
-    got = dispatch_latencies_ms(spans())
-    assert len(got) == 12  # one filled bubble per worker per iteration
-    assert sorted(set(got)) == pytest.approx([62.5])  # 0.1875 - 0.125 and 0.5625 - 0.5
-
-
-def wait(worker: int, start: float, end: float, *, predicted_ms: float, input_at: float, it: int = 1) -> Span:
-    return Span(worker, 0, it, "wait", start, end, None, predicted_ms, input_at)
-
-
-def test_prediction_error_is_the_gap_between_announced_and_real_bubble_length() -> None:
-    spans = [
-        wait(0, 1.000, 1.050, predicted_ms=40.0, input_at=1.049),  # 10 ms longer than announced
-        wait(0, 2.000, 2.030, predicted_ms=40.0, input_at=2.030),  # 10 ms shorter
-        wait(0, 3.000, 3.020, predicted_ms=20.0, input_at=3.020, it=0),  # warm-up: left out
-        Span(0, 0, 1, "fwd", 1.050, 1.060),
-    ]
-    assert prediction_errors_ms(spans) == pytest.approx([10.0, 10.0])
-
-
-def test_overrun_is_input_arrival_to_training_resumed_in_filled_bubbles_only() -> None:
-    spans = [
-        wait(0, 1.000, 1.050, predicted_ms=40.0, input_at=1.047),  # filled: resumed 3 ms late
-        Span(0, 0, 1, "prefill", 1.001, 1.050),
-        wait(0, 2.000, 2.030, predicted_ms=40.0, input_at=2.030),  # filled, prefill stopped in time
-        Span(0, 0, 1, "prefill", 2.001, 2.020),
-        wait(1, 1.000, 1.050, predicted_ms=40.0, input_at=1.040),  # not filled: no overrun counted
-    ]
-    assert overruns_ms(spans) == pytest.approx([3.0, 0.0])

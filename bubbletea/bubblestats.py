@@ -1,0 +1,131 @@
+"""The per-bubble figures of a run: every bubble counted, filled or not, and the control plane's
+latency on the clock of the device it stands for.
+
+A bubble is a worker's `wait` span (`runstats.bubble_end`: it ends when the awaited input arrives).
+The dispatcher records, for each bubble start it handles, whether work was waiting for that
+worker as it opened (requests queued, or a batch staged there), and, for each batch report, when
+the worker sent it (`ControlSeen`, on the run's spans stream). From those:
+
+* **dispatch latency** (`BubbleDispatch.latencies_ms`): one value per bubble that opened with work:
+  its start to its first prefill running, or, if no prefill ran in it, its whole length. A bubble
+  that opened with nothing waiting is counted in `total` only: there was nothing to dispatch.
+  `total`, `with_work` and `filled` (a prefill ran in it) are reported beside the percentiles.
+* **control share**: a host-side latency (bubble start on the worker to prefill running on it, in a
+  bubble with work that was filled; a batch report sent to the dispatcher handling it) over the
+  mean bubble in device time: the share of a bubble it would take at time scale k = 1, since the
+  host's latencies do not stretch with k (docs/config.md, "Clocks").
+* **prediction error**, **overrun**: per bubble, |actual - predicted| length; input arrived to
+  training resumed where prefill ran in it.
+
+Latencies are real (host) milliseconds; bubble lengths are real milliseconds of a run at scale k.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from bubbletea.runstats import Span, bubble_end, read_stream, steady
+from shared import keys
+from shared.status import ControlEvent
+from shared.wire import ControlSeen
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+
+async def run_control(r: Redis, run: str) -> list[ControlSeen]:
+    """Every `ControlSeen` the run's dispatcher recorded."""
+    return [m for m in await read_stream(r, keys.spans_stream(run)) if isinstance(m, ControlSeen)]
+
+
+@dataclass(frozen=True)
+class BubbleDispatch:
+    """Every bubble of a run, and how soon prefill ran in those that opened with work."""
+
+    total: int
+    with_work: int
+    filled: int  # bubbles with a prefill running in them (with work or not: staged work can run)
+    #: per bubble with work: start to its first prefill running, else its whole length (ms)
+    latencies_ms: tuple[float, ...]
+    #: per bubble with work that was filled: start to its first prefill running (ms)
+    filled_latencies_ms: tuple[float, ...]
+
+
+def bubble_dispatch(spans: Iterable[Span], seen: Iterable[ControlSeen]) -> BubbleDispatch:
+    """The dispatch figures over every `wait` span in `spans`. A bubble the dispatcher left no
+    record of (its start was never handled) counts as one with work: unknown is not a pass."""
+    opened = {(c.worker, c.at): c.with_work for c in seen if c.event is ControlEvent.BUBBLE_START}
+    prefills = _prefills_by_worker(spans)
+    total = with_work = filled = 0
+    latencies, filled_latencies = [], []
+    for w in (s for s in spans if s.kind == "wait"):
+        total += 1
+        first = next((p.start for p in prefills.get(w.worker, ()) if w.start <= p.start <= w.end), None)
+        filled += first is not None
+        if not opened.get((w.worker, w.start), True):
+            continue
+        with_work += 1
+        if first is None:
+            latencies.append((bubble_end(w) - w.start) * 1000)
+        else:
+            latencies.append((first - w.start) * 1000)
+            filled_latencies.append((first - w.start) * 1000)
+    return BubbleDispatch(total, with_work, filled, tuple(latencies), tuple(filled_latencies))
+
+
+def report_latencies_ms(seen: Iterable[ControlSeen]) -> list[float]:
+    """Per batch report: the worker sent it to the dispatcher handling it (ms)."""
+    return [(c.seen - c.at) * 1000 for c in seen if c.event is ControlEvent.REPORT]
+
+
+def mean_bubble_ms(spans: Iterable[Span]) -> float:
+    """The mean bubble of `spans` (start to its input's arrival), real ms; 0 without bubbles."""
+    lengths = [bubble_end(s) - s.start for s in spans if s.kind == "wait"]
+    return 1000 * sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def control_shares(latencies_ms: Sequence[float], mean_bubble_real_ms: float, time_scale: float) -> list[float]:
+    """Host-side latencies as shares of the mean bubble *in device time* (real ms / k): what each
+    would take of a bubble on the device the run stands for, at k = 1."""
+    if mean_bubble_real_ms <= 0:
+        return []
+    device_ms = mean_bubble_real_ms / time_scale
+    return [x / device_ms for x in latencies_ms]
+
+
+def _prefills_by_worker(spans: Iterable[Span]) -> dict[str, list[Span]]:
+    by_worker: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.kind == "prefill":
+            by_worker[s.worker].append(s)
+    for seq in by_worker.values():
+        seq.sort(key=lambda s: s.start)
+    return by_worker
+
+
+def prediction_errors_ms(spans: Iterable[Span]) -> list[float]:
+    """Per bubble of the steady window (a `wait` span announced with a prediction): |actual length
+    - predicted length|, ms. How far the length a worker announced was from the bubble it had."""
+    return [
+        abs(s.duration * 1000 - s.predicted_ms)
+        for s in steady(spans)
+        if s.kind == "wait" and s.predicted_ms is not None
+    ]
+
+
+def overruns_ms(spans: Iterable[Span]) -> list[float]:
+    """Per filled bubble (a `wait` span with prefill inside it): training input arrived to training
+    resumed (the wait's end), ms. What filling the bubble cost training; 0 when prefill had
+    stopped before the input came. Their sum is the run's `overrun_ms_total`."""
+    spans = list(spans)
+    prefills = _prefills_by_worker(spans)
+    out = []
+    for w in steady(spans):
+        if w.kind != "wait" or w.input_at is None:
+            continue
+        if any(w.start <= p.start < w.end for p in prefills.get(w.worker, ())):
+            out.append(max(0.0, (w.end - w.input_at) * 1000))
+    return out
