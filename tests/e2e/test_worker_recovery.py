@@ -1,5 +1,7 @@
 """Training survives a lost worker: kill -9 one, start a replacement, and the run resumes from the
-newest common checkpoint with exactly the losses of a run that never stopped.
+newest common checkpoint with exactly the losses of a run that never stopped: a run of a number of
+iterations, and one that trains until stopped (as `bubbletea up` runs it) with its learning-rate
+horizon, checked as bench/chaos.py checks it.
 
 The broker and PP x DP stage workers run as real processes over a real redis-server; the
 reference trains the full model in this process on the same global batches.
@@ -16,8 +18,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from redis.asyncio import Redis
 
-from bubbletea.launcher.procs import spawn, stop_all
+from bench import chaos
+from bubbletea.launcher.procs import Proc, spawn, stop_all
 from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER
 from shared import keys
 from shared.bus.connection import blocking_client
@@ -32,35 +36,55 @@ pytestmark = pytest.mark.e2e
 #: Far more than the kill point (iteration 4), so the run is still training when the kill lands
 #: however late this process reads the event on a busy machine.
 ITERATIONS = 12
+#: The until-stopped run's cosine learning rate ends here (`decay_iters`, what `bubbletea up` gets
+#: from BUBBLETEA_DECAY_ITERS): past the kill point, so the resumed iterations see the rate change.
+HORIZON = 8
+
+
+def write_spec(tmp_path: Path, **training: object) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({**SPEC, "training": {**SPEC["training"], **training}}))  # type: ignore[dict-item]
+    return path
+
+
+async def start_run(url: str, path: Path) -> tuple[str, dict[str, str], list[Proc]]:
+    """The broker and one stage worker per slot (PP=2 x DP=2) on the spec at `path`."""
+    run = f"rec{uuid.uuid4().hex[:6]}"
+    env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": run}
+    procs = [await spawn(WAN_BROKER, env, out=io.StringIO())]
+    procs += [await spawn(STAGE_WORKER, env, out=io.StringIO()) for _ in range(4)]
+    return run, env, procs
+
+
+async def kill_a_worker_and_replace_it(r: Redis, run: str, env: dict[str, str], procs: list[Proc]) -> tuple[str, str]:
+    """Once some worker finished iteration 4 (checkpoints of iterations 1 and 3 exist), kill -9 the
+    first worker and start a replacement (appended to `procs`). Returns the victim's slot and the
+    events stream's cursor as of the kill (what was reported before it)."""
+    cursor = "0"
+    while True:
+        reply = await r.xread({keys.events_stream(run): cursor}, block=120_000)
+        assert reply, "training never got to iteration 4"
+        cursor = reply[0][1][-1][0]
+        if any(isinstance(m := decode(f[b"m"]), IterationDone) and m.iteration >= 4 for _, f in reply[0][1]):
+            break
+    victim = procs[1]
+    slot = next(m.group(1) for line in victim.tail if (m := re.search(r"slot leased.*slot=(r\d+s\d+)", line)))
+    assert victim.proc.returncode is None, "the victim finished training before it could be killed"
+    victim.proc.kill()
+    await victim.proc.wait()
+    procs.append(await spawn(STAGE_WORKER, env, out=io.StringIO()))
+    return slot, cursor
 
 
 async def test_a_replaced_worker_resumes_the_run_with_uninterrupted_losses(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
-    training = {**SPEC["training"], "iterations": ITERATIONS, "checkpoint_every": 2}  # type: ignore[dict-item]
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump({**SPEC, "training": training}))
-    run = f"rec{uuid.uuid4().hex[:6]}"
-    env = {"REDIS_URL": redis_server.url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": run}
-    procs = [await spawn(WAN_BROKER, env, out=io.StringIO())]
-    procs += [await spawn(STAGE_WORKER, env, out=io.StringIO()) for _ in range(4)]
+    path = write_spec(tmp_path, iterations=ITERATIONS, checkpoint_every=2)
+    run, env, procs = await start_run(redis_server.url, path)
     r = blocking_client(redis_server.url)  # no socket timeout cutting the long blocking reads
     try:
-        # kill a worker once some worker finished iteration 4 (checkpoints of iterations 1 and 3 exist)
-        cursor = "0"
-        while True:
-            reply = await r.xread({keys.events_stream(run): cursor}, block=120_000)
-            assert reply, "training never got to iteration 4"
-            cursor = reply[0][1][-1][0]
-            if any(isinstance(m := decode(f[b"m"]), IterationDone) and m.iteration >= 4 for _, f in reply[0][1]):
-                break
-        victim = procs[1]
-        slot = next(m.group(1) for line in victim.tail if (m := re.search(r"slot leased.*slot=(r\d+s\d+)", line)))
-        assert victim.proc.returncode is None, "the victim finished training before it could be killed"
-        victim.proc.kill()
-        await victim.proc.wait()
-        replacement = await spawn(STAGE_WORKER, env, out=io.StringIO())
-        procs.append(replacement)
+        slot, _ = await kill_a_worker_and_replace_it(r, run, env, procs)
+        replacement = procs[-1]
         workers = [*procs[2:5], replacement]
         codes = await asyncio.wait_for(asyncio.gather(*(p.proc.wait() for p in workers)), 240)
         assert codes == [0, 0, 0, 0], "\n".join(line for p in workers for line in p.tail[-10:])
@@ -95,3 +119,45 @@ async def test_a_replaced_worker_resumes_the_run_with_uninterrupted_losses(
     ]
     expected, _ = train_reference_for(load_settings(path, env={}).spec)
     assert losses == pytest.approx(expected, abs=1e-5)
+
+
+async def test_a_run_trained_until_stopped_resumes_on_its_learning_rate_schedule(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """`bubbletea up`'s training (until stopped, the cosine ending at its horizon) resumed after a
+    lost worker trains what an uninterrupted run does, as bench/chaos.py checks it: the run's losses
+    against the reference of the spec the run trained, over its first iterations."""
+    path = write_spec(tmp_path, iterations="until_stopped", decay_iters=HORIZON, checkpoint_every=2)
+    spec = load_settings(path, env={}).spec
+    run, env, procs = await start_run(redis_server.url, path)
+    r = blocking_client(redis_server.url)
+    try:
+        _, cursor = await kill_a_worker_and_replace_it(r, run, env, procs)
+        killed_in = max(m.generation for m in await done_reports(r, run, "-", cursor))
+        # train on until both replicas' losses in the resumed generation reach past the horizon
+        reached: dict[int, int] = {}
+        while len(reached) < 2 or min(reached.values()) <= HORIZON:
+            reply = await r.xread({keys.events_stream(run): cursor}, block=120_000)
+            assert reply, f"the resumed run stalled: {reached}"
+            cursor = reply[0][1][-1][0]
+            for _, f in reply[0][1]:
+                if isinstance(m := decode(f[b"m"]), IterationDone) and m.loss is not None and m.generation > killed_in:
+                    reached[m.replica] = max(reached.get(m.replica, -1), m.iteration)
+        done = await done_reports(r, run, "-", "+")
+    finally:
+        await r.aclose()
+        await stop_all(procs)
+
+    figures = chaos.training_figures(done, spec)
+    assert figures["training_resumed"] and figures["iterations_trained_twice"] > 0, figures
+    assert figures["iterations_checked"] > HORIZON + 1, figures  # the decay and the floor after it
+    assert figures["losses_equal"], figures
+    assert chaos.verdict(figures, lost=0, duplicated=0, up_exit_code=0)["valid"]
+
+
+async def done_reports(r: Redis, run: str, first: str, last: str) -> list[IterationDone]:
+    return [
+        m
+        for _, f in await r.xrange(keys.events_stream(run), first, last)
+        if isinstance(m := decode(f[b"m"]), IterationDone)
+    ]
