@@ -1,46 +1,48 @@
-"""BubbleTea benchmark: the same training run with prefill in its bubbles off and on, in pairs.
+"""BubbleTea benchmark: the same training run with prefill in its bubbles off and on, in pairs,
+under an open-loop load at a stated share of the bubbles' capacity.
 
 Every run uses the same spec and seed (WAN-bound, with a training device profile:
-configs/wan-bound.yaml) over real services on a private redis-server. With BubbleTea on, the load
-generator (its own process) keeps `--concurrency` prefill requests in flight over real HTTP
-(`POST /v1/completions`, closed loop) for the whole run, so requests are waiting whenever a bubble
-opens: it starts once the workers hold their slots (requests wait while they set up) and lasts as long
-as the run with BubbleTea off took from its launch; should it end later than the spec's iterations,
-training goes on until it is done, and those extra iterations are left out of every figure. Runs
-go off, on, off, on, ... (`--pairs` interleaved pairs, so slow drift of a shared machine
-hits both sides); a case's figure is the median over its pairs, and latency percentiles are over
-the bubbles of all its pairs.
+configs/wan-bound.yaml) over real services on a private redis-server. A pair is a run with
+BubbleTea off, then one with it on (`_harness.interleave`: off, on, off, on, ...). The off run
+gives the **capacity**: the prompt tokens per second its bubbles could hold (its bubble seconds per
+second over every worker, over what a ~96-token prompt costs on the prefill profile;
+`_harness.capacity_tokens_per_s`). With BubbleTea on, the load generator (its own process) sends
+requests over real HTTP (`POST /v1/completions`) as Poisson arrivals at `--load` times that
+capacity (default 0.8), open loop, from the moment the workers hold their slots until as long as
+the off run took; training goes on until it is done, and the extra iterations are left out of
+every figure. Each request's deadline is the TTFT objective (`--ttft-slo-ms`, device ms, default
+1000): past capacity the dispatcher refuses what it could not start in time at once (429), rather
+than letting it expire in the queue (504).
 
 Cases: DP=2 (four workers) and DP=1 (two), each in two modes:
 * ``profiled``: prefill counts for the spec's prefill profile (each block = one layer of one prompt
   = 0.25 ms + 8 us per token, padded in the worker; compute slower than that is reported as lag);
 * ``raw``: prefill counts for its real CPU compute time.
 
-    python bench/bubble_fill.py            # every case, 3 pairs of 16 iterations each
-    python bench/bubble_fill.py --quick    # the headline case only (DP=2, profiled), 3 pairs of 8
+    python bench/bubble_fill.py                 # every case, 3 pairs of 16 iterations each
+    python bench/bubble_fill.py --quick         # the headline case only (DP=2, profiled), 3 pairs of 8
+    python bench/bubble_fill.py --quick --load 1.2
+    python bench/bubble_fill.py --quick --sweep # 50, 80, 100, 120% of capacity: a table and a picture
 
 Prints a table per case and one JSON line per case; the last line is always the headline case.
-Keys: dispatch_p50_ms / dispatch_p99_ms (bubble start on the worker -> its first prefill running;
-over every bubble, and in _steady over iterations after the first, the window of the other
-per-bubble figures; the service takes requests while the workers set up, and each worker's first
-batch is staged as it joins, so the first bubbles start as later ones do),
-bubble_fill_ratio (prefill time / bubble time, steady window), device_time_scale (one profiled ms
-= K real ms: measured and chosen first unless --time-scale K; iter_ms_off / iter_ms_on are in
-emulated ms, the latencies and tokens/s on the real clock),
-prefill_lag_pct (prefill lag over prefill time, %), cpu_share_max (the busiest process's CPU share
-in the BubbleTea runs, 1.0 = one core; per service in cpu_share_by_service), utilization_off / utilization_on
-(training + prefill time / window, mean over workers), train_slowdown_pct (median over pairs of
-steady iteration time on vs off), prediction_error_p50_ms / _p90_ms (|actual - predicted| bubble
-length), overrun_p50_ms / _p99_ms (training input arrived -> training resumed, per filled bubble),
-prefill_lag_ms_on (real prefill compute behind the profile), prefill_tokens_per_s, ttft_p50_ms /
-ttft_p99_ms (HTTP request to answer), requests_lost (accepted but neither answered nor failed
-explicitly), losses_equal (bit-identical training losses on and off), mode, pairs.
+Every key names its clock (`_harness`: ``_device_ms`` is device time, real ms / k; ``_ms`` alone
+is host time). Every bubble and every request counts:
 
-`errors` counts explicit failures by HTTP status (a request whose 5 s deadline passed before a
-bubble could take it: 504; one refused because the run had finished: 503), not lost.
+* dispatch_p50_ms / dispatch_p99_ms: bubble start on the worker to its first prefill running, over
+  every bubble that opened with work queued or staged for its worker; one that stayed empty counts
+  at its whole length (bubbles_total, bubbles_with_work, bubbles_filled beside them);
+* control_share_p50 / _p99: host latencies (bubble start to prefill running; a worker's report to
+  the dispatcher) as a share of the mean bubble in device time: what they would be at k = 1;
+* slo_attainment: the share of requests *sent* answered within the objective (a 429, a 504 or any
+  failure is a miss); ttft_p50_device_ms / _p99 over those answered;
+* bubble_fill_ratio: prefill time inside the bubbles (start to the training input's arrival) over
+  bubble time; prefill past the arrival is overrun_device_ms_total, not fill;
+* train_slowdown_pct: median over pairs of the steady iteration time on vs off;
+* valid / why: the emulation's checks (prefill kept its profile, same losses, every bubble
+  recorded), apart from the claims; targets / targets_met: the issue's goals, met only if valid.
 
-Over 300 lines on purpose: one benchmark (the spec, a run off and on with its load, and the figures
-over its pairs), read top to bottom.
+Over 300 lines on purpose: one benchmark (the spec, a run off and on with its load, the sweep),
+read top to bottom; the figures are `_harness.summarise`.
 """
 
 from __future__ import annotations
@@ -55,34 +57,27 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _harness
+import msgspec
 import uvloop
 import yaml
 from redis.asyncio import Redis
 
+from bubbletea.bubblestats import run_control
+from bubbletea.launcher.capacity import offer, prefill_block_s
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
-from bubbletea.runstats import (
-    Span,
-    dispatch_latencies_ms,
-    median,
-    overruns_ms,
-    percentile,
-    prediction_errors_ms,
-    prefill_lag_share,
-    run_spans,
-    steady,
-    utilization,
-)
+from bubbletea.runstats import Span, run_spans, write_spans
 from shared.config import parse_spec
 from shared.priority import PRIORITIES
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.timescale import calibrate
+from shared.wire import ControlSeen
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "wan-bound.yaml").read_text())
@@ -94,7 +89,9 @@ PREFILL_PROFILE = {"prefill_ms_per_layer": 0.25, "prefill_us_per_token": 8.0}
 MODES = ("profiled", "raw")
 
 
-def bench_spec(*, enabled: bool, iterations: int, dp: int, mode: str = "profiled") -> dict[str, Any]:
+def bench_spec(
+    *, enabled: bool, iterations: int, dp: int, mode: str = "profiled", slo_device_ms: float = 1000.0
+) -> dict[str, Any]:
     spec = copy.deepcopy(BASE)
     if mode == "profiled":
         spec["device"] |= PREFILL_PROFILE
@@ -105,20 +102,28 @@ def bench_spec(*, enabled: bool, iterations: int, dp: int, mode: str = "profiled
     spec["prefill"] = {
         "model": {"layers": 4, "d_model": 64, "heads": 4, "seq_len": 256, "vocab": 256, "seed": 0},
         "max_prompt_tokens": 256,
-        # Unanswered requests fail explicitly 5 s after the run: the benchmark's tail stays short.
-        "request_timeout_s": 5,
+        # A request's deadline is the TTFT objective (device time, stretched by k like the bubbles):
+        # one the bubbles could not start in time is refused at once (429), not queued to expire.
+        "request_timeout_s": slo_device_ms / 1000,
         # KV caches are not kept: at benchmark throughput they would be hundreds of MB per second.
         "kv_ttl_s": 0,
     }
     return spec
 
 
-async def load(api: str, concurrency: int, duration_s: float, out: Path) -> dict[str, Any]:
-    """The load generator: `concurrency` requests always in flight (closed loop), from the moment
-    the run serves (every worker joined: training starts), for `duration_s`."""
-    args = ["--base-url", api, "--request-rate", "inf", "--max-concurrency", str(concurrency)]
-    args += ["--duration", f"{duration_s:.2f}", "--num-prompts", "1000000", "--input-len", "96"]
-    args += ["--range-ratio", "0.33", "--seed", "1"]
+#: `--dump DIR`: where each run's spans and the dispatcher's records are written (None: nowhere).
+DUMP: Path | None = None
+#: The load's prompts: 96 tokens on average (64-128), as `load` asks the load generator for.
+PROMPT_TOKENS = 96
+
+
+async def load(api: str, rate: float, duration_s: float, out: Path) -> dict[str, Any]:
+    """The load generator: Poisson arrivals at `rate` requests per (real) second, open loop (no
+    cap on requests in flight), from the moment the run serves (every worker joined), for
+    `duration_s`."""
+    args = ["--base-url", api, "--request-rate", f"{rate:.4f}", "--burstiness", "1"]
+    args += ["--duration", f"{duration_s:.2f}", "--num-prompts", "1000000", "--input-len", str(PROMPT_TOKENS)]
+    args += ["--range-ratio", "0.33", "--seed", str(random.randrange(1 << 30))]
     return await run_loadgen(args, out)
 
 
@@ -191,11 +196,12 @@ async def one_run(
     enabled: bool,
     iterations: int,
     dp: int,
-    concurrency: int,
     mode: str,
+    slo_device_ms: float,
+    rate: float = 0.0,
     load_s: float = 0.0,
 ) -> tuple[TrainResult, dict[str, Any]]:
-    spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp, mode=mode)
+    spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp, mode=mode, slo_device_ms=slo_device_ms)
     path = workdir / f"bt-{'on' if enabled else 'off'}.yaml"
     path.write_text(yaml.safe_dump(spec))
     run = f"bench-bt-{'on' if enabled else 'off'}-{random.randrange(1 << 30):x}"
@@ -212,7 +218,7 @@ async def one_run(
         try:
             async with front_door(env, out=out) as door:
                 assert door.url is not None
-                client = asyncio.create_task(load(door.url, concurrency, load_s, workdir / "loadgen.json"))
+                client = asyncio.create_task(load(door.url, rate, load_s, workdir / "loadgen.json"))
                 # trains on past the spec's iterations until the load is done (those are left out
                 # below): every bubble of the spec's iterations has requests waiting, the last too
                 result = await run_training(
@@ -227,35 +233,92 @@ async def one_run(
     r = Redis.from_url(url)
     try:
         spans = [s for s in await run_spans(r, run) if s.iteration < iterations]
+        starts = {(s.worker, s.start) for s in spans if s.kind == "wait"}
+        seen = [c for c in await run_control(r, run) if c.at <= max((s.end for s in spans), default=0.0)]
     finally:
         await r.aclose()
-    return result, {"spans": spans, **extra}
+    if DUMP is not None:  # --dump: every span and record of the run, for a person to look into
+        await asyncio.to_thread(_dump, DUMP, run, spans, seen)
+    return result, {"spans": spans, "seen": seen, "recorded": sum((c.worker, c.at) in starts for c in seen), **extra}
 
 
-@dataclass
-class Pair:
-    off: TrainResult
-    on: TrainResult
-    spans_off: list[Span]
-    spans_on: list[Span]
-    load: dict[str, Any]
-    cpu: dict[str, float]  # the BubbleTea run's processes: share of one core each
+def _dump(folder: Path, run: str, spans: list[Span], seen: list[ControlSeen]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_spans(folder / f"{run}.spans.jsonl", spans, full=True)
+    (folder / f"{run}.control.jsonl").write_text("".join(json.dumps(msgspec.to_builtins(c)) + "\n" for c in seen))
 
 
 async def run_case(
-    url: str, workdir: Path, *, dp: int, mode: str, pairs: int, iterations: int, concurrency: int
+    url: str,
+    workdir: Path,
+    *,
+    dp: int,
+    mode: str,
+    pairs: int,
+    iterations: int,
+    share: float,
+    slo_device_ms: float,
+    k: float,
 ) -> dict[str, Any]:
-    """`pairs` interleaved off/on runs of one case, summarised."""
-    done: list[Pair] = []
-    for i in range(pairs):
-        print(f"  dp={dp} {mode}: pair {i + 1}/{pairs}", file=sys.stderr, flush=True)
-        kw: dict[str, Any] = {"iterations": iterations, "dp": dp, "concurrency": concurrency, "mode": mode}
-        off, off_t = await one_run(url, workdir, enabled=False, **kw)
-        # closed loop for the whole run: the load, which starts once the workers hold their slots
-        # and set up, lasts as long as the run with BubbleTea off took from its launch
-        on, on_t = await one_run(url, workdir, enabled=True, load_s=off_t["wall_s"], **kw)
-        done.append(Pair(off, on, off_t["spans"], on_t["spans"], on_t["load"], on_t["cpu"]))
-    return summarise(done, dp=dp, mode=mode, iterations=iterations, concurrency=concurrency)
+    """`pairs` interleaved off/on runs of one case, the on runs offered `share` of the capacity
+    their off run measured, summarised (`_harness.summarise`)."""
+    kw: dict[str, Any] = {"iterations": iterations, "dp": dp, "mode": mode, "slo_device_ms": slo_device_ms}
+    spec = parse_spec(bench_spec(enabled=True, iterations=1, dp=dp, mode=mode))
+    cost = prefill_block_s(spec, k, PROMPT_TOKENS)
+
+    async def off(i: int) -> tuple[TrainResult, dict[str, Any]]:
+        print(f"  dp={dp} {mode} load={share:.0%}: pair {i + 1}/{pairs}", file=sys.stderr, flush=True)
+        return await one_run(url, workdir, enabled=False, **kw)
+
+    async def on(i: int, got: tuple[TrainResult, dict[str, Any]]) -> _harness.Pair:
+        result_off, off_t = got
+        offered = offer(off_t["spans"], cost, spec.prefill.model.layers, PROMPT_TOKENS, share)
+        rate = offered.rate_per_s
+        print(f"    {offered.line(share, k)}", file=sys.stderr, flush=True)
+        # the load, which starts once the workers hold their slots and set up, lasts as long as
+        # the run with BubbleTea off took from its launch
+        result_on, on_t = await one_run(url, workdir, enabled=True, rate=rate, load_s=off_t["wall_s"], **kw)
+        return _harness.Pair(
+            iteration_s_off=result_off.steady_iteration_s(),
+            iteration_s_on=result_on.steady_iteration_s(),
+            spans_off=off_t["spans"],
+            spans_on=on_t["spans"],
+            seen=on_t["seen"],
+            load=on_t["load"],
+            prefill_lag_ms=result_on.prefill_lag_ms,
+            losses_equal=result_off.losses == result_on.losses,
+            capacity_tokens_per_s=offered.capacity_tokens_per_s,
+            offered_rps=rate,
+            cpu=on_t["cpu"],
+        )
+
+    done: list[_harness.Pair] = await _harness.interleave(pairs, off, on)
+    out = {"dp": dp, "mode": mode, "iterations": iterations, "offered_share": share}
+    out |= _harness.summarise(done, time_scale=k, slo_device_ms=slo_device_ms)
+    out |= _harness.targets(out, GOALS[min(GOALS, key=lambda g: abs(g - share))])
+    out["cpu_share_by_service"] = _by_service(p.cpu for p in done)
+    return out
+
+
+#: The goals, by offered share: at 80% of capacity the objective is met for (nearly) every request
+#: sent and the bubbles carry 0.9 of what was offered; past capacity the bubbles are nearly full and
+#: the excess refused (429), not left to expire (504). Training slows by under 1% either way.
+GOALS: dict[float, dict[str, Any]] = {
+    0.8: {
+        "train_slowdown_pct < 1": lambda s: s["train_slowdown_pct"] < 1,
+        "slo_attainment >= 0.99": lambda s: (s["slo_attainment"] or 0) >= 0.99,
+        "bubble_fill_ratio >= 0.72": lambda s: s["bubble_fill_ratio"] >= 0.72,
+        "dispatch_p99_ms < 3": lambda s: (s["dispatch_p99_ms"] or 0) < 3,
+        "control_share_p99 < 0.05": lambda s: (s["control_share_p99"] or 0) < 0.05,
+        "requests_lost == 0": lambda s: s["requests_lost"] == 0,
+    },
+    1.2: {
+        "train_slowdown_pct < 1": lambda s: s["train_slowdown_pct"] < 1,
+        "bubble_fill_ratio >= 0.90": lambda s: s["bubble_fill_ratio"] >= 0.90,
+        "excess refused (429), not expired (504)": lambda s: s["errors"].get("429", 0) > s["errors"].get("504", 0),
+        "requests_lost == 0": lambda s: s["requests_lost"] == 0,
+    },
+}
 
 
 def _by_service(runs: Any) -> dict[str, float]:
@@ -267,101 +330,69 @@ def _by_service(runs: Any) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def summarise(pairs: list[Pair], **case: Any) -> dict[str, Any]:
-    def med(values: list[float]) -> float:
-        return float(median(values) or 0.0)
-
-    scale = float(os.environ.get("BUBBLETEA_TIME_SCALE", "1"))
-
-    u_off = [utilization(p.spans_off) for p in pairs]
-    u_on = [utilization(p.spans_on) for p in pairs]
-    slowdowns = [(p.on.steady_iteration_s() / p.off.steady_iteration_s() - 1) * 100 for p in pairs]
-    dispatch = [x for p in pairs for x in dispatch_latencies_ms(p.spans_on)]
-    # the same latencies over the window of every other per-bubble figure (iterations after the first)
-    dispatch_steady = [x for p in pairs for x in dispatch_latencies_ms(steady(p.spans_on))]
-    errors_ms = [x for p in pairs for x in prediction_errors_ms(p.spans_on)]
-    overrun = [x for p in pairs for x in overruns_ms(p.spans_on)]
-    ttft = [x for p in pairs for x in p.load["ttfts_ms"]]
-    errors: dict[str, int] = {}
-    for p in pairs:
-        for k, n in p.load["error_counts"].items():
-            errors[k] = errors.get(k, 0) + n
-    return {
-        **case,
-        "pairs": len(pairs),
-        # emulated ms: real seconds over the device time scale
-        "iter_ms_off": round(med([p.off.steady_iteration_s() for p in pairs]) * 1000 / scale, 2),
-        "iter_ms_on": round(med([p.on.steady_iteration_s() for p in pairs]) * 1000 / scale, 2),
-        "train_slowdown_pct": round(med(slowdowns), 2),
-        "train_slowdown_pct_pairs": [round(x, 2) for x in slowdowns],
-        # how far real compute fell behind the device profile, summed over workers and iterations
-        "lag_ms_off": round(med([p.off.lag_ms for p in pairs]), 1),
-        "lag_ms_on": round(med([p.on.lag_ms for p in pairs]), 1),
-        "prefill_lag_ms_on": round(med([p.on.prefill_lag_ms for p in pairs]), 1),
-        # prefill lag over prefill time (both real), percent: how far the real prefill compute ran
-        # behind the profile it pads to
-        "prefill_lag_pct": round(med([100 * prefill_lag_share(p.on.prefill_lag_ms, p.spans_on) for p in pairs]), 2),
-        "bubble_fraction_off": round(med([u.bubble for u in u_off]), 3),
-        "utilization_off": round(med([u.busy for u in u_off]), 3),
-        "utilization_on": round(med([u.busy for u in u_on]), 3),
-        "bubble_fill_ratio": round(med([u.fill_ratio for u in u_on]), 3),
-        "dispatch_p50_ms": _r(median(dispatch)),
-        "dispatch_p99_ms": _r(percentile(dispatch, 99)),
-        "bubbles_dispatched": len(dispatch),
-        "dispatch_p50_ms_steady": _r(median(dispatch_steady)),
-        "dispatch_p99_ms_steady": _r(percentile(dispatch_steady, 99)),
-        "prediction_error_p50_ms": _r(median(errors_ms)),
-        "prediction_error_p90_ms": _r(percentile(errors_ms, 90)),
-        "overrun_p50_ms": _r(median(overrun)),
-        "overrun_p99_ms": _r(percentile(overrun, 99)),
-        "prefill_tokens_per_s": round(med([p.load["input_throughput"] for p in pairs]), 1),
-        "requests_answered": sum(p.load["completed"] for p in pairs),
-        "ttft_p50_ms": _r(median(ttft)),
-        "ttft_p99_ms": _r(percentile(ttft, 99)),
-        "errors": errors,
-        # accepted but never answered nor failed explicitly (an HTTP status is an explicit answer)
-        "requests_lost": sum(n for k, n in errors.items() if not k.isdigit()),
-        "losses_equal": all(p.off.losses == p.on.losses for p in pairs),
-        # each process's CPU share in the BubbleTea runs (1.0 = one whole core): the largest, and
-        # per service the largest over its processes and pairs
-        "cpu_share_max": round(max((x for p in pairs for x in p.cpu.values()), default=0.0), 3),
-        "cpu_share_by_service": _by_service(p.cpu for p in pairs),
-    }
-
-
-async def bench(cases: list[tuple[int, str]], *, pairs: int, iterations: int, concurrency: int) -> list[dict[str, Any]]:
+async def bench(
+    cases: list[tuple[int, str, float]], *, pairs: int, iterations: int, slo_device_ms: float, k: float
+) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedRedis() as redis:
-            for dp, mode in cases:
-                kw: dict[str, Any] = {
-                    "dp": dp,
-                    "mode": mode,
-                    "pairs": pairs,
-                    "iterations": iterations,
-                    "concurrency": concurrency,
-                }
-                out.append(await run_case(redis.url, Path(tmp), **kw))
+            for dp, mode, share in cases:
+                kw: dict[str, Any] = {"dp": dp, "mode": mode, "pairs": pairs, "iterations": iterations}
+                out.append(await run_case(redis.url, Path(tmp), share=share, slo_device_ms=slo_device_ms, k=k, **kw))
     return out
 
 
-def time_scale(arg: str, dp: int) -> float:
+def time_scale(arg: str, dp: int, max_scale: float | None) -> float:
     """`--time-scale`: a number, or `auto`: this machine measured with the workers of the largest
-    case computing at once (shared/timescale.py)."""
+    case computing at once (shared/timescale.py); above 20 it runs all the same, warning once."""
     if arg != "auto":
         return float(arg)
     spec = parse_spec(bench_spec(enabled=True, iterations=1, dp=dp))
-    cal = calibrate(spec)
+    cal = calibrate(spec, max_scale=max_scale)
     print(cal.line(), file=sys.stderr, flush=True)
+    if cal.warning:
+        print(f"warning: {cal.warning}", file=sys.stderr, flush=True)
     return cal.scale
-
-
-def _r(v: float | None) -> float | None:
-    return None if v is None else round(v, 3)
 
 
 #: The case the last JSON line always reports: the one the targets are set for.
 HEADLINE = (2, "profiled")
+#: `--sweep`: these shares of the bubbles' capacity.
+SWEEP = (0.5, 0.8, 1.0, 1.2)
+
+
+def sweep_table(results: list[dict[str, Any]]) -> str:
+    """The sweep as a table: one row per offered share."""
+    cols = ("offered_share", "bubble_fill_ratio", "slo_attainment", "ttft_p99_device_ms", "train_slowdown_pct")
+    rows = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    rows += [" | ".join(str(r[c]) for c in cols) for r in results]
+    return "\n".join(f"| {row} |" for row in rows)
+
+
+def sweep_picture(results: list[dict[str, Any]], path: Path) -> None:
+    """Fill, TTFT p99, SLO attainment and slowdown against the offered share of capacity, drawn as
+    `bubbletea report` draws its pictures (matplotlib, Agg)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    x = [100 * r["offered_share"] for r in results]
+    fig = Figure(figsize=(14, 3.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 4)
+    for ax, key, label in zip(
+        axes,
+        ("bubble_fill_ratio", "ttft_p99_device_ms", "slo_attainment", "train_slowdown_pct"),
+        ("fill ratio", "TTFT p99 (device ms)", "SLO attainment (of requests sent)", "training slowdown (%)"),
+        strict=True,
+    ):
+        ax.plot(x, [r[key] if r[key] is not None else float("nan") for r in results], marker="o")
+        ax.set_xlabel("offered load (% of bubble capacity)")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    k = results[0]["time_scale_k"]
+    fig.suptitle(f"BubbleTea under open-loop load (time scale k = {k:g}; device clock)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,12 +402,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=MODES, help="only this prefill mode")
     ap.add_argument("--pairs", type=int, default=3, help="interleaved off/on pairs per case; default 3")
     ap.add_argument("--iterations", type=int, help="training iterations per run; default 8 with --quick, else 16")
-    # 128: enough that requests are always waiting when a bubble ends. With 32, then (once the
-    # step's wait was a bubble too, 2026-11-26) with 64, four workers' open bubbles and staged
-    # batches emptied the queue at bubble ends, and the bubble after a step opened with nothing
-    # staged: dispatch p99 21 ms against 8.6 ms at 64 then; 4.5 ms in one of three runs at 64
-    # against 0.15 ms at 128 now (more requests then fail their 5 s deadline while queued: 504s)
-    ap.add_argument("--concurrency", type=int, default=128, help="requests the client keeps in flight; default 128")
+    ap.add_argument(
+        "--load",
+        type=float,
+        default=0.8,
+        metavar="SHARE",
+        help="offered load as a share of the bubbles' capacity (Poisson, open loop); default 0.8",
+    )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help=f"run each case at {', '.join(f'{x:.0%}' for x in SWEEP)} "
+        "of capacity; print a table and write a picture (--out)",
+    )
+    ap.add_argument("--out", default="runs", help="where --sweep writes its picture (default: runs/)")
+    ap.add_argument("--dump", metavar="DIR", help="write each run's spans and dispatcher records (JSONL) into DIR")
+    ap.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=1000.0,
+        metavar="MS",
+        help="the TTFT objective in device ms, and each request's deadline; default 1000",
+    )
+    ap.add_argument("--concurrency", type=int, help=argparse.SUPPRESS)  # the old closed loop's: no longer used
     ap.add_argument(
         "--time-scale",
         default="auto",
@@ -384,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the device time scale (one profiled ms = K real ms, shared/timescale.py): auto (the default) "
         "measures this machine first and picks it; or a number >= 1",
     )
+    ap.add_argument("--max-time-scale", type=float, metavar="K", help="refuse a measured scale above K (default: none)")
     ap.add_argument(
         "--priority",
         choices=PRIORITIES,
@@ -392,28 +441,44 @@ def main(argv: list[str] | None = None) -> int:
         "BUBBLETEA_COMPUTE_PRIORITY, shared/priority.py",
     )
     args = ap.parse_args(argv)
+    global DUMP
+    DUMP = Path(args.dump) if args.dump else None
     os.environ["BUBBLETEA_COMPUTE_PRIORITY"] = args.priority  # the services inherit it
     if args.pairs < 1:
         ap.error("--pairs must be at least 1")
+    if not 0 < args.load <= 10:
+        ap.error("--load must be a share of capacity above 0 (1.0 = all of it)")
+    if args.concurrency is not None:
+        print("note: --concurrency is no longer used: the load is open loop at --load of capacity", file=sys.stderr)
     if args.quick:
-        cases = [HEADLINE]
+        base = [HEADLINE]
     else:
-        cases = [(dp, mode) for dp in (2, 1) for mode in MODES]
-        cases = [c for c in cases if (args.dp in (None, c[0])) and (args.mode in (None, c[1]))]
-        cases.sort(key=lambda c: c == HEADLINE)  # the headline case last
+        base = [(dp, mode) for dp in (2, 1) for mode in MODES]
+        base = [c for c in base if (args.dp in (None, c[0])) and (args.mode in (None, c[1]))]
+        base.sort(key=lambda c: c == HEADLINE)  # the headline case last
+    shares = SWEEP if args.sweep else (args.load,)
+    cases = [(dp, mode, share) for dp, mode in base for share in shares]
     iterations = args.iterations or (8 if args.quick else 16)
-    scale = time_scale(args.time_scale, max(dp for dp, _ in cases))
+    scale = time_scale(args.time_scale, max(dp for dp, _ in base), args.max_time_scale)
     os.environ["BUBBLETEA_TIME_SCALE"] = f"{scale:g}"  # the services inherit it
     t0 = time.perf_counter()
-    results = uvloop.run(bench(cases, pairs=args.pairs, iterations=iterations, concurrency=args.concurrency))
+    results = uvloop.run(bench(cases, pairs=args.pairs, iterations=iterations, slo_device_ms=args.ttft_slo_ms, k=scale))
     for res in results:
         res["bench_s"] = round(time.perf_counter() - t0, 1)
         res["compute_priority"] = args.priority
         res["device_time_scale"] = scale
-        print(f"== dp={res['dp']} mode={res['mode']}", file=sys.stderr)
+        print(f"== dp={res['dp']} mode={res['mode']} load={res['offered_share']:.0%}", file=sys.stderr)
         for k, v in res.items():
-            print(f"{k:<26} {v}", file=sys.stderr)
-    for res in results:
+            print(f"{k:<32} {v}", file=sys.stderr)
+    if args.sweep:
+        print(sweep_table(results), file=sys.stderr)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        picture = out / f"bubble-fill-sweep-{time.strftime('%Y%m%d-%H%M%S')}.png"
+        sweep_picture(results, picture)
+        print(f"picture: {picture}", file=sys.stderr)
+    headline = [r for r in results if (r["dp"], r["mode"]) == HEADLINE and r["offered_share"] == args.load]
+    for res in [r for r in results if r not in headline] + headline:
         print(json.dumps(res))
     return 0
 

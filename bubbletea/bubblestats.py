@@ -14,6 +14,8 @@ the worker sent it (`ControlSeen`, on the run's spans stream). From those:
   bubble with work that was filled; a batch report sent to the dispatcher handling it) over the
   mean bubble in device time: the share of a bubble it would take at time scale k = 1, since the
   host's latencies do not stretch with k (docs/config.md, "Clocks").
+* **capacity**: the prompt tokens per second a run's bubbles can hold (`capacity_tokens_per_s`), from
+  a run without BubbleTea: what an offered load is a share of.
 * **prediction error**, **overrun**: per bubble, |actual - predicted| length; input arrived to
   training resumed where prefill ran in it.
 
@@ -23,11 +25,11 @@ Latencies are real (host) milliseconds; bubble lengths are real milliseconds of 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from bubbletea.runstats import Span, bubble_end, read_stream, steady
+from bubbletea.runstats import Span, bubble_end, read_stream, steady, utilization
 from shared import keys
 from shared.status import ControlEvent
 from shared.wire import ControlSeen
@@ -129,3 +131,11 @@ def overruns_ms(spans: Iterable[Span]) -> list[float]:
         if any(w.start <= p.start < w.end for p in prefills.get(w.worker, ())):
             out.append(max(0.0, (w.end - w.input_at) * 1000))
     return out
+
+
+def capacity_tokens_per_s(spans_off: list[Span], block_s: Callable[[int], float], layers: int, tokens: int) -> float:
+    """The prompt tokens per (real) second the bubbles of a run without BubbleTea could hold: its
+    bubble seconds per second, summed over workers (steady window), over what a prompt of `tokens`
+    tokens costs (`layers` blocks of `block_s(tokens)` real seconds)."""
+    u = utilization(spans_off)
+    return u.bubble * u.workers * tokens / (layers * block_s(tokens))

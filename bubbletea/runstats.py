@@ -304,9 +304,10 @@ async def run_spans(r: Redis, run: str) -> list[Span]:
     return [Span.from_record(m) for m in await read_stream(r, keys.spans_stream(run)) if isinstance(m, SpanRecord)]
 
 
-def span_dict(s: Span) -> dict[str, Any]:
-    """A span as one line of a run folder's spans.jsonl (docs/report.md)."""
-    return {
+def span_dict(s: Span, *, full: bool = False) -> dict[str, Any]:
+    """A span as one line of a run folder's spans.jsonl (docs/report.md); `full`: with a wait
+    span's predicted length and its input's arrival too."""
+    out = {
         "replica": s.replica,
         "stage": s.stage,
         "iteration": s.iteration,
@@ -315,10 +316,11 @@ def span_dict(s: Span) -> dict[str, Any]:
         "end": s.end,
         "microbatch": s.microbatch,
     }
+    return out | {"predicted_ms": s.predicted_ms, "input_at": s.input_at} if full else out
 
 
-def write_spans(path: Path, spans: Iterable[Span]) -> None:
+def write_spans(path: Path, spans: Iterable[Span], *, full: bool = False) -> None:
     """A run folder's spans.jsonl: one `span_dict` per line."""
     with path.open("w") as f:
         for s in spans:
-            f.write(json.dumps(span_dict(s)) + "\n")
+            f.write(json.dumps(span_dict(s, full=full)) + "\n")

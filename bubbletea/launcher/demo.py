@@ -4,7 +4,8 @@
    (what a plain pipeline over a WAN gets);
 2. **atlas**: Atlas's temporal sharing with several connections per transfer, BubbleTea off;
 3. **bubbletea**: Atlas plus BubbleTea, with the load generator sending prefill requests over
-   HTTP for the whole run: they are answered with first tokens computed in the bubbles.
+   HTTP for the whole run, at 80% of what run 2's bubbles could hold (`capacity.offer`): they are
+   answered with first tokens computed in the bubbles.
 
 Everything runs as real processes on one Redis (embedded unless REDIS_URL is set): the front
 door for the whole demo; per run the WAN broker, one stage worker per slot and (run 3) the
@@ -28,6 +29,8 @@ import msgspec
 import yaml
 
 from bubbletea import runstats
+from bubbletea.bubblestats import bubble_dispatch, run_control
+from bubbletea.launcher.capacity import DEFAULT_SHARE, offer, prefill_block_s
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import Proc, open_redis, spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import PREFILL_QUEUE
@@ -37,16 +40,20 @@ from shared.bus import Bus
 from shared.config import ClusterSpec
 from shared.health import wait_live
 from shared.logs import get_logger
+from shared.model.shape import model_info
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings, load_settings
+from shared.wire import ControlSeen
 
 log = get_logger(__name__)
 
-#: The load during the BubbleTea run: Poisson arrivals of random prompts of 48-144 tokens, well
-#: within what the bubbles can serve (the benchmark, bench/bubble_fill.py, keeps them saturated).
-LOAD_RATE_PER_S = 80.0
+#: The load during the BubbleTea run: Poisson arrivals of random prompts of 48-144 tokens at
+#: `capacity.DEFAULT_SHARE` (80%) of what the Atlas run's bubbles could hold (`capacity.offer`), as
+#: bench/bubble_fill.py offers it.
 LOAD_INPUT_LEN = 96
 LOAD_RANGE_RATIO = 0.5
+#: The TTFT objective the table's attainment is taken against (device ms): every request sent counts.
+TTFT_SLO_DEVICE_MS = 1000.0
 
 
 def say(text: str = "") -> None:
@@ -105,13 +112,16 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
             await wait_live(bus.redis, PREFILL_QUEUE.name, timeout_s=10)
         say(f"==> prefill_queue is healthy at {api} (pid={door.proc.pid}); run folder: {folder}")
         rows = []
-        atlas_wall = 0.0
+        atlas_wall, rate = 0.0, 0.0
         for i, phase in enumerate(PHASES, 1):
             say("")
             say(f"==> [{i}/{len(PHASES)}] {phase.label}")
-            row, wall = await _run_phase(settings, phase, url, api, folder, load_s=atlas_wall, scale=scale)
-            if phase.name == "atlas":  # the load runs for about as long as that run trained
-                atlas_wall = wall
+            row, wall, spans = await _run_phase(
+                settings, phase, url, api, folder, load_s=atlas_wall, scale=scale, rate=rate
+            )
+            if phase.name == "atlas":  # the load runs for about as long as that run trained, at 80% of
+                atlas_wall = wall  # what its bubbles could hold
+                rate = await asyncio.to_thread(_offered_rate, settings, spans, scale)
             rows.append(row)
         _finish_summary(rows)
         (folder / "summary.json").write_text(
@@ -141,9 +151,18 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
         say("==> stopped cleanly" if all(c == 0 for c in codes.values()) else "==> stopped (with errors)")
 
 
+def _offered_rate(settings: Settings, spans: list[runstats.Span], scale: float) -> float:
+    """Requests per real second at `DEFAULT_SHARE` of the bubbles' capacity in the run `spans`."""
+    base = settings.base_spec or settings.spec
+    cost = prefill_block_s(base, scale, LOAD_INPUT_LEN)
+    offered = offer(spans, cost, model_info(base.prefill).layers, LOAD_INPUT_LEN, DEFAULT_SHARE)
+    say(f"    {offered.line(DEFAULT_SHARE, scale)}")
+    return offered.rate_per_s
+
+
 async def _run_phase(
-    settings: Settings, phase: Phase, url: str, api: str, folder: Path, *, load_s: float, scale: float
-) -> tuple[dict[str, Any], float]:
+    settings: Settings, phase: Phase, url: str, api: str, folder: Path, *, load_s: float, scale: float, rate: float
+) -> tuple[dict[str, Any], float, list[runstats.Span]]:
     spec_path = folder / phase.name / "spec.yaml"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     base = settings.base_spec or settings.spec  # unscaled: the services apply the time scale
@@ -154,9 +173,7 @@ async def _run_phase(
     )
     load: asyncio.Task[dict[str, Any]] | None = None
     if phase.bubbletea:
-        # the load's rate is per emulated second: a device k times slower serves k times fewer a real one
-        rate = LOAD_RATE_PER_S / scale
-        load = asyncio.create_task(_load(api, max(1.0, load_s), folder / phase.name, rate))
+        load = asyncio.create_task(_load(api, max(1.0, load_s), folder / phase.name, max(rate, 0.1)))
     # The BubbleTea run trains on until the load is done: a load generator that got going late (a
     # busy machine, a short spec) still has bubbles to be served in, never a run that has ended.
     result = await run_training(phase_settings, url, progress=True, quiet=True, dispatcher=phase.bubbletea, until=load)
@@ -164,22 +181,26 @@ async def _run_phase(
     loadgen = await load if load is not None else None
     async with Bus(url, settings.spec.bus, name="demo") as bus:
         spans = await runstats.run_spans(bus.redis, run)
+        seen = await run_control(bus.redis, run)
     runstats.write_spans(folder / phase.name / "spans.jsonl", spans)
     ttfts: list[float] = loadgen["ttfts_ms"] if loadgen else []
     (folder / phase.name / "ttft_ms.json").write_text(json.dumps(ttfts))
-    m = _metrics(result, spans, loadgen, scale)
+    m = _metrics(result, spans, loadgen, scale, seen)
     row = {"name": phase.name, "label": phase.label, "metrics": m}
     say(
         f"    iteration {m['iteration_ms']:.1f} ms, bubble fraction {m['bubble_fraction']:.1%}, "
         f"utilization {m['utilization']:.1%}, compute behind the profile: training {m['training_lag_ms']:.0f} ms, "
         f"prefill {m['prefill_lag_pct']:.2f}% of its time"
         + (
-            f", {m['requests_answered']} prefill requests answered, TTFT p50 {m['ttft_p50_ms']:.0f} ms"
+            f", {m['requests_answered']} of {m['requests_sent']} prefill requests answered, TTFT p50 "
+            f"{m['ttft_p50_ms']:.0f} device ms, {m['slo_attainment']:.1%} of those sent within "
+            f"{TTFT_SLO_DEVICE_MS:g}; {m['bubbles_filled']} of {m['bubbles_with_work']} bubbles with work "
+            f"filled (of {m['bubbles_total']})"
             if loadgen and m["ttft_p50_ms"] is not None
             else ""
         )
     )
-    return row, wall
+    return row, wall, spans
 
 
 async def _load(api: str, duration_s: float, folder: Path, rate: float) -> dict[str, Any]:
@@ -190,9 +211,14 @@ async def _load(api: str, duration_s: float, folder: Path, rate: float) -> dict[
 
 
 def _metrics(
-    result: TrainResult, spans: list[runstats.Span], load: dict[str, Any] | None, scale: float = 1.0
+    result: TrainResult,
+    spans: list[runstats.Span],
+    load: dict[str, Any] | None,
+    scale: float = 1.0,
+    seen: list[ControlSeen] | None = None,
 ) -> dict[str, Any]:
-    """The row of one run. Times in emulated ms (real over the device time scale `scale`)."""
+    """The row of one run. Times in emulated ms (real over the device time scale `scale`); every
+    bubble and every request sent counts (`bubblestats`)."""
     u = runstats.utilization(spans)
     m: dict[str, Any] = {
         "iteration_ms": round(result.steady_iteration_s() * 1000 / scale, 1),
@@ -214,6 +240,16 @@ def _metrics(
     }
     if load is not None:
         ttfts = load["ttfts_ms"]
+        sent = load["completed"] + load["failed"]
+        d = bubble_dispatch(spans, seen or [])
+        m.update(
+            requests_sent=sent,
+            slo_attainment=round(sum(t / scale <= TTFT_SLO_DEVICE_MS for t in ttfts) / sent, 4) if sent else None,
+            bubbles_total=d.total,
+            bubbles_with_work=d.with_work,
+            bubbles_filled=d.filled,
+            dispatch_p99_ms=runstats.percentile(list(d.latencies_ms), 99),
+        )
         m.update(
             prefill_tokens_per_s=round(load["input_throughput"] * scale, 1),  # per emulated second
             ttft_p50_ms=round(statistics.median(ttfts) / scale, 1) if ttfts else None,

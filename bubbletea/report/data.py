@@ -39,8 +39,10 @@ METRIC_COLUMNS: tuple[MetricColumn, ...] = (
     MetricColumn("bubble_fraction", "Bubble fraction", "fraction"),
     MetricColumn("utilization", "GPU utilization", "fraction"),
     MetricColumn("prefill_tokens_per_s", "Prefill tok/s", "rate"),
+    MetricColumn("bubble_fill_ratio", "Bubble fill", "fraction"),
     MetricColumn("ttft_p50_ms", "TTFT p50 (ms)", "ms"),
     MetricColumn("ttft_p99_ms", "TTFT p99 (ms)", "ms"),
+    MetricColumn("slo_attainment", "TTFT <= 1 s, of sent", "fraction"),
     MetricColumn("train_slowdown_pct", "Training slowdown (%)", "pct"),
     MetricColumn("requests_lost", "Requests lost", "count"),
 )

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DASH = "\N{EN DASH}"  # a null metric
 HEADER = (
-    "| Run | Iteration (ms) | Bubble fraction | GPU utilization | Prefill tok/s | TTFT p50 (ms) "
-    "| TTFT p99 (ms) | Training slowdown (%) | Requests lost |"
+    "| Run | Iteration (ms) | Bubble fraction | GPU utilization | Prefill tok/s | Bubble fill | TTFT p50 (ms) "
+    "| TTFT p99 (ms) | TTFT <= 1 s, of sent | Training slowdown (%) | Requests lost |"
 )
 
 
@@ -63,16 +63,64 @@ SPANS = [
 def test_utilization_full_window_resolves_overlaps() -> None:
     usage = worker_usage(SPANS)
     assert list(usage) == ["r0s0", "r1s0", "r0s1"]  # stage, then replica
-    assert usage["r0s0"] == {"training": 1.75, "prefill": 0.75, "other": 0.0, "idle": 1.5, "wait": 1.5, "total": 4.0}
-    assert usage["r0s1"] == {"training": 1.0, "prefill": 0.75, "other": 0.0, "idle": 2.25, "wait": 2.0, "total": 4.0}
-    assert usage["r1s0"] == {"training": 0.5, "prefill": 0.0, "other": 0.25, "idle": 3.25, "wait": 0.0, "total": 4.0}
+    assert usage["r0s0"] == {
+        "training": 1.75,
+        "prefill": 0.75,
+        "other": 0.0,
+        "idle": 1.5,
+        "wait": 1.5,
+        "filled": 0.75,
+        "total": 4.0,
+    }
+    assert usage["r0s1"] == {
+        "training": 1.0,
+        "prefill": 0.75,
+        "other": 0.0,
+        "idle": 2.25,
+        "wait": 2.0,
+        "filled": 0.75,
+        "total": 4.0,
+    }
+    assert usage["r1s0"] == {
+        "training": 0.5,
+        "prefill": 0.0,
+        "other": 0.25,
+        "idle": 3.25,
+        "wait": 0.0,
+        "filled": 0.0,
+        "total": 4.0,
+    }
 
 
 def test_utilization_custom_window_clips_spans() -> None:
     usage = worker_usage(SPANS, window=(1.0, 3.0))
-    assert usage["r0s0"] == {"training": 0.5, "prefill": 0.75, "other": 0.0, "idle": 0.75, "wait": 1.5, "total": 2.0}
-    assert usage["r0s1"] == {"training": 0.5, "prefill": 0.25, "other": 0.0, "idle": 1.25, "wait": 1.0, "total": 2.0}
-    assert usage["r1s0"] == {"training": 0.0, "prefill": 0.0, "other": 0.0, "idle": 2.0, "wait": 0.0, "total": 2.0}
+    assert usage["r0s0"] == {
+        "training": 0.5,
+        "prefill": 0.75,
+        "other": 0.0,
+        "idle": 0.75,
+        "wait": 1.5,
+        "filled": 0.75,
+        "total": 2.0,
+    }
+    assert usage["r0s1"] == {
+        "training": 0.5,
+        "prefill": 0.25,
+        "other": 0.0,
+        "idle": 1.25,
+        "wait": 1.0,
+        "filled": 0.25,
+        "total": 2.0,
+    }
+    assert usage["r1s0"] == {
+        "training": 0.0,
+        "prefill": 0.0,
+        "other": 0.0,
+        "idle": 2.0,
+        "wait": 0.0,
+        "filled": 0.0,
+        "total": 2.0,
+    }
 
 
 def test_utilization_edge_cases() -> None:
@@ -129,9 +177,9 @@ def test_markdown_table_formats_each_kind_of_value() -> None:
     )
     assert markdown_table(summary).splitlines() == [
         HEADER,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| Fair \\| sharing | 533.1 | 41.0% | 59.3% | 1234.6 | {DASH} | {DASH} | 2.3 | 3 |",
-        "| No metrics |" + f" {DASH} |" * 8,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| Fair \\| sharing | 533.1 | 41.0% | 59.3% | 1234.6 | {DASH} | {DASH} | {DASH} | {DASH} | 2.3 | 3 |",
+        "| No metrics |" + f" {DASH} |" * 10,
     ]
 
 

@@ -1,0 +1,105 @@
+"""The bench harness's summary: every request sent counts against the objective, every bubble with
+work counts, each figure on its stated clock, and claims are never met by a run that is not valid."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench import _harness
+from bubbletea.bubblestats import capacity_tokens_per_s
+from bubbletea.runstats import Span
+from shared.status import ControlEvent
+from shared.wire import ControlSeen
+
+K = 4.0  # the time scale: one device ms = 4 real ms
+
+
+def timeline(prefill: bool) -> list[Span]:
+    """Two workers, iterations 0-2 of 1 real second: 0.4 s of training, then a 0.4 s bubble whose
+    input arrives at 0.4 s into it (then 0.2 s of training); with `prefill`, worker 0 fills the
+    first 0.3 s of it (5 ms after it opens) and worker 1 stays empty."""
+    out = []
+    for it in range(3):
+        for w in range(2):
+            t = float(it)
+            out.append(Span(w, 0, it, "fwd", t, t + 0.4))
+            out.append(Span(w, 0, it, "wait", t + 0.4, t + 0.8, None, 400.0, t + 0.8))
+            out.append(Span(w, 0, it, "bwd", t + 0.8, t + 1.0))
+            if prefill and w == 0:
+                out.append(Span(w, 0, it, "prefill", t + 0.405, t + 0.705))
+    return out
+
+
+def seen(spans: list[Span]) -> list[ControlSeen]:
+    starts = [
+        ControlSeen(
+            run="r", worker=s.worker, event=ControlEvent.BUBBLE_START, at=s.start, seen=s.start + 0.002, with_work=True
+        )
+        for s in spans
+        if s.kind == "wait"
+    ]
+    return [*starts, ControlSeen(run="r", worker="r0s0", event=ControlEvent.REPORT, at=1.0, seen=1.004)]
+
+
+def pair(**kw: Any) -> _harness.Pair:
+    on = timeline(prefill=True)
+    args: dict[str, Any] = {
+        "iteration_s_off": 1.0,
+        "iteration_s_on": 1.005,
+        "spans_off": timeline(prefill=False),
+        "spans_on": on,
+        "seen": seen(on),
+        # 10 sent: 7 answered (TTFTs real ms; the objective 1000 device ms = 4000 real ms), a 429, a 504, a 503
+        "load": {
+            "completed": 7,
+            "failed": 3,
+            "ttfts_ms": [400.0, 800.0, 1200.0, 2000.0, 3000.0, 3900.0, 4100.0],
+            "error_counts": {"429": 1, "504": 1, "503": 1},
+        },
+        "prefill_lag_ms": 0.0,
+        "losses_equal": True,
+        "capacity_tokens_per_s": 1000.0,
+        "offered_rps": 5.0,
+    }
+    return _harness.Pair(**(args | kw))
+
+
+def test_every_request_sent_counts_against_the_objective() -> None:
+    s = _harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)
+    assert s["requests_sent"] == 10 and s["requests_answered"] == 7
+    assert s["slo_attainment"] == pytest.approx(0.6)  # 6 within 1000 device ms, of 10 sent
+    assert s["ttft_p50_device_ms"] == pytest.approx(2000.0 / K)  # device ms: real over k
+    assert s["errors"] == {"429": 1, "504": 1, "503": 1} and s["requests_lost"] == 0
+
+
+def test_every_bubble_with_work_counts_and_the_fill_is_inside_the_bubble() -> None:
+    s = _harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)
+    assert (s["bubbles_total"], s["bubbles_with_work"], s["bubbles_filled"]) == (6, 6, 3)
+    # three filled 5 ms in, three empty at their whole 400 ms: the p50 sits between the two
+    assert s["dispatch_p99_ms"] == pytest.approx(400.0, rel=0.01)
+    assert s["bubble_fill_ratio"] == pytest.approx(0.75 / 2, rel=1e-3)  # 0.3 of 0.4 s on one worker of two
+    # 5 ms of host latency against a 100 device-ms mean bubble (400 real ms / 4): 5%
+    assert s["control_share_p50"] == pytest.approx(0.05, rel=1e-6)
+    assert s["train_slowdown_pct"] == pytest.approx(0.5) and s["time_scale_k"] == K
+    assert s["iter_device_ms_off"] == pytest.approx(250.0)
+
+
+def test_a_run_that_is_not_valid_meets_no_claim() -> None:
+    goals = {"slowdown < 1%": lambda s: s["train_slowdown_pct"] < 1}
+    good = _harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)
+    assert good["valid"] and _harness.targets(good, goals)["targets_met"]
+    bad = _harness.summarise([pair(losses_equal=False)], time_scale=K, slo_device_ms=1000.0)
+    assert not bad["valid"] and "losses differ" in bad["why"]
+    verdict = _harness.targets(bad, goals)
+    assert verdict["targets"] == {"slowdown < 1%": True} and not verdict["targets_met"]
+    lagging = _harness.summarise([pair(prefill_lag_ms=200.0)], time_scale=K, slo_device_ms=1000.0)
+    assert not lagging["valid"] and "behind its profile" in lagging["why"]  # 200 ms of 900 ms of prefill
+
+
+def test_capacity_is_the_off_runs_bubble_time_over_a_prompts_cost() -> None:
+    # steady window: iterations 1-2, two workers each 40% in bubbles = 0.8 bubble-seconds per second;
+    # a 96-token prompt costs 4 blocks of 2 ms: 96 / 0.008 tokens per bubble-second
+    got = capacity_tokens_per_s(timeline(prefill=False), lambda tokens: 0.002, 4, 96)
+    assert got == pytest.approx(0.8 * 96 / 0.008)
