@@ -74,11 +74,11 @@ def _tiny_spec(tmp_path: Path, iterations: int = 4) -> Path:
     return write_spec(tmp_path, training={**SPEC["training"], "iterations": iterations})
 
 
-def _demo(tmp_path: Path, spec: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+def _demo(tmp_path: Path, spec: Path, timeout: float, *args: str) -> subprocess.CompletedProcess[str]:
     """`bubbletea demo` as a new user runs it: the embedded Redis, the time scale measured here."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_TIME_SCALE")}
     return subprocess.run(
-        [sys.executable, "-m", "bubbletea.cli", "demo", "--config", str(spec), "--out", str(tmp_path / "runs")],
+        [sys.executable, "-m", "bubbletea.cli", "demo", "--config", str(spec), "--out", str(tmp_path / "runs"), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -102,6 +102,10 @@ def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
     assert all(m["device_time_scale"] == summary["device_time_scale"] for m in runs.values())
     assert list(runs) == ["fair", "atlas", "bubbletea"]
     assert runs["bubbletea"]["requests_answered"] > 0 and runs["bubbletea"]["requests_lost"] == 0
+    bt = runs["bubbletea"]  # every request sent and every bubble counts
+    assert bt["requests_sent"] >= bt["requests_answered"] and 0 <= bt["slo_attainment"] <= 1
+    assert bt["bubbles_total"] >= bt["bubbles_with_work"] > 0 and bt["bubbles_filled"] > 0
+    assert "offering 80% of the bubbles' capacity" in r.stdout
     assert runs["bubbletea"]["ttft_p50_ms"] > 0 and runs["bubbletea"]["prefill_tokens_per_s"] > 0
     assert runs["fair"]["ttft_p50_ms"] is None  # no serving without BubbleTea
     for name in ("timeline-fair.png", "timeline-bubbletea.png", "utilization.png", "ttft.png", "report.md"):
@@ -213,12 +217,13 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
     assert "--appendonly" in services["redis"]["command"]  # acked work survives a restart
 
 
-def test_demo_refuses_a_device_profile_this_machine_cannot_keep(tmp_path: Path) -> None:
-    """A prefill block profiled at 1 µs: no time scale up to the limit keeps the real compute within
-    its share, so the demo refuses before starting anything, naming the operation (exit 2)."""
+def test_demo_refuses_a_device_profile_past_the_users_cap(tmp_path: Path) -> None:
+    """A prefill block profiled at 1 µs: keeping the real compute within its share takes a scale far
+    above 20. Without a cap the demo would run at it (with a warning); with --max-time-scale 20 it
+    refuses before starting anything, naming the operation (exit 2)."""
     device = {**SPEC["device"], "prefill_ms_per_layer": 0.001, "prefill_us_per_token": 0.0}
-    r = _demo(tmp_path, write_spec(tmp_path, device=device), timeout=120)
+    r = _demo(tmp_path, write_spec(tmp_path, device=device), 120, "--max-time-scale", "20")
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "cannot keep the device profile: a prefill block" in r.stderr, r.stderr
+    assert "cannot keep the device profile within --max-time-scale 20: a prefill block" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     assert "prefill_queue is healthy" not in r.stdout  # refused before any run
