@@ -13,7 +13,7 @@ TORCH  := torch==2.13.0
 # CPU hogs for `make test-stress` (each keeps one core busy for the whole run).
 HOGS   ?= 1
 
-.PHONY: install test test-compose test-stress lint typecheck unit integration e2e demo bench clean help
+.PHONY: install test test-compose test-stress lint typecheck unit integration e2e demo bench gpu-check clean help
 
 help:
 	@echo "make test    - set up and run lint, type check, unit, integration and e2e tests"
@@ -22,6 +22,7 @@ help:
 	@echo "make demo    - set up and run the main job (bubbletea demo)"
 	@echo "make install - set up .venv only"
 	@echo "make bench   - run every benchmark in quick mode"
+	@echo "make gpu-check - BubbleTea on real compute (no profile, time scale 1): on the GPU if there is one"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required, found " + sys.version.split()[0])'
@@ -66,6 +67,11 @@ demo: install
 # bench/_*.py are helpers, not benchmarks; bench/transport.py only runs the three bench/transport_*.py again
 bench: install
 	@for b in bench/[!_]*.py; do [ $$b = bench/transport.py ] && continue; echo "== $$b"; $(PY) $$b --quick || exit 1; done
+
+# PP=2 x DP=2 on real compute, no device profile, time scale 1, BubbleTea on: run it wherever a GPU
+# is (the workers share the GPUs there are); on the CPU it is a smoke test (tests/e2e/test_gpu_check.py).
+gpu-check: install
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

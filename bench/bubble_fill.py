@@ -86,7 +86,11 @@ BASE: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "wan-bound.yaml").read
 #: The profiled mode's prefill cost per block (one layer of one prompt): ~1 ms for the load's
 #: ~96-token prompts, half the guard, and 2-3x this CPU's real compute for the benchmark's model.
 PREFILL_PROFILE = {"prefill_ms_per_layer": 0.25, "prefill_us_per_token": 8.0}
+#: profiled: the training profile and the prefill profile; raw: the training profile, prefill for its
+#: real compute; real: no profile at all (training and prefill for their real compute, on the GPU
+#: when there is one: `bench/gpu_check.py`, not one of the default cases).
 MODES = ("profiled", "raw")
+ALL_MODES = (*MODES, "real")
 
 
 def bench_spec(
@@ -95,6 +99,8 @@ def bench_spec(
     spec = copy.deepcopy(BASE)
     if mode == "profiled":
         spec["device"] |= PREFILL_PROFILE
+    elif mode == "real":
+        spec["device"] = {"kind": "auto"}
     spec["name"] = "bubbletea-bench"
     spec["parallelism"]["dp"] = dp
     spec["training"]["iterations"] = iterations
@@ -259,9 +265,11 @@ async def run_case(
     share: float,
     slo_device_ms: float,
     k: float,
+    max_rate: float | None = None,
 ) -> dict[str, Any]:
     """`pairs` interleaved off/on runs of one case, the on runs offered `share` of the capacity
-    their off run measured, summarised (`_harness.summarise`)."""
+    their off run measured (at most `max_rate` requests per real second), summarised
+    (`_harness.summarise`)."""
     kw: dict[str, Any] = {"iterations": iterations, "dp": dp, "mode": mode, "slo_device_ms": slo_device_ms}
     spec = parse_spec(bench_spec(enabled=True, iterations=1, dp=dp, mode=mode))
     cost = prefill_block_s(spec, k, PROMPT_TOKENS)
@@ -273,8 +281,9 @@ async def run_case(
     async def on(i: int, got: tuple[TrainResult, dict[str, Any]]) -> _harness.Pair:
         result_off, off_t = got
         offered = offer(off_t["spans"], cost, spec.prefill.model.layers, PROMPT_TOKENS, share)
-        rate = offered.rate_per_s
-        print(f"    {offered.line(share, k)}", file=sys.stderr, flush=True)
+        rate = offered.rate_per_s if max_rate is None else min(offered.rate_per_s, max_rate)
+        capped = f"; capped at --max-rate {max_rate:g}/s" if rate < offered.rate_per_s else ""
+        print(f"    {offered.line(share, k)}{capped}", file=sys.stderr, flush=True)
         # the load, which starts once the workers hold their slots and set up, lasts as long as
         # the run with BubbleTea off took from its launch
         result_on, on_t = await one_run(url, workdir, enabled=True, rate=rate, load_s=off_t["wall_s"], **kw)
@@ -331,7 +340,13 @@ def _by_service(runs: Any) -> dict[str, float]:
 
 
 async def bench(
-    cases: list[tuple[int, str, float]], *, pairs: int, iterations: int, slo_device_ms: float, k: float
+    cases: list[tuple[int, str, float]],
+    *,
+    pairs: int,
+    iterations: int,
+    slo_device_ms: float,
+    k: float,
+    max_rate: float | None = None,
 ) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -399,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only the headline case (DP=2, profiled), 8 iterations a run")
     ap.add_argument("--dp", type=int, choices=(1, 2), help="only this DP degree (workers = 2 x DP)")
-    ap.add_argument("--mode", choices=MODES, help="only this prefill mode")
+    ap.add_argument("--mode", choices=ALL_MODES, help="only this mode (real: no device profile at all)")
     ap.add_argument("--pairs", type=int, default=3, help="interleaved off/on pairs per case; default 3")
     ap.add_argument("--iterations", type=int, help="training iterations per run; default 8 with --quick, else 16")
     ap.add_argument(
@@ -423,6 +438,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1000.0,
         metavar="MS",
         help="the TTFT objective in device ms, and each request's deadline; default 1000",
+    )
+    ap.add_argument(
+        "--max-rate",
+        type=float,
+        metavar="RPS",
+        help="offer at most this many requests per real second, whatever the capacity (the host's own limit: "
+        "bench/gpu_check.py, where real compute on a GPU holds more than one machine's front door sends)",
     )
     ap.add_argument("--concurrency", type=int, help=argparse.SUPPRESS)  # the old closed loop's: no longer used
     ap.add_argument(
@@ -453,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         base = [HEADLINE]
     else:
-        base = [(dp, mode) for dp in (2, 1) for mode in MODES]
+        base = [(dp, mode) for dp in (2, 1) for mode in (ALL_MODES if args.mode == "real" else MODES)]
         base = [c for c in base if (args.dp in (None, c[0])) and (args.mode in (None, c[1]))]
         base.sort(key=lambda c: c == HEADLINE)  # the headline case last
     shares = SWEEP if args.sweep else (args.load,)
@@ -462,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     scale = time_scale(args.time_scale, max(dp for dp, _ in base), args.max_time_scale)
     os.environ["BUBBLETEA_TIME_SCALE"] = f"{scale:g}"  # the services inherit it
     t0 = time.perf_counter()
-    results = uvloop.run(bench(cases, pairs=args.pairs, iterations=iterations, slo_device_ms=args.ttft_slo_ms, k=scale))
+    kw = {"pairs": args.pairs, "iterations": iterations, "slo_device_ms": args.ttft_slo_ms, "max_rate": args.max_rate}
+    results = uvloop.run(bench(cases, k=scale, **kw))
     for res in results:
         res["bench_s"] = round(time.perf_counter() - t0, 1)
         res["compute_priority"] = args.priority

@@ -24,19 +24,24 @@ DEFAULT_SHARE = 0.8
 def prefill_block_s(spec: ClusterSpec, time_scale: float, tokens: int) -> Callable[[int], float]:
     """Real seconds one prefill block (one layer of one prompt) of T tokens takes in a run at
     `time_scale`: the unscaled `spec`'s profile times k; without a profile, the served model's real
-    compute for a `tokens`-token prompt measured here (linear in T)."""
+    compute for a `tokens`-token prompt measured here, on the device the workers use (linear in T)."""
     dev = spec.device
     if dev.prefill_ms_per_layer is not None or dev.prefill_us_per_token is not None:
         fixed, per_token = (dev.prefill_ms_per_layer or 0.0) / 1000, (dev.prefill_us_per_token or 0.0) / 1e6
         return lambda t: (fixed + per_token * t) * time_scale
+    from shared.devices import select_device, synchronize
     from shared.model.prefill import PrefillModel
 
+    device = select_device(spec.device.kind, 0)  # where the first worker's prefill runs
     model = PrefillModel.from_spec(spec.prefill)
+    model.module.to(device)
     prompt = [i % 200 + 1 for i in range(tokens)]
     model.prefill(prompt)  # warm-up
+    synchronize(device)
     t0, reps = time.perf_counter(), 10
     for _ in range(reps):
         model.prefill(prompt)
+    synchronize(device)
     per_block = (time.perf_counter() - t0) / reps / model.layers
     return lambda t: per_block * t / tokens
 
