@@ -38,7 +38,7 @@ def plan_report(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: fl
     for _, a, b in hops:
         per_link[(a, b)] = per_link.get((a, b), 0) + 1
     for (a, b), n in per_link.items():
-        link = LinkModel.from_params(spec.link(a, b))
+        link = LinkModel.from_params(spec.link(a, b), spec.wan.mode)
         shared = f" ({n} hops share it)" if n > 1 else ""
         lines.append(
             f"  {a}->{b}{shared}: {link.bandwidth * 8 / 1e9:.2f} Gb/s, {link.latency * 1000:.1f} ms one way, "

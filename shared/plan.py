@@ -68,7 +68,8 @@ def model_inputs(
 ) -> PipelineInputs:
     pl = placement_of(spec)
     names = [dc.name for dc in spec.datacenters]
-    links = {(a, b): LinkModel.from_params(spec.link(a, b)) for a in names for b in names if a != b}
+    mode = spec.wan.mode  # the link as this WAN mode realises it (headers, slot protocol: LinkModel)
+    links = {(a, b): LinkModel.from_params(spec.link(a, b), mode) for a in names for b in names if a != b}
     fwd, bwd = stage_times(spec, fwd_ms_per_layer, bwd_ms_per_layer)
     return PipelineInputs(
         stages=spec.parallelism.pp,

@@ -29,6 +29,7 @@ from shared.policies import pipeline_model
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.pipeline_model import PipelineInputs
 from shared.policies.schedules import Action, Op, schedule
+from shared.policies.socket_wan import SocketWan
 from shared.policies.wan import LinkSharing, transfer_priority
 from sim.events import EventQueue
 from sim.setup import BUS_S
@@ -119,8 +120,12 @@ class Training:
         acts = [schedule(inp.schedule, k, p, inp.microbatches) for k in range(p)]
         self.slots = [_Slot(d, k, acts[k]) for d in range(inp.dp) for k in range(p)]
         self.predictors = [BubblePredictor(dict(priors[w]) if priors else {}) for w in range(len(self.slots))]
-        self.links = {key: LinkSharing(model, inp.sharing) for key, model in inp.links.items()}
+        self.links = {key: LinkSharing(model, inp.sharing) for key, model in inp.links.items() if model.control is None}
         self._link_version = dict.fromkeys(self.links, 0)
+        # links the broker grants (WAN modes kernel, none): the slot protocol and the sockets, as
+        # the analytic model runs them; the receiver has a tensor when its last byte lands
+        self.sockets = SocketWan({k: m for k, m in inp.links.items() if m.control is not None}, inp.sharing)
+        self._socket_version = 0
         self._in_flight: dict[str, Key] = {}
         self._arrived: set[Key] = set()
         self._barrier: dict[tuple[int, int], list[tuple[int, float]]] = {}
@@ -177,6 +182,17 @@ class Training:
         if self._link_version[lk] == version:
             self._pump(now, lk)
 
+    def _pump_sockets(self, now: float, version: int | None = None) -> None:
+        """The same for the granted links (`version`: only if nothing changed since it was booked)."""
+        if version is not None and version != self._socket_version:
+            return
+        for sent in self.sockets.advance(now):
+            self.q.at(sent.arrival, self._arrive, self._in_flight.pop(sent.id))
+        self._socket_version += 1
+        nxt = self.sockets.next_time()
+        if nxt is not None:
+            self.q.at(nxt, self._pump_sockets, self._socket_version)
+
     def _send(self, st: _Slot, a: Action, now: float) -> None:
         d, k, it = st.replica, st.stage, st.iteration
         act = a.op is Op.SEND_ACT
@@ -189,6 +205,10 @@ class Training:
         lk = (src_dc, dst_dc)
         tid = f"{d}:{dst}:{key[2]}:{it}:{a.mb}"
         self._in_flight[tid] = key
+        if lk in self.sockets.links:  # the pair of workers: replica d's stages k and dst
+            self.sockets.send(tid, lk, (d, min(k, dst)), self.inp.act_bytes, transfer_priority(it, a.mb, d), now)
+            self._pump_sockets(now)
+            return
         self.links[lk].submit(tid, self.inp.act_bytes, transfer_priority(it, a.mb, d), now)
         self._pump(now, lk)
 

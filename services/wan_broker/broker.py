@@ -58,13 +58,15 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         def release(entry: str) -> None:
             consumer_ref[0].release(entry)  # type: ignore[attr-defined]
 
+        # the same link models as the analytic model's (shared.plan.model_inputs): one clock in mode model
+        models = {(a, b): LinkModel.from_params(spec.link(a, b), mode) for a, b in directed_links(settings)}
         drivers: dict[tuple[str, str], LinkDriver | SlotDriver] = {
             (a, b): (
-                LinkDriver(bus, a, b, LinkModel.from_params(spec.link(a, b)), spec.wan.sharing, metrics)
+                LinkDriver(bus, a, b, model, spec.wan.sharing, metrics)
                 if mode == "model"
-                else SlotDriver(bus, a, b, LinkModel.from_params(spec.link(a, b)), spec.wan.sharing, release, metrics)
+                else SlotDriver(bus, a, b, model, spec.wan.sharing, release, metrics)
             )
-            for a, b in directed_links(settings)
+            for (a, b), model in models.items()
         }
         server = MetricsServer(
             metrics.registry,

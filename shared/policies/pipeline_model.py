@@ -3,7 +3,10 @@
 Every worker (replica d, stage k) walks the same action list the live worker walks
 (`shared.policies.schedules`). Forward/backward take the given compute times; a same-DC send
 arrives at once; a cross-DC send is submitted to the `LinkSharing` of its directed link (the very
-policy object the live `wan_broker` runs) and arrives when that link says; the gradient all-reduce
+policy object the live `wan_broker` runs in WAN mode `model`) and arrives when that link says. On
+links whose transfers the broker grants (`LinkModel.control`: modes `kernel`, `none`) it goes to
+`SocketWan` instead: the slot protocol around the `SlotArbiter` the broker runs there, and the
+bytes on the pair's connections (shared/policies/socket_wan.py). The gradient all-reduce
 is a barrier of the stage's DP peers (inside one DC) plus its cost; the optimizer step takes its
 cost. A receive whose input is not there yet is a **bubble** (worker, iteration, schedule
 position, start, length).
@@ -21,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.policies.schedules import Action, Op, schedule
+from shared.policies.socket_wan import SocketWan
 from shared.policies.wan import LinkModel, LinkSharing, transfer_priority
 
 Worker = tuple[int, int]  # (replica, stage)
@@ -115,8 +119,11 @@ def simulate(inp: PipelineInputs, iterations: int = 1) -> PipelineResult:
     p, dp = inp.stages, inp.dp
     acts = {k: schedule(inp.schedule, k, p, inp.microbatches) for k in range(p)}
     states: dict[Worker, _State] = {(d, k): _State(acts[k]) for d in range(dp) for k in range(p)}
-    links = {key: LinkSharing(model, inp.sharing) for key, model in inp.links.items()}
+    links = {key: LinkSharing(model, inp.sharing) for key, model in inp.links.items() if model.control is None}
+    granted = {key: model for key, model in inp.links.items() if model.control is not None}
+    sockets = SocketWan(granted, inp.sharing)
     link_version = dict.fromkeys(links, 0)
+    socket_version = [0]
     spans: list[Span] = []
     bubbles: list[Bubble] = []
     arrived: set[tuple[int, int, str, int, int]] = set()  # (replica, stage, kind, iteration, mb)
@@ -150,6 +157,16 @@ def simulate(inp: PipelineInputs, iterations: int = 1) -> PipelineResult:
             version = link_version[lk]
             at(nxt, lambda t: pump_link(lk, t) if link_version[lk] == version else None)
 
+    def pump_sockets(now: float) -> None:
+        """The same for the granted links: their transfers and protocol steps, one clock."""
+        for sent in sockets.advance(now):
+            deliver(in_flight.pop(sent.id), sent.arrival)
+        socket_version[0] += 1
+        nxt = sockets.next_time()
+        if nxt is not None:
+            version = socket_version[0]
+            at(nxt, lambda t: pump_sockets(t) if socket_version[0] == version else None)
+
     def send(w: Worker, a: Action, it: int, now: float) -> None:
         d, k = w
         dst = k + 1 if a.op is Op.SEND_ACT else k - 1
@@ -162,7 +179,12 @@ def simulate(inp: PipelineInputs, iterations: int = 1) -> PipelineResult:
         lk = (src_dc, dst_dc)
         tid = ":".join(map(str, key))
         in_flight[tid] = key
-        links[lk].submit(tid, inp.act_bytes, transfer_priority(it, a.mb, d), now)
+        priority = transfer_priority(it, a.mb, d)
+        if lk in granted:  # the pair of workers: replica d's stages k and dst, both directions
+            sockets.send(tid, lk, (d, min(k, dst)), inp.act_bytes, priority, now)
+            pump_sockets(now)
+            return
+        links[lk].submit(tid, inp.act_bytes, priority, now)
         pump_link(lk, now)
 
     def finish_iteration(w: Worker, now: float) -> bool:

@@ -10,6 +10,19 @@ Physics of the emulated link:
   ``connections`` connections is capped at ``flow_cap = min(bandwidth, connections * window / RTT)``;
 * a transfer's last byte arrives ``latency`` after it leaves the sender.
 
+What the link adds beyond the payload at its rate depends on how the WAN mode realises it
+(`LinkModel.from_params(params, mode)`), so the model predicts what each mode's link does:
+
+* ``model``: the broker's `LinkSharing` *is* the link: payload at ``bandwidth``, the spec's
+  ``latency``, no control traffic. The live broker releases each receiver at exactly these
+  arrival times, so a prediction and a model-mode run share one clock.
+* ``kernel``: htb shapes every packet at its length on the wire (``overhead``: Ethernet, IP and
+  TCP headers per full-size segment, `HEADER_OVERHEAD`), the namespaces add no propagation delay
+  (no netem: ``latency`` 0; the spec's latency still sets the per-connection cap, window / RTT),
+  and every transfer goes through the broker's slot protocol (`SlotControl`: bus hops before the
+  first byte and after the last).
+* ``none``: a real network: the headers and the slot protocol as in ``kernel``, the spec's latency.
+
 Policies:
 
 * ``fair``: processor sharing. Every submitted transfer transmits at once, each at
@@ -34,27 +47,98 @@ from itertools import chain
 from shared.config import LinkParams
 
 POLICIES = ("fair", "temporal", "fifo")
+#: The WAN modes (`wan.mode`): how cross-DC bytes meet the link (module docstring).
+MODES = ("model", "kernel", "none")
 
 MIB = 1 << 20
+
+#: One TCP segment at a 1500-byte MTU as a shaper counts it: 1448 payload bytes (1500 - 20 IPv4
+#: - 20 TCP - 12 of TCP timestamps, on by default in Linux) in a 1514-byte frame (+ 14 Ethernet).
+MSS_BYTES = 1448
+FRAME_BYTES = 1514
+#: Wire bytes per payload byte on a link shaped per packet (htb charges each packet's length,
+#: headers included): 1514 / 1448 = 1.0456, so goodput is 4.4 % below the link's rate. A
+#: transfer's last, partial segment per connection costs a little more; left out (under 1 %
+#: for the activations the benchmarks send: 16 KiB or more per connection).
+HEADER_OVERHEAD = FRAME_BYTES / MSS_BYTES
+#: One bus hop on one host: a message published by one process until a consumer in another runs
+#: its handler. `bench/bus.py` measures two of them (`request_reply_p50_ms`, Ping and Pong back):
+#: 0.68 ms on the project's 2-core machine (README), so 0.34 ms each. Not fitted to any
+#: benchmark of the WAN: it is the bus's own latency.
+BUS_HOP_S = 0.00034
+
+
+@dataclass(frozen=True)
+class SlotControl:
+    """The broker's slot protocol on one transfer (WAN modes `kernel` and `none`): the control
+    messages a transfer's bytes wait for, as latencies. In order:
+
+    * `request_s`: the sender's send until the broker has its `SlotRequest` (one bus hop);
+    * `start_s`: the broker's grant until the first byte is on the wire: the `SlotGrant` to the
+      sender, then its `TensorReady` to the receiver, which posts the receive (gloo moves
+      announced bytes only once the receiver is ready for them): two hops;
+    * `report_s`: the last byte landed until the broker frees the transfer's share of the link:
+      the receiver's `SlotDone` (one hop). Under temporal sharing the link idles for
+      `report_s + start_s` between one transfer's last byte and the next one's first.
+    """
+
+    request_s: float
+    start_s: float
+    report_s: float
+
+    @classmethod
+    def hops(cls, hop_s: float) -> SlotControl:
+        """The protocol as bus hops of `hop_s` each: 1 before the grant, 2 after it, 1 to report."""
+        return cls(request_s=hop_s, start_s=2 * hop_s, report_s=hop_s)
 
 
 @dataclass(frozen=True)
 class LinkModel:
-    bandwidth: float  # bytes/s
-    latency: float  # s, one way
-    flow_cap: float  # bytes/s one transfer can reach over its connections
+    bandwidth: float  # bytes/s on the wire: the link's rate
+    latency: float  # s, one way: from the last byte leaving the sender to its arrival
+    flow_cap: float  # bytes/s (on the wire) one transfer can reach over its connections
+    #: Wire bytes per payload byte (`HEADER_OVERHEAD` on a packet-shaped link); 1 = the link moves
+    #: payload at `bandwidth`, as the model-mode emulation defines it. A transfer of n payload
+    #: bytes lasts n x overhead / rate.
+    overhead: float = 1.0
+    #: The slot protocol's latencies where the broker grants the link (`kernel`, `none`); None
+    #: where it emulates it (`model`: `LinkSharing` is the link, a transfer starts at its send).
+    control: SlotControl | None = None
 
     @classmethod
-    def from_params(cls, p: LinkParams) -> LinkModel:
+    def from_params(cls, p: LinkParams, mode: str = "model") -> LinkModel:
+        """The link `p` as WAN mode `mode` realises it (module docstring)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown WAN mode {mode!r}; known: {', '.join(MODES)}")
         bandwidth = p.bandwidth_gbps * 1e9 / 8
         latency = p.latency_ms / 1000
         rtt = 2 * latency
         per_conn = p.tcp_window_mib * MIB / rtt if rtt > 0 else math.inf
-        return cls(bandwidth=bandwidth, latency=latency, flow_cap=min(bandwidth, p.connections * per_conn))
+        flow_cap = min(bandwidth, p.connections * per_conn)
+        if mode == "model":
+            return cls(bandwidth=bandwidth, latency=latency, flow_cap=flow_cap)
+        return cls(
+            bandwidth=bandwidth,
+            latency=0.0 if mode == "kernel" else latency,  # no netem: the namespaces add no delay
+            flow_cap=flow_cap,
+            overhead=HEADER_OVERHEAD,
+            control=SlotControl.hops(BUS_HOP_S),
+        )
+
+    @property
+    def payload_bandwidth(self) -> float:
+        """Payload bytes/s the whole link carries (goodput)."""
+        return self.bandwidth / self.overhead
+
+    @property
+    def payload_cap(self) -> float:
+        """Payload bytes/s one transfer can reach."""
+        return self.flow_cap / self.overhead
 
     def alone_s(self, nbytes: int) -> float:
-        """Time from start to arrival of one transfer that has the link to itself."""
-        return nbytes / self.flow_cap + self.latency
+        """Time from the send to the arrival of one transfer that has the link to itself."""
+        before = self.control.request_s + self.control.start_s if self.control is not None else 0.0
+        return before + nbytes / self.payload_cap + self.latency
 
 
 def transfer_priority(iteration: int, microbatch: int, replica: int) -> tuple[int, int, int]:
@@ -109,7 +193,12 @@ class LinkSharing:
     changes, not the number waiting: the transfers stay in policy order (`_sent`, then `_waiting`),
     an allocation walks only the head that gets bandwidth, and the clock moves only the flows with
     a rate (`_rated`). Results are those of re-sorting every flow at every change, bit for bit
-    (tests/unit/test_wan_reference.py compares both on random inputs)."""
+    (tests/unit/test_wan_reference.py compares both on random inputs).
+
+    Sizes and rates are payload bytes: a flow moves at most `model.payload_cap` and all of them
+    together `model.payload_bandwidth` (the wire rates over the header `overhead`). The slot
+    protocol's latencies (`model.control`) are not this object's: where the broker grants the
+    link, the pipeline model runs `SlotArbiter` in front of a fair `LinkSharing` (the wire)."""
 
     model: LinkModel
     policy: str = "temporal"
@@ -131,7 +220,7 @@ class LinkSharing:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown sharing policy {self.policy!r}; known: {', '.join(POLICIES)}")
-        self._slot_left = self.model.bandwidth
+        self._slot_left = self.model.payload_bandwidth
 
     # --- the interface ---------------------------------------------------------------------
 
@@ -243,7 +332,7 @@ class LinkSharing:
         self._dirty = False
         if self.policy == "fair":
             flows = list(self._flows.values())
-            cap, bw = self.model.flow_cap, self.model.bandwidth
+            cap, bw = self.model.payload_cap, self.model.payload_bandwidth
             share = min(cap, bw / len(flows)) if flows else 0.0
             for f in flows:
                 f.rate = share
@@ -278,10 +367,10 @@ class LinkSharing:
     def _slot_rate(self, i: int) -> float:
         """The rate of the i-th flow in policy order: what the cap and the link's rest leave it."""
         rates = self._slot_rates
-        bw = self.model.bandwidth
+        bw = self.model.payload_bandwidth
         while len(rates) <= i and not (rates and rates[-1] == 0):
             left = self._slot_left
-            rate = min(self.model.flow_cap, left) if left > bw * 1e-12 else 0.0
+            rate = min(self.model.payload_cap, left) if left > bw * 1e-12 else 0.0
             self._slot_left = left - rate
             rates.append(rate)
         return rates[i] if i < len(rates) else 0.0

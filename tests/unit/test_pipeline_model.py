@@ -1,10 +1,15 @@
 """The analytic pipeline model against hand-computed timelines and the textbook bubble formula."""
 
+from pathlib import Path
+
+import msgspec
 import pytest
 
+from shared.config import load_spec
+from shared.plan import model_inputs, predict
 from shared.policies.pipeline_model import PipelineInputs, simulate
 from shared.policies.schedules import SCHEDULES, compute_bubble_fraction
-from shared.policies.wan import LinkModel
+from shared.policies.wan import LinkModel, SlotControl
 
 
 def local(p: int, dp: int, m: int, sched: str, fwd: float = 1.0, bwd: float = 1.0) -> PipelineInputs:
@@ -52,6 +57,44 @@ def test_cross_dc_timeline_by_hand() -> None:
     assert r.predicted_bubble(0, 1, 0) == 3.0 and r.predicted_bubble(0, 1, 5) == 0.0
 
 
+def test_cross_dc_timeline_over_sockets_by_hand() -> None:
+    # the same pipeline on a link the broker grants (WAN modes kernel / none): no latency (as in
+    # kernel mode), headers 1.25 wire bytes per payload byte, the slot protocol's hops 0.1 s to
+    # request, 0.2 s to start. Activation: sent at 1, requested 1.1, bytes 1.3-2.55; stage 1
+    # computes 2.55-4.55; the gradient: sent 4.55, bytes 4.85-6.1; stage 0's backward 6.1-7.1
+    control = SlotControl(request_s=0.1, start_s=0.2, report_s=0.05)
+    link = LinkModel(bandwidth=100.0, latency=0.0, flow_cap=100.0, overhead=1.25, control=control)
+    inp = PipelineInputs(
+        stages=2,
+        dp=1,
+        microbatches=1,
+        schedule="1f1b",
+        stage_dc=("a", "b"),
+        fwd_s=(1.0, 1.0),
+        bwd_s=(1.0, 1.0),
+        act_bytes=100,
+        links={("a", "b"): link, ("b", "a"): link},
+    )
+    r = simulate(inp)
+    compute = sorted((s.stage, s.kind, round(s.start, 9), round(s.end, 9)) for s in r.spans if s.kind != "wait")
+    assert compute == [(0, "bwd", 6.1, 7.1), (0, "fwd", 0.0, 1.0), (1, "bwd", 3.55, 4.55), (1, "fwd", 2.55, 3.55)]
+    assert r.makespan == pytest.approx(7.1)
+
+
+def test_granted_links_with_free_control_and_no_headers_match_the_emulated_ones() -> None:
+    """The slot protocol at zero cost, no latency for the ready notice to cross, one transfer per
+    pair at a time: the same timeline as LinkSharing's."""
+    free = SlotControl(0.0, 0.0, 0.0)
+    for sharing in ("fair", "temporal"):
+        one = PipelineInputs(**{**wan_bound(sharing, dp=2).__dict__, "microbatches": 1})
+        bare = {k: LinkModel(m.bandwidth, 0.0, m.flow_cap) for k, m in one.links.items()}
+        granted = {k: LinkModel(m.bandwidth, 0.0, m.flow_cap, control=free) for k, m in one.links.items()}
+        base = simulate(PipelineInputs(**{**one.__dict__, "links": bare}), 2)
+        assert simulate(PipelineInputs(**{**one.__dict__, "links": granted}), 2).iteration_times == pytest.approx(
+            base.iteration_times
+        )
+
+
 def wan_bound(sharing: str, dp: int = 2, flow_cap: float = 100.0) -> PipelineInputs:
     link = LinkModel(bandwidth=100.0, latency=0.1, flow_cap=flow_cap)
     return PipelineInputs(
@@ -97,3 +140,15 @@ def test_multi_iteration_and_data_parallel_barrier() -> None:
     assert r.iteration_times == pytest.approx([6.0, 6.0, 6.0])
     assert {s.iteration for s in r.spans} == {0, 1, 2}
     assert len({(s.replica, s.stage) for s in r.spans}) == 4
+
+
+def test_the_prediction_takes_the_links_of_the_specs_wan_mode() -> None:
+    """`predict` models the link the spec's WAN mode builds: model mode the broker's emulation
+    (what its LinkDriver runs, the same LinkModel), kernel mode headers, no delay and the slot
+    protocol."""
+    spec = load_spec(Path(__file__).parents[2] / "configs" / "wan-bound.yaml")
+    for mode in ("model", "kernel"):
+        moded = msgspec.structs.replace(spec, wan=msgspec.structs.replace(spec.wan, mode=mode))
+        links = model_inputs(moded, 10.0, 20.0).links
+        assert links[("dc-a", "dc-b")] == LinkModel.from_params(spec.link("dc-a", "dc-b"), mode)
+    assert predict(spec, 10.0, 20.0).iteration_times[-1] == pytest.approx(0.44)  # the README's model column

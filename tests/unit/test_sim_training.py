@@ -100,11 +100,14 @@ def _variant(spec: ClusterSpec, **training: object) -> ClusterSpec:
 @pytest.mark.parametrize("config", ["demo.yaml", "wan-bound.yaml"])
 @pytest.mark.parametrize("sharing", ["temporal", "fair", "fifo"])
 @pytest.mark.parametrize("sched", ["1f1b", "gpipe"])
-def test_bubbletea_off_reproduces_the_analytic_model(config: str, sharing: str, sched: str) -> None:
+@pytest.mark.parametrize("mode", ["model", "kernel"])
+def test_bubbletea_off_reproduces_the_analytic_model(config: str, sharing: str, sched: str, mode: str) -> None:
     """With no bus latency: same spans (every fwd, bwd, wait, all-reduce, step; the wait at the
     all-reduce inside its span, as a live worker records it), same iteration ends, same bubble
-    fraction: the simulator's training is the analytic model's, on the shipped specs."""
+    fraction: the simulator's training is the analytic model's, on the shipped specs, with the
+    links of WAN mode model (LinkSharing) and of kernel (the slot protocol over sockets)."""
     spec = _variant(load_spec(CONFIGS / config), schedule=sched)
+    spec = msgspec.structs.replace(spec, wan=msgspec.structs.replace(spec.wan, mode=mode))
     inp = model_inputs(spec, 10.0, 20.0, sharing)
     _same(_sim_spans(inp, 4), _model_spans(inp, 4))
 

@@ -5,7 +5,15 @@ import math
 import pytest
 
 from shared.config import LinkParams
-from shared.policies.wan import MIB, LinkModel, LinkSharing, Sent
+from shared.policies.wan import (
+    BUS_HOP_S,
+    HEADER_OVERHEAD,
+    MIB,
+    LinkModel,
+    LinkSharing,
+    Sent,
+    SlotControl,
+)
 
 LINK = LinkModel(bandwidth=100.0, latency=1.0, flow_cap=100.0)
 
@@ -90,6 +98,46 @@ def test_link_model_from_params() -> None:
     many = LinkModel.from_params(LinkParams(latency_ms=40, bandwidth_gbps=10, tcp_window_mib=6, connections=16))
     assert many.flow_cap == many.bandwidth  # enough connections fill the link
     assert LinkModel.from_params(LinkParams(latency_ms=0)).flow_cap == 10e9 / 8
+
+
+def test_each_wan_mode_realises_the_link_its_own_way() -> None:
+    p = LinkParams(latency_ms=5, bandwidth_gbps=0.0524288, tcp_window_mib=0.00390625, connections=1)
+    model = LinkModel.from_params(p, "model")
+    assert model == LinkModel.from_params(p)  # the default: what the broker emulates, unchanged
+    assert (model.bandwidth, model.latency, model.flow_cap) == (6_553_600.0, 0.005, 409_600.0)
+    assert model.overhead == 1.0 and model.control is None
+    kernel = LinkModel.from_params(p, "kernel")
+    # htb charges 1514 wire bytes per 1448 payload bytes; no netem, so no delay, but the spec's
+    # latency still sets the per-connection cap (4 KiB window / 10 ms RTT)
+    assert HEADER_OVERHEAD == 1514 / 1448
+    assert (kernel.bandwidth, kernel.latency, kernel.flow_cap, kernel.overhead) == (
+        6_553_600.0,
+        0.0,
+        409_600.0,
+        1514 / 1448,
+    )
+    # the slot protocol: a bus hop to request, two (grant, announcement) to start, one to report
+    assert BUS_HOP_S == 0.00034
+    assert kernel.control == SlotControl(request_s=0.00034, start_s=0.00068, report_s=0.00034)
+    none = LinkModel.from_params(p, "none")
+    assert none.latency == 0.005 and none.overhead == kernel.overhead and none.control == kernel.control
+    with pytest.raises(ValueError, match="unknown WAN mode"):
+        LinkModel.from_params(p, "tunnel")
+
+
+def test_headers_lengthen_every_transfer_by_the_overhead() -> None:
+    # 100 payload bytes at 1.25 wire bytes each on a 100 B/s link: 1.25 s, then 1 s of latency
+    framed = LinkModel(bandwidth=100.0, latency=1.0, flow_cap=100.0, overhead=1.25)
+    assert (framed.payload_bandwidth, framed.payload_cap) == (80.0, 80.0)
+    for policy in ("fair", "temporal", "fifo"):
+        assert ends(run(policy, [("a", 100, (0,), 0.0)], framed)) == {"a": (0.0, 1.25, 2.25)}
+    two = [("a", 100, (0,), 0.0), ("b", 100, (1,), 0.0)]
+    assert ends(run("fair", two, framed)) == {"a": (0.0, 2.5, 3.5), "b": (0.0, 2.5, 3.5)}
+    assert ends(run("temporal", two, framed)) == {"a": (0.0, 1.25, 2.25), "b": (1.25, 2.5, 3.5)}
+    assert framed.alone_s(100) == 2.25
+    # with the slot protocol, a transfer alone also waits for its request and its start
+    granted = LinkModel(100.0, 1.0, 100.0, overhead=1.25, control=SlotControl(0.5, 0.25, 0.125))
+    assert granted.alone_s(100) == 0.5 + 0.25 + 1.25 + 1.0
 
 
 def test_utilization_stats_and_zero_bytes() -> None:
