@@ -321,8 +321,10 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
     statuses = Counter(final.get(rid, "unknown") for rid in load.ids.values())
     lost = sum(n for st, n in statuses.items() if st not in ("done",) and not st.startswith("failed:"))
     restarts = Counter(m.group(1) for line in up.lines if (m := re.search(r"==> (\S+) restarted \(pid", line)))
+    scales = [float(m.group(1)) for line in up.lines if (m := re.search(r"device time scale ([0-9.]+)", line))]
     return {
         **verdict(training, lost, load.duplicated, proc.returncode),
+        "time_scale_k": scales[0] if scales else None,  # what `up` measured and ran at
         "rounds": args.rounds,
         "rate": args.rate,
         "decay_iters": trained.training.decay_iters,

@@ -174,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     after = [s for s in samples if s["t"] >= duration * args.warmup]
     first, last = after[0], after[-1]
     per_proc = {k: growth(first["rss_kb"][k], last["rss_kb"][k]) for k in first["rss_kb"] if k in last["rss_kb"]}
+    summaries = list(out.glob("*/summary.json"))  # `up`'s run folder: the time scale it ran at
+    scale = json.loads(summaries[0].read_text()).get("device_time_scale") if summaries else None
     result = {
+        "time_scale_k": scale,
         "minutes": args.minutes,
         "rate": args.rate,
         "input_len": args.input_len,

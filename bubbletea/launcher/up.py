@@ -106,7 +106,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
     try:
         url, embedded, where = open_redis(settings.redis_url, persist_dir=folder / "redis" if persist else None)
         say(f"==> {where}")
-        await pick_time_scale(settings, say)
+        scale = await pick_time_scale(settings, say)
         launches = await wan.enter_async_context(worker_launches(settings, url))
         launch_of: dict[str, WorkerLaunch] = {}
         port = spec.http.port or free_port()  # 0 in the spec: any free port, chosen here to print it
@@ -186,7 +186,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
                 return await supervisor.follow()
             return await _first(supervisor.follow(), keep_redis_alive(embedded, say))
         finally:  # also on Ctrl-C: what ran so far is worth a report
-            await _write_run_folder(url, settings, folder, started)
+            await _write_run_folder(url, settings, folder, started, scale)
     finally:
         codes = await stop_all(procs)
         bad = {n: c for n, c in codes.items() if c not in (0, None)}
@@ -316,8 +316,8 @@ def _raise_if_dead(procs: list[Proc]) -> None:
             )
 
 
-async def _write_run_folder(url: str, settings: Settings, folder: Path, started: float) -> None:
-    """The run's spans and a one-row summary, then the report pictures."""
+async def _write_run_folder(url: str, settings: Settings, folder: Path, started: float, scale: float) -> None:
+    """The run's spans and a one-row summary (with its device time scale), then the report pictures."""
     async with Bus(url, settings.spec.bus, name="up") as bus:
         spans = await runstats.run_spans(bus.redis, settings.run)
     (folder / "run").mkdir(exist_ok=True)
@@ -325,6 +325,7 @@ async def _write_run_folder(url: str, settings: Settings, folder: Path, started:
     u = runstats.utilization(spans)
     summary = {
         "spec": str(settings.spec_path),
+        "device_time_scale": scale,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "runs": [
             {
