@@ -54,7 +54,9 @@ a host whose policy there is DROP (every host running a Docker engine) would oth
 nothing between the namespaces.
 
 Concurrent runs on one host get distinct names from their run ids, but the addresses come from
-`base`: give each concurrent run its own base (the executor refuses a base already in use).
+`base`: give each concurrent run its own base (the executor refuses a base already in use). A
+live run (the launchers and its workers) takes `run_base(run)`, one of 100 bases picked by the
+run id's hash, so two runs at once (a demo beside a benchmark) rarely meet.
 """
 
 from __future__ import annotations
@@ -157,6 +159,18 @@ def gso_segments(slowest_ceil_bytes_s: int | None) -> int:
 def run_tag(run: str) -> str:
     """The short, stable hash of a run id that every name of the run carries."""
     return hashlib.sha256(run.encode("utf-8")).hexdigest()[:TAG_LEN]
+
+
+#: `run_base` picks the second octet in [RUN_BASE_FIRST, RUN_BASE_FIRST + RUN_BASES): clear of
+#: 10.77-10.79, which the kernel tests name themselves.
+RUN_BASE_FIRST = 100
+RUN_BASES = 100
+
+
+def run_base(run: str) -> str:
+    """The address base of a live run's plan, from its run id (every process of the run computes
+    the same one): 10.100 to 10.199."""
+    return f"10.{RUN_BASE_FIRST + int(run_tag(run), 16) % RUN_BASES}"
 
 
 def link_rates(p: LinkParams) -> tuple[int, int]:

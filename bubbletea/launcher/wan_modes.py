@@ -51,7 +51,7 @@ async def worker_launches(settings: Settings, redis_url: str) -> AsyncIterator[l
         yield [WorkerLaunch() for _ in range(workers)]
         return
     from bubbletea.launcher.kernel_wan import check_privileges, kernel_wan
-    from shared.kernel_net import plan_kernel_net
+    from shared.kernel_net import plan_kernel_net, run_base
 
     check_privileges()  # one clear line (KernelWanError) without root / ip / tc
     host = urlsplit(redis_url).hostname or ""
@@ -60,7 +60,7 @@ async def worker_launches(settings: Settings, redis_url: str) -> AsyncIterator[l
             f"--wan kernel reaches Redis from the namespaces through this host: REDIS_URL must be on "
             f"127.0.0.1 here (got host {host!r}); leave REDIS_URL unset to use the embedded Redis"
         )
-    plan = plan_kernel_net(spec, settings.run)
+    plan = plan_kernel_net(spec, settings.run, base=run_base(settings.run))
     placement = placement_of(spec)
     async with kernel_wan(plan):
         redis = Redis.from_url(redis_url, protocol=2)

@@ -63,9 +63,9 @@ def plane_addresses(settings: Settings, slot: Slot, placement: Placement) -> lis
     spec = settings.spec
     if spec.wan.mode != "kernel":
         return [settings.plane_host]
-    from shared.kernel_net import plan_kernel_net
+    from shared.kernel_net import plan_kernel_net, run_base
 
-    plan = plan_kernel_net(spec, settings.run)
+    plan = plan_kernel_net(spec, settings.run, base=run_base(settings.run))
     dc = placement.stage_dc[slot.stage]
     return plan.worker_addresses(dc, plan.local_index(spec, slot.replica, slot.stage))
 

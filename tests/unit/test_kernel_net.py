@@ -21,6 +21,8 @@ from shared.kernel_net import (
     link_rates,
     local_index,
     plan_kernel_net,
+    run_base,
+    run_tag,
 )
 from shared.plan import placement_of
 
@@ -208,3 +210,13 @@ def test_forwarding_is_accepted_on_each_dcs_root_side_veth_and_removed_the_same_
     up, down = plan.forward_accept_commands(), plan.forward_remove_commands()
     assert up == [["iptables", "-I", "FORWARD", "1", "-i", d.host_if, "-j", "ACCEPT"] for d in plan.dcs]
     assert down == [["iptables", "-D", "FORWARD", "-i", d.host_if, "-j", "ACCEPT"] for d in plan.dcs]
+
+
+def test_a_live_runs_addresses_come_from_its_run_id() -> None:
+    """Every process of a run computes the same base from the run id; two runs rarely share one,
+    and none is a base the kernel tests name (10.77-10.79)."""
+    bases = {run_base(f"demo-fair-{pid}-1795744000") for pid in range(200)}
+    assert run_base("r") == run_base("r") == f"10.{100 + int(run_tag('r'), 16) % 100}"
+    assert all(100 <= int(b.split(".")[1]) <= 199 for b in bases) and len(bases) > 50
+    plan = plan_kernel_net(spec_of("demo.yaml"), "r", base=run_base("r"))
+    assert plan.dcs[0].control_address == f"{run_base('r')}.1.1"
