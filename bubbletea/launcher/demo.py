@@ -135,7 +135,7 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
                 indent=2,
             )
         )
-        _report(folder)
+        _report(folder, scale)
         if hold:
             say(f"==> the front door stays up at {api}; press Ctrl-C to stop")
             await _until_a_service_dies(procs)
@@ -276,13 +276,17 @@ def _finish_summary(rows: list[dict[str, Any]]) -> None:
         by["atlas"]["speedup_vs_fair"] = round(by["fair"]["iteration_ms"] / by["atlas"]["iteration_ms"], 3)
 
 
-def _report(folder: Path) -> None:
+def _report(folder: Path, scale: float) -> None:
     from bubbletea.report import markdown_table, write_report
     from bubbletea.report.data import load_run_folder
 
     written = write_report(folder)
     say("")
     say(markdown_table(load_run_folder(folder).summary))
+    say(
+        f"(device time scale k = {scale:g}: times are device ms, real ms / k; TTFT <= 1 s and the fill count "
+        "every request sent and every bubble)"
+    )
     say("")
     say(f"==> report: {folder / 'report.md'} ({len(written)} files: tables and pictures)")
     for p in written:
