@@ -84,6 +84,8 @@ def model_inputs(
         sharing=sharing or spec.wan.sharing,
         allreduce_s=(spec.device.allreduce_ms / 1000,) * spec.parallelism.pp,
         step_s=spec.device.step_ms / 1000,
+        # the live step sums the global norm across stages first (services/stage_worker/runner.py)
+        step_barrier=spec.parallelism.pp > 1 and spec.training.clip_grad_norm > 0,
     )
 
 

@@ -129,6 +129,8 @@ class Training:
         self._in_flight: dict[str, Key] = {}
         self._arrived: set[Key] = set()
         self._barrier: dict[tuple[int, int], list[tuple[int, float]]] = {}
+        self._at_step: dict[tuple[int, int], list[int]] = {}  # (replica, iteration) -> slots waiting to step
+        self._released: set[tuple[int, int]] = set()  # (replica, iteration) whose stages all reached the step
         self._ends: dict[int, float] = {}
         self._finished: dict[int, int] = {}  # iteration -> slots done with it
         self._left = len(self.slots)
@@ -156,6 +158,12 @@ class Training:
         st = self.slots[w]
         if st.blocked_since is None or st.resuming or self._waiting_for(st) != key:
             return
+        self._input_here(now, w)
+
+    def _input_here(self, now: float, w: int) -> None:
+        """What blocked slot `w` waited for is here (a tensor, or the last stage at the step):
+        training resumes now, or, with BubbleTea, once the running prefill block ends."""
+        st = self.slots[w]
         if self.guest is None:
             self._resume(now, w)
             return
@@ -249,11 +257,32 @@ class Training:
                 self._allreduce(st, w, now)
                 return
             if op is Op.STEP:
+                barrier = inp.step_barrier and inp.stages > 1 and (d, it) not in self._released
+                if barrier and self._wait_at_step(st, w, now):
+                    return
                 st.pos += 1
                 if inp.step_s > 0:
                     spans.append(Span(d, k, it, "step", now, now + inp.step_s))
                 self.q.at(now + inp.step_s, self._resume, w)
                 return
+
+    def _wait_at_step(self, st: _Slot, w: int, now: float) -> bool:
+        """The step's barrier across the replica's stages (the live step's collectives): True if
+        slot `w` waits there (a bubble at the step's position, announced like a receive's); the
+        last stage to come releases the others, their collective a bus hop later."""
+        d, it = st.replica, st.iteration
+        waiting = self._at_step.setdefault((d, it), [])
+        waiting.append(w)
+        if len(waiting) < self.inp.stages:
+            st.blocked_since = now
+            if self.guest is not None:
+                st.predicted_s = self.predictors[w].predict(st.pos)
+                self.guest.bubble_start(w, it, st.pos, st.predicted_s, now)
+            return True
+        self._released.add((d, it))
+        for peer in self._at_step.pop((d, it))[:-1]:
+            self.q.at(now + self.bus_s, self._input_here, peer)
+        return False
 
     def _end_wait(self, st: _Slot, w: int, now: float) -> None:
         """The bubble of slot `w` is over (its input came, and any running prefill block ended)."""
@@ -273,8 +302,9 @@ class Training:
             self.predictors[w].observe(pos, st.predicted_s, length, it)
             self.guest.bubble_end(w, it, pos, now)
         st.blocked_since, st.resuming = None, False
-        self._arrived.discard(self._waiting_for(st))
-        st.pos += 1
+        if st.actions[pos].op is not Op.STEP:  # a receive is consumed; the step runs next, released
+            self._arrived.discard(self._waiting_for(st))
+            st.pos += 1
 
     def _allreduce(self, st: _Slot, w: int, now: float) -> None:
         """A barrier of the stage's DP peers, then the cost, ending for all at one instant. As on a

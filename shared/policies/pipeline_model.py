@@ -44,6 +44,10 @@ class PipelineInputs:
     sharing: str = "temporal"
     allreduce_s: tuple[float, ...] = ()  # per stage; empty = 0
     step_s: float = 0.0
+    #: The step waits for every stage of its replica first (the pipeline's own collectives: the
+    #: global gradient norm for clipping, a tied embedding's gradient): the stages that finish their
+    #: backward passes first wait there, a bubble at the step's position, as on a live worker.
+    step_barrier: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ def simulate(inp: PipelineInputs, iterations: int = 1) -> PipelineResult:
     arrived: set[tuple[int, int, str, int, int]] = set()  # (replica, stage, kind, iteration, mb)
     in_flight: dict[str, tuple[int, int, str, int, int]] = {}  # transfer id -> receiver key
     barrier: dict[tuple[int, int], list[tuple[Worker, float]]] = {}
+    at_step: dict[tuple[int, int], list[Worker]] = {}  # (replica, iteration) -> stages waiting to step
+    released: set[tuple[int, int]] = set()  # (replica, iteration) whose stages have all reached the step
     ends: dict[int, float] = {}
     heap: list[_Event] = []
     seq = itertools.count()
@@ -237,6 +243,15 @@ def simulate(inp: PipelineInputs, iterations: int = 1) -> PipelineResult:
                         at(done, functools.partial(resume, peer))
                 return
             if a.op is Op.STEP:
+                if inp.step_barrier and p > 1 and (d, it) not in released:
+                    waiting = at_step.setdefault((d, it), [])
+                    waiting.append(w)
+                    if len(waiting) < p:
+                        st.blocked_since = now  # a bubble at the step's position, until the last stage comes
+                        return
+                    released.add((d, it))
+                    for peer in at_step.pop((d, it))[:-1]:
+                        at(now, functools.partial(resume, peer))
                 st.pos += 1
                 if inp.step_s > 0:
                     spans.append(Span(d, k, it, "step", now, now + inp.step_s))

@@ -152,3 +152,25 @@ def test_the_prediction_takes_the_links_of_the_specs_wan_mode() -> None:
         links = model_inputs(moded, 10.0, 20.0).links
         assert links[("dc-a", "dc-b")] == LinkModel.from_params(spec.link("dc-a", "dc-b"), mode)
     assert predict(spec, 10.0, 20.0).iteration_times[-1] == pytest.approx(0.44)  # the README's model column
+
+
+def test_the_step_waits_for_every_stage_of_its_replica_a_bubble_at_the_steps_position() -> None:
+    """As a live step sums the global norm across stages first: with 1F1B on 2 stages of 1 s
+    forwards and backwards and 2 microbatches, stage 1 ends its last backward at 5 s and stage 0 at
+    6 s, so stage 1 waits 1 s at its step (a bubble the workers' priors then predict); without the
+    barrier it steps at once."""
+    from dataclasses import replace
+
+    from shared.policies.schedules import Op, schedule
+
+    base = local(2, 1, 2, "1f1b")
+    step_pos = [a.op for a in schedule("1f1b", 1, 2, 2)].index(Op.STEP)
+    free = simulate(base)
+    assert not [b for b in free.bubbles if b.position == step_pos and b.stage == 1]
+    held = simulate(replace(base, step_barrier=True), iterations=2)
+    (b,) = [b for b in held.bubbles if (b.stage, b.position, b.iteration) == (1, step_pos, 0)]
+    assert (b.start, b.length) == (5.0, 1.0)
+    assert held.iteration_times[0] == free.iteration_times[0]  # the last stage to finish steps as before
+    assert held.predicted_bubble(0, 1, step_pos) == 1.0
+    spec = load_spec(Path(__file__).parents[2] / "configs" / "wan-bound.yaml")
+    assert model_inputs(spec, 10.0, 20.0).step_barrier  # pp > 1 with clipping: the live step's barrier

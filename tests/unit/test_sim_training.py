@@ -63,8 +63,8 @@ def _model_spans(inp: PipelineInputs, iterations: int) -> tuple[list[tuple[objec
     spans: list[tuple[object, ...]] = []
     for s in r.spans:
         slot = (s.replica, s.stage, s.iteration)
-        if s.kind == "wait" and (s.mb is None or s.mb < 0) and slot in barrier_waits:
-            continue
+        if s.kind == "wait" and (s.mb is None or s.mb < 0) and barrier_waits.get(slot) == s.start:
+            continue  # the all-reduce's barrier (the step's barrier, a wait too, stays one)
         start = barrier_waits.get(slot, s.start) if s.kind == "allreduce" else s.start
         spans.append((*slot, s.kind, start, s.end, -1 if s.mb is None else s.mb))
     return sorted(spans), r.iteration_ends, _bubble(spans, inp, r.iteration_ends[-1])
