@@ -84,8 +84,9 @@ def summarise(pairs: list[Pair], *, time_scale: float, slo_device_ms: float) -> 
     u_off = [utilization(p.spans_off) for p in pairs]
     u_on = [utilization(p.spans_on) for p in pairs]
     slowdowns = [(p.iteration_s_on / p.iteration_s_off - 1) * 100 for p in pairs]
-    dispatch = [bubble_dispatch(p.spans_on, p.seen) for p in pairs]
+    dispatch = [bubble_dispatch(p.spans_on, p.seen, k) for p in pairs]
     latencies = [x for d in dispatch for x in d.latencies_ms]
+    real = [x for d in dispatch for x in d.real_latencies_ms]
     shares_start = [
         x
         for p, d in zip(pairs, dispatch, strict=True)
@@ -130,6 +131,7 @@ def summarise(pairs: list[Pair], *, time_scale: float, slo_device_ms: float) -> 
         "bubbles_filled": sum(d.filled for d in dispatch),
         "dispatch_p50_ms": _r(percentile(latencies, 50)),
         "dispatch_p99_ms": _r(percentile(latencies, 99)),
+        "dispatch_p99_real_ms": _r(percentile(real, 99)),  # an empty bubble at its real length (k times its own)
         "control_share_p50": _r(
             max(
                 (x for x in (percentile(shares_start, 50), percentile(shares_report, 50)) if x is not None),

@@ -7,9 +7,11 @@ worker as it opened (requests queued, or a batch staged there), and, for each ba
 the worker sent it (`ControlSeen`, on the run's spans stream). From those:
 
 * **dispatch latency** (`BubbleDispatch.latencies_ms`): one value per bubble that opened with work:
-  its start to its first prefill running, or, if no prefill ran in it, its whole length. A bubble
-  that opened with nothing waiting is counted in `total` only: there was nothing to dispatch.
-  `total`, `with_work` and `filled` (a prefill ran in it) are reported beside the percentiles.
+  its start to its first prefill running (host time, as it is), or, if no prefill ran in it, its
+  whole length in device time (real / k: its length at k = 1, where the host's latency would be the
+  same and the bubble k times shorter). A bubble that opened with nothing waiting is counted in
+  `total` only: there was nothing to dispatch. `total`, `with_work` and `filled` (a prefill ran in
+  it) are reported beside the percentiles, and `real_latencies_ms` keeps every value in real ms.
 * **control share**: a host-side latency (bubble start on the worker to prefill running on it, in a
   bubble with work that was filled; a batch report sent to the dispatcher handling it) over the
   mean bubble in device time: the share of a bubble it would take at time scale k = 1, since the
@@ -50,19 +52,23 @@ class BubbleDispatch:
     total: int
     with_work: int
     filled: int  # bubbles with a prefill running in them (with work or not: staged work can run)
-    #: per bubble with work: start to its first prefill running, else its whole length (ms)
+    #: per bubble with work: start to its first prefill running (host ms), else its whole length
+    #: in device ms (real ms / k)
     latencies_ms: tuple[float, ...]
-    #: per bubble with work that was filled: start to its first prefill running (ms)
+    #: per bubble with work that was filled: start to its first prefill running (host ms)
     filled_latencies_ms: tuple[float, ...]
+    #: as `latencies_ms`, an empty bubble's whole length in real ms (the same at k = 1)
+    real_latencies_ms: tuple[float, ...] = ()
 
 
-def bubble_dispatch(spans: Iterable[Span], seen: Iterable[ControlSeen]) -> BubbleDispatch:
-    """The dispatch figures over every `wait` span in `spans`. A bubble the dispatcher left no
-    record of (its start was never handled) counts as one with work: unknown is not a pass."""
+def bubble_dispatch(spans: Iterable[Span], seen: Iterable[ControlSeen], time_scale: float = 1.0) -> BubbleDispatch:
+    """The dispatch figures over every `wait` span in `spans` of a run at `time_scale`. A bubble the
+    dispatcher left no record of (its start was never handled) counts as one with work: unknown is
+    not a pass."""
     opened = {(c.worker, c.at): c.with_work for c in seen if c.event is ControlEvent.BUBBLE_START}
     prefills = _prefills_by_worker(spans)
     total = with_work = filled = 0
-    latencies, filled_latencies = [], []
+    latencies, filled_latencies, real = [], [], []
     for w in (s for s in spans if s.kind == "wait"):
         total += 1
         first = next((p.start for p in prefills.get(w.worker, ()) if w.start <= p.start <= w.end), None)
@@ -71,11 +77,13 @@ def bubble_dispatch(spans: Iterable[Span], seen: Iterable[ControlSeen]) -> Bubbl
             continue
         with_work += 1
         if first is None:
-            latencies.append((bubble_end(w) - w.start) * 1000)
+            real.append((bubble_end(w) - w.start) * 1000)
+            latencies.append(real[-1] / time_scale)
         else:
-            latencies.append((first - w.start) * 1000)
-            filled_latencies.append((first - w.start) * 1000)
-    return BubbleDispatch(total, with_work, filled, tuple(latencies), tuple(filled_latencies))
+            real.append((first - w.start) * 1000)
+            latencies.append(real[-1])
+            filled_latencies.append(real[-1])
+    return BubbleDispatch(total, with_work, filled, tuple(latencies), tuple(filled_latencies), tuple(real))
 
 
 def report_latencies_ms(seen: Iterable[ControlSeen]) -> list[float]:

@@ -241,7 +241,7 @@ def _metrics(
     if load is not None:
         ttfts = load["ttfts_ms"]
         sent = load["completed"] + load["failed"]
-        d = bubble_dispatch(spans, seen or [])
+        d = bubble_dispatch(spans, seen or [], scale)
         m.update(
             requests_sent=sent,
             slo_attainment=round(sum(t / scale <= TTFT_SLO_DEVICE_MS for t in ttfts) / sent, 4) if sent else None,

@@ -77,8 +77,9 @@ def test_every_request_sent_counts_against_the_objective() -> None:
 def test_every_bubble_with_work_counts_and_the_fill_is_inside_the_bubble() -> None:
     s = _harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)
     assert (s["bubbles_total"], s["bubbles_with_work"], s["bubbles_filled"]) == (6, 6, 3)
-    # three filled 5 ms in, three empty at their whole 400 ms: the p50 sits between the two
-    assert s["dispatch_p99_ms"] == pytest.approx(400.0, rel=0.01)
+    # three filled 5 ms in, three empty at their whole 400 real ms: 100 device ms at k = 4
+    assert s["dispatch_p99_ms"] == pytest.approx(100.0, rel=0.01)
+    assert s["dispatch_p99_real_ms"] == pytest.approx(400.0, rel=0.01)
     assert s["bubble_fill_ratio"] == pytest.approx(0.75 / 2, rel=1e-3)  # 0.3 of 0.4 s on one worker of two
     # 5 ms of host latency against a 100 device-ms mean bubble (400 real ms / 4): 5%
     assert s["control_share_p50"] == pytest.approx(0.05, rel=1e-6)

@@ -50,6 +50,11 @@ def test_every_bubble_with_work_counts_an_empty_one_at_its_whole_length() -> Non
     assert (d.total, d.with_work, d.filled) == (5, 3, 3)
     assert sorted(d.latencies_ms) == pytest.approx([1.0, 2.0, 20.0])
     assert sorted(d.filled_latencies_ms) == pytest.approx([1.0, 2.0])
+    # at time scale 4 the empty bubble counts at its device length, 5 ms (what it is at k = 1); the
+    # host's latencies as they are (they do not stretch with k)
+    d4 = bubble_dispatch(spans, seen, 4.0)
+    assert sorted(d4.latencies_ms) == pytest.approx([1.0, 2.0, 5.0])
+    assert sorted(d4.real_latencies_ms) == pytest.approx([1.0, 2.0, 20.0])
 
 
 def test_fill_counts_prefill_inside_the_bubble_only_and_overrun_apart() -> None:
