@@ -36,11 +36,11 @@ BUBBLETEA_LOG_LEVEL, BUBBLETEA_HTTP_HOST, BUBBLETEA_HTTP_PORT. See docs/config.m
 """
 
 
-def _add_wan_argument(p: argparse.ArgumentParser) -> None:
+def _add_wan_argument(p: argparse.ArgumentParser, default: str = "the spec's wan.mode, model") -> None:
     p.add_argument(
         "--wan",
         choices=("model", "kernel", "none"),
-        help="how cross-DC bytes meet the WAN (default: the spec's wan.mode, model): model = the broker's link "
+        help=f"how cross-DC bytes meet the WAN (default: {default}): model = the broker's link "
         "model releases receivers; kernel = one network namespace per DC, links shaped by the kernel, the broker "
         "granting slots (root only); none = a real network, nothing emulated (docs/config.md#wan-modes)",
     )
@@ -74,8 +74,14 @@ def _demo(args: argparse.Namespace) -> int:
     _wan_override(args)
     _scale_override(args)
     from bubbletea.launcher.demo import run_demo
+    from bubbletea.launcher.wan_modes import launcher_wan_mode
 
     settings = load_settings(args.config)
+    mode, why, defaulted = launcher_wan_mode(settings, os.environ)
+    if defaulted:  # every process the demo starts reads the mode from the environment it inherits
+        os.environ["BUBBLETEA_WAN"] = mode
+        settings = load_settings(args.config)
+    print(f"==> WAN mode {mode} ({why})", flush=True)  # the first line of output
     setup_logging("demo", "WARNING" if settings.log_level == "INFO" else settings.log_level)
     return uvloop.run(run_demo(settings, hold=args.hold, out_root=Path(args.out)))
 
@@ -270,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
-    _add_wan_argument(p)
+    _add_wan_argument(
+        p, "kernel where it can run (root, network namespaces), else model; a spec naming wan.mode keeps it"
+    )
     _add_scale_argument(p)
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.set_defaults(func=_demo)

@@ -1,7 +1,9 @@
 """`--wan kernel`: bring a `KernelPlan` (shared/kernel_net.py) up in the kernel and down again.
 
 The plan is pure; this module runs it: `check_privileges` says in one line why a machine cannot
-(not root, no iproute2, no namespaces, no veth/htb/u32), and ``async with kernel_wan(plan):``
+(not root, no iproute2, no namespaces, no veth/htb/u32), `default_wan_mode` picks `kernel` where
+it can run and `model` elsewhere (for the launchers whose default it is), and
+``async with kernel_wan(plan):``
 builds the namespaces, veths, addresses and htb shaping, turns on IPv4 forwarding in the root
 namespace (it routes between the DCs) and, where iptables exists, accepts the DCs' forwarded traffic
 first in FORWARD (a Docker engine sets that chain's policy to DROP), and removes everything and
@@ -46,7 +48,12 @@ _ADVICE = "run as root, or use --wan model"
 
 
 class KernelWanError(RuntimeError):
-    """The kernel WAN cannot be built or used here; the message is one line that says why."""
+    """The kernel WAN cannot be built or used here; the message is one line that says why, and
+    `reason` the same in a few words (e.g. "not root"), for a launcher that falls back."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def _one_line(text: str) -> str:
@@ -69,13 +76,15 @@ def check_privileges() -> None:
     if os.geteuid() != 0:
         raise KernelWanError(
             f"--wan kernel needs root (CAP_NET_ADMIN) to create network namespaces and shape links "
-            f"(running as uid {os.geteuid()}); {_ADVICE}"
+            f"(running as uid {os.geteuid()}); {_ADVICE}",
+            reason=f"not root (uid {os.geteuid()})",
         )
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if missing:
         raise KernelWanError(
             f"--wan kernel needs the iproute2 tools `ip` and `tc` ({' and '.join(missing)} not found on PATH); "
-            "install iproute2, or use --wan model"
+            "install iproute2, or use --wan model",
+            reason=f"no iproute2 ({' and '.join(missing)} not on PATH)",
         )
     probe = f"bt-probe-{os.getpid()}"
     ns = ["ip", "-n", probe]
@@ -96,14 +105,27 @@ def check_privileges() -> None:
                 if i == 0:
                     raise KernelWanError(
                         f"--wan kernel needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces "
-                        f"and shape links (`ip netns add` failed: {why}); {_ADVICE}"
+                        f"and shape links (`ip netns add` failed: {why}); {_ADVICE}",
+                        reason=f"no network namespaces (`ip netns add` failed: {why})",
                     )
                 raise KernelWanError(
                     f"--wan kernel needs veth pairs and the htb qdisc with u32 filters in the kernel "
-                    f"(`{shlex.join(cmd)}` failed: {why}); use --wan model"
+                    f"(`{shlex.join(cmd)}` failed: {why}); use --wan model",
+                    reason=f"no veth / htb / u32 in the kernel (`{shlex.join(cmd[:5])} ...` failed)",
                 )
     finally:
         _run_sync(["ip", "netns", "del", probe])
+
+
+def default_wan_mode() -> tuple[str, str]:
+    """The WAN mode a launcher uses when nothing names one (`bubbletea demo`, bench/atlas.py):
+    `kernel` where it can run (root, network namespaces, veth and htb: `check_privileges`), else
+    `model`; with a few words saying why, for the launcher's first line of output."""
+    try:
+        check_privileges()
+    except KernelWanError as exc:
+        return "model", f"kernel mode cannot run here: {exc.reason}"
+    return "kernel", "root, network namespaces available"
 
 
 # --- sysctls -----------------------------------------------------------------------------------

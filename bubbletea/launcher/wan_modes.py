@@ -1,5 +1,9 @@
 """Where a launcher starts the stage workers, by WAN mode (`wan.mode`, `--wan`).
 
+Which mode: `--wan` (through `BUBBLETEA_WAN`), else the spec's `wan.mode`. A launcher whose
+default is kernel where it can run (`bubbletea demo`) asks `launcher_wan_mode`, which only when
+neither names one picks `kernel` or `model` (`kernel_wan.default_wan_mode`) and says why.
+
 * `model` and `none`: as any service, on this host, any free slot each;
 * `kernel`: each datacenter becomes a network namespace (`kernel_wan`), and the workers of a DC
   start inside it (`ip netns exec`), restricted to its slots (`BUBBLETEA_DC`), reaching Redis over
@@ -13,10 +17,12 @@ Ctrl-C (the launcher cancels the task holding this context).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import yaml
 from redis.asyncio import Redis
 
 from shared.logs import get_logger
@@ -33,6 +39,31 @@ class WorkerLaunch:
     env: dict[str, str] = field(default_factory=dict)
     prefix: tuple[str, ...] = ()
     label: str = "stage_worker"
+
+
+def spec_names_wan_mode(path: Path) -> bool:
+    """Whether the spec file itself names `wan.mode` (rather than leaving it to the default)."""
+    raw = yaml.safe_load(Path(path).read_text())
+    wan = raw.get("wan") if isinstance(raw, dict) else None
+    return isinstance(wan, dict) and "mode" in wan
+
+
+def launcher_wan_mode(settings: Settings, env: Mapping[str, str]) -> tuple[str, str, bool]:
+    """(mode, why, defaulted) for a launcher whose default is `kernel` where it can run: `--wan`
+    (`BUBBLETEA_WAN` in `env`) wins, then a `wan.mode` the spec file names; else `kernel` if this
+    machine can build it and the run's Redis is the launcher's own (embedded: kernel mode rebinds
+    its Redis to the namespaces' addresses for the run, not something to do to a server REDIS_URL
+    names without being asked), otherwise `model`. `defaulted`: nothing named the mode."""
+    if env.get("BUBBLETEA_WAN"):
+        return settings.spec.wan.mode, "--wan", False
+    if spec_names_wan_mode(settings.spec_path):
+        return settings.spec.wan.mode, f"wan.mode in {settings.spec_path}", False
+    if settings.redis_url:
+        return "model", "REDIS_URL is set: kernel mode would rebind that Redis; --wan kernel to insist", True
+    from bubbletea.launcher.kernel_wan import default_wan_mode
+
+    mode, why = default_wan_mode()
+    return mode, why, True
 
 
 def _with_host(url: str, host: str) -> str:

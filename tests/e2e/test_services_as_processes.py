@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from bubbletea.launcher.kernel_wan import default_wan_mode
 from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import SERVICES
 from shared.redis_server import EmbeddedRedis, free_port
@@ -90,6 +91,11 @@ def _demo(tmp_path: Path, spec: Path, timeout: float, *args: str) -> subprocess.
 def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
     r = _demo(tmp_path, _tiny_spec(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    # first, the WAN mode and why: kernel where it can run, else model (the e2e tier runs either),
+    # unless the suite itself was told a mode (BUBBLETEA_WAN, as --wan sets it)
+    named = os.environ.get("BUBBLETEA_WAN")
+    mode, why = (named, "--wan") if named else default_wan_mode()
+    assert r.stdout.splitlines()[0] == f"==> WAN mode {mode} ({why})", r.stdout[:300]
     assert "==> prefill_queue is healthy" in r.stdout
     assert "==> device time scale " in r.stdout  # measured here and said (shared/timescale.py)
     for step in ("[1/3] Fair sharing", "[2/3] Atlas", "[3/3] Atlas + BubbleTea"):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from bubbletea.launcher.kernel_wan import KernelWanError, check_privileges, kernel_wan, teardown
+from bubbletea.launcher.kernel_wan import KernelWanError, check_privileges, default_wan_mode, kernel_wan, teardown
 from shared.config import ClusterSpec, load_spec, parse_spec
 from shared.kernel_net import KernelPlan, link_rates, plan_kernel_net
 
@@ -258,3 +258,21 @@ def test_an_unprivileged_user_is_refused_in_one_line() -> None:
         lines = r.stdout.splitlines()
     assert len(lines) == 1, lines
     assert "--wan kernel needs root" in lines[0] and "--wan model" in lines[0], lines[0]
+
+
+def test_the_default_wan_mode_is_kernel_where_it_can_run_and_model_elsewhere_saying_why() -> None:
+    """`bubbletea demo` and bench/atlas.py default to kernel mode only where it can be built."""
+    mode, why = default_wan_mode()
+    if _why_not() is None:
+        assert (mode, why) == ("kernel", "root, network namespaces available")
+    else:
+        assert mode == "model" and why.startswith("kernel mode cannot run here: "), why
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return
+    code = "from bubbletea.launcher.kernel_wan import default_wan_mode\nprint(*default_wan_mode(), sep='|')\n"
+    r = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "model|kernel mode cannot run here: not root (uid 65534)"
