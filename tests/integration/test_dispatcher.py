@@ -18,8 +18,20 @@ from shared.bus import Bus, Delivery
 from shared.config import BusConfig
 from shared.policies.decisions import Decisions, Spent
 from shared.settings import load_settings
-from shared.status import FailureReason, RequestStatus
-from shared.wire import FIELD, Ping, PrefillBatch, PrefillRequest, WorkerJoined, decode, encode
+from shared.status import ControlEvent, FailureReason, RequestStatus
+from shared.wire import (
+    FIELD,
+    BubbleEnd,
+    BubbleStart,
+    ControlSeen,
+    Ping,
+    PrefillBatch,
+    PrefillReport,
+    PrefillRequest,
+    WorkerJoined,
+    decode,
+    encode,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -115,3 +127,41 @@ async def test_a_joined_worker_gets_its_first_batch_staged_on_its_fill_stream(re
         batch = decode(fields[FIELD])
         assert isinstance(batch, PrefillBatch) and batch.hold and [i.id for i in batch.items] == ["early"]
         assert d.state.requests["early"].in_bubble == "r0s1"
+
+
+async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_came(redis_url: str) -> None:
+    """`ControlSeen` on the run's spans stream (what the run's figures count every bubble by): a
+    bubble that opens with a request queued is 'with work', one with nothing waiting is not, and a
+    batch report carries when the worker sent it."""
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        d = Dispatcher(bus, load_settings(None).spec, "run")
+        d.acks = Acks()
+
+        def start(at: float, it: int) -> Delivery:
+            msg = BubbleStart(
+                run="run", worker="r0s1", replica=0, stage=1, dc="dc-a", iteration=it, position=0,
+                predicted_ms=50.0, free_memory_bytes=1 << 30, at=at,
+            )  # fmt: skip
+            return Delivery(f"{it}-0", keys.bubbles_stream("run"), msg, 1)
+
+        now = time.time()
+        await d.on_start(start(now, 0))  # nothing queued
+        await d.on_end(
+            Delivery("e-0", keys.bubbles_stream("run"), BubbleEnd(
+                run="run", worker="r0s1", replica=0, stage=1, iteration=0, position=0,
+                predicted_ms=50.0, actual_ms=1.0, at=now + 0.001,
+            ), 1)
+        )  # fmt: skip
+        req = PrefillRequest(id="q", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:results")
+        assert await serving.accept(bus.redis, req, 10)
+        assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # staged on r0s1: work for it
+        await d.on_start(start(now + 0.002, 1))
+        report = PrefillReport(run="run", worker="r0s1", batch_id="none", progress=(), preempted=False, at=now + 0.003)
+        await d.on_report(Delivery("r-0", keys.prefill_reports_stream("run"), report, 1))
+        seen = [decode(f[FIELD]) for _, f in await bus.redis.xrange(keys.spans_stream("run"))]
+    assert [(c.event, c.at, c.with_work) for c in seen if isinstance(c, ControlSeen)] == [
+        (ControlEvent.BUBBLE_START, now, False),
+        (ControlEvent.BUBBLE_START, now + 0.002, True),
+        (ControlEvent.REPORT, now + 0.003, False),
+    ]
+    assert all(c.seen >= c.at for c in seen)
