@@ -10,16 +10,34 @@ the measured steady iteration time with the analytic model's, side by side in on
     python bench/atlas.py                # 10 iterations per run
     python bench/atlas.py --quick        # under 60 s
     python bench/atlas.py --sweep        # DP degree x (transfer time / compute time), fair vs temporal
-    python bench/atlas.py --wan kernel   # the same runs on real TCP shaped by the kernel (root)
+    python bench/atlas.py --wan kernel   # insist on real TCP shaped by the kernel (root)
+    python bench/atlas.py --wan model    # insist on the broker's link model
+    python bench/atlas.py --schema       # the JSON keys with their clock and unit
 
-`--wan model` (the default): the broker's link model releases each transfer's receiver, as the
-simulator computes it. `--wan kernel`: each DC is a network namespace, every link shaped by htb
-(its rate; a per-connection cap for window / RTT), the broker granting slots; the bytes take the
-time real TCP takes. There the JSON also has `link_efficiency_min`: over the links, the achieved
-throughput (bytes / time with a transfer on the link, as the receivers measured it) over
-min(link rate, connections x per-connection cap), the most one transfer can reach.
+WAN mode. By default the runs use `kernel` where it can run (root, network namespaces, veth and
+htb: `bubbletea.launcher.kernel_wan.default_wan_mode`) and `model` elsewhere; the first line of
+output says which and why. `--wan` picks one (`--sweep` runs on the model WAN only).
 
-Prints a table, then one JSON object on the last line.
+* `kernel`: each DC is a network namespace, every link shaped by htb (its rate; a per-connection
+  cap for window / RTT), the broker granting slots; the bytes take the time real TCP takes. The
+  analytic model is the one for that link (`LinkModel.from_params(params, "kernel")`): headers as
+  htb charges them, no propagation delay (no netem), and the slot protocol's bus hops (request,
+  grant, announcement, the receiver's report). Model and measurement are two clocks here, so their
+  agreement is the claim (`targets`).
+* `model`: the broker's link model releases each transfer's receiver at the time the same
+  `LinkSharing` computes for the prediction: agreement checks only the plumbing (the services
+  keep the policy's schedule), so it is a validity check (`valid`), not a claim.
+
+`link_efficiency` exists only where bytes cross a socket (`kernel`): over a link, the payload bytes
+its receivers took over the time with a transfer on it (the union of the receivers' wire times),
+divided by the link's rate. It cannot exceed 1 (headers alone keep it at most 1 / 1.0456 = 0.956).
+`link_efficiency_min` is taken over the runs whose single transfer can fill the link (8
+connections: fair and temporal); the 1-connection run's transfers each reach a quarter of the
+link, so its figure (`link_efficiency_1conn`) measures how many were on the link at once, not how
+well the link carried them. In `model` mode they are null: the link model's busy time and bytes
+are the policy's own numbers, so the ratio would restate the policy.
+
+Prints a table, then one JSON object on the last line (`SCHEMA` says what each key is).
 """
 
 from __future__ import annotations
@@ -30,6 +48,8 @@ import copy
 import io
 import json
 import random
+import re
+import statistics
 import sys
 import tempfile
 import time
@@ -38,8 +58,9 @@ from typing import Any
 
 import uvloop
 import yaml
+from _common import verdict
 
-from bubbletea.launcher.kernel_wan import KernelWanError
+from bubbletea.launcher.kernel_wan import KernelWanError, default_wan_mode
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import WAN_BROKER
 from bubbletea.launcher.train import run_training
@@ -48,7 +69,7 @@ from shared import keys
 from shared.bus import Bus
 from shared.health import wait_live
 from shared.plan import activation_bytes, predict, profile_ms
-from shared.policies.wan import LinkModel
+from shared.policies.wan import BUS_HOP_S, LinkModel
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.wire import LinkReport, Ping, decode
@@ -60,6 +81,60 @@ BASE: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "wan-bound.yaml").read
 FWD_MS_PER_LAYER: float = BASE["device"]["fwd_ms_per_layer"]
 #: `--wan kernel` widens d_model and seq_len by this factor (see `variant`).
 KERNEL_WIDEN = 4
+
+#: Targets of the kernel-mode runs (README): each measured speedup within this relative gap of
+#: the model's, and the least link efficiency of the runs that can fill their links at least this.
+SPEEDUP_GAP_MAX = 0.10
+LINK_EFFICIENCY_MIN = 0.85
+#: Validity: the model-mode runs keep the policy's schedule (the plumbing) within this relative
+#: error, and the broker alone delivers within this many ms (p99) of the emulated arrival.
+PLUMBING_ERROR_MAX = 0.05
+BROKER_LATE_P99_MAX_MS = 1.0
+#: Validity, every mode: real compute stays behind its profile (the padding) by at most this share
+#: of the workers' time; beyond it the machine, not the WAN, sets the pace.
+LAG_SHARE_MAX = 0.02
+
+#: The JSON line's keys. Clocks: `wall` = real time on this host (the workers' stamps of each
+#: iteration's end; the broker's and the receivers' monotonic clocks); `model` = the analytic
+#: model's virtual clock (profiled device time; these runs use no time scale, so one model ms
+#: stands for one wall ms).
+SCHEMA: dict[str, str] = {
+    "wan": "the WAN mode of the runs: kernel or model",
+    "wan_why": "why that mode: the default's reason (root and namespaces, or why not), or --wan",
+    "iterations": "iterations per run (the first is left out of every iteration figure)",
+    "iter_ms_fair": "wall, ms: steady iteration (median of iterations 2..n), fair sharing, 8 connections",
+    "iter_ms_temporal": "wall, ms: the same, temporal sharing (Atlas), 8 connections",
+    "iter_ms_multiconn": "wall, ms: = iter_ms_temporal (the several-connection side of speedup_multiconn)",
+    "iter_ms_1conn": "wall, ms: the same, temporal sharing, 1 connection",
+    "model_iter_ms_fair": "model, ms: the analytic model's steady iteration for the fair run",
+    "model_iter_ms_temporal": "model, ms: the same for the temporal run",
+    "model_iter_ms_1conn": "model, ms: the same for the 1-connection run",
+    "speedup_temporal": "ratio (wall / wall): iter_ms_fair / iter_ms_temporal",
+    "model_speedup_temporal": "ratio (model / model): the model's fair / temporal",
+    "speedup_temporal_gap": "ratio: |speedup_temporal / model_speedup_temporal - 1|",
+    "speedup_multiconn": "ratio (wall / wall): iter_ms_1conn / iter_ms_multiconn",
+    "model_speedup_multiconn": "ratio (model / model): the model's 1-connection / temporal",
+    "speedup_multiconn_gap": "ratio: |speedup_multiconn / model_speedup_multiconn - 1|",
+    "model_error_max": "ratio: the largest |measured / model - 1| of the three runs' iterations",
+    "broker_late_p99_ms": "wall, ms: the broker alone on loopback, delivery minus the emulated arrival, p99 "
+    "(model mode; null in kernel mode, where the broker releases nothing)",
+    "broker_late_p99_ms_under_training": "wall, ms: the same during the runs (model mode; null in kernel mode)",
+    "lag_share_max": "ratio (wall): of the runs, the most real compute ran behind its profile, over the "
+    "workers' time (iterations x workers)",
+    "control_hop_ms_p50": "wall, ms: a SlotRequest's bus hop, worker to broker (the broker's log: its send to "
+    "its read), median over the runs (kernel mode; null in model mode)",
+    "control_hop_ms_p90": "wall, ms: the same, 90th percentile",
+    "model_control_hop_ms": "model, ms: the bus hop the model assumes (BUS_HOP_S; null in model mode)",
+    "link_efficiency_min": "ratio (wall bytes/s over the link's rate): least over the links of the runs "
+    "whose one transfer can fill the link (8 connections); null in model mode",
+    "link_efficiency_fair": "ratio: least over the links of the fair run; null in model mode",
+    "link_efficiency_temporal": "ratio: least over the links of the temporal run; null in model mode",
+    "link_efficiency_1conn": "ratio: least over the links of the 1-connection run (its transfers reach a "
+    "quarter of the link each); null in model mode",
+    "targets": "kernel mode: per target, its value, the bound and whether it is met (null in model mode)",
+    "valid": "bool: the validity checks passed (the run measured what it says)",
+    "why": "str: what the validity checks found",
+}
 
 
 def variant(
@@ -106,7 +181,7 @@ def variant(
 LOGS: Path | None = None
 
 
-async def measure(spec: dict[str, Any], url: str, tag: str, workdir: Path) -> dict[str, float]:
+async def measure(spec: dict[str, Any], url: str, tag: str, workdir: Path) -> dict[str, Any]:
     path = workdir / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(spec))
     settings = load_settings(path, env={"BUBBLETEA_RUN": f"{tag}-{int(time.time() * 1000)}"})
@@ -118,32 +193,54 @@ async def measure(spec: dict[str, Any], url: str, tag: str, workdir: Path) -> di
             await asyncio.to_thread((LOGS / f"{tag}.log").write_text, out.getvalue())
     measured = result.steady_iteration_s()
     fwd, bwd = profile_ms(settings.spec) or (FWD_MS_PER_LAYER, 2 * FWD_MS_PER_LAYER)
-    model = predict(settings.spec, fwd, bwd, iterations=settings.spec.training.iterations)
+    model = predict(settings.spec, fwd, bwd, iterations=settings.spec.training.iteration_limit or 1)
     analytic = model.iteration_times[-1]
     late = max((v["late_p99_ms"] for v in result.links.values()), default=0.0)
-    efficiency = {}
-    for name, link in result.links.items():
+    mode = settings.spec.wan.mode
+    # Bytes cross a socket only in kernel mode: there, payload bytes over the union of the
+    # receivers' wire times, over the link's rate (module docstring). In model mode: none.
+    efficiency: dict[str, float] = {}
+    fills = True
+    for name in (f"{a}->{b}" for a, b in model_links(settings.spec)):
         src, dst = name.split("->")
-        cap = LinkModel.from_params(settings.spec.link(src, dst)).flow_cap
-        if link.get("busy_s", 0.0) > 0:
-            efficiency[name] = link["bytes_sent"] / link["busy_s"] / cap
-    row = {
+        link = LinkModel.from_params(settings.spec.link(src, dst), mode)
+        fills = fills and link.flow_cap >= link.bandwidth
+        stats = result.links.get(name, {})
+        if mode != "model" and stats.get("busy_s", 0.0) > 0:
+            efficiency[name] = stats["bytes_sent"] / stats["busy_s"] / link.bandwidth
+    workers = settings.spec.parallelism.pp * settings.spec.parallelism.dp
+    # the slot requests' bus hops, as the broker logged them (granting modes): the model's request_s
+    hops = [float(h) for h in re.findall(r'msg="slot granted" .*? hop_ms=([0-9.]+)', out.getvalue())]
+    row: dict[str, Any] = {
         "measured_ms": measured * 1000,
         "model_ms": analytic * 1000,
         "error": abs(measured - analytic) / analytic,
         "broker_late_p99_ms": late,
         "lag_ms": result.lag_ms,
+        "lag_share": result.lag_ms / 1000 / max(1e-9, workers * sum(result.iteration_s)),
         "act_bytes": activation_bytes(settings.spec),
-        "link_efficiency_min": min(efficiency.values(), default=0.0),
+        "link_efficiency": min(efficiency.values()) if efficiency else None,
+        "links_carried": sorted(efficiency),
+        "fills_link": fills,
+        "hops_ms": hops,
     }
+    eff = "n/a (model)" if row["link_efficiency"] is None else f"{row['link_efficiency']:.2f}"
     print(
         f"  {tag:<28} measured {row['measured_ms']:8.1f} ms   model {row['model_ms']:8.1f} ms   "
-        f"error {row['error'] * 100:5.1f}%   broker late p99 {late:.2f} ms   "
-        f"link efficiency {row['link_efficiency_min']:.2f}",
+        f"error {row['error'] * 100:5.1f}%   compute lag {row['lag_share'] * 100:4.1f}%   "
+        + (f"broker late p99 {late:.2f} ms   " if mode == "model" else "")
+        + (f"control hop p50 {statistics.median(hops):.2f} ms   " if hops else "")
+        + f"link efficiency {eff}",
         file=sys.stderr,
         flush=True,
     )
     return row
+
+
+def model_links(spec: Any) -> list[tuple[str, str]]:
+    """The directed links the runs' activations and gradients cross (both DCs of the variant)."""
+    names = [dc.name for dc in spec.datacenters]
+    return [(a, b) for a in names for b in names if a != b]
 
 
 async def broker_accuracy(url: str, workdir: Path, n: int) -> float:
@@ -182,11 +279,11 @@ async def broker_accuracy(url: str, workdir: Path, n: int) -> float:
         await stop_all([broker])
 
 
-async def main_runs(quick: bool, wan: str = "model") -> dict[str, Any]:
+async def main_runs(quick: bool, wan: str = "model", wan_why: str = "--wan") -> dict[str, Any]:
     iters = 6 if quick else 10
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedRedis() as server:
-            alone = 0.0
+            alone: float | None = None
             if wan == "model":  # first, while the machine is quiet: the broker's own timing accuracy
                 alone = await broker_accuracy(server.url, Path(tmp), 500 if quick else 1000)
                 print(f"broker alone on loopback: delivery late p99 {alone:.3f} ms", file=sys.stderr)
@@ -203,26 +300,103 @@ async def main_runs(quick: bool, wan: str = "model") -> dict[str, Any]:
                 "temporal-1conn",
                 Path(tmp),
             )
-    rows = [fair, temporal, one]
-    return {
+    return summarize(wan, wan_why, iters, fair, temporal, one, alone)
+
+
+def _r(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def summarize(
+    wan: str,
+    wan_why: str,
+    iters: int,
+    fair: dict[str, Any],
+    temporal: dict[str, Any],
+    one: dict[str, Any],
+    alone: float | None,
+) -> dict[str, Any]:
+    """The JSON line (`SCHEMA`) from the three runs' rows: figures, targets and validity."""
+    rows = {"fair-8conn": fair, "temporal-8conn": temporal, "temporal-1conn": one}
+    speedup_t = fair["measured_ms"] / temporal["measured_ms"]
+    model_t = fair["model_ms"] / temporal["model_ms"]
+    speedup_m = one["measured_ms"] / temporal["measured_ms"]
+    model_m = one["model_ms"] / temporal["model_ms"]
+    model_mode = wan == "model"
+    filling = [r["link_efficiency"] for r in rows.values() if r["fills_link"] and r["link_efficiency"] is not None]
+    eff_min = None if model_mode or not filling else min(filling)
+    lag_share = max(r["lag_share"] for r in rows.values())
+    hops = [h for r in rows.values() for h in r["hops_ms"]]
+    out: dict[str, Any] = {
         "wan": wan,
+        "wan_why": wan_why,
         "iter_ms_fair": round(fair["measured_ms"], 2),
         "iter_ms_temporal": round(temporal["measured_ms"], 2),
         "model_iter_ms_fair": round(fair["model_ms"], 2),
         "model_iter_ms_temporal": round(temporal["model_ms"], 2),
-        "speedup_temporal": round(fair["measured_ms"] / temporal["measured_ms"], 3),
-        "model_speedup_temporal": round(fair["model_ms"] / temporal["model_ms"], 3),
+        "speedup_temporal": round(speedup_t, 3),
+        "model_speedup_temporal": round(model_t, 3),
+        "speedup_temporal_gap": round(abs(speedup_t / model_t - 1), 4),
         "iter_ms_1conn": round(one["measured_ms"], 2),
         "iter_ms_multiconn": round(temporal["measured_ms"], 2),
         "model_iter_ms_1conn": round(one["model_ms"], 2),
-        "speedup_multiconn": round(one["measured_ms"] / temporal["measured_ms"], 3),
-        "model_speedup_multiconn": round(one["model_ms"] / temporal["model_ms"], 3),
-        "model_error_max": round(max(r["error"] for r in rows), 4),
-        "broker_late_p99_ms": round(alone, 3),
-        "broker_late_p99_ms_under_training": round(max(r["broker_late_p99_ms"] for r in rows), 3),
-        "link_efficiency_min": round(min(r["link_efficiency_min"] for r in rows), 3),
+        "speedup_multiconn": round(speedup_m, 3),
+        "model_speedup_multiconn": round(model_m, 3),
+        "speedup_multiconn_gap": round(abs(speedup_m / model_m - 1), 4),
+        "model_error_max": round(max(r["error"] for r in rows.values()), 4),
+        "broker_late_p99_ms": _r(alone, 3),
+        "broker_late_p99_ms_under_training": (
+            round(max(r["broker_late_p99_ms"] for r in rows.values()), 3) if model_mode else None
+        ),
+        "lag_share_max": round(lag_share, 4),
+        "control_hop_ms_p50": round(statistics.median(hops), 3) if hops else None,
+        "control_hop_ms_p90": round(sorted(hops)[int(0.9 * (len(hops) - 1))], 3) if hops else None,
+        "model_control_hop_ms": None if model_mode else BUS_HOP_S * 1000,
+        "link_efficiency_min": _r(eff_min, 3),
+        "link_efficiency_fair": _r(fair["link_efficiency"], 3),
+        "link_efficiency_temporal": _r(temporal["link_efficiency"], 3),
+        "link_efficiency_1conn": _r(one["link_efficiency"], 3),
         "iterations": iters,
     }
+    problems = []
+    if lag_share > LAG_SHARE_MAX:
+        problems.append(
+            f"real compute ran {lag_share:.1%} of the workers' time behind its profile (more than "
+            f"{LAG_SHARE_MAX:.0%}): the machine, not the WAN, set the pace"
+        )
+    if model_mode:
+        # the broker releases receivers at the model's own times: agreement checks the plumbing
+        if out["model_error_max"] > PLUMBING_ERROR_MAX:
+            problems.append(
+                f"model mode: a run's iteration is {out['model_error_max']:.1%} off the model its broker "
+                f"follows (more than {PLUMBING_ERROR_MAX:.0%}): the services did not keep the policy's schedule"
+            )
+        if alone is not None and alone >= BROKER_LATE_P99_MAX_MS:
+            problems.append(f"the broker alone delivered {alone:.2f} ms late (p99, bound {BROKER_LATE_P99_MAX_MS} ms)")
+        ok = "model mode: the live runs keep the link model's schedule (plumbing) and compute kept its profile"
+        out["targets"] = None
+    else:
+        for tag, r in rows.items():
+            if r["link_efficiency"] is None:
+                problems.append(f"{tag}: no link reported bytes with time on the wire")
+            elif r["link_efficiency"] > 1.0:
+                problems.append(
+                    f"{tag}: link efficiency {r['link_efficiency']:.2f} above 1: the receivers' wire times "
+                    "miss part of the time the link was busy"
+                )
+        ok = "kernel mode: compute kept its profile and every link's efficiency is a share of its rate"
+        out["targets"] = {
+            "speedup_temporal_gap": _target(out["speedup_temporal_gap"], SPEEDUP_GAP_MAX, "<="),
+            "speedup_multiconn_gap": _target(out["speedup_multiconn_gap"], SPEEDUP_GAP_MAX, "<="),
+            "link_efficiency_min": _target(out["link_efficiency_min"], LINK_EFFICIENCY_MIN, ">="),
+        }
+    out.update(verdict(problems, ok))
+    return out
+
+
+def _target(value: float | None, bound: float, op: str) -> dict[str, Any]:
+    met = value is not None and (value <= bound if op == "<=" else value >= bound)
+    return {"value": value, "bound": f"{op} {bound}", "met": met}
 
 
 async def main_sweep(quick: bool) -> dict[str, Any]:
@@ -267,19 +441,31 @@ if __name__ == "__main__":
     ap.add_argument(
         "--wan",
         choices=("model", "kernel"),
-        default="model",
-        help="model: the broker's link model releases receivers (default); kernel: real TCP shaped by the "
-        "kernel between one network namespace per DC (needs root)",
+        default=None,
+        help="kernel: real TCP shaped by the kernel between one network namespace per DC (needs root); "
+        "model: the broker's link model releases receivers. Default: kernel where it can run, else model",
     )
     ap.add_argument("--logs", type=Path, metavar="DIR", help="write each run's service logs to DIR/<run>.log")
+    ap.add_argument("--schema", action="store_true", help="print the JSON keys with their clock and unit, and exit")
     args = ap.parse_args()
+    if args.schema:
+        for key, what in SCHEMA.items():
+            print(f"{key}: {what}")
+        sys.exit(0)
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
         LOGS = args.logs
     if args.wan == "kernel" and args.sweep:
         ap.error("--sweep runs on the model WAN only")
+    if args.wan is not None:
+        wan, why = args.wan, "--wan"
+    elif args.sweep:
+        wan, why = "model", "--sweep runs on the model WAN only"
+    else:
+        wan, why = default_wan_mode()
+    print(f"atlas: WAN mode {wan} ({why})", file=sys.stderr, flush=True)  # the first line, whatever follows
     try:
-        out = uvloop.run(main_sweep(args.quick) if args.sweep else main_runs(args.quick, args.wan))
+        out = uvloop.run(main_sweep(args.quick) if args.sweep else main_runs(args.quick, wan, why))
     except KernelWanError as exc:
         print(f"atlas: {exc}", file=sys.stderr)
         sys.exit(2)

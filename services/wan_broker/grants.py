@@ -29,6 +29,7 @@ class _Open:
     request: SlotRequest
     entry: str  # the request's bus entry, acked once the transfer is done
     granted_at: float = 0.0
+    arrived: float = 0.0  # time.time() when the broker read the request (its bus hop ends)
 
 
 class SlotDriver:
@@ -58,7 +59,7 @@ class SlotDriver:
 
     async def on_request(self, req: SlotRequest, entry: str) -> None:
         if req.transfer_id not in self.open:
-            self.open[req.transfer_id] = _Open(req, entry)
+            self.open[req.transfer_id] = _Open(req, entry, arrived=time.time())
         else:  # redelivered: ack the newest copy of the entry when done
             self.open[req.transfer_id].entry = entry
         await self._publish(self.arbiter.request(req.transfer_id, req.nbytes, req.priority, self.now()))
@@ -103,6 +104,8 @@ class SlotDriver:
                 transfer=g.id,
                 bytes=req.nbytes,
                 waited_ms=round((time.time() - req.sent_at) * 1000, 2) if req.sent_at else "-",
+                # the request's own bus hop, worker to broker: the model's `SlotControl.request_s`
+                hop_ms=round((o.arrived - req.sent_at) * 1000, 2) if req.sent_at and o.arrived else "-",
                 why=g.why,
             )
             await self.bus.publish(req.reply_to, SlotGrant(run=req.run, transfer_id=g.id, why=g.why))
