@@ -63,6 +63,8 @@ SERVICE = "dispatcher"
 #: Requests held at once without a handler task (each is a pending entry, acked when answered):
 #: the front door's admission limit bounds the real number far below this.
 MAX_HELD_REQUESTS = 1_000_000
+#: `ControlSeen` records kept while Redis does not answer (about a minute of a busy run's bubbles).
+MAX_TELEMETRY = 10_000
 #: A progress line in the log this often.
 LOG_EVERY_S = 10.0
 
@@ -87,6 +89,7 @@ class Dispatcher:
             spec, self.model_info.layers, time_scale=time_scale, batch_prefix=secrets.token_hex(3)
         )
         self.acks: Acks | None = None  # the request stream's consumer, once it exists
+        self.telemetry: list[ControlSeen] = []  # for the run's spans stream, published by the timer
         self.metrics = DispatcherMetrics(run, spec.prefill.model_name)
         self.instance = f"{SERVICE}-{instance_id()}"
         tr = spec.training
@@ -141,7 +144,7 @@ class Dispatcher:
             if not self.verdict.ready:  # training runs: say so now, not at the next periodic check
                 await self.check_readiness()
         await self.execute(self.state.bubble_start(opened, now))
-        await self._seen(ControlEvent.BUBBLE_START, m.worker, m.at, now, with_work=with_work)
+        self._seen(ControlEvent.BUBBLE_START, m.worker, m.at, now, with_work=with_work)
 
     async def on_joined(self, d: Delivery) -> None:
         m = d.message
@@ -177,16 +180,29 @@ class Dispatcher:
         now = time.time()
         await self.execute(self.state.report(m.batch_id, m.worker, progress, now))
         if m.at > 0:
-            await self._seen(ControlEvent.REPORT, m.worker, m.at, now)
+            self._seen(ControlEvent.REPORT, m.worker, m.at, now)
 
-    async def _seen(self, event: ControlEvent, worker: str, at: float, seen: float, *, with_work: bool = False) -> None:
-        """Telemetry, after the decision's effects: what the run's figures need of this event
-        (which bubbles opened with work; the control plane's latency)."""
-        msg = ControlSeen(run=self.run, worker=worker, event=event, at=at, seen=seen, with_work=with_work)
-        await self.bus.publish(keys.spans_stream(self.run), msg, maxlen=keys.SPANS_MAXLEN)
+    def _seen(self, event: ControlEvent, worker: str, at: float, seen: float, *, with_work: bool = False) -> None:
+        """Telemetry of this event for the run's figures (which bubbles opened with work; the
+        control plane's latency), kept for the timer to publish: no Redis round trip in a handler
+        of the ordered bubble stream. Past `MAX_TELEMETRY` unpublished records (Redis away), the
+        oldest go: telemetry, not work."""
+        if len(self.telemetry) >= MAX_TELEMETRY:
+            del self.telemetry[0]
+        self.telemetry.append(
+            ControlSeen(run=self.run, worker=worker, event=event, at=at, seen=seen, with_work=with_work)
+        )
+
+    async def flush_telemetry(self) -> None:
+        """Publish the kept `ControlSeen` records in one round trip (kept if Redis does not answer)."""
+        if self.telemetry:
+            batch = list(self.telemetry)
+            await self.bus.publish_many(keys.spans_stream(self.run), batch, maxlen=keys.SPANS_MAXLEN)
+            del self.telemetry[: len(batch)]
 
     async def tick(self) -> None:
         await self.execute(self.state.tick(time.time()))
+        await self.flush_telemetry()
 
     async def check_readiness(self) -> None:
         """Judge whether anything can serve, publish the verdict, and act on it. With Redis away
@@ -376,6 +392,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 # Held requests stay pending for the next dispatcher: no grace needed for them.
                 await c.stop(grace_s=0 if c is requests else None)
             with contextlib.suppress(*TRANSIENT_ERRORS):
+                await d.flush_telemetry()  # the last bubbles' records, after the consumers stopped
                 await serving.withdraw_readiness(bus.redis, d.instance)
             await hb.stop()
             await server.stop()

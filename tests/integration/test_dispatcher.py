@@ -132,7 +132,7 @@ async def test_a_joined_worker_gets_its_first_batch_staged_on_its_fill_stream(re
 async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_came(redis_url: str) -> None:
     """`ControlSeen` on the run's spans stream (what the run's figures count every bubble by): a
     bubble that opens with a request queued is 'with work', one with nothing waiting is not, and a
-    batch report carries when the worker sent it."""
+    batch report carries when the worker sent it; the timer publishes them, in one round trip."""
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         d = Dispatcher(bus, load_settings(None).spec, "run")
         d.acks = Acks()
@@ -158,6 +158,8 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
         await d.on_start(start(now + 0.002, 1))
         report = PrefillReport(run="run", worker="r0s1", batch_id="none", progress=(), preempted=False, at=now + 0.003)
         await d.on_report(Delivery("r-0", keys.prefill_reports_stream("run"), report, 1))
+        assert not await bus.redis.exists(keys.spans_stream("run"))  # kept for the timer: no hop in a handler
+        await d.tick()
         seen = [decode(f[FIELD]) for _, f in await bus.redis.xrange(keys.spans_stream("run"))]
     assert [(c.event, c.at, c.with_work) for c in seen if isinstance(c, ControlSeen)] == [
         (ControlEvent.BUBBLE_START, now, False),
