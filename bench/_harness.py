@@ -140,7 +140,12 @@ def summarise(pairs: list[Pair], *, time_scale: float, slo_device_ms: float) -> 
             4,
         ),
         "control_share_p99": _r(max((x for x in share_p99 if x is not None), default=None), 4),
+        # the control share's two parts, and what they are shares of
+        "start_share_p99": _r(share_p99[0], 4),
+        "report_share_p99": _r(share_p99[1], 4),
         "report_p50_ms": _r(percentile([x for p in pairs for x in report_latencies_ms(p.seen)], 50)),
+        "report_p99_ms": _r(percentile([x for p in pairs for x in report_latencies_ms(p.seen)], 99)),
+        "mean_bubble_device_ms": _r(_med([mean_bubble_ms(p.spans_on) / k for p in pairs]), 2),
         "prediction_error_p50_device_ms": _r(
             _div(percentile([x for p in pairs for x in prediction_errors_ms(p.spans_on)], 50), k)
         ),
