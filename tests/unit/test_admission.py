@@ -53,3 +53,19 @@ def test_past_capacity_the_dispatcher_refuses_the_excess_at_arrival() -> None:
     # until a window of bubbles is seen all are admitted (and expire); after it, the excess is refused
     assert refused_late >= 0.8 * 550
     assert s.counts.overloaded >= refused_late
+
+
+def test_at_saturation_the_rate_is_what_the_workers_served_not_the_usable_bubble_time() -> None:
+    """Packing never fills every usable second: once requests have waited a whole window without a
+    break, admission counts what was reported served (here 60% of the usable time), so it refuses
+    what that rate cannot start in time instead of admitting it to expire."""
+    a = Admission(window_s=1.0)
+    for i in range(11):
+        a.bubble(i * 0.1, 0.05)  # 0.55 usable s a second
+        a.queue(True, i * 0.1)  # and requests waiting all along
+        a.served(i * 0.1, 0.03)  # 0.33 s a second served
+    assert a.rate(1.0) == pytest.approx(0.33)
+    assert a.refusal(queued_s=0.4, own_s=0.01, deadline=2.0, now=1.0) is not None  # 0.41 / 0.33 > 1 s
+    a.queue(False, 1.0)  # the queue emptied: not saturated, the usable time is the rate again
+    assert a.rate(1.0) == pytest.approx(0.55)
+    assert a.refusal(queued_s=0.4, own_s=0.01, deadline=2.0, now=1.0) is None
