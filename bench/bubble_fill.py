@@ -6,11 +6,12 @@ configs/wan-bound.yaml) over real services on a private redis-server. A pair is 
 BubbleTea off, then one with it on (`_harness.interleave`: off, on, off, on, ...). The off run
 gives the **capacity**: the prompt tokens per second its bubbles could hold (its bubble seconds per
 second over every worker, over what a ~96-token prompt costs on the prefill profile;
-`_harness.capacity_tokens_per_s`). With BubbleTea on, the load generator (its own process) sends
+`bubblestats.capacity_tokens_per_s`). With BubbleTea on, the load generator (its own process) sends
 requests over real HTTP (`POST /v1/completions`) as Poisson arrivals at `--load` times that
-capacity (default 0.8), open loop, from the moment the workers hold their slots until as long as
-the off run took; training goes on until it is done, and the extra iterations are left out of
-every figure. Each request's deadline is the TTFT objective (`--ttft-slo-ms`, device ms, default
+capacity (default 0.8), open loop, from the moment training runs (not while the workers set up:
+that queue would reach the first bubbles as a burst) for as long as the off run took; training
+goes on until it is done, and the extra iterations are left out of every figure.
+Each request's deadline is the TTFT objective (`--ttft-slo-ms`, device ms, default
 1000): past capacity the dispatcher refuses what it could not start in time at once (429), rather
 than letting it expire in the queue (504).
 
@@ -125,9 +126,10 @@ PROMPT_TOKENS = 96
 
 async def load(api: str, rate: float, duration_s: float, out: Path) -> dict[str, Any]:
     """The load generator: Poisson arrivals at `rate` requests per (real) second, open loop (no
-    cap on requests in flight), from the moment the run serves (every worker joined), for
-    `duration_s`."""
-    args = ["--base-url", api, "--request-rate", f"{rate:.4f}", "--burstiness", "1"]
+    cap on requests in flight), from the moment training runs (`/ready` says serving: not while the
+    workers set up, whose queue would reach the first bubbles as a burst, not at the stated rate),
+    for `duration_s`."""
+    args = ["--base-url", api, "--request-rate", f"{rate:.4f}", "--burstiness", "1", "--ready-state", "serving"]
     args += ["--duration", f"{duration_s:.2f}", "--num-prompts", "1000000", "--input-len", str(PROMPT_TOKENS)]
     args += ["--range-ratio", "0.33", "--seed", str(random.randrange(1 << 30))]
     return await run_loadgen(args, out)

@@ -114,7 +114,7 @@ async def run_benchmark(config: BenchmarkConfig) -> dict[str, Any]:
             stream=config.stream,
             headers=config.headers,
         )
-        models = await client.wait_ready(config.ready_check_timeout_s)
+        models = await client.wait_ready(config.ready_check_timeout_s, config.ready_state)
         if client.model is None and models:
             client.model = models[0]
         if config.num_warmups:

@@ -153,28 +153,32 @@ class PrefillClient:
         except (TypeError, KeyError):
             raise ApiUnavailable(f"GET {url} did not answer a model list: {text[:MAX_MESSAGE]!r}") from None
 
-    async def wait_ready(self, timeout_s: float = 0.0) -> list[str]:
+    async def wait_ready(self, timeout_s: float = 0.0, state: str | None = None) -> list[str]:
         """`list_models`, retried for up to `timeout_s` while the API is unreachable or answers
         5xx (it may be starting); 0 asks once. A 4xx or a malformed answer fails at once. With a
         wait, then also until GET /ready answers 200 (BubbleTea serves only while training runs;
-        a server without /ready, 404, is taken as ready)."""
+        a server without /ready, 404, is taken as ready), and with `state`, until its answer names
+        that serving state (``serving``: training runs, not only its workers set up)."""
         deadline = time.monotonic() + timeout_s
         models = await self._wait_models(deadline, timeout_s)
         if timeout_s > 0:
-            await self._wait_serving(deadline, timeout_s)
+            await self._wait_serving(deadline, timeout_s, state)
         return models
 
-    async def _wait_serving(self, deadline: float, timeout_s: float) -> None:
+    async def _wait_serving(self, deadline: float, timeout_s: float, state: str | None = None) -> None:
         url, last = f"{self.base_url}/ready", ""
         delays = poll_delays(READY_FIRST_S, READY_MAX_S)
         while True:
             try:
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
                     async with self.session.get(url, headers=self.headers) as resp:
-                        if resp.status in (200, 404):
+                        if resp.status == 404:
                             return
                         text = await resp.text()
                         body = json_or_none(text)
+                        named = body.get("state") if isinstance(body, dict) else None
+                        if resp.status == 200 and state in (None, named):
+                            return
                         last = str(body.get("reason", text)) if isinstance(body, dict) else text
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 last = _describe(exc) if not isinstance(exc, TimeoutError) else "no answer"

@@ -49,6 +49,7 @@ class BenchmarkConfig:
     stream: bool = True  # completions only: server-sent events, TTFT at the first chunk (as vLLM)
     headers: dict[str, str] = field(default_factory=dict)  # extra HTTP headers on every request
     ready_check_timeout_s: float = 0.0  # retry GET /v1/models this long; 0: ask once
+    ready_state: str | None = None  # with a ready check: also wait until /ready names this state
     num_warmups: int = 0  # requests sent and awaited before the measured run, not counted
     save_result: bool = False  # write the result JSON under vLLM's file name (result.save_paths)
     result_dir: str | None = None  # with save_result: the folder (created if needed)

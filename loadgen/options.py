@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="retry GET /v1/models for up to S seconds while the API is unreachable or answers 5xx; "
         "0 asks once (default: 0)",
     )
+    server.add_argument(
+        "--ready-state",
+        metavar="STATE",
+        help="with --ready-check-timeout-sec: start only once GET /ready names this serving state, e.g. "
+        "serving (training runs; joining is taken as ready otherwise, its requests waiting for the first bubbles)",
+    )
 
     load = p.add_argument_group("load")
     load.add_argument(
@@ -300,6 +306,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             stream=_default(args.stream, True),
             headers=parse_pairs(args.header or [], "--header"),
             ready_check_timeout_s=args.ready_check_timeout_sec,
+            ready_state=args.ready_state,
             num_warmups=args.num_warmups,
             save_result=args.save_result,
             result_dir=args.result_dir,

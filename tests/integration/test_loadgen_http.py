@@ -497,3 +497,25 @@ async def test_the_ready_check_waits_for_serving_and_says_why_it_gave_up(redis_u
         with pytest.raises(ApiUnavailable, match="not ready to serve: training of run r has not started"):
             await run_benchmark(config(url, num_prompts=1, ready_check_timeout_s=2.0))
         await serving.withdraw_readiness(redis, "dispatcher-test")
+
+
+async def test_ready_state_serving_waits_past_joining(redis_url: str, redis: Redis) -> None:
+    """`--ready-state serving`: /ready answers 200 while the workers set up (joining), but the load
+    starts only once training runs: here it gives up saying so, then starts once serving."""
+    from shared.status import ServingState
+
+    def verdict(state: ServingState) -> serving.Readiness:
+        return serving.Readiness(
+            instance="dispatcher-test", run="r", state=state, reason=f"run r is {state.value}", retry_after_s=1,
+            at=time.time(),
+        )  # fmt: skip
+
+    await serving.publish_readiness(redis, verdict(ServingState.JOINING))
+    async with api(redis_url) as url:
+        client_config = config(url, num_prompts=1, ready_check_timeout_s=1.0, ready_state="serving")
+        with pytest.raises(ApiUnavailable, match="not ready to serve: run r is joining"):
+            await run_benchmark(client_config)
+        await serving.publish_readiness(redis, verdict(ServingState.SERVING))
+        result = await run_benchmark(client_config)
+        await serving.withdraw_readiness(redis, "dispatcher-test")
+    assert result["completed"] + result["failed"] == 1  # it started: the request was sent
