@@ -2,9 +2,12 @@
 
 The bubbles serve prefill at a rate: the usable seconds of the bubbles workers announced over the
 last `window_s` (each bubble's predicted length less the guard and dispatch overhead), per second;
-or, once requests have waited for a whole window without a break (the bubbles are saturated), what
-the workers reported running over it, if less: packing never fills every usable second (a block
-must fit; bubbles shorter than one hold none), and at saturation what was served is what can be.
+or, once the bubbles are saturated, what the workers reported running over the window, if less:
+packing never fills every usable second (a block must fit; bubbles shorter than one hold none), and
+at saturation what was served is what can be. Saturated: requests have waited for a whole window
+without a break, or one expired in the queue within it (proof that the usable time promised more
+than was served; the dispatcher stages queued work on idle workers, so the queue itself may empty
+often under overload).
 A request arriving behind `queued_s` of predicted prefill would start, at that rate, after about
 `queued_s / rate`; if that and its own predicted time end past its deadline, it is refused now
 (`FailureReason.OVERLOADED`: the front door answers 429 with Retry-After), rather than queued to
@@ -32,11 +35,16 @@ class Admission:
     _served: deque[tuple[float, float]] = field(default_factory=deque)
     _served_s: float = 0.0
     _busy_since: float | None = None  # since when requests have waited, with no empty queue seen
+    _expired_at: float | None = None  # when a request last expired in the queue
 
     def served(self, now: float, seconds: float) -> None:
         """Workers reported running `seconds` of prefill."""
         self._served.append((now, seconds))
         self._served_s += seconds
+
+    def expired(self, now: float) -> None:
+        """A request's deadline passed while it waited: the rate promised more than was served."""
+        self._expired_at = now
 
     def queue(self, waiting: bool, now: float) -> None:
         """Whether requests wait now (seen at each input: saturation is a queue that never empties)."""
@@ -62,7 +70,8 @@ class Admission:
         if self._first is None or now - self._first < self.window_s or not self._bubbles:
             return None
         usable = max(0.0, self._usable_s) / self.window_s
-        if self._busy_since is not None and now - self._busy_since >= self.window_s:
+        busy = self._busy_since is not None and now - self._busy_since >= self.window_s
+        if busy or (self._expired_at is not None and now - self._expired_at <= self.window_s):
             return min(usable, max(0.0, self._served_s) / self.window_s)  # saturated: what is served
         return usable
 

@@ -419,6 +419,8 @@ class DispatchState:
     def _expire(self, now: float) -> tuple[Failure, ...]:
         gone = [r for r in self._not_running() if r.deadline is not None and r.deadline < now]
         self.counts.expired += len(gone)
+        if gone:
+            self._admission.expired(now)
         detail = "deadline passed after {:.1f}s in the queue: no pipeline bubble had room for it"
         return self._drop(gone, FailureReason.DEADLINE, lambda r: detail.format(now - r.arrival))
 

@@ -69,3 +69,19 @@ def test_at_saturation_the_rate_is_what_the_workers_served_not_the_usable_bubble
     a.queue(False, 1.0)  # the queue emptied: not saturated, the usable time is the rate again
     assert a.rate(1.0) == pytest.approx(0.55)
     assert a.refusal(queued_s=0.4, own_s=0.01, deadline=2.0, now=1.0) is None
+
+
+def test_an_expiry_in_the_window_means_saturation_even_if_the_queue_emptied() -> None:
+    """Queued work staged onto idle workers empties the queue under overload too: a request that
+    expired within the window is the proof that the usable time promised more than was served."""
+    a = Admission(window_s=1.0)
+    for i in range(11):
+        a.bubble(i * 0.1, 0.05)
+        a.served(i * 0.1, 0.02)
+    a.queue(False, 1.0)
+    assert a.rate(1.0) == pytest.approx(0.55)  # not saturated: the usable time
+    a.expired(1.0)
+    assert a.rate(1.0) == pytest.approx(0.22)  # what was served
+    for i in range(11, 21):
+        a.bubble(i * 0.1, 0.05)  # a window later, with nothing expired since: the usable time again
+    assert a.rate(2.05) == pytest.approx(0.5)
