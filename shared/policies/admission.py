@@ -12,9 +12,11 @@ A request arriving behind `queued_s` of predicted prefill would start, at that r
 `queued_s / rate`; if that and its own predicted time end past its deadline, it is refused now
 (`FailureReason.OVERLOADED`: the front door answers 429 with Retry-After), rather than queued to
 expire there (a 504 after a wait). Past capacity the excess is turned away early, and what is
-admitted is served in time. Until `window_s` of bubbles has been seen there is no rate, and every
-request is admitted; likewise when no bubble came in the window (a paused pipeline is the
-readiness gate's call, not admission's). Bubbles that came but served nothing while requests
+admitted is served in time. Until `min_s` of bubbles has been seen there is no rate, and every
+request is admitted (until `window_s` has been, the rate is over what was seen: a whole window
+before the first refusal let a run's first iterations queue up to their deadlines, and expire);
+likewise when no bubble came in the window (a paused pipeline is the readiness gate's call, not
+admission's). Bubbles that came but served nothing while requests
 waited are a rate of 0: a request with a deadline is refused.
 """
 
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 @dataclass
 class Admission:
     window_s: float  # real seconds of bubbles the rate is measured over
+    #: no rate before this much has been seen (real s; None: a quarter of the window)
+    min_s: float | None = None
     #: (when it started, its usable seconds) for the bubbles of the window, oldest first
     _bubbles: deque[tuple[float, float]] = field(default_factory=deque)
     _usable_s: float = 0.0  # the sum of the window's usable seconds
@@ -67,12 +71,14 @@ class Admission:
             self._usable_s -= self._bubbles.popleft()[1]
         while self._served and self._served[0][0] < now - self.window_s:
             self._served_s -= self._served.popleft()[1]
-        if self._first is None or now - self._first < self.window_s or not self._bubbles:
+        least = self.window_s / 4 if self.min_s is None else self.min_s
+        if self._first is None or now - self._first < least or not self._bubbles:
             return None
-        usable = max(0.0, self._usable_s) / self.window_s
-        busy = self._busy_since is not None and now - self._busy_since >= self.window_s
+        span = min(self.window_s, now - self._first)
+        usable = max(0.0, self._usable_s) / span
+        busy = self._busy_since is not None and now - self._busy_since >= span
         if busy or (self._expired_at is not None and now - self._expired_at <= self.window_s):
-            return min(usable, max(0.0, self._served_s) / self.window_s)  # saturated: what is served
+            return min(usable, max(0.0, self._served_s) / span)  # saturated: what is served
         return usable
 
     def refusal(self, queued_s: float, own_s: float, deadline: float | None, now: float) -> str | None:

@@ -10,11 +10,12 @@ from shared.policies.prefill_cost import PrefillCostModel
 from shared.status import FailureReason
 
 
-def test_no_rate_until_a_whole_window_of_bubbles_was_seen() -> None:
+def test_no_rate_until_a_quarter_window_of_bubbles_was_seen_then_over_what_was() -> None:
     a = Admission(window_s=2.0)
     assert a.refusal(queued_s=100.0, own_s=1.0, deadline=1.0, now=0.0) is None  # nothing seen: admit
     a.bubble(0.0, 0.1)
-    assert a.rate(1.9) is None
+    assert a.rate(0.4) is None  # under a quarter of the window
+    assert a.rate(0.5) == pytest.approx(0.2)  # 0.1 usable s over the 0.5 s seen
     a.bubble(1.0, 0.1)
     assert a.rate(2.0) == pytest.approx(0.1)  # 0.2 usable s over the last 2 s
     assert a.rate(2.5) == pytest.approx(0.05)  # the first left the window
