@@ -287,7 +287,6 @@ class DispatchState:
     def add_request(self, req: Request, now: float) -> Decisions:
         if req.id in self.requests:  # a redelivered request is already known
             return Decisions(ignored=(Ignored(f"request {req.id}", "already queued or running"),))
-        self._admission.queue(self._waiting > 0, now)
         if self.enabled and req.in_bubble is None and req.next_layer == 0:
             why = self._admission.refusal(self._queued_s, self._remaining_s(req), req.deadline, now)
             if why is not None:
@@ -368,7 +367,6 @@ class DispatchState:
             if req is None or req.in_bubble != worker:
                 continue  # stale or duplicate
             ran = p.reached_layer - req.next_layer
-            self._admission.served(now, p.seconds)
             if not p.finished and ran > 0 and p.seconds > 0:
                 self.cost.observe(req.tokens, p.seconds * self.layers / ran)  # scale to a whole prompt
             self._give_back(worker, req)
@@ -382,12 +380,10 @@ class DispatchState:
             else:
                 self._enqueue(req)
         self.counts.done += len(finished)
-        self._admission.queue(self._waiting > 0, now)
         return Decisions(finished=tuple(finished), spent=tuple(spent)) + self._fill_all(now, Trigger.REPORT)
 
     def tick(self, now: float) -> Decisions:
         """The timer: fail requests past their deadline, requeue batches that never reported."""
-        self._admission.queue(self._waiting > 0, now)
         failed = self._expire(now)
         lost: list[LostBatch] = []
         for batch_id, b in list(self.in_flight.items()):
@@ -419,8 +415,6 @@ class DispatchState:
     def _expire(self, now: float) -> tuple[Failure, ...]:
         gone = [r for r in self._not_running() if r.deadline is not None and r.deadline < now]
         self.counts.expired += len(gone)
-        if gone:
-            self._admission.expired(now)
         detail = "deadline passed after {:.1f}s in the queue: no pipeline bubble had room for it"
         return self._drop(gone, FailureReason.DEADLINE, lambda r: detail.format(now - r.arrival))
 

@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(480)  # a bench run of two trainings, longer than the suite's default
 def test_gpu_check_runs_on_real_compute_and_says_where() -> None:
     r = subprocess.run(
         [sys.executable, "bench/gpu_check.py", "--quick", "--iterations", "2"],

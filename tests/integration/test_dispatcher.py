@@ -133,22 +133,23 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
     """`ControlSeen` on the run's spans stream (what the run's figures count every bubble by): a
     bubble that opens with a request queued is 'with work', one with nothing waiting is not, and a
     batch report carries when the worker sent it; the timer publishes them, in one round trip."""
+    RUN = f"seen-{time.time_ns()}"  # its own run: the suite's Redis is shared by every test
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        d = Dispatcher(bus, load_settings(None).spec, "run")
+        d = Dispatcher(bus, load_settings(None).spec, RUN)
         d.acks = Acks()
 
         def start(at: float, it: int) -> Delivery:
             msg = BubbleStart(
-                run="run", worker="r0s1", replica=0, stage=1, dc="dc-a", iteration=it, position=0,
+                run=RUN, worker="r0s1", replica=0, stage=1, dc="dc-a", iteration=it, position=0,
                 predicted_ms=50.0, free_memory_bytes=1 << 30, at=at,
             )  # fmt: skip
-            return Delivery(f"{it}-0", keys.bubbles_stream("run"), msg, 1)
+            return Delivery(f"{it}-0", keys.bubbles_stream(RUN), msg, 1)
 
         now = time.time()
         await d.on_start(start(now, 0))  # nothing queued
         await d.on_end(
-            Delivery("e-0", keys.bubbles_stream("run"), BubbleEnd(
-                run="run", worker="r0s1", replica=0, stage=1, iteration=0, position=0,
+            Delivery("e-0", keys.bubbles_stream(RUN), BubbleEnd(
+                run=RUN, worker="r0s1", replica=0, stage=1, iteration=0, position=0,
                 predicted_ms=50.0, actual_ms=1.0, at=now + 0.001,
             ), 1)
         )  # fmt: skip
@@ -156,11 +157,11 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
         assert await serving.accept(bus.redis, req, 10)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # staged on r0s1: work for it
         await d.on_start(start(now + 0.002, 1))
-        report = PrefillReport(run="run", worker="r0s1", batch_id="none", progress=(), preempted=False, at=now + 0.003)
-        await d.on_report(Delivery("r-0", keys.prefill_reports_stream("run"), report, 1))
-        assert not await bus.redis.exists(keys.spans_stream("run"))  # kept for the timer: no hop in a handler
+        report = PrefillReport(run=RUN, worker="r0s1", batch_id="none", progress=(), preempted=False, at=now + 0.003)
+        await d.on_report(Delivery("r-0", keys.prefill_reports_stream(RUN), report, 1))
+        assert not await bus.redis.exists(keys.spans_stream(RUN))  # kept for the timer: no hop in a handler
         await d.tick()
-        seen = [decode(f[FIELD]) for _, f in await bus.redis.xrange(keys.spans_stream("run"))]
+        seen = [decode(f[FIELD]) for _, f in await bus.redis.xrange(keys.spans_stream(RUN))]
     assert [(c.event, c.at, c.with_work) for c in seen if isinstance(c, ControlSeen)] == [
         (ControlEvent.BUBBLE_START, now, False),
         (ControlEvent.BUBBLE_START, now + 0.002, True),
