@@ -39,13 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, help="training iterations per run; default 8 (--quick: 3)")
     ap.add_argument("--pairs", type=int, help="interleaved off/on pairs; default 2 (--quick: 1)")
     ap.add_argument(
-        "--quick", action="store_true", help="one pair of 3 iterations at most 40 requests/s: the smoke test"
+        "--quick", action="store_true", help="one pair of 3 iterations at most 10 requests/s: the smoke test"
     )
-    ap.add_argument("--max-rate", type=float, help="requests per real second at most; default 200 (--quick: 40)")
+    ap.add_argument("--max-rate", type=float, help="requests per real second at most; default 200 (--quick: 10)")
     args = ap.parse_args(argv)
     args.iterations = args.iterations or (3 if args.quick else 8)
     args.pairs = args.pairs or (1 if args.quick else 2)
-    args.max_rate = args.max_rate or (40.0 if args.quick else 200.0)
+    args.max_rate = args.max_rate or (10.0 if args.quick else 200.0)
     device = device_line()
     print(
         f"gpu-check on {device['device']}: {', '.join(device['gpus']) or 'no GPU'} (torch {device['torch']})",  # type: ignore[arg-type]

@@ -7,9 +7,10 @@ A request arriving behind `queued_s` of predicted prefill would start, at that r
 (`FailureReason.OVERLOADED`: the front door answers 429 with Retry-After), rather than queued to
 expire there (a 504 after a wait). Past capacity the excess is turned away early.
 
-Until `min_s` of bubbles has been seen there is no rate, and every request is admitted (until
-`window_s` has been, the rate is over what was seen: a whole window before the first refusal let a
-run's first iterations queue up to their deadlines); likewise when no bubble came in the window (a
+Until `min_s` of bubbles has been seen (a whole window unless set) there is no rate, and every
+request is admitted: a rate over a shorter span refused a restarted dispatcher's backlog, read
+before the pipeline's bubbles had come round once (a quarter window was tried on 2026-11-27);
+likewise when no bubble came in the window (a
 paused pipeline is the readiness gate's call, not admission's). For that reason too the rate is
 never below the best a whole window has shown: a pipeline pausing while a lost worker is replaced
 announces short bubbles, and its queue is served once it runs again.
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Admission:
     window_s: float  # real seconds of bubbles the rate is measured over
-    #: no rate before this much has been seen (real s; None: a quarter of the window)
+    #: no rate before this much has been seen (real s; None: the whole window)
     min_s: float | None = None
     #: (when it started, its usable seconds) for the bubbles of the window, oldest first
     _bubbles: deque[tuple[float, float]] = field(default_factory=deque)
@@ -50,7 +51,7 @@ class Admission:
         seen or when no bubble came in the window."""
         while self._bubbles and self._bubbles[0][0] < now - self.window_s:
             self._usable_s -= self._bubbles.popleft()[1]
-        least = self.window_s / 4 if self.min_s is None else self.min_s
+        least = self.window_s if self.min_s is None else self.min_s
         if self._first is None or now - self._first < least or not self._bubbles:
             return None
         rate = max(0.0, self._usable_s) / min(self.window_s, now - self._first)

@@ -10,16 +10,16 @@ from shared.policies.prefill_cost import PrefillCostModel
 from shared.status import FailureReason
 
 
-def test_no_rate_until_a_quarter_window_of_bubbles_was_seen_then_over_what_was() -> None:
+def test_no_rate_until_a_whole_window_of_bubbles_was_seen() -> None:
     a = Admission(window_s=2.0)
     assert a.refusal(queued_s=100.0, own_s=1.0, deadline=1.0, now=0.0) is None  # nothing seen: admit
     a.bubble(0.0, 0.1)
-    assert a.rate(0.4) is None  # under a quarter of the window
-    assert a.rate(0.5) == pytest.approx(0.2)  # 0.1 usable s over the 0.5 s seen
+    assert a.rate(1.9) is None
     a.bubble(1.0, 0.1)
     assert a.rate(2.0) == pytest.approx(0.1)  # 0.2 usable s over the last 2 s
     assert a.rate(2.5) == pytest.approx(0.1)  # the first left the window: 0.05, but never below the best window
     assert a.rate(10.0) is None  # none in the window: no rate (a pause is the readiness gate's call)
+    assert Admission(window_s=2.0, min_s=0.5).rate(0.0) is None  # a shorter start may be asked for
 
 
 def test_a_request_that_would_finish_past_its_deadline_is_refused_saying_why() -> None:
