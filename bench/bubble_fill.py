@@ -241,13 +241,12 @@ async def one_run(
     r = Redis.from_url(url)
     try:
         spans = [s for s in await run_spans(r, run) if s.iteration < iterations]
-        starts = {(s.worker, s.start) for s in spans if s.kind == "wait"}
         seen = [c for c in await run_control(r, run) if c.at <= max((s.end for s in spans), default=0.0)]
     finally:
         await r.aclose()
     if DUMP is not None:  # --dump: every span and record of the run, for a person to look into
         await asyncio.to_thread(_dump, DUMP, run, spans, seen)
-    return result, {"spans": spans, "seen": seen, "recorded": sum((c.worker, c.at) in starts for c in seen), **extra}
+    return result, {"spans": spans, "seen": seen, **extra}
 
 
 def _dump(folder: Path, run: str, spans: list[Span], seen: list[ControlSeen]) -> None:
