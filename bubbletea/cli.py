@@ -19,7 +19,7 @@ import uvloop
 
 from bubbletea.launcher.kernel_wan import KernelWanError
 from bubbletea.launcher.procs import ServiceFailed
-from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, load_spec
+from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, check_decode, load_spec
 from shared.logs import setup_logging
 from shared.policies.placement import PlacementError
 from shared.settings import load_settings
@@ -104,7 +104,11 @@ def _up(args: argparse.Namespace) -> int:
     def adjusted(spec: ClusterSpec) -> ClusterSpec:
         spec = msgspec.structs.replace(spec, training=msgspec.structs.replace(spec.training, iterations=iterations))
         if args.decode:
-            spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, enabled=True))
+            d = msgspec.structs.replace(spec.decode, enabled=True, engine=args.decode)
+            spec = msgspec.structs.replace(spec, decode=d)
+        if args.vllm_url:
+            spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, vllm_url=args.vllm_url))
+        check_decode(spec)
         return spec
 
     # both the spec in effect and the unscaled one the services are given (they apply the time scale)
@@ -305,9 +309,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--decode",
-        action="store_true",
-        help="also start the decoder: /v1/completions then answers whole completions (max_tokens > 1), "
-        "prefilled in the bubbles and decoded from the KV cache (decode.enabled)",
+        nargs="?",
+        const="builtin",
+        choices=("builtin", "vllm"),
+        help="answer whole completions (max_tokens > 1), prefilled in the bubbles and decoded from the KV "
+        "cache (decode.enabled): by the decoder service up starts (builtin, the default), or by the vLLM "
+        "server at --vllm-url with the BubbleTea KV connector (vllm; docs/vllm.md)",
+    )
+    p.add_argument(
+        "--vllm-url",
+        help="the vLLM server that decodes with --decode vllm, e.g. http://127.0.0.1:8100 (decode.vllm_url)",
     )
     p.add_argument(
         "--persist",

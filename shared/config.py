@@ -263,6 +263,13 @@ class Decode(_Spec, frozen=True):
     #: A chunk of tokens goes to the client at least this often (and at every stop), so a
     #: streamed completion arrives token by token without a Redis round trip per token.
     chunk_ms: Annotated[float, Meta(ge=0, le=10_000), HOST] = 20.0
+    #: Who continues a prefilled prompt: "builtin" (the decoder service, `services/decoder`) or
+    #: "vllm" (a vLLM server at `vllm_url` with the BubbleTea KV connector; docs/vllm.md).
+    engine: Literal["builtin", "vllm"] = "builtin"
+    #: The vLLM server's base URL (engine "vllm"), e.g. http://127.0.0.1:8100.
+    vllm_url: str = ""
+    #: The model name to ask vLLM for ("" = the first of its /v1/models).
+    vllm_model: str = ""
 
 
 class Http(_Spec, frozen=True):
@@ -312,6 +319,20 @@ class ClusterSpec(_Spec, frozen=True, kw_only=True):
         return params
 
 
+def check_decode(spec: ClusterSpec) -> None:
+    """The decode section against the prefill section (also after environment overrides)."""
+    d, p = spec.decode, spec.prefill
+    if d.engine != "vllm":
+        return
+    if not d.vllm_url.startswith(("http://", "https://")):
+        raise ConfigError(f"decode.vllm_url: engine vllm needs the vLLM server's http:// URL, got {d.vllm_url!r}")
+    if p.kv_store != "plane" or p.kv_ttl_s <= 0:
+        raise ConfigError(
+            "decode.engine: vllm loads KV caches from the workers that hold them: it needs prefill.kv_store: "
+            f"plane and prefill.kv_ttl_s > 0 (got {p.kv_store!r} and {p.kv_ttl_s})"
+        )
+
+
 def _check_semantics(spec: ClusterSpec) -> None:
     """Rules that span fields; each error names the field it is about."""
     names = [dc.name for dc in spec.datacenters]
@@ -326,6 +347,7 @@ def _check_semantics(spec: ClusterSpec) -> None:
                 )
         if o.src == o.dst:
             raise ConfigError(f"wan.links[{i}]: src and dst are both {o.src!r}; a WAN link joins two DCs")
+    check_decode(spec)
     tr = spec.training
     small_gpts = [("prefill.model", spec.prefill.model)] + ([] if tr.model else [("model", spec.model)])
     for path, m in small_gpts:

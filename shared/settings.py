@@ -11,7 +11,9 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``BUBBLETEA_LOG_FORMAT`` ``kv`` (default: key=value lines) or ``json`` (one JSON object per line)
 ``BUBBLETEA_RUN``      the training run id that scopes streams and leases (default ``run``)
 ``BUBBLETEA_API_KEY``  if set, the prefill API requires ``Authorization: Bearer <key>``
-``BUBBLETEA_DECODE``   ``on`` or ``off``: override ``decode.enabled``
+``BUBBLETEA_DECODE``   ``on`` or ``off``: override ``decode.enabled``; ``vllm``: on, decoded by the
+                       vLLM server at ``decode.vllm_url`` (``decode.engine: vllm``, docs/vllm.md)
+``BUBBLETEA_VLLM_URL`` override ``decode.vllm_url``
 ``BUBBLETEA_ITERATIONS`` override ``training.iterations``: a number, or ``until_stopped``
 ``BUBBLETEA_DECAY_ITERS`` override ``training.decay_iters`` (where the cosine learning rate ends):
                        a number (a run trained past its iterations keeps the spec's schedule)
@@ -51,7 +53,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
-from shared.config import MAX_ITERATIONS, UNTIL_STOPPED, ClusterSpec, ConfigError, Training, load_spec
+from shared.config import MAX_ITERATIONS, UNTIL_STOPPED, ClusterSpec, ConfigError, Training, check_decode, load_spec
 from shared.priority import PRIORITIES
 from shared.timescale import LIMIT_SCALE, scale_spec
 
@@ -151,9 +153,15 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         http = msgspec.structs.replace(http, port=int(port))
     spec = msgspec.structs.replace(spec, http=http)
     if decode := env.get("BUBBLETEA_DECODE"):
-        if decode not in ("on", "off"):
-            raise ConfigError(f"BUBBLETEA_DECODE: expected on or off, got {decode!r}")
-        spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, enabled=decode == "on"))
+        if decode not in ("on", "off", "vllm"):
+            raise ConfigError(f"BUBBLETEA_DECODE: expected on, off or vllm, got {decode!r}")
+        engine = "vllm" if decode == "vllm" else spec.decode.engine
+        d = msgspec.structs.replace(spec.decode, enabled=decode != "off", engine=engine)
+        spec = msgspec.structs.replace(spec, decode=d)
+    if vllm_url := env.get("BUBBLETEA_VLLM_URL"):
+        spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, vllm_url=vllm_url))
+    if "BUBBLETEA_DECODE" in env or "BUBBLETEA_VLLM_URL" in env:
+        check_decode(spec)
     if wan := env.get("BUBBLETEA_WAN"):
         if wan not in WAN_MODES:
             raise ConfigError(f"BUBBLETEA_WAN: expected one of {', '.join(WAN_MODES)}, got {wan!r}")

@@ -121,7 +121,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
         }
         slots = spec.parallelism.pp * spec.parallelism.dp
         for svc in SERVICES:
-            if svc.decode_only and not spec.decode.enabled:
+            if svc.decode_only and not (spec.decode.enabled and spec.decode.engine == "builtin"):
                 continue
             for i in range(slots if svc.per_slot else 1):
                 label = f"{svc.name}-{i}" if svc.per_slot else svc.name

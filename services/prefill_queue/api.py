@@ -228,4 +228,5 @@ def kv_params(r: PrefillResult) -> dict[str, Any]:
     handle = {"store": "plane" if r.kv_holder else "redis", "key": r.kv_key, "format": KV_HANDLE_FORMAT}
     if r.kv_holder:
         handle["holder"] = r.kv_holder
-    return {**vllm, **handle, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at}
+    # prompt_tokens: the positions the cache holds (vLLM's BubbleTea connector loads that many)
+    return {**vllm, **handle, "bytes": r.kv_bytes, "expires_at": r.kv_expires_at, "prompt_tokens": r.prompt_tokens}

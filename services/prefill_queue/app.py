@@ -30,6 +30,7 @@ from services.prefill_queue.state import (
     STARTED,
     STOP_GRACE_S,
     STOPPING,
+    VLLM,
     WAITERS,
     Gate,
     Stopping,
@@ -37,6 +38,7 @@ from services.prefill_queue.state import (
     instance_results_stream,
 )
 from services.prefill_queue.validation import MAX_JSON_DEPTH, BadRequest, json_too_deep
+from services.prefill_queue.vllm_decode import VllmDecoder
 from shared import serving
 from shared.auth import bearer_ok
 from shared.bus import Bus, Delivery
@@ -68,11 +70,14 @@ def create_app(settings: Settings) -> web.Application:
     app[INSTANCE] = f"{instance_id()}-{secrets.token_hex(3)}"
     app[GATE] = Gate()
     app[STOPPING] = Stopping()
+    d = settings.spec.decode
+    app[VLLM] = VllmDecoder(d) if d.enabled and d.engine == "vllm" else None
     app.on_shutdown.append(_begin_stopping)
     app.cleanup_ctx.append(_bus_ctx)
     app.cleanup_ctx.append(_heartbeat_ctx)
     app.cleanup_ctx.append(_results_ctx)
     app.cleanup_ctx.append(_gate_ctx)
+    app.cleanup_ctx.append(_vllm_ctx)
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_post("/v1/prefill", api.submit)
     app.router.add_get("/v1/prefill/{id}", api.status)
@@ -94,6 +99,15 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     app[BUS] = bus
     yield
     await bus.aclose()
+
+
+async def _vllm_ctx(app: web.Application) -> AsyncIterator[None]:
+    vllm = app[VLLM]
+    if vllm is not None:
+        log.info("decoding on vLLM", url=vllm.url, model=vllm.model or "(the first it serves)")
+    yield
+    if vllm is not None:
+        await vllm.close()
 
 
 async def _heartbeat_ctx(app: web.Application) -> AsyncIterator[None]:

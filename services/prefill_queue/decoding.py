@@ -27,8 +27,9 @@ from aiohttp import web
 
 from services.prefill_queue.answers import head, observe, raise_if_failed
 from services.prefill_queue.api import FAILURE_STATUS, kv_params, served_model
-from services.prefill_queue.state import BUS, SETTINGS, STOPPING, WAITERS, instance_results_stream
+from services.prefill_queue.state import BUS, SETTINGS, STOPPING, VLLM, WAITERS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Completion
+from services.prefill_queue.vllm_decode import deadline_s
 from shared import keys
 from shared.logs import get_logger
 from shared.model.tokenizer import Tokenizer, find_stop
@@ -102,6 +103,21 @@ async def continue_completion(
             return
 
 
+def _continuation(
+    app: web.Application, req: PrefillRequest, first: PrefillResult, c: Completion
+) -> AsyncIterator[DecodeChunk]:
+    """The chunks after the first token, from the engine `decode.engine` names."""
+    spec = app[SETTINGS].spec
+    vllm = app[VLLM]
+    if vllm is not None:
+        timeout_s = deadline_s(req, spec.prefill.request_timeout_s)
+        return vllm.continue_completion(
+            req, first.token, kv_params(first), c.max_tokens, c.stop, c.ignore_eos, timeout_s
+        )
+    eos = () if c.ignore_eos else served_model(spec.prefill)[0].eos_token_ids
+    return continue_completion(app, req, c.max_tokens, c.stop, eos, first.kv_holder)
+
+
 @dataclass
 class _Text:
     """One choice's text as its tokens come: what was sent, and how it ended."""
@@ -164,7 +180,7 @@ async def whole(
         if t.finish is not None:
             return  # the first token already ended it (a stop sequence)
         try:
-            async for chunk in continue_completion(app, by_id[rid], c.max_tokens, c.stop, eos, first.kv_holder):
+            async for chunk in _continuation(app, by_id[rid], first, c):
                 if chunk.status is not RequestStatus.DONE:
                     status = FAILURE_STATUS[chunk.reason] if chunk.reason is not None else 500
                     await events.put(

@@ -8,6 +8,7 @@ import time
 from aiohttp import web
 
 from services.prefill_queue.metrics import Metrics
+from services.prefill_queue.vllm_decode import VllmDecoder
 from shared import keys
 from shared.bus import Bus
 from shared.serving import Readiness
@@ -102,6 +103,8 @@ WAITERS = web.AppKey("waiters", Waiters)
 INSTANCE = web.AppKey("instance", str)
 GATE = web.AppKey("gate", Gate)
 STOPPING = web.AppKey("stopping", Stopping)
+#: The vLLM server that decodes (decode.engine: vllm), else None: the decoder service does.
+VLLM: web.AppKey[VllmDecoder | None] = web.AppKey("vllm")
 
 
 def instance_results_stream(app: web.Application) -> str:
