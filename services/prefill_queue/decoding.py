@@ -227,6 +227,9 @@ async def whole(
             app[WAITERS].forget(req.id)
     model = app[SETTINGS].spec.prefill.model_name
     choices = [_whole_choice(index[r.id], texts[r.id]) for r in reqs]
+    if c.return_token_ids:  # vLLM's field: the completion's token ids beside its text
+        for ch, r in zip(choices, reqs, strict=True):
+            ch["token_ids"] = list(texts[r.id].tokens)
     observe(app, received, choices)
     return web.json_response(
         {

@@ -109,6 +109,7 @@ def spec(model: str, max_prompt_tokens: int) -> dict[str, Any]:
                                         "logit_bias": {"type": ["object", "null"], "maxProperties": 0},
                                         "suffix": {"type": ["string", "null"], "enum": ["", None]},
                                         "ignore_eos": {"type": ["boolean", "null"]},
+                                        "return_token_ids": {"type": ["boolean", "null"]},
                                         "seed": {"type": ["integer", "null"]},
                                         "user": {"type": ["string", "null"]},
                                         "kv_transfer_params": {"type": ["object", "null"]},

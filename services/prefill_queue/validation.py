@@ -27,7 +27,7 @@ COMPLETION_FIELDS = frozenset(
     {
         "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
         "echo", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of", "logit_bias",
-        "user", "seed", "suffix", "ignore_eos", "kv_transfer_params",
+        "user", "seed", "suffix", "ignore_eos", "kv_transfer_params", "return_token_ids",
     }
 )  # fmt: skip
 #: The keys of vLLM's `kv_transfer_params` (disaggregated prefill) a request may carry.
@@ -79,6 +79,7 @@ class Completion:
     stop: tuple[str, ...]
     max_tokens: int = 1  # tokens per choice in all: 1 = the prefill's first token only
     ignore_eos: bool = False  # decode past the model's end-of-sequence tokens (vLLM's field)
+    return_token_ids: bool = False  # each whole choice also carries its tokens' ids (vLLM's field)
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,7 @@ def parse_completion(body: Any, limits: Limits) -> Completion:
         stop=_stop(body.get("stop")),
         max_tokens=max_tokens,
         ignore_eos=bool(body.get("ignore_eos") or False),
+        return_token_ids=bool(body.get("return_token_ids") or False),
     )
 
 

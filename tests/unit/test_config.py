@@ -75,6 +75,12 @@ def test_spec_is_frozen() -> None:
         ),
         ({"datacenters": DC, "device": {"prefill_ms_per_layer": "fast"}}, "device.prefill_ms_per_layer: Expected"),
         ({"datacenters": DC, "bubbletea": {"hold_ms": 0}}, "bubbletea.hold_ms: Expected `float` > 0"),
+        ({"datacenters": DC, "decode": {"engine": "vllm"}}, "decode.vllm_url: engine vllm needs"),
+        (
+            {"datacenters": DC, "decode": {"engine": "vllm", "vllm_url": "http://v:8100"}, "prefill": {"kv_ttl_s": 0}},
+            "needs prefill.kv_store: plane and prefill.kv_ttl_s > 0",
+        ),
+        ({"datacenters": DC, "decode": {"engine": "tgi"}}, "decode.engine: Invalid enum value 'tgi'"),
     ],
 )
 def test_bad_values_name_the_field(data: object, expected: str) -> None:
@@ -131,6 +137,8 @@ def test_env_overrides() -> None:
         ({"BUBBLETEA_DECAY_ITERS": "soon"}, "BUBBLETEA_DECAY_ITERS"),
         ({"BUBBLETEA_ITERATIONS": "0"}, "BUBBLETEA_ITERATIONS"),
         ({"BUBBLETEA_ITERATIONS": "20000000"}, "BUBBLETEA_ITERATIONS"),
+        ({"BUBBLETEA_DECODE": "yes"}, "BUBBLETEA_DECODE"),
+        ({"BUBBLETEA_DECODE": "vllm"}, "decode.vllm_url"),
     ],
 )
 def test_bad_env_names_the_variable(env: dict[str, str], field: str) -> None:
@@ -148,6 +156,12 @@ def test_a_run_trained_until_stopped_keeps_the_learning_rate_horizon_it_is_given
     assert endless.iteration_limit is None and endless.decay_iters is None and kept.decay_iters == 4
     assert lr_at(endless, 3) == endless.lr
     assert lr_at(kept, 3) < kept.lr and lr_at(kept, 9) == lr_at(kept, 4) == kept.lr * kept.min_lr_ratio
+
+
+def test_decode_on_vllm_from_the_environment() -> None:
+    d = load_settings(env={"BUBBLETEA_DECODE": "vllm", "BUBBLETEA_VLLM_URL": "http://v:8100"}).spec.decode
+    assert (d.enabled, d.engine, d.vllm_url) == (True, "vllm", "http://v:8100")
+    assert load_settings(env={"BUBBLETEA_DECODE": "on"}).spec.decode.engine == "builtin"
 
 
 def test_service_without_redis_url_gets_clear_error() -> None:
@@ -172,6 +186,7 @@ def test_config_reference_documents_every_field() -> None:
         config.Device,
         config.BubbleTea,
         config.Prefill,
+        config.Decode,
         config.Http,
         config.BusConfig,
     ):

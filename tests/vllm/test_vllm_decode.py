@@ -1,0 +1,170 @@
+"""A real vLLM decodes what BubbleTea prefilled in training bubbles (docs/vllm.md).
+
+One tiny Llama (GQA) made here; one `vllm serve` of it with the BubbleTea connector; one
+`bubbletea up --decode vllm` whose front door prefills in the bubbles and forwards to that vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from bubbletea_vllm.kvclient import KvClient, KvUnavailable
+
+from tests.vllm.harness import MODEL_NAME, bubbletea_up, make_tiny_llama, metric, serving_spec, vllm_python, vllm_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+PROMPTS = 20
+NEW_TOKENS = 16
+#: How long the workers keep a KV cache: short, so the expiry case waits it out in the test.
+KV_TTL_S = 15
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def model(workdir: Path) -> Path:
+    return make_tiny_llama(workdir / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def vllm(workdir: Path, model: Path) -> Iterator[str]:
+    python = vllm_python()
+    assert python is not None  # the conftest skips the tier without it
+    with vllm_server(python, model, workdir / "vllm.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def front_door(workdir: Path, model: Path, vllm: str) -> Iterator[str]:
+    spec = serving_spec(workdir, model, kv_ttl_s=KV_TTL_S, request_timeout_s=120)
+    with bubbletea_up(spec, workdir / "up", "--decode", "vllm", "--vllm-url", vllm) as api:
+        yield api
+
+
+def prompts() -> list[list[int]]:
+    """20 prompts of 16-200 token ids (never 0, the model's end-of-sequence id)."""
+    rng = random.Random(2026)
+    return [[rng.randrange(1, 1000) for _ in range(rng.randint(16, 200))] for _ in range(PROMPTS)]
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def test_vllm_decodes_our_prefill_token_for_token_and_computes_no_prompt_token(
+    vllm: str, front_door: str
+) -> None:
+    ps = prompts()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        external0 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        local0 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        ours, handles = [], []
+        for p in ps:
+            status, body = await post(
+                http, front_door,
+                {"model": MODEL_NAME, "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0,
+                 "ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            assert status == 200, body
+            ours.append(body["choices"][0]["token_ids"])
+            handles.append(body["kv_transfer_params"])
+        external1 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        local1 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="local_compute")
+
+        alone = []
+        for p in ps:
+            status, body = await post(
+                http, vllm,
+                {"model": MODEL_NAME, "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0,
+                 "ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            assert status == 200, body
+            alone.append(body["choices"][0]["token_ids"])
+        local2 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="local_compute")
+
+    assert [len(t) for t in ours] == [NEW_TOKENS] * PROMPTS
+    mismatched = [i for i in range(PROMPTS) if ours[i] != alone[i]]
+    assert not mismatched, {i: (ours[i], alone[i]) for i in mismatched}
+    prompt_tokens = sum(len(p) for p in ps)
+    # Every prompt position came from BubbleTea's caches; vLLM computed, per request, only the
+    # position of the first token the bubbles sampled (its logits give the second): no prompt token.
+    assert external1 - external0 == prompt_tokens
+    assert local1 - local0 == PROMPTS
+    assert local2 - local1 == prompt_tokens  # and vLLM alone computes them all (the counter counts)
+    # the connector freed every cache once its request finished
+    client = KvClient(timeout_s=5)
+    for h in handles:
+        with pytest.raises(KvUnavailable, match=r"not held|freed|expired"):
+            client.fetch(h["holder"], h["key"])
+    client.close()
+
+
+async def test_a_streamed_completion_arrives_in_pieces_and_equals_the_whole(vllm: str, front_door: str) -> None:
+    p = prompts()[0]
+    body = {"model": MODEL_NAME, "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        status, whole = await post(http, front_door, body)
+        assert status == 200, whole
+        pieces = []
+        async with http.post(f"{front_door}/v1/completions", json={**body, "stream": True}) as resp:
+            assert resp.status == 200
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    pieces.append(event["choices"][0]["text"])
+    assert len([x for x in pieces if x]) > 1
+    assert "".join(pieces) == whole["choices"][0]["text"]
+
+
+async def test_a_freed_expired_or_orphaned_handle_fails_the_request_in_vllm_saying_why(
+    vllm: str, front_door: str, workdir: Path
+) -> None:
+    ps = prompts()[:3]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        handles = []
+        for p in ps:
+            status, body = await post(
+                http, front_door, {"model": MODEL_NAME, "prompt": p, "max_tokens": 1, "temperature": 0}
+            )
+            assert status == 200, body
+            handles.append(body["kv_transfer_params"])
+        assert all(h["store"] == "plane" and h["prompt_tokens"] == len(p) for h, p in zip(handles, ps, strict=True))
+        freed, expired, orphaned = handles
+        client = KvClient(timeout_s=5)
+        assert client.free(freed["holder"], freed["key"])
+        client.close()
+        orphaned = {**orphaned, "holder": "127.0.0.1:9"}  # nothing listens there: the holder is gone
+        failures_before = await metric(http, vllm, "vllm:request_success_total", finished_reason="error")
+        for h, p in ((freed, ps[0]), (orphaned, ps[2])):
+            status, body = await post(
+                http, vllm,
+                {"model": MODEL_NAME, "prompt": p, "max_tokens": 4, "temperature": 0, "kv_transfer_params": h},
+            )  # fmt: skip
+            assert status >= 500, body
+        await asyncio.sleep(KV_TTL_S + 1)  # the worker's shelf drops it once its time is up
+        status, body = await post(
+            http, vllm,
+            {"model": MODEL_NAME, "prompt": ps[1], "max_tokens": 4, "temperature": 0, "kv_transfer_params": expired},
+        )  # fmt: skip
+        assert status >= 500, body
+        failures = await metric(http, vllm, "vllm:request_success_total", finished_reason="error") - failures_before
+    assert failures == 3
+    log = (workdir / "vllm.log").read_text(errors="replace")
+    said = [line for line in log.splitlines() if "the BubbleTea KV cache was not loaded" in line]
+    assert any(freed["key"] in line or "freed" in line for line in said), said
+    assert any("127.0.0.1:9" in line and "gone" in line for line in said), said
+    assert len(said) >= 3, said
