@@ -1,15 +1,18 @@
 """KV cache fetch: a finished prefill's KV cache to a decoder, over the data plane against Redis.
 
 A 0.5 MiB KV cache (the demo model: 4 layers, d_model 64, a 256-token prompt) is fetched by a
-decoder (this process) from its holder, a separate process running a stage worker's `KvServer`
-over a `KvShelf`, over the data plane (`shared.dataplane.kv.fetch`: a group formed per fetch, as
+decoder (this process, a `KvClient`) from its holder, a separate process running a stage worker's
+`KvServer` over a `KvShelf` under uvloop as a worker does, over the data plane
+(`shared.dataplane.kv`, "bubbletea-kv-wire/1": one TCP connection kept per holder and fetcher, as
 ``prefill.kv_store: plane`` does), against a Redis GET of the same bytes. Each is timed in the
-fetcher from the request to the bytes in hand; 2 warm-up fetches, then N timed ones:
-``kv_fetch_ms_p50``, ``kv_fetch_ms_p99`` (nearest rank), ``kv_redis_get_ms_p50``.
+fetcher from the request to the bytes in hand; 2 warm-up fetches (the first opens the connection),
+then N timed ones: ``kv_fetch_ms_p50``, ``kv_fetch_ms_p99`` (nearest rank),
+``kv_redis_get_ms_p50``; ``kv_connections``: the connections the fetcher opened (1: every fetch
+after the first reused it).
 
 ``valid``: every fetch, warm-ups included, returned the very bytes the holder holds for that
-request (each cache has contents of its own), and every GET the bytes set; ``why`` says which did
-not.
+request (each cache has contents of its own), every GET the bytes set, and the fetcher opened one
+connection; ``why`` says which did not.
 
     python bench/transport_kv.py            # 50 timed fetches
     python bench/transport_kv.py --quick    # 20
@@ -22,17 +25,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import queue
 import statistics
 import sys
 import time
 from typing import Any
 
 import _common
+import uvloop
 from _common import WARMUP, stderr
 
 from shared.bus import Bus
-from shared.dataplane import kv as kv_plane
-from shared.dataplane.kv import KvServer, KvShelf
+from shared.dataplane.kv import KvClient, KvServer, KvShelf
 from shared.redis_server import EmbeddedRedis
 
 #: A KV cache of the demo model (4 layers, d_model 64; K and V, float32) for a 256-token prompt.
@@ -45,39 +49,41 @@ def cache_bytes(rid: str, size: int) -> bytes:
     return (unit * (size // len(unit) + 1))[:size]
 
 
-def holder_main(url: str, holder: str, ids: list[str], size: int, ready: Any) -> None:
-    """A stage worker's KV holder, alone in a process: `ids` held, served until terminated."""
+def holder_main(ids: list[str], size: int, ready: Any) -> None:
+    """A stage worker's KV holder, alone in a process: `ids` held, served until terminated; its
+    address ("host:port") is put on `ready` once it listens."""
 
     async def serve() -> None:
-        async with Bus(url) as bus:
-            shelf = KvShelf(ttl_s=3600, budget_bytes=1 << 34)
-            for rid in ids:
-                shelf.put(rid, cache_bytes(rid, size), time.time())
-            server = KvServer(bus, url, holder, "127.0.0.1", shelf)
-            await server.start()
-            ready.set()
-            await asyncio.Event().wait()
+        shelf = KvShelf(ttl_s=3600, budget_bytes=1 << 34)
+        for rid in ids:
+            shelf.put(rid, cache_bytes(rid, size), time.time())
+        server = KvServer(shelf, "127.0.0.1")
+        ready.put(await server.start())
+        await asyncio.Event().wait()
 
-    asyncio.run(serve())
+    uvloop.run(serve())
 
 
 async def run(repeat: int) -> dict[str, Any]:
     """Every figure, ``valid`` and ``why``."""
-    stderr(f"KV cache fetch ({KV_CACHE_BYTES} B): data plane from the holder vs Redis GET")
+    stderr(f"KV cache fetch ({KV_CACHE_BYTES} B): data plane from the holder (kept connection) vs Redis GET")
     ids = [f"kv{i}" for i in range(repeat + WARMUP)]
     problems: list[str] = []
     plane, redis_get = [], []
+    client = KvClient()
     async with EmbeddedRedis() as server, Bus(server.url) as bus:
-        ready = mp.get_context("spawn").Event()
-        proc = _common.spawn_child(holder_main, (server.url, "bench", ids, KV_CACHE_BYTES, ready), "kv-holder")
+        ready = mp.get_context("spawn").Queue()
+        proc = _common.spawn_child(holder_main, (ids, KV_CACHE_BYTES, ready), "kv-holder")
         try:
-            if not await asyncio.to_thread(ready.wait, 60):
-                raise TimeoutError("the KV holder was not serving within 60 s")
+            try:
+                holder = await asyncio.to_thread(ready.get, True, 60)
+            except queue.Empty:
+                raise TimeoutError("the KV holder was not serving within 60 s") from None
             expected_get = cache_bytes("redis", KV_CACHE_BYTES)
             await bus.redis.set("bench:kv", expected_get)
             for i, rid in enumerate(ids):
                 t0 = time.perf_counter()
-                data, why = await kv_plane.fetch(bus, server.url, "bench", rid, "127.0.0.1", "bench")
+                data, why = await client.fetch(holder, rid)
                 t1 = time.perf_counter()
                 got = await bus.redis.get("bench:kv")
                 t2 = time.perf_counter()
@@ -89,7 +95,10 @@ async def run(repeat: int) -> dict[str, Any]:
                     plane.append(t1 - t0)
                     redis_get.append(t2 - t1)
         finally:
+            await client.close()
             _common.stop_child(proc, 0)
+    if client.connects != 1:
+        problems.append(f"the fetcher opened {client.connects} connections to the holder, not 1")
     p50, p99 = statistics.median(plane) * 1000, _common.p99(plane) * 1000
     get50 = statistics.median(redis_get) * 1000
     stderr(f"  plane fetch p50 {p50:.2f} ms, p99 {p99:.2f} ms; Redis GET p50 {get50:.2f} ms")
@@ -98,7 +107,8 @@ async def run(repeat: int) -> dict[str, Any]:
         "kv_fetch_ms_p50": round(p50, 2),
         "kv_fetch_ms_p99": round(p99, 2),
         "kv_redis_get_ms_p50": round(get50, 2),
-        **_common.verdict(problems, f"all {len(ids)} fetches and GETs returned their exact bytes"),
+        "kv_connections": client.connects,
+        **_common.verdict(problems, f"all {len(ids)} fetches and GETs returned their exact bytes, on one connection"),
     }
 
 

@@ -5,7 +5,7 @@ pipeline bubbles as for any request; the answer carries the first token and the 
 The front door then publishes a `DecodeRequest` on `bt:decode:requests`, and a decoder:
 
 1. loads the KV cache: from the memory of the worker that prefilled it, over the data plane
-   (`shared.dataplane.kv.fetch`, `prefill.kv_store: plane`), or from Redis
+   (`shared.dataplane.kv.KvClient`, one kept connection per holder; `prefill.kv_store: plane`), or from Redis
    (`shared.kvstore.fetch_kv`, `redis`): safetensors bytes, whose metadata carry the prompt and
    its first token; a missing or expired cache, or a holder that is gone, fails the request explicitly
    (`FailureReason.KV_MISSING`: the front door answers 503 and the client may retry);
@@ -16,7 +16,7 @@ The front door then publishes a `DecodeRequest` on `bt:decode:requests`, and a d
    `decode.chunk_ms` (a streamed completion arrives as it is generated), until `max_tokens` or a
    `stop` sequence in the completion's text (the first token's included); the last chunk says why
    it ended (the front door makes the text from the tokens and cuts it at the stop sequence);
-4. frees the KV cache (`KvDelete` to its holder, or a Redis DEL): none is left behind.
+4. frees the KV cache (a FREE to its holder, or a Redis DEL): none is left behind.
 
 The request's entry is acked only after its last chunk, so a decoder that dies mid-completion
 leaves it pending for another, which starts it again from the KV cache (the front door drops
@@ -33,7 +33,7 @@ import msgspec
 from shared import keys, kvstore, serving
 from shared.bus import Bus, Delivery
 from shared.config import ClusterSpec
-from shared.dataplane import kv as kv_plane
+from shared.dataplane.kv import KvClient
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.model.generate import Continuation
@@ -49,14 +49,10 @@ log = get_logger(__name__)
 
 
 class Decoder:
-    def __init__(
-        self, bus: Bus, spec: ClusterSpec, model: PrefillModel, redis_url: str = "", plane_host: str = "127.0.0.1"
-    ) -> None:
+    def __init__(self, bus: Bus, spec: ClusterSpec, model: PrefillModel) -> None:
         self.bus, self.spec, self.model = bus, spec, model
-        #: For KV caches on the data plane: the run's Redis (the fetch's rendezvous) and the local
-        #: address this decoder's end of a fetch binds.
-        self.redis_url, self.plane_host = redis_url, plane_host
-        self.name = f"{SERVICE}-{instance_id()}"
+        #: KV caches on the data plane: one kept connection per holder (closed by `close`).
+        self.kv = KvClient()
         self.tokenizer = tokenizer_for(spec.prefill)  # stop sequences are matched on the text
         self.chunk_s = spec.decode.chunk_ms / 1000
         self.running = 0
@@ -76,9 +72,7 @@ class Decoder:
         """The request's KV cache, from its holder's memory over the data plane or from Redis."""
         try:
             if req.kv_holder:
-                data, why = await kv_plane.fetch(
-                    self.bus, self.redis_url, req.kv_holder, req.id, self.plane_host, self.name
-                )
+                data, why = await self.kv.fetch(req.kv_holder, req.id)
                 return (kvstore.read_kv_file(data) if data is not None else None), why
             stored = await kvstore.fetch_kv(self.bus.redis, req.id)
         except WireError as exc:
@@ -87,7 +81,9 @@ class Decoder:
 
     async def _free(self, req: DecodeRequest) -> None:
         if req.kv_holder:
-            await kv_plane.delete(self.bus, req.kv_holder, req.id)
+            freed, why = await self.kv.free(req.kv_holder, req.id)
+            if not freed:  # expired meanwhile, or its holder is gone: nothing left behind either way
+                log.info("KV cache not freed", id=req.id, reason=why)
         else:
             await kvstore.delete_kv(self.bus.redis, req.id)
 
@@ -162,12 +158,15 @@ class Decoder:
     def info(self) -> dict[str, object]:
         return {"running": self.running, "completions": self.completions, "tokens": self.tokens}
 
+    async def close(self) -> None:
+        await self.kv.close()
+
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec = settings.spec
     model = await asyncio.to_thread(PrefillModel.from_spec, spec.prefill)
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
-        d = Decoder(bus, spec, model, settings.require_redis_url(), settings.plane_host)
+        d = Decoder(bus, spec, model)
         me = f"{SERVICE}-{instance_id()}"
         hb = Heartbeat(bus.redis, SERVICE, instance_id(), d.info)
         config = msgspec.structs.replace(spec.bus, concurrency=spec.decode.concurrency)
@@ -175,14 +174,17 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             keys.DECODE_REQUESTS_STREAM, SERVICE, {DecodeRequest: d.on_request}, name=me, config=config
         )
         await hb.start()
-        async with consumer:
-            log.info("decoder ready", model=spec.prefill.model_name, concurrency=spec.decode.concurrency)
-            while not stop.is_set() and not consumer.crashed.is_set():
-                try:
-                    async with asyncio.timeout(1.0):
-                        await stop.wait()
-                except TimeoutError:
-                    pass
+        try:
+            async with consumer:
+                log.info("decoder ready", model=spec.prefill.model_name, concurrency=spec.decode.concurrency)
+                while not stop.is_set() and not consumer.crashed.is_set():
+                    try:
+                        async with asyncio.timeout(1.0):
+                            await stop.wait()
+                    except TimeoutError:
+                        pass
+        finally:
+            await d.close()  # after the consumer: its last completions may still free their caches
         await hb.stop()
         if consumer.error is not None:
             raise RuntimeError(f"the decode request consumer crashed: {consumer.error!r}")

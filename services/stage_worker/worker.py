@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -113,11 +114,15 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         )
         url = await server.start()  # a port in use fails here (the slot's lease expires by itself)
         info = {"run": run, "slot": slot.name, "metrics_url": url}
-        hb = Heartbeat(bus.redis, SERVICE, f"{run}-{slot.name}", lambda: info)
+        #: Figures read at each beat, added once their source exists (the KV server: `kv_*`).
+        readings: dict[str, Callable[[], object]] = {}
+        hb = Heartbeat(
+            bus.redis, SERVICE, f"{run}-{slot.name}", lambda: {**info, **{k: read() for k, read in readings.items()}}
+        )
         await hb.start()
         watch = asyncio.create_task(lease.watch(), name="lease")  # renews from now on
         try:
-            await _train(bus, settings, placement, lease, watch, slot, stop, metrics, device)
+            await _train(bus, settings, placement, lease, watch, slot, stop, metrics, device, readings)
         except RunStopped as exc:
             log.info("run stopped by a peer's deliberate stop", slot=slot.name, reason=str(exc))
             await lease.mark_stopped(f"slot {slot.name} stopped with its peers")
@@ -147,6 +152,7 @@ async def _train(
     stop: asyncio.Event,
     metrics: WorkerMetrics,
     device: torch.device,
+    readings: dict[str, Callable[[], object]],
 ) -> None:
     spec, run = settings.spec, settings.run
     try:  # what the launcher's check_training refuses; a worker started on its own says it too
@@ -204,11 +210,14 @@ async def _train(
     fill = kv_server = None
     if prefill is not None:
         if spec.prefill.kv_store == "plane" and spec.prefill.kv_ttl_s > 0:
-            # The KV caches this worker computes stay here; decoders fetch them on the data plane.
+            # The KV caches this worker computes stay here; decoders fetch them over TCP from its
+            # data-plane host, on a port of its own: "host:port" is the holder in every KV handle.
             shelf = KvShelf(spec.prefill.kv_ttl_s, spec.prefill.kv_budget_mb << 20)
-            holder = f"{run}:{slot.name}:{instance_id()}"
-            kv_server = KvServer(bus, settings.require_redis_url(), holder, plane.addresses[0], shelf)
-            await kv_server.start()
+            kv_server = server = KvServer(shelf, plane.addresses[0])
+            readings["kv_holder"] = lambda: server.holder
+            readings["kv_held"] = lambda: server.held  # caches held now: 0 once every decode freed its own
+            readings["kv_served"] = lambda: server.served  # fetches answered with a cache
+            await server.start()
         runner.filler = Filler(
             bus,
             run,

@@ -1,58 +1,87 @@
 """KV caches on the data plane: a finished prefill's KV cache stays in the memory of the worker that
-computed it, and a decode service fetches it over torch.distributed; Redis carries only the handle
-(`PrefillResult.kv_holder`, `kv_key`) and the small fetch and delete requests
-(`prefill.kv_store: plane`, the default; `redis` keeps the old store, `shared.kvstore`).
+computed it, and a decode service fetches it from there over TCP; Redis carries only the handle
+(`PrefillResult.kv_holder`, `kv_key`) (`prefill.kv_store: plane`, the default; `redis` keeps the
+old store, `shared.kvstore`).
 
 The holder (a stage worker) keeps each cache as its safetensors bytes (`shared.kvstore.kv_file`) on
-a `KvShelf`: `prefill.kv_ttl_s` after the answer it expires, and the caches held at once stay
-within `prefill.kv_budget_mb` of the worker's memory (past it a prefill answers without one, and
-the handle says why). Its `KvServer` reads `KvFetch` and `KvDelete` on its own stream
-(`keys.kv_holder_stream`).
+a `KvShelf`: `prefill.kv_ttl_s` after the answer it expires (a sweep drops expired caches every
+`SWEEP_S`), and the caches held at once stay within `prefill.kv_budget_mb` of the worker's memory
+(past it a prefill answers without one, and the handle says why). Its `KvServer` listens on the
+worker's data-plane host, on a port of its own (ephemeral unless given); the address, "host:port",
+is the holder's name: `PrefillResult.kv_holder`, the handle's "holder". A decode service asks with
+a `KvClient`, which keeps one connection per holder (requests to one holder take turns on it).
 
-One fetch (`fetch`), fresh for each: the decode service publishes `KvFetch(id, rendezvous)` and
-both sides form a two-rank gloo group under that key prefix (the holder rank 0, listening on its
-data-plane address; the fetcher rank 1, connecting to it). On it the holder sends a header, int64
-(found, bytes), then the bytes if found; the fetcher answers with one byte once they are in, and
-only then does the holder drop the group (closing a socket with data still unread on it could
-reset the connection under the last bytes). A group per fetch costs one TCP connection and a
-rendezvous through Redis (`bench/transport.py` reports `kv_fetch_ms_p50`), small next to the
-tokens a decode then generates, and leaves nothing to repair when either side dies. A holder that
-is gone took its caches with it: its end never forms, and the fetch fails after
-`KV_FETCH_TIMEOUT_S` saying so; a fetcher that is gone leaves the holder's end to time out the
-same way, in a thread of its own.
+The protocol, "bubbletea-kv-wire/1" (a consumer outside this repository, e.g. a vLLM KV connector,
+speaks it with the standard library alone, so it is fixed as written here):
+
+* Connection: TCP to "host:port". Persistent: requests are served one after another on a
+  connection for as long as the client keeps it open; either side may close it at any time; a
+  client reconnects on its next request, and retries a request once if the connection it reused
+  turns out closed (both operations are idempotent).
+* Request: ``struct.pack("!4sBH", b"BTKV", op, len(id_bytes)) + id_bytes``, the id the request id
+  in UTF-8 (at most `MAX_ID_BYTES`). op 1 FETCH: send the KV cache of id; op 2 FREE: the cache of
+  id is used, drop it.
+* Response: ``struct.pack("!4sBQ", b"BTKV", status, length)`` + `length` bytes. Status 0 OK: FETCH
+  -> the safetensors bytes, FREE -> length 0. Status 1 NOT_HELD: a UTF-8 sentence (expired, freed
+  or never held here; a FREE of a cache not held answers it too). Status 2 BAD_REQUEST: a UTF-8
+  sentence (bad magic, unknown op, id longer than 1024 bytes or not UTF-8), and the server then
+  closes the connection.
+
+Why a plain socket and not a gloo group, as the training tensors use: a group formed per fetch (as
+this module first did) cost a rendezvous through Redis and a new connection per fetch, 14-20 ms
+for 0.5 MiB (`bench/transport_kv.py`); a gloo group kept per holder and fetcher cannot survive
+either end's death (gloo has no reconnection: a broken group is useless, and re-forming it is the
+same rendezvous again) and would need our Redis store on the consumer's side. A socket per pair is
+kept across fetches, reconnects by itself, fails at once when its holder is gone (connection
+refused, or the kept connection closed), and a vLLM worker can speak it with the standard library.
+
+The server runs on the worker's event loop, which also drives training: it only looks the id up
+and writes, with `drain` (a client that stops reading is dropped after `WRITE_TIMEOUT_S`); a client
+that disconnects mid-request costs it that connection alone. Idle connections are closed after
+`IDLE_S` (the client reconnects on its next request), and TCP keepalive finds a peer whose host
+vanished. A holder that is gone took its caches with it: a fetch fails at once saying so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 import time
-import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
 
-import torch
-
-from shared import keys
-from shared.bus import Bus, Consumer, Delivery
-from shared.dataplane.plane import PlaneError, form_group, in_thread
 from shared.kvstore import Stored
 from shared.logs import get_logger
-from shared.wire import KvDelete, KvFetch
 
 log = get_logger(__name__)
 
-#: How long either end of a fetch waits for the other (rendezvous and transfer each).
-KV_FETCH_TIMEOUT_S = 10.0
-#: How often a holder drops its expired caches and refreshes its stream's expiry.
-SWEEP_S = 5.0
+PROTOCOL = "bubbletea-kv-wire/1"
+MAGIC = b"BTKV"
+#: A request's head: magic, op, the id's length in bytes (the id follows).
+REQUEST = struct.Struct("!4sBH")
+#: A response's head: magic, status, the body's length in bytes (the body follows).
+RESPONSE = struct.Struct("!4sBQ")
+OP_FETCH, OP_FREE = 1, 2
+OK, NOT_HELD, BAD_REQUEST = 0, 1, 2
+#: The longest request id a server takes (longer: BAD_REQUEST).
+MAX_ID_BYTES = 1024
 
-_HEADER, _DATA, _ACK = 1, 2, 3
+#: How long a fetch or free waits, in all, for its answer (connecting and waiting its turn included).
+KV_FETCH_TIMEOUT_S = 10.0
+#: How often a holder drops its expired caches.
+SWEEP_S = 5.0
+#: A connection that brings no request for this long is closed by the server.
+IDLE_S = 300.0
+#: A client that takes longer than this to read an answer is disconnected.
+WRITE_TIMEOUT_S = 30.0
+#: The client's stream buffer: an answer up to twice this is read without pausing the socket.
+READ_LIMIT = 4 << 20
 
 
 @dataclass
 class _Held:
-    data: torch.Tensor  # uint8, the safetensors bytes
+    data: bytes  # the safetensors bytes
     expires: float  # wall clock
 
 
@@ -72,11 +101,11 @@ class KvShelf:
         self.delete(request_id)  # a request answered twice (redelivered) holds one cache
         if self.used + len(data) > self.budget_bytes:
             return Stored("", len(data), self.used, self.budget_bytes)
-        self.held[request_id] = _Held(torch.frombuffer(bytearray(data), dtype=torch.uint8), now + self.ttl_s)
+        self.held[request_id] = _Held(bytes(data), now + self.ttl_s)
         self.used += len(data)
         return Stored(request_id, len(data), self.used, self.budget_bytes)
 
-    def get(self, request_id: str, now: float) -> torch.Tensor | None:
+    def get(self, request_id: str, now: float) -> bytes | None:
         held = self.held.get(request_id)
         if held is None or held.expires <= now:
             return None
@@ -85,7 +114,7 @@ class KvShelf:
     def delete(self, request_id: str) -> bool:
         held = self.held.pop(request_id, None)
         if held is not None:
-            self.used -= held.data.numel()
+            self.used -= len(held.data)
         return held is not None
 
     def expire(self, now: float) -> int:
@@ -95,112 +124,290 @@ class KvShelf:
         return len(gone)
 
 
-def _serve_one(redis_url: str, rendezvous: str, address: str, data: torch.Tensor | None, timeout: timedelta) -> None:
-    """The holder's end of one fetch (blocking; in a thread)."""
-    group = form_group(redis_url, rendezvous, 0, 2, address, timeout)
-    header = torch.tensor([0 if data is None else 1, 0 if data is None else data.numel()], dtype=torch.int64)
-    try:
-        works = [group.send([header], 1, _HEADER)]
-        if data is not None:
-            works.append(group.send([data], 1, _DATA))
-        ack = torch.zeros(1, dtype=torch.uint8)
-        works.append(group.recv([ack], 1, _ACK))
-        for w in works:
-            w.wait()
-    except RuntimeError as exc:
-        raise PlaneError(f"KV fetch under {rendezvous}: {str(exc).splitlines()[0]}") from None
+def holder_address(host: str, port: int) -> str:
+    """The holder's name: "host:port" (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _receive_one(redis_url: str, rendezvous: str, address: str, timeout: timedelta) -> bytes | None:
-    """The fetcher's end of one fetch (blocking; in a thread): the bytes, or None if not held."""
-    group = form_group(redis_url, rendezvous, 1, 2, address, timeout)
-    try:
-        header = torch.zeros(2, dtype=torch.int64)
-        group.recv([header], 0, _HEADER).wait()
-        found, size = (int(x) for x in header.tolist())
-        out = None
-        if found:
-            buf = torch.empty(size, dtype=torch.uint8)
-            group.recv([buf], 0, _DATA).wait()
-            out = buf.numpy().tobytes()
-        group.send([torch.ones(1, dtype=torch.uint8)], 0, _ACK).wait()
-        return out
-    except RuntimeError as exc:
-        raise PlaneError(f"KV fetch under {rendezvous}: {str(exc).splitlines()[0]}") from None
+def parse_holder(holder: str) -> tuple[str, int]:
+    """(host, port) of a holder's "host:port"; ValueError if it is not one."""
+    host, sep, port = holder.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{holder!r} is not a KV holder's address (host:port)")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def _keepalive(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+class _BadRequest(Exception):
+    """A request the server refuses (BAD_REQUEST), and then closes the connection."""
 
 
 class KvServer:
-    """A worker's KV caches, served to decode services on the data plane (module docstring)."""
+    """A worker's KV caches, served to decode services over TCP (module docstring)."""
 
     def __init__(
-        self, bus: Bus, redis_url: str, holder: str, address: str, shelf: KvShelf, timeout_s: float = KV_FETCH_TIMEOUT_S
+        self,
+        shelf: KvShelf,
+        host: str,
+        port: int = 0,
+        *,
+        idle_s: float = IDLE_S,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
+        sweep_s: float = SWEEP_S,
     ) -> None:
-        self.bus, self.redis_url, self.holder, self.address, self.shelf = bus, redis_url, holder, address, shelf
-        self.timeout = timedelta(seconds=timeout_s)
-        self.served = 0
-        self._consumer: Consumer | None = None
+        self.shelf, self.host, self.port = shelf, host, port
+        self.idle_s, self.write_timeout_s, self.sweep_s = idle_s, write_timeout_s, sweep_s
+        #: "host:port" once started: `PrefillResult.kv_holder`.
+        self.holder = ""
+        self.accepted = 0  # connections accepted
+        self.served = 0  # caches sent (FETCH answered OK)
+        self.freed = 0  # caches dropped by a FREE
+        self.refused = 0  # BAD_REQUESTs answered
+        self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
-        stream = keys.kv_holder_stream(self.holder)
-        self._consumer = self.bus.consumer(
-            stream, "holder", {KvFetch: self.on_fetch, KvDelete: self.on_delete}, name=self.holder
-        )
-        await self._consumer.start()
-        self._sweeper = asyncio.create_task(self._sweep(stream), name="kv-sweep")
-        log.info("KV caches held on the data plane", holder=self.holder, address=self.address)
+    @property
+    def held(self) -> int:
+        """How many KV caches this worker holds now."""
+        return len(self.shelf.held)
 
-    async def on_fetch(self, d: Delivery) -> None:
-        m = d.message
-        assert isinstance(m, KvFetch)
-        data = self.shelf.get(m.id, time.time())
+    @property
+    def connections(self) -> int:
+        """How many client connections are open now."""
+        return len(self._handlers)
+
+    async def start(self) -> str:
+        """Listen; the holder's address, "host:port" (also `self.holder`)."""
+        self._server = await asyncio.start_server(self._connection, self.host, self.port, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.holder = holder_address(self.host, self.port)
+        self._sweeper = asyncio.create_task(self._sweep(), name="kv-sweep")
+        log.info("KV caches held on the data plane", holder=self.holder, protocol=PROTOCOL)
+        return self.holder
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self.accepted += 1
+        _keepalive(writer)
+        peer = writer.get_extra_info("peername")
         try:
-            await in_thread(_serve_one, self.redis_url, m.rendezvous, self.address, data, self.timeout)
-        except PlaneError as exc:  # the fetcher died or never came: it fails on its side too
-            log.warning("KV fetch failed", id=m.id, fetcher=m.fetcher, error=str(exc))
-            return
-        self.served += 1
-        log.debug("KV cache served", id=m.id, fetcher=m.fetcher, found=data is not None)
+            while True:
+                try:
+                    async with asyncio.timeout(self.idle_s):
+                        op, rid = await self._request(reader)
+                except (asyncio.IncompleteReadError, TimeoutError):
+                    return  # the client closed the connection (possibly mid-request), or left it idle
+                status, body = self._answer(op, rid)
+                await self._send(writer, status, body)
+        except _BadRequest as exc:
+            self.refused += 1
+            log.warning("KV request refused", peer=peer, error=str(exc))
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await self._send(writer, BAD_REQUEST, str(exc).encode())
+        except (ConnectionError, TimeoutError) as exc:  # it went away, or stopped reading its answer
+            log.debug("KV client dropped", peer=peer, error=repr(exc))
+        finally:
+            self._handlers.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
 
-    async def on_delete(self, d: Delivery) -> None:
-        m = d.message
-        assert isinstance(m, KvDelete)
-        self.shelf.delete(m.id)
+    @staticmethod
+    async def _request(reader: asyncio.StreamReader) -> tuple[int, str]:
+        magic, op, n = REQUEST.unpack(await reader.readexactly(REQUEST.size))
+        if magic != MAGIC:
+            raise _BadRequest(f"not a {PROTOCOL} request: it starts with {magic!r}, not {MAGIC!r}")
+        if op not in (OP_FETCH, OP_FREE):
+            raise _BadRequest(f"unknown op {op}: {OP_FETCH} is FETCH, {OP_FREE} is FREE")
+        if n > MAX_ID_BYTES:
+            raise _BadRequest(f"a request id of {n} bytes: at most {MAX_ID_BYTES}")
+        raw = await reader.readexactly(n)
+        try:
+            return op, raw.decode()
+        except UnicodeDecodeError:
+            raise _BadRequest("the request id is not UTF-8") from None
 
-    async def _sweep(self, stream: str) -> None:
+    def _answer(self, op: int, rid: str) -> tuple[int, bytes]:
+        now = time.time()
+        if op == OP_FREE:
+            if self.shelf.delete(rid):
+                self.freed += 1
+                return OK, b""
+            return NOT_HELD, f"no KV cache of {rid} is held here: already freed, expired or never held".encode()
+        data = self.shelf.get(rid, now)
+        if data is not None:
+            self.served += 1
+            return OK, data
+        if rid in self.shelf.held:
+            why = f"the KV cache of {rid} expired (prefill.kv_ttl_s: {self.shelf.ttl_s} s after its answer)"
+        else:
+            why = f"no KV cache of {rid} is held here: it was freed, it expired (prefill.kv_ttl_s) or it never was"
+        return NOT_HELD, why.encode()
+
+    async def _send(self, writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
+        writer.write(RESPONSE.pack(MAGIC, status, len(body)))
+        if body:
+            writer.write(body)
+        async with asyncio.timeout(self.write_timeout_s):
+            await writer.drain()
+
+    async def _sweep(self) -> None:
         while True:
             self.shelf.expire(time.time())
-            with contextlib.suppress(Exception):  # housekeeping: retried at the next sweep
-                await self.bus.redis.expire(stream, keys.KV_HOLDER_TTL_S)
-            await asyncio.sleep(SWEEP_S)
+            await asyncio.sleep(self.sweep_s)
 
     async def close(self) -> None:
+        """Stop listening and close every connection (the caches go with this worker)."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
-        if self._consumer is not None:
-            await self._consumer.stop()
+        if self._server is not None:
+            self._server.close()
+        handlers = list(self._handlers)
+        for t in handlers:
+            t.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
 
 
-async def fetch(
-    bus: Bus, redis_url: str, holder: str, request_id: str, address: str, fetcher: str,
-    timeout_s: float = KV_FETCH_TIMEOUT_S,
-) -> tuple[bytes | None, str]:  # fmt: skip
-    """The KV cache bytes of `request_id` from `holder`, or None and why not."""
-    rendezvous = keys.kv_rendezvous(holder, uuid.uuid4().hex)
-    await bus.publish(
-        keys.kv_holder_stream(holder),
-        KvFetch(id=request_id, rendezvous=rendezvous, fetcher=fetcher),
-        maxlen=keys.KV_HOLDER_MAXLEN,
-    )
-    try:
-        data = await in_thread(_receive_one, redis_url, rendezvous, address, timedelta(seconds=timeout_s))
-    except PlaneError as exc:
-        return None, f"the worker holding the KV cache of {request_id} ({holder}) did not answer: {exc}"
-    if data is None:
-        return None, f"no KV cache for {request_id} on {holder}: it expired (prefill.kv_ttl_s) or was freed"
-    return data, ""
+class _ProtocolError(Exception):
+    """The holder answered something that is not `PROTOCOL`."""
 
 
-async def delete(bus: Bus, holder: str, request_id: str) -> None:
-    await bus.publish(keys.kv_holder_stream(holder), KvDelete(id=request_id), maxlen=keys.KV_HOLDER_MAXLEN)
+class _Connection:
+    """One kept connection to one holder; `lock` makes requests take turns on it."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0  # requests using or waiting for it
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.writer is not None and self.reader is not None and not self.reader.at_eof()
+
+    async def open(self, host: str, port: int) -> None:
+        self.reader, self.writer = await asyncio.open_connection(host, port, limit=READ_LIMIT)
+        _keepalive(self.writer)
+
+    def drop(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def ask(self, request: bytes) -> tuple[int, bytes]:
+        assert self.reader is not None and self.writer is not None
+        try:
+            self.writer.write(request)
+            await self.writer.drain()
+            magic, status, length = RESPONSE.unpack(await self.reader.readexactly(RESPONSE.size))
+            if magic != MAGIC or status not in (OK, NOT_HELD, BAD_REQUEST):
+                raise _ProtocolError(f"a response starting {magic!r} with status {status}")
+            body = await self.reader.readexactly(length) if length else b""
+        except BaseException:  # the stream's position is unknown (a timeout, a lost connection): never reuse it
+            self.drop()
+            raise
+        if status == BAD_REQUEST:
+            self.drop()  # the server closes it
+        return status, body
+
+
+class KvClient:
+    """A decode service's end: one kept connection per holder (module docstring)."""
+
+    def __init__(self) -> None:
+        self._connections: dict[str, _Connection] = {}
+        self.connects = 0  # connections opened
+
+    async def fetch(
+        self, holder: str, request_id: str, timeout_s: float = KV_FETCH_TIMEOUT_S
+    ) -> tuple[bytes | None, str]:
+        """The KV cache bytes of `request_id` from `holder`, or None and why not."""
+        status, body, why = await self._ask(holder, OP_FETCH, request_id, timeout_s)
+        if why:
+            return None, why
+        if status == OK:
+            return body, ""
+        text = body.decode(errors="replace")
+        if status == NOT_HELD:
+            return None, f"no KV cache for {request_id} on {holder}: {text}"
+        return None, f"the worker holding the KV cache of {request_id} ({holder}) refused the request: {text}"
+
+    async def free(self, holder: str, request_id: str, timeout_s: float = KV_FETCH_TIMEOUT_S) -> tuple[bool, str]:
+        """Drop the KV cache of `request_id` on `holder`: whether it was held there, and if not why."""
+        status, body, why = await self._ask(holder, OP_FREE, request_id, timeout_s)
+        if why:
+            return False, why
+        if status == OK:
+            return True, ""
+        return False, f"no KV cache for {request_id} on {holder} to free: {body.decode(errors='replace')}"
+
+    async def _ask(self, holder: str, op: int, rid: str, timeout_s: float) -> tuple[int, bytes, str]:
+        """(status, body, "") or (-1, b"", why the holder gave no answer)."""
+        who = f"the worker holding the KV cache of {rid} ({holder})"
+        try:
+            host, port = parse_holder(holder)
+        except ValueError as exc:
+            return -1, b"", f"cannot reach {who}: {exc}"
+        raw = rid.encode()
+        if len(raw) > MAX_ID_BYTES:
+            return -1, b"", f"the request id {rid[:40]!r}... is {len(raw)} bytes: at most {MAX_ID_BYTES}"
+        request = REQUEST.pack(MAGIC, op, len(raw)) + raw
+        conn = self._connections.setdefault(holder, _Connection())
+        conn.users += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with conn.lock:
+                    status, body = await self._exchange(conn, host, port, request)
+            return status, body, ""
+        except TimeoutError:
+            return -1, b"", f"{who} did not answer within {timeout_s:g} s"
+        except ConnectionRefusedError:
+            return -1, b"", f"{who} is gone: connection refused"
+        except asyncio.IncompleteReadError:
+            return -1, b"", f"{who} is gone: it closed the connection before answering"
+        except OSError as exc:
+            return -1, b"", f"{who} is gone: {exc.strerror or exc}"
+        except _ProtocolError as exc:
+            return -1, b"", f"{who} did not answer in {PROTOCOL}: {exc}"
+        finally:
+            conn.users -= 1
+            if not conn.users and not conn.usable and self._connections.get(holder) is conn:
+                del self._connections[holder]  # a holder that is gone leaves nothing behind
+
+    async def _exchange(self, conn: _Connection, host: str, port: int, request: bytes) -> tuple[int, bytes]:
+        """One request and its answer; once more on a fresh connection if a kept one turns out closed."""
+        reused = conn.usable
+        if not reused:
+            conn.drop()
+            await conn.open(host, port)
+            self.connects += 1
+        try:
+            return await conn.ask(request)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            if not reused:
+                raise
+        await conn.open(host, port)
+        self.connects += 1
+        return await conn.ask(request)
+
+    async def close(self) -> None:
+        conns = list(self._connections.values())
+        self._connections.clear()
+        for conn in conns:
+            writer = conn.writer
+            conn.drop()
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()

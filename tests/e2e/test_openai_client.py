@@ -172,14 +172,18 @@ async def test_official_client_gets_whole_completions_decoded_from_the_bubbles_k
             # The KV caches stay in the workers that prefilled them (prefill.kv_store: plane): the
             # decoder fetched each over the data plane and frees it right after the last chunk it
             # sends (so one that dies before the chunk is out can be resumed from it): after the
-            # answer, not before it. Redis saw only the fetch and free requests.
-            leftovers: set[str] = set()
+            # answer, not before it. The workers' heartbeats say how many they served and hold:
+            # every one fetched, none left (they would stay held for kv_ttl_s, 120 s, otherwise).
+            kv: dict[str, tuple[int, int]] = {}
 
             async def all_freed() -> bool:
-                fetched, freed = await _kv_requests(redis_url)
-                leftovers.clear()
-                leftovers.update(fetched - freed)
-                return len(fetched) == 3 and not leftovers
+                kv.clear()
+                kv.update(await _kv_held(redis_url, run))
+                return (
+                    len(kv) == 4
+                    and sum(served for served, _ in kv.values()) >= 3
+                    and not any(held for _, held in kv.values())
+                )
 
             await wait_until(all_freed, "the decoder freeing every KV cache it fetched", timeout=30)
             assert not [k async for k in _kv_keys(redis_url)], "a KV cache went through Redis"
@@ -203,28 +207,22 @@ async def test_official_client_gets_whole_completions_decoded_from_the_bubbles_k
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == want and len([c for c in chunks if c.choices]) >= 2  # it arrived in pieces
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
-    assert leftovers == set()  # every KV cache was freed once decoded
+    assert not any(held for _, held in kv.values()), kv  # every KV cache was freed once decoded
 
 
-async def _kv_requests(redis_url: str) -> tuple[set[str], set[str]]:
-    """The request ids decoders asked KV holders for, and those they asked them to free."""
+async def _kv_held(redis_url: str, run: str) -> dict[str, tuple[int, int]]:
+    """Each of the run's KV holders (a worker's "host:port"): the caches it served and holds now,
+    as its last heartbeat says."""
     from redis.asyncio import Redis
 
-    from shared.wire import KvDelete, KvFetch, decode
+    from shared.health import live_instances
 
     r = Redis.from_url(redis_url)
-    fetched, freed = set(), set()
     try:
-        async for stream in r.scan_iter(match=keys.kv_holder_stream("*"), _type="STREAM"):
-            for _, fields in await r.xrange(stream):
-                msg = decode(fields[b"m"])
-                if isinstance(msg, KvFetch):
-                    fetched.add(msg.id)
-                elif isinstance(msg, KvDelete):
-                    freed.add(msg.id)
+        workers = [w for w in await live_instances(r, "stage_worker") if w["run"] == run and "kv_held" in w]
     finally:
         await r.aclose()
-    return fetched, freed
+    return {w["kv_holder"]: (w["kv_served"], w["kv_held"]) for w in workers}
 
 
 async def _kv_keys(redis_url: str) -> AsyncIterator[bytes]:

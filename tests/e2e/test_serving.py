@@ -25,8 +25,7 @@ from bubbletea import runstats
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
 from shared import keys, kvstore, priority
-from shared.bus import Bus
-from shared.dataplane import kv as kv_plane
+from shared.dataplane.kv import KvClient
 from shared.model.prefill import PrefillModel
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
@@ -91,17 +90,23 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
             for nices in workers.values():
                 assert {0, priority.TRAIN_NICE, priority.PREFILL_NICE} <= nices, workers
             # The KV caches stay in the workers (prefill.kv_store: plane): fetched over the data
-            # plane while the workers still run (they die with them).
-            kvs = {}
-            async with Bus(redis_server.url) as bus:
+            # plane ("host:port" of the worker's KV server) while the workers still run (they die
+            # with them), one kept connection per worker.
+            kvs, holders = {}, set()
+            kv = KvClient()
+            try:
                 for rid, a in answers.items():
                     if a["status"] != "done":
                         continue
                     handle = a["result"]["kv_transfer_params"]
                     assert handle["store"] == "plane" and handle["key"] == rid and handle["bytes"] > 0, handle
-                    data, why = await kv_plane.fetch(bus, redis_server.url, handle["holder"], rid, "127.0.0.1", "test")
+                    data, why = await kv.fetch(handle["holder"], rid)
                     assert data is not None and len(data) == handle["bytes"], why
                     kvs[rid] = kvstore.read_kv_file(data)
+                    holders.add(handle["holder"])
+                assert kv.connects == len(holders) <= 4, holders
+            finally:
+                await kv.close()
         finally:
             training.cancel()
             await asyncio.gather(training, return_exceptions=True)
