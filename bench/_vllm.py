@@ -1,4 +1,5 @@
-"""The vLLM tier's parts: vLLM's own environment, a tiny Llama, a vLLM server, `bubbletea up`.
+"""vLLM beside BubbleTea, for the vLLM test tier (tests/vllm) and bench/pd_vllm.py: vLLM's own
+environment, a tiny Llama, a vLLM server with the BubbleTea connector, `bubbletea up` in front.
 
 vLLM runs in an environment of its own (`make vllm`: it pins another transformers than ours), so
 it is found by path: $BUBBLETEA_VLLM_PYTHON, else the checkout's .venv-vllm. Every process here is
@@ -24,9 +25,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tests.e2e.serving import SPEC
-
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 #: The connector as vLLM's --kv-transfer-config names it (bubbletea_vllm.CONNECTOR, MODULE).
 KV_TRANSFER_CONFIG = {
     "kv_connector": "BubbleTeaConnector",
@@ -34,6 +33,20 @@ KV_TRANSFER_CONFIG = {
     "kv_role": "kv_consumer",
 }
 MODEL_NAME = "tiny-llama"
+#: PP=2 x DP=2 with a device profile (each stage's forward counts 20 ms a layer): every worker waits
+#: tens of milliseconds for its peer in each iteration, bubbles to fill; the prefill model is the
+#: checkpoint vLLM serves (`serving_spec`).
+SPEC: dict[str, Any] = {
+    "name": "vllm-decode",
+    "datacenters": [{"name": "dc-a", "gpus": 2}, {"name": "dc-b", "gpus": 2}],
+    "wan": {"sharing": "temporal", "default": {"latency_ms": 5, "bandwidth_gbps": 1, "connections": 4}},
+    "model": {"layers": 2, "d_model": 32, "heads": 4, "seq_len": 16, "vocab": 256, "seed": 3},
+    "parallelism": {"pp": 2, "dp": 2, "tp": 1},
+    "training": {"schedule": "1f1b", "microbatches": 4, "microbatch_size": 2, "iterations": 8, "seed": 7},
+    "device": {"kind": "cpu", "fwd_ms_per_layer": 20.0, "allreduce_ms": 5.0, "step_ms": 2.0},
+    "bubbletea": {"enabled": True, "guard_ms": 2.0, "dispatch_overhead_ms": 1.0, "max_batch_requests": 8},
+    "prefill": {"max_prompt_tokens": 256, "request_timeout_s": 60, "kv_ttl_s": 120},
+}
 
 
 def vllm_python() -> Path | None:
