@@ -101,13 +101,25 @@ def _up(args: argparse.Namespace) -> int:
     # A service: it trains (and so serves) until stopped, whatever the spec says, unless told a number.
     iterations = args.iterations if args.iterations is not None else UNTIL_STOPPED
 
+    spec = settings.spec
+    # --decode vllm without a vLLM's URL: up starts one itself (bubbletea.launcher.vllm), with the
+    # python of vLLM's environment; its URL replaces this placeholder once it is up.
+    start_vllm = args.decode == "vllm" and not (args.vllm_url or spec.decode.vllm_url)
+    vllm = None
+    if start_vllm:
+        from bubbletea.launcher.vllm import served_model_dir, vllm_python
+
+        vllm = vllm_python(args.vllm_python)
+        served_model_dir(spec)
+
     def adjusted(spec: ClusterSpec) -> ClusterSpec:
         spec = msgspec.structs.replace(spec, training=msgspec.structs.replace(spec.training, iterations=iterations))
         if args.decode:
             d = msgspec.structs.replace(spec.decode, enabled=True, engine=args.decode)
             spec = msgspec.structs.replace(spec, decode=d)
-        if args.vllm_url:
-            spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, vllm_url=args.vllm_url))
+        url = args.vllm_url or ("http://127.0.0.1:0" if start_vllm else None)
+        if url:
+            spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, vllm_url=url))
         check_decode(spec)
         return spec
 
@@ -116,7 +128,9 @@ def _up(args: argparse.Namespace) -> int:
     settings = dataclasses.replace(settings, spec=adjusted(settings.spec), base_spec=base)
     setup_logging("up", "WARNING")
     persist = args.persist or os.environ.get("BUBBLETEA_REDIS_PERSIST", "").lower() in ("1", "true", "yes", "on")
-    return uvloop.run(run_up(settings, out_root=Path(args.out), verbose=args.verbose, persist=persist))
+    return uvloop.run(
+        run_up(settings, out_root=Path(args.out), verbose=args.verbose, persist=persist, vllm_python=vllm)
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -318,7 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--vllm-url",
-        help="the vLLM server that decodes with --decode vllm, e.g. http://127.0.0.1:8100 (decode.vllm_url)",
+        help="the vLLM server (with the BubbleTea connector) that decodes with --decode vllm, e.g. "
+        "http://127.0.0.1:8100 (decode.vllm_url); without it, up starts one serving prefill.checkpoint",
+    )
+    p.add_argument(
+        "--vllm-python",
+        help="the python of the vLLM environment up starts vLLM with (default: .venv-vllm/bin/python, from make vllm)",
     )
     p.add_argument(
         "--persist",

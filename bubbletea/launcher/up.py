@@ -49,6 +49,7 @@ from bubbletea.launcher.redis_watch import keep_redis_alive
 from bubbletea.launcher.services import SERVICES
 from bubbletea.launcher.supervise import Supervisor
 from bubbletea.launcher.timescale import pick_time_scale
+from bubbletea.launcher.vllm import managed_vllm
 from bubbletea.launcher.wan_modes import WorkerLaunch, worker_launches
 from shared.bus import Bus
 from shared.health import live_instances
@@ -65,7 +66,9 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
-async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False, persist: bool = False) -> int:
+async def run_up(
+    settings: Settings, *, out_root: Path, verbose: bool = False, persist: bool = False, vllm_python: Path | None = None
+) -> int:
     """Run until Ctrl-C, SIGTERM (as a service manager or `kill` stops it: the same clean stop,
     exit 0), a dead service, or the end of a finite run."""
     task = asyncio.current_task()
@@ -80,7 +83,7 @@ async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False, p
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
-        return await _run_up(settings, out_root=out_root, verbose=verbose, persist=persist)
+        return await _run_up(settings, out_root=out_root, verbose=verbose, persist=persist, vllm_python=vllm_python)
     except asyncio.CancelledError:
         if not terminated.is_set():
             raise  # Ctrl-C: asyncio turns it into KeyboardInterrupt
@@ -89,7 +92,7 @@ async def run_up(settings: Settings, *, out_root: Path, verbose: bool = False, p
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist: bool) -> int:
+async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist: bool, vllm_python: Path | None) -> int:
     spec = settings.base_spec or settings.spec  # unscaled: the services apply the time scale
     run = settings.run if settings.run != "run" else f"up-{int(time.time())}"
     settings = dataclasses.replace(settings, run=run)
@@ -102,10 +105,14 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
     embedded: EmbeddedRedis | None = None
     procs: list[Proc] = []
     started = time.time()
-    wan = contextlib.AsyncExitStack()  # kernel mode: the namespaces the workers run in
+    wan = contextlib.AsyncExitStack()  # kernel mode: the namespaces the workers run in; a vLLM up started
     try:
         url, embedded, where = open_redis(settings.redis_url, persist_dir=folder / "redis" if persist else None)
         say(f"==> {where}")
+        if vllm_python is not None:  # --decode vllm without --vllm-url: ours, stopped after the services
+            vllm_url = await wan.enter_async_context(managed_vllm(spec, vllm_python, logs / "vllm.log", say))
+            spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, vllm_url=vllm_url))
+            spec_file.write_text(yaml.safe_dump(msgspec.to_builtins(spec), sort_keys=False))
         scale = await pick_time_scale(settings, say)
         launches = await wan.enter_async_context(worker_launches(settings, url))
         launch_of: dict[str, WorkerLaunch] = {}
@@ -170,6 +177,9 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
         say(f"    API:  {api}   (OpenAI-compatible: POST {api}/v1/completions; docs/api.md)")
         body = '{"prompt": "Hello"}'
         say(f"    try:  curl -s {api}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+        if spec.decode.enabled:
+            who = f"vLLM at {spec.decode.vllm_url} (docs/vllm.md)" if spec.decode.engine == "vllm" else "the decoder"
+            say(f"    whole completions (max_tokens > 1): prefilled in the bubbles, decoded by {who}")
         say(f"    metrics: {len(endpoints)} endpoints, in {folder / 'prometheus-targets.json'} (Prometheus file_sd)")
         for label, metrics_url in endpoints:
             say(f"      {label:<18} {metrics_url}")
