@@ -217,22 +217,6 @@ def kv_cache_key(request_id: str) -> str:
     return f"{PREFIX}:prefill:kv:{request_id}"
 
 
-def kv_holder_stream(holder: str) -> str:
-    """Where the worker `holder` takes `KvFetch` / `KvDelete` for the KV caches it keeps in memory
-    (`prefill.kv_store: plane`). Bound: `KV_HOLDER_MAXLEN`, and it expires with its holder's
-    silence (`KV_HOLDER_TTL_S`, refreshed while the holder runs)."""
-    return f"{PREFIX}:kv:{holder}"
-
-
-def kv_rendezvous(holder: str, nonce: str) -> str:
-    """The key prefix under which one KV fetch's two-rank data-plane group forms."""
-    return f"{PREFIX}:kv:{holder}:plane:{nonce}:"
-
-
-KV_HOLDER_MAXLEN = 10_000
-KV_HOLDER_TTL_S = 3600
-
-
 def kv_budget_bucket_key(bucket: int) -> str:
     """Bytes of KV caches stored during one time bucket (`shared.kvstore.KV_BUDGET_BUCKETS` buckets
     span `prefill.kv_ttl_s`): the sum over the live buckets is what the caches can still hold, counted

@@ -290,8 +290,8 @@ class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
     top: tuple[tuple[int, float], ...] = ()
     prompt_tokens: int = 0
     kv_key: str = ""  # the KV cache's key for a decode service: a Redis key, or an id on `kv_holder`
-    #: Set when the KV cache stays on the data plane (`prefill.kv_store: plane`): the worker that
-    #: holds it in memory, reached by a `KvFetch` on `keys.kv_holder_stream(kv_holder)`.
+    #: Set when the KV cache stays on the data plane (`prefill.kv_store: plane`): the address,
+    #: "host:port", of the KV server of the worker that holds it in memory (`shared.dataplane.kv`).
     kv_holder: str = ""
     kv_bytes: int = 0
     kv_expires_at: float = 0.0  # wall clock
@@ -401,22 +401,6 @@ class PrefillSnapshot(Message, frozen=True, kw_only=True, tag="prefill_snapshot"
     kv: tuple[tuple[TensorBlob, TensorBlob], ...]
 
 
-class KvFetch(Message, frozen=True, kw_only=True, tag="kv_fetch"):
-    """Decode service -> the worker holding a KV cache (its `keys.kv_holder_stream`): send me the
-    KV cache of request `id` on a data-plane group formed under `rendezvous` (you rank 0). The
-    answer comes on that group: a header (found, bytes), then the safetensors bytes."""
-
-    id: str
-    rendezvous: str  # the group's key prefix in the run's Redis, fresh per fetch
-    fetcher: str  # who asks, for the logs
-
-
-class KvDelete(Message, frozen=True, kw_only=True, tag="kv_delete"):
-    """Decode service -> holder: the KV cache of `id` is used; free it."""
-
-    id: str
-
-
 #: Every kind the bus can carry. New kinds are added here, so this union is the wire's index.
 AnyMessage = (
     Ping
@@ -441,8 +425,6 @@ AnyMessage = (
     | PrefillSnapshot
     | DecodeRequest
     | DecodeChunk
-    | KvFetch
-    | KvDelete
 )
 
 _encoder: Final = msgspec.msgpack.Encoder()
