@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from shared.config import Decode
+from shared.dataplane.kv import KvClient
 from shared.logs import get_logger
 from shared.status import FailureReason, RequestStatus
 from shared.wire import DecodeChunk, PrefillRequest
@@ -41,6 +42,9 @@ class VllmDecoder:
         self.url = cfg.vllm_url.rstrip("/")
         self.model = cfg.vllm_model
         self._session: aiohttp.ClientSession | None = None
+        #: Frees a cache vLLM never took (it was unreachable or refused the request): once vLLM has
+        #: the request, its connector frees the cache when the request finishes.
+        self.kv = KvClient()
         self.forwarded = 0
 
     def session(self) -> aiohttp.ClientSession:
@@ -51,6 +55,11 @@ class VllmDecoder:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+        await self.kv.close()
+
+    async def _free(self, handle: dict[str, Any]) -> None:
+        if handle.get("store") == "plane":
+            await self.kv.free(str(handle["holder"]), str(handle["key"]), timeout_s=2.0)
 
     async def served_model(self) -> str:
         """`decode.vllm_model`, or else the first model vLLM lists (asked once)."""
@@ -96,11 +105,13 @@ class VllmDecoder:
             log.warning("decoding on vLLM failed", id=req.id, reason=reason.value, detail=why)
             return DecodeChunk(id=req.id, index=index, done=True, status=RequestStatus.FAILED, reason=reason, error=why)
 
+        taken = False  # vLLM has the request: its connector frees the cache, whatever happens next
         try:
             async with asyncio.timeout(max(0.0, timeout_s)):
                 model = await self.served_model()
                 body = self.body(model, req, first, handle, max_tokens, stop, ignore_eos)
                 async with self.session().post(f"{self.url}/v1/completions", json=body) as resp:
+                    taken = resp.status == 200
                     if resp.status != 200:
                         text = (await resp.text())[:500]
                         reason = FailureReason.MODEL_REFUSED if 400 <= resp.status < 500 else FailureReason.KV_MISSING
@@ -136,6 +147,9 @@ class VllmDecoder:
             yield failed(FailureReason.DEADLINE, f"the completion was not finished by its deadline ({index} tokens)")
         except aiohttp.ClientError as exc:
             yield failed(FailureReason.KV_MISSING, f"the vLLM server at {self.url} is unreachable: {exc}")
+        finally:
+            if not taken:
+                await self._free(handle)
 
 
 def _why(url: str, status: int, text: str) -> str:
