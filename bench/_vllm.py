@@ -153,6 +153,7 @@ def serving_spec(tmp: Path, model: Path, **prefill: Any) -> Path:
         },
     }
     spec["prefill"].pop("model", None)
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -169,7 +170,7 @@ def bubbletea_up(spec: Path, out: Path, *args: str) -> Iterator[str]:
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 480  # with --decode vllm, up waits for vLLM to load first
         while True:
             text = log.read_text(errors="replace")
             m = re.search(r"API:\s+(http://\S+)", text)

@@ -123,6 +123,14 @@ async def _stop_group(proc: asyncio.subprocess.Process) -> None:
     with contextlib.suppress(ProcessLookupError):  # the engine core and worker, if any outlived it
         os.killpg(proc.pid, signal.SIGKILL)
     await proc.wait()
+    # up returns once every process it started has exited: the group's last members included
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        await asyncio.sleep(0.1)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -183,6 +183,9 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
     for name, spec in services.items():
         if name == "redis":
             continue
+        if "vllm" in spec.get("profiles", []):  # vLLM with our connector, serving what the workers prefill
+            _check_compose_vllm(spec, services)
+            continue
         if "monitoring" in spec.get("profiles", []):  # Prometheus and Grafana: their files must exist
             for volume in spec["volumes"]:
                 assert (ROOT / volume.split(":")[0]).exists(), (name, volume)
@@ -213,9 +216,10 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
             assert "/ready'" in test[-1]
         if test[1] == "bubbletea":
             assert test[2] in subcommands and test[3] == name  # a real subcommand, about itself
-        for volume in spec.get("volumes", []):
-            src, dst = volume.split(":")[:2]
-            assert (ROOT / src).exists() and dst == env["BUBBLETEA_CONFIG"]
+        mounts = dict(reversed(_defaulted(v).split(":")[:2]) for v in spec.get("volumes", []))
+        if mounts:  # the spec, and a model directory a spec may prefill (the vllm profile's)
+            assert set(mounts) == {env["BUBBLETEA_CONFIG"], "/models/served"}, mounts
+            assert all((ROOT / src).exists() for src in mounts.values()), mounts
         for port in spec.get("ports", []):
             container = port.rsplit(":", 1)[1]  # "${BUBBLETEA_PORT:-8000}:8000" publishes 8000
             assert container == env["BUBBLETEA_HTTP_PORT"]  # the published port is the one it listens on
@@ -233,3 +237,37 @@ def test_demo_refuses_a_device_profile_past_the_users_cap(tmp_path: Path) -> Non
     assert "cannot keep the device profile within --max-time-scale 20: a prefill block" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     assert "prefill_queue is healthy" not in r.stdout  # refused before any run
+
+
+def _defaulted(text: str) -> str:
+    """A compose string with each ${VAR:-default} replaced by its default (what runs unset)."""
+    import re
+
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+
+
+def _check_compose_vllm(vllm: dict, services: dict) -> None:
+    """The vllm profile: vLLM loads the connector by the names the connector has, serves the
+    directory the workers prefill (the same mount), on the port configs/compose-vllm.yaml sends to."""
+    import json
+
+    import bubbletea_vllm
+
+    from shared.config import load_spec
+
+    cmd = vllm["command"]
+    assert cmd[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv == {
+        "kv_connector": bubbletea_vllm.CONNECTOR,
+        "kv_connector_module_path": bubbletea_vllm.MODULE,
+        "kv_role": "kv_consumer",
+    }
+    model = cmd[cmd.index("--model") + 1]
+    assert model in [_defaulted(v).split(":")[1] for v in vllm["volumes"]]
+    assert vllm["volumes"][0] in services["stage_worker"]["volumes"]  # the same directory, mounted alike
+    spec = load_spec(ROOT / "configs" / "compose-vllm.yaml")
+    assert spec.prefill.checkpoint == model
+    assert (spec.decode.enabled, spec.decode.engine) == (True, "vllm")
+    assert spec.decode.vllm_url == f"http://vllm:{cmd[cmd.index('--port') + 1]}"
+    assert (ROOT / vllm["build"]["dockerfile"]).exists() and "healthcheck" in vllm

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -168,3 +169,30 @@ async def test_a_freed_expired_or_orphaned_handle_fails_the_request_in_vllm_sayi
     assert any(freed["key"] in line or "freed" in line for line in said), said
     assert any("127.0.0.1:9" in line and "gone" in line for line in said), said
     assert len(said) >= 3, said
+
+
+def test_up_starts_vllm_itself_serves_through_it_and_leaves_nothing_behind(workdir: Path, model: Path) -> None:
+    """`bubbletea up --decode vllm` without --vllm-url: vLLM from .venv-vllm (the documented path)."""
+    import os
+    import urllib.request
+
+    python = vllm_python()
+    assert python is not None
+    spec = serving_spec(workdir / "managed", model)
+    with bubbletea_up(spec, workdir / "managed", "--decode", "vllm", "--vllm-python", str(python)) as api:
+        log = (workdir / "managed" / "up.log").read_text()
+        assert "vllm healthy at" in log and "decoded by vLLM at" in log, log
+        req = urllib.request.Request(
+            f"{api}/v1/completions",
+            data=json.dumps({"prompt": prompts()[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                             "return_token_ids": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            body = json.loads(resp.read())
+        assert len(body["choices"][0]["token_ids"]) == 8, body
+        vllm_pid = int(re.search(r"started vllm \(pid (\d+)\)", log).group(1))  # type: ignore[union-attr]
+    # up stopped: vLLM's server, engine core and worker (its process group) are gone
+    assert "stopped cleanly" in (workdir / "managed" / "up.log").read_text()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(vllm_pid, 0)
