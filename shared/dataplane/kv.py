@@ -50,9 +50,12 @@ import socket
 import struct
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from shared.kvstore import Stored
 from shared.logs import get_logger
+
+if TYPE_CHECKING:
+    from shared.kvstore import Stored
 
 log = get_logger(__name__)
 
@@ -97,6 +100,8 @@ class KvShelf:
     def put(self, request_id: str, data: bytes, now: float) -> Stored:
         """Hold `data` for `ttl_s` unless it would take the caches held past `budget_bytes`
         (then `key` is "", as `shared.kvstore.store_kv_within_budget` says it)."""
+        from shared.kvstore import Stored  # torch (safetensors): only a holder puts; a client stays torch-free
+
         self.expire(now)
         self.delete(request_id)  # a request answered twice (redelivered) holds one cache
         if self.used + len(data) > self.budget_bytes:

@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Modules that must import without torch: the HTTP front door, the dispatcher, the load
-#: generator, the analytic planner, and the torch-free parts of `shared.model`.
+#: generator, the analytic planner, the torch-free parts of `shared.model`, and the KV plane's
+#: server and client (the front door frees caches with it).
 #: (`loadgen.__main__` is left out: importing it runs the benchmark.)
 TORCH_FREE = [
     "services.prefill_queue.app",
@@ -27,6 +28,7 @@ TORCH_FREE = [
     "shared.model",
     "shared.model.shape",
     "shared.model.tokenizer",
+    "shared.dataplane.kv",
 ]
 
 # Run in the child: import each module named in argv; at the first `import torch` record the
