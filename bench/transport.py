@@ -3,9 +3,10 @@
 1. bench/transport_throughput.py: one tensor (1, 16, 64 MiB) from one process to another over a Redis
    stream, the data plane (gloo) and a raw socket: ``*_GBps_*``, ``ratio_vs_redis_64mb``,
    ``ratio_vs_socket_64mb``, ``targets_met``;
-2. bench/transport_kv.py: a 0.5 MiB KV cache fetched from its holder over the data plane against a
-   Redis GET: ``kv_fetch_ms_p50``, ``kv_fetch_ms_p99``, ``kv_redis_get_ms_p50``; its timed fetches
-   are max(``--repeat``, 20);
+2. bench/transport_kv.py: a 0.5 MiB KV cache fetched from its holder over the data plane (one kept
+   TCP connection, "bubbletea-kv-wire/1") against a Redis GET: ``kv_fetch_ms_p50``,
+   ``kv_fetch_ms_p99``, ``kv_redis_get_ms_p50``, ``kv_connections``; its timed fetches are
+   max(``--repeat``, 20);
 3. bench/transport_redis.py (``--training``, on by default): the demo spec trained twice (8 KiB and
    2 MiB activations) while Redis is watched: ``max_entry_bytes``, ``redis_peak_mb_*``,
    ``no_tensor_in_redis``.
