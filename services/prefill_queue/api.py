@@ -216,9 +216,10 @@ def result_body(r: PrefillResult) -> dict[str, Any]:
 def kv_params(r: PrefillResult) -> dict[str, Any]:
     """Where a decode service fetches the prompt's KV cache, in vLLM's disaggregated-prefill shape
     (`do_remote_prefill`: the decode side takes over from a prefill done here) plus this system's
-    handle (`store`, `key`, `format`, `bytes`, `expires_at`; docs/api.md, "The KV cache"): store
-    "plane" = in the memory of the worker `holder`, fetched over the data plane
-    (`shared.dataplane.kv.fetch`); "redis" = a Redis string of safetensors bytes at `key`
+    handle (`store`, `key`, `format`, `bytes`, `expires_at`, `prompt_tokens`; docs/api.md, "The KV
+    cache"): store "plane" = in the memory of the worker at `holder` ("host:port"), fetched over the
+    data plane (`shared.dataplane.kv.KvClient`, or vLLM's BubbleTea connector: docs/vllm.md);
+    "redis" = a Redis string of safetensors bytes at `key`
     (`shared.kvstore.fetch_kv`). With `prefill.kv_ttl_s: 0`, or past the KV byte budget
     (`prefill.kv_budget_mb`), nothing is kept: the store is "none" and `why` says which."""
     vllm = {"do_remote_prefill": bool(r.kv_key), "do_remote_decode": False, "remote_engine_id": "bubbletea"}

@@ -176,7 +176,8 @@ class KvServer:
         self.refused = 0  # BAD_REQUESTs answered
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self._handlers: set[asyncio.Task[None]] = set()
+        #: The connections being served, with their writers (closed to end them at shutdown).
+        self._handlers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     @property
     def held(self) -> int:
@@ -200,7 +201,7 @@ class KvServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._handlers.add(task)
+        self._handlers[task] = writer
         self.accepted += 1
         _keepalive(writer)
         peer = writer.get_extra_info("peername")
@@ -221,7 +222,7 @@ class KvServer:
         except (ConnectionError, TimeoutError) as exc:  # it went away, or stopped reading its answer
             log.debug("KV client dropped", peer=peer, error=repr(exc))
         finally:
-            self._handlers.discard(task)
+            self._handlers.pop(task, None)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -277,10 +278,15 @@ class KvServer:
             await asyncio.gather(self._sweeper, return_exceptions=True)
         if self._server is not None:
             self._server.close()
-        handlers = list(self._handlers)
-        for t in handlers:
+        # Closing a connection ends its handler at its next read, normally: a cancelled handler
+        # would have asyncio log its CancelledError as an error in the stream's callback.
+        handlers = dict(self._handlers)
+        for writer in handlers.values():
+            writer.close()
+        _, late = await asyncio.wait(handlers, timeout=2.0) if handlers else (set(), set())
+        for t in late:  # one stuck in a write: cut it off
             t.cancel()
-        await asyncio.gather(*handlers, return_exceptions=True)
+        await asyncio.gather(*late, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
 

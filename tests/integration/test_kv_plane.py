@@ -125,7 +125,15 @@ async def test_a_holder_that_is_gone_fails_the_fetch_at_once_saying_so(holder: K
     data, _ = a_kv_file("r3")
     holder.shelf.put("r3", data, time.time())
     assert (await client.fetch(holder.holder, "r3"))[0] == data
-    await holder.close()  # the worker stops: its kept connection closes, its port refuses
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        await holder.close()  # the worker stops: its kept connection closes, its port refuses
+        await asyncio.sleep(0.05)
+    finally:
+        loop.set_exception_handler(None)
+    assert not errors, errors  # a clean stop: no handler's cancellation logged as an error
     t0 = time.monotonic()
     got, why = await client.fetch(holder.holder, "r3", timeout_s=5.0)
     assert got is None and why == f"the worker holding the KV cache of r3 ({holder.holder}) is gone: connection refused"
