@@ -145,7 +145,7 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
             )  # fmt: skip
             return Delivery(f"{it}-0", keys.bubbles_stream(RUN), msg, 1)
 
-        now = time.time()
+        now = time.time() - 1.0  # the events were sent a moment ago: each is seen after it was sent
         await d.on_start(start(now, 0))  # nothing queued
         await d.on_end(
             Delivery("e-0", keys.bubbles_stream(RUN), BubbleEnd(
