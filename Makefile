@@ -73,10 +73,10 @@ demo: install
 
 # bench/_*.py are helpers, not benchmarks; bench/transport.py only runs the three bench/transport_*.py again
 bench: install
-	@for b in bench/[!_]*.py; do [ $$b = bench/transport.py ] && continue; echo "== $$b"; $(PY) $$b --quick || exit 1; done
+	@for b in bench/[!_]*.py; do [ $$b = bench/transport.py ] && continue; \
+	  if [ $$b = bench/pd_vllm.py ] && [ ! -x $(VLLM_VENV)/bin/python ]; then echo "== $$b: skipped (no vLLM environment: make vllm)"; continue; fi; \
+	  echo "== $$b"; $(PY) $$b --quick || exit 1; done
 
-# PP=2 x DP=2 on real compute, no device profile, time scale 1, BubbleTea on: run it wherever a GPU
-# is (the workers share the GPUs there are); on the CPU it is a smoke test (tests/e2e/test_gpu_check.py).
 # vLLM in an environment of its own (it pins another transformers than ours), as a separate server
 # runs anyway: vLLM's CPU wheel without its deps, then its requirements less the torch family
 # (bubbletea-vllm/requirements.py says why), then the connector. On a CUDA machine: VLLM=vllm==0.33.0.
@@ -95,6 +95,8 @@ vllm: $(VLLM_STAMP)
 test-vllm: install
 	BUBBLETEA_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest -q -rsEf tests/vllm
 
+# PP=2 x DP=2 on real compute, no device profile, time scale 1, BubbleTea on: run it wherever a GPU
+# is (the workers share the GPUs there are); on the CPU it is a smoke test (tests/e2e/test_gpu_check.py).
 gpu-check: install
 	$(PY) bench/gpu_check.py
 
