@@ -8,7 +8,9 @@ decoder (this process, a `KvClient`) from its holder, a separate process running
 fetcher from the request to the bytes in hand; 2 warm-up fetches (the first opens the connection),
 then N timed ones: ``kv_fetch_ms_p50``, ``kv_fetch_ms_p99`` (nearest rank),
 ``kv_redis_get_ms_p50``; ``kv_connections``: the connections the fetcher opened (1: every fetch
-after the first reused it).
+after the first reused it). Then the same fetches by the vLLM connector's own client
+(`bubbletea_vllm.kvclient`: blocking, standard library, what a vLLM worker runs):
+``kv_fetch_connector_ms_p50`` and ``_p99``.
 
 ``valid``: every fetch, warm-ups included, returned the very bytes the holder holds for that
 request (each cache has contents of its own), every GET the bytes set, and the fetcher opened one
@@ -34,6 +36,7 @@ from typing import Any
 import _common
 import uvloop
 from _common import WARMUP, stderr
+from bubbletea_vllm.kvclient import KvClient as ConnectorClient
 
 from shared.bus import Bus
 from shared.dataplane.kv import KvClient, KvServer, KvShelf
@@ -79,6 +82,7 @@ async def run(repeat: int) -> dict[str, Any]:
                 holder = await asyncio.to_thread(ready.get, True, 60)
             except queue.Empty:
                 raise TimeoutError("the KV holder was not serving within 60 s") from None
+            connector = await asyncio.to_thread(_connector_fetches, holder, ids, problems)
             expected_get = cache_bytes("redis", KV_CACHE_BYTES)
             await bus.redis.set("bench:kv", expected_get)
             for i, rid in enumerate(ids):
@@ -101,15 +105,38 @@ async def run(repeat: int) -> dict[str, Any]:
         problems.append(f"the fetcher opened {client.connects} connections to the holder, not 1")
     p50, p99 = statistics.median(plane) * 1000, _common.p99(plane) * 1000
     get50 = statistics.median(redis_get) * 1000
+    c50, c99 = statistics.median(connector) * 1000, _common.p99(connector) * 1000
     stderr(f"  plane fetch p50 {p50:.2f} ms, p99 {p99:.2f} ms; Redis GET p50 {get50:.2f} ms")
+    stderr(f"  the vLLM connector's client: p50 {c50:.2f} ms, p99 {c99:.2f} ms")
     return {
         "kv_bytes": KV_CACHE_BYTES,
         "kv_fetch_ms_p50": round(p50, 2),
         "kv_fetch_ms_p99": round(p99, 2),
         "kv_redis_get_ms_p50": round(get50, 2),
         "kv_connections": client.connects,
+        "kv_fetch_connector_ms_p50": round(c50, 2),
+        "kv_fetch_connector_ms_p99": round(c99, 2),
         **_common.verdict(problems, f"all {len(ids)} fetches and GETs returned their exact bytes, on one connection"),
     }
+
+
+def _connector_fetches(holder: str, ids: list[str], problems: list[str]) -> list[float]:
+    """The fetches of `ids` by the vLLM connector's blocking client (in a thread): timed after warm-up."""
+    client = ConnectorClient()
+    times = []
+    try:
+        for i, rid in enumerate(ids):
+            t0 = time.perf_counter()
+            data = client.fetch(holder, rid)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t0)
+            if data != cache_bytes(rid, KV_CACHE_BYTES):
+                problems.append(f"connector fetch {rid}: {len(data)} B, not its cache")
+    finally:
+        client.close()
+    if client.connects != 1:
+        problems.append(f"the connector's client opened {client.connects} connections, not 1")
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
