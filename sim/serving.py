@@ -14,8 +14,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from shared.config import BubbleTea
 from shared.policies.decisions import Batch, Decisions
-from shared.policies.dispatch import TICK_S, BubbleOpened, DispatchState, Progress, Request, WorkerReady
+from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.fill import FillPolicy
 from shared.policies.prefill_cost import PrefillProfile
 from sim.events import EventQueue
@@ -26,13 +27,7 @@ from sim.executor import Executor, SimRequest
 class ServingConfig:
     workers: tuple[str, ...]  # slot names, "r<replica>s<stage>", indexed like the training slots
     layers: int  # of the served model
-    guard_s: float
-    overhead_s: float
-    max_batch: int
-    order: str
-    stage_s: float
-    hold_s: float
-    ahead_s: float
+    bubbletea: BubbleTea  # the spec's section: both policies are built from it, as the services build them
     profile: PrefillProfile
     free_memory: int  # bytes a worker reports with each bubble
     kv_bytes: Callable[[int], int]  # a prompt's KV cache size
@@ -57,18 +52,8 @@ class Serving:
 
     def __init__(self, cfg: ServingConfig, queue: EventQueue, arrivals: Iterator[tuple[float, int]]) -> None:
         self.cfg, self.q, self._arrivals = cfg, queue, arrivals
-        self.state = DispatchState(
-            layers=cfg.layers,
-            guard_s=cfg.guard_s,
-            overhead_s=cfg.overhead_s,
-            max_batch=cfg.max_batch,
-            order=cfg.order,
-            stage_next=cfg.stage_s > 0,
-            stage_s=cfg.stage_s,
-            hold_s=cfg.hold_s,
-            ahead_s=cfg.ahead_s,
-        )
-        policy = FillPolicy(guard_s=cfg.guard_s, hold_s=cfg.hold_s)
+        self.state = DispatchState.from_spec(cfg.bubbletea, cfg.layers)
+        policy = FillPolicy.from_spec(cfg.bubbletea)
         self.executors = [Executor(w, cfg.layers, policy, cfg.profile, queue, self) for w in range(len(cfg.workers))]
         self._index = {name: w for w, name in enumerate(cfg.workers)}
         self.stats = ServingStats()
@@ -79,7 +64,7 @@ class Serving:
 
     def start(self) -> None:
         self._next_arrival()
-        self.q.at(TICK_S, self._tick)
+        self.q.at(self.state.tick_s, self._tick)
 
     # --- the guest of training -------------------------------------------------------------
 
@@ -149,7 +134,7 @@ class Serving:
 
     def _tick(self, now: float, _: object = None) -> None:
         self._execute(self.state.tick(now), now)
-        self.q.at(now + TICK_S, self._tick)
+        self.q.at(now + self.state.tick_s, self._tick)
 
     def _execute(self, ds: Decisions, now: float) -> None:
         for batch in ds.batches:

@@ -85,8 +85,8 @@ class Dispatcher:
         bt = spec.bubbletea
         self.bus, self.spec, self.run = bus, spec, run
         self.model_info = model_info(spec.prefill)  # the served model's layers and KV size (config.json if HF)
-        self.state = DispatchState.for_spec(
-            spec, self.model_info.layers, time_scale=time_scale, batch_prefix=secrets.token_hex(3)
+        self.state = DispatchState.from_spec(
+            spec.bubbletea, self.model_info.layers, time_scale=time_scale, batch_prefix=secrets.token_hex(3)
         )
         self.acks: Acks | None = None  # the request stream's consumer, once it exists
         self.telemetry: list[ControlSeen] = []  # for the run's spans stream, published by the timer

@@ -226,7 +226,7 @@ async def _train(
             spec.prefill.model_name,
             spec.prefill.kv_ttl_s,
             runner.prefill_span,
-            FillPolicy(guard_s=spec.bubbletea.guard_ms / 1000, hold_s=spec.bubbletea.hold_ms / 1000),
+            FillPolicy.from_spec(spec.bubbletea),
             PrefillProfile.from_device(spec.device.prefill_ms_per_layer, spec.device.prefill_us_per_token),
             metrics,
             kv_budget_mb=spec.prefill.kv_budget_mb,

@@ -66,7 +66,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.config import ClusterSpec
+from shared.config import BubbleTea
 from shared.policies.admission import Admission
 from shared.policies.decisions import (
     Batch,
@@ -250,12 +250,11 @@ class DispatchState:
         self._admission = Admission(RATE_WINDOW_S * k)
 
     @classmethod
-    def for_spec(
-        cls, spec: ClusterSpec, layers: int, *, time_scale: float = 1.0, batch_prefix: str = "b"
+    def from_spec(
+        cls, bt: BubbleTea, layers: int, *, time_scale: float = 1.0, batch_prefix: str = "b"
     ) -> DispatchState:
-        """The state a dispatcher (or the simulator) runs for `spec` (already scaled by
-        `time_scale`) serving a model of `layers` blocks."""
-        bt = spec.bubbletea
+        """The state a dispatcher (or the simulator) runs for the spec's `bubbletea` section
+        (already scaled by `time_scale`) serving a model of `layers` blocks."""
         return cls(
             layers=layers,
             guard_s=bt.guard_ms / 1000,

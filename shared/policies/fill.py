@@ -20,6 +20,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from shared.config import BubbleTea
+
 #: A worker holds a staged batch this long at most; if no bubble starts by then it hands it back
 #: unrun (the run may be over), and the requests queue again. The spec's default
 #: (`bubbletea.hold_ms`), which the device time scale stretches like the gaps between bubbles.
@@ -47,6 +49,11 @@ class Held:
 class FillPolicy:
     guard_s: float  # a bubble predicted shorter than this is not filled
     hold_s: float = HOLD_STAGED_S
+
+    @classmethod
+    def from_spec(cls, bt: BubbleTea) -> FillPolicy:
+        """The policy a worker (or the simulator's executor) runs for the spec's `bubbletea` section."""
+        return cls(guard_s=bt.guard_ms / 1000, hold_s=bt.hold_ms / 1000)
 
     def on_arrival(self, *, staged: bool, in_bubble: bool, redelivered: bool = False) -> Arrival:
         """`redelivered`: delivered before and never acked, so sent for a bubble of this slot's

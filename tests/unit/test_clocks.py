@@ -83,12 +83,12 @@ def test_docs_config_lists_every_clock() -> None:
 
 
 def test_the_policy_windows_stretch_with_the_scale() -> None:
-    s = DispatchState.for_spec(scale_spec(spec(), 5.0), 4, time_scale=5.0)
+    s = DispatchState.from_spec(scale_spec(spec(), 5.0).bubbletea, 4, time_scale=5.0)
     assert (s.stage_window_s, s.batch_grace_s, s.stale_bubble_s, s.tick_s) == pytest.approx(
         (5 * STAGE_WINDOW_S, 5 * BATCH_GRACE_S, 5 * STALE_BUBBLE_S, 5 * TICK_S)
     )
     assert s.guard_s == pytest.approx(5 * spec().bubbletea.guard_ms / 1000)
-    assert s.cost.predict(128) == pytest.approx(5 * DispatchState.for_spec(spec(), 4).cost.predict(128))
+    assert s.cost.predict(128) == pytest.approx(5 * DispatchState.from_spec(spec().bubbletea, 4).cost.predict(128))
 
 
 def _view(ds: Decisions) -> tuple[object, ...]:
@@ -119,8 +119,8 @@ def test_the_dispatch_policy_decides_the_same_at_any_time_scale(seed: int) -> No
     floating point, so no rounding can move a tie.)"""
     k = 4.0
     base = spec()
-    one = DispatchState.for_spec(base, 4, time_scale=1.0)
-    scaled = DispatchState.for_spec(scale_spec(base, k), 4, time_scale=k)
+    one = DispatchState.from_spec(base.bubbletea, 4, time_scale=1.0)
+    scaled = DispatchState.from_spec(scale_spec(base, k).bubbletea, 4, time_scale=k)
     timeout = base.prefill.request_timeout_s
     rnd = random.Random(seed)
     workers = [f"r{d}s{s}" for d in range(2) for s in range(2)]
