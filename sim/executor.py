@@ -137,7 +137,7 @@ class Executor:
             assert isinstance(item.payload, SimRequest)
             block = self.profile.block_s(item.payload.tokens)
             need = item.to_layer - item.from_layer
-            n = self._fit(t, block, need)
+            n = self.policy.blocks_that_start(start=t, block_s=block, need=need, ends_at=self.ends_at)
             parts.append(_Part(item, t, block, n))
             t += n * block
             if n < need:
@@ -146,18 +146,6 @@ class Executor:
         self._batch, self._parts, self._started = batch, parts, now
         self._version += 1
         self.q.at(t, self._planned_end, self._version)
-
-    def _fit(self, t: float, block: float, need: int) -> int:
-        """How many of `need` blocks starting at `t` the policy lets start (asked at the boundary)."""
-        if block <= 0:
-            return need
-        n = min(need, max(0, math.floor((self.ends_at - t) / block)))
-        may = self.policy.may_start_block
-        while n > 0 and not may(input_arrived=False, now=t + (n - 1) * block, ends_at=self.ends_at, block_s=block):
-            n -= 1
-        while n < need and may(input_arrived=False, now=t + n * block, ends_at=self.ends_at, block_s=block):
-            n += 1
-        return n
 
     def _planned_end(self, now: float, version: int) -> None:
         if version != self._version or self._batch is None:

@@ -18,6 +18,7 @@ simulator runs the same rules on a virtual clock.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from shared.config import BubbleTea
@@ -87,6 +88,20 @@ class FillPolicy:
         if ends_at is None or block_s is None:
             return True
         return now + block_s <= ends_at
+
+    def blocks_that_start(self, *, start: float, block_s: float, need: int, ends_at: float) -> int:
+        """How many of `need` back-to-back blocks of `block_s`, the first at `start`, `may_start_block`
+        lets start while no input arrives: what a worker stepping block by block would run, in one
+        step (the simulator's executor asks this at each block boundary it plans to)."""
+        if block_s <= 0:
+            return need
+        n = min(need, max(0, math.floor((ends_at - start) / block_s)))
+        may = self.may_start_block
+        while n > 0 and not may(input_arrived=False, now=start + (n - 1) * block_s, ends_at=ends_at, block_s=block_s):
+            n -= 1  # float rounding: the last block floor() allowed may not pass the rule itself
+        while n < need and may(input_arrived=False, now=start + n * block_s, ends_at=ends_at, block_s=block_s):
+            n += 1
+        return n
 
     def at_bubble_end(self, queued: list[Held]) -> list[str]:
         """Ids of the batches to hand back unrun when a bubble ends: those sent for it."""

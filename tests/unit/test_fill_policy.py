@@ -45,3 +45,21 @@ def test_a_staged_batch_goes_back_when_no_bubble_takes_it_in_time() -> None:
     assert P.expired_holds(queued, in_bubble=False, now=1.0) == ["old"]
     assert P.expired_holds(queued, in_bubble=True, now=5.0) == []  # the open bubble decides
     assert P.expired_holds(queued, in_bubble=False, now=1.5) == ["old", "new"]
+
+
+def test_the_blocks_that_start_in_one_step_are_those_a_block_by_block_walk_starts() -> None:
+    """The simulator asks how many blocks start at once; a worker asks before each block."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(2000):
+        start, block, need = rng.uniform(0, 1), rng.choice([0.0, rng.uniform(1e-4, 0.05)]), rng.randint(0, 40)
+        ends_at = start + rng.uniform(-0.01, 0.5)
+        walked = 0
+        while walked < need and P.may_start_block(
+            input_arrived=False, now=start + walked * block, ends_at=ends_at, block_s=block
+        ):
+            walked += 1
+        if block == 0:
+            walked = need  # a free block never runs the bubble out
+        assert P.blocks_that_start(start=start, block_s=block, need=need, ends_at=ends_at) == walked
