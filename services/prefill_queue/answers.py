@@ -17,14 +17,22 @@ from services.prefill_queue.validation import BadRequest
 from shared.model.tokenizer import BYTES, Tokenizer, token_text
 from shared.wire import PrefillRequest, PrefillResult
 
+#: A request's deadline is the dispatcher's to enforce (it fails an expired request explicitly,
+#: `FailureReason.DEADLINE`, a 504 here). The front door waits this much past the deadline for that
+#: answer before giving up on its own: a safety net for a dispatcher that is down, not a second rule.
+DEADLINE_GRACE_S = 2.0
+
 
 async def as_answered(
-    waiters: dict[str, asyncio.Future[PrefillResult]], timeout_s: float, stopping: Stopping | None = None
+    waiters: dict[str, asyncio.Future[PrefillResult]], deadline: float, stopping: Stopping | None = None
 ) -> AsyncIterator[tuple[str, PrefillResult]]:
-    """(request id, answer) in the order the answers land; 504 if some do not within `timeout_s`;
+    """(request id, answer) in the order the answers land. `deadline`: the requests' (wall clock);
+    past it and `DEADLINE_GRACE_S` with no answer (no dispatcher answered, not even to fail them), 504;
     503 if the front door stops and they do not come within its grace period (they stay queued)."""
     stopping = stopping or Stopping()
-    deadline = time.monotonic() + timeout_s
+    # on the monotonic clock from here on: the wall clock may step while we wait
+    timeout_s = max(0.0, deadline - time.time())
+    deadline = time.monotonic() + timeout_s + DEADLINE_GRACE_S
     pending: dict[asyncio.Future[Any], str] = {fut: rid for rid, fut in waiters.items()}
     stop_wait = asyncio.ensure_future(stopping.event.wait())
     try:
@@ -38,7 +46,8 @@ async def as_answered(
                 if stopping.event.is_set():
                     raise stopping_error(first)
                 raise BadRequest(
-                    f"no result within {timeout_s:.0f}s; the request is still queued: GET /v1/prefill/{first}",
+                    f"no result within {timeout_s + DEADLINE_GRACE_S:.0f}s, its deadline passed and no dispatcher "
+                    f"failed it (is one running?); the request is still queued: GET /v1/prefill/{first}",
                     status=504,
                     type_="timeout_error",
                 )

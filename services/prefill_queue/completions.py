@@ -50,7 +50,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     waiters = {rid: app[WAITERS].expect(rid) for rid in ids}
     try:
         reqs = [await enqueue(request, parsed, rid) for parsed, rid in zip(c.prompts, ids, strict=True)]
-        answers = as_answered(waiters, c.prompts[0].timeout_s, app[STOPPING])
+        deadline = reqs[0].deadline if reqs[0].deadline is not None else time.time() + c.prompts[0].timeout_s
+        answers = as_answered(waiters, deadline, app[STOPPING])
         if c.max_tokens > 1:
             return await whole(request, received, c, completion_id, reqs, answers, lim.tokenizer)
         if c.stream:

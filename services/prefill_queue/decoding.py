@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from services.prefill_queue.answers import head, observe, raise_if_failed
+from services.prefill_queue.answers import DEADLINE_GRACE_S, head, observe, raise_if_failed
 from services.prefill_queue.api import FAILURE_STATUS, kv_params, served_model
 from services.prefill_queue.state import BUS, SETTINGS, STOPPING, VLLM, WAITERS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Completion
@@ -69,7 +69,10 @@ async def continue_completion(
     )
     await app[BUS].publish(keys.DECODE_REQUESTS_STREAM, decode)
     expected = 1  # index of the next token: the prefill's token is 0
-    deadline = req.deadline if req.deadline is not None else time.time() + app[SETTINGS].spec.prefill.request_timeout_s
+    # the decoder fails a completion past its deadline; waiting DEADLINE_GRACE_S more is the safety net
+    deadline = DEADLINE_GRACE_S + (
+        req.deadline if req.deadline is not None else time.time() + app[SETTINGS].spec.prefill.request_timeout_s
+    )
     stopping = app[STOPPING]
     while True:
         grace_left = stopping.deadline(float("inf")) - time.monotonic()
