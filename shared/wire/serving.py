@@ -1,0 +1,148 @@
+"""The serving plane's messages: prefill requests and results, batches and reports, snapshots, decoding."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.status import FailureReason, ItemOutcome, RequestStatus
+from shared.wire.base import Message, TensorBlob
+
+
+class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill_request"):
+    """A validated prompt accepted by prefill_queue, on its way to the dispatcher."""
+
+    id: str
+    model: str
+    tokens: tuple[int, ...]
+    temperature: float = 0.0
+    seed: int | None = None
+    logprobs: int = 0  # how many top alternatives to return (0 = only the chosen token's)
+    user: str = ""
+    submitted: float  # wall clock (time.time())
+    deadline: float | None = None  # wall clock; past it the request fails explicitly
+    reply_to: str  # the accepting prefill_queue instance's results stream
+
+
+class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
+    """The final answer to a PrefillRequest: the first token (DONE) or why it failed (FAILED,
+    with a `reason` and a sentence for people in `error`)."""
+
+    id: str
+    status: RequestStatus
+    reason: FailureReason | None = None
+    error: str = ""
+    token: int = -1
+    text: str = ""
+    logprob: float = 0.0
+    top: tuple[tuple[int, float], ...] = ()
+    prompt_tokens: int = 0
+    kv_key: str = ""  # the KV cache's key for a decode service: a Redis key, or an id on `kv_holder`
+    #: Set when the KV cache stays on the data plane (`prefill.kv_store: plane`): the address,
+    #: "host:port", of the KV server of the worker that holds it in memory (`shared.dataplane.kv`).
+    kv_holder: str = ""
+    kv_bytes: int = 0
+    kv_expires_at: float = 0.0  # wall clock
+    kv_note: str = ""  # why no KV cache was stored (kv_key empty), e.g. the KV byte budget was full
+    worker: str = ""
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    finished: float = 0.0  # wall clock
+
+    @property
+    def ok(self) -> bool:
+        return self.status is RequestStatus.DONE
+
+
+class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode_request"):
+    """A finished prefill to continue: the decoder loads the KV cache of request `id` (whose
+    metadata carries the prompt and its first token) and generates up to `max_tokens` tokens in
+    all, the first token included, stopping early at a `stop` sequence."""
+
+    id: str
+    model: str
+    max_tokens: int  # in all, the prefill's first token included (OpenAI's max_tokens)
+    temperature: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    eos: tuple[int, ...] = ()  # tokens that end the completion (the model's EOS; none with ignore_eos)
+    submitted: float  # wall clock
+    deadline: float | None = None  # wall clock; past it decoding stops with a failure
+    reply_to: str  # the accepting front door's results stream
+    #: Where the KV cache is: empty = the Redis key of `id` (`prefill.kv_store: redis`); else the
+    #: data-plane holder of the prefill's answer (`PrefillResult.kv_holder`).
+    kv_holder: str = ""
+
+
+class DecodeChunk(Message, frozen=True, kw_only=True, tag="decode_chunk"):
+    """Tokens the decoder generated for request `id` since its last chunk (`index`: the position
+    in the completion of the first of them, the prefill's token being 0). The last chunk has
+    `done`, with `finish_reason` ("length" or "stop", and the `stop_reason` sequence) or, for a
+    failure, `status` FAILED with a `reason` and a sentence in `error`."""
+
+    id: str
+    index: int
+    tokens: tuple[int, ...] = ()  # the front door makes the text, from all the completion's tokens
+    done: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    status: RequestStatus = RequestStatus.DONE
+    reason: FailureReason | None = None
+    error: str = ""
+
+
+class PrefillItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One request's share of a batch: run blocks [from_layer, to_layer) of its prompt."""
+
+    id: str
+    tokens: tuple[int, ...]
+    from_layer: int
+    to_layer: int
+    temperature: float = 0.0
+    seed: int | None = None
+    logprobs: int = 0
+    submitted: float = 0.0
+    reply_to: str = ""
+    #: Where the state to resume from is stored (`keys.prefill_snapshot_key`) when from_layer > 0.
+    snapshot_key: str = ""
+
+
+class PrefillBatch(Message, frozen=True, kw_only=True, tag="prefill_batch"):
+    """dispatcher -> one worker's fill stream: prefill work for the bubble it just announced."""
+
+    run: str
+    worker: str
+    batch_id: str
+    items: tuple[PrefillItem, ...]
+    #: Staged for the worker's next bubble: held there until it starts, not returned at once.
+    hold: bool = False
+
+
+class PrefillProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """How far one item of a batch got: `reached_layer` blocks done, `seconds` spent on it now.
+    `outcome` DONE or FAILED: the worker answered the request; PARTIAL: resume at `reached_layer`."""
+
+    id: str
+    outcome: ItemOutcome
+    reached_layer: int
+    seconds: float
+
+
+class PrefillReport(Message, frozen=True, kw_only=True, tag="prefill_report"):
+    """worker -> dispatcher: a batch ran (fully, partly, or not at all) and where each item is."""
+
+    run: str
+    worker: str
+    batch_id: str
+    progress: tuple[PrefillProgress, ...]
+    preempted: bool  # training input arrived (or the bubble ended) before the batch was finished
+    at: float = 0.0  # when the worker sent it (wall clock); 0 = unknown (an older worker)
+
+
+class PrefillSnapshot(Message, frozen=True, kw_only=True, tag="prefill_snapshot"):
+    """A preempted prefill's state: the input of block `next_layer` and the KV of blocks before it."""
+
+    id: str
+    tokens: tuple[int, ...]
+    next_layer: int
+    hidden: TensorBlob
+    kv: tuple[tuple[TensorBlob, TensorBlob], ...]
