@@ -10,14 +10,11 @@ from pathlib import Path
 import pytest
 
 from shared.config import ClusterSpec, load_spec, parse_spec
+from shared.htb import MAX_BURST_S, MIN_BURST, burst_bytes, gso_segments
 from shared.kernel_net import (
     DEFAULT_CLASSID,
     IFNAME_MAX,
-    MAX_BURST_S,
-    MIN_BURST,
     KernelPlan,
-    burst_bytes,
-    gso_segments,
     link_rates,
     local_index,
     plan_kernel_net,
