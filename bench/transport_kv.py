@@ -39,7 +39,8 @@ from _common import WARMUP, stderr
 from bubbletea_vllm.kvclient import KvClient as ConnectorClient
 
 from shared.bus import Bus
-from shared.dataplane.kv import KvClient, KvServer, KvShelf
+from shared.dataplane.kv import KvServer, KvShelf
+from shared.dataplane.kv_client import KvClient
 from shared.redis_server import EmbeddedRedis
 
 #: A KV cache of the demo model (4 layers, d_model 64; K and V, float32) for a 256-token prompt.

@@ -33,7 +33,7 @@ import msgspec
 from shared import keys, kvstore, serving
 from shared.bus import Bus, Delivery
 from shared.config import ClusterSpec
-from shared.dataplane.kv import KvClient
+from shared.dataplane.kv_client import KvClient
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.model.generate import Continuation

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from shared.config import Decode
-from shared.dataplane.kv import KvClient
+from shared.dataplane.kv_client import KvClient
 from shared.logs import get_logger
 from shared.status import FailureReason, RequestStatus
 from shared.wire import DecodeChunk, PrefillRequest

@@ -25,7 +25,7 @@ from bubbletea import runstats
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
 from shared import keys, kvstore, priority
-from shared.dataplane.kv import KvClient
+from shared.dataplane.kv_client import KvClient
 from shared.model.prefill import PrefillModel
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings

@@ -25,10 +25,10 @@ from shared.dataplane.kv import (
     OP_FREE,
     REQUEST,
     RESPONSE,
-    KvClient,
     KvServer,
     KvShelf,
 )
+from shared.dataplane.kv_client import KvClient
 from shared.model.prefill import PrefillModel
 from tests.e2e.serving import wait_until
 

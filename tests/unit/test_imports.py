@@ -29,6 +29,7 @@ TORCH_FREE = [
     "shared.model.shape",
     "shared.model.tokenizer",
     "shared.dataplane.kv",
+    "shared.dataplane.kv_client",
 ]
 
 # Run in the child: import each module named in argv; at the first `import torch` record the
