@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from bench import pd_vllm
-from bench.pd_vllm import Outcome
+from bench import _pd_load, pd_vllm
+from bench._pd_load import Outcome
 
 
 def test_the_schedule_is_seeded_poisson_within_the_duration() -> None:
@@ -41,8 +41,8 @@ def test_time_per_output_token_is_the_decode_time_over_the_tokens_after_the_firs
 
 
 def test_text_is_what_a_reader_sees_not_pieces_of_unfinished_characters() -> None:
-    assert pd_vllm.visible("a") and pd_vllm.visible(" ") and pd_vllm.visible("\ufffdb")
-    assert not pd_vllm.visible("") and not pd_vllm.visible("\ufffd\ufffd") and not pd_vllm.visible(None)
+    assert _pd_load.visible("a") and _pd_load.visible(" ") and _pd_load.visible("\ufffdb")
+    assert not _pd_load.visible("") and not _pd_load.visible("\ufffd\ufffd") and not _pd_load.visible(None)
 
 
 def test_every_request_sent_counts_and_failed_ones_stay_out_of_the_percentiles() -> None:
