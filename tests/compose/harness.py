@@ -22,7 +22,7 @@ TIMINGS: dict[str, str] = {}
 #: Where a failed build points the reader (Docker Hub or the PyTorch index out of reach).
 BUILD_ADVICE = (
     "if Docker Hub or the PyTorch index is out of reach, build the base images first: "
-    "`sudo docker/base-images.sh >> .env` (README, 'Where Docker Hub is out of reach')"
+    "`sudo docker/base-images.sh >> .env` (docs/compose.md, 'Where Docker Hub is out of reach')"
 )
 
 

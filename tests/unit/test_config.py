@@ -13,7 +13,7 @@ DC = [{"name": "a", "gpus": 4}, {"name": "b", "gpus": 2}]
 
 
 def test_every_shipped_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Llama configs name directories the README's commands make (relative to the checkout):
+    """The Llama configs name directories the documented commands make (relative to the checkout):
     `bubbletea init-model models/llama-tiny` and the save `runs/llama-tiny` (its config.json)."""
     from bubbletea.initmodel import default_texts, init_model
 

@@ -151,7 +151,7 @@ def test_the_prediction_takes_the_links_of_the_specs_wan_mode() -> None:
         moded = msgspec.structs.replace(spec, wan=msgspec.structs.replace(spec.wan, mode=mode))
         links = model_inputs(moded, 10.0, 20.0).links
         assert links[("dc-a", "dc-b")] == LinkModel.from_params(spec.link("dc-a", "dc-b"), mode)
-    assert predict(spec, 10.0, 20.0).iteration_times[-1] == pytest.approx(0.44)  # the README's model column
+    assert predict(spec, 10.0, 20.0).iteration_times[-1] == pytest.approx(0.44)  # `bubbletea plan`'s temporal row
 
 
 def test_the_step_waits_for_every_stage_of_its_replica_a_bubble_at_the_steps_position() -> None:
