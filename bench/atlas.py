@@ -82,7 +82,7 @@ FWD_MS_PER_LAYER: float = BASE["device"]["fwd_ms_per_layer"]
 #: `--wan kernel` widens d_model and seq_len by this factor (see `variant`).
 KERNEL_WIDEN = 4
 
-#: Targets of the kernel-mode runs (README): each measured speedup within this relative gap of
+#: Targets of the kernel-mode runs (docs/benchmarks.md): each measured speedup within this relative gap of
 #: the model's, and the least link efficiency of the runs that can fill their links at least this.
 SPEEDUP_GAP_MAX = 0.10
 LINK_EFFICIENCY_MIN = 0.85

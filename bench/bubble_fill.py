@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sweep",
         action="store_true",
-        help=f"run each case at {', '.join(f'{x:.0%}' for x in SWEEP)} "
+        help=f"run each case at {', '.join(f'{x * 100:.0f}%%' for x in SWEEP)} "
         "of capacity; print a table and write a picture (--out)",
     )
     ap.add_argument("--out", default="runs", help="where --sweep writes its picture (default: runs/)")

@@ -63,7 +63,7 @@ FRAME_BYTES = 1514
 HEADER_OVERHEAD = FRAME_BYTES / MSS_BYTES
 #: One bus hop on one host: a message published by one process until a consumer in another runs
 #: its handler. `bench/bus.py` measures two of them (`request_reply_p50_ms`, Ping and Pong back):
-#: 0.68 ms on the project's 2-core machine (README), so 0.34 ms each. Not fitted to any
+#: 0.68 ms on the project's 2-core machine (docs/benchmarks.md), so 0.34 ms each. Not fitted to any
 #: benchmark of the WAN: it is the bus's own latency.
 BUS_HOP_S = 0.00034
 
