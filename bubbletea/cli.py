@@ -17,13 +17,15 @@ from typing import Any, TypeVar
 import msgspec
 import uvloop
 
+from bubbletea import cli_up
+from bubbletea.cli_common import add_scale_argument, add_wan_argument, scale_override, wan_override
 from bubbletea.launcher.kernel_wan import KernelWanError
 from bubbletea.launcher.procs import ServiceFailed
-from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, check_decode, load_spec
+from shared.config import ConfigError, load_spec
 from shared.logs import setup_logging
 from shared.policies.placement import PlacementError
 from shared.settings import load_settings
-from shared.timescale import SHARE, WARN_SCALE
+from shared.timescale import SHARE
 
 T = TypeVar("T")
 
@@ -36,43 +38,9 @@ BUBBLETEA_LOG_LEVEL, BUBBLETEA_HTTP_HOST, BUBBLETEA_HTTP_PORT. See docs/config.m
 """
 
 
-def _add_wan_argument(p: argparse.ArgumentParser, default: str = "the spec's wan.mode, model") -> None:
-    p.add_argument(
-        "--wan",
-        choices=("model", "kernel", "none"),
-        help=f"how cross-DC bytes meet the WAN (default: {default}): model = the broker's link "
-        "model releases receivers; kernel = one network namespace per DC, links shaped by the kernel, the broker "
-        "granting slots (root only); none = a real network, nothing emulated (docs/config.md#wan-modes)",
-    )
-
-
-def _add_scale_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--max-time-scale",
-        type=float,
-        metavar="K",
-        help="refuse to run if keeping the device profile on this machine would take a time scale above K "
-        "(default: no cap: a slow or busy machine runs at the scale it needs, with a warning above "
-        f"{WARN_SCALE:g}); BUBBLETEA_MAX_TIME_SCALE sets it too",
-    )
-
-
-def _scale_override(args: argparse.Namespace) -> None:
-    """`--max-time-scale K`, here and in what the command starts: through the environment."""
-    if args.max_time_scale is not None:
-        os.environ["BUBBLETEA_MAX_TIME_SCALE"] = f"{args.max_time_scale:g}"
-
-
-def _wan_override(args: argparse.Namespace) -> None:
-    """`--wan MODE` overrides `wan.mode` here and in every process the command starts (they read
-    the spec themselves): through the environment they inherit."""
-    if getattr(args, "wan", None):
-        os.environ["BUBBLETEA_WAN"] = args.wan
-
-
 def _demo(args: argparse.Namespace) -> int:
-    _wan_override(args)
-    _scale_override(args)
+    wan_override(args)
+    scale_override(args)
     from bubbletea.launcher.demo import run_demo
     from bubbletea.launcher.wan_modes import launcher_wan_mode
 
@@ -86,55 +54,8 @@ def _demo(args: argparse.Namespace) -> int:
     return uvloop.run(run_demo(settings, hold=args.hold, out_root=Path(args.out)))
 
 
-def _up(args: argparse.Namespace) -> int:
-    _wan_override(args)
-    _scale_override(args)
-    import dataclasses
-
-    from bubbletea.launcher.up import run_up
-
-    settings = load_settings(args.config)
-    if args.run:
-        settings = dataclasses.replace(settings, run=args.run)
-    if args.iterations is not None and args.iterations < 1:
-        raise ConfigError(f"--iterations must be >= 1, got {args.iterations}")
-    # A service: it trains (and so serves) until stopped, whatever the spec says, unless told a number.
-    iterations = args.iterations if args.iterations is not None else UNTIL_STOPPED
-
-    spec = settings.spec
-    # --decode vllm without a vLLM's URL: up starts one itself (bubbletea.launcher.vllm), with the
-    # python of vLLM's environment; its URL replaces this placeholder once it is up.
-    start_vllm = args.decode == "vllm" and not (args.vllm_url or spec.decode.vllm_url)
-    vllm = None
-    if start_vllm:
-        from bubbletea.launcher.vllm import served_model_dir, vllm_python
-
-        vllm = vllm_python(args.vllm_python)
-        served_model_dir(spec)
-
-    def adjusted(spec: ClusterSpec) -> ClusterSpec:
-        spec = msgspec.structs.replace(spec, training=msgspec.structs.replace(spec.training, iterations=iterations))
-        if args.decode:
-            d = msgspec.structs.replace(spec.decode, enabled=True, engine=args.decode)
-            spec = msgspec.structs.replace(spec, decode=d)
-        url = args.vllm_url or ("http://127.0.0.1:0" if start_vllm else None)
-        if url:
-            spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, vllm_url=url))
-        check_decode(spec)
-        return spec
-
-    # both the spec in effect and the unscaled one the services are given (they apply the time scale)
-    base = adjusted(settings.base_spec or settings.spec)
-    settings = dataclasses.replace(settings, spec=adjusted(settings.spec), base_spec=base)
-    setup_logging("up", "WARNING")
-    persist = args.persist or os.environ.get("BUBBLETEA_REDIS_PERSIST", "").lower() in ("1", "true", "yes", "on")
-    return uvloop.run(
-        run_up(settings, out_root=Path(args.out), verbose=args.verbose, persist=persist, vllm_python=vllm)
-    )
-
-
 def _train(args: argparse.Namespace) -> int:
-    _wan_override(args)
+    wan_override(args)
     import dataclasses
     import time
 
@@ -294,60 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
-    _add_wan_argument(
+    add_wan_argument(
         p, "kernel where it can run (root, network namespaces), else model; a spec naming wan.mode keeps it"
     )
-    _add_scale_argument(p)
+    add_scale_argument(p)
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser(
-        "up",
-        help="run the whole system as local processes (one training run with prefill serving)",
-        description="Start Redis (embedded unless REDIS_URL is set), the WAN broker, the dispatcher, the "
-        "prefill front door and one stage worker per pipeline slot; wait until each is healthy and serving is "
-        "ready; print the API URL and every service's /metrics. Training (and so serving) goes on until Ctrl-C, "
-        "whatever training.iterations the spec says, unless --iterations N is given. Stops on Ctrl-C, when a "
-        "process dies (naming it), or when a finite run finishes; then writes the run folder (spans, summary, "
-        "pictures). Like demo, it first picks the device time scale (BUBBLETEA_TIME_SCALE=K sets it).",
-    )
-    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
-    p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
-    _add_wan_argument(p)
-    _add_scale_argument(p)
-    p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
-    p.add_argument(
-        "--iterations",
-        type=int,
-        help="train this many iterations, then stop (default: train and serve until Ctrl-C)",
-    )
-    p.add_argument(
-        "--decode",
-        nargs="?",
-        const="builtin",
-        choices=("builtin", "vllm"),
-        help="answer whole completions (max_tokens > 1), prefilled in the bubbles and decoded from the KV "
-        "cache (decode.enabled): by the decoder service up starts (builtin, the default), or by the vLLM "
-        "server at --vllm-url with the BubbleTea KV connector (vllm; docs/vllm.md)",
-    )
-    p.add_argument(
-        "--vllm-url",
-        help="the vLLM server (with the BubbleTea connector) that decodes with --decode vllm, e.g. "
-        "http://127.0.0.1:8100 (decode.vllm_url); without it, up starts one serving prefill.checkpoint",
-    )
-    p.add_argument(
-        "--vllm-python",
-        help="the python of the vLLM environment up starts vLLM with (default: .venv-vllm/bin/python, from make vllm)",
-    )
-    p.add_argument(
-        "--persist",
-        action="store_true",
-        help="run the embedded Redis with an append-only file (fsync always) in <run folder>/redis, so a "
-        "restart of it loses no accepted request (default: off, or $BUBBLETEA_REDIS_PERSIST=1; ignored "
-        "with REDIS_URL, whose server has its own settings)",
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
-    p.set_defaults(func=_up)
+    cli_up.add_parser(sub)
 
     p = sub.add_parser(
         "train",
@@ -357,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--run", help="run id scoping streams and leases (default: train-<unix time>)")
-    _add_wan_argument(p)
+    add_wan_argument(p)
     p.add_argument(
         "--save",
         metavar="DIR",

@@ -1,0 +1,114 @@
+"""`bubbletea up`: its options and how they become the spec and settings `run_up` gets
+(`bubbletea.launcher.up` runs it)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import uvloop
+
+from bubbletea.cli_common import add_scale_argument, add_wan_argument, scale_override, wan_override
+from shared.config import UNTIL_STOPPED, ClusterSpec, ConfigError, check_decode
+from shared.logs import setup_logging
+from shared.settings import load_settings
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run the whole system as local processes (one training run with prefill serving)",
+        description="Start Redis (embedded unless REDIS_URL is set), the WAN broker, the dispatcher, the "
+        "prefill front door and one stage worker per pipeline slot; wait until each is healthy and serving is "
+        "ready; print the API URL and every service's /metrics. Training (and so serving) goes on until Ctrl-C, "
+        "whatever training.iterations the spec says, unless --iterations N is given. Stops on Ctrl-C, when a "
+        "process dies (naming it), or when a finite run finishes; then writes the run folder (spans, summary, "
+        "pictures). Like demo, it first picks the device time scale (BUBBLETEA_TIME_SCALE=K sets it).",
+    )
+    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
+    p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
+    add_wan_argument(p)
+    add_scale_argument(p)
+    p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
+    p.add_argument(
+        "--iterations",
+        type=int,
+        help="train this many iterations, then stop (default: train and serve until Ctrl-C)",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="?",
+        const="builtin",
+        choices=("builtin", "vllm"),
+        help="answer whole completions (max_tokens > 1), prefilled in the bubbles and decoded from the KV "
+        "cache (decode.enabled): by the decoder service up starts (builtin, the default), or by the vLLM "
+        "server at --vllm-url with the BubbleTea KV connector (vllm; docs/vllm.md)",
+    )
+    p.add_argument(
+        "--vllm-url",
+        help="the vLLM server (with the BubbleTea connector) that decodes with --decode vllm, e.g. "
+        "http://127.0.0.1:8100 (decode.vllm_url); without it, up starts one serving prefill.checkpoint",
+    )
+    p.add_argument(
+        "--vllm-python",
+        help="the python of the vLLM environment up starts vLLM with (default: .venv-vllm/bin/python, from make vllm)",
+    )
+    p.add_argument(
+        "--persist",
+        action="store_true",
+        help="run the embedded Redis with an append-only file (fsync always) in <run folder>/redis, so a "
+        "restart of it loses no accepted request (default: off, or $BUBBLETEA_REDIS_PERSIST=1; ignored "
+        "with REDIS_URL, whose server has its own settings)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    wan_override(args)
+    scale_override(args)
+    import dataclasses
+
+    from bubbletea.launcher.up import run_up
+
+    settings = load_settings(args.config)
+    if args.run:
+        settings = dataclasses.replace(settings, run=args.run)
+    if args.iterations is not None and args.iterations < 1:
+        raise ConfigError(f"--iterations must be >= 1, got {args.iterations}")
+    # A service: it trains (and so serves) until stopped, whatever the spec says, unless told a number.
+    iterations = args.iterations if args.iterations is not None else UNTIL_STOPPED
+
+    spec = settings.spec
+    # --decode vllm without a vLLM's URL: up starts one itself (bubbletea.launcher.vllm), with the
+    # python of vLLM's environment; its URL replaces this placeholder once it is up.
+    start_vllm = args.decode == "vllm" and not (args.vllm_url or spec.decode.vllm_url)
+    vllm = None
+    if start_vllm:
+        from bubbletea.launcher.vllm import served_model_dir, vllm_python
+
+        vllm = vllm_python(args.vllm_python)
+        served_model_dir(spec)
+
+    def adjusted(spec: ClusterSpec) -> ClusterSpec:
+        spec = msgspec.structs.replace(spec, training=msgspec.structs.replace(spec.training, iterations=iterations))
+        if args.decode:
+            d = msgspec.structs.replace(spec.decode, enabled=True, engine=args.decode)
+            spec = msgspec.structs.replace(spec, decode=d)
+        url = args.vllm_url or ("http://127.0.0.1:0" if start_vllm else None)
+        if url:
+            spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, vllm_url=url))
+        check_decode(spec)
+        return spec
+
+    # both the spec in effect and the unscaled one the services are given (they apply the time scale)
+    base = adjusted(settings.base_spec or settings.spec)
+    settings = dataclasses.replace(settings, spec=adjusted(settings.spec), base_spec=base)
+    setup_logging("up", "WARNING")
+    persist = args.persist or os.environ.get("BUBBLETEA_REDIS_PERSIST", "").lower() in ("1", "true", "yes", "on")
+    return uvloop.run(
+        run_up(settings, out_root=Path(args.out), verbose=args.verbose, persist=persist, vllm_python=vllm)
+    )
