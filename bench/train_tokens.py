@@ -272,7 +272,8 @@ def count_params(spec: Any) -> int:
 
     from shared.model.checkpoint import FAMILIES
     from shared.model.gpt import build_full
-    from shared.model.shape import GPTConfig, info_from_config, read_config
+    from shared.model.info import info_from_config, read_config
+    from shared.model.shape import GPTConfig
 
     if spec.training.model is None:
         model: torch.nn.Module = build_full(GPTConfig.from_spec(spec.model), spec.model.seed)

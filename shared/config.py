@@ -19,6 +19,8 @@ import msgspec.inspect as mi
 import yaml
 from msgspec import Meta
 
+from shared.model.info import CheckpointError, info_from_config, read_config
+
 
 class ConfigError(ValueError):
     """The spec (or an environment override) is invalid; the message names the field."""
@@ -420,8 +422,6 @@ def _with_training_model(spec: ClusterSpec) -> ClusterSpec:
     that trains; `model.seq_len` stays the training sequence length (at most the model's positions)."""
     if spec.training.model is None:
         return spec
-    from shared.model.shape import CheckpointError, info_from_config, read_config  # shape imports this module
-
     try:
         info = info_from_config(read_config(spec.training.model))
     except CheckpointError as exc:

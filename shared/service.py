@@ -18,7 +18,7 @@ from aiohttp import web
 
 from shared.config import ConfigError
 from shared.logs import get_logger, setup_logging
-from shared.model.shape import CheckpointError
+from shared.model.info import CheckpointError
 from shared.policies.restarts import EXIT_CONFIG  # a bad spec, an unloadable checkpoint, a missing device
 from shared.settings import Settings, load_settings
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import ClusterSpec
-from shared.model.shape import CheckpointError, ModelInfo, max_prompt_tokens, model_info
+from shared.model.info import CheckpointError, ModelInfo
+from shared.model.shape import max_prompt_tokens, model_info
 from shared.plan import layers_per_stage, model_inputs, profile_ms
 from shared.policies.pipeline_model import PipelineInputs
 from shared.policies.prefill_cost import PrefillProfile

@@ -15,7 +15,8 @@ from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest,
 from shared import serving
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.config import Prefill
-from shared.model.shape import ModelInfo, max_prompt_tokens, model_info
+from shared.model.info import ModelInfo
+from shared.model.shape import max_prompt_tokens, model_info
 from shared.model.tokenizer import Tokenizer, tokenizer_for
 from shared.status import FailureReason, RequestStatus
 from shared.wire import PrefillRequest, PrefillResult

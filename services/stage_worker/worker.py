@@ -36,8 +36,8 @@ from shared.devices import DeviceError, check_kind, describe, select_device, slo
 from shared.health import Heartbeat, instance_id
 from shared.logs import get_logger
 from shared.model.corpus import DataError
+from shared.model.info import CheckpointError
 from shared.model.prefill import PrefillModel
-from shared.model.shape import CheckpointError
 from shared.model.training import load_corpus
 from shared.model.trainstate import check_resume, stage_state
 from shared.plan import placement_of, predict, profile_ms

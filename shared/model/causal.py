@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shared.model.shape import CheckpointError, ModelInfo
+from shared.model.info import CheckpointError, ModelInfo
 
 KV = tuple[Tensor, Tensor]  # (k, v) of one layer, each float32 (1, kv_heads, T, head_dim)
 

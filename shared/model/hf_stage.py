@@ -38,8 +38,8 @@ from torch import Tensor, nn
 
 from shared.model.causal import LoadableLM, config_float
 from shared.model.checkpoint import FAMILIES, checked_state, read_tensors
+from shared.model.info import ModelInfo, info_from_config
 from shared.model.seeds import generator
-from shared.model.shape import ModelInfo, info_from_config
 
 DEFAULT_INITIALIZER_RANGE = 0.02
 

@@ -41,8 +41,9 @@ from shared.model.causal import CausalLM
 from shared.model.checkpoint import load_causal_lm
 from shared.model.families.nanogpt import NanoGPT
 from shared.model.gpt import StageModule
-from shared.model.shape import CheckpointError as CheckpointError  # re-exported: it used to live here
-from shared.model.shape import GPTConfig, ModelInfo
+from shared.model.info import CheckpointError as CheckpointError  # re-exported: it used to live here
+from shared.model.info import ModelInfo
+from shared.model.shape import GPTConfig
 from shared.model.shape import estimate_kv_bytes as estimate_kv_bytes  # re-exported: it used to live here
 from shared.model.tokenizer import BYTES, Tokenizer, token_text, tokenizer_for
 

@@ -24,7 +24,8 @@ from shared.model.corpus import DataError, TokenCorpus
 from shared.model.data import ByteCorpus
 from shared.model.gpt import StageModule, build_stage
 from shared.model.hf_stage import HFStage
-from shared.model.shape import CheckpointError, GPTConfig, info_from_config, read_config
+from shared.model.info import CheckpointError, info_from_config, read_config
+from shared.model.shape import GPTConfig
 from shared.plan import stage_layer_ranges
 
 TOKENIZER_FILE = "tokenizer.json"

@@ -57,7 +57,7 @@ def model_identity(spec: ClusterSpec) -> dict[str, Any]:
     identity: dict[str, Any] = {"family": "small-gpt", "layers": m.layers, "d_model": m.d_model, "heads": m.heads}
     identity["vocab"] = m.vocab
     if spec.training.model is not None:
-        from shared.model.shape import read_config
+        from shared.model.info import read_config
 
         config = read_config(spec.training.model)
         identity["family"] = config["model_type"]

@@ -20,7 +20,7 @@ from shared.model.prefill import (
     sample,
     save_checkpoint,
 )
-from shared.model.shape import GPTConfig, ModelInfo, estimate_kv_bytes, model_info
+from shared.model.shape import GPTConfig, estimate_kv_bytes, model_info
 from shared.model.tokenizer import BYTES, decode, encode
 
 CFG = GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256)
@@ -309,7 +309,7 @@ def test_estimate_kv_bytes_equals_real_size(model: PrefillModel, tokens: list[in
     assert kv_bytes(result) == kv_bytes(state) == estimate_kv_bytes(CFG, len(tokens))
     assert estimate_kv_bytes(CFG, len(tokens)) == 2 * CFG.layers * len(tokens) * CFG.d_model * 4
     info = model_info(Prefill(model=ModelSpec(layers=4, d_model=32, heads=4, seq_len=64, vocab=256)))
-    assert info == model.info == ModelInfo.of_gpt(CFG) and info.family == "nanogpt" and info.max_model_len == 64
+    assert info == model.info == CFG.info() and info.family == "nanogpt" and info.max_model_len == 64
     assert info.kv_bytes(len(tokens)) == estimate_kv_bytes(CFG, len(tokens)) == kv_bytes(result)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import Prefill
-from shared.model.shape import CheckpointError
+from shared.model.info import CheckpointError
 from shared.model.tokenizer import (
     BYTES,
     ByteTokenizer,

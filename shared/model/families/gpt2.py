@@ -33,7 +33,7 @@ from shared.model.causal import (
     extend_cache,
     refuse_flag,
 )
-from shared.model.shape import CheckpointError, ModelInfo
+from shared.model.info import CheckpointError, ModelInfo
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(masked_)?bias")

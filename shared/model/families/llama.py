@@ -42,7 +42,7 @@ from shared.model.causal import (
     extend_cache,
     refuse_flag,
 )
-from shared.model.shape import CheckpointError, ModelInfo, config_int
+from shared.model.info import CheckpointError, ModelInfo, config_int
 
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10_000.0

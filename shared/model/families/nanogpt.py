@@ -12,7 +12,7 @@ from torch import Tensor
 
 from shared.model.causal import KV, CausalLM, attend, extend_cache
 from shared.model.gpt import Block, StageModule
-from shared.model.shape import GPTConfig, ModelInfo
+from shared.model.shape import GPTConfig
 
 
 class NanoGPT(StageModule, CausalLM):
@@ -20,7 +20,7 @@ class NanoGPT(StageModule, CausalLM):
 
     def __init__(self, cfg: GPTConfig, seed: int = 0) -> None:
         super().__init__(cfg, seed=seed, stage=0, stages=1)
-        self.info = ModelInfo.of_gpt(cfg)
+        self.info = cfg.info()
 
     def _block(self, i: int) -> Block:
         block = self.blocks[i]
