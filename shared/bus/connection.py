@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -114,6 +114,19 @@ async def ride_out(op: Callable[[], Awaitable[T]], what: str, *, give_up_s: floa
             continue
         outage.ok()
         return result
+
+
+class Connected(Protocol):
+    """What a consumer takes from the `Bus` that made it: the server's URL (its read loop opens its
+    own blocking connection) and the bus's pooled command client (acks, claims, trims). Defined here,
+    beside the clients, so that `shared.bus.consumer` need not import `shared.bus.bus`, which makes
+    consumers."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def redis(self) -> Redis: ...
 
 
 def command_client(url: str, *, name: str = "bubbletea") -> Redis:

@@ -38,20 +38,17 @@ import hashlib
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import ResponseError
 
 from shared import keys
-from shared.bus.connection import BLOCKING_SLACK_S, TRANSIENT_ERRORS, backoff, blocking_client
+from shared.bus.connection import BLOCKING_SLACK_S, TRANSIENT_ERRORS, Connected, backoff, blocking_client
 from shared.bus.delivery import HOLD, Delivery, Handlers, Reject, route
 from shared.bus.streams import ensure_group, group_is_gone, trim_acked
 from shared.config import BusConfig
 from shared.logs import get_logger
 from shared.wire import FIELD, WireError, decode, kind_of
-
-if TYPE_CHECKING:
-    from shared.bus.bus import Bus
 
 log = get_logger(__name__)
 
@@ -75,7 +72,9 @@ class ConsumerStats:
 
 
 class Consumer:
-    def __init__(self, bus: Bus, stream: str, group: str, handlers: Handlers, *, name: str, config: BusConfig) -> None:
+    def __init__(
+        self, bus: Connected, stream: str, group: str, handlers: Handlers, *, name: str, config: BusConfig
+    ) -> None:
         self.bus = bus
         self.stream = stream
         self.group = group
