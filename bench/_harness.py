@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from bubbletea.bubblestats import (
+from shared.figures.bubblestats import (
     bubble_dispatch,
     control_shares,
     mean_bubble_ms,
@@ -32,7 +32,7 @@ from bubbletea.bubblestats import (
     prediction_errors_ms,
     report_latencies_ms,
 )
-from bubbletea.runstats import Span, percentile, prefill_lag_share, utilization
+from shared.figures.runstats import Span, percentile, prefill_lag_share, utilization
 from shared.wire import ControlSeen
 
 T = TypeVar("T")

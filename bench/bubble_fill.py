@@ -67,13 +67,13 @@ import uvloop
 import yaml
 from redis.asyncio import Redis
 
-from bubbletea.bubblestats import run_control
-from bubbletea.launcher.capacity import offer, prefill_block_s
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
-from bubbletea.runstats import Span, run_spans, write_spans
 from shared.config import parse_spec
+from shared.figures.bubblestats import run_control
+from shared.figures.capacity import offer, prefill_block_s
+from shared.figures.runstats import Span, run_spans, write_spans
 from shared.priority import PRIORITIES
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings

@@ -14,7 +14,7 @@ Both sides run on the device time scale (`shared.timescale`: measured here per c
 `--time-scale K`): the live services get it from the environment, the simulator runs the scaled
 spec, the load's rate is per emulated second, and iteration times are reported in emulated ms.
 
-Every figure comes from `bubbletea.runstats` on each side's spans (steady iteration time as
+Every figure comes from `shared.figures.runstats` on each side's spans (steady iteration time as
 `bubbletea train` reports it); per case and overall the relative error |sim - live| / live of the
 iteration time, the bubble fraction and (BubbleTea on) the fill ratio.
 
@@ -52,7 +52,6 @@ import uvloop
 import yaml
 from redis.asyncio import Redis
 
-from bubbletea import runstats
 from bubbletea.launcher.demo import LOAD_INPUT_LEN, LOAD_RANGE_RATIO
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import front_door
@@ -60,6 +59,7 @@ from bubbletea.launcher.train import TrainResult, run_training
 from loadgen.datasets import length_range
 from shared import keys
 from shared.config import ClusterSpec, load_spec
+from shared.figures import runstats
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.timescale import calibrate, scale_spec

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bubbletea import runstats
+from shared.figures import runstats
 from shared.status import FailureReason
 from sim.run import SimResult
 

@@ -6,7 +6,7 @@
 2. **on**: the same pipeline with `sim.serving.Serving` as its guest, requests arriving from the
    load generator's processes or a trace, until the last iteration ends.
 
-Every figure comes from `bubbletea.runstats` on the runs' spans (utilization, bubble fraction, fill
+Every figure comes from `shared.figures.runstats` on the runs' spans (utilization, bubble fraction, fill
 ratio: the one definition the live report uses); iteration time is the median of the iterations
 after the first, as `bubbletea train` reports it.
 """
@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bubbletea import runstats
-from bubbletea.runstats import Span
 from shared.config import ClusterSpec
+from shared.figures import runstats
+from shared.figures.runstats import Span
 from sim.events import EventQueue
 from sim.serving import Serving, ServingStats
 from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError, SimSetup, build

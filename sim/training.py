@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bubbletea.runstats import Span
+from shared.figures.runstats import Span
 from shared.policies import pipeline_model
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.pipeline_model import PipelineInputs

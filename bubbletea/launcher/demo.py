@@ -28,9 +28,6 @@ from typing import Any
 import msgspec
 import yaml
 
-from bubbletea import runstats
-from bubbletea.bubblestats import bubble_dispatch, run_control
-from bubbletea.launcher.capacity import DEFAULT_SHARE, offer, prefill_block_s
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import Proc, open_redis, spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import PREFILL_QUEUE
@@ -38,6 +35,9 @@ from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.train import TrainResult, run_training
 from shared.bus import Bus
 from shared.config import ClusterSpec
+from shared.figures import runstats
+from shared.figures.bubblestats import bubble_dispatch, run_control
+from shared.figures.capacity import DEFAULT_SHARE, offer, prefill_block_s
 from shared.health import wait_live
 from shared.logs import get_logger
 from shared.model.shape import model_info

@@ -43,7 +43,6 @@ import aiohttp
 import msgspec
 import yaml
 
-from bubbletea import runstats
 from bubbletea.launcher.procs import Proc, ServiceFailed, open_redis, spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.redis_watch import keep_redis_alive
 from bubbletea.launcher.services import SERVICES
@@ -52,6 +51,7 @@ from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.vllm import managed_vllm
 from bubbletea.launcher.wan_modes import WorkerLaunch, worker_launches
 from shared.bus import Bus
+from shared.figures import runstats
 from shared.health import live_instances
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings

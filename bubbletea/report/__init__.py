@@ -6,7 +6,7 @@
     write_report(run_dir, out_dir=None)       every picture, table.md and report.md; the paths
     main(argv)                                `bubbletea report RUN_DIR [--out DIR]`
 
-The figures the pictures show (per-worker usage, utilization) are defined in `bubbletea.runstats`.
+The figures the pictures show (per-worker usage, utilization) are defined in `shared.figures.runstats`.
 matplotlib is imported only when pictures are drawn. Format and how to read: docs/report.md.
 """
 
@@ -21,7 +21,7 @@ from bubbletea.report.data import (
     load_run_folder,
 )
 from bubbletea.report.write import write_report
-from bubbletea.runstats import Span  # the run folder's span record (defined with the figures)
+from shared.figures.runstats import Span  # the run folder's span record (defined with the figures)
 
 __all__ = [
     "METRIC_COLUMNS",

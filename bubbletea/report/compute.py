@@ -1,6 +1,6 @@
 """Pure computations for the pictures and the table: no files, no matplotlib, exact and unit-tested.
 
-The pictures only draw what these functions (and `bubbletea.runstats`, where every run figure is
+The pictures only draw what these functions (and `shared.figures.runstats`, where every run figure is
 defined) return, so the numbers a reader sees in a picture are the numbers the tests check.
 """
 
@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 
 from bubbletea.report.data import KNOWN_KINDS, METRIC_COLUMNS, MetricColumn, Summary
-from bubbletea.runstats import TRAINING_KINDS, Span
+from shared.figures.runstats import TRAINING_KINDS, Span
 
 NULL_CELL = "\N{EN DASH}"  # a dash: "not measured" (e.g. TTFT when BubbleTea is off), not zero
 

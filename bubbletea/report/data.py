@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bubbletea.runstats import TRAINING_KINDS, Span
+from shared.figures.runstats import TRAINING_KINDS, Span
 
 SUMMARY_FILE = "summary.json"
 SPANS_FILE = "spans.jsonl"

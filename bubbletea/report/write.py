@@ -11,7 +11,7 @@ from urllib.parse import quote
 
 from bubbletea.report.compute import NULL_CELL, markdown_table, select_iterations
 from bubbletea.report.data import ReportError, RunFolder, load_run_folder
-from bubbletea.runstats import Span, Usage, steady_usage
+from shared.figures.runstats import Span, Usage, steady_usage
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -101,7 +101,7 @@ def _utilization(folder: RunFolder, out: Path) -> list[Picture]:
 
 def usage_by_run(folder: RunFolder) -> list[tuple[str, dict[str, Usage]]]:
     """What utilization.png draws: per run with spans, its label and `steady_usage` (the usage the
-    run's headline figures in summary.json are computed from, bubbletea.runstats)."""
+    run's headline figures in summary.json are computed from, shared.figures.runstats)."""
     return [(r.label, steady_usage(folder.spans[r.name])) for r in folder.summary.runs if folder.spans[r.name]]
 
 

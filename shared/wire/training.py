@@ -152,7 +152,7 @@ class SpanRecord(Message, frozen=True, kw_only=True, tag="span"):
 class ControlSeen(Message, frozen=True, kw_only=True, tag="control_seen"):
     """dispatcher -> the run's spans stream (telemetry): when it handled a worker's bubble start or
     batch report, against when the worker sent it; the run's figures take the control plane's
-    latency and which bubbles opened with work from these (bubbletea/runstats.py)."""
+    latency and which bubbles opened with work from these (shared/figures/runstats.py)."""
 
     run: str
     worker: str

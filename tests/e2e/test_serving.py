@@ -21,11 +21,11 @@ import pytest
 import torch
 from redis.asyncio import Redis
 
-from bubbletea import runstats
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
 from shared import keys, kvstore, priority
 from shared.dataplane.kv_client import KvClient
+from shared.figures import runstats
 from shared.model.prefill import PrefillModel
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from bench import _harness
-from bubbletea.bubblestats import capacity_tokens_per_s
-from bubbletea.runstats import Span
+from shared.figures.bubblestats import capacity_tokens_per_s
+from shared.figures.runstats import Span
 from shared.status import ControlEvent
 from shared.wire import ControlSeen
 

@@ -22,7 +22,7 @@ from bubbletea.report import (
     select_iterations,
     write_report,
 )
-from bubbletea.runstats import steady_window, union_length, worker_usage
+from shared.figures.runstats import steady_window, union_length, worker_usage
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

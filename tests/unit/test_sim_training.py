@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bubbletea.runstats import Span
 from shared.config import ClusterSpec, load_spec
+from shared.figures.runstats import Span
 from shared.plan import model_inputs
 from shared.policies.pipeline_model import PipelineInputs, simulate
 from sim.events import EventQueue

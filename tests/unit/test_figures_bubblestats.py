@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bubbletea.bubblestats import (
+from shared.figures.bubblestats import (
     bubble_dispatch,
     control_shares,
     mean_bubble_ms,
@@ -13,7 +13,7 @@ from bubbletea.bubblestats import (
     prediction_errors_ms,
     report_latencies_ms,
 )
-from bubbletea.runstats import Span, utilization
+from shared.figures.runstats import Span, utilization
 from shared.status import ControlEvent
 from shared.wire import ControlSeen
 

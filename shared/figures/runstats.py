@@ -1,7 +1,8 @@
 """The one definition of each run figure, from a run's spans; and reading / writing those spans.
 
-The demo's table (summary.json), `bubbletea up`'s summary, the report's utilization picture and
-`bench/bubble_fill.py` all take their numbers from here, so they cannot disagree about one run.
+The demo's table (summary.json), `bubbletea up`'s summary, the report's utilization picture, the
+simulator (`sim/`) and the benchmarks (`bench/`) all take their numbers from here, so they cannot
+disagree about one run.
 
 * **steady window**: the spans of iterations 1 and later (iteration 0 is start-up: the first
   tensors, allocator warm-up), from the first one's start to the last one's end; all spans if
@@ -18,13 +19,13 @@ The demo's table (summary.json), `bubbletea up`'s summary, the report's utilizat
 * **overrun** (`overrun_ms_total`): per bubble with prefill in it, training input arrived to
   training resumed, summed.
 * the per-bubble dispatch figures (every bubble that opened with work, filled or not) are in
-  `bubbletea/bubblestats.py`.
+  `shared/figures/bubblestats.py`.
 
 Each time is the length of a union of intervals, so nothing is counted twice; training, prefill and
 other work are resolved by priority (training > prefill > other; the rest is idle). A worker does
 one training operation at a time and runs prefill only inside a wait, so on a live run's spans
 (no two spans of one class overlap on a worker, and prefill never overlaps training) every figure
-equals the plain sum of span durations over the window (tests/unit/test_runstats.py pins this).
+equals the plain sum of span durations over the window (tests/unit/test_figures_runstats.py pins this).
 
 Spans are `Span` values: a run folder's spans.jsonl holds them, and the wire's `SpanRecord`s are
 turned into them as they are read (`run_spans`, `Span.from_record`).

@@ -10,7 +10,7 @@ import pytest
 
 from bubbletea.report.data import load_run_folder
 from bubbletea.report.write import usage_by_run
-from bubbletea.runstats import (
+from shared.figures.runstats import (
     TRAINING_KINDS,
     Span,
     share,

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from bubbletea.runstats import Span, bubble_end, read_stream, steady, utilization
 from shared import keys
+from shared.figures.runstats import Span, bubble_end, read_stream, steady, utilization
 from shared.status import ControlEvent
 from shared.wire import ControlSeen
 
