@@ -8,6 +8,7 @@ from typing import Any
 
 from _common import verdict
 
+from shared.figures.training import speedup
 from shared.policies.wan import BUS_HOP_S
 
 #: Targets of the kernel-mode runs (docs/benchmarks.md): each measured speedup within this relative gap of
@@ -80,10 +81,10 @@ def summarize(
 ) -> dict[str, Any]:
     """The JSON line (`SCHEMA`) from the three runs' rows: figures, targets and validity."""
     rows = {"fair-8conn": fair, "temporal-8conn": temporal, "temporal-1conn": one}
-    speedup_t = fair["measured_ms"] / temporal["measured_ms"]
-    model_t = fair["model_ms"] / temporal["model_ms"]
-    speedup_m = one["measured_ms"] / temporal["measured_ms"]
-    model_m = one["model_ms"] / temporal["model_ms"]
+    speedup_t = speedup(fair["measured_ms"], temporal["measured_ms"])
+    model_t = speedup(fair["model_ms"], temporal["model_ms"])
+    speedup_m = speedup(one["measured_ms"], temporal["measured_ms"])
+    model_m = speedup(one["model_ms"], temporal["model_ms"])
     model_mode = wan == "model"
     filling = [r["link_efficiency"] for r in rows.values() if r["fills_link"] and r["link_efficiency"] is not None]
     eff_min = None if model_mode or not filling else min(filling)

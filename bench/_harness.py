@@ -32,7 +32,9 @@ from shared.figures.bubblestats import (
     prediction_errors_ms,
     report_latencies_ms,
 )
+from shared.figures.requests import requests_lost, slo_attainment, ttft_ms
 from shared.figures.runstats import Span, percentile, prefill_lag_share, utilization
+from shared.figures.training import slowdown_pct
 from shared.wire import ControlSeen
 
 T = TypeVar("T")
@@ -83,7 +85,7 @@ def summarise(pairs: list[Pair], *, time_scale: float, slo_device_ms: float) -> 
     k = time_scale
     u_off = [utilization(p.spans_off) for p in pairs]
     u_on = [utilization(p.spans_on) for p in pairs]
-    slowdowns = [(p.iteration_s_on / p.iteration_s_off - 1) * 100 for p in pairs]
+    slowdowns = [slowdown_pct(p.iteration_s_on, p.iteration_s_off) for p in pairs]
     dispatch = [bubble_dispatch(p.spans_on, p.seen, k) for p in pairs]
     latencies = [x for d in dispatch for x in d.latencies_ms]
     real = [x for d in dispatch for x in d.real_latencies_ms]
@@ -97,7 +99,6 @@ def summarise(pairs: list[Pair], *, time_scale: float, slo_device_ms: float) -> 
     ]
     ttft = [x for p in pairs for x in p.load["ttfts_ms"]]
     sent = sum(p.load["completed"] + p.load["failed"] for p in pairs)
-    in_slo = sum(1 for x in ttft if x / k <= slo_device_ms)
     errors: dict[str, int] = {}
     for p in pairs:
         for code, n in p.load["error_counts"].items():
@@ -152,12 +153,11 @@ def summarise(pairs: list[Pair], *, time_scale: float, slo_device_ms: float) -> 
         "requests_sent": sent,
         "requests_answered": sum(p.load["completed"] for p in pairs),
         "slo_device_ms": slo_device_ms,
-        "slo_attainment": _r(in_slo / sent if sent else None, 4),
-        "ttft_p50_device_ms": _r(_div(percentile(ttft, 50), k), 1),
-        "ttft_p99_device_ms": _r(_div(percentile(ttft, 99), k), 1),
+        "slo_attainment": _r(slo_attainment(ttft, sent, k, slo_device_ms), 4),
+        "ttft_p50_device_ms": _r(ttft_ms(ttft, 50, k), 1),
+        "ttft_p99_device_ms": _r(ttft_ms(ttft, 99, k), 1),
         "errors": errors,
-        # accepted but neither answered nor failed with an HTTP status (a status is an explicit answer)
-        "requests_lost": sum(n for code, n in errors.items() if not code.isdigit()),
+        "requests_lost": requests_lost(errors),
         "prefill_lag_pct": _r(lag_pct, 2),
         "losses_equal": all(p.losses_equal for p in pairs),
         "valid": not problems,

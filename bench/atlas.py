@@ -67,6 +67,7 @@ from bubbletea.launcher.train import run_training
 from services.stage_worker.outbox import Outbox, wan_transfer
 from shared import keys
 from shared.bus import Bus
+from shared.figures.training import lag_share
 from shared.health import wait_live
 from shared.plan import activation_bytes, predict, profile_ms
 from shared.policies.wan import LinkModel
@@ -163,7 +164,7 @@ async def measure(spec: dict[str, Any], url: str, tag: str, workdir: Path) -> di
         "error": abs(measured - analytic) / analytic,
         "broker_late_p99_ms": late,
         "lag_ms": result.lag_ms,
-        "lag_share": result.lag_ms / 1000 / max(1e-9, workers * sum(result.iteration_s)),
+        "lag_share": lag_share(result.lag_ms, workers, result.iteration_s),
         "act_bytes": activation_bytes(settings.spec),
         "link_efficiency": min(efficiency.values()) if efficiency else None,
         "links_carried": sorted(efficiency),

@@ -33,6 +33,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from shared.config import ClusterSpec, parse_spec
+from shared.figures.training import speedup
 from shared.plan import ACT_ELEMENT_BYTES, placement_of
 from shared.policies.schedules import compute_bubble_fraction
 from shared.policies.wan import LinkModel
@@ -211,14 +212,14 @@ def print_table(cases: list[Case]) -> None:
         on = "" if c.utilization_on is None else f"{c.utilization_on:.1%}"
         bub = "" if c.bubble_fraction is None else f"{c.bubble_fraction:.1%}"
         print(
-            f"{c.label:<52} {c.iteration_s:8.2f} {dp.iteration_s / c.iteration_s:6.2f}x "
-            f"{base.iteration_s / c.iteration_s:6.2f}x {c.utilization:6.1%} {on:>8} {bub:>8}"
+            f"{c.label:<52} {c.iteration_s:8.2f} {speedup(dp.iteration_s, c.iteration_s):6.2f}x "
+            f"{speedup(base.iteration_s, c.iteration_s):6.2f}x {c.utilization:6.1%} {on:>8} {bub:>8}"
         )
     bt, atlas, naive = by["atlas_bubbletea"], by["atlas"], by["naive_placement"]
     print(
         f"  'vs DP' is against the overlapped DP row (the kinder baseline); BubbleTea's training slowdown "
         f"{bt.slowdown_pct:+.2f}%\n"
-        f"  placement: Atlas's is {naive.iteration_s / atlas.iteration_s:.2f}x faster than the naive one "
+        f"  placement: Atlas's is {speedup(naive.iteration_s, atlas.iteration_s):.2f}x faster than the naive one "
         "(same WAN, sharing and connections)",
         flush=True,
     )
@@ -234,8 +235,8 @@ def sweep_point(raws: dict[str, dict[str, Any]], iterations: int) -> dict[str, f
     c = pp_case("c", "", raws["c"], iterations, bubbletea=True)
     assert c.utilization_on is not None and c.bubble_fraction is not None
     return {
-        "speedup_vs_a": a.iteration_s / c.iteration_s,
-        "speedup_vs_dp": dp_overlap.iteration_s / c.iteration_s,
+        "speedup_vs_a": speedup(a.iteration_s, c.iteration_s),
+        "speedup_vs_dp": speedup(dp_overlap.iteration_s, c.iteration_s),
         "util_a": a.utilization,
         "util_dp": dp_overlap.utilization,
         "util_atlas": c.utilization,
@@ -398,11 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {
         "quick": args.quick,
         "iterations": args.iterations,
-        "speedup": {c.name: round(by["pp_1conn_fair"].iteration_s / c.iteration_s, 3) for c in cases},
-        "speedup_vs_dp": {c.name: round(by["dp_overlap"].iteration_s / c.iteration_s, 3) for c in cases},
+        "speedup": {c.name: round(speedup(by["pp_1conn_fair"].iteration_s, c.iteration_s), 3) for c in cases},
+        "speedup_vs_dp": {c.name: round(speedup(by["dp_overlap"].iteration_s, c.iteration_s), 3) for c in cases},
         "utilization": {c.name: round(c.utilization, 4) for c in cases},
         "utilization_bubbletea": round(bt.utilization_on, 4),
-        "placement_speedup": round(by["naive_placement"].iteration_s / by["atlas"].iteration_s, 3),
+        "placement_speedup": round(speedup(by["naive_placement"].iteration_s, by["atlas"].iteration_s), 3),
         "wan_hops": {"atlas": wan_hops(raws["c"]), "round_robin": wan_hops(raws["rr"])},
         "train_slowdown_pct": bt.slowdown_pct,
         "max_speedup_vs_a": round(max(r["speedup_vs_a"] for r in sweeps), 3),

@@ -60,6 +60,7 @@ from loadgen.datasets import length_range
 from shared import keys
 from shared.config import ClusterSpec, load_spec
 from shared.figures import runstats
+from shared.figures.training import lag_share
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.timescale import calibrate, scale_spec
@@ -248,7 +249,7 @@ async def run_case(
     # the share of live prefill time that was prefill running behind its profile (neither of which
     # the simulator can know), and when the live load began, from the steady window's start (s).
     slots = spec.parallelism.pp * spec.parallelism.dp
-    row["lag_share"] = round(live.train.lag_ms / 1000 / (slots * sum(live.train.iteration_s)), 4)
+    row["lag_share"] = round(lag_share(live.train.lag_ms, slots, live.train.iteration_s), 4)
     if any(s.kind == "prefill" for s in live.spans):
         row["prefill_lag_share"] = round(runstats.prefill_lag_share(live.train.prefill_lag_ms, live.spans), 4)
     if live.requests:

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from shared.figures import runstats
+from shared.figures.requests import ttft_ms
+from shared.figures.training import slowdown_pct
 from shared.status import FailureReason
 from sim.run import SimResult
 
@@ -41,7 +43,7 @@ def figures(r: SimResult) -> dict[str, Any]:
         return out
     u, s = runstats.utilization(on.spans), on.serving
     ttfts = [t * 1000 for t in s.ttfts_s]
-    p50, p99 = runstats.percentile(ttfts, 50), runstats.percentile(ttfts, 99)
+    p50, p99 = ttft_ms(ttfts, 50), ttft_ms(ttfts, 99)
     answered = len(s.ttfts_s)
     events, wall = r.off.events + on.events, r.off.wall_s + on.wall_s
     out.update(
@@ -49,7 +51,7 @@ def figures(r: SimResult) -> dict[str, Any]:
         bubble_fraction_on=round(u.bubble, 4),
         utilization_on=round(u.busy, 4),
         fill_ratio=round(u.fill_ratio, 4),
-        train_slowdown_pct=round((on.iteration_s / r.off.iteration_s - 1) * 100, 3) + 0.0,  # no -0.0
+        train_slowdown_pct=round(slowdown_pct(on.iteration_s, r.off.iteration_s), 3) + 0.0,  # no -0.0
         ttft_p50_ms=None if p50 is None else round(p50, 2),
         ttft_p99_ms=None if p99 is None else round(p99, 2),
         request_rate=None if r.request_rate is None else round(r.request_rate, 2),

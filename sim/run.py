@@ -6,23 +6,24 @@
 2. **on**: the same pipeline with `sim.serving.Serving` as its guest, requests arriving from the
    load generator's processes or a trace, until the last iteration ends.
 
-Every figure comes from `shared.figures.runstats` on the runs' spans (utilization, bubble fraction, fill
-ratio: the one definition the live report uses); iteration time is the median of the iterations
-after the first, as `bubbletea train` reports it.
+Every figure comes from `shared.figures` (the one definition the live report uses): utilization,
+bubble fraction and fill ratio from the runs' spans (`runstats`), the steady iteration time (the
+median of the iterations after the first, as `bubbletea train` reports it: `training`), and the
+default load's rate from the bubbles' capacity (`bubblestats`).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import ClusterSpec
-from shared.figures import runstats
+from shared.figures.bubblestats import capacity_requests_per_s
 from shared.figures.runstats import Span
+from shared.figures.training import steady_iteration_s
 from sim.events import EventQueue
 from sim.serving import Serving, ServingStats
 from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError, SimSetup, build
@@ -68,8 +69,7 @@ class RunResult:
     @property
     def iteration_s(self) -> float:
         """Median iteration time after the warm-up iteration (as `bubbletea train` reports it)."""
-        times = self.iteration_times[1:] if len(self.iteration_times) > 2 else self.iteration_times
-        return statistics.median(times)
+        return steady_iteration_s(self.iteration_times)
 
     @property
     def makespan(self) -> float:
@@ -173,9 +173,7 @@ def run_on(
 def capacity_rate(setup: SimSetup, off: RunResult, options: SimOptions) -> float:
     """Requests/s the bubbles could hold: bubble seconds per second over all workers, divided by
     one mean prompt's whole prefill time. The default load, so the bubbles have work to fill."""
-    u = runstats.utilization(off.spans)
-    per_request = setup.model.layers * setup.serving.profile.block_s(options.input_len)
-    rate = u.workers * u.bubble / per_request if per_request > 0 else 0.0
+    rate = capacity_requests_per_s(off.spans, setup.serving.profile.block_s, setup.model.layers, options.input_len)
     if rate <= 0:
         raise SimError("the pipeline has no bubbles to fill: give --request-rate to simulate a load anyway")
     return rate

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,8 @@ from shared.config import ClusterSpec
 from shared.figures import runstats
 from shared.figures.bubblestats import bubble_dispatch, run_control
 from shared.figures.capacity import DEFAULT_SHARE, offer, prefill_block_s
+from shared.figures.requests import requests_lost, slo_attainment, ttft_ms
+from shared.figures.training import slowdown_pct, speedup
 from shared.health import wait_live
 from shared.logs import get_logger
 from shared.model.shape import model_info
@@ -244,7 +245,7 @@ def _metrics(
         d = bubble_dispatch(spans, seen or [], scale)
         m.update(
             requests_sent=sent,
-            slo_attainment=round(sum(t / scale <= TTFT_SLO_DEVICE_MS for t in ttfts) / sent, 4) if sent else None,
+            slo_attainment=_round(slo_attainment(ttfts, sent, scale, TTFT_SLO_DEVICE_MS), 4),
             bubbles_total=d.total,
             bubbles_with_work=d.with_work,
             bubbles_filled=d.filled,
@@ -252,17 +253,19 @@ def _metrics(
         )
         m.update(
             prefill_tokens_per_s=round(load["input_throughput"] * scale, 1),  # per emulated second
-            ttft_p50_ms=round(statistics.median(ttfts) / scale, 1) if ttfts else None,
-            ttft_p99_ms=round((runstats.percentile(ttfts, 99) or 0.0) / scale, 1) if ttfts else None,
+            ttft_p50_ms=_round(ttft_ms(ttfts, 50, scale), 1),
+            ttft_p99_ms=_round(ttft_ms(ttfts, 99, scale), 1),
             requests_answered=load["completed"],
             requests_failed=load["failed"],
             errors=load["error_counts"],
             bubble_fill_ratio=round(u.fill_ratio, 3),
-            # accepted but never answered nor failed explicitly: the client lost its connection or
-            # gave up waiting (explicit failures are HTTP statuses, counted in `errors`)
-            requests_lost=sum(n for k, n in load["error_counts"].items() if not k.isdigit()),
+            requests_lost=requests_lost(load["error_counts"]),
         )
     return m
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _finish_summary(rows: list[dict[str, Any]]) -> None:
@@ -270,10 +273,10 @@ def _finish_summary(rows: list[dict[str, Any]]) -> None:
     by = {r["name"]: r["metrics"] for r in rows}
     if "atlas" in by and "bubbletea" in by:
         base, on = by["atlas"]["iteration_ms"], by["bubbletea"]["iteration_ms"]
-        by["bubbletea"]["train_slowdown_pct"] = round((on / base - 1) * 100, 2)
+        by["bubbletea"]["train_slowdown_pct"] = round(slowdown_pct(on, base), 2)
         by["atlas"]["train_slowdown_pct"] = 0.0
     if "fair" in by and "atlas" in by:
-        by["atlas"]["speedup_vs_fair"] = round(by["fair"]["iteration_ms"] / by["atlas"]["iteration_ms"], 3)
+        by["atlas"]["speedup_vs_fair"] = round(speedup(by["fair"]["iteration_ms"], by["atlas"]["iteration_ms"]), 3)
 
 
 def _report(folder: Path, scale: float) -> None:

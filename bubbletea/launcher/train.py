@@ -26,6 +26,7 @@ from bubbletea.launcher.wan_modes import worker_launches
 from shared import keys
 from shared.bus import Bus
 from shared.config import UNTIL_STOPPED, ConfigError
+from shared.figures.training import steady_iteration_s
 from shared.logs import get_logger
 from shared.model.trainstate import check_resume, check_save_target, write_save
 from shared.policies.recovery import clean_stop_iteration, save_due
@@ -59,8 +60,7 @@ class TrainResult:
 
     def steady_iteration_s(self) -> float:
         """Median iteration time, leaving out the first (warm-up) iteration when there are several."""
-        times = self.iteration_s[1:] if len(self.iteration_s) > 2 else self.iteration_s
-        return statistics.median(times)
+        return steady_iteration_s(self.iteration_s)
 
 
 async def run_training(

@@ -10,4 +10,8 @@ need; this package imports none of them.
 - `bubblestats`: the per-bubble figures: dispatch latency over every bubble, control shares,
   prediction error, overrun, and the bubbles' capacity.
 - `capacity`: the load a run offers, as a share of that capacity, and what a prompt costs.
+- `training`: the steady iteration time, the training slowdown with BubbleTea on, a speedup, and
+  the share of time training compute ran behind its profile.
+- `requests`: TTFT percentiles on the device clock, SLO attainment over every request sent, and
+  the requests lost.
 """

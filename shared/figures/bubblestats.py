@@ -16,8 +16,9 @@ the worker sent it (`ControlSeen`, on the run's spans stream). From those:
   bubble with work that was filled; a batch report sent to the dispatcher handling it) over the
   mean bubble in device time: the share of a bubble it would take at time scale k = 1, since the
   host's latencies do not stretch with k (docs/config.md, "Clocks").
-* **capacity**: the prompt tokens per second a run's bubbles can hold (`capacity_tokens_per_s`), from
-  a run without BubbleTea: what an offered load is a share of.
+* **capacity**: the prompts (`capacity_requests_per_s`), or prompt tokens (`capacity_tokens_per_s`),
+  per second a run's bubbles can hold, from a run without BubbleTea: what an offered load is a
+  share of.
 * **prediction error**, **overrun**: per bubble, |actual - predicted| length; input arrived to
   training resumed where prefill ran in it.
 
@@ -141,9 +142,16 @@ def overruns_ms(spans: Iterable[Span]) -> list[float]:
     return out
 
 
-def capacity_tokens_per_s(spans_off: list[Span], block_s: Callable[[int], float], layers: int, tokens: int) -> float:
-    """The prompt tokens per (real) second the bubbles of a run without BubbleTea could hold: its
-    bubble seconds per second, summed over workers (steady window), over what a prompt of `tokens`
-    tokens costs (`layers` blocks of `block_s(tokens)` real seconds)."""
+def capacity_requests_per_s(spans_off: list[Span], block_s: Callable[[int], float], layers: int, tokens: int) -> float:
+    """The prompts of `tokens` tokens per (real) second the bubbles of a run without BubbleTea could
+    hold: its bubble seconds per second, summed over workers (steady window), over what one such
+    prompt costs (`layers` blocks of `block_s(tokens)` real seconds); 0 for a prompt that costs
+    nothing. The simulator's default load, and what `capacity.offer` offers a share of."""
     u = utilization(spans_off)
-    return u.bubble * u.workers * tokens / (layers * block_s(tokens))
+    per_request = layers * block_s(tokens)
+    return u.workers * u.bubble / per_request if per_request > 0 else 0.0
+
+
+def capacity_tokens_per_s(spans_off: list[Span], block_s: Callable[[int], float], layers: int, tokens: int) -> float:
+    """`capacity_requests_per_s` in prompt tokens per (real) second."""
+    return capacity_requests_per_s(spans_off, block_s, layers, tokens) * tokens

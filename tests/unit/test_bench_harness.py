@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from bench import _harness
-from shared.figures.bubblestats import capacity_tokens_per_s
+from shared.figures.bubblestats import capacity_requests_per_s, capacity_tokens_per_s
 from shared.figures.runstats import Span
 from shared.status import ControlEvent
 from shared.wire import ControlSeen
@@ -104,3 +104,6 @@ def test_capacity_is_the_off_runs_bubble_time_over_a_prompts_cost() -> None:
     # a 96-token prompt costs 4 blocks of 2 ms: 96 / 0.008 tokens per bubble-second
     got = capacity_tokens_per_s(timeline(prefill=False), lambda tokens: 0.002, 4, 96)
     assert got == pytest.approx(0.8 * 96 / 0.008)
+    # in requests: the simulator's default load and what an offer is a share of
+    assert capacity_requests_per_s(timeline(prefill=False), lambda tokens: 0.002, 4, 96) == pytest.approx(0.8 / 0.008)
+    assert capacity_requests_per_s(timeline(prefill=False), lambda tokens: 0.0, 4, 96) == 0.0  # free: no figure
