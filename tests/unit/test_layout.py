@@ -1,13 +1,18 @@
-"""The layout's import rules (DESIGN.md, "Layout"), checked by reading the source with `ast`.
+"""The layout's import rules, checked by reading the source with `ast` (nothing is imported).
 
-* Nothing in `services/` or `shared/` imports `bubbletea`, `sim` or `loadgen` (anywhere in a file,
-  function bodies included): the services must run without the person's tools.
+* Nothing in `services/` or `shared/` imports `bubbletea`, `sim` or `loadgen`: the services must run
+  without the person's tools.
+* Nothing in `shared/` or `sim/` imports `bubbletea`, the command a person runs: the simulator
+  takes what it shares with the command from `shared/` (its figures: `shared/figures/`).
 * No service imports another: `services/<a>` never imports `services.<b>`.
-* No import cycle among the project's modules (`shared`, `services`, `bubbletea`, `loadgen`,
-  `sim`). Only imports run when a module is imported count: those in function bodies (run later)
-  and under `if TYPE_CHECKING:` (never run) are ignored. `from pkg import sub` counts as importing
-  `pkg.sub` when that is a module, otherwise `pkg`; the implicit import of parent packages is not
-  an edge (a package's `__init__` re-exporting its submodules is not a cycle).
+* No import cycle among the product's modules (`shared`, `services`, `sim`, `bubbletea`, `loadgen`,
+  `bubbletea_vllm`), nor among those packages. Every import counts, wherever it is: one in a
+  function body or under `if TYPE_CHECKING:` only hides a cycle (the two modules still need each
+  other). Relative imports are resolved; `from pkg import sub` counts as importing `pkg.sub` when
+  that is a module, otherwise `pkg`; the implicit import of parent packages is not an edge (a
+  package's `__init__` re-exporting its submodules is not a cycle).
+
+Every check looks at every import in a file, function bodies included.
 """
 
 from __future__ import annotations
@@ -18,60 +23,67 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("shared", "services", "bubbletea", "loadgen", "sim")
+#: The product's packages, and the folder each lies in (the vLLM connector is its own distribution).
+SOURCE_ROOTS = {
+    "shared": ROOT,
+    "services": ROOT,
+    "sim": ROOT,
+    "bubbletea": ROOT,
+    "loadgen": ROOT,
+    "bubbletea_vllm": ROOT / "bubbletea-vllm",
+}
+PACKAGES = tuple(SOURCE_ROOTS)
 #: What the services and the code they share must never import.
 TOOLS = ("bubbletea", "sim", "loadgen")
+#: The command a person runs: neither `shared/` nor the simulator imports it.
+CLI = "bubbletea"
 
 
 @dataclass(frozen=True)
 class Import:
     module: str  # the absolute name, as resolved
     line: int
-    at_load: bool  # runs when the importing module is imported
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    top = path.relative_to(ROOT).parts[0]
+    source_root = next((r for r in SOURCE_ROOTS.values() if r != ROOT and r.name == top), ROOT)
+    parts = list(path.relative_to(source_root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def source_files(*packages: str) -> list[Path]:
-    return sorted(p for pkg in packages if (ROOT / pkg).is_dir() for p in (ROOT / pkg).rglob("*.py"))
+    dirs = [SOURCE_ROOTS[pkg] / pkg for pkg in packages]
+    return sorted(p for d in dirs if d.is_dir() for p in d.rglob("*.py"))
 
 
 def is_module(name: str) -> bool:
-    path = ROOT.joinpath(*name.split("."))
+    source_root = SOURCE_ROOTS.get(top(name), ROOT)
+    path = source_root.joinpath(*name.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def imports(path: Path) -> Iterator[Import]:
-    """Every import in a file, resolved to absolute module names."""
+    """Every import in a file (module level, function bodies, `if TYPE_CHECKING:`), resolved to
+    absolute module names."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    yield from _walk(tree, package, at_load=True)
+    yield from imports_in(tree, package)
 
 
-def _walk(node: ast.AST, package: str, *, at_load: bool) -> Iterator[Import]:
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.Import):
-            for alias in child.names:
-                yield Import(alias.name, child.lineno, at_load)
-        elif isinstance(child, ast.ImportFrom):
-            base = _absolute(child, package)
-            for alias in child.names:
+def imports_in(tree: ast.AST, package: str) -> Iterator[Import]:
+    """Every import anywhere in `tree`, of a module in `package` (relative imports resolved)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node, package)
+            for alias in node.names:
                 sub = f"{base}.{alias.name}" if base else alias.name
-                yield Import(sub if is_module(sub) else base, child.lineno, at_load)
-        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            yield from _walk(child, package, at_load=False)
-        elif isinstance(child, ast.If) and _is_type_checking(child.test):
-            for stmt in child.body:
-                yield from _walk(ast.Module(body=[stmt], type_ignores=[]), package, at_load=False)
-            for stmt in child.orelse:
-                yield from _walk(ast.Module(body=[stmt], type_ignores=[]), package, at_load=at_load)
-        else:
-            yield from _walk(child, package, at_load=at_load)
+                yield Import(sub if is_module(sub) else base, node.lineno)
 
 
 def _absolute(node: ast.ImportFrom, package: str) -> str:
@@ -82,14 +94,44 @@ def _absolute(node: ast.ImportFrom, package: str) -> str:
     return f"{base}.{node.module}" if node.module else base
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def top(name: str) -> str:
     return name.partition(".")[0]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the product's modules it imports, over every file of the product's packages."""
+    graph: dict[str, set[str]] = {}
+    for path in source_files(*PACKAGES):
+        name = module_name(path)
+        graph.setdefault(name, set()).update(
+            imp.module for imp in imports(path) if top(imp.module) in PACKAGES and imp.module != name
+        )
+    return graph
+
+
+def test_every_import_counts_wherever_it_is_and_relative_ones_are_resolved() -> None:
+    """The checker itself: imports under TYPE_CHECKING and in function bodies count, a relative
+    import is resolved against the importing module's package, `from pkg import sub` names `pkg.sub`
+    when that is a module."""
+    source = """
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from shared.bus.bus import Bus
+def later():
+    from ..figures import runstats
+    from . import connection
+    import sim.run
+from .consumer import Consumer
+"""
+    got = {i.module for i in imports_in(ast.parse(source), "shared.bus")}
+    want = {"typing", "shared.bus.bus", "shared.figures.runstats", "shared.bus.connection", "sim.run"}
+    assert got == want | {"shared.bus.consumer"}
+
+
+def test_the_graph_sees_every_package() -> None:
+    graph = import_graph()
+    assert {top(m) for m in graph} == set(PACKAGES), "a package was not found: is ROOT right?"
+    assert "bubbletea_vllm.handle" in graph["bubbletea_vllm.connector"]  # the connector's own folder
 
 
 def test_services_and_shared_do_not_import_the_tools() -> None:
@@ -102,6 +144,21 @@ def test_services_and_shared_do_not_import_the_tools() -> None:
         if top(imp.module) in TOOLS
     ]
     assert not bad, "services/ and shared/ must not import bubbletea, sim or loadgen:\n" + "\n".join(bad)
+
+
+def test_shared_and_sim_do_not_import_the_command() -> None:
+    files = source_files("shared", "sim")
+    assert files, "no source found: is ROOT right?"
+    bad = [
+        f"{path.relative_to(ROOT)}:{imp.line} imports {imp.module}"
+        for path in files
+        for imp in imports(path)
+        if top(imp.module) == CLI
+    ]
+    assert not bad, (
+        "shared/ and sim/ must not import the bubbletea command's package (what they share with it "
+        "lives in shared/, its figures in shared/figures/):\n" + "\n".join(bad)
+    )
 
 
 def test_no_service_imports_another() -> None:
@@ -119,11 +176,18 @@ def test_no_service_imports_another() -> None:
 
 
 def test_no_import_cycles() -> None:
-    graph: dict[str, set[str]] = {}
-    for path in source_files(*PACKAGES):
-        graph[module_name(path)] = {imp.module for imp in imports(path) if imp.at_load and top(imp.module) in PACKAGES}
-    cycles = find_cycles(graph)
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles (every import counts, function-local ones too):\n" + "\n".join(
+        " -> ".join(c) for c in cycles
+    )
+
+
+def test_no_cycle_between_the_packages() -> None:
+    packages: dict[str, set[str]] = {}
+    for module, imported in import_graph().items():
+        packages.setdefault(top(module), set()).update(top(m) for m in imported if top(m) != top(module))
+    cycles = find_cycles(packages)
+    assert not cycles, "the packages import each other:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
