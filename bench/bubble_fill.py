@@ -354,7 +354,8 @@ async def bench(
         async with EmbeddedRedis() as redis:
             for dp, mode, share in cases:
                 kw: dict[str, Any] = {"dp": dp, "mode": mode, "pairs": pairs, "iterations": iterations}
-                out.append(await run_case(redis.url, Path(tmp), share=share, slo_device_ms=slo_device_ms, k=k, **kw))
+                kw |= {"share": share, "slo_device_ms": slo_device_ms, "k": k, "max_rate": max_rate}
+                out.append(await run_case(redis.url, Path(tmp), **kw))
     return out
 
 
