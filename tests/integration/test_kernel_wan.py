@@ -238,23 +238,33 @@ async def test_two_runs_at_once_need_two_bases(privileged: None) -> None:
     assert ip_forward() == before
 
 
+#: Prepended to the code `as_nobody` runs, after its imports: from here on the interpreter is user
+#: nobody (uid and gid 65534, no supplementary groups; leaving uid 0 drops every capability).
+DROP_TO_NOBODY = "import os\nos.setgroups([])\nos.setgid(65534)\nos.setuid(65534)\n"
+
+
+def as_nobody(imports: str, code: str) -> subprocess.CompletedProcess[str]:
+    """Run `code` as user nobody in a new interpreter, after `imports` ran as root. Not `setpriv`
+    before the interpreter starts: the checkout and its environment may live where nobody can read
+    them (a clone in a 0700 home directory), and then nobody could not import bubbletea at all."""
+    return subprocess.run(
+        [sys.executable, "-c", imports + DROP_TO_NOBODY + code],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+
+
 def test_an_unprivileged_user_is_refused_in_one_line() -> None:
-    code = (
-        "from bubbletea.launcher.kernel_wan import KernelWanError, check_privileges\n"
-        "try:\n    check_privileges()\nexcept KernelWanError as exc:\n    print(exc)\n    raise SystemExit(3)\n"
-    )
     if os.geteuid() != 0:  # we are the unprivileged user
         with pytest.raises(KernelWanError) as err:
             check_privileges()
         lines = [str(err.value)]
     else:
-        if shutil.which("setpriv") is None:
-            pytest.skip("setpriv not found: cannot drop root to test the refusal")
-        r = subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
-            capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
-        )  # fmt: skip
+        r = as_nobody(
+            "from bubbletea.launcher.kernel_wan import KernelWanError, check_privileges\n",
+            "try:\n    check_privileges()\nexcept KernelWanError as exc:\n    print(exc)\n    raise SystemExit(3)\n",
+        )
         assert r.returncode == 3, (r.stdout, r.stderr)
+        assert "(running as uid 65534)" in r.stdout, r.stdout  # the check ran as nobody
         lines = r.stdout.splitlines()
     assert len(lines) == 1, lines
     assert "--wan kernel needs root" in lines[0] and "--wan model" in lines[0], lines[0]
@@ -267,12 +277,10 @@ def test_the_default_wan_mode_is_kernel_where_it_can_run_and_model_elsewhere_say
         assert (mode, why) == ("kernel", "root, network namespaces available")
     else:
         assert mode == "model" and why.startswith("kernel mode cannot run here: "), why
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+    if os.geteuid() != 0:
         return
-    code = "from bubbletea.launcher.kernel_wan import default_wan_mode\nprint(*default_wan_mode(), sep='|')\n"
-    r = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
+    r = as_nobody(
+        "from bubbletea.launcher.kernel_wan import default_wan_mode\n", "print(*default_wan_mode(), sep='|')\n"
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "model|kernel mode cannot run here: not root (uid 65534)"
