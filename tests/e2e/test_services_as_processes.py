@@ -71,8 +71,14 @@ def test_bad_config_fails_at_start_naming_the_field(tmp_path: Path) -> None:
     assert "datacenters[0].gpus" in r.stderr and ">= 1" in r.stderr
 
 
-def _tiny_spec(tmp_path: Path, iterations: int = 4) -> Path:
-    return write_spec(tmp_path, training={**SPEC["training"], "iterations": iterations})
+def _tiny_spec(tmp_path: Path, iterations: int = 4, dp: int = 2) -> Path:
+    """SPEC (PP=2) trained `iterations`, with `dp` replicas: `dp` GPUs per datacenter."""
+    return write_spec(
+        tmp_path,
+        datacenters=[{**dc, "gpus": dp} for dc in SPEC["datacenters"]],
+        parallelism={**SPEC["parallelism"], "dp": dp},
+        training={**SPEC["training"], "iterations": iterations},
+    )
 
 
 def _demo(tmp_path: Path, spec: Path, timeout: float, *args: str) -> subprocess.CompletedProcess[str]:
@@ -126,7 +132,7 @@ def test_demo_with_no_redis_on_the_path_stops_everything_on_ctrl_c(tmp_path: Pat
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_REDIS_SERVER")}
     env["PATH"] = "/nonexistent"
     env["BUBBLETEA_TIME_SCALE"] = "1"  # the stop and the Redis are the subject (test_demo_compares_... measures)
-    spec = _tiny_spec(tmp_path, iterations=2)
+    spec = _tiny_spec(tmp_path, iterations=2, dp=1)  # two workers a run, not four: the pipeline is not the subject
     proc = subprocess.Popen(
         [sys.executable, "-m", "bubbletea.cli", "demo", "--hold", "--config", str(spec), "--out", str(tmp_path)],
         env=env,
