@@ -32,6 +32,12 @@ ROOT = Path(__file__).resolve().parents[2]
 #: profile is 60 ms a stage against ~1-4 ms of real compute, so a measurement says 1 here anyway.
 #: test_up_serves_until_stopped_... measures it as a user's `up` does.
 RESTARTS_SCALE = {"BUBBLETEA_TIME_SCALE": "1"}
+#: PP=2 x DP=1, two workers, for the tests whose subject is not the pipeline (restarts, a dead service).
+TWO_WORKERS = {
+    **SPEC,
+    "datacenters": [{**dc, "gpus": 1} for dc in SPEC["datacenters"]],
+    "parallelism": {**SPEC["parallelism"], "dp": 1},
+}
 
 
 async def _read_until(stream: asyncio.StreamReader, pattern: str, seen: list[str], timeout: float) -> re.Match[str]:
@@ -159,7 +165,7 @@ async def _drain(stream: asyncio.StreamReader, seen: list[str]) -> None:
 
 def test_up_reports_a_dead_service_by_name(tmp_path: Path) -> None:
     """A spec whose prefill checkpoint does not exist: the workers die at start; up says which."""
-    spec = {**SPEC, "http": {"host": "127.0.0.1", "port": 0}}
+    spec = {**TWO_WORKERS, "http": {"host": "127.0.0.1", "port": 0}}
     spec["prefill"] = {**SPEC["prefill"], "checkpoint": str(tmp_path / "missing.pt")}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -197,7 +203,7 @@ async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: P
     (a new pid, a new heartbeat; the front door on the same port; the worker takes the free slot and
     training resumes from its checkpoint), and prompts submitted after each kill are answered."""
     path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump({**SPEC, "http": {"host": "127.0.0.1", "port": 0}}))
+    path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "127.0.0.1", "port": 0}}))
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | RESTARTS_SCALE
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), "--out", str(tmp_path / "runs")),
@@ -273,7 +279,7 @@ async def test_up_restarts_its_redis_and_stops_cleanly_on_sigterm(tmp_path: Path
     append-only file, no service exits (each rides the outage out), and a prompt is answered. Then a
     service manager (or `kill`) sends SIGTERM: the same clean stop as Ctrl-C, exit 0."""
     path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump({**SPEC, "http": {"host": "127.0.0.1", "port": 0}}))
+    path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "127.0.0.1", "port": 0}}))
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | RESTARTS_SCALE
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "bubbletea.cli", "up", "--persist", "--config", str(path)),
