@@ -4,8 +4,9 @@ See docs/architecture.md ("The bus") for the delivery contract and why it is han
 redis.asyncio rather than taken from a framework.
 """
 
-from shared.bus.bus import Bus, DeadLetter, default_consumer_name
+from shared.bus.bus import Bus, default_consumer_name
 from shared.bus.consumer import Consumer, ConsumerStats
+from shared.bus.deadletters import DeadLetter
 from shared.bus.delivery import HOLD, Delivery, Handler, Handlers, Outcome, Reject
 from shared.bus.streams import trim_acked
 

@@ -6,35 +6,15 @@ import os
 import secrets
 import socket
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from shared import keys
 from shared.bus.connection import RIDE_OUT_S, command_client, ride_out
 from shared.bus.consumer import Consumer
+from shared.bus.deadletters import DeadLetter, read_dead_letters
 from shared.bus.delivery import Handlers
 from shared.config import BusConfig
 from shared.wire import FIELD, Message, encode
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    """An entry of the dead-letter stream: where a message came from and why it was given up."""
-
-    id: str
-    stream: str
-    group: str
-    source_id: str
-    consumer: str
-    attempts: int
-    error: str
-    #: The payload as stored: its first `keys.DEAD_LETTER_PAYLOAD_MAX_BYTES` bytes.
-    payload: bytes
-    #: The original payload's length and SHA-256, and whether `payload` is cut short of it.
-    payload_bytes: int = 0
-    payload_sha256: str = ""
-    truncated: bool = False
 
 
 def default_consumer_name(prefix: str = "c") -> str:
@@ -123,22 +103,4 @@ class Bus:
 
     async def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The oldest `count` entries of the dead-letter stream (for operators and tests)."""
-        rows: Any = await self.redis.xrange(keys.DEAD_LETTER_STREAM, count=count)
-        out = []
-        for entry_id, f in rows:
-            out.append(
-                DeadLetter(
-                    id=entry_id.decode(),
-                    stream=f[b"stream"].decode(),
-                    group=f[b"group"].decode(),
-                    source_id=f[b"id"].decode(),
-                    consumer=f[b"consumer"].decode(),
-                    attempts=int(f[b"attempts"]),
-                    error=f[b"error"].decode(errors="replace"),
-                    payload=f.get(FIELD, b""),
-                    payload_bytes=int(f.get(b"payload_bytes", len(f.get(FIELD, b"")))),
-                    payload_sha256=f.get(b"payload_sha256", b"").decode(),
-                    truncated=f.get(b"payload_truncated", b"0") == b"1",
-                )
-            )
-        return out
+        return await read_dead_letters(self.redis, count)

@@ -24,9 +24,9 @@ the group is recreated if it vanished, unsent acks are kept and retried, and the
 runs again. Shutdown (`stop`) stops reading, lets in-flight handlers finish within the grace
 period, cancels the rest (they stay pending and are redelivered), flushes acks, then closes.
 
-Over 300 lines on purpose: the read, handle, ack and reclaim loops are one state machine over the
-same in-flight and held tables; split apart, each piece would reach into the others' state. What
-stands alone lives beside it (`delivery.py`: the handler table; `streams.py`: groups and trimming).
+The read, handle and reclaim loops are one state machine over the same in-flight and held tables,
+so they stay together here. What stands alone lives beside it: `delivery.py` (the handler table),
+`acks.py` (batched acks), `deadletters.py` (dead letters), `streams.py` (groups, trimming).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -42,10 +41,11 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from shared import keys
+from shared.bus.acks import Acks
 from shared.bus.connection import BLOCKING_SLACK_S, TRANSIENT_ERRORS, Connected, backoff, blocking_client
+from shared.bus.deadletters import dead_letter
 from shared.bus.delivery import HOLD, Delivery, Handlers, Reject, route
-from shared.bus.streams import ensure_group, group_is_gone, trim_acked
+from shared.bus.streams import delivery_counts, ensure_group, group_is_gone, trim_acked
 from shared.config import BusConfig
 from shared.logs import get_logger
 from shared.wire import FIELD, WireError, decode, kind_of
@@ -90,9 +90,7 @@ class Consumer:
         #: Entries whose handler returned HOLD: pending, ours, refreshed, until `release`.
         self._held: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
-        self._acks: list[str] = []
-        self._ack_wakeup = asyncio.Event()
-        self._closing = False
+        self._acks = Acks(bus, stream, group)
         self._stopping = False
         self._read_task: asyncio.Task[None] | None = None
         self._reclaim_task: asyncio.Task[None] | None = None
@@ -108,7 +106,7 @@ class Consumer:
         await ensure_group(self.bus.redis, self.stream, self.group)
         self._read_task = asyncio.create_task(self._read_loop(), name=f"read:{self.stream}")
         self._reclaim_task = asyncio.create_task(self._reclaim_loop(), name=f"reclaim:{self.stream}")
-        self._ack_task = asyncio.create_task(self._ack_loop(), name=f"ack:{self.stream}")
+        self._ack_task = asyncio.create_task(self._acks.run(), name=f"ack:{self.stream}")
         for task in (self._read_task, self._reclaim_task, self._ack_task):
             task.add_done_callback(self._loop_ended)
         log.info("consumer started", stream=self.stream, group=self.group, consumer=self.name)
@@ -128,8 +126,7 @@ class Consumer:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         await _cancel_and_wait(self._reclaim_task)
-        self._closing = True
-        self._ack_wakeup.set()
+        self._acks.close()
         if self._ack_task is not None:
             # asyncio.wait, not wait_for: on 3.11 wait_for can swallow our own cancellation.
             done, _ = await asyncio.wait({self._ack_task}, timeout=max(grace, 1.0))
@@ -170,7 +167,7 @@ class Consumer:
         released, or held by a previous incarnation) are acked too: acking is idempotent."""
         self._held.pop(entry_id, None)
         self.stats.held = len(self._held)
-        self._ack(entry_id)
+        self._acks.add(entry_id)
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -232,20 +229,12 @@ class Consumer:
         fresh = [(i.decode(), f) for i, f in entries if i.decode() not in mine]
         if not fresh:
             return
-        counts = await self._delivery_counts([i for i, _ in fresh])
+        ids = [i for i, _ in fresh]
+        counts = await delivery_counts(
+            self.bus.redis, self.stream, self.group, self.name, ids, count=len(ids) + len(self._inflight) + 16
+        )
         for entry_id, fields in fresh:
             self._spawn(entry_id, fields, counts.get(entry_id, 1))
-
-    async def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
-        rows: Any = await self.bus.redis.xpending_range(
-            self.stream,
-            self.group,
-            min=ids[0],
-            max=ids[-1],
-            count=len(ids) + len(self._inflight) + 16,
-            consumername=self.name,
-        )
-        return {r["message_id"].decode(): int(r["times_delivered"]) for r in rows}
 
     def _spawn(self, entry_id: str, fields: dict[bytes, bytes] | None, attempt: int) -> None:
         task = asyncio.create_task(self._handle(entry_id, fields, attempt), name=f"handle:{entry_id}")
@@ -269,7 +258,7 @@ class Consumer:
             log.warning(
                 "pending entry was deleted from the stream before it was handled", stream=self.stream, id=entry_id
             )
-            self._ack(entry_id)
+            self._acks.add(entry_id)
             return
         raw = fields.get(FIELD)
         try:
@@ -309,7 +298,7 @@ class Consumer:
             self._held[entry_id] = time.monotonic()
             self.stats.held = len(self._held)
         else:
-            self._ack(entry_id)
+            self._acks.add(entry_id)
         if log.isEnabledFor(10):
             log.debug(
                 "handled",
@@ -320,60 +309,11 @@ class Consumer:
                 ms=(time.perf_counter() - t0) * 1000,
             )
 
-    def _ack(self, entry_id: str) -> None:
-        self._acks.append(entry_id)
-        self._ack_wakeup.set()
-
     async def _dead_letter(self, entry_id: str, raw: bytes | None, error: str, attempt: int) -> None:
-        """Move the entry to the dead-letter stream and ack it, atomically (MULTI/EXEC)."""
-        record: dict[Any, Any] = {
-            "stream": self.stream,
-            "group": self.group,
-            "id": entry_id,
-            "consumer": self.name,
-            "attempts": attempt,
-            "error": error[: keys.DEAD_LETTER_ERROR_MAX_CHARS],
-            **dead_letter_payload(raw or b""),
-        }
-        try:
-            async with self.bus.redis.pipeline(transaction=True) as pipe:
-                pipe.xadd(keys.DEAD_LETTER_STREAM, record, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
-                pipe.xack(self.stream, self.group, entry_id)
-                await pipe.execute()
-        except TRANSIENT_ERRORS as exc:
-            log.warning(
-                "dead-lettering failed; entry stays pending and will be retried",
-                stream=self.stream,
-                id=entry_id,
-                error=repr(exc),
-            )
-            return
-        self.stats.dead_lettered += 1
-        log.error(
-            "message dead-lettered", stream=self.stream, group=self.group, id=entry_id, attempt=attempt, error=error
-        )
+        if await dead_letter(self.bus.redis, self.stream, self.group, self.name, entry_id, raw, error, attempt):
+            self.stats.dead_lettered += 1
 
     # --- background loops ------------------------------------------------------------------
-
-    async def _ack_loop(self) -> None:
-        failures = 0
-        while True:
-            await self._ack_wakeup.wait()
-            self._ack_wakeup.clear()
-            while self._acks:
-                ids, self._acks = self._acks, []
-                try:
-                    await self.bus.redis.xack(self.stream, self.group, *ids)
-                    failures = 0
-                except TRANSIENT_ERRORS as exc:
-                    self._acks[:0] = ids  # keep them: the effects happened, the acks must follow
-                    failures += 1
-                    log.warning(
-                        "ack failed; retrying", stream=self.stream, pending_acks=len(self._acks), error=repr(exc)
-                    )
-                    await asyncio.sleep(backoff().compute(failures))
-            if self._closing:
-                return
 
     async def _reclaim_loop(self) -> None:
         # Every quarter of claim_idle: a live slow handler's entry is refreshed before it is half
@@ -435,20 +375,6 @@ class Consumer:
             start = next_start.decode() if isinstance(next_start, bytes) else next_start
             if start == "0-0":
                 return
-
-
-def dead_letter_payload(raw: bytes) -> dict[Any, Any]:
-    """The payload fields of a dead letter: the payload itself up to
-    `keys.DEAD_LETTER_PAYLOAD_MAX_BYTES` (its first bytes past that, with ``payload_truncated``
-    set), its original length and SHA-256, so the stream's bytes are bounded (count x size) and a
-    truncated payload can still be matched with the producer's copy."""
-    cap = keys.DEAD_LETTER_PAYLOAD_MAX_BYTES
-    return {
-        FIELD: raw[:cap],
-        "payload_bytes": len(raw),
-        "payload_sha256": hashlib.sha256(raw).hexdigest(),
-        "payload_truncated": int(len(raw) > cap),
-    }
 
 
 async def _cancel_and_wait(task: asyncio.Task[None] | None) -> None:

@@ -1,6 +1,8 @@
-"""Stream bookkeeping: consumer groups, entry ids, and trimming that never drops unread work."""
+"""Stream bookkeeping: consumer groups, entry ids, delivery counts, and trimming that never drops unread work."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
@@ -84,3 +86,12 @@ async def trim_acked(r: Redis, stream: str, *, soft_max_len: int) -> int:
             bound=soft_max_len,
         )
     return removed
+
+
+async def delivery_counts(
+    r: Redis, stream: str, group: str, consumer: str, ids: list[str], *, count: int
+) -> dict[str, int]:
+    """How often each of `consumer`'s pending entries from ``ids[0]`` to ``ids[-1]`` (at most
+    `count` of them) was delivered: entry id -> times delivered."""
+    rows: Any = await r.xpending_range(stream, group, min=ids[0], max=ids[-1], count=count, consumername=consumer)
+    return {row["message_id"].decode(): int(row["times_delivered"]) for row in rows}

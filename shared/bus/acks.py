@@ -1,0 +1,56 @@
+"""A consumer's batched acks: one XACK per wake-up, kept and retried through a lost connection."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.bus.connection import TRANSIENT_ERRORS, Connected, backoff
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class Acks:
+    """Entry ids whose effects happened, waiting for their XACK. `run` sends them, many per round
+    trip under load; after `close` it sends what is left and returns."""
+
+    def __init__(self, bus: Connected, stream: str, group: str) -> None:
+        self.bus = bus
+        self.stream = stream
+        self.group = group
+        self._unsent: list[str] = []
+        self._wakeup = asyncio.Event()
+        self._closing = False
+
+    def __len__(self) -> int:
+        """How many acks are not sent yet."""
+        return len(self._unsent)
+
+    def add(self, entry_id: str) -> None:
+        self._unsent.append(entry_id)
+        self._wakeup.set()
+
+    def close(self) -> None:
+        """`run` returns once every ack queued so far is sent."""
+        self._closing = True
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._unsent:
+                ids, self._unsent = self._unsent, []
+                try:
+                    await self.bus.redis.xack(self.stream, self.group, *ids)
+                    failures = 0
+                except TRANSIENT_ERRORS as exc:
+                    self._unsent[:0] = ids  # keep them: the effects happened, the acks must follow
+                    failures += 1
+                    log.warning(
+                        "ack failed; retrying", stream=self.stream, pending_acks=len(self._unsent), error=repr(exc)
+                    )
+                    await asyncio.sleep(backoff().compute(failures))
+            if self._closing:
+                return

@@ -1,0 +1,104 @@
+"""The dead-letter stream's records: what a consumer writes (with its ack, atomically) and what is read back."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.bus.connection import TRANSIENT_ERRORS
+from shared.logs import get_logger
+from shared.wire import FIELD
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """An entry of the dead-letter stream: where a message came from and why it was given up."""
+
+    id: str
+    stream: str
+    group: str
+    source_id: str
+    consumer: str
+    attempts: int
+    error: str
+    #: The payload as stored: its first `keys.DEAD_LETTER_PAYLOAD_MAX_BYTES` bytes.
+    payload: bytes
+    #: The original payload's length and SHA-256, and whether `payload` is cut short of it.
+    payload_bytes: int = 0
+    payload_sha256: str = ""
+    truncated: bool = False
+
+
+async def dead_letter(
+    r: Redis, stream: str, group: str, consumer: str, entry_id: str, raw: bytes | None, error: str, attempts: int
+) -> bool:
+    """Move `consumer`'s entry to the dead-letter stream and ack it in its group, atomically
+    (MULTI/EXEC): it is never both lost and acked. False if Redis could not be reached: the entry
+    then stays pending, to be retried."""
+    record: dict[Any, Any] = {
+        "stream": stream,
+        "group": group,
+        "id": entry_id,
+        "consumer": consumer,
+        "attempts": attempts,
+        "error": error[: keys.DEAD_LETTER_ERROR_MAX_CHARS],
+        **dead_letter_payload(raw or b""),
+    }
+    try:
+        async with r.pipeline(transaction=True) as pipe:
+            pipe.xadd(keys.DEAD_LETTER_STREAM, record, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
+            pipe.xack(stream, group, entry_id)
+            await pipe.execute()
+    except TRANSIENT_ERRORS as exc:
+        log.warning(
+            "dead-lettering failed; entry stays pending and will be retried",
+            stream=stream,
+            id=entry_id,
+            error=repr(exc),
+        )
+        return False
+    log.error("message dead-lettered", stream=stream, group=group, id=entry_id, attempt=attempts, error=error)
+    return True
+
+
+def dead_letter_payload(raw: bytes) -> dict[Any, Any]:
+    """The payload fields of a dead letter: the payload itself up to
+    `keys.DEAD_LETTER_PAYLOAD_MAX_BYTES` (its first bytes past that, with ``payload_truncated``
+    set), its original length and SHA-256, so the stream's bytes are bounded (count x size) and a
+    truncated payload can still be matched with the producer's copy."""
+    cap = keys.DEAD_LETTER_PAYLOAD_MAX_BYTES
+    return {
+        FIELD: raw[:cap],
+        "payload_bytes": len(raw),
+        "payload_sha256": hashlib.sha256(raw).hexdigest(),
+        "payload_truncated": int(len(raw) > cap),
+    }
+
+
+async def read_dead_letters(r: Redis, count: int) -> list[DeadLetter]:
+    """The oldest `count` entries of the dead-letter stream."""
+    rows: Any = await r.xrange(keys.DEAD_LETTER_STREAM, count=count)
+    out = []
+    for entry_id, f in rows:
+        out.append(
+            DeadLetter(
+                id=entry_id.decode(),
+                stream=f[b"stream"].decode(),
+                group=f[b"group"].decode(),
+                source_id=f[b"id"].decode(),
+                consumer=f[b"consumer"].decode(),
+                attempts=int(f[b"attempts"]),
+                error=f[b"error"].decode(errors="replace"),
+                payload=f.get(FIELD, b""),
+                payload_bytes=int(f.get(b"payload_bytes", len(f.get(FIELD, b"")))),
+                payload_sha256=f.get(b"payload_sha256", b"").decode(),
+                truncated=f.get(b"payload_truncated", b"0") == b"1",
+            )
+        )
+    return out
