@@ -53,8 +53,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
-from shared.config import MAX_ITERATIONS, UNTIL_STOPPED, ClusterSpec, ConfigError, Training, check_decode, load_spec
+from shared.config import ClusterSpec, ConfigError, check_decode, load_spec
 from shared.priority import PRIORITIES
+from shared.spec_training import MAX_ITERATIONS, UNTIL_STOPPED, Training
 from shared.timescale import LIMIT_SCALE, scale_spec
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"

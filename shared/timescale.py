@@ -133,7 +133,7 @@ def choose_scale(
 
 
 def field_clock(field_type: mi.Type) -> str | None:
-    """The clock a spec field's type declares (`shared.config.DEVICE`, `DEVICE_RATE`, `HOST`), if any;
+    """The clock a spec field's type declares (`shared.spec_fields.DEVICE`, `DEVICE_RATE`, `HOST`), if any;
     an optional field (`X | None`) declares it on X."""
     if isinstance(field_type, mi.UnionType):
         marks = {field_clock(t) for t in field_type.types} - {None}

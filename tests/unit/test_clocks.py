@@ -33,7 +33,7 @@ def test_every_duration_of_the_spec_declares_its_clock() -> None:
     timed = {path for path in clocks if TIMED.search(path.rsplit(".", 1)[-1])}
     assert len(timed) >= 20
     undeclared = sorted(p for p in timed if clocks[p] is None)
-    assert not undeclared, f"durations without a clock (shared.config DEVICE / HOST): {undeclared}"
+    assert not undeclared, f"durations without a clock (shared.spec_fields DEVICE / HOST): {undeclared}"
     assert {p for p, c in clocks.items() if c} == timed  # and nothing else claims one
 
 

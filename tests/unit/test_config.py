@@ -171,7 +171,7 @@ def test_service_without_redis_url_gets_clear_error() -> None:
 
 def test_config_reference_documents_every_field() -> None:
     """docs/config.md must mention every field of every section."""
-    from shared import config
+    from shared import config, spec_training
 
     doc = (ROOT / "docs" / "config.md").read_text()
     for cls in (
@@ -180,10 +180,10 @@ def test_config_reference_documents_every_field() -> None:
         config.Wan,
         config.LinkParams,
         config.LinkOverride,
-        config.ModelSpec,
-        config.Parallelism,
-        config.Training,
-        config.Device,
+        spec_training.ModelSpec,
+        spec_training.Parallelism,
+        spec_training.Training,
+        spec_training.Device,
         config.BubbleTea,
         config.Prefill,
         config.Decode,
