@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from services.dispatcher.dispatcher import SERVICE, serve
+from services.dispatcher.dispatcher import SERVICE
+from services.dispatcher.serve import serve
 from shared.service import run_service
 
 

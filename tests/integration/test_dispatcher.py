@@ -12,7 +12,8 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from services.dispatcher.dispatcher import Dispatcher, serve
+from services.dispatcher.dispatcher import Dispatcher
+from services.dispatcher.serve import serve
 from shared import keys, serving
 from shared.bus import Bus, Delivery
 from shared.config import BusConfig

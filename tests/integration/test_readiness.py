@@ -17,7 +17,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
-from services.dispatcher.dispatcher import serve
+from services.dispatcher.serve import serve
 from services.prefill_queue.app import create_app
 from services.stage_worker.lease import SlotLease
 from services.stage_worker.recovery import Generations

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from services.dispatcher.dispatcher import serve as serve_dispatcher
+from services.dispatcher.serve import serve as serve_dispatcher
 from services.stage_worker.filler import Filler
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics

@@ -1,0 +1,109 @@
+"""The dispatcher as a process: its consumers and their handler tables, the timer, metrics and heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import msgspec
+
+from services.dispatcher.dispatcher import SERVICE, Dispatcher
+from shared import keys, serving
+from shared.bus import Bus
+from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.health import Heartbeat, instance_id
+from shared.logs import get_logger
+from shared.settings import Settings
+from shared.telemetry import MetricsServer
+from shared.wire import BubbleEnd, BubbleStart, PrefillReport, PrefillRequest, WorkerJoined
+
+#: Requests held at once without a handler task (each is a pending entry, acked when answered):
+#: the front door's admission limit bounds the real number far below this.
+MAX_HELD_REQUESTS = 1_000_000
+#: A progress line in the log this often.
+LOG_EVERY_S = 10.0
+
+log = get_logger(__name__)
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    spec, run = settings.spec, settings.run
+    async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
+        d = Dispatcher(bus, spec, run, settings.time_scale)
+        me = d.instance
+        server = MetricsServer(
+            d.metrics.registry,
+            settings.metrics_host,
+            settings.metrics_port,
+            refresh=lambda: d.metrics.refresh(bus.redis, d.state),
+            api_key=settings.metrics_key,
+        )
+        url = await server.start()
+        hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "metrics_url": url})
+        held = msgspec.structs.replace(spec.bus, concurrency=MAX_HELD_REQUESTS)
+        # Bubble events are handled one at a time, in order: a bubble's end never overtakes its start.
+        ordered = msgspec.structs.replace(spec.bus, concurrency=1)
+        requests = bus.consumer(
+            keys.PREFILL_REQUESTS_STREAM, SERVICE, {PrefillRequest: d.on_request}, name=me, config=held
+        )
+        d.acks = requests
+        consumers = [
+            bus.consumer(
+                keys.bubbles_stream(run),
+                SERVICE,
+                {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end},
+                name=me,
+                config=ordered,
+            ),
+            bus.consumer(
+                keys.prefill_reports_stream(run), SERVICE, {PrefillReport: d.on_report}, name=me, config=ordered
+            ),
+            requests,
+        ]
+        d.metrics.streams.add(*consumers)
+        await hb.start()
+        for c in consumers:
+            await c.start()
+        log.info("dispatcher ready", run=run, enabled=spec.bubbletea.enabled, order=spec.bubbletea.order)
+        next_log = time.monotonic() + LOG_EVERY_S
+        next_check = time.monotonic()
+        outage = Outage("dispatcher tick")
+        try:
+            while not stop.is_set():
+                crashed = next((c for c in consumers if c.crashed.is_set()), None)
+                if crashed is not None:
+                    raise RuntimeError(f"consumer of {crashed.stream} crashed: {crashed.error!r}")
+                try:  # a Redis outage is ridden out: back off, then tick again (the state is kept)
+                    await d.tick()
+                    if time.monotonic() >= next_check:
+                        next_check = time.monotonic() + serving.READINESS_EVERY_S
+                        await d.check_readiness()
+                except TRANSIENT_ERRORS as exc:
+                    await _sleep_unless(stop, outage.failed(exc))
+                    continue
+                outage.ok()
+                if time.monotonic() > next_log:
+                    next_log += LOG_EVERY_S
+                    log.info("dispatcher progress", **d.info())
+                try:
+                    async with asyncio.timeout(d.state.tick_s):
+                        await stop.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            for c in reversed(consumers):
+                # Held requests stay pending for the next dispatcher: no grace needed for them.
+                await c.stop(grace_s=0 if c is requests else None)
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                await d.flush_telemetry()  # the last bubbles' records, after the consumers stopped
+                await serving.withdraw_readiness(bus.redis, d.instance)
+            await hb.stop()
+            await server.stop()
+
+
+async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, or less if `stop` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()
