@@ -1,7 +1,8 @@
 """The worker's fill executor: prefill batches run inside this worker's bubbles, and only there.
 
 Training is the owner, prefill the guest. Every timing rule is the pure `FillPolicy`
-(shared/policies/fill.py); this module only obeys it, with threads and Redis I/O:
+(shared/policies/fill.py); this module only obeys it, with threads, the bus and the stage port
+(`port.py`: snapshots in, and out with the KV caches):
 
 * A batch arriving in a bubble runs there; a staged one (`hold`) waits for the next bubble (and
   goes back unrun if none takes it in time); any other goes straight back, unrun.
@@ -28,11 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.stage_worker.metrics import WorkerMetrics
+from services.stage_worker.port import StagePort
 from services.stage_worker.reporting import BatchRun, Outcome, Reporter
-from shared import kvstore
 from shared.bus import Bus, Delivery, Reject
-from shared.config import DEFAULT_KV_BUDGET_MB
-from shared.dataplane.kv import KvServer
 from shared.logs import get_logger
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import Arrival, FillPolicy, Held
@@ -63,18 +62,15 @@ class Filler:
         worker: str,
         model: PrefillModel,
         model_name: str,
-        kv_ttl_s: int,
+        port: StagePort,
         on_span: Callable[[float, float], None],
         policy: FillPolicy,
         profile: PrefillProfile | None = None,
         metrics: WorkerMetrics | None = None,
-        *,
-        kv_budget_mb: int = DEFAULT_KV_BUDGET_MB,
-        kv_server: KvServer | None = None,
     ) -> None:
-        self.bus, self.run, self.model = bus, run, model
+        self.bus, self.run, self.model, self.port = bus, run, model, port
         self.on_span, self.policy, self.profile = on_span, policy, profile
-        self.reporter = Reporter(bus, run, worker, model_name, kv_ttl_s, metrics, kv_budget_mb << 20, kv_server)
+        self.reporter = Reporter(bus, run, worker, model_name, port, metrics)
         #: how far prefill batches ran past their profiled schedule (seconds); the runner takes it
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
         self.lag_s = 0.0
@@ -110,7 +106,7 @@ class Filler:
             await self.reporter.finish_batch(batch, BatchRun.unrun())
             return
         loop = asyncio.get_running_loop()
-        # Snapshots are read now, not when the bubble opens: no Redis round trip on its critical path.
+        # Snapshots are read now, not when the bubble opens: no round trip on its critical path.
         states = await self._load_snapshots(batch)
         q = Queued(batch, loop.create_future(), Held(batch.batch_id, batch.hold, time.monotonic()), states)
         self._queue.append(q)
@@ -191,8 +187,7 @@ class Filler:
         resumed = [it for it in batch.items if it.from_layer > 0]
         states: dict[str, PrefillState | None] = {}
         for it in resumed:
-            snap = await kvstore.load_snapshot(self.bus.redis, it.snapshot_key)
-            states[it.id] = kvstore.restore(snap, self.model.layers) if snap is not None else None
+            states[it.id] = await self.port.load_snapshot(it.snapshot_key, self.model.layers)
         return states
 
     def _compute(

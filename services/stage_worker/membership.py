@@ -96,7 +96,7 @@ async def take_part(
 async def _finish_sends(runner: StageRunner) -> None:
     """The last sends may still wait for their WAN slot, granted on the inbox: read it until they
     are out, so the peers downstream get their last tensors."""
-    if runner.transport is not None and not await runner.transport.flush(FINISH_GRACE_S):
+    if runner.port is not None and not await runner.port.flush(FINISH_GRACE_S):
         log.warning("sends still under way at the end of training", slot=runner.slot.name, waited_s=FINISH_GRACE_S)
 
 
@@ -130,20 +130,21 @@ async def _join(
             watch.result()  # our own lease was lost: raises SlotError
         return None  # told to stop
     gen = barrier.result()
-    if runner.transport is not None:  # the data plane's groups of this generation, with every peer
+    port = runner.port
+    if port is not None and port.transport is not None:  # this generation's groups, with every peer
         try:
-            await runner.transport.form(gen)
+            await port.form(gen)
         except PlaneError as exc:
             raise SlotError(f"slot {slot.name} could not join the data plane of generation {gen}: {exc}") from None
-    store = runner.checkpoints
-    resume = await gens.resume_point(store) if store is not None else FROM_SCRATCH
+    store = port if port is not None and port.checkpoints else None
+    resume = await gens.resume_point(store.checkpoint_iterations) if store is not None else FROM_SCRATCH
     saved = None
     if resume == FROM_SCRATCH and runner.resume_from is not None:  # `bubbletea train --resume`, no checkpoint yet
         resume, saved = runner.resume_from
         if store is not None:  # a replacement (started without the save) and its peers resume from it too
-            await store.save(slot, resume, saved)
+            await store.save_checkpoint(resume, saved)
     if after_loss or resume != FROM_SCRATCH:
-        blob = saved or (None if store is None or resume == FROM_SCRATCH else await store.load(slot, resume))
+        blob = saved or (None if store is None or resume == FROM_SCRATCH else await store.load_checkpoint(resume))
         try:
             await runner.in_torch_thread(runner.trainer.restore, blob)
         except (KeyError, RuntimeError, ValueError) as exc:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -121,12 +121,13 @@ class Generations:
             members, newest = await pipe.execute()
         return {m.decode() for m in members}, int(newest or 0)
 
-    async def resume_point(self, store: CheckpointStore) -> int:
-        """The iteration the current generation resumes after, the same for every worker."""
+    async def resume_point(self, iterations: Callable[[], Awaitable[dict[str, list[int]]]]) -> int:
+        """The iteration the current generation resumes after, the same for every worker.
+        `iterations()`: which iterations every slot has a checkpoint of (the stage port's)."""
         key = keys.generation_resume_key(self.run, self.current)
         found = await self.r.get(key)
         if found is None:
-            candidate = resume_after(await store.iterations(), self.slots)
+            candidate = resume_after(await iterations(), self.slots)
             await self.r.set(key, candidate, nx=True, ex=keys.RUN_STATE_TTL_S)
             found = await self.r.get(key)
         return int(found) if found is not None else FROM_SCRATCH

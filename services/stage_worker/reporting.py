@@ -14,10 +14,9 @@ import time
 from dataclasses import dataclass, field
 
 from services.stage_worker.metrics import WorkerMetrics
-from shared import keys, kvstore, serving
+from services.stage_worker.port import KvStored, StagePort
+from shared import keys, serving
 from shared.bus import Bus
-from shared.config import DEFAULT_KV_BUDGET_MB
-from shared.dataplane.kv import KvServer
 from shared.logs import get_logger
 from shared.model.prefill import PrefillResult, PrefillState
 from shared.status import FailureReason, ItemOutcome, RequestStatus
@@ -60,12 +59,9 @@ class Reporter:
     run: str
     worker: str
     model_name: str
-    kv_ttl_s: int
+    #: Where the KV caches and snapshots go (the stage's port; nothing below it is called here).
+    port: StagePort
     metrics: WorkerMetrics | None = None
-    #: `prefill.kv_budget_mb` in bytes: past it finished prefills answer without a stored KV cache.
-    kv_budget_bytes: int = DEFAULT_KV_BUDGET_MB << 20
-    #: `prefill.kv_store: plane`: the caches stay in this worker, served by this (else in Redis).
-    kv_server: KvServer | None = None
     #: When "KV budget full" was last logged (monotonic), and how many caches were skipped since.
     _budget_logged: float = field(default=-BUDGET_LOG_EVERY_S, repr=False)
     _budget_skipped: int = field(default=0, repr=False)
@@ -91,8 +87,7 @@ class Reporter:
                 outcome = ItemOutcome.FAILED
             else:
                 if o.state is not None and o.reached > o.item.from_layer:
-                    key = keys.prefill_snapshot_key(self.run, o.item.id, o.reached)
-                    await kvstore.save_snapshot(r, key, kvstore.snapshot(o.item.id, o.state))
+                    await self.port.save_snapshot(o.item.id, o.reached, o.state)
                 outcome = ItemOutcome.PARTIAL
             progress.append(PrefillProgress(id=o.item.id, outcome=outcome, reached_layer=o.reached, seconds=o.seconds))
         ran = {o.item.id for o in run.outcomes}
@@ -123,21 +118,14 @@ class Reporter:
         kv_key, kv_size, expires, note = "", 0, 0.0, "prefill.kv_ttl_s is 0: KV caches are not stored"
         holder = ""
         if self.kv_ttl_s > 0:
-            data = kvstore.kv_file(o.item.id, self.model_name, o.item.tokens, res.token, res.kv)
-            if self.kv_server is not None:
-                stored = self.kv_server.shelf.put(o.item.id, data, now)
-                holder = self.kv_server.holder if stored.key else ""
-            else:
-                stored = await kvstore.store_kv_within_budget(
-                    self.bus.redis, o.item.id, data, self.kv_ttl_s, self.kv_budget_bytes, now
-                )
+            stored = await self.port.put_kv(o.item.id, self.model_name, o.item.tokens, res.token, res.kv, now)
+            holder = stored.holder
             if stored.key:
                 kv_key, kv_size, expires, note = stored.key, stored.size, now + self.kv_ttl_s, ""
             else:
-                where = "this worker" if self.kv_server is not None else f"the caches of the last {self.kv_ttl_s} s"
                 note = (
                     f"KV cache budget full: {stored.used} bytes of {stored.budget} (prefill.kv_budget_mb) are held "
-                    f"by {where}; this {stored.size}-byte cache was not stored"
+                    f"by {self.port.prefill.where}; this {stored.size}-byte cache was not stored"
                 )
                 self._over_budget(stored)
         prefill_ms = o.seconds * 1000
@@ -164,7 +152,11 @@ class Reporter:
             o.item.reply_to,
         )
 
-    def _over_budget(self, stored: kvstore.Stored) -> None:
+    @property
+    def kv_ttl_s(self) -> int:
+        return self.port.prefill.kv_ttl_s
+
+    def _over_budget(self, stored: KvStored) -> None:
         """Log the first skipped cache, then at most once a minute with the count since."""
         self._budget_skipped += 1
         t = time.monotonic()

@@ -27,13 +27,12 @@ from services.stage_worker.lease import Slot, SlotError
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.outbox import Outbox
-from services.stage_worker.recovery import CheckpointStore
+from services.stage_worker.port import StagePort
 from services.stage_worker.trainer import StageTrainer
-from services.stage_worker.transport import Transport, stages_group, tie_group
 from shared import keys
 from shared.bus import Bus
 from shared.config import ClusterSpec
-from shared.dataplane import PlaneError, in_thread
+from shared.dataplane import PlaneError
 from shared.logs import get_logger
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
@@ -78,12 +77,12 @@ class StageRunner:
     free_memory_bytes: int
     filler: Filler | None = None  # BubbleTea: runs prefill batches in this worker's bubbles
     metrics: WorkerMetrics | None = None  # Prometheus: recorded where the runner has each value
-    checkpoints: CheckpointStore | None = None  # where `training.checkpoint_every` checkpoints go
     #: `bubbletea train --save`: replica 0 hands its stage's state to the launcher after the saved iterations.
     saving: bool = False
     #: `bubbletea train --resume`: the iteration saved last and this stage's state then (restored at start).
     resume_from: tuple[int, bytes] | None = None
-    transport: Transport | None = None  # the data plane (set by the worker before training)
+    #: Every tensor the stage moves: the data plane, checkpoints, saves (set by the worker before training).
+    port: StagePort | None = None
     #: The run's recovery generation this runner trains in (stamped on every tensor it sends).
     generation: int = 0
     iteration: int = 0
@@ -115,8 +114,8 @@ class StageRunner:
         caller empties the mailbox and restores the trainer)."""
         self.generation = generation
         self._spans = []
-        if self.transport is not None:
-            self.transport.reset()
+        if self.port is not None:
+            self.port.reset()
 
     @property
     def stage(self) -> int:
@@ -136,9 +135,9 @@ class StageRunner:
             self.iteration = it
             started, self.lag_s = time.time(), 0.0
             await self._iteration(it, actions)
-            if self.checkpoints is not None and checkpoint_due(it, tr.checkpoint_every):
+            if self.port is not None and self.port.checkpoints and checkpoint_due(it, tr.checkpoint_every):
                 blob = await self.in_torch_thread(self.trainer.checkpoint)
-                await self.checkpoints.save(self.slot, it, blob)
+                await self.port.save_checkpoint(it, blob)
             stop_here = self.saving and await self._stop_requested(it)
             if self.saving and self.replica == 0 and (stop_here or save_due(it, tr.save_every, limit)):
                 await self._hand_over_state(it)
@@ -185,19 +184,15 @@ class StageRunner:
         return value is not None and it >= int(value)
 
     async def _hand_over_state(self, it: int) -> None:
-        """Leave this stage's weights (named as the saved checkpoint stores them) and its trainer
-        checkpoint after iteration `it` in Redis, for the launcher to write the save directory
-        (every replica holds the same state after the step)."""
+        """Hand this stage's weights (named as the saved checkpoint stores them) and its trainer
+        checkpoint after iteration `it` over through the port, for the launcher to write the save
+        directory (every replica holds the same state after the step)."""
         from safetensors.torch import save
 
         weights, state = await self.in_torch_thread(
             lambda: (save(self.trainer.saved_tensors()), self.trainer.checkpoint())
         )
-        r = self.bus.redis
-        async with r.pipeline(transaction=True) as pipe:
-            pipe.set(keys.weights_key(self.run, it, self.stage), weights, ex=keys.WEIGHTS_TTL_S)
-            pipe.set(keys.train_state_key(self.run, it, self.stage), state, ex=keys.WEIGHTS_TTL_S)
-            await pipe.execute()
+        await self._plane().hand_over(it, weights, state)
         log.info("state handed over for the save", slot=self.slot.name, iteration=it, bytes=len(weights) + len(state))
 
     def _warn_prefill_lag(self, it: int, lag_ms: float) -> None:
@@ -240,7 +235,7 @@ class StageRunner:
                     held[("gin", mb)] = gin
                 for what in ("act", "grad"):  # the stage's input and its gradient are dead now
                     if (buf := received.pop((what, mb), None)) is not None:
-                        self._plane().plane.release(buf)
+                        self._plane().release(buf)
             elif op is Op.SEND_ACT:
                 self._send("act", it, mb, held.pop(("out", mb)), self.stage + 1)
             elif op is Op.SEND_GRAD:
@@ -269,9 +264,9 @@ class StageRunner:
         self._span(kind, it, t0, time.time(), mb)
         return result
 
-    def _plane(self) -> Transport:
-        assert self.transport is not None, "the worker sets the transport before training"
-        return self.transport
+    def _plane(self) -> StagePort:
+        assert self.port is not None, "the worker sets the port before training"
+        return self.port
 
     def _send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
         """Put the tensor for stage `dst` on the data plane and go on computing (training is the
@@ -290,14 +285,14 @@ class StageRunner:
         """The tensor `key` from the mailbox, or, if the data plane fails first (a peer died
         mid-transfer), a `SlotError` after `PLANE_FAILURE_GRACE_S` unless the recovery path
         cuts this iteration short before (it cancels this wait)."""
-        transport = self._plane()
+        port = self._plane()
         take = asyncio.ensure_future(self.mailbox.take(key))
-        failed = asyncio.ensure_future(transport.failed.wait())
+        failed = asyncio.ensure_future(port.failed.wait())
         try:
             await asyncio.wait({take, failed}, return_when=asyncio.FIRST_COMPLETED)
             if take.done():
                 return take.result()
-            await self._plane_failed(transport.error)
+            await self._plane_failed(port.error)
         finally:
             for t in (take, failed):
                 if not t.done():
@@ -409,10 +404,9 @@ class StageRunner:
         t0 = time.time()
         latest = t0
         if self.spec.parallelism.dp > 1:
-            plane = self._plane().plane
             flat = await self.in_torch_thread(self._flat_grads_on_cpu)
             try:
-                mean, latest = await in_thread(plane.all_reduce_mean, flat, t0)
+                mean, latest = await self._plane().all_reduce_mean(flat, t0)
             except PlaneError as exc:
                 log.warning(
                     "gradient all-reduce failed; waiting for the recovery path", slot=self.slot.name, error=str(exc)
@@ -451,12 +445,12 @@ class StageRunner:
         try:
             if trainer.tied is not None:
                 grad = await self.in_torch_thread(trainer.tied_grad)
-                summed = await in_thread(self._plane().plane.all_reduce_sum, tie_group(self.replica), grad)
+                summed = await self._plane().sum_tied(self.replica, grad)
                 await self.in_torch_thread(trainer.set_tied_grad, summed)
             if self.spec.training.clip_grad_norm > 0 and pp > 1:
                 share = await self.in_torch_thread(trainer.grad_sq_norm)
                 both = torch.tensor([share], dtype=torch.float64)
-                total = await in_thread(self._plane().plane.all_reduce_sum, stages_group(self.replica), both)
+                total = await self._plane().sum_norms(self.replica, both)
                 total_sq = float(total.item())
         except PlaneError as exc:
             log.warning(

@@ -23,6 +23,7 @@ from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.membership import take_part
 from services.stage_worker.metrics import WorkerMetrics
+from services.stage_worker.port import PrefillPort, StagePort, StatePort
 from services.stage_worker.recovery import CheckpointStore, Generations
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
@@ -181,7 +182,6 @@ async def _train(
         profile,
         free_memory_bytes=max(0, memory - trainer.state_bytes()),
         metrics=metrics,
-        checkpoints=CheckpointStore(bus.redis, run, lease.all_slots) if spec.training.recovers else None,
         saving=bool(await bus.redis.exists(keys.save_request_key(run))),
     )
     if settings.resume is not None:  # `bubbletea train --resume`: this stage's state after the saved iteration
@@ -189,7 +189,7 @@ async def _train(
         runner.resume_from = (saved_it, stage_state(settings.resume, slot.stage, spec.parallelism.pp))
         log.info("resuming from a save", slot=slot.name, directory=str(settings.resume), after_iteration=saved_it)
     plane = DataPlane(settings.require_redis_url(), run, plane_addresses(settings, slot, placement))
-    runner.transport = transport = Transport(
+    transport = Transport(
         runner.outbox,
         plane,
         spec,
@@ -200,10 +200,16 @@ async def _train(
         generation=lambda: gens.current,
         tied=trainer.tied is not None,
     )
+    checkpoints = CheckpointStore(bus.redis, run, lease.all_slots) if spec.training.recovers else None
+    runner.port = port = StagePort(
+        PrefillPort(bus.redis, run, spec.prefill.kv_ttl_s, spec.prefill.kv_budget_mb << 20),
+        transport,
+        StatePort(bus.redis, run, slot, checkpoints),
+    )
     inbox = bus.consumer(
         keys.inbox(run, slot.replica, slot.stage),
         "worker",
-        {TensorReady: transport.on_ready, SlotGrant: transport.on_grant},
+        {TensorReady: port.on_ready, SlotGrant: port.on_grant},
         name=slot.name,
     )
     metrics.streams.add(inbox)
@@ -218,19 +224,18 @@ async def _train(
             readings["kv_held"] = lambda: server.held  # caches held now: 0 once every decode freed its own
             readings["kv_served"] = lambda: server.served  # fetches answered with a cache
             await server.start()
+        port.prefill.kv_server = kv_server
         runner.filler = Filler(
             bus,
             run,
             slot.name,
             prefill,
             spec.prefill.model_name,
-            spec.prefill.kv_ttl_s,
+            port,
             runner.prefill_span,
             FillPolicy.from_spec(spec.bubbletea),
             PrefillProfile.from_device(spec.device.prefill_ms_per_layer, spec.device.prefill_us_per_token),
             metrics,
-            kv_budget_mb=spec.prefill.kv_budget_mb,
-            kv_server=kv_server,
         )
         fill = bus.consumer(
             keys.fill_stream(run, slot.replica, slot.stage),
@@ -245,7 +250,7 @@ async def _train(
         await take_part(runner, inbox, lease, watch, gens, stop)
     finally:
         runner.close()
-        await transport.close()
+        await port.close()
         if runner.filler is not None:
             await runner.filler.close()  # answer and report what already ran
         if fill is not None:

@@ -20,6 +20,7 @@ import torch
 
 from services.stage_worker.filler import Filler
 from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.port import PrefillPort, StagePort
 from shared import keys, kvstore, serving
 from shared.bus import Bus, Delivery, Reject
 from shared.config import BusConfig
@@ -43,7 +44,8 @@ def batch(item: PrefillItem, n: int, *, hold: bool = False) -> PrefillBatch:
 
 def filler_for(bus: Bus, model: PrefillModel, *, run: str = RUN, kv_ttl_s: int = 0, **kw: Any) -> Filler:
     spans = kw.pop("on_span", lambda a, b: None)
-    return Filler(bus, run, "r0s0", model, "m", kv_ttl_s, spans, FillPolicy(guard_s=0.0, **kw))
+    port = StagePort(PrefillPort(bus.redis, run, kv_ttl_s))
+    return Filler(bus, run, "r0s0", model, "m", port, spans, FillPolicy(guard_s=0.0, **kw))
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import torch
 from redis.asyncio import Redis
 
 from services.prefill_queue.api import kv_params
+from services.stage_worker.port import PrefillPort, StagePort
 from services.stage_worker.reporting import Outcome, Reporter
 from shared import keys, kvstore, serving
 from shared.bus import Bus
@@ -45,7 +46,8 @@ async def test_past_the_budget_the_answer_comes_without_a_kv_cache_saying_why(
 ) -> None:
     async with Bus(redis_url) as bus:
         size = len(kvstore.kv_file("r0", "m", range(16), 5, _tiny(16).kv))
-        reporter = Reporter(bus, "run", "r0s0", "m", kv_ttl_s=30, kv_budget_bytes=size * 3 // 2)  # one, not two
+        port = StagePort(PrefillPort(bus.redis, "run", kv_ttl_s=30, kv_budget_bytes=size * 3 // 2))  # one, not two
+        reporter = Reporter(bus, "run", "r0s0", "m", port)
         with caplog.at_level(logging.WARNING, logger="services.stage_worker.reporting"):
             for i in range(3):
                 item = PrefillItem(id=f"r{i}", tokens=tuple(range(16)), from_layer=0, to_layer=2, reply_to="out")
@@ -66,7 +68,7 @@ async def test_past_the_budget_the_answer_comes_without_a_kv_cache_saying_why(
 
 async def test_with_kv_ttl_0_the_handle_says_nothing_is_stored(redis_url: str, redis: Redis) -> None:
     async with Bus(redis_url) as bus:
-        reporter = Reporter(bus, "run", "r0s0", "m", kv_ttl_s=0)
+        reporter = Reporter(bus, "run", "r0s0", "m", StagePort(PrefillPort(bus.redis, "run", kv_ttl_s=0)))
         item = PrefillItem(id="z", tokens=(1, 2), from_layer=0, to_layer=2, reply_to="out")
         await reporter._answer(Outcome(item, 2, 0.01), _tiny(2))
         [(_, f)] = await redis.xrange("out")

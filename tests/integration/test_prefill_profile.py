@@ -18,6 +18,7 @@ import torch
 
 from services.stage_worker.filler import Filler
 from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.port import PrefillPort, StagePort
 from shared import serving
 from shared.bus import Bus, Delivery
 from shared.config import BusConfig
@@ -53,7 +54,8 @@ async def bubble(
     req = PrefillRequest(id="q", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
     assert await serving.accept(bus.redis, req, 10)
     on_span = (lambda a, b: spans.append((a, b))) if spans is not None else (lambda a, b: None)
-    filler = Filler(bus, RUN, "r0s0", MODEL, "m", 0, on_span, FillPolicy(guard_s=GUARD_S), profile)
+    port = StagePort(PrefillPort(bus.redis, RUN, kv_ttl_s=0))
+    filler = Filler(bus, RUN, "r0s0", MODEL, "m", port, on_span, FillPolicy(guard_s=GUARD_S), profile)
     item = PrefillItem(id="q", tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
     mailbox, key = Mailbox(), ("grad", 0, 0)
 

@@ -41,14 +41,14 @@ async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_poi
         if len(moved_on) == len(peers):
             all_moved_on.set()
         gen = await g.barrier(slot, timeout_s=60)
-        return gen, await g.resume_point(store)
+        return gen, await g.resume_point(store.iterations)
 
     async def newcomer() -> tuple[int, int]:
         # it arrives after the peers moved on together (and before their barrier, which waits for it)
         await asyncio.wait_for(all_moved_on.wait(), 60)
         await replacement.enter(after_loss=False)
         gen = await replacement.barrier(Slot(1, 1), timeout_s=60)
-        return gen, await replacement.resume_point(store)
+        return gen, await replacement.resume_point(store.iterations)
 
     results = await asyncio.gather(*(peer(g, s) for g, s in zip(peers, SLOTS, strict=False)), newcomer())
     assert len(set(results)) == 1, results  # one generation, one resume point

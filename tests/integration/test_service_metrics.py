@@ -32,6 +32,7 @@ from services.dispatcher.serve import serve as serve_dispatcher
 from services.stage_worker.filler import Filler
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics
+from services.stage_worker.port import PrefillPort, StagePort
 from services.wan_broker.broker import serve as serve_broker
 from shared import keys, serving, telemetry
 from shared.bus import HOLD, Bus, Delivery, Outcome
@@ -432,7 +433,8 @@ async def test_worker_prefill_metrics_follow_a_real_batch(redis_url: str) -> Non
         def spans(start: float, end: float) -> None:  # as the runner's prefill_span records it
             m.prefill(end - start)
 
-        filler = Filler(bus, "fm", "r0s0", model, "tiny", 0, spans, FillPolicy(guard_s=0.0), None, m)
+        port = StagePort(PrefillPort(bus.redis, "fm", kv_ttl_s=0))
+        filler = Filler(bus, "fm", "r0s0", model, "tiny", port, spans, FillPolicy(guard_s=0.0), None, m)
         item = PrefillItem(id="p1", tokens=req.tokens, from_layer=0, to_layer=2, reply_to=req.reply_to)
         mailbox, key = Mailbox(), ("grad", 0, 0)
         take = asyncio.ensure_future(mailbox.take(key))
