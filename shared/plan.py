@@ -8,9 +8,12 @@ Placement, activation size, layers and compute time per stage, the device profil
 from __future__ import annotations
 
 from shared.config import ClusterSpec
+from shared.model.info import read_config, ties_embeddings
 from shared.model.shape import split_layers
-from shared.policies.pipeline_model import PipelineInputs, PipelineResult, simulate
+from shared.policies.pipeline_model import PipelineInputs, PipelineResult
+from shared.policies.pipeline_run import simulate
 from shared.policies.placement import Placement, balanced_split, place, round_robin
+from shared.policies.walk import has_step_collectives
 from shared.policies.wan import LinkModel
 
 #: Bytes per activation element on the wire (float32).
@@ -63,6 +66,14 @@ def profile_ms(spec: ClusterSpec) -> tuple[float, float] | None:
     return dev.fwd_ms_per_layer, dev.bwd_ms_per_layer or 2 * dev.fwd_ms_per_layer
 
 
+def step_collectives(spec: ClusterSpec) -> bool:
+    """Whether a live step of this spec waits for the pipeline's cross-stage collectives (the
+    global gradient norm, a tied embedding split across stages): `walk.has_step_collectives`."""
+    model = spec.training.model
+    tied = model is not None and ties_embeddings(read_config(model))
+    return has_step_collectives(spec.parallelism.pp, spec.training.clip_grad_norm, tied)
+
+
 def model_inputs(
     spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: float, sharing: str | None = None
 ) -> PipelineInputs:
@@ -84,8 +95,8 @@ def model_inputs(
         sharing=sharing or spec.wan.sharing,
         allreduce_s=(spec.device.allreduce_ms / 1000,) * spec.parallelism.pp,
         step_s=spec.device.step_ms / 1000,
-        # the live step sums the global norm across stages first (services/stage_worker/runner.py)
-        step_barrier=spec.parallelism.pp > 1 and spec.training.clip_grad_norm > 0,
+        # the live step sums the global norm and a tied embedding across stages first
+        step_collectives=step_collectives(spec),
     )
 
 

@@ -1,7 +1,5 @@
 """The discrete-event simulator: the live system's policies on a virtual clock (docs/simulator.md).
 
-    sim.events     the virtual clock (a heap of timed callbacks)
-    sim.training   the slots walking their schedules: WAN links, all-reduce, bubbles
     sim.executor   a worker's fill executor (FillPolicy): prefill blocks inside its bubbles
     sim.serving    the front door, the dispatcher (DispatchState) and the bus between them
     sim.workload   request arrivals: the load generator's processes or an Azure trace
@@ -10,5 +8,8 @@
     sim.output     the figures, the printed summary, the run folder
     sim.command    `bubbletea simulate`
 
-Nothing in `shared/` or `services/` imports this package; it only feeds their policies.
+Training on the virtual clock is `shared.policies.pipeline_run.PipelineRun` (the analytic model's
+engine; every slot drives `shared.policies.walk.SlotWalk`, as the live worker does) on the clock of
+`shared.policies.events`. Nothing in `shared/` or `services/` imports this package; it only feeds
+their policies.
 """

@@ -24,9 +24,9 @@ from typing import Protocol
 
 from shared.policies.decisions import Batch, BatchItem
 from shared.policies.dispatch import Progress
+from shared.policies.events import EventQueue
 from shared.policies.fill import Arrival, FillPolicy, Held
 from shared.policies.prefill_cost import PrefillProfile
-from sim.events import EventQueue
 
 
 @dataclass(frozen=True, slots=True)

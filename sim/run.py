@@ -1,6 +1,6 @@
 """One simulation of a spec: training with BubbleTea off, then on under a load, and the figures.
 
-1. **off**: the pipeline alone (`sim.training.Training` with no guest). Its iteration-1 bubbles
+1. **off**: the pipeline alone (`shared.policies.pipeline_run.PipelineRun` with no guest). Its iteration-1 bubbles
    are every worker's prior bubble lengths, as a live worker takes them from the analytic model
    (which this run reproduces exactly).
 2. **on**: the same pipeline with `sim.serving.Serving` as its guest, requests arriving from the
@@ -24,10 +24,10 @@ from shared.config import ClusterSpec
 from shared.figures.bubblestats import capacity_requests_per_s
 from shared.figures.runstats import Span
 from shared.figures.training import steady_iteration_s
-from sim.events import EventQueue
+from shared.policies.events import EventQueue
+from shared.policies.pipeline_run import PipelineRun, priors
 from sim.serving import Serving, ServingStats
 from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError, SimSetup, build
-from sim.training import Training
 from sim.workload import Arrivals, generated, replayed
 
 #: The load's prompts when no trace is given: 48-144 tokens, as the demo's load generator sends.
@@ -115,18 +115,19 @@ def simulate(spec: ClusterSpec, options: SimOptions, progress: Progress | None =
 
 def run_off(setup: SimSetup, iterations: int, progress: Progress | None = None) -> RunResult:
     q = EventQueue()
-    training = Training(setup.pipeline, iterations, q, on_iteration=progress, bus_s=setup.serving.bus_s)
+    training = PipelineRun(setup.pipeline, iterations, q, on_iteration=progress, bus_s=setup.serving.bus_s)
     wall, cpu = time.perf_counter(), time.process_time()
     training.start()
     q.run()
     result = training.result()
-    priors = result.priors(len(training.slots), iteration=1)
     return RunResult(
         result.spans,
         result.iteration_times,
         q.events,
         time.perf_counter() - wall,
-        priors=priors,
+        # the analytic model's, not this run's: the bus hops make this run's bubbles a little
+        # longer than the prior a live worker starts from
+        priors=priors(setup.pipeline, iteration=1),
         cpu_s=time.process_time() - cpu,
     )
 
@@ -140,7 +141,7 @@ def run_on(
 ) -> RunResult:
     q = EventQueue()
     serving = Serving(setup.serving, q, arrivals)
-    training = Training(
+    training = PipelineRun(
         setup.pipeline,
         iterations,
         q,
@@ -151,14 +152,15 @@ def run_on(
         bus_s=setup.serving.bus_s,  # --bus-ms reaches training's tensors too
     )
     slots = training.slots
-    serving.iteration_of = lambda w: slots[w].iteration
+    serving.iteration_of = lambda w: slots[w].walk.iteration
     wall, cpu = time.perf_counter(), time.process_time()
     training.start()
     serving.start()
     q.run()
     result = training.result()
     spans = result.spans + [
-        Span(slots[w].replica, slots[w].stage, it, "prefill", start, end) for w, it, start, end in serving.spans
+        Span(slots[w].walk.replica, slots[w].walk.stage, it, "prefill", start, end)
+        for w, it, start, end in serving.spans
     ]
     return RunResult(
         spans,

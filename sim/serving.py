@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from shared.config import BubbleTea
 from shared.policies.decisions import Batch, Decisions
 from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request, WorkerReady
+from shared.policies.events import EventQueue
 from shared.policies.fill import FillPolicy
 from shared.policies.prefill_cost import PrefillProfile
-from sim.events import EventQueue
 from sim.executor import Executor, SimRequest
 
 
@@ -48,7 +48,7 @@ class ServingStats:
 
 
 class Serving:
-    """The `Guest` of `sim.training.Training`."""
+    """The `Guest` of `shared.policies.pipeline_run.PipelineRun`."""
 
     def __init__(self, cfg: ServingConfig, queue: EventQueue, arrivals: Iterator[tuple[float, int]]) -> None:
         self.cfg, self.q, self._arrivals = cfg, queue, arrivals

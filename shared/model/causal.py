@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shared.model.info import CheckpointError, ModelInfo
+from shared.model.info import CheckpointError, ModelInfo, config_flag
 
 KV = tuple[Tensor, Tensor]  # (k, v) of one layer, each float32 (1, kv_heads, T, head_dim)
 
@@ -174,16 +174,6 @@ def config_float(config: Mapping[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise CheckpointError(f"config.json '{key}' must be a number, got {value!r}")
     return float(value)
-
-
-def config_flag(config: Mapping[str, Any], key: str, default: bool) -> bool:
-    """A boolean of `config.json` (`default` if absent or null)."""
-    value = config.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise CheckpointError(f"config.json '{key}' must be true or false, got {value!r}")
-    return value
 
 
 def refuse_flag(config: Mapping[str, Any], key: str, why: str) -> None:

@@ -100,6 +100,22 @@ def config_int(config: Mapping[str, Any], key: str, default: int | None = None) 
     return value
 
 
+def config_flag(config: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A boolean of `config.json` (`default` if absent or null)."""
+    value = config.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointError(f"config.json '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def ties_embeddings(config: Mapping[str, Any]) -> bool:
+    """Whether the head reuses the token embedding (`tie_word_embeddings`, by default as the family
+    has it: tied for gpt2, untied for the Llama family)."""
+    return config_flag(config, "tie_word_embeddings", config.get("model_type") == "gpt2")
+
+
 def info_from_config(config: Mapping[str, Any]) -> ModelInfo:
     """The `ModelInfo` of a Hugging Face `config.json` (shape only; the families check the rest).
 

@@ -7,7 +7,8 @@ import pytest
 
 from shared.config import load_spec
 from shared.plan import model_inputs, predict
-from shared.policies.pipeline_model import PipelineInputs, simulate
+from shared.policies.pipeline_model import PipelineInputs
+from shared.policies.pipeline_run import simulate
 from shared.policies.schedules import SCHEDULES, compute_bubble_fraction
 from shared.policies.wan import LinkModel, SlotControl
 
@@ -167,10 +168,10 @@ def test_the_step_waits_for_every_stage_of_its_replica_a_bubble_at_the_steps_pos
     step_pos = [a.op for a in schedule("1f1b", 1, 2, 2)].index(Op.STEP)
     free = simulate(base)
     assert not [b for b in free.bubbles if b.position == step_pos and b.stage == 1]
-    held = simulate(replace(base, step_barrier=True), iterations=2)
+    held = simulate(replace(base, step_collectives=True), iterations=2)
     (b,) = [b for b in held.bubbles if (b.stage, b.position, b.iteration) == (1, step_pos, 0)]
     assert (b.start, b.length) == (5.0, 1.0)
     assert held.iteration_times[0] == free.iteration_times[0]  # the last stage to finish steps as before
     assert held.predicted_bubble(0, 1, step_pos) == 1.0
     spec = load_spec(Path(__file__).parents[2] / "configs" / "wan-bound.yaml")
-    assert model_inputs(spec, 10.0, 20.0).step_barrier  # pp > 1 with clipping: the live step's barrier
+    assert model_inputs(spec, 10.0, 20.0).step_collectives  # pp > 1 with clipping: the live step's collectives

@@ -28,12 +28,11 @@ from shared.model.causal import (
     LoadableLM,
     activation,
     attend,
-    config_flag,
     config_float,
     extend_cache,
     refuse_flag,
 )
-from shared.model.info import CheckpointError, ModelInfo
+from shared.model.info import CheckpointError, ModelInfo, config_flag, ties_embeddings
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(masked_)?bias")
@@ -87,7 +86,7 @@ class GPT2(LoadableLM):
         base = head_dim**-0.5 if config_flag(config, "scale_attn_weights", True) else 1.0
         by_layer = config_flag(config, "scale_attn_by_inverse_layer_idx", False)
         self.scales = [base / (i + 1) if by_layer else base for i in range(info.layers)]
-        self.tied = config_flag(config, "tie_word_embeddings", True)
+        self.tied = ties_embeddings(config)
         with torch.device("meta"):  # shapes only: the checkpoint's tensors are assigned on load
             self.wte = nn.Embedding(info.vocab, d)
             self.wpe = nn.Embedding(info.max_model_len, d)

@@ -37,12 +37,11 @@ from shared.model.causal import (
     LoadableLM,
     activation,
     attend,
-    config_flag,
     config_float,
     extend_cache,
     refuse_flag,
 )
-from shared.model.info import CheckpointError, ModelInfo, config_int
+from shared.model.info import CheckpointError, ModelInfo, config_flag, config_int, ties_embeddings
 
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10_000.0
@@ -180,7 +179,7 @@ class Llama(LoadableLM):
         inner = config_int(config, "intermediate_size")
         eps = config_float(config, "rms_norm_eps", 1e-6)
         self.windows = sliding_windows(config, info.layers)
-        self.tied = config_flag(config, "tie_word_embeddings", False)
+        self.tied = ties_embeddings(config)
         with torch.device("meta"):  # shapes only: the checkpoint's tensors are assigned on load
             self.embed_tokens = nn.Embedding(info.vocab, info.d_model)
             self.layers = nn.ModuleList(Layer(info, inner, eps, qkv_bias, o_bias, mlp_bias) for _ in range(info.layers))
