@@ -12,7 +12,6 @@ all-reduce, telemetry) share the iteration's state; the outbox and the fill exec
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +37,7 @@ from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
 from shared.policies.recovery import checkpoint_due, save_due
 from shared.policies.schedules import Op, schedule
+from shared.policies.walk import END, Phase, SlotWalk, has_step_collectives
 from shared.priority import lower_this_thread, train_nice
 from shared.timing import sleep_until
 from shared.wire import BubbleEnd, BubbleStart, IterationDone, SpanRecord, WorkerJoined
@@ -128,13 +128,20 @@ class StageRunner:
     async def run_all(self, start: int = 0) -> None:
         """Train from iteration `start` (after a resumption: the checkpoint's next) to the end."""
         tr = self.spec.training
-        actions = schedule(tr.schedule, self.stage, self.spec.parallelism.pp, tr.microbatches)
-        limit = tr.iteration_limit
-        # until_stopped: until cancelled
-        for it in range(start, limit) if limit is not None else itertools.count(start):
-            self.iteration = it
+        pp, limit = self.spec.parallelism.pp, tr.iteration_limit
+        walk = SlotWalk(
+            self.replica,
+            self.stage,
+            schedule(tr.schedule, self.stage, pp, tr.microbatches),
+            iterations=limit,  # until_stopped (None): until cancelled
+            collectives=has_step_collectives(pp, tr.clip_grad_norm, self.trainer.tied is not None),
+            start=start,
+        )
+        while walk.current() is not None:
+            it = self.iteration = walk.iteration
             started, self.lag_s = time.time(), 0.0
-            await self._iteration(it, actions)
+            await self._iteration(walk)
+            walk.advance()  # past the iteration's END: what follows closes it
             if self.port is not None and self.port.checkpoints and checkpoint_due(it, tr.checkpoint_every):
                 blob = await self.in_torch_thread(self.trainer.checkpoint)
                 await self.port.save_checkpoint(it, blob)
@@ -216,11 +223,15 @@ class StageRunner:
         )
         self._lag_warned_at, self._lag_unreported_ms, self._lag_iterations = now, 0.0, 0
 
-    async def _iteration(self, it: int, actions: tuple[Any, ...]) -> None:
+    async def _iteration(self, walk: SlotWalk) -> None:
+        """Drive the walk through one iteration, up to its END: each step's effect, for real."""
+        it = walk.iteration
         held: dict[tuple[str, int], torch.Tensor] = {}
         received: dict[tuple[str, int], torch.Tensor] = {}  # plane buffers, back to the pool after BWD
-        for pos, a in enumerate(actions):
-            op, mb = a.op, a.mb
+        total_sq: float | None = None  # the global gradient norm, squared, from the collectives
+        while (a := walk.current()) is not END:
+            assert a is not None, "a walk ends only after an iteration's END"
+            op, mb, pos = a.op, a.mb, walk.pos
             if op is Op.FWD:
                 out = await self._compute(
                     "fwd", it, mb, self.profile.fwd, self.trainer.forward, it, mb, held.pop(("act", mb), None)
@@ -236,17 +247,19 @@ class StageRunner:
                 for what in ("act", "grad"):  # the stage's input and its gradient are dead now
                     if (buf := received.pop((what, mb), None)) is not None:
                         self._plane().release(buf)
-            elif op is Op.SEND_ACT:
-                self._send("act", it, mb, held.pop(("out", mb)), self.stage + 1)
-            elif op is Op.SEND_GRAD:
-                self._send("grad", it, mb, held.pop(("gin", mb)), self.stage - 1)
-            elif op in (Op.RECV_ACT, Op.RECV_GRAD):
-                what = "act" if op is Op.RECV_ACT else "grad"
+            elif op is Op.SEND_ACT or op is Op.SEND_GRAD:
+                _, dst, what, _, _ = walk.sent()
+                self._send(what, it, mb, held.pop(("out" if what == "act" else "gin", mb)), dst)
+            elif op is Op.RECV_ACT or op is Op.RECV_GRAD:
+                what = walk.awaited()[2]
                 held[(what, mb)] = received[(what, mb)] = await self._recv((what, it, mb), it, pos)
             elif op is Op.ALLREDUCE:
                 await self._allreduce(it)
+            elif op is Phase.COLLECTIVES:
+                total_sq = await self._collectives(it, pos)
             elif op is Op.STEP:
-                await self._step(it, pos)
+                await self._compute("step", it, -1, self.profile.step or None, self.trainer.step, it, total_sq)
+            walk.advance()
 
     # --- actions ---------------------------------------------------------------------------
 
@@ -421,18 +434,18 @@ class StageRunner:
                 self.lag_s += behind
         self._span("allreduce", it, t0, time.time())
 
-    async def _step(self, it: int, pos: int) -> None:
-        """The optimizer step, after the pipeline's own collectives (`_pipeline_collectives`).
-        Those wait for every stage of this replica to finish its backward passes: the stages that
-        finish first idle there until the last one does, so that wait is a bubble like a missing
-        tensor's (announced, filled, at this schedule position), not unaccounted idle time."""
-        total_sq: float | None = None
-        tied, clipped = self.trainer.tied is not None, self.spec.training.clip_grad_norm > 0
-        if tied or (clipped and self.spec.parallelism.pp > 1):
-            finished: list[float] = []
-            phase = asyncio.ensure_future(self._pipeline_collectives(finished))
-            total_sq = await self._bubble(it, pos, -1, phase, phase.done, lambda: finished[0] if finished else None)
-        await self._compute("step", it, -1, self.profile.step or None, self.trainer.step, it, total_sq)
+    async def _collectives(self, it: int, pos: int) -> float | None:
+        """The pipeline's own collectives before the step (`_pipeline_collectives`; the walk has
+        them when `has_step_collectives`). They wait for every stage of this replica to finish its
+        backward passes: the stages that finish first idle there until the last one does, so that
+        wait is a bubble like a missing tensor's (announced, filled, at the step's position), not
+        unaccounted idle time. Returns the global gradient norm, squared (None: no clipping)."""
+        finished: list[float] = []
+        phase = asyncio.ensure_future(self._pipeline_collectives(finished))
+        total_sq: float | None = await self._bubble(
+            it, pos, -1, phase, phase.done, lambda: finished[0] if finished else None
+        )
+        return total_sq
 
     async def _pipeline_collectives(self, finished: list[float]) -> float | None:
         """Each on a data-plane thread: the tied embedding's gradient summed across the first and
