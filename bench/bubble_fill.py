@@ -42,19 +42,15 @@ is host time). Every bubble and every request counts:
 * valid / why: the emulation's checks (prefill kept its profile, same losses, every bubble
   recorded), apart from the claims; targets / targets_met: the issue's goals, met only if valid.
 
-Over 300 lines on purpose: one benchmark (the spec, a run off and on with its load, the sweep),
-read top to bottom; the figures are `_harness.summarise`.
+Here: the cases, their pairs and goals, the sweep, the command line; one run (its spec, its load,
+what it recorded) is bench/_bubble_fill_run.py; the figures are `_harness.summarise`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import copy
-import io
 import json
 import os
-import random
 import sys
 import tempfile
 import time
@@ -62,197 +58,16 @@ from pathlib import Path
 from typing import Any
 
 import _harness
-import msgspec
 import uvloop
-import yaml
-from redis.asyncio import Redis
+from _bubble_fill_run import ALL_MODES, MODES, PROMPT_TOKENS, bench_spec, one_run
+from _cpu_shares import by_service
 
-from bubbletea.launcher.load import run_loadgen
-from bubbletea.launcher.procs import front_door
-from bubbletea.launcher.train import TrainResult, run_training
+from bubbletea.launcher.train import TrainResult
 from shared.config import parse_spec
-from shared.figures.bubblestats import run_control
 from shared.figures.capacity import offer, prefill_block_s
-from shared.figures.runstats import Span, run_spans, write_spans
 from shared.priority import PRIORITIES
 from shared.redis_server import EmbeddedRedis
-from shared.settings import load_settings
 from shared.timescale import calibrate
-from shared.wire import ControlSeen
-
-ROOT = Path(__file__).resolve().parent.parent
-BASE: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "wan-bound.yaml").read_text())
-
-
-#: The profiled mode's prefill cost per block (one layer of one prompt): ~1 ms for the load's
-#: ~96-token prompts, half the guard, and 2-3x this CPU's real compute for the benchmark's model.
-PREFILL_PROFILE = {"prefill_ms_per_layer": 0.25, "prefill_us_per_token": 8.0}
-#: profiled: the training profile and the prefill profile; raw: the training profile, prefill for its
-#: real compute; real: no profile at all (training and prefill for their real compute, on the GPU
-#: when there is one: `bench/gpu_check.py`, not one of the default cases).
-MODES = ("profiled", "raw")
-ALL_MODES = (*MODES, "real")
-
-
-def bench_spec(
-    *, enabled: bool, iterations: int, dp: int, mode: str = "profiled", slo_device_ms: float = 1000.0
-) -> dict[str, Any]:
-    spec = copy.deepcopy(BASE)
-    if mode == "profiled":
-        spec["device"] |= PREFILL_PROFILE
-    elif mode == "real":
-        spec["device"] = {"kind": "auto"}
-    spec["name"] = "bubbletea-bench"
-    spec["parallelism"]["dp"] = dp
-    spec["training"]["iterations"] = iterations
-    spec["bubbletea"] = {"enabled": enabled, "guard_ms": 2.0, "dispatch_overhead_ms": 1.0, "max_batch_requests": 16}
-    spec["prefill"] = {
-        "model": {"layers": 4, "d_model": 64, "heads": 4, "seq_len": 256, "vocab": 256, "seed": 0},
-        "max_prompt_tokens": 256,
-        # A request's deadline is the TTFT objective (device time, stretched by k like the bubbles):
-        # one the bubbles could not start in time is refused at once (429), not queued to expire.
-        "request_timeout_s": slo_device_ms / 1000,
-        # KV caches are not kept: at benchmark throughput they would be hundreds of MB per second.
-        "kv_ttl_s": 0,
-    }
-    return spec
-
-
-#: `--dump DIR`: where each run's spans and the dispatcher's records are written (None: nowhere).
-DUMP: Path | None = None
-#: The load's prompts: 96 tokens on average (64-128), as `load` asks the load generator for.
-PROMPT_TOKENS = 96
-
-
-async def load(api: str, rate: float, duration_s: float, out: Path) -> dict[str, Any]:
-    """The load generator: Poisson arrivals at `rate` requests per (real) second, open loop (no
-    cap on requests in flight), from the moment training runs (`/ready` says serving: not while the
-    workers set up, whose queue would reach the first bubbles as a burst, not at the stated rate),
-    for `duration_s`."""
-    args = ["--base-url", api, "--request-rate", f"{rate:.4f}", "--burstiness", "1", "--ready-state", "serving"]
-    args += ["--duration", f"{duration_s:.2f}", "--num-prompts", "1000000", "--input-len", str(PROMPT_TOKENS)]
-    args += ["--range-ratio", "0.33", "--seed", str(random.randrange(1 << 30))]
-    return await run_loadgen(args, out)
-
-
-class CpuSampler:
-    """Every `PERIOD_S`, the CPU time (user + system) of this process and of every process it
-    started, directly or not (/proc): each one's share of one core while it was seen (1.0 = a
-    whole core). Keyed "<service>:<pid>"."""
-
-    PERIOD_S = 0.25
-
-    def __init__(self) -> None:
-        self.first: dict[int, tuple[float, float]] = {}
-        self.last: dict[int, tuple[float, float]] = {}
-        self.names: dict[int, str] = {}
-        self.tick = os.sysconf("SC_CLK_TCK")
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.to_thread(self.sample)
-            await asyncio.sleep(self.PERIOD_S)
-
-    def sample(self) -> None:
-        now, parent, cpu = time.monotonic(), {}, {}
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            pid = int(d.name)
-            parent[pid] = int(fields[1])
-            cpu[pid] = (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
-        mine, frontier = {os.getpid()}, [os.getpid()]
-        while frontier:
-            kids = [p for p, pp in parent.items() if pp in frontier and p not in mine]
-            mine.update(kids)
-            frontier = kids
-        for pid in mine:
-            self.first.setdefault(pid, (now, cpu[pid]))
-            self.last[pid] = (now, cpu[pid])
-            if pid not in self.names:
-                self.names[pid] = _service_name(pid)
-
-    def shares(self) -> dict[str, float]:
-        out = {}
-        for pid, (t1, c1) in self.last.items():
-            t0, c0 = self.first[pid]
-            if t1 - t0 >= 1.0:
-                out[f"{self.names[pid]}:{pid}"] = round((c1 - c0) / (t1 - t0), 3)
-        return out
-
-
-def _service_name(pid: int) -> str:
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return "?"
-    words = [a.decode(errors="replace") for a in args if a]
-    for w in words:
-        if w.startswith("services.") or w in ("loadgen", "bench/bubble_fill.py"):
-            return w.removeprefix("services.")
-    return Path(words[0]).name if words else "?"
-
-
-async def one_run(
-    url: str,
-    workdir: Path,
-    *,
-    enabled: bool,
-    iterations: int,
-    dp: int,
-    mode: str,
-    slo_device_ms: float,
-    rate: float = 0.0,
-    load_s: float = 0.0,
-) -> tuple[TrainResult, dict[str, Any]]:
-    spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp, mode=mode, slo_device_ms=slo_device_ms)
-    path = workdir / f"bt-{'on' if enabled else 'off'}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    run = f"bench-bt-{'on' if enabled else 'off'}-{random.randrange(1 << 30):x}"
-    settings = load_settings(path, env={"BUBBLETEA_RUN": run})
-    out = io.StringIO()
-    extra: dict[str, Any] = {}
-    launched = time.monotonic()
-    if not enabled:
-        result = await run_training(settings, url, out=out, progress=False, quiet=True)
-    else:
-        env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path)}
-        sampler = CpuSampler()
-        sampling = asyncio.create_task(sampler.run())
-        try:
-            async with front_door(env, out=out) as door:
-                assert door.url is not None
-                client = asyncio.create_task(load(door.url, rate, load_s, workdir / "loadgen.json"))
-                # trains on past the spec's iterations until the load is done (those are left out
-                # below): every bubble of the spec's iterations has requests waiting, the last too
-                result = await run_training(
-                    settings, url, out=out, progress=False, quiet=True, dispatcher=True, until=client
-                )
-                extra = {"load": await client}
-        finally:
-            sampling.cancel()
-            await asyncio.gather(sampling, return_exceptions=True)
-        extra["cpu"] = sampler.shares()
-    extra["wall_s"] = time.monotonic() - launched
-    r = Redis.from_url(url)
-    try:
-        spans = [s for s in await run_spans(r, run) if s.iteration < iterations]
-        seen = [c for c in await run_control(r, run) if c.at <= max((s.end for s in spans), default=0.0)]
-    finally:
-        await r.aclose()
-    if DUMP is not None:  # --dump: every span and record of the run, for a person to look into
-        await asyncio.to_thread(_dump, DUMP, run, spans, seen)
-    return result, {"spans": spans, "seen": seen, **extra}
-
-
-def _dump(folder: Path, run: str, spans: list[Span], seen: list[ControlSeen]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    write_spans(folder / f"{run}.spans.jsonl", spans, full=True)
-    (folder / f"{run}.control.jsonl").write_text("".join(json.dumps(msgspec.to_builtins(c)) + "\n" for c in seen))
 
 
 async def run_case(
@@ -267,11 +82,13 @@ async def run_case(
     slo_device_ms: float,
     k: float,
     max_rate: float | None = None,
+    dump: Path | None = None,
 ) -> dict[str, Any]:
     """`pairs` interleaved off/on runs of one case, the on runs offered `share` of the capacity
     their off run measured (at most `max_rate` requests per real second), summarised
     (`_harness.summarise`)."""
     kw: dict[str, Any] = {"iterations": iterations, "dp": dp, "mode": mode, "slo_device_ms": slo_device_ms}
+    kw["dump"] = dump
     spec = parse_spec(bench_spec(enabled=True, iterations=1, dp=dp, mode=mode))
     cost = prefill_block_s(spec, k, PROMPT_TOKENS)
 
@@ -306,7 +123,7 @@ async def run_case(
     out = {"dp": dp, "mode": mode, "iterations": iterations, "offered_share": share}
     out |= _harness.summarise(done, time_scale=k, slo_device_ms=slo_device_ms)
     out |= _harness.targets(out, GOALS[min(GOALS, key=lambda g: abs(g - share))])
-    out["cpu_share_by_service"] = _by_service(p.cpu for p in done)
+    out["cpu_share_by_service"] = by_service(p.cpu for p in done)
     return out
 
 
@@ -331,15 +148,6 @@ GOALS: dict[float, dict[str, Any]] = {
 }
 
 
-def _by_service(runs: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for cpu in runs:
-        for key, share in cpu.items():
-            name = key.rsplit(":", 1)[0]
-            out[name] = max(out.get(name, 0.0), share)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
 async def bench(
     cases: list[tuple[int, str, float]],
     *,
@@ -348,13 +156,14 @@ async def bench(
     slo_device_ms: float,
     k: float,
     max_rate: float | None = None,
+    dump: Path | None = None,
 ) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedRedis() as redis:
             for dp, mode, share in cases:
                 kw: dict[str, Any] = {"dp": dp, "mode": mode, "pairs": pairs, "iterations": iterations}
-                kw |= {"share": share, "slo_device_ms": slo_device_ms, "k": k, "max_rate": max_rate}
+                kw |= {"share": share, "slo_device_ms": slo_device_ms, "k": k, "max_rate": max_rate, "dump": dump}
                 out.append(await run_case(redis.url, Path(tmp), **kw))
     return out
 
@@ -465,8 +274,6 @@ def main(argv: list[str] | None = None) -> int:
         "BUBBLETEA_COMPUTE_PRIORITY, shared/priority.py",
     )
     args = ap.parse_args(argv)
-    global DUMP
-    DUMP = Path(args.dump) if args.dump else None
     os.environ["BUBBLETEA_COMPUTE_PRIORITY"] = args.priority  # the services inherit it
     if args.pairs < 1:
         ap.error("--pairs must be at least 1")
@@ -487,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["BUBBLETEA_TIME_SCALE"] = f"{scale:g}"  # the services inherit it
     t0 = time.perf_counter()
     kw = {"pairs": args.pairs, "iterations": iterations, "slo_device_ms": args.ttft_slo_ms, "max_rate": args.max_rate}
+    kw["dump"] = Path(args.dump) if args.dump else None
     results = uvloop.run(bench(cases, k=scale, **kw))
     for res in results:
         res["bench_s"] = round(time.perf_counter() - t0, 1)
