@@ -27,11 +27,11 @@ Figures, per case:
   steady iteration time (`TrainResult.steady_iteration_s`: the median over iterations, the first,
   a warm-up, left out). ``iteration_ms_*`` is that steady time;
 * ``peak_rss_mb_*``: the peak resident set size (``VmHWM`` of /proc/<pid>/status, MB = 1e6 bytes)
-  of each stage-worker process, the largest over the workers. A background thread polls /proc
-  every 0.2 s during the run for descendants of this process running ``services.stage_worker`` and
-  keeps each one's latest VmHWM (the kernel's own high-water mark, so a peak between two polls
-  still counts). On a GPU this is host memory, not GPU memory. ``workers_seen_*`` says how many
-  workers the poller saw (PP x DP when it saw all);
+  of each stage-worker process, the largest over the workers. A background thread
+  (bench/_worker_memory.py) polls /proc every 0.2 s during the run for descendants of this process
+  running ``services.stage_worker`` and keeps each one's latest VmHWM (the kernel's own high-water
+  mark, so a peak between two polls still counts). On a GPU this is host memory, not GPU memory.
+  ``workers_seen_*`` says how many workers the poller saw (PP x DP when it saw all);
 * ``params_*``: the model's parameters, counted from its shape by the project's own modules (the
   GPT built whole; the Llama module built on the meta device), each tensor once;
 * ``final_loss_*``: the last iteration's loss (mean over replicas of the last stage's loss).
@@ -55,20 +55,15 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from _worker_memory import STAGE_WORKER_MODULE, WorkerMemory
 
 ROOT = Path(__file__).resolve().parent.parent
-#: The module a stage worker runs (``python -m services.stage_worker``): what the poller looks for.
-STAGE_WORKER_MODULE = "services.stage_worker"
-#: Seconds between two polls of /proc.
-POLL_S = 0.2
 MB = 1_000_000
 #: The fast WAN link of both cases (one way latency, capacity).
 LINK = {"latency_ms": 1.0, "bandwidth_gbps": 10.0}
@@ -97,87 +92,6 @@ TINY = Shape(layers=2, d_model=32, heads=4, kv_heads=2, intermediate=86, seq_len
 
 class CaseFailed(RuntimeError):
     """A case could not be measured: the message names it and says why."""
-
-
-# --- peak memory of the stage workers ------------------------------------------------------------
-
-
-def _ppid(pid: int) -> int | None:
-    """The parent of `pid` from /proc/<pid>/stat, None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[1]) if len(fields) > 1 else None
-
-
-def descendants(root: int) -> Iterator[int]:
-    """Every live process below `root` (children, their children, ...)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            pid = int(entry.name)
-            parent = _ppid(pid)
-            if parent is not None:
-                children.setdefault(parent, []).append(pid)
-    todo = list(children.get(root, ()))
-    while todo:
-        pid = todo.pop()
-        yield pid
-        todo.extend(children.get(pid, ()))
-
-
-def is_stage_worker(pid: int) -> bool:
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return STAGE_WORKER_MODULE.encode() in args
-
-
-def vm_hwm_bytes(pid: int) -> int | None:
-    """The peak resident set size of `pid` (VmHWM, reported in kB), None if it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-class WorkerMemory:
-    """Polls /proc in a thread for this process's stage-worker descendants and their VmHWM.
-
-    Once `expected` workers have been found, only their status files are read (the whole of /proc
-    is not scanned again), so the poller takes next to nothing from the run it measures."""
-
-    def __init__(self, expected: int, interval: float = POLL_S) -> None:
-        self.expected, self.interval = expected, interval
-        self.peaks: dict[int, int] = {}  # pid -> peak RSS in bytes
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="worker-memory", daemon=True)
-
-    def sample(self) -> None:
-        pids = list(self.peaks) if len(self.peaks) >= self.expected else descendants(os.getpid())
-        for pid in pids:
-            if (pid in self.peaks or is_stage_worker(pid)) and (hwm := vm_hwm_bytes(pid)) is not None:
-                self.peaks[pid] = max(hwm, self.peaks.get(pid, 0))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> WorkerMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # --- the two cases -------------------------------------------------------------------------------
