@@ -158,9 +158,10 @@ def generation_resume_key(run: str, generation: int) -> str:
 
 
 def checkpoint_key(run: str, replica: int, stage: int) -> str:
-    """Slot (replica, stage)'s checkpoints: a hash from iteration to its stage's state (safetensors:
-    weights and AdamW moments). Bound: the newest `CHECKPOINTS_KEPT` per slot, and
-    `RUN_STATE_TTL_S` after the last write."""
+    """Slot (replica, stage)'s checkpoints: a hash from iteration to the path of its checkpoint file
+    (the stage's weights and AdamW moments, safetensors, under BUBBLETEA_STATE_DIR: the bytes never
+    ride Redis). Bound: the newest `CHECKPOINTS_KEPT` per slot, and `RUN_STATE_TTL_S` after the
+    last write."""
     return f"{PREFIX}:{run}:ckpt:{replica}:{stage}"
 
 

@@ -33,6 +33,12 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
                        (device profile, WAN, work sent ahead: `shared.timescale`); the launchers
                        measure and set it (default 1)
 ``BUBBLETEA_RESUME``    a stage worker restores its stage from this save directory (``bubbletea train --resume``)
+``BUBBLETEA_STATE_DIR`` where stage workers keep a run's saved state, in ``<dir>/<run>/``: its
+                       checkpoints (``training.checkpoint_every``) and the state handed over for
+                       ``bubbletea train --save`` (Redis holds only their paths). Default
+                       ``<temp dir>/bubbletea-state``; ``bubbletea up`` gives ``<run folder>/state``. A
+                       replacement worker reads its slot's checkpoint from here: workers on several
+                       hosts need one directory every host shares (docs/multihost.md)
 ``BUBBLETEA_DC``        a stage worker takes only slots whose stage is placed in this datacenter
                        (the workers of one DC on one host; default: any slot)
 ``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy
@@ -46,6 +52,7 @@ import math
 import os
 import re
 import socket
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +66,8 @@ from shared.spec_training import MAX_ITERATIONS, UNTIL_STOPPED, Training
 from shared.timescale import LIMIT_SCALE, scale_spec
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+#: Where stage workers keep a run's checkpoints and saves when BUBBLETEA_STATE_DIR is not set.
+DEFAULT_STATE_DIR = Path(tempfile.gettempdir()) / "bubbletea-state"
 
 #: Every environment variable BubbleTea reads (here, and BUBBLETEA_REDIS_SERVER in redis_server).
 ENV_VARS = frozenset(
@@ -84,6 +93,7 @@ ENV_VARS = frozenset(
         "BUBBLETEA_PLANE_HOST",
         "BUBBLETEA_DC",
         "BUBBLETEA_RESUME",
+        "BUBBLETEA_STATE_DIR",
         "BUBBLETEA_COMPUTE_PRIORITY",
         "BUBBLETEA_TIME_SCALE",
     }
@@ -124,6 +134,9 @@ class Settings:
     dc: str | None = None
     #: A save directory the stage workers continue training from (BUBBLETEA_RESUME).
     resume: Path | None = None
+    #: Where stage workers keep a run's checkpoints and handed-over state, under `<state_dir>/<run>/`
+    #: (BUBBLETEA_STATE_DIR); shared by every host whose workers may replace each other.
+    state_dir: Path = field(default_factory=lambda: DEFAULT_STATE_DIR)
 
     @property
     def metrics_key(self) -> str | None:
@@ -220,6 +233,7 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         max_time_scale=max_time_scale,
         dc=dc,
         resume=Path(env["BUBBLETEA_RESUME"]) if env.get("BUBBLETEA_RESUME") else None,
+        state_dir=Path(env["BUBBLETEA_STATE_DIR"]).absolute() if env.get("BUBBLETEA_STATE_DIR") else DEFAULT_STATE_DIR,
     )
 
 

@@ -125,6 +125,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
             "BUBBLETEA_HTTP_HOST": spec.http.host,
             "BUBBLETEA_HTTP_PORT": str(port),
             "BUBBLETEA_METRICS_PORT": "0",  # each picks a free port and advertises it in its heartbeat
+            "BUBBLETEA_STATE_DIR": str((folder / "state").absolute()),  # the workers' checkpoints
         }
         slots = spec.parallelism.pp * spec.parallelism.dp
         for svc in SERVICES:

@@ -1,5 +1,5 @@
-"""A run's recovery generations and its checkpoints in Redis (the worker's side of
-shared/policies/recovery.py).
+"""A run's recovery generations in Redis (the worker's side of shared/policies/recovery.py; the
+checkpoints themselves are the stage port's, `port_state.py`).
 
 Workers train together only within one *generation*. Every worker joins one when it starts and
 again when it notices a lost peer (or that the generation moved on without it):
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
 
 from redis.asyncio import Redis
 
@@ -34,7 +33,7 @@ from services.stage_worker.lease import Slot, SlotError
 from shared import keys
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.logs import get_logger
-from shared.policies.recovery import FROM_SCRATCH, resume_after, superseded
+from shared.policies.recovery import FROM_SCRATCH, resume_after
 
 log = get_logger(__name__)
 
@@ -131,42 +130,3 @@ class Generations:
             await self.r.set(key, candidate, nx=True, ex=keys.RUN_STATE_TTL_S)
             found = await self.r.get(key)
         return int(found) if found is not None else FROM_SCRATCH
-
-
-class CheckpointStore:
-    """Every slot's checkpoints in Redis (a hash per slot: iteration -> safetensors bytes)."""
-
-    def __init__(self, r: Redis, run: str, slots: Iterable[Slot]) -> None:
-        self.r, self.run = r, run
-        self.slots = list(slots)
-
-    def _key(self, s: Slot) -> str:
-        return keys.checkpoint_key(self.run, s.replica, s.stage)
-
-    async def save(self, slot: Slot, iteration: int, blob: bytes) -> None:
-        """Store `slot`'s checkpoint of `iteration`, keep its newest `CHECKPOINTS_KEPT`, and keep the
-        run's generation counter alive as long as the run checkpoints."""
-        key = self._key(slot)
-        have = [int(f) for f in await self.r.hkeys(key)]
-        old = superseded([*have, iteration], keys.CHECKPOINTS_KEPT)
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(key, str(iteration), blob)
-            if old:
-                pipe.hdel(key, *[str(i) for i in old])
-            pipe.expire(key, keys.RUN_STATE_TTL_S)
-            pipe.expire(keys.generation_key(self.run), keys.RUN_STATE_TTL_S)
-            await pipe.execute()
-
-    async def load(self, slot: Slot, iteration: int) -> bytes:
-        blob: Any = await self.r.hget(self._key(slot), str(iteration))
-        if blob is None:
-            raise SlotError(f"the checkpoint of iteration {iteration} of slot {slot.name} is gone (expired?)")
-        return bytes(blob)
-
-    async def iterations(self) -> dict[str, list[int]]:
-        """Which iterations each slot has a checkpoint of."""
-        async with self.r.pipeline(transaction=False) as pipe:
-            for s in self.slots:
-                pipe.hkeys(self._key(s))
-            found = await pipe.execute()
-        return {s.name: [int(f) for f in fields] for s, fields in zip(self.slots, found, strict=True)}

@@ -24,7 +24,8 @@ from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.membership import take_part
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port import PrefillPort, StagePort, StatePort
-from services.stage_worker.recovery import CheckpointStore, Generations
+from services.stage_worker.port_state import CheckpointStore
+from services.stage_worker.recovery import Generations
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
 from services.stage_worker.transport import Transport, plane_addresses
@@ -200,11 +201,12 @@ async def _train(
         generation=lambda: gens.current,
         tied=trainer.tied is not None,
     )
-    checkpoints = CheckpointStore(bus.redis, run, lease.all_slots) if spec.training.recovers else None
+    state_dir = settings.state_dir
+    checkpoints = CheckpointStore(bus.redis, run, lease.all_slots, state_dir) if spec.training.recovers else None
     runner.port = port = StagePort(
         PrefillPort(bus.redis, run, spec.prefill.kv_ttl_s, spec.prefill.kv_budget_mb << 20),
         transport,
-        StatePort(bus.redis, run, slot, checkpoints),
+        StatePort(bus.redis, run, slot, state_dir, checkpoints),
     )
     inbox = bus.consumer(
         keys.inbox(run, slot.replica, slot.stage),

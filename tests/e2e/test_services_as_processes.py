@@ -223,6 +223,8 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
         if test[1] == "bubbletea":
             assert test[2] in subcommands and test[3] == name  # a real subcommand, about itself
         mounts = dict(reversed(_defaulted(v).split(":")[:2]) for v in spec.get("volumes", []))
+        if "BUBBLETEA_STATE_DIR" in env:  # the stage workers' checkpoints: one named volume they all share
+            assert mounts.pop(env["BUBBLETEA_STATE_DIR"]) in compose["volumes"], (name, mounts)
         if mounts:  # the spec, and a model directory a spec may prefill (the vllm profile's)
             assert set(mounts) == {env["BUBBLETEA_CONFIG"], "/models/served"}, mounts
             assert all((ROOT / src).exists() for src in mounts.values()), mounts

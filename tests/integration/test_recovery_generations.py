@@ -4,19 +4,24 @@ replacement arriving meanwhile end in one generation, resuming from one checkpoi
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotError
-from services.stage_worker.recovery import CheckpointStore, Generations
+from services.stage_worker.port_state import CheckpointStore
+from services.stage_worker.recovery import Generations
+from shared import keys
 
 SLOTS = [Slot(0, 0), Slot(0, 1), Slot(1, 0), Slot(1, 1)]
 
 
-async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_point(redis: Redis) -> None:
+async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_point(
+    redis: Redis, tmp_path: Path
+) -> None:
     run = "gen1"
-    store = CheckpointStore(redis, run, SLOTS)
+    store = CheckpointStore(redis, run, SLOTS, tmp_path)
     for s in SLOTS:  # every slot checkpointed iteration 1; all but r1s1 also iteration 3
         await store.save(s, 1, b"one")
         if s != Slot(1, 1):
@@ -57,14 +62,27 @@ async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_poi
     assert resume == 1  # the newest checkpoint every slot has (r1s1 never wrote iteration 3)
 
 
-async def test_a_slot_keeps_its_newest_two_checkpoints(redis: Redis) -> None:
-    store = CheckpointStore(redis, "gen3", SLOTS)
+async def test_a_slot_keeps_its_newest_two_checkpoints(redis: Redis, tmp_path: Path) -> None:
+    store = CheckpointStore(redis, "gen3", SLOTS, tmp_path)
     for it in (1, 3, 5):
         await store.save(Slot(0, 0), it, str(it).encode())
     assert sorted((await store.iterations())["r0s0"]) == [3, 5]
     assert await store.load(Slot(0, 0), 5) == b"5"
     with pytest.raises(SlotError, match="iteration 1 of slot r0s0 is gone"):
         await store.load(Slot(0, 0), 1)
+    # the checkpoints are files under the run's state directory; Redis holds their paths only
+    kept = sorted(p.name for p in (tmp_path / "gen3" / "ckpt" / "r0s0").iterdir())
+    assert kept == ["3.safetensors", "5.safetensors"]  # the superseded file went with its reference
+    refs = await redis.hgetall(keys.checkpoint_key("gen3", 0, 0))
+    assert {int(f): v.decode() for f, v in refs.items()} == {i: str(store.path(Slot(0, 0), i)) for i in (3, 5)}
+
+
+async def test_a_checkpoint_whose_file_is_gone_fails_naming_the_shared_directory(redis: Redis, tmp_path: Path) -> None:
+    store = CheckpointStore(redis, "gen4", SLOTS, tmp_path)
+    await store.save(Slot(1, 1), 2, b"two")
+    store.path(Slot(1, 1), 2).unlink()  # e.g. written on another host, into a directory this one lacks
+    with pytest.raises(SlotError, match=r"iteration 2 of slot r1s1 is not readable at .*BUBBLETEA_STATE_DIR"):
+        await store.load(Slot(1, 1), 2)
 
 
 async def test_a_barrier_nobody_completes_times_out_naming_the_missing_slots(redis: Redis) -> None:
