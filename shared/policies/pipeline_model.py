@@ -13,6 +13,7 @@ walk the live worker drives): `simulate` is that engine with no bus hops and no 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from shared.figures.runstats import Span
 from shared.policies.wan import LinkModel
@@ -41,8 +42,9 @@ class PipelineInputs:
     step_collectives: bool = False
 
 
-@dataclass(frozen=True)
-class Bubble:
+class Bubble(NamedTuple):
+    """A slot's wait for its input (a tuple: an 8,192-GPU simulation records ~10^5 an iteration)."""
+
     replica: int
     stage: int
     iteration: int

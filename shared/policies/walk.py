@@ -89,14 +89,15 @@ class SlotWalk:
     def current(self) -> Step | None:
         """What the slot does now (None: the walk is over). `pos` stays the schedule position of
         the action, so COLLECTIVES shares the STEP's position (where its bubble is predicted)."""
-        if self.pos < self._n:
-            if self.iterations is not None and self.iteration >= self.iterations:
-                return None
-            a = self.actions[self.pos]
-            if a.op is Op.STEP and self.collectives and not self._collected:
-                return COLLECTIVES
-            return a
-        return END
+        pos = self.pos
+        if pos == self._n:
+            return END
+        if pos == 0 and self.iterations is not None and self.iteration >= self.iterations:
+            return None
+        a = self.actions[pos]
+        if a.op is Op.STEP and self.collectives and not self._collected:
+            return COLLECTIVES
+        return a
 
     def advance(self) -> None:
         """The current step is done: move to the next (past END: the next iteration's first)."""
