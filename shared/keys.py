@@ -249,8 +249,9 @@ def save_request_key(run: str) -> str:
 
 
 def weights_key(run: str, iteration: int, stage: int) -> str:
-    """One pipeline stage's weights after `iteration` (safetensors bytes, named as the saved
-    checkpoint stores them), written by the stage's replica-0 worker when the run was asked to save."""
+    """The path of one pipeline stage's weights after `iteration` (a safetensors file under
+    BUBBLETEA_STATE_DIR, named as the saved checkpoint stores them; the bytes never ride Redis),
+    written by the stage's replica-0 worker when the run was asked to save."""
     return f"{PREFIX}:{run}:weights:{iteration}:{stage}"
 
 
@@ -267,13 +268,14 @@ def stop_after_key(run: str) -> str:
 
 
 def train_state_key(run: str, iteration: int, stage: int) -> str:
-    """Beside `weights_key`: the stage's resumable state after `iteration` (its parameters and
-    AdamW's, the trainer's checkpoint bytes), which `bubbletea train --resume` restores."""
+    """Beside `weights_key`: the path of the stage's resumable state after `iteration` (its
+    parameters and AdamW's, the trainer's checkpoint, a file), which `bubbletea train --resume`
+    restores."""
     return f"{PREFIX}:{run}:trainstate:{iteration}:{stage}"
 
 
-#: The saved weights wait this long for the launcher that asked for them (it deletes them once
-#: read); one copy of the model per stage, only when a run was asked to save.
+#: The saved weights' paths wait this long for the launcher that asked for them (it deletes them
+#: and their files once read); only when a run was asked to save.
 WEIGHTS_TTL_S = 3_600
 
 

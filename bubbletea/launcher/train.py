@@ -153,7 +153,8 @@ async def _saver(
     bus: Bus, settings: Settings, procs: list[Proc], directory: Path, first: int, out: TextIO | None
 ) -> None:
     """Write the save directory after each saved iteration, from the stages' states the replica-0
-    workers leave in Redis (`StageRunner._hand_over_state`), in iteration order, until the last."""
+    workers hand over (files, their paths in Redis: `StatePort.hand_over`), in iteration order,
+    until the last."""
     tr = settings.spec.training
     limit = tr.iteration_limit
     assert limit is not None
@@ -165,7 +166,8 @@ async def _saver(
 
 
 async def _write_iteration(bus: Bus, settings: Settings, directory: Path, it: int, procs: list[Proc]) -> None:
-    """Wait for every stage's state after iteration `it`, write the save directory, drop the keys."""
+    """Wait for every stage's state after iteration `it` (the paths of the files the workers wrote,
+    on this host: this launcher started them), write the save directory, drop the keys and files."""
     from safetensors.torch import load
 
     from shared.model.export import save_gpt2_checkpoint, save_hf_checkpoint
@@ -176,7 +178,8 @@ async def _write_iteration(bus: Bus, settings: Settings, directory: Path, it: in
     stages = spec.parallelism.pp
     wanted = [keys.weights_key(run, it, s) for s in range(stages)]
     wanted += [keys.train_state_key(run, it, s) for s in range(stages)]
-    found = await _wait_for_keys(bus, procs, wanted, f"the state of iteration {it}")
+    paths = [Path(p.decode()) for p in await _wait_for_keys(bus, procs, wanted, f"the state of iteration {it}")]
+    found = await asyncio.to_thread(lambda: [p.read_bytes() for p in paths])
     weights: dict[str, Any] = {}
     for raw in found[:stages]:
         weights.update(load(raw))
@@ -189,6 +192,7 @@ async def _write_iteration(bus: Bus, settings: Settings, directory: Path, it: in
 
     await asyncio.to_thread(write_save, directory, spec, it, write_model, found[stages:])
     await bus.redis.delete(*wanted)
+    await asyncio.to_thread(_unlink, paths)
 
 
 @dataclass
@@ -220,10 +224,25 @@ async def _clean_stop(bus: Bus, settings: Settings, procs: list[Proc], directory
 
 
 async def _drop_save_keys(bus: Bus, run: str) -> None:
+    """The keys a save left, and the handed-over files they name."""
     stale = [keys.save_request_key(run), keys.stop_after_key(run)]
+    states: list[Any] = []
     for pattern in keys.saved_state_patterns(run):
-        stale += [k async for k in bus.redis.scan_iter(match=pattern)]
-    await bus.redis.delete(*stale)
+        states += [k async for k in bus.redis.scan_iter(match=pattern)]
+    paths: list[Any] = await bus.redis.mget(states) if states else []
+    await bus.redis.delete(*stale, *states)
+    await asyncio.to_thread(_unlink, [Path(p.decode()) for p in paths if p is not None])
+
+
+def _unlink(paths: list[Path]) -> None:
+    """Delete handed-over files, and the folders above them (<run>/save/<iteration>) left empty."""
+    for p in paths:
+        p.unlink(missing_ok=True)
+        for folder in p.parents[:3]:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (another stage's files, the run's checkpoints), or gone
+                break
 
 
 async def _wait_for_keys(bus: Bus, procs: list[Proc], wanted: list[str], what: str) -> list[bytes]:

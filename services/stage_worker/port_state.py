@@ -6,10 +6,10 @@ Both are files under the run's state directory (`Settings.state_dir`, BUBBLETEA_
 three times the stage's size. Redis holds only **references**, the files' absolute paths:
 
 * ``bt:<run>:ckpt:<r>:<k>`` (a hash, iteration -> path): which checkpoints slot (r, k) has, what the
-  recovery protocol reads to pick the newest one every slot has (`Generations.resume_point`).
-
-(The state handed over for a save still rides Redis whole, ``bt:<run>:weights:<i>:<k>`` and
-``bt:<run>:trainstate:<i>:<k>``.)
+  recovery protocol reads to pick the newest one every slot has (`Generations.resume_point`);
+* ``bt:<run>:weights:<i>:<k>`` and ``bt:<run>:trainstate:<i>:<k>`` (strings, a path each): the state
+  stage k handed over after iteration i, which the `bubbletea train --save` launcher reads (it
+  starts the workers on its own host, so it reads their files) and deletes, files included.
 
 A file is written whole (to a temporary name, then renamed) before its reference is, so a reader
 never sees half of one. A replacement worker reads its slot's checkpoint from the path its dead
@@ -136,9 +136,14 @@ class StatePort:
 
     async def hand_over(self, iteration: int, weights: bytes, state: bytes) -> None:
         """Leave the stage's weights (named as the saved checkpoint stores them) and its trainer
-        checkpoint after `iteration` for the launcher, which writes the save directory from them."""
-        stage = self.slot.stage
+        checkpoint after `iteration` for the launcher, which writes the save directory from them:
+        two files under ``<run dir>/save/<iteration>/``, their paths in `keys.weights_key` and
+        `keys.train_state_key` (the launcher deletes both once read)."""
+        stage, folder = self.slot.stage, run_state_dir(self.state_dir, self.run) / "save" / str(iteration)
+        w_path, s_path = folder / f"weights-s{stage}.safetensors", folder / f"trainstate-s{stage}.safetensors"
+        await asyncio.to_thread(write_file, w_path, weights)
+        await asyncio.to_thread(write_file, s_path, state)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(keys.weights_key(self.run, iteration, stage), weights, ex=keys.WEIGHTS_TTL_S)
-            pipe.set(keys.train_state_key(self.run, iteration, stage), state, ex=keys.WEIGHTS_TTL_S)
+            pipe.set(keys.weights_key(self.run, iteration, stage), str(w_path), ex=keys.WEIGHTS_TTL_S)
+            pipe.set(keys.train_state_key(self.run, iteration, stage), str(s_path), ex=keys.WEIGHTS_TTL_S)
             await pipe.execute()
