@@ -22,14 +22,17 @@ iteration time, the bubble fraction and (BubbleTea on) the fill ratio.
     python bench/sim_vs_live.py --quick            # fewer iterations and cases (a few minutes)
     python bench/sim_vs_live.py --config FILE      # any spec (with a device profile), fair and temporal
     python bench/sim_vs_live.py --prefill-scale 3  # a prefill profile 3x slower, one a small machine keeps
+    python bench/sim_vs_live.py --generated 4      # 4 drawn specs (3-4 DCs, uneven links, both
+                                                   # schedules; bench/_gen_specs.py), BubbleTea off
+
+Beside the live and simulated iteration time, each case has the analytic model's
+(`iteration_model`, `iteration_model_rel_err` against live; `iteration_sim_model_rel_err` between
+the simulator and the model): the one engine with no bus hops, on the same scaled spec.
 
 Prints a table, then one JSON line last (keys ending in `_rel_err`, `max_rel_err`; per case
 `lag_ms`: how far live training compute fell behind the device profile, summed over workers and
 iterations; `prefill_lag_share`: the share of live prefill time that was prefill running behind its
 profile, which the simulator cannot know and which inflates the live fill ratio by about as much).
-
-Over 300 lines on purpose: one benchmark, each case run live and simulated on the same spec and
-load, read side by side; splitting the live half from the simulated half would hide that they match.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ from loadgen.datasets import length_range
 from shared import keys
 from shared.config import ClusterSpec, load_spec
 from shared.figures import runstats
-from shared.figures.training import lag_share
+from shared.figures.training import lag_share, steady_iteration_s
+from shared.policies.pipeline_run import simulate as analytic
 from shared.redis_server import EmbeddedRedis
 from shared.settings import load_settings
 from shared.timescale import calibrate, scale_spec
@@ -69,6 +73,10 @@ from sim.run import run_off, run_on
 from sim.setup import DEFAULT_PREFILL, build
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._gen_specs import generated  # noqa: E402
+
 SPECS = (ROOT / "configs" / "demo.yaml", ROOT / "configs" / "wan-bound.yaml")
 SHARINGS = ("fair", "temporal")
 #: A live request still queued when training ends fails at its deadline; the load generator waits
@@ -243,7 +251,12 @@ async def run_case(
     for f in FIGURES:
         a, b = got_live[f], got_sim[f]
         row[f"{f}_live"], row[f"{f}_sim"] = _r(a), _r(b)
-        row[f"{f}_rel_err"] = None if a is None or b is None or a == 0 else round(abs(b - a) / abs(a), 4)
+        row[f"{f}_rel_err"] = _rel(b, a)
+    # the analytic model: the same engine with no bus hops, on the same scaled spec
+    model_ms = steady_iteration_s(analytic(setup.pipeline, len(live.train.iteration_s)).iteration_times) * 1000 / k
+    row["iteration_model"] = _r(model_ms)
+    row["iteration_model_rel_err"] = _rel(model_ms, got_live["iteration"])
+    row["iteration_sim_model_rel_err"] = _rel(got_sim["iteration"], model_ms)
     row.update(lag_ms=round(live.train.lag_ms, 1), prefill_lag_ms=round(live.train.prefill_lag_ms, 1))
     # What limits agreement: the share of live worker time training compute ran behind the profile,
     # the share of live prefill time that was prefill running behind its profile (neither of which
@@ -264,6 +277,13 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 4)
 
 
+def _rel(value: float | None, reference: float | None) -> float | None:
+    """|value - reference| / |reference| (None where either is missing or the reference is 0)."""
+    if value is None or reference is None or reference == 0:
+        return None
+    return round(abs(value - reference) / abs(reference), 4)
+
+
 def _line(r: dict[str, Any]) -> str:
     def cell(f: str) -> str:
         if r[f"{f}_live"] is None:
@@ -272,20 +292,36 @@ def _line(r: dict[str, Any]) -> str:
         return f"{r[f'{f}_live'] * scale:8.2f} {r[f'{f}_sim'] * scale:8.2f} {r[f'{f}_rel_err'] * 100:5.1f}%  "
 
     lag = f"{r['prefill_lag_share']:.1%}" if "prefill_lag_share" in r else ""
-    return f"| {r['case']:<24} | " + " | ".join(cell(f) for f in FIGURES) + f" | {r['lag_ms']:8.1f} | {lag:>8} |"
+    model = f"{r['iteration_model']:8.2f} {r['iteration_model_rel_err'] * 100:5.1f}%"
+    return (
+        f"| {r['case']:<24} | " + " | ".join(cell(f) for f in FIGURES) + f" | {model} | {r['lag_ms']:8.1f} | {lag:>8} |"
+    )
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for f in FIGURES:
+
+    def worst(f: str) -> float | None:
         errs = [r[f"{f}_rel_err"] for r in rows if r.get(f"{f}_rel_err") is not None]
-        out[f"{f}_rel_err"] = max(errs) if errs else None
-    out["max_rel_err"] = max((v for v in out.values() if v is not None), default=None)
+        return max(errs) if errs else None
+
+    for f in FIGURES:
+        out[f"{f}_rel_err"] = worst(f)
+    out["max_rel_err"] = max((v for v in out.values() if v is not None), default=None)  # live against sim
+    out["iteration_model_rel_err"] = worst("iteration_model")
+    out["iteration_sim_model_rel_err"] = worst("iteration_sim_model")
     out["cases"] = {r["case"]: {k: v for k, v in r.items() if k != "case"} for r in rows}
     return out
 
 
-def cases_for(args: argparse.Namespace) -> list[Case]:
+def cases_for(args: argparse.Namespace, workdir: Path) -> list[Case]:
+    if args.generated:  # drawn specs, written where the live services read them; BubbleTea off
+        out = []
+        for raw in generated(args.generated, args.seed):
+            path = workdir / f"{raw['name']}.yaml"
+            path.write_text(yaml.safe_dump(raw))
+            out.append(Case(path, raw["wan"]["sharing"], False))
+        return out
     specs = [Path(args.config)] if args.config else list(SPECS)
     if args.quick:  # each spec once off and once on; fair for the first, its own sharing for the rest
         out = []
@@ -297,12 +333,13 @@ def cases_for(args: argparse.Namespace) -> list[Case]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    cases = cases_for(args)
     iterations = args.iterations or (6 if args.quick else None)
     header = " | ".join(f"{f + ' live/sim/err':<28}" for f in FIGURES)
-    print(f"| {'case':<24} | {header} | {'lag ms':>8} | {'prefill lag':>8} |", file=sys.stderr)
+    print(f"| {'case':<24} | {header} | {'model/err':<14} | {'lag ms':>8} | {'prefill lag':>8} |", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "generated").mkdir()
+        cases = cases_for(args, Path(tmp) / "generated")
         async with EmbeddedRedis() as server:
             for case in cases:
                 try:
@@ -328,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="one spec (with a device profile) instead of demo and wan-bound")
     ap.add_argument("--quick", action="store_true", help="6 iterations a run, each spec once off and once on")
     ap.add_argument("--iterations", type=int, help="training iterations per run (default: the spec's; 6 quick)")
+    gen = "N drawn specs instead (3-4 datacenters, uneven links, both schedules; BubbleTea off)"
+    ap.add_argument("--generated", type=int, default=0, metavar="N", help=gen)
+    ap.add_argument("--seed", type=int, default=SEED, help="the draw of --generated (default 0)")
     ap.add_argument(
         "--request-rate", type=float, default=REQUEST_RATE_PER_S, help="requests/s with BubbleTea on (default 80)"
     )

@@ -10,8 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.config import ClusterSpec, load_spec
+from shared.config import ClusterSpec, load_spec, parse_spec
 from shared.figures.runstats import Span
+from shared.figures.training import steady_iteration_s
 from shared.plan import model_inputs
 from shared.policies.events import EventQueue
 from shared.policies.pipeline_model import PipelineInputs
@@ -135,3 +136,21 @@ def test_every_tensor_crosses_the_bus_once() -> None:
     assert reduce and all(s.end - s.start >= hop - 1e-12 for s in reduce)
     wan = {bus: next(s for s in _run(inp, 1, bus) if s.stage == 1 and s.kind == "wait") for bus in (0, hop)}
     assert wan[hop].end - wan[0].end == pytest.approx(hop)
+
+
+def test_the_simulator_and_the_analytic_model_agree_on_specs_nobody_tuned_them_for() -> None:
+    """Drawn specs (bench/_gen_specs.py: 3-4 datacenters, uneven and asymmetric links, both
+    schedules, the step's collectives on or off): the simulator's steady iteration, with its bus
+    hops, within 5% of the analytic model's. `bench/sim_vs_live.py --generated N` adds live runs."""
+    from bench._gen_specs import generated
+
+    seen = set()
+    for raw in generated(12, seed=0):
+        spec = parse_spec(raw, source=raw["name"])
+        assert len(spec.datacenters) >= 3
+        seen.add(spec.training.schedule)
+        setup = build(spec)
+        sim = run_off(setup, 6).iteration_s
+        model = steady_iteration_s(simulate(setup.pipeline, 6).iteration_times)
+        assert abs(sim - model) / model < 0.05, raw["name"]
+    assert seen == {"gpipe", "1f1b"}
