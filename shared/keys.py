@@ -93,14 +93,17 @@ def prefill_reports_stream(run: str) -> str:
 
 
 def prefill_snapshot_key(run: str, request_id: str, layer: int) -> str:
-    """A preempted prefill's state (hidden + KV of finished layers) at `layer`, for the worker that
-    resumes it. The layer is part of the key: a later snapshot never overwrites the one the
-    dispatcher knows about, so a worker that dies mid-batch cannot leave a mismatched state."""
+    """The handle of a preempted prefill's state (hidden + KV of finished layers) at `layer`: the
+    "host:port" of the worker holding it (the state itself stays on that worker's snapshot shelf,
+    never in Redis), for the worker that resumes it. The layer is part of the key: a later snapshot
+    never overwrites the one the dispatcher knows about, so a worker that dies mid-batch cannot
+    leave a mismatched state. Deleting the handle (the dispatcher, once spent) frees the state."""
     return f"{PREFIX}:{run}:prefill:snap:{request_id}:{layer}"
 
 
-#: A snapshot waits for a later bubble; five minutes cover any pipeline's iteration many times
-#: over, and a request resumed later than that has long passed its deadline.
+#: A snapshot (its handle here, its state on the holder's shelf) waits for a later bubble; five
+#: minutes cover any pipeline's iteration many times over, and a request resumed later than that
+#: has long passed its deadline.
 PREFILL_SNAPSHOT_TTL_S = 300
 
 

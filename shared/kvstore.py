@@ -1,7 +1,9 @@
-"""Prefill state in Redis: snapshots of preempted prefills, and finished KV caches.
+"""Prefill state as bytes: snapshots of preempted prefills, and finished KV caches (and the KV caches'
+Redis store, `prefill.kv_store: redis`).
 
 * A **snapshot** is a prefill stopped at a layer boundary (the input of its next block and the
-  KV of the blocks before it). Any worker can resume it in a later bubble, bit-exactly.
+  KV of the blocks before it). Any worker can resume it in a later bubble, bit-exactly. It stays
+  on the worker that took it (`services/stage_worker/port_prefill.py`); Redis holds its handle.
 * A **KV cache** is what a finished prefill hands to a decode service: the handle in the answer
   (`kv_transfer_params`) names its key, format, size and expiry; `fetch_kv` reads it back.
 
@@ -27,7 +29,7 @@ from safetensors.torch import save as st_save
 from shared import keys
 from shared.model.prefill import KV, PrefillState
 from shared.tensors import from_blob, to_blob
-from shared.wire import PrefillSnapshot, TensorBlob, WireError, decode, encode
+from shared.wire import PrefillSnapshot, TensorBlob, WireError
 
 #: The `format` metadata of a stored KV cache; bumped if the layout ever changes.
 KV_FORMAT = "bubbletea-kv/1"
@@ -73,21 +75,6 @@ def restore(snap: PrefillSnapshot, layers: int) -> PrefillState:
         hidden=from_blob(snap.hidden),
         kv=_tensors(snap.kv),
     )
-
-
-async def save_snapshot(r: Redis, key: str, msg: PrefillSnapshot) -> None:
-    await r.set(key, encode(msg), ex=keys.PREFILL_SNAPSHOT_TTL_S)
-
-
-async def load_snapshot(r: Redis, key: str) -> PrefillSnapshot | None:
-    """The snapshot at `key`, or None if it is gone (expired, or never written)."""
-    raw: Any = await r.get(key)
-    if raw is None:
-        return None
-    msg = decode(raw)
-    if not isinstance(msg, PrefillSnapshot):
-        raise WireError(f"{key} holds a {type(msg).__name__}, not a PrefillSnapshot")
-    return msg
 
 
 @dataclass(frozen=True)

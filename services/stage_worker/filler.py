@@ -30,6 +30,7 @@ from typing import Any
 
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port import StagePort
+from services.stage_worker.port_prefill import Saved
 from services.stage_worker.reporting import BatchRun, Outcome, Reporter
 from shared.bus import Bus, Delivery, Reject
 from shared.logs import get_logger
@@ -51,7 +52,7 @@ class Queued:
     batch: PrefillBatch
     done: asyncio.Future[None]  # set once answered and reported: the delivery is acked then
     held: Held
-    states: dict[str, PrefillState | None]  # resumed items' saved states, loaded on arrival
+    states: dict[str, Saved]  # resumed items' saved states, loaded on arrival
 
 
 class Filler:
@@ -182,16 +183,17 @@ class Filler:
         for q in back:
             self._background(self.reporter.finish_batch(q.batch, BatchRun.unrun()), q.done)
 
-    async def _load_snapshots(self, batch: PrefillBatch) -> dict[str, PrefillState | None]:
-        """The saved states of resumed items (None when one has expired)."""
+    async def _load_snapshots(self, batch: PrefillBatch) -> dict[str, Saved]:
+        """The saved states of resumed items (None when one has expired; `LOST` when its holder is
+        gone: the item is computed again from its prompt)."""
         resumed = [it for it in batch.items if it.from_layer > 0]
-        states: dict[str, PrefillState | None] = {}
+        states: dict[str, Saved] = {}
         for it in resumed:
             states[it.id] = await self.port.load_snapshot(it.snapshot_key, self.model.layers)
         return states
 
     def _compute(
-        self, batch: PrefillBatch, states: dict[str, PrefillState | None], arrived: Arrived, ends_at: float
+        self, batch: PrefillBatch, states: dict[str, Saved], arrived: Arrived, ends_at: float
     ) -> Generator[None, None, BatchRun]:
         """Steps through the batch, pausing (yield) after each block, so that whichever thread
         advances it runs the next block (`_run_batch`); returns the `BatchRun`.
@@ -215,7 +217,8 @@ class Filler:
             # the item's device time: from when the device is free for it to when it is done
             t0 = max(schedule.due, time.monotonic())
             try:
-                state = states.get(item.id) or self.model.start(item.tokens)
+                saved = states.get(item.id)  # LOST: its holder is gone; computed again from the prompt
+                state = saved if isinstance(saved, PrefillState) else self.model.start(item.tokens)
                 out_of_time = yield from self._run_blocks(state, item.to_layer, arrived, ends_at, schedule)
                 result = None
                 if state.done:

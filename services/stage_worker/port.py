@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.stage_worker.port_prefill import KvStored, PrefillPort
+from services.stage_worker.port_prefill import LOST, KvStored, PrefillPort, Saved
 from services.stage_worker.port_state import StatePort
 from services.stage_worker.transport import Transport, stages_group, tie_group
 from shared import kvstore
@@ -34,7 +34,7 @@ from shared.bus import Delivery
 from shared.dataplane import in_thread
 from shared.model.prefill import KV, PrefillState
 
-__all__ = ["KvStored", "PrefillPort", "StagePort", "StatePort"]
+__all__ = ["LOST", "KvStored", "PrefillPort", "Saved", "StagePort", "StatePort"]
 
 
 @dataclass
@@ -92,6 +92,7 @@ class StagePort:
         return True if self.transport is None else await self.transport.flush(timeout_s)
 
     async def close(self) -> None:
+        """Training's tensors: let the sends under way finish, then drop the data plane's groups."""
         if self.transport is not None:
             await self.transport.close()
 
@@ -145,10 +146,16 @@ class StagePort:
         for decoders to fetch."""
         return await self.prefill.put_kv(request_id, kvstore.kv_file(request_id, model, prompt, first_token, kv), now)
 
-    async def save_snapshot(self, request_id: str, layer: int, state: PrefillState) -> None:
-        """A preempted prefill's state at `layer`, for whichever worker resumes it."""
-        await self.prefill.save_snapshot(request_id, layer, state)
+    async def save_snapshot(self, request_id: str, layer: int, state: PrefillState) -> bool:
+        """Keep a preempted prefill's state at `layer` for whichever worker resumes it (False: the
+        snapshot budget is full, it was not kept)."""
+        return await self.prefill.save_snapshot(request_id, layer, state)
 
-    async def load_snapshot(self, handle: str, layers: int) -> PrefillState | None:
-        """The state a resumed item continues from (None if it is gone)."""
+    async def load_snapshot(self, handle: str, layers: int) -> Saved:
+        """The state a resumed item continues from (None: its handle expired; `LOST`: its holder is
+        gone, the item starts again from its prompt)."""
         return await self.prefill.load_snapshot(handle, layers)
+
+    async def close_prefill(self) -> None:
+        """Prefill's tensors: stop serving this worker's snapshots (last: they die with the worker)."""
+        await self.prefill.close()

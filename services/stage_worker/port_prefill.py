@@ -3,20 +3,57 @@
 * A **KV cache** (safetensors bytes, `shared.kvstore.kv_file`) stays on this worker's `KvShelf`,
   served by its `KvServer` (`prefill.kv_store: plane`, the default), or goes to Redis under the byte
   budget (`redis`). The answer's handle names where: the holder's address, or the Redis key.
-* A **snapshot** (a prefill stopped at a layer boundary) is kept under `keys.prefill_snapshot_key`
-  for the worker that resumes it; the dispatcher deletes it once the resumed batch is reported.
+* A **snapshot** (a prefill stopped at a layer boundary: its next block's input and the KV of the
+  blocks before) stays in this worker's memory too, on a shelf of its own served by a second
+  `KvServer` ("bubbletea-kv-wire/1", on the data-plane host): Redis holds only its **handle**, the
+  holder's "host:port", under `keys.prefill_snapshot_key` (the name the dispatcher gives the
+  resuming batch and deletes once that batch is reported). The worker that resumes it reads the
+  handle and fetches the bytes from the holder (from its own shelf when that is itself). A
+  snapshot is dropped from the shelf once its handle is gone from Redis (the dispatcher deleted it,
+  or it expired: `SWEEP_S`), and after `keys.PREFILL_SNAPSHOT_TTL_S` in any case. A holder that
+  died took its snapshots with it: the handle is there, the state is not (`LOST`), and the resuming
+  worker computes the request again from its prompt (an expired handle still fails the request
+  with `state_expired`, as before).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from redis.asyncio import Redis
 
 from shared import keys, kvstore
+from shared.bus.connection import TRANSIENT_ERRORS
 from shared.config import DEFAULT_KV_BUDGET_MB
-from shared.dataplane.kv import KvServer
+from shared.dataplane.kv import KvServer, KvShelf
+from shared.dataplane.kv_client import KvClient
+from shared.logs import get_logger
 from shared.model.prefill import PrefillState
+from shared.wire import PrefillSnapshot, WireError, decode, encode
+
+log = get_logger(__name__)
+
+#: How often the holder drops snapshots whose handle is gone from Redis (spent or expired).
+SWEEP_S = 5.0
+#: A snapshot is put on the shelf just before its handle is written: younger than this, it is kept
+#: whether or not its handle is there yet.
+SWEEP_GRACE_S = 30.0
+
+
+class Lost:
+    """A snapshot whose handle is there but whose holder cannot give it (it stopped or died)."""
+
+    def __repr__(self) -> str:
+        return "LOST"
+
+
+LOST = Lost()
+#: What a resumed item starts from: its state, None (its handle expired), or `LOST`.
+Saved = PrefillState | Lost | None
 
 
 @dataclass(frozen=True)
@@ -37,15 +74,42 @@ class PrefillPort:
     run: str
     #: `prefill.kv_ttl_s`: how long a finished KV cache is kept (0: none is).
     kv_ttl_s: int
-    #: `prefill.kv_budget_mb` in bytes: past it finished prefills answer without a stored KV cache.
+    #: `prefill.kv_budget_mb` in bytes: past it finished prefills answer without a stored KV cache;
+    #: the snapshots held at once have a budget of the same size, of their own.
     kv_budget_bytes: int = DEFAULT_KV_BUDGET_MB << 20
     #: `prefill.kv_store: plane`: the caches stay in this worker, served by this (else in Redis).
     kv_server: KvServer | None = None
+    #: The address this worker's snapshot server listens on (its data-plane host).
+    host: str = "127.0.0.1"
+    #: This worker's snapshots, served to the worker that resumes each (started by `start`).
+    snapshots: KvServer | None = None
+    _client: KvClient = field(default_factory=KvClient)
+    _put_at: dict[str, float] = field(default_factory=dict)  # snapshot key -> when put (monotonic)
+    _sweeper: asyncio.Task[None] | None = None
 
     @property
     def where(self) -> str:
         """Where kept caches count against the budget (for the "budget full" note)."""
         return "this worker" if self.kv_server is not None else f"the caches of the last {self.kv_ttl_s} s"
+
+    async def start(self) -> str:
+        """Serve this worker's snapshots (once); their holder's address."""
+        if self.snapshots is None:
+            shelf = KvShelf(keys.PREFILL_SNAPSHOT_TTL_S, self.kv_budget_bytes)
+            self.snapshots = KvServer(shelf, self.host)
+            await self.snapshots.start()
+            self._sweeper = asyncio.create_task(self._sweep(), name="snapshot-sweep")
+        return self.snapshots.holder
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+        await self._client.close()
+        if self.snapshots is not None:
+            await self.snapshots.close()
+
+    # --- KV caches out ---------------------------------------------------------------------
 
     async def put_kv(self, request_id: str, data: bytes, now: float) -> KvStored:
         if self.kv_server is not None:
@@ -54,10 +118,78 @@ class PrefillPort:
         s = await kvstore.store_kv_within_budget(self.redis, request_id, data, self.kv_ttl_s, self.kv_budget_bytes, now)
         return KvStored(s.key, s.size, s.used, s.budget)
 
-    async def save_snapshot(self, request_id: str, layer: int, state: PrefillState) -> None:
-        key = keys.prefill_snapshot_key(self.run, request_id, layer)
-        await kvstore.save_snapshot(self.redis, key, kvstore.snapshot(request_id, state))
+    # --- snapshots out and in --------------------------------------------------------------
 
-    async def load_snapshot(self, handle: str, layers: int) -> PrefillState | None:
-        snap = await kvstore.load_snapshot(self.redis, handle)
-        return kvstore.restore(snap, layers) if snap is not None else None
+    async def save_snapshot(self, request_id: str, layer: int, state: PrefillState) -> bool:
+        """Keep the state on this worker's shelf and write its handle; False (logged) when the
+        snapshots held already fill the budget (the request then fails when it would resume)."""
+        holder = await self.start()
+        assert self.snapshots is not None
+        key = keys.prefill_snapshot_key(self.run, request_id, layer)
+        data = encode(kvstore.snapshot(request_id, state))
+        stored = self.snapshots.shelf.put(key, data, time.time())
+        if not stored.key:
+            log.warning(
+                "snapshot budget full: a preempted prefill's state was not kept",
+                request=request_id,
+                layer=layer,
+                bytes=len(data),
+                held_bytes=stored.used,
+                budget_bytes=stored.budget,
+            )
+            return False
+        self._put_at[key] = time.monotonic()
+        await self.redis.set(key, holder, ex=keys.PREFILL_SNAPSHOT_TTL_S)
+        return True
+
+    async def load_snapshot(self, handle: str, layers: int) -> Saved:
+        """The state under the handle `handle` (a `keys.prefill_snapshot_key`), fetched from its
+        holder; None if the handle is gone (expired or spent), `LOST` if its holder cannot give it."""
+        raw: Any = await self.redis.get(handle)
+        if raw is None:
+            return None
+        holder = raw.decode()
+        if self.snapshots is not None and holder == self.snapshots.holder:
+            data = self.snapshots.shelf.get(handle, time.time())
+            why = "" if data is not None else "no longer on this worker's shelf"
+        else:
+            data, why = await self._client.fetch(holder, handle)
+        if data is None:
+            log.warning(
+                "a preempted prefill's state is lost with its holder: it is computed again from its prompt",
+                handle=handle,
+                holder=holder,
+                why=why,
+            )
+            return LOST
+        msg = decode(data)
+        if not isinstance(msg, PrefillSnapshot):
+            raise WireError(f"{handle} on {holder} holds a {type(msg).__name__}, not a PrefillSnapshot")
+        return kvstore.restore(msg, layers)
+
+    async def _sweep(self) -> None:
+        """Drop the snapshots whose handle is gone from Redis: spent (the dispatcher deleted it
+        once the resumed batch was reported) or expired."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            now = time.monotonic()
+            old = [k for k, t in self._put_at.items() if now - t > SWEEP_GRACE_S]
+            self._forget_expired()
+            if not old:
+                continue
+            with contextlib.suppress(*TRANSIENT_ERRORS):  # Redis away: the next sweep tries again
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for k in old:
+                        pipe.exists(k)
+                    found = await pipe.execute()
+                for k, there in zip(old, found, strict=True):
+                    if not there and self.snapshots is not None:
+                        self.snapshots.shelf.delete(k)
+                        self._put_at.pop(k, None)
+
+    def _forget_expired(self) -> None:
+        """Stop tracking snapshots the shelf itself expired."""
+        if self.snapshots is not None:
+            held = self.snapshots.shelf.held
+            for k in [k for k in self._put_at if k not in held]:
+                del self._put_at[k]

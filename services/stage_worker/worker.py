@@ -204,7 +204,7 @@ async def _train(
     state_dir = settings.state_dir
     checkpoints = CheckpointStore(bus.redis, run, lease.all_slots, state_dir) if spec.training.recovers else None
     runner.port = port = StagePort(
-        PrefillPort(bus.redis, run, spec.prefill.kv_ttl_s, spec.prefill.kv_budget_mb << 20),
+        PrefillPort(bus.redis, run, spec.prefill.kv_ttl_s, spec.prefill.kv_budget_mb << 20, host=plane.addresses[0]),
         transport,
         StatePort(bus.redis, run, slot, state_dir, checkpoints),
     )
@@ -227,6 +227,7 @@ async def _train(
             readings["kv_served"] = lambda: server.served  # fetches answered with a cache
             await server.start()
         port.prefill.kv_server = kv_server
+        await port.prefill.start()  # preempted prefills' snapshots stay here, served to whoever resumes them
         runner.filler = Filler(
             bus,
             run,
@@ -260,6 +261,7 @@ async def _train(
             await fill.stop(grace_s=1.0)
         if kv_server is not None:  # last: the caches die with the worker (a later fetch fails, saying so)
             await kv_server.close()
+        await port.close_prefill()  # its snapshots too
 
 
 def _prefill_model(spec: ClusterSpec, device: torch.device) -> PrefillModel:

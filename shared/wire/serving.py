@@ -102,7 +102,8 @@ class PrefillItem(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int = 0
     submitted: float = 0.0
     reply_to: str = ""
-    #: Where the state to resume from is stored (`keys.prefill_snapshot_key`) when from_layer > 0.
+    #: The handle of the state to resume from (`keys.prefill_snapshot_key`: a Redis key naming the
+    #: worker that holds the state) when from_layer > 0.
     snapshot_key: str = ""
 
 

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 
+from services.stage_worker import port_prefill
 from services.stage_worker.filler import Filler
 from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.port import PrefillPort, StagePort
+from services.stage_worker.port import LOST, PrefillPort, StagePort
 from shared import keys, kvstore, serving
 from shared.bus import Bus, Delivery, Reject
 from shared.config import BusConfig
@@ -145,7 +146,10 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         queued = await serving.lookup(bus.redis, req.id)
         assert spans and queued is not None and queued.status is RequestStatus.QUEUED
         snap_key = keys.prefill_snapshot_key(RUN, req.id, p.reached_layer)
-        assert await kvstore.load_snapshot(bus.redis, snap_key) is not None
+        # the state stays on this worker's snapshot shelf; Redis holds only its handle, the holder
+        holder = filler.port.prefill.snapshots.holder if filler.port.prefill.snapshots else None
+        assert await bus.redis.get(snap_key) == str(holder).encode()
+        assert await filler.port.load_snapshot(snap_key, LAYERS) is not None
 
         # Bubble 2: resume where it stopped; the answer equals one uninterrupted prefill.
         rest = PrefillItem(
@@ -173,6 +177,44 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         assert all(
             torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(stored.kv, want.kv, strict=True)
         )
+        await filler.port.close_prefill()
+
+
+async def test_a_snapshot_is_fetched_from_the_worker_holding_it_and_dropped_once_spent(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A preempted prefill resumes on another worker: its state comes over TCP from the holder
+    (its address is the handle in Redis); once the dispatcher deletes the handle (the resumed
+    batch was reported) the holder drops the state; a holder that is gone leaves None."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(port_prefill, "SWEEP_S", 0.1)
+    model = PrefillModel(CFG, seed=5)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        holder, resumer = (StagePort(PrefillPort(bus.redis, RUN, kv_ttl_s=0)) for _ in range(2))
+        state = model.start(list(PROMPT))
+        model.run_layers(state, max_layers=3)
+        assert await holder.save_snapshot("far", 3, state)
+        key = keys.prefill_snapshot_key(RUN, "far", 3)
+        assert len(await bus.redis.get(key)) < 64  # a handle, not the state
+        await resumer.prefill.start()
+        got = await resumer.load_snapshot(key, model.layers)
+        assert got is not None and got.next_layer == 3 and torch.equal(got.hidden, state.hidden)
+        assert holder.prefill.snapshots is not None and len(holder.prefill.snapshots.shelf.held) == 1
+        await bus.redis.delete(key)  # spent: the dispatcher accepted the resumed batch's report
+        holder.prefill._put_at[key] -= port_prefill.SWEEP_GRACE_S  # past the grace a fresh one gets
+        await asyncio.wait_for(_until(lambda: not holder.prefill.snapshots.shelf.held), 15)  # type: ignore[union-attr]
+        assert await resumer.load_snapshot(key, model.layers) is None  # no handle: gone
+        assert await holder.save_snapshot("far", 4, state)
+        await holder.close_prefill()  # the holder died: its snapshots with it (computed again from the prompt)
+        assert await resumer.load_snapshot(keys.prefill_snapshot_key(RUN, "far", 4), model.layers) is LOST
+        await resumer.close_prefill()
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    for _ in range(200):  # a sweep on a timer: nothing to await but time
+        if cond():
+            return
+        await asyncio.sleep(0.05)
 
 
 async def test_a_batchs_first_block_runs_on_the_event_loop_and_the_rest_in_the_prefill_thread(
@@ -229,3 +271,30 @@ async def test_a_batch_of_another_run_is_rejected(redis_url: str) -> None:
         item = PrefillItem(id="x", tokens=(1,), from_layer=0, to_layer=1, reply_to="bt:test:results")
         with pytest.raises(Reject, match="of run other-run"):
             await filler.on_batch(Delivery("1-0", "s", batch(item, 1), 1))
+
+
+async def test_a_resumed_request_whose_holder_is_gone_is_computed_again_from_its_prompt(redis_url: str) -> None:
+    torch.set_num_threads(1)
+    model = PrefillModel(CFG, seed=5)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        req = PrefillRequest(id="req-lost", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:lost")
+        assert await serving.accept(bus.redis, req, 100)
+        holder = StagePort(PrefillPort(bus.redis, RUN, kv_ttl_s=0))
+        state = model.start(list(PROMPT))
+        model.run_layers(state, max_layers=5)
+        assert await holder.save_snapshot(req.id, 5, state)
+        await holder.close_prefill()  # its worker stopped: the handle is in Redis, the state is gone
+        filler = filler_for(bus, model)
+        rest = PrefillItem(
+            id=req.id,
+            tokens=PROMPT,
+            from_layer=5,
+            to_layer=LAYERS,
+            reply_to=req.reply_to,
+            snapshot_key=keys.prefill_snapshot_key(RUN, req.id, 5),
+        )
+        await one_bubble(filler, batch(rest, 7), arrive_during_block=None, model=model)
+        found = await serving.lookup(bus.redis, req.id)
+        want = model.prefill(list(PROMPT))
+        assert found is not None and found.status is RequestStatus.DONE and found.result is not None
+        assert (found.result.token, found.result.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))

@@ -78,6 +78,7 @@ async def bubble(
         resumed = time.monotonic() - t0
         await asyncio.wait_for(handled, 60)
         await take
+    await port.close_prefill()  # a preempted request's snapshot was served from here
     return filler, resumed
 
 
