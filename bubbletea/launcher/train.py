@@ -102,6 +102,7 @@ async def run_training(
         "BUBBLETEA_CONFIG": str(settings.spec_path),
         "BUBBLETEA_RUN": run,
         "BUBBLETEA_LOG_LEVEL": settings.log_level,
+        "BUBBLETEA_STATE_DIR": str(settings.state_dir),  # checkpoints and the save's hand-over files
     }
     if resume is not None:
         env["BUBBLETEA_RESUME"] = str(resume)  # absolute (the CLI makes it so): the workers' cwd may differ
