@@ -1,12 +1,11 @@
-"""Walks the pipeline schedule: real compute, tensors on the data plane, bubble announcements.
+"""Drives the slot's schedule walk (`shared.policies.walk.SlotWalk`) for real: compute, tensors, collectives.
 
 One `StageRunner` per worker process. Torch work runs in a thread (`in_torch_thread`) so the
-event loop keeps receiving tensors meanwhile. Tensors travel on the data plane (`transport.py`:
-torch.distributed, never Redis); the bus carries their announcements. With a device profile each
-compute action is padded to its profiled duration (lag is reported when real compute is slower).
-
-Over 300 lines on purpose: one schedule walk whose actions (compute, send, receive-or-bubble,
-all-reduce, telemetry) share the iteration's state; the outbox and the fill executor live beside it.
+event loop keeps receiving tensors meanwhile. Every tensor goes through the stage's port
+(`port.py`: the data plane, never Redis); the bus carries their announcements. With a device
+profile each compute action is padded to its profiled duration (lag is reported when real compute
+is slower). A receive whose tensor is not there, and the step's collectives waiting for the other
+stages, are bubbles (`bubbles.py`); the iteration's spans go out together (`telemetry.py`).
 """
 
 from __future__ import annotations
@@ -21,12 +20,14 @@ from typing import Any, NoReturn
 
 import torch
 
+from services.stage_worker.bubbles import BubbleAnnouncer
 from services.stage_worker.filler import Filler
 from services.stage_worker.lease import Slot, SlotError
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.outbox import Outbox
 from services.stage_worker.port import StagePort
+from services.stage_worker.telemetry import StageTelemetry
 from services.stage_worker.trainer import StageTrainer
 from shared import keys
 from shared.bus import Bus
@@ -40,10 +41,8 @@ from shared.policies.schedules import Op, schedule
 from shared.policies.walk import END, Phase, SlotWalk, has_step_collectives
 from shared.priority import lower_this_thread, train_nice
 from shared.timing import sleep_until
-from shared.wire import BubbleEnd, BubbleStart, IterationDone, SpanRecord, WorkerJoined
+from shared.wire import IterationDone
 
-#: The prefill-lag warning is logged at most this often (with the sum since the last one).
-LAG_WARN_EVERY_S = 60.0
 #: After a data-plane failure, how long the runner waits for the recovery path (a peer's lease
 #: expiring, a new generation) to cut its iteration short before it gives up itself: three lease
 #: lifetimes and two checks of the peers (one lifetime plus a check, 5 s, was too short on a busy
@@ -87,17 +86,20 @@ class StageRunner:
     generation: int = 0
     iteration: int = 0
     lag_s: float = 0.0
-    _spans: list[SpanRecord] = field(default_factory=list)
-    _lag_warned_at: float = -LAG_WARN_EVERY_S  # monotonic; the first lag is warned at once
-    _lag_unreported_ms: float = 0.0
-    _lag_iterations: int = 0
     outbox: Outbox = field(init=False)
+    telemetry: StageTelemetry = field(init=False)
+    bubbles: BubbleAnnouncer = field(init=False)
     #: The one thread the stage's torch work runs in. One, so that work stays in order even when
     #: a cut-short iteration's last operation still runs while the run restores a checkpoint.
     _torch: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.outbox = Outbox(self.bus)
+        self.telemetry = StageTelemetry(self.outbox, self.run, self.replica, self.stage, self.slot.name)
+        dc = self.placement.stage_dc[self.stage]
+        self.bubbles = BubbleAnnouncer(
+            self.outbox, self.run, self.slot, dc, self.predictor, self.free_memory_bytes, self.telemetry, self.metrics
+        )
         self._torch = ThreadPoolExecutor(
             1, thread_name_prefix=f"torch-{self.slot.name}", initializer=lower_this_thread, initargs=(train_nice(),)
         )
@@ -113,7 +115,7 @@ class StageRunner:
         """The run resumes in `generation`: what a cut-short iteration recorded is dropped (the
         caller empties the mailbox and restores the trainer)."""
         self.generation = generation
-        self._spans = []
+        self.telemetry.drop()
         if self.port is not None:
             self.port.reset()
 
@@ -150,7 +152,7 @@ class StageRunner:
                 await self._hand_over_state(it)
             loss = self.trainer.take_loss()
             prefill_lag_ms = self.filler.take_lag() * 1000 if self.filler is not None else 0.0
-            self._flush_spans()
+            self.telemetry.flush()
             done = IterationDone(
                 run=self.run,
                 replica=self.replica,
@@ -179,7 +181,7 @@ class StageRunner:
                 lr=self.trainer.last_lr,
                 grad_norm=self.trainer.last_grad_norm if self.trainer.last_grad_norm is not None else "-",
             )
-            self._warn_prefill_lag(it, prefill_lag_ms)
+            self.telemetry.warn_prefill_lag(it, prefill_lag_ms)
             if stop_here:
                 log.info("stopped cleanly after an iteration, as the launcher asked", slot=self.slot.name, iteration=it)
                 return
@@ -201,27 +203,6 @@ class StageRunner:
         )
         await self._plane().hand_over(it, weights, state)
         log.info("state handed over for the save", slot=self.slot.name, iteration=it, bytes=len(weights) + len(state))
-
-    def _warn_prefill_lag(self, it: int, lag_ms: float) -> None:
-        """Never hidden (the prefill profile claims a faster device than this one keeps up with),
-        but a service that trains for days must not warn every iteration: at most one line per
-        `LAG_WARN_EVERY_S`, summing what it covers (the metric prefill_lag_seconds_total has it all)."""
-        if lag_ms <= 0:
-            return
-        self._lag_unreported_ms += lag_ms
-        self._lag_iterations += 1
-        now = time.monotonic()
-        if now < self._lag_warned_at + LAG_WARN_EVERY_S:
-            return
-        log.warning(
-            "prefill fell behind its device profile",
-            slot=self.slot.name,
-            iteration=it,
-            iterations_behind=self._lag_iterations,
-            lag_ms=self._lag_unreported_ms,
-            next_warning_in_s=LAG_WARN_EVERY_S,
-        )
-        self._lag_warned_at, self._lag_unreported_ms, self._lag_iterations = now, 0.0, 0
 
     async def _iteration(self, walk: SlotWalk) -> None:
         """Drive the walk through one iteration, up to its END: each step's effect, for real."""
@@ -274,7 +255,7 @@ class StageRunner:
                 await sleep_until(lt0 + target)  # count for the profiled time
             else:
                 self.lag_s += spent - target
-        self._span(kind, it, t0, time.time(), mb)
+        self.telemetry.span(kind, it, t0, time.time(), mb)
         return result
 
     def _plane(self) -> StagePort:
@@ -312,23 +293,9 @@ class StageRunner:
                     t.cancel()
 
     def announce_joined(self) -> None:
-        """Tell the dispatcher this worker has set up and entered the run (with BubbleTea on): its
-        first bubble may open the moment every slot has, so its first batch is staged here now,
-        not sent after that bubble's start made a round trip through the bus."""
-        if self.filler is None:
-            return
-        self.outbox.send(
-            keys.bubbles_stream(self.run),
-            WorkerJoined(
-                run=self.run,
-                worker=self.slot.name,
-                replica=self.replica,
-                stage=self.stage,
-                typical_bubble_ms=self.predictor.typical() * 1000,
-                free_memory_bytes=self.free_memory_bytes,
-                at=time.time(),
-            ),
-        )
+        """With BubbleTea on, tell the dispatcher this worker entered the run (`BubbleAnnouncer.joined`)."""
+        if self.filler is not None:
+            self.bubbles.joined()
 
     async def _recv(self, key: tuple[Any, ...], it: int, pos: int) -> torch.Tensor:
         """Take a tensor from the mailbox; if it is not there yet, this is a bubble."""
@@ -336,73 +303,7 @@ class StageRunner:
             return await self._take(key)
         take = asyncio.ensure_future(self._take(key))
         arrived, arrived_at = partial(self.mailbox.arrived, key), partial(self.mailbox.arrived_at, key)
-        return await self._bubble(it, pos, key[2], take, arrived, arrived_at)
-
-    async def _bubble(
-        self,
-        it: int,
-        pos: int,
-        mb: int,
-        awaited: asyncio.Future[Any],
-        arrived: Callable[[], bool],
-        arrived_at: Callable[[], float | None],
-    ) -> Any:
-        """The device idles until `awaited` (training's input: a tensor, or the peers of a
-        collective) is done: a bubble. Announce it, fill it with prefill (BubbleTea), announce its
-        end, and return what was awaited. `arrived()`: whether the input is here (safe from the
-        prefill thread); `arrived_at()`: since when (wall clock), if known."""
-        predicted = self.predictor.predict(pos)
-        t0, started = time.time(), time.monotonic()
-        # Through the outbox: staged prefill starts now, not after a round trip to Redis.
-        self.outbox.send(
-            keys.bubbles_stream(self.run),
-            BubbleStart(
-                run=self.run,
-                worker=self.slot.name,
-                replica=self.replica,
-                stage=self.stage,
-                dc=self.placement.stage_dc[self.stage],
-                iteration=it,
-                position=pos,
-                predicted_ms=predicted * 1000,
-                free_memory_bytes=self.free_memory_bytes,
-                at=t0,
-            ),
-        )
-        value = await self._wait_filling(awaited, arrived, predicted, started)
-        t1 = time.time()
-        self.predictor.observe(pos, predicted, t1 - t0, it)
-        if self.metrics is not None:
-            self.metrics.bubble(t1 - t0, predicted)
-        self.outbox.send(
-            keys.bubbles_stream(self.run),
-            BubbleEnd(
-                run=self.run,
-                worker=self.slot.name,
-                replica=self.replica,
-                stage=self.stage,
-                iteration=it,
-                position=pos,
-                predicted_ms=predicted * 1000,
-                actual_ms=(t1 - t0) * 1000,
-                at=t1,
-            ),
-        )
-        self._span("wait", it, t0, t1, mb, predicted_ms=predicted * 1000, input_at=arrived_at() or t1)
-        return value
-
-    async def _wait_filling(
-        self, awaited: asyncio.Future[Any], arrived: Callable[[], bool], predicted_s: float, started: float
-    ) -> Any:
-        """Wait for `awaited`; meanwhile, with BubbleTea, run prefill until it has arrived.
-        `started`: when the bubble began (time.monotonic())."""
-        try:
-            if self.filler is not None:
-                await self.filler.fill(arrived, awaited, predicted_s, started)
-            return await awaited
-        finally:
-            if not awaited.done():
-                awaited.cancel()
+        return await self.bubbles.wait(it, pos, key[2], take, arrived, arrived_at, self.filler)
 
     async def _allreduce(self, it: int) -> None:
         """Average gradients with the DP peers of this stage: a gloo all-reduce of the stage's
@@ -432,7 +333,7 @@ class StageRunner:
                 await sleep_until(time.monotonic() - behind)
             else:
                 self.lag_s += behind
-        self._span("allreduce", it, t0, time.time())
+        self.telemetry.span("allreduce", it, t0, time.time())
 
     async def _collectives(self, it: int, pos: int) -> float | None:
         """The pipeline's own collectives before the step (`_pipeline_collectives`; the walk has
@@ -442,8 +343,8 @@ class StageRunner:
         unaccounted idle time. Returns the global gradient norm, squared (None: no clipping)."""
         finished: list[float] = []
         phase = asyncio.ensure_future(self._pipeline_collectives(finished))
-        total_sq: float | None = await self._bubble(
-            it, pos, -1, phase, phase.done, lambda: finished[0] if finished else None
+        total_sq: float | None = await self.bubbles.wait(
+            it, pos, -1, phase, phase.done, lambda: finished[0] if finished else None, self.filler
         )
         return total_sq
 
@@ -480,39 +381,7 @@ class StageRunner:
 
     # --- telemetry -------------------------------------------------------------------------
 
-    def _span(
-        self,
-        kind: str,
-        it: int,
-        start: float,
-        end: float,
-        mb: int = -1,
-        *,
-        predicted_ms: float = -1.0,
-        input_at: float = 0.0,
-    ) -> None:
-        self._spans.append(
-            SpanRecord(
-                run=self.run,
-                replica=self.replica,
-                stage=self.stage,
-                iteration=it,
-                span=kind,
-                start=start,
-                end=end,
-                microbatch=mb,
-                predicted_ms=predicted_ms,
-                input_at=input_at,
-            )
-        )
-
     def prefill_span(self, start: float, end: float) -> None:
-        self._span("prefill", self.iteration, start, end)
+        self.telemetry.span("prefill", self.iteration, start, end)
         if self.metrics is not None:
             self.metrics.prefill(end - start)
-
-    def _flush_spans(self) -> None:
-        """An iteration's spans go out together, in one round trip."""
-        spans, self._spans = self._spans, []
-        if spans:
-            self.outbox.send_many(keys.spans_stream(self.run), spans, maxlen=keys.SPANS_MAXLEN)

@@ -1,0 +1,114 @@
+"""A stage worker's bubbles: announced with their predicted length, filled with prefill, ended.
+
+The runner calls `BubbleAnnouncer.wait` where its device would idle (a receive whose tensor is not
+there, the step's collectives waiting for the other stages). The bubble goes out on the outbox at
+once (staged prefill starts now, not after a round trip to Redis), the fill executor runs prefill
+until the awaited input has arrived (`Filler.fill`), and the bubble's end and its `wait` span
+follow. The predictor learns each bubble's length at its schedule position.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.stage_worker.filler import Filler
+from services.stage_worker.lease import Slot
+from services.stage_worker.metrics import WorkerMetrics
+from services.stage_worker.outbox import Outbox
+from services.stage_worker.telemetry import StageTelemetry
+from shared import keys
+from shared.policies.bubbles import BubblePredictor
+from shared.wire import BubbleEnd, BubbleStart, WorkerJoined
+
+
+@dataclass
+class BubbleAnnouncer:
+    outbox: Outbox
+    run: str
+    slot: Slot
+    dc: str
+    predictor: BubblePredictor
+    free_memory_bytes: int
+    telemetry: StageTelemetry
+    metrics: WorkerMetrics | None = None
+
+    def joined(self) -> None:
+        """Tell the dispatcher this worker has set up and entered the run (with BubbleTea on): its
+        first bubble may open the moment every slot has, so its first batch is staged here now,
+        not sent after that bubble's start made a round trip through the bus."""
+        self.outbox.send(
+            keys.bubbles_stream(self.run),
+            WorkerJoined(
+                run=self.run,
+                worker=self.slot.name,
+                replica=self.slot.replica,
+                stage=self.slot.stage,
+                typical_bubble_ms=self.predictor.typical() * 1000,
+                free_memory_bytes=self.free_memory_bytes,
+                at=time.time(),
+            ),
+        )
+
+    async def wait(
+        self,
+        it: int,
+        pos: int,
+        mb: int,
+        awaited: asyncio.Future[Any],
+        arrived: Callable[[], bool],
+        arrived_at: Callable[[], float | None],
+        filler: Filler | None,
+    ) -> Any:
+        """The device idles until `awaited` (training's input: a tensor, or the peers of a
+        collective) is done: a bubble. Announce it, fill it with prefill (with a `filler`:
+        BubbleTea), announce its end, and return what was awaited. `arrived()`: whether the input
+        is here (safe from the prefill thread); `arrived_at()`: since when (wall clock), if known."""
+        predicted = self.predictor.predict(pos)
+        t0, started = time.time(), time.monotonic()
+        # Through the outbox: staged prefill starts now, not after a round trip to Redis.
+        self.outbox.send(
+            keys.bubbles_stream(self.run),
+            BubbleStart(
+                run=self.run,
+                worker=self.slot.name,
+                replica=self.slot.replica,
+                stage=self.slot.stage,
+                dc=self.dc,
+                iteration=it,
+                position=pos,
+                predicted_ms=predicted * 1000,
+                free_memory_bytes=self.free_memory_bytes,
+                at=t0,
+            ),
+        )
+        try:
+            if filler is not None:
+                await filler.fill(arrived, awaited, predicted, started)
+            value = await awaited
+        finally:
+            if not awaited.done():
+                awaited.cancel()
+        t1 = time.time()
+        self.predictor.observe(pos, predicted, t1 - t0, it)
+        if self.metrics is not None:
+            self.metrics.bubble(t1 - t0, predicted)
+        self.outbox.send(
+            keys.bubbles_stream(self.run),
+            BubbleEnd(
+                run=self.run,
+                worker=self.slot.name,
+                replica=self.slot.replica,
+                stage=self.slot.stage,
+                iteration=it,
+                position=pos,
+                predicted_ms=predicted * 1000,
+                actual_ms=(t1 - t0) * 1000,
+                at=t1,
+            ),
+        )
+        self.telemetry.span("wait", it, t0, t1, mb, predicted_ms=predicted * 1000, input_at=arrived_at() or t1)
+        return value
