@@ -21,7 +21,7 @@ from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
 from shared.figures.bubblestats import run_control
 from shared.figures.runstats import Span, run_spans, write_spans
-from shared.settings import load_settings
+from shared.spec.settings import load_settings
 from shared.wire import ControlSeen
 
 ROOT = Path(__file__).resolve().parent.parent

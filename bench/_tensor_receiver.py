@@ -20,8 +20,8 @@ import torch
 from _common import WARMUP
 
 from shared.dataplane import DataPlane, PairSpec
-from shared.lifetime import die_with_parent
-from shared.tensors import from_blob
+from shared.dataplane.tensors import from_blob
+from shared.runtime.lifetime import die_with_parent
 from shared.wire import FIELD, TensorBlob
 
 ACK = b"\x01"

@@ -65,14 +65,14 @@ from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import WAN_BROKER
 from bubbletea.launcher.train import run_training
 from services.stage_worker.outbox import Outbox, wan_transfer
-from shared import keys
 from shared.bus import Bus
+from shared.control import keys
+from shared.control.health import wait_live
 from shared.figures.training import lag_share
-from shared.health import wait_live
-from shared.plan import activation_bytes, predict, profile_ms
 from shared.policies.wan import LinkModel
-from shared.redis_server import EmbeddedRedis
-from shared.settings import load_settings
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.plan import activation_bytes, predict, profile_ms
+from shared.spec.settings import load_settings
 from shared.wire import LinkReport, Ping, decode
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -63,11 +63,11 @@ from _bubble_fill_run import ALL_MODES, MODES, PROMPT_TOKENS, bench_spec, one_ru
 from _cpu_shares import by_service
 
 from bubbletea.launcher.train import TrainResult
-from shared.config import parse_spec
 from shared.figures.capacity import offer, prefill_block_s
-from shared.priority import PRIORITIES
-from shared.redis_server import EmbeddedRedis
-from shared.timescale import calibrate
+from shared.runtime.priority import PRIORITIES
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.config import parse_spec
+from shared.spec.timescale import calibrate
 
 
 async def run_case(
@@ -170,7 +170,7 @@ async def bench(
 
 def time_scale(arg: str, dp: int, max_scale: float | None) -> float:
     """`--time-scale`: a number, or `auto`: this machine measured with the workers of the largest
-    case computing at once (shared/timescale.py); above 20 it runs all the same, warning once."""
+    case computing at once (shared/spec/timescale.py); above 20 it runs all the same, warning once."""
     if arg != "auto":
         return float(arg)
     spec = parse_spec(bench_spec(enabled=True, iterations=1, dp=dp))
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "--time-scale",
         default="auto",
         metavar="K",
-        help="the device time scale (one profiled ms = K real ms, shared/timescale.py): auto (the default) "
+        help="the device time scale (one profiled ms = K real ms, shared/spec/timescale.py): auto (the default) "
         "measures this machine first and picks it; or a number >= 1",
     )
     ap.add_argument("--max-time-scale", type=float, metavar="K", help="refuse a measured scale above K (default: none)")
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=PRIORITIES,
         default="low",
         help="the workers' torch threads below the event loops (low, the default) or not (normal): "
-        "BUBBLETEA_COMPUTE_PRIORITY, shared/priority.py",
+        "BUBBLETEA_COMPUTE_PRIORITY, shared/runtime/priority.py",
     )
     args = ap.parse_args(argv)
     os.environ["BUBBLETEA_COMPUTE_PRIORITY"] = args.priority  # the services inherit it

@@ -26,10 +26,10 @@ from typing import Any
 import uvloop
 from redis.asyncio import Redis
 
-from shared import keys
 from shared.bus import Bus, Delivery
-from shared.config import BusConfig
-from shared.redis_server import EmbeddedRedis
+from shared.control import keys
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.config import BusConfig
 from shared.wire import FIELD, Message, Ping, Pong, encode
 
 PIPELINE = 500  # XADDs per round trip for both publishers: the same batching on both sides

@@ -42,8 +42,8 @@ from schemathesis.specs.openapi import schemas as _oas_schemas  # noqa: F401
 # with "SystemError: AST constructor recursion depth mismatch" (seen in a full `make test`).
 from services.prefill_queue.app import create_app
 from services.prefill_queue.server import Runner
-from shared.service import serve_app
-from shared.settings import Settings, load_settings
+from shared.runtime.service import serve_app
+from shared.spec.settings import Settings, load_settings
 
 SCHEMA_CHECKS = [
     oas_checks.status_code_conformance,
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     logging.getLogger("services").setLevel(logging.ERROR)  # every 4xx is an info line, 503/504 warnings
-    from shared.redis_server import EmbeddedRedis
+    from shared.runtime.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 PP=2 x DP=2 (four workers) with **no device profile at all**: training and prefill count for their
 real compute, on the GPU when torch sees one (the workers' slots share whatever GPUs there are,
-`shared.devices`), at time scale k = 1, BubbleTea on, an open-loop load at 80% of the bubbles'
+`shared.model.devices`), at time scale k = 1, BubbleTea on, an open-loop load at 80% of the bubbles'
 capacity or `--max-rate` requests per second (default 200: what one host's front door and load
 generator send comfortably), whichever is lower; the figures of `bench/bubble_fill.py` (every
 bubble, every request). It prints the device first and one JSON line last, with the device in it.

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from shared.config import ClusterSpec, parse_spec
+from shared.spec.config import ClusterSpec, parse_spec
 from sim.output import figures
 from sim.run import SimOptions, simulate
 

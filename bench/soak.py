@@ -28,7 +28,7 @@ from redis import Redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shared.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
 
 def rss_kb(pid: int) -> int | None:

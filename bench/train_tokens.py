@@ -200,8 +200,8 @@ def count_params(spec: Any) -> int:
 def run_case(case: str, raw: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Train `raw` once over live services on a private Redis; its figures."""
     from bubbletea.launcher.train import run_training
-    from shared.redis_server import EmbeddedRedis
-    from shared.settings import load_settings
+    from shared.runtime.redis_server import EmbeddedRedis
+    from shared.spec.settings import load_settings
 
     path = workdir / f"{case}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))

@@ -41,7 +41,7 @@ from bubbletea_vllm.kvclient import KvClient as ConnectorClient
 from shared.bus import Bus
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.dataplane.kv_client import KvClient
-from shared.redis_server import EmbeddedRedis
+from shared.runtime.redis_server import EmbeddedRedis
 
 #: A KV cache of the demo model (4 layers, d_model 64; K and V, float32) for a 256-token prompt.
 KV_CACHE_BYTES = 8 * 4 * 256 * 64

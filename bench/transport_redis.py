@@ -46,7 +46,7 @@ import redis.asyncio
 import yaml
 from _common import MIB, ROOT, stderr
 
-from shared.redis_server import EmbeddedRedis
+from shared.runtime.redis_server import EmbeddedRedis
 
 #: `no_tensor_in_redis` bounds: no stream entry over 64 KiB, and the 2 MiB-activation run's Redis
 #: peak at most this many MiB above the tiny model's.
@@ -120,7 +120,7 @@ async def train_watched(spec: dict[str, Any], tag: str, workdir: Path) -> dict[s
     and its `ServiceFailed` raised (what is measured is what Redis carries, so a failure is fatal)."""
     from bubbletea.launcher.procs import ServiceFailed
     from bubbletea.launcher.train import run_training
-    from shared.settings import load_settings
+    from shared.spec.settings import load_settings
 
     path = workdir / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(spec))

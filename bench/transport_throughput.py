@@ -54,8 +54,8 @@ from _common import MIB, WARMUP, stderr
 from _tensor_receiver import ACK, RECV_TIMEOUT_S, Plan, byte_view, make_tensor, receiver_main
 
 from shared.dataplane import DataPlane, PairSpec
-from shared.redis_server import EmbeddedRedis
-from shared.tensors import to_blob
+from shared.dataplane.tensors import to_blob
+from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import FIELD
 
 SIZES_MB = (1, 16, 64)

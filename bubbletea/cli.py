@@ -21,11 +21,11 @@ from bubbletea import cli_up
 from bubbletea.cli_common import add_scale_argument, add_wan_argument, scale_override, wan_override
 from bubbletea.launcher.kernel_wan import KernelWanError
 from bubbletea.launcher.procs import ServiceFailed
-from shared.config import ConfigError, load_spec
-from shared.logs import setup_logging
 from shared.policies.placement import PlacementError
-from shared.settings import load_settings
-from shared.timescale import SHARE
+from shared.runtime.logs import setup_logging
+from shared.spec.config import ConfigError, load_spec
+from shared.spec.settings import load_settings
+from shared.spec.timescale import SHARE
 
 T = TypeVar("T")
 
@@ -126,7 +126,7 @@ async def _cancelled_by_sigterm(job: Coroutine[Any, Any, T]) -> T:
 
 def _plan(args: argparse.Namespace) -> int:
     from bubbletea.plan import plan_report
-    from shared.plan import profile_ms
+    from shared.spec.plan import profile_ms
 
     spec = load_spec(args.config)
     prof = profile_ms(spec)
@@ -150,7 +150,7 @@ def _health(args: argparse.Namespace) -> int:
 
     from redis.asyncio import Redis
 
-    from shared.health import live_instances
+    from shared.control.health import live_instances
 
     settings = load_settings(args.config)
 
@@ -183,7 +183,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _redis(args: argparse.Namespace) -> int:
-    from shared.redis_server import EmbeddedRedis
+    from shared.runtime.redis_server import EmbeddedRedis
 
     setup_logging("redis", "WARNING")
     stop_signals = {signal.SIGINT, signal.SIGTERM}
@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _with_default_config(args: argparse.Namespace) -> argparse.Namespace:
     if args.config is None:
-        from shared.settings import DEFAULT_SPEC
+        from shared.spec.settings import DEFAULT_SPEC
 
         args.config = str(DEFAULT_SPEC)
     return args

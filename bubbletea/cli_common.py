@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared.timescale import WARN_SCALE
+from shared.spec.timescale import WARN_SCALE
 
 
 def add_wan_argument(p: argparse.ArgumentParser, default: str = "the spec's wan.mode, model") -> None:

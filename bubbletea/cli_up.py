@@ -12,10 +12,10 @@ import msgspec
 import uvloop
 
 from bubbletea.cli_common import add_scale_argument, add_wan_argument, scale_override, wan_override
-from shared.config import ClusterSpec, ConfigError, check_decode
-from shared.logs import setup_logging
-from shared.settings import load_settings
-from shared.spec_training import UNTIL_STOPPED
+from shared.runtime.logs import setup_logging
+from shared.spec.config import ClusterSpec, ConfigError, check_decode
+from shared.spec.settings import load_settings
+from shared.spec.training import UNTIL_STOPPED
 
 
 def add_parser(sub: Any) -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from shared.config import ClusterSpec
-from shared.plan import activation_bytes, layers_per_stage, placement_of, predict
 from shared.policies.schedules import compute_bubble_fraction
 from shared.policies.wan import LinkModel
+from shared.spec.config import ClusterSpec
+from shared.spec.plan import activation_bytes, layers_per_stage, placement_of, predict
 
 #: How `bubbletea plan` names each `parallelism.placement` (shared/policies/placement.py).
 PLACEMENT_RULES = {

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from shared.config import ConfigError, load_spec
 from shared.policies.placement import PlacementError
-from shared.settings import DEFAULT_SPEC
+from shared.spec.config import ConfigError, load_spec
+from shared.spec.settings import DEFAULT_SPEC
 from sim.output import figures, lines, write_folder
 from sim.run import SimOptions, simulate
 from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError

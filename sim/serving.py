@@ -14,12 +14,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from shared.config import BubbleTea
 from shared.policies.decisions import Batch, Decisions
 from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillPolicy
 from shared.policies.prefill_cost import PrefillProfile
+from shared.spec.config import BubbleTea
 from sim.executor import Executor, SimRequest
 
 

@@ -1,5 +1,5 @@
 """Fixtures shared by every tier. Integration tests get a real redis-server on a free port,
-started with the same code the launcher uses (`shared.redis_server.EmbeddedRedis`).
+started with the same code the launcher uses (`shared.runtime.redis_server.EmbeddedRedis`).
 
 `--cpu-hogs N` keeps N processes spinning on the CPU for the whole session: the suite run on a
 busy machine (`make test-stress`), where which process reaches a receive first, or how long a
@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from redis.asyncio import Redis
 
-from shared.logs import KeyValueFormatter
-from shared.redis_server import EmbeddedRedis
+from shared.runtime.logs import KeyValueFormatter
+from shared.runtime.redis_server import EmbeddedRedis
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -33,17 +33,17 @@ from bubbletea.launcher.services import PREFILL_QUEUE
 from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.train import TrainResult, run_training
 from shared.bus import Bus
-from shared.config import ClusterSpec
+from shared.control.health import wait_live
 from shared.figures import runstats
 from shared.figures.bubblestats import bubble_dispatch, run_control
 from shared.figures.capacity import DEFAULT_SHARE, offer, prefill_block_s
 from shared.figures.requests import requests_lost, slo_attainment, ttft_ms
 from shared.figures.training import slowdown_pct, speedup
-from shared.health import wait_live
-from shared.logs import get_logger
 from shared.model.shape import model_info
-from shared.redis_server import EmbeddedRedis, free_port
-from shared.settings import Settings, load_settings
+from shared.runtime.logs import get_logger
+from shared.runtime.redis_server import EmbeddedRedis, free_port
+from shared.spec.config import ClusterSpec
+from shared.spec.settings import Settings, load_settings
 from shared.wire import ControlSeen
 
 log = get_logger(__name__)

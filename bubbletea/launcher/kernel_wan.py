@@ -1,4 +1,4 @@
-"""`--wan kernel`: bring a `KernelPlan` (shared/kernel_net.py) up in the kernel and down again.
+"""`--wan kernel`: bring a `KernelPlan` (shared/dataplane/kernel_net.py) up in the kernel and down again.
 
 The plan is pure; this module runs it: `check_privileges` says in one line why a machine cannot
 (not root, no iproute2, no namespaces, no veth/htb/u32), `default_wan_mode` picks `kernel` where
@@ -33,8 +33,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
-from shared.kernel_net import IP_FORWARD_PATH, KernelPlan
-from shared.logs import get_logger
+from shared.dataplane.kernel_net import IP_FORWARD_PATH, KernelPlan
+from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

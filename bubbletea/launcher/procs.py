@@ -17,10 +17,10 @@ from pathlib import Path
 import aiohttp
 
 from bubbletea.launcher.services import PREFILL_QUEUE, ServiceDef, command
-from shared.lifetime import die_with_parent
-from shared.logs import get_logger
-from shared.redis_server import EmbeddedRedis, free_port
-from shared.settings import mask_url
+from shared.runtime.lifetime import die_with_parent
+from shared.runtime.logs import get_logger
+from shared.runtime.redis_server import EmbeddedRedis, free_port
+from shared.spec.settings import mask_url
 
 log = get_logger(__name__)
 

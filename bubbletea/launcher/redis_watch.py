@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from bubbletea.launcher.procs import ServiceFailed
 from shared.policies.restarts import DEFAULT_POLICY, Death, GiveUp, RestartPolicy, decide
-from shared.redis_server import EmbeddedRedis
+from shared.runtime.redis_server import EmbeddedRedis
 
 #: How often the server's exit is polled: a death is noticed within this.
 POLL_S = 0.2

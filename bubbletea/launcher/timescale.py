@@ -1,4 +1,4 @@
-"""The device time scale of a launcher's run (`shared.timescale`): the user's, or measured here."""
+"""The device time scale of a launcher's run (`shared.spec.timescale`): the user's, or measured here."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import asyncio
 import os
 from collections.abc import Callable
 
-from shared.config import ConfigError
-from shared.settings import Settings
-from shared.timescale import calibrate
+from shared.spec.config import ConfigError
+from shared.spec.settings import Settings
+from shared.spec.timescale import calibrate
 
 
 async def pick_time_scale(settings: Settings, say: Callable[[str], None]) -> float:

@@ -23,15 +23,15 @@ from typing import Any, TextIO
 from bubbletea.launcher.procs import Proc, ServiceFailed, spawn, stop_all
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
 from bubbletea.launcher.wan_modes import worker_launches
-from shared import keys
 from shared.bus import Bus
-from shared.config import ConfigError
+from shared.control import keys
 from shared.figures.training import steady_iteration_s
-from shared.logs import get_logger
 from shared.model.trainstate import check_resume, check_save_target, write_save
 from shared.policies.recovery import clean_stop_iteration, save_due
-from shared.settings import Settings
-from shared.spec_training import UNTIL_STOPPED
+from shared.runtime.logs import get_logger
+from shared.spec.config import ConfigError
+from shared.spec.settings import Settings
+from shared.spec.training import UNTIL_STOPPED
 from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
 
 log = get_logger(__name__)

@@ -51,11 +51,11 @@ from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.vllm import managed_vllm
 from bubbletea.launcher.wan_modes import WorkerLaunch, worker_launches
 from shared.bus import Bus
+from shared.control.health import live_instances
+from shared.control.status import ServingState
 from shared.figures import runstats
-from shared.health import live_instances
-from shared.redis_server import EmbeddedRedis, free_port
-from shared.settings import Settings
-from shared.status import ServingState
+from shared.runtime.redis_server import EmbeddedRedis, free_port
+from shared.spec.settings import Settings
 
 #: How long every service gets to report healthy, and then serving to be ready.
 HEALTHY_TIMEOUT_S = 90.0

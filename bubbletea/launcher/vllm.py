@@ -23,8 +23,8 @@ from pathlib import Path
 import aiohttp
 
 from bubbletea.launcher.procs import ServiceFailed
-from shared.config import ClusterSpec, ConfigError
-from shared.redis_server import free_port
+from shared.runtime.redis_server import free_port
+from shared.spec.config import ClusterSpec, ConfigError
 
 #: What --kv-transfer-config names (bubbletea_vllm.CONNECTOR and MODULE).
 KV_TRANSFER_CONFIG = {

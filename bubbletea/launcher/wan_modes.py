@@ -25,9 +25,9 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from redis.asyncio import Redis
 
-from shared.logs import get_logger
-from shared.plan import placement_of
-from shared.settings import Settings
+from shared.runtime.logs import get_logger
+from shared.spec.plan import placement_of
+from shared.spec.settings import Settings
 
 log = get_logger(__name__)
 
@@ -82,7 +82,7 @@ async def worker_launches(settings: Settings, redis_url: str) -> AsyncIterator[l
         yield [WorkerLaunch() for _ in range(workers)]
         return
     from bubbletea.launcher.kernel_wan import check_privileges, kernel_wan
-    from shared.kernel_net import plan_kernel_net, run_base
+    from shared.dataplane.kernel_net import plan_kernel_net, run_base
 
     check_privileges()  # one clear line (KernelWanError) without root / ip / tc
     host = urlsplit(redis_url).hostname or ""

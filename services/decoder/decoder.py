@@ -6,7 +6,7 @@ The front door then publishes a `DecodeRequest` on `bt:decode:requests`, and a d
 
 1. loads the KV cache: from the memory of the worker that prefilled it, over the data plane
    (`shared.dataplane.kv.KvClient`, one kept connection per holder; `prefill.kv_store: plane`), or from Redis
-   (`shared.kvstore.fetch_kv`, `redis`): safetensors bytes, whose metadata carry the prompt and
+   (`shared.dataplane.kvstore.fetch_kv`, `redis`): safetensors bytes, whose metadata carry the prompt and
    its first token; a missing or expired cache, or a holder that is gone, fails the request explicitly
    (`FailureReason.KV_MISSING`: the front door answers 503 and the client may retry);
 2. continues it token by token (`shared.model.generate.Continuation`: greedy, or seeded per
@@ -30,17 +30,18 @@ import time
 
 import msgspec
 
-from shared import keys, kvstore, serving
 from shared.bus import Bus, Delivery
-from shared.config import ClusterSpec
+from shared.control import keys, serving
+from shared.control.health import Heartbeat, instance_id
+from shared.control.status import FailureReason, RequestStatus
+from shared.dataplane import kvstore
 from shared.dataplane.kv_client import KvClient
-from shared.health import Heartbeat, instance_id
-from shared.logs import get_logger
 from shared.model.generate import Continuation
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import find_stop, tokenizer_for
-from shared.settings import Settings
-from shared.status import FailureReason, RequestStatus
+from shared.runtime.logs import get_logger
+from shared.spec.config import ClusterSpec
+from shared.spec.settings import Settings
 from shared.wire import DecodeChunk, DecodeRequest, WireError
 
 SERVICE = "decoder"

@@ -30,18 +30,18 @@ import time
 from typing import Protocol
 
 from services.dispatcher.metrics import DispatcherMetrics
-from shared import keys, serving
 from shared.bus import HOLD, Bus, Delivery, Outcome
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.config import ClusterSpec
-from shared.health import instance_id
-from shared.leases import generation_joined, read_slots
-from shared.logs import get_logger
+from shared.control import keys, serving
+from shared.control.health import instance_id
+from shared.control.leases import generation_joined, read_slots
+from shared.control.status import ControlEvent, RequestStatus, ServingState
 from shared.model.shape import model_info
 from shared.policies.decisions import Batch, Decisions, Failure
 from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.readiness import ServingGate, Verdict
-from shared.status import ControlEvent, RequestStatus, ServingState
+from shared.runtime.logs import get_logger
+from shared.spec.config import ClusterSpec
 from shared.wire import (
     BubbleEnd,
     BubbleStart,

@@ -11,10 +11,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.process_collector import ProcessCollector
 from redis.asyncio import Redis
 
+from shared.control.status import FailureReason, ServingState
 from shared.policies.decisions import Batch
 from shared.policies.dispatch import Bubble, DispatchState
-from shared.status import FailureReason, ServingState
-from shared.telemetry import FAST_BUCKETS, StreamMetrics
+from shared.runtime.telemetry import FAST_BUCKETS, StreamMetrics
 
 #: prefill_batches_total's outcomes
 SENT, LOST = "sent", "lost"

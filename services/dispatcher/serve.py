@@ -9,13 +9,13 @@ import time
 import msgspec
 
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
-from shared import keys, serving
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
-from shared.health import Heartbeat, instance_id
-from shared.logs import get_logger
-from shared.settings import Settings
-from shared.telemetry import MetricsServer
+from shared.control import keys, serving
+from shared.control.health import Heartbeat, instance_id
+from shared.runtime.logs import get_logger
+from shared.runtime.telemetry import MetricsServer
+from shared.spec.settings import Settings
 from shared.wire import BubbleEnd, BubbleStart, PrefillReport, PrefillRequest, WorkerJoined
 
 #: Requests held at once without a handler task (each is a pending entry, acked when answered):

@@ -7,8 +7,8 @@ import sys
 
 from services.prefill_queue.app import SERVICE, create_app
 from services.prefill_queue.server import Runner
-from shared.service import run_service, serve_app
-from shared.settings import Settings
+from shared.runtime.service import run_service, serve_app
+from shared.spec.settings import Settings
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:

@@ -12,19 +12,19 @@ from aiohttp import web
 
 from services.prefill_queue.state import BUS, GATE, METRICS, SETTINGS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
-from shared import serving
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.config import Prefill
+from shared.control import serving
+from shared.control.status import FailureReason, RequestStatus
 from shared.model.info import ModelInfo
 from shared.model.shape import max_prompt_tokens, model_info
 from shared.model.tokenizer import Tokenizer, tokenizer_for
-from shared.status import FailureReason, RequestStatus
+from shared.spec.config import Prefill
 from shared.wire import PrefillRequest, PrefillResult
 
 #: How long a 429 tells the client to wait before retrying: about one pipeline iteration.
 RETRY_AFTER_S = 1
 
-#: The KV cache's format as the handle names it: safetensors with the layout `shared.kvstore`
+#: The KV cache's format as the handle names it: safetensors with the layout `shared.dataplane.kvstore`
 #: writes (`kvstore.KV_FORMAT`; the front door stays torch-free, so the name is repeated here and a
 #: test keeps the two equal).
 KV_HANDLE_FORMAT = "safetensors:bubbletea-kv/1"
@@ -221,7 +221,7 @@ def kv_params(r: PrefillResult) -> dict[str, Any]:
     cache"): store "plane" = in the memory of the worker at `holder` ("host:port"), fetched over the
     data plane (`shared.dataplane.kv.KvClient`, or vLLM's BubbleTea connector: docs/vllm.md);
     "redis" = a Redis string of safetensors bytes at `key`
-    (`shared.kvstore.fetch_kv`). With `prefill.kv_ttl_s: 0`, or past the KV byte budget
+    (`shared.dataplane.kvstore.fetch_kv`). With `prefill.kv_ttl_s: 0`, or past the KV byte budget
     (`prefill.kv_budget_mb`), nothing is kept: the store is "none" and `why` says which."""
     vllm = {"do_remote_prefill": bool(r.kv_key), "do_remote_decode": False, "remote_engine_id": "bubbletea"}
     if not r.kv_key:

@@ -3,7 +3,7 @@
 Routes: the OpenAI-compatible ``POST /v1/completions`` (prefill only), the native asynchronous
 ``POST /v1/prefill`` and ``GET /v1/prefill/{id}``, ``GET /v1/models``, ``/health``, ``/ready``,
 ``/metrics`` and ``/openapi.json``. Accepted requests go to the request stream; answers come
-back on this instance's results stream (see `shared.serving`).
+back on this instance's results stream (see `shared.control.serving`).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ from services.prefill_queue.state import (
 )
 from services.prefill_queue.validation import MAX_JSON_DEPTH, BadRequest, json_too_deep
 from services.prefill_queue.vllm_decode import VllmDecoder
-from shared import serving
-from shared.auth import bearer_ok
 from shared.bus import Bus, Delivery
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.bus.delivery import Handlers
-from shared.health import Heartbeat, instance_id
-from shared.logs import get_logger
-from shared.settings import Settings
+from shared.control import serving
+from shared.control.health import Heartbeat, instance_id
+from shared.runtime.auth import bearer_ok
+from shared.runtime.logs import get_logger
+from shared.spec.settings import Settings
 from shared.wire import DecodeChunk, PrefillResult
 
 SERVICE = "prefill_queue"

@@ -30,10 +30,10 @@ from services.prefill_queue.api import FAILURE_STATUS, kv_params, served_model
 from services.prefill_queue.state import BUS, SETTINGS, STOPPING, VLLM, WAITERS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Completion
 from services.prefill_queue.vllm_decode import deadline_s
-from shared import keys
-from shared.logs import get_logger
+from shared.control import keys
+from shared.control.status import RequestStatus
 from shared.model.tokenizer import Tokenizer, find_stop
-from shared.status import RequestStatus
+from shared.runtime.logs import get_logger
 from shared.wire import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
 
 log = get_logger(__name__)

@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from shared.logs import get_logger
+from shared.runtime.logs import get_logger
 
 #: A request's line and headers must arrive within this time of its first byte (of the connection
 #: opening, for a connection's first request), else the connection gets a 408 and is closed: a

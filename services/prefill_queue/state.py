@@ -9,10 +9,10 @@ from aiohttp import web
 
 from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.vllm_decode import VllmDecoder
-from shared import keys
 from shared.bus import Bus
-from shared.serving import Readiness
-from shared.settings import Settings
+from shared.control import keys
+from shared.control.serving import Readiness
+from shared.spec.settings import Settings
 from shared.wire import DecodeChunk, PrefillResult
 
 
@@ -81,7 +81,7 @@ STOP_GRACE_S = 5.0
 
 
 class Gate:
-    """The dispatchers' readiness verdict as this instance last read it (`shared.serving`).
+    """The dispatchers' readiness verdict as this instance last read it (`shared.control.serving`).
 
     `verdict` None: no dispatcher is alive; requests are accepted and wait for one (a dispatcher
     that restarts costs latency, not answers). A verdict that is not ready refuses new requests."""

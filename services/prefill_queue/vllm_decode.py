@@ -26,10 +26,10 @@ from typing import Any
 
 import aiohttp
 
-from shared.config import Decode
+from shared.control.status import FailureReason, RequestStatus
 from shared.dataplane.kv_client import KvClient
-from shared.logs import get_logger
-from shared.status import FailureReason, RequestStatus
+from shared.runtime.logs import get_logger
+from shared.spec.config import Decode
 from shared.wire import DecodeChunk, PrefillRequest
 
 log = get_logger(__name__)

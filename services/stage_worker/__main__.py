@@ -7,7 +7,7 @@ import os
 import sys
 
 from services.stage_worker.worker import SERVICE, serve
-from shared.service import run_service
+from shared.runtime.service import run_service
 
 
 def main(argv: list[str] | None = None) -> int:

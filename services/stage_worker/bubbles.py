@@ -20,7 +20,7 @@ from services.stage_worker.lease import Slot
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.outbox import Outbox
 from services.stage_worker.telemetry import StageTelemetry
-from shared import keys
+from shared.control import keys
 from shared.policies.bubbles import BubblePredictor
 from shared.wire import BubbleEnd, BubbleStart, WorkerJoined
 

@@ -33,13 +33,13 @@ from services.stage_worker.port import StagePort
 from services.stage_worker.port_prefill import Saved
 from services.stage_worker.reporting import BatchRun, Outcome, Reporter
 from shared.bus import Bus, Delivery, Reject
-from shared.logs import get_logger
+from shared.control.status import FailureReason
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import Arrival, FillPolicy, Held
 from shared.policies.prefill_cost import PrefillProfile
-from shared.priority import lower_this_thread, prefill_nice, prefill_slice_us
-from shared.status import FailureReason
-from shared.timing import Schedule
+from shared.runtime.logs import get_logger
+from shared.runtime.priority import lower_this_thread, prefill_nice, prefill_slice_us
+from shared.runtime.timing import Schedule
 from shared.wire import PrefillBatch
 
 log = get_logger(__name__)
@@ -75,7 +75,7 @@ class Filler:
         #: how far prefill batches ran past their profiled schedule (seconds); the runner takes it
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
         self.lag_s = 0.0
-        #: Prefill compute runs here, below training and the event loops (`shared.priority`).
+        #: Prefill compute runs here, below training and the event loops (`shared.runtime.priority`).
         self._thread = ThreadPoolExecutor(
             1,
             thread_name_prefix=f"prefill-{worker}",

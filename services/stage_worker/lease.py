@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from shared import keys
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
-from shared.leases import slot_end, slot_name
-from shared.logs import get_logger
-from shared.status import LeaseState
+from shared.control import keys
+from shared.control.leases import slot_end, slot_name
+from shared.control.status import LeaseState
+from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

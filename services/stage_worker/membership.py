@@ -13,12 +13,12 @@ from services.stage_worker.lease import SlotError, SlotLease
 from services.stage_worker.recovery import Generations
 from services.stage_worker.runner import StageRunner
 from services.stage_worker.transport import FINISH_GRACE_S
-from shared import keys
 from shared.bus import Consumer
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.control import keys
 from shared.dataplane import PlaneError
-from shared.logs import get_logger
 from shared.policies.recovery import FROM_SCRATCH
+from shared.runtime.logs import get_logger
 
 #: How long a worker waits for all its peers to lease their slots.
 START_TIMEOUT_S = 180.0

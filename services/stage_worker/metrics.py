@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.process_collector import ProcessCollector
 from redis.asyncio import Redis
 
-from shared.status import ItemOutcome
-from shared.telemetry import FAST_BUCKETS, SLOW_BUCKETS, StreamMetrics
+from shared.control.status import ItemOutcome
+from shared.runtime.telemetry import FAST_BUCKETS, SLOW_BUCKETS, StreamMetrics
 from shared.wire import PrefillProgress
 
 

@@ -1,6 +1,6 @@
 """A stage worker's port: the one object that moves every tensor the stage sends, receives or keeps
 outside its own memory. The runner, the fill executor and the reporting code call it and nothing
-below it (no `DataPlane`, `shared.kvstore`, `CheckpointStore` or Redis writes of tensors).
+below it (no `DataPlane`, `shared.dataplane.kvstore`, `CheckpointStore` or Redis writes of tensors).
 
 What it owns, and where each goes (docs/architecture.md, "Where each tensor lives"):
 
@@ -29,9 +29,8 @@ import torch
 from services.stage_worker.port_prefill import LOST, KvStored, PrefillPort, Saved
 from services.stage_worker.port_state import StatePort
 from services.stage_worker.transport import Transport, stages_group, tie_group
-from shared import kvstore
 from shared.bus import Delivery
-from shared.dataplane import in_thread
+from shared.dataplane import in_thread, kvstore
 from shared.model.prefill import KV, PrefillState
 
 __all__ = ["LOST", "KvStored", "PrefillPort", "Saved", "StagePort", "StatePort"]
@@ -142,7 +141,7 @@ class StagePort:
     async def put_kv(
         self, request_id: str, model: str, prompt: Sequence[int], first_token: int, kv: list[KV], now: float
     ) -> KvStored:
-        """Keep a finished prefill's KV cache (in the format decoders read, `shared.kvstore.kv_file`)
+        """Keep a finished prefill's KV cache (in the format decoders read, `shared.dataplane.kvstore.kv_file`)
         for decoders to fetch."""
         return await self.prefill.put_kv(request_id, kvstore.kv_file(request_id, model, prompt, first_token, kv), now)
 

@@ -1,6 +1,6 @@
 """The stage port's prefill side: finished KV caches out, preempted prefills' snapshots out and in.
 
-* A **KV cache** (safetensors bytes, `shared.kvstore.kv_file`) stays on this worker's `KvShelf`,
+* A **KV cache** (safetensors bytes, `shared.dataplane.kvstore.kv_file`) stays on this worker's `KvShelf`,
   served by its `KvServer` (`prefill.kv_store: plane`, the default), or goes to Redis under the byte
   budget (`redis`). The answer's handle names where: the holder's address, or the Redis key.
 * A **snapshot** (a prefill stopped at a layer boundary: its next block's input and the KV of the
@@ -26,13 +26,14 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from shared import keys, kvstore
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.config import DEFAULT_KV_BUDGET_MB
+from shared.control import keys
+from shared.dataplane import kvstore
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.dataplane.kv_client import KvClient
-from shared.logs import get_logger
 from shared.model.prefill import PrefillState
+from shared.runtime.logs import get_logger
+from shared.spec.config import DEFAULT_KV_BUDGET_MB
 from shared.wire import PrefillSnapshot, WireError, decode, encode
 
 log = get_logger(__name__)

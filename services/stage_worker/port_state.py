@@ -30,7 +30,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotError
-from shared import keys
+from shared.control import keys
 from shared.policies.recovery import superseded
 
 

@@ -30,10 +30,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotError
-from shared import keys
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
-from shared.logs import get_logger
+from shared.control import keys
 from shared.policies.recovery import FROM_SCRATCH, resume_after
+from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

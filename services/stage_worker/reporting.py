@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port import KvStored, StagePort
-from shared import keys, serving
 from shared.bus import Bus
-from shared.logs import get_logger
+from shared.control import keys, serving
+from shared.control.status import FailureReason, ItemOutcome, RequestStatus
 from shared.model.prefill import PrefillResult, PrefillState
-from shared.status import FailureReason, ItemOutcome, RequestStatus
+from shared.runtime.logs import get_logger
 from shared.wire import PrefillBatch, PrefillItem, PrefillProgress, PrefillReport
 from shared.wire import PrefillResult as ResultMessage
 

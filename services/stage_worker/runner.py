@@ -29,18 +29,18 @@ from services.stage_worker.outbox import Outbox
 from services.stage_worker.port import StagePort
 from services.stage_worker.telemetry import StageTelemetry
 from services.stage_worker.trainer import StageTrainer
-from shared import keys
 from shared.bus import Bus
-from shared.config import ClusterSpec
+from shared.control import keys
 from shared.dataplane import PlaneError
-from shared.logs import get_logger
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
 from shared.policies.recovery import checkpoint_due, save_due
 from shared.policies.schedules import Op, schedule
 from shared.policies.walk import END, Phase, SlotWalk, has_step_collectives
-from shared.priority import lower_this_thread, train_nice
-from shared.timing import sleep_until
+from shared.runtime.logs import get_logger
+from shared.runtime.priority import lower_this_thread, train_nice
+from shared.runtime.timing import sleep_until
+from shared.spec.config import ClusterSpec
 from shared.wire import IterationDone
 
 #: After a data-plane failure, how long the runner waits for the recovery path (a peer's lease

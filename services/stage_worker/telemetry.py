@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from services.stage_worker.outbox import Outbox
-from shared import keys
-from shared.logs import get_logger
+from shared.control import keys
+from shared.runtime.logs import get_logger
 from shared.wire import SpanRecord
 
 #: The prefill-lag warning is logged at most this often (with the sum since the last one).

@@ -4,7 +4,7 @@ Blocking: the runner calls these methods in a worker thread. Semantics match
 `shared.model.reference.train_reference`: the last stage backpropagates loss / microbatches per
 microbatch, and the all-reduce averages the replicas' summed gradients.
 
-Everything runs on `device` (`shared.devices`): the model (built on the CPU, so every device starts
+Everything runs on `device` (`shared.model.devices`): the model (built on the CPU, so every device starts
 from the same weights, then moved), the optimizer state, the microbatches, received activations and
 gradients (moved there on arrival here), and the all-reduce's sum. Tensors handed back for the wire
 are on the CPU, and each step ends by synchronising the device, so a step's time is the GPU's time
@@ -19,12 +19,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from shared.config import ClusterSpec
-from shared.devices import synchronize
+from shared.model.devices import synchronize
 from shared.model.gpt import lm_loss
 from shared.model.hf_stage import HFStage
 from shared.model.optim import clip_and_step, grad_sq_norm, make_optimizer
 from shared.model.training import Corpus, build_training_stage, layer_count, norm_parameters, tied_parameter
+from shared.spec.config import ClusterSpec
 
 
 class StageTrainer:

@@ -35,16 +35,16 @@ import torch
 from services.stage_worker.lease import Slot
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.outbox import Outbox, wan_transfer
-from shared import keys
 from shared.bus import Delivery, Reject
-from shared.config import ClusterSpec
+from shared.control import keys
+from shared.control.leases import slot_name
 from shared.dataplane import DataPlane, GroupSpec, PairSpec, PlaneError, in_thread, tag_of
-from shared.leases import slot_name
-from shared.logs import get_logger
+from shared.dataplane.tensors import dtype_name, torch_dtype
 from shared.policies.placement import Placement
 from shared.policies.wan import transfer_priority
-from shared.settings import Settings
-from shared.tensors import dtype_name, torch_dtype
+from shared.runtime.logs import get_logger
+from shared.spec.config import ClusterSpec
+from shared.spec.settings import Settings
 from shared.wire import SlotDone, SlotGrant, SlotRequest, TensorReady
 
 log = get_logger(__name__)
@@ -63,7 +63,7 @@ def plane_addresses(settings: Settings, slot: Slot, placement: Placement) -> lis
     spec = settings.spec
     if spec.wan.mode != "kernel":
         return [settings.plane_host]
-    from shared.kernel_net import plan_kernel_net, run_base
+    from shared.dataplane.kernel_net import plan_kernel_net, run_base
 
     plan = plan_kernel_net(spec, settings.run, base=run_base(settings.run))
     dc = placement.stage_dc[slot.stage]

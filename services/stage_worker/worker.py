@@ -29,27 +29,28 @@ from services.stage_worker.recovery import Generations
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
 from services.stage_worker.transport import Transport, plane_addresses
-from shared import keys, priority
 from shared.bus import Bus
-from shared.config import ClusterSpec
+from shared.control import keys
+from shared.control.health import Heartbeat, instance_id
 from shared.dataplane import DataPlane
 from shared.dataplane.kv import KvServer, KvShelf
-from shared.devices import DeviceError, check_kind, describe, select_device, slot_index, synchronize
-from shared.health import Heartbeat, instance_id
-from shared.logs import get_logger
 from shared.model.corpus import DataError
+from shared.model.devices import DeviceError, check_kind, describe, select_device, slot_index, synchronize
 from shared.model.info import CheckpointError
 from shared.model.prefill import PrefillModel
 from shared.model.training import load_corpus
 from shared.model.trainstate import check_resume, stage_state
-from shared.plan import placement_of, predict, profile_ms
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillPolicy
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.restarts import EXIT_CONFIG
-from shared.settings import Settings
-from shared.telemetry import MetricsServer
+from shared.runtime import priority
+from shared.runtime.logs import get_logger
+from shared.runtime.telemetry import MetricsServer
+from shared.spec.config import ClusterSpec
+from shared.spec.plan import placement_of, predict, profile_ms
+from shared.spec.settings import Settings
 from shared.wire import PrefillBatch, SlotGrant, TensorReady, WorkerFailed
 
 SERVICE = "stage_worker"

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from services.wan_broker.metrics import BrokerMetrics
 from shared.bus import Bus
-from shared.logs import get_logger
 from shared.policies.slots import Grant, SlotArbiter
 from shared.policies.wan import LinkModel
+from shared.runtime.logs import get_logger
 from shared.wire import SlotDone, SlotGrant, SlotRequest
 
 log = get_logger(__name__)

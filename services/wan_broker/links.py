@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from services.wan_broker.metrics import BrokerMetrics
 from shared.bus import Bus
-from shared.logs import get_logger
 from shared.policies.wan import LinkModel, LinkSharing, Sent
-from shared.timing import SPIN_S, sleep_until
+from shared.runtime.logs import get_logger
+from shared.runtime.timing import SPIN_S, sleep_until
 from shared.wire import FIELD, Transfer
 
 log = get_logger(__name__)
@@ -28,7 +28,7 @@ log = get_logger(__name__)
 #: this far back, a transfer read up to this long after it was sent still starts at its send time.
 #: Deliveries stay on time: a transfer's last byte leaves at `tx_end`, which the policy learns
 #: `settle` later, and it arrives `latency` after `tx_end`; `settle` leaves its delivery the lead
-#: of a precise sleep (`shared.timing.SPIN_S`), so it is at most the latency minus that.
+#: of a precise sleep (`shared.runtime.timing.SPIN_S`), so it is at most the latency minus that.
 SETTLE_S = 0.005
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from shared.bus.connection import TRANSIENT_ERRORS, Connected, backoff
-from shared.logs import get_logger
+from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

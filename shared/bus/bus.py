@@ -13,7 +13,7 @@ from shared.bus.connection import RIDE_OUT_S, command_client, ride_out
 from shared.bus.consumer import Consumer
 from shared.bus.deadletters import DeadLetter, read_dead_letters
 from shared.bus.delivery import Handlers
-from shared.config import BusConfig
+from shared.spec.config import BusConfig
 from shared.wire import FIELD, Message, encode
 
 

@@ -30,7 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from shared.logs import get_logger
+from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 T = TypeVar("T")

@@ -46,8 +46,8 @@ from shared.bus.connection import BLOCKING_SLACK_S, TRANSIENT_ERRORS, Connected,
 from shared.bus.deadletters import dead_letter
 from shared.bus.delivery import HOLD, Delivery, Handlers, Reject, route
 from shared.bus.streams import delivery_counts, ensure_group, group_is_gone, trim_acked
-from shared.config import BusConfig
-from shared.logs import get_logger
+from shared.runtime.logs import get_logger
+from shared.spec.config import BusConfig
 from shared.wire import FIELD, WireError, decode, kind_of
 
 log = get_logger(__name__)

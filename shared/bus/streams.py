@@ -7,7 +7,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared.logs import get_logger
+from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

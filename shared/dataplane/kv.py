@@ -1,9 +1,9 @@
 """KV caches on the data plane: a finished prefill's KV cache stays in the memory of the worker that
 computed it, and a decode service fetches it from there over TCP; Redis carries only the handle
 (`PrefillResult.kv_holder`, `kv_key`) (`prefill.kv_store: plane`, the default; `redis` keeps the
-old store, `shared.kvstore`).
+old store, `shared.dataplane.kvstore`).
 
-The holder (a stage worker) keeps each cache as its safetensors bytes (`shared.kvstore.kv_file`) on
+The holder (a stage worker) keeps each cache as its safetensors bytes (`shared.dataplane.kvstore.kv_file`) on
 a `KvShelf`: `prefill.kv_ttl_s` after the answer it expires (a sweep drops expired caches every
 `SWEEP_S`), and the caches held at once stay within `prefill.kv_budget_mb` of the worker's memory
 (past it a prefill answers without one, and the handle says why). Its `KvServer` listens on the
@@ -52,10 +52,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.logs import get_logger
+from shared.runtime.logs import get_logger
 
 if TYPE_CHECKING:
-    from shared.kvstore import Stored
+    from shared.dataplane.kvstore import Stored
 
 log = get_logger(__name__)
 
@@ -99,8 +99,10 @@ class KvShelf:
 
     def put(self, request_id: str, data: bytes, now: float) -> Stored:
         """Hold `data` for `ttl_s` unless it would take the caches held past `budget_bytes`
-        (then `key` is "", as `shared.kvstore.store_kv_within_budget` says it)."""
-        from shared.kvstore import Stored  # torch (safetensors): only a holder puts; a client stays torch-free
+        (then `key` is "", as `shared.dataplane.kvstore.store_kv_within_budget` says it)."""
+        from shared.dataplane.kvstore import (
+            Stored,  # torch (safetensors): only a holder puts; a client stays torch-free
+        )
 
         self.expire(now)
         self.delete(request_id)  # a request answered twice (redelivered) holds one cache

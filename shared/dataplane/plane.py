@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shared.dataplane.store import RedisStore
-from shared.logs import get_logger
+from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared import keys
+from shared.control import keys
+from shared.control.status import ControlEvent
 from shared.figures.runstats import Span, bubble_end, read_stream, steady, utilization
-from shared.status import ControlEvent
 from shared.wire import ControlSeen
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.config import ClusterSpec
 from shared.figures.bubblestats import capacity_tokens_per_s
 from shared.figures.runstats import Span
+from shared.spec.config import ClusterSpec
 
 #: The share of the bubbles' capacity a run offers by default: below saturation, as a service
 #: would run, so the objective holds for (nearly) every request.
@@ -29,7 +29,7 @@ def prefill_block_s(spec: ClusterSpec, time_scale: float, tokens: int) -> Callab
     if dev.prefill_ms_per_layer is not None or dev.prefill_us_per_token is not None:
         fixed, per_token = (dev.prefill_ms_per_layer or 0.0) / 1000, (dev.prefill_us_per_token or 0.0) / 1e6
         return lambda t: (fixed + per_token * t) * time_scale
-    from shared.devices import select_device, synchronize
+    from shared.model.devices import select_device, synchronize
     from shared.model.prefill import PrefillModel
 
     device = select_device(spec.device.kind, 0)  # where the first worker's prefill runs

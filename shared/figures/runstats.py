@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from shared import keys
+from shared.control import keys
 from shared.wire import SpanRecord, decode
 
 if TYPE_CHECKING:

@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shared.config import Prefill
 from shared.model.causal import KV as KV  # re-exported: (k, v) of one layer, each (1, kv_heads, T, head_dim)
 from shared.model.causal import CausalLM
 from shared.model.checkpoint import load_causal_lm
@@ -46,6 +45,7 @@ from shared.model.info import ModelInfo
 from shared.model.shape import GPTConfig
 from shared.model.shape import estimate_kv_bytes as estimate_kv_bytes  # re-exported: it used to live here
 from shared.model.tokenizer import BYTES, Tokenizer, token_text, tokenizer_for
+from shared.spec.config import Prefill
 
 
 @dataclass

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import Prefill
 from shared.model.info import FLOAT32_BYTES, ModelInfo, info_from_config, read_config
-from shared.spec_training import ModelSpec
+from shared.spec.config import Prefill
+from shared.spec.training import ModelSpec
 
 
 @dataclass(frozen=True)

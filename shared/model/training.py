@@ -18,7 +18,6 @@ from typing import Any
 
 from torch import nn
 
-from shared.config import ClusterSpec, ConfigError
 from shared.model.checkpoint import FAMILIES, checked_state, read_tensors
 from shared.model.corpus import DataError, TokenCorpus
 from shared.model.data import ByteCorpus
@@ -26,7 +25,8 @@ from shared.model.gpt import StageModule, build_stage
 from shared.model.hf_stage import HFStage
 from shared.model.info import CheckpointError, info_from_config, read_config
 from shared.model.shape import GPTConfig
-from shared.plan import stage_layer_ranges
+from shared.spec.config import ClusterSpec, ConfigError
+from shared.spec.plan import stage_layer_ranges
 
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.config import ClusterSpec, ConfigError
-from shared.plan import stage_layer_ranges
+from shared.spec.config import ClusterSpec, ConfigError
+from shared.spec.plan import stage_layer_ranges
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_DIR = "optimizer"

@@ -68,7 +68,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.config import BubbleTea
+from shared.control.status import FailureReason
 from shared.policies.admission import Admission
 from shared.policies.decisions import (
     Decisions,
@@ -100,7 +100,7 @@ from shared.policies.packing import (
     budget,
 )
 from shared.policies.prefill_cost import PrefillCostModel
-from shared.status import FailureReason
+from shared.spec.config import BubbleTea
 
 
 @dataclass

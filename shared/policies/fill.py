@@ -21,7 +21,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from shared.config import BubbleTea
+from shared.spec.config import BubbleTea
 
 #: A worker holds a staged batch this long at most; if no bubble starts by then it hands it back
 #: unrun (the run may be over), and the requests queue again. The spec's default

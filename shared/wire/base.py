@@ -13,7 +13,7 @@ from typing import Final
 import msgspec
 
 #: Bump when a message changes incompatibly; peers at another version are refused loudly.
-#: 2: statuses are enums (`shared.status`); unread batch/report timing fields removed.
+#: 2: statuses are enums (`shared.control.status`); unread batch/report timing fields removed.
 WIRE_VERSION: Final = 2
 
 #: The stream entry field that holds the encoded message.
@@ -26,7 +26,7 @@ class WireError(ValueError):
 
 class TensorBlob(msgspec.Struct, frozen=True, array_like=True):
     """A tensor as it travels: dtype name, shape, and the row-major bytes of its elements.
-    Built and read by `shared.tensors` (`to_blob`, `from_blob`)."""
+    Built and read by `shared.dataplane.tensors` (`to_blob`, `from_blob`)."""
 
     dtype: str
     shape: tuple[int, ...]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.status import FailureReason, ItemOutcome, RequestStatus
+from shared.control.status import FailureReason, ItemOutcome, RequestStatus
 from shared.wire.base import Message, TensorBlob
 
 

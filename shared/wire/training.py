@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.status import ControlEvent
+from shared.control.status import ControlEvent
 from shared.wire.base import Message
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import aiohttp
 import yaml
 
-from shared import keys
 from shared.bus.connection import blocking_client
-from shared.status import ItemOutcome
+from shared.control import keys
+from shared.control.status import ItemOutcome
 from shared.wire import IterationDone, PrefillReport, WorkerFailed, decode
 
 #: PP=2 x DP=2 with a device profile: each stage's forward counts for 40 ms, so every worker

@@ -1,4 +1,4 @@
-"""On a GPU, training and prefill give the CPU's answers (`device.kind`, `shared.devices`).
+"""On a GPU, training and prefill give the CPU's answers (`device.kind`, `shared.model.devices`).
 
 The tests marked `cuda` run only where `torch.cuda.is_available()`; elsewhere they are skipped
 with the reason below. Each has a CPU twin that runs the same code path with `device.kind: cpu`,
@@ -32,14 +32,14 @@ import yaml
 
 from bubbletea.launcher.train import run_training
 from services.stage_worker.worker import _prefill_model
-from shared import kvstore
-from shared.config import parse_spec
-from shared.devices import select_device
+from shared.dataplane import kvstore
+from shared.model.devices import select_device
 from shared.model.prefill import PrefillResult
 from shared.model.reference import train_reference_for
 from shared.model.tokenizer import encode
-from shared.redis_server import EmbeddedRedis
-from shared.settings import load_settings
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.config import parse_spec
+from shared.spec.settings import load_settings
 
 pytestmark = pytest.mark.e2e
 

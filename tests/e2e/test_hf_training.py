@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 from bubbletea.launcher.train import run_training
 from shared.model.checkpoint import load_causal_lm
 from shared.model.corpus import TokenCorpus, train_bpe_tokenizer
-from shared.redis_server import EmbeddedRedis
-from shared.settings import load_settings
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.settings import load_settings
 
 pytestmark = pytest.mark.e2e
 

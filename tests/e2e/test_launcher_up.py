@@ -21,7 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from shared.health import live_instances
+from shared.control.health import live_instances
 from tests.e2e.serving import SPEC, as_from_a_terminal, status, submit, wait_ready, wait_until
 
 pytestmark = pytest.mark.e2e

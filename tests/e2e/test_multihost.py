@@ -23,11 +23,11 @@ import yaml
 from redis.asyncio import Redis
 
 from bubbletea.launcher.kernel_wan import KernelWanError, check_privileges, kernel_wan
-from shared import keys
-from shared.config import load_spec
-from shared.kernel_net import plan_kernel_net
+from shared.control import keys
+from shared.dataplane.kernel_net import plan_kernel_net
 from shared.model.reference import train_reference_for
-from shared.redis_server import EmbeddedRedis
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.config import load_spec
 from shared.wire import IterationDone, decode
 
 pytestmark = pytest.mark.e2e

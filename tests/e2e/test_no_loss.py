@@ -39,10 +39,10 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import Proc, front_door, spawn, start_front_door, stop_all
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
-from shared import keys, serving
-from shared.config import Prefill
+from shared.control import keys, serving
 from shared.model.prefill import PrefillModel
-from shared.settings import load_settings
+from shared.spec.config import Prefill
+from shared.spec.settings import load_settings
 from shared.wire import IterationDone, PrefillBatch, decode
 from tests.e2e.serving import (
     SPEC,

@@ -20,11 +20,11 @@ from openai import AsyncOpenAI
 
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
-from shared import keys
+from shared.control import keys
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import decode as decode_text
 from shared.model.tokenizer import encode as encode_text
-from shared.settings import load_settings
+from shared.spec.settings import load_settings
 from tests.e2e.serving import SPEC, service_env, wait_for_iteration, wait_until, write_spec
 
 pytestmark = pytest.mark.e2e
@@ -215,7 +215,7 @@ async def _kv_held(redis_url: str, run: str) -> dict[str, tuple[int, int]]:
     as its last heartbeat says."""
     from redis.asyncio import Redis
 
-    from shared.health import live_instances
+    from shared.control.health import live_instances
 
     r = Redis.from_url(redis_url)
     try:

@@ -26,9 +26,9 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
-from shared import serving
-from shared.settings import load_settings
-from shared.status import RequestStatus
+from shared.control import serving
+from shared.control.status import RequestStatus
+from shared.spec.settings import load_settings
 from tests.e2e.serving import SPEC, service_env, submit, wait_for_first_bubble, write_spec
 
 pytestmark = pytest.mark.e2e

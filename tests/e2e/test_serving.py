@@ -23,12 +23,14 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
-from shared import keys, kvstore, priority
+from shared.control import keys
+from shared.dataplane import kvstore
 from shared.dataplane.kv_client import KvClient
 from shared.figures import runstats
 from shared.model.prefill import PrefillModel
-from shared.redis_server import EmbeddedRedis
-from shared.settings import load_settings
+from shared.runtime import priority
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.settings import load_settings
 from shared.wire import SpanRecord
 from tests.e2e.serving import (
     SPEC,
@@ -84,7 +86,7 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
             await wait_until(all_final, "every request answered or failed", timeout=120)
             assert not training.done(), out.getvalue()[-3000:]  # it trained throughout, without failing
             # compute below the control plane: each worker's event loop at nice 0, its training
-            # thread at TRAIN_NICE and its prefill thread at PREFILL_NICE (shared/priority.py)
+            # thread at TRAIN_NICE and its prefill thread at PREFILL_NICE (shared/runtime/priority.py)
             workers = worker_nices(run)
             assert len(workers) == 4, workers
             for nices in workers.values():

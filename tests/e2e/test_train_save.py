@@ -22,8 +22,8 @@ from shared.model.gpt import build_full
 from shared.model.reference import train_reference_for
 from shared.model.shape import GPTConfig
 from shared.model.trainstate import saved_iteration
-from shared.redis_server import EmbeddedRedis
-from shared.settings import load_settings
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.settings import load_settings
 from tests.e2e.serving import wait_for_iteration
 from tests.e2e.test_training_correctness import SPEC
 

@@ -17,12 +17,12 @@ import yaml
 from redis.asyncio import Redis
 
 from bubbletea.launcher.train import run_training
-from shared import keys
+from shared.control import keys
 from shared.model.reference import train_reference_for
 from shared.policies import schedules
 from shared.policies.bubbles import HISTORY, WARMUP_ITERATIONS
-from shared.redis_server import EmbeddedRedis
-from shared.settings import load_settings
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.settings import load_settings
 from shared.wire import BubbleEnd, BubbleStart, SpanRecord, decode
 from tests.e2e.serving import wait_for_iteration
 

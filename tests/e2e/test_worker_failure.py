@@ -15,9 +15,9 @@ import yaml
 
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER
-from shared import keys
 from shared.bus.connection import blocking_client
-from shared.redis_server import EmbeddedRedis
+from shared.control import keys
+from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import IterationDone, decode
 
 pytestmark = pytest.mark.e2e

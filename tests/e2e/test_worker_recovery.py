@@ -23,11 +23,11 @@ from redis.asyncio import Redis
 from bench import chaos
 from bubbletea.launcher.procs import Proc, spawn, stop_all
 from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER
-from shared import keys
 from shared.bus.connection import blocking_client
+from shared.control import keys
 from shared.model.reference import train_reference_for
-from shared.redis_server import EmbeddedRedis
-from shared.settings import load_settings
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.settings import load_settings
 from shared.wire import IterationDone, decode
 from tests.e2e.test_training_correctness import SPEC
 

@@ -8,7 +8,7 @@ import asyncio
 import sys
 
 from shared.bus import Bus, Delivery
-from shared.config import BusConfig
+from shared.spec.config import BusConfig
 from shared.wire import Ping
 
 

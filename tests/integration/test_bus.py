@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from shared import keys
 from shared.bus import HOLD, Bus, Delivery, Outcome, trim_acked
-from shared.config import BusConfig
-from shared.redis_server import EmbeddedRedis
+from shared.control import keys
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.spec.config import BusConfig
 from shared.wire import FIELD, Ping, Pong
 
 pytestmark = pytest.mark.integration

@@ -16,13 +16,14 @@ import pytest
 from redis.asyncio import Redis
 
 from services.decoder.decoder import serve
-from shared import keys, kvstore
 from shared.bus import Bus
+from shared.control import keys
+from shared.control.status import FailureReason, RequestStatus
+from shared.dataplane import kvstore
 from shared.model.generate import generate
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import decode
-from shared.settings import Settings, load_settings
-from shared.status import FailureReason, RequestStatus
+from shared.spec.settings import Settings, load_settings
 from shared.wire import FIELD, DecodeChunk, DecodeRequest
 from shared.wire import decode as decode_msg
 

@@ -14,12 +14,12 @@ from redis.asyncio import Redis
 
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.serve import serve
-from shared import keys, serving
 from shared.bus import Bus, Delivery
-from shared.config import BusConfig
+from shared.control import keys, serving
+from shared.control.status import ControlEvent, FailureReason, RequestStatus
 from shared.policies.decisions import Decisions, Spent
-from shared.settings import load_settings
-from shared.status import ControlEvent, FailureReason, RequestStatus
+from shared.spec.config import BusConfig
+from shared.spec.settings import load_settings
 from shared.wire import (
     FIELD,
     BubbleEnd,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from shared.bus import Bus, Delivery
-from shared.config import BusConfig
-from shared.redis_server import EmbeddedRedis, RedisServerError, find_redis_server, packaged_redis_server
+from shared.runtime.redis_server import EmbeddedRedis, RedisServerError, find_redis_server, packaged_redis_server
+from shared.spec.config import BusConfig
 from shared.wire import Ping
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,7 @@ async def test_the_embedded_server_has_a_memory_limit_and_never_evicts(monkeypat
     from redis.asyncio import Redis
     from redis.exceptions import ResponseError
 
-    from shared.redis_server import DEFAULT_MAXMEMORY
+    from shared.runtime.redis_server import DEFAULT_MAXMEMORY
 
     monkeypatch.delenv("BUBBLETEA_REDIS_MAXMEMORY", raising=False)
     assert DEFAULT_MAXMEMORY == "1gb"

@@ -22,13 +22,14 @@ from services.stage_worker import port_prefill
 from services.stage_worker.filler import Filler
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.port import LOST, PrefillPort, StagePort
-from shared import keys, kvstore, serving
 from shared.bus import Bus, Delivery, Reject
-from shared.config import BusConfig
+from shared.control import keys, serving
+from shared.control.status import ItemOutcome, RequestStatus
+from shared.dataplane import kvstore
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import FillPolicy
-from shared.status import ItemOutcome, RequestStatus
+from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, decode
 
 pytestmark = pytest.mark.integration

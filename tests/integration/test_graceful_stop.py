@@ -17,10 +17,10 @@ from services.prefill_queue import state
 from services.prefill_queue.app import create_app
 from services.prefill_queue.server import Runner
 from services.prefill_queue.state import STOPPING
-from shared import keys, serving
-from shared.service import serve_app
-from shared.settings import load_settings
-from shared.status import RequestStatus
+from shared.control import keys, serving
+from shared.control.status import RequestStatus
+from shared.runtime.service import serve_app
+from shared.spec.settings import load_settings
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
 pytestmark = pytest.mark.integration

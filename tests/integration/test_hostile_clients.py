@@ -25,10 +25,10 @@ from redis.asyncio import Redis
 from services.prefill_queue.app import create_app
 from services.prefill_queue.server import Runner
 from services.prefill_queue.validation import MAX_JSON_DEPTH, json_too_deep
-from shared import keys
-from shared.logs import KeyValueFormatter
-from shared.service import serve_app
-from shared.settings import Settings
+from shared.control import keys
+from shared.runtime.logs import KeyValueFormatter
+from shared.runtime.service import serve_app
+from shared.spec.settings import Settings
 from tests.integration.test_prefill_api import settings_for
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,9 @@ from redis.asyncio import Redis
 from services.prefill_queue.api import kv_params
 from services.stage_worker.port import PrefillPort, StagePort
 from services.stage_worker.reporting import Outcome, Reporter
-from shared import keys, kvstore, serving
 from shared.bus import Bus
+from shared.control import keys, serving
+from shared.dataplane import kvstore
 from shared.model.prefill import PrefillResult as ModelResult
 from shared.wire import PrefillItem, PrefillResult, decode
 

@@ -14,8 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from shared import kvstore
-from shared.config import Prefill
+from shared.dataplane import kvstore
 from shared.dataplane.kv import (
     BAD_REQUEST,
     MAGIC,
@@ -30,6 +29,7 @@ from shared.dataplane.kv import (
 )
 from shared.dataplane.kv_client import KvClient
 from shared.model.prefill import PrefillModel
+from shared.spec.config import Prefill
 from tests.e2e.serving import wait_until
 
 pytestmark = pytest.mark.integration

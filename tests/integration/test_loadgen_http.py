@@ -2,7 +2,7 @@
 
 No dispatcher runs here, so by itself the API answers nothing but errors: those tests check
 that the load generator counts them by status code, exactly. For the success path a small
-stand-in answers requests straight off the request stream with `shared.serving.answer`, the same
+stand-in answers requests straight off the request stream with `shared.control.serving.answer`, the same
 call the serving plane makes.
 
 Where the timing of the stream itself is under test, a stand-in front door streams the events of
@@ -37,10 +37,10 @@ from loadgen.client import ApiUnavailable
 from loadgen.report import format_summary
 from services.prefill_queue.app import create_app
 from services.prefill_queue.completions import choice, usage
-from shared import keys, serving
 from shared.bus.connection import blocking_client
-from shared.settings import Settings, load_settings
-from shared.status import FailureReason, RequestStatus
+from shared.control import keys, serving
+from shared.control.status import FailureReason, RequestStatus
+from shared.spec.settings import Settings, load_settings
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
 pytestmark = pytest.mark.integration
@@ -482,7 +482,7 @@ async def test_ready_check_warmups_headers_and_saved_results(tmp_path: Path) -> 
 
 async def test_the_ready_check_waits_for_serving_and_says_why_it_gave_up(redis_url: str, redis: Redis) -> None:
     """BubbleTea serves only while training runs: with a wait, loadgen also waits for /ready."""
-    from shared.status import ServingState
+    from shared.control.status import ServingState
 
     verdict = serving.Readiness(
         instance="dispatcher-test",
@@ -502,7 +502,7 @@ async def test_the_ready_check_waits_for_serving_and_says_why_it_gave_up(redis_u
 async def test_ready_state_serving_waits_past_joining(redis_url: str, redis: Redis) -> None:
     """`--ready-state serving`: /ready answers 200 while the workers set up (joining), but the load
     starts only once training runs: here it gives up saying so, then starts once serving."""
-    from shared.status import ServingState
+    from shared.control.status import ServingState
 
     def verdict(state: ServingState) -> serving.Readiness:
         return serving.Readiness(

@@ -1,6 +1,6 @@
 """The prefill HTTP API over real HTTP against a real redis-server.
 
-Answers are written with `shared.serving.answer`, the same call the serving plane makes, so the
+Answers are written with `shared.control.serving.answer`, the same call the serving plane makes, so the
 front door's side of the contract is exercised for real.
 """
 
@@ -20,10 +20,10 @@ from redis.asyncio import Redis
 from services.prefill_queue.api import FAILURE_STATUS
 from services.prefill_queue.app import create_app
 from services.prefill_queue.state import SETTINGS
-from shared import keys, serving
 from shared.bus.connection import blocking_client
-from shared.settings import Settings, load_settings
-from shared.status import FailureReason, RequestStatus
+from shared.control import keys, serving
+from shared.control.status import FailureReason, RequestStatus
+from shared.spec.settings import Settings, load_settings
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
 pytestmark = pytest.mark.integration
@@ -339,7 +339,7 @@ async def test_x_request_id_names_the_completion_and_kv_params_follow_vllm(clien
     kv = body["kv_transfer_params"]
     assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False and kv["key"] == f"bt:kv:{req.id}"
     from services.prefill_queue.api import KV_HANDLE_FORMAT
-    from shared.kvstore import KV_FORMAT
+    from shared.dataplane.kvstore import KV_FORMAT
 
     assert kv["format"] == KV_HANDLE_FORMAT == f"safetensors:{KV_FORMAT}"  # the handle names what the store holds
     bad = await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "no spaces"})

@@ -21,8 +21,8 @@ from services.dispatcher.serve import serve
 from services.prefill_queue.app import create_app
 from services.stage_worker.lease import SlotLease
 from services.stage_worker.recovery import Generations
-from shared import keys
-from shared.settings import Settings, load_settings
+from shared.control import keys
+from shared.spec.settings import Settings, load_settings
 
 pytestmark = pytest.mark.integration
 

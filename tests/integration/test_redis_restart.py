@@ -17,11 +17,11 @@ from services.prefill_queue.app import create_app
 from services.stage_worker import lease as lease_mod
 from services.stage_worker.lease import SlotError, SlotLease
 from services.wan_broker.broker import serve as serve_broker
-from shared import keys
 from shared.bus import Bus
+from shared.control import keys
+from shared.control.health import Heartbeat, live_instances, wait_live
 from shared.dataplane.store import RedisStore
-from shared.health import Heartbeat, live_instances, wait_live
-from shared.redis_server import EmbeddedRedis
+from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import FIELD, LinkReport, Ping, decode
 from tests.integration.test_prefill_api import settings_for
 from tests.integration.test_wan_broker import settings as broker_settings

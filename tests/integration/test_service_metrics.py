@@ -34,17 +34,18 @@ from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port import PrefillPort, StagePort
 from services.wan_broker.broker import serve as serve_broker
-from shared import keys, serving, telemetry
 from shared.bus import HOLD, Bus, Delivery, Outcome
-from shared.config import BusConfig
-from shared.health import live_instances, wait_live
+from shared.control import keys, serving
+from shared.control.health import live_instances, wait_live
+from shared.control.status import ItemOutcome
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel
 from shared.policies.fill import FillPolicy
-from shared.redis_server import EmbeddedRedis, packaged_redis_server
-from shared.settings import Settings, load_settings
-from shared.status import ItemOutcome
-from shared.telemetry import MetricsServer, StreamMetrics, group_backlog
+from shared.runtime import telemetry
+from shared.runtime.redis_server import EmbeddedRedis, packaged_redis_server
+from shared.runtime.telemetry import MetricsServer, StreamMetrics, group_backlog
+from shared.spec.config import BusConfig
+from shared.spec.settings import Settings, load_settings
 from shared.wire import (
     FIELD,
     BubbleEnd,

@@ -12,8 +12,8 @@ import pytest
 
 from bench.sim_vs_live import Case, case_spec, load_input_len, main, watch_requests
 from loadgen.datasets import length_range
-from shared import keys, serving
 from shared.bus import Bus
+from shared.control import keys, serving
 from shared.wire import PrefillRequest
 
 pytestmark = pytest.mark.integration

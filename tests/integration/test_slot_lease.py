@@ -8,7 +8,7 @@ import pytest
 from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotError, SlotLease
-from shared import keys
+from shared.control import keys
 
 pytestmark = pytest.mark.integration
 

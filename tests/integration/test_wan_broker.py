@@ -19,14 +19,14 @@ from services.wan_broker import broker as broker_module
 from services.wan_broker import links
 from services.wan_broker.broker import serve
 from services.wan_broker.links import SETTLE_S, LinkDriver
-from shared import keys
 from shared.bus import Bus
 from shared.bus.connection import blocking_client
-from shared.health import wait_live
+from shared.control import keys
+from shared.control.health import wait_live
 from shared.policies import slots
 from shared.policies.wan import LinkModel, Sent
-from shared.settings import Settings, load_settings
-from shared.timing import SPIN_S
+from shared.runtime.timing import SPIN_S
+from shared.spec.settings import Settings, load_settings
 from shared.wire import FIELD, LinkReport, Ping, SlotDone, SlotGrant, SlotRequest, Transfer, decode, encode
 from tests.e2e.serving import wait_until
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from shared.control.status import FailureReason
 from shared.policies.admission import Admission
 from shared.policies.dispatch import BubbleOpened, DispatchState, Request
 from shared.policies.prefill_cost import PrefillCostModel
-from shared.status import FailureReason
 
 
 def test_no_rate_until_a_whole_window_of_bubbles_was_seen() -> None:

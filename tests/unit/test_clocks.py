@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ClusterSpec, parse_spec
 from shared.policies.decisions import Batch, Decisions
 from shared.policies.dispatch import (
     BATCH_GRACE_S,
@@ -21,7 +20,8 @@ from shared.policies.dispatch import (
     Request,
     WorkerReady,
 )
-from shared.timescale import scale_spec, spec_clocks
+from shared.spec.config import ClusterSpec, parse_spec
+from shared.spec.timescale import scale_spec, spec_clocks
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Field names that are durations or rates by their unit.
@@ -33,7 +33,7 @@ def test_every_duration_of_the_spec_declares_its_clock() -> None:
     timed = {path for path in clocks if TIMED.search(path.rsplit(".", 1)[-1])}
     assert len(timed) >= 20
     undeclared = sorted(p for p in timed if clocks[p] is None)
-    assert not undeclared, f"durations without a clock (shared.spec_fields DEVICE / HOST): {undeclared}"
+    assert not undeclared, f"durations without a clock (shared.spec.fields DEVICE / HOST): {undeclared}"
     assert {p for p, c in clocks.items() if c} == timed  # and nothing else claims one
 
 

@@ -4,9 +4,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.config import ConfigError, load_spec, parse_spec
 from shared.model.optim import lr_at
-from shared.settings import DEFAULT_SPEC, load_settings
+from shared.spec.config import ConfigError, load_spec, parse_spec
+from shared.spec.settings import DEFAULT_SPEC, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DC = [{"name": "a", "gpus": 4}, {"name": "b", "gpus": 2}]
@@ -171,7 +171,8 @@ def test_service_without_redis_url_gets_clear_error() -> None:
 
 def test_config_reference_documents_every_field() -> None:
     """docs/config.md must mention every field of every section."""
-    from shared import config, spec_training
+    from shared.spec import config
+    from shared.spec import training as spec_training
 
     doc = (ROOT / "docs" / "config.md").read_text()
     for cls in (
@@ -196,7 +197,7 @@ def test_config_reference_documents_every_field() -> None:
 
 
 def test_every_environment_variable_is_documented_and_read() -> None:
-    from shared.settings import ENV_VARS
+    from shared.spec.settings import ENV_VARS
 
     doc = (ROOT / "docs" / "config.md").read_text()
     code = "".join(p.read_text() for p in (ROOT / "shared").rglob("*.py"))
@@ -215,7 +216,7 @@ def test_up_refuses_a_bad_iteration_count_before_starting_anything(capsys: pytes
 
 def test_secrets_are_never_logged_or_in_the_settings_repr(capsys: pytest.CaptureFixture[str]) -> None:
     from bubbletea.launcher.procs import open_redis
-    from shared.settings import load_settings, mask_url
+    from shared.spec.settings import load_settings, mask_url
 
     assert mask_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
     assert mask_url("redis://user:s3cret@h:1/0") == "redis://user:***@h:1/0"
@@ -229,7 +230,7 @@ def test_secrets_are_never_logged_or_in_the_settings_repr(capsys: pytest.Capture
 
 
 def test_metrics_auth_needs_an_api_key() -> None:
-    from shared.settings import load_settings
+    from shared.spec.settings import load_settings
 
     with pytest.raises(ConfigError, match="BUBBLETEA_API_KEY"):
         load_settings(env={"BUBBLETEA_METRICS_AUTH": "on"})

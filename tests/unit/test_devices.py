@@ -1,4 +1,4 @@
-"""Device choice (`shared.devices`): the slot-to-GPU mapping as a pure function, and the errors.
+"""Device choice (`shared.model.devices`): the slot-to-GPU mapping as a pure function, and the errors.
 
 No GPU is needed: `cuda_available` and `device_count` are passed in.
 """
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from services.stage_worker.trainer import StageTrainer
-from shared.config import ConfigError, parse_spec
-from shared.devices import (
+from shared.dataplane.tensors import from_blob, to_blob
+from shared.model.data import ByteCorpus
+from shared.model.devices import (
     DeviceError,
     check_kind,
     describe,
@@ -20,8 +21,7 @@ from shared.devices import (
     slot_index,
     synchronize,
 )
-from shared.model.data import ByteCorpus
-from shared.tensors import from_blob, to_blob
+from shared.spec.config import ConfigError, parse_spec
 
 DC = [{"name": "a", "gpus": 4}]
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from shared.config import BubbleTea
+from shared.control.status import FailureReason
 from shared.policies.decisions import Batch, Decisions, Trigger
 from shared.policies.dispatch import (
     BATCH_GRACE_S,
@@ -19,7 +19,7 @@ from shared.policies.dispatch import (
 from shared.policies.fill import HOLD_STAGED_S, FillPolicy
 from shared.policies.packing import Assignment, Candidate, layered_cost, pack
 from shared.policies.prefill_cost import PrefillCostModel
-from shared.status import FailureReason
+from shared.spec.config import BubbleTea
 
 LAYERS = 4
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from shared.control.status import ControlEvent
 from shared.figures.bubblestats import (
     bubble_dispatch,
     control_shares,
@@ -14,7 +15,6 @@ from shared.figures.bubblestats import (
     report_latencies_ms,
 )
 from shared.figures.runstats import Span, utilization
-from shared.status import ControlEvent
 from shared.wire import ControlSeen
 
 

@@ -1,4 +1,4 @@
-"""The kernel WAN plan (shared/kernel_net.py) for the shipped specs: names the kernel accepts and
+"""The kernel WAN plan (shared/dataplane/kernel_net.py) for the shipped specs: names the kernel accepts and
 that two runs never share, addresses in the right subnets, one htb leaf per worker address and
 destination with the right ceil, the commands consistent with each other, every slot addressed."""
 
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ClusterSpec, load_spec, parse_spec
-from shared.htb import MAX_BURST_S, MIN_BURST, burst_bytes, gso_segments
-from shared.kernel_net import (
+from shared.dataplane.htb import MAX_BURST_S, MIN_BURST, burst_bytes, gso_segments
+from shared.dataplane.kernel_net import (
     DEFAULT_CLASSID,
     IFNAME_MAX,
     KernelPlan,
@@ -21,7 +20,8 @@ from shared.kernel_net import (
     run_base,
     run_tag,
 )
-from shared.plan import placement_of
+from shared.spec.config import ClusterSpec, load_spec, parse_spec
+from shared.spec.plan import placement_of
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 SPECS = ["demo.yaml", "wan-bound.yaml"]

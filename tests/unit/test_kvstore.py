@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load
 
-from shared.kvstore import KV_FORMAT, KV_METADATA, kv_file, read_kv_file, safetensors_metadata
+from shared.dataplane.kvstore import KV_FORMAT, KV_METADATA, kv_file, read_kv_file, safetensors_metadata
 from shared.model.prefill import PrefillModel
 from shared.model.shape import GPTConfig
 from shared.wire import WireError

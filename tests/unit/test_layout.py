@@ -13,6 +13,9 @@
   package's `__init__` re-exporting its submodules is not a cycle).
 
 Every check looks at every import in a file, function bodies included.
+
+* No product or benchmark module runs past 400 lines: past it, it is split by purpose.
+* `shared/` has no loose module: its code lives in subpackages whose names say what for.
 """
 
 from __future__ import annotations
@@ -241,3 +244,19 @@ def test_find_cycles_finds_them() -> None:
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert find_cycles({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) == []
     assert find_cycles({"a": {"a"}}) == [["a", "a"]]
+
+
+#: The most lines a product or benchmark module may have: past it, split it by purpose.
+MAX_LINES = 400
+
+
+def test_no_module_runs_past_400_lines() -> None:
+    files = source_files(*PACKAGES) + sorted((ROOT / "bench").glob("*.py"))
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these by purpose: {long}"
+
+
+def test_shared_has_no_loose_module() -> None:
+    """`shared/` is laid out by purpose: its code lives in subpackages whose names say what for."""
+    loose = sorted(p.name for p in (ROOT / "shared").glob("*.py") if p.name != "__init__.py")
+    assert not loose

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from shared.config import parse_spec
 from shared.model.optim import clip_coefficient, lr_at
-from shared.plan import stage_layer_ranges
 from shared.policies.placement import balanced_split
-from shared.spec_training import Training
+from shared.spec.config import parse_spec
+from shared.spec.plan import stage_layer_ranges
+from shared.spec.training import Training
 
 
 def test_warmup_then_cosine_to_the_floor_then_flat() -> None:

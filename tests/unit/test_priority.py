@@ -1,4 +1,4 @@
-"""Compute below the control plane (`shared.priority`): a thread lowers only its own nice value
+"""Compute below the control plane (`shared.runtime.priority`): a thread lowers only its own nice value
 (and, for prefill, shortens its own EEVDF slice), and BUBBLETEA_COMPUTE_PRIORITY=normal leaves
 every thread at 0 with the kernel's slice."""
 
@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from shared import priority
-from shared.settings import load_settings
+from shared.runtime import priority
+from shared.spec.settings import load_settings
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from services.stage_worker.trainer import StageTrainer
-from shared.config import parse_spec
 from shared.model.data import ByteCorpus
 from shared.policies.recovery import (
     FROM_SCRATCH,
@@ -16,6 +15,7 @@ from shared.policies.recovery import (
     save_due,
     superseded,
 )
+from shared.spec.config import parse_spec
 
 SPEC = parse_spec(
     {

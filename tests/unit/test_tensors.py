@@ -2,7 +2,7 @@ import msgspec
 import pytest
 import torch
 
-from shared.tensors import TensorBlob, from_blob, to_blob
+from shared.dataplane.tensors import TensorBlob, from_blob, to_blob
 from shared.wire import WireError
 
 

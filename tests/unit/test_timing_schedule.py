@@ -1,10 +1,10 @@
-"""`shared.timing.Schedule`: padded work kept on its profiled schedule (the prefill executor's)."""
+"""`shared.runtime.timing.Schedule`: padded work kept on its profiled schedule (the prefill executor's)."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.timing import Schedule
+from shared.runtime.timing import Schedule
 
 
 def run(schedule: Schedule, start: float, spent: list[float], profiled: float, overshoot: float = 0.0) -> float:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Prefill
 from shared.model.info import CheckpointError
 from shared.model.tokenizer import (
     BYTES,
@@ -20,6 +19,7 @@ from shared.model.tokenizer import (
     token_text,
     tokenizer_for,
 )
+from shared.spec.config import Prefill
 
 TEXTS = ["", "Hello, world", "naïve café", "日本語", "emoji 🫖 tea", "tab\tnew\nline\x00nul"]
 

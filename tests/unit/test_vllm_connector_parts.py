@@ -9,7 +9,7 @@ import torch
 from bubbletea_vllm.handle import BadCache, Handle, check, layer_index, metadata, parse_handle
 from bubbletea_vllm.layout import CacheFile, slot_mapping
 
-from shared.kvstore import kv_file
+from shared.dataplane.kvstore import kv_file
 
 HANDLE = {
     "remote_engine_id": "bubbletea",

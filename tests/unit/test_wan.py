@@ -4,7 +4,6 @@ import math
 
 import pytest
 
-from shared.config import LinkParams
 from shared.policies.wan import (
     BUS_HOP_S,
     HEADER_OVERHEAD,
@@ -14,6 +13,7 @@ from shared.policies.wan import (
     Sent,
     SlotControl,
 )
+from shared.spec.config import LinkParams
 
 LINK = LinkModel(bandwidth=100.0, latency=1.0, flow_cap=100.0)
 

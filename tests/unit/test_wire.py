@@ -50,7 +50,7 @@ def test_messages_are_immutable() -> None:
 def test_every_training_message_round_trips() -> None:
     import torch
 
-    from shared.tensors import from_blob, to_blob
+    from shared.dataplane.tensors import from_blob, to_blob
     from shared.wire import (
         BubbleEnd,
         BubbleStart,

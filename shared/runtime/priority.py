@@ -36,7 +36,7 @@ import os
 import platform
 import threading
 
-from shared.logs import get_logger
+from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

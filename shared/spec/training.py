@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
-from shared.spec_fields import DEVICE, HOST, Millis, Section
+from shared.spec.fields import DEVICE, HOST, Millis, Section
 
 
 class ModelSpec(Section, frozen=True):
@@ -97,7 +97,7 @@ class Training(Section, frozen=True):
 
 
 class Device(Section, frozen=True):
-    """The accelerator. `kind` picks where a worker really computes (`shared.devices`). With a
+    """The accelerator. `kind` picks where a worker really computes (`shared.model.devices`). With a
     profile, each operation *counts* for the profiled time: the worker runs the real computation,
     then pads to the profiled duration (reporting lag if the real computation is slower), so a small
     model on CPU can stand in for a large one on real GPUs."""

@@ -43,7 +43,7 @@ PONG_STREAM = f"{PREFIX}:pong"
 
 
 def health_key(service: str, instance: str) -> str:
-    """Key a live service instance refreshes with a TTL (see `shared.health`): bound, the TTL below."""
+    """Key a live service instance refreshes with a TTL (see `shared.control.health`): bound, the TTL below."""
     return f"{PREFIX}:health:{service}:{instance}"
 
 
@@ -216,13 +216,13 @@ def prefill_status_key(request_id: str) -> str:
 
 
 def kv_cache_key(request_id: str) -> str:
-    """A finished prefill's KV cache, for a decode service to fetch (see `shared.kvstore`). Bound:
+    """A finished prefill's KV cache, for a decode service to fetch (see `shared.dataplane.kvstore`). Bound:
     its TTL, `prefill.kv_ttl_s`, and the byte budget `prefill.kv_budget_mb` (below)."""
     return f"{PREFIX}:prefill:kv:{request_id}"
 
 
 def kv_budget_bucket_key(bucket: int) -> str:
-    """Bytes of KV caches stored during one time bucket (`shared.kvstore.KV_BUDGET_BUCKETS` buckets
+    """Bytes of KV caches stored during one time bucket (`shared.dataplane.kvstore.KV_BUDGET_BUCKETS` buckets
     span `prefill.kv_ttl_s`): the sum over the live buckets is what the caches can still hold, counted
     against `prefill.kv_budget_mb`. Each counter expires once every cache it counted has expired."""
     return f"{PREFIX}:prefill:kvbytes:{bucket}"
@@ -288,7 +288,7 @@ DECODE_REQUESTS_STREAM = f"{PREFIX}:decode:requests"
 
 
 def serving_key(instance: str) -> str:
-    """One dispatcher's readiness verdict (`shared.serving.Readiness`, JSON), for the front doors."""
+    """One dispatcher's readiness verdict (`shared.control.serving.Readiness`, JSON), for the front doors."""
     return f"{PREFIX}:serving:{instance}"
 
 
@@ -299,6 +299,6 @@ def serving_key(instance: str) -> str:
 SERVING_INSTANCES_KEY = f"{PREFIX}:serving-instances"
 SERVING_INSTANCES_TTL_S = 60
 
-#: A verdict is rewritten every `READINESS_EVERY_S` (shared.serving); one that is not rewritten for
+#: A verdict is rewritten every `READINESS_EVERY_S` (shared.control.serving); one that is not rewritten for
 #: this long belongs to a dispatcher that is gone, and goes.
 SERVING_TTL_S = 3

@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 from redis.asyncio import Redis
 
-from shared import keys
-from shared.status import RequestStatus, ServingState
+from shared.control import keys
+from shared.control.status import RequestStatus, ServingState
 from shared.wire import FIELD, PrefillRequest, PrefillResult, WireError, decode, encode
 
 _ACCEPT = """

@@ -1,4 +1,4 @@
-"""htb's sizes for the kernel WAN (`shared.kernel_net`): a class's burst and quantum, its rate as tc
+"""htb's sizes for the kernel WAN (`shared.dataplane.kernel_net`): a class's burst and quantum, its rate as tc
 reads it, and how many segments a GSO packet may carry. Pure arithmetic, no I/O.
 """
 

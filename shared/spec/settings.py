@@ -27,10 +27,10 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
                        hosts can reach; ``auto``: the address this host's name resolves to, e.g.
                        a container's own on a Docker network)
 ``BUBBLETEA_COMPUTE_PRIORITY`` ``low`` (default): a stage worker runs its torch threads below the
-                       event loops (training at nice 5, prefill at nice 15: `shared.priority`);
+                       event loops (training at nice 5, prefill at nice 15: `shared.runtime.priority`);
                        ``normal``: every thread at nice 0
 ``BUBBLETEA_TIME_SCALE`` the device time scale k >= 1: one profiled millisecond lasts k real ones
-                       (device profile, WAN, work sent ahead: `shared.timescale`); the launchers
+                       (device profile, WAN, work sent ahead: `shared.spec.timescale`); the launchers
                        measure and set it (default 1)
 ``BUBBLETEA_RESUME``    a stage worker restores its stage from this save directory (``bubbletea train --resume``)
 ``BUBBLETEA_STATE_DIR`` where stage workers keep a run's saved state, in ``<dir>/<run>/``: its
@@ -60,12 +60,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
-from shared.config import ClusterSpec, ConfigError, check_decode, load_spec
-from shared.priority import PRIORITIES
-from shared.spec_training import MAX_ITERATIONS, UNTIL_STOPPED, Training
-from shared.timescale import LIMIT_SCALE, scale_spec
+from shared.runtime.priority import PRIORITIES
+from shared.spec.config import ClusterSpec, ConfigError, check_decode, load_spec
+from shared.spec.timescale import LIMIT_SCALE, scale_spec
+from shared.spec.training import MAX_ITERATIONS, UNTIL_STOPPED, Training
 
-DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 #: Where stage workers keep a run's checkpoints and saves when BUBBLETEA_STATE_DIR is not set.
 DEFAULT_STATE_DIR = Path(tempfile.gettempdir()) / "bubbletea-state"
 

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from shared.lifetime import die_with_parent
-from shared.logs import get_logger
+from shared.runtime.lifetime import die_with_parent
+from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -34,7 +34,7 @@ log = get_logger(__name__)
 DEFAULT_MAXMEMORY = "1gb"
 #: At the limit writes fail ("OOM command not allowed"), reads go on: nothing is ever evicted, so
 #: queued work, answers and pending entries are never dropped silently (the front door answers
-#: errors instead). Every key that may go has a TTL or a bound of its own (shared/keys.py).
+#: errors instead). Every key that may go has a TTL or a bound of its own (shared/control/keys.py).
 MAXMEMORY_POLICY = "noeviction"
 #: How hard Redis works to reclaim expired keys (1-10; Redis's default is 1). KV caches are large
 #: (~0.5 MB each) and live seconds: at effort 1, on a busy machine, expired ones outlived their TTL

@@ -3,11 +3,11 @@
 Every field, its default and its allowed range are documented in `docs/config.md`. A bad value
 fails at load time with a `ConfigError` that names the field (as a path such as
 ``datacenters[1].gpus``) and says what is allowed. Services get these objects passed in; nothing
-reads the file or the environment after start-up (see `shared.settings` for the environment).
+reads the file or the environment after start-up (see `shared.spec.settings` for the environment).
 
 Here: the spec itself (`ClusterSpec`), its WAN, serving and bus sections, and loading with the
 checks that span sections. The training sections (model, parallelism, training, device) are in
-`shared.spec_training`; the base, field types and clock marks every section uses in `shared.spec_fields`.
+`shared.spec.training`; the base, field types and clock marks every section uses in `shared.spec.fields`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import yaml
 from msgspec import Meta
 
 from shared.model.info import CheckpointError, info_from_config, read_config
-from shared.spec_fields import DEVICE, DEVICE_RATE, HOST, Millis, Name, Section
-from shared.spec_training import Device, ModelSpec, Parallelism, Training
+from shared.spec.fields import DEVICE, DEVICE_RATE, HOST, Millis, Name, Section
+from shared.spec.training import Device, ModelSpec, Parallelism, Training
 
 
 class ConfigError(ValueError):

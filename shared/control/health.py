@@ -16,9 +16,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from shared import keys
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
-from shared.logs import get_logger
+from shared.control import keys
+from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

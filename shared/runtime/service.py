@@ -16,11 +16,11 @@ from collections.abc import Awaitable, Callable, Sequence
 import uvloop
 from aiohttp import web
 
-from shared.config import ConfigError
-from shared.logs import get_logger, setup_logging
 from shared.model.info import CheckpointError
 from shared.policies.restarts import EXIT_CONFIG  # a bad spec, an unloadable checkpoint, a missing device
-from shared.settings import Settings, load_settings
+from shared.runtime.logs import get_logger, setup_logging
+from shared.spec.config import ConfigError
+from shared.spec.settings import Settings, load_settings
 
 log = get_logger(__name__)
 

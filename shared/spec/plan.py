@@ -7,7 +7,6 @@ Placement, activation size, layers and compute time per stage, the device profil
 
 from __future__ import annotations
 
-from shared.config import ClusterSpec
 from shared.model.info import read_config, ties_embeddings
 from shared.model.shape import split_layers
 from shared.policies.pipeline_model import PipelineInputs, PipelineResult
@@ -15,6 +14,7 @@ from shared.policies.pipeline_run import simulate
 from shared.policies.placement import Placement, balanced_split, place, round_robin
 from shared.policies.walk import has_step_collectives
 from shared.policies.wan import LinkModel
+from shared.spec.config import ClusterSpec
 
 #: Bytes per activation element on the wire (float32).
 ACT_ELEMENT_BYTES = 4

@@ -11,9 +11,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from shared import keys
+from shared.control import keys
+from shared.control.status import LeaseState
 from shared.policies.readiness import SlotView
-from shared.status import LeaseState
 
 
 def slot_name(replica: int, stage: int) -> str:

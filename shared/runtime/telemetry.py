@@ -29,10 +29,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared import keys
-from shared.auth import bearer_ok
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.logs import get_logger
+from shared.control import keys
+from shared.runtime.auth import bearer_ok
+from shared.runtime.logs import get_logger
 
 if TYPE_CHECKING:
     from shared.bus.consumer import Consumer
