@@ -197,10 +197,21 @@ def _redis(args: argparse.Namespace) -> int:
     return 0
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, as `pip show bubbletea` says)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bubbletea")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="bubbletea", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(

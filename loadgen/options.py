@@ -47,10 +47,21 @@ exit status: 0 the run completed (even with failed requests), 1 the API could no
 """
 
 
+def _package_version() -> str:
+    """The installed distribution's version (loadgen ships in the bubbletea distribution)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bubbletea")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loadgen", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
     server = p.add_argument_group("server")
     server.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"the API's address (default: {DEFAULT_BASE_URL})")
     server.add_argument(
