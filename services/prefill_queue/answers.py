@@ -1,6 +1,8 @@
 """The OpenAI completion's pieces, shared by the one-token and the whole-completion answers: waiting
 for the prefill answers, the HTTP status of a failed one, and the JSON shapes (head, choice,
-usage) with the request metrics they feed."""
+usage) with the request metrics they feed. A chat request's answer is the same with its choices
+reshaped (`shaped`: `message` or `delta` for `text`, chat logprobs) and a role chunk opening its
+stream (`opening`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from aiohttp import web
 
 from services.prefill_queue.api import FAILED_RETRY_AFTER_S, FAILURE_STATUS
 from services.prefill_queue.state import METRICS, Stopping
-from services.prefill_queue.validation import BadRequest
+from services.prefill_queue.validation import BadRequest, Completion
 from shared.model.tokenizer import BYTES, Tokenizer, token_text
 from shared.wire import PrefillRequest, PrefillResult
 
@@ -75,8 +77,41 @@ def raise_if_failed(r: PrefillResult) -> None:
         raise BadRequest(f"the prefill failed: {r.error}", status=status, type_=type_, retry_after_s=retry)
 
 
-def head(completion_id: str, req: PrefillRequest, model: str) -> dict[str, Any]:
-    return {"id": completion_id, "object": "text_completion", "created": int(req.submitted), "model": model}
+def head(completion_id: str, req: PrefillRequest, model: str, obj: str = "text_completion") -> dict[str, Any]:
+    return {"id": completion_id, "object": obj, "created": int(req.submitted), "model": model}
+
+
+def shaped(c: Completion, ch: dict[str, Any], *, delta: bool = False) -> dict[str, Any]:
+    """A completion choice as `c` is answered: unchanged for /v1/completions; for a chat, its text
+    is the assistant's `message` (a streamed chunk's `delta`) and its logprobs the chat's."""
+    if c.chat is None:
+        return ch
+    logprobs = None
+    if c.chat.logprobs and ch["logprobs"] is not None:
+        lp = ch["logprobs"]
+        top = [_chat_token(t, v) for t, v in lp["top_logprobs"][0].items()][: c.chat.top_logprobs]
+        logprobs = {"content": [{**_chat_token(lp["tokens"][0], lp["token_logprobs"][0]), "top_logprobs": top}]}
+    text = {"delta": {"content": ch["text"]}} if delta else {"message": {"role": "assistant", "content": ch["text"]}}
+    return {
+        "index": ch["index"],
+        **text,
+        "logprobs": logprobs,
+        "finish_reason": ch["finish_reason"],
+        "stop_reason": ch["stop_reason"],
+    }
+
+
+def _chat_token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def opening(c: Completion, top: dict[str, Any]) -> dict[str, Any] | None:
+    """The first event of a streamed chat: the assistant's role, no text yet (as OpenAI and vLLM send)."""
+    if c.chat is None:
+        return None
+    event = {**top, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}]}  # fmt: skip
+    return {**event, "usage": None} if c.include_usage else event
 
 
 def choice(

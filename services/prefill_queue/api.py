@@ -94,7 +94,7 @@ def limits(app: web.Application) -> Limits:
     )
 
 
-async def _json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> Any:
     try:
         return await request.json()
     except (ValueError, UnicodeDecodeError) as exc:
@@ -147,7 +147,7 @@ async def enqueue(
 async def submit(request: web.Request) -> web.Response:
     """POST /v1/prefill: 202 with an id at once; the same Idempotency-Key always returns the same id."""
     app = request.app
-    parsed = parse_native(await _json(request), limits(app))
+    parsed = parse_native(await read_json(request), limits(app))
     await refuse_if_not_serving(app)
     request_id = f"pf-{secrets.token_hex(12)}"
     idem = request.headers.get("Idempotency-Key")

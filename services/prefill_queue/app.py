@@ -1,6 +1,7 @@
 """The prefill_queue app: `create_app(settings)` builds it; tests drive it through aiohttp's test client.
 
-Routes: the OpenAI-compatible ``POST /v1/completions`` (prefill only), the native asynchronous
+Routes: the OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the
+messages rendered with the model's chat template), the native asynchronous
 ``POST /v1/prefill`` and ``GET /v1/prefill/{id}``, ``GET /v1/models``, ``/health``, ``/ready``,
 ``/metrics`` and ``/openapi.json``. Accepted requests go to the request stream; answers come
 back on this instance's results stream (see `shared.control.serving`).
@@ -19,7 +20,7 @@ from aiohttp import web
 from aiohttp.hdrs import CONTENT_TYPE
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.prefill_queue import api, completions, openapi
+from services.prefill_queue import api, chat, completions, openapi
 from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.state import (
     BUS,
@@ -64,6 +65,7 @@ def create_app(settings: Settings) -> web.Application:
     )
     app[SETTINGS] = settings
     api.served_model(settings.spec.prefill)  # an unusable checkpoint directory stops the start, naming why
+    chat.served_template(settings.spec.prefill)  # so does a chat template that cannot be read or compiled
     app[METRICS] = Metrics(settings.spec.prefill.model_name)
     app[STARTED] = time.time()
     app[WAITERS] = Waiters()
@@ -79,6 +81,7 @@ def create_app(settings: Settings) -> web.Application:
     app.cleanup_ctx.append(_gate_ctx)
     app.cleanup_ctx.append(_vllm_ctx)
     app.router.add_post("/v1/completions", completions.completions)
+    app.router.add_post("/v1/chat/completions", chat.chat_completions)
     app.router.add_post("/v1/prefill", api.submit)
     app.router.add_get("/v1/prefill/{id}", api.status)
     app.router.add_get("/v1/models", api.models)

@@ -22,8 +22,17 @@ from typing import Any
 
 from aiohttp import web
 
-from services.prefill_queue.answers import as_answered, choice, head, observe, raise_if_failed, usage
-from services.prefill_queue.api import FAILURE_STATUS, enqueue, kv_params, limits, refuse_if_not_serving
+from services.prefill_queue.answers import (
+    as_answered,
+    choice,
+    head,
+    observe,
+    opening,
+    raise_if_failed,
+    shaped,
+    usage,
+)
+from services.prefill_queue.api import FAILURE_STATUS, enqueue, kv_params, limits, read_json, refuse_if_not_serving
 from services.prefill_queue.decoding import whole
 from services.prefill_queue.state import SETTINGS, STOPPING, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion, parse_completion
@@ -36,16 +45,18 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    app = request.app
     received = time.perf_counter()
-    try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    c = parse_completion(await read_json(request), limits(request.app))
+    return await answer(request, received, c, "cmpl")
+
+
+async def answer(request: web.Request, received: float, c: Completion, prefix: str) -> web.StreamResponse:
+    """Queue a validated request's prompts and answer it (the chat endpoint's way too; `prefix`
+    starts the answer's id)."""
+    app = request.app
     lim = limits(app)
-    c = parse_completion(body, lim)
     await refuse_if_not_serving(app)  # once for all the prompts: none is queued if the answer is no
-    completion_id = _completion_id(request)
+    completion_id = _completion_id(request, prefix)
     ids = [completion_id] if len(c.prompts) == 1 else [f"{completion_id}-{i}" for i in range(len(c.prompts))]
     waiters = {rid: app[WAITERS].expect(rid) for rid in ids}
     try:
@@ -64,11 +75,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         for rid in ids:
             app[WAITERS].forget(rid)
     model = app[SETTINGS].spec.prefill.model_name
-    choices = [choice(i, req, results[req.id], c.stop, tokenizer=lim.tokenizer) for i, req in enumerate(reqs)]
+    choices = [
+        shaped(c, choice(i, req, results[req.id], c.stop, tokenizer=lim.tokenizer)) for i, req in enumerate(reqs)
+    ]
     observe(app, received, choices)
     return web.json_response(
         {
-            **head(completion_id, reqs[0], model),
+            **head(completion_id, reqs[0], model, c.object_name(chunk=False)),
             "choices": choices,
             "usage": usage([results[r.id] for r in reqs]),
             "kv_transfer_params": kv_params(results[reqs[0].id]),
@@ -76,14 +89,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     )
 
 
-def _completion_id(request: web.Request) -> str:
+def _completion_id(request: web.Request, prefix: str) -> str:
     given = request.headers.get("X-Request-Id")
     if given is None:
-        return f"cmpl-{secrets.token_hex(12)}"
+        return f"{prefix}-{secrets.token_hex(12)}"
     if not REQUEST_ID.fullmatch(given):
         raise BadRequest("the X-Request-Id header must be 1-128 of A-Z a-z 0-9 . _ : -", param="X-Request-Id")
     # Unique inside the service even if two clients send the same id: the stored records never mix.
-    return f"cmpl-{given}-{secrets.token_hex(4)}"
+    return f"{prefix}-{given}-{secrets.token_hex(4)}"
 
 
 async def _stream(
@@ -98,7 +111,7 @@ async def _stream(
     tokenizer = limits(request.app).tokenizer
     index = {req.id: i for i, req in enumerate(reqs)}
     by_id = {req.id: req for req in reqs}
-    top = head(completion_id, reqs[0], model)
+    top = head(completion_id, reqs[0], model, c.object_name(chunk=True))
     first_id, first = await anext(answers)  # before any byte is sent: a failure keeps its status
     raise_if_failed(first)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -108,13 +121,16 @@ async def _stream(
     async def send(event: dict[str, Any]) -> None:
         await resp.write(f"data: {json.dumps(event)}\n\n".encode())
 
+    if (role := opening(c, top)) is not None:
+        await send(role)
+
     rid, result = first_id, first
     sent: list[dict[str, Any]] = []
     try:
         while True:
             if result.ok:
                 done.append(result)
-                sent.append(choice(index[rid], by_id[rid], result, c.stop, tokenizer=tokenizer))
+                sent.append(shaped(c, choice(index[rid], by_id[rid], result, c.stop, tokenizer=tokenizer), delta=True))
                 chunk = {**top, "choices": [sent[-1]]}
                 await send({**chunk, "usage": None} if c.include_usage else chunk)
             else:

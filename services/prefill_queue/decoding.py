@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from services.prefill_queue.answers import DEADLINE_GRACE_S, head, observe, raise_if_failed
+from services.prefill_queue.answers import DEADLINE_GRACE_S, head, observe, opening, raise_if_failed, shaped
 from services.prefill_queue.api import FAILURE_STATUS, kv_params, served_model
 from services.prefill_queue.state import BUS, SETTINGS, STOPPING, VLLM, WAITERS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Completion
@@ -229,14 +229,14 @@ async def whole(
         for req in reqs:
             app[WAITERS].forget(req.id)
     model = app[SETTINGS].spec.prefill.model_name
-    choices = [_whole_choice(index[r.id], texts[r.id]) for r in reqs]
+    choices = [shaped(c, _whole_choice(index[r.id], texts[r.id])) for r in reqs]
     if c.return_token_ids:  # vLLM's field: the completion's token ids beside its text
         for ch, r in zip(choices, reqs, strict=True):
             ch["token_ids"] = list(texts[r.id].tokens)
     observe(app, received, choices)
     return web.json_response(
         {
-            **head(completion_id, reqs[0], model),
+            **head(completion_id, reqs[0], model, c.object_name(chunk=False)),
             "choices": choices,
             "usage": _whole_usage(reqs, results, texts),
             "kv_transfer_params": kv_params(results[reqs[0].id]),
@@ -273,13 +273,16 @@ async def _stream_whole(
     results: dict[str, PrefillResult],
 ) -> web.StreamResponse:
     """The events of `whole` as server-sent events: a chunk per piece of new text."""
-    top = head(completion_id, reqs[0], request.app[SETTINGS].spec.prefill.model_name)
+    top = head(completion_id, reqs[0], request.app[SETTINGS].spec.prefill.model_name, c.object_name(chunk=True))
     index = {req.id: i for i, req in enumerate(reqs)}
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
 
     async def send(event: dict[str, Any]) -> None:
         await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+
+    if (role := opening(c, top)) is not None:
+        await send(role)
 
     ended = 0
     while ended < len(reqs):
@@ -292,10 +295,8 @@ async def _stream_whole(
         if not new and not done:
             continue
         t = texts[rid]
-        chunk = {
-            **top,
-            "choices": [{**_whole_choice(index[rid], t, new), "finish_reason": t.finish if done else None}],
-        }
+        piece = {**_whole_choice(index[rid], t, new), "finish_reason": t.finish if done else None}
+        chunk = {**top, "choices": [shaped(c, piece, delta=True)]}
         await send({**chunk, "usage": None} if c.include_usage else chunk)
         ended += done
     if c.include_usage:

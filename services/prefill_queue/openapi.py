@@ -43,6 +43,103 @@ def _err(desc: str) -> dict[str, Any]:
     return {"description": desc, "content": {"application/json": {"schema": _ERROR}}}
 
 
+def _completion_properties(model: str) -> dict[str, Any]:
+    """The fields of a /v1/completions body (`validation.COMPLETION_FIELDS`)."""
+    return {
+        "model": {"type": "string", "enum": [model]},
+        "prompt": _PROMPTS,
+        "max_tokens": {"type": ["integer", "null"], "enum": [1, None], "default": 1},
+        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+        "top_p": {"type": ["number", "null"], "enum": [1, None]},
+        "n": {"type": ["integer", "null"], "enum": [1, None]},
+        "best_of": {"type": ["integer", "null"], "enum": [1, None]},
+        "stream": {"type": ["boolean", "null"]},
+        "stream_options": {
+            "type": ["object", "null"],
+            "additionalProperties": False,
+            "properties": {
+                "include_usage": {"type": "boolean"},
+                "continuous_usage_stats": {"type": "boolean"},
+            },
+        },
+        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5},
+        "echo": {"type": ["boolean", "null"], "enum": [False, None]},
+        "stop": {
+            "oneOf": [
+                {"type": "null"},
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "maxItems": 4,
+                },
+            ]
+        },
+        "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+        "repetition_penalty": {"type": ["number", "null"], "enum": [1, None]},
+        "logit_bias": {"type": ["object", "null"], "maxProperties": 0},
+        "suffix": {"type": ["string", "null"], "enum": ["", None]},
+        "ignore_eos": {"type": ["boolean", "null"]},
+        "return_token_ids": {"type": ["boolean", "null"]},
+        "seed": {"type": ["integer", "null"]},
+        "user": {"type": ["string", "null"]},
+        "kv_transfer_params": {"type": ["object", "null"]},
+    }
+
+
+_TEXT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "additionalProperties": False,
+    "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "additionalProperties": False,
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART, "minItems": 1}]},
+        "name": {"type": ["string", "null"]},
+    },
+}
+
+
+def _chat_path(model: str, max_prompt_tokens: int, errors: dict[str, Any]) -> dict[str, Any]:
+    """/v1/chat/completions: the fields it shares with /v1/completions, the messages, chat logprobs."""
+    shared = {k: v for k, v in _completion_properties(model).items() if k not in _COMPLETION_ONLY}
+    length = shared["max_tokens"]
+    properties = {
+        **shared,
+        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "max_completion_tokens": length,
+        "logprobs": {"type": ["boolean", "null"]},
+        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5},
+    }
+    body = {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": properties}
+    return {
+        "post": {
+            "summary": "OpenAI-compatible chat completion: the messages rendered with the model's chat template, "
+            "then answered as /v1/completions answers that prompt (400 for a model without a chat template)",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {
+                "200": {
+                    "description": f"The assistant's message (rendered prompts of at most {max_prompt_tokens} "
+                    "tokens) with kv_transfer_params; with stream, server-sent chat.completion.chunk events, "
+                    "usage if asked, [DONE]"
+                },
+                "504": _err("No result in time; the request stays queued"),
+                **errors,
+            },
+        }
+    }
+
+
+#: /v1/completions' fields a chat request does not take (its prompt is its messages).
+_COMPLETION_ONLY = frozenset({"prompt", "best_of", "echo", "suffix", "return_token_ids", "logprobs"})
+
+
 def spec(model: str, max_prompt_tokens: int) -> dict[str, Any]:
     errors = {
         "400": _err("Invalid request (the message names the field)"),
@@ -73,47 +170,7 @@ def spec(model: str, max_prompt_tokens: int) -> dict[str, Any]:
                                     "type": "object",
                                     "required": ["prompt"],
                                     "additionalProperties": False,
-                                    "properties": {
-                                        "model": {"type": "string", "enum": [model]},
-                                        "prompt": _PROMPTS,
-                                        "max_tokens": {"type": ["integer", "null"], "enum": [1, None], "default": 1},
-                                        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
-                                        "top_p": {"type": ["number", "null"], "enum": [1, None]},
-                                        "n": {"type": ["integer", "null"], "enum": [1, None]},
-                                        "best_of": {"type": ["integer", "null"], "enum": [1, None]},
-                                        "stream": {"type": ["boolean", "null"]},
-                                        "stream_options": {
-                                            "type": ["object", "null"],
-                                            "additionalProperties": False,
-                                            "properties": {
-                                                "include_usage": {"type": "boolean"},
-                                                "continuous_usage_stats": {"type": "boolean"},
-                                            },
-                                        },
-                                        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5},
-                                        "echo": {"type": ["boolean", "null"], "enum": [False, None]},
-                                        "stop": {
-                                            "oneOf": [
-                                                {"type": "null"},
-                                                {"type": "string", "minLength": 1},
-                                                {
-                                                    "type": "array",
-                                                    "items": {"type": "string", "minLength": 1},
-                                                    "maxItems": 4,
-                                                },
-                                            ]
-                                        },
-                                        "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
-                                        "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
-                                        "repetition_penalty": {"type": ["number", "null"], "enum": [1, None]},
-                                        "logit_bias": {"type": ["object", "null"], "maxProperties": 0},
-                                        "suffix": {"type": ["string", "null"], "enum": ["", None]},
-                                        "ignore_eos": {"type": ["boolean", "null"]},
-                                        "return_token_ids": {"type": ["boolean", "null"]},
-                                        "seed": {"type": ["integer", "null"]},
-                                        "user": {"type": ["string", "null"]},
-                                        "kv_transfer_params": {"type": ["object", "null"]},
-                                    },
+                                    "properties": _completion_properties(model),
                                 }
                             }
                         },
@@ -128,6 +185,7 @@ def spec(model: str, max_prompt_tokens: int) -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/chat/completions": _chat_path(model, max_prompt_tokens, errors),
             "/v1/prefill": {
                 "post": {
                     "summary": "Submit a prefill; answers 202 with an id at once",

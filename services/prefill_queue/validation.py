@@ -70,8 +70,17 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class ChatShape:
+    """A /v1/chat/completions request: answered in the chat shape (`choices[].message`)."""
+
+    logprobs: bool = False  # each choice carries `logprobs.content`
+    top_logprobs: int = 0  # with this many alternatives per token
+
+
+@dataclass(frozen=True)
 class Completion:
-    """A validated /v1/completions body: one `ParsedRequest` per prompt, and how to answer."""
+    """A validated /v1/completions body (or a chat body, rendered: `chat`): one `ParsedRequest`
+    per prompt, and how to answer."""
 
     prompts: tuple[ParsedRequest, ...]
     stream: bool
@@ -80,6 +89,13 @@ class Completion:
     max_tokens: int = 1  # tokens per choice in all: 1 = the prefill's first token only
     ignore_eos: bool = False  # decode past the model's end-of-sequence tokens (vLLM's field)
     return_token_ids: bool = False  # each whole choice also carries its tokens' ids (vLLM's field)
+    chat: ChatShape | None = None  # answered as a chat completion (services/prefill_queue/chat.py)
+
+    def object_name(self, *, chunk: bool) -> str:
+        """The answer's `object`: a whole answer's, or (`chunk`) a streamed event's."""
+        if self.chat is None:
+            return "text_completion"
+        return "chat.completion.chunk" if chunk else "chat.completion"
 
 
 @dataclass(frozen=True)

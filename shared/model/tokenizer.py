@@ -39,8 +39,9 @@ class Tokenizer(Protocol):
         """Ids are in ``0..vocab_size - 1``."""
         ...
 
-    def encode(self, text: str) -> list[int]:
-        """The token ids of `text`."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of `text`; `add_special_tokens=False` leaves out those the tokenizer adds
+        (text rendered by a chat template already holds them)."""
         ...
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -55,8 +56,8 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return BYTE_VOCAB
 
-    def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of `text`, as ints in 0..255."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The UTF-8 bytes of `text`, as ints in 0..255 (bytes have no special tokens to add)."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -94,9 +95,10 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of `text`, with the special tokens the tokenizer's post-processor adds."""
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`, with the special tokens the tokenizer's post-processor adds (unless
+        `add_special_tokens` is false)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Iterable[int]) -> str:
         """The text of `ids`, special tokens skipped. An id the tokenizer does not have (a model's

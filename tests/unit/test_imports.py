@@ -28,6 +28,7 @@ TORCH_FREE = [
     "shared.model",
     "shared.model.shape",
     "shared.model.tokenizer",
+    "shared.model.chat_template",
     "shared.dataplane.kv",
     "shared.dataplane.kv_client",
 ]
