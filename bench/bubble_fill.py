@@ -63,6 +63,7 @@ from _bubble_fill_run import ALL_MODES, MODES, PROMPT_TOKENS, bench_spec, one_ru
 from _cpu_shares import by_service
 
 from bubbletea.launcher.train import TrainResult
+from bubbletea.progress import StepBar, say
 from shared.figures.capacity import offer, prefill_block_s
 from shared.runtime.priority import PRIORITIES
 from shared.runtime.redis_server import EmbeddedRedis
@@ -93,7 +94,7 @@ async def run_case(
     cost = prefill_block_s(spec, k, PROMPT_TOKENS)
 
     async def off(i: int) -> tuple[TrainResult, dict[str, Any]]:
-        print(f"  dp={dp} {mode} load={share:.0%}: pair {i + 1}/{pairs}", file=sys.stderr, flush=True)
+        say(f"  dp={dp} {mode} load={share:.0%}: pair {i + 1}/{pairs}", sys.stderr)
         return await one_run(url, workdir, enabled=False, **kw)
 
     async def on(i: int, got: tuple[TrainResult, dict[str, Any]]) -> _harness.Pair:
@@ -101,7 +102,7 @@ async def run_case(
         offered = offer(off_t["spans"], cost, spec.prefill.model.layers, PROMPT_TOKENS, share)
         rate = offered.rate_per_s if max_rate is None else min(offered.rate_per_s, max_rate)
         capped = f"; capped at --max-rate {max_rate:g}/s" if rate < offered.rate_per_s else ""
-        print(f"    {offered.line(share, k)}{capped}", file=sys.stderr, flush=True)
+        say(f"    {offered.line(share, k)}{capped}", sys.stderr)
         # the load, which starts once the workers hold their slots and set up, lasts as long as
         # the run with BubbleTea off took from its launch
         result_on, on_t = await one_run(url, workdir, enabled=True, rate=rate, load_s=off_t["wall_s"], **kw)
@@ -161,10 +162,12 @@ async def bench(
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedRedis() as redis:
-            for dp, mode, share in cases:
-                kw: dict[str, Any] = {"dp": dp, "mode": mode, "pairs": pairs, "iterations": iterations}
-                kw |= {"share": share, "slo_device_ms": slo_device_ms, "k": k, "max_rate": max_rate, "dump": dump}
-                out.append(await run_case(redis.url, Path(tmp), **kw))
+            with StepBar(len(cases), "cases", sys.stderr) as bar:  # a bar on a terminal (bubbletea.progress)
+                for dp, mode, share in cases:
+                    kw: dict[str, Any] = {"dp": dp, "mode": mode, "pairs": pairs, "iterations": iterations}
+                    kw |= {"share": share, "slo_device_ms": slo_device_ms, "k": k, "max_rate": max_rate, "dump": dump}
+                    out.append(await run_case(redis.url, Path(tmp), **kw))
+                    bar.advance()
     return out
 
 

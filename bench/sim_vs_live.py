@@ -59,6 +59,7 @@ from bubbletea.launcher.demo import LOAD_INPUT_LEN, LOAD_RANGE_RATIO
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
+from bubbletea.progress import StepBar, say
 from loadgen.datasets import length_range
 from shared.control import keys
 from shared.figures import runstats
@@ -269,7 +270,7 @@ async def run_case(
         row["load_from_s"] = round(live.requests[0][0] - runstats.steady_window(live.spans)[0], 3)
         row["requests"], row["input_len"] = len(live.requests), input_len
     row["live_s"] = round(wall, 1)
-    print(_line(row), file=sys.stderr, flush=True)
+    say(_line(row), sys.stderr)
     return row
 
 
@@ -340,7 +341,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "generated").mkdir()
         cases = cases_for(args, Path(tmp) / "generated")
-        async with EmbeddedRedis() as server:
+        async with EmbeddedRedis() as server, StepBar(len(cases), "cases", sys.stderr) as bar:
             for case in cases:
                 try:
                     rows.append(
@@ -355,8 +356,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         )
                     )
                 except RuntimeError as exc:  # e.g. the load generator gave up: no live figures to compare
-                    print(f"| {case.name:<24} | failed live: {exc}", file=sys.stderr, flush=True)
+                    say(f"| {case.name:<24} | failed live: {exc}", sys.stderr)
                     rows.append({"case": case.name, "error": str(exc)})
+                bar.advance()
     return summary(rows)
 
 

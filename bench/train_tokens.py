@@ -211,7 +211,7 @@ def run_case(case: str, raw: dict[str, Any], workdir: Path) -> dict[str, Any]:
 
     async def train() -> Any:
         async with EmbeddedRedis() as server:
-            return await run_training(settings, server.url, out=sys.stderr, progress=True, quiet=True)
+            return await run_training(settings, server.url, out=sys.stderr, progress=True, quiet=True, label=case)
 
     t0 = time.perf_counter()
     with WorkerMemory(spec.parallelism.pp * spec.parallelism.dp) as memory:

@@ -177,7 +177,9 @@ async def _run_phase(
         load = asyncio.create_task(_load(api, max(1.0, load_s), folder / phase.name, max(rate, 0.1)))
     # The BubbleTea run trains on until the load is done: a load generator that got going late (a
     # busy machine, a short spec) still has bubbles to be served in, never a run that has ended.
-    result = await run_training(phase_settings, url, progress=True, quiet=True, dispatcher=phase.bubbletea, until=load)
+    result = await run_training(
+        phase_settings, url, progress=True, quiet=True, dispatcher=phase.bubbletea, until=load, label=phase.name
+    )
     wall = sum(result.iteration_s) * 0.8  # most of the training time (start-up left out)
     loadgen = await load if load is not None else None
     async with Bus(url, settings.spec.bus, name="demo") as bus:

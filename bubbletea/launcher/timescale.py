@@ -4,23 +4,38 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Callable
 
-from shared.spec.config import ConfigError
+from bubbletea.progress import ClockBar
+from shared.spec.config import ClusterSpec, ConfigError
 from shared.spec.settings import Settings
-from shared.spec.timescale import calibrate
+from shared.spec.timescale import WINDOW_S, calibrate
+
+#: Seconds one measuring process takes to start (spawn, import torch, build its models) with a core
+#: to itself: `demo.yaml`'s four processes took 28 s on two busy cores.
+START_S_PER_PROCESS = 12.0
+
+
+def estimate_s(spec: ClusterSpec, cores: int | None = None) -> float:
+    """About how long `calibrate` takes here, for the bar: its processes' start, shared among the
+    cores, and the two measuring windows."""
+    processes = spec.parallelism.pp * spec.parallelism.dp
+    return START_S_PER_PROCESS * processes / max(1, cores or os.cpu_count() or 1) + 2 * WINDOW_S
 
 
 async def pick_time_scale(settings: Settings, say: Callable[[str], None]) -> float:
     """`BUBBLETEA_TIME_SCALE` when the user set it; otherwise measured on this machine: the scale it
     needs, with one warning line naming the cost above `WARN_SCALE` (`ConfigError`, naming the
     operation, only past a cap the user set: `settings.max_time_scale`). Exported to this process's
-    environment, which every service it starts inherits, and said in one line."""
+    environment, which every service it starts inherits, and said in one line. On a terminal, a bar
+    shows the measurement's progress against an estimate of its length (`estimate_s`)."""
     if os.environ.get("BUBBLETEA_TIME_SCALE"):
         say(f"==> device time scale {settings.time_scale:g} (BUBBLETEA_TIME_SCALE)")
         return settings.time_scale
     try:
-        cal = await asyncio.to_thread(calibrate, settings.spec, None, settings.max_time_scale)
+        with ClockBar(estimate_s(settings.spec), "measuring this machine", sys.stdout) as bar:
+            cal = await bar.run(asyncio.to_thread(calibrate, settings.spec, None, settings.max_time_scale))
     except ConfigError:
         raise  # past the user's cap: refused, saying why
     except Exception as exc:  # the measurement itself failed (e.g. a checkpoint that does not load)

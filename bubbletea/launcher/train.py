@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from bubbletea.launcher.procs import Proc, ServiceFailed, spawn, stop_all
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
 from bubbletea.launcher.wan_modes import worker_launches
+from bubbletea.progress import StepBar, say
 from shared.bus import Bus
 from shared.control import keys
 from shared.figures.training import steady_iteration_s
@@ -76,6 +77,7 @@ async def run_training(
     resume: Path | None = None,
     until: asyncio.Future[Any] | None = None,
     record: TextIO | None = None,
+    label: str = "training",
 ) -> TrainResult:
     """Train once over live services. With `dispatcher`, a BubbleTea dispatcher for the run is
     started too, so prefill requests queued on the same Redis are served in the run's bubbles.
@@ -83,7 +85,9 @@ async def run_training(
     directory that `prefill.checkpoint` and transformers load, plus the optimizer state) after every
     `training.save_every` iterations and after the last. With `resume`, a directory such a save
     wrote, training continues after its iteration up to `training.iterations` (the total). With
-    `record`, each iteration is also written there as a JSON line (`iteration_record`).
+    `record`, each iteration is also written there as a JSON line (`iteration_record`). With
+    `progress`, each iteration is a line on `out` and, when `out` is a terminal, a bar named `label`
+    counts the iterations done against the spec's and the time left (`bubbletea.progress`).
 
     With `until`, the workers go on training past the spec's iterations until `until` is done
     (the demo's prefill load, however late it got going, is served by a training run rather than
@@ -131,7 +135,8 @@ async def run_training(
                     saver = asyncio.create_task(_saver(bus, settings, procs, save, first, out if progress else None))
                 try:
                     shown = out if progress else None
-                    result = await _follow(bus, events, settings, procs, shown, until, first, record, reached)
+                    with StepBar((spec.training.iteration_limit or 0) - first, label, shown) as bar:
+                        result = await _follow(bus, events, settings, procs, bar, until, first, record, reached)
                     if saver is not None:  # the last iteration's save, which the workers hand over last
                         await saver
                     finished = True
@@ -162,7 +167,7 @@ async def _saver(
     for it in (i for i in range(first, limit) if save_due(i, tr.save_every, limit)):
         await _write_iteration(bus, settings, directory, it, procs)
         if out is not None:
-            print(f"saved iteration {it} to {directory}", file=out, flush=True)
+            say(f"saved iteration {it} to {directory}", out)
     await bus.redis.delete(keys.save_request_key(settings.run))
 
 
@@ -263,7 +268,7 @@ async def _follow(
     stream: str,
     settings: Settings,
     procs: list[Proc],
-    out: TextIO | None,
+    bar: StepBar,
     until: asyncio.Future[Any] | None,
     first: int = 0,
     record: TextIO | None = None,
@@ -319,7 +324,9 @@ async def _follow(
                         line = iteration_record(msg.iteration, done, tokens)
                         if progress is not None:
                             progress.iteration_s = max(progress.iteration_s, line["seconds"])
-                        _report_iteration(out, record, line)
+                        _report_iteration(bar, record, line)
+                        if first <= msg.iteration < limit:
+                            bar.advance()
     prev_end = min(m.started for m in done[first].values())
     for i in range(first, limit):
         recs = list(done[i].values())
@@ -351,14 +358,11 @@ def iteration_record(i: int, done: dict[int, dict[tuple[int, int], IterationDone
     return {"iteration": i, "loss": statistics.fmean(losses), "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
-def _report_iteration(out: TextIO | None, sink: TextIO | None, record: dict[str, Any]) -> None:
-    if out is not None:
-        print(
-            f"iteration {record['iteration']:4d}  loss {record['loss']:.4f}  time {record['seconds'] * 1000:8.1f} ms  "
-            f"{record['tokens_per_s']:9.0f} tokens/s",
-            file=out,
-            flush=True,
-        )
+def _report_iteration(bar: StepBar, sink: TextIO | None, record: dict[str, Any]) -> None:
+    bar.line(
+        f"iteration {record['iteration']:4d}  loss {record['loss']:.4f}  time {record['seconds'] * 1000:8.1f} ms  "
+        f"{record['tokens_per_s']:9.0f} tokens/s"
+    )
     if sink is not None:
         sink.write(json.dumps(record) + "\n")
         sink.flush()
