@@ -88,6 +88,12 @@ class StepBar:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    async def __aenter__(self) -> Self:  # beside async context managers in one `async with`
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
 
 class ClockBar(StepBar):
     """A bar in seconds for work that reports no steps: it advances with the clock towards

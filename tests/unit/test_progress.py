@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import io
 import os
@@ -109,3 +110,17 @@ def test_bubbletea_progress_0_turns_the_bar_off_on_a_terminal() -> None:
     code, text = run_on_a_pty([sys.executable, "-c", SCRIPT], env)
     assert code == 0, text
     assert "training:" not in text and "iteration 2" in text
+
+
+def test_a_bar_goes_beside_async_context_managers_in_one_async_with() -> None:
+    """bench/sim_vs_live.py: `async with EmbeddedRedis() as server, StepBar(...) as bar:`."""
+    out = io.StringIO()
+
+    async def run() -> StepBar:
+        async with contextlib.AsyncExitStack(), StepBar(2, "cases", out) as bar:
+            bar.line("case 1")
+            bar.advance()
+        return bar
+
+    bar = asyncio.run(run())
+    assert bar.done == 1 and bar.bar is None and out.getvalue() == "case 1\n"
