@@ -1,367 +1,136 @@
-"""The `bubbletea` command: one entry point, one subcommand per job.
+"""The `bubbletea` command's entry point: what every error looks like to the user.
 
-Over 300 lines on purpose: the one `bubbletea` command, a parser and thin wrapper per subcommand.
+A mistake the user can make (a bad spec or environment variable, Redis unreachable, a port taken,
+a full disk, a closed pipe, Ctrl-C) ends in one line under `PREFIX` and a non-zero exit; only a
+bug shows a traceback, and only with -v (without, one line says to rerun with -v). The
+subcommands themselves are in `bubbletea.commands`, imported inside `main`, so that even Ctrl-C
+while they import ends in one line.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
+import errno
 import os
-import signal
 import sys
-from collections.abc import Coroutine, Sequence
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
-import msgspec
-import uvloop
+PREFIX = "bubbletea: error: "  # = bubbletea.cli_common.PREFIX (not imported: this module imports nothing of ours)
+#: Exit codes: 1 the job failed (Redis unreachable, a service died, a disk full), 2 a usage or
+#: configuration error (argparse's convention), 130 interrupted (Ctrl-C), 141 a closed pipe
+#: (128 + SIGPIPE, as a coreutils tool killed by it).
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 1, 2, 130, 141
 
-from bubbletea import cli_up
-from bubbletea.cli_common import add_scale_argument, add_wan_argument, scale_override, wan_override
-from bubbletea.launcher.kernel_wan import KernelWanError
-from bubbletea.launcher.procs import ServiceFailed
-from shared.policies.placement import PlacementError
-from shared.runtime.logs import setup_logging
-from shared.spec.config import ConfigError, load_spec
-from shared.spec.settings import load_settings
-from shared.spec.timescale import SHARE
-
-T = TypeVar("T")
-
-DESCRIPTION = """\
-BubbleTea: pipeline-parallel training across datacenters (Atlas) with prefill-as-a-service
-in the pipeline bubbles (BubbleTea), as microservices over Redis Streams.
-
-Environment: REDIS_URL (unset: an embedded redis-server is started), BUBBLETEA_CONFIG,
-BUBBLETEA_LOG_LEVEL, BUBBLETEA_HTTP_HOST, BUBBLETEA_HTTP_PORT. See docs/config.md.
-"""
+#: OS errors that are the machine's state, not a bug: each said with its path and what to do.
+_OS_HINTS = {
+    errno.ENOSPC: "free some space, or write elsewhere (--out DIR)",
+    errno.EDQUOT: "free some space, or write elsewhere (--out DIR)",
+    errno.EROFS: "write elsewhere (--out DIR)",
+    errno.EACCES: "check its permissions, or write elsewhere (--out DIR)",
+    errno.EPERM: "check its permissions, or write elsewhere (--out DIR)",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "check the path",
+    errno.EISDIR: "check the path",
+    errno.EEXIST: "choose another path",
+    errno.EADDRINUSE: "choose another port, or stop what uses it",
+    errno.EMFILE: "raise the open-files limit (ulimit -n)",
+}
 
 
-def _demo(args: argparse.Namespace) -> int:
-    wan_override(args)
-    scale_override(args)
-    from bubbletea.launcher.demo import run_demo
-    from bubbletea.launcher.wan_modes import launcher_wan_mode
-
-    settings = load_settings(args.config)
-    mode, why, defaulted = launcher_wan_mode(settings, os.environ)
-    if defaulted:  # every process the demo starts reads the mode from the environment it inherits
-        os.environ["BUBBLETEA_WAN"] = mode
-        settings = load_settings(args.config)
-    print(f"==> WAN mode {mode} ({why})", flush=True)  # the first line of output
-    setup_logging("demo", "WARNING" if settings.log_level == "INFO" else settings.log_level)
-    return uvloop.run(run_demo(settings, hold=args.hold, out_root=Path(args.out)))
+def _verbose(argv: Sequence[str]) -> bool:
+    return any(a in ("-v", "--verbose") or (a.startswith("-v") and set(a[1:]) == {"v"}) for a in argv)
 
 
-def _train(args: argparse.Namespace) -> int:
-    wan_override(args)
-    import dataclasses
-    import time
+def _describe(exc: BaseException, out: str | None = None) -> tuple[int, str] | None:
+    """(exit code, the line) for an error a user can make; None for a bug. `out`: where the
+    command writes (its --out), named when the error does not name its file (a full disk)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    from bubbletea.launcher.procs import open_redis
-    from bubbletea.launcher.train import run_training
+    from bubbletea.cli_common import CommandError
+    from bubbletea.launcher.kernel_wan import KernelWanError
+    from bubbletea.launcher.procs import ServiceFailed
+    from shared.model.info import CheckpointError
+    from shared.policies.placement import PlacementError
+    from shared.runtime.redis_server import RedisServerError
+    from shared.spec.config import ConfigError
 
-    settings = load_settings(args.config)
-    if args.run:
-        settings = dataclasses.replace(settings, run=args.run)
-    elif settings.run == "run":
-        settings = dataclasses.replace(settings, run=f"train-{int(time.time())}")
-    setup_logging("train", "WARNING")
-    from shared.model.training import check_training
-
-    check_training(settings.spec)  # a model or data the workers cannot train is refused here, in one line
-    from shared.model.trainstate import check_resume, check_save_target
-
-    if args.resume:
-        check_resume(Path(args.resume), settings.spec)  # and a save it cannot continue from
-    if args.save:
-        check_save_target(Path(args.save))  # or a directory a save would replace
-    url, embedded, _ = open_redis(settings.redis_url)
-    try:
-        spec = settings.spec
-        print(
-            f"==> run {settings.run}: PP={spec.parallelism.pp} DP={spec.parallelism.dp} {spec.training.schedule}, "
-            f"{spec.training.iterations} iterations, WAN sharing {spec.wan.sharing}, bus {url}",
-            flush=True,
+    if isinstance(exc, CommandError):
+        return exc.code, str(exc)
+    if isinstance(exc, (ConfigError, PlacementError, CheckpointError, KernelWanError)):
+        return EXIT_USAGE, str(exc)
+    if isinstance(exc, (ServiceFailed, RedisServerError)):
+        return EXIT_FAILED, str(exc)
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        url = os.environ.get("REDIS_URL")
+        where = f" at {_mask(url)} (REDIS_URL)" if url else ""
+        return EXIT_FAILED, (
+            f"cannot reach Redis{where}: {str(exc).rstrip('.')}; start it (`bubbletea redis` runs one) or point "
+            "REDIS_URL at a running server"
         )
-        save = Path(args.save) if args.save else None
-        resume = Path(args.resume).absolute() if args.resume else None
-        folder = Path(args.out) / settings.run
-        folder.mkdir(parents=True, exist_ok=True)
-        print(f"==> per-iteration loss and tokens/s also in {folder / 'train.jsonl'}", flush=True)
-        with (folder / "train.jsonl").open("a", encoding="utf-8") as log:
-            job = run_training(
-                settings, url, progress=True, quiet=not args.verbose, save=save, resume=resume, record=log
-            )
-            try:
-                result = uvloop.run(_cancelled_by_sigterm(job))
-            except asyncio.CancelledError:  # SIGTERM (Ctrl-C arrives as KeyboardInterrupt instead)
-                print("bubbletea: terminated", file=sys.stderr)
-                return 143
-        print(
-            f"==> done: steady iteration time {result.steady_iteration_s() * 1000:.1f} ms, "
-            f"final loss {result.losses[-1]:.4f}",
-            flush=True,
-        )
-        if save is not None:
-            print(f"==> saved the trained model to {save} (set prefill.checkpoint: {save} to serve it)", flush=True)
-        return 0
-    finally:
-        if embedded is not None:
-            embedded.stop()
+    if isinstance(exc, OSError) and exc.errno in _OS_HINTS:
+        what = f"{exc.filename}: " if exc.filename is not None else f"writing under {out}: " if out else ""
+        return EXIT_FAILED, f"{what}{exc.strerror or exc}: {_OS_HINTS[exc.errno]}"
+    return None
 
 
-async def _cancelled_by_sigterm(job: Coroutine[Any, Any, T]) -> T:
-    """Run `job`, cancelling it on SIGTERM as Ctrl-C does (so a `--save` run stops cleanly)."""
-    task = asyncio.current_task()
-    assert task is not None
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
-    try:
-        return await job
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+def _mask(url: str) -> str:
+    from shared.spec.settings import mask_url
+
+    return mask_url(url)
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from bubbletea.plan import plan_report
-    from shared.spec.plan import profile_ms
+def _run(argv: list[str], seen: dict[str, str]) -> int:
+    """Run the command; `seen["out"]`: where it writes (said if a write fails without a file name)."""
+    if argv[:1] == ["report"]:  # its own parser (bubbletea.report.command) owns the arguments
+        from bubbletea.report import main as report_main
 
-    spec = load_spec(args.config)
-    prof = profile_ms(spec)
-    if prof is not None:
-        fwd, bwd, source = prof[0], prof[1], "device profile"
-    else:
-        fwd, bwd, source = args.fwd_ms, args.fwd_ms * 2, f"--fwd-ms {args.fwd_ms} (no device profile in the spec)"
-    print(plan_report(spec, fwd, bwd, source))
-    return 0
+        rest = argv[1:]
+        seen["out"] = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--out"), "the run folder")
+        return report_main(rest)
+    from bubbletea.commands import build_parser
 
-
-def _simulate(args: argparse.Namespace) -> int:
-    from sim.command import main as simulate_main
-
-    return simulate_main(args)
+    args = build_parser().parse_args(argv)
+    if getattr(args, "out", None):
+        seen["out"] = str(args.out)
+    return int(args.func(args))
 
 
-def _health(args: argparse.Namespace) -> int:
-    """Exit 0 if SERVICE has a live heartbeat in Redis (for compose healthchecks), else 1."""
-    import asyncio
-
-    from redis.asyncio import Redis
-
-    from shared.control.health import live_instances
-
-    settings = load_settings(args.config)
-
-    async def check() -> list[dict[str, object]]:
-        r = Redis.from_url(settings.require_redis_url(), protocol=2)
-        try:
-            return await live_instances(r, args.service)
-        finally:
-            await r.aclose()
-
-    live = asyncio.run(check())
-    for inst in live:
-        print(f"{args.service} {inst['instance']} ok")
-    if not live:
-        print(f"{args.service}: no live instance (no heartbeat in Redis)", file=sys.stderr)
-    return 0 if live else 1
-
-
-def _check_config(args: argparse.Namespace) -> int:
-    spec = load_spec(args.file)
-    if args.show:
-        print(msgspec.yaml.encode(spec).decode())
-    gpus = sum(d.gpus for d in spec.datacenters)
-    print(
-        f"{args.file}: ok ({len(spec.datacenters)} datacenters, {gpus} GPUs, "
-        f"PP={spec.parallelism.pp} DP={spec.parallelism.dp} TP={spec.parallelism.tp}, "
-        f"schedule={spec.training.schedule}, sharing={spec.wan.sharing})"
-    )
-    return 0
-
-
-def _redis(args: argparse.Namespace) -> int:
-    from shared.runtime.redis_server import EmbeddedRedis
-
-    setup_logging("redis", "WARNING")
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # delivered to sigwait, not the default handler
-    server = EmbeddedRedis(port=args.port).start()
-    print(f"REDIS_URL={server.url}", flush=True)
-    try:
-        signal.sigwait(stop_signals)
-    finally:
-        server.stop()
-    return 0
-
-
-def package_version() -> str:
-    """The installed distribution's version (pyproject.toml's, as `pip show bubbletea` says)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("bubbletea")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown (not installed)"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="bubbletea", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser(
-        "demo",
-        help="the main job: fair vs Atlas vs Atlas+BubbleTea, with a table and pictures",
-        description="Start Redis (embedded unless REDIS_URL is set) and the front door, then train the spec "
-        "three ways over live services: fair WAN sharing with one connection, Atlas (temporal sharing, several "
-        "connections), and Atlas + BubbleTea while the load generator sends prefill requests over HTTP. Prints "
-        "a comparison table and writes a run folder with the JSON, the table and the pictures. First it measures "
-        f"this machine and picks the device time scale that keeps real compute within {SHARE:.0%} of the profiled time "
-        "(times are then reported in emulated ms); BUBBLETEA_TIME_SCALE=K sets it instead.",
-    )
-    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
-    p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
-    add_wan_argument(
-        p, "kernel where it can run (root, network namespaces), else model; a spec naming wan.mode keeps it"
-    )
-    add_scale_argument(p)
-    p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
-    p.set_defaults(func=_demo)
-
-    cli_up.add_parser(sub)
-
-    p = sub.add_parser(
-        "train",
-        help="run one training job over live services (broker + a worker per slot)",
-        description="Start the wan_broker and one stage_worker per (replica, stage) slot, train for "
-        "training.iterations, print loss and iteration time, stop. Uses an embedded Redis unless REDIS_URL is set.",
-    )
-    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
-    p.add_argument("--run", help="run id scoping streams and leases (default: train-<unix time>)")
-    add_wan_argument(p)
-    p.add_argument(
-        "--save",
-        metavar="DIR",
-        help="write the trained model to DIR after the last iteration (and every training.save_every): a Hugging "
-        "Face directory (config.json, model.safetensors, tokenizer.json; the small GPT as GPT-2) that "
-        "prefill.checkpoint and transformers load, plus optimizer/ and trainer_state.json for --resume",
-    )
-    p.add_argument("--out", default="runs", help="the run folder goes here: <out>/<run>/train.jsonl (default: runs)")
-    p.add_argument(
-        "--resume",
-        metavar="DIR",
-        help="continue from a directory --save wrote: its weights, optimizer state and iteration, up to "
-        "training.iterations in total (same model and pipeline split; losses as an uninterrupted run's)",
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
-    p.set_defaults(func=_train)
-
-    p = sub.add_parser(
-        "plan",
-        help="print the placement, cross-DC hops and the analytic iteration time",
-        description="The placement of the spec's stages on its datacenters (parallelism.placement: Atlas's or "
-        "round-robin), the WAN hops, and the analytic "
-        "pipeline model's iteration time and bubble fraction for each sharing policy.",
-    )
-    p.add_argument("--config", default=None, help="cluster spec (default: configs/demo.yaml)")
-    p.add_argument(
-        "--fwd-ms",
-        type=float,
-        default=10.0,
-        help="forward ms per layer per microbatch when the spec has no device profile (default 10)",
-    )
-    p.set_defaults(func=lambda a: _plan(_with_default_config(a)))
-
-    p = sub.add_parser(
-        "simulate",
-        help="simulate the spec on a virtual clock with BubbleTea off and on (any scale, in seconds)",
-        description="Run the spec's training and prefill serving on a virtual clock, with the very policies the "
-        "live services run (placement, schedules, WAN sharing, bubble prediction, dispatch, fill, prefill cost). "
-        "Prints iteration time, bubble fraction, utilization with BubbleTea off and on, fill ratio, training "
-        "slowdown, TTFT percentiles, requests served and expired; writes a run folder that `bubbletea report` "
-        "draws. See docs/simulator.md.",
-    )
-    from sim.command import add_arguments as add_simulate_arguments
-
-    add_simulate_arguments(p)
-    p.set_defaults(func=_simulate)
-
-    p = sub.add_parser(
-        "check-config",
-        help="validate a cluster spec file",
-        description="Load and validate a cluster spec; exit 2 with a message naming the bad field.",
-    )
-    p.add_argument("file", help="cluster spec file (YAML)")
-    p.add_argument("--show", action="store_true", help="print the spec with every default filled in")
-    p.set_defaults(func=_check_config)
-
-    p = sub.add_parser(
-        "health",
-        help="exit 0 if a service has a live heartbeat in Redis (REDIS_URL)",
-        description="Check the heartbeat keys services refresh in Redis; used by compose healthchecks.",
-    )
-    p.add_argument("service", help="service name, e.g. wan_broker or stage_worker")
-    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
-    p.set_defaults(func=_health)
-
-    p = sub.add_parser(
-        "report",
-        help="draw a run folder's pictures and comparison table",
-        description="Read RUN_DIR (written by `bubbletea demo`) and write the pipeline timelines, the "
-        "utilization chart, the TTFT distribution and the Markdown table. See docs/report.md.",
-        add_help=False,
-    )
-    p.set_defaults(func=None)
-
-    from bubbletea.initmodel import add_parser as add_init_model
-
-    add_init_model(sub)
-
-    p = sub.add_parser(
-        "redis",
-        help="run an embedded redis-server on a free port until Ctrl-C",
-        description="Start a private redis-server (from the PATH or the packaged binary) "
-        "and print its REDIS_URL, for running services by hand.",
-    )
-    p.add_argument("--port", type=int, default=None, help="port to listen on (default: a free one)")
-    p.set_defaults(func=_redis)
-    return ap
-
-
-def _with_default_config(args: argparse.Namespace) -> argparse.Namespace:
-    if args.config is None:
-        from shared.spec.settings import DEFAULT_SPEC
-
-        args.config = str(DEFAULT_SPEC)
-    return args
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null, so the interpreter's last flush is silent."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["report"]:  # its own parser (bubbletea.report.command) owns the arguments
-        from bubbletea.report import main as report_main
-
-        return report_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    verbose = _verbose(argv)
+    seen: dict[str, str] = {}
     try:
-        return int(args.func(args))
-    except (ConfigError, PlacementError) as exc:
-        print(f"bubbletea: configuration error: {exc}", file=sys.stderr)
-        return 2
-    except ServiceFailed as exc:
-        print(f"bubbletea: {exc}", file=sys.stderr)
-        return 1
-    except KernelWanError as exc:  # --wan kernel without the privileges, or a link that failed
-        print(f"bubbletea: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
+        try:
+            return _run(argv, seen)
+        except BrokenPipeError:  # `bubbletea plan | head -2`: the reader left; say nothing, as coreutils do
+            _quiet_stdout()
+            return EXIT_PIPE
+        except KeyboardInterrupt:
+            print("bubbletea: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Exception as exc:
+            said = _describe(exc, seen.get("out"))
+            if said is None:
+                if verbose:
+                    raise
+                print(
+                    f"{PREFIX}internal error: {type(exc).__name__}: {exc} (a bug: rerun with -v for the traceback, "
+                    "and report it)",
+                    file=sys.stderr,
+                )
+                return EXIT_FAILED
+            code, line = said
+            print(f"{PREFIX}{line}", file=sys.stderr)
+            return code
+    except KeyboardInterrupt:  # a second Ctrl-C while the first was handled
         print("bubbletea: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,12 +1,47 @@
-"""Options several `bubbletea` commands share (the WAN mode, the time-scale cap), and how they
-reach the processes a command starts: through the environment those inherit."""
+"""Options several `bubbletea` commands share (the WAN mode, the time-scale cap, -v), how they
+reach the processes a command starts (through the environment those inherit), and the one error
+prefix every command's user errors carry."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from typing import NoReturn
 
 from shared.spec.timescale import WARN_SCALE
+
+#: Every user error of every command starts with this (argparse's own usage errors included).
+PREFIX = "bubbletea: error: "
+
+
+class CommandError(Exception):
+    """A mistake the user can fix, said in one line (after `PREFIX`); exits with `code`."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse, with its usage errors under the one prefix (a subcommand's too: not
+    `bubbletea plan: error:`)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{PREFIX}{message}\n")
+
+
+def add_verbose_argument(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """-v/--verbose, before or after the subcommand (`bubbletea -v plan` = `bubbletea plan -v`)."""
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        # a subcommand's default must not overwrite the top level's -v
+        default=False if top else argparse.SUPPRESS,
+        help="say more: every service's info-level log lines (up, train), and the traceback of an internal error",
+    )
 
 
 def add_wan_argument(p: argparse.ArgumentParser, default: str = "the spec's wan.mode, model") -> None:

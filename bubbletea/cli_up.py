@@ -64,7 +64,6 @@ def add_parser(sub: Any) -> None:
         "restart of it loses no accepted request (default: off, or $BUBBLETEA_REDIS_PERSIST=1; ignored "
         "with REDIS_URL, whose server has its own settings)",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="show every service's info-level log lines")
     p.set_defaults(func=run)
 
 

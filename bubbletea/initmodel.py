@@ -119,7 +119,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import sys
+    from bubbletea.cli_common import CommandError
 
     texts = args.text if args.text is not None else default_texts()
     try:
@@ -135,8 +135,7 @@ def _run(args: argparse.Namespace) -> int:
             texts=texts,
         )
     except ValueError as exc:
-        print(f"bubbletea init-model: {exc}", file=sys.stderr)
-        return 2
+        raise CommandError(str(exc)) from None
     print(
         f"==> {args.dir}: {config['model_type']}, vocab {config['vocab_size']}, a tokenizer trained on "
         f"{len(texts)} files; no weights (training.model initialises it as the family does)"

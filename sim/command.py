@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
         with tqdm(total=iterations * runs, unit="it", desc="simulating", leave=False, disable=None) as bar:
             result = simulate(spec, options, progress=lambda it, now: bar.update(1))
     except (ConfigError, PlacementError, SimError) as exc:
-        print(f"bubbletea simulate: {exc}", file=sys.stderr)
+        print(f"bubbletea: error: {exc}", file=sys.stderr)
         return 2
     f = figures(result)
     for line in lines(result, f):

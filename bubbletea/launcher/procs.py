@@ -189,7 +189,51 @@ async def stop_all(procs: list[Proc]) -> dict[str, int | None]:
             with contextlib.suppress(ProcessLookupError):
                 p.proc.kill()
             await p.proc.wait()
+        await _reap_group(p)
         if p.pump is not None:
             await asyncio.gather(p.pump, return_exceptions=True)
         codes[p.label or p.name] = p.proc.returncode
     return codes
+
+
+async def _reap_group(p: Proc) -> None:
+    """Stop what the service itself started (its process group: `spawn` makes each service a
+    session leader), so that nothing a launcher started outlives it: SIGTERM to the group, then
+    SIGKILL to whatever is left after `STOP_TIMEOUT_S`, then wait until the group is gone."""
+    pgid = p.proc.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return  # the group is empty: the service left nothing behind
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    killed = False
+    while group_alive(pgid):
+        if time.monotonic() > deadline:
+            if killed:
+                log.warning("processes of a stopped service did not exit", service=p.name, pgid=pgid)
+                return
+            log.warning("processes of a stopped service ignored SIGTERM; killing", service=p.name, pgid=pgid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+            killed, deadline = True, time.monotonic() + STOP_TIMEOUT_S
+        # not our children (the service's own): no exit to await, only to poll
+        await asyncio.sleep(0.05)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (a zombie left for its reaper does not)."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: a zombie counts as alive
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
+            return True
+    return False

@@ -41,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the comparison table and the files written; 2 (with "error: ...") on a bad folder."""
+    """Print the comparison table and the files written; 2 (with "bubbletea: error: ...") on a bad folder."""
     args = build_parser().parse_args(argv)
     try:
         import matplotlib  # noqa: F401  (an optional dependency: the service image leaves it out)
     except ImportError:
         print(
-            "error: bubbletea report draws with matplotlib, which is not installed here: "
+            "bubbletea: error: bubbletea report draws with matplotlib, which is not installed here: "
             "pip install 'bubbletea[report]' (make install sets it up)",
             file=sys.stderr,
         )
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = load_run_folder(args.run_dir)
         written = write_folder_report(folder, args.out if args.out is not None else folder.path)
     except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"bubbletea: error: {e}", file=sys.stderr)
         return 2
     print(markdown_table(folder.summary))
     print("wrote:")

@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -43,13 +44,38 @@ MAXMEMORY_POLICY = "noeviction"
 ACTIVE_EXPIRE_EFFORT = "5"
 
 
-def maxmemory_setting() -> str:
-    """The embedded server's ``maxmemory``: ``$BUBBLETEA_REDIS_MAXMEMORY`` or `DEFAULT_MAXMEMORY`."""
-    return os.environ.get("BUBBLETEA_REDIS_MAXMEMORY") or DEFAULT_MAXMEMORY
+#: A redis-server memory size: bytes, or a number with a unit (``512mb``, ``2gb``, ``100k``...).
+_MEMORY = re.compile(r"\d+(?:[kmg]b?|b)?", re.IGNORECASE)
 
 
 class RedisServerError(RuntimeError):
-    """No redis-server binary, or the server did not come up."""
+    """No redis-server binary, the server did not come up, or a bad setting for it (one line)."""
+
+
+def maxmemory_error(value: str) -> str | None:
+    """What is wrong with `value` as ``BUBBLETEA_REDIS_MAXMEMORY``, or None if redis-server takes it."""
+    if _MEMORY.fullmatch(value):
+        return None
+    return f"BUBBLETEA_REDIS_MAXMEMORY: expected a redis-server memory size such as 512mb or 2gb, got {value!r}"
+
+
+def maxmemory_setting() -> str:
+    """The embedded server's ``maxmemory``: ``$BUBBLETEA_REDIS_MAXMEMORY`` or `DEFAULT_MAXMEMORY`."""
+    value = os.environ.get("BUBBLETEA_REDIS_MAXMEMORY") or DEFAULT_MAXMEMORY
+    if error := maxmemory_error(value):
+        raise RedisServerError(error)
+    return value
+
+
+def _last_words(out: str) -> str:
+    """redis-server's reason for exiting, in one line: its last line, without the log prefix
+    (``123:M 27 Nov 2026 10:00:00.000 # ``), after the ``>>> 'directive'`` it names if any."""
+    lines = [re.sub(r"^\d+:[A-Z] [^#*-]*[#*-] ", "", line).strip() for line in out.splitlines()]
+    lines = [line for line in lines if line and not line.startswith("***")]
+    if not lines:
+        return "no output"
+    directive = next((line for line in lines if line.startswith(">>>")), None)
+    return f"{lines[-1]} ({directive[3:].strip()})" if directive and directive != lines[-1] else lines[-1]
 
 
 def find_redis_server() -> str:
@@ -90,7 +116,7 @@ def _wait_until_answers(port: int, proc: subprocess.Popen[bytes], timeout: float
     while True:
         if proc.poll() is not None:
             out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-            raise RedisServerError(f"redis-server exited with code {proc.returncode}: {out[-2000:]}")
+            raise RedisServerError(f"redis-server exited with code {proc.returncode}: {_last_words(out[-2000:])}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
             if s.recv(64).startswith(b"+PONG"):

@@ -11,16 +11,22 @@ import argparse
 import asyncio
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime, timedelta
 
 import uvloop
 from aiohttp import web
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from shared.model.info import CheckpointError
 from shared.policies.restarts import EXIT_CONFIG  # a bad spec, an unloadable checkpoint, a missing device
 from shared.runtime.logs import get_logger, setup_logging
 from shared.spec.config import ConfigError
-from shared.spec.settings import Settings, load_settings
+from shared.spec.settings import Settings, load_settings, mask_url
 
 log = get_logger(__name__)
 
@@ -66,15 +72,64 @@ async def _main(name: str, serve: Serve, settings: Settings) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     log.info("starting", service=name, spec=str(settings.spec_path))
     try:
+        if not await wait_for_redis(settings.require_redis_url(), settings.redis_wait_s, stop):
+            return 0 if stop.is_set() else EXIT_UNREACHABLE
         await serve(settings, stop)
     except (ConfigError, CheckpointError) as exc:  # the same every time: a restart cannot help
         log.error("cannot run with this configuration", service=name, error=str(exc))
         return EXIT_CONFIG
+    except (RedisConnectionError, RedisTimeoutError) as exc:  # an outage longer than its calls ride out
+        log.error("redis unreachable; giving up", service=name, error=str(exc))
+        return EXIT_UNREACHABLE
     except Exception as exc:
         log.exception("service failed", service=name, error=repr(exc))
         return 1
     log.info("stopped", service=name)
     return 0
+
+
+#: A service that cannot reach Redis (at start, within BUBBLETEA_REDIS_WAIT_S; or later, longer
+#: than its calls ride an outage out) exits with this code (a launcher restarts it).
+EXIT_UNREACHABLE = 1
+
+
+async def wait_for_redis(url: str, wait_s: float, stop: asyncio.Event) -> bool:
+    """PING Redis until it answers (True), backing off as the bus does, until `wait_s` have passed
+    or `stop` is set (False). The deadline is stated in the first warning; the end in one line."""
+    from shared.bus.connection import CONNECT_TIMEOUT_S, backoff
+
+    r = Redis.from_url(url, protocol=2, socket_connect_timeout=CONNECT_TIMEOUT_S, retry=Retry(backoff(), retries=0))
+    deadline = time.monotonic() + wait_s
+    until = (datetime.now(UTC) + timedelta(seconds=wait_s)).isoformat(timespec="seconds").replace("+00:00", "Z")
+    failures = 0
+    try:
+        while True:
+            try:
+                await r.ping()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                if not failures:
+                    log.warning(
+                        "redis unreachable; retrying with backoff until the deadline, then exiting",
+                        url=mask_url(url), deadline=until, wait_s=wait_s, error=str(exc),
+                    )  # fmt: skip
+                failures += 1
+                delay = backoff().compute(failures)
+                if time.monotonic() + delay > deadline:
+                    log.error(
+                        "redis still unreachable at the deadline; exiting (start Redis, or check REDIS_URL)",
+                        url=mask_url(url), waited_s=wait_s, error=str(exc),
+                    )  # fmt: skip
+                    return False
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                    return False
+                except TimeoutError:
+                    continue
+            if failures:
+                log.info("redis reachable", url=mask_url(url), failures=failures)
+            return True
+    finally:
+        await r.aclose()
 
 
 async def serve_app(

@@ -43,6 +43,8 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
                        (the workers of one DC on one host; default: any slot)
 ``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy
                        ``noeviction``)
+``BUBBLETEA_REDIS_WAIT_S`` how long a service started with Redis unreachable retries (with backoff)
+                       before it exits with one line (seconds, default 60)
 =====================  ==========================================================================
 """
 
@@ -61,11 +63,14 @@ from urllib.parse import urlsplit, urlunsplit
 import msgspec
 
 from shared.runtime.priority import PRIORITIES
+from shared.runtime.redis_server import maxmemory_error
 from shared.spec.config import ClusterSpec, ConfigError, check_decode, load_spec
 from shared.spec.timescale import LIMIT_SCALE, scale_spec
 from shared.spec.training import MAX_ITERATIONS, UNTIL_STOPPED, Training
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+#: How long a service started while Redis is unreachable keeps trying (BUBBLETEA_REDIS_WAIT_S).
+DEFAULT_REDIS_WAIT_S = 60.0
 #: Where stage workers keep a run's checkpoints and saves when BUBBLETEA_STATE_DIR is not set.
 DEFAULT_STATE_DIR = Path(tempfile.gettempdir()) / "bubbletea-state"
 
@@ -96,6 +101,7 @@ ENV_VARS = frozenset(
         "BUBBLETEA_STATE_DIR",
         "BUBBLETEA_COMPUTE_PRIORITY",
         "BUBBLETEA_TIME_SCALE",
+        "BUBBLETEA_REDIS_WAIT_S",
     }
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -137,6 +143,8 @@ class Settings:
     #: Where stage workers keep a run's checkpoints and handed-over state, under `<state_dir>/<run>/`
     #: (BUBBLETEA_STATE_DIR); shared by every host whose workers may replace each other.
     state_dir: Path = field(default_factory=lambda: DEFAULT_STATE_DIR)
+    #: How long a service waits at start for Redis to answer before it exits (BUBBLETEA_REDIS_WAIT_S).
+    redis_wait_s: float = DEFAULT_REDIS_WAIT_S
 
     @property
     def metrics_key(self) -> str | None:
@@ -212,6 +220,9 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     if metrics_auth == "on" and not api_key:
         raise ConfigError("BUBBLETEA_METRICS_AUTH=on puts /metrics behind the API key: set BUBBLETEA_API_KEY too")
     metrics_port = _metrics_port(env.get("BUBBLETEA_METRICS_PORT", "0"))
+    if (maxmemory := env.get("BUBBLETEA_REDIS_MAXMEMORY")) and (error := maxmemory_error(maxmemory)):
+        raise ConfigError(error)
+    redis_wait_s = _seconds("BUBBLETEA_REDIS_WAIT_S", env.get("BUBBLETEA_REDIS_WAIT_S", str(DEFAULT_REDIS_WAIT_S)))
     priority = env.get("BUBBLETEA_COMPUTE_PRIORITY", "low").lower()
     if priority not in PRIORITIES:
         raise ConfigError(f"BUBBLETEA_COMPUTE_PRIORITY: expected low or normal, got {priority!r}")
@@ -234,7 +245,18 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         dc=dc,
         resume=Path(env["BUBBLETEA_RESUME"]) if env.get("BUBBLETEA_RESUME") else None,
         state_dir=Path(env["BUBBLETEA_STATE_DIR"]).absolute() if env.get("BUBBLETEA_STATE_DIR") else DEFAULT_STATE_DIR,
+        redis_wait_s=redis_wait_s,
     )
+
+
+def _seconds(var: str, value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        s = math.nan
+    if not 0 < s <= 86_400:
+        raise ConfigError(f"{var}: expected a number of seconds above 0 and at most 86400, got {value!r}")
+    return s
 
 
 def _time_scale(value: str, var: str = "BUBBLETEA_TIME_SCALE") -> float:

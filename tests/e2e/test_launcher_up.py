@@ -21,6 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
+from bubbletea.launcher.procs import group_alive
 from shared.control.health import live_instances
 from tests.e2e.serving import SPEC, as_from_a_terminal, status, submit, wait_ready, wait_until
 
@@ -149,8 +150,12 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
             proc.kill()
             await proc.wait()
     out = "".join(seen)
-    assert code == 130 or code == 0, out
+    assert code == 130, out
     assert "==> stopped cleanly" in out, out
+    assert "Traceback" not in out and out.splitlines()[-1] == "bubbletea: interrupted", out[-2000:]
+    # up returned only once every process it started had exited, and whatever those started too
+    for label, pid in re.findall(r"==> started (\S+) \(pid (\d+)\)", out):
+        assert not group_alive(int(pid)), f"{label}'s process group (pgid {pid}) outlived up"
     for name in ("wan_broker", "dispatcher", "prefill_queue", "stage_worker-0", "stage_worker-3"):
         assert (folder / f"{name}.log").stat().st_size > 0
     run_folder = folder.parent

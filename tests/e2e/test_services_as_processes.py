@@ -174,7 +174,7 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
     """No Docker engine runs here, so compose.yaml is checked against what the code really does."""
     import yaml
 
-    from bubbletea.cli import build_parser
+    from bubbletea.commands import build_parser
     from loadgen.cli import parse_config
     from shared.spec.settings import ENV_VARS
 

@@ -4,12 +4,18 @@ in a subprocess; every everyday mistake gives one line, a non-zero exit and no t
 from __future__ import annotations
 
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+
+from shared.runtime.redis_server import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,3 +41,126 @@ def one_line_error(r: subprocess.CompletedProcess[str], line: str, code: int = 2
 def test_version_is_the_installed_distributions(tool: str) -> None:
     r = run("--version", tool=tool)
     assert r.returncode == 0 and r.stdout == f"{tool} {version('bubbletea')}\n"
+
+
+def test_usage_and_configuration_errors_share_one_prefix(tmp_path: Path) -> None:
+    one_line_error(run("plan", "--bogus"), "bubbletea: error: unrecognized arguments: --bogus")
+    one_line_error(run("plan", "--fwd-ms", "x"), "bubbletea: error: argument --fwd-ms: invalid float value: 'x'")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("datacenters: [{name: a, gpus: -3}]\n")
+    for command in (["check-config", str(bad)], ["plan", "--config", str(bad)], ["simulate", "--config", str(bad)]):
+        one_line_error(
+            run(*command),
+            f"bubbletea: error: {bad}: datacenters[0].gpus: Expected `int` >= 1 (allowed: >= 1 and <= 1000000)",
+        )
+
+
+BUG = (
+    "import sys, bubbletea.commands as c\n"
+    "def broken(path):\n"
+    "    raise ZeroDivisionError('division by zero')\n"
+    "c.load_spec = broken  # a bug planted in the command\n"
+    "from bubbletea.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_a_bug_says_one_line_and_shows_its_traceback_only_with_verbose() -> None:
+    r = subprocess.run([sys.executable, "-c", BUG, "plan"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    one_line_error(
+        r,
+        "bubbletea: error: internal error: ZeroDivisionError: division by zero (a bug: rerun with -v for the "
+        "traceback, and report it)",
+        code=1,
+    )
+    for verbose in (["-v", "plan"], ["plan", "--verbose"]):
+        r = subprocess.run([sys.executable, "-c", BUG, *verbose], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 1 and "Traceback" in r.stderr and "ZeroDivisionError" in r.stderr
+
+
+def test_health_with_redis_down_says_so_in_one_line() -> None:
+    port = free_port()  # nothing listens there
+    url = f"redis://127.0.0.1:{port}/0"
+    one_line_error(
+        run("health", "wan_broker", env={"REDIS_URL": url}),
+        f"bubbletea: error: cannot reach Redis at {url} (REDIS_URL): Error 111 connecting to 127.0.0.1:{port}. "
+        f"Connect call failed ('127.0.0.1', {port}); start it (`bubbletea redis` runs one) or point REDIS_URL at a "
+        "running server",
+        code=1,
+    )
+
+
+def test_redis_refuses_a_bad_port_a_taken_port_and_a_bad_maxmemory_in_one_line() -> None:
+    one_line_error(
+        run("redis", "--port", "99999"),
+        "bubbletea: error: argument --port: expected a port number from 1 to 65535, got '99999'",
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        one_line_error(
+            run("redis", "--port", str(port)),
+            f"bubbletea: error: --port {port}: Address already in use: choose another port, or leave --port out "
+            "for one",
+            code=1,
+        )
+    one_line_error(
+        run("redis", env={"BUBBLETEA_REDIS_MAXMEMORY": "lots"}),
+        "bubbletea: error: BUBBLETEA_REDIS_MAXMEMORY: expected a redis-server memory size such as 512mb or 2gb, "
+        "got 'lots'",
+        code=1,
+    )
+
+
+def test_a_closed_pipe_ends_the_command_quietly() -> None:
+    """`bubbletea plan | head -2`: the reader is gone before the plan is written; nothing is said."""
+    p = subprocess.Popen(
+        [str(BIN / "bubbletea"), "plan"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # the reader leaves at once: the command's first write meets a closed pipe
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 141 and err == "", err  # 128 + SIGPIPE, as a coreutils tool
+
+
+@pytest.mark.parametrize("after_s", [0.5, 3.0])
+def test_ctrl_c_at_any_moment_is_one_line_and_130(tmp_path: Path, after_s: float) -> None:
+    """Ctrl-C while the command imports (0.5 s) and while it starts Redis and its services (3 s)."""
+    p = subprocess.Popen(
+        [str(BIN / "bubbletea"), "train", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    )
+    time.sleep(after_s)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and err == "bubbletea: interrupted\n", err
+
+
+def test_a_full_disk_under_the_run_folder_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / "spec.yaml").symlink_to("/dev/full")  # every write there: ENOSPC
+    one_line_error(
+        run("up", "--out", str(tmp_path), "--run", "r1"),
+        f"bubbletea: error: writing under {tmp_path}: No space left on device: free some space, or write elsewhere "
+        "(--out DIR)",
+        code=1,
+    )
+
+
+def test_a_service_without_redis_retries_until_the_deadline_it_states_then_exits_in_one_line() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    env = {"REDIS_URL": url, "BUBBLETEA_REDIS_WAIT_S": "1.5", "BUBBLETEA_METRICS_PORT": "off"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("BUBBLETEA_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "services.dispatcher"], env={**base, **env}, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert 'msg="redis unreachable; retrying with backoff until the deadline, then exiting"' in lines[-2]
+    assert re.search(r"deadline=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ wait_s=1.500", lines[-2]), lines[-2]
+    assert 'msg="redis still unreachable at the deadline; exiting (start Redis, or check REDIS_URL)"' in lines[-1]

@@ -357,7 +357,7 @@ def test_main_prints_table_and_files(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_main_reports_errors_with_exit_code_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "missing" in err
+    assert err.startswith("bubbletea: error: ") and "missing" in err
 
 
 def test_main_without_matplotlib_says_how_to_install_it(
@@ -368,7 +368,7 @@ def test_main_without_matplotlib_says_how_to_install_it(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     assert main([str(run_dir), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "bubbletea[report]" in err
+    assert err.startswith("bubbletea: error: ") and "bubbletea[report]" in err
     assert not (tmp_path / "out").exists()
 
 
