@@ -13,6 +13,8 @@ from shared.spec.timescale import WARN_SCALE
 
 #: Every user error of every command starts with this (argparse's own usage errors included).
 PREFIX = "bubbletea: error: "
+#: Every command that reads a spec reads it the same way (`shared.spec.settings.load_settings`).
+CONFIG_HELP = "cluster spec (default: $BUBBLETEA_CONFIG, else configs/demo.yaml)"
 
 
 class CommandError(Exception):

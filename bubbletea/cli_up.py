@@ -11,7 +11,15 @@ from typing import Any
 import msgspec
 import uvloop
 
-from bubbletea.cli_common import add_scale_argument, add_wan_argument, scale_override, wan_override
+from bubbletea.cli_common import (
+    CONFIG_HELP,
+    CommandError,
+    add_scale_argument,
+    add_wan_argument,
+    scale_override,
+    wan_override,
+)
+from bubbletea.preflight import check_run
 from shared.runtime.logs import setup_logging
 from shared.spec.config import ClusterSpec, ConfigError, check_decode
 from shared.spec.settings import load_settings
@@ -29,11 +37,22 @@ def add_parser(sub: Any) -> None:
         "process dies (naming it), or when a finite run finishes; then writes the run folder (spans, summary, "
         "pictures). Like demo, it first picks the device time scale (BUBBLETEA_TIME_SCALE=K sets it).",
     )
-    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
     add_wan_argument(p)
     add_scale_argument(p)
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
+    p.add_argument("--host", help="the API's address (default: the spec's http.host; as BUBBLETEA_HTTP_HOST)")
+    p.add_argument(
+        "--port",
+        type=int,
+        help="the API's port, 0 = any free one (default: the spec's http.port; as BUBBLETEA_HTTP_PORT)",
+    )
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1/ (as BUBBLETEA_API_KEY; docs/api.md). The key is visible "
+        "to other users in the process list: on a shared host set BUBBLETEA_API_KEY instead",
+    )
     p.add_argument(
         "--iterations",
         type=int,
@@ -74,7 +93,18 @@ def run(args: argparse.Namespace) -> int:
 
     from bubbletea.launcher.up import run_up
 
+    if args.port is not None and not 0 <= args.port <= 65_535:
+        raise CommandError(f"--port: expected a port number from 0 to 65535, got {args.port}")
+    # as vllm serve takes them; here and in every service up starts: through the environment
+    for value, var in (
+        (args.host, "BUBBLETEA_HTTP_HOST"),
+        (args.port, "BUBBLETEA_HTTP_PORT"),
+        (args.api_key, "BUBBLETEA_API_KEY"),
+    ):
+        if value is not None:
+            os.environ[var] = str(value)
     settings = load_settings(args.config)
+    check_run(settings)  # what check-config checks, before anything starts
     if args.run:
         settings = dataclasses.replace(settings, run=args.run)
     if args.iterations is not None and args.iterations < 1:

@@ -15,11 +15,11 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgspec
 import uvloop
 
-from bubbletea import cli_up
+from bubbletea import cli_inspect, cli_up
 from bubbletea.cli_common import (
+    CONFIG_HELP,
     CommandError,
     CommandParser,
     add_scale_argument,
@@ -28,8 +28,8 @@ from bubbletea.cli_common import (
     scale_override,
     wan_override,
 )
+from bubbletea.preflight import check_run
 from shared.runtime.logs import setup_logging
-from shared.spec.config import load_spec
 from shared.spec.settings import load_settings
 from shared.spec.timescale import SHARE
 
@@ -51,6 +51,7 @@ def _demo(args: argparse.Namespace) -> int:
     from bubbletea.launcher.wan_modes import launcher_wan_mode
 
     settings = load_settings(args.config)
+    check_run(settings)  # what check-config checks, before anything starts
     mode, why, defaulted = launcher_wan_mode(settings, os.environ)
     if defaulted:  # every process the demo starts reads the mode from the environment it inherits
         os.environ["BUBBLETEA_WAN"] = mode
@@ -68,7 +69,12 @@ def _train(args: argparse.Namespace) -> int:
     from bubbletea.launcher.procs import open_redis
     from bubbletea.launcher.train import run_training
 
+    if args.iterations is not None:  # here and in every process train starts: through the environment
+        if args.iterations < 1:
+            raise CommandError(f"--iterations must be >= 1, got {args.iterations}")
+        os.environ["BUBBLETEA_ITERATIONS"] = str(args.iterations)
     settings = load_settings(args.config)
+    check_run(settings)  # what check-config checks, before anything starts
     if args.run:
         settings = dataclasses.replace(settings, run=args.run)
     elif settings.run == "run":
@@ -130,62 +136,11 @@ async def _cancelled_by_sigterm(job: Coroutine[Any, Any, T]) -> T:
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from bubbletea.plan import plan_report
-    from shared.spec.plan import profile_ms
-
-    spec = load_spec(args.config)
-    prof = profile_ms(spec)
-    if prof is not None:
-        fwd, bwd, source = prof[0], prof[1], "device profile"
-    else:
-        fwd, bwd, source = args.fwd_ms, args.fwd_ms * 2, f"--fwd-ms {args.fwd_ms} (no device profile in the spec)"
-    print(plan_report(spec, fwd, bwd, source))
-    return 0
-
-
 def _simulate(args: argparse.Namespace) -> int:
     from sim.command import main as simulate_main
 
+    check_run(load_settings(args.config))  # what check-config checks, before anything starts
     return simulate_main(args)
-
-
-def _health(args: argparse.Namespace) -> int:
-    """Exit 0 if SERVICE has a live heartbeat in Redis (for compose healthchecks), else 1."""
-    import asyncio
-
-    from redis.asyncio import Redis
-
-    from shared.control.health import live_instances
-
-    settings = load_settings(args.config)
-
-    async def check() -> list[dict[str, object]]:
-        r = Redis.from_url(settings.require_redis_url(), protocol=2)
-        try:
-            return await live_instances(r, args.service)
-        finally:
-            await r.aclose()
-
-    live = asyncio.run(check())
-    for inst in live:
-        print(f"{args.service} {inst['instance']} ok")
-    if not live:
-        print(f"{args.service}: no live instance (no heartbeat in Redis)", file=sys.stderr)
-    return 0 if live else 1
-
-
-def _check_config(args: argparse.Namespace) -> int:
-    spec = load_spec(args.file)
-    if args.show:
-        print(msgspec.yaml.encode(spec).decode())
-    gpus = sum(d.gpus for d in spec.datacenters)
-    print(
-        f"{args.file}: ok ({len(spec.datacenters)} datacenters, {gpus} GPUs, "
-        f"PP={spec.parallelism.pp} DP={spec.parallelism.dp} TP={spec.parallelism.tp}, "
-        f"schedule={spec.training.schedule}, sharing={spec.wan.sharing})"
-    )
-    return 0
 
 
 def _port(value: str) -> int:
@@ -247,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"this machine and picks the device time scale that keeps real compute within {SHARE:.0%} of the profiled time "
         "(times are then reported in emulated ms); BUBBLETEA_TIME_SCALE=K sets it instead.",
     )
-    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
     add_wan_argument(
         p, "kernel where it can run (root, network namespaces), else model; a spec naming wan.mode keeps it"
@@ -264,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the wan_broker and one stage_worker per (replica, stage) slot, train for "
         "training.iterations, print loss and iteration time, stop. Uses an embedded Redis unless REDIS_URL is set.",
     )
-    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--run", help="run id scoping streams and leases (default: train-<unix time>)")
     add_wan_argument(p)
     p.add_argument(
@@ -281,23 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from a directory --save wrote: its weights, optimizer state and iteration, up to "
         "training.iterations in total (same model and pipeline split; losses as an uninterrupted run's)",
     )
-    p.set_defaults(func=_train)
-
-    p = sub.add_parser(
-        "plan",
-        help="print the placement, cross-DC hops and the analytic iteration time",
-        description="The placement of the spec's stages on its datacenters (parallelism.placement: Atlas's or "
-        "round-robin), the WAN hops, and the analytic "
-        "pipeline model's iteration time and bubble fraction for each sharing policy.",
-    )
-    p.add_argument("--config", default=None, help="cluster spec (default: configs/demo.yaml)")
     p.add_argument(
-        "--fwd-ms",
-        type=float,
-        default=10.0,
-        help="forward ms per layer per microbatch when the spec has no device profile (default 10)",
+        "--iterations",
+        type=int,
+        help="train this many iterations (default: the spec's training.iterations; as BUBBLETEA_ITERATIONS)",
     )
-    p.set_defaults(func=lambda a: _plan(_with_default_config(a)))
+    p.set_defaults(func=_train)
 
     p = sub.add_parser(
         "simulate",
@@ -313,23 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_arguments(p)
     p.set_defaults(func=_simulate)
 
-    p = sub.add_parser(
-        "check-config",
-        help="validate a cluster spec file",
-        description="Load and validate a cluster spec; exit 2 with a message naming the bad field.",
-    )
-    p.add_argument("file", help="cluster spec file (YAML)")
-    p.add_argument("--show", action="store_true", help="print the spec with every default filled in")
-    p.set_defaults(func=_check_config)
-
-    p = sub.add_parser(
-        "health",
-        help="exit 0 if a service has a live heartbeat in Redis (REDIS_URL)",
-        description="Check the heartbeat keys services refresh in Redis; used by compose healthchecks.",
-    )
-    p.add_argument("service", help="service name, e.g. wan_broker or stage_worker")
-    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
-    p.set_defaults(func=_health)
+    cli_inspect.add_parsers(sub)
 
     p = sub.add_parser(
         "report",
@@ -356,11 +284,3 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "report":  # its own parser (bubbletea.report.command) owns the arguments
             add_verbose_argument(parser)
     return ap
-
-
-def _with_default_config(args: argparse.Namespace) -> argparse.Namespace:
-    if args.config is None:
-        from shared.spec.settings import DEFAULT_SPEC
-
-        args.config = str(DEFAULT_SPEC)
-    return args

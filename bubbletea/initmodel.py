@@ -82,8 +82,9 @@ def init_model(
     missing = [str(p) for p in texts if not p.is_file()]
     if not texts or missing:
         raise ValueError(f"--text: no such files {missing}" if missing else "--text: no text files to train on")
-    if (directory / "config.json").exists():
-        raise ValueError(f"{directory} already holds a config.json: choose a new directory")
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        what = "is not a directory" if not directory.is_dir() else "is not empty"
+        raise ValueError(f"{directory} {what}: choose a new or empty directory")
     directory.mkdir(parents=True, exist_ok=True)
     tok = directory / "tokenizer.json"
     train_bpe_tokenizer((p.read_text(encoding="utf-8", errors="replace") for p in texts), tokenizer_vocab, tok)
@@ -103,7 +104,7 @@ def add_parser(sub: Any) -> None:
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("dir", type=Path, help="the directory to create (must not hold a config.json yet)")
+    p.add_argument("dir", type=Path, help="the directory to create (new, or empty)")
     p.add_argument("--family", choices=FAMILIES, default="llama", help="the architecture (default: llama)")
     p.add_argument("--layers", type=int, default=4, help="transformer layers (default: 4)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (default: 128)")

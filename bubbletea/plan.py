@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from shared.policies.schedules import compute_bubble_fraction
 from shared.policies.wan import LinkModel
 from shared.spec.config import ClusterSpec
@@ -12,6 +14,44 @@ PLACEMENT_RULES = {
     "atlas": "atlas: largest DC first, consecutive stages",
     "round_robin": "round_robin: stages dealt over the DCs in spec order",
 }
+
+
+def plan_data(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: float, source: str) -> dict[str, Any]:
+    """What `bubbletea plan --json` prints: the same figures as `plan_report`, as one object."""
+    pl = placement_of(spec)
+    layers = layers_per_stage(spec)
+    act = activation_bytes(spec)
+    links = []
+    for a, b in dict.fromkeys((a, b) for _, a, b in pl.hops()):
+        link = LinkModel.from_params(spec.link(a, b), spec.wan.mode)
+        links.append(
+            {
+                "src": a, "dst": b, "hops": sum(1 for _, x, y in pl.hops() if (x, y) == (a, b)),
+                "gbps": link.bandwidth * 8 / 1e9, "latency_ms": link.latency * 1000,
+                "per_transfer_cap_gbps": link.flow_cap * 8 / 1e9, "activation_alone_ms": link.alone_s(act) * 1000,
+            }
+        )  # fmt: skip
+    analytic = {}
+    for sharing in ("fair", "temporal", "fifo"):
+        r = predict(spec, fwd_ms_per_layer, bwd_ms_per_layer, sharing=sharing)
+        analytic[sharing] = {"iteration_ms": r.iteration_times[-1] * 1000, "bubble_fraction": r.bubble_fraction()}
+    p, m = spec.parallelism.pp, spec.training.microbatches
+    return {
+        "cluster": spec.name,
+        "datacenters": {dc.name: dc.gpus for dc in spec.datacenters},
+        "parallelism": {"pp": p, "dp": spec.parallelism.dp, "tp": spec.parallelism.tp},
+        "schedule": spec.training.schedule,
+        "microbatches": m,
+        "sharing": spec.wan.sharing,
+        "placement": spec.parallelism.placement,
+        "stages": [{"stage": k, "dc": dc, "layers": layers[k]} for k, dc in enumerate(pl.stage_dc)],
+        "hops": [{"stage": k, "src": a, "dst": b} for k, a, b in pl.hops()],
+        "activation_bytes": act,
+        "links": links,
+        "compute": {"source": source, "fwd_ms_per_layer": fwd_ms_per_layer, "bwd_ms_per_layer": bwd_ms_per_layer},
+        "analytic": analytic,
+        "compute_only_bubble_fraction": compute_bubble_fraction(p, m),
+    }
 
 
 def plan_report(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: float, source: str) -> str:

@@ -177,7 +177,8 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
         say(f"    serving: {state}; training {until}")
         say(f"    API:  {api}   (OpenAI-compatible: POST {api}/v1/completions; docs/api.md)")
         body = '{"prompt": "Hello"}'
-        say(f"    try:  curl -s {api}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+        auth = ' -H "Authorization: Bearer $BUBBLETEA_API_KEY"' if settings.api_key else ""
+        say(f"    try:  curl -s {api}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
         if spec.decode.enabled:
             who = f"vLLM at {spec.decode.vllm_url} (docs/vllm.md)" if spec.decode.engine == "vllm" else "the decoder"
             say(f"    whole completions (max_tokens > 1): prefilled in the bubbles, decoded by {who}")

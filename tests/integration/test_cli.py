@@ -3,6 +3,7 @@ in a subprocess; every everyday mistake gives one line, a non-zero exit and no t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.runtime.redis_server import free_port
+from shared.runtime.redis_server import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,10 +57,10 @@ def test_usage_and_configuration_errors_share_one_prefix(tmp_path: Path) -> None
 
 
 BUG = (
-    "import sys, bubbletea.commands as c\n"
+    "import sys, bubbletea.cli_inspect as c\n"
     "def broken(path):\n"
     "    raise ZeroDivisionError('division by zero')\n"
-    "c.load_spec = broken  # a bug planted in the command\n"
+    "c.load_settings = broken  # a bug planted in the command\n"
     "from bubbletea.cli import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )
@@ -164,3 +165,60 @@ def test_a_service_without_redis_retries_until_the_deadline_it_states_then_exits
     assert 'msg="redis unreachable; retrying with backoff until the deadline, then exiting"' in lines[-2]
     assert re.search(r"deadline=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ wait_s=1.500", lines[-2]), lines[-2]
     assert 'msg="redis still unreachable at the deadline; exiting (start Redis, or check REDIS_URL)"' in lines[-1]
+
+
+def test_every_command_reads_config_then_bubbletea_config(tmp_path: Path) -> None:
+    paper = {"BUBBLETEA_CONFIG": "configs/paper-scale.yaml"}
+    assert run("plan", env=paper).stdout.startswith("cluster paper-scale: ")
+    assert run("plan", "--config", "configs/demo.yaml", env=paper).stdout.startswith("cluster demo: ")
+    r = run("check-config", env=paper)
+    assert r.returncode == 0 and r.stdout.startswith("configs/paper-scale.yaml: ok (3 datacenters, 576 GPUs"), r.stderr
+    assert run("check-config", "--config", "configs/demo.yaml", env=paper).stdout.startswith("configs/demo.yaml: ok")
+
+
+def test_plan_check_config_and_health_print_json(redis_server: EmbeddedRedis) -> None:
+    plan = json.loads(run("plan", "--json").stdout)
+    assert plan["cluster"] == "demo" and plan["parallelism"] == {"pp": 2, "dp": 2, "tp": 1}
+    assert set(plan["analytic"]) == {"fair", "temporal", "fifo"} and len(plan["stages"]) == 2
+    check = json.loads(run("check-config", "configs/demo.yaml", "--json").stdout)
+    assert check == {
+        "file": "configs/demo.yaml", "ok": True, "datacenters": 2, "gpus": 4, "pp": 2, "dp": 2, "tp": 1,
+        "schedule": "1f1b", "sharing": "temporal",
+    }  # fmt: skip
+    r = run("health", "wan_broker", "--json", env={"REDIS_URL": redis_server.url})
+    assert r.returncode == 1 and json.loads(r.stdout) == {"service": "wan_broker", "live": []}
+
+
+def test_train_takes_iterations_as_up_does(tmp_path: Path) -> None:
+    one_line_error(run("train", "--iterations", "0"), "bubbletea: error: --iterations must be >= 1, got 0")
+    one_line_error(run("up", "--iterations", "0"), "bubbletea: error: --iterations must be >= 1, got 0")
+    p = subprocess.Popen(
+        [str(BIN / "bubbletea"), "train", "--iterations", "3", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert p.stdout is not None
+    first = p.stdout.readline()  # "==> run train-...: PP=2 DP=2 1f1b, 3 iterations, ..."
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=120)
+    assert ", 3 iterations, WAN sharing " in first, first
+
+
+def test_up_refuses_a_bad_port_in_one_line() -> None:
+    one_line_error(
+        run("up", "--port", "99999"), "bubbletea: error: --port: expected a port number from 0 to 65535, got 99999"
+    )
+
+
+def test_init_model_refuses_a_non_empty_directory(tmp_path: Path) -> None:
+    one_line_error(
+        run("init-model", "configs"), "bubbletea: error: configs is not empty: choose a new or empty directory"
+    )
+    (tmp_path / "notes.txt").write_text("mine\n")
+    one_line_error(
+        run("init-model", str(tmp_path)), f"bubbletea: error: {tmp_path} is not empty: choose a new or empty directory"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -1,0 +1,158 @@
+"""The `bubbletea` commands that look without running anything: `plan`, `check-config` and
+`health`, each with `--json`. Every command reads its spec the same way: `--config FILE`, else
+`$BUBBLETEA_CONFIG`, else `configs/demo.yaml` (`shared.spec.settings.load_settings`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import msgspec
+
+from bubbletea.cli_common import CONFIG_HELP, PREFIX
+from shared.spec.config import ClusterSpec, ConfigError
+from shared.spec.settings import load_settings
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="print the placement, cross-DC hops and the analytic iteration time",
+        description="The placement of the spec's stages on its datacenters (parallelism.placement: Atlas's or "
+        "round-robin), the WAN hops, and the analytic "
+        "pipeline model's iteration time and bubble fraction for each sharing policy.",
+    )
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument(
+        "--fwd-ms",
+        type=float,
+        default=10.0,
+        help="forward ms per layer per microbatch when the spec has no device profile (default 10)",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object instead")
+    p.set_defaults(func=plan)
+
+    p = sub.add_parser(
+        "check-config",
+        help="run every check a run command runs on a spec, without running anything",
+        description="Load and validate a cluster spec, and run every check any run command (demo, up, train, "
+        "plan, simulate) runs at start: the fields, the placement on the datacenters, the checkpoint, model and "
+        "data paths, the model directory's family and tokenizer, duplicate keys, and the environment's "
+        "BUBBLETEA_* variables. Exit 2 with one line naming the field or variable; a spec it passes never "
+        "fails a run at start.",
+    )
+    p.add_argument("file", nargs="?", help="cluster spec file (YAML; the same as --config)")
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument(
+        "--show",
+        action="store_true",
+        help="print the spec in effect with every default filled in, as YAML that loads back unchanged (stdout; "
+        "the summary line goes to stderr)",
+    )
+    p.add_argument("--json", action="store_true", help="print the result (and with --show the spec) as JSON")
+    p.set_defaults(func=check_config)
+
+    p = sub.add_parser(
+        "health",
+        help="exit 0 if a service has a live heartbeat in Redis (REDIS_URL)",
+        description="Check the heartbeat keys services refresh in Redis; used by compose healthchecks.",
+    )
+    p.add_argument("service", help="service name, e.g. wan_broker or stage_worker")
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--json", action="store_true", help='print {"service": ..., "live": [...]} (exit code unchanged)')
+    p.set_defaults(func=health)
+
+
+def plan(args: argparse.Namespace) -> int:
+    from bubbletea.plan import plan_data, plan_report
+    from bubbletea.preflight import check_run
+    from shared.spec.plan import profile_ms
+
+    settings = load_settings(args.config)
+    spec = settings.base_spec or settings.spec
+    check_run(settings)
+    prof = profile_ms(spec)
+    if prof is not None:
+        fwd, bwd, source = prof[0], prof[1], "device profile"
+    else:
+        fwd, bwd, source = args.fwd_ms, args.fwd_ms * 2, f"--fwd-ms {args.fwd_ms} (no device profile in the spec)"
+    if args.json:
+        print(json.dumps(plan_data(spec, fwd, bwd, source)))
+    else:
+        print(plan_report(spec, fwd, bwd, source))
+    return 0
+
+
+def _summary(spec: ClusterSpec) -> dict[str, Any]:
+    return {
+        "datacenters": len(spec.datacenters),
+        "gpus": sum(d.gpus for d in spec.datacenters),
+        "pp": spec.parallelism.pp,
+        "dp": spec.parallelism.dp,
+        "tp": spec.parallelism.tp,
+        "schedule": spec.training.schedule,
+        "sharing": spec.wan.sharing,
+    }
+
+
+def check_config(args: argparse.Namespace) -> int:
+    from bubbletea.preflight import check_run
+
+    if args.file and args.config and args.file != args.config:
+        raise ConfigError(f"check-config: two specs named ({args.file} and --config {args.config}): name one")
+    try:
+        settings = load_settings(args.file or args.config)
+        check_run(settings)
+    except ConfigError as exc:
+        if not args.json:
+            raise
+        print(json.dumps({"ok": False, "error": str(exc)}))
+        print(f"{PREFIX}{exc}", file=sys.stderr)
+        return 2
+    spec = settings.base_spec or settings.spec  # what runs (environment overrides in), before the time scale
+    s = _summary(spec)
+    if args.json:
+        out: dict[str, Any] = {"file": str(settings.spec_path), "ok": True, **s}
+        if args.show:
+            out["spec"] = msgspec.to_builtins(spec)
+        print(json.dumps(out))
+        return 0
+    if args.show:
+        sys.stdout.write(msgspec.yaml.encode(spec).decode())
+        sys.stdout.flush()
+    print(
+        f"{settings.spec_path}: ok ({s['datacenters']} datacenters, {s['gpus']} GPUs, "
+        f"PP={s['pp']} DP={s['dp']} TP={s['tp']}, schedule={s['schedule']}, sharing={s['sharing']})",
+        file=sys.stderr if args.show else sys.stdout,
+    )
+    return 0
+
+
+def health(args: argparse.Namespace) -> int:
+    """Exit 0 if SERVICE has a live heartbeat in Redis (for compose healthchecks), else 1."""
+    import asyncio
+
+    from redis.asyncio import Redis
+
+    from shared.control.health import live_instances
+
+    settings = load_settings(args.config)
+
+    async def check() -> list[dict[str, object]]:
+        r = Redis.from_url(settings.require_redis_url(), protocol=2)
+        try:
+            return await live_instances(r, args.service)
+        finally:
+            await r.aclose()
+
+    live = asyncio.run(check())
+    if args.json:
+        print(json.dumps({"service": args.service, "live": live}, default=str))
+    else:
+        for inst in live:
+            print(f"{args.service} {inst['instance']} ok")
+    if not live:
+        print(f"{args.service}: no live instance (no heartbeat in Redis)", file=sys.stderr)
+    return 0 if live else 1
