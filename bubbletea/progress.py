@@ -58,11 +58,21 @@ class StepBar:
     otherwise. `line` prints a line either way; `advance` moves the bar (never past `total`). With
     `out` None the work is silent: no line, no bar."""
 
-    def __init__(self, total: int, desc: str, out: TextIO | None = sys.stdout, unit: str = "it") -> None:
+    def __init__(
+        self, total: int, desc: str, out: TextIO | None = sys.stdout, unit: str = "it", bar_format: str | None = None
+    ) -> None:
         self.out, self.total, self.done = out, max(0, total), 0
         self.bar: tqdm[Any] | None = None
         if out is not None and on_terminal(out):
-            self.bar = tqdm(total=self.total, desc=desc, unit=unit, file=out, leave=False, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=self.total,
+                desc=desc,
+                unit=unit,
+                file=out,
+                leave=False,
+                dynamic_ncols=True,
+                bar_format=bar_format,
+            )
 
     def line(self, text: str) -> None:
         if self.out is not None:
@@ -73,9 +83,9 @@ class StepBar:
         if steps <= 0:
             return
         self.done += steps
-        if self.bar is not None:
-            self.bar.update(steps)
-            self.bar.refresh()  # every step shown: they are seconds apart, not thousands a second
+        # not drawn by update (tqdm's minimum interval): drawn anyway, as steps are seconds apart
+        if self.bar is not None and not self.bar.update(steps):
+            self.bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -100,7 +110,9 @@ class ClockBar(StepBar):
     `estimate_s` (held one second short of it while the work goes on) and fills when the work ends."""
 
     def __init__(self, estimate_s: float, desc: str, out: TextIO = sys.stdout) -> None:
-        super().__init__(max(1, round(estimate_s)), desc, out, unit="s")
+        # seconds done/estimated and the time left; no rate ("1.0s/s" says nothing)
+        fmt = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}]"
+        super().__init__(max(1, round(estimate_s)), desc, out, unit="s", bar_format=fmt)
 
     async def run(self, work: Awaitable[T], tick_s: float = 0.5) -> T:
         """Await `work`, moving the bar with the clock meanwhile (not at all when none is drawn)."""
