@@ -80,9 +80,6 @@ def _train(args: argparse.Namespace) -> int:
     elif settings.run == "run":
         settings = dataclasses.replace(settings, run=f"train-{int(time.time())}")
     setup_logging("train", "WARNING")
-    from shared.model.training import check_training
-
-    check_training(settings.spec)  # a model or data the workers cannot train is refused here, in one line
     from shared.model.trainstate import check_resume, check_save_target
 
     if args.resume:

@@ -314,7 +314,30 @@ def load_spec(path: str | Path) -> ClusterSpec:
     except OSError as exc:
         raise ConfigError(f"cannot read cluster spec {p}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: it builds no objects
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{p}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     return parse_spec(data, source=str(p))
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice (YAML would silently keep the last)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's SafeLoader, refusing a key given twice in one mapping, naming both lines."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[object, object]:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: keys given beside a merge override it, as YAML means them to
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise DuplicateKeyError(f"duplicate key {key!r} at lines {seen[key]} and {line}: the last would win")
+            if isinstance(key, str | int | float | bool):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)

@@ -222,3 +222,78 @@ def test_init_model_refuses_a_non_empty_directory(tmp_path: Path) -> None:
         run("init-model", str(tmp_path)), f"bubbletea: error: {tmp_path} is not empty: choose a new or empty directory"
     )
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def _spec(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+BAD_SPECS = {  # what check-config and every run command refuse, and the line they say
+    "placement": (
+        "datacenters: [{name: a, gpus: 2}, {name: b, gpus: 2}]\nparallelism: {pp: 4, dp: 2}\n",
+        "parallelism: cannot place 4 pipeline stages of 2 GPUs each (DP=2 x TP=1, a stage's group stays inside one "
+        "DC): the datacenters (a=2, b=2) fit only 2; 2 more stage(s) need 4 more GPUs in groups of 2",
+    ),
+    "checkpoint": (
+        "datacenters: [{name: a, gpus: 2}, {name: b, gpus: 2}]\nprefill: {checkpoint: no/such/model}\n",
+        "prefill.checkpoint: no/such/model does not exist (expected a Hugging Face model directory, or a state_dict "
+        "file of prefill.model's shape)",
+    ),
+    "duplicate": (
+        "datacenters: [{name: a, gpus: 2}, {name: b, gpus: 2}]\nwan: {sharing: fair}\nname: x\nwan:\n  sharing: fifo\n",
+        "duplicate key 'wan' at lines 2 and 4: the last would win",
+    ),
+    "training model": (
+        "datacenters: [{name: a, gpus: 2}, {name: b, gpus: 2}]\ntraining: {model: no/such/dir}\n",
+        "training.model: checkpoint directory no/such/dir does not exist (nothing is ever downloaded); "
+        "`bubbletea init-model no/such/dir` makes one",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_check_config_refuses_what_every_run_command_refuses(tmp_path: Path, case: str) -> None:
+    text, why = BAD_SPECS[case]
+    spec = _spec(tmp_path, text)
+    for command in (["check-config", str(spec)], ["plan", "--config", str(spec)], ["train", "--config", str(spec)]):
+        one_line_error(run(*command), f"bubbletea: error: {spec}: {why}")
+    one_line_error(run("up", "--config", str(spec), "--out", str(tmp_path)), f"bubbletea: error: {spec}: {why}")
+
+
+def test_check_config_and_plan_agree_on_every_spec_in_configs() -> None:
+    for spec in sorted((ROOT / "configs").glob("*.yaml")):
+        check, plan = run("check-config", str(spec)), run("plan", "--config", str(spec))
+        assert check.returncode == plan.returncode, (spec, check.stderr, plan.stderr)
+        if check.returncode:
+            assert check.stderr == plan.stderr, spec
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "line"),
+    [
+        ("BUBBLETEA_WAN", "wires", "BUBBLETEA_WAN: expected one of model, kernel, none, got 'wires'"),
+        (
+            "BUBBLETEA_REDIS_MAXMEMORY",
+            "lots",
+            "BUBBLETEA_REDIS_MAXMEMORY: expected a redis-server memory size such as 512mb or 2gb, got 'lots'",
+        ),
+        ("BUBBLETEA_REDIS_SERVER", "/no/redis", "BUBBLETEA_REDIS_SERVER=/no/redis is not an executable file"),
+        (
+            "BUBBLETEA_REDIS_WAIT_S",
+            "soon",
+            "BUBBLETEA_REDIS_WAIT_S: expected a number of seconds above 0 and at most 86400, got 'soon'",
+        ),
+    ],
+)
+def test_check_config_names_an_invalid_environment_variable(var: str, value: str, line: str) -> None:
+    one_line_error(run("check-config", "configs/demo.yaml", env={var: value}), f"bubbletea: error: {line}")
+
+
+def test_check_config_show_writes_yaml_that_loads_back_unchanged(tmp_path: Path) -> None:
+    r = run("check-config", "configs/demo.yaml", "--show")
+    assert r.returncode == 0 and r.stderr.startswith("configs/demo.yaml: ok (2 datacenters, 4 GPUs"), r.stderr
+    shown = _spec(tmp_path, r.stdout, "shown.yaml")
+    again = run("check-config", str(shown), "--show")
+    assert again.returncode == 0 and again.stdout == r.stdout, again.stderr

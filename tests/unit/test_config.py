@@ -282,3 +282,12 @@ def yaml_of(path: Path) -> dict:
     import yaml
 
     return yaml.safe_load(Path(path).read_text())
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines_and_merges_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text("datacenters:\n- name: a\n  gpus: 2\n  gpus: 4\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'gpus' at lines 3 and 4: the last would win"):
+        load_spec(path)
+    path.write_text("datacenters:\n- &dc {name: a, gpus: 2}\n- <<: *dc\n  name: b\n")  # an override beside a merge
+    assert [dc.name for dc in load_spec(path).datacenters] == ["a", "b"]
