@@ -1,3 +1,4 @@
+# PYTHON_ARGCOMPLETE_OK  (argcomplete's marker: shell completion, docs/running.md)
 """The `bubbletea` command's entry point: what every error looks like to the user.
 
 A mistake the user can make (a bad spec or environment variable, Redis unreachable, a port taken,
@@ -89,7 +90,12 @@ def _run(argv: list[str], seen: dict[str, str]) -> int:
         return report_main(rest)
     from bubbletea.commands import build_parser
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (register-python-argcomplete bubbletea)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)  # prints them and exits
+    args = parser.parse_args(argv)
     if getattr(args, "out", None):
         seen["out"] = str(args.out)
     return int(args.func(args))

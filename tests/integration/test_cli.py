@@ -297,3 +297,18 @@ def test_check_config_show_writes_yaml_that_loads_back_unchanged(tmp_path: Path)
     shown = _spec(tmp_path, r.stdout, "shown.yaml")
     again = run("check-config", str(shown), "--show")
     assert again.returncode == 0 and again.stdout == r.stdout, again.stderr
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_the_shell_completes_commands_and_options(tmp_path: Path, shell: str) -> None:
+    """As `eval "$(register-python-argcomplete bubbletea)"` asks: the completions come from the parser."""
+    out = tmp_path / "completions"
+    line = "bubbletea pl"
+    env = {"_ARGCOMPLETE": "1", "_ARGCOMPLETE_SHELL": shell, "COMP_LINE": line, "COMP_POINT": str(len(line))}
+    r = run(env={**env, "_ARGCOMPLETE_IFS": "\n", "_ARGCOMPLETE_STDOUT_FILENAME": str(out)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert [c.split(":")[0].strip() for c in out.read_text().split("\n")] == ["plan"]
+    line = "bubbletea check-config --sh"
+    r = run(env={**env, "COMP_LINE": line, "COMP_POINT": str(len(line)), "_ARGCOMPLETE_IFS": "\n",
+                 "_ARGCOMPLETE_STDOUT_FILENAME": str(out)})  # fmt: skip
+    assert [c.split(":")[0].strip() for c in out.read_text().split("\n")] == ["--show"]
