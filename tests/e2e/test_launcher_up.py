@@ -319,3 +319,44 @@ async def test_up_restarts_its_redis_and_stops_cleanly_on_sigterm(tmp_path: Path
             await proc.wait()
     out = "".join(seen)
     assert code == 0 and "==> SIGTERM: stopping" in out and "==> stopped cleanly" in out, out
+
+
+async def test_up_takes_host_port_and_api_key_as_vllm_serve_does(tmp_path: Path) -> None:
+    """`up --host --port --api-key`: the API listens where told (over the spec's http section) and
+    /v1/ asks for the key."""
+    from shared.runtime.redis_server import free_port
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "0.0.0.0", "port": 1}}))  # both overridden
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_API_KEY")} | RESTARTS_SCALE
+    args = ("--host", "127.0.0.1", "--port", str(port), "--api-key", "sekrit", "--out", str(tmp_path / "runs"))
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), *args),
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        preexec_fn=as_from_a_terminal,
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    try:
+        api = (await _read_until(proc.stdout, r"API:\s+(http://\S+)", seen, timeout=120)).group(1)
+        assert api == f"http://127.0.0.1:{port}"
+        await _read_until(proc.stdout, r"Authorization: Bearer \$BUBBLETEA_API_KEY", seen, timeout=10)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{api}/v1/models") as resp:
+                assert resp.status == 401
+            async with http.get(f"{api}/v1/models", headers={"Authorization": "Bearer sekrit"}) as resp:
+                assert resp.status == 200
+        drain = asyncio.create_task(_drain(proc.stdout, seen))
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(60):
+            await proc.wait()
+        await drain
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert "==> stopped cleanly" in "".join(seen)
