@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run = _run_loop(run_benchmark(config))
     except ApiUnavailable as exc:
-        print(f"loadgen: {exc}", file=sys.stderr)
+        print(f"loadgen: error: {exc}", file=sys.stderr)  # argparse's prefix: one for every error
         return EXIT_UNAVAILABLE
     except datasets.TraceError as exc:
         print(f"loadgen: error: {exc}", file=sys.stderr)

@@ -312,3 +312,14 @@ def test_the_shell_completes_commands_and_options(tmp_path: Path, shell: str) ->
     r = run(env={**env, "COMP_LINE": line, "COMP_POINT": str(len(line)), "_ARGCOMPLETE_IFS": "\n",
                  "_ARGCOMPLETE_STDOUT_FILENAME": str(out)})  # fmt: skip
     assert [c.split(":")[0].strip() for c in out.read_text().split("\n")] == ["--show"]
+
+
+def test_loadgen_errors_carry_argparses_prefix_too() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    r = run("--base-url", url, "--ready-check-timeout-sec", "1", "--num-prompts", "1", tool="loadgen")
+    one_line_error(
+        r,
+        f"loadgen: error: cannot reach the BubbleTea API at {url}: connection refused (is `bubbletea up` running?); "
+        "gave up after 1s (--ready-check-timeout-sec)",
+        code=1,
+    )

@@ -809,7 +809,7 @@ def test_an_unreachable_server_is_one_clear_line(capsys: pytest.CaptureFixture[s
     url = f"http://127.0.0.1:{free_port()}"
     assert main(["--base-url", url, "--disable-tqdm", "--num-prompts", "1"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"loadgen: cannot reach the BubbleTea API at {url}: ")
+    assert err.startswith(f"loadgen: error: cannot reach the BubbleTea API at {url}: ")
     assert err.endswith("(is `bubbletea up` running?)") and "\n" not in err
 
 
