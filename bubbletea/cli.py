@@ -44,6 +44,7 @@ def _verbose(argv: Sequence[str]) -> bool:
 def _describe(exc: BaseException, out: str | None = None) -> tuple[int, str] | None:
     """(exit code, the line) for an error a user can make; None for a bug. `out`: where the
     command writes (its --out), named when the error does not name its file (a full disk)."""
+    from redis.exceptions import AuthenticationError
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -61,9 +62,11 @@ def _describe(exc: BaseException, out: str | None = None) -> tuple[int, str] | N
         return EXIT_USAGE, str(exc)
     if isinstance(exc, (ServiceFailed, RedisServerError)):
         return EXIT_FAILED, str(exc)
+    url = os.environ.get("REDIS_URL")
+    where = f" at {_mask(url)} (REDIS_URL)" if url else ""
+    if isinstance(exc, AuthenticationError):  # a subclass of ConnectionError: said first
+        return EXIT_FAILED, f"Redis{where} refused us: {str(exc).rstrip('.')}; check the password in REDIS_URL"
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-        url = os.environ.get("REDIS_URL")
-        where = f" at {_mask(url)} (REDIS_URL)" if url else ""
         return EXIT_FAILED, (
             f"cannot reach Redis{where}: {str(exc).rstrip('.')}; start it (`bubbletea redis` runs one) or point "
             "REDIS_URL at a running server"

@@ -87,12 +87,17 @@ def child_setup(nice: int) -> None:
         os.nice(nice)
 
 
-def open_redis(redis_url: str | None, *, persist_dir: Path | None = None) -> tuple[str, EmbeddedRedis | None, str]:
+def open_redis(
+    redis_url: str | None, *, persist_dir: Path | None = None, check: bool = True
+) -> tuple[str, EmbeddedRedis | None, str]:
     """The bus to use: `redis_url` if given, else a freshly started embedded redis-server (the
     caller stops it). With `persist_dir` the embedded server keeps an append-only file there
     (fsync on every write), so a restart of it loses no accepted request. Returns (url, the
-    embedded server or None, a line saying which)."""
+    embedded server or None, a line saying which). A `redis_url` that does not answer PING raises
+    redis-py's ConnectionError at once (unless not `check`)."""
     if redis_url:
+        if check:
+            _ping(redis_url)  # unreachable: one line now (bubbletea.cli), not each service's after its deadline
         return redis_url, None, f"Redis: {mask_url(redis_url)} (REDIS_URL)"
     if persist_dir is not None:
         persist_dir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +111,17 @@ def open_redis(redis_url: str | None, *, persist_dir: Path | None = None) -> tup
         embedded,
         f"Redis: {embedded.url} (embedded {embedded.binary}, pid={embedded.proc.pid}{kept})",
     )
+
+
+def _ping(url: str) -> None:
+    """PING the Redis at `url` once (redis-py's ConnectionError if it does not answer)."""
+    import redis
+
+    client = redis.Redis.from_url(url, protocol=2, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        client.ping()
+    finally:
+        client.close()
 
 
 _CHATTER = ("level=info", "level=debug")

@@ -323,3 +323,15 @@ def test_loadgen_errors_carry_argparses_prefix_too() -> None:
         "gave up after 1s (--ready-check-timeout-sec)",
         code=1,
     )
+
+
+@pytest.mark.parametrize("command", ["up", "train"])
+def test_a_run_with_redis_down_says_so_in_one_line_at_once(tmp_path: Path, command: str) -> None:
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    one_line_error(
+        run(command, "--out", str(tmp_path), env={"REDIS_URL": url}),
+        f"bubbletea: error: cannot reach Redis at {url} (REDIS_URL): Error 111 connecting to 127.0.0.1:{port}. "
+        "Connection refused; start it (`bubbletea redis` runs one) or point REDIS_URL at a running server",
+        code=1,
+    )
