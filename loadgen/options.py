@@ -42,7 +42,7 @@ examples:
       --request-rate 20 --num-prompts 500 --save-result --result-dir results --metadata run=1
   loadgen --request-rate 20 --burstiness 0.25 --duration 60 --goodput ttft:500
   loadgen --request-rate 5 --num-prompts 100 --random-input-len 128 --random-output-len 64 --goodput tpot:50
-  loadgen --trace AzureLLMInferenceTrace_conv.csv --time-scale 10 --duration 60 --max-input-len 256
+  loadgen --trace loadgen/traces/azure2023_conv_synthetic.csv --time-scale 10 --duration 60 --max-input-len 256
 exit status: 0 the run completed (even with failed requests), 1 the API could not be used, 2 usage error
 """
 

@@ -101,6 +101,7 @@ ENV_VARS = frozenset(
         "BUBBLETEA_STATE_DIR",
         "BUBBLETEA_COMPUTE_PRIORITY",
         "BUBBLETEA_TIME_SCALE",
+        "BUBBLETEA_MAX_TIME_SCALE",
         "BUBBLETEA_REDIS_WAIT_S",
     }
 )
