@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from services.stage_worker.worker import SERVICE, serve
+from services.stage_worker.worker import SERVICE, check_device, serve
 from shared.runtime.service import run_service
 
 
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
         serve,
         argv,
         description="Stage worker: leases a free (replica, stage) slot and trains it with real torch.",
+        check=check_device,
     )
 
 

@@ -63,12 +63,18 @@ TIMING_SEED = 0x5EED
 log = get_logger(__name__)
 
 
-async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    try:  # before anything is leased: `device.kind: cuda` on a machine without CUDA stops here
-        kind = check_kind(settings.spec.device.kind)
+def check_device(settings: Settings) -> str:
+    """What the spec's device resolves to here. Before anything waits or is leased (the service
+    runs it before it waits for Redis): `device.kind: cuda` on a machine without CUDA stops here."""
+    try:
+        return check_kind(settings.spec.device.kind)
     except DeviceError as exc:
         log.error("cannot start: the configured device is not available", error=str(exc))
         raise SystemExit(EXIT_CONFIG) from None
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    kind = check_device(settings)
     priority.configure(settings.compute_priority)
     if kind == "cpu":
         torch.set_num_threads(1)  # several workers share the machine's cores

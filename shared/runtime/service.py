@@ -33,7 +33,14 @@ log = get_logger(__name__)
 Serve = Callable[[Settings, asyncio.Event], Awaitable[None]]
 
 
-def run_service(name: str, serve: Serve, argv: Sequence[str] | None = None, *, description: str = "") -> int:
+def run_service(
+    name: str,
+    serve: Serve,
+    argv: Sequence[str] | None = None,
+    *,
+    description: str = "",
+    check: Callable[[Settings], object] | None = None,
+) -> int:
     ap = argparse.ArgumentParser(
         prog=f"python -m services.{name}",
         description=description,
@@ -49,7 +56,7 @@ def run_service(name: str, serve: Serve, argv: Sequence[str] | None = None, *, d
         print(f"{name}: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(name, settings.log_level, settings.log_format)
-    code = uvloop.run(_main(name, serve, settings))
+    code = uvloop.run(_main(name, serve, settings, check))
     # Stopped: a late SIGTERM (a launcher stopping everything) must not turn a clean exit into a
     # death by signal while the interpreter tears down.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -57,7 +64,7 @@ def run_service(name: str, serve: Serve, argv: Sequence[str] | None = None, *, d
     return code
 
 
-async def _main(name: str, serve: Serve, settings: Settings) -> int:
+async def _main(name: str, serve: Serve, settings: Settings, check: Callable[[Settings], object] | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -72,6 +79,8 @@ async def _main(name: str, serve: Serve, settings: Settings) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     log.info("starting", service=name, spec=str(settings.spec_path))
     try:
+        if check is not None:  # what needs no Redis: a spec this process cannot run is refused at once
+            check(settings)
         if not await wait_for_redis(settings.require_redis_url(), settings.redis_wait_s, stop):
             return 0 if stop.is_set() else EXIT_UNREACHABLE
         await serve(settings, stop)
