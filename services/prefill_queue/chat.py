@@ -25,7 +25,15 @@ from aiohttp import web
 from services.prefill_queue.api import limits, read_json
 from services.prefill_queue.completions import answer
 from services.prefill_queue.state import SETTINGS
-from services.prefill_queue.validation import MAX_LOGPROBS, BadRequest, ChatShape, Completion, Limits, parse_completion
+from services.prefill_queue.validation import (
+    MAX_LOGPROBS,
+    BadRequest,
+    ChatShape,
+    Completion,
+    Limits,
+    parse_completion,
+    request_object,
+)
 from shared.model.chat_template import ChatTemplate, ChatTemplateError, chat_template_for
 from shared.spec.config import Prefill
 
@@ -131,13 +139,7 @@ def parse_chat(body: Any, limits: Limits, template: ChatTemplate | None) -> Comp
     """A chat request as a one-prompt `Completion` (`chat` set): the fields it shares with
     /v1/completions are checked by that endpoint's validation, the messages are rendered with
     `template` and tokenized with the served model's tokenizer."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - CHAT_FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field '{unknown[0]}' for /v1/chat/completions", param=unknown[0])
-    if "messages" not in body:
-        raise BadRequest("'messages' is required", param="messages")
+    body = request_object(body, CHAT_FIELDS, "/v1/chat/completions", required="messages")
     messages = parse_messages(body["messages"])
     shape = _logprobs(body)
     max_tokens, max_field = _max_tokens(body)

@@ -164,6 +164,18 @@ def _tokens(prompt: Any, limits: Limits) -> tuple[int, ...]:
     return ids
 
 
+def request_object(body: Any, fields: frozenset[str], endpoint: str, *, required: str) -> dict[str, Any]:
+    """An OpenAI-style request body: a JSON object with only `fields` of `endpoint`, `required` among them."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise BadRequest(f"unknown field '{unknown[0]}' for {endpoint}", param=unknown[0])
+    if required not in body:
+        raise BadRequest(f"'{required}' is required", param=required)
+    return body
+
+
 def _common(body: Any, limits: Limits, *, default_temperature: float) -> tuple[dict[str, Any], ParsedRequest]:
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -205,13 +217,7 @@ def parse_completion(body: Any, limits: Limits) -> Completion:
     ``ignore_eos``: with max_tokens 1 nothing follows the first token; with more, the decoder goes
     past the model's end-of-sequence tokens); ``stop`` is applied to the token's
     text; fields the service cannot honour are refused unless they have their neutral value."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - COMPLETION_FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field '{unknown[0]}' for /v1/completions", param=unknown[0])
-    if "prompt" not in body:
-        raise BadRequest("'prompt' is required", param="prompt")
+    body = request_object(body, COMPLETION_FIELDS, "/v1/completions", required="prompt")
     prompt = body["prompt"]
     many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
     if many and len(prompt) > MAX_PROMPTS:

@@ -28,7 +28,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from shared.model.info import CheckpointError
+from shared.model.info import CheckpointError, read_json_object
 from shared.model.shape import is_checkpoint_dir
 from shared.spec.config import Prefill
 
@@ -109,16 +109,6 @@ class ChatTemplate:
             raise ChatTemplateError(str(exc) or type(exc).__name__) from None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _token(value: Any) -> str | None:
     """A special token as the config stores it: a string, or an AddedToken's {"content": ...}."""
     if isinstance(value, str):
@@ -157,13 +147,13 @@ def load_chat_template(directory: str | Path) -> ChatTemplate | None:
     none. `CheckpointError` for a template that cannot be read or compiled."""
     directory = Path(directory)
     config_path = directory / TOKENIZER_CONFIG
-    config = _read_json(config_path) if config_path.is_file() else {}
+    config = read_json_object(config_path) if config_path.is_file() else {}
     found = _template_text(directory, config)
     if found is None:
         return None
     text, source = found
     specials_map_path = directory / SPECIAL_TOKENS_MAP
-    specials_map = _read_json(specials_map_path) if specials_map_path.is_file() else {}
+    specials_map = read_json_object(specials_map_path) if specials_map_path.is_file() else {}
     special: dict[str, str] = {}
     for name in SPECIAL_TOKENS:
         token = _token(config.get(name))

@@ -81,13 +81,19 @@ def read_config(directory: str | Path) -> dict[str, Any]:
             f"checkpoint directory {path} has no {CONFIG_FILE} (found {found}); a Hugging Face model "
             f"directory holds {CONFIG_FILE}, *.safetensors and tokenizer.json"
         )
+    return read_json_object(config_path)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (config.json, tokenizer_config.json, ...) as a dict;
+    `CheckpointError` naming the file if it cannot be read or holds something else."""
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {config_path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_path} holds a {type(config).__name__}, not a JSON object")
-    return config
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a {type(data).__name__}, not a JSON object")
+    return data
 
 
 def config_int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
