@@ -10,6 +10,9 @@
   training resumes at that block's end, which is how BubbleTea can slow training.
 * Every batch ends in one report to the dispatcher (reached layer and seconds per item; items not
   run report their start layer); finished requests are answered when their batch ends.
+* A resumed item starts from its saved layer only in the datacenter that saved it, else from its
+  prompt (`resume_layer`), as the live worker does; `saved_in` (shared by every executor) says
+  which DC saved the state each request resumes from.
 
 Blocks are not one event each: a batch's blocks are laid out when it starts (the policy is asked
 where the run must stop for time), one event marks its end, and an input that arrives meanwhile
@@ -25,7 +28,7 @@ from typing import Protocol
 from shared.policies.decisions import Batch, BatchItem
 from shared.policies.dispatch import Progress
 from shared.policies.events import EventQueue
-from shared.policies.fill import Arrival, FillPolicy, Held
+from shared.policies.fill import Arrival, FillPolicy, Held, resume_layer
 from shared.policies.prefill_cost import PrefillProfile
 
 
@@ -53,6 +56,7 @@ class _Part:
     """One item's share of the running batch: `blocks` blocks of `block_s` from `start`."""
 
     item: BatchItem
+    from_layer: int  # where it starts here (`resume_layer`)
     start: float
     block_s: float
     blocks: int
@@ -60,10 +64,20 @@ class _Part:
 
 class Executor:
     def __init__(
-        self, worker: int, layers: int, policy: FillPolicy, profile: PrefillProfile, queue: EventQueue, host: Host
+        self,
+        worker: int,
+        layers: int,
+        policy: FillPolicy,
+        profile: PrefillProfile,
+        queue: EventQueue,
+        host: Host,
+        dc: str = "",
+        saved_in: dict[str, str] | None = None,
     ) -> None:
         self.worker, self.layers, self.policy, self.profile = worker, layers, policy, profile
         self.q, self.host = queue, host
+        self.dc = dc  # this worker's datacenter
+        self.saved_in = {} if saved_in is None else saved_in  # request id -> DC of its saved state
         self.queued: list[tuple[Batch, Held]] = []
         self.in_bubble = False
         self.ends_at = 0.0  # no block may end after this (the bubble's predicted end minus the guard)
@@ -136,9 +150,10 @@ class Executor:
         for item in batch.items:
             assert isinstance(item.payload, SimRequest)
             block = self.profile.block_s(item.payload.tokens)
-            need = item.to_layer - item.from_layer
+            first = resume_layer(item.from_layer, self.saved_in.get(item.id, ""), self.dc)
+            need = item.to_layer - first
             n = self.policy.blocks_that_start(start=t, block_s=block, need=need, ends_at=self.ends_at)
-            parts.append(_Part(item, t, block, n))
+            parts.append(_Part(item, first, t, block, n))
             t += n * block
             if n < need:
                 self.out_of_time = True
@@ -160,8 +175,12 @@ class Executor:
         self._batch, self._parts = None, []
         progress, answered, ran = [], [], 0
         for part in parts:
-            reached = part.item.from_layer + part.blocks
+            reached = part.from_layer + part.blocks
             finished = reached >= self.layers
+            if finished:
+                self.saved_in.pop(part.item.id, None)
+            elif reached > part.item.from_layer:  # its state is saved here, where the next run resumes from
+                self.saved_in[part.item.id] = self.dc
             progress.append(Progress(part.item.id, reached, part.blocks * part.block_s, finished))
             ran += part.blocks
             if finished:

@@ -26,6 +26,7 @@ from sim.executor import Executor, SimRequest
 @dataclass(frozen=True)
 class ServingConfig:
     workers: tuple[str, ...]  # slot names, "r<replica>s<stage>", indexed like the training slots
+    datacenters: tuple[str, ...]  # each worker's DC (a preempted prefill resumes only in its own)
     layers: int  # of the served model
     bubbletea: BubbleTea  # the spec's section: both policies are built from it, as the services build them
     profile: PrefillProfile
@@ -54,7 +55,11 @@ class Serving:
         self.cfg, self.q, self._arrivals = cfg, queue, arrivals
         self.state = DispatchState.from_spec(cfg.bubbletea, cfg.layers)
         policy = FillPolicy.from_spec(cfg.bubbletea)
-        self.executors = [Executor(w, cfg.layers, policy, cfg.profile, queue, self) for w in range(len(cfg.workers))]
+        saved_in: dict[str, str] = {}  # request id -> DC of the state it resumes from
+        self.executors = [
+            Executor(w, cfg.layers, policy, cfg.profile, queue, self, cfg.datacenters[w], saved_in)
+            for w in range(len(cfg.workers))
+        ]
         self._index = {name: w for w, name in enumerate(cfg.workers)}
         self.stats = ServingStats()
         #: (worker, iteration, start, end) of each prefill run; `iteration_of` is training's

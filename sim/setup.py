@@ -15,7 +15,7 @@ from shared.model.shape import max_prompt_tokens, model_info
 from shared.policies.pipeline_model import PipelineInputs
 from shared.policies.prefill_cost import PrefillProfile
 from shared.spec.config import ClusterSpec
-from shared.spec.plan import layers_per_stage, model_inputs, profile_ms
+from shared.spec.plan import layers_per_stage, model_inputs, placement_of, profile_ms
 from sim.serving import ServingConfig
 
 #: The prefill profile of a spec that has none: the demo's (0.25 ms + 8 us per token per layer).
@@ -71,8 +71,10 @@ def build(spec: ClusterSpec, *, fwd_ms: float = DEFAULT_FWD_MS, bus_s: float = B
     if prefill.block_s(1) <= 0:
         raise SimError("device.prefill_ms_per_layer and prefill_us_per_token: a prefill block must take some time")
     bt = spec.bubbletea
+    stage_dc = placement_of(spec).stage_dc
     serving = ServingConfig(
         workers=tuple(f"r{d}s{k}" for d in range(spec.parallelism.dp) for k in range(spec.parallelism.pp)),
+        datacenters=tuple(stage_dc[k] for _ in range(spec.parallelism.dp) for k in range(spec.parallelism.pp)),
         layers=info.layers,
         bubbletea=bt,
         profile=prefill,

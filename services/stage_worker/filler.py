@@ -185,7 +185,7 @@ class Filler:
 
     async def _load_snapshots(self, batch: PrefillBatch) -> dict[str, Saved]:
         """The saved states of resumed items (None when one has expired; `LOST` when its holder is
-        gone: the item is computed again from its prompt)."""
+        gone, `ELSEWHERE` when it is in another datacenter: the item is computed again from its prompt)."""
         resumed = [it for it in batch.items if it.from_layer > 0]
         states: dict[str, Saved] = {}
         for it in resumed:
@@ -217,7 +217,7 @@ class Filler:
             # the item's device time: from when the device is free for it to when it is done
             t0 = max(schedule.due, time.monotonic())
             try:
-                saved = states.get(item.id)  # LOST: its holder is gone; computed again from the prompt
+                saved = states.get(item.id)  # LOST or ELSEWHERE: computed again from the prompt
                 state = saved if isinstance(saved, PrefillState) else self.model.start(item.tokens)
                 out_of_time = yield from self._run_blocks(state, item.to_layer, arrived, ends_at, schedule)
                 result = None

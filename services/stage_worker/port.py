@@ -26,14 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from services.stage_worker.port_prefill import LOST, KvStored, PrefillPort, Saved
+from services.stage_worker.port_prefill import ELSEWHERE, LOST, KvStored, PrefillPort, Saved
 from services.stage_worker.port_state import StatePort
 from services.stage_worker.transport import Transport, stages_group, tie_group
 from shared.bus import Delivery
 from shared.dataplane import in_thread, kvstore
 from shared.model.prefill import KV, PrefillState
 
-__all__ = ["LOST", "KvStored", "PrefillPort", "Saved", "StagePort", "StatePort"]
+__all__ = ["ELSEWHERE", "LOST", "KvStored", "PrefillPort", "Saved", "StagePort", "StatePort"]
 
 
 @dataclass

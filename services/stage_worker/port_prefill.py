@@ -14,6 +14,11 @@
   died took its snapshots with it: the handle is there, the state is not (`LOST`), and the resuming
   worker computes the request again from its prompt (an expired handle still fails the request
   with `state_expired`, as before).
+
+A snapshot never crosses datacenters: the handle names the holder's DC too ("<dc> <host:port>"),
+and a worker of another DC computes the request again from its prompt (`ELSEWHERE`, counted in
+`elsewhere`) instead of fetching the state over the WAN that training's activations use
+(`shared.policies.fill.resume_layer` says why).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from shared.dataplane import kvstore
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.dataplane.kv_client import KvClient
 from shared.model.prefill import PrefillState
+from shared.policies.fill import resume_layer
 from shared.runtime.logs import get_logger
 from shared.spec.config import DEFAULT_KV_BUDGET_MB
 from shared.wire import PrefillSnapshot, WireError, decode, encode
@@ -45,15 +51,22 @@ SWEEP_S = 5.0
 SWEEP_GRACE_S = 30.0
 
 
+@dataclass(frozen=True)
 class Lost:
-    """A snapshot whose handle is there but whose holder cannot give it (it stopped or died)."""
+    """A snapshot whose handle is there but whose state this worker does not use: the item is
+    computed again from its prompt."""
+
+    name: str
 
     def __repr__(self) -> str:
-        return "LOST"
+        return self.name
 
 
-LOST = Lost()
-#: What a resumed item starts from: its state, None (its handle expired), or `LOST`.
+#: Its holder cannot give it (it stopped or died).
+LOST = Lost("LOST")
+#: It is held in another datacenter (`resume_layer`): not fetched over the WAN.
+ELSEWHERE = Lost("ELSEWHERE")
+#: What a resumed item starts from: its state, None (its handle expired), `LOST` or `ELSEWHERE`.
 Saved = PrefillState | Lost | None
 
 
@@ -82,6 +95,10 @@ class PrefillPort:
     kv_server: KvServer | None = None
     #: The address this worker's snapshot server listens on (its data-plane host).
     host: str = "127.0.0.1"
+    #: This worker's datacenter: snapshots held in another are not fetched (module docstring).
+    dc: str = ""
+    #: Resumed items computed again from their prompt because their snapshot is in another DC.
+    elsewhere: int = 0
     #: This worker's snapshots, served to the worker that resumes each (started by `start`).
     snapshots: KvServer | None = None
     _client: KvClient = field(default_factory=KvClient)
@@ -140,16 +157,21 @@ class PrefillPort:
             )
             return False
         self._put_at[key] = time.monotonic()
-        await self.redis.set(key, holder, ex=keys.PREFILL_SNAPSHOT_TTL_S)
+        await self.redis.set(key, f"{self.dc} {holder}", ex=keys.PREFILL_SNAPSHOT_TTL_S)
         return True
 
     async def load_snapshot(self, handle: str, layers: int) -> Saved:
         """The state under the handle `handle` (a `keys.prefill_snapshot_key`), fetched from its
-        holder; None if the handle is gone (expired or spent), `LOST` if its holder cannot give it."""
+        holder; None if the handle is gone (expired or spent), `LOST` if its holder cannot give it,
+        `ELSEWHERE` if it is held in another datacenter."""
         raw: Any = await self.redis.get(handle)
         if raw is None:
             return None
-        holder = raw.decode()
+        dc, _, holder = raw.decode().rpartition(" ")
+        if resume_layer(1, dc, self.dc) == 0:
+            self.elsewhere += 1
+            log.debug("a resumed prefill's state is in another datacenter: computed again here", handle=handle, dc=dc)
+            return ELSEWHERE
         if self.snapshots is not None and holder == self.snapshots.holder:
             data = self.snapshots.shelf.get(handle, time.time())
             why = "" if data is not None else "no longer on this worker's shelf"

@@ -211,7 +211,14 @@ async def _train(
     state_dir = settings.state_dir
     checkpoints = CheckpointStore(bus.redis, run, lease.all_slots, state_dir) if spec.training.recovers else None
     runner.port = port = StagePort(
-        PrefillPort(bus.redis, run, spec.prefill.kv_ttl_s, spec.prefill.kv_budget_mb << 20, host=plane.addresses[0]),
+        PrefillPort(
+            bus.redis,
+            run,
+            spec.prefill.kv_ttl_s,
+            spec.prefill.kv_budget_mb << 20,
+            host=plane.addresses[0],
+            dc=placement.stage_dc[slot.stage],
+        ),
         transport,
         StatePort(bus.redis, run, slot, state_dir, checkpoints),
     )
@@ -233,6 +240,8 @@ async def _train(
             readings["kv_held"] = lambda: server.held  # caches held now: 0 once every decode freed its own
             readings["kv_served"] = lambda: server.served  # fetches answered with a cache
             await server.start()
+        # resumed items computed again because their snapshot is in another DC
+        readings["snapshots_elsewhere"] = lambda: port.prefill.elsewhere
         port.prefill.kv_server = kv_server
         await port.prefill.start()  # preempted prefills' snapshots stay here, served to whoever resumes them
         runner.filler = Filler(

@@ -13,6 +13,8 @@ simulator runs the same rules on a virtual clock.
 * When a bubble ends, the batches sent for it that did not run go back; staged ones stay for the next.
 * A staged batch that no bubble has taken within `hold_s` goes back unrun (training paused or over),
   and the dispatcher queues its requests again.
+* A preempted prefill resumes from its saved state only in the datacenter that saved it
+  (`resume_layer`); a worker in another DC computes it again from its prompt.
 """
 
 from __future__ import annotations
@@ -117,3 +119,14 @@ class FillPolicy:
     def at_close(self, queued: list[Held]) -> list[str]:
         """Ids of every batch to hand back when the worker stops: nothing more will run here."""
         return [h.batch_id for h in queued]
+
+
+def resume_layer(from_layer: int, saved_in: str, here: str) -> int:
+    """The layer a resumed prefill starts from on a worker in datacenter `here`, its state having
+    been saved at `from_layer` by a worker in `saved_in`: that layer in the same datacenter, else 0.
+
+    Why not fetch the state across: a snapshot (hidden state and KV so far, up to a KV cache's
+    size) would cross the WAN the pipeline's activations need, and take its time from training
+    (measured under the kernel WAN: the demo's training slowed 295%). A bubble's compute is
+    what is spare, so the request is computed again from its prompt instead."""
+    return from_layer if saved_in == here else 0

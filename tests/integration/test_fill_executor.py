@@ -21,7 +21,7 @@ import torch
 from services.stage_worker import port_prefill
 from services.stage_worker.filler import Filler
 from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.port import LOST, PrefillPort, StagePort
+from services.stage_worker.port import ELSEWHERE, LOST, PrefillPort, StagePort
 from shared.bus import Bus, Delivery, Reject
 from shared.control import keys, serving
 from shared.control.status import ItemOutcome, RequestStatus
@@ -147,9 +147,9 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         queued = await serving.lookup(bus.redis, req.id)
         assert spans and queued is not None and queued.status is RequestStatus.QUEUED
         snap_key = keys.prefill_snapshot_key(RUN, req.id, p.reached_layer)
-        # the state stays on this worker's snapshot shelf; Redis holds only its handle, the holder
+        # the state stays on this worker's snapshot shelf; Redis holds only its handle: "<dc> <holder>"
         holder = filler.port.prefill.snapshots.holder if filler.port.prefill.snapshots else None
-        assert await bus.redis.get(snap_key) == str(holder).encode()
+        assert await bus.redis.get(snap_key) == f"{filler.port.prefill.dc} {holder}".encode()
         assert await filler.port.load_snapshot(snap_key, LAYERS) is not None
 
         # Bubble 2: resume where it stopped; the answer equals one uninterrupted prefill.
@@ -209,6 +209,28 @@ async def test_a_snapshot_is_fetched_from_the_worker_holding_it_and_dropped_once
         await holder.close_prefill()  # the holder died: its snapshots with it (computed again from the prompt)
         assert await resumer.load_snapshot(keys.prefill_snapshot_key(RUN, "far", 4), model.layers) is LOST
         await resumer.close_prefill()
+
+
+async def test_a_snapshot_held_in_another_datacenter_is_not_fetched(redis_url: str) -> None:
+    """A worker of another DC does not fetch a snapshot over the WAN: it is told `ELSEWHERE` (and
+    computes the request from its prompt) without opening a connection; a worker of the holder's
+    DC fetches it."""
+    model = PrefillModel(CFG, seed=5)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        holder, near, far = (
+            StagePort(PrefillPort(bus.redis, RUN, kv_ttl_s=0, dc=dc)) for dc in ("dc-a", "dc-a", "dc-b")
+        )
+        state = model.start(list(PROMPT))
+        model.run_layers(state, max_layers=2)
+        assert await holder.save_snapshot("abroad", 2, state)
+        key = keys.prefill_snapshot_key(RUN, "abroad", 2)
+        assert await far.load_snapshot(key, model.layers) is ELSEWHERE
+        assert far.prefill.elsewhere == 1 and far.prefill._client.connects == 0
+        got = await near.load_snapshot(key, model.layers)
+        assert got is not None and got is not ELSEWHERE and got.next_layer == 2  # type: ignore[union-attr]
+        assert near.prefill.elsewhere == 0 and near.prefill._client.connects == 1
+        for p in (holder, near, far):
+            await p.close_prefill()
 
 
 async def _until(cond: Callable[[], bool]) -> None:

@@ -69,6 +69,31 @@ def test_a_started_block_runs_to_its_end_when_the_input_arrives() -> None:
     assert host.spans == [(0.0, pytest.approx(0.003))]
 
 
+def test_a_prefill_resumes_from_its_saved_layer_only_in_the_datacenter_that_saved_it() -> None:
+    """As on the live worker (`resume_layer`): preempted at layer 2 in dc-a, the request resumes
+    there from layer 2; sent to dc-b it runs from its prompt, all four layers."""
+    q, host, saved_in = EventQueue(), Host(), dict[str, str]()
+    policy, profile = FillPolicy(guard_s=0.002), PrefillProfile(0.0005, 0.000005)
+    a = Executor(0, 4, policy, profile, q, host, "dc-a", saved_in)
+    b = Executor(1, 4, policy, profile, q, host, "dc-b", saved_in)
+    a.open(0.0, predicted_s=0.010)
+    a.on_batch(0.0, _batch("b1", 100, 4))
+    q.run(until=0.0015)
+    a.close(a.input_arrived(0.0015))  # cut after its second block
+    assert host.reports[-1][1][0].reached_layer == 2 and saved_in == {"b1-r": "dc-a"}
+    resumed = BatchItem("b1-r", SimRequest("b1-r", 100, 0.0), 2, 4, 0.002)
+    for ex, blocks in ((b, 4), (a, 2)):  # either resumes the state saved in dc-a
+        saved_in["b1-r"] = "dc-a"
+        t = q.now
+        ex.open(t, predicted_s=0.010)
+        ex.on_batch(t, Batch(f"on-{ex.dc}", "w", "w", (resumed,), False, _batch("x", 1, 1).why))
+        q.run()
+        ex.close(q.now)
+        [p] = host.reports[-1][1]
+        assert p.finished and p.seconds == pytest.approx(blocks * 0.001)
+    assert saved_in == {}
+
+
 def test_no_block_starts_that_would_end_after_the_predicted_end_minus_the_guard() -> None:
     q, ex, host = _executor()
     ex.open(0.0, predicted_s=0.0045)  # room until 2.5 ms: two 1-ms blocks, not three
