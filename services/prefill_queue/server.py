@@ -89,6 +89,9 @@ class HttpProtocol(RequestHandler):
     def handle_error(
         self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
     ) -> web.StreamResponse:
+        if isinstance(exc, ConnectionResetError):  # a streamed answer's write found the client gone
+            log.info("the client closed the connection before its answer was complete", peer=request.remote)
+            raise ConnectionError("the client closed the connection") from exc
         if status >= 500:
             self.log_exception("error handling a request", exc_info=exc)  # a server bug: the traceback
             message = "internal error: the request failed on the server"

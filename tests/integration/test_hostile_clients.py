@@ -25,11 +25,11 @@ from redis.asyncio import Redis
 from services.prefill_queue.app import create_app
 from services.prefill_queue.server import Runner
 from services.prefill_queue.validation import MAX_JSON_DEPTH, json_too_deep
-from shared.control import keys
+from shared.control import keys, serving
 from shared.runtime.logs import KeyValueFormatter
 from shared.runtime.service import serve_app
 from shared.spec.settings import Settings
-from tests.integration.test_prefill_api import settings_for
+from tests.integration.test_prefill_api import ok_result, settings_for, take_requests
 
 pytestmark = pytest.mark.integration
 
@@ -277,6 +277,38 @@ async def test_client_errors_are_logged_in_one_line_without_a_traceback(
     assert any("headers not received" in r.getMessage() for r in records)
     for r in records:
         assert "\n" not in KeyValueFormatter().format(r)
+
+
+async def test_a_client_gone_mid_stream_is_logged_in_one_line_without_a_traceback(
+    server: str, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A streaming client that hangs up before its last answer: the write that finds the
+    connection closed is a client leaving, not a server error (no traceback, no 500 logged)."""
+    caplog.set_level(logging.DEBUG)
+    body = json.dumps({"prompt": ["ab", "cd"], "stream": True}).encode()
+    host, port = server.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    first, second = await take_requests(redis, 2)
+    assert await serving.answer(redis, ok_result(first, 65), first.reply_to)
+    assert b"200" in await asyncio.wait_for(reader.readline(), 30)  # the stream began
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.sleep(0.2)
+    assert await serving.answer(redis, ok_result(second, 66), second.reply_to)
+    for _ in range(100):  # the handler writes the second answer to the closed connection
+        if any("closed the connection" in r.getMessage() for r in caplog.records):
+            break
+        await asyncio.sleep(0.05)
+    records = [r for r in caplog.records if r.name.startswith(("services", "aiohttp", "shared"))]
+    assert not [r for r in records if r.levelno >= logging.ERROR or r.exc_info], [r.getMessage() for r in records]
+    assert any("closed the connection" in r.getMessage() for r in records)
+    status, _, _ = await call(server, "GET", "/health")
+    assert status == 200
 
 
 # --- 6. generated requests from /openapi.json ----------------------------------------------------
