@@ -8,11 +8,13 @@ slots computed with the project's own placement, `shared.spec.plan.placement_of`
 Prometheus annotations use the ports and paths the services really serve (and compose's Prometheus
 scrapes), and Redis's password only ever comes from the Secret.
 
-Skipped, saying why, where `kubectl` or `kubernetes-validate` (the `dev` extra) is missing.
+Skipped, saying why, where `kubectl` (1.27 or newer: kustomize v5) or `kubernetes-validate` (the
+`dev` extra) is missing.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from functools import cache
@@ -22,11 +24,25 @@ from typing import Any
 import pytest
 import yaml
 
-if shutil.which("kubectl") is None:
-    pytest.skip(
-        "kubectl is not installed: it renders the kustomize overlays (e.g. apt-get install kubernetes-client)",
-        allow_module_level=True,
-    )
+
+def kustomize_problem() -> str | None:
+    """Why this kubectl cannot render the overlays (None: it can). They need kustomize v5 (kubectl
+    1.27+): Debian 12's kubernetes-client is kubectl 1.20, whose kustomize knows no components."""
+    if shutil.which("kubectl") is None:
+        return "kubectl is not installed: it renders the kustomize overlays (kubectl 1.27 or newer)"
+    out = subprocess.run(["kubectl", "version", "--client", "-o", "json"], capture_output=True, text=True, timeout=30)
+    try:
+        kustomize = str(json.loads(out.stdout).get("kustomizeVersion", ""))
+    except json.JSONDecodeError:
+        kustomize = ""
+    major = kustomize.lstrip("v").split(".")[0]
+    if not major.isdigit() or int(major) < 5:
+        return f"this kubectl's kustomize ({kustomize or 'unknown'}) is older than v5: install kubectl 1.27 or newer"
+    return None
+
+
+if (problem := kustomize_problem()) is not None:
+    pytest.skip(problem, allow_module_level=True)
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e '.[dev]')"
 )
