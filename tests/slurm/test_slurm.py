@@ -173,16 +173,25 @@ def completion(run: Run, prompt: str) -> dict[str, object]:
         return answer
 
 
+def served(run: Run, cluster: SlurmCluster, prompt: str) -> dict[str, object]:
+    """The front door's answer to `prompt`, once it serves: it answers 503 while the run is not
+    training (before every slot joined, and while a recovery is under way), as a client retries."""
+
+    def attempt() -> dict[str, object] | None:
+        try:
+            return completion(run, prompt)
+        except (urllib.error.URLError, OSError):
+            return None
+
+    answer = wait_for(attempt, 90, f"the front door to answer {prompt!r}", cluster)
+    assert isinstance(answer, dict)
+    return answer
+
+
 def test_prefill_requests_to_the_front_door_are_answered(cluster_and_run: tuple[SlurmCluster, Run]) -> None:
     cluster, run = cluster_and_run
 
-    def first() -> dict[str, object] | None:
-        try:
-            return completion(run, "the bubbles of a pipeline")
-        except (urllib.error.URLError, OSError):
-            return None  # not serving yet (the dispatcher waits for every slot to train)
-
-    assert wait_for(first, 60, "the front door's first answer", cluster)
+    assert served(run, cluster, "the bubbles of a pipeline")
     answers = [completion(run, f"prompt number {i} in a bubble") for i in range(8)]
     assert all(a.get("choices") for a in answers), answers
 
@@ -208,7 +217,8 @@ def test_a_cancelled_worker_step_is_survived(cluster_and_run: tuple[SlurmCluster
         120, "the spare to take the slot and join the run", cluster,
     )  # fmt: skip
     TIMINGS["step_cancel_to_spare_training"] = f"{time.monotonic() - t0:.1f} s"
-    answers = [completion(run, f"after the takeover {i}") for i in range(4)]
+    # serving again once the recovery is over (a 503 meanwhile: retried, as a client does)
+    answers = [served(run, cluster, "after the takeover")] + [completion(run, f"after it {i}") for i in range(3)]
     assert all(a.get("choices") for a in answers), answers
     # the job keeps a spare: a new step replaces the lost one
     wait_for(lambda: "starting a new spare" in (run.folder / f"bt-workers-{job}.out").read_text(), 30,
