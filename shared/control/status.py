@@ -65,9 +65,10 @@ class ServingState(enum.StrEnum):
 
     @property
     def ready(self) -> bool:
-        """Whether new requests are taken: while a run's workers set up or recover, they wait for
-        its next bubbles."""
-        return self in (ServingState.SERVING, ServingState.JOINING, ServingState.RECOVERING)
+        """Whether new requests are taken: while a run's workers set up, they wait for its first
+        bubbles. Not while it waits for a lost worker's replacement: that may never come (a host
+        lost for good, no spare), and a request taken then would only wait for its deadline."""
+        return self in (ServingState.SERVING, ServingState.JOINING)
 
 
 class ControlEvent(enum.StrEnum):

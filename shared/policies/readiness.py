@@ -34,8 +34,10 @@ Once training was seen running, a run that no longer holds every slot is:
 * RECOVERING: a slot lost its worker (its lease expired without an end marker) less than
   `recovery_s` ago, or every slot is held again but not every worker rejoined yet, in a run that
   checkpoints: the run pauses for a replacement and resumes from
-  a checkpoint (services/stage_worker/recovery.py). Requests are still taken and kept: they wait
-  for the resumed run's bubbles (a lost worker costs latency, not answers).
+  a checkpoint (services/stage_worker/recovery.py). Requests already queued are kept: they wait
+  for the resumed run's bubbles (a lost worker costs latency, not answers). New ones are refused
+  (503, Retry-After 5 s): the replacement may never come (a host lost for good and no spare
+  worker), and a request taken then would only wait out its deadline for a 504.
 * LOST: a slot ended because of another slot's failure (its reason names the culprit), or a
   slot lost its worker longer ago than that (or in a run that cannot recover).
 
@@ -153,8 +155,9 @@ class ServingGate:
                 )
             if self.recovery_s > 0:
                 return ServingState.RECOVERING, (
-                    f"run {self.run} is resuming from its last checkpoint: every slot is held again and its "
-                    "workers are rejoining; requests wait"
+                    f"run {self.run} is recovering from a lost worker: every slot is held again and its "
+                    "workers are rejoining to resume from the last checkpoint; queued requests wait, new ones "
+                    "are refused until it resumes"
                 )
         if running:
             self.lost_since = self.setting_up_since = None
@@ -188,6 +191,7 @@ class ServingGate:
         if self.recovery_s > 0 and now - self.lost_since <= self.recovery_s:
             return ServingState.RECOVERING, (
                 f"slot {missing} lost its worker: run {self.run} pauses until a replacement takes the slot and "
-                f"resumes from its last checkpoint (gives up after {self.recovery_s:g}s); requests wait"
+                f"resumes from its last checkpoint (gives up after {self.recovery_s:g}s); queued requests wait, new "
+                "ones are refused until a replacement worker comes"
             )
         return ServingState.LOST, f"training stopped: slot {missing} lost its worker (its lease expired)"

@@ -33,7 +33,11 @@ RECOVERY_BOUND_S = 90
 #: The services compose runs by default, each with a healthcheck.
 SERVICES = {"redis", "prefill_queue", "wan_broker", "dispatcher", "stage_worker"}
 #: The Prometheus jobs (docker/prometheus/prometheus.yml) and how many targets each has.
-SCRAPED = {"prefill_queue": 1, "wan_broker": 1, "dispatcher": 1, "stage_worker": 4}
+#: Prometheus's targets by job, and how many of each are up: a spare worker (compose keeps one per
+#: datacenter) serves no /metrics until it holds a slot.
+SCRAPED = {"prefill_queue": 1, "wan_broker": 1, "dispatcher": 1, "stage_worker": 6}
+SCRAPED_UP = {**SCRAPED, "stage_worker": 4}
+SPARES = 2
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def test_every_service_is_healthy_and_ready_within_the_bound(project: Project) -
     rows = [json.loads(line) for line in project.compose("ps", "--format", "json").stdout.splitlines()]
     assert {r["Service"] for r in rows} == SERVICES
     assert all(r["Health"] == "healthy" for r in rows if r["Service"] != "prefill_queue"), rows
-    assert len([r for r in rows if r["Service"] == "stage_worker"]) == 4
+    assert len([r for r in rows if r["Service"] == "stage_worker"]) == 6  # 4 slots + a spare per DC
     ready = project.ready()
     assert ready is not None and ready["state"] == "serving", ready
 
@@ -117,7 +121,7 @@ def test_a_load_burst_from_the_loadgen_profile_loses_nothing(project: Project, t
 def test_prometheus_scrapes_every_service(project: Project) -> None:
     project.compose("--profile", "monitoring", "up", "--detach", "prometheus")
     url = f"http://127.0.0.1:{project.prometheus_port}/api/v1/targets"
-    deadline, health = time.monotonic() + 90, {}
+    deadline, health = time.monotonic() + 90, dict[str, list[str]]()
     while time.monotonic() < deadline:
         try:
             targets = json.loads(_get(url))["data"]["activeTargets"]
@@ -126,20 +130,20 @@ def test_prometheus_scrapes_every_service(project: Project) -> None:
         health = {}
         for t in targets:
             health.setdefault(t["labels"]["job"], []).append(t["health"])
-        if {job: len(h) for job, h in health.items()} == SCRAPED and all(
-            h == "up" for hs in health.values() for h in hs
-        ):
+        up = {job: hs.count("up") for job, hs in health.items()}
+        if {job: len(h) for job, h in health.items()} == SCRAPED and up == SCRAPED_UP:
             return
         time.sleep(1)
-    raise AssertionError(f"Prometheus's targets by job after 90 s: {health} (expected every one up: {SCRAPED})")
+    raise AssertionError(f"Prometheus's targets by job after 90 s: {health} (expected {SCRAPED}, up {SCRAPED_UP})")
 
 
 def test_a_crashed_stage_worker_is_restarted_and_takes_its_slot_back_under_load(
     project: Project, tmp_path: Path
 ) -> None:
     """A crash (the process killed outside the engine's API, as the OOM killer does) is what the
-    restart policy is for; nothing the load sends meanwhile may be lost."""
-    victim = project.containers("stage_worker")[1]
+    restart policy is for; nothing the load sends meanwhile may be lost: what is not answered was
+    refused at once (503, Retry-After) while the run waited for its worker."""
+    victim = _holders_and_spares(project)[0][1]
     pid = int(project.inspect(victim, "{{.State.Pid}}"))
     load = subprocess.Popen(
         [sys.executable, "-m", "loadgen", "--base-url", project.base_url, "--api-key", project.api_key,
@@ -165,18 +169,14 @@ def test_a_crashed_stage_worker_is_restarted_and_takes_its_slot_back_under_load(
         load.kill()
     assert load.returncode == 0, err
     result = json.loads((tmp_path / "load.json").read_text())
-    assert result["failed"] == 0 and result["completed"] > 100, result["error_counts"]
+    assert set(result["error_counts"]) <= {"503"} and result["completed"] > 100, result["error_counts"]
 
 
 def test_extra_workers_wait_as_spares_and_take_over_a_freed_slot(project: Project) -> None:
-    """`docker kill` is a deliberate stop to the engine: no restart; a spare takes the slot."""
-    project.compose("up", "--detach", "--no-recreate", "--scale", "stage_worker=6")
-    workers = project.containers("stage_worker")
-    assert len(workers) == 6
-    spares = workers[4:]
-    for spare in spares:
-        _wait_for(lambda s=spare: "waiting as a spare" in project.logs(s), 60, f"{spare} to wait as a spare")
-    holder = workers[0]
+    """`docker kill` is a deliberate stop to the engine: no restart; a spare (compose keeps one
+    per datacenter) takes the slot."""
+    holders, spares = _holders_and_spares(project)
+    holder = holders[0]
     docker("kill", holder)
     t0 = time.monotonic()
     _wait_for(
@@ -193,6 +193,19 @@ def test_down_leaves_nothing_behind(project: Project) -> None:
     project.down()
     for kind in ("containers", "networks", "volumes"):
         assert project.resources(kind) == [], kind
+
+
+def _holders_and_spares(project: Project) -> tuple[list[str], list[str]]:
+    """The stage_worker containers holding a slot, and the spares (each says it waits as one)."""
+    workers = project.containers("stage_worker")
+    assert len(workers) == 4 + SPARES, workers
+
+    def spares() -> list[str]:
+        return [w for w in workers if "waiting as a spare" in project.logs(w)]
+
+    _wait_for(lambda: len(spares()) == SPARES, 60, f"{SPARES} workers to wait as spares")
+    waiting = spares()
+    return [w for w in workers if w not in waiting], waiting
 
 
 def _get(url: str) -> str:

@@ -69,7 +69,8 @@ def test_a_lost_worker_in_a_run_that_checkpoints_is_recovering_until_the_timeout
     g.assess(HELD, now=0.0)
     lost = [HELD[0], SlotView("r0s1", False)]
     v = g.assess(lost, now=5.0)
-    assert v.state is ServingState.RECOVERING and v.ready and not v.fail_queued  # requests wait, new ones taken
+    assert v.state is ServingState.RECOVERING and not v.ready and not v.fail_queued  # queued wait, new ones refused
+    assert v.retry_after_s == 5
     assert "slot r0s1 lost its worker" in v.reason and "resumes from its last checkpoint" in v.reason
     assert g.assess(lost, now=35.0).state is ServingState.RECOVERING  # 30 s after the loss was first seen
     # a replacement took the slot: serving, and the quiet time of the pause is not a stall
@@ -100,9 +101,9 @@ def test_held_slots_whose_workers_have_not_joined_are_not_training_yet() -> None
     assert not v.ready and not v.fail_queued  # what was taken keeps waiting
     assert g.assess(HELD, now=20.0, joined=False).state is ServingState.STARTING  # however long it takes
     assert g.assess(HELD, now=21.0).state is ServingState.SERVING  # joined: the first bubble's grace starts
-    # a resumption: held again, rejoining: recovering (taking requests), not stalled
+    # a resumption: held again, rejoining: recovering (queued requests kept, new ones refused), not stalled
     v = g.assess(HELD, now=40.0, joined=False)
-    assert v.state is ServingState.RECOVERING and v.ready and not v.fail_queued
+    assert v.state is ServingState.RECOVERING and not v.ready and not v.fail_queued
     assert g.assess(HELD, now=60.0, joined=False).state is ServingState.RECOVERING
     assert g.assess(HELD, now=61.0).state is ServingState.SERVING
 
