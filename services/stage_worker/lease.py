@@ -115,8 +115,10 @@ class SlotLease:
         self, stop: asyncio.Event, allowed: Callable[[Slot], bool] | None = None, poll_s: float = SPARE_POLL_S
     ) -> Slot | None:
         """Every slot is held: wait, as a spare, for the first one to free (its worker died and its
-        lease expired, or it was stopped) and lease it; None if `stop` is set first. Only a run
-        that recovers has use for a spare: the peers resume with it from the newest checkpoint."""
+        lease expired, or it was stopped) and lease it; None if `stop` is set first, or once every
+        slot it may take finished training (a slot whose worker ended `done` is not taken over:
+        nothing is left to train there). Only a run that recovers has use for a spare: the peers
+        resume with it from the newest checkpoint."""
         candidates = [s for s in self.all_slots if allowed is None or allowed(s)]
         log.info(
             "every slot is held: waiting as a spare to take over the first that frees",
@@ -125,12 +127,22 @@ class SlotLease:
             holder=self.holder,
         )
         while not stop.is_set():
+            done = 0
             for s in candidates:
-                if await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
-                    self.slot = s
-                    self.redis_run_id = await self._redis_run_id()
-                    log.info("slot leased by a spare", run=self.run, slot=s.name, holder=self.holder)
-                    return s
+                if not await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
+                    continue
+                # A finishing worker writes its end before it releases: leased, its end is visible.
+                if (await self.ended(s))[0] is LeaseState.DONE:
+                    await self.r.eval(_RELEASE, 1, self._key(s), self.holder)
+                    done += 1
+                    continue
+                self.slot = s
+                self.redis_run_id = await self._redis_run_id()
+                log.info("slot leased by a spare", run=self.run, slot=s.name, holder=self.holder)
+                return s
+            if done == len(candidates):
+                log.info("every slot this spare could take finished training: nothing to take over", run=self.run)
+                return None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), poll_s)
         return None

@@ -108,7 +108,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 raise
             spare = await lease.wait_as_spare(stop, allowed)
             if spare is None:
-                log.info("stopped while waiting as a spare")
+                log.info("left as a spare: stopped, or the run finished")
                 return
             slot = spare
         device = select_device(spec.device.kind, slot_index(slot.replica, slot.stage, spec.parallelism.pp))

@@ -113,3 +113,20 @@ async def test_a_spare_takes_the_first_slot_that_frees_and_stops_when_told(redis
     await asyncio.sleep(0.2)
     stop.set()
     assert await asyncio.wait_for(waiting, 5) is None and second.slot is None
+
+
+async def test_a_spare_does_not_take_over_a_slot_that_finished_and_leaves_once_all_did(redis: Redis) -> None:
+    """A slot whose worker ended `done` has nothing left to train: a spare that took it would wait
+    for peers that are gone. It takes a slot freed otherwise, and leaves once every slot it could
+    take is done."""
+    holders = [SlotLease(redis, "fin", pp=2, dp=1, holder=f"w{i}") for i in range(2)]
+    for lease in holders:
+        await lease.acquire()
+    spare = SlotLease(redis, "fin", pp=2, dp=1, holder="spare")
+    waiting = asyncio.create_task(spare.wait_as_spare(asyncio.Event(), poll_s=0.05))
+    await holders[0].finish()  # done: released, and not to be taken over
+    await asyncio.sleep(0.3)
+    assert not waiting.done() and await redis.get(keys.lease_key("fin", 0, 0)) is None
+    await holders[1].finish()  # every slot finished: the spare leaves
+    assert await asyncio.wait_for(waiting, 5) is None and spare.slot is None
+    assert await redis.get(keys.lease_key("fin", 0, 1)) is None
