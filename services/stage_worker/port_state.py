@@ -14,7 +14,7 @@ three times the stage's size. Redis holds only **references**, the files' absolu
 A file is written whole (to a temporary name, then renamed) before its reference is, so a reader
 never sees half of one. A replacement worker reads its slot's checkpoint from the path its dead
 predecessor wrote: on one host any directory does; workers on several hosts that may replace each
-other need one directory every host shares (docs/multihost.md).
+other need one directory every host shares (docs/deploy.md).
 """
 
 from __future__ import annotations

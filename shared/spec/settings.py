@@ -38,7 +38,7 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
                        ``bubbletea train --save`` (Redis holds only their paths). Default
                        ``<temp dir>/bubbletea-state``; ``bubbletea up`` gives ``<run folder>/state``. A
                        replacement worker reads its slot's checkpoint from here: workers on several
-                       hosts need one directory every host shares (docs/multihost.md)
+                       hosts need one directory every host shares (docs/deploy.md)
 ``BUBBLETEA_DC``        a stage worker takes only slots whose stage is placed in this datacenter
                        (the workers of one DC on one host; default: any slot)
 ``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy

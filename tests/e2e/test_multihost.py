@@ -1,4 +1,4 @@
-"""Multi-host, as docs/multihost.md tells it, with network namespaces as the hosts.
+"""Multi-host, as docs/deploy.md tells it, with network namespaces as the hosts.
 
 The control host (this namespace) runs Redis and the WAN broker; each datacenter is a namespace
 of its own (a "host" with its own address), whose stage workers are started exactly as the
