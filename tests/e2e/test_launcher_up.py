@@ -67,7 +67,8 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 
 async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: Path) -> None:
-    spec = {**SPEC, "http": {"host": "127.0.0.1", "port": 0}}
+    # training.iterations: 3; `up` trains until stopped all the same
+    spec = {**SPEC, "http": {"host": "127.0.0.1", "port": 0}, "training": {**SPEC["training"], "iterations": 3}}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # an embedded Redis of its own
@@ -77,7 +78,7 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
         "bubbletea.cli",
         "up",
         "--config",
-        str(path),  # training.iterations: 8 in this spec; `up` trains until stopped all the same
+        str(path),
         "--out",
         str(tmp_path / "runs"),
         cwd=ROOT,
@@ -114,12 +115,12 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
             targets = json.loads((folder.parent / "prometheus-targets.json").read_text())
             assert {g["labels"]["bubbletea_service"] for g in targets} == set(endpoints)
 
-            # training goes on past the spec's 8 iterations: the service does not run out of bubbles
+            # training goes on past the spec's 3 iterations: the service does not run out of bubbles
             async def past_the_spec() -> bool:
                 done = [(await scrape(http, endpoints[w]))["bubbletea:iterations_total"] for w in workers]
-                return min(done) > 8
+                return min(done) > 3
 
-            await wait_until(past_the_spec, "every worker training past the spec's 8 iterations", timeout=90)
+            await wait_until(past_the_spec, "every worker training past the spec's 3 iterations", timeout=90)
 
             # A batch packed for a bubble while it is open (what dispatch latency measures): the
             # 20 above may all have gone out staged for the workers' next bubbles (not counted),
@@ -137,7 +138,7 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
         assert broker["bubbletea:wan_bytes_total"] > 0 and broker["bubbletea:wan_transfers_total"] > 0
         for w in workers:
             m = scraped[w]
-            assert m["bubbletea:iteration_seconds_count"] > 8 and m["bubbletea:bubble_seconds_total"] > 0, w
+            assert m["bubbletea:iteration_seconds_count"] > 3 and m["bubbletea:bubble_seconds_total"] > 0, w
             assert "bubbletea:stream_lag" in m and "bubbletea:dead_lettered" in m, w
         # the prompts ran in bubbles: some worker spent prefill time there
         assert sum(scraped[w]["bubbletea:prefill_seconds_total"] for w in workers) > 0
