@@ -26,7 +26,6 @@ from shared.spec.settings import Settings
 def check_run(settings: Settings) -> None:
     """Raise ConfigError, in one line naming the field or variable, for what a run of `settings`
     would refuse at start."""
-    from shared.model.training import check_training
     from shared.spec.plan import placement_of
 
     spec = settings.base_spec or settings.spec
@@ -36,10 +35,13 @@ def check_run(settings: Settings) -> None:
     except PlacementError as exc:
         raise ConfigError(f"{source}: parallelism: {exc}") from None
     _check_prefill(spec, source)
-    try:
-        check_training(spec)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+    if spec.training.model is not None:  # torch is imported only then: 2 s of every command's start
+        from shared.model.training import check_training
+
+        try:
+            check_training(spec)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
     if os.environ.get("BUBBLETEA_REDIS_SERVER"):
         try:
             find_redis_server()

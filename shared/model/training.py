@@ -55,13 +55,6 @@ def build_training_stage(spec: ClusterSpec, stage: int) -> TrainingStage:
     return HFStage(config, stage=stage, ranges=ranges, seed=spec.model.seed, weights=weights)
 
 
-#: Bytes a stage's state takes in Redis per parameter: a checkpoint (weights + AdamW's two
-#: moments, float32) and, when saving, the weights once more.
-STATE_BYTES_PER_PARAM = 16
-#: The largest value Redis stores (proto-max-bulk-len's default).
-REDIS_VALUE_LIMIT = 512 << 20
-
-
 class TrainingInputError(ConfigError):
     """`training.model` or `training.data` cannot be trained here; one line naming the field."""
 
@@ -82,14 +75,6 @@ def check_training(spec: ClusterSpec) -> None:
             checked_state(lm, read_tensors(Path(tr.model)), Path(tr.model))
     except CheckpointError as exc:
         raise TrainingInputError(f"training.model: {exc}") from None
-    per_stage = sum(p.numel() for p in lm.parameters()) / spec.parallelism.pp
-    if (tr.checkpoint_every > 0 or tr.save_every > 0) and per_stage * STATE_BYTES_PER_PARAM > REDIS_VALUE_LIMIT:
-        raise TrainingInputError(
-            f"training.model: about {per_stage / 1e6:.0f} M parameters per stage; a stage's checkpoint "
-            f"({STATE_BYTES_PER_PARAM} B per parameter: weights and AdamW's two moments, plus the weights for "
-            f"a save) exceeds Redis's {REDIS_VALUE_LIMIT >> 20} MB value limit: use more stages (parallelism.pp), "
-            "or training.checkpoint_every: 0 and no save"
-        )
     if tr.data is None:
         return
     try:  # tokenized here as the workers will: every refusal of corpus.py, once, before anything starts

@@ -99,12 +99,11 @@ def test_missing_and_empty_data_files_are_refused(tmp_path: Path) -> None:
         check_training(spec_for(d, [str(tmp_path / "bad.jsonl")]))
 
 
-def test_a_model_too_big_for_a_redis_checkpoint_is_refused(tmp_path: Path) -> None:
+def test_a_model_past_redis_value_limit_per_stage_is_accepted_with_checkpoints(tmp_path: Path) -> None:
+    """Checkpoints are files under BUBBLETEA_STATE_DIR, not Redis values: a stage whose state
+    (about 16 B a parameter) is past Redis's 512 MB value limit trains with checkpoints."""
     d = model_dir(tmp_path, hidden_size=4096, intermediate_size=16384, num_hidden_layers=2, vocab_size=32000)
-    with pytest.raises(TrainingInputError) as refused:
-        check_training(spec_for(d))
-    assert "M parameters per stage" in one_line(refused) and "512 MB value limit" in str(refused.value)
-    check_training(spec_for(d, checkpoint_every=0))  # no checkpoints, no save: nothing goes to Redis
+    check_training(spec_for(d))  # about 170 M parameters a stage: 2.7 GB of state
 
 
 def test_a_split_that_leaves_a_stage_without_a_layer_is_refused(tmp_path: Path) -> None:
