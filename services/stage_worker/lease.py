@@ -126,21 +126,21 @@ class SlotLease:
             slots=len(candidates),
             holder=self.holder,
         )
+        done: set[Slot] = set()  # slots that finished training: never taken over, not asked again
         while not stop.is_set():
-            done = 0
             for s in candidates:
-                if not await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
+                if s in done or not await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
                     continue
                 # A finishing worker writes its end before it releases: leased, its end is visible.
                 if (await self.ended(s))[0] is LeaseState.DONE:
                     await self.r.eval(_RELEASE, 1, self._key(s), self.holder)
-                    done += 1
+                    done.add(s)
                     continue
                 self.slot = s
                 self.redis_run_id = await self._redis_run_id()
                 log.info("slot leased by a spare", run=self.run, slot=s.name, holder=self.holder)
                 return s
-            if done == len(candidates):
+            if len(done) == len(candidates):
                 log.info("every slot this spare could take finished training: nothing to take over", run=self.run)
                 return None
             with contextlib.suppress(TimeoutError):

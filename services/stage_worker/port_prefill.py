@@ -18,7 +18,7 @@
 A snapshot never crosses datacenters: the handle names the holder's DC too ("<dc> <host:port>"),
 and a worker of another DC computes the request again from its prompt (`ELSEWHERE`, counted in
 `elsewhere`) instead of fetching the state over the WAN that training's activations use
-(`shared.policies.fill.resume_layer` says why).
+(`shared.policies.fill.resumes_from_saved_state` says why).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from shared.dataplane import kvstore
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.dataplane.kv_client import KvClient
 from shared.model.prefill import PrefillState
-from shared.policies.fill import resume_layer
+from shared.policies.fill import resumes_from_saved_state
 from shared.runtime.logs import get_logger
 from shared.spec.config import DEFAULT_KV_BUDGET_MB
 from shared.wire import PrefillSnapshot, WireError, decode, encode
@@ -168,7 +168,7 @@ class PrefillPort:
         if raw is None:
             return None
         dc, _, holder = raw.decode().rpartition(" ")
-        if resume_layer(1, dc, self.dc) == 0:
+        if not resumes_from_saved_state(dc, self.dc):
             self.elsewhere += 1
             log.debug("a resumed prefill's state is in another datacenter: computed again here", handle=handle, dc=dc)
             return ELSEWHERE

@@ -121,12 +121,18 @@ class FillPolicy:
         return [h.batch_id for h in queued]
 
 
-def resume_layer(from_layer: int, saved_in: str, here: str) -> int:
-    """The layer a resumed prefill starts from on a worker in datacenter `here`, its state having
-    been saved at `from_layer` by a worker in `saved_in`: that layer in the same datacenter, else 0.
+def resumes_from_saved_state(saved_in: str, here: str) -> bool:
+    """Whether a worker in datacenter `here` resumes a prefill from the state a worker in
+    `saved_in` saved: only in the same datacenter.
 
     Why not fetch the state across: a snapshot (hidden state and KV so far, up to a KV cache's
     size) would cross the WAN the pipeline's activations need, and take its time from training
     (measured under the kernel WAN: the demo's training slowed 295%). A bubble's compute is
     what is spare, so the request is computed again from its prompt instead."""
-    return from_layer if saved_in == here else 0
+    return saved_in == here
+
+
+def resume_layer(from_layer: int, saved_in: str, here: str) -> int:
+    """The layer a resumed prefill starts from on a worker in datacenter `here`, its state having
+    been saved at `from_layer` in `saved_in`: that layer, or 0 (its prompt) in another datacenter."""
+    return from_layer if resumes_from_saved_state(saved_in, here) else 0
