@@ -18,6 +18,8 @@ from redis.asyncio import Redis
 from shared.runtime.logs import KeyValueFormatter
 from shared.runtime.redis_server import EmbeddedRedis
 
+_HOGS = pytest.StashKey[list[subprocess.Popen[bytes]]]()
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
@@ -32,23 +34,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if (n := config.getoption("--cpu-hogs")) < 0:
         raise pytest.UsageError(f"--cpu-hogs: expected a number >= 0, got {n}")
+    # The hogs belong to the session, not to each of its workers (pytest-xdist, `make test`'s -n):
+    # only the process that started the session starts them.
+    if not hasattr(config, "workerinput"):
+        config.stash[_HOGS] = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for hog in config.stash.get(_HOGS, []):
+        hog.kill()
+        hog.wait()
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
     n = config.getoption("--cpu-hogs")
     return f"cpu hogs: {n} process(es) spinning for the whole session" if n else None
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _cpu_hogs(request: pytest.FixtureRequest) -> Iterator[None]:
-    n = request.config.getoption("--cpu-hogs")
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
 
 
 @pytest.fixture(scope="session", autouse=True)
