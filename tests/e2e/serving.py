@@ -38,6 +38,14 @@ SPEC: dict[str, Any] = {
 }
 
 
+#: SPEC's overrides for PP=2 x DP=1 (two workers, one GPU a datacenter), for the tests whose subject
+#: is the serving plane, not data parallelism: the workers are half of an e2e test's CPU on 2 cores.
+ONE_REPLICA: dict[str, Any] = {
+    "datacenters": [{**dc, "gpus": 1} for dc in SPEC["datacenters"]],
+    "parallelism": {**SPEC["parallelism"], "dp": 1},
+}
+
+
 def write_spec(tmp_path: Path, **overrides: Any) -> Path:
     spec = {**SPEC, **overrides}
     path = tmp_path / "spec.yaml"

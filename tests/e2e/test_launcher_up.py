@@ -28,11 +28,11 @@ from tests.e2e.serving import SPEC, as_from_a_terminal, status, submit, wait_rea
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-#: The restart tests' device time scale, given rather than measured (each measurement is four
-#: processes computing at once, 6-18 s of a run here): the restarts are their subject, and SPEC's
-#: profile is 60 ms a stage against ~1-4 ms of real compute, so a measurement says 1 here anyway.
-#: test_up_serves_until_stopped_... measures it as a user's `up` does.
-RESTARTS_SCALE = {"BUBBLETEA_TIME_SCALE": "1"}
+#: The device time scale of these tests, given rather than measured: each measurement is four
+#: processes computing at once (6-18 s of a run here), SPEC's profile is 60 ms a stage against
+#: ~1-4 ms of real compute, so a measurement says 1 here anyway, and `up` picks the scale with the
+#: demo's code (bubbletea/launcher/timescale.py), which test_demo_compares_three_runs_... pins measuring.
+GIVEN_SCALE = {"BUBBLETEA_TIME_SCALE": "1"}
 #: PP=2 x DP=1, two workers, for the tests whose subject is not the pipeline (restarts, a dead service).
 TWO_WORKERS = {
     **SPEC,
@@ -71,7 +71,7 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
     spec = {**SPEC, "http": {"host": "127.0.0.1", "port": 0}, "training": {**SPEC["training"], "iterations": 3}}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # an embedded Redis of its own
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | GIVEN_SCALE  # an embedded Redis of its own
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -211,7 +211,7 @@ async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: P
     training resumes from its checkpoint), and prompts submitted after each kill are answered."""
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "127.0.0.1", "port": 0}}))
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | RESTARTS_SCALE
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | GIVEN_SCALE
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), "--out", str(tmp_path / "runs")),
         cwd=ROOT,
@@ -287,7 +287,7 @@ async def test_up_restarts_its_redis_and_stops_cleanly_on_sigterm(tmp_path: Path
     service manager (or `kill`) sends SIGTERM: the same clean stop as Ctrl-C, exit 0."""
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "127.0.0.1", "port": 0}}))
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | RESTARTS_SCALE
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | GIVEN_SCALE
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "bubbletea.cli", "up", "--persist", "--config", str(path)),
         *("--out", str(tmp_path / "runs")),
@@ -330,7 +330,7 @@ async def test_up_takes_host_port_and_api_key_as_vllm_serve_does(tmp_path: Path)
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "0.0.0.0", "port": 1}}))  # both overridden
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_API_KEY")} | RESTARTS_SCALE
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_API_KEY")} | GIVEN_SCALE
     args = ("--host", "127.0.0.1", "--port", str(port), "--api-key", "sekrit", "--out", str(tmp_path / "runs"))
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), *args),

@@ -45,6 +45,7 @@ from shared.spec.config import Prefill
 from shared.spec.settings import load_settings
 from shared.wire import IterationDone, PrefillBatch, decode
 from tests.e2e.serving import (
+    ONE_REPLICA,
     SPEC,
     service_env,
     status,
@@ -64,10 +65,13 @@ FINAL = ("done", "failed")
 SETTLE_TIMEOUT_S = 45.0
 #: How long to wait for the victim worker to hold an unfinished prefill batch.
 IN_FLIGHT_TIMEOUT_S = 60.0
+#: The killed stage worker's run: PP=2 x DP=2, so the slot lost has a replica beside it. The kills of
+#: the dispatcher and the front door run PP=2 x DP=1 (ONE_REPLICA): the workers are not their subject.
 WORKERS = SPEC["parallelism"]["pp"] * SPEC["parallelism"]["dp"]
 #: For the kills that must land while requests still wait: one request per bubble, and a burst
 #: far larger than the bubbles that pass while it is accepted (about 30 a second here, busy or
 #: not), so the killed process always leaves requests unanswered, however slow the burst.
+ONE_REPLICA_SLOTS = SPEC["parallelism"]["pp"]
 ONE_PER_BUBBLE = {**SPEC["bubbletea"], "max_batch_requests": 1}
 BURST = 120
 
@@ -75,11 +79,11 @@ BURST = 120
 # --- helpers ---------------------------------------------------------------------------------
 
 
-async def start_pipeline(env: dict[str, str], out: Any) -> tuple[Proc, Proc, list[Proc]]:
+async def start_pipeline(env: dict[str, str], out: Any, slots: int) -> tuple[Proc, Proc, list[Proc]]:
     """The training side of a run, as processes: WAN broker, dispatcher, one worker per slot."""
     broker = await spawn(WAN_BROKER, env, out=out, quiet=True)
     dispatcher = await spawn(DISPATCHER, env, out=out, quiet=True)
-    workers = [await spawn(STAGE_WORKER, env, out=out, quiet=True) for _ in range(WORKERS)]
+    workers = [await spawn(STAGE_WORKER, env, out=out, quiet=True) for _ in range(slots)]
     return broker, dispatcher, workers
 
 
@@ -256,6 +260,7 @@ async def test_requests_survive_a_killed_dispatcher(tmp_path: Path, redis_url: s
         tmp_path,
         # Long enough to outlast the successor's start-up on a loaded machine (30 iterations take
         # ~13 s here, less than a restart can take); the test stops it once everything is answered.
+        **ONE_REPLICA,
         training={**SPEC["training"], "iterations": 10_000},
         bus={"claim_idle_ms": 1000},  # the successor reclaims the dead one's requests after 1 s idle
         bubbletea=ONE_PER_BUBBLE,
@@ -269,7 +274,7 @@ async def test_requests_survive_a_killed_dispatcher(tmp_path: Path, redis_url: s
     async with front_door(env, out=out) as door, aiohttp.ClientSession() as http:
         assert door.url is not None
         try:
-            broker, dispatcher, workers = await start_pipeline(env, out)
+            broker, dispatcher, workers = await start_pipeline(env, out, ONE_REPLICA_SLOTS)
             procs += [broker, dispatcher, *workers]
             await wait_for_iteration(redis_url, run, 1)
             ids_before = await submit_all(http, door.url, before)
@@ -307,7 +312,9 @@ async def test_requests_survive_a_killed_dispatcher(tmp_path: Path, redis_url: s
 async def test_requests_survive_a_killed_front_door(tmp_path: Path, redis_url: str) -> None:
     """SIGKILL the front door right after it accepted a burst; a new instance (another port)
     reports every request's final status: answers are kept in Redis, not in the accepting process."""
-    path = write_spec(tmp_path, training={**SPEC["training"], "iterations": 10_000}, bubbletea=ONE_PER_BUBBLE)
+    path = write_spec(
+        tmp_path, **ONE_REPLICA, training={**SPEC["training"], "iterations": 10_000}, bubbletea=ONE_PER_BUBBLE
+    )
     run = f"noloss-q-{uuid.uuid4().hex[:6]}"
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})
     env = service_env(redis_url, path, run)
@@ -319,7 +326,7 @@ async def test_requests_survive_a_killed_front_door(tmp_path: Path, redis_url: s
             first = await start_front_door(env, out=out)
             procs.append(first)
             assert first.url is not None
-            broker, dispatcher, workers = await start_pipeline(env, out)
+            broker, dispatcher, workers = await start_pipeline(env, out, ONE_REPLICA_SLOTS)
             procs += [broker, dispatcher, *workers]
             await wait_for_iteration(redis_url, run, 1)
             ids = await submit_all(http, first.url, bodies)

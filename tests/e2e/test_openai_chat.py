@@ -24,7 +24,7 @@ from openai import AsyncOpenAI
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
 from shared.spec.settings import load_settings
-from tests.e2e.serving import SPEC, service_env, wait_for_iteration, write_spec
+from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, wait_for_iteration, write_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -55,6 +55,7 @@ async def test_the_official_client_chats_with_a_model_that_has_a_chat_template(t
     (ckpt.path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, **specials}))
     path = write_spec(
         tmp_path,
+        **ONE_REPLICA,
         training={**SPEC["training"], "iterations": UNTIL_DONE},
         prefill={**SPEC["prefill"], "checkpoint": str(ckpt.path), "model_name": "tiny-qwen2-chat"},
         decode={"enabled": True, "max_tokens": 32},

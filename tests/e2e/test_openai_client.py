@@ -25,7 +25,7 @@ from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import decode as decode_text
 from shared.model.tokenizer import encode as encode_text
 from shared.spec.settings import load_settings
-from tests.e2e.serving import SPEC, service_env, wait_for_iteration, wait_until, write_spec
+from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, wait_for_iteration, wait_until, write_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +39,7 @@ UNTIL_DONE = 100_000
 
 
 async def test_official_openai_client_gets_computed_completions(tmp_path: Path, redis_url: str) -> None:
-    path = write_spec(tmp_path, training={**SPEC["training"], "iterations": UNTIL_DONE})
+    path = write_spec(tmp_path, **ONE_REPLICA, training={**SPEC["training"], "iterations": UNTIL_DONE})
     run = f"openai-{uuid.uuid4().hex[:6]}"
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})
     model_name = settings.spec.prefill.model_name
@@ -142,7 +142,10 @@ async def test_official_client_gets_whole_completions_decoded_from_the_bubbles_k
     from shared.model.generate import generate
 
     path = write_spec(
-        tmp_path, training={**SPEC["training"], "iterations": UNTIL_DONE}, decode={"enabled": True, "max_tokens": 64}
+        tmp_path,
+        **ONE_REPLICA,
+        training={**SPEC["training"], "iterations": UNTIL_DONE},
+        decode={"enabled": True, "max_tokens": 64},
     )
     run = f"decode-{uuid.uuid4().hex[:6]}"
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})
@@ -180,7 +183,7 @@ async def test_official_client_gets_whole_completions_decoded_from_the_bubbles_k
                 kv.clear()
                 kv.update(await _kv_held(redis_url, run))
                 return (
-                    len(kv) == 4
+                    len(kv) == settings.spec.parallelism.pp * settings.spec.parallelism.dp  # every worker's
                     and sum(served for served, _ in kv.values()) >= 3
                     and not any(held for _, held in kv.values())
                 )
@@ -250,6 +253,7 @@ async def test_a_hugging_face_checkpoint_serves_whole_completions_as_transformer
     ckpt = save("qwen2", tmp_path / "qwen2")
     path = write_spec(
         tmp_path,
+        **ONE_REPLICA,
         training={**SPEC["training"], "iterations": UNTIL_DONE},
         prefill={**SPEC["prefill"], "checkpoint": str(ckpt.path)},
         decode={"enabled": True, "max_tokens": 32},

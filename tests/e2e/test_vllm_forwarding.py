@@ -20,7 +20,7 @@ from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
 from shared.runtime.redis_server import free_port
 from shared.spec.settings import load_settings
-from tests.e2e.serving import SPEC, service_env, wait_for_iteration, wait_until, write_spec
+from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, wait_for_iteration, wait_until, write_spec
 from tests.e2e.test_openai_client import _kv_held
 
 pytestmark = pytest.mark.e2e
@@ -30,11 +30,13 @@ async def test_an_unreachable_vllm_fails_the_completion_explicitly(tmp_path: Pat
     dead = f"http://127.0.0.1:{free_port()}"
     path = write_spec(
         tmp_path,
+        **ONE_REPLICA,
         training={**SPEC["training"], "iterations": 100_000},
         decode={"enabled": True, "engine": "vllm", "vllm_url": dead},
     )
     run = f"vllm-fwd-{uuid.uuid4().hex[:6]}"
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})
+    slots = settings.spec.parallelism.pp * settings.spec.parallelism.dp  # every worker's heartbeat
     out = io.StringIO()
     async with front_door(service_env(redis_url, path, run), out=out) as door:
         training = asyncio.create_task(run_training(settings, redis_url, out=out, progress=False, dispatcher=True))
@@ -49,7 +51,7 @@ async def test_an_unreachable_vllm_fails_the_completion_explicitly(tmp_path: Pat
 
                 async def freed() -> bool:  # vLLM never took it: the front door freed its cache
                     held = await _kv_held(redis_url, run)
-                    return len(held) == 4 and not any(h for _, h in held.values())
+                    return len(held) == slots and not any(h for _, h in held.values())
 
                 await wait_until(freed, "the unused KV cache freed on its worker", timeout=30)
                 # the same prompt's prefill alone still works, and says where its cache is
