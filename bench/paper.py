@@ -23,6 +23,7 @@ import copy
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,19 @@ GLOBAL_BATCH = 256
 SCALE_GBPS_PER_4_REPLICAS = 5.0
 #: PipeFill's scale, for the compute-only bubble formula only (not simulated).
 PIPEFILL_GPUS = 8192
+
+
+@dataclass(frozen=True)
+class Sweeps:
+    """The sweeps' points: WAN bandwidths (Gb/s, at 40 ms), latencies (ms, at 5 Gb/s), DP degrees."""
+
+    bandwidths: tuple[float, ...]
+    latencies: tuple[float, ...]
+    dps: tuple[int, ...]
+
+
+FULL = Sweeps((1.4, 2.5, 5.0, 10.0, 20.0, 40.0, 100.0, 400.0), (10.0, 30.0, 50.0, 75.0, 100.0), (4, 8, 16, 32, 64))
+QUICK = Sweeps((1.4, 5.0, 20.0), (10.0, 40.0, 100.0), (4, 8))
 
 
 # --- the table ---------------------------------------------------------------------------------------
@@ -254,14 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  DP across DCs: WAN ring all-reduce {wan_allreduce_s(base, len(base.datacenters)):.2f} s per iteration")
     cases = table_cases(raws, args.iterations)
     print_table(cases)
-    if args.quick:
-        bandwidths, latencies, dps = [1.4, 5.0, 20.0], [10.0, 40.0, 100.0], [4, 8]
-    else:
-        bandwidths, latencies, dps = (
-            [1.4, 2.5, 5.0, 10.0, 20.0, 40.0, 100.0, 400.0],
-            [10.0, 30.0, 50.0, 75.0, 100.0],
-            [4, 8, 16, 32, 64],
-        )
+    points = QUICK if args.quick else FULL
+    bandwidths, latencies, dps = list(points.bandwidths), list(points.latencies), list(points.dps)
     print("WAN bandwidth sweep (40 ms):", flush=True)
     bw = wan_sweep(raws, args.iterations, "bandwidth_gbps", bandwidths)
     print("WAN latency sweep (5 Gb/s):", flush=True)
