@@ -65,9 +65,8 @@ def init_model(
     tokenizer_vocab: int,
     texts: list[Path],
 ) -> dict[str, Any]:
-    """Write the directory; returns its config."""
-    from shared.model.corpus import train_bpe_tokenizer
-
+    """Write the directory; returns its config. Every check comes before the import of the tokenizer
+    trainer (its module imports torch, 1.5 s): a refusal is said at once."""
     if family not in FAMILIES:
         raise ValueError(f"--family {family!r}: supported: {', '.join(FAMILIES)}")
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv-heads", kv_heads)):
@@ -85,6 +84,8 @@ def init_model(
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         what = "is not a directory" if not directory.is_dir() else "is not empty"
         raise ValueError(f"{directory} {what}: choose a new or empty directory")
+    from shared.model.corpus import train_bpe_tokenizer
+
     directory.mkdir(parents=True, exist_ok=True)
     tok = directory / "tokenizer.json"
     train_bpe_tokenizer((p.read_text(encoding="utf-8", errors="replace") for p in texts), tokenizer_vocab, tok)
