@@ -61,10 +61,11 @@ e2e: install
 # and failure's message (the end of the output is what CI logs keep); --durations: where the time went.
 # -n: one pytest worker per core (pytest-xdist), at most $(TEST_WORKERS): an end-to-end test waits on
 # its services as much as it computes, and two at once took 463 s against 610 s one after the other
-# on 2 cores (docs/testing.md, "The suite's time").
+# on 2 cores. The tests that bring up kernel WANs take turns (tests/conftest.py, marker kernel_wan).
 TEST_WORKERS ?= 4
 test: lint typecheck
-	$(VENV)/bin/pytest -q -rsEf --durations=12 -n auto --maxprocesses $(TEST_WORKERS) --ignore=tests/vllm --ignore=tests/slurm tests
+	$(VENV)/bin/pytest -q -rsEf --durations=12 -n auto --maxprocesses $(TEST_WORKERS) \
+	  --ignore=tests/vllm --ignore=tests/slurm tests
 
 # The unit tier alone, for a quick check while editing: no services, no Redis (under a minute).
 test-unit: install

@@ -7,10 +7,13 @@ sleep really lasts, is the scheduler's choice. Every test must pass that way too
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
@@ -49,6 +52,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> str | None:
     n = config.getoption("--cpu-hogs")
     return f"cpu hogs: {n} process(es) spinning for the whole session" if n else None
+
+
+#: Held by the test that has a kernel WAN up (marker kernel_wan). Such runs share what the kernel WAN
+#: changes on the host: namespaces, address bases (a second run on a base in use is refused) and
+#: ip_forward (restored by the last run out, which a test checks). So they take turns, across
+#: pytest-xdist's workers and across sessions on the host: an flock on one file in the system's
+#: temporary directory. (xdist's --dist loadgroup would do it by scheduling, but its groups are lost
+#: under pytest 9.2: a test's node id can no longer be renamed.)
+KERNEL_WAN_LOCK = Path(tempfile.gettempdir()) / "bubbletea-tests-kernel-wan.lock"
+
+
+@pytest.fixture(autouse=True)
+def _kernel_wan_one_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.node.get_closest_marker("kernel_wan") is None:
+        yield
+        return
+    with KERNEL_WAN_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -94,6 +94,7 @@ def _demo(tmp_path: Path, spec: Path, timeout: float, *args: str) -> subprocess.
     )
 
 
+@pytest.mark.kernel_wan  # as root: one such test at a time (conftest)
 def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
     # one replica: two workers a run, not four (the three runs and their report are the subject;
     # the speed-ups are bench/'s): it halves the test's CPU on a 2-core machine

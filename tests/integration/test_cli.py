@@ -126,6 +126,7 @@ def test_a_closed_pipe_ends_the_command_quietly() -> None:
     assert p.wait(timeout=60) == 141 and err == "", err  # 128 + SIGPIPE, as a coreutils tool
 
 
+@pytest.mark.kernel_wan  # may bring one up as root before the Ctrl-C: one such test at a time (conftest)
 @pytest.mark.parametrize("after_s", [0.5, 3.0])
 def test_ctrl_c_at_any_moment_is_one_line_and_130(tmp_path: Path, after_s: float) -> None:
     """Ctrl-C while the command imports (0.5 s) and while it starts Redis and its services (3 s)."""
@@ -190,6 +191,7 @@ def test_plan_check_config_and_health_print_json(redis_server: EmbeddedRedis) ->
     assert r.returncode == 1 and json.loads(r.stdout) == {"service": "wan_broker", "live": []}
 
 
+@pytest.mark.kernel_wan  # may bring one up as root before the Ctrl-C: one such test at a time (conftest)
 def test_train_takes_iterations_as_up_does(tmp_path: Path) -> None:
     one_line_error(run("train", "--iterations", "0"), "bubbletea: error: --iterations must be >= 1, got 0")
     one_line_error(run("up", "--iterations", "0"), "bubbletea: error: --iterations must be >= 1, got 0")

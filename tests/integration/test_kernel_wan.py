@@ -29,7 +29,8 @@ from bubbletea.launcher.kernel_wan import KernelWanError, check_privileges, defa
 from shared.dataplane.kernel_net import KernelPlan, link_rates, plan_kernel_net
 from shared.spec.config import ClusterSpec, load_spec, parse_spec
 
-pytestmark = pytest.mark.integration
+# Kernel WANs share the host (namespaces, addresses, ip_forward): one such test at a time (conftest).
+pytestmark = [pytest.mark.integration, pytest.mark.kernel_wan]
 
 SCRIPT = str(Path(__file__).with_name("kernel_wan_traffic.py"))
 SPEC: ClusterSpec = parse_spec(
