@@ -61,10 +61,11 @@ e2e: install
 # and failure's message (the end of the output is what CI logs keep); --durations: where the time went.
 # -n: one pytest worker per core (pytest-xdist), at most $(TEST_WORKERS): an end-to-end test waits on
 # its services as much as it computes, and two at once took 463 s against 610 s one after the other
-# on 2 cores. The tests that bring up kernel WANs take turns (tests/conftest.py, marker kernel_wan).
+# on 2 cores. --dist loadfile: a file's tests run on one worker, one after the other (the kernel-WAN
+# tests share a base; every test that brings up a kernel WAN also takes turns: tests/conftest.py).
 TEST_WORKERS ?= 4
 test: lint typecheck
-	$(VENV)/bin/pytest -q -rsEf --durations=12 -n auto --maxprocesses $(TEST_WORKERS) \
+	$(VENV)/bin/pytest -q -rsEf --durations=12 -n auto --maxprocesses $(TEST_WORKERS) --dist loadfile \
 	  --ignore=tests/vllm --ignore=tests/slurm tests
 
 # The unit tier alone, for a quick check while editing: no services, no Redis (under a minute).

@@ -43,7 +43,7 @@ from shared.control import keys, serving
 from shared.model.prefill import PrefillModel
 from shared.spec.config import Prefill
 from shared.spec.settings import load_settings
-from shared.wire import IterationDone, PrefillBatch, decode
+from shared.wire import IterationDone, PrefillBatch, PrefillReport, decode
 from tests.e2e.serving import (
     ONE_REPLICA,
     SPEC,
@@ -93,18 +93,22 @@ async def kill(p: Proc) -> None:
     await p.proc.wait()
 
 
-async def freeze_holding_a_batch(p: Proc, r: Redis, fill: str) -> dict[str, list[str]]:
+async def freeze_holding_a_batch(p: Proc, r: Redis, fill: str, reports: str) -> dict[str, list[str]]:
     """Stop worker `p` (SIGSTOP) at a moment it holds a prefill batch it has not finished, and
     return those batches. A pending count alone races the worker's ack: a batch that finishes
     between the look and the kill would leave nothing lost. Frozen, it can ack nothing more; an ack
-    it wrote just before reaches Redis within the pause, so what is still pending after it stays."""
+    it wrote just before reaches Redis within the pause, so what is still pending after it stays.
+    A worker reports a batch (on `reports`) before it acks it: one frozen between the two is
+    finished for the dispatcher, not lost (a busy machine's run once froze it there), so a
+    reported batch does not count as held."""
     async with asyncio.timeout(IN_FLIGHT_TIMEOUT_S):
         while True:
             while not (await r.xpending(fill, "worker"))["pending"]:  # noqa: ASYNC110
                 await asyncio.sleep(0.002)  # a pending count, not an event: poll it closely
             p.proc.send_signal(signal.SIGSTOP)
             await asyncio.sleep(0.05)
-            held = await unfinished_batches(r, fill)
+            done = await reported_batches(r, reports)
+            held = {b: ids for b, ids in (await unfinished_batches(r, fill)).items() if b not in done}
             if held:
                 return held
             p.proc.send_signal(signal.SIGCONT)  # it finished in between: look again
@@ -235,6 +239,12 @@ async def no_batch_pending(redis_url: str, run: str) -> bool:
         return True
     finally:
         await r.aclose()
+
+
+async def reported_batches(r: Redis, reports: str) -> set[str]:
+    """The batch ids reported on a run's prefill reports stream so far."""
+    entries: Any = await r.xrange(reports, min="-", max="+")
+    return {m.batch_id for _, fields in entries if isinstance(m := decode(fields[b"m"]), PrefillReport)}
 
 
 async def unfinished_batches(r: Redis, fill: str) -> dict[str, list[str]]:
@@ -439,7 +449,7 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str, 
             replica, stage = (int(x) for x in re.fullmatch(r"r(\d+)s(\d+)", slot).groups())  # type: ignore[union-attr]
             fill = keys.fill_stream(run, replica, stage)
             # Kill it the moment it holds a batch it has not finished (delivered, not acked).
-            lost = await freeze_holding_a_batch(victim, r, fill)
+            lost = await freeze_holding_a_batch(victim, r, fill, keys.prefill_reports_stream(run))
             await kill(victim)
             killed_at = time.monotonic()
             lost_ids = [rid for ids_ in lost.values() for rid in ids_]
