@@ -68,10 +68,10 @@ IN_FLIGHT_TIMEOUT_S = 60.0
 #: The killed stage worker's run: PP=2 x DP=2, so the slot lost has a replica beside it. The kills of
 #: the dispatcher and the front door run PP=2 x DP=1 (ONE_REPLICA): the workers are not their subject.
 WORKERS = SPEC["parallelism"]["pp"] * SPEC["parallelism"]["dp"]
+ONE_REPLICA_SLOTS = SPEC["parallelism"]["pp"]
 #: For the kills that must land while requests still wait: one request per bubble, and a burst
 #: far larger than the bubbles that pass while it is accepted (about 30 a second here, busy or
 #: not), so the killed process always leaves requests unanswered, however slow the burst.
-ONE_REPLICA_SLOTS = SPEC["parallelism"]["pp"]
 ONE_PER_BUBBLE = {**SPEC["bubbletea"], "max_batch_requests": 1}
 BURST = 120
 
