@@ -18,7 +18,7 @@ from bubbletea.launcher.kernel_wan import default_wan_mode
 from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import SERVICES
 from shared.runtime.redis_server import EmbeddedRedis, free_port
-from tests.e2e.serving import SPEC, as_from_a_terminal, write_spec
+from tests.e2e.serving import ONE_REPLICA, SPEC, as_from_a_terminal, write_spec
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -243,7 +243,8 @@ def test_demo_refuses_a_device_profile_past_the_users_cap(tmp_path: Path) -> Non
     above 20. Without a cap the demo would run at it (with a warning); with --max-time-scale 20 it
     refuses before starting anything, naming the operation (exit 2)."""
     device = {**SPEC["device"], "prefill_ms_per_layer": 0.001, "prefill_us_per_token": 0.0}
-    r = _demo(tmp_path, write_spec(tmp_path, device=device), 120, "--max-time-scale", "20")
+    # one replica: the measurement computes in as many processes as there are workers, two here
+    r = _demo(tmp_path, write_spec(tmp_path, device=device, **ONE_REPLICA), 120, "--max-time-scale", "20")
     assert r.returncode == 2, r.stdout + r.stderr
     assert "cannot keep the device profile within --max-time-scale 20: a prefill block" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr

@@ -36,7 +36,10 @@ def test_train_save_writes_the_trained_model(tmp_path: Path) -> None:
     from transformers import GPT2LMHeadModel
 
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump({**SPEC, "training": {**SPEC["training"], "iterations": 3}}))
+    # one replica (two workers): what is saved is replica 0's stages whatever the DP; data
+    # parallelism is pinned by the next test and test_training_correctness.py
+    one_replica = {"datacenters": [{**dc, "gpus": 1} for dc in SPEC["datacenters"]], "parallelism": {"pp": 2, "dp": 1}}
+    spec_path.write_text(yaml.safe_dump({**SPEC, **one_replica, "training": {**SPEC["training"], "iterations": 3}}))
     out = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # its own embedded Redis
     res = subprocess.run(

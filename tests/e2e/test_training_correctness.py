@@ -53,13 +53,18 @@ async def test_pipeline_losses_match_single_process_training(
 ) -> None:
     path = write_spec(tmp_path, schedule=schedule)
     settings = load_settings(path, env={"BUBBLETEA_RUN": f"ok-{schedule}-{uuid.uuid4().hex[:6]}"})
-    result = await run_training(settings, redis_server.url, out=io.StringIO(), progress=False)
+    out = io.StringIO()
+    result = await run_training(settings, redis_server.url, out=out, progress=False)
 
     spec = settings.spec
     expected, _ = train_reference_for(spec)
     assert len(result.losses) == len(expected) == 5
     assert result.losses == pytest.approx(expected, abs=1e-5)
     assert expected[-1] < expected[0]  # it really trains
+    # every worker took the device the spec names (the CPU twin of test_cuda.py's training test)
+    chosen = [line for line in out.getvalue().splitlines() if 'msg="device chosen"' in line]
+    assert len(chosen) == spec.parallelism.pp * spec.parallelism.dp, out.getvalue()[-3000:]
+    assert all("device=cpu" in line for line in chosen), chosen
     await check_telemetry(
         redis_server.url, settings.run, spec.training.iterations, spec.training.microbatches, schedule
     )

@@ -33,21 +33,32 @@ SPEC = {
 
 
 @pytest.mark.parametrize(
-    ("training", "says"),
+    ("training", "dp", "says"),
     [
-        ({"checkpoint_every": 0}, "slot {slot} lost its worker"),
-        # checkpoints, but nobody replaces the dead worker: the peers give up after the timeout
-        ({"checkpoint_every": 1, "recovery_timeout_s": 3}, "waiting for workers of slots {slot} to join"),
+        # the other replica's workers stop too
+        ({"checkpoint_every": 0}, 2, "slot {slot} lost its worker"),
+        # checkpoints, but nobody replaces the dead worker: the peers give up after the timeout (one
+        # replica: the timeout is the subject)
+        ({"checkpoint_every": 1, "recovery_timeout_s": 3}, 1, "waiting for workers of slots {slot} to join"),
     ],
 )
 async def test_killed_worker_stops_the_run_naming_its_slot(
-    tmp_path: Path, redis_server: EmbeddedRedis, training: dict[str, float], says: str
+    tmp_path: Path, redis_server: EmbeddedRedis, training: dict[str, float], dp: int, says: str
 ) -> None:
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({**SPEC, "training": {**SPEC["training"], **training}}))  # type: ignore[dict-item]
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                **SPEC,
+                "datacenters": [{**dc, "gpus": dp} for dc in SPEC["datacenters"]],  # type: ignore[attr-defined]
+                "parallelism": {"pp": 2, "dp": dp},
+                "training": {**SPEC["training"], **training},  # type: ignore[dict-item]
+            }
+        )
+    )
     env = {"REDIS_URL": redis_server.url, "BUBBLETEA_CONFIG": str(spec), "BUBBLETEA_RUN": f"f{uuid.uuid4().hex[:6]}"}
     procs = [await spawn(WAN_BROKER, env, out=io.StringIO())]
-    procs += [await spawn(STAGE_WORKER, env, out=io.StringIO()) for _ in range(4)]
+    procs += [await spawn(STAGE_WORKER, env, out=io.StringIO()) for _ in range(2 * dp)]
     workers = procs[1:]
     try:
         # wait until training is under way: block on the run's events for a second iteration
@@ -65,7 +76,7 @@ async def test_killed_worker_stops_the_run_naming_its_slot(
         victim.proc.kill()
         survivors = workers[1:]
         codes = await asyncio.wait_for(asyncio.gather(*(p.proc.wait() for p in survivors)), 30)
-        assert codes == [1, 1, 1]  # each stopped with an error instead of hanging
+        assert codes == [1] * len(survivors)  # each stopped with an error instead of hanging
         for p in survivors:
             assert any(says.format(slot=slot) in line for line in p.tail), "\n".join(p.tail)
     finally:

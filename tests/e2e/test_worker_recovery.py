@@ -15,6 +15,7 @@ import re
 import statistics
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -41,18 +42,27 @@ ITERATIONS = 12
 HORIZON = 8
 
 
-def write_spec(tmp_path: Path, **training: object) -> Path:
+#: SPEC's overrides for PP=2 x DP=1 (two workers, one GPU a datacenter).
+ONE_REPLICA: dict[str, Any] = {
+    "datacenters": [{**dc, "gpus": 1} for dc in SPEC["datacenters"]],  # type: ignore[attr-defined]
+    "parallelism": {"pp": 2, "dp": 1},
+}
+
+
+def write_spec(tmp_path: Path, overrides: dict[str, Any] | None = None, **training: object) -> Path:
     path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump({**SPEC, "training": {**SPEC["training"], **training}}))  # type: ignore[dict-item]
+    spec = {**SPEC, **(overrides or {}), "training": {**SPEC["training"], **training}}  # type: ignore[dict-item]
+    path.write_text(yaml.safe_dump(spec))
     return path
 
 
 async def start_run(url: str, path: Path) -> tuple[str, dict[str, str], list[Proc]]:
-    """The broker and one stage worker per slot (PP=2 x DP=2) on the spec at `path`."""
+    """The broker and one stage worker per slot (PP x DP) on the spec at `path`."""
     run = f"rec{uuid.uuid4().hex[:6]}"
     env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": run}
+    par = load_settings(path, env={}).spec.parallelism
     procs = [await spawn(WAN_BROKER, env, out=io.StringIO())]
-    procs += [await spawn(STAGE_WORKER, env, out=io.StringIO()) for _ in range(4)]
+    procs += [await spawn(STAGE_WORKER, env, out=io.StringIO()) for _ in range(par.pp * par.dp)]
     return run, env, procs
 
 
@@ -127,16 +137,17 @@ async def test_a_run_trained_until_stopped_resumes_on_its_learning_rate_schedule
     """`bubbletea up`'s training (until stopped, the cosine ending at its horizon) resumed after a
     lost worker trains what an uninterrupted run does, as bench/chaos.py checks it: the run's losses
     against the reference of the spec the run trained, over its first iterations."""
-    path = write_spec(tmp_path, iterations="until_stopped", decay_iters=HORIZON, checkpoint_every=2)
+    # one replica: the schedule on resume is the subject (the replicas' rejoin: the test above)
+    path = write_spec(tmp_path, ONE_REPLICA, iterations="until_stopped", decay_iters=HORIZON, checkpoint_every=2)
     spec = load_settings(path, env={}).spec
     run, env, procs = await start_run(redis_server.url, path)
     r = blocking_client(redis_server.url)
     try:
         _, cursor = await kill_a_worker_and_replace_it(r, run, env, procs)
         killed_in = max(m.generation for m in await done_reports(r, run, "-", cursor))
-        # train on until both replicas' losses in the resumed generation reach past the horizon
+        # train on until every replica's losses in the resumed generation reach past the horizon
         reached: dict[int, int] = {}
-        while len(reached) < 2 or min(reached.values()) <= HORIZON:
+        while len(reached) < spec.parallelism.dp or min(reached.values()) <= HORIZON:
             reply = await r.xread({keys.events_stream(run): cursor}, block=120_000)
             assert reply, f"the resumed run stalled: {reached}"
             cursor = reply[0][1][-1][0]
