@@ -12,6 +12,7 @@ path (`tests/e2e/test_gpu_check.py` runs it that way, with a few iterations).
 
     python bench/gpu_check.py                      # 2 pairs of 8 iterations
     python bench/gpu_check.py --quick              # 1 pair of 3 iterations (the smoke test)
+    python bench/gpu_check.py --dp 1               # PP=2 x DP=1: two workers (one GPU, or a small CPU)
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="one pair of 3 iterations at most 10 requests/s: the smoke test"
     )
     ap.add_argument("--max-rate", type=float, help="requests per real second at most; default 200 (--quick: 10)")
+    ap.add_argument(
+        "--dp", type=int, default=2, choices=(1, 2), help="data-parallel replicas, PP=2 x DP workers; default 2"
+    )
     args = ap.parse_args(argv)
     args.iterations = args.iterations or (3 if args.quick else 8)
     args.pairs = args.pairs or (1 if args.quick else 2)
@@ -54,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     out = io.StringIO()
     with redirect_stdout(out):
-        case = ["--dp", "2", "--mode", "real", "--time-scale", "1", "--load", "0.8", "--max-rate", str(args.max_rate)]
-        code = bubble_fill.main([*case, "--pairs", str(args.pairs), "--iterations", str(args.iterations)])
+        case = ["--dp", str(args.dp), "--mode", "real", "--time-scale", "1", "--load", "0.8"]
+        runs = ["--max-rate", str(args.max_rate), "--pairs", str(args.pairs), "--iterations", str(args.iterations)]
+        code = bubble_fill.main([*case, *runs])
     if code != 0:
         return code
     result = json.loads(out.getvalue().strip().splitlines()[-1])

@@ -20,8 +20,9 @@ def test_gpu_check_runs_on_real_compute_and_says_where() -> None:
     r = subprocess.run(
         # at most 50 requests/s (--quick's 10 leaves most of the few bubbles counted empty; the bench's
         # default, 200, costs this 2-core suite 9 CPU s more and pins nothing more), over 5 iterations:
-        # the load starts once training runs, so the first ones may see none of it
-        [sys.executable, "bench/gpu_check.py", "--quick", "--iterations", "5", "--max-rate", "50"],
+        # the load starts once training runs, so the first ones may see none of it. One replica (two
+        # workers a run): the device path is the subject; data parallelism is pinned by the training tests
+        [sys.executable, "bench/gpu_check.py", "--quick", "--iterations", "5", "--max-rate", "50", "--dp", "1"],
         capture_output=True,
         text=True,
         timeout=420,
@@ -32,7 +33,7 @@ def test_gpu_check_runs_on_real_compute_and_says_where() -> None:
     assert f"gpu-check on {where}" in r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["check"] == "gpu" and got["device"] == where and got["mode"] == "real"
-    assert got["time_scale_k"] == 1.0 and got["dp"] == 2  # PP=2 x DP=2, no profile, k = 1
+    assert got["time_scale_k"] == 1.0 and got["dp"] == 1  # PP=2 x DP=1 as asked, no profile, k = 1
     # a smoke test on a shared CPU: the requests must flow (nothing lost is pinned by tests/e2e/test_no_loss.py;
     # here a busy machine's client may time out, which the bench counts against it)
     assert got["requests_sent"] > 0 and got["requests_answered"] > 0

@@ -25,7 +25,7 @@ from shared.model.trainstate import saved_iteration
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.settings import load_settings
 from tests.e2e.serving import wait_for_iteration
-from tests.e2e.test_training_correctness import SPEC
+from tests.e2e.test_training_correctness import ONE_REPLICA, SPEC
 
 pytestmark = pytest.mark.e2e
 
@@ -38,8 +38,7 @@ def test_train_save_writes_the_trained_model(tmp_path: Path) -> None:
     spec_path = tmp_path / "spec.yaml"
     # one replica (two workers): what is saved is replica 0's stages whatever the DP; data
     # parallelism is pinned by the next test and test_training_correctness.py
-    one_replica = {"datacenters": [{**dc, "gpus": 1} for dc in SPEC["datacenters"]], "parallelism": {"pp": 2, "dp": 1}}
-    spec_path.write_text(yaml.safe_dump({**SPEC, **one_replica, "training": {**SPEC["training"], "iterations": 3}}))
+    spec_path.write_text(yaml.safe_dump({**SPEC, **ONE_REPLICA, "training": {**SPEC["training"], "iterations": 3}}))
     out = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # its own embedded Redis
     res = subprocess.run(

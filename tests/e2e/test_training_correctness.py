@@ -11,6 +11,7 @@ import io
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -40,8 +41,16 @@ SPEC = {
 }
 
 
-def write_spec(tmp_path: Path, **training: object) -> Path:
-    spec = {**SPEC, "training": {**SPEC["training"], **training}}  # type: ignore[dict-item]
+#: SPEC's overrides for PP=2 x DP=1 (two workers, one GPU a datacenter), for the tests whose subject
+#: is not data parallelism: each stage worker costs about 3 CPU s on 2 cores (docs/testing.md).
+ONE_REPLICA: dict[str, Any] = {
+    "datacenters": [{**dc, "gpus": 1} for dc in SPEC["datacenters"]],  # type: ignore[attr-defined]
+    "parallelism": {**SPEC["parallelism"], "dp": 1},  # type: ignore[dict-item]
+}
+
+
+def write_spec(tmp_path: Path, overrides: dict[str, Any] | None = None, **training: object) -> Path:
+    spec = {**SPEC, **(overrides or {}), "training": {**SPEC["training"], **training}}  # type: ignore[dict-item]
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -138,7 +147,8 @@ async def test_a_run_given_until_trains_past_its_iterations_until_that_is_done(
     train on past the spec's iterations until `until` is done; the result covers the spec's, with
     the spec's learning-rate schedule (its cosine ends at the spec's iterations, not never: the
     third loss would differ)."""
-    path = write_spec(tmp_path, iterations=3)
+    # one replica (two workers): `until` is the subject, not data parallelism (the tests above)
+    path = write_spec(tmp_path, ONE_REPLICA, iterations=3)
     settings = load_settings(path, env={"BUBBLETEA_RUN": f"until-{uuid.uuid4().hex[:6]}"})
     later = asyncio.create_task(wait_for_iteration(redis_server.url, settings.run, 5))  # past the spec's 3
     result = await asyncio.wait_for(

@@ -15,10 +15,8 @@ import re
 import statistics
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 from redis.asyncio import Redis
 
 from bench import chaos
@@ -30,7 +28,7 @@ from shared.model.reference import train_reference_for
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.settings import load_settings
 from shared.wire import IterationDone, decode
-from tests.e2e.test_training_correctness import SPEC
+from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -40,20 +38,6 @@ ITERATIONS = 12
 #: The until-stopped run's cosine learning rate ends here (`decay_iters`, what `bubbletea up` gets
 #: from BUBBLETEA_DECAY_ITERS): past the kill point, so the resumed iterations see the rate change.
 HORIZON = 8
-
-
-#: SPEC's overrides for PP=2 x DP=1 (two workers, one GPU a datacenter).
-ONE_REPLICA: dict[str, Any] = {
-    "datacenters": [{**dc, "gpus": 1} for dc in SPEC["datacenters"]],  # type: ignore[attr-defined]
-    "parallelism": {"pp": 2, "dp": 1},
-}
-
-
-def write_spec(tmp_path: Path, overrides: dict[str, Any] | None = None, **training: object) -> Path:
-    path = tmp_path / "spec.yaml"
-    spec = {**SPEC, **(overrides or {}), "training": {**SPEC["training"], **training}}  # type: ignore[dict-item]
-    path.write_text(yaml.safe_dump(spec))
-    return path
 
 
 async def start_run(url: str, path: Path) -> tuple[str, dict[str, str], list[Proc]]:
