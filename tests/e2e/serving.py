@@ -1,4 +1,4 @@
-"""Helpers for the serving-plane end-to-end tests: a spec with real bubbles, a live front door."""
+"""Helpers for the end-to-end tests: a spec with real bubbles, a spec's replicas, a live front door."""
 
 from __future__ import annotations
 
@@ -38,12 +38,19 @@ SPEC: dict[str, Any] = {
 }
 
 
-#: SPEC's overrides for PP=2 x DP=1 (two workers, one GPU a datacenter), for the tests whose subject
-#: is the serving plane, not data parallelism: the workers are half of an e2e test's CPU on 2 cores.
-ONE_REPLICA: dict[str, Any] = {
-    "datacenters": [{**dc, "gpus": 1} for dc in SPEC["datacenters"]],
-    "parallelism": {**SPEC["parallelism"], "dp": 1},
-}
+def replicas(spec: dict[str, Any], dp: int) -> dict[str, Any]:
+    """`spec`'s overrides for `dp` data-parallel replicas: `dp` GPUs a datacenter, one worker each.
+    A test whose subject is not data parallelism runs one: each stage worker is about 3 CPU s of a
+    2-core machine (docs/testing.md, "The suite's time")."""
+    return {
+        "datacenters": [{**dc, "gpus": dp} for dc in spec["datacenters"]],
+        "parallelism": {**spec["parallelism"], "dp": dp},
+    }
+
+
+#: SPEC's overrides for PP=2 x DP=1 (two workers), for the tests whose subject is the serving
+#: plane, not data parallelism.
+ONE_REPLICA = replicas(SPEC, 1)
 
 
 def write_spec(tmp_path: Path, **overrides: Any) -> Path:

@@ -4,8 +4,8 @@ The tests marked `cuda` run only where `torch.cuda.is_available()`; elsewhere th
 with the reason below. Each has a CPU twin that runs the same code path with `device.kind: cpu`,
 so the path is exercised on every machine: the prefill's is here, the training's is
 `tests/e2e/test_training_correctness.py` (the same PP=2 x DP=2 run against the same reference,
-every worker saying it took the CPU), not run twice. Without CUDA, a worker asked for `cuda` must refuse to
-start with a clear message (the last test).
+every worker saying it took the CPU), not run twice. Without CUDA, a worker asked for `cuda` must
+refuse to start with a clear message (the last test).
 
 Why the GPU is compared with a tolerance and not bit for bit: the same float32 model runs other
 kernels there (cuBLAS matrix products with their own blocking, fused scaled-dot-product attention,

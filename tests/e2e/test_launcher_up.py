@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import group_alive
 from shared.control.health import live_instances
-from tests.e2e.serving import SPEC, as_from_a_terminal, status, submit, wait_ready, wait_until
+from tests.e2e.serving import ONE_REPLICA, SPEC, as_from_a_terminal, status, submit, wait_ready, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -34,11 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: demo's code (bubbletea/launcher/timescale.py), which test_demo_compares_three_runs_... pins measuring.
 GIVEN_SCALE = {"BUBBLETEA_TIME_SCALE": "1"}
 #: PP=2 x DP=1, two workers, for the tests whose subject is not the pipeline (restarts, a dead service).
-TWO_WORKERS = {
-    **SPEC,
-    "datacenters": [{**dc, "gpus": 1} for dc in SPEC["datacenters"]],
-    "parallelism": {**SPEC["parallelism"], "dp": 1},
-}
+TWO_WORKERS = {**SPEC, **ONE_REPLICA}
 
 
 async def _read_until(stream: asyncio.StreamReader, pattern: str, seen: list[str], timeout: float) -> re.Match[str]:

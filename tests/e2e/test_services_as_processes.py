@@ -18,7 +18,7 @@ from bubbletea.launcher.kernel_wan import default_wan_mode
 from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import SERVICES
 from shared.runtime.redis_server import EmbeddedRedis, free_port
-from tests.e2e.serving import ONE_REPLICA, SPEC, as_from_a_terminal, write_spec
+from tests.e2e.serving import ONE_REPLICA, SPEC, as_from_a_terminal, replicas, write_spec
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,12 +73,7 @@ def test_bad_config_fails_at_start_naming_the_field(tmp_path: Path) -> None:
 
 def _tiny_spec(tmp_path: Path, iterations: int = 4, dp: int = 2) -> Path:
     """SPEC (PP=2) trained `iterations`, with `dp` replicas: `dp` GPUs per datacenter."""
-    return write_spec(
-        tmp_path,
-        datacenters=[{**dc, "gpus": dp} for dc in SPEC["datacenters"]],
-        parallelism={**SPEC["parallelism"], "dp": dp},
-        training={**SPEC["training"], "iterations": iterations},
-    )
+    return write_spec(tmp_path, **replicas(SPEC, dp), training={**SPEC["training"], "iterations": iterations})
 
 
 def _demo(tmp_path: Path, spec: Path, timeout: float, *args: str) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from bubbletea.launcher.train import run_training
 from shared.model.gpt import build_full
@@ -25,7 +24,7 @@ from shared.model.trainstate import saved_iteration
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.settings import load_settings
 from tests.e2e.serving import wait_for_iteration
-from tests.e2e.test_training_correctness import ONE_REPLICA, SPEC
+from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -35,10 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_train_save_writes_the_trained_model(tmp_path: Path) -> None:
     from transformers import GPT2LMHeadModel
 
-    spec_path = tmp_path / "spec.yaml"
     # one replica (two workers): what is saved is replica 0's stages whatever the DP; data
     # parallelism is pinned by the next test and test_training_correctness.py
-    spec_path.write_text(yaml.safe_dump({**SPEC, **ONE_REPLICA, "training": {**SPEC["training"], "iterations": 3}}))
+    spec_path = write_spec(tmp_path, ONE_REPLICA, iterations=3)
     out = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # its own embedded Redis
     res = subprocess.run(
@@ -72,8 +70,7 @@ async def test_a_stopped_run_saves_its_last_finished_iteration_and_resumes_from_
     """Ctrl-C (the launcher's task cancelled) under --save: every worker finishes the same
     iteration, a little ahead, hands its state over and stops, and the launcher writes it; a resume
     then trains the rest with the losses of an uninterrupted run."""
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump({**SPEC, "training": {**SPEC["training"], "iterations": 8, "checkpoint_every": 0}}))
+    path = write_spec(tmp_path, iterations=8, checkpoint_every=0)
 
     def settings() -> Any:
         return load_settings(path, env={"BUBBLETEA_RUN": f"stop-{uuid.uuid4().hex[:6]}"})

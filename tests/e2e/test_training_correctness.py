@@ -25,7 +25,7 @@ from shared.policies.bubbles import HISTORY, WARMUP_ITERATIONS
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.settings import load_settings
 from shared.wire import BubbleEnd, BubbleStart, SpanRecord, decode
-from tests.e2e.serving import wait_for_iteration
+from tests.e2e.serving import replicas, wait_for_iteration
 
 pytestmark = pytest.mark.e2e
 
@@ -41,12 +41,8 @@ SPEC = {
 }
 
 
-#: SPEC's overrides for PP=2 x DP=1 (two workers, one GPU a datacenter), for the tests whose subject
-#: is not data parallelism: each stage worker costs about 3 CPU s on 2 cores (docs/testing.md).
-ONE_REPLICA: dict[str, Any] = {
-    "datacenters": [{**dc, "gpus": 1} for dc in SPEC["datacenters"]],  # type: ignore[attr-defined]
-    "parallelism": {**SPEC["parallelism"], "dp": 1},  # type: ignore[dict-item]
-}
+#: SPEC's overrides for PP=2 x DP=1 (two workers), for the tests whose subject is not data parallelism.
+ONE_REPLICA = replicas(SPEC, 1)
 
 
 def write_spec(tmp_path: Path, overrides: dict[str, Any] | None = None, **training: object) -> Path:

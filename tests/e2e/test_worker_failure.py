@@ -19,6 +19,7 @@ from shared.bus.connection import blocking_client
 from shared.control import keys
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import IterationDone, decode
+from tests.e2e.serving import replicas
 
 pytestmark = pytest.mark.e2e
 
@@ -46,16 +47,8 @@ async def test_killed_worker_stops_the_run_naming_its_slot(
     tmp_path: Path, redis_server: EmbeddedRedis, training: dict[str, float], dp: int, says: str
 ) -> None:
     spec = tmp_path / "spec.yaml"
-    spec.write_text(
-        yaml.safe_dump(
-            {
-                **SPEC,
-                "datacenters": [{**dc, "gpus": dp} for dc in SPEC["datacenters"]],  # type: ignore[attr-defined]
-                "parallelism": {"pp": 2, "dp": dp},
-                "training": {**SPEC["training"], **training},  # type: ignore[dict-item]
-            }
-        )
-    )
+    training = {**SPEC["training"], **training}  # type: ignore[dict-item]
+    spec.write_text(yaml.safe_dump({**SPEC, **replicas(SPEC, dp), "training": training}))
     env = {"REDIS_URL": redis_server.url, "BUBBLETEA_CONFIG": str(spec), "BUBBLETEA_RUN": f"f{uuid.uuid4().hex[:6]}"}
     procs = [await spawn(WAN_BROKER, env, out=io.StringIO())]
     procs += [await spawn(STAGE_WORKER, env, out=io.StringIO()) for _ in range(2 * dp)]
