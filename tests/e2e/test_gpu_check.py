@@ -45,3 +45,12 @@ def test_gpu_check_runs_on_real_compute_and_says_where() -> None:
     assert got["bubbles_total"] >= got["bubbles_with_work"] >= 0 and got["bubbles_total"] >= got["bubbles_filled"] >= 0
     assert got["losses_equal"] is True  # prefill in the bubbles changed nothing training computed
     assert 0 <= got["slo_attainment"] <= 1 and "valid" in got and "targets" in got
+
+
+def test_gpu_check_refuses_a_dp_it_cannot_run_in_one_line() -> None:
+    r = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--dp", "3"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert r.returncode == 2 and r.stdout == ""  # refused before anything starts
+    assert r.stderr.strip().splitlines()[-1].endswith("argument --dp: invalid choice: 3 (choose from 1, 2)")
+    assert "Traceback" not in r.stderr
