@@ -22,6 +22,17 @@ MIB = 1 << 20
 WARMUP = 2
 
 
+def command_words(pid: int) -> list[str] | None:
+    """The command line of `pid` as words, None if it is gone. Split on NULs and on spaces: a stage
+    worker forked by a launcher (`bubbletea/launcher/forked.py`) writes its command line as one
+    string with spaces (setproctitle), an exec'd process has one NUL-separated argument each."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").split()
+
+
 def _terminate(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through every `finally`: children and servers stop
 

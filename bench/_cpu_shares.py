@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import command_words
+
 
 class CpuSampler:
     """Every `PERIOD_S`, the CPU time (user + system) of this process and of every process it
@@ -60,11 +62,9 @@ class CpuSampler:
 
 
 def _service_name(pid: int) -> str:
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
+    words = command_words(pid)
+    if words is None:
         return "?"
-    words = [a.decode(errors="replace") for a in args if a]
     for w in words:
         if w.startswith("services.") or w in ("loadgen", "bench/bubble_fill.py"):
             return w.removeprefix("services.")

@@ -7,6 +7,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from _common import command_words
+
 #: The module a stage worker runs (``python -m services.stage_worker``): what the poller looks for.
 STAGE_WORKER_MODULE = "services.stage_worker"
 #: Seconds between two polls of /proc.
@@ -41,11 +43,7 @@ def descendants(root: int) -> Iterator[int]:
 
 
 def is_stage_worker(pid: int) -> bool:
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return STAGE_WORKER_MODULE.encode() in args
+    return STAGE_WORKER_MODULE in (command_words(pid) or ())
 
 
 def vm_hwm_bytes(pid: int) -> int | None:

@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from _common import command_words
 from redis import Redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,14 +43,13 @@ def rss_kb(pid: int) -> int | None:
 
 
 def name_of(pid: int) -> str:
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
+    words = command_words(pid)
+    if words is None:
         return str(pid)
-    text = " ".join(a.decode(errors="replace") for a in args if a)
-    for part in text.split():
+    for part in words:
         if part.startswith("services."):
             return part.removeprefix("services.")
+    text = " ".join(words)
     return "up" if "bubbletea" in text else text[:40]
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bubbletea.launcher import forked
 from bubbletea.launcher.services import PREFILL_QUEUE, ServiceDef, command
 from shared.runtime.lifetime import die_with_parent
 from shared.runtime.logs import get_logger
@@ -37,7 +38,7 @@ class ServiceFailed(RuntimeError):
 @dataclass
 class Proc:
     svc: ServiceDef
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | forked.ForkedProcess
     url: str | None = None
     label: str = ""
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
@@ -63,20 +64,27 @@ async def spawn(
     """Start `svc` as a process; its output goes to `out`, each line prefixed with its name (or
     `label`; with `quiet`, only warnings and errors), and every line to `log_file` if given and
     to `Proc.tail` regardless. `prefix` runs it through a wrapper that execs it (`ip netns exec
-    NS`: a worker of the kernel WAN mode inside its datacenter's namespace)."""
-    proc = await asyncio.create_subprocess_exec(
-        *prefix,
-        sys.executable,
-        *command(svc),
-        env={**os.environ, **env},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=functools.partial(child_setup, svc.nice),
-    )
+    NS`: a worker of the kernel WAN mode inside its datacenter's namespace). A service that imports
+    torch is forked from a server that has imported it already (`forked`), unless it needs a
+    wrapper or the platform has no fork server."""
+    proc: asyncio.subprocess.Process | forked.ForkedProcess
+    how = "exec"
+    if svc.module in forked.FORKED_MODULES and not prefix and forked.available():
+        proc, how = await forked.fork(svc.module, command(svc)[2:], {**os.environ, **env}, svc.nice), "fork"
+    else:
+        proc = await asyncio.create_subprocess_exec(
+            *prefix,
+            sys.executable,
+            *command(svc),
+            env={**os.environ, **env},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=functools.partial(child_setup, svc.nice),
+        )
     p = Proc(svc, proc, label=label or svc.name)
     p.pump = asyncio.create_task(_pump(p, out, quiet, log_file))
-    log.info("service started", service=svc.name, pid=proc.pid)
+    log.info("service started", service=svc.name, pid=proc.pid, start=how)
     return p
 
 

@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
 from shared.control import keys
+from shared.control.health import live_instances
 from shared.dataplane import kvstore
 from shared.dataplane.kv_client import KvClient
 from shared.figures import runstats
@@ -87,7 +88,7 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
             assert not training.done(), out.getvalue()[-3000:]  # it trained throughout, without failing
             # compute below the control plane: each worker's event loop at nice 0, its training
             # thread at TRAIN_NICE and its prefill thread at PREFILL_NICE (shared/runtime/priority.py)
-            workers = worker_nices(run)
+            workers = thread_nices(await worker_pids(redis_server.url, run))
             assert len(workers) == 4, workers
             for nices in workers.values():
                 assert {0, priority.TRAIN_NICE, priority.PREFILL_NICE} <= nices, workers
@@ -167,20 +168,23 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
         await r.aclose()
 
 
-def worker_nices(run: str) -> dict[int, set[int]]:
-    """The nice values of every thread of the run's stage-worker processes, by pid (/proc)."""
+async def worker_pids(url: str, run: str) -> list[int]:
+    """The run's stage-worker processes, from their heartbeats (a forked worker's /proc environment
+    is its fork server's, so it cannot say which run the worker belongs to)."""
+    r = Redis.from_url(url, protocol=2)
+    try:
+        return [inst["pid"] for inst in await live_instances(r, "stage_worker") if inst.get("run") == run]
+    finally:
+        await r.aclose()
+
+
+def thread_nices(pids: list[int]) -> dict[int, set[int]]:
+    """The nice values of every thread of each process, by pid (/proc)."""
     out: dict[int, set[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for pid in pids:
         try:
-            cmdline = (proc / "cmdline").read_bytes()
-            environ = (proc / "environ").read_bytes()
-            if b"services.stage_worker" not in cmdline or f"BUBBLETEA_RUN={run}".encode() not in environ:
-                continue
-            out[int(proc.name)] = {
-                int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in (proc / "task").iterdir()
-            }
+            tasks = Path(f"/proc/{pid}/task").iterdir()
+            out[pid] = {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
         except OSError:  # a process that ended meanwhile
             continue
     return out
