@@ -141,7 +141,7 @@ def health(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
 
     async def check() -> list[dict[str, object]]:
-        r = Redis.from_url(settings.require_redis_url(), protocol=2)
+        r = Redis.from_url(settings.require_redis_url(), protocol=2, socket_timeout=None)
         try:
             return await live_instances(r, args.service)
         finally:

@@ -97,6 +97,8 @@ async def redis_url(redis_server: EmbeddedRedis) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    r = Redis.from_url(redis_url, protocol=2)
+    # socket_timeout=None, as the bus's clients: with redis-py 8's defaults a task cancelled during a
+    # command may go on (tests/integration/test_redis_cancellation.py)
+    r = Redis.from_url(redis_url, protocol=2, socket_timeout=None)
     yield r
     await r.aclose()

@@ -94,7 +94,7 @@ async def worker_launches(settings: Settings, redis_url: str) -> AsyncIterator[l
     plan = plan_kernel_net(spec, settings.run, base=run_base(settings.run))
     placement = placement_of(spec)
     async with kernel_wan(plan):
-        redis = Redis.from_url(redis_url, protocol=2)
+        redis = Redis.from_url(redis_url, protocol=2, socket_timeout=None)  # see shared/bus/connection.py
         old_bind = str((await redis.config_get("bind")).get("bind") or "127.0.0.1")
         old_protected = str((await redis.config_get("protected-mode")).get("protected-mode") or "yes")
         controls = sorted({plan.control_address(dc.name) for dc in spec.datacenters})

@@ -107,7 +107,13 @@ async def wait_for_redis(url: str, wait_s: float, stop: asyncio.Event) -> bool:
     or `stop` is set (False). The deadline is stated in the first warning; the end in one line."""
     from shared.bus.connection import CONNECT_TIMEOUT_S, backoff
 
-    r = Redis.from_url(url, protocol=2, socket_connect_timeout=CONNECT_TIMEOUT_S, retry=Retry(backoff(), retries=0))
+    r = Redis.from_url(
+        url,
+        protocol=2,
+        socket_timeout=None,  # as the bus's clients (shared/bus/connection.py)
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        retry=Retry(backoff(), retries=0),
+    )
     deadline = time.monotonic() + wait_s
     until = (datetime.now(UTC) + timedelta(seconds=wait_s)).isoformat(timespec="seconds").replace("+00:00", "Z")
     failures = 0
