@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from shared.runtime.lifetime import die_with_parent
+from shared.runtime.lifetime import die_with_parent, signals_held
 from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -181,10 +181,15 @@ class EmbeddedRedis:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
             args += ["--appendonly", "no"]
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, start_new_session=True
-        )
-        atexit.register(self.stop)
+        with signals_held():  # a Ctrl-C now arrives after the fork, not lost in it
+            self.proc = subprocess.Popen(
+                args,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+                start_new_session=True,
+            )
+            atexit.register(self.stop)
         try:
             _wait_until_answers(self.port, self.proc, timeout)
         except BaseException:

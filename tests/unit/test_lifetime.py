@@ -1,0 +1,36 @@
+"""A Ctrl-C while a child is forked is held until the fork is done, not lost (shared/runtime/lifetime.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from shared.runtime.lifetime import die_with_parent, signals_held
+
+
+def test_a_ctrl_c_during_the_hold_is_raised_when_it_ends() -> None:
+    reached_the_end_of_the_block = False
+    with pytest.raises(KeyboardInterrupt), signals_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        reached_the_end_of_the_block = True  # not raised inside: held
+    assert reached_the_end_of_the_block
+
+
+def test_a_child_forked_during_the_hold_gets_the_stop_signals() -> None:
+    """A blocked mask is inherited across fork and exec: die_with_parent unblocks what was held,
+    so a redis-server started in the hold still stops on SIGTERM and SIGINT."""
+    with signals_held():
+        out = subprocess.run(
+            [sys.executable, "-c", "print(open('/proc/self/status').read())"],
+            preexec_fn=die_with_parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    blocked = int(next(line for line in out.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        assert not blocked & (1 << (sig - 1)), f"{sig.name} blocked in the child"
