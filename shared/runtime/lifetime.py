@@ -14,9 +14,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def die_with_parent() -> None:
     """Run in a child before exec: ask Linux to SIGTERM it when its parent dies, so a launcher
     killed with SIGKILL (or a crashed test run) leaves no redis-server or service behind.
-    A no-op where prctl is unavailable. Also lets the child have the stop signals its parent
-    held while it forked (`signals_held`): a blocked signal mask is inherited."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    A no-op where prctl is unavailable."""
     with contextlib.suppress(Exception):
         import ctypes
 
@@ -30,13 +28,19 @@ def signals_held() -> Iterator[None]:
     """Hold Ctrl-C and SIGTERM while a child is forked with a `preexec_fn`, outside an event loop.
     The interpreter runs its at-fork handlers then (logging's lock among them), and the
     KeyboardInterrupt a Ctrl-C raises inside one is printed as "Exception ignored" and lost: the
-    command went on as if never interrupted. Held, the signal arrives when the fork is done, and
-    raises there. Only the main thread has Python's signal handlers, so only it holds them."""
+    command went on as if never interrupted. Held, a signal is only noted, and raised again once
+    the fork is done, to the handler it was meant for. (Not a blocked signal mask: a process's
+    other threads would still take the signal, and Python runs its handler in the main thread
+    wherever it is.) The child's exec resets the handlers; only the main thread can set them."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    noted: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: noted.append(signum)) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
+        for signum in dict.fromkeys(noted):
+            signal.raise_signal(signum)
