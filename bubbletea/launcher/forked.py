@@ -35,8 +35,6 @@ import setproctitle
 
 from shared.runtime.lifetime import die_with_parent
 
-#: Services whose start is worth a fork: they import torch.
-FORKED_MODULES = frozenset({"services.stage_worker"})
 #: What the fork server imports before its first fork: the worker and what its first optimizer
 #: step imports (AdamW's `_use_grad_for_differentiable` imports torch._dynamo, about 0.6 s).
 PRELOAD = ("services.stage_worker.__main__", "torch._dynamo")

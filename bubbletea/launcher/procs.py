@@ -65,18 +65,19 @@ async def spawn(
     `label`; with `quiet`, only warnings and errors), and every line to `log_file` if given and
     to `Proc.tail` regardless. `prefix` runs it through a wrapper that execs it (`ip netns exec
     NS`: a worker of the kernel WAN mode inside its datacenter's namespace). A service that imports
-    torch is forked from a server that has imported it already (`forked`), unless it needs a
-    wrapper or the platform has no fork server."""
+    torch (`ServiceDef.forked`) is forked from a server that has imported it already (`forked`),
+    unless it needs a wrapper or the platform has no fork server."""
     proc: asyncio.subprocess.Process | forked.ForkedProcess
     how = "exec"
-    if svc.module in forked.FORKED_MODULES and not prefix and forked.available():
-        proc, how = await forked.fork(svc.module, command(svc)[2:], {**os.environ, **env}, svc.nice), "fork"
+    full_env = {**os.environ, **env}
+    if svc.forked and not prefix and forked.available():
+        proc, how = await forked.fork(svc.module, [], full_env, svc.nice), "fork"
     else:
         proc = await asyncio.create_subprocess_exec(
             *prefix,
             sys.executable,
             *command(svc),
-            env={**os.environ, **env},
+            env=full_env,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,

@@ -23,11 +23,14 @@ class ServiceDef:
     nice: int = 0
     #: Started only when the spec turns decoding on (`decode.enabled`; compose: the decode profile).
     decode_only: bool = False
+    #: Forked by the launchers from a server that has imported torch (`bubbletea/launcher/forked.py`):
+    #: the services whose start is worth a fork. Compose, Kubernetes and Slurm run the module.
+    forked: bool = False
 
 
 PREFILL_QUEUE = ServiceDef("prefill_queue", "services.prefill_queue", http=True, nice=10)
 WAN_BROKER = ServiceDef("wan_broker", "services.wan_broker")
-STAGE_WORKER = ServiceDef("stage_worker", "services.stage_worker", per_slot=True)
+STAGE_WORKER = ServiceDef("stage_worker", "services.stage_worker", per_slot=True, forked=True)
 DISPATCHER = ServiceDef("dispatcher", "services.dispatcher")
 DECODER = ServiceDef("decoder", "services.decoder", decode_only=True)
 
