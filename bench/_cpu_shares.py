@@ -49,7 +49,9 @@ class CpuSampler:
         for pid in mine:
             self.first.setdefault(pid, (now, cpu[pid]))
             self.last[pid] = (now, cpu[pid])
-            if pid not in self.names:
+            # Named again until it resolves: a stage worker forked by the launcher's fork server
+            # shows the server's command line until its first moments set its own (setproctitle).
+            if self.names.get(pid, "?") in UNRESOLVED:
                 self.names[pid] = _service_name(pid)
 
     def shares(self) -> dict[str, float]:
@@ -61,10 +63,16 @@ class CpuSampler:
         return out
 
 
+#: Names that may still change: unknown, or a fork server's child before it took its own title.
+UNRESOLVED = ("?", "python", "python3", "forkserver")
+
+
 def _service_name(pid: int) -> str:
     words = command_words(pid)
     if words is None:
         return "?"
+    if any("multiprocessing.forkserver" in w for w in words):
+        return "forkserver"  # the launcher's fork server (bubbletea/launcher/forked.py), itself
     for w in words:
         if w.startswith("services.") or w in ("loadgen", "bench/bubble_fill.py"):
             return w.removeprefix("services.")

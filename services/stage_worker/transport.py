@@ -272,14 +272,14 @@ class Transport:
         if m.release:
             self._released.add(key)
             if key in self._landed:
-                self.mailbox.put(key, self._landed.pop(key))
+                self.mailbox.put(key, self._landed.pop(key))  # it arrives now: the release was read
             return
         if key in self._posted:
             return  # a redelivery: the receive is already posted
         self._posted.add(key)
         posted = time.monotonic()
         try:
-            tensor = await self._receive(m)
+            tensor = await self._receive(m, key, gen)
         except PlaneError as exc:
             self._fail(gen, exc)
             return
@@ -292,10 +292,23 @@ class Transport:
         else:
             self.mailbox.put(key, tensor)
 
-    def _receive(self, m: TensorReady) -> asyncio.Future[torch.Tensor]:
-        """Post the receive of the tensor `m` announces, on the groups of its generation."""
+    def _receive(
+        self, m: TensorReady, key: tuple[str, int, int] | None = None, gen: int = -1
+    ) -> asyncio.Future[torch.Tensor]:
+        """Post the receive of the tensor `m` announces, on the groups of its generation. With a
+        `key`, a tensor not held for a WAN release arrives (`Mailbox.landed`) the moment the
+        receive returns, in its thread: the prefill thread sees it then, and the bubble's overrun
+        counts from then, whenever the event loop gets to `put` it (while generation `gen` lasts)."""
         peer, tag = slot_name(m.replica, m.src_stage), tag_of(m.what, m.iteration, m.microbatch)
-        return in_thread(self.plane.recv, m.generation, peer, torch_dtype(m.dtype), tuple(m.shape), tag)
+        dtype, shape = torch_dtype(m.dtype), tuple(m.shape)
+
+        def receive() -> torch.Tensor:
+            tensor = self.plane.recv(m.generation, peer, dtype, shape, tag)
+            if key is not None and gen == self.generation() and (not m.hold or key in self._released):
+                self.mailbox.landed(key, time.time())
+            return tensor
+
+        return in_thread(receive)
 
     async def _drain(self, m: TensorReady) -> None:
         """Take a tensor a peer sent before the run resumed, and drop it: its sender's thread is

@@ -277,7 +277,7 @@ class DispatchState(Filling):
             if req is None or req.in_bubble != worker:
                 continue  # stale or duplicate
             ran = p.reached_layer - req.next_layer
-            if not p.finished and ran > 0 and p.seconds > 0:
+            if ran > 0 and p.seconds > 0:  # finished or preempted: every run teaches the model
                 self.cost.observe(req.tokens, p.seconds * self.layers / ran)  # scale to a whole prompt
             self._give_back(worker, req)
             if req.next_layer > 0 and (p.finished or ran > 0):  # it resumed from a saved state, now used up

@@ -245,7 +245,8 @@ def test_reports_teach_the_cost_model() -> None:
     for i in range(50):
         # the first request waits for the bubble; later ones go straight into it (it stays open)
         b = one(s.add_request(req(i, tokens=100), now=float(i)) + start(s, "w1", 10.0, now=float(i)))
-        s.report(b.batch_id, "w1", [Progress(f"r{i}", 4, 0.3)], now=float(i))  # really 3x slower than predicted
+        # finished, as a worker reports a request it answered: really 3x slower than predicted
+        s.report(b.batch_id, "w1", [Progress(f"r{i}", 4, 0.3, finished=True)], now=float(i))
     assert s.cost.predict(100) == pytest.approx(0.3, rel=0.1) and s.cost.predict(100) > before
 
 
