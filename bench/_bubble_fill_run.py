@@ -29,7 +29,7 @@ BASE: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "wan-bound.yaml").read
 
 
 #: The profiled mode's prefill cost per block (one layer of one prompt): ~1 ms for the load's
-#: ~96-token prompts, half the guard, and 2-3x this CPU's real compute for the benchmark's model.
+#: ~96-token prompts, and 2-3x this CPU's real compute for the benchmark's model.
 PREFILL_PROFILE = {"prefill_ms_per_layer": 0.25, "prefill_us_per_token": 8.0}
 #: profiled: the training profile and the prefill profile; raw: the training profile, prefill for its
 #: real compute; real: no profile at all (training and prefill for their real compute, on the GPU
@@ -49,7 +49,7 @@ def bench_spec(
     spec["name"] = "bubbletea-bench"
     spec["parallelism"]["dp"] = dp
     spec["training"]["iterations"] = iterations
-    spec["bubbletea"] = {"enabled": enabled, "guard_ms": 2.0, "dispatch_overhead_ms": 1.0, "max_batch_requests": 16}
+    spec["bubbletea"] = {"enabled": enabled, "max_batch_requests": 16}
     spec["prefill"] = {
         "model": {"layers": 4, "d_model": 64, "heads": 4, "seq_len": 256, "vocab": 256, "seed": 0},
         "max_prompt_tokens": 256,

@@ -44,7 +44,7 @@ SPEC: dict[str, Any] = {
     "parallelism": {"pp": 2, "dp": 2, "tp": 1},
     "training": {"schedule": "1f1b", "microbatches": 4, "microbatch_size": 2, "iterations": 8, "seed": 7},
     "device": {"kind": "cpu", "fwd_ms_per_layer": 20.0, "allreduce_ms": 5.0, "step_ms": 2.0},
-    "bubbletea": {"enabled": True, "guard_ms": 2.0, "dispatch_overhead_ms": 1.0, "max_batch_requests": 8},
+    "bubbletea": {"enabled": True, "max_batch_requests": 8},
     "prefill": {"max_prompt_tokens": 256, "request_timeout_s": 60, "kv_ttl_s": 120},
 }
 

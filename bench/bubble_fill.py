@@ -30,7 +30,7 @@ Every key names its clock (`_harness`: ``_device_ms`` is device time, real ms / 
 is host time). Every bubble and every request counts:
 
 * dispatch_p50_ms / dispatch_p99_ms: bubble start on the worker to its first prefill running, over
-  every bubble that opened with work queued or staged for its worker; one that stayed empty counts
+  every bubble that opened with work held on its worker or waiting; one that stayed empty counts
   at its whole length (bubbles_total, bubbles_with_work, bubbles_filled beside them);
 * control_share_p50 / _p99: host latencies (bubble start to prefill running; a worker's report to
   the dispatcher) as a share of the mean bubble in device time: what they would be at k = 1;

@@ -51,7 +51,7 @@ def scale_spec(gpus: int) -> ClusterSpec:
             "prefill_ms_per_layer": 0.5,
             "prefill_us_per_token": 4.0,
         },
-        "bubbletea": {"guard_ms": 2.0, "dispatch_overhead_ms": 1.0, "max_batch_requests": 32},
+        "bubbletea": {"max_batch_requests": 32},
         "prefill": {
             "model": {"layers": 32, "d_model": 4096, "heads": 32, "seq_len": 4096, "vocab": 32000},
             "max_prompt_tokens": 2048,

@@ -1,6 +1,6 @@
 """The discrete-event simulator: the live system's policies on a virtual clock (docs/simulator.md).
 
-    sim.executor   a worker's fill executor (FillPolicy): prefill blocks inside its bubbles
+    sim.executor   a worker's fill executor (its FillQueue): prefill blocks inside its bubbles
     sim.serving    the front door, the dispatcher (DispatchState) and the bus between them
     sim.workload   request arrivals: the load generator's processes or an Azure trace
     sim.setup      a cluster spec read as the simulator's inputs

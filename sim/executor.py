@@ -1,34 +1,36 @@
-"""A worker's fill executor on the virtual clock: obeys `FillPolicy`, as services/stage_worker/filler.py does.
+"""A worker's fill executor on the virtual clock: keeps its `FillQueue`, as services/stage_worker/filler.py does.
 
-* A batch arriving in an open bubble runs there; a staged one (`hold`) waits for the next bubble and
-  goes back unrun if none takes it within the policy's hold time; any other goes straight back.
-* Batches run in arrival order, one block (one layer of one request) at a time, each counting for
-  its profiled time (`PrefillProfile.block_s`). A block starts only if the policy allows it: the
-  training input has not arrived and the block ends before the bubble's predicted end minus the
-  guard. Once a block no longer fits, the executor takes no more batches and waits for the input.
+* A batch that arrives joins the worker's queue (its credit), bubble or not.
+* From a bubble's start until training input arrives, the queue runs in arrival order, one block
+  (one layer of one request) at a time, each counting for its profiled time
+  (`PrefillProfile.block_s`). Nothing but the input stops it.
 * When the input arrives the block already running completes (a GPU kernel is not cut short):
-  training resumes at that block's end, which is how BubbleTea can slow training.
-* Every batch ends in one report to the dispatcher (reached layer and seconds per item; items not
-  run report their start layer); finished requests are answered when their batch ends.
+  training resumes at that block's end, which is how BubbleTea can slow training. The batch it cut
+  stays at the head of the queue with its progress and continues in the next bubble.
+* A batch that ran to its end is reported (reached layer, seconds, the layer each item started
+  from); the bubble it finished in names it at its end. A request is answered when the run that
+  finished it ends.
+* A batch no bubble took within the hold time goes back, reporting how far it got (its partial
+  state saved in this datacenter).
 * A resumed item starts from its saved layer only in the datacenter that saved it, else from its
   prompt (`resume_layer`), as the live worker does; `saved_in` (shared by every executor) says
   which DC saved the state each request resumes from.
 
-Blocks are not one event each: a batch's blocks are laid out when it starts (the policy is asked
-where the run must stop for time), one event marks its end, and an input that arrives meanwhile
-cuts the run at the next block boundary. The decisions are those of asking block by block.
+Blocks are not one event each: a run's blocks are laid out when it starts, one event marks its
+end, and an input that arrives meanwhile cuts the run at the next block boundary. The decisions are
+those of asking block by block.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.policies.decisions import Batch, BatchItem
+from shared.policies.decisions import Batch
 from shared.policies.dispatch import Progress
 from shared.policies.events import EventQueue
-from shared.policies.fill import Arrival, FillPolicy, Held, resume_layer
+from shared.policies.fill import FillQueue, resume_layer
 from shared.policies.prefill_cost import PrefillProfile
 
 
@@ -52,11 +54,23 @@ class Host(Protocol):
 
 
 @dataclass(slots=True)
-class _Part:
-    """One item's share of the running batch: `blocks` blocks of `block_s` from `start`."""
+class _Progress:
+    """How far a batch on the queue got: the item it is at, that item's layer, and per item the
+    layer it started from here and its seconds so far."""
 
-    item: BatchItem
-    from_layer: int  # where it starts here (`resume_layer`)
+    batch: Batch
+    item: int = 0
+    layer: int = -1  # -1: the item has not started
+    started: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Part:
+    """One item's blocks in the running run: `blocks` of `block_s` from `start`, from `layer`."""
+
+    index: int
+    layer: int
     start: float
     block_s: float
     blocks: int
@@ -67,22 +81,19 @@ class Executor:
         self,
         worker: int,
         layers: int,
-        policy: FillPolicy,
+        queue: FillQueue,
         profile: PrefillProfile,
-        queue: EventQueue,
+        events: EventQueue,
         host: Host,
         dc: str = "",
         saved_in: dict[str, str] | None = None,
     ) -> None:
-        self.worker, self.layers, self.policy, self.profile = worker, layers, policy, profile
-        self.q, self.host = queue, host
+        self.worker, self.layers, self.queue, self.profile = worker, layers, queue, profile
+        self.q, self.host = events, host
         self.dc = dc  # this worker's datacenter
         self.saved_in = {} if saved_in is None else saved_in  # request id -> DC of its saved state
-        self.queued: list[tuple[Batch, Held]] = []
-        self.in_bubble = False
-        self.ends_at = 0.0  # no block may end after this (the bubble's predicted end minus the guard)
-        self.out_of_time = False  # the next block did not fit: wait for the input, take nothing more
-        self._batch: Batch | None = None  # the batch running now
+        self.progress: dict[str, _Progress] = {}
+        self._running: _Progress | None = None
         self._parts: list[_Part] = []
         self._started = 0.0
         self._version = 0  # invalidates the end event of a run cut short
@@ -90,33 +101,25 @@ class Executor:
     # --- batches from the dispatcher -------------------------------------------------------
 
     def on_batch(self, now: float, batch: Batch) -> None:
-        action = self.policy.on_arrival(staged=batch.hold, in_bubble=self.in_bubble)
-        if action is Arrival.RETURN:  # its bubble closed before it got here
-            self._hand_back([batch], now)
-            return
-        self.queued.append((batch, Held(batch.batch_id, batch.hold, now)))
-        if action is Arrival.HOLD:
-            self.q.at(now + self.policy.hold_s, self._expire_holds)
-        elif self._batch is None and not self.out_of_time:
+        self.queue.arrive(batch.batch_id, batch.predicted_s, now)
+        self.progress[batch.batch_id] = _Progress(batch)
+        self.q.at(now + self.queue.hold_s, self._expire)
+        if self._running is None:
             self._next(now)
 
-    def _expire_holds(self, now: float, _: object = None) -> None:
-        gone = set(self.policy.expired_holds([h for _, h in self.queued], in_bubble=self.in_bubble, now=now))
-        if gone:
-            self._hand_back(self._take(gone), now)
+    def _expire(self, now: float, _: object = None) -> None:
+        for batch_id in self.queue.expired(now):
+            self._hand_back(self.progress.pop(batch_id), now)
 
     # --- the bubble (called by training) ---------------------------------------------------
 
-    def open(self, now: float, predicted_s: float) -> None:
-        if not self.policy.worth_filling(predicted_s):
-            return  # not in a bubble as far as batches go: sent ones go back, staged ones wait
-        self.in_bubble, self.out_of_time = True, False
-        self.ends_at = self.policy.fill_until(now, predicted_s)
+    def open(self, now: float) -> None:
+        self.queue.open()
         self._next(now)
 
     def input_arrived(self, now: float) -> float:
         """The awaited input is here: the run stops at the next block boundary. Returns that moment."""
-        if self._batch is None:
+        if self._running is None:
             return now
         cut = now
         for i, part in enumerate(self._parts):
@@ -130,74 +133,89 @@ class Executor:
         self._version += 1  # the planned end will not come
         return max(cut, now)
 
-    def close(self, now: float) -> None:
-        """Training resumes: finish the (cut) run, and hand back what was sent for this bubble."""
-        if self._batch is not None:
-            self._finish(now)
-        self.in_bubble = False
-        back = set(self.policy.at_bubble_end([h for _, h in self.queued]))
-        if back:
-            self._hand_back(self._take(back), now)
+    def close(self, now: float) -> tuple[str, ...]:
+        """Training resumes: the (cut) run stops; the batches that finished in this bubble."""
+        if self._running is not None:
+            self._stop(now)
+        finished = self.queue.close()
+        self._expire(now)
+        return finished
 
     # --- running ---------------------------------------------------------------------------
 
     def _next(self, now: float) -> None:
-        i = self.policy.next_batch([h for _, h in self.queued])
-        if i is None:
+        head = self.queue.head()
+        if head is None:
             return
-        batch, _ = self.queued.pop(i)
+        p = self.progress[head.batch_id]
         t, parts = now, []
-        for item in batch.items:
-            assert isinstance(item.payload, SimRequest)
-            block = self.profile.block_s(item.payload.tokens)
-            first = resume_layer(item.from_layer, self.saved_in.get(item.id, ""), self.dc)
-            need = item.to_layer - first
-            n = self.policy.blocks_that_start(start=t, block_s=block, need=need, ends_at=self.ends_at)
-            parts.append(_Part(item, first, t, block, n))
+        for index in range(p.item, len(p.batch.items)):
+            item = p.batch.items[index]
+            if index == p.item and p.layer >= 0:
+                layer = p.layer
+            else:
+                layer = resume_layer(item.from_layer, self.saved_in.get(item.id, ""), self.dc)
+            tokens = item.payload.tokens  # a SimRequest
+            block = self.profile.block_s(tokens)
+            n = item.to_layer - layer
+            parts.append(_Part(index, layer, t, block, n))
             t += n * block
-            if n < need:
-                self.out_of_time = True
-                break
-        self._batch, self._parts, self._started = batch, parts, now
+        self._running, self._parts, self._started = p, parts, now
         self._version += 1
         self.q.at(t, self._planned_end, self._version)
 
     def _planned_end(self, now: float, version: int) -> None:
-        if version != self._version or self._batch is None:
+        if version != self._version or self._running is None:
             return
-        self._finish(now)
-        if not self.out_of_time:
-            self._next(now)
+        self._stop(now)
+        self._next(now)
 
-    def _finish(self, now: float) -> None:
-        batch, parts = self._batch, self._parts
-        assert batch is not None
-        self._batch, self._parts = None, []
-        progress, answered, ran = [], [], 0
+    def _stop(self, now: float) -> None:
+        """The running run ends (all its blocks done, or cut): record how far its batch got, answer
+        what it finished, and report the batch if it is done."""
+        p, parts = self._running, self._parts
+        assert p is not None
+        self._running, self._parts = None, []
+        answered, ran = [], 0
         for part in parts:
-            reached = part.from_layer + part.blocks
-            finished = reached >= self.layers
-            if finished:
-                self.saved_in.pop(part.item.id, None)
-            elif reached > part.item.from_layer:  # its state is saved here, where the next run resumes from
-                self.saved_in[part.item.id] = self.dc
-            progress.append(Progress(part.item.id, reached, part.blocks * part.block_s, finished))
+            item = p.batch.items[part.index]
+            p.started.setdefault(item.id, part.layer)
+            p.seconds[item.id] = p.seconds.get(item.id, 0.0) + part.blocks * part.block_s
             ran += part.blocks
-            if finished:
-                assert isinstance(part.item.payload, SimRequest)
-                answered.append(part.item.payload)
-        progress += [Progress(it.id, it.from_layer, 0.0) for it in batch.items[len(parts) :]]
+            reached = part.layer + part.blocks
+            p.item, p.layer = part.index, reached
+            if reached >= item.to_layer:
+                self.saved_in.pop(item.id, None)
+                answered.append(item.payload)
+                p.item, p.layer = part.index + 1, -1
+            else:
+                break
         if ran:
             self.host.prefill_span(self.worker, self._started, now)
         if answered:
             self.host.answered(answered, now)
-        self.host.report(self.worker, batch, progress, now)
+        if p.item >= len(p.batch.items):
+            self.queue.ran(p.batch.batch_id, finished=True)
+            del self.progress[p.batch.batch_id]
+            self.host.report(self.worker, p.batch, self._report(p), now)
+        else:
+            left = sum(i.seconds for i in p.batch.items[p.item :])
+            self.queue.ran(p.batch.batch_id, finished=False, left_s=left)
 
-    def _take(self, ids: set[str]) -> list[Batch]:
-        out = [b for b, h in self.queued if h.batch_id in ids]
-        self.queued = [(b, h) for b, h in self.queued if h.batch_id not in ids]
+    def _report(self, p: _Progress) -> list[Progress]:
+        """Every item of `p`'s batch: done, reached (its state saved here), or not started."""
+        out = []
+        for index, item in enumerate(p.batch.items):
+            started, secs = p.started.get(item.id), p.seconds.get(item.id, 0.0)
+            if index < p.item:
+                out.append(Progress(item.id, item.to_layer, secs, True, started))
+            elif index == p.item and p.layer >= 0:  # cut part way (below its from_layer if computed again)
+                if p.layer > item.from_layer:
+                    self.saved_in[item.id] = self.dc  # where the next run resumes it from
+                out.append(Progress(item.id, p.layer, secs, False, started))
+            else:
+                out.append(Progress(item.id, item.from_layer, secs, False, started))
         return out
 
-    def _hand_back(self, batches: list[Batch], now: float) -> None:
-        for b in batches:
-            self.host.report(self.worker, b, [Progress(it.id, it.from_layer, 0.0) for it in b.items], now)
+    def _hand_back(self, p: _Progress, now: float) -> None:
+        self.host.report(self.worker, p.batch, self._report(p), now)

@@ -61,6 +61,7 @@ def figures(r: SimResult) -> dict[str, Any]:
         requests_rejected=s.rejected,
         requests_unfinished=s.sent - s.rejected - answered - sum(s.failed.values()),
         prefill_tokens_per_s=round(s.tokens / on.makespan, 1) if on.makespan > 0 else 0.0,
+        recomputed_share=None if s.recomputed_share is None else round(s.recomputed_share, 4),
         events=events,
         wall_s=round(wall, 3),
         events_per_s=round(events / wall) if wall > 0 else None,

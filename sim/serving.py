@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from shared.policies.decisions import Batch, Decisions
-from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request, WorkerReady
+from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.events import EventQueue
-from shared.policies.fill import FillPolicy
+from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
 from shared.spec.config import BubbleTea
 from sim.executor import Executor, SimRequest
@@ -46,6 +46,13 @@ class ServingStats:
     failed: Counter[str] = field(default_factory=Counter)  # by FailureReason
     batches: int = 0
     returned: int = 0  # batches handed back unrun
+    #: prompt layers run, and of those the ones run again (their saved state was in another DC)
+    layers_run: int = 0
+    layers_recomputed: int = 0
+
+    @property
+    def recomputed_share(self) -> float | None:
+        return self.layers_recomputed / self.layers_run if self.layers_run else None
 
 
 class Serving:
@@ -54,12 +61,23 @@ class Serving:
     def __init__(self, cfg: ServingConfig, queue: EventQueue, arrivals: Iterator[tuple[float, int]]) -> None:
         self.cfg, self.q, self._arrivals = cfg, queue, arrivals
         self.state = DispatchState.from_spec(cfg.bubbletea, cfg.layers)
-        policy = FillPolicy.from_spec(cfg.bubbletea)
         saved_in: dict[str, str] = {}  # request id -> DC of the state it resumes from
         self.executors = [
-            Executor(w, cfg.layers, policy, cfg.profile, queue, self, cfg.datacenters[w], saved_in)
+            Executor(
+                w,
+                cfg.layers,
+                FillQueue.from_spec(cfg.bubbletea),
+                cfg.profile,
+                queue,
+                self,
+                cfg.datacenters[w],
+                saved_in,
+            )
             for w in range(len(cfg.workers))
         ]
+        #: per worker: when its open bubble started, and when its awaited input arrived
+        self._opened: dict[int, float] = {}
+        self._input_at: dict[int, float] = {}
         self._index = {name: w for w, name in enumerate(cfg.workers)}
         self.stats = ServingStats()
         #: (worker, iteration, start, end) of each prefill run; `iteration_of` is training's
@@ -74,7 +92,9 @@ class Serving:
     # --- the guest of training -------------------------------------------------------------
 
     def bubble_start(self, worker: int, iteration: int, position: int, predicted_s: float, now: float) -> None:
-        self.executors[worker].open(now, predicted_s)
+        ex = self.executors[worker]
+        ex.open(now)
+        self._opened[worker] = now
         opened = BubbleOpened(
             worker=self.cfg.workers[worker],
             address=self.cfg.workers[worker],
@@ -82,6 +102,8 @@ class Serving:
             free_memory=self.cfg.free_memory,
             started=now,
             tag=(iteration, position),
+            dc=self.cfg.datacenters[worker],
+            queued_s=ex.queue.queued_s,
         )
         self.q.at(now + self.cfg.bus_s, self._on_bubble_start, opened)
 
@@ -92,15 +114,20 @@ class Serving:
             typical_s=typical_s,
             free_memory=self.cfg.free_memory,
             at=now,
+            dc=self.cfg.datacenters[worker],
         )
         self.q.at(now + self.cfg.bus_s, self._on_joined, ready)
 
     def input_arrived(self, worker: int, now: float) -> float:
+        self._input_at[worker] = now
         return self.executors[worker].input_arrived(now)
 
     def bubble_end(self, worker: int, iteration: int, position: int, now: float) -> None:
-        self.executors[worker].close(now)
-        self.q.at(now + self.cfg.bus_s, self._on_bubble_end, (self.cfg.workers[worker], (iteration, position)))
+        finished = self.executors[worker].close(now)
+        start = self._opened.pop(worker, now)
+        actual = max(0.0, self._input_at.pop(worker, now) - start)  # start to the input's arrival
+        closed = BubbleClosed(self.cfg.workers[worker], (iteration, position), actual, finished)
+        self.q.at(now + self.cfg.bus_s, self._on_bubble_end, closed)
 
     # --- the host of the executors ---------------------------------------------------------
 
@@ -126,13 +153,16 @@ class Serving:
     def _on_joined(self, now: float, ready: WorkerReady) -> None:
         self._execute(self.state.worker_joined(ready, now), now)
 
-    def _on_bubble_end(self, now: float, arg: tuple[str, object]) -> None:
-        worker, tag = arg
-        self._execute(self.state.bubble_end(worker, tag, now=now), now)
+    def _on_bubble_end(self, now: float, closed: BubbleClosed) -> None:
+        self._execute(self.state.bubble_end(closed, now), now)
 
     def _on_report(self, now: float, arg: tuple[str, str, list[Progress]]) -> None:
         batch_id, worker, progress = arg
         self._execute(self.state.report(batch_id, worker, progress, now), now)
+        self.stats.layers_run, self.stats.layers_recomputed = (
+            self.state.counts.layers_run,
+            self.state.counts.layers_recomputed,
+        )
 
     def _on_request(self, now: float, req: Request) -> None:
         self._execute(self.state.add_request(req, now), now)

@@ -1,16 +1,21 @@
-"""dispatcher (BubbleTea): puts queued prefill requests into the bubbles workers announce.
+"""dispatcher (BubbleTea): keeps prefill work queued on every worker ahead of its bubbles.
 
 A thin shell around the pure `DispatchState` (shared/policies/dispatch.py): it decodes what its
 three streams carry, feeds it to the state with the clock, executes the `Decisions` the state
-returns, and logs one line per decision with its why. The streams and their handler tables:
+returns, and logs each decision with its why (at debug: one line per batch would cost the hot path
+its time). The streams, each read in batches and handled in order (`Bus.consumer(sequential=True)`):
 
 * the request stream, `{PrefillRequest}`: every accepted request. Its entry is *held* (not acked)
   until the request is answered or failed, so a dispatcher killed mid-flight leaves it pending for
-  its successor, without a task parked per request;
-* the run's bubble stream, `{BubbleStart, WorkerJoined, BubbleEnd}`, one at a time and in order;
+  its successor, without a task parked per request. A read's requests join the state together
+  (`add_requests`). Redis is asked whether a request was answered already only when it is
+  delivered again (a restart, a reclaim), never on its first delivery;
+* the run's bubble stream, `{BubbleStart, WorkerJoined, BubbleEnd}`;
 * the run's report stream, `{PrefillReport}`: how far each item of a batch got.
 
-A timer feeds the state `tick(now)`: deadlines passed, batches that never reported back.
+What one read decided is executed once the read is handled (`flush`): every batch, failure answer
+and snapshot deletion in **one pipelined round trip**, then the acks. A timer feeds the state
+`tick(now)`: deadlines passed, batches that never reported back.
 
 Every `serving.READINESS_EVERY_S` the dispatcher judges whether prefill can be served at all (the
 pure `ServingGate` of shared/policies/readiness.py, fed the run's slot leases and the bubbles seen)
@@ -31,18 +36,19 @@ from typing import Protocol
 
 from services.dispatcher.metrics import DispatcherMetrics
 from shared.bus import HOLD, Bus, Delivery, Outcome
-from shared.bus.connection import TRANSIENT_ERRORS
+from shared.bus.connection import TRANSIENT_ERRORS, ride_out
 from shared.control import keys, serving
 from shared.control.health import instance_id
 from shared.control.leases import generation_joined, read_slots
-from shared.control.status import ControlEvent, RequestStatus, ServingState
+from shared.control.status import ControlEvent, FailureReason, RequestStatus, ServingState
 from shared.model.shape import model_info
-from shared.policies.decisions import Batch, Decisions, Failure
-from shared.policies.dispatch import BubbleOpened, DispatchState, Progress, Request, WorkerReady
+from shared.policies.decisions import Batch, Decisions
+from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.readiness import ServingGate, Verdict
 from shared.runtime.logs import get_logger
 from shared.spec.config import ClusterSpec
 from shared.wire import (
+    FIELD,
     BubbleEnd,
     BubbleStart,
     ControlSeen,
@@ -52,6 +58,7 @@ from shared.wire import (
     PrefillRequest,
     PrefillResult,
     WorkerJoined,
+    encode,
 )
 
 SERVICE = "dispatcher"
@@ -92,29 +99,39 @@ class Dispatcher:
         )
         self.verdict = Verdict.of(ServingState.STARTING, "the dispatcher is starting")
         self.metrics.serving_state(self.verdict.state)
+        self._arriving: list[Request] = []  # requests of the read being handled
+        self._decided = Decisions()  # what the read being handled decided, executed by `flush`
 
     # --- handlers (the tables are in serve.py) ---------------------------------------------
 
     async def on_request(self, d: Delivery) -> Outcome | None:
         req = d.message
         assert isinstance(req, PrefillRequest)
-        found = await serving.lookup(self.bus.redis, req.id)
-        if found is not None and found.status is not RequestStatus.QUEUED:
-            return None  # answered before a restart redelivered it: ack
-        entry = Request(
-            id=req.id,
-            tokens=len(req.tokens),
-            arrival=req.submitted,
-            kv_bytes=self.model_info.kv_bytes(len(req.tokens)),
-            deadline=req.deadline,
-            ticket=d.id,
-            payload=req,
+        if d.attempt > 1:  # delivered again (a restart, a reclaim): it may have been answered meanwhile
+            found = await serving.lookup(self.bus.redis, req.id)
+            if found is not None and found.status is not RequestStatus.QUEUED:
+                return None  # answered before: ack
+        self._arriving.append(
+            Request(
+                id=req.id,
+                tokens=len(req.tokens),
+                arrival=req.submitted,
+                kv_bytes=self.model_info.kv_bytes(len(req.tokens)),
+                deadline=req.deadline,
+                ticket=d.id,
+                payload=req,
+            )
         )
-        now = time.time()
-        await self.execute(self.state.add_request(entry, now))
-        if self.verdict.fail_queued:  # accepted by a front door that had not heard yet
-            await self.execute(self.state.fail_waiting(self.verdict.reason, now))
         return HOLD  # acked once answered or failed
+
+    async def requests_read(self) -> None:
+        """After a read of the request stream: its requests join the state together, then `flush`."""
+        now = time.time()
+        arriving, self._arriving = self._arriving, []
+        self._decided += self.state.add_requests(arriving, now)
+        if self.verdict.fail_queued:  # accepted by a front door that had not heard yet
+            self._decided += self.state.fail_waiting(self.verdict.reason, now)
+        await self.flush()
 
     async def on_start(self, d: Delivery) -> None:
         m = d.message
@@ -126,14 +143,18 @@ class Dispatcher:
             free_memory=m.free_memory_bytes,
             started=m.at,
             tag=(m.iteration, m.position),
+            dc=m.dc,
+            queued_s=m.queued_ms / 1000,
         )
         now = time.time()
-        with_work = self.state.work_for(m.worker)
+        # with work: the worker held some as it opened, or requests waited here for it
+        with_work = m.queued_ms > 0 or self.state.work_for(m.worker)
+        self.metrics.bubble_started(m.queued_ms / 1000, self.state.work_for(m.worker))
         if now - m.at <= self.state.stale_bubble_s:  # a bubble from the backlog says nothing about training now
             self.gate.saw_bubble(m.at)
             if not self.verdict.ready:  # training runs: say so now, not at the next periodic check
                 await self.check_readiness()
-        await self.execute(self.state.bubble_start(opened, now))
+        self._decided += self.state.bubble_start(opened, now)
         self._seen(ControlEvent.BUBBLE_START, m.worker, m.at, now, with_work=with_work)
 
     async def on_joined(self, d: Delivery) -> None:
@@ -146,37 +167,38 @@ class Dispatcher:
             typical_s=m.typical_bubble_ms / 1000,
             free_memory=m.free_memory_bytes,
             at=m.at,
+            dc=m.dc,
         )
-        await self.execute(self.state.worker_joined(ready, time.time()))
+        self._decided += self.state.worker_joined(ready, time.time())
 
     async def on_end(self, d: Delivery) -> None:
         m = d.message
         assert isinstance(m, BubbleEnd)
         self.metrics.bubble_ended(m.actual_ms, m.predicted_ms)
-        await self.execute(self.state.bubble_end(m.worker, (m.iteration, m.position), now=time.time()))
+        closed = BubbleClosed(m.worker, (m.iteration, m.position), m.actual_ms / 1000, m.finished)
+        self._decided += self.state.bubble_end(closed, time.time())
 
     async def on_report(self, d: Delivery) -> None:
         m = d.message
         assert isinstance(m, PrefillReport)
-        progress = [Progress(p.id, p.reached_layer, p.seconds, p.outcome.finished) for p in m.progress]
-        log.info(
-            "batch reported",
-            batch=m.batch_id,
-            worker=m.worker,
-            items=len(m.progress),
-            finished=sum(p.finished for p in progress),
-            preempted=m.preempted,
-        )
+        progress = [
+            Progress(
+                p.id, p.reached_layer, p.seconds, p.outcome.finished, None if p.started_layer < 0 else p.started_layer
+            )
+            for p in m.progress
+        ]
         now = time.time()
-        await self.execute(self.state.report(m.batch_id, m.worker, progress, now))
+        self._decided += self.state.report(m.batch_id, m.worker, progress, now)
+        if log.isEnabledFor(10):
+            finished = sum(p.finished for p in progress)
+            log.debug("batch reported", batch=m.batch_id, worker=m.worker, items=len(progress), finished=finished)
         if m.at > 0:
             self._seen(ControlEvent.REPORT, m.worker, m.at, now)
 
     def _seen(self, event: ControlEvent, worker: str, at: float, seen: float, *, with_work: bool = False) -> None:
         """Telemetry of this event for the run's figures (which bubbles opened with work; the
-        control plane's latency), kept for the timer to publish: no Redis round trip in a handler
-        of the ordered bubble stream. Past `MAX_TELEMETRY` unpublished records (Redis away), the
-        oldest go: telemetry, not work."""
+        control plane's latency), kept for the timer to publish. Past `MAX_TELEMETRY` unpublished
+        records (Redis away), the oldest go: telemetry, not work."""
         if len(self.telemetry) >= MAX_TELEMETRY:
             del self.telemetry[0]
         self.telemetry.append(
@@ -191,7 +213,8 @@ class Dispatcher:
             del self.telemetry[: len(batch)]
 
     async def tick(self) -> None:
-        await self.execute(self.state.tick(time.time()))
+        self._decided += self.state.tick(time.time())
+        await self.flush()
         await self.flush_telemetry()
 
     async def check_readiness(self) -> None:
@@ -225,33 +248,66 @@ class Dispatcher:
         except TRANSIENT_ERRORS as exc:
             log.warning("readiness not published", error=repr(exc))
         if verdict.fail_queued:
-            await self.execute(self.state.fail_waiting(verdict.reason, now))
+            self._decided += self.state.fail_waiting(verdict.reason, now)
 
     # --- executing decisions ---------------------------------------------------------------
 
-    async def execute(self, ds: Decisions) -> None:
-        for batch in ds.batches:
-            await self._send(batch)
+    async def flush(self) -> None:
+        """Execute what was decided since the last flush: every batch, failure answer and state
+        deletion in one pipelined round trip (riding out a Redis restart), then the acks of what
+        is done, the metrics and the logs."""
+        ds, self._decided = self._decided, Decisions()
+        writes = [(b.address, encode(self._message(b))) for b in ds.batches]
+        answers = [(self._failure(f.id, f.reason, f.detail, f.payload), f.payload.reply_to) for f in ds.failed]
+        # Partial prefills no batch resumes from again go now, not at their TTL (under overload,
+        # requests failing at their deadline left ~0.5 GB of them).
+        gone = [keys.prefill_snapshot_key(self.run, s.id, s.layer) for s in ds.spent]
+        gone += [keys.prefill_snapshot_key(self.run, f.id, n) for f in ds.failed for n in range(1, self.state.layers)]
+        if writes or answers or gone:
+
+            async def execute() -> None:
+                async with self.bus.redis.pipeline(transaction=False) as pipe:
+                    for address, data in writes:
+                        pipe.xadd(address, {FIELD: data})
+                    for result, reply_to in answers:
+                        serving.queue_answer(pipe, result, reply_to)
+                    if gone:
+                        pipe.delete(*gone)
+                    await pipe.execute()
+
+            await ride_out(execute, "dispatcher decisions")
+        self._done(ds)
+
+    def _done(self, ds: Decisions) -> None:
+        """What follows the writes: acks, metrics, one log line per decision (batches and ignored
+        inputs at debug)."""
+        self.metrics.batches_sent(len(ds.batches))
+        if log.isEnabledFor(10):
+            for b in ds.batches:
+                log.debug("batch sent", batch=b.batch_id, worker=b.worker, items=len(b.items), **b.why.fields())
+            for ignored in ds.ignored:
+                log.debug("ignored", what=ignored.what, why=ignored.why)
         for f in ds.failed:
-            await self._fail(f)
+            self._release(f.ticket)
+            self.metrics.request_failed(f.reason)
+            if f.reason is not FailureReason.OVERLOADED:  # a refusal under load is the 429 itself
+                log.info("request failed", id=f.id, reason=f.reason.value, detail=f.detail)
+            elif log.isEnabledFor(10):
+                log.debug("request refused", id=f.id, detail=f.detail)
         for done in ds.finished:
             self._release(done.ticket)
             self.metrics.request_finished()
         for lost in ds.lost:
             self.metrics.batch_lost()
             log.warning(
-                "batch never reported back: its worker is presumed gone; requests queued again, bubble closed",
+                "batch never reported back: its worker is presumed gone; requests queued again",
                 batch=lost.batch_id,
                 worker=lost.worker,
                 requests=lost.requests,
                 overdue_s=round(lost.overdue_s, 3),
             )
-        for ignored in ds.ignored:
-            log.debug("ignored", what=ignored.what, why=ignored.why)
-        if ds.spent:  # partial prefills no batch resumes from again: gone now, not at their TTL
-            await self.bus.redis.delete(*(keys.prefill_snapshot_key(self.run, s.id, s.layer) for s in ds.spent))
 
-    async def _send(self, batch: Batch) -> None:
+    def _message(self, batch: Batch) -> PrefillBatch:
         items = []
         for it in batch.items:
             req: PrefillRequest = it.payload
@@ -267,43 +323,23 @@ class Dispatcher:
                     submitted=req.submitted,
                     reply_to=req.reply_to,
                     snapshot_key=keys.prefill_snapshot_key(self.run, req.id, it.from_layer) if it.from_layer else "",
+                    predicted_ms=it.seconds * 1000,
                 )
             )
-        msg = PrefillBatch(
-            run=self.run, worker=batch.worker, batch_id=batch.batch_id, items=tuple(items), hold=batch.hold
-        )
-        await self.bus.publish(batch.address, msg)
-        self.metrics.batch_sent(batch, self.state.bubbles.get(batch.worker), time.time())
-        log.info(
-            "batch sent",
-            batch=batch.batch_id,
-            worker=batch.worker,
-            items=len(items),
-            hold=batch.hold,
-            **batch.why.fields(),
-        )
+        return PrefillBatch(run=self.run, worker=batch.worker, batch_id=batch.batch_id, items=tuple(items))
 
-    async def _fail(self, f: Failure) -> None:
-        req: PrefillRequest = f.payload
+    @staticmethod
+    def _failure(rid: str, reason: FailureReason, detail: str, req: PrefillRequest) -> PrefillResult:
         now = time.time()
-        result = PrefillResult(
-            id=f.id,
+        return PrefillResult(
+            id=rid,
             status=RequestStatus.FAILED,
-            reason=f.reason,
-            error=f.detail,
+            reason=reason,
+            error=detail,
             prompt_tokens=len(req.tokens),
             queue_ms=(now - req.submitted) * 1000,
             finished=now,
         )
-        await serving.answer(self.bus.redis, result, req.reply_to)
-        # It will not resume: the partial prefills saved for it (at whatever layer) go now, not at
-        # their TTL (under overload, requests failing at their deadline left ~0.5 GB of them).
-        saved = [keys.prefill_snapshot_key(self.run, f.id, layer) for layer in range(1, self.state.layers)]
-        if saved:
-            await self.bus.redis.delete(*saved)
-        self._release(f.ticket)
-        self.metrics.request_failed(f.reason)
-        log.info("request failed", id=f.id, reason=f.reason.value, detail=f.detail)
 
     def _release(self, ticket: str) -> None:
         if self.acks is not None:

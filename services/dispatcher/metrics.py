@@ -12,8 +12,7 @@ from prometheus_client.process_collector import ProcessCollector
 from redis.asyncio import Redis
 
 from shared.control.status import FailureReason, ServingState
-from shared.policies.decisions import Batch
-from shared.policies.dispatch import Bubble, DispatchState
+from shared.policies.dispatch import DispatchState
 from shared.runtime.telemetry import FAST_BUCKETS, StreamMetrics
 
 #: prefill_batches_total's outcomes
@@ -27,14 +26,27 @@ class DispatcherMetrics:
         r = self.registry
         self.run, self.model_name = run, model_name
         self.streams = StreamMetrics(r)
-        self._dispatch_latency = Histogram(
-            "bubbletea:dispatch_latency_seconds",
-            "Per bubble that got work while open: its start on the worker (BubbleStart.at, wall clock) to "
-            "the dispatcher publishing the first batch packed for it (trigger bubble_start, request or "
-            "report). Batches staged ahead for a worker's next bubble (hold) are not counted: they are on "
-            "the worker before that bubble starts.",
+        self._queued_at_start = Histogram(
+            "bubbletea:bubble_start_queued_seconds",
+            "Per bubble start: the prefill work its worker held as it opened (BubbleStart.queued_ms, by "
+            "the worker's count of the dispatcher's predictions), seconds. Work is queued on a worker "
+            "before its bubbles (its credit): 0 means the bubble opened with nothing to run.",
             ["run"],
             buckets=FAST_BUCKETS,
+            registry=r,
+        ).labels(run)
+        self._empty_starts = Counter(
+            "bubbletea:bubbles_opened_empty",
+            "Bubbles that opened with nothing queued on their worker while requests waited here: the "
+            "control plane did not keep that worker's credit filled in time.",
+            ["run"],
+            registry=r,
+        ).labels(run)
+        self._held = Gauge(
+            "bubbletea:credit_held_seconds",
+            "Predicted prefill work held on the workers (sent, not yet known used), summed: what the "
+            "dispatcher believes is queued there. Set at scrape time.",
+            ["run"],
             registry=r,
         ).labels(run)
         self._bubbles = Counter(
@@ -57,14 +69,14 @@ class DispatcherMetrics:
         self._waiting = Gauge(
             "bubbletea:num_requests_waiting",
             "Prefill requests this dispatcher holds and has not seen answered: queued for a bubble, or "
-            "sent in a batch not reported finished yet. Set at scrape time.",
+            "held on a worker in a batch not reported finished yet. Set at scrape time.",
             ["run", "model_name"],
             registry=r,
         ).labels(run, model_name)
         self._batches = Counter(
             "bubbletea:prefill_batches",
-            "Prefill batches by outcome: sent (published to a worker's fill stream, staged ones "
-            "included), lost (no report came back in time: its requests were queued again).",
+            "Prefill batches by outcome: sent (published to a worker's fill stream, for its queue), "
+            "lost (no report came back in time: its requests were queued again).",
             ["run", "outcome"],
             registry=r,
         )
@@ -99,8 +111,6 @@ class DispatcherMetrics:
             self._batches.labels(run, outcome)
         for reason in FailureReason:
             self._failures.labels(run, reason.value)
-        #: per worker: the tag of the last bubble whose dispatch latency was observed
-        self._observed: dict[str, object] = {}
 
     # --- recording (one call where the dispatcher has the value) ---------------------------
 
@@ -109,16 +119,13 @@ class DispatcherMetrics:
         self._bubble_s.inc(max(0.0, actual_ms) / 1000)
         self._prediction_error.observe(abs(actual_ms - predicted_ms) / 1000)
 
-    def batch_sent(self, batch: Batch, bubble: Bubble | None, now: float) -> None:
-        """`batch` was published at `now`; `bubble`: its worker's open bubble, if any."""
-        self._batches.labels(self.run, SENT).inc()
-        tag = batch.why.bubble
-        if batch.hold or tag is None or bubble is None or bubble.tag != tag:
-            return  # staged for a future bubble, or its bubble already closed
-        if self._observed.get(batch.worker, _NONE) == tag:
-            return  # not the bubble's first batch
-        self._observed[batch.worker] = tag
-        self._dispatch_latency.observe(max(0.0, now - bubble.started))
+    def bubble_started(self, queued_s: float, requests_waiting: bool) -> None:
+        self._queued_at_start.observe(max(0.0, queued_s))
+        if queued_s <= 0 and requests_waiting:
+            self._empty_starts.inc()
+
+    def batches_sent(self, n: int) -> None:
+        self._batches.labels(self.run, SENT).inc(n)
 
     def serving_state(self, state: ServingState) -> None:
         self._serving.set(1 if state.ready else 0)
@@ -137,6 +144,4 @@ class DispatcherMetrics:
     async def refresh(self, redis: Redis, state: DispatchState) -> None:
         await self.streams.refresh(redis)
         self._waiting.set(len(state.requests))  # after the awaits: as close to the scrape as can be
-
-
-_NONE = object()
+        self._held.set(sum(c.held_s for c in state.workers.values()))

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
-
-import msgspec
 
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from shared.bus import Bus
@@ -18,9 +17,6 @@ from shared.runtime.telemetry import MetricsServer
 from shared.spec.settings import Settings
 from shared.wire import BubbleEnd, BubbleStart, PrefillReport, PrefillRequest, WorkerJoined
 
-#: Requests held at once without a handler task (each is a pending entry, acked when answered):
-#: the front door's admission limit bounds the real number far below this.
-MAX_HELD_REQUESTS = 1_000_000
 #: A progress line in the log this often.
 LOG_EVERY_S = 10.0
 
@@ -41,11 +37,16 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         )
         url = await server.start()
         hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "metrics_url": url})
-        held = msgspec.structs.replace(spec.bus, concurrency=MAX_HELD_REQUESTS)
-        # Bubble events are handled one at a time, in order: a bubble's end never overtakes its start.
-        ordered = msgspec.structs.replace(spec.bus, concurrency=1)
+        # Every stream is read in batches and handled in order; what a read decided is written in
+        # one round trip (`Dispatcher.flush`) before its entries are acked. Requests are held (acked
+        # once answered or failed), so they take no handler slot however many wait.
         requests = bus.consumer(
-            keys.PREFILL_REQUESTS_STREAM, SERVICE, {PrefillRequest: d.on_request}, name=me, config=held
+            keys.PREFILL_REQUESTS_STREAM,
+            SERVICE,
+            {PrefillRequest: d.on_request},
+            name=me,
+            sequential=True,
+            after_read=d.requests_read,
         )
         d.acks = requests
         consumers = [
@@ -54,10 +55,16 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 SERVICE,
                 {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end},
                 name=me,
-                config=ordered,
+                sequential=True,  # a bubble's end never overtakes its start
+                after_read=d.flush,
             ),
             bus.consumer(
-                keys.prefill_reports_stream(run), SERVICE, {PrefillReport: d.on_report}, name=me, config=ordered
+                keys.prefill_reports_stream(run),
+                SERVICE,
+                {PrefillReport: d.on_report},
+                name=me,
+                sequential=True,
+                after_read=d.flush,
             ),
             requests,
         ]
@@ -65,6 +72,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         await hb.start()
         for c in consumers:
             await c.start()
+        # What start-up made (imports, the app, the clients) lives as long as the process: out of
+        # the collector's way, so its passes walk only what the hot path allocates.
+        gc.freeze()
         log.info("dispatcher ready", run=run, enabled=spec.bubbletea.enabled, order=spec.bubbletea.order)
         next_log = time.monotonic() + LOG_EVERY_S
         next_check = time.monotonic()

@@ -2,9 +2,10 @@
 
 The runner calls `BubbleAnnouncer.wait` where its device would idle (a receive whose tensor is not
 there, the step's collectives waiting for the other stages). The bubble goes out on the outbox at
-once (staged prefill starts now, not after a round trip to Redis), the fill executor runs prefill
-until the awaited input has arrived (`Filler.fill`), and the bubble's end and its `wait` span
-follow. The predictor learns each bubble's length at its schedule position.
+once, saying what prefill this worker holds, and the fill executor runs that work until the
+awaited input has arrived (`Filler.fill`: nothing waits on a round trip to Redis); the bubble's
+end (its length, the batches that finished in it, what is still held) and its `wait` span follow.
+The predictor learns each bubble's length at its schedule position.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class BubbleAnnouncer:
                 typical_bubble_ms=self.predictor.typical() * 1000,
                 free_memory_bytes=self.free_memory_bytes,
                 at=time.time(),
+                dc=self.dc,
             ),
         )
 
@@ -68,8 +70,8 @@ class BubbleAnnouncer:
         BubbleTea), announce its end, and return what was awaited. `arrived()`: whether the input
         is here (safe from the prefill thread); `arrived_at()`: since when (wall clock), if known."""
         predicted = self.predictor.predict(pos)
-        t0, started = time.time(), time.monotonic()
-        # Through the outbox: staged prefill starts now, not after a round trip to Redis.
+        t0 = time.time()
+        # Through the outbox, and prefill queued here starts now: no round trip to Redis first.
         self.outbox.send(
             keys.bubbles_stream(self.run),
             BubbleStart(
@@ -83,19 +85,22 @@ class BubbleAnnouncer:
                 predicted_ms=predicted * 1000,
                 free_memory_bytes=self.free_memory_bytes,
                 at=t0,
+                queued_ms=filler.queue.queued_s * 1000 if filler is not None else 0.0,
             ),
         )
+        finished: tuple[str, ...] = ()
         try:
             if filler is not None:
-                await filler.fill(arrived, awaited, predicted, started)
+                finished = await filler.fill(arrived, awaited)
             value = await awaited
         finally:
             if not awaited.done():
                 awaited.cancel()
         t1 = time.time()
-        self.predictor.observe(pos, predicted, t1 - t0, it)
+        length = max(0.0, (arrived_at() or t1) - t0)  # the bubble: its start to the input's arrival
+        self.predictor.observe(pos, predicted, length, it)
         if self.metrics is not None:
-            self.metrics.bubble(t1 - t0, predicted)
+            self.metrics.bubble(length, predicted)
         self.outbox.send(
             keys.bubbles_stream(self.run),
             BubbleEnd(
@@ -106,8 +111,10 @@ class BubbleAnnouncer:
                 iteration=it,
                 position=pos,
                 predicted_ms=predicted * 1000,
-                actual_ms=(t1 - t0) * 1000,
+                actual_ms=length * 1000,
                 at=t1,
+                finished=finished,
+                queued_ms=filler.queue.queued_s * 1000 if filler is not None else 0.0,
             ),
         )
         self.telemetry.span("wait", it, t0, t1, mb, predicted_ms=predicted * 1000, input_at=arrived_at() or t1)

@@ -14,7 +14,7 @@ What it owns, and where each goes (docs/architecture.md, "Where each tensor live
 * **the stage's saved state** (`save_checkpoint`, `load_checkpoint`, `checkpoint_iterations`,
   `hand_over`): the recovery checkpoints and the state handed over for `bubbletea train --save`
   (`port_state.py`);
-* **prefill's tensors** (`put_kv`, `save_snapshot`, `load_snapshot`): finished KV caches out, and
+* **prefill's tensors** (`keep_prefills`, `load_snapshot`): finished KV caches out, and
   the snapshots of preempted prefills out and in (`port_prefill.py`).
 """
 
@@ -25,15 +25,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from redis.asyncio.client import Pipeline
 
-from services.stage_worker.port_prefill import ELSEWHERE, LOST, KvStored, PrefillPort, Saved
+from services.stage_worker.port_prefill import ELSEWHERE, LOST, KvStored, PrefillPort, Saved, encode_snapshot
 from services.stage_worker.port_state import StatePort
 from services.stage_worker.transport import Transport, stages_group, tie_group
 from shared.bus import Delivery
+from shared.control import keys
 from shared.dataplane import in_thread, kvstore
 from shared.model.prefill import KV, PrefillState
 
-__all__ = ["ELSEWHERE", "LOST", "KvStored", "PrefillPort", "Saved", "StagePort", "StatePort"]
+__all__ = ["ELSEWHERE", "LOST", "Cut", "Finished", "KvStored", "PrefillPort", "Saved", "StagePort", "StatePort"]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished prefill whose KV cache is to be kept."""
+
+    request_id: str
+    prompt: Sequence[int]
+    first_token: int
+    kv: list[KV]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A prefill stopped part way whose state is to be kept for its resumption."""
+
+    request_id: str
+    state: PrefillState
 
 
 @dataclass
@@ -138,17 +158,42 @@ class StagePort:
 
     # --- prefill's tensors ---------------------------------------------------------------------
 
-    async def put_kv(
-        self, request_id: str, model: str, prompt: Sequence[int], first_token: int, kv: list[KV], now: float
-    ) -> KvStored:
-        """Keep a finished prefill's KV cache (in the format decoders read, `shared.dataplane.kvstore.kv_file`)
-        for decoders to fetch."""
-        return await self.prefill.put_kv(request_id, kvstore.kv_file(request_id, model, prompt, first_token, kv), now)
+    async def keep_prefills(
+        self, model: str, finished: Sequence[Finished], cut: Sequence[Cut], now: float
+    ) -> tuple[dict[str, KvStored], list[tuple[str, str]]]:
+        """After a batch, off the training path: the finished prefills' KV caches kept for
+        decoders (in the format they read, `shared.dataplane.kvstore.kv_file`), and the cut ones'
+        states shelved for whichever worker resumes them. Every tensor is copied into bytes in a
+        thread, not on the event loop. Returns each kept cache by request id, and the snapshot
+        handles to write (key, value; one not kept for lack of budget has none), for the caller
+        to write with its answers in one round trip."""
+
+        def encode() -> tuple[list[bytes], list[bytes]]:
+            files = [kvstore.kv_file(f.request_id, model, f.prompt, f.first_token, f.kv) for f in finished]
+            snaps = [encode_snapshot(c.request_id, c.state) for c in cut]
+            return files, snaps
+
+        files, snaps = await asyncio.to_thread(encode)
+        stored = {
+            f.request_id: await self.prefill.put_kv(f.request_id, data, now)
+            for f, data in zip(finished, files, strict=True)
+        }
+        handles = []
+        for c, data in zip(cut, snaps, strict=True):
+            handle = await self.prefill.shelve_snapshot(c.request_id, c.state.next_layer, data)
+            if handle is not None:
+                handles.append(handle)
+        return stored, handles
 
     async def save_snapshot(self, request_id: str, layer: int, state: PrefillState) -> bool:
-        """Keep a preempted prefill's state at `layer` for whichever worker resumes it (False: the
+        """Keep one preempted prefill's state at `layer` now, its handle written (False: the
         snapshot budget is full, it was not kept)."""
         return await self.prefill.save_snapshot(request_id, layer, state)
+
+    def write_handles(self, pipe: Pipeline, handles: Sequence[tuple[str, str]]) -> None:
+        """Queue on `pipe` the handles `keep_prefills` returned (each with the snapshots' TTL)."""
+        for key, value in handles:
+            pipe.set(key, value, ex=keys.PREFILL_SNAPSHOT_TTL_S)
 
     async def load_snapshot(self, handle: str, layers: int) -> Saved:
         """The state a resumed item continues from (None: its handle expired; `LOST`: its holder is

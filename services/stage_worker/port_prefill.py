@@ -70,6 +70,12 @@ ELSEWHERE = Lost("ELSEWHERE")
 Saved = PrefillState | Lost | None
 
 
+def encode_snapshot(request_id: str, state: PrefillState) -> bytes:
+    """A preempted prefill's state as the bytes its holder serves (copies every tensor: call it
+    off the event loop)."""
+    return encode(kvstore.snapshot(request_id, state))
+
+
 @dataclass(frozen=True)
 class KvStored:
     """What `PrefillPort.put_kv` did: `key` is "" when the cache was not kept (over budget);
@@ -138,13 +144,13 @@ class PrefillPort:
 
     # --- snapshots out and in --------------------------------------------------------------
 
-    async def save_snapshot(self, request_id: str, layer: int, state: PrefillState) -> bool:
-        """Keep the state on this worker's shelf and write its handle; False (logged) when the
-        snapshots held already fill the budget (the request then fails when it would resume)."""
+    async def shelve_snapshot(self, request_id: str, layer: int, data: bytes) -> tuple[str, str] | None:
+        """Keep an encoded snapshot (`encode_snapshot`) on this worker's shelf; the handle to write
+        for it (key, value), or None (logged) when the snapshots held already fill the budget (the
+        request then fails when it would resume)."""
         holder = await self.start()
         assert self.snapshots is not None
         key = keys.prefill_snapshot_key(self.run, request_id, layer)
-        data = encode(kvstore.snapshot(request_id, state))
         stored = self.snapshots.shelf.put(key, data, time.time())
         if not stored.key:
             log.warning(
@@ -155,9 +161,16 @@ class PrefillPort:
                 held_bytes=stored.used,
                 budget_bytes=stored.budget,
             )
-            return False
+            return None
         self._put_at[key] = time.monotonic()
-        await self.redis.set(key, f"{self.dc} {holder}", ex=keys.PREFILL_SNAPSHOT_TTL_S)
+        return key, f"{self.dc} {holder}"
+
+    async def save_snapshot(self, request_id: str, layer: int, state: PrefillState) -> bool:
+        """`shelve_snapshot` of `state`, its handle written now (False: not kept)."""
+        handle = await self.shelve_snapshot(request_id, layer, encode_snapshot(request_id, state))
+        if handle is None:
+            return False
+        await self.redis.set(handle[0], handle[1], ex=keys.PREFILL_SNAPSHOT_TTL_S)
         return True
 
     async def load_snapshot(self, handle: str, layers: int) -> Saved:

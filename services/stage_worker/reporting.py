@@ -1,11 +1,16 @@
-"""After a prefill batch, off the training path: answer, save, report.
+"""After prefill ran, off the training path: answer, keep, report, in one round trip to Redis.
 
-Finished requests are answered (first token, logprobs, KV handle; `serving.answer`, first answer
-wins) and their KV caches stored; a request the model cannot run, or whose saved state expired, is
-failed with its reason; preempted ones are snapshotted at the layer they reached so any worker can
-resume them; then one `PrefillReport` tells the dispatcher where every item got to. The fill
-executor acks the batch only after this, so a worker killed mid-batch leaves it for the dispatcher
-to requeue.
+Finished requests are answered (first token, logprobs, KV handle; `serving.answer`'s script, first
+answer wins) as soon as the run that finished them ends, even when their batch goes on in a later
+bubble; a request the model cannot run, or whose saved state expired, is failed with its reason.
+When a batch is done (or goes back: no bubble took it in time, or the worker stops), the items it
+stopped part way are snapshotted at the layer they reached so any worker of this datacenter can
+resume them, and one `PrefillReport` tells the dispatcher where every item got to.
+
+Every tensor is copied into bytes in a thread (the stage port's `keep_prefills`), and the answers,
+the snapshot handles and the report go to Redis in one pipelined round trip, in that order (Redis
+runs them in order: a report the dispatcher reads follows its answers). The fill executor acks the
+batch only after this, so a worker killed mid-batch leaves it for the dispatcher to requeue.
 """
 
 from __future__ import annotations
@@ -13,14 +18,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from redis.asyncio.client import Pipeline
+
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import KvStored, StagePort
+from services.stage_worker.port import Cut, Finished, KvStored, StagePort
 from shared.bus import Bus
 from shared.control import keys, serving
 from shared.control.status import FailureReason, ItemOutcome, RequestStatus
 from shared.model.prefill import PrefillResult, PrefillState
 from shared.runtime.logs import get_logger
-from shared.wire import PrefillBatch, PrefillItem, PrefillProgress, PrefillReport
+from shared.wire import FIELD, PrefillBatch, PrefillItem, PrefillProgress, PrefillReport, encode
 from shared.wire import PrefillResult as ResultMessage
 
 log = get_logger(__name__)
@@ -31,26 +38,22 @@ BUDGET_LOG_EVERY_S = 60.0
 
 @dataclass
 class Outcome:
+    """How far one item got on this worker: `reached` layers done in `seconds`, from layer
+    `started` (None: the item's `from_layer`; lower when its saved state was elsewhere or lost)."""
+
     item: PrefillItem
     reached: int
     seconds: float
     state: PrefillState | None = None
     result: PrefillResult | None = None
     failure: tuple[FailureReason, str] | None = None
+    started: int | None = None
+    sent: bool = False  # its answer is on its way (answered when its run ended)
 
-
-@dataclass
-class BatchRun:
-    started: float  # wall clock when the first block began
-    ended: float
-    outcomes: list[Outcome]
-    preempted: bool
-    out_of_time: bool = False  # stopped because the next block would end after the bubble's predicted end
-
-    @classmethod
-    def unrun(cls) -> BatchRun:
-        """A batch handed back before any of it ran (its bubble was over, or never came)."""
-        return cls(0.0, time.time(), [], preempted=True)
+    @property
+    def answered(self) -> bool:
+        """Finished here: answered, ok or failed."""
+        return self.result is not None or self.failure is not None
 
 
 @dataclass
@@ -66,13 +69,68 @@ class Reporter:
     _budget_logged: float = field(default=-BUDGET_LOG_EVERY_S, repr=False)
     _budget_skipped: int = field(default=0, repr=False)
 
-    async def finish_batch(self, batch: PrefillBatch, run: BatchRun) -> None:
-        r = self.bus.redis
-        progress: list[PrefillProgress] = []
-        for o in run.outcomes:
+    async def answer(self, outcomes: list[Outcome]) -> None:
+        """Answer these finished outcomes now (their batch goes on): one round trip."""
+        async with self.bus.redis.pipeline(transaction=False) as pipe:
+            await self._answers(pipe, outcomes)
+            await pipe.execute()
+
+    async def finish_batch(self, batch: PrefillBatch, outcomes: list[Outcome], *, preempted: bool) -> None:
+        """The batch is done here, or goes back: answer what finished and is not answered yet,
+        keep the states of items cut part way, and report every item, in one round trip.
+        `outcomes`: every item that started, in order (the rest did not)."""
+        cut = [o for o in outcomes if not o.answered and o.state is not None and o.reached > o.item.from_layer]
+        fresh = [o for o in outcomes if o.answered and not o.sent]
+        async with self.bus.redis.pipeline(transaction=False) as pipe:
+            handles = await self._answers(pipe, fresh, cut=cut)
+            self.port.write_handles(pipe, handles)
+            progress = [self._progress(o) for o in outcomes]
+            ran = {o.item.id for o in outcomes}
+            progress += [
+                PrefillProgress(id=it.id, outcome=ItemOutcome.PARTIAL, reached_layer=it.from_layer, seconds=0.0)
+                for it in batch.items
+                if it.id not in ran
+            ]
+            report = PrefillReport(
+                run=self.run,
+                worker=self.worker,
+                batch_id=batch.batch_id,
+                progress=tuple(progress),
+                preempted=preempted,
+                at=time.time(),  # sent now: what comes before (the caches' and states' bytes) is not the hop
+            )
+            pipe.xadd(keys.prefill_reports_stream(self.run), {FIELD: encode(report)})
+            await pipe.execute()
+        # The snapshots this batch resumed from are not deleted here: the dispatcher deletes them
+        # once it accepts this report (`Spent`). This batch may be a stale copy (given up on as
+        # lost while this worker paused) whose requests now resume elsewhere from the same state.
+        if self.metrics is not None:  # counted once reported (an unreported batch is requeued)
+            tokens = {o.item.id: o.result.prompt_tokens for o in outcomes if o.result}
+            self.metrics.reported(progress, tokens)
+
+    def _progress(self, o: Outcome) -> PrefillProgress:
+        outcome = ItemOutcome.DONE if o.result is not None else ItemOutcome.FAILED if o.failure else ItemOutcome.PARTIAL
+        started = -1 if o.started is None else o.started
+        return PrefillProgress(
+            id=o.item.id, outcome=outcome, reached_layer=o.reached, seconds=o.seconds, started_layer=started
+        )
+
+    async def _answers(
+        self, pipe: Pipeline, outcomes: list[Outcome], *, cut: list[Outcome] | None = None
+    ) -> list[tuple[str, str]]:
+        """Queue on `pipe` the answers of `outcomes` (their KV caches kept first) and mark them
+        sent; keep the states of `cut`. Returns the snapshot handles to write."""
+        now = time.time()
+        done = [o for o in outcomes if o.result is not None]
+        finished = [Finished(o.item.id, o.item.tokens, o.result.token, o.result.kv) for o in done if o.result]
+        kept = finished if self.port.prefill.kv_ttl_s > 0 else []
+        states = [Cut(o.item.id, o.state) for o in cut or [] if o.state is not None]
+        stored, handles = (
+            await self.port.keep_prefills(self.model_name, kept, states, now) if kept or states else ({}, [])
+        )
+        for o in outcomes:
             if o.result is not None:
-                await self._answer(o, o.result)
-                outcome = ItemOutcome.DONE
+                self._queue_answer(pipe, o, o.result, stored.get(o.item.id), now)
             elif o.failure is not None:
                 reason, why = o.failure
                 failed = ResultMessage(
@@ -81,47 +139,21 @@ class Reporter:
                     reason=reason,
                     error=why,
                     worker=self.worker,
-                    finished=time.time(),
+                    finished=now,
                 )
-                await serving.answer(r, failed, o.item.reply_to)
-                outcome = ItemOutcome.FAILED
-            else:
-                if o.state is not None and o.reached > o.item.from_layer:
-                    await self.port.save_snapshot(o.item.id, o.reached, o.state)
-                outcome = ItemOutcome.PARTIAL
-            progress.append(PrefillProgress(id=o.item.id, outcome=outcome, reached_layer=o.reached, seconds=o.seconds))
-        ran = {o.item.id for o in run.outcomes}
-        unrun = [it for it in batch.items if it.id not in ran]
-        progress += [
-            PrefillProgress(id=it.id, outcome=ItemOutcome.PARTIAL, reached_layer=it.from_layer, seconds=0.0)
-            for it in unrun
-        ]
-        await self.bus.publish(
-            keys.prefill_reports_stream(self.run),
-            PrefillReport(
-                run=self.run,
-                worker=self.worker,
-                batch_id=batch.batch_id,
-                progress=tuple(progress),
-                preempted=run.preempted,
-                at=time.time(),
-            ),
-        )
-        # The snapshots this batch resumed from are not deleted here: the dispatcher deletes them
-        # once it accepts this report (`Spent`). This batch may be a stale copy (given up on as
-        # lost while this worker paused) whose requests now resume elsewhere from the same state.
-        if self.metrics is not None:  # counted once reported (an unreported batch is requeued)
-            self.metrics.reported(progress, {o.item.id: o.result.prompt_tokens for o in run.outcomes if o.result})
+                serving.queue_answer(pipe, failed, o.item.reply_to)
+            o.sent = True
+        return handles
 
-    async def _answer(self, o: Outcome, res: PrefillResult) -> None:
-        now = time.time()
-        kv_key, kv_size, expires, note = "", 0, 0.0, "prefill.kv_ttl_s is 0: KV caches are not stored"
-        holder = ""
-        if self.kv_ttl_s > 0:
-            stored = await self.port.put_kv(o.item.id, self.model_name, o.item.tokens, res.token, res.kv, now)
+    def _queue_answer(
+        self, pipe: Pipeline, o: Outcome, res: PrefillResult, stored: KvStored | None, now: float
+    ) -> None:
+        kv_key, kv_size, expires, note, holder = "", 0, 0.0, "prefill.kv_ttl_s is 0: KV caches are not stored", ""
+        kv_ttl_s = self.port.prefill.kv_ttl_s
+        if stored is not None:
             holder = stored.holder
             if stored.key:
-                kv_key, kv_size, expires, note = stored.key, stored.size, now + self.kv_ttl_s, ""
+                kv_key, kv_size, expires, note = stored.key, stored.size, now + kv_ttl_s, ""
             else:
                 note = (
                     f"KV cache budget full: {stored.used} bytes of {stored.budget} (prefill.kv_budget_mb) are held "
@@ -129,32 +161,25 @@ class Reporter:
                 )
                 self._over_budget(stored)
         prefill_ms = o.seconds * 1000
-        await serving.answer(
-            self.bus.redis,
-            ResultMessage(
-                id=o.item.id,
-                status=RequestStatus.DONE,
-                token=res.token,
-                text=res.text,
-                logprob=res.logprob,
-                top=tuple((t, lp) for t, lp in res.top),
-                prompt_tokens=res.prompt_tokens,
-                kv_key=kv_key,
-                kv_holder=holder,
-                kv_bytes=kv_size,
-                kv_expires_at=expires,
-                kv_note=note,
-                worker=self.worker,
-                queue_ms=max(0.0, (now - o.item.submitted) * 1000 - prefill_ms),
-                prefill_ms=prefill_ms,
-                finished=now,
-            ),
-            o.item.reply_to,
+        result = ResultMessage(
+            id=o.item.id,
+            status=RequestStatus.DONE,
+            token=res.token,
+            text=res.text,
+            logprob=res.logprob,
+            top=tuple((t, lp) for t, lp in res.top),
+            prompt_tokens=res.prompt_tokens,
+            kv_key=kv_key,
+            kv_holder=holder,
+            kv_bytes=kv_size,
+            kv_expires_at=expires,
+            kv_note=note,
+            worker=self.worker,
+            queue_ms=max(0.0, (now - o.item.submitted) * 1000 - prefill_ms),
+            prefill_ms=prefill_ms,
+            finished=now,
         )
-
-    @property
-    def kv_ttl_s(self) -> int:
-        return self.port.prefill.kv_ttl_s
+        serving.queue_answer(pipe, result, o.item.reply_to)
 
     def _over_budget(self, stored: KvStored) -> None:
         """Log the first skipped cache, then at most once a minute with the count since."""
@@ -166,6 +191,6 @@ class Reporter:
                 used_bytes=stored.used,
                 budget_bytes=stored.budget,
                 skipped=self._budget_skipped,
-                kv_ttl_s=self.kv_ttl_s,
+                kv_ttl_s=self.port.prefill.kv_ttl_s,
             )
             self._budget_logged, self._budget_skipped = t, 0

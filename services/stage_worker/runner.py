@@ -298,8 +298,9 @@ class StageRunner:
             self.bubbles.joined()
 
     async def _recv(self, key: tuple[Any, ...], it: int, pos: int) -> torch.Tensor:
-        """Take a tensor from the mailbox; if it is not there yet, this is a bubble."""
-        if self.mailbox.ready(key):
+        """Take a tensor from the mailbox; if it has not arrived yet, this is a bubble (one that
+        landed and waits only for the event loop to put it is not)."""
+        if self.mailbox.arrived(key):
             return await self._take(key)
         take = asyncio.ensure_future(self._take(key))
         arrived, arrived_at = partial(self.mailbox.arrived, key), partial(self.mailbox.arrived_at, key)

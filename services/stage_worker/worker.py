@@ -41,7 +41,7 @@ from shared.model.prefill import PrefillModel
 from shared.model.training import load_corpus
 from shared.model.trainstate import check_resume, stage_state
 from shared.policies.bubbles import BubblePredictor
-from shared.policies.fill import FillPolicy
+from shared.policies.fill import FillQueue
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.restarts import EXIT_CONFIG
@@ -55,8 +55,9 @@ from shared.wire import PrefillBatch, SlotGrant, TensorReady, WorkerFailed
 
 SERVICE = "stage_worker"
 SWITCH_INTERVAL_S = 0.0001
-#: Prefill batches a worker holds at once (one bubble's worth; more simply wait in the stream).
-FILL_CONCURRENCY = 8
+#: Prefill batches a worker holds at once: its credit is a few batches (at most half its window each);
+#: more simply wait in the stream.
+FILL_CONCURRENCY = 16
 #: Data seed of the start-up timing probe (kept apart from the training data seed).
 TIMING_SEED = 0x5EED
 
@@ -252,7 +253,7 @@ async def _train(
             spec.prefill.model_name,
             port,
             runner.prefill_span,
-            FillPolicy.from_spec(spec.bubbletea),
+            FillQueue.from_spec(spec.bubbletea),
             PrefillProfile.from_device(spec.device.prefill_ms_per_layer, spec.device.prefill_us_per_token),
             metrics,
         )
@@ -271,7 +272,10 @@ async def _train(
         runner.close()
         await port.close()
         if runner.filler is not None:
-            await runner.filler.close()  # answer and report what already ran
+            # Hand back what is queued, answer and report what ran; from now on a batch the fill
+            # consumer still delivers goes straight back, rather than waiting unrun until the
+            # dispatcher's lost-batch timeout.
+            await runner.filler.close()
         if fill is not None:
             # A batch still unreported stays pending; the dispatcher requeues it when no report comes.
             await fill.stop(grace_s=1.0)

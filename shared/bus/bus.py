@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import Any
 
 from shared.bus.connection import RIDE_OUT_S, command_client, ride_out
-from shared.bus.consumer import Consumer
+from shared.bus.consumer import AfterRead, Consumer
 from shared.bus.deadletters import DeadLetter, read_dead_letters
 from shared.bus.delivery import Handlers
 from shared.spec.config import BusConfig
@@ -93,12 +93,28 @@ class Bus:
         return await ride_out(op, f"publish to {stream}", give_up_s=give_up_s)
 
     def consumer(
-        self, stream: str, group: str, handlers: Handlers, *, name: str | None = None, config: BusConfig | None = None
+        self,
+        stream: str,
+        group: str,
+        handlers: Handlers,
+        *,
+        name: str | None = None,
+        config: BusConfig | None = None,
+        sequential: bool = False,
+        after_read: AfterRead | None = None,
     ) -> Consumer:
         """A consumer of `stream` in `group` with its handler table (`{message kind: handler}`);
-        start it with ``async with`` or `Consumer.start`."""
+        start it with ``async with`` or `Consumer.start`. `sequential`: each read's entries are
+        handled in order in one task, then `after_read` runs, then they are acked."""
         return Consumer(
-            self, stream, group, handlers, name=name or default_consumer_name(group), config=config or self.config
+            self,
+            stream,
+            group,
+            handlers,
+            name=name or default_consumer_name(group),
+            config=config or self.config,
+            sequential=sequential,
+            after_read=after_read,
         )
 
     async def dead_letters(self, count: int = 100) -> list[DeadLetter]:

@@ -19,13 +19,20 @@ Life of an entry, as this consumer sees it:
    entry's idle time (XCLAIM JUSTID, which does not count as a delivery), so a slow but live
    handler is not mistaken for a dead one; held entries are refreshed the same way.
 
+**In order, in batches** (`sequential`): each read takes up to `READ_BATCH` entries and one task
+hands them to their handlers one after another, in stream order; then the consumer's `after_read`
+runs (the service's one flush of what the batch decided: its writes in one round trip), and only
+then are the entries acked. The next read waits for that. A stream whose messages must not
+overtake each other (a bubble's end its start) costs one round trip per batch, not per entry.
+
 Connection loss (e.g. a Redis restart) never crashes the consumer: reads back off and reconnect,
 the group is recreated if it vanished, unsent acks are kept and retried, and the own-pending pass
 runs again. Shutdown (`stop`) stops reading, lets in-flight handlers finish within the grace
 period, cancels the rest (they stay pending and are redelivered), flushes acks, then closes.
 
-The read, handle and reclaim loops are one state machine over the same in-flight and held tables,
-so they stay together here. What stands alone lives beside it: `delivery.py` (the handler table),
+The read and handle loops are one state machine over the in-flight and held tables, so they stay
+together here; the reclaim loop over the same tables is `reclaim.py`'s mixin. What stands alone
+lives beside it: `delivery.py` (the handler table),
 `acks.py` (batched acks), `deadletters.py` (dead letters), `streams.py` (groups, trimming).
 """
 
@@ -35,6 +42,7 @@ import asyncio
 import contextlib
 import functools
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -45,19 +53,13 @@ from shared.bus.acks import Acks
 from shared.bus.connection import BLOCKING_SLACK_S, TRANSIENT_ERRORS, Connected, backoff, blocking_client
 from shared.bus.deadletters import dead_letter
 from shared.bus.delivery import HOLD, Delivery, Handlers, Reject, route
-from shared.bus.streams import delivery_counts, ensure_group, group_is_gone, trim_acked
+from shared.bus.reclaim import READ_BATCH, Reclaiming
+from shared.bus.streams import delivery_counts, ensure_group, group_is_gone
 from shared.runtime.logs import get_logger
 from shared.spec.config import BusConfig
 from shared.wire import FIELD, WireError, decode, kind_of
 
 log = get_logger(__name__)
-
-#: Upper bound on entries fetched per XREADGROUP: big enough to amortise the round trip under
-#: load, small enough that one read does not hog the loop.
-READ_BATCH = 256
-
-#: Trim acked entries from the stream about this often.
-TRIM_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -71,11 +73,26 @@ class ConsumerStats:
     held: int = 0
 
 
-class Consumer:
+#: What a sequential consumer runs after each read's entries were handled, before they are acked.
+AfterRead = Callable[[], Awaitable[None]]
+
+
+class Consumer(Reclaiming):
     def __init__(
-        self, bus: Connected, stream: str, group: str, handlers: Handlers, *, name: str, config: BusConfig
+        self,
+        bus: Connected,
+        stream: str,
+        group: str,
+        handlers: Handlers,
+        *,
+        name: str,
+        config: BusConfig,
+        sequential: bool = False,
+        after_read: AfterRead | None = None,
     ) -> None:
         self.bus = bus
+        self.sequential = sequential
+        self._after_read = after_read
         self.stream = stream
         self.group = group
         self.name = name
@@ -85,7 +102,7 @@ class Consumer:
             raise ValueError(f"a consumer of {stream} needs a handler table with at least one message kind")
         self._handlers = dict(handlers)
         self._reader = blocking_client(bus.url, name=f"reader-{name}")
-        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._inflight: dict[str, asyncio.Task[object]] = {}
         self._started_at: dict[str, float] = {}
         #: Entries whose handler returned HOLD: pending, ours, refreshed, until `release`.
         self._held: dict[str, float] = {}
@@ -119,9 +136,9 @@ class Consumer:
         # blocking read as a ConnectionError, which the loop would otherwise retry.
         self._stopping = True
         await _cancel_and_wait(self._read_task)
-        pending: set[asyncio.Task[None]] = set()
+        pending: set[asyncio.Task[object]] = set()
         if self._inflight:
-            _, pending = await asyncio.wait(list(self._inflight.values()), timeout=grace)
+            _, pending = await asyncio.wait(set(self._inflight.values()), timeout=grace)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -178,7 +195,7 @@ class Consumer:
             if self._resync.is_set():
                 self._resync.clear()
                 cursor = "0"
-            free = self.config.concurrency - len(self._inflight)
+            free = (1 if self.sequential else self.config.concurrency) - self._busy()
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
@@ -189,7 +206,7 @@ class Consumer:
                         self.group,
                         self.name,
                         {self.stream: cursor},
-                        count=min(free, READ_BATCH),
+                        count=READ_BATCH if self.sequential else min(free, READ_BATCH),
                         block=None if cursor != ">" else self.config.block_ms,
                     )
                 failures = 0
@@ -214,8 +231,7 @@ class Consumer:
                 continue
             entries: list[tuple[bytes, dict[bytes, bytes] | None]] = reply[0][1] if reply else []
             if cursor == ">":
-                for entry_id, fields in entries:
-                    self._spawn(entry_id.decode(), fields, 1)
+                self._spawn_all([(i.decode(), f, 1) for i, f in entries])
                 continue
             if not entries:
                 cursor = ">"
@@ -233,43 +249,76 @@ class Consumer:
         counts = await delivery_counts(
             self.bus.redis, self.stream, self.group, self.name, ids, count=len(ids) + len(self._inflight) + 16
         )
-        for entry_id, fields in fresh:
-            self._spawn(entry_id, fields, counts.get(entry_id, 1))
+        self._spawn_all([(entry_id, fields, counts.get(entry_id, 1)) for entry_id, fields in fresh])
 
-    def _spawn(self, entry_id: str, fields: dict[bytes, bytes] | None, attempt: int) -> None:
-        task = asyncio.create_task(self._handle(entry_id, fields, attempt), name=f"handle:{entry_id}")
-        self._inflight[entry_id] = task
-        self._started_at[entry_id] = time.monotonic()
+    def _busy(self) -> int:
+        """Handler slots in use: tasks running (a sequential consumer's batch is one)."""
+        return len(set(self._inflight.values())) if self.sequential else len(self._inflight)
+
+    def _spawn_all(self, entries: list[tuple[str, dict[bytes, bytes] | None, int]]) -> None:
+        """Handlers for `entries` (id, fields, attempt): a task each, or one for them all, in
+        order, when the consumer is `sequential`."""
+        if not entries:
+            return
+        if not self.sequential:
+            for entry in entries:
+                self._track([entry[0]], self._handle(*entry))
+            return
+        self._track([e[0] for e in entries], self._handle_in_order(entries))
+
+    def _track(self, ids: list[str], work: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.create_task(work, name=f"handle:{ids[0]}")
+        now = time.monotonic()
+        for entry_id in ids:
+            self._inflight[entry_id] = task
+            self._started_at[entry_id] = now
         self.stats.in_flight = len(self._inflight)
-        task.add_done_callback(functools.partial(self._done, entry_id))
+        task.add_done_callback(functools.partial(self._done, ids))
 
-    def _done(self, entry_id: str, _task: asyncio.Task[None]) -> None:
-        self._inflight.pop(entry_id, None)
-        self._started_at.pop(entry_id, None)
+    def _done(self, ids: list[str], _task: asyncio.Task[object]) -> None:
+        for entry_id in ids:
+            self._inflight.pop(entry_id, None)
+            self._started_at.pop(entry_id, None)
         self.stats.in_flight = len(self._inflight)
         self._slot_freed.set()
 
+    async def _handle_in_order(self, entries: list[tuple[str, dict[bytes, bytes] | None, int]]) -> None:
+        """A sequential consumer's batch: each entry handled in turn, then `after_read`, then the
+        acks of those whose effect is done (held ones stay pending, as with one task each)."""
+        done = [
+            entry_id
+            for entry_id, fields, attempt in entries
+            if await self._handle(entry_id, fields, attempt, ack=False)
+        ]
+        if self._after_read is not None:
+            await self._after_read()
+        for entry_id in done:
+            self._acks.add(entry_id)
+
     # --- handling --------------------------------------------------------------------------
 
-    async def _handle(self, entry_id: str, fields: dict[bytes, bytes] | None, attempt: int) -> None:
+    async def _handle(
+        self, entry_id: str, fields: dict[bytes, bytes] | None, attempt: int, *, ack: bool = True
+    ) -> bool:
+        """Handle one entry. Returns whether it is to be acked (its effect happened); with `ack`
+        the ack is queued here, else it is the caller's. Dead letters are acked with their record."""
         t0 = time.perf_counter()
         if fields is None:
             # The entry was trimmed away while pending: there is nothing left to handle.
             log.warning(
                 "pending entry was deleted from the stream before it was handled", stream=self.stream, id=entry_id
             )
-            self._acks.add(entry_id)
-            return
+            return self._done_with(entry_id, ack)
         raw = fields.get(FIELD)
         try:
             msg = decode(raw)
         except WireError as exc:
             await self._dead_letter(entry_id, raw, f"undecodable: {exc}", attempt)
-            return
+            return False
         if attempt > self.config.max_deliveries:
             # Delivered too often without an ack: e.g. it crashes every consumer that takes it.
             await self._dead_letter(entry_id, raw, f"gave up after {attempt - 1} deliveries without an ack", attempt)
-            return
+            return False
         try:
             outcome = await route(self._handlers, self.stream, msg)(Delivery(entry_id, self.stream, msg, attempt))
         except asyncio.CancelledError:
@@ -277,7 +326,7 @@ class Consumer:
         except Reject as exc:
             self.stats.failed += 1
             await self._dead_letter(entry_id, raw, f"rejected: {exc}", attempt)
-            return
+            return False
         except Exception as exc:
             self.stats.failed += 1
             if attempt >= self.config.max_deliveries:
@@ -292,13 +341,8 @@ class Consumer:
                     error=repr(exc),
                     retry_after_ms=self.config.claim_idle_ms,
                 )
-            return
+            return False
         self.stats.handled += 1
-        if outcome is HOLD:
-            self._held[entry_id] = time.monotonic()
-            self.stats.held = len(self._held)
-        else:
-            self._acks.add(entry_id)
         if log.isEnabledFor(10):
             log.debug(
                 "handled",
@@ -308,73 +352,20 @@ class Consumer:
                 attempt=attempt,
                 ms=(time.perf_counter() - t0) * 1000,
             )
+        if outcome is HOLD:
+            self._held[entry_id] = time.monotonic()
+            self.stats.held = len(self._held)
+            return False
+        return self._done_with(entry_id, ack)
+
+    def _done_with(self, entry_id: str, ack: bool) -> bool:
+        if ack:
+            self._acks.add(entry_id)
+        return True
 
     async def _dead_letter(self, entry_id: str, raw: bytes | None, error: str, attempt: int) -> None:
         if await dead_letter(self.bus.redis, self.stream, self.group, self.name, entry_id, raw, error, attempt):
             self.stats.dead_lettered += 1
-
-    # --- background loops ------------------------------------------------------------------
-
-    async def _reclaim_loop(self) -> None:
-        # Every quarter of claim_idle: a live slow handler's entry is refreshed before it is half
-        # idle, leaving half of claim_idle as margin for scheduling jitter before a peer may steal it.
-        interval = max(self.config.claim_idle_ms / 4000, 0.005)
-        last_trim = time.monotonic()
-        failures = 0
-        while True:
-            await asyncio.sleep(interval)  # a periodic timer: idleness is measured in wall time
-            try:
-                await self._refresh_slow_handlers()
-                await self._reclaim_idle()
-                if time.monotonic() - last_trim > TRIM_INTERVAL_S:
-                    last_trim = time.monotonic()
-                    await trim_acked(self.bus.redis, self.stream, soft_max_len=self.config.max_stream_len)
-                failures = 0
-            except TRANSIENT_ERRORS as exc:
-                failures += 1
-                log.warning("reclaim pass failed; will retry", stream=self.stream, error=repr(exc))
-                self._resync.set()
-                await asyncio.sleep(backoff().compute(failures))
-            except ResponseError as exc:
-                if not group_is_gone(exc):
-                    raise
-                await ensure_group(self.bus.redis, self.stream, self.group)
-
-    async def _refresh_slow_handlers(self) -> None:
-        """Reset the idle time of entries whose handlers are still running (not a new delivery)."""
-        horizon = time.monotonic() - self.config.claim_idle_ms / 4000
-        slow = [i for table in (self._started_at, self._held) for i, t in table.items() if t < horizon]
-        if slow:
-            await self.bus.redis.xclaim(
-                self.stream, self.group, self.name, min_idle_time=0, message_ids=list[Any](slow), justid=True
-            )
-            now = time.monotonic()
-            for table in (self._started_at, self._held):
-                for i in slow:
-                    if i in table:
-                        table[i] = now
-
-    async def _reclaim_idle(self) -> None:
-        """Take over entries idle longer than claim_idle_ms (failed handlers, dead consumers)."""
-        start = "0-0"
-        while (free := self.config.concurrency - len(self._inflight)) > 0:
-            reply: Any = await self.bus.redis.xautoclaim(
-                self.stream, self.group, self.name, min_idle_time=self.config.claim_idle_ms, start_id=start, count=free
-            )
-            next_start, claimed = reply[0], reply[1]
-            for deleted in reply[2] if len(reply) > 2 else []:
-                log.warning(
-                    "pending entry was deleted from the stream before it was handled",
-                    stream=self.stream,
-                    id=deleted.decode(),
-                )
-            if claimed:
-                self.stats.reclaimed += len(claimed)
-                log.info("reclaimed idle entries", stream=self.stream, count=len(claimed), first=claimed[0][0].decode())
-                await self._spawn_redelivered(claimed)
-            start = next_start.decode() if isinstance(next_start, bytes) else next_start
-            if start == "0-0":
-                return
 
 
 async def _cancel_and_wait(task: asyncio.Task[None] | None) -> None:

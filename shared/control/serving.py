@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from shared.control import keys
 from shared.control.status import RequestStatus, ServingState
@@ -80,9 +81,8 @@ async def accept(r: Redis, req: PrefillRequest, max_inflight: int, *, idempotenc
     return int(n) > 0
 
 
-async def answer(r: Redis, result: PrefillResult, reply_to: str) -> bool:
-    """Record the answer to a request (first one wins) and notify its front door."""
-    ok: Any = await r.eval(
+def _answer_args(result: PrefillResult, reply_to: str) -> tuple[Any, ...]:
+    return (
         _ANSWER,
         4,
         keys.prefill_result_key(result.id),
@@ -95,7 +95,17 @@ async def answer(r: Redis, result: PrefillResult, reply_to: str) -> bool:
         RESULTS_MAXLEN,
         keys.PREFILL_RESULTS_TTL_S,
     )
+
+
+async def answer(r: Redis, result: PrefillResult, reply_to: str) -> bool:
+    """Record the answer to a request (first one wins) and notify its front door."""
+    ok: Any = await r.eval(*_answer_args(result, reply_to))
     return bool(ok)
+
+
+def queue_answer(pipe: Pipeline, result: PrefillResult, reply_to: str) -> None:
+    """`answer`, queued on a pipeline: many answers (and what follows them) in one round trip."""
+    pipe.eval(*_answer_args(result, reply_to))
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Admission (pure): may a request join the prefill queue, or would it wait past its deadline?
 
-The bubbles serve prefill at a rate: the usable seconds of the bubbles workers announced over the
-last `window_s` (each bubble's predicted length less the guard and dispatch overhead), per second.
-A request arriving behind `queued_s` of predicted prefill would start, at that rate, after about
-`queued_s / rate`; if that and its own predicted time end past its deadline, it is refused now
+The bubbles serve prefill at a rate: the bubble seconds workers had over the last `window_s` (each
+bubble's length, start to its training input's arrival: a worker fills it to the end from the work
+it holds), per second. A request arriving behind `ahead_s` of predicted prefill (the queue's, and
+all the work already held on workers, which runs first) would start, at that rate, after about
+`ahead_s / rate`; if that and its own predicted time end past its deadline, it is refused now
 (`FailureReason.OVERLOADED`: the front door answers 429 with Retry-After), rather than queued to
 expire there (a 504 after a wait). Past capacity the excess is turned away early.
 
@@ -15,10 +16,10 @@ paused pipeline is the readiness gate's call, not admission's). For that reason 
 never below the best a whole window has shown: a pipeline pausing while a lost worker is replaced
 announces short bubbles, and its queue is served once it runs again.
 
-The rate is the usable bubble time, not what was served: a served rate (tried on 2026-11-27) fell
-to nothing while a lost worker was replaced and refused requests the recovered pipeline then had a
-minute to serve. The usable time is optimistic (packing never fills all of it), and the work
-already staged on workers is not counted ahead: both let some requests in that then expire
+The rate is the bubble time, not what was served: a served rate (tried on 2026-11-27) fell to
+nothing while a lost worker was replaced and refused requests the recovered pipeline then had a
+minute to serve. The bubble time is optimistic (no prefill runs in the moment a bubble takes to
+start, and none past the cost model's error), which lets a few requests in that then expire
 (docs/benchmarks.md).
 """
 
@@ -40,7 +41,7 @@ class Admission:
     _best: float = 0.0  # the highest rate over a whole window so far
 
     def bubble(self, started: float, usable_s: float) -> None:
-        """A bubble opened at `started` offering `usable_s` seconds to prefill."""
+        """A bubble that opened at `started` offered `usable_s` seconds to prefill."""
         if self._first is None:
             self._first = started
         self._bubbles.append((started, usable_s))
@@ -59,16 +60,16 @@ class Admission:
             self._best = max(self._best, rate)
         return max(rate, self._best)
 
-    def refusal(self, queued_s: float, own_s: float, deadline: float | None, now: float) -> str | None:
-        """Why a request of `own_s` predicted seconds, arriving behind `queued_s`, cannot be served
+    def refusal(self, ahead_s: float, own_s: float, deadline: float | None, now: float) -> str | None:
+        """Why a request of `own_s` predicted seconds, arriving behind `ahead_s`, cannot be served
         before `deadline`; None to admit it."""
         rate = self.rate(now)
         if deadline is None or not rate:
             return None
-        done_in = (queued_s + own_s) / rate
+        done_in = (ahead_s + own_s) / rate
         if now + done_in <= deadline:
             return None
         return (
-            f"overloaded: {queued_s:.2f}s of prefill queued ahead and the bubbles serve {rate:.2f}s of it per "
+            f"overloaded: {ahead_s:.2f}s of prefill queued ahead and the bubbles serve {rate:.2f}s of it per "
             f"second: it would finish in about {done_in:.2f}s, past its deadline in {max(0.0, deadline - now):.2f}s"
         )

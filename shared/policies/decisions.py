@@ -17,11 +17,11 @@ from shared.control.status import FailureReason
 class Trigger(enum.StrEnum):
     """What made the policy decide."""
 
-    BUBBLE_START = "bubble_start"  # a worker announced a bubble
-    BUBBLE_END = "bubble_end"  # a bubble ended: the worker's next bubble gets staged work
-    JOINED = "joined"  # a worker joined the run: its first bubble gets staged work
-    REQUEST = "request"  # a request arrived while a bubble was open
-    REPORT = "report"  # a worker reported a batch: its budget and requests are free again
+    BUBBLE_START = "bubble_start"  # a worker announced a bubble: its credit grows by that bubble
+    BUBBLE_END = "bubble_end"  # a bubble ended: what it used comes back as credit
+    JOINED = "joined"  # a worker joined the run: it gets its first credit
+    REQUEST = "request"  # requests arrived: workers with credit to spare take them
+    REPORT = "report"  # a worker reported a batch: its credit and requests are free again
     TICK = "tick"  # the timer: deadlines passed, batches lost
 
 
@@ -41,19 +41,23 @@ class Why:
     """Why a batch went where it went: enough to answer the question after the fact."""
 
     trigger: Trigger
-    bubble: object  # which of the worker's bubbles (its (iteration, position) tag); None if staged
-    predicted_bubble_s: float  # the bubble's predicted length (for a staged batch: the typical one)
-    budget_s: float  # room left in the bubble when packing
-    predicted_s: float  # the batch's predicted prefill time (fits in the budget)
+    bubble: object  # the worker's open bubble (its (iteration, position) tag), None if none was open
+    window_s: float  # the credit the worker may hold (its typical bubbles, plus an open bubble's length)
+    held_s: float  # predicted seconds it held already
+    predicted_s: float  # the batch's predicted prefill time (from the room: window - held)
     queued: int  # requests waiting when it was packed
+
+    @property
+    def room_s(self) -> float:
+        return max(0.0, self.window_s - self.held_s)
 
     def fields(self) -> dict[str, object]:
         """For the service's one log line (key=value)."""
         return {
             "trigger": self.trigger.value,
             "bubble": self.bubble,
-            "bubble_ms": round(self.predicted_bubble_s * 1000, 2),
-            "budget_ms": round(self.budget_s * 1000, 2),
+            "window_ms": round(self.window_s * 1000, 2),
+            "held_ms": round(self.held_s * 1000, 2),
             "predicted_ms": round(self.predicted_s * 1000, 2),
             "queued": self.queued,
         }
@@ -61,13 +65,12 @@ class Why:
 
 @dataclass(frozen=True)
 class Batch:
-    """Send `items` to `worker` at `address`; `hold`: staged for its next bubble."""
+    """Send `items` to `worker` at `address`: it queues them for its bubbles."""
 
     batch_id: str
     worker: str
     address: str
     items: tuple[BatchItem, ...]
-    hold: bool
     why: Why
 
     @property
@@ -96,7 +99,7 @@ class Finished:
 
 @dataclass(frozen=True)
 class LostBatch:
-    """A batch whose report never came: its requests were queued again, its worker's bubble closed."""
+    """A batch whose report never came: its requests were queued again, its worker presumed gone."""
 
     batch_id: str
     worker: str

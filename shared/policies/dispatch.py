@@ -1,104 +1,83 @@
-"""BubbleTea's dispatch policy (pure): open bubbles, queued requests, batches in flight, and what
-goes where. Every entry point takes `now` and returns a `Decisions` value (shared/policies/decisions.py).
+"""BubbleTea's dispatch policy (pure): the waiting requests, the work queued on each worker (its
+credit), batches in flight, and what goes where. Every entry point takes `now` and returns a
+`Decisions` value (shared/policies/decisions.py).
 
-The `dispatcher` service is a thin shell: it feeds this object bubble events, new requests, workers'
-reports and a timer, then executes the decisions (send batches, fail requests, ack finished ones)
-and logs each one's why. The simulator feeds it the same inputs from a virtual clock.
+The `dispatcher` service is a thin shell: it feeds this object requests, bubble starts and ends,
+workers' reports and a timer, then executes the decisions (send batches, fail requests, ack
+finished ones) and logs each one's why. The simulator feeds it the same inputs from a virtual clock.
 
-* A request waits in the queue until some open bubble has room for (part of) it; packing is
-  `shared.policies.packing.pack` with the learned `PrefillCostModel`.
-* Dispatch happens at bubble start, and whenever a request arrives (or a report frees a request)
-  while a bubble is open; a bubble's budget shrinks by what was already sent into it.
-* A request is never in two bubbles at once; a worker's report moves it on (to the layer it
+* **Work waits on the worker, not the worker on work.** Every worker holds about
+  `credit_bubbles` (1.5) of its typical bubble (the mean of its recent ones, at most
+  `max_credit_s`) of predicted prefill, queued ahead of its bubbles whether or not one is open: its
+  **credit**. A bubble then starts with its work already there, and runs it until training input
+  arrives (`shared.policies.fill`). While a bubble is open its worker may hold that bubble's
+  predicted length more.
+* **What a worker holds, the dispatcher knows.** A batch counts against its worker's credit from
+  the moment it is sent until the worker says it is used: the end of the bubble it finished in
+  (`bubble_end`'s `finished`, the fast path), its report (finished, preempted past hope, or handed
+  back), or its loss. The worker's own queue is the same set of batches, less those still on
+  their way to it and those whose use is on its way back (tests/unit/test_credit_agreement.py).
+* **Requests go where there is room.** Whenever requests wait and a worker has room (credit to
+  spare: a bubble's start or end, a report, a request arriving, a worker joining), the roomiest
+  worker takes a batch of whole requests (at most half its window, so a finished batch is topped
+  up while the next one runs), then the next roomiest, until nothing waits or nobody has room.
+  Packing is `shared.policies.packing.pack_ordered` with the learned `PrefillCostModel`. Only
+  workers with a bubble event in the last `STAGE_WINDOW_S` get credit.
+* **A request is never on two workers at once**; a worker's report moves it on (to the layer it
   reached) or out (answered); what a worker could not finish is queued again at its resume point.
-* A bubble's budget counts only work still outstanding there: a reported batch gives back its
-  predicted time, so a worker that finishes early is topped up from the same bubble.
-* **Staging**: when a bubble ends, the next one's first batch is sent at once and the worker holds
-  it until a bubble long enough to use it starts (the fill policy decides that on the worker). A
-  bubble then starts filling without waiting for a round trip through the bus; the dispatcher tops
-  it up once the bubble's own start event arrives. The staged batch is sized for the median of the
-  worker's recent bubbles, capped at `stage_s` (requests held on an idle worker are not available
-  to open bubbles elsewhere). Only workers with a bubble in the last `STAGE_WINDOW_S` get staged work.
-* **Keeping ahead**: while a bubble is open, at least `ahead_s` of work stays outstanding on its
-  worker, also past the bubble's predicted budget. `ahead_s = 0` (the default) keeps strictly to
-  the budget: measured on 2 shared cores, keeping 8 ms ahead slowed training without raising the fill.
-* Packing uses the cost model's mean prediction: a misprediction costs at most one layer's time,
-  because the worker yields at the next layer boundary when training input arrives.
-* **Admission** (`Admission`): a request that arrives behind more queued prefill than the bubbles
-  serve before its deadline is refused at once (`FailureReason.OVERLOADED`, a 429 with
-  Retry-After), not left to expire in the queue: past capacity the excess is turned away early
-  and what is admitted is served in time. The bubbles' rate is learned from the bubbles announced
-  over the last `RATE_WINDOW_S`; until that long has been seen, every request is admitted.
+  Its saved state stays with the worker that saved it, so for `RESUME_WAIT_S` it waits for a
+  worker of that datacenter (a worker elsewhere would compute it again from its prompt).
+* **Admission** (`Admission`): a request that arrives behind more prefill than the bubbles serve
+  before its deadline (the queue's and all the work held on workers) is refused at once
+  (`FailureReason.OVERLOADED`, a 429 with Retry-After), not left to expire in the queue.
 * **Deadlines**: a request past its deadline that is not running in an open bubble is failed
   (`FailureReason.DEADLINE`); one a worker still runs finishes first.
 * **Nothing can serve** (`fail_waiting`, when the readiness gate of `readiness.py` says training
   finished, stopped or stalled): every request not running in an open bubble is failed at once
   (`FailureReason.UNAVAILABLE`) instead of waiting for its deadline.
-* **Lost batches**: a batch with no report `BATCH_GRACE_S` after it should have ended (its
-  predicted time, plus the hold time of a staged batch) was lost with its worker: its requests queue
-  again at their last reported layer, and the worker's bubble is closed so nothing more goes there
-  (if the worker is alive after all, its next bubble start opens a bubble again). Such a worker
-  may still run the batch (first answer wins); its report changes nothing, and in particular
-  spends no saved partial state: only an accepted report does (`Spent`), so the batch that
-  replaced it still finds the state it resumes from.
+* **Lost batches**: a batch with no report `BATCH_GRACE_S` after it could last have run (sent,
+  plus the time a worker may hold it, plus its predicted time) was lost with its worker: all of
+  that worker's batches are, their requests queue again at their last reported layer, and it gets
+  no credit until its next bubble event. Such a worker may still run the batch (first answer
+  wins); its report changes nothing, and in particular spends no saved partial state: only an
+  accepted report does (`Spent`), so the batch that replaced it still finds the state it resumes from.
 
-**Cost at scale** (the simulator runs this for thousands of workers): a trigger visits only the open
-bubbles that may still take work and the idle workers that may take staged work, each kept in the
-order a full scan visits them (bubbles by start, ties in the order they opened; workers by name);
-packing reads the head of a queue kept in packing order (`packing.WaitingQueue`), never sorting it.
-A bubble or worker leaves its index only for a reason that lasts (no time left, something staged,
-out of the staging window; a bubble's time left never grows until a report gives some back) and is
-put back by whatever undoes it; a bubble whose time left did not hold a layer of the queue's head
-is set aside until a head that needs less, or does not fit its memory, comes (`dispatch_index.RoomIndex`). The
-decisions are exactly those of visiting everything (tests/unit/test_dispatch.py checks this on long
-random input sequences); time going backwards (a clock step) rebuilds the indexes.
-
-One state machine over the same tables (requests, bubbles, staged work, batches in flight), in
-three files: its inputs and tables in `dispatch_inputs.py`; this module, which takes the events
-(requests, bubbles, reports, the timer) and keeps the queue; and `dispatch_fill.py` (`Filling`,
-mixed into `DispatchState`), which packs the queue into bubbles and staged batches and keeps the
-room indexes. The values it returns live in `decisions.py`, packing and the ordered queue in
-`packing.py`, the bubble index in `dispatch_index.py`.
+**Cost at scale** (the simulator runs thousands of workers): a trigger visits only the workers with
+room, roomiest first (`dispatch_index.CreditIndex`), and packing reads the head of a queue kept in
+packing order (`packing.WaitingQueue`): the decisions of visiting everything, as
+tests/unit/test_dispatch.py checks on long random inputs. One state machine in three files: inputs
+and tables (`dispatch_inputs.py`), events and the queue (here), credit and packing (`dispatch_fill.py`).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from shared.control.status import FailureReason
 from shared.policies.admission import Admission
-from shared.policies.decisions import (
-    Decisions,
-    Failure,
-    Finished,
-    Ignored,
-    LostBatch,
-    Spent,
-    Trigger,
-)
+from shared.policies.decisions import Decisions, Failure, Finished, Ignored, LostBatch, Spent, Trigger
 from shared.policies.dispatch_fill import Filling
-from shared.policies.dispatch_index import BubbleKey, RoomIndex, add_sorted
+from shared.policies.dispatch_index import CreditIndex
 from shared.policies.dispatch_inputs import BATCH_GRACE_S as BATCH_GRACE_S
 from shared.policies.dispatch_inputs import RATE_WINDOW_S as RATE_WINDOW_S
 from shared.policies.dispatch_inputs import RECENT_BUBBLES as RECENT_BUBBLES
+from shared.policies.dispatch_inputs import RESUME_WAIT_S as RESUME_WAIT_S
 from shared.policies.dispatch_inputs import STAGE_WINDOW_S as STAGE_WINDOW_S
 from shared.policies.dispatch_inputs import STALE_BUBBLE_S as STALE_BUBBLE_S
 from shared.policies.dispatch_inputs import TICK_S as TICK_S
 from shared.policies.dispatch_inputs import Bubble as Bubble
+from shared.policies.dispatch_inputs import BubbleClosed as BubbleClosed
 from shared.policies.dispatch_inputs import BubbleOpened as BubbleOpened
 from shared.policies.dispatch_inputs import Counts as Counts
+from shared.policies.dispatch_inputs import Credit as Credit
 from shared.policies.dispatch_inputs import InFlight as InFlight
 from shared.policies.dispatch_inputs import Progress as Progress
 from shared.policies.dispatch_inputs import Request as Request
 from shared.policies.dispatch_inputs import WorkerReady as WorkerReady
 from shared.policies.fill import HOLD_STAGED_S
-from shared.policies.packing import (
-    WaitingQueue,
-    budget,
-)
+from shared.policies.packing import WaitingQueue
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.spec.config import BubbleTea
 
@@ -106,15 +85,12 @@ from shared.spec.config import BubbleTea
 @dataclass
 class DispatchState(Filling):
     layers: int
-    guard_s: float
-    overhead_s: float
-    max_batch: int
+    max_batch: int = 32
     order: str = "deadline"
     cost: PrefillCostModel = field(default_factory=PrefillCostModel)
-    stage_next: bool = True
-    stage_s: float = 1.0  # at most this much work staged for a worker's next bubble
-    hold_s: float = HOLD_STAGED_S  # how long the worker keeps it for that bubble (then hands it back)
-    ahead_s: float = 0.0  # work kept outstanding in an open bubble beyond its budget
+    credit_bubbles: float = 1.5  # work held on a worker, in its typical bubbles
+    max_credit_s: float = 1.0  # at most this much work held on one worker
+    hold_s: float = HOLD_STAGED_S  # how long a worker may keep work no bubble took (then hands it back)
     enabled: bool = True  # BubbleTea off: bubbles are ignored, requests wait for their deadlines
     batch_prefix: str = "b"  # batch ids are <prefix>-<n>: unique per dispatcher incarnation
     #: One device second lasts this many real seconds: the windows above (`STAGE_WINDOW_S`, ...)
@@ -124,40 +100,33 @@ class DispatchState(Filling):
     stage_window_s: float = field(default=STAGE_WINDOW_S, init=False)
     batch_grace_s: float = field(default=BATCH_GRACE_S, init=False)
     stale_bubble_s: float = field(default=STALE_BUBBLE_S, init=False)
+    resume_wait_s: float = field(default=RESUME_WAIT_S, init=False)
     requests: dict[str, Request] = field(default_factory=dict)
-    bubbles: dict[str, Bubble] = field(default_factory=dict)
-    #: per worker: predicted seconds (and KV bytes) of the batch staged for its next bubble
-    staged: dict[str, tuple[float, int]] = field(default_factory=dict)
-    recent: dict[str, deque[float]] = field(default_factory=dict)
-    free_memory: dict[str, int] = field(default_factory=dict)
-    last_seen: dict[str, float] = field(default_factory=dict)  # the worker's last bubble event
-    addresses: dict[str, str] = field(default_factory=dict)
+    workers: dict[str, Credit] = field(default_factory=dict)
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     counts: Counts = field(default_factory=Counts)
-    # Indexes that make a trigger cost what it changes, not the cluster's size (see the module's
-    # docstring); the decisions do not depend on them.
-    #: requests with `in_bubble is None` (queued, not on any worker): nothing to pack costs O(1)
+    # Running totals and an index that make a trigger cost what it changes, not the cluster's
+    # size (see the module's docstring); the decisions do not depend on them.
+    #: requests with `on_worker is None` (waiting here): nothing to pack costs O(1)
     _waiting: int = field(default=0, init=False, repr=False)
     #: their predicted seconds, as each was counted when it joined the queue (for admission)
     _queued_s: float = field(default=0.0, init=False, repr=False)
+    #: the credit in use on every worker, summed, and its batches (for admission)
+    _held_s: float = field(default=0.0, init=False, repr=False)
+    _held_n: int = field(default=0, init=False, repr=False)
     _admission: Admission = field(init=False, repr=False)
     #: the waiting requests in packing order
     _queue: WaitingQueue = field(init=False, repr=False)
-    #: every open bubble's place in the visiting order: (started, opened rank, worker)
-    _bubble_key: dict[str, BubbleKey] = field(default_factory=dict, init=False, repr=False)
-    #: the open bubbles that may still take work, in visiting order
-    _room: RoomIndex = field(init=False, repr=False)
-    #: the workers that may take staged work, by name
-    _idle: list[str] = field(default_factory=list, init=False, repr=False)
-    _opened: int = field(default=0, init=False, repr=False)  # bubbles opened so far (their rank)
-    _clock: float = field(default=-math.inf, init=False, repr=False)  # the latest `now` of a full visit
+    #: the workers with room, roomiest first
+    _index: CreditIndex = field(init=False, repr=False)
+    _clock: float = field(default=-math.inf, init=False, repr=False)  # the latest `now` of a fill
 
     def __post_init__(self) -> None:
         self._queue = WaitingQueue(self.order)
-        self._room = RoomIndex()
+        self._index = CreditIndex()
         k = self.time_scale
         self.stage_window_s, self.batch_grace_s = STAGE_WINDOW_S * k, BATCH_GRACE_S * k
-        self.stale_bubble_s = STALE_BUBBLE_S * k
+        self.stale_bubble_s, self.resume_wait_s = STALE_BUBBLE_S * k, RESUME_WAIT_S * k
         self._admission = Admission(RATE_WINDOW_S * k)
 
     @classmethod
@@ -168,15 +137,12 @@ class DispatchState(Filling):
         (already scaled by `time_scale`) serving a model of `layers` blocks."""
         return cls(
             layers=layers,
-            guard_s=bt.guard_ms / 1000,
-            overhead_s=bt.dispatch_overhead_ms / 1000,
             max_batch=bt.max_batch_requests,
             order=bt.order,
             cost=PrefillCostModel.scaled(time_scale),
-            stage_next=bt.stage_ms > 0,
-            stage_s=bt.stage_ms / 1000,
+            credit_bubbles=bt.credit_bubbles,
+            max_credit_s=bt.max_credit_ms / 1000,
             hold_s=bt.hold_ms / 1000,
-            ahead_s=bt.keep_ahead_ms / 1000,
             enabled=bt.enabled,
             batch_prefix=batch_prefix,
             time_scale=time_scale,
@@ -188,26 +154,44 @@ class DispatchState(Filling):
         return TICK_S * self.time_scale
 
     def work_for(self, worker: str) -> bool:
-        """Whether a bubble of `worker` opening now has work to take: requests wait in the queue,
-        or a batch is staged there (what the run's figures count a bubble 'with work' by)."""
-        return self._waiting > 0 or worker in self.staged
+        """Whether a bubble of `worker` opening now has work to take, as far as the dispatcher
+        knows: requests wait here, or work is held there."""
+        c = self.workers.get(worker)
+        return self._waiting > 0 or (c is not None and c.held_s > 0)
+
+    @property
+    def recomputed_share(self) -> float | None:
+        """Of the prompt layers workers ran, the share run again because the partial state they
+        would have resumed from was in another datacenter or lost (None before any ran)."""
+        run = self.counts.layers_run
+        return self.counts.layers_recomputed / run if run else None
 
     # --- inputs ----------------------------------------------------------------------------
 
     def add_request(self, req: Request, now: float) -> Decisions:
-        if req.id in self.requests:  # a redelivered request is already known
-            return Decisions(ignored=(Ignored(f"request {req.id}", "already queued or running"),))
-        if self.enabled and req.in_bubble is None and req.next_layer == 0:
-            why = self._admission.refusal(self._queued_s, self._remaining_s(req), req.deadline, now)
-            if why is not None:
-                self.counts.overloaded += 1
-                return Decisions(failed=(Failure(req.id, req.ticket, req.payload, FailureReason.OVERLOADED, why),))
-        self.requests[req.id] = req
-        self._queue.know(req.id, req.deadline, req.arrival)
-        if req.in_bubble is None:
-            self._enqueue(req)
-        self.counts.requests += 1
-        return self._fill_all(now, Trigger.REQUEST)
+        return self.add_requests((req,), now)  # one at a time: the simulator and tests
+
+    def add_requests(self, reqs: Iterable[Request], now: float) -> Decisions:
+        """Requests arriving together (one read of the stream): each admitted or refused in turn,
+        then one pass puts the admitted where there is room."""
+        failed, ignored = [], []
+        for req in reqs:
+            if req.id in self.requests:  # a redelivered request is already known
+                ignored.append(Ignored(f"request {req.id}", "already queued or running"))
+                continue
+            if self.enabled and req.on_worker is None and req.next_layer == 0:
+                ahead = self._queued_s + self._held_s  # the queue's work, and the workers'
+                why = self._admission.refusal(ahead, self._remaining_s(req), req.deadline, now)
+                if why is not None:
+                    self.counts.overloaded += 1
+                    failed.append(Failure(req.id, req.ticket, req.payload, FailureReason.OVERLOADED, why))
+                    continue
+            self.requests[req.id] = req
+            self._queue.know(req.id, req.deadline, req.arrival)
+            if req.on_worker is None:
+                self._enqueue(req)
+            self.counts.requests += 1
+        return Decisions(failed=tuple(failed), ignored=tuple(ignored)) + self._fill_all(now, Trigger.REQUEST)
 
     def bubble_start(self, b: BubbleOpened, now: float) -> Decisions:
         if not self.enabled:
@@ -215,74 +199,75 @@ class DispatchState(Filling):
         if now - b.started > self.stale_bubble_s:
             why = f"started {now - b.started:.1f}s ago: history (read from the backlog after a restart)"
             return Decisions(ignored=(Ignored(f"bubble of {b.worker}", why),))
-        staged_s, staged_bytes = self.staged.pop(b.worker, (0.0, 0))
-        old = self._bubble_key.get(b.worker)
-        if old is not None:  # replaced: it keeps its place in `self.bubbles`, so its rank
-            self._room.remove(old)
-        self._opened += 1
-        key = (b.started, old[1] if old is not None else self._opened, b.worker)
-        self._bubble_key[b.worker] = key
-        self._room.add(key)
-        self.bubbles[b.worker] = Bubble(
-            b.worker, b.started, b.predicted_s, b.free_memory, sent_s=staged_s, sent_bytes=staged_bytes, tag=b.tag
-        )
-        self.recent.setdefault(b.worker, deque(maxlen=RECENT_BUBBLES)).append(b.predicted_s)
-        self._admission.bubble(b.started, budget(b.predicted_s, 0.0, self.guard_s, self.overhead_s))
-        self.free_memory[b.worker] = b.free_memory
-        self.last_seen[b.worker] = now
-        self.addresses[b.worker] = b.address
-        return self._fill(b.worker, now, Trigger.BUBBLE_START)
+        c = self._seen(b.worker, b.address, b.dc, b.free_memory, now)
+        c.bubble = Bubble(b.started, b.predicted_s, b.tag)
+        self._reindex(c)
+        return self._fill_all(now, Trigger.BUBBLE_START)
 
-    def bubble_end(self, worker: str, tag: object = None, *, now: float) -> Decisions:
-        """Training input arrived: send nothing more there (what runs stops at a layer boundary).
-        With a `tag`, only the bubble it names is closed (an end that overtook the next start is
-        ignored). The worker's next bubble gets its staged batch now."""
-        b = self.bubbles.get(worker)
-        if b is not None and (tag is None or b.tag == tag):
-            self._close(worker)
-        self.last_seen[worker] = now
-        add_sorted(self._idle, worker)
-        return self._stage(worker, now, Trigger.BUBBLE_END)
+    def bubble_end(self, e: BubbleClosed, now: float) -> Decisions:
+        """Training input arrived: the bubble is over (what runs stops at a layer boundary). Its
+        length joins the worker's typical bubble; the batches that finished in it give their
+        credit back now. With a `tag`, only the bubble it names is closed (an end that overtook
+        the next start leaves that one open)."""
+        if not self.enabled:
+            return Decisions()
+        c = self.workers.get(e.worker)
+        if c is None:
+            return Decisions(ignored=(Ignored(f"bubble end of {e.worker}", "no bubble or batch of it known"),))
+        if c.bubble is not None and (e.tag is None or c.bubble.tag == e.tag):
+            if e.actual_s is not None:
+                self._admission.bubble(c.bubble.started, e.actual_s)
+            c.bubble = None
+        if e.actual_s is not None:
+            c.lengths.append(e.actual_s)
+        for batch_id in e.finished:
+            self._release(c, batch_id)
+        c.last_seen = now
+        self._reindex(c)
+        return self._fill_all(now, Trigger.BUBBLE_END)
 
     def worker_joined(self, j: WorkerReady, now: float) -> Decisions:
         """A worker set up and entered the run: it is in no bubble, and its first may open at once.
-        Its first batch is staged there now, sized for the typical bubble it announced (unless it
-        has bubbles on record, a worker rejoining after a recovery): so that bubble, too, starts
-        without a round trip through the bus."""
+        It gets its first credit now, sized by the typical bubble it announced (unless it has
+        bubbles on record: a worker rejoining after a recovery), so that bubble, too, starts with
+        its work already there."""
         if not self.enabled:
             return Decisions(ignored=(Ignored(f"worker {j.worker}", "BubbleTea is disabled in the spec"),))
         if now - j.at > self.stale_bubble_s:
             why = f"joined {now - j.at:.1f}s ago: history (read from the backlog after a restart)"
             return Decisions(ignored=(Ignored(f"worker {j.worker}", why),))
-        if j.worker in self.bubbles:  # a bubble of its previous life, whose end never came
-            self._close(j.worker)
-        if not self.recent.get(j.worker) and j.typical_s > 0:
-            self.recent[j.worker] = deque([j.typical_s], maxlen=RECENT_BUBBLES)
-        self.free_memory[j.worker] = j.free_memory
-        self.last_seen[j.worker] = now
-        self.addresses[j.worker] = j.address
-        add_sorted(self._idle, j.worker)
-        return self._stage(j.worker, now, Trigger.JOINED)
+        c = self._seen(j.worker, j.address, j.dc, j.free_memory, now)
+        c.bubble = None  # a bubble of its previous life, whose end never came
+        if not c.lengths and j.typical_s > 0:
+            c.lengths.append(j.typical_s)
+        self._reindex(c)
+        return self._fill_all(now, Trigger.JOINED)
 
     def report(self, batch_id: str, worker: str, progress: list[Progress], now: float) -> Decisions:
-        """A worker finished (or was preempted in, or handed back) a batch."""
+        """A worker finished a batch, or handed it back (unrun, or part run)."""
         if self.in_flight.pop(batch_id, None) is None:
             # Sent by a previous dispatcher, or already requeued as lost: its requests are being
             # handled afresh, and anything it answered stays answered (first answer wins).
             return Decisions(ignored=(Ignored(f"report of batch {batch_id}", "not in flight"),))
+        c = self.workers.get(worker)
+        if c is not None:
+            self._release(c, batch_id)
+            self._reindex(c)
         finished: list[Finished] = []
         spent: list[Spent] = []
         for p in progress:
             req = self.requests.get(p.id)
-            if req is None or req.in_bubble != worker:
+            if req is None or req.on_worker != worker:
                 continue  # stale or duplicate
-            ran = p.reached_layer - req.next_layer
-            if ran > 0 and p.seconds > 0:  # finished or preempted: every run teaches the model
-                self.cost.observe(req.tokens, p.seconds * self.layers / ran)  # scale to a whole prompt
-            self._give_back(worker, req)
-            if req.next_layer > 0 and (p.finished or ran > 0):  # it resumed from a saved state, now used up
+            self._learn(req, p)
+            moved = p.reached_layer > req.next_layer
+            if req.next_layer > 0 and (p.finished or moved):  # the state it could resume from is used up
                 spent.append(Spent(req.id, req.next_layer))
-            req.next_layer, req.in_bubble = max(req.next_layer, p.reached_layer), None
+            if moved and not p.finished:  # its state is saved where it stopped, in this worker's DC
+                req.state_dc = c.dc if c is not None else ""
+                left = (req.deadline - now) / 2 if req.deadline is not None else math.inf
+                req.own_dc_until = now + max(0.0, min(self.resume_wait_s, left))
+            req.next_layer, req.on_worker = max(req.next_layer, p.reached_layer), None
             if p.finished or req.next_layer >= self.layers:
                 finished.append(Finished(req.id, req.ticket))
                 del self.requests[p.id]
@@ -311,34 +296,60 @@ class DispatchState(Filling):
 
     def info(self) -> dict[str, object]:
         """Counters for the service's heartbeat and progress log."""
-        running = sum(1 for r in self.requests.values() if r.in_bubble is not None)
+        on_workers = sum(1 for r in self.requests.values() if r.on_worker is not None)
         return {
-            "queued": len(self.requests) - running,
-            "running": running,
-            "open_bubbles": len(self.bubbles),
+            "queued": len(self.requests) - on_workers,
+            "on_workers": on_workers,
+            "held_ms": round(self._held_s * 1000, 1),
+            "open_bubbles": sum(1 for c in self.workers.values() if c.bubble is not None),
             "batches_in_flight": len(self.in_flight),
             **vars(self.counts),
         }
 
     # --- decisions -------------------------------------------------------------------------
 
+    def _seen(self, worker: str, address: str, dc: str, free_memory: int, now: float) -> Credit:
+        """The worker's record, refreshed from one of its events."""
+        c = self.workers.get(worker)
+        if c is None:
+            c = self.workers[worker] = Credit(worker)
+        c.address, c.free_memory, c.last_seen = address, free_memory, now
+        c.dc = dc or c.dc
+        return c
+
+    def _learn(self, req: Request, p: Progress) -> None:
+        """What a report teaches: the cost model (every run, scaled to a whole prompt) and the
+        layers run, of them those run again (its state was in another DC, or lost)."""
+        started = req.next_layer if p.started_layer is None else p.started_layer
+        ran = p.reached_layer - started
+        if ran <= 0:
+            return
+        if p.seconds > 0:
+            self.cost.observe(req.tokens, p.seconds * self.layers / ran)
+        self.counts.layers_run += ran
+        self.counts.layers_recomputed += max(0, min(req.next_layer, p.reached_layer) - started)
+
     def _expire(self, now: float) -> tuple[Failure, ...]:
         gone = [r for r in self._not_running() if r.deadline is not None and r.deadline < now]
         self.counts.expired += len(gone)
-        detail = "deadline passed after {:.1f}s in the queue: no pipeline bubble had room for it"
-        return self._drop(gone, FailureReason.DEADLINE, lambda r: detail.format(now - r.arrival))
+        return self._drop(gone, FailureReason.DEADLINE, lambda r: r.late(now))
 
     def _not_running(self) -> list[Request]:
-        """Requests not running in an open bubble now: queued, or staged on an idle worker."""
-        return [r for r in self.requests.values() if r.in_bubble is None or r.in_bubble not in self.bubbles]
+        """Requests not running in an open bubble now: waiting here, or on a worker between bubbles."""
+        out = []
+        for r in self.requests.values():
+            c = self.workers.get(r.on_worker) if r.on_worker is not None else None
+            if c is None or c.bubble is None:
+                out.append(r)
+        return out
 
     def _drop(
         self, gone: list[Request], reason: FailureReason, detail: Callable[[Request], str]
     ) -> tuple[Failure, ...]:
+        """Fail these requests. One held on a worker stays in its batch there (its credit comes
+        back with the batch's report, which then ignores it)."""
         for r in gone:
-            if r.in_bubble is not None:  # staged on a worker: no longer counts there
-                self._give_back(r.in_bubble, r)
-            else:
+            if r.on_worker is None:
                 self._dequeued(r)
             del self.requests[r.id]
             self._queue.forget(r.id)
@@ -346,23 +357,26 @@ class DispatchState(Filling):
 
     def _worker_lost(self, worker: str, now: float) -> list[LostBatch]:
         """A batch of `worker` never reported back: the worker is presumed dead. All its batches in
-        flight are lost, their requests queue again at their last reported layer, and its bubble
-        closes with nothing staged there; it opens again on the worker's next bubble start."""
+        flight are lost, their requests queue again at their last reported layer, and it gets no
+        credit until its next bubble event."""
         lost = []
         for batch_id, b in list(self.in_flight.items()):
             if b.worker != worker:
                 continue
             del self.in_flight[batch_id]
-            back = [r for r in (self.requests.get(i) for i in b.ids) if r is not None and r.in_bubble == worker]
+            back = [r for r in (self.requests.get(i) for i in b.ids) if r is not None and r.on_worker == worker]
             for r in back:
-                r.in_bubble, r.assigned_s = None, 0.0
+                r.on_worker = None
                 self._enqueue(r)
             self.counts.requeued += len(back)
             lost.append(LostBatch(batch_id, worker, len(back), now - b.report_by))
-        if worker in self.bubbles:
-            self._close(worker)
-        self.staged.pop(worker, None)
-        self.recent.pop(worker, None)
+        c = self.workers.get(worker)
+        if c is not None:
+            for batch_id in list(c.held):
+                self._release(c, batch_id)
+            c.bubble = None
+            c.lengths.clear()
+            self._index.discard(worker)
         return lost
 
     def _remaining_s(self, req: Request) -> float:

@@ -1,24 +1,28 @@
 """The dispatch policy's inputs and tables (`shared.policies.dispatch`), and its windows.
 
-The inputs (`Request`, `BubbleOpened`, `WorkerReady`, `Progress`) are what a service or the
-simulator feeds `DispatchState`; the tables (`Bubble`, `InFlight`, `Counts`) are what it keeps.
+The inputs (`Request`, `BubbleOpened`, `BubbleClosed`, `WorkerReady`, `Progress`) are what a service
+or the simulator feeds `DispatchState`; the tables (`Credit`, `Bubble`, `InFlight`, `Counts`) are
+what it keeps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
-#: Bubble lengths remembered per worker, to size the batch staged for its next bubble.
+#: Bubble lengths remembered per worker: its typical bubble, which sizes its credit.
 RECENT_BUBBLES = 8
 # The policy's own windows are sized against bubbles, so they are in device seconds: at a time
 # scale k, `DispatchState` stretches them by k like every device time of the spec (docs/config.md,
 # "Clocks"), and each keeps the share of a bubble it has at k = 1.
-#: Work is staged only on a worker that had a bubble this recently (device s): one that stopped
-#: training (run over, or dead) must not keep being handed requests.
+#: Credit goes only to a worker that had a bubble (or joined) this recently (device s): one that
+#: stopped training (run over, or dead) must not keep being handed requests.
 STAGE_WINDOW_S = 2.0
-#: A batch with no report this long after its predicted end is presumed lost with its worker
-#: (device s; a live worker reports within one layer of its bubble's end: milliseconds).
+#: A batch with no report this long after it could last have run (sent, plus the time a worker may
+#: hold it, plus its predicted time) is presumed lost with its worker (device s; a live worker
+#: reports within a layer of a bubble's end: milliseconds).
 BATCH_GRACE_S = 3.0
 #: A bubble event older than this is history (read from the backlog after a restart), not news
 #: (device s).
@@ -28,6 +32,10 @@ TICK_S = 0.05
 #: The bubbles' serving rate is measured over this much of the recent past (device s): a few
 #: iterations of a pipeline, so it follows a change of load without jumping at each bubble.
 RATE_WINDOW_S = 2.0
+#: A request with a saved partial prefill waits at most this long (device s, and never past half
+#: of what is left before its deadline) for a worker of the datacenter that holds the state; after
+#: that a worker of another DC may take it and compute it again from its prompt.
+RESUME_WAIT_S = 0.25
 
 
 @dataclass
@@ -40,9 +48,19 @@ class Request:
     ticket: str = ""  # what the service acks once the request is answered or failed (its bus entry)
     payload: Any = None  # passed through to the batches (the service's wire message)
     next_layer: int = 0
-    in_bubble: str | None = None  # the worker running (or holding) it now, if any
-    assigned_s: float = 0.0  # predicted seconds of the work it was last sent with
+    on_worker: str | None = None  # the worker holding it now (queued there or running), if any
+    #: while it waits with a saved partial prefill: the datacenter holding that state, and until
+    #: when only a worker there may take it (`RESUME_WAIT_S`)
+    state_dc: str = ""
+    own_dc_until: float = -math.inf
     queued_s: float = 0.0  # while waiting: its predicted seconds as counted in the queue's total
+
+    def late(self, now: float) -> str:
+        """Why it failed at its deadline, in a sentence."""
+        waited = f"deadline passed after {now - self.arrival:.1f}s"
+        if self.on_worker is None:
+            return f"{waited} in the queue: no worker had credit to spare for it"
+        return f"{waited}, queued on worker {self.on_worker}: its bubbles did not reach it in time"
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,20 @@ class BubbleOpened:
     free_memory: int
     started: float  # when the bubble began on the worker (the event's trip here is already spent)
     tag: object = None  # which of the worker's bubbles (e.g. (iteration, position)), to match its end
+    dc: str = ""  # the worker's datacenter
+    #: what the worker had queued as the bubble opened (predicted seconds), by its own count
+    queued_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class BubbleClosed:
+    """A worker's bubble end, as the policy needs it: what the bubble was and what it used."""
+
+    worker: str
+    tag: object = None  # the bubble it closes (None: whichever is open)
+    actual_s: float | None = None  # its length, start to the training input's arrival
+    #: batches that finished in it: their credit comes back now, before their reports
+    finished: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,31 +95,72 @@ class WorkerReady:
 
     worker: str
     address: str  # where that worker takes batches
-    typical_s: float  # its typical predicted bubble: what work staged on it may fill
+    typical_s: float  # its typical predicted bubble: what sizes its credit before it has bubbles
     free_memory: int
     at: float  # when it joined, on its clock
+    dc: str = ""
 
 
 @dataclass
 class Bubble:
-    worker: str
+    """A worker's open bubble."""
+
     started: float
     predicted_s: float
-    free_memory: int
-    sent_s: float = 0.0  # predicted seconds of work sent into this bubble and not yet reported
-    sent_bytes: int = 0
     tag: object = None
+
+
+@dataclass
+class Credit:
+    """One worker, as the dispatcher sees it: where it takes batches, its bubbles, and the work it
+    holds (sent and not yet known to be used: its credit in use)."""
+
+    worker: str
+    address: str = ""
+    dc: str = ""
+    free_memory: int = 0
+    last_seen: float = -math.inf  # its last bubble event (or joining)
+    lengths: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_BUBBLES))
+    #: batch id -> (predicted seconds, KV bytes) of every batch sent here and not known used
+    held: dict[str, tuple[float, int]] = field(default_factory=dict)
+    held_s: float = 0.0
+    held_bytes: int = 0
+    bubble: Bubble | None = None
+
+    def typical_s(self) -> float:
+        """Its typical bubble: the mean of its recent ones (0 before any)."""
+        return sum(self.lengths) / len(self.lengths) if self.lengths else 0.0
+
+    def hold(self, batch_id: str, seconds: float, kv_bytes: int) -> None:
+        self.held[batch_id] = (seconds, kv_bytes)
+        self.held_s += seconds
+        self.held_bytes += kv_bytes
+
+    def release(self, batch_id: str) -> bool:
+        """The batch is used (finished, reported or lost): its credit comes back. False if it was
+        not held here (already released)."""
+        got = self.held.pop(batch_id, None)
+        if got is None:
+            return False
+        if self.held:
+            self.held_s, self.held_bytes = max(0.0, self.held_s - got[0]), max(0, self.held_bytes - got[1])
+        else:  # no float drift left behind
+            self.held_s, self.held_bytes = 0.0, 0
+        return True
 
 
 @dataclass(frozen=True)
 class Progress:
-    """A worker's report on one request: the layer it reached, the seconds it spent, and whether
-    the request is finished (answered by the worker, ok or failed)."""
+    """A worker's report on one request: the layer it reached, the seconds it spent, whether the
+    request is finished (answered by the worker, ok or failed), and the layer it started from here
+    (below the batch's `from_layer` when its saved state was in another DC or lost: computed again;
+    None: as the batch said)."""
 
     id: str
     reached_layer: int
     seconds: float
     finished: bool = False
+    started_layer: int | None = None
 
 
 @dataclass
@@ -106,3 +179,7 @@ class Counts:
     expired: int = 0
     unavailable: int = 0
     requeued: int = 0
+    #: prompt layers the workers ran, and of those the ones run again because the partial state
+    #: they would have resumed from was in another datacenter or lost
+    layers_run: int = 0
+    layers_recomputed: int = 0

@@ -1,18 +1,26 @@
-"""The fill policy (pure): what a worker does with prefill batches around its bubbles.
+"""The fill policy (pure): a worker's queue of prefill work, and what runs when.
 
 Training is the owner, prefill the guest. The worker's fill executor (services/stage_worker/filler.py)
-only obeys these decisions; its threads and Redis I/O hold no timing rule of their own, and the
-simulator runs the same rules on a virtual clock.
+and the simulator's (sim/executor.py) keep their queue in a `FillQueue` and obey it; their threads,
+Redis I/O and clocks hold no rule of their own.
 
-* A batch that arrives while a bubble is open runs in it. A staged batch (`hold`) waits for the
-  next bubble. Any other batch arrived too late (its bubble is over) and goes back unrun.
-* A bubble predicted shorter than the guard is not worth filling: staged work waits for a longer one.
-* Batches run in arrival order, one block (one layer of one request) at a time. A block may start
-  only while the awaited training input has not arrived and, when the bubble's end is predicted and
-  the block's time known, only if it would end before that end (training resumes within one block).
-* When a bubble ends, the batches sent for it that did not run go back; staged ones stay for the next.
-* A staged batch that no bubble has taken within `hold_s` goes back unrun (training paused or over),
-  and the dispatcher queues its requests again.
+* **Work waits on the worker, not the worker on work.** The dispatcher keeps about a bubble and a
+  half of predicted prefill queued on every worker (its credit, `shared.policies.dispatch`). A batch
+  that arrives joins the queue whether or not a bubble is open; only a batch delivered again (a
+  previous process of this slot held it, unacked) goes back unrun.
+* **A bubble runs the queue until training input arrives.** From the moment a bubble opens, the
+  batches run in arrival order, one block (one layer of one request) at a time, each started only
+  while the awaited input has not arrived (`may_start_block`). No prediction refuses or stops work:
+  the block running when the input comes finishes (a GPU kernel is not cut short) and training
+  resumes at its end, which is BubbleTea's only cost to training.
+* **A batch the input interrupted stays at the head**, its progress kept where it is (in memory on
+  a live worker), and continues in the worker's next bubble.
+* **A bubble's end says what it used**: the batches that finished in it (`close`), so the dispatcher
+  tops up the worker's credit at once, before their reports arrive.
+* **Nothing waits forever**: a batch still queued `hold_s` after it arrived, outside a bubble
+  (training paused, or over), goes back (`expired`), and everything goes back when the worker stops
+  (`drain`). A batch that went back is reported with how far it got, so the dispatcher queues the
+  rest again.
 * A preempted prefill resumes from its saved state only in the datacenter that saved it
   (`resume_layer`); a worker in another DC computes it again from its prompt.
 """
@@ -20,105 +28,116 @@ simulator runs the same rules on a virtual clock.
 from __future__ import annotations
 
 import enum
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.spec.config import BubbleTea
 
-#: A worker holds a staged batch this long at most; if no bubble starts by then it hands it back
-#: unrun (the run may be over), and the requests queue again. The spec's default
+#: A worker keeps a batch this long at most while no bubble takes it (training paused or over),
+#: then hands it back and the dispatcher queues its requests again: the spec's default
 #: (`bubbletea.hold_ms`), which the device time scale stretches like the gaps between bubbles.
 HOLD_STAGED_S = 1.0
 
 
 class Arrival(enum.StrEnum):
-    """What to do with a batch that just arrived on a worker."""
+    """What a worker does with a batch that just arrived."""
 
-    RUN = "run"  # a bubble is open: queue it for this bubble
-    HOLD = "hold"  # staged for the next bubble: keep it until one starts (or `hold_s` passes)
-    RETURN = "return"  # its bubble is over: hand it back unrun
+    QUEUE = "queue"  # into the queue: it runs in this bubble (if one is open) or the next ones
+    RETURN = "return"  # delivered again after this slot's previous process died: back, unrun
 
 
-@dataclass(frozen=True)
+@dataclass
 class Held:
-    """A batch waiting on the worker, as the policy sees it."""
+    """A batch on the worker's queue, as the policy sees it."""
 
     batch_id: str
-    staged: bool  # sent ahead for the worker's next bubble
-    received: float  # when it arrived on the worker
+    predicted_s: float  # what is left of it, by the dispatcher's prediction
+    received: float  # when it arrived on the worker (the executor's clock)
+    started: bool = False  # part of it ran: it continues where it stopped
 
 
-@dataclass(frozen=True)
-class FillPolicy:
-    guard_s: float  # a bubble predicted shorter than this is not filled
+def may_start_block(*, input_arrived: bool) -> bool:
+    """Whether the next block may start: only the awaited training input stops prefill."""
+    return not input_arrived
+
+
+@dataclass
+class FillQueue:
+    """One worker's queue of batches (oldest first) and its bubble, on any clock."""
+
     hold_s: float = HOLD_STAGED_S
+    held: list[Held] = field(default_factory=list)
+    in_bubble: bool = False
+    #: batches finished in the open bubble (its end reports them)
+    _finished: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_spec(cls, bt: BubbleTea) -> FillPolicy:
-        """The policy a worker (or the simulator's executor) runs for the spec's `bubbletea` section."""
-        return cls(guard_s=bt.guard_ms / 1000, hold_s=bt.hold_ms / 1000)
+    def from_spec(cls, bt: BubbleTea) -> FillQueue:
+        """The queue a worker (or the simulator's executor) keeps for the spec's `bubbletea` section."""
+        return cls(hold_s=bt.hold_ms / 1000)
 
-    def on_arrival(self, *, staged: bool, in_bubble: bool, redelivered: bool = False) -> Arrival:
-        """`redelivered`: delivered before and never acked, so sent for a bubble of this slot's
-        previous process. It goes back unrun: the dispatcher may already have requeued it (running
-        it again would only duplicate that work), and if not, the report requeues it at once
-        instead of when the report is overdue."""
+    @property
+    def queued_s(self) -> float:
+        """Predicted seconds of work queued here."""
+        return sum(h.predicted_s for h in self.held)
+
+    def ids(self) -> list[str]:
+        return [h.batch_id for h in self.held]
+
+    def arrive(self, batch_id: str, predicted_s: float, now: float, *, redelivered: bool = False) -> Arrival:
+        """`redelivered`: delivered before and never acked, so sent to this slot's previous process.
+        It goes back unrun: the dispatcher may already have queued it again (running it here would
+        only duplicate that work), and if not, its report requeues it at once rather than when it
+        is overdue."""
         if redelivered:
             return Arrival.RETURN
-        if in_bubble:
-            return Arrival.RUN
-        return Arrival.HOLD if staged else Arrival.RETURN
+        self.held.append(Held(batch_id, predicted_s, now))
+        return Arrival.QUEUE
 
-    def worth_filling(self, predicted_s: float) -> bool:
-        return predicted_s >= self.guard_s
+    def open(self) -> None:
+        """A bubble opened: the queue runs from its head."""
+        self.in_bubble = True
+        self._finished = []
 
-    def fill_until(self, started: float, predicted_s: float) -> float:
-        """The moment no block may end after: the bubble's predicted end minus the guard."""
-        return started + predicted_s - self.guard_s
+    def head(self) -> Held | None:
+        """The batch to run now: the oldest, while a bubble is open."""
+        return self.held[0] if self.in_bubble and self.held else None
 
-    def next_batch(self, queued: list[Held]) -> int | None:
-        """Index of the batch to run next (arrival order), or None when none is waiting."""
-        return 0 if queued else None
+    def ran(self, batch_id: str, *, finished: bool, left_s: float = 0.0) -> None:
+        """`batch_id` ran in this bubble: to its end (`finished`: off the queue), or until the input
+        came (it stays at the head with `left_s` predicted seconds to go)."""
+        i = self._index(batch_id)
+        if finished:
+            del self.held[i]
+            self._finished.append(batch_id)
+        else:
+            self.held[i].started, self.held[i].predicted_s = True, left_s
 
-    def may_start_block(
-        self, *, input_arrived: bool, now: float, ends_at: float | None = None, block_s: float | None = None
-    ) -> bool:
-        """Whether the next block may start. `ends_at`: the bubble's predicted end minus the guard;
-        `block_s`: the block's expected time (both None when unknown: only arrival stops it)."""
-        if input_arrived:
-            return False
-        if ends_at is None or block_s is None:
-            return True
-        return now + block_s <= ends_at
+    def close(self) -> tuple[str, ...]:
+        """The bubble ended: the batches that finished in it (what its `BubbleEnd` says it used)."""
+        self.in_bubble = False
+        done, self._finished = tuple(self._finished), []
+        return done
 
-    def blocks_that_start(self, *, start: float, block_s: float, need: int, ends_at: float) -> int:
-        """How many of `need` back-to-back blocks of `block_s`, the first at `start`, `may_start_block`
-        lets start while no input arrives: what a worker stepping block by block would run, in one
-        step (the simulator's executor asks this at each block boundary it plans to)."""
-        if block_s <= 0:
-            return need
-        n = min(need, max(0, math.floor((ends_at - start) / block_s)))
-        may = self.may_start_block
-        while n > 0 and not may(input_arrived=False, now=start + (n - 1) * block_s, ends_at=ends_at, block_s=block_s):
-            n -= 1  # float rounding: the last block floor() allowed may not pass the rule itself
-        while n < need and may(input_arrived=False, now=start + n * block_s, ends_at=ends_at, block_s=block_s):
-            n += 1
-        return n
-
-    def at_bubble_end(self, queued: list[Held]) -> list[str]:
-        """Ids of the batches to hand back unrun when a bubble ends: those sent for it."""
-        return [h.batch_id for h in queued if not h.staged]
-
-    def expired_holds(self, queued: list[Held], *, in_bubble: bool, now: float) -> list[str]:
-        """Ids of staged batches no bubble took within `hold_s` (none while a bubble is open: it
-        runs them or hands them back at its end)."""
-        if in_bubble:
+    def expired(self, now: float) -> list[str]:
+        """Off the queue, to go back: the batches that arrived `hold_s` or more before `now`, none
+        while a bubble is open (it runs them)."""
+        if self.in_bubble:
             return []
-        return [h.batch_id for h in queued if h.staged and now - h.received >= self.hold_s]
+        gone = [h.batch_id for h in self.held if now - h.received >= self.hold_s]
+        if gone:
+            self.held = [h for h in self.held if h.batch_id not in gone]
+        return gone
 
-    def at_close(self, queued: list[Held]) -> list[str]:
-        """Ids of every batch to hand back when the worker stops: nothing more will run here."""
-        return [h.batch_id for h in queued]
+    def drain(self) -> list[str]:
+        """Off the queue, to go back: everything (the worker stops; nothing more runs here)."""
+        gone, self.held = [h.batch_id for h in self.held], []
+        return gone
+
+    def _index(self, batch_id: str) -> int:
+        for i, h in enumerate(self.held):
+            if h.batch_id == batch_id:
+                return i
+        raise KeyError(f"batch {batch_id} is not queued here")
 
 
 def resumes_from_saved_state(saved_in: str, here: str) -> bool:

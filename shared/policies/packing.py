@@ -1,18 +1,16 @@
-"""BubbleTea's packing policy: which queued prefill requests go into one bubble (pure).
+"""BubbleTea's packing policy: which queued prefill requests go to one worker's queue (pure).
 
 Inputs: the candidates (prompt length, the layer each would resume at, deadline, arrival, KV
-memory), the bubble's remaining budget and the worker's free memory, and a cost function. Output:
-a plan of layer ranges to run. Rules:
+memory) in queue order, the worker's room (its credit not in use: `shared.policies.dispatch`) and
+free memory, and a cost function. Output: a plan of whole requests. Rules:
 
-* **Budget**: predicted bubble length minus the guard and the dispatch overhead minus the time
-  already elapsed; the plan's predicted time never exceeds it.
+* **Room**: requests are planned while the plan's predicted time is under the room; the last may
+  go past it (by less than one request): a request is never cut to fit, since a worker runs what
+  it holds across as many of its bubbles as it takes.
 * **Order** (configurable): ``deadline`` = earliest deadline first (requests without one after
   those with one), then arrival; ``arrival`` = arrival order.
-* **Memory**: the KV cache of every planned request must fit in the worker's free memory.
-* **Longer than a bubble**: a request that does not fit whole, when it is next in order, runs as
-  many whole layers as fit; it resumes at that layer in a later bubble, so any request completes
-  across bubbles. Only the head of the queue is split, so a long request is not starved by short
-  ones behind it, and it is never overtaken once started.
+* **Memory**: the KV cache of every planned request must fit in the worker's free memory; one
+  that does not is left for a worker with more.
 * **Expired**: a request whose deadline has passed is not planned (the dispatch policy fails it).
 
 `pack` sorts its candidates; `pack_ordered` takes them already in order (a `WaitingQueue`, which
@@ -22,7 +20,6 @@ Both make the same plan.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -50,8 +47,11 @@ class Assignment:
 @dataclass(frozen=True)
 class Plan:
     assignments: tuple[Assignment, ...]
-    budget_s: float
+    room_s: float
 
+
+#: Room left below this is none (a nanosecond): float dust never lets one more request in.
+ROOM_EPS_S = 1e-9
 
 #: cost(tokens, from_layer, to_layer) -> predicted seconds to run those layers of that prompt
 Cost = Callable[[int, int, int], float]
@@ -64,11 +64,6 @@ def layered_cost(whole: Callable[[int], float], layers: int) -> Cost:
         return whole(tokens) * (end - start) / layers
 
     return cost
-
-
-def budget(predicted_s: float, elapsed_s: float, guard_s: float, overhead_s: float) -> float:
-    """What a bubble still offers to prefill."""
-    return max(0.0, predicted_s - guard_s - overhead_s - elapsed_s)
 
 
 def queue_key(order: str) -> Callable[[float | None, float], tuple[float, ...]]:
@@ -88,7 +83,7 @@ def order_key(order: str) -> Callable[[Candidate], tuple[float, ...]]:
 def pack(
     candidates: Sequence[Candidate],
     *,
-    budget_s: float,
+    room_s: float,
     free_memory: int,
     layers: int,
     cost: Cost,
@@ -98,7 +93,7 @@ def pack(
 ) -> Plan:
     return pack_ordered(
         sorted(candidates, key=order_key(order)),
-        budget_s=budget_s,
+        room_s=room_s,
         free_memory=free_memory,
         layers=layers,
         cost=cost,
@@ -110,7 +105,7 @@ def pack(
 def pack_ordered(
     ordered: Iterable[Candidate],
     *,
-    budget_s: float,
+    room_s: float,
     free_memory: int,
     layers: int,
     cost: Cost,
@@ -119,40 +114,20 @@ def pack_ordered(
 ) -> Plan:
     """`pack` of candidates already in packing order (ties as they come); reads no more of
     `ordered` than the plan needs, so a long queue costs only its head."""
-    left, memory = budget_s, free_memory
+    left, memory = room_s, free_memory
     plan: list[Assignment] = []
     for c in ordered:
-        if len(plan) >= max_requests or left <= 0:
+        if len(plan) >= max_requests or left <= ROOM_EPS_S:
             break
         if c.deadline is not None and c.deadline < now:
             continue  # expired: not planned
         if c.kv_bytes > memory:
-            continue  # its KV cache does not fit on this worker now; a roomier bubble takes it
+            continue  # its KV cache does not fit on this worker now; a roomier one takes it
         whole = cost(c.tokens, c.next_layer, layers)
-        if whole <= left:
-            plan.append(Assignment(c.id, c.next_layer, layers, whole))
-            left -= whole
-            memory -= c.kv_bytes
-            continue
-        fit = layers_fitting(left, cost(c.tokens, c.next_layer, c.next_layer + 1))
-        if fit >= 1:
-            end = min(layers, c.next_layer + fit)
-            secs = cost(c.tokens, c.next_layer, end)
-            plan.append(Assignment(c.id, c.next_layer, end, secs))
-            memory -= c.kv_bytes
-        break  # the head of the queue takes the rest of the bubble: no overtaking it
-    return Plan(tuple(plan), budget_s)
-
-
-def layers_fitting(budget_s: float, per_layer: float) -> int:
-    """Whole layers of `per_layer` seconds each that `budget_s` holds."""
-    return math.floor(budget_s / per_layer) if per_layer > 0 else 0
-
-
-def places_any(whole: float, per_layer: float, budget_s: float) -> bool:
-    """Whether `pack` puts some of a candidate that fits in memory in `budget_s`, the candidate's
-    remaining layers costing `whole` seconds, one of them `per_layer`."""
-    return whole <= budget_s or layers_fitting(budget_s, per_layer) >= 1
+        plan.append(Assignment(c.id, c.next_layer, layers, whole))
+        left -= whole
+        memory -= c.kv_bytes
+    return Plan(tuple(plan), room_s)
 
 
 class WaitingQueue:

@@ -22,8 +22,11 @@ import yaml
 from msgspec import Meta
 
 from shared.model.info import CheckpointError, info_from_config, read_config
+from shared.runtime.logs import get_logger
 from shared.spec.fields import DEVICE, DEVICE_RATE, HOST, Millis, Name, Section
 from shared.spec.training import Device, ModelSpec, Parallelism, Training
+
+log = get_logger(__name__)
 
 
 class ConfigError(ValueError):
@@ -70,23 +73,44 @@ class Wan(Section, frozen=True):
 
 class BubbleTea(Section, frozen=True):
     enabled: bool = True
-    #: Safety margin kept free at the end of every bubble so prefill never delays training.
-    guard_ms: Annotated[Millis, DEVICE] = 2.0
-    #: Expected time from bubble start to the batch running on the worker.
-    dispatch_overhead_ms: Annotated[Millis, DEVICE] = 1.0
     max_batch_requests: Annotated[int, Meta(ge=1, le=4096)] = 32
     order: Literal["deadline", "arrival"] = "deadline"
-    #: Work kept outstanding on a worker while its bubble is open, beyond the predicted budget if
-    #: need be (0 = strictly the budget). Safe: prefill yields at the next layer boundary.
-    keep_ahead_ms: Annotated[Millis, DEVICE] = 0.0
-    #: At most this much work sent ahead for a worker's next bubble when one ends (0 = no staging).
-    stage_ms: Annotated[Millis, DEVICE] = 1000.0
-    #: How long a worker keeps such work for its next bubble before handing it back unrun (training
+    #: Prefill work kept queued on every worker ahead of its bubbles (its credit), in its typical
+    #: bubbles (the mean of its recent ones): a bubble starts with its work already there.
+    credit_bubbles: Annotated[float, Meta(gt=0, le=100)] = 1.5
+    #: At most this much work queued on one worker (requests held there are not available to
+    #: another worker's bubble).
+    max_credit_ms: Annotated[float, Meta(gt=0, le=3_600_000), DEVICE] = 1000.0
+    #: How long a worker keeps queued work no bubble took before handing it back unrun (training
     #: paused or over). Keep it above the longest time between two of a worker's bubbles.
     hold_ms: Annotated[float, Meta(gt=0, le=3_600_000), DEVICE] = 1000.0
     #: Serving is declared stalled (`/ready` 503, new requests 503, queued ones failed) when every
     #: slot is held but no bubble was announced for this long. Keep it above the longest iteration.
     unready_after_s: Annotated[float, Meta(gt=0, le=86_400), DEVICE] = 10.0
+    # No longer used (accepted so older specs load; `deprecated_fields` names them): a worker fills
+    # a bubble until its training input arrives, from work queued before the bubble opened, so
+    # neither a margin at the bubble's end nor a dispatch delay at its start is budgeted any more.
+    guard_ms: Annotated[Millis, DEVICE] = 0.0
+    dispatch_overhead_ms: Annotated[Millis, DEVICE] = 0.0
+    keep_ahead_ms: Annotated[Millis, DEVICE] = 0.0
+    stage_ms: Annotated[Millis, DEVICE] = 0.0
+
+
+#: Spec fields still accepted but no longer used, and what replaced each.
+DEPRECATED = {
+    "bubbletea.guard_ms": "a worker fills a bubble until its training input arrives; no margin is kept",
+    "bubbletea.dispatch_overhead_ms": "work is queued on the worker before its bubble opens",
+    "bubbletea.keep_ahead_ms": "see bubbletea.credit_bubbles",
+    "bubbletea.stage_ms": "see bubbletea.credit_bubbles and bubbletea.max_credit_ms",
+}
+
+
+def deprecated_fields(data: object) -> list[str]:
+    """One line per field of the raw spec `data` that is accepted but no longer used."""
+    section = data.get("bubbletea") if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        return []
+    return [f"{path}: no longer used ({why})" for path, why in DEPRECATED.items() if path.split(".", 1)[1] in section]
 
 
 #: `prefill.kv_budget_mb`'s default: a quarter of the default Redis maxmemory (1 GiB), e.g. 30 s of
@@ -282,6 +306,8 @@ def parse_spec(data: object, *, source: str = "<spec>") -> ClusterSpec:
         _check_semantics(spec)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+    for line in deprecated_fields(data):
+        log.warning(f"{source}: {line}")
     return spec
 
 

@@ -105,17 +105,19 @@ class PrefillItem(msgspec.Struct, frozen=True, kw_only=True):
     #: The handle of the state to resume from (`keys.prefill_snapshot_key`: a Redis key naming the
     #: worker that holds the state) when from_layer > 0.
     snapshot_key: str = ""
+    #: The dispatcher's predicted time for these blocks (ms, the run's clock): what the item
+    #: counts for in the worker's credit, which the worker's bubble events report back.
+    predicted_ms: float = 0.0
 
 
 class PrefillBatch(Message, frozen=True, kw_only=True, tag="prefill_batch"):
-    """dispatcher -> one worker's fill stream: prefill work for the bubble it just announced."""
+    """dispatcher -> one worker's fill stream: prefill work for the worker to queue; it runs in
+    the worker's bubbles, from the next one to open (or the one open now)."""
 
     run: str
     worker: str
     batch_id: str
     items: tuple[PrefillItem, ...]
-    #: Staged for the worker's next bubble: held there until it starts, not returned at once.
-    hold: bool = False
 
 
 class PrefillProgress(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,6 +128,9 @@ class PrefillProgress(msgspec.Struct, frozen=True, kw_only=True):
     outcome: ItemOutcome
     reached_layer: int
     seconds: float
+    #: The layer this worker started it from: below the item's `from_layer` when the saved state
+    #: it would resume from was in another datacenter or lost (computed again); -1: `from_layer`.
+    started_layer: int = -1
 
 
 class PrefillReport(Message, frozen=True, kw_only=True, tag="prefill_report"):

@@ -104,6 +104,8 @@ class BubbleStart(Message, frozen=True, kw_only=True, tag="bubble_start"):
     predicted_ms: float
     free_memory_bytes: int
     at: float  # wall clock (time.time())
+    #: The prefill work queued on the worker as the bubble opened (predicted ms), by its own count.
+    queued_ms: float = 0.0
 
 
 class WorkerJoined(Message, frozen=True, kw_only=True, tag="worker_joined"):
@@ -115,9 +117,10 @@ class WorkerJoined(Message, frozen=True, kw_only=True, tag="worker_joined"):
     worker: str
     replica: int
     stage: int
-    typical_bubble_ms: float  # the median of its predicted bubbles: what a staged batch may fill
+    typical_bubble_ms: float  # the median of its predicted bubbles: what sizes its first credit
     free_memory_bytes: int
     at: float  # wall clock (time.time())
+    dc: str = ""
 
 
 class BubbleEnd(Message, frozen=True, kw_only=True, tag="bubble_end"):
@@ -130,6 +133,10 @@ class BubbleEnd(Message, frozen=True, kw_only=True, tag="bubble_end"):
     predicted_ms: float
     actual_ms: float
     at: float
+    #: The prefill batches that finished in this bubble: their credit is the worker's again now.
+    finished: tuple[str, ...] = ()
+    #: The prefill work still queued on the worker (predicted ms), by its own count.
+    queued_ms: float = 0.0
 
 
 class SpanRecord(Message, frozen=True, kw_only=True, tag="span"):

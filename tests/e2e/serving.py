@@ -28,7 +28,7 @@ SPEC: dict[str, Any] = {
     "training": {"schedule": "1f1b", "microbatches": 4, "microbatch_size": 2, "iterations": 8, "seed": 7},
     # compared with references computed here on the CPU: compute there too, even where a GPU exists
     "device": {"kind": "cpu", "fwd_ms_per_layer": 20.0, "allreduce_ms": 5.0, "step_ms": 2.0},
-    "bubbletea": {"enabled": True, "guard_ms": 2.0, "dispatch_overhead_ms": 1.0, "max_batch_requests": 8},
+    "bubbletea": {"enabled": True, "max_batch_requests": 8},
     "prefill": {
         "model": {"layers": 4, "d_model": 32, "heads": 4, "seq_len": 128, "vocab": 256, "seed": 11},
         "max_prompt_tokens": 128,

@@ -118,18 +118,17 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
 
             await wait_until(past_the_spec, "every worker training past the spec's 3 iterations", timeout=90)
 
-            # A batch packed for a bubble while it is open (what dispatch latency measures): the
-            # 20 above may all have gone out staged for the workers' next bubbles (not counted),
-            # so a trickle goes on until some request lands while a bubble is open.
-            async def sent_into_an_open_bubble() -> bool:
+            # A bubble that opened with work already queued on its worker (its credit): a trickle
+            # goes on until some request is on a worker as one of its bubbles opens.
+            async def opened_with_work_queued() -> bool:
                 await submit(http, api, {"prompt": "one more"})
-                return (await scrape(http, endpoints["dispatcher"]))["bubbletea:dispatch_latency_seconds_count"] > 0
+                return (await scrape(http, endpoints["dispatcher"]))["bubbletea:bubble_start_queued_seconds_sum"] > 0
 
-            await wait_until(sent_into_an_open_bubble, "a batch sent into an open bubble", timeout=60)
+            await wait_until(opened_with_work_queued, "a bubble opening with work queued on its worker", timeout=60)
             scraped = {name: await scrape(http, url) for name, url in endpoints.items()}
         door, disp, broker = scraped["prefill_queue"], scraped["dispatcher"], scraped["wan_broker"]
         assert door["bubbletea:request_total"] >= len(ids) and door["bubbletea:time_to_first_token_seconds_count"] > 0
-        assert disp["bubbletea:bubbles_total"] > 0 and disp["bubbletea:dispatch_latency_seconds_count"] > 0
+        assert disp["bubbletea:bubbles_total"] > 0 and disp["bubbletea:bubble_start_queued_seconds_count"] > 0
         assert disp["bubbletea:serving"] == 1
         assert broker["bubbletea:wan_bytes_total"] > 0 and broker["bubbletea:wan_transfers_total"] > 0
         for w in workers:

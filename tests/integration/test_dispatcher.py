@@ -1,7 +1,8 @@
 """The dispatcher service against a real redis-server: its streams dead-letter every kind outside
 their handler tables (naming stream and kind, keeping the payload), and a request whose deadline
 passes in the queue is failed explicitly, then its held entry acked; a spent partial prefill is
-deleted; a worker that joins gets its first batch staged."""
+deleted; a worker that joins gets its first credit; what a read decides goes out in one round
+trip; a request is looked up in Redis only when it is delivered again."""
 
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(red
         snapshot = keys.prefill_snapshot_key("run", "late", 2)  # a partial prefill saved for it earlier
         await bus.redis.set(snapshot, b"state", ex=300)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # held until answered or failed
-        await d.execute(d.state.tick(now + 0.1))  # no bubble ever opened: past the deadline
+        await d.requests_read()
+        d._decided = d.state.tick(now + 0.1)  # no bubble ever opened: past the deadline
+        await d.flush()
         assert acks.released == ["1-0"]
         assert not await bus.redis.exists(snapshot)  # it will not resume: its saved state is gone
         got = await serving.lookup(bus.redis, "late")
@@ -104,13 +107,14 @@ async def test_spent_partial_prefills_are_deleted_and_others_kept(redis_url: str
         spent, kept = keys.prefill_snapshot_key("run", "a", 2), keys.prefill_snapshot_key("run", "a", 3)
         for key in (spent, kept):
             await bus.redis.set(key, b"state", ex=300)
-        await d.execute(Decisions(spent=(Spent("a", 2),)))
+        d._decided = Decisions(spent=(Spent("a", 2),))
+        await d.flush()
         assert not await bus.redis.exists(spent) and await bus.redis.exists(kept)
 
 
-async def test_a_joined_worker_gets_its_first_batch_staged_on_its_fill_stream(redis_url: str) -> None:
+async def test_a_joined_worker_gets_its_first_credit_on_its_fill_stream(redis_url: str) -> None:
     """`WorkerJoined` (sent by a worker that has set up, before the start barrier): a request
-    already queued goes to that worker's fill stream at once, held for its first bubble."""
+    already queued goes to that worker's fill stream once the read is handled, for its queue."""
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         d = Dispatcher(bus, load_settings(None).spec, "run")
         d.acks = Acks()
@@ -118,16 +122,60 @@ async def test_a_joined_worker_gets_its_first_batch_staged_on_its_fill_stream(re
         req = PrefillRequest(id="early", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:results")
         assert await serving.accept(bus.redis, req, 10)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # no worker yet: it waits
+        await d.requests_read()
         fill = keys.fill_stream("run", 0, 1)
         assert await bus.redis.xlen(fill) == 0
         joined = WorkerJoined(
             run="run", worker="r0s1", replica=0, stage=1, typical_bubble_ms=50.0, free_memory_bytes=1 << 30, at=now
         )
         await d.on_joined(Delivery("2-0", keys.bubbles_stream("run"), joined, 1))
+        assert await bus.redis.xlen(fill) == 0  # decided; written with the rest of the read
+        await d.flush()
         [(_, fields)] = await bus.redis.xrange(fill)
         batch = decode(fields[FIELD])
-        assert isinstance(batch, PrefillBatch) and batch.hold and [i.id for i in batch.items] == ["early"]
-        assert d.state.requests["early"].in_bubble == "r0s1"
+        assert isinstance(batch, PrefillBatch) and [i.id for i in batch.items] == ["early"]
+        assert batch.items[0].predicted_ms > 0  # what the item counts for in the worker's credit
+        assert d.state.requests["early"].on_worker == "r0s1"
+
+
+async def test_a_read_of_requests_goes_out_in_one_round_trip_and_only_redeliveries_are_looked_up(
+    redis_url: str,
+) -> None:
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        d = Dispatcher(bus, load_settings(None).spec, f"one-{time.time_ns()}")
+        d.acks = Acks()
+        now = time.time()
+        joined = WorkerJoined(
+            run=d.run, worker="r0s0", replica=0, stage=0, typical_bubble_ms=500.0, free_memory_bytes=1 << 30, at=now
+        )
+        await d.on_joined(Delivery("j-0", keys.bubbles_stream(d.run), joined, 1))
+        await d.flush()
+        calls = []
+        execute_command = bus.redis.execute_command
+
+        async def counting(*args: object, **kw: object) -> object:
+            calls.append(args[0])
+            return await execute_command(*args, **kw)
+
+        bus.redis.execute_command = counting  # type: ignore[method-assign]
+        for i in range(20):
+            req = PrefillRequest(id=f"q{i}", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:r")
+            assert await d.on_request(Delivery(f"{i}-0", "s", req, 1)) is not None
+        assert calls == []  # first deliveries: no lookup
+        real_pipeline = bus.redis.pipeline
+        pipelines = []
+
+        def counting_pipeline(*args: object, **kw: object) -> object:
+            pipelines.append(1)
+            return real_pipeline(*args, **kw)
+
+        bus.redis.pipeline = counting_pipeline  # type: ignore[method-assign]
+        await d.requests_read()
+        assert len(pipelines) == 1 and calls == []  # one pipelined round trip for every batch
+        assert d.state.workers["r0s0"].held  # the requests went to the worker
+        again = PrefillRequest(id="q0", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:r")
+        await d.on_request(Delivery("0-0", "s", again, 2))  # delivered again: looked up
+        assert calls and calls[0] == "MGET"
 
 
 async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_came(redis_url: str) -> None:
@@ -148,6 +196,7 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
 
         now = time.time() - 1.0  # the events were sent a moment ago: each is seen after it was sent
         await d.on_start(start(now, 0))  # nothing queued
+        await d.flush()
         await d.on_end(
             Delivery("e-0", keys.bubbles_stream(RUN), BubbleEnd(
                 run=RUN, worker="r0s1", replica=0, stage=1, iteration=0, position=0,
@@ -156,7 +205,8 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
         )  # fmt: skip
         req = PrefillRequest(id="q", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:results")
         assert await serving.accept(bus.redis, req, 10)
-        assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # staged on r0s1: work for it
+        assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None
+        await d.requests_read()  # held on r0s1 (its credit): work for it
         await d.on_start(start(now + 0.002, 1))
         report = PrefillReport(run=RUN, worker="r0s1", batch_id="none", progress=(), preempted=False, at=now + 0.003)
         await d.on_report(Delivery("r-0", keys.prefill_reports_stream(RUN), report, 1))

@@ -1,8 +1,10 @@
 """The worker's fill executor against a real Redis and a real prefill model.
 
 Preemption: when training input arrives mid-prefill, at most the block already running finishes;
-the unfinished request is snapshotted at the layer it reached, reported, and a later bubble (here:
-a second `fill`) resumes it to exactly the answer of one uninterrupted prefill.
+the batch stays queued on the worker with its state in memory, and its next bubble (here: a second
+`fill`) continues it to exactly the answer of one uninterrupted prefill. A cut batch no bubble
+takes in time goes back with its state snapshotted at the layer it reached, and a batch resuming
+from that snapshot gives the same answer too.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from shared.control.status import ItemOutcome, RequestStatus
 from shared.dataplane import kvstore
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel, PrefillState
-from shared.policies.fill import FillPolicy
+from shared.policies.fill import FillQueue
 from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, decode
 
@@ -40,30 +42,36 @@ CFG = GPTConfig(layers=LAYERS, d_model=64, heads=4, seq_len=256, vocab=256)
 PROMPT = tuple(range(7, 7 + 200))
 
 
-def batch(item: PrefillItem, n: int, *, hold: bool = False) -> PrefillBatch:
-    return PrefillBatch(run=RUN, worker="r0s0", batch_id=f"b{n}", items=(item,), hold=hold)
+def batch(item: PrefillItem, n: int) -> PrefillBatch:
+    return PrefillBatch(run=RUN, worker="r0s0", batch_id=f"b{n}", items=(item,))
 
 
 def filler_for(bus: Bus, model: PrefillModel, *, run: str = RUN, kv_ttl_s: int = 0, **kw: Any) -> Filler:
     spans = kw.pop("on_span", lambda a, b: None)
     port = StagePort(PrefillPort(bus.redis, run, kv_ttl_s))
-    return Filler(bus, run, "r0s0", model, "m", port, spans, FillPolicy(guard_s=0.0, **kw))
+    return Filler(bus, run, "r0s0", model, "m", port, spans, FillQueue(**kw))
 
 
 @contextlib.contextmanager
-def arriving_during_block(model: PrefillModel, block: int, arrive: Callable[[], None]) -> Iterator[None]:
-    """Meanwhile `arrive()` runs on the event loop once block `block` of `model` has started, and
-    the block waits for it: training input that lands while that block runs, however the host
-    schedules the loop and the prefill thread (its arrival is the test's input, not a race). A
-    batch's first block runs on the event loop itself: there the input lands directly."""
+def arriving_during_block(
+    model: PrefillModel, block: int, arrive: Callable[[], None], *, nth: bool = False
+) -> Iterator[None]:
+    """Meanwhile `arrive()` runs on the event loop once block `block` of `model` has started (with
+    `nth`: the `block`-th block run, counting from 0, whichever request it is), and the block waits
+    for it: training input that lands while that block runs, however the host schedules the loop
+    and the prefill thread (its arrival is the test's input, not a race). A batch's first block
+    runs on the event loop itself: there the input lands directly."""
     loop = asyncio.get_running_loop()
     loop_thread = threading.get_ident()
     run_layers = model.run_layers
+    calls = [0]
 
     def run_block(state: PrefillState, *args: Any, **kw: Any) -> PrefillState:
-        if state.next_layer == block and threading.get_ident() == loop_thread:
+        hit = (calls[0] == block) if nth else (state.next_layer == block)
+        calls[0] += 1
+        if hit and threading.get_ident() == loop_thread:
             arrive()
-        elif state.next_layer == block:
+        elif hit:
             landed = threading.Event()
 
             def land() -> None:
@@ -82,12 +90,18 @@ def arriving_during_block(model: PrefillModel, block: int, arrive: Callable[[], 
 
 
 async def one_bubble(
-    filler: Filler, b: PrefillBatch, *, arrive_during_block: int | None, model: PrefillModel
-) -> tuple[list[float], float | None]:
-    """Run one bubble with `b` queued; training input arrives while block `arrive_during_block` of
-    `model` runs (None: once the batch is done and reported). Returns the times the batch checked
-    for input (once before each block: the first in the event loop, the rest in the prefill thread),
-    and the arrival time."""
+    filler: Filler,
+    *,
+    arrive_during_block: int | None,
+    model: PrefillModel,
+    finished: asyncio.Future[Any] | None = None,
+    nth: bool = False,
+) -> tuple[list[float], float | None, tuple[str, ...]]:
+    """Run one bubble over what is queued on `filler`; training input arrives while block
+    `arrive_during_block` of `model` runs (None: once `finished`, a batch's handler, is done:
+    the batch answered and reported). Returns the times the batch checked for input (once before
+    each block: the first in the event loop, the rest in the prefill thread), the arrival time,
+    and the batches the bubble finished."""
     mailbox, key = Mailbox(), ("grad", 0, 0)
     checks: list[float] = []
     put_at: float | None = None
@@ -104,18 +118,22 @@ async def one_bubble(
 
     with contextlib.ExitStack() as stack:
         if arrive_during_block is not None:
-            stack.enter_context(arriving_during_block(model, arrive_during_block, put))
+            stack.enter_context(arriving_during_block(model, arrive_during_block, put, nth=nth))
         take = asyncio.ensure_future(mailbox.take(key))
-        # a long bubble: only the training input's arrival stops the prefill, never its predicted end
-        fill = asyncio.create_task(filler.fill(arrived, take, predicted_s=600.0, started=time.monotonic()))
-        handled = asyncio.create_task(filler.on_batch(Delivery("1-0", "s", b, 1)))
+        # a long bubble: only the training input's arrival stops the prefill
+        fill = asyncio.create_task(filler.fill(arrived, take))
         if arrive_during_block is None:
-            await asyncio.wait_for(handled, 60)  # done and reported (the report is sent before the batch is acked)
+            assert finished is not None
+            await asyncio.wait_for(asyncio.shield(finished), 60)  # done and reported (then acked)
             put()
-        await asyncio.wait_for(fill, 60)
-        await asyncio.wait_for(handled, 60)
+        done = await asyncio.wait_for(fill, 60)
         await take
-    return checks, put_at
+    return checks, put_at, done
+
+
+def deliver(filler: Filler, b: PrefillBatch) -> asyncio.Task[None]:
+    """The fill stream's handler for `b`: it returns once the batch is answered and reported."""
+    return asyncio.create_task(filler.on_batch(Delivery(f"{b.batch_id}-0", "s", b, 1)))
 
 
 async def reports(bus: Bus) -> list[PrefillReport]:
@@ -123,7 +141,7 @@ async def reports(bus: Bus) -> list[PrefillReport]:
     return [m for _, f in rows if isinstance(m := decode(f[b"m"]), PrefillReport)]
 
 
-async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_exactly(redis_url: str) -> None:
+async def test_training_input_preempts_at_the_next_layer_and_the_next_bubble_goes_on_exactly(redis_url: str) -> None:
     torch.set_num_threads(1)
     model = PrefillModel(CFG, seed=5)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
@@ -131,42 +149,28 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
         assert await serving.accept(bus.redis, req, 100)
         spans: list[tuple[float, float]] = []
         filler = filler_for(bus, model, kv_ttl_s=60, on_span=lambda a, b: spans.append((a, b)))
+        item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
+        handled = deliver(filler, batch(item, 1))  # queued on the worker before its bubble opens
 
         # Bubble 1: the grad arrives while the prefill is running (in its ninth block of 24).
-        item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
         during = LAYERS // 3
-        checks, put_at = await one_bubble(filler, batch(item, 1), arrive_during_block=during, model=model)
-        (first,) = await reports(bus)
-        (p,) = first.progress
-        assert first.preempted and p.outcome is ItemOutcome.PARTIAL
-        # The batch checks before each block: blocks started before the arrival = checks
-        # before it. The block in progress at arrival finishes; none starts after it.
-        assert put_at is not None
+        checks, put_at, done = await one_bubble(filler, arrive_during_block=during, model=model)
+        # The batch checks before each block: blocks started before the arrival = checks before
+        # it. The block in progress at arrival finishes; none starts after it. The batch stays.
+        assert put_at is not None and done == ()
         started_before = sum(1 for c in checks if c < put_at)
-        assert p.reached_layer == started_before == during + 1, (p.reached_layer, started_before)
+        (o,) = filler.batches["b1"].outcomes
+        assert o.reached == started_before == during + 1, (o.reached, started_before)
+        assert filler.queue.ids() == ["b1"] and filler.queue.held[0].started and not handled.done()
+        assert await reports(bus) == [] and spans
         queued = await serving.lookup(bus.redis, req.id)
-        assert spans and queued is not None and queued.status is RequestStatus.QUEUED
-        snap_key = keys.prefill_snapshot_key(RUN, req.id, p.reached_layer)
-        # the state stays on this worker's snapshot shelf; Redis holds only its handle: "<dc> <holder>"
-        holder = filler.port.prefill.snapshots.holder if filler.port.prefill.snapshots else None
-        assert await bus.redis.get(snap_key) == f"{filler.port.prefill.dc} {holder}".encode()
-        assert await filler.port.load_snapshot(snap_key, LAYERS) is not None
+        assert queued is not None and queued.status is RequestStatus.QUEUED
 
-        # Bubble 2: resume where it stopped; the answer equals one uninterrupted prefill.
-        rest = PrefillItem(
-            id=req.id,
-            tokens=PROMPT,
-            from_layer=p.reached_layer,
-            to_layer=LAYERS,
-            reply_to=req.reply_to,
-            snapshot_key=snap_key,
-        )
-        await one_bubble(filler, batch(rest, 2), arrive_during_block=None, model=model)
-        second = (await reports(bus))[1]
-        assert second.progress[0].outcome is ItemOutcome.DONE and not second.preempted
-        # left for the dispatcher, which deletes it once it accepts the report (a stale copy of this
-        # batch must not delete the state a live one resumes from)
-        assert await bus.redis.exists(snap_key)
+        # Bubble 2: it goes on where it stopped; the answer equals one uninterrupted prefill.
+        _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        assert done == ("b1",)
+        (rep,) = await reports(bus)
+        assert rep.progress[0].outcome is ItemOutcome.DONE and rep.progress[0].reached_layer == LAYERS
         found = await serving.lookup(bus.redis, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.status is RequestStatus.DONE and found.result is not None
@@ -179,6 +183,65 @@ async def test_training_input_preempts_at_the_next_layer_and_the_rest_resumes_ex
             torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(stored.kv, want.kv, strict=True)
         )
         await filler.port.close_prefill()
+
+
+async def test_a_cut_batch_no_bubble_takes_goes_back_snapshotted_and_resumes_exactly(redis_url: str) -> None:
+    torch.set_num_threads(1)
+    model = PrefillModel(CFG, seed=5)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        req = PrefillRequest(id="req-2", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
+        assert await serving.accept(bus.redis, req, 100)
+        filler = filler_for(bus, model, hold_s=0.2)
+        item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
+        handled = deliver(filler, batch(item, 1))
+        await one_bubble(filler, arrive_during_block=5, model=model)
+        await asyncio.wait_for(handled, 60)  # no bubble within the hold: back, reported
+        (first,) = await reports(bus)
+        (p,) = first.progress
+        assert first.preempted and p.outcome is ItemOutcome.PARTIAL and p.reached_layer == 6
+        snap_key = keys.prefill_snapshot_key(RUN, req.id, p.reached_layer)
+        # the state stays on this worker's snapshot shelf; Redis holds only its handle: "<dc> <holder>"
+        holder = filler.port.prefill.snapshots.holder if filler.port.prefill.snapshots else None
+        assert await bus.redis.get(snap_key) == f"{filler.port.prefill.dc} {holder}".encode()
+        rest = PrefillItem(
+            id=req.id, tokens=PROMPT, from_layer=6, to_layer=LAYERS, reply_to=req.reply_to, snapshot_key=snap_key
+        )
+        handled = deliver(filler, batch(rest, 2))
+        await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        second = (await reports(bus))[1]
+        assert second.progress[0].outcome is ItemOutcome.DONE and second.progress[0].started_layer == -1
+        # left for the dispatcher, which deletes it once it accepts the report (a stale copy of this
+        # batch must not delete the state a live one resumes from)
+        assert await bus.redis.exists(snap_key)
+        found = await serving.lookup(bus.redis, req.id)
+        want = model.prefill(list(PROMPT))
+        assert found is not None and found.result is not None
+        assert (found.result.token, found.result.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))
+        await filler.port.close_prefill()
+
+
+async def test_a_request_finished_in_a_cut_batch_is_answered_before_the_batch_ends(redis_url: str) -> None:
+    model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        reqs = [
+            PrefillRequest(id=f"q{i}", model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to="bt:test:r")
+            for i in range(2)
+        ]
+        for r in reqs:
+            assert await serving.accept(bus.redis, r, 100)
+        filler = filler_for(bus, model)
+        items = tuple(
+            PrefillItem(id=r.id, tokens=r.tokens, from_layer=0, to_layer=4, reply_to=r.reply_to) for r in reqs
+        )
+        handled = deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id="b9", items=items))
+        await one_bubble(filler, arrive_during_block=5, model=model, nth=True)  # the second request's second block
+        await asyncio.gather(*filler.batches["b9"].answering)
+        first, second = [await serving.lookup(bus.redis, r.id) for r in reqs]
+        assert first is not None and first.status is RequestStatus.DONE
+        assert second is not None and second.status is RequestStatus.QUEUED and not handled.done()
+        _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        (rep,) = await reports(bus)
+        assert done == ("b9",) and [x.outcome for x in rep.progress] == [ItemOutcome.DONE, ItemOutcome.DONE]
 
 
 async def test_a_snapshot_is_fetched_from_the_worker_holding_it_and_dropped_once_spent(
@@ -257,34 +320,39 @@ async def test_a_batchs_first_block_runs_on_the_event_loop_and_the_rest_in_the_p
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         filler = filler_for(bus, model)
         item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=4, reply_to="bt:test:results")
-        await one_bubble(filler, batch(item, 1), arrive_during_block=None, model=model)
+        handled = deliver(filler, batch(item, 1))
+        await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         (rep,) = await reports(bus)
     assert rep.progress[0].outcome is ItemOutcome.DONE
     assert ran_on == [(0, True), (1, False), (2, False), (3, False)]
 
 
-async def test_a_batch_arriving_outside_a_bubble_goes_back_unrun(redis_url: str) -> None:
-    model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
-    async with Bus(redis_url, BusConfig(), name="test") as bus:
-        filler = filler_for(bus, model)
-        item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
-        await filler.on_batch(Delivery("1-0", "s", batch(item, 1), 1))  # no bubble open
-        (rep,) = await reports(bus)
-        (p,) = rep.progress
-        assert p.reached_layer == 0 and p.outcome is ItemOutcome.PARTIAL and rep.preempted
-
-
-async def test_a_staged_batch_no_bubble_takes_goes_back_after_the_hold(redis_url: str) -> None:
+async def test_a_batch_arriving_outside_a_bubble_waits_for_one_and_goes_back_after_the_hold(redis_url: str) -> None:
     model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         filler = filler_for(bus, model, hold_s=0.05)
         item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
         t0 = time.monotonic()
-        # held for the next bubble; none comes, so it goes back (the handler returns once reported)
-        await asyncio.wait_for(filler.on_batch(Delivery("1-0", "s", batch(item, 1, hold=True), 1)), 60)
+        # queued for the worker's bubbles; none comes, so it goes back (the handler returns once reported)
+        await asyncio.wait_for(filler.on_batch(Delivery("1-0", "s", batch(item, 1), 1)), 60)
         assert time.monotonic() - t0 >= 0.05
         (rep,) = await reports(bus)
-        assert rep.preempted and rep.progress[0].outcome is ItemOutcome.PARTIAL
+        assert rep.preempted and rep.progress[0].outcome is ItemOutcome.PARTIAL and rep.progress[0].reached_layer == 0
+
+
+async def test_a_redelivered_batch_and_one_arriving_as_the_worker_stops_go_straight_back(redis_url: str) -> None:
+    model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        filler = filler_for(bus, model)
+        item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
+        await asyncio.wait_for(filler.on_batch(Delivery("1-0", "s", batch(item, 1), 2)), 60)  # delivered again
+        queued = deliver(filler, batch(item, 2))
+        await asyncio.sleep(0)
+        await filler.close()  # hands back what is queued; what arrives from now on goes back at once
+        await asyncio.wait_for(queued, 60)
+        await asyncio.wait_for(filler.on_batch(Delivery("3-0", "s", batch(item, 3), 1)), 60)
+        assert [r.batch_id for r in await reports(bus)] == ["b1", "b2", "b3"]
+        assert all(r.preempted and r.progress[0].reached_layer == 0 for r in await reports(bus))
 
 
 async def test_a_batch_of_another_run_is_rejected(redis_url: str) -> None:
@@ -316,7 +384,10 @@ async def test_a_resumed_request_whose_holder_is_gone_is_computed_again_from_its
             reply_to=req.reply_to,
             snapshot_key=keys.prefill_snapshot_key(RUN, req.id, 5),
         )
-        await one_bubble(filler, batch(rest, 7), arrive_during_block=None, model=model)
+        handled = deliver(filler, batch(rest, 7))
+        await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        (rep,) = await reports(bus)
+        assert rep.progress[0].started_layer == 0  # computed again from its prompt
         found = await serving.lookup(bus.redis, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.status is RequestStatus.DONE and found.result is not None

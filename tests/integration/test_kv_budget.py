@@ -52,7 +52,7 @@ async def test_past_the_budget_the_answer_comes_without_a_kv_cache_saying_why(
         with caplog.at_level(logging.WARNING, logger="services.stage_worker.reporting"):
             for i in range(3):
                 item = PrefillItem(id=f"r{i}", tokens=tuple(range(16)), from_layer=0, to_layer=2, reply_to="out")
-                await reporter._answer(Outcome(item, 2, 0.01), _tiny(16))
+                await reporter.answer([Outcome(item, 2, 0.01, result=_tiny(16))])
         answers = [decode(f[b"m"]) for _, f in await redis.xrange("out")]
     assert all(isinstance(a, PrefillResult) and a.ok for a in answers) and len(answers) == 3
     stored, *skipped = answers
@@ -71,7 +71,7 @@ async def test_with_kv_ttl_0_the_handle_says_nothing_is_stored(redis_url: str, r
     async with Bus(redis_url) as bus:
         reporter = Reporter(bus, "run", "r0s0", "m", StagePort(PrefillPort(bus.redis, "run", kv_ttl_s=0)))
         item = PrefillItem(id="z", tokens=(1, 2), from_layer=0, to_layer=2, reply_to="out")
-        await reporter._answer(Outcome(item, 2, 0.01), _tiny(2))
+        await reporter.answer([Outcome(item, 2, 0.01, result=_tiny(2))])
         [(_, f)] = await redis.xrange("out")
     a = decode(f[b"m"])
     assert isinstance(a, PrefillResult) and kv_params(a)["why"].startswith("prefill.kv_ttl_s is 0")

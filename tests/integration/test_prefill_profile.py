@@ -24,7 +24,7 @@ from shared.control import serving
 from shared.control.status import ItemOutcome
 from shared.model.prefill import PrefillModel
 from shared.model.shape import GPTConfig
-from shared.policies.fill import FillPolicy
+from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
 from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillRequest
@@ -36,26 +36,25 @@ RUN = "fill"  # the reports helper reads this run's report stream
 LAYERS = 8
 MODEL = PrefillModel(GPTConfig(layers=LAYERS, d_model=32, heads=4, seq_len=64, vocab=256), seed=3)
 PROMPT = tuple(range(1, 33))
-GUARD_S = 0.002
 
 
 async def bubble(
     bus: Bus,
     profile: PrefillProfile,
     *,
-    predicted_s: float,
     input_during_block: int | None = None,
     spans: list[tuple[float, float]] | None = None,
 ) -> tuple[Filler, float]:
     """One bubble with one request queued; the training input arrives while block
     `input_during_block` runs (None: once the batch is done and reported, so prefill had stopped
-    on its own). Returns the filler and when the fill gave training back (relative to the bubble's
-    start); the prefill spans it recorded go to `spans`."""
+    on its own; else the worker then stops, handing the cut batch back, reported). Returns the
+    filler and when the fill gave training back (relative to the bubble's start); the prefill
+    spans it recorded go to `spans`."""
     req = PrefillRequest(id="q", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
     assert await serving.accept(bus.redis, req, 10)
     on_span = (lambda a, b: spans.append((a, b))) if spans is not None else (lambda a, b: None)
     port = StagePort(PrefillPort(bus.redis, RUN, kv_ttl_s=0))
-    filler = Filler(bus, RUN, "r0s0", MODEL, "m", port, on_span, FillPolicy(guard_s=GUARD_S), profile)
+    filler = Filler(bus, RUN, "r0s0", MODEL, "m", port, on_span, FillQueue(), profile)
     item = PrefillItem(id="q", tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
     mailbox, key = Mailbox(), ("grad", 0, 0)
 
@@ -67,7 +66,7 @@ async def bubble(
             stack.enter_context(arriving_during_block(MODEL, input_during_block, arrive))
         take = asyncio.ensure_future(mailbox.take(key))
         t0 = time.monotonic()
-        fill = asyncio.create_task(filler.fill(lambda: mailbox.arrived(key), take, predicted_s, t0))
+        fill = asyncio.create_task(filler.fill(lambda: mailbox.arrived(key), take))
         handled = asyncio.create_task(
             filler.on_batch(Delivery("1-0", "s", PrefillBatch(run=RUN, worker="r0s0", batch_id="b", items=(item,)), 1))
         )
@@ -76,6 +75,8 @@ async def bubble(
             arrive()
         await asyncio.wait_for(fill, 60)
         resumed = time.monotonic() - t0
+        if input_during_block is not None:
+            await filler.close()  # the cut batch goes back, reported
         await asyncio.wait_for(handled, 60)
         await take
     await port.close_prefill()  # a preempted request's snapshot was served from here
@@ -92,9 +93,7 @@ async def test_a_started_block_counts_for_its_whole_profiled_time(redis_url: str
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         # 60 ms a block, far above the real compute of this small model; the input lands during
         # the first block
-        filler, resumed = await bubble(
-            bus, PrefillProfile(0.060, 0.0), predicted_s=10.0, input_during_block=0, spans=spans
-        )
+        filler, resumed = await bubble(bus, PrefillProfile(0.060, 0.0), input_during_block=0, spans=spans)
         (rep,) = await reports(bus)
     (p,) = rep.progress
     # training resumed at that block's boundary: it finished, and no block started after it
@@ -104,24 +103,10 @@ async def test_a_started_block_counts_for_its_whole_profiled_time(redis_url: str
     assert span_of(spans) == pytest.approx(0.060 + filler.take_lag(), abs=1e-6)
 
 
-async def test_no_block_starts_that_would_end_after_the_predicted_end(redis_url: str) -> None:
-    spans: list[tuple[float, float]] = []
-    async with Bus(redis_url, BusConfig(), name="test") as bus:
-        # 10 ms blocks, a 39 ms bubble: its end minus the 2 ms guard is at 37 ms, so at most 3
-        # blocks fit (fewer if the first starts late on a busy machine), never 4; the input comes
-        # later than predicted, once prefill has stopped on its own and reported
-        filler, _ = await bubble(bus, PrefillProfile(0.010, 0.0), predicted_s=0.039, spans=spans)
-        (rep,) = await reports(bus)
-    (p,) = rep.progress
-    assert p.reached_layer <= 3 and p.outcome is ItemOutcome.PARTIAL and rep.preempted
-    # the span ends when the last block that ran is due on the device (a block that starts counts whole)
-    assert span_of(spans) == pytest.approx(p.reached_layer * 0.010 + filler.take_lag(), abs=1e-6)
-
-
 async def test_compute_slower_than_the_profile_is_counted_as_lag(redis_url: str) -> None:
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         # a profile claiming 1 microsecond a block: no CPU keeps up with that
-        filler, _ = await bubble(bus, PrefillProfile(1e-6, 0.0), predicted_s=10.0)
+        filler, _ = await bubble(bus, PrefillProfile(1e-6, 0.0))
         (rep,) = await reports(bus)
     assert rep.progress[0].outcome is ItemOutcome.DONE
     lag = filler.take_lag()
@@ -137,7 +122,7 @@ async def test_a_batch_lasts_its_profiled_time_not_its_threads_wake_ups(redis_ur
     it longer."""
     spans: list[tuple[float, float]] = []
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        filler, _ = await bubble(bus, PrefillProfile(0.010, 0.0), predicted_s=10.0, spans=spans)
+        filler, _ = await bubble(bus, PrefillProfile(0.010, 0.0), spans=spans)
         (rep,) = await reports(bus)
     assert rep.progress[0].outcome is ItemOutcome.DONE
     span = span_of(spans)

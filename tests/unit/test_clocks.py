@@ -11,9 +11,11 @@ import pytest
 from shared.policies.decisions import Batch, Decisions
 from shared.policies.dispatch import (
     BATCH_GRACE_S,
+    RESUME_WAIT_S,
     STAGE_WINDOW_S,
     STALE_BUBBLE_S,
     TICK_S,
+    BubbleClosed,
     BubbleOpened,
     DispatchState,
     Progress,
@@ -65,7 +67,7 @@ def test_the_time_scale_stretches_device_times_and_only_those() -> None:
         else:
             assert clock == "device-rate"
             assert after == pytest.approx(before / k), path  # type: ignore[operator]
-    assert scaled.bubbletea.guard_ms == pytest.approx(3 * base.bubbletea.guard_ms)  # the margins too
+    assert scaled.bubbletea.max_credit_ms == pytest.approx(3 * base.bubbletea.max_credit_ms)  # the credit too
     assert scaled.prefill.request_timeout_s == pytest.approx(3 * base.prefill.request_timeout_s)
     assert scale_spec(base, 1) is base
 
@@ -78,7 +80,7 @@ def test_docs_config_lists_every_clock() -> None:
     for path, clock in spec_clocks().items():
         if clock is not None:
             assert rows.get(path) == clock.replace("-", " "), path
-    for const in ("STAGE_WINDOW_S", "BATCH_GRACE_S", "STALE_BUBBLE_S", "TICK_S"):
+    for const in ("STAGE_WINDOW_S", "BATCH_GRACE_S", "STALE_BUBBLE_S", "TICK_S", "RESUME_WAIT_S"):
         assert rows.get(const) == "device", const
 
 
@@ -87,16 +89,15 @@ def test_the_policy_windows_stretch_with_the_scale() -> None:
     assert (s.stage_window_s, s.batch_grace_s, s.stale_bubble_s, s.tick_s) == pytest.approx(
         (5 * STAGE_WINDOW_S, 5 * BATCH_GRACE_S, 5 * STALE_BUBBLE_S, 5 * TICK_S)
     )
-    assert s.guard_s == pytest.approx(5 * spec().bubbletea.guard_ms / 1000)
+    assert s.max_credit_s == pytest.approx(5 * spec().bubbletea.max_credit_ms / 1000)
+    assert s.resume_wait_s == pytest.approx(5 * RESUME_WAIT_S)
     assert s.cost.predict(128) == pytest.approx(5 * DispatchState.from_spec(spec().bubbletea, 4).cost.predict(128))
 
 
 def _view(ds: Decisions) -> tuple[object, ...]:
     """A decision with its times left out (those are compared scaled): who gets what, who fails."""
     return (
-        tuple(
-            (b.batch_id, b.worker, b.hold, tuple((i.id, i.from_layer, i.to_layer) for i in b.items)) for b in ds.batches
-        ),
+        tuple((b.batch_id, b.worker, tuple((i.id, i.from_layer, i.to_layer) for i in b.items)) for b in ds.batches),
         tuple((f.id, f.reason) for f in ds.failed),
         tuple((f.id, f.ticket) for f in ds.finished),
         tuple((lb.batch_id, lb.requests) for lb in ds.lost),
@@ -150,8 +151,10 @@ def test_the_dispatch_policy_decides_the_same_at_any_time_scale(seed: int) -> No
             )
         elif op < 0.7:
             w = rnd.choice(workers)
-            got1 = one.bubble_end(w, tags[w], now=now)
-            gotk = scaled.bubble_end(w, tags[w], now=now * k)
+            actual = rnd.uniform(0.0, 0.06)
+            done = tuple(b for b, x in out.items() if x.worker == w and rnd.random() < 0.3)
+            got1 = one.bubble_end(BubbleClosed(w, tags[w], actual, done), now=now)
+            gotk = scaled.bubble_end(BubbleClosed(w, tags[w], actual * k, done), now=now * k)
             assert _view(got1) == _view(gotk)
             assert _times(gotk) == pytest.approx([t * k for t in _times(got1)], abs=TIME_TOL)
             out.update({b.batch_id: b for b in got1.batches})

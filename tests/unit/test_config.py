@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from shared.model.optim import lr_at
-from shared.spec.config import ConfigError, load_spec, parse_spec
+from shared.spec.config import ConfigError, deprecated_fields, load_spec, parse_spec
 from shared.spec.settings import DEFAULT_SPEC, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -291,3 +291,12 @@ def test_a_key_given_twice_is_refused_naming_both_lines_and_merges_still_load(tm
         load_spec(path)
     path.write_text("datacenters:\n- &dc {name: a, gpus: 2}\n- <<: *dc\n  name: b\n")  # an override beside a merge
     assert [dc.name for dc in load_spec(path).datacenters] == ["a", "b"]
+
+
+def test_a_field_no_longer_used_loads_with_a_warning_naming_it(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        spec = parse_spec({"datacenters": DC, "bubbletea": {"guard_ms": 2.0, "credit_bubbles": 2.0}}, source="x.yaml")
+    assert spec.bubbletea.credit_bubbles == 2.0
+    (line,) = [r.getMessage() for r in caplog.records if "no longer used" in r.getMessage()]
+    assert line.startswith("x.yaml: bubbletea.guard_ms: no longer used")
+    assert deprecated_fields({"datacenters": DC, "bubbletea": {"credit_bubbles": 2.0}}) == []
