@@ -30,6 +30,7 @@ from shared.figures.bubblestats import (
     mean_bubble_ms,
     overruns_ms,
     prediction_errors_ms,
+    recomputed_share,
     report_latencies_ms,
 )
 from shared.figures.requests import requests_lost, slo_attainment, ttft_ms
@@ -146,6 +147,7 @@ def summarise(pairs: list[Pair], *, time_scale: float, slo_device_ms: float) -> 
         "report_share_p99": _r(share_p99[1], 4),
         "report_p50_ms": _r(percentile([x for p in pairs for x in report_latencies_ms(p.seen)], 50)),
         "report_p99_ms": _r(percentile([x for p in pairs for x in report_latencies_ms(p.seen)], 99)),
+        "recomputed_share": _r(recomputed_share([c for p in pairs for c in p.seen]), 4),
         "mean_bubble_device_ms": _r(_med([mean_bubble_ms(p.spans_on) / k for p in pairs]), 2),
         "prediction_error_p50_device_ms": _r(
             _div(percentile([x for p in pairs for x in prediction_errors_ms(p.spans_on)], 50), k)

@@ -78,6 +78,7 @@ def run_case(gpus: int, iterations: int) -> dict[str, Any]:
         "fill_ratio": f["fill_ratio"],
         "train_slowdown_pct": f["train_slowdown_pct"],
         "requests_served": f["requests_served"],
+        "recomputed_share": f["recomputed_share"],
         "events_on": on.events,
         "s_per_iter_on": round(on.wall_s / iterations, 3),
         "s_per_iter_off": round(result.off.wall_s / iterations, 3),

@@ -32,8 +32,12 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import deque
 from typing import Protocol
 
+from redis.asyncio.client import Pipeline
+
+from services.dispatcher.messages import batch_message, failure_result
 from services.dispatcher.metrics import DispatcherMetrics
 from shared.bus import HOLD, Bus, Delivery, Outcome
 from shared.bus.connection import TRANSIENT_ERRORS, ride_out
@@ -42,7 +46,7 @@ from shared.control.health import instance_id
 from shared.control.leases import generation_joined, read_slots
 from shared.control.status import ControlEvent, FailureReason, RequestStatus, ServingState
 from shared.model.shape import model_info
-from shared.policies.decisions import Batch, Decisions
+from shared.policies.decisions import Decisions
 from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.readiness import ServingGate, Verdict
 from shared.runtime.logs import get_logger
@@ -52,16 +56,15 @@ from shared.wire import (
     BubbleEnd,
     BubbleStart,
     ControlSeen,
-    PrefillBatch,
-    PrefillItem,
     PrefillReport,
     PrefillRequest,
-    PrefillResult,
     WorkerJoined,
     encode,
 )
 
 SERVICE = "dispatcher"
+#: Decision latencies kept for the heartbeat's percentiles (the last this many flushes).
+DECISIONS_KEPT = 10_000
 #: `ControlSeen` records kept while Redis does not answer (about a minute of a busy run's bubbles).
 MAX_TELEMETRY = 10_000
 
@@ -69,9 +72,12 @@ log = get_logger(__name__)
 
 
 class Acks(Protocol):
-    """Where a held request entry is acked once its request is answered or failed."""
+    """A consumer whose entries the dispatcher acks in its own round trips (`Consumer.ack_on`):
+    a held request's once it is answered or failed, and each read's handled entries."""
 
-    def release(self, entry_id: str) -> None: ...
+    def ack_on(self, pipe: Pipeline, ids: list[str]) -> None: ...
+
+    def forget_held(self, ids: list[str]) -> None: ...
 
 
 class Dispatcher:
@@ -101,11 +107,17 @@ class Dispatcher:
         self.metrics.serving_state(self.verdict.state)
         self._arriving: list[Request] = []  # requests of the read being handled
         self._decided = Decisions()  # what the read being handled decided, executed by `flush`
+        #: when the first stream input since the last flush was handled (perf_counter), and per flush
+        #: of a read its decision latency: that input's handling to the decisions written (seconds;
+        #: the timer's own flushes are not counted)
+        self._since: float | None = None
+        self.decision_s: deque[float] = deque(maxlen=DECISIONS_KEPT)
 
     # --- handlers (the tables are in serve.py) ---------------------------------------------
 
     async def on_request(self, d: Delivery) -> Outcome | None:
         req = d.message
+        self._input()
         assert isinstance(req, PrefillRequest)
         if d.attempt > 1:  # delivered again (a restart, a reclaim): it may have been answered meanwhile
             found = await serving.lookup(self.bus.redis, req.id)
@@ -124,17 +136,19 @@ class Dispatcher:
         )
         return HOLD  # acked once answered or failed
 
-    async def requests_read(self) -> None:
-        """After a read of the request stream: its requests join the state together, then `flush`."""
+    async def requests_read(self, done: list[str]) -> bool:
+        """After a read of the request stream: its requests join the state together, then `flush`
+        (`done`: entries answered before, to ack)."""
         now = time.time()
         arriving, self._arriving = self._arriving, []
         self._decided += self.state.add_requests(arriving, now)
         if self.verdict.fail_queued:  # accepted by a front door that had not heard yet
             self._decided += self.state.fail_waiting(self.verdict.reason, now)
-        await self.flush()
+        return await self.flush(self.acks, done)
 
     async def on_start(self, d: Delivery) -> None:
         m = d.message
+        self._input()
         assert isinstance(m, BubbleStart)
         opened = BubbleOpened(
             worker=m.worker,
@@ -159,6 +173,7 @@ class Dispatcher:
 
     async def on_joined(self, d: Delivery) -> None:
         m = d.message
+        self._input()
         assert isinstance(m, WorkerJoined)
         log.info("worker joined", worker=m.worker, typical_bubble_ms=round(m.typical_bubble_ms, 2))
         ready = WorkerReady(
@@ -173,6 +188,7 @@ class Dispatcher:
 
     async def on_end(self, d: Delivery) -> None:
         m = d.message
+        self._input()
         assert isinstance(m, BubbleEnd)
         self.metrics.bubble_ended(m.actual_ms, m.predicted_ms)
         closed = BubbleClosed(m.worker, (m.iteration, m.position), m.actual_ms / 1000, m.finished)
@@ -180,6 +196,7 @@ class Dispatcher:
 
     async def on_report(self, d: Delivery) -> None:
         m = d.message
+        self._input()
         assert isinstance(m, PrefillReport)
         progress = [
             Progress(
@@ -188,21 +205,49 @@ class Dispatcher:
             for p in m.progress
         ]
         now = time.time()
+        run, recomputed = self.state.counts.layers_run, self.state.counts.layers_recomputed
         self._decided += self.state.report(m.batch_id, m.worker, progress, now)
         if log.isEnabledFor(10):
             finished = sum(p.finished for p in progress)
             log.debug("batch reported", batch=m.batch_id, worker=m.worker, items=len(progress), finished=finished)
         if m.at > 0:
-            self._seen(ControlEvent.REPORT, m.worker, m.at, now)
+            c = self.state.counts
+            self._seen(
+                ControlEvent.REPORT,
+                m.worker,
+                m.at,
+                now,
+                run=c.layers_run - run,
+                recomputed=c.layers_recomputed - recomputed,
+            )
 
-    def _seen(self, event: ControlEvent, worker: str, at: float, seen: float, *, with_work: bool = False) -> None:
+    def _seen(
+        self,
+        event: ControlEvent,
+        worker: str,
+        at: float,
+        seen: float,
+        *,
+        with_work: bool = False,
+        run: int = 0,
+        recomputed: int = 0,
+    ) -> None:
         """Telemetry of this event for the run's figures (which bubbles opened with work; the
         control plane's latency), kept for the timer to publish. Past `MAX_TELEMETRY` unpublished
         records (Redis away), the oldest go: telemetry, not work."""
         if len(self.telemetry) >= MAX_TELEMETRY:
             del self.telemetry[0]
         self.telemetry.append(
-            ControlSeen(run=self.run, worker=worker, event=event, at=at, seen=seen, with_work=with_work)
+            ControlSeen(
+                run=self.run,
+                worker=worker,
+                event=event,
+                at=at,
+                seen=seen,
+                with_work=with_work,
+                layers_run=run,
+                layers_recomputed=recomputed,
+            )
         )
 
     async def flush_telemetry(self) -> None:
@@ -211,6 +256,10 @@ class Dispatcher:
             batch = list(self.telemetry)
             await self.bus.publish_many(keys.spans_stream(self.run), batch, maxlen=keys.SPANS_MAXLEN)
             del self.telemetry[: len(batch)]
+
+    def _input(self) -> None:
+        if self._since is None:
+            self._since = time.perf_counter()
 
     async def tick(self) -> None:
         self._decided += self.state.tick(time.time())
@@ -252,18 +301,24 @@ class Dispatcher:
 
     # --- executing decisions ---------------------------------------------------------------
 
-    async def flush(self) -> None:
+    async def flush(self, read: Acks | None = None, done: list[str] | None = None) -> bool:
         """Execute what was decided since the last flush: every batch, failure answer and state
-        deletion in one pipelined round trip (riding out a Redis restart), then the acks of what
-        is done, the metrics and the logs."""
+        deletion in one pipelined round trip (riding out a Redis restart), and after them in the
+        same round trip the acks of what is done (the held requests answered or failed, and
+        `done`, the entries of the read handled, of the consumer `read`); then the metrics and the
+        logs. Returns whether it acked `done` (a consumer's `AfterRead`)."""
         ds, self._decided = self._decided, Decisions()
-        writes = [(b.address, encode(self._message(b))) for b in ds.batches]
-        answers = [(self._failure(f.id, f.reason, f.detail, f.payload), f.payload.reply_to) for f in ds.failed]
+        tickets = [f.ticket for f in ds.failed] + [f.ticket for f in ds.finished]
+        held, entries = (self.acks, tickets) if self.acks is not None else (None, [])
+        if read is None or not done:
+            read, done = None, []
+        writes = [(b.address, encode(batch_message(self.run, b))) for b in ds.batches]
+        answers = [(failure_result(f), f.payload.reply_to) for f in ds.failed]
         # Partial prefills no batch resumes from again go now, not at their TTL (under overload,
         # requests failing at their deadline left ~0.5 GB of them).
         gone = [keys.prefill_snapshot_key(self.run, s.id, s.layer) for s in ds.spent]
         gone += [keys.prefill_snapshot_key(self.run, f.id, n) for f in ds.failed for n in range(1, self.state.layers)]
-        if writes or answers or gone:
+        if writes or answers or gone or entries or done:
 
             async def execute() -> None:
                 async with self.bus.redis.pipeline(transaction=False) as pipe:
@@ -273,10 +328,20 @@ class Dispatcher:
                         serving.queue_answer(pipe, result, reply_to)
                     if gone:
                         pipe.delete(*gone)
+                    if held is not None:  # after the effects: a request is acked once answered
+                        held.ack_on(pipe, entries)
+                    if read is not None:
+                        read.ack_on(pipe, done or [])
                     await pipe.execute()
 
             await ride_out(execute, "dispatcher decisions")
+            if held is not None:
+                held.forget_held(entries)
+        if self._since is not None:
+            self.decision_s.append(time.perf_counter() - self._since)
+            self._since = None
         self._done(ds)
+        return read is not None
 
     def _done(self, ds: Decisions) -> None:
         """What follows the writes: acks, metrics, one log line per decision (batches and ignored
@@ -288,14 +353,12 @@ class Dispatcher:
             for ignored in ds.ignored:
                 log.debug("ignored", what=ignored.what, why=ignored.why)
         for f in ds.failed:
-            self._release(f.ticket)
             self.metrics.request_failed(f.reason)
             if f.reason is not FailureReason.OVERLOADED:  # a refusal under load is the 429 itself
                 log.info("request failed", id=f.id, reason=f.reason.value, detail=f.detail)
             elif log.isEnabledFor(10):
                 log.debug("request refused", id=f.id, detail=f.detail)
-        for done in ds.finished:
-            self._release(done.ticket)
+        for _ in ds.finished:
             self.metrics.request_finished()
         for lost in ds.lost:
             self.metrics.batch_lost()
@@ -307,43 +370,12 @@ class Dispatcher:
                 overdue_s=round(lost.overdue_s, 3),
             )
 
-    def _message(self, batch: Batch) -> PrefillBatch:
-        items = []
-        for it in batch.items:
-            req: PrefillRequest = it.payload
-            items.append(
-                PrefillItem(
-                    id=req.id,
-                    tokens=req.tokens,
-                    from_layer=it.from_layer,
-                    to_layer=it.to_layer,
-                    temperature=req.temperature,
-                    seed=req.seed,
-                    logprobs=req.logprobs,
-                    submitted=req.submitted,
-                    reply_to=req.reply_to,
-                    snapshot_key=keys.prefill_snapshot_key(self.run, req.id, it.from_layer) if it.from_layer else "",
-                    predicted_ms=it.seconds * 1000,
-                )
-            )
-        return PrefillBatch(run=self.run, worker=batch.worker, batch_id=batch.batch_id, items=tuple(items))
-
-    @staticmethod
-    def _failure(rid: str, reason: FailureReason, detail: str, req: PrefillRequest) -> PrefillResult:
-        now = time.time()
-        return PrefillResult(
-            id=rid,
-            status=RequestStatus.FAILED,
-            reason=reason,
-            error=detail,
-            prompt_tokens=len(req.tokens),
-            queue_ms=(now - req.submitted) * 1000,
-            finished=now,
-        )
-
-    def _release(self, ticket: str) -> None:
-        if self.acks is not None:
-            self.acks.release(ticket)
-
     def info(self) -> dict[str, object]:
-        return {"run": self.run, "serving": self.verdict.state.value, **self.state.info()}
+        """The heartbeat's body: the state's counters, and the decision latency's percentiles over
+        the last `DECISIONS_KEPT` flushes (an input handled to its decisions written, ms)."""
+        out = {"run": self.run, "serving": self.verdict.state.value, **self.state.info()}
+        if self.decision_s:
+            lat = sorted(self.decision_s)
+            for q in (50, 99):
+                out[f"decision_ms_p{q}"] = round(1000 * lat[min(len(lat) - 1, len(lat) * q // 100)], 3)
+        return out

@@ -10,6 +10,8 @@ import time
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.bus.consumer import AfterRead, Consumer
+from shared.bus.delivery import Handlers
 from shared.control import keys, serving
 from shared.control.health import Heartbeat, instance_id
 from shared.runtime.logs import get_logger
@@ -38,8 +40,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         url = await server.start()
         hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "metrics_url": url})
         # Every stream is read in batches and handled in order; what a read decided is written in
-        # one round trip (`Dispatcher.flush`) before its entries are acked. Requests are held (acked
-        # once answered or failed), so they take no handler slot however many wait.
+        # one round trip (`Dispatcher.flush`), its entries' acks in it. Requests are held (acked once
+        # answered or failed), so they take no handler slot however many wait.
         requests = bus.consumer(
             keys.PREFILL_REQUESTS_STREAM,
             SERVICE,
@@ -49,25 +51,24 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             after_read=d.requests_read,
         )
         d.acks = requests
-        consumers = [
-            bus.consumer(
-                keys.bubbles_stream(run),
-                SERVICE,
-                {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end},
-                name=me,
-                sequential=True,  # a bubble's end never overtakes its start
-                after_read=d.flush,
-            ),
-            bus.consumer(
-                keys.prefill_reports_stream(run),
-                SERVICE,
-                {PrefillReport: d.on_report},
-                name=me,
-                sequential=True,
-                after_read=d.flush,
-            ),
-            requests,
-        ]
+        readers: dict[str, Consumer] = {}
+
+        def flushing(stream: str) -> AfterRead:
+            async def after_read(done: list[str]) -> bool:
+                return await d.flush(readers[stream], done)
+
+            return after_read
+
+        tables: tuple[tuple[str, Handlers], ...] = (
+            # a bubble's end never overtakes its start
+            (keys.bubbles_stream(run), {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end}),
+            (keys.prefill_reports_stream(run), {PrefillReport: d.on_report}),
+        )
+        for stream, table in tables:
+            readers[stream] = bus.consumer(
+                stream, SERVICE, table, name=me, sequential=True, after_read=flushing(stream)
+            )
+        consumers = [*readers.values(), requests]
         d.metrics.streams.add(*consumers)
         await hb.start()
         for c in consumers:

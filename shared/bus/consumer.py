@@ -21,9 +21,10 @@ Life of an entry, as this consumer sees it:
 
 **In order, in batches** (`sequential`): each read takes up to `READ_BATCH` entries and one task
 hands them to their handlers one after another, in stream order; then the consumer's `after_read`
-runs (the service's one flush of what the batch decided: its writes in one round trip), and only
-then are the entries acked. The next read waits for that. A stream whose messages must not
-overtake each other (a bubble's end its start) costs one round trip per batch, not per entry.
+runs (the service's one flush of what the batch decided: its writes, and with them the entries'
+XACK, in one round trip), and only then are the entries acked (if it did not). The next read
+waits for that. A stream whose messages must not overtake each other (a bubble's end its start)
+costs one round trip per batch, not per entry.
 
 Connection loss (e.g. a Redis restart) never crashes the consumer: reads back off and reconnect,
 the group is recreated if it vanished, unsent acks are kept and retried, and the own-pending pass
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from shared.bus.acks import Acks
@@ -73,8 +75,10 @@ class ConsumerStats:
     held: int = 0
 
 
-#: What a sequential consumer runs after each read's entries were handled, before they are acked.
-AfterRead = Callable[[], Awaitable[None]]
+#: What a sequential consumer runs after each read's entries were handled, given the ids to ack
+#: (those whose effect is done): it returns True when it acked them itself, in the same round trip
+#: as the effects it wrote (`ack_on`), else the consumer acks them.
+AfterRead = Callable[[list[str]], Awaitable[bool]]
 
 
 class Consumer(Reclaiming):
@@ -178,6 +182,19 @@ class Consumer(Reclaiming):
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.stop()
+
+    def ack_on(self, pipe: Pipeline, ids: list[str]) -> None:
+        """Queue the XACK of `ids` on the caller's pipeline, after the effects it carries: the
+        entries of the read being handled (`AfterRead`), or held ones whose effect is done (then
+        `forget_held` them once the pipeline ran)."""
+        if ids:
+            pipe.xack(self.stream, self.group, *ids)
+
+    def forget_held(self, ids: list[str]) -> None:
+        """Held entries the caller acked itself (`ack_on`): no longer held here."""
+        for entry_id in ids:
+            self._held.pop(entry_id, None)
+        self.stats.held = len(self._held)
 
     def release(self, entry_id: str) -> None:
         """Ack an entry its handler held (`HOLD`): its effect has now happened. Unknown ids (already
@@ -290,8 +307,8 @@ class Consumer(Reclaiming):
             for entry_id, fields, attempt in entries
             if await self._handle(entry_id, fields, attempt, ack=False)
         ]
-        if self._after_read is not None:
-            await self._after_read()
+        if self._after_read is not None and await self._after_read(done):
+            return
         for entry_id in done:
             self._acks.add(entry_id)
 

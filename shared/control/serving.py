@@ -55,14 +55,9 @@ return 0
 RESULTS_MAXLEN = keys.PREFILL_RESULTS_MAXLEN
 
 
-async def accept(r: Redis, req: PrefillRequest, max_inflight: int, *, idempotency_key: str | None = None) -> bool | str:
-    """Enqueue `req` unless `max_inflight` requests are already waiting; False = refused (429).
-
-    With a client's `idempotency_key`: if it was used before, nothing is enqueued and the id of the
-    request it created is returned (a str). The key is recorded in the same script as the enqueue,
-    so a front door killed (or Redis lost) in between can never leave a key naming a request that
-    was never queued."""
-    n: Any = await r.eval(
+def accept_args(req: PrefillRequest, max_inflight: int, idempotency_key: str | None = None) -> tuple[Any, ...]:
+    """`accept`'s script and its keys and arguments (for a pipeline that accepts many at once)."""
+    return (
         _ACCEPT,
         4,
         keys.PREFILL_INFLIGHT_KEY,
@@ -76,6 +71,16 @@ async def accept(r: Redis, req: PrefillRequest, max_inflight: int, *, idempotenc
         RequestStatus.QUEUED.value,
         req.id if idempotency_key is not None else "",
     )
+
+
+async def accept(r: Redis, req: PrefillRequest, max_inflight: int, *, idempotency_key: str | None = None) -> bool | str:
+    """Enqueue `req` unless `max_inflight` requests are already waiting; False = refused (429).
+
+    With a client's `idempotency_key`: if it was used before, nothing is enqueued and the id of the
+    request it created is returned (a str). The key is recorded in the same script as the enqueue,
+    so a front door killed (or Redis lost) in between can never leave a key naming a request that
+    was never queued."""
+    n: Any = await r.eval(*accept_args(req, max_inflight, idempotency_key))
     if isinstance(n, bytes):
         return n.decode()
     return int(n) > 0

@@ -92,6 +92,17 @@ def report_latencies_ms(seen: Iterable[ControlSeen]) -> list[float]:
     return [(c.seen - c.at) * 1000 for c in seen if c.event is ControlEvent.REPORT]
 
 
+def recomputed_share(seen: Iterable[ControlSeen]) -> float | None:
+    """Of the prompt layers the workers ran (every batch report the dispatcher handled), the share
+    run again because the partial state they would have resumed from was in another datacenter or
+    lost; None before any ran. The simulator's figure is the dispatch policy's same count."""
+    run = recomputed = 0
+    for c in seen:
+        if c.event is ControlEvent.REPORT:
+            run, recomputed = run + c.layers_run, recomputed + c.layers_recomputed
+    return recomputed / run if run else None
+
+
 def mean_bubble_ms(spans: Iterable[Span]) -> float:
     """The mean bubble of `spans` (start to its input's arrival), real ms; 0 without bubbles."""
     lengths = [bubble_end(s) - s.start for s in spans if s.kind == "wait"]

@@ -56,6 +56,7 @@ class PrefillCostModel:
     _xty: list[float] = field(default_factory=lambda: [0.0] * 3)
     _coef: tuple[float, float, float] = (0.0, 0.0, 0.0)
     reports: int = 0
+    _stale: bool = False  # observed since the last fit
     #: the least it predicts: `MIN_SECONDS` on the device's clock (stretched with the prior)
     floor_s: float = MIN_SECONDS
 
@@ -75,6 +76,8 @@ class PrefillCostModel:
 
     def predict(self, tokens: int) -> float:
         """Expected seconds for a whole prompt of `tokens` tokens (never negative)."""
+        if self._stale:  # observed since the last fit: one solve for all of them
+            self._refit()
         # the fit at (1, t, t^2) (`_features`), written out: the dispatcher asks this for every
         # request it weighs, so it is on the simulator's hot path; the same sums in the same order
         t = float(tokens)
@@ -92,7 +95,8 @@ class PrefillCostModel:
         self._xty = [v * FORGET for v in self._xty]
         self._add(tokens, seconds, weight=1.0)
         self.reports += 1
-        self._refit()
+        # fitted when next asked (`predict`): a report of many items costs one solve, not one each
+        self._stale = True
 
     def _add(self, tokens: int, seconds: float, weight: float) -> None:
         f = _features(tokens)
@@ -102,6 +106,7 @@ class PrefillCostModel:
             self._xty[i] += weight * f[i] * seconds
 
     def _refit(self) -> None:
+        self._stale = False
         # A little ridge keeps the 3x3 normal equations solvable with few distinct prompt lengths.
         a = np.array(self._xtx) + 1e-12 * np.eye(3)
         try:

@@ -166,8 +166,12 @@ class ControlSeen(Message, frozen=True, kw_only=True, tag="control_seen"):
     event: ControlEvent
     at: float  # sent by the worker (wall clock)
     seen: float  # handled by the dispatcher (wall clock)
-    #: bubble starts: requests were queued, or a batch was staged for this worker, as it opened
+    #: bubble starts: work was held on this worker, or requests waited at the dispatcher, as it opened
     with_work: bool = False
+    #: batch reports: the prompt layers its requests ran, and of those the ones run again because
+    #: the partial state they would have resumed from was in another datacenter (or lost)
+    layers_run: int = 0
+    layers_recomputed: int = 0
 
 
 class IterationDone(Message, frozen=True, kw_only=True, tag="iteration_done"):

@@ -8,11 +8,13 @@ import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
 from shared.bus import HOLD, Bus, Delivery, Outcome, trim_acked
+from shared.bus.consumer import Consumer
 from shared.control import keys
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.config import BusConfig
@@ -438,3 +440,50 @@ async def test_a_held_entry_stays_pending_and_ours_until_released(redis_url: str
             c.release(entry_id)
         await c.stop()  # flushes the acks
     assert c.stats.held == 0
+
+
+async def test_a_sequential_consumer_reads_in_batches_handles_in_order_and_acks_after_its_flush(
+    redis_url: str, redis: Redis
+) -> None:
+    """One read, one task: handlers in stream order, then `after_read` with the ids to ack (held
+    ones left out); it acks them in its own round trip (or leaves them to the consumer); a read
+    whose `after_read` fails leaves its entries pending."""
+    order: list[int] = []
+    reads: list[list[str]] = []
+    flushed, acked = asyncio.Event(), asyncio.Event()
+    fail = [False]
+
+    async def handle(d: Delivery) -> Outcome | None:
+        assert isinstance(d.message, Ping)
+        order.append(d.message.seq)
+        return HOLD if d.message.seq == 3 else None  # one held: acked only when released
+
+    async with Bus(redis_url, FAST, name="test") as bus:
+        consumer: Consumer | None = None
+
+        async def after_read(done: list[str]) -> bool:
+            reads.append(done)
+            flushed.set()
+            if fail[0]:
+                raise RuntimeError("the flush failed")
+            assert consumer is not None
+            async with redis.pipeline(transaction=False) as pipe:
+                consumer.ack_on(pipe, done)
+                await pipe.execute()
+            acked.set()
+            return True
+
+        await bus.publish_many("seq", pings(20))
+        consumer = bus.consumer("seq", "g", {Ping: handle}, sequential=True, after_read=after_read)
+        async with consumer:
+            await asyncio.wait_for(acked.wait(), 30)
+            assert order == list(range(20)) and len(reads) == 1  # one read, in order
+            assert len(reads[0]) == 19  # the held one is not the flush's to ack
+            pending: Any = await redis.xpending("seq", "g")
+            assert pending["pending"] == 1  # only the held entry
+            fail[0] = True
+            flushed.clear()
+            await bus.publish_many("seq", pings(2, start=100))
+            await asyncio.wait_for(flushed.wait(), 30)  # the second read's flush, failing
+        pending = await redis.xpending("seq", "g")
+        assert pending["pending"] == 3  # the failed read's two entries stay pending, with the held one

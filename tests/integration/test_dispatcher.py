@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -68,11 +69,17 @@ async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str,
 
 
 class Acks:
+    """The request consumer as the dispatcher sees it: held entries acked in its round trip."""
+
     def __init__(self) -> None:
         self.released: list[str] = []
 
-    def release(self, entry_id: str) -> None:
-        self.released.append(entry_id)
+    def ack_on(self, pipe: Any, ids: list[str]) -> None:
+        if ids:
+            pipe.xack(keys.PREFILL_REQUESTS_STREAM, "dispatcher", *ids)
+
+    def forget_held(self, ids: list[str]) -> None:
+        self.released += ids
 
 
 async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(redis_url: str) -> None:
@@ -87,7 +94,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(red
         snapshot = keys.prefill_snapshot_key("run", "late", 2)  # a partial prefill saved for it earlier
         await bus.redis.set(snapshot, b"state", ex=300)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # held until answered or failed
-        await d.requests_read()
+        await d.requests_read([])
         d._decided = d.state.tick(now + 0.1)  # no bubble ever opened: past the deadline
         await d.flush()
         assert acks.released == ["1-0"]
@@ -122,7 +129,7 @@ async def test_a_joined_worker_gets_its_first_credit_on_its_fill_stream(redis_ur
         req = PrefillRequest(id="early", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:results")
         assert await serving.accept(bus.redis, req, 10)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # no worker yet: it waits
-        await d.requests_read()
+        await d.requests_read([])
         fill = keys.fill_stream("run", 0, 1)
         assert await bus.redis.xlen(fill) == 0
         joined = WorkerJoined(
@@ -170,7 +177,7 @@ async def test_a_read_of_requests_goes_out_in_one_round_trip_and_only_redeliveri
             return real_pipeline(*args, **kw)
 
         bus.redis.pipeline = counting_pipeline  # type: ignore[method-assign]
-        await d.requests_read()
+        await d.requests_read([])
         assert len(pipelines) == 1 and calls == []  # one pipelined round trip for every batch
         assert d.state.workers["r0s0"].held  # the requests went to the worker
         again = PrefillRequest(id="q0", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:r")
@@ -206,7 +213,7 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
         req = PrefillRequest(id="q", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:results")
         assert await serving.accept(bus.redis, req, 10)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None
-        await d.requests_read()  # held on r0s1 (its credit): work for it
+        await d.requests_read([])  # held on r0s1 (its credit): work for it
         await d.on_start(start(now + 0.002, 1))
         report = PrefillReport(run=RUN, worker="r0s1", batch_id="none", progress=(), preempted=False, at=now + 0.003)
         await d.on_report(Delivery("r-0", keys.prefill_reports_stream(RUN), report, 1))

@@ -12,6 +12,7 @@ from shared.figures.bubblestats import (
     mean_bubble_ms,
     overruns_ms,
     prediction_errors_ms,
+    recomputed_share,
     report_latencies_ms,
 )
 from shared.figures.runstats import Span, utilization
@@ -102,3 +103,14 @@ def test_overrun_is_input_arrival_to_training_resumed_in_filled_bubbles_only() -
         wait(1, 1.000, 1.050, input_at=1.040),  # not filled: no overrun counted
     ]
     assert overruns_ms(spans) == pytest.approx([3.0, 0.0])
+
+
+def test_the_recomputed_share_counts_every_report_and_is_none_before_any() -> None:
+    def report(run: int, again: int) -> ControlSeen:
+        return ControlSeen(
+            run="r", worker="w", event=ControlEvent.REPORT, at=1.0, seen=1.1, layers_run=run, layers_recomputed=again
+        )
+
+    start = ControlSeen(run="r", worker="w", event=ControlEvent.BUBBLE_START, at=1.0, seen=1.1, layers_run=99)
+    assert recomputed_share([]) is None and recomputed_share([start]) is None
+    assert recomputed_share([report(8, 0), report(4, 2), start]) == pytest.approx(2 / 12)

@@ -1,0 +1,213 @@
+"""The dispatcher's capacity: a real dispatcher process and a real redis-server, fed by emulated
+stage workers (bench/_dispatcher_workers.py: bubbles, batches taken, reports; no torch) and an
+open-loop injector that accepts Poisson requests straight into Redis (the front door's own accept
+script: the front door is not what is measured here).
+
+Cases: 1, 4 and 16 emulated replicas (PP=2, so 2, 8 and 32 workers) at 1x and 4x the GPU check's
+904 requests/s. Every worker has one bubble of 40% of a 50 ms iteration; a 96-token prompt costs
+its device 0.2 ms (a small model on a GPU), so even one replica's bubbles hold 4x the load.
+
+Figures per case (host clock, real time; the dispatcher runs at time scale 1):
+
+* ``answered_per_s``: requests answered per second (by the emulated workers, over the measured
+  window); ``dispatcher_cpu``: the dispatcher process's share of one core over that window;
+  ``requests_per_core_s``: answered_per_s / dispatcher_cpu, what one core of dispatcher sustains;
+* ``decision_p50_ms`` / ``_p99``: per read of a stream, its first entry handled to its decisions
+  written (the dispatcher's own figure, from its heartbeat: `Dispatcher.decision_s`);
+* ``fill_p50_ms`` / ``_p99``: per request, accepted into Redis to its batch read by a worker (the
+  whole control path: the request stream, the dispatcher, the worker's fill stream);
+* ``refused`` / ``expired``: requests the dispatcher failed (overloaded, deadline), of ``sent``.
+
+A last case offers as much as the injector can (``--saturate``, on by default) to show where one
+dispatcher core stops. The last line is one JSON object: every case, and the headline figures.
+
+    python bench/dispatcher.py            # every case, 12 s each
+    python bench/dispatcher.py --quick    # 1 and 16 replicas at 904/s, and saturation; 6 s each
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import uvloop
+import yaml
+from _dispatcher_workers import PROMPT_TOKENS, Emulated, Shape, hold_slots
+from redis.asyncio import Redis
+
+from bubbletea.launcher.procs import spawn, stop_all
+from bubbletea.launcher.services import DISPATCHER
+from shared.control import keys, serving
+from shared.figures.runstats import percentile
+from shared.runtime.redis_server import EmbeddedRedis
+from shared.wire import PrefillRequest
+
+#: The GPU check's offered load (bench/gpu_check.py, one H100, 2026-11-28: 80% of its bubbles).
+GPU_CHECK_RPS = 904.0
+SHAPE = Shape(period_s=0.050, bubble_s=0.020, request_s=0.0002)
+#: Requests accepted per round trip at most (the injector's own batching).
+ACCEPT_BATCH = 200
+#: The measured window starts after this warm-up (the dispatcher learns the costs and bubbles).
+WARMUP_S = 2.0
+SATURATE_RPS = 20_000.0
+
+
+def spec(replicas: int) -> dict[str, Any]:
+    return {
+        "name": "dispatcher-bench",
+        "datacenters": [{"name": "dc-a", "gpus": replicas}, {"name": "dc-b", "gpus": replicas}],
+        "parallelism": {"pp": 2, "dp": replicas},
+        "bubbletea": {"enabled": True, "max_batch_requests": 32},
+        # deadlines far off: what is measured is the dispatcher's pace, not admission under overload
+        "prefill": {"max_prompt_tokens": 256, "request_timeout_s": 30.0, "max_queue_depth": 10_000_000},
+    }
+
+
+async def inject(url: str, rate: float, until: float, sent: list[int], reply_to: str) -> None:
+    """Poisson arrivals at `rate`/s, each accepted with the front door's script, batched per wake-up."""
+    r = Redis.from_url(url, protocol=2)
+    rng, n = random.Random(1), 0
+    due = time.monotonic()
+    try:
+        while time.monotonic() < until:
+            now = time.monotonic()
+            batch = []
+            while due <= now and len(batch) < ACCEPT_BATCH:
+                n += 1
+                tokens = tuple(rng.randrange(256) for _ in range(rng.randint(64, 128)))
+                batch.append(
+                    PrefillRequest(id=f"d{n}", model="m", tokens=tokens, submitted=time.time(), reply_to=reply_to)
+                )
+                due += rng.expovariate(rate)
+            if batch:
+                async with r.pipeline(transaction=False) as pipe:
+                    for req in batch:
+                        pipe.eval(*serving.accept_args(req, 10_000_000))
+                    await pipe.execute()
+                sent[0] += len(batch)
+            await asyncio.sleep(max(0.0, min(due - time.monotonic(), 0.005)))
+    finally:
+        await r.aclose()
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def heartbeat(url: str) -> dict[str, Any]:
+    r = Redis.from_url(url, protocol=2)
+    try:
+        found: Any = await r.keys(keys.health_key("dispatcher", "*"))
+        raw: Any = await r.get(found[0]) if found else None
+        return json.loads(raw) if raw else {}
+    finally:
+        await r.aclose()
+
+
+async def run_case(url: str, workdir: Path, replicas: int, rate: float, seconds: float) -> dict[str, Any]:
+    run = f"dbench-{replicas}-{int(rate)}-{random.randrange(1 << 20):x}"
+    path = workdir / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(spec(replicas)))
+    env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": run, "BUBBLETEA_TIME_SCALE": "1"}
+    stop = asyncio.Event()
+    holder = asyncio.create_task(hold_slots(url, run, 2, replicas, stop))
+    workers = [
+        Emulated(run, d, k, ("dc-a", "dc-b")[k], SHAPE, i, 2 * replicas, url)
+        for i, (d, k) in enumerate((d, k) for d in range(replicas) for k in range(2))
+    ]
+    tasks = [asyncio.create_task(w.run_until(stop)) for w in workers]
+    proc = await spawn(DISPATCHER, env, out=sys.stderr, quiet=True)
+    sent = [0]
+    try:
+        start = time.monotonic()
+        injector = asyncio.create_task(inject(url, rate, start + WARMUP_S + seconds, sent, f"bt:dbench:{run}"))
+        await asyncio.sleep(WARMUP_S)
+        c0, a0, t0 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
+        waits0 = [len(w.fill_waits_s) for w in workers]
+        await injector
+        c1, a1, t1 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
+        beat = await heartbeat(url)
+    finally:
+        stop.set()
+        await stop_all([proc])
+        await asyncio.gather(holder, *tasks, return_exceptions=True)
+    waits = [x * 1000 for w, n in zip(workers, waits0, strict=True) for x in w.fill_waits_s[n:]]
+    cpu, answered = (c1 - c0) / (t1 - t0), (a1 - a0) / (t1 - t0)
+    row = {
+        "replicas": replicas,
+        "workers": 2 * replicas,
+        "offered_rps": rate,
+        "sent": sent[0],
+        "answered_per_s": round(answered, 1),
+        "dispatcher_cpu": round(cpu, 3),
+        "requests_per_core_s": round(answered / cpu) if cpu > 0 else None,
+        "decision_p50_ms": beat.get("decision_ms_p50"),
+        "decision_p99_ms": beat.get("decision_ms_p99"),
+        "fill_p50_ms": _r(percentile(waits, 50)),
+        "fill_p99_ms": _r(percentile(waits, 99)),
+        "refused": beat.get("overloaded"),
+        "expired": beat.get("expired"),
+    }
+    print(
+        f"{replicas:>2} replicas, {rate:>7.0f}/s offered: {row['answered_per_s']:>8.1f}/s answered, dispatcher "
+        f"{cpu:.2f} core ({row['requests_per_core_s']}/s a core); decision p50/p99 {row['decision_p50_ms']}/"
+        f"{row['decision_p99_ms']} ms; fill p50/p99 {row['fill_p50_ms']}/{row['fill_p99_ms']} ms",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) else round(x, 3)
+
+
+async def bench(cases: list[tuple[int, float]], seconds: float) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        async with EmbeddedRedis() as redis:
+            return [await run_case(redis.url, Path(tmp), n, rate, seconds) for n, rate in cases]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 and 16 replicas at 904/s, and saturation; 6 s each")
+    ap.add_argument("--seconds", type=float, help="measured seconds per case (default 12, --quick 6)")
+    ap.add_argument("--no-saturate", action="store_true", help="leave out the case that offers all it can")
+    args = ap.parse_args(argv)
+    if args.quick:
+        cases = [(1, GPU_CHECK_RPS), (16, GPU_CHECK_RPS)]
+    else:
+        cases = [(n, m * GPU_CHECK_RPS) for n in (1, 4, 16) for m in (1, 4)]
+    if not args.no_saturate:
+        cases.append((16, SATURATE_RPS))
+    rows = uvloop.run(bench(cases, args.seconds or (6.0 if args.quick else 12.0)))
+    at_1000 = [r for r in rows if r["replicas"] == 16 and r["offered_rps"] == GPU_CHECK_RPS]
+    out: dict[str, Any] = {
+        "clock": "host (real) time; the dispatcher at time scale 1",
+        "requests_per_core_s": max((r["requests_per_core_s"] or 0) for r in rows),
+        "max_answered_per_s": max(r["answered_per_s"] for r in rows),
+        "decision_p99_ms_16_replicas_904": at_1000[0]["decision_p99_ms"] if at_1000 else None,
+        "fill_p99_ms_16_replicas_904": at_1000[0]["fill_p99_ms"] if at_1000 else None,
+        "shape": vars(SHAPE) | {"prompt_tokens": PROMPT_TOKENS},
+        "cases": rows,
+    }
+    out["targets"] = {
+        "requests_per_core_s >= 5000": out["requests_per_core_s"] >= 5000,
+        "decision_p99_ms < 2 at 16 replicas, 904/s": (out["decision_p99_ms_16_replicas_904"] or 1e9) < 2,
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
