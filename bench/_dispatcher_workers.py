@@ -62,6 +62,7 @@ class Emulated:
     url: str
     fill_waits_s: list[float] = field(default_factory=list)
     answered: int = 0
+    sent: int = 0  # messages to the dispatcher: bubble starts and ends, reports
     _queue: FillQueue = field(default_factory=lambda: FillQueue(hold_s=3600.0))
     _batches: dict[str, tuple[str, PrefillBatch, float]] = field(default_factory=dict)  # id -> (entry, batch, left s)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -171,6 +172,7 @@ class Emulated:
 
     async def _send(self, r: Redis, msg: BubbleStart | BubbleEnd) -> None:
         await r.xadd(keys.bubbles_stream(self.run), {FIELD: encode(msg)})
+        self.sent += 1
 
     async def _report(self, r: Redis, entry: str, batch: PrefillBatch) -> None:
         """Answer every request of `batch`, report it and ack it: one round trip (the ack in it)."""
@@ -206,6 +208,7 @@ class Emulated:
             pipe.xack(keys.fill_stream(self.run, self.replica, self.stage), "worker", entry)
             await pipe.execute()
         self.answered += len(batch.items)
+        self.sent += 1
 
 
 async def hold_slots(url: str, run: str, pp: int, dp: int, stop: asyncio.Event) -> None:

@@ -12,6 +12,8 @@ Figures per case (host clock, real time; the dispatcher runs at time scale 1):
 * ``answered_per_s``: requests answered per second (by the emulated workers, over the measured
   window); ``dispatcher_cpu``: the dispatcher process's share of one core over that window;
   ``requests_per_core_s``: answered_per_s / dispatcher_cpu, what one core of dispatcher sustains;
+  ``inputs_per_s`` / ``inputs_per_core_s``: every message the dispatcher took (requests, bubble
+  starts and ends, batch reports), per second and per core-second: what sizes a job's dispatchers;
 * ``decision_p50_ms`` / ``_p99``: per read of a stream, its first entry handled to its decisions
   written (the dispatcher's own figure, from its heartbeat: `Dispatcher.decision_s`);
 * ``fill_p50_ms`` / ``_p99``: per request, accepted into Redis to its batch read by a worker (the
@@ -23,6 +25,7 @@ dispatcher core stops. The last line is one JSON object: every case, and the hea
 
     python bench/dispatcher.py            # every case, 12 s each
     python bench/dispatcher.py --quick    # 1 and 16 replicas at 904/s, and saturation; 6 s each
+    python bench/dispatcher.py --replicas 4 --rate 2000 --seconds 10    # one case
 """
 
 from __future__ import annotations
@@ -133,9 +136,11 @@ async def run_case(url: str, workdir: Path, replicas: int, rate: float, seconds:
         injector = asyncio.create_task(inject(url, rate, start + WARMUP_S + seconds, sent, f"bt:dbench:{run}"))
         await asyncio.sleep(WARMUP_S)
         c0, a0, t0 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
+        m0, s0 = sum(w.sent for w in workers), sent[0]
         waits0 = [len(w.fill_waits_s) for w in workers]
         await injector
         c1, a1, t1 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
+        m1, s1 = sum(w.sent for w in workers), sent[0]
         beat = await heartbeat(url)
     finally:
         stop.set()
@@ -143,6 +148,7 @@ async def run_case(url: str, workdir: Path, replicas: int, rate: float, seconds:
         await asyncio.gather(holder, *tasks, return_exceptions=True)
     waits = [x * 1000 for w, n in zip(workers, waits0, strict=True) for x in w.fill_waits_s[n:]]
     cpu, answered = (c1 - c0) / (t1 - t0), (a1 - a0) / (t1 - t0)
+    inputs = (m1 - m0 + s1 - s0) / (t1 - t0)  # requests, bubble starts and ends, reports
     row = {
         "replicas": replicas,
         "workers": 2 * replicas,
@@ -151,6 +157,8 @@ async def run_case(url: str, workdir: Path, replicas: int, rate: float, seconds:
         "answered_per_s": round(answered, 1),
         "dispatcher_cpu": round(cpu, 3),
         "requests_per_core_s": round(answered / cpu) if cpu > 0 else None,
+        "inputs_per_s": round(inputs, 1),
+        "inputs_per_core_s": round(inputs / cpu) if cpu > 0 else None,
         "decision_p50_ms": beat.get("decision_ms_p50"),
         "decision_p99_ms": beat.get("decision_ms_p99"),
         "fill_p50_ms": _r(percentile(waits, 50)),
@@ -183,18 +191,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1 and 16 replicas at 904/s, and saturation; 6 s each")
     ap.add_argument("--seconds", type=float, help="measured seconds per case (default 12, --quick 6)")
     ap.add_argument("--no-saturate", action="store_true", help="leave out the case that offers all it can")
+    ap.add_argument("--replicas", type=int, metavar="N", help="one case only: N replicas (with --rate)")
+    ap.add_argument("--rate", type=float, metavar="RPS", help="one case only: this many requests/s (with --replicas)")
     args = ap.parse_args(argv)
-    if args.quick:
+    if (args.replicas is None) != (args.rate is None):
+        ap.error("--replicas and --rate go together (one case)")
+    if args.replicas is not None and (args.replicas < 1 or args.rate <= 0):
+        ap.error("--replicas must be at least 1 and --rate above 0")
+    if args.replicas is not None:
+        cases = [(args.replicas, args.rate)]
+    elif args.quick:
         cases = [(1, GPU_CHECK_RPS), (16, GPU_CHECK_RPS)]
     else:
         cases = [(n, m * GPU_CHECK_RPS) for n in (1, 4, 16) for m in (1, 4)]
-    if not args.no_saturate:
+    if not args.no_saturate and args.replicas is None:
         cases.append((16, SATURATE_RPS))
     rows = uvloop.run(bench(cases, args.seconds or (6.0 if args.quick else 12.0)))
     at_1000 = [r for r in rows if r["replicas"] == 16 and r["offered_rps"] == GPU_CHECK_RPS]
     out: dict[str, Any] = {
         "clock": "host (real) time; the dispatcher at time scale 1",
         "requests_per_core_s": max((r["requests_per_core_s"] or 0) for r in rows),
+        "inputs_per_core_s": max((r["inputs_per_core_s"] or 0) for r in rows),
         "max_answered_per_s": max(r["answered_per_s"] for r in rows),
         "decision_p99_ms_16_replicas_904": at_1000[0]["decision_p99_ms"] if at_1000 else None,
         "fill_p99_ms_16_replicas_904": at_1000[0]["fill_p99_ms"] if at_1000 else None,

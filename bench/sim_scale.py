@@ -23,7 +23,7 @@ from typing import Any
 
 from shared.spec.config import ClusterSpec, parse_spec
 from sim.output import figures
-from sim.run import SimOptions, simulate
+from sim.run import RunResult, SimOptions, simulate
 
 INPUT_LEN = 512
 #: The load as a share of what the bubbles could hold (sim.run.capacity_rate).
@@ -60,6 +60,14 @@ def scale_spec(gpus: int) -> ClusterSpec:
     return parse_spec(raw, source=f"scale-{gpus}")
 
 
+def dispatcher_inputs(on: RunResult) -> int:
+    """Every message the dispatcher takes in a simulated run: requests, two per bubble, a report per batch."""
+    s = on.serving
+    assert s is not None, "a run with BubbleTea on"
+    bubbles = sum(1 for sp in on.spans if sp.kind == "wait")
+    return s.sent + 2 * bubbles + s.batches
+
+
 def run_case(gpus: int, iterations: int) -> dict[str, Any]:
     spec = scale_spec(gpus)
     t0 = time.perf_counter()
@@ -79,6 +87,9 @@ def run_case(gpus: int, iterations: int) -> dict[str, Any]:
         "train_slowdown_pct": f["train_slowdown_pct"],
         "requests_served": f["requests_served"],
         "recomputed_share": f["recomputed_share"],
+        # what one dispatcher would take in a second of this job (requests, bubble starts and ends,
+        # batch reports: one per batch): sized against bench/dispatcher.py's inputs per core-second
+        "dispatcher_inputs_per_s": round(dispatcher_inputs(on) / on.makespan) if on.makespan > 0 else None,
         "events_on": on.events,
         "s_per_iter_on": round(on.wall_s / iterations, 3),
         "s_per_iter_off": round(result.off.wall_s / iterations, 3),

@@ -79,6 +79,8 @@ class Acks(Protocol):
 
     def forget_held(self, ids: list[str]) -> None: ...
 
+    def release_all(self, ids: list[str]) -> None: ...
+
 
 class Dispatcher:
     """Feeds `DispatchState` from the bus and executes what it decides."""
@@ -306,7 +308,9 @@ class Dispatcher:
         deletion in one pipelined round trip (riding out a Redis restart), and after them in the
         same round trip the acks of what is done (the held requests answered or failed, and
         `done`, the entries of the read handled, of the consumer `read`); then the metrics and the
-        logs. Returns whether it acked `done` (a consumer's `AfterRead`)."""
+        logs. With nothing to write, no round trip is made for the acks alone: they go with their
+        consumers' own, which gathers many (`Acks`). Returns whether it acked `done` (a
+        consumer's `AfterRead`)."""
         ds, self._decided = self._decided, Decisions()
         tickets = [f.ticket for f in ds.failed] + [f.ticket for f in ds.finished]
         held, entries = (self.acks, tickets) if self.acks is not None else (None, [])
@@ -318,30 +322,38 @@ class Dispatcher:
         # requests failing at their deadline left ~0.5 GB of them).
         gone = [keys.prefill_snapshot_key(self.run, s.id, s.layer) for s in ds.spent]
         gone += [keys.prefill_snapshot_key(self.run, f.id, n) for f in ds.failed for n in range(1, self.state.layers)]
-        if writes or answers or gone or entries or done:
+        if not (writes or answers or gone):  # nothing to write: the acks alone wait for the next
+            if held is not None:  # round trip of their consumers' own (which gathers many)
+                held.release_all(entries)
+            self._record_decision()
+            self._done(ds)
+            return False
 
-            async def execute() -> None:
-                async with self.bus.redis.pipeline(transaction=False) as pipe:
-                    for address, data in writes:
-                        pipe.xadd(address, {FIELD: data})
-                    for result, reply_to in answers:
-                        serving.queue_answer(pipe, result, reply_to)
-                    if gone:
-                        pipe.delete(*gone)
-                    if held is not None:  # after the effects: a request is acked once answered
-                        held.ack_on(pipe, entries)
-                    if read is not None:
-                        read.ack_on(pipe, done or [])
-                    await pipe.execute()
+        async def execute() -> None:
+            async with self.bus.redis.pipeline(transaction=False) as pipe:
+                for address, data in writes:
+                    pipe.xadd(address, {FIELD: data})
+                for result, reply_to in answers:
+                    serving.queue_answer(pipe, result, reply_to)
+                if gone:
+                    pipe.delete(*gone)
+                if held is not None:  # after the effects: a request is acked once answered
+                    held.ack_on(pipe, entries)
+                if read is not None:
+                    read.ack_on(pipe, done or [])
+                await pipe.execute()
 
-            await ride_out(execute, "dispatcher decisions")
-            if held is not None:
-                held.forget_held(entries)
+        await ride_out(execute, "dispatcher decisions")
+        if held is not None:
+            held.forget_held(entries)
+        self._record_decision()
+        self._done(ds)
+        return read is not None
+
+    def _record_decision(self) -> None:
         if self._since is not None:
             self.decision_s.append(time.perf_counter() - self._since)
             self._since = None
-        self._done(ds)
-        return read is not None
 
     def _done(self, ds: Decisions) -> None:
         """What follows the writes: acks, metrics, one log line per decision (batches and ignored

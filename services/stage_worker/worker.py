@@ -57,7 +57,7 @@ SERVICE = "stage_worker"
 SWITCH_INTERVAL_S = 0.0001
 #: Prefill batches a worker holds at once: its credit is a few batches (at most half its window each);
 #: more simply wait in the stream.
-FILL_CONCURRENCY = 16
+FILL_CONCURRENCY = 64
 #: Data seed of the start-up timing probe (kept apart from the training data seed).
 TIMING_SEED = 0x5EED
 

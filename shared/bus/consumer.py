@@ -196,6 +196,11 @@ class Consumer(Reclaiming):
             self._held.pop(entry_id, None)
         self.stats.held = len(self._held)
 
+    def release_all(self, ids: list[str]) -> None:
+        """`release` each of `ids`."""
+        for entry_id in ids:
+            self.release(entry_id)
+
     def release(self, entry_id: str) -> None:
         """Ack an entry its handler held (`HOLD`): its effect has now happened. Unknown ids (already
         released, or held by a previous incarnation) are acked too: acking is idempotent."""

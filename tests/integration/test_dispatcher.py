@@ -78,7 +78,10 @@ class Acks:
         if ids:
             pipe.xack(keys.PREFILL_REQUESTS_STREAM, "dispatcher", *ids)
 
-    def forget_held(self, ids: list[str]) -> None:
+    def forget_held(self, ids: list[str]) -> None:  # acked in the dispatcher's round trip
+        self.released += ids
+
+    def release_all(self, ids: list[str]) -> None:  # left to the consumer's own acks
         self.released += ids
 
 
