@@ -66,6 +66,7 @@ class Emulated:
     _queue: FillQueue = field(default_factory=lambda: FillQueue(hold_s=3600.0))
     _batches: dict[str, tuple[str, PrefillBatch, float]] = field(default_factory=dict)  # id -> (entry, batch, left s)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    _reporting: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -84,7 +85,7 @@ class Emulated:
             await stop.wait()
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *self._reporting, return_exceptions=True)
         finally:
             await reader.aclose()
             await writer.aclose()
@@ -150,7 +151,10 @@ class Emulated:
                 await asyncio.sleep(left)
                 self._queue.ran(head.batch_id, finished=True)
                 del self._batches[head.batch_id]
-                await self._report(r, entry, batch)
+                # off the path the next batch runs on, as the live worker reports
+                task = asyncio.create_task(self._report(r, entry, batch))
+                self._reporting.add(task)
+                task.add_done_callback(self._reporting.discard)
             finished = self._queue.close()
             await self._send(
                 r,
@@ -171,7 +175,7 @@ class Emulated:
             it += 1
 
     async def _send(self, r: Redis, msg: BubbleStart | BubbleEnd) -> None:
-        await r.xadd(keys.bubbles_stream(self.run), {FIELD: encode(msg)})
+        await r.xadd(keys.worker_events_stream(self.run), {FIELD: encode(msg)})
         self.sent += 1
 
     async def _report(self, r: Redis, entry: str, batch: PrefillBatch) -> None:
@@ -204,7 +208,7 @@ class Emulated:
                 preempted=False,
                 at=time.time(),
             )
-            pipe.xadd(keys.prefill_reports_stream(self.run), {FIELD: encode(report)})
+            pipe.xadd(keys.worker_events_stream(self.run), {FIELD: encode(report)})
             pipe.xack(keys.fill_stream(self.run, self.replica, self.stage), "worker", entry)
             await pipe.execute()
         self.answered += len(batch.items)

@@ -181,9 +181,14 @@ def _r(x: float | None) -> float | None:
 
 
 async def bench(cases: list[tuple[int, float]], seconds: float) -> list[dict[str, Any]]:
+    """Each case on a fresh redis-server: the request stream is every run's, and a case that fell
+    behind would leave its backlog to the next."""
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        async with EmbeddedRedis() as redis:
-            return [await run_case(redis.url, Path(tmp), n, rate, seconds) for n, rate in cases]
+        for n, rate in cases:
+            async with EmbeddedRedis() as redis:
+                rows.append(await run_case(redis.url, Path(tmp), n, rate, seconds))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         cases.append((16, SATURATE_RPS))
     rows = uvloop.run(bench(cases, args.seconds or (6.0 if args.quick else 12.0)))
     at_1000 = [r for r in rows if r["replicas"] == 16 and r["offered_rps"] == GPU_CHECK_RPS]
+    saturated = [r for r in rows if r["offered_rps"] == SATURATE_RPS]
     out: dict[str, Any] = {
         "clock": "host (real) time; the dispatcher at time scale 1",
         "requests_per_core_s": max((r["requests_per_core_s"] or 0) for r in rows),
@@ -218,9 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         "shape": vars(SHAPE) | {"prompt_tokens": PROMPT_TOKENS},
         "cases": rows,
     }
+    # each goal is judged on the case that measures it (None: that case was not run)
     out["targets"] = {
-        "requests_per_core_s >= 5000": out["requests_per_core_s"] >= 5000,
-        "decision_p99_ms < 2 at 16 replicas, 904/s": (out["decision_p99_ms_16_replicas_904"] or 1e9) < 2,
+        "requests_per_core_s >= 5000": out["requests_per_core_s"] >= 5000 if saturated else None,
+        "decision_p99_ms < 2 at 16 replicas, 904/s": (
+            out["decision_p99_ms_16_replicas_904"] < 2 if at_1000 and at_1000[0]["decision_p99_ms"] else None
+        ),
     }
     print(json.dumps(out))
     return 0

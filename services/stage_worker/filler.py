@@ -154,6 +154,7 @@ class Filler:
         """Run the queue until training input has arrived (`arrived()` turns true). Returns the
         batches that finished in this bubble."""
         self.queue.open()
+        first = True  # the bubble's first run starts in the event loop (`_run`); later ones in the thread
         try:
             while not arrived() and not training_input.done():
                 head = self.queue.head()
@@ -164,7 +165,7 @@ class Filler:
                     waiter.cancel()
                     continue
                 q = self.batches[head.batch_id]
-                run = await self._run(q, arrived)
+                run, first = await self._run(q, arrived, in_loop=first), False
                 if run.blocks:
                     self.on_span(run.started, run.ended)
                 if run.finished:
@@ -182,9 +183,11 @@ class Filler:
             self._give_back_expired()
         return finished
 
-    async def _run(self, q: Queued, arrived: Arrived) -> Run:
-        """Run `q` from where it stopped until it is done or the input arrives: its first block
-        here, in the worker's event loop, and the rest in the prefill thread.
+    async def _run(self, q: Queued, arrived: Arrived, *, in_loop: bool) -> Run:
+        """Run `q` from where it stopped until it is done or the input arrives: with `in_loop`
+        (the bubble's first run) its first block here, in the worker's event loop, and the rest in
+        the prefill thread; a later run all in the prefill thread, already awake then, which leaves
+        the loop free for what it has to send (the last run's answers and report).
 
         Why the first block runs here: this thread is the one on a core when the bubble opens (it
         just saw the awaited tensor missing). Handing the whole batch to the prefill thread made
@@ -195,11 +198,12 @@ class Filler:
         block's device time (with a profile) to wake before the next block is due, so a late
         wake-up no longer delays the start, and one later than that shows as prefill lag."""
         steps = self._compute(q, arrived)
-        try:
-            next(steps)
-        except StopIteration as done:  # nothing more to run (stopped or failed before a 2nd block)
-            run: Run = done.value
-            return run
+        if in_loop:
+            try:
+                next(steps)
+            except StopIteration as done:  # nothing more to run (stopped or failed before a 2nd block)
+                run: Run = done.value
+                return run
         return await asyncio.get_running_loop().run_in_executor(self._thread, _run_to_end, steps)
 
     def _hand_back(self, batch_ids: list[str]) -> None:

@@ -31,9 +31,11 @@ def test_a_tiny_case_answers_what_it_sends_and_reports_every_figure() -> None:
     assert 0 < case["dispatcher_cpu"] <= 1.5 and case["requests_per_core_s"] > 0
     for key in ("decision_p50_ms", "decision_p99_ms", "fill_p50_ms", "fill_p99_ms"):
         assert case[key] is not None and case[key] >= 0, key
-    assert out["clock"].startswith("host") and set(out["targets"]) == {
-        "requests_per_core_s >= 5000",
-        "decision_p99_ms < 2 at 16 replicas, 904/s",
+    assert out["clock"].startswith("host")
+    # neither goal's case ran: neither is called met or missed
+    assert out["targets"] == {
+        "requests_per_core_s >= 5000": None,
+        "decision_p99_ms < 2 at 16 replicas, 904/s": None,
     }
 
 

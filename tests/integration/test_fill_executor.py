@@ -137,7 +137,7 @@ def deliver(filler: Filler, b: PrefillBatch) -> asyncio.Task[None]:
 
 
 async def reports(bus: Bus) -> list[PrefillReport]:
-    rows: Any = await bus.redis.xrange(keys.prefill_reports_stream(RUN))
+    rows: Any = await bus.redis.xrange(keys.worker_events_stream(RUN))
     return [m for _, f in rows if isinstance(m := decode(f[b"m"]), PrefillReport)]
 
 
@@ -306,7 +306,8 @@ async def _until(cond: Callable[[], bool]) -> None:
 async def test_a_batchs_first_block_runs_on_the_event_loop_and_the_rest_in_the_prefill_thread(
     redis_url: str,
 ) -> None:
-    """The loop is on a core as the bubble opens; the prefill thread takes over after one block."""
+    """The loop is on a core as the bubble opens; the prefill thread takes over after one block, and
+    runs the bubble's later batches whole (the loop is left to send the first one's report)."""
     model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
     loop_thread = threading.get_ident()
     ran_on: list[tuple[int, bool]] = []  # (layer, on the loop's thread)
@@ -320,11 +321,13 @@ async def test_a_batchs_first_block_runs_on_the_event_loop_and_the_rest_in_the_p
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         filler = filler_for(bus, model)
         item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=4, reply_to="bt:test:results")
-        handled = deliver(filler, batch(item, 1))
+        other = PrefillItem(id="y", tokens=(4, 5), from_layer=0, to_layer=4, reply_to="bt:test:results")
+        deliver(filler, batch(item, 1))
+        handled = deliver(filler, batch(other, 2))
         await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
-        (rep,) = await reports(bus)
-    assert rep.progress[0].outcome is ItemOutcome.DONE
-    assert ran_on == [(0, True), (1, False), (2, False), (3, False)]
+        reps = await reports(bus)
+    assert [r.progress[0].outcome for r in reps] == [ItemOutcome.DONE, ItemOutcome.DONE]
+    assert ran_on == [(0, True), (1, False), (2, False), (3, False)] + [(i, False) for i in range(4)]
 
 
 async def test_a_batch_arriving_outside_a_bubble_waits_for_one_and_goes_back_after_the_hold(redis_url: str) -> None:
