@@ -175,7 +175,7 @@ class Emulated:
             it += 1
 
     async def _send(self, r: Redis, msg: BubbleStart | BubbleEnd) -> None:
-        await r.xadd(keys.worker_events_stream(self.run), {FIELD: encode(msg)})
+        await r.xadd(keys.bubbles_stream(self.run), {FIELD: encode(msg)})
         self.sent += 1
 
     async def _report(self, r: Redis, entry: str, batch: PrefillBatch) -> None:
@@ -208,7 +208,7 @@ class Emulated:
                 preempted=False,
                 at=time.time(),
             )
-            pipe.xadd(keys.worker_events_stream(self.run), {FIELD: encode(report)})
+            pipe.xadd(keys.prefill_reports_stream(self.run), {FIELD: encode(report)})
             pipe.xack(keys.fill_stream(self.run, self.replica, self.stage), "worker", entry)
             await pipe.execute()
         self.answered += len(batch.items)

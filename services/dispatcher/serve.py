@@ -10,6 +10,7 @@ import time
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.bus.consumer import AfterRead, Consumer
 from shared.bus.delivery import Handlers
 from shared.control import keys, serving
 from shared.control.health import Heartbeat, instance_id
@@ -38,11 +39,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         )
         url = await server.start()
         hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "metrics_url": url})
-        # Both streams are read in batches and handled in order; what a read decided is written in
+        # Every stream is read in batches and handled in order; what a read decided is written in
         # one round trip (`Dispatcher.flush`), its entries' acks in it. Requests are held (acked once
-        # answered or failed), so they take no handler slot however many wait. Everything a worker
-        # says (it joined, its bubbles, its reports) is one stream, in order: a bubble's end never
-        # overtakes its start, and one read takes a bubble event and a report together.
+        # answered or failed), so they take no handler slot however many wait.
         requests = bus.consumer(
             keys.PREFILL_REQUESTS_STREAM,
             SERVICE,
@@ -52,20 +51,24 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             after_read=d.requests_read,
         )
         d.acks = requests
-        table: Handlers = {
-            WorkerJoined: d.on_joined,
-            BubbleStart: d.on_start,
-            BubbleEnd: d.on_end,
-            PrefillReport: d.on_report,
-        }
+        readers: dict[str, Consumer] = {}
 
-        async def events_read(done: list[str]) -> bool:
-            return await d.flush(events, done)
+        def flushing(stream: str) -> AfterRead:
+            async def after_read(done: list[str]) -> bool:
+                return await d.flush(readers[stream], done)
 
-        events = bus.consumer(
-            keys.worker_events_stream(run), SERVICE, table, name=me, sequential=True, after_read=events_read
+            return after_read
+
+        tables: tuple[tuple[str, Handlers], ...] = (
+            # a bubble's end never overtakes its start
+            (keys.bubbles_stream(run), {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end}),
+            (keys.prefill_reports_stream(run), {PrefillReport: d.on_report}),
         )
-        consumers = [events, requests]
+        for stream, table in tables:
+            readers[stream] = bus.consumer(
+                stream, SERVICE, table, name=me, sequential=True, after_read=flushing(stream)
+            )
+        consumers = [*readers.values(), requests]
         d.metrics.streams.add(*consumers)
         await hb.start()
         for c in consumers:

@@ -42,7 +42,7 @@ class BubbleAnnouncer:
         first bubble may open the moment every slot has, so its first batch is staged here now,
         not sent after that bubble's start made a round trip through the bus."""
         self.outbox.send(
-            keys.worker_events_stream(self.run),
+            keys.bubbles_stream(self.run),
             WorkerJoined(
                 run=self.run,
                 worker=self.slot.name,
@@ -73,7 +73,7 @@ class BubbleAnnouncer:
         t0 = time.time()
         # Through the outbox, and prefill queued here starts now: no round trip to Redis first.
         self.outbox.send(
-            keys.worker_events_stream(self.run),
+            keys.bubbles_stream(self.run),
             BubbleStart(
                 run=self.run,
                 worker=self.slot.name,
@@ -102,7 +102,7 @@ class BubbleAnnouncer:
         if self.metrics is not None:
             self.metrics.bubble(length, predicted)
         self.outbox.send(
-            keys.worker_events_stream(self.run),
+            keys.bubbles_stream(self.run),
             BubbleEnd(
                 run=self.run,
                 worker=self.slot.name,

@@ -99,7 +99,7 @@ class Reporter:
                 preempted=preempted,
                 at=time.time(),  # sent now: what comes before (the caches' and states' bytes) is not the hop
             )
-            pipe.xadd(keys.worker_events_stream(self.run), {FIELD: encode(report)})
+            pipe.xadd(keys.prefill_reports_stream(self.run), {FIELD: encode(report)})
             await pipe.execute()
         # The snapshots this batch resumed from are not deleted here: the dispatcher deletes them
         # once it accepts this report (`Spent`). This batch may be a stale copy (given up on as

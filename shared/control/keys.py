@@ -76,16 +76,20 @@ def inbox(run: str, replica: int, stage: int) -> str:
     return f"{PREFIX}:{run}:w:{replica}:{stage}"
 
 
-def worker_events_stream(run: str) -> str:
-    """What every worker tells the dispatcher, in order: it joined, its bubbles' starts and ends,
-    its reports on the prefill batches it ran. One stream, so one read takes them all."""
-    return f"{PREFIX}:{run}:worker-events"
+def bubbles_stream(run: str) -> str:
+    """BubbleStart / BubbleEnd events from every worker (read by the dispatcher)."""
+    return f"{PREFIX}:{run}:bubbles"
 
 
 def fill_stream(run: str, replica: int, stage: int) -> str:
     """Prefill batches from the dispatcher to one worker (kept apart from its training inbox, so
     a flood of prefill work never sits in front of an activation)."""
     return f"{PREFIX}:{run}:fill:{replica}:{stage}"
+
+
+def prefill_reports_stream(run: str) -> str:
+    """Workers' reports on the prefill batches they ran (read by the dispatcher)."""
+    return f"{PREFIX}:{run}:prefill:reports"
 
 
 def prefill_snapshot_key(run: str, request_id: str, layer: int) -> str:

@@ -15,7 +15,7 @@ import yaml
 from shared.bus.connection import blocking_client
 from shared.control import keys
 from shared.control.status import ItemOutcome
-from shared.wire import BubbleStart, IterationDone, PrefillReport, WorkerFailed, decode
+from shared.wire import IterationDone, PrefillReport, WorkerFailed, decode
 
 #: PP=2 x DP=2 with a device profile: each stage's forward counts for 40 ms, so every worker
 #: waits tens of milliseconds for its peer in each iteration: bubbles to fill.
@@ -116,13 +116,9 @@ async def wait_for_iteration(redis_url: str, run: str, iteration: int, timeout: 
 
 
 async def wait_for_first_bubble(redis_url: str, run: str, timeout: float = 90.0) -> None:
-    """Block on the run's worker events until a worker announces its first bubble."""
+    """Block on the run's bubble stream until a worker announces its first bubble."""
     await wait_for_message(
-        redis_url,
-        keys.worker_events_stream(run),
-        lambda m: isinstance(m, BubbleStart),
-        f"run {run} announcing a bubble",
-        timeout,
+        redis_url, keys.bubbles_stream(run), lambda _: True, f"run {run} announcing a bubble", timeout
     )
 
 
@@ -146,12 +142,12 @@ async def wait_until(check: Callable[[], Awaitable[bool]], what: str, timeout: f
 
 
 async def wait_for_an_answer(redis_url: str, run: str, timeout: float = 60.0) -> None:
-    """Block on the run's worker events until a worker reports a request answered."""
+    """Block on the run's prefill reports until a worker reports a request answered."""
 
     def answered(msg: Any) -> bool:
         return isinstance(msg, PrefillReport) and any(p.outcome is ItemOutcome.DONE for p in msg.progress)
 
-    await wait_for_message(redis_url, keys.worker_events_stream(run), answered, f"run {run} answering", timeout)
+    await wait_for_message(redis_url, keys.prefill_reports_stream(run), answered, f"run {run} answering", timeout)
 
 
 def as_from_a_terminal() -> None:

@@ -242,7 +242,7 @@ async def no_batch_pending(redis_url: str, run: str) -> bool:
 
 
 async def reported_batches(r: Redis, reports: str) -> set[str]:
-    """The batch ids reported on a run's worker events stream so far."""
+    """The batch ids reported on a run's prefill reports stream so far."""
     entries: Any = await r.xrange(reports, min="-", max="+")
     return {m.batch_id for _, fields in entries if isinstance(m := decode(fields[b"m"]), PrefillReport)}
 
@@ -449,7 +449,7 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str, 
             replica, stage = (int(x) for x in re.fullmatch(r"r(\d+)s(\d+)", slot).groups())  # type: ignore[union-attr]
             fill = keys.fill_stream(run, replica, stage)
             # Kill it the moment it holds a batch it has not finished (delivered, not acked).
-            lost = await freeze_holding_a_batch(victim, r, fill, keys.worker_events_stream(run))
+            lost = await freeze_holding_a_batch(victim, r, fill, keys.prefill_reports_stream(run))
             await kill(victim)
             killed_at = time.monotonic()
             lost_ids = [rid for ids_ in lost.values() for rid in ids_]

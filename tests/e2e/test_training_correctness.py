@@ -79,7 +79,7 @@ async def check_telemetry(url: str, run: str, iterations: int, microbatches: int
     """The run published its timeline and announced its bubbles with predictions."""
     r = Redis.from_url(url, protocol=2)
     spans = [decode(f[b"m"]) for _, f in await r.xrange(keys.spans_stream(run))]
-    bubbles = [decode(f[b"m"]) for _, f in await r.xrange(keys.worker_events_stream(run))]
+    bubbles = [decode(f[b"m"]) for _, f in await r.xrange(keys.bubbles_stream(run))]
     await r.aclose()
     workers = {(s.replica, s.stage) for s in spans if isinstance(s, SpanRecord)}
     assert workers == {(0, 0), (0, 1), (1, 0), (1, 1)}

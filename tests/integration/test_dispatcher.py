@@ -45,7 +45,8 @@ async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str,
     service = asyncio.create_task(serve(settings, stop))
     streams = {
         keys.PREFILL_REQUESTS_STREAM: "prefill_request",
-        keys.worker_events_stream("t"): "bubble_end, bubble_start, prefill_report, worker_joined",
+        keys.bubbles_stream("t"): "bubble_end, bubble_start, worker_joined",
+        keys.prefill_reports_stream("t"): "prefill_report",
     }
     try:
         async with Bus(redis_url, name="test") as bus:
@@ -137,7 +138,7 @@ async def test_a_joined_worker_gets_its_first_credit_on_its_fill_stream(redis_ur
         joined = WorkerJoined(
             run="run", worker="r0s1", replica=0, stage=1, typical_bubble_ms=50.0, free_memory_bytes=1 << 30, at=now
         )
-        await d.on_joined(Delivery("2-0", keys.worker_events_stream("run"), joined, 1))
+        await d.on_joined(Delivery("2-0", keys.bubbles_stream("run"), joined, 1))
         assert await bus.redis.xlen(fill) == 0  # decided; written with the rest of the read
         await d.flush()
         [(_, fields)] = await bus.redis.xrange(fill)
@@ -157,7 +158,7 @@ async def test_a_read_of_requests_goes_out_in_one_round_trip_and_only_redeliveri
         joined = WorkerJoined(
             run=d.run, worker="r0s0", replica=0, stage=0, typical_bubble_ms=500.0, free_memory_bytes=1 << 30, at=now
         )
-        await d.on_joined(Delivery("j-0", keys.worker_events_stream(d.run), joined, 1))
+        await d.on_joined(Delivery("j-0", keys.bubbles_stream(d.run), joined, 1))
         await d.flush()
         calls = []
         execute_command = bus.redis.execute_command
@@ -201,13 +202,13 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
                 run=RUN, worker="r0s1", replica=0, stage=1, dc="dc-a", iteration=it, position=0,
                 predicted_ms=50.0, free_memory_bytes=1 << 30, at=at,
             )  # fmt: skip
-            return Delivery(f"{it}-0", keys.worker_events_stream(RUN), msg, 1)
+            return Delivery(f"{it}-0", keys.bubbles_stream(RUN), msg, 1)
 
         now = time.time() - 1.0  # the events were sent a moment ago: each is seen after it was sent
         await d.on_start(start(now, 0))  # nothing queued
         await d.flush()
         await d.on_end(
-            Delivery("e-0", keys.worker_events_stream(RUN), BubbleEnd(
+            Delivery("e-0", keys.bubbles_stream(RUN), BubbleEnd(
                 run=RUN, worker="r0s1", replica=0, stage=1, iteration=0, position=0,
                 predicted_ms=50.0, actual_ms=1.0, at=now + 0.001,
             ), 1)
@@ -218,7 +219,7 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
         await d.requests_read([])  # held on r0s1 (its credit): work for it
         await d.on_start(start(now + 0.002, 1))
         report = PrefillReport(run=RUN, worker="r0s1", batch_id="none", progress=(), preempted=False, at=now + 0.003)
-        await d.on_report(Delivery("r-0", keys.worker_events_stream(RUN), report, 1))
+        await d.on_report(Delivery("r-0", keys.prefill_reports_stream(RUN), report, 1))
         assert not await bus.redis.exists(keys.spans_stream(RUN))  # kept for the timer: no hop in a handler
         await d.tick()
         seen = [decode(f[FIELD]) for _, f in await bus.redis.xrange(keys.spans_stream(RUN))]

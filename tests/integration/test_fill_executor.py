@@ -137,7 +137,7 @@ def deliver(filler: Filler, b: PrefillBatch) -> asyncio.Task[None]:
 
 
 async def reports(bus: Bus) -> list[PrefillReport]:
-    rows: Any = await bus.redis.xrange(keys.worker_events_stream(RUN))
+    rows: Any = await bus.redis.xrange(keys.prefill_reports_stream(RUN))
     return [m for _, f in rows if isinstance(m := decode(f[b"m"]), PrefillReport)]
 
 

@@ -304,7 +304,7 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
             at=now,
             queued_ms=0.0,  # nothing held on the worker as it opened
         )
-        await bus.publish(keys.worker_events_stream(run), start)
+        await bus.publish(keys.bubbles_stream(run), start)
         got = await until(url, lambda g: value(g, "bubbletea:bubble_start_queued_seconds_count", run=run) == 1)
         assert value(got, "bubbletea:bubble_start_queued_seconds_sum", run=run) == 0
         assert value(got, "bubbletea:bubbles_opened_empty_total", run=run) == 0  # nothing waited either
@@ -330,7 +330,7 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
         assert isinstance(sent, PrefillBatch)
         done = PrefillProgress(id="q1", outcome=ItemOutcome.DONE, reached_layer=4, seconds=0.001)
         report = PrefillReport(run=run, worker="r0s1", batch_id=sent.batch_id, progress=(done,), preempted=False)
-        await bus.publish(keys.worker_events_stream(run), report)
+        await bus.publish(keys.prefill_reports_stream(run), report)
         await until(
             url,
             lambda g: (
@@ -349,7 +349,7 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
             actual_ms=9_970.0,
             at=now + 9.97,
         )
-        await bus.publish(keys.worker_events_stream(run), end)
+        await bus.publish(keys.bubbles_stream(run), end)
         got = await until(url, lambda g: value(g, "bubbletea:bubbles_total", run=run) == 1)
         assert value(got, "bubbletea:bubble_seconds_total", run=run) == pytest.approx(9.97)
         assert value(got, "bubbletea:bubble_prediction_error_seconds_sum", run=run) == pytest.approx(0.03)
