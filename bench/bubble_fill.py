@@ -130,20 +130,23 @@ async def run_case(
 
 #: The goals, by offered share: at 80% of capacity the objective is met for (nearly) every request
 #: sent and the bubbles carry 0.9 of what was offered; past capacity the bubbles are nearly full and
-#: the excess refused (429), not left to expire (504). Training slows by under 1% either way.
+#: the excess refused (429), none left to expire (504). Training slows by under 1% either way. The
+#: control plane's own latencies: a bubble's work running within 3 real ms of its start, a batch's
+#: report at the dispatcher within 3 ms of leaving its worker.
 GOALS: dict[float, dict[str, Any]] = {
     0.8: {
         "train_slowdown_pct < 1": lambda s: s["train_slowdown_pct"] < 1,
         "slo_attainment >= 0.99": lambda s: (s["slo_attainment"] or 0) >= 0.99,
         "bubble_fill_ratio >= 0.72": lambda s: s["bubble_fill_ratio"] >= 0.72,
-        "dispatch_p99_ms < 3": lambda s: (s["dispatch_p99_ms"] or 0) < 3,
+        "dispatch_p99_real_ms < 3": lambda s: (s["dispatch_p99_real_ms"] or 0) < 3,
+        "report_p99_ms < 3": lambda s: (s["report_p99_ms"] or 0) < 3,
         "control_share_p99 < 0.05": lambda s: (s["control_share_p99"] or 0) < 0.05,
         "requests_lost == 0": lambda s: s["requests_lost"] == 0,
     },
     1.2: {
         "train_slowdown_pct < 1": lambda s: s["train_slowdown_pct"] < 1,
         "bubble_fill_ratio >= 0.90": lambda s: s["bubble_fill_ratio"] >= 0.90,
-        "excess refused (429), not expired (504)": lambda s: s["errors"].get("429", 0) > s["errors"].get("504", 0),
+        "excess refused (429), none expired (504)": lambda s: s["errors"].get("504", 0) == 0,
         "requests_lost == 0": lambda s: s["requests_lost"] == 0,
     },
 }

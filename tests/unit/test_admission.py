@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.control.status import FailureReason
-from shared.policies.admission import Admission
+from shared.policies.admission import MARGIN, Admission
 from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Request
 from shared.policies.prefill_cost import PrefillCostModel
 
@@ -17,7 +17,9 @@ def test_no_rate_until_a_whole_window_of_bubbles_was_seen() -> None:
     assert a.rate(1.9) is None
     a.bubble(1.0, 0.1)
     assert a.rate(2.0) == pytest.approx(0.1)  # 0.2 usable s over the last 2 s
-    assert a.rate(2.5) == pytest.approx(0.1)  # the first left the window: 0.05, but never below the best window
+    assert a.rate(2.5) == pytest.approx(0.05)  # the first left the window: half the best is still a rate
+    a.bubble(2.6, 0.01)
+    assert a.rate(3.5) == pytest.approx(0.1)  # 0.01 over the window: a pause, so the best window stands
     assert a.rate(10.0) is None  # none in the window: no rate (a pause is the readiness gate's call)
     assert Admission(window_s=2.0, min_s=0.5).rate(0.0) is None  # a shorter start may be asked for
 
@@ -30,7 +32,10 @@ def test_a_request_that_would_finish_past_its_deadline_is_refused_saying_why() -
     assert a.rate(now) == pytest.approx(0.55)
     assert a.refusal(ahead_s=0.2, own_s=0.01, deadline=now + 1.0, now=now) is None  # done in ~0.38 s
     why = a.refusal(ahead_s=1.0, own_s=0.01, deadline=now + 1.0, now=now)
-    assert why is not None and "overloaded" in why and "past its deadline" in why
+    assert why is not None and "overloaded" in why and "too close to its deadline" in why
+    # done in ~0.89 s of the 1 s left: within the deadline, but not with MARGIN to spare
+    assert 0.89 > 1 - MARGIN
+    assert a.refusal(ahead_s=0.48, own_s=0.01, deadline=now + 1.0, now=now) is not None
     assert a.refusal(ahead_s=1.0, own_s=0.01, deadline=None, now=now) is None  # no deadline: admitted
 
 
@@ -50,7 +55,7 @@ def test_past_capacity_the_dispatcher_refuses_the_excess_at_arrival() -> None:
             refused_late += now > 2.5
         if now > 2.5:
             # admitted work stays within what the bubbles serve before a deadline: 0.5 s x 1.7 s/s
-            assert sum(r.queued_s for r in s.requests.values()) <= 0.5 * 1.7 + 0.1
+            assert sum(r.queued_s for r in s.requests.values()) <= 0.5 * (1 - MARGIN) * 1.7 + 0.1
     # until a window of bubbles is seen all are admitted (and expire); after it, the excess is refused
     assert refused_late >= 0.8 * 550
     assert s.counts.overloaded >= refused_late
