@@ -144,7 +144,10 @@ async def test_a_run_trained_until_stopped_resumes_on_its_learning_rate_schedule
         await stop_all(procs)
 
     figures = chaos.training_figures(done, spec)
-    assert figures["training_resumed"] and figures["iterations_trained_twice"] > 0, figures
+    # resumed from a checkpoint (a new generation trained on). Nothing need be trained twice: on a
+    # busy machine the kill may land after the newest checkpoint's iteration and before any later
+    # one was reported (a make test run, 2026-11-28, saw 0)
+    assert figures["training_resumed"] and figures["generations"] >= 2, figures
     assert figures["iterations_checked"] > HORIZON + 1, figures  # the decay and the floor after it
     assert figures["losses_equal"], figures
     assert chaos.verdict(figures, lost=0, duplicated=0, up_exit_code=0)["valid"]
