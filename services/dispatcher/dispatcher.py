@@ -39,6 +39,7 @@ from redis.asyncio.client import Pipeline
 
 from services.dispatcher.messages import batch_message, failure_result
 from services.dispatcher.metrics import DispatcherMetrics
+from services.dispatcher.telemetry import ControlTelemetry
 from shared.bus import HOLD, Bus, Delivery, Outcome
 from shared.bus.connection import TRANSIENT_ERRORS, ride_out
 from shared.control import keys, serving
@@ -55,7 +56,7 @@ from shared.wire import (
     FIELD,
     BubbleEnd,
     BubbleStart,
-    ControlSeen,
+    PrefillOff,
     PrefillReport,
     PrefillRequest,
     WorkerJoined,
@@ -65,8 +66,6 @@ from shared.wire import (
 SERVICE = "dispatcher"
 #: Decision latencies kept for the heartbeat's percentiles (the last this many flushes).
 DECISIONS_KEPT = 10_000
-#: `ControlSeen` records kept while Redis does not answer (about a minute of a busy run's bubbles).
-MAX_TELEMETRY = 10_000
 
 log = get_logger(__name__)
 
@@ -94,7 +93,7 @@ class Dispatcher:
             spec.bubbletea, self.model_info.layers, time_scale=time_scale, batch_prefix=secrets.token_hex(3)
         )
         self.acks: Acks | None = None  # the request stream's consumer, once it exists
-        self.telemetry: list[ControlSeen] = []  # for the run's spans stream, published by the timer
+        self.telemetry = ControlTelemetry(bus, run)  # for the run's spans stream, published by the timer
         self.metrics = DispatcherMetrics(run, spec.prefill.model_name)
         self.instance = f"{SERVICE}-{instance_id()}"
         tr = spec.training
@@ -171,7 +170,7 @@ class Dispatcher:
             if not self.verdict.ready:  # training runs: say so now, not at the next periodic check
                 await self.check_readiness()
         self._decided += self.state.bubble_start(opened, now)
-        self._seen(ControlEvent.BUBBLE_START, m.worker, m.at, now, with_work=with_work)
+        self.telemetry.seen(ControlEvent.BUBBLE_START, m.worker, m.at, now, with_work=with_work)
 
     async def on_joined(self, d: Delivery) -> None:
         m = d.message
@@ -186,7 +185,19 @@ class Dispatcher:
             at=m.at,
             dc=m.dc,
         )
+        self.gate.prefill_on(m.worker)
         self._decided += self.state.worker_joined(ready, time.time())
+
+    async def on_off(self, d: Delivery) -> None:
+        """A worker stopped taking prefill (its prefill failed batch after batch): nothing more goes
+        there, and the readiness verdict says so now."""
+        m = d.message
+        self._input()
+        assert isinstance(m, PrefillOff)
+        log.warning("worker takes no more prefill", worker=m.worker, reason=m.reason)
+        self.gate.prefill_off(m.worker, m.reason)
+        self._decided += self.state.worker_off(m.worker, m.reason, time.time())
+        await self.check_readiness()
 
     async def on_end(self, d: Delivery) -> None:
         m = d.message
@@ -214,7 +225,7 @@ class Dispatcher:
             log.debug("batch reported", batch=m.batch_id, worker=m.worker, items=len(progress), finished=finished)
         if m.at > 0:
             c = self.state.counts
-            self._seen(
+            self.telemetry.seen(
                 ControlEvent.REPORT,
                 m.worker,
                 m.at,
@@ -223,42 +234,6 @@ class Dispatcher:
                 recomputed=c.layers_recomputed - recomputed,
             )
 
-    def _seen(
-        self,
-        event: ControlEvent,
-        worker: str,
-        at: float,
-        seen: float,
-        *,
-        with_work: bool = False,
-        run: int = 0,
-        recomputed: int = 0,
-    ) -> None:
-        """Telemetry of this event for the run's figures (which bubbles opened with work; the
-        control plane's latency), kept for the timer to publish. Past `MAX_TELEMETRY` unpublished
-        records (Redis away), the oldest go: telemetry, not work."""
-        if len(self.telemetry) >= MAX_TELEMETRY:
-            del self.telemetry[0]
-        self.telemetry.append(
-            ControlSeen(
-                run=self.run,
-                worker=worker,
-                event=event,
-                at=at,
-                seen=seen,
-                with_work=with_work,
-                layers_run=run,
-                layers_recomputed=recomputed,
-            )
-        )
-
-    async def flush_telemetry(self) -> None:
-        """Publish the kept `ControlSeen` records in one round trip (kept if Redis does not answer)."""
-        if self.telemetry:
-            batch = list(self.telemetry)
-            await self.bus.publish_many(keys.spans_stream(self.run), batch, maxlen=keys.SPANS_MAXLEN)
-            del self.telemetry[: len(batch)]
-
     def _input(self) -> None:
         if self._since is None:
             self._since = time.perf_counter()
@@ -266,7 +241,7 @@ class Dispatcher:
     async def tick(self) -> None:
         self._decided += self.state.tick(time.time())
         await self.flush()
-        await self.flush_telemetry()
+        await self.telemetry.flush()
 
     async def check_readiness(self) -> None:
         """Judge whether anything can serve, publish the verdict, and act on it. With Redis away

@@ -100,10 +100,17 @@ class DispatcherMetrics:
             ["run"],
             registry=r,
         ).labels(run)
+        self._no_prefill = Gauge(
+            "bubbletea:workers_without_prefill",
+            "Workers that stopped taking prefill after their prefill model failed batch after batch "
+            "(PrefillOff): they train on, and are sent no prefill. Set at scrape time.",
+            ["run"],
+            registry=r,
+        ).labels(run)
         self._state = Gauge(
             "bubbletea:serving_state",
             "The readiness gate's verdict: 1 for the current state (serving, joining, starting, stalled, "
-            "finished, stopped, recovering, lost, disabled), 0 for the others.",
+            "finished, stopped, recovering, lost, disabled, prefill_failed), 0 for the others.",
             ["run", "state"],
             registry=r,
         )
@@ -145,3 +152,4 @@ class DispatcherMetrics:
         await self.streams.refresh(redis)
         self._waiting.set(len(state.requests))  # after the awaits: as close to the scrape as can be
         self._held.set(sum(c.held_s for c in state.workers.values()))
+        self._no_prefill.set(sum(c.off is not None for c in state.workers.values()))

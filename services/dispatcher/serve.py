@@ -17,7 +17,7 @@ from shared.control.health import Heartbeat, instance_id
 from shared.runtime.logs import get_logger
 from shared.runtime.telemetry import MetricsServer
 from shared.spec.settings import Settings
-from shared.wire import BubbleEnd, BubbleStart, PrefillReport, PrefillRequest, WorkerJoined
+from shared.wire import BubbleEnd, BubbleStart, PrefillOff, PrefillReport, PrefillRequest, WorkerJoined
 
 #: A progress line in the log this often.
 LOG_EVERY_S = 10.0
@@ -61,7 +61,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
         tables: tuple[tuple[str, Handlers], ...] = (
             # a bubble's end never overtakes its start
-            (keys.bubbles_stream(run), {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end}),
+            (
+                keys.bubbles_stream(run),
+                {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end, PrefillOff: d.on_off},
+            ),
             (keys.prefill_reports_stream(run), {PrefillReport: d.on_report}),
         )
         for stream, table in tables:
@@ -107,7 +110,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 # Held requests stay pending for the next dispatcher: no grace needed for them.
                 await c.stop(grace_s=0 if c is requests else None)
             with contextlib.suppress(*TRANSIENT_ERRORS):
-                await d.flush_telemetry()  # the last bubbles' records, after the consumers stopped
+                await d.telemetry.flush()  # the last bubbles' records, after the consumers stopped
                 await serving.withdraw_readiness(bus.redis, d.instance)
             await hb.stop()
             await server.stop()

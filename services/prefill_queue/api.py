@@ -40,6 +40,7 @@ FAILURE_STATUS: dict[FailureReason, int] = {
     FailureReason.KV_MISSING: 503,  # the prompt's KV cache expired before the decoder took it: retry
     FailureReason.UNAVAILABLE: 503,  # training finished, stopped or stalled: no bubble will come soon
     FailureReason.OVERLOADED: 429,  # refused at once: the bubbles could not start it before its deadline
+    FailureReason.PREFILL_ERROR: 500,  # the worker's prefill model failed running it: our fault (or the device's)
 }
 
 

@@ -71,23 +71,28 @@ class BubbleAnnouncer:
         is here (safe from the prefill thread); `arrived_at()`: since when (wall clock), if known."""
         predicted = self.predictor.predict(pos)
         t0 = time.time()
-        # Through the outbox, and prefill queued here starts now: no round trip to Redis first.
-        self.outbox.send(
-            keys.bubbles_stream(self.run),
-            BubbleStart(
-                run=self.run,
-                worker=self.slot.name,
-                replica=self.slot.replica,
-                stage=self.slot.stage,
-                dc=self.dc,
-                iteration=it,
-                position=pos,
-                predicted_ms=predicted * 1000,
-                free_memory_bytes=self.free_memory_bytes,
-                at=t0,
-                queued_ms=filler.queue.queued_s * 1000 if filler is not None else 0.0,
-            ),
-        )
+        # A worker that takes no prefill (its prefill failed batch after batch) announces nothing:
+        # no dispatcher fills its bubbles, and admission must not count them as capacity.
+        announce = filler is None or filler.guest.taking
+        if not announce:
+            filler = None
+        if announce:  # through the outbox, and prefill queued here starts now: no round trip first
+            self.outbox.send(
+                keys.bubbles_stream(self.run),
+                BubbleStart(
+                    run=self.run,
+                    worker=self.slot.name,
+                    replica=self.slot.replica,
+                    stage=self.slot.stage,
+                    dc=self.dc,
+                    iteration=it,
+                    position=pos,
+                    predicted_ms=predicted * 1000,
+                    free_memory_bytes=self.free_memory_bytes,
+                    at=t0,
+                    queued_ms=filler.queue.queued_s * 1000 if filler is not None else 0.0,
+                ),
+            )
         finished: tuple[str, ...] = ()
         try:
             if filler is not None:
@@ -101,21 +106,22 @@ class BubbleAnnouncer:
         self.predictor.observe(pos, predicted, length, it)
         if self.metrics is not None:
             self.metrics.bubble(length, predicted)
-        self.outbox.send(
-            keys.bubbles_stream(self.run),
-            BubbleEnd(
-                run=self.run,
-                worker=self.slot.name,
-                replica=self.slot.replica,
-                stage=self.slot.stage,
-                iteration=it,
-                position=pos,
-                predicted_ms=predicted * 1000,
-                actual_ms=length * 1000,
-                at=t1,
-                finished=finished,
-                queued_ms=filler.queue.queued_s * 1000 if filler is not None else 0.0,
-            ),
-        )
+        if announce:  # even if prefill stopped in it: the dispatcher closes the bubble it was told of
+            self.outbox.send(
+                keys.bubbles_stream(self.run),
+                BubbleEnd(
+                    run=self.run,
+                    worker=self.slot.name,
+                    replica=self.slot.replica,
+                    stage=self.slot.stage,
+                    iteration=it,
+                    position=pos,
+                    predicted_ms=predicted * 1000,
+                    actual_ms=length * 1000,
+                    at=t1,
+                    finished=finished,
+                    queued_ms=filler.queue.queued_s * 1000 if filler is not None else 0.0,
+                ),
+            )
         self.telemetry.span("wait", it, t0, t1, mb, predicted_ms=predicted * 1000, input_at=arrived_at() or t1)
         return value

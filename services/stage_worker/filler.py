@@ -19,6 +19,9 @@ Training is the owner, prefill the guest. The queue and its rules are the pure `
 * Afterwards, off the training path (a background task, `reporting.py`): answers, snapshots and
   one `PrefillReport` in one round trip; only then is the batch acked, so a worker killed mid-batch
   leaves it for the dispatcher to requeue.
+* **A failing guest never stops the owner.** Whatever the prefill model raises fails the request
+  it ran and hands the rest of its batch back; training goes on. After a few failed batches in a
+  row the worker takes no more prefill (`guest.py`; docs/architecture.md, "A failing guest").
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.stage_worker.guest import Guest
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port import StagePort
 from services.stage_worker.port_prefill import Saved
@@ -77,6 +81,9 @@ class Run:
     blocks: int
     finished: bool
     answered: list[Outcome]
+    #: the prefill model raised (the exception, in words): the batch stops here, its running request
+    #: failed and the rest handed back
+    error: str | None = None
 
 
 class Filler:
@@ -107,6 +114,7 @@ class Filler:
             initargs=(prefill_nice(), prefill_slice_us()),
         )
         self.batches: dict[str, Queued] = {}
+        self.guest = Guest(bus, run, worker, model, metrics)
         self._work = asyncio.Event()
         self._post: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -130,7 +138,7 @@ class Filler:
                 attempt=d.attempt,
                 action=str(Arrival.RETURN),
             )
-        if redelivered or self._closed:  # its process died, or this one stops: nothing runs it here
+        if redelivered or self._closed or not self.guest.taking:  # died, stopping, or takes no prefill
             await self.reporter.finish_batch(batch, [], preempted=True)
             return
         # Snapshots are read now, not when the bubble opens: no round trip on its critical path.
@@ -156,7 +164,7 @@ class Filler:
         self.queue.open()
         first = True  # the bubble's first run starts in the event loop (`_run`); later ones in the thread
         try:
-            while not arrived() and not training_input.done():
+            while self.guest.taking and not arrived() and not training_input.done():
                 head = self.queue.head()
                 if head is None:
                     self._work.clear()
@@ -168,10 +176,19 @@ class Filler:
                 run, first = await self._run(q, arrived, in_loop=first), False
                 if run.blocks:
                     self.on_span(run.started, run.ended)
-                if run.finished:
+                if run.error is not None:  # done here: what did not start goes back
+                    self.queue.ran(q.batch.batch_id, finished=True)
+                    del self.batches[q.batch.batch_id]
+                    q.states.clear()  # resumed items' states not started: on the device too
+                    self._background(self._finish(q, preempted=True), q.done)
+                    if not (verdict := self.guest.batch_failed(q.batch.batch_id, run.error)).take:
+                        self._hand_back(self.queue.drain())  # and takes no more prefill
+                        self._background(self.guest.say_off(verdict.why))
+                elif run.finished:
                     self.queue.ran(q.batch.batch_id, finished=True)
                     del self.batches[q.batch.batch_id]
                     self._background(self._finish(q, preempted=False), q.done)
+                    self.guest.health.ran()
                 else:
                     self.queue.ran(q.batch.batch_id, finished=False, left_s=q.left_s())
                     if run.answered:  # answered now, though their batch goes on in a later bubble
@@ -192,11 +209,9 @@ class Filler:
         Why the first block runs here: this thread is the one on a core when the bubble opens (it
         just saw the awaited tensor missing). Handing the whole batch to the prefill thread made
         the batch wait for that thread to wake, get a core and take the interpreter lock, at the
-        very moment the pipeline's other workers, Redis and the dispatcher all wake too: 2.6-8 ms
-        at the tail on a 2-core machine, whatever the thread's priority. The loop is blocked only
-        for one block's real compute, during this worker's own bubble; the thread then has that
-        block's device time (with a profile) to wake before the next block is due, so a late
-        wake-up no longer delays the start, and one later than that shows as prefill lag."""
+        very moment the pipeline's other workers, Redis and the dispatcher all wake too (2.6-8 ms
+        at the tail on 2 cores). The loop is blocked for one block's real compute, in this
+        worker's own bubble; the thread has that block's device time to wake in."""
         steps = self._compute(q, arrived)
         if in_loop:
             try:
@@ -241,6 +256,7 @@ class Filler:
         schedule = Schedule(origin)
         answered: list[Outcome] = []
         blocks = 0
+        error: str | None = None
         items = q.batch.items
         while q.cursor < len(items):
             item = items[q.cursor]
@@ -248,13 +264,21 @@ class Filler:
             if o.answered:  # failed before any block: done with it
                 answered.append(o)
                 q.cursor += 1
+                if o.failure is not None and o.failure[0] is FailureReason.PREFILL_ERROR:
+                    error = o.failure[1]
+                    break
                 continue
             assert o.state is not None
             t0 = max(schedule.due, time.monotonic())  # from when the device is free for it
-            ran = yield from self._run_blocks(o.state, item.to_layer, arrived, schedule)
+            ran, raised = yield from self._run_blocks(o.state, item.to_layer, arrived, schedule)
             blocks += ran
             o.seconds += max(schedule.due, time.monotonic()) - t0
             o.reached = o.state.next_layer
+            if raised is not None:
+                error = self.guest.failed(o, raised)
+                q.current, q.cursor = None, q.cursor + 1
+                answered.append(o)
+                break
             if o.reached < item.to_layer and not o.state.done:  # the input came: it goes on later
                 q.current = o
                 break
@@ -266,14 +290,18 @@ class Filler:
                     )
                 except ValueError as exc:
                     o.failure = (FailureReason.MODEL_REFUSED, str(exc))
+                except Exception as exc:  # the guest failed (see the module docstring)
+                    error = self.guest.failed(o, exc)
                 answered.append(o)
+                if error is not None:
+                    break
         done = time.monotonic()  # the run's real work ended
         if self.profile is not None and blocks:
             self.lag_s += schedule.behind(done)
             if (wait := schedule.wait_s(done)) > 0:
                 time.sleep(wait)  # the last block still runs on the device
         ended = started + max(schedule.due, done) - origin
-        return Run(started, ended, blocks, q.cursor >= len(items), answered)
+        return Run(started, ended, blocks, error is None and q.cursor >= len(items), answered, error)
 
     def _begin(self, q: Queued, item: PrefillItem) -> Outcome:
         """The outcome of an item starting now: from its saved state, or from its prompt (its
@@ -287,6 +315,9 @@ class Filler:
                 state = saved if isinstance(saved, PrefillState) else self.model.start(item.tokens)
             except ValueError as exc:  # a prompt this model cannot run (e.g. another spec's limits)
                 o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.MODEL_REFUSED, str(exc)))
+            except Exception as exc:  # the guest failed (see the module docstring)
+                o = Outcome(item, item.from_layer, 0.0)
+                self.guest.failed(o, exc)
             else:
                 started = None if state.next_layer == item.from_layer else state.next_layer
                 o = Outcome(item, state.next_layer, 0.0, state, started=started)
@@ -295,23 +326,26 @@ class Filler:
 
     def _run_blocks(
         self, state: PrefillState, to_layer: int, arrived: Arrived, schedule: Schedule
-    ) -> Generator[None, None, int]:
+    ) -> Generator[None, None, tuple[int, Exception | None]]:
         """Blocks of one request up to `to_layer` while the input has not arrived, each started
         once the run's `schedule` has the previous one done, pausing after each. Returns how
-        many ran."""
+        many ran, and what the model raised if it did (the run stops there)."""
         profiled = self.profile.block_s(len(state.tokens)) if self.profile is not None else None
         ran = 0
         while state.next_layer < to_layer and not state.done:
             if (wait := schedule.wait_s(time.monotonic())) > 0:
                 time.sleep(wait)  # the previous block still runs; sleeping releases the GIL
             if not may_start_block(input_arrived=arrived()):
-                return ran
-            self.model.run_layers(state, max_layers=1)
+                return ran, None
+            try:
+                self.model.run_layers(state, max_layers=1)
+            except Exception as exc:  # the guest failed: the caller fails the request, training goes on
+                return ran, exc
             if profiled is not None:
                 schedule.add(profiled)
             ran += 1
             yield
-        return ran
+        return ran, None
 
     def take_lag(self) -> float:
         """Prefill lag behind the profile since the last call, seconds."""
@@ -320,17 +354,17 @@ class Filler:
 
     # --- after a batch, off the training path ----------------------------------------------
 
-    def _background(self, work: Coroutine[Any, Any, None], done: asyncio.Future[None]) -> None:
+    def _background(self, work: Coroutine[Any, Any, None], done: asyncio.Future[None] | None = None) -> None:
         async def run() -> None:
             try:
                 await work
             except Exception as exc:
                 # The batch stays unacked: the dispatcher requeues it when no report arrives.
                 log.error("prefill batch post-processing failed", worker=self.reporter.worker, error=repr(exc))
-                if not done.done():
+                if done is not None and not done.done():
                     done.set_exception(exc)
                 return
-            if not done.done():
+            if done is not None and not done.done():
                 done.set_result(None)
 
         task = asyncio.create_task(run())

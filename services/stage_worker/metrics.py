@@ -97,6 +97,21 @@ class WorkerMetrics:
             model,
             registry=r,
         ).labels(run, worker, model_name)
+        self._guest_failures = Counter(
+            "bubbletea:prefill_batch_failures",
+            "Prefill batches whose prefill model raised on this worker (each fails the request it ran; "
+            "training goes on).",
+            model,
+            registry=r,
+        ).labels(run, worker, model_name)
+        self._taking = Gauge(
+            "bubbletea:prefill_taking",
+            "1 while this worker takes prefill; 0 once it stopped, after its prefill model failed batch "
+            "after batch (training goes on).",
+            model,
+            registry=r,
+        ).labels(run, worker, model_name)
+        self._taking.set(1)
         self.run, self.worker, self.model_name = run, worker, model_name
         for outcome in ItemOutcome:  # every series exists from the start, at 0
             self._requests.labels(run, worker, model_name, outcome.value)
@@ -126,6 +141,11 @@ class WorkerMetrics:
         bubble, prefill = self._bubble_in_iteration, self._prefill_in_iteration
         self._fill_ratio.set(prefill / bubble if bubble > 0 else 0.0)
         self._bubble_in_iteration = self._prefill_in_iteration = 0.0
+
+    def prefill_failed(self, *, taking: bool) -> None:
+        """A prefill batch failed; `taking`: whether this worker still takes prefill."""
+        self._guest_failures.inc()
+        self._taking.set(1 if taking else 0)
 
     def reported(self, progress: Iterable[PrefillProgress], prompt_tokens: Mapping[str, int]) -> None:
         """A batch's report went out: one count per item by outcome; the prompt tokens of the

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import msgspec
 import torch
 
+from services.stage_worker import chaos
 from services.stage_worker.filler import Filler
 from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
 from services.stage_worker.mailbox import Mailbox
@@ -179,6 +180,13 @@ async def _train(
     if spec.bubbletea.enabled:
         prefill = await asyncio.to_thread(_prefill_model, spec, device)
         memory -= model_bytes(prefill)  # the guest's weights live beside the owner's
+        if settings.chaos_prefill:
+            prefill = chaos.failing(prefill, settings.chaos_prefill)
+            log.warning(
+                "fault injection: this worker's prefill fails on purpose",
+                slot=slot.name,
+                **{chaos.ENV: settings.chaos_prefill},
+            )
     runner = StageRunner(
         bus,
         spec,

@@ -27,6 +27,7 @@ class FailureReason(enum.StrEnum):
     KV_MISSING = "kv_missing"  # the decoder found no KV cache for it (expired, or never stored)
     UNAVAILABLE = "unavailable"  # nothing can serve it: training finished, stopped or stalled (`ServingState`)
     OVERLOADED = "overloaded"  # more prefill is queued ahead of it than the bubbles serve before its deadline
+    PREFILL_ERROR = "prefill_error"  # the worker's prefill model raised running it (out of memory, say)
 
 
 class ItemOutcome(enum.StrEnum):
@@ -62,6 +63,8 @@ class ServingState(enum.StrEnum):
     RECOVERING = "recovering"  # a worker was lost; the run waits for a replacement to resume
     LOST = "lost"  # a worker was lost and the run stopped because of it
     DISABLED = "disabled"  # BubbleTea is off in the spec: bubbles are not filled
+    #: every worker stopped taking prefill after its prefill failed batch after batch (training goes on)
+    PREFILL_FAILED = "prefill_failed"
 
     @property
     def ready(self) -> bool:

@@ -213,6 +213,12 @@ class PrefillModel:
                 ran += 1
         return state
 
+    def free_cached(self) -> None:
+        """Give the device back what its allocator keeps cached (after a failed run dropped its
+        tensors): on CUDA, blocks held for reuse that training may need now; nothing elsewhere."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def last_logits(self, state: PrefillState) -> Tensor:
         """Final norm + head of the last prompt position of a done state: float32 (vocab,)."""
         if not state.done:

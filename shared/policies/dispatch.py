@@ -42,11 +42,13 @@ finished ones) and logs each one's why. The simulator feeds it the same inputs f
   wins); its report changes nothing, and in particular spends no saved partial state: only an
   accepted report does (`Spent`), so the batch that replaced it still finds the state it resumes from.
 
-**Cost at scale** (the simulator runs thousands of workers): a trigger visits only the workers with
-room, roomiest first (`dispatch_index.CreditIndex`), and packing reads the head of a queue kept in
-packing order (`packing.WaitingQueue`): the decisions of visiting everything, as
-tests/unit/test_dispatch.py checks on long random inputs. One state machine in three files: inputs
-and tables (`dispatch_inputs.py`), events and the queue (here), credit and packing (`dispatch_fill.py`).
+**A worker whose prefill fails** batch after batch stops taking it (`shared.policies.guest`) and
+says so (`worker_off`): it gets no credit until a new process joins in its slot.
+
+**Cost at scale**: a trigger visits only the workers with room (`dispatch_index.CreditIndex`) and
+packing reads the head of a queue kept in packing order (`packing.WaitingQueue`). One state machine
+in three files: inputs and tables (`dispatch_inputs.py`), events and the queue (here), credit and
+packing (`dispatch_fill.py`).
 """
 
 from __future__ import annotations
@@ -238,10 +240,19 @@ class DispatchState(Filling):
             return Decisions(ignored=(Ignored(f"worker {j.worker}", why),))
         c = self._seen(j.worker, j.address, j.dc, j.free_memory, now)
         c.bubble = None  # a bubble of its previous life, whose end never came
+        c.off = None  # a new process in the slot: its guest starts afresh
         if not c.lengths and j.typical_s > 0:
             c.lengths.append(j.typical_s)
         self._reindex(c)
         return self._fill_all(now, Trigger.JOINED)
+
+    def worker_off(self, worker: str, why: str, now: float) -> Decisions:
+        """`worker` takes no more prefill: it is offered nothing until a new process joins in its
+        slot. What it holds comes back with its reports (it hands it all back)."""
+        c = self.workers.setdefault(worker, Credit(worker))
+        c.off, c.bubble, c.last_seen = why, None, now
+        self._reindex(c)
+        return Decisions()
 
     def report(self, batch_id: str, worker: str, progress: list[Progress], now: float) -> Decisions:
         """A worker finished a batch, or handed it back (unrun, or part run)."""
@@ -378,21 +389,3 @@ class DispatchState(Filling):
             c.lengths.clear()
             self._index.discard(worker)
         return lost
-
-    def _remaining_s(self, req: Request) -> float:
-        """The predicted seconds of what `req` has left to run."""
-        return self.cost.predict(req.tokens) * (self.layers - req.next_layer) / self.layers
-
-    def _enqueue(self, req: Request) -> None:
-        """`req` waits in the queue (again)."""
-        self._queue.put(req.id)
-        self._waiting += 1
-        req.queued_s = self._remaining_s(req)
-        self._queued_s += req.queued_s
-
-    def _dequeued(self, req: Request) -> None:
-        """`req` left the queue (sent to a worker, or failed); the queue's own `take`/`forget` is
-        the caller's."""
-        self._waiting -= 1
-        self._queued_s = max(0.0, self._queued_s - req.queued_s) if self._waiting else 0.0
-        req.queued_s = 0.0

@@ -32,14 +32,32 @@ class Filling:
     in_flight: dict[str, InFlight]
     counts: Counts
     _waiting: int
+    _queued_s: float  # predicted seconds waiting here, as each was counted when it joined the queue
     _held_s: float  # predicted seconds held on every worker, summed (admission counts it ahead)
     _held_n: int  # batches held on every worker
     _queue: WaitingQueue
     _index: CreditIndex
     _clock: float
 
-    def _dequeued(self, req: Request) -> None:  # DispatchState's queue accounting
-        raise NotImplementedError
+    # --- the queue's accounting ------------------------------------------------------------
+
+    def _remaining_s(self, req: Request) -> float:
+        """The predicted seconds of what `req` has left to run."""
+        return self.cost.predict(req.tokens) * (self.layers - req.next_layer) / self.layers
+
+    def _enqueue(self, req: Request) -> None:
+        """`req` waits in the queue (again)."""
+        self._queue.put(req.id)
+        self._waiting += 1
+        req.queued_s = self._remaining_s(req)
+        self._queued_s += req.queued_s
+
+    def _dequeued(self, req: Request) -> None:
+        """`req` left the queue (sent to a worker, or failed); the queue's own `take`/`forget` is
+        the caller's."""
+        self._waiting -= 1
+        self._queued_s = max(0.0, self._queued_s - req.queued_s) if self._waiting else 0.0
+        req.queued_s = 0.0
 
     # --- credit ----------------------------------------------------------------------------
 
@@ -54,6 +72,9 @@ class Filling:
         return self.window_s(c) - c.held_s
 
     def _reindex(self, c: Credit) -> None:
+        if c.off is not None:  # takes no prefill: never offered any
+            self._index.discard(c.worker)
+            return
         self._index.update(c.worker, self.room_s(c))
 
     def _release(self, c: Credit, batch_id: str) -> None:

@@ -126,6 +126,8 @@ class Credit:
     held_s: float = 0.0
     held_bytes: int = 0
     bubble: Bubble | None = None
+    #: why it takes no prefill (its prefill failed batch after batch: `PrefillOff`); None: it takes it
+    off: str | None = None
 
     def typical_s(self) -> float:
         """Its typical bubble: the mean of its recent ones (0 before any)."""

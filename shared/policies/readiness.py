@@ -14,6 +14,9 @@ The verdicts (`ServingState`), first match wins:
   run's current generation (past its set-up: `joined`), and a bubble was announced
   within `unready_after_s`, or the slots were all held less than `unready_after_s` ago (the first
   iteration is still warming up: a request queued now waits at most that long for its bubble).
+* PREFILL_FAILED: every slot is held, but every worker stopped taking prefill after its prefill
+  model failed batch after batch (`shared.policies.guest`; told by `prefill_off`): training goes on,
+  and nothing fills its bubbles. While only some have, the run is SERVING and the reason names them.
 * STALLED: every slot is held but no bubble for longer than `unready_after_s`.
 * JOINING: training was never seen running, every slot is held, and its workers are still setting
   up (they have not joined: models being built), for less than `unready_after_s` so far. Requests
@@ -65,6 +68,7 @@ RETRY_AFTER_S: dict[ServingState, int] = {
     ServingState.STOPPED: 60,
     ServingState.FINISHED: 60,
     ServingState.DISABLED: 300,
+    ServingState.PREFILL_FAILED: 60,
 }
 
 
@@ -119,6 +123,15 @@ class ServingGate:
         self.setting_up_since: float | None = None
         #: Whether training was ever seen running (every slot held, or a bubble).
         self.started = False
+        #: Workers that stopped taking prefill, and why (`prefill_off`); a worker joining anew is
+        #: taken off the list (`prefill_on`).
+        self.no_prefill: dict[str, str] = {}
+
+    def prefill_off(self, worker: str, why: str) -> None:
+        self.no_prefill[worker] = why
+
+    def prefill_on(self, worker: str) -> None:
+        self.no_prefill.pop(worker, None)
 
     def saw_bubble(self, at: float) -> None:
         self.last_bubble_at = at if self.last_bubble_at is None else max(self.last_bubble_at, at)
@@ -164,10 +177,19 @@ class ServingGate:
             if self.all_held_since is None:
                 self.all_held_since = now
             self.started = True
+            off = [s.name for s in held if s.name in self.no_prefill]
+            if off and len(off) == len(held):
+                return ServingState.PREFILL_FAILED, (
+                    f"run {self.run} trains on, but every worker stopped taking prefill; {off[0]}: "
+                    f"{self.no_prefill[off[0]]}"
+                )
             quiet_since = max(self.all_held_since, self.last_bubble_at or self.all_held_since)
             quiet_s = now - quiet_since
             if quiet_s <= self.unready_after_s:
-                return ServingState.SERVING, f"run {self.run} is training: {len(held)} slots held"
+                serving = f"run {self.run} is training: {len(held)} slots held"
+                if off:
+                    serving += f"; {len(off)} of them take no prefill ({', '.join(off)}: {self.no_prefill[off[0]]})"
+                return ServingState.SERVING, serving
             return ServingState.STALLED, (
                 f"no pipeline bubble announced for {quiet_s:.1f}s (bubbletea.unready_after_s is "
                 f"{self.unready_after_s:g}): training of run {self.run} is stalled"

@@ -103,6 +103,7 @@ ENV_VARS = frozenset(
         "BUBBLETEA_TIME_SCALE",
         "BUBBLETEA_MAX_TIME_SCALE",
         "BUBBLETEA_REDIS_WAIT_S",
+        "BUBBLETEA_CHAOS_PREFILL",
     }
 )
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -146,6 +147,9 @@ class Settings:
     state_dir: Path = field(default_factory=lambda: DEFAULT_STATE_DIR)
     #: How long a service waits at start for Redis to answer before it exits (BUBBLETEA_REDIS_WAIT_S).
     redis_wait_s: float = DEFAULT_REDIS_WAIT_S
+    #: Fault injection: make the stage workers' prefill fail (BUBBLETEA_CHAOS_PREFILL,
+    #: services/stage_worker/chaos.py); None in normal runs.
+    chaos_prefill: str | None = None
 
     @property
     def metrics_key(self) -> str | None:
@@ -224,6 +228,12 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
     if (maxmemory := env.get("BUBBLETEA_REDIS_MAXMEMORY")) and (error := maxmemory_error(maxmemory)):
         raise ConfigError(error)
     redis_wait_s = _seconds("BUBBLETEA_REDIS_WAIT_S", env.get("BUBBLETEA_REDIS_WAIT_S", str(DEFAULT_REDIS_WAIT_S)))
+    chaos_prefill = env.get("BUBBLETEA_CHAOS_PREFILL") or None
+    if chaos_prefill is not None and not re.fullmatch(r"(raise|oom)(-after:\d+)?", chaos_prefill):
+        raise ConfigError(
+            f"BUBBLETEA_CHAOS_PREFILL: expected raise, oom, raise-after:N or oom-after:N (N blocks run first), "
+            f"got {chaos_prefill!r}"
+        )
     priority = env.get("BUBBLETEA_COMPUTE_PRIORITY", "low").lower()
     if priority not in PRIORITIES:
         raise ConfigError(f"BUBBLETEA_COMPUTE_PRIORITY: expected low or normal, got {priority!r}")
@@ -247,6 +257,7 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         resume=Path(env["BUBBLETEA_RESUME"]) if env.get("BUBBLETEA_RESUME") else None,
         state_dir=Path(env["BUBBLETEA_STATE_DIR"]).absolute() if env.get("BUBBLETEA_STATE_DIR") else DEFAULT_STATE_DIR,
         redis_wait_s=redis_wait_s,
+        chaos_prefill=chaos_prefill,
     )
 
 

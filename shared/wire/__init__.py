@@ -38,6 +38,7 @@ from shared.wire.training import BubbleStart as BubbleStart
 from shared.wire.training import ControlSeen as ControlSeen
 from shared.wire.training import IterationDone as IterationDone
 from shared.wire.training import LinkReport as LinkReport
+from shared.wire.training import PrefillOff as PrefillOff
 from shared.wire.training import SlotDone as SlotDone
 from shared.wire.training import SlotGrant as SlotGrant
 from shared.wire.training import SlotRequest as SlotRequest
@@ -59,6 +60,7 @@ AnyMessage = (
     | BubbleStart
     | WorkerJoined
     | BubbleEnd
+    | PrefillOff
     | SpanRecord
     | ControlSeen
     | IterationDone

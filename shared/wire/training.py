@@ -139,6 +139,18 @@ class BubbleEnd(Message, frozen=True, kw_only=True, tag="bubble_end"):
     queued_ms: float = 0.0
 
 
+class PrefillOff(Message, frozen=True, kw_only=True, tag="prefill_off"):
+    """A worker stopped taking prefill: its prefill model failed batch after batch
+    (`shared.policies.guest`). It trains on and announces no more bubbles; the dispatcher sends it
+    nothing more (the batches it held come back with their reports), and `/ready` names it. A new
+    process in its slot joins afresh (`WorkerJoined`)."""
+
+    run: str
+    worker: str
+    reason: str
+    at: float  # wall clock (time.time())
+
+
 class SpanRecord(Message, frozen=True, kw_only=True, tag="span"):
     """One span of a worker's timeline (wall-clock seconds)."""
 

@@ -45,7 +45,7 @@ async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str,
     service = asyncio.create_task(serve(settings, stop))
     streams = {
         keys.PREFILL_REQUESTS_STREAM: "prefill_request",
-        keys.bubbles_stream("t"): "bubble_end, bubble_start, worker_joined",
+        keys.bubbles_stream("t"): "bubble_end, bubble_start, prefill_off, worker_joined",
         keys.prefill_reports_stream("t"): "prefill_report",
     }
     try:

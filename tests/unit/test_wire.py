@@ -56,6 +56,7 @@ def test_every_training_message_round_trips() -> None:
         BubbleStart,
         IterationDone,
         LinkReport,
+        PrefillOff,
         PrefillSnapshot,
         SlotDone,
         SlotGrant,
@@ -125,6 +126,7 @@ def test_every_training_message_round_trips() -> None:
         BubbleEnd(
             run="r", worker="r0s1", replica=0, stage=1, iteration=0, position=0, predicted_ms=1.5, actual_ms=2.0, at=2.0
         ),
+        PrefillOff(run="r", worker="r0s1", reason="prefill failed in 3 batches in a row", at=3.0),
         SpanRecord(run="r", replica=0, stage=1, iteration=0, span="fwd", start=1.0, end=2.0, microbatch=3),
         IterationDone(run="r", replica=0, stage=1, iteration=0, started=0.0, ended=1.0, loss=5.5),
         WorkerFailed(run="r", slot="r0s1", reason="lease lost"),

@@ -1,0 +1,68 @@
+"""The fill executor's side of a failing guest (services/stage_worker/filler.py runs it): a request
+whose prefill model raised fails, saying so, and drops what it held on the device; each failed
+batch is counted (`shared.policies.guest`), logged with its traceback and in the metrics; and when
+the worker stops taking prefill the dispatcher is told (`PrefillOff` on the run's bubbles stream).
+docs/architecture.md ("A failing guest") has the whole behaviour."""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+from services.stage_worker.metrics import WorkerMetrics
+from services.stage_worker.reporting import Outcome
+from shared.bus import Bus
+from shared.control import keys
+from shared.control.status import FailureReason
+from shared.model.prefill import PrefillModel
+from shared.policies.guest import GuestHealth, GuestVerdict
+from shared.runtime.logs import get_logger
+from shared.wire import PrefillOff
+
+log = get_logger(__name__)
+
+
+class Guest:
+    def __init__(self, bus: Bus, run: str, worker: str, model: PrefillModel, metrics: WorkerMetrics | None) -> None:
+        self.bus, self.run, self.worker, self.model, self.metrics = bus, run, worker, model, metrics
+        self.health = GuestHealth()
+        self._traceback = ""  # the last failure's, for the batch's log line
+
+    @property
+    def taking(self) -> bool:
+        return self.health.taking
+
+    def failed(self, o: Outcome, exc: Exception) -> str:
+        """The prefill model raised `exc` running `o`'s request (in whichever thread ran it): it
+        fails, saying so, and drops what it held on the device. Returns the error in words. The
+        traceback is kept as text: the exception's own holds the failed run's frames, and with
+        them its tensors, until it is dropped."""
+        error = f"{type(exc).__name__}: {exc}".strip()[:500]
+        self._traceback = "".join(traceback.format_exception(exc))[-4000:]
+        o.failure = (FailureReason.PREFILL_ERROR, f"prefill failed on worker {self.worker}: {error}")
+        o.state = None
+        exc.__traceback__ = None
+        self.model.free_cached()
+        return error
+
+    def batch_failed(self, batch_id: str, error: str) -> GuestVerdict:
+        """A batch failed with `error`: counted, logged; the verdict says whether to go on taking prefill."""
+        verdict = self.health.failed(error)
+        log.error(
+            "prefill batch failed; training goes on",
+            worker=self.worker,
+            batch=batch_id,
+            error=error,
+            in_a_row=self.health.in_a_row,
+            traceback=self._traceback,
+        )
+        if self.metrics is not None:
+            self.metrics.prefill_failed(taking=verdict.take)
+        if not verdict.take:
+            log.error("worker takes no more prefill", worker=self.worker, reason=verdict.why)
+        return verdict
+
+    async def say_off(self, why: str) -> None:
+        """Tell the dispatcher this worker takes no more prefill."""
+        off = PrefillOff(run=self.run, worker=self.worker, reason=why, at=time.time())
+        await self.bus.publish(keys.bubbles_stream(self.run), off)
