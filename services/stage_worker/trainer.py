@@ -7,9 +7,11 @@ microbatch, and the all-reduce averages the replicas' summed gradients.
 Everything runs on `device` (`shared.model.devices`): the model (built on the CPU, so every device starts
 from the same weights, then moved), the optimizer state, the microbatches, received activations and
 gradients (moved there on arrival here), and the all-reduce's sum. Tensors handed back for the wire
-are on the CPU, and each step ends by synchronising the device, so a step's time is the GPU's time
-and no copy off the GPU blocks the event loop. On the CPU every move is a no-op: the same tensors,
-the same operations, bit for bit.
+are on the CPU. On a GPU every method runs on training's own high-priority stream
+(`shared.model.streams.Lane`) and ends by waiting for that stream, not the device: a step's time is
+training's GPU time, prefill's kernels (on a low-priority stream) never hold it up, and no copy off
+the GPU blocks the event loop. On the CPU every move is a no-op and there is no stream: the same
+tensors, the same operations, bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from shared.model.devices import synchronize
 from shared.model.gpt import lm_loss
 from shared.model.hf_stage import HFStage
 from shared.model.optim import clip_and_step, grad_sq_norm, make_optimizer
+from shared.model.streams import Lane, on_lane
 from shared.model.training import Corpus, build_training_stage, layer_count, norm_parameters, tied_parameter
 from shared.spec.config import ClusterSpec
 
@@ -35,6 +38,9 @@ class StageTrainer:
         self.spec = spec
         self.seed, self.stages, self.lr = spec.model.seed, spec.parallelism.pp, spec.training.lr
         self.model = build_training_stage(spec, stage).to(self.device)
+        synchronize(self.device)  # once, at set-up: the weights are there before the lane reads them
+        #: training's stream: high priority on a GPU, none on the CPU
+        self.lane = Lane.training(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         #: The tied embedding this stage shares with the other end of the pipeline (None: none).
         self.tied = tied_parameter(self.model)
@@ -60,6 +66,7 @@ class StageTrainer:
         x, y = self.corpus.batch(iteration, self.replica * self.m + mb, self.mbs, self.seq, self.data_seed)
         return x.to(self.device), y.to(self.device)  # (B, T) each
 
+    @on_lane
     def forward(self, iteration: int, mb: int, act: Tensor | None) -> Tensor | None:
         """Run the stage on microbatch `mb`; returns the activation to send on, on the CPU (None on
         the last stage). `act` (a later stage's input) may be on any device."""
@@ -79,9 +86,10 @@ class StageTrainer:
             return None
         self._outputs[mb] = out
         sent = out.detach().cpu()  # for the wire (on the CPU: the same tensor)
-        synchronize(self.device)
+        self.lane.wait()
         return sent
 
+    @on_lane
     def backward(self, mb: int, grad: Tensor | None) -> Tensor | None:
         """Backpropagate microbatch `mb`; returns the gradient for the previous stage, on the CPU
         (None on stage 0). `grad` may be on any device."""
@@ -93,15 +101,17 @@ class StageTrainer:
             out.backward(grad.to(self.device))
         inp = self._inputs.pop(mb, None)
         sent = None if inp is None or inp.grad is None else inp.grad.cpu()
-        synchronize(self.device)
+        self.lane.wait()
         return sent
 
+    @on_lane
     def flat_grads(self) -> Tensor:
         """This stage's gradients as one flat tensor, on the device (the all-reduce's input)."""
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
-        synchronize(self.device)
+        self.lane.wait()
         return flat
 
+    @on_lane
     def load_grads(self, flat: Tensor) -> None:
         flat = flat.to(self.device)
         offset = 0
@@ -109,8 +119,9 @@ class StageTrainer:
             n = p.numel()
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
-        synchronize(self.device)
+        self.lane.wait()
 
+    @on_lane
     def load_mean(self, grads: Sequence[Tensor]) -> None:
         """The all-reduce's arithmetic on this device: sum the replicas' flat gradients in the order
         given (replica order, on every replica, so all end with bit-identical gradients), divide by
@@ -120,23 +131,27 @@ class StageTrainer:
             total += g.to(self.device)
         self.load_grads(total / len(grads))
 
+    @on_lane
     def grad_sq_norm(self) -> float:
         """This stage's share of the global gradient norm, squared (a tied copy counted once)."""
         return grad_sq_norm(self._norm_params)
 
+    @on_lane
     def tied_grad(self) -> Tensor:
         """The tied embedding's gradient, on the CPU (the all-reduce's input)."""
         assert self.tied is not None and self.tied.grad is not None
         grad = self.tied.grad.detach().to("cpu").clone()
-        synchronize(self.device)
+        self.lane.wait()
         return grad
 
+    @on_lane
     def set_tied_grad(self, total: Tensor) -> None:
         """Both ends' gradients summed: the tied weight's whole gradient, the same on both stages."""
         assert self.tied is not None
         self.tied.grad = total.to(self.device).view_as(self.tied).clone()
-        synchronize(self.device)
+        self.lane.wait()
 
+    @on_lane
     def step(self, it: int, total_sq_norm: float | None = None) -> None:
         """The optimizer step of iteration `it` (`shared.model.optim.clip_and_step`): clipped by the
         global norm (``sqrt(total_sq_norm)``, every stage's share summed; None: this stage's own, for
@@ -145,7 +160,7 @@ class StageTrainer:
             total_sq_norm = self.grad_sq_norm()  # a tied copy counted once
         self.last_lr, self.last_grad_norm = clip_and_step(self.opt, self.params, self.spec.training, it, total_sq_norm)
         self.opt.zero_grad(set_to_none=True)
-        synchronize(self.device)
+        self.lane.wait()
 
     def take_loss(self) -> float | None:
         """Mean microbatch loss of the iteration just finished (last stage only)."""
@@ -156,6 +171,7 @@ class StageTrainer:
 
     # --- checkpoints (a run survives a lost worker: shared/policies/recovery.py) ---------------
 
+    @on_lane
     def checkpoint(self) -> bytes:
         """This stage's state after a step, as safetensors bytes: every trainable parameter
         (``param.<i>``) and AdamW's state for it (``opt.<i>.step``, ``.exp_avg``, ``.exp_avg_sq``),
@@ -169,6 +185,7 @@ class StageTrainer:
                 tensors[f"opt.{i}.{name}"] = value.detach().to("cpu").contiguous()
         return save(tensors)
 
+    @on_lane
     def restore(self, blob: bytes | None) -> None:
         """Continue from a `checkpoint` (None: from the initial weights with a fresh optimizer),
         dropping whatever a cut-short iteration left behind. Bit-exact on the CPU: the next step
@@ -199,8 +216,9 @@ class StageTrainer:
         self.opt = make_optimizer(self.params, self.lr)
         if state:
             self.opt.load_state_dict({"state": state, "param_groups": self.opt.state_dict()["param_groups"]})
-        synchronize(self.device)
+        self.lane.wait()
 
+    @on_lane
     def saved_tensors(self) -> dict[str, Tensor]:
         """The stage's weights as the save directory stores them: a Hugging Face model's under its
         checkpoint names (`HFStage.hf_tensors`), the small GPT's under the full model's names (the

@@ -294,9 +294,7 @@ async def _train(
 
 def _prefill_model(spec: ClusterSpec, device: torch.device) -> PrefillModel:
     """The guest model, on this worker's device (it creates its inputs where its weights are)."""
-    model = PrefillModel.from_spec(spec.prefill)
-    model.module.to(device)
-    return model
+    return PrefillModel.from_spec(spec.prefill).place(device)  # on a low-priority stream of its own
 
 
 def model_bytes(model: PrefillModel) -> int:

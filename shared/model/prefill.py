@@ -44,6 +44,7 @@ from shared.model.info import CheckpointError as CheckpointError  # re-exported:
 from shared.model.info import ModelInfo
 from shared.model.shape import GPTConfig
 from shared.model.shape import estimate_kv_bytes as estimate_kv_bytes  # re-exported: it used to live here
+from shared.model.streams import Lane
 from shared.model.tokenizer import BYTES, Tokenizer, token_text, tokenizer_for
 from shared.spec.config import Prefill
 
@@ -62,6 +63,8 @@ class PrefillState:
     next_layer: int = 0
     hidden: Tensor | None = None
     kv: list[KV] = field(default_factory=list)
+    #: the prompt's positions (T,) on the model's device: built once per request, not per block
+    positions: Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def done(self) -> bool:
@@ -117,6 +120,17 @@ class PrefillModel:
         limit = self.info.max_model_len
         self.max_tokens = limit if max_prompt_tokens is None else min(limit, max_prompt_tokens)
         self.tokenizer: Tokenizer = BYTES if tokenizer is None else tokenizer
+        #: The stream prefill runs on (`place`): low priority on a GPU, none on the CPU.
+        self.lane = Lane.prefill(torch.device("cpu"))
+
+    def place(self, device: torch.device) -> PrefillModel:
+        """Move the weights to `device`, and run on a low-priority stream of its own there (on a
+        GPU: training's kernels go first; `shared.model.streams`)."""
+        self.module.to(device)
+        self.lane = Lane.prefill(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # once, at set-up: the weights' copies are done before any stream reads them
+        return self
 
     @property
     def layers(self) -> int:
@@ -197,11 +211,13 @@ class PrefillModel:
             raise ValueError(f"max_layers must be >= 0 or None, got {max_layers}")
         self._check_state(state)
         ran = 0
-        with torch.inference_mode():
+        with torch.inference_mode(), self.lane.scope():
             dev = self.device  # inputs go where the weights are
-            pos = torch.arange(len(state.tokens), dtype=torch.long, device=dev)  # (T,)
+            pos = state.positions
+            if pos is None or pos.device != dev:
+                pos = state.positions = _upload(torch.arange(len(state.tokens), dtype=torch.long), dev)  # (T,)
             if state.hidden is None:
-                ids = torch.tensor([state.tokens], dtype=torch.long, device=dev)  # (1, T)
+                ids = _upload(torch.tensor([state.tokens], dtype=torch.long), dev)  # (1, T)
                 state.hidden = self.module.embed(ids, pos)  # (1, T, C)
             state.hidden = state.hidden.to(dev)  # a resumed snapshot arrives on the CPU (a no-op there)
             while not state.done and (max_layers is None or ran < max_layers):
@@ -211,6 +227,7 @@ class PrefillModel:
                 state.kv.append(kv)  # 2 x (1, kv_heads, T, head_dim)
                 state.next_layer += 1
                 ran += 1
+            self.lane.hand_over()
         return state
 
     def free_cached(self) -> None:
@@ -225,7 +242,7 @@ class PrefillModel:
             raise ValueError(f"prefill not finished: {state.next_layer} of {state.layers} layers have run")
         self._check_state(state)
         assert state.hidden is not None
-        with torch.inference_mode():
+        with torch.inference_mode(), self.lane.scope():
             last = state.hidden[:, -1, :].to(self.device)  # (1, C)
             return self.module.head(last)  # (vocab,)
 
@@ -243,7 +260,7 @@ class PrefillModel:
         if top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
         logits = self.last_logits(state)  # (vocab,)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.lane.scope():
             logprobs = F.log_softmax(logits, dim=-1)  # (vocab,)
             token = sample(logits, temperature, seed=seed)
             k = min(top_logprobs, self.info.vocab)
@@ -312,6 +329,14 @@ class PrefillModel:
             raise ValueError(f"state is at layer {state.next_layer} but has no hidden state")
         if state.hidden is not None and tuple(state.hidden.shape) != (1, T, C):
             raise ValueError(f"state hidden has shape {tuple(state.hidden.shape)}, expected {(1, T, C)}")
+
+
+def _upload(t: Tensor, device: torch.device) -> Tensor:
+    """CPU tensor `t` on `device`: on a GPU from pinned memory without blocking the host (ordered
+    on the current stream before whatever reads it); elsewhere `t` itself."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def sample(

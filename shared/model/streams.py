@@ -1,0 +1,86 @@
+"""Training first on the GPU: each side of a stage worker on a CUDA stream of its own.
+
+Training (the owner) runs on a high-priority stream, prefill (the guest) on a low-priority one
+(`Lane.training`, `Lane.prefill`). The GPU's scheduler then starts a ready training kernel before
+queued prefill kernels, and neither side waits for the other's work: each waits on its own stream
+(`Lane.wait`), never on the whole device (`torch.cuda.synchronize`, which made training's every
+step wait behind whatever prefill had queued). The two sides share no tensors: each model has its
+own weights, and what crosses between them goes through the CPU.
+
+On the CPU a lane has no stream: `scope` enters nothing and `wait` does nothing, so every CPU run
+computes exactly what it did before (tests/unit/test_streams.py pins it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
+
+import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Lane:
+    """One side's stream on `device` (None on the CPU)."""
+
+    def __init__(self, device: torch.device, *, high: bool) -> None:
+        self.device = device
+        self.stream: torch.cuda.Stream | None = None
+        if device.type == "cuda":
+            least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # static; (0, -5): lower is more urgent
+            self.stream = torch.cuda.Stream(device=device, priority=greatest if high else least)
+
+    @classmethod
+    def training(cls, device: torch.device) -> Lane:
+        return cls(device, high=True)
+
+    @classmethod
+    def prefill(cls, device: torch.device) -> Lane:
+        return cls(device, high=False)
+
+    @property
+    def priority(self) -> int | None:
+        return None if self.stream is None else int(self.stream.priority)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Work launched in this block (by this thread) goes on the lane's stream."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def hand_over(self) -> None:
+        """Whatever runs later on the device's default stream (a copy of this lane's results off
+        the GPU, from any thread) waits for what this lane launched so far: a dependency on the
+        GPU, not a wait of the host."""
+        if self.stream is not None:
+            torch.cuda.default_stream(self.device).wait_stream(self.stream)
+
+    def wait(self) -> None:
+        """Until everything launched on this lane has run (not the other lane's work)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class OnLane(Protocol):
+    lane: Lane
+
+
+S = TypeVar("S", bound=OnLane)
+
+
+def on_lane(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
+    """A method whose device work runs on its object's `lane`."""
+
+    @functools.wraps(method)
+    def run(self: S, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.lane.scope():
+            return method(self, *args, **kwargs)
+
+    return run

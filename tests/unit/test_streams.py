@@ -1,0 +1,101 @@
+"""Training and prefill on streams of their own (`shared.model.streams`): on the CPU nothing
+changes; every trainer method that touches the device runs on training's lane; on a GPU training's
+stream outranks prefill's and prefill's blocks really run on its own."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from services.stage_worker.trainer import StageTrainer
+from shared.model.data import ByteCorpus
+from shared.model.gpt import GPTConfig
+from shared.model.prefill import PrefillModel
+from shared.model.streams import Lane
+from shared.spec.config import parse_spec
+
+NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
+SPEC = parse_spec(
+    {
+        "datacenters": [{"name": "a", "gpus": 2}],
+        "model": {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8},
+        "parallelism": {"pp": 2, "dp": 1},
+        "training": {"microbatches": 1, "microbatch_size": 2},
+    }
+)
+CORPUS = ByteCorpus(torch.arange(256, dtype=torch.uint8).repeat(8))
+
+
+def test_on_the_cpu_a_lane_has_no_stream_and_changes_nothing() -> None:
+    cpu = torch.device("cpu")
+    for lane in (Lane.training(cpu), Lane.prefill(cpu)):
+        assert lane.stream is None and lane.priority is None
+        with lane.scope():
+            assert torch.ones(2).sum().item() == 2.0
+        lane.wait()
+        lane.hand_over()
+    assert StageTrainer(SPEC, 0, 0, CORPUS).lane.stream is None
+    model = PrefillModel(GPTConfig(layers=2, d_model=16, heads=2, seq_len=8, vocab=256), seed=1)
+    assert model.lane.stream is None and model.place(cpu).lane.stream is None
+    # positions are built once per request and kept with its state (the same values as before)
+    state = model.run_layers(model.start([1, 2, 3]), max_layers=1)
+    assert state.positions is not None and state.positions.tolist() == [0, 1, 2]
+    kept = state.positions
+    assert model.run_layers(state).positions is kept
+
+
+class CountingLane(Lane):
+    """A CPU lane that counts how often work entered it (there is no stream to look at here)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"), high=True)
+        self.entered = 0
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        self.entered += 1
+        yield
+
+
+def test_every_trainer_method_that_touches_the_device_runs_on_trainings_lane() -> None:
+    tr = StageTrainer(SPEC, 0, 0, CORPUS)
+    lane = tr.lane = CountingLane()
+    act = tr.forward(0, 0, None)
+    assert act is not None and lane.entered == 1
+    tr.backward(0, torch.full_like(act, 0.01))
+    flat = tr.flat_grads()
+    tr.load_mean([flat, flat])  # and load_grads inside it: 2
+    tr.step(0)  # and grad_sq_norm inside it (clipping is on): 2
+    blob = tr.checkpoint()
+    tr.restore(blob)
+    tr.saved_tensors()
+    assert lane.entered == 10, lane.entered
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_on_a_gpu_training_outranks_prefill_and_prefill_runs_on_its_own_stream() -> None:
+    dev = torch.device("cuda", 0)
+    train, prefill = Lane.training(dev), Lane.prefill(dev)
+    assert train.priority is not None and prefill.priority is not None
+    assert train.priority < prefill.priority  # lower is more urgent
+    model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=16, vocab=256), seed=1)
+    want = model.prefill([5, 6, 7])
+    model.place(dev)
+    seen: list[torch.cuda.Stream] = []
+    block = model.module.block
+
+    def recording(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(torch.cuda.current_stream())
+        return block(*args, **kw)
+
+    model.module.block = recording  # type: ignore[method-assign]
+    got = model.prefill([5, 6, 7])
+    assert seen and all(s == model.lane.stream for s in seen)
+    assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=1e-4)
+    # what prefill computed is readable from the default stream at once (a snapshot's copy)
+    state = model.run_layers(model.start([5, 6, 7]), max_layers=1)
+    assert state.hidden is not None and torch.isfinite(state.hidden.cpu()).all()
