@@ -9,7 +9,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import yaml
@@ -19,10 +19,13 @@ from redis.asyncio import Redis
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
-from shared.figures.bubblestats import run_control
+from shared.figures.bubblestats import empty_with_work, run_control
 from shared.figures.runstats import Span, run_spans, write_spans
 from shared.spec.settings import load_settings
 from shared.wire import ControlSeen
+
+if TYPE_CHECKING:
+    from _gpu_job import Prepared
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "wan-bound.yaml").read_text())
@@ -39,8 +42,16 @@ ALL_MODES = (*MODES, "real")
 
 
 def bench_spec(
-    *, enabled: bool, iterations: int, dp: int, mode: str = "profiled", slo_device_ms: float = 1000.0
+    *,
+    enabled: bool,
+    iterations: int,
+    dp: int,
+    mode: str = "profiled",
+    slo_device_ms: float = 1000.0,
+    job: Prepared | None = None,
 ) -> dict[str, Any]:
+    """The bench's spec: configs/wan-bound.yaml's pipeline, or with `job` (real mode) the GPU
+    check's Llama job (bench/_gpu_job.py)."""
     spec = copy.deepcopy(BASE)
     if mode == "profiled":
         spec["device"] |= PREFILL_PROFILE
@@ -59,6 +70,9 @@ def bench_spec(
         # KV caches are not kept: at benchmark throughput they would be hundreds of MB per second.
         "kv_ttl_s": 0,
     }
+    if job is not None:
+        for section, values in job.overrides.items():
+            spec[section] = values if section in ("wan", "model") else {**spec[section], **values}
     return spec
 
 
@@ -66,14 +80,14 @@ def bench_spec(
 PROMPT_TOKENS = 96
 
 
-async def load(api: str, rate: float, duration_s: float, out: Path) -> dict[str, Any]:
+async def load(api: str, rate: float, duration_s: float, out: Path, job: Prepared | None = None) -> dict[str, Any]:
     """The load generator: Poisson arrivals at `rate` requests per (real) second, open loop (no
     cap on requests in flight), from the moment training runs (`/ready` says serving: not while the
     workers set up, whose queue would reach the first bubbles as a burst, not at the stated rate),
     for `duration_s`."""
     args = ["--base-url", api, "--request-rate", f"{rate:.4f}", "--burstiness", "1", "--ready-state", "serving"]
-    args += ["--duration", f"{duration_s:.2f}", "--num-prompts", "1000000", "--input-len", str(PROMPT_TOKENS)]
-    args += ["--range-ratio", "0.33", "--seed", str(random.randrange(1 << 30))]
+    args += ["--duration", f"{duration_s:.2f}", "--num-prompts", "1000000", "--seed", str(random.randrange(1 << 30))]
+    args += job.load_args() if job is not None else ["--input-len", str(PROMPT_TOKENS), "--range-ratio", "0.33"]
     return await run_loadgen(args, out)
 
 
@@ -89,11 +103,12 @@ async def one_run(
     rate: float = 0.0,
     load_s: float = 0.0,
     dump: Path | None = None,
+    job: Prepared | None = None,
 ) -> tuple[TrainResult, dict[str, Any]]:
     """One training run, BubbleTea off or on (then under the load: `rate` requests per real second
     for `load_s`); with `dump` (`--dump DIR`) its spans and the dispatcher's records are written
     there too."""
-    spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp, mode=mode, slo_device_ms=slo_device_ms)
+    spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp, mode=mode, slo_device_ms=slo_device_ms, job=job)
     path = workdir / f"bt-{'on' if enabled else 'off'}.yaml"
     path.write_text(yaml.safe_dump(spec))
     run = f"bench-bt-{'on' if enabled else 'off'}-{random.randrange(1 << 30):x}"
@@ -110,7 +125,7 @@ async def one_run(
         try:
             async with front_door(env, out=out) as door:
                 assert door.url is not None
-                client = asyncio.create_task(load(door.url, rate, load_s, workdir / "loadgen.json"))
+                client = asyncio.create_task(load(door.url, rate, load_s, workdir / "loadgen.json", job))
                 # trains on past the spec's iterations until the load is done (those are left out
                 # below): every bubble of the spec's iterations has requests waiting, the last too
                 result = await run_training(
@@ -137,3 +152,5 @@ def _dump(folder: Path, run: str, spans: list[Span], seen: list[ControlSeen]) ->
     folder.mkdir(parents=True, exist_ok=True)
     write_spans(folder / f"{run}.spans.jsonl", spans, full=True)
     (folder / f"{run}.control.jsonl").write_text("".join(json.dumps(msgspec.to_builtins(c)) + "\n" for c in seen))
+    empty = empty_with_work(spans, seen)  # had work, stayed empty: predicted against actual length
+    (folder / f"{run}.empty_bubbles.jsonl").write_text("".join(json.dumps(b) + "\n" for b in empty))

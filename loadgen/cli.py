@@ -81,7 +81,11 @@ def build_workload(config: BenchmarkConfig) -> Workload:
         planned = (datasets.random_tokens(n, prompt_rng) for n in plan.lengths)
         return Workload(map(Request, plan.offsets_s, planned, plan.output_lens), len(plan.offsets_s), plan.clamped)
     offsets = arrivals.arrival_offsets(config.request_rate, config.burstiness, stream_rng(config.seed, ARRIVAL_STREAM))
-    prompts = datasets.random_prompts(config.input_len, config.range_ratio, prompt_rng)
+    if config.input_lens_from is not None:
+        lengths = datasets.trace_lengths(datasets.read_trace(config.input_lens_from), config.max_input_len)
+        prompts = datasets.prompts_of_lengths(lengths, prompt_rng)
+    else:
+        prompts = datasets.random_prompts(config.input_len, config.range_ratio, prompt_rng)
     outputs = datasets.random_output_lens(config.output_len, config.range_ratio, stream_rng(config.seed, OUTPUT_STREAM))
     requests: Iterator[Request] = map(Request, offsets, prompts, outputs)
     if config.duration_s is not None:

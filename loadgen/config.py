@@ -35,6 +35,7 @@ class BenchmarkConfig:
     range_ratio: float = 0.0
     output_len: int = 1  # random dataset: mean max_tokens (1: prefill only, exactly)
     trace: str | None = None
+    input_lens_from: str | None = None  # random dataset: prompt lengths drawn from this trace's, clamped
     time_scale: float = 1.0
     max_input_len: int = 256
     max_output_len: int = 1  # trace: GeneratedTokens clamped to this (1: prefill only)
@@ -139,7 +140,11 @@ class BenchmarkConfig:
             for key in ("request_rate", "burstiness", "input_len", "range_ratio", "output_len"):
                 d[key] = None  # not used: the trace decides arrivals and lengths
         else:
-            d["trace"] = d["time_scale"] = d["max_input_len"] = d["max_output_len"] = None
+            d["trace"] = d["time_scale"] = d["max_output_len"] = None
+            if self.input_lens_from is None:
+                d["max_input_len"] = None
+            else:
+                d["input_len"] = d["range_ratio"] = None  # the trace's lengths instead
         return d
 
 

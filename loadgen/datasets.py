@@ -21,7 +21,7 @@ from __future__ import annotations
 import csv
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -109,6 +109,14 @@ def random_prompts(input_len: int, range_ratio: float, rng: np.random.Generator)
         yield random_tokens(int(rng.integers(lo, hi + 1)), rng)
 
 
+def prompts_of_lengths(lengths: Sequence[int], rng: np.random.Generator) -> Iterator[list[int]]:
+    """An endless stream of prompts whose lengths are drawn from `lengths` (with replacement)."""
+    if not lengths:
+        raise ValueError("no prompt lengths to draw from")
+    while True:
+        yield random_tokens(int(lengths[int(rng.integers(0, len(lengths)))]), rng)
+
+
 # --- traces ------------------------------------------------------------------------------------
 
 
@@ -191,6 +199,13 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     rows.sort(key=lambda r: r[0])
     first = rows[0][0]
     return [TraceRequest((ns - first) / 1e9, tokens, generated) for ns, tokens, generated in rows]
+
+
+def trace_lengths(trace: Sequence[TraceRequest], max_input_len: int) -> list[int]:
+    """The trace's prompt lengths, each clamped to [1, max_input_len] (`--input-lens-from`)."""
+    if max_input_len < 1:
+        raise ValueError(f"the maximum input length must be >= 1, got {max_input_len}")
+    return [min(max(req.context_tokens, 1), max_input_len) for req in trace]
 
 
 def plan_trace(

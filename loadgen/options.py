@@ -182,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--random-range-ratio (as vLLM), at least 1; 1 is exactly 1 (default: 1, prefill only)",
     )
     data.add_argument(
+        "--input-lens-from",
+        metavar="TRACE",
+        help="random dataset: draw each prompt's length from this Azure trace CSV's ContextTokens (seeded, with "
+        "replacement), clamped to --max-input-len; arrivals stay --request-rate's. Not with --input-len",
+    )
+    data.add_argument(
         "--trace",
         metavar="FILE",
         help="replay an Azure LLM inference trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens): arrivals follow "
@@ -197,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-input-len",
         type=int,
         metavar="TOKENS",
-        help="clamp trace prompts to this length, counting how many were cut (default: 256). Only with --trace",
+        help="clamp trace prompts to this length, counting how many were cut (default: 256). Only with --trace "
+        "or --input-lens-from",
     )
     data.add_argument(
         "--max-output-len",
@@ -278,7 +285,13 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if args.dataset == "random" and args.trace is not None:
         parser.error("--dataset random and --trace conflict: --trace replays a trace")
     dataset = "trace" if args.trace is not None else "random"
-    foreign = TRACE_ONLY if dataset == "random" else RANDOM_ONLY
+    foreign = dict(TRACE_ONLY if dataset == "random" else RANDOM_ONLY)
+    if args.input_lens_from is not None:
+        if dataset == "trace":
+            parser.error("--input-lens-from applies to the random dataset: --trace sets the lengths itself")
+        if args.input_len is not None or args.range_ratio is not None:
+            parser.error("--input-lens-from and --input-len/--range-ratio conflict: the trace gives the lengths")
+        del foreign["max_input_len"]
     for attr, flag in foreign.items():
         if getattr(args, attr) is not None:
             if dataset == "trace":
@@ -303,6 +316,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             range_ratio=_default(args.range_ratio, 0.0),
             output_len=_default(args.output_len, 1),
             trace=args.trace,
+            input_lens_from=args.input_lens_from,
             time_scale=_default(args.time_scale, 1.0),
             max_input_len=_default(args.max_input_len, 256),
             max_output_len=_default(args.max_output_len, 1),

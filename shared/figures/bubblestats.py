@@ -87,6 +87,31 @@ def bubble_dispatch(spans: Iterable[Span], seen: Iterable[ControlSeen], time_sca
     return BubbleDispatch(total, with_work, filled, tuple(latencies), tuple(filled_latencies), tuple(real))
 
 
+def empty_with_work(spans: Iterable[Span], seen: Iterable[ControlSeen]) -> list[dict[str, object]]:
+    """Every bubble that opened with work and had no prefill running in it (the bubbles counted in
+    `with_work` and not in `filled`), with its predicted and actual length (real ms): what
+    `--dump` lists, to see whether such bubbles were short, mispredicted or late."""
+    opened = {(c.worker, c.at): c.with_work for c in seen if c.event is ControlEvent.BUBBLE_START}
+    prefills = _prefills_by_worker(spans)
+    out: list[dict[str, object]] = []
+    for w in (s for s in spans if s.kind == "wait"):
+        if not opened.get((w.worker, w.start), True):
+            continue
+        if any(w.start <= p.start <= w.end for p in prefills.get(w.worker, ())):
+            continue
+        out.append(
+            {
+                "worker": w.worker,
+                "iteration": w.iteration,
+                "start": w.start,
+                "predicted_ms": w.predicted_ms,
+                "actual_ms": round((bubble_end(w) - w.start) * 1000, 3),
+                "recorded": (w.worker, w.start) in opened,  # False: the dispatcher never handled its start
+            }
+        )
+    return out
+
+
 def report_latencies_ms(seen: Iterable[ControlSeen]) -> list[float]:
     """Per batch report: the worker sent it to the dispatcher handling it (ms)."""
     return [(c.seen - c.at) * 1000 for c in seen if c.event is ControlEvent.REPORT]

@@ -13,16 +13,17 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+CHECK = [sys.executable, "bench/gpu_check.py"]
 
 
 @pytest.mark.timeout(480)  # a bench run of two trainings, longer than the suite's default
-def test_gpu_check_runs_on_real_compute_and_says_where() -> None:
+def test_gpu_check_runs_on_real_compute_and_says_where(tmp_path: Path) -> None:
     r = subprocess.run(
         # at most 50 requests/s (--quick's 10 leaves most of the few bubbles counted empty; the bench's
         # default, 200, costs this 2-core suite 9 CPU s more and pins nothing more), over 5 iterations:
         # the load starts once training runs, so the first ones may see none of it. One replica (two
         # workers a run): the device path is the subject; data parallelism is pinned by the training tests
-        [sys.executable, "bench/gpu_check.py", "--quick", "--iterations", "5", "--max-rate", "50", "--dp", "1"],
+        [*CHECK, "--quick", "--iterations", "5", "--max-rate", "50", "--dp", "1", "--dump", str(tmp_path / "dump")],
         capture_output=True,
         text=True,
         timeout=420,
@@ -33,6 +34,15 @@ def test_gpu_check_runs_on_real_compute_and_says_where() -> None:
     assert f"gpu-check on {where}" in r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["check"] == "gpu" and got["device"] == where and got["mode"] == "real"
+    # the job (a GPU's default is the full Llama; here the same path, tiny) and the GPU's share, said
+    # in the first line and the JSON (no GPU here: nothing to share)
+    job = "full" if torch.cuda.is_available() else "tiny"
+    assert got["job"] == job and f"job {job}" in r.stderr
+    if not torch.cuda.is_available():
+        assert got["gpu_share"] == "none" and "gpu share: none (no GPU" in r.stderr
+    # --dump: every run's records, and its bubbles that had work and stayed empty
+    dumped = sorted(p.name.split(".", 1)[1] for p in (tmp_path / "dump").iterdir())
+    assert dumped.count("empty_bubbles.jsonl") == 2 and dumped.count("spans.jsonl") == 2, dumped
     assert got["time_scale_k"] == 1.0 and got["dp"] == 1  # PP=2 x DP=1 as asked, no profile, k = 1
     # a smoke test on a shared CPU: the requests must flow (nothing lost is pinned by tests/e2e/test_no_loss.py;
     # here a busy machine's client may time out, which the bench counts against it)

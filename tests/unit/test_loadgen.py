@@ -197,6 +197,22 @@ def test_trace_workload(tmp_path: Path) -> None:
     assert [r.prompt for r in decoding] == [r.prompt for r in sent]  # the same prompts
 
 
+def test_prompt_lengths_drawn_from_a_trace_keep_the_requested_rate(tmp_path: Path) -> None:
+    """--input-lens-from: a trace's prompt lengths (clamped), at arrivals of --request-rate."""
+    trace = str(write(tmp_path, TRACE))
+    cfg = parse_config(
+        ["--request-rate", "50", "--num-prompts", "400", "--input-lens-from", trace, "--max-input-len", "256"]
+    )
+    assert cfg.dataset == "random" and cfg.input_lens_from == trace and cfg.max_input_len == 256
+    sent = list(build_workload(cfg).requests)
+    assert {len(r.prompt) for r in sent} == {256, 100, 1}  # 4808 and 300 clamped to 256, 0 sent as 1
+    assert 400 / sent[-1].offset_s == pytest.approx(50, rel=0.2)  # the rate asked for, not the trace's
+    assert sent == list(build_workload(cfg).requests)  # seeded
+    for bad in (["--input-len", "8"], ["--trace", trace]):
+        with pytest.raises(SystemExit):
+            parse_config(["--input-lens-from", trace, *bad])
+
+
 def test_random_workload_is_reproducible_and_bounded_by_duration() -> None:
     cfg = BenchmarkConfig(request_rate=50.0, num_prompts=None, duration_s=1.0, input_len=8)
     first = list(build_workload(cfg).requests)
