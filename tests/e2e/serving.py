@@ -122,6 +122,22 @@ async def wait_for_first_bubble(redis_url: str, run: str, timeout: float = 90.0)
     )
 
 
+async def final_answers(
+    http: aiohttp.ClientSession, url: str, ids: list[str], timeout: float = 120.0
+) -> dict[str, dict[str, Any]]:
+    """Every request's final status (answered or failed), polled until none is still queued."""
+    answers: dict[str, dict[str, Any]] = {}
+
+    async def all_final() -> bool:
+        for rid in ids:
+            if rid not in answers and (a := await status(http, url, rid))["status"] != "queued":
+                answers[rid] = a
+        return len(answers) == len(ids)
+
+    await wait_until(all_final, "every request answered or failed", timeout=timeout)
+    return answers
+
+
 async def wait_ready(http: aiohttp.ClientSession, url: str, timeout: float = 30.0) -> None:
     """Poll the front door's /ready until 200: training runs and a dispatcher fills its bubbles."""
 

@@ -13,7 +13,6 @@ import io
 import re
 import uuid
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -26,7 +25,7 @@ from shared.control.health import live_instances
 from shared.model.reference import train_reference_for
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.settings import load_settings
-from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, status, submit, wait_ready, wait_until, write_spec
+from tests.e2e.serving import ONE_REPLICA, SPEC, final_answers, service_env, submit, wait_ready, wait_until, write_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -49,15 +48,7 @@ async def test_training_goes_on_to_the_reference_losses_while_every_prefill_fail
         try:
             await wait_ready(http, door.url, timeout=90)
             ids = [await submit(http, door.url, {"prompt": [1 + i, 2, 3], "max_tokens": 1}) for i in range(8)]
-            answers: dict[str, dict[str, Any]] = {}
-
-            async def all_final() -> bool:
-                for rid in ids:
-                    if rid not in answers and (a := await status(http, door.url, rid))["status"] != "queued":
-                        answers[rid] = a
-                return len(answers) == len(ids)
-
-            await wait_until(all_final, "every request answered or failed", timeout=120)
+            answers = await final_answers(http, door.url, ids, timeout=120)
 
             async def says_why() -> bool:
                 async with http.get(f"{door.url}/ready") as resp:

@@ -14,7 +14,6 @@ import random
 import re
 import uuid
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -35,8 +34,8 @@ from shared.spec.settings import load_settings
 from shared.wire import SpanRecord
 from tests.e2e.serving import (
     SPEC,
+    final_answers,
     service_env,
-    status,
     submit,
     wait_for_first_bubble,
     wait_ready,
@@ -76,15 +75,7 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
             for body in bodies:
                 ids.append(await submit(http, door.url, body))
                 await asyncio.sleep(0.02)  # arrivals spread over the training run (load shape, not a wait)
-            answers: dict[str, dict[str, Any]] = {}
-
-            async def all_final() -> bool:
-                for rid in ids:
-                    if rid not in answers and (a := await status(http, door.url, rid))["status"] != "queued":
-                        answers[rid] = a
-                return len(answers) == len(ids)
-
-            await wait_until(all_final, "every request answered or failed", timeout=120)
+            answers = await final_answers(http, door.url, ids, timeout=120)
             assert not training.done(), out.getvalue()[-3000:]  # it trained throughout, without failing
             # compute below the control plane: each worker's event loop at nice 0, its training
             # thread at TRAIN_NICE and its prefill thread at PREFILL_NICE (shared/runtime/priority.py)
