@@ -99,9 +99,11 @@ class Filler:
         queue: FillQueue,
         profile: PrefillProfile | None = None,
         metrics: WorkerMetrics | None = None,
+        piece_tokens: int | None = None,
     ) -> None:
         self.bus, self.run, self.model, self.port = bus, run, model, port
         self.on_span, self.queue, self.profile = on_span, queue, profile
+        self.piece_tokens = piece_tokens  # a layer in pieces of this many tokens (None: whole layers)
         self.reporter = Reporter(bus, run, worker, model_name, port, metrics)
         #: how far prefill batches ran past their profiled schedule (seconds); the runner takes it
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
@@ -330,7 +332,6 @@ class Filler:
         """Blocks of one request up to `to_layer` while the input has not arrived, each started
         once the run's `schedule` has the previous one done, pausing after each. Returns how
         many ran, and what the model raised if it did (the run stops there)."""
-        profiled = self.profile.block_s(len(state.tokens)) if self.profile is not None else None
         ran = 0
         while state.next_layer < to_layer and not state.done:
             if (wait := schedule.wait_s(time.monotonic())) > 0:
@@ -338,11 +339,15 @@ class Filler:
             if not may_start_block(input_arrived=arrived()):
                 return ran, None
             try:
-                self.model.run_layers(state, max_layers=1)
+                if self.piece_tokens is None:
+                    self.model.run_layers(state, max_layers=1)
+                    tokens = len(state.tokens)
+                else:
+                    tokens = self.model.run_piece(state, self.piece_tokens)
             except Exception as exc:  # the guest failed: the caller fails the request, training goes on
                 return ran, exc
-            if profiled is not None:
-                schedule.add(profiled)
+            if self.profile is not None:
+                schedule.add(self.profile.block_s(tokens))
             ran += 1
             yield
         return ran, None

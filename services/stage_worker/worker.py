@@ -42,7 +42,7 @@ from shared.model.prefill import PrefillModel
 from shared.model.training import load_corpus
 from shared.model.trainstate import check_resume, stage_state
 from shared.policies.bubbles import BubblePredictor
-from shared.policies.fill import FillQueue
+from shared.policies.fill import FillQueue, piece_tokens
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.restarts import EXIT_CONFIG
@@ -264,6 +264,7 @@ async def _train(
             FillQueue.from_spec(spec.bubbletea),
             PrefillProfile.from_device(spec.device.prefill_ms_per_layer, spec.device.prefill_us_per_token),
             metrics,
+            piece_tokens(spec.bubbletea.piece_tokens, on_gpu=device.type == "cuda"),
         )
         fill = bus.consumer(
             keys.fill_stream(run, slot.replica, slot.stage),

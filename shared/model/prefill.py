@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,46 +41,14 @@ from shared.model.families.nanogpt import NanoGPT
 from shared.model.gpt import StageModule
 from shared.model.info import CheckpointError as CheckpointError  # re-exported: it used to live here
 from shared.model.info import ModelInfo
+from shared.model.prefill_state import PrefillResult as PrefillResult  # re-exported: defined beside
+from shared.model.prefill_state import PrefillState as PrefillState
 from shared.model.sampling import sample as sample  # re-exported: the one sampling rule, decoders' too
 from shared.model.shape import GPTConfig
 from shared.model.shape import estimate_kv_bytes as estimate_kv_bytes  # re-exported: it used to live here
 from shared.model.streams import Lane
 from shared.model.tokenizer import BYTES, Tokenizer, token_text, tokenizer_for
 from shared.spec.config import Prefill
-
-
-@dataclass
-class PrefillState:
-    """One request's progress: blocks ``[0, next_layer)`` have run (see `PrefillModel.run_layers`).
-
-    `hidden` is None until the embeddings ran, then the float32 (1, T, C) input of block
-    `next_layer` (the output of the last block once done). `kv[i]` is block i's (k, v), each
-    float32 (1, kv_heads, T, head_dim).
-    """
-
-    tokens: list[int]
-    layers: int  # the model's block count; done when next_layer == layers
-    next_layer: int = 0
-    hidden: Tensor | None = None
-    kv: list[KV] = field(default_factory=list)
-    #: the prompt's positions (T,) on the model's device: built once per request, not per block
-    positions: Tensor | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def done(self) -> bool:
-        return self.next_layer == self.layers
-
-
-@dataclass
-class PrefillResult:
-    """The first generated token of a finished prefill, and the prompt's KV cache."""
-
-    token: int
-    text: str  # the model's tokenizer's text of `token` (`token_text`); U+FFFD for an id it does not know
-    logprob: float  # log-softmax at temperature 1 of `token` (<= 0)
-    top: list[tuple[int, float]]  # the most likely ids with their logprobs, most likely first
-    prompt_tokens: int
-    kv: list[KV]  # one (k, v) per layer, each (1, kv_heads, T, head_dim)
 
 
 class PrefillModel:
@@ -228,8 +195,46 @@ class PrefillModel:
                 state.kv.append(kv)  # 2 x (1, kv_heads, T, head_dim)
                 state.next_layer += 1
                 ran += 1
+                self.lane.pace()
             self.lane.hand_over()
         return state
+
+    def run_piece(self, state: PrefillState, tokens: int) -> int:
+        """Advance `state` by one piece: embeddings if not yet run, then the next `tokens` tokens of
+        block `next_layer` (all of it when `tokens` covers the rest), the layer completing when its
+        last piece ran. Returns the tokens run (0 when done). A piece attends over the layer's
+        earlier pieces through their keys and values, as a decoder does over its cache, so a long
+        prompt's layer becomes pieces of bounded time; the result equals the whole layer's up to
+        float rounding (`tests/unit/test_prefill_pieces.py`)."""
+        if tokens < 1:
+            raise ValueError(f"a piece has at least 1 token, got {tokens}")
+        self._check_state(state)
+        if state.done:
+            return 0
+        T = len(state.tokens)
+        if state.piece_done == 0 and tokens >= T:
+            self.run_layers(state, max_layers=1)  # a whole layer: exactly the unpieced block
+            return T
+        with torch.inference_mode(), self.lane.scope():
+            dev = self.device
+            if state.hidden is None or state.positions is None:
+                self.run_layers(state, max_layers=0)  # embeddings and positions
+            assert state.hidden is not None and state.positions is not None
+            a = state.piece_done
+            b = min(T, a + tokens)
+            out, kv = self.module.block(
+                state.next_layer, state.hidden[:, a:b].to(dev), state.positions[a:b], state.piece_kv
+            )
+            state.piece_out.append(out)
+            state.piece_kv, state.piece_done = kv, b
+            if b == T:  # the layer is whole
+                state.hidden = torch.cat(state.piece_out, dim=1)  # (1, T, C)
+                state.kv.append(kv)
+                state.next_layer += 1
+                state.piece_done, state.piece_out, state.piece_kv = 0, [], None
+            self.lane.pace()
+            self.lane.hand_over()
+        return b - a
 
     def free_cached(self) -> None:
         """Give the device back what its allocator keeps cached (after a failed run dropped its

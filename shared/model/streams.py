@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -30,6 +31,7 @@ class Lane:
     def __init__(self, device: torch.device, *, high: bool) -> None:
         self.device = device
         self.stream: torch.cuda.Stream | None = None
+        self._marks: deque[torch.cuda.Event] = deque()
         if device.type == "cuda":
             least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # static; (0, -5): lower is more urgent
             self.stream = torch.cuda.Stream(device=device, priority=greatest if high else least)
@@ -61,6 +63,19 @@ class Lane:
         GPU, not a wait of the host."""
         if self.stream is not None:
             torch.cuda.default_stream(self.device).wait_stream(self.stream)
+
+    def pace(self, ahead: int = 1) -> None:
+        """After launching a block: keep the host at most `ahead` blocks ahead of the device. A
+        kernel launch returns at once, so without this the host would queue a bubble's whole queue
+        of prefill before the GPU ran the first block; training's input arriving meanwhile would then
+        wait behind all of it. Waits on this lane's own events, in the calling (prefill) thread."""
+        if self.stream is None:
+            return
+        mark = torch.cuda.Event()
+        mark.record(self.stream)
+        self._marks.append(mark)
+        while len(self._marks) > ahead:
+            self._marks.popleft().synchronize()
 
     def wait(self) -> None:
         """Until everything launched on this lane has run (not the other lane's work)."""

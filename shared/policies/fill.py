@@ -55,6 +55,19 @@ class Held:
     started: bool = False  # part of it ran: it continues where it stopped
 
 
+#: `bubbletea.piece_tokens: 0` on a GPU: a layer runs in pieces of this many tokens.
+GPU_PIECE_TOKENS = 256
+
+
+def piece_tokens(setting: int, *, on_gpu: bool) -> int | None:
+    """Tokens of one prefill piece within a layer (None: whole layers). `setting` 0 is automatic:
+    pieces on a GPU, where a long prompt's layer is milliseconds that a kernel already launched
+    cannot give back; whole layers on a CPU, as before (a block there is a fraction of one)."""
+    if setting > 0:
+        return setting
+    return GPU_PIECE_TOKENS if on_gpu else None
+
+
 def may_start_block(*, input_arrived: bool) -> bool:
     """Whether the next block may start: only the awaited training input stops prefill."""
     return not input_arrived

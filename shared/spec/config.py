@@ -84,6 +84,10 @@ class BubbleTea(Section, frozen=True):
     #: How long a worker keeps queued work no bubble took before handing it back unrun (training
     #: paused or over). Keep it above the longest time between two of a worker's bubbles.
     hold_ms: Annotated[float, Meta(gt=0, le=3_600_000), DEVICE] = 1000.0
+    #: Tokens of one prefill piece within a layer: a long prompt's layer runs in pieces of this
+    #: many tokens, so training's input waits for at most one piece. 0: automatic (256 on a GPU,
+    #: whole layers on a CPU: `shared.policies.fill.piece_tokens`).
+    piece_tokens: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
     #: Serving is declared stalled (`/ready` 503, new requests 503, queued ones failed) when every
     #: slot is held but no bubble was announced for this long. Keep it above the longest iteration.
     unready_after_s: Annotated[float, Meta(gt=0, le=86_400), DEVICE] = 10.0

@@ -54,7 +54,7 @@ def filler_for(bus: Bus, model: PrefillModel, *, run: str = RUN, kv_ttl_s: int =
 
 @contextlib.contextmanager
 def arriving_during_block(
-    model: PrefillModel, block: int, arrive: Callable[[], None], *, nth: bool = False
+    model: PrefillModel, block: int, arrive: Callable[[], None], *, nth: bool = False, method: str = "run_layers"
 ) -> Iterator[None]:
     """Meanwhile `arrive()` runs on the event loop once block `block` of `model` has started (with
     `nth`: the `block`-th block run, counting from 0, whichever request it is), and the block waits
@@ -63,7 +63,7 @@ def arriving_during_block(
     runs on the event loop itself: there the input lands directly."""
     loop = asyncio.get_running_loop()
     loop_thread = threading.get_ident()
-    run_layers = model.run_layers
+    run_layers = getattr(model, method)  # or "run_piece": a piece of a layer is the block then
     calls = [0]
 
     def run_block(state: PrefillState, *args: Any, **kw: Any) -> PrefillState:
@@ -82,11 +82,11 @@ def arriving_during_block(
             assert landed.wait(60), "the event loop never took the training input"
         return run_layers(state, *args, **kw)
 
-    model.run_layers = run_block  # type: ignore[method-assign]
+    setattr(model, method, run_block)
     try:
         yield
     finally:
-        del model.run_layers  # the class's method again
+        delattr(model, method)  # the class's method again
 
 
 async def one_bubble(
@@ -96,6 +96,7 @@ async def one_bubble(
     model: PrefillModel,
     finished: asyncio.Future[Any] | None = None,
     nth: bool = False,
+    method: str = "run_layers",
 ) -> tuple[list[float], float | None, tuple[str, ...]]:
     """Run one bubble over what is queued on `filler`; training input arrives while block
     `arrive_during_block` of `model` runs (None: once `finished`, a batch's handler, is done:
@@ -118,7 +119,7 @@ async def one_bubble(
 
     with contextlib.ExitStack() as stack:
         if arrive_during_block is not None:
-            stack.enter_context(arriving_during_block(model, arrive_during_block, put, nth=nth))
+            stack.enter_context(arriving_during_block(model, arrive_during_block, put, nth=nth, method=method))
         take = asyncio.ensure_future(mailbox.take(key))
         # a long bubble: only the training input's arrival stops the prefill
         fill = asyncio.create_task(filler.fill(arrived, take))
@@ -395,3 +396,29 @@ async def test_a_resumed_request_whose_holder_is_gone_is_computed_again_from_its
         want = model.prefill(list(PROMPT))
         assert found is not None and found.status is RequestStatus.DONE and found.result is not None
         assert (found.result.token, found.result.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))
+
+
+async def test_a_layer_in_pieces_stops_within_a_piece_and_the_next_bubble_goes_on(redis_url: str) -> None:
+    """With `piece_tokens`, training input arriving mid-layer stops the prefill after the piece
+    running (not the whole layer); the next bubble goes on from that piece, to the answer of one
+    uninterrupted prefill (up to float rounding: pieces are other matrix shapes)."""
+    torch.set_num_threads(1)
+    model = PrefillModel(CFG, seed=5)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        req = PrefillRequest(id="req-p", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
+        assert await serving.accept(bus.redis, req, 100)
+        filler = filler_for(bus, model)
+        filler.piece_tokens = 64  # 200 tokens: 4 pieces a layer
+        item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
+        handled = deliver(filler, batch(item, 1))
+        # the input lands during the 10th piece: layer 2's second piece
+        await one_bubble(filler, arrive_during_block=9, model=model, nth=True, method="run_piece")
+        (o,) = filler.batches["b1"].outcomes
+        assert o.state is not None and (o.state.next_layer, o.state.piece_done) == (2, 128)
+        assert o.reached == 2 and not handled.done()
+        _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        assert done == ("b1",)
+        found = await serving.lookup(bus.redis, req.id)
+        want = model.prefill(list(PROMPT))
+        assert found is not None and found.result is not None
+        assert found.result.token == want.token and found.result.logprob == pytest.approx(want.logprob, abs=1e-5)
