@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import uvloop
 import yaml
 from redis.asyncio import Redis
@@ -66,7 +65,7 @@ from shared.figures import runstats
 from shared.figures.training import lag_share, steady_iteration_s
 from shared.policies.pipeline_run import simulate as analytic
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.config import ClusterSpec, load_spec
+from shared.spec.config import ClusterSpec, load_spec, spec_builtins
 from shared.spec.settings import load_settings
 from shared.spec.timescale import calibrate, scale_spec
 from shared.wire import FIELD, PrefillRequest, decode
@@ -103,7 +102,7 @@ class Case:
 def case_spec(case: Case, iterations: int | None, prefill_scale: float = 1.0) -> dict[str, Any]:
     """The spec of one case, as plain data (written to a file for the live services); its prefill
     profile times `prefill_scale`."""
-    raw: dict[str, Any] = msgspec.to_builtins(load_spec(case.spec))
+    raw: dict[str, Any] = spec_builtins(load_spec(case.spec))
     raw["wan"]["sharing"] = case.sharing
     raw["bubbletea"]["enabled"] = case.bubbletea
     raw["prefill"]["request_timeout_s"] = REQUEST_TIMEOUT_S

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import yaml
 
 from bubbletea.launcher.load import run_loadgen
@@ -42,7 +41,7 @@ from shared.figures.training import slowdown_pct, speedup
 from shared.model.shape import model_info
 from shared.runtime.logs import get_logger
 from shared.runtime.redis_server import EmbeddedRedis, free_port
-from shared.spec.config import ClusterSpec
+from shared.spec.config import ClusterSpec, spec_builtins
 from shared.spec.settings import Settings, load_settings
 from shared.wire import ControlSeen
 
@@ -78,7 +77,7 @@ PHASES = (
 
 
 def phase_spec(spec: ClusterSpec, phase: Phase) -> dict[str, Any]:
-    raw: dict[str, Any] = msgspec.to_builtins(spec)
+    raw: dict[str, Any] = spec_builtins(spec)
     raw["wan"]["sharing"] = phase.sharing
     if phase.connections is not None:
         raw["wan"]["default"]["connections"] = phase.connections

@@ -55,6 +55,7 @@ from shared.control.health import live_instances
 from shared.control.status import ServingState
 from shared.figures import runstats
 from shared.runtime.redis_server import EmbeddedRedis, free_port
+from shared.spec.config import spec_builtins
 from shared.spec.settings import Settings
 
 #: How long every service gets to report healthy, and then serving to be ready.
@@ -101,7 +102,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
     logs.mkdir(parents=True, exist_ok=True)
     # The services read the spec from a file: the one in effect (with any --iterations) goes there.
     spec_file = folder / "spec.yaml"
-    spec_file.write_text(yaml.safe_dump(msgspec.to_builtins(spec), sort_keys=False))
+    spec_file.write_text(yaml.safe_dump(spec_builtins(spec), sort_keys=False))
     embedded: EmbeddedRedis | None = None
     procs: list[Proc] = []
     started = time.time()
@@ -112,7 +113,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
         if vllm_python is not None:  # --decode vllm without --vllm-url: ours, stopped after the services
             vllm_url = await wan.enter_async_context(managed_vllm(spec, vllm_python, logs / "vllm.log", say))
             spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, vllm_url=vllm_url))
-            spec_file.write_text(yaml.safe_dump(msgspec.to_builtins(spec), sort_keys=False))
+            spec_file.write_text(yaml.safe_dump(spec_builtins(spec), sort_keys=False))
         scale = await pick_time_scale(settings, say)
         launches = await wan.enter_async_context(worker_launches(settings, url))
         launch_of: dict[str, WorkerLaunch] = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import msgspec.inspect as mi
@@ -115,6 +115,16 @@ def deprecated_fields(data: object) -> list[str]:
     if not isinstance(section, dict):
         return []
     return [f"{path}: no longer used ({why})" for path, why in DEPRECATED.items() if path.split(".", 1)[1] in section]
+
+
+def spec_builtins(spec: msgspec.Struct) -> dict[str, Any]:
+    """A spec as plain values to write out (a launcher's run folder), without the fields that are
+    accepted but no longer used: a spec written here loads again with no deprecation warning."""
+    raw: dict[str, Any] = msgspec.to_builtins(spec)
+    for path in DEPRECATED:
+        section, name = path.split(".", 1)
+        raw.get(section, {}).pop(name, None)
+    return raw
 
 
 #: `prefill.kv_budget_mb`'s default: a quarter of the default Redis maxmemory (1 GiB), e.g. 30 s of

@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from shared.model.optim import lr_at
-from shared.spec.config import ConfigError, deprecated_fields, load_spec, parse_spec
+from shared.spec.config import ConfigError, deprecated_fields, load_spec, parse_spec, spec_builtins
 from shared.spec.settings import DEFAULT_SPEC, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -300,3 +300,16 @@ def test_a_field_no_longer_used_loads_with_a_warning_naming_it(caplog: pytest.Lo
     (line,) = [r.getMessage() for r in caplog.records if "no longer used" in r.getMessage()]
     assert line.startswith("x.yaml: bubbletea.guard_ms: no longer used")
     assert deprecated_fields({"datacenters": DC, "bubbletea": {"credit_bubbles": 2.0}}) == []
+
+
+def test_a_spec_written_out_by_a_launcher_loads_again_with_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The demo and `bubbletea up` write each run's spec (`spec_builtins`): without the fields no
+    longer used, so every service reading it starts without a deprecation warning."""
+    assert "guard_ms" not in spec_builtins(parse_spec({"datacenters": DC, "bubbletea": {"guard_ms": 2.0}}))["bubbletea"]
+    spec = parse_spec({"datacenters": DC})
+    raw = spec_builtins(spec)
+    assert deprecated_fields(raw) == []
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert parse_spec(raw) == spec  # nothing else lost
+    assert not [r for r in caplog.records if "no longer used" in r.getMessage()]
