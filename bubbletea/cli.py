@@ -91,6 +91,7 @@ def _run(argv: list[str], seen: dict[str, str]) -> int:
         rest = argv[1:]
         seen["out"] = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--out"), "the run folder")
         return report_main(rest)
+    from bubbletea.cli_common import merge_spec_argument
     from bubbletea.commands import build_parser
 
     parser = build_parser()
@@ -98,7 +99,11 @@ def _run(argv: list[str], seen: dict[str, str]) -> int:
         import argcomplete
 
         argcomplete.autocomplete(parser)  # prints them and exits
+    if not [a for a in argv if a not in ("-v", "--verbose")]:  # bare `bubbletea`: what it can do, not an error
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
+    merge_spec_argument(args)  # `bubbletea plan SPEC` is `bubbletea plan --config SPEC`
     if getattr(args, "out", None):
         seen["out"] = str(args.out)
     return int(args.func(args))

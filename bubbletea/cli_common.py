@@ -7,14 +7,31 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from shared.spec.config import ConfigError
 from shared.spec.timescale import WARN_SCALE
 
 #: Every user error of every command starts with this (argparse's own usage errors included).
 PREFIX = "bubbletea: error: "
 #: Every command that reads a spec reads it the same way (`shared.spec.settings.load_settings`).
 CONFIG_HELP = "cluster spec (default: $BUBBLETEA_CONFIG, else configs/demo.yaml)"
+
+
+def add_spec_arguments(p: Any) -> None:
+    """The spec, as every command that reads one takes it: `bubbletea plan SPEC` or `--config SPEC`."""
+    p.add_argument("spec", nargs="?", metavar="SPEC", help="cluster spec file (YAML; the same as --config)")
+    p.add_argument("--config", help=CONFIG_HELP)
+
+
+def merge_spec_argument(args: Any) -> None:
+    """`args.config` from the positional SPEC (after parsing); two different specs are an error."""
+    spec = getattr(args, "spec", None)
+    if spec is None:
+        return
+    if args.config and args.config != spec:
+        raise ConfigError(f"two specs named ({spec} and --config {args.config}): name one")
+    args.config = spec
 
 
 class CommandError(Exception):

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from bubbletea.cli_common import CONFIG_HELP, PREFIX
+from bubbletea.cli_common import CONFIG_HELP, PREFIX, add_spec_arguments
 from shared.spec.config import ClusterSpec, ConfigError
 from shared.spec.settings import load_settings
 
@@ -24,7 +24,7 @@ def add_parsers(sub: Any) -> None:
         "round-robin), the WAN hops, and the analytic "
         "pipeline model's iteration time and bubble fraction for each sharing policy.",
     )
-    p.add_argument("--config", help=CONFIG_HELP)
+    add_spec_arguments(p)
     p.add_argument(
         "--fwd-ms",
         type=float,
@@ -43,8 +43,7 @@ def add_parsers(sub: Any) -> None:
         "BUBBLETEA_* variables. Exit 2 with one line naming the field or variable; a spec it passes never "
         "fails a run at start.",
     )
-    p.add_argument("file", nargs="?", help="cluster spec file (YAML; the same as --config)")
-    p.add_argument("--config", help=CONFIG_HELP)
+    add_spec_arguments(p)
     p.add_argument(
         "--show",
         action="store_true",
@@ -100,10 +99,8 @@ def _summary(spec: ClusterSpec) -> dict[str, Any]:
 def check_config(args: argparse.Namespace) -> int:
     from bubbletea.preflight import check_run
 
-    if args.file and args.config and args.file != args.config:
-        raise ConfigError(f"check-config: two specs named ({args.file} and --config {args.config}): name one")
     try:
-        settings = load_settings(args.file or args.config)
+        settings = load_settings(args.config)
         check_run(settings)
     except ConfigError as exc:
         if not args.json:

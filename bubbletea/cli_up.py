@@ -12,9 +12,9 @@ import msgspec
 import uvloop
 
 from bubbletea.cli_common import (
-    CONFIG_HELP,
     CommandError,
     add_scale_argument,
+    add_spec_arguments,
     add_wan_argument,
     scale_override,
     wan_override,
@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
         "process dies (naming it), or when a finite run finishes; then writes the run folder (spans, summary, "
         "pictures). Like demo, it first picks the device time scale (BUBBLETEA_TIME_SCALE=K sets it).",
     )
-    p.add_argument("--config", help=CONFIG_HELP)
+    add_spec_arguments(p)
     p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
     add_wan_argument(p)
     add_scale_argument(p)

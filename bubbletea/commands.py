@@ -19,10 +19,10 @@ import uvloop
 
 from bubbletea import cli_inspect, cli_up
 from bubbletea.cli_common import (
-    CONFIG_HELP,
     CommandError,
     CommandParser,
     add_scale_argument,
+    add_spec_arguments,
     add_verbose_argument,
     add_wan_argument,
     scale_override,
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"this machine and picks the device time scale that keeps real compute within {SHARE:.0%} of the profiled time "
         "(times are then reported in emulated ms); BUBBLETEA_TIME_SCALE=K sets it instead.",
     )
-    p.add_argument("--config", help=CONFIG_HELP)
+    add_spec_arguments(p)
     p.add_argument("--hold", action="store_true", help="keep the front door running after the demo until Ctrl-C")
     add_wan_argument(
         p, "kernel where it can run (root, network namespaces), else model; a spec naming wan.mode keeps it"
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the wan_broker and one stage_worker per (replica, stage) slot, train for "
         "training.iterations, print loss and iteration time, stop. Uses an embedded Redis unless REDIS_URL is set.",
     )
-    p.add_argument("--config", help=CONFIG_HELP)
+    add_spec_arguments(p)
     p.add_argument("--run", help="run id scoping streams and leases (default: train-<unix time>)")
     add_wan_argument(p)
     p.add_argument(

@@ -81,8 +81,8 @@ def plan_report(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: fl
         link = LinkModel.from_params(spec.link(a, b), spec.wan.mode)
         shared = f" ({n} hops share it)" if n > 1 else ""
         lines.append(
-            f"  {a}->{b}{shared}: {link.bandwidth * 8 / 1e9:.2f} Gb/s, {link.latency * 1000:.1f} ms one way, "
-            f"per-transfer cap {link.flow_cap * 8 / 1e9:.2f} Gb/s; one activation ({act / 1e6:.3f} MB) "
+            f"  {a}->{b}{shared}: {bits_per_s(link.bandwidth * 8)}, {link.latency * 1000:.1f} ms one way, "
+            f"per-transfer cap {bits_per_s(link.flow_cap * 8)}; one activation ({act / 1e6:.3f} MB) "
             f"alone takes {link.alone_s(act) * 1000:.2f} ms"
         )
     lines += [
@@ -100,3 +100,11 @@ def plan_report(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: fl
         )
     lines.append(f"  compute-only bubble fraction (p-1)/(m+p-1) = {compute_bubble_fraction(p, m):.3f}")
     return "\n".join(lines)
+
+
+def bits_per_s(bps: float) -> str:
+    """A link's rate in the unit that shows it: the demo's 3.28 Mb/s is not "0.00 Gb/s"."""
+    for unit, scale in (("Gb/s", 1e9), ("Mb/s", 1e6), ("kb/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.2f} {unit}"
+    return f"{bps:.0f} b/s"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bubbletea.cli_common import add_spec_arguments
 from shared.policies.placement import PlacementError
 from shared.spec.config import ConfigError, load_spec
 from shared.spec.settings import DEFAULT_SPEC
@@ -27,7 +28,7 @@ MAX_DEFAULT_RATE = 500.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
+    add_spec_arguments(p)
     p.add_argument("--trace", metavar="CSV", type=Path, help="replay an Azure LLM inference trace (arrivals, lengths)")
     p.add_argument("--time-scale", type=float, default=1.0, help="replay the trace this many times faster")
     p.add_argument(

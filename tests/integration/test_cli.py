@@ -45,6 +45,31 @@ def test_version_is_the_installed_distributions(tool: str) -> None:
     assert r.returncode == 0 and r.stdout == f"{tool} {version('bubbletea')}\n"
 
 
+def test_bare_bubbletea_prints_its_help_not_an_error() -> None:
+    r = run()
+    assert r.returncode == 0 and r.stdout.startswith("usage: bubbletea") and "COMMAND" in r.stdout
+    assert "error" not in r.stderr
+
+
+def test_plan_gives_a_slow_link_in_the_unit_that_shows_it() -> None:
+    from bubbletea.plan import bits_per_s
+
+    assert [bits_per_s(x) for x in (25e9, 3.2768e6, 9600.0, 12.0)] == ["25.00 Gb/s", "3.28 Mb/s", "9.60 kb/s", "12 b/s"]
+    r = run("plan", "--config", "configs/demo.yaml")
+    assert r.returncode == 0 and "3.28 Mb/s" in r.stdout and "0.00 Gb/s" not in r.stdout
+
+
+def test_every_command_that_reads_a_spec_takes_it_as_an_argument_too() -> None:
+    for command in ("plan", "check-config", "simulate"):
+        assert "SPEC" in run(command, "--help").stdout, command
+    by_flag = run("plan", "--json", "--config", "configs/wan-bound.yaml")
+    assert by_flag.returncode == 0 and run("plan", "--json", "configs/wan-bound.yaml").stdout == by_flag.stdout
+    one_line_error(
+        run("plan", "configs/demo.yaml", "--config", "configs/wan-bound.yaml"),
+        "bubbletea: error: two specs named (configs/demo.yaml and --config configs/wan-bound.yaml): name one",
+    )
+
+
 def test_usage_and_configuration_errors_share_one_prefix(tmp_path: Path) -> None:
     one_line_error(run("plan", "--bogus"), "bubbletea: error: unrecognized arguments: --bogus")
     one_line_error(run("plan", "--fwd-ms", "x"), "bubbletea: error: argument --fwd-ms: invalid float value: 'x'")
