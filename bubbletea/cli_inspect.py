@@ -12,8 +12,11 @@ from typing import Any
 import msgspec
 
 from bubbletea.cli_common import CONFIG_HELP, PREFIX, add_spec_arguments
+from bubbletea.launcher.services import SERVICES
 from shared.spec.config import ClusterSpec, ConfigError
 from shared.spec.settings import load_settings
+
+SERVICE_NAMES = tuple(svc.name for svc in SERVICES)
 
 
 def add_parsers(sub: Any) -> None:
@@ -58,7 +61,7 @@ def add_parsers(sub: Any) -> None:
         help="exit 0 if a service has a live heartbeat in Redis (REDIS_URL)",
         description="Check the heartbeat keys services refresh in Redis; used by compose healthchecks.",
     )
-    p.add_argument("service", help="service name, e.g. wan_broker or stage_worker")
+    p.add_argument("service", choices=SERVICE_NAMES, metavar="SERVICE", help=f"one of {', '.join(SERVICE_NAMES)}")
     p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--json", action="store_true", help='print {"service": ..., "live": [...]} (exit code unchanged)')
     p.set_defaults(func=health)

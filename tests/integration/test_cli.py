@@ -70,6 +70,14 @@ def test_every_command_that_reads_a_spec_takes_it_as_an_argument_too() -> None:
     )
 
 
+def test_health_names_the_services_it_knows() -> None:
+    one_line_error(
+        run("health", "bogus"),
+        "bubbletea: error: argument SERVICE: invalid choice: 'bogus' (choose from 'prefill_queue', 'wan_broker', "
+        "'stage_worker', 'dispatcher', 'decoder')",
+    )
+
+
 def test_usage_and_configuration_errors_share_one_prefix(tmp_path: Path) -> None:
     one_line_error(run("plan", "--bogus"), "bubbletea: error: unrecognized arguments: --bogus")
     one_line_error(run("plan", "--fwd-ms", "x"), "bubbletea: error: argument --fwd-ms: invalid float value: 'x'")
