@@ -279,20 +279,27 @@ def _check_semantics(spec: ClusterSpec) -> None:
 _PATH = re.compile(r" - at `\$\.?(.*)`$")
 
 
-def _allowed(path: str) -> str:
-    """Describe what the field at `path` (e.g. ``datacenters[0].gpus``) accepts, from its type."""
+def _type_at(path: str) -> mi.Type | None:
+    """The type of the field at `path` (e.g. ``datacenters[0].gpus``; "" is the spec), past any
+    `X | None` and list; None when the path names no field."""
     t: mi.Type = mi.type_info(ClusterSpec)
-    for part in re.sub(r"\[\d+\]", "", path).split("."):
+    parts = [p for p in re.sub(r"\[\d+\]", "", path).split(".") if p]
+    for part in [None, *parts]:
+        if part is not None:
+            fields = {f.name: f.type for f in t.fields} if isinstance(t, mi.StructType) else {}
+            if part not in fields:
+                return None
+            t = fields[part]
         while isinstance(t, mi.UnionType):  # `X | None`: describe X
             t = next(a for a in t.types if not isinstance(a, mi.NoneType))
         while isinstance(t, (mi.VarTupleType, mi.ListType)):
             t = t.item_type
-        fields = {f.name: f.type for f in t.fields} if isinstance(t, mi.StructType) else {}
-        if part not in fields:
-            return ""
-        t = fields[part]
-    while isinstance(t, mi.UnionType):
-        t = next(a for a in t.types if not isinstance(a, mi.NoneType))
+    return t
+
+
+def _allowed(path: str) -> str:
+    """Describe what the field at `path` (e.g. ``datacenters[0].gpus``) accepts, from its type."""
+    t = _type_at(path)
     if isinstance(t, mi.LiteralType):
         return "allowed: " + ", ".join(map(str, t.values))
     if isinstance(t, (mi.IntType, mi.FloatType)):
@@ -300,6 +307,22 @@ def _allowed(path: str) -> str:
         hi = f"<= {t.le}" if t.le is not None else f"< {t.lt}" if t.lt is not None else ""
         return "allowed: " + " and ".join(x for x in (lo, hi) if x) if lo or hi else ""
     return ""
+
+
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
+
+
+def _nearest(section: str, text: str) -> str:
+    """For msgspec's "unknown field `x`" in `section`: the field meant, or the fields there are."""
+    import difflib
+
+    m = _UNKNOWN.search(text)
+    t = _type_at(section)
+    if m is None or not isinstance(t, mi.StructType):
+        return ""
+    names = [f.name for f in t.fields]
+    near = difflib.get_close_matches(m.group(1), names, n=1)
+    return f"did you mean `{near[0]}`?" if near else "the fields there: " + ", ".join(names)
 
 
 def parse_spec(data: object, *, source: str = "<spec>") -> ClusterSpec:
@@ -314,6 +337,8 @@ def parse_spec(data: object, *, source: str = "<spec>") -> ClusterSpec:
         m = _PATH.search(text)
         field = m.group(1) if m and m.group(1) else "(top level)"
         allowed = _allowed(field) if m else ""
+        if _UNKNOWN.search(text):
+            allowed = _nearest(m.group(1) if m else "", text)
         raise ConfigError(f"{source}: {field}: {_PATH.sub('', text)}" + (f" ({allowed})" if allowed else "")) from None
     try:
         spec = _with_training_model(spec)
@@ -354,12 +379,28 @@ def load_spec(path: str | Path) -> ClusterSpec:
     except OSError as exc:
         raise ConfigError(f"cannot read cluster spec {p}: {exc.strerror or exc}") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: it builds no objects
+        data = _load_yaml(text, str(p))
     except DuplicateKeyError as exc:
         raise ConfigError(f"{p}: {exc}") from None
+    except yaml.MarkedYAMLError as exc:  # one line: where, and what the parser expected
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        what = "; ".join(x for x in (exc.context, exc.problem) if x)
+        raise ConfigError(f"{where}: not valid YAML: {what}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     return parse_spec(data, source=str(p))
+
+
+def _load_yaml(text: str, name: str) -> object:
+    """`text` as YAML (a SafeLoader: it builds no objects), its errors naming the file `name`, not
+    "<unicode string>"."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = name  # what every mark (and so every error) says
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -381,3 +422,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if isinstance(key, str | int | float | bool):
                 seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML's) reads `3e-4` as a string: its floats need a dot (`3.0e-4`). YAML 1.2 and every
+# other tool people use read it as the number it is, and docs/config.md writes defaults that way.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)

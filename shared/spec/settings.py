@@ -62,11 +62,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
+from shared.runtime.logs import get_logger
 from shared.runtime.priority import PRIORITIES
 from shared.runtime.redis_server import maxmemory_error
 from shared.spec.config import ClusterSpec, ConfigError, check_decode, load_spec
 from shared.spec.timescale import LIMIT_SCALE, scale_spec
 from shared.spec.training import MAX_ITERATIONS, UNTIL_STOPPED, Training
+
+log = get_logger(__name__)
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 #: How long a service started while Redis is unreachable keeps trying (BUBBLETEA_REDIS_WAIT_S).
@@ -106,6 +109,22 @@ ENV_VARS = frozenset(
         "BUBBLETEA_CHAOS_PREFILL",
     }
 )
+#: BUBBLETEA_* variables read elsewhere: by the launcher and the CLI (persist, progress bar), compose
+#: (its file's ${...}), the benchmarks and the test harnesses. Known, so never warned about.
+OTHER_ENV_VARS = frozenset(
+    {
+        "BUBBLETEA_REDIS_PERSIST",
+        "BUBBLETEA_PROGRESS",
+        "BUBBLETEA_SPEC",
+        "BUBBLETEA_MODEL_DIR",
+        "BUBBLETEA_PORT",
+        "BUBBLETEA_VLLM_PYTHON",
+        "BUBBLETEA_COMPOSE_TESTS",
+        "BUBBLETEA_SLURM_TESTS",
+    }
+)
+#: Unknown variables already warned about in this process (one warning each).
+_warned: set[str] = set()
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("kv", "json")
 WAN_MODES = ("model", "kernel", "none")
@@ -167,9 +186,28 @@ class Settings:
         return self.redis_url
 
 
+def unknown_env(env: Mapping[str, str]) -> list[str]:
+    """One line per BUBBLETEA_* variable in `env` that nothing reads (a typo, say), naming the
+    nearest known one."""
+    import difflib
+
+    known = ENV_VARS | OTHER_ENV_VARS
+    lines = []
+    for name in sorted(k for k in env if k.startswith("BUBBLETEA_") and k not in known):
+        near = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f": did you mean {near[0]}?" if near else " (docs/config.md lists the ones read)"
+        lines.append(f"{name} is not a variable BubbleTea reads; it is ignored{hint}")
+    return lines
+
+
 def load_settings(config: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
-    """Load the spec named by `config` (or ``BUBBLETEA_CONFIG``) and apply environment overrides."""
+    """Load the spec named by `config` (or ``BUBBLETEA_CONFIG``) and apply environment overrides.
+    An unknown BUBBLETEA_* variable is warned about once per process (`unknown_env`)."""
     env = os.environ if env is None else env
+    for line in unknown_env(env):
+        if line not in _warned:
+            _warned.add(line)
+            log.warning(line)
     path = Path(config or env.get("BUBBLETEA_CONFIG") or DEFAULT_SPEC)
     spec = load_spec(path)
     http = spec.http

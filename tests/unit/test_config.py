@@ -313,3 +313,39 @@ def test_a_spec_written_out_by_a_launcher_loads_again_with_no_warning(caplog: py
     with caplog.at_level("WARNING"):
         assert parse_spec(raw) == spec  # nothing else lost
     assert not [r for r in caplog.records if "no longer used" in r.getMessage()]
+
+
+def test_numbers_as_people_write_them_load_as_numbers(tmp_path: Path) -> None:
+    """YAML 1.1 reads `3e-4` as a string; docs/config.md writes defaults that way (issue 51)."""
+    path = tmp_path / "lr.yaml"
+    path.write_text("datacenters: [{name: a, gpus: 2}]\ntraining: {lr: 3e-4, min_lr_ratio: 1E-1}\nname: 1e5x\n")
+    spec = load_spec(path)
+    assert spec.training.lr == pytest.approx(3e-4) and spec.training.min_lr_ratio == pytest.approx(0.1)
+    assert spec.name == "1e5x"  # not a number: still a string
+
+
+def test_a_yaml_error_names_the_file_line_and_column_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("datacenters:\n  - {name: a, gpus: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_spec(bad)
+    line = str(info.value)
+    assert line.startswith(f"{bad}:3:1: not valid YAML: ") and "\n" not in line and "<unicode string>" not in line
+
+
+def test_an_unknown_field_names_the_one_meant_or_the_fields_there() -> None:
+    with pytest.raises(ConfigError, match=r"training: Object contains unknown field `lrr` \(did you mean `lr`\?\)"):
+        parse_spec({"datacenters": DC, "training": {"lrr": 0.1}})
+    with pytest.raises(ConfigError, match=r"\(top level\): .*`trainng` \(did you mean `training`\?\)"):
+        parse_spec({"datacenters": DC, "trainng": {}})
+    with pytest.raises(ConfigError, match=r"`zzz` \(the fields there: enabled, max_batch_requests, "):
+        parse_spec({"datacenters": DC, "bubbletea": {"zzz": 1}})
+
+
+def test_an_unknown_bubbletea_variable_is_warned_about_with_the_one_meant() -> None:
+    from shared.spec.settings import unknown_env
+
+    assert unknown_env({"BUBBLETEA_ITERATION": "3", "BUBBLETEA_RUN": "r", "HOME": "/"}) == [
+        "BUBBLETEA_ITERATION is not a variable BubbleTea reads; it is ignored: did you mean BUBBLETEA_ITERATIONS?"
+    ]
+    assert unknown_env({"BUBBLETEA_SPEC": "x", "BUBBLETEA_PROGRESS": "0"}) == []  # read by compose and the CLI
