@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--off-only", action="store_true", help="simulate training with BubbleTea off only")
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.add_argument("--no-folder", action="store_true", help="write no run folder")
-    p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout (the human lines go to stderr)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -86,11 +86,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"bubbletea: error: {exc}", file=sys.stderr)
         return 2
     f = figures(result)
+    human = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the JSON alone
     for line in lines(result, f):
-        print(line)
-    if not args.no_folder:
-        folder = write_folder(result, f, Path(args.out))
-        print(f"  run folder: {folder} (draw it: bubbletea report {folder})")
+        print(line, file=human)
+    folder = None if args.no_folder else write_folder(result, f, Path(args.out))
+    if folder is not None:
+        print(f"  run folder: {folder} (draw it: bubbletea report {folder})", file=human)
     if args.json:
-        print(json.dumps(f))
+        print(json.dumps({**f, "run_folder": str(folder) if folder is not None else None}))
     return 0

@@ -225,14 +225,16 @@ def test_a_bad_trace_is_a_clear_error(tmp_path: Path) -> None:
         simulate(load_spec(DEMO), SimOptions(iterations=1))
 
 
-def test_the_command_ends_with_one_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_with_json_the_command_prints_one_json_object_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = cli_main(["simulate", "--config", str(DEMO), "--iterations", "3", "--json", "--out", str(tmp_path)])
-    out = capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()
     assert code == 0
-    f = json.loads(out[-1])
+    f = json.loads(captured.out)  # stdout is the JSON and nothing else (`| jq` works)
+    assert "simulated" in captured.err  # the human lines went to stderr
     for key in ("iteration_ms", "bubble_fraction", "utilization_off", "utilization_on", "fill_ratio", "ttft_p50_ms"):
         assert isinstance(f[key], float), key
     [folder] = list(tmp_path.iterdir())
+    assert f["run_folder"] == str(folder)
     summary = json.loads((folder / "summary.json").read_text())
     assert [r["name"] for r in summary["runs"]] == ["off", "on"]
     assert (folder / "on" / "spans.jsonl").stat().st_size > 0 and (folder / "on" / "ttft_ms.json").exists()
