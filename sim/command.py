@@ -10,7 +10,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bubbletea.cli_common import add_spec_arguments
 from shared.policies.placement import PlacementError
 from shared.spec.config import ConfigError, load_spec
 from shared.spec.settings import DEFAULT_SPEC
@@ -28,7 +27,9 @@ MAX_DEFAULT_RATE = 500.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_spec_arguments(p)
+    # as bubbletea.cli_common.add_spec_arguments (not imported: the simulator never imports the command)
+    p.add_argument("spec", nargs="?", metavar="SPEC", help="cluster spec file (YAML; the same as --config)")
+    p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--trace", metavar="CSV", type=Path, help="replay an Azure LLM inference trace (arrivals, lengths)")
     p.add_argument("--time-scale", type=float, default=1.0, help="replay the trace this many times faster")
     p.add_argument(
@@ -52,7 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--off-only", action="store_true", help="simulate training with BubbleTea off only")
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.add_argument("--no-folder", action="store_true", help="write no run folder")
-    p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout (the human lines go to stderr)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the figures as one JSON object on stdout (the human lines go to stderr)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -49,6 +49,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         hog.wait()
 
 
+#: Each tier's marker, by the folder its tests live in (not file by file, where one could be missed).
+TIER_MARKERS = {"integration": "integration", "e2e": "e2e", "compose": "compose", "slurm": "slurm"}
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            tier = Path(item.fspath).resolve().relative_to(_TESTS).parts[0]
+        except ValueError:
+            continue
+        if (marker := TIER_MARKERS.get(tier)) is not None:
+            item.add_marker(marker)
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     n = config.getoption("--cpu-hogs")
     return f"cpu hogs: {n} process(es) spinning for the whole session" if n else None

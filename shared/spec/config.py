@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
-import msgspec.inspect as mi
 import yaml
 from msgspec import Meta
 
 from shared.model.info import CheckpointError, info_from_config, read_config
 from shared.runtime.logs import get_logger
 from shared.spec.fields import DEVICE, DEVICE_RATE, HOST, Millis, Name, Section
+from shared.spec.messages import validation_message
 from shared.spec.training import Device, ModelSpec, Parallelism, Training
 
 log = get_logger(__name__)
@@ -276,55 +276,6 @@ def _check_semantics(spec: ClusterSpec) -> None:
         )
 
 
-_PATH = re.compile(r" - at `\$\.?(.*)`$")
-
-
-def _type_at(path: str) -> mi.Type | None:
-    """The type of the field at `path` (e.g. ``datacenters[0].gpus``; "" is the spec), past any
-    `X | None` and list; None when the path names no field."""
-    t: mi.Type = mi.type_info(ClusterSpec)
-    parts = [p for p in re.sub(r"\[\d+\]", "", path).split(".") if p]
-    for part in [None, *parts]:
-        if part is not None:
-            fields = {f.name: f.type for f in t.fields} if isinstance(t, mi.StructType) else {}
-            if part not in fields:
-                return None
-            t = fields[part]
-        while isinstance(t, mi.UnionType):  # `X | None`: describe X
-            t = next(a for a in t.types if not isinstance(a, mi.NoneType))
-        while isinstance(t, (mi.VarTupleType, mi.ListType)):
-            t = t.item_type
-    return t
-
-
-def _allowed(path: str) -> str:
-    """Describe what the field at `path` (e.g. ``datacenters[0].gpus``) accepts, from its type."""
-    t = _type_at(path)
-    if isinstance(t, mi.LiteralType):
-        return "allowed: " + ", ".join(map(str, t.values))
-    if isinstance(t, (mi.IntType, mi.FloatType)):
-        lo = f">= {t.ge}" if t.ge is not None else f"> {t.gt}" if t.gt is not None else ""
-        hi = f"<= {t.le}" if t.le is not None else f"< {t.lt}" if t.lt is not None else ""
-        return "allowed: " + " and ".join(x for x in (lo, hi) if x) if lo or hi else ""
-    return ""
-
-
-_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
-
-
-def _nearest(section: str, text: str) -> str:
-    """For msgspec's "unknown field `x`" in `section`: the field meant, or the fields there are."""
-    import difflib
-
-    m = _UNKNOWN.search(text)
-    t = _type_at(section)
-    if m is None or not isinstance(t, mi.StructType):
-        return ""
-    names = [f.name for f in t.fields]
-    near = difflib.get_close_matches(m.group(1), names, n=1)
-    return f"did you mean `{near[0]}`?" if near else "the fields there: " + ", ".join(names)
-
-
 def parse_spec(data: object, *, source: str = "<spec>") -> ClusterSpec:
     """Validate already-parsed YAML/JSON data into a `ClusterSpec`."""
     if not isinstance(data, dict):
@@ -332,14 +283,7 @@ def parse_spec(data: object, *, source: str = "<spec>") -> ClusterSpec:
     try:
         spec = msgspec.convert(data, ClusterSpec)
     except msgspec.ValidationError as exc:
-        # msgspec says "Expected `int` >= 1 - at `$.datacenters[0].gpus`"; lead with the field.
-        text = str(exc)
-        m = _PATH.search(text)
-        field = m.group(1) if m and m.group(1) else "(top level)"
-        allowed = _allowed(field) if m else ""
-        if _UNKNOWN.search(text):
-            allowed = _nearest(m.group(1) if m else "", text)
-        raise ConfigError(f"{source}: {field}: {_PATH.sub('', text)}" + (f" ({allowed})" if allowed else "")) from None
+        raise ConfigError(f"{source}: {validation_message(ClusterSpec, str(exc))}") from None
     try:
         spec = _with_training_model(spec)
         _check_semantics(spec)

@@ -43,8 +43,6 @@ from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.config import parse_spec
 from shared.spec.settings import load_settings
 
-pytestmark = pytest.mark.e2e
-
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
 #: A test that runs on a GPU: marked `cuda` and skipped cleanly without one.
 ON_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]

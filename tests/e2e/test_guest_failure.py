@@ -27,8 +27,6 @@ from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.settings import load_settings
 from tests.e2e.serving import ONE_REPLICA, SPEC, final_answers, service_env, submit, wait_ready, wait_until, write_spec
 
-pytestmark = pytest.mark.e2e
-
 
 async def test_training_goes_on_to_the_reference_losses_while_every_prefill_fails(
     tmp_path: Path, redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch

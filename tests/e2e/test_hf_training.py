@@ -32,8 +32,6 @@ from shared.model.corpus import TokenCorpus, train_bpe_tokenizer
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.settings import load_settings
 
-pytestmark = pytest.mark.e2e
-
 ITERATIONS, MICROBATCHES, MBS, SEQ, DP = 5, 3, 2, 32, 2
 LR, WARMUP, MIN_RATIO, CLIP = 3e-3, 2, 0.1, 0.5
 WORDS = [

@@ -16,7 +16,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
@@ -24,8 +23,6 @@ from redis.asyncio import Redis
 from bubbletea.launcher.procs import group_alive
 from shared.control.health import live_instances
 from tests.e2e.serving import ONE_REPLICA, SPEC, as_from_a_terminal, status, submit, wait_ready, wait_until
-
-pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The device time scale of these tests, given rather than measured: each measurement is four

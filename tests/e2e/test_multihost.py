@@ -31,7 +31,7 @@ from shared.spec.config import load_spec
 from shared.wire import IterationDone, decode
 
 # Kernel WANs share the host (namespaces, addresses, ip_forward): one such test at a time (conftest).
-pytestmark = [pytest.mark.e2e, pytest.mark.kernel_wan]
+pytestmark = [pytest.mark.kernel_wan]
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = {

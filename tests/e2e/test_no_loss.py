@@ -57,8 +57,6 @@ from tests.e2e.serving import (
     write_spec,
 )
 
-pytestmark = pytest.mark.e2e
-
 FINAL = ("done", "failed")
 # Bounds for a loaded 2-core machine: generous, and always waited on with an early exit.
 #: How long every request gets to reach a final status.

@@ -26,8 +26,6 @@ from bubbletea.launcher.train import run_training
 from shared.spec.settings import load_settings
 from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, wait_for_iteration, write_spec
 
-pytestmark = pytest.mark.e2e
-
 #: A generous bound for a loaded 2-core machine (a completion waits for a bubble).
 REQUEST_TIMEOUT_S = 60.0
 UNTIL_DONE = 100_000  # training goes on until the test stops it: every call is made while it trains

@@ -27,8 +27,6 @@ from shared.model.tokenizer import encode as encode_text
 from shared.spec.settings import load_settings
 from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, wait_for_iteration, wait_until, write_spec
 
-pytestmark = pytest.mark.e2e
-
 PROMPT = "Hello, BubbleTea"
 OTHER = "Bubbles in the pipeline"
 #: A generous bound for a loaded 2-core machine (a completion waits for a bubble).

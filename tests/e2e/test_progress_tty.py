@@ -8,12 +8,9 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.unit.test_progress import run_on_a_pty
-
-pytestmark = pytest.mark.e2e
 
 #: The smallest pipeline: two stages of a tiny model in two datacenters, three iterations.
 SPEC = {

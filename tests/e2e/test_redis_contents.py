@@ -21,7 +21,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
-import pytest
 from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import front_door
@@ -30,8 +29,6 @@ from shared.control import serving
 from shared.control.status import RequestStatus
 from shared.spec.settings import load_settings
 from tests.e2e.serving import SPEC, service_env, submit, wait_for_first_bubble, write_spec
-
-pytestmark = pytest.mark.e2e
 
 #: The largest argument any command may carry: a control message, a handle or a small key.
 BOUND = 64 * 1024

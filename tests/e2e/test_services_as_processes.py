@@ -20,7 +20,6 @@ from bubbletea.launcher.services import SERVICES
 from shared.runtime.redis_server import EmbeddedRedis, free_port
 from tests.e2e.serving import ONE_REPLICA, SPEC, as_from_a_terminal, replicas, write_spec
 
-pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -43,8 +43,6 @@ from tests.e2e.serving import (
     write_spec,
 )
 
-pytestmark = pytest.mark.e2e
-
 
 async def test_prompts_submitted_during_training_are_answered_with_computed_tokens(
     tmp_path: Path, redis_server: EmbeddedRedis

@@ -26,8 +26,6 @@ from shared.spec.settings import load_settings
 from tests.e2e.serving import wait_for_iteration
 from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
 
-pytestmark = pytest.mark.e2e
-
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -27,8 +27,6 @@ from shared.spec.settings import load_settings
 from shared.wire import BubbleEnd, BubbleStart, SpanRecord, decode
 from tests.e2e.serving import replicas, wait_for_iteration
 
-pytestmark = pytest.mark.e2e
-
 SPEC = {
     "name": "correctness",
     "datacenters": [{"name": "dc-a", "gpus": 2}, {"name": "dc-b", "gpus": 2}],

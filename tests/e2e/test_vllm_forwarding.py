@@ -14,7 +14,6 @@ import uuid
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
@@ -22,8 +21,6 @@ from shared.runtime.redis_server import free_port
 from shared.spec.settings import load_settings
 from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, wait_for_iteration, wait_until, write_spec
 from tests.e2e.test_openai_client import _kv_held
-
-pytestmark = pytest.mark.e2e
 
 
 async def test_an_unreachable_vllm_fails_the_completion_explicitly(tmp_path: Path, redis_url: str) -> None:

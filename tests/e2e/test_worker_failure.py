@@ -21,8 +21,6 @@ from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import IterationDone, decode
 from tests.e2e.serving import replicas
 
-pytestmark = pytest.mark.e2e
-
 SPEC = {
     "datacenters": [{"name": "dc-a", "gpus": 2}, {"name": "dc-b", "gpus": 2}],
     "wan": {"default": {"latency_ms": 2}},

@@ -30,8 +30,6 @@ from shared.spec.settings import load_settings
 from shared.wire import IterationDone, decode
 from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
 
-pytestmark = pytest.mark.e2e
-
 #: Far more than the kill point (iteration 4), so the run is still training when the kill lands
 #: however late this process reads the event on a busy machine.
 ITERATIONS = 12

@@ -20,8 +20,6 @@ from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.config import BusConfig
 from shared.wire import FIELD, Ping, Pong
 
-pytestmark = pytest.mark.integration
-
 FAST = BusConfig(claim_idle_ms=150, block_ms=200, max_deliveries=3, drain_grace_s=2.0)
 
 

@@ -8,8 +8,6 @@ import pytest
 
 from shared.bus.connection import blocking_client, command_client
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.mark.parametrize("make", [command_client, blocking_client])
 async def test_cancelling_a_busy_client_always_cancels(redis_url: str, make: object) -> None:

@@ -26,8 +26,6 @@ from shared.model.tokenizer import HFTokenizer
 from shared.spec.settings import Settings
 from tests.integration.test_prefill_api import ok_result, read_sse, settings_for, take_requests
 
-pytestmark = pytest.mark.integration
-
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

@@ -19,7 +19,6 @@ import pytest
 from bubbletea.cli import main as cli_main
 from shared.runtime.redis_server import EmbeddedRedis, free_port
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 

@@ -27,8 +27,6 @@ from shared.spec.settings import Settings, load_settings
 from shared.wire import FIELD, DecodeChunk, DecodeRequest
 from shared.wire import decode as decode_msg
 
-pytestmark = pytest.mark.integration
-
 REPLY = "bt:test:decode-replies"
 
 

@@ -11,7 +11,6 @@ import dataclasses
 import time
 from typing import Any
 
-import pytest
 from redis.asyncio import Redis
 
 from services.dispatcher.dispatcher import Dispatcher
@@ -35,8 +34,6 @@ from shared.wire import (
     decode,
     encode,
 )
-
-pytestmark = pytest.mark.integration
 
 
 async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str, redis: Redis) -> None:

@@ -13,8 +13,6 @@ from shared.runtime.redis_server import EmbeddedRedis, RedisServerError, find_re
 from shared.spec.config import BusConfig
 from shared.wire import Ping
 
-pytestmark = pytest.mark.integration
-
 
 def test_packaged_binary_is_used_when_none_is_on_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")

@@ -34,8 +34,6 @@ from shared.policies.fill import FillQueue
 from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, decode
 
-pytestmark = pytest.mark.integration
-
 RUN = "fill"
 LAYERS = 24
 CFG = GPTConfig(layers=LAYERS, d_model=64, heads=4, seq_len=256, vocab=256)

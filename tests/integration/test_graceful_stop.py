@@ -23,8 +23,6 @@ from shared.runtime.service import serve_app
 from shared.spec.settings import load_settings
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
-pytestmark = pytest.mark.integration
-
 #: The grace period when the answer does not come: the test waits it out. When the answer comes,
 #: the production grace (`state.STOP_GRACE_S`, 5 s) leaves it all the time a busy machine needs.
 GRACE_S = 1.0

@@ -32,8 +32,6 @@ from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillOff, PrefillRequest, decode
 from tests.integration.test_fill_executor import RUN, deliver, one_bubble, reports
 
-pytestmark = pytest.mark.integration
-
 LAYERS = 4
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
 CFG = GPTConfig(layers=LAYERS, d_model=32, heads=4, seq_len=64, vocab=256)

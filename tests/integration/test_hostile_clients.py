@@ -31,8 +31,6 @@ from shared.runtime.service import serve_app
 from shared.spec.settings import Settings
 from tests.integration.test_prefill_api import ok_result, settings_for, take_requests
 
-pytestmark = pytest.mark.integration
-
 HEADER_TIMEOUT_S = 1.0
 
 

@@ -30,7 +30,7 @@ from shared.dataplane.kernel_net import KernelPlan, link_rates, plan_kernel_net
 from shared.spec.config import ClusterSpec, load_spec, parse_spec
 
 # Kernel WANs share the host (namespaces, addresses, ip_forward): one such test at a time (conftest).
-pytestmark = [pytest.mark.integration, pytest.mark.kernel_wan]
+pytestmark = [pytest.mark.kernel_wan]
 
 SCRIPT = str(Path(__file__).with_name("kernel_wan_traffic.py"))
 SPEC: ClusterSpec = parse_spec(

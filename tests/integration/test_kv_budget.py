@@ -18,8 +18,6 @@ from shared.dataplane import kvstore
 from shared.model.prefill import PrefillResult as ModelResult
 from shared.wire import PrefillItem, PrefillResult, decode
 
-pytestmark = pytest.mark.integration
-
 
 async def test_store_within_budget_counts_bytes_and_refuses_past_the_budget(redis: Redis) -> None:
     now = 1_700_000_000.0

@@ -32,8 +32,6 @@ from shared.model.prefill import PrefillModel
 from shared.spec.config import Prefill
 from tests.e2e.serving import wait_until
 
-pytestmark = pytest.mark.integration
-
 HOST = "127.0.0.1"
 
 

@@ -43,8 +43,6 @@ from shared.control.status import FailureReason, RequestStatus
 from shared.spec.settings import Settings, load_settings
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
-pytestmark = pytest.mark.integration
-
 MAX_PROMPT = 64
 
 

@@ -26,8 +26,6 @@ from shared.control.status import FailureReason, RequestStatus
 from shared.spec.settings import Settings, load_settings
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
-pytestmark = pytest.mark.integration
-
 
 def settings_for(url: str, **env: str) -> Settings:
     s = load_settings(env={"REDIS_URL": url, **env})

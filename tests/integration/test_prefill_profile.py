@@ -30,8 +30,6 @@ from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillRequest
 from tests.integration.test_fill_executor import arriving_during_block, reports
 
-pytestmark = pytest.mark.integration
-
 RUN = "fill"  # the reports helper reads this run's report stream
 LAYERS = 8
 MODEL = PrefillModel(GPTConfig(layers=LAYERS, d_model=32, heads=4, seq_len=64, vocab=256), seed=3)

@@ -14,8 +14,6 @@ from shared.control import keys
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.settings import Settings, load_settings
 
-pytestmark = pytest.mark.integration
-
 
 def settings_for(url: str) -> Settings:
     return load_settings(env={"REDIS_URL": url})

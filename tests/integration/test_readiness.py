@@ -24,8 +24,6 @@ from services.stage_worker.recovery import Generations
 from shared.control import keys
 from shared.spec.settings import Settings, load_settings
 
-pytestmark = pytest.mark.integration
-
 RUN = "ready-test"
 
 

@@ -20,8 +20,6 @@ from redis.asyncio import Redis
 
 from shared.bus.connection import blocking_client, command_client
 
-pytestmark = pytest.mark.integration
-
 CLIENTS: dict[str, Callable[[str], Redis]] = {"bus-commands": command_client, "bus-reader": blocking_client}
 
 

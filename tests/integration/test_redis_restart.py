@@ -27,8 +27,6 @@ from tests.integration.test_prefill_api import settings_for
 from tests.integration.test_wan_broker import settings as broker_settings
 from tests.integration.test_wan_broker import transfer
 
-pytestmark = pytest.mark.integration
-
 #: Longer than a lease's TTL (3 s) and a heartbeat's (6 s is not needed: the key comes back).
 OUTAGE_S = 4.0
 

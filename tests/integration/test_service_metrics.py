@@ -61,8 +61,6 @@ from shared.wire import (
     encode,
 )
 
-pytestmark = pytest.mark.integration
-
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 

@@ -16,8 +16,6 @@ from shared.bus import Bus
 from shared.control import keys, serving
 from shared.wire import PrefillRequest
 
-pytestmark = pytest.mark.integration
-
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 

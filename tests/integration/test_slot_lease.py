@@ -10,8 +10,6 @@ from redis.asyncio import Redis
 from services.stage_worker.lease import Slot, SlotError, SlotLease
 from shared.control import keys
 
-pytestmark = pytest.mark.integration
-
 
 async def test_every_slot_goes_to_exactly_one_worker(redis: Redis) -> None:
     leases = [SlotLease(redis, "r1", pp=2, dp=2, holder=f"w{i}") for i in range(4)]

@@ -16,8 +16,6 @@ from bubbletea_vllm.kvclient import KvClient, KvUnavailable
 from shared.dataplane.kv import KvServer, KvShelf
 from tests.integration.test_kv_plane import HOST, a_kv_file
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 async def holder() -> AsyncIterator[KvServer]:

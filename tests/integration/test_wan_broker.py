@@ -30,8 +30,6 @@ from shared.spec.settings import Settings, load_settings
 from shared.wire import FIELD, LinkReport, Ping, SlotDone, SlotGrant, SlotRequest, Transfer, decode, encode
 from tests.e2e.serving import wait_until
 
-pytestmark = pytest.mark.integration
-
 # 80 kB/s: a 4,000-byte transfer takes 50 ms alone; 10 ms one-way latency
 LINK = {"latency_ms": 10.0, "bandwidth_gbps": 0.00064, "tcp_window_mib": 64, "connections": 8}
 ALONE_S = 4000 / 80_000

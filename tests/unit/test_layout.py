@@ -14,6 +14,8 @@
 
 Every check looks at every import in a file, function bodies included.
 
+* `shared/policies` is pure: it imports nothing that does I/O or reads a clock (`asyncio`, `redis`,
+  `socket`, `threading`, `time`, `subprocess`, `aiohttp`, the bus): a decision takes `now` as an input.
 * No product or benchmark module runs past 400 lines: past it, it is split by purpose.
 * `shared/` has no loose module: its code lives in subpackages whose names say what for.
 """
@@ -147,6 +149,23 @@ def test_services_and_shared_do_not_import_the_tools() -> None:
         if top(imp.module) in TOOLS
     ]
     assert not bad, "services/ and shared/ must not import bubbletea, sim or loadgen:\n" + "\n".join(bad)
+
+
+#: What a pure policy never imports: I/O and clocks (its caller passes `now` and executes decisions).
+IMPURE = ("asyncio", "redis", "socket", "threading", "time", "subprocess", "aiohttp", "shared.bus")
+
+
+def test_the_policies_do_no_io_and_read_no_clock() -> None:
+    files = source_files("shared")
+    policies = [p for p in files if p.relative_to(ROOT).parts[:2] == ("shared", "policies")]
+    assert len(policies) > 10, "no policy found: is ROOT right?"
+    bad = [
+        f"{path.relative_to(ROOT)}:{imp.line} imports {imp.module}"
+        for path in policies
+        for imp in imports(path)
+        if any(imp.module == m or imp.module.startswith(m + ".") for m in IMPURE)
+    ]
+    assert not bad, "shared/policies must stay pure (now is an input; the service does the I/O):\n" + "\n".join(bad)
 
 
 def test_shared_and_sim_do_not_import_the_command() -> None:
