@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from services.prefill_queue.api import served_model
 from services.prefill_queue.app import SERVICE, create_app
 from services.prefill_queue.server import Runner
 from shared.runtime.service import run_service, serve_app
@@ -17,7 +18,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_service(SERVICE, serve, argv, description="BubbleTea HTTP prefill front door.")
+    # the served model's checkpoint is checked before anything else: a front door that cannot say
+    # what it serves refuses to start (it would listen and answer every request with an error)
+    check = lambda s: served_model(s.spec.prefill)  # noqa: E731
+    return run_service(SERVICE, serve, argv, description="BubbleTea HTTP prefill front door.", check=check)
 
 
 if __name__ == "__main__":

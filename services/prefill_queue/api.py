@@ -6,6 +6,7 @@ import contextlib
 import functools
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -15,7 +16,7 @@ from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest,
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import serving
 from shared.control.status import FailureReason, RequestStatus
-from shared.model.info import ModelInfo
+from shared.model.info import CheckpointError, ModelInfo
 from shared.model.shape import max_prompt_tokens, model_info
 from shared.model.tokenizer import Tokenizer, tokenizer_for
 from shared.spec.config import Prefill
@@ -71,7 +72,12 @@ async def read_gate(app: web.Application) -> None:
 def served_model(spec: Prefill) -> tuple[ModelInfo, Tokenizer]:
     """The served model's shape and tokenizer (torch-free: a checkpoint directory's config.json and
     tokenizer.json, else `prefill.model` and bytes), read once per spec. `CheckpointError` if the
-    checkpoint directory is unusable."""
+    checkpoint is missing or unusable."""
+    if spec.checkpoint is not None and not Path(spec.checkpoint).exists():
+        raise CheckpointError(
+            f"prefill.checkpoint: {spec.checkpoint} does not exist (expected a Hugging Face model directory, or a "
+            "state_dict file of prefill.model's shape)"
+        )
     return model_info(spec), tokenizer_for(spec)
 
 

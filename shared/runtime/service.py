@@ -33,6 +33,10 @@ log = get_logger(__name__)
 Serve = Callable[[Settings, asyncio.Event], Awaitable[None]]
 
 
+class ListenError(OSError):
+    """An HTTP service could not bind its address (the port taken, say): said in one line."""
+
+
 def run_service(
     name: str,
     serve: Serve,
@@ -87,6 +91,9 @@ async def _main(name: str, serve: Serve, settings: Settings, check: Callable[[Se
     except (ConfigError, CheckpointError) as exc:  # the same every time: a restart cannot help
         log.error("cannot run with this configuration", service=name, error=str(exc))
         return EXIT_CONFIG
+    except ListenError as exc:  # may pass (a port freed later): a launcher may try again
+        log.error("cannot listen", service=name, error=str(exc))
+        return 1
     except (RedisConnectionError, RedisTimeoutError) as exc:  # an outage longer than its calls ride out
         log.error("redis unreachable; giving up", service=name, error=str(exc))
         return EXIT_UNREACHABLE
@@ -163,7 +170,13 @@ async def serve_app(
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # a port taken or not ours to bind: one line, not a traceback
+            raise ListenError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}; set BUBBLETEA_HTTP_PORT (or http.port) to "
+                "a free port, or stop what holds this one"
+            ) from None
         addr = runner.addresses[0]
         url = f"http://{addr[0]}:{addr[1]}"
         log.info("listening", url=url)

@@ -201,6 +201,35 @@ def test_a_service_without_redis_retries_until_the_deadline_it_states_then_exits
     assert 'msg="redis still unreachable at the deadline; exiting (start Redis, or check REDIS_URL)"' in lines[-1]
 
 
+def front_door(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`python -m services.prefill_queue` as a person starts it by hand."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("BUBBLETEA_")}
+    command = [sys.executable, "-m", "services.prefill_queue"]
+    return subprocess.run(command, env={**base, **env}, capture_output=True, text=True, timeout=60)
+
+
+def test_a_front_door_on_a_taken_port_says_so_in_one_line(redis_server: EmbeddedRedis) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = front_door({"REDIS_URL": redis_server.url, "BUBBLETEA_HTTP_PORT": str(port)})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert 'msg="cannot listen"' in last and f"cannot listen on 127.0.0.1:{port}" in last
+    assert "address already in use" in last and "BUBBLETEA_HTTP_PORT" in last
+
+
+def test_a_front_door_whose_checkpoint_does_not_exist_refuses_to_start(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"datacenters: [{{name: a, gpus: 2}}]\nprefill: {{checkpoint: {tmp_path / 'nope'}}}\n")
+    # no Redis needed: it refuses before waiting for one
+    r = front_door({"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "BUBBLETEA_CONFIG": str(spec)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert 'msg="cannot run with this configuration"' in last and f"{tmp_path / 'nope'} does not exist" in last
+
+
 def test_every_command_reads_config_then_bubbletea_config(tmp_path: Path) -> None:
     paper = {"BUBBLETEA_CONFIG": "configs/paper-scale.yaml"}
     assert run("plan", env=paper).stdout.startswith("cluster paper-scale: ")
