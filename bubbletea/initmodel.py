@@ -2,8 +2,12 @@
 
 It writes `config.json` for the family and shape asked (llama by default; gpt2, mistral and qwen2
 too) and a byte-level BPE `tokenizer.json` trained on local text (by default this checkout's
-README and docs). There are no weights: `training.model: DIR` initialises the model as its family
-does. The vocabulary is the tokenizer's size rounded up to a multiple of 64 (the embedding may be
+README and docs). There are no weights unless `--weights` asks for them: `training.model: DIR`
+initialises the model as its family does, but prefill (`prefill.checkpoint: DIR`) serves weights,
+so a directory to serve needs them: `--weights` writes the initialised ones (model.safetensors),
+or train it with `bubbletea train --save DIR`.
+
+The vocabulary is the tokenizer's size rounded up to a multiple of 64 (the embedding may be
 larger than the tokenizer; never smaller).
 """
 
@@ -64,6 +68,7 @@ def init_model(
     positions: int,
     tokenizer_vocab: int,
     texts: list[Path],
+    weights: bool = False,
 ) -> dict[str, Any]:
     """Write the directory; returns its config. Every check comes before the import of the tokenizer
     trainer (its module imports torch, 1.5 s): a refusal is said at once."""
@@ -95,7 +100,22 @@ def init_model(
         family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab, positions=positions
     )
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if weights:
+        write_initial_weights(directory, config)
     return config
+
+
+def write_initial_weights(directory: Path, config: dict[str, Any], seed: int = 0) -> None:
+    """model.safetensors: the weights the family initialises (the same a run training from this
+    directory starts with at `seed`), under the checkpoint's names: what prefill loads."""
+    from safetensors.torch import save_file
+
+    from shared.model.hf_stage import HFStage
+
+    layers = int(config.get("num_hidden_layers") or config["n_layer"])
+    stage = HFStage(config, stage=0, ranges=[(0, layers)], seed=seed)
+    tensors = {name: t.contiguous() for name, t in stage.hf_tensors().items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def add_parser(sub: Any) -> None:
@@ -117,6 +137,11 @@ def add_parser(sub: Any) -> None:
         "--text", type=Path, nargs="+", default=None, help="text files to train the tokenizer on (default: this "
         "checkout's README.md and docs/*.md)",
     )  # fmt: skip
+    p.add_argument(
+        "--weights",
+        action="store_true",
+        help="also write the initialised weights (model.safetensors), so prefill can serve the directory",
+    )
     p.set_defaults(func=_run)
 
 
@@ -135,6 +160,7 @@ def _run(args: argparse.Namespace) -> int:
             positions=args.positions,
             tokenizer_vocab=args.tokenizer_vocab,
             texts=texts,
+            weights=args.weights,
         )
     except ValueError as exc:
         raise CommandError(str(exc)) from None

@@ -65,6 +65,13 @@ def _check_prefill(spec: ClusterSpec, source: Path) -> None:
             f"{source}: prefill.checkpoint: {checkpoint} does not exist (expected a Hugging Face model directory, "
             "or a state_dict file of prefill.model's shape)"
         )
+    # training may start from a config alone; serving needs weights
+    if Path(checkpoint).is_dir() and not any(Path(checkpoint).glob("*.safetensors")):
+        raise ConfigError(
+            f"{source}: prefill.checkpoint: {checkpoint} has no weights (model.safetensors): prefill serves a "
+            f"trained model; `bubbletea train --config {source} --save {checkpoint}` writes one, or "
+            f"`bubbletea init-model {checkpoint} --weights` an untrained one"
+        )
     try:
         if Path(checkpoint).is_dir():  # its family and tokenizer, without torch
             from shared.model.shape import model_info

@@ -303,7 +303,11 @@ def _with_training_model(spec: ClusterSpec) -> ClusterSpec:
     try:
         info = info_from_config(read_config(spec.training.model))
     except CheckpointError as exc:
-        hint = "" if Path(spec.training.model).exists() else f"; `bubbletea init-model {spec.training.model}` makes one"
+        hint = (
+            ""
+            if Path(spec.training.model).exists()
+            else f"; `bubbletea init-model {spec.training.model}` makes one (add --weights to serve it too)"
+        )
         raise ConfigError(f"training.model: {exc}{hint}") from None
     if spec.model.seq_len > info.max_model_len:
         raise ConfigError(

@@ -288,6 +288,35 @@ def test_init_model_refuses_a_non_empty_directory(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+def test_a_directory_to_serve_needs_weights_and_init_model_weights_writes_them(tmp_path: Path) -> None:
+    """check-config passes only what runs: prefill serves weights, which `init-model` alone does not
+    write; the hint names the steps that do, and `init-model --weights` is one."""
+    model = tmp_path / "llama"
+    spec = _spec(
+        tmp_path,
+        "datacenters: [{name: a, gpus: 2}, {name: b, gpus: 2}]\nmodel: {seq_len: 64, seed: 0}\n"
+        f"training: {{model: {model}}}\nprefill: {{checkpoint: {model}}}\n",
+    )
+    missing = run("check-config", str(spec))
+    assert f"`bubbletea init-model {model}` makes one (add --weights to serve it too)" in missing.stderr
+    assert run("init-model", str(model), "--layers", "2", "--hidden", "32").returncode == 0
+    one_line_error(
+        run("check-config", str(spec)),
+        f"bubbletea: error: {spec}: prefill.checkpoint: {model} has no weights (model.safetensors): prefill serves a "
+        f"trained model; `bubbletea train --config {spec} --save {model}` writes one, or "
+        f"`bubbletea init-model {model} --weights` an untrained one",
+    )
+    for p in model.iterdir():
+        p.unlink()
+    assert run("init-model", str(model), "--layers", "2", "--hidden", "32", "--weights").returncode == 0
+    assert run("check-config", str(spec)).returncode == 0
+    from shared.model.prefill import PrefillModel
+    from shared.spec.config import load_spec
+
+    served = PrefillModel.from_spec(load_spec(spec).prefill)  # what the workers load: it serves
+    assert served.layers == 2 and served.prefill(served.tokenizer.encode("hello")).prompt_tokens >= 1
+
+
 def _spec(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
     path = tmp_path / name
     path.write_text(text)
@@ -312,7 +341,7 @@ BAD_SPECS = {  # what check-config and every run command refuse, and the line th
     "training model": (
         "datacenters: [{name: a, gpus: 2}, {name: b, gpus: 2}]\ntraining: {model: no/such/dir}\n",
         "training.model: checkpoint directory no/such/dir does not exist (nothing is ever downloaded); "
-        "`bubbletea init-model no/such/dir` makes one",
+        "`bubbletea init-model no/such/dir` makes one (add --weights to serve it too)",
     ),
 }
 
