@@ -7,9 +7,13 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-# torch is pinned: a CPU build of 2.13.0 is found locally (pip find-links) on our machines; an
-# unpinned torch would pull a multi-GB CUDA build.
-TORCH  := torch==2.13.0
+# torch is installed first, by pip, as TORCH says: by default the CPU build of 2.13.0 that our
+# machines find locally (pip find-links); an unpinned torch would pull a multi-GB CUDA build. On a
+# machine with a GPU, or without that local build, name the one to install, and where pip finds it:
+#   make install TORCH=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# (pyproject.toml asks only for torch>=2.5, so what was installed here stays.)
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?=
 # Everything but torch is installed by uv, into .venv: the same versions pip resolves, in 15 s where
 # pip took 60 s (pip's resolver and its one-file-at-a-time unpacking; docs/dependencies.md). Torch
 # stays with pip, which finds the local build. --compile-bytecode: every service process imports
@@ -42,7 +46,8 @@ help:
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required, found " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH) '$(UV)'
+	$(PY) -m pip install --quiet --disable-pip-version-check '$(UV)'
+	$(PY) -m pip install --quiet --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(UV_PIP) -e '.[dev,report]'
 	$(UV_PIP) --no-deps -e ./bubbletea-vllm
 	@touch $(STAMP)
