@@ -256,7 +256,15 @@ class Dispatcher:
         now = time.time()
         verdict = self.gate.assess(slots, now, joined=joined)
         if verdict.state is not self.verdict.state:
-            quiet = (ServingState.SERVING, ServingState.JOINING, ServingState.STARTING)
+            # the run's own course, and its ends on purpose, are news; losses and stalls are alarms
+            quiet = (
+                ServingState.SERVING,
+                ServingState.JOINING,
+                ServingState.STARTING,
+                ServingState.FINISHED,
+                ServingState.STOPPED,
+                ServingState.DISABLED,
+            )
             level = log.info if verdict.state in quiet else log.warning
             level("serving state", state=verdict.state.value, was=self.verdict.state.value, reason=verdict.reason)
         self.verdict = verdict

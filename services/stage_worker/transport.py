@@ -324,7 +324,14 @@ class Transport:
             return
         if not self.failed.is_set():
             self.error = str(exc)
-            log.warning("data plane failure; waiting for the recovery path", slot=self.slot.name, error=str(exc))
+            # Not a warning yet: a peer that stopped on purpose (the end of a run, Ctrl-C) closes its
+            # connections too. The membership loop learns which it was from the slots' leases and
+            # says so: a quiet stop, or "the run pauses to recover" (a warning) for a lost peer.
+            log.info(
+                "a data plane transfer failed; learning why from the slots (a stop, or a lost peer)",
+                slot=self.slot.name,
+                error=str(exc),
+            )
             self.failed.set()
 
     def _track(self, coro: Any) -> None:
