@@ -109,6 +109,14 @@ def _run(argv: list[str], seen: dict[str, str]) -> int:
     return int(args.func(args))
 
 
+def _stop_fork_server() -> None:
+    """A command that forked its workers (train, up, demo) waits for its fork server and resource
+    tracker to exit before it returns (bubbletea/launcher/forked.py)."""
+    forked = sys.modules.get("bubbletea.launcher.forked")
+    if forked is not None:
+        forked.shutdown()
+
+
 def _quiet_stdout() -> None:
     """After a closed pipe: point stdout at /dev/null, so the interpreter's last flush is silent."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -116,7 +124,13 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        _stop_fork_server()
+
+
+def _main(argv: list[str]) -> int:
     verbose = _verbose(argv)
     seen: dict[str, str] = {}
     try:

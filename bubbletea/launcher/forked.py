@@ -23,6 +23,7 @@ server, services are started as processes (`procs.spawn`'s other path).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -62,6 +63,22 @@ def context() -> ForkServerContext:
         ctx.set_forkserver_preload(list(PRELOAD))
         _context = ctx
     return _context
+
+
+def shutdown() -> None:
+    """Stop the fork server and multiprocessing's resource tracker, and wait for both: a command
+    that returns leaves none of its processes behind (they would otherwise linger in its process
+    group for a second or more, until they notice it is gone). `_stop` is multiprocessing's own way,
+    what CPython's tests use; it is private, so it is looked up and any failure ignored."""
+    if _context is None:
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    for owner in (forkserver._forkserver, resource_tracker._resource_tracker):
+        stop = getattr(owner, "_stop", None)
+        if stop is not None:
+            with contextlib.suppress(Exception):
+                stop()
 
 
 def _child(module: str, argv: list[str], env: dict[str, str], out: Any, nice: int) -> None:

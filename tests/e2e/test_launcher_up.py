@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -353,3 +354,27 @@ async def test_up_takes_host_port_and_api_key_as_vllm_serve_does(tmp_path: Path)
             proc.kill()
             await proc.wait()
     assert "==> stopped cleanly" in "".join(seen)
+
+
+TINY = """datacenters: [{name: a, gpus: 1}, {name: b, gpus: 1}]
+model: {layers: 2, d_model: 16, heads: 2, seq_len: 8, vocab: 256}
+parallelism: {pp: 2, dp: 1}
+training: {iterations: 2, microbatches: 2, microbatch_size: 1}
+device: {kind: cpu}
+bubbletea: {enabled: false}
+"""
+
+
+def test_a_command_that_returns_leaves_no_process_of_its_own_behind(tmp_path: Path) -> None:
+    """A launcher forks its workers from a fork server, and multiprocessing starts a resource
+    tracker: both live in the command's process group, and lingered there a second or so after it
+    returned (issue 51). The command waits for them, as for every other child."""
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY)
+    with (tmp_path / "out.txt").open("w") as out:  # not a pipe: nothing waits for its readers to close it
+        p = subprocess.Popen(
+            [sys.executable, "-m", "bubbletea.cli", "train", str(spec)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, process_group=0,  # a group of its own, as a shell gives
+        )  # fmt: skip
+        assert p.wait(timeout=120) == 0, (tmp_path / "out.txt").read_text()[-2000:]
+    assert not group_alive(p.pid), "the command's process group outlived it (its fork server, its resource tracker)"
