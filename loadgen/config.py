@@ -94,7 +94,7 @@ class BenchmarkConfig:
             _check(not endless, "--duration with an infinite --request-rate needs --max-concurrency (or a finite rate)")
         elif self.dataset == "trace":
             _check(self.trace is not None, "the trace dataset needs --trace FILE")
-            _check(math.isfinite(self.time_scale) and self.time_scale > 0, "--time-scale must be > 0")
+            _check(math.isfinite(self.time_scale) and self.time_scale > 0, "--trace-speedup must be > 0")
             _check(self.max_input_len >= 1, "--max-input-len must be >= 1")
             _check(self.max_output_len >= 1, "--max-output-len must be >= 1")
         else:

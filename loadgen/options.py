@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from loadgen import report, result
 from loadgen.client import ENDPOINT_NAMES, endpoint_name, normalize_base_url
@@ -42,9 +43,29 @@ examples:
       --request-rate 20 --num-prompts 500 --save-result --result-dir results --metadata run=1
   loadgen --request-rate 20 --burstiness 0.25 --duration 60 --goodput ttft:500
   loadgen --request-rate 5 --num-prompts 100 --random-input-len 128 --random-output-len 64 --goodput tpot:50
-  loadgen --trace loadgen/traces/azure2023_conv_synthetic.csv --time-scale 10 --duration 60 --max-input-len 256
+  loadgen --trace loadgen/traces/azure2023_conv_synthetic.csv --trace-speedup 10 --duration 60 --max-input-len 256
 exit status: 0 the run completed (even with failed requests), 1 the API could not be used, 2 usage error
 """
+
+
+class Renamed(argparse.Action):
+    """An option's old spelling: it still works, and says once (on stderr) what it is called now.
+    `--time-scale` meant the trace's speed-up here and the device time scale elsewhere
+    (BUBBLETEA_TIME_SCALE, the benchmarks' --time-scale): one word for each idea."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(*args, **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        print(
+            f"warning: {option} is now {self.new} (the trace's speed-up; the device time scale is "
+            "BUBBLETEA_TIME_SCALE): the old spelling still works",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
 
 
 def _package_version() -> str:
@@ -194,10 +215,19 @@ def build_parser() -> argparse.ArgumentParser:
         "its timestamps, prompt lengths its ContextTokens",
     )
     data.add_argument(
-        "--time-scale",
+        "--trace-speedup",
+        dest="time_scale",
         type=float,
         metavar="X",
         help="replay the trace X times faster (default: 1.0). Only with --trace",
+    )
+    data.add_argument(
+        "--time-scale",
+        dest="time_scale",
+        type=float,
+        action=Renamed,
+        new="--trace-speedup",
+        help=argparse.SUPPRESS,  # the old spelling: it works, with a warning
     )
     data.add_argument(
         "--max-input-len",
@@ -275,7 +305,7 @@ RANDOM_ONLY = {
     "range_ratio": "--random-range-ratio/--range-ratio",
     "output_len": "--random-output-len",
 }
-TRACE_ONLY = {"time_scale": "--time-scale", "max_input_len": "--max-input-len", "max_output_len": "--max-output-len"}
+TRACE_ONLY = {"time_scale": "--trace-speedup", "max_input_len": "--max-input-len", "max_output_len": "--max-output-len"}
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchmarkConfig:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from loadgen.options import Renamed
 from shared.policies.placement import PlacementError
 from shared.spec.config import ConfigError, load_spec
 from shared.spec.settings import DEFAULT_SPEC
@@ -31,7 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", nargs="?", metavar="SPEC", help="cluster spec file (YAML; the same as --config)")
     p.add_argument("--config", help="cluster spec (default: $BUBBLETEA_CONFIG or configs/demo.yaml)")
     p.add_argument("--trace", metavar="CSV", type=Path, help="replay an Azure LLM inference trace (arrivals, lengths)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="replay the trace this many times faster")
+    p.add_argument(
+        "--trace-speedup", dest="time_scale", type=float, default=1.0, help="replay the trace this many times faster"
+    )
+    p.add_argument(  # the old spelling: it works, with a warning
+        "--time-scale", dest="time_scale", type=float, action=Renamed, new="--trace-speedup", help=argparse.SUPPRESS
+    )
     p.add_argument(
         "--request-rate",
         type=float,

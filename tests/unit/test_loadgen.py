@@ -197,6 +197,18 @@ def test_trace_workload(tmp_path: Path) -> None:
     assert [r.prompt for r in decoding] == [r.prompt for r in sent]  # the same prompts
 
 
+def test_the_old_spelling_of_the_trace_speedup_works_and_says_its_new_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(write(tmp_path, TRACE))
+    cfg = parse_config(["--trace", trace, "--time-scale", "4"])
+    assert cfg.time_scale == 4.0
+    err = capsys.readouterr().err
+    assert "--time-scale is now --trace-speedup" in err and "BUBBLETEA_TIME_SCALE" in err
+    assert parse_config(["--trace", trace, "--trace-speedup", "4"]).time_scale == 4.0
+    assert "now" not in capsys.readouterr().err
+
+
 def test_prompt_lengths_drawn_from_a_trace_keep_the_requested_rate(tmp_path: Path) -> None:
     """--input-lens-from: a trace's prompt lengths (clamped), at arrivals of --request-rate."""
     trace = str(write(tmp_path, TRACE))
@@ -581,7 +593,7 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    options = ["--request-rate", "--burstiness", "--trace", "--time-scale", "--goodput", "--json-out", "--dataset"]
+    options = ["--request-rate", "--burstiness", "--trace", "--trace-speedup", "--goodput", "--json-out", "--dataset"]
     options += ["--dataset-name", "--random-input-len", "--random-range-ratio", "--save-result", "--result-dir"]
     options += ["--result-filename", "--metadata", "--label", "--num-warmups", "--header", "--no-stream"]
     options += ["--ready-check-timeout-sec", "--input-len", "--range-ratio", "--random-output-len"]
@@ -597,7 +609,7 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
         (["--trace", "t.csv", "--burstiness", "2"], "--burstiness does not apply with --trace"),
         (["--trace", "t.csv", "--dataset", "random"], "conflict"),
         (["--dataset", "trace"], "needs --trace"),
-        (["--time-scale", "10"], "--time-scale applies only with --trace"),
+        (["--trace-speedup", "10"], "--trace-speedup applies only with --trace"),
         (["--percentile-metrics", "ttft,tbt"], "unknown metric 'tbt'"),
         (["--goodput", "ttft"], "METRIC:MS"),
         (["--goodput", "itl:5"], "METRIC:MS with METRIC one of ttft, tpot, e2el"),
