@@ -12,9 +12,10 @@ checks that span sections. The training sections (model, parallelism, training, 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 import yaml
@@ -22,6 +23,9 @@ from msgspec import Meta
 
 from shared.model.info import CheckpointError, info_from_config, read_config
 from shared.runtime.logs import get_logger
+from shared.spec.deprecated import DEPRECATED as DEPRECATED  # re-exported: where specs used to find them
+from shared.spec.deprecated import deprecated_fields as deprecated_fields
+from shared.spec.deprecated import spec_builtins as spec_builtins
 from shared.spec.fields import DEVICE, DEVICE_RATE, HOST, Millis, Name, Section
 from shared.spec.messages import validation_message
 from shared.spec.training import Device, ModelSpec, Parallelism, Training
@@ -98,33 +102,6 @@ class BubbleTea(Section, frozen=True):
     dispatch_overhead_ms: Annotated[Millis, DEVICE] = 0.0
     keep_ahead_ms: Annotated[Millis, DEVICE] = 0.0
     stage_ms: Annotated[Millis, DEVICE] = 0.0
-
-
-#: Spec fields still accepted but no longer used, and what replaced each.
-DEPRECATED = {
-    "bubbletea.guard_ms": "a worker fills a bubble until its training input arrives; no margin is kept",
-    "bubbletea.dispatch_overhead_ms": "work is queued on the worker before its bubble opens",
-    "bubbletea.keep_ahead_ms": "see bubbletea.credit_bubbles",
-    "bubbletea.stage_ms": "see bubbletea.credit_bubbles and bubbletea.max_credit_ms",
-}
-
-
-def deprecated_fields(data: object) -> list[str]:
-    """One line per field of the raw spec `data` that is accepted but no longer used."""
-    section = data.get("bubbletea") if isinstance(data, dict) else None
-    if not isinstance(section, dict):
-        return []
-    return [f"{path}: no longer used ({why})" for path, why in DEPRECATED.items() if path.split(".", 1)[1] in section]
-
-
-def spec_builtins(spec: msgspec.Struct) -> dict[str, Any]:
-    """A spec as plain values to write out (a launcher's run folder), without the fields that are
-    accepted but no longer used: a spec written here loads again with no deprecation warning."""
-    raw: dict[str, Any] = msgspec.to_builtins(spec)
-    for path in DEPRECATED:
-        section, name = path.split(".", 1)
-        raw.get(section, {}).pop(name, None)
-    return raw
 
 
 #: `prefill.kv_budget_mb`'s default: a quarter of the default Redis maxmemory (1 GiB), e.g. 30 s of
@@ -337,7 +314,40 @@ def load_spec(path: str | Path) -> ClusterSpec:
         raise ConfigError(f"{where}: not valid YAML: {what}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-    return parse_spec(data, source=str(p))
+    resolved = resolve_paths(data, p.parent)
+    try:
+        return parse_spec(data, source=str(p))
+    except ConfigError as exc:
+        if any(path in str(exc) for path in resolved):
+            raise ConfigError(f"{exc} (a relative path in a spec is read from the spec's folder, {p.parent})") from None
+        raise
+
+
+#: The spec's fields that name files, as (section, field): a relative one is read from the spec's
+#: folder, as compose, Kubernetes and most tools read theirs.
+PATH_FIELDS = (("training", "model"), ("training", "data"), ("prefill", "checkpoint"))
+
+
+def resolve_paths(data: object, base: Path) -> list[str]:
+    """Rewrite, in the raw spec `data`, each relative path of `PATH_FIELDS` as read from `base`;
+    returns the paths it rewrote (as rewritten)."""
+    done: list[str] = []
+
+    def resolve(value: object) -> object:
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            done.append(os.path.normpath(base / value))
+            return done[-1]
+        return value
+
+    if not isinstance(data, dict):
+        return done
+    for section, name in PATH_FIELDS:
+        part = data.get(section)
+        if not isinstance(part, dict) or part.get(name) is None:
+            continue
+        value = part[name]
+        part[name] = [resolve(v) for v in value] if isinstance(value, list) else resolve(value)
+    return done
 
 
 def _load_yaml(text: str, name: str) -> object:

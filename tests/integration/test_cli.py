@@ -331,8 +331,8 @@ BAD_SPECS = {  # what check-config and every run command refuse, and the line th
     ),
     "checkpoint": (
         "datacenters: [{name: a, gpus: 2}, {name: b, gpus: 2}]\nprefill: {checkpoint: no/such/model}\n",
-        "prefill.checkpoint: no/such/model does not exist (expected a Hugging Face model directory, or a state_dict "
-        "file of prefill.model's shape)",
+        "prefill.checkpoint: {dir}/no/such/model does not exist (expected a Hugging Face model directory, or a "
+        "state_dict file of prefill.model's shape)",
     ),
     "duplicate": (
         "datacenters: [{name: a, gpus: 2}, {name: b, gpus: 2}]\nwan: {sharing: fair}\nname: x\nwan:\n  sharing: fifo\n",
@@ -340,8 +340,9 @@ BAD_SPECS = {  # what check-config and every run command refuse, and the line th
     ),
     "training model": (
         "datacenters: [{name: a, gpus: 2}, {name: b, gpus: 2}]\ntraining: {model: no/such/dir}\n",
-        "training.model: checkpoint directory no/such/dir does not exist (nothing is ever downloaded); "
-        "`bubbletea init-model no/such/dir` makes one (add --weights to serve it too)",
+        "training.model: checkpoint directory {dir}/no/such/dir does not exist (nothing is ever downloaded); "
+        "`bubbletea init-model {dir}/no/such/dir` makes one (add --weights to serve it too) (a relative path in a "
+        "spec is read from the spec's folder, {dir})",
     ),
 }
 
@@ -350,6 +351,7 @@ BAD_SPECS = {  # what check-config and every run command refuse, and the line th
 def test_check_config_refuses_what_every_run_command_refuses(tmp_path: Path, case: str) -> None:
     text, why = BAD_SPECS[case]
     spec = _spec(tmp_path, text)
+    why = why.replace("{dir}", str(tmp_path))  # a relative path is read from the spec's folder
     for command in (["check-config", str(spec)], ["plan", "--config", str(spec)], ["train", "--config", str(spec)]):
         one_line_error(run(*command), f"bubbletea: error: {spec}: {why}")
     one_line_error(run("up", "--config", str(spec), "--out", str(tmp_path)), f"bubbletea: error: {spec}: {why}")

@@ -13,22 +13,49 @@ DC = [{"name": "a", "gpus": 4}, {"name": "b", "gpus": 2}]
 
 
 def test_every_shipped_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Llama configs name directories the documented commands make (relative to the checkout):
-    `bubbletea init-model models/llama-tiny` and the save `runs/llama-tiny` (its config.json)."""
+    """The Llama configs name directories the documented commands make in the checkout
+    (`bubbletea init-model models/llama-tiny`, the save `runs/llama-tiny`): relative paths are read
+    from the spec's folder, so they load whatever the working directory (issue 51)."""
+    import shutil
+
     from bubbletea.initmodel import default_texts, init_model
 
-    paths = sorted((ROOT / "configs").glob("*.yaml"))
-    assert paths, "no configs shipped"
-    monkeypatch.chdir(tmp_path)
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT / "configs", checkout / "configs")
+    for doc in ["README.md", *(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]:
+        (checkout / doc).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / doc, checkout / doc)
     init_model(
-        Path("models/llama-tiny"), "llama", layers=4, hidden=128, heads=4, kv_heads=2, positions=256,
+        checkout / "models/llama-tiny", "llama", layers=4, hidden=128, heads=4, kv_heads=2, positions=256,
         tokenizer_vocab=300, texts=default_texts()[:1],
     )  # fmt: skip
-    Path("runs/llama-tiny").mkdir(parents=True)
-    (Path("runs/llama-tiny") / "config.json").write_text(Path("models/llama-tiny/config.json").read_text())
+    (checkout / "runs/llama-tiny").mkdir(parents=True)
+    (checkout / "runs/llama-tiny/config.json").write_text((checkout / "models/llama-tiny/config.json").read_text())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # not the checkout: the paths are the spec's, not the shell's
+    paths = sorted((checkout / "configs").glob("*.yaml"))
+    assert paths, "no configs shipped"
     for p in paths:
         spec = load_spec(p)
         assert spec.datacenters
+    llama = load_spec(checkout / "configs/llama.yaml").training
+    assert llama.model == str(checkout / "models/llama-tiny")
+    assert llama.data is not None and all(Path(d).is_file() for d in llama.data)
+
+
+def test_a_relative_path_is_read_from_the_specs_folder_and_an_error_says_which(tmp_path: Path) -> None:
+    (tmp_path / "specs").mkdir()
+    path = tmp_path / "specs" / "s.yaml"
+    path.write_text(
+        "datacenters: [{name: a, gpus: 2}, {name: b, gpus: 2}]\nprefill: {checkpoint: /abs/ckpt}\n"
+        "training: {model: ../models/m, data: [a.txt]}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_spec(path)
+    said = str(info.value)
+    assert f"{tmp_path / 'models/m'} does not exist" in said
+    assert f"(a relative path in a spec is read from the spec's folder, {tmp_path / 'specs'})" in said
 
 
 def test_demo_spec_values() -> None:
