@@ -30,6 +30,7 @@ import time
 
 import msgspec
 
+from services.decoder.metrics import DecoderMetrics
 from shared.bus import Bus, Delivery
 from shared.control import keys, serving
 from shared.control.health import Heartbeat, instance_id
@@ -40,6 +41,7 @@ from shared.model.generate import Continuation
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import find_stop, tokenizer_for
 from shared.runtime.logs import get_logger
+from shared.runtime.telemetry import MetricsServer
 from shared.spec.config import ClusterSpec
 from shared.spec.settings import Settings
 from shared.wire import DecodeChunk, DecodeRequest, WireError
@@ -52,6 +54,7 @@ log = get_logger(__name__)
 class Decoder:
     def __init__(self, bus: Bus, spec: ClusterSpec, model: PrefillModel) -> None:
         self.bus, self.spec, self.model = bus, spec, model
+        self.metrics = DecoderMetrics(spec.prefill.model_name)
         #: KV caches on the data plane: one kept connection per holder (closed by `close`).
         self.kv = KvClient()
         self.tokenizer = tokenizer_for(spec.prefill)  # stop sequences are matched on the text
@@ -96,7 +99,7 @@ class Decoder:
         c = Continuation(self.model, stored.kv, len(stored.prompt), stored.first_token, req.temperature, req.seed)
         sent = 1  # the first token is the prefill's answer: the client has it
         finish, stop_reason = "length", None
-        t0 = time.perf_counter()
+        t0 = self._last_token = time.perf_counter()
         while True:
             if req.deadline is not None and time.time() > req.deadline:
                 await self._fail(req, sent, FailureReason.DEADLINE, "deadline passed while decoding")
@@ -131,6 +134,7 @@ class Decoder:
         await self._free(req)
         self.completions += 1
         self.tokens += len(c.tokens) - 1
+        self.metrics.finished(finish, len(c.tokens) - 1, time.perf_counter() - t0)
         log.info(
             "completion decoded",
             id=req.id,
@@ -144,7 +148,10 @@ class Decoder:
         until = time.perf_counter() + self.chunk_s
         while len(c.tokens) < max_tokens:
             c.step()
-            if time.perf_counter() >= until:
+            now = time.perf_counter()
+            self.metrics.token(now - self._last_token)
+            self._last_token = now
+            if now >= until:
                 return
 
     async def _send(self, req: DecodeRequest, chunk: DecodeChunk) -> None:
@@ -154,6 +161,7 @@ class Decoder:
         chunk = DecodeChunk(id=req.id, index=index, done=True, status=RequestStatus.FAILED, reason=reason, error=why)
         await self._send(req, chunk)
         await self._free(req)
+        self.metrics.failed(reason)
         log.info("completion failed", id=req.id, reason=reason.value, detail=why)
 
     def info(self) -> dict[str, object]:
@@ -169,11 +177,25 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
         d = Decoder(bus, spec, model)
         me = f"{SERVICE}-{instance_id()}"
-        hb = Heartbeat(bus.redis, SERVICE, instance_id(), d.info)
+
+        async def refresh() -> None:
+            d.metrics.running(d.running)
+            await d.metrics.streams.refresh(bus.redis)
+
+        server = MetricsServer(
+            d.metrics.registry,
+            settings.metrics_host,
+            settings.metrics_port,
+            refresh=refresh,
+            api_key=settings.metrics_key,
+        )
+        url = await server.start()
+        hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "metrics_url": url})
         config = msgspec.structs.replace(spec.bus, concurrency=spec.decode.concurrency)
         consumer = bus.consumer(
             keys.DECODE_REQUESTS_STREAM, SERVICE, {DecodeRequest: d.on_request}, name=me, config=config
         )
+        d.metrics.streams.add(consumer)
         await hb.start()
         try:
             async with consumer:
@@ -186,6 +208,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                         pass
         finally:
             await d.close()  # after the consumer: its last completions may still free their caches
+            await server.stop()
         await hb.stop()
         if consumer.error is not None:
             raise RuntimeError(f"the decode request consumer crashed: {consumer.error!r}")

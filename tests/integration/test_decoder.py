@@ -128,3 +128,39 @@ async def test_an_end_of_sequence_token_ends_the_completion(
     tokens = [first] + [t for c in chunks for t in c.tokens]
     assert tokens == want[: cut + 1] == generate(decoder, prompt, 30, eos=(eos,))  # it ends with the EOS token
     assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason is None
+
+
+async def test_the_decoder_serves_vllms_decode_metrics(decoder: PrefillModel, redis: Redis, redis_url: str) -> None:
+    """GET /metrics (its URL in the heartbeat, as every bus service's): generation tokens, time per
+    output token and inter-token latency under vLLM's names, completions by how they ended."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shared.control.health import live_instances
+
+    await prefill_and_store(redis, decoder, "m1", list(b"metrics"))
+    async with Bus(redis_url, name="test") as bus:
+        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("m1", 12))
+        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("m-gone", 4))
+    await completion(redis, "m1")
+    await completion(redis, "m-gone")
+    async with asyncio.timeout(30):
+        while not (live := await live_instances(redis, "decoder")) or not live[0].get("metrics_url"):
+            await asyncio.sleep(0.05)
+    async with aiohttp.ClientSession() as http, http.get(live[0]["metrics_url"]) as resp:
+        text = await resp.text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    model = (("model_name", load_settings(None).spec.prefill.model_name),)
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted({**dict(model), **labels}.items())))]
+
+    assert value("bubbletea:generation_tokens_total") == 11  # 12 tokens, the first the prefill's
+    assert value("bubbletea:inter_token_latency_seconds_count") == 11
+    assert value("bubbletea:time_per_output_token_seconds_count") == 1
+    assert value("bubbletea:request_success_total", finished_reason="length") == 1
+    assert value("bubbletea:request_failures_total", reason="kv_missing") == 1
