@@ -145,8 +145,8 @@ async def test_the_decoder_serves_vllms_decode_metrics(decoder: PrefillModel, re
     await completion(redis, "m1")
     await completion(redis, "m-gone")
     async with asyncio.timeout(30):
-        while not (live := await live_instances(redis, "decoder")) or not live[0].get("metrics_url"):
-            await asyncio.sleep(0.05)
+        while not (live := await live_instances(redis, "decoder")) or not live[0].get("metrics_url"):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # a heartbeat key: no event to wait on
     async with aiohttp.ClientSession() as http, http.get(live[0]["metrics_url"]) as resp:
         text = await resp.text()
     samples = {
