@@ -335,7 +335,7 @@ def resolve_paths(data: object, base: Path) -> list[str]:
 
     def resolve(value: object) -> object:
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
-            done.append(os.path.normpath(base / value))
+            done.append(os.path.normpath(base.absolute() / value))  # absolute: a spec written out elsewhere keeps it
             return done[-1]
         return value
 

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import yaml
 
 from shared.model.optim import lr_at
 from shared.spec.config import ConfigError, deprecated_fields, load_spec, parse_spec, spec_builtins
@@ -376,3 +377,19 @@ def test_an_unknown_bubbletea_variable_is_warned_about_with_the_one_meant() -> N
         "BUBBLETEA_ITERATION is not a variable BubbleTea reads; it is ignored: did you mean BUBBLETEA_ITERATIONS?"
     ]
     assert unknown_env({"BUBBLETEA_SPEC": "x", "BUBBLETEA_PROGRESS": "0"}) == []  # read by compose and the CLI
+
+
+def test_a_spec_written_into_a_run_folder_keeps_its_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher writes the spec in effect into its run folder, and its services load it from there:
+    the relative paths of the original were made absolute, so they still name the same files."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "corpus.txt").write_text("text\n")
+    original = tmp_path / "configs" / "s.yaml"
+    original.write_text("datacenters: [{name: a, gpus: 2}]\nprefill: {checkpoint: ../ckpt.pt}\n")
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(Path("configs/s.yaml"))  # a relative spec path, as `--config configs/s.yaml`
+    assert spec.prefill.checkpoint == str(tmp_path / "ckpt.pt")
+    written = tmp_path / "runs" / "up-1" / "spec.yaml"
+    written.parent.mkdir(parents=True)
+    written.write_text(yaml.safe_dump(spec_builtins(spec)))
+    assert load_spec(written).prefill.checkpoint == str(tmp_path / "ckpt.pt")
