@@ -22,7 +22,7 @@ from bubbletea.cli_common import (
 from bubbletea.preflight import check_run
 from shared.runtime.logs import setup_logging
 from shared.spec.config import ClusterSpec, ConfigError, check_decode
-from shared.spec.settings import load_settings
+from shared.spec.settings import Settings, load_settings
 from shared.spec.training import UNTIL_STOPPED
 
 
@@ -52,6 +52,17 @@ def add_parser(sub: Any) -> None:
         "--api-key",
         help="require 'Authorization: Bearer KEY' on /v1/ (as BUBBLETEA_API_KEY; docs/api.md). The key is visible "
         "to other users in the process list: on a shared host set BUBBLETEA_API_KEY instead",
+    )
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="the model to serve, as vllm serve takes it: a local Hugging Face directory with weights "
+        "(prefill.checkpoint; nothing is downloaded)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the name clients ask for and /v1/models lists (prefill.model_name), as vllm serve's",
     )
     p.add_argument(
         "--iterations",
@@ -104,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             os.environ[var] = str(value)
     settings = load_settings(args.config)
+    settings = _served(settings, args.model, args.served_model_name)
     check_run(settings)  # what check-config checks, before anything starts
     if args.run:
         settings = dataclasses.replace(settings, run=args.run)
@@ -142,3 +154,23 @@ def run(args: argparse.Namespace) -> int:
     return uvloop.run(
         run_up(settings, out_root=Path(args.out), verbose=args.verbose, persist=persist, vllm_python=vllm)
     )
+
+
+def _served(settings: Settings, model: str | None, name: str | None) -> Settings:
+    """`--model PATH` and `--served-model-name NAME` into the spec (`prefill.checkpoint`, made
+    absolute: the services read the spec from the run folder; `prefill.model_name`)."""
+    import dataclasses
+
+    if model is None and name is None:
+        return settings
+
+    def served(spec: ClusterSpec) -> ClusterSpec:
+        prefill = spec.prefill
+        if model is not None:
+            prefill = msgspec.structs.replace(prefill, checkpoint=str(Path(model).expanduser().absolute()))
+        if name is not None:
+            prefill = msgspec.structs.replace(prefill, model_name=name)
+        return msgspec.structs.replace(spec, prefill=prefill)
+
+    base = served(settings.base_spec or settings.spec)
+    return dataclasses.replace(settings, spec=served(settings.spec), base_spec=base)

@@ -316,15 +316,23 @@ async def test_up_restarts_its_redis_and_stops_cleanly_on_sigterm(tmp_path: Path
 
 
 async def test_up_takes_host_port_and_api_key_as_vllm_serve_does(tmp_path: Path) -> None:
-    """`up --host --port --api-key`: the API listens where told (over the spec's http section) and
-    /v1/ asks for the key."""
+    """`up --host --port --api-key --model --served-model-name`: the API listens where told (over
+    the spec's http section), /v1/ asks for the key, and serves the model given under the name given."""
+    from bubbletea.initmodel import default_texts, init_model
     from shared.runtime.redis_server import free_port
+
+    model = tmp_path / "llama"
+    init_model(
+        model, "llama", layers=2, hidden=32, heads=4, kv_heads=2, positions=128, tokenizer_vocab=300,
+        texts=default_texts()[:1], weights=True,
+    )  # fmt: skip
 
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "0.0.0.0", "port": 1}}))  # both overridden
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_API_KEY")} | GIVEN_SCALE
     args = ("--host", "127.0.0.1", "--port", str(port), "--api-key", "sekrit", "--out", str(tmp_path / "runs"))
+    args += ("--model", str(model), "--served-model-name", "my-llama")
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), *args),
         cwd=ROOT,
@@ -344,6 +352,8 @@ async def test_up_takes_host_port_and_api_key_as_vllm_serve_does(tmp_path: Path)
                 assert resp.status == 401
             async with http.get(f"{api}/v1/models", headers={"Authorization": "Bearer sekrit"}) as resp:
                 assert resp.status == 200
+                served = (await resp.json())["data"]
+            assert [m["id"] for m in served] == ["my-llama"] and served[0]["max_model_len"] == 128, served
         drain = asyncio.create_task(_drain(proc.stdout, seen))
         proc.send_signal(signal.SIGINT)
         async with asyncio.timeout(60):
