@@ -68,6 +68,8 @@ class Summary:
     runs: tuple[RunInfo, ...]
     spec: str | None = None
     created: str | None = None
+    #: k: one device ms lasted this many real ms in the runs (None: not recorded, e.g. the simulator's)
+    time_scale: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +133,17 @@ def load_summary(path: Path) -> Summary:
         runs=runs,
         spec=_optional_str(path, data, "spec"),
         created=_optional_str(path, data, "created"),
+        time_scale=_optional_scale(path, data),
     )
+
+
+def _optional_scale(path: Path, data: dict[str, Any]) -> float | None:
+    k = data.get("device_time_scale")
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int | float) or not k > 0:
+        raise ReportError(f'{path}: "device_time_scale" must be a number above 0, got {k!r}')
+    return float(k)
 
 
 def _optional_str(path: Path, data: dict[str, Any], key: str) -> str | None:

@@ -7,6 +7,7 @@ how other code in the same process (tests, notebooks, a GUI) draws.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,11 +86,15 @@ def _style_ticks(ax: Axes) -> None:
 # --- 1. the pipeline timeline ----------------------------------------------------------------
 
 
-def timeline_figure(spans: Sequence[Span], title: str) -> Figure:
+def timeline_figure(spans: Sequence[Span], title: str, time_scale: float | None = None) -> Figure:
     """One row per worker (stage 0 on top), bars over time as in GPipe / 1F1B diagrams.
 
-    Time is in ms from the start of the first iteration shown, so runs compare at a glance.
+    Time is in ms from the start of the first iteration shown, so runs compare at a glance: device
+    ms (real ms / k, as the table's) when the run's time scale `time_scale` is known, and the axis
+    says which clock and k; host ms otherwise.
     """
+    if time_scale:
+        spans = _on_the_device_clock(spans, time_scale)
     workers = worker_order(spans)
     fig = new_figure(max(3.2, 1.8 + 0.5 * len(workers)))
     ax = fig.add_subplot()
@@ -106,7 +111,8 @@ def timeline_figure(spans: Sequence[Span], title: str) -> Figure:
     ax.set_xlim(x_min, x_max + 0.01 * (x_max - x_min or 1.0))
     ax.set_ylim(len(workers) - 0.5, -0.5)
     ax.set_yticks(range(len(workers)), workers)
-    ax.set_xlabel(f"time (ms) since the start of iteration {min(starts)}", fontsize=FONT_SIZE + 1)
+    clock = f"device ms (real ms / k, k = {time_scale:g})" if time_scale else "host ms (real time)"
+    ax.set_xlabel(f"time since the start of iteration {min(starts)}: {clock}", fontsize=FONT_SIZE + 1)
     ax.set_ylabel("worker (replica r, stage s)", fontsize=FONT_SIZE + 1)
     ax.grid(axis="x", color="#dddddd", linewidth=0.6, zorder=0)
     ax.set_axisbelow(True)
@@ -118,6 +124,20 @@ def timeline_figure(spans: Sequence[Span], title: str) -> Figure:
     handles.append(_legend_patch(IDLE_STYLE))
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=FONT_SIZE, frameon=False)
     return fig
+
+
+def _on_the_device_clock(spans: Sequence[Span], k: float) -> list[Span]:
+    """`spans` with their times since the first one divided by `k`: the device's clock."""
+    t0 = min(s.start for s in spans)
+    return [
+        dataclasses.replace(
+            s,
+            start=t0 + (s.start - t0) / k,
+            end=t0 + (s.end - t0) / k,
+            input_at=None if s.input_at is None else t0 + (s.input_at - t0) / k,
+        )
+        for s in spans
+    ]
 
 
 def _draw_spans(ax: Axes, spans: Sequence[Span], row: dict[str, int], t0: float) -> None:
@@ -224,8 +244,11 @@ def _usage_panel(ax: Axes, label: str, usage: dict[str, Usage], parts: Sequence[
 # --- 3. time to first token ------------------------------------------------------------------
 
 
-def ttft_figure(runs: Sequence[tuple[str, Sequence[float]]]) -> Figure:
-    """One CDF per run, with dots and dotted drop lines at p50 and p99 (the tail matters most)."""
+def ttft_figure(runs: Sequence[tuple[str, Sequence[float]]], time_scale: float | None = None) -> Figure:
+    """One CDF per run, with dots and dotted drop lines at p50 and p99 (the tail matters most); in
+    device ms (real / k, as the table's) when the runs' time scale is known, else host ms."""
+    if time_scale:
+        runs = [(label, [t / time_scale for t in ttfts]) for label, ttfts in runs]
     fig = new_figure(5.0)
     ax = fig.add_subplot()
     values = np.concatenate([np.asarray(t, dtype=float) for _, t in runs])
@@ -239,7 +262,8 @@ def ttft_figure(runs: Sequence[tuple[str, Sequence[float]]]) -> Figure:
         ax.axhline(q, color="#bbbbbb", linewidth=0.8, linestyle="--", zorder=0)
     ax.set_ylim(0, 1.02)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-    ax.set_xlabel("time to first token (ms)", fontsize=FONT_SIZE + 1)
+    clock = f"device ms (real ms / k, k = {time_scale:g})" if time_scale else "host ms (real time)"
+    ax.set_xlabel(f"time to first token: {clock}", fontsize=FONT_SIZE + 1)
     ax.set_ylabel("requests answered within x", fontsize=FONT_SIZE + 1)
     ax.grid(color="#eeeeee", linewidth=0.6)
     _style_ticks(ax)

@@ -80,7 +80,7 @@ def _timelines(folder: RunFolder, out: Path) -> list[Picture]:
         shown = select_iterations(spans, TIMELINE_FIRST, TIMELINE_COUNT)
         title = f"{run.label}: pipeline timeline, {_iterations_text(shown)}"
         path = out / f"timeline-{run.name}.png"
-        _save(timeline_figure(shown, title), path)
+        _save(timeline_figure(shown, title, folder.summary.time_scale), path)
         pictures.append(Picture("timeline", run.label, path))
     return pictures
 
@@ -112,7 +112,7 @@ def _ttft(folder: RunFolder, out: Path) -> list[Picture]:
     if not runs:
         return []
     path = out / "ttft.png"
-    _save(ttft_figure(runs), path)
+    _save(ttft_figure(runs, folder.summary.time_scale), path)
     return [Picture("ttft", "Time to first token", path)]
 
 

@@ -378,3 +378,18 @@ def test_module_entry_point_help() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: bubbletea report") and "--out DIR" in result.stdout
+
+
+def test_timelines_and_ttfts_are_drawn_on_the_device_clock_when_k_is_known() -> None:
+    """The table gives device ms; so do the pictures, saying the clock and k (issue 51)."""
+    from bubbletea.report.plots import timeline_figure, ttft_figure
+
+    spans = [span("fwd", 100.0, 100.4), span("bwd", 100.4, 101.2), span("fwd", 100.0, 100.8, stage=1)]
+    on_device = timeline_figure(spans, "t", time_scale=4.0).axes[0]
+    assert "device ms (real ms / k, k = 4)" in on_device.get_xlabel()
+    assert on_device.get_xlim()[1] == pytest.approx(1200 / 4, rel=0.02)  # 1.2 real s = 300 device ms
+    on_host = timeline_figure(spans, "t").axes[0]
+    assert "host ms" in on_host.get_xlabel() and on_host.get_xlim()[1] == pytest.approx(1200, rel=0.02)
+    ttft = ttft_figure([("run", [40.0, 80.0, 120.0])], time_scale=4.0).axes[0]
+    assert "device ms (real ms / k, k = 4)" in ttft.get_xlabel()
+    assert any("p50 20.0 ms" in t.get_text() for t in ttft.get_legend().get_texts())
