@@ -114,7 +114,9 @@ def _train(args: argparse.Namespace) -> int:
             flush=True,
         )
         if save is not None:
-            print(f"==> saved the trained model to {save} (set prefill.checkpoint: {save} to serve it)", flush=True)
+            # the absolute path: a spec reads a relative one from its own folder, not from here
+            where = Path(save).absolute()
+            print(f"==> saved the trained model to {save} (set prefill.checkpoint: {where} to serve it)", flush=True)
         return 0
     finally:
         if embedded is not None:

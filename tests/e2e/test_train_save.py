@@ -47,6 +47,7 @@ def test_train_save_writes_the_trained_model(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"saved the trained model to {out}" in res.stdout
+    assert f"(set prefill.checkpoint: {out.absolute()} to serve it)" in res.stdout  # as any spec reads it
 
     spec = load_settings(spec_path).spec
     cfg = GPTConfig.from_spec(spec.model)
