@@ -323,9 +323,9 @@ class StageRunner:
             try:
                 mean, latest = await self._plane().all_reduce_mean(flat, t0)
             except PlaneError as exc:
-                log.warning(
-                    "gradient all-reduce failed; waiting for the recovery path", slot=self.slot.name, error=str(exc)
-                )
+                # info, as a transfer's failure: a stop on purpose closes the peers' connections too;
+                # the membership loop says which it was (services/stage_worker/transport.py `_fail`)
+                log.info("gradient all-reduce failed; learning why from the slots", slot=self.slot.name, error=str(exc))
                 await self._plane_failed(str(exc))
             await self.in_torch_thread(self.trainer.load_grads, mean)
         if self.profile.allreduce:
@@ -368,9 +368,7 @@ class StageRunner:
                 total = await self._plane().sum_norms(self.replica, both)
                 total_sq = float(total.item())
         except PlaneError as exc:
-            log.warning(
-                "pipeline collective failed; waiting for the recovery path", slot=self.slot.name, error=str(exc)
-            )
+            log.info("pipeline collective failed; learning why from the slots", slot=self.slot.name, error=str(exc))
             await self._plane_failed(str(exc))
         finished.append(time.time())
         return total_sq
