@@ -146,9 +146,7 @@ def run(args: argparse.Namespace) -> int:
         check_decode(spec)
         return spec
 
-    # both the spec in effect and the unscaled one the services are given (they apply the time scale)
-    base = adjusted(settings.base_spec or settings.spec)
-    settings = dataclasses.replace(settings, spec=adjusted(settings.spec), base_spec=base)
+    settings = settings.with_spec(adjusted)
     setup_logging("up", "WARNING")
     persist = args.persist or os.environ.get("BUBBLETEA_REDIS_PERSIST", "").lower() in ("1", "true", "yes", "on")
     return uvloop.run(
@@ -159,8 +157,6 @@ def run(args: argparse.Namespace) -> int:
 def _served(settings: Settings, model: str | None, name: str | None) -> Settings:
     """`--model PATH` and `--served-model-name NAME` into the spec (`prefill.checkpoint`, made
     absolute: the services read the spec from the run folder; `prefill.model_name`)."""
-    import dataclasses
-
     if model is None and name is None:
         return settings
 
@@ -172,5 +168,4 @@ def _served(settings: Settings, model: str | None, name: str | None) -> Settings
             prefill = msgspec.structs.replace(prefill, model_name=name)
         return msgspec.structs.replace(spec, prefill=prefill)
 
-    base = served(settings.base_spec or settings.spec)
-    return dataclasses.replace(settings, spec=served(settings.spec), base_spec=base)
+    return settings.with_spec(served)

@@ -74,8 +74,7 @@ class BubbleAnnouncer:
         # A worker that takes no prefill (its prefill failed batch after batch) announces nothing:
         # no dispatcher fills its bubbles, and admission must not count them as capacity.
         announce = filler is None or filler.guest.taking
-        if not announce:
-            filler = None
+        filler = filler if announce else None
         if announce:  # through the outbox, and prefill queued here starts now: no round trip first
             self.outbox.send(
                 keys.bubbles_stream(self.run),

@@ -178,19 +178,14 @@ class Filler:
                 run, first = await self._run(q, arrived, in_loop=first), False
                 if run.blocks:
                     self.on_span(run.started, run.ended)
-                if run.error is not None:  # done here: what did not start goes back
+                if run.finished or run.error is not None:  # done here (a failed one: what did not start goes back)
                     self.queue.ran(q.batch.batch_id, finished=True)
                     del self.batches[q.batch.batch_id]
-                    q.states.clear()  # resumed items' states not started: on the device too
-                    self._background(self._finish(q, preempted=True), q.done)
-                    if not (verdict := self.guest.batch_failed(q.batch.batch_id, run.error)).take:
+                    q.states.clear()  # resumed items' states never started hold device memory
+                    self._background(self._finish(q, preempted=run.error is not None), q.done)
+                    if not (verdict := self.guest.batch_ended(q.batch.batch_id, run.error)).take:
                         self._hand_back(self.queue.drain())  # and takes no more prefill
                         self._background(self.guest.say_off(verdict.why))
-                elif run.finished:
-                    self.queue.ran(q.batch.batch_id, finished=True)
-                    del self.batches[q.batch.batch_id]
-                    self._background(self._finish(q, preempted=False), q.done)
-                    self.guest.health.ran()
                 else:
                     self.queue.ran(q.batch.batch_id, finished=False, left_s=q.left_s())
                     if run.answered:  # answered now, though their batch goes on in a later bubble
@@ -266,8 +261,7 @@ class Filler:
             if o.answered:  # failed before any block: done with it
                 answered.append(o)
                 q.cursor += 1
-                if o.failure is not None and o.failure[0] is FailureReason.PREFILL_ERROR:
-                    error = o.failure[1]
+                if (error := self.guest.error_of(o)) is not None:
                     break
                 continue
             assert o.state is not None

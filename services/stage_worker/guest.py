@@ -34,19 +34,28 @@ class Guest:
 
     def failed(self, o: Outcome, exc: Exception) -> str:
         """The prefill model raised `exc` running `o`'s request (in whichever thread ran it): it
-        fails, saying so, and drops what it held on the device. Returns the error in words. The
-        traceback is kept as text: the exception's own holds the failed run's frames, and with
-        them its tensors, until it is dropped."""
+        fails, saying so, and drops what it held on the device. Returns the error in words
+        (`error_of`). The traceback is kept as text: the exception's own holds the failed run's
+        frames, and with them its tensors, until it is dropped."""
         error = f"{type(exc).__name__}: {exc}".strip()[:500]
         self._traceback = "".join(traceback.format_exception(exc))[-4000:]
         o.failure = (FailureReason.PREFILL_ERROR, f"prefill failed on worker {self.worker}: {error}")
         o.state = None
         exc.__traceback__ = None
         self.model.free_cached()
-        return error
+        return o.failure[1]
 
-    def batch_failed(self, batch_id: str, error: str) -> GuestVerdict:
-        """A batch failed with `error`: counted, logged; the verdict says whether to go on taking prefill."""
+    @staticmethod
+    def error_of(o: Outcome) -> str | None:
+        """Whether `o` failed because the prefill model raised, and how (as `failed` said it)."""
+        return o.failure[1] if o.failure is not None and o.failure[0] is FailureReason.PREFILL_ERROR else None
+
+    def batch_ended(self, batch_id: str, error: str | None) -> GuestVerdict:
+        """A batch is done here: without `error` it ran, and the count of failures in a row starts
+        again; with one it failed, counted and logged. The verdict says whether to go on taking
+        prefill (if not, the caller hands back what it holds and `say_off`)."""
+        if error is None:
+            return self.health.ran()
         verdict = self.health.failed(error)
         log.error(
             "prefill batch failed; training goes on",

@@ -55,8 +55,8 @@ import os
 import re
 import socket
 import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -174,6 +174,12 @@ class Settings:
     def metrics_key(self) -> str | None:
         """The key a scrape of /metrics must carry, or None when /metrics is open."""
         return self.api_key if self.metrics_auth else None
+
+    def with_spec(self, change: Callable[[ClusterSpec], ClusterSpec]) -> Settings:
+        """These settings with `change` made to the spec in effect and to the unscaled one the
+        services are given (they apply the time scale themselves)."""
+        base = change(self.base_spec or self.spec)
+        return replace(self, spec=change(self.spec), base_spec=base)
 
     def require_redis_url(self) -> str:
         """The bus URL for a service process; services never start a private Redis of their own."""
