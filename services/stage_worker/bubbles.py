@@ -71,6 +71,7 @@ class BubbleAnnouncer:
         is here (safe from the prefill thread); `arrived_at()`: since when (wall clock), if known."""
         predicted = self.predictor.predict(pos)
         t0 = time.time()
+        ends_at = time.monotonic() + predicted if predicted > 0 else None  # pieces fit into what is left
         # A worker that takes no prefill (its prefill failed batch after batch) announces nothing:
         # no dispatcher fills its bubbles, and admission must not count them as capacity.
         announce = filler is None or filler.guest.taking
@@ -95,7 +96,7 @@ class BubbleAnnouncer:
         finished: tuple[str, ...] = ()
         try:
             if filler is not None:
-                finished = await filler.fill(arrived, awaited)
+                finished = await filler.fill(arrived, awaited, ends_at)
             value = await awaited
         finally:
             if not awaited.done():

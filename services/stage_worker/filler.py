@@ -28,62 +28,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
+from services.stage_worker.fill_compute import Arrived, BatchCompute, Queued, Run, run_to_end
 from services.stage_worker.guest import Guest
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port import StagePort
 from services.stage_worker.port_prefill import Saved
-from services.stage_worker.reporting import Outcome, Reporter
+from services.stage_worker.reporting import Reporter
 from shared.bus import Bus, Delivery, Reject
-from shared.control.status import FailureReason
-from shared.model.prefill import PrefillModel, PrefillState
-from shared.policies.fill import Arrival, FillQueue, may_start_block
+from shared.model.prefill import PrefillModel
+from shared.policies.fill import Arrival, FillQueue
 from shared.policies.prefill_cost import PrefillProfile
 from shared.runtime.logs import get_logger
 from shared.runtime.priority import lower_this_thread, prefill_nice, prefill_slice_us
-from shared.runtime.timing import Schedule
-from shared.wire import PrefillBatch, PrefillItem
+from shared.wire import PrefillBatch
 
 log = get_logger(__name__)
-
-Arrived = Callable[[], bool]
-
-
-@dataclass
-class Queued:
-    """A batch on this worker and how far it got: its items before `cursor` are done (or failed);
-    `current`, when set, is the one cut part way, its state in memory."""
-
-    batch: PrefillBatch
-    done: asyncio.Future[None]  # set once answered and reported: the delivery is acked then
-    states: dict[str, Saved]  # resumed items' saved states, loaded on arrival
-    outcomes: list[Outcome] = field(default_factory=list)  # every item started here, in order
-    cursor: int = 0
-    current: Outcome | None = None
-    answering: list[asyncio.Task[None]] = field(default_factory=list)  # early answers on their way
-
-    def left_s(self) -> float:
-        """The predicted seconds of what is left of it (the dispatcher's prediction)."""
-        return sum(it.predicted_ms for it in self.batch.items[self.cursor :]) / 1000
-
-
-@dataclass
-class Run:
-    """One run of a batch in one bubble: when it ran, the blocks it ran, whether the batch is done,
-    and the outcomes it finished (answered now)."""
-
-    started: float  # wall clock when its first block began
-    ended: float
-    blocks: int
-    finished: bool
-    answered: list[Outcome]
-    #: the prefill model raised (the exception, in words): the batch stops here, its running request
-    #: failed and the rest handed back
-    error: str | None = None
 
 
 class Filler:
@@ -102,12 +65,8 @@ class Filler:
         piece_tokens: int | None = None,
     ) -> None:
         self.bus, self.run, self.model, self.port = bus, run, model, port
-        self.on_span, self.queue, self.profile = on_span, queue, profile
-        self.piece_tokens = piece_tokens  # a layer in pieces of this many tokens (None: whole layers)
+        self.on_span, self.queue = on_span, queue
         self.reporter = Reporter(bus, run, worker, model_name, port, metrics)
-        #: how far prefill batches ran past their profiled schedule (seconds); the runner takes it
-        #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
-        self.lag_s = 0.0
         #: Prefill compute runs here, below training and the event loops (`shared.runtime.priority`).
         self._thread = ThreadPoolExecutor(
             1,
@@ -117,6 +76,7 @@ class Filler:
         )
         self.batches: dict[str, Queued] = {}
         self.guest = Guest(bus, run, worker, model, metrics)
+        self.compute = BatchCompute(model, self.guest, profile, piece_tokens)
         self._work = asyncio.Event()
         self._post: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -160,9 +120,12 @@ class Filler:
 
     # --- inside a bubble (called by the runner) --------------------------------------------
 
-    async def fill(self, arrived: Arrived, training_input: asyncio.Future[Any]) -> tuple[str, ...]:
-        """Run the queue until training input has arrived (`arrived()` turns true). Returns the
-        batches that finished in this bubble."""
+    async def fill(
+        self, arrived: Arrived, training_input: asyncio.Future[Any], ends_at: float | None = None
+    ) -> tuple[str, ...]:
+        """Run the queue until training input has arrived (`arrived()` turns true), or (in pieces)
+        the next piece would not fit what is left of the bubble by its predicted end `ends_at`
+        (monotonic clock; None: not predicted). Returns the batches that finished in this bubble."""
         self.queue.open()
         first = True  # the bubble's first run starts in the event loop (`_run`); later ones in the thread
         try:
@@ -175,7 +138,7 @@ class Filler:
                     waiter.cancel()
                     continue
                 q = self.batches[head.batch_id]
-                run, first = await self._run(q, arrived, in_loop=first), False
+                run, first = await self._run(q, arrived, ends_at, in_loop=first), False
                 if run.blocks:
                     self.on_span(run.started, run.ended)
                 if run.finished or run.error is not None:  # done here (a failed one: what did not start goes back)
@@ -192,12 +155,14 @@ class Filler:
                         for o in run.answered:
                             o.sent = True
                         q.answering.append(asyncio.create_task(self.reporter.answer(run.answered)))
+                    if run.full:  # nothing more fits: the bubble's rest stays empty
+                        break
         finally:
             finished = self.queue.close()
             self._give_back_expired()
         return finished
 
-    async def _run(self, q: Queued, arrived: Arrived, *, in_loop: bool) -> Run:
+    async def _run(self, q: Queued, arrived: Arrived, ends_at: float | None, *, in_loop: bool) -> Run:
         """Run `q` from where it stopped until it is done or the input arrives: with `in_loop`
         (the bubble's first run) its first block here, in the worker's event loop, and the rest in
         the prefill thread; a later run all in the prefill thread, already awake then, which leaves
@@ -209,14 +174,14 @@ class Filler:
         very moment the pipeline's other workers, Redis and the dispatcher all wake too (2.6-8 ms
         at the tail on 2 cores). The loop is blocked for one block's real compute, in this
         worker's own bubble; the thread has that block's device time to wake in."""
-        steps = self._compute(q, arrived)
+        steps = self.compute.steps(q, arrived, ends_at)
         if in_loop:
             try:
                 next(steps)
             except StopIteration as done:  # nothing more to run (stopped or failed before a 2nd block)
                 run: Run = done.value
                 return run
-        return await asyncio.get_running_loop().run_in_executor(self._thread, _run_to_end, steps)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, run_to_end, steps)
 
     def _hand_back(self, batch_ids: list[str]) -> None:
         """These batches go back to the dispatcher, reporting how far they got."""
@@ -239,117 +204,17 @@ class Filler:
                 states[it.id] = await self.port.load_snapshot(it.snapshot_key, self.model.layers)
         return states
 
-    def _compute(self, q: Queued, arrived: Arrived) -> Generator[None, None, Run]:
-        """Steps through `q` from where it stopped, pausing (yield) after each block, so that
-        whichever thread advances it runs the next block (`_run`); returns the `Run`.
-
-        The items in order, one block at a time, each started only while the input has not
-        arrived. With a device profile the run keeps to its profiled schedule (`Schedule`): a
-        block starts once the previous one is due (a started block counts for its whole profiled
-        time, the thread sleeping out the rest: a GPU kernel is not cut short), and the run ends
-        on the device when its last block is due, or when its real work ended if that was later
-        (added to `lag_s`). That end, not when the sleeping thread woke up, ends the run's span."""
-        started, origin = time.time(), time.monotonic()
-        schedule = Schedule(origin)
-        answered: list[Outcome] = []
-        blocks = 0
-        error: str | None = None
-        items = q.batch.items
-        while q.cursor < len(items):
-            item = items[q.cursor]
-            o = q.current or self._begin(q, item)
-            if o.answered:  # failed before any block: done with it
-                answered.append(o)
-                q.cursor += 1
-                if (error := self.guest.error_of(o)) is not None:
-                    break
-                continue
-            assert o.state is not None
-            t0 = max(schedule.due, time.monotonic())  # from when the device is free for it
-            ran, raised = yield from self._run_blocks(o.state, item.to_layer, arrived, schedule)
-            blocks += ran
-            o.seconds += max(schedule.due, time.monotonic()) - t0
-            o.reached = o.state.next_layer
-            if raised is not None:
-                error = self.guest.failed(o, raised)
-                q.current, q.cursor = None, q.cursor + 1
-                answered.append(o)
-                break
-            if o.reached < item.to_layer and not o.state.done:  # the input came: it goes on later
-                q.current = o
-                break
-            q.current, q.cursor = None, q.cursor + 1
-            if o.state.done:
-                try:
-                    o.result = self.model.finish(
-                        o.state, temperature=item.temperature, seed=item.seed, top_logprobs=item.logprobs
-                    )
-                except ValueError as exc:
-                    o.failure = (FailureReason.MODEL_REFUSED, str(exc))
-                except Exception as exc:  # the guest failed (see the module docstring)
-                    error = self.guest.failed(o, exc)
-                answered.append(o)
-                if error is not None:
-                    break
-        done = time.monotonic()  # the run's real work ended
-        if self.profile is not None and blocks:
-            self.lag_s += schedule.behind(done)
-            if (wait := schedule.wait_s(done)) > 0:
-                time.sleep(wait)  # the last block still runs on the device
-        ended = started + max(schedule.due, done) - origin
-        return Run(started, ended, blocks, error is None and q.cursor >= len(items), answered, error)
-
-    def _begin(self, q: Queued, item: PrefillItem) -> Outcome:
-        """The outcome of an item starting now: from its saved state, or from its prompt (its
-        state is elsewhere or lost), or failed (its state expired, or the model refuses it)."""
-        if item.from_layer and q.states.get(item.id) is None:
-            why = "its saved partial state expired before it could resume"
-            o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.STATE_EXPIRED, why))
-        else:
-            saved = q.states.get(item.id)  # LOST or ELSEWHERE: computed again from the prompt
-            try:
-                state = saved if isinstance(saved, PrefillState) else self.model.start(item.tokens)
-            except ValueError as exc:  # a prompt this model cannot run (e.g. another spec's limits)
-                o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.MODEL_REFUSED, str(exc)))
-            except Exception as exc:  # the guest failed (see the module docstring)
-                o = Outcome(item, item.from_layer, 0.0)
-                self.guest.failed(o, exc)
-            else:
-                started = None if state.next_layer == item.from_layer else state.next_layer
-                o = Outcome(item, state.next_layer, 0.0, state, started=started)
-        q.outcomes.append(o)
-        return o
-
-    def _run_blocks(
-        self, state: PrefillState, to_layer: int, arrived: Arrived, schedule: Schedule
-    ) -> Generator[None, None, tuple[int, Exception | None]]:
-        """Blocks of one request up to `to_layer` while the input has not arrived, each started
-        once the run's `schedule` has the previous one done, pausing after each. Returns how
-        many ran, and what the model raised if it did (the run stops there)."""
-        ran = 0
-        while state.next_layer < to_layer and not state.done:
-            if (wait := schedule.wait_s(time.monotonic())) > 0:
-                time.sleep(wait)  # the previous block still runs; sleeping releases the GIL
-            if not may_start_block(input_arrived=arrived()):
-                return ran, None
-            try:
-                if self.piece_tokens is None:
-                    self.model.run_layers(state, max_layers=1)
-                    tokens = len(state.tokens)
-                else:
-                    tokens = self.model.run_piece(state, self.piece_tokens)
-            except Exception as exc:  # the guest failed: the caller fails the request, training goes on
-                return ran, exc
-            if self.profile is not None:
-                schedule.add(self.profile.block_s(tokens))
-            ran += 1
-            yield
-        return ran, None
-
     def take_lag(self) -> float:
         """Prefill lag behind the profile since the last call, seconds."""
-        lag, self.lag_s = self.lag_s, 0.0
-        return lag
+        return self.compute.take_lag()
+
+    @property
+    def piece_tokens(self) -> int | None:
+        return self.compute.piece_tokens
+
+    @piece_tokens.setter
+    def piece_tokens(self, tokens: int | None) -> None:
+        self.compute.piece_tokens = tokens
 
     # --- after a batch, off the training path ----------------------------------------------
 
@@ -379,13 +244,3 @@ class Filler:
         if self._post:
             await asyncio.gather(*self._post, return_exceptions=True)
         self._thread.shutdown(wait=False)
-
-
-def _run_to_end(steps: Generator[None, None, Run]) -> Run:
-    """In the prefill thread: the rest of a run `_run` started."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            run: Run = done.value
-            return run

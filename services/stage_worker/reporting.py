@@ -25,6 +25,7 @@ from services.stage_worker.port import Cut, Finished, KvStored, StagePort
 from shared.bus import Bus
 from shared.control import keys, serving
 from shared.control.status import FailureReason, ItemOutcome, RequestStatus
+from shared.model.finishing import Finishing
 from shared.model.prefill import PrefillResult, PrefillState
 from shared.runtime.logs import get_logger
 from shared.wire import FIELD, PrefillBatch, PrefillItem, PrefillProgress, PrefillReport, encode
@@ -46,6 +47,8 @@ class Outcome:
     seconds: float
     state: PrefillState | None = None
     result: PrefillResult | None = None
+    #: finished, its first token still on its way off the device (`read` makes it `result`)
+    pending: Finishing | None = None
     failure: tuple[FailureReason, str] | None = None
     started: int | None = None
     sent: bool = False  # its answer is on its way (answered when its run ended)
@@ -53,7 +56,13 @@ class Outcome:
     @property
     def answered(self) -> bool:
         """Finished here: answered, ok or failed."""
-        return self.result is not None or self.failure is not None
+        return self.result is not None or self.pending is not None or self.failure is not None
+
+    async def read(self) -> None:
+        """Its first token off the device, now that an answer needs it (waiting without blocking)."""
+        if self.pending is not None:
+            await self.pending.wait()
+            self.result, self.pending = self.pending.result(), None
 
 
 @dataclass
@@ -120,6 +129,8 @@ class Reporter:
     ) -> list[tuple[str, str]]:
         """Queue on `pipe` the answers of `outcomes` (their KV caches kept first) and mark them
         sent; keep the states of `cut`. Returns the snapshot handles to write."""
+        for o in outcomes:
+            await o.read()
         now = time.time()
         done = [o for o in outcomes if o.result is not None]
         finished = [Finished(o.item.id, o.item.tokens, o.result.token, o.result.kv) for o in done if o.result]

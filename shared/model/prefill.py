@@ -31,13 +31,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from shared.model.causal import KV as KV  # re-exported: (k, v) of one layer, each (1, kv_heads, T, head_dim)
 from shared.model.causal import CausalLM
 from shared.model.checkpoint import load_causal_lm
 from shared.model.families.nanogpt import NanoGPT
+from shared.model.finishing import Finishing
 from shared.model.gpt import StageModule
 from shared.model.info import CheckpointError as CheckpointError  # re-exported: it used to live here
 from shared.model.info import ModelInfo
@@ -47,7 +47,7 @@ from shared.model.sampling import sample as sample  # re-exported: the one sampl
 from shared.model.shape import GPTConfig
 from shared.model.shape import estimate_kv_bytes as estimate_kv_bytes  # re-exported: it used to live here
 from shared.model.streams import Lane
-from shared.model.tokenizer import BYTES, Tokenizer, token_text, tokenizer_for
+from shared.model.tokenizer import BYTES, Tokenizer, tokenizer_for
 from shared.spec.config import Prefill
 
 
@@ -259,26 +259,33 @@ class PrefillModel:
 
         The token is `sample(logits, temperature, seed=seed)`: the argmax at temperature 0, else a
         draw seeded by `seed` (same seed, same token; None = fresh entropy); the global RNG is never
-        used. `logprob` and `top` are at temperature 1; `text` is the tokenizer's.
+        used. `logprob` and `top` are at temperature 1; `text` is the tokenizer's. Waits for the
+        device: a worker uses `finish_async` and reads the result where waiting costs nothing.
         """
+        return self.finish_async(state, temperature=temperature, seed=seed, top_logprobs=top_logprobs).result()
+
+    def finish_async(
+        self, state: PrefillState, *, temperature: float = 0.0, seed: int | None = None, top_logprobs: int = 0
+    ) -> Finishing:
+        """`finish` without waiting for the device: the last logits' copy to the host is launched
+        behind an event, and `Finishing.result` (after `Finishing.wait`) samples and reads them."""
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
         if top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
         logits = self.last_logits(state)  # (vocab,)
-        with torch.inference_mode(), self.lane.scope():
-            logprobs = F.log_softmax(logits, dim=-1)  # (vocab,)
-            token = sample(logits, temperature, seed=seed)
-            k = min(top_logprobs, self.info.vocab)
-            top_vals, top_ids = torch.topk(logprobs, k)  # (k,), (k,): sorted, most likely first
-            top = [(int(i), float(lp)) for i, lp in zip(top_ids.tolist(), top_vals.tolist(), strict=True)]
-        return PrefillResult(
-            token=token,
-            text=token_text(self.tokenizer, token),
-            logprob=float(logprobs[token].item()),
-            top=top,
-            prompt_tokens=len(state.tokens),
-            kv=list(state.kv),
+        event: torch.cuda.Event | None = None
+        if logits.device.type == "cuda":
+            with torch.inference_mode(), self.lane.scope():
+                host = torch.empty(logits.shape, dtype=torch.float32, pin_memory=True)
+                host.copy_(logits, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()  # on the lane's stream (the scope's current stream)
+            logits = host
+        else:
+            logits = logits.float().cpu()
+        return Finishing(
+            logits, event, temperature, seed, top_logprobs, len(state.tokens), list(state.kv), self.tokenizer
         )
 
     def prefill(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
@@ -81,6 +82,44 @@ class Lane:
         """Until everything launched on this lane has run (not the other lane's work)."""
         if self.stream is not None:
             self.stream.synchronize()
+
+
+class LaneClock:
+    """How long pieces of work launched on a lane ran, read without waiting for them: on a GPU a
+    CUDA event pair per piece, read once the end has passed (`Event.query`, no sync); on the CPU,
+    where work is done when its call returns, the host clock."""
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._measured: list[tuple[int, float]] = []
+        self._cpu_start = 0.0
+
+    def begin(self) -> torch.cuda.Event | None:
+        """Before launching a piece: its start mark (None on the CPU)."""
+        if self.lane.stream is None:
+            self._cpu_start = time.perf_counter()
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(self.lane.stream)
+        return start
+
+    def end(self, start: torch.cuda.Event | None, tokens: int) -> None:
+        """After launching it: `tokens` tokens' piece from `start` (what `begin` gave)."""
+        if start is None or self.lane.stream is None:
+            self._measured.append((tokens, time.perf_counter() - self._cpu_start))
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.lane.stream)
+        self._pending.append((tokens, start, end))
+
+    def measured(self) -> list[tuple[int, float]]:
+        """(tokens, device seconds) of the pieces that ran since the last call, oldest first."""
+        while self._pending and self._pending[0][2].query():
+            tokens, start, end = self._pending.popleft()
+            self._measured.append((tokens, start.elapsed_time(end) / 1000))
+        out, self._measured = self._measured, []
+        return out
 
 
 class OnLane(Protocol):

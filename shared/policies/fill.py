@@ -13,6 +13,11 @@ Redis I/O and clocks hold no rule of their own.
   while the awaited input has not arrived (`may_start_block`). No prediction refuses or stops work:
   the block running when the input comes finishes (a GPU kernel is not cut short) and training
   resumes at its end, which is BubbleTea's only cost to training.
+* **In pieces (a GPU), a piece starts only if it fits.** A layer of a long prompt runs in pieces of
+  `piece_tokens` tokens, and a piece starts only if its measured time, with a margin, fits what is
+  left of the bubble by its prediction, or is too short to matter (`may_start_piece`): so a piece
+  never runs past a bubble by more than a fraction of a millisecond. One that does not fit ends the
+  bubble's prefill; the batch waits at the head for the next.
 * **A batch the input interrupted stays at the head**, its progress kept where it is (in memory on
   a live worker), and continues in the worker's next bubble.
 * **A bubble's end says what it used**: the batches that finished in it (`close`), so the dispatcher
@@ -71,6 +76,61 @@ def piece_tokens(setting: int, *, on_gpu: bool) -> int | None:
 def may_start_block(*, input_arrived: bool) -> bool:
     """Whether the next block may start: only the awaited training input stops prefill."""
     return not input_arrived
+
+
+#: A piece is predicted to take this many times its measured time (its time varies: the attention
+#: over the layer's earlier pieces grows, and the GPU is shared with training).
+PIECE_MARGIN = 1.5
+#: What a piece may run past a bubble's predicted end: one this short starts whatever the
+#: prediction says (were the input to arrive at once, training would wait this long at most).
+OVERRUN_GRACE_S = 0.25e-3
+
+
+def may_start_piece(
+    *,
+    input_arrived: bool,
+    piece_s: float | None,
+    left_s: float | None,
+    margin: float = PIECE_MARGIN,
+    grace_s: float = OVERRUN_GRACE_S,
+) -> bool:
+    """Whether the next piece of a layer may start (pieces: `piece_tokens`; a GPU). Never once the
+    input is here; otherwise only if its predicted time (`piece_s`, measured; None: not measured
+    yet) with the `margin` fits what is left of the bubble by its prediction (`left_s`; None: no
+    prediction), or is within `grace_s` (a piece that short costs training next to nothing even
+    past a bubble's predicted end). So a piece never runs past a bubble by much more than the
+    grace, while a bubble that outlives its prediction still takes short pieces to its end."""
+    if input_arrived:
+        return False
+    if piece_s is None or left_s is None:
+        return True
+    predicted = piece_s * margin
+    return predicted <= grace_s or predicted <= left_s
+
+
+#: How fast the measured piece time follows new measurements (per measurement).
+PIECE_TIME_WEIGHT = 0.2
+
+
+@dataclass
+class PieceTimes:
+    """A piece's time as measured on this worker: seconds per token of piece, weighted toward the
+    recent (a piece's time is nearly proportional to its tokens once it is long enough to be worth
+    cutting, and the GPU's other work moves it)."""
+
+    weight: float = PIECE_TIME_WEIGHT
+    per_token_s: float | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or not seconds > 0:
+            return
+        rate = seconds / tokens
+        old = self.per_token_s
+        self.per_token_s = rate if old is None else old + self.weight * (rate - old)
+
+    def predict(self, tokens: int) -> float | None:
+        """Seconds for a piece of `tokens` tokens; None until one was measured."""
+        return None if self.per_token_s is None else self.per_token_s * tokens
 
 
 @dataclass

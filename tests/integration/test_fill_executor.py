@@ -31,6 +31,7 @@ from shared.dataplane import kvstore
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.fill import FillQueue
+from shared.policies.prefill_cost import PrefillProfile
 from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, decode
 
@@ -111,7 +112,7 @@ async def one_bubble(
         mailbox.put(key, torch.zeros(1))
 
     def arrived() -> bool:
-        if sys._getframe(1).f_code.co_name == "_run_blocks":  # not the fill loop's own checks between batches
+        if sys._getframe(1).f_code.co_name == "_may_start":  # not the fill loop's own checks between batches
             checks.append(time.perf_counter())
         return mailbox.arrived(key)
 
@@ -416,6 +417,37 @@ async def test_a_layer_in_pieces_stops_within_a_piece_and_the_next_bubble_goes_o
         assert o.reached == 2 and not handled.done()
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         assert done == ("b1",)
+        found = await serving.lookup(bus.redis, req.id)
+        want = model.prefill(list(PROMPT))
+        assert found is not None and found.result is not None
+        assert found.result.token == want.token and found.result.logprob == pytest.approx(want.logprob, abs=1e-5)
+
+
+async def test_a_piece_that_does_not_fit_what_is_left_of_the_bubble_waits_for_the_next(redis_url: str) -> None:
+    """In pieces, a piece starts only if its time (here the device profile's) with a margin fits
+    what is left of the bubble by its prediction: past a bubble's predicted end, a piece longer than
+    the grace does not start, the bubble ends with the batch still queued (the fill loop does not
+    spin until the input comes), and a later bubble with room runs it to the uninterrupted answer."""
+    torch.set_num_threads(1)
+    model = PrefillModel(CFG, seed=6)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        req = PrefillRequest(id="req-f", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
+        assert await serving.accept(bus.redis, req, 100)
+        filler = filler_for(bus, model)
+        filler.piece_tokens = 100  # 2 pieces a layer
+        filler.compute.profile = PrefillProfile(fixed_s=0.0, per_token_s=10e-6)  # a piece: 1 ms on the device
+        item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
+        handled = deliver(filler, batch(item, 1))
+        take = asyncio.get_running_loop().create_future()  # training input that never comes in this bubble
+        await asyncio.sleep(0.05)  # the batch is queued
+        done = await asyncio.wait_for(filler.fill(lambda: False, take, time.monotonic() + 0.001), 10)
+        assert done == () and filler.queue.ids() == ["b1"]
+        (o,) = filler.batches["b1"].outcomes
+        assert o.state is not None and o.state.next_layer == 0 and not handled.done()
+        fill = asyncio.create_task(filler.fill(take.done, take, time.monotonic() + 60))
+        await asyncio.wait_for(asyncio.shield(handled), 60)  # answered and reported
+        take.set_result(None)  # the input arrives: the bubble ends
+        assert await asyncio.wait_for(fill, 10) == ("b1",)
         found = await serving.lookup(bus.redis, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.result is not None

@@ -3,7 +3,16 @@ fake clock."""
 
 import pytest
 
-from shared.policies.fill import Arrival, FillQueue, may_start_block, resume_layer
+from shared.policies.fill import (
+    OVERRUN_GRACE_S,
+    PIECE_MARGIN,
+    Arrival,
+    FillQueue,
+    PieceTimes,
+    may_start_block,
+    may_start_piece,
+    resume_layer,
+)
 
 
 def test_work_queues_whether_or_not_a_bubble_is_open_and_only_a_redelivered_batch_goes_back() -> None:
@@ -69,3 +78,31 @@ def test_everything_goes_back_when_the_worker_stops() -> None:
 
 def test_a_saved_state_is_resumed_only_in_its_own_datacenter() -> None:
     assert resume_layer(3, "dc-a", "dc-a") == 3 and resume_layer(3, "dc-a", "dc-b") == 0
+
+
+def test_a_piece_starts_only_if_it_fits_what_is_left_of_the_bubble_or_is_within_the_grace() -> None:
+    piece = 0.002  # 2 ms measured
+    assert may_start_piece(input_arrived=False, piece_s=piece, left_s=piece * PIECE_MARGIN)
+    assert not may_start_piece(input_arrived=False, piece_s=piece, left_s=piece * PIECE_MARGIN * 0.99)
+    assert not may_start_piece(input_arrived=False, piece_s=piece, left_s=-0.010)  # past the predicted end
+    short = OVERRUN_GRACE_S / PIECE_MARGIN  # costs training at most the grace: it starts anyway
+    assert may_start_piece(input_arrived=False, piece_s=short, left_s=-0.010)
+    assert not may_start_piece(input_arrived=False, piece_s=short * 1.01, left_s=0.0)
+    # not measured yet, or no prediction: only the input stops it
+    assert may_start_piece(input_arrived=False, piece_s=None, left_s=-1.0)
+    assert may_start_piece(input_arrived=False, piece_s=1.0, left_s=None)
+    # the input is here: nothing starts, however much room
+    assert not may_start_piece(input_arrived=True, piece_s=1e-6, left_s=10.0)
+    assert not may_start_piece(input_arrived=True, piece_s=None, left_s=None)
+
+
+def test_piece_times_follow_the_measurements_per_token() -> None:
+    t = PieceTimes(weight=0.5)
+    assert t.predict(256) is None
+    t.observe(256, 0.256)  # 1 ms a token
+    assert t.predict(128) == pytest.approx(0.128)
+    t.observe(100, 0.300)  # 3 ms a token: halfway there at weight 0.5
+    assert t.predict(10) == pytest.approx(0.020)
+    t.observe(0, 1.0)  # nothing to learn from
+    t.observe(10, 0.0)
+    assert t.predict(10) == pytest.approx(0.020)

@@ -14,7 +14,7 @@ from services.stage_worker.trainer import StageTrainer
 from shared.model.data import ByteCorpus
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel
-from shared.model.streams import Lane
+from shared.model.streams import Lane, LaneClock
 from shared.spec.config import parse_spec
 
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
@@ -99,3 +99,48 @@ def test_on_a_gpu_training_outranks_prefill_and_prefill_runs_on_its_own_stream()
     # what prefill computed is readable from the default stream at once (a snapshot's copy)
     state = model.run_layers(model.start([5, 6, 7]), max_layers=1)
     assert state.hidden is not None and torch.isfinite(state.hidden.cpu()).all()
+
+
+def test_a_lane_clock_on_the_cpu_times_each_piece_on_the_host() -> None:
+    clock = LaneClock(Lane.prefill(torch.device("cpu")))
+    for tokens in (3, 5):
+        mark = clock.begin()
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        clock.end(mark, tokens)
+    got = clock.measured()
+    assert [n for n, _ in got] == [3, 5] and all(s > 0 for _, s in got)
+    assert clock.measured() == []  # each measurement once
+
+
+def test_a_finished_prefill_read_later_is_the_one_finish_gives() -> None:
+    """`finish_async` + `Finishing.result` (a worker reads the first token where waiting costs
+    nothing) equals `finish`: on the CPU ready at once and computed exactly as before."""
+    model = PrefillModel(GPTConfig(layers=2, d_model=16, heads=2, seq_len=32, vocab=64), seed=3)
+    state = model.run_layers(model.start([1, 2, 3, 4, 5]))
+    pending = model.finish_async(state, temperature=0.7, seed=11, top_logprobs=3)
+    assert pending.ready() and pending.event is None
+    got, want = pending.result(), model.finish(state, temperature=0.7, seed=11, top_logprobs=3)
+    assert (got.token, got.logprob, got.top, got.prompt_tokens) == (want.token, want.logprob, want.top, 5)
+    with pytest.raises(ValueError, match="temperature"):
+        model.finish_async(state, temperature=-1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+async def test_on_a_gpu_the_first_token_is_read_after_an_event_in_another_thread() -> None:
+    dev = torch.device("cuda", 0)
+    model = PrefillModel(GPTConfig(layers=2, d_model=64, heads=4, seq_len=128, vocab=512), seed=3).place(dev)
+    state = model.run_layers(model.start(list(range(1, 100))))
+    pending = model.finish_async(state, top_logprobs=5)
+    assert pending.event is not None and pending.logits.is_pinned() and pending.logits.device.type == "cpu"
+    await pending.wait()
+    assert pending.ready()
+    got, want = pending.result(), model.finish(state, top_logprobs=5)
+    assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=1e-5)
+    clock = LaneClock(model.lane)
+    mark = clock.begin()
+    model.run_piece(model.start(list(range(1, 100))), 64)
+    clock.end(mark, 64)
+    model.lane.wait()
+    ((tokens, seconds),) = clock.measured()
+    assert tokens == 64 and seconds > 0

@@ -1,0 +1,228 @@
+"""A queued prefill batch run on the `PrefillModel`, one block at a time (the fill executor's compute:
+`filler.py` decides when, and in which thread, this runs).
+
+A block is one layer of one request, or with `piece_tokens` (a GPU) one piece of a layer's tokens.
+Each starts only while training's awaited input has not arrived, and a piece only if its measured
+time fits what is left of the bubble by its prediction (`shared.policies.fill.may_start_piece`).
+Pieces are timed on the device without waiting for them (`LaneClock`). A finished request's first
+token is read off the device later, by whoever answers it (`Finishing`): the prefill thread never
+waits for the GPU but to keep itself one block ahead (`Lane.pace`).
+
+With a device profile the run keeps to its profiled schedule (`Schedule`): a block starts once the
+previous one is due (a started block counts for its whole profiled time, the thread sleeping out
+the rest: a GPU kernel is not cut short), and the run ends on the device when its last block is
+due, or when its real work ended if that was later (added to `lag_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+
+from services.stage_worker.guest import Guest
+from services.stage_worker.port_prefill import Saved
+from services.stage_worker.reporting import Outcome
+from shared.control.status import FailureReason
+from shared.model.prefill import PrefillModel, PrefillState
+from shared.model.streams import LaneClock
+from shared.policies.fill import PieceTimes, may_start_block, may_start_piece
+from shared.policies.prefill_cost import PrefillProfile
+from shared.runtime.timing import Schedule
+from shared.wire import PrefillBatch, PrefillItem
+
+Arrived = Callable[[], bool]
+
+
+@dataclass
+class Queued:
+    """A batch on this worker and how far it got: its items before `cursor` are done (or failed);
+    `current`, when set, is the one cut part way, its state in memory."""
+
+    batch: PrefillBatch
+    done: asyncio.Future[None]  # set once answered and reported: the delivery is acked then
+    states: dict[str, Saved]  # resumed items' saved states, loaded on arrival
+    outcomes: list[Outcome] = field(default_factory=list)  # every item started here, in order
+    cursor: int = 0
+    current: Outcome | None = None
+    answering: list[asyncio.Task[None]] = field(default_factory=list)  # early answers on their way
+
+    def left_s(self) -> float:
+        """The predicted seconds of what is left of it (the dispatcher's prediction)."""
+        return sum(it.predicted_ms for it in self.batch.items[self.cursor :]) / 1000
+
+
+@dataclass
+class Run:
+    """One run of a batch in one bubble: when it ran, the blocks it ran, whether the batch is done,
+    and the outcomes it finished (answered now)."""
+
+    started: float  # wall clock when its first block began
+    ended: float
+    blocks: int
+    finished: bool
+    answered: list[Outcome]
+    #: the prefill model raised (the exception, in words): the batch stops here, its running request
+    #: failed and the rest handed back
+    error: str | None = None
+    #: the next piece would not fit what is left of the bubble: nothing more starts in it
+    full: bool = False
+
+
+class BatchCompute:
+    def __init__(
+        self,
+        model: PrefillModel,
+        guest: Guest,
+        profile: PrefillProfile | None = None,
+        piece_tokens: int | None = None,
+    ) -> None:
+        self.model, self.guest, self.profile = model, guest, profile
+        self.piece_tokens = piece_tokens  # a layer in pieces of this many tokens (None: whole layers)
+        self.pieces = PieceTimes()
+        self.clock = LaneClock(model.lane)
+        #: how far prefill batches ran past their profiled schedule (seconds); the runner takes it
+        #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
+        self.lag_s = 0.0
+
+    def steps(self, q: Queued, arrived: Arrived, ends_at: float | None) -> Generator[None, None, Run]:
+        """Steps through `q` from where it stopped, pausing (yield) after each block, so that
+        whichever thread advances it runs the next block; returns the `Run`. `ends_at`: the
+        bubble's predicted end (monotonic clock; None: no prediction)."""
+        started, origin = time.time(), time.monotonic()
+        schedule = Schedule(origin)
+        answered: list[Outcome] = []
+        blocks = 0
+        error: str | None = None
+        full = False
+        items = q.batch.items
+        while q.cursor < len(items):
+            item = items[q.cursor]
+            o = q.current or self._begin(q, item)
+            if o.answered:  # failed before any block: done with it
+                answered.append(o)
+                q.cursor += 1
+                if (error := self.guest.error_of(o)) is not None:
+                    break
+                continue
+            assert o.state is not None
+            t0 = max(schedule.due, time.monotonic())  # from when the device is free for it
+            ran, raised, full = yield from self._run_blocks(o.state, item.to_layer, arrived, schedule, ends_at)
+            blocks += ran
+            o.seconds += max(schedule.due, time.monotonic()) - t0
+            o.reached = o.state.next_layer
+            if raised is not None:
+                error = self.guest.failed(o, raised)
+                q.current, q.cursor = None, q.cursor + 1
+                answered.append(o)
+                break
+            if o.reached < item.to_layer and not o.state.done:  # the input came: it goes on later
+                q.current = o
+                break
+            q.current, q.cursor = None, q.cursor + 1
+            if o.state.done:
+                try:
+                    o.pending = self.model.finish_async(
+                        o.state, temperature=item.temperature, seed=item.seed, top_logprobs=item.logprobs
+                    )
+                except ValueError as exc:
+                    o.failure = (FailureReason.MODEL_REFUSED, str(exc))
+                except Exception as exc:  # the guest failed (filler.py's docstring)
+                    error = self.guest.failed(o, exc)
+                answered.append(o)
+                if error is not None:
+                    break
+        done = time.monotonic()  # the run's real work ended
+        if self.profile is not None and blocks:
+            self.lag_s += schedule.behind(done)
+            if (wait := schedule.wait_s(done)) > 0:
+                time.sleep(wait)  # the last block still runs on the device
+        ended = started + max(schedule.due, done) - origin
+        return Run(started, ended, blocks, error is None and q.cursor >= len(items), answered, error, full)
+
+    def _begin(self, q: Queued, item: PrefillItem) -> Outcome:
+        """The outcome of an item starting now: from its saved state, or from its prompt (its
+        state is elsewhere or lost), or failed (its state expired, or the model refuses it)."""
+        if item.from_layer and q.states.get(item.id) is None:
+            why = "its saved partial state expired before it could resume"
+            o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.STATE_EXPIRED, why))
+        else:
+            saved = q.states.get(item.id)  # LOST or ELSEWHERE: computed again from the prompt
+            try:
+                state = saved if isinstance(saved, PrefillState) else self.model.start(item.tokens)
+            except ValueError as exc:  # a prompt this model cannot run (e.g. another spec's limits)
+                o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.MODEL_REFUSED, str(exc)))
+            except Exception as exc:  # the guest failed (filler.py's docstring)
+                o = Outcome(item, item.from_layer, 0.0)
+                self.guest.failed(o, exc)
+            else:
+                started = None if state.next_layer == item.from_layer else state.next_layer
+                o = Outcome(item, state.next_layer, 0.0, state, started=started)
+        q.outcomes.append(o)
+        return o
+
+    def _may_start(self, state: PrefillState, arrived: Arrived, ends_at: float | None) -> tuple[bool, bool]:
+        """Whether the next block may start, and if not, whether because the bubble is full (the
+        next piece would not fit what is left of it) rather than over."""
+        if self.piece_tokens is None:
+            return may_start_block(input_arrived=arrived()), False
+        tokens = min(self.piece_tokens, len(state.tokens) - state.piece_done)
+        left_s = None if ends_at is None else ends_at - time.monotonic()
+        input_arrived = arrived()
+        go = may_start_piece(input_arrived=input_arrived, piece_s=self.piece_s(tokens), left_s=left_s)
+        return go, not go and not input_arrived
+
+    def piece_s(self, tokens: int) -> float | None:
+        """A piece's predicted time: the profile's, or as measured on the device (None: not yet)."""
+        if self.profile is not None:
+            return self.profile.block_s(tokens)
+        for n, seconds in self.clock.measured():
+            self.pieces.observe(n, seconds)
+        return self.pieces.predict(tokens)
+
+    def _run_blocks(
+        self, state: PrefillState, to_layer: int, arrived: Arrived, schedule: Schedule, ends_at: float | None
+    ) -> Generator[None, None, tuple[int, Exception | None, bool]]:
+        """Blocks of one request up to `to_layer` while they may start, each started once the
+        run's `schedule` has the previous one done, pausing after each. Returns how many ran,
+        what the model raised if it did (the run stops there), and whether the bubble is full."""
+        ran = 0
+        while state.next_layer < to_layer and not state.done:
+            if (wait := schedule.wait_s(time.monotonic())) > 0:
+                time.sleep(wait)  # the previous block still runs; sleeping releases the GIL
+            go, full = self._may_start(state, arrived, ends_at)
+            if not go:
+                return ran, None, full
+            try:
+                if self.piece_tokens is None:
+                    self.model.run_layers(state, max_layers=1)
+                    tokens = len(state.tokens)
+                elif self.profile is not None:  # its time is the profile's
+                    tokens = self.model.run_piece(state, self.piece_tokens)
+                else:
+                    mark = self.clock.begin()
+                    tokens = self.model.run_piece(state, self.piece_tokens)
+                    self.clock.end(mark, tokens)
+            except Exception as exc:  # the guest failed: the caller fails the request, training goes on
+                return ran, exc, False
+            if self.profile is not None:
+                schedule.add(self.profile.block_s(tokens))
+            ran += 1
+            yield
+        return ran, None, False
+
+    def take_lag(self) -> float:
+        """Prefill lag behind the profile since the last call, seconds."""
+        lag, self.lag_s = self.lag_s, 0.0
+        return lag
+
+
+def run_to_end(steps: Generator[None, None, Run]) -> Run:
+    """In the prefill thread: the rest of a run the event loop started."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            run: Run = done.value
+            return run

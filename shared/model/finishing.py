@@ -1,0 +1,69 @@
+"""A finished prefill's first token, read off the device after it is there, not by the thread that
+ran the prefill (`PrefillModel.finish_async`).
+
+On a GPU the prompt's last logits are copied into pinned host memory without blocking, behind an
+event on the prefill's stream; the prefill thread goes straight on to the next block. Whoever
+answers the request (the worker's event loop, off the training path) waits for that event without
+blocking (`wait`, in a thread), and then samples the token and reads the logprobs on the host (`result`). On
+the CPU the logits are already on the host: `ready` at once, and `result` computes exactly what
+`PrefillModel.finish` always did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from shared.model.causal import KV
+from shared.model.prefill_state import PrefillResult
+from shared.model.sampling import sample
+from shared.model.tokenizer import Tokenizer, token_text
+
+
+@dataclass
+class Finishing:
+    """A done prefill whose last logits are on their way to the host."""
+
+    logits: Tensor  # (vocab,) float32 on the host, written by a copy until `ready`
+    event: torch.cuda.Event | None  # passed once the copy is done (None: on the host already)
+    temperature: float
+    seed: int | None
+    top_logprobs: int
+    prompt_tokens: int
+    kv: list[KV]
+    tokenizer: Tokenizer
+
+    def ready(self) -> bool:
+        """Whether the logits are on the host (never blocks)."""
+        return self.event is None or bool(self.event.query())
+
+    async def wait(self) -> None:
+        """Until `ready`, without blocking the event loop: a thread waits for the event (the
+        prefill's copy only; `cudaEventSynchronize` lets go of the interpreter meanwhile)."""
+        if not self.ready() and self.event is not None:
+            await asyncio.to_thread(self.event.synchronize)
+
+    def result(self) -> PrefillResult:
+        """The first token (`sample`: the argmax at temperature 0, else a draw seeded by `seed`),
+        its logprob and the top logprobs at temperature 1, on the host; blocks until `ready`."""
+        if self.event is not None:
+            self.event.synchronize()
+        with torch.inference_mode():
+            logits = self.logits
+            logprobs = F.log_softmax(logits, dim=-1)  # (vocab,)
+            token = sample(logits, self.temperature, seed=self.seed)
+            k = min(self.top_logprobs, logits.shape[-1])
+            top_vals, top_ids = torch.topk(logprobs, k)  # (k,), (k,): sorted, most likely first
+        top = [(int(i), float(lp)) for i, lp in zip(top_ids.tolist(), top_vals.tolist(), strict=True)]
+        return PrefillResult(
+            token=token,
+            text=token_text(self.tokenizer, token),
+            logprob=float(logprobs[token].item()),
+            top=top,
+            prompt_tokens=self.prompt_tokens,
+            kv=self.kv,
+        )
