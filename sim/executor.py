@@ -2,8 +2,10 @@
 
 * A batch that arrives joins the worker's queue (its credit), bubble or not.
 * From a bubble's start until training input arrives, the queue runs in arrival order, one block
-  (one layer of one request) at a time, each counting for its profiled time
-  (`PrefillProfile.block_s`). Nothing but the input stops it.
+  (one layer of one request, or one piece of a layer with `piece_tokens`) at a time, each counting
+  for its profiled time (`PrefillProfile.block_s`, with the host's launch floor), and a finished
+  request for the profile's `sync_s` more (its first token read). Nothing but the input stops it.
+  A layer's pieces count for their mean (the same total; the cut falls on a piece boundary).
 * When the input arrives the block already running completes (a GPU kernel is not cut short):
   training resumes at that block's end, which is how BubbleTea can slow training. The batch it cut
   stays at the head of the queue with its progress and continues in the next bubble.
@@ -61,19 +63,32 @@ class _Progress:
     batch: Batch
     item: int = 0
     layer: int = -1  # -1: the item has not started
+    piece: int = 0  # pieces of `layer` done (in memory: a snapshot keeps whole layers only)
     started: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class _Part:
-    """One item's blocks in the running run: `blocks` of `block_s` from `start`, from `layer`."""
+    """One item's blocks in the running run: `blocks` of `block_s` from `start`, from piece `piece`
+    of `layer` (`per` pieces a layer), and `sync_s` after the last if they finish the item."""
 
     index: int
     layer: int
+    piece: int
+    per: int
     start: float
     block_s: float
     blocks: int
+    sync_s: float
+
+    @property
+    def end(self) -> float:
+        return self.start + self.blocks * self.block_s + self.sync_s
+
+    def cut(self, blocks: int) -> None:
+        """Only the first `blocks` ran: the item did not finish here."""
+        self.blocks, self.sync_s = blocks, 0.0
 
 
 class Executor:
@@ -123,11 +138,11 @@ class Executor:
             return now
         cut = now
         for i, part in enumerate(self._parts):
-            end = part.start + part.blocks * part.block_s
-            if now < end:
+            if now < part.end:
                 done = max(0, math.ceil((now - part.start) / part.block_s - 1e-9))
-                part.blocks = done
-                cut = part.start + done * part.block_s
+                if done < part.blocks:  # else in its first token's read: the item finishes
+                    part.cut(done)
+                cut = part.end
                 del self._parts[i + 1 :]
                 break
         self._version += 1  # the planned end will not come
@@ -151,15 +166,17 @@ class Executor:
         t, parts = now, []
         for index in range(p.item, len(p.batch.items)):
             item = p.batch.items[index]
+            piece = 0
             if index == p.item and p.layer >= 0:
-                layer = p.layer
+                layer, piece = p.layer, p.piece
             else:
                 layer = resume_layer(item.from_layer, self.saved_in.get(item.id, ""), self.dc)
             tokens = item.payload.tokens  # a SimRequest
-            block = self.profile.block_s(tokens)
-            n = item.to_layer - layer
-            parts.append(_Part(index, layer, t, block, n))
-            t += n * block
+            per = len(self.profile.pieces(tokens))
+            block = self.profile.layer_s(tokens) / per
+            part = _Part(index, layer, piece, per, t, block, (item.to_layer - layer) * per - piece, self.profile.sync_s)
+            parts.append(part)
+            t = part.end
         self._running, self._parts, self._started = p, parts, now
         self._version += 1
         self.q.at(t, self._planned_end, self._version)
@@ -180,14 +197,15 @@ class Executor:
         for part in parts:
             item = p.batch.items[part.index]
             p.started.setdefault(item.id, part.layer)
-            p.seconds[item.id] = p.seconds.get(item.id, 0.0) + part.blocks * part.block_s
+            p.seconds[item.id] = p.seconds.get(item.id, 0.0) + part.end - part.start
             ran += part.blocks
-            reached = part.layer + part.blocks
-            p.item, p.layer = part.index, reached
+            pieces = part.piece + part.blocks
+            reached = part.layer + pieces // part.per
+            p.item, p.layer, p.piece = part.index, reached, pieces % part.per
             if reached >= item.to_layer:
                 self.saved_in.pop(item.id, None)
                 answered.append(item.payload)
-                p.item, p.layer = part.index + 1, -1
+                p.item, p.layer, p.piece = part.index + 1, -1, 0
             else:
                 break
         if ran:

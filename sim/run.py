@@ -175,7 +175,12 @@ def run_on(
 def capacity_rate(setup: SimSetup, off: RunResult, options: SimOptions) -> float:
     """Requests/s the bubbles could hold: bubble seconds per second over all workers, divided by
     one mean prompt's whole prefill time. The default load, so the bubbles have work to fill."""
-    rate = capacity_requests_per_s(off.spans, setup.serving.profile.block_s, setup.model.layers, options.input_len)
+    profile, layers = setup.serving.profile, setup.model.layers
+
+    def per_layer_s(tokens: int) -> float:  # a whole prompt's time (pieces, launches, its read) a layer
+        return profile.request_s(tokens, layers) / layers
+
+    rate = capacity_requests_per_s(off.spans, per_layer_s, layers, options.input_len)
     if rate <= 0:
         raise SimError("the pipeline has no bubbles to fill: give --request-rate to simulate a load anyway")
     return rate

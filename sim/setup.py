@@ -62,8 +62,7 @@ def build(spec: ClusterSpec, *, fwd_ms: float = DEFAULT_FWD_MS, bus_s: float = B
         info = model_info(spec.prefill)
     except (CheckpointError, OSError, ValueError) as exc:
         raise SimError(f"prefill.checkpoint: the served model's shape cannot be read ({exc})") from None
-    dev = spec.device
-    prefill = PrefillProfile.from_device(dev.prefill_ms_per_layer, dev.prefill_us_per_token)
+    prefill = PrefillProfile.of_spec(spec)  # with its overheads (launch, sync) and pieces
     prefill_source = "device profile"
     if prefill is None:
         prefill = DEFAULT_PREFILL

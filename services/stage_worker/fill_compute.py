@@ -126,6 +126,9 @@ class BatchCompute:
                     o.pending = self.model.finish_async(
                         o.state, temperature=item.temperature, seed=item.seed, top_logprobs=item.logprobs
                     )
+                    if self.profile is not None:  # its first token's read, on the device's clock
+                        schedule.add(self.profile.sync_s)
+                        o.seconds += self.profile.sync_s
                 except ValueError as exc:
                     o.failure = (FailureReason.MODEL_REFUSED, str(exc))
                 except Exception as exc:  # the guest failed (filler.py's docstring)

@@ -262,7 +262,7 @@ async def _train(
             port,
             runner.prefill_span,
             FillQueue.from_spec(spec.bubbletea),
-            PrefillProfile.from_device(spec.device.prefill_ms_per_layer, spec.device.prefill_us_per_token),
+            PrefillProfile.of_spec(spec, on_gpu=device.type == "cuda"),
             metrics,
             piece_tokens(spec.bubbletea.piece_tokens, on_gpu=device.type == "cuda"),
         )

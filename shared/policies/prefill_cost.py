@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shared.policies.fill import piece_tokens
+from shared.spec.config import ClusterSpec
+
 #: Weight of older reports decays by this factor per new report (memory of ~50 reports).
 FORGET = 0.98
 #: No prefill is predicted to take less than this (1 microsecond of device time).
@@ -29,21 +32,69 @@ def _features(tokens: int) -> tuple[float, float, float]:
 class PrefillProfile:
     """What one prefill block (one transformer layer of one prompt) counts for on the emulated
     device: a fixed part (kernel launches, weight reads) plus a part per prompt token (the matmuls;
-    attention's T^2 term is small next to them at prompt lengths a bubble takes)."""
+    attention's T^2 term is small next to them at prompt lengths a bubble takes).
+
+    The device's overheads, which the live worker and the simulator count alike:
+    * `piece_tokens`: a layer runs in pieces of this many tokens (`bubbletea.piece_tokens`; None:
+      whole layers), each a block of its own, with its own fixed part;
+    * `launch_s`: the host's floor per block: one takes at least this long however fast the device,
+      as when Python's launch speed, not the GPU, sets the pace of small kernels;
+    * `sync_s`: per finished request, reading its first token off the device."""
 
     fixed_s: float
     per_token_s: float
+    launch_s: float = 0.0
+    sync_s: float = 0.0
+    piece_tokens: int | None = None
 
     def block_s(self, tokens: int) -> float:
-        return self.fixed_s + self.per_token_s * tokens
+        """One block of `tokens` tokens: a whole layer, or one piece of one."""
+        return max(self.fixed_s + self.per_token_s * tokens, self.launch_s)
+
+    def pieces(self, tokens: int) -> list[int]:
+        """The tokens of each block one layer of a `tokens`-token prompt runs in."""
+        size = self.piece_tokens
+        if size is None or tokens <= size:
+            return [tokens]
+        return [min(size, tokens - start) for start in range(0, tokens, size)]
+
+    def layer_s(self, tokens: int) -> float:
+        """One layer of a `tokens`-token prompt, all its pieces."""
+        return sum(self.block_s(n) for n in self.pieces(tokens))
+
+    def request_s(self, tokens: int, layers: int) -> float:
+        """A whole prompt of `tokens` tokens through `layers` layers, its first token read."""
+        return layers * self.layer_s(tokens) + self.sync_s
 
     @classmethod
-    def from_device(cls, fixed_ms: float | None, per_token_us: float | None) -> PrefillProfile | None:
-        """The spec's `device.prefill_ms_per_layer` / `prefill_us_per_token`; None when both are
-        unset (prefill counts for its real compute time)."""
+    def from_device(
+        cls,
+        fixed_ms: float | None,
+        per_token_us: float | None,
+        *,
+        launch_us: float = 0.0,
+        sync_us: float = 0.0,
+        piece_tokens: int | None = None,
+    ) -> PrefillProfile | None:
+        """The spec's `device.prefill_ms_per_layer` / `prefill_us_per_token` (and its overheads,
+        `prefill_launch_us` / `prefill_sync_us`, with `bubbletea.piece_tokens`); None when the
+        first two are unset (prefill counts for its real compute time)."""
         if fixed_ms is None and per_token_us is None:
             return None
-        return cls((fixed_ms or 0.0) / 1000, (per_token_us or 0.0) / 1e6)
+        return cls((fixed_ms or 0.0) / 1000, (per_token_us or 0.0) / 1e6, launch_us / 1e6, sync_us / 1e6, piece_tokens)
+
+    @classmethod
+    def of_spec(cls, spec: ClusterSpec, *, on_gpu: bool = False) -> PrefillProfile | None:
+        """The spec's prefill profile as its workers count it (pieces as `fill.piece_tokens` picks
+        them for a worker `on_gpu` or not)."""
+        dev = spec.device
+        return cls.from_device(
+            dev.prefill_ms_per_layer,
+            dev.prefill_us_per_token,
+            launch_us=dev.prefill_launch_us,
+            sync_us=dev.prefill_sync_us,
+            piece_tokens=piece_tokens(spec.bubbletea.piece_tokens, on_gpu=on_gpu),
+        )
 
 
 @dataclass

@@ -119,3 +119,8 @@ class Device(Section, frozen=True):
     #: prefill_ms_per_layer + T x prefill_us_per_token / 1000 ms. Both None = real compute time.
     prefill_ms_per_layer: Annotated[float, Meta(ge=0, le=3_600_000), DEVICE] | None = None
     prefill_us_per_token: Annotated[float, Meta(ge=0, le=3_600_000), DEVICE] | None = None
+    #: The device's overheads in that profile: a block (or piece, `bubbletea.piece_tokens`) takes
+    #: at least prefill_launch_us (the host's launch speed), and a finished request
+    #: prefill_sync_us more (its first token read off the device). The simulator counts them too.
+    prefill_launch_us: Annotated[float, Meta(ge=0, le=3_600_000), DEVICE] = 0.0
+    prefill_sync_us: Annotated[float, Meta(ge=0, le=3_600_000), DEVICE] = 0.0

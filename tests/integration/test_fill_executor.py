@@ -452,3 +452,21 @@ async def test_a_piece_that_does_not_fit_what_is_left_of_the_bubble_waits_for_th
         want = model.prefill(list(PROMPT))
         assert found is not None and found.result is not None
         assert found.result.token == want.token and found.result.logprob == pytest.approx(want.logprob, abs=1e-5)
+
+
+async def test_a_profiles_launch_floor_and_first_token_read_count_on_the_worker(redis_url: str) -> None:
+    """With a device profile the worker counts its overheads as the simulator does
+    (tests/unit/test_sim.py): every block at least `launch_s`, a finished request `sync_s` more."""
+    model = PrefillModel(CFG, seed=7)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        req = PrefillRequest(id="req-o", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
+        assert await serving.accept(bus.redis, req, 100)
+        filler = filler_for(bus, model)
+        filler.compute.profile = PrefillProfile(0.0, 0.0, launch_s=0.005, sync_s=0.1)  # 24 x 5 ms + 100 ms
+        item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
+        handled = deliver(filler, batch(item, 1))
+        await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        [report] = await reports(bus)
+        [progress] = report.progress
+        assert progress.outcome is ItemOutcome.DONE
+        assert progress.seconds >= LAYERS * 0.005 + 0.1 - 1e-3  # counted from the first block's start

@@ -2,7 +2,8 @@ import random
 
 import pytest
 
-from shared.policies.prefill_cost import PrefillCostModel
+from shared.policies.prefill_cost import PrefillCostModel, PrefillProfile
+from shared.spec.config import parse_spec
 
 
 def test_learns_a_quadratic_cost_from_reports() -> None:
@@ -34,3 +35,26 @@ def test_prior_gives_sane_predictions_and_bad_reports_are_ignored() -> None:
     m.observe(100, float("nan"))
     m.observe(100, -1.0)
     assert m.predict(100) == before and m.reports == 0
+
+
+def test_a_profile_from_the_spec_has_its_overheads_and_pieces_where_a_worker_runs_them() -> None:
+    base = {
+        "datacenters": [{"name": "a", "gpus": 2}],
+        "model": {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8},
+        "parallelism": {"pp": 2, "dp": 1},
+    }
+    overheads = {"prefill_launch_us": 300.0, "prefill_sync_us": 50.0}
+    spec = parse_spec({**base, "device": {"prefill_ms_per_layer": 0.2, "prefill_us_per_token": 4.0, **overheads}})
+    cpu, gpu = PrefillProfile.of_spec(spec), PrefillProfile.of_spec(spec, on_gpu=True)
+    assert cpu is not None and gpu is not None
+    assert (cpu.launch_s, cpu.sync_s, cpu.piece_tokens, gpu.piece_tokens) == (
+        pytest.approx(3e-4),
+        pytest.approx(5e-5),
+        None,  # whole layers on a CPU (bubbletea.piece_tokens 0: automatic)
+        256,
+    )
+    assert cpu.block_s(1) == pytest.approx(3e-4)  # the launch floor
+    assert cpu.block_s(100) == pytest.approx(6e-4)
+    assert gpu.pieces(600) == [256, 256, 88] and cpu.pieces(600) == [600]
+    # no prefill profile: real compute time, whatever the overheads say
+    assert PrefillProfile.of_spec(parse_spec({**base, "device": overheads})) is None

@@ -77,6 +77,40 @@ def test_a_started_block_runs_to_its_end_and_the_cut_batch_continues_in_the_next
     assert host.answers == [("b1-r", pytest.approx(0.501))]
 
 
+def test_the_device_overheads_count_in_the_simulator_as_on_a_worker() -> None:
+    """Pieces, the launch floor and the first token's read (`PrefillProfile`): a layer of 250 tokens
+    in pieces of 100 is 3 blocks (the last of 50 tokens held at the launch floor), the input cuts at a
+    piece boundary, the cut layer's pieces are kept for the next bubble, and a finished request
+    counts its read too."""
+    q, host = EventQueue(), Host()
+    # a piece: 0.1 ms + 10 us a token (1.1 ms for 100 tokens; 50 tokens: 0.6 ms, floored at 0.8 ms)
+    profile = PrefillProfile(0.0001, 0.00001, launch_s=0.0008, sync_s=0.002, piece_tokens=100)
+    assert profile.pieces(250) == [100, 100, 50] and profile.layer_s(250) == pytest.approx(0.003)
+    assert profile.request_s(250, 2) == pytest.approx(0.008)
+    ex = Executor(0, 2, FillQueue(hold_s=1.0), profile, q, host)
+    ex.on_batch(0.0, _batch("b1", 250, 2))
+    ex.open(0.0)
+    q.run(until=0.0045)
+    resume = ex.input_arrived(0.0045)  # in the 5th of 6 pieces (each 1 ms: the layer's mean)
+    assert resume == pytest.approx(0.005)
+    assert ex.close(resume) == ()
+    assert ex.progress["b1"].layer == 1 and ex.progress["b1"].piece == 2  # kept in memory
+    ex.open(1.0)
+    q.run(until=1.1)
+    assert ex.close(1.1) == ("b1",)
+    [(_, progress, at)] = host.reports
+    assert at == pytest.approx(1.003)  # the last piece, then its first token's read
+    assert progress[0].finished and progress[0].seconds == pytest.approx(0.008)
+    # the input arriving during the read: the request finishes, training resumes after the read
+    q, host = EventQueue(), Host()
+    ex = Executor(0, 2, FillQueue(hold_s=1.0), profile, q, host)
+    ex.on_batch(0.0, _batch("b2", 250, 2))
+    ex.open(0.0)
+    q.run(until=0.007)
+    assert ex.input_arrived(0.007) == pytest.approx(0.008)
+    assert ex.close(0.008) == ("b2",) and host.answers == [("b2-r", pytest.approx(0.008))]
+
+
 def test_a_prefill_resumes_from_its_saved_layer_only_in_the_datacenter_that_saved_it() -> None:
     """As on the live worker (`resume_layer`): handed back at layer 2 in dc-a, the request resumes
     there from layer 2; sent to dc-b it runs from its prompt, all four layers."""
