@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import _sim_fit
 import msgspec
 import yaml
 from _cpu_shares import CpuSampler
@@ -104,10 +105,12 @@ async def one_run(
     load_s: float = 0.0,
     dump: Path | None = None,
     job: Prepared | None = None,
+    record: bool = False,
 ) -> tuple[TrainResult, dict[str, Any]]:
     """One training run, BubbleTea off or on (then under the load: `rate` requests per real second
     for `load_s`); with `dump` (`--dump DIR`) its spans and the dispatcher's records are written
-    there too."""
+    there too; with `record` (BubbleTea on) the requests accepted and the batch reports are kept
+    (`_sim_fit.record`, in `recorded`), and the spec (`spec`)."""
     spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp, mode=mode, slo_device_ms=slo_device_ms, job=job)
     path = workdir / f"bt-{'on' if enabled else 'off'}.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -122,6 +125,8 @@ async def one_run(
         env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path)}
         sampler = CpuSampler()
         sampling = asyncio.create_task(sampler.run())
+        recorded: list[Any] = []
+        watching = _sim_fit.record(url, run, recorded) if record else None
         try:
             async with front_door(env, out=out) as door:
                 assert door.url is not None
@@ -133,9 +138,13 @@ async def one_run(
                 )
                 extra = {"load": await client}
         finally:
-            sampling.cancel()
-            await asyncio.gather(sampling, return_exceptions=True)
+            for task in (sampling, watching):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
         extra["cpu"] = sampler.shares()
+        if record:
+            extra |= {"recorded": recorded, "spec": spec}
     extra["wall_s"] = time.monotonic() - launched
     r = Redis.from_url(url)
     try:

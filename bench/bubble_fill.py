@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness
+import _sim_fit
 import uvloop
 from _bubble_fill_run import ALL_MODES, MODES, PROMPT_TOKENS, bench_spec, one_run
 from _cpu_shares import by_service
@@ -88,6 +89,7 @@ async def run_case(
     max_rate: float | None = None,
     dump: Path | None = None,
     job: Prepared | None = None,
+    sim: bool = False,
 ) -> dict[str, Any]:
     """`pairs` interleaved off/on runs of one case, the on runs offered `share` of the capacity
     their off run measured (at most `max_rate` requests per real second), summarised
@@ -110,7 +112,8 @@ async def run_case(
         say(f"    {offered.line(share, k)}{capped}", sys.stderr)
         # the load, which starts once the workers hold their slots and set up, lasts as long as
         # the run with BubbleTea off took from its launch
-        result_on, on_t = await one_run(url, workdir, enabled=True, rate=rate, load_s=off_t["wall_s"], **kw)
+        result_on, on_t = await one_run(url, workdir, enabled=True, rate=rate, load_s=off_t["wall_s"], record=sim, **kw)
+        last[:] = [result_off, off_t, result_on, on_t]
         return _harness.Pair(
             iteration_s_off=result_off.steady_iteration_s(),
             iteration_s_on=result_on.steady_iteration_s(),
@@ -125,9 +128,12 @@ async def run_case(
             cpu=on_t["cpu"],
         )
 
+    last: list[Any] = []  # the last pair's results and records (--sim)
     done: list[_harness.Pair] = await _harness.interleave(pairs, off, on)
     out = {"dp": dp, "mode": mode, "iterations": iterations, "offered_share": share}
     out |= _harness.summarise(done, time_scale=k, slo_device_ms=slo_device_ms)
+    if sim:
+        out |= await asyncio.to_thread(_sim_fit.compare_last, last, iterations)
     out |= _harness.targets(out, GOALS[min(GOALS, key=lambda g: abs(g - share))])
     out["cpu_share_by_service"] = by_service(p.cpu for p in done)
     return out
@@ -172,6 +178,7 @@ async def bench(
     max_rate: float | None = None,
     dump: Path | None = None,
     job: str | None = None,
+    sim: bool = False,
 ) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,7 +188,7 @@ async def bench(
                 for dp, mode, share in cases:
                     kw: dict[str, Any] = {"dp": dp, "mode": mode, "pairs": pairs, "iterations": iterations}
                     kw |= {"share": share, "slo_device_ms": slo_device_ms, "k": k, "max_rate": max_rate, "dump": dump}
-                    kw["job"] = prepared
+                    kw["job"], kw["sim"] = prepared, sim
                     out.append(await run_case(redis.url, Path(tmp), **kw))
                     bar.advance()
     return out
@@ -274,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         "with Azure-trace prompt lengths, instead of the small GPT and 96-token prompts",
     )
     ap.add_argument(
+        "--sim",
+        action="store_true",
+        help="after each case, simulate its last pair with device times fitted from it (bench/_sim_fit.py): "
+        "sim_* keys, the simulator's relative error on iteration time, bubble fraction and fill",
+    )
+    ap.add_argument(
         "--ttft-slo-ms",
         type=float,
         default=1000.0,
@@ -327,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     kw = {"pairs": args.pairs, "iterations": iterations, "slo_device_ms": args.ttft_slo_ms, "max_rate": args.max_rate}
     kw["dump"] = Path(args.dump) if args.dump else None
-    kw["job"] = args.job
+    kw["job"], kw["sim"] = args.job, args.sim
     results = uvloop.run(bench(cases, k=scale, **kw))
     for res in results:
         res["bench_s"] = round(time.perf_counter() - t0, 1)

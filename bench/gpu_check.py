@@ -18,6 +18,10 @@ line last, with them in it.
   says so and runs time-sliced.
 * `--dump DIR`: every run's spans and dispatcher records, and every bubble that had work and
   stayed empty with its predicted and actual length.
+* **The simulator on this device** (always; bench/_sim_fit.py): the device's times learned from the
+  last pair (training's blocks, step and all-reduce from its spans; a prefill block's fixed part and
+  per-token part from its batch reports, in pieces as the workers ran them), the spec simulated with
+  them, and its relative error against live on iteration time, bubble fraction and fill (`sim_*`).
 
     python bench/gpu_check.py                      # 2 pairs of 8 iterations
     python bench/gpu_check.py --quick              # 1 pair of 3 iterations (the smoke test)
@@ -102,6 +106,7 @@ def _check(args: argparse.Namespace, job: str, share: Share) -> int:
         runs += ["--max-rate", str(args.max_rate)] if args.max_rate else []
         runs += ["--job", job] if job != "small-gpt" else []
         runs += ["--dump", args.dump] if args.dump else []
+        runs += ["--sim"]  # the simulator on the device times learned from the last pair: sim_* keys
         code = bubble_fill.main([*case, *runs])
     if code != 0:
         return code
