@@ -27,7 +27,7 @@ from shared.spec.timescale import scale_spec, spec_clocks
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Field names that are durations or rates by their unit.
-TIMED = re.compile(r"_(ms|s|us_per_token|gbps)$|_ms_per_layer$")
+TIMED = re.compile(r"_(ms|s|us|us_per_token|gbps)$|_ms_per_layer$")
 
 
 def test_every_duration_of_the_spec_declares_its_clock() -> None:
