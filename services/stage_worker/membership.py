@@ -17,7 +17,7 @@ from shared.bus import Consumer
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.control import keys
 from shared.dataplane import PlaneError
-from shared.policies.recovery import FROM_SCRATCH
+from shared.policies.recovery import FROM_SCRATCH, Resume, Source, needs_state
 from shared.runtime.logs import get_logger
 
 #: How long a worker waits for all its peers to lease their slots.
@@ -119,6 +119,8 @@ async def _join(
 
     lease.check_peers = False
     enter(await gens.enter(after_loss=after_loss))
+    # the state this worker holds, once the cut-short iteration's last operation is done
+    gens.stepped = await runner.in_torch_thread(lambda: runner.trainer.stepped)
     runner.announce_joined()  # while the barrier waits for the others: its first batch gets staged
     timeout = tr.recovery_timeout_s if after_loss else START_TIMEOUT_S
     barrier = asyncio.create_task(gens.barrier(slot, timeout, on_enter=enter), name="barrier")
@@ -137,25 +139,50 @@ async def _join(
         except PlaneError as exc:
             raise SlotError(f"slot {slot.name} could not join the data plane of generation {gen}: {exc}") from None
     store = port if port is not None and port.checkpoints else None
-    resume = await gens.resume_point(store.checkpoint_iterations) if store is not None else FROM_SCRATCH
+    plan = await gens.resume_point(store.checkpoint_iterations if store is not None else None)
     saved = None
-    if resume == FROM_SCRATCH and runner.resume_from is not None:  # `bubbletea train --resume`, no checkpoint yet
+    if (
+        plan.source is Source.SCRATCH and runner.resume_from is not None
+    ):  # `bubbletea train --resume`, no checkpoint yet
         resume, saved = runner.resume_from
+        plan = Resume(resume, Source.CHECKPOINT)
         if store is not None:  # a replacement (started without the save) and its peers resume from it too
             await store.save_checkpoint(resume, saved)
-    if after_loss or resume != FROM_SCRATCH:
-        blob = saved or (None if store is None or resume == FROM_SCRATCH else await store.load_checkpoint(resume))
-        try:
-            await runner.in_torch_thread(runner.trainer.restore, blob)
-        except (KeyError, RuntimeError, ValueError) as exc:
-            raise SlotError(
-                f"slot {slot.name} cannot restore the checkpoint of iteration {resume} of run {runner.run} "
-                f"({exc}); it was written for another spec: start a new run id (BUBBLETEA_RUN)"
-            ) from None
+    if after_loss or plan.after != FROM_SCRATCH:
+        await _take_state(runner, plan, saved, gens.stepped)
     lease.peer_lost.clear()
     lease.check_peers = True
-    log.info("joined the run", slot=slot.name, generation=gen, resume_after=resume)
-    return resume + 1
+    log.info("joined the run", slot=slot.name, generation=gen, resume_after=plan.after, source=str(plan.source))
+    return plan.after + 1
+
+
+async def _take_state(runner: StageRunner, plan: Resume, saved: bytes | None, stepped: int) -> None:
+    """This worker's state for the generation's `plan`: kept (it holds the state the run resumes
+    from), handed over by a live peer of its stage over the data plane, or a checkpoint's (or the
+    initial weights); whatever a cut-short iteration left behind is dropped either way."""
+    slot, port, trainer = runner.slot, runner.port, runner.trainer
+    blob = saved
+    source = plan.source_of(slot.stage)
+    if plan.source is Source.PEERS and source is not None:  # some worker of this stage lacks it
+        assert port is not None
+        mine = await runner.in_torch_thread(trainer.checkpoint) if slot.replica == source else None
+        try:
+            blob = await port.share_state(mine, source)
+        except PlaneError as exc:
+            raise SlotError(f"slot {slot.name} could not take its stage's state from replica {source}: {exc}") from None
+    elif plan.source is Source.CHECKPOINT and blob is None:
+        assert port is not None and port.checkpoints
+        blob = await port.load_checkpoint(plan.after)
+    if not needs_state(plan, slot.replica, slot.stage, stepped):
+        await runner.in_torch_thread(trainer.discard)  # it holds the state the run resumes from
+        return
+    try:
+        await runner.in_torch_thread(trainer.restore, blob, plan.after)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise SlotError(
+            f"slot {slot.name} cannot restore the state of iteration {plan.after} of run {runner.run} "
+            f"({exc}); it was written for another spec: start a new run id (BUBBLETEA_RUN)"
+        ) from None
 
 
 async def _generation_moved(gens: Generations) -> None:

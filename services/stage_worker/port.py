@@ -130,6 +130,12 @@ class StagePort:
         """The squared gradient norms summed over every stage of the replica (global clipping)."""
         return await in_thread(self._tx().plane.all_reduce_sum, stages_group(replica), sq)
 
+    async def share_state(self, blob: bytes | None, source_replica: int) -> bytes:
+        """The stage's state handed over by its live DP peer `source_replica` (which passes its
+        `blob`; every other worker of the stage passes None and gets it): a lost peer's recovery,
+        over the data plane's DP group, not through a file."""
+        return await in_thread(self._tx().plane.broadcast_dp, blob, source_replica)
+
     # --- the stage's saved state ---------------------------------------------------------------
 
     def _st(self) -> StatePort:

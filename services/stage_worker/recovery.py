@@ -12,8 +12,11 @@ again when it notices a lost peer (or that the generation moved on without it):
    (so every lease is held by a live worker again). If the generation moves on meanwhile (another
    replacement arrived), it enters the newer one. Two replacements arriving together cost one extra
    round, never a split: a worker only ever joins the current generation.
-3. **resume point**: the first worker through writes the newest checkpoint common to every slot
-   (SET NX) and every worker reads that one value, so they all restore the same iteration.
+3. **resume point**: each worker says, as it joins, which iteration it last stepped (the state it
+   holds); the first worker through plans the resume from those and the checkpoints
+   (`shared.policies.recovery.plan_resume`: the live peers' state where every stage has a worker
+   holding the newest, else the newest checkpoint common to every slot) and writes the plan
+   (SET NX); every worker reads that one plan, so they all resume at the same iteration.
 
 Tensors carry the generation they were sent in; a receiver drops another generation's (sent before
 the run resumed; the broker may still deliver them). No stage can finish an iteration of the new
@@ -32,7 +35,7 @@ from redis.asyncio import Redis
 from services.stage_worker.lease import Slot, SlotError
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.control import keys
-from shared.policies.recovery import FROM_SCRATCH, resume_after
+from shared.policies.recovery import FROM_SCRATCH, Resume, Source, plan_resume
 from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -52,9 +55,12 @@ POLL_S = 0.05
 class Generations:
     def __init__(self, r: Redis, run: str, slots: Iterable[Slot]) -> None:
         self.r, self.run = r, run
-        self.slots = [s.name for s in slots]
+        self.all = list(slots)
+        self.slots = [s.name for s in self.all]
         #: The generation this worker trains in (0: not joined yet).
         self.current = 0
+        #: The iteration this worker last stepped (what it says as it joins; -1: none).
+        self.stepped = FROM_SCRATCH
 
     async def read(self) -> int:
         return int(await self.r.get(keys.generation_key(self.run)) or 0)
@@ -107,8 +113,10 @@ class Generations:
             await asyncio.sleep(POLL_S)  # joins are set members: there is no event to wait on
 
     async def _join(self, gen: int, slot: Slot) -> None:
-        key = keys.generation_joined_key(self.run, gen)
+        key, stepped = keys.generation_joined_key(self.run, gen), keys.generation_stepped_key(self.run, gen)
         async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(stepped, slot.name, self.stepped)  # before the join: whoever sees it joined sees this
+            pipe.expire(stepped, keys.RUN_STATE_TTL_S)
             pipe.sadd(key, slot.name)
             pipe.expire(key, keys.RUN_STATE_TTL_S)
             await pipe.execute()
@@ -120,13 +128,24 @@ class Generations:
             members, newest = await pipe.execute()
         return {m.decode() for m in members}, int(newest or 0)
 
-    async def resume_point(self, iterations: Callable[[], Awaitable[dict[str, list[int]]]]) -> int:
-        """The iteration the current generation resumes after, the same for every worker.
-        `iterations()`: which iterations every slot has a checkpoint of (the stage port's)."""
+    async def resume_point(self, iterations: Callable[[], Awaitable[dict[str, list[int]]]] | None) -> Resume:
+        """Where the current generation resumes, the same for every worker. `iterations()`: which
+        iterations every slot has a checkpoint of (the stage port's; None: no checkpoints)."""
         key = keys.generation_resume_key(self.run, self.current)
         found = await self.r.get(key)
         if found is None:
-            candidate = resume_after(await iterations(), self.slots)
-            await self.r.set(key, candidate, nx=True, ex=keys.RUN_STATE_TTL_S)
+            raw = await self.r.hgetall(keys.generation_stepped_key(self.run, self.current))
+            said = {_text(k): int(v) for k, v in raw.items()}
+            stepped = {(s.replica, s.stage): said.get(s.name, FROM_SCRATCH) for s in self.all}
+            names = {(s.replica, s.stage): s.name for s in self.all}
+            checkpoints = await iterations() if iterations is not None else {}
+            plan = plan_resume(stepped, checkpoints, names)
+            await self.r.set(key, plan.encode(), nx=True, ex=keys.RUN_STATE_TTL_S)
             found = await self.r.get(key)
-        return int(found) if found is not None else FROM_SCRATCH
+        if found is None:  # expired between the two calls (a day's TTL): nothing to resume from
+            return Resume(FROM_SCRATCH, Source.SCRATCH)
+        return Resume.decode(_text(found))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

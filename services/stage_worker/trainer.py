@@ -57,6 +57,10 @@ class StageTrainer:
         self.last_grad_norm: float | None = None
         #: bf16 autocast of the forward (`training.precision: auto` on CUDA); backward follows it.
         self.bf16 = self.device.type == "cuda" and spec.training.precision == "auto"
+        #: The iteration whose step these weights and optimizer state are after (-1: the initial
+        #: ones). Set in the torch thread as the step ends, so it is true even when the awaiting
+        #: iteration was cut short meanwhile: what a lost peer's recovery plans from.
+        self.stepped = -1
 
     @property
     def layers(self) -> int:
@@ -161,6 +165,7 @@ class StageTrainer:
         self.last_lr, self.last_grad_norm = clip_and_step(self.opt, self.params, self.spec.training, it, total_sq_norm)
         self.opt.zero_grad(set_to_none=True)
         self.lane.wait()
+        self.stepped = it
 
     def take_loss(self) -> float | None:
         """Mean microbatch loss of the iteration just finished (last stage only)."""
@@ -186,16 +191,25 @@ class StageTrainer:
         return save(tensors)
 
     @on_lane
-    def restore(self, blob: bytes | None) -> None:
-        """Continue from a `checkpoint` (None: from the initial weights with a fresh optimizer),
-        dropping whatever a cut-short iteration left behind. Bit-exact on the CPU: the next step
-        computes what it would have computed had the run never stopped."""
-        from safetensors.torch import load
-
+    def discard(self) -> None:
+        """Drop whatever a cut-short iteration left behind (its activations, losses, gradients),
+        keeping the weights and optimizer state: the run resumes from the state this worker holds."""
         self._inputs.clear()
         self._outputs.clear()
         self._losses.clear()
         self.opt.zero_grad(set_to_none=True)
+        self.lane.wait()
+
+    @on_lane
+    def restore(self, blob: bytes | None, after: int = -1) -> None:
+        """Continue from a `checkpoint` of the state after iteration `after` (None: from the
+        initial weights with a fresh optimizer), dropping whatever a cut-short iteration left
+        behind. Bit-exact on the CPU: the next step computes what it would have computed had the
+        run never stopped."""
+        from safetensors.torch import load
+
+        self.discard()
+        self.stepped = after
         if blob is None:
             fresh = build_training_stage(self.spec, self.stage)
             weights = [p.detach() for p in fresh.parameters() if p.requires_grad]

@@ -155,9 +155,16 @@ def generation_joined_key(run: str, generation: int) -> str:
 
 
 def generation_resume_key(run: str, generation: int) -> str:
-    """The iteration `generation` resumes after (the newest checkpoint every slot has; -1: none),
-    written once (SET NX) by the first worker through the barrier, so every worker reads the same."""
+    """Where `generation` resumes (`shared.policies.recovery.Resume`, encoded: from the live peers'
+    state or a checkpoint, after which iteration), written once (SET NX) by the first worker through
+    the barrier, so every worker reads the same."""
     return f"{PREFIX}:{run}:gen:{generation}:resume"
+
+
+def generation_stepped_key(run: str, generation: int) -> str:
+    """The iteration each slot last stepped as it joined `generation` (a hash: slot -> iteration,
+    -1 for none): the state the live workers hold, which the resume point is planned from."""
+    return f"{PREFIX}:{run}:gen:{generation}:stepped"
 
 
 def checkpoint_key(run: str, replica: int, stage: int) -> str:

@@ -354,6 +354,27 @@ class DataPlane:
         _wait_all(works, f"all-reduce of {key}")
         return flat
 
+    def broadcast_dp(self, data: bytes | None, root: int) -> bytes:
+        """`data` from rank `root` of the DP group (its replica) to every member (blocking; the
+        root passes it, the others None): a stage's state handed to a replacement by a live peer.
+        The length goes first, then the bytes, both over the group's connection."""
+        assert self._current is not None, "form the plane first"
+        group = self._current.dp
+        if group is None:
+            raise PlaneError("data plane: no DP group to hand a stage's state over (one replica)")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        _wait_all([_post(lambda: group.broadcast([size], opts), "state broadcast")], "state broadcast (size)")
+        n = int(size.item())
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data is not None
+            else torch.empty(n, dtype=torch.uint8)
+        )
+        _wait_all([_post(lambda: group.broadcast([buf], opts), "state broadcast")], "state broadcast")
+        return data if data is not None else buf.numpy().tobytes()
+
     def release(self, tensor: torch.Tensor) -> None:
         self.pool.release(tensor)
 
@@ -366,6 +387,14 @@ def _max_options() -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # the stub types the enum value apart
     return opts
+
+
+def _post(op: Callable[[], Any], what: str) -> Any:
+    """A collective posted on the group (a closed connection refuses it at once)."""
+    try:
+        return op()
+    except RuntimeError as exc:
+        raise PlaneError(f"data plane: {what} failed: {str(exc).splitlines()[0]}") from None
 
 
 def _rank_in(group: dist.ProcessGroup) -> int:

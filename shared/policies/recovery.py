@@ -1,18 +1,30 @@
 """Recovery of a training run from a lost worker (pure): when to checkpoint, where to resume.
 
 A run that checkpoints (`training.checkpoint_every` > 0) survives the loss of a worker: its peers
-notice the lease gone, the run pauses, a replacement process takes the free slot, and every worker
-resumes from the newest checkpoint that *every* slot wrote (a slot's own newer one is no use: the
-others cannot rejoin it). Training is deterministic given the weights, the optimizer state and the
-iteration (microbatch j of replica d in iteration i is the same text everywhere), so the losses
-after resumption equal those of a run that never stopped.
+notice the lease gone, the run pauses, a replacement process takes the free slot, and the run
+resumes (`plan_resume`):
+
+* **from its live peers** where it can: the newest state any worker holds (the iteration it last
+  stepped) is where the run goes on, and a worker without it (the replacement, or one whose
+  cut-short iteration's step never came) takes it from a live worker of its own stage: a DP peer
+  holds the same weights and optimizer state, as torchft's live recovery hands them over. Nothing
+  is trained twice, and nobody rewinds to a file.
+* **from the newest checkpoint every slot wrote** where some stage has no live worker with that
+  state (one replica, DP = 1, or every replica of the stage lost): a slot's own newer checkpoint is
+  no use, the others cannot rejoin it.
+
+Training is deterministic given the weights, the optimizer state and the iteration (microbatch j of
+replica d in iteration i is the same text everywhere), so the losses after resumption equal those of
+a run that never stopped.
 
 No I/O here: the worker reads which iterations each slot has checkpointed and asks these functions.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 
 #: The iteration a run resumes *after* when no checkpoint is common to every slot: it starts over
 #: from the initial weights at iteration 0.
@@ -49,3 +61,67 @@ def resume_after(checkpoints: Mapping[str, Collection[int]], slots: Iterable[str
 def superseded(iterations: Iterable[int], keep: int) -> list[int]:
     """A slot's checkpoints to delete once it wrote a new one: all but the newest `keep`."""
     return sorted(iterations, reverse=True)[keep:]
+
+
+class Source(enum.StrEnum):
+    """Where a resumed run's state comes from."""
+
+    PEERS = "peers"  # what the live workers hold, handed to those without it
+    CHECKPOINT = "checkpoint"  # the newest checkpoint every slot wrote
+    SCRATCH = "scratch"  # the initial weights (nothing trained, or nothing saved)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a generation resumes: after iteration `after`, from `source`; with PEERS, `copies`
+    names each stage whose workers do not all hold that state, and the replica that hands it over."""
+
+    after: int
+    source: Source
+    copies: tuple[tuple[int, int], ...] = ()  # (stage, source replica)
+
+    def encode(self) -> str:
+        copies = ",".join(f"{k}:{d}" for k, d in self.copies)
+        return f"{self.source}/{self.after}/{copies}"
+
+    @classmethod
+    def decode(cls, text: str) -> Resume:
+        source, after, copies = text.split("/")
+        pairs = tuple((int(k), int(d)) for k, d in (c.split(":") for c in copies.split(",") if c))
+        return cls(int(after), Source(source), pairs)
+
+    def source_of(self, stage: int) -> int | None:
+        """The replica that hands stage `stage`'s state over (None: every worker of it holds it)."""
+        return next((d for k, d in self.copies if k == stage), None)
+
+
+def plan_resume(
+    stepped: Mapping[tuple[int, int], int],
+    checkpoints: Mapping[str, Collection[int]],
+    slot_names: Mapping[tuple[int, int], str],
+) -> Resume:
+    """Where the run resumes, given the iteration each slot (replica, stage) last stepped
+    (`FROM_SCRATCH`: none, e.g. a replacement) and which iterations each slot (by name) has a
+    checkpoint of: from the live peers if every stage has a worker at the newest iteration any
+    worker stepped, else from the newest common checkpoint (the module docstring says why)."""
+    newest = max(stepped.values(), default=FROM_SCRATCH)
+    if newest == FROM_SCRATCH:
+        return Resume(FROM_SCRATCH, Source.SCRATCH)
+    copies: list[tuple[int, int]] = []
+    for stage in sorted({k for _, k in stepped}):
+        workers = sorted((d, it) for (d, k), it in stepped.items() if k == stage)
+        holders = [d for d, it in workers if it == newest]
+        if not holders:
+            after = resume_after(checkpoints, slot_names.values())
+            return Resume(after, Source.CHECKPOINT if after != FROM_SCRATCH else Source.SCRATCH)
+        if len(holders) < len(workers):
+            copies.append((stage, holders[0]))
+    return Resume(newest, Source.PEERS, tuple(copies))
+
+
+def needs_state(resume: Resume, replica: int, stage: int, stepped: int) -> bool:
+    """Whether worker (replica, stage), having last stepped `stepped`, must load the resumed state
+    (from a peer, a checkpoint or the initial weights) rather than keep its own."""
+    if resume.source is not Source.PEERS:
+        return True
+    return stepped != resume.after

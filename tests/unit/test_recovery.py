@@ -9,8 +9,12 @@ from services.stage_worker.trainer import StageTrainer
 from shared.model.data import ByteCorpus
 from shared.policies.recovery import (
     FROM_SCRATCH,
+    Resume,
+    Source,
     checkpoint_due,
     clean_stop_iteration,
+    needs_state,
+    plan_resume,
     resume_after,
     save_due,
     superseded,
@@ -91,3 +95,53 @@ def test_a_clean_stop_lands_two_past_the_newest_iteration_but_not_past_the_last(
     assert clean_stop_iteration(3, 10) == 5
     assert clean_stop_iteration(8, 10) == 9
     assert clean_stop_iteration(-1, 10) == 1  # nothing reported yet
+
+
+NAMES = {(d, k): f"r{d}s{k}" for d in range(2) for k in range(2)}
+
+
+def test_a_lost_worker_takes_the_newest_state_from_a_live_peer_of_its_stage() -> None:
+    """PP=2 x DP=2, r0s1 replaced (a fresh process: nothing stepped). Every stage has a live worker
+    at iteration 6: the run goes on after it, stage 1's state handed over by replica 1; nobody
+    rewinds to the checkpoint of iteration 5, though every slot has one."""
+    stepped = {(0, 0): 6, (1, 0): 6, (0, 1): FROM_SCRATCH, (1, 1): 6}
+    checkpoints = {name: [3, 5] for name in NAMES.values()}
+    plan = plan_resume(stepped, checkpoints, NAMES)
+    assert plan == Resume(6, Source.PEERS, ((1, 1),))
+    assert plan.source_of(1) == 1 and plan.source_of(0) is None
+    assert needs_state(plan, 0, 1, FROM_SCRATCH) and not needs_state(plan, 1, 1, 6) and not needs_state(plan, 0, 0, 6)
+    assert Resume.decode(plan.encode()) == plan
+
+
+def test_a_replica_that_stepped_past_the_others_hands_its_state_to_them() -> None:
+    """r0s0 died after its gradient all-reduce: replica 1 stepped iteration 7, replica 0's live
+    workers did not (their step waited on the lost worker). The run goes on after 7, each stage
+    taking replica 1's state: iteration 7 is not trained twice."""
+    stepped = {(0, 0): FROM_SCRATCH, (1, 0): 7, (0, 1): 6, (1, 1): 7}
+    plan = plan_resume(stepped, {}, NAMES)
+    assert plan == Resume(7, Source.PEERS, ((0, 1), (1, 1)))
+    assert needs_state(plan, 0, 1, 6) and needs_state(plan, 0, 0, FROM_SCRATCH) and not needs_state(plan, 1, 0, 7)
+
+
+def test_a_stage_with_no_live_worker_holding_the_newest_state_resumes_from_the_checkpoint() -> None:
+    one_replica = {(0, 0): "r0s0", (0, 1): "r0s1"}
+    plan = plan_resume({(0, 0): 6, (0, 1): FROM_SCRATCH}, {"r0s0": [3, 5], "r0s1": [3, 5]}, one_replica)
+    assert plan == Resume(5, Source.CHECKPOINT) and needs_state(plan, 0, 0, 6)  # every worker restores
+    # no checkpoint in common: from the initial weights
+    assert plan_resume({(0, 0): 6, (0, 1): FROM_SCRATCH}, {"r0s0": [5]}, one_replica) == Resume(-1, Source.SCRATCH)
+    # nothing stepped anywhere: a fresh start
+    assert plan_resume({(0, 0): -1, (0, 1): -1}, {}, one_replica) == Resume(-1, Source.SCRATCH)
+
+
+def test_a_live_worker_keeps_its_state_and_drops_only_the_cut_short_iteration() -> None:
+    kept = StageTrainer(SPEC, 0, 0, CORPUS)
+    train(kept, range(3))
+    assert kept.stepped == 2
+    blob = kept.checkpoint()
+    expected = train(StageTrainer(SPEC, 0, 0, CORPUS), range(6))[3:]
+    kept.forward(3, 0, None)  # iteration 3 cut short
+    kept.discard()
+    assert kept.stepped == 2 and train(kept, range(3, 6)) == expected
+    handed = StageTrainer(SPEC, 0, 0, CORPUS)  # a replacement given the peer's state
+    handed.restore(blob, 2)
+    assert handed.stepped == 2 and train(handed, range(3, 6)) == expected
