@@ -103,17 +103,19 @@ def plan_resume(
     """Where the run resumes, given the iteration each slot (replica, stage) last stepped
     (`FROM_SCRATCH`: none, e.g. a replacement) and which iterations each slot (by name) has a
     checkpoint of: from the live peers if every stage has a worker at the newest iteration any
-    worker stepped, else from the newest common checkpoint (the module docstring says why)."""
+    worker stepped, else from the newest common checkpoint (the module docstring says why); from
+    that checkpoint too where it is newer than any live state (the whole job started again)."""
     newest = max(stepped.values(), default=FROM_SCRATCH)
-    if newest == FROM_SCRATCH:
-        return Resume(FROM_SCRATCH, Source.SCRATCH)
+    saved = resume_after(checkpoints, slot_names.values())
+    from_file = Resume(saved, Source.CHECKPOINT) if saved != FROM_SCRATCH else Resume(FROM_SCRATCH, Source.SCRATCH)
+    if saved > newest or newest == FROM_SCRATCH:  # e.g. the whole job started again: every worker fresh
+        return from_file
     copies: list[tuple[int, int]] = []
     for stage in sorted({k for _, k in stepped}):
         workers = sorted((d, it) for (d, k), it in stepped.items() if k == stage)
         holders = [d for d, it in workers if it == newest]
         if not holders:
-            after = resume_after(checkpoints, slot_names.values())
-            return Resume(after, Source.CHECKPOINT if after != FROM_SCRATCH else Source.SCRATCH)
+            return from_file
         if len(holders) < len(workers):
             copies.append((stage, holders[0]))
     return Resume(newest, Source.PEERS, tuple(copies))

@@ -129,8 +129,11 @@ def test_a_stage_with_no_live_worker_holding_the_newest_state_resumes_from_the_c
     assert plan == Resume(5, Source.CHECKPOINT) and needs_state(plan, 0, 0, 6)  # every worker restores
     # no checkpoint in common: from the initial weights
     assert plan_resume({(0, 0): 6, (0, 1): FROM_SCRATCH}, {"r0s0": [5]}, one_replica) == Resume(-1, Source.SCRATCH)
-    # nothing stepped anywhere: a fresh start
+    # nothing stepped anywhere: a fresh start, or the whole job started again (from its checkpoint)
     assert plan_resume({(0, 0): -1, (0, 1): -1}, {}, one_replica) == Resume(-1, Source.SCRATCH)
+    assert plan_resume({(0, 0): -1, (0, 1): -1}, {"r0s0": [3], "r0s1": [3]}, one_replica) == Resume(
+        3, Source.CHECKPOINT
+    )
 
 
 def test_a_live_worker_keeps_its_state_and_drops_only_the_cut_short_iteration() -> None:
