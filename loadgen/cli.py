@@ -15,7 +15,7 @@ import math
 import sys
 import time
 from collections.abc import Coroutine, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -173,8 +173,9 @@ async def drive(client: Sender, workload: Workload, config: BenchmarkConfig) -> 
 
     async def one(request: Request) -> Outcome:
         nonlocal failed
+        sent_at = time.time()
         try:
-            outcome = await client.send(request.prompt, request.max_tokens)
+            outcome = replace(await client.send(request.prompt, request.max_tokens), sent_at=sent_at)
         finally:
             if slots is not None:
                 slots.release()

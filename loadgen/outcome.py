@@ -37,6 +37,7 @@ class Outcome:
     latency_s: float | None = None  # end to end when ok; None: the same as ttft_s
     itls: tuple[float, ...] = ()  # seconds between successive chunks with a choice
     streamed: bool = False  # the answer was streamed: each chunk's time is known
+    sent_at: float = 0.0  # when it was sent, wall clock (Unix seconds; 0: not said)
 
     @property
     def e2el_s(self) -> float | None:

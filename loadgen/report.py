@@ -267,6 +267,7 @@ def summarize(
     summary["input_lens"] = [o.prompt_tokens for o in outcomes]
     summary["output_lens"] = output_lens
     summary["errors"] = [error_text(o) for o in outcomes]
+    summary["send_times"] = [o.sent_at for o in outcomes]  # ours: wall clock, to place each request in time
     summary["ttfts_ms"] = ttfts  # successful requests only, in ms (for plotting the distribution)
     return summary
 

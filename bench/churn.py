@@ -1,0 +1,298 @@
+"""Goodput under churn: training and serving go on while workers keep dying (issue 49).
+
+Three arms, one after another, each a fresh `bubbletea up` (its default spec unless `--config`) on a
+private redis-server (append-only file), every arm at the same device time scale (measured once
+here, or `--time-scale`) and under the same open-loop load: Poisson arrivals at `--load` (default
+0.8) of the bubbles' capacity (the simulator's, for this spec and scale), sent by the load generator
+over real HTTP with a TTFT objective (`--ttft-slo-ms`), for `--duration` seconds:
+
+* **calm**: no faults;
+* **churn**: stage workers SIGKILLed at Poisson arrivals, one every `--mtbf` s on average across the
+  job (or every `--every` s exactly), and the control plane's services (dispatcher, front door,
+  Redis, in turn) at `--control-mtbf` (0: none); `up` restarts what dies, and a lost worker's
+  replacement takes its stage's state from a live peer (docs/architecture.md, "A lost worker");
+* **restart**: whole-job checkpoint-restart, the baseline: at each of the same faults everything
+  stops (`up` told to stop) and starts again, training resuming from the newest checkpoint.
+
+Figures (one JSON line last; every fault and every request sent counts):
+
+* per arm: `faults`, `survived` (the run trained again after it), kill to training again p50 / p99 /
+  max (s, wall clock), `useful_iterations` (iterations every slot completed, each counted once) and
+  `useful_per_hour`, `redone_iterations`, `losses_equal` (every iteration's loss against
+  single-process training of the spec the run trained), `slo_attainment` of the requests sent,
+  `requests_lost` (no answer within the load generator's timeout);
+* side by side: `goodput_vs_calm` (churn's useful iterations per hour over calm's),
+  `restart_goodput_vs_calm`, `slo_vs_calm` (churn's attainment over calm's).
+
+It writes a picture (useful iterations and SLO attainment over time, each fault marked) into
+`--out`.
+
+    python bench/churn.py                 # 10 minutes an arm, a worker lost every 30 s on average
+    python bench/churn.py --quick         # 2 minutes an arm
+    python bench/churn.py --every 20      # a worker lost every 20 s exactly
+    python bench/churn.py --arms calm,churn
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import _churn_figures as figs  # noqa: E402
+import chaos  # noqa: E402
+
+from bubbletea.launcher.load import run_loadgen  # noqa: E402
+from shared.control import keys  # noqa: E402
+from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from shared.spec.config import load_spec  # noqa: E402
+
+ARMS = ("calm", "churn", "restart")
+DEFAULT_CONFIG = ROOT / "configs" / "demo.yaml"
+#: The load's prompts (the demo's): 96 tokens on average, uniform within +-33%.
+INPUT_LEN, RANGE_RATIO = 96, 0.33
+#: A request the load generator has no answer to after this long is lost.
+REQUEST_TIMEOUT_S = 120
+#: How long `up` may take to come up (it measures nothing when the time scale is given).
+UP_TIMEOUT_S = 240
+
+
+class Arm:
+    """One arm: its Redis, its `up` (started again by the restart arm), its faults."""
+
+    def __init__(self, name: str, args: argparse.Namespace, k: float, rate: float, folder: Path) -> None:
+        self.name, self.args, self.k, self.rate, self.folder = name, args, k, rate, folder
+        self.run = f"churn-{name}-{uuid.uuid4().hex[:6]}"
+        self.port = free_port()
+        self.api = f"http://127.0.0.1:{self.port}"
+        self.redis_dir = folder / "redis"
+        self.redis_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = EmbeddedRedis(persist=True, data_dir=str(self.redis_dir)).start()
+        self.up: chaos.Up | None = None
+        self.faults: list[dict[str, Any]] = []
+        self.lines: list[str] = []
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, "REDIS_URL": self.redis.url, "BUBBLETEA_HTTP_PORT": str(self.port)}
+        env |= {"BUBBLETEA_RUN": self.run, "BUBBLETEA_TIME_SCALE": f"{self.k:g}"}
+        env.pop("BUBBLETEA_API_KEY", None)
+        return env
+
+    async def start_up(self) -> None:
+        cmd = (sys.executable, "-m", "bubbletea.cli", "up", "--config", str(self.args.config))
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, "--run", self.run, "--out", str(self.folder), env=self.env(), cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        self.up = chaos.Up(proc)
+        await self.up.wait_for(r"Ctrl-C stops everything", UP_TIMEOUT_S)
+
+    async def stop_up(self) -> None:
+        if self.up is None:
+            return
+        if self.up.proc.returncode is None:
+            await chaos.stop_up(self.up.proc)
+        await asyncio.gather(self.up.reader, return_exceptions=True)
+        self.lines += self.up.lines
+
+    def generation(self) -> int:
+        from redis import Redis
+
+        r = Redis.from_url(self.redis.url, socket_timeout=5)
+        try:
+            return int(r.get(keys.generation_key(self.run)) or 0)
+        finally:
+            r.close()
+
+    async def inject(self, fault: figs.Fault, rng: random.Random) -> None:
+        """The fault, as this arm suffers it: the churn arm loses one service (up restarts it), the
+        restart arm stops and starts the whole job."""
+        assert self.up is not None
+        at, gen = time.time(), await asyncio.to_thread(self.generation)
+        what = fault.kind
+        if self.name == "restart":
+            await self.stop_up()
+            await self.start_up()
+        elif fault.kind == "worker":
+            what = rng.choice(sorted(label for label in self.up.pids if label.startswith("stage_worker-")))
+            os.kill(self.up.pids[what], signal.SIGKILL)
+        elif fault.kind == "redis":
+            self.redis.kill()  # SIGKILL: the append-only file is all that survives
+            await asyncio.sleep(2.0)
+            self.redis = EmbeddedRedis(port=self.redis.port, persist=True, data_dir=str(self.redis_dir)).start()
+        else:
+            os.kill(self.up.pids[fault.kind], signal.SIGKILL)
+        self.faults.append({"at": at, "offset_s": fault.at_s, "kind": fault.kind, "killed": what, "generation": gen})
+        print(json.dumps({"arm": self.name, **self.faults[-1]}), file=sys.stderr, flush=True)
+
+    async def go(self, faults: list[figs.Fault]) -> dict[str, Any]:
+        args = self.args
+        await self.start_up()
+        start = time.time()
+        load_args = ["--base-url", self.api, "--request-rate", f"{self.rate:.4f}", "--duration", str(args.duration)]
+        load_args += ["--input-len", str(INPUT_LEN), "--range-ratio", str(RANGE_RATIO), "--seed", str(args.seed)]
+        load_args += ["--timeout", str(REQUEST_TIMEOUT_S), "--goodput", f"ttft:{args.ttft_slo_ms * self.k:g}"]
+        load = asyncio.create_task(run_loadgen(load_args, self.folder / "loadgen.json"))
+        rng = random.Random(args.seed)
+        try:
+            for fault in faults if self.name != "calm" else []:
+                await asyncio.sleep(max(0.0, start + fault.at_s - time.time()))
+                await self.inject(fault, rng)
+            served = await load
+        finally:
+            end = time.time()
+            await self.stop_up()
+        return await asyncio.to_thread(self.figures, served, start, end)
+
+    def figures(self, load: dict[str, Any], start: float, end: float) -> dict[str, Any]:
+        spec = load_spec(self.folder / self.run / "spec.yaml")  # what up gave its services
+        slots = spec.parallelism.pp * spec.parallelism.dp
+        done = chaos.iterations_done(self.redis.url, self.run)
+        trained = figs.training(done, slots, start, end)
+        losses = chaos.training_figures(done, spec)
+        joined = figs.joins(sorted((self.folder / self.run / "logs").glob("stage_worker-*.log")))
+        back = [figs.back_after(f["at"], f["generation"], joined, slots) for f in self.faults]
+        backs = [b for b in back if b is not None]
+        slo_ms = self.args.ttft_slo_ms * self.k
+        served = figs.serving(load, slo_ms)
+        hours = (end - start) / 3600
+        return {
+            "arm": self.name,
+            "run": self.run,
+            "seconds": round(end - start, 1),
+            "faults": len(self.faults),
+            "faults_by_kind": {k: sum(f["kind"] == k for f in self.faults) for k in {f["kind"] for f in self.faults}},
+            "survived": len(backs),
+            "back_p50_s": _r(figs.median(backs)),
+            "back_p99_s": _r(figs.percentile(backs, 99)),
+            "back_max_s": _r(max(backs, default=None)),
+            "useful_iterations": trained["useful_iterations"],
+            "useful_per_hour": round(trained["useful_iterations"] / hours, 1) if hours > 0 else None,
+            "redone_iterations": len(trained["redone_iterations"]),
+            "losses_equal": losses["losses_equal"],
+            "iterations_checked": losses["iterations_checked"],
+            "requests_sent": served["requests_sent"],
+            "requests_answered": served["requests_answered"],
+            "slo_attainment": served["slo_attainment"],
+            "requests_lost": served["errors"].get("timeout", 0),
+            "errors": served["errors"],
+            # for the picture, not the JSON line
+            "_series": {"start": start, "end": end, "completed_at": trained["completed_at"], "faults": self.faults}
+            | {"send_times": served["send_times"], "good": served["good"]},
+        }
+
+    def close(self) -> None:
+        self.redis.stop()
+        (self.folder / "up.out").write_text("\n".join(self.lines) + "\n")
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
+def capacity_rate(config: Path, k: float) -> float:
+    """Requests per real second the bubbles of `config` hold at time scale `k` (the simulator's
+    capacity for the load's mean prompt)."""
+    from shared.spec.timescale import scale_spec
+    from sim.run import SimOptions, capacity_rate, run_off
+    from sim.setup import build
+
+    spec = scale_spec(load_spec(config), k)
+    setup = build(spec)
+    off = run_off(setup, 8)
+    return capacity_rate(setup, off, SimOptions(input_len=INPUT_LEN))
+
+
+def time_scale(arg: str, config: Path) -> float:
+    if arg != "auto":
+        return float(arg)
+    from shared.spec.timescale import calibrate
+
+    cal = calibrate(load_spec(config))
+    print(cal.line(), file=sys.stderr, flush=True)
+    return cal.scale
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    k = await asyncio.to_thread(time_scale, args.time_scale, args.config)
+    rate = args.load * await asyncio.to_thread(capacity_rate, args.config, k)
+    faults = figs.schedule(
+        args.duration, mtbf_s=args.mtbf, every_s=args.every, control_mtbf_s=args.control_mtbf, seed=args.seed
+    )
+    out = Path(tempfile.mkdtemp(prefix="bubbletea-churn-"))
+    print(f"churn: k = {k:g}, {rate:.2f} requests/s ({args.load:.0%} of capacity), {len(faults)} faults an arm; {out}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    results: dict[str, dict[str, Any]] = {}
+    for name in args.arms:
+        arm = Arm(name, args, k, rate, out / name)
+        try:
+            results[name] = await arm.go(faults)
+        finally:
+            arm.close()
+        print(json.dumps({k: v for k, v in results[name].items() if not k.startswith("_")}), file=sys.stderr)
+    series = {name: r.pop("_series") for name, r in results.items()}
+    picture = Path(args.out) / f"churn-{time.strftime('%Y%m%d-%H%M%S')}.png"
+    picture.parent.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(figs.picture, series, picture, args.ttft_slo_ms * k)
+    head = {"bench": "churn", "time_scale_k": k, "duration_s": args.duration, "rate_rps": round(rate, 3)}
+    head |= {"mtbf_s": args.mtbf, "every_s": args.every, "control_mtbf_s": args.control_mtbf}
+    head |= {"ttft_slo_ms": args.ttft_slo_ms, "faults_scheduled": len(faults)}
+    return head | side_by_side(results) | {"arms": results, "picture": str(picture), "folder": str(out)}
+
+
+def side_by_side(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def ratio(arm: str, key: str) -> float | None:
+        calm, other = results.get("calm", {}).get(key), results.get(arm, {}).get(key)
+        return round(other / calm, 3) if calm and other is not None else None
+
+    return {
+        "goodput_vs_calm": ratio("churn", "useful_per_hour"),
+        "restart_goodput_vs_calm": ratio("restart", "useful_per_hour"),
+        "slo_vs_calm": ratio("churn", "slo_attainment"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load an arm (default 600)")
+    p.add_argument("--quick", action="store_true", help="120 s an arm")
+    p.add_argument("--mtbf", type=float, default=30.0, help="mean seconds between stage-worker kills (default 30)")
+    p.add_argument("--every", type=float, help="kill a stage worker every this many seconds exactly instead")
+    p.add_argument(
+        "--control-mtbf", type=float, default=0.0,
+        help="mean seconds between kills of the dispatcher, the front door and Redis, in turn (default 0: none)",
+    )  # fmt: skip
+    p.add_argument("--load", type=float, default=0.8, help="offered load, a share of the bubbles' capacity")
+    p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="the TTFT objective, device ms (default 1000)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"which arms, in order (default {','.join(ARMS)})")
+    p.add_argument("--time-scale", default="auto", help="the device time scale k: auto (measured) or a number")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the spec up runs (default: the demo's)")
+    p.add_argument("--seed", type=int, default=0, help="the faults' and the load's seed")
+    p.add_argument("--out", default="runs", help="where the picture goes (default runs/)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.duration = 120.0
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if bad := [a for a in args.arms if a not in ARMS]:
+        p.error(f"--arms: unknown {', '.join(bad)} (choose from {', '.join(ARMS)})")
+    if args.duration <= 0 or args.mtbf <= 0 or (args.every is not None and args.every <= 0) or args.control_mtbf < 0:
+        p.error("--duration, --mtbf and --every must be above 0, --control-mtbf at least 0")
+    result = asyncio.run(bench(args))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
