@@ -135,7 +135,7 @@ def windows(
     return out
 
 
-def picture(arms: dict[str, dict[str, Any]], path: Path, slo_ms: float) -> None:
+def picture(arms: dict[str, dict[str, Any]], path: Path, slo_device_ms: float, k: float) -> None:
     """Useful iterations and SLO attainment over time, one line per arm, each fault marked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -153,7 +153,7 @@ def picture(arms: dict[str, dict[str, Any]], path: Path, slo_ms: float) -> None:
             for ax in (top, bottom):
                 ax.axvline(f["at"] - start, color=line.get_color(), alpha=0.25, lw=0.8)
     top.set_ylabel("useful iterations")
-    bottom.set_ylabel(f"SLO attainment (TTFT <= {slo_ms:g} ms), 10 s windows")
+    bottom.set_ylabel(f"SLO attainment, 10 s windows\n(TTFT <= {slo_device_ms:g} device ms, k = {k:g})")
     bottom.set_xlabel("seconds since the load started (wall clock); faint lines: faults")
     bottom.set_ylim(-0.02, 1.02)
     for ax in (top, bottom):

@@ -245,7 +245,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     series = {name: r.pop("_series") for name, r in results.items()}
     picture = Path(args.out) / f"churn-{time.strftime('%Y%m%d-%H%M%S')}.png"
     picture.parent.mkdir(parents=True, exist_ok=True)
-    await asyncio.to_thread(figs.picture, series, picture, args.ttft_slo_ms * k)
+    await asyncio.to_thread(figs.picture, series, picture, args.ttft_slo_ms, k)
     head = {"bench": "churn", "time_scale_k": k, "duration_s": args.duration, "rate_rps": round(rate, 3)}
     head |= {"mtbf_s": args.mtbf, "every_s": args.every, "control_mtbf_s": args.control_mtbf}
     head |= {"ttft_slo_ms": args.ttft_slo_ms, "faults_scheduled": len(faults)}
