@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from bubbletea import cli_inspect, cli_up
+from bubbletea import cli_drain, cli_inspect, cli_up
 from bubbletea.cli_common import (
     CommandError,
     CommandParser,
@@ -257,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_simulate)
 
     cli_inspect.add_parsers(sub)
+    cli_drain.add_parser(sub)
 
     p = sub.add_parser(
         "report",

@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from redis import Redis
+from redis.exceptions import RedisError
 
 from bubbletea.launcher import forked
 from bubbletea.launcher.services import PREFILL_QUEUE, ServiceDef, command
+from shared.control import keys
 from shared.runtime.lifetime import die_with_parent
 from shared.runtime.logs import get_logger
 from shared.runtime.redis_server import EmbeddedRedis, free_port
@@ -45,6 +48,8 @@ class Proc:
     pump: asyncio.Task[None] | None = None
     #: When it was spawned (`time.monotonic()`): how long it lived, for the restart policy.
     started: float = field(default_factory=time.monotonic)
+    #: The environment it was given (over the launcher's own): its Redis and run, for `stop_all`.
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -83,7 +88,7 @@ async def spawn(
             start_new_session=True,
             preexec_fn=functools.partial(child_setup, svc.nice),
         )
-    p = Proc(svc, proc, label=label or svc.name)
+    p = Proc(svc, proc, label=label or svc.name, env=dict(env))
     p.pump = asyncio.create_task(_pump(p, out, quiet, log_file))
     log.info("service started", service=svc.name, pid=proc.pid, start=how)
     return p
@@ -201,7 +206,10 @@ async def front_door(env: dict[str, str], *, out: object = sys.stdout, quiet: bo
 
 
 async def stop_all(procs: list[Proc]) -> dict[str, int | None]:
-    """SIGTERM in reverse start order, wait, SIGKILL stragglers; returns exit codes by name."""
+    """SIGTERM in reverse start order, wait, SIGKILL stragglers; returns exit codes by name. A run
+    whose stage workers are among them is marked stopping first: each worker's SIGTERM then stops
+    the whole run, as a launcher means it, rather than drain that worker alone."""
+    await asyncio.to_thread(mark_runs_stopping, [p for p in procs if p.svc.per_slot and p.proc.returncode is None])
     codes: dict[str, int | None] = {}
     for p in reversed(procs):
         if p.proc.returncode is None:
@@ -219,6 +227,22 @@ async def stop_all(procs: list[Proc]) -> dict[str, int | None]:
             await asyncio.gather(p.pump, return_exceptions=True)
         codes[p.label or p.name] = p.proc.returncode
     return codes
+
+
+def mark_runs_stopping(workers: Sequence[Proc]) -> None:
+    """Mark the runs of these stage workers stopping (`keys.run_stop_key`); a Redis that does not
+    answer is left alone (the workers then cannot read the mark either, and stop their run)."""
+    envs = [{**os.environ, **p.env} for p in workers]
+    for url, run in {(env.get("REDIS_URL"), env.get("BUBBLETEA_RUN")) for env in envs}:
+        if not url or not run:
+            continue
+        r = Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            r.set(keys.run_stop_key(run), "stopped by its launcher", ex=keys.LEASE_END_TTL_S)
+        except RedisError as exc:
+            log.warning("could not mark the run stopping", run=run, error=str(exc))
+        finally:
+            r.close()
 
 
 async def _reap_group(p: Proc) -> None:

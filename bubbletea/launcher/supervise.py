@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from bubbletea.launcher.procs import Proc, ServiceFailed
-from shared.policies.restarts import DEFAULT_POLICY, Death, Exited, Finished, GiveUp, RestartPolicy, on_exit
+from shared.policies.restarts import DEFAULT_POLICY, Death, Exited, Finished, GiveUp, Replace, RestartPolicy, on_exit
 
 #: How often child exit codes are polled: a death is noticed within this.
 POLL_S = 0.2
@@ -49,8 +49,11 @@ class Supervisor:
         policy: RestartPolicy = DEFAULT_POLICY,
         clock: Callable[[], float] = time.monotonic,
         restart_workers: bool = False,
+        departed: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.procs = procs
+        #: Whether some worker left the run on purpose (a drain): one that exits 0 then is replaced.
+        self.departed = departed
         self.restart_workers = restart_workers
         self.respawn, self.healthy, self.say = respawn, healthy, say
         self.policy, self.clock = policy, clock
@@ -70,7 +73,8 @@ class Supervisor:
                     task.result()  # a restart that failed (never healthy) fails the whole run
                 for i, p in enumerate(self.procs):
                     if p.proc.returncode is not None and i not in self._restarting:
-                        self._on_exit(i, p)
+                        left = p.svc.per_slot and p.proc.returncode == 0 and await self._departed()
+                        self._on_exit(i, p, left=left)
                 workers = [p for p in self.procs if p.svc.per_slot]
                 if workers and all(p.proc.returncode == 0 for p in workers):
                     self.say("==> training finished: every worker completed its iterations; stopping")
@@ -81,15 +85,22 @@ class Supervisor:
                 task.cancel()
             await asyncio.gather(*self._restarting.values(), return_exceptions=True)
 
-    def _on_exit(self, i: int, p: Proc) -> None:
+    async def _departed(self) -> bool:
+        return self.departed is not None and await self.departed()
+
+    def _on_exit(self, i: int, p: Proc, *, left: bool = False) -> None:
         code = p.proc.returncode
         assert code is not None
         now = self.clock()
         deaths = [*self.deaths.get(p.label, []), Death(p.started, now)]
-        exited = Exited(code, worker=p.svc.per_slot)
+        exited = Exited(code, worker=p.svc.per_slot, left=left)
         verdict = on_exit(exited, deaths, now, recoverable=self.restart_workers, policy=self.policy)
         if isinstance(verdict, Finished):
             return  # not a death: `follow` ends once every worker has finished
+        if isinstance(verdict, Replace):  # no death: no backoff, no crash-loop count
+            self.say(f"==> {p.label} left the run (drained); starting a replacement")
+            self._restarting[i] = asyncio.create_task(self._restart(i, p, 0.0), name=f"replace:{p.label}")
+            return
         self.deaths[p.label] = deaths
         if isinstance(verdict, GiveUp):
             raise ServiceFailed(f"{p.label} (pid {p.proc.pid}) {verdict.reason}; last output:\n" + "\n".join(p.tail))

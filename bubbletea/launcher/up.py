@@ -52,7 +52,8 @@ from bubbletea.launcher.vllm import managed_vllm
 from bubbletea.launcher.wan_modes import WorkerLaunch, worker_launches
 from shared.bus import Bus
 from shared.control.health import live_instances
-from shared.control.status import ServingState
+from shared.control.leases import read_slots
+from shared.control.status import LeaseState, ServingState
 from shared.figures import runstats
 from shared.runtime.redis_server import EmbeddedRedis, free_port
 from shared.spec.config import spec_builtins
@@ -192,8 +193,19 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
         say(f"    Ctrl-C stops everything; {restarted} is restarted if it dies")
         say("")
         try:
+
+            async def departed() -> bool:  # a slot some worker left on purpose, not yet taken again
+                async with Bus(url, spec.bus, name="up") as bus:
+                    views = await read_slots(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp)
+                return any(v.ended is LeaseState.LEFT and not v.held for v in views)
+
             supervisor = Supervisor(
-                procs, respawn=respawn, healthy=healthy, say=say, restart_workers=spec.training.recovers
+                procs,
+                respawn=respawn,
+                healthy=healthy,
+                say=say,
+                restart_workers=spec.training.recovers,
+                departed=departed,
             )
             if embedded is None:
                 return await supervisor.follow()

@@ -78,6 +78,8 @@ class SlotLease:
         self.peer_checks = 0
         #: The Redis server's run_id when we leased (a restart changes it).
         self.redis_run_id = ""
+        #: Set when this worker is asked to leave the run (`bubbletea drain`, seen at a renewal).
+        self.drain = asyncio.Event()
 
     def _key(self, s: Slot) -> str:
         return keys.lease_key(self.run, s.replica, s.stage)
@@ -94,8 +96,7 @@ class SlotLease:
         while True:
             for s in candidates:
                 if await self.r.set(self._key(s), self.holder, nx=True, px=keys.LEASE_TTL_MS):
-                    self.slot = s
-                    self.redis_run_id = await self._redis_run_id()
+                    await self._took(s)
                     log.info("slot leased", run=self.run, slot=s.name, holder=self.holder)
                     return s
             if time.monotonic() >= deadline:
@@ -136,8 +137,7 @@ class SlotLease:
                     await self.r.eval(_RELEASE, 1, self._key(s), self.holder)
                     done.add(s)
                     continue
-                self.slot = s
-                self.redis_run_id = await self._redis_run_id()
+                await self._took(s)
                 log.info("slot leased by a spare", run=self.run, slot=s.name, holder=self.holder)
                 return s
             if len(done) == len(candidates):
@@ -146,6 +146,12 @@ class SlotLease:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), poll_s)
         return None
+
+    async def _took(self, s: Slot) -> None:
+        """Slot `s` is ours: its predecessor's end marker (it left, say) and drain request go."""
+        self.slot = s
+        self.redis_run_id = await self._redis_run_id()
+        await self.r.delete(self._end_key(s), keys.drain_key(self.run, s.name))
 
     async def renew(self, *, last_ok: float | None = None) -> None:
         """Renew our lease. If the last successful renewal (`last_ok`, monotonic) is older than the
@@ -216,6 +222,9 @@ class SlotLease:
             await asyncio.sleep(keys.LEASE_RENEW_S)
             try:
                 await self.renew(last_ok=last_ok)
+                if not self.drain.is_set() and await self.r.exists(keys.drain_key(self.run, self.slot.name)):
+                    log.info("asked to leave the run (bubbletea drain)", run=self.run, slot=self.slot.name)
+                    self.drain.set()
                 late = time.monotonic() - last_ok > keys.LEASE_TTL_MS / 1000
                 last_ok = time.monotonic()
                 if outage.ok() or late:
@@ -234,7 +243,8 @@ class SlotLease:
             if state is LeaseState.ABORTED:  # it left because of another slot: blame that one
                 raise SlotError(reason)
             if self.recoverable:
-                log.warning("a peer lost its worker; the run pauses for a replacement", run=self.run, slot=s.name)
+                why = "left the run (drained)" if state is LeaseState.LEFT else "lost its worker"
+                log.warning(f"a peer {why}; the run pauses for a replacement", run=self.run, slot=s.name)
                 self.check_peers = False  # until the run has recovered
                 self.peer_lost.set()
                 return
@@ -275,6 +285,12 @@ class SlotLease:
         """We were told to stop (SIGTERM, Ctrl-C): peers that notice our departure stop quietly
         with this reason instead of reporting a lost worker."""
         await self._end(LeaseState.STOPPED, reason)
+
+    async def leave(self, reason: str) -> None:
+        """We leave on purpose while the run goes on (a drain): peers recover at once, and a spare
+        or a replacement takes the slot."""
+        await self._end(LeaseState.LEFT, reason)
+        await self.release()
 
     async def release(self) -> None:
         if self.slot is not None:

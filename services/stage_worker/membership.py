@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from services.stage_worker.lease import SlotError, SlotLease
+from services.stage_worker.leaving import leave_at_boundary, leave_now
 from services.stage_worker.recovery import Generations
 from services.stage_worker.runner import StageRunner
 from services.stage_worker.transport import FINISH_GRACE_S
@@ -17,7 +18,7 @@ from shared.bus import Consumer
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.control import keys
 from shared.dataplane import PlaneError
-from shared.policies.recovery import FROM_SCRATCH, Resume, Source, needs_state
+from shared.policies.recovery import FROM_SCRATCH, OWN_CHECKPOINT, Resume, Source, needs_state
 from shared.runtime.logs import get_logger
 
 #: How long a worker waits for all its peers to lease their slots.
@@ -33,17 +34,29 @@ async def take_part(
     watch: asyncio.Task[None],
     gens: Generations,
     stop: asyncio.Event,
+    leave: asyncio.Event | None = None,
 ) -> None:
-    """Join the run, train; after a lost peer, join again and resume, until the end or a stop."""
+    """Join the run, train; after a lost peer, join again and resume, until the end or a stop. Told
+    to `leave` (a drain: SIGTERM, `bubbletea drain`), finish the iteration in progress and hand the
+    slot over, the run going on (`leaving.py`)."""
     slot, tr = runner.slot, runner.spec.training
+    leave = leave if leave is not None else asyncio.Event()
     async with inbox:
         stopping = asyncio.create_task(stop.wait(), name="stop")
         crashed = asyncio.create_task(inbox.crashed.wait(), name="inbox")
+        leaving = asyncio.create_task(_first(leave, lease.drain), name="leave")
         try:
             after_loss = False
             while True:
-                start = await _join(runner, lease, watch, gens, stopping, after_loss=after_loss)
-                if start is None:  # told to stop while waiting for the peers (they may never come)
+                halt = asyncio.create_task(_first(stop, leave, lease.drain), name="halt")
+                try:
+                    start = await _join(runner, lease, watch, gens, halt, after_loss=after_loss)
+                finally:
+                    halt.cancel()
+                if start is None:  # told to stop or leave while waiting for the peers (they may never come)
+                    if leaving.done():
+                        await leave_now(runner, lease, "before it trained in this generation")
+                        return
                     log.info("stopped before training started", slot=slot.name)
                     await lease.mark_stopped(f"slot {slot.name} was stopped before training started")
                     return
@@ -53,9 +66,15 @@ async def take_part(
                 # a run without checkpoints does not resume: only a lost lease ends it
                 watch_generation = _generation_moved(gens) if tr.recovers else asyncio.Event().wait()
                 moved = asyncio.create_task(watch_generation, name="moved")
-                done, _ = await asyncio.wait(
-                    {train, watch, stopping, crashed, lost, moved}, return_when=asyncio.FIRST_COMPLETED
-                )
+                waiting = {train, watch, stopping, crashed, lost, moved}
+                while True:
+                    done, _ = await asyncio.wait(waiting | {leaving}, return_when=asyncio.FIRST_COMPLETED)
+                    if leaving in done:  # at the next step boundary; the pipeline goes on till then
+                        runner.leaving = True
+                        log.info("asked to leave: finishing the iteration in progress", slot=slot.name)
+                        leaving = asyncio.create_task(_first(asyncio.Event()), name="left")  # said once
+                    if done & waiting:
+                        break
                 for t in (train, lost, moved):
                     t.cancel()
                 await asyncio.gather(train, lost, moved, return_exceptions=True)
@@ -63,6 +82,9 @@ async def take_part(
                     train.result()  # re-raise a training error
                     await _finish_sends(runner)
                     await runner.outbox.close()
+                    if runner.left_after is not None:
+                        await leave_at_boundary(runner, lease, runner.left_after)
+                        return
                     await lease.finish()
                     log.info(
                         "training finished",
@@ -79,6 +101,9 @@ async def take_part(
                     log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
                     await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {runner.iteration}")
                     return
+                if runner.leaving:  # a peer was lost meanwhile: no boundary to wait for
+                    await leave_now(runner, lease, f"while the run recovered at iteration {runner.iteration}")
+                    return
                 log.warning(
                     "the run pauses to recover: iteration cut short",
                     slot=slot.name,
@@ -88,9 +113,19 @@ async def take_part(
                 )
                 after_loss = True
         finally:
-            for t in (stopping, crashed):
+            for t in (stopping, crashed, leaving):
                 t.cancel()
             await runner.outbox.close()
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Until any of `events` is set."""
+    waits = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 async def _finish_sends(runner: StageRunner) -> None:
@@ -105,12 +140,12 @@ async def _join(
     lease: SlotLease,
     watch: asyncio.Task[None],
     gens: Generations,
-    stopping: asyncio.Task[bool],
+    stopping: asyncio.Task[None],
     *,
     after_loss: bool,
 ) -> int | None:
-    """Join a new generation and wait for every slot; restore the checkpoint it resumes from.
-    Returns the iteration to train from, or None if told to stop meanwhile."""
+    """Join a new generation and wait for every slot; take the state it resumes from. Returns the
+    iteration to train from, or None if told to stop (or leave) meanwhile."""
     slot, tr = runner.slot, runner.spec.training
 
     def enter(gen: int) -> None:  # before anything of the new generation can arrive
@@ -163,7 +198,10 @@ async def _take_state(runner: StageRunner, plan: Resume, saved: bytes | None, st
     slot, port, trainer = runner.slot, runner.port, runner.trainer
     blob = saved
     source = plan.source_of(slot.stage)
-    if plan.source is Source.PEERS and source is not None:  # some worker of this stage lacks it
+    if plan.source is Source.PEERS and source == OWN_CHECKPOINT:  # no live peer has it: this slot's own file
+        assert port is not None and port.checkpoints
+        blob = await port.load_checkpoint(plan.after)
+    elif plan.source is Source.PEERS and source is not None:  # some worker of this stage lacks it
         assert port is not None
         mine = await runner.in_torch_thread(trainer.checkpoint) if slot.replica == source else None
         try:

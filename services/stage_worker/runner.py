@@ -86,6 +86,10 @@ class StageRunner:
     generation: int = 0
     iteration: int = 0
     lag_s: float = 0.0
+    #: Asked to leave the run (a drain): `run_all` returns after the iteration in progress, its
+    #: step done, and says which that was in `left_after`.
+    leaving: bool = False
+    left_after: int | None = None
     outbox: Outbox = field(init=False)
     telemetry: StageTelemetry = field(init=False)
     bubbles: BubbleAnnouncer = field(init=False)
@@ -184,6 +188,10 @@ class StageRunner:
             self.telemetry.warn_prefill_lag(it, prefill_lag_ms)
             if stop_here:
                 log.info("stopped cleanly after an iteration, as the launcher asked", slot=self.slot.name, iteration=it)
+                return
+            if self.leaving:
+                log.info("leaving the run at a step boundary", slot=self.slot.name, iteration=it)
+                self.left_after = it
                 return
 
     async def _stop_requested(self, it: int) -> bool:

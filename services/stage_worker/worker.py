@@ -11,6 +11,7 @@ the slot and stops with an error instead of waiting forever for tensors that wil
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch
 from services.stage_worker import chaos
 from services.stage_worker.filler import Filler
 from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
+from services.stage_worker.leaving import told_to_leave
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.membership import take_part
 from services.stage_worker.metrics import WorkerMetrics
@@ -31,6 +33,7 @@ from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
 from services.stage_worker.transport import Transport, plane_addresses
 from shared.bus import Bus
+from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import keys
 from shared.control.health import Heartbeat, instance_id
 from shared.dataplane import DataPlane
@@ -48,6 +51,7 @@ from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.restarts import EXIT_CONFIG
 from shared.runtime import priority
 from shared.runtime.logs import get_logger
+from shared.runtime.service import stopped_by
 from shared.runtime.telemetry import MetricsServer
 from shared.spec.config import ClusterSpec
 from shared.spec.plan import placement_of, predict, profile_ms
@@ -275,9 +279,12 @@ async def _train(
         )
         metrics.streams.add(fill)
         await fill.start()
+    stop_run, leave = asyncio.Event(), asyncio.Event()
+    routing = asyncio.create_task(_route_stop(stop, stop_run, leave, runner), name="stop-route")
     try:
-        await take_part(runner, inbox, lease, watch, gens, stop)
+        await take_part(runner, inbox, lease, watch, gens, stop_run, leave)
     finally:
+        routing.cancel()
         runner.close()
         await port.close()
         if runner.filler is not None:
@@ -291,6 +298,20 @@ async def _train(
         if kv_server is not None:  # last: the caches die with the worker (a later fetch fails, saying so)
             await kv_server.close()
         await port.close_prefill()  # its snapshots too
+
+
+async def _route_stop(stop: asyncio.Event, stop_run: asyncio.Event, leave: asyncio.Event, runner: StageRunner) -> None:
+    """What a signal asks of this worker. SIGTERM alone (an orchestrator evicting or draining it)
+    asks it to leave while the run goes on (`leaving.py`); any other stop, and a SIGTERM once its
+    launcher marked the run stopping, stops the whole run, as before drains."""
+    await stop.wait()
+    try:
+        drain = stopped_by(stop) is signal.SIGTERM and not await runner.bus.redis.exists(keys.run_stop_key(runner.run))
+        if drain:
+            await told_to_leave(runner)
+    except TRANSIENT_ERRORS:  # no Redis to ask: a stop, as before
+        drain = False
+    (leave if drain else stop_run).set()
 
 
 def _prefill_model(spec: ClusterSpec, device: torch.device) -> PrefillModel:

@@ -252,6 +252,24 @@ PREFILL_INFLIGHT_KEY = f"{PREFIX}:prefill:inflight"
 PREFILL_RECORD_TTL_S = 3_600
 
 
+def run_stop_key(run: str) -> str:
+    """Set (by `bubbletea up` before it stops its services) when the whole run is being stopped: a
+    worker's SIGTERM then stops the run, as it did before drains, rather than ask it to leave."""
+    return f"{PREFIX}:{run}:stopping"
+
+
+def drain_key(run: str, slot: str) -> str:
+    """Set (by `bubbletea drain SLOT`) to ask the worker of `slot` to leave the run at its next step
+    boundary, its slot handed to a spare or a replacement. Bound: `LEASE_END_TTL_S`."""
+    return f"{PREFIX}:{run}:drain:{slot}"
+
+
+def leaving_key(run: str) -> str:
+    """The slots whose workers were told to leave (a set): when every slot is there at once (compose
+    down, scancel, a deleted StatefulSet: SIGTERM to every worker), the run stops instead."""
+    return f"{PREFIX}:{run}:leaving"
+
+
 def save_request_key(run: str) -> str:
     """Set (by `bubbletea train --save`) to ask the run's workers for their state after the
     iterations it saves (`training.save_every`, and the last). Bound: `WEIGHTS_TTL_S`."""

@@ -49,6 +49,7 @@ class LeaseState(enum.StrEnum):
     DONE = "done"  # trained to the end: its departure is not a failure
     STOPPED = "stopped"  # stopped on purpose (Ctrl-C, SIGTERM): peers stop quietly too
     ABORTED = "aborted"  # stopped because of another slot's failure, whose reason it carries
+    LEFT = "left"  # told to leave (a drain, an eviction): the run goes on with a spare or replacement
 
 
 class ServingState(enum.StrEnum):

@@ -63,6 +63,10 @@ def superseded(iterations: Iterable[int], keep: int) -> list[int]:
     return sorted(iterations, reverse=True)[keep:]
 
 
+#: In `Resume.copies`: the stage's workers take the state from their own slots' checkpoints.
+OWN_CHECKPOINT = -1
+
+
 class Source(enum.StrEnum):
     """Where a resumed run's state comes from."""
 
@@ -74,7 +78,8 @@ class Source(enum.StrEnum):
 @dataclass(frozen=True)
 class Resume:
     """Where a generation resumes: after iteration `after`, from `source`; with PEERS, `copies`
-    names each stage whose workers do not all hold that state, and the replica that hands it over."""
+    names each stage whose workers do not all hold that state, and the replica that hands it over
+    (`OWN_CHECKPOINT`: none does; each takes its slot's checkpoint of `after`)."""
 
     after: int
     source: Source
@@ -91,7 +96,8 @@ class Resume:
         return cls(int(after), Source(source), pairs)
 
     def source_of(self, stage: int) -> int | None:
-        """The replica that hands stage `stage`'s state over (None: every worker of it holds it)."""
+        """The replica that hands stage `stage`'s state over (None: every worker of it holds it;
+        `OWN_CHECKPOINT`: each worker's own slot's checkpoint)."""
         return next((d for k, d in self.copies if k == stage), None)
 
 
@@ -114,7 +120,10 @@ def plan_resume(
     for stage in sorted({k for _, k in stepped}):
         workers = sorted((d, it) for (d, k), it in stepped.items() if k == stage)
         holders = [d for d, it in workers if it == newest]
-        if not holders:
+        if not holders:  # no live worker of this stage holds it: each slot's own checkpoint of it may
+            if all(newest in checkpoints.get(slot_names[(d, stage)], ()) for d, _ in workers):
+                copies.append((stage, OWN_CHECKPOINT))  # (a drained worker of one replica wrote it)
+                continue
             return from_file
         if len(holders) < len(workers):
             copies.append((stage, holders[0]))

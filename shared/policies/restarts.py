@@ -98,10 +98,17 @@ class Finished:
 
 @dataclass(frozen=True)
 class Exited:
-    """A supervised process exited with `code`; `worker`: it is a stage worker (one per slot)."""
+    """A supervised process exited with `code`; `worker`: it is a stage worker (one per slot);
+    `left`: a worker that left a run that goes on (drained: its slot marked `left`)."""
 
     code: int
     worker: bool
+    left: bool = False
+
+
+@dataclass(frozen=True)
+class Replace:
+    """Start a replacement at once: a worker left on purpose (a drain), which is no death."""
 
 
 def on_exit(
@@ -111,13 +118,13 @@ def on_exit(
     *,
     recoverable: bool,
     policy: RestartPolicy = DEFAULT_POLICY,
-) -> Restart | GiveUp | Finished:
+) -> Restart | GiveUp | Finished | Replace:
     """What to do about a process that exited. `deaths`: its service's, oldest first, this exit
     last; `recoverable`: the run resumes from a checkpoint when it loses a worker."""
     if exited.code == EXIT_CONFIG:
         return GiveUp(f"cannot run with this configuration (exit code {EXIT_CONFIG}); not restarting")
     if exited.worker and exited.code == 0:
-        return Finished()
+        return Replace() if exited.left else Finished()
     if exited.worker and not recoverable:
         return GiveUp(
             f"exited with code {exited.code}; stage workers are not restarted in a run without "

@@ -33,6 +33,20 @@ log = get_logger(__name__)
 Serve = Callable[[Settings, asyncio.Event], Awaitable[None]]
 
 
+class Stop(asyncio.Event):
+    """The `stop` a service is given, saying which signal set it (None: not a signal). A stage
+    worker reads it: SIGTERM from an orchestrator asks it to leave the run, not stop it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signal: signal.Signals | None = None
+
+
+def stopped_by(stop: asyncio.Event) -> signal.Signals | None:
+    """The signal that set `stop` (None: not a signal, or a plain event: a test's)."""
+    return stop.signal if isinstance(stop, Stop) else None
+
+
 class ListenError(OSError):
     """An HTTP service could not bind its address (the port taken, say): said in one line."""
 
@@ -69,7 +83,7 @@ def run_service(
 
 
 async def _main(name: str, serve: Serve, settings: Settings, check: Callable[[Settings], object] | None) -> int:
-    stop = asyncio.Event()
+    stop = Stop()
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
@@ -77,6 +91,7 @@ async def _main(name: str, serve: Serve, settings: Settings, check: Callable[[Se
             log.warning("second signal while stopping; exiting now", signal=sig.name)
             raise SystemExit(130)
         log.info("stopping", signal=sig.name)
+        stop.signal = sig
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):

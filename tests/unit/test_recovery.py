@@ -9,6 +9,7 @@ from services.stage_worker.trainer import StageTrainer
 from shared.model.data import ByteCorpus
 from shared.policies.recovery import (
     FROM_SCRATCH,
+    OWN_CHECKPOINT,
     Resume,
     Source,
     checkpoint_due,
@@ -134,6 +135,17 @@ def test_a_stage_with_no_live_worker_holding_the_newest_state_resumes_from_the_c
     assert plan_resume({(0, 0): -1, (0, 1): -1}, {"r0s0": [3], "r0s1": [3]}, one_replica) == Resume(
         3, Source.CHECKPOINT
     )
+
+
+def test_a_drained_worker_of_one_replica_hands_its_state_over_through_its_own_checkpoint() -> None:
+    """DP = 1: r0s1 left after iteration 6, writing its slot's checkpoint of 6 (outside the cadence
+    of every 5); r0s0 holds 6 live. The replacement takes r0s1's file, r0s0 keeps its state."""
+    one_replica = {(0, 0): "r0s0", (0, 1): "r0s1"}
+    checkpoints = {"r0s0": [4], "r0s1": [4, 6]}
+    plan = plan_resume({(0, 0): 6, (0, 1): FROM_SCRATCH}, checkpoints, one_replica)
+    assert plan == Resume(6, Source.PEERS, ((1, OWN_CHECKPOINT),)) and plan.source_of(1) == OWN_CHECKPOINT
+    assert Resume.decode(plan.encode()) == plan
+    assert needs_state(plan, 0, 1, FROM_SCRATCH) and not needs_state(plan, 0, 0, 6)
 
 
 def test_a_live_worker_keeps_its_state_and_drops_only_the_cut_short_iteration() -> None:

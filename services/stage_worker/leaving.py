@@ -1,0 +1,85 @@
+"""A worker that leaves the run on purpose while the run goes on: a drain (SIGTERM from an
+orchestrator evicting its pod, `bubbletea drain SLOT`).
+
+The worker finishes the iteration in progress, its step included (`StageRunner.leaving`), so every
+stage holds the state after that step; its prefill is handed back as the worker closes (the fill
+executor's `close`). Then:
+
+* **Every slot told to leave at once** (compose down, scancel, a deleted StatefulSet: SIGTERM to
+  every worker), or the run marked stopping (`bubbletea up` marks it before it stops its services):
+  the whole run stops, as it always did: the slot's end says `stopped`, and peers stop quietly.
+* **Otherwise a drain**: with one replica (no live peer holds this stage's state) the worker first
+  writes its state as a checkpoint of that iteration, then marks its slot `left` and releases it.
+  Its peers notice within a lease renewal and recover (docs/architecture.md, "A lost worker"): a
+  spare or a replacement takes the slot and the stage's state from a live peer, or from that
+  checkpoint; nothing is trained twice. The worker exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services.stage_worker.lease import SlotLease
+from services.stage_worker.runner import StageRunner
+from shared.control import keys
+from shared.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
+#: At the step boundary, how long a leaving worker looks for every slot to be leaving too (a whole
+#: job stopped: each worker's SIGTERM came within this of the others'; each said so as it came).
+QUORUM_S = 0.3
+
+
+async def told_to_leave(runner: StageRunner) -> None:
+    """Say this slot was told to leave (as the signal comes, so peers stopped together see it)."""
+    key = keys.leaving_key(runner.run)
+    async with runner.bus.redis.pipeline(transaction=True) as pipe:
+        pipe.sadd(key, runner.slot.name)
+        pipe.expire(key, keys.LEASE_END_TTL_S)
+        await pipe.execute()
+
+
+async def run_stopping(runner: StageRunner, slots: int) -> bool:
+    """Whether the whole run is being stopped: marked so, or every slot told to leave."""
+    r = runner.bus.redis
+    deadline = time.monotonic() + QUORUM_S
+    while True:
+        async with r.pipeline(transaction=False) as pipe:
+            pipe.exists(keys.run_stop_key(runner.run))
+            pipe.scard(keys.leaving_key(runner.run))
+            marked, leaving = await pipe.execute()
+        if marked or int(leaving) >= slots:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.1)  # set members: there is nothing to block on
+
+
+async def leave_at_boundary(runner: StageRunner, lease: SlotLease, after: int) -> None:
+    """The iteration `after` is done, its step too: stop the run, or hand the slot over."""
+    slot = runner.slot
+    if await run_stopping(runner, len(lease.all_slots)):
+        log.info("every slot was told to stop: the run stops", slot=slot.name, iteration=after)
+        await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {after}")
+        return
+    port = runner.port
+    if runner.spec.parallelism.dp == 1 and port is not None and port.checkpoints:
+        # no live peer holds this stage's state: the replacement takes it from this file
+        await port.save_checkpoint(after, await runner.in_torch_thread(runner.trainer.checkpoint))
+    await _hand_over(runner, lease, f"slot {slot.name} left the run after iteration {after} (drained)")
+
+
+async def leave_now(runner: StageRunner, lease: SlotLease, when: str) -> None:
+    """Told to leave outside a step boundary (waiting for peers, or a recovery under way)."""
+    if await run_stopping(runner, len(lease.all_slots)):
+        await lease.mark_stopped(f"slot {runner.slot.name} was stopped {when}")
+        return
+    await _hand_over(runner, lease, f"slot {runner.slot.name} left the run {when} (drained)")
+
+
+async def _hand_over(runner: StageRunner, lease: SlotLease, reason: str) -> None:
+    await runner.bus.redis.srem(keys.leaving_key(runner.run), runner.slot.name)
+    await lease.leave(reason)
+    log.info("left the run; its slot goes to a spare or a replacement", slot=runner.slot.name, reason=reason)
