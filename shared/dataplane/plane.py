@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from shared.dataplane.pool import BufferPool
 from shared.dataplane.store import RedisStore
 from shared.runtime.logs import get_logger
 
@@ -45,9 +46,6 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
-#: Buffers kept per (dtype, shape) for reuse: a fresh 64 MB receive buffer costs more in page
-#: faults than the transfer itself on this class of machine (bench/transport.py).
-POOL_PER_SHAPE = 8
 #: Largest microbatch index a tag can carry.
 MAX_MICROBATCHES = 4096
 
@@ -152,34 +150,6 @@ def in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
 
     _THREADS.submit(body)
     return fut
-
-
-class BufferPool:
-    """Receive buffers by (dtype, shape), handed back with `release` once the tensor is dead."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get((dtype, shape))
-            if free:
-                return free.pop()
-        return torch.empty(shape, dtype=dtype)
-
-    def release(self, t: torch.Tensor) -> None:
-        """Take back a buffer nothing uses any more. A received activation became a leaf that
-        required grad (the stage's input): both are reset, or the next use would accumulate
-        into a stale `.grad`."""
-        t.grad = None
-        if t.requires_grad:
-            t.requires_grad_(False)
-        key = (t.dtype, tuple(t.shape))
-        with self._lock:
-            free = self._free.setdefault(key, [])
-            if len(free) < POOL_PER_SHAPE:
-                free.append(t)
 
 
 #: One gloo device per local address in this process, shared by every group bound there: each

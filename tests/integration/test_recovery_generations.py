@@ -13,6 +13,7 @@ from services.stage_worker.lease import Slot, SlotError
 from services.stage_worker.port_state import CheckpointStore
 from services.stage_worker.recovery import Generations
 from shared.control import keys
+from shared.policies.recovery import Resume, Source
 
 SLOTS = [Slot(0, 0), Slot(0, 1), Slot(1, 0), Slot(1, 1)]
 
@@ -40,7 +41,7 @@ async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_poi
     moved_on: list[Generations] = []
     all_moved_on = asyncio.Event()
 
-    async def peer(g: Generations, slot: Slot) -> tuple[int, int]:
+    async def peer(g: Generations, slot: Slot) -> tuple[int, Resume]:
         await g.enter(after_loss=True)
         moved_on.append(g)
         if len(moved_on) == len(peers):
@@ -48,7 +49,7 @@ async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_poi
         gen = await g.barrier(slot, timeout_s=60)
         return gen, await g.resume_point(store.iterations)
 
-    async def newcomer() -> tuple[int, int]:
+    async def newcomer() -> tuple[int, Resume]:
         # it arrives after the peers moved on together (and before their barrier, which waits for it)
         await asyncio.wait_for(all_moved_on.wait(), 60)
         await replacement.enter(after_loss=False)
@@ -59,7 +60,9 @@ async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_poi
     assert len(set(results)) == 1, results  # one generation, one resume point
     gen, resume = results[0]
     assert gen == 3  # the peers moved 1 -> 2 once (not three times), the replacement 2 -> 3
-    assert resume == 1  # the newest checkpoint every slot has (r1s1 never wrote iteration 3)
+    # no worker said it holds a newer state (each says -1 here): the newest checkpoint every slot has
+    # (r1s1 never wrote iteration 3); tests/unit/test_recovery.py has the plans from live state
+    assert resume == Resume(1, Source.CHECKPOINT)
 
 
 async def test_a_slot_keeps_its_newest_two_checkpoints(redis: Redis, tmp_path: Path) -> None:
