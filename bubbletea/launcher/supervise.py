@@ -50,8 +50,12 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         restart_workers: bool = False,
         departed: Callable[[], Awaitable[bool]] | None = None,
+        buried: Callable[[Proc], Awaitable[None]] | None = None,
     ) -> None:
         self.procs = procs
+        #: Called for a process that died, before its restart: a dead stage worker's lease is
+        #: released at once (its peers and its replacement need not wait for it to expire).
+        self.buried = buried
         #: Whether some worker left the run on purpose (a drain): one that exits 0 then is replaced.
         self.departed = departed
         self.restart_workers = restart_workers
@@ -110,6 +114,8 @@ class Supervisor:
         self._restarting[i] = asyncio.create_task(self._restart(i, p, verdict.delay_s), name=f"restart:{p.label}")
 
     async def _restart(self, i: int, dead: Proc, delay_s: float) -> None:
+        if self.buried is not None:
+            await self.buried(dead)
         await asyncio.sleep(delay_s)  # the policy's backoff
         if dead.pump is not None:  # its last lines into its log (and tail) before the new one appends
             with contextlib.suppress(TimeoutError):

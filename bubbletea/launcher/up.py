@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import signal
+import socket
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -51,8 +52,9 @@ from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.vllm import managed_vllm
 from bubbletea.launcher.wan_modes import WorkerLaunch, worker_launches
 from shared.bus import Bus
+from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control.health import live_instances
-from shared.control.leases import read_slots
+from shared.control.leases import read_slots, release_dead
 from shared.control.status import LeaseState, ServingState
 from shared.figures import runstats
 from shared.runtime.redis_server import EmbeddedRedis, free_port
@@ -199,6 +201,16 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
                     views = await read_slots(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp)
                 return any(v.ended is LeaseState.LEFT and not v.held for v in views)
 
+            async def buried(dead: Proc) -> None:  # a dead worker's lease: released now, not at its expiry
+                if not dead.svc.per_slot:
+                    return
+                holder = f"{socket.gethostname()}-{dead.proc.pid}"  # as the worker named itself (instance_id)
+                try:
+                    async with Bus(url, spec.bus, name="up") as bus:
+                        await release_dead(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp, holder)
+                except TRANSIENT_ERRORS:  # Redis away: the lease expires by itself, as before
+                    pass
+
             supervisor = Supervisor(
                 procs,
                 respawn=respawn,
@@ -206,6 +218,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
                 say=say,
                 restart_workers=spec.training.recovers,
                 departed=departed,
+                buried=buried,
             )
             if embedded is None:
                 return await supervisor.follow()

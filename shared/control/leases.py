@@ -52,3 +52,19 @@ async def generation_joined(r: Redis, run: str, slots: int) -> bool:
         return False
     joined: Any = await r.scard(keys.generation_joined_key(run, int(gen)))
     return int(joined) >= slots
+
+
+#: Deletes the lease KEYS[1] only if its holder is ARGV[1].
+_RELEASE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+
+async def release_dead(r: Redis, run: str, pp: int, dp: int, holder: str) -> list[str]:
+    """Release every slot lease of `run` held by `holder`, a worker known dead (its supervisor saw
+    its process exit): its peers notice the loss at their next check, and a replacement takes the
+    slot at once, instead of both waiting for the lease to expire. Returns the slots released."""
+    released = []
+    for d in range(dp):
+        for k in range(pp):
+            if await r.eval(_RELEASE_IF, 1, keys.lease_key(run, d, k), holder):
+                released.append(slot_name(d, k))
+    return released

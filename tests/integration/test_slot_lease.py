@@ -128,3 +128,34 @@ async def test_a_spare_does_not_take_over_a_slot_that_finished_and_leaves_once_a
     await holders[1].finish()  # every slot finished: the spare leaves
     assert await asyncio.wait_for(waiting, 5) is None and spare.slot is None
     assert await redis.get(keys.lease_key("fin", 0, 1)) is None
+
+
+async def test_a_dead_workers_lease_is_released_by_its_supervisor_and_only_its_own(redis: Redis) -> None:
+    from shared.control.leases import release_dead
+
+    a, b = SlotLease(redis, "dead", 1, 2, "host-1"), SlotLease(redis, "dead", 1, 2, "host-2")
+    await a.acquire()
+    await b.acquire()
+    assert await release_dead(redis, "dead", 1, 2, "host-1") == ["r0s0"]  # host-1 died: its slot frees now
+    assert await redis.get(keys.lease_key("dead", 0, 0)) is None
+    assert await redis.get(keys.lease_key("dead", 1, 0)) == b"host-2"
+    assert await release_dead(redis, "dead", 1, 2, "host-9") == []
+
+
+async def test_a_drained_peer_is_noticed_at_once_and_its_slot_taken_by_a_spare(redis: Redis) -> None:
+    from shared.control.status import LeaseState
+
+    peer, leaver = SlotLease(redis, "drain", 1, 2, "p", recoverable=True), SlotLease(redis, "drain", 1, 2, "l")
+    await peer.acquire()
+    await leaver.acquire()
+    await peer.wait_for_all(5)
+    await leaver.leave("slot r1s0 left the run after iteration 3 (drained)")
+    assert (await peer.ended(Slot(1, 0)))[0] is LeaseState.LEFT
+    watch = asyncio.create_task(peer.watch())
+    try:
+        await asyncio.wait_for(peer.peer_lost.wait(), 5)  # a lease renewal later, not a TTL
+    finally:
+        watch.cancel()
+    spare = SlotLease(redis, "drain", 1, 2, "s", recoverable=True)
+    assert await spare.acquire() == Slot(1, 0)  # free at once, and its end marker cleared
+    assert (await spare.ended(Slot(1, 0)))[0] is None

@@ -24,6 +24,7 @@ from shared.policies.restarts import (
     Exited,
     Finished,
     GiveUp,
+    Replace,
     Restart,
     RestartPolicy,
     decide,
@@ -129,6 +130,8 @@ def test_which_exits_are_restarted() -> None:
             assert isinstance(v, GiveUp) and "cannot run with this configuration (exit code 2)" in v.reason
     for recoverable in (False, True):
         assert on_exit(Exited(0, worker=True), ONE, 100.0, recoverable=recoverable) == Finished()
+        # a worker that left a run that goes on (a drain): replaced at once, no death
+        assert on_exit(Exited(0, worker=True, left=True), ONE, 100.0, recoverable=recoverable) == Replace()
     lost = on_exit(Exited(-9, worker=True), ONE, 100.0, recoverable=False)
     assert isinstance(lost, GiveUp) and "not restarted in a run without checkpoints" in lost.reason
     assert on_exit(Exited(-9, worker=True), ONE, 100.0, recoverable=True) == Restart(BACKOFF_INITIAL_S, 1)
