@@ -10,7 +10,9 @@ over real HTTP with a TTFT objective (`--ttft-slo-ms`), for `--duration` seconds
 * **churn**: stage workers SIGKILLed at Poisson arrivals, one every `--mtbf` s on average across the
   job (or every `--every` s exactly), and the control plane's services (dispatcher, front door,
   Redis, in turn) at `--control-mtbf` (0: none); `up` restarts what dies, and a lost worker's
-  replacement takes its stage's state from a live peer (docs/architecture.md, "A lost worker");
+  replacement takes its stage's state from a live peer (docs/architecture.md, "A lost worker").
+  With `--drain` the workers get SIGTERM instead, as from an orchestrator evicting their pods: each
+  leaves at its next step boundary and `up` starts its replacement;
 * **restart**: whole-job checkpoint-restart, the baseline: at each of the same faults everything
   stops (`up` told to stop) and starts again, training resuming from the newest checkpoint.
 
@@ -127,7 +129,8 @@ class Arm:
             await self.start_up()
         elif fault.kind == "worker":
             what = rng.choice(sorted(label for label in self.up.pids if label.startswith("stage_worker-")))
-            os.kill(self.up.pids[what], signal.SIGKILL)
+            # --drain: SIGTERM, as an orchestrator evicting its pod (it leaves at a step boundary)
+            os.kill(self.up.pids[what], signal.SIGTERM if self.args.drain else signal.SIGKILL)
         elif fault.kind == "redis":
             self.redis.kill()  # SIGKILL: the append-only file is all that survives
             await asyncio.sleep(2.0)
@@ -247,7 +250,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     picture.parent.mkdir(parents=True, exist_ok=True)
     await asyncio.to_thread(figs.picture, series, picture, args.ttft_slo_ms, k)
     head = {"bench": "churn", "time_scale_k": k, "duration_s": args.duration, "rate_rps": round(rate, 3)}
-    head |= {"mtbf_s": args.mtbf, "every_s": args.every, "control_mtbf_s": args.control_mtbf}
+    head |= {"mtbf_s": args.mtbf, "every_s": args.every, "control_mtbf_s": args.control_mtbf, "drain": args.drain}
     head |= {"ttft_slo_ms": args.ttft_slo_ms, "faults_scheduled": len(faults)}
     return head | side_by_side(results) | {"arms": results, "picture": str(picture), "folder": str(out)}
 
@@ -274,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "--control-mtbf", type=float, default=0.0,
         help="mean seconds between kills of the dispatcher, the front door and Redis, in turn (default 0: none)",
     )  # fmt: skip
+    p.add_argument("--drain", action="store_true", help="SIGTERM the workers (a drain) instead of SIGKILL")
     p.add_argument("--load", type=float, default=0.8, help="offered load, a share of the bubbles' capacity")
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="the TTFT objective, device ms (default 1000)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"which arms, in order (default {','.join(ARMS)})")
