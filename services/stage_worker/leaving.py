@@ -5,9 +5,11 @@ The worker finishes the iteration in progress, its step included (`StageRunner.l
 stage holds the state after that step; its prefill is handed back as the worker closes (the fill
 executor's `close`). Then:
 
-* **Every slot told to leave at once** (compose down, scancel, a deleted StatefulSet: SIGTERM to
-  every worker), or the run marked stopping (`bubbletea up` marks it before it stops its services):
-  the whole run stops, as it always did: the slot's end says `stopped`, and peers stop quietly.
+* **More than one slot told to leave at once** (compose down, scancel, a deleted StatefulSet: SIGTERM
+  to every worker of a job or a datacenter), or the run marked stopping (every launcher marks it
+  before it stops its services): the whole run stops, as it always did: the slot's end says
+  `stopped`, and peers stop quietly. A drain is one worker at a time (a PodDisruptionBudget of
+  one keeps Kubernetes to that; `bubbletea drain` two slots at once stops the run).
 * **Otherwise a drain**: with one replica (no live peer holds this stage's state) the worker first
   writes its state as a checkpoint of that iteration, then marks its slot `left` and releases it.
   Its peers notice within a lease renewal and recover (docs/architecture.md, "A lost worker"): a
@@ -27,8 +29,8 @@ from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
-#: At the step boundary, how long a leaving worker looks for every slot to be leaving too (a whole
-#: job stopped: each worker's SIGTERM came within this of the others'; each said so as it came).
+#: At the step boundary, how long a leaving worker looks for other slots leaving too (a whole job
+#: stopped: each worker's SIGTERM came within this of the others'; each said so as it came).
 QUORUM_S = 0.3
 
 
@@ -41,8 +43,13 @@ async def told_to_leave(runner: StageRunner) -> None:
         await pipe.execute()
 
 
+#: This many slots told to leave at once is a stop of the whole run, not a drain.
+STOP_QUORUM = 2
+
+
 async def run_stopping(runner: StageRunner, slots: int) -> bool:
-    """Whether the whole run is being stopped: marked so, or every slot told to leave."""
+    """Whether the whole run is being stopped: marked so, or more than one slot told to leave (every
+    slot, in a run of one)."""
     r = runner.bus.redis
     deadline = time.monotonic() + QUORUM_S
     while True:
@@ -50,7 +57,7 @@ async def run_stopping(runner: StageRunner, slots: int) -> bool:
             pipe.exists(keys.run_stop_key(runner.run))
             pipe.scard(keys.leaving_key(runner.run))
             marked, leaving = await pipe.execute()
-        if marked or int(leaving) >= slots:
+        if marked or int(leaving) >= min(STOP_QUORUM, slots):
             return True
         if time.monotonic() >= deadline:
             return False
@@ -61,7 +68,7 @@ async def leave_at_boundary(runner: StageRunner, lease: SlotLease, after: int) -
     """The iteration `after` is done, its step too: stop the run, or hand the slot over."""
     slot = runner.slot
     if await run_stopping(runner, len(lease.all_slots)):
-        log.info("every slot was told to stop: the run stops", slot=slot.name, iteration=after)
+        log.info("the run is being stopped, not this worker drained: the run stops", slot=slot.name, iteration=after)
         await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {after}")
         return
     port = runner.port

@@ -265,8 +265,8 @@ def drain_key(run: str, slot: str) -> str:
 
 
 def leaving_key(run: str) -> str:
-    """The slots whose workers were told to leave (a set): when every slot is there at once (compose
-    down, scancel, a deleted StatefulSet: SIGTERM to every worker), the run stops instead."""
+    """The slots whose workers were told to leave (a set): when more than one is there at once
+    (compose down, scancel, a deleted StatefulSet: SIGTERM to every worker), the run stops instead."""
     return f"{PREFIX}:{run}:leaving"
 
 

@@ -298,3 +298,29 @@ def test_every_cluster_shares_the_run_and_the_password() -> None:
                 runs.add(env_config(docs, container(w))["BUBBLETEA_RUN"])
     assert len(runs) == 1
     assert len(passwords) == 1
+
+
+@pytest.mark.parametrize("dc", DC_OVERLAYS)
+def test_a_drain_takes_one_worker_at_a_time_and_a_spare_survives_its_host(dc: str) -> None:
+    """Issue 49: a PodDisruptionBudget of one (a drain never evicts two workers of a DC at once:
+    two leaving at once stop the run), workers spread over hosts, the grace to leave at a step
+    boundary, and containers without privileges."""
+    docs = render(dc)
+    (sts,) = of_kind(docs, "StatefulSet")
+    (pdb,) = of_kind(docs, "PodDisruptionBudget")
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pdb["spec"]["selector"]["matchLabels"]["bubbletea.dev/datacenter"] == dc  # this DC's workers only
+    pod = sts["spec"]["template"]["spec"]
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+    assert spread["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert pod["terminationGracePeriodSeconds"] >= 60
+    sc = container(sts)["securityContext"]
+    assert sc == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
