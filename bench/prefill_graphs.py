@@ -50,7 +50,10 @@ def timed(model: PrefillModel, prompt: list[int], reps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20, help="timed prefills per prompt length and arm; default 20")
+    ap.add_argument("--quick", action="store_true", help="5 prefills per prompt length and arm (make bench)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.reps = 5
     if not torch.cuda.is_available():
         print("prefill_graphs: no GPU here (torch.cuda.is_available() is false): nothing to measure", file=sys.stderr)
         print(json.dumps({"bench": "prefill_graphs", "skipped": "no GPU"}))

@@ -95,15 +95,22 @@ async def test_a_replaced_worker_takes_its_peers_state_and_nothing_is_trained_tw
 
     done = [m for m in events if isinstance(m, IterationDone)]
     assert len({m.generation for m in done}) >= 2, "the run did not resume in a new generation"
+    check_trained_once(events, path, ITERATIONS)
+
+
+def check_trained_once(events: list[object], path: Path, iterations: int) -> None:
+    """Every (iteration, replica, stage) reported once, none skipped, and the losses those of
+    single-process training of the spec at `path`."""
     reports: dict[tuple[int, int, int], list[IterationDone]] = {}
-    for m in done:
-        reports.setdefault((m.iteration, m.replica, m.stage), []).append(m)
+    for m in events:
+        if isinstance(m, IterationDone):
+            reports.setdefault((m.iteration, m.replica, m.stage), []).append(m)
     twice = {k: [m.generation for m in ms] for k, ms in reports.items() if len(ms) > 1}
     assert not twice, f"trained twice (iteration, replica, stage: generations): {twice}"
-    assert sorted({i for i, _, _ in reports}) == list(range(ITERATIONS))  # and none skipped
+    assert sorted({i for i, _, _ in reports}) == list(range(iterations))  # and none skipped
     losses = [
         statistics.fmean(ms[0].loss for (i, _, _), ms in reports.items() if i == it and ms[0].loss is not None)
-        for it in range(ITERATIONS)
+        for it in range(iterations)
     ]
     expected, _ = train_reference_for(load_settings(path, env={}).spec)
     assert losses == pytest.approx(expected, abs=1e-5)
