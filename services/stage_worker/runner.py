@@ -189,7 +189,7 @@ class StageRunner:
             if stop_here:
                 log.info("stopped cleanly after an iteration, as the launcher asked", slot=self.slot.name, iteration=it)
                 return
-            if self.leaving:
+            if self.leaving and walk.current() is not None:  # (after the last one it simply finishes)
                 log.info("leaving the run at a step boundary", slot=self.slot.name, iteration=it)
                 self.left_after = it
                 return
