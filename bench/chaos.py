@@ -15,12 +15,14 @@ Figures (the JSON line last):
 * `lost`: accepted and never answered nor failed (must be 0);
 * `duplicated`: client requests given two different ids across retries (must be 0);
 * `training_resumed`: the run trained iterations in a later recovery generation after the worker
-  kills; `losses_equal`: every iteration's loss (the newest generation's, mean over replicas)
-  equals single-process training of the spec the run trained within 1e-5, and so do iterations
-  trained twice. That spec is the one `up` gave its services (the run folder's spec.yaml: training
-  until stopped, its cosine learning rate ending at `--decay-iters`, so the rate changes across the
-  worker kills and a resume that lost its place in the schedule shows); the reference trains its
-  first `iterations_checked` iterations, not a spec rewritten to end there (whose cosine would
+  kills; `losses_equal`: every iteration's loss each replica reported (the newest generation's)
+  equals that replica's in single-process training of the spec the run trained within 1e-5, and so
+  do iterations trained twice (an iteration one replica stepped while the other's step never came
+  has the first's loss only: the run went on from its state). That spec is the one `up` gave its
+  services (the run folder's spec.yaml: training until stopped, its cosine learning rate ending at
+  `--decay-iters`, so the rate changes across the worker kills and a resume that lost its place in
+  the schedule shows); the reference trains as many iterations as were reported, not a spec
+  rewritten to end there (whose cosine would
   decay over them: 0.02-0.06 off by the last, when the run kept `lr`);
 * `valid` and `why`: whether the run's training can be trusted (losses checked and equal), and
   why not; `claims` (nothing lost, nothing duplicated, training resumed, `up` stopped cleanly) and
@@ -208,21 +210,25 @@ def training_figures(done: list[IterationDone], spec: ClusterSpec) -> dict[str, 
     for m in done:
         if m.loss is not None:
             losses.setdefault(m.iteration, {}).setdefault((m.replica, m.stage), []).append((m.generation, m.loss))
-    n = 0  # iterations 0 .. n-1 have a loss from every replica
-    while len(losses.get(n, {})) == spec.parallelism.dp:
-        n += 1
-    expected = train_reference_for(spec, iterations=n)[0] if n else []
-    newest = [sum(max(v)[1] for v in losses[i].values()) / len(losses[i]) for i in range(n)]
-    replays = [abs(a[1] - b[1]) for i in range(n) for v in losses[i].values() for a, b in itertools.pairwise(v)]
-    errs = [abs(a - b) for a, b in zip(newest, expected, strict=True)]
+    # Every replica's reported loss against the reference's for that replica: an iteration one
+    # replica stepped while another's step never came (its worker lost; the run went on from the
+    # first's state) has the first's loss only, and is checked all the same.
+    n = max(losses, default=-1) + 1
+    expected: list[list[float]] = []
+    if n:
+        train_reference_for(spec, iterations=n, per_replica=expected)
+    pairs = [(i, d, max(v)[1]) for i in sorted(losses) for (d, _), v in losses[i].items()]
+    replays = [abs(a[1] - b[1]) for i in losses for v in losses[i].values() for a, b in itertools.pairwise(v)]
+    errs = [abs(loss - expected[i][d]) for i, d, loss in pairs]
+    unequal = [i for (i, _, _), e in zip(pairs, errs, strict=True) if e > LOSS_TOLERANCE]
     generations = sorted({m.generation for m in done})
     return {
-        "iterations_checked": n,
+        "iterations_checked": len(losses),
         "iterations_trained_twice": len(replays),
         "generations": len(generations),
         "training_resumed": len(generations) > 1 and any(m.generation == generations[-1] for m in done),
         "loss_max_abs_err": max(errs, default=0.0),
-        "first_unequal_iteration": next((i for i, e in enumerate(errs) if e > LOSS_TOLERANCE), None),
+        "first_unequal_iteration": min(unequal, default=None),
         "replay_max_abs_err": max(replays, default=0.0),
         "losses_equal": bool(n) and all(e <= LOSS_TOLERANCE for e in errs + replays),
     }

@@ -59,9 +59,18 @@ def train_reference(
 
 
 def train_model(
-    model: nn.Module, corpus: Corpus, tr: Training, *, dp: int, seq_len: int, iterations: int | None = None
+    model: nn.Module,
+    corpus: Corpus,
+    tr: Training,
+    *,
+    dp: int,
+    seq_len: int,
+    iterations: int | None = None,
+    per_replica: list[list[float]] | None = None,
 ) -> tuple[list[float], nn.Module]:
-    """Train `model` (the whole model: token ids in, logits out) as `tr` says; the losses and the model."""
+    """Train `model` (the whole model: token ids in, logits out) as `tr` says; the losses and the
+    model. `per_replica`, if given, gets each iteration's losses of each replica's microbatches
+    (what each replica's last stage reports), appended one list an iteration."""
     iterations = tr.iteration_limit if iterations is None else iterations
     if iterations is None:
         raise ValueError("the reference trains a number of iterations; the spec trains until stopped")
@@ -75,15 +84,17 @@ def train_model(
     losses: list[float] = []
     for it in range(iterations):
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        replicas = [0.0] * dp
         for d in range(dp):
             for j in range(tr.microbatches):
                 x, y = corpus.batch(it, d * tr.microbatches + j, tr.microbatch_size, seq_len, tr.seed)  # (B, T)
                 loss = lm_loss(model(x), y)  # logits (B, T, vocab) -> scalar
                 (loss / parts).backward()  # accumulate the gradient of the mean over all microbatches
-                total += loss.item()
+                replicas[d] += loss.item()
         clip_and_step(optimizer, params, tr, it)
-        losses.append(total / parts)
+        losses.append(sum(replicas) / parts)
+        if per_replica is not None:
+            per_replica.append([r / tr.microbatches for r in replicas])
     return losses, model
 
 
@@ -92,7 +103,9 @@ def single_stage(spec: ClusterSpec) -> ClusterSpec:
     return msgspec.structs.replace(spec, parallelism=Parallelism(pp=1, dp=1, tp=1))
 
 
-def train_reference_for(spec: ClusterSpec, iterations: int | None = None) -> tuple[list[float], TrainingStage]:
+def train_reference_for(
+    spec: ClusterSpec, iterations: int | None = None, per_replica: list[list[float]] | None = None
+) -> tuple[list[float], TrainingStage]:
     """The reference on what a cluster spec trains: its model (the small GPT or `training.model`),
     data, seeds, optimizer and schedule, DP x microbatches of the same global batches (what the
     live pipeline's results are compared with).
@@ -109,6 +122,7 @@ def train_reference_for(spec: ClusterSpec, iterations: int | None = None) -> tup
         dp=spec.parallelism.dp,
         seq_len=spec.model.seq_len,
         iterations=iterations,
+        per_replica=per_replica,
     )
     return losses, model
 
