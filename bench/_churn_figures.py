@@ -1,9 +1,11 @@
 """bench/churn.py's figures (pure): the fault schedule, what each arm trained and served, and the
 picture. Nothing here runs a service; the bench records, these functions count.
 
-* **Useful iterations**: an iteration counts once, when every slot has reported it done (in any
-  generation) within the arm's window; an (iteration, replica, stage) reported in two generations was
-  trained twice, and is counted apart (`redone`), never as useful twice.
+* **Useful iterations**: an iteration counts once, when every stage of some replica has reported it
+  done (that replica stepped it: the run's state after it exists, and the run goes on from it; a
+  replica whose step never came because a worker was lost takes that state over), within the arm's
+  window; an (iteration, replica, stage) reported in two generations was trained twice, and is
+  counted apart (`redone`), never as useful twice.
 * **Kill to training again**: from a fault to the moment the run trained again: the last of the
   "joined the run" lines of the first generation after the fault that every slot joined.
 * **SLO attainment**: of every request sent, the share answered within the TTFT objective (an error,
@@ -57,7 +59,7 @@ def schedule(
     return sorted(faults, key=lambda f: f.at_s)
 
 
-def training(done: Sequence[IterationDone], slots: int, start: float, end: float) -> dict[str, Any]:
+def training(done: Sequence[IterationDone], stages: int, start: float, end: float) -> dict[str, Any]:
     """Useful iterations in [start, end] (wall clock), the times each became complete, and the
     iterations trained twice."""
     reported: dict[int, dict[tuple[int, int], list[IterationDone]]] = {}
@@ -65,10 +67,14 @@ def training(done: Sequence[IterationDone], slots: int, start: float, end: float
         reported.setdefault(m.iteration, {}).setdefault((m.replica, m.stage), []).append(m)
     complete = []
     for by_slot in reported.values():
-        if len(by_slot) == slots:
-            at = max(min(ms, key=lambda m: m.ended).ended for ms in by_slot.values())  # its first completion
-            if start <= at <= end:
-                complete.append(at)
+        replicas = {d for d, _ in by_slot}
+        stepped = [
+            max(min(m.ended for m in by_slot[(d, k)]) for k in range(stages))  # its first completion there
+            for d in replicas
+            if all((d, k) in by_slot for k in range(stages))
+        ]
+        if stepped and start <= (at := min(stepped)) <= end:
+            complete.append(at)
     redone = sorted({it for it, by_slot in reported.items() for ms in by_slot.values() if len(ms) > 1})
     return {"useful_iterations": len(complete), "completed_at": sorted(complete), "redone_iterations": redone}
 

@@ -163,7 +163,7 @@ class Arm:
         spec = load_spec(self.folder / self.run / "spec.yaml")  # what up gave its services
         slots = spec.parallelism.pp * spec.parallelism.dp
         done = chaos.iterations_done(self.redis.url, self.run)
-        trained = figs.training(done, slots, start, end)
+        trained = figs.training(done, spec.parallelism.pp, start, end)
         losses = chaos.training_figures(done, spec)
         joined = figs.joins(sorted((self.folder / self.run / "logs").glob("stage_worker-*.log")))
         back = [figs.back_after(f["at"], f["generation"], joined, slots) for f in self.faults]

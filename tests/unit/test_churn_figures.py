@@ -33,10 +33,11 @@ def test_an_iteration_is_useful_once_every_slot_did_it_and_trained_twice_is_coun
     done = [_done(0, d, k, 10) for d in range(2) for k in range(2)]
     done += [_done(1, d, k, 12) for d in range(2) for k in range(2)]
     done += [_done(1, 0, 0, 20, generation=2)]  # iteration 1 trained again after a rewind
-    done += [_done(2, 0, 0, 14), _done(2, 0, 1, 14)]  # not every slot: not complete
-    done += [_done(3, d, k, 99) for d in range(2) for k in range(2)]  # after the window
-    got = figs.training(done, slots=4, start=5, end=50)
-    assert got["useful_iterations"] == 2 and got["completed_at"] == [10, 12]
+    done += [_done(2, 0, 0, 14), _done(2, 0, 1, 15)]  # replica 0 stepped it (replica 1's step never came)
+    done += [_done(3, 1, 0, 16)]  # no replica stepped it on every stage: not complete
+    done += [_done(4, d, k, 99) for d in range(2) for k in range(2)]  # after the window
+    got = figs.training(done, stages=2, start=5, end=50)
+    assert got["useful_iterations"] == 3 and got["completed_at"] == [10, 12, 15]
     assert got["redone_iterations"] == [1]
 
 
