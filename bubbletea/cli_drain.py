@@ -1,4 +1,5 @@
-"""`bubbletea drain SLOT`: ask one stage worker to leave its run while the run goes on.
+"""`bubbletea drain SLOT`: ask one stage worker to leave its run while the run goes on; and
+`bubbletea slots`, what a datacenter's batch script needs to know of the run's slots.
 
 The worker finishes the iteration in progress (its step included), hands its queued prefill back,
 and gives its slot to a spare or a replacement (`services/stage_worker/leaving.py`); its peers take
@@ -41,6 +42,22 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--no-wait", action="store_true", help="ask, and return at once")
     p.set_defaults(func=drain)
+
+    p = sub.add_parser(
+        "slots",
+        help="a datacenter's slots of the run: how many, whether the run recovers, how many were left",
+        description="The slots the spec places in datacenter DC (its stages x DP), whether the run recovers a lost "
+        "worker (training.checkpoint_every > 0: only then is a spare of use), and with --live how many of them a "
+        "worker left on purpose (a drain) and nobody holds yet, read from Redis (REDIS_URL, BUBBLETEA_RUN or "
+        "--run). --shell prints SLOTS=.. RECOVERS=.. LEFT=.. for a batch script to eval "
+        "(deploy/slurm/workers.sbatch does).",
+    )
+    p.add_argument("--dc", help="the datacenter (default: $BUBBLETEA_DC)")
+    p.add_argument("--run", help="the run id, with --live (default: $BUBBLETEA_RUN)")
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--live", action="store_true", help="also count the slots left (drained) and not taken again")
+    p.add_argument("--shell", action="store_true", help="print NAME=value lines for eval")
+    p.set_defaults(func=slots)
 
 
 def drain(args: argparse.Namespace) -> int:
@@ -86,3 +103,41 @@ async def _drain(url: str, run: str, replica: int, stage: int, slot: str, args: 
         return 1
     finally:
         await r.aclose()
+
+
+def slots(args: argparse.Namespace) -> int:
+    import json
+
+    from shared.spec.plan import placement_of
+
+    settings = load_settings(args.config)
+    spec = settings.spec
+    dc = args.dc or settings.dc
+    names = [d.name for d in spec.datacenters]
+    if dc not in names:
+        raise CommandError(f"--dc: the spec's datacenters are {', '.join(names)}, got {dc!r} (or set BUBBLETEA_DC)")
+    stages = [k for k, home in enumerate(placement_of(spec).stage_dc) if home == dc]
+    mine = {f"r{d}s{k}" for k in stages for d in range(spec.parallelism.dp)}
+    out: dict[str, object] = {"dc": dc, "slots": len(mine), "recovers": int(spec.training.recovers)}
+    if args.live:
+        out["left"] = asyncio.run(_left(settings.require_redis_url(), args.run or settings.run, spec, mine))
+    if args.shell:
+        print("\n".join(f"{k.upper()}={v}" for k, v in out.items() if k != "dc"))
+    else:
+        print(json.dumps(out))
+    return 0
+
+
+async def _left(url: str, run: str, spec: Any, mine: set[str]) -> int:
+    """How many of `mine` a worker left on purpose and nobody holds yet."""
+    from redis.asyncio import Redis
+
+    from shared.control.leases import read_slots
+    from shared.control.status import LeaseState
+
+    r = Redis.from_url(url, socket_timeout=10)
+    try:
+        views = await read_slots(r, run, spec.parallelism.pp, spec.parallelism.dp)
+    finally:
+        await r.aclose()
+    return sum(v.name in mine and v.ended is LeaseState.LEFT and not v.held for v in views)

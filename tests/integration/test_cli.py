@@ -3,6 +3,7 @@ in a subprocess; every everyday mistake gives one line, a non-zero exit and no t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -15,8 +16,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from redis.asyncio import Redis
 
 from bubbletea.cli import main as cli_main
+from shared.control import keys
 from shared.runtime.redis_server import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -438,3 +441,31 @@ def test_a_run_with_redis_down_says_so_in_one_line_at_once(tmp_path: Path, comma
         "Connection refused; start it (`bubbletea redis` runs one) or point REDIS_URL at a running server",
         code=1,
     )
+
+
+async def test_drain_and_slots_say_what_is_wrong_and_count_the_slots_left(redis: Redis, redis_url: str) -> None:
+    """`bubbletea drain` refuses a slot it cannot drain in one line; `bubbletea slots --live` counts
+    a datacenter's slots a worker left (a drain) and nobody holds yet (what workers.sbatch asks)."""
+    env = {"REDIS_URL": redis_url, "BUBBLETEA_RUN": "cli-drain"}
+    one_line_error(
+        await asyncio.to_thread(run, "drain", "worker-1", env=env),
+        "bubbletea: error: SLOT: expected r<replica>s<stage> such as r0s1, got 'worker-1'",
+    )
+    one_line_error(
+        await asyncio.to_thread(run, "drain", "r2s0", env=env),
+        "bubbletea: error: SLOT r2s0: the spec's run has replicas 0..1 and stages 0..1 "
+        "(parallelism.dp, parallelism.pp)",
+    )
+    one_line_error(
+        await asyncio.to_thread(run, "drain", "r0s1", env=env),
+        "bubbletea: error: slot r0s1 of run 'cli-drain' has no worker now (no lease): nothing to drain",
+    )
+    await redis.set(keys.lease_key("cli-drain", 0, 1), "w1")
+    asked = await asyncio.to_thread(run, "drain", "r0s1", "--no-wait", env=env)
+    assert asked.returncode == 0 and await redis.exists(keys.drain_key("cli-drain", "r0s1")), asked.stderr
+    # the demo spec: stage 0 in dc-a, stage 1 in dc-b, two replicas each
+    await redis.hset(keys.lease_end_key("cli-drain", 1, 1), mapping={"state": "left", "reason": "drained"})
+    got = await asyncio.to_thread(run, "slots", "--dc", "dc-b", "--live", "--shell", env=env)
+    assert got.stdout.split() == ["SLOTS=2", "RECOVERS=1", "LEFT=1"], got.stderr
+    got = await asyncio.to_thread(run, "slots", "--dc", "dc-a", "--live", env=env)
+    assert json.loads(got.stdout) == {"dc": "dc-a", "slots": 2, "recovers": 1, "left": 0}
