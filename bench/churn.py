@@ -18,11 +18,14 @@ over real HTTP with a TTFT objective (`--ttft-slo-ms`), for `--duration` seconds
 
 Figures (one JSON line last; every fault and every request sent counts):
 
-* per arm: `faults`, `survived` (the run trained again after it), kill to training again p50 / p99 /
-  max (s, wall clock), `useful_iterations` (iterations every slot completed, each counted once) and
-  `useful_per_hour`, `redone_iterations`, `losses_equal` (every iteration's loss against
-  single-process training of the spec the run trained), `slo_attainment` of the requests sent,
-  `requests_lost` (no answer within the load generator's timeout);
+* per arm: `faults`, `survived` (the run trained again after it; a control service: `up` restarted
+  it healthy, Redis: restarted on its files), kill to training again p50 / p99 / max (s, wall clock,
+  over the worker faults and every fault of the restart arm), `control_back_max_s` (a control
+  service's kill to `up` saying it is healthy again), `useful_iterations` (iterations every stage of
+  some replica stepped, each counted once: `_churn_figures`) and `useful_per_hour`,
+  `redone_iterations`, `losses_equal` (every replica's loss against single-process training of the
+  spec the run trained), `slo_attainment` of the requests sent, `requests_lost` (no answer within
+  the load generator's timeout);
 * side by side: `goodput_vs_calm` (churn's useful iterations per hour over calm's),
   `restart_goodput_vs_calm`, `slo_vs_calm` (churn's attainment over calm's).
 
@@ -39,9 +42,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -85,6 +90,7 @@ class Arm:
         self.up: chaos.Up | None = None
         self.faults: list[dict[str, Any]] = []
         self.lines: list[str] = []
+        self.watching: set[asyncio.Task[None]] = set()  # control services being waited for
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, "REDIS_URL": self.redis.url, "BUBBLETEA_HTTP_PORT": str(self.port)}
@@ -124,6 +130,7 @@ class Arm:
         assert self.up is not None
         at, gen = time.time(), await asyncio.to_thread(self.generation)
         what = fault.kind
+        record: dict[str, Any] = {"at": at, "offset_s": fault.at_s, "kind": fault.kind, "generation": gen}
         if self.name == "restart":
             await self.stop_up()
             await self.start_up()
@@ -135,10 +142,21 @@ class Arm:
             self.redis.kill()  # SIGKILL: the append-only file is all that survives
             await asyncio.sleep(2.0)
             self.redis = EmbeddedRedis(port=self.redis.port, persist=True, data_dir=str(self.redis_dir)).start()
+            record["back_at"] = time.time()  # back: serving again once every service reconnected
         else:
+            since = len(self.up.lines)
             os.kill(self.up.pids[fault.kind], signal.SIGKILL)
-        self.faults.append({"at": at, "offset_s": fault.at_s, "kind": fault.kind, "killed": what, "generation": gen})
-        print(json.dumps({"arm": self.name, **self.faults[-1]}), file=sys.stderr, flush=True)
+            self.watching.add(asyncio.create_task(self._back(record, fault.kind, since)))
+        record["killed"] = what
+        self.faults.append(record)  # (a control service's `back_at` comes later, into this record)
+        print(json.dumps({"arm": self.name, **record}), file=sys.stderr, flush=True)
+
+    async def _back(self, record: dict[str, Any], label: str, since: int) -> None:
+        """When `up` says the killed control service is restarted and healthy."""
+        assert self.up is not None
+        with contextlib.suppress(SystemExit):  # not within the time: not back
+            await self.up.wait_for(rf"==> {re.escape(label)} restarted \(pid \d+\): healthy", 120, since)
+            record["back_at"] = time.time()
 
     async def go(self, faults: list[figs.Fault]) -> dict[str, Any]:
         args = self.args
@@ -154,6 +172,7 @@ class Arm:
                 await asyncio.sleep(max(0.0, start + fault.at_s - time.time()))
                 await self.inject(fault, rng)
             served = await load
+            await asyncio.gather(*self.watching, return_exceptions=True)
         finally:
             end = time.time()
             await self.stop_up()
@@ -166,8 +185,11 @@ class Arm:
         trained = figs.training(done, spec.parallelism.pp, start, end)
         losses = chaos.training_figures(done, spec)
         joined = figs.joins(sorted((self.folder / self.run / "logs").glob("stage_worker-*.log")))
-        back = [figs.back_after(f["at"], f["generation"], joined, slots) for f in self.faults]
+        by_generation = [f for f in self.faults if f["kind"] == "worker" or self.name == "restart"]
+        back = [figs.back_after(f["at"], f["generation"], joined, slots) for f in by_generation]
         backs = [b for b in back if b is not None]
+        # the control plane's services: back once up said so (Redis: once restarted on its files)
+        control = [f["back_at"] - f["at"] for f in self.faults if f not in by_generation and "back_at" in f]
         slo_ms = self.args.ttft_slo_ms * self.k
         served = figs.serving(load, slo_ms)
         hours = (end - start) / 3600
@@ -177,10 +199,11 @@ class Arm:
             "seconds": round(end - start, 1),
             "faults": len(self.faults),
             "faults_by_kind": {k: sum(f["kind"] == k for f in self.faults) for k in {f["kind"] for f in self.faults}},
-            "survived": len(backs),
+            "survived": len(backs) + len(control),
             "back_p50_s": _r(figs.median(backs)),
             "back_p99_s": _r(figs.percentile(backs, 99)),
             "back_max_s": _r(max(backs, default=None)),
+            "control_back_max_s": _r(max(control, default=None)),
             "useful_iterations": trained["useful_iterations"],
             "useful_per_hour": round(trained["useful_iterations"] / hours, 1) if hours > 0 else None,
             "redone_iterations": len(trained["redone_iterations"]),
