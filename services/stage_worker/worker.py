@@ -32,6 +32,7 @@ from services.stage_worker.recovery import Generations
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
 from services.stage_worker.transport import Transport, plane_addresses
+from services.stage_worker.warm import Warm, warm_up
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import keys
@@ -105,6 +106,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         )
         allowed = None if settings.dc is None else lambda s: placement.stage_dc[s.stage] == settings.dc
         # A replacement may start before its dead predecessor's lease expired: it waits that long.
+        warm: asyncio.Future[Warm] | None = None
         try:
             slot = await lease.acquire(
                 wait_s=keys.LEASE_TTL_MS / 1000 + 1 if spec.training.recovers else 0.0, allowed=allowed
@@ -112,9 +114,11 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         except SlotError:
             if not spec.training.recovers:  # nothing could resume with a spare: an extra worker is a mistake
                 raise
+            warm = asyncio.ensure_future(asyncio.to_thread(warm_up, spec))  # ready before it is needed
             spare = await lease.wait_as_spare(stop, allowed)
             if spare is None:
                 log.info("left as a spare: stopped, or the run finished")
+                await asyncio.gather(warm, return_exceptions=True)
                 return
             slot = spare
         device = select_device(spec.device.kind, slot_index(slot.replica, slot.stage, spec.parallelism.pp))
@@ -137,7 +141,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         await hb.start()
         watch = asyncio.create_task(lease.watch(), name="lease")  # renews from now on
         try:
-            await _train(bus, settings, placement, lease, watch, slot, stop, metrics, device, readings)
+            await _train(bus, settings, placement, lease, watch, slot, stop, metrics, device, readings, warm)
         except RunStopped as exc:
             log.info("run stopped by a peer's deliberate stop", slot=slot.name, reason=str(exc))
             await lease.mark_stopped(f"slot {slot.name} stopped with its peers")
@@ -168,10 +172,12 @@ async def _train(
     metrics: WorkerMetrics,
     device: torch.device,
     readings: dict[str, Callable[[], object]],
+    warm: asyncio.Future[Warm] | None = None,
 ) -> None:
     spec, run = settings.spec, settings.run
     try:  # what the launcher's check_training refuses; a worker started on its own says it too
-        corpus = await asyncio.to_thread(load_corpus, spec)
+        ready = await warm if warm is not None else None  # a spare loaded these while it waited
+        corpus = ready.corpus if ready is not None else await asyncio.to_thread(load_corpus, spec)
         trainer = await asyncio.to_thread(StageTrainer, spec, slot.replica, slot.stage, corpus, device)
     except (CheckpointError, DataError) as exc:
         log.error("cannot train the spec's model or data", slot=slot.name, error=str(exc))
@@ -182,7 +188,8 @@ async def _train(
     memory = int(spec.device.memory_gib * (1 << 30))
     prefill = None
     if spec.bubbletea.enabled:
-        prefill = await asyncio.to_thread(_prefill_model, spec, device)
+        built = ready.prefill if ready is not None else None
+        prefill = await asyncio.to_thread(_prefill_model, spec, device, built)
         memory -= model_bytes(prefill)  # the guest's weights live beside the owner's
         if settings.chaos_prefill:
             prefill = chaos.failing(prefill, settings.chaos_prefill)
@@ -314,10 +321,11 @@ async def _route_stop(stop: asyncio.Event, stop_run: asyncio.Event, leave: async
     (leave if drain else stop_run).set()
 
 
-def _prefill_model(spec: ClusterSpec, device: torch.device) -> PrefillModel:
-    """The guest model, on this worker's device (it creates its inputs where its weights are), its
-    blocks graphed where the spec asks and a GPU is (`bubbletea.cuda_graphs`)."""
-    model = PrefillModel.from_spec(spec.prefill).place(device)  # on a low-priority stream of its own
+def _prefill_model(spec: ClusterSpec, device: torch.device, built: PrefillModel | None = None) -> PrefillModel:
+    """The guest model (`built` already: a spare's, `warm.py`), on this worker's device (it creates
+    its inputs where its weights are), its blocks graphed where the spec asks and a GPU is
+    (`bubbletea.cuda_graphs`)."""
+    model = (built or PrefillModel.from_spec(spec.prefill)).place(device)  # on a low-priority stream of its own
     if spec.bubbletea.cuda_graphs:
         if device.type == "cuda":
             return model.use_graphs()

@@ -34,6 +34,8 @@ from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
 #: Far more than the kill point (iteration 4), so the run is still training when the kill lands
 #: however late this process reads the event on a busy machine.
 ITERATIONS = 12
+#: The spare's run: it must still train when the spare is up.
+SPARE_ITERATIONS = 150
 #: The until-stopped run's cosine learning rate ends here (`decay_iters`, what `bubbletea up` gets
 #: from BUBBLETEA_DECAY_ITERS): past the kill point, so the resumed iterations see the rate change.
 HORIZON = 8
@@ -160,3 +162,40 @@ async def done_reports(r: Redis, run: str, first: str, last: str) -> list[Iterat
         for _, f in await r.xrange(keys.events_stream(run), first, last)
         if isinstance(m := decode(f[b"m"]), IterationDone)
     ]
+
+
+async def test_a_spare_is_ready_before_it_is_needed_and_takes_a_lost_slot_over(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """A fifth worker for four slots waits as a spare, its corpus and served model loaded meanwhile
+    (`warm.py`); a worker killed mid-run, it takes the slot and the stage's state from the live peer,
+    and the run ends with every iteration trained once."""
+    # long enough that the spare is up (it first waits a lease's lifetime for a free slot) mid-run
+    path = write_spec(tmp_path, iterations=SPARE_ITERATIONS, checkpoint_every=2)
+    run, env, procs = await start_run(redis_server.url, path)
+    spare_out = io.StringIO()
+    procs.append(await spawn(STAGE_WORKER, env, out=spare_out))
+    r = blocking_client(redis_server.url)
+    try:
+        for _ in range(1200):  # 0.1 s apart: the spare's log is the signal
+            if "spare ready" in spare_out.getvalue():
+                break
+            await asyncio.sleep(0.1)
+        assert "waiting as a spare" in spare_out.getvalue() and "spare ready" in spare_out.getvalue()
+        done = [
+            m for _, f in await r.xrange(keys.events_stream(run)) if isinstance(m := decode(f[b"m"]), IterationDone)
+        ]
+        assert done and max(m.iteration for m in done) < SPARE_ITERATIONS - 20, "the run is (nearly) over already"
+        victim = procs[1]
+        victim.proc.kill()
+        await victim.proc.wait()
+        workers = [*procs[2:5], procs[5]]
+        codes = await asyncio.wait_for(asyncio.gather(*(p.proc.wait() for p in workers)), 240)
+        assert codes == [0, 0, 0, 0], "\n".join(line for p in workers for line in p.tail[-10:])
+        joined = [line for line in spare_out.getvalue().splitlines() if "joined the run" in line]
+        assert "slot leased by a spare" in spare_out.getvalue() and joined and "source=peers" in joined[-1]
+        events = [decode(f[b"m"]) for _, f in await r.xrange(keys.events_stream(run))]
+    finally:
+        await r.aclose()
+        await stop_all(procs)
+    check_trained_once(events, path, SPARE_ITERATIONS)
