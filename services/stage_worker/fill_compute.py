@@ -123,9 +123,13 @@ class BatchCompute:
             q.current, q.cursor = None, q.cursor + 1
             if o.state.done:
                 try:
-                    o.pending = self.model.finish_async(
+                    pending = self.model.finish_async(
                         o.state, temperature=item.temperature, seed=item.seed, top_logprobs=item.logprobs
                     )
+                    if pending.ready():  # on the host already (a CPU): read here, as it always was
+                        o.result = pending.result()
+                    else:  # on its way off a GPU: read by the answer, in a thread (`Outcome.read`)
+                        o.pending = pending
                     if self.profile is not None:  # its first token's read, on the device's clock
                         schedule.add(self.profile.sync_s)
                         o.seconds += self.profile.sync_s

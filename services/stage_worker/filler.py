@@ -208,14 +208,6 @@ class Filler:
         """Prefill lag behind the profile since the last call, seconds."""
         return self.compute.take_lag()
 
-    @property
-    def piece_tokens(self) -> int | None:
-        return self.compute.piece_tokens
-
-    @piece_tokens.setter
-    def piece_tokens(self, tokens: int | None) -> None:
-        self.compute.piece_tokens = tokens
-
     # --- after a batch, off the training path ----------------------------------------------
 
     def _background(self, work: Coroutine[Any, Any, None], done: asyncio.Future[None] | None = None) -> None:

@@ -15,6 +15,7 @@ batch only after this, so a worker killed mid-batch leaves it for the dispatcher
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -59,10 +60,10 @@ class Outcome:
         return self.result is not None or self.pending is not None or self.failure is not None
 
     async def read(self) -> None:
-        """Its first token off the device, now that an answer needs it (waiting without blocking)."""
+        """Its first token off the device, now that an answer needs it: waited for and sampled in
+        a thread, not in the event loop."""
         if self.pending is not None:
-            await self.pending.wait()
-            self.result, self.pending = self.pending.result(), None
+            self.result, self.pending = await asyncio.to_thread(self.pending.result), None
 
 
 @dataclass

@@ -3,15 +3,14 @@ ran the prefill (`PrefillModel.finish_async`).
 
 On a GPU the prompt's last logits are copied into pinned host memory without blocking, behind an
 event on the prefill's stream; the prefill thread goes straight on to the next block. Whoever
-answers the request (the worker's event loop, off the training path) waits for that event without
-blocking (`wait`, in a thread), and then samples the token and reads the logprobs on the host (`result`). On
-the CPU the logits are already on the host: `ready` at once, and `result` computes exactly what
+answers the request (off the training path) waits for that event and samples the token and reads
+the logprobs on the host in a thread (`result`: `Outcome.read`). On the CPU the logits are already
+on the host: `ready` at once, and the prefill thread reads the result itself, exactly what
 `PrefillModel.finish` always did.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +39,6 @@ class Finishing:
     def ready(self) -> bool:
         """Whether the logits are on the host (never blocks)."""
         return self.event is None or bool(self.event.query())
-
-    async def wait(self) -> None:
-        """Until `ready`, without blocking the event loop: a thread waits for the event (the
-        prefill's copy only; `cudaEventSynchronize` lets go of the interpreter meanwhile)."""
-        if not self.ready() and self.event is not None:
-            await asyncio.to_thread(self.event.synchronize)
 
     def result(self) -> PrefillResult:
         """The first token (`sample`: the argmax at temperature 0, else a draw seeded by `seed`),

@@ -407,7 +407,7 @@ async def test_a_layer_in_pieces_stops_within_a_piece_and_the_next_bubble_goes_o
         req = PrefillRequest(id="req-p", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
         assert await serving.accept(bus.redis, req, 100)
         filler = filler_for(bus, model)
-        filler.piece_tokens = 64  # 200 tokens: 4 pieces a layer
+        filler.compute.piece_tokens = 64  # 200 tokens: 4 pieces a layer
         item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
         handled = deliver(filler, batch(item, 1))
         # the input lands during the 10th piece: layer 2's second piece
@@ -434,7 +434,7 @@ async def test_a_piece_that_does_not_fit_what_is_left_of_the_bubble_waits_for_th
         req = PrefillRequest(id="req-f", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
         assert await serving.accept(bus.redis, req, 100)
         filler = filler_for(bus, model)
-        filler.piece_tokens = 100  # 2 pieces a layer
+        filler.compute.piece_tokens = 100  # 2 pieces a layer
         filler.compute.profile = PrefillProfile(fixed_s=0.0, per_token_s=10e-6)  # a piece: 1 ms on the device
         item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
         handled = deliver(filler, batch(item, 1))
