@@ -25,6 +25,7 @@ import time
 from services.stage_worker.lease import SlotLease
 from services.stage_worker.runner import StageRunner
 from shared.control import keys
+from shared.policies.recovery import whole_run_stops
 from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -43,10 +44,6 @@ async def told_to_leave(runner: StageRunner) -> None:
         await pipe.execute()
 
 
-#: This many slots told to leave at once is a stop of the whole run, not a drain.
-STOP_QUORUM = 2
-
-
 async def run_stopping(runner: StageRunner, slots: int) -> bool:
     """Whether the whole run is being stopped: marked so, or more than one slot told to leave (every
     slot, in a run of one)."""
@@ -57,7 +54,7 @@ async def run_stopping(runner: StageRunner, slots: int) -> bool:
             pipe.exists(keys.run_stop_key(runner.run))
             pipe.scard(keys.leaving_key(runner.run))
             marked, leaving = await pipe.execute()
-        if marked or int(leaving) >= min(STOP_QUORUM, slots):
+        if whole_run_stops(marked_stopping=bool(marked), leaving=int(leaving), slots=slots):
             return True
         if time.monotonic() >= deadline:
             return False

@@ -130,6 +130,18 @@ def plan_resume(
     return Resume(newest, Source.PEERS, tuple(copies))
 
 
+#: This many slots told to leave at once is a stop of the whole run, not a drain.
+STOP_QUORUM = 2
+
+
+def whole_run_stops(*, marked_stopping: bool, leaving: int, slots: int) -> bool:
+    """Whether a worker told to leave stops the whole run rather than drain itself: the run is
+    marked stopping (its launcher stops it), or more than one slot is leaving at once (compose down,
+    scancel, a deleted StatefulSet signal every worker; a drain is one at a time), or every slot of
+    a run of one."""
+    return marked_stopping or leaving >= min(STOP_QUORUM, slots)
+
+
 def needs_state(resume: Resume, replica: int, stage: int, stepped: int) -> bool:
     """Whether worker (replica, stage), having last stepped `stepped`, must load the resumed state
     (from a peer, a checkpoint or the initial weights) rather than keep its own."""

@@ -469,3 +469,7 @@ async def test_drain_and_slots_say_what_is_wrong_and_count_the_slots_left(redis:
     assert got.stdout.split() == ["SLOTS=2", "RECOVERS=1", "LEFT=1"], got.stderr
     got = await asyncio.to_thread(run, "slots", "--dc", "dc-a", "--live", env=env)
     assert json.loads(got.stdout) == {"dc": "dc-a", "slots": 2, "recovers": 1, "left": 0}
+    one_line_error(
+        await asyncio.to_thread(run, "slots", "--dc", "dc-z", env=env),
+        "bubbletea: error: --dc: the spec's datacenters are dc-a, dc-b, got 'dc-z' (or set BUBBLETEA_DC)",
+    )

@@ -19,6 +19,7 @@ from shared.policies.recovery import (
     resume_after,
     save_due,
     superseded,
+    whole_run_stops,
 )
 from shared.spec.config import parse_spec
 
@@ -146,6 +147,13 @@ def test_a_drained_worker_of_one_replica_hands_its_state_over_through_its_own_ch
     assert plan == Resume(6, Source.PEERS, ((1, OWN_CHECKPOINT),)) and plan.source_of(1) == OWN_CHECKPOINT
     assert Resume.decode(plan.encode()) == plan
     assert needs_state(plan, 0, 1, FROM_SCRATCH) and not needs_state(plan, 0, 0, 6)
+
+
+def test_one_worker_leaving_is_a_drain_and_more_at_once_stop_the_run() -> None:
+    assert not whole_run_stops(marked_stopping=False, leaving=1, slots=4)  # an eviction: a drain
+    assert whole_run_stops(marked_stopping=False, leaving=2, slots=4)  # compose down, scancel, ...
+    assert whole_run_stops(marked_stopping=True, leaving=1, slots=4)  # its launcher stops it
+    assert whole_run_stops(marked_stopping=False, leaving=1, slots=1)  # a run of one slot
 
 
 def test_a_live_worker_keeps_its_state_and_drops_only_the_cut_short_iteration() -> None:
