@@ -29,6 +29,8 @@ import os
 import runpy
 import signal
 import sys
+import threading
+import time
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
 
@@ -65,20 +67,56 @@ def context() -> ForkServerContext:
     return _context
 
 
-def shutdown() -> None:
-    """Stop the fork server and multiprocessing's resource tracker, and wait for both: a command
-    that returns leaves none of its processes behind (they would otherwise linger in its process
-    group for a second or more, until they notice it is gone). `_stop` is multiprocessing's own way,
-    what CPython's tests use; it is private, so it is looked up and any failure ignored."""
+def shutdown(grace_s: float = 10.0) -> None:
+    """Stop what the fork server started and is still running, then the fork server and
+    multiprocessing's resource tracker, and wait for both: a command that returns leaves none of its
+    processes behind (they would otherwise linger in its process group for a second or more, until
+    they notice it is gone). `_stop` is multiprocessing's own way, what CPython's tests use; it is
+    private, so it is looked up and any failure ignored.
+
+    The server exits only once every fork has: each holds the pipe whose end of file tells the
+    server its launcher left. A fork the launcher never stopped (a Ctrl-C while its start was in
+    flight) would keep the server, and so the command, waiting for ever; so live forks get SIGTERM
+    first (SIGKILL after `grace_s`), and the server SIGKILL if it has still not exited by then."""
     if _context is None:
         return
     from multiprocessing import forkserver, resource_tracker
 
-    for owner in (forkserver._forkserver, resource_tracker._resource_tracker):
-        stop = getattr(owner, "_stop", None)
-        if stop is not None:
-            with contextlib.suppress(Exception):
-                stop()
+    _stop_forks(grace_s)
+    server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    watchdog = threading.Timer(grace_s, _kill_quietly, (server_pid,)) if server_pid else None
+    if watchdog is not None:
+        watchdog.daemon = True
+        watchdog.start()
+    try:
+        for owner in (forkserver._forkserver, resource_tracker._resource_tracker):
+            stop = getattr(owner, "_stop", None)
+            if stop is not None:
+                with contextlib.suppress(Exception):
+                    stop()
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+def _stop_forks(grace_s: float) -> None:
+    """SIGTERM to every fork still running (a service drains on it), SIGKILL to any left after `grace_s`."""
+    forks = multiprocessing.active_children()
+    for fork in forks:
+        with contextlib.suppress(OSError):
+            fork.terminate()
+    deadline = time.monotonic() + grace_s
+    for fork in forks:
+        fork.join(max(0.0, deadline - time.monotonic()))
+        if fork.exitcode is None:
+            with contextlib.suppress(OSError):
+                fork.kill()
+            fork.join(5)
+
+
+def _kill_quietly(pid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _child(module: str, argv: list[str], env: dict[str, str], out: Any, nice: int) -> None:

@@ -48,6 +48,17 @@ async def test_every_waiter_sees_a_killed_fork_exit_with_its_signal() -> None:
     proc.kill()  # exited: nothing to signal, and no error
 
 
+async def test_shutdown_stops_a_fork_nobody_stopped_rather_than_wait_for_it() -> None:
+    """A fork the launcher never stopped (a Ctrl-C while its start was in flight) holds the fork
+    server open; the command's last step stops it (SIGTERM) and returns, instead of waiting for ever."""
+    proc = await forked.fork(PROBE, ["hang"], dict(os.environ), nice=0)
+    assert proc.returncode is None
+    await asyncio.wait_for(asyncio.to_thread(forked.shutdown, 5.0), 30)
+    assert await asyncio.wait_for(proc.wait(), 5) == -signal.SIGTERM
+    again = await forked.fork(PROBE, ["4"], dict(os.environ), nice=0)  # a new server, started on demand
+    assert await asyncio.wait_for(again.wait(), 60) == 4
+
+
 async def test_spawn_forks_a_stage_worker_and_execs_the_rest(tmp_path: Path) -> None:
     """A worker with a spec that does not exist: forked, it refuses in one line, exit 2, as
     `python -m services.stage_worker` does; the broker (no torch) is exec'd and refuses alike."""
