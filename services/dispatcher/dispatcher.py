@@ -133,6 +133,8 @@ class Dispatcher:
                 deadline=req.deadline,
                 ticket=d.id,
                 payload=req,
+                objective=req.objective,
+                may_move=req.may_move,
             )
         )
         return HOLD  # acked once answered or failed
@@ -349,10 +351,14 @@ class Dispatcher:
                 log.debug("ignored", what=ignored.what, why=ignored.why)
         for f in ds.failed:
             self.metrics.request_failed(f.reason)
-            if f.reason is not FailureReason.OVERLOADED:  # a refusal under load is the 429 itself
+            if f.reason not in (FailureReason.OVERLOADED, FailureReason.TO_DECODER):  # those: the 429, the move
                 log.info("request failed", id=f.id, reason=f.reason.value, detail=f.detail)
             elif log.isEnabledFor(10):
-                log.debug("request refused", id=f.id, detail=f.detail)
+                log.debug(
+                    "request refused" if f.reason is FailureReason.OVERLOADED else "moved to the decoder",
+                    id=f.id,
+                    detail=f.detail,
+                )
         for _ in ds.finished:
             self.metrics.request_finished()
         for lost in ds.lost:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from shared.control import keys
-from shared.control.status import RequestStatus
+from shared.control.status import FailureReason, RequestStatus
 from shared.policies.decisions import Batch, Failure
 from shared.wire import PrefillBatch, PrefillItem, PrefillRequest, PrefillResult
 
@@ -36,12 +36,13 @@ def batch_message(run: str, batch: Batch) -> PrefillBatch:
 
 
 def failure_result(f: Failure) -> PrefillResult:
-    """The explicit answer of a request the dispatcher failed (its reason, in a sentence)."""
+    """The explicit answer of a request the dispatcher failed (its reason, in a sentence), or moved
+    to the decoder (status MOVED: the front door has the decoder compute it)."""
     req: PrefillRequest = f.payload
     now = time.time()
     return PrefillResult(
         id=f.id,
-        status=RequestStatus.FAILED,
+        status=RequestStatus.MOVED if f.reason is FailureReason.TO_DECODER else RequestStatus.FAILED,
         reason=f.reason,
         error=f.detail,
         prompt_tokens=len(req.tokens),

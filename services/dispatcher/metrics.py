@@ -83,7 +83,8 @@ class DispatcherMetrics:
         self._failures = Counter(
             "bubbletea:request_failures",
             "Prefill requests the dispatcher failed explicitly, by reason (deadline: it passed while "
-            "queued; unavailable: nothing could serve it).",
+            "queued; unavailable: nothing could serve it; to_decoder is not a failure: the bubbles could not "
+            "compute it by its TTFT objective and the front door had the decoder compute it).",
             ["run", "reason"],
             registry=r,
         )

@@ -16,6 +16,9 @@ class RequestStatus(enum.StrEnum):
     QUEUED = "queued"  # accepted and on the bus, no answer yet (waiting, or running in a bubble)
     DONE = "done"  # answered: first token, logprobs, KV handle
     FAILED = "failed"  # answered with a `FailureReason`
+    #: handed back to the front door: the bubbles cannot compute it by its TTFT objective, the
+    #: decoder computes it (`prefill.placement: auto`; shared/policies/prompt_placement.py)
+    MOVED = "moved"
 
 
 class FailureReason(enum.StrEnum):
@@ -28,6 +31,8 @@ class FailureReason(enum.StrEnum):
     UNAVAILABLE = "unavailable"  # nothing can serve it: training finished, stopped or stalled (`ServingState`)
     OVERLOADED = "overloaded"  # more prefill is queued ahead of it than the bubbles serve before its deadline
     PREFILL_ERROR = "prefill_error"  # the worker's prefill model raised running it (out of memory, say)
+    #: not a failure: the bubbles cannot compute it by its objective; the decoder does (status MOVED)
+    TO_DECODER = "to_decoder"
 
 
 class ItemOutcome(enum.StrEnum):

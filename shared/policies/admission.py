@@ -78,6 +78,12 @@ class Admission:
             self._best = max(self._best, rate)
         return self._best if rate < PAUSE_SHARE * self._best else rate
 
+    def finish_in(self, ahead_s: float, own_s: float, now: float) -> float | None:
+        """When a request of `own_s` predicted seconds, arriving behind `ahead_s`, would finish in
+        the bubbles (seconds from `now`); None while there is no rate (see `rate`)."""
+        rate = self.rate(now)
+        return (ahead_s + own_s) / rate if rate else None
+
     def refusal(self, ahead_s: float, own_s: float, deadline: float | None, now: float) -> str | None:
         """Why a request of `own_s` predicted seconds, arriving behind `ahead_s`, cannot be served
         before `deadline`; None to admit it."""

@@ -54,12 +54,12 @@ packing (`dispatch_fill.py`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shared.control.status import FailureReason
 from shared.policies.admission import Admission
-from shared.policies.decisions import Decisions, Failure, Finished, Ignored, LostBatch, Spent, Trigger
+from shared.policies.decisions import Decisions, Finished, Ignored, LostBatch, Spent, Trigger
 from shared.policies.dispatch_fill import Filling
 from shared.policies.dispatch_index import CreditIndex
 from shared.policies.dispatch_inputs import BATCH_GRACE_S as BATCH_GRACE_S
@@ -78,6 +78,7 @@ from shared.policies.dispatch_inputs import InFlight as InFlight
 from shared.policies.dispatch_inputs import Progress as Progress
 from shared.policies.dispatch_inputs import Request as Request
 from shared.policies.dispatch_inputs import WorkerReady as WorkerReady
+from shared.policies.dispatch_leaving import Leaving
 from shared.policies.fill import HOLD_STAGED_S
 from shared.policies.packing import WaitingQueue
 from shared.policies.prefill_cost import PrefillCostModel
@@ -85,7 +86,7 @@ from shared.spec.config import BubbleTea
 
 
 @dataclass
-class DispatchState(Filling):
+class DispatchState(Filling, Leaving):
     layers: int
     max_batch: int = 32
     order: str = "deadline"
@@ -182,11 +183,9 @@ class DispatchState(Filling):
                 ignored.append(Ignored(f"request {req.id}", "already queued or running"))
                 continue
             if self.enabled and req.on_worker is None and req.next_layer == 0:
-                ahead = self._queued_s + self._held_s  # the queue's work, and the workers'
-                why = self._admission.refusal(ahead, self._remaining_s(req), req.deadline, now)
-                if why is not None:
-                    self.counts.overloaded += 1
-                    failed.append(Failure(req.id, req.ticket, req.payload, FailureReason.OVERLOADED, why))
+                turned = self._placed_elsewhere(req, now)  # refused, or moved to the decoder
+                if turned is not None:
+                    failed.append(turned)
                     continue
             self.requests[req.id] = req
             self._queue.know(req.id, req.deadline, req.arrival)
@@ -339,32 +338,6 @@ class DispatchState(Filling):
             self.cost.observe(req.tokens, p.seconds * self.layers / ran)
         self.counts.layers_run += ran
         self.counts.layers_recomputed += max(0, min(req.next_layer, p.reached_layer) - started)
-
-    def _expire(self, now: float) -> tuple[Failure, ...]:
-        gone = [r for r in self._not_running() if r.deadline is not None and r.deadline < now]
-        self.counts.expired += len(gone)
-        return self._drop(gone, FailureReason.DEADLINE, lambda r: r.late(now))
-
-    def _not_running(self) -> list[Request]:
-        """Requests not running in an open bubble now: waiting here, or on a worker between bubbles."""
-        out = []
-        for r in self.requests.values():
-            c = self.workers.get(r.on_worker) if r.on_worker is not None else None
-            if c is None or c.bubble is None:
-                out.append(r)
-        return out
-
-    def _drop(
-        self, gone: list[Request], reason: FailureReason, detail: Callable[[Request], str]
-    ) -> tuple[Failure, ...]:
-        """Fail these requests. One held on a worker stays in its batch there (its credit comes
-        back with the batch's report, which then ignores it)."""
-        for r in gone:
-            if r.on_worker is None:
-                self._dequeued(r)
-            del self.requests[r.id]
-            self._queue.forget(r.id)
-        return tuple(Failure(r.id, r.ticket, r.payload, reason, detail(r)) for r in gone)
 
     def _worker_lost(self, worker: str, now: float) -> list[LostBatch]:
         """A batch of `worker` never reported back: the worker is presumed dead. All its batches in

@@ -54,10 +54,26 @@ class Request:
     state_dc: str = ""
     own_dc_until: float = -math.inf
     queued_s: float = 0.0  # while waiting: its predicted seconds as counted in the queue's total
+    #: when its prompt is due for its TTFT objective (the same clock as `deadline`), if it has one
+    objective: float | None = None
+    #: the decoder may compute it where the bubbles cannot in time (`prefill.placement: auto`)
+    may_move: bool = False
+
+    @property
+    def due(self) -> float | None:
+        """When its prompt must be done: its objective or its deadline, the sooner (None: neither)."""
+        times = [t for t in (self.objective, self.deadline) if t is not None]
+        return min(times) if times else None
+
+    @property
+    def objective_s(self) -> float | None:
+        """Its objective's length (from its arrival), if it has one."""
+        return self.objective - self.arrival if self.objective is not None else None
 
     def late(self, now: float) -> str:
         """Why it failed at its deadline, in a sentence."""
-        waited = f"deadline passed after {now - self.arrival:.1f}s"
+        what = "objective" if self.objective is not None and self.due == self.objective else "deadline"
+        waited = f"{what} passed after {now - self.arrival:.1f}s"
         if self.on_worker is None:
             return f"{waited} in the queue: no worker had credit to spare for it"
         return f"{waited}, queued on worker {self.on_worker}: its bubbles did not reach it in time"
@@ -176,6 +192,7 @@ class InFlight:
 class Counts:
     requests: int = 0
     overloaded: int = 0  # refused at arrival (`Admission`)
+    moved: int = 0  # handed to the decoder: the bubbles could not compute it by its objective
     batches: int = 0
     done: int = 0
     expired: int = 0

@@ -21,6 +21,11 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill_request"):
     submitted: float  # wall clock (time.time())
     deadline: float | None = None  # wall clock; past it the request fails explicitly
     reply_to: str  # the accepting prefill_queue instance's results stream
+    #: wall clock: when its prompt is due for its TTFT objective (None: no objective); past it, it
+    #: is not left waiting for a bubble (shared/policies/prompt_placement.py)
+    objective: float | None = None
+    #: the decoder may compute it where the bubbles cannot by `objective` (`prefill.placement: auto`)
+    may_move: bool = False
 
 
 class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):

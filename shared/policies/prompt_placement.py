@@ -1,0 +1,134 @@
+"""Prompt placement (pure): where a prompt is computed, in the training bubbles or by the decoder itself.
+
+A request may carry a TTFT objective: the time by which its first token is due. The bubbles are
+free prefill, but a prompt waits for them; a decoder (vLLM) can compute the prompt itself at once,
+at the cost of its own GPU time. `prefill.placement` says which may be used:
+
+* ``bubbles``: the bubbles only. A request they cannot finish by its objective (with `MARGIN` of
+  it to spare, for the prediction's error) is refused at once (429 with Retry-After); one whose
+  objective passes while it waits fails there (a 504): it is never queued past its objective.
+* ``decoder``: the decoder computes every prompt; the bubbles are not used.
+* ``auto`` (the default where a decoder can compute prompts): the bubbles when they are predicted
+  to finish the prompt by its objective less `RESERVE` of it, the time kept for the decoder, and
+  the decoder otherwise. A request that waits for the bubbles is moved to the decoder once its
+  bubble has not come by `moves_at` (the latest start that still finishes before the reserve).
+
+The prediction is admission's (`shared.policies.admission`): the prefill queued ahead of the request
+(the dispatcher's queue and all the work held on workers, which runs first) and the request's own,
+served at the rate the bubbles offered over the recent window. With no rate yet (the first window
+of a run) the bubbles are assumed to meet it: the move at `moves_at` is the safety net.
+
+Whether the decoder can meet the objective in its turn is the front door's to judge, from what it
+has sent the decoder (`DecoderLoad`): a request neither can serve in time is refused with a 429.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+#: Of a request's objective, the share kept for the decoder's own prefill (auto): the bubbles take a
+#: prompt only if predicted to finish it before this share of the objective is left, and a prompt
+#: still waiting for a bubble then moves to the decoder. vLLM alone computed a 1k-token prompt on
+#: this machine's two cores in about 80 ms at its p99 (docs/benchmarks.md); 0.3 of a 500 ms
+#: objective (150 ms) covers that with the hop to it.
+RESERVE = 0.3
+#: Of a request's objective, the share kept for the prediction's error where no decoder can take the
+#: prompt (bubbles only): admission's margin.
+MARGIN = 0.15
+
+
+class Mode(enum.StrEnum):
+    """`prefill.placement`: where prompts may be computed."""
+
+    BUBBLES = "bubbles"
+    AUTO = "auto"
+    DECODER = "decoder"
+
+
+class Where(enum.StrEnum):
+    """Where one prompt was computed (named in its answer and in the metrics' labels)."""
+
+    BUBBLES = "bubbles"
+    DECODER = "decoder"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A placement: `where` (None: refused, a 429) and why, in a sentence."""
+
+    where: Where | None
+    why: str
+
+
+def kept_s(objective_s: float, may_move: bool) -> float:
+    """Of an objective of `objective_s`, the seconds kept from the bubbles' share: the decoder's
+    reserve where it may take the prompt, the prediction's margin otherwise."""
+    return (RESERVE if may_move else MARGIN) * objective_s
+
+
+def on_arrival(
+    finish_in_s: float | None, due: float | None, objective_s: float | None, may_move: bool, now: float
+) -> Verdict:
+    """Where a request arriving at `now` goes. `finish_in_s`: when the bubbles are predicted to
+    finish it from now (None: no prediction yet); `due`: when its prompt must be done (its objective,
+    or its deadline, the sooner); `objective_s`: its objective's length (the share kept is of it)."""
+    if finish_in_s is None or due is None:
+        return Verdict(Where.BUBBLES, "no objective" if due is None else "no rate of the bubbles measured yet")
+    kept = kept_s(objective_s if objective_s is not None else due - now, may_move)
+    room = due - kept - now
+    if finish_in_s <= room:
+        return Verdict(Where.BUBBLES, f"the bubbles finish it in about {finish_in_s:.3f}s, {room:.3f}s allowed")
+    why = f"the bubbles would finish it in about {finish_in_s:.3f}s; {max(0.0, room):.3f}s allowed"
+    return Verdict(Where.DECODER if may_move else None, why)
+
+
+def moves_at(due: float, objective_s: float, own_s: float) -> float:
+    """When a prompt of `own_s` predicted seconds still waiting for a bubble moves to the decoder:
+    the latest start that finishes it before the decoder's reserve of its objective."""
+    return due - kept_s(objective_s, True) - own_s
+
+
+@dataclass
+class DecoderLoad:
+    """The front door's view of the decoder's own prefill: may it compute one more prompt by its
+    objective? The prompt tokens it was sent and has not yet answered the first token of, over the
+    rate (prompt tokens per second) its recent first tokens showed, is the wait predicted for one
+    more. With no rate yet, it is assumed to meet it (vLLM alone meets the objective at every load
+    the bench tries on this machine until it does not; the rate then says so)."""
+
+    window: int = 32  # the recent first tokens the rate is taken over
+    _recent: deque[tuple[int, float]] = field(default_factory=deque)  # (prompt tokens, seconds)
+    in_flight_tokens: int = 0
+
+    def rate(self) -> float | None:
+        """Prompt tokens per second of the decoder's recent first tokens, or None before any."""
+        seconds = sum(s for _, s in self._recent)
+        return sum(t for t, _ in self._recent) / seconds if self._recent and seconds > 0 else None
+
+    def verdict(self, tokens: int, left_s: float | None) -> Verdict:
+        """Whether a prompt of `tokens`, its objective `left_s` from now (None: none), is sent to
+        the decoder (`Where.DECODER`) or refused."""
+        rate = self.rate()
+        if left_s is None or rate is None:
+            return Verdict(Where.DECODER, "no objective" if left_s is None else "no rate of the decoder measured yet")
+        wait = (self.in_flight_tokens + tokens) / rate
+        if wait <= left_s:
+            return Verdict(Where.DECODER, f"the decoder computes it in about {wait:.3f}s, {left_s:.3f}s left")
+        return Verdict(
+            None,
+            f"overloaded: the decoder has {self.in_flight_tokens} prompt tokens to compute ahead of it at about "
+            f"{rate:.0f} tokens/s ({wait:.3f}s), past its objective in {max(0.0, left_s):.3f}s",
+        )
+
+    def sent(self, tokens: int) -> None:
+        self.in_flight_tokens += tokens
+
+    def answered(self, tokens: int, seconds: float | None) -> None:
+        """Its first token came (`seconds` after it was sent), or it failed (None)."""
+        self.in_flight_tokens = max(0, self.in_flight_tokens - tokens)
+        if seconds is not None and seconds > 0:
+            self._recent.append((tokens, seconds))
+            while len(self._recent) > self.window:
+                self._recent.popleft()

@@ -1,0 +1,100 @@
+"""Prompt placement: the bubbles when they finish a prompt by its objective with the decoder's reserve
+kept, the decoder otherwise; a prompt whose bubble has not come by then moves; with no decoder the
+excess is refused at once and nothing waits past its objective."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shared.control.status import FailureReason
+from shared.policies import prompt_placement as placement
+from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Request
+from shared.policies.prefill_cost import PrefillCostModel
+from shared.policies.prompt_placement import MARGIN, RESERVE, DecoderLoad, Where
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_drawn_cases_go_to_the_bubbles_exactly_when_they_finish_before_the_kept_share(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(200):
+        now = rng.uniform(0, 100)
+        objective_s = rng.uniform(0.05, 2.0)
+        due = now + objective_s
+        finish_in = rng.uniform(0, 2 * objective_s)
+        may_move = rng.random() < 0.5
+        v = placement.on_arrival(finish_in, due, objective_s, may_move, now)
+        kept = (RESERVE if may_move else MARGIN) * objective_s
+        if finish_in <= objective_s - kept:
+            assert v.where is Where.BUBBLES, v
+        else:
+            assert v.where is (Where.DECODER if may_move else None), v
+            assert f"{finish_in:.3f}s" in v.why
+    # no prediction yet, or no objective: the bubbles (the move is the safety net)
+    assert placement.on_arrival(None, 1.0, 1.0, True, 0.0).where is Where.BUBBLES
+    assert placement.on_arrival(5.0, None, None, False, 0.0).where is Where.BUBBLES
+
+
+def test_a_prompt_moves_when_its_bubble_has_not_come_by_the_latest_start() -> None:
+    # due at 1.0 s, a 0.5 s objective, 0.1 s of its own: the reserve is 0.15 s, so it moves at 0.75 s
+    assert placement.moves_at(1.0, 0.5, 0.1) == pytest.approx(1.0 - RESERVE * 0.5 - 0.1)
+
+
+def test_the_decoder_refuses_what_its_queue_cannot_finish_by_the_objective() -> None:
+    d = DecoderLoad()
+    assert d.verdict(1000, 0.5).where is Where.DECODER  # no rate yet: sent
+    d.sent(1000)
+    d.answered(1000, 0.1)  # 10,000 prompt tokens per second
+    assert d.rate() == pytest.approx(10_000)
+    d.sent(3000)  # 0.3 s of prompts ahead
+    assert d.verdict(1000, 0.5).where is Where.DECODER  # 0.4 s <= 0.5 s
+    refused = d.verdict(3000, 0.5)
+    assert refused.where is None and "overloaded" in refused.why  # 0.6 s > 0.5 s
+    d.answered(3000, None)  # failed: no longer ahead, and no rate learned from it
+    assert d.in_flight_tokens == 0 and d.rate() == pytest.approx(10_000)
+    assert d.verdict(10**6, None).where is Where.DECODER  # no objective: never refused
+
+
+def saturated_state() -> tuple[DispatchState, float]:
+    """A dispatcher that has seen a whole window of bubbles: 17 ms of every 100 ms (0.17 s/s)."""
+    cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])  # 1 ms per token
+    s = DispatchState(layers=4, max_batch=8, cost=cost)
+    now = 0.0
+    for i in range(120):
+        now = i * 0.1
+        s.bubble_start(BubbleOpened("w", "fill:w", 0.02, 0, started=now, tag=i), now)
+        s.bubble_end(BubbleClosed("w", i, 0.017), now=now)
+    return s, now + 0.05
+
+
+def test_the_dispatcher_moves_what_the_bubbles_cannot_finish_by_its_objective() -> None:
+    s, now = saturated_state()
+    # 20 ms of prompt: ~0.12 s in the bubbles, within 0.5 s less the reserve
+    ds = s.add_request(Request("fits", 20, now, 1, deadline=now + 60, objective=now + 0.5, may_move=True), now)
+    assert not ds.failed and "fits" in s.requests
+    # 200 ms of prompt: ~1.3 s in the bubbles, past its objective: moved at once, saying why
+    ds = s.add_request(Request("big", 200, now, 1, deadline=now + 60, objective=now + 0.5, may_move=True), now)
+    assert [(f.id, f.reason) for f in ds.failed] == [("big", FailureReason.TO_DECODER)]
+    assert "bubbles would finish it" in ds.failed[0].detail and s.counts.moved == 1
+    # without a decoder the same request is refused (a 429), not moved
+    ds = s.add_request(Request("big2", 200, now, 1, deadline=now + 60, objective=now + 0.5), now)
+    assert [(f.id, f.reason) for f in ds.failed] == [("big2", FailureReason.OVERLOADED)]
+    assert ds.failed[0].detail.startswith("overloaded")
+
+
+def test_a_waiting_request_moves_to_the_decoder_when_its_margin_runs_out() -> None:
+    cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])
+    s = DispatchState(layers=4, max_batch=8, cost=cost)  # no bubble seen: no rate, so admitted
+    s.add_request(Request("r", 50, 0.0, 1, deadline=60.0, objective=0.5, may_move=True, ticket="t"), 0.0)
+    s.add_request(Request("stays", 50, 0.0, 1, deadline=60.0, objective=0.5, ticket="u"), 0.0)
+    move_at = placement.moves_at(0.5, 0.5, 0.05)  # 0.3 s
+    assert not s.tick(move_at - 0.01).failed  # its margin has not run out
+    ds = s.tick(move_at + 0.01)
+    assert [(f.id, f.reason, f.ticket) for f in ds.failed] == [("r", FailureReason.TO_DECODER, "t")]
+    assert "r" not in s.requests and s.counts.moved == 1
+    # one with no decoder waits until its objective, and is failed there: never queued past it
+    assert not s.tick(0.49).failed
+    ds = s.tick(0.51)
+    assert [(f.id, f.reason) for f in ds.failed] == [("stays", FailureReason.DEADLINE)]
+    assert "objective passed" in ds.failed[0].detail
