@@ -94,6 +94,7 @@ def limits(app: web.Application) -> Limits:
         vocab=info.vocab,
         max_prompt_tokens=max_prompt_tokens(spec.prefill, info),
         default_timeout_s=spec.prefill.request_timeout_s,
+        default_objective_s=spec.prefill.ttft_objective_ms / 1000 if spec.prefill.ttft_objective_ms else None,
         tokenizer=tokenizer,
         max_tokens=spec.decode.max_tokens if decoding else 1,
         max_model_len=info.max_model_len,
@@ -117,9 +118,15 @@ class Duplicate(Exception):
 
 
 async def enqueue(
-    request: web.Request, parsed: ParsedRequest, request_id: str, idempotency_key: str | None = None
+    request: web.Request,
+    parsed: ParsedRequest,
+    request_id: str,
+    idempotency_key: str | None = None,
+    *,
+    may_move: bool = False,
 ) -> PrefillRequest:
-    """Accept and queue one prompt (429 past `max_queue_depth`; `Duplicate` for a used key)."""
+    """Accept and queue one prompt (429 past `max_queue_depth`; `Duplicate` for a used key).
+    `may_move`: the decoder may compute it where the bubbles cannot by its objective."""
     app = request.app
     now = time.time()
     req = PrefillRequest(
@@ -133,6 +140,8 @@ async def enqueue(
         submitted=now,
         deadline=now + parsed.timeout_s,
         reply_to=instance_results_stream(app),
+        objective=now + parsed.objective_s if parsed.objective_s is not None else None,
+        may_move=may_move,
     )
     accepted = await serving.accept(
         app[BUS].redis, req, app[SETTINGS].spec.prefill.max_queue_depth, idempotency_key=idempotency_key

@@ -43,7 +43,7 @@ CHAT_FIELDS = frozenset(
     {
         "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
         "stream_options", "logprobs", "top_logprobs", "stop", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "logit_bias", "seed", "user", "ignore_eos", "kv_transfer_params",
+        "repetition_penalty", "logit_bias", "seed", "user", "ignore_eos", "kv_transfer_params", "ttft_objective_ms",
     }
 )  # fmt: skip
 #: Passed to the /v1/completions validation as they are.

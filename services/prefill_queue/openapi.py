@@ -85,6 +85,7 @@ def _completion_properties(model: str) -> dict[str, Any]:
         "seed": {"type": ["integer", "null"]},
         "user": {"type": ["string", "null"]},
         "kv_transfer_params": {"type": ["object", "null"]},
+        "ttft_objective_ms": {"type": ["number", "null"], "minimum": 1},
     }
 
 
@@ -211,6 +212,7 @@ def spec(model: str, max_prompt_tokens: int) -> dict[str, Any]:
                                         "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
                                         "seed": {"type": ["integer", "null"]},
                                         "deadline_ms": {"type": "number", "minimum": 1},
+                                        "ttft_objective_ms": {"type": ["number", "null"], "minimum": 1},
                                         "user": {"type": "string"},
                                     },
                                 }

@@ -27,7 +27,7 @@ COMPLETION_FIELDS = frozenset(
     {
         "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
         "echo", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of", "logit_bias",
-        "user", "seed", "suffix", "ignore_eos", "kv_transfer_params", "return_token_ids",
+        "user", "seed", "suffix", "ignore_eos", "kv_transfer_params", "return_token_ids", "ttft_objective_ms",
     }
 )  # fmt: skip
 #: The keys of vLLM's `kv_transfer_params` (disaggregated prefill) a request may carry.
@@ -60,6 +60,7 @@ class Limits:
     vocab: int  # the model's vocabulary: token ids 0..vocab-1
     max_prompt_tokens: int  # min(prefill.max_prompt_tokens, the model's max_model_len)
     default_timeout_s: float
+    default_objective_s: float | None = None  # the TTFT objective of a request that names none
     tokenizer: Tokenizer = BYTES  # what text prompts are tokenized with (the served model's)
     #: The largest `max_tokens`: 1 serves prefill only; more with the decoder (`decode.enabled`).
     max_tokens: int = 1
@@ -107,6 +108,7 @@ class ParsedRequest:
     logprobs: int
     user: str
     timeout_s: float  # relative deadline
+    objective_s: float | None = None  # its TTFT objective (relative), if any
 
 
 def _type_error(field: str, expected: str, value: Any) -> BadRequest:
@@ -203,8 +205,17 @@ def _common(body: Any, limits: Limits, *, default_temperature: float) -> tuple[d
         logprobs=logprobs,
         user=user,
         timeout_s=limits.default_timeout_s,
+        objective_s=_objective_s(body, limits),
     )
     return body, parsed
+
+
+def _objective_s(body: dict[str, Any], limits: Limits) -> float | None:
+    """``ttft_objective_ms``, an extension field (as vLLM's own, e.g. ``kv_transfer_params``, are
+    top-level fields): the request's own TTFT objective; absent or null, the service's default."""
+    if body.get("ttft_objective_ms") is None:
+        return limits.default_objective_s
+    return _number(body, "ttft_objective_ms", 0.0, 1.0, 86_400_000.0) / 1000
 
 
 def parse_completion(body: Any, limits: Limits) -> Completion:

@@ -54,6 +54,14 @@ class Where(enum.StrEnum):
     DECODER = "decoder"
 
 
+def mode_of(placement: str | None, decode_enabled: bool, engine: str) -> Mode:
+    """`prefill.placement`, or its default: auto where the decoder computes prompts itself (vLLM:
+    the built-in decoder only continues a prefill), else bubbles."""
+    if placement is not None:
+        return Mode(placement)
+    return Mode.AUTO if decode_enabled and engine == "vllm" else Mode.BUBBLES
+
+
 @dataclass(frozen=True)
 class Verdict:
     """A placement: `where` (None: refused, a 429) and why, in a sentence."""

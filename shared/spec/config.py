@@ -128,6 +128,11 @@ class Prefill(Section, frozen=True):
     max_queue_depth: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000
     max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 1 << 20
     request_timeout_s: Annotated[float, Meta(gt=0, le=86_400), DEVICE] = 60.0
+    #: The TTFT objective a request is served within unless it names its own (null: none); 500 ms
+    #: and what it governs: docs/vllm.md, "Where a prompt is computed".
+    ttft_objective_ms: Annotated[float, Meta(gt=0, le=86_400_000), DEVICE] | None = 500.0
+    #: Where prompts are computed: bubbles, decoder or auto (unset: auto with decode.engine vllm).
+    placement: Literal["bubbles", "auto", "decoder"] | None = None
     #: How long a finished prefill's KV cache is kept for a decode service (0 = not kept).
     kv_ttl_s: Annotated[int, Meta(ge=0, le=86_400), HOST] = 30
     #: Where it is kept: `plane` = in the memory of the worker that computed it, fetched over the
@@ -156,10 +161,8 @@ class Decode(Section, frozen=True):
     #: Who continues a prefilled prompt: "builtin" (the decoder service, `services/decoder`) or
     #: "vllm" (a vLLM server at `vllm_url` with the BubbleTea KV connector; docs/vllm.md).
     engine: Literal["builtin", "vllm"] = "builtin"
-    #: The vLLM server's base URL (engine "vllm"), e.g. http://127.0.0.1:8100.
-    vllm_url: str = ""
-    #: The model name to ask vLLM for ("" = the first of its /v1/models).
-    vllm_model: str = ""
+    vllm_url: str = ""  # the vLLM server's base URL (engine "vllm"), e.g. http://127.0.0.1:8100
+    vllm_model: str = ""  # the model name to ask vLLM for ("" = the first of its /v1/models)
 
 
 class Http(Section, frozen=True):
@@ -213,6 +216,8 @@ def check_decode(spec: ClusterSpec) -> None:
     """The decode section against the prefill section (also after environment overrides)."""
     d, p = spec.decode, spec.prefill
     if d.engine != "vllm":
+        if p.placement in ("auto", "decoder"):  # the built-in decoder continues a prefill only
+            raise ConfigError(f"prefill.placement: {p.placement} needs a decoder that computes prompts (vllm)")
         return
     if not d.vllm_url.startswith(("http://", "https://")):
         raise ConfigError(f"decode.vllm_url: engine vllm needs the vLLM server's http:// URL, got {d.vllm_url!r}")
