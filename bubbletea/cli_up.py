@@ -22,8 +22,12 @@ from bubbletea.cli_common import (
 from bubbletea.preflight import check_run
 from shared.runtime.logs import setup_logging
 from shared.spec.config import ClusterSpec, ConfigError, check_decode
-from shared.spec.settings import Settings, load_settings
+from shared.spec.settings import Settings, load_settings, objective_ms
 from shared.spec.training import UNTIL_STOPPED
+
+#: The TTFT objective `up` serves with when neither the spec nor --ttft-objective-ms names one
+#: (device ms): an interactive objective vLLM alone meets on the bench machine (docs/vllm.md).
+DEFAULT_OBJECTIVE_MS = 500
 
 
 def add_parser(sub: Any) -> None:
@@ -77,6 +81,13 @@ def add_parser(sub: Any) -> None:
         help="answer whole completions (max_tokens > 1), prefilled in the bubbles and decoded from the KV "
         "cache (decode.enabled): by the decoder service up starts (builtin, the default), or by the vLLM "
         "server at --vllm-url with the BubbleTea KV connector (vllm; docs/vllm.md)",
+    )
+    p.add_argument(
+        "--ttft-objective-ms",
+        metavar="MS",
+        help=f"the TTFT objective of a request that names none (prefill.ttft_objective_ms; default: the "
+        f"spec's, else {DEFAULT_OBJECTIVE_MS} device ms; none: no objective): a prompt the bubbles cannot "
+        "compute by it goes to vLLM (--decode vllm) or is refused at once with a 429 (docs/vllm.md)",
     )
     p.add_argument(
         "--vllm-url",
@@ -137,6 +148,12 @@ def run(args: argparse.Namespace) -> int:
 
     def adjusted(spec: ClusterSpec) -> ClusterSpec:
         spec = msgspec.structs.replace(spec, training=msgspec.structs.replace(spec.training, iterations=iterations))
+        if args.ttft_objective_ms is not None or spec.prefill.ttft_objective_ms is None:  # a service states one
+            given = args.ttft_objective_ms if args.ttft_objective_ms is not None else str(DEFAULT_OBJECTIVE_MS)
+            objective = objective_ms(given, "--ttft-objective-ms")
+            spec = msgspec.structs.replace(
+                spec, prefill=msgspec.structs.replace(spec.prefill, ttft_objective_ms=objective)
+            )
         if args.decode:
             d = msgspec.structs.replace(spec.decode, enabled=True, engine=args.decode)
             spec = msgspec.structs.replace(spec, decode=d)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -16,6 +16,7 @@ from aiohttp import web
 from services.prefill_queue.api import FAILED_RETRY_AFTER_S, FAILURE_STATUS
 from services.prefill_queue.state import METRICS, Stopping
 from services.prefill_queue.validation import BadRequest, Completion
+from shared.control.status import PromptPlacement, RequestStatus
 from shared.model.tokenizer import BYTES, Tokenizer, token_text
 from shared.wire import PrefillRequest, PrefillResult
 
@@ -26,11 +27,15 @@ DEADLINE_GRACE_S = 2.0
 
 
 async def as_answered(
-    waiters: dict[str, asyncio.Future[PrefillResult]], deadline: float, stopping: Stopping | None = None
+    waiters: dict[str, asyncio.Future[PrefillResult]],
+    deadline: float,
+    stopping: Stopping | None = None,
+    moved: Callable[[str, PrefillResult], Awaitable[PrefillResult]] | None = None,
 ) -> AsyncIterator[tuple[str, PrefillResult]]:
     """(request id, answer) in the order the answers land. `deadline`: the requests' (wall clock);
     past it and `DEADLINE_GRACE_S` with no answer (no dispatcher answered, not even to fail them), 504;
-    503 if the front door stops and they do not come within its grace period (they stay queued)."""
+    503 if the front door stops and they do not come within its grace period (they stay queued).
+    An answer MOVED to the decoder is replaced by `moved`'s (the decoder's first token, or why not)."""
     stopping = stopping or Stopping()
     # on the monotonic clock from here on: the wall clock may step while we wait
     timeout_s = max(0.0, deadline - time.time())
@@ -54,9 +59,16 @@ async def as_answered(
                     type_="timeout_error",
                 )
             for fut in done:
-                yield pending.pop(fut), fut.result()
+                rid, result = pending.pop(fut), fut.result()
+                if moved is not None and result.status is RequestStatus.MOVED:
+                    pending[asyncio.ensure_future(moved(rid, result))] = rid  # the decoder computes it
+                    continue
+                yield rid, result
     finally:
         stop_wait.cancel()
+        for fut in pending:
+            if isinstance(fut, asyncio.Task):
+                fut.cancel()  # a decoder's computation nobody waits for any more
 
 
 def stopping_error(request_id: str) -> BadRequest:
@@ -137,9 +149,20 @@ def choice(
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
 
 
-def usage(results: list[PrefillResult]) -> dict[str, int]:
+def usage(results: list[PrefillResult]) -> dict[str, Any]:
+    """OpenAI's usage, with where the prompt tokens were computed in ``prompt_tokens_details``: an
+    extension (``bubble_tokens``: in training bubbles; ``decoder_tokens``: by the decoder itself)."""
     prompt = sum(r.prompt_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": len(results), "total_tokens": prompt + len(results)}
+    where = {
+        f"{p.value.removesuffix('s')}_tokens": sum(r.prompt_tokens for r in results if r.placement is p)
+        for p in PromptPlacement
+    }
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": len(results),
+        "total_tokens": prompt + len(results),
+        "prompt_tokens_details": where,
+    }
 
 
 def observe(app: web.Application, received: float, choices: list[dict[str, Any]]) -> None:

@@ -42,6 +42,7 @@ FAILURE_STATUS: dict[FailureReason, int] = {
     FailureReason.UNAVAILABLE: 503,  # training finished, stopped or stalled: no bubble will come soon
     FailureReason.OVERLOADED: 429,  # refused at once: the bubbles could not start it before its deadline
     FailureReason.PREFILL_ERROR: 500,  # the worker's prefill model failed running it: our fault (or the device's)
+    FailureReason.TO_DECODER: 503,  # moved to a decoder this front door does not have (a config changed): retry
 }
 
 
@@ -128,21 +129,7 @@ async def enqueue(
     """Accept and queue one prompt (429 past `max_queue_depth`; `Duplicate` for a used key).
     `may_move`: the decoder may compute it where the bubbles cannot by its objective."""
     app = request.app
-    now = time.time()
-    req = PrefillRequest(
-        id=request_id,
-        model=parsed.model,
-        tokens=parsed.tokens,
-        temperature=parsed.temperature,
-        seed=parsed.seed,
-        logprobs=parsed.logprobs,
-        user=parsed.user,
-        submitted=now,
-        deadline=now + parsed.timeout_s,
-        reply_to=instance_results_stream(app),
-        objective=now + parsed.objective_s if parsed.objective_s is not None else None,
-        may_move=may_move,
-    )
+    req = new_request(app, parsed, request_id, may_move=may_move)
     accepted = await serving.accept(
         app[BUS].redis, req, app[SETTINGS].spec.prefill.max_queue_depth, idempotency_key=idempotency_key
     )
@@ -158,6 +145,25 @@ async def enqueue(
             retry_after_s=RETRY_AFTER_S,
         )
     return req
+
+
+def new_request(app: web.Application, parsed: ParsedRequest, request_id: str, *, may_move: bool) -> PrefillRequest:
+    """The wire message of one validated prompt, its deadline and objective counted from now."""
+    now = time.time()
+    return PrefillRequest(
+        id=request_id,
+        model=parsed.model,
+        tokens=parsed.tokens,
+        temperature=parsed.temperature,
+        seed=parsed.seed,
+        logprobs=parsed.logprobs,
+        user=parsed.user,
+        submitted=now,
+        deadline=now + parsed.timeout_s,
+        reply_to=instance_results_stream(app),
+        objective=now + parsed.objective_s if parsed.objective_s is not None else None,
+        may_move=may_move,
+    )
 
 
 async def submit(request: web.Request) -> web.Response:

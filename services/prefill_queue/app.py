@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.hdrs import CONTENT_TYPE
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.prefill_queue import api, chat, completions, openapi
+from services.prefill_queue import api, chat, completions, on_decoder, openapi
 from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.state import (
     BUS,
@@ -45,6 +45,7 @@ from shared.bus.connection import TRANSIENT_ERRORS
 from shared.bus.delivery import Handlers
 from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
+from shared.control.status import RequestStatus
 from shared.runtime.auth import bearer_ok
 from shared.runtime.logs import get_logger
 from shared.spec.settings import Settings
@@ -74,6 +75,7 @@ def create_app(settings: Settings) -> web.Application:
     app[STOPPING] = Stopping()
     d = settings.spec.decode
     app[VLLM] = VllmDecoder(d) if d.enabled and d.engine == "vllm" else None
+    on_decoder.setup(app)
     app.on_shutdown.append(_begin_stopping)
     app.cleanup_ctx.append(_bus_ctx)
     app.cleanup_ctx.append(_heartbeat_ctx)
@@ -127,8 +129,9 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
     async def on_result(d: Delivery) -> None:
         r = d.message
         assert isinstance(r, PrefillResult)  # the handler table routes only this kind here
-        m.requests.labels("success" if r.ok else "failed").inc()
+        m.requests.labels("success" if r.ok else "moved" if r.status is RequestStatus.MOVED else "failed").inc()
         if r.ok:
+            m.placed_prompt(r.placement, r.prompt_tokens, (r.queue_ms + r.prefill_ms) / 1000)
             m.prompt_tokens.labels(m.model_name).inc(r.prompt_tokens)
             m.request_prompt_tokens.labels(m.model_name).observe(r.prompt_tokens)
             m.queue_time.observe(r.queue_ms / 1000)

@@ -13,6 +13,7 @@ status; a failure after that is an ``error`` event.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -22,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.prefill_queue import on_decoder
 from services.prefill_queue.answers import (
     as_answered,
     choice,
@@ -32,10 +34,19 @@ from services.prefill_queue.answers import (
     shaped,
     usage,
 )
-from services.prefill_queue.api import FAILURE_STATUS, enqueue, kv_params, limits, read_json, refuse_if_not_serving
+from services.prefill_queue.api import (
+    FAILURE_STATUS,
+    enqueue,
+    kv_params,
+    limits,
+    new_request,
+    read_json,
+    refuse_if_not_serving,
+)
 from services.prefill_queue.decoding import whole
-from services.prefill_queue.state import SETTINGS, STOPPING, WAITERS
+from services.prefill_queue.state import SETTINGS, STOPPING, VLLM, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion, parse_completion
+from shared.policies.prompt_placement import Mode, mode_of
 from shared.wire import PrefillRequest, PrefillResult
 
 __all__ = ["choice", "completions", "usage"]  # choice and usage: the shapes, re-exported for callers
@@ -58,11 +69,26 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
     await refuse_if_not_serving(app)  # once for all the prompts: none is queued if the answer is no
     completion_id = _completion_id(request, prefix)
     ids = [completion_id] if len(c.prompts) == 1 else [f"{completion_id}-{i}" for i in range(len(c.prompts))]
+    mode = placement_mode(app, c)
     waiters = {rid: app[WAITERS].expect(rid) for rid in ids}
     try:
-        reqs = [await enqueue(request, parsed, rid) for parsed, rid in zip(c.prompts, ids, strict=True)]
+        if mode is Mode.DECODER:  # the bubbles are not used: the decoder computes every prompt
+            reqs = [new_request(app, p, rid, may_move=True) for p, rid in zip(c.prompts, ids, strict=True)]
+            for req in reqs:
+                waiters[req.id] = asyncio.ensure_future(on_decoder.compute(app, req, c, lim.tokenizer))
+        else:
+            may_move = mode is Mode.AUTO
+            reqs = [
+                await enqueue(request, parsed, rid, may_move=may_move)
+                for parsed, rid in zip(c.prompts, ids, strict=True)
+            ]
+        by_id = {req.id: req for req in reqs}
+
+        async def moved(rid: str, r: PrefillResult) -> PrefillResult:
+            return await on_decoder.compute(app, by_id[rid], c, lim.tokenizer, r.error)
+
         deadline = reqs[0].deadline if reqs[0].deadline is not None else time.time() + c.prompts[0].timeout_s
-        answers = as_answered(waiters, deadline, app[STOPPING])
+        answers = as_answered(waiters, deadline, app[STOPPING], moved if mode is not Mode.BUBBLES else None)
         if c.max_tokens > 1:
             return await whole(request, received, c, completion_id, reqs, answers, lim.tokenizer)
         if c.stream:
@@ -74,6 +100,7 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
     finally:
         for rid in ids:
             app[WAITERS].forget(rid)
+            on_decoder.forget(app, rid)  # a stream its continuation did not take (a failure, a disconnect)
     model = app[SETTINGS].spec.prefill.model_name
     choices = [
         shaped(c, choice(i, req, results[req.id], c.stop, tokenizer=lim.tokenizer)) for i, req in enumerate(reqs)
@@ -87,6 +114,17 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
             "kv_transfer_params": kv_params(results[reqs[0].id]),
         }
     )
+
+
+def placement_mode(app: web.Application, c: Completion) -> Mode:
+    """Where this request's prompts may be computed (`prefill.placement`): the bubbles only unless
+    a decoder that computes prompts is here (vLLM) and no prompt asks for the top logprobs, which
+    only the bubbles return in our shape."""
+    spec = app[SETTINGS].spec
+    mode = mode_of(spec.prefill.placement, spec.decode.enabled, spec.decode.engine)
+    if app[VLLM] is None or any(p.logprobs for p in c.prompts):
+        return Mode.BUBBLES
+    return mode
 
 
 def _completion_id(request: web.Request, prefix: str) -> str:

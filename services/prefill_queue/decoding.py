@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from services.prefill_queue import on_decoder
 from services.prefill_queue.answers import DEADLINE_GRACE_S, head, observe, opening, raise_if_failed, shaped
 from services.prefill_queue.api import FAILURE_STATUS, kv_params, served_model
 from services.prefill_queue.state import BUS, SETTINGS, STOPPING, VLLM, WAITERS, instance_results_stream
@@ -112,6 +113,8 @@ def _continuation(
     """The chunks after the first token, from the engine `decode.engine` names."""
     spec = app[SETTINGS].spec
     vllm = app[VLLM]
+    if (computed := on_decoder.rest(app, req.id)) is not None:  # its prompt computed by vLLM itself
+        return computed
     if vllm is not None:
         timeout_s = deadline_s(req, spec.prefill.request_timeout_s)
         return vllm.continue_completion(

@@ -9,6 +9,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.process_collector import ProcessCollector
 
+from shared.control.status import PromptPlacement
+
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -35,7 +37,7 @@ class Metrics:
         self.redis_up = Gauge("bubbletea_redis_up", "1 if the last Redis check succeeded, else 0.", registry=r)
         self.requests = Counter(
             "bubbletea:request",
-            "Prefill requests by outcome (success, failed, rejected, timeout).",
+            "Prefill requests by outcome (success, failed, rejected, timeout; moved: to the decoder).",
             ["outcome"],
             registry=r,
         )
@@ -83,9 +85,37 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # where each prompt was computed (`prompt_placement`): bubbles or the decoder's own prefill
+        self.placed = Counter(
+            "bubbletea:placement_requests",
+            "Answered prompts by where they were computed (bubbles: a training bubble; decoder: vLLM's own "
+            "prefill, the bubbles not meeting the TTFT objective).",
+            ["placement"],
+            registry=r,
+        )
+        self.placed_tokens = Counter(
+            "bubbletea:placement_prompt_tokens", "Prompt tokens of answered prompts, by where computed.",
+            ["placement"], registry=r,
+        )  # fmt: skip
+        self.placed_ttft = Histogram(
+            "bubbletea:placement_time_to_first_token_seconds",
+            "Submission to first token, by where the prompt was computed.",
+            ["placement"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        for where in PromptPlacement:  # every series exists from the start, at 0
+            self.placed.labels(where.value)
+            self.placed_tokens.labels(where.value)
         self.success = Counter(
             "bubbletea:request_success",
             "Completed choices by finish reason (length: the one token; stop: a stop sequence).",
             ["finished_reason", "model_name"],
             registry=r,
         )
+
+    def placed_prompt(self, where: PromptPlacement, tokens: int, ttft_s: float) -> None:
+        """A prompt answered: where it was computed, its length, submission to its first token."""
+        self.placed.labels(where.value).inc()
+        self.placed_tokens.labels(where.value).inc(tokens)
+        self.placed_ttft.labels(where.value).observe(max(0.0, ttft_s))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -73,20 +73,22 @@ class VllmDecoder:
         return self.model
 
     def body(
-        self, model: str, req: PrefillRequest, first: int, handle: dict[str, Any], max_tokens: int,
+        self, model: str, req: PrefillRequest, first: int | None, handle: dict[str, Any], max_tokens: int,
         stop: tuple[str, ...], ignore_eos: bool,
     ) -> dict[str, Any]:  # fmt: skip
-        """vLLM's /v1/completions request that continues `req` after its first token."""
+        """vLLM's /v1/completions request that continues `req` after its first token; with no
+        `first` (the prompt placed on the decoder), the whole completion, vLLM computing the prompt."""
         body: dict[str, Any] = {
             "model": model,
-            "prompt": [*req.tokens, first],
-            "max_tokens": max_tokens - 1,  # the first token is the bubbles'
+            "prompt": list(req.tokens) if first is None else [*req.tokens, first],
+            "max_tokens": max_tokens if first is None else max_tokens - 1,  # the first token: the bubbles'
             "temperature": req.temperature,
             "stream": True,
             "return_token_ids": True,
             "ignore_eos": ignore_eos,
-            "kv_transfer_params": handle,
         }
+        if first is not None:
+            body["kv_transfer_params"] = handle
         if req.seed is not None:
             body["seed"] = req.seed
         if stop:
@@ -94,12 +96,13 @@ class VllmDecoder:
         return body
 
     async def continue_completion(
-        self, req: PrefillRequest, first: int, handle: dict[str, Any], max_tokens: int,
+        self, req: PrefillRequest, first: int | None, handle: dict[str, Any], max_tokens: int,
         stop: tuple[str, ...], ignore_eos: bool, timeout_s: float,
-    ) -> AsyncIterator[DecodeChunk]:  # fmt: skip
+    ) -> AsyncGenerator[DecodeChunk, None]:  # fmt: skip
         """The chunks of `req`'s completion after its first token, as vLLM streams them; the last
-        is marked done (a failure too)."""
-        index = 1
+        is marked done (a failure too). With no `first`: from the first token (index 0), the prompt
+        computed by vLLM itself (`prompt_placement`: the decoder's own prefill)."""
+        index = 0 if first is None else 1
 
         def failed(reason: FailureReason, why: str) -> DecodeChunk:
             log.warning("decoding on vLLM failed", id=req.id, reason=reason.value, detail=why)

@@ -35,6 +35,13 @@ class FailureReason(enum.StrEnum):
     TO_DECODER = "to_decoder"
 
 
+class PromptPlacement(enum.StrEnum):
+    """Where a prompt was computed (`shared.policies.prompt_placement`; named in its answer)."""
+
+    BUBBLES = "bubbles"  # in the training bubbles (a stage worker's prefill)
+    DECODER = "decoder"  # by the decoder itself (vLLM's own prefill)
+
+
 class ItemOutcome(enum.StrEnum):
     """How far one request of a prefill batch got on a worker (`PrefillProgress`)."""
 

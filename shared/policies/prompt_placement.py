@@ -28,6 +28,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from shared.control.status import PromptPlacement
+
 #: Of a request's objective, the share kept for the decoder's own prefill (auto): the bubbles take a
 #: prompt only if predicted to finish it before this share of the objective is left, and a prompt
 #: still waiting for a bubble then moves to the decoder. vLLM alone computed a 1k-token prompt on
@@ -47,11 +49,8 @@ class Mode(enum.StrEnum):
     DECODER = "decoder"
 
 
-class Where(enum.StrEnum):
-    """Where one prompt was computed (named in its answer and in the metrics' labels)."""
-
-    BUBBLES = "bubbles"
-    DECODER = "decoder"
+#: Where one prompt is computed (named in its answer and in the metrics' labels).
+Where = PromptPlacement
 
 
 def mode_of(placement: str | None, decode_enabled: bool, engine: str) -> Mode:

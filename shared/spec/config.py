@@ -128,9 +128,9 @@ class Prefill(Section, frozen=True):
     max_queue_depth: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000
     max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 1 << 20
     request_timeout_s: Annotated[float, Meta(gt=0, le=86_400), DEVICE] = 60.0
-    #: The TTFT objective a request is served within unless it names its own (null: none); 500 ms
-    #: and what it governs: docs/vllm.md, "Where a prompt is computed".
-    ttft_objective_ms: Annotated[float, Meta(gt=0, le=86_400_000), DEVICE] | None = 500.0
+    #: The TTFT objective a request is served within unless it names its own (null: none; `up`,
+    #: compose and the deploy scripts state 500 ms): docs/vllm.md, "Where a prompt is computed".
+    ttft_objective_ms: Annotated[float, Meta(gt=0, le=86_400_000), DEVICE] | None = None
     #: Where prompts are computed: bubbles, decoder or auto (unset: auto with decode.engine vllm).
     placement: Literal["bubbles", "auto", "decoder"] | None = None
     #: How long a finished prefill's KV cache is kept for a decode service (0 = not kept).

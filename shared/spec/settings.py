@@ -14,6 +14,7 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
 ``BUBBLETEA_DECODE``   ``on`` or ``off``: override ``decode.enabled``; ``vllm``: on, decoded by the
                        vLLM server at ``decode.vllm_url`` (``decode.engine: vllm``, docs/vllm.md)
 ``BUBBLETEA_VLLM_URL`` override ``decode.vllm_url``
+``BUBBLETEA_TTFT_OBJECTIVE_MS`` override ``prefill.ttft_objective_ms`` (milliseconds; ``none``: no objective)
 ``BUBBLETEA_ITERATIONS`` override ``training.iterations``: a number, or ``until_stopped``
 ``BUBBLETEA_DECAY_ITERS`` override ``training.decay_iters`` (where the cosine learning rate ends):
                        a number (a run trained past its iterations keeps the spec's schedule)
@@ -230,6 +231,9 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         engine = "vllm" if decode == "vllm" else spec.decode.engine
         d = msgspec.structs.replace(spec.decode, enabled=decode != "off", engine=engine)
         spec = msgspec.structs.replace(spec, decode=d)
+    if (objective := env.get("BUBBLETEA_TTFT_OBJECTIVE_MS")) is not None and objective.strip():
+        spec = msgspec.structs.replace(spec, prefill=msgspec.structs.replace(
+            spec.prefill, ttft_objective_ms=objective_ms(objective, "BUBBLETEA_TTFT_OBJECTIVE_MS")))  # fmt: skip
     if vllm_url := env.get("BUBBLETEA_VLLM_URL"):
         spec = msgspec.structs.replace(spec, decode=msgspec.structs.replace(spec.decode, vllm_url=vllm_url))
     if "BUBBLETEA_DECODE" in env or "BUBBLETEA_VLLM_URL" in env:
@@ -370,3 +374,16 @@ def _metrics_port(value: str) -> int | None:
     if not value.isdigit() or not 0 <= int(value) <= 65_535:
         raise ConfigError(f"BUBBLETEA_METRICS_PORT: expected a port number 0-65535 or 'off', got {value!r}")
     return int(value)
+
+
+def objective_ms(value: str, what: str) -> float | None:
+    """A TTFT objective given in milliseconds (``none`` or 0: no objective), or a ConfigError naming `what`."""
+    if value.strip().lower() in ("none", "0", "off"):
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        raise ConfigError(f"{what}: expected milliseconds (or none), got {value!r}") from None
+    if not 0 < ms <= 86_400_000:
+        raise ConfigError(f"{what}: expected milliseconds from 1 to 86,400,000 (or none), got {value!r}")
+    return ms

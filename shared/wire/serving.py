@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.control.status import FailureReason, ItemOutcome, RequestStatus
+from shared.control.status import FailureReason, ItemOutcome, PromptPlacement, RequestStatus
 from shared.wire.base import Message, TensorBlob
 
 
@@ -52,6 +52,7 @@ class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     finished: float = 0.0  # wall clock
+    placement: PromptPlacement = PromptPlacement.BUBBLES  # where its prompt was computed
 
     @property
     def ok(self) -> bool:

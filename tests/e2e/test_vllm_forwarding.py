@@ -30,6 +30,7 @@ async def test_an_unreachable_vllm_fails_the_completion_explicitly(tmp_path: Pat
         **ONE_REPLICA,
         training={**SPEC["training"], "iterations": 100_000},
         decode={"enabled": True, "engine": "vllm", "vllm_url": dead},
+        prefill={**SPEC["prefill"], "placement": "bubbles"},  # the bubbles' path: vLLM only continues
     )
     run = f"vllm-fwd-{uuid.uuid4().hex[:6]}"
     settings = load_settings(path, env={"BUBBLETEA_RUN": run})

@@ -89,7 +89,12 @@ async def test_a_chat_is_rendered_prefilled_and_answered_in_the_chat_shape(
     top = HFTokenizer(d / "tokenizer.json").decode([65])  # the top alternatives' text is the tokenizer's
     assert [(t["token"], t["logprob"]) for t in lp["top_logprobs"]] == [(top, -0.5)]
     n = len(req.tokens)
-    assert got["usage"] == {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1}
+    assert got["usage"] == {
+        "prompt_tokens": n,
+        "completion_tokens": 1,
+        "total_tokens": n + 1,
+        "prompt_tokens_details": {"bubble_tokens": n, "decoder_tokens": 0},  # computed in the bubbles
+    }
     assert got["kv_transfer_params"]["key"] == f"bt:kv:{req.id}"  # the same KV handle as /v1/completions
 
 

@@ -27,6 +27,11 @@ from shared.spec.settings import Settings, load_settings
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
 
+def IN_BUBBLES(tokens: int) -> dict[str, object]:  # the name reads as a constant in the expected bodies
+    """The usage's word on where the prompts were computed: all of them in the bubbles."""
+    return {"prompt_tokens_details": {"bubble_tokens": tokens, "decoder_tokens": 0}}
+
+
 def settings_for(url: str, **env: str) -> Settings:
     s = load_settings(env={"REDIS_URL": url, **env})
     prefill = msgspec.structs.replace(
@@ -89,7 +94,7 @@ async def test_completion_is_answered_in_the_openai_shape(client: TestClient, re
     assert body["object"] == "text_completion" and body["model"] == "bubbletea-gpt"
     assert body["choices"][0]["text"] == "A" and body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["logprobs"]["token_logprobs"] == [-0.5]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6, **IN_BUBBLES(5)}
     assert body["kv_transfer_params"]["key"] == f"bt:kv:{req.id}" and body["kv_transfer_params"]["bytes"] == 1024
     assert await serving.inflight(redis) == 0
     text = await (await client.get("/metrics")).text()
@@ -285,7 +290,12 @@ async def test_streaming_answers_as_vllm_bench_serve_reads_it(client: TestClient
     token, tail = events
     assert token["object"] == "text_completion" and token["choices"][0]["text"] == "A"
     assert token["choices"][0]["finish_reason"] == "length" and token["usage"] is None
-    assert tail["choices"] == [] and tail["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    assert tail["choices"] == [] and tail["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 1,
+        "total_tokens": 6,
+        **IN_BUBBLES(5),
+    }
 
 
 async def test_a_list_of_prompts_gets_one_choice_each_in_prompt_order(client: TestClient, redis: Redis) -> None:
@@ -296,7 +306,7 @@ async def test_a_list_of_prompts_gets_one_choice_each_in_prompt_order(client: Te
         assert await serving.answer(redis, ok_result(req, token), req.reply_to)
     body = await (await asyncio.wait_for(call, 60)).json()
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "A"), (1, "B"), (2, "C")]
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9, **IN_BUBBLES(6)}
 
 
 async def test_a_streamed_list_sends_each_choice_as_it_is_answered(client: TestClient, redis: Redis) -> None:

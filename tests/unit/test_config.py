@@ -167,6 +167,8 @@ def test_env_overrides() -> None:
         ({"BUBBLETEA_ITERATIONS": "20000000"}, "BUBBLETEA_ITERATIONS"),
         ({"BUBBLETEA_DECODE": "yes"}, "BUBBLETEA_DECODE"),
         ({"BUBBLETEA_DECODE": "vllm"}, "decode.vllm_url"),
+        ({"BUBBLETEA_TTFT_OBJECTIVE_MS": "fast"}, "BUBBLETEA_TTFT_OBJECTIVE_MS"),
+        ({"BUBBLETEA_TTFT_OBJECTIVE_MS": "-5"}, "BUBBLETEA_TTFT_OBJECTIVE_MS"),
     ],
 )
 def test_bad_env_names_the_variable(env: dict[str, str], field: str) -> None:
@@ -190,6 +192,14 @@ def test_decode_on_vllm_from_the_environment() -> None:
     d = load_settings(env={"BUBBLETEA_DECODE": "vllm", "BUBBLETEA_VLLM_URL": "http://v:8100"}).spec.decode
     assert (d.enabled, d.engine, d.vllm_url) == (True, "vllm", "http://v:8100")
     assert load_settings(env={"BUBBLETEA_DECODE": "on"}).spec.decode.engine == "builtin"
+
+
+def test_the_ttft_objective_is_none_unless_stated_and_a_service_may_be_given_one() -> None:
+    assert load_settings(env={}).spec.prefill.ttft_objective_ms is None  # the spec's default: none
+    assert load_settings(env={"BUBBLETEA_TTFT_OBJECTIVE_MS": "500"}).spec.prefill.ttft_objective_ms == 500.0
+    assert load_settings(env={"BUBBLETEA_TTFT_OBJECTIVE_MS": "none"}).spec.prefill.ttft_objective_ms is None
+    with pytest.raises(ConfigError, match="needs a decoder that computes prompts"):
+        parse_spec({**yaml.safe_load(DEFAULT_SPEC.read_text()), "prefill": {"placement": "auto"}})
 
 
 def test_service_without_redis_url_gets_clear_error() -> None:

@@ -160,3 +160,28 @@ def test_a_completion_must_fit_the_models_context() -> None:
     assert parse_completion({"prompt": "x" * 24, "max_tokens": 8}, small).max_tokens == 8
     with pytest.raises(BadRequest, match="context is 32 tokens: a prompt of 24 tokens leaves room for 8 more"):
         parse_completion({"prompt": "x" * 24, "max_tokens": 9}, small)
+
+
+def test_a_request_may_name_its_own_ttft_objective() -> None:
+    lim = Limits(model="bubbletea-gpt", vocab=256, max_prompt_tokens=8, default_timeout_s=60.0, default_objective_s=0.5)
+    assert parse_completion({"prompt": "hi"}, lim).prompts[0].objective_s == 0.5  # the service's default
+    assert parse_completion({"prompt": "hi", "ttft_objective_ms": None}, lim).prompts[0].objective_s == 0.5
+    assert parse_completion({"prompt": "hi", "ttft_objective_ms": 250}, lim).prompts[0].objective_s == 0.25
+    assert parse_native({"prompt": "hi", "ttft_objective_ms": 2000}, lim).objective_s == 2.0
+    assert parse_completion({"prompt": "hi"}, LIM).prompts[0].objective_s is None  # no default: none
+    for bad, text in ((0, "between 1.0 and"), ("fast", "a finite number")):
+        with pytest.raises(BadRequest, match=text) as e:
+            parse_completion({"prompt": "hi", "ttft_objective_ms": bad}, lim)
+        assert e.value.status == 400 and e.value.param == "ttft_objective_ms"
+
+
+def test_the_usage_says_where_each_prompt_was_computed() -> None:
+    from services.prefill_queue.answers import usage
+    from shared.control.status import PromptPlacement, RequestStatus
+    from shared.wire import PrefillResult
+
+    bubbles = PrefillResult(id="a", status=RequestStatus.DONE, prompt_tokens=5)
+    decoder = PrefillResult(id="b", status=RequestStatus.DONE, prompt_tokens=7, placement=PromptPlacement.DECODER)
+    u = usage([bubbles, decoder])
+    assert u["prompt_tokens"] == 12 and u["completion_tokens"] == 2
+    assert u["prompt_tokens_details"] == {"bubble_tokens": 5, "decoder_tokens": 7}

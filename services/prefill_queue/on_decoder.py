@@ -1,0 +1,140 @@
+"""A prompt computed by the decoder itself: the front door's side of `shared.policies.prompt_placement`.
+
+A prompt comes here when the dispatcher moved it (its answer has status MOVED: the bubbles could
+not compute it by its TTFT objective) or when `prefill.placement` is `decoder`. If the decoder can
+compute it by its objective (`DecoderLoad`, this front door's view of what it has sent vLLM and how
+fast vLLM answered), the whole completion is asked of vLLM without ``kv_transfer_params``: vLLM
+computes the prompt and streams every token. Its first token is the prompt's answer, as a bubble's
+would be (`PrefillResult`, placement DECODER); the rest of the stream is kept for the completion's
+continuation (`rest`), so vLLM computes the prompt once. If the decoder cannot meet the objective
+either, the answer is a refusal (OVERLOADED: a 429 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from aiohttp import web
+
+from services.prefill_queue.state import METRICS, SETTINGS, VLLM
+from services.prefill_queue.validation import Completion
+from services.prefill_queue.vllm_decode import deadline_s
+from shared.control.status import FailureReason, PromptPlacement, RequestStatus
+from shared.model.tokenizer import Tokenizer
+from shared.policies.prompt_placement import DecoderLoad
+from shared.wire import DecodeChunk, PrefillRequest, PrefillResult
+
+#: This front door's view of the decoder's own prefill (one per app).
+LOAD = web.AppKey("decoder_load", DecoderLoad)
+#: A decoder-computed completion's first chunk and the rest of its stream, by request id, until its
+#: continuation takes them (`rest`).
+REST: web.AppKey[dict[str, tuple[DecodeChunk, AsyncGenerator[DecodeChunk, None]]]] = web.AppKey("decoder_rest")
+
+
+def setup(app: web.Application) -> None:
+    app[LOAD] = DecoderLoad()
+    app[REST] = {}
+
+
+async def compute(
+    app: web.Application, req: PrefillRequest, c: Completion, tokenizer: Tokenizer, moved_why: str = ""
+) -> PrefillResult:
+    """`req`'s first token computed by vLLM (the rest kept in `REST` when more are asked), or its
+    refusal (the decoder cannot meet its objective either) or failure."""
+    vllm = app[VLLM]
+    assert vllm is not None  # only a front door with a decoder that computes prompts places them there
+    sent = time.time()
+    tokens = len(req.tokens)
+    load = app[LOAD]
+    verdict = load.verdict(tokens, req.objective - sent if req.objective is not None else None)
+    if verdict.where is None:
+        why = f"{moved_why}; {verdict.why}" if moved_why else verdict.why
+        return _failed(req, FailureReason.OVERLOADED, why, sent)
+    load.sent(tokens)
+    timeout_s = deadline_s(req, app[SETTINGS].spec.prefill.request_timeout_s)
+    stream = vllm.continue_completion(req, None, {}, c.max_tokens, c.stop, c.ignore_eos, timeout_s)
+    try:
+        first = await anext(stream)
+    except BaseException:
+        load.answered(tokens, None)
+        await stream.aclose()
+        raise
+    now = time.time()
+    if first.status is RequestStatus.FAILED or not first.tokens:
+        load.answered(tokens, None)
+        await stream.aclose()
+        reason = first.reason or FailureReason.KV_MISSING
+        return _failed(req, reason, first.error or "the decoder sent no token", sent)
+    load.answered(tokens, now - sent)
+    if c.max_tokens > 1:
+        app[REST][req.id] = (first, stream)
+    else:
+        await stream.aclose()
+    ttft_s = now - req.submitted
+    app[METRICS].placed_prompt(PromptPlacement.DECODER, tokens, ttft_s)
+    return PrefillResult(
+        id=req.id,
+        status=RequestStatus.DONE,
+        token=first.tokens[0],
+        text=tokenizer.decode([first.tokens[0]]),
+        prompt_tokens=tokens,
+        worker="decoder",
+        queue_ms=(sent - req.submitted) * 1000,
+        prefill_ms=(now - sent) * 1000,
+        finished=now,
+        placement=PromptPlacement.DECODER,
+    )
+
+
+def rest(app: web.Application, request_id: str) -> AsyncIterator[DecodeChunk] | None:
+    """The chunks after a decoder-computed completion's first token (None: not computed there)."""
+    kept = app[REST].pop(request_id, None)
+    return _after_first(*kept) if kept is not None else None
+
+
+async def _after_first(first: DecodeChunk, stream: AsyncGenerator[DecodeChunk, None]) -> AsyncIterator[DecodeChunk]:
+    """The completion after its first token: what came with it, then the rest of vLLM's stream."""
+    try:
+        if len(first.tokens) > 1 or first.done:
+            yield DecodeChunk(
+                id=first.id,
+                index=1,
+                tokens=first.tokens[1:],
+                done=first.done,
+                finish_reason=first.finish_reason,
+                stop_reason=first.stop_reason,
+            )
+            if first.done:
+                return
+        async for chunk in stream:
+            yield chunk
+    finally:
+        await stream.aclose()
+
+
+def forget(app: web.Application, request_id: str) -> None:
+    """A completion answered or abandoned before its continuation took its stream: close it (vLLM
+    ends the request when its stream is closed)."""
+    kept = app[REST].pop(request_id, None)
+    if kept is not None:
+        _closing.add(task := asyncio.ensure_future(kept[1].aclose()))
+        task.add_done_callback(_closing.discard)
+
+
+_closing: set[asyncio.Future[None]] = set()  # the streams being closed (a reference keeps each task)
+
+
+def _failed(req: PrefillRequest, reason: FailureReason, why: str, sent: float) -> PrefillResult:
+    now = time.time()
+    return PrefillResult(
+        id=req.id,
+        status=RequestStatus.FAILED,
+        reason=reason,
+        error=why,
+        prompt_tokens=len(req.tokens),
+        queue_ms=(sent - req.submitted) * 1000,
+        finished=now,
+        placement=PromptPlacement.DECODER,
+    )
