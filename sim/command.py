@@ -8,12 +8,13 @@ import os
 import sys
 from pathlib import Path
 
+import msgspec
 from tqdm import tqdm
 
 from loadgen.options import Renamed
 from shared.policies.placement import PlacementError
-from shared.spec.config import ConfigError, load_spec
-from shared.spec.settings import DEFAULT_SPEC
+from shared.spec.config import ClusterSpec, ConfigError, load_spec
+from shared.spec.settings import DEFAULT_SPEC, objective_ms
 from sim.output import figures, lines, write_folder
 from sim.run import SimOptions, simulate
 from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError
@@ -60,6 +61,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.add_argument("--no-folder", action="store_true", help="write no run folder")
     p.add_argument(
+        "--ttft-objective-ms",
+        metavar="MS",
+        help="the requests' TTFT objective (prefill.ttft_objective_ms; none: no objective): what the bubbles "
+        "cannot compute by it is refused, or with --placement auto counted as the decoder's (docs/vllm.md)",
+    )
+    p.add_argument(
+        "--placement",
+        choices=("bubbles", "auto", "decoder"),
+        help="where prompts may be computed (prefill.placement): with auto, the figures say what share of the "
+        "prompt tokens the bubbles take at the objective, the rest going to the decoder",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print the figures as one JSON object on stdout (the human lines go to stderr)",
@@ -70,6 +83,7 @@ def main(args: argparse.Namespace) -> int:
     """Exit 0 after printing the figures; 2 with one sentence on stderr for a bad spec or option."""
     try:
         spec = load_spec(args.config or os.environ.get("BUBBLETEA_CONFIG") or DEFAULT_SPEC)
+        spec = _placed(spec, args.ttft_objective_ms, args.placement)
         limit = spec.training.iteration_limit
         iterations = (
             args.iterations if args.iterations is not None else min(limit or DEFAULT_ITERATIONS, MAX_DEFAULT_ITERATIONS)
@@ -106,3 +120,13 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**f, "run_folder": str(folder) if folder is not None else None}))
     return 0
+
+
+def _placed(spec: ClusterSpec, objective: str | None, placement: str | None) -> ClusterSpec:
+    """The spec with --ttft-objective-ms and --placement applied (the knobs the live system reads)."""
+    prefill = spec.prefill
+    if objective is not None:
+        prefill = msgspec.structs.replace(prefill, ttft_objective_ms=objective_ms(objective, "--ttft-objective-ms"))
+    if placement is not None:
+        prefill = msgspec.structs.replace(prefill, placement=placement)
+    return msgspec.structs.replace(spec, prefill=prefill)

@@ -59,7 +59,9 @@ def figures(r: SimResult) -> dict[str, Any]:
         requests_served=answered,
         requests_expired=s.failed.get(FailureReason.DEADLINE.value, 0),
         requests_rejected=s.rejected,
-        requests_unfinished=s.sent - s.rejected - answered - sum(s.failed.values()),
+        requests_moved=s.moved,
+        requests_unfinished=s.sent - s.rejected - answered - sum(s.failed.values()) - s.moved,
+        bubble_token_share=None if s.bubble_token_share is None else round(s.bubble_token_share, 4),
         prefill_tokens_per_s=round(s.tokens / on.makespan, 1) if on.makespan > 0 else 0.0,
         recomputed_share=None if s.recomputed_share is None else round(s.recomputed_share, 4),
         events=events,
@@ -103,6 +105,15 @@ def lines(r: SimResult, f: dict[str, Any]) -> list[str]:
         f"{f['prefill_tokens_per_s']:.0f} prompt tokens/s",
         f"  {f['events']} events in {f['wall_s']:.2f} s",
     ]
+    if f["requests_moved"] or s.serving.objective_s is not None:
+        share = f["bubble_token_share"]
+        objective = "none" if s.serving.objective_s is None else f"{s.serving.objective_s * 1000:g} ms"
+        taken = "no" if share is None else f"{share:.1%} of the"
+        out.insert(
+            -1,
+            f"  placement {s.serving.placement.value}, TTFT objective {objective}: {f['requests_moved']} requests "
+            f"to the decoder, {taken} prompt tokens computed in the bubbles",
+        )
     return out
 
 

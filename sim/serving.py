@@ -14,11 +14,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from shared.control.status import FailureReason
 from shared.policies.decisions import Batch, Decisions
 from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request, WorkerReady
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
+from shared.policies.prompt_placement import Mode
 from shared.spec.config import BubbleTea
 from sim.executor import Executor, SimRequest
 
@@ -35,6 +37,10 @@ class ServingConfig:
     timeout_s: float  # a request's deadline after its arrival
     max_queue: int  # the front door's admission limit (beyond it: 429)
     bus_s: float  # one hop over the bus
+    #: a request's TTFT objective after its arrival (`prefill.ttft_objective_ms`), if any
+    objective_s: float | None = None
+    #: where prompts may be computed (`prefill.placement`): the decoder's are counted, not timed
+    placement: Mode = Mode.BUBBLES
 
 
 @dataclass
@@ -42,7 +48,10 @@ class ServingStats:
     sent: int = 0  # requests the load offered
     rejected: int = 0  # refused by admission control (the queue was full)
     ttfts_s: list[float] = field(default_factory=list)  # one per answered request
-    tokens: int = 0  # prompt tokens answered
+    tokens: int = 0  # prompt tokens answered (in the bubbles)
+    offered_tokens: int = 0  # prompt tokens of every request sent
+    moved: int = 0  # requests placed on the decoder (`prompt_placement`): at arrival or when their margin ran out
+    moved_tokens: int = 0
     failed: Counter[str] = field(default_factory=Counter)  # by FailureReason
     batches: int = 0
     returned: int = 0  # batches handed back unrun
@@ -53,6 +62,11 @@ class ServingStats:
     @property
     def recomputed_share(self) -> float | None:
         return self.layers_recomputed / self.layers_run if self.layers_run else None
+
+    @property
+    def bubble_token_share(self) -> float | None:
+        """Of the prompt tokens sent, the share computed in the bubbles (None before any was sent)."""
+        return self.tokens / self.offered_tokens if self.offered_tokens else None
 
 
 class Serving:
@@ -84,6 +98,7 @@ class Serving:
         self.spans: list[tuple[int, int, float, float]] = []
         self.iteration_of: Callable[[int], int] = lambda worker: 0
         self._seq = 0
+        self._moved: set[str] = set()  # requests placed on the decoder (their answer), by id
 
     def start(self) -> None:
         self._next_arrival()
@@ -139,6 +154,8 @@ class Serving:
     def answered(self, requests: list[SimRequest], now: float) -> None:
         back = now + self.cfg.bus_s  # the answer's trip to the front door
         for r in requests:
+            if r.id in self._moved:  # moved to the decoder while held on this worker: that was its answer
+                continue
             self.stats.ttfts_s.append(back - r.arrival)
             self.stats.tokens += r.tokens
 
@@ -176,7 +193,12 @@ class Serving:
             self.stats.batches += 1
             self.q.at(now + self.cfg.bus_s, self.executors[self._index[batch.worker]].on_batch, batch)
         for f in ds.failed:
-            self.stats.failed[f.reason.value] += 1
+            if f.reason is FailureReason.TO_DECODER:  # computed by the decoder: not a failure
+                self._moved.add(f.id)
+                self.stats.moved += 1
+                self.stats.moved_tokens += f.payload.tokens
+            else:
+                self.stats.failed[f.reason.value] += 1
 
     # --- the front door --------------------------------------------------------------------
 
@@ -187,8 +209,12 @@ class Serving:
 
     def _on_arrival(self, now: float, tokens: int) -> None:
         self.stats.sent += 1
+        self.stats.offered_tokens += tokens
         self._seq += 1
-        if len(self.state.requests) >= self.cfg.max_queue:
+        if self.cfg.placement is Mode.DECODER:  # the bubbles are not used
+            self.stats.moved += 1
+            self.stats.moved_tokens += tokens
+        elif len(self.state.requests) >= self.cfg.max_queue:
             self.stats.rejected += 1
         else:
             rid = f"q{self._seq}"
@@ -199,6 +225,8 @@ class Serving:
                 kv_bytes=self.cfg.kv_bytes(tokens),
                 deadline=now + self.cfg.timeout_s,
                 payload=SimRequest(rid, tokens, now),
+                objective=now + self.cfg.objective_s if self.cfg.objective_s is not None else None,
+                may_move=self.cfg.placement is Mode.AUTO,
             )
             self.q.at(now + self.cfg.bus_s, self._on_request, req)
         self._next_arrival()

@@ -14,6 +14,7 @@ from shared.model.info import CheckpointError, ModelInfo
 from shared.model.shape import max_prompt_tokens, model_info
 from shared.policies.pipeline_model import PipelineInputs
 from shared.policies.prefill_cost import PrefillProfile
+from shared.policies.prompt_placement import mode_of
 from shared.spec.config import ClusterSpec
 from shared.spec.plan import layers_per_stage, model_inputs, placement_of, profile_ms
 from sim.serving import ServingConfig
@@ -82,6 +83,8 @@ def build(spec: ClusterSpec, *, fwd_ms: float = DEFAULT_FWD_MS, bus_s: float = B
         timeout_s=spec.prefill.request_timeout_s,
         max_queue=spec.prefill.max_queue_depth,
         bus_s=bus_s,
+        objective_s=spec.prefill.ttft_objective_ms / 1000 if spec.prefill.ttft_objective_ms else None,
+        placement=mode_of(spec.prefill.placement, spec.decode.enabled, spec.decode.engine),
     )
     return SimSetup(spec, pipeline, serving, fwd, bwd, source, prefill_source, info)
 

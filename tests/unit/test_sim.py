@@ -310,3 +310,23 @@ def test_prompts_are_clamped_to_what_the_front_door_accepts() -> None:
     assert setup.spec.prefill.max_prompt_tokens == 512 and setup.max_prompt_tokens == 64
     lengths = [n for _, n in itertools.islice(generated(50.0, input_len=96, range_ratio=0.5, max_tokens=64), 200)]
     assert max(lengths) == 64 and min(lengths) >= 48
+
+
+def test_the_simulator_says_what_share_of_the_prompt_tokens_the_bubbles_take_at_an_objective(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`bubbletea simulate --placement auto --ttft-objective-ms`: the live placement policy, past the
+    bubbles' capacity, moves part of the load to the decoder; every request sent is counted once."""
+    argv = ["simulate", "--no-folder", "--json", "--iterations", "20", "--request-rate", "400"]
+    assert cli_main([*argv, "--ttft-objective-ms", "500", "--placement", "auto"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["requests_moved"] > 0 and 0.5 < auto["bubble_token_share"] < 1.0
+    counted = auto["requests_served"] + auto["requests_moved"] + auto["requests_expired"] + auto["requests_unfinished"]
+    assert counted == auto["requests_sent"]
+    assert auto["ttft_p99_ms"] <= 500  # what the bubbles answered, they answered within the objective
+    assert cli_main([*argv, "--ttft-objective-ms", "500", "--placement", "bubbles"]) == 0
+    only = json.loads(capsys.readouterr().out)
+    assert only["requests_moved"] == 0 and only["ttft_p99_ms"] <= 500  # the excess refused instead
+    assert cli_main([*argv, "--placement", "decoder"]) == 0
+    decoder = json.loads(capsys.readouterr().out)
+    assert decoder["requests_moved"] == decoder["requests_sent"] and decoder["bubble_token_share"] == 0
