@@ -83,7 +83,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import _vllm  # noqa: E402
+from bench import _pd_sweep, _vllm  # noqa: E402
 from bench._pd_load import Outcome, arm, arrivals, one, prompts  # noqa: E402
 from shared.figures.runstats import percentile  # noqa: E402
 
@@ -294,12 +294,10 @@ def _terminate(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through every `finally`: the servers stop
 
 
-def serve_and_run(
-    args: argparse.Namespace, python: Path
-) -> tuple[list[dict[str, Any]], dict[str, list[Outcome]], float | None, bool]:
-    """vLLM, `bubbletea up` in front of it, the pairs; everything stopped on the way out, Ctrl-C
-    included. The pairs, every request's outcome by arm, the time scale `up` ran at, and whether it
-    said it stopped cleanly."""
+def serve_and_run(args: argparse.Namespace, python: Path) -> tuple[Any, float | None, bool]:
+    """vLLM, `bubbletea up` in front of it, the pairs (or the sweep); everything stopped on the way
+    out, Ctrl-C included. What the pairs (the sweep) gave, the time scale `up` ran at, and whether
+    it said it stopped cleanly."""
     with contextlib.ExitStack() as stack:
         work = Path(args.keep) if args.keep else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         work.mkdir(parents=True, exist_ok=True)
@@ -321,11 +319,14 @@ def serve_and_run(
             stopped["clean"] = up_log.exists() and "==> stopped cleanly" in up_log.read_text("utf-8", "replace")
 
         stack.callback(said_stopped)
-        front = stack.enter_context(_vllm.bubbletea_up(spec, work / "up", "--decode", "vllm", "--vllm-url", vllm))
+        objective = ("--ttft-objective-ms", str(args.ttft_objective_ms))  # placement auto: vLLM is the decoder
+        up = _vllm.bubbletea_up(spec, work / "up", "--decode", "vllm", "--vllm-url", vllm, *objective)
+        front = stack.enter_context(up)
         k = time_scale(up_log.read_text(errors="replace"))
         _say(f"pd_vllm: front door at {front} (device time scale {k}); load {args.rate:g}/s for {args.duration:g} s")
-        pairs, pooled = asyncio.run(bench({"vllm": vllm, "front": front}, args))
-    return pairs, pooled, k, stopped.get("clean", False)
+        urls = {"vllm": vllm, "front": front}
+        got = asyncio.run(_pd_sweep.sweep(urls, args, run_arm, summary, _say) if args.sweep else bench(urls, args))
+    return got, k, stopped.get("clean", False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         "(default: a tiny seeded Llama made in a temporary directory)",
     )  # fmt: skip
     ap.add_argument("--keep", metavar="DIR", help="run in DIR and keep the logs (vllm.log, up/up.log) there")
+    _pd_sweep.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.sweep:
+        os.environ.setdefault("BUBBLETEA_TIME_SCALE", "1")  # k = 1: the objective's device ms are real ms
     args.duration = args.duration if args.duration is not None else (20.0 if args.quick else 60.0)
     args.pairs = args.pairs if args.pairs is not None else (1 if args.quick else 2)
     if args.pairs < 1 or args.rate <= 0 or args.duration <= 0:
@@ -368,11 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.perf_counter()
     try:
-        pairs, pooled, k, clean = serve_and_run(args, python)
+        got, k, clean = serve_and_run(args, python)
     except KeyboardInterrupt:
         _say("pd_vllm: interrupted; everything it started is stopped")
         return 130
-    res = result(pairs, pooled, k=k, args=args)
+    res = _pd_sweep.result(got, k, args) if args.sweep else result(*got, k=k, args=args)
     res["bench_s"] = round(time.perf_counter() - t0, 1)
     res["host_cpus"] = os.cpu_count()
     # `up` said it stopped cleanly: false when it had died before the end (its services, in its
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     if not clean:
         where = Path(args.keep) / "up" / "up.log" if args.keep else "--keep DIR keeps it"
         _say(f"pd_vllm: warning: bubbletea up did not say it stopped cleanly (its log: {where})")
-    _say(table(res))
+    _say(_pd_sweep.table(res) if args.sweep else table(res))
     print(json.dumps(res))
     return 0
 

@@ -94,3 +94,35 @@ def test_the_json_line_pools_requests_and_names_each_figure() -> None:
     assert res["ttft_p50_ratio"] == pytest.approx(4.0)
     assert res["prefill_tokens_off_vllm_share"] == pytest.approx(0.95)
     assert len(res["pairs"]) == 2 and res["sent_per_arm"] == 2
+
+
+def test_the_sweep_counts_every_request_sent_in_its_attainment_and_goodput() -> None:
+    from bench import _pd_sweep
+
+    fast = Outcome(ttft_s=0.1, second_s=0.11, e2e_s=0.25, tokens=16)  # TPOT 10 ms
+    slow_tokens = Outcome(ttft_s=0.1, second_s=0.3, e2e_s=3.1, tokens=16)  # TPOT 200 ms
+    late = Outcome(ttft_s=0.7, second_s=0.71, e2e_s=0.85, tokens=16)
+    outcomes = [fast, fast, slow_tokens, late, Outcome(failed="http_429")]
+    assert _pd_sweep.attainment(outcomes, 0.5) == 0.6  # 3 of 5 sent: the 429 and the late one miss
+    assert _pd_sweep.goodput_rps(outcomes, 0.5, 0.1, duration_s=2.0) == 1.0  # 2 meet both, over 2 s
+    assert _pd_sweep.attainment([], 0.5) is None
+
+
+def test_the_sweep_verdicts_are_the_issues_targets() -> None:
+    from bench import _pd_sweep
+
+    def arm(slo: float, p99: float | None, failed: dict[str, int]) -> dict[str, object]:
+        return {"slo_attainment": slo, "ttft_p99_ms": p99, "failed": failed}
+
+    light = {"vllm_alone": arm(1.0, 80.0, {}), "bubbletea_vllm": arm(0.995, 450.0, {})}
+    heavy = {"vllm_alone": arm(0.6, 900.0, {}), "bubbletea_vllm": arm(0.7, 800.0, {"http_429": 30})}
+    v = _pd_sweep.verdicts([light, heavy], 500.0)
+    assert v == {
+        "slo_attainment_within_0_01_everywhere": True,
+        "ttft_p99_within_objective_where_vllm_alone_is": True,
+        "no_429_where_vllm_alone_meets_objective": True,  # the 429s came where vLLM alone missed it too
+        "failed_other_than_429": 0,
+    }
+    light["bubbletea_vllm"] = arm(0.98, 520.0, {"http_429": 1, "timeout": 2})
+    v = _pd_sweep.verdicts([light, heavy], 500.0)
+    assert not any(v[k] for k in list(v)[:3]) and v["failed_other_than_429"] == 2
