@@ -224,13 +224,14 @@ class PrefillClient:
                 else:
                     answer = await self._complete(prompt, max_tokens)
         except RequestFailed as f:
-            return Outcome.failure(f.kind, f.message, len(prompt), f.status)
+            return Outcome.failure(f.kind, f.message, len(prompt), f.status, after_s=time.perf_counter() - start)
         except TimeoutError:
-            return Outcome.failure("timeout", f"no result within {self.timeout_s:g}s (--timeout)", len(prompt))
+            why = f"no result within {self.timeout_s:g}s (--timeout)"
+            return Outcome.failure("timeout", why, len(prompt), after_s=time.perf_counter() - start)
         except (aiohttp.ClientConnectionError, OSError) as exc:  # refused, reset, server disconnected
-            return Outcome.failure("connection_error", _describe(exc), len(prompt))
+            return Outcome.failure("connection_error", _describe(exc), len(prompt), after_s=time.perf_counter() - start)
         except aiohttp.ClientError as exc:  # anything else aiohttp raises (payload errors, ...)
-            return Outcome.failure("client_error", _describe(exc), len(prompt))
+            return Outcome.failure("client_error", _describe(exc), len(prompt), after_s=time.perf_counter() - start)
         # Not streamed: the whole answer is the first token and the last.
         end = time.perf_counter()
         first = answer.first_token_at if answer.first_token_at is not None else end

@@ -34,7 +34,7 @@ class Outcome:
     error: str | None = None  # the error class when not ok: "429", "timeout", ...
     message: str = ""  # the server's or the client's explanation
     output_tokens: int = 0  # usage.completion_tokens, else the chunks with a choice; 0: not said
-    latency_s: float | None = None  # end to end when ok; None: the same as ttft_s
+    latency_s: float | None = None  # end to end when ok (None: the same as ttft_s); to the failure when not
     itls: tuple[float, ...] = ()  # seconds between successive chunks with a choice
     streamed: bool = False  # the answer was streamed: each chunk's time is known
     sent_at: float = 0.0  # when it was sent, wall clock (Unix seconds; 0: not said)
@@ -45,8 +45,12 @@ class Outcome:
         return self.latency_s if self.latency_s is not None else self.ttft_s
 
     @staticmethod
-    def failure(kind: str, message: str, prompt_tokens: int, status: int | None = None) -> Outcome:
-        return Outcome(False, prompt_tokens, status=status, error=kind, message=message[:MAX_MESSAGE])
+    def failure(
+        kind: str, message: str, prompt_tokens: int, status: int | None = None, after_s: float | None = None
+    ) -> Outcome:
+        """A failed request; `after_s`: from its send to the failure (a 429's answer, a timeout)."""
+        message = message[:MAX_MESSAGE]
+        return Outcome(False, prompt_tokens, status=status, error=kind, message=message, latency_s=after_s)
 
 
 @dataclass(frozen=True)

@@ -268,6 +268,8 @@ def summarize(
     summary["output_lens"] = output_lens
     summary["errors"] = [error_text(o) for o in outcomes]
     summary["send_times"] = [o.sent_at for o in outcomes]  # ours: wall clock, to place each request in time
+    # ours: seconds from each send to its answer's last token, or to its failure (how fast a 429 came)
+    summary["answered_after"] = [o.e2el_s if o.e2el_s is not None else 0.0 for o in outcomes]
     summary["ttfts_ms"] = ttfts  # successful requests only, in ms (for plotting the distribution)
     return summary
 

@@ -92,6 +92,10 @@ async def test_errors_are_counted_by_status_and_written_to_json(redis_url: str, 
     assert "still queued" in messages["504"]
     assert result["ttfts_ms"] == [] and result["mean_ttft_ms"] is None and result["p99_ttft_ms"] is None
     assert result["ttfts"] == [0.0] * 12 and result["input_lens"] == lengths and result["output_lens"] == [0] * 12
+    # how soon each failure came: the 400s and 429s at once, the 504s after their 3 s deadline
+    after = list(zip(result["errors"], result["answered_after"], strict=True))
+    assert all(s < 2.0 for e, s in after if e.startswith(("HTTP 400", "HTTP 429")))
+    assert all(s >= 3.0 for e, s in after if e.startswith("HTTP 504"))
     assert result["model"] == "bubbletea-gpt" and result["endpoint"] == "completions"
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     table = format_summary(result)
