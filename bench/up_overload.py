@@ -1,0 +1,151 @@
+"""`bubbletea up` with no flags, offered several times what its bubbles serve: does every answered
+request meet the TTFT objective `up` states, and is the excess refused at once?
+
+Starts `bubbletea up` as a user would (the default spec, an embedded Redis, the time scale it measures
+here, the 500 ms objective it states; only ``--out``, a temporary folder), waits until it serves,
+then sends `--rate` requests/s for `--duration` s with the load generator (`loadgen.run_benchmark`:
+Poisson arrivals, open loop, streamed /v1/completions, prefill only, every request counted) and
+stops `up` as Ctrl-C does.
+
+Figures (host wall clock, real ms; the objective is device ms, times the time scale k `up` said):
+answered, refused with a 429, other failures; the answered requests' TTFT p50/p99 and the share of
+them within the objective; how soon a 429 came (p50/p99 of `answered_after`); offered over answered
+per second (what multiple of the bubbles' capacity was offered: the answered rate is what they
+served). The issue's case: 150 requests/s at k = 5.8 was about three times the capacity.
+
+    python bench/up_overload.py                 # 150/s for 60 s
+    python bench/up_overload.py --rate 100 --duration 30
+
+Prints a summary on stderr, then one JSON line last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from loadgen.cli import run_benchmark  # noqa: E402
+from loadgen.config import BenchmarkConfig  # noqa: E402
+from shared.figures.runstats import percentile  # noqa: E402
+
+#: What `bubbletea up` states when the spec names no objective (bubbletea/cli_up.py).
+OBJECTIVE_DEVICE_MS = 500.0
+
+
+@contextlib.contextmanager
+def up(out: Path) -> Any:
+    """`bubbletea up --out OUT`, nothing else; yields (API URL, time scale k) once it serves."""
+    log = out / "up.log"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "bubbletea.cli", "up", "--out", str(out / "runs")]
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_TIME_SCALE")}  # up's defaults
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            text = log.read_text(errors="replace")
+            api = re.search(r"API:\s+(http://\S+)", text)
+            scale = re.search(r"device time scale ([0-9.]+)", text)
+            if "training until Ctrl-C" in text and api and scale:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"up_overload: bubbletea up did not start serving:\n{text[-3000:]}")
+            time.sleep(0.5)
+        yield api.group(1), float(scale.group(1))
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def figures(result: dict[str, Any], objective_ms: float, rate: float, duration_s: float) -> dict[str, Any]:
+    """The JSON line's figures from the load generator's result (every request sent counted)."""
+    errors, after = result["errors"], result["answered_after"]
+    ttfts = [t * 1000 for t, e in zip(result["ttfts"], errors, strict=True) if not e]
+    refused = [a * 1000 for a, e in zip(after, errors, strict=True) if e.startswith("HTTP 429")]
+    others = sum(1 for e in errors if e and not e.startswith("HTTP 429"))
+    answered = len(ttfts)
+    within = sum(1 for t in ttfts if t <= objective_ms)
+
+    def ms(values: list[float], p: float) -> float | None:
+        v = percentile(values, p)
+        return None if v is None else round(v, 1)
+
+    return {
+        "sent": len(errors),
+        "answered": answered,
+        "refused_429": len(refused),
+        "failed_other": others,
+        "answered_ttft_p50_ms": ms(ttfts, 50),
+        "answered_ttft_p99_ms": ms(ttfts, 99),
+        "answered_within_objective_share": round(within / answered, 4) if answered else None,
+        "refusal_after_p50_ms": ms(refused, 50),
+        "refusal_after_p99_ms": ms(refused, 99),
+        "offered_rps": rate,
+        "answered_rps": round(answered / duration_s, 2),
+        "offered_over_answered": round(rate * duration_s / answered, 2) if answered else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=150.0, metavar="RPS", help="Poisson arrivals per second; default 150")
+    ap.add_argument("--duration", type=float, default=60.0, metavar="S", help="seconds of arrivals; default 60")
+    ap.add_argument("--seed", type=int, default=0, help="the load's seed; default 0")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp, up(Path(tmp)) as (url, k):
+        objective_ms = OBJECTIVE_DEVICE_MS * k
+        print(f"up_overload: up at {url}, k = {k:g}: objective {objective_ms:.0f} real ms; "
+              f"{args.rate:g}/s for {args.duration:g} s", file=sys.stderr)  # fmt: skip
+        cfg = BenchmarkConfig(
+            base_url=url,
+            request_rate=args.rate,
+            num_prompts=None,
+            duration_s=args.duration,
+            input_len=96,
+            range_ratio=0.5,
+            seed=args.seed,
+            disable_tqdm=True,
+            timeout_s=120.0,
+        )
+        result = asyncio.run(run_benchmark(cfg))
+    out = {
+        "bench": "up_overload",
+        "clock": "host wall",
+        "time_scale": k,
+        "objective_device_ms": OBJECTIVE_DEVICE_MS,
+        "objective_real_ms": round(objective_ms, 1),
+        "duration_s": args.duration,
+        **figures(result, objective_ms, args.rate, args.duration),
+    }
+    said = (
+        f"up_overload: {out['answered']} answered (TTFT p99 {out['answered_ttft_p99_ms']} ms, "
+        f"{out['answered_within_objective_share']} within the objective), {out['refused_429']} refused with a 429 "
+        f"(p99 after {out['refusal_after_p99_ms']} ms), {out['failed_other']} other failures"
+    )
+    print(said, file=sys.stderr)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
