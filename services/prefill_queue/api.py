@@ -15,6 +15,7 @@ from services.prefill_queue.state import BUS, GATE, METRICS, SETTINGS, instance_
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import serving
+from shared.control.serving import Readiness
 from shared.control.status import FailureReason, RequestStatus
 from shared.model.info import CheckpointError, ModelInfo
 from shared.model.shape import max_prompt_tokens, model_info
@@ -46,13 +47,19 @@ FAILURE_STATUS: dict[FailureReason, int] = {
 }
 
 
-async def refuse_if_not_serving(app: web.Application) -> None:
-    """503 with Retry-After and the reason, at once, when the dispatcher says nothing can serve.
-    A refusal is checked against a fresh read: the cached verdict may be a poll interval old."""
+async def not_serving(app: web.Application) -> Readiness | None:
+    """The dispatcher's word that the bubbles cannot serve now (None: they can). A refusal is
+    checked against a fresh read: the cached verdict may be a poll interval old."""
     v = app[GATE].refusal()
     if v is not None:
         await read_gate(app)
         v = app[GATE].refusal()
+    return v
+
+
+async def refuse_if_not_serving(app: web.Application) -> None:
+    """503 with Retry-After and the reason, at once, when the dispatcher says nothing can serve."""
+    v = await not_serving(app)
     if v is not None:
         app[METRICS].requests.labels("unavailable").inc()
         raise BadRequest(

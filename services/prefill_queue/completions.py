@@ -40,6 +40,7 @@ from services.prefill_queue.api import (
     kv_params,
     limits,
     new_request,
+    not_serving,
     read_json,
     refuse_if_not_serving,
 )
@@ -66,10 +67,13 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
     starts the answer's id)."""
     app = request.app
     lim = limits(app)
-    await refuse_if_not_serving(app)  # once for all the prompts: none is queued if the answer is no
+    mode = placement_mode(app, c)
+    if mode is Mode.AUTO and await not_serving(app) is not None:
+        mode = Mode.DECODER  # the bubbles cannot serve now (training stopped, a worker lost): the decoder can
+    elif mode is Mode.BUBBLES:
+        await refuse_if_not_serving(app)  # once for all the prompts: none is queued if the answer is no
     completion_id = _completion_id(request, prefix)
     ids = [completion_id] if len(c.prompts) == 1 else [f"{completion_id}-{i}" for i in range(len(c.prompts))]
-    mode = placement_mode(app, c)
     waiters = {rid: app[WAITERS].expect(rid) for rid in ids}
     try:
         if mode is Mode.DECODER:  # the bubbles are not used: the decoder computes every prompt

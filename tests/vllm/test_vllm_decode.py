@@ -48,8 +48,8 @@ def vllm(workdir: Path, model: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def front_door(workdir: Path, model: Path, vllm: str) -> Iterator[str]:
-    # placement auto (the default with vLLM), with an objective every prompt meets in the bubbles
-    # unless it names its own: the tests below pin the bubbles' path, and the last one the decoder's
+    # placement auto (the default with vLLM), with an objective every prompt meets in the bubbles:
+    # these tests pin the bubbles' path (the decoder's: `decoder_door`)
     spec = serving_spec(workdir, model, kv_ttl_s=KV_TTL_S, request_timeout_s=120, ttft_objective_ms=600_000)
     with bubbletea_up(spec, workdir / "up", "--decode", "vllm", "--vllm-url", vllm) as api:
         yield api
@@ -200,27 +200,35 @@ def test_up_starts_vllm_itself_serves_through_it_and_leaves_nothing_behind(workd
         os.killpg(vllm_pid, 0)
 
 
-async def test_a_prompt_the_bubbles_cannot_serve_by_its_objective_is_computed_by_vllm_once(
-    vllm: str, front_door: str
+@pytest.fixture(scope="module")
+def decoder_door(workdir: Path, model: Path, vllm: str) -> Iterator[str]:
+    """A second front door, `prefill.placement: decoder`: vLLM computes every prompt itself."""
+    spec = serving_spec(workdir / "decoder", model, request_timeout_s=120, placement="decoder")
+    with bubbletea_up(spec, workdir / "decoder", "--decode", "vllm", "--vllm-url", vllm) as api:
+        yield api
+
+
+async def test_a_prompt_placed_on_the_decoder_is_computed_by_vllm_once_and_the_answer_says_so(
+    vllm: str, decoder_door: str
 ) -> None:
-    """A 1 ms objective: no bubble can meet it, so the dispatcher moves the prompt to the decoder,
-    which computes it itself (the first decoder-placed prompt: no rate of vLLM known, so it is
-    tried). The answer says so, its tokens are vLLM alone's, and vLLM computed the prompt once.
-    The next such prompt is refused at once: vLLM's measured rate cannot meet 1 ms either."""
+    """Placed on the decoder, a prompt is one vLLM request: vLLM computes the prompt (its
+    `local_compute` counter grows by the prompt's length, not twice that) and its tokens are vLLM
+    alone's; the usage says `decoder_tokens`. With vLLM's rate measured, a 1 ms objective is one it
+    cannot meet: that request is refused at once with a 429 saying why."""
     p = prompts()[5]
     body = {"model": MODEL_NAME, "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}  # fmt: skip
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
         local0 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="local_compute")
-        status, moved = await post(http, front_door, {**body, "ttft_objective_ms": 1})
+        status, placed = await post(http, decoder_door, body)
+        assert status == 200, placed
         local1 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="local_compute")
-        assert status == 200, moved
         status, alone = await post(http, vllm, body)
         assert status == 200, alone
-        async with http.post(f"{front_door}/v1/completions", json={**body, "ttft_objective_ms": 1}) as resp:
+        async with http.post(f"{decoder_door}/v1/completions", json={**body, "ttft_objective_ms": 1}) as resp:
             refused, retry_after = resp.status, resp.headers.get("Retry-After")
             error = (await resp.json())["error"]["message"]
-    assert moved["usage"]["prompt_tokens_details"] == {"bubble_tokens": 0, "decoder_tokens": len(p)}
-    assert moved["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
-    assert local1 - local0 == len(p)  # the prompt once: its first token and the rest are one vLLM request
-    assert refused == 429 and retry_after is not None and "decoder" in error, error
+    assert placed["usage"]["prompt_tokens_details"] == {"bubble_tokens": 0, "decoder_tokens": len(p)}
+    assert placed["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    assert local1 - local0 == len(p)  # once: its first token and the rest are one vLLM request
+    assert refused == 429 and retry_after is not None and "the decoder has" in error, error
