@@ -35,6 +35,11 @@ log = get_logger(__name__)
 QUORUM_S = 0.3
 
 
+#: How long a worker stopped by SIGTERM asks Redis whether it is to leave or stop (a quick answer
+#: from a live Redis; none from one that died with its launcher: then it stops).
+ASK_S = 2.0
+
+
 async def told_to_leave(runner: StageRunner) -> None:
     """Say this slot was told to leave (as the signal comes, so peers stopped together see it)."""
     key = keys.leaving_key(runner.run)

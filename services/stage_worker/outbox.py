@@ -12,7 +12,14 @@ import time
 from collections.abc import Sequence
 
 from shared.bus import Bus
+from shared.runtime.logs import get_logger
 from shared.wire import Message, Transfer, encode
+
+log = get_logger(__name__)
+
+#: How long a closing outbox waits for the bus to take what is queued (a Redis restart takes about
+#: a second; a Redis gone for good, for ever).
+CLOSE_GRACE_S = 10.0
 
 
 def wan_transfer(
@@ -63,10 +70,17 @@ class Outbox:
         if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
             raise RuntimeError("publishing to the bus failed") from self._task.exception()
 
-    async def close(self) -> None:
-        """Send everything queued, then stop."""
+    async def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Send everything queued, then stop. A bus that takes nothing for `grace_s` (its Redis died
+        with the launcher, say: the publish rides the outage out, for ever) gets no more: what is
+        left is dropped, saying how much, and the worker stops rather than wait for ever."""
         if not self._task.done():
-            await self._queue.join()
+            try:
+                async with asyncio.timeout(grace_s):
+                    await self._queue.join()
+            except TimeoutError:
+                left = self._queue.qsize() + 1  # and the one being published
+                log.warning("messages not sent: the bus took none for the grace period", left=left, grace_s=grace_s)
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self.raise_if_failed()

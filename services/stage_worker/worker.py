@@ -11,6 +11,7 @@ the slot and stops with an error instead of waiting forever for tensors that wil
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -22,7 +23,7 @@ import torch
 from services.stage_worker import chaos
 from services.stage_worker.filler import Filler
 from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
-from services.stage_worker.leaving import told_to_leave
+from services.stage_worker.leaving import ASK_S, told_to_leave
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.membership import take_part
 from services.stage_worker.metrics import WorkerMetrics
@@ -309,14 +310,20 @@ async def _train(
 
 async def _route_stop(stop: asyncio.Event, stop_run: asyncio.Event, leave: asyncio.Event, runner: StageRunner) -> None:
     """What a signal asks of this worker. SIGTERM alone (an orchestrator evicting or draining it)
-    asks it to leave while the run goes on (`leaving.py`); any other stop, and a SIGTERM once its
-    launcher marked the run stopping, stops the whole run, as before drains."""
+    asks it to leave while the run goes on (`leaving.py`); any other stop, a SIGTERM once its
+    launcher marked the run stopping, and the SIGTERM of its parent's death (`die_with_parent`: a
+    launcher killed with SIGKILL, its Redis likely gone with it) stop the whole run, as before
+    drains. Redis is asked for `ASK_S` at most: unanswered, it is a stop (a worker once waited for
+    ever on a Redis that had died with its launcher)."""
+    parent = os.getppid()
     await stop.wait()
+    drain = stopped_by(stop) is signal.SIGTERM and os.getppid() == parent
     try:
-        drain = stopped_by(stop) is signal.SIGTERM and not await runner.bus.redis.exists(keys.run_stop_key(runner.run))
-        if drain:
-            await told_to_leave(runner)
-    except TRANSIENT_ERRORS:  # no Redis to ask: a stop, as before
+        async with asyncio.timeout(ASK_S):
+            drain = drain and not await runner.bus.redis.exists(keys.run_stop_key(runner.run))
+            if drain:
+                await told_to_leave(runner)
+    except TRANSIENT_ERRORS:  # no Redis to ask (TimeoutError is an OSError): a stop, as before
         drain = False
     (leave if drain else stop_run).set()
 

@@ -388,3 +388,39 @@ def test_a_command_that_returns_leaves_no_process_of_its_own_behind(tmp_path: Pa
         )  # fmt: skip
         assert p.wait(timeout=120) == 0, (tmp_path / "out.txt").read_text()[-2000:]
     assert not group_alive(p.pid), "the command's process group outlived it (its fork server, its resource tracker)"
+
+
+async def test_a_launcher_killed_with_sigkill_leaves_no_service_behind(tmp_path: Path) -> None:
+    """kill -9 `up`'s whole process group (an OOM killer, a crashed terminal): its services, each in a
+    session of its own, get SIGTERM from their parent's death, and a stage worker takes that for a
+    stop, not a drain (its Redis died too: it once waited on it for ever). Nothing outlives it."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "127.0.0.1", "port": 0}}))
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | GIVEN_SCALE
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), "--out", str(tmp_path / "runs")),
+        cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen: list[str] = []
+    try:
+        await _read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+    pids = {label: int(pid) for label, pid in re.findall(r"==> started (\S+) \(pid (\d+)\)", "".join(seen))}
+    assert any(label.startswith("stage_worker") for label in pids), pids
+
+    def alive() -> dict[str, int]:
+        return {label: pid for label, pid in pids.items() if Path(f"/proc/{pid}").exists()}
+
+    async def gone() -> bool:
+        return not alive()
+
+    try:
+        await wait_until(gone, "every service gone after its launcher was killed", timeout=30)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: still there: {alive()} (of {pids})") from None
+    finally:
+        for pid in alive().values():  # what the test started: stopped, whatever it found
+            os.kill(pid, signal.SIGKILL)
