@@ -168,7 +168,12 @@ def bubbletea_up(spec: Path, out: Path, *args: str) -> Iterator[str]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "bubbletea.cli", "up", "--config", str(spec), "--out", str(out / "runs"), *args]
     with log.open("wb") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            # Ctrl-C (SIGINT) stops it even when this runs in the background of a shell, which
+            # starts it with SIGINT ignored: inherited, `up` would never stop on the one sent below
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
     try:
         deadline = time.monotonic() + 480  # with --decode vllm, up waits for vLLM to load first
         while True:

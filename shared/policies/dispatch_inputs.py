@@ -67,8 +67,10 @@ class Request:
 
     @property
     def objective_s(self) -> float | None:
-        """Its objective's length (from its arrival), if it has one."""
-        return self.objective - self.arrival if self.objective is not None else None
+        """With an objective: the time it is given from its arrival to when it is due (its objective,
+        or its deadline if that comes first), of which placement keeps a share; else None."""
+        due = self.due
+        return due - self.arrival if self.objective is not None and due is not None else None
 
     def late(self, now: float) -> str:
         """Why it failed at its deadline, in a sentence."""

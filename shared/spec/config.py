@@ -216,7 +216,7 @@ def check_decode(spec: ClusterSpec) -> None:
     """The decode section against the prefill section (also after environment overrides)."""
     d, p = spec.decode, spec.prefill
     if d.engine != "vllm":
-        if p.placement in ("auto", "decoder"):  # the built-in decoder continues a prefill only
+        if d.enabled and p.placement in ("auto", "decoder"):  # the built-in decoder continues a prefill only
             raise ConfigError(f"prefill.placement: {p.placement} needs a decoder that computes prompts (vllm)")
         return
     if not d.vllm_url.startswith(("http://", "https://")):

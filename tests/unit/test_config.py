@@ -199,7 +199,9 @@ def test_the_ttft_objective_is_none_unless_stated_and_a_service_may_be_given_one
     assert load_settings(env={"BUBBLETEA_TTFT_OBJECTIVE_MS": "500"}).spec.prefill.ttft_objective_ms == 500.0
     assert load_settings(env={"BUBBLETEA_TTFT_OBJECTIVE_MS": "none"}).spec.prefill.ttft_objective_ms is None
     with pytest.raises(ConfigError, match="needs a decoder that computes prompts"):
-        parse_spec({**yaml.safe_load(DEFAULT_SPEC.read_text()), "prefill": {"placement": "auto"}})
+        parse_spec(
+            {**yaml.safe_load(DEFAULT_SPEC.read_text()), "prefill": {"placement": "auto"}, "decode": {"enabled": True}}
+        )
 
 
 def test_service_without_redis_url_gets_clear_error() -> None:

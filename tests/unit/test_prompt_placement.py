@@ -98,3 +98,13 @@ def test_a_waiting_request_moves_to_the_decoder_when_its_margin_runs_out() -> No
     ds = s.tick(0.51)
     assert [(f.id, f.reason) for f in ds.failed] == [("stays", FailureReason.DEADLINE)]
     assert "objective passed" in ds.failed[0].detail
+
+
+def test_the_share_kept_is_of_the_time_to_when_it_is_due_its_deadline_if_that_comes_first() -> None:
+    """A 600 s objective and a 120 s deadline: it is due in 120 s, and its reserve is 30% of those
+    (a reserve of 30% of 600 s once moved every such request at its first tick)."""
+    s = DispatchState(layers=4, max_batch=8, cost=PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)]))
+    s.add_request(Request("r", 50, 0.0, 1, deadline=120.0, objective=600.0, may_move=True), 0.0)
+    assert not s.tick(1.0).failed and "r" in s.requests
+    moved = s.tick(placement.moves_at(120.0, 120.0, 0.05) + 0.01).failed
+    assert [f.reason for f in moved] == [FailureReason.TO_DECODER]
