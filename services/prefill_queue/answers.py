@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from aiohttp import web
@@ -153,15 +153,20 @@ def usage(results: list[PrefillResult]) -> dict[str, Any]:
     """OpenAI's usage, with where the prompt tokens were computed in ``prompt_tokens_details``: an
     extension (``bubble_tokens``: in training bubbles; ``decoder_tokens``: by the decoder itself)."""
     prompt = sum(r.prompt_tokens for r in results)
-    where = {
-        f"{p.value.removesuffix('s')}_tokens": sum(r.prompt_tokens for r in results if r.placement is p)
-        for p in PromptPlacement
-    }
     return {
         "prompt_tokens": prompt,
         "completion_tokens": len(results),
         "total_tokens": prompt + len(results),
-        "prompt_tokens_details": where,
+        "prompt_tokens_details": prompt_tokens_details(results),
+    }
+
+
+def prompt_tokens_details(results: Iterable[PrefillResult]) -> dict[str, int]:
+    """Where the prompt tokens were computed: ``bubble_tokens`` and ``decoder_tokens``."""
+    done = list(results)
+    return {
+        f"{p.value.removesuffix('s')}_tokens": sum(r.prompt_tokens for r in done if r.placement is p)
+        for p in PromptPlacement
     }
 
 

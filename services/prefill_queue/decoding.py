@@ -26,7 +26,15 @@ import msgspec
 from aiohttp import web
 
 from services.prefill_queue import on_decoder
-from services.prefill_queue.answers import DEADLINE_GRACE_S, head, observe, opening, raise_if_failed, shaped
+from services.prefill_queue.answers import (
+    DEADLINE_GRACE_S,
+    head,
+    observe,
+    opening,
+    prompt_tokens_details,
+    raise_if_failed,
+    shaped,
+)
 from services.prefill_queue.api import FAILURE_STATUS, kv_params, served_model
 from services.prefill_queue.state import BUS, SETTINGS, STOPPING, VLLM, WAITERS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Completion
@@ -259,10 +267,15 @@ def _whole_choice(i: int, t: _Text, text: str | None = None) -> dict[str, Any]:
 
 def _whole_usage(
     reqs: list[PrefillRequest], results: dict[str, PrefillResult], texts: dict[str, _Text]
-) -> dict[str, int]:
+) -> dict[str, Any]:
     prompt = sum(r.prompt_tokens for r in results.values())
     completion = sum(len(texts[r.id].tokens) for r in reqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": prompt_tokens_details(results.values()),  # where they were computed
+    }
 
 
 async def _stream_whole(
