@@ -48,26 +48,26 @@ async def compute(
     sent = time.time()
     tokens = len(req.tokens)
     load = app[LOAD]
-    verdict = load.verdict(tokens, req.objective - sent if req.objective is not None else None)
+    verdict = load.verdict(req.objective - sent if req.objective is not None else None)
     if verdict.where is None:
         why = f"{moved_why}; {verdict.why}" if moved_why else verdict.why
         return _failed(req, FailureReason.OVERLOADED, why, sent)
-    load.sent(tokens)
+    load.sent()
     timeout_s = deadline_s(req, app[SETTINGS].spec.prefill.request_timeout_s)
     stream = vllm.continue_completion(req, None, {}, c.max_tokens, c.stop, c.ignore_eos, timeout_s)
     try:
         first = await anext(stream)
     except BaseException:
-        load.answered(tokens, None)
+        load.answered(None)
         await stream.aclose()
         raise
     now = time.time()
     if first.status is RequestStatus.FAILED or not first.tokens:
-        load.answered(tokens, None)
+        load.answered(None)
         await stream.aclose()
         reason = first.reason or FailureReason.KV_MISSING
         return _failed(req, reason, first.error or "the decoder sent no token", sent)
-    load.answered(tokens, now - sent)
+    load.answered(now - sent)
     if c.max_tokens > 1:
         app[REST][req.id] = (first, stream)
     else:

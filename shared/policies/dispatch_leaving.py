@@ -32,6 +32,10 @@ class Leaving:
     _queue: WaitingQueue
     _admission: Admission
 
+    @property
+    def tick_s(self) -> float:  # DispatchState's: how often the timer comes
+        raise NotImplementedError
+
     def _remaining_s(self, req: Request) -> float:  # dispatch_fill.Filling's
         raise NotImplementedError
 
@@ -65,7 +69,8 @@ class Leaving:
         for r in self._not_running():
             if r.may_move and r.objective is not None and r.due is not None:
                 objective_s = r.objective_s if r.objective_s is not None else 0.0
-                if now >= placement.moves_at(r.due, objective_s, self._remaining_s(r)):
+                # at the last tick before its latest start: a tick later would eat into the reserve
+                if now + self.tick_s >= placement.moves_at(r.due, objective_s, self._remaining_s(r)):
                     moved.append(r)
                     continue
             if r.due is not None and r.due < now:

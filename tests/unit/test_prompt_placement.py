@@ -41,19 +41,23 @@ def test_a_prompt_moves_when_its_bubble_has_not_come_by_the_latest_start() -> No
     assert placement.moves_at(1.0, 0.5, 0.1) == pytest.approx(1.0 - RESERVE * 0.5 - 0.1)
 
 
-def test_the_decoder_refuses_what_its_queue_cannot_finish_by_the_objective() -> None:
+def test_the_decoder_refuses_what_its_recent_prompts_say_it_cannot_finish_by_the_objective() -> None:
     d = DecoderLoad()
-    assert d.verdict(1000, 0.5).where is Where.DECODER  # no rate yet: sent
-    d.sent(1000)
-    d.answered(1000, 0.1)  # 10,000 prompt tokens per second
-    assert d.rate() == pytest.approx(10_000)
-    d.sent(3000)  # 0.3 s of prompts ahead
-    assert d.verdict(1000, 0.5).where is Where.DECODER  # 0.4 s <= 0.5 s
-    refused = d.verdict(3000, 0.5)
-    assert refused.where is None and "overloaded" in refused.why  # 0.6 s > 0.5 s
-    d.answered(3000, None)  # failed: no longer ahead, and no rate learned from it
-    assert d.in_flight_tokens == 0 and d.rate() == pytest.approx(10_000)
-    assert d.verdict(10**6, None).where is Where.DECODER  # no objective: never refused
+    assert d.verdict(0.5).where is Where.DECODER  # nothing measured yet: sent
+    for seconds in [0.02] * 9 + [0.3]:  # nine quick first tokens, one slow
+        d.sent()
+        d.answered(seconds)
+    assert d.predicted_s() == pytest.approx(0.3)  # the 90th percentile of ten: the slow one
+    assert d.verdict(0.5).where is Where.DECODER
+    refused = d.verdict(0.1)
+    assert refused.where is None and "overloaded" in refused.why and "0.300s" in refused.why
+    for _ in range(32):  # the window moves on: quick again
+        d.answered(0.02)
+    assert d.predicted_s() == pytest.approx(0.02) and d.verdict(0.1).where is Where.DECODER
+    d.sent()
+    d.answered(None)  # failed: no time learned from it
+    assert d.in_flight == 0 and d.predicted_s() == pytest.approx(0.02)
+    assert d.verdict(None).where is Where.DECODER  # no objective: never refused
 
 
 def saturated_state() -> tuple[DispatchState, float]:
@@ -88,9 +92,9 @@ def test_a_waiting_request_moves_to_the_decoder_when_its_margin_runs_out() -> No
     s = DispatchState(layers=4, max_batch=8, cost=cost)  # no bubble seen: no rate, so admitted
     s.add_request(Request("r", 50, 0.0, 1, deadline=60.0, objective=0.5, may_move=True, ticket="t"), 0.0)
     s.add_request(Request("stays", 50, 0.0, 1, deadline=60.0, objective=0.5, ticket="u"), 0.0)
-    move_at = placement.moves_at(0.5, 0.5, 0.05)  # 0.3 s
-    assert not s.tick(move_at - 0.01).failed  # its margin has not run out
-    ds = s.tick(move_at + 0.01)
+    move_at = placement.moves_at(0.5, 0.5, 0.05)  # 0.3 s; moved at the last tick before it
+    assert not s.tick(move_at - s.tick_s - 0.01).failed  # its margin has not run out
+    ds = s.tick(move_at - s.tick_s + 0.01)
     assert [(f.id, f.reason, f.ticket) for f in ds.failed] == [("r", FailureReason.TO_DECODER, "t")]
     assert "r" not in s.requests and s.counts.moved == 1
     # one with no decoder waits until its objective, and is failed there: never queued past it
@@ -106,5 +110,5 @@ def test_the_share_kept_is_of_the_time_to_when_it_is_due_its_deadline_if_that_co
     s = DispatchState(layers=4, max_batch=8, cost=PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)]))
     s.add_request(Request("r", 50, 0.0, 1, deadline=120.0, objective=600.0, may_move=True), 0.0)
     assert not s.tick(1.0).failed and "r" in s.requests
-    moved = s.tick(placement.moves_at(120.0, 120.0, 0.05) + 0.01).failed
+    moved = s.tick(placement.moves_at(120.0, 120.0, 0.05) - s.tick_s + 0.01).failed
     assert [f.reason for f in moved] == [FailureReason.TO_DECODER]
