@@ -27,6 +27,15 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int
     return blocks[pos // block_size] * block_size + pos % block_size
 
 
+def blocks_written(block_ids: Sequence[int], block_size: int, start: int, end: int) -> set[int]:
+    """The blocks that positions [start, end) of a request whose blocks are `block_ids` live in.
+    vLLM asks the connector past a block-aligned head of its own prefix cache, so `start` is on a
+    block boundary and none of these is a cached block other requests share."""
+    if start >= end:
+        return set()
+    return set(block_ids[start // block_size : (end - 1) // block_size + 1])
+
+
 class CacheFile:
     """The tensors of one BubbleTea KV cache file, read once, sliced per layer."""
 

@@ -1,13 +1,16 @@
-"""The vLLM connector's pure parts (bubbletea_vllm: handle, layout), without vLLM.
+"""The vLLM connector's pure parts (bubbletea_vllm: handle, layout, holders), without vLLM.
 
 The connector itself runs inside vLLM and is tested there (tests/vllm, `make test-vllm`)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from bubbletea_vllm.handle import BadCache, Handle, check, layer_index, metadata, parse_handle
-from bubbletea_vllm.layout import CacheFile, slot_mapping
+from bubbletea_vllm.holders import HolderQueues
+from bubbletea_vllm.layout import CacheFile, blocks_written, slot_mapping
 
 from shared.dataplane.kvstore import kv_file
 
@@ -91,3 +94,37 @@ def test_layer_names_give_the_decoder_layer() -> None:
     assert layer_index("language_model.model.layers.12.self_attn.attn") == 12
     with pytest.raises(BadCache):
         layer_index("lm_head")
+
+
+def test_a_failed_load_names_the_blocks_it_was_to_write() -> None:
+    # positions 32..69 of a request with blocks [4, 9, 2] of 32: blocks 9 and 2, not block 4, which
+    # holds vLLM's own (prefix-cached, maybe shared) positions 0..31
+    assert blocks_written([4, 9, 2], 32, 32, 70) == {9, 2}
+    assert blocks_written([4, 9, 2], 32, 0, 64) == {4, 9}
+    assert blocks_written([4, 9, 2], 32, 5, 5) == set()
+
+
+def test_jobs_take_turns_per_holder_and_one_stuck_holder_holds_up_only_its_own() -> None:
+    q = HolderQueues("test")
+    release, done = threading.Event(), []
+    q.submit("stuck:1", lambda: (release.wait(10), done.append("stuck-1")))
+    q.submit("stuck:1", lambda: done.append("stuck-2"))  # behind the stuck one
+    q.submit("fine:2", lambda: done.append("fine"))
+    assert not q.wait_idle(timeout_s=0.5)
+    assert done == ["fine"] and q.pending() == 2
+    release.set()
+    assert q.wait_idle(timeout_s=10)
+    assert done == ["fine", "stuck-1", "stuck-2"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-")]  # none lingers once idle
+
+
+def test_a_job_that_raises_does_not_stop_its_holders_queue() -> None:
+    q = HolderQueues("test")
+    done: list[str] = []
+
+    def boom() -> None:
+        raise RuntimeError("a bug")
+
+    q.submit("h:1", boom)
+    q.submit("h:1", lambda: done.append("next"))
+    assert q.wait_idle(timeout_s=10) and done == ["next"]
