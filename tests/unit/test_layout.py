@@ -136,7 +136,7 @@ from .consumer import Consumer
 def test_the_graph_sees_every_package() -> None:
     graph = import_graph()
     assert {top(m) for m in graph} == set(PACKAGES), "a package was not found: is ROOT right?"
-    assert "bubbletea_vllm.handle" in graph["bubbletea_vllm.connector"]  # the connector's own folder
+    assert "bubbletea_vllm.scheduler" in graph["bubbletea_vllm.connector"]  # the connector's own folder
 
 
 def test_services_and_shared_do_not_import_the_tools() -> None:
