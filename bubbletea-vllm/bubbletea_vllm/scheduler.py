@@ -32,7 +32,7 @@ from bubbletea_vllm.handle import BadCache, Handle, parse_handle
 from bubbletea_vllm.holders import HolderQueues
 from bubbletea_vllm.kvclient import KvClient
 from bubbletea_vllm.metadata import BubbleTeaMetadata, ConnectorContractError, Load
-from bubbletea_vllm.stats import BubbleTeaStats
+from bubbletea_vllm.stats import SCHEDULER_SIDE, BubbleTeaStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -54,12 +54,14 @@ class BubbleTeaScheduler:
         self.shipped: dict[str, set[int]] = {}  # loads under way on the workers: the blocks each writes
         self.failed: set[str] = set()  # live requests whose cache failed to load: not offered again
         self.frees = HolderQueues("bubbletea-kv-free")
-        self._stats = BubbleTeaStats()
+        self._stats = BubbleTeaStats()  # this interval's, for vLLM
+        self.totals = BubbleTeaStats()  # since start, for the line logged at shutdown
         self._stats_lock = threading.Lock()  # frees are counted on the freeing threads
 
     def _count(self, name: str) -> None:
         with self._stats_lock:
             self._stats.count(name)
+            self.totals.count(name)
 
     def _handle(self, request: Request) -> Handle | None:
         try:
@@ -165,4 +167,7 @@ class BubbleTeaScheduler:
     def shutdown(self) -> None:
         if not self.frees.wait_idle(timeout_s=2.0):
             logger.warning("stopping with %d BubbleTea KV cache frees not done", self.frees.pending())
+        with self._stats_lock:
+            totals = ", ".join(f"{k}={self.totals.data[k]}" for k in SCHEDULER_SIDE)
+        logger.info("BubbleTea connector (scheduler) stopping: %s", totals)
         self.client.close()

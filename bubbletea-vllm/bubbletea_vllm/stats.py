@@ -29,6 +29,8 @@ COUNTS = {
     "fallbacks": "Requests with a BubbleTea handle but no cache to load: vLLM computed the prompt",
     "frees": "KV caches freed on their holder once their request finished",
 }
+#: The counts the scheduler side keeps (the workers keep the others).
+SCHEDULER_SIDE = ("fallbacks", "frees")
 #: Seconds to fetch and write one cache, per load that succeeded.
 LOAD_SECONDS = "load_seconds"
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -34,7 +34,7 @@ from bubbletea_vllm.holders import HolderQueues
 from bubbletea_vllm.kvclient import KvClient, KvUnavailable
 from bubbletea_vllm.layout import CacheFile, slot_mapping
 from bubbletea_vllm.metadata import BubbleTeaMetadata, ConnectorContractError, Load
-from bubbletea_vllm.stats import BubbleTeaStats
+from bubbletea_vllm.stats import SCHEDULER_SIDE, BubbleTeaStats
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -169,6 +169,6 @@ class BubbleTeaWorker:
         if not self.loads.wait_idle(timeout_s=2.0):
             logger.warning("stopping with %d BubbleTea KV cache loads under way", self.loads.pending())
         with self._lock:
-            totals = self.totals.reduce()
+            totals = {k: v for k, v in self.totals.reduce().items() if k not in SCHEDULER_SIDE}
         logger.info("BubbleTea connector (worker) stopping: %s", ", ".join(f"{k}={v}" for k, v in totals.items()))
         self.client.close()
