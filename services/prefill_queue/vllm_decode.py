@@ -11,9 +11,9 @@ request, however it ends.
 
 Failures are explicit and keep the client's request answered: vLLM unreachable or answering an
 error (a cache that expired, was freed or whose worker is gone fails the request inside vLLM, whose
-log line from ``bubbletea_vllm`` says which) ends the completion with `FailureReason.KV_MISSING`
-(503, retry) or `MODEL_REFUSED` for a request vLLM refuses (4xx); the request's deadline cuts a
-slow decode with `FailureReason.DEADLINE`.
+log says which: "the BubbleTea KV cache was not loaded: ...") ends the completion with
+`FailureReason.KV_MISSING` (503, retry) or `MODEL_REFUSED` for a request vLLM refuses (4xx); the
+request's deadline cuts a slow decode with `FailureReason.DEADLINE`.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class VllmDecoder:
 def _why(url: str, status: int, text: str) -> str:
     hint = (
         " (a KV cache that expired, was freed or whose worker is gone fails the request inside vLLM: "
-        "its log says which, on a line from bubbletea_vllm)"
+        "its log says which, on a line saying 'the BubbleTea KV cache was not loaded')"
         if status >= 500
         else ""
     )

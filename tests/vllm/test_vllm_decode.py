@@ -26,6 +26,13 @@ PROMPTS = 20
 NEW_TOKENS = 16
 #: How long the workers keep a KV cache: short, so the expiry case waits it out in the test.
 KV_TTL_S = 15
+#: The connector's counters in vLLM's Prometheus metrics (bubbletea_vllm.stats).
+CONNECTOR_COUNTS = (
+    "vllm:bubbletea_kv_loads_total",
+    "vllm:bubbletea_kv_tokens_loaded_total",
+    "vllm:bubbletea_kv_load_failures_total",
+    "vllm:bubbletea_kv_frees_total",
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +80,8 @@ async def test_vllm_decodes_our_prefill_token_for_token_and_computes_no_prompt_t
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
         external0 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         local0 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        counted0 = {k: await metric(http, vllm, k) for k in CONNECTOR_COUNTS}
+        p2p0 = await metric(http, vllm, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
         ours, handles = [], []
         for p in ps:
             status, body = await post(
@@ -85,6 +94,7 @@ async def test_vllm_decodes_our_prefill_token_for_token_and_computes_no_prompt_t
             handles.append(body["kv_transfer_params"])
         external1 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         local1 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        p2p1 = await metric(http, vllm, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
 
         alone = []
         for p in ps:
@@ -96,6 +106,8 @@ async def test_vllm_decodes_our_prefill_token_for_token_and_computes_no_prompt_t
             assert status == 200, body
             alone.append(body["choices"][0]["token_ids"])
         local2 = await metric(http, vllm, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        # the frees run off vLLM's path and are counted at vLLM's next steps: these requests' steps
+        counted = {k: await metric(http, vllm, k) - counted0[k] for k in CONNECTOR_COUNTS}
 
     assert [len(t) for t in ours] == [NEW_TOKENS] * PROMPTS
     mismatched = [i for i in range(PROMPTS) if ours[i] != alone[i]]
@@ -106,6 +118,14 @@ async def test_vllm_decodes_our_prefill_token_for_token_and_computes_no_prompt_t
     assert external1 - external0 == prompt_tokens
     assert local1 - local0 == PROMPTS
     assert local2 - local1 == prompt_tokens  # and vLLM alone computes them all (the counter counts)
+    # the connector's own counts, exported by vLLM: a load per request, from a peer in vLLM's terms
+    assert counted == {
+        "vllm:bubbletea_kv_loads_total": PROMPTS,
+        "vllm:bubbletea_kv_tokens_loaded_total": prompt_tokens,
+        "vllm:bubbletea_kv_load_failures_total": 0,
+        "vllm:bubbletea_kv_frees_total": PROMPTS,
+    }, counted
+    assert p2p1 - p2p0 == prompt_tokens
     # the connector freed every cache once its request finished
     client = KvClient(timeout_s=5)
     for h in handles:
@@ -152,6 +172,7 @@ async def test_a_freed_expired_or_orphaned_handle_fails_the_request_in_vllm_sayi
         client.close()
         orphaned = {**orphaned, "holder": "127.0.0.1:9"}  # nothing listens there: the holder is gone
         failures_before = await metric(http, vllm, "vllm:request_success_total", finished_reason="error")
+        load_failures_before = await metric(http, vllm, "vllm:bubbletea_kv_load_failures_total")
         for h, p in ((freed, ps[0]), (orphaned, ps[2])):
             status, body = await post(
                 http, vllm,
@@ -165,9 +186,12 @@ async def test_a_freed_expired_or_orphaned_handle_fails_the_request_in_vllm_sayi
         )  # fmt: skip
         assert status >= 500, body
         failures = await metric(http, vllm, "vllm:request_success_total", finished_reason="error") - failures_before
-    assert failures == 3
+        load_failures = await metric(http, vllm, "vllm:bubbletea_kv_load_failures_total") - load_failures_before
+    assert failures == 3 and load_failures == 3, (failures, load_failures)
     log = (workdir / "vllm.log").read_text(errors="replace")
     said = [line for line in log.splitlines() if "the BubbleTea KV cache was not loaded" in line]
+    # the connector logs through vLLM's logging (logger vllm.bubbletea_vllm.worker): vLLM's format
+    assert all(re.search(r" ERROR \S+ \S+ \[worker\.py:\d+\] request ", line) for line in said), said
     assert any(freed["key"] in line or "freed" in line for line in said), said
     assert any("127.0.0.1:9" in line and "gone" in line for line in said), said
     assert len(said) >= 3, said
