@@ -66,6 +66,7 @@ def point(
             "goodput_rps": goodput_rps(outcomes, objective_s, tpot_s, duration_s),
             "sent": s["sent"],
             "answered": s["answered"],
+            "answered_without_text": s["answered_without_text"],  # no time to first text: a miss
             "failed": s["failed"],
             "sent_late_max_ms": figures.get("sent_late_max_ms"),
             "host_load_1m": figures.get("host_load_1m"),
@@ -144,7 +145,7 @@ def picture(points: list[dict[str, Any]], path: Path, objective_ms: float) -> Pa
     share.set_ylabel("share of prompt tokens in bubbles")
     lines = ax.get_legend_handles_labels()
     more = share.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left", fontsize=8)
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
