@@ -80,6 +80,7 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         preexec_fn=as_from_a_terminal,  # stopped by the Ctrl-C below, however the suite was started
+        start_new_session=True,  # its own group: killed whole if the test fails (see the finally)
     )
     assert proc.stdout is not None
     seen: list[str] = []
@@ -141,7 +142,7 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
         await drain
     finally:
         if proc.returncode is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # its group: a fork server left holding its stdout, too
             await proc.wait()
     out = "".join(seen)
     assert code == 130, out
@@ -191,7 +192,9 @@ def test_up_refuses_a_missing_checkpoint_before_starting_anything(tmp_path: Path
 async def _answered(http: aiohttp.ClientSession, api: str, prompt: str) -> dict[str, Any]:
     """Submit a prompt once serving is ready, and wait for its final status."""
     await wait_ready(http, api, timeout=30)
-    rid = await submit(http, api, {"prompt": prompt})
+    # its own objective, as long as the wait below: these prompts come after a restart, which the
+    # pipeline takes a while to recover from, and `up`'s 500 ms would fail them (rightly) at once
+    rid = await submit(http, api, {"prompt": prompt, "ttft_objective_ms": 30_000})
     async with asyncio.timeout(30):
         while (answer := await status(http, api, rid))["status"] == "queued":  # noqa: ASYNC110
             await asyncio.sleep(0.2)  # a client polls the native API: there is no push to wait on
@@ -211,6 +214,7 @@ async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: P
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,  # its own group: killed whole if the test fails (see the finally)
     )
     assert proc.stdout is not None
     seen: list[str] = []
@@ -268,7 +272,7 @@ async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: P
             code = await proc.wait()
     finally:
         if proc.returncode is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # its group: a fork server left holding its stdout, too
             await proc.wait()
     out = "".join(seen)
     assert code == 0 and "==> stopped cleanly" in out, out
@@ -288,6 +292,7 @@ async def test_up_restarts_its_redis_and_stops_cleanly_on_sigterm(tmp_path: Path
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,  # its own group: killed whole if the test fails (see the finally)
     )
     assert proc.stdout is not None
     seen: list[str] = []
@@ -309,7 +314,7 @@ async def test_up_restarts_its_redis_and_stops_cleanly_on_sigterm(tmp_path: Path
             code = await proc.wait()
     finally:
         if proc.returncode is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # its group: a fork server left holding its stdout, too
             await proc.wait()
     out = "".join(seen)
     assert code == 0 and "==> SIGTERM: stopping" in out and "==> stopped cleanly" in out, out
@@ -340,6 +345,7 @@ async def test_up_takes_host_port_and_api_key_as_vllm_serve_does(tmp_path: Path)
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         preexec_fn=as_from_a_terminal,
+        start_new_session=True,  # its own group: killed whole if the test fails (see the finally)
     )
     assert proc.stdout is not None
     seen: list[str] = []
@@ -361,7 +367,7 @@ async def test_up_takes_host_port_and_api_key_as_vllm_serve_does(tmp_path: Path)
         await drain
     finally:
         if proc.returncode is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # its group: a fork server left holding its stdout, too
             await proc.wait()
     assert "==> stopped cleanly" in "".join(seen)
 
