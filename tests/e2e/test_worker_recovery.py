@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import io
 import re
-import statistics
 import uuid
 from pathlib import Path
 
@@ -101,8 +100,11 @@ async def test_a_replaced_worker_takes_its_peers_state_and_nothing_is_trained_tw
 
 
 def check_trained_once(events: list[object], path: Path, iterations: int) -> None:
-    """Every (iteration, replica, stage) reported once, none skipped, and the losses those of
-    single-process training of the spec at `path`."""
+    """Every (iteration, replica, stage) reported at most once, no iteration skipped, and every
+    reported loss that replica's loss in single-process training of the spec at `path`. Per replica,
+    as bench/chaos.py checks it: a report may be lost with the worker killed as it stepped, and with
+    it, at times, its replica's last stage's (a make test run, 2026-11-28: iteration 4 reported by
+    replica 1 only, every later loss exact), and the mean of one replica's loss is not the mean."""
     reports: dict[tuple[int, int, int], list[IterationDone]] = {}
     for m in events:
         if isinstance(m, IterationDone):
@@ -110,12 +112,13 @@ def check_trained_once(events: list[object], path: Path, iterations: int) -> Non
     twice = {k: [m.generation for m in ms] for k, ms in reports.items() if len(ms) > 1}
     assert not twice, f"trained twice (iteration, replica, stage: generations): {twice}"
     assert sorted({i for i, _, _ in reports}) == list(range(iterations))  # and none skipped
-    losses = [
-        statistics.fmean(ms[0].loss for (i, _, _), ms in reports.items() if i == it and ms[0].loss is not None)
-        for it in range(iterations)
-    ]
-    expected, _ = train_reference_for(load_settings(path, env={}).spec)
-    assert losses == pytest.approx(expected, abs=1e-5)
+    expected: list[list[float]] = []
+    train_reference_for(load_settings(path, env={}).spec, per_replica=expected)
+    got = {(i, r): ms[0].loss for (i, r, _), ms in reports.items() if ms[0].loss is not None}
+    assert {i for i, _ in got} == set(range(iterations)), "an iteration with no loss reported"
+    # float32 summed in another order across stages: 1e-5, relative past a loss of 1 (one replica's
+    # loss drifted 1.3e-5 from the reference by iteration 68 of 150, the replicas' mean less)
+    assert got == pytest.approx({(i, r): expected[i][r] for i, r in got}, rel=1e-5, abs=1e-5)
 
 
 async def test_a_run_trained_until_stopped_resumes_on_its_learning_rate_schedule(
