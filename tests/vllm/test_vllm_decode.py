@@ -255,4 +255,4 @@ async def test_a_prompt_placed_on_the_decoder_is_computed_by_vllm_once_and_the_a
     assert placed["usage"]["prompt_tokens_details"] == {"bubble_tokens": 0, "decoder_tokens": len(p)}
     assert placed["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
     assert local1 - local0 == len(p)  # once: its first token and the rest are one vLLM request
-    assert refused == 429 and retry_after is not None and "the decoder has" in error, error
+    assert refused == 429 and retry_after is not None and "the decoder's recent prompts took" in error, error
