@@ -179,6 +179,10 @@ async def test_a_spare_is_ready_before_it_is_needed_and_takes_a_lost_slot_over(
     # long enough that the spare is up (it first waits a lease's lifetime for a free slot) mid-run
     path = write_spec(tmp_path, iterations=SPARE_ITERATIONS, checkpoint_every=2)
     run, env, procs = await start_run(redis_server.url, path)
+    for _ in range(1200):  # the four hold their slots first: else the fifth may take one and another wait
+        if all(any("slot leased" in line for line in p.tail) for p in procs[1:5]):
+            break
+        await asyncio.sleep(0.1)
     spare_out = io.StringIO()
     procs.append(await spawn(STAGE_WORKER, env, out=spare_out))
     r = blocking_client(redis_server.url)
