@@ -189,6 +189,16 @@ def test_up_refuses_a_missing_checkpoint_before_starting_anything(tmp_path: Path
     assert "==> started" not in res.stdout
 
 
+async def _log_until(path: Path, needles: tuple[str, ...], timeout: float) -> str:
+    """The log at `path` once it holds every one of `needles`, or as it stands after `timeout`."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        log = await asyncio.to_thread(path.read_text)
+        if all(n in log for n in needles) or asyncio.get_running_loop().time() > deadline:
+            return log
+        await asyncio.sleep(0.2)
+
+
 async def _answered(http: aiohttp.ClientSession, api: str, prompt: str) -> dict[str, Any]:
     """Submit a prompt once serving is ready, and wait for its final status."""
     await wait_ready(http, api, timeout=30)
@@ -264,7 +274,9 @@ async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: P
             assert int(m.group(1)) != pids["stage_worker-0"]
             answer = await _answered(http, api, "after a worker was killed")
             assert answer["status"] == "done" and answer["result"]["text"], answer
-            log = (logs / "stage_worker-1.log").read_text()
+            # the survivor learns of the loss from the slots (a lease running out, or the replacement's
+            # generation), which may come after the replacement is healthy and a prompt answered
+            log = await _log_until(logs / "stage_worker-1.log", ("the run pauses to recover", "joined the run"), 60)
             assert "the run pauses to recover" in log and "joined the run" in log, log[-3000:]
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(60):
