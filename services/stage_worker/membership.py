@@ -184,6 +184,7 @@ async def _join(
         if store is not None:  # a replacement (started without the save) and its peers resume from it too
             await store.save_checkpoint(resume, saved)
     if after_loss or plan.after != FROM_SCRATCH:
+        runner.report_cut_short(gens.stepped, plan)  # before the cut-short iteration's loss is dropped
         await _take_state(runner, plan, saved, gens.stepped)
     lease.peer_lost.clear()
     lease.check_peers = True

@@ -27,6 +27,7 @@ from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.outbox import Outbox
 from services.stage_worker.port import StagePort
+from services.stage_worker.saving import hand_over_state, stop_requested
 from services.stage_worker.telemetry import StageTelemetry
 from services.stage_worker.trainer import StageTrainer
 from shared.bus import Bus
@@ -34,7 +35,7 @@ from shared.control import keys
 from shared.dataplane import PlaneError
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
-from shared.policies.recovery import checkpoint_due, save_due
+from shared.policies.recovery import Resume, checkpoint_due, reports_cut_short, save_due
 from shared.policies.schedules import Op, schedule
 from shared.policies.walk import END, Phase, SlotWalk, has_step_collectives
 from shared.runtime.logs import get_logger
@@ -90,6 +91,8 @@ class StageRunner:
     #: step done, and says which that was in `left_after`.
     leaving: bool = False
     left_after: int | None = None
+    #: The iteration in progress (its number, start time and generation) until its report is sent.
+    unreported: tuple[int, float, int] | None = None
     outbox: Outbox = field(init=False)
     telemetry: StageTelemetry = field(init=False)
     bubbles: BubbleAnnouncer = field(init=False)
@@ -146,46 +149,16 @@ class StageRunner:
         while walk.current() is not None:
             it = self.iteration = walk.iteration
             started, self.lag_s = time.time(), 0.0
+            self.unreported = (it, started, self.generation)
             await self._iteration(walk)
             walk.advance()  # past the iteration's END: what follows closes it
             if self.port is not None and self.port.checkpoints and checkpoint_due(it, tr.checkpoint_every):
                 blob = await self.in_torch_thread(self.trainer.checkpoint)
                 await self.port.save_checkpoint(it, blob)
-            stop_here = self.saving and await self._stop_requested(it)
+            stop_here = self.saving and await stop_requested(self.bus.redis, self.run, it)
             if self.saving and self.replica == 0 and (stop_here or save_due(it, tr.save_every, limit)):
-                await self._hand_over_state(it)
-            loss = self.trainer.take_loss()
-            prefill_lag_ms = self.filler.take_lag() * 1000 if self.filler is not None else 0.0
-            self.telemetry.flush()
-            done = IterationDone(
-                run=self.run,
-                replica=self.replica,
-                stage=self.stage,
-                iteration=it,
-                started=started,
-                ended=time.time(),
-                loss=loss,
-                lag_ms=self.lag_s * 1000,
-                prefill_lag_ms=prefill_lag_ms,
-                generation=self.generation,
-            )
-            self.outbox.send_many(keys.events_stream(self.run), [done], maxlen=keys.EVENTS_MAXLEN)
-            if self.metrics is not None:
-                self.metrics.iteration(started, done.ended, loss, self.lag_s, prefill_lag_ms / 1000)
-            self.outbox.raise_if_failed()
-            self.mailbox.forget_before(lambda k, it=it: k[1] >= it)
-            log.info(
-                "iteration done",
-                slot=self.slot.name,
-                iteration=it,
-                loss=loss if loss is not None else "-",
-                ms=(time.time() - started) * 1000,
-                lag_ms=self.lag_s * 1000,
-                prefill_lag_ms=prefill_lag_ms,
-                lr=self.trainer.last_lr,
-                grad_norm=self.trainer.last_grad_norm if self.trainer.last_grad_norm is not None else "-",
-            )
-            self.telemetry.warn_prefill_lag(it, prefill_lag_ms)
+                await hand_over_state(self._plane(), self.trainer, self.in_torch_thread, self.slot.name, it)
+            self._report(it, started, self.generation)
             if stop_here:
                 log.info("stopped cleanly after an iteration, as the launcher asked", slot=self.slot.name, iteration=it)
                 return
@@ -194,23 +167,49 @@ class StageRunner:
                 self.left_after = it
                 return
 
-    async def _stop_requested(self, it: int) -> bool:
-        """Whether the launcher asked the run to stop after iteration `it` (a clean stop under
-        `--save`: every worker finishes the same iteration, so the save holds one iteration)."""
-        value = await self.bus.redis.get(keys.stop_after_key(self.run))
-        return value is not None and it >= int(value)
-
-    async def _hand_over_state(self, it: int) -> None:
-        """Hand this stage's weights (named as the saved checkpoint stores them) and its trainer
-        checkpoint after iteration `it` over through the port, for the launcher to write the save
-        directory (every replica holds the same state after the step)."""
-        from safetensors.torch import save
-
-        weights, state = await self.in_torch_thread(
-            lambda: (save(self.trainer.saved_tensors()), self.trainer.checkpoint())
+    def _report(self, it: int, started: float, generation: int) -> None:
+        """Iteration `it` is stepped: its IterationDone (with the loss, on the last stage), spans,
+        metrics and log line."""
+        self.unreported = None
+        loss = self.trainer.take_loss()
+        prefill_lag_ms = self.filler.take_lag() * 1000 if self.filler is not None else 0.0
+        self.telemetry.flush()
+        done = IterationDone(
+            run=self.run,
+            replica=self.replica,
+            stage=self.stage,
+            iteration=it,
+            started=started,
+            ended=time.time(),
+            loss=loss,
+            lag_ms=self.lag_s * 1000,
+            prefill_lag_ms=prefill_lag_ms,
+            generation=generation,
         )
-        await self._plane().hand_over(it, weights, state)
-        log.info("state handed over for the save", slot=self.slot.name, iteration=it, bytes=len(weights) + len(state))
+        self.outbox.send_many(keys.events_stream(self.run), [done], maxlen=keys.EVENTS_MAXLEN)
+        if self.metrics is not None:
+            self.metrics.iteration(started, done.ended, loss, self.lag_s, prefill_lag_ms / 1000)
+        self.outbox.raise_if_failed()
+        self.mailbox.forget_before(lambda k, it=it: k[1] >= it)
+        log.info(
+            "iteration done",
+            slot=self.slot.name,
+            iteration=it,
+            loss=loss if loss is not None else "-",
+            ms=(time.time() - started) * 1000,
+            lag_ms=self.lag_s * 1000,
+            prefill_lag_ms=prefill_lag_ms,
+            lr=self.trainer.last_lr,
+            grad_norm=self.trainer.last_grad_norm if self.trainer.last_grad_norm is not None else "-",
+        )
+        self.telemetry.warn_prefill_lag(it, prefill_lag_ms)
+
+    def report_cut_short(self, stepped: int, resume: Resume) -> None:
+        """At a recovery's join: the report of the iteration in progress, where the recovery cut
+        this worker short between its step and its report (`reports_cut_short`)."""
+        if self.unreported is not None and reports_cut_short(self.unreported[0], stepped, resume):
+            self._report(*self.unreported)
+        self.unreported = None
 
     async def _iteration(self, walk: SlotWalk) -> None:
         """Drive the walk through one iteration, up to its END: each step's effect, for real."""

@@ -148,3 +148,11 @@ def needs_state(resume: Resume, replica: int, stage: int, stepped: int) -> bool:
     if resume.source is not Source.PEERS:
         return True
     return stepped != resume.after
+
+
+def reports_cut_short(in_progress: int | None, stepped: int, resume: Resume) -> bool:
+    """Whether a worker joining a recovery reports the iteration it had in progress: it had stepped
+    it (the recovery cut its run short between the step and the report) and the run does not rewind
+    past it, so the iteration is trained and this worker alone holds its report. One the run rewinds
+    past is trained again and reported then; one never stepped is not this worker's to report."""
+    return in_progress is not None and in_progress == stepped <= resume.after

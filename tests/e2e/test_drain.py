@@ -28,7 +28,7 @@ from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.settings import load_settings
 from shared.wire import IterationDone, decode
 from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
-from tests.e2e.test_worker_recovery import check_trained_once, start_run
+from tests.e2e.test_worker_recovery import check_trained_once, slot_of, start_run
 
 #: Long enough that the run still trains when the drain command (a process start) gets there.
 ITERATIONS = 40
@@ -44,11 +44,6 @@ async def reported(r: Redis, run: str, iteration: int) -> None:
         cursor = reply[0][1][-1][0]
         if any(isinstance(m := decode(f[b"m"]), IterationDone) and m.iteration >= iteration for _, f in reply[0][1]):
             return
-
-
-def slot_of(p: Proc) -> str:
-    line = next(line for line in p.tail if "slot leased" in line)
-    return line.split("slot=")[1].split()[0]
 
 
 async def drain_and_replace(

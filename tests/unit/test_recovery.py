@@ -16,6 +16,7 @@ from shared.policies.recovery import (
     clean_stop_iteration,
     needs_state,
     plan_resume,
+    reports_cut_short,
     resume_after,
     save_due,
     superseded,
@@ -168,3 +169,15 @@ def test_a_live_worker_keeps_its_state_and_drops_only_the_cut_short_iteration() 
     handed = StageTrainer(SPEC, 0, 0, CORPUS)  # a replacement given the peer's state
     handed.restore(blob, 2)
     assert handed.stepped == 2 and train(handed, range(3, 6)) == expected
+
+
+def test_a_worker_cut_short_after_its_step_reports_that_iteration_at_its_join() -> None:
+    """Iteration 7 in progress: stepped (the recovery cut it short before its report) and the run
+    goes on from 7 or later: reported at the join. Not stepped, or rewound past: not (the run trains
+    it again and reports it then). Nothing in progress: nothing to report."""
+    on_from_7, on_from_8 = Resume(7, Source.PEERS, ()), Resume(8, Source.PEERS, ((0, 0),))
+    rewound = Resume(5, Source.CHECKPOINT)
+    assert reports_cut_short(7, 7, on_from_7) and reports_cut_short(7, 7, on_from_8)
+    assert not reports_cut_short(7, 6, on_from_7)  # cut short before its step
+    assert not reports_cut_short(7, 7, rewound)
+    assert not reports_cut_short(None, 7, on_from_7)
