@@ -151,7 +151,10 @@ class BatchCompute:
     def _begin(self, q: Queued, item: PrefillItem) -> Outcome:
         """The outcome of an item starting now: from its saved state, or from its prompt (its
         state is elsewhere or lost), or failed (its state expired, or the model refuses it)."""
-        if item.from_layer and q.states.get(item.id) is None:
+        if item.due and (late := time.time() - item.due) >= 0:  # answered now, it would be late
+            why = f"it waited on the worker {late:.3f}s past when its prompt was due (its objective or deadline)"
+            o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.DEADLINE, why))
+        elif item.from_layer and q.states.get(item.id) is None:
             why = "its saved partial state expired before it could resume"
             o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.STATE_EXPIRED, why))
         else:

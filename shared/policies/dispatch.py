@@ -31,7 +31,9 @@ finished ones) and logs each one's why. The simulator feeds it the same inputs f
   before its deadline (the queue's and all the work held on workers) is refused at once
   (`FailureReason.OVERLOADED`, a 429 with Retry-After), not left to expire in the queue.
 * **Deadlines**: a request past its deadline that is not running in an open bubble is failed
-  (`FailureReason.DEADLINE`); one a worker still runs finishes first.
+  (`FailureReason.DEADLINE`); one a worker still runs finishes first. One queued on a worker
+  carries when it is due (`PrefillItem.due`, its objective or deadline): the worker that comes to
+  it later fails it (`DEADLINE`) rather than answer it late.
 * **Nothing can serve** (`fail_waiting`, when the readiness gate of `readiness.py` says training
   finished, stopped or stalled): every request not running in an open bubble is failed at once
   (`FailureReason.UNAVAILABLE`) instead of waiting for its deadline.

@@ -114,6 +114,9 @@ class PrefillItem(msgspec.Struct, frozen=True, kw_only=True):
     #: The dispatcher's predicted time for these blocks (ms, the run's clock): what the item
     #: counts for in the worker's credit, which the worker's bubble events report back.
     predicted_ms: float = 0.0
+    #: Wall clock: when its prompt is due (its TTFT objective or its deadline, the sooner; 0: never).
+    #: A worker that comes to it later fails it rather than answer late (never queued past it).
+    due: float = 0.0
 
 
 class PrefillBatch(Message, frozen=True, kw_only=True, tag="prefill_batch"):

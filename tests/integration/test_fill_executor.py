@@ -26,7 +26,7 @@ from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.port import ELSEWHERE, LOST, PrefillPort, StagePort
 from shared.bus import Bus, Delivery, Reject
 from shared.control import keys, serving
-from shared.control.status import ItemOutcome, RequestStatus
+from shared.control.status import FailureReason, ItemOutcome, RequestStatus
 from shared.dataplane import kvstore
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel, PrefillState
@@ -470,3 +470,31 @@ async def test_a_profiles_launch_floor_and_first_token_read_count_on_the_worker(
         [progress] = report.progress
         assert progress.outcome is ItemOutcome.DONE
         assert progress.seconds >= LAYERS * 0.005 + 0.1 - 1e-3  # counted from the first block's start
+
+
+async def test_an_item_the_worker_comes_to_past_its_due_time_fails_rather_than_answer_late(redis_url: str) -> None:
+    """Work queued on a worker carries when its prompt is due (its objective or deadline): the one
+    the worker reaches too late is failed with `deadline`, saying so; the next, not yet due, is
+    answered. Never an answer past its objective (issue 50)."""
+    model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        now = time.time()
+        reqs = [
+            PrefillRequest(id=f"d{i}", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:d")
+            for i in range(2)
+        ]
+        for r in reqs:
+            assert await serving.accept(bus.redis, r, 100)
+        filler = filler_for(bus, model)
+        items = tuple(
+            PrefillItem(id=r.id, tokens=r.tokens, from_layer=0, to_layer=4, reply_to=r.reply_to, due=due)
+            for r, due in zip(reqs, (now - 0.5, now + 600), strict=True)
+        )
+        handled = deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id="b-due", items=items))
+        await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        late, in_time = [await serving.lookup(bus.redis, r.id) for r in reqs]
+        assert late is not None and late.status is RequestStatus.FAILED and late.result is not None, late
+        assert late.result.reason is FailureReason.DEADLINE and "past when its prompt was due" in late.result.error
+        assert in_time is not None and in_time.status is RequestStatus.DONE and in_time.result is not None
+        (rep,) = await reports(bus)
+        assert [x.outcome for x in rep.progress] == [ItemOutcome.FAILED, ItemOutcome.DONE]
