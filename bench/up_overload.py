@@ -85,6 +85,11 @@ def figures(result: dict[str, Any], objective_ms: float, rate: float, duration_s
     others = sum(1 for e in errors if e and not e.startswith("HTTP 429"))
     answered = len(ttfts)
     within = sum(1 for t in ttfts if t <= objective_ms)
+    late_by = [t - objective_ms for t in ttfts if t > objective_ms]  # how late the late ones were
+    kinds: dict[str, int] = {}
+    for e in errors:
+        if e and not e.startswith("HTTP 429"):
+            kinds[e.split(":")[0]] = kinds.get(e.split(":")[0], 0) + 1
 
     def ms(values: list[float], p: float) -> float | None:
         v = percentile(values, p)
@@ -98,6 +103,9 @@ def figures(result: dict[str, Any], objective_ms: float, rate: float, duration_s
         "answered_ttft_p50_ms": ms(ttfts, 50),
         "answered_ttft_p99_ms": ms(ttfts, 99),
         "answered_within_objective_share": round(within / answered, 4) if answered else None,
+        "answered_late_by_p50_ms": ms(late_by, 50),
+        "answered_late_by_max_ms": round(max(late_by), 1) if late_by else None,
+        "failed_other_kinds": kinds,
         "refusal_after_p50_ms": ms(refused, 50),
         "refusal_after_p99_ms": ms(refused, 99),
         "offered_rps": rate,
