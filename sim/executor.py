@@ -12,6 +12,8 @@
 * A batch that ran to its end is reported (reached layer, seconds, the layer each item started
   from); the bubble it finished in names it at its end. A request is answered when the run that
   finished it ends.
+* An item the run comes to past when its prompt was due (`fill.late_on_worker`) is failed there,
+  not run, as the live worker fails it (a `deadline` failure, not an answer past its objective).
 * A batch no bubble took within the hold time goes back, reporting how far it got (its partial
   state saved in this datacenter).
 * A resumed item starts from its saved layer only in the datacenter that saved it, else from its
@@ -32,7 +34,7 @@ from typing import Protocol
 from shared.policies.decisions import Batch
 from shared.policies.dispatch import Progress
 from shared.policies.events import EventQueue
-from shared.policies.fill import FillQueue, resume_layer
+from shared.policies.fill import FillQueue, late_on_worker, resume_layer
 from shared.policies.prefill_cost import PrefillProfile
 
 
@@ -52,6 +54,8 @@ class Host(Protocol):
 
     def answered(self, requests: list[SimRequest], now: float) -> None: ...
 
+    def late(self, requests: list[SimRequest], now: float) -> None: ...
+
     def prefill_span(self, worker: int, start: float, end: float) -> None: ...
 
 
@@ -66,6 +70,7 @@ class _Progress:
     piece: int = 0  # pieces of `layer` done (in memory: a snapshot keeps whole layers only)
     started: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    late: set[str] = field(default_factory=set)  # failed here: reached past their due
 
 
 @dataclass(slots=True)
@@ -81,6 +86,7 @@ class _Part:
     block_s: float
     blocks: int
     sync_s: float
+    late: bool = False  # come to past its due: failed, nothing run
 
     @property
     def end(self) -> float:
@@ -171,6 +177,9 @@ class Executor:
                 layer, piece = p.layer, p.piece
             else:
                 layer = resume_layer(item.from_layer, self.saved_in.get(item.id, ""), self.dc)
+            if late_on_worker(item.due, t):
+                parts.append(_Part(index, layer, piece, 1, t, 0.0, 0, 0.0, late=True))
+                continue
             tokens = item.payload.tokens  # a SimRequest
             per = len(self.profile.pieces(tokens))
             block = self.profile.layer_s(tokens) / per
@@ -193,9 +202,15 @@ class Executor:
         p, parts = self._running, self._parts
         assert p is not None
         self._running, self._parts = None, []
-        answered, ran = [], 0
+        answered, late, ran = [], [], 0
         for part in parts:
             item = p.batch.items[part.index]
+            if part.late:
+                self.saved_in.pop(item.id, None)
+                late.append(item.payload)
+                p.late.add(item.id)
+                p.item, p.layer, p.piece = part.index + 1, -1, 0
+                continue
             p.started.setdefault(item.id, part.layer)
             p.seconds[item.id] = p.seconds.get(item.id, 0.0) + part.end - part.start
             ran += part.blocks
@@ -212,6 +227,8 @@ class Executor:
             self.host.prefill_span(self.worker, self._started, now)
         if answered:
             self.host.answered(answered, now)
+        if late:
+            self.host.late(late, now)
         if p.item >= len(p.batch.items):
             self.queue.ran(p.batch.batch_id, finished=True)
             del self.progress[p.batch.batch_id]
@@ -225,7 +242,9 @@ class Executor:
         out = []
         for index, item in enumerate(p.batch.items):
             started, secs = p.started.get(item.id), p.seconds.get(item.id, 0.0)
-            if index < p.item:
+            if item.id in p.late:  # failed, nothing run: finished where it was
+                out.append(Progress(item.id, item.from_layer, 0.0, True, None))
+            elif index < p.item:
                 out.append(Progress(item.id, item.to_layer, secs, True, started))
             elif index == p.item and p.layer >= 0:  # cut part way (below its from_layer if computed again)
                 if p.layer > item.from_layer:

@@ -159,6 +159,12 @@ class Serving:
             self.stats.ttfts_s.append(back - r.arrival)
             self.stats.tokens += r.tokens
 
+    def late(self, requests: list[SimRequest], now: float) -> None:
+        """Failed on a worker that came to them past their due (`fill.late_on_worker`)."""
+        for r in requests:
+            if r.id not in self._moved:  # moved to the decoder while held: that was its answer
+                self.stats.failed[FailureReason.DEADLINE.value] += 1
+
     def prefill_span(self, worker: int, start: float, end: float) -> None:
         self.spans.append((worker, self.iteration_of(worker), start, end))
 

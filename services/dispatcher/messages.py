@@ -30,7 +30,7 @@ def batch_message(run: str, batch: Batch) -> PrefillBatch:
                 reply_to=req.reply_to,
                 snapshot_key=keys.prefill_snapshot_key(run, req.id, it.from_layer) if it.from_layer else "",
                 predicted_ms=it.seconds * 1000,
-                due=min((t for t in (req.objective, req.deadline) if t is not None), default=0.0),
+                due=it.due or 0.0,
             )
         )
     return PrefillBatch(run=run, worker=batch.worker, batch_id=batch.batch_id, items=tuple(items))

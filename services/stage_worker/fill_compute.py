@@ -27,7 +27,7 @@ from services.stage_worker.reporting import Outcome
 from shared.control.status import FailureReason
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.model.streams import LaneClock
-from shared.policies.fill import PieceTimes, may_start_block, may_start_piece
+from shared.policies.fill import PieceTimes, late_on_worker, may_start_block, may_start_piece
 from shared.policies.prefill_cost import PrefillProfile
 from shared.runtime.timing import Schedule
 from shared.wire import PrefillBatch, PrefillItem
@@ -151,7 +151,8 @@ class BatchCompute:
     def _begin(self, q: Queued, item: PrefillItem) -> Outcome:
         """The outcome of an item starting now: from its saved state, or from its prompt (its
         state is elsewhere or lost), or failed (its state expired, or the model refuses it)."""
-        if item.due and (late := time.time() - item.due) >= 0:  # answered now, it would be late
+        if late_on_worker(item.due or None, now := time.time()):  # answered now, it would be late
+            late = now - item.due
             why = f"it waited on the worker {late:.3f}s past when its prompt was due (its objective or deadline)"
             o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.DEADLINE, why))
         elif item.from_layer and q.states.get(item.id) is None:

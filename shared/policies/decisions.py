@@ -34,6 +34,9 @@ class BatchItem:
     from_layer: int
     to_layer: int
     seconds: float
+    #: when its prompt is due (its objective or deadline, the sooner; None: never): a worker that
+    #: comes to it later fails it (`fill.late_on_worker`)
+    due: float | None = None
 
 
 @dataclass(frozen=True)

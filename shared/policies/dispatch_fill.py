@@ -171,7 +171,7 @@ class Filling:
             r.on_worker = c.worker
             self._queue.take(a.id)
             self._dequeued(r)
-            items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds))
+            items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds, r.due))
             kv_bytes += r.kv_bytes
         self.counts.batches += 1
         batch = Batch(f"{self.batch_prefix}-{self.counts.batches}", c.worker, c.address, tuple(items), why)

@@ -73,6 +73,13 @@ def piece_tokens(setting: int, *, on_gpu: bool) -> int | None:
     return GPU_PIECE_TOKENS if on_gpu else None
 
 
+def late_on_worker(due: float | None, now: float) -> bool:
+    """Whether a worker that comes to an item at `now` fails it rather than run it: its prompt was
+    due by then (`due`: its objective or deadline; None: never), so its answer would be late. Past
+    its due the dispatcher fails what it still holds; this is the same rule for what it sent."""
+    return due is not None and now >= due
+
+
 def may_start_block(*, input_arrived: bool) -> bool:
     """Whether the next block may start: only the awaited training input stops prefill."""
     return not input_arrived

@@ -30,12 +30,16 @@ class Host:
         self.reports: list[tuple[str, list[Progress], float]] = []
         self.answers: list[tuple[str, float]] = []
         self.spans: list[tuple[float, float]] = []
+        self.failed_late: list[tuple[str, float]] = []
 
     def report(self, worker: int, batch: Batch, progress: list[Progress], now: float) -> None:
         self.reports.append((batch.batch_id, progress, now))
 
     def answered(self, requests: list[SimRequest], now: float) -> None:
         self.answers += [(r.id, now) for r in requests]
+
+    def late(self, requests: list[SimRequest], now: float) -> None:
+        self.failed_late += [(r.id, now) for r in requests]
 
     def prefill_span(self, worker: int, start: float, end: float) -> None:
         self.spans.append((start, end))
@@ -154,6 +158,23 @@ def test_a_finished_request_is_answered_when_its_run_ends_though_its_batch_goes_
     q.run(until=0.0065)
     ex.close(ex.input_arrived(0.0065))  # the first request done at 5 ms; the second cut at 7 ms
     assert host.answers == [("b1-r", pytest.approx(0.007))] and host.reports == []
+
+
+def test_an_item_the_run_comes_to_past_its_due_is_failed_not_run_as_on_a_worker() -> None:
+    """The worker's rule (`fill.late_on_worker`) in the simulator: the first item was due at 0.2 s,
+    the bubble opens at 0.5 s: failed there, nothing run, finished at its own layer; the second (no
+    objective) runs and is answered."""
+    q, ex, host = _executor()
+    late = BatchItem("b-late", SimRequest("b-late", 100, 0.0), 0, 4, 0.004, due=0.2)
+    fine = BatchItem("b-fine", SimRequest("b-fine", 100, 0.0), 0, 4, 0.004)
+    ex.on_batch(0.0, Batch("b", "r0s0", "r0s0", (late, fine), Why(Trigger.REQUEST, None, 0.01, 0.0, 0.008, 2)))
+    ex.open(0.5)
+    q.run(until=0.6)
+    assert ex.close(0.6) == ("b",)
+    assert host.failed_late == [("b-late", pytest.approx(0.504))] and host.answers == [("b-fine", pytest.approx(0.504))]
+    [(_, progress, _)] = host.reports
+    got = [(p.finished, p.reached_layer, p.seconds) for p in progress]
+    assert got == [(True, 0, 0.0), (True, 4, pytest.approx(0.004))]
 
 
 def test_work_waits_on_the_worker_for_a_bubble_and_goes_back_if_none_comes_in_time() -> None:
