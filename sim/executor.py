@@ -12,7 +12,7 @@
 * A batch that ran to its end is reported (reached layer, seconds, the layer each item started
   from); the bubble it finished in names it at its end. A request is answered when the run that
   finished it ends.
-* An item the run comes to past when its prompt was due (`fill.late_on_worker`) is failed there,
+* An item the run comes to too late to finish by when its prompt is due (`fill.late_on_worker`) is failed there,
   not run, as the live worker fails it (a `deadline` failure, not an answer past its objective).
 * A batch no bubble took within the hold time goes back, reporting how far it got (its partial
   state saved in this datacenter).
@@ -177,7 +177,7 @@ class Executor:
                 layer, piece = p.layer, p.piece
             else:
                 layer = resume_layer(item.from_layer, self.saved_in.get(item.id, ""), self.dc)
-            if late_on_worker(item.due, t):
+            if late_on_worker(item.due, t, item.seconds):
                 parts.append(_Part(index, layer, piece, 1, t, 0.0, 0, 0.0, late=True))
                 continue
             tokens = item.payload.tokens  # a SimRequest

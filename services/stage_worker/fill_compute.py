@@ -151,9 +151,12 @@ class BatchCompute:
     def _begin(self, q: Queued, item: PrefillItem) -> Outcome:
         """The outcome of an item starting now: from its saved state, or from its prompt (its
         state is elsewhere or lost), or failed (its state expired, or the model refuses it)."""
-        if late_on_worker(item.due or None, now := time.time()):  # answered now, it would be late
-            late = now - item.due
-            why = f"it waited on the worker {late:.3f}s past when its prompt was due (its objective or deadline)"
+        if late_on_worker(item.due or None, now := time.time(), item.predicted_ms / 1000):  # it would answer late
+            left = item.due - now
+            why = (
+                f"it would finish after its prompt is due (its objective or deadline, {left:.3f}s from when "
+                f"this worker came to it; predicted {item.predicted_ms:.0f}ms)"
+            )
             o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.DEADLINE, why))
         elif item.from_layer and q.states.get(item.id) is None:
             why = "its saved partial state expired before it could resume"

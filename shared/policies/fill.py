@@ -73,11 +73,12 @@ def piece_tokens(setting: int, *, on_gpu: bool) -> int | None:
     return GPU_PIECE_TOKENS if on_gpu else None
 
 
-def late_on_worker(due: float | None, now: float) -> bool:
-    """Whether a worker that comes to an item at `now` fails it rather than run it: its prompt was
-    due by then (`due`: its objective or deadline; None: never), so its answer would be late. Past
-    its due the dispatcher fails what it still holds; this is the same rule for what it sent."""
-    return due is not None and now >= due
+def late_on_worker(due: float | None, now: float, predicted_s: float) -> bool:
+    """Whether a worker that comes at `now` to an item predicted to take `predicted_s` fails it
+    rather than run it: it would finish after its prompt is due (`due`: its objective or deadline;
+    None: never), so its answer would be late. The dispatcher fails what it still holds past its
+    due; this is the rule for what it sent, which a worker would otherwise answer late."""
+    return due is not None and now + predicted_s > due
 
 
 def may_start_block(*, input_arrived: bool) -> bool:

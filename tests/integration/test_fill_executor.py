@@ -494,7 +494,7 @@ async def test_an_item_the_worker_comes_to_past_its_due_time_fails_rather_than_a
         await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         late, in_time = [await serving.lookup(bus.redis, r.id) for r in reqs]
         assert late is not None and late.status is RequestStatus.FAILED and late.result is not None, late
-        assert late.result.reason is FailureReason.DEADLINE and "past when its prompt was due" in late.result.error
+        assert late.result.reason is FailureReason.DEADLINE and "after its prompt is due" in late.result.error
         assert in_time is not None and in_time.status is RequestStatus.DONE and in_time.result is not None
         (rep,) = await reports(bus)
         assert [x.outcome for x in rep.progress] == [ItemOutcome.FAILED, ItemOutcome.DONE]

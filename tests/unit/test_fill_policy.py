@@ -9,6 +9,7 @@ from shared.policies.fill import (
     Arrival,
     FillQueue,
     PieceTimes,
+    late_on_worker,
     may_start_block,
     may_start_piece,
     resume_layer,
@@ -106,3 +107,11 @@ def test_piece_times_follow_the_measurements_per_token() -> None:
     t.observe(0, 1.0)  # nothing to learn from
     t.observe(10, 0.0)
     assert t.predict(10) == pytest.approx(0.020)
+
+
+def test_a_worker_fails_an_item_it_cannot_finish_before_its_prompt_is_due() -> None:
+    """Due at 10.0 s: come to at 9.9 s with 50 ms of work, it runs; with 150 ms, or past 10.0 s, it
+    would answer late: failed. No objective and no deadline: always run."""
+    assert not late_on_worker(10.0, 9.9, 0.05)
+    assert late_on_worker(10.0, 9.9, 0.15) and late_on_worker(10.0, 10.01, 0.0)
+    assert not late_on_worker(None, 1e9, 1.0)
