@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from bubbletea.cli_common import CONFIG_HELP, PREFIX, add_spec_arguments
+from bubbletea.cli_common import CONFIG_HELP, PREFIX, CommandError, add_spec_arguments
 from bubbletea.launcher.services import SERVICES
 from shared.spec.config import ClusterSpec, ConfigError
 from shared.spec.settings import load_settings
@@ -54,6 +54,12 @@ def add_parsers(sub: Any) -> None:
         "the summary line goes to stderr)",
     )
     p.add_argument("--json", action="store_true", help="print the result (and with --show the spec) as JSON")
+    p.add_argument(
+        "--shell",
+        action="store_true",
+        help="print what a batch script needs of the spec in effect as NAME=value lines to eval, HTTP_PORT=.. (the "
+        "front door's port, BUBBLETEA_HTTP_PORT in); the summary line goes to stderr (deploy/slurm/control.sbatch)",
+    )
     p.set_defaults(func=check_config)
 
     p = sub.add_parser(
@@ -102,6 +108,8 @@ def _summary(spec: ClusterSpec) -> dict[str, Any]:
 def check_config(args: argparse.Namespace) -> int:
     from bubbletea.preflight import check_run
 
+    if args.shell and (args.show or args.json):  # each of them owns stdout
+        raise CommandError("--shell prints NAME=value lines alone: drop --show and --json")
     try:
         settings = load_settings(args.config)
         check_run(settings)
@@ -119,13 +127,15 @@ def check_config(args: argparse.Namespace) -> int:
             out["spec"] = msgspec.to_builtins(spec)
         print(json.dumps(out))
         return 0
+    if args.shell:  # the port as the front door will bind it: the spec's, or BUBBLETEA_HTTP_PORT's
+        print(f"HTTP_PORT={settings.spec.http.port}")
     if args.show:
         sys.stdout.write(msgspec.yaml.encode(spec).decode())
         sys.stdout.flush()
     print(
         f"{settings.spec_path}: ok ({s['datacenters']} datacenters, {s['gpus']} GPUs, "
         f"PP={s['pp']} DP={s['dp']} TP={s['tp']}, schedule={s['schedule']}, sharing={s['sharing']})",
-        file=sys.stderr if args.show else sys.stdout,
+        file=sys.stderr if args.show or args.shell else sys.stdout,
     )
     return 0
 

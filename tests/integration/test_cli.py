@@ -405,6 +405,21 @@ def test_check_config_show_writes_yaml_that_loads_back_unchanged(tmp_path: Path)
     assert again.returncode == 0 and again.stdout == r.stdout, again.stderr
 
 
+def test_check_config_shell_prints_the_front_doors_port_for_a_batch_script() -> None:
+    """What deploy/slurm/control.sbatch evals: the port in effect (BUBBLETEA_HTTP_PORT over the
+    spec's), the summary on stderr, and a refused spec still one line and exit 2."""
+    r = run("check-config", "configs/demo.yaml", "--shell")
+    assert r.returncode == 0 and r.stdout == "HTTP_PORT=8000\n" and r.stderr.startswith("configs/demo.yaml: ok")
+    r = run("check-config", "configs/demo.yaml", "--shell", env={"BUBBLETEA_HTTP_PORT": "18123"})
+    assert r.returncode == 0 and r.stdout == "HTTP_PORT=18123\n", r.stderr
+    one_line_error(
+        run("check-config", "configs/demo.yaml", "--shell", "--json"),
+        "bubbletea: error: --shell prints NAME=value lines alone: drop --show and --json",
+    )
+    bad = run("check-config", "configs/demo.yaml", "--shell", env={"BUBBLETEA_HTTP_PORT": "http"})
+    assert bad.returncode == 2 and bad.stdout == "", bad.stderr
+
+
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_the_shell_completes_commands_and_options(tmp_path: Path, shell: str) -> None:
     """As `eval "$(register-python-argcomplete bubbletea)"` asks: the completions come from the parser."""
@@ -414,7 +429,7 @@ def test_the_shell_completes_commands_and_options(tmp_path: Path, shell: str) ->
     r = run(env={**env, "_ARGCOMPLETE_IFS": "\n", "_ARGCOMPLETE_STDOUT_FILENAME": str(out)})
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert [c.split(":")[0].strip() for c in out.read_text().split("\n")] == ["plan"]
-    line = "bubbletea check-config --sh"
+    line = "bubbletea check-config --sho"
     r = run(env={**env, "COMP_LINE": line, "COMP_POINT": str(len(line)), "_ARGCOMPLETE_IFS": "\n",
                  "_ARGCOMPLETE_STDOUT_FILENAME": str(out)})  # fmt: skip
     assert [c.split(":")[0].strip() for c in out.read_text().split("\n")] == ["--show"]
