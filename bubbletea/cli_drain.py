@@ -47,15 +47,17 @@ def add_parser(sub: Any) -> None:
         "slots",
         help="a datacenter's slots of the run: how many, whether the run recovers, how many were left",
         description="The slots the spec places in datacenter DC (its stages x DP), whether the run recovers a lost "
-        "worker (training.checkpoint_every > 0: only then is a spare of use), and with --live how many of them a "
-        "worker left on purpose (a drain) and nobody holds yet, read from Redis (REDIS_URL, BUBBLETEA_RUN or "
-        "--run). --shell prints SLOTS=.. RECOVERS=.. LEFT=.. for a batch script to eval "
-        "(deploy/slurm/workers.sbatch does).",
+        "worker (training.checkpoint_every > 0: only then is a spare of use), and with --live, read from Redis "
+        "(REDIS_URL, BUBBLETEA_RUN or --run), how many of them a worker left on purpose (a drain) and nobody holds "
+        "yet, finished training, and were stopped with the run. --shell prints SLOTS=.. RECOVERS=.. and with --live "
+        "LEFT=.. DONE=.. STOPPED=.. for a batch script to eval (deploy/slurm/workers.sbatch does).",
     )
     p.add_argument("--dc", help="the datacenter (default: $BUBBLETEA_DC)")
     p.add_argument("--run", help="the run id, with --live (default: $BUBBLETEA_RUN)")
     p.add_argument("--config", help=CONFIG_HELP)
-    p.add_argument("--live", action="store_true", help="also count the slots left (drained) and not taken again")
+    p.add_argument(
+        "--live", action="store_true", help="also count the slots left (drained) and not taken again, done, stopped"
+    )
     p.add_argument("--shell", action="store_true", help="print NAME=value lines for eval")
     p.set_defaults(func=slots)
 
@@ -120,7 +122,7 @@ def slots(args: argparse.Namespace) -> int:
     mine = {f"r{d}s{k}" for k in stages for d in range(spec.parallelism.dp)}
     out: dict[str, object] = {"dc": dc, "slots": len(mine), "recovers": int(spec.training.recovers)}
     if args.live:
-        out["left"] = asyncio.run(_left(settings.require_redis_url(), args.run or settings.run, spec, mine))
+        out.update(asyncio.run(_live(settings.require_redis_url(), args.run or settings.run, spec, mine)))
     if args.shell:
         print("\n".join(f"{k.upper()}={v}" for k, v in out.items() if k != "dc"))
     else:
@@ -128,8 +130,10 @@ def slots(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _left(url: str, run: str, spec: Any, mine: set[str]) -> int:
-    """How many of `mine` a worker left on purpose and nobody holds yet."""
+async def _live(url: str, run: str, spec: Any, mine: set[str]) -> dict[str, int]:
+    """How many of `mine` a worker left on purpose and nobody holds yet, finished training, and
+    were stopped with the run. A batch script tells a drained worker's exit 0 from a finished one's
+    by `done`, not by `left`: a waiting spare may have taken the slot before the script asks."""
     from redis.asyncio import Redis
 
     from shared.control.leases import read_slots
@@ -137,7 +141,11 @@ async def _left(url: str, run: str, spec: Any, mine: set[str]) -> int:
 
     r = Redis.from_url(url, socket_timeout=10)
     try:
-        views = await read_slots(r, run, spec.parallelism.pp, spec.parallelism.dp)
+        views = [v for v in await read_slots(r, run, spec.parallelism.pp, spec.parallelism.dp) if v.name in mine]
     finally:
         await r.aclose()
-    return sum(v.name in mine and v.ended is LeaseState.LEFT and not v.held for v in views)
+    return {
+        "left": sum(v.ended is LeaseState.LEFT and not v.held for v in views),
+        "done": sum(v.ended is LeaseState.DONE for v in views),
+        "stopped": sum(v.ended is LeaseState.STOPPED for v in views),
+    }

@@ -460,7 +460,7 @@ def test_a_run_with_redis_down_says_so_in_one_line_at_once(tmp_path: Path, comma
 
 async def test_drain_and_slots_say_what_is_wrong_and_count_the_slots_left(redis: Redis, redis_url: str) -> None:
     """`bubbletea drain` refuses a slot it cannot drain in one line; `bubbletea slots --live` counts
-    a datacenter's slots a worker left (a drain) and nobody holds yet (what workers.sbatch asks)."""
+    a datacenter's slots a worker left (a drain) and nobody holds yet, and those done (what workers.sbatch asks)."""
     env = {"REDIS_URL": redis_url, "BUBBLETEA_RUN": "cli-drain"}
     one_line_error(
         await asyncio.to_thread(run, "drain", "worker-1", env=env),
@@ -481,9 +481,10 @@ async def test_drain_and_slots_say_what_is_wrong_and_count_the_slots_left(redis:
     # the demo spec: stage 0 in dc-a, stage 1 in dc-b, two replicas each
     await redis.hset(keys.lease_end_key("cli-drain", 1, 1), mapping={"state": "left", "reason": "drained"})
     got = await asyncio.to_thread(run, "slots", "--dc", "dc-b", "--live", "--shell", env=env)
-    assert got.stdout.split() == ["SLOTS=2", "RECOVERS=1", "LEFT=1"], got.stderr
+    assert got.stdout.split() == ["SLOTS=2", "RECOVERS=1", "LEFT=1", "DONE=0", "STOPPED=0"], got.stderr
+    await redis.hset(keys.lease_end_key("cli-drain", 0, 0), mapping={"state": "done", "reason": "finished"})
     got = await asyncio.to_thread(run, "slots", "--dc", "dc-a", "--live", env=env)
-    assert json.loads(got.stdout) == {"dc": "dc-a", "slots": 2, "recovers": 1, "left": 0}
+    assert json.loads(got.stdout) == {"dc": "dc-a", "slots": 2, "recovers": 1, "left": 0, "done": 1, "stopped": 0}
     one_line_error(
         await asyncio.to_thread(run, "slots", "--dc", "dc-z", env=env),
         "bubbletea: error: --dc: the spec's datacenters are dc-a, dc-b, got 'dc-z' (or set BUBBLETEA_DC)",
