@@ -5,7 +5,8 @@ otherwise (or with BUBBLETEA_COMPOSE_TESTS=off). It uses a project of its own
 (`bubbletea-test-<pid>`), loopback ports, a fresh Redis password and API key, and the checkout's
 `.env` for the image settings (docker/base-images.sh prints them where Docker Hub is out of reach).
 The tests share one `up` and run in file order: the image, readiness, the official client, a
-wrong key, a load burst, Prometheus, a crashed worker, spares, and `down -v`.
+wrong key, a load burst, Prometheus, a crashed worker, spares, a stopped (drained) worker, and
+`down -v`.
 """
 
 from __future__ import annotations
@@ -194,6 +195,43 @@ def test_extra_workers_wait_as_spares_and_take_over_a_freed_slot(project: Projec
     assert project.inspect(holder, "{{.State.Status}} {{.RestartCount}}").startswith("exited")
     client = openai.OpenAI(base_url=f"{project.base_url}/v1", api_key=project.api_key, max_retries=0, timeout=30)
     assert client.completions.create(model="bubbletea-gpt", prompt="after the takeover", max_tokens=1).choices
+
+
+def test_a_stopped_stage_worker_is_drained_and_nothing_is_lost_under_load(project: Project, tmp_path: Path) -> None:
+    """`docker stop` is SIGTERM to one worker alone: a drain. It finishes its iteration, hands its
+    slot to the spare still waiting and exits 0 (the engine restarts no container it stopped); the
+    run goes on from there, and what the load sends meanwhile is answered, or refused at once (503,
+    Retry-After) while the run waits for the spare."""
+    running = [w for w in project.containers("stage_worker") if project.inspect(w, "{{.State.Running}}") == "true"]
+    logs = {w: project.logs(w) for w in running}
+    waiting = [w for w in running if "waiting as a spare" in logs[w] and "slot leased by a spare" not in logs[w]]
+    holders = [w for w in running if "waiting as a spare" not in logs[w]]
+    assert waiting and holders, (waiting, holders)  # the spares test left one spare waiting
+    victim = holders[0]
+    load = subprocess.Popen(
+        [sys.executable, "-m", "loadgen", "--base-url", project.base_url, "--api-key", project.api_key,
+         "--request-rate", "5", "--duration", "40", "--input-len", "64", "--disable-tqdm",
+         "--json-out", str(tmp_path / "load.json")],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(8)
+        since = time.time()
+        t0 = time.monotonic()
+        docker("stop", victim)  # returns once the container exited (within compose's stop_grace_period)
+        assert project.inspect(victim, "{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}") == "exited 0 0"
+        assert "left the run" in project.logs(victim, since)
+        _wait_for(lambda: any("slot leased by a spare" in project.logs(w, since) for w in waiting), RECOVERY_BOUND_S,
+                  "the waiting spare's lease")  # fmt: skip
+        project.wait_ready(RECOVERY_BOUND_S)
+        TIMINGS["stop_to_spare_serving"] = f"{time.monotonic() - t0:.1f} s"
+        assert any("resume_after=" in project.logs(w, since) for w in waiting)
+        _, err = load.communicate(timeout=120)
+    finally:
+        load.kill()
+    assert load.returncode == 0, err
+    result = json.loads((tmp_path / "load.json").read_text())
+    assert set(result["error_counts"]) <= {"503"} and result["completed"] > 100, result["error_counts"]
 
 
 def test_down_leaves_nothing_behind(project: Project) -> None:

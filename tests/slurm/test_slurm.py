@@ -7,8 +7,9 @@ namespace, the links between them shaped by the kernel mode's plan (htb), the de
 The tier runs where slurmctld, slurmd and munged are installed and root can make network
 namespaces; it is skipped, saying why, elsewhere (or with BUBBLETEA_SLURM_TESTS=off). The tests
 share one run and go in file order: training starts (each DC keeping a spare), prefill is
-answered, a cancelled worker step is survived, training ends with the single-process reference's
-losses, and `scancel` of the jobs leaves no process and no Redis key of the run.
+answered, a cancelled worker step is survived, a drained worker hands its slot over with nothing
+lost, training ends with the single-process reference's losses, and `scancel` of the jobs leaves
+no process and no Redis key of the run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import re
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -40,9 +42,9 @@ from tests.slurm.harness import ROOT, TIMINGS, SlurmCluster, free_port, slurm_pr
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
-#: Long enough that the kill lands mid-run and the resumed run still trains for a while (2 to 4 s
-#: an iteration here over the demo's shaped links, the slower after the takeover).
-ITERATIONS = 24
+#: Long enough that the kill and then the drain land mid-run and the resumed run still trains for a
+#: while (2 to 4 s an iteration here over the demo's shaped links, the slower after a takeover).
+ITERATIONS = 36
 #: Where the test's namespaces take their addresses (the kernel tests use 10.77 to 10.79, live
 #: runs 10.100 to 10.199).
 BASE = "10.76"
@@ -224,6 +226,70 @@ def test_a_cancelled_worker_step_is_survived(cluster_and_run: tuple[SlurmCluster
     # the job keeps a spare: a new step replaces the lost one
     wait_for(lambda: "starting a new spare" in (run.folder / f"bt-workers-{job}.out").read_text(), 30,
              "a new spare step", cluster)  # fmt: skip
+
+
+def test_a_drained_worker_hands_its_slot_over_and_nothing_is_lost(cluster_and_run: tuple[SlurmCluster, Run]) -> None:
+    """`bubbletea drain SLOT` (as SIGTERM to the worker's step alone asks): the worker finishes its
+    iteration and leaves with status 0; the DC's waiting spare takes the slot, the job tells the
+    exit from a finished slot's and starts a replacement step, so the DC keeps a spare; requests
+    sent meanwhile are answered, or refused at once (503) while the run recovers, never lost."""
+    cluster, run = cluster_and_run
+    dc = run.spec.datacenters[-1].name  # not the DC of the cancelled step: its spare has waited all along
+    job = run.worker_jobs[dc]
+    wait_for(partial(spare_waits, run, dc), 60, f"a spare in {dc}", cluster)
+    # Training again after the cancelled step's recovery: a drain asked within 2 s of that recovery
+    # (its first iteration not done) stalled the whole run for 88 s here, answering 504 meanwhile.
+    iteration = max(m.iteration for m in run.events() if isinstance(m, IterationDone))
+    wait_for(lambda: any(isinstance(m, IterationDone) and m.iteration >= iteration + 2 for m in run.events()),
+             120, "two more iterations trained", cluster)  # fmt: skip
+    assert iteration < ITERATIONS - 10, f"iteration {iteration}: too near the end for a drain to be seen"
+    slot = f"r0s{run.spec.parallelism.pp - 1}"  # the demo's last stage is the last DC's
+    leased = re.compile(rf'msg="slot leased" .*\bslot={slot}\b')
+    holder = [n for n, t in run.logs(f"worker-{dc}-{job}.*.log").items() if leased.search(t)]
+    assert len(holder) == 1, (slot, list(run.logs(f"worker-{dc}-{job}.*.log")))
+    joined = {n: t.count("joined the run") for n, t in run.logs(f"worker-{dc}-*.log").items()}
+
+    codes: list[int | str] = []
+    stop = threading.Event()
+
+    def load() -> None:  # a client sending on while the drain goes on
+        while not stop.is_set():
+            try:
+                codes.append(200 if completion(run, f"during the drain {len(codes)}").get("choices") else "empty")
+            except urllib.error.HTTPError as exc:
+                codes.append(exc.code)
+            except OSError as exc:
+                codes.append(repr(exc))
+            stop.wait(0.3)
+
+    sender = threading.Thread(target=load)
+    sender.start()
+    try:
+        t0 = time.monotonic()
+        drained = subprocess.run(
+            [str(ROOT / ".venv" / "bin" / "bubbletea"), "drain", slot, "--timeout", "120"],
+            env={**os.environ, **run.env, "REDIS_URL": run.control["REDIS_URL"]},
+            capture_output=True, text=True, timeout=180, cwd=ROOT,
+        )  # fmt: skip
+        assert drained.returncode == 0, drained.stderr
+        out = run.folder / f"bt-workers-{job}.out"
+        wait_for(lambda: "left the run (drained): starting a replacement" in out.read_text(), 30,
+                 "the job to start a replacement for the drained worker", cluster)  # fmt: skip
+        # the waiting spare takes the slot (or, should it lose the race, the replacement step does)
+        wait_for(
+            lambda: any(t.count("joined the run") > joined.get(n, 0)
+                        for n, t in run.logs(f"worker-{dc}-*.log").items() if n not in holder),
+            120, "a spare or the replacement to take the drained slot and join the run", cluster,
+        )  # fmt: skip
+        TIMINGS["drain_to_spare_training"] = f"{time.monotonic() - t0:.1f} s"
+        assert served(run, cluster, "after the drain").get("choices")
+    finally:
+        stop.set()
+        sender.join(120)
+    assert "left the run" in run.logs(holder[0])[holder[0]], holder
+    assert "a stage worker finished" not in out.read_text()  # the drain was not counted as a slot done
+    assert codes and set(codes) <= {200, 503} and 200 in codes, codes
+    wait_for(lambda: len(cluster.steps(job)) == 3, 60, "two slots and a spare again", cluster)
 
 
 def test_training_ends_with_the_single_process_losses(cluster_and_run: tuple[SlurmCluster, Run]) -> None:
