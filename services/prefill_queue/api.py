@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.prefill_queue.state import BUS, GATE, METRICS, SETTINGS, instance_results_stream
+from services.prefill_queue.state import BUS, GATE, HOPS, METRICS, SETTINGS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import serving
@@ -132,11 +132,13 @@ async def enqueue(
     idempotency_key: str | None = None,
     *,
     may_move: bool = False,
+    received: float | None = None,
 ) -> PrefillRequest:
     """Accept and queue one prompt (429 past `max_queue_depth`; `Duplicate` for a used key).
-    `may_move`: the decoder may compute it where the bubbles cannot by its objective."""
+    `may_move`: the decoder may compute it where the bubbles cannot by its objective; `received`:
+    when the front door received it (`time.perf_counter()`; None: now)."""
     app = request.app
-    req = new_request(app, parsed, request_id, may_move=may_move)
+    req = new_request(app, parsed, request_id, may_move=may_move, received=received)
     accepted = await serving.accept(
         app[BUS].redis, req, app[SETTINGS].spec.prefill.max_queue_depth, idempotency_key=idempotency_key
     )
@@ -154,9 +156,17 @@ async def enqueue(
     return req
 
 
-def new_request(app: web.Application, parsed: ParsedRequest, request_id: str, *, may_move: bool) -> PrefillRequest:
-    """The wire message of one validated prompt, its deadline and objective counted from now."""
+def new_request(
+    app: web.Application, parsed: ParsedRequest, request_id: str, *, may_move: bool, received: float | None = None
+) -> PrefillRequest:
+    """The wire message of one validated prompt, its deadline counted from now and its objective
+    from when it was received (`received`, perf_counter; None: now), less the front door's own hops
+    (`FrontDoorHops`: what the dispatcher and the workers are given is the rest)."""
     now = time.time()
+    objective = None
+    if parsed.objective_s is not None:
+        since = time.perf_counter() - received if received is not None else 0.0
+        objective = now - since + parsed.objective_s - app[HOPS].kept_s(parsed.objective_s)
     return PrefillRequest(
         id=request_id,
         model=parsed.model,
@@ -168,7 +178,7 @@ def new_request(app: web.Application, parsed: ParsedRequest, request_id: str, *,
         submitted=now,
         deadline=now + parsed.timeout_s,
         reply_to=instance_results_stream(app),
-        objective=now + parsed.objective_s if parsed.objective_s is not None else None,
+        objective=objective,
         may_move=may_move,
     )
 

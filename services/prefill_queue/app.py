@@ -25,6 +25,7 @@ from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.state import (
     BUS,
     GATE,
+    HOPS,
     INSTANCE,
     METRICS,
     SETTINGS,
@@ -46,6 +47,7 @@ from shared.bus.delivery import Handlers
 from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
 from shared.control.status import RequestStatus
+from shared.policies.prompt_placement import FrontDoorHops
 from shared.runtime.auth import bearer_ok
 from shared.runtime.logs import get_logger
 from shared.spec.settings import Settings
@@ -73,6 +75,7 @@ def create_app(settings: Settings) -> web.Application:
     app[INSTANCE] = f"{instance_id()}-{secrets.token_hex(3)}"
     app[GATE] = Gate()
     app[STOPPING] = Stopping()
+    app[HOPS] = FrontDoorHops()
     d = settings.spec.decode
     app[VLLM] = VllmDecoder(d) if d.enabled and d.engine == "vllm" else None
     on_decoder.setup(app)

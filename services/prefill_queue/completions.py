@@ -45,7 +45,7 @@ from services.prefill_queue.api import (
     refuse_if_not_serving,
 )
 from services.prefill_queue.decoding import whole
-from services.prefill_queue.state import SETTINGS, STOPPING, VLLM, WAITERS
+from services.prefill_queue.state import HOPS, SETTINGS, STOPPING, VLLM, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion, parse_completion
 from shared.policies.prompt_placement import Mode, mode_of
 from shared.wire import PrefillRequest, PrefillResult
@@ -77,15 +77,17 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
     waiters = {rid: app[WAITERS].expect(rid) for rid in ids}
     try:
         if mode is Mode.DECODER:  # the bubbles are not used: the decoder computes every prompt
-            reqs = [new_request(app, p, rid, may_move=True) for p, rid in zip(c.prompts, ids, strict=True)]
+            pairs = zip(c.prompts, ids, strict=True)
+            reqs = [new_request(app, p, rid, may_move=True, received=received) for p, rid in pairs]
             for req in reqs:
                 waiters[req.id] = asyncio.ensure_future(on_decoder.compute(app, req, c, lim.tokenizer))
         else:
             may_move = mode is Mode.AUTO
             reqs = [
-                await enqueue(request, parsed, rid, may_move=may_move)
+                await enqueue(request, parsed, rid, may_move=may_move, received=received)
                 for parsed, rid in zip(c.prompts, ids, strict=True)
             ]
+        queued = time.perf_counter()  # the front door's first hop ends here
         by_id = {req.id: req for req in reqs}
 
         async def moved(rid: str, r: PrefillResult) -> PrefillResult:
@@ -96,11 +98,12 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
         if c.max_tokens > 1:
             return await whole(request, received, c, completion_id, reqs, answers, lim.tokenizer)
         if c.stream:
-            return await _stream(request, received, c, completion_id, reqs, answers)
+            return await _stream(request, received, queued, c, completion_id, reqs, answers)
         results: dict[str, PrefillResult] = {}
         async for rid, result in answers:
             raise_if_failed(result)
             results[rid] = result
+        landed = time.perf_counter()
     finally:
         for rid in ids:
             app[WAITERS].forget(rid)
@@ -110,6 +113,7 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
         shaped(c, choice(i, req, results[req.id], c.stop, tokenizer=lim.tokenizer)) for i, req in enumerate(reqs)
     ]
     observe(app, received, choices)
+    app[HOPS].observed(queued - received + time.perf_counter() - landed)  # its body is written next
     return web.json_response(
         {
             **head(completion_id, reqs[0], model, c.object_name(chunk=False)),
@@ -144,17 +148,21 @@ def _completion_id(request: web.Request, prefix: str) -> str:
 async def _stream(
     request: web.Request,
     received: float,
+    queued: float,
     c: Completion,
     completion_id: str,
     reqs: list[PrefillRequest],
     answers: AsyncIterator[tuple[str, PrefillResult]],
 ) -> web.StreamResponse:
+    """The answers as server-sent events, each as it lands. The front door's hops (`queued` less
+    `received`, and from the first answer landing to its event written) are recorded."""
     model = request.app[SETTINGS].spec.prefill.model_name
     tokenizer = limits(request.app).tokenizer
     index = {req.id: i for i, req in enumerate(reqs)}
     by_id = {req.id: req for req in reqs}
     top = head(completion_id, reqs[0], model, c.object_name(chunk=True))
     first_id, first = await anext(answers)  # before any byte is sent: a failure keeps its status
+    landed = time.perf_counter()
     raise_if_failed(first)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -175,6 +183,8 @@ async def _stream(
                 sent.append(shaped(c, choice(index[rid], by_id[rid], result, c.stop, tokenizer=tokenizer), delta=True))
                 chunk = {**top, "choices": [sent[-1]]}
                 await send({**chunk, "usage": None} if c.include_usage else chunk)
+                if len(sent) == 1:
+                    request.app[HOPS].observed(queued - received + time.perf_counter() - landed)
             else:
                 status = FAILURE_STATUS[result.reason] if result.reason is not None else 500
                 await send({"error": {"message": f"the prefill failed: {result.error}", "code": status}})

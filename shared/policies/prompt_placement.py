@@ -144,3 +144,34 @@ class DecoderLoad:
             self._recent.append(seconds)
             while len(self._recent) > self.window:
                 self._recent.popleft()
+
+
+#: Of a request's objective, at most this share is kept for the front door's own hops (`FrontDoorHops`).
+HOPS_MAX_SHARE = 0.25
+
+
+@dataclass
+class FrontDoorHops:
+    """The front door's own share of a time to first token: from receiving a request to queueing
+    its prompt, and from its answer landing to the first byte written. The objective is the client's,
+    so the time the dispatcher and the workers are given (the request's `objective`) is it less the
+    `QUANTILE` of the last `window` of these hops, at most `HOPS_MAX_SHARE` of the objective. (With
+    the objective given whole, `bench/up_overload.py` saw 6% of the answers late, by 24.5 ms at the
+    median, 2026-11-28.) What comes before the front door's handler and after its write (the
+    network, the client's own event loop) is not seen here."""
+
+    window: int = 64
+    _recent: deque[float] = field(default_factory=deque)
+
+    def observed(self, seconds: float) -> None:
+        """One request's hops through the front door, in seconds."""
+        self._recent.append(max(0.0, seconds))
+        while len(self._recent) > self.window:
+            self._recent.popleft()
+
+    def kept_s(self, objective_s: float) -> float:
+        """Of an objective of `objective_s`, the seconds kept for the front door's hops."""
+        if not self._recent:
+            return 0.0
+        times = sorted(self._recent)
+        return min(times[min(len(times) - 1, int(QUANTILE * len(times)))], HOPS_MAX_SHARE * objective_s)

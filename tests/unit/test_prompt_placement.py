@@ -12,7 +12,7 @@ from shared.control.status import FailureReason
 from shared.policies import prompt_placement as placement
 from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Request
 from shared.policies.prefill_cost import PrefillCostModel
-from shared.policies.prompt_placement import MARGIN, RESERVE, DecoderLoad, Where
+from shared.policies.prompt_placement import HOPS_MAX_SHARE, MARGIN, RESERVE, DecoderLoad, FrontDoorHops, Where
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -112,3 +112,17 @@ def test_the_share_kept_is_of_the_time_to_when_it_is_due_its_deadline_if_that_co
     assert not s.tick(1.0).failed and "r" in s.requests
     moved = s.tick(placement.moves_at(120.0, 120.0, 0.05) - s.tick_s + 0.01).failed
     assert [f.reason for f in moved] == [FailureReason.TO_DECODER]
+
+
+def test_the_front_door_keeps_its_own_hops_of_an_objective_up_to_a_share() -> None:
+    """None seen: nothing kept. Then the 90th percentile of the recent hops, at most a quarter of
+    the objective (a front door slowed to a crawl must not leave the bubbles nothing)."""
+    hops = FrontDoorHops(window=10)
+    assert hops.kept_s(0.5) == 0.0
+    for ms in (5, 6, 7, 8, 9, 10, 11, 12, 13, 40):
+        hops.observed(ms / 1000)
+    assert hops.kept_s(0.5) == pytest.approx(0.040)
+    assert hops.kept_s(0.1) == pytest.approx(HOPS_MAX_SHARE * 0.1)
+    for _ in range(10):  # only the last `window` count
+        hops.observed(0.002)
+    assert hops.kept_s(0.5) == pytest.approx(0.002)

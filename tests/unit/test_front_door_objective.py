@@ -1,0 +1,41 @@
+"""The objective a front door gives the bubbles: the client's, counted from when the front door
+received the request, less the front door's own hops (`FrontDoorHops`)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from aiohttp import web
+
+from services.prefill_queue.api import new_request
+from services.prefill_queue.state import HOPS, INSTANCE
+from services.prefill_queue.validation import ParsedRequest
+from shared.policies.prompt_placement import FrontDoorHops
+
+PARSED = ParsedRequest("m", (1, 2, 3), 0.0, None, 0, "", timeout_s=60.0, objective_s=0.5)
+
+
+def app_with_hops(*seconds: float) -> web.Application:
+    app = web.Application()
+    app[INSTANCE] = "fd-test"
+    app[HOPS] = hops = FrontDoorHops()
+    for s in seconds:
+        hops.observed(s)
+    return app
+
+
+def test_the_objective_counts_from_receipt_less_the_front_doors_hops() -> None:
+    received = time.perf_counter() - 0.1  # parsed and placed for 100 ms before it is queued
+    req = new_request(app_with_hops(0.02), PARSED, "r1", may_move=False, received=received)
+    assert req.objective is not None and req.deadline is not None
+    # 0.5 s from 0.1 s ago, less the 20 ms kept for the hops: due 0.38 s after it was queued
+    assert req.objective - req.submitted == pytest.approx(0.38, abs=0.01)
+    assert req.deadline - req.submitted == pytest.approx(60.0, abs=0.01)  # the deadline: from now, as before
+
+
+def test_no_hops_seen_yet_and_no_objective_keep_the_objective_as_given() -> None:
+    req = new_request(app_with_hops(), PARSED, "r2", may_move=False)
+    assert req.objective is not None and req.objective - req.submitted == pytest.approx(0.5, abs=0.005)
+    none = ParsedRequest("m", (1,), 0.0, None, 0, "", timeout_s=60.0)
+    assert new_request(app_with_hops(0.02), none, "r3", may_move=False).objective is None
