@@ -145,6 +145,16 @@ def test_prometheus_scrapes_every_service(project: Project) -> None:
     raise AssertionError(f"Prometheus's targets by job after 90 s: {health} (expected {SCRAPED}, up {SCRAPED_UP})")
 
 
+def _steady_load(project: Project, out: Path) -> subprocess.Popen[str]:
+    """5 requests/s for 40 s from the load generator, its JSON to `out`: the load a fault meets."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "loadgen", "--base-url", project.base_url, "--api-key", project.api_key,
+         "--request-rate", "5", "--duration", "40", "--input-len", "64", "--disable-tqdm",
+         "--json-out", str(out)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 def test_a_crashed_stage_worker_is_restarted_and_takes_its_slot_back_under_load(
     project: Project, tmp_path: Path
 ) -> None:
@@ -153,12 +163,7 @@ def test_a_crashed_stage_worker_is_restarted_and_takes_its_slot_back_under_load(
     refused at once (503, Retry-After) while the run waited for its worker."""
     victim = _holders_and_spares(project)[0][1]
     pid = int(project.inspect(victim, "{{.State.Pid}}"))
-    load = subprocess.Popen(
-        [sys.executable, "-m", "loadgen", "--base-url", project.base_url, "--api-key", project.api_key,
-         "--request-rate", "5", "--duration", "40", "--input-len", "64", "--disable-tqdm",
-         "--json-out", str(tmp_path / "load.json")],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    load = _steady_load(project, tmp_path / "load.json")
     try:
         time.sleep(8)
         since = time.time()
@@ -209,12 +214,7 @@ def test_a_stopped_stage_worker_is_drained_and_nothing_is_lost_under_load(projec
     assert waiting and holders, (waiting, holders)  # the spares test left one spare waiting
     victim = holders[0]
     restarts = project.inspect(victim, "{{.RestartCount}}")  # the crash test's victim may be the one
-    load = subprocess.Popen(
-        [sys.executable, "-m", "loadgen", "--base-url", project.base_url, "--api-key", project.api_key,
-         "--request-rate", "5", "--duration", "40", "--input-len", "64", "--disable-tqdm",
-         "--json-out", str(tmp_path / "load.json")],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    load = _steady_load(project, tmp_path / "load.json")
     try:
         time.sleep(8)
         since = time.time()
