@@ -21,6 +21,11 @@ from shared.wire import BubbleEnd, BubbleStart, PrefillOff, PrefillReport, Prefi
 
 #: A progress line in the log this often.
 LOG_EVERY_S = 10.0
+#: How long a stopping dispatcher tries its last writes (the last bubbles' records, its readiness
+#: withdrawn, its heartbeat deleted): a publish otherwise rides a Redis outage out for 30 s, and a
+#: launcher killed with SIGKILL takes its embedded Redis with it (a CI run saw the dispatcher
+#: outlive it by more than 30 s). What is not written then expires by itself.
+LAST_WRITES_S = 3.0
 
 log = get_logger(__name__)
 
@@ -109,11 +114,20 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             for c in reversed(consumers):
                 # Held requests stay pending for the next dispatcher: no grace needed for them.
                 await c.stop(grace_s=0 if c is requests else None)
-            with contextlib.suppress(*TRANSIENT_ERRORS):
-                await d.telemetry.flush()  # the last bubbles' records, after the consumers stopped
-                await serving.withdraw_readiness(bus.redis, d.instance)
-            await hb.stop()
+            await last_writes(d, hb)
             await server.stop()
+
+
+async def last_writes(d: Dispatcher, hb: Heartbeat, within_s: float = LAST_WRITES_S) -> None:
+    """The last bubbles' records (after the consumers stopped), the readiness verdict withdrawn and
+    the heartbeat deleted: tried for `within_s` at most (`LAST_WRITES_S`)."""
+    with contextlib.suppress(TimeoutError, *TRANSIENT_ERRORS):
+        async with asyncio.timeout(within_s):
+            await d.telemetry.flush()
+            await serving.withdraw_readiness(d.bus.redis, d.instance)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(within_s):
+            await hb.stop()
 
 
 async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:

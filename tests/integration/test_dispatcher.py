@@ -14,11 +14,13 @@ from typing import Any
 from redis.asyncio import Redis
 
 from services.dispatcher.dispatcher import Dispatcher
-from services.dispatcher.serve import serve
+from services.dispatcher.serve import last_writes, serve
 from shared.bus import Bus, Delivery
 from shared.control import keys, serving
+from shared.control.health import Heartbeat
 from shared.control.status import ControlEvent, FailureReason, RequestStatus
 from shared.policies.decisions import Decisions, Spent
+from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.config import BusConfig
 from shared.spec.settings import load_settings
 from shared.wire import (
@@ -226,3 +228,21 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
         (ControlEvent.REPORT, now + 0.003, False),
     ]
     assert all(c.seen >= c.at for c in seen)
+
+
+async def test_a_stopping_dispatcher_whose_redis_died_tries_its_last_writes_for_seconds() -> None:
+    """Its launcher killed with SIGKILL, its embedded Redis dies with it and the dispatcher gets
+    SIGTERM: its last writes (bubble records kept, readiness, heartbeat) must not ride the outage
+    out for 30 s, as a publish does (a CI run saw it outlive its launcher by more than 30 s)."""
+    server = EmbeddedRedis().start()
+    async with Bus(server.url, BusConfig(), name="test") as bus:
+        d = Dispatcher(bus, load_settings(None).spec, "gone")
+        hb = Heartbeat(bus.redis, "dispatcher", "gone-1", dict)
+        await hb.start()
+        d.telemetry.seen(ControlEvent.BUBBLE_START, "r0s1", time.time(), time.time())
+        server.stop()
+        t0 = time.monotonic()
+        await last_writes(d, hb, within_s=1.0)
+        took = time.monotonic() - t0
+    assert d.telemetry.kept, "written to a Redis that is gone?"
+    assert took < 4.0, f"the last writes took {took:.1f}s"
