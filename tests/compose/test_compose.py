@@ -11,6 +11,7 @@ wrong key, a load burst, Prometheus, a crashed worker, spares, a stopped (draine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -145,14 +146,24 @@ def test_prometheus_scrapes_every_service(project: Project) -> None:
     raise AssertionError(f"Prometheus's targets by job after 90 s: {health} (expected {SCRAPED}, up {SCRAPED_UP})")
 
 
-def _steady_load(project: Project, out: Path) -> subprocess.Popen[str]:
-    """5 requests/s for 40 s from the load generator, its JSON to `out`: the load a fault meets."""
-    return subprocess.Popen(
+@contextlib.contextmanager
+def _steady_load(project: Project, out: Path) -> Iterator[None]:
+    """5 requests/s for 40 s from the load generator (its JSON to `out`) while the block runs a
+    fault; then nothing lost: every request answered, or refused at once (503) while the run waited."""
+    load = subprocess.Popen(
         [sys.executable, "-m", "loadgen", "--base-url", project.base_url, "--api-key", project.api_key,
          "--request-rate", "5", "--duration", "40", "--input-len", "64", "--disable-tqdm",
          "--json-out", str(out)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    try:
+        yield
+        _, err = load.communicate(timeout=120)
+    finally:
+        load.kill()
+    assert load.returncode == 0, err
+    result = json.loads(out.read_text())
+    assert set(result["error_counts"]) <= {"503"} and result["completed"] > 100, result["error_counts"]
 
 
 def test_a_crashed_stage_worker_is_restarted_and_takes_its_slot_back_under_load(
@@ -163,8 +174,7 @@ def test_a_crashed_stage_worker_is_restarted_and_takes_its_slot_back_under_load(
     refused at once (503, Retry-After) while the run waited for its worker."""
     victim = _holders_and_spares(project)[0][1]
     pid = int(project.inspect(victim, "{{.State.Pid}}"))
-    load = _steady_load(project, tmp_path / "load.json")
-    try:
+    with _steady_load(project, tmp_path / "load.json"):
         time.sleep(8)
         since = time.time()
         try:
@@ -177,12 +187,6 @@ def test_a_crashed_stage_worker_is_restarted_and_takes_its_slot_back_under_load(
         project.wait_ready(RECOVERY_BOUND_S)
         TIMINGS["crash_to_recovered"] = f"{time.monotonic() - t0:.1f} s"
         assert "resume_after=" in project.logs(victim, since)
-        _, err = load.communicate(timeout=120)
-    finally:
-        load.kill()
-    assert load.returncode == 0, err
-    result = json.loads((tmp_path / "load.json").read_text())
-    assert set(result["error_counts"]) <= {"503"} and result["completed"] > 100, result["error_counts"]
 
 
 def test_extra_workers_wait_as_spares_and_take_over_a_freed_slot(project: Project) -> None:
@@ -214,8 +218,7 @@ def test_a_stopped_stage_worker_is_drained_and_nothing_is_lost_under_load(projec
     assert waiting and holders, (waiting, holders)  # the spares test left one spare waiting
     victim = holders[0]
     restarts = project.inspect(victim, "{{.RestartCount}}")  # the crash test's victim may be the one
-    load = _steady_load(project, tmp_path / "load.json")
-    try:
+    with _steady_load(project, tmp_path / "load.json"):
         time.sleep(8)
         since = time.time()
         t0 = time.monotonic()
@@ -228,12 +231,6 @@ def test_a_stopped_stage_worker_is_drained_and_nothing_is_lost_under_load(projec
         project.wait_ready(RECOVERY_BOUND_S)
         TIMINGS["stop_to_spare_serving"] = f"{time.monotonic() - t0:.1f} s"
         assert any("resume_after=" in project.logs(w, since) for w in waiting)
-        _, err = load.communicate(timeout=120)
-    finally:
-        load.kill()
-    assert load.returncode == 0, err
-    result = json.loads((tmp_path / "load.json").read_text())
-    assert set(result["error_counts"]) <= {"503"} and result["completed"] > 100, result["error_counts"]
 
 
 def test_down_leaves_nothing_behind(project: Project) -> None:
