@@ -100,6 +100,27 @@ def moves_at(due: float, objective_s: float, own_s: float) -> float:
 
 
 @dataclass
+class RecentTimes:
+    """The last `window` durations seen, and their `QUANTILE` (what the next one is predicted to
+    take, for `DecoderLoad` and `FrontDoorHops`)."""
+
+    window: int
+    _times: deque[float] = field(default_factory=deque)
+
+    def add(self, seconds: float) -> None:
+        self._times.append(seconds)
+        while len(self._times) > self.window:
+            self._times.popleft()
+
+    def quantile(self) -> float | None:
+        """The `QUANTILE` of the recent durations, or None before any."""
+        if not self._times:
+            return None
+        times = sorted(self._times)
+        return times[min(len(times) - 1, int(QUANTILE * len(times)))]
+
+
+@dataclass
 class DecoderLoad:
     """The front door's view of the decoder's own prefill: may it compute one more prompt by its
     objective? The decoder batches the prompts it computes (vLLM's continuous batching), so what one
@@ -110,15 +131,15 @@ class DecoderLoad:
     yet, it is assumed to meet it."""
 
     window: int = 32  # the recent first tokens the prediction is taken over
-    _recent: deque[float] = field(default_factory=deque)  # seconds from sending to the first token
     in_flight: int = 0  # prompts sent and not yet answered (for the log: the prediction is the times')
+    _recent: RecentTimes = field(init=False)  # seconds from sending to the first token
+
+    def __post_init__(self) -> None:
+        self._recent = RecentTimes(self.window)
 
     def predicted_s(self) -> float | None:
         """What one more prompt is predicted to take to its first token, or None before any."""
-        if not self._recent:
-            return None
-        times = sorted(self._recent)
-        return times[min(len(times) - 1, int(QUANTILE * len(times)))]
+        return self._recent.quantile()
 
     def verdict(self, left_s: float | None) -> Verdict:
         """Whether a prompt, its objective `left_s` from now (None: none), is sent to the decoder
@@ -141,9 +162,7 @@ class DecoderLoad:
         """Its first token came (`seconds` after it was sent), or it failed (None)."""
         self.in_flight = max(0, self.in_flight - 1)
         if seconds is not None and seconds > 0:
-            self._recent.append(seconds)
-            while len(self._recent) > self.window:
-                self._recent.popleft()
+            self._recent.add(seconds)
 
 
 #: Of a request's objective, at most this share is kept for the front door's own hops (`FrontDoorHops`).
@@ -161,17 +180,16 @@ class FrontDoorHops:
     network, the client's own event loop) is not seen here."""
 
     window: int = 64
-    _recent: deque[float] = field(default_factory=deque)
+    _recent: RecentTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._recent = RecentTimes(self.window)
 
     def observed(self, seconds: float) -> None:
         """One request's hops through the front door, in seconds."""
-        self._recent.append(max(0.0, seconds))
-        while len(self._recent) > self.window:
-            self._recent.popleft()
+        self._recent.add(max(0.0, seconds))
 
     def kept_s(self, objective_s: float) -> float:
         """Of an objective of `objective_s`, the seconds kept for the front door's hops."""
-        if not self._recent:
-            return 0.0
-        times = sorted(self._recent)
-        return min(times[min(len(times) - 1, int(QUANTILE * len(times)))], HOPS_MAX_SHARE * objective_s)
+        hops = self._recent.quantile()
+        return 0.0 if hops is None else min(hops, HOPS_MAX_SHARE * objective_s)
