@@ -150,7 +150,8 @@ class BatchCompute:
 
     def _begin(self, q: Queued, item: PrefillItem) -> Outcome:
         """The outcome of an item starting now: from its saved state, or from its prompt (its
-        state is elsewhere or lost), or failed (its state expired, or the model refuses it)."""
+        state is elsewhere or lost), or failed (too late to finish by its due time, its state
+        expired, or the model refuses it)."""
         if late_on_worker(item.due or None, now := time.time(), item.predicted_ms / 1000):  # it would answer late
             left = item.due - now
             why = (
