@@ -84,7 +84,7 @@ def build(spec: ClusterSpec, *, fwd_ms: float = DEFAULT_FWD_MS, bus_s: float = B
         max_queue=spec.prefill.max_queue_depth,
         bus_s=bus_s,
         objective_s=spec.prefill.ttft_objective_ms / 1000 if spec.prefill.ttft_objective_ms else None,
-        placement=mode_of(spec.prefill.placement, spec.decode.enabled, spec.decode.engine),
+        placement=mode_of(spec.prefill.placement, spec.decode.enabled),
     )
     return SimSetup(spec, pipeline, serving, fwd, bwd, source, prefill_source, info)
 

@@ -18,6 +18,11 @@ The front door then publishes a `DecodeRequest` on `bt:decode:requests`, and a d
    it ended (the front door makes the text from the tokens and cuts it at the stop sequence);
 4. frees the KV cache (a FREE to its holder, or a Redis DEL): none is left behind.
 
+A request that carries its `prompt` (the front door placed the prompt on the decoder:
+`shared.policies.prompt_placement`, the bubbles could not meet its TTFT objective) has no cache to
+load: the decoder computes the prompt itself (`PrefillModel.prefill`, the same sampling as a
+bubble's), sends its first token at once in a chunk of index 0, then continues as above.
+
 The request's entry is acked only after its last chunk, so a decoder that dies mid-completion
 leaves it pending for another, which starts it again from the KV cache (the front door drops
 chunks it already has, by their `index`). Past its deadline a completion stops with a failure.
@@ -83,7 +88,20 @@ class Decoder:
             return None, f"the KV cache of {req.id} is unreadable: {exc}"
         return stored, f"no KV cache for {req.id}: it expired (prefill.kv_ttl_s) or was never stored"
 
+    async def _compute(self, req: DecodeRequest) -> Continuation | None:
+        """The decoder's own prefill of `req.prompt`: its continuation from the first token (None:
+        the model refused the prompt, and the request was failed saying why)."""
+        try:
+            first = await asyncio.to_thread(self.model.prefill, req.prompt, temperature=req.temperature, seed=req.seed)
+        except ValueError as exc:  # e.g. longer than the model's positions: the front door checks, but be safe
+            await self._fail(req, 0, FailureReason.MODEL_REFUSED, f"the model cannot compute the prompt: {exc}")
+            return None
+        self.metrics.prompt(len(req.prompt))
+        return Continuation(self.model, first.kv, len(req.prompt), first.token, req.temperature, req.seed)
+
     async def _free(self, req: DecodeRequest) -> None:
+        if req.prompt:
+            return  # computed here: its cache was never stored anywhere
         if req.kv_holder:
             freed, why = await self.kv.free(req.kv_holder, req.id)
             if not freed:  # expired meanwhile, or its holder is gone: nothing left behind either way
@@ -92,19 +110,26 @@ class Decoder:
             await kvstore.delete_kv(self.bus.redis, req.id)
 
     async def _decode(self, req: DecodeRequest) -> None:
-        stored, why = await self._load(req)
-        if stored is None:
-            await self._fail(req, 1, FailureReason.KV_MISSING, why)
-            return
-        c = Continuation(self.model, stored.kv, len(stored.prompt), stored.first_token, req.temperature, req.seed)
-        sent = 1  # the first token is the prefill's answer: the client has it
+        t0 = time.perf_counter()
+        if req.prompt:
+            c = await self._compute(req)
+            if c is None:
+                return
+            sent = 0  # the first token is computed here: it goes out first, at once
+        else:
+            stored, why = await self._load(req)
+            if stored is None:
+                await self._fail(req, 1, FailureReason.KV_MISSING, why)
+                return
+            c = Continuation(self.model, stored.kv, len(stored.prompt), stored.first_token, req.temperature, req.seed)
+            sent = 1  # the first token is the prefill's answer: the client has it
         finish, stop_reason = "length", None
-        t0 = self._last_token = time.perf_counter()
+        self._last_token = time.perf_counter()
         while True:
             if req.deadline is not None and time.time() > req.deadline:
                 await self._fail(req, sent, FailureReason.DEADLINE, "deadline passed while decoding")
                 return
-            if len(c.tokens) < req.max_tokens:
+            if sent and len(c.tokens) < req.max_tokens:
                 try:
                     await asyncio.to_thread(self._steps, c, req.max_tokens)
                 except ValueError as exc:  # e.g. past the model's positions: the front door checks, but be safe
@@ -139,6 +164,7 @@ class Decoder:
             "completion decoded",
             id=req.id,
             tokens=len(c.tokens),
+            prompt_computed_here=bool(req.prompt),
             finish_reason=finish,
             tokens_per_s=round((len(c.tokens) - 1) / max(time.perf_counter() - t0, 1e-9), 1),
         )

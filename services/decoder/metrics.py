@@ -7,6 +7,9 @@
   generated after the first (vLLM's TPOT histogram);
 * `bubbletea:inter_token_latency_seconds`: per generated token, the time since the one before
   (vLLM's ITL histogram; tokens are generated one step at a time in the decoder's thread);
+* `bubbletea:decoder_prompt_tokens_total`: tokens of the prompts the decoder computed itself
+  (`shared.policies.prompt_placement` placed them here; vLLM's is `prompt_tokens`, a name the
+  front door's own count of every answered prompt has here);
 * `bubbletea:num_requests_running`: completions being decoded now (set at scrape time);
 * `bubbletea:request_success_total{finished_reason}` and `bubbletea:request_failures_total{reason}`.
 """
@@ -49,6 +52,12 @@ class DecoderMetrics:
             buckets=FAST_BUCKETS,
             registry=r,
         ).labels(model_name)
+        self._prompt_tokens = Counter(
+            "bubbletea:decoder_prompt_tokens",
+            "Tokens of the prompts the decoder computed itself (placed on it, not in the bubbles).",
+            model,
+            registry=r,
+        ).labels(model_name)
         self._running = Gauge(
             "bubbletea:num_requests_running", "Completions being decoded now.", model, registry=r
         ).labels(model_name)
@@ -74,6 +83,10 @@ class DecoderMetrics:
         """A token was generated `gap_s` after the one before it."""
         self._tokens.inc()
         self._itl.observe(max(0.0, gap_s))
+
+    def prompt(self, tokens: int) -> None:
+        """A prompt of `tokens` tokens was computed here."""
+        self._prompt_tokens.inc(tokens)
 
     def finished(self, reason: str, generated: int, decode_s: float) -> None:
         """A completion ended (`reason`: length or stop) after `generated` tokens past the first."""

@@ -15,6 +15,7 @@ from services.prefill_queue.state import BUS, GATE, HOPS, METRICS, SETTINGS, ins
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import serving
+from shared.control.health import live_instances
 from shared.control.serving import Readiness
 from shared.control.status import FailureReason, RequestStatus
 from shared.model.info import CheckpointError, ModelInfo
@@ -74,6 +75,12 @@ async def read_gate(app: web.Application) -> None:
     """Re-read the dispatchers' verdict now (a Redis error keeps the last one)."""
     with contextlib.suppress(*TRANSIENT_ERRORS):
         app[GATE].verdict = serving.combined(await serving.readiness(app[BUS].redis))
+
+
+async def read_decoders(app: web.Application) -> None:
+    """Re-read whether a built-in decoder service is alive (a Redis error keeps the last answer)."""
+    with contextlib.suppress(*TRANSIENT_ERRORS):
+        app[GATE].decoder_live = bool(await live_instances(app[BUS].redis, "decoder"))
 
 
 @functools.lru_cache(maxsize=4)

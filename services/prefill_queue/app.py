@@ -24,6 +24,7 @@ from services.prefill_queue import api, chat, completions, on_decoder, openapi
 from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.state import (
     BUS,
+    DECODERS_EVERY_S,
     GATE,
     HOPS,
     INSTANCE,
@@ -156,17 +157,29 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:
     """Keep the dispatchers' readiness verdict fresh (read every `serving.READINESS_EVERY_S`)."""
 
+    spec = app[SETTINGS].spec
+    builtin_decoder = spec.decode.enabled and app[VLLM] is None  # prompts may be placed on it if alive
+
     async def watch() -> None:
         gate = app[GATE]
+        decoders_read = time.monotonic()
         while True:
             was = gate.verdict.state.value if gate.verdict else "no dispatcher"
             await api.read_gate(app)  # a Redis error keeps the last verdict; /ready reports Redis
             now = gate.verdict.state.value if gate.verdict else "no dispatcher"
             if now != was:
                 log.info("serving state", state=now, reason=gate.verdict.reason if gate.verdict else "")
+            if builtin_decoder and time.monotonic() - decoders_read >= DECODERS_EVERY_S:
+                had = gate.decoder_live
+                await api.read_decoders(app)
+                decoders_read = time.monotonic()
+                if gate.decoder_live != had:
+                    log.info("decoder for prompts", alive=gate.decoder_live)
             await asyncio.sleep(serving.READINESS_EVERY_S)  # a poll: the verdict is a key with a TTL
 
     await api.read_gate(app)
+    if builtin_decoder:
+        await api.read_decoders(app)
     task = asyncio.create_task(watch(), name="readiness")
     yield
     task.cancel()

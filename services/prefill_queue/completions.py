@@ -2,7 +2,7 @@
 
 Each prompt of the request is queued on its own and prefilled in the bubbles; its answer is the
 first token. With ``max_tokens`` > 1 (the decoder on: `decode.enabled`) the decoder continues each
-prompt from its KV cache (`decoding.continue_completion`) and the choice is the whole completion.
+prompt from its KV cache (`builtin_decode.continue_completion`, or vLLM) and the choice is the whole completion.
 Without streaming the answer is one JSON body with a choice per prompt. With ``stream: true`` it is
 server-sent events: a chunk per prompt as its first token lands (its text, logprobs and, if that
 ends it, its finish reason), then chunks of further text as the decoder produces them, a usage chunk
@@ -45,7 +45,7 @@ from services.prefill_queue.api import (
     refuse_if_not_serving,
 )
 from services.prefill_queue.decoding import whole
-from services.prefill_queue.state import HOPS, SETTINGS, STOPPING, VLLM, WAITERS
+from services.prefill_queue.state import GATE, HOPS, SETTINGS, STOPPING, VLLM, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion, parse_completion
 from shared.policies.prompt_placement import Mode, mode_of
 from shared.wire import PrefillRequest, PrefillResult
@@ -126,11 +126,12 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
 
 def placement_mode(app: web.Application, c: Completion) -> Mode:
     """Where this request's prompts may be computed (`prefill.placement`): the bubbles only unless
-    a decoder that computes prompts is here (vLLM) and no prompt asks for the top logprobs, which
-    only the bubbles return in our shape."""
+    a decoder that computes prompts is here (vLLM, or a live built-in decoder service) and no prompt
+    asks for the top logprobs, which only the bubbles return in our shape."""
     spec = app[SETTINGS].spec
-    mode = mode_of(spec.prefill.placement, spec.decode.enabled, spec.decode.engine)
-    if app[VLLM] is None or any(p.logprobs for p in c.prompts):
+    mode = mode_of(spec.prefill.placement, spec.decode.enabled)
+    decoder_here = app[VLLM] is not None or (spec.decode.enabled and app[GATE].decoder_live)
+    if not decoder_here or any(p.logprobs for p in c.prompts):
         return Mode.BUBBLES
     return mode
 

@@ -1,11 +1,8 @@
 """Whole completions: after a prompt's prefill (done in the bubbles), the decoder generates the rest.
 
-`continue_completion` publishes a `DecodeRequest` for a prefilled prompt and yields its
-`DecodeChunk`s in order as they land on this instance's results stream (`Waiters.expect_chunks`),
-each holding only tokens not yielded before: a decoder that died and was replaced starts the
-completion over from the KV cache, and what the front door already has is dropped by `index`
-(greedy and seeded completions repeat the same tokens; the text is made here, from the tokens).
-A decode that does not end by the request's deadline ends with a 504 saying how far it got.
+The rest comes from the engine `decode.engine` names: the decoder service
+(`builtin_decode.continue_completion`) or vLLM (`vllm_decode`); a prompt the decoder computed itself
+has its stream already (`on_decoder.rest`).
 
 `whole` answers a /v1/completions request with ``max_tokens`` > 1 from these: its prefill answers,
 then each prompt's decoding, as one JSON body or as server-sent events (a chunk per piece of new
@@ -17,17 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from services.prefill_queue import on_decoder
 from services.prefill_queue.answers import (
-    DEADLINE_GRACE_S,
     head,
     observe,
     opening,
@@ -36,83 +30,16 @@ from services.prefill_queue.answers import (
     shaped,
 )
 from services.prefill_queue.api import FAILURE_STATUS, kv_params, served_model
-from services.prefill_queue.state import BUS, SETTINGS, STOPPING, VLLM, WAITERS, instance_results_stream
+from services.prefill_queue.builtin_decode import continue_completion
+from services.prefill_queue.state import SETTINGS, VLLM, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion
 from services.prefill_queue.vllm_decode import deadline_s
-from shared.control import keys
 from shared.control.status import RequestStatus
 from shared.model.tokenizer import Tokenizer, find_stop
 from shared.runtime.logs import get_logger
-from shared.wire import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
+from shared.wire import DecodeChunk, PrefillRequest, PrefillResult
 
 log = get_logger(__name__)
-
-#: A decode wait wakes at least this often to notice the front door stopping.
-POLL_S = 0.5
-
-
-async def continue_completion(
-    app: web.Application,
-    req: PrefillRequest,
-    max_tokens: int,
-    stop: tuple[str, ...],
-    eos: tuple[int, ...] = (),
-    kv_holder: str = "",
-) -> AsyncIterator[DecodeChunk]:
-    """The chunks of `req`'s completion after its first token, ending with the one marked done.
-    `kv_holder`: the prefill answer's, where its KV cache is (empty: in Redis)."""
-    queue = app[WAITERS].expect_chunks(req.id)
-    model = app[SETTINGS].spec.prefill.model_name
-    decode = DecodeRequest(
-        id=req.id,
-        model=model,
-        max_tokens=max_tokens,
-        temperature=req.temperature,
-        seed=req.seed,
-        stop=stop,
-        eos=eos,
-        submitted=req.submitted,
-        deadline=req.deadline,
-        reply_to=instance_results_stream(app),
-        kv_holder=kv_holder,
-    )
-    await app[BUS].publish(keys.DECODE_REQUESTS_STREAM, decode)
-    expected = 1  # index of the next token: the prefill's token is 0
-    # the decoder fails a completion past its deadline; waiting DEADLINE_GRACE_S more is the safety net
-    deadline = DEADLINE_GRACE_S + (
-        req.deadline if req.deadline is not None else time.time() + app[SETTINGS].spec.prefill.request_timeout_s
-    )
-    stopping = app[STOPPING]
-    while True:
-        grace_left = stopping.deadline(float("inf")) - time.monotonic()
-        try:  # woken at least every POLL_S, to notice the front door stopping
-            async with asyncio.timeout(max(0.0, min(deadline - time.time(), grace_left, POLL_S))):
-                chunk = await queue.get()
-        except TimeoutError:
-            if stopping.event.is_set() and time.monotonic() >= stopping.deadline(float("inf")):
-                raise BadRequest(
-                    f"this front door is stopping; the completion was not finished ({expected} tokens received)",
-                    status=503,
-                    type_="service_unavailable",
-                    retry_after_s=1,
-                ) from None
-            if time.time() < deadline:
-                continue
-            raise BadRequest(
-                f"the completion was not finished by its deadline ({expected} tokens received); is a decoder "
-                "running? (bubbletea up --decode, or compose's decode profile)",
-                status=504,
-                type_="timeout_error",
-            ) from None
-        if chunk.index > expected:
-            continue  # a gap cannot happen with one decoder at a time; never emit one
-        new = chunk.tokens[expected - chunk.index :]
-        if not new and not chunk.done:
-            continue  # all already had
-        expected += len(new)
-        yield msgspec.structs.replace(chunk, index=expected - len(new), tokens=new)
-        if chunk.done:
-            return
 
 
 def _continuation(

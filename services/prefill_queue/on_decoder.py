@@ -2,12 +2,14 @@
 
 A prompt comes here when the dispatcher moved it (its answer has status MOVED: the bubbles could
 not compute it by its TTFT objective) or when `prefill.placement` is `decoder`. If the decoder can
-compute it by its objective (`DecoderLoad`, this front door's view of what it has sent vLLM and how
-fast vLLM answered), the whole completion is asked of vLLM without ``kv_transfer_params``: vLLM
-computes the prompt and streams every token. Its first token is the prompt's answer, as a bubble's
-would be (`PrefillResult`, placement DECODER); the rest of the stream is kept for the completion's
-continuation (`rest`), so vLLM computes the prompt once. If the decoder cannot meet the objective
-either, the answer is a refusal (OVERLOADED: a 429 with Retry-After).
+compute it by its objective (`DecoderLoad`, this front door's view of what it has sent the decoder
+and how fast the decoder answered), the whole completion is asked of the decoder with the prompt
+and no KV cache: vLLM without ``kv_transfer_params``, or the built-in decoder service with the
+prompt's tokens (`DecodeRequest.prompt`). It computes the prompt and streams every token. The first
+token is the prompt's answer, as a bubble's would be (`PrefillResult`, placement DECODER); the rest
+of the stream is kept for the completion's continuation (`rest`), so the prompt is computed once.
+If the decoder cannot meet the objective either, the answer is a refusal (OVERLOADED: a 429 with
+Retry-After).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from aiohttp import web
 
+from services.prefill_queue.api import served_model
+from services.prefill_queue.builtin_decode import continue_completion
 from services.prefill_queue.state import METRICS, SETTINGS, VLLM
 from services.prefill_queue.validation import Completion
 from services.prefill_queue.vllm_decode import deadline_s
@@ -43,8 +47,6 @@ async def compute(
 ) -> PrefillResult:
     """`req`'s first token computed by vLLM (the rest kept in `REST` when more are asked), or its
     refusal (the decoder cannot meet its objective either) or failure."""
-    vllm = app[VLLM]
-    assert vllm is not None  # only a front door with a decoder that computes prompts places them there
     sent = time.time()
     tokens = len(req.tokens)
     load = app[LOAD]
@@ -53,8 +55,7 @@ async def compute(
         why = f"{moved_why}; {verdict.why}" if moved_why else verdict.why
         return _failed(req, FailureReason.OVERLOADED, why, sent)
     load.sent()
-    timeout_s = deadline_s(req, app[SETTINGS].spec.prefill.request_timeout_s)
-    stream = vllm.continue_completion(req, None, {}, c.max_tokens, c.stop, c.ignore_eos, timeout_s)
+    stream = _whole_completion(app, req, c)
     try:
         first = await anext(stream)
     except BaseException:
@@ -86,6 +87,17 @@ async def compute(
         finished=now,
         placement=PromptPlacement.DECODER,
     )
+
+
+def _whole_completion(app: web.Application, req: PrefillRequest, c: Completion) -> AsyncGenerator[DecodeChunk, None]:
+    """`req`'s whole completion, its prompt computed by the decoder `decode.engine` names."""
+    spec = app[SETTINGS].spec
+    vllm = app[VLLM]
+    if vllm is not None:
+        timeout_s = deadline_s(req, spec.prefill.request_timeout_s)
+        return vllm.continue_completion(req, None, {}, c.max_tokens, c.stop, c.ignore_eos, timeout_s)
+    eos = () if c.ignore_eos else served_model(spec.prefill)[0].eos_token_ids
+    return continue_completion(app, req, c.max_tokens, c.stop, eos, prompt=req.tokens)
 
 
 def rest(app: web.Application, request_id: str) -> AsyncIterator[DecodeChunk] | None:

@@ -89,11 +89,18 @@ class Gate:
 
     def __init__(self) -> None:
         self.verdict: Readiness | None = None
+        #: Whether a built-in decoder service is alive to compute prompts (its heartbeat, read every
+        #: `DECODERS_EVERY_S`): a prompt is placed on it only then, never on one that is not there.
+        self.decoder_live = False
 
     def refusal(self) -> Readiness | None:
         """The verdict to refuse a new request with, or None to accept it."""
         v = self.verdict
         return v if v is not None and not v.ready else None
+
+
+#: How often a front door with the built-in decoder re-reads whether one is alive.
+DECODERS_EVERY_S = 1.0
 
 
 SETTINGS = web.AppKey("settings", Settings)

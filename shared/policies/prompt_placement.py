@@ -1,8 +1,8 @@
 """Prompt placement (pure): where a prompt is computed, in the training bubbles or by the decoder itself.
 
 A request may carry a TTFT objective: the time by which its first token is due. The bubbles are
-free prefill, but a prompt waits for them; a decoder (vLLM) can compute the prompt itself at once,
-at the cost of its own GPU time. `prefill.placement` says which may be used:
+free prefill, but a prompt waits for them; a decoder (vLLM, or the built-in decoder service) can
+compute the prompt itself at once, at the cost of its own GPU time. `prefill.placement` says which may be used:
 
 * ``bubbles``: the bubbles only. A request they cannot finish by its objective (with `MARGIN` of
   it to spare, for the prediction's error) is refused at once (429 with Retry-After); one whose
@@ -55,12 +55,12 @@ class Mode(enum.StrEnum):
 Where = PromptPlacement
 
 
-def mode_of(placement: str | None, decode_enabled: bool, engine: str) -> Mode:
-    """`prefill.placement`, or its default: auto where the decoder computes prompts itself (vLLM:
-    the built-in decoder only continues a prefill), else bubbles."""
+def mode_of(placement: str | None, decode_enabled: bool) -> Mode:
+    """`prefill.placement`, or its default: auto wherever a decoder is configured (vLLM or the
+    built-in decoder service: both compute prompts themselves), else bubbles."""
     if placement is not None:
         return Mode(placement)
-    return Mode.AUTO if decode_enabled and engine == "vllm" else Mode.BUBBLES
+    return Mode.AUTO if decode_enabled else Mode.BUBBLES
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ class Prefill(Section, frozen=True):
     #: The TTFT objective a request is served within unless it names its own (null: none; `up`,
     #: compose and the deploy scripts state 500 ms): docs/vllm.md, "Where a prompt is computed".
     ttft_objective_ms: Annotated[float, Meta(gt=0, le=86_400_000), DEVICE] | None = None
-    #: Where prompts are computed: bubbles, decoder or auto (unset: auto with decode.engine vllm).
+    #: Where prompts are computed: bubbles, decoder or auto (unset: auto where decode is enabled).
     placement: Literal["bubbles", "auto", "decoder"] | None = None
     #: How long a finished prefill's KV cache is kept for a decode service (0 = not kept).
     kv_ttl_s: Annotated[int, Meta(ge=0, le=86_400), HOST] = 30
@@ -216,9 +216,7 @@ def check_decode(spec: ClusterSpec) -> None:
     """The decode section against the prefill section (also after environment overrides)."""
     d, p = spec.decode, spec.prefill
     if d.engine != "vllm":
-        if d.enabled and p.placement in ("auto", "decoder"):  # the built-in decoder continues a prefill only
-            raise ConfigError(f"prefill.placement: {p.placement} needs a decoder that computes prompts (vllm)")
-        return
+        return  # the built-in decoder continues a prefill and computes a prompt, from either store
     if not d.vllm_url.startswith(("http://", "https://")):
         raise ConfigError(f"decode.vllm_url: engine vllm needs the vLLM server's http:// URL, got {d.vllm_url!r}")
     if p.kv_store != "plane" or p.kv_ttl_s <= 0:

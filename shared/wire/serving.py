@@ -62,7 +62,9 @@ class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):
 class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode_request"):
     """A finished prefill to continue: the decoder loads the KV cache of request `id` (whose
     metadata carries the prompt and its first token) and generates up to `max_tokens` tokens in
-    all, the first token included, stopping early at a `stop` sequence."""
+    all, the first token included, stopping early at a `stop` sequence. With `prompt`, a prompt
+    to compute first (the decoder's own prefill: `shared.policies.prompt_placement`): there is no
+    cache to load, and the first token is the decoder's, sent in a chunk of `index` 0 at once."""
 
     id: str
     model: str
@@ -77,6 +79,8 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode_request"):
     #: Where the KV cache is: empty = the Redis key of `id` (`prefill.kv_store: redis`); else the
     #: data-plane holder of the prefill's answer (`PrefillResult.kv_holder`).
     kv_holder: str = ""
+    #: The prompt's tokens, where the decoder computes the prompt itself (empty: continue a prefill).
+    prompt: tuple[int, ...] = ()
 
 
 class DecodeChunk(Message, frozen=True, kw_only=True, tag="decode_chunk"):

@@ -1,7 +1,8 @@
 """The decoder service against a real redis-server: it continues a prompt from the KV cache a
 prefill stored (safetensors, as the workers store it), token for token as a local full generation
 does, greedy and seeded, stops at a stop sequence, deletes the KV cache once used, and fails a
-request whose KV cache is gone explicitly."""
+request whose KV cache is gone explicitly. Given the prompt itself (placed on the decoder), it
+computes it and sends the first token at once, then the rest, as a local full generation does."""
 
 from __future__ import annotations
 
@@ -114,6 +115,38 @@ async def test_a_missing_kv_cache_fails_the_request_explicitly(
     assert "no KV cache for gone" in last.error
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11}])
+async def test_a_prompt_placed_on_the_decoder_is_computed_there_first_token_first(
+    decoder: PrefillModel, redis: Redis, redis_url: str, sampling: dict[str, Any]
+) -> None:
+    """No KV cache stored anywhere: the request carries the prompt. Its first chunk (index 0) holds
+    the first token alone, sent before any further token is generated; the whole completion equals
+    a local full generation (the first token sampled as a bubble's prefill samples it)."""
+    prompt = list(b"Placed on the decoder")
+    async with Bus(redis_url, name="test") as bus:
+        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("p1", 20, prompt=tuple(prompt), **sampling))
+        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("p2", 1, prompt=tuple(prompt), **sampling))
+    chunks, _ = await completion(redis, "p1")
+    assert chunks[0].index == 0 and len(chunks[0].tokens) == 1 and not chunks[0].done
+    tokens = [t for c in chunks for t in c.tokens]
+    assert tokens == generate(decoder, prompt, 20, **sampling)
+    assert chunks[0].tokens[0] == decoder.prefill(prompt, **sampling).token
+    assert chunks[-1].done and chunks[-1].finish_reason == "length"
+    (only,), _ = await completion(redis, "p2")  # max_tokens 1: the prompt's answer alone
+    assert only.index == 0 and only.tokens == chunks[0].tokens and only.done and only.finish_reason == "length"
+
+
+async def test_a_prompt_the_model_cannot_hold_fails_explicitly(
+    decoder: PrefillModel, redis: Redis, redis_url: str
+) -> None:
+    too_long = tuple(range(256)) * 4  # past the model's positions (the front door checks; the decoder too)
+    async with Bus(redis_url, name="test") as bus:
+        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("p3", 4, prompt=too_long))
+    (last,), _ = await completion(redis, "p3")
+    assert last.done and last.status is RequestStatus.FAILED and last.reason is FailureReason.MODEL_REFUSED
+    assert "cannot compute the prompt" in last.error
+
+
 async def test_an_end_of_sequence_token_ends_the_completion(
     decoder: PrefillModel, redis: Redis, redis_url: str
 ) -> None:
@@ -142,8 +175,10 @@ async def test_the_decoder_serves_vllms_decode_metrics(decoder: PrefillModel, re
     async with Bus(redis_url, name="test") as bus:
         await bus.publish(keys.DECODE_REQUESTS_STREAM, request("m1", 12))
         await bus.publish(keys.DECODE_REQUESTS_STREAM, request("m-gone", 4))
+        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("m-here", 1, prompt=tuple(b"computed here")))
     await completion(redis, "m1")
     await completion(redis, "m-gone")
+    await completion(redis, "m-here")
     async with asyncio.timeout(30):
         while not (live := await live_instances(redis, "decoder")) or not live[0].get("metrics_url"):  # noqa: ASYNC110
             await asyncio.sleep(0.05)  # a heartbeat key: no event to wait on
@@ -162,5 +197,6 @@ async def test_the_decoder_serves_vllms_decode_metrics(decoder: PrefillModel, re
     assert value("bubbletea:generation_tokens_total") == 11  # 12 tokens, the first the prefill's
     assert value("bubbletea:inter_token_latency_seconds_count") == 11
     assert value("bubbletea:time_per_output_token_seconds_count") == 1
-    assert value("bubbletea:request_success_total", finished_reason="length") == 1
+    assert value("bubbletea:request_success_total", finished_reason="length") == 2  # m1, and m-here at its first
     assert value("bubbletea:request_failures_total", reason="kv_missing") == 1
+    assert value("bubbletea:decoder_prompt_tokens_total") == len(b"computed here")  # the bubbles' not counted

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from shared.model.optim import lr_at
+from shared.policies.prompt_placement import Mode, mode_of
 from shared.spec.config import ConfigError, deprecated_fields, load_spec, parse_spec, spec_builtins
 from shared.spec.settings import DEFAULT_SPEC, load_settings
 
@@ -198,10 +199,18 @@ def test_the_ttft_objective_is_none_unless_stated_and_a_service_may_be_given_one
     assert load_settings(env={}).spec.prefill.ttft_objective_ms is None  # the spec's default: none
     assert load_settings(env={"BUBBLETEA_TTFT_OBJECTIVE_MS": "500"}).spec.prefill.ttft_objective_ms == 500.0
     assert load_settings(env={"BUBBLETEA_TTFT_OBJECTIVE_MS": "none"}).spec.prefill.ttft_objective_ms is None
-    with pytest.raises(ConfigError, match="needs a decoder that computes prompts"):
-        parse_spec(
-            {**yaml.safe_load(DEFAULT_SPEC.read_text()), "prefill": {"placement": "auto"}, "decode": {"enabled": True}}
-        )
+
+
+def test_the_built_in_decoder_may_compute_prompts_and_is_auto_by_default() -> None:
+    """Both decoders compute prompts themselves: placement auto or decoder is a valid spec with the
+    built-in one, and auto is the default wherever decode is enabled (bubbles where it is not)."""
+    base = yaml.safe_load(DEFAULT_SPEC.read_text())
+    for placement in ("auto", "decoder"):
+        spec = parse_spec({**base, "prefill": {"placement": placement}, "decode": {"enabled": True}})
+        assert spec.prefill.placement == placement and spec.decode.engine == "builtin"
+    assert mode_of(None, decode_enabled=True) is Mode.AUTO
+    assert mode_of(None, decode_enabled=False) is Mode.BUBBLES
+    assert mode_of("bubbles", decode_enabled=True) is Mode.BUBBLES
 
 
 def test_service_without_redis_url_gets_clear_error() -> None:
