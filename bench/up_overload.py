@@ -11,10 +11,17 @@ Figures (host wall clock, real ms; the objective is device ms, times the time sc
 answered, refused with a 429, other failures; the answered requests' TTFT p50/p99 and the share of
 them within the objective; how soon a 429 came (p50/p99 of `answered_after`); offered over answered
 per second (what multiple of the bubbles' capacity was offered: the answered rate is what they
-served). The issue's case: 150 requests/s at k = 5.8 was about three times the capacity.
+served). The issue's case: 150 requests/s at k = 5.8 was about three times the capacity. Where the
+answered prompts were computed, from the front door's `/metrics` at the end: requests and prompt
+tokens by placement (the bubbles, or the decoder's own prefill).
+
+With `--decode`, `up --decode` starts the built-in decoder too, and `prefill.placement` is `auto` (its
+default wherever decode is on): a prompt the bubbles cannot compute by its objective is computed by
+the decoder, on the same machine.
 
     python bench/up_overload.py                 # 150/s for 60 s
     python bench/up_overload.py --rate 100 --duration 30
+    python bench/up_overload.py --decode        # with the built-in decoder computing what overflows
 
 Prints a summary on stderr, then one JSON line last on stdout.
 """
@@ -47,11 +54,11 @@ OBJECTIVE_DEVICE_MS = 500.0
 
 
 @contextlib.contextmanager
-def up(out: Path) -> Any:
-    """`bubbletea up --out OUT`, nothing else; yields (API URL, time scale k) once it serves."""
+def up(out: Path, *flags: str) -> Any:
+    """`bubbletea up --out OUT` and `flags`, nothing else; yields (API URL, time scale k) once it serves."""
     log = out / "up.log"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "bubbletea.cli", "up", "--out", str(out / "runs")]
+    cmd = [sys.executable, "-m", "bubbletea.cli", "up", "--out", str(out / "runs"), *flags]
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_TIME_SCALE")}  # up's defaults
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
@@ -114,13 +121,34 @@ def figures(result: dict[str, Any], objective_ms: float, rate: float, duration_s
     }
 
 
+async def placements(url: str) -> dict[str, dict[str, float]]:
+    """Answered requests and their prompt tokens by where the prompt was computed (the front door's
+    `bubbletea:placement_*` counters)."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, dict[str, float]] = {"requests": {}, "prompt_tokens": {}}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            for kind in out:
+                if sample.name == f"bubbletea:placement_{kind}_total":
+                    out[kind][sample.labels["placement"]] = sample.value
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=150.0, metavar="RPS", help="Poisson arrivals per second; default 150")
     ap.add_argument("--duration", type=float, default=60.0, metavar="S", help="seconds of arrivals; default 60")
     ap.add_argument("--seed", type=int, default=0, help="the load's seed; default 0")
+    ap.add_argument(
+        "--decode", action="store_true", help="`up --decode`: the built-in decoder computes what the bubbles cannot"
+    )
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp, up(Path(tmp)) as (url, k):
+    flags = ("--decode",) if args.decode else ()
+    with tempfile.TemporaryDirectory() as tmp, up(Path(tmp), *flags) as (url, k):
         objective_ms = OBJECTIVE_DEVICE_MS * k
         print(f"up_overload: up at {url}, k = {k:g}: objective {objective_ms:.0f} real ms; "
               f"{args.rate:g}/s for {args.duration:g} s", file=sys.stderr)  # fmt: skip
@@ -136,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=120.0,
         )
         result = asyncio.run(run_benchmark(cfg))
+        placed = asyncio.run(placements(url))
+    tokens = placed["prompt_tokens"]
     out = {
         "bench": "up_overload",
         "clock": "host wall",
@@ -143,7 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         "objective_device_ms": OBJECTIVE_DEVICE_MS,
         "objective_real_ms": round(objective_ms, 1),
         "duration_s": args.duration,
+        "decode": "builtin" if args.decode else "off",
         **figures(result, objective_ms, args.rate, args.duration),
+        "placed_requests": placed["requests"],
+        "placed_prompt_tokens": tokens,
+        "bubbles_share_of_prompt_tokens": round(tokens.get("bubbles", 0) / sum(tokens.values()), 4)
+        if sum(tokens.values())
+        else None,
     }
     said = (
         f"up_overload: {out['answered']} answered (TTFT p99 {out['answered_ttft_p99_ms']} ms, "

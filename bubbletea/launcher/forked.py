@@ -38,9 +38,11 @@ import setproctitle
 
 from shared.runtime.lifetime import die_with_parent
 
-#: What the fork server imports before its first fork: the worker and what its first optimizer
-#: step imports (AdamW's `_use_grad_for_differentiable` imports torch._dynamo, about 0.6 s).
-PRELOAD = ("services.stage_worker.__main__", "torch._dynamo")
+#: What the fork server imports before its first fork: what the worker's `__main__` imports (not
+#: `__main__` itself: runpy warns when a package's `__main__` is imported before it runs it), and
+#: what its first optimizer step imports (AdamW's `_use_grad_for_differentiable` imports
+#: torch._dynamo, about 0.6 s).
+PRELOAD = ("services.stage_worker.worker", "shared.runtime.service", "torch._dynamo")
 
 _context: ForkServerContext | None = None
 

@@ -73,6 +73,9 @@ async def test_spawn_forks_a_stage_worker_and_execs_the_rest(tmp_path: Path) -> 
     assert codes == {"stage_worker": 2, "wan_broker": 2}
     for p in (worker, broker):
         assert any("configuration error" in line and "missing.yaml" in line for line in p.tail), list(p.tail)
+        # nothing else said: in particular not runpy's warning that the package's __main__ was
+        # imported before it ran (the fork server preloads what it imports, not it)
+        assert not any("Warning" in line for line in p.tail), list(p.tail)
 
 
 def test_a_launcher_run_from_its_standard_input_execs_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
