@@ -13,7 +13,9 @@ them within the objective; how soon a 429 came (p50/p99 of `answered_after`); of
 per second (what multiple of the bubbles' capacity was offered: the answered rate is what they
 served). The issue's case: 150 requests/s at k = 5.8 was about three times the capacity. Where the
 answered prompts were computed, from the front door's `/metrics` at the end: requests and prompt
-tokens by placement (the bubbles, or the decoder's own prefill).
+tokens by placement (the bubbles, or the decoder's own prefill). What the load cost training: the
+iterations the first worker finished per device second (its `/metrics`; real seconds times k),
+while the load ran and in the `--calm` seconds before it, with no load.
 
 With `--decode`, `up --decode` starts the built-in decoder too, and `prefill.placement` is `auto` (its
 default wherever decode is on): a prompt the bubbles cannot compute by its objective is computed by
@@ -55,7 +57,8 @@ OBJECTIVE_DEVICE_MS = 500.0
 
 @contextlib.contextmanager
 def up(out: Path, *flags: str) -> Any:
-    """`bubbletea up --out OUT` and `flags`, nothing else; yields (API URL, time scale k) once it serves."""
+    """`bubbletea up --out OUT` and `flags`, nothing else; yields (API URL, time scale k, the first
+    stage worker's metrics URL) once it serves."""
     log = out / "up.log"
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "bubbletea.cli", "up", "--out", str(out / "runs"), *flags]
@@ -68,12 +71,13 @@ def up(out: Path, *flags: str) -> Any:
             text = log.read_text(errors="replace")
             api = re.search(r"API:\s+(http://\S+)", text)
             scale = re.search(r"device time scale ([0-9.]+)", text)
-            if "training until Ctrl-C" in text and api and scale:
+            worker = re.search(r"stage_worker-r0s0\s+(http://\S+)", text)
+            if "training until Ctrl-C" in text and api and scale and worker:
                 break
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"up_overload: bubbletea up did not start serving:\n{text[-3000:]}")
             time.sleep(0.5)
-        yield api.group(1), float(scale.group(1))
+        yield api.group(1), float(scale.group(1)), worker.group(1)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -121,21 +125,44 @@ def figures(result: dict[str, Any], objective_ms: float, rate: float, duration_s
     }
 
 
-async def placements(url: str) -> dict[str, dict[str, float]]:
-    """Answered requests and their prompt tokens by where the prompt was computed (the front door's
-    `bubbletea:placement_*` counters)."""
+async def samples(url: str) -> list[Any]:
+    """The samples a service's Prometheus endpoint serves now."""
     import aiohttp
     from prometheus_client.parser import text_string_to_metric_families
 
-    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
         text = await resp.text()
+    return [sample for fam in text_string_to_metric_families(text) for sample in fam.samples]
+
+
+async def placements(url: str) -> dict[str, dict[str, float]]:
+    """Answered requests and their prompt tokens by where the prompt was computed (the front door's
+    `bubbletea:placement_*` counters)."""
     out: dict[str, dict[str, float]] = {"requests": {}, "prompt_tokens": {}}
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            for kind in out:
-                if sample.name == f"bubbletea:placement_{kind}_total":
-                    out[kind][sample.labels["placement"]] = sample.value
+    for sample in await samples(f"{url}/metrics"):
+        for kind in out:
+            if sample.name == f"bubbletea:placement_{kind}_total":
+                out[kind][sample.labels["placement"]] = sample.value
     return out
+
+
+async def iterations(worker_url: str) -> float:
+    """The training iterations a worker has finished (its `bubbletea:iterations_total`)."""
+    return sum(s.value for s in await samples(worker_url) if s.name == "bubbletea:iterations_total")
+
+
+async def iteration_rate(worker_url: str, k: float, during: Any) -> float:
+    """The worker's iterations per device second while `during` (an awaitable) runs."""
+    before, t0 = await iterations(worker_url), time.monotonic()
+    await during
+    return (await iterations(worker_url) - before) / ((time.monotonic() - t0) / k)
+
+
+async def run_loaded(worker_url: str, k: float, cfg: BenchmarkConfig) -> tuple[dict[str, Any], float]:
+    """The load generator's result, and the iterations per device second while it ran."""
+    task = asyncio.ensure_future(run_benchmark(cfg))
+    rate = await iteration_rate(worker_url, k, task)
+    return task.result(), rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,12 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=150.0, metavar="RPS", help="Poisson arrivals per second; default 150")
     ap.add_argument("--duration", type=float, default=60.0, metavar="S", help="seconds of arrivals; default 60")
     ap.add_argument("--seed", type=int, default=0, help="the load's seed; default 0")
+    ap.add_argument("--calm", type=float, default=15.0, metavar="S", help="seconds of no load first; default 15")
     ap.add_argument(
         "--decode", action="store_true", help="`up --decode`: the built-in decoder computes what the bubbles cannot"
     )
     args = ap.parse_args(argv)
     flags = ("--decode",) if args.decode else ()
-    with tempfile.TemporaryDirectory() as tmp, up(Path(tmp), *flags) as (url, k):
+    with tempfile.TemporaryDirectory() as tmp, up(Path(tmp), *flags) as (url, k, worker):
         objective_ms = OBJECTIVE_DEVICE_MS * k
         print(f"up_overload: up at {url}, k = {k:g}: objective {objective_ms:.0f} real ms; "
               f"{args.rate:g}/s for {args.duration:g} s", file=sys.stderr)  # fmt: skip
@@ -163,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             disable_tqdm=True,
             timeout_s=120.0,
         )
-        result = asyncio.run(run_benchmark(cfg))
+        calm = asyncio.run(iteration_rate(worker, k, asyncio.sleep(args.calm)))
+        result, loaded = asyncio.run(run_loaded(worker, k, cfg))
         placed = asyncio.run(placements(url))
     tokens = placed["prompt_tokens"]
     out = {
@@ -180,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         "bubbles_share_of_prompt_tokens": round(tokens.get("bubbles", 0) / sum(tokens.values()), 4)
         if sum(tokens.values())
         else None,
+        "training_iterations_per_device_s_calm": round(calm, 3),
+        "training_iterations_per_device_s_under_load": round(loaded, 3),
+        "training_under_load_over_calm": round(loaded / calm, 3) if calm else None,
     }
     said = (
         f"up_overload: {out['answered']} answered (TTFT p99 {out['answered_ttft_p99_ms']} ms, "

@@ -14,6 +14,8 @@
   finished it ends.
 * An item the run comes to too late to finish by when its prompt is due (`fill.late_on_worker`) is failed there,
   not run, as the live worker fails it (a `deadline` failure, not an answer past its objective).
+  One it comes to, not started, once the dispatcher may have moved its prompt to the decoder
+  (`fill.moved_on_worker`) is left unrun and reported not started, as the live worker leaves it.
 * A batch no bubble took within the hold time goes back, reporting how far it got (its partial
   state saved in this datacenter).
 * A resumed item starts from its saved layer only in the datacenter that saved it, else from its
@@ -34,7 +36,7 @@ from typing import Protocol
 from shared.policies.decisions import Batch
 from shared.policies.dispatch import Progress
 from shared.policies.events import EventQueue
-from shared.policies.fill import FillQueue, late_on_worker, resume_layer
+from shared.policies.fill import FillQueue, late_on_worker, moved_on_worker, resume_layer
 from shared.policies.prefill_cost import PrefillProfile
 
 
@@ -71,6 +73,7 @@ class _Progress:
     started: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     late: set[str] = field(default_factory=set)  # failed here: reached past their due
+    unrun: set[str] = field(default_factory=set)  # left unrun: their prompts may have moved to the decoder
 
 
 @dataclass(slots=True)
@@ -87,6 +90,7 @@ class _Part:
     blocks: int
     sync_s: float
     late: bool = False  # come to past its due: failed, nothing run
+    unrun: bool = False  # come to, not started, once it may have moved: left, nothing run
 
     @property
     def end(self) -> float:
@@ -173,10 +177,14 @@ class Executor:
         for index in range(p.item, len(p.batch.items)):
             item = p.batch.items[index]
             piece = 0
-            if index == p.item and p.layer >= 0:
+            begun = index == p.item and p.layer >= 0  # cut part way in an earlier run
+            if begun:
                 layer, piece = p.layer, p.piece
             else:
                 layer = resume_layer(item.from_layer, self.saved_in.get(item.id, ""), self.dc)
+            if not begun and moved_on_worker(item.moves_from, t):
+                parts.append(_Part(index, layer, piece, 1, t, 0.0, 0, 0.0, unrun=True))
+                continue
             if late_on_worker(item.due, t, item.seconds):
                 parts.append(_Part(index, layer, piece, 1, t, 0.0, 0, 0.0, late=True))
                 continue
@@ -205,6 +213,10 @@ class Executor:
         answered, late, ran = [], [], 0
         for part in parts:
             item = p.batch.items[part.index]
+            if part.unrun:
+                p.unrun.add(item.id)
+                p.item, p.layer, p.piece = part.index + 1, -1, 0
+                continue
             if part.late:
                 self.saved_in.pop(item.id, None)
                 late.append(item.payload)
@@ -244,6 +256,8 @@ class Executor:
             started, secs = p.started.get(item.id), p.seconds.get(item.id, 0.0)
             if item.id in p.late:  # failed, nothing run: finished where it was
                 out.append(Progress(item.id, item.from_layer, 0.0, True, None))
+            elif item.id in p.unrun:  # not started: the dispatcher moves it (or has)
+                out.append(Progress(item.id, item.from_layer, 0.0, False, None))
             elif index < p.item:
                 out.append(Progress(item.id, item.to_layer, secs, True, started))
             elif index == p.item and p.layer >= 0:  # cut part way (below its from_layer if computed again)

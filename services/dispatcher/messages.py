@@ -31,6 +31,7 @@ def batch_message(run: str, batch: Batch) -> PrefillBatch:
                 snapshot_key=keys.prefill_snapshot_key(run, req.id, it.from_layer) if it.from_layer else "",
                 predicted_ms=it.seconds * 1000,
                 due=it.due or 0.0,
+                moves_from=it.moves_from or 0.0,
             )
         )
     return PrefillBatch(run=run, worker=batch.worker, batch_id=batch.batch_id, items=tuple(items))

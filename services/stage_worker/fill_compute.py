@@ -27,7 +27,7 @@ from services.stage_worker.reporting import Outcome
 from shared.control.status import FailureReason
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.model.streams import LaneClock
-from shared.policies.fill import PieceTimes, late_on_worker, may_start_block, may_start_piece
+from shared.policies.fill import PieceTimes, late_on_worker, may_start_block, may_start_piece, moved_on_worker
 from shared.policies.prefill_cost import PrefillProfile
 from shared.runtime.timing import Schedule
 from shared.wire import PrefillBatch, PrefillItem
@@ -106,6 +106,9 @@ class BatchCompute:
                 if (error := self.guest.error_of(o)) is not None:
                     break
                 continue
+            if o.state is None:  # left unrun: moved to the decoder (reported not started)
+                q.cursor += 1
+                continue
             assert o.state is not None
             t0 = max(schedule.due, time.monotonic())  # from when the device is free for it
             ran, raised, full = yield from self._run_blocks(o.state, item.to_layer, arrived, schedule, ends_at)
@@ -151,8 +154,11 @@ class BatchCompute:
     def _begin(self, q: Queued, item: PrefillItem) -> Outcome:
         """The outcome of an item starting now: from its saved state, or from its prompt (its
         state is elsewhere or lost), or failed (too late to finish by its due time, its state
-        expired, or the model refuses it)."""
-        if late_on_worker(item.due or None, now := time.time(), item.predicted_ms / 1000):  # it would answer late
+        expired, or the model refuses it), or left unrun, with no state (its prompt may have moved
+        to the decoder)."""
+        if moved_on_worker(item.moves_from or None, now := time.time()):
+            o = Outcome(item, item.from_layer, 0.0)
+        elif late_on_worker(item.due or None, now, item.predicted_ms / 1000):  # it would answer late
             left = item.due - now
             why = (
                 f"it would finish after its prompt is due (its objective or deadline, {left:.3f}s from when "

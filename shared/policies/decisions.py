@@ -37,6 +37,9 @@ class BatchItem:
     #: when its prompt is due (its objective or deadline, the sooner; None: never): a worker that
     #: comes to it later fails it (`fill.late_on_worker`)
     due: float | None = None
+    #: from when the dispatcher may move it to the decoder (None: never): a worker that comes to it
+    #: then leaves it unrun (`fill.moved_on_worker`)
+    moves_from: float | None = None
 
 
 @dataclass(frozen=True)

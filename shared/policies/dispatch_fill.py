@@ -6,7 +6,7 @@ tables it reads and writes; it holds no state of its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from shared.policies.decisions import Batch, BatchItem, Decisions, Trigger, Why
 from shared.policies.dispatch_index import CreditIndex
@@ -38,6 +38,8 @@ class Filling:
     _queue: WaitingQueue
     _index: CreditIndex
     _clock: float
+    #: dispatch_leaving.Leaving's (annotated only, so that its method is found past this class)
+    _moves_from: Callable[[Request], float | None]
 
     # --- the queue's accounting ------------------------------------------------------------
 
@@ -171,7 +173,7 @@ class Filling:
             r.on_worker = c.worker
             self._queue.take(a.id)
             self._dequeued(r)
-            items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds, r.due))
+            items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds, r.due, self._moves_from(r)))
             kv_bytes += r.kv_bytes
         self.counts.batches += 1
         batch = Batch(f"{self.batch_prefix}-{self.counts.batches}", c.worker, c.address, tuple(items), why)

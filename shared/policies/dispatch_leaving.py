@@ -62,17 +62,23 @@ class Leaving:
         why = verdict.why if verdict.why.startswith("overloaded") else f"overloaded: {verdict.why}"
         return Failure(req.id, req.ticket, req.payload, FailureReason.OVERLOADED, why)
 
+    def _moves_from(self, r: Request) -> float | None:
+        """From when `r`, not running, moves to the decoder (None: it never does): the last tick
+        before its latest start (`prompt_placement.moves_at`), as a tick later would eat into the
+        decoder's reserve. A batch item carries it, so a worker does not run what moved."""
+        if not r.may_move or r.objective is None or r.due is None:
+            return None
+        objective_s = r.objective_s if r.objective_s is not None else 0.0
+        return placement.moves_at(r.due, objective_s, self._remaining_s(r)) - self.tick_s
+
     def _expire(self, now: float) -> tuple[Failure, ...]:
         """Requests not running in an open bubble whose time is up: moved to the decoder once their
-        bubble has not come by `prompt_placement.moves_at`, failed past their objective or deadline."""
+        bubble has not come by `_moves_from`, failed past their objective or deadline."""
         moved, late = [], []
         for r in self._not_running():
-            if r.may_move and r.objective is not None and r.due is not None:
-                objective_s = r.objective_s if r.objective_s is not None else 0.0
-                # at the last tick before its latest start: a tick later would eat into the reserve
-                if now + self.tick_s >= placement.moves_at(r.due, objective_s, self._remaining_s(r)):
-                    moved.append(r)
-                    continue
+            if (moves_from := self._moves_from(r)) is not None and now >= moves_from:
+                moved.append(r)
+                continue
             if r.due is not None and r.due < now:
                 late.append(r)
         self.counts.moved += len(moved)

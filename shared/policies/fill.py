@@ -81,6 +81,15 @@ def late_on_worker(due: float | None, now: float, predicted_s: float) -> bool:
     return due is not None and now + predicted_s > due
 
 
+def moved_on_worker(moves_from: float | None, now: float) -> bool:
+    """Whether a worker that comes at `now` to an item not started yet leaves it unrun: from
+    `moves_from` (None: never) the dispatcher may have moved its prompt to the decoder (its bubble
+    did not come in time: `prompt_placement.moves_at`), which computes it; run here too, the bubble's
+    time would go to an answer nobody reads. Left unrun, it is reported not started: the dispatcher
+    moves it then if it has not already."""
+    return moves_from is not None and now >= moves_from
+
+
 def may_start_block(*, input_arrived: bool) -> bool:
     """Whether the next block may start: only the awaited training input stops prefill."""
     return not input_arrived

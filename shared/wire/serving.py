@@ -121,6 +121,9 @@ class PrefillItem(msgspec.Struct, frozen=True, kw_only=True):
     #: Wall clock: when its prompt is due (its TTFT objective or its deadline, the sooner; 0: never).
     #: A worker that comes to it later fails it rather than answer late (never queued past it).
     due: float = 0.0
+    #: Wall clock: from when the dispatcher may move its prompt to the decoder (0: never). A worker
+    #: that comes to it then, not started, leaves it unrun (`fill.moved_on_worker`).
+    moves_from: float = 0.0
 
 
 class PrefillBatch(Message, frozen=True, kw_only=True, tag="prefill_batch"):

@@ -498,3 +498,33 @@ async def test_an_item_the_worker_comes_to_past_its_due_time_fails_rather_than_a
         assert in_time is not None and in_time.status is RequestStatus.DONE and in_time.result is not None
         (rep,) = await reports(bus)
         assert [x.outcome for x in rep.progress] == [ItemOutcome.FAILED, ItemOutcome.DONE]
+
+
+async def test_an_item_whose_prompt_may_have_moved_is_left_unrun_and_reported_not_started(redis_url: str) -> None:
+    """A worker that comes, between bubbles, to an item the dispatcher may have moved to the decoder
+    by then (`moves_from` passed) leaves it unrun: no answer from here (the decoder's is the one),
+    reported not started at its first layer; the next item, not moved, is answered."""
+    model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        now = time.time()
+        reqs = [
+            PrefillRequest(id=f"m{i}", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:m")
+            for i in range(2)
+        ]
+        for r in reqs:
+            assert await serving.accept(bus.redis, r, 100)
+        filler = filler_for(bus, model)
+        items = tuple(
+            PrefillItem(id=r.id, tokens=r.tokens, from_layer=0, to_layer=4, reply_to=r.reply_to, moves_from=at)
+            for r, at in zip(reqs, (now - 0.1, now + 600), strict=True)
+        )
+        handled = deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id="b-moved", items=items))
+        await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        moved, kept = [await serving.lookup(bus.redis, r.id) for r in reqs]
+        assert moved is not None and moved.result is None, moved  # not answered here
+        assert kept is not None and kept.status is RequestStatus.DONE and kept.result is not None
+        (rep,) = await reports(bus)
+        assert [(x.outcome, x.reached_layer, x.seconds) for x in rep.progress] == [
+            (ItemOutcome.PARTIAL, 0, 0.0),
+            (ItemOutcome.DONE, 4, rep.progress[1].seconds),
+        ]

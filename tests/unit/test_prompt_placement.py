@@ -10,7 +10,8 @@ import pytest
 
 from shared.control.status import FailureReason
 from shared.policies import prompt_placement as placement
-from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Request
+from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Request, WorkerReady
+from shared.policies.fill import moved_on_worker
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.policies.prompt_placement import HOPS_MAX_SHARE, MARGIN, RESERVE, DecoderLoad, FrontDoorHops, Where
 
@@ -102,6 +103,25 @@ def test_a_waiting_request_moves_to_the_decoder_when_its_margin_runs_out() -> No
     ds = s.tick(0.51)
     assert [(f.id, f.reason) for f in ds.failed] == [("stays", FailureReason.DEADLINE)]
     assert "objective passed" in ds.failed[0].detail
+
+
+def test_a_batch_item_says_when_its_prompt_may_have_moved_and_a_worker_leaves_it_unrun_from_then() -> None:
+    """Sent to a worker between its bubbles, a request that may move carries `moves_from`: the time
+    the dispatcher moves it (the worker's rule, `fill.moved_on_worker`, leaves it unrun from then,
+    rather than compute what the decoder computes). One that may not move carries none."""
+    cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])
+    s = DispatchState(layers=4, max_batch=8, cost=cost)
+    s.worker_joined(WorkerReady("w", "fill:w", 0.2, 10**9, at=0.0), 0.0)
+    ds = s.add_request(Request("r", 50, 0.0, 1, deadline=60.0, objective=0.5, may_move=True, ticket="t"), 0.0)
+    ds += s.add_request(Request("stays", 50, 0.0, 1, deadline=60.0, objective=0.5, ticket="u"), 0.0)
+    items = {i.id: i for b in ds.batches for i in b.items}
+    assert set(items) == {"r", "stays"} and items["stays"].moves_from is None
+    moves_from = items["r"].moves_from
+    assert moves_from == pytest.approx(placement.moves_at(0.5, 0.5, 0.05) - s.tick_s)
+    assert not s.tick(moves_from - 0.001).failed and not moved_on_worker(moves_from, moves_from - 0.001)
+    ds = s.tick(moves_from)
+    assert [(f.id, f.reason) for f in ds.failed] == [("r", FailureReason.TO_DECODER)]
+    assert moved_on_worker(moves_from, moves_from) and not moved_on_worker(None, 1e9)
 
 
 def test_the_share_kept_is_of_the_time_to_when_it_is_due_its_deadline_if_that_comes_first() -> None:
