@@ -50,7 +50,7 @@ async def take_part(
             while True:
                 halt = asyncio.create_task(_first(stop, leave, lease.drain), name="halt")
                 try:
-                    start = await _join(runner, lease, watch, gens, halt, after_loss=after_loss)
+                    start = await _join(runner, lease, watch, gens, halt, stop, after_loss=after_loss)
                 finally:
                     halt.cancel()
                 if start is None:  # told to stop or leave while waiting for the peers (they may never come)
@@ -141,11 +141,14 @@ async def _join(
     watch: asyncio.Task[None],
     gens: Generations,
     stopping: asyncio.Task[None],
+    stop: asyncio.Event,
     *,
     after_loss: bool,
 ) -> int | None:
     """Join a new generation and wait for every slot; take the state it resumes from. Returns the
-    iteration to train from, or None if told to stop (or leave) meanwhile."""
+    iteration to train from, or None if told to stop (or leave) meanwhile. `stopping`: a stop, a
+    leave or a drain (ends the wait for the slots); `stop`: the run's stop alone (ends the data
+    plane's formation too)."""
     slot, tr = runner.slot, runner.spec.training
 
     def enter(gen: int) -> None:  # before anything of the new generation can arrive
@@ -169,8 +172,18 @@ async def _join(
     gen = barrier.result()
     port = runner.port
     if port is not None and port.transport is not None:  # this generation's groups, with every peer
+        # A stop of the run calls the formation off: the peers it waits for are stopping too. (Told
+        # to leave, it forms: its peers wait for its end of the groups, and it leaves a step later.)
+        forming = asyncio.create_task(port.form(gen), name="form")
+        stopped = asyncio.create_task(stop.wait(), name="stopped")
+        await asyncio.wait({forming, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not forming.done():
+            forming.cancel()
+            await asyncio.gather(forming, return_exceptions=True)
+            return None  # told to stop
         try:
-            await port.form(gen)
+            forming.result()
         except PlaneError as exc:
             raise SlotError(f"slot {slot.name} could not join the data plane of generation {gen}: {exc}") from None
     store = port if port is not None and port.checkpoints else None

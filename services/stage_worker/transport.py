@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -145,10 +146,17 @@ class Transport:
         return self.spec.wan.mode
 
     async def form(self, generation: int) -> None:
-        """Build this generation's groups, with every peer (in a thread: it blocks until they come)."""
+        """Build this generation's groups, with every peer (in a thread: it blocks until they come).
+        Cancelled (the worker stops meanwhile), the thread stops waiting for them too: a thread
+        still waiting would hold the worker's exit up to the plane's timeout."""
         pairs, dp = pairs_of(self.spec, self.placement, self.slot), dp_group_of(self.spec, self.slot)
         groups = pipeline_groups_of(self.spec, self.slot, self.tied)
-        await asyncio.to_thread(self.plane.form, generation, pairs, dp, groups)
+        called_off = threading.Event()
+        try:
+            await asyncio.to_thread(self.plane.form, generation, pairs, dp, groups, called_off)
+        except asyncio.CancelledError:
+            called_off.set()
+            raise
         if generation == self.generation():
             self.formed.set()
 

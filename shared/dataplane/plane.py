@@ -167,11 +167,18 @@ def device_for(address: str) -> Any:
 
 
 def form_group(
-    redis_url: str, prefix: str, rank: int, size: int, address: str, timeout: timedelta
+    redis_url: str,
+    prefix: str,
+    rank: int,
+    size: int,
+    address: str,
+    timeout: timedelta,
+    called_off: threading.Event | None = None,
 ) -> dist.ProcessGroup:
     """A gloo group of `size` ranks, this process being `rank`, bound to `address`, meeting the
-    others under `prefix` in Redis (blocking until all are there, at most `timeout`)."""
-    store = RedisStore(redis_url, prefix, timeout_s=timeout.total_seconds())
+    others under `prefix` in Redis (blocking until all are there, at most `timeout`, or until
+    `called_off` is set)."""
+    store = RedisStore(redis_url, prefix, timeout_s=timeout.total_seconds(), called_off=called_off)
     # The gloo options object that takes devices (one bound address) and a timeout.
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._devices = [device_for(address)]
@@ -217,15 +224,23 @@ class DataPlane:
     def generation(self) -> int | None:
         return None if self._current is None else self._current.generation
 
-    def _group(self, key: str, rank: int, size: int, address: str) -> dist.ProcessGroup:
-        return form_group(self.redis_url, key + ":", rank, size, address, self.timeout)
+    def _group(
+        self, key: str, rank: int, size: int, address: str, called_off: threading.Event | None
+    ) -> dist.ProcessGroup:
+        return form_group(self.redis_url, key + ":", rank, size, address, self.timeout, called_off)
 
     def form(
-        self, generation: int, pairs: Sequence[PairSpec], dp: GroupSpec | None, groups: Sequence[GroupSpec] = ()
+        self,
+        generation: int,
+        pairs: Sequence[PairSpec],
+        dp: GroupSpec | None,
+        groups: Sequence[GroupSpec] = (),
+        called_off: threading.Event | None = None,
     ) -> None:
         """Build every group of `generation` (blocking; every peer must form its end): the pairs,
         the DP group and the other `groups` (`all_reduce_sum` runs on them by key). All groups
-        form concurrently, so no order between workers can deadlock."""
+        form concurrently, so no order between workers can deadlock. Setting `called_off` ends the
+        wait for peers at once (a `PlaneError`)."""
         prefix = f"bt:{self.run}:plane:{generation}:"
         jobs: dict[tuple[str, int], Callable[[], dist.ProcessGroup]] = {}
         for addr in self.addresses:  # created here, once, before the threads below share them
@@ -233,11 +248,15 @@ class DataPlane:
         for p in pairs:
             for c in range(p.connections):
                 addr = self.addresses[c % len(self.addresses)]
-                jobs[(p.peer, c)] = functools.partial(self._group, f"{prefix}{p.key}:{c}", p.rank, 2, addr)
+                jobs[(p.peer, c)] = functools.partial(self._group, f"{prefix}{p.key}:{c}", p.rank, 2, addr, called_off)
         if dp is not None and dp.size > 1:
-            jobs[("dp", 0)] = functools.partial(self._group, prefix + dp.key, dp.rank, dp.size, self.addresses[0])
+            jobs[("dp", 0)] = functools.partial(
+                self._group, prefix + dp.key, dp.rank, dp.size, self.addresses[0], called_off
+            )
         for g in groups:
-            jobs[(g.key, -1)] = functools.partial(self._group, prefix + g.key, g.rank, g.size, self.addresses[0])
+            jobs[(g.key, -1)] = functools.partial(
+                self._group, prefix + g.key, g.rank, g.size, self.addresses[0], called_off
+            )
         with ThreadPoolExecutor(max(1, len(jobs))) as ex:
             futures = {k: ex.submit(job) for k, job in jobs.items()}
             formed_groups = {k: f.result() for k, f in futures.items()}

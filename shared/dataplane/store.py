@@ -11,10 +11,15 @@ Every key gets a TTL: a group's rendezvous is needed only while it forms.
 A Redis restart while a group forms (`bubbletea up --persist` restarts its Redis at once, on the
 same files) is ridden out like everywhere else in the system: each call is tried again until Redis
 answers, within the store's timeout, and only then fails the formation (a `PlaneError`, naming it).
+
+A formation can be called off (`called_off`, set by a worker that stops while it waits for peers
+that may never come, as its whole run stops): the waits and retries end at once with a RuntimeError,
+so the thread forming the group ends with the worker rather than wait out the timeout.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,11 +42,18 @@ T = TypeVar("T")
 class RedisStore(dist.Store):
     """`dist.Store` over Redis, every key under `prefix` (one prefix per group formation)."""
 
-    def __init__(self, url: str, prefix: str, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, url: str, prefix: str, timeout_s: float = 60.0, called_off: threading.Event | None = None
+    ) -> None:
         super().__init__()
         self._redis = redis.Redis.from_url(url, protocol=2)
         self._prefix = prefix
         self._timeout = timedelta(seconds=timeout_s)
+        self._called_off = called_off
+
+    def _check_called_off(self) -> None:
+        if self._called_off is not None and self._called_off.is_set():
+            raise RuntimeError(f"data-plane rendezvous under {self._prefix!r}: called off (this worker is stopping)")
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -55,6 +67,7 @@ class RedisStore(dist.Store):
             try:
                 return op()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._check_called_off()
                 if time.monotonic() + pause > deadline:
                     raise RuntimeError(
                         f"data-plane rendezvous under {self._prefix!r}: Redis did not answer for {limit:.0f} s ({exc})"
@@ -92,6 +105,7 @@ class RedisStore(dist.Store):
         limit = (timeout or self._timeout).total_seconds()
         deadline = time.monotonic() + limit
         while not self.check(keys):
+            self._check_called_off()
             if time.monotonic() > deadline:
                 missing = ", ".join(keys)
                 raise RuntimeError(
