@@ -110,7 +110,6 @@ class Decoder:
             await kvstore.delete_kv(self.bus.redis, req.id)
 
     async def _decode(self, req: DecodeRequest) -> None:
-        t0 = time.perf_counter()
         if req.prompt:
             c = await self._compute(req)
             if c is None:
@@ -124,14 +123,15 @@ class Decoder:
             c = Continuation(self.model, stored.kv, len(stored.prompt), stored.first_token, req.temperature, req.seed)
             sent = 1  # the first token is the prefill's answer: the client has it
         finish, stop_reason = "length", None
-        self._last_token = time.perf_counter()
+        t0 = time.perf_counter()  # decoding starts: the first token is there
+        last_token = [t0]  # when this completion's latest token came (its thread updates it)
         while True:
             if req.deadline is not None and time.time() > req.deadline:
                 await self._fail(req, sent, FailureReason.DEADLINE, "deadline passed while decoding")
                 return
             if sent and len(c.tokens) < req.max_tokens:
                 try:
-                    await asyncio.to_thread(self._steps, c, req.max_tokens)
+                    await asyncio.to_thread(self._steps, c, req.max_tokens, last_token)
                 except ValueError as exc:  # e.g. past the model's positions: the front door checks, but be safe
                     await self._fail(req, sent, FailureReason.MODEL_REFUSED, f"the model cannot continue: {exc}")
                     return
@@ -169,14 +169,14 @@ class Decoder:
             tokens_per_s=round((len(c.tokens) - 1) / max(time.perf_counter() - t0, 1e-9), 1),
         )
 
-    def _steps(self, c: Continuation, max_tokens: int) -> None:
+    def _steps(self, c: Continuation, max_tokens: int, last_token: list[float]) -> None:
         """Generate until `chunk_s` has passed or the completion is long enough (in a thread)."""
         until = time.perf_counter() + self.chunk_s
         while len(c.tokens) < max_tokens:
             c.step()
             now = time.perf_counter()
-            self.metrics.token(now - self._last_token)
-            self._last_token = now
+            self.metrics.token(now - last_token[0])  # this completion's gap: others run in their own threads
+            last_token[0] = now
             if now >= until:
                 return
 

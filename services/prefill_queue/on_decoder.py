@@ -45,8 +45,8 @@ def setup(app: web.Application) -> None:
 async def compute(
     app: web.Application, req: PrefillRequest, c: Completion, tokenizer: Tokenizer, moved_why: str = ""
 ) -> PrefillResult:
-    """`req`'s first token computed by vLLM (the rest kept in `REST` when more are asked), or its
-    refusal (the decoder cannot meet its objective either) or failure."""
+    """`req`'s first token computed by the decoder (the rest kept in `REST` when more are asked), or
+    its refusal (the decoder cannot meet its objective either) or failure."""
     sent = time.time()
     tokens = len(req.tokens)
     load = app[LOAD]
