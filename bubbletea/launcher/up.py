@@ -57,6 +57,7 @@ from shared.control.health import live_instances
 from shared.control.leases import read_slots, release_dead
 from shared.control.status import LeaseState, ServingState
 from shared.figures import runstats
+from shared.policies.prompt_placement import Mode, mode_of
 from shared.runtime.redis_server import EmbeddedRedis, free_port
 from shared.spec.config import spec_builtins
 from shared.spec.settings import Settings
@@ -186,6 +187,12 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
         if spec.decode.enabled:
             who = f"vLLM at {spec.decode.vllm_url} (docs/vllm.md)" if spec.decode.engine == "vllm" else "the decoder"
             say(f"    whole completions (max_tokens > 1): prefilled in the bubbles, decoded by {who}")
+            mode = mode_of(spec.prefill.placement, spec.decode.enabled)
+            objective = spec.prefill.ttft_objective_ms
+            if mode is Mode.AUTO and objective is not None:
+                say(f"    a prompt the bubbles cannot compute within {objective:g} ms: computed by {who} (auto)")
+            elif mode is Mode.DECODER:
+                say(f"    every prompt computed by {who} (placement decoder)")
         say(f"    metrics: {len(endpoints)} endpoints, in {folder / 'prometheus-targets.json'} (Prometheus file_sd)")
         for label, metrics_url in endpoints:
             say(f"      {label:<18} {metrics_url}")

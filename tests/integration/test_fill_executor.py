@@ -472,59 +472,58 @@ async def test_a_profiles_launch_floor_and_first_token_read_count_on_the_worker(
         assert progress.seconds >= LAYERS * 0.005 + 0.1 - 1e-3  # counted from the first block's start
 
 
-async def test_an_item_the_worker_comes_to_past_its_due_time_fails_rather_than_answer_late(redis_url: str) -> None:
-    """Work queued on a worker carries when its prompt is due (its objective or deadline): the one
-    the worker reaches too late is failed with `deadline`, saying so; the next, not yet due, is
-    answered. Never an answer past its objective (issue 50)."""
+async def two_items_in_one_bubble(redis_url: str, name: str, **fields: tuple[float, float]) -> tuple[list[Any], Any]:
+    """Two three-token requests accepted as the front door accepts them, sent to a worker as one
+    batch whose items have these `fields` (a value for each), run in one bubble: what each request's
+    record says afterwards, and the batch's report."""
     model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        now = time.time()
         reqs = [
-            PrefillRequest(id=f"d{i}", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:d")
+            PrefillRequest(id=f"{name}{i}", model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to="bt:test:r")
             for i in range(2)
         ]
         for r in reqs:
             assert await serving.accept(bus.redis, r, 100)
         filler = filler_for(bus, model)
         items = tuple(
-            PrefillItem(id=r.id, tokens=r.tokens, from_layer=0, to_layer=4, reply_to=r.reply_to, due=due)
-            for r, due in zip(reqs, (now - 0.5, now + 600), strict=True)
+            PrefillItem(
+                id=r.id,
+                tokens=r.tokens,
+                from_layer=0,
+                to_layer=4,
+                reply_to=r.reply_to,
+                **{k: v[i] for k, v in fields.items()},
+            )
+            for i, r in enumerate(reqs)
         )
-        handled = deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id="b-due", items=items))
+        handled = deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id=f"b-{name}", items=items))
         await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
-        late, in_time = [await serving.lookup(bus.redis, r.id) for r in reqs]
-        assert late is not None and late.status is RequestStatus.FAILED and late.result is not None, late
-        assert late.result.reason is FailureReason.DEADLINE and "after its prompt is due" in late.result.error
-        assert in_time is not None and in_time.status is RequestStatus.DONE and in_time.result is not None
+        found = [await serving.lookup(bus.redis, r.id) for r in reqs]
         (rep,) = await reports(bus)
-        assert [x.outcome for x in rep.progress] == [ItemOutcome.FAILED, ItemOutcome.DONE]
+    return found, rep
+
+
+async def test_an_item_the_worker_comes_to_past_its_due_time_fails_rather_than_answer_late(redis_url: str) -> None:
+    """Work queued on a worker carries when its prompt is due (its objective or deadline): the one
+    the worker reaches too late is failed with `deadline`, saying so; the next, not yet due, is
+    answered. Never an answer past its objective (issue 50)."""
+    now = time.time()
+    (late, in_time), rep = await two_items_in_one_bubble(redis_url, "d", due=(now - 0.5, now + 600))
+    assert late is not None and late.status is RequestStatus.FAILED and late.result is not None, late
+    assert late.result.reason is FailureReason.DEADLINE and "after its prompt is due" in late.result.error
+    assert in_time is not None and in_time.status is RequestStatus.DONE and in_time.result is not None
+    assert [x.outcome for x in rep.progress] == [ItemOutcome.FAILED, ItemOutcome.DONE]
 
 
 async def test_an_item_whose_prompt_may_have_moved_is_left_unrun_and_reported_not_started(redis_url: str) -> None:
     """A worker that comes, between bubbles, to an item the dispatcher may have moved to the decoder
     by then (`moves_from` passed) leaves it unrun: no answer from here (the decoder's is the one),
     reported not started at its first layer; the next item, not moved, is answered."""
-    model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
-    async with Bus(redis_url, BusConfig(), name="test") as bus:
-        now = time.time()
-        reqs = [
-            PrefillRequest(id=f"m{i}", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:m")
-            for i in range(2)
-        ]
-        for r in reqs:
-            assert await serving.accept(bus.redis, r, 100)
-        filler = filler_for(bus, model)
-        items = tuple(
-            PrefillItem(id=r.id, tokens=r.tokens, from_layer=0, to_layer=4, reply_to=r.reply_to, moves_from=at)
-            for r, at in zip(reqs, (now - 0.1, now + 600), strict=True)
-        )
-        handled = deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id="b-moved", items=items))
-        await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
-        moved, kept = [await serving.lookup(bus.redis, r.id) for r in reqs]
-        assert moved is not None and moved.result is None, moved  # not answered here
-        assert kept is not None and kept.status is RequestStatus.DONE and kept.result is not None
-        (rep,) = await reports(bus)
-        assert [(x.outcome, x.reached_layer, x.seconds) for x in rep.progress] == [
-            (ItemOutcome.PARTIAL, 0, 0.0),
-            (ItemOutcome.DONE, 4, rep.progress[1].seconds),
-        ]
+    now = time.time()
+    (moved, kept), rep = await two_items_in_one_bubble(redis_url, "m", moves_from=(now - 0.1, now + 600))
+    assert moved is not None and moved.result is None, moved  # not answered here
+    assert kept is not None and kept.status is RequestStatus.DONE and kept.result is not None
+    assert [(x.outcome, x.reached_layer, x.seconds) for x in rep.progress] == [
+        (ItemOutcome.PARTIAL, 0, 0.0),
+        (ItemOutcome.DONE, 4, rep.progress[1].seconds),
+    ]
