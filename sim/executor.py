@@ -182,7 +182,7 @@ class Executor:
                 layer, piece = p.layer, p.piece
             else:
                 layer = resume_layer(item.from_layer, self.saved_in.get(item.id, ""), self.dc)
-            if not begun and moved_on_worker(item.moves_from, t):
+            if not begun and moved_on_worker(item.moves_from, now):
                 parts.append(_Part(index, layer, piece, 1, t, 0.0, 0, 0.0, unrun=True))
                 continue
             if late_on_worker(item.due, t, item.seconds):

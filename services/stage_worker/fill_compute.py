@@ -99,7 +99,7 @@ class BatchCompute:
         items = q.batch.items
         while q.cursor < len(items):
             item = items[q.cursor]
-            o = q.current or self._begin(q, item)
+            o = q.current or self._begin(q, item, started)
             if o.answered:  # failed before any block: done with it
                 answered.append(o)
                 q.cursor += 1
@@ -151,12 +151,13 @@ class BatchCompute:
         ended = started + max(schedule.due, done) - origin
         return Run(started, ended, blocks, error is None and q.cursor >= len(items), answered, error, full)
 
-    def _begin(self, q: Queued, item: PrefillItem) -> Outcome:
+    def _begin(self, q: Queued, item: PrefillItem, bubble_started: float) -> Outcome:
         """The outcome of an item starting now: from its saved state, or from its prompt (its
         state is elsewhere or lost), or failed (too late to finish by its due time, its state
         expired, or the model refuses it), or left unrun, with no state (its prompt may have moved
-        to the decoder)."""
-        if moved_on_worker(item.moves_from or None, now := time.time()):
+        to the decoder: `bubble_started`, when this run began, is past when it would have moved)."""
+        now = time.time()
+        if moved_on_worker(item.moves_from or None, bubble_started):
             o = Outcome(item, item.from_layer, 0.0)
         elif late_on_worker(item.due or None, now, item.predicted_ms / 1000):  # it would answer late
             left = item.due - now

@@ -37,8 +37,8 @@ class BatchItem:
     #: when its prompt is due (its objective or deadline, the sooner; None: never): a worker that
     #: comes to it later fails it (`fill.late_on_worker`)
     due: float | None = None
-    #: from when the dispatcher may move it to the decoder (None: never): a worker that comes to it
-    #: then leaves it unrun (`fill.moved_on_worker`)
+    #: by when the dispatcher has moved it to the decoder if it was not running (None: never): a
+    #: worker whose bubble opened after that leaves it unrun (`fill.moved_on_worker`)
     moves_from: float | None = None
 
 

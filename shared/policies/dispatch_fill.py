@@ -39,7 +39,7 @@ class Filling:
     _index: CreditIndex
     _clock: float
     #: dispatch_leaving.Leaving's (annotated only, so that its method is found past this class)
-    _moves_from: Callable[[Request], float | None]
+    _moved_by: Callable[[Request], float | None]
 
     # --- the queue's accounting ------------------------------------------------------------
 
@@ -173,7 +173,7 @@ class Filling:
             r.on_worker = c.worker
             self._queue.take(a.id)
             self._dequeued(r)
-            items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds, r.due, self._moves_from(r)))
+            items.append(BatchItem(a.id, r.payload, a.from_layer, a.to_layer, a.seconds, r.due, self._moved_by(r)))
             kv_bytes += r.kv_bytes
         self.counts.batches += 1
         batch = Batch(f"{self.batch_prefix}-{self.counts.batches}", c.worker, c.address, tuple(items), why)

@@ -71,6 +71,14 @@ class Leaving:
         objective_s = r.objective_s if r.objective_s is not None else 0.0
         return placement.moves_at(r.due, objective_s, self._remaining_s(r)) - self.tick_s
 
+    def _moved_by(self, r: Request) -> float | None:
+        """By when `r`, if not running in an open bubble, has surely moved (`_moves_from` and the
+        timer's next tick): what a batch item carries, so that a worker whose bubble opened after
+        it leaves the item unrun (`fill.moved_on_worker`), and one whose bubble opened before runs
+        it (the dispatcher does not move what runs in an open bubble)."""
+        moves_from = self._moves_from(r)
+        return None if moves_from is None else moves_from + self.tick_s
+
     def _expire(self, now: float) -> tuple[Failure, ...]:
         """Requests not running in an open bubble whose time is up: moved to the decoder once their
         bubble has not come by `_moves_from`, failed past their objective or deadline."""

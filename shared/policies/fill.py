@@ -81,13 +81,14 @@ def late_on_worker(due: float | None, now: float, predicted_s: float) -> bool:
     return due is not None and now + predicted_s > due
 
 
-def moved_on_worker(moves_from: float | None, now: float) -> bool:
-    """Whether a worker that comes at `now` to an item not started yet leaves it unrun: from
-    `moves_from` (None: never) the dispatcher may have moved its prompt to the decoder (its bubble
-    did not come in time: `prompt_placement.moves_at`), which computes it; run here too, the bubble's
-    time would go to an answer nobody reads. Left unrun, it is reported not started: the dispatcher
-    moves it then if it has not already."""
-    return moves_from is not None and now >= moves_from
+def moved_on_worker(moved_by: float | None, bubble_started: float) -> bool:
+    """Whether a worker leaves an item not started yet unrun in a bubble that opened at
+    `bubble_started`: the item waited between bubbles past `moved_by` (None: never), by when the
+    dispatcher has moved its prompt to the decoder (its bubble did not come in time:
+    `prompt_placement.moves_at`), which computes it; run here too, the bubble's time would go to an
+    answer nobody reads. Left unrun, it is reported not started. In a bubble that opened before, the
+    dispatcher saw it running and did not move it: it runs."""
+    return moved_by is not None and bubble_started >= moved_by
 
 
 def may_start_block(*, input_arrived: bool) -> bool:

@@ -121,8 +121,9 @@ class PrefillItem(msgspec.Struct, frozen=True, kw_only=True):
     #: Wall clock: when its prompt is due (its TTFT objective or its deadline, the sooner; 0: never).
     #: A worker that comes to it later fails it rather than answer late (never queued past it).
     due: float = 0.0
-    #: Wall clock: from when the dispatcher may move its prompt to the decoder (0: never). A worker
-    #: that comes to it then, not started, leaves it unrun (`fill.moved_on_worker`).
+    #: Wall clock: by when the dispatcher has moved its prompt to the decoder if it waited between
+    #: bubbles (0: never). A worker whose bubble opened after that leaves it unrun
+    #: (`fill.moved_on_worker`); one whose bubble opened before runs it (it was not moved).
     moves_from: float = 0.0
 
 

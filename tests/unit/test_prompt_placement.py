@@ -105,10 +105,12 @@ def test_a_waiting_request_moves_to_the_decoder_when_its_margin_runs_out() -> No
     assert "objective passed" in ds.failed[0].detail
 
 
-def test_a_batch_item_says_when_its_prompt_may_have_moved_and_a_worker_leaves_it_unrun_from_then() -> None:
-    """Sent to a worker between its bubbles, a request that may move carries `moves_from`: the time
-    the dispatcher moves it (the worker's rule, `fill.moved_on_worker`, leaves it unrun from then,
-    rather than compute what the decoder computes). One that may not move carries none."""
+def test_a_batch_item_says_by_when_its_prompt_has_moved_and_a_worker_leaves_it_unrun_in_a_later_bubble() -> None:
+    """Sent to a worker between its bubbles, a request that may move carries `moves_from`: by when
+    the dispatcher has moved it if it waited there (its move's earliest tick, plus one tick). A
+    worker leaves it unrun in a bubble that opened after that (`fill.moved_on_worker`), and runs it
+    in one that opened before (the dispatcher does not move what runs). One that may not move
+    carries none."""
     cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])
     s = DispatchState(layers=4, max_batch=8, cost=cost)
     s.worker_joined(WorkerReady("w", "fill:w", 0.2, 10**9, at=0.0), 0.0)
@@ -116,12 +118,14 @@ def test_a_batch_item_says_when_its_prompt_may_have_moved_and_a_worker_leaves_it
     ds += s.add_request(Request("stays", 50, 0.0, 1, deadline=60.0, objective=0.5, ticket="u"), 0.0)
     items = {i.id: i for b in ds.batches for i in b.items}
     assert set(items) == {"r", "stays"} and items["stays"].moves_from is None
-    moves_from = items["r"].moves_from
-    assert moves_from == pytest.approx(placement.moves_at(0.5, 0.5, 0.05) - s.tick_s)
-    assert not s.tick(moves_from - 0.001).failed and not moved_on_worker(moves_from, moves_from - 0.001)
-    ds = s.tick(moves_from)
+    moved_by = items["r"].moves_from
+    assert moved_by == pytest.approx(placement.moves_at(0.5, 0.5, 0.05))
+    earliest = moved_by - s.tick_s
+    assert not s.tick(earliest - 0.001).failed
+    ds = s.tick(earliest)  # any tick from its earliest moves it: one comes by `moved_by`
     assert [(f.id, f.reason) for f in ds.failed] == [("r", FailureReason.TO_DECODER)]
-    assert moved_on_worker(moves_from, moves_from) and not moved_on_worker(None, 1e9)
+    assert moved_on_worker(moved_by, moved_by) and not moved_on_worker(moved_by, moved_by - 0.001)
+    assert not moved_on_worker(None, 1e9)
 
 
 def test_the_share_kept_is_of_the_time_to_when_it_is_due_its_deadline_if_that_comes_first() -> None:

@@ -178,20 +178,23 @@ def test_an_item_the_run_comes_to_past_its_due_is_failed_not_run_as_on_a_worker(
 
 
 def test_an_item_whose_prompt_may_have_moved_is_left_unrun_as_on_a_worker() -> None:
-    """The worker's rule (`fill.moved_on_worker`) in the simulator: the first item may have moved
-    to the decoder from 0.3 s, the bubble opens at 0.5 s: left unrun, not answered, reported not
-    started at its first layer; the second runs and is answered."""
+    """The worker's rule (`fill.moved_on_worker`) in the simulator: the first item had moved to the
+    decoder by 0.3 s, the bubble opens at 0.5 s: left unrun, not answered, reported not started at
+    its first layer. The third is reached at 0.504 s, past its 0.502 s, but in a bubble that opened
+    before it (the dispatcher saw it running and did not move it): it runs, as the second does."""
     q, ex, host = _executor()
     moved = BatchItem("b-moved", SimRequest("b-moved", 100, 0.0), 0, 4, 0.004, due=2.0, moves_from=0.3)
-    fine = BatchItem("b-fine", SimRequest("b-fine", 100, 0.0), 0, 4, 0.004, due=2.0, moves_from=1.0)
-    ex.on_batch(0.0, Batch("b", "r0s0", "r0s0", (moved, fine), Why(Trigger.REQUEST, None, 0.01, 0.0, 0.008, 2)))
+    plain = BatchItem("b-plain", SimRequest("b-plain", 100, 0.0), 0, 4, 0.004)
+    running = BatchItem("b-run", SimRequest("b-run", 100, 0.0), 0, 4, 0.004, due=2.0, moves_from=0.502)
+    why = Why(Trigger.REQUEST, None, 0.01, 0.0, 0.012, 3)
+    ex.on_batch(0.0, Batch("b", "r0s0", "r0s0", (moved, plain, running), why))
     ex.open(0.5)
     q.run(until=0.6)
     assert ex.close(0.6) == ("b",)
-    assert host.failed_late == [] and host.answers == [("b-fine", pytest.approx(0.504))]
+    assert host.failed_late == [] and [rid for rid, _ in host.answers] == ["b-plain", "b-run"]
     [(_, progress, _)] = host.reports
     got = [(p.finished, p.reached_layer, p.seconds) for p in progress]
-    assert got == [(False, 0, 0.0), (True, 4, pytest.approx(0.004))]
+    assert got == [(False, 0, 0.0), (True, 4, pytest.approx(0.004)), (True, 4, pytest.approx(0.004))]
 
 
 def test_work_waits_on_the_worker_for_a_bubble_and_goes_back_if_none_comes_in_time() -> None:
