@@ -109,7 +109,6 @@ class BatchCompute:
             if o.state is None:  # left unrun: moved to the decoder (reported not started)
                 q.cursor += 1
                 continue
-            assert o.state is not None
             t0 = max(schedule.due, time.monotonic())  # from when the device is free for it
             ran, raised, full = yield from self._run_blocks(o.state, item.to_layer, arrived, schedule, ends_at)
             blocks += ran

@@ -62,29 +62,23 @@ class Leaving:
         why = verdict.why if verdict.why.startswith("overloaded") else f"overloaded: {verdict.why}"
         return Failure(req.id, req.ticket, req.payload, FailureReason.OVERLOADED, why)
 
-    def _moves_from(self, r: Request) -> float | None:
-        """From when `r`, not running, moves to the decoder (None: it never does): the last tick
-        before its latest start (`prompt_placement.moves_at`), as a tick later would eat into the
-        decoder's reserve. A batch item carries it, so a worker does not run what moved."""
+    def _moved_by(self, r: Request) -> float | None:
+        """By when `r`, if not running in an open bubble, has moved to the decoder (None: it never
+        does): its latest start (`prompt_placement.moves_at`); `_expire` moves it at the last tick
+        before, as a tick later would eat into the decoder's reserve. A batch item carries it, so
+        that a worker whose bubble opened after it leaves the item unrun (`fill.moved_on_worker`),
+        and one whose bubble opened before runs it (what runs in an open bubble is not moved)."""
         if not r.may_move or r.objective is None or r.due is None:
             return None
         objective_s = r.objective_s if r.objective_s is not None else 0.0
-        return placement.moves_at(r.due, objective_s, self._remaining_s(r)) - self.tick_s
-
-    def _moved_by(self, r: Request) -> float | None:
-        """By when `r`, if not running in an open bubble, has surely moved (`_moves_from` and the
-        timer's next tick): what a batch item carries, so that a worker whose bubble opened after
-        it leaves the item unrun (`fill.moved_on_worker`), and one whose bubble opened before runs
-        it (the dispatcher does not move what runs in an open bubble)."""
-        moves_from = self._moves_from(r)
-        return None if moves_from is None else moves_from + self.tick_s
+        return placement.moves_at(r.due, objective_s, self._remaining_s(r))
 
     def _expire(self, now: float) -> tuple[Failure, ...]:
         """Requests not running in an open bubble whose time is up: moved to the decoder once their
-        bubble has not come by `_moves_from`, failed past their objective or deadline."""
+        bubble has not come by the last tick before `_moved_by`, failed past their objective or deadline."""
         moved, late = [], []
         for r in self._not_running():
-            if (moves_from := self._moves_from(r)) is not None and now >= moves_from:
+            if (moved_by := self._moved_by(r)) is not None and now + self.tick_s >= moved_by:
                 moved.append(r)
                 continue
             if r.due is not None and r.due < now:
