@@ -26,8 +26,9 @@ from redis.asyncio import Redis
 
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.control import keys
-from shared.control.leases import slot_end, slot_name
+from shared.control.leases import ClientListRefused, look_at_holders, release_if_held_by, slot_end, slot_name
 from shared.control.status import LeaseState
+from shared.policies.lease_liveness import SETTLE_S, holder_gone
 from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -64,8 +65,14 @@ class Slot:
 
 
 class SlotLease:
-    def __init__(self, r: Redis, run: str, pp: int, dp: int, holder: str, *, recoverable: bool = False) -> None:
+    def __init__(
+        self, r: Redis, run: str, pp: int, dp: int, holder: str, *, recoverable: bool = False, liveness: bool = False
+    ) -> None:
         self.r, self.run, self.pp, self.dp, self.holder = r, run, pp, dp, holder
+        #: Take a held slot whose holder is gone (its connections closed: `lease_liveness`) before
+        #: its lease expires. Only where every holder's connections carry its name (the workers').
+        self.liveness = liveness
+        self.liveness_settle_s = SETTLE_S  # after a Redis (re)start, how long before it says anything
         self.slot: Slot | None = None
         self.all_slots = [Slot(d, k) for k in range(pp) for d in range(dp)]
         #: Set while training: from then on a missing peer is a failure (or, if the run
@@ -101,6 +108,8 @@ class SlotLease:
                     return s
             if time.monotonic() >= deadline:
                 break
+            if await self._free_gone(candidates):
+                continue  # a dead predecessor's slot, freed before its lease expired: take it now
             await asyncio.sleep(0.1)  # leases expire by TTL: there is no event to wait on
         which = (
             ""
@@ -143,9 +152,41 @@ class SlotLease:
             if len(done) == len(candidates):
                 log.info("every slot this spare could take finished training: nothing to take over", run=self.run)
                 return None
+            if await self._free_gone([s for s in candidates if s not in done]):
+                continue  # a dead holder's slot, freed before its lease expired: take it now
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), poll_s)
         return None
+
+    async def _free_gone(self, slots: list[Slot]) -> bool:
+        """With `liveness`: release the leases of `slots` whose holder is gone (its process died:
+        `shared.policies.lease_liveness`), saying why; True if any was. A Redis that refuses CLIENT
+        LIST turns the check off (the lease's expiry still frees the slot)."""
+        if not self.liveness:
+            return False
+        try:
+            seen = await look_at_holders(self.r, self.run, [(s.replica, s.stage) for s in slots])
+        except ClientListRefused as exc:
+            log.warning(
+                "Redis refused CLIENT LIST: a dead worker's slot frees only when its lease expires",
+                run=self.run,
+                error=str(exc),
+            )
+            self.liveness = False
+            return False
+        freed = False
+        for (d, k), (holder, what) in seen.items():
+            verdict = holder_gone(what, renew_every_s=keys.LEASE_RENEW_S, settle_s=self.liveness_settle_s)
+            if verdict.gone and await release_if_held_by(self.r, self.run, d, k, holder):
+                log.warning(
+                    "a slot's holder is gone: its lease released before it expired",
+                    run=self.run,
+                    slot=slot_name(d, k),
+                    gone=holder,
+                    why=verdict.why,
+                )
+                freed = True
+        return freed
 
     async def _took(self, s: Slot) -> None:
         """Slot `s` is ours: its predecessor's end marker (it left, say) and drain request go."""

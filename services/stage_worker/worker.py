@@ -38,6 +38,7 @@ from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import keys
 from shared.control.health import Heartbeat, instance_id
+from shared.control.leases import holder_client_name
 from shared.dataplane import DataPlane
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.model.corpus import DataError
@@ -62,8 +63,7 @@ from shared.wire import PrefillBatch, SlotGrant, TensorReady, WorkerFailed
 
 SERVICE = "stage_worker"
 SWITCH_INTERVAL_S = 0.0001
-#: Prefill batches a worker holds at once: its credit is a few batches (at most half its window each);
-#: more simply wait in the stream.
+#: Prefill batches a worker holds at once (its credit: a few, each at most half its window); more wait in the stream.
 FILL_CONCURRENCY = 64
 #: Data seed of the start-up timing probe (kept apart from the training data seed).
 TIMING_SEED = 0x5EED
@@ -96,14 +96,16 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     spec, run = settings.spec, settings.run
     placement = placement_of(spec)  # an infeasible spec fails here, naming the missing GPUs
-    async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
+    holder = instance_id()  # its connections carry its name: a spare sees when none is left (lease_liveness)
+    async with Bus(settings.require_redis_url(), spec.bus, name=holder_client_name(holder)) as bus:
         lease = SlotLease(
             bus.redis,
             run,
             spec.parallelism.pp,
             spec.parallelism.dp,
-            holder=instance_id(),
+            holder=holder,
             recoverable=spec.training.recovers,
+            liveness=settings.lease_liveness,
         )
         allowed = None if settings.dc is None else lambda s: placement.stage_dc[s.stage] == settings.dc
         # A replacement may start before its dead predecessor's lease expired: it waits that long.

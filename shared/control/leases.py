@@ -10,14 +10,54 @@ from __future__ import annotations
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from shared.control import keys
 from shared.control.status import LeaseState
+from shared.policies.lease_liveness import HolderSeen
 from shared.policies.readiness import SlotView
 
 
 def slot_name(replica: int, stage: int) -> str:
     return f"r{replica}s{stage}"
+
+
+def holder_client_name(holder: str) -> str:
+    """The name every Redis connection of the stage worker `holder` carries (CLIENT SETNAME), so a
+    spare can tell from CLIENT LIST that a slot's holder has none left (`look_at_holders`)."""
+    return f"stage_worker:{holder}"
+
+
+class ClientListRefused(RuntimeError):
+    """Redis refused CLIENT LIST (an ACL without it): only the lease's expiry tells a dead holder."""
+
+
+async def look_at_holders(
+    r: Redis, run: str, slots: list[tuple[int, int]]
+) -> dict[tuple[int, int], tuple[str, HolderSeen]]:
+    """What a spare sees of each held slot's holder (`shared.policies.lease_liveness`): whether a
+    connection named for it is open, how long ago it renewed, and Redis's uptime. Slots not held are
+    left out. The leases are read before the clients, so a holder renewing meanwhile is seen renewed."""
+    async with r.pipeline(transaction=False) as pipe:
+        for d, k in slots:
+            pipe.get(keys.lease_key(run, d, k))
+            pipe.pttl(keys.lease_key(run, d, k))
+        found: Any = await pipe.execute()
+    try:
+        clients: Any = await r.client_list(_type="normal")
+    except ResponseError as exc:
+        raise ClientListRefused(str(exc)) from exc
+    info: Any = await r.info("server")
+    up_s = float(info.get("uptime_in_seconds", 0))
+    names = {c.get("name", "") for c in clients}
+    out = {}
+    for (d, k), holder, pttl in zip(slots, found[::2], found[1::2], strict=True):
+        if holder is None or pttl < 0:  # free, or (never here) a lease without a TTL
+            continue
+        who = holder.decode()
+        renewed_ago_s = (keys.LEASE_TTL_MS - pttl) / 1000
+        out[(d, k)] = (who, HolderSeen(holder_client_name(who) in names, renewed_ago_s, up_s))
+    return out
 
 
 async def slot_end(r: Redis, run: str, replica: int, stage: int) -> tuple[LeaseState | None, str]:
@@ -65,6 +105,11 @@ async def release_dead(r: Redis, run: str, pp: int, dp: int, holder: str) -> lis
     released = []
     for d in range(dp):
         for k in range(pp):
-            if await r.eval(_RELEASE_IF, 1, keys.lease_key(run, d, k), holder):
+            if await release_if_held_by(r, run, d, k, holder):
                 released.append(slot_name(d, k))
     return released
+
+
+async def release_if_held_by(r: Redis, run: str, replica: int, stage: int, holder: str) -> bool:
+    """Delete the slot's lease if `holder` (known dead) still holds it; True if it did."""
+    return bool(await r.eval(_RELEASE_IF, 1, keys.lease_key(run, replica, stage), holder))

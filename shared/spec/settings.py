@@ -42,6 +42,8 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
                        hosts need one directory every host shares (docs/deploy.md)
 ``BUBBLETEA_DC``        a stage worker takes only slots whose stage is placed in this datacenter
                        (the workers of one DC on one host; default: any slot)
+``BUBBLETEA_LEASE_LIVENESS`` ``on`` (default): a dead worker's slot frees once its connections closed,
+                       before its lease expires (`shared.policies.lease_liveness`); ``off``: at expiry
 ``BUBBLETEA_REDIS_MAXMEMORY`` the embedded redis-server's ``maxmemory`` (default ``1gb``; policy
                        ``noeviction``)
 ``BUBBLETEA_REDIS_WAIT_S`` how long a service started with Redis unreachable retries (with backoff)
@@ -102,6 +104,7 @@ ENV_VARS = frozenset(
         "BUBBLETEA_WAN",
         "BUBBLETEA_PLANE_HOST",
         "BUBBLETEA_DC",
+        "BUBBLETEA_LEASE_LIVENESS",
         "BUBBLETEA_RESUME",
         "BUBBLETEA_STATE_DIR",
         "BUBBLETEA_COMPUTE_PRIORITY",
@@ -168,6 +171,8 @@ class Settings:
     state_dir: Path = field(default_factory=lambda: DEFAULT_STATE_DIR)
     #: How long a service waits at start for Redis to answer before it exits (BUBBLETEA_REDIS_WAIT_S).
     redis_wait_s: float = DEFAULT_REDIS_WAIT_S
+    #: A dead worker's slot frees once its connections closed, before its lease expires (BUBBLETEA_LEASE_LIVENESS).
+    lease_liveness: bool = True
     #: Fault injection: make the stage workers' prefill fail (BUBBLETEA_CHAOS_PREFILL,
     #: services/stage_worker/chaos.py); None in normal runs.
     chaos_prefill: str | None = None
@@ -283,6 +288,9 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
             f"BUBBLETEA_CHAOS_PREFILL: expected raise, oom, raise-after:N or oom-after:N (N blocks run first), "
             f"got {chaos_prefill!r}"
         )
+    liveness = env.get("BUBBLETEA_LEASE_LIVENESS", "on").lower()
+    if liveness not in ("on", "off"):
+        raise ConfigError(f"BUBBLETEA_LEASE_LIVENESS: expected on or off, got {liveness!r}")
     priority = env.get("BUBBLETEA_COMPUTE_PRIORITY", "low").lower()
     if priority not in PRIORITIES:
         raise ConfigError(f"BUBBLETEA_COMPUTE_PRIORITY: expected low or normal, got {priority!r}")
@@ -307,6 +315,7 @@ def load_settings(config: str | Path | None = None, env: Mapping[str, str] | Non
         state_dir=Path(env["BUBBLETEA_STATE_DIR"]).absolute() if env.get("BUBBLETEA_STATE_DIR") else DEFAULT_STATE_DIR,
         redis_wait_s=redis_wait_s,
         chaos_prefill=chaos_prefill,
+        lease_liveness=liveness == "on",
     )
 
 

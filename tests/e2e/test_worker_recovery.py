@@ -26,6 +26,7 @@ from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER
 from shared.bus.connection import blocking_client
 from shared.control import keys
 from shared.model.reference import train_reference_for
+from shared.policies.lease_liveness import SETTLE_S
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.spec.settings import load_settings
 from shared.wire import IterationDone, decode
@@ -187,8 +188,9 @@ async def test_a_spare_is_ready_before_it_is_needed_and_takes_a_lost_slot_over(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
     """A fifth worker for four slots waits as a spare, its corpus and served model loaded meanwhile
-    (`warm.py`); a worker killed mid-run, it takes the slot and the stage's state from the live peer,
-    and the run ends with every iteration trained once."""
+    (`warm.py`); a worker killed mid-run, it takes the slot as soon as Redis saw the worker's
+    connections close (`lease_liveness`), and the stage's state from the live peer, and the run ends
+    with every iteration trained once."""
     # long enough that the spare is up (it first waits a lease's lifetime for a free slot) mid-run
     path = write_spec(tmp_path, iterations=SPARE_ITERATIONS, checkpoint_every=2)
     run, env, procs = await start_run(redis_server.url, path)
@@ -210,6 +212,8 @@ async def test_a_spare_is_ready_before_it_is_needed_and_takes_a_lost_slot_over(
             m for _, f in await r.xrange(keys.events_stream(run)) if isinstance(m := decode(f[b"m"]), IterationDone)
         ]
         assert done and max(m.iteration for m in done) < SPARE_ITERATIONS - 20, "the run is (nearly) over already"
+        while float((await r.info("server"))["uptime_in_seconds"]) < SETTLE_S:  # noqa: ASYNC110
+            await asyncio.sleep(0.5)  # a Redis just started says nothing of missing connections
         victim = procs[1]
         victim.proc.kill()
         await victim.proc.wait()
@@ -218,6 +222,10 @@ async def test_a_spare_is_ready_before_it_is_needed_and_takes_a_lost_slot_over(
         assert codes == [0, 0, 0, 0], "\n".join(line for p in workers for line in p.tail[-10:])
         joined = [line for line in spare_out.getvalue().splitlines() if "joined the run" in line]
         assert "slot leased by a spare" in spare_out.getvalue() and joined and "source=peers" in joined[-1]
+        # taken once Redis saw the victim's connections close, not when its lease expired
+        assert f'holder is gone: its lease released before it expired" run={run} slot={slot}' in (
+            spare_out.getvalue()
+        ), spare_out.getvalue()
         events = [decode(f[b"m"]) for _, f in await r.xrange(keys.events_stream(run))]
     finally:
         await r.aclose()

@@ -1,0 +1,105 @@
+"""A spare takes a killed worker's slot as soon as Redis has seen its connections close, before its
+lease expires; a live holder whose connections were closed under it keeps its slot
+(`shared.policies.lease_liveness`, `SlotLease.liveness`). Real redis-server, a real holder process."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from redis.asyncio import Redis
+
+from services.stage_worker.lease import Slot, SlotLease
+from shared.bus.connection import command_client
+from shared.control import keys
+from shared.control.leases import holder_client_name
+
+#: A stage worker's lease, alone: its connections named for the holder, renewed every second.
+HOLDER = """
+import asyncio, sys
+from services.stage_worker.lease import SlotLease
+from shared.bus.connection import command_client
+from shared.control.leases import holder_client_name
+
+async def main(url, run, holder):
+    lease = SlotLease(command_client(url, name=holder_client_name(holder)), run, 1, 1, holder)
+    await lease.acquire()
+    print("held", flush=True)
+    await lease.watch()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def spare_of(redis: Redis, run: str) -> SlotLease:
+    spare = SlotLease(redis, run, 1, 1, "spare", liveness=True)
+    spare.liveness_settle_s = 0  # the suite's Redis may have started moments ago
+    return spare
+
+
+async def test_a_spare_takes_a_killed_workers_slot_before_its_lease_expires(redis: Redis, redis_url: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HOLDER, redis_url, "kill", "h1", stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"held\n"  # type: ignore[union-attr]
+        spare = spare_of(redis, "kill")
+        waiting = asyncio.create_task(spare.wait_as_spare(asyncio.Event(), poll_s=0.05))
+        await asyncio.sleep(2.5)  # more than two renewals: a live, connected holder keeps its slot
+        assert not waiting.done()
+        proc.kill()
+        await proc.wait()
+        killed = time.monotonic()
+        left_s = await redis.pttl(keys.lease_key("kill", 0, 0)) / 1000  # what its lease had left
+        assert left_s > 1.0
+        assert await asyncio.wait_for(waiting, 10) == Slot(0, 0)
+        # taken while the dead holder's lease still had time to run: the closed connections told
+        assert time.monotonic() - killed < left_s, f"taken {time.monotonic() - killed:.2f} s after the kill"
+        assert await redis.get(keys.lease_key("kill", 0, 0)) == b"spare"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_a_live_holder_whose_connections_are_closed_under_it_keeps_its_slot(redis: Redis, redis_url: str) -> None:
+    client = command_client(redis_url, name=holder_client_name("h2"))
+    holder = SlotLease(client, "cut", 1, 1, "h2")
+    await holder.acquire()
+    watch = asyncio.create_task(holder.watch())
+    spare = spare_of(redis, "cut")
+    waiting = asyncio.create_task(spare.wait_as_spare(asyncio.Event(), poll_s=0.05))
+    try:
+        for _ in range(4):  # a server-side timeout or a network drop, again and again
+            for c in await redis.client_list(_type="normal"):
+                if c["name"] == holder_client_name("h2"):
+                    await redis.client_kill_filter(_id=c["id"])
+            await asyncio.sleep(1.0)
+        assert not waiting.done() and not watch.done()  # it reconnected at its next renewal
+        assert await redis.get(keys.lease_key("cut", 0, 0)) == b"h2"
+    finally:
+        for task in (waiting, watch):
+            task.cancel()
+        await asyncio.gather(waiting, watch, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_a_redis_that_refuses_client_list_leaves_the_expiry_to_free_the_slot(
+    redis: Redis, redis_url: str
+) -> None:
+    await redis.execute_command("ACL", "SETUSER", "nolist", "on", ">pw", "~*", "+@all", "-client")
+    limited = Redis.from_url(redis_url.replace("redis://", "redis://nolist:pw@"), protocol=2, socket_timeout=None)
+    try:
+        await SlotLease(redis, "acl", 1, 1, "h3").acquire()
+        spare = spare_of(limited, "acl")
+        stop = asyncio.Event()
+        waiting = asyncio.create_task(spare.wait_as_spare(stop, poll_s=0.05))
+        await asyncio.sleep(0.5)
+        assert spare.liveness is False  # turned off, with a warning; the spare waits on
+        assert not waiting.done()
+        await redis.delete(keys.lease_key("acl", 0, 0))  # the lease expires
+        assert await asyncio.wait_for(waiting, 5) == Slot(0, 0)
+    finally:
+        await redis.execute_command("ACL", "DELUSER", "nolist")
+        await limited.aclose()
