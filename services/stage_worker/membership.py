@@ -15,8 +15,6 @@ from services.stage_worker.recovery import Generations
 from services.stage_worker.runner import StageRunner
 from services.stage_worker.transport import FINISH_GRACE_S
 from shared.bus import Consumer
-from shared.bus.connection import TRANSIENT_ERRORS, Outage
-from shared.control import keys
 from shared.dataplane import PlaneError
 from shared.policies.recovery import FROM_SCRATCH, OWN_CHECKPOINT, Resume, Source, needs_state
 from shared.runtime.logs import get_logger
@@ -64,7 +62,7 @@ async def take_part(
                 train = asyncio.create_task(runner.run_all(start), name="train")
                 lost = asyncio.create_task(lease.peer_lost.wait(), name="lost")
                 # a run without checkpoints does not resume: only a lost lease ends it
-                watch_generation = _generation_moved(gens) if tr.recovers else asyncio.Event().wait()
+                watch_generation = gens.moved() if tr.recovers else asyncio.Event().wait()
                 moved = asyncio.create_task(watch_generation, name="moved")
                 waiting = {train, watch, stopping, crashed, lost, moved}
                 while True:
@@ -235,18 +233,3 @@ async def _take_state(runner: StageRunner, plan: Resume, saved: bytes | None, st
             f"slot {slot.name} cannot restore the state of iteration {plan.after} of run {runner.run} "
             f"({exc}); it was written for another spec: start a new run id (BUBBLETEA_RUN)"
         ) from None
-
-
-async def _generation_moved(gens: Generations) -> None:
-    """Return once the run's generation moved past ours (a replacement joined: the run resumes)."""
-    outage = Outage(f"generation watch of run {gens.run}")
-    while True:
-        await asyncio.sleep(keys.LEASE_RENEW_S)  # a counter in Redis: nothing to block on
-        try:
-            newest = await gens.read()
-        except TRANSIENT_ERRORS as exc:
-            await asyncio.sleep(outage.failed(exc))
-            continue
-        outage.ok()
-        if newest > gens.current:
-            return

@@ -29,11 +29,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotError
-from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.bus.connection import TRANSIENT_ERRORS, Outage, blocking_client
 from shared.control import keys
 from shared.policies.recovery import FROM_SCRATCH, Resume, Source, plan_resume
 from shared.runtime.logs import get_logger
@@ -50,11 +51,17 @@ return g
 """
 #: How often the barrier looks at the joined set and the generation (a few round trips a second).
 POLL_S = 0.05
+#: Without an announcement, how often a training worker looks whether the generation moved on.
+LOOK_S = keys.LEASE_RENEW_S
+#: The moves announced (`keys.generation_moves_stream`) that Redis keeps: only the newest wake anyone.
+MOVES_KEPT = 64
 
 
 class Generations:
-    def __init__(self, r: Redis, run: str, slots: Iterable[Slot]) -> None:
+    def __init__(self, r: Redis, run: str, slots: Iterable[Slot], *, url: str | None = None, name: str = "") -> None:
         self.r, self.run = r, run
+        #: Where `moved` opens its blocking reader of the announced moves (None: it only looks).
+        self.url, self.name = url, name
         self.all = list(slots)
         self.slots = [s.name for s in self.all]
         #: The generation this worker trains in (0: not joined yet).
@@ -77,7 +84,45 @@ class Generations:
                 pipe.expire(gen_key, keys.RUN_STATE_TTL_S)
                 gen = int((await pipe.execute())[0])
         self.current = gen
+        await self._announce(gen)
         return gen
+
+    async def _announce(self, gen: int) -> None:
+        """Wake the workers still training in an older generation (`moved`); every worker entering
+        says so, once the counter moved (a duplicate wakes a reader that finds nothing new)."""
+        stream = keys.generation_moves_stream(self.run)
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.xadd(stream, {"gen": gen}, maxlen=MOVES_KEPT, approximate=True)
+            pipe.expire(stream, keys.RUN_STATE_TTL_S)
+            await pipe.execute()
+
+    async def moved(self) -> None:
+        """Return once the run's generation moved past ours (a replacement joined, or a peer noticed
+        a loss: the run resumes without us until we join). Woken by the moves announced on the
+        run's stream; looks at the counter every `LOOK_S` regardless (a move announced before the
+        reader began, Redis away), so a missed announcement costs a look, never the move."""
+        stream = keys.generation_moves_stream(self.run)
+        wake = blocking_client(self.url, name=self.name or "bubbletea-reader") if self.url else None
+        outage = Outage(f"generation watch of run {self.run}")
+        last: Any = "$"
+        try:
+            while True:
+                try:
+                    if wake is None:
+                        await asyncio.sleep(LOOK_S)
+                    else:
+                        reply: Any = await wake.xread({stream: last}, block=int(LOOK_S * 1000), count=MOVES_KEPT)
+                        last = reply[0][1][-1][0] if reply else last
+                    newest = await self.read()
+                except TRANSIENT_ERRORS as exc:
+                    await asyncio.sleep(outage.failed(exc))
+                    continue
+                outage.ok()
+                if newest > self.current:
+                    return
+        finally:
+            if wake is not None:
+                await wake.aclose()
 
     async def barrier(self, slot: Slot, timeout_s: float, on_enter: Callable[[int], None] | None = None) -> int:
         """Wait until every slot joined the current generation (entering newer ones as they come);

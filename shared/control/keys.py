@@ -149,6 +149,13 @@ def generation_key(run: str) -> str:
     return f"{PREFIX}:{run}:gen"
 
 
+def generation_moves_stream(run: str) -> str:
+    """Each move of the run's generation, announced as it happens (a field `gen`), so that workers
+    training in the old one wake at once rather than at their next look at `generation_key`, which
+    stays the authority: a reader only wakes on an entry, and never decodes it."""
+    return f"{PREFIX}:{run}:gen:moves"
+
+
 def generation_joined_key(run: str, generation: int) -> str:
     """The slots that joined `generation` (a set): when it holds every slot, the generation trains."""
     return f"{PREFIX}:{run}:gen:{generation}:joined"

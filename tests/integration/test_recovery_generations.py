@@ -93,3 +93,36 @@ async def test_a_barrier_nobody_completes_times_out_naming_the_missing_slots(red
     await g.enter(after_loss=False)
     with pytest.raises(SlotError, match=r"waiting for workers of slots r0s1, r1s0, r1s1"):
         await g.barrier(Slot(0, 0), timeout_s=0.2)
+
+
+async def test_a_worker_training_in_an_old_generation_wakes_on_the_move_not_at_its_next_look(
+    redis: Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replacement entering announces its generation: a peer's `moved` returns at once, long
+    before its next look at the counter (here never: LOOK_S is a minute)."""
+    from services.stage_worker import recovery
+
+    monkeypatch.setattr(recovery, "LOOK_S", 60.0)
+    peer = Generations(redis, "wake", SLOTS, url=redis_url, name="stage_worker:peer")
+    await peer.enter(after_loss=False)
+    watching = asyncio.create_task(peer.moved())
+    await asyncio.sleep(0.3)  # its reader is blocked on the stream now
+    assert not watching.done()
+    await Generations(redis, "wake", SLOTS).enter(after_loss=False)  # a replacement joins
+    await asyncio.wait_for(watching, 5)
+    assert await peer.read() == peer.current + 1
+    # the reader's connection is closed with the watch
+    assert not [c for c in await redis.client_list(_type="normal") if c["name"] == "stage_worker:peer"]
+
+
+async def test_without_a_reader_a_move_is_seen_at_the_next_look(redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.stage_worker import recovery
+
+    monkeypatch.setattr(recovery, "LOOK_S", 0.05)
+    peer = Generations(redis, "look", SLOTS)  # no url: it only looks
+    await peer.enter(after_loss=False)
+    watching = asyncio.create_task(peer.moved())
+    await asyncio.sleep(0.2)
+    assert not watching.done()
+    await redis.incr(keys.generation_key("look"))  # a move nobody announced
+    await asyncio.wait_for(watching, 5)
