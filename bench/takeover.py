@@ -174,14 +174,17 @@ def figures(kills: list[dict[str, Any]], joined: dict[int, list[float]], slots: 
     out: dict[str, Any] = {
         "kills": len(kills),
         "survived": sum(k["survived"] for k in kills),
-        "lease_left_at_kill_p50_s": figs.median([k["lease_left_ms"] / 1000 for k in kills]),
+        "lease_left_at_kill_p50_s": _r(figs.median([k["lease_left_ms"] / 1000 for k in kills])),
     }
     for label, values in (("taken", taken), ("back", back)):
         for p in (50, 99):
-            v = figs.percentile(values, p)
-            out[f"{label}_p{p}_s"] = None if v is None else round(v, 2)
+            out[f"{label}_p{p}_s"] = _r(figs.percentile(values, p))
         out[f"{label}_max_s"] = round(max(values), 2) if values else None
     return out
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
 
 
 def side_by_side(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
