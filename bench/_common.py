@@ -6,12 +6,13 @@ A script in bench/ imports it as ``import _common`` (Python puts the script's ow
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import multiprocessing as mp
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -86,3 +87,11 @@ def emit(result: dict[str, Any]) -> None:
 
 def stderr(*parts: Any) -> None:
     print(*parts, file=sys.stderr, flush=True)
+
+
+def arms_of(p: argparse.ArgumentParser, value: str, known: Collection[str]) -> list[str]:
+    """The arms named in `--arms` (comma-separated, in order); a name not `known` is a usage error."""
+    arms = [a.strip() for a in value.split(",") if a.strip()]
+    if bad := [a for a in arms if a not in known]:
+        p.error(f"--arms: unknown {', '.join(bad)} (choose from {', '.join(known)})")
+    return arms

@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import _churn_figures as figs  # noqa: E402
+import _common  # noqa: E402
 import chaos  # noqa: E402
 
 from bubbletea.launcher.load import run_loadgen  # noqa: E402
@@ -311,9 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.duration = 120.0
-    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if bad := [a for a in args.arms if a not in ARMS]:
-        p.error(f"--arms: unknown {', '.join(bad)} (choose from {', '.join(ARMS)})")
+    args.arms = _common.arms_of(p, args.arms, ARMS)
     if args.duration <= 0 or args.mtbf <= 0 or (args.every is not None and args.every <= 0) or args.control_mtbf < 0:
         p.error("--duration, --mtbf and --every must be above 0, --control-mtbf at least 0")
     result = asyncio.run(bench(args))

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import _churn_figures as figs  # noqa: E402
+import _common  # noqa: E402
 from redis.asyncio import Redis  # noqa: E402
 
 from bubbletea.launcher.procs import Proc, spawn, stop_all  # noqa: E402
@@ -225,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.kills = 3
-    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if bad := [a for a in args.arms if a not in ARMS]:
-        p.error(f"--arms: unknown {', '.join(bad)} (choose from {', '.join(ARMS)})")
+    args.arms = _common.arms_of(p, args.arms, ARMS)
     if args.kills < 1 or args.every < 0 or args.time_scale < 1:
         p.error("--kills must be at least 1, --every at least 0, --time-scale at least 1")
     print(json.dumps(asyncio.run(bench(args))))
