@@ -37,7 +37,8 @@ async def look_at_holders(
 ) -> dict[tuple[int, int], tuple[str, HolderSeen]]:
     """What a spare sees of each held slot's holder (`shared.policies.lease_liveness`): whether a
     connection named for it is open, how long ago it renewed, and Redis's uptime. Slots not held are
-    left out. The leases are read before the clients, so a holder renewing meanwhile is seen renewed."""
+    left out. The leases are read first: a holder then seen with no connection open had not renewed
+    for at least that long (a live one that reconnects meanwhile is seen connected)."""
     async with r.pipeline(transaction=False) as pipe:
         for d, k in slots:
             pipe.get(keys.lease_key(run, d, k))
