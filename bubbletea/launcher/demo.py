@@ -196,8 +196,8 @@ async def _run_phase(
         + (
             f", {m['requests_answered']} of {m['requests_sent']} prefill requests answered, TTFT p50 "
             f"{m['ttft_p50_ms']:.0f} device ms, {m['slo_attainment']:.1%} of those sent within "
-            f"{TTFT_SLO_DEVICE_MS:g}; {m['bubbles_filled']} of {m['bubbles_with_work']} bubbles with work "
-            f"filled (of {m['bubbles_total']})"
+            f"{TTFT_SLO_DEVICE_MS:g}; {m['bubbles_with_work_filled']} of {m['bubbles_with_work']} bubbles with work "
+            f"filled (a prefill ran in {m['bubbles_filled']} of all {m['bubbles_total']})"
             if loadgen and m["ttft_p50_ms"] is not None
             else ""
         )
@@ -250,6 +250,7 @@ def _metrics(
             bubbles_total=d.total,
             bubbles_with_work=d.with_work,
             bubbles_filled=d.filled,
+            bubbles_with_work_filled=len(d.filled_latencies_ms),
             dispatch_p99_ms=runstats.percentile(list(d.latencies_ms), 99),
         )
         m.update(

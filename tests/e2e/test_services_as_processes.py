@@ -119,6 +119,10 @@ def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
     # opened with work waiting, 3 filled by staged batches)
     assert bt["bubbles_total"] > 0
     assert bt["bubbles_total"] >= bt["bubbles_with_work"] >= 0 and bt["bubbles_total"] >= bt["bubbles_filled"] >= 0
+    # the line says how many of the bubbles with work were filled: a part of them, never more
+    assert bt["bubbles_with_work"] >= bt["bubbles_with_work_filled"] >= 0
+    said = f"{bt['bubbles_with_work_filled']} of {bt['bubbles_with_work']} bubbles with work filled"
+    assert said in r.stdout
     assert "offering 80% of the bubbles' capacity" in r.stdout
     assert runs["bubbletea"]["ttft_p50_ms"] > 0 and runs["bubbletea"]["prefill_tokens_per_s"] > 0
     assert runs["fair"]["ttft_p50_ms"] is None  # no serving without BubbleTea
