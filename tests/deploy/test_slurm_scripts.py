@@ -19,11 +19,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "deploy" / "slurm"
 SCRIPTS = sorted([*SLURM.glob("*.sbatch"), SLURM / "supervise.sh"])
 
-#: srun's options dropped, the command run in its place (its pid kept for the stand-in scancel).
+#: srun's options dropped, the command run as its task, SIGTERM passed on to it as srun does (its pid
+#: kept for the stand-in scancel once it passes signals on). Not `exec`: a SIGTERM landing between
+#: the pid's write and the exec was lost by bash, the task running on (a CI run, 2026-11-28).
 FAKE_SRUN = """#!/bin/bash
 while [ "${1#--}" != "$1" ]; do shift; done
+"$@" &
+task=$!
+trap 'kill -TERM "$task" 2>/dev/null' TERM
 echo $$ >> "$STEPS_FILE"
-exec "$@"
+wait "$task"; code=$?
+while kill -0 "$task" 2>/dev/null; do wait "$task"; code=$?; done
+exit "$code"
 """
 #: scancel --signal=TERM JOB: SIGTERM to every task the stand-in srun started, as Slurm does.
 FAKE_SCANCEL = """#!/bin/bash
