@@ -82,13 +82,23 @@ def training(done: Sequence[IterationDone], stages: int, start: float, end: floa
 JOINED = re.compile(r"^ts=(\S+) .*msg=\"?joined the run\"? .*generation=(\d+)")
 
 
+def log_time(stamp: str) -> float:
+    """A log line's `ts=` stamp (UTC, ISO 8601 with a Z) as wall-clock seconds."""
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def rounded(v: float | None) -> float | None:
+    """A figure for the JSON line: to 2 decimals (None stays None)."""
+    return None if v is None else round(v, 2)
+
+
 def joins(logs: Iterable[Path]) -> dict[int, list[float]]:
     """Every "joined the run" line of the stage workers' logs: generation -> wall-clock times."""
     out: dict[int, list[float]] = {}
     for path in logs:
         for line in path.read_text(errors="replace").splitlines():
             if m := JOINED.search(line):
-                at = datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
+                at = log_time(m.group(1))
                 out.setdefault(int(m.group(2)), []).append(at)
     return out
 

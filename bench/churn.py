@@ -201,10 +201,10 @@ class Arm:
             "faults": len(self.faults),
             "faults_by_kind": {k: sum(f["kind"] == k for f in self.faults) for k in {f["kind"] for f in self.faults}},
             "survived": len(backs) + len(control),
-            "back_p50_s": _r(figs.median(backs)),
-            "back_p99_s": _r(figs.percentile(backs, 99)),
-            "back_max_s": _r(max(backs, default=None)),
-            "control_back_max_s": _r(max(control, default=None)),
+            "back_p50_s": figs.rounded(figs.median(backs)),
+            "back_p99_s": figs.rounded(figs.percentile(backs, 99)),
+            "back_max_s": figs.rounded(max(backs, default=None)),
+            "control_back_max_s": figs.rounded(max(control, default=None)),
             "useful_iterations": trained["useful_iterations"],
             "useful_per_hour": round(trained["useful_iterations"] / hours, 1) if hours > 0 else None,
             "redone_iterations": len(trained["redone_iterations"]),
@@ -223,10 +223,6 @@ class Arm:
     def close(self) -> None:
         self.redis.stop()
         (self.folder / "up.out").write_text("\n".join(self.lines) + "\n")
-
-
-def _r(v: float | None) -> float | None:
-    return None if v is None else round(v, 2)
 
 
 def capacity_rate(config: Path, k: float) -> float:

@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +57,11 @@ ARMS = {"liveness": "on", "expiry": "off"}
 LEASED = re.compile(r"^ts=(\S+) .*msg=\"?slot leased by a spare\"?")
 
 
-def _ts(stamp: str) -> float:
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
 def leased_at(log: Path) -> float | None:
     """When the spare whose log this is leased a slot (wall clock), if it did."""
     for line in log.read_text(errors="replace").splitlines():
         if m := LEASED.search(line):
-            return _ts(m.group(1))
+            return figs.log_time(m.group(1))
     return None
 
 
@@ -175,17 +170,13 @@ def figures(kills: list[dict[str, Any]], joined: dict[int, list[float]], slots: 
     out: dict[str, Any] = {
         "kills": len(kills),
         "survived": sum(k["survived"] for k in kills),
-        "lease_left_at_kill_p50_s": _r(figs.median([k["lease_left_ms"] / 1000 for k in kills])),
+        "lease_left_at_kill_p50_s": figs.rounded(figs.median([k["lease_left_ms"] / 1000 for k in kills])),
     }
     for label, values in (("taken", taken), ("back", back)):
         for p in (50, 99):
-            out[f"{label}_p{p}_s"] = _r(figs.percentile(values, p))
-        out[f"{label}_max_s"] = round(max(values), 2) if values else None
+            out[f"{label}_p{p}_s"] = figs.rounded(figs.percentile(values, p))
+        out[f"{label}_max_s"] = figs.rounded(max(values, default=None))
     return out
-
-
-def _r(v: float | None) -> float | None:
-    return None if v is None else round(v, 2)
 
 
 def side_by_side(results: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -187,7 +187,7 @@ async def _train(
         raise SystemExit(EXIT_CONFIG) from None
     profile, prior = await asyncio.to_thread(_profile_and_prior, spec, slot, trainer)
     mailbox = Mailbox()
-    gens = Generations(bus.redis, run, lease.all_slots, url=bus.url, name=holder_client_name(lease.holder))
+    gens = Generations(bus.redis, run, lease.all_slots, url=bus.url, name=bus.name)  # named as its bus: the holder
     memory = int(spec.device.memory_gib * (1 << 30))
     prefill = None
     if spec.bubbletea.enabled:
