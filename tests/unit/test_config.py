@@ -288,6 +288,15 @@ def test_metrics_auth_needs_an_api_key() -> None:
     assert load_settings(env={"BUBBLETEA_METRICS_AUTH": "on", "BUBBLETEA_API_KEY": "k"}).metrics_auth
 
 
+def test_the_lease_liveness_check_is_on_unless_turned_off_and_a_typo_is_refused() -> None:
+    from shared.spec.settings import load_settings
+
+    assert load_settings(env={}).lease_liveness
+    assert not load_settings(env={"BUBBLETEA_LEASE_LIVENESS": "OFF"}).lease_liveness
+    with pytest.raises(ConfigError, match="BUBBLETEA_LEASE_LIVENESS: expected on or off, got 'no'"):
+        load_settings(env={"BUBBLETEA_LEASE_LIVENESS": "no"})
+
+
 def test_the_wan_mode_defaults_to_model_and_the_environment_picks_another() -> None:
     assert load_settings(env={}).spec.wan.mode == "model"
     s = load_settings(env={"BUBBLETEA_WAN": "kernel", "BUBBLETEA_DC": "dc-b", "BUBBLETEA_PLANE_HOST": "10.0.1.5"})
