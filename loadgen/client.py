@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from loadgen.outcome import MAX_MESSAGE, Answer, Outcome, RequestFailed, error_message
-from loadgen.stream import StreamTally, as_int, json_or_none, sse_data
+from loadgen.stream import StreamTally, as_int, json_or_none, server_ttft_s, sse_data
 
 ENDPOINTS = ("completions", "native")
 #: What --endpoint accepts: vLLM passes the path, loadgen's own names are kept.
@@ -245,6 +245,7 @@ class PrefillClient:
             latency_s=last - start,
             itls=answer.itls,
             streamed=answer.first_token_at is not None,
+            server_ttft_s=answer.server_ttft_s,
         )
 
     def _body(self, prompt: list[int], max_tokens: int = 1) -> dict[str, Any]:
@@ -264,18 +265,20 @@ class PrefillClient:
             body["deadline_ms"] = max(1.0, self.timeout_s * 1000)
         return body
 
-    async def _post(self, path: str, prompt: list[int], max_tokens: int = 1) -> tuple[int, Any]:
+    async def _post(self, path: str, prompt: list[int], max_tokens: int = 1) -> tuple[int, Any, float | None]:
+        """POST the prompt: the status, the body, and the server's own TTFT if it said (Server-Timing)."""
         body = self._body(prompt, max_tokens)
         async with self.session.post(f"{self.base_url}{path}", json=body, headers=self.headers) as resp:
-            return resp.status, await _read(resp)
+            return resp.status, await _read(resp), server_ttft_s(resp.headers.get("Server-Timing"))
 
     async def _complete(self, prompt: list[int], max_tokens: int) -> Answer:
         """POST /v1/completions without streaming; the answer is the result (its output tokens are
         usage.completion_tokens)."""
-        status, body = await self._post("/v1/completions", prompt, max_tokens)
+        status, body, server_ttft = await self._post("/v1/completions", prompt, max_tokens)
         try:
             usage = body["usage"]
-            return Answer(int(usage["prompt_tokens"]), as_int(usage.get("completion_tokens")) or 0)
+            completion = as_int(usage.get("completion_tokens")) or 0
+            return Answer(int(usage["prompt_tokens"]), completion, server_ttft_s=server_ttft)
         except (TypeError, KeyError, ValueError, AttributeError):
             raise RequestFailed("bad_response", f"HTTP {status} without usage.prompt_tokens", status) from None
 
@@ -292,7 +295,7 @@ class PrefillClient:
                     "(--no-stream reads a JSON answer)",
                     status,
                 )
-            tally = StreamTally(status)
+            tally = StreamTally(status, server_ttft_s(resp.headers.get("Server-Timing")))
             try:
                 async for data in sse_data(resp.content):
                     if tally.feed(data, time.perf_counter()):
@@ -305,7 +308,7 @@ class PrefillClient:
 
     async def _prefill(self, prompt: list[int]) -> Answer:
         """POST /v1/prefill, then poll GET /v1/prefill/{id} until done or failed."""
-        status, body = await self._post("/v1/prefill", prompt)
+        status, body, _ = await self._post("/v1/prefill", prompt)
         request_id = body.get("id") if isinstance(body, dict) else None
         if not isinstance(request_id, str):
             raise RequestFailed("bad_response", f"HTTP {status} without a request id", status)

@@ -38,6 +38,7 @@ class Outcome:
     itls: tuple[float, ...] = ()  # seconds between successive chunks with a choice
     streamed: bool = False  # the answer was streamed: each chunk's time is known
     sent_at: float = 0.0  # when it was sent, wall clock (Unix seconds; 0: not said)
+    server_ttft_s: float | None = None  # the server's own TTFT (its Server-Timing header), when it says
 
     @property
     def e2el_s(self) -> float | None:
@@ -62,6 +63,7 @@ class Answer:
     first_token_at: float | None = None  # perf_counter of the first token when streamed
     last_token_at: float | None = None  # perf_counter of the last chunk with a choice when streamed
     itls: tuple[float, ...] = ()  # seconds between successive chunks with a choice when streamed
+    server_ttft_s: float | None = None  # the server's own TTFT (its Server-Timing header), when it says
 
 
 class RequestFailed(Exception):

@@ -271,6 +271,9 @@ def summarize(
     # ours: seconds from each send to its answer's last token, or to its failure (how fast a 429 came)
     summary["answered_after"] = [o.e2el_s if o.e2el_s is not None else 0.0 for o in outcomes]
     summary["ttfts_ms"] = ttfts  # successful requests only, in ms (for plotting the distribution)
+    # ours: the server's own TTFT of each answered request where it said (its Server-Timing header),
+    # in seconds, else None: what the client's TTFT holds beyond it is the network and the client
+    summary["server_ttfts"] = [o.server_ttft_s if o.ok else None for o in outcomes]
     return summary
 
 

@@ -13,6 +13,7 @@ chunk with a choice. The request succeeded if such a chunk came and the stream e
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
@@ -41,8 +42,9 @@ async def sse_data(lines: AsyncIterable[bytes]) -> AsyncIterator[str]:
 class StreamTally:
     """What a completions event stream said so far (pure: fed the `data` of each event)."""
 
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, server_ttft_s: float | None = None) -> None:
         self.status = status  # the HTTP status the stream came with
+        self.server_ttft_s = server_ttft_s  # the server's own TTFT, from its Server-Timing header
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.itls: list[float] = []  # seconds between successive chunks with a choice
@@ -88,7 +90,19 @@ class StreamTally:
             self.first_token_at,
             last_token_at=self.last_token_at,
             itls=tuple(self.itls),
+            server_ttft_s=self.server_ttft_s,
         )
+
+
+#: The `ttft` metric of a `Server-Timing` header (W3C: `name;dur=ms;desc="..."`, comma-separated).
+_SERVER_TTFT = re.compile(r'(?:^|,)\s*ttft\s*;(?:[^,;]*;)*?\s*dur\s*=\s*"?([0-9]+(?:\.[0-9]*)?)')
+
+
+def server_ttft_s(header: str | None) -> float | None:
+    """The server's own time to first token from a `Server-Timing` header (its `ttft` metric's
+    `dur`, ms), in seconds; None when absent (other servers, vLLM, do not send it)."""
+    found = _SERVER_TTFT.search(header) if header else None
+    return float(found.group(1)) / 1000 if found else None
 
 
 def json_or_none(text: str) -> Any:

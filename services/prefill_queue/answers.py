@@ -170,6 +170,15 @@ def prompt_tokens_details(results: Iterable[PrefillResult]) -> dict[str, int]:
     }
 
 
+def server_timing(received: float) -> dict[str, str]:
+    """The `Server-Timing` header (W3C) of a one-token answer whose head is written now: `ttft`, the
+    front door's time from receiving the request (`received`, perf_counter) to its first token, in
+    ms. A client's own TTFT less it is the time the front door cannot see (the network, aiohttp's
+    reading of the request before the handler runs, the client's own event loop)."""
+    ms = (time.perf_counter() - received) * 1000
+    return {"Server-Timing": f'ttft;dur={ms:.1f};desc="front door: receipt to first token"'}
+
+
 def observe(app: web.Application, received: float, choices: list[dict[str, Any]]) -> None:
     m = app[METRICS]
     m.e2e_latency.labels(m.model_name).observe(time.perf_counter() - received)

@@ -31,6 +31,7 @@ from services.prefill_queue.answers import (
     observe,
     opening,
     raise_if_failed,
+    server_timing,
     shaped,
     usage,
 )
@@ -120,7 +121,8 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
             "choices": choices,
             "usage": usage([results[r.id] for r in reqs]),
             "kv_transfer_params": kv_params(results[reqs[0].id]),
-        }
+        },
+        headers=server_timing(received),
     )
 
 
@@ -165,7 +167,8 @@ async def _stream(
     first_id, first = await anext(answers)  # before any byte is sent: a failure keeps its status
     landed = time.perf_counter()
     raise_if_failed(first)
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **server_timing(received)}
+    resp = web.StreamResponse(headers=headers)
     await resp.prepare(request)
     done: list[PrefillResult] = []
 

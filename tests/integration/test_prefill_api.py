@@ -354,6 +354,24 @@ async def test_x_request_id_names_the_completion_and_kv_params_follow_vllm(clien
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "X-Request-Id"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_one_token_answer_says_the_front_doors_own_time_to_first_token(
+    client: TestClient, redis: Redis, stream: bool
+) -> None:
+    from loadgen.stream import server_ttft_s
+
+    sent = time.perf_counter()
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "stream": stream}))
+    (req,) = await take_requests(redis, 1)
+    await asyncio.sleep(0.2)  # the answer held back: the front door's own time is at least this
+    assert await serving.answer(redis, ok_result(req), req.reply_to)
+    resp = await asyncio.wait_for(call, 60)
+    assert resp.status == 200
+    await resp.read()
+    own = server_ttft_s(resp.headers["Server-Timing"])
+    assert own is not None and 0.2 <= own <= time.perf_counter() - sent
+
+
 async def test_models_carry_what_vllm_clients_read(client: TestClient) -> None:
     (m,) = (await (await client.get("/v1/models")).json())["data"]
     assert m["id"] == m["root"] == "bubbletea-gpt" and m["owned_by"] == "bubbletea"

@@ -21,7 +21,7 @@ from loadgen import arrivals, datasets, report, result
 from loadgen.cli import BenchmarkConfig, Request, Workload, build_workload, drive, main, parse_config, warm_up
 from loadgen.client import normalize_base_url, poll_delays
 from loadgen.outcome import Outcome, RequestFailed, error_message
-from loadgen.stream import StreamTally, sse_data
+from loadgen.stream import StreamTally, server_ttft_s, sse_data
 
 # --- arrivals ----------------------------------------------------------------------------------
 
@@ -318,6 +318,26 @@ def test_per_request_lists_are_vllms() -> None:
         "",
         "connection_error: connection refused",
     ]
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ('ttft;dur=12.5;desc="front door: receipt to first token"', 0.0125),
+        ("db;dur=3, ttft;desc=x;dur=250", 0.25),  # among other metrics, its params in any order
+        ('ttft;dur="7"', 0.007),  # a quoted value
+        ("xttft;dur=9, ttft2;dur=4", None),  # only the metric named ttft
+        ("ttft", None),  # no duration
+        (None, None),  # a server that does not say (vLLM)
+    ],
+)
+def test_the_servers_own_ttft_is_read_from_its_server_timing_header(header: str | None, seconds: float | None) -> None:
+    assert server_ttft_s(header) == (pytest.approx(seconds) if seconds is not None else None)
+
+
+def test_the_servers_ttfts_are_listed_per_request_and_none_where_it_did_not_say() -> None:
+    outcomes = [Outcome(True, 5, ttft_s=0.3, server_ttft_s=0.2), Outcome(True, 5, ttft_s=0.1), bad("429", "full", 429)]
+    assert report.summarize(outcomes, 1.0)["server_ttfts"] == [0.2, None, None]
 
 
 def test_summary_without_successes_or_time() -> None:
