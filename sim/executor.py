@@ -10,8 +10,8 @@
   training resumes at that block's end, which is how BubbleTea can slow training. The batch it cut
   stays at the head of the queue with its progress and continues in the next bubble.
 * A batch that ran to its end is reported (reached layer, seconds, the layer each item started
-  from); the bubble it finished in names it at its end. A request is answered when the run that
-  finished it ends.
+  from); the bubble it finished in names it at its end. A request is answered when its own
+  blocks and first-token read end, as the live worker answers it, not when its run ends.
 * An item the run comes to too late to finish by when its prompt is due (`fill.late_on_worker`) is failed there,
   not run, as the live worker fails it (a `deadline` failure, not an answer past its objective).
   One it comes to, not started, once the dispatcher may have moved its prompt to the decoder
@@ -206,7 +206,7 @@ class Executor:
 
     def _stop(self, now: float) -> None:
         """The running run ends (all its blocks done, or cut): record how far its batch got, answer
-        what it finished, and report the batch if it is done."""
+        what it finished (each when it finished), and report the batch if it is done."""
         p, parts = self._running, self._parts
         assert p is not None
         self._running, self._parts = None, []
@@ -231,14 +231,14 @@ class Executor:
             p.item, p.layer, p.piece = part.index, reached, pieces % part.per
             if reached >= item.to_layer:
                 self.saved_in.pop(item.id, None)
-                answered.append(item.payload)
+                answered.append((item.payload, part.end))
                 p.item, p.layer, p.piece = part.index + 1, -1, 0
             else:
                 break
         if ran:
             self.host.prefill_span(self.worker, self._started, now)
-        if answered:
-            self.host.answered(answered, now)
+        for payload, done in answered:
+            self.host.answered([payload], done)
         if late:
             self.host.late(late, now)
         if p.item >= len(p.batch.items):

@@ -12,6 +12,11 @@ With a device profile the run keeps to its profiled schedule (`Schedule`): a blo
 previous one is due (a started block counts for its whole profiled time, the thread sleeping out
 the rest: a GPU kernel is not cut short), and the run ends on the device when its last block is
 due, or when its real work ended if that was later (added to `lag_s`).
+
+A request is answered as soon as it is done (`Answered`, called by the run), not when its run ends:
+the batch's later requests, or the rest of the bubble, would otherwise delay its first token past
+the time the worker checked it could meet (`late_on_worker` counts its own blocks only). With a
+profile, it is done when its last block and its first token's read are due on the schedule.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from shared.runtime.timing import Schedule
 from shared.wire import PrefillBatch, PrefillItem
 
 Arrived = Callable[[], bool]
+#: Called by a run, in whichever thread runs it, with each outcome answered (done, or failed) as it is:
+#: its answer goes at once (the filler sends it from the event loop).
+Answered = Callable[[Outcome], None]
 
 
 @dataclass
@@ -46,7 +54,9 @@ class Queued:
     outcomes: list[Outcome] = field(default_factory=list)  # every item started here, in order
     cursor: int = 0
     current: Outcome | None = None
-    answering: list[asyncio.Task[None]] = field(default_factory=list)  # early answers on their way
+    answering: list[asyncio.Task[None]] = field(default_factory=list)  # answers on their way
+    unsent: list[Outcome] = field(default_factory=list)  # answered, waiting for the answers on their way
+    sending: asyncio.Task[None] | None = None  # the answers on their way, if any
 
     def left_s(self) -> float:
         """The predicted seconds of what is left of it (the dispatcher's prediction)."""
@@ -55,14 +65,12 @@ class Queued:
 
 @dataclass
 class Run:
-    """One run of a batch in one bubble: when it ran, the blocks it ran, whether the batch is done,
-    and the outcomes it finished (answered now)."""
+    """One run of a batch in one bubble: when it ran, the blocks it ran, whether the batch is done."""
 
     started: float  # wall clock when its first block began
     ended: float
     blocks: int
     finished: bool
-    answered: list[Outcome]
     #: the prefill model raised (the exception, in words): the batch stops here, its running request
     #: failed and the rest handed back
     error: str | None = None
@@ -86,13 +94,15 @@ class BatchCompute:
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
         self.lag_s = 0.0
 
-    def steps(self, q: Queued, arrived: Arrived, ends_at: float | None) -> Generator[None, None, Run]:
+    def steps(
+        self, q: Queued, arrived: Arrived, ends_at: float | None, answered: Answered
+    ) -> Generator[None, None, Run]:
         """Steps through `q` from where it stopped, pausing (yield) after each block, so that
         whichever thread advances it runs the next block; returns the `Run`. `ends_at`: the
-        bubble's predicted end (monotonic clock; None: no prediction)."""
+        bubble's predicted end (monotonic clock; None: no prediction); `answered` takes each
+        outcome as it is answered."""
         started, origin = time.time(), time.monotonic()
         schedule = Schedule(origin)
-        answered: list[Outcome] = []
         blocks = 0
         error: str | None = None
         full = False
@@ -101,7 +111,7 @@ class BatchCompute:
             item = items[q.cursor]
             o = q.current or self._begin(q, item, started)
             if o.answered:  # failed before any block: done with it
-                answered.append(o)
+                answered(o)
                 q.cursor += 1
                 if (error := self.guest.error_of(o)) is not None:
                     break
@@ -117,7 +127,7 @@ class BatchCompute:
             if raised is not None:
                 error = self.guest.failed(o, raised)
                 q.current, q.cursor = None, q.cursor + 1
-                answered.append(o)
+                answered(o)
                 break
             if o.reached < item.to_layer and not o.state.done:  # the input came: it goes on later
                 q.current = o
@@ -139,7 +149,9 @@ class BatchCompute:
                     o.failure = (FailureReason.MODEL_REFUSED, str(exc))
                 except Exception as exc:  # the guest failed (filler.py's docstring)
                     error = self.guest.failed(o, exc)
-                answered.append(o)
+                if (wait := schedule.wait_s(time.monotonic())) > 0:
+                    time.sleep(wait)  # done on the device once due (the next block would wait as long)
+                answered(o)
                 if error is not None:
                     break
         done = time.monotonic()  # the run's real work ended
@@ -148,7 +160,7 @@ class BatchCompute:
             if (wait := schedule.wait_s(done)) > 0:
                 time.sleep(wait)  # the last block still runs on the device
         ended = started + max(schedule.due, done) - origin
-        return Run(started, ended, blocks, error is None and q.cursor >= len(items), answered, error, full)
+        return Run(started, ended, blocks, error is None and q.cursor >= len(items), error, full)
 
     def _begin(self, q: Queued, item: PrefillItem, bubble_started: float) -> Outcome:
         """The outcome of an item starting now: from its saved state, or from its prompt (its

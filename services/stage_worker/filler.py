@@ -13,8 +13,9 @@ Training is the owner, prefill the guest. The queue and its rules are the pure `
   resumes training within one block's time. A batch's first block in a bubble runs in the worker's
   event loop, the thread that is on a core as the bubble opens; the rest in the prefill thread
   (`_run` says why).
-* A batch the input cut stays at the head with its progress in memory, and continues in the next
-  bubble; the requests it finished are answered at once. `fill` returns the batches that finished
+* A request is answered as soon as it is done (`_answering`), whether its batch goes on or not; a
+  batch the input cut stays at the head with its progress in memory, and continues in the next
+  bubble. `fill` returns the batches that finished
   in the bubble, which its `BubbleEnd` names (the dispatcher's credit for them comes back then).
 * Afterwards, off the training path (a background task, `reporting.py`): answers, snapshots and
   one `PrefillReport` in one round trip; only then is the batch acked, so a worker killed mid-batch
@@ -32,12 +33,12 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from services.stage_worker.fill_compute import Arrived, BatchCompute, Queued, Run, run_to_end
+from services.stage_worker.fill_compute import Answered, Arrived, BatchCompute, Queued, Run, run_to_end
 from services.stage_worker.guest import Guest
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port import StagePort
 from services.stage_worker.port_prefill import Saved
-from services.stage_worker.reporting import Reporter
+from services.stage_worker.reporting import Outcome, Reporter
 from shared.bus import Bus, Delivery, Reject
 from shared.model.prefill import PrefillModel
 from shared.policies.fill import Arrival, FillQueue
@@ -151,10 +152,6 @@ class Filler:
                         self._background(self.guest.say_off(verdict.why))
                 else:
                     self.queue.ran(q.batch.batch_id, finished=False, left_s=q.left_s())
-                    if run.answered:  # answered now, though their batch goes on in a later bubble
-                        for o in run.answered:
-                            o.sent = True
-                        q.answering.append(asyncio.create_task(self.reporter.answer(run.answered)))
                     if run.full:  # nothing more fits: the bubble's rest stays empty
                         break
         finally:
@@ -174,7 +171,7 @@ class Filler:
         very moment the pipeline's other workers, Redis and the dispatcher all wake too (2.6-8 ms
         at the tail on 2 cores). The loop is blocked for one block's real compute, in this
         worker's own bubble; the thread has that block's device time to wake in."""
-        steps = self.compute.steps(q, arrived, ends_at)
+        steps = self.compute.steps(q, arrived, ends_at, self._answering(q))
         if in_loop:
             try:
                 next(steps)
@@ -182,6 +179,31 @@ class Filler:
                 run: Run = done.value
                 return run
         return await asyncio.get_running_loop().run_in_executor(self._thread, run_to_end, steps)
+
+    def _answering(self, q: Queued) -> Answered:
+        """What a run of `q` calls with each outcome as it is answered, in the prefill thread or this
+        loop: its answer is sent from this loop at once, or with the others answered meanwhile if an
+        answer is on its way (one round trip at a time). The call is queued on the loop before the
+        run's own end is, so a report (`_finish`) waits for every answer of its batch."""
+        loop = asyncio.get_running_loop()
+
+        def answered(o: Outcome) -> None:
+            o.sent = True
+            loop.call_soon_threadsafe(self._send_answer, q, o)
+
+        return answered
+
+    def _send_answer(self, q: Queued, o: Outcome) -> None:
+        q.unsent.append(o)
+        if q.sending is None or q.sending.done():  # else the one sending takes it next
+            q.sending = asyncio.create_task(self._send_unsent(q))
+            q.answering.append(q.sending)
+
+    async def _send_unsent(self, q: Queued) -> None:
+        """Send `q`'s answers not sent yet, and those answered meanwhile, until none is left."""
+        while q.unsent:
+            sending, q.unsent = q.unsent, []
+            await self.reporter.answer(sending)
 
     def _hand_back(self, batch_ids: list[str]) -> None:
         """These batches go back to the dispatcher, reporting how far they got."""

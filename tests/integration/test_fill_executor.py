@@ -25,6 +25,7 @@ from services.stage_worker.filler import Filler
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.port import ELSEWHERE, LOST, PrefillPort, StagePort
 from shared.bus import Bus, Delivery, Reject
+from shared.bus.connection import blocking_client
 from shared.control import keys, serving
 from shared.control.status import FailureReason, ItemOutcome, RequestStatus
 from shared.dataplane import kvstore
@@ -242,6 +243,56 @@ async def test_a_request_finished_in_a_cut_batch_is_answered_before_the_batch_en
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         (rep,) = await reports(bus)
         assert done == ("b9",) and [x.outcome for x in rep.progress] == [ItemOutcome.DONE, ItemOutcome.DONE]
+
+
+async def test_a_request_is_answered_as_soon_as_it_is_done_not_when_its_batch_is(redis_url: str) -> None:
+    """The first request of a two-request batch is answered while the second still runs in the same
+    bubble: the second's last block waits (in the prefill thread) for the first's answer to land in
+    its reply stream, which never happened while answers went out at the run's end (issue 50: they
+    came past the objective the worker had checked the first request against)."""
+    model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        reqs = [
+            PrefillRequest(id=f"e{i}", model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to=f"bt:test:e{i}")
+            for i in range(2)
+        ]
+        for r in reqs:
+            assert await serving.accept(bus.redis, r, 100)
+        filler = filler_for(bus, model)
+        items = tuple(
+            PrefillItem(id=r.id, tokens=r.tokens, from_layer=0, to_layer=4, reply_to=r.reply_to) for r in reqs
+        )
+        handled = deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id="b-early", items=items))
+        first_landed = threading.Event()
+
+        async def watch_first() -> None:
+            reader = blocking_client(redis_url)
+            try:
+                assert await reader.xread({reqs[0].reply_to: "0"}, count=1, block=60_000), "no answer came"
+                first_landed.set()
+            finally:
+                await reader.aclose()
+
+        watcher = asyncio.create_task(watch_first())
+        seen: list[bool] = []
+        run_layers = model.run_layers
+        calls = [0]
+
+        def run_block(state: PrefillState, *args: Any, **kw: Any) -> PrefillState:
+            calls[0] += 1
+            if calls[0] == 8:  # the second request's last block, in the prefill thread
+                seen.append(first_landed.wait(10))
+            return run_layers(state, *args, **kw)
+
+        setattr(model, "run_layers", run_block)
+        try:
+            await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        finally:
+            delattr(model, "run_layers")
+        await watcher
+        assert seen == [True], "the first request's answer waited for its batch"
+        (rep,) = await reports(bus)
+        assert [x.outcome for x in rep.progress] == [ItemOutcome.DONE, ItemOutcome.DONE]
 
 
 async def test_a_snapshot_is_fetched_from_the_worker_holding_it_and_dropped_once_spent(
@@ -465,11 +516,15 @@ async def test_a_profiles_launch_floor_and_first_token_read_count_on_the_worker(
         filler.compute.profile = PrefillProfile(0.0, 0.0, launch_s=0.005, sync_s=0.1)  # 24 x 5 ms + 100 ms
         item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
         handled = deliver(filler, batch(item, 1))
+        before = time.time()
         await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         [report] = await reports(bus)
         [progress] = report.progress
         assert progress.outcome is ItemOutcome.DONE
         assert progress.seconds >= LAYERS * 0.005 + 0.1 - 1e-3  # counted from the first block's start
+        found = await serving.lookup(bus.redis, req.id)
+        assert found is not None and found.result is not None  # answered once done on the device, not before
+        assert found.result.finished >= before + LAYERS * 0.005 + 0.1 - 1e-3
 
 
 async def two_items_in_one_bubble(redis_url: str, name: str, **fields: tuple[float, float]) -> tuple[list[Any], Any]:
