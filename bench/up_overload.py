@@ -5,7 +5,7 @@ Starts `bubbletea up` as a user would (the default spec, an embedded Redis, the 
 here, the 500 ms objective it states; only ``--out``, a temporary folder), waits until it serves,
 then sends `--rate` requests/s for `--duration` s with the load generator (`loadgen.run_benchmark`:
 Poisson arrivals, open loop, streamed /v1/completions, prefill only, every request counted) and
-stops `up` as Ctrl-C does.
+stops `up` (SIGTERM: the same clean stop as Ctrl-C).
 
 Figures (host wall clock, real ms; the objective is device ms, times the time scale k `up` said):
 answered, refused with a 429, other failures; the answered requests' TTFT p50/p99 and the share of
@@ -80,7 +80,9 @@ def up(out: Path, *flags: str) -> Any:
         yield api.group(1), float(scale.group(1)), worker.group(1)
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            # SIGTERM, `up`'s clean stop as Ctrl-C's: a bench run in a shell's background starts
+            # with SIGINT ignored, and so would `up`, which then ran on until killed below
+            proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(120)
             except subprocess.TimeoutExpired:

@@ -13,7 +13,8 @@
   from); the bubble it finished in names it at its end. A request is answered when its own
   blocks and first-token read end, as the live worker answers it, not when its run ends.
 * An item the run comes to too late to finish by when its prompt is due (`fill.late_on_worker`) is failed there,
-  not run, as the live worker fails it (a `deadline` failure, not an answer past its objective).
+  not run, as the live worker fails it (a `deadline` failure, not an answer past its objective);
+  so is one cut by an earlier bubble's end whose rest (`fill.left_s`) can no longer finish by then.
   One it comes to, not started, once the dispatcher may have moved its prompt to the decoder
   (`fill.moved_on_worker`) is left unrun and reported not started, as the live worker leaves it.
 * A batch no bubble took within the hold time goes back, reporting how far it got (its partial
@@ -36,7 +37,7 @@ from typing import Protocol
 from shared.policies.decisions import Batch
 from shared.policies.dispatch import Progress
 from shared.policies.events import EventQueue
-from shared.policies.fill import FillQueue, late_on_worker, moved_on_worker, resume_layer
+from shared.policies.fill import FillQueue, late_on_worker, left_s, moved_on_worker, resume_layer
 from shared.policies.prefill_cost import PrefillProfile
 
 
@@ -185,7 +186,8 @@ class Executor:
             if not begun and moved_on_worker(item.moves_from, now):
                 parts.append(_Part(index, layer, piece, 1, t, 0.0, 0, 0.0, unrun=True))
                 continue
-            if late_on_worker(item.due, t, item.seconds):
+            need = left_s(item.seconds, item.from_layer, item.to_layer, layer) if begun else item.seconds
+            if late_on_worker(item.due, t, need):  # as it begins, or resumes after a cut
                 parts.append(_Part(index, layer, piece, 1, t, 0.0, 0, 0.0, late=True))
                 continue
             tokens = item.payload.tokens  # a SimRequest

@@ -10,10 +10,11 @@ pages shared.
 A forked service is what `python -m MODULE` would be, as `procs.spawn` starts it: its own session
 (process group), its niceness, the launcher's environment plus its own, stdout and stderr to a pipe
 the launcher reads, `argv` as the module sees it, and SIGTERM when the process that started it
-dies (the fork server, which itself leaves when the launcher does; and multiprocessing stops a
-fork still running when the launcher exits). The server forks before any thread or CUDA context
-exists: only imports have run in it. As in every multiprocessing child, the launcher's main module
-is imported again in the fork (`__mp_main__`; `bubbletea`'s is three lines).
+dies (the fork server, which itself leaves when the launcher does, even killed with SIGKILL:
+`_let_the_server_go`; and multiprocessing stops a fork still running when the launcher exits). The
+server forks before any thread or CUDA context exists: only imports have run in it. As in every
+multiprocessing child, the launcher's main module is imported again in the fork (`__mp_main__`;
+`bubbletea`'s is three lines).
 
 `multiprocessing` brings the server, the passing of the pipe's descriptor and the exit status; a
 hand-written one would be the same hundred lines less tried. Where the platform has no fork
@@ -76,10 +77,9 @@ def shutdown(grace_s: float = 10.0) -> None:
     they notice it is gone). `_stop` is multiprocessing's own way, what CPython's tests use; it is
     private, so it is looked up and any failure ignored.
 
-    The server exits only once every fork has: each holds the pipe whose end of file tells the
-    server its launcher left. A fork the launcher never stopped (a Ctrl-C while its start was in
-    flight) would keep the server, and so the command, waiting for ever; so live forks get SIGTERM
-    first (SIGKILL after `grace_s`), and the server SIGKILL if it has still not exited by then."""
+    Live forks get SIGTERM first (SIGKILL after `grace_s`): a fork the launcher never stopped (a
+    Ctrl-C while its start was in flight) is stopped and waited for here, not left to the server's
+    exit; the server gets SIGKILL if it has still not exited by then."""
     if _context is None:
         return
     from multiprocessing import forkserver, resource_tracker
@@ -121,10 +121,28 @@ def _kill_quietly(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def _let_the_server_go() -> None:
+    """In a fork: close its copy of the fork server's "a client lives" pipe. multiprocessing hands
+    it to every fork, so that a fork may start forks of its own (ours do not), and the server exits
+    only once no copy is left. Kept here, it kept the server alive after the launcher was killed,
+    and so this fork, which dies with the server (`die_with_parent`): a `kill -9` of `bubbletea up`
+    left its stage workers running for ever (2026-11-29). Private to multiprocessing: looked up,
+    and any failure ignored."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None  # type: ignore[attr-defined]
+
+
 def _child(module: str, argv: list[str], env: dict[str, str], out: Any, nice: int) -> None:
     """In the forked child: become the service, as `python -m module *argv` would have."""
     os.setsid()
     die_with_parent()
+    _let_the_server_go()
     if nice:
         os.nice(nice)
     fd = out.fileno()

@@ -170,6 +170,12 @@ def prompt_tokens_details(results: Iterable[PrefillResult]) -> dict[str, int]:
     }
 
 
+def back_s(result: PrefillResult) -> float:
+    """From `result` leaving whoever computed it (its `finished`, wall clock) to now, when it has
+    landed here: its way back through Redis (0 when not said, or where clocks disagree)."""
+    return max(0.0, time.time() - result.finished) if result.finished > 0 else 0.0
+
+
 def server_timing(received: float) -> dict[str, str]:
     """The `Server-Timing` header (W3C) of a one-token answer whose head is written now: `ttft`, the
     front door's time from receiving the request (`received`, perf_counter) to its first token, in

@@ -26,6 +26,7 @@ from aiohttp import web
 from services.prefill_queue import on_decoder
 from services.prefill_queue.answers import (
     as_answered,
+    back_s,
     choice,
     head,
     observe,
@@ -104,7 +105,7 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
         async for rid, result in answers:
             raise_if_failed(result)
             results[rid] = result
-        landed = time.perf_counter()
+        landed, back = time.perf_counter(), back_s(results[rid])  # the last to land
     finally:
         for rid in ids:
             app[WAITERS].forget(rid)
@@ -114,7 +115,7 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
         shaped(c, choice(i, req, results[req.id], c.stop, tokenizer=lim.tokenizer)) for i, req in enumerate(reqs)
     ]
     observe(app, received, choices)
-    app[HOPS].observed(queued - received + time.perf_counter() - landed)  # its body is written next
+    app[HOPS].observed(queued - received + back + time.perf_counter() - landed)  # its body is written next
     return web.json_response(
         {
             **head(completion_id, reqs[0], model, c.object_name(chunk=False)),
@@ -165,7 +166,7 @@ async def _stream(
     by_id = {req.id: req for req in reqs}
     top = head(completion_id, reqs[0], model, c.object_name(chunk=True))
     first_id, first = await anext(answers)  # before any byte is sent: a failure keeps its status
-    landed = time.perf_counter()
+    landed, back = time.perf_counter(), back_s(first)
     raise_if_failed(first)
     headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **server_timing(received)}
     resp = web.StreamResponse(headers=headers)
@@ -188,7 +189,7 @@ async def _stream(
                 chunk = {**top, "choices": [sent[-1]]}
                 await send({**chunk, "usage": None} if c.include_usage else chunk)
                 if len(sent) == 1:
-                    request.app[HOPS].observed(queued - received + time.perf_counter() - landed)
+                    request.app[HOPS].observed(queued - received + back + time.perf_counter() - landed)
             else:
                 status = FAILURE_STATUS[result.reason] if result.reason is not None else 500
                 await send({"error": {"message": f"the prefill failed: {result.error}", "code": status}})

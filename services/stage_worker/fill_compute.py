@@ -32,7 +32,14 @@ from services.stage_worker.reporting import Outcome
 from shared.control.status import FailureReason
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.model.streams import LaneClock
-from shared.policies.fill import PieceTimes, late_on_worker, may_start_block, may_start_piece, moved_on_worker
+from shared.policies.fill import (
+    PieceTimes,
+    late_on_worker,
+    left_s,
+    may_start_block,
+    may_start_piece,
+    moved_on_worker,
+)
 from shared.policies.prefill_cost import PrefillProfile
 from shared.runtime.timing import Schedule
 from shared.wire import PrefillBatch, PrefillItem
@@ -109,6 +116,10 @@ class BatchCompute:
         items = q.batch.items
         while q.cursor < len(items):
             item = items[q.cursor]
+            if q.current is not None and self._too_late_to_resume(q.current):
+                answered(q.current)
+                q.current, q.cursor = None, q.cursor + 1
+                continue
             o = q.current or self._begin(q, item, started)
             if o.answered:  # failed before any block: done with it
                 answered(o)
@@ -161,6 +172,21 @@ class BatchCompute:
                 time.sleep(wait)  # the last block still runs on the device
         ended = started + max(schedule.due, done) - origin
         return Run(started, ended, blocks, error is None and q.cursor >= len(items), error, full)
+
+    def _too_late_to_resume(self, o: Outcome) -> bool:
+        """Whether `o`, cut by training input in an earlier bubble, would now finish after its
+        prompt is due: then it fails (`DEADLINE`, its state dropped) rather than answer late, as
+        an item the worker comes to too late does (`_begin`)."""
+        item, now = o.item, time.time()
+        left = left_s(item.predicted_ms / 1000, item.from_layer, item.to_layer, o.reached)
+        if not late_on_worker(item.due or None, now, left):
+            return False
+        why = (
+            f"cut by training input, it would finish after its prompt is due ({item.due - now:.3f}s from when it "
+            f"could resume, {left * 1000:.0f}ms of its predicted time left)"
+        )
+        o.failure, o.state = (FailureReason.DEADLINE, why), None
+        return True
 
     def _begin(self, q: Queued, item: PrefillItem, bubble_started: float) -> Outcome:
         """The outcome of an item starting now: from its saved state, or from its prompt (its

@@ -186,6 +186,40 @@ async def test_training_input_preempts_at_the_next_layer_and_the_next_bubble_goe
         await filler.port.close_prefill()
 
 
+async def test_a_cut_request_that_could_not_finish_by_its_due_time_when_it_resumes_fails_rather_than_answer_late(
+    redis_url: str,
+) -> None:
+    """Predicted at 4 s and due in 5 s, a request begins (in time) and is cut by training input at
+    its second layer; its next bubble comes 1.5 s later, when the 3.83 s left of it would end past
+    its due time: failed there with `deadline`, not answered late (issue 50)."""
+    model = PrefillModel(CFG, seed=5)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        req = PrefillRequest(id="req-cut", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
+        assert await serving.accept(bus.redis, req, 100)
+        filler = filler_for(bus, model, hold_s=30.0)  # held on the worker between the two bubbles
+        item = PrefillItem(
+            id=req.id,
+            tokens=PROMPT,
+            from_layer=0,
+            to_layer=LAYERS,
+            reply_to=req.reply_to,
+            predicted_ms=4000.0,
+            due=time.time() + 5.0,
+        )
+        handled = deliver(filler, batch(item, 1))
+        await one_bubble(filler, arrive_during_block=1, model=model)
+        (o,) = filler.batches["b1"].outcomes
+        assert o.reached == 2 and o.failure is None  # begun in time, cut
+        await asyncio.sleep(1.5)  # the next bubble opens 1.5 s later
+        _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        assert done == ("b1",) and o.reached == 2  # nothing more ran
+        found = await serving.lookup(bus.redis, req.id)
+        assert found is not None and found.status is RequestStatus.FAILED and found.result is not None
+        assert found.result.reason is FailureReason.DEADLINE and "cut by training input" in found.result.error
+        (rep,) = await reports(bus)
+        assert rep.progress[0].outcome is ItemOutcome.FAILED
+
+
 async def test_a_cut_batch_no_bubble_takes_goes_back_snapshotted_and_resumes_exactly(redis_url: str) -> None:
     torch.set_num_threads(1)
     model = PrefillModel(CFG, seed=5)
@@ -284,7 +318,7 @@ async def test_a_request_is_answered_as_soon_as_it_is_done_not_when_its_batch_is
                 seen.append(first_landed.wait(10))
             return run_layers(state, *args, **kw)
 
-        setattr(model, "run_layers", run_block)
+        model.run_layers = run_block  # type: ignore[method-assign]
         try:
             await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         finally:

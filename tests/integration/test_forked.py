@@ -10,7 +10,9 @@ import asyncio
 import io
 import os
 import signal
+import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -57,6 +59,38 @@ async def test_shutdown_stops_a_fork_nobody_stopped_rather_than_wait_for_it() ->
     assert await asyncio.wait_for(proc.wait(), 5) == -signal.SIGTERM
     again = await forked.fork(PROBE, ["4"], dict(os.environ), nice=0)  # a new server, started on demand
     assert await asyncio.wait_for(again.wait(), 60) == 4
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_fork_running() -> None:
+    """The fork server leaves when its launcher does, even killed, and its forks with it (SIGTERM):
+    before, each fork held the server open, and a `kill -9` of `bubbletea up` left its stage
+    workers running for ever."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.forked_launcher"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert launcher.stdout is not None
+        fork_pid = int(launcher.stdout.readline())
+        os.kill(fork_pid, 0)  # it runs
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if not _running(fork_pid):
+            return
+        time.sleep(0.1)
+    os.kill(fork_pid, signal.SIGKILL)
+    raise AssertionError(f"the fork {fork_pid} outlived its killed launcher by 30 s")
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs: exists and is not a zombie (exited, not reaped yet by whoever adopted it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 async def test_spawn_forks_a_stage_worker_and_execs_the_rest(tmp_path: Path) -> None:

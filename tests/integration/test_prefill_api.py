@@ -372,6 +372,24 @@ async def test_a_one_token_answer_says_the_front_doors_own_time_to_first_token(
     assert own is not None and 0.2 <= own <= time.perf_counter() - sent
 
 
+async def test_an_answers_way_back_through_redis_counts_in_the_front_doors_hops(
+    client: TestClient, redis: Redis
+) -> None:
+    """The time from a worker's answer (`finished`) to its landing here is kept out of the next
+    requests' objectives, with the front door's own hops (`FrontDoorHops`)."""
+    from services.prefill_queue.state import HOPS
+
+    assert client.server.app[HOPS].kept_s(10.0) == 0.0
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
+    (req,) = await take_requests(redis, 1)
+    answered = msgspec.structs.replace(ok_result(req), finished=time.time() - 0.3)  # it left the worker 0.3 s ago
+    assert await serving.answer(redis, answered, req.reply_to)
+    resp = await asyncio.wait_for(call, 60)
+    assert resp.status == 200
+    await resp.read()
+    assert 0.3 <= client.server.app[HOPS].kept_s(10.0) < 2.5
+
+
 async def test_models_carry_what_vllm_clients_read(client: TestClient) -> None:
     (m,) = (await (await client.get("/v1/models")).json())["data"]
     assert m["id"] == m["root"] == "bubbletea-gpt" and m["owned_by"] == "bubbletea"

@@ -10,6 +10,7 @@ from shared.policies.fill import (
     FillQueue,
     PieceTimes,
     late_on_worker,
+    left_s,
     may_start_block,
     may_start_piece,
     resume_layer,
@@ -115,3 +116,15 @@ def test_a_worker_fails_an_item_it_cannot_finish_before_its_prompt_is_due() -> N
     assert not late_on_worker(10.0, 9.9, 0.05)
     assert late_on_worker(10.0, 9.9, 0.15) and late_on_worker(10.0, 10.01, 0.0)
     assert not late_on_worker(None, 1e9, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("from_layer", "to_layer", "reached", "left"),
+    [(0, 24, 0, 1.2), (0, 24, 6, 0.9), (0, 24, 24, 0.0), (8, 12, 10, 0.6), (8, 12, 30, 0.0), (5, 5, 5, 0.0)],
+)
+def test_what_is_left_of_a_cut_item_is_the_share_of_its_layers_not_run(
+    from_layer: int, to_layer: int, reached: int, left: float
+) -> None:
+    """1.2 s predicted for its layers: resumed at a quarter of 24 layers, 0.9 s is left; half of a
+    4-layer span, 0.6 s; none past its end, or for an empty span."""
+    assert left_s(1.2, from_layer, to_layer, reached) == pytest.approx(left)
