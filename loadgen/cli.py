@@ -217,7 +217,7 @@ async def drive(client: Sender, workload: Workload, config: BenchmarkConfig) -> 
 # --- the command line (options: loadgen/options.py) -----------------------------------------
 
 
-def _run_loop(main: Coroutine[Any, Any, T]) -> T:
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
     """uvloop when available: less client overhead per request, so the numbers are the server's."""
     try:
         import uvloop
@@ -229,7 +229,7 @@ def _run_loop(main: Coroutine[Any, Any, T]) -> T:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     try:
-        run = _run_loop(run_benchmark(config))
+        run = run_loop(run_benchmark(config))
     except ApiUnavailable as exc:
         print(f"loadgen: error: {exc}", file=sys.stderr)  # argparse's prefix: one for every error
         return EXIT_UNAVAILABLE
