@@ -74,6 +74,7 @@ class _Progress:
     started: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     late: set[str] = field(default_factory=set)  # failed here: reached past their due
+    answered_at: dict[str, float] = field(default_factory=dict)  # when each finished one was answered
     unrun: set[str] = field(default_factory=set)  # left unrun: their prompts may have moved to the decoder
 
 
@@ -223,6 +224,7 @@ class Executor:
                 self.saved_in.pop(item.id, None)
                 late.append(item.payload)
                 p.late.add(item.id)
+                p.answered_at[item.id] = part.start
                 p.item, p.layer, p.piece = part.index + 1, -1, 0
                 continue
             p.started.setdefault(item.id, part.layer)
@@ -234,6 +236,7 @@ class Executor:
             if reached >= item.to_layer:
                 self.saved_in.pop(item.id, None)
                 answered.append((item.payload, part.end))
+                p.answered_at[item.id] = part.end
                 p.item, p.layer, p.piece = part.index + 1, -1, 0
             else:
                 break
@@ -257,11 +260,11 @@ class Executor:
         for index, item in enumerate(p.batch.items):
             started, secs = p.started.get(item.id), p.seconds.get(item.id, 0.0)
             if item.id in p.late:  # failed, nothing run: finished where it was
-                out.append(Progress(item.id, item.from_layer, 0.0, True, None))
+                out.append(Progress(item.id, item.from_layer, 0.0, True, None, p.answered_at.get(item.id)))
             elif item.id in p.unrun:  # not started: the dispatcher moves it (or has)
                 out.append(Progress(item.id, item.from_layer, 0.0, False, None))
             elif index < p.item:
-                out.append(Progress(item.id, item.to_layer, secs, True, started))
+                out.append(Progress(item.id, item.to_layer, secs, True, started, p.answered_at.get(item.id)))
             elif index == p.item and p.layer >= 0:  # cut part way (below its from_layer if computed again)
                 if p.layer > item.from_layer:
                     self.saved_in[item.id] = self.dc  # where the next run resumes it from

@@ -215,7 +215,12 @@ class Dispatcher:
         assert isinstance(m, PrefillReport)
         progress = [
             Progress(
-                p.id, p.reached_layer, p.seconds, p.outcome.finished, None if p.started_layer < 0 else p.started_layer
+                p.id,
+                p.reached_layer,
+                p.seconds,
+                p.outcome.finished,
+                None if p.started_layer < 0 else p.started_layer,
+                p.answered_at or None,
             )
             for p in m.progress
         ]

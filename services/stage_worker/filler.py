@@ -188,7 +188,7 @@ class Filler:
         loop = asyncio.get_running_loop()
 
         def answered(o: Outcome) -> None:
-            o.sent = True
+            o.sent, o.answered_at = True, time.time()
             loop.call_soon_threadsafe(self._send_answer, q, o)
 
         return answered

@@ -52,7 +52,8 @@ class Outcome:
     pending: Finishing | None = None
     failure: tuple[FailureReason, str] | None = None
     started: int | None = None
-    sent: bool = False  # its answer is on its way (answered when its run ended)
+    sent: bool = False  # its answer is on its way (sent as soon as it was answered)
+    answered_at: float = 0.0  # wall clock: when its answer was sent (0: not yet)
 
     @property
     def answered(self) -> bool:
@@ -122,7 +123,12 @@ class Reporter:
         outcome = ItemOutcome.DONE if o.result is not None else ItemOutcome.FAILED if o.failure else ItemOutcome.PARTIAL
         started = -1 if o.started is None else o.started
         return PrefillProgress(
-            id=o.item.id, outcome=outcome, reached_layer=o.reached, seconds=o.seconds, started_layer=started
+            id=o.item.id,
+            outcome=outcome,
+            reached_layer=o.reached,
+            seconds=o.seconds,
+            started_layer=started,
+            answered_at=o.answered_at,
         )
 
     async def _answers(
@@ -155,6 +161,7 @@ class Reporter:
                 )
                 serving.queue_answer(pipe, failed, o.item.reply_to)
             o.sent = True
+            o.answered_at = o.answered_at or now
         return handles
 
     def _queue_answer(

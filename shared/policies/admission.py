@@ -30,8 +30,15 @@ that then expired).
 The rate is the bubble time, not what was served: a served rate (tried on 2026-11-27) fell to
 nothing while a lost worker was replaced and refused requests the recovered pipeline then had a
 minute to serve. The bubble time is optimistic (no prefill runs in the moment a bubble takes to
-start, and none past the cost model's error), which lets a few requests in that then expire
-(docs/benchmarks.md).
+start, none until the worker holding a request has its next bubble, and none past the cost model's
+error), which let requests in that then expired: 5-10% of those admitted by `bench/up_overload.py`
+at three times the bubbles' capacity (2026-11-29).
+
+So the prediction is corrected by what it got wrong (`waited`): for each request whose predicted
+wait was at least `SAMPLE_SHARE` of the time it was given (the ones admission's verdict is close
+on), its real wait (to its answer, or to its failure at its due time) over the predicted one; the
+`CORRECTION_QUANTILE` of the last `CORRECTION_WINDOW` such ratios, between 1 and `MAX_CORRECTION`,
+multiplies every prediction. A queue too long for the real rate shortens until its waits come true.
 """
 
 from __future__ import annotations
@@ -45,6 +52,15 @@ MARGIN = 0.15
 #: A window's rate under this share of the best window's is a pause (a lost worker replaced), not
 #: noise: the best stands for it.
 PAUSE_SHARE = 0.5
+#: A request's real wait over its predicted one corrects the prediction only if the predicted wait
+#: was at least this share of the time it was given (its objective or deadline from its arrival):
+#: with a short queue the wait is for the next bubble, which the rate does not predict and which
+#: does not make a request late.
+SAMPLE_SHARE = 0.25
+#: The correction is this quantile of the last `CORRECTION_WINDOW` ratios, at most `MAX_CORRECTION`.
+CORRECTION_QUANTILE = 0.9
+CORRECTION_WINDOW = 64
+MAX_CORRECTION = 2.0
 
 
 @dataclass
@@ -57,6 +73,8 @@ class Admission:
     _usable_s: float = 0.0  # the sum of the window's usable seconds
     _first: float | None = None  # when the first bubble was seen
     _best: float = 0.0  # the highest rate over a whole window so far
+    #: the recent real waits over the predicted ones (`waited`), oldest first
+    _ratios: deque[float] = field(default_factory=deque)
 
     def bubble(self, started: float, usable_s: float) -> None:
         """A bubble that opened at `started` offered `usable_s` seconds to prefill."""
@@ -78,23 +96,41 @@ class Admission:
             self._best = max(self._best, rate)
         return self._best if rate < PAUSE_SHARE * self._best else rate
 
+    def waited(self, predicted_s: float, real_s: float, given_s: float) -> None:
+        """A request admitted with a predicted wait of `predicted_s` (from `finish_in`) was answered,
+        or failed at its due time, `real_s` after its arrival; it was given `given_s`."""
+        if predicted_s <= 0 or predicted_s < SAMPLE_SHARE * given_s:
+            return
+        self._ratios.append(real_s / predicted_s)
+        while len(self._ratios) > CORRECTION_WINDOW:
+            self._ratios.popleft()
+
+    def correction(self) -> float:
+        """What predictions are multiplied by: how much longer the recent waits were than predicted."""
+        if not self._ratios:
+            return 1.0
+        ratios = sorted(self._ratios)
+        seen = ratios[min(len(ratios) - 1, int(CORRECTION_QUANTILE * len(ratios)))]
+        return min(MAX_CORRECTION, max(1.0, seen))
+
     def finish_in(self, ahead_s: float, own_s: float, now: float) -> float | None:
         """When a request of `own_s` predicted seconds, arriving behind `ahead_s`, would finish in
         the bubbles (seconds from `now`); None while there is no rate (see `rate`)."""
         rate = self.rate(now)
-        return (ahead_s + own_s) / rate if rate else None
+        return (ahead_s + own_s) / rate * self.correction() if rate else None
 
     def refusal(self, ahead_s: float, own_s: float, deadline: float | None, now: float) -> str | None:
         """Why a request of `own_s` predicted seconds, arriving behind `ahead_s`, cannot be served
         before `deadline`; None to admit it."""
-        rate = self.rate(now)
-        if deadline is None or not rate:
+        done_in = self.finish_in(ahead_s, own_s, now)
+        if deadline is None or done_in is None:
             return None
-        done_in = (ahead_s + own_s) / rate
+        rate = self.rate(now)
         left = deadline - now
         if done_in <= left * (1 - MARGIN):
             return None
         return (
             f"overloaded: {ahead_s:.2f}s of prefill queued ahead and the bubbles serve {rate:.2f}s of it per "
-            f"second: it would finish in about {done_in:.2f}s, too close to its deadline in {max(0.0, left):.2f}s"
+            f"second (recent waits {self.correction():.2f}x as long as predicted): it would finish in about "
+            f"{done_in:.2f}s, too close to its deadline in {max(0.0, left):.2f}s"
         )

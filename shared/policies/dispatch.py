@@ -281,6 +281,7 @@ class DispatchState(Filling, Leaving):
                 req.own_dc_until = now + max(0.0, min(self.resume_wait_s, left))
             req.next_layer, req.on_worker = max(req.next_layer, p.reached_layer), None
             if p.finished or req.next_layer >= self.layers:
+                self._waited(req, p.answered_at if p.answered_at is not None else now)
                 finished.append(Finished(req.id, req.ticket))
                 del self.requests[p.id]
                 self._queue.forget(p.id)

@@ -58,6 +58,9 @@ class Request:
     objective: float | None = None
     #: the decoder may compute it where the bubbles cannot in time (`prefill.placement: auto`)
     may_move: bool = False
+    #: admission's prediction of its wait, from its arrival to its answer (None: none was made);
+    #: its real wait corrects the next predictions (`Admission.waited`)
+    predicted_wait_s: float | None = None
 
     @property
     def due(self) -> float | None:
@@ -181,6 +184,7 @@ class Progress:
     seconds: float
     finished: bool = False
     started_layer: int | None = None
+    answered_at: float | None = None  # when the worker answered it, if finished (None: not said)
 
 
 @dataclass

@@ -47,13 +47,14 @@ class Leaving:
         arrival, because the bubbles are predicted not to finish it in time; None to queue it."""
         ahead = self._queued_s + self._held_s  # the queue's work, and the workers'
         own = self._remaining_s(req)
+        finish_in = self._admission.finish_in(ahead, own, now)
         if req.objective is None:  # a deadline only: admission's margin, as before objectives
             why = self._admission.refusal(ahead, own, req.deadline, now)
             verdict = placement.Verdict(None if why else placement.Where.BUBBLES, why or "")
         else:
-            finish_in = self._admission.finish_in(ahead, own, now)
             verdict = placement.on_arrival(finish_in, req.due, req.objective_s, req.may_move, now)
         if verdict.where is placement.Where.BUBBLES:
+            req.predicted_wait_s = finish_in
             return None
         if verdict.where is placement.Where.DECODER:
             self.counts.moved += 1
@@ -61,6 +62,12 @@ class Leaving:
         self.counts.overloaded += 1
         why = verdict.why if verdict.why.startswith("overloaded") else f"overloaded: {verdict.why}"
         return Failure(req.id, req.ticket, req.payload, FailureReason.OVERLOADED, why)
+
+    def _waited(self, req: Request, now: float) -> None:
+        """`req` is answered, or failed at its due time, at `now`: its real wait corrects admission's
+        next predictions (`Admission.waited`)."""
+        if req.predicted_wait_s is not None and req.due is not None:
+            self._admission.waited(req.predicted_wait_s, now - req.arrival, req.due - req.arrival)
 
     def _moved_by(self, r: Request) -> float | None:
         """By when `r`, if not running in an open bubble, has moved to the decoder (None: it never
@@ -85,6 +92,8 @@ class Leaving:
                 late.append(r)
         self.counts.moved += len(moved)
         self.counts.expired += len(late)
+        for r in late:
+            self._waited(r, now)
         return self._drop(
             moved, FailureReason.TO_DECODER, lambda r: f"no bubble started it by {now - r.arrival:.3f}s after arrival"
         ) + self._drop(late, FailureReason.DEADLINE, lambda r: r.late(now))

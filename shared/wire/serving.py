@@ -148,6 +148,9 @@ class PrefillProgress(msgspec.Struct, frozen=True, kw_only=True):
     #: The layer this worker started it from: below the item's `from_layer` when the saved state
     #: it would resume from was in another datacenter or lost (computed again); -1: `from_layer`.
     started_layer: int = -1
+    #: Wall clock: when the worker answered it (DONE or FAILED; 0: not said). The report comes when
+    #: the batch is done, later than an answer sent as soon as its request was.
+    answered_at: float = 0.0
 
 
 class PrefillReport(Message, frozen=True, kw_only=True, tag="prefill_report"):

@@ -6,7 +6,7 @@ import pytest
 
 from shared.control.status import FailureReason
 from shared.policies.admission import MARGIN, Admission
-from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Request
+from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request
 from shared.policies.prefill_cost import PrefillCostModel
 
 
@@ -59,3 +59,51 @@ def test_past_capacity_the_dispatcher_refuses_the_excess_at_arrival() -> None:
     # until a window of bubbles is seen all are admitted (and expire); after it, the excess is refused
     assert refused_late >= 0.8 * 550
     assert s.counts.overloaded >= refused_late
+
+
+def test_waits_longer_than_predicted_lengthen_the_next_predictions() -> None:
+    """Each request admitted with a predicted wait of at least a quarter of the time it was given
+    says how long it really waited; the 90th percentile of the recent ratios, between 1 and 2,
+    multiplies the next predictions (and so the refusals)."""
+    a = Admission(window_s=1.0)
+    for i in range(11):
+        a.bubble(i * 0.1, 0.05)
+    now = 1.0
+    assert a.correction() == 1.0 and a.finish_in(0.44, 0.0, now) == pytest.approx(0.8)
+    a.waited(predicted_s=0.1, real_s=5.0, given_s=1.0)  # a short queue's wait (for a bubble): not counted
+    assert a.correction() == 1.0
+    for _ in range(10):
+        a.waited(predicted_s=0.5, real_s=0.6, given_s=1.0)  # 1.2 times as long as predicted
+    assert a.correction() == pytest.approx(1.2) and a.finish_in(0.44, 0.0, now) == pytest.approx(0.96)
+    assert a.refusal(ahead_s=0.44, own_s=0.0, deadline=now + 1.0, now=now) is not None  # admitted before
+    assert "1.20x as long as predicted" in (a.refusal(ahead_s=0.44, own_s=0.0, deadline=now + 1.0, now=now) or "")
+    for _ in range(64):
+        a.waited(predicted_s=0.5, real_s=0.25, given_s=1.0)  # shorter than predicted: never below 1
+    assert a.correction() == 1.0
+    for _ in range(64):
+        a.waited(predicted_s=0.5, real_s=5.0, given_s=1.0)
+    assert a.correction() == 2.0  # at most twice
+
+
+def test_the_dispatcher_learns_a_wait_from_when_the_worker_answered_not_from_its_report() -> None:
+    """A request admitted behind a queue is answered by its worker 1.5 times later than predicted;
+    the batch's report comes later still: the correction is the answer's, 1.5."""
+    cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])  # 1 ms per token
+    s = DispatchState(layers=4, max_batch=8, cost=cost)
+    for i in range(300):  # a 10 ms bubble every 10 ms: 1 bubble second a second
+        now = i * 0.01
+        s.bubble_start(BubbleOpened("w", "fill:w", 0.02, 1 << 30, started=now, tag=i), now)
+        s.bubble_end(BubbleClosed("w", i, 0.01), now=now)
+    now = 3.0
+    s.add_request(Request("ahead", 400, now, 1, deadline=now + 1.9, ticket="t0"), now)  # 0.4 s of work
+    s.add_request(Request("r", 100, now, 1, deadline=now + 1.9, ticket="t1"), now)
+    predicted = s.requests["r"].predicted_wait_s
+    assert predicted is not None and predicted == pytest.approx(0.5, rel=0.05)
+    answered = {"ahead": now + 0.4, "r": now + 1.5 * predicted}  # "ahead" waited too little to count
+    later = now + 1.0  # reported after every answer
+    for i in range(4):  # each report tops the worker up with what is left
+        s.bubble_start(BubbleOpened("w", "fill:w", 0.02, 1 << 30, started=later, tag=1000 + i), later)
+        for batch_id, b in list(s.in_flight.items()):
+            s.report(batch_id, "w", [Progress(r, 4, 0.1, True, None, answered[r]) for r in b.ids], now=later)
+    assert not s.requests
+    assert s._admission.correction() == pytest.approx(1.5, rel=0.01)
