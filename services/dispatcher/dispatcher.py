@@ -135,6 +135,7 @@ class Dispatcher:
                 payload=req,
                 objective=req.objective,
                 may_move=req.may_move,
+                decoder_s=req.decoder_s,
             )
         )
         return HOLD  # acked once answered or failed

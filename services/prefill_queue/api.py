@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.prefill_queue.state import BUS, GATE, HOPS, METRICS, SETTINGS, instance_results_stream
+from services.prefill_queue.state import BUS, DECODER_LOAD, GATE, HOPS, METRICS, SETTINGS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import serving
@@ -174,6 +174,8 @@ def new_request(
     if parsed.objective_s is not None:
         since = time.perf_counter() - received if received is not None else 0.0
         objective = now - since + parsed.objective_s - app[HOPS].kept_s(parsed.objective_s)
+    decoder = app.get(DECODER_LOAD)  # what the decoder took lately: kept for it if more than its reserve
+    decoder_s = (decoder.predicted_s() or 0.0) if may_move and decoder is not None else 0.0
     return PrefillRequest(
         id=request_id,
         model=parsed.model,
@@ -187,6 +189,7 @@ def new_request(
         reply_to=instance_results_stream(app),
         objective=objective,
         may_move=may_move,
+        decoder_s=decoder_s,
     )
 
 

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from services.prefill_queue.api import served_model
 from services.prefill_queue.builtin_decode import continue_completion
-from services.prefill_queue.state import METRICS, SETTINGS, VLLM
+from services.prefill_queue.state import DECODER_LOAD, METRICS, SETTINGS, VLLM
 from services.prefill_queue.validation import Completion
 from services.prefill_queue.vllm_decode import deadline_s
 from shared.control.status import FailureReason, PromptPlacement, RequestStatus
@@ -30,15 +30,13 @@ from shared.model.tokenizer import Tokenizer
 from shared.policies.prompt_placement import DecoderLoad
 from shared.wire import DecodeChunk, PrefillRequest, PrefillResult
 
-#: This front door's view of the decoder's own prefill (one per app).
-LOAD = web.AppKey("decoder_load", DecoderLoad)
 #: A decoder-computed completion's first chunk and the rest of its stream, by request id, until its
 #: continuation takes them (`rest`).
 REST: web.AppKey[dict[str, tuple[DecodeChunk, AsyncGenerator[DecodeChunk, None]]]] = web.AppKey("decoder_rest")
 
 
 def setup(app: web.Application) -> None:
-    app[LOAD] = DecoderLoad()
+    app[DECODER_LOAD] = DecoderLoad()
     app[REST] = {}
 
 
@@ -49,7 +47,7 @@ async def compute(
     its refusal (the decoder cannot meet its objective either) or failure."""
     sent = time.time()
     tokens = len(req.tokens)
-    load = app[LOAD]
+    load = app[DECODER_LOAD]
     verdict = load.verdict(req.objective - sent if req.objective is not None else None)
     if verdict.where is None:
         why = f"{moved_why}; {verdict.why}" if moved_why else verdict.why

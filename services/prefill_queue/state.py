@@ -12,7 +12,7 @@ from services.prefill_queue.vllm_decode import VllmDecoder
 from shared.bus import Bus
 from shared.control import keys
 from shared.control.serving import Readiness
-from shared.policies.prompt_placement import FrontDoorHops
+from shared.policies.prompt_placement import DecoderLoad, FrontDoorHops
 from shared.spec.settings import Settings
 from shared.wire import DecodeChunk, PrefillResult
 
@@ -113,6 +113,8 @@ GATE = web.AppKey("gate", Gate)
 STOPPING = web.AppKey("stopping", Stopping)
 #: The front door's own hops, kept out of the time the bubbles are given (`FrontDoorHops`).
 HOPS = web.AppKey("front_door_hops", FrontDoorHops)
+#: This front door's view of the decoder's own prefill (`services.prefill_queue.on_decoder`).
+DECODER_LOAD = web.AppKey("decoder_load", DecoderLoad)
 #: The vLLM server that decodes (decode.engine: vllm), else None: the decoder service does.
 VLLM: web.AppKey[VllmDecoder | None] = web.AppKey("vllm")
 

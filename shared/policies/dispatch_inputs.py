@@ -58,6 +58,9 @@ class Request:
     objective: float | None = None
     #: the decoder may compute it where the bubbles cannot in time (`prefill.placement: auto`)
     may_move: bool = False
+    #: what the decoder's recent prompts took to a first token when it came (0: not measured): kept
+    #: for the decoder where that is more than `prompt_placement.RESERVE` of its objective
+    decoder_s: float = 0.0
     #: admission's prediction of its wait, from its arrival to its answer (None: none was made);
     #: its real wait corrects the next predictions (`Admission.waited`)
     predicted_wait_s: float | None = None

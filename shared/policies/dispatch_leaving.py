@@ -52,7 +52,7 @@ class Leaving:
             why = self._admission.refusal(ahead, own, req.deadline, now)
             verdict = placement.Verdict(None if why else placement.Where.BUBBLES, why or "")
         else:
-            verdict = placement.on_arrival(finish_in, req.due, req.objective_s, req.may_move, now)
+            verdict = placement.on_arrival(finish_in, req.due, req.objective_s, req.may_move, now, req.decoder_s)
         if verdict.where is placement.Where.BUBBLES:
             req.predicted_wait_s = finish_in
             return None
@@ -78,7 +78,7 @@ class Leaving:
         if not r.may_move or r.objective is None or r.due is None:
             return None
         objective_s = r.objective_s if r.objective_s is not None else 0.0
-        return placement.moves_at(r.due, objective_s, self._remaining_s(r))
+        return placement.moves_at(r.due, objective_s, self._remaining_s(r), r.decoder_s)
 
     def _expire(self, now: float) -> tuple[Failure, ...]:
         """Requests not running in an open bubble whose time is up: moved to the decoder once their

@@ -9,9 +9,10 @@ compute the prompt itself at once, at the cost of its own GPU time. `prefill.pla
   objective passes while it waits fails there (a 504): it is never queued past its objective.
 * ``decoder``: the decoder computes every prompt; the bubbles are not used.
 * ``auto`` (the default where a decoder can compute prompts): the bubbles when they are predicted
-  to finish the prompt by its objective less `RESERVE` of it, the time kept for the decoder, and
-  the decoder otherwise. A request that waits for the bubbles is moved to the decoder once its
-  bubble has not come by `moves_at` (the latest start that still finishes before the reserve).
+  to finish the prompt by its objective less the time kept for the decoder (`RESERVE` of it, or
+  what the decoder's recent prompts took when that is longer: `decoder_s`), and the decoder
+  otherwise. A request that waits for the bubbles is moved to the decoder once its bubble has not
+  come by `moves_at` (the latest start that still finishes before the reserve).
 
 The prediction is admission's (`shared.policies.admission`): the prefill queued ahead of the request
 (the dispatcher's queue and all the work held on workers, which runs first) and the request's own,
@@ -71,21 +72,29 @@ class Verdict:
     why: str
 
 
-def kept_s(objective_s: float, may_move: bool) -> float:
+def kept_s(objective_s: float, may_move: bool, decoder_s: float = 0.0) -> float:
     """Of an objective of `objective_s`, the seconds kept from the bubbles' share: the decoder's
-    reserve where it may take the prompt, the prediction's margin otherwise."""
-    return (RESERVE if may_move else MARGIN) * objective_s
+    reserve where it may take the prompt (`RESERVE` of it, or `decoder_s`, what the decoder's recent
+    prompts took to a first token when the request came, if longer: a prompt moved with less left
+    would be refused there, late), the prediction's margin otherwise."""
+    return max(RESERVE * objective_s, decoder_s) if may_move else MARGIN * objective_s
 
 
 def on_arrival(
-    finish_in_s: float | None, due: float | None, objective_s: float | None, may_move: bool, now: float
+    finish_in_s: float | None,
+    due: float | None,
+    objective_s: float | None,
+    may_move: bool,
+    now: float,
+    decoder_s: float = 0.0,
 ) -> Verdict:
     """Where a request arriving at `now` goes. `finish_in_s`: when the bubbles are predicted to
     finish it from now (None: no prediction yet); `due`: when its prompt must be done (its objective,
-    or its deadline, the sooner); `objective_s`: its objective's length (the share kept is of it)."""
+    or its deadline, the sooner); `objective_s`: its objective's length (the share kept is of it);
+    `decoder_s`: the decoder's recent time to a first token (`kept_s`)."""
     if finish_in_s is None or due is None:
         return Verdict(Where.BUBBLES, "no objective" if due is None else "no rate of the bubbles measured yet")
-    kept = kept_s(objective_s if objective_s is not None else due - now, may_move)
+    kept = kept_s(objective_s if objective_s is not None else due - now, may_move, decoder_s)
     room = due - kept - now
     if finish_in_s <= room:
         return Verdict(Where.BUBBLES, f"the bubbles finish it in about {finish_in_s:.3f}s, {room:.3f}s allowed")
@@ -93,10 +102,10 @@ def on_arrival(
     return Verdict(Where.DECODER if may_move else None, why)
 
 
-def moves_at(due: float, objective_s: float, own_s: float) -> float:
+def moves_at(due: float, objective_s: float, own_s: float, decoder_s: float = 0.0) -> float:
     """When a prompt of `own_s` predicted seconds still waiting for a bubble moves to the decoder:
-    the latest start that finishes it before the decoder's reserve of its objective."""
-    return due - kept_s(objective_s, True) - own_s
+    the latest start that finishes it before the decoder's reserve of its objective (`kept_s`)."""
+    return due - kept_s(objective_s, True, decoder_s) - own_s
 
 
 @dataclass

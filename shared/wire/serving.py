@@ -26,6 +26,10 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill_request"):
     objective: float | None = None
     #: the decoder may compute it where the bubbles cannot by `objective` (`prefill.placement: auto`)
     may_move: bool = False
+    #: seconds: what the decoder's recent prompts took to a first token as the front door saw them
+    #: when this one came (`DecoderLoad`; 0: not measured); the dispatcher keeps at least this
+    #: much of the objective for the decoder (`prompt_placement.kept_s`)
+    decoder_s: float = 0.0
 
 
 class PrefillResult(Message, frozen=True, kw_only=True, tag="prefill_result"):

@@ -9,9 +9,9 @@ import pytest
 from aiohttp import web
 
 from services.prefill_queue.api import new_request
-from services.prefill_queue.state import HOPS, INSTANCE
+from services.prefill_queue.state import DECODER_LOAD, HOPS, INSTANCE
 from services.prefill_queue.validation import ParsedRequest
-from shared.policies.prompt_placement import FrontDoorHops
+from shared.policies.prompt_placement import DecoderLoad, FrontDoorHops
 
 PARSED = ParsedRequest("m", (1, 2, 3), 0.0, None, 0, "", timeout_s=60.0, objective_s=0.5)
 
@@ -39,3 +39,14 @@ def test_no_hops_seen_yet_and_no_objective_keep_the_objective_as_given() -> None
     assert req.objective is not None and req.objective - req.submitted == pytest.approx(0.5, abs=0.005)
     none = ParsedRequest("m", (1,), 0.0, None, 0, "", timeout_s=60.0)
     assert new_request(app_with_hops(0.02), none, "r3", may_move=False).objective is None
+
+
+def test_a_prompt_that_may_move_carries_what_the_decoder_took_lately() -> None:
+    app = app_with_hops()
+    assert new_request(app, PARSED, "r4", may_move=True).decoder_s == 0.0  # no decoder here
+    app[DECODER_LOAD] = load = DecoderLoad()
+    assert new_request(app, PARSED, "r5", may_move=True).decoder_s == 0.0  # none measured yet
+    for seconds in (0.1, 0.2, 0.3):
+        load.answered(seconds)
+    assert new_request(app, PARSED, "r6", may_move=True).decoder_s == pytest.approx(load.predicted_s())
+    assert new_request(app, PARSED, "r7", may_move=False).decoder_s == 0.0  # the bubbles only: nothing kept

@@ -151,3 +151,17 @@ def test_the_front_door_keeps_its_own_hops_of_an_objective_up_to_a_share() -> No
     for _ in range(100):  # only the last `window` count
         hops.observed(0.002)
     assert hops.kept_s(0.5) == pytest.approx(0.002)
+
+
+def test_the_decoders_recent_time_is_kept_for_it_where_longer_than_its_reserve() -> None:
+    """A decoder whose recent prompts took 0.3 s to a first token is kept 0.3 s of a 0.5 s objective,
+    not the 0.15 s reserve: a prompt then moves to it while it can still finish in time (with less
+    left it was refused there, late), and the bubbles take only what they finish before."""
+    assert placement.kept_s(0.5, True) == pytest.approx(RESERVE * 0.5)
+    assert placement.kept_s(0.5, True, decoder_s=0.3) == pytest.approx(0.3)
+    assert placement.kept_s(0.5, True, decoder_s=0.05) == pytest.approx(RESERVE * 0.5)  # the reserve at least
+    assert placement.kept_s(0.5, False, decoder_s=0.3) == pytest.approx(MARGIN * 0.5)  # no decoder to keep for
+    assert placement.moves_at(1.0, 0.5, 0.1, decoder_s=0.3) == pytest.approx(1.0 - 0.3 - 0.1)
+    # finishing in 0.3 s of a 0.5 s objective: the bubbles' with the reserve, the decoder's with 0.3 s kept
+    assert placement.on_arrival(0.3, 0.5, 0.5, True, 0.0).where is Where.BUBBLES
+    assert placement.on_arrival(0.3, 0.5, 0.5, True, 0.0, decoder_s=0.3).where is Where.DECODER
