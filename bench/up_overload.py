@@ -11,13 +11,14 @@ Figures (host wall clock, real ms; the objective is device ms, times the time sc
 answered, refused with a 429, other failures; the answered requests' TTFT p50/p99 and the share of
 them within the objective; the same share by the front door's own clock (its `Server-Timing` header:
 receipt to first token) and what lay outside it (the client's TTFT less the front door's: the
-network, aiohttp's reading of the request, this process's event loop); how soon a 429 came (p50/p99 of `answered_after`); offered over answered
-per second (what multiple of the bubbles' capacity was offered: the answered rate is what they
-served). The issue's case: 150 requests/s at k = 5.8 was about three times the capacity. Where the
-answered prompts were computed, from the front door's `/metrics` at the end: requests and prompt
-tokens by placement (the bubbles, or the decoder's own prefill). What the load cost training: the
-iterations the first worker finished per device second (its `/metrics`; real seconds times k),
-while the load ran and in the `--calm` seconds before it, with no load.
+network, aiohttp's reading of the request, this process's event loop); how soon a 429 came (p50/p99
+of `answered_after`); offered over answered per second (what multiple of the bubbles' capacity was
+offered: the answered rate is what they served). The issue's case: 150 requests/s at k = 5.8 was
+about three times the capacity. Where the answered prompts were computed, from the front door's
+`/metrics` at the end: requests and prompt tokens by placement (the bubbles, or the decoder's own
+prefill). What the load cost training: the iterations the first worker finished per device second
+(its `/metrics`; real seconds times k), while the load ran and in the `--calm` seconds before it,
+with no load.
 
 With `--decode`, `up --decode` starts the built-in decoder too, and `prefill.placement` is `auto` (its
 default wherever decode is on): a prompt the bubbles cannot compute by its objective is computed by

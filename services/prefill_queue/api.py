@@ -175,7 +175,7 @@ def new_request(
         since = time.perf_counter() - received if received is not None else 0.0
         objective = now - since + parsed.objective_s - app[HOPS].kept_s(parsed.objective_s)
     decoder = app.get(DECODER_LOAD)  # what the decoder took lately: kept for it if more than its reserve
-    decoder_s = (decoder.predicted_s() or 0.0) if may_move and decoder is not None else 0.0
+    decoder_s = (decoder.predicted_s(now) or 0.0) if may_move and decoder is not None else 0.0
     return PrefillRequest(
         id=request_id,
         model=parsed.model,

@@ -48,7 +48,7 @@ async def compute(
     sent = time.time()
     tokens = len(req.tokens)
     load = app[DECODER_LOAD]
-    verdict = load.verdict(req.objective - sent if req.objective is not None else None)
+    verdict = load.verdict(req.objective - sent if req.objective is not None else None, sent)
     if verdict.where is None:
         why = f"{moved_why}; {verdict.why}" if moved_why else verdict.why
         return _failed(req, FailureReason.OVERLOADED, why, sent)
@@ -57,16 +57,16 @@ async def compute(
     try:
         first = await anext(stream)
     except BaseException:
-        load.answered(None)
+        load.answered(None, time.time())
         await stream.aclose()
         raise
     now = time.time()
     if first.status is RequestStatus.FAILED or not first.tokens:
-        load.answered(None)
+        load.answered(None, now)
         await stream.aclose()
         reason = first.reason or FailureReason.KV_MISSING
         return _failed(req, reason, first.error or "the decoder sent no token", sent)
-    load.answered(now - sent)
+    load.answered(now - sent, now)
     if c.max_tokens > 1:
         app[REST][req.id] = (first, stream)
     else:

@@ -76,8 +76,12 @@ def kept_s(objective_s: float, may_move: bool, decoder_s: float = 0.0) -> float:
     """Of an objective of `objective_s`, the seconds kept from the bubbles' share: the decoder's
     reserve where it may take the prompt (`RESERVE` of it, or `decoder_s`, what the decoder's recent
     prompts took to a first token when the request came, if longer: a prompt moved with less left
-    would be refused there, late), the prediction's margin otherwise."""
-    return max(RESERVE * objective_s, decoder_s) if may_move else MARGIN * objective_s
+    would be refused there, late), the prediction's margin otherwise. A decoder as slow as the
+    objective itself could not take the prompt in time at all: the reserve is kept for it then, no
+    more (keeping its time would leave the bubbles nothing, and every prompt refused)."""
+    if not may_move:
+        return MARGIN * objective_s
+    return max(RESERVE * objective_s, decoder_s) if decoder_s < objective_s else RESERVE * objective_s
 
 
 def on_arrival(
@@ -130,31 +134,43 @@ class RecentTimes:
         return times[min(len(times) - 1, int(self.q * len(times)))]
 
 
+#: A decoder's first-token time older than this (seconds) no longer predicts the next one: a decoder
+#: judged too slow is sent nothing, so nothing newer would ever say it has caught up. A front door
+#: that kept a slow minute's times refused every prompt of the next load it was offered
+#: (`bench/pd_vllm.py --sweep`, 2026-11-29).
+DECODER_TIMES_HORIZON_S = 10.0
+
+
 @dataclass
 class DecoderLoad:
     """The front door's view of the decoder's own prefill: may it compute one more prompt by its
     objective? The decoder batches the prompts it computes (vLLM's continuous batching), so what one
     more will take is what the recent ones took under the load there is now: the `QUANTILE` of the
-    last `window` first-token times. (A model summing the prompt tokens in flight over one
-    request's rate, tried first, refused prompts vLLM then served in time: at 8 requests/s of
-    16-200-token prompts it predicted 0.2 s where vLLM took 0.03 s, 2026-11-28.) With none measured
-    yet, it is assumed to meet it."""
+    last `window` first-token times of the last `DECODER_TIMES_HORIZON_S`. (A model summing the
+    prompt tokens in flight over one request's rate, tried first, refused prompts vLLM then served
+    in time: at 8 requests/s of 16-200-token prompts it predicted 0.2 s where vLLM took 0.03 s,
+    2026-11-28.) With none measured in that time, it is assumed to meet it: the next prompt measures
+    it again."""
 
     window: int = 32  # the recent first tokens the prediction is taken over
     in_flight: int = 0  # prompts sent and not yet answered (for the log: the prediction is the times')
-    _recent: RecentTimes = field(init=False)  # seconds from sending to the first token
+    #: (when it came, seconds from sending to the first token), oldest first
+    _recent: deque[tuple[float, float]] = field(default_factory=deque)
 
-    def __post_init__(self) -> None:
-        self._recent = RecentTimes(self.window)
+    def predicted_s(self, now: float) -> float | None:
+        """What one more prompt is predicted to take to its first token, or None (none measured in
+        the last `DECODER_TIMES_HORIZON_S`)."""
+        while self._recent and self._recent[0][0] < now - DECODER_TIMES_HORIZON_S:
+            self._recent.popleft()
+        if not self._recent:
+            return None
+        times = sorted(seconds for _, seconds in self._recent)
+        return times[min(len(times) - 1, int(QUANTILE * len(times)))]
 
-    def predicted_s(self) -> float | None:
-        """What one more prompt is predicted to take to its first token, or None before any."""
-        return self._recent.quantile()
-
-    def verdict(self, left_s: float | None) -> Verdict:
-        """Whether a prompt, its objective `left_s` from now (None: none), is sent to the decoder
+    def verdict(self, left_s: float | None, now: float) -> Verdict:
+        """Whether a prompt, its objective `left_s` from `now` (None: none), is sent to the decoder
         (`Where.DECODER`) or refused."""
-        wait = self.predicted_s()
+        wait = self.predicted_s(now)
         if left_s is None or wait is None:
             return Verdict(Where.DECODER, "no objective" if left_s is None else "no decoder time measured yet")
         if wait <= left_s:
@@ -168,11 +184,13 @@ class DecoderLoad:
     def sent(self) -> None:
         self.in_flight += 1
 
-    def answered(self, seconds: float | None) -> None:
-        """Its first token came (`seconds` after it was sent), or it failed (None)."""
+    def answered(self, seconds: float | None, now: float) -> None:
+        """Its first token came at `now`, `seconds` after it was sent, or it failed (None)."""
         self.in_flight = max(0, self.in_flight - 1)
         if seconds is not None and seconds > 0:
-            self._recent.add(seconds)
+            self._recent.append((now, seconds))
+            while len(self._recent) > self.window:
+                self._recent.popleft()
 
 
 #: Of a request's objective, at most this share is kept for the front door's own hops (`FrontDoorHops`).

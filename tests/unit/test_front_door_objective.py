@@ -47,6 +47,6 @@ def test_a_prompt_that_may_move_carries_what_the_decoder_took_lately() -> None:
     app[DECODER_LOAD] = load = DecoderLoad()
     assert new_request(app, PARSED, "r5", may_move=True).decoder_s == 0.0  # none measured yet
     for seconds in (0.1, 0.2, 0.3):
-        load.answered(seconds)
-    assert new_request(app, PARSED, "r6", may_move=True).decoder_s == pytest.approx(load.predicted_s())
+        load.answered(seconds, time.time())
+    assert new_request(app, PARSED, "r6", may_move=True).decoder_s == pytest.approx(0.3)
     assert new_request(app, PARSED, "r7", may_move=False).decoder_s == 0.0  # the bubbles only: nothing kept

@@ -13,7 +13,15 @@ from shared.policies import prompt_placement as placement
 from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Request, WorkerReady
 from shared.policies.fill import moved_on_worker
 from shared.policies.prefill_cost import PrefillCostModel
-from shared.policies.prompt_placement import HOPS_MAX_SHARE, MARGIN, RESERVE, DecoderLoad, FrontDoorHops, Where
+from shared.policies.prompt_placement import (
+    DECODER_TIMES_HORIZON_S,
+    HOPS_MAX_SHARE,
+    MARGIN,
+    RESERVE,
+    DecoderLoad,
+    FrontDoorHops,
+    Where,
+)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -44,21 +52,31 @@ def test_a_prompt_moves_when_its_bubble_has_not_come_by_the_latest_start() -> No
 
 def test_the_decoder_refuses_what_its_recent_prompts_say_it_cannot_finish_by_the_objective() -> None:
     d = DecoderLoad()
-    assert d.verdict(0.5).where is Where.DECODER  # nothing measured yet: sent
+    assert d.verdict(0.5, now=0.0).where is Where.DECODER  # nothing measured yet: sent
     for seconds in [0.02] * 9 + [0.3]:  # nine quick first tokens, one slow
         d.sent()
-        d.answered(seconds)
-    assert d.predicted_s() == pytest.approx(0.3)  # the 90th percentile of ten: the slow one
-    assert d.verdict(0.5).where is Where.DECODER
-    refused = d.verdict(0.1)
+        d.answered(seconds, now=1.0)
+    assert d.predicted_s(1.0) == pytest.approx(0.3)  # the 90th percentile of ten: the slow one
+    assert d.verdict(0.5, now=1.0).where is Where.DECODER
+    refused = d.verdict(0.1, now=1.0)
     assert refused.where is None and "overloaded" in refused.why and "0.300s" in refused.why
     for _ in range(32):  # the window moves on: quick again
-        d.answered(0.02)
-    assert d.predicted_s() == pytest.approx(0.02) and d.verdict(0.1).where is Where.DECODER
+        d.answered(0.02, now=2.0)
+    assert d.predicted_s(2.0) == pytest.approx(0.02) and d.verdict(0.1, now=2.0).where is Where.DECODER
     d.sent()
-    d.answered(None)  # failed: no time learned from it
-    assert d.in_flight == 0 and d.predicted_s() == pytest.approx(0.02)
-    assert d.verdict(None).where is Where.DECODER  # no objective: never refused
+    d.answered(None, now=2.0)  # failed: no time learned from it
+    assert d.in_flight == 0 and d.predicted_s(2.0) == pytest.approx(0.02)
+    assert d.verdict(None, now=2.0).where is Where.DECODER  # no objective: never refused
+
+
+def test_a_decoder_judged_slow_is_tried_again_once_its_times_are_old() -> None:
+    """Refused prompts teach nothing: after `DECODER_TIMES_HORIZON_S` with no newer time the decoder
+    is assumed to meet the objective again, and the next prompt measures it."""
+    d = DecoderLoad()
+    for _ in range(10):
+        d.answered(2.0, now=100.0)  # a slow minute
+    assert d.verdict(0.5, now=100.0 + DECODER_TIMES_HORIZON_S - 0.1).where is None
+    assert d.verdict(0.5, now=100.0 + DECODER_TIMES_HORIZON_S + 0.1).where is Where.DECODER
 
 
 def saturated_state() -> tuple[DispatchState, float]:
@@ -161,6 +179,8 @@ def test_the_decoders_recent_time_is_kept_for_it_where_longer_than_its_reserve()
     assert placement.kept_s(0.5, True, decoder_s=0.3) == pytest.approx(0.3)
     assert placement.kept_s(0.5, True, decoder_s=0.05) == pytest.approx(RESERVE * 0.5)  # the reserve at least
     assert placement.kept_s(0.5, False, decoder_s=0.3) == pytest.approx(MARGIN * 0.5)  # no decoder to keep for
+    # a decoder as slow as the objective could not take it anyway: the bubbles keep all but the reserve
+    assert placement.kept_s(0.5, True, decoder_s=0.6) == pytest.approx(RESERVE * 0.5)
     assert placement.moves_at(1.0, 0.5, 0.1, decoder_s=0.3) == pytest.approx(1.0 - 0.3 - 0.1)
     # finishing in 0.3 s of a 0.5 s objective: the bubbles' with the reserve, the decoder's with 0.3 s kept
     assert placement.on_arrival(0.3, 0.5, 0.5, True, 0.0).where is Where.BUBBLES
