@@ -255,28 +255,48 @@ async def test_a_cut_batch_no_bubble_takes_goes_back_snapshotted_and_resumes_exa
         await filler.port.close_prefill()
 
 
-async def test_a_request_finished_in_a_cut_batch_is_answered_before_the_batch_ends(redis_url: str) -> None:
-    model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
-    async with Bus(redis_url, BusConfig(), name="test") as bus:
-        reqs = [
-            PrefillRequest(id=f"q{i}", model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to="bt:test:r")
-            for i in range(2)
-        ]
-        for r in reqs:
-            assert await serving.accept(bus.redis, r, 100)
-        filler = filler_for(bus, model)
-        items = tuple(
-            PrefillItem(id=r.id, tokens=r.tokens, from_layer=0, to_layer=4, reply_to=r.reply_to) for r in reqs
+SMALL = GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256)
+
+
+async def two_requests_batched(
+    bus: Bus, model: PrefillModel, name: str, reply_to: str = "bt:test:r", **fields: tuple[float, float]
+) -> tuple[list[PrefillRequest], Filler, asyncio.Task[None]]:
+    """Two three-token requests accepted as the front door accepts them (answers to `reply_to`, or
+    to one stream each with "{}" in it), sent to a new worker as batch `b-{name}`, its items with
+    these `fields` (a value for each): the requests, the worker and the batch's handler."""
+    reqs = [
+        PrefillRequest(id=f"{name}{i}", model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to=reply_to.format(i))
+        for i in range(2)
+    ]
+    for r in reqs:
+        assert await serving.accept(bus.redis, r, 100)
+    filler = filler_for(bus, model)
+    items = tuple(
+        PrefillItem(
+            id=r.id,
+            tokens=r.tokens,
+            from_layer=0,
+            to_layer=4,
+            reply_to=r.reply_to,
+            **{k: v[i] for k, v in fields.items()},
         )
-        handled = deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id="b9", items=items))
+        for i, r in enumerate(reqs)
+    )
+    return reqs, filler, deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id=f"b-{name}", items=items))
+
+
+async def test_a_request_finished_in_a_cut_batch_is_answered_before_the_batch_ends(redis_url: str) -> None:
+    model = PrefillModel(SMALL, seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        reqs, filler, handled = await two_requests_batched(bus, model, "q")
         await one_bubble(filler, arrive_during_block=5, model=model, nth=True)  # the second request's second block
-        await asyncio.gather(*filler.batches["b9"].answering)
+        await asyncio.gather(*filler.batches["b-q"].answering)
         first, second = [await serving.lookup(bus.redis, r.id) for r in reqs]
         assert first is not None and first.status is RequestStatus.DONE
         assert second is not None and second.status is RequestStatus.QUEUED and not handled.done()
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         (rep,) = await reports(bus)
-        assert done == ("b9",) and [x.outcome for x in rep.progress] == [ItemOutcome.DONE, ItemOutcome.DONE]
+        assert done == ("b-q",) and [x.outcome for x in rep.progress] == [ItemOutcome.DONE, ItemOutcome.DONE]
 
 
 async def test_a_request_is_answered_as_soon_as_it_is_done_not_when_its_batch_is(redis_url: str) -> None:
@@ -284,19 +304,9 @@ async def test_a_request_is_answered_as_soon_as_it_is_done_not_when_its_batch_is
     bubble: the second's last block waits (in the prefill thread) for the first's answer to land in
     its reply stream, which never happened while answers went out at the run's end (issue 50: they
     came past the objective the worker had checked the first request against)."""
-    model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    model = PrefillModel(SMALL, seed=1)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        reqs = [
-            PrefillRequest(id=f"e{i}", model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to=f"bt:test:e{i}")
-            for i in range(2)
-        ]
-        for r in reqs:
-            assert await serving.accept(bus.redis, r, 100)
-        filler = filler_for(bus, model)
-        items = tuple(
-            PrefillItem(id=r.id, tokens=r.tokens, from_layer=0, to_layer=4, reply_to=r.reply_to) for r in reqs
-        )
-        handled = deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id="b-early", items=items))
+        reqs, filler, handled = await two_requests_batched(bus, model, "e", reply_to="bt:test:e{}")
         first_landed = threading.Event()
 
         async def watch_first() -> None:
@@ -565,27 +575,9 @@ async def two_items_in_one_bubble(redis_url: str, name: str, **fields: tuple[flo
     """Two three-token requests accepted as the front door accepts them, sent to a worker as one
     batch whose items have these `fields` (a value for each), run in one bubble: what each request's
     record says afterwards, and the batch's report."""
-    model = PrefillModel(GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    model = PrefillModel(SMALL, seed=1)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        reqs = [
-            PrefillRequest(id=f"{name}{i}", model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to="bt:test:r")
-            for i in range(2)
-        ]
-        for r in reqs:
-            assert await serving.accept(bus.redis, r, 100)
-        filler = filler_for(bus, model)
-        items = tuple(
-            PrefillItem(
-                id=r.id,
-                tokens=r.tokens,
-                from_layer=0,
-                to_layer=4,
-                reply_to=r.reply_to,
-                **{k: v[i] for k, v in fields.items()},
-            )
-            for i, r in enumerate(reqs)
-        )
-        handled = deliver(filler, PrefillBatch(run=RUN, worker="r0s0", batch_id=f"b-{name}", items=items))
+        reqs, filler, handled = await two_requests_batched(bus, model, name, **fields)
         await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         found = [await serving.lookup(bus.redis, r.id) for r in reqs]
         (rep,) = await reports(bus)
