@@ -259,8 +259,10 @@ class SlotLease:
         outage = Outage(f"lease of slot {self.slot.name}")
         peers_from = 0.0  # monotonic time from which the peers' leases are checked
         last_ok = time.monotonic()
+        wait = keys.LEASE_RENEW_S
         while True:
-            await asyncio.sleep(keys.LEASE_RENEW_S)
+            await asyncio.sleep(wait)
+            wait = keys.LEASE_RENEW_S
             try:
                 await self.renew(last_ok=last_ok)
                 if not self.drain.is_set() and await self.r.exists(keys.drain_key(self.run, self.slot.name)):
@@ -274,7 +276,10 @@ class SlotLease:
                     await self._check_peers()
                     self.peer_checks += 1
             except TRANSIENT_ERRORS as exc:
-                await asyncio.sleep(outage.failed(exc))
+                # again after the backoff, not a renewal interval later: a live worker whose
+                # connections were closed under it renews at once on a new one, before a spare
+                # takes it for gone (`lease_liveness`; a CI run saw that happen)
+                wait = outage.failed(exc)
 
     async def _check_peers(self) -> None:
         for s in await self._missing():

@@ -22,12 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Beyond a renewal interval, how long a holder with no connection may take to renew (an event loop
-#: late by a long torch call, a reconnect's backoff) before it is taken for gone. With 0.3 s, a live
-#: holder whose connections were closed under it lost its slot to a spare on a busy machine (CI, four
-#: test processes on two cores, 2026-11-29): a spurious takeover pauses the run. With a whole
-#: interval (1 s) a dead worker's slot was taken 2.04 s after the kill, against 1.01 s (and the
-#: expiry's 3.11 s): `bench/takeover.py`. 0.6 s is between.
-GRACE_S = 0.6
+#: late by a long torch call, a reconnect's backoff) before it is taken for gone. A renewal that
+#: fails on a connection closed under it is tried again after the reconnect's backoff
+#: (`SlotLease.watch`), not a renewal interval later: that wait, not this grace, once let a spare
+#: take a live holder's slot on a busy machine (2026-11-29).
+GRACE_S = 0.3
 #: After a Redis (re)start, how long before a missing connection says anything: the clients' reconnect
 #: backoff is a few seconds (services/stage_worker/lease.py's PEER_GRACE_S is the same allowance).
 SETTLE_S = 10.0

@@ -31,7 +31,7 @@ def test_a_holder_is_gone_only_with_no_connection_no_recent_renewal_and_a_settle
 
 
 def test_the_allowances_are_the_callers_to_set() -> None:
-    seen = HolderSeen(connected=False, renewed_ago_s=2.0, redis_up_s=2.0)
+    seen = HolderSeen(connected=False, renewed_ago_s=1.5, redis_up_s=2.0)
     assert not holder_gone(seen, renew_every_s=RENEW_S).gone  # Redis up 2 s: not settled
     assert holder_gone(seen, renew_every_s=RENEW_S, settle_s=0).gone
-    assert not holder_gone(seen, renew_every_s=RENEW_S, settle_s=0, grace_s=1.6).gone
+    assert not holder_gone(seen, renew_every_s=RENEW_S, settle_s=0, grace_s=0.6).gone
