@@ -36,7 +36,9 @@ at three times the bubbles' capacity (2026-11-29).
 
 So the prediction is corrected by what it got wrong (`waited`): for each request whose predicted
 wait was at least `SAMPLE_SHARE` of the time it was given (the ones admission's verdict is close
-on), its real wait (to its answer, or to its failure at its due time) over the predicted one; the
+on), its real wait (to its answer, or to its failure at its due time) over the uncorrected
+prediction (`raw_finish_in`: the ratio is the model's error, which a correction does not change;
+over the corrected one it would fall to 1 as soon as the correction worked, and undo it); the
 `CORRECTION_QUANTILE` of the last `CORRECTION_WINDOW` such ratios, between 1 and `MAX_CORRECTION`,
 multiplies every prediction. A queue too long for the real rate shortens until its waits come true.
 """
@@ -97,8 +99,8 @@ class Admission:
         return self._best if rate < PAUSE_SHARE * self._best else rate
 
     def waited(self, predicted_s: float, real_s: float, given_s: float) -> None:
-        """A request admitted with a predicted wait of `predicted_s` (from `finish_in`) was answered,
-        or failed at its due time, `real_s` after its arrival; it was given `given_s`."""
+        """A request admitted with an uncorrected predicted wait of `predicted_s` (`raw_finish_in`)
+        was answered, or failed at its due time, `real_s` after its arrival; it was given `given_s`."""
         if predicted_s <= 0 or predicted_s < SAMPLE_SHARE * given_s:
             return
         self._ratios.append(real_s / predicted_s)
@@ -113,11 +115,16 @@ class Admission:
         seen = ratios[min(len(ratios) - 1, int(CORRECTION_QUANTILE * len(ratios)))]
         return min(MAX_CORRECTION, max(1.0, seen))
 
+    def raw_finish_in(self, ahead_s: float, own_s: float, now: float) -> float | None:
+        """`finish_in` before its correction: the work over the bubbles' rate."""
+        rate = self.rate(now)
+        return (ahead_s + own_s) / rate if rate else None
+
     def finish_in(self, ahead_s: float, own_s: float, now: float) -> float | None:
         """When a request of `own_s` predicted seconds, arriving behind `ahead_s`, would finish in
         the bubbles (seconds from `now`); None while there is no rate (see `rate`)."""
-        rate = self.rate(now)
-        return (ahead_s + own_s) / rate * self.correction() if rate else None
+        raw = self.raw_finish_in(ahead_s, own_s, now)
+        return raw * self.correction() if raw is not None else None
 
     def refusal(self, ahead_s: float, own_s: float, deadline: float | None, now: float) -> str | None:
         """Why a request of `own_s` predicted seconds, arriving behind `ahead_s`, cannot be served

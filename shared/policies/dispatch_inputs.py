@@ -61,8 +61,8 @@ class Request:
     #: what the decoder's recent prompts took to a first token when it came (0: not measured): kept
     #: for the decoder where that is more than `prompt_placement.RESERVE` of its objective
     decoder_s: float = 0.0
-    #: admission's prediction of its wait, from its arrival to its answer (None: none was made);
-    #: its real wait corrects the next predictions (`Admission.waited`)
+    #: admission's uncorrected prediction of its wait, from its arrival to its answer (None: none
+    #: was made); its real wait corrects the next predictions (`Admission.waited`)
     predicted_wait_s: float | None = None
 
     @property

@@ -54,7 +54,7 @@ class Leaving:
         else:
             verdict = placement.on_arrival(finish_in, req.due, req.objective_s, req.may_move, now, req.decoder_s)
         if verdict.where is placement.Where.BUBBLES:
-            req.predicted_wait_s = finish_in
+            req.predicted_wait_s = self._admission.raw_finish_in(ahead, own, now)  # what corrects the next
             return None
         if verdict.where is placement.Where.DECODER:
             self.counts.moved += 1

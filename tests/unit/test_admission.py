@@ -107,3 +107,18 @@ def test_the_dispatcher_learns_a_wait_from_when_the_worker_answered_not_from_its
             s.report(batch_id, "w", [Progress(r, 4, 0.1, True, None, answered[r]) for r in b.ids], now=later)
     assert not s.requests
     assert s._admission.correction() == pytest.approx(1.5, rel=0.01)
+
+
+def test_the_correction_holds_while_it_works() -> None:
+    """The ratio is of the real wait over the uncorrected prediction: once the correction has made
+    the predictions true (real waits 1.5 times the raw ones), it stays 1.5 rather than fall to 1."""
+    a = Admission(window_s=1.0)
+    for i in range(11):
+        a.bubble(i * 0.1, 0.05)
+    now = 1.0
+    for _ in range(64):
+        raw = a.raw_finish_in(0.3, 0.0, now)
+        assert raw is not None
+        a.waited(raw, 1.5 * raw, given_s=1.0)  # the model's error: 1.5 times, however corrected
+    assert a.correction() == pytest.approx(1.5)
+    assert a.finish_in(0.3, 0.0, now) == pytest.approx(1.5 * (a.raw_finish_in(0.3, 0.0, now) or 0))
