@@ -48,6 +48,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from shared.policies.recent import Recent
+
 #: A request is admitted only if it is predicted to finish with this share of its time left before
 #: its deadline to spare (see the module docstring).
 MARGIN = 0.15
@@ -75,8 +77,9 @@ class Admission:
     _usable_s: float = 0.0  # the sum of the window's usable seconds
     _first: float | None = None  # when the first bubble was seen
     _best: float = 0.0  # the highest rate over a whole window so far
-    #: the recent real waits over the predicted ones (`waited`), oldest first
-    _ratios: deque[float] = field(default_factory=deque)
+    #: the recent real waits over the uncorrected predicted ones (`waited`)
+    _ratios: Recent = field(default_factory=lambda: Recent(CORRECTION_WINDOW, CORRECTION_QUANTILE))
+    _correction: float = 1.0  # from `_ratios`, kept as they change: every arrival reads it
 
     def bubble(self, started: float, usable_s: float) -> None:
         """A bubble that opened at `started` offered `usable_s` seconds to prefill."""
@@ -103,17 +106,13 @@ class Admission:
         was answered, or failed at its due time, `real_s` after its arrival; it was given `given_s`."""
         if predicted_s <= 0 or predicted_s < SAMPLE_SHARE * given_s:
             return
-        self._ratios.append(real_s / predicted_s)
-        while len(self._ratios) > CORRECTION_WINDOW:
-            self._ratios.popleft()
+        self._ratios.add(real_s / predicted_s)
+        seen = self._ratios.quantile()
+        self._correction = 1.0 if seen is None else min(MAX_CORRECTION, max(1.0, seen))
 
     def correction(self) -> float:
         """What predictions are multiplied by: how much longer the recent waits were than predicted."""
-        if not self._ratios:
-            return 1.0
-        ratios = sorted(self._ratios)
-        seen = ratios[min(len(ratios) - 1, int(CORRECTION_QUANTILE * len(ratios)))]
-        return min(MAX_CORRECTION, max(1.0, seen))
+        return self._correction
 
     def raw_finish_in(self, ahead_s: float, own_s: float, now: float) -> float | None:
         """`finish_in` before its correction: the work over the bubbles' rate."""

@@ -26,10 +26,10 @@ has sent the decoder (`DecoderLoad`): a request neither can serve in time is ref
 from __future__ import annotations
 
 import enum
-from collections import deque
 from dataclasses import dataclass, field
 
 from shared.control.status import PromptPlacement
+from shared.policies.recent import Recent
 
 #: Of a request's objective, the share kept for the decoder's own prefill (auto): the bubbles take a
 #: prompt only if predicted to finish it before this share of the objective is left, and a prompt
@@ -112,28 +112,6 @@ def moves_at(due: float, objective_s: float, own_s: float, decoder_s: float = 0.
     return due - kept_s(objective_s, True, decoder_s) - own_s
 
 
-@dataclass
-class RecentTimes:
-    """The last `window` durations seen, and their `quantile` (what the next one is predicted to
-    take, for `DecoderLoad` and `FrontDoorHops`)."""
-
-    window: int
-    q: float = QUANTILE  # the quantile predicted
-    _times: deque[float] = field(default_factory=deque)
-
-    def add(self, seconds: float) -> None:
-        self._times.append(seconds)
-        while len(self._times) > self.window:
-            self._times.popleft()
-
-    def quantile(self) -> float | None:
-        """The `q` quantile of the recent durations, or None before any."""
-        if not self._times:
-            return None
-        times = sorted(self._times)
-        return times[min(len(times) - 1, int(self.q * len(times)))]
-
-
 #: A decoder's first-token time older than this (seconds) no longer predicts the next one: a decoder
 #: judged too slow is sent nothing, so nothing newer would ever say it has caught up. A front door
 #: that kept a slow minute's times refused every prompt of the next load it was offered
@@ -154,18 +132,15 @@ class DecoderLoad:
 
     window: int = 32  # the recent first tokens the prediction is taken over
     in_flight: int = 0  # prompts sent and not yet answered (for the log: the prediction is the times')
-    #: (when it came, seconds from sending to the first token), oldest first
-    _recent: deque[tuple[float, float]] = field(default_factory=deque)
+    _recent: Recent = field(init=False)  # seconds from sending to the first token, when it came
+
+    def __post_init__(self) -> None:
+        self._recent = Recent(self.window, QUANTILE, DECODER_TIMES_HORIZON_S)
 
     def predicted_s(self, now: float) -> float | None:
         """What one more prompt is predicted to take to its first token, or None (none measured in
         the last `DECODER_TIMES_HORIZON_S`)."""
-        while self._recent and self._recent[0][0] < now - DECODER_TIMES_HORIZON_S:
-            self._recent.popleft()
-        if not self._recent:
-            return None
-        times = sorted(seconds for _, seconds in self._recent)
-        return times[min(len(times) - 1, int(QUANTILE * len(times)))]
+        return self._recent.quantile(now)
 
     def verdict(self, left_s: float | None, now: float) -> Verdict:
         """Whether a prompt, its objective `left_s` from `now` (None: none), is sent to the decoder
@@ -188,9 +163,7 @@ class DecoderLoad:
         """Its first token came at `now`, `seconds` after it was sent, or it failed (None)."""
         self.in_flight = max(0, self.in_flight - 1)
         if seconds is not None and seconds > 0:
-            self._recent.append((now, seconds))
-            while len(self._recent) > self.window:
-                self._recent.popleft()
+            self._recent.add(seconds, now)
 
 
 #: Of a request's objective, at most this share is kept for the front door's own hops (`FrontDoorHops`).
@@ -216,10 +189,10 @@ class FrontDoorHops:
     door saw, and a client can set the two side by side."""
 
     window: int = 64
-    _recent: RecentTimes = field(init=False)
+    _recent: Recent = field(init=False)
 
     def __post_init__(self) -> None:
-        self._recent = RecentTimes(self.window, HOPS_QUANTILE)
+        self._recent = Recent(self.window, HOPS_QUANTILE)
 
     def observed(self, seconds: float) -> None:
         """One request's hops through the front door, in seconds."""
