@@ -1,4 +1,5 @@
-"""A spare made ready while it waits (issue 49: "spares that are ready").
+"""A worker's models made ready before they are needed: a spare's while it waits (issue 49: "spares
+that are ready"), and every worker's guest model, placed and warmed up at set-up (`guest_model`).
 
 A spare worker (every slot held when it started) waits for a slot to free. Meanwhile it loads what
 every slot of the run needs alike: the training corpus and the served prefill model (on the CPU:
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+import torch
 
 from shared.model.prefill import PrefillModel
 from shared.model.training import Corpus, load_corpus
@@ -37,3 +40,27 @@ def warm_up(spec: ClusterSpec) -> Warm:
         served_model=spec.prefill.model_name if prefill is not None else "-",
     )
     return Warm(corpus, prefill)
+
+
+def guest_model(spec: ClusterSpec, device: torch.device, built: PrefillModel | None = None) -> PrefillModel:
+    """The guest model (`built` already: a spare's, `warm.py`), on this worker's device (it creates
+    its inputs where its weights are), its blocks graphed where the spec asks and a GPU is
+    (`bubbletea.cuda_graphs`), and warmed up (`PrefillModel.warm_up`)."""
+    model = (built or PrefillModel.from_spec(spec.prefill)).place(device)  # on a low-priority stream of its own
+    if spec.bubbletea.cuda_graphs:
+        if device.type == "cuda":
+            model.use_graphs()
+        else:
+            log.info("bubbletea.cuda_graphs is on but this worker computes on the CPU: prefill runs eagerly")
+    # Its first forward pays for the process's set-up: here, not in the first request's bubble.
+    try:
+        took = model.warm_up()
+    except (RuntimeError, ValueError) as exc:  # a guest never stops training: the guest policy judges it
+        log.warning("the prefill model's warm-up failed: its first requests pay for its set-up", error=str(exc))
+    else:
+        log.info("prefill model warmed up", device=str(device), ms=round(took * 1000, 1))
+    return model
+
+
+def model_bytes(model: PrefillModel) -> int:
+    return sum(p.numel() * p.element_size() for p in model.module.parameters())

@@ -33,7 +33,7 @@ from services.stage_worker.recovery import Generations
 from services.stage_worker.runner import Profile, StageRunner
 from services.stage_worker.trainer import StageTrainer
 from services.stage_worker.transport import Transport, plane_addresses
-from services.stage_worker.warm import Warm, warm_up
+from services.stage_worker.warm import Warm, guest_model, model_bytes, warm_up
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import keys
@@ -44,7 +44,6 @@ from shared.dataplane.kv import KvServer, KvShelf
 from shared.model.corpus import DataError
 from shared.model.devices import DeviceError, check_kind, describe, select_device, slot_index, synchronize
 from shared.model.info import CheckpointError
-from shared.model.prefill import PrefillModel
 from shared.model.training import load_corpus
 from shared.model.trainstate import check_resume, stage_state
 from shared.policies.bubbles import BubblePredictor
@@ -192,7 +191,7 @@ async def _train(
     prefill = None
     if spec.bubbletea.enabled:
         built = ready.prefill if ready is not None else None
-        prefill = await asyncio.to_thread(_prefill_model, spec, device, built)
+        prefill = await asyncio.to_thread(guest_model, spec, device, built)
         memory -= model_bytes(prefill)  # the guest's weights live beside the owner's
         if settings.chaos_prefill:
             prefill = chaos.failing(prefill, settings.chaos_prefill)
@@ -328,22 +327,6 @@ async def _route_stop(stop: asyncio.Event, stop_run: asyncio.Event, leave: async
     except TRANSIENT_ERRORS:  # no Redis to ask (TimeoutError is an OSError): a stop, as before
         drain = False
     (leave if drain else stop_run).set()
-
-
-def _prefill_model(spec: ClusterSpec, device: torch.device, built: PrefillModel | None = None) -> PrefillModel:
-    """The guest model (`built` already: a spare's, `warm.py`), on this worker's device (it creates
-    its inputs where its weights are), its blocks graphed where the spec asks and a GPU is
-    (`bubbletea.cuda_graphs`)."""
-    model = (built or PrefillModel.from_spec(spec.prefill)).place(device)  # on a low-priority stream of its own
-    if spec.bubbletea.cuda_graphs:
-        if device.type == "cuda":
-            return model.use_graphs()
-        log.info("bubbletea.cuda_graphs is on but this worker computes on the CPU: prefill runs eagerly")
-    return model
-
-
-def model_bytes(model: PrefillModel) -> int:
-    return sum(p.numel() * p.element_size() for p in model.module.parameters())
 
 
 def _profile_and_prior(spec: ClusterSpec, slot: Slot, trainer: StageTrainer) -> tuple[Profile, dict[int, float]]:

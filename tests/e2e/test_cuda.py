@@ -33,7 +33,7 @@ import torch
 import yaml
 
 from bubbletea.launcher.train import run_training
-from services.stage_worker.worker import _prefill_model
+from services.stage_worker.warm import guest_model
 from shared.dataplane import kvstore
 from shared.model.devices import select_device
 from shared.model.prefill import PrefillResult
@@ -118,7 +118,7 @@ def prefill_all(device: torch.device) -> list[PrefillResult]:
     two blocks, snapshotted to the wire format (CPU tensors), restored and resumed, as a preempted
     prefill moves between bubbles."""
     spec = parse_spec(PREFILL_SPEC)
-    model = _prefill_model(spec, device)  # as the worker builds it
+    model = guest_model(spec, device)  # as the worker builds it
     assert model.device == device
     results = []
     for i, prompt in enumerate(PROMPTS):

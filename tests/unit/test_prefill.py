@@ -371,3 +371,13 @@ def test_sample_is_the_rule_finish_uses(model: PrefillModel) -> None:
     assert sample(logits, 1e-30, seed=0) == int(logits.argmax())
     with pytest.raises(ValueError, match="temperature"):
         sample(logits, -0.5)
+
+
+def test_a_warm_up_changes_no_answer_and_fits_any_model() -> None:
+    """`warm_up` (a worker runs it at set-up, so a first request does not pay for the process's
+    first forward) computes a prompt at most the model's limit long, and leaves nothing behind: a
+    warmed model answers exactly as a cold one."""
+    warmed, cold = PrefillModel(CFG, SEED), PrefillModel(CFG, SEED)
+    assert warmed.warm_up(tokens=10 * CFG.seq_len) > 0  # past seq_len: clamped, not refused
+    for tokens in PROMPTS:
+        assert_same(warmed.prefill(tokens), cold.prefill(tokens))
