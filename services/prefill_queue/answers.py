@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from services.prefill_queue.api import FAILED_RETRY_AFTER_S, FAILURE_STATUS
-from services.prefill_queue.state import METRICS, Stopping
+from services.prefill_queue.state import HOPS, METRICS, Stopping
 from services.prefill_queue.validation import BadRequest, Completion
 from shared.control.status import PromptPlacement, RequestStatus
 from shared.model.tokenizer import BYTES, Tokenizer, token_text
@@ -174,6 +174,13 @@ def back_s(result: PrefillResult) -> float:
     """From `result` leaving whoever computed it (its `finished`, wall clock) to now, when it has
     landed here: its way back through Redis (0 when not said, or where clocks disagree)."""
     return max(0.0, time.time() - result.finished) if result.finished > 0 else 0.0
+
+
+def hops_seen(app: web.Application, seconds: float) -> None:
+    """One answer's hops through the front door (`FrontDoorHops`), kept for the next objectives and
+    in the metrics."""
+    app[HOPS].observed(seconds)
+    app[METRICS].hops.observe(max(0.0, seconds))
 
 
 def server_timing(received: float) -> dict[str, str]:

@@ -173,7 +173,9 @@ def new_request(
     objective = None
     if parsed.objective_s is not None:
         since = time.perf_counter() - received if received is not None else 0.0
-        objective = now - since + parsed.objective_s - app[HOPS].kept_s(parsed.objective_s)
+        kept = app[HOPS].kept_s(parsed.objective_s)
+        app[METRICS].hops_kept.set(kept)
+        objective = now - since + parsed.objective_s - kept
     decoder = app.get(DECODER_LOAD)  # what the decoder took lately: kept for it if more than its reserve
     decoder_s = (decoder.predicted_s(now) or 0.0) if may_move and decoder is not None else 0.0
     return PrefillRequest(

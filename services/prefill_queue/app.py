@@ -47,8 +47,8 @@ from shared.bus.connection import TRANSIENT_ERRORS
 from shared.bus.delivery import Handlers
 from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
-from shared.control.status import RequestStatus
-from shared.policies.prompt_placement import FrontDoorHops
+from shared.control.status import RequestStatus, ServingState
+from shared.policies.prompt_placement import FrontDoorHops, Mode
 from shared.runtime.auth import bearer_ok
 from shared.runtime.logs import get_logger
 from shared.spec.settings import Settings
@@ -367,7 +367,19 @@ async def ready(request: web.Request) -> web.Response:
     if not v.ready:
         headers = {"Retry-After": str(v.retry_after_s)}
         return web.json_response({"status": "not ready", **body}, status=503, headers=headers)
+    if v.state is ServingState.JOINING and _objective_waits_for_training(app):
+        body["reason"] = f"{v.reason}; until its first bubble a request with a TTFT objective is refused (429)"
+        return web.json_response({"status": "not ready", **body}, status=503, headers={"Retry-After": "1"})
     return web.json_response({"status": "ready", **body})
+
+
+def _objective_waits_for_training(app: web.Application) -> bool:
+    """Whether this front door's requests (its default TTFT objective, no decoder to compute them)
+    are refused while the run's workers set up: the dispatcher cannot say when the first bubble
+    comes (`prompt_placement.on_arrival`). /ready says 503 then, so that a probe (compose's
+    healthcheck, Kubernetes') sends traffic once it would be served."""
+    objective = app[SETTINGS].spec.prefill.ttft_objective_ms
+    return bool(objective) and completions.default_mode(app) is Mode.BUBBLES
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -29,6 +29,7 @@ from services.prefill_queue.answers import (
     back_s,
     choice,
     head,
+    hops_seen,
     observe,
     opening,
     raise_if_failed,
@@ -47,7 +48,7 @@ from services.prefill_queue.api import (
     refuse_if_not_serving,
 )
 from services.prefill_queue.decoding import whole
-from services.prefill_queue.state import GATE, HOPS, SETTINGS, STOPPING, VLLM, WAITERS
+from services.prefill_queue.state import GATE, SETTINGS, STOPPING, VLLM, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion, parse_completion
 from shared.policies.prompt_placement import Mode, mode_of
 from shared.wire import PrefillRequest, PrefillResult
@@ -115,7 +116,7 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
         shaped(c, choice(i, req, results[req.id], c.stop, tokenizer=lim.tokenizer)) for i, req in enumerate(reqs)
     ]
     observe(app, received, choices)
-    app[HOPS].observed(queued - received + back + time.perf_counter() - landed)  # its body is written next
+    hops_seen(app, queued - received + back + time.perf_counter() - landed)  # its body is written next
     return web.json_response(
         {
             **head(completion_id, reqs[0], model, c.object_name(chunk=False)),
@@ -131,12 +132,18 @@ def placement_mode(app: web.Application, c: Completion) -> Mode:
     """Where this request's prompts may be computed (`prefill.placement`): the bubbles only unless
     a decoder that computes prompts is here (vLLM, or a live built-in decoder service) and no prompt
     asks for the top logprobs, which only the bubbles return in our shape."""
-    spec = app[SETTINGS].spec
-    mode = mode_of(spec.prefill.placement, spec.decode.enabled)
-    decoder_here = app[VLLM] is not None or (spec.decode.enabled and app[GATE].decoder_live)
-    if not decoder_here or any(p.logprobs for p in c.prompts):
+    if any(p.logprobs for p in c.prompts):
         return Mode.BUBBLES
-    return mode
+    return default_mode(app)
+
+
+def default_mode(app: web.Application) -> Mode:
+    """Where a plain request's prompt may be computed now: `prefill.placement` (or its default)
+    where a decoder that computes prompts is here (vLLM, or a live built-in decoder), else the
+    bubbles only."""
+    spec = app[SETTINGS].spec
+    decoder_here = app[VLLM] is not None or (spec.decode.enabled and app[GATE].decoder_live)
+    return mode_of(spec.prefill.placement, spec.decode.enabled) if decoder_here else Mode.BUBBLES
 
 
 def _completion_id(request: web.Request, prefix: str) -> str:
@@ -189,7 +196,7 @@ async def _stream(
                 chunk = {**top, "choices": [sent[-1]]}
                 await send({**chunk, "usage": None} if c.include_usage else chunk)
                 if len(sent) == 1:
-                    request.app[HOPS].observed(queued - received + back + time.perf_counter() - landed)
+                    hops_seen(request.app, queued - received + back + time.perf_counter() - landed)
             else:
                 status = FAILURE_STATUS[result.reason] if result.reason is not None else 500
                 await send({"error": {"message": f"the prefill failed: {result.error}", "code": status}})

@@ -104,6 +104,20 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # the front door's own hops (`FrontDoorHops`): the share of an objective kept from the bubbles
+        self.hops = Histogram(
+            "bubbletea:front_door_hops_seconds",
+            "The front door's own share of a time to first token: receipt to queued, the answer's way back "
+            "through Redis, and its write.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.hops_kept = Gauge(
+            "bubbletea:front_door_hops_kept_seconds",
+            "Of the last TTFT objective, the seconds kept for the front door's hops (the dispatcher and the "
+            "workers are given the rest).",
+            registry=r,
+        )
         for where in PromptPlacement:  # every series exists from the start, at 0
             self.placed.labels(where.value)
             self.placed_tokens.labels(where.value)

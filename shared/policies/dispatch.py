@@ -125,6 +125,8 @@ class DispatchState(Filling, Leaving):
     #: the workers with room, roomiest first
     _index: CreditIndex = field(init=False, repr=False)
     _clock: float = field(default=-math.inf, init=False, repr=False)  # the latest `now` of a fill
+    #: a fresh bubble start was seen (training runs): before it, no objective can be promised
+    _bubble_seen: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._queue = WaitingQueue(self.order)
@@ -204,6 +206,7 @@ class DispatchState(Filling, Leaving):
             return Decisions(ignored=(Ignored(f"bubble of {b.worker}", why),))
         c = self._seen(b.worker, b.address, b.dc, b.free_memory, now)
         c.bubble = Bubble(b.started, b.predicted_s, b.tag)
+        self._bubble_seen = True
         self._reindex(c)
         return self._fill_all(now, Trigger.BUBBLE_START)
 

@@ -31,6 +31,7 @@ class Leaving:
     _held_s: float
     _queue: WaitingQueue
     _admission: Admission
+    _bubble_seen: bool
 
     @property
     def tick_s(self) -> float:  # DispatchState's: how often the timer comes
@@ -52,7 +53,9 @@ class Leaving:
             why = self._admission.refusal(ahead, own, req.deadline, now)
             verdict = placement.Verdict(None if why else placement.Where.BUBBLES, why or "")
         else:
-            verdict = placement.on_arrival(finish_in, req.due, req.objective_s, req.may_move, now, req.decoder_s)
+            verdict = placement.on_arrival(
+                finish_in, req.due, req.objective_s, req.may_move, now, req.decoder_s, self._bubble_seen
+            )
         if verdict.where is placement.Where.BUBBLES:
             req.predicted_wait_s = self._admission.raw_finish_in(ahead, own, now)  # what corrects the next
             return None

@@ -24,7 +24,9 @@ The verdicts (`ServingState`), first match wins:
   they are there when the first bubbles start, which a request sent once training runs cannot be
   (its trip through the front door and the dispatcher takes longer than the first bubble's start).
   A request taken now waits about `unready_after_s` at most, the same bound as the first
-  iteration's grace under SERVING.
+  iteration's grace under SERVING. Not one with a TTFT objective: the placement moves it to the
+  decoder or refuses it until the first bubble (`prompt_placement.on_arrival`), and a front door
+  that states one and has no decoder answers `/ready` 503 meanwhile.
 * STARTING: training was never seen running, and not every slot is held, or the workers have been
   setting up for longer than `unready_after_s` (a long set-up, a real checkpoint loading, say: a
   client is told to come back rather than left to its deadline). End markers are not read before

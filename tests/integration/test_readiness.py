@@ -131,6 +131,29 @@ async def test_ready_follows_the_run_and_queued_requests_fail_when_it_finishes(
         assert resp.status == 503 and "training finished" in (await resp.json())["error"]["message"]
 
 
+async def test_with_a_ttft_objective_a_run_whose_workers_set_up_is_not_ready_and_refuses_at_once(
+    settings: Settings, dispatcher: None, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A front door stating a TTFT objective (as `up` and compose do) and no decoder: while the
+    run's workers set up, nothing says when the first bubble comes, so /ready says 503 (a probe
+    sends traffic once it would be served) and a request is refused at once with a 429 saying why,
+    not left to fail at its objective."""
+    monkeypatch.setattr(keys, "LEASE_TTL_MS", 60_000)
+    p = settings.spec.parallelism
+    prefill = msgspec.structs.replace(settings.spec.prefill, ttft_objective_ms=500.0)
+    with_objective = dataclasses.replace(settings, spec=msgspec.structs.replace(settings.spec, prefill=prefill))
+    leases = [SlotLease(redis, RUN, p.pp, p.dp, holder=f"w{i}") for i in range(p.pp * p.dp)]
+    for lease in leases:
+        await lease.acquire()
+    async with TestClient(TestServer(create_app(with_objective))) as client:
+        status, body = await wait_ready_state(client, "joining")
+        assert status == 503 and body["retry_after"] == "1"
+        assert body["status"] == "not ready" and "a request with a TTFT objective is refused" in body["reason"]
+        resp = await client.post("/v1/completions", json={"model": "bubbletea-gpt", "prompt": "now", "max_tokens": 1})
+        assert resp.status == 429 and "Retry-After" in resp.headers
+        assert "no bubble yet" in (await resp.json())["error"]["message"]
+
+
 async def test_no_dispatcher_means_not_ready_but_requests_are_accepted(settings: Settings, redis: Redis) -> None:
     """A dispatcher that restarts costs latency, not answers: without one, requests wait for it."""
     async with TestClient(TestServer(create_app(settings))) as client:

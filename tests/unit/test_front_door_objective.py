@@ -9,7 +9,9 @@ import pytest
 from aiohttp import web
 
 from services.prefill_queue.api import new_request
-from services.prefill_queue.state import DECODER_LOAD, HOPS, INSTANCE
+from services.prefill_queue.answers import hops_seen
+from services.prefill_queue.metrics import Metrics
+from services.prefill_queue.state import DECODER_LOAD, HOPS, INSTANCE, METRICS
 from services.prefill_queue.validation import ParsedRequest
 from shared.policies.prompt_placement import DecoderLoad, FrontDoorHops
 
@@ -19,9 +21,10 @@ PARSED = ParsedRequest("m", (1, 2, 3), 0.0, None, 0, "", timeout_s=60.0, objecti
 def app_with_hops(*seconds: float) -> web.Application:
     app = web.Application()
     app[INSTANCE] = "fd-test"
-    app[HOPS] = hops = FrontDoorHops()
+    app[METRICS] = Metrics()
+    app[HOPS] = FrontDoorHops()
     for s in seconds:
-        hops.observed(s)
+        hops_seen(app, s)
     return app
 
 
@@ -32,6 +35,17 @@ def test_the_objective_counts_from_receipt_less_the_front_doors_hops() -> None:
     # 0.5 s from 0.1 s ago, less the 20 ms kept for the hops: due 0.38 s after it was queued
     assert req.objective - req.submitted == pytest.approx(0.38, abs=0.01)
     assert req.deadline - req.submitted == pytest.approx(60.0, abs=0.01)  # the deadline: from now, as before
+
+
+def test_the_hops_seen_and_kept_are_in_the_metrics() -> None:
+    """`bubbletea:front_door_hops_seconds` (each answer's hops) and `..._kept_seconds` (what the
+    last objective kept for them): what an operator reads to see where an objective goes."""
+    app = app_with_hops(0.004, 0.008, 0.03)
+    new_request(app, PARSED, "r0", may_move=False)
+    reg = app[METRICS].registry
+    assert reg.get_sample_value("bubbletea:front_door_hops_seconds_count") == 3
+    assert reg.get_sample_value("bubbletea:front_door_hops_seconds_sum") == pytest.approx(0.042)
+    assert reg.get_sample_value("bubbletea:front_door_hops_kept_seconds") == app[HOPS].kept_s(0.5) == 0.03
 
 
 def test_no_hops_seen_yet_and_no_objective_keep_the_objective_as_given() -> None:
