@@ -8,8 +8,8 @@ import time
 import pytest
 from aiohttp import web
 
-from services.prefill_queue.api import new_request
 from services.prefill_queue.answers import hops_seen
+from services.prefill_queue.api import new_request
 from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.state import DECODER_LOAD, HOPS, INSTANCE, METRICS
 from services.prefill_queue.validation import ParsedRequest
