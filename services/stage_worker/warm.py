@@ -43,7 +43,7 @@ def warm_up(spec: ClusterSpec) -> Warm:
 
 
 def guest_model(spec: ClusterSpec, device: torch.device, built: PrefillModel | None = None) -> PrefillModel:
-    """The guest model (`built` already: a spare's, `warm.py`), on this worker's device (it creates
+    """The guest model (`built` already: a spare's, `warm_up` above), on this worker's device (it creates
     its inputs where its weights are), its blocks graphed where the spec asks and a GPU is
     (`bubbletea.cuda_graphs`), and warmed up (`PrefillModel.warm_up`)."""
     model = (built or PrefillModel.from_spec(spec.prefill)).place(device)  # on a low-priority stream of its own
