@@ -223,6 +223,9 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
         # A service: it trains until stopped, and whatever exits is restarted
         assert spec["restart"] == "unless-stopped", name
         assert spec["environment"]["BUBBLETEA_ITERATIONS"] == "until_stopped", name
+        # one clock for all (a service on another time scale would misread every bubble), as written
+        # unless the user stretches it for a machine too slow to keep the profile
+        assert env["BUBBLETEA_TIME_SCALE"] == "${BUBBLETEA_TIME_SCALE:-1}", name
         test = spec["healthcheck"]["test"]
         if name == "prefill_queue":  # healthy means it can serve, not merely that it runs
             assert "/ready'" in test[-1]
