@@ -176,6 +176,13 @@ def back_s(result: PrefillResult) -> float:
     return max(0.0, time.time() - result.finished) if result.finished > 0 else 0.0
 
 
+def hops_s(received: float, queued: float, landed: float, back: float) -> float:
+    """An answer's hops through the front door, its first byte written now: from receiving the
+    request to queueing it (`received`, `queued`), its way back through Redis (`back`, `back_s`), and
+    from its landing (`landed`) to now (perf_counter times)."""
+    return queued - received + back + time.perf_counter() - landed
+
+
 def hops_seen(app: web.Application, seconds: float) -> None:
     """One answer's hops through the front door (`FrontDoorHops`), kept for the next objectives and
     in the metrics."""

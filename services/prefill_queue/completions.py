@@ -29,6 +29,7 @@ from services.prefill_queue.answers import (
     back_s,
     choice,
     head,
+    hops_s,
     hops_seen,
     observe,
     opening,
@@ -116,7 +117,7 @@ async def answer(request: web.Request, received: float, c: Completion, prefix: s
         shaped(c, choice(i, req, results[req.id], c.stop, tokenizer=lim.tokenizer)) for i, req in enumerate(reqs)
     ]
     observe(app, received, choices)
-    hops_seen(app, queued - received + back + time.perf_counter() - landed)  # its body is written next
+    hops_seen(app, hops_s(received, queued, landed, back))  # its body is written next
     return web.json_response(
         {
             **head(completion_id, reqs[0], model, c.object_name(chunk=False)),
@@ -196,7 +197,7 @@ async def _stream(
                 chunk = {**top, "choices": [sent[-1]]}
                 await send({**chunk, "usage": None} if c.include_usage else chunk)
                 if len(sent) == 1:
-                    hops_seen(request.app, queued - received + back + time.perf_counter() - landed)
+                    hops_seen(request.app, hops_s(received, queued, landed, back))
             else:
                 status = FAILURE_STATUS[result.reason] if result.reason is not None else 500
                 await send({"error": {"message": f"the prefill failed: {result.error}", "code": status}})
