@@ -334,7 +334,7 @@ class Dispatcher:
                     read.ack_on(pipe, done or [])
                 await pipe.execute()
 
-        await ride_out(execute, "dispatcher decisions")
+        await ride_out(execute, "dispatcher decisions", unless=self.bus.stop)
         if held is not None:
             held.forget_held(entries)
         self._record_decision()

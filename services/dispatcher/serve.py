@@ -32,7 +32,7 @@ log = get_logger(__name__)
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec, run = settings.spec, settings.run
-    async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
+    async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE, stop=stop) as bus:
         d = Dispatcher(bus, spec, run, settings.time_scale)
         me = d.instance
         server = MetricsServer(

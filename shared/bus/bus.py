@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import socket
@@ -30,7 +31,13 @@ class Bus:
     """
 
     def __init__(
-        self, url: str, config: BusConfig | None = None, *, name: str = "bubbletea", ride_out_s: float = RIDE_OUT_S
+        self,
+        url: str,
+        config: BusConfig | None = None,
+        *,
+        name: str = "bubbletea",
+        ride_out_s: float = RIDE_OUT_S,
+        stop: asyncio.Event | None = None,
     ) -> None:
         self.url = url
         self.config = config or BusConfig()
@@ -40,6 +47,10 @@ class Bus:
         #: retries) before raising; 0: fail as soon as the client gives up (the front door, which
         #: answers 503 rather than keep a client waiting).
         self.ride_out_s = ride_out_s
+        #: The process's stop: once set, a publish riding out an outage gives up at once (`ride_out`'s
+        #: `unless`). For a service whose stop only stops (the dispatcher); not for a stage worker,
+        #: whose SIGTERM asks it to hand its slot over, through Redis, outage or not.
+        self.stop = stop
 
     async def __aenter__(self) -> Bus:
         return self
@@ -90,7 +101,7 @@ class Bus:
         give_up_s = self.ride_out_s if ride_out_s is None else ride_out_s
         if give_up_s <= 0:
             return await op()
-        return await ride_out(op, f"publish to {stream}", give_up_s=give_up_s)
+        return await ride_out(op, f"publish to {stream}", give_up_s=give_up_s, unless=self.stop)
 
     def consumer(
         self,

@@ -20,6 +20,7 @@ behaves the same across redis-py versions:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
@@ -97,20 +98,35 @@ class Outage:
         return True
 
 
-async def ride_out(op: Callable[[], Awaitable[T]], what: str, *, give_up_s: float = RIDE_OUT_S) -> T:
+async def ride_out(
+    op: Callable[[], Awaitable[T]], what: str, *, give_up_s: float = RIDE_OUT_S, unless: asyncio.Event | None = None
+) -> T:
     """Run `op`, retrying transient Redis errors with `backoff` for up to `give_up_s` (then the
     last error is raised). A retried write may be applied twice (its reply was lost): callers
-    rely on at-least-once semantics, as the bus does."""
+    rely on at-least-once semantics, as the bus does. Once `unless` is set (a process stopping),
+    the next failure, or the backoff it is in, raises at once: a stopping service whose Redis died
+    with its launcher (a `kill -9` of `bubbletea up`) does not wait the outage out first."""
     outage = Outage(what)
     while True:
         try:
             result = await op()
         except TRANSIENT_ERRORS as exc:
             delay = outage.failed(exc)
-            if outage.elapsed() + delay > give_up_s:
-                log.error("redis still unreachable; giving up", what=what, outage_s=round(outage.elapsed(), 2))
+            stopping = unless is not None and unless.is_set()
+            if stopping or outage.elapsed() + delay > give_up_s:
+                log.error(
+                    "redis still unreachable; giving up",
+                    what=what,
+                    outage_s=round(outage.elapsed(), 2),
+                    why="stopping" if stopping else "outage too long",
+                )
                 raise
-            await asyncio.sleep(delay)
+            if unless is None:
+                await asyncio.sleep(delay)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await unless.wait()
             continue
         outage.ok()
         return result

@@ -2,7 +2,11 @@
 
 A service provides ``async def serve(settings, stop: asyncio.Event) -> None`` that returns once
 `stop` is set and everything it started is closed. SIGINT and SIGTERM set `stop`; a second
-signal while stopping exits at once. Tests call ``serve`` (or the app factory) directly.
+SIGINT while stopping (a person's second Ctrl-C) exits at once. A second SIGTERM is the same request
+again, not impatience: a launcher killed with SIGKILL sends its death signal (`die_with_parent`)
+once for each thread it had, and a dispatcher taking the second for "exit now" left its loop from
+inside a signal handler (2026-12-01). Whoever must stop a service at once sends SIGKILL.
+Tests call ``serve`` (or the app factory) directly.
 """
 
 from __future__ import annotations
@@ -88,7 +92,10 @@ async def _main(name: str, serve: Serve, settings: Settings, check: Callable[[Se
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
-            log.warning("second signal while stopping; exiting now", signal=sig.name)
+            if sig != signal.SIGINT:  # the same request again (the module's docstring)
+                log.info("stopping already", signal=sig.name)
+                return
+            log.warning("second Ctrl-C while stopping; exiting now", signal=sig.name)
             raise SystemExit(130)
         log.info("stopping", signal=sig.name)
         stop.signal = sig

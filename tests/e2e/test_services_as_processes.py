@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -9,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -18,7 +20,7 @@ from bubbletea.launcher.kernel_wan import default_wan_mode
 from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import SERVICES
 from shared.runtime.redis_server import EmbeddedRedis, free_port
-from tests.e2e.serving import ONE_REPLICA, SPEC, as_from_a_terminal, replicas, write_spec
+from tests.e2e.serving import ONE_REPLICA, SPEC, as_from_a_terminal, replicas, service_env, wait_until, write_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +37,35 @@ async def test_prefill_queue_process_serves_and_stops_on_sigterm(redis_server: E
         codes = await stop_all([p])
     assert codes == {"prefill_queue": 0}  # SIGTERM is a clean stop
     assert any("msg=stopped" in line for line in p.tail)
+
+
+async def test_a_dispatcher_whose_redis_died_stops_on_sigterm_and_takes_a_second_for_the_same(tmp_path: Path) -> None:
+    """A launcher killed with SIGKILL takes its embedded Redis with it and sends each service its
+    death signal (SIGTERM) once for each thread it had. The dispatcher stops, cleanly: it neither
+    waits the outage out (30 s) nor takes the second SIGTERM for "exit now" (exit 130, from inside
+    a signal handler: a CI run saw it outlive the launcher by more than 30 s, 2026-11-29)."""
+    redis = EmbeddedRedis().start()
+    svc = next(s for s in SERVICES if s.name == "dispatcher")
+    env = service_env(redis.url, write_spec(tmp_path, **ONE_REPLICA), "sigterm")
+    p = await spawn(svc, env, out=io.StringIO())
+    try:
+
+        async def ready() -> bool:
+            assert p.proc.returncode is None, list(p.tail)
+            return any("dispatcher ready" in line for line in p.tail)
+
+        await wait_until(ready, "the dispatcher ready", timeout=60)
+        redis.kill()
+        for _ in range(2):
+            p.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        code = await asyncio.wait_for(p.proc.wait(), timeout=20)
+    finally:
+        await stop_all([p])
+        redis.stop()
+    assert code == 0, list(p.tail)
+    assert time.monotonic() - t0 < 10, list(p.tail)  # its last writes are given 3 s each
+    assert any('msg="stopping already"' in line for line in p.tail), list(p.tail)
 
 
 async def test_a_service_logs_json_lines_when_asked(redis_server: EmbeddedRedis) -> None:
