@@ -70,6 +70,8 @@ def point(
             "failed": s["failed"],
             "sent_late_max_ms": figures.get("sent_late_max_ms"),
             "host_load_1m": figures.get("host_load_1m"),
+            # where the machine's CPU went while the arm ran (bench/_cpu.py): the cores are shared
+            **{k: figures.get(k) for k in ("machine_busy_share", "vllm_cpu_s", "bubbletea_cpu_s")},
         }
         if name == "bubbletea_vllm":
             out[name]["bubble_token_share"] = round(figures["external_kv_tokens"] / prompt_tokens, 4)
@@ -153,12 +155,15 @@ def picture(points: list[dict[str, Any]], path: Path, objective_ms: float) -> Pa
 
 
 def table(res: dict[str, Any]) -> str:
-    rows = [f"{'load':>6} {'arm':<15} {'ttft p50':>9} {'ttft p99':>9} {'SLO':>6} {'goodput':>8} {'bubbles':>8} failed"]
+    rows = [f"{'load':>6} {'arm':<15} {'ttft p50':>9} {'ttft p99':>9} {'SLO':>6} {'goodput':>8} {'bubbles':>8} "
+            f"{'busy':>5} {'vllm s':>7} {'bt s':>6} failed"]  # fmt: skip
     for p in res["points"]:
         for name in ("vllm_alone", "bubbletea_vllm"):
             a = p[name]
             rows.append(f"{p['rate_rps']:>6g} {name:<15} {a['ttft_p50_ms']!s:>9} {a['ttft_p99_ms']!s:>9} "
                         f"{a['slo_attainment']!s:>6} {a['goodput_rps']!s:>8} {a.get('bubble_token_share', '')!s:>8} "
+                        f"{a.get('machine_busy_share')!s:>5} {a.get('vllm_cpu_s')!s:>7} "
+                        f"{a.get('bubbletea_cpu_s')!s:>6} "
                         f"{json.dumps(a['failed'])}")  # fmt: skip
     rows.append(f"TTFT objective {res['ttft_objective_ms']:g} ms, TPOT objective {res['tpot_objective_ms']:g} ms, "
                 f"k = {res['time_scale']}; targets: {json.dumps(res['targets'])}")  # fmt: skip

@@ -48,7 +48,10 @@ prefill phase: in the bubbletea arm, loading the KV cache and computing one posi
 ``second_chunk_p50_ms`` per arm (sending to the second chunk with text: in the bubbletea arm, the
 hop to vLLM and its first step); ``sent_late_max_ms`` (the load generator's worst lateness against
 the schedule) and ``host_load_1m`` (the machine's load average after the arm: the machine may be
-shared).
+shared). Where the CPU went while each arm ran (`bench/_cpu.py`, from /proc): ``machine_busy_share``
+(of every core's time), ``vllm_cpu_s`` and ``bubbletea_cpu_s`` (CPU seconds of vLLM's process tree
+and of `bubbletea up`'s: training, the bubbles' prefill, the services, Redis). Training runs in both
+arms; on a machine without a GPU the bubbles' compute comes from the cores vLLM decodes on.
 
     python bench/pd_vllm.py --quick          # 20 s per arm, 1 pair (a few minutes, vLLM's start included)
     python bench/pd_vllm.py                  # 60 s per arm, 2 pairs
@@ -83,7 +86,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import _pd_sweep, _vllm  # noqa: E402
+from bench import _cpu, _pd_sweep, _vllm  # noqa: E402
 from bench._pd_load import Outcome, arm, arrivals, one, prompts  # noqa: E402
 from shared.figures.runstats import percentile  # noqa: E402
 
@@ -95,6 +98,9 @@ WARMUP = 3
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 #: The longest prompt the serving spec takes (`prefill.max_prompt_tokens`); vLLM's context is 512.
 MAX_PROMPT = 256
+#: The process trees this bench starts, by what their command line holds: CPU seconds each took
+#: while an arm ran (`bench._cpu`: `vllm_cpu_s`, `bubbletea_cpu_s`, with `machine_busy_share`).
+CPU_TREES = {"vllm": "vllm.entrypoints", "bubbletea": "bubbletea.cli"}
 
 
 # ---- the figures (pure) ----
@@ -220,13 +226,16 @@ async def run_arm(
     ext0 = await _settled(http, vllm, BY_SOURCE, source="external_kv_transfer")
     loc0 = await _settled(http, vllm, BY_SOURCE, source="local_compute")
     hists = {key: await _hist(http, urls[where], h) for (where, h), key in HISTOGRAMS.items()}
+    cpu0 = _cpu.sample()
     t0 = time.perf_counter()
     outcomes, late = await arm(http, target, times, ps, args.max_tokens, args.request_timeout)
     wall = time.perf_counter() - t0
+    cpu = _cpu.used(cpu0, _cpu.sample(), CPU_TREES)
     ext = await _settled(http, vllm, BY_SOURCE, source="external_kv_transfer") - ext0
     loc = await _settled(http, vllm, BY_SOURCE, source="local_compute") - loc0
     figures: dict[str, Any] = {"wall_s": round(wall, 1), "sent_late_max_ms": _ms(late)}
     figures["host_load_1m"] = round(os.getloadavg()[0], 2)  # the machine's 1-minute load average after the arm
+    figures |= cpu
     for (where, h), key in HISTOGRAMS.items():
         if where == "front" and name == ARMS[0]:
             continue
