@@ -48,10 +48,8 @@ prefill phase: in the bubbletea arm, loading the KV cache and computing one posi
 ``second_chunk_p50_ms`` per arm (sending to the second chunk with text: in the bubbletea arm, the
 hop to vLLM and its first step); ``sent_late_max_ms`` (the load generator's worst lateness against
 the schedule) and ``host_load_1m`` (the machine's load average after the arm: the machine may be
-shared). Where the CPU went while each arm ran (`bench/_cpu.py`, from /proc): ``machine_busy_share``
-(of every core's time), ``vllm_cpu_s`` and ``bubbletea_cpu_s`` (CPU seconds of vLLM's process tree
-and of `bubbletea up`'s: training, the bubbles' prefill, the services, Redis). Training runs in both
-arms; on a machine without a GPU the bubbles' compute comes from the cores vLLM decodes on.
+shared); ``machine_busy_share``, ``vllm_cpu_s`` and ``bubbletea_cpu_s``: where the CPU went while the
+arm ran (`bench/_cpu.py`; training runs in both arms, and without a GPU the bubbles share vLLM's cores).
 
     python bench/pd_vllm.py --quick          # 20 s per arm, 1 pair (a few minutes, vLLM's start included)
     python bench/pd_vllm.py                  # 60 s per arm, 2 pairs
@@ -98,8 +96,7 @@ WARMUP = 3
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 #: The longest prompt the serving spec takes (`prefill.max_prompt_tokens`); vLLM's context is 512.
 MAX_PROMPT = 256
-#: The process trees this bench starts, by what their command line holds: CPU seconds each took
-#: while an arm ran (`bench._cpu`: `vllm_cpu_s`, `bubbletea_cpu_s`, with `machine_busy_share`).
+#: The process trees this bench starts, by what their command line holds (`bench._cpu.used`).
 CPU_TREES = {"vllm": "vllm.entrypoints", "bubbletea": "bubbletea.cli"}
 
 

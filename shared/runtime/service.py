@@ -51,6 +51,12 @@ def stopped_by(stop: asyncio.Event) -> signal.Signals | None:
     return stop.signal if isinstance(stop, Stop) else None
 
 
+def exits_at_once(sig: signal.Signals) -> bool:
+    """Whether `sig`, come while the service is already stopping, ends it at once: a second Ctrl-C
+    does; a second SIGTERM is the same request again (the module's docstring says why)."""
+    return sig == signal.SIGINT
+
+
 class ListenError(OSError):
     """An HTTP service could not bind its address (the port taken, say): said in one line."""
 
@@ -92,7 +98,7 @@ async def _main(name: str, serve: Serve, settings: Settings, check: Callable[[Se
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
-            if sig != signal.SIGINT:  # the same request again (the module's docstring)
+            if not exits_at_once(sig):
                 log.info("stopping already", signal=sig.name)
                 return
             log.warning("second Ctrl-C while stopping; exiting now", signal=sig.name)
