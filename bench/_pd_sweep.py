@@ -69,6 +69,7 @@ def point(
             "answered_without_text": s["answered_without_text"],  # no time to first text: a miss
             "failed": s["failed"],
             "sent_late_max_ms": figures.get("sent_late_max_ms"),
+            "wall_s": figures.get("wall_s"),  # the arm's first sending to its last answer
             "host_load_1m": figures.get("host_load_1m"),
             # where the machine's CPU went while the arm ran (bench/_cpu.py): the cores are shared
             **{k: figures.get(k) for k in ("machine_busy_share", "vllm_cpu_s", "bubbletea_cpu_s")},
@@ -182,6 +183,7 @@ def result(points: list[dict[str, Any]], k: float | None, args: Any) -> dict[str
         "prompt_tokens_range": [args.prompt_min, args.prompt_max],
         "max_tokens": args.max_tokens,
         "placement": "auto",
+        "vllm_nice": args.vllm_nice,
         "points": points,
         "targets": verdicts(points, args.ttft_objective_ms),
     }
@@ -211,6 +213,11 @@ def add_arguments(ap: Any) -> None:
         help="the time-per-output-token objective goodput also asks; default 100",
     )  # fmt: skip
     ap.add_argument("--picture", metavar="PNG", help="with --sweep: draw goodput and the bubbles' share against load")
+    ap.add_argument(
+        "--vllm-nice", type=int, default=0, metavar="N",
+        help="vLLM's scheduling niceness; default 0. `up` runs its front door at 10, yielding the shared "
+        "cores to training; 10 gives vLLM the same place in both arms",
+    )  # fmt: skip
 
 
 def _rates(text: str) -> tuple[float, ...]:

