@@ -9,7 +9,7 @@ import time
 
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from shared.bus import Bus
-from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.bus.connection import TRANSIENT_ERRORS, Outage, sleep_unless
 from shared.bus.consumer import AfterRead, Consumer
 from shared.bus.delivery import Handlers
 from shared.control import keys, serving
@@ -99,7 +99,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                         next_check = time.monotonic() + serving.READINESS_EVERY_S
                         await d.check_readiness()
                 except TRANSIENT_ERRORS as exc:
-                    await _sleep_unless(stop, outage.failed(exc))
+                    await sleep_unless(stop, outage.failed(exc))
                     continue
                 outage.ok()
                 if time.monotonic() > next_log:
@@ -128,10 +128,3 @@ async def last_writes(d: Dispatcher, hb: Heartbeat, within_s: float = LAST_WRITE
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(within_s):
             await hb.stop()
-
-
-async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
-    """Sleep `seconds`, or less if `stop` is set meanwhile."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(seconds):
-            await stop.wait()

@@ -98,6 +98,16 @@ class Outage:
         return True
 
 
+async def sleep_unless(event: asyncio.Event | None, seconds: float) -> None:
+    """Sleep `seconds`, or less if `event` is set meanwhile (None: the whole time)."""
+    if event is None:
+        await asyncio.sleep(seconds)
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+
+
 async def ride_out(
     op: Callable[[], Awaitable[T]], what: str, *, give_up_s: float = RIDE_OUT_S, unless: asyncio.Event | None = None
 ) -> T:
@@ -121,12 +131,7 @@ async def ride_out(
                     why="stopping" if stopping else "outage too long",
                 )
                 raise
-            if unless is None:
-                await asyncio.sleep(delay)
-            else:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(delay):
-                        await unless.wait()
+            await sleep_unless(unless, delay)
             continue
         outage.ok()
         return result
