@@ -10,6 +10,7 @@ engine core and a worker process under its server).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -24,6 +25,8 @@ from typing import Any
 
 import aiohttp
 import yaml
+
+from bubbletea.launcher.procs import child_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The connector as vLLM's --kv-transfer-config names it (bubbletea_vllm.CONNECTOR, MODULE).
@@ -99,7 +102,7 @@ def vllm_server(python: Path, model: Path, log: Path, *, connector: bool = True,
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+            preexec_fn=functools.partial(child_setup, nice),  # as `up` starts its own: niced, dying with us
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
