@@ -16,10 +16,15 @@ requests finish after it. With no margin, a 24-iteration `bench/bubble_fill.py -
 the admitted requests' TTFT p99 was 1.05 of the objective, the rate's and the cost model's errors
 together. `MARGIN` covers that error (docs/benchmarks.md has the run with it).
 
-Until `min_s` of bubbles has been seen (a whole window unless set) there is no rate, and every
-request is admitted: a rate over a shorter span refused a restarted dispatcher's backlog, read
-before the pipeline's bubbles had come round once (a quarter window was tried on 2026-11-27);
-likewise when no bubble came in the window (a
+Until a whole window has been seen, the rate is over the pipeline's first round (`FirstRound`):
+from each worker's first bubble to its first of a later iteration at the same point or past it, its
+bubble seconds over that span, summed over the workers; there is none until every worker that has
+had a bubble has come round once, and every request is admitted meanwhile. A rate over a shorter
+span refused a restarted dispatcher's backlog, read before the pipeline's bubbles had come round
+once (a quarter window, tried on 2026-11-27: not whole iterations, it undercounted them); and
+waiting a whole window (2 device s: 37 real s at k = 18.5) before the first refusal let a load
+seven times the capacity be admitted, and then fail at its objective, in that time (2026-12-01).
+With no rate in the window (no bubble came in it) every request is admitted as well (a
 paused pipeline is the readiness gate's call, not admission's). For that reason too the rate is
 never below the best a whole window has shown: a pipeline pausing while a lost worker is replaced
 announces short bubbles, and its queue is served once it runs again. The best is taken only for
@@ -68,37 +73,92 @@ MAX_CORRECTION = 2.0
 
 
 @dataclass
+class FirstRound:
+    """One worker's first round: from its first bubble (`started`, at `iteration` and `position`)
+    to its first bubble of a later iteration at that position or past it (or of any iteration after
+    that): whole iterations of its bubbles. `span_s` is None until the round is over."""
+
+    started: float
+    iteration: int
+    position: int
+    usable_s: float  # its bubbles' usable seconds so far, that round-ending one excluded
+    span_s: float | None = None
+
+    def bubble(self, started: float, iteration: int, position: int, usable_s: float) -> None:
+        if self.span_s is not None:
+            return
+        later = iteration > self.iteration + 1 or (iteration > self.iteration and position >= self.position)
+        if later:
+            self.span_s = started - self.started
+        else:
+            self.usable_s += usable_s
+
+    def rate(self) -> float | None:
+        return self.usable_s / self.span_s if self.span_s else None
+
+
+def iteration_and_position(tag: object) -> tuple[int, int] | None:
+    """A bubble's tag as the workers send it, (iteration, position); None for any other tag."""
+    if isinstance(tag, tuple) and len(tag) == 2 and all(isinstance(x, int) for x in tag):
+        return tag[0], tag[1]
+    return None
+
+
+@dataclass
 class Admission:
     window_s: float  # real seconds of bubbles the rate is measured over
-    #: no rate before this much has been seen (real s; None: the whole window)
-    min_s: float | None = None
     #: (when it started, its usable seconds) for the bubbles of the window, oldest first
     _bubbles: deque[tuple[float, float]] = field(default_factory=deque)
     _usable_s: float = 0.0  # the sum of the window's usable seconds
     _first: float | None = None  # when the first bubble was seen
+    #: each worker's first round (`FirstRound`), by worker; None once a bubble came without a
+    #: (iteration, position) tag, whose round cannot be told
+    _rounds: dict[str, FirstRound] | None = field(default_factory=dict)
     _best: float = 0.0  # the highest rate over a whole window so far
     #: the recent real waits over the uncorrected predicted ones (`waited`)
     _ratios: Recent = field(default_factory=lambda: Recent(CORRECTION_WINDOW, CORRECTION_QUANTILE))
     _correction: float = 1.0  # from `_ratios`, kept as they change: every arrival reads it
 
-    def bubble(self, started: float, usable_s: float) -> None:
-        """A bubble that opened at `started` offered `usable_s` seconds to prefill."""
+    def bubble(self, started: float, usable_s: float, worker: str = "", tag: object = None) -> None:
+        """A bubble of `worker` that opened at `started` (its `tag`, as the workers send it)
+        offered `usable_s` seconds to prefill."""
         if self._first is None:
             self._first = started
         self._bubbles.append((started, usable_s))
         self._usable_s += usable_s
+        self._round(worker, started, usable_s, tag)
+
+    def _round(self, worker: str, started: float, usable_s: float, tag: object) -> None:
+        if self._rounds is None or self._whole_window(started):
+            return
+        at = iteration_and_position(tag)
+        if at is None:
+            self._rounds = None
+        elif (r := self._rounds.get(worker)) is None:
+            self._rounds[worker] = FirstRound(started, at[0], at[1], usable_s)
+        else:
+            r.bubble(started, at[0], at[1], usable_s)
+
+    def _whole_window(self, now: float) -> bool:
+        return self._first is not None and now - self._first >= self.window_s
+
+    def _first_round_rate(self) -> float | None:
+        """The pipeline's bubble seconds per second over each worker's first round (None until
+        every worker that had a bubble has come round once)."""
+        rates = [r.rate() for r in self._rounds.values()] if self._rounds else [None]
+        return None if None in rates else sum(r for r in rates if r is not None)
 
     def rate(self, now: float) -> float | None:
-        """Usable bubble seconds per second (see the module docstring); None before `min_s` was
-        seen or when no bubble came in the window."""
+        """Usable bubble seconds per second (see the module docstring): over the first round until a
+        whole window was seen; None before that round or when no bubble came in the window."""
         while self._bubbles and self._bubbles[0][0] < now - self.window_s:
             self._usable_s -= self._bubbles.popleft()[1]
-        least = self.window_s if self.min_s is None else self.min_s
-        if self._first is None or now - self._first < least or not self._bubbles:
+        if self._first is None or not self._bubbles:
             return None
-        rate = max(0.0, self._usable_s) / min(self.window_s, now - self._first)
-        if now - self._first >= self.window_s:
-            self._best = max(self._best, rate)
+        if not self._whole_window(now):
+            return self._first_round_rate()
+        rate = max(0.0, self._usable_s) / self.window_s
+        self._best = max(self._best, rate)
         return self._best if rate < PAUSE_SHARE * self._best else rate
 
     def waited(self, predicted_s: float, real_s: float, given_s: float) -> None:

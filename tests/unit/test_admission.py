@@ -21,7 +21,42 @@ def test_no_rate_until_a_whole_window_of_bubbles_was_seen() -> None:
     a.bubble(2.6, 0.01)
     assert a.rate(3.5) == pytest.approx(0.1)  # 0.01 over the window: a pause, so the best window stands
     assert a.rate(10.0) is None  # none in the window: no rate (a pause is the readiness gate's call)
-    assert Admission(window_s=2.0, min_s=0.5).rate(0.0) is None  # a shorter start may be asked for
+
+
+def test_before_a_whole_window_the_rate_is_the_first_rounds_of_every_worker() -> None:
+    """Bubbles tagged (iteration, position): once each worker has come round to its first bubble's
+    point in a later iteration, the rate is its bubble seconds over that span, summed over workers."""
+    a = Admission(window_s=10.0)
+    a.bubble(0.0, 0.1, "w1", (3, 2))  # w1 seen from mid-iteration 3, at its position 2
+    a.bubble(0.3, 0.2, "w2", (3, 0))
+    a.bubble(0.5, 0.1, "w1", (4, 0))  # iteration 4, before position 2: not round yet
+    assert a.rate(0.6) is None
+    a.bubble(1.0, 0.1, "w1", (4, 2))  # w1 round: 0.2 s over 1.0 s
+    assert a.rate(1.1) is None  # w2 has not come round
+    a.bubble(1.2, 0.2, "w2", (4, 1))  # w2 at a later iteration, past its position 0: 0.2 s over 0.9 s
+    assert a.rate(1.3) == pytest.approx(0.2 + 0.2 / 0.9)
+    a.bubble(1.4, 5.0, "w1", (5, 2))  # what comes after a round does not change it
+    assert a.rate(1.5) == pytest.approx(0.2 + 0.2 / 0.9)
+    assert a.rate(10.0) == pytest.approx((0.1 + 0.2 + 0.1 + 0.1 + 0.2 + 5.0) / 10.0)  # a whole window
+
+
+def test_a_first_round_ends_two_iterations_on_if_its_position_does_not_come_again() -> None:
+    a = Admission(window_s=10.0)
+    a.bubble(0.0, 0.1, "w", (0, 5))
+    a.bubble(1.0, 0.1, "w", (1, 0))  # iteration 1 had no bubble at position 5 or past it
+    assert a.rate(1.5) is None
+    a.bubble(2.0, 0.1, "w", (2, 0))
+    assert a.rate(2.5) == pytest.approx(0.2 / 2.0)
+
+
+def test_bubbles_without_iteration_tags_wait_for_a_whole_window() -> None:
+    a = Admission(window_s=2.0)
+    for i in range(10):
+        a.bubble(i * 0.1, 0.05, "w", i)  # a tag that is not (iteration, position)
+    assert a.rate(1.0) is None
+    a.bubble(1.0, 0.05, "w2", (0, 0))
+    a.bubble(1.1, 0.05, "w2", (1, 0))
+    assert a.rate(1.2) is None  # one untagged worker is enough: its round cannot be told
 
 
 def test_a_request_that_would_finish_past_its_deadline_is_refused_saying_why() -> None:
@@ -59,6 +94,25 @@ def test_past_capacity_the_dispatcher_refuses_the_excess_at_arrival() -> None:
     # until a window of bubbles is seen all are admitted (and expire); after it, the excess is refused
     assert refused_late >= 0.8 * 550
     assert s.counts.overloaded >= refused_late
+
+
+def test_a_dispatcher_refuses_past_capacity_once_its_pipeline_came_round_once() -> None:
+    """Two workers, a bubble each per 0.1 s iteration: the excess is refused from the second
+    iteration on, not only once the 2 s window has passed."""
+    cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])  # 1 ms per token
+    s = DispatchState(layers=4, max_batch=8, cost=cost)
+    refused_at = []
+    for i in range(20):
+        now = i * 0.1
+        for w in ("w0", "w1"):
+            s.bubble_start(BubbleOpened(w, f"fill:{w}", 0.02, 0, started=now, tag=(i, 1)), now)
+            s.bubble_end(BubbleClosed(w, (i, 1), 0.03), now=now)
+        for j in range(10):  # ten 0.1 s requests every 0.1 s: 10 s of work a second, 0.6 s/s served
+            ds = s.add_request(Request(f"r{i}.{j}", 100, now, 1, deadline=now + 1.0, ticket=f"t{i}.{j}"), now)
+            refused_at += [now for f in ds.failed if f.reason is FailureReason.OVERLOADED]
+    assert s._admission.rate(1.0) == pytest.approx(0.6)
+    assert refused_at and min(refused_at) == pytest.approx(0.1)  # the first round closed at 0.1 s
+    assert len(refused_at) >= 0.8 * 190
 
 
 def test_waits_longer_than_predicted_lengthen_the_next_predictions() -> None:
