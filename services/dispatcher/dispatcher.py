@@ -284,6 +284,7 @@ class Dispatcher:
             reason=verdict.reason,
             retry_after_s=verdict.retry_after_s,
             at=now,
+            came_round=self.state.came_round(now),
         )
         try:
             await serving.publish_readiness(self.bus.redis, record)

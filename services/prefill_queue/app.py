@@ -367,16 +367,18 @@ async def ready(request: web.Request) -> web.Response:
     if not v.ready:
         headers = {"Retry-After": str(v.retry_after_s)}
         return web.json_response({"status": "not ready", **body}, status=503, headers=headers)
-    if v.state is ServingState.JOINING and _objective_waits_for_training(app):
-        body["reason"] = f"{v.reason}; until its first bubble a request with a TTFT objective is refused (429)"
+    if (v.state is ServingState.JOINING or not v.came_round) and _objective_waits_for_training(app):
+        until = "its first bubble" if v.state is ServingState.JOINING else "the pipeline has come round once"
+        body["reason"] = f"{v.reason}; until {until} a request with a TTFT objective is refused (429)"
         return web.json_response({"status": "not ready", **body}, status=503, headers={"Retry-After": "1"})
     return web.json_response({"status": "ready", **body})
 
 
 def _objective_waits_for_training(app: web.Application) -> bool:
     """Whether this front door's requests (its default TTFT objective, no decoder to compute them)
-    are refused while the run's workers set up: the dispatcher cannot say when the first bubble
-    comes (`prompt_placement.on_arrival`). /ready says 503 then, so that a probe (compose's
+    are refused while the run's workers set up, and until the pipeline has come round once: the
+    dispatcher cannot say when the first bubble comes, nor then how fast the bubbles serve
+    (`prompt_placement.on_arrival`). /ready says 503 then, so that a probe (compose's
     healthcheck, Kubernetes') sends traffic once it would be served."""
     objective = app[SETTINGS].spec.prefill.ttft_objective_ms
     return bool(objective) and completions.default_mode(app) is Mode.BUBBLES

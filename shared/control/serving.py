@@ -157,6 +157,10 @@ class Readiness(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     retry_after_s: int
     at: float  # wall clock of the verdict
+    #: the pipeline has come round once, so admission knows how fast the bubbles serve
+    #: (`Admission.came_round`); until then a request with a TTFT objective is refused where no
+    #: decoder can take it, and a front door stating one says so on `/ready`
+    came_round: bool = True
 
     @property
     def ready(self) -> bool:

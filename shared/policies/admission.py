@@ -148,6 +148,10 @@ class Admission:
         rates = [r.rate() for r in self._rounds.values()] if self._rounds else [None]
         return None if None in rates else sum(r for r in rates if r is not None)
 
+    def came_round(self, now: float) -> bool:
+        """Whether the rate is measured: every worker came round once, or a whole window passed."""
+        return self._whole_window(now) or self._first_round_rate() is not None
+
     def rate(self, now: float) -> float | None:
         """Usable bubble seconds per second (see the module docstring): over the first round until a
         whole window was seen; None before that round or when no bubble came in the window."""

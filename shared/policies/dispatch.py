@@ -160,6 +160,11 @@ class DispatchState(Filling, Leaving):
         """How often the service should call `tick` (real s)."""
         return TICK_S * self.time_scale
 
+    def came_round(self, now: float) -> bool:
+        """Whether the bubbles' rate is measured (`Admission.came_round`): until then a request with
+        a TTFT objective is moved to the decoder, or refused (`prompt_placement.on_arrival`)."""
+        return self._admission.came_round(now)
+
     def work_for(self, worker: str) -> bool:
         """Whether a bubble of `worker` opening now has work to take, as far as the dispatcher
         knows: requests wait here, or work is held there."""

@@ -54,7 +54,14 @@ class Leaving:
             verdict = placement.Verdict(None if why else placement.Where.BUBBLES, why or "")
         else:
             verdict = placement.on_arrival(
-                finish_in, req.due, req.objective_s, req.may_move, now, req.decoder_s, self._bubble_seen
+                finish_in,
+                req.due,
+                req.objective_s,
+                req.may_move,
+                now,
+                req.decoder_s,
+                self._bubble_seen,
+                self._admission.came_round(now),
             )
         if verdict.where is placement.Where.BUBBLES:
             req.predicted_wait_s = self._admission.raw_finish_in(ahead, own, now)  # what corrects the next

@@ -94,6 +94,7 @@ def on_arrival(
     now: float,
     decoder_s: float = 0.0,
     started: bool = True,
+    came_round: bool = True,
 ) -> Verdict:
     """Where a request arriving at `now` goes. `finish_in_s`: when the bubbles are predicted to
     finish it from now (None: no prediction yet); `due`: when its prompt must be done (its objective,
@@ -102,9 +103,17 @@ def on_arrival(
     was seen yet. Before the first, nothing says when one will come (the workers are still setting
     up, then the first iteration starts when the last has): a request with an objective goes to the
     decoder, or is refused. (Taken, they waited for the first bubbles: in compose, every request of
-    the first second of a burst sent as the workers joined failed at its 500 ms objective, 2026-11-29.)"""
-    if not started and due is not None and objective_s is not None:
-        why = "no bubble yet: training has not started, and nothing says when its first bubbles come"
+    the first second of a burst sent as the workers joined failed at its 500 ms objective, 2026-11-29.)
+    Likewise until the pipeline has `came_round` once (`Admission.came_round`): before that nothing
+    says how fast its bubbles serve. (Taken, a load five times their capacity sent from the moment
+    `bubbletea up` was ready waited for its first round, and 17% of it failed at its objective,
+    2026-12-02.)"""
+    if due is not None and objective_s is not None and not (started and came_round):
+        why = (
+            "no bubble yet: training has not started, and nothing says when its first bubbles come"
+            if not started
+            else "the pipeline has not come round once yet: nothing says how fast its bubbles serve"
+        )
         return Verdict(Where.DECODER if may_move else None, why)
     if finish_in_s is None or due is None:
         return Verdict(Where.BUBBLES, "no objective" if due is None else "no rate of the bubbles measured yet")

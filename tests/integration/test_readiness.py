@@ -21,8 +21,10 @@ from services.dispatcher.serve import serve
 from services.prefill_queue.app import create_app
 from services.stage_worker.lease import SlotLease
 from services.stage_worker.recovery import Generations
+from shared.bus import Bus
 from shared.control import keys
 from shared.spec.settings import Settings, load_settings
+from shared.wire import BubbleEnd, BubbleStart
 
 RUN = "ready-test"
 
@@ -152,6 +154,54 @@ async def test_with_a_ttft_objective_a_run_whose_workers_set_up_is_not_ready_and
         resp = await client.post("/v1/completions", json={"model": "bubbletea-gpt", "prompt": "now", "max_tokens": 1})
         assert resp.status == 429 and "Retry-After" in resp.headers
         assert "no bubble yet" in (await resp.json())["error"]["message"]
+
+
+async def test_with_a_ttft_objective_the_front_door_is_ready_once_the_pipeline_came_round(
+    settings: Settings, dispatcher: None, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training runs, but until every worker has come round to its first bubble's point in a later
+    iteration nothing says how fast the bubbles serve: /ready says 503 and a request with the
+    objective is refused at once (429) saying so; once they have, /ready says 200."""
+    monkeypatch.setattr(keys, "LEASE_TTL_MS", 60_000)
+    p = settings.spec.parallelism
+    prefill = msgspec.structs.replace(settings.spec.prefill, ttft_objective_ms=500.0)
+    with_objective = dataclasses.replace(settings, spec=msgspec.structs.replace(settings.spec, prefill=prefill))
+    leases = [SlotLease(redis, RUN, p.pp, p.dp, holder=f"w{i}") for i in range(p.pp * p.dp)]
+    slots = [await lease.acquire() for lease in leases]
+    gens = [Generations(redis, RUN, leases[0].all_slots) for _ in leases]
+    await asyncio.gather(*(g.enter(after_loss=False) for g in gens))
+    await asyncio.gather(*(g.barrier(slot, timeout_s=60) for g, slot in zip(gens, slots, strict=True)))
+    workers = [f"r{r}s{st}" for r in range(p.dp) for st in range(p.pp)]
+
+    async def bubbles(bus: Bus, iteration: int) -> None:
+        for name in workers:
+            replica, stage = int(name[1]), int(name[3])
+            at = time.time()
+            common = dict(run=RUN, worker=name, replica=replica, stage=stage, iteration=iteration, position=2)
+            await bus.publish(keys.bubbles_stream(RUN), BubbleStart(
+                **common, dc="dc-a", predicted_ms=20.0, free_memory_bytes=1 << 30, at=at,
+            ))  # fmt: skip
+            await bus.publish(keys.bubbles_stream(RUN), BubbleEnd(
+                **common, predicted_ms=20.0, actual_ms=20.0, at=at + 0.02,
+            ))  # fmt: skip
+
+    completion = {"model": "bubbletea-gpt", "prompt": "now", "max_tokens": 1}
+    async with TestClient(TestServer(create_app(with_objective))) as client, Bus(settings.redis_url, name="t") as bus:
+        await bubbles(bus, 0)
+        status, body = await wait_ready_state(client, "serving", saying="come round once")
+        assert status == 503 and body["retry_after"] == "1"
+        resp = await client.post("/v1/completions", json=completion)
+        assert resp.status == 429 and "Retry-After" in resp.headers
+        assert "has not come round once" in (await resp.json())["error"]["message"]
+        await asyncio.sleep(0.1)
+        await bubbles(bus, 1)  # every worker at position 2 again, an iteration on
+        deadline = time.monotonic() + 30
+        while (resp := await client.get("/ready")).status != 200:
+            assert time.monotonic() < deadline, f"never ready: {await resp.json()}"
+            await asyncio.sleep(0.05)
+        assert (await resp.json())["state"] == "serving"
+    for lease in leases:
+        await lease.finish()
 
 
 async def test_no_dispatcher_means_not_ready_but_requests_are_accepted(settings: Settings, redis: Redis) -> None:

@@ -103,7 +103,8 @@ def test_before_the_first_bubble_a_request_with_an_objective_moves_or_is_refused
     """Nothing says when the first bubbles come (the workers set up, then the first iteration
     starts when the last one has): a request with an objective goes to the decoder at once, or is
     refused (a 429 and Retry-After), rather than wait for them past its objective. One with a
-    deadline only waits, as before. After one bubble the bubbles take it again."""
+    deadline only waits, as before. Nor, after the first bubble, does anything say how fast they
+    serve until the pipeline has come round once: the same again. Then the bubbles take it."""
     cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])
     s = DispatchState(layers=4, max_batch=8, cost=cost)
     s.worker_joined(WorkerReady("w", "fill:w", 0.05, 10**9, at=0.0), 0.0)  # joined, not yet training
@@ -113,8 +114,14 @@ def test_before_the_first_bubble_a_request_with_an_objective_moves_or_is_refused
     got = {f.id: f.reason for f in ds.failed}
     assert got == {"moves": FailureReason.TO_DECODER, "refused": FailureReason.OVERLOADED}
     assert all("no bubble yet" in f.detail for f in ds.failed) and "waits" in s.requests
-    s.bubble_start(BubbleOpened("w", "fill:w", 0.05, 0, started=0.1, tag=0), 0.1)
-    ds = s.add_request(Request("taken", 50, 0.1, 1, deadline=60.0, objective=0.6), 0.1)
+    s.bubble_start(BubbleOpened("w", "fill:w", 0.05, 0, started=0.1, tag=(0, 3)), 0.1)
+    s.bubble_end(BubbleClosed("w", (0, 3), 0.05), now=0.15)
+    ds = s.add_request(Request("early", 50, 0.15, 1, deadline=60.0, objective=0.6), 0.15)
+    assert [(f.id, f.reason) for f in ds.failed] == [("early", FailureReason.OVERLOADED)]
+    assert "has not come round once" in ds.failed[0].detail
+    s.bubble_start(BubbleOpened("w", "fill:w", 0.05, 0, started=0.2, tag=(1, 3)), 0.2)  # round: 0.5 s/s
+    s.bubble_end(BubbleClosed("w", (1, 3), 0.05), now=0.25)
+    ds = s.add_request(Request("taken", 50, 0.25, 1, deadline=60.0, objective=0.6), 0.25)
     assert not ds.failed and "taken" in s.requests
     assert placement.on_arrival(None, 1.0, 1.0, False, 0.0, started=False).where is None
     assert placement.on_arrival(None, None, None, False, 0.0, started=False).where is Where.BUBBLES
