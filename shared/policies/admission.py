@@ -19,7 +19,9 @@ together. `MARGIN` covers that error (docs/benchmarks.md has the run with it).
 Until a whole window has been seen, the rate is over the pipeline's first round (`FirstRound`):
 from each worker's first bubble to its first of a later iteration at the same point or past it, its
 bubble seconds over that span, summed over the workers; there is none until every worker that has
-had a bubble has come round once, and every request is admitted meanwhile. A rate over a shorter
+had a bubble has come round once, and a request is admitted meanwhile (one with a TTFT objective
+is not: placement moves it to the decoder or refuses it, `prompt_placement.on_arrival`, as it
+cannot say when the bubbles would start it; one with a deadline only is). A rate over a shorter
 span refused a restarted dispatcher's backlog, read before the pipeline's bubbles had come round
 once (a quarter window, tried on 2026-11-27: not whole iterations, it undercounted them); and
 waiting a whole window (2 device s: 37 real s at k = 18.5) before the first refusal let a load

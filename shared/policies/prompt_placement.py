@@ -16,10 +16,11 @@ compute the prompt itself at once, at the cost of its own GPU time. `prefill.pla
 
 The prediction is admission's (`shared.policies.admission`): the prefill queued ahead of the request
 (the dispatcher's queue and all the work held on workers, which runs first) and the request's own,
-served at the rate the bubbles offered over the recent window. With no rate yet (before the
-pipeline has come round once) the bubbles are assumed to meet it: the move at `moves_at` is the
-safety net. Before the run's first bubble they cannot be: a request with an objective goes to the
-decoder or is refused.
+served at the rate the bubbles offered over the recent window. Before the run's first bubble, and
+until the pipeline has come round once (`Admission.came_round`), nothing says when they would start
+it: a request with an objective goes to the decoder or is refused. With no rate later (no bubble in
+the window: a paused pipeline, the readiness gate's call) the bubbles are assumed to meet it: the
+move at `moves_at` is the safety net.
 
 Whether the decoder can meet the objective in its turn is the front door's to judge, from what it
 has sent the decoder (`DecoderLoad`): a request neither can serve in time is refused with a 429.
