@@ -72,6 +72,19 @@ def images_problem() -> str | None:
     return None
 
 
+def time_scale() -> str:
+    """The device time scale the project runs at: `BUBBLETEA_TIME_SCALE` where set, else measured
+    here as `bubbletea up` measures it (`calibrate`, on compose's spec): compose's own default, 1, is
+    more than a slow 2-core machine keeps (on 2026-12-02 the burst, the crash and the drain tests
+    saw 429s at k = 1, and none at k = 15, the k `up` measured that day)."""
+    if os.environ.get("BUBBLETEA_TIME_SCALE"):
+        return os.environ["BUBBLETEA_TIME_SCALE"]
+    from shared.spec.settings import load_settings
+    from shared.spec.timescale import calibrate
+
+    return f"{calibrate(load_settings(ROOT / 'configs' / 'demo.yaml', env={}).spec).scale:g}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,7 +103,9 @@ class Project:
             "BUBBLETEA_API_KEY": self.api_key,
             "BUBBLETEA_PORT": f"127.0.0.1:{self.port}",
             "PROMETHEUS_PORT": f"127.0.0.1:{self.prometheus_port}",
+            "BUBBLETEA_TIME_SCALE": time_scale(),
         }
+        TIMINGS["time_scale"] = self.env["BUBBLETEA_TIME_SCALE"]
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
