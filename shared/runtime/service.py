@@ -24,7 +24,6 @@ from aiohttp import web
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from shared.model.info import CheckpointError
 from shared.policies.restarts import EXIT_CONFIG  # a bad spec, an unloadable checkpoint, a missing device
@@ -140,14 +139,14 @@ EXIT_UNREACHABLE = 1
 async def wait_for_redis(url: str, wait_s: float, stop: asyncio.Event) -> bool:
     """PING Redis until it answers (True), backing off as the bus does, until `wait_s` have passed
     or `stop` is set (False). The deadline is stated in the first warning; the end in one line."""
-    from shared.bus.connection import CONNECT_TIMEOUT_S, backoff
+    from shared.bus.connection import CONNECT_TIMEOUT_S, backoff, no_retry
 
     r = Redis.from_url(
         url,
         protocol=2,
         socket_timeout=None,  # as the bus's clients (shared/bus/connection.py)
         socket_connect_timeout=CONNECT_TIMEOUT_S,
-        retry=Retry(backoff(), retries=0),
+        retry=no_retry(),
     )
     deadline = time.monotonic() + wait_s
     until = (datetime.now(UTC) + timedelta(seconds=wait_s)).isoformat(timespec="seconds").replace("+00:00", "Z")

@@ -194,3 +194,32 @@ async def test_the_data_plane_rendezvous_gives_up_after_its_timeout(server: Embe
     finally:
         store.close()
         server.start()  # the fixture stops it
+
+
+async def test_a_client_retries_nothing_itself_and_a_pooled_connection_survives_a_restart(
+    server: EmbeddedRedis,
+) -> None:
+    """redis-py retries nothing (every retry is ours: `ride_out`, the consumer loop), so a call
+    while Redis is down fails at once; a pooled connection that the restart closed is replaced when
+    the pool hands it out, so the first call after the restart succeeds without any retry."""
+    from redis.asyncio.retry import Retry
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from shared.bus.connection import blocking_client, command_client
+
+    r, reader = command_client(server.url), blocking_client(server.url)
+    try:
+        for client in (r, reader):
+            retry = client.connection_pool.connection_kwargs["retry"]
+            assert isinstance(retry, Retry) and retry.get_retries() == 0, retry  # an asyncio Retry
+        assert await r.ping() and await reader.ping()
+        server.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RedisConnectionError):
+            await r.ping()
+        assert time.monotonic() - t0 < 1.0  # no backoff inside redis-py (its old 8 retries took seconds)
+        server.start()
+        assert await r.ping() and await reader.ping()  # the first call after the restart
+    finally:
+        await r.aclose()
+        await reader.aclose()
