@@ -72,6 +72,8 @@ DEADLINE_MS = 120_000
 #: Where the run's cosine learning rate ends (BUBBLETEA_DECAY_ITERS): a quick run's iterations and
 #: its worker kill fall in the decay, a full run's go on at the floor.
 DECAY_ITERS = 20
+#: How long Redis stays down (killed, then started again on the same port and files).
+REDIS_DOWN_S = 2.0
 #: How far a loss may be from the reference's (float summation order differs across stages).
 LOSS_TOLERANCE = 1e-5
 
@@ -302,7 +304,7 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
                     await asyncio.sleep(args.gap)
                 started = time.monotonic()
                 redis_srv.kill()  # SIGKILL: the append-only file (fsync always) is all that survives
-                await asyncio.sleep(2.0)  # Redis stays down a while
+                await asyncio.sleep(REDIS_DOWN_S)
                 redis_srv = EmbeddedRedis(port=redis_srv.port, persist=True, data_dir=str(redis_dir)).start()
                 await wait_ready(http, api, 120)
                 faults.append({"round": rnd, "killed": "redis", "back_after_s": round(time.monotonic() - started, 1)})
@@ -346,6 +348,8 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
         "restarts": dict(restarts),
         "up_exit_code": proc.returncode,
         "max_back_after_s": max((f["back_after_s"] for f in faults), default=0.0),
+        # from Redis's SIGKILL to the front door's /ready, its REDIS_DOWN_S down included
+        "redis_back_after_s": [f["back_after_s"] for f in faults if f["killed"] == "redis"],
         "settled_after_s": settled_s,
         "seconds": round(time.monotonic() - t0, 1),
     }
