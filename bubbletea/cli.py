@@ -130,8 +130,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         _stop_fork_server()
 
 
+def _quiet_warnings(verbose: bool) -> None:
+    """Python warnings are log records (logger `py.warnings`): a dependency's warning never stands
+    in place of the command's one line on a user's terminal; -v shows them."""
+    import logging
+
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").setLevel(logging.DEBUG if verbose else logging.ERROR)
+
+
 def _main(argv: list[str]) -> int:
     verbose = _verbose(argv)
+    _quiet_warnings(verbose)
     seen: dict[str, str] = {}
     try:
         try:

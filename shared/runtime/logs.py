@@ -105,7 +105,9 @@ def get_logger(name: str) -> KVLogger:
 
 def setup_logging(service: str, level: str = "INFO", fmt: str = "kv") -> None:
     """Route all logging to stderr as key=value lines (``fmt="kv"``) or JSON lines (``"json"``),
-    tagged with the service name."""
+    tagged with the service name. Python warnings (ours or a dependency's) are log records too
+    (logger ``py.warnings``, level warning): a line in the process's format, never raw text that
+    breaks a JSON log or a command's one-line message."""
     global _SERVICE
     _SERVICE = service
     handler = logging.StreamHandler(sys.stderr)
@@ -114,3 +116,4 @@ def setup_logging(service: str, level: str = "INFO", fmt: str = "kv") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.captureWarnings(True)

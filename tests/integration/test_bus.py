@@ -149,7 +149,8 @@ async def test_undecodable_message_is_dead_lettered_with_its_ack(redis_url: str,
     assert b"undecodable" in dl[b"error"]
     assert c.stats.dead_lettered == 1
     assert await pending_count(redis, "s", "g") == 0
-    letters = await Bus(redis_url).dead_letters()
+    async with Bus(redis_url) as reader:
+        letters = await reader.dead_letters()
     assert [d.source_id for d in letters] == [bad_id]
 
 
@@ -170,7 +171,8 @@ async def test_a_huge_poison_message_is_dead_lettered_truncated_with_its_length_
     assert dl[b"payload_sha256"].decode() == hashlib.sha256(poison).hexdigest()
     assert c.stats.dead_lettered == 1
     assert int(await redis.memory_usage(keys.DEAD_LETTER_STREAM)) < 2 * cap  # not ~1 MB
-    [letter] = await Bus(redis_url).dead_letters()
+    async with Bus(redis_url) as reader:
+        [letter] = await reader.dead_letters()
     assert letter.truncated and letter.payload_bytes == len(poison) and len(letter.payload) == cap
 
 

@@ -158,6 +158,7 @@ def test_a_closed_pipe_ends_the_command_quietly() -> None:
     assert p.stdout is not None and p.stderr is not None
     p.stdout.close()  # the reader leaves at once: the command's first write meets a closed pipe
     err = p.stderr.read()
+    p.stderr.close()
     assert p.wait(timeout=60) == 141 and err == "", err  # 128 + SIGPIPE, as a coreutils tool
 
 

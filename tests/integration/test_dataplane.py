@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,7 +66,7 @@ async def bye(*procs: asyncio.subprocess.Process) -> None:
 
 def connections_between(pid_a: int, pid_b: int) -> int:
     """Established TCP connections with one end in each process (from `ss -tnp`)."""
-    out = os.popen("ss -tnpH state established").read()
+    out = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True, check=True).stdout
     ends: dict[int, set[tuple[str, str]]] = {pid_a: set(), pid_b: set()}
     for row in out.splitlines():
         cols = row.split()

@@ -74,7 +74,7 @@ def test_a_launcher_killed_with_sigkill_leaves_no_fork_running() -> None:
         os.kill(fork_pid, 0)  # it runs
     finally:
         launcher.kill()
-        launcher.wait()
+        launcher.communicate()  # reaps it and closes its pipe
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if not _running(fork_pid):

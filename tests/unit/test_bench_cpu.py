@@ -38,6 +38,6 @@ def test_a_childs_cpu_time_is_counted_in_its_tree() -> None:
         got = used(before, sample(), {"spin": "spin-marker"})
     finally:
         child.kill()
-        child.wait()
+        child.communicate()  # reaps it and closes its pipes
     assert got["spin_cpu_s"] is not None and 0.35 <= got["spin_cpu_s"] < 5
     assert got["machine_busy_share"] is not None and 0 < got["machine_busy_share"] <= 1

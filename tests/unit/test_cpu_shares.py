@@ -46,7 +46,7 @@ def test_a_forked_worker_is_named_by_the_title_it_takes_after_the_first_sample(c
         assert sampler.names[child.pid] == "stage_worker"
     finally:
         child.kill()
-        child.wait()
+        child.communicate()  # reaps it and closes its pipes
 
 
 def test_the_fork_server_itself_is_named_so(cpu_shares: Any) -> None:
@@ -57,4 +57,4 @@ def test_the_fork_server_itself_is_named_so(cpu_shares: Any) -> None:
         assert cpu_shares._service_name(server.pid) == "forkserver"
     finally:
         server.kill()
-        server.wait()
+        server.communicate()

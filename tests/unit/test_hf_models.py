@@ -175,8 +175,8 @@ def test_kv_cache_matches_transformers_per_layer(saved: Saved, model: PrefillMod
     out = reference(saved, PROMPT)
     result = model.prefill(PROMPT)
     info = model.info
-    assert len(result.kv) == info.layers == len(out.past_key_values.layers)
-    for (k, v), theirs in zip(result.kv, out.past_key_values.layers, strict=True):
+    assert len(result.kv) == info.layers == len(out.cache.layers)
+    for (k, v), theirs in zip(result.kv, out.cache.layers, strict=True):
         assert k.shape == v.shape == (1, info.kv_heads, len(PROMPT), info.head_dim) == theirs.keys.shape
         assert k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32
         assert torch.allclose(k, theirs.keys, atol=TOL, rtol=0)
@@ -188,15 +188,15 @@ def test_decode_steps_follow_transformers_token_for_token(saved: Saved, model: P
     """Greedy decoding with our cache equals transformers' forward with its cache, logits included."""
     first = model.prefill(PROMPT)
     out = reference(saved, PROMPT)
-    past, theirs = out.past_key_values, [int(out.logits[0, -1].argmax())]
+    past, theirs = out.cache, [int(out.logits[0, -1].argmax())]
     ours, kv = [first.token], first.kv
     for n in range(5):
         logits, grown = model.decode_step(kv, ours[-1], len(PROMPT) + n)
         assert len(grown) == model.info.layers and grown[0][0].shape[2] == len(PROMPT) + n + 1
         assert kv[0][0].shape[2] == len(PROMPT) + n  # the cache passed in is left as it was
         with torch.no_grad():
-            out = saved.hf(torch.tensor([[theirs[-1]]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+            out = saved.hf(torch.tensor([[theirs[-1]]]), cache=past, use_cache=True)
+        past = out.cache
         assert torch.allclose(logits, out.logits[0, -1], atol=TOL, rtol=0)
         ours.append(int(logits.argmax()))
         theirs.append(int(out.logits[0, -1].argmax()))

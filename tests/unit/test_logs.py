@@ -37,3 +37,47 @@ def test_the_log_format_is_read_once_and_validated() -> None:
     assert load_settings(env={}).log_format == "kv"
     with pytest.raises(ConfigError, match="BUBBLETEA_LOG_FORMAT: expected one of kv, json"):
         load_settings(env={"BUBBLETEA_LOG_FORMAT": "xml"})
+
+
+@pytest.fixture
+def warnings_as_records():
+    """Warnings shown (not raised, as the suite has them) and routed to logging, restored after."""
+    import warnings
+
+    logger = logging.getLogger("py.warnings")
+    level = logger.level
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            logging.captureWarnings(False)
+            logger.setLevel(level)
+
+
+def test_a_warning_is_a_log_record_of_the_process_format(
+    warnings_as_records: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    import warnings
+
+    logging.captureWarnings(True)  # what setup_logging does, without replacing pytest's handlers
+    with caplog.at_level(logging.WARNING, logger="py.warnings"):
+        warnings.warn("a dependency's deprecation", UserWarning, stacklevel=1)
+    [rec] = [r for r in caplog.records if r.name == "py.warnings"]
+    got = json.loads(JsonFormatter().format(rec))  # one JSON line, as every other record
+    assert got["level"] == "warning" and "a dependency's deprecation" in got["msg"]
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_command_shows_a_dependencys_warning_only_with_v(
+    warnings_as_records: None, caplog: pytest.LogCaptureFixture, verbose: bool
+) -> None:
+    """A warning never stands in place of the command's one line (Ctrl-C, an error); -v shows it."""
+    import warnings
+
+    from bubbletea.cli import _quiet_warnings
+
+    _quiet_warnings(verbose)
+    warnings.warn("a dependency's deprecation", UserWarning, stacklevel=1)
+    shown = [r for r in caplog.records if r.name == "py.warnings"]
+    assert bool(shown) is verbose, shown
