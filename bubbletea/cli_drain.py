@@ -88,6 +88,9 @@ async def _drain(url: str, run: str, replica: int, stage: int, slot: str, args: 
     try:
         holder = await r.get(keys.lease_key(run, replica, stage))
         if holder is None:
+            state, reason = await slot_end(r, run, replica, stage)
+            if state is not None:  # finished training, stopped, or left: say which
+                raise CommandError(f"slot {slot} of run {run!r} has ended ({reason or state.value}): nothing to drain")
             raise CommandError(f"slot {slot} of run {run!r} has no worker now (no lease): nothing to drain")
         await r.set(keys.drain_key(run, slot), "bubbletea drain", ex=keys.LEASE_END_TTL_S)
         print(f"asked the worker of {slot} (run {run}) to leave at its next step boundary", file=sys.stderr)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
 import signal
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from redis.asyncio import Redis
 
+from bubbletea.commands import build_parser
 from bubbletea.launcher.procs import Proc, spawn, stop_all
 from bubbletea.launcher.services import STAGE_WORKER
 from shared.bus.connection import blocking_client
@@ -47,8 +47,10 @@ async def reported(r: Redis, run: str, iteration: int) -> None:
 
 
 async def drain_and_replace(
-    tmp_path: Path, url: str, overrides: dict[str, object] | None, how: str
+    tmp_path: Path, url: str, overrides: dict[str, object] | None, how: str, said: Callable[[], str] | None = None
 ) -> tuple[list[Proc], str, list[object], Path]:
+    """`how`: "command" (`bubbletea drain`, through the command's entry point in this process, `said`
+    returning what it wrote to stderr) or "signal" (SIGTERM to the worker)."""
     path = write_spec(tmp_path, overrides, iterations=ITERATIONS, checkpoint_every=4)
     run, env, procs = await start_run(url, path)
     r = blocking_client(url)
@@ -57,12 +59,17 @@ async def drain_and_replace(
         victim = procs[1]
         slot = slot_of(victim)
         if how == "command":
-            cmd = [sys.executable, "-m", "bubbletea.cli", "drain", slot, "--run", run, "--config", str(path)]
-            proc = await asyncio.to_thread(
-                subprocess.run, cmd, env={**os.environ, "REDIS_URL": url}, capture_output=True, text=True, timeout=120
-            )
-            assert proc.returncode == 0, proc.stderr
-            assert "left the run after iteration" in proc.stderr, proc.stderr
+            # The command's own parser and function, in this process (not its entry point, which stops
+            # this process's fork server and so the workers): a new process's start (its imports)
+            # took longer than the run's last 38 iterations on a busy machine, and found it finished.
+            replica, stage = (int(n) for n in slot[1:].split("s"))
+            assert await r.get(keys.lease_key(run, replica, stage)), "the victim holds its slot as it is drained"
+            argv = ["drain", slot, "--run", run, "--config", str(path)]
+            args = build_parser().parse_args(argv)
+            code = await asyncio.to_thread(args.func, args)  # REDIS_URL: the test's environment
+            assert said is not None
+            assert code == 0, said()
+            assert "left the run after iteration" in said(), said()
         else:
             victim.proc.send_signal(signal.SIGTERM)  # an orchestrator evicting its pod
         assert await asyncio.wait_for(victim.proc.wait(), 120) == 0, "\n".join(victim.tail)
@@ -80,10 +87,17 @@ async def drain_and_replace(
 
 
 async def test_a_drained_worker_leaves_at_a_step_boundary_and_the_run_goes_on(
-    tmp_path: Path, redis_server: EmbeddedRedis
+    tmp_path: Path, redis_server: EmbeddedRedis, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """PP=2 x DP=2, `bubbletea drain`: the replacement takes the stage's state from the live peer."""
-    _, replacement, events, path = await drain_and_replace(tmp_path, redis_server.url, None, "command")
+    monkeypatch.setenv("REDIS_URL", redis_server.url)  # as a shell sets it for the command
+    err: list[str] = []
+
+    def said() -> str:
+        err.append(capsys.readouterr().err)
+        return "".join(err)
+
+    _, replacement, events, path = await drain_and_replace(tmp_path, redis_server.url, None, "command", said)
     joined = [line for line in replacement.splitlines() if "joined the run" in line]
     assert joined and "source=peers" in joined[-1], replacement[-3000:]
     check_trained_once(events, path, ITERATIONS)

@@ -486,6 +486,10 @@ async def test_drain_and_slots_say_what_is_wrong_and_count_the_slots_left(redis:
     await redis.hset(keys.lease_end_key("cli-drain", 0, 0), mapping={"state": "done", "reason": "finished"})
     got = await asyncio.to_thread(run, "slots", "--dc", "dc-a", "--live", env=env)
     assert json.loads(got.stdout) == {"dc": "dc-a", "slots": 2, "recovers": 1, "left": 0, "done": 1, "stopped": 0}
+    one_line_error(  # a slot whose worker finished training: said so, not "no worker now"
+        await asyncio.to_thread(run, "drain", "r0s0", env=env),
+        "bubbletea: error: slot r0s0 of run 'cli-drain' has ended (finished): nothing to drain",
+    )
     one_line_error(
         await asyncio.to_thread(run, "slots", "--dc", "dc-z", env=env),
         "bubbletea: error: --dc: the spec's datacenters are dc-a, dc-b, got 'dc-z' (or set BUBBLETEA_DC)",
