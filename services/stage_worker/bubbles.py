@@ -72,9 +72,9 @@ class BubbleAnnouncer:
         predicted = self.predictor.predict(pos)
         t0 = time.time()
         ends_at = time.monotonic() + predicted if predicted > 0 else None  # pieces fit into what is left
-        # A worker that takes no prefill (its prefill failed batch after batch) announces nothing:
-        # no dispatcher fills its bubbles, and admission must not count them as capacity.
-        announce = filler is None or filler.guest.taking
+        # A worker that takes no prefill (its prefill failed batch after batch, or it is leaving the
+        # run) announces nothing: no dispatcher fills its bubbles, and admission must not count them.
+        announce = filler is None or filler.taking
         filler = filler if announce else None
         if announce:  # through the outbox, and prefill queued here starts now: no round trip first
             self.outbox.send(

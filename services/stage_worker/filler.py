@@ -81,6 +81,13 @@ class Filler:
         self._work = asyncio.Event()
         self._post: set[asyncio.Task[None]] = set()
         self._closed = False
+        #: Why this worker takes no more prefill because it leaves the run (a drain; `leave`).
+        self.leaving: str | None = None
+
+    @property
+    def taking(self) -> bool:
+        """Whether this worker takes prefill now: its guest is healthy and it is not leaving."""
+        return self.guest.taking and self.leaving is None
 
     @property
     def in_bubble(self) -> bool:
@@ -101,7 +108,7 @@ class Filler:
                 attempt=d.attempt,
                 action=str(Arrival.RETURN),
             )
-        if redelivered or self._closed or not self.guest.taking:  # died, stopping, or takes no prefill
+        if redelivered or self._closed or not self.taking:  # died, stopping, leaving, or takes no prefill
             await self.reporter.finish_batch(batch, [], preempted=True)
             return
         # Snapshots are read now, not when the bubble opens: no round trip on its critical path.
@@ -114,6 +121,20 @@ class Filler:
         self._work.set()
         asyncio.get_running_loop().call_later(self.queue.hold_s, self._give_back_expired)
         await asyncio.shield(q.done)  # acked once answered and reported
+
+    def leave(self, why: str) -> None:
+        """The worker was told to leave the run (a drain: it finishes the iteration in progress,
+        then hands its slot over). What it holds goes back to the dispatcher now, to be placed on
+        workers that stay, rather than at the step boundary; nothing more is taken, and the
+        dispatcher is told (`PrefillOff`). A batch running in an open bubble runs on in it, and what
+        is left of it, with whatever is queued behind it, goes back as the bubble ends (`fill`)."""
+        if self.leaving is not None or self._closed:
+            return
+        self.leaving = why
+        log.info("leaving the run: handing back the prefill held here", worker=self.reporter.worker, why=why)
+        if not self.queue.in_bubble:
+            self._hand_back(self.queue.drain())
+        self._background(self.guest.say_off(why))
 
     def _give_back_expired(self) -> None:
         """Batches no bubble took in time (training paused or over): back, with how far they got."""
@@ -130,7 +151,7 @@ class Filler:
         self.queue.open()
         first = True  # the bubble's first run starts in the event loop (`_run`); later ones in the thread
         try:
-            while self.guest.taking and not arrived() and not training_input.done():
+            while self.taking and not arrived() and not training_input.done():
                 head = self.queue.head()
                 if head is None:
                     self._work.clear()
@@ -157,6 +178,8 @@ class Filler:
         finally:
             finished = self.queue.close()
             self._give_back_expired()
+            if self.leaving is not None:  # told to leave while this bubble ran: the rest goes back now
+                self._hand_back(self.queue.drain())
         return finished
 
     async def _run(self, q: Queued, arrived: Arrived, ends_at: float | None, *, in_loop: bool) -> Run:

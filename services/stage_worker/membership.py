@@ -70,6 +70,8 @@ async def take_part(
                     if leaving in done:  # at the next step boundary; the pipeline goes on till then
                         runner.leaving = True
                         log.info("asked to leave: finishing the iteration in progress", slot=slot.name)
+                        if runner.filler is not None:  # its prefill moves to workers that stay, now
+                            runner.filler.leave(f"slot {slot.name} is leaving the run (drained)")
                         leaving = asyncio.create_task(_first(asyncio.Event()), name="left")  # said once
                     if done & waiting:
                         break

@@ -453,6 +453,30 @@ async def test_a_redelivered_batch_and_one_arriving_as_the_worker_stops_go_strai
         assert all(r.preempted and r.progress[0].reached_layer == 0 for r in await reports(bus))
 
 
+async def test_a_worker_told_to_leave_hands_back_what_it_holds_at_once_and_says_so(redis_url: str) -> None:
+    """A drain: the worker trains on to its step boundary, but its queued prefill goes back to the
+    dispatcher now (to workers that stay), a batch arriving meanwhile goes straight back, the
+    dispatcher is told (`PrefillOff`), and its bubbles are not filled."""
+    from shared.wire import PrefillOff
+
+    model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        filler = filler_for(bus, model, hold_s=600)  # the hold would keep it queued for ten minutes
+        item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
+        queued = deliver(filler, batch(item, 1))
+        await asyncio.sleep(0)
+        assert filler.taking and [h.batch_id for h in filler.queue.held] == ["b1"]  # queued for a bubble
+        filler.leave("slot r0s0 is leaving the run (drained)")
+        await asyncio.wait_for(queued, 60)  # reported, not left for the hold
+        await asyncio.wait_for(filler.on_batch(Delivery("2-0", "s", batch(item, 2), 1)), 60)
+        assert [(r.batch_id, r.preempted) for r in await reports(bus)] == [("b1", True), ("b2", True)]
+        assert not filler.taking
+        await filler.close()  # its last writes done
+        rows: Any = await bus.redis.xrange(keys.bubbles_stream(RUN))
+        offs = [m for _, f in rows if isinstance(m := decode(f[b"m"]), PrefillOff)]
+        assert [o.reason for o in offs] == ["slot r0s0 is leaving the run (drained)"]
+
+
 async def test_a_batch_of_another_run_is_rejected(redis_url: str) -> None:
     model = PrefillModel(GPTConfig(layers=1, d_model=32, heads=4, seq_len=16, vocab=256), seed=1)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
