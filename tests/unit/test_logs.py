@@ -48,6 +48,9 @@ def warnings_as_records():
     level = logger.level
     with warnings.catch_warnings():
         warnings.simplefilter("always")
+        # from the state this test's own catch_warnings holds: an earlier test in this process may
+        # have left logging capturing warnings (setup_logging), which a second call would not redo
+        logging.captureWarnings(False)
         try:
             yield
         finally:
