@@ -96,7 +96,10 @@ class BubbleAnnouncer:
         finished: tuple[str, ...] = ()
         try:
             if filler is not None:
-                finished = await filler.fill(arrived, awaited, ends_at)
+                try:
+                    finished = await filler.fill(arrived, awaited, ends_at)
+                except Exception as exc:  # the guest never stops the owner (cancellation still passes)
+                    filler.fence(exc)
             value = await awaited
         finally:
             if not awaited.done():

@@ -49,6 +49,10 @@ from shared.wire import PrefillBatch
 
 log = get_logger(__name__)
 
+#: Batch ids this process took, kept to drop a second copy of one (a retried write): a copy lands
+#: within a write's retries (seconds), and this many batches are minutes of a worker's work.
+TAKEN_KEPT = 4096
+
 
 class Filler:
     def __init__(
@@ -76,6 +80,8 @@ class Filler:
             initargs=(prefill_nice(), prefill_slice_us()),
         )
         self.batches: dict[str, Queued] = {}
+        #: the ids of the batches this process took, newest last (`TAKEN_KEPT`)
+        self._taken: dict[str, None] = {}
         self.guest = Guest(bus, run, worker, model, metrics)
         self.compute = BatchCompute(model, self.guest, profile, piece_tokens)
         self._work = asyncio.Event()
@@ -101,6 +107,15 @@ class Filler:
         if batch.run != self.run:
             raise Reject(f"the fill stream of run {self.run} got a batch of run {batch.run}")
         redelivered = d.attempt > 1  # a restarted worker re-reads its slot's unacked entries
+        if batch.batch_id in self._taken or batch.batch_id in self.batches:
+            log.warning(
+                "prefill batch delivered twice: this copy is dropped (a retried write)",
+                batch=batch.batch_id,
+                entry=d.id,
+                action=str(Arrival.DUPLICATE),
+            )
+            return  # acked: the first copy's report is the one the dispatcher counts
+        self._took(batch.batch_id)
         if redelivered:
             log.info(
                 "prefill batch delivered again: a previous worker of this slot held it unfinished",
@@ -115,12 +130,21 @@ class Filler:
         states = await self._load_snapshots(batch)
         predicted = sum(it.predicted_ms for it in batch.items) / 1000
         arrival = self.queue.arrive(batch.batch_id, predicted, time.monotonic())
-        assert arrival is Arrival.QUEUE
+        if arrival is not Arrival.QUEUE:  # a copy that raced this one's snapshot reads
+            log.warning(
+                "prefill batch delivered twice: this copy is dropped", batch=batch.batch_id, action=str(arrival)
+            )
+            return
         q = Queued(batch, asyncio.get_running_loop().create_future(), states)
         self.batches[batch.batch_id] = q
         self._work.set()
         asyncio.get_running_loop().call_later(self.queue.hold_s, self._give_back_expired)
         await asyncio.shield(q.done)  # acked once answered and reported
+
+    def _took(self, batch_id: str) -> None:
+        self._taken[batch_id] = None
+        if len(self._taken) > TAKEN_KEPT:
+            del self._taken[next(iter(self._taken))]
 
     def leave(self, why: str) -> None:
         """The worker was told to leave the run (a drain: it finishes the iteration in progress,
@@ -231,8 +255,31 @@ class Filler:
     def _hand_back(self, batch_ids: list[str]) -> None:
         """These batches go back to the dispatcher, reporting how far they got."""
         for batch_id in batch_ids:
-            q = self.batches.pop(batch_id)
+            q = self.batches.pop(batch_id, None)
+            if q is None:  # not held (only after a fault `fence` reports): nothing to report
+                log.error("a batch to hand back is not held here", worker=self.reporter.worker, batch=batch_id)
+                continue
             self._background(self._finish(q, preempted=True), q.done)
+
+    def fence(self, exc: Exception) -> None:
+        """The fill executor itself failed in a bubble (a bug of ours, not the prefill model's error,
+        which `guest` counts): training must not see it. Log it with its traceback, hand back what
+        is held, take no more prefill, and tell the dispatcher; training goes on."""
+        import traceback
+
+        why = f"the fill executor failed: {type(exc).__name__}: {exc}"[:300]
+        log.error(
+            "prefill stopped on this worker; training goes on",
+            worker=self.reporter.worker,
+            error=why,
+            traceback="".join(traceback.format_exception(exc))[-4000:],
+        )
+        if self.leaving is None:
+            self.leaving = why
+            self._background(self.guest.say_off(why))
+        self.queue.close()
+        self.queue.drain()
+        self._hand_back(list(self.batches))  # every batch held here, queued or not
 
     async def _finish(self, q: Queued, *, preempted: bool) -> None:
         """Report `q` (its early answers first, so a report never overtakes them)."""

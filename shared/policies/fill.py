@@ -48,6 +48,7 @@ class Arrival(enum.StrEnum):
 
     QUEUE = "queue"  # into the queue: it runs in this bubble (if one is open) or the next ones
     RETURN = "return"  # delivered again after this slot's previous process died: back, unrun
+    DUPLICATE = "duplicate"  # a copy of a batch this worker holds or held: dropped (no report)
 
 
 @dataclass
@@ -188,7 +189,12 @@ class FillQueue:
         """`redelivered`: delivered before and never acked, so sent to this slot's previous process.
         It goes back unrun: the dispatcher may already have queued it again (running it here would
         only duplicate that work), and if not, its report requeues it at once rather than when it
-        is overdue."""
+        is overdue. A batch id is the dispatcher's, one per batch it sends: a second copy of one
+        held here is a write the dispatcher retried (its XADD applied twice), dropped, neither run
+        nor reported (the first copy's report is what the dispatcher counts). The worker also drops
+        a copy of one it held before (`Filler`: the ids it took)."""
+        if any(h.batch_id == batch_id for h in self.held):
+            return Arrival.DUPLICATE
         if redelivered:
             return Arrival.RETURN
         self.held.append(Held(batch_id, predicted_s, now))

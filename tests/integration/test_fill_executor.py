@@ -477,6 +477,62 @@ async def test_a_worker_told_to_leave_hands_back_what_it_holds_at_once_and_says_
         assert [o.reason for o in offs] == ["slot r0s0 is leaving the run (drained)"]
 
 
+async def test_a_batch_written_twice_runs_once_and_is_answered_and_reported_once(redis_url: str) -> None:
+    """The dispatcher's flush is retried, so its XADD of a batch may apply twice (issue 62): the
+    copy is acked and dropped, whether the first is still queued or already done; the first copy
+    runs once, is answered and reported once, and its handler returns (before, the copy replaced
+    the first's record: the first handler waited for ever, and the next bubble raised KeyError)."""
+    model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        filler = filler_for(bus, model)
+        item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
+        first = asyncio.create_task(filler.on_batch(Delivery("1-0", "s", batch(item, 1), 1)))
+        await asyncio.sleep(0)
+        await asyncio.wait_for(filler.on_batch(Delivery("2-0", "s", batch(item, 1), 1)), 60)  # the copy
+        assert [h.batch_id for h in filler.queue.held] == ["b1"]
+        *_, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=first)
+        assert done == ("b1",)
+        await asyncio.wait_for(filler.on_batch(Delivery("3-0", "s", batch(item, 1), 1)), 60)  # a late copy
+        assert filler.queue.held == []
+        assert [r.batch_id for r in await reports(bus)] == ["b1"]
+        answers: Any = await bus.redis.xrange("bt:test:results")
+        assert len(answers) == 1
+        await filler.close()
+
+
+async def test_a_fill_executor_that_fails_in_a_bubble_never_reaches_training(redis_url: str) -> None:
+    """A bug of ours in the fill executor (here: its record of a queued batch gone) is fenced where
+    the bubble calls it: the bubble's wait returns training's input, the worker hands back what it
+    holds, takes no more prefill and tells the dispatcher."""
+    from services.stage_worker.bubbles import BubbleAnnouncer
+    from services.stage_worker.lease import Slot
+    from services.stage_worker.outbox import Outbox
+    from services.stage_worker.telemetry import StageTelemetry
+    from shared.policies.bubbles import BubblePredictor
+    from shared.wire import PrefillOff
+
+    model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        filler = filler_for(bus, model)
+        item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
+        queued = deliver(filler, batch(item, 1))
+        await asyncio.sleep(0)
+        filler.batches.clear()  # the inconsistency a bug would leave: queued, but no record
+        outbox = Outbox(bus)
+        telemetry = StageTelemetry(outbox, RUN, 0, 0, "r0s0")
+        announcer = BubbleAnnouncer(outbox, RUN, Slot(0, 0), "dc-a", BubblePredictor(), 0, telemetry)
+        awaited: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.05, awaited.set_result, "the activation")
+        got = await asyncio.wait_for(announcer.wait(0, 0, 0, awaited, awaited.done, lambda: None, filler), 60)
+        assert got == "the activation" and not filler.taking
+        queued.cancel()  # its record was dropped by the "bug": nobody will finish its handler
+        await asyncio.gather(queued, return_exceptions=True)
+        await filler.close()
+        await outbox.close()
+        rows: Any = await bus.redis.xrange(keys.bubbles_stream(RUN))
+        assert any(isinstance(decode(f[b"m"]), PrefillOff) for _, f in rows)
+
+
 async def test_a_batch_of_another_run_is_rejected(redis_url: str) -> None:
     model = PrefillModel(GPTConfig(layers=1, d_model=32, heads=4, seq_len=16, vocab=256), seed=1)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
