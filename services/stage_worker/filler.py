@@ -28,6 +28,7 @@ Training is the owner, prefill the guest. The queue and its rules are the pure `
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,21 @@ log = get_logger(__name__)
 #: Batch ids this process took, kept to drop a second copy of one (a retried write): a copy lands
 #: within a write's retries (seconds), and this many batches are minutes of a worker's work.
 TAKEN_KEPT = 4096
+
+
+async def until_done(future: asyncio.Future[Any]) -> None:
+    """Wait for `future` to finish, whatever it ends in, through any further cancellation of the
+    caller (which is raised once it has finished)."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = True  # the caller's: the future runs on (a thread cannot be cancelled)
+        except Exception:
+            pass  # the future's own error: its owner reads it
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class Filler:
@@ -180,8 +196,10 @@ class Filler:
                 if head is None:
                     self._work.clear()
                     waiter = asyncio.ensure_future(self._work.wait())
-                    await asyncio.wait({training_input, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
+                    try:
+                        await asyncio.wait({training_input, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
                     continue
                 q = self.batches[head.batch_id]
                 run, first = await self._run(q, arrived, ends_at, in_loop=first), False
@@ -217,15 +235,31 @@ class Filler:
         the batch wait for that thread to wake, get a core and take the interpreter lock, at the
         very moment the pipeline's other workers, Redis and the dispatcher all wake too (2.6-8 ms
         at the tail on 2 cores). The loop is blocked for one block's real compute, in this
-        worker's own bubble; the thread has that block's device time to wake in."""
-        steps = self.compute.steps(q, arrived, ends_at, self._answering(q))
+        worker's own bubble; the thread has that block's device time to wake in.
+
+        Cancelled (a peer lost: recovery cancels the bubble), the run is cut as training input
+        would cut it, at the next block boundary, and awaited before the cancellation goes on: the
+        thread must not compute on, nor append to the state that `fill`'s end then hands back or a
+        next bubble runs again. The batch keeps its progress, as after any cut."""
+        cut = threading.Event()
+
+        def arrived_or_cut() -> bool:
+            return cut.is_set() or arrived()
+
+        steps = self.compute.steps(q, arrived_or_cut, ends_at, self._answering(q))
         if in_loop:
             try:
                 next(steps)
             except StopIteration as done:  # nothing more to run (stopped or failed before a 2nd block)
                 run: Run = done.value
                 return run
-        return await asyncio.get_running_loop().run_in_executor(self._thread, run_to_end, steps)
+        running = asyncio.get_running_loop().run_in_executor(self._thread, run_to_end, steps)
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            cut.set()
+            await until_done(running)
+            raise
 
     def _answering(self, q: Queued) -> Answered:
         """What a run of `q` calls with each outcome as it is answered, in the prefill thread or this

@@ -113,7 +113,8 @@ async def one_bubble(
         mailbox.put(key, torch.zeros(1))
 
     def arrived() -> bool:
-        if sys._getframe(1).f_code.co_name == "_may_start":  # not the fill loop's own checks between batches
+        # a block's check (through the run's cut, `Filler._run`), not the fill loop's own between batches
+        if sys._getframe(2).f_code.co_name == "_may_start":
             checks.append(time.perf_counter())
         return mailbox.arrived(key)
 
@@ -183,6 +184,55 @@ async def test_training_input_preempts_at_the_next_layer_and_the_next_bubble_goe
         assert all(
             torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(stored.kv, want.kv, strict=True)
         )
+        await filler.port.close_prefill()
+
+
+async def test_a_cancelled_fill_stops_its_thread_at_the_next_block_and_the_batch_goes_on_exactly(
+    redis_url: str,
+) -> None:
+    """Recovery cancels a bubble's fill (a peer lost, issue 62): the prefill thread stops at the next
+    block boundary before the cancellation returns (before, it computed on while the bubble's end
+    handed the batch back, and a next bubble could run it a second time), the batch keeps its
+    progress, and the next bubble finishes it to the answer of one uninterrupted prefill."""
+    torch.set_num_threads(1)
+    model = PrefillModel(CFG, seed=5)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        req = PrefillRequest(id="req-c", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
+        assert await serving.accept(bus.redis, req, 100)
+        filler = filler_for(bus, model, kv_ttl_s=60)
+        item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
+        handled = deliver(filler, batch(item, 1))
+        await asyncio.sleep(0)
+        blocks: list[int] = []
+        third = threading.Event()
+
+        def counted(state: PrefillState, *args: Any, **kw: Any) -> PrefillState:
+            blocks.append(state.next_layer)
+            if len(blocks) == 3:  # in the prefill thread (the first block ran on the loop)
+                third.set()
+            return PrefillModel.run_layers(model, state, *args, **kw)
+
+        model.run_layers = counted  # type: ignore[method-assign]
+        mailbox, key = Mailbox(), ("grad", 0, 0)
+        take = asyncio.ensure_future(mailbox.take(key))
+        fill = asyncio.create_task(filler.fill(lambda: mailbox.arrived(key), take))
+        assert await asyncio.to_thread(third.wait, 60)
+        fill.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fill
+        ran = len(blocks)
+        # the prefill thread is idle: a call queued on it now runs before any further block would
+        assert await asyncio.wrap_future(filler._thread.submit(lambda: len(blocks))) == ran < LAYERS
+        (o,) = filler.batches["b1"].outcomes
+        assert o.reached == ran and filler.queue.ids() == ["b1"] and not handled.done()
+        del model.run_layers
+        take.cancel()
+        _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        assert done == ("b1",)
+        found = await serving.lookup(bus.redis, req.id)
+        want = model.prefill(list(PROMPT))
+        assert found is not None and found.result is not None
+        assert (found.result.token, found.result.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))
         await filler.port.close_prefill()
 
 
