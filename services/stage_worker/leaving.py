@@ -25,7 +25,7 @@ import time
 from services.stage_worker.lease import SlotLease
 from services.stage_worker.runner import StageRunner
 from shared.control import keys
-from shared.policies.recovery import whole_run_stops
+from shared.policies.recovery import still_leaving, whole_run_stops
 from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -40,26 +40,26 @@ QUORUM_S = 0.3
 ASK_S = 2.0
 
 
-async def told_to_leave(runner: StageRunner) -> None:
-    """Say this slot was told to leave (as the signal comes, so peers stopped together see it)."""
-    key = keys.leaving_key(runner.run)
-    async with runner.bus.redis.pipeline(transaction=True) as pipe:
-        pipe.sadd(key, runner.slot.name)
-        pipe.expire(key, keys.LEASE_END_TTL_S)
-        await pipe.execute()
+async def told_to_leave(runner: StageRunner, holder: str) -> None:
+    """Say this slot was told to leave (as the signal comes, so peers stopped together see it):
+    its key names the holder told, and counts while that holder keeps the slot (`still_leaving`)."""
+    await runner.bus.redis.set(keys.leaving_key(runner.run, runner.slot.name), holder, ex=keys.LEASE_END_TTL_S)
 
 
-async def run_stopping(runner: StageRunner, slots: int) -> bool:
-    """Whether the whole run is being stopped: marked so, or more than one slot told to leave (every
+async def run_stopping(runner: StageRunner, lease: SlotLease) -> bool:
+    """Whether the whole run is being stopped: marked so, or more than one slot leaving at once (every
     slot, in a run of one)."""
     r = runner.bus.redis
+    slots = lease.all_slots
     deadline = time.monotonic() + QUORUM_S
     while True:
         async with r.pipeline(transaction=False) as pipe:
             pipe.exists(keys.run_stop_key(runner.run))
-            pipe.scard(keys.leaving_key(runner.run))
-            marked, leaving = await pipe.execute()
-        if whole_run_stops(marked_stopping=bool(marked), leaving=int(leaving), slots=slots):
+            pipe.mget([keys.leaving_key(runner.run, s.name) for s in slots])
+            pipe.mget([keys.lease_key(runner.run, s.replica, s.stage) for s in slots])
+            marked, told, held = await pipe.execute()
+        leaving = still_leaving(told, held)
+        if whole_run_stops(marked_stopping=bool(marked), leaving=leaving, slots=len(slots)):
             return True
         if time.monotonic() >= deadline:
             return False
@@ -69,7 +69,7 @@ async def run_stopping(runner: StageRunner, slots: int) -> bool:
 async def leave_at_boundary(runner: StageRunner, lease: SlotLease, after: int) -> None:
     """The iteration `after` is done, its step too: stop the run, or hand the slot over."""
     slot = runner.slot
-    if await run_stopping(runner, len(lease.all_slots)):
+    if await run_stopping(runner, lease):
         log.info("the run is being stopped, not this worker drained: the run stops", slot=slot.name, iteration=after)
         await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {after}")
         return
@@ -82,13 +82,13 @@ async def leave_at_boundary(runner: StageRunner, lease: SlotLease, after: int) -
 
 async def leave_now(runner: StageRunner, lease: SlotLease, when: str) -> None:
     """Told to leave outside a step boundary (waiting for peers, or a recovery under way)."""
-    if await run_stopping(runner, len(lease.all_slots)):
+    if await run_stopping(runner, lease):
         await lease.mark_stopped(f"slot {runner.slot.name} was stopped {when}")
         return
     await _hand_over(runner, lease, f"slot {runner.slot.name} left the run {when} (drained)")
 
 
 async def _hand_over(runner: StageRunner, lease: SlotLease, reason: str) -> None:
-    await runner.bus.redis.srem(keys.leaving_key(runner.run), runner.slot.name)
+    await runner.bus.redis.delete(keys.leaving_key(runner.run, runner.slot.name))
     await lease.leave(reason)
     log.info("left the run; its slot goes to a spare or a replacement", slot=runner.slot.name, reason=reason)

@@ -289,7 +289,7 @@ async def _train(
         metrics.streams.add(fill)
         await fill.start()
     stop_run, leave = asyncio.Event(), asyncio.Event()
-    routing = asyncio.create_task(_route_stop(stop, stop_run, leave, runner), name="stop-route")
+    routing = asyncio.create_task(_route_stop(stop, stop_run, leave, runner, lease.holder), name="stop-route")
     try:
         await take_part(runner, inbox, lease, watch, gens, stop_run, leave)
     finally:
@@ -309,7 +309,9 @@ async def _train(
         await port.close_prefill()  # its snapshots too
 
 
-async def _route_stop(stop: asyncio.Event, stop_run: asyncio.Event, leave: asyncio.Event, runner: StageRunner) -> None:
+async def _route_stop(
+    stop: asyncio.Event, stop_run: asyncio.Event, leave: asyncio.Event, runner: StageRunner, holder: str
+) -> None:
     """What a signal asks of this worker. SIGTERM alone (an orchestrator evicting or draining it)
     asks it to leave while the run goes on (`leaving.py`); any other stop, a SIGTERM once its
     launcher marked the run stopping, and the SIGTERM of its parent's death (`die_with_parent`: a
@@ -323,7 +325,7 @@ async def _route_stop(stop: asyncio.Event, stop_run: asyncio.Event, leave: async
         async with asyncio.timeout(ASK_S):
             drain = drain and not await runner.bus.redis.exists(keys.run_stop_key(runner.run))
             if drain:
-                await told_to_leave(runner)
+                await told_to_leave(runner, holder)
     except TRANSIENT_ERRORS:  # no Redis to ask (TimeoutError is an OSError): a stop, as before
         drain = False
     (leave if drain else stop_run).set()

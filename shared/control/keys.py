@@ -271,10 +271,15 @@ def drain_key(run: str, slot: str) -> str:
     return f"{PREFIX}:{run}:drain:{slot}"
 
 
-def leaving_key(run: str) -> str:
-    """The slots whose workers were told to leave (a set): when more than one is there at once
-    (compose down, scancel, a deleted StatefulSet: SIGTERM to every worker), the run stops instead."""
-    return f"{PREFIX}:{run}:leaving"
+def leaving_key(run: str, slot: str) -> str:
+    """Set to the holder of `slot` when that worker is told to leave (a SIGTERM); deleted as it hands
+    the slot over. It counts only while that holder still holds the slot's lease
+    (`shared.policies.recovery.still_leaving`): a worker that died between its SIGTERM and its hand
+    over leaves a key that no longer counts once its lease expires, so the next single drain is
+    not taken for a stop of the whole run. When more than one counts at once (compose down,
+    scancel, a deleted StatefulSet: SIGTERM to every worker), the run stops instead. Bound:
+    `LEASE_END_TTL_S` (only to clean up)."""
+    return f"{PREFIX}:{run}:leaving:{slot}"
 
 
 def save_request_key(run: str) -> str:

@@ -23,7 +23,7 @@ No I/O here: the worker reads which iterations each slot has checkpointed and as
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 #: The iteration a run resumes *after* when no checkpoint is common to every slot: it starts over
@@ -132,6 +132,13 @@ def plan_resume(
 
 #: This many slots told to leave at once is a stop of the whole run, not a drain.
 STOP_QUORUM = 2
+
+
+def still_leaving(told: Sequence[bytes | None], held: Sequence[bytes | None]) -> int:
+    """How many slots are leaving now: told to leave (`told[i]`, the holder that was told) and still
+    held by that same holder (`held[i]`, its lease). A leaver that died before it handed its slot
+    over, or a slot another worker holds since, is not leaving."""
+    return sum(1 for t, h in zip(told, held, strict=True) if t is not None and t == h)
 
 
 def whole_run_stops(*, marked_stopping: bool, leaving: int, slots: int) -> bool:

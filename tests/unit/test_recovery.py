@@ -19,6 +19,7 @@ from shared.policies.recovery import (
     reports_cut_short,
     resume_after,
     save_due,
+    still_leaving,
     superseded,
     whole_run_stops,
 )
@@ -155,6 +156,16 @@ def test_one_worker_leaving_is_a_drain_and_more_at_once_stop_the_run() -> None:
     assert whole_run_stops(marked_stopping=False, leaving=2, slots=4)  # compose down, scancel, ...
     assert whole_run_stops(marked_stopping=True, leaving=1, slots=4)  # its launcher stops it
     assert whole_run_stops(marked_stopping=False, leaving=1, slots=1)  # a run of one slot
+
+
+def test_a_slot_is_leaving_only_while_the_holder_told_to_leave_still_holds_it() -> None:
+    """Issue 62: a leaver that died before handing its slot over made the next single drain look
+    like two at once, and stopped the run."""
+    told = [b"w1", b"w2", None, b"w4"]
+    held = [b"w1", None, b"w3", b"w5"]  # w2 died (its lease expired); w5 took w4's slot since
+    assert still_leaving(told, held) == 1
+    assert not whole_run_stops(marked_stopping=False, leaving=still_leaving(told, held), slots=4)
+    assert still_leaving([b"w1", b"w2"], [b"w1", b"w2"]) == 2  # SIGTERM to both: a stop
 
 
 def test_a_live_worker_keeps_its_state_and_drops_only_the_cut_short_iteration() -> None:
