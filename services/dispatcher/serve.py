@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import time
 
@@ -54,6 +55,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             name=me,
             sequential=True,
             after_read=d.requests_read,
+            # a request dead-lettered is answered, failed, and counted out of flight
+            last_word=functools.partial(serving.fail_dead_request, bus.redis),
         )
         d.acks = requests
         readers: dict[str, Consumer] = {}
@@ -86,7 +89,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         gc.freeze()
         log.info("dispatcher ready", run=run, enabled=spec.bubbletea.enabled, order=spec.bubbletea.order)
         next_log = time.monotonic() + LOG_EVERY_S
-        next_check = time.monotonic()
+        next_check = next_reconcile = time.monotonic()
         outage = Outage("dispatcher tick")
         try:
             while not stop.is_set():
@@ -98,6 +101,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                     if time.monotonic() >= next_check:
                         next_check = time.monotonic() + serving.READINESS_EVERY_S
                         await d.check_readiness()
+                    if time.monotonic() >= next_reconcile:
+                        next_reconcile = time.monotonic() + serving.INFLIGHT_RECONCILE_S
+                        await serving.reconcile_inflight(bus.redis, SERVICE)
                 except TRANSIENT_ERRORS as exc:
                     await sleep_unless(stop, outage.failed(exc))
                     continue

@@ -45,6 +45,7 @@ FAILURE_STATUS: dict[FailureReason, int] = {
     FailureReason.OVERLOADED: 429,  # refused at once: the bubbles could not start it before its deadline
     FailureReason.PREFILL_ERROR: 500,  # the worker's prefill model failed running it: our fault (or the device's)
     FailureReason.TO_DECODER: 503,  # moved to a decoder this front door does not have (a config changed): retry
+    FailureReason.DEAD_LETTERED: 500,  # the dispatcher could not handle it (a bug, or a foreign wire version)
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from shared.bus.connection import RIDE_OUT_S, command_client, ride_out
 from shared.bus.consumer import AfterRead, Consumer
-from shared.bus.deadletters import DeadLetter, read_dead_letters
+from shared.bus.deadletters import DeadLetter, LastWord, read_dead_letters
 from shared.bus.delivery import Handlers
 from shared.spec.config import BusConfig
 from shared.wire import FIELD, Message, encode
@@ -113,10 +113,12 @@ class Bus:
         config: BusConfig | None = None,
         sequential: bool = False,
         after_read: AfterRead | None = None,
+        last_word: LastWord | None = None,
     ) -> Consumer:
         """A consumer of `stream` in `group` with its handler table (`{message kind: handler}`);
         start it with ``async with`` or `Consumer.start`. `sequential`: each read's entries are
-        handled in order in one task, then `after_read` runs, then they are acked."""
+        handled in order in one task, then `after_read` runs, then they are acked. `last_word`:
+        called with an entry's payload before it is dead-lettered (`LastWord`)."""
         return Consumer(
             self,
             stream,
@@ -126,6 +128,7 @@ class Bus:
             config=config or self.config,
             sequential=sequential,
             after_read=after_read,
+            last_word=last_word,
         )
 
     async def dead_letters(self, count: int = 100) -> list[DeadLetter]:

@@ -14,7 +14,8 @@ Life of an entry, as this consumer sees it:
    loop** (XAUTOCLAIM, run by every consumer of the group) takes it over and retries it. The same
    loop takes over entries left behind by a consumer that died.
 4. An entry that cannot be decoded, or has failed ``max_deliveries`` times, is moved to the
-   **dead-letter stream** in one MULTI/EXEC with its XACK: it is never both lost and acked.
+   **dead-letter stream** in one MULTI/EXEC with its XACK (never both lost and acked), after the
+   owner's `last_word` on it (the dispatcher answers a request failed, `serving.fail_dead_request`).
 5. While a handler runs longer than a quarter of ``claim_idle_ms``, the reclaim loop refreshes the
    entry's idle time (XCLAIM JUSTID, which does not count as a delivery), so a slow but live
    handler is not mistaken for a dead one; held entries are refreshed the same way.
@@ -32,9 +33,8 @@ runs again. Shutdown (`stop`) stops reading, lets in-flight handlers finish with
 period, cancels the rest (they stay pending and are redelivered), flushes acks, then closes.
 
 The read and handle loops are one state machine over the in-flight and held tables, so they stay
-together here; the reclaim loop over the same tables is `reclaim.py`'s mixin. What stands alone
-lives beside it: `delivery.py` (the handler table),
-`acks.py` (batched acks), `deadletters.py` (dead letters), `streams.py` (groups, trimming).
+together here; the reclaim loop over the same tables is `reclaim.py`'s mixin. Beside it, what stands
+alone: `delivery.py` (handler table), `acks.py` (batched acks), `deadletters.py`, `streams.py`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from redis.exceptions import ResponseError
 
 from shared.bus.acks import Acks
 from shared.bus.connection import BLOCKING_SLACK_S, TRANSIENT_ERRORS, Connected, backoff, blocking_client
-from shared.bus.deadletters import dead_letter
+from shared.bus.deadletters import LastWord, dead_letter
 from shared.bus.delivery import HOLD, Delivery, Handlers, Reject, route
 from shared.bus.reclaim import READ_BATCH, Reclaiming
 from shared.bus.streams import delivery_counts, ensure_group, group_is_gone
@@ -93,10 +93,11 @@ class Consumer(Reclaiming):
         config: BusConfig,
         sequential: bool = False,
         after_read: AfterRead | None = None,
+        last_word: LastWord | None = None,
     ) -> None:
         self.bus = bus
         self.sequential = sequential
-        self._after_read = after_read
+        self._after_read, self._last_word = after_read, last_word
         self.stream = stream
         self.group = group
         self.name = name
@@ -386,7 +387,8 @@ class Consumer(Reclaiming):
         return True
 
     async def _dead_letter(self, entry_id: str, raw: bytes | None, error: str, attempt: int) -> None:
-        if await dead_letter(self.bus.redis, self.stream, self.group, self.name, entry_id, raw, error, attempt):
+        args = (self.bus.redis, self.stream, self.group, self.name, entry_id, raw, error, attempt, self._last_word)
+        if await dead_letter(*args):  # not `+= await ...`: that reads the count before the await
             self.stats.dead_lettered += 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +36,33 @@ class DeadLetter:
     truncated: bool = False
 
 
+#: What a consumer does with an entry before it dead-letters it (its raw payload, why): the stream's
+#: owner answers what was owed on it (a request accepted and never answered otherwise).
+LastWord = Callable[[bytes | None, str], Awaitable[None]]
+
+
 async def dead_letter(
-    r: Redis, stream: str, group: str, consumer: str, entry_id: str, raw: bytes | None, error: str, attempts: int
+    r: Redis,
+    stream: str,
+    group: str,
+    consumer: str,
+    entry_id: str,
+    raw: bytes | None,
+    error: str,
+    attempts: int,
+    last_word: LastWord | None = None,
 ) -> bool:
     """Move `consumer`'s entry to the dead-letter stream and ack it in its group, atomically
-    (MULTI/EXEC): it is never both lost and acked. False if Redis could not be reached: the entry
-    then stays pending, to be retried."""
+    (MULTI/EXEC): it is never both lost and acked; `last_word` first, if any. False if Redis could
+    not be reached (by either): the entry then stays pending, to be retried."""
+    if last_word is not None:
+        try:
+            await last_word(raw, error)
+        except TRANSIENT_ERRORS as exc:
+            log.warning(
+                "a dead letter's last word failed; it stays pending", stream=stream, id=entry_id, error=repr(exc)
+            )
+            return False
     record: dict[Any, Any] = {
         "stream": stream,
         "group": group,

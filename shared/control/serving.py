@@ -6,12 +6,17 @@
 * `answer`: the first answer to a request wins (exactly-once in effect): store it, clear its
   queued mark, count it out of flight and notify the accepting front door, all or nothing.
   A duplicate answer (a redelivered batch) changes nothing.
+* `fail_dead_request`: a request the dispatcher dead-letters is answered, failed, through `answer`
+  (so it is counted out of flight), not left to its client's timeout.
+* `reconcile_inflight`: the in-flight count set to what the request stream holds unacked, so
+  that no lost decrement makes it creep toward the limit (and permanent 429s).
 * `publish_readiness` / `readiness`: each dispatcher's verdict on whether prefill can be served
   (`shared.policies.readiness`), a key with a short TTL that the front doors read.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +25,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from shared.control import keys
-from shared.control.status import RequestStatus, ServingState
+from shared.control.status import FailureReason, RequestStatus, ServingState
 from shared.wire import FIELD, PrefillRequest, PrefillResult, WireError, decode, encode
 
 _ACCEPT = """
@@ -48,6 +53,26 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
   return 1
 end
 return 0
+"""
+
+#: How often a dispatcher sets the in-flight count from the request stream (`reconcile_inflight`):
+#: a drift is corrected within this, and the XINFO it costs is one per dispatcher this often.
+INFLIGHT_RECONCILE_S = 10.0
+
+# In flight = the request stream's entries its group has not acked (pending) or not read (lag):
+# a request is acked once answered or failed, and a dead letter is acked with its record.
+_RECONCILE = """
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
+  local f = {}
+  for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+  if f['name'] == ARGV[1] then
+    if type(f['lag']) ~= 'number' then return -1 end
+    local n = f['pending'] + f['lag']
+    redis.call('SET', KEYS[1], n)
+    return n
+  end
+end
+return -1
 """
 
 #: Each front door's results stream keeps its last answers (it reads them within milliseconds),
@@ -111,6 +136,49 @@ async def answer(r: Redis, result: PrefillResult, reply_to: str) -> bool:
 def queue_answer(pipe: Pipeline, result: PrefillResult, reply_to: str) -> None:
     """`answer`, queued on a pipeline: many answers (and what follows them) in one round trip."""
     pipe.eval(*_answer_args(result, reply_to))
+
+
+def request_of(raw: bytes | None) -> tuple[str, str] | None:
+    """(id, reply_to) of a request entry's payload, decoded as ours or, if it is not (another wire
+    version, a field that no longer checks), read as a plain msgpack map; None if neither has them."""
+    try:
+        req = decode(raw or b"")
+    except WireError:
+        try:
+            fields = msgspec.msgpack.decode(raw or b"")
+        except msgspec.DecodeError:
+            return None
+        if not isinstance(fields, dict):
+            return None
+        rid, reply_to = fields.get("id"), fields.get("reply_to")
+        return (rid, reply_to) if isinstance(rid, str) and isinstance(reply_to, str) and rid and reply_to else None
+    return (req.id, req.reply_to) if isinstance(req, PrefillRequest) else None
+
+
+async def fail_dead_request(r: Redis, raw: bytes | None, error: str) -> None:
+    """The last word on a request entry the dispatcher dead-letters: the request, if it names
+    one, is failed (`FailureReason.DEAD_LETTERED`) through `answer`, so its client hears why at once
+    and it is counted out of flight. One already answered stays answered (the first answer wins)."""
+    found = request_of(raw)
+    if found is None:
+        return
+    rid, reply_to = found
+    failed = PrefillResult(
+        id=rid,
+        status=RequestStatus.FAILED,
+        reason=FailureReason.DEAD_LETTERED,
+        error=f"the dispatcher could not handle this request: {error}"[:500],
+        finished=time.time(),
+    )
+    await answer(r, failed, reply_to)
+
+
+async def reconcile_inflight(r: Redis, group: str) -> int | None:
+    """Set the in-flight count to the request stream's unacked entries of `group` (pending + not
+    read), atomically with the scripts that move it; the count set, or None when it cannot be
+    known (no such group yet, or the stream trimmed under it)."""
+    n: Any = await r.eval(_RECONCILE, 2, keys.PREFILL_INFLIGHT_KEY, keys.PREFILL_REQUESTS_STREAM, group)
+    return None if int(n) < 0 else int(n)
 
 
 @dataclass(frozen=True)

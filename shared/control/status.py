@@ -33,6 +33,9 @@ class FailureReason(enum.StrEnum):
     PREFILL_ERROR = "prefill_error"  # the worker's prefill model raised running it (out of memory, say)
     #: not a failure: the bubbles cannot compute it by its objective; the decoder does (status MOVED)
     TO_DECODER = "to_decoder"
+    #: the dispatcher could not handle it (its entry was dead-lettered: the dead-letter stream,
+    #: bt:dead, says why); answered so, not left to its client's timeout
+    DEAD_LETTERED = "dead_lettered"
 
 
 class PromptPlacement(enum.StrEnum):
