@@ -38,11 +38,16 @@ finished ones) and logs each one's why. The simulator feeds it the same inputs f
   finished, stopped or stalled): every request not running in an open bubble is failed at once
   (`FailureReason.UNAVAILABLE`) instead of waiting for its deadline.
 * **Lost batches**: a batch with no report `BATCH_GRACE_S` after it could last have run (sent,
-  plus the time a worker may hold it, plus its predicted time) was lost with its worker: all of
-  that worker's batches are, their requests queue again at their last reported layer, and it gets
-  no credit until its next bubble event. Such a worker may still run the batch (first answer
-  wins); its report changes nothing, and in particular spends no saved partial state: only an
-  accepted report does (`Spent`), so the batch that replaced it still finds the state it resumes from.
+  plus the time a worker may hold it, plus the work it held ahead of it, plus its predicted time)
+  was lost with its worker, unless the worker was heard from within that grace (then it is waited
+  for once more); lost: all of that worker's batches are, their requests queue again at their
+  last reported layer, and it gets no credit until its next bubble event. Such a worker may
+  still run the batch (first answer wins); its report changes nothing, and in particular spends
+  no saved partial state: only an accepted report does (`Spent`), so the batch that replaced it
+  still finds the state it resumes from.
+* **Stuck bubbles**: one open `STUCK_BUBBLE_FACTOR` times its expected length is taken as closed
+  (its worker died in it), so its requests stop counting as running and move or fail at their
+  objective (`OpenBubbles`).
 
 **A worker whose prefill fails** batch after batch stops taking it (`shared.policies.guest`) and
 says so (`worker_off`): it gets no credit until a new process joins in its slot.
@@ -63,13 +68,14 @@ from shared.control.status import FailureReason
 from shared.policies.admission import Admission
 from shared.policies.decisions import Decisions, Finished, Ignored, LostBatch, Spent, Trigger
 from shared.policies.dispatch_fill import Filling
-from shared.policies.dispatch_index import CreditIndex
+from shared.policies.dispatch_index import CreditIndex, OpenBubbles
 from shared.policies.dispatch_inputs import BATCH_GRACE_S as BATCH_GRACE_S
 from shared.policies.dispatch_inputs import RATE_WINDOW_S as RATE_WINDOW_S
 from shared.policies.dispatch_inputs import RECENT_BUBBLES as RECENT_BUBBLES
 from shared.policies.dispatch_inputs import RESUME_WAIT_S as RESUME_WAIT_S
 from shared.policies.dispatch_inputs import STAGE_WINDOW_S as STAGE_WINDOW_S
 from shared.policies.dispatch_inputs import STALE_BUBBLE_S as STALE_BUBBLE_S
+from shared.policies.dispatch_inputs import STUCK_BUBBLE_FACTOR
 from shared.policies.dispatch_inputs import TICK_S as TICK_S
 from shared.policies.dispatch_inputs import Bubble as Bubble
 from shared.policies.dispatch_inputs import BubbleClosed as BubbleClosed
@@ -124,6 +130,8 @@ class DispatchState(Filling, Leaving):
     _queue: WaitingQueue = field(init=False, repr=False)
     #: the workers with room, roomiest first
     _index: CreditIndex = field(init=False, repr=False)
+    #: when each open bubble is taken as closed, soonest first
+    _open: OpenBubbles = field(init=False, repr=False)
     _clock: float = field(default=-math.inf, init=False, repr=False)  # the latest `now` of a fill
     #: a fresh bubble start was seen (training runs): before it, no objective can be promised
     _bubble_seen: bool = field(default=False, init=False, repr=False)
@@ -131,6 +139,7 @@ class DispatchState(Filling, Leaving):
     def __post_init__(self) -> None:
         self._queue = WaitingQueue(self.order)
         self._index = CreditIndex()
+        self._open = OpenBubbles()
         k = self.time_scale
         self.stage_window_s, self.batch_grace_s = STAGE_WINDOW_S * k, BATCH_GRACE_S * k
         self.stale_bubble_s, self.resume_wait_s = STALE_BUBBLE_S * k, RESUME_WAIT_S * k
@@ -211,6 +220,8 @@ class DispatchState(Filling, Leaving):
             return Decisions(ignored=(Ignored(f"bubble of {b.worker}", why),))
         c = self._seen(b.worker, b.address, b.dc, b.free_memory, now)
         c.bubble = Bubble(b.started, b.predicted_s, b.tag)
+        expected = b.predicted_s or c.typical_s()
+        self._open.opened(c.worker, c.bubble, b.started + (STUCK_BUBBLE_FACTOR * expected or self.stage_window_s))
         self._bubble_seen = True
         self._reindex(c)
         return self._fill_all(now, Trigger.BUBBLE_START)
@@ -299,13 +310,20 @@ class DispatchState(Filling, Leaving):
         return Decisions(finished=tuple(finished), spent=tuple(spent)) + self._fill_all(now, Trigger.REPORT)
 
     def tick(self, now: float) -> Decisions:
-        """The timer: fail requests past their deadline, requeue batches that never reported."""
+        """The timer: close bubbles open far past their prediction, fail requests past their
+        deadline, requeue batches that never reported (unless their worker is still heard from)."""
+        ignored = self._open.close_stuck(now, self.workers, self._reindex)  # a worker died in its bubble
         failed = self._expire(now)
         lost: list[LostBatch] = []
         for batch_id, b in list(self.in_flight.items()):
             if batch_id in self.in_flight and b.report_by < now:
+                c = self.workers.get(b.worker)
+                if not b.extended and c is not None and now - c.last_seen <= self.batch_grace_s:  # alive
+                    b.extended, b.report_by = True, now + self.hold_s + c.held_s + self.batch_grace_s  # once more
+                    ignored.append(Ignored(f"batch {batch_id}", f"late; worker heard {now - c.last_seen:.3f}s ago"))
+                    continue
                 lost += self._worker_lost(b.worker, now)
-        out = Decisions(failed=failed, lost=tuple(lost))
+        out = Decisions(failed=failed, lost=tuple(lost), ignored=tuple(ignored))
         return out + self._fill_all(now, Trigger.TICK) if lost else out
 
     def fail_waiting(self, why: str, now: float) -> Decisions:

@@ -177,11 +177,13 @@ class Filling:
             kv_bytes += r.kv_bytes
         self.counts.batches += 1
         batch = Batch(f"{self.batch_prefix}-{self.counts.batches}", c.worker, c.address, tuple(items), why)
+        ahead_s = c.held_s  # the work it holds already: its queue runs in arrival order
         c.hold(batch.batch_id, batch.predicted_s, kv_bytes)
         self._held_n += 1
         self._held_s += batch.predicted_s
-        # The worker may keep it queued up to `hold_s` before a bubble takes it, then run it.
-        report_by = now + self.hold_s + batch.predicted_s + self.batch_grace_s
+        # The worker may keep it queued up to `hold_s` before a bubble takes it, behind what it holds
+        # (issue 62: without `ahead_s` a live worker with a long queue was written off), then run it.
+        report_by = now + self.hold_s + ahead_s + batch.predicted_s + self.batch_grace_s
         self.in_flight[batch.batch_id] = InFlight(c.worker, tuple(a.id for a in plan), report_by)
         self._reindex(c)
         return batch

@@ -9,8 +9,12 @@ both on long random input sequences).
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left, insort
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+
+from shared.policies.decisions import Ignored
+from shared.policies.dispatch_inputs import STUCK_BUBBLE_FACTOR, Credit
 
 
 class CreditIndex:
@@ -55,3 +59,38 @@ class CreditIndex:
 
     def __len__(self) -> int:
         return len(self._sorted)
+
+
+class OpenBubbles:
+    """When each open bubble is taken as closed (its worker died in it, or its end was lost:
+    `dispatch.STUCK_BUBBLE_FACTOR` times its expected length), soonest first. A tick pops only
+    the bubbles that are due, so it costs what it closes, not the number of workers; an entry
+    whose bubble has ended (or been replaced) meanwhile is skipped as it comes up."""
+
+    __slots__ = ("_heap", "_seq")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str, object]] = []
+        self._seq = 0
+
+    def opened(self, worker: str, bubble: object, closes_at: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (closes_at, self._seq, worker, bubble))
+
+    def close_stuck(
+        self, now: float, workers: Mapping[str, Credit], reindex: Callable[[Credit], None]
+    ) -> list[Ignored]:
+        """Close each bubble due by `now` that is still its worker's open one (its requests then
+        move or fail at their objective; what runs may still be answered: first answer wins), each
+        with why; `reindex` is told of each worker whose bubble closed."""
+        closed = []
+        while self._heap and self._heap[0][0] < now:
+            _, _, worker, bubble = heapq.heappop(self._heap)
+            c = workers.get(worker)
+            if c is None or c.bubble is None or c.bubble is not bubble:  # ended (or replaced) in time
+                continue
+            why = f"open {now - c.bubble.started:.3f}s, over {STUCK_BUBBLE_FACTOR:g} times its expected length"
+            c.bubble = None
+            reindex(c)
+            closed.append(Ignored(f"bubble of {worker}", f"{why}: taken as closed"))
+        return closed

@@ -24,6 +24,10 @@ STAGE_WINDOW_S = 2.0
 #: hold it, plus its predicted time) is presumed lost with its worker (device s; a live worker
 #: reports within a layer of a bubble's end: milliseconds).
 BATCH_GRACE_S = 3.0
+#: A bubble open this many times its predicted length (or its worker's typical one) is taken as
+#: closed: its worker died in it, or its end was lost. Its requests are then not running, so they
+#: move to the decoder or fail at their objective instead of waiting for the lost batch's report.
+STUCK_BUBBLE_FACTOR = 3.0
 #: A bubble event older than this is history (read from the backlog after a restart), not news
 #: (device s).
 STALE_BUBBLE_S = 1.0
@@ -195,6 +199,8 @@ class InFlight:
     worker: str
     ids: tuple[str, ...]
     report_by: float
+    #: its report was late once, from a worker still heard from, and the wait extended once
+    extended: bool = False
 
 
 @dataclass

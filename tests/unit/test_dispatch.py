@@ -213,7 +213,7 @@ def test_expired_requests_fail_waiting_or_between_bubbles_but_running_ones_finis
     join(s, "w2", 0.010 / 1.5, now=0.0)
     s.add_requests([req(i, 10, deadline=1.0, at=0.0) for i in range(3)], now=0.0)  # r0 on w1, r1 on w2, r2 waits
     assert [s.requests[f"r{i}"].on_worker for i in range(3)] == ["w1", "w2", None]
-    start(s, "w1", 0.0, now=0.5)  # r0 runs in w1's open bubble
+    start(s, "w1", 0.4, now=1.2)  # r0 runs in w1's open bubble (r2, past its deadline, is not sent)
     ds = s.tick(now=1.5)
     assert sorted((f.id, f.reason) for f in ds.failed) == [
         ("r1", FailureReason.DEADLINE),
@@ -243,6 +243,46 @@ def test_a_batch_that_never_reports_back_is_requeued_and_its_worker_gets_no_cred
     # a late report from the presumed-dead worker changes nothing; another worker takes r0
     assert s.report(b.batch_id, "w1", [Progress("r0", 4, 0.01)], now=due + 1).ignored
     assert ids(one(join(s, "w2", 0.1, now=due + 1))) == ["r0"]
+
+
+def test_a_batch_behind_others_on_its_worker_is_waited_for_as_long_as_they_take() -> None:
+    """Issue 62: the report's due time ignored the work queued ahead on the same worker, and a live
+    worker with a long queue was written off (its work run twice elsewhere)."""
+    s = state()
+    join(s, "w1", 0.040, now=0.0)
+    s.add_requests([req(i, 10) for i in range(6)], now=0.0)
+    (b1, first), (_, second) = sorted((k, v.report_by) for k, v in s.in_flight.items())
+    assert second - first == pytest.approx(s.workers["w1"].held[b1][0])  # behind b1's 30 ms
+
+
+def test_a_late_batch_of_a_worker_still_heard_from_is_waited_for_once_more_not_written_off() -> None:
+    s = state()
+    s.add_request(req(0, 10), now=0.0)
+    b = one(join(s, "w1", 0.1, now=0.0))
+    due = s.in_flight[b.batch_id].report_by
+    start(s, "w1", 0.05, now=due - 0.5)  # alive: a bubble opens (its work runs late, a long WAN wait)
+    end(s, "w1", 0.05, now=due - 0.4)
+    ds = s.tick(now=due + 0.1)
+    assert not ds.lost and s.requests["r0"].on_worker == "w1"
+    assert any(i.what == f"batch {b.batch_id}" and "heard" in i.why for i in ds.ignored), ds.ignored
+    later = s.in_flight[b.batch_id].report_by
+    assert later > due and s.tick(now=later + 0.1).lost  # silent since: lost after all
+
+
+def test_a_bubble_open_far_past_its_prediction_is_taken_as_closed_and_its_requests_expire() -> None:
+    """A worker that died in its bubble: its requests count as running until the bubble's end, which
+    never comes. Past three times the prediction the bubble is taken as closed, so a request past
+    its deadline fails now (issue 62: it waited for the batch's report, seconds later)."""
+    s = state()
+    join(s, "w1", 0.010 / 1.5, now=0.0)
+    s.add_request(req(0, 10, deadline=0.5, at=0.0), now=0.0)
+    assert s.requests["r0"].on_worker == "w1"
+    start(s, "w1", 0.1, now=0.1)  # r0 runs in it; then the worker dies: no end
+    assert not s.tick(now=0.35).ignored  # 0.25 s open: under three times 0.1
+    ds = s.tick(now=0.6)  # open 0.5 s, and r0 past its deadline
+    assert s.workers["w1"].bubble is None
+    assert any(i.what == "bubble of w1" and "taken as closed" in i.why for i in ds.ignored), ds.ignored
+    assert [(f.id, f.reason) for f in ds.failed] == [("r0", FailureReason.DEADLINE)]
 
 
 def test_a_lost_worker_loses_all_its_batches_at_once() -> None:
