@@ -32,7 +32,9 @@ never below the best a whole window has shown: a pipeline pausing while a lost w
 announces short bubbles, and its queue is served once it runs again. The best is taken only for
 such a pause, a window under `PAUSE_SHARE` of it: a noisy window a little under the best is the
 rate (the best of many windows is their noise's maximum, and past capacity it admitted requests
-that then expired).
+that then expired). The best decays, halving every `BEST_HALF_LIFE_S`: a pause (seconds) barely
+moves it, but a lasting drop (a datacenter lost) is the rate within minutes, where a best kept for
+ever admitted requests at the old capacity and failed them at their objective (issue 62).
 
 The rate is the bubble time, not what was served: a served rate (tried on 2026-11-27) fell to
 nothing while a lost worker was replaced and refused requests the recovered pipeline then had a
@@ -72,6 +74,9 @@ SAMPLE_SHARE = 0.25
 CORRECTION_QUANTILE = 0.9
 CORRECTION_WINDOW = 64
 MAX_CORRECTION = 2.0
+#: The best window's rate halves every this many device seconds (`Admission.best_half_life_s`):
+#: a replacement takes seconds, a datacenter lost is for good.
+BEST_HALF_LIFE_S = 60.0
 
 
 @dataclass
@@ -109,6 +114,7 @@ def iteration_and_position(tag: object) -> tuple[int, int] | None:
 @dataclass
 class Admission:
     window_s: float  # real seconds of bubbles the rate is measured over
+    best_half_life_s: float = BEST_HALF_LIFE_S  # real seconds (`BEST_HALF_LIFE_S`, stretched)
     #: (when it started, its usable seconds) for the bubbles of the window, oldest first
     _bubbles: deque[tuple[float, float]] = field(default_factory=deque)
     _usable_s: float = 0.0  # the sum of the window's usable seconds
@@ -116,7 +122,8 @@ class Admission:
     #: each worker's first round (`FirstRound`), by worker; None once a bubble came without a
     #: (iteration, position) tag, whose round cannot be told
     _rounds: dict[str, FirstRound] | None = field(default_factory=dict)
-    _best: float = 0.0  # the highest rate over a whole window so far
+    _best: float = 0.0  # the highest rate over a whole window so far, as of `_best_at`
+    _best_at: float = 0.0
     #: the recent real waits over the uncorrected predicted ones (`waited`)
     _ratios: Recent = field(default_factory=lambda: Recent(CORRECTION_WINDOW, CORRECTION_QUANTILE))
     _correction: float = 1.0  # from `_ratios`, kept as they change: every arrival reads it
@@ -164,8 +171,10 @@ class Admission:
         if not self._whole_window(now):
             return self._first_round_rate()
         rate = max(0.0, self._usable_s) / self.window_s
-        self._best = max(self._best, rate)
-        return self._best if rate < PAUSE_SHARE * self._best else rate
+        best = self._best * 0.5 ** (max(0.0, now - self._best_at) / self.best_half_life_s)
+        if rate >= best:
+            self._best, self._best_at, best = rate, now, rate
+        return best if rate < PAUSE_SHARE * best else rate
 
     def waited(self, predicted_s: float, real_s: float, given_s: float) -> None:
         """A request admitted with an uncorrected predicted wait of `predicted_s` (`raw_finish_in`)

@@ -65,7 +65,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shared.control.status import FailureReason
-from shared.policies.admission import Admission
+from shared.policies.admission import BEST_HALF_LIFE_S, Admission
 from shared.policies.decisions import Decisions, Finished, Ignored, LostBatch, Spent, Trigger
 from shared.policies.dispatch_fill import Filling
 from shared.policies.dispatch_index import CreditIndex, OpenBubbles
@@ -143,7 +143,7 @@ class DispatchState(Filling, Leaving):
         k = self.time_scale
         self.stage_window_s, self.batch_grace_s = STAGE_WINDOW_S * k, BATCH_GRACE_S * k
         self.stale_bubble_s, self.resume_wait_s = STALE_BUBBLE_S * k, RESUME_WAIT_S * k
-        self._admission = Admission(RATE_WINDOW_S * k)
+        self._admission = Admission(RATE_WINDOW_S * k, BEST_HALF_LIFE_S * k)
 
     @classmethod
     def from_spec(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.control.status import FailureReason
-from shared.policies.admission import MARGIN, Admission
+from shared.policies.admission import BEST_HALF_LIFE_S, MARGIN, Admission
 from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request
 from shared.policies.prefill_cost import PrefillCostModel
 
@@ -19,8 +19,30 @@ def test_no_rate_until_a_whole_window_of_bubbles_was_seen() -> None:
     assert a.rate(2.0) == pytest.approx(0.1)  # 0.2 usable s over the last 2 s
     assert a.rate(2.5) == pytest.approx(0.05)  # the first left the window: half the best is still a rate
     a.bubble(2.6, 0.01)
-    assert a.rate(3.5) == pytest.approx(0.1)  # 0.01 over the window: a pause, so the best window stands
+    # 0.01 over the window: a pause, so the best window stands (decayed 1.5 s of its 60 s half-life)
+    assert a.rate(3.5) == pytest.approx(0.1 * 0.5 ** (1.5 / BEST_HALF_LIFE_S))
     assert a.rate(10.0) is None  # none in the window: no rate (a pause is the readiness gate's call)
+
+
+def test_the_best_rate_decays_so_a_lasting_drop_is_the_rate_within_minutes() -> None:
+    """Issue 62: a datacenter lost for good was taken for a pause for ever, and requests admitted at
+    the old capacity failed at their objective."""
+    a = Admission(window_s=2.0, best_half_life_s=60.0)
+    for t in range(21):  # 0.1 usable s a second
+        a.bubble(float(t), 0.1)
+    best = a.rate(20.0)
+    assert best is not None and best > 0
+    t, rates = 20.0, []
+    while t < 400.0:  # from here 0.03 a second, for good: under half the best, a pause at first
+        t += 1.0
+        a.bubble(t, 0.03)
+        rates.append((t, a.rate(t)))
+    low = 0.3 * best  # the window's rate from then on
+    assert rates[2][1] == pytest.approx(best * 0.5 ** (3.0 / 60.0))  # a pause, at first: the best stands
+    first_low = next(t for t, r in rates if r == pytest.approx(low))
+    # the decayed best falls under twice the low rate after log2(1 / 0.6) = 0.74 half-lives: 44 s
+    assert 40.0 < first_low - 20.0 < 50.0
+    assert all(r == pytest.approx(low) for t, r in rates if t >= first_low)
 
 
 def test_before_a_whole_window_the_rate_is_the_first_rounds_of_every_worker() -> None:
