@@ -28,7 +28,7 @@ from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.control import keys
 from shared.control.leases import ClientListRefused, look_at_holders, release_if_held_by, slot_end, slot_name
 from shared.control.status import LeaseState
-from shared.policies.lease_liveness import SETTLE_S, holder_gone
+from shared.policies.lease_liveness import HolderWatch
 from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -72,7 +72,8 @@ class SlotLease:
         #: Take a held slot whose holder is gone (its connections closed: `lease_liveness`) before
         #: its lease expires. Only where every holder's connections carry its name (the workers').
         self.liveness = liveness
-        self.liveness_settle_s = SETTLE_S  # after a Redis (re)start, how long before it says anything
+        #: the spare's judgement over its looks (two a renewal apart; `lease_liveness.HolderWatch`)
+        self.holders = HolderWatch(keys.LEASE_RENEW_S)
         self.slot: Slot | None = None
         self.all_slots = [Slot(d, k) for k in range(pp) for d in range(dp)]
         #: Set while training: from then on a missing peer is a failure (or, if the run
@@ -165,18 +166,19 @@ class SlotLease:
         if not self.liveness:
             return False
         try:
-            seen = await look_at_holders(self.r, self.run, [(s.replica, s.stage) for s in slots])
+            look = await look_at_holders(self.r, self.run, [(s.replica, s.stage) for s in slots], self.holder)
         except ClientListRefused as exc:
-            log.warning(
-                "Redis refused CLIENT LIST: a dead worker's slot frees only when its lease expires",
-                run=self.run,
-                error=str(exc),
-            )
-            self.liveness = False
-            return False
+            return self._liveness_off("Redis refused CLIENT LIST", str(exc))
+        except TRANSIENT_ERRORS:
+            self.holders.lost_sight()  # its clients reconnect too: the settle window starts again
+            raise
+        if not look.sees_itself:  # a proxy or a cluster: nobody's connections would show
+            return self._liveness_off("Redis's CLIENT LIST does not show this worker's own connection", "")
+        now = time.monotonic()
+        self.holders.server(look.run_id, now)
         freed = False
-        for (d, k), (holder, what) in seen.items():
-            verdict = holder_gone(what, renew_every_s=keys.LEASE_RENEW_S, settle_s=self.liveness_settle_s)
+        for (d, k), (holder, what) in look.holders.items():
+            verdict = self.holders.judge((d, k), holder, what, now)
             if verdict.gone and await release_if_held_by(self.r, self.run, d, k, holder):
                 log.warning(
                     "a slot's holder is gone: its lease released before it expired",
@@ -187,6 +189,11 @@ class SlotLease:
                 )
                 freed = True
         return freed
+
+    def _liveness_off(self, what: str, error: str) -> bool:
+        log.warning(f"{what}: a dead worker's slot frees only when its lease expires", run=self.run, error=error)
+        self.liveness = False
+        return False
 
     async def _took(self, s: Slot) -> None:
         """Slot `s` is ours: its predecessor's end marker (it left, say) and drain request go."""

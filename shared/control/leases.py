@@ -7,6 +7,7 @@ writes them. Reading needs no worker code, so it lives here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -32,9 +33,17 @@ class ClientListRefused(RuntimeError):
     """Redis refused CLIENT LIST (an ACL without it): only the lease's expiry tells a dead holder."""
 
 
-async def look_at_holders(
-    r: Redis, run: str, slots: list[tuple[int, int]]
-) -> dict[tuple[int, int], tuple[str, HolderSeen]]:
+@dataclass(frozen=True)
+class Look:
+    """One look of a spare's at the holders: each held slot's (holder, what was seen), the Redis
+    server's run_id, and whether the spare's own connection (named `me`) shows in CLIENT LIST."""
+
+    holders: dict[tuple[int, int], tuple[str, HolderSeen]]
+    run_id: str
+    sees_itself: bool
+
+
+async def look_at_holders(r: Redis, run: str, slots: list[tuple[int, int]], me: str = "") -> Look:
     """What a spare sees of each held slot's holder (`shared.policies.lease_liveness`): whether a
     connection named for it is open, how long ago it renewed, and Redis's uptime. Slots not held are
     left out. The leases are read first: a holder then seen with no connection open had not renewed
@@ -51,6 +60,7 @@ async def look_at_holders(
     info: Any = await r.info("server")
     up_s = float(info.get("uptime_in_seconds", 0))
     names = {c.get("name", "") for c in clients}
+    sees_itself = not me or holder_client_name(me) in names
     out = {}
     for (d, k), holder, pttl in zip(slots, found[::2], found[1::2], strict=True):
         if holder is None or pttl < 0:  # free, or (never here) a lease without a TTL
@@ -58,7 +68,7 @@ async def look_at_holders(
         who = holder.decode()
         renewed_ago_s = (keys.LEASE_TTL_MS - pttl) / 1000
         out[(d, k)] = (who, HolderSeen(holder_client_name(who) in names, renewed_ago_s, up_s))
-    return out
+    return Look(out, str(info.get("run_id", "")), sees_itself)
 
 
 async def slot_end(r: Redis, run: str, replica: int, stage: int) -> tuple[LeaseState | None, str]:

@@ -5,6 +5,7 @@ lease expires; a live holder whose connections were closed under it keeps its sl
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 
@@ -33,9 +34,15 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 def spare_of(redis: Redis, run: str) -> SlotLease:
+    """A spare on `redis`, whose connections must carry its name as a worker's do (else it cannot see
+    itself in CLIENT LIST, and turns the check off)."""
     spare = SlotLease(redis, run, 1, 1, "spare", liveness=True)
-    spare.liveness_settle_s = 0  # the suite's Redis may have started moments ago
+    spare.holders.settle_s = 0  # the suite's Redis may have started moments ago
     return spare
+
+
+def named(url: str) -> Redis:
+    return command_client(url, name=holder_client_name("spare"))
 
 
 async def test_a_spare_takes_a_killed_workers_slot_before_its_lease_expires(redis: Redis, redis_url: str) -> None:
@@ -44,7 +51,7 @@ async def test_a_spare_takes_a_killed_workers_slot_before_its_lease_expires(redi
     )
     try:
         assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"held\n"  # type: ignore[union-attr]
-        spare = spare_of(redis, "kill")
+        spare = spare_of(spare_redis := named(redis_url), "kill")
         waiting = asyncio.create_task(spare.wait_as_spare(asyncio.Event(), poll_s=0.05))
         await asyncio.sleep(2.5)  # more than two renewals: a live, connected holder keeps its slot
         assert not waiting.done()
@@ -57,8 +64,46 @@ async def test_a_spare_takes_a_killed_workers_slot_before_its_lease_expires(redi
         # taken while the dead holder's lease still had time to run: the closed connections told
         assert time.monotonic() - killed < left_s, f"taken {time.monotonic() - killed:.2f} s after the kill"
         assert await redis.get(keys.lease_key("kill", 0, 0)) == b"spare"
+        await spare_redis.aclose()
     finally:
         if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_a_live_holder_stalled_past_the_grace_with_its_connection_closed_keeps_its_slot(
+    redis: Redis, redis_url: str
+) -> None:
+    """Issue 62: one look of a spare's took a live worker for gone after its connection closed under
+    it and its event loop stalled past the 0.3 s grace (a GC pause, a graph capture). Two looks a
+    renewal apart, with no renewal between, do not: here it is stopped 1.6 s just after a renewal,
+    its connection closed, and it keeps its slot."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HOLDER, redis_url, "stall", "h4", stdout=asyncio.subprocess.PIPE
+    )
+    spare_redis = named(redis_url)
+    try:
+        assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"held\n"  # type: ignore[union-attr]
+        spare = spare_of(spare_redis, "stall")
+        waiting = asyncio.create_task(spare.wait_as_spare(asyncio.Event(), poll_s=0.05))
+        key = keys.lease_key("stall", 0, 0)
+        start = await redis.pttl(key)
+        while await redis.pttl(key) <= start:  # noqa: ASYNC110 (a TTL: nothing to wait on) until it renews
+            await asyncio.sleep(0.01)
+        proc.send_signal(signal.SIGSTOP)
+        for c in await redis.client_list(_type="normal"):
+            if c["name"] == holder_client_name("h4"):
+                await redis.client_kill_filter(_id=c["id"])
+        await asyncio.sleep(1.6)  # past a renewal interval and the grace: one look took it for gone
+        proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(2.0)  # it reconnects and renews; the spare looks on
+        assert not waiting.done() and await redis.get(key) == b"h4"
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+    finally:
+        await spare_redis.aclose()
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
             proc.kill()
             await proc.wait()
 
@@ -68,7 +113,8 @@ async def test_a_live_holder_whose_connections_are_closed_under_it_keeps_its_slo
     holder = SlotLease(client, "cut", 1, 1, "h2")
     await holder.acquire()
     watch = asyncio.create_task(holder.watch())
-    spare = spare_of(redis, "cut")
+    spare_redis = named(redis_url)
+    spare = spare_of(spare_redis, "cut")
     waiting = asyncio.create_task(spare.wait_as_spare(asyncio.Event(), poll_s=0.05))
     try:
         for _ in range(4):  # a server-side timeout or a network drop, again and again
@@ -83,6 +129,7 @@ async def test_a_live_holder_whose_connections_are_closed_under_it_keeps_its_slo
             task.cancel()
         await asyncio.gather(waiting, watch, return_exceptions=True)
         await client.aclose()
+        await spare_redis.aclose()
 
 
 async def test_a_redis_that_refuses_client_list_leaves_the_expiry_to_free_the_slot(
@@ -103,3 +150,22 @@ async def test_a_redis_that_refuses_client_list_leaves_the_expiry_to_free_the_sl
     finally:
         await redis.execute_command("ACL", "DELUSER", "nolist")
         await limited.aclose()
+
+
+async def test_a_spare_that_cannot_see_its_own_connection_leaves_the_expiry_to_free_the_slot(
+    redis: Redis, redis_url: str
+) -> None:
+    """Behind a proxy or on a cluster CLIENT LIST does not show a worker's connections: a spare that
+    does not see its own there would take every holder for gone; it turns the check off instead."""
+    await SlotLease(redis, "blind", 1, 1, "h5").acquire()
+    spare = spare_of(redis, "blind")  # the suite's client: not named for the spare
+    stop = asyncio.Event()
+    waiting = asyncio.create_task(spare.wait_as_spare(stop, poll_s=0.05))
+    try:
+        async with asyncio.timeout(10):
+            while spare.liveness:  # noqa: ASYNC110 (a flag the spare's first look sets)
+                await asyncio.sleep(0.05)
+        assert not waiting.done() and await redis.get(keys.lease_key("blind", 0, 0)) == b"h5"
+    finally:
+        stop.set()
+        await asyncio.gather(waiting, return_exceptions=True)
