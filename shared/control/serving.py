@@ -8,7 +8,7 @@
   A duplicate answer (a redelivered batch) changes nothing.
 * `fail_dead_request`: a request the dispatcher dead-letters is answered, failed, through `answer`
   (so it is counted out of flight), not left to its client's timeout.
-* `reconcile_inflight`: the in-flight count set to what the request stream holds unacked, so
+* `reconcile_inflight`: the in-flight count lowered to what the request stream holds unacked, so
   that no lost decrement makes it creep toward the limit (and permanent 429s).
 * `publish_readiness` / `readiness`: each dispatcher's verdict on whether prefill can be served
   (`shared.policies.readiness`), a key with a short TTL that the front doors read.
@@ -59,16 +59,22 @@ return 0
 #: a drift is corrected within this, and the XINFO it costs is one per dispatcher this often.
 INFLIGHT_RECONCILE_S = 10.0
 
-# In flight = the request stream's entries its group has not acked (pending) or not read (lag):
-# a request is acked once answered or failed, and a dead letter is acked with its record.
+# In flight is at most the request stream's entries its group has not acked (pending) or not read
+# (lag): a request is acked once answered or failed, and a dead letter with its record. It can be
+# fewer (an answered request's entry is acked a moment later; a dead dispatcher's, once reclaimed),
+# so the count is only ever lowered to that bound, never raised to it.
 _RECONCILE = """
 for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
   local f = {}
   for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
   if f['name'] == ARGV[1] then
     if type(f['lag']) ~= 'number' then return -1 end
-    local n = f['pending'] + f['lag']
-    redis.call('SET', KEYS[1], n)
+    local bound = f['pending'] + f['lag']
+    local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+    if n > bound then
+      redis.call('SET', KEYS[1], bound)
+      return bound
+    end
     return n
   end
 end
@@ -174,9 +180,10 @@ async def fail_dead_request(r: Redis, raw: bytes | None, error: str) -> None:
 
 
 async def reconcile_inflight(r: Redis, group: str) -> int | None:
-    """Set the in-flight count to the request stream's unacked entries of `group` (pending + not
-    read), atomically with the scripts that move it; the count set, or None when it cannot be
-    known (no such group yet, or the stream trimmed under it)."""
+    """Lower the in-flight count to the request stream's unacked entries of `group` (pending + not
+    read) if it is above them (a lost decrement), atomically with the scripts that move it; the
+    count now, or None when the bound cannot be known (no such group yet, or the stream trimmed
+    under it)."""
     n: Any = await r.eval(_RECONCILE, 2, keys.PREFILL_INFLIGHT_KEY, keys.PREFILL_REQUESTS_STREAM, group)
     return None if int(n) < 0 else int(n)
 
