@@ -21,6 +21,8 @@ from shared.runtime.logs import get_logger
 
 #: How long a worker waits for all its peers to lease their slots.
 START_TIMEOUT_S = 180.0
+#: What `_join` returns when the generation moved on while it formed: join again (never an iteration).
+REJOIN = -1
 
 log = get_logger(__name__)
 
@@ -51,6 +53,9 @@ async def take_part(
                     start = await _join(runner, lease, watch, gens, halt, stop, after_loss=after_loss)
                 finally:
                     halt.cancel()
+                if start == REJOIN:
+                    after_loss = True
+                    continue
                 if start is None:  # told to stop or leave while waiting for the peers (they may never come)
                     if leaving.done():
                         await leave_now(runner, lease, "before it trained in this generation")
@@ -174,14 +179,25 @@ async def _join(
     if port is not None and port.transport is not None:  # this generation's groups, with every peer
         # A stop of the run calls the formation off: the peers it waits for are stopping too. (Told
         # to leave, it forms: its peers wait for its end of the groups, and it leaves a step later.)
+        # So does a move of the generation: a replacement that began the next one just as this
+        # barrier passed takes the peers there, and this generation's groups would never form (a
+        # worker waited the plane's whole timeout, then failed: issue 62). It joins the new one.
         forming = asyncio.create_task(port.form(gen), name="form")
         stopped = asyncio.create_task(stop.wait(), name="stopped")
-        await asyncio.wait({forming, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
+        moved = asyncio.create_task(gens.moved(), name="moved")
+        await asyncio.wait({forming, stopped, moved}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (stopped, moved):
+            t.cancel()
+        await asyncio.gather(stopped, moved, return_exceptions=True)
         if not forming.done():
             forming.cancel()
             await asyncio.gather(forming, return_exceptions=True)
-            return None  # told to stop
+            if stop.is_set():
+                return None  # told to stop
+            log.warning(
+                "the run's generation moved on while its groups formed: joining it", slot=slot.name, generation=gen
+            )
+            return REJOIN
         try:
             forming.result()
         except PlaneError as exc:

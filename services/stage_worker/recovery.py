@@ -10,8 +10,10 @@ again when it notices a lost peer (or that the generation moved on without it):
    old generation *before* it says it joined, so any tensor of the new one it receives is kept.
 2. **barrier**: it adds its slot to the generation's joined set and waits until every slot is there
    (so every lease is held by a live worker again). If the generation moves on meanwhile (another
-   replacement arrived), it enters the newer one. Two replacements arriving together cost one extra
-   round, never a split: a worker only ever joins the current generation.
+   replacement arrived), it enters the newer one, and so it does if the move comes while it forms
+   the generation's data-plane groups (`membership.py`: the peers went on to the newer one, and the
+   old groups would never form). Two replacements arriving together cost one extra round, never a
+   split: a worker only ever joins the current generation.
 3. **resume point**: each worker says, as it joins, which iteration it last stepped (the state it
    holds); the first worker through plans the resume from those and the checkpoints
    (`shared.policies.recovery.plan_resume`: the live peers' state where every stage has a worker
