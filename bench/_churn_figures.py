@@ -14,6 +14,7 @@ picture. Nothing here runs a service; the bench records, these functions count.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import statistics
@@ -87,9 +88,18 @@ def log_time(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def rounded(v: float | None) -> float | None:
-    """A figure for the JSON line: to 2 decimals (None stays None)."""
-    return None if v is None else round(v, 2)
+def rounded(v: float | None) -> float | str | None:
+    """A figure for the JSON line: to 2 decimals (None stays None; a fault that never recovered,
+    infinite, is the string "inf": JSON has no infinity)."""
+    if v is None:
+        return None
+    return "inf" if math.isinf(v) else round(v, 2)
+
+
+def recovered_in(back: float | None) -> float:
+    """A fault's time to recover, for its percentiles: one that never recovered counts, as infinite
+    (issue 62: dropping it made the p99 of a run that lost a fault look like a calm one's)."""
+    return math.inf if back is None else back
 
 
 def joins(logs: Iterable[Path]) -> dict[int, list[float]]:

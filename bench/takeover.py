@@ -165,8 +165,7 @@ def figures(kills: list[dict[str, Any]], joined: dict[int, list[float]], slots: 
         at = leased_at(kill["spare_log"])
         if at is not None:
             taken.append(max(0.0, at - kill["at"]))
-        if (b := figs.back_after(kill["at"], kill["generation"], joined, slots)) is not None:
-            back.append(b)
+        back.append(figs.recovered_in(figs.back_after(kill["at"], kill["generation"], joined, slots)))
     out: dict[str, Any] = {
         "kills": len(kills),
         "survived": sum(k["survived"] for k in kills),
@@ -184,7 +183,8 @@ def side_by_side(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     live, exp = results.get("liveness", {}), results.get("expiry", {})
     for label in ("taken", "back"):
         a, b = live.get(f"{label}_p50_s"), exp.get(f"{label}_p50_s")
-        out[f"{label}_p50_liveness_over_expiry"] = round(a / b, 3) if a and b else None
+        finite = isinstance(a, float | int) and isinstance(b, float | int) and a and b  # not "inf"
+        out[f"{label}_p50_liveness_over_expiry"] = round(a / b, 3) if finite else None
     return out
 
 

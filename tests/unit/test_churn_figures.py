@@ -66,3 +66,11 @@ def test_slo_attainment_counts_every_request_sent() -> None:
     got = figs.serving(load, slo_ms=500)
     assert got["requests_sent"] == 4 and got["requests_answered"] == 3 and got["slo_attainment"] == 0.5
     assert figs.windows(got["send_times"], got["good"], start=0.5, end=4.5, width=2) == [(1.0, 0.5), (3.0, 0.5)]
+
+
+def test_a_fault_that_never_recovered_counts_as_infinite_in_the_percentiles() -> None:
+    """Issue 62: dropping it left a run that lost a fault with a calm run's p99."""
+    backs = [figs.recovered_in(b) for b in (1.0, 1.2, None, 0.9)]
+    assert figs.rounded(figs.percentile(backs, 99)) == "inf"
+    assert figs.rounded(figs.median(backs)) == 1.1
+    assert figs.rounded(figs.percentile([figs.recovered_in(b) for b in (1.0, 1.2)], 99)) == 1.2
