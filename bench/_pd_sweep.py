@@ -110,14 +110,19 @@ async def sweep(
 
 
 def verdicts(points: list[dict[str, Any]], objective_ms: float) -> dict[str, Any]:
-    """The issue's targets, each true or false, over the sweep (docs/vllm.md states them)."""
-    slo, p99, no_429, lost = True, True, True, 0
+    """The issue's targets over the sweep (docs/vllm.md states them): each true or false, or None
+    where no point qualifies (a verdict over the points where vLLM alone meets the objective, when
+    it meets it nowhere, is not true: issue 62)."""
+    slo: bool | None = None if not points else True
+    p99: bool | None = None
+    no_429: bool | None = None
+    lost = 0
     for p in points:
         a, b = p["vllm_alone"], p["bubbletea_vllm"]
-        slo &= (b["slo_attainment"] or 0) >= (a["slo_attainment"] or 0) - 0.01
+        slo = bool(slo) and (b["slo_attainment"] or 0) >= (a["slo_attainment"] or 0) - 0.01
         if a["ttft_p99_ms"] is not None and a["ttft_p99_ms"] <= objective_ms:
-            p99 &= b["ttft_p99_ms"] is not None and b["ttft_p99_ms"] <= objective_ms
-            no_429 &= not b["failed"].get("http_429")
+            p99 = (p99 is not False) and b["ttft_p99_ms"] is not None and b["ttft_p99_ms"] <= objective_ms
+            no_429 = (no_429 is not False) and not b["failed"].get("http_429")
         lost += sum(n for kind, n in b["failed"].items() if kind != "http_429")
     return {
         "slo_attainment_within_0_01_everywhere": slo,

@@ -126,3 +126,19 @@ def test_the_sweep_verdicts_are_the_issues_targets() -> None:
     light["bubbletea_vllm"] = arm(0.98, 520.0, {"http_429": 1, "timeout": 2})
     v = _pd_sweep.verdicts([light, heavy], 500.0)
     assert not any(v[k] for k in list(v)[:3]) and v["failed_other_than_429"] == 2
+
+
+def test_a_verdict_no_point_qualifies_for_is_null_not_true() -> None:
+    """Issue 62: where vLLM alone never meets the objective, "p99 within the objective where vLLM
+    alone is" and "no 429 there" held vacuously; they are None."""
+    from bench import _pd_sweep
+
+    heavy = {
+        "vllm_alone": {"slo_attainment": 0.5, "ttft_p99_ms": 900.0, "failed": {}},
+        "bubbletea_vllm": {"slo_attainment": 0.5, "ttft_p99_ms": 950.0, "failed": {"http_429": 3}},
+    }
+    v = _pd_sweep.verdicts([heavy], 500.0)
+    assert v["ttft_p99_within_objective_where_vllm_alone_is"] is None
+    assert v["no_429_where_vllm_alone_meets_objective"] is None
+    assert v["slo_attainment_within_0_01_everywhere"] is True
+    assert _pd_sweep.verdicts([], 500.0)["slo_attainment_within_0_01_everywhere"] is None
