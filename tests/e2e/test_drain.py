@@ -100,7 +100,7 @@ async def test_a_drained_worker_leaves_at_a_step_boundary_and_the_run_goes_on(
     _, replacement, events, path = await drain_and_replace(tmp_path, redis_server.url, None, "command", said)
     joined = [line for line in replacement.splitlines() if "joined the run" in line]
     assert joined and "source=peers" in joined[-1], replacement[-3000:]
-    check_trained_once(events, path, ITERATIONS)
+    await check_trained_once(events, path, ITERATIONS, redis_server.url)
 
 
 async def test_a_worker_of_one_replica_evicted_hands_its_state_over_through_its_own_checkpoint(
@@ -111,7 +111,7 @@ async def test_a_worker_of_one_replica_evicted_hands_its_state_over_through_its_
     _, replacement, events, path = await drain_and_replace(tmp_path, redis_server.url, ONE_REPLICA, "signal")
     joined = [line for line in replacement.splitlines() if "joined the run" in line]
     assert joined and "source=peers" in joined[-1], replacement[-3000:]
-    check_trained_once(events, path, ITERATIONS)
+    await check_trained_once(events, path, ITERATIONS, redis_server.url)
 
 
 async def test_sigterm_to_every_worker_at_once_stops_the_whole_run(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
