@@ -51,7 +51,7 @@ class StageTrainer:
         self.mbs, self.seq, self.data_seed = spec.training.microbatch_size, spec.model.seq_len, spec.training.seed
         self._inputs: dict[int, Tensor] = {}
         self._outputs: dict[int, Tensor] = {}
-        self._losses: list[float] = []
+        self._losses: list[Tensor] = []  # this iteration's microbatch losses, on the device
         #: The last step's learning rate, and its global gradient norm (None with clipping off).
         self.last_lr = self.lr
         self.last_grad_norm: float | None = None
@@ -85,7 +85,7 @@ class StageTrainer:
         if self.model.is_last:
             _, targets = self._batch(iteration, mb)
             loss = lm_loss(out.float(), targets)
-            self._losses.append(loss.item())  # waits for the device
+            self._losses.append(loss.detach())  # read at the step, all at once (one host sync)
             self._outputs[mb] = loss
             return None
         self._outputs[mb] = out
@@ -167,12 +167,14 @@ class StageTrainer:
         self.lane.wait()
         self.stepped = it
 
+    @on_lane
     def take_loss(self) -> float | None:
-        """Mean microbatch loss of the iteration just finished (last stage only)."""
+        """Mean microbatch loss of the iteration just finished (last stage only): the microbatches'
+        losses read from the device at once (its step waited for them), summed on the host in order."""
         if not self._losses:
             return None
-        loss, self._losses = sum(self._losses) / len(self._losses), []
-        return loss
+        losses, self._losses = torch.stack(self._losses).cpu().tolist(), []
+        return sum(losses) / len(losses)
 
     # --- checkpoints (a run survives a lost worker: shared/policies/recovery.py) ---------------
 

@@ -70,12 +70,11 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def grad_sq_norm(params: Iterable[nn.Parameter]) -> float:
     """Sum of the squared gradient entries, in float64 (parameters without a gradient count 0): a
-    pipeline adds its stages' sums before the square root."""
-    total = 0.0
-    for p in params:
-        if p.grad is not None:
-            total += float(p.grad.detach().double().pow(2).sum())
-    return total
+    pipeline adds its stages' sums before the square root. One read from the device for all the
+    parameters (a `float()` each was a host sync each, issue 62), summed on the host in their order,
+    as before: the same value to the last bit."""
+    sums = [p.grad.detach().double().pow(2).sum() for p in params if p.grad is not None]
+    return sum(torch.stack(sums).cpu().tolist(), 0.0) if sums else 0.0
 
 
 def clip_and_step(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from shared.model.optim import clip_coefficient, lr_at
+from shared.model.optim import clip_coefficient, grad_sq_norm, lr_at
 from shared.policies.placement import balanced_split
 from shared.spec.config import parse_spec
 from shared.spec.plan import stage_layer_ranges
@@ -53,3 +54,17 @@ def test_the_params_split_moves_layers_off_the_embedding_and_head_stages() -> No
     by_params = stage_layer_ranges(parse_spec({**spec, "parallelism": {"pp": 4, "dp": 1, "split": "params"}}))
     assert by_layers == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert by_params[0] == (0, 1) and by_params[-1] == (7, 8)  # vocab x d_model outweighs the layers
+
+
+def test_the_squared_norm_is_read_from_the_device_once_and_equals_the_per_parameter_sum() -> None:
+    """One host read for all the parameters (issue 62: a `float()` each was a device sync each), the
+    same value to the last bit as adding each parameter's sum on the host in order."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((7, 3), (11,), (2, 2, 5))]
+    for p in params[:2]:  # the last has no gradient: it counts 0
+        p.grad = torch.randn_like(p) * 1e3
+    by_hand = 0.0
+    for p in params[:2]:
+        by_hand += float(p.grad.detach().double().pow(2).sum())  # type: ignore[union-attr]
+    assert grad_sq_norm(params) == by_hand
+    assert grad_sq_norm([torch.nn.Parameter(torch.zeros(3))]) == 0.0
