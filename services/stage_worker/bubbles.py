@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.stage_worker.filler import Filler
+from services.stage_worker.guest import DeviceLost
 from services.stage_worker.lease import Slot
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.outbox import Outbox
@@ -98,6 +99,8 @@ class BubbleAnnouncer:
             if filler is not None:
                 try:
                     finished = await filler.fill(arrived, awaited, ends_at)
+                except DeviceLost:  # a poisoned device stops training too: the worker stops, recovery replaces it
+                    raise
                 except Exception as exc:  # the guest never stops the owner (cancellation still passes)
                     filler.fence(exc)
             value = await awaited

@@ -203,6 +203,8 @@ class Filler:
                     continue
                 q = self.batches[head.batch_id]
                 run, first = await self._run(q, arrived, ends_at, in_loop=first), False
+                if self.guest.poisoned is not None:  # the device is lost: past the fence, the worker stops
+                    raise self.guest.poisoned
                 if run.blocks:
                     self.on_span(run.started, run.ended)
                 if run.finished or run.error is not None:  # done here (a failed one: what did not start goes back)

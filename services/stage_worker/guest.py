@@ -14,6 +14,7 @@ from services.stage_worker.reporting import Outcome
 from shared.bus import Bus
 from shared.control import keys
 from shared.control.status import FailureReason
+from shared.model.devices import is_sticky_cuda_error
 from shared.model.prefill import PrefillModel
 from shared.policies.guest import GuestHealth, GuestVerdict
 from shared.runtime.logs import get_logger
@@ -22,10 +23,18 @@ from shared.wire import PrefillOff
 log = get_logger(__name__)
 
 
+class DeviceLost(RuntimeError):
+    """A sticky CUDA error (`shared.model.devices.is_sticky_cuda_error`): this process's device
+    context is poisoned; only a new process clears it."""
+
+
 class Guest:
     def __init__(self, bus: Bus, run: str, worker: str, model: PrefillModel, metrics: WorkerMetrics | None) -> None:
         self.bus, self.run, self.worker, self.model, self.metrics = bus, run, worker, model, metrics
         self.health = GuestHealth()
+        #: Set by a sticky CUDA error: the device is lost for this process, training too; the fill
+        #: executor raises it past its fence, and the worker stops so that recovery replaces it.
+        self.poisoned: DeviceLost | None = None
         self._traceback = ""  # the last failure's, for the batch's log line
 
     @property
@@ -39,6 +48,8 @@ class Guest:
         frames, and with them its tensors, until it is dropped."""
         error = f"{type(exc).__name__}: {exc}".strip()[:500]
         self._traceback = "".join(traceback.format_exception(exc))[-4000:]
+        if is_sticky_cuda_error(exc) and self.poisoned is None:  # the device is gone for this process
+            self.poisoned = DeviceLost(f"prefill on worker {self.worker} hit a sticky CUDA error: {error}")
         o.failure = (FailureReason.PREFILL_ERROR, f"prefill failed on worker {self.worker}: {error}")
         o.state = None
         exc.__traceback__ = None

@@ -27,6 +27,26 @@ class DeviceError(RuntimeError):
     """The spec asks for a device this machine cannot provide; the message says why and what to do."""
 
 
+#: CUDA errors that poison the process's context: every later call on the device fails too
+#: (CUDA's documentation: "sticky" errors, which only a new process clears).
+STICKY_CUDA_ERRORS = (
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "misaligned address",
+    "illegal instruction",
+    "uncorrectable ECC error",
+    "hardware stack error",
+)
+
+
+def is_sticky_cuda_error(exc: BaseException) -> bool:
+    """Whether `exc` is a CUDA error after which the device cannot be used by this process again: the
+    worker must stop and let recovery replace it, not carry on (training over a dead context)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "CUDA" in text and any(s in text for s in STICKY_CUDA_ERRORS)
+
+
 def slot_index(replica: int, stage: int, pp: int) -> int:
     """The slot's index among all PP x DP slots: replica-major, so a replica's stages are neighbours."""
     if pp < 1 or not 0 <= stage < pp or replica < 0:

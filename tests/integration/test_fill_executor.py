@@ -583,6 +583,42 @@ async def test_a_fill_executor_that_fails_in_a_bubble_never_reaches_training(red
         assert any(isinstance(decode(f[b"m"]), PrefillOff) for _, f in rows)
 
 
+async def test_a_sticky_cuda_error_in_prefill_stops_the_worker_rather_than_train_on(redis_url: str) -> None:
+    """An illegal memory access poisons the process's CUDA context: training on it would fail at its
+    next call, or compute garbage. The fill executor raises it past its fence, out of the bubble's
+    wait, so the worker stops and recovery replaces it (issue 62: it was caught as a RuntimeError, the
+    request failed, and training carried on over a dead context). The request is failed, not lost."""
+    from services.stage_worker.bubbles import BubbleAnnouncer
+    from services.stage_worker.guest import DeviceLost
+    from services.stage_worker.lease import Slot
+    from services.stage_worker.outbox import Outbox
+    from services.stage_worker.telemetry import StageTelemetry
+    from shared.policies.bubbles import BubblePredictor
+
+    model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
+
+    def poisoned(state: PrefillState, *args: Any, **kw: Any) -> PrefillState:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        filler = filler_for(bus, model)
+        item = PrefillItem(id="x", tokens=(1, 2, 3), from_layer=0, to_layer=2, reply_to="bt:test:results")
+        queued = deliver(filler, batch(item, 1))
+        await asyncio.sleep(0)
+        model.run_layers = poisoned  # type: ignore[method-assign]
+        outbox = Outbox(bus)
+        telemetry = StageTelemetry(outbox, RUN, 0, 0, "r0s0")
+        announcer = BubbleAnnouncer(outbox, RUN, Slot(0, 0), "dc-a", BubblePredictor(), 0, telemetry)
+        awaited: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        with pytest.raises(DeviceLost, match="sticky CUDA error"):
+            await asyncio.wait_for(announcer.wait(0, 0, 0, awaited, awaited.done, lambda: None, filler), 60)
+        await asyncio.wait_for(queued, 60)  # its request failed and reported, not lost
+        answers: Any = await bus.redis.xrange("bt:test:results")
+        assert len(answers) == 1
+        await filler.close()
+        await outbox.close()
+
+
 async def test_a_batch_of_another_run_is_rejected(redis_url: str) -> None:
     model = PrefillModel(GPTConfig(layers=1, d_model=32, heads=4, seq_len=16, vocab=256), seed=1)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
