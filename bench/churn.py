@@ -19,9 +19,10 @@ over real HTTP with a TTFT objective (`--ttft-slo-ms`), for `--duration` seconds
 Figures (one JSON line last; every fault and every request sent counts):
 
 * per arm: `faults`, `survived` (the run trained again after it; a control service: `up` restarted
-  it healthy, Redis: restarted on its files), kill to training again p50 / p99 / max (s, wall clock,
-  over the worker faults and every fault of the restart arm), `control_back_max_s` (a control
-  service's kill to `up` saying it is healthy again), `useful_iterations` (iterations every stage of
+  it healthy, Redis: an iteration ended and a request was answered after its restart), kill to
+  training again p50 / p99 / max (s, wall clock, over the worker faults and every fault of the
+  restart arm; a fault never recovered counts, as infinite: "inf"), `control_back_max_s` (a control
+  service's kill to `up` saying it is healthy again, Redis's to serving again), `useful_iterations` (iterations every stage of
   some replica stepped, each counted once: `_churn_figures`) and `useful_per_hour`,
   `redone_iterations`, `losses_equal` (every replica's loss against single-process training of the
   spec the run trained), `slo_attainment` of the requests sent, `requests_lost` (no answer within
@@ -63,6 +64,7 @@ import _common  # noqa: E402
 import chaos  # noqa: E402
 
 from bubbletea.launcher.load import run_loadgen  # noqa: E402
+from shared.bus.connection import TRANSIENT_ERRORS as REDIS_ERRORS  # noqa: E402
 from shared.control import keys  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from shared.spec.config import load_spec  # noqa: E402
@@ -75,6 +77,8 @@ INPUT_LEN, RANGE_RATIO = 96, 0.33
 REQUEST_TIMEOUT_S = 120
 #: How long `up` may take to come up (it measures nothing when the time scale is given).
 UP_TIMEOUT_S = 240
+#: How long a killed Redis stays down before it is started again on its files.
+REDIS_DOWN_S = 2.0
 
 
 class Arm:
@@ -141,9 +145,9 @@ class Arm:
             os.kill(self.up.pids[what], signal.SIGTERM if self.args.drain else signal.SIGKILL)
         elif fault.kind == "redis":
             self.redis.kill()  # SIGKILL: the append-only file is all that survives
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(REDIS_DOWN_S)
             self.redis = EmbeddedRedis(port=self.redis.port, persist=True, data_dir=str(self.redis_dir)).start()
-            record["back_at"] = time.time()  # back: serving again once every service reconnected
+            self.watching.add(asyncio.create_task(self._redis_back(record, time.time())))
         else:
             since = len(self.up.lines)
             os.kill(self.up.pids[fault.kind], signal.SIGKILL)
@@ -151,6 +155,29 @@ class Arm:
         record["killed"] = what
         self.faults.append(record)  # (a control service's `back_at` comes later, into this record)
         print(json.dumps({"arm": self.name, **record}), file=sys.stderr, flush=True)
+
+    async def _redis_back(self, record: dict[str, Any], restarted: float, within_s: float = 120.0) -> None:
+        """Redis is back for the run once, after its restart at `restarted`, an iteration has ended
+        and a request has been answered (entries of the events and results streams, whose ids are
+        their times); not once it was started again (issue 62: stamped after the 2 s sleep, every
+        Redis fault counted survived). Not within `within_s`: never back (infinite in the figures)."""
+        from redis.asyncio import Redis
+
+        after = f"{int(restarted * 1000)}-0"
+        r = Redis.from_url(self.redis.url, protocol=2, socket_timeout=5)
+        deadline = time.monotonic() + within_s
+        try:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(OSError, *REDIS_ERRORS):
+                    trained = await r.xrange(keys.events_stream(self.run), min=after, count=1)
+                    results = await r.keys("bt:prefill:results:*")
+                    answered = [await r.xrange(k, min=after, count=1) for k in results]
+                    if trained and any(answered):
+                        record["back_at"] = time.time()
+                        return
+                await asyncio.sleep(0.2)  # two streams' newest entries: nothing one read blocks on
+        finally:
+            await r.aclose()
 
     async def _back(self, record: dict[str, Any], label: str, since: int) -> None:
         """When `up` says the killed control service is restarted and healthy."""
@@ -189,8 +216,10 @@ class Arm:
         by_generation = [f for f in self.faults if f["kind"] == "worker" or self.name == "restart"]
         back = [figs.back_after(f["at"], f["generation"], joined, slots) for f in by_generation]
         backs = [figs.recovered_in(b) for b in back]  # one never back counts, as infinite
-        # the control plane's services: back once up said so (Redis: once restarted on its files)
-        control = [f["back_at"] - f["at"] for f in self.faults if f not in by_generation and "back_at" in f]
+        # the control plane's services: back once up said so (Redis: once an iteration ended and a
+        # request was answered after its restart); one never back counts, as infinite
+        control_faults = [f for f in self.faults if f not in by_generation]
+        control = [figs.recovered_in(f["back_at"] - f["at"] if "back_at" in f else None) for f in control_faults]
         slo_ms = self.args.ttft_slo_ms * self.k
         served = figs.serving(load, slo_ms)
         hours = (end - start) / 3600
@@ -200,7 +229,7 @@ class Arm:
             "seconds": round(end - start, 1),
             "faults": len(self.faults),
             "faults_by_kind": {k: sum(f["kind"] == k for f in self.faults) for k in {f["kind"] for f in self.faults}},
-            "survived": sum(b is not None for b in back) + len(control),
+            "survived": sum(b is not None for b in back) + sum("back_at" in f for f in control_faults),
             "back_p50_s": figs.rounded(figs.median(backs)),
             "back_p99_s": figs.rounded(figs.percentile(backs, 99)),
             "back_max_s": figs.rounded(max(backs, default=None)),

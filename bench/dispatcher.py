@@ -45,21 +45,19 @@ from typing import Any
 import uvloop
 import yaml
 from _dispatcher_workers import PROMPT_TOKENS, Emulated, Shape, hold_slots
+from _inject import inject
 from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import DISPATCHER
-from shared.control import keys, serving
+from shared.control import keys
 from shared.control.health import HEARTBEAT_INTERVAL_S
 from shared.figures.runstats import percentile
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.wire import PrefillRequest
 
 #: The GPU check's offered load (bench/gpu_check.py, one H100, 2026-11-28: 80% of its bubbles).
 GPU_CHECK_RPS = 904.0
 SHAPE = Shape(period_s=0.050, bubble_s=0.020, request_s=0.0002)
-#: Requests accepted per round trip at most (the injector's own batching).
-ACCEPT_BATCH = 200
 #: The measured window starts after this warm-up (the dispatcher learns the costs and bubbles).
 WARMUP_S = 2.0
 SATURATE_RPS = 20_000.0
@@ -74,33 +72,6 @@ def spec(replicas: int) -> dict[str, Any]:
         # deadlines far off: what is measured is the dispatcher's pace, not admission under overload
         "prefill": {"max_prompt_tokens": 256, "request_timeout_s": 30.0, "max_queue_depth": 10_000_000},
     }
-
-
-async def inject(url: str, rate: float, until: float, sent: list[int], reply_to: str) -> None:
-    """Poisson arrivals at `rate`/s, each accepted with the front door's script, batched per wake-up."""
-    r = Redis.from_url(url, protocol=2)
-    rng, n = random.Random(1), 0
-    due = time.monotonic()
-    try:
-        while time.monotonic() < until:
-            now = time.monotonic()
-            batch = []
-            while due <= now and len(batch) < ACCEPT_BATCH:
-                n += 1
-                tokens = tuple(rng.randrange(256) for _ in range(rng.randint(64, 128)))
-                batch.append(
-                    PrefillRequest(id=f"d{n}", model="m", tokens=tokens, submitted=time.time(), reply_to=reply_to)
-                )
-                due += rng.expovariate(rate)
-            if batch:
-                async with r.pipeline(transaction=False) as pipe:
-                    for req in batch:
-                        pipe.eval(*serving.accept_args(req, 10_000_000))
-                    await pipe.execute()
-                sent[0] += len(batch)
-            await asyncio.sleep(max(0.0, min(due - time.monotonic(), 0.005)))
-    finally:
-        await r.aclose()
 
 
 def cpu_s(pid: int) -> float:
@@ -126,7 +97,22 @@ async def heartbeat(url: str, after: float) -> dict[str, Any]:
         await r.aclose()
 
 
-async def run_case(url: str, workdir: Path, replicas: int, rate: float, seconds: float) -> dict[str, Any]:
+async def injectors(url: str, rate: float, seconds: float, reply_to: str, n: int) -> int:
+    """`n` injector processes at `rate / n` each for `seconds` (bench/_inject.py); the requests sent."""
+    script = str(Path(__file__).with_name("_inject.py"))
+    procs = []
+    for i in range(n):
+        args = (url, str(rate / n), str(seconds), reply_to, f"i{i}-", str(i + 1))
+        procs.append(
+            await asyncio.create_subprocess_exec(sys.executable, script, *args, stdout=asyncio.subprocess.PIPE)
+        )
+    outs = await asyncio.gather(*(p.communicate() for p in procs))
+    return sum(int(out.decode() or 0) for out, _ in outs)
+
+
+async def run_case(
+    url: str, workdir: Path, replicas: int, rate: float, seconds: float, n_injectors: int = 1
+) -> dict[str, Any]:
     run = f"dbench-{replicas}-{int(rate)}-{random.randrange(1 << 20):x}"
     path = workdir / f"{run}.yaml"
     path.write_text(yaml.safe_dump(spec(replicas)))
@@ -141,15 +127,21 @@ async def run_case(url: str, workdir: Path, replicas: int, rate: float, seconds:
     proc = await spawn(DISPATCHER, env, out=sys.stderr, quiet=True)
     sent = [0]
     try:
-        start = time.monotonic()
-        injector = asyncio.create_task(inject(url, rate, start + WARMUP_S + seconds, sent, f"bt:dbench:{run}"))
+        start, reply_to = time.monotonic(), f"bt:dbench:{run}"
+        if n_injectors > 1:  # processes of their own: the dispatcher, not the injector, the limit
+            injector = asyncio.create_task(injectors(url, rate, WARMUP_S + seconds, reply_to, n_injectors))
+        else:
+            injector = asyncio.create_task(inject(url, rate, start + WARMUP_S + seconds, sent, reply_to))
         await asyncio.sleep(WARMUP_S)
+        r = Redis.from_url(url, protocol=2)
         c0, a0, t0 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
-        m0, s0 = sum(w.sent for w in workers), sent[0]
+        m0, s0 = sum(w.sent for w in workers), await r.xlen(keys.PREFILL_REQUESTS_STREAM)
         waits0 = [len(w.fill_waits_s) for w in workers]
-        await injector
+        total = await injector
         c1, a1, t1 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
-        m1, s1 = sum(w.sent for w in workers), sent[0]
+        m1, s1 = sum(w.sent for w in workers), await r.xlen(keys.PREFILL_REQUESTS_STREAM)
+        await r.aclose()
+        sent[0] = total if isinstance(total, int) else sent[0]
         beat = await heartbeat(url, after=time.time())
     finally:
         stop.set()
@@ -162,10 +154,14 @@ async def run_case(url: str, workdir: Path, replicas: int, rate: float, seconds:
         "replicas": replicas,
         "workers": 2 * replicas,
         "offered_rps": rate,
+        "injectors": n_injectors,
         "sent": sent[0],
+        "accepted_per_s": round((s1 - s0) / (t1 - t0), 1),  # what the injectors managed to offer
         "answered_per_s": round(answered, 1),
         "dispatcher_cpu": round(cpu, 3),
+        # extrapolated to a whole core: observed only where the dispatcher ran at 0.9 core or more
         "requests_per_core_s": round(answered / cpu) if cpu > 0 else None,
+        "observed_at_0_9_core": cpu >= 0.9,
         "inputs_per_s": round(inputs, 1),
         "inputs_per_core_s": round(inputs / cpu) if cpu > 0 else None,
         "decision_p50_ms": beat.get("decision_ms_p50"),
@@ -189,14 +185,15 @@ def _r(x: float | None) -> float | None:
     return None if x is None or math.isnan(x) else round(x, 3)
 
 
-async def bench(cases: list[tuple[int, float]], seconds: float) -> list[dict[str, Any]]:
+async def bench(cases: list[tuple[int, float]], seconds: float, n_injectors: int) -> list[dict[str, Any]]:
     """Each case on a fresh redis-server: the request stream is every run's, and a case that fell
-    behind would leave its backlog to the next."""
+    behind would leave its backlog to the next. The saturating case gets `n_injectors` processes."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n, rate in cases:
             async with EmbeddedRedis() as redis:
-                rows.append(await run_case(redis.url, Path(tmp), n, rate, seconds))
+                k = n_injectors if rate == SATURATE_RPS else 1
+                rows.append(await run_case(redis.url, Path(tmp), n, rate, seconds, k))
     return rows
 
 
@@ -207,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-saturate", action="store_true", help="leave out the case that offers all it can")
     ap.add_argument("--replicas", type=int, metavar="N", help="one case only: N replicas (with --rate)")
     ap.add_argument("--rate", type=float, metavar="RPS", help="one case only: this many requests/s (with --replicas)")
+    ap.add_argument(
+        "--injectors", type=int, default=2, metavar="N",
+        help="injector processes for the saturating case (default 2; more on a machine with more cores)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if (args.replicas is None) != (args.rate is None):
         ap.error("--replicas and --rate go together (one case)")
@@ -220,14 +221,19 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(n, m * GPU_CHECK_RPS) for n in (1, 4, 16) for m in (1, 4)]
     if not args.no_saturate and args.replicas is None:
         cases.append((16, SATURATE_RPS))
-    rows = uvloop.run(bench(cases, args.seconds or (6.0 if args.quick else 12.0)))
+    rows = uvloop.run(bench(cases, args.seconds or (6.0 if args.quick else 12.0), args.injectors))
     at_1000 = [r for r in rows if r["replicas"] == 16 and r["offered_rps"] == GPU_CHECK_RPS]
     saturated = [r for r in rows if r["offered_rps"] == SATURATE_RPS]
+    sat = saturated[0] if saturated else {}
     out: dict[str, Any] = {
         "clock": "host (real) time; the dispatcher at time scale 1",
-        "requests_per_core_s": max((r["requests_per_core_s"] or 0) for r in rows),
-        "inputs_per_core_s": max((r["inputs_per_core_s"] or 0) for r in rows),
-        "max_answered_per_s": max(r["answered_per_s"] for r in rows),
+        # The headline is the saturating case's, as observed (issue 62: the best of all cases, per
+        # core, extrapolated from a dispatcher at half a core, flattered it): what it answered a
+        # second, at what share of a core, and whether that share was 0.9 or more.
+        "saturated_answered_per_s": sat.get("answered_per_s"),
+        "saturated_dispatcher_cpu": sat.get("dispatcher_cpu"),
+        "saturated_observed_at_0_9_core": sat.get("observed_at_0_9_core"),
+        "saturated_inputs_per_s": sat.get("inputs_per_s"),
         "decision_p99_ms_16_replicas_904": at_1000[0]["decision_p99_ms"] if at_1000 else None,
         "fill_p99_ms_16_replicas_904": at_1000[0]["fill_p99_ms"] if at_1000 else None,
         "shape": vars(SHAPE) | {"prompt_tokens": PROMPT_TOKENS},
@@ -235,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     # each goal is judged on the case that measures it (None: that case was not run)
     out["targets"] = {
-        "requests_per_core_s >= 5000": out["requests_per_core_s"] >= 5000 if saturated else None,
+        "10000 answered/s observed at >= 0.9 core": (
+            bool(sat["observed_at_0_9_core"]) and sat["answered_per_s"] >= 10_000 if saturated else None
+        ),
         "decision_p99_ms < 2 at 16 replicas, 904/s": (
             out["decision_p99_ms_16_replicas_904"] < 2 if at_1000 and at_1000[0]["decision_p99_ms"] else None
         ),

@@ -1,0 +1,69 @@
+"""The dispatcher bench's injector (bench/dispatcher.py): Poisson requests accepted straight into
+Redis with the front door's own script, batched per wake-up. Run as a process of its own, so that
+several can offer more than one Python process can (the dispatcher, not the injector, is to be the
+limit: issue 62), or awaited in the bench's process.
+
+    python bench/_inject.py REDIS_URL RATE SECONDS REPLY_TO ID_PREFIX SEED
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shared.control import serving
+from shared.wire import PrefillRequest
+
+#: Requests accepted per round trip at most (the injector's own batching).
+ACCEPT_BATCH = 200
+
+
+async def inject(
+    url: str, rate: float, until: float, sent: list[int], reply_to: str, prefix: str = "d", seed: int = 1
+) -> None:
+    """Poisson arrivals at `rate`/s until `until` (monotonic), each accepted with the front door's
+    script, batched per wake-up; `sent[0]` counts them."""
+    r = Redis.from_url(url, protocol=2)
+    rng, n = random.Random(seed), 0
+    due = time.monotonic()
+    try:
+        while time.monotonic() < until:
+            now = time.monotonic()
+            batch = []
+            while due <= now and len(batch) < ACCEPT_BATCH:
+                n += 1
+                tokens = tuple(rng.randrange(256) for _ in range(rng.randint(64, 128)))
+                batch.append(
+                    PrefillRequest(
+                        id=f"{prefix}{n}", model="m", tokens=tokens, submitted=time.time(), reply_to=reply_to
+                    )
+                )
+                due += rng.expovariate(rate)
+            if batch:
+                async with r.pipeline(transaction=False) as pipe:
+                    for req in batch:
+                        pipe.eval(*serving.accept_args(req, 10_000_000))
+                    await pipe.execute()
+                sent[0] += len(batch)
+            await asyncio.sleep(max(0.0, min(due - time.monotonic(), 0.005)))
+    finally:
+        await r.aclose()
+
+
+def main(argv: list[str]) -> int:
+    url, rate, seconds, reply_to, prefix, seed = argv
+    sent = [0]
+    asyncio.run(inject(url, float(rate), time.monotonic() + float(seconds), sent, reply_to, prefix, int(seed)))
+    print(sent[0], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
