@@ -35,7 +35,7 @@ from shared.figures.bubblestats import (
 )
 from shared.figures.requests import requests_lost, slo_attainment, ttft_ms
 from shared.figures.runstats import Span, percentile, prefill_lag_share, utilization
-from shared.figures.training import slowdown_pct
+from shared.figures.training import slowdown_pct, steady_mean_s, steady_quantile_s
 from shared.wire import ControlSeen
 
 T = TypeVar("T")
@@ -59,8 +59,11 @@ async def interleave(
 class Pair:
     """One off/on pair of a BubbleTea case, as measured."""
 
-    iteration_s_off: float  # steady iteration, real s
+    iteration_s_off: float  # steady iteration (the median), real s
     iteration_s_on: float
+    #: every iteration's time, real s (the steady mean and the p90, `shared.figures.training`)
+    iterations_off: list[float] = field(default_factory=list)
+    iterations_on: list[float] = field(default_factory=list)
     spans_off: list[Span]
     spans_on: list[Span]
     seen: list[ControlSeen]  # the dispatcher's records of the on run
@@ -86,7 +89,10 @@ def summarise(pairs: list[Pair], *, time_scale: float, slo_device_ms: float) -> 
     k = time_scale
     u_off = [utilization(p.spans_off) for p in pairs]
     u_on = [utilization(p.spans_on) for p in pairs]
-    slowdowns = [slowdown_pct(p.iteration_s_on, p.iteration_s_off) for p in pairs]
+    slowdowns = [slowdown_pct(p.iteration_s_on, p.iteration_s_off) for p in pairs]  # of the medians
+    timed = [p for p in pairs if p.iterations_on and p.iterations_off]
+    mean_slowdowns = [slowdown_pct(steady_mean_s(p.iterations_on), steady_mean_s(p.iterations_off)) for p in timed]
+    p90_ratios = [steady_quantile_s(p.iterations_on, 0.9) / steady_quantile_s(p.iterations_off, 0.9) for p in timed]
     dispatch = [bubble_dispatch(p.spans_on, p.seen, k) for p in pairs]
     latencies = [x for d in dispatch for x in d.latencies_ms]
     real = [x for d in dispatch for x in d.real_latencies_ms]
@@ -121,6 +127,11 @@ def summarise(pairs: list[Pair], *, time_scale: float, slo_device_ms: float) -> 
         "capacity_tokens_per_device_s": _r(_med([p.capacity_tokens_per_s * k for p in pairs]), 1),
         "iter_device_ms_off": _r(_med([p.iteration_s_off * 1000 / k for p in pairs]), 2),
         "iter_device_ms_on": _r(_med([p.iteration_s_on * 1000 / k for p in pairs]), 2),
+        # the training cost: the steady mean (wall time over iterations; what the targets use), its
+        # p90 ratio, and the median's (a median cannot see a slowed minority of iterations)
+        "train_slowdown_mean_pct": _r(_med(mean_slowdowns), 2),
+        "train_slowdown_mean_pct_pairs": [round(x, 2) for x in mean_slowdowns],
+        "train_p90_on_over_off": _r(_med(p90_ratios), 4),
         "train_slowdown_pct": _r(_med(slowdowns), 2),
         "train_slowdown_pct_pairs": [round(x, 2) for x in slowdowns],
         "bubble_fraction_off": _r(_med([u.bubble for u in u_off])),

@@ -38,7 +38,10 @@ is host time). Every bubble and every request counts:
   failure is a miss); ttft_p50_device_ms / _p99 over those answered;
 * bubble_fill_ratio: prefill time inside the bubbles (start to the training input's arrival) over
   bubble time; prefill past the arrival is overrun_device_ms_total, not fill;
-* train_slowdown_pct: median over pairs of the steady iteration time on vs off;
+* train_slowdown_mean_pct: median over pairs of the steady mean iteration time (wall time over
+  iterations, the first left out) on vs off: what the goals use; train_p90_on_over_off: the p90
+  iteration's ratio; train_slowdown_pct: the same of the median iteration (a median cannot see
+  the slowed minority of iterations);
 * valid / why: the emulation's checks (prefill kept its profile, same losses, every bubble
   recorded), apart from the claims; targets / targets_met: the issue's goals, met only if valid.
 
@@ -117,6 +120,8 @@ async def run_case(
         return _harness.Pair(
             iteration_s_off=result_off.steady_iteration_s(),
             iteration_s_on=result_on.steady_iteration_s(),
+            iterations_off=list(result_off.iteration_s),
+            iterations_on=list(result_on.iteration_s),
             spans_off=off_t["spans"],
             spans_on=on_t["spans"],
             seen=on_t["seen"],
@@ -151,7 +156,7 @@ def _below(value: float | None, limit: float) -> bool:
 
 GOALS: dict[float, dict[str, Any]] = {
     0.8: {
-        "train_slowdown_pct < 1": lambda s: s["train_slowdown_pct"] < 1,
+        "train_slowdown_mean_pct < 1": lambda s: _below(s["train_slowdown_mean_pct"], 1),
         "slo_attainment >= 0.99": lambda s: (s["slo_attainment"] or 0) >= 0.99,
         "bubble_fill_ratio >= 0.72": lambda s: s["bubble_fill_ratio"] >= 0.72,
         "dispatch_p99_real_ms < 3": lambda s: _below(s["dispatch_p99_real_ms"], 3),
@@ -160,7 +165,7 @@ GOALS: dict[float, dict[str, Any]] = {
         "requests_lost == 0": lambda s: s["requests_lost"] == 0,
     },
     1.2: {
-        "train_slowdown_pct < 1": lambda s: s["train_slowdown_pct"] < 1,
+        "train_slowdown_mean_pct < 1": lambda s: _below(s["train_slowdown_mean_pct"], 1),
         "bubble_fill_ratio >= 0.90": lambda s: s["bubble_fill_ratio"] >= 0.90,
         "excess refused (429), none expired (504)": lambda s: s["errors"].get("504", 0) == 0,
         "requests_lost == 0": lambda s: s["requests_lost"] == 0,
@@ -215,7 +220,7 @@ SWEEP = (0.5, 0.8, 1.0, 1.2)
 
 def sweep_table(results: list[dict[str, Any]]) -> str:
     """The sweep as a table: one row per offered share."""
-    cols = ("offered_share", "bubble_fill_ratio", "slo_attainment", "ttft_p99_device_ms", "train_slowdown_pct")
+    cols = ("offered_share", "bubble_fill_ratio", "slo_attainment", "ttft_p99_device_ms", "train_slowdown_mean_pct")
     rows = [" | ".join(cols), " | ".join("---" for _ in cols)]
     rows += [" | ".join(str(r[c]) for c in cols) for r in results]
     return "\n".join(f"| {row} |" for row in rows)
@@ -233,7 +238,7 @@ def sweep_picture(results: list[dict[str, Any]], path: Path) -> None:
     axes = fig.subplots(1, 4)
     for ax, key, label in zip(
         axes,
-        ("bubble_fill_ratio", "ttft_p99_device_ms", "slo_attainment", "train_slowdown_pct"),
+        ("bubble_fill_ratio", "ttft_p99_device_ms", "slo_attainment", "train_slowdown_mean_pct"),
         ("fill ratio", "TTFT p99 (device ms)", "SLO attainment (of requests sent)", "training slowdown (%)"),
         strict=True,
     ):

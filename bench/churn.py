@@ -22,8 +22,9 @@ Figures (one JSON line last; every fault and every request sent counts):
   it healthy, Redis: an iteration ended and a request was answered after its restart), kill to
   training again p50 / p99 / max (s, wall clock, over the worker faults and every fault of the
   restart arm; a fault never recovered counts, as infinite: "inf"), `control_back_max_s` (a control
-  service's kill to `up` saying it is healthy again, Redis's to serving again), `useful_iterations` (iterations every stage of
-  some replica stepped, each counted once: `_churn_figures`) and `useful_per_hour`,
+  service's kill to `up` saying it is healthy again, Redis's to serving again),
+  `useful_iterations` (iterations every stage of some replica stepped, each counted once:
+  `_churn_figures`) and `useful_per_hour`,
   `redone_iterations`, `losses_equal` (every replica's loss against single-process training of the
   spec the run trained), `slo_attainment` of the requests sent, `requests_lost` (no answer within
   the load generator's timeout);

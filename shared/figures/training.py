@@ -19,6 +19,21 @@ def steady_iteration_s(iteration_s: Sequence[float]) -> float:
     return statistics.median(times)
 
 
+def steady_mean_s(iteration_s: Sequence[float]) -> float:
+    """The steady mean iteration time: the wall time of the iterations over their number, leaving
+    out the first (warm-up) when there are more than two. What the training-cost targets use
+    (issue 62): a median, the other figure, cannot be moved by the minority of iterations that
+    BubbleTea slows, however much it slows them."""
+    times = iteration_s[1:] if len(iteration_s) > 2 else iteration_s
+    return sum(times) / len(times)
+
+
+def steady_quantile_s(iteration_s: Sequence[float], q: float) -> float:
+    """The `q` quantile of the steady iterations (nearest rank; the first left out, as above)."""
+    times = sorted(iteration_s[1:] if len(iteration_s) > 2 else iteration_s)
+    return times[min(len(times) - 1, max(0, round(q * (len(times) - 1))))]
+
+
 def slowdown_pct(iteration_on: float, iteration_off: float) -> float:
     """The training slowdown, in percent: how much longer a steady iteration took with BubbleTea on
     than with it off (negative: it was faster)."""

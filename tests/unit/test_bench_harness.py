@@ -107,3 +107,19 @@ def test_capacity_is_the_off_runs_bubble_time_over_a_prompts_cost() -> None:
     # in requests: the simulator's default load and what an offer is a share of
     assert capacity_requests_per_s(timeline(prefill=False), lambda tokens: 0.002, 4, 96) == pytest.approx(0.8 / 0.008)
     assert capacity_requests_per_s(timeline(prefill=False), lambda tokens: 0.0, 4, 96) == 0.0  # free: no figure
+
+
+def test_the_training_cost_is_the_steady_mean_a_median_cannot_see_a_slowed_minority() -> None:
+    """Issue 62: 2 iterations in 10 slowed by half leave the median unmoved; the steady mean (wall time
+    over iterations, the first left out: the targets') and the p90 ratio show them."""
+    off = [2.0] + [1.0] * 10  # a slow first (warm-up), then 1 s each
+    on = [2.0] + [1.0] * 8 + [1.5, 1.5]
+    s = _harness.summarise(
+        [pair(iteration_s_off=1.0, iteration_s_on=1.0, iterations_off=off, iterations_on=on)],
+        time_scale=K,
+        slo_device_ms=1000.0,
+    )
+    assert s["train_slowdown_pct"] == 0.0  # the medians: both 1 s
+    assert s["train_slowdown_mean_pct"] == pytest.approx(10.0)  # 11 s over 10 against 10 s over 10
+    assert s["train_p90_on_over_off"] == pytest.approx(1.5)
+    assert _harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)["train_slowdown_mean_pct"] is None
