@@ -61,9 +61,6 @@ class Pair:
 
     iteration_s_off: float  # steady iteration (the median), real s
     iteration_s_on: float
-    #: every iteration's time, real s (the steady mean and the p90, `shared.figures.training`)
-    iterations_off: list[float] = field(default_factory=list)
-    iterations_on: list[float] = field(default_factory=list)
     spans_off: list[Span]
     spans_on: list[Span]
     seen: list[ControlSeen]  # the dispatcher's records of the on run
@@ -73,6 +70,9 @@ class Pair:
     capacity_tokens_per_s: float  # what the off run's bubbles could hold, prompt tokens per real s
     offered_rps: float  # the on run's request rate, per real s
     cpu: dict[str, float] = field(default_factory=dict)
+    #: every iteration's time, real s (the steady mean and the p90, `shared.figures.training`)
+    iterations_off: list[float] = field(default_factory=list)
+    iterations_on: list[float] = field(default_factory=list)
 
 
 def _med(values: list[float]) -> float | None:
