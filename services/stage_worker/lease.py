@@ -155,8 +155,12 @@ class SlotLease:
                 return None
             if await self._free_gone([s for s in candidates if s not in done]):
                 continue  # a dead holder's slot, freed before its lease expired: take it now
+            # a holder seen gone once is looked at again exactly a renewal interval later, not at
+            # the next poll: the wait the second look asks for, and no more
+            second = self.holders.second_look_at()
+            wait = poll_s if second is None else min(poll_s, max(0.0, second - time.monotonic()))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), poll_s)
+                await asyncio.wait_for(stop.wait(), wait)
         return None
 
     async def _free_gone(self, slots: list[Slot]) -> bool:

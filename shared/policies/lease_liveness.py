@@ -114,6 +114,10 @@ class HolderWatch:
         """A look failed (the spare's connection broke): the next look's server starts the window again."""
         self._blind = True
 
+    def second_look_at(self) -> float | None:
+        """When the soonest second look is due (the spare's clock), if any holder was seen gone once."""
+        return min((s.first_at + self.renew_every_s for s in self._suspects.values()), default=None)
+
     def judge(self, key: object, holder: str, seen: HolderSeen, now: float) -> Verdict:
         settled = dataclasses.replace(seen, redis_up_s=min(seen.redis_up_s, now - self._settle_from))
         verdict = holder_gone(settled, renew_every_s=self.renew_every_s, grace_s=self.grace_s, settle_s=self.settle_s)

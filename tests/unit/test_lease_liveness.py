@@ -75,3 +75,12 @@ def test_another_redis_server_or_the_spares_own_reconnect_restarts_the_settle_wi
     w.lost_sight()
     w.server("replica-promoted", now=113.0)  # the same server, but the spare reconnected
     assert "up" in w.judge("s", "h", gone_since(98.0, 114.0), 114.0).why
+
+
+def test_the_second_look_is_due_a_renewal_interval_after_the_first() -> None:
+    w = HolderWatch(RENEW_S)
+    w.server("r1", now=100.0)
+    assert w.second_look_at() is None
+    w.judge("a", "h", gone_since(98.0, 100.0), 100.0)
+    w.judge("b", "h2", gone_since(98.0, 100.3), 100.3)
+    assert w.second_look_at() == 101.0
