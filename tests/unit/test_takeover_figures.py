@@ -33,8 +33,9 @@ def test_every_kill_counts_and_a_spare_that_never_took_a_slot_has_no_time(tmp_pa
     out = takeover.figures(kills, joined, slots=4)
     assert out["kills"] == 3 and out["survived"] == 2
     assert out["taken_p50_s"] == 0.5 and out["taken_max_s"] == 1.5  # the third spare never leased
-    # the first later generation every slot joined; the third kill's run never trained again
-    assert out["back_p50_s"] == 1.0 and out["back_max_s"] == 2.0
+    # the first later generation every slot joined; the third kill's run never trained again: it
+    # counts, as infinite (issue 62: dropped, it left the figures of a run that always recovered)
+    assert out["back_p50_s"] == 2.0 and out["back_max_s"] == "inf"
     assert out["lease_left_at_kill_p50_s"] == 2.5
 
 
