@@ -229,7 +229,10 @@ class BatchCompute:
         tokens = min(self.piece_tokens, len(state.tokens) - state.piece_done)
         left_s = None if ends_at is None else ends_at - time.monotonic()
         input_arrived = arrived()
-        go = may_start_piece(input_arrived=input_arrived, piece_s=self.piece_s(tokens), left_s=left_s)
+        piece_s = self.piece_s(tokens)
+        in_flight = self.clock.in_flight_tokens() if self.profile is None else 0  # a profile waits for them
+        busy_s = (self.pieces.predict(in_flight) or 0.0) if in_flight else 0.0
+        go = may_start_piece(input_arrived=input_arrived, piece_s=piece_s, left_s=left_s, busy_s=busy_s)
         return go, not go and not input_arrived
 
     def piece_s(self, tokens: int) -> float | None:

@@ -113,6 +113,14 @@ class LaneClock:
         end.record(self.lane.stream)
         self._pending.append((tokens, start, end))
 
+    def in_flight_tokens(self) -> int:
+        """The tokens of the pieces launched and not done on the device yet (0 on the CPU, where a
+        piece is done when its call returns). Reads events without waiting (`Event.query`)."""
+        while self._pending and self._pending[0][2].query():
+            tokens, start, end = self._pending.popleft()
+            self._measured.append((tokens, start.elapsed_time(end) / 1000))
+        return sum(tokens for tokens, _, _ in self._pending)
+
     def measured(self) -> list[tuple[int, float]]:
         """(tokens, device seconds) of the pieces that ran since the last call, oldest first."""
         while self._pending and self._pending[0][2].query():

@@ -122,11 +122,14 @@ def may_start_piece(
     left_s: float | None,
     margin: float = PIECE_MARGIN,
     grace_s: float = OVERRUN_GRACE_S,
+    busy_s: float = 0.0,
 ) -> bool:
     """Whether the next piece of a layer may start (pieces: `piece_tokens`; a GPU). Never once the
     input is here; otherwise only if its predicted time (`piece_s`, measured; None: not measured
     yet) with the `margin` fits what is left of the bubble by its prediction (`left_s`; None: no
-    prediction), or is within `grace_s` (a piece that short costs training next to nothing even
+    prediction) after the work still on the device (`busy_s`: the pieces launched and not done,
+    predicted; the host runs one piece ahead of the device, and the next starts only after them:
+    issue 62), or is within `grace_s` (a piece that short costs training next to nothing even
     past a bubble's predicted end). So a piece never runs past a bubble by much more than the
     grace, while a bubble that outlives its prediction still takes short pieces to its end."""
     if input_arrived:
@@ -134,7 +137,7 @@ def may_start_piece(
     if piece_s is None or left_s is None:
         return True
     predicted = piece_s * margin
-    return predicted <= grace_s or predicted <= left_s
+    return predicted <= grace_s or predicted <= left_s - busy_s
 
 
 #: How fast the measured piece time follows new measurements (per measurement).

@@ -108,6 +108,16 @@ def test_a_piece_starts_only_if_it_fits_what_is_left_of_the_bubble_or_is_within_
     assert not may_start_piece(input_arrived=True, piece_s=None, left_s=None)
 
 
+def test_a_piece_fits_only_after_the_work_still_on_the_device() -> None:
+    """Issue 62: the host runs a piece ahead of the device; the next piece starts on the device only
+    after it, so what it must fit is what is left once that is done (before, a bubble could overrun
+    by a whole piece times the margin)."""
+    fits = {"input_arrived": False, "piece_s": 0.002, "left_s": 0.004, "grace_s": 0.0}
+    assert may_start_piece(**fits)  # 2 ms x 1.5 fits 4 ms
+    assert not may_start_piece(**fits, busy_s=0.002)  # 2 ms still running: 3 ms do not fit 2 ms
+    assert may_start_piece(**fits, busy_s=0.001)
+
+
 def test_piece_times_follow_the_measurements_per_token() -> None:
     t = PieceTimes(weight=0.5)
     assert t.predict(256) is None

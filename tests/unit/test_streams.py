@@ -146,3 +146,29 @@ async def test_on_a_gpu_the_first_token_is_read_after_an_event_in_another_thread
     model.lane.wait()
     ((tokens, seconds),) = clock.measured()
     assert tokens == 64 and seconds > 0
+
+
+def test_on_the_cpu_nothing_is_in_flight_once_a_piece_returns() -> None:
+    clock = LaneClock(Lane.prefill(torch.device("cpu")))
+    mark = clock.begin()
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    clock.end(mark, 32)
+    assert clock.in_flight_tokens() == 0 and [n for n, _ in clock.measured()] == [32]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_on_a_gpu_a_launched_piece_is_in_flight_until_the_device_is_done() -> None:
+    """The fit rule counts the work still on the device (issue 62): a piece just launched is in flight
+    (the host runs ahead), and once the device is done it is measured, not in flight."""
+    lane = Lane.prefill(torch.device("cuda", 0))
+    clock = LaneClock(lane)
+    x = torch.randn(4096, 4096, device="cuda")
+    with lane.scope():
+        mark = clock.begin()
+        for _ in range(20):  # long enough to be running when the host looks
+            x = x @ x / 4096
+        clock.end(mark, 128)
+    assert clock.in_flight_tokens() == 128
+    torch.cuda.synchronize()
+    assert clock.in_flight_tokens() == 0 and [n for n, _ in clock.measured()] == [128]
