@@ -50,10 +50,6 @@ from shared.wire import PrefillBatch
 
 log = get_logger(__name__)
 
-#: Batch ids this process took, kept to drop a second copy of one (a retried write): a copy lands
-#: within a write's retries (seconds), and this many batches are minutes of a worker's work.
-TAKEN_KEPT = 4096
-
 
 async def until_done(future: asyncio.Future[Any]) -> None:
     """Wait for `future` to finish, whatever it ends in, through any further cancellation of the
@@ -96,8 +92,6 @@ class Filler:
             initargs=(prefill_nice(), prefill_slice_us()),
         )
         self.batches: dict[str, Queued] = {}
-        #: the ids of the batches this process took, newest last (`TAKEN_KEPT`)
-        self._taken: dict[str, None] = {}
         self.guest = Guest(bus, run, worker, model, metrics)
         self.compute = BatchCompute(model, self.guest, profile, piece_tokens)
         self._work = asyncio.Event()
@@ -122,45 +116,36 @@ class Filler:
         assert isinstance(batch, PrefillBatch)  # the handler table routes only this kind here
         if batch.run != self.run:
             raise Reject(f"the fill stream of run {self.run} got a batch of run {batch.run}")
-        redelivered = d.attempt > 1  # a restarted worker re-reads its slot's unacked entries
-        if batch.batch_id in self._taken or batch.batch_id in self.batches:
+        # a restarted worker re-reads its slot's unacked entries (redelivered)
+        arrival = self.queue.delivered(batch.batch_id, redelivered=d.attempt > 1)
+        if arrival is Arrival.DUPLICATE:
             log.warning(
                 "prefill batch delivered twice: this copy is dropped (a retried write)",
                 batch=batch.batch_id,
                 entry=d.id,
-                action=str(Arrival.DUPLICATE),
+                action=str(arrival),
             )
             return  # acked: the first copy's report is the one the dispatcher counts
-        self._took(batch.batch_id)
-        if redelivered:
+        if arrival is Arrival.RETURN:
             log.info(
                 "prefill batch delivered again: a previous worker of this slot held it unfinished",
                 batch=batch.batch_id,
                 attempt=d.attempt,
                 action=str(Arrival.RETURN),
             )
-        if redelivered or self._closed or not self.taking:  # died, stopping, leaving, or takes no prefill
+        if arrival is Arrival.RETURN or self._closed or not self.taking:  # died, stopping, leaving, no prefill
             await self.reporter.finish_batch(batch, [], preempted=True)
             return
         # Snapshots are read now, not when the bubble opens: no round trip on its critical path.
         states = await self._load_snapshots(batch)
         predicted = sum(it.predicted_ms for it in batch.items) / 1000
         arrival = self.queue.arrive(batch.batch_id, predicted, time.monotonic())
-        if arrival is not Arrival.QUEUE:  # a copy that raced this one's snapshot reads
-            log.warning(
-                "prefill batch delivered twice: this copy is dropped", batch=batch.batch_id, action=str(arrival)
-            )
-            return
+        assert arrival is Arrival.QUEUE
         q = Queued(batch, asyncio.get_running_loop().create_future(), states)
         self.batches[batch.batch_id] = q
         self._work.set()
         asyncio.get_running_loop().call_later(self.queue.hold_s, self._give_back_expired)
         await asyncio.shield(q.done)  # acked once answered and reported
-
-    def _took(self, batch_id: str) -> None:
-        self._taken[batch_id] = None
-        if len(self._taken) > TAKEN_KEPT:
-            del self._taken[next(iter(self._taken))]
 
     def leave(self, why: str) -> None:
         """The worker was told to leave the run (a drain: it finishes the iteration in progress,

@@ -165,6 +165,11 @@ class PieceTimes:
         return None if self.per_token_s is None else self.per_token_s * tokens
 
 
+#: Batch ids a worker remembers, to drop a second copy of one (`FillQueue.delivered`): a copy lands
+#: within a write's retries (seconds), and this many batches are minutes of a worker's work.
+DELIVERED_KEPT = 4096
+
+
 @dataclass
 class FillQueue:
     """One worker's queue of batches (oldest first) and its bubble, on any clock."""
@@ -174,6 +179,8 @@ class FillQueue:
     in_bubble: bool = False
     #: batches finished in the open bubble (its end reports them)
     _finished: list[str] = field(default_factory=list)
+    #: the ids of the batches delivered here, newest last (at most `DELIVERED_KEPT`)
+    _delivered: dict[str, None] = field(default_factory=dict)
 
     @classmethod
     def from_spec(cls, bt: BubbleTea) -> FillQueue:
@@ -188,16 +195,24 @@ class FillQueue:
     def ids(self) -> list[str]:
         return [h.batch_id for h in self.held]
 
+    def delivered(self, batch_id: str, *, redelivered: bool = False) -> Arrival:
+        """A batch was delivered (before its saved states are read and it `arrive`s): DUPLICATE if a
+        batch of that id was delivered here before, held, run or handed back. A batch id is the
+        dispatcher's, one per batch it sends, so a second copy is a write it retried (its XADD
+        applied twice): dropped, neither run nor reported (the first copy's report, or its loss, is
+        what the dispatcher counts). Otherwise RETURN if `redelivered` (see `arrive`), else QUEUE."""
+        if batch_id in self._delivered:
+            return Arrival.DUPLICATE
+        self._delivered[batch_id] = None
+        if len(self._delivered) > DELIVERED_KEPT:
+            del self._delivered[next(iter(self._delivered))]
+        return Arrival.RETURN if redelivered else Arrival.QUEUE
+
     def arrive(self, batch_id: str, predicted_s: float, now: float, *, redelivered: bool = False) -> Arrival:
         """`redelivered`: delivered before and never acked, so sent to this slot's previous process.
         It goes back unrun: the dispatcher may already have queued it again (running it here would
         only duplicate that work), and if not, its report requeues it at once rather than when it
-        is overdue. A batch id is the dispatcher's, one per batch it sends: a second copy of one
-        held here is a write the dispatcher retried (its XADD applied twice), dropped, neither run
-        nor reported (the first copy's report is what the dispatcher counts). The worker also drops
-        a copy of one it held before (`Filler`: the ids it took)."""
-        if any(h.batch_id == batch_id for h in self.held):
-            return Arrival.DUPLICATE
+        is overdue."""
         if redelivered:
             return Arrival.RETURN
         self.held.append(Held(batch_id, predicted_s, now))

@@ -30,11 +30,15 @@ def test_work_queues_whether_or_not_a_bubble_is_open_and_only_a_redelivered_batc
 def test_a_second_copy_of_a_held_batch_is_a_duplicate_not_a_second_entry() -> None:
     """A retried XADD of the dispatcher's: the same batch id again, bubble or not."""
     q = FillQueue(hold_s=1.0)
+    assert q.delivered("a") is Arrival.QUEUE
     assert q.arrive("a", 0.010, now=0.0) is Arrival.QUEUE
-    assert q.arrive("a", 0.010, now=0.1) is Arrival.DUPLICATE
+    assert q.delivered("a") is Arrival.DUPLICATE
     q.open()
-    assert q.arrive("a", 0.010, now=0.2, redelivered=True) is Arrival.DUPLICATE
+    assert q.delivered("a", redelivered=True) is Arrival.DUPLICATE
     assert q.ids() == ["a"] and q.queued_s == pytest.approx(0.010)
+    q.ran("a", finished=True)
+    assert q.delivered("a") is Arrival.DUPLICATE  # run already: still a copy
+    assert q.delivered("b", redelivered=True) is Arrival.RETURN
 
 
 def test_a_bubble_runs_the_queue_in_arrival_order_and_nothing_runs_outside_one() -> None:
