@@ -97,13 +97,14 @@ class Filler:
         self._work = asyncio.Event()
         self._post: set[asyncio.Task[None]] = set()
         self._closed = False
-        #: Why this worker takes no more prefill because it leaves the run (a drain; `leave`).
-        self.leaving: str | None = None
+        #: Why this worker takes no more prefill, where its guest is healthy: it leaves the run
+        #: (a drain, `leave`), or its fill executor failed (`fence`).
+        self.off: str | None = None
 
     @property
     def taking(self) -> bool:
         """Whether this worker takes prefill now: its guest is healthy and it is not leaving."""
-        return self.guest.taking and self.leaving is None
+        return self.guest.taking and self.off is None
 
     @property
     def in_bubble(self) -> bool:
@@ -153,13 +154,18 @@ class Filler:
         workers that stay, rather than at the step boundary; nothing more is taken, and the
         dispatcher is told (`PrefillOff`). A batch running in an open bubble runs on in it, and what
         is left of it, with whatever is queued behind it, goes back as the bubble ends (`fill`)."""
-        if self.leaving is not None or self._closed:
+        if self.off is not None or self._closed:
             return
-        self.leaving = why
         log.info("leaving the run: handing back the prefill held here", worker=self.reporter.worker, why=why)
+        self._stop_taking(why)
         if not self.queue.in_bubble:
             self._hand_back(self.queue.drain())
-        self._background(self.guest.say_off(why))
+
+    def _stop_taking(self, why: str) -> None:
+        """No more prefill here (`off`), and the dispatcher is told (`PrefillOff`), once."""
+        if self.off is None:
+            self.off = why
+            self._background(self.guest.say_off(why))
 
     def _give_back_expired(self) -> None:
         """Batches no bubble took in time (training paused or over): back, with how far they got."""
@@ -207,7 +213,7 @@ class Filler:
         finally:
             finished = self.queue.close()
             self._give_back_expired()
-            if self.leaving is not None:  # told to leave while this bubble ran: the rest goes back now
+            if self.off is not None:  # told to leave while this bubble ran: the rest goes back now
                 self._hand_back(self.queue.drain())
         return finished
 
@@ -295,9 +301,7 @@ class Filler:
             error=why,
             traceback="".join(traceback.format_exception(exc))[-4000:],
         )
-        if self.leaving is None:
-            self.leaving = why
-            self._background(self.guest.say_off(why))
+        self._stop_taking(why)
         self.queue.close()
         self.queue.drain()
         self._hand_back(list(self.batches))  # every batch held here, queued or not
