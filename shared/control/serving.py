@@ -55,7 +55,7 @@ end
 return 0
 """
 
-#: How often a dispatcher sets the in-flight count from the request stream (`reconcile_inflight`):
+#: How often a dispatcher checks the in-flight count against the request stream (`reconcile_inflight`):
 #: a drift is corrected within this, and the XINFO it costs is one per dispatcher this often.
 INFLIGHT_RECONCILE_S = 10.0
 

@@ -75,7 +75,6 @@ from shared.policies.dispatch_inputs import RECENT_BUBBLES as RECENT_BUBBLES
 from shared.policies.dispatch_inputs import RESUME_WAIT_S as RESUME_WAIT_S
 from shared.policies.dispatch_inputs import STAGE_WINDOW_S as STAGE_WINDOW_S
 from shared.policies.dispatch_inputs import STALE_BUBBLE_S as STALE_BUBBLE_S
-from shared.policies.dispatch_inputs import STUCK_BUBBLE_FACTOR
 from shared.policies.dispatch_inputs import TICK_S as TICK_S
 from shared.policies.dispatch_inputs import Bubble as Bubble
 from shared.policies.dispatch_inputs import BubbleClosed as BubbleClosed
@@ -220,8 +219,7 @@ class DispatchState(Filling, Leaving):
             return Decisions(ignored=(Ignored(f"bubble of {b.worker}", why),))
         c = self._seen(b.worker, b.address, b.dc, b.free_memory, now)
         c.bubble = Bubble(b.started, b.predicted_s, b.tag)
-        expected = b.predicted_s or c.typical_s()
-        self._open.opened(c.worker, c.bubble, b.started + (STUCK_BUBBLE_FACTOR * expected or self.stage_window_s))
+        self._open.opened(c.worker, c.bubble, b.predicted_s or c.typical_s(), self.stage_window_s)
         self._bubble_seen = True
         self._reindex(c)
         return self._fill_all(now, Trigger.BUBBLE_START)

@@ -14,7 +14,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator, Mapping
 
 from shared.policies.decisions import Ignored
-from shared.policies.dispatch_inputs import STUCK_BUBBLE_FACTOR, Credit
+from shared.policies.dispatch_inputs import STUCK_BUBBLE_FACTOR, Bubble, Credit
 
 
 class CreditIndex:
@@ -70,10 +70,13 @@ class OpenBubbles:
     __slots__ = ("_heap", "_seq")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, str, object]] = []
+        self._heap: list[tuple[float, int, str, Bubble]] = []
         self._seq = 0
 
-    def opened(self, worker: str, bubble: object, closes_at: float) -> None:
+    def opened(self, worker: str, bubble: Bubble, expected_s: float, unknown_s: float) -> None:
+        """`worker`'s `bubble` opened, expected to last `expected_s` (its prediction, or the worker's
+        typical bubble; 0: neither known, and then it is taken as closed after `unknown_s`)."""
+        closes_at = bubble.started + (STUCK_BUBBLE_FACTOR * expected_s if expected_s > 0 else unknown_s)
         self._seq += 1
         heapq.heappush(self._heap, (closes_at, self._seq, worker, bubble))
 
