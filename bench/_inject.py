@@ -1,7 +1,7 @@
 """The dispatcher bench's injector (bench/dispatcher.py): Poisson requests accepted straight into
 Redis with the front door's own script, batched per wake-up. Run as a process of its own, so that
 several can offer more than one Python process can (the dispatcher, not the injector, is to be the
-limit: issue 62), or awaited in the bench's process.
+limit: issue 62). It prints how many it sent.
 
     python bench/_inject.py REDIS_URL RATE SECONDS REPLY_TO ID_PREFIX SEED
 """
@@ -25,13 +25,11 @@ from shared.wire import PrefillRequest
 ACCEPT_BATCH = 200
 
 
-async def inject(
-    url: str, rate: float, until: float, sent: list[int], reply_to: str, prefix: str = "d", seed: int = 1
-) -> None:
+async def inject(url: str, rate: float, until: float, reply_to: str, prefix: str = "d", seed: int = 1) -> int:
     """Poisson arrivals at `rate`/s until `until` (monotonic), each accepted with the front door's
-    script, batched per wake-up; `sent[0]` counts them."""
+    script, batched per wake-up; how many were sent."""
     r = Redis.from_url(url, protocol=2)
-    rng, n = random.Random(seed), 0
+    rng, n, sent = random.Random(seed), 0, 0
     due = time.monotonic()
     try:
         while time.monotonic() < until:
@@ -51,17 +49,17 @@ async def inject(
                     for req in batch:
                         pipe.eval(*serving.accept_args(req, 10_000_000))
                     await pipe.execute()
-                sent[0] += len(batch)
+                sent += len(batch)
             await asyncio.sleep(max(0.0, min(due - time.monotonic(), 0.005)))
     finally:
         await r.aclose()
+    return sent
 
 
 def main(argv: list[str]) -> int:
     url, rate, seconds, reply_to, prefix, seed = argv
-    sent = [0]
-    asyncio.run(inject(url, float(rate), time.monotonic() + float(seconds), sent, reply_to, prefix, int(seed)))
-    print(sent[0], flush=True)
+    sent = asyncio.run(inject(url, float(rate), time.monotonic() + float(seconds), reply_to, prefix, int(seed)))
+    print(sent, flush=True)
     return 0
 
 

@@ -1,7 +1,8 @@
 """The dispatcher's capacity: a real dispatcher process and a real redis-server, fed by emulated
 stage workers (bench/_dispatcher_workers.py: bubbles, batches taken, reports; no torch) and an
-open-loop injector that accepts Poisson requests straight into Redis (the front door's own accept
-script: the front door is not what is measured here).
+open-loop injector process (bench/_inject.py; several for the saturating case) that accepts
+Poisson requests straight into Redis (the front door's own accept script: the front door is not
+what is measured here).
 
 Cases: 1, 4 and 16 emulated replicas (PP=2, so 2, 8 and 32 workers) at 1x and 4x the GPU check's
 904 requests/s. Every worker has one bubble of 40% of a 50 ms iteration; a 96-token prompt costs
@@ -45,7 +46,6 @@ from typing import Any
 import uvloop
 import yaml
 from _dispatcher_workers import PROMPT_TOKENS, Emulated, Shape, hold_slots
-from _inject import inject
 from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import spawn, stop_all
@@ -133,23 +133,18 @@ async def run_case(
     ]
     tasks = [asyncio.create_task(w.run_until(stop)) for w in workers]
     proc = await spawn(DISPATCHER, env, out=sys.stderr, quiet=True)
-    sent = [0]
     try:
-        start, reply_to = time.monotonic(), f"bt:dbench:{run}"
-        if n_injectors > 1:  # processes of their own: the dispatcher, not the injector, the limit
-            injector = asyncio.create_task(injectors(url, rate, WARMUP_S + seconds, reply_to, n_injectors))
-        else:
-            injector = asyncio.create_task(inject(url, rate, start + WARMUP_S + seconds, sent, reply_to))
+        # processes of their own, not this one's event loop: the dispatcher, not the injector, the limit
+        injector = asyncio.create_task(injectors(url, rate, WARMUP_S + seconds, f"bt:dbench:{run}", n_injectors))
         await asyncio.sleep(WARMUP_S)
         r = Redis.from_url(url, protocol=2)
         c0, a0, t0 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
         m0, s0 = sum(w.sent for w in workers), await added(r)
         waits0 = [len(w.fill_waits_s) for w in workers]
-        total = await injector
+        sent = await injector
         c1, a1, t1 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
         m1, s1 = sum(w.sent for w in workers), await added(r)
         await r.aclose()
-        sent[0] = total if isinstance(total, int) else sent[0]
         beat = await heartbeat(url, after=time.time())
     finally:
         stop.set()
@@ -165,7 +160,7 @@ async def run_case(
         "workers": 2 * replicas,
         "offered_rps": rate,
         "injectors": n_injectors,
-        "sent": sent[0],
+        "sent": sent,
         # what the injectors managed to offer (None: a Redis that does not count it)
         "accepted_per_s": round(accepted / (t1 - t0), 1) if accepted is not None else None,
         "answered_per_s": round(answered, 1),
