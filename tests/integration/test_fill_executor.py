@@ -133,6 +133,13 @@ async def one_bubble(
     return checks, put_at, done
 
 
+async def accepted(bus: Bus, rid: str, reply_to: str = "bt:test:results") -> PrefillRequest:
+    """A request of `PROMPT` accepted as the front door accepts it (counted in flight, queued)."""
+    req = PrefillRequest(id=rid, model="m", tokens=PROMPT, submitted=time.time(), reply_to=reply_to)
+    assert await serving.accept(bus.redis, req, 100)
+    return req
+
+
 def deliver(filler: Filler, b: PrefillBatch) -> asyncio.Task[None]:
     """The fill stream's handler for `b`: it returns once the batch is answered and reported."""
     return asyncio.create_task(filler.on_batch(Delivery(f"{b.batch_id}-0", "s", b, 1)))
@@ -147,8 +154,7 @@ async def test_training_input_preempts_at_the_next_layer_and_the_next_bubble_goe
     torch.set_num_threads(1)
     model = PrefillModel(CFG, seed=5)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        req = PrefillRequest(id="req-1", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
-        assert await serving.accept(bus.redis, req, 100)
+        req = await accepted(bus, "req-1")
         spans: list[tuple[float, float]] = []
         filler = filler_for(bus, model, kv_ttl_s=60, on_span=lambda a, b: spans.append((a, b)))
         item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
@@ -197,8 +203,7 @@ async def test_a_cancelled_fill_stops_its_thread_at_the_next_block_and_the_batch
     torch.set_num_threads(1)
     model = PrefillModel(CFG, seed=5)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        req = PrefillRequest(id="req-c", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
-        assert await serving.accept(bus.redis, req, 100)
+        req = await accepted(bus, "req-c")
         filler = filler_for(bus, model, kv_ttl_s=60)
         item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
         handled = deliver(filler, batch(item, 1))
@@ -244,8 +249,7 @@ async def test_a_cut_request_that_could_not_finish_by_its_due_time_when_it_resum
     its due time: failed there with `deadline`, not answered late (issue 50)."""
     model = PrefillModel(CFG, seed=5)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        req = PrefillRequest(id="req-cut", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
-        assert await serving.accept(bus.redis, req, 100)
+        req = await accepted(bus, "req-cut")
         filler = filler_for(bus, model, hold_s=30.0)  # held on the worker between the two bubbles
         item = PrefillItem(
             id=req.id,
@@ -274,8 +278,7 @@ async def test_a_cut_batch_no_bubble_takes_goes_back_snapshotted_and_resumes_exa
     torch.set_num_threads(1)
     model = PrefillModel(CFG, seed=5)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        req = PrefillRequest(id="req-2", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
-        assert await serving.accept(bus.redis, req, 100)
+        req = await accepted(bus, "req-2")
         filler = filler_for(bus, model, hold_s=0.2)
         item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
         handled = deliver(filler, batch(item, 1))
@@ -632,8 +635,7 @@ async def test_a_resumed_request_whose_holder_is_gone_is_computed_again_from_its
     torch.set_num_threads(1)
     model = PrefillModel(CFG, seed=5)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        req = PrefillRequest(id="req-lost", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:lost")
-        assert await serving.accept(bus.redis, req, 100)
+        req = await accepted(bus, "req-lost", reply_to="bt:test:lost")
         holder = StagePort(PrefillPort(bus.redis, RUN, kv_ttl_s=0))
         state = model.start(list(PROMPT))
         model.run_layers(state, max_layers=5)
@@ -665,8 +667,7 @@ async def test_a_layer_in_pieces_stops_within_a_piece_and_the_next_bubble_goes_o
     torch.set_num_threads(1)
     model = PrefillModel(CFG, seed=5)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        req = PrefillRequest(id="req-p", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
-        assert await serving.accept(bus.redis, req, 100)
+        req = await accepted(bus, "req-p")
         filler = filler_for(bus, model)
         filler.compute.piece_tokens = 64  # 200 tokens: 4 pieces a layer
         item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
@@ -692,8 +693,7 @@ async def test_a_piece_that_does_not_fit_what_is_left_of_the_bubble_waits_for_th
     torch.set_num_threads(1)
     model = PrefillModel(CFG, seed=6)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        req = PrefillRequest(id="req-f", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
-        assert await serving.accept(bus.redis, req, 100)
+        req = await accepted(bus, "req-f")
         filler = filler_for(bus, model)
         filler.compute.piece_tokens = 100  # 2 pieces a layer
         filler.compute.profile = PrefillProfile(fixed_s=0.0, per_token_s=10e-6)  # a piece: 1 ms on the device
@@ -720,8 +720,7 @@ async def test_a_profiles_launch_floor_and_first_token_read_count_on_the_worker(
     (tests/unit/test_sim.py): every block at least `launch_s`, a finished request `sync_s` more."""
     model = PrefillModel(CFG, seed=7)
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        req = PrefillRequest(id="req-o", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
-        assert await serving.accept(bus.redis, req, 100)
+        req = await accepted(bus, "req-o")
         filler = filler_for(bus, model)
         filler.compute.profile = PrefillProfile(0.0, 0.0, launch_s=0.005, sync_s=0.1)  # 24 x 5 ms + 100 ms
         item = PrefillItem(id=req.id, tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
