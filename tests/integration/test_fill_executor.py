@@ -21,9 +21,13 @@ import pytest
 import torch
 
 from services.stage_worker import port_prefill
+from services.stage_worker.bubbles import BubbleAnnouncer
 from services.stage_worker.filler import Filler
+from services.stage_worker.lease import Slot
 from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.outbox import Outbox
 from services.stage_worker.port import ELSEWHERE, LOST, PrefillPort, StagePort
+from services.stage_worker.telemetry import StageTelemetry
 from shared.bus import Bus, Delivery, Reject
 from shared.bus.connection import blocking_client
 from shared.control import keys, serving
@@ -31,6 +35,7 @@ from shared.control.status import FailureReason, ItemOutcome, RequestStatus
 from shared.dataplane import kvstore
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel, PrefillState
+from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
 from shared.spec.config import BusConfig
@@ -138,6 +143,13 @@ async def accepted(bus: Bus, rid: str, reply_to: str = "bt:test:results") -> Pre
     req = PrefillRequest(id=rid, model="m", tokens=PROMPT, submitted=time.time(), reply_to=reply_to)
     assert await serving.accept(bus.redis, req, 100)
     return req
+
+
+def announcer_for(bus: Bus) -> tuple[Outbox, BubbleAnnouncer]:
+    """Slot r0s0's outbox and bubble announcer, as a worker has them: where a bubble calls `fill`."""
+    outbox = Outbox(bus)
+    telemetry = StageTelemetry(outbox, RUN, 0, 0, "r0s0")
+    return outbox, BubbleAnnouncer(outbox, RUN, Slot(0, 0), "dc-a", BubblePredictor(), 0, telemetry)
 
 
 def deliver(filler: Filler, b: PrefillBatch) -> asyncio.Task[None]:
@@ -557,11 +569,6 @@ async def test_a_fill_executor_that_fails_in_a_bubble_never_reaches_training(red
     """A bug of ours in the fill executor (here: its record of a queued batch gone) is fenced where
     the bubble calls it: the bubble's wait returns training's input, the worker hands back what it
     holds, takes no more prefill and tells the dispatcher."""
-    from services.stage_worker.bubbles import BubbleAnnouncer
-    from services.stage_worker.lease import Slot
-    from services.stage_worker.outbox import Outbox
-    from services.stage_worker.telemetry import StageTelemetry
-    from shared.policies.bubbles import BubblePredictor
     from shared.wire import PrefillOff
 
     model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
@@ -571,9 +578,7 @@ async def test_a_fill_executor_that_fails_in_a_bubble_never_reaches_training(red
         queued = deliver(filler, batch(item, 1))
         await asyncio.sleep(0)
         filler.batches.clear()  # the inconsistency a bug would leave: queued, but no record
-        outbox = Outbox(bus)
-        telemetry = StageTelemetry(outbox, RUN, 0, 0, "r0s0")
-        announcer = BubbleAnnouncer(outbox, RUN, Slot(0, 0), "dc-a", BubblePredictor(), 0, telemetry)
+        outbox, announcer = announcer_for(bus)
         awaited: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.05, awaited.set_result, "the activation")
         got = await asyncio.wait_for(announcer.wait(0, 0, 0, awaited, awaited.done, lambda: None, filler), 60)
@@ -591,12 +596,7 @@ async def test_a_sticky_cuda_error_in_prefill_stops_the_worker_rather_than_train
     next call, or compute garbage. The fill executor raises it past its fence, out of the bubble's
     wait, so the worker stops and recovery replaces it (issue 62: it was caught as a RuntimeError, the
     request failed, and training carried on over a dead context). The request is failed, not lost."""
-    from services.stage_worker.bubbles import BubbleAnnouncer
     from services.stage_worker.guest import DeviceLost
-    from services.stage_worker.lease import Slot
-    from services.stage_worker.outbox import Outbox
-    from services.stage_worker.telemetry import StageTelemetry
-    from shared.policies.bubbles import BubblePredictor
 
     model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
 
@@ -609,9 +609,7 @@ async def test_a_sticky_cuda_error_in_prefill_stops_the_worker_rather_than_train
         queued = deliver(filler, batch(item, 1))
         await asyncio.sleep(0)
         model.run_layers = poisoned  # type: ignore[method-assign]
-        outbox = Outbox(bus)
-        telemetry = StageTelemetry(outbox, RUN, 0, 0, "r0s0")
-        announcer = BubbleAnnouncer(outbox, RUN, Slot(0, 0), "dc-a", BubblePredictor(), 0, telemetry)
+        outbox, announcer = announcer_for(bus)
         awaited: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         with pytest.raises(DeviceLost, match="sticky CUDA error"):
             await asyncio.wait_for(announcer.wait(0, 0, 0, awaited, awaited.done, lambda: None, filler), 60)
