@@ -92,7 +92,7 @@ class Filler:
             initargs=(prefill_nice(), prefill_slice_us()),
         )
         self.batches: dict[str, Queued] = {}
-        self.guest = Guest(bus, run, worker, model, metrics)
+        self.guest = Guest(bus, run, worker, metrics)
         self.compute = BatchCompute(model, self.guest, profile, piece_tokens)
         self._work = asyncio.Event()
         self._post: set[asyncio.Task[None]] = set()

@@ -1,5 +1,6 @@
 """The fill executor's side of a failing guest (services/stage_worker/filler.py runs it): a request
-whose prefill model raised fails, saying so, and drops what it held on the device; each failed
+whose prefill model raised fails, saying so, and drops what it held on the device (its tensors; the
+allocator's cache is not emptied: `torch.cuda.empty_cache` is never on a hot path); each failed
 batch is counted (`shared.policies.guest`), logged with its traceback and in the metrics; and when
 the worker stops taking prefill the dispatcher is told (`PrefillOff` on the run's bubbles stream).
 docs/architecture.md ("A failing guest") has the whole behaviour."""
@@ -15,7 +16,6 @@ from shared.bus import Bus
 from shared.control import keys
 from shared.control.status import FailureReason
 from shared.model.devices import is_sticky_cuda_error
-from shared.model.prefill import PrefillModel
 from shared.policies.guest import GuestHealth, GuestVerdict
 from shared.runtime.logs import get_logger
 from shared.wire import PrefillOff
@@ -29,8 +29,8 @@ class DeviceLost(RuntimeError):
 
 
 class Guest:
-    def __init__(self, bus: Bus, run: str, worker: str, model: PrefillModel, metrics: WorkerMetrics | None) -> None:
-        self.bus, self.run, self.worker, self.model, self.metrics = bus, run, worker, model, metrics
+    def __init__(self, bus: Bus, run: str, worker: str, metrics: WorkerMetrics | None) -> None:
+        self.bus, self.run, self.worker, self.metrics = bus, run, worker, metrics
         self.health = GuestHealth()
         #: Set by a sticky CUDA error: the device is lost for this process, training too; the fill
         #: executor raises it past its fence, and the worker stops so that recovery replaces it.
@@ -52,8 +52,7 @@ class Guest:
             self.poisoned = DeviceLost(f"prefill on worker {self.worker} hit a sticky CUDA error: {error}")
         o.failure = (FailureReason.PREFILL_ERROR, f"prefill failed on worker {self.worker}: {error}")
         o.state = None
-        exc.__traceback__ = None
-        self.model.free_cached()
+        exc.__traceback__ = None  # its frames held the failed run's tensors: they go back to the allocator's cache
         return o.failure[1]
 
     @staticmethod

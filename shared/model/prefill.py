@@ -262,12 +262,6 @@ class PrefillModel:
         self.prefill([i % self.info.vocab for i in range(n)])
         return time.perf_counter() - t0
 
-    def free_cached(self) -> None:
-        """Give the device back what its allocator keeps cached (after a failed run dropped its
-        tensors): on CUDA, blocks held for reuse that training may need now; nothing elsewhere."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     def last_logits(self, state: PrefillState) -> Tensor:
         """Final norm + head of the last prompt position of a done state: float32 (vocab,)."""
         if not state.done:
