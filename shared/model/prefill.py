@@ -40,7 +40,7 @@ from shared.model.checkpoint import check_state_dict, load_causal_lm
 from shared.model.families.nanogpt import NanoGPT
 from shared.model.finishing import Finishing
 from shared.model.gpt import StageModule
-from shared.model.graphs import GraphedBlocks
+from shared.model.graphs import GraphedBlocks, capture_plan
 from shared.model.info import CheckpointError as CheckpointError  # re-exported: it used to live here
 from shared.model.info import ModelInfo
 from shared.model.prefill_state import PrefillResult as PrefillResult  # re-exported: defined beside
@@ -105,10 +105,12 @@ class PrefillModel:
         return self
 
     def use_graphs(self) -> PrefillModel:
-        """Replay blocks from CUDA graphs where shapes allow (`shared.model.graphs`); after `place`
-        on a GPU (`ValueError` elsewhere)."""
+        """Replay blocks from CUDA graphs where shapes allow (`shared.model.graphs`), every one
+        captured now, at set-up (`capture_plan`: each layer, each bucket a prompt of up to
+        `max_tokens` can use); after `place` on a GPU (`ValueError` elsewhere)."""
         dtype = next(self.module.parameters()).dtype
         self.graphs = GraphedBlocks(self.module.block, self.lane, self.info.d_model, dtype)
+        self.graphs.capture(capture_plan(self.layers, self.max_tokens))
         return self
 
     def _block(self, layer: int, hidden: Tensor, positions: Tensor, past: KV | None) -> tuple[Tensor, KV]:

@@ -7,6 +7,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+import torch
+
+from shared.model.gpt import GPTConfig
+from shared.model.graphs import BUCKETS, bucket, capture_plan, graph_for
+from shared.model.prefill import PrefillModel
+
+NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,3 +37,37 @@ def test_nothing_the_services_run_empties_the_cuda_cache() -> None:
     path, and a failed prefill request no longer calls it (the allocator frees its cache itself
     when an allocation does not fit)."""
     assert calls_of("empty_cache", "services", "shared") == []
+
+
+# --- CUDA graphs (shared/model/graphs.py): captured at set-up, for every bucket, never later ---------
+
+
+def test_graphs_are_planned_for_every_layer_and_every_bucket_a_prompt_up_to_the_limit_replays() -> None:
+    plan = capture_plan(2, 96)  # the demo's ~96-token prompts: bucket 128, not only 64
+    assert plan == tuple((layer, b) for layer in (0, 1) for b in (16, 32, 64, 128))
+    for n in range(1, 97):
+        assert (1, bucket(n)) in plan
+    assert capture_plan(1, 10) == ((0, 16),)
+    # longer prompts than the largest bucket: their first pieces may fill it
+    assert capture_plan(3, 4096) == tuple((layer, b) for layer in range(3) for b in BUCKETS)
+
+
+def test_a_block_whose_bucket_has_no_graph_runs_eagerly() -> None:
+    graphs = {(0, 16): "g16", (1, 32): "g32"}
+    assert graph_for(graphs, 0, 9, past=False) == "g16"
+    assert graph_for(graphs, 1, 32, past=False) == "g32"
+    assert graph_for(graphs, 0, 20, past=False) is None  # bucket 32 of layer 0 was not captured
+    assert graph_for(graphs, 0, 9, past=True) is None  # attends over earlier pieces
+    assert graph_for(graphs, 0, 257, past=False) is None  # beyond every bucket
+    assert graphs == {(0, 16): "g16", (1, 32): "g32"}  # looking up captures nothing
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_on_a_gpu_every_graph_is_captured_at_set_up_and_none_while_prompts_run() -> None:
+    cfg = GPTConfig(layers=2, d_model=32, heads=4, seq_len=512, vocab=256)
+    model = PrefillModel(cfg, seed=2, max_prompt_tokens=100).place(torch.device("cuda", 0)).use_graphs()
+    assert model.graphs is not None and model.graphs.captured() == len(capture_plan(2, 100)) == 10
+    for n in (1, 17, 64, 100):
+        model.prefill([(3 * i) % 256 for i in range(n)])
+    assert model.graphs.captured() == 10
