@@ -326,7 +326,7 @@ class StageRunner:
         t0 = time.time()
         latest = t0
         if self.spec.parallelism.dp > 1:
-            flat = await self.in_torch_thread(self._flat_grads_on_cpu)
+            flat = await self.in_torch_thread(self.trainer.flat_grads_on_cpu)
             try:
                 mean, latest = await self._plane().all_reduce_mean(flat, t0)
             except PlaneError as exc:
@@ -379,11 +379,6 @@ class StageRunner:
             await self._plane_failed(str(exc))
         finished.append(time.time())
         return total_sq
-
-    def _flat_grads_on_cpu(self) -> torch.Tensor:
-        """In the torch thread: this stage's flat gradients, on the CPU for gloo (divided by the
-        group's size after the sum: for two replicas bit for bit the replica-order mean)."""
-        return self.trainer.flat_grads().to("cpu")
 
     # --- telemetry -------------------------------------------------------------------------
 

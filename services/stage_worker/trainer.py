@@ -110,10 +110,20 @@ class StageTrainer:
 
     @on_lane
     def flat_grads(self) -> Tensor:
-        """This stage's gradients as one flat tensor, on the device (the all-reduce's input)."""
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        """This stage's gradients as one flat tensor, on the device."""
+        flat = self._flat_grads()
         self.lane.wait()
         return flat
+
+    @on_lane
+    def flat_grads_on_cpu(self) -> Tensor:
+        """This stage's flat gradients on the CPU, the gloo all-reduce's input (divided by the
+        group's size after the sum: for two replicas bit for bit the replica-order mean). The copy
+        runs on training's lane too: on the default stream it would queue behind prefill's work."""
+        return self._flat_grads().cpu()
+
+    def _flat_grads(self) -> Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
 
     @on_lane
     def load_grads(self, flat: Tensor) -> None:

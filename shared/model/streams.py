@@ -1,11 +1,18 @@
 """Training first on the GPU: each side of a stage worker on a CUDA stream of its own.
 
 Training (the owner) runs on a high-priority stream, prefill (the guest) on a low-priority one
-(`Lane.training`, `Lane.prefill`). The GPU's scheduler then starts a ready training kernel before
-queued prefill kernels, and neither side waits for the other's work: each waits on its own stream
-(`Lane.wait`), never on the whole device (`torch.cuda.synchronize`, which made training's every
-step wait behind whatever prefill had queued). The two sides share no tensors: each model has its
-own weights, and what crosses between them goes through the CPU.
+(`Lane.training`, `Lane.prefill`; `stream_priority`). The GPU's scheduler then starts a ready
+training kernel before queued prefill kernels, and neither side waits for the other's work: each
+waits on its own stream (`Lane.wait`), never on the whole device (`torch.cuda.synchronize`, which
+made training's every step wait behind whatever prefill had queued). The two sides share no
+tensors: each model has its own weights, and what crosses between them goes through the CPU.
+
+CUDA has no priority below the default stream's (0 is the least urgent; PyTorch maps a larger
+number to it), so prefill's lane is as urgent as the default stream, and the default stream is
+prefill's: what prefill computed is handed to it (`Lane.hand_over`) for the threads that read it
+off the GPU. Training never queues work there: every trainer method that touches the device runs
+on training's lane, the gradients' copy for the all-reduce included
+(`StageTrainer.flat_grads_on_cpu`).
 
 On the CPU a lane has no stream: `scope` enters nothing and `wait` does nothing, so every CPU run
 computes exactly what it did before (tests/unit/test_streams.py pins it).
@@ -14,6 +21,7 @@ computes exactly what it did before (tests/unit/test_streams.py pins it).
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import time
 from collections import deque
@@ -26,24 +34,38 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+class Urgency(enum.Enum):
+    """Whose work a lane carries, which sets its stream's priority (`stream_priority`)."""
+
+    TRAINING = "training"  # the owner: first
+    PREFILL = "prefill"  # the guest: last
+
+
+def stream_priority(urgency: Urgency, least: int, greatest: int) -> int:
+    """The CUDA stream priority of a lane, from the device's range (`Stream.priority_range()`:
+    `least`, `greatest`, e.g. (0, -5); a lower number is more urgent): training the most urgent
+    the device has, prefill the least (the default stream's, 0: CUDA has none below it)."""
+    return least if urgency is Urgency.PREFILL else greatest
+
+
 class Lane:
     """One side's stream on `device` (None on the CPU)."""
 
-    def __init__(self, device: torch.device, *, high: bool) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, urgency: Urgency) -> None:
+        self.device, self.urgency = device, urgency
         self.stream: torch.cuda.Stream | None = None
         self._marks: deque[torch.cuda.Event] = deque()
         if device.type == "cuda":
-            least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # static; (0, -5): lower is more urgent
-            self.stream = torch.cuda.Stream(device=device, priority=greatest if high else least)
+            least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # static
+            self.stream = torch.cuda.Stream(device=device, priority=stream_priority(urgency, least, greatest))
 
     @classmethod
     def training(cls, device: torch.device) -> Lane:
-        return cls(device, high=True)
+        return cls(device, Urgency.TRAINING)
 
     @classmethod
     def prefill(cls, device: torch.device) -> Lane:
-        return cls(device, high=False)
+        return cls(device, Urgency.PREFILL)
 
     @property
     def priority(self) -> int | None:
@@ -61,7 +83,8 @@ class Lane:
     def hand_over(self) -> None:
         """Whatever runs later on the device's default stream (a copy of this lane's results off
         the GPU, from any thread) waits for what this lane launched so far: a dependency on the
-        GPU, not a wait of the host."""
+        GPU, not a wait of the host. Prefill's only: training never uses the default stream, so
+        this never puts training's work behind prefill's."""
         if self.stream is not None:
             torch.cuda.default_stream(self.device).wait_stream(self.stream)
 

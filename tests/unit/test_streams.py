@@ -15,7 +15,7 @@ from services.stage_worker.trainer import StageTrainer
 from shared.model.data import ByteCorpus
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel
-from shared.model.streams import Lane, LaneClock
+from shared.model.streams import Lane, LaneClock, Urgency, stream_priority
 from shared.spec.config import parse_spec
 
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
@@ -52,7 +52,7 @@ class CountingLane(Lane):
     """A CPU lane that counts how often work entered it (there is no stream to look at here)."""
 
     def __init__(self) -> None:
-        super().__init__(torch.device("cpu"), high=True)
+        super().__init__(torch.device("cpu"), Urgency.TRAINING)
         self.entered = 0
 
     @contextlib.contextmanager
@@ -68,13 +68,24 @@ def test_every_trainer_method_that_touches_the_device_runs_on_trainings_lane() -
     assert act is not None and lane.entered == 1
     tr.backward(0, torch.full_like(act, 0.01))
     flat = tr.flat_grads()
+    on_cpu = tr.flat_grads_on_cpu()  # the all-reduce's input: its copy off the device on the lane too
+    assert on_cpu.device.type == "cpu" and torch.equal(on_cpu, flat)
     tr.load_mean([flat, flat])  # and load_grads inside it: 2
     tr.step(0)  # and grad_sq_norm inside it (clipping is on): 2
     blob = tr.checkpoint()
     tr.restore(blob)  # and discard inside it: 2
     tr.saved_tensors()
     tr.discard()
-    assert lane.entered == 12, lane.entered
+    assert lane.entered == 13, lane.entered
+
+
+def test_prefill_is_the_least_urgent_lane_and_training_the_most() -> None:
+    """CUDA's range, e.g. (0, -5): a lower number is more urgent, and none is below the default
+    stream's 0, so prefill takes 0 and training never uses the default stream."""
+    assert stream_priority(Urgency.TRAINING, 0, -5) == -5
+    assert stream_priority(Urgency.PREFILL, 0, -5) == 0
+    assert stream_priority(Urgency.TRAINING, 0, -5) < stream_priority(Urgency.PREFILL, 0, -5)
+    assert {stream_priority(u, 0, 0) for u in Urgency} == {0}  # a device without priorities
 
 
 @pytest.mark.cuda
@@ -101,6 +112,30 @@ def test_on_a_gpu_training_outranks_prefill_and_prefill_runs_on_its_own_stream()
     # what prefill computed is readable from the default stream at once (a snapshot's copy)
     state = model.run_layers(model.start([5, 6, 7]), max_layers=1)
     assert state.hidden is not None and torch.isfinite(state.hidden.cpu()).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_on_a_gpu_trainings_gradient_copy_does_not_wait_behind_prefill() -> None:
+    """Prefill's work handed to the default stream (`Lane.hand_over`) holds up none of training's:
+    the all-reduce's copy of the gradients comes back while prefill still runs."""
+    dev = torch.device("cuda", 0)
+    tr = StageTrainer(SPEC, 0, 0, CORPUS, dev)
+    act = tr.forward(0, 0, None)
+    assert act is not None
+    tr.backward(0, torch.full_like(act, 0.01))
+    prefill = Lane.prefill(dev)
+    x = torch.randn(4096, 4096, device=dev)
+    torch.cuda.synchronize(dev)
+    with prefill.scope():
+        for _ in range(200):  # about a second of prefill queued on the GPU
+            x = x @ x
+        done = torch.cuda.Event()
+        done.record()
+    prefill.hand_over()
+    flat = tr.flat_grads_on_cpu()
+    assert not done.query(), "training's copy waited for prefill"
+    assert flat.device.type == "cpu" and flat.numel() == sum(p.numel() for p in tr.params)
 
 
 def test_a_lane_clock_on_the_cpu_times_each_piece_on_the_host() -> None:
