@@ -1,8 +1,10 @@
 """A finished prefill's first token, read off the device after it is there, not by the thread that
 ran the prefill (`PrefillModel.finish_async`).
 
-On a GPU the prompt's last logits are copied into pinned host memory without blocking, behind an
-event on the prefill's stream; the prefill thread goes straight on to the next block. Whoever
+On a GPU the prompt's last logits are computed (the final norm and head) and copied into pinned
+host memory without blocking, behind an event, on the finishing lane (`Lane.finishing`: as urgent
+as training; on prefill's low-priority lane training's kernels could starve that one GEMM and copy
+past the bubble, and the answer with them); the prefill thread goes straight on to the next block. Whoever
 answers the request (off the training path) waits for that event and samples the token and reads
 the logprobs on the host in a thread (`result`: `Outcome.read`). On the CPU the logits are already
 on the host: `ready` at once, and the prefill thread reads the result itself, exactly what
@@ -20,7 +22,21 @@ from torch import Tensor
 from shared.model.causal import KV
 from shared.model.prefill_state import PrefillResult
 from shared.model.sampling import sample
+from shared.model.streams import Lane
 from shared.model.tokenizer import Tokenizer, token_text
+
+
+def to_host(logits: Tensor, lane: Lane) -> tuple[Tensor, torch.cuda.Event | None]:
+    """`logits` (vocab,), launched on `lane`, on their way to the host as float32: on a GPU a copy
+    into pinned memory on `lane` and the event it passes once done; elsewhere the host's at once."""
+    if lane.stream is None:
+        return logits.float().cpu(), None
+    with torch.inference_mode(), lane.scope():
+        host = torch.empty(logits.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(logits, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()  # on the lane's stream (the scope's current stream)
+    return host, event
 
 
 @dataclass

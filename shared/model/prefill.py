@@ -38,7 +38,7 @@ from shared.model.causal import KV as KV  # re-exported: (k, v) of one layer, ea
 from shared.model.causal import CausalLM
 from shared.model.checkpoint import check_state_dict, load_causal_lm
 from shared.model.families.nanogpt import NanoGPT
-from shared.model.finishing import Finishing
+from shared.model.finishing import Finishing, to_host
 from shared.model.gpt import StageModule
 from shared.model.graphs import GraphedBlocks, capture_plan
 from shared.model.info import CheckpointError as CheckpointError  # re-exported: it used to live here
@@ -92,14 +92,17 @@ class PrefillModel:
         self.tokenizer: Tokenizer = BYTES if tokenizer is None else tokenizer
         #: The stream prefill runs on (`place`): low priority on a GPU, none on the CPU.
         self.lane = Lane.prefill(torch.device("cpu"))
+        #: The stream a done prefill's head and logits' copy run on: training's priority on a GPU.
+        self.finish_lane = Lane.finishing(torch.device("cpu"))
         #: Blocks replayed from CUDA graphs where shapes allow (`use_graphs`; None: every block eager).
         self.graphs: GraphedBlocks | None = None
 
     def place(self, device: torch.device) -> PrefillModel:
         """Move the weights to `device`, and run on a low-priority stream of its own there (on a
-        GPU: training's kernels go first; `shared.model.streams`)."""
+        GPU: training's kernels go first; `shared.model.streams`), a done prefill's head on one as
+        urgent as training's."""
         self.module.to(device)
-        self.lane = Lane.prefill(device)
+        self.lane, self.finish_lane = Lane.prefill(device), Lane.finishing(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # once, at set-up: the weights' copies are done before any stream reads them
         return self
@@ -265,13 +268,15 @@ class PrefillModel:
         return time.perf_counter() - t0
 
     def last_logits(self, state: PrefillState) -> Tensor:
-        """Final norm + head of the last prompt position of a done state: float32 (vocab,)."""
+        """Final norm + head of the last prompt position of a done state: float32 (vocab,), on the
+        finishing lane once the prefill lane's blocks are done (on the GPU: no host wait)."""
         if not state.done:
             raise ValueError(f"prefill not finished: {state.next_layer} of {state.layers} layers have run")
         self._check_state(state)
         assert state.hidden is not None
-        with torch.inference_mode(), self.lane.scope():
+        with torch.inference_mode(), self.finish_lane.scope():
             last = state.hidden[:, -1, :].to(self.device)  # (1, C)
+            self.finish_lane.after(self.lane, last)
             return self.module.head(last)  # (vocab,)
 
     def finish(
@@ -295,17 +300,7 @@ class PrefillModel:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
         if top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
-        logits = self.last_logits(state)  # (vocab,)
-        event: torch.cuda.Event | None = None
-        if logits.device.type == "cuda":
-            with torch.inference_mode(), self.lane.scope():
-                host = torch.empty(logits.shape, dtype=torch.float32, pin_memory=True)
-                host.copy_(logits, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()  # on the lane's stream (the scope's current stream)
-            logits = host
-        else:
-            logits = logits.float().cpu()
+        logits, event = to_host(self.last_logits(state), self.finish_lane)  # (vocab,) float32, on its way
         return Finishing(
             logits, event, temperature, seed, top_logprobs, len(state.tokens), list(state.kv), self.tokenizer
         )

@@ -38,13 +38,17 @@ class Urgency(enum.Enum):
     """Whose work a lane carries, which sets its stream's priority (`stream_priority`)."""
 
     TRAINING = "training"  # the owner: first
+    #: a done prefill's last head GEMM and its logits' copy to the host: one small kernel and a copy,
+    #: as urgent as training, which would otherwise starve them past their bubble
+    FINISHING = "finishing"
     PREFILL = "prefill"  # the guest: last
 
 
 def stream_priority(urgency: Urgency, least: int, greatest: int) -> int:
     """The CUDA stream priority of a lane, from the device's range (`Stream.priority_range()`:
-    `least`, `greatest`, e.g. (0, -5); a lower number is more urgent): training the most urgent
-    the device has, prefill the least (the default stream's, 0: CUDA has none below it)."""
+    `least`, `greatest`, e.g. (0, -5); a lower number is more urgent): training and a prefill's
+    finishing the most urgent the device has, prefill the least (the default stream's, 0: CUDA
+    has none below it)."""
     return least if urgency is Urgency.PREFILL else greatest
 
 
@@ -67,6 +71,10 @@ class Lane:
     def prefill(cls, device: torch.device) -> Lane:
         return cls(device, Urgency.PREFILL)
 
+    @classmethod
+    def finishing(cls, device: torch.device) -> Lane:
+        return cls(device, Urgency.FINISHING)
+
     @property
     def priority(self) -> int | None:
         return None if self.stream is None else int(self.stream.priority)
@@ -79,6 +87,15 @@ class Lane:
             return
         with torch.cuda.stream(self.stream):
             yield
+
+    def after(self, other: Lane, *used: torch.Tensor) -> None:
+        """What this lane launches next waits for what `other` launched so far (on the GPU, not
+        the host); `used`, tensors of `other`'s that this lane reads, are kept from reuse by
+        `other` until this lane is done with them (`record_stream`)."""
+        if self.stream is not None and other.stream is not None:
+            self.stream.wait_stream(other.stream)
+            for t in used:
+                t.record_stream(self.stream)
 
     def hand_over(self) -> None:
         """Whatever runs later on the device's default stream (a copy of this lane's results off

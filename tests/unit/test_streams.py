@@ -88,6 +88,19 @@ def test_prefill_is_the_least_urgent_lane_and_training_the_most() -> None:
     assert {stream_priority(u, 0, 0) for u in Urgency} == {0}  # a device without priorities
 
 
+def test_a_finished_prefills_head_and_logits_copy_run_on_a_lane_as_urgent_as_training() -> None:
+    """Not on prefill's low-priority lane, where training could starve them past the bubble."""
+    assert stream_priority(Urgency.FINISHING, 0, -5) == stream_priority(Urgency.TRAINING, 0, -5)
+    model = PrefillModel(GPTConfig(layers=2, d_model=16, heads=2, seq_len=8, vocab=256), seed=1)
+    assert model.finish_lane.urgency is Urgency.FINISHING and model.lane.urgency is Urgency.PREFILL
+    want = model.prefill([1, 2, 3], top_logprobs=2)
+    model.lane, model.finish_lane = CountingLane(), CountingLane()
+    got = model.prefill([1, 2, 3], top_logprobs=2)
+    assert model.finish_lane.entered == 1  # the head, once
+    assert model.lane.entered == 1  # the blocks (one run_layers)
+    assert (got.token, got.logprob, got.top) == (want.token, want.logprob, want.top)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def test_on_a_gpu_training_outranks_prefill_and_prefill_runs_on_its_own_stream() -> None:
@@ -106,8 +119,16 @@ def test_on_a_gpu_training_outranks_prefill_and_prefill_runs_on_its_own_stream()
         return block(*args, **kw)
 
     model.module.block = recording  # type: ignore[method-assign]
+    head, heads = model.module.head, []
+
+    def finishing(*args, **kw):  # type: ignore[no-untyped-def]
+        heads.append(torch.cuda.current_stream())
+        return head(*args, **kw)
+
+    model.module.head = finishing  # type: ignore[method-assign]
     got = model.prefill([5, 6, 7])
     assert seen and all(s == model.lane.stream for s in seen)
+    assert heads == [model.finish_lane.stream] and model.finish_lane.priority == train.priority
     assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=1e-4)
     # what prefill computed is readable from the default stream at once (a snapshot's copy)
     state = model.run_layers(model.start([5, 6, 7]), max_layers=1)
