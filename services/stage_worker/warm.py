@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.model.devices import guest_dtype
 from shared.model.prefill import PrefillModel
 from shared.model.training import Corpus, load_corpus
 from shared.runtime.logs import get_logger
@@ -44,9 +45,11 @@ def warm_up(spec: ClusterSpec) -> Warm:
 
 def guest_model(spec: ClusterSpec, device: torch.device, built: PrefillModel | None = None) -> PrefillModel:
     """The guest model (`built` already: a spare's, `warm_up` above), on this worker's device (it creates
-    its inputs where its weights are), its blocks graphed where the spec asks and a GPU is
-    (`bubbletea.cuda_graphs`), and warmed up (`PrefillModel.warm_up`)."""
-    model = (built or PrefillModel.from_spec(spec.prefill)).place(device)  # on a low-priority stream of its own
+    its inputs where its weights are) in the guest's dtype there (`guest_dtype`: bfloat16 on a GPU),
+    its blocks graphed where the spec asks and a GPU is (`bubbletea.cuda_graphs`: every graph
+    captured now, before training's first step), and warmed up (`PrefillModel.warm_up`)."""
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    model = (built or PrefillModel.from_spec(spec.prefill)).place(device, guest_dtype(device, bf16_supported=bf16))
     if spec.bubbletea.cuda_graphs:
         if device.type == "cuda":
             model.use_graphs()

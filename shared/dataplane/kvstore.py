@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from redis.asyncio import Redis
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -99,8 +100,9 @@ def kv_file(request_id: str, model: str, prompt: Sequence[int], first_token: int
     """A finished prefill's KV cache as safetensors bytes (the layout in the module docstring)."""
     tensors = {}
     for i, (k, v) in enumerate(kv):
-        tensors[f"layers.{i}.k"] = k[0].detach().to("cpu", copy=False).contiguous()  # (kv_heads, T, head_dim)
-        tensors[f"layers.{i}.v"] = v[0].detach().to("cpu", copy=False).contiguous()
+        # float32 whatever the model computed in (a guest on a GPU: bfloat16), as the format says
+        tensors[f"layers.{i}.k"] = k[0].detach().to("cpu", torch.float32).contiguous()  # (kv_heads, T, head_dim)
+        tensors[f"layers.{i}.v"] = v[0].detach().to("cpu", torch.float32).contiguous()
     meta = {
         "format": KV_FORMAT,
         "id": request_id,

@@ -14,7 +14,8 @@ new positions appended, each a contiguous (1, kv_heads, T_total, head_dim) tenso
 attention stores its kv_heads once, not repeated per query head). Keys are cached as attention
 uses them (after rotary embeddings, for the Llama family).
 
-Every tensor is float32 on the device of the weights: nothing here names a device, so a caller may
+Every tensor is on the device and in the dtype of the weights (float32; a worker's guest on a GPU
+casts them to bfloat16, `PrefillModel.place`): nothing here names a device, so a caller may
 `.to(device)` the module and pass ids and positions on that device. Nothing uses the global RNG.
 The families (`shared.model.families`) are nanoGPT-sized modules, one per architecture.
 """

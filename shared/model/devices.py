@@ -47,6 +47,13 @@ def is_sticky_cuda_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "CUDA" in text and any(s in text for s in STICKY_CUDA_ERRORS)
 
 
+def guest_dtype(device: torch.device, *, bf16_supported: bool = True) -> torch.dtype:
+    """The dtype the guest (prefill) model computes in on `device`: bfloat16 on a GPU that has it
+    (half the weights' and KV caches' memory and time of float32; its logits are sampled in float32),
+    float32 elsewhere (on the CPU every answer stays bit-equal to what it always was)."""
+    return torch.bfloat16 if device.type == "cuda" and bf16_supported else torch.float32
+
+
 def slot_index(replica: int, stage: int, pp: int) -> int:
     """The slot's index among all PP x DP slots: replica-major, so a replica's stages are neighbours."""
     if pp < 1 or not 0 <= stage < pp or replica < 0:

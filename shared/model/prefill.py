@@ -18,9 +18,10 @@ cache (what a decoder does), and `sample` is the one sampling rule for both.
 
 Resuming is exact: the blocks run the same operations on the same tensors however the run is
 split, so the first token, its logprob and every KV tensor are bit-identical to one uninterrupted
-`prefill`. All computation happens under `torch.inference_mode()` in float32 on the device of the
-weights (`device`; the caller may move `module` with `.to(device)`); the tensors in a state are
-therefore inference tensors (fine to read, copy and resume from, not to use in autograd).
+`prefill`. All computation happens under `torch.inference_mode()` on the device and in the dtype of
+the weights (float32 unless `place` casts them: a worker's guest on a GPU is bfloat16, `guest_dtype`
+in `shared.model.devices`; logits are float32 either way); the tensors in a state are therefore
+inference tensors (fine to read, copy and resume from, not to use in autograd).
 """
 
 from __future__ import annotations
@@ -97,11 +98,13 @@ class PrefillModel:
         #: Blocks replayed from CUDA graphs where shapes allow (`use_graphs`; None: every block eager).
         self.graphs: GraphedBlocks | None = None
 
-    def place(self, device: torch.device) -> PrefillModel:
-        """Move the weights to `device`, and run on a low-priority stream of its own there (on a
-        GPU: training's kernels go first; `shared.model.streams`), a done prefill's head on one as
-        urgent as training's."""
+    def place(self, device: torch.device, dtype: torch.dtype | None = None) -> PrefillModel:
+        """Move the weights to `device` (cast to `dtype` if given; buffers, rotary frequencies, stay
+        float32), to run on a low-priority stream of its own there (on a GPU training's kernels go
+        first; `shared.model.streams`), a done prefill's head on one as urgent as training's."""
         self.module.to(device)
+        for p in self.module.parameters() if dtype is not None else ():
+            p.data = p.data.to(dtype)
         self.lane, self.finish_lane = Lane.prefill(device), Lane.finishing(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # once, at set-up: the weights' copies are done before any stream reads them
@@ -130,6 +133,11 @@ class PrefillModel:
     def device(self) -> torch.device:
         """Where the weights are (and so where inputs are created and every state's tensors live)."""
         return next(self.module.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype, and so the hidden states' and KV caches' (a resumed state is cast to it)."""
+        return next(self.module.parameters()).dtype
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, cfg: GPTConfig, *, max_prompt_tokens: int | None = None) -> PrefillModel:
@@ -209,7 +217,7 @@ class PrefillModel:
             if state.hidden is None:
                 ids = _upload(torch.tensor([state.tokens], dtype=torch.long), dev)  # (1, T)
                 state.hidden = self.module.embed(ids, pos)  # (1, T, C)
-            state.hidden = state.hidden.to(dev)  # a resumed snapshot arrives on the CPU (a no-op there)
+            state.hidden = state.hidden.to(dev, self.dtype)  # a resumed snapshot arrives on the CPU (a no-op there)
             while not state.done and (max_layers is None or ran < max_layers):
                 if should_stop is not None and should_stop():
                     break
@@ -244,7 +252,8 @@ class PrefillModel:
             assert state.hidden is not None and state.positions is not None
             a = state.piece_done
             b = min(T, a + tokens)
-            out, kv = self._block(state.next_layer, state.hidden[:, a:b].to(dev), state.positions[a:b], state.piece_kv)
+            hidden = state.hidden[:, a:b].to(dev, self.dtype)  # (1, b - a, C)
+            out, kv = self._block(state.next_layer, hidden, state.positions[a:b], state.piece_kv)
             state.piece_out.append(out)
             state.piece_kv, state.piece_done = kv, b
             if b == T:  # the layer is whole
@@ -277,7 +286,7 @@ class PrefillModel:
         with torch.inference_mode(), self.finish_lane.scope():
             last = state.hidden[:, -1, :].to(self.device)  # (1, C)
             self.finish_lane.after(self.lane, last)
-            return self.module.head(last)  # (vocab,)
+            return self.module.head(last).float()  # (vocab,): sampled in float32 whatever the weights
 
     def finish(
         self, state: PrefillState, *, temperature: float = 0.0, seed: int | None = None, top_logprobs: int = 0
@@ -342,9 +351,9 @@ class PrefillModel:
             hidden = self.module.embed(ids, pos)  # (1, 1, C)
             grown: list[KV] = []
             for i, (k, v) in enumerate(kv):
-                hidden, layer_kv = self.module.block(i, hidden, pos, (k.to(dev), v.to(dev)))
+                hidden, layer_kv = self.module.block(i, hidden, pos, (k.to(dev, self.dtype), v.to(dev, self.dtype)))
                 grown.append(layer_kv)  # 2 x (1, kv_heads, position + 1, head_dim)
-            return self.module.head(hidden[:, -1, :]), grown
+            return self.module.head(hidden[:, -1, :]).float(), grown
 
     def _check_state(self, state: PrefillState) -> None:
         """`ValueError` if `state` is inconsistent or was started by a model of another shape."""

@@ -15,8 +15,10 @@ operation. AdamW then amplifies those differences a little each step (it normali
 so a parameter whose gradient is near zero can move by up to lr either way). Over a few steps the
 losses stay within `LOSS_RTOL` relative of the CPU reference; a wrong device move or a missing
 gradient would be off by far more. TF32 is off by default in torch for float32 matrix products, and
-nothing here turns it on. Greedy first tokens are compared exactly (the prompts below have top-two
-logit gaps far above the rounding), their logprobs within `LOGPROB_ATOL`.
+nothing here turns it on. The guest model a worker builds runs in bfloat16 on a GPU
+(`shared.model.devices.guest_dtype`), so its first tokens are compared with the CPU's float32 ones
+within bfloat16's rounding: each among the CPU's top three, at that token's logprob within
+`LOGPROB_ATOL_BF16`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ KINDS = ["cpu", pytest.param("cuda", marks=ON_CUDA)]
 #: Relative tolerance of GPU losses against the CPU reference (see the module docstring).
 LOSS_RTOL = 1e-3
 LOGPROB_ATOL = 1e-4
+LOGPROB_ATOL_BF16 = 0.25
 
 TRAIN_SPEC = {
     "name": "devices",
@@ -138,14 +141,16 @@ def test_prefill_on_the_device_returns_the_cpus_first_tokens(kind: str) -> None:
     assert device.type == kind
     on_cpu = prefill_all(torch.device("cpu"))
     on_device = prefill_all(device)
-    assert [r.token for r in on_device] == [r.token for r in on_cpu]
+    if kind == "cpu":  # the same float32 model: the same answers to the last bit
+        assert [(r.token, r.logprob, r.top) for r in on_device] == [(r.token, r.logprob, r.top) for r in on_cpu]
+    tol = {"rtol": 1e-4, "atol": 1e-5} if kind == "cpu" else {"rtol": 5e-2, "atol": 5e-2}  # bfloat16 on a GPU
     for a, b in zip(on_device, on_cpu, strict=True):
-        assert a.logprob == pytest.approx(b.logprob, abs=LOGPROB_ATOL)
-        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        top = dict(b.top)
+        assert a.token in top and a.logprob == pytest.approx(top[a.token], abs=LOGPROB_ATOL_BF16)
         assert len(a.kv) == len(b.kv) == 4
         for (ka, va), (kb, vb) in zip(a.kv, b.kv, strict=True):
-            torch.testing.assert_close(ka.cpu(), kb, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(va.cpu(), vb, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(ka.cpu().float(), kb, **tol)
+            torch.testing.assert_close(va.cpu().float(), vb, **tol)
     # the prompts' greedy choices are clear-cut: the top two logprobs differ by far more than rounding
     assert all(r.top[0][1] - r.top[1][1] > 10 * LOGPROB_ATOL for r in on_cpu), [r.top for r in on_cpu]
 

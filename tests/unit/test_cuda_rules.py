@@ -10,12 +10,24 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.stage_worker.warm import guest_model
+from shared.dataplane import kvstore
+from shared.model.devices import guest_dtype
 from shared.model.gpt import GPTConfig
 from shared.model.graphs import BUCKETS, bucket, capture_plan, graph_for
 from shared.model.prefill import PrefillModel
+from shared.spec.config import parse_spec
 
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
 ROOT = Path(__file__).resolve().parents[2]
+SPEC = {
+    "datacenters": [{"name": "a", "gpus": 2}],
+    "model": {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8},
+    "parallelism": {"pp": 2, "dp": 1},
+    "training": {"microbatches": 1, "microbatch_size": 2},
+    "prefill": {"model": {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 32, "vocab": 256, "seed": 1}},
+}
+PROMPTS = [[(7 * i + j) % 256 for i in range(n)] for j, n in enumerate((1, 5, 17, 40, 63))]
 
 
 def calls_of(name: str, *folders: str) -> list[str]:
@@ -71,3 +83,36 @@ def test_on_a_gpu_every_graph_is_captured_at_set_up_and_none_while_prompts_run()
     for n in (1, 17, 64, 100):
         model.prefill([(3 * i) % 256 for i in range(n)])
     assert model.graphs.captured() == 10
+
+
+# --- the guest's dtype: bfloat16 on a GPU, its logits float32; float32 on the CPU -------------------
+
+
+def test_the_guest_computes_in_bfloat16_on_a_gpu_and_in_float32_on_the_cpu() -> None:
+    assert guest_dtype(torch.device("cuda", 0)) is torch.bfloat16
+    assert guest_dtype(torch.device("cuda", 1), bf16_supported=False) is torch.float32  # a GPU without it
+    assert guest_dtype(torch.device("cpu")) is torch.float32  # CPU answers stay bit-equal
+    spec = parse_spec(SPEC)
+    assert guest_model(spec, torch.device("cpu")).dtype is torch.float32
+
+
+def test_a_bfloat16_guest_gives_the_float32_guests_tokens_with_float32_logits() -> None:
+    """The bfloat16 path, run on the CPU (the worker takes it on a GPU only): the same greedy tokens,
+    logits float32 for sampling, KV caches stored as float32 whatever they were computed in, and a
+    snapshot taken in one dtype resumes in the other."""
+    cfg = GPTConfig(layers=4, d_model=64, heads=4, seq_len=64, vocab=256)
+    fp32 = PrefillModel(cfg, seed=11)
+    bf16 = PrefillModel(cfg, seed=11).place(torch.device("cpu"), torch.bfloat16)
+    assert bf16.dtype is torch.bfloat16 and fp32.dtype is torch.float32
+    for prompt in PROMPTS:
+        want = fp32.prefill(prompt, top_logprobs=3)
+        state = bf16.run_layers(bf16.start(prompt))
+        assert bf16.last_logits(state).dtype is torch.float32
+        got = bf16.finish(state, top_logprobs=3)
+        assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=0.05)
+        assert all(k.dtype is torch.bfloat16 for k, _ in got.kv)
+        stored = kvstore.read_kv_file(kvstore.kv_file("r", "m", prompt, got.token, got.kv))
+        assert all(k.dtype is torch.float32 and v.dtype is torch.float32 for k, v in stored.kv)
+        half = fp32.run_layers(fp32.start(prompt), max_layers=2)
+        resumed = kvstore.restore(kvstore.snapshot("r", half), cfg.layers)
+        assert bf16.finish(bf16.run_layers(resumed)).token == want.token

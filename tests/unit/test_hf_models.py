@@ -225,6 +225,23 @@ def test_a_prefill_split_at_layer_boundaries_equals_one_pass(model: PrefillModel
             assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+def test_every_family_runs_in_bfloat16_as_a_guest_on_a_gpu_does(saved: Saved, model: PrefillModel) -> None:
+    """`place(dtype=bfloat16)` (`shared.model.devices.guest_dtype` on a GPU), run here on the CPU: the
+    float32 model's answer within bfloat16's rounding (its greedy token among the float32 top three,
+    at that token's logprob: these random models have near-ties), float32 logits, bfloat16 KV
+    caches, and a decode step after it."""
+    want = model.prefill(PROMPT, top_logprobs=3)
+    bf16 = PrefillModel.from_spec(Prefill(checkpoint=str(saved.path))).place(torch.device("cpu"), torch.bfloat16)
+    state = bf16.run_layers(bf16.start(PROMPT))
+    logits = bf16.last_logits(state)
+    got = bf16.finish(state, top_logprobs=3)
+    assert logits.dtype is torch.float32 and all(k.dtype is torch.bfloat16 for k, _ in got.kv)
+    top = dict(want.top)
+    assert got.token in top and got.logprob == pytest.approx(top[got.token], abs=0.25)
+    step, grown = bf16.decode_step(got.kv, got.token, len(PROMPT))
+    assert step.dtype is torch.float32 and len(grown) == len(got.kv)
+
+
 # --- the spec: tokenizer, limits, shape without torch ---------------------------------------------
 
 

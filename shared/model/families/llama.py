@@ -214,7 +214,7 @@ class Llama(LoadableLM):
         v = attn.v_proj(x).view(B, T, info.kv_heads, info.head_dim).transpose(1, 2)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd / 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # in the weights' dtype (a no-op in float32)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k, v = extend_cache(past, k, v)  # (B, kvh, T_total, hd)
         y = attend(q, k, v, scale=info.head_dim**-0.5, window=self.windows[i])  # (B, h, T, hd)
