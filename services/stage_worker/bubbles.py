@@ -6,15 +6,22 @@ once, saying what prefill this worker holds, and the fill executor runs that wor
 awaited input has arrived (`Filler.fill`: nothing waits on a round trip to Redis); the bubble's
 end (its length, the batches that finished in it, what is still held) and its `wait` span follow.
 The predictor learns each bubble's length at its schedule position.
+
+Each bubble offers the dispatcher the device memory the guest may use (its KV caches must fit). On
+the CPU that is the spec's figure; on a GPU it is measured once training's first step has peaked
+(`GuestMemory`: `torch.cuda.mem_get_info`, then `shared.policies.guest.guest_memory_cap`), and
+until then the guest is offered none, so prefill never takes memory that first peak needs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from services.stage_worker.filler import Filler
 from services.stage_worker.guest import DeviceLost
@@ -23,8 +30,32 @@ from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.outbox import Outbox
 from services.stage_worker.telemetry import StageTelemetry
 from shared.control import keys
+from shared.model.devices import gpu_sharers
 from shared.policies.bubbles import BubblePredictor
+from shared.policies.guest import guest_memory_cap
+from shared.runtime.logs import get_logger
 from shared.wire import BubbleEnd, BubbleStart, WorkerJoined
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class GuestMemory:
+    """How a worker on a GPU measures what its guest may use, once training's first step has peaked."""
+
+    device: torch.device
+    sharers: int  # the workers whose slots take this GPU (`shared.model.devices.gpu_sharers`)
+    ceiling: int  # the spec's figure: `device.memory_gib` less the two models' bytes
+
+    @classmethod
+    def on_gpu(cls, device: torch.device, slot: int, slots: int, ceiling: int) -> GuestMemory:
+        """For slot index `slot` of `slots`, on `device` with the slots that share it (`gpu_sharers`)."""
+        return cls(device, gpu_sharers(slot, slots, torch.cuda.device_count()), ceiling)
+
+    def measure(self) -> int:
+        """In the torch thread: the guest's cap (`guest_memory_cap`) from what is free on the device now."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return guest_memory_cap(free, total, sharers=self.sharers, ceiling=self.ceiling)
 
 
 @dataclass
@@ -34,9 +65,19 @@ class BubbleAnnouncer:
     slot: Slot
     dc: str
     predictor: BubblePredictor
-    free_memory_bytes: int
+    free_memory_bytes: int  # what the guest may use, offered with every bubble
     telemetry: StageTelemetry
     metrics: WorkerMetrics | None = None
+    #: On a GPU: measures `free_memory_bytes` once training's first step has peaked (0 until then).
+    memory: GuestMemory | None = None
+
+    async def measure_memory(self, in_torch_thread: Callable[[Callable[[], int]], Awaitable[int]]) -> None:
+        """Training's first step has peaked: on a GPU, what the guest may use from the next bubble
+        on, measured (`GuestMemory`) in the stage's torch thread, once."""
+        if self.memory is None:
+            return
+        self.free_memory_bytes, self.memory = await in_torch_thread(self.memory.measure), None
+        log.info("guest memory measured after training's first step", slot=self.slot.name, bytes=self.free_memory_bytes)
 
     def joined(self) -> None:
         """Tell the dispatcher this worker has set up and entered the run (with BubbleTea on): its

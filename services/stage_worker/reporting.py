@@ -7,9 +7,11 @@ When a batch is done (or goes back: no bubble took it in time, or the worker sto
 stopped part way are snapshotted at the layer they reached so any worker of this datacenter can
 resume them, and one `PrefillReport` tells the dispatcher where every item got to.
 
-Every tensor is copied into bytes in a thread (the stage port's `keep_prefills`), and the answers,
-the snapshot handles and the report go to Redis in one pipelined round trip, in that order (Redis
-runs them in order: a report the dispatcher reads follows its answers). The fill executor acks the
+Every tensor is copied into bytes in a thread (the stage port's `keep_prefills`), and an answered
+request's tensors are dropped then: its KV cache leaves the device as it is answered, not when its
+whole batch reports. The answers, the snapshot handles and the report go to Redis in one pipelined
+round trip, in that order (Redis runs them in order: a report the dispatcher reads follows its
+answers). The fill executor acks the
 batch only after this, so a worker killed mid-batch leaves it for the dispatcher to requeue.
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from redis.asyncio.client import Pipeline
 
@@ -162,6 +164,10 @@ class Reporter:
                 serving.queue_answer(pipe, failed, o.item.reply_to)
             o.sent = True
             o.answered_at = o.answered_at or now
+            # answered: its tensors leave the device now (the KV cache is bytes, kept above), not at the batch's end
+            o.state = None
+            if o.result is not None:
+                o.result = replace(o.result, kv=[])
         return handles
 
     def _queue_answer(

@@ -151,6 +151,7 @@ class StageRunner:
             started, self.lag_s = time.time(), 0.0
             self.unreported = (it, started, self.generation)
             await self._iteration(walk)
+            await self.bubbles.measure_memory(self.in_torch_thread)  # once, on a GPU: training's first step peaked
             walk.advance()  # past the iteration's END: what follows closes it
             if self.port is not None and self.port.checkpoints and checkpoint_due(it, tr.checkpoint_every):
                 blob = await self.in_torch_thread(self.trainer.checkpoint)

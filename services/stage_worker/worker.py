@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from services.stage_worker import chaos
+from services.stage_worker.bubbles import GuestMemory
 from services.stage_worker.filler import Filler
 from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
 from services.stage_worker.leaving import ASK_S, told_to_leave
@@ -214,6 +215,10 @@ async def _train(
         metrics=metrics,
         saving=bool(await bus.redis.exists(keys.save_request_key(run))),
     )
+    if prefill is not None and device.type == "cuda":  # measured once training's first step has peaked; none before
+        index = slot_index(slot.replica, slot.stage, spec.parallelism.pp)
+        runner.bubbles.memory = GuestMemory.on_gpu(device, index, len(lease.all_slots), runner.free_memory_bytes)
+        runner.bubbles.free_memory_bytes = 0
     if settings.resume is not None:  # `bubbletea train --resume`: this stage's state after the saved iteration
         saved_it = check_resume(settings.resume, spec)
         runner.resume_from = (saved_it, stage_state(settings.resume, slot.stage, spec.parallelism.pp))

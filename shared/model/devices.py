@@ -70,6 +70,11 @@ def gpu_index(slot: int, device_count: int) -> int:
     return slot % device_count
 
 
+def gpu_sharers(slot: int, slots: int, device_count: int) -> int:
+    """How many of `slots` slot indices take the GPU that slot index `slot` takes (`gpu_index`)."""
+    return len(range(gpu_index(slot, device_count), slots, device_count))
+
+
 def resolve_kind(kind: str, *, cuda_available: bool, cuda_build: str | None = None) -> Literal["cpu", "cuda"]:
     """``cpu`` or ``cuda`` for the spec's `kind`; `DeviceError` for ``cuda`` without CUDA.
 

@@ -11,6 +11,11 @@ and the worker's metrics name it. A batch that runs without error resets the cou
 
 `GuestHealth` takes each batch's outcome and returns a `GuestVerdict`: whether to keep taking
 prefill, and why, in a sentence an operator can act on.
+
+How much device memory the guest may use is measured, not worked out from the spec
+(`guest_memory_cap`): on a GPU, what is free once training's first step has peaked (its
+activations, gradients, optimizer state and the allocator's cache are all held then; so are the
+guest's weights and CUDA graphs), less a headroom, shared by the workers on that GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +24,24 @@ from dataclasses import dataclass
 
 #: Failed batches in a row after which a worker stops taking prefill.
 MAX_FAILURES = 3
+#: The share of a GPU's memory kept free beside the guest's cap: the allocator's fragmentation,
+#: training's later peaks above its first step's, and what CUDA libraries take as they warm up.
+GUEST_HEADROOM = 0.10
+
+
+def guest_memory_cap(
+    free: int, total: int, *, sharers: int = 1, ceiling: int | None = None, headroom: float = GUEST_HEADROOM
+) -> int:
+    """The bytes a worker's guest may use on its GPU, from `free` and `total` as
+    `torch.cuda.mem_get_info` measured them after training's first step peaked: `free` less
+    `headroom` of `total`, split evenly among the `sharers` workers on that GPU, at most `ceiling`
+    (the spec's figure), never below 0."""
+    if sharers < 1:
+        raise ValueError(f"sharers must be >= 1, got {sharers}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    cap = max(0, int(free - headroom * total)) // sharers
+    return cap if ceiling is None else max(0, min(cap, ceiling))
 
 
 @dataclass(frozen=True)

@@ -364,6 +364,22 @@ async def test_a_request_finished_in_a_cut_batch_is_answered_before_the_batch_en
         assert done == ("b-q",) and [x.outcome for x in rep.progress] == [ItemOutcome.DONE, ItemOutcome.DONE]
 
 
+async def test_an_answered_request_holds_no_tensors_while_its_batch_goes_on(redis_url: str) -> None:
+    """Its KV cache leaves the device as it is answered (kept as bytes), not when the whole batch
+    reports; the report still says it is done."""
+    model = PrefillModel(SMALL, seed=1)
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        _, filler, handled = await two_requests_batched(bus, model, "t")
+        await one_bubble(filler, arrive_during_block=5, model=model, nth=True)  # the second request's second block
+        await asyncio.gather(*filler.batches["b-t"].answering)
+        first, second = filler.batches["b-t"].outcomes
+        assert first.sent and first.result is not None and first.result.kv == [] and first.state is None
+        assert not second.answered and second.state is not None and not handled.done()  # cut: it goes on
+        await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
+        (rep,) = await reports(bus)
+        assert [x.outcome for x in rep.progress] == [ItemOutcome.DONE, ItemOutcome.DONE]
+
+
 async def test_a_request_is_answered_as_soon_as_it_is_done_not_when_its_batch_is(redis_url: str) -> None:
     """The first request of a two-request batch is answered while the second still runs in the same
     bubble: the second's last block waits (in the prefill thread) for the first's answer to land in

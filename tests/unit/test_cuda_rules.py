@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.stage_worker.bubbles import GuestMemory
 from services.stage_worker.warm import guest_model
 from shared.dataplane import kvstore
-from shared.model.devices import guest_dtype
+from shared.model.devices import gpu_sharers, guest_dtype
 from shared.model.gpt import GPTConfig
 from shared.model.graphs import BUCKETS, bucket, capture_plan, graph_for
 from shared.model.prefill import PrefillModel
+from shared.policies.guest import guest_memory_cap
 from shared.spec.config import parse_spec
 
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
@@ -116,3 +118,38 @@ def test_a_bfloat16_guest_gives_the_float32_guests_tokens_with_float32_logits() 
         half = fp32.run_layers(fp32.start(prompt), max_layers=2)
         resumed = kvstore.restore(kvstore.snapshot("r", half), cfg.layers)
         assert bf16.finish(bf16.run_layers(resumed)).token == want.token
+
+
+# --- the guest's memory: measured after training's first step, capped --------------------------------
+
+GIB = 1 << 30
+
+
+def test_the_guests_memory_is_what_training_left_free_less_a_headroom_shared_by_the_gpus_workers() -> None:
+    # an 80 GiB GPU with 50 GiB free once training's first step peaked
+    assert guest_memory_cap(50 * GIB, 80 * GIB) == 42 * GIB  # 8 GiB (10%) kept free
+    assert guest_memory_cap(50 * GIB, 80 * GIB, sharers=2) == 21 * GIB  # two workers on one GPU
+    assert guest_memory_cap(50 * GIB, 80 * GIB, ceiling=10 * GIB) == 10 * GIB  # the spec's figure caps it
+    assert guest_memory_cap(5 * GIB, 80 * GIB) == 0  # training left less than the headroom: nothing
+    assert guest_memory_cap(50 * GIB, 80 * GIB, ceiling=-1) == 0
+    assert guest_memory_cap(50 * GIB, 80 * GIB, headroom=0.0) == 50 * GIB
+    with pytest.raises(ValueError, match="sharers"):
+        guest_memory_cap(GIB, GIB, sharers=0)
+    with pytest.raises(ValueError, match="headroom"):
+        guest_memory_cap(GIB, GIB, headroom=1.0)
+
+
+def test_the_workers_sharing_a_gpu_are_the_slots_mapped_to_it() -> None:
+    assert [gpu_sharers(s, 4, 4) for s in range(4)] == [1, 1, 1, 1]  # a GPU each
+    assert [gpu_sharers(s, 4, 2) for s in range(4)] == [2, 2, 2, 2]
+    assert [gpu_sharers(s, 5, 2) for s in range(5)] == [3, 2, 3, 2, 3]  # slots 0, 2, 4 on GPU 0
+    assert gpu_sharers(0, 2, 8) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_on_a_gpu_the_guests_memory_is_measured_from_what_is_free() -> None:
+    dev = torch.device("cuda", 0)
+    free, total = torch.cuda.mem_get_info(dev)
+    got = GuestMemory.on_gpu(dev, 0, 1, ceiling=1 << 50).measure()
+    assert abs(got - (free - total // 10)) < 256 << 20  # what else runs may move it a little
