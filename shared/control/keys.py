@@ -197,6 +197,20 @@ LEASE_TTL_MS = 3_000
 LEASE_RENEW_S = 1.0
 
 
+def dispatcher_lease_key(run: str) -> str:
+    """Which dispatcher leads the run (its instance name): a TTL lease it renews, compare-and-renew.
+    Only the holder dispatches (its writes to the workers are fenced by this key's value); every
+    other dispatcher of the run waits as a standby (`shared.policies.leadership`)."""
+    return f"{PREFIX}:{run}:dispatcher"
+
+
+#: The dispatcher's lease lives and is renewed as a worker's does: a dead or stalled leader is
+#: replaced within 3 s, and two missed renewals (a long GC pause, a slow Redis) are survived. A
+#: stopping leader deletes it, so its successor takes over at once.
+DISPATCHER_LEASE_TTL_MS = LEASE_TTL_MS
+DISPATCHER_LEASE_RENEW_S = LEASE_RENEW_S
+
+
 # --- the serving plane ------------------------------------------------------------------------
 
 #: Accepted prefill requests, from every prefill_queue instance to the dispatcher.

@@ -95,3 +95,10 @@ class ControlEvent(enum.StrEnum):
 
     BUBBLE_START = "bubble_start"  # a worker's bubble opened
     REPORT = "report"  # a worker reported a prefill batch
+
+
+class DispatcherRole(enum.StrEnum):
+    """What a dispatcher is to its run (`shared.policies.leadership`; in its heartbeat)."""
+
+    LEADER = "leader"  # holds the run's dispatcher lease: the only one that reads and dispatches
+    STANDBY = "standby"  # another holds it: reads nothing, takes the lease when it expires
