@@ -1,0 +1,84 @@
+"""A generation that moves on while a worker forms its data-plane groups (issue 62): the worker
+calls the formation off and joins the new generation, rather than wait the plane's whole timeout
+for peers that went there, and fail with a SlotError.
+
+One real stage worker (PP=2 x DP=1) over a real redis-server; this test plays its peer's slot
+through Redis as a peer does (`SlotLease`, `Generations`): the peer passes the barrier with the
+worker and never forms its end of the groups; a replacement then takes its slot and begins the next
+generation, as one that started just as the barrier passed does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import uuid
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+from bubbletea.launcher.procs import spawn, stop_all
+from bubbletea.launcher.services import STAGE_WORKER
+from services.stage_worker.lease import Slot, SlotLease
+from services.stage_worker.recovery import Generations
+from shared.control import keys
+from shared.runtime.redis_server import EmbeddedRedis
+from tests.e2e.serving import wait_until
+from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
+
+#: The slot this test holds: the first a lease takes, so the worker gets the other (r0s1).
+PEER = Slot(0, 0)
+#: How long the worker may take to start (import torch, build its stage) and pass the barrier.
+START_S = 60.0
+#: How long the worker may take to join the moved generation: a third of the data plane's 60 s
+#: formation timeout (`DataPlane`), which a worker that misses the move waits out, then fails.
+JOIN_S = 20.0
+
+
+async def test_a_worker_forming_its_groups_joins_the_next_generation_when_the_run_moves_on(
+    tmp_path: Path, redis_server: EmbeddedRedis, redis: Redis
+) -> None:
+    run = f"form{uuid.uuid4().hex[:6]}"
+    path = write_spec(tmp_path, ONE_REPLICA, checkpoint_every=1, iterations=100)
+    pp, dp = ONE_REPLICA["parallelism"]["pp"], ONE_REPLICA["parallelism"]["dp"]
+    peer_lease = SlotLease(redis, run, pp, dp, holder="test-peer", recoverable=True)
+    assert await peer_lease.acquire() == PEER
+    renewing = asyncio.create_task(peer_lease.watch())
+    out = io.StringIO()
+    worker = await spawn(
+        STAGE_WORKER, {"REDIS_URL": redis_server.url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": run}, out=out
+    )
+    try:
+        # the peer starts as every worker does, and passes the barrier with the worker
+        peer = Generations(redis, run, peer_lease.all_slots)
+        await peer.enter(after_loss=False)
+        gen = await peer.barrier(PEER, START_S)
+
+        # the worker is forming generation `gen`'s groups: its end of the rendezvous is in Redis
+        async def forming() -> bool:
+            return bool(await redis.keys(f"bt:{run}:plane:{gen}:*"))
+
+        await wait_until(forming, f"the worker forming generation {gen}'s groups", START_S)
+
+        # the peer is lost before it forms; a replacement takes its slot and begins the next generation
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)
+        await peer_lease.release()
+        replacement_lease = SlotLease(redis, run, pp, dp, holder="test-replacement", recoverable=True)
+        assert await replacement_lease.acquire() == PEER
+        renewing = asyncio.create_task(replacement_lease.watch())
+        replacement = Generations(redis, run, replacement_lease.all_slots)
+        assert await replacement.enter(after_loss=False) == gen + 1
+
+        # the worker joins it: the replacement's barrier passes (a SlotError naming r0s1 otherwise)
+        assert await replacement.barrier(PEER, JOIN_S) == gen + 1
+        assert await redis.sismember(keys.generation_joined_key(run, gen + 1), "r0s1")
+        log = out.getvalue()
+        assert "the run's generation moved on while its groups formed: joining it" in log, log[-3000:]
+        assert "could not join the data plane" not in log, log[-3000:]
+        assert worker.proc.returncode is None, log[-3000:]
+    finally:
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)
+        codes = await stop_all([worker])
+    assert codes == {STAGE_WORKER.name: 0}, out.getvalue()[-3000:]  # stopped while forming, no failure
