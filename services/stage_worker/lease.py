@@ -88,6 +88,8 @@ class SlotLease:
         self.redis_run_id = ""
         #: Set when this worker is asked to leave the run (`bubbletea drain`, seen at a renewal).
         self.drain = asyncio.Event()
+        #: When the lease was last renewed (monotonic): `watch` and `confirm` keep it.
+        self.renewed_at = time.monotonic()
 
     def _key(self, s: Slot) -> str:
         return keys.lease_key(self.run, s.replica, s.stage)
@@ -224,6 +226,16 @@ class SlotLease:
                 return
         raise SlotError(f"lost the lease of slot {self.slot.name} (expired or taken over)")
 
+    async def confirm(self) -> None:
+        """Renew now, before this worker acts for its slot where a stale holder would do harm
+        (joining a generation: `membership._join`). SlotError if the lease is another's: a worker
+        cut off from Redis (a partition, no FIN) whose slot a spare took learns of the move of the
+        generation and of its lost lease together when the network heals, and `watch` may be in its
+        backoff; without this it joined the new generation beside its replacement (issue 62,
+        `bench/faults.py` lost-host)."""
+        await self.renew(last_ok=self.renewed_at)
+        self.renewed_at = time.monotonic()
+
     async def _redis_run_id(self) -> str:
         info = await self.r.info("server")
         return str(info.get("run_id", ""))
@@ -269,18 +281,18 @@ class SlotLease:
         assert self.slot is not None
         outage = Outage(f"lease of slot {self.slot.name}")
         peers_from = 0.0  # monotonic time from which the peers' leases are checked
-        last_ok = time.monotonic()
+        self.renewed_at = time.monotonic()
         wait = keys.LEASE_RENEW_S
         while True:
             await asyncio.sleep(wait)
             wait = keys.LEASE_RENEW_S
             try:
-                await self.renew(last_ok=last_ok)
+                await self.renew(last_ok=self.renewed_at)
                 if not self.drain.is_set() and await self.r.exists(keys.drain_key(self.run, self.slot.name)):
                     log.info("asked to leave the run (bubbletea drain)", run=self.run, slot=self.slot.name)
                     self.drain.set()
-                late = time.monotonic() - last_ok > keys.LEASE_TTL_MS / 1000
-                last_ok = time.monotonic()
+                late = time.monotonic() - self.renewed_at > keys.LEASE_TTL_MS / 1000
+                self.renewed_at = time.monotonic()
                 if outage.ok() or late:
                     peers_from = time.monotonic() + PEER_GRACE_S
                 if self.check_peers and time.monotonic() >= peers_from:

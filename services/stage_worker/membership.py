@@ -161,6 +161,7 @@ async def _join(
         runner.enter_generation(gen)
 
     lease.check_peers = False
+    await lease.confirm()  # a holder whose slot was taken meanwhile must not join (SlotError)
     enter(await gens.enter(after_loss=after_loss))
     # the state this worker holds, once the cut-short iteration's last operation is done
     gens.stepped = await runner.in_torch_thread(lambda: runner.trainer.stepped)

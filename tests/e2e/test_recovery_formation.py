@@ -1,6 +1,7 @@
 """A generation that moves on while a worker forms its data-plane groups (issue 62): the worker
 calls the formation off and joins the new generation, rather than wait the plane's whole timeout
-for peers that went there, and fail with a SlotError.
+for peers that went there, and fail with a SlotError; unless its own slot was taken meanwhile (it
+was cut off from Redis, say): then it stops, and never joins beside its replacement.
 
 One real stage worker (PP=2 x DP=1) over a real redis-server; this test plays its peer's slot
 through Redis as a peer does (`SlotLease`, `Generations`): the peer passes the barrier with the
@@ -82,3 +83,47 @@ async def test_a_worker_forming_its_groups_joins_the_next_generation_when_the_ru
         await asyncio.gather(renewing, return_exceptions=True)
         codes = await stop_all([worker])
     assert codes == {STAGE_WORKER.name: 0}, out.getvalue()[-3000:]  # stopped while forming, no failure
+
+
+async def test_a_worker_whose_slot_was_taken_does_not_join_the_next_generation(
+    tmp_path: Path, redis_server: EmbeddedRedis, redis: Redis
+) -> None:
+    """As a worker on a partitioned host finds when the network heals (bench/faults.py lost-host:
+    it joined the next generation beside the spare that took its slot): its lease another's and the
+    generation moved on, both at once. It stops, naming the lost lease, and is not in the new
+    generation; checked before it joins, not by the next renewal, which may be a second away."""
+    run = f"form{uuid.uuid4().hex[:6]}"
+    path = write_spec(tmp_path, ONE_REPLICA, checkpoint_every=1, iterations=100)
+    pp, dp = ONE_REPLICA["parallelism"]["pp"], ONE_REPLICA["parallelism"]["dp"]
+    peer_lease = SlotLease(redis, run, pp, dp, holder="test-peer", recoverable=True)
+    assert await peer_lease.acquire() == PEER
+    renewing = asyncio.create_task(peer_lease.watch())
+    out = io.StringIO()
+    worker = await spawn(
+        STAGE_WORKER, {"REDIS_URL": redis_server.url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": run}, out=out
+    )
+    try:
+        peer = Generations(redis, run, peer_lease.all_slots)
+        await peer.enter(after_loss=False)
+        gen = await peer.barrier(PEER, START_S)
+
+        async def forming() -> bool:
+            return bool(await redis.keys(f"bt:{run}:plane:{gen}:*"))
+
+        await wait_until(forming, f"the worker forming generation {gen}'s groups", START_S)
+        # its slot taken by a spare (as after a partition), and the run moved on: at once
+        await redis.set(keys.lease_key(run, 0, 1), "test-spare-0", px=keys.LEASE_TTL_MS * 10)
+        assert await peer.enter(after_loss=True) == gen + 1
+
+        async def gone() -> bool:
+            return worker.proc.returncode is not None
+
+        await wait_until(gone, "the worker stopping, its slot another's", JOIN_S)
+        log = out.getvalue()
+        assert "lost the lease of slot r0s1" in log, log[-3000:]
+        assert not await redis.sismember(keys.generation_joined_key(run, gen + 1), "r0s1"), log[-3000:]
+        assert worker.proc.returncode != 0
+    finally:
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)
+        await stop_all([worker])
