@@ -50,7 +50,8 @@ finished ones) and logs each one's why. The simulator feeds it the same inputs f
   objective (`OpenBubbles`).
 
 **A worker whose prefill fails** batch after batch stops taking it (`shared.policies.guest`) and
-says so (`worker_off`): it gets no credit until a new process joins in its slot.
+says so (`worker_off`): it gets no credit until a new process joins in its slot. **Taking over** a
+run, a dispatcher counts the batches its predecessors sent that the workers still hold (`adopt`).
 
 **Cost at scale**: a trigger visits only the workers with room (`dispatch_index.CreditIndex`) and
 packing reads the head of a queue kept in packing order (`packing.WaitingQueue`). One state machine
@@ -134,6 +135,8 @@ class DispatchState(Filling, Leaving):
     _clock: float = field(default=-math.inf, init=False, repr=False)  # the latest `now` of a fill
     #: a fresh bubble start was seen (training runs): before it, no objective can be promised
     _bubble_seen: bool = field(default=False, init=False, repr=False)
+    #: requests in batches an earlier dispatcher sent, that their workers hold (`adopt`): -> (worker, layer)
+    _adopted: dict[str, tuple[str, int]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._queue = WaitingQueue(self.order)
@@ -199,6 +202,8 @@ class DispatchState(Filling, Leaving):
             if req.id in self.requests:  # a redelivered request is already known
                 ignored.append(Ignored(f"request {req.id}", "already queued or running"))
                 continue
+            if (held := self._adopted.pop(req.id, None)) is not None:  # already on a worker (`adopt`)
+                req.on_worker, req.next_layer = held
             if self.enabled and req.on_worker is None and req.next_layer == 0:
                 turned = self._placed_elsewhere(req, now)  # refused, or moved to the decoder
                 if turned is not None:
@@ -274,10 +279,12 @@ class DispatchState(Filling, Leaving):
 
     def report(self, batch_id: str, worker: str, progress: list[Progress], now: float) -> Decisions:
         """A worker finished a batch, or handed it back (unrun, or part run)."""
-        if self.in_flight.pop(batch_id, None) is None:
+        if (flight := self.in_flight.pop(batch_id, None)) is None:
             # Sent by a previous dispatcher, or already requeued as lost: its requests are being
             # handled afresh, and anything it answered stays answered (first answer wins).
             return Decisions(ignored=(Ignored(f"report of batch {batch_id}", "not in flight"),))
+        for rid in flight.ids:  # an adopted batch's, reported before its request came back: it queues
+            self._adopted.pop(rid, None)
         c = self.workers.get(worker)
         if c is not None:
             self._release(c, batch_id)
@@ -375,6 +382,8 @@ class DispatchState(Filling, Leaving):
             if b.worker != worker:
                 continue
             del self.in_flight[batch_id]
+            for rid in b.ids:  # an adopted batch's request that has not come back yet: it queues when it does
+                self._adopted.pop(rid, None)
             back = [r for r in (self.requests.get(i) for i in b.ids) if r is not None and r.on_worker == worker]
             for r in back:
                 r.on_worker = None

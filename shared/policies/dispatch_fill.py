@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from shared.policies.decisions import Batch, BatchItem, Decisions, Trigger, Why
+from shared.policies.decisions import Batch, BatchItem, Decisions, Ignored, Trigger, Why
 from shared.policies.dispatch_index import CreditIndex
-from shared.policies.dispatch_inputs import Counts, Credit, InFlight, Request
+from shared.policies.dispatch_inputs import Adopted, Counts, Credit, InFlight, Request
 from shared.policies.packing import Assignment, Candidate, WaitingQueue, layered_cost, pack_ordered
 from shared.policies.prefill_cost import PrefillCostModel
 
@@ -38,6 +38,7 @@ class Filling:
     _queue: WaitingQueue
     _index: CreditIndex
     _clock: float
+    _adopted: dict[str, tuple[str, int]]  # request id -> (worker, layer) of an adopted batch's
     #: dispatch_leaving.Leaving's (annotated only, so that its method is found past this class)
     _moved_by: Callable[[Request], float | None]
 
@@ -187,3 +188,26 @@ class Filling:
         self.in_flight[batch.batch_id] = InFlight(c.worker, tuple(a.id for a in plan), report_by)
         self._reindex(c)
         return batch
+
+    # --- taking over -----------------------------------------------------------------------
+
+    def adopt(self, b: Adopted, now: float) -> Decisions:
+        """A batch an earlier dispatcher of the run sent, that its worker still holds: counted in
+        the worker's credit and in flight as if sent now (its report is this dispatcher's to take,
+        or its loss), and its requests marked there as they come back (`add_requests`), not sent
+        a second time. The worker gets no credit from it: only its next bubble event gives some."""
+        if b.batch_id in self.in_flight:
+            return Decisions(ignored=(Ignored(f"batch {b.batch_id}", "already in flight"),))
+        c = self.workers.setdefault(b.worker, Credit(b.worker))
+        c.address = c.address or b.address
+        seconds = sum(s for _, _, s in b.items)
+        ahead_s = c.held_s
+        c.hold(b.batch_id, seconds, b.kv_bytes)
+        self._held_n += 1
+        self._held_s += seconds
+        report_by = now + self.hold_s + ahead_s + seconds + self.batch_grace_s
+        self.in_flight[b.batch_id] = InFlight(b.worker, tuple(rid for rid, _, _ in b.items), report_by)
+        for rid, layer, _ in b.items:
+            self._adopted[rid] = (b.worker, layer)
+        self._reindex(c)
+        return Decisions()

@@ -1,6 +1,6 @@
 """The dispatch policy's inputs and tables (`shared.policies.dispatch`), and its windows.
 
-The inputs (`Request`, `BubbleOpened`, `BubbleClosed`, `WorkerReady`, `Progress`) are what a service
+The inputs (`Request`, `BubbleOpened`, `BubbleClosed`, `WorkerReady`, `Progress`, `Adopted`) are what a service
 or the simulator feeds `DispatchState`; the tables (`Credit`, `Bubble`, `InFlight`, `Counts`) are
 what it keeps.
 """
@@ -127,6 +127,18 @@ class WorkerReady:
     free_memory: int
     at: float  # when it joined, on its clock
     dc: str = ""
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A batch an earlier dispatcher of the run sent that its worker still holds (its fill stream's
+    entry not acked: queued there, running, or not read yet), as a dispatcher taking over finds it."""
+
+    batch_id: str
+    worker: str
+    address: str  # the worker's fill stream
+    items: tuple[tuple[str, int, float], ...]  # (request id, layer it starts from, predicted seconds)
+    kv_bytes: int = 0  # the KV memory its requests take there
 
 
 @dataclass

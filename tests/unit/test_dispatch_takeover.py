@@ -1,0 +1,61 @@
+"""A dispatcher taking over a run (`DispatchState.adopt`): the batches its predecessor sent that the
+workers still hold are counted, in credit and in flight, and their requests, delivered to it again,
+are not sent a second time. A fake clock drives it; nothing needs Redis."""
+
+from shared.policies.dispatch import BATCH_GRACE_S, Progress
+from shared.policies.dispatch_inputs import Adopted
+from shared.policies.fill import HOLD_STAGED_S
+from tests.unit.test_dispatch import LAYERS, finished, ids, join, one, req, start, state
+
+#: a batch "old-1" the previous dispatcher sent to w0: r1 from its start, r2 resumed at layer 2
+HELD = Adopted("old-1", "w0", "fill:w0", (("r1", 0, 0.010), ("r2", 2, 0.005)), kv_bytes=200)
+
+
+def test_a_request_of_an_adopted_batch_is_not_sent_again_and_its_report_finishes_it() -> None:
+    s = state()
+    assert s.adopt(HELD, now=0.0).batches == ()
+    join(s, "w1", 1.0, now=0.0)  # another worker, with room
+    ds = s.add_requests([req(1), req(2), req(3)], now=0.1)  # delivered again to the new dispatcher
+    assert ids(one(ds)) == ["r3"]  # r1 and r2 are on w0 already: only r3 goes out
+    assert s.requests["r1"].on_worker == "w0" and s.requests["r2"].next_layer == 2
+    done = s.report("old-1", "w0", [Progress("r1", LAYERS, 0.01, True), Progress("r2", LAYERS, 0.01, True)], 0.2)
+    assert finished(done) == ["r1", "r2"]
+    assert [f.ticket for f in done.finished] == ["t1", "t2"]  # the entries held here are acked
+    assert "old-1" not in s.in_flight and not s.workers["w0"].held
+
+
+def test_an_adopted_batch_holds_its_workers_credit_until_it_reports() -> None:
+    s = state()
+    s.adopt(Adopted("old-1", "w0", "fill:w0", (("r1", 0, 0.03),), kv_bytes=200), now=0.0)
+    assert s.workers["w0"].held_s == 0.03 and s.workers["w0"].held_bytes == 200
+    start(s, "w0", 0.02, now=0.1)  # its bubble: a window of 0.02 s, all of it held
+    assert s.add_requests([req(5)], now=0.1).batches == ()
+    ds = s.report("old-1", "w0", [Progress("r1", LAYERS, 0.03, True)], 0.2)
+    assert ids(one(ds)) == ["r5"]
+
+
+def test_a_request_whose_adopted_batch_reported_before_it_came_back_is_queued() -> None:
+    s = state()
+    s.adopt(HELD, now=0.0)
+    s.report("old-1", "w0", [Progress("r1", 1, 0.01, False)], 0.1)  # handed back at layer 1
+    join(s, "w1", 1.0, now=0.1)
+    assert sorted(ids(one(s.add_requests([req(1)], now=0.2)))) == ["r1"]  # its own report came first: queued
+
+
+def test_the_requests_of_an_adopted_batch_that_never_reports_queue_again() -> None:
+    s = state()
+    s.adopt(HELD, now=0.0)
+    s.add_requests([req(1)], now=0.0)  # came back: held on w0
+    later = HOLD_STAGED_S + 1.0 + BATCH_GRACE_S  # past when it could last have reported
+    lost = s.tick(later)  # w0 never heard from: its batch is lost
+    assert [b.batch_id for b in lost.lost] == ["old-1"]
+    assert s.requests["r1"].on_worker is None
+    assert ids(one(join(s, "w1", 1.0, now=later))) == ["r1"]  # sent once more, to a worker that lives
+    assert ids(one(s.add_requests([req(2)], now=later))) == ["r2"]  # came back after the loss: sent too
+
+
+def test_a_batch_adopted_twice_counts_once() -> None:
+    s = state()
+    s.adopt(HELD, now=0.0)
+    assert s.adopt(HELD, now=0.0).ignored
+    assert s.workers["w0"].held_s == 0.015
