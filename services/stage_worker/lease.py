@@ -44,6 +44,9 @@ PEER_GRACE_S = 10.0
 #: How often a spare looks for a free slot: a lost worker's slot frees when its lease expires
 #: (LEASE_TTL_MS), so this adds little to a takeover.
 SPARE_POLL_S = 0.5
+#: A holder whose last renewal was sent longer ago than this renews before it handles a message
+#: (`SlotLease.fence`): two renewal intervals, a second inside the lease's TTL.
+FENCE_AFTER_S = 2 * keys.LEASE_RENEW_S
 
 
 class SlotError(RuntimeError):
@@ -88,7 +91,7 @@ class SlotLease:
         self.redis_run_id = ""
         #: Set when this worker is asked to leave the run (`bubbletea drain`, seen at a renewal).
         self.drain = asyncio.Event()
-        #: When the lease was last renewed (monotonic): `watch` and `confirm` keep it.
+        #: When the last successful renewal was sent (monotonic): `watch` and `confirm` keep it.
         self.renewed_at = time.monotonic()
 
     def _key(self, s: Slot) -> str:
@@ -226,6 +229,16 @@ class SlotLease:
                 return
         raise SlotError(f"lost the lease of slot {self.slot.name} (expired or taken over)")
 
+    async def fence(self) -> None:
+        """Awaited before this worker handles what its slot's streams deliver (`Consumer` fence):
+        free while the last renewal was sent under `FENCE_AFTER_S` ago (the key cannot have expired,
+        let alone been taken); past that (the worker was stalled, or cut off from Redis) it renews
+        first (`confirm`), raising SlotError if the slot is another's. A stale worker read its
+        replacement's inbox as the same consumer when a partition healed and its handlers took the
+        messages for good: the pipeline hung until a recovery (issue 62, `bench/faults.py`)."""
+        if time.monotonic() - self.renewed_at >= FENCE_AFTER_S:
+            await self.confirm()
+
     async def confirm(self) -> None:
         """Renew now, before this worker acts for its slot where a stale holder would do harm
         (joining a generation: `membership._join`). SlotError if the lease is another's: a worker
@@ -233,8 +246,9 @@ class SlotLease:
         generation and of its lost lease together when the network heals, and `watch` may be in its
         backoff; without this it joined the new generation beside its replacement (issue 62,
         `bench/faults.py` lost-host)."""
+        sent = time.monotonic()
         await self.renew(last_ok=self.renewed_at)
-        self.renewed_at = time.monotonic()
+        self.renewed_at = sent
 
     async def _redis_run_id(self) -> str:
         info = await self.r.info("server")
@@ -287,12 +301,13 @@ class SlotLease:
             await asyncio.sleep(wait)
             wait = keys.LEASE_RENEW_S
             try:
+                sent = time.monotonic()
                 await self.renew(last_ok=self.renewed_at)
                 if not self.drain.is_set() and await self.r.exists(keys.drain_key(self.run, self.slot.name)):
                     log.info("asked to leave the run (bubbletea drain)", run=self.run, slot=self.slot.name)
                     self.drain.set()
                 late = time.monotonic() - self.renewed_at > keys.LEASE_TTL_MS / 1000
-                self.renewed_at = time.monotonic()
+                self.renewed_at = sent
                 if outage.ok() or late:
                     peers_from = time.monotonic() + PEER_GRACE_S
                 if self.check_peers and time.monotonic() >= peers_from:

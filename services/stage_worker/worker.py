@@ -254,6 +254,7 @@ async def _train(
         "worker",
         {TensorReady: port.on_ready, SlotGrant: port.on_grant},
         name=slot.name,
+        fence=lease.fence,  # a worker whose slot may be another's renews first (lost: it stops)
     )
     metrics.streams.add(inbox)
     fill = kv_server = None
@@ -290,6 +291,7 @@ async def _train(
             {PrefillBatch: runner.filler.on_batch},
             name=slot.name,
             config=msgspec.structs.replace(spec.bus, concurrency=FILL_CONCURRENCY),
+            fence=lease.fence,
         )
         metrics.streams.add(fill)
         await fill.start()

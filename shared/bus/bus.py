@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from shared.bus.connection import RIDE_OUT_S, command_client, ride_out
-from shared.bus.consumer import AfterRead, Consumer
+from shared.bus.consumer import AfterRead, Consumer, Fence
 from shared.bus.deadletters import DeadLetter, LastWord, read_dead_letters
 from shared.bus.delivery import Handlers
 from shared.spec.config import BusConfig
@@ -114,11 +114,13 @@ class Bus:
         sequential: bool = False,
         after_read: AfterRead | None = None,
         last_word: LastWord | None = None,
+        fence: Fence | None = None,
     ) -> Consumer:
         """A consumer of `stream` in `group` with its handler table (`{message kind: handler}`);
         start it with ``async with`` or `Consumer.start`. `sequential`: each read's entries are
         handled in order in one task, then `after_read` runs, then they are acked. `last_word`:
-        called with an entry's payload before it is dead-lettered (`LastWord`)."""
+        called with an entry's payload before it is dead-lettered (`LastWord`). `fence`: awaited
+        before entries are handled, raising where they are no longer this consumer's (`Fence`)."""
         return Consumer(
             self,
             stream,
@@ -129,6 +131,7 @@ class Bus:
             sequential=sequential,
             after_read=after_read,
             last_word=last_word,
+            fence=fence,
         )
 
     async def dead_letters(self, count: int = 100) -> list[DeadLetter]:

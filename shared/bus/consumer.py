@@ -79,6 +79,9 @@ class ConsumerStats:
 #: (those whose effect is done): it returns True when it acked them itself, in the same round trip
 #: as the effects it wrote (`ack_on`), else the consumer acks them.
 AfterRead = Callable[[list[str]], Awaitable[bool]]
+#: Awaited before entries read or reclaimed are handled: raises where this consumer may no longer
+#: handle its stream's entries (a stage worker whose slot may be another's: `SlotLease.fence`).
+Fence = Callable[[], Awaitable[None]]
 
 
 class Consumer(Reclaiming):
@@ -94,29 +97,24 @@ class Consumer(Reclaiming):
         sequential: bool = False,
         after_read: AfterRead | None = None,
         last_word: LastWord | None = None,
+        fence: Fence | None = None,
     ) -> None:
-        self.bus = bus
-        self.sequential = sequential
+        self.bus, self.sequential, self._fence = bus, sequential, fence
         self._after_read, self._last_word = after_read, last_word
-        self.stream = stream
-        self.group = group
-        self.name = name
-        self.config = config
+        self.stream, self.group, self.name, self.config = stream, group, name, config
         self.stats = ConsumerStats()
         if not handlers:
             raise ValueError(f"a consumer of {stream} needs a handler table with at least one message kind")
         self._handlers = dict(handlers)
         self._reader = blocking_client(bus.url, name=f"reader-{name}")
         self._inflight: dict[str, asyncio.Task[object]] = {}
-        self._started_at: dict[str, float] = {}
+        self._started_at: dict[str, float] = {}  # when each in-flight handler began
         #: Entries whose handler returned HOLD: pending, ours, refreshed, until `release`.
         self._held: dict[str, float] = {}
         self._slot_freed = asyncio.Event()
         self._acks = Acks(bus, stream, group)
         self._stopping = False
-        self._read_task: asyncio.Task[None] | None = None
-        self._reclaim_task: asyncio.Task[None] | None = None
-        self._ack_task: asyncio.Task[None] | None = None
+        self._read_task = self._reclaim_task = self._ack_task = None  # type: asyncio.Task[None] | None
         self._resync = asyncio.Event()  # set when the own-pending pass must run again
         #: Set if a background loop died of an unexpected error; services watch it and exit.
         self.crashed = asyncio.Event()
@@ -253,6 +251,8 @@ class Consumer(Reclaiming):
                 cursor = "0"
                 continue
             entries: list[tuple[bytes, dict[bytes, bytes] | None]] = reply[0][1] if reply else []
+            if entries and self._fence is not None:
+                await self._fence()  # a stale reader (its slot another's) must not handle them
             if cursor == ">":
                 self._spawn_all([(i.decode(), f, 1) for i, f in entries])
                 continue
@@ -393,7 +393,7 @@ class Consumer(Reclaiming):
 
 
 async def _cancel_and_wait(task: asyncio.Task[None] | None) -> None:
-    if task is None:
+    if task is None or task.done():  # one that crashed: its error is `Consumer.error` already
         return
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -37,6 +37,7 @@ class Reclaiming:
     _started_at: dict[str, float]
     _held: dict[str, float]
     _resync: asyncio.Event
+    _fence: Any  # Fence | None
     stats: Any  # ConsumerStats
 
     def _busy(self) -> int:
@@ -101,6 +102,8 @@ class Reclaiming:
             if claimed:
                 self.stats.reclaimed += len(claimed)
                 log.info("reclaimed idle entries", stream=self.stream, count=len(claimed), first=claimed[0][0].decode())
+                if self._fence is not None:
+                    await self._fence()
                 await self._spawn_redelivered(claimed)
             start = next_start.decode() if isinstance(next_start, bytes) else next_start
             if start == "0-0":

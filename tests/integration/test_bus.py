@@ -487,3 +487,27 @@ async def test_a_sequential_consumer_reads_in_batches_handles_in_order_and_acks_
             await asyncio.wait_for(flushed.wait(), 30)  # the second read's flush, failing
         pending = await redis.xpending("seq", "g")
         assert pending["pending"] == 3  # the failed read's two entries stay pending, with the held one
+
+
+async def test_a_consumer_whose_fence_fails_hands_nothing_to_its_handlers(redis_url: str, redis: Redis) -> None:
+    """A stale stage worker (its slot another's) reads its replacement's inbox as the same consumer
+    name: its fence raises before any entry read is handled, and the consumer stops (crashed, with
+    the fence's error), the entries left pending for the live holder to reclaim."""
+    seen, stale = Seen(), asyncio.Event()
+
+    class Stale(RuntimeError):
+        pass
+
+    async def fence() -> None:
+        if stale.is_set():
+            raise Stale("the slot is another's")
+
+    async with Bus(redis_url, FAST) as bus, bus.consumer("f", "g", {Ping: seen}, fence=fence) as c:
+        await bus.publish_many("f", pings(3))
+        await seen.until(3)
+        stale.set()
+        await bus.publish_many("f", pings(5, start=3))
+        await asyncio.wait_for(c.crashed.wait(), 30)
+        assert isinstance(c.error, Stale)
+    assert sorted(seen.calls) == [0, 1, 2]  # nothing read after the fence failed was handled
+    assert await pending_count(redis, "f", "g") >= 1  # what it read stays pending, for the holder

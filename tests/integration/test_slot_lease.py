@@ -159,3 +159,24 @@ async def test_a_drained_peer_is_noticed_at_once_and_its_slot_taken_by_a_spare(r
     spare = SlotLease(redis, "drain", 1, 2, "s", recoverable=True)
     assert await spare.acquire() == Slot(1, 0)  # free at once, and its end marker cleared
     assert (await spare.ended(Slot(1, 0)))[0] is None
+
+
+async def test_a_holder_that_went_quiet_renews_before_it_handles_anything_and_learns_its_slot_is_gone(
+    redis: Redis,
+) -> None:
+    """`fence` is free while the last renewal is recent (no round trip); once it is older than
+    FENCE_AFTER_S (the worker was stalled, or cut off), it renews first: a lease still its own is
+    kept, one another worker took raises SlotError."""
+    from services.stage_worker.lease import FENCE_AFTER_S
+
+    a = SlotLease(redis, "fence", pp=1, dp=1, holder="a")
+    await a.acquire()
+    await a.fence()  # recent: nothing to check
+    a.renewed_at -= FENCE_AFTER_S + 0.1  # quiet for a while; the lease is still its own
+    await a.fence()
+    assert 0 < await redis.pttl(keys.lease_key("fence", 0, 0)) <= keys.LEASE_TTL_MS
+    await redis.set(keys.lease_key("fence", 0, 0), "spare")  # taken over meanwhile
+    await a.fence()  # renewed just now: still free (the key cannot have been taken since)
+    a.renewed_at -= FENCE_AFTER_S + 0.1
+    with pytest.raises(SlotError, match="lost the lease of slot r0s0"):
+        await a.fence()
