@@ -36,6 +36,13 @@ log = get_logger(__name__)
 # Compare-and-renew / compare-and-delete: only the holder may touch its lease.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+#: A slot's end marker, written only by its lease's holder.
+_END = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], 'state', ARGV[2], 'reason', ARGV[3], 'holder', ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return 1
+"""
 
 
 #: After a Redis outage, how long peers' missing leases are tolerated: each peer re-takes its own
@@ -348,12 +355,14 @@ class SlotLease:
         return await slot_end(self.r, self.run, s.replica, s.stage)
 
     async def _end(self, state: LeaseState, reason: str) -> None:
+        """Say how our slot ended, if it is still ours: a worker whose slot another took (it was
+        cut off, or stalled) says nothing, or its peers would read its end as the new holder's
+        (an ABORTED marker made every peer fail, naming the stale worker's loss: issue 62)."""
         if self.slot is not None:
-            key = self._end_key(self.slot)
-            async with self.r.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping={"state": state.value, "reason": reason, "holder": self.holder})
-                pipe.expire(key, keys.LEASE_END_TTL_S)
-                await pipe.execute()
+            await self.r.eval(
+                _END, 2, self._key(self.slot), self._end_key(self.slot),
+                self.holder, state.value, reason, keys.LEASE_END_TTL_S,
+            )  # fmt: skip
 
     async def finish(self) -> None:
         """Mark our slot done (so peers don't count our exit as a failure), then release it."""

@@ -9,6 +9,7 @@ from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotError, SlotLease
 from shared.control import keys
+from shared.control.status import LeaseState
 
 
 async def test_every_slot_goes_to_exactly_one_worker(redis: Redis) -> None:
@@ -180,3 +181,18 @@ async def test_a_holder_that_went_quiet_renews_before_it_handles_anything_and_le
     a.renewed_at -= FENCE_AFTER_S + 0.1
     with pytest.raises(SlotError, match="lost the lease of slot r0s0"):
         await a.fence()
+
+
+async def test_a_worker_whose_slot_was_taken_leaves_no_end_marker_on_it(redis: Redis) -> None:
+    """A worker that lost its lease (cut off, stalled) and stops says nothing of the slot: peers
+    would read an ABORTED marker as its new holder's end and fail, naming the stale worker's loss."""
+    a = SlotLease(redis, "end", pp=1, dp=1, holder="a")
+    await a.acquire()
+    await redis.set(keys.lease_key("end", 0, 0), "spare")  # taken over while a was away
+    await a.abort("lost the lease of slot r0s0 (expired or taken over)")
+    await a.mark_stopped("slot r0s0 was stopped")
+    assert await a.ended(Slot(0, 0)) == (None, "")
+    b = SlotLease(redis, "end2", pp=1, dp=1, holder="b")
+    await b.acquire()
+    await b.abort("slot r0s1 lost its worker")  # its own slot: said
+    assert await b.ended(Slot(0, 0)) == (LeaseState.ABORTED, "slot r0s1 lost its worker")
