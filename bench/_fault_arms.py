@@ -29,6 +29,9 @@ CHECK_AFTER_S = 6.0
 PAST_LEASE_S = keys.LEASE_TTL_MS / 1000 + 2 * keys.LEASE_RENEW_S
 #: How long Redis stays down in the Redis arm, and when after its restart a worker is killed.
 REDIS_DOWN_S, KILL_AFTER_REDIS_S = 2.0, 3.0
+#: A lost host's network comes back this long after it was cut; its worker must be gone within
+#: `EXIT_WITHIN_S` of that (its own Redis retries give up after `RIDE_OUT_S`, 30 s).
+HEAL_AFTER_S, EXIT_WITHIN_S = 10.0, 45.0
 
 
 class Live(Protocol):
@@ -107,7 +110,8 @@ class LostHost(Arm):
     no FIN, no reset; its connections stay open in Redis's client list. Each fault starts a worker
     there as a spare, stalls one of `up`'s workers past its lease so that the host's worker takes
     its slot (`up` would hand a slot it frees to its own restarted worker first), then cuts the host
-    off."""
+    off; the spare must take the slot within the lease's TTL plus 2 s. `HEAL_AFTER_S` later the
+    network comes back (a partition that heals), and the host's worker must stop by itself."""
 
     name, expect, spare = "lost-host", "recovered", False  # the host's worker is the spare
     what = "a slot holder in its own network namespace whose packets are all dropped (no FIN)"
@@ -148,13 +152,17 @@ class LostHost(Arm):
 
         took = await _wait_async(taken, 60, poll_s=0.05)
         taken_s = time.time() - at if took else None
-        exited = await _wait_async(lambda: _gone(worker), 30)
+        # the partition heals: the host's worker, its slot taken, must stop on its own, having
+        # written nothing (its lease is another's: `services/stage_worker/lease.py`)
+        await asyncio.sleep(HEAL_AFTER_S)
+        await asyncio.to_thread(self.host.restore)
+        healed = time.time()
+        exited = await _wait_async(lambda: _gone(worker), EXIT_WITHIN_S)
         record = {"at": at, "generation": gen, "slot": list(slot), "pid": worker.proc.pid, "taken_s": taken_s}
-        record["exited_by_itself_s"] = round(time.time() - at, 2) if exited else None
+        record["exited_after_heal_s"] = round(time.time() - healed, 2) if exited else None
         if not exited:
             worker.proc.kill()
         await worker.proc.wait()
-        await asyncio.to_thread(self.host.restore)
         return record
 
 

@@ -123,4 +123,6 @@ def verdict(res: dict[str, Any], faults: int) -> dict[str, Any]:
         slow = [r for r in res["records"] if r.get("taken_s") is None or r["taken_s"] > limit]
         if slow:
             why.append(f"{len(slow)} lost hosts not taken over within {limit:g} s")
+        if stayed := sum(r.get("exited_after_heal_s") is None for r in res["records"]):
+            why.append(f"{stayed} lost hosts' workers still ran after the network healed")
     return {"met": not why, "why": why}

@@ -71,7 +71,7 @@ from shared.spec.config import load_spec  # noqa: E402
 WARM_S, TAIL_S = 15.0, 15.0
 #: Seconds between faults: a lost host's fault first puts a worker on the host (a spare started,
 #: a drain), so it spaces its faults further.
-EVERY_S = {"lost-host": 45.0}
+EVERY_S = {"lost-host": 80.0}
 DEFAULT_EVERY_S = 20.0
 
 
