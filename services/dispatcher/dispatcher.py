@@ -14,7 +14,8 @@ its time). The streams, each read in batches and handled in order (`Bus.consumer
 * the run's report stream, `{PrefillReport}`: how far each item of a batch got.
 
 What one read decided is executed once the read is handled (`flush`): every batch, failure answer
-and snapshot deletion in **one pipelined round trip**, then the acks. A timer feeds the state
+and snapshot deletion in **one round trip**, then the acks, all fenced by the run's dispatcher
+lease (services/dispatcher/writes.py: a deposed leader writes none of it). A timer feeds the state
 `tick(now)`: deadlines passed, batches that never reported back.
 
 Every `serving.READINESS_EVERY_S` the dispatcher judges whether prefill can be served at all (the
@@ -23,9 +24,8 @@ and publishes the verdict for the front doors (`/ready`, and a 503 for new reque
 can serve). When the verdict says so (training finished, stopped, lost a worker, or stalled), it
 fails every request still waiting, explicitly, instead of letting each wait for its deadline.
 
-Here: the handlers, executing decisions, the readiness check; every decision is in shared/policies
-(dispatch, readiness). The process around it (its consumers and handler tables, the timer, the
-metrics server and heartbeat) is `services.dispatcher.serve`.
+Here: the handlers, executing decisions, the readiness check; every decision is in shared/policies.
+The process around it (its lease, its terms' consumers and the timer, metrics, heartbeat): serve.py.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import time
 from collections import deque
 from typing import Protocol
 
-from redis.asyncio.client import Pipeline
-
+from services.dispatcher.lease import DispatcherLease
 from services.dispatcher.messages import batch_message, failure_result
 from services.dispatcher.metrics import DispatcherMetrics
 from services.dispatcher.telemetry import ControlTelemetry
+from services.dispatcher.writes import Writes, execute
 from shared.bus import HOLD, Bus, Delivery, Outcome
 from shared.bus.connection import TRANSIENT_ERRORS, ride_out
 from shared.control import keys, serving
@@ -53,7 +53,6 @@ from shared.policies.readiness import ServingGate, Verdict
 from shared.runtime.logs import get_logger
 from shared.spec.config import ClusterSpec
 from shared.wire import (
-    FIELD,
     BubbleEnd,
     BubbleStart,
     PrefillOff,
@@ -71,10 +70,10 @@ log = get_logger(__name__)
 
 
 class Acks(Protocol):
-    """A consumer whose entries the dispatcher acks in its own round trips (`Consumer.ack_on`):
-    a held request's once it is answered or failed, and each read's handled entries."""
+    """A consumer whose entries (held requests, a read's) the dispatcher acks in its round trips."""
 
-    def ack_on(self, pipe: Pipeline, ids: list[str]) -> None: ...
+    stream: str
+    group: str
 
     def forget_held(self, ids: list[str]) -> None: ...
 
@@ -84,8 +83,19 @@ class Acks(Protocol):
 class Dispatcher:
     """Feeds `DispatchState` from the bus and executes what it decides."""
 
-    def __init__(self, bus: Bus, spec: ClusterSpec, run: str, time_scale: float = 1.0) -> None:
-        """`spec` is already on the time scale `time_scale` (`Settings.spec`)."""
+    def __init__(
+        self,
+        bus: Bus,
+        spec: ClusterSpec,
+        run: str,
+        time_scale: float = 1.0,
+        *,
+        lease: DispatcherLease | None = None,
+        metrics: DispatcherMetrics | None = None,
+    ) -> None:
+        """`spec` is already on the time scale `time_scale` (`Settings.spec`). Under a `lease` (a
+        term of the run's leader: serve.py) it writes only while it holds it, and is named for it;
+        without one (a test, a benchmark's own), it writes unfenced."""
         bt = spec.bubbletea
         self.bus, self.spec, self.run = bus, spec, run
         self.model_info = model_info(spec.prefill)  # the served model's layers and KV size (config.json if HF)
@@ -94,8 +104,9 @@ class Dispatcher:
         )
         self.acks: Acks | None = None  # the request stream's consumer, once it exists
         self.telemetry = ControlTelemetry(bus, run)  # for the run's spans stream, published by the timer
-        self.metrics = DispatcherMetrics(run, spec.prefill.model_name)
-        self.instance = f"{SERVICE}-{instance_id()}"
+        self.metrics = metrics or DispatcherMetrics(run, spec.prefill.model_name)
+        self.lease = lease
+        self.instance = lease.me if lease is not None else f"{SERVICE}-{instance_id()}"
         tr = spec.training
         self.gate = ServingGate(
             run=run,
@@ -297,45 +308,43 @@ class Dispatcher:
 
     async def flush(self, read: Acks | None = None, done: list[str] | None = None) -> bool:
         """Execute what was decided since the last flush: every batch, failure answer and state
-        deletion in one pipelined round trip (riding out a Redis restart), and after them in the
-        same round trip the acks of what is done (the held requests answered or failed, and
-        `done`, the entries of the read handled, of the consumer `read`); then the metrics and the
-        logs. With nothing to write, no round trip is made for the acks alone: they go with their
-        consumers' own, which gathers many (`Acks`). Returns whether it acked `done` (a
-        consumer's `AfterRead`)."""
+        deletion in one round trip (riding out a Redis restart), and after them in the same round
+        trip the acks of what is done (the held requests answered or failed, and `done`, the
+        entries of the read handled, of the consumer `read`); then the metrics and the logs. With
+        nothing to write, no round trip is made for the acks alone: they go with their consumers'
+        own, which gathers many (`Acks`). Returns whether it acked `done` (a consumer's
+        `AfterRead`). Under a lease nothing is written once it is lost (`writes`): the term ends,
+        and the entries stay pending for the leader to claim."""
         ds, self._decided = self._decided, Decisions()
+        if self.lease is not None and not self.lease.leads():
+            self.lease.refused("its lease lapsed before it wrote what it decided (a stall, or Redis away)")
+            return True  # nothing written, nothing acked
         tickets = [f.ticket for f in ds.failed] + [f.ticket for f in ds.finished]
         held, entries = (self.acks, tickets) if self.acks is not None else (None, [])
         if read is None or not done:
             read, done = None, []
-        writes = [(b.address, encode(batch_message(self.run, b))) for b in ds.batches]
-        answers = [(failure_result(f), f.payload.reply_to) for f in ds.failed]
-        # Partial prefills no batch resumes from again go now, not at their TTL (under overload,
-        # requests failing at their deadline left ~0.5 GB of them).
-        gone = [keys.prefill_snapshot_key(self.run, s.id, s.layer) for s in ds.spent]
-        gone += [keys.prefill_snapshot_key(self.run, f.id, n) for f in ds.failed for n in range(1, self.state.layers)]
-        if not (writes or answers or gone):  # nothing to write: the acks alone wait for the next
-            if held is not None:  # round trip of their consumers' own (which gathers many)
+        w = Writes(
+            batches=[(b.address, encode(batch_message(self.run, b))) for b in ds.batches],
+            answers=[(failure_result(f), f.payload.reply_to) for f in ds.failed],
+            # Partial prefills no batch resumes from again go now, not at their TTL (under
+            # overload, requests failing at their deadline left ~0.5 GB of them).
+            gone=[keys.prefill_snapshot_key(self.run, s.id, s.layer) for s in ds.spent]
+            + [keys.prefill_snapshot_key(self.run, f.id, n) for f in ds.failed for n in range(1, self.state.layers)],
+            acks=[(c.stream, c.group, ids) for c, ids in ((held, entries), (read, done)) if c is not None],
+        )
+        if not w:  # nothing to write: the acks alone wait for the next round trip of their
+            if held is not None:  # consumers' own (which gathers many)
                 held.release_all(entries)
             self._record_decision()
             self._done(ds)
             return False
-
-        async def execute() -> None:
-            async with self.bus.redis.pipeline(transaction=False) as pipe:
-                for address, data in writes:
-                    pipe.xadd(address, {FIELD: data})
-                for result, reply_to in answers:
-                    serving.queue_answer(pipe, result, reply_to)
-                if gone:
-                    pipe.delete(*gone)
-                if held is not None:  # after the effects: a request is acked once answered
-                    held.ack_on(pipe, entries)
-                if read is not None:
-                    read.ack_on(pipe, done or [])
-                await pipe.execute()
-
-        await ride_out(execute, "dispatcher decisions", unless=self.bus.stop)
+        fence = self.lease.fence() if self.lease is not None else None
+        written = await ride_out(
+            lambda: execute(self.bus.redis, w, fence), "dispatcher decisions", unless=self.bus.stop
+        )
+        if not written and self.lease is not None:
+            self.lease.refused("Redis refused its writes: the lease is not its own")
+            return True
         if held is not None:
             held.forget_held(entries)
         self._record_decision()

@@ -5,7 +5,8 @@
   after this succeeded, so an accepted request is always on the bus.
 * `answer`: the first answer to a request wins (exactly-once in effect): store it, clear its
   queued mark, count it out of flight and notify the accepting front door, all or nothing.
-  A duplicate answer (a redelivered batch) changes nothing.
+  A duplicate answer (a redelivered batch) changes nothing. The dispatcher's answers are fenced
+  by its lease (`queue_answer`'s `fence`): a deposed dispatcher's are refused.
 * `fail_dead_request`: a request the dispatcher dead-letters is answered, failed, through `answer`
   (so it is counted out of flight), not left to its client's timeout.
 * `reconcile_inflight`: the in-flight count lowered to what the request stream holds unacked, so
@@ -44,7 +45,10 @@ if ARGV[6] ~= '' then redis.call('SET', KEYS[4], ARGV[6], 'EX', ARGV[3]) end
 return n
 """
 
+# With a fence (KEYS[5], ARGV[6]: a dispatcher lease and its holder), nothing is written unless the
+# lease holds that value: a deposed dispatcher's answer is refused (-1).
 _ANSWER = """
+if KEYS[5] and redis.call('GET', KEYS[5]) ~= ARGV[6] then return -1 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
   redis.call('DEL', KEYS[2])
   if tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
@@ -117,19 +121,22 @@ async def accept(r: Redis, req: PrefillRequest, max_inflight: int, *, idempotenc
     return int(n) > 0
 
 
-def _answer_args(result: PrefillResult, reply_to: str) -> tuple[Any, ...]:
+def _answer_args(result: PrefillResult, reply_to: str, fence: tuple[str, str] | None = None) -> tuple[Any, ...]:
+    fenced = () if fence is None else (fence[0],)
     return (
         _ANSWER,
-        4,
+        4 + len(fenced),
         keys.prefill_result_key(result.id),
         keys.prefill_status_key(result.id),
         keys.PREFILL_INFLIGHT_KEY,
         reply_to,
+        *fenced,
         encode(result),
         keys.PREFILL_RECORD_TTL_S,
         FIELD,
         RESULTS_MAXLEN,
         keys.PREFILL_RESULTS_TTL_S,
+        *(() if fence is None else (fence[1],)),
     )
 
 
@@ -139,9 +146,11 @@ async def answer(r: Redis, result: PrefillResult, reply_to: str) -> bool:
     return bool(ok)
 
 
-def queue_answer(pipe: Pipeline, result: PrefillResult, reply_to: str) -> None:
-    """`answer`, queued on a pipeline: many answers (and what follows them) in one round trip."""
-    pipe.eval(*_answer_args(result, reply_to))
+def queue_answer(pipe: Pipeline, result: PrefillResult, reply_to: str, fence: tuple[str, str] | None = None) -> None:
+    """`answer`, queued on a pipeline: many answers (and what follows them) in one round trip.
+    With a `fence` (a key and the value it must hold: the dispatcher's lease), it is written only
+    while the key holds it."""
+    pipe.eval(*_answer_args(result, reply_to, fence))
 
 
 def request_of(raw: bytes | None) -> tuple[str, str] | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any
 
 from redis.asyncio import Redis
 
@@ -70,12 +69,10 @@ async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str,
 class Acks:
     """The request consumer as the dispatcher sees it: held entries acked in its round trip."""
 
+    stream, group = keys.PREFILL_REQUESTS_STREAM, "dispatcher"
+
     def __init__(self) -> None:
         self.released: list[str] = []
-
-    def ack_on(self, pipe: Any, ids: list[str]) -> None:
-        if ids:
-            pipe.xack(keys.PREFILL_REQUESTS_STREAM, "dispatcher", *ids)
 
     def forget_held(self, ids: list[str]) -> None:  # acked in the dispatcher's round trip
         self.released += ids
