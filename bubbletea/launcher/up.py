@@ -46,7 +46,7 @@ import yaml
 
 from bubbletea.launcher.procs import Proc, ServiceFailed, open_redis, spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.redis_watch import keep_redis_alive
-from bubbletea.launcher.services import SERVICES
+from bubbletea.launcher.services import DISPATCHER, SERVICES
 from bubbletea.launcher.supervise import Supervisor
 from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.vllm import managed_vllm
@@ -54,7 +54,7 @@ from bubbletea.launcher.wan_modes import WorkerLaunch, worker_launches
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control.health import live_instances
-from shared.control.leases import read_slots, release_dead
+from shared.control.leases import read_slots, release_dead, release_dispatcher_if_held_by
 from shared.control.status import LeaseState, ServingState
 from shared.figures import runstats
 from shared.policies.prompt_placement import Mode, mode_of
@@ -208,13 +208,16 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
                     views = await read_slots(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp)
                 return any(v.ended is LeaseState.LEFT and not v.held for v in views)
 
-            async def buried(dead: Proc) -> None:  # a dead worker's lease: released now, not at its expiry
-                if not dead.svc.per_slot:
+            async def buried(dead: Proc) -> None:  # a dead worker's or dispatcher's lease: released now
+                if not dead.svc.per_slot and dead.svc is not DISPATCHER:
                     return
-                holder = f"{socket.gethostname()}-{dead.proc.pid}"  # as the worker named itself (instance_id)
+                holder = f"{socket.gethostname()}-{dead.proc.pid}"  # as it named itself (instance_id)
                 try:
                     async with Bus(url, spec.bus, name="up") as bus:
-                        await release_dead(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp, holder)
+                        if dead.svc is DISPATCHER:
+                            await release_dispatcher_if_held_by(bus.redis, run, f"{DISPATCHER.name}-{holder}")
+                        else:
+                            await release_dead(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp, holder)
                 except TRANSIENT_ERRORS:  # Redis away: the lease expires by itself, as before
                     pass
 

@@ -149,8 +149,10 @@ class DispatcherMetrics:
     def request_finished(self) -> None:
         self._finished.inc()
 
-    async def refresh(self, redis: Redis, state: DispatchState) -> None:
+    async def refresh(self, redis: Redis, state: DispatchState | None) -> None:
+        """The gauges at scrape time; a standby (no `state`) holds nothing."""
         await self.streams.refresh(redis)
-        self._waiting.set(len(state.requests))  # after the awaits: as close to the scrape as can be
-        self._held.set(sum(c.held_s for c in state.workers.values()))
-        self._no_prefill.set(sum(c.off is not None for c in state.workers.values()))
+        workers = state.workers.values() if state is not None else ()
+        self._waiting.set(len(state.requests) if state is not None else 0)  # after the awaits: near the scrape
+        self._held.set(sum(c.held_s for c in workers))
+        self._no_prefill.set(sum(c.off is not None for c in workers))

@@ -1,4 +1,16 @@
-"""The dispatcher as a process: its consumers and their handler tables, the timer, metrics and heartbeat."""
+"""The dispatcher as a process: its lease, and its terms as the run's leader (consumers and their
+handler tables, the timer); metrics and heartbeat for its whole life.
+
+A process starts as a standby: it reads nothing and publishes no readiness while another
+dispatcher leads the run (`services.dispatcher.lease`, logged once per leader). When it takes the
+lease it leads a **term** (`lead`), as a freshly started dispatcher does: a new `Dispatcher`, whose
+consumers first claim every entry the run's earlier dispatchers left pending (their requests, held
+until answered; what they read and had not acked), at once rather than after `bus.claim_idle_ms`:
+the lease says those are fenced. A term ends when the process stops or the lease is lost; a
+deposed leader stops its consumers at once, withdraws its readiness and waits as a standby again
+(it does not exit: `bubbletea up` would count each loss as a death towards its crash-loop limit,
+and a standby beside the leader is what takes over). A stopping leader hands the lease over.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +21,9 @@ import gc
 import time
 
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
+from services.dispatcher.lease import DispatcherLease
+from services.dispatcher.metrics import DispatcherMetrics
+from services.dispatcher.takeover import adopted, claim, held_batches
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS, Outage, sleep_unless
 from shared.bus.consumer import AfterRead, Consumer
@@ -34,103 +49,163 @@ log = get_logger(__name__)
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec, run = settings.spec, settings.run
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE, stop=stop) as bus:
-        d = Dispatcher(bus, spec, run, settings.time_scale)
-        me = d.instance
+        lease = DispatcherLease(bus.redis, run, f"{SERVICE}-{instance_id()}")
+        metrics = DispatcherMetrics(run, spec.prefill.model_name)
+        term: list[Dispatcher] = []  # the term under way, if any
         server = MetricsServer(
-            d.metrics.registry,
+            metrics.registry,
             settings.metrics_host,
             settings.metrics_port,
-            refresh=lambda: d.metrics.refresh(bus.redis, d.state),
+            refresh=lambda: metrics.refresh(bus.redis, term[0].state if term else None),
             api_key=settings.metrics_key,
         )
         url = await server.start()
-        hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "metrics_url": url})
-        # Every stream is read in batches and handled in order; what a read decided is written in
-        # one round trip (`Dispatcher.flush`), its entries' acks in it. Requests are held (acked once
-        # answered or failed), so they take no handler slot however many wait.
-        requests = bus.consumer(
-            keys.PREFILL_REQUESTS_STREAM,
-            SERVICE,
-            {PrefillRequest: d.on_request},
-            name=me,
-            sequential=True,
-            after_read=d.requests_read,
-            # a request dead-lettered is answered, failed, and counted out of flight
-            last_word=functools.partial(serving.fail_dead_request, bus.redis),
-        )
-        d.acks = requests
-        readers: dict[str, Consumer] = {}
 
-        def flushing(stream: str) -> AfterRead:
-            async def after_read(done: list[str]) -> bool:
-                return await d.flush(readers[stream], done)
+        def info() -> dict[str, object]:
+            now = term[0].info() if term else {"run": run}
+            return {**now, "role": lease.role.value, "leader": lease.leader or "", "metrics_url": url}
 
-            return after_read
-
-        tables: tuple[tuple[str, Handlers], ...] = (
-            # a bubble's end never overtakes its start
-            (
-                keys.bubbles_stream(run),
-                {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end, PrefillOff: d.on_off},
-            ),
-            (keys.prefill_reports_stream(run), {PrefillReport: d.on_report}),
-        )
-        for stream, table in tables:
-            readers[stream] = bus.consumer(
-                stream, SERVICE, table, name=me, sequential=True, after_read=flushing(stream)
-            )
-        consumers = [*readers.values(), requests]
-        d.metrics.streams.add(*consumers)
+        hb = Heartbeat(bus.redis, SERVICE, instance_id(), info)
         await hb.start()
-        for c in consumers:
-            await c.start()
-        # What start-up made (imports, the app, the clients) lives as long as the process: out of
-        # the collector's way, so its passes walk only what the hot path allocates.
-        gc.freeze()
-        log.info("dispatcher ready", run=run, enabled=spec.bubbletea.enabled, order=spec.bubbletea.order)
-        next_log = time.monotonic() + LOG_EVERY_S
-        next_check = next_reconcile = time.monotonic()
-        outage = Outage("dispatcher tick")
+        done = asyncio.Event()  # the last term is over: the lease may stop stepping
+        stepping = asyncio.create_task(lease.watch(done), name="dispatcher-lease")
         try:
             while not stop.is_set():
-                crashed = next((c for c in consumers if c.crashed.is_set()), None)
-                if crashed is not None:
-                    raise RuntimeError(f"consumer of {crashed.stream} crashed: {crashed.error!r}")
-                try:  # a Redis outage is ridden out: back off, then tick again (the state is kept)
-                    await d.tick()
-                    if time.monotonic() >= next_check:
-                        next_check = time.monotonic() + serving.READINESS_EVERY_S
-                        await d.check_readiness()
-                    if time.monotonic() >= next_reconcile:
-                        next_reconcile = time.monotonic() + serving.INFLIGHT_RECONCILE_S
-                        await serving.reconcile_inflight(bus.redis, SERVICE)
-                except TRANSIENT_ERRORS as exc:
-                    await sleep_unless(stop, outage.failed(exc))
-                    continue
-                outage.ok()
-                if time.monotonic() > next_log:
-                    next_log += LOG_EVERY_S
-                    log.info("dispatcher progress", **d.info())
+                await _either(stop, lease.leading)  # standing by
+                if stop.is_set():
+                    break
+                term[:] = [Dispatcher(bus, spec, run, settings.time_scale, lease=lease, metrics=metrics)]
                 try:
-                    async with asyncio.timeout(d.state.tick_s):
-                        await stop.wait()
-                except TimeoutError:
-                    pass
+                    await lead(term[0], stop)
+                finally:
+                    term.clear()
         finally:
-            for c in reversed(consumers):
-                # Held requests stay pending for the next dispatcher: no grace needed for them.
-                await c.stop(grace_s=0 if c is requests else None)
-            await last_writes(d, hb)
+            done.set()
+            await stepping
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LAST_WRITES_S):
+                    await lease.release()
+            await last_writes(None, hb)
             await server.stop()
 
 
-async def last_writes(d: Dispatcher, hb: Heartbeat, within_s: float = LAST_WRITES_S) -> None:
-    """The last bubbles' records (after the consumers stopped), the readiness verdict withdrawn and
-    the heartbeat deleted: tried for `within_s` at most (`LAST_WRITES_S`)."""
-    with contextlib.suppress(TimeoutError, *TRANSIENT_ERRORS):
-        async with asyncio.timeout(within_s):
-            await d.telemetry.flush()
-            await serving.withdraw_readiness(d.bus.redis, d.instance)
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(within_s):
-            await hb.stop()
+async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
+    """One term as the run's leader, until `stop` or the lease is lost (`d.lease.deposed`)."""
+    bus, run, lease = d.bus, d.run, d.lease
+    assert lease is not None
+    # Every stream is read in batches and handled in order; what a read decided is written in
+    # one round trip (`Dispatcher.flush`), its entries' acks in it. Requests are held (acked once
+    # answered or failed), so they take no handler slot however many wait.
+    requests = bus.consumer(
+        keys.PREFILL_REQUESTS_STREAM,
+        SERVICE,
+        {PrefillRequest: d.on_request},
+        name=d.instance,
+        sequential=True,
+        after_read=d.requests_read,
+        # a request dead-lettered is answered, failed, and counted out of flight
+        last_word=functools.partial(serving.fail_dead_request, bus.redis),
+    )
+    d.acks = requests
+    readers: dict[str, Consumer] = {}
+
+    def flushing(stream: str) -> AfterRead:
+        async def after_read(done: list[str]) -> bool:
+            return await d.flush(readers[stream], done)
+
+        return after_read
+
+    tables: tuple[tuple[str, Handlers], ...] = (
+        # a bubble's end never overtakes its start
+        (
+            keys.bubbles_stream(run),
+            {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end, PrefillOff: d.on_off},
+        ),
+        (keys.prefill_reports_stream(run), {PrefillReport: d.on_report}),
+    )
+    for stream, table in tables:
+        readers[stream] = bus.consumer(
+            stream, SERVICE, table, name=d.instance, sequential=True, after_read=flushing(stream)
+        )
+    consumers = [*readers.values(), requests]
+    d.metrics.streams.add(*consumers)
+    # What earlier dispatchers of the run left is ours now, at once (`takeover`): their pending
+    # entries, which each consumer's first read takes, and their batches the workers hold.
+    claimed = sum([await claim(c) for c in consumers])
+    p, now = d.spec.parallelism, time.time()
+    held = await held_batches(bus.redis, run, p.pp, p.dp)
+    for stream, batch in held:
+        d.state.adopt(adopted(stream, batch, d.model_info), now)
+    for c in consumers:
+        await c.start()
+    # What start-up made (imports, the app, the clients) lives as long as the process: out of
+    # the collector's way, so its passes walk only what the hot path allocates.
+    gc.freeze()
+    log.info(
+        "dispatcher ready",
+        run=run,
+        enabled=d.spec.bubbletea.enabled,
+        order=d.spec.bubbletea.order,
+        batches=d.state.batch_prefix,
+        claimed=claimed,
+        adopted=len(held),
+    )
+    next_log = time.monotonic() + LOG_EVERY_S
+    next_check = next_reconcile = time.monotonic()
+    outage = Outage("dispatcher tick")
+    try:
+        while not stop.is_set() and not lease.deposed.is_set():
+            crashed = next((c for c in consumers if c.crashed.is_set()), None)
+            if crashed is not None:
+                raise RuntimeError(f"consumer of {crashed.stream} crashed: {crashed.error!r}")
+            try:  # a Redis outage is ridden out: back off, tick again (the state kept while the lease lasts)
+                await d.tick()
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + serving.READINESS_EVERY_S
+                    await d.check_readiness()
+                if time.monotonic() >= next_reconcile:
+                    next_reconcile = time.monotonic() + serving.INFLIGHT_RECONCILE_S
+                    await serving.reconcile_inflight(bus.redis, SERVICE)
+            except TRANSIENT_ERRORS as exc:
+                await sleep_unless(stop, outage.failed(exc))
+                continue
+            outage.ok()
+            if time.monotonic() > next_log:
+                next_log += LOG_EVERY_S
+                log.info("dispatcher progress", **d.info())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(d.state.tick_s):
+                    await _either(stop, lease.deposed)
+    finally:
+        deposed = lease.deposed.is_set()
+        for c in reversed(consumers):
+            # Held requests stay pending for the next dispatcher: no grace needed for them; a
+            # deposed leader's handlers could write nothing (its writes are refused).
+            await c.stop(grace_s=0 if deposed or c is requests else None)
+        await last_writes(d, None)
+
+
+async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
+    """Until `a` or `b` is set."""
+    waits = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
+async def last_writes(d: Dispatcher | None, hb: Heartbeat | None, within_s: float = LAST_WRITES_S) -> None:
+    """A term's last writes: its last bubbles' records (after the consumers stopped) and its
+    readiness verdict withdrawn; then, with `hb`, the process's heartbeat deleted. Each tried for
+    `within_s` at most (`LAST_WRITES_S`)."""
+    if d is not None:
+        with contextlib.suppress(TimeoutError, *TRANSIENT_ERRORS):
+            async with asyncio.timeout(within_s):
+                await d.telemetry.flush()
+                await serving.withdraw_readiness(d.bus.redis, d.instance)
+    if hb is not None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                await hb.stop()

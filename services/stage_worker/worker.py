@@ -287,7 +287,7 @@ async def _train(
         )
         fill = bus.consumer(
             keys.fill_stream(run, slot.replica, slot.stage),
-            "worker",
+            keys.FILL_GROUP,
             {PrefillBatch: runner.filler.on_batch},
             name=slot.name,
             config=msgspec.structs.replace(spec.bus, concurrency=FILL_CONCURRENCY),

@@ -95,3 +95,22 @@ async def delivery_counts(
     `count` of them) was delivered: entry id -> times delivered."""
     rows: Any = await r.xpending_range(stream, group, min=ids[0], max=ids[-1], count=count, consumername=consumer)
     return {row["message_id"].decode(): int(row["times_delivered"]) for row in rows}
+
+
+# XAUTOCLAIM JUSTID by script: redis-py's reply parser keeps only the ids, not the cursor to go on from.
+_CLAIM_ALL = "return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'COUNT', ARGV[4], 'JUSTID')"
+
+
+async def claim_all(r: Redis, stream: str, group: str, consumer: str, *, count: int = 1_000) -> int:
+    """Move every entry pending in `group` to `consumer` now, whoever holds it and however briefly
+    idle (XAUTOCLAIM JUSTID from 0): for a consumer that knows the group's others are gone or
+    fenced (a dispatcher that took its run's lease). Its next own-pending read delivers them
+    (counted as delivered again). Returns how many it moved."""
+    await ensure_group(r, stream, group)
+    start, moved = "0-0", 0
+    while True:
+        reply: Any = await r.eval(_CLAIM_ALL, 1, stream, group, consumer, start, count)
+        moved += len(reply[1])
+        start = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        if start == "0-0":
+            return moved

@@ -87,6 +87,12 @@ def fill_stream(run: str, replica: int, stage: int) -> str:
     return f"{PREFIX}:{run}:fill:{replica}:{stage}"
 
 
+#: The consumer group a worker reads its fill stream in (its slot the consumer). An entry it has not
+#: acked is a batch it holds (queued, running, or not read yet): a dispatcher taking over the run
+#: counts those as its own (services/dispatcher/takeover.py) rather than send their requests again.
+FILL_GROUP = "worker"
+
+
 def prefill_reports_stream(run: str) -> str:
     """Workers' reports on the prefill batches they ran (read by the dispatcher)."""
     return f"{PREFIX}:{run}:prefill:reports"

@@ -1,4 +1,5 @@
-"""The run's slot leases as anyone may read them (the dispatcher's readiness gate, the workers).
+"""The run's slot leases as anyone may read them (the dispatcher's readiness gate, the workers);
+and a dead holder's lease (a worker's, the dispatcher's) released by its supervisor.
 
 A worker holds its (replica, stage) slot with a TTL key and, when it leaves on purpose, writes the
 slot's end marker (a hash: `LeaseState` and reason); see services/stage_worker/lease.py, which
@@ -124,3 +125,10 @@ async def release_dead(r: Redis, run: str, pp: int, dp: int, holder: str) -> lis
 async def release_if_held_by(r: Redis, run: str, replica: int, stage: int, holder: str) -> bool:
     """Delete the slot's lease if `holder` (known dead) still holds it; True if it did."""
     return bool(await r.eval(_RELEASE_IF, 1, keys.lease_key(run, replica, stage), holder))
+
+
+async def release_dispatcher_if_held_by(r: Redis, run: str, holder: str) -> bool:
+    """Delete the run's dispatcher lease if `holder` (a dispatcher known dead: its supervisor saw
+    its process exit) still holds it, so its successor leads at once rather than at the lease's
+    end; True if it did."""
+    return bool(await r.eval(_RELEASE_IF, 1, keys.dispatcher_lease_key(run), holder))

@@ -1,0 +1,79 @@
+"""What a dispatcher finds as it takes over a run: the work its predecessors left.
+
+* **Their pending entries** (`claim`): every entry of the dispatcher group pending on any consumer
+  (a request each held until answered, what they read and had not acked) moves to this term's
+  consumer at once, not after `bus.claim_idle_ms`: the lease says their holders are gone or
+  fenced. Each consumer's first read (its own pending entries) then delivers them, a request as
+  delivered again (so it is looked up first: one answered meanwhile is only acked).
+* **Their batches on the workers** (`held_batches`): a worker acks a fill stream's entry only once
+  its batch is answered and reported, so the entries its group has not acked (pending, or not read
+  yet) are the batches it holds. The term adopts them (`DispatchState.adopt`): their requests,
+  delivered to it again, are not sent a second time, and their reports are its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from shared.bus.connection import ride_out
+from shared.bus.consumer import Consumer
+from shared.bus.streams import claim_all, parse_id
+from shared.control import keys
+from shared.model.info import ModelInfo
+from shared.policies.dispatch_inputs import Adopted
+from shared.wire import FIELD, PrefillBatch, WireError, decode
+
+
+async def claim(c: Consumer) -> int:
+    """Move every entry pending in `c`'s group on its stream to `c` (riding a Redis outage out)."""
+    return await ride_out(lambda: claim_all(c.bus.redis, c.stream, c.group, c.name), f"claim of {c.stream}")
+
+
+async def held_batches(r: Redis, run: str, pp: int, dp: int) -> list[tuple[str, PrefillBatch]]:
+    """Every batch the run's workers hold, with its fill stream: the entries the workers' group has
+    not acked (riding a Redis outage out)."""
+    streams = [keys.fill_stream(run, d, k) for d in range(dp) for k in range(pp)]
+
+    async def read() -> list[tuple[str, PrefillBatch]]:
+        return [(s, b) for s in streams for b in await _held(r, s)]
+
+    return await ride_out(read, "the batches the workers hold")
+
+
+async def _held(r: Redis, stream: str) -> list[PrefillBatch]:
+    try:
+        groups: Any = await r.xinfo_groups(stream)
+    except ResponseError:  # no such stream: nothing was ever sent there
+        return []
+    group = next((g for g in groups if _text(g["name"]) == keys.FILL_GROUP), None)
+    last = parse_id(_text(group["last-delivered-id"])) if group is not None else (0, -1)  # none read
+    pending: set[str] = set()
+    if group is not None and group["pending"]:
+        rows: Any = await r.xpending_range(stream, keys.FILL_GROUP, min="-", max="+", count=int(group["pending"]))
+        pending = {_text(row["message_id"]) for row in rows}
+    held = []
+    entries: Any = await r.xrange(stream)  # only unacked work is kept long (`trim_acked`)
+    for entry_id, fields in entries:
+        eid = _text(entry_id)
+        if eid not in pending and parse_id(eid) <= last:
+            continue  # acked: used, reported
+        try:
+            m = decode(fields.get(FIELD))
+        except WireError:
+            continue  # the worker dead-letters it: nothing held
+        if isinstance(m, PrefillBatch):
+            held.append(m)
+    return held
+
+
+def adopted(stream: str, b: PrefillBatch, model: ModelInfo) -> Adopted:
+    """`b`, held on the worker whose fill stream is `stream`, as the dispatch policy adopts it."""
+    items = tuple((it.id, it.from_layer, it.predicted_ms / 1000) for it in b.items)
+    return Adopted(b.batch_id, b.worker, stream, items, sum(model.kv_bytes(len(it.tokens)) for it in b.items))
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
