@@ -81,7 +81,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                     term.clear()
         finally:
             done.set()
-            await stepping
+            stepping.cancel()  # (a step under way with Redis gone would only retry)
+            await asyncio.gather(stepping, return_exceptions=True)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(LAST_WRITES_S):
                     await lease.release()

@@ -3,11 +3,12 @@ streams, its answers, the saved partial prefills it no longer needs, then the ac
 handled (held requests answered or failed, the entries of the read); fenced by the run's
 dispatcher lease when it leads under one.
 
-Fenced, the round trip is one MULTI/EXEC of three steps that each check the lease's value first:
-a script that appends the batches and deletes the states, the answers (`serving.queue_answer`
-with the fence), and a script that acks. MULTI/EXEC runs them with nothing in between, so all see
-the same value: everything is written, or (the lease is another's, or nobody's) nothing is, and
-the entries stay pending for the dispatcher that leads now, which claims them. A deposed leader
+Fenced, the round trip is one script that checks the lease's value first, then appends the batches,
+deletes the states and acks; with answers to write, one MULTI/EXEC of three such steps, each
+checking first: that script without the acks, the answers (`serving.queue_answer` with the fence),
+and the acks. MULTI/EXEC runs them with nothing in between, so all see the same value: everything is
+written, or (the lease is another's, or nobody's) nothing is, and the entries stay pending for the
+dispatcher that leads now, which claims them. A deposed leader
 resumed from a stall cannot hand a worker a batch even in the instant after it resumes.
 """
 
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 
 from shared.control import serving
 from shared.wire import FIELD, PrefillResult
@@ -60,6 +60,8 @@ async def execute(r: Redis, w: Writes, fence: tuple[str, str] | None = None) -> 
     """Write `w` in one round trip; with a `fence` (the lease's key and the value it must hold),
     only while the lease holds it. Returns whether it was written (False: refused, nothing was)."""
     acks = [(stream, group, ids) for stream, group, ids in w.acks if ids]
+    if fence is not None and not w.answers:  # one script: atomic alone, no MULTI needed
+        return bool(await r.eval(*_fenced(fence, w.batches, w.gone, acks)))
     async with r.pipeline(transaction=fence is not None) as pipe:
         if fence is None:
             for address, data in w.batches:
@@ -72,25 +74,25 @@ async def execute(r: Redis, w: Writes, fence: tuple[str, str] | None = None) -> 
                 pipe.xack(stream, group, *ids)
             await pipe.execute()
             return True
-        _fenced(pipe, fence, w.batches, w.gone, [])
+        pipe.eval(*_fenced(fence, w.batches, w.gone, []))
         for result, reply_to in w.answers:
             serving.queue_answer(pipe, result, reply_to, fence)
-        if acks:
-            _fenced(pipe, fence, [], [], acks)
+        if acks:  # after the answers: a request is acked once answered
+            pipe.eval(*_fenced(fence, [], [], acks))
         replies: Any = await pipe.execute()
     return bool(replies[0])
 
 
 def _fenced(
-    pipe: Pipeline,
     fence: tuple[str, str],
     batches: list[tuple[str, bytes]],
     gone: list[str],
     acks: list[tuple[str, str, list[str]]],
-) -> None:
+) -> tuple[Any, ...]:
+    """`_FENCED`'s arguments to EVAL."""
     key, holder = fence
     names = [key, *(a for a, _ in batches), *gone, *(s for s, _, _ in acks)]
     args: list[Any] = [holder, FIELD, len(batches), len(gone), len(acks), *(d for _, d in batches)]
     for _, group, ids in acks:
         args += [group, len(ids), *ids]
-    pipe.eval(_FENCED, len(names), *names, *args)
+    return (_FENCED, len(names), *names, *args)
