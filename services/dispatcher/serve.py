@@ -6,7 +6,8 @@ dispatcher leads the run (`services.dispatcher.lease`, logged once per leader). 
 lease it leads a **term** (`lead`), as a freshly started dispatcher does: a new `Dispatcher`, whose
 consumers first claim every entry the run's earlier dispatchers left pending (their requests, held
 until answered; what they read and had not acked), at once rather than after `bus.claim_idle_ms`:
-the lease says those are fenced. A term ends when the process stops or the lease is lost; a
+the lease says those are fenced; and which adopts the batches they sent that the workers hold
+(services/dispatcher/takeover.py). A term ends when the process stops or the lease is lost; a
 deposed leader stops its consumers at once, withdraws its readiness and waits as a standby again
 (it does not exit: `bubbletea up` would count each loss as a death towards its crash-loop limit,
 and a standby beside the leader is what takes over). A stopping leader hands the lease over.
@@ -23,7 +24,7 @@ import time
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from services.dispatcher.lease import DispatcherLease
 from services.dispatcher.metrics import DispatcherMetrics
-from services.dispatcher.takeover import adopted, claim, held_batches
+from services.dispatcher.takeover import adopted, claim, held_batches, predecessors
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS, Outage, sleep_unless
 from shared.bus.consumer import AfterRead, Consumer
@@ -132,7 +133,8 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     d.metrics.streams.add(*consumers)
     # What earlier dispatchers of the run left is ours now, at once (`takeover`): their pending
     # entries, which each consumer's first read takes, and their batches the workers hold.
-    claimed = sum([await claim(c) for c in consumers])
+    before = await predecessors(bus.redis, run, SERVICE)
+    claimed = sum([await claim(c, before) for c in consumers])
     p, now = d.spec.parallelism, time.time()
     held = await held_batches(bus.redis, run, p.pp, p.dp)
     for stream, batch in held:

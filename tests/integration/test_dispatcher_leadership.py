@@ -25,7 +25,9 @@ from bubbletea.launcher.procs import Proc, spawn
 from bubbletea.launcher.services import DISPATCHER
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from services.dispatcher.lease import DispatcherLease
+from services.dispatcher.takeover import predecessors
 from shared.bus import Bus, Delivery
+from shared.bus.streams import claim_from
 from shared.control import keys, serving
 from shared.control.leases import release_dispatcher_if_held_by
 from shared.control.status import DispatcherRole, ItemOutcome, RequestStatus
@@ -135,6 +137,27 @@ async def test_a_leader_stalled_past_its_lease_writes_nothing_and_leaves_what_it
         assert await d.flush(reader, [entry_id.decode()])  # "acked": left for the consumer not to
         assert reader.released == [] and (await redis.xpending(stream, SERVICE))["pending"] == 1
         assert lease.deposed.is_set() and "lapsed" in lease.why
+
+
+async def test_a_new_leader_takes_its_runs_earlier_dispatchers_entries_at_once_and_no_other_runs(
+    redis: Redis,
+) -> None:
+    """Read a moment ago and refreshed or not, a predecessor's held requests move to the new leader
+    now (not after `claim_idle_ms`); another run's live dispatcher keeps its own (the request
+    stream is every run's)."""
+    run, requests = f"claim-{time.time_ns()}", keys.PREFILL_REQUESTS_STREAM
+    for stream in (requests, keys.bubbles_stream(run)):
+        await redis.xgroup_create(stream, SERVICE, id="$", mkstream=True)
+        for _ in range(3):
+            await redis.xadd(stream, {FIELD: b"x"})
+    await redis.xreadgroup(SERVICE, "old", {requests: ">"}, count=2)  # the run's deposed leader
+    await redis.xreadgroup(SERVICE, "other", {requests: ">"}, count=1)  # another run's leader
+    await redis.xreadgroup(SERVICE, "old", {keys.bubbles_stream(run): ">"})
+    owners = await predecessors(redis, run, SERVICE)
+    assert owners == ["old"]
+    assert await claim_from(redis, requests, SERVICE, "new", owners) == 2
+    held: Any = await redis.xpending(requests, SERVICE)
+    assert {c["name"].decode(): c["pending"] for c in held["consumers"]} == {"new": 2, "other": 1}
 
 
 async def test_a_supervisor_releases_a_dead_dispatchers_lease_and_no_other(redis: Redis) -> None:
