@@ -227,25 +227,30 @@ class RedisThenKill(Arm):
 
 
 class DispatcherStall(Arm):
-    """`up`'s dispatcher SIGSTOPped past the claim time with a second dispatcher running: the
-    second claims the requests the first held; the first, let go on, must not schedule them too."""
+    """The run's leading dispatcher SIGSTOPped past the claim time with a second dispatcher beside
+    it (a standby: `services/dispatcher/lease.py`): the standby takes the lease over and claims the
+    requests the first held; the first, let go on, must step down and schedule none of them."""
 
     name = "dispatcher-stall"
-    what = "the dispatcher SIGSTOPped past claim_idle_ms, a second dispatcher beside it"
+    what = "the leading dispatcher SIGSTOPped past claim_idle_ms, a standby beside it"
 
     async def setup(self, live: Live) -> None:
         self.second = await live.start_dispatcher()
 
     async def inject(self, live: Live, i: int) -> dict[str, Any]:
+        r = live.redis()
         at, gen, holders = await _before(live)
         seconds = live.spec.bus.claim_idle_ms / 1000 + 3.0
-        pid = live.service_pid("dispatcher")
+        leader = (await r.get(keys.dispatcher_lease_key(live.run)) or b"").decode()
+        pid = int(leader.rpartition("-")[2])
         os.kill(pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(seconds)
         finally:
             os.kill(pid, signal.SIGCONT)
-        return {"at": at, "generation": gen, "stalled_s": seconds} | await _kept(live, gen, holders)
+        after = (await r.get(keys.dispatcher_lease_key(live.run)) or b"").decode()
+        record = {"at": at, "generation": gen, "stalled_s": seconds, "leader": leader, "leader_after": after}
+        return record | {"taken_over": bool(after) and after != leader} | await _kept(live, gen, holders)
 
 
 class CancelledFill(Arm):

@@ -118,6 +118,8 @@ def verdict(res: dict[str, Any], faults: int) -> dict[str, Any]:
             why.append(f"{res['scheduled_twice']} requests scheduled twice")
     elif res["expect"] == "recovered" and res["recovered"] < faults:
         why.append(f"{faults - res['recovered']} of {faults} faults never recovered")
+    if res["arm"] == "dispatcher-stall" and (stayed := sum(not r.get("taken_over") for r in res["records"])):
+        why.append(f"{stayed} stalls the standby dispatcher did not take over")
     if res["arm"] == "lost-host":
         limit = keys.LEASE_TTL_MS / 1000 + 2
         slow = [r for r in res["records"] if r.get("taken_s") is None or r["taken_s"] > limit]
