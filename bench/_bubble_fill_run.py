@@ -122,7 +122,7 @@ async def one_run(
     if not enabled:
         result = await run_training(settings, url, out=out, progress=False, quiet=True)
     else:
-        env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path)}
+        env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": run}  # the dispatcher's run
         sampler = CpuSampler()
         sampling = asyncio.create_task(sampler.run())
         recorded: list[Any] = []

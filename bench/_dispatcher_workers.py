@@ -193,7 +193,7 @@ class Emulated:
                     worker=self.name,
                     finished=now,
                 )
-                serving.queue_answer(pipe, result, it.reply_to)
+                serving.queue_answer(pipe, self.run, result, it.reply_to)
             progress = tuple(
                 PrefillProgress(
                     id=it.id, outcome=ItemOutcome.DONE, reached_layer=it.to_layer, seconds=self._cost(len(it.tokens))

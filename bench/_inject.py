@@ -3,7 +3,7 @@ Redis with the front door's own script, batched per wake-up. Run as a process of
 several can offer more than one Python process can (the dispatcher, not the injector, is to be the
 limit: issue 62). It prints how many it sent.
 
-    python bench/_inject.py REDIS_URL RATE SECONDS REPLY_TO ID_PREFIX SEED
+    python bench/_inject.py REDIS_URL RUN RATE SECONDS REPLY_TO ID_PREFIX SEED
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from shared.wire import PrefillRequest
 ACCEPT_BATCH = 200
 
 
-async def inject(url: str, rate: float, until: float, reply_to: str, prefix: str = "d", seed: int = 1) -> int:
-    """Poisson arrivals at `rate`/s until `until` (monotonic), each accepted with the front door's
-    script, batched per wake-up; how many were sent."""
+async def inject(url: str, run: str, rate: float, until: float, reply_to: str, prefix: str = "d", seed: int = 1) -> int:
+    """Poisson arrivals at `rate`/s until `until` (monotonic), each accepted for `run` with the front
+    door's script, batched per wake-up; how many were sent."""
     r = Redis.from_url(url, protocol=2)
     rng, n, sent = random.Random(seed), 0, 0
     due = time.monotonic()
@@ -47,7 +47,7 @@ async def inject(url: str, rate: float, until: float, reply_to: str, prefix: str
             if batch:
                 async with r.pipeline(transaction=False) as pipe:
                     for req in batch:
-                        pipe.eval(*serving.accept_args(req, 10_000_000))
+                        pipe.eval(*serving.accept_args(run, req, 10_000_000))
                     await pipe.execute()
                 sent += len(batch)
             await asyncio.sleep(max(0.0, min(due - time.monotonic(), 0.005)))
@@ -57,8 +57,8 @@ async def inject(url: str, rate: float, until: float, reply_to: str, prefix: str
 
 
 def main(argv: list[str]) -> int:
-    url, rate, seconds, reply_to, prefix, seed = argv
-    sent = asyncio.run(inject(url, float(rate), time.monotonic() + float(seconds), reply_to, prefix, int(seed)))
+    url, run, rate, seconds, reply_to, prefix, seed = argv
+    sent = asyncio.run(inject(url, run, float(rate), time.monotonic() + float(seconds), reply_to, prefix, int(seed)))
     print(sent, flush=True)
     return 0
 

@@ -67,7 +67,7 @@ async def watch(url: str, streams: list[str], into: list[Any]) -> None:
 
 def record(url: str, run: str, into: list[Any]) -> asyncio.Task[None]:
     """A watcher of the requests the front door accepts and the run's batch reports."""
-    return asyncio.create_task(watch(url, [keys.PREFILL_REQUESTS_STREAM, keys.prefill_reports_stream(run)], into))
+    return asyncio.create_task(watch(url, [keys.prefill_requests_stream(run), keys.prefill_reports_stream(run)], into))
 
 
 def fit_training(spec: ClusterSpec, spans: list[Span]) -> dict[str, float]:

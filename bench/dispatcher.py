@@ -97,20 +97,21 @@ async def heartbeat(url: str, after: float) -> dict[str, Any]:
         await r.aclose()
 
 
-async def added(r: Redis) -> int | None:
-    """Requests accepted into the request stream so far, trimmed ones included (XINFO's
+async def added(r: Redis, run: str) -> int | None:
+    """Requests accepted into `run`'s request stream so far, trimmed ones included (XINFO's
     entries-added; its length is not it: the dispatcher trims what it has read). None before Redis 7."""
-    info: Any = await r.xinfo_stream(keys.PREFILL_REQUESTS_STREAM)
+    info: Any = await r.xinfo_stream(keys.prefill_requests_stream(run))
     n = info.get("entries-added")
     return None if n is None else int(n)
 
 
-async def injectors(url: str, rate: float, seconds: float, reply_to: str, n: int) -> int:
-    """`n` injector processes at `rate / n` each for `seconds` (bench/_inject.py); the requests sent."""
+async def injectors(url: str, run: str, rate: float, seconds: float, reply_to: str, n: int) -> int:
+    """`n` injector processes at `rate / n` each for `seconds`, accepting for `run` (bench/_inject.py);
+    the requests sent."""
     script = str(Path(__file__).with_name("_inject.py"))
     procs = []
     for i in range(n):
-        args = (url, str(rate / n), str(seconds), reply_to, f"i{i}-", str(i + 1))
+        args = (url, run, str(rate / n), str(seconds), reply_to, f"i{i}-", str(i + 1))
         procs.append(
             await asyncio.create_subprocess_exec(sys.executable, script, *args, stdout=asyncio.subprocess.PIPE)
         )
@@ -135,15 +136,15 @@ async def run_case(
     proc = await spawn(DISPATCHER, env, out=sys.stderr, quiet=True)
     try:
         # processes of their own, not this one's event loop: the dispatcher, not the injector, the limit
-        injector = asyncio.create_task(injectors(url, rate, WARMUP_S + seconds, f"bt:dbench:{run}", n_injectors))
+        injector = asyncio.create_task(injectors(url, run, rate, WARMUP_S + seconds, f"bt:dbench:{run}", n_injectors))
         await asyncio.sleep(WARMUP_S)
         r = Redis.from_url(url, protocol=2)
         c0, a0, t0 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
-        m0, s0 = sum(w.sent for w in workers), await added(r)
+        m0, s0 = sum(w.sent for w in workers), await added(r, run)
         waits0 = [len(w.fill_waits_s) for w in workers]
         sent = await injector
         c1, a1, t1 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
-        m1, s1 = sum(w.sent for w in workers), await added(r)
+        m1, s1 = sum(w.sent for w in workers), await added(r, run)
         await r.aclose()
         beat = await heartbeat(url, after=time.time())
     finally:
@@ -192,8 +193,9 @@ def _r(x: float | None) -> float | None:
 
 
 async def bench(cases: list[tuple[int, float]], seconds: float, n_injectors: int) -> list[dict[str, Any]]:
-    """Each case on a fresh redis-server: the request stream is every run's, and a case that fell
-    behind would leave its backlog to the next. The saturating case gets `n_injectors` processes."""
+    """Each case on a fresh redis-server: a case that fell behind would leave its Redis busy with
+    its backlog (trims, a dispatcher still draining) during the next. The saturating case gets
+    `n_injectors` processes."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n, rate in cases:

@@ -173,10 +173,10 @@ async def run_live(
     if not spec["bubbletea"]["enabled"]:
         result = await run_training(settings, url, out=out, progress=False, quiet=True)
     else:
-        env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path)}
+        env = {"REDIS_URL": url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": tag}  # the dispatcher's run
         async with front_door(env, out=out) as door:
             assert door.url is not None
-            seen = asyncio.create_task(watch_requests(url, keys.PREFILL_REQUESTS_STREAM, requests))
+            seen = asyncio.create_task(watch_requests(url, keys.prefill_requests_stream(tag), requests))
             args = ["--base-url", door.url, "--request-rate", f"{rate:g}", "--duration", f"{load_s:.2f}"]
             args += ["--input-len", str(input_len), "--range-ratio", str(LOAD_RANGE_RATIO), "--seed", str(SEED)]
             client = asyncio.create_task(run_loadgen(args, workdir / f"{tag}-load.json"))

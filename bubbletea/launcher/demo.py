@@ -92,6 +92,7 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
     procs: list[Proc] = []
     folder = (out_root or Path("runs")) / time.strftime("demo-%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)
+    stamp = f"{os.getpid()}-{int(time.time())}"  # each phase is a run of its own: `phase_run`
     try:
         url, embedded, where = open_redis(settings.redis_url)
         say(f"==> {where}")
@@ -103,6 +104,8 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
             "BUBBLETEA_LOG_LEVEL": settings.log_level,
             "BUBBLETEA_HTTP_HOST": "127.0.0.1",
             "BUBBLETEA_HTTP_PORT": str(port),
+            # the front door queues for the run that serves (the others take no load)
+            "BUBBLETEA_RUN": next(phase_run(p, stamp) for p in PHASES if p.bubbletea),
         }
         door = await spawn(PREFILL_QUEUE, env, quiet=True)
         procs.append(door)
@@ -117,7 +120,7 @@ async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | N
             say("")
             say(f"==> [{i}/{len(PHASES)}] {phase.label}")
             row, wall, spans = await _run_phase(
-                settings, phase, url, api, folder, load_s=atlas_wall, scale=scale, rate=rate
+                settings, phase, phase_run(phase, stamp), url, api, folder, load_s=atlas_wall, scale=scale, rate=rate
             )
             if phase.name == "atlas":  # the load runs for about as long as that run trained, at 80% of
                 atlas_wall = wall  # what its bubbles could hold
@@ -160,14 +163,27 @@ def _offered_rate(settings: Settings, spans: list[runstats.Span], scale: float) 
     return offered.rate_per_s
 
 
+def phase_run(phase: Phase, stamp: str) -> str:
+    """The run id of `phase` in the demo started at `stamp`."""
+    return f"demo-{phase.name}-{stamp}"
+
+
 async def _run_phase(
-    settings: Settings, phase: Phase, url: str, api: str, folder: Path, *, load_s: float, scale: float, rate: float
+    settings: Settings,
+    phase: Phase,
+    run: str,
+    url: str,
+    api: str,
+    folder: Path,
+    *,
+    load_s: float,
+    scale: float,
+    rate: float,
 ) -> tuple[dict[str, Any], float, list[runstats.Span]]:
     spec_path = folder / phase.name / "spec.yaml"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     base = settings.base_spec or settings.spec  # unscaled: the services apply the time scale
     spec_path.write_text(yaml.safe_dump(phase_spec(base, phase), sort_keys=False))
-    run = f"demo-{phase.name}-{os.getpid()}-{int(time.time())}"
     phase_settings = load_settings(
         spec_path, env={"BUBBLETEA_RUN": run, "REDIS_URL": url, "BUBBLETEA_TIME_SCALE": f"{scale:g}"}
     )

@@ -2,7 +2,8 @@
 
 For `/v1/completions` with ``max_tokens > 1`` the front door has the prompt prefilled inside the
 pipeline bubbles as for any request; the answer carries the first token and the KV cache's handle.
-The front door then publishes a `DecodeRequest` on `bt:decode:requests`, and a decoder:
+The front door then publishes a `DecodeRequest` on its run's `bt:<run>:decode:requests`, and one of
+the run's decoders (BUBBLETEA_RUN, as every service of the run):
 
 1. loads the KV cache: from the memory of the worker that prefilled it, over the data plane
    (`shared.dataplane.kv.KvClient`, one kept connection per holder; `prefill.kv_store: plane`), or from Redis
@@ -219,7 +220,11 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "metrics_url": url})
         config = msgspec.structs.replace(spec.bus, concurrency=spec.decode.concurrency)
         consumer = bus.consumer(
-            keys.DECODE_REQUESTS_STREAM, SERVICE, {DecodeRequest: d.on_request}, name=me, config=config
+            keys.decode_requests_stream(settings.run),
+            SERVICE,
+            {DecodeRequest: d.on_request},
+            name=me,
+            config=config,
         )
         d.metrics.streams.add(consumer)
         await hb.start()

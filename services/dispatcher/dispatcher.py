@@ -340,7 +340,7 @@ class Dispatcher:
             return False
         fence = self.lease.fence() if self.lease is not None else None
         written = await ride_out(
-            lambda: execute(self.bus.redis, w, fence), "dispatcher decisions", unless=self.bus.stop
+            lambda: execute(self.bus.redis, self.run, w, fence), "dispatcher decisions", unless=self.bus.stop
         )
         if not written and self.lease is not None:
             self.lease.refused("Redis refused its writes: the lease is not its own")

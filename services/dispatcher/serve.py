@@ -99,14 +99,14 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     # one round trip (`Dispatcher.flush`), its entries' acks in it. Requests are held (acked once
     # answered or failed), so they take no handler slot however many wait.
     requests = bus.consumer(
-        keys.PREFILL_REQUESTS_STREAM,
+        keys.prefill_requests_stream(run),
         SERVICE,
         {PrefillRequest: d.on_request},
         name=d.instance,
         sequential=True,
         after_read=d.requests_read,
         # a request dead-lettered is answered, failed, and counted out of flight
-        last_word=functools.partial(serving.fail_dead_request, bus.redis),
+        last_word=functools.partial(serving.fail_dead_request, bus.redis, run),
     )
     d.acks = requests
     readers: dict[str, Consumer] = {}
@@ -168,7 +168,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
                     await d.check_readiness()
                 if time.monotonic() >= next_reconcile:
                     next_reconcile = time.monotonic() + serving.INFLIGHT_RECONCILE_S
-                    await serving.reconcile_inflight(bus.redis, SERVICE)
+                    await serving.reconcile_inflight(bus.redis, run, SERVICE)
             except TRANSIENT_ERRORS as exc:
                 await sleep_unless(stop, outage.failed(exc))
                 continue

@@ -56,8 +56,8 @@ class Writes:
         return bool(self.batches or self.answers or self.gone)
 
 
-async def execute(r: Redis, w: Writes, fence: tuple[str, str] | None = None) -> bool:
-    """Write `w` in one round trip; with a `fence` (the lease's key and the value it must hold),
+async def execute(r: Redis, run: str, w: Writes, fence: tuple[str, str] | None = None) -> bool:
+    """Write `w`, `run`'s dispatcher's, in one round trip; with a `fence` (the lease's key and the value it must hold),
     only while the lease holds it. Returns whether it was written (False: refused, nothing was)."""
     acks = [(stream, group, ids) for stream, group, ids in w.acks if ids]
     if fence is not None and not w.answers:  # one script: atomic alone, no MULTI needed
@@ -67,7 +67,7 @@ async def execute(r: Redis, w: Writes, fence: tuple[str, str] | None = None) -> 
             for address, data in w.batches:
                 pipe.xadd(address, {FIELD: data})
             for result, reply_to in w.answers:
-                serving.queue_answer(pipe, result, reply_to)
+                serving.queue_answer(pipe, run, result, reply_to)
             if w.gone:
                 pipe.delete(*w.gone)
             for stream, group, ids in acks:  # after the effects: a request is acked once answered
@@ -76,7 +76,7 @@ async def execute(r: Redis, w: Writes, fence: tuple[str, str] | None = None) -> 
             return True
         pipe.eval(*_fenced(fence, w.batches, w.gone, []))
         for result, reply_to in w.answers:
-            serving.queue_answer(pipe, result, reply_to, fence)
+            serving.queue_answer(pipe, run, result, reply_to, fence)
         if acks:  # after the answers: a request is acked once answered
             pipe.eval(*_fenced(fence, [], [], acks))
         replies: Any = await pipe.execute()

@@ -147,8 +147,9 @@ async def enqueue(
     when the front door received it (`time.perf_counter()`; None: now)."""
     app = request.app
     req = new_request(app, parsed, request_id, may_move=may_move, received=received)
+    settings = app[SETTINGS]
     accepted = await serving.accept(
-        app[BUS].redis, req, app[SETTINGS].spec.prefill.max_queue_depth, idempotency_key=idempotency_key
+        app[BUS].redis, settings.run, req, settings.spec.prefill.max_queue_depth, idempotency_key=idempotency_key
     )
     if isinstance(accepted, str):
         raise Duplicate(accepted)

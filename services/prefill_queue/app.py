@@ -387,7 +387,7 @@ def _objective_waits_for_training(app: web.Application) -> bool:
 async def metrics(request: web.Request) -> web.Response:
     m = request.app[METRICS]
     with contextlib.suppress(*TRANSIENT_ERRORS):  # if Redis is down the gauge keeps its last value
-        m.waiting.set(await serving.inflight(request.app[BUS].redis))
+        m.waiting.set(await serving.inflight(request.app[BUS].redis, request.app[SETTINGS].run))
     m.running.labels(m.model_name).set(len(request.app[WAITERS]))
     return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 

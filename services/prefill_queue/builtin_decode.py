@@ -59,7 +59,7 @@ async def continue_completion(
         kv_holder=kv_holder,
         prompt=prompt,
     )
-    await app[BUS].publish(keys.DECODE_REQUESTS_STREAM, decode)
+    await app[BUS].publish(keys.decode_requests_stream(app[SETTINGS].run), decode)
     expected = 0 if prompt else 1  # index of the next token: the prefill's token is 0
     # the decoder fails a completion past its deadline; waiting DEADLINE_GRACE_S more is the safety net
     deadline = DEADLINE_GRACE_S + (

@@ -218,9 +218,16 @@ DISPATCHER_LEASE_RENEW_S = LEASE_RENEW_S
 
 
 # --- the serving plane ------------------------------------------------------------------------
+# A run's request streams and in-flight count carry its run id, like the rest of the run: two runs
+# on one Redis never share a consumer group or an admission limit. A request's own records (answer,
+# status, idempotency key, KV cache) and a front door's results stream are keyed by ids that are
+# unique across runs, and stay unprefixed.
 
-#: Accepted prefill requests, from every prefill_queue instance to the dispatcher.
-PREFILL_REQUESTS_STREAM = f"{PREFIX}:prefill:requests"
+
+def prefill_requests_stream(run: str) -> str:
+    """The run's accepted prefill requests, from every front door of the run to its dispatcher (its
+    group's consumers are the run's dispatchers alone: another run on the same Redis has its own)."""
+    return f"{PREFIX}:{run}:prefill:requests"
 
 
 def prefill_results_stream(instance: str) -> str:
@@ -267,9 +274,12 @@ def idempotency_key(key: str) -> str:
     return f"{PREFIX}:prefill:idem:{key}"
 
 
-#: Requests accepted and not yet answered, across all instances (admission control). One integer,
-#: no TTL: it is the count itself, bounded by `prefill.max_queue_depth`.
-PREFILL_INFLIGHT_KEY = f"{PREFIX}:prefill:inflight"
+def prefill_inflight_key(run: str) -> str:
+    """The run's requests accepted and not yet answered, across its front doors (admission control:
+    another run's do not count against its `prefill.max_queue_depth`). One integer, no TTL: it is
+    the count itself, bounded by `prefill.max_queue_depth`."""
+    return f"{PREFIX}:{run}:prefill:inflight"
+
 
 #: Answers, statuses and idempotency keys live an hour: long enough for any client to collect them
 #: (a synchronous request waits `prefill.request_timeout_s`, at most a day, but polls come within
@@ -339,9 +349,10 @@ def train_state_key(run: str, iteration: int, stage: int) -> str:
 WEIGHTS_TTL_S = 3_600
 
 
-#: Finished prefills to continue, from the front doors to the decoders (`DecodeRequest`). Like the
-#: request stream, a work stream: trimmed by its consumers once acked (`bus.max_stream_len`).
-DECODE_REQUESTS_STREAM = f"{PREFIX}:decode:requests"
+def decode_requests_stream(run: str) -> str:
+    """Prompts to continue, from the run's front doors to its decoders (`DecodeRequest`). Like the
+    request stream, a work stream: trimmed by its consumers once acked (`bus.max_stream_len`)."""
+    return f"{PREFIX}:{run}:decode:requests"
 
 
 def serving_key(instance: str) -> str:

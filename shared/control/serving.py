@@ -1,5 +1,10 @@
 """The serving plane's records in Redis, written atomically (Lua), shared by every service.
 
+Each call names its run: the request stream and the in-flight count are the run's
+(`keys.prefill_requests_stream`, `keys.prefill_inflight_key`), so two runs on one Redis neither
+read each other's requests nor count them against each other's limit; a request's own records
+(answer, status) are keyed by its id alone.
+
 * `accept`: admission control and enqueue in one step: count the request in flight (refusing it
   beyond the limit), mark it queued, append it to the request stream. A 2xx is only answered
   after this succeeded, so an accepted request is always on the bus.
@@ -90,14 +95,16 @@ return -1
 RESULTS_MAXLEN = keys.PREFILL_RESULTS_MAXLEN
 
 
-def accept_args(req: PrefillRequest, max_inflight: int, idempotency_key: str | None = None) -> tuple[Any, ...]:
+def accept_args(
+    run: str, req: PrefillRequest, max_inflight: int, idempotency_key: str | None = None
+) -> tuple[Any, ...]:
     """`accept`'s script and its keys and arguments (for a pipeline that accepts many at once)."""
     return (
         _ACCEPT,
         4,
-        keys.PREFILL_INFLIGHT_KEY,
+        keys.prefill_inflight_key(run),
         keys.prefill_status_key(req.id),
-        keys.PREFILL_REQUESTS_STREAM,
+        keys.prefill_requests_stream(run),
         keys.idempotency_key(idempotency_key or ""),
         max_inflight,
         encode(req),
@@ -108,27 +115,32 @@ def accept_args(req: PrefillRequest, max_inflight: int, idempotency_key: str | N
     )
 
 
-async def accept(r: Redis, req: PrefillRequest, max_inflight: int, *, idempotency_key: str | None = None) -> bool | str:
-    """Enqueue `req` unless `max_inflight` requests are already waiting; False = refused (429).
+async def accept(
+    r: Redis, run: str, req: PrefillRequest, max_inflight: int, *, idempotency_key: str | None = None
+) -> bool | str:
+    """Enqueue `req` on `run`'s request stream unless `max_inflight` of the run's requests are
+    already waiting; False = refused (429).
 
     With a client's `idempotency_key`: if it was used before, nothing is enqueued and the id of the
     request it created is returned (a str). The key is recorded in the same script as the enqueue,
     so a front door killed (or Redis lost) in between can never leave a key naming a request that
     was never queued."""
-    n: Any = await r.eval(*accept_args(req, max_inflight, idempotency_key))
+    n: Any = await r.eval(*accept_args(run, req, max_inflight, idempotency_key))
     if isinstance(n, bytes):
         return n.decode()
     return int(n) > 0
 
 
-def _answer_args(result: PrefillResult, reply_to: str, fence: tuple[str, str] | None = None) -> tuple[Any, ...]:
+def _answer_args(
+    run: str, result: PrefillResult, reply_to: str, fence: tuple[str, str] | None = None
+) -> tuple[Any, ...]:
     fenced = () if fence is None else (fence[0],)
     return (
         _ANSWER,
         4 + len(fenced),
         keys.prefill_result_key(result.id),
         keys.prefill_status_key(result.id),
-        keys.PREFILL_INFLIGHT_KEY,
+        keys.prefill_inflight_key(run),
         reply_to,
         *fenced,
         encode(result),
@@ -140,17 +152,20 @@ def _answer_args(result: PrefillResult, reply_to: str, fence: tuple[str, str] | 
     )
 
 
-async def answer(r: Redis, result: PrefillResult, reply_to: str) -> bool:
-    """Record the answer to a request (first one wins) and notify its front door."""
-    ok: Any = await r.eval(*_answer_args(result, reply_to))
+async def answer(r: Redis, run: str, result: PrefillResult, reply_to: str) -> bool:
+    """Record the answer to a request of `run` (first one wins), count it out of the run's flight
+    and notify its front door."""
+    ok: Any = await r.eval(*_answer_args(run, result, reply_to))
     return bool(ok)
 
 
-def queue_answer(pipe: Pipeline, result: PrefillResult, reply_to: str, fence: tuple[str, str] | None = None) -> None:
+def queue_answer(
+    pipe: Pipeline, run: str, result: PrefillResult, reply_to: str, fence: tuple[str, str] | None = None
+) -> None:
     """`answer`, queued on a pipeline: many answers (and what follows them) in one round trip.
     With a `fence` (a key and the value it must hold: the dispatcher's lease), it is written only
     while the key holds it."""
-    pipe.eval(*_answer_args(result, reply_to, fence))
+    pipe.eval(*_answer_args(run, result, reply_to, fence))
 
 
 def request_of(raw: bytes | None) -> tuple[str, str] | None:
@@ -170,10 +185,11 @@ def request_of(raw: bytes | None) -> tuple[str, str] | None:
     return (req.id, req.reply_to) if isinstance(req, PrefillRequest) else None
 
 
-async def fail_dead_request(r: Redis, raw: bytes | None, error: str) -> None:
-    """The last word on a request entry the dispatcher dead-letters: the request, if it names
-    one, is failed (`FailureReason.DEAD_LETTERED`) through `answer`, so its client hears why at once
-    and it is counted out of flight. One already answered stays answered (the first answer wins)."""
+async def fail_dead_request(r: Redis, run: str, raw: bytes | None, error: str) -> None:
+    """The last word on an entry of `run`'s request stream the dispatcher dead-letters: the
+    request, if it names one, is failed (`FailureReason.DEAD_LETTERED`) through `answer`, so its
+    client hears why at once and it is counted out of the run's flight. One already answered stays
+    answered (the first answer wins)."""
     found = request_of(raw)
     if found is None:
         return
@@ -185,15 +201,15 @@ async def fail_dead_request(r: Redis, raw: bytes | None, error: str) -> None:
         error=f"the dispatcher could not handle this request: {error}"[:500],
         finished=time.time(),
     )
-    await answer(r, failed, reply_to)
+    await answer(r, run, failed, reply_to)
 
 
-async def reconcile_inflight(r: Redis, group: str) -> int | None:
-    """Lower the in-flight count to the request stream's unacked entries of `group` (pending + not
-    read) if it is above them (a lost decrement), atomically with the scripts that move it; the
+async def reconcile_inflight(r: Redis, run: str, group: str) -> int | None:
+    """Lower `run`'s in-flight count to its request stream's unacked entries of `group` (pending +
+    not read) if it is above them (a lost decrement), atomically with the scripts that move it; the
     count now, or None when the bound cannot be known (no such group yet, or the stream trimmed
     under it)."""
-    n: Any = await r.eval(_RECONCILE, 2, keys.PREFILL_INFLIGHT_KEY, keys.PREFILL_REQUESTS_STREAM, group)
+    n: Any = await r.eval(_RECONCILE, 2, keys.prefill_inflight_key(run), keys.prefill_requests_stream(run), group)
     return None if int(n) < 0 else int(n)
 
 
@@ -220,8 +236,9 @@ async def lookup(r: Redis, request_id: str) -> Lookup | None:
     return Lookup(RequestStatus(status.decode())) if status is not None else None
 
 
-async def inflight(r: Redis) -> int:
-    n: Any = await r.get(keys.PREFILL_INFLIGHT_KEY)
+async def inflight(r: Redis, run: str) -> int:
+    """`run`'s requests accepted and not yet answered (what `prefill.max_queue_depth` bounds)."""
+    n: Any = await r.get(keys.prefill_inflight_key(run))
     return int(n) if n is not None else 0
 
 

@@ -214,13 +214,13 @@ async def latest_iteration(redis_url: str, run: str) -> int:
         await r.aclose()
 
 
-async def inflight(redis_url: str, settle_s: float = 5.0) -> int:
-    """The admission count once every accepted request is final: 0 unless a ticket leaked. The
+async def inflight(redis_url: str, run: str, settle_s: float = 5.0) -> int:
+    """The run's admission count once every accepted request is final: 0 unless a ticket leaked. The
     dispatcher releases a ticket one report hop after the answer is stored, so it is polled."""
     r = Redis.from_url(redis_url)
     deadline = time.monotonic() + settle_s
     try:
-        while (n := await serving.inflight(r)) and time.monotonic() < deadline:  # noqa: ASYNC110
+        while (n := await serving.inflight(r, run)) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.02)  # a counter in Redis, not an event: poll it
         return n
     finally:
@@ -301,7 +301,7 @@ async def test_requests_survive_a_killed_dispatcher(tmp_path: Path, redis_url: s
             iteration = await latest_iteration(redis_url, run)
             assert all(w.proc.returncode is None for w in workers), out.getvalue()[-4000:]
             await wait_for_iteration(redis_url, run, iteration + 1)
-            left_inflight = await inflight(redis_url)
+            left_inflight = await inflight(redis_url, run)
         finally:
             await stop_all(procs)
 
@@ -344,7 +344,7 @@ async def test_requests_survive_a_killed_front_door(tmp_path: Path, redis_url: s
             procs.append(second)
             assert second.url is not None and second.url != first.url
             statuses = await settle(http, second.url, ids)
-            left_inflight = await inflight(redis_url)
+            left_inflight = await inflight(redis_url, run)
         finally:
             await stop_all(procs)
 
@@ -480,7 +480,7 @@ async def test_requests_survive_a_killed_worker(tmp_path: Path, redis_url: str, 
             late_ids = [late[2]["id"]] if late[0] == 202 else []
             statuses = await settle(http, door.url, ids + late_ids, timeout=deadline_ms / 1000 + 30)
             timeline += f"settled {time.monotonic() - killed_at:.1f}s after it"
-            left_inflight = await inflight(redis_url)
+            left_inflight = await inflight(redis_url, run)
             # The requests may all be final before the batch is declared lost (a stopped run fails
             # what waits at once): give the dispatcher until the report is overdue to say so (its
             # grace is 3 s past the prediction; 30 s leaves room for a machine with a core kept

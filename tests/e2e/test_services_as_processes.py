@@ -47,14 +47,15 @@ async def test_a_second_sigterm_while_stopping_is_the_same_request_again(redis_u
     request gets its 503 saying where its answer will be, and the process exits 0, not 130."""
     svc = next(s for s in SERVICES if s.name == "prefill_queue")
     port = free_port()
-    p = await spawn(svc, {"REDIS_URL": redis_url, "BUBBLETEA_HTTP_PORT": str(port)}, out=io.StringIO())
+    env = {"REDIS_URL": redis_url, "BUBBLETEA_HTTP_PORT": str(port), "BUBBLETEA_RUN": "sigterm-twice"}
+    p = await spawn(svc, env, out=io.StringIO())
     try:
         await wait_http_healthy(p, f"http://127.0.0.1:{port}", timeout=60)
         async with aiohttp.ClientSession() as http:
             call = asyncio.create_task(http.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi"}))
 
             async def queued() -> bool:  # no dispatcher: it waits for an answer
-                return bool(await redis.xlen(keys.PREFILL_REQUESTS_STREAM))
+                return bool(await redis.xlen(keys.prefill_requests_stream("sigterm-twice")))
 
             await wait_until(queued, "the request queued")
             p.proc.send_signal(signal.SIGTERM)

@@ -30,6 +30,7 @@ from shared.wire import FIELD, PrefillRequest, PrefillResult
 from shared.wire import decode as decode_msg
 
 PROMPT = "Computed by the decoder"
+RUN = "placement"
 
 
 def settings_for(redis_url: str, placement: str | None) -> Settings:
@@ -39,7 +40,7 @@ def settings_for(redis_url: str, placement: str | None) -> Settings:
         decode=msgspec.structs.replace(s.spec.decode, enabled=True, chunk_ms=1.0),
         prefill=msgspec.structs.replace(s.spec.prefill, placement=placement, request_timeout_s=30.0),
     )
-    return dataclasses.replace(s, redis_url=redis_url, spec=spec)
+    return dataclasses.replace(s, redis_url=redis_url, run=RUN, spec=spec)
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ async def test_placement_decoder_has_the_built_in_decoder_compute_every_prompt(
     assert answer["choices"][0]["text"] == text == decode(want)
     assert answer["usage"]["prompt_tokens_details"] == {"bubble_tokens": 0, "decoder_tokens": len(tokens)}
     assert first["choices"][0]["text"] == decode([decoder.prefill(tokens, temperature=0.9, seed=3).token])
-    assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0  # the bubbles were not asked
+    assert await redis.xlen(keys.prefill_requests_stream(RUN)) == 0  # the bubbles were not asked
 
 
 async def test_auto_places_prompts_on_the_decoder_while_the_bubbles_cannot_serve(
@@ -122,12 +123,12 @@ async def test_no_prompt_is_placed_on_a_decoder_that_is_not_alive(redis_url: str
             client.post("/v1/completions", json={"model": "bubbletea-gpt", "prompt": "x", "max_tokens": 1})
         )
         async with asyncio.timeout(30):
-            while not (rows := await redis.xrange(keys.PREFILL_REQUESTS_STREAM)):  # noqa: ASYNC110
+            while not (rows := await redis.xrange(keys.prefill_requests_stream(RUN))):  # noqa: ASYNC110
                 await asyncio.sleep(0.02)  # a stream entry: no event to wait on in this test
         req = decode_msg(rows[0][1][FIELD])
         assert isinstance(req, PrefillRequest)
         done = PrefillResult(id=req.id, status=RequestStatus.DONE, token=65, text="A", prompt_tokens=1, worker="w")
-        await serving.answer(redis, done, req.reply_to)
+        await serving.answer(redis, RUN, done, req.reply_to)
         resp = await call
         assert resp.status == 200, await resp.text()
         answer: dict[str, Any] = await resp.json()

@@ -20,11 +20,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
 from services.prefill_queue.app import create_app
-from shared.control import keys, serving
+from shared.control import serving
 from shared.model.corpus import BPE_EOS, train_bpe_tokenizer
 from shared.model.tokenizer import HFTokenizer
 from shared.spec.settings import Settings
-from tests.integration.test_prefill_api import ok_result, read_sse, settings_for, take_requests
+from tests.integration.test_prefill_api import REQUESTS, RUN, ok_result, read_sse, settings_for, take_requests
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
@@ -77,7 +77,7 @@ async def test_a_chat_is_rendered_prefilled_and_answered_in_the_chat_shape(
     call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
     (req,) = await take_requests(redis, 1)
     assert req.tokens == rendered_tokens(d) and req.tokens.count(0) == 3  # the special tokens the template wrote
-    assert await serving.answer(redis, ok_result(req), req.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(req), req.reply_to)
     resp = await asyncio.wait_for(call, 60)
     assert resp.status == 200, await resp.text()
     got = await resp.json()
@@ -105,7 +105,7 @@ async def test_a_streamed_chat_sends_the_role_then_the_text_then_usage(
     body = {"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True}}
     call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
     (req,) = await take_requests(redis, 1)
-    assert await serving.answer(redis, ok_result(req, 66), req.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(req, 66), req.reply_to)
     resp = await asyncio.wait_for(call, 60)
     assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
     events, _, done = await read_sse(resp)
@@ -126,7 +126,7 @@ async def test_bad_messages_are_a_400_naming_the_field_and_nothing_is_queued(
         assert resp.status == 400
         error = (await resp.json())["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error" and param in error["message"]
-    assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0
+    assert await redis.xlen(REQUESTS) == 0
 
 
 async def test_a_model_without_a_chat_template_gets_a_400_that_says_so(
@@ -139,7 +139,7 @@ async def test_a_model_without_a_chat_template_gets_a_400_that_says_so(
             assert resp.status == 400
             error = (await resp.json())["error"]
             assert "has no chat template" in error["message"] and error["code"] == 400
-    assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0
+    assert await redis.xlen(REQUESTS) == 0
 
 
 async def test_the_api_key_and_the_openapi_document_cover_chat(redis_url: str, tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """A request the dispatcher cannot handle is answered, failed, and counted out of flight (issue 62):
 before, a dead-lettered request was never answered (its client waited out its deadline) and never
-counted down, so `bt:prefill:inflight` crept toward `prefill.max_queue_depth` and ended in permanent
+counted down, so the run's `bt:<run>:prefill:inflight` crept toward `prefill.max_queue_depth` and ended in permanent
 429s. And the count is reconciled with the request stream, so no drift lasts.
 
 A real redis-server, the bus's real consumer, the serving scripts the services run."""
@@ -21,6 +21,8 @@ from shared.spec.config import BusConfig
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
 GROUP = "dispatcher"
+RUN = "dead"
+REQUESTS, INFLIGHT = keys.prefill_requests_stream(RUN), keys.prefill_inflight_key(RUN)
 FAST = BusConfig(block_ms=50, claim_idle_ms=200, max_deliveries=2)
 
 
@@ -38,18 +40,18 @@ async def test_a_dead_lettered_request_is_failed_through_the_answer_path_and_cou
 ) -> None:
     """One the handler rejects, and one written by another wire version (undecodable as ours, its
     id and reply stream still readable): each is answered failed at once, and in flight drops to 0."""
-    assert await serving.accept(redis, request("r-1"), 100)
+    assert await serving.accept(redis, RUN, request("r-1"), 100)
     foreign = msgspec.msgpack.encode({"kind": "prefill_request", "v": 99, "id": "r-2", "reply_to": "bt:test:results"})
-    await redis.incr(keys.PREFILL_INFLIGHT_KEY)  # a newer front door accepted it (and counted it)
-    await redis.xadd(keys.PREFILL_REQUESTS_STREAM, {FIELD: foreign})
-    assert int(await redis.get(keys.PREFILL_INFLIGHT_KEY)) == 2
+    await redis.incr(INFLIGHT)  # a newer front door accepted it (and counted it)
+    await redis.xadd(REQUESTS, {FIELD: foreign})
+    assert int(await redis.get(INFLIGHT)) == 2
 
     async def refuse(d: Delivery) -> None:
         raise Reject("cannot take it")
 
     async with Bus(redis_url, FAST) as bus:
-        last_word = functools.partial(serving.fail_dead_request, bus.redis)
-        c = bus.consumer(keys.PREFILL_REQUESTS_STREAM, GROUP, {PrefillRequest: refuse}, last_word=last_word)
+        last_word = functools.partial(serving.fail_dead_request, bus.redis, RUN)
+        c = bus.consumer(REQUESTS, GROUP, {PrefillRequest: refuse}, last_word=last_word)
         async with c:
             deadline = time.monotonic() + 30
             while c.stats.dead_lettered < 2:
@@ -59,7 +61,7 @@ async def test_a_dead_lettered_request_is_failed_through_the_answer_path_and_cou
     assert set(got) == {"r-1", "r-2"}
     assert all(a.status is RequestStatus.FAILED and a.reason is FailureReason.DEAD_LETTERED for a in got.values())
     assert "cannot take it" in got["r-1"].error
-    assert int(await redis.get(keys.PREFILL_INFLIGHT_KEY)) == 0
+    assert int(await redis.get(INFLIGHT)) == 0
     found = await serving.lookup(redis, "r-1")
     assert found is not None and found.status is RequestStatus.FAILED
 
@@ -68,15 +70,15 @@ async def test_the_inflight_count_is_reconciled_with_the_unacked_requests(redis_
     """A drifted count (decrements lost) is lowered to what the stream holds unacked: read and
     pending, plus not read yet."""
     for rid in ("a", "b", "c"):
-        assert await serving.accept(redis, request(rid), 100)
-    await redis.xgroup_create(keys.PREFILL_REQUESTS_STREAM, GROUP, id="0")
-    await redis.xreadgroup(GROUP, "me", {keys.PREFILL_REQUESTS_STREAM: ">"}, count=2)  # two pending
-    [(entry, _)] = (await redis.xrange(keys.PREFILL_REQUESTS_STREAM, count=1))[:1]
-    await redis.xack(keys.PREFILL_REQUESTS_STREAM, GROUP, entry)  # one answered and acked
-    await redis.set(keys.PREFILL_INFLIGHT_KEY, 57)  # crept
-    assert await serving.reconcile_inflight(redis, GROUP) == 2  # one pending, one not read
-    assert int(await redis.get(keys.PREFILL_INFLIGHT_KEY)) == 2
+        assert await serving.accept(redis, RUN, request(rid), 100)
+    await redis.xgroup_create(REQUESTS, GROUP, id="0")
+    await redis.xreadgroup(GROUP, "me", {REQUESTS: ">"}, count=2)  # two pending
+    [(entry, _)] = (await redis.xrange(REQUESTS, count=1))[:1]
+    await redis.xack(REQUESTS, GROUP, entry)  # one answered and acked
+    await redis.set(INFLIGHT, 57)  # crept
+    assert await serving.reconcile_inflight(redis, RUN, GROUP) == 2  # one pending, one not read
+    assert int(await redis.get(INFLIGHT)) == 2
     # never raised: a pending entry may be one answered and not acked yet (a dead dispatcher's)
-    await redis.set(keys.PREFILL_INFLIGHT_KEY, 1)
-    assert await serving.reconcile_inflight(redis, GROUP) == 1
-    assert await serving.reconcile_inflight(redis, "no-such-group") is None
+    await redis.set(INFLIGHT, 1)
+    assert await serving.reconcile_inflight(redis, RUN, GROUP) == 1
+    assert await serving.reconcile_inflight(redis, RUN, "no-such-group") is None

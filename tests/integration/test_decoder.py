@@ -29,13 +29,16 @@ from shared.wire import FIELD, DecodeChunk, DecodeRequest
 from shared.wire import decode as decode_msg
 
 REPLY = "bt:test:decode-replies"
+RUN = "decode"
+#: Where the run's front doors send what the decoder continues.
+REQUESTS = keys.decode_requests_stream(RUN)
 
 
 @pytest.fixture
 def settings(redis_url: str) -> Settings:
     s = load_settings(None)
     decode_cfg = msgspec.structs.replace(s.spec.decode, enabled=True, chunk_ms=1.0)
-    return dataclasses.replace(s, redis_url=redis_url, spec=msgspec.structs.replace(s.spec, decode=decode_cfg))
+    return dataclasses.replace(s, redis_url=redis_url, run=RUN, spec=msgspec.structs.replace(s.spec, decode=decode_cfg))
 
 
 @pytest.fixture
@@ -78,7 +81,7 @@ async def test_decoding_equals_a_local_full_generation(
     prompt = list(b"Once upon a time")
     first = await prefill_and_store(redis, decoder, "r1", prompt, **sampling)
     async with Bus(redis_url, name="test") as bus:
-        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("r1", 24, **sampling))
+        await bus.publish(REQUESTS, request("r1", 24, **sampling))
     chunks, _ = await completion(redis, "r1")
     tokens = [first] + [t for c in chunks for t in c.tokens]
     assert tokens == generate(decoder, prompt, 24, **sampling)
@@ -97,7 +100,7 @@ async def test_a_stop_sequence_ends_the_completion(decoder: PrefillModel, redis:
     text = decode(want)
     stop = text[3:5]  # a piece of what greedy decoding will write
     async with Bus(redis_url, name="test") as bus:
-        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("r2", 40, stop=(stop,)))
+        await bus.publish(REQUESTS, request("r2", 40, stop=(stop,)))
     chunks, _ = await completion(redis, "r2")
     tokens = [first] + [t for c in chunks for t in c.tokens]
     assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == stop
@@ -108,7 +111,7 @@ async def test_a_missing_kv_cache_fails_the_request_explicitly(
     decoder: PrefillModel, redis: Redis, redis_url: str
 ) -> None:
     async with Bus(redis_url, name="test") as bus:
-        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("gone", 8))
+        await bus.publish(REQUESTS, request("gone", 8))
     chunks, _ = await completion(redis, "gone")
     (last,) = chunks
     assert last.done and last.status is RequestStatus.FAILED and last.reason is FailureReason.KV_MISSING
@@ -124,8 +127,8 @@ async def test_a_prompt_placed_on_the_decoder_is_computed_there_first_token_firs
     a local full generation (the first token sampled as a bubble's prefill samples it)."""
     prompt = list(b"Placed on the decoder")
     async with Bus(redis_url, name="test") as bus:
-        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("p1", 20, prompt=tuple(prompt), **sampling))
-        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("p2", 1, prompt=tuple(prompt), **sampling))
+        await bus.publish(REQUESTS, request("p1", 20, prompt=tuple(prompt), **sampling))
+        await bus.publish(REQUESTS, request("p2", 1, prompt=tuple(prompt), **sampling))
     chunks, _ = await completion(redis, "p1")
     assert chunks[0].index == 0 and len(chunks[0].tokens) == 1 and not chunks[0].done
     tokens = [t for c in chunks for t in c.tokens]
@@ -141,7 +144,7 @@ async def test_a_prompt_the_model_cannot_hold_fails_explicitly(
 ) -> None:
     too_long = tuple(range(256)) * 4  # past the model's positions (the front door checks; the decoder too)
     async with Bus(redis_url, name="test") as bus:
-        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("p3", 4, prompt=too_long))
+        await bus.publish(REQUESTS, request("p3", 4, prompt=too_long))
     (last,), _ = await completion(redis, "p3")
     assert last.done and last.status is RequestStatus.FAILED and last.reason is FailureReason.MODEL_REFUSED
     assert "cannot compute the prompt" in last.error
@@ -156,7 +159,7 @@ async def test_an_end_of_sequence_token_ends_the_completion(
     eos = want[5]  # a token greedy decoding writes: call it the end of sequence
     cut = want.index(eos)
     async with Bus(redis_url, name="test") as bus:
-        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("r3", 30, eos=(eos,)))
+        await bus.publish(REQUESTS, request("r3", 30, eos=(eos,)))
     chunks, _ = await completion(redis, "r3")
     tokens = [first] + [t for c in chunks for t in c.tokens]
     assert tokens == want[: cut + 1] == generate(decoder, prompt, 30, eos=(eos,))  # it ends with the EOS token
@@ -173,9 +176,9 @@ async def test_the_decoder_serves_vllms_decode_metrics(decoder: PrefillModel, re
 
     await prefill_and_store(redis, decoder, "m1", list(b"metrics"))
     async with Bus(redis_url, name="test") as bus:
-        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("m1", 12))
-        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("m-gone", 4))
-        await bus.publish(keys.DECODE_REQUESTS_STREAM, request("m-here", 1, prompt=tuple(b"computed here")))
+        await bus.publish(REQUESTS, request("m1", 12))
+        await bus.publish(REQUESTS, request("m-gone", 4))
+        await bus.publish(REQUESTS, request("m-here", 1, prompt=tuple(b"computed here")))
     await completion(redis, "m1")
     await completion(redis, "m-gone")
     await completion(redis, "m-here")

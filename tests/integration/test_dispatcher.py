@@ -42,7 +42,7 @@ async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str,
     stop = asyncio.Event()
     service = asyncio.create_task(serve(settings, stop))
     streams = {
-        keys.PREFILL_REQUESTS_STREAM: "prefill_request",
+        keys.prefill_requests_stream("t"): "prefill_request",
         keys.bubbles_stream("t"): "bubble_end, bubble_start, prefill_off, worker_joined",
         keys.prefill_reports_stream("t"): "prefill_report",
     }
@@ -69,9 +69,10 @@ async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str,
 class Acks:
     """The request consumer as the dispatcher sees it: held entries acked in its round trip."""
 
-    stream, group = keys.PREFILL_REQUESTS_STREAM, "dispatcher"
+    group = "dispatcher"
 
-    def __init__(self) -> None:
+    def __init__(self, run: str) -> None:
+        self.stream = keys.prefill_requests_stream(run)
         self.released: list[str] = []
 
     def forget_held(self, ids: list[str]) -> None:  # acked in the dispatcher's round trip
@@ -84,12 +85,12 @@ class Acks:
 async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(redis_url: str) -> None:
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         d = Dispatcher(bus, load_settings(None).spec, "run")
-        d.acks = acks = Acks()
+        d.acks = acks = Acks(d.run)
         now = time.time()
         req = PrefillRequest(
             id="late", model="m", tokens=(1, 2), submitted=now, deadline=now + 0.05, reply_to="bt:test:results"
         )
-        assert await serving.accept(bus.redis, req, 10)
+        assert await serving.accept(bus.redis, d.run, req, 10)
         snapshot = keys.prefill_snapshot_key("run", "late", 2)  # a partial prefill saved for it earlier
         await bus.redis.set(snapshot, b"state", ex=300)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # held until answered or failed
@@ -101,7 +102,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(red
         got = await serving.lookup(bus.redis, "late")
         assert got is not None and got.status is RequestStatus.FAILED and got.result is not None
         assert got.result.reason is FailureReason.DEADLINE and "deadline passed" in got.result.error
-        assert await serving.inflight(bus.redis) == 0
+        assert await serving.inflight(bus.redis, d.run) == 0
         # redelivered after a restart: already answered, so acked at once and not queued again
         assert await d.on_request(Delivery("1-0", "s", req, 2)) is None and d.state.requests == {}
         assert encode(got.result)  # the stored answer is a whole message
@@ -123,10 +124,10 @@ async def test_a_joined_worker_gets_its_first_credit_on_its_fill_stream(redis_ur
     already queued goes to that worker's fill stream once the read is handled, for its queue."""
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         d = Dispatcher(bus, load_settings(None).spec, "run")
-        d.acks = Acks()
+        d.acks = Acks(d.run)
         now = time.time()
         req = PrefillRequest(id="early", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:results")
-        assert await serving.accept(bus.redis, req, 10)
+        assert await serving.accept(bus.redis, d.run, req, 10)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # no worker yet: it waits
         await d.requests_read([])
         fill = keys.fill_stream("run", 0, 1)
@@ -149,7 +150,7 @@ async def test_a_read_of_requests_goes_out_in_one_round_trip_and_only_redeliveri
 ) -> None:
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         d = Dispatcher(bus, load_settings(None).spec, f"one-{time.time_ns()}")
-        d.acks = Acks()
+        d.acks = Acks(d.run)
         now = time.time()
         joined = WorkerJoined(
             run=d.run, worker="r0s0", replica=0, stage=0, typical_bubble_ms=500.0, free_memory_bytes=1 << 30, at=now
@@ -191,7 +192,7 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
     RUN = f"seen-{time.time_ns()}"  # its own run: the suite's Redis is shared by every test
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         d = Dispatcher(bus, load_settings(None).spec, RUN)
-        d.acks = Acks()
+        d.acks = Acks(d.run)
 
         def start(at: float, it: int) -> Delivery:
             msg = BubbleStart(
@@ -210,7 +211,7 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
             ), 1)
         )  # fmt: skip
         req = PrefillRequest(id="q", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:results")
-        assert await serving.accept(bus.redis, req, 10)
+        assert await serving.accept(bus.redis, d.run, req, 10)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None
         await d.requests_read([])  # held on r0s1 (its credit): work for it
         await d.on_start(start(now + 0.002, 1))

@@ -87,13 +87,14 @@ async def test_a_leader_whose_lease_another_took_writes_no_batch_answer_or_ack_t
         lease = DispatcherLease(bus.redis, run, "dispatcher-a")
         assert (await lease.step_once()).move is Move.LEAD
         d = Dispatcher(bus, SPEC, run, lease=lease)
-        d.acks = acks = Acks()
-        await redis.xgroup_create(keys.PREFILL_REQUESTS_STREAM, SERVICE, id="0", mkstream=True)
+        d.acks = acks = Acks(run)
+        requests = keys.prefill_requests_stream(run)
+        await redis.xgroup_create(requests, SERVICE, id="0", mkstream=True)
 
         async def arrive(*reqs: PrefillRequest) -> None:  # accepted, read by the dispatcher, held
             for req in reqs:
-                assert await serving.accept(bus.redis, req, 100)
-            read: Any = await redis.xreadgroup(SERVICE, d.instance, {keys.PREFILL_REQUESTS_STREAM: ">"})
+                assert await serving.accept(bus.redis, run, req, 100)
+            read: Any = await redis.xreadgroup(SERVICE, d.instance, {requests: ">"})
             for entry_id, fields in read[0][1]:
                 assert await d.on_request(Delivery(entry_id.decode(), "s", decode(fields[FIELD]), 1)) is not None
             await d.requests_read([])
@@ -110,7 +111,7 @@ async def test_a_leader_whose_lease_another_took_writes_no_batch_answer_or_ack_t
         assert [it.id for b in await batches(redis, fill) for it in b.items] == sent  # no other batch
         found = await serving.lookup(redis, "q2")
         assert found is not None and found.status is RequestStatus.QUEUED  # not answered
-        pending: Any = await redis.xpending(keys.PREFILL_REQUESTS_STREAM, SERVICE)
+        pending: Any = await redis.xpending(requests, SERVICE)
         assert pending["pending"] == 3 and acks.released == []  # nothing acked: left to the leader
         assert lease.deposed.is_set() and lease.role is DispatcherRole.STANDBY
         assert "Redis refused its writes" in lease.why
@@ -125,14 +126,14 @@ async def test_a_leader_stalled_past_its_lease_writes_nothing_and_leaves_what_it
         lease = DispatcherLease(bus.redis, run, "dispatcher-a", ttl_ms=400, renew_every_s=0.1)
         assert (await lease.step_once()).move is Move.LEAD
         d = Dispatcher(bus, SPEC, run, lease=lease)
-        d.acks = Acks()
+        d.acks = Acks(run)
         stream = keys.bubbles_stream(run)
         await redis.xgroup_create(stream, SERVICE, id="0", mkstream=True)
         await redis.xadd(stream, {FIELD: b"x"})
         [[_, [(entry_id, _)]]] = await redis.xreadgroup(SERVICE, d.instance, {stream: ">"})
         await asyncio.sleep(0.2)  # the stall itself: no renewal (nothing steps it), past 0.4 s less the margin
         await d.on_joined(Delivery(entry_id.decode(), stream, joined(run, 0, 1 << 30), 1))
-        reader = Acks()
+        reader = Acks(run)
         reader.stream = stream
         assert await d.flush(reader, [entry_id.decode()])  # "acked": left for the consumer not to
         assert reader.released == [] and (await redis.xpending(stream, SERVICE))["pending"] == 1
@@ -143,21 +144,24 @@ async def test_a_new_leader_takes_its_runs_earlier_dispatchers_entries_at_once_a
     redis: Redis,
 ) -> None:
     """Read a moment ago and refreshed or not, a predecessor's held requests move to the new leader
-    now (not after `claim_idle_ms`); another run's live dispatcher keeps its own (the request
-    stream is every run's)."""
-    run, requests = f"claim-{time.time_ns()}", keys.PREFILL_REQUESTS_STREAM
-    for stream in (requests, keys.bubbles_stream(run)):
+    now (not after `claim_idle_ms`); another run's live dispatcher, on the same Redis, keeps its
+    own: they are on its run's request stream."""
+    run, other = f"claim-{time.time_ns()}", f"other-{time.time_ns()}"
+    ours, theirs = keys.prefill_requests_stream(run), keys.prefill_requests_stream(other)
+    for stream in (ours, theirs, keys.bubbles_stream(run)):
         await redis.xgroup_create(stream, SERVICE, id="$", mkstream=True)
         for _ in range(3):
             await redis.xadd(stream, {FIELD: b"x"})
-    await redis.xreadgroup(SERVICE, "old", {requests: ">"}, count=2)  # the run's deposed leader
-    await redis.xreadgroup(SERVICE, "other", {requests: ">"}, count=1)  # another run's leader
+    await redis.xreadgroup(SERVICE, "old", {ours: ">"}, count=2)  # the run's deposed leader
+    await redis.xreadgroup(SERVICE, "other", {theirs: ">"}, count=1)  # another run's leader
     await redis.xreadgroup(SERVICE, "old", {keys.bubbles_stream(run): ">"})
     owners = await predecessors(redis, run, SERVICE)
     assert owners == ["old"]
-    assert await claim_from(redis, requests, SERVICE, "new", owners) == 2
-    held: Any = await redis.xpending(requests, SERVICE)
-    assert {c["name"].decode(): c["pending"] for c in held["consumers"]} == {"new": 2, "other": 1}
+    assert await claim_from(redis, ours, SERVICE, "new", owners) == 2
+    held: Any = await redis.xpending(ours, SERVICE)
+    assert {c["name"].decode(): c["pending"] for c in held["consumers"]} == {"new": 2}
+    kept: Any = await redis.xpending(theirs, SERVICE)
+    assert {c["name"].decode(): c["pending"] for c in kept["consumers"]} == {"other": 1}
 
 
 async def test_a_supervisor_releases_a_dead_dispatchers_lease_and_no_other(redis: Redis) -> None:
@@ -253,18 +257,21 @@ def sent(r: Redis, stream: str, ids: set[str]) -> Callable[[], Awaitable[bool]]:
     return check
 
 
-def held_by(r: Redis, consumer: str, n: int) -> Callable[[], Awaitable[bool]]:
-    """Whether `consumer` holds `n` request entries (read, not acked)."""
+def held_by(r: Redis, run: str, consumer: str, n: int) -> Callable[[], Awaitable[bool]]:
+    """Whether `consumer` holds `n` of `run`'s request entries (read, not acked)."""
 
     async def check() -> bool:
-        rows: Any = await r.xpending_range(keys.PREFILL_REQUESTS_STREAM, SERVICE, "-", "+", 100, consumer)
+        rows: Any = await r.xpending_range(keys.prefill_requests_stream(run), SERVICE, "-", "+", 100, consumer)
         return len(rows) == n
 
     return check
 
 
-async def none_pending(r: Redis) -> bool:
-    return (await r.xpending(keys.PREFILL_REQUESTS_STREAM, SERVICE))["pending"] == 0
+def none_pending(r: Redis, run: str) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return (await r.xpending(keys.prefill_requests_stream(run), SERVICE))["pending"] == 0
+
+    return check
 
 
 def field(line: str, key: str) -> str:
@@ -274,7 +281,7 @@ def field(line: str, key: str) -> str:
 async def consumers(r: Redis, run: str) -> set[str]:
     """Every consumer of the dispatcher group on the run's three streams."""
     out = set()
-    for stream in (keys.PREFILL_REQUESTS_STREAM, keys.bubbles_stream(run), keys.prefill_reports_stream(run)):
+    for stream in (keys.prefill_requests_stream(run), keys.bubbles_stream(run), keys.prefill_reports_stream(run)):
         for c in await r.xinfo_consumers(stream, SERVICE):
             out.add(c["name"].decode() if isinstance(c["name"], bytes) else c["name"])
     return out
@@ -293,7 +300,7 @@ async def test_a_second_dispatcher_stands_by_reading_nothing_and_takes_over_at_o
         async with Bus(run_env["REDIS_URL"], name="test") as bus:
             await bus.publish(keys.bubbles_stream(run), joined(run, 0, 1 << 30))
             for i in range(5):
-                assert await serving.accept(bus.redis, request(f"q{i}"), 100)
+                assert await serving.accept(bus.redis, run, request(f"q{i}"), 100)
         await until(sent(redis, keys.fill_stream(run, 0, 0), {f"q{i}" for i in range(5)}), "the batches", START_S)
         assert await consumers(redis, run) == {name(a)}  # the standby never read a stream
         assert {v.instance for v in await serving.readiness(redis)} == {name(a)}  # nor says it serves
@@ -328,11 +335,11 @@ async def test_a_stalled_leader_is_replaced_by_the_standby_that_serves_its_queue
         async with Bus(run_env["REDIS_URL"], name="test") as bus:
             await bus.publish(keys.bubbles_stream(run), joined(run, 0, room))
             for rid in ("s1", "s2"):
-                assert await serving.accept(bus.redis, request(rid, small), 100)
+                assert await serving.accept(bus.redis, run, request(rid, small), 100)
             await until(sent(redis, fill0, {"s1", "s2"}), "the leader's batch for the first worker", START_S)
             for rid in ("g1", "g2", "g3"):
-                assert await serving.accept(bus.redis, request(rid, big), 100)
-            await until(held_by(redis, name(a), 5), "the leader holding every request", START_S)
+                assert await serving.accept(bus.redis, run, request(rid, big), 100)
+            await until(held_by(redis, run, name(a), 5), "the leader holding every request", START_S)
             before = [x.batch_id for x in await batches(redis, fill0)]
             a.proc.send_signal(signal.SIGSTOP)  # a stall: a GC pause, a VM paused
             took = await until(led_by(redis, run, name(b)), "the standby leads", TAKEOVER_S)
@@ -353,7 +360,7 @@ async def test_a_stalled_leader_is_replaced_by_the_standby_that_serves_its_queue
             )
             for x in sent_all:  # the workers answer, and report: the new leader acks every request
                 for it in x.items:
-                    await serving.answer(redis, PrefillResult(id=it.id, status=RequestStatus.DONE), "bt:t:r")
+                    await serving.answer(redis, run, PrefillResult(id=it.id, status=RequestStatus.DONE), "bt:t:r")
                 done = tuple(
                     PrefillProgress(id=it.id, outcome=ItemOutcome.DONE, reached_layer=info.layers, seconds=0.001)
                     for it in x.items
@@ -362,6 +369,6 @@ async def test_a_stalled_leader_is_replaced_by_the_standby_that_serves_its_queue
                     run=run, worker=x.worker, batch_id=x.batch_id, progress=done, preempted=False, at=time.time()
                 )
                 await bus.publish(keys.prefill_reports_stream(run), report)
-            await until(lambda: none_pending(redis), "every request acked", TAKEOVER_S)
+            await until(none_pending(redis, run), "every request acked", TAKEOVER_S)
     finally:
         await ds.stop()

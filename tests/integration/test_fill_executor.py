@@ -141,7 +141,7 @@ async def one_bubble(
 async def accepted(bus: Bus, rid: str, reply_to: str = "bt:test:results") -> PrefillRequest:
     """A request of `PROMPT` accepted as the front door accepts it (counted in flight, queued)."""
     req = PrefillRequest(id=rid, model="m", tokens=PROMPT, submitted=time.time(), reply_to=reply_to)
-    assert await serving.accept(bus.redis, req, 100)
+    assert await serving.accept(bus.redis, RUN, req, 100)
     return req
 
 
@@ -334,7 +334,7 @@ async def two_requests_batched(
         for i in range(2)
     ]
     for r in reqs:
-        assert await serving.accept(bus.redis, r, 100)
+        assert await serving.accept(bus.redis, RUN, r, 100)
     filler = filler_for(bus, model)
     items = tuple(
         PrefillItem(

@@ -26,12 +26,13 @@ from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 #: The grace period when the answer does not come: the test waits it out. When the answer comes,
 #: the production grace (`state.STOP_GRACE_S`, 5 s) leaves it all the time a busy machine needs.
 GRACE_S = 1.0
+RUN = "stop"
 
 
 async def start(redis_url: str) -> tuple[asyncio.Event, asyncio.Task[None], str, web.Application]:
     stop = asyncio.Event()
     listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    app = create_app(load_settings(env={"REDIS_URL": redis_url}))
+    app = create_app(load_settings(env={"REDIS_URL": redis_url, "BUBBLETEA_RUN": RUN}))
     task = asyncio.create_task(
         serve_app(app, "127.0.0.1", 0, stop, on_listening=listening.set_result, runner_class=Runner)
     )
@@ -39,7 +40,7 @@ async def start(redis_url: str) -> tuple[asyncio.Event, asyncio.Task[None], str,
 
 
 async def first_request(redis: Redis) -> PrefillRequest:
-    got: Any = await redis.xread({keys.PREFILL_REQUESTS_STREAM: "0"}, count=1, block=30_000)
+    got: Any = await redis.xread({keys.prefill_requests_stream(RUN): "0"}, count=1, block=30_000)
     assert got, "the request never reached the stream"
     msg = decode(got[0][1][0][1][FIELD])
     assert isinstance(msg, PrefillRequest)
@@ -62,7 +63,7 @@ async def test_a_stopping_front_door_answers_or_fails_what_is_in_flight(
             # the answer lands once the front door has begun to stop: during its grace period
             await asyncio.wait_for(app[STOPPING].event.wait(), 30)
             result = PrefillResult(id=req.id, status=RequestStatus.DONE, token=65, text="A", prompt_tokens=2)
-            assert await serving.answer(redis, result, req.reply_to)
+            assert await serving.answer(redis, RUN, result, req.reply_to)
         resp = await asyncio.wait_for(call, 60)
         body: Any = await resp.json()
         if answered_in_grace:

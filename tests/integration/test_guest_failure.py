@@ -45,7 +45,7 @@ async def accepted(bus: Bus, ids: list[str]) -> list[PrefillItem]:
     items = []
     for rid in ids:
         req = PrefillRequest(id=rid, model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to="bt:test:r")
-        assert await serving.accept(bus.redis, req, 100)
+        assert await serving.accept(bus.redis, RUN, req, 100)
         items.append(PrefillItem(id=rid, tokens=req.tokens, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to))
     return items
 

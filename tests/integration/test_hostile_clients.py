@@ -25,11 +25,11 @@ from redis.asyncio import Redis
 from services.prefill_queue.app import create_app
 from services.prefill_queue.server import Runner
 from services.prefill_queue.validation import MAX_JSON_DEPTH, json_too_deep
-from shared.control import keys, serving
+from shared.control import serving
 from shared.runtime.logs import KeyValueFormatter
 from shared.runtime.service import serve_app
 from shared.spec.settings import Settings
-from tests.integration.test_prefill_api import ok_result, settings_for, take_requests
+from tests.integration.test_prefill_api import REQUESTS, RUN, ok_result, settings_for, take_requests
 
 HEADER_TIMEOUT_S = 1.0
 
@@ -123,7 +123,7 @@ async def test_every_error_is_json_in_the_api_shape(
     assert fragment in assert_error_shape(text, status)["message"]
     if status == 405:
         assert headers["Allow"]
-    assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0
+    assert await redis.xlen(REQUESTS) == 0
 
 
 async def test_json_nested_10000_deep_gets_a_400_not_a_500(redis_url: str) -> None:
@@ -162,7 +162,7 @@ async def test_a_body_that_is_not_declared_json_gets_415_naming_the_type(server:
     err = assert_error_shape(text, 415)
     assert got == 415 and "application/json" in err["message"] and ctype in err["message"]
     assert err["param"] == "Content-Type"
-    assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0
+    assert await redis.xlen(REQUESTS) == 0
 
 
 async def test_json_content_type_with_charset_and_a_missing_content_type_are_accepted(server: str) -> None:
@@ -292,12 +292,12 @@ async def test_a_client_gone_mid_stream_is_logged_in_one_line_without_a_tracebac
     )
     await writer.drain()
     first, second = await take_requests(redis, 2)
-    assert await serving.answer(redis, ok_result(first, 65), first.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(first, 65), first.reply_to)
     assert b"200" in await asyncio.wait_for(reader.readline(), 30)  # the stream began
     writer.close()
     await writer.wait_closed()
     await asyncio.sleep(0.2)
-    assert await serving.answer(redis, ok_result(second, 66), second.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(second, 66), second.reply_to)
     for _ in range(100):  # the handler writes the second answer to the closed connection
         if any("closed the connection" in r.getMessage() for r in caplog.records):
             break

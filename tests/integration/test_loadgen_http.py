@@ -44,10 +44,12 @@ from shared.spec.settings import Settings, load_settings
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
 
 MAX_PROMPT = 64
+#: The front door's run (its request stream, its in-flight count).
+RUN = "r"
 
 
 def settings_for(url: str, **prefill: Any) -> Settings:
-    s = load_settings(env={"REDIS_URL": url})
+    s = load_settings(env={"REDIS_URL": url, "BUBBLETEA_RUN": RUN})
     limits = {"max_prompt_tokens": MAX_PROMPT, "max_body_bytes": 65536, **prefill}
     spec = msgspec.structs.replace(s.spec, prefill=msgspec.structs.replace(s.spec.prefill, **limits))
     return Settings(**{**s.__dict__, "spec": spec})
@@ -121,13 +123,13 @@ async def answering(redis_url: str, fails: Callable[[PrefillRequest], bool]) -> 
     async def loop() -> None:
         last = "0"
         while True:
-            got: Any = await reader.xread({keys.PREFILL_REQUESTS_STREAM: last}, count=100, block=100)
+            got: Any = await reader.xread({keys.prefill_requests_stream(RUN): last}, count=100, block=100)
             for _, rows in got or []:
                 for msg_id, fields in rows:
                     last = msg_id
                     req = decode(fields[FIELD])
                     assert isinstance(req, PrefillRequest)
-                    await serving.answer(writer, result_for(req, fails(req)), req.reply_to)
+                    await serving.answer(writer, RUN, result_for(req, fails(req)), req.reply_to)
 
     task = asyncio.create_task(loop())
     try:
@@ -203,7 +205,7 @@ async def test_answered_requests_are_measured(redis_url: str, endpoint: str, str
 async def _inflight(redis_url: str) -> int:
     r = Redis.from_url(redis_url, protocol=2)
     try:
-        return await serving.inflight(r)
+        return await serving.inflight(r, RUN)
     finally:
         await r.aclose()
 

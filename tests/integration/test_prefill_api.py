@@ -32,8 +32,13 @@ def IN_BUBBLES(tokens: int) -> dict[str, object]:  # the name reads as a constan
     return {"prompt_tokens_details": {"bubble_tokens": tokens, "decoder_tokens": 0}}
 
 
+#: The front door's run: the stream its requests go to, the in-flight count they are counted in.
+RUN = "api"
+REQUESTS = keys.prefill_requests_stream(RUN)
+
+
 def settings_for(url: str, **env: str) -> Settings:
-    s = load_settings(env={"REDIS_URL": url, **env})
+    s = load_settings(env={"REDIS_URL": url, "BUBBLETEA_RUN": RUN, **env})
     prefill = msgspec.structs.replace(
         s.spec.prefill, max_queue_depth=3, max_prompt_tokens=64, request_timeout_s=60.0, max_body_bytes=4096
     )
@@ -47,7 +52,7 @@ async def client(redis_url: str) -> AsyncIterator[TestClient]:
 
 
 async def queued(redis: Redis, n: int) -> list[PrefillRequest]:
-    rows: Any = await redis.xrange(keys.PREFILL_REQUESTS_STREAM)
+    rows: Any = await redis.xrange(REQUESTS)
     reqs = [decode(f[FIELD]) for _, f in rows]
     assert len(reqs) == n
     return [r for r in reqs if isinstance(r, PrefillRequest)]
@@ -81,13 +86,13 @@ async def test_completion_is_answered_in_the_openai_shape(client: TestClient, re
     )
 
     reader = blocking_client(str(client.server.app[SETTINGS].redis_url))
-    got: Any = await reader.xread({keys.PREFILL_REQUESTS_STREAM: "0"}, count=1, block=30_000)  # wait for it
+    got: Any = await reader.xread({REQUESTS: "0"}, count=1, block=30_000)  # wait for it
     await reader.aclose()
     assert got, "the request never reached the stream"
     req = decode(got[0][1][0][1][FIELD])
     assert isinstance(req, PrefillRequest)
     assert req.tokens == tuple(b"Hello") and req.temperature == 1.0 and req.logprobs == 1
-    assert await serving.answer(redis, ok_result(req), req.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(req), req.reply_to)
     resp = await asyncio.wait_for(call, 60)
     assert resp.status == 200 and resp.headers["X-Request-Id"] == "abc123"
     body = await resp.json()
@@ -96,7 +101,7 @@ async def test_completion_is_answered_in_the_openai_shape(client: TestClient, re
     assert body["choices"][0]["logprobs"]["token_logprobs"] == [-0.5]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6, **IN_BUBBLES(5)}
     assert body["kv_transfer_params"]["key"] == f"bt:kv:{req.id}" and body["kv_transfer_params"]["bytes"] == 1024
-    assert await serving.inflight(redis) == 0
+    assert await serving.inflight(redis, RUN) == 0
     text = await (await client.get("/metrics")).text()
     assert 'bubbletea:request_total{outcome="success"} 1.0' in text
 
@@ -111,8 +116,8 @@ async def test_native_submit_status_and_idempotency(client: TestClient, redis: R
     assert len(await queued(redis, 1)) == 1  # enqueued once
     assert (await (await client.get(f"/v1/prefill/{rid}")).json())["status"] == "queued"
     req = (await queued(redis, 1))[0]
-    assert await serving.answer(redis, ok_result(req, 66), req.reply_to)
-    assert not await serving.answer(redis, ok_result(req, 67), req.reply_to)  # first answer wins
+    assert await serving.answer(redis, RUN, ok_result(req, 66), req.reply_to)
+    assert not await serving.answer(redis, RUN, ok_result(req, 67), req.reply_to)  # first answer wins
     got = await (await client.get(f"/v1/prefill/{rid}")).json()
     assert got["status"] == "done" and got["result"]["token"] == 66
     assert (await client.get("/v1/prefill/pf-nope")).status == 404
@@ -127,7 +132,7 @@ async def test_a_failed_answer_is_reported(client: TestClient, redis: Redis) -> 
         reason=FailureReason.DEADLINE,
         error="deadline passed before a bubble ran it",
     )
-    await serving.answer(redis, failed, req.reply_to)
+    await serving.answer(redis, RUN, failed, req.reply_to)
     got = await (await client.get(f"/v1/prefill/{rid}")).json()
     assert got == {
         "id": rid,
@@ -142,11 +147,11 @@ async def test_a_failed_completion_answers_the_http_status_of_its_reason(
     client: TestClient, redis: Redis, reason: FailureReason
 ) -> None:
     call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}))
-    got: Any = await redis.xread({keys.PREFILL_REQUESTS_STREAM: "0"}, count=1, block=30_000)  # wait for it
+    got: Any = await redis.xread({REQUESTS: "0"}, count=1, block=30_000)  # wait for it
     req = decode(got[0][1][0][1][FIELD])
     assert isinstance(req, PrefillRequest)
     failed = PrefillResult(id=req.id, status=RequestStatus.FAILED, reason=reason, error=f"it failed: {reason}")
-    assert await serving.answer(redis, failed, req.reply_to)
+    assert await serving.answer(redis, RUN, failed, req.reply_to)
     resp = await asyncio.wait_for(call, 60)
     assert resp.status == FAILURE_STATUS[reason]
     # every failure is the server's (5xx) except a refusal for load: 429, with when to come back
@@ -203,7 +208,7 @@ async def test_bad_input_gets_a_clear_4xx_and_nothing_is_queued(
     resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
     assert resp.status == status
     assert fragment in (await resp.json())["error"]["message"]
-    assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0
+    assert await redis.xlen(REQUESTS) == 0
 
 
 async def test_api_key(redis_url: str) -> None:
@@ -238,7 +243,7 @@ async def take_requests(redis: Redis, n: int, after: str = "0") -> list[PrefillR
     """Block until `n` requests are on the request stream after `after`; return them in order."""
     reqs: list[PrefillRequest] = []
     while len(reqs) < n:
-        got: Any = await redis.xread({keys.PREFILL_REQUESTS_STREAM: after}, block=30_000)
+        got: Any = await redis.xread({REQUESTS: after}, block=30_000)
         assert got, f"only {len(reqs)} of {n} requests reached the stream"
         for entry_id, f in got[0][1]:
             after = entry_id.decode()
@@ -282,7 +287,7 @@ async def test_streaming_answers_as_vllm_bench_serve_reads_it(client: TestClient
     t0 = time.perf_counter()
     call = asyncio.create_task(client.post("/v1/completions", json=body))
     (req,) = await take_requests(redis, 1)
-    assert await serving.answer(redis, ok_result(req), req.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(req), req.reply_to)
     resp = await asyncio.wait_for(call, 60)
     assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
     events, first_text_at, done = await read_sse(resp)
@@ -303,7 +308,7 @@ async def test_a_list_of_prompts_gets_one_choice_each_in_prompt_order(client: Te
     reqs = await take_requests(redis, 3)
     assert [r.tokens for r in reqs] == [(97, 98), (1, 2, 3), (99,)]
     for req, token in reversed(list(zip(reqs, (65, 66, 67), strict=True))):  # answered out of order
-        assert await serving.answer(redis, ok_result(req, token), req.reply_to)
+        assert await serving.answer(redis, RUN, ok_result(req, token), req.reply_to)
     body = await (await asyncio.wait_for(call, 60)).json()
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "A"), (1, "B"), (2, "C")]
     assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9, **IN_BUBBLES(6)}
@@ -312,9 +317,9 @@ async def test_a_list_of_prompts_gets_one_choice_each_in_prompt_order(client: Te
 async def test_a_streamed_list_sends_each_choice_as_it_is_answered(client: TestClient, redis: Redis) -> None:
     call = asyncio.create_task(client.post("/v1/completions", json={"prompt": ["ab", "cd"], "stream": True}))
     first, second = await take_requests(redis, 2)
-    assert await serving.answer(redis, ok_result(second, 66), second.reply_to)  # the second lands first
+    assert await serving.answer(redis, RUN, ok_result(second, 66), second.reply_to)  # the second lands first
     resp = await asyncio.wait_for(call, 60)
-    assert await serving.answer(redis, ok_result(first, 65), first.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(first, 65), first.reply_to)
     events, _, done = await read_sse(resp)
     assert done and [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events] == [(1, "B"), (0, "A")]
     assert all("usage" not in e for e in events)  # not asked for
@@ -323,7 +328,7 @@ async def test_a_streamed_list_sends_each_choice_as_it_is_answered(client: TestC
 async def test_a_stop_sequence_in_the_token_ends_the_choice_there(client: TestClient, redis: Redis) -> None:
     call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "stop": ["A"]}))
     (req,) = await take_requests(redis, 1)
-    assert await serving.answer(redis, ok_result(req, 65), req.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(req, 65), req.reply_to)
     (c,) = (await (await asyncio.wait_for(call, 60)).json())["choices"]
     assert (c["text"], c["finish_reason"], c["stop_reason"]) == ("", "stop", "A")
 
@@ -332,7 +337,7 @@ async def test_a_failure_before_the_stream_keeps_its_http_status(client: TestCli
     call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
     (req,) = await take_requests(redis, 1)
     failed = PrefillResult(id=req.id, status=RequestStatus.FAILED, reason=FailureReason.DEADLINE, error="too late")
-    assert await serving.answer(redis, failed, req.reply_to)
+    assert await serving.answer(redis, RUN, failed, req.reply_to)
     resp = await asyncio.wait_for(call, 60)
     assert resp.status == 504 and (await resp.json())["error"]["message"] == "the prefill failed: too late"
 
@@ -340,7 +345,7 @@ async def test_a_failure_before_the_stream_keeps_its_http_status(client: TestCli
 async def test_x_request_id_names_the_completion_and_kv_params_follow_vllm(client: TestClient, redis: Redis) -> None:
     call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "abc-1"}))
     (req,) = await take_requests(redis, 1)
-    assert await serving.answer(redis, ok_result(req), req.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(req), req.reply_to)
     resp = await asyncio.wait_for(call, 60)
     body = await resp.json()
     assert body["id"].startswith("cmpl-abc-1-") and resp.headers["X-Request-Id"] == "abc-1"
@@ -364,7 +369,7 @@ async def test_a_one_token_answer_says_the_front_doors_own_time_to_first_token(
     call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "stream": stream}))
     (req,) = await take_requests(redis, 1)
     await asyncio.sleep(0.2)  # the answer held back: the front door's own time is at least this
-    assert await serving.answer(redis, ok_result(req), req.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(req), req.reply_to)
     resp = await asyncio.wait_for(call, 60)
     assert resp.status == 200
     await resp.read()
@@ -383,7 +388,7 @@ async def test_an_answers_way_back_through_redis_counts_in_the_front_doors_hops(
     call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
     (req,) = await take_requests(redis, 1)
     answered = msgspec.structs.replace(ok_result(req), finished=time.time() - 0.3)  # it left the worker 0.3 s ago
-    assert await serving.answer(redis, answered, req.reply_to)
+    assert await serving.answer(redis, RUN, answered, req.reply_to)
     resp = await asyncio.wait_for(call, 60)
     assert resp.status == 200
     await resp.read()
@@ -401,8 +406,8 @@ async def test_vllm_request_metrics_count_what_was_answered(client: TestClient, 
 
     call = asyncio.create_task(client.post("/v1/completions", json={"prompt": ["ab", "cde"], "stop": "B"}))
     first, second = await take_requests(redis, 2)
-    assert await serving.answer(redis, ok_result(first, 65), first.reply_to)
-    assert await serving.answer(redis, ok_result(second, 66), second.reply_to)  # "B": stopped
+    assert await serving.answer(redis, RUN, ok_result(first, 65), first.reply_to)
+    assert await serving.answer(redis, RUN, ok_result(second, 66), second.reply_to)  # "B": stopped
     assert (await asyncio.wait_for(call, 60)).status == 200
     text = await (await client.get("/metrics")).text()
     samples = {

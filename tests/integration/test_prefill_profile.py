@@ -49,7 +49,7 @@ async def bubble(
     filler and when the fill gave training back (relative to the bubble's start); the prefill
     spans it recorded go to `spans`."""
     req = PrefillRequest(id="q", model="m", tokens=PROMPT, submitted=time.time(), reply_to="bt:test:results")
-    assert await serving.accept(bus.redis, req, 10)
+    assert await serving.accept(bus.redis, RUN, req, 10)
     on_span = (lambda a, b: spans.append((a, b))) if spans is not None else (lambda a, b: None)
     port = StagePort(PrefillPort(bus.redis, RUN, kv_ttl_s=0))
     filler = Filler(bus, RUN, "r0s0", MODEL, "m", port, on_span, FillQueue(), profile)

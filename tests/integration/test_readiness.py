@@ -78,7 +78,7 @@ async def test_ready_follows_the_run_and_queued_requests_fail_when_it_finishes(
         assert resp.status == 503 and resp.headers["Retry-After"] == "2"
         error = (await resp.json())["error"]
         assert error["type"] == "service_unavailable" and "has not started" in error["message"]
-        assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 0  # nothing was queued
+        assert await redis.xlen(keys.prefill_requests_stream(RUN)) == 0  # nothing was queued
 
         # the workers take every slot, then set up: joining until they join the run; a request
         # is taken now and waits for the first bubbles
@@ -211,4 +211,4 @@ async def test_no_dispatcher_means_not_ready_but_requests_are_accepted(settings:
         body = await resp.json()
         assert resp.status == 503 and body["state"] == "no_dispatcher" and "no dispatcher" in body["reason"]
         assert (await client.post("/v1/prefill", json={"prompt": "waits"})).status == 202
-        assert await redis.xlen(keys.PREFILL_REQUESTS_STREAM) == 1
+        assert await redis.xlen(keys.prefill_requests_stream(RUN)) == 1

@@ -23,7 +23,7 @@ from shared.control.health import Heartbeat, live_instances, wait_live
 from shared.dataplane.store import RedisStore
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import FIELD, LinkReport, Ping, decode
-from tests.integration.test_prefill_api import settings_for
+from tests.integration.test_prefill_api import REQUESTS, settings_for
 from tests.integration.test_wan_broker import settings as broker_settings
 from tests.integration.test_wan_broker import transfer
 
@@ -163,7 +163,7 @@ async def test_the_front_door_answers_503_while_redis_is_down_and_keeps_accepted
         assert after.status == 202
         assert (await c.get("/health")).status == 200
     r = Redis.from_url(server.url, protocol=2)
-    assert await r.xlen(keys.PREFILL_REQUESTS_STREAM) == 2  # the accepted one and the one after
+    assert await r.xlen(REQUESTS) == 2  # the accepted one and the one after
     await r.aclose()
 
 

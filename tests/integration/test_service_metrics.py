@@ -307,7 +307,7 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
         assert value(got, "bubbletea:bubble_start_queued_seconds_sum", run=run) == 0
         assert value(got, "bubbletea:bubbles_opened_empty_total", run=run) == 0  # nothing waited either
         req = PrefillRequest(id="q1", model=model, tokens=tuple(range(1, 9)), submitted=now, reply_to="bt:test:results")
-        assert await serving.accept(bus.redis, req, 10)
+        assert await serving.accept(bus.redis, run, req, 10)
         # the request arrives while the bubble is open: the worker takes it at once (its credit)
         got = await until(
             url,
@@ -317,7 +317,7 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
             ),  # sent, unanswered
         )
         assert value(got, "bubbletea:credit_held_seconds", run=run) > 0
-        requests_stream = keys.PREFILL_REQUESTS_STREAM
+        requests_stream = keys.prefill_requests_stream(run)
         held = {"stream": requests_stream, "group": "dispatcher"}
         got = await until(url, lambda g: value(g, "bubbletea:stream_pending", **held) == 1)  # held, unacked
         assert value(got, "bubbletea:stream_lag", **held) == 0
@@ -355,7 +355,7 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
         late = PrefillRequest(
             id="q2", model=model, tokens=(1, 2), submitted=now, deadline=now + 0.1, reply_to="bt:test:results"
         )
-        assert await serving.accept(bus.redis, late, 10)
+        assert await serving.accept(bus.redis, run, late, 10)
         got = await until(url, lambda g: value(g, "bubbletea:request_failures_total", run=run, reason="deadline") == 1)
         assert value(got, "bubbletea:bubble_start_queued_seconds_count", run=run) == 1
 
@@ -425,7 +425,7 @@ async def test_worker_prefill_metrics_follow_a_real_batch(redis_url: str) -> Non
     m = WorkerMetrics("fm", "r0s0", "tiny")
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         req = PrefillRequest(id="p1", model="tiny", tokens=(1, 2, 3, 4, 5), submitted=time.time(), reply_to="bt:r")
-        assert await serving.accept(bus.redis, req, 10)
+        assert await serving.accept(bus.redis, "fm", req, 10)
 
         def spans(start: float, end: float) -> None:  # as the runner's prefill_span records it
             m.prefill(end - start)

@@ -32,7 +32,7 @@ def test_prompts_fit_the_front_door_and_the_profile_is_scaled_on_both_sides() ->
 
 async def test_the_accepted_requests_are_read_off_the_request_stream(redis_url: str) -> None:
     got: list[tuple[float, int]] = []
-    watcher = asyncio.create_task(watch_requests(redis_url, keys.PREFILL_REQUESTS_STREAM, got))
+    watcher = asyncio.create_task(watch_requests(redis_url, keys.prefill_requests_stream("sim"), got))
     sent = []
     async with Bus(redis_url) as bus:
         async with asyncio.timeout(60):  # the watcher reads from "now on": send once it reads
@@ -40,7 +40,7 @@ async def test_the_accepted_requests_are_read_off_the_request_stream(redis_url: 
                 await asyncio.sleep(0.01)  # another connection's state: no event to wait on
         for i, n in enumerate((5, 17, 3)):
             req = PrefillRequest(id=f"r{i}", model="m", tokens=tuple(range(n)), submitted=time.time(), reply_to="x")
-            assert await serving.accept(bus.redis, req, 100)
+            assert await serving.accept(bus.redis, "sim", req, 100)
             sent.append((req.submitted, n))
         async with asyncio.timeout(60):
             while len(got) < 3:  # noqa: ASYNC110
