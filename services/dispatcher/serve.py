@@ -24,7 +24,7 @@ import time
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from services.dispatcher.lease import DispatcherLease
 from services.dispatcher.metrics import DispatcherMetrics
-from services.dispatcher.takeover import adopted, claim, held_batches, predecessors
+from services.dispatcher.takeover import adopted, claim, held_batches
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS, Outage, sleep_unless
 from shared.bus.consumer import AfterRead, Consumer
@@ -133,8 +133,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     d.metrics.streams.add(*consumers)
     # What earlier dispatchers of the run left is ours now, at once (`takeover`): their pending
     # entries, which each consumer's first read takes, and their batches the workers hold.
-    before = await predecessors(bus.redis, run, SERVICE)
-    claimed = sum([await claim(c, before) for c in consumers])
+    claimed = sum([await claim(c) for c in consumers])
     p, now = d.spec.parallelism, time.time()
     held = await held_batches(bus.redis, run, p.pp, p.dp)
     for stream, batch in held:

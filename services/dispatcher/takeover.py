@@ -1,12 +1,12 @@
 """What a dispatcher finds as it takes over a run: the work its predecessors left.
 
-* **Their pending entries** (`claim`): every entry of the dispatcher group pending on one of the
-  run's earlier dispatchers (`predecessors`: a request each held until answered, what they read
-  and had not acked) moves to this term's consumer at once, not after `bus.claim_idle_ms`: the
-  lease says they are gone or fenced. Each consumer's first read (its own pending entries) then
-  delivers them, a request as delivered again (so it is looked up first: one answered meanwhile
-  is only acked). Only theirs: the request stream is every run's, and another run's dispatcher
-  holding its requests there lives.
+* **Their pending entries** (`claim`): every entry of the dispatcher group pending on any other
+  consumer (a request each held until answered, what they read and had not acked) moves to this
+  term's consumer at once, not after `bus.claim_idle_ms`: every stream it reads is the run's own
+  (the request stream too: `keys.prefill_requests_stream`), so the group's other consumers are the
+  run's earlier dispatchers, and the lease says they are gone or fenced. Each consumer's first read
+  (its own pending entries) then delivers them, a request as delivered again (so it is looked up
+  first: one answered meanwhile is only acked).
 * **Their batches on the workers** (`held_batches`): a worker acks a fill stream's entry only once
   its batch is answered and reported, so the entries its group has not acked (pending, or not read
   yet) are the batches it holds. The term adopts them (`DispatchState.adopt`): their requests,
@@ -22,28 +22,16 @@ from redis.exceptions import ResponseError
 
 from shared.bus.connection import ride_out
 from shared.bus.consumer import Consumer
-from shared.bus.streams import claim_from, consumers_of, parse_id
+from shared.bus.streams import claim_all, parse_id
 from shared.control import keys
 from shared.model.info import ModelInfo
 from shared.policies.dispatch_inputs import Adopted
 from shared.wire import FIELD, PrefillBatch, WireError, decode
 
 
-async def claim(c: Consumer, owners: list[str]) -> int:
-    """Move every entry pending in `c`'s group on its stream on one of `owners` to `c` (riding a
-    Redis outage out)."""
-    return await ride_out(lambda: claim_from(c.bus.redis, c.stream, c.group, c.name, owners), f"claim of {c.stream}")
-
-
-async def predecessors(r: Redis, run: str, group: str) -> list[str]:
-    """The run's earlier dispatchers: the consumers of `group` on its own streams (the request
-    stream is every run's: its other consumers may be other runs' live dispatchers)."""
-    streams = (keys.bubbles_stream(run), keys.prefill_reports_stream(run))
-
-    async def read() -> list[str]:
-        return sorted({name for s in streams for name in await consumers_of(r, s, group)})
-
-    return await ride_out(read, "the run's earlier dispatchers")
+async def claim(c: Consumer) -> int:
+    """Move every entry pending in `c`'s group on its stream to `c` (riding a Redis outage out)."""
+    return await ride_out(lambda: claim_all(c.bus.redis, c.stream, c.group, c.name), f"claim of {c.stream}")
 
 
 async def held_batches(r: Redis, run: str, pp: int, dp: int) -> list[tuple[str, PrefillBatch]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -98,42 +97,20 @@ async def delivery_counts(
     return {row["message_id"].decode(): int(row["times_delivered"]) for row in rows}
 
 
-# XPENDING of one consumer then XCLAIM JUSTID of what it lists (not counted as a delivery), until it
-# holds nothing (or nothing moves: never a loop). KEYS[1] the stream; ARGV: the group, the claimer,
-# the owner, a batch size.
-_CLAIM_FROM = """
-local moved = 0
-while true do
-  local rows = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', ARGV[4], ARGV[3])
-  if #rows == 0 then return moved end
-  local ids = {}
-  for i, row in ipairs(rows) do ids[i] = row[1] end
-  local got = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(ids), 'JUSTID')
-  if #got == 0 then return moved end
-  moved = moved + #got
-end
-"""
+# XAUTOCLAIM JUSTID by script: redis-py's reply parser keeps only the ids, not the cursor to go on from.
+_CLAIM_ALL = "return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'COUNT', ARGV[4], 'JUSTID')"
 
 
-async def claim_from(
-    r: Redis, stream: str, group: str, consumer: str, owners: Iterable[str], *, count: int = 500
-) -> int:
-    """Move every entry pending in `group` on any of `owners` to `consumer` now, however briefly
-    idle: for a consumer that knows those owners are gone or fenced (a dispatcher that took its
-    run's lease, from the run's earlier dispatchers). Its next own-pending read delivers them
+async def claim_all(r: Redis, stream: str, group: str, consumer: str, *, count: int = 1_000) -> int:
+    """Move every entry pending in `group` to `consumer` now, whoever holds it and however briefly
+    idle (XAUTOCLAIM JUSTID from 0): for a consumer that knows the group's others are gone or
+    fenced (a dispatcher that took its run's lease). Its next own-pending read delivers them
     (counted as delivered again). Returns how many it moved."""
     await ensure_group(r, stream, group)
-    moved = 0
-    for owner in owners:
-        if owner != consumer:
-            moved += int(await r.eval(_CLAIM_FROM, 1, stream, group, consumer, owner, count))
-    return moved
-
-
-async def consumers_of(r: Redis, stream: str, group: str) -> list[str]:
-    """The names of `group`'s consumers on `stream` (none if either does not exist)."""
-    try:
-        rows: Any = await r.xinfo_consumers(stream, group)
-    except ResponseError:
-        return []
-    return [row["name"].decode() if isinstance(row["name"], bytes) else str(row["name"]) for row in rows]
+    start, moved = "0-0", 0
+    while True:
+        reply: Any = await r.eval(_CLAIM_ALL, 1, stream, group, consumer, start, count)
+        moved += len(reply[1])
+        start = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        if start == "0-0":
+            return moved
