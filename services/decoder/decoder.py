@@ -217,7 +217,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             api_key=settings.metrics_key,
         )
         url = await server.start()
-        hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "metrics_url": url})
+        hb = Heartbeat(bus.redis, SERVICE, instance_id(), lambda: {**d.info(), "run": settings.run, "metrics_url": url})
         config = msgspec.structs.replace(spec.bus, concurrency=spec.decode.concurrency)
         consumer = bus.consumer(
             keys.decode_requests_stream(settings.run),

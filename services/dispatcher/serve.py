@@ -206,7 +206,7 @@ async def last_writes(d: Dispatcher | None, hb: Heartbeat | None, within_s: floa
         with contextlib.suppress(TimeoutError, *TRANSIENT_ERRORS):
             async with asyncio.timeout(within_s):
                 await d.telemetry.flush()
-                await serving.withdraw_readiness(d.bus.redis, d.instance)
+                await serving.withdraw_readiness(d.bus.redis, d.run, d.instance)
     if hb is not None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within_s):

@@ -73,15 +73,17 @@ async def refuse_if_not_serving(app: web.Application) -> None:
 
 
 async def read_gate(app: web.Application) -> None:
-    """Re-read the dispatchers' verdict now (a Redis error keeps the last one)."""
+    """Re-read the run's dispatchers' verdict now (a Redis error keeps the last one)."""
     with contextlib.suppress(*TRANSIENT_ERRORS):
-        app[GATE].verdict = serving.combined(await serving.readiness(app[BUS].redis))
+        app[GATE].verdict = serving.combined(await serving.readiness(app[BUS].redis, app[SETTINGS].run))
 
 
 async def read_decoders(app: web.Application) -> None:
-    """Re-read whether a built-in decoder service is alive (a Redis error keeps the last answer)."""
+    """Re-read whether one of the run's built-in decoder services is alive (a Redis error keeps the
+    last answer): another run's reads another decode stream."""
     with contextlib.suppress(*TRANSIENT_ERRORS):
-        app[GATE].decoder_live = bool(await live_instances(app[BUS].redis, "decoder"))
+        decoders = await live_instances(app[BUS].redis, "decoder")
+        app[GATE].decoder_live = any(d.get("run") == app[SETTINGS].run for d in decoders)
 
 
 @functools.lru_cache(maxsize=4)

@@ -355,16 +355,20 @@ def decode_requests_stream(run: str) -> str:
     return f"{PREFIX}:{run}:decode:requests"
 
 
-def serving_key(instance: str) -> str:
-    """One dispatcher's readiness verdict (`shared.control.serving.Readiness`, JSON), for the front doors."""
-    return f"{PREFIX}:serving:{instance}"
+def serving_key(run: str, instance: str) -> str:
+    """One of the run's dispatchers' readiness verdict (`shared.control.serving.Readiness`, JSON),
+    for the run's front doors (another run's dispatcher never gates them)."""
+    return f"{PREFIX}:{run}:serving:{instance}"
 
 
-#: The set of dispatcher instances that published a verdict: readers MGET their keys (no SCAN over
-#: the keyspace) and drop the members whose key expired. Bounded by the live dispatchers (a few)
-#: plus the dead ones not yet noticed by a reader; every verdict also resets its TTL below, so with
-#: no dispatcher left the set goes too.
-SERVING_INSTANCES_KEY = f"{PREFIX}:serving-instances"
+def serving_instances_key(run: str) -> str:
+    """The set of the run's dispatcher instances that published a verdict: readers MGET their keys
+    (no SCAN over the keyspace) and drop the members whose key expired. Bounded by the run's live
+    dispatchers (a few) plus the dead ones not yet noticed by a reader; every verdict also resets
+    its TTL below, so with no dispatcher left the set goes too."""
+    return f"{PREFIX}:{run}:serving-instances"
+
+
 SERVING_INSTANCES_TTL_S = 60
 
 #: A verdict is rewritten every `READINESS_EVERY_S` (shared.control.serving); one that is not rewritten for

@@ -17,7 +17,7 @@ read each other's requests nor count them against each other's limit; a request'
 * `reconcile_inflight`: the in-flight count lowered to what the request stream holds unacked, so
   that no lost decrement makes it creep toward the limit (and permanent 429s).
 * `publish_readiness` / `readiness`: each dispatcher's verdict on whether prefill can be served
-  (`shared.policies.readiness`), a key with a short TTL that the front doors read.
+  (`shared.policies.readiness`), a key with a short TTL that the run's front doors read.
 """
 
 from __future__ import annotations
@@ -269,31 +269,32 @@ class Readiness(msgspec.Struct, frozen=True, kw_only=True):
 
 
 async def publish_readiness(r: Redis, verdict: Readiness) -> None:
+    instances = keys.serving_instances_key(verdict.run)
     async with r.pipeline(transaction=True) as pipe:
-        pipe.set(keys.serving_key(verdict.instance), msgspec.json.encode(verdict), ex=keys.SERVING_TTL_S)
-        pipe.sadd(keys.SERVING_INSTANCES_KEY, verdict.instance)
-        pipe.expire(keys.SERVING_INSTANCES_KEY, keys.SERVING_INSTANCES_TTL_S)
+        pipe.set(keys.serving_key(verdict.run, verdict.instance), msgspec.json.encode(verdict), ex=keys.SERVING_TTL_S)
+        pipe.sadd(instances, verdict.instance)
+        pipe.expire(instances, keys.SERVING_INSTANCES_TTL_S)
         await pipe.execute()
 
 
-async def withdraw_readiness(r: Redis, instance: str) -> None:
+async def withdraw_readiness(r: Redis, run: str, instance: str) -> None:
     """A dispatcher that stops takes its verdict with it (it would expire within the TTL anyway)."""
     async with r.pipeline(transaction=True) as pipe:
-        pipe.delete(keys.serving_key(instance))
-        pipe.srem(keys.SERVING_INSTANCES_KEY, instance)
+        pipe.delete(keys.serving_key(run, instance))
+        pipe.srem(keys.serving_instances_key(run), instance)
         await pipe.execute()
 
 
-async def readiness(r: Redis) -> list[Readiness]:
-    """The verdicts of every live dispatcher; a member whose verdict expired (its dispatcher died
-    without withdrawing it) is dropped from the set. Unreadable records are skipped."""
-    members: Any = await r.smembers(keys.SERVING_INSTANCES_KEY)
+async def readiness(r: Redis, run: str) -> list[Readiness]:
+    """The verdicts of the run's live dispatchers; a member whose verdict expired (its dispatcher
+    died without withdrawing it) is dropped from the set. Unreadable records are skipped."""
+    members: Any = await r.smembers(keys.serving_instances_key(run))
     instances = sorted(m.decode() for m in members)
-    raws: Any = await r.mget([keys.serving_key(i) for i in instances]) if instances else []
+    raws: Any = await r.mget([keys.serving_key(run, i) for i in instances]) if instances else []
     out = []
     for instance, raw in zip(instances, raws, strict=True):
         if raw is None:
-            await r.srem(keys.SERVING_INSTANCES_KEY, instance)
+            await r.srem(keys.serving_instances_key(run), instance)
             continue
         try:
             out.append(msgspec.json.decode(raw, type=Readiness))

@@ -97,7 +97,7 @@ async def test_auto_places_prompts_on_the_decoder_while_the_bubbles_cannot_serve
     """auto is the default with decode on: training finished, the bubbles cannot serve (where
     bubbles-only answers 503), and the decoder computes the prompt."""
     verdict = serving.Readiness(
-        instance="d1", run="r", state=ServingState.FINISHED, reason="training finished", retry_after_s=5, at=time.time()
+        instance="d1", run=RUN, state=ServingState.FINISHED, reason="training finished", retry_after_s=5, at=time.time()
     )
     await serving.publish_readiness(redis, verdict)
     client = await front_door(redis_url, None, decoder_alive=True)

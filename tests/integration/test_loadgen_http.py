@@ -490,7 +490,7 @@ async def test_the_ready_check_waits_for_serving_and_says_why_it_gave_up(redis_u
 
     verdict = serving.Readiness(
         instance="dispatcher-test",
-        run="r",
+        run=RUN,
         state=ServingState.STARTING,
         reason="training of run r has not started: 0 of 4 slots held by workers",
         retry_after_s=2,
@@ -500,7 +500,7 @@ async def test_the_ready_check_waits_for_serving_and_says_why_it_gave_up(redis_u
     async with api(redis_url) as url:
         with pytest.raises(ApiUnavailable, match="not ready to serve: training of run r has not started"):
             await run_benchmark(config(url, num_prompts=1, ready_check_timeout_s=2.0))
-        await serving.withdraw_readiness(redis, "dispatcher-test")
+        await serving.withdraw_readiness(redis, RUN, "dispatcher-test")
 
 
 async def test_ready_state_serving_waits_past_joining(redis_url: str, redis: Redis) -> None:
@@ -510,7 +510,7 @@ async def test_ready_state_serving_waits_past_joining(redis_url: str, redis: Red
 
     def verdict(state: ServingState) -> serving.Readiness:
         return serving.Readiness(
-            instance="dispatcher-test", run="r", state=state, reason=f"run r is {state.value}", retry_after_s=1,
+            instance="dispatcher-test", run=RUN, state=state, reason=f"run r is {state.value}", retry_after_s=1,
             at=time.time(),
         )  # fmt: skip
 
@@ -521,5 +521,5 @@ async def test_ready_state_serving_waits_past_joining(redis_url: str, redis: Red
             await run_benchmark(client_config)
         await serving.publish_readiness(redis, verdict(ServingState.SERVING))
         result = await run_benchmark(client_config)
-        await serving.withdraw_readiness(redis, "dispatcher-test")
+        await serving.withdraw_readiness(redis, RUN, "dispatcher-test")
     assert result["completed"] + result["failed"] == 1  # it started: the request was sent

@@ -1,7 +1,8 @@
-"""Two runs on one Redis share no request stream, no consumer group and no admission count (issue
-62; issue 66 found `bt:prefill:requests` and `bt:prefill:inflight` global): one run's full queue
-does not refuse another's requests, and a run's dispatcher reads, holds and reconciles only its own
-run's. A real redis-server, the real front doors and a real dispatcher (`services.dispatcher.serve`)."""
+"""Two runs on one Redis share no request stream, no consumer group, no admission count and no
+readiness (issue 62; issue 66 found `bt:prefill:requests` and `bt:prefill:inflight` global): one
+run's full queue does not refuse another's requests, a run's dispatcher reads, holds and reconciles
+only its own run's, and a run's front door is gated by its own run's dispatchers and decoders
+alone. A real redis-server, the real front doors and a real dispatcher (`services.dispatcher.serve`)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ from redis.asyncio import Redis
 
 from services.dispatcher.dispatcher import SERVICE
 from services.dispatcher.serve import serve
+from services.prefill_queue.api import read_decoders, read_gate
 from services.prefill_queue.app import create_app
+from services.prefill_queue.state import GATE
 from shared.control import keys, serving
-from shared.control.status import RequestStatus
+from shared.control.health import Heartbeat
+from shared.control.status import RequestStatus, ServingState
 from shared.spec.settings import Settings, load_settings
 from shared.wire import PrefillRequest
 
@@ -101,3 +105,33 @@ async def test_a_runs_dispatcher_reads_holds_and_reconciles_only_its_own_runs_re
     finally:
         stop.set()
         await asyncio.wait_for(dispatcher, 30)
+
+
+async def test_a_runs_front_door_is_gated_only_by_its_own_runs_dispatchers_and_decoders(
+    redis_url: str, redis: Redis
+) -> None:
+    """Run B's dispatcher saying B is finished refuses B's requests (503), not run A's (no
+    dispatcher of A's is alive: A's wait for one); run B's decoder, which reads B's decode stream,
+    is not one A's front door places prompts on."""
+    finished = serving.Readiness(
+        instance="dispatcher-b", run=B, state=ServingState.FINISHED, reason="run B finished", retry_after_s=5,
+        at=time.time(),
+    )  # fmt: skip
+    await serving.publish_readiness(redis, finished)
+    decoder_b = Heartbeat(redis, "decoder", "decoder-b", lambda: {"run": B})
+    await decoder_b.start()
+    try:
+        async with (
+            TestClient(TestServer(create_app(settings_for(redis_url, A)))) as door_a,
+            TestClient(TestServer(create_app(settings_for(redis_url, B)))) as door_b,
+        ):
+            for door in (door_a, door_b):
+                await read_gate(door.app)
+                await read_decoders(door.app)
+            resp = await door_a.post("/v1/prefill", json={"prompt": [1, 2, 3]})
+            assert resp.status == 202, await resp.text()
+            resp = await door_b.post("/v1/prefill", json={"prompt": [1, 2, 3]})
+            assert resp.status == 503 and "run B finished" in await resp.text()
+            assert not door_a.app[GATE].decoder_live and door_b.app[GATE].decoder_live
+    finally:
+        await decoder_b.stop()
