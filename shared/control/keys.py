@@ -219,9 +219,9 @@ DISPATCHER_LEASE_RENEW_S = LEASE_RENEW_S
 
 # --- the serving plane ------------------------------------------------------------------------
 # A run's request streams and in-flight count carry its run id, like the rest of the run: two runs
-# on one Redis never share a consumer group or an admission limit. A request's own records (answer,
-# status, idempotency key, KV cache) and a front door's results stream are keyed by ids that are
-# unique across runs, and stay unprefixed.
+# on one Redis never share a consumer group or an admission limit; so are a client's idempotency
+# keys (its own choice). A request's own records (answer, status, KV cache) and a front door's
+# results stream are keyed by ids that are unique across runs, and stay unprefixed.
 
 
 def prefill_requests_stream(run: str) -> str:
@@ -269,9 +269,11 @@ def kv_budget_bucket_key(bucket: int) -> str:
     return f"{PREFIX}:prefill:kvbytes:{bucket}"
 
 
-def idempotency_key(key: str) -> str:
-    """Maps a client's Idempotency-Key to the request id it created."""
-    return f"{PREFIX}:prefill:idem:{key}"
+def idempotency_key(run: str, key: str) -> str:
+    """Maps a client's Idempotency-Key to the request id it created in the run. Per run: the key is
+    the client's choice, not unique across runs, and the same key sent to another run on the same
+    Redis is another request (not the first run's, which that run's dispatcher never sees)."""
+    return f"{PREFIX}:{run}:prefill:idem:{key}"
 
 
 def prefill_inflight_key(run: str) -> str:

@@ -105,7 +105,7 @@ def accept_args(
         keys.prefill_inflight_key(run),
         keys.prefill_status_key(req.id),
         keys.prefill_requests_stream(run),
-        keys.idempotency_key(idempotency_key or ""),
+        keys.idempotency_key(run, idempotency_key or ""),
         max_inflight,
         encode(req),
         keys.PREFILL_RECORD_TTL_S,

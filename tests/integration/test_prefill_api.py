@@ -168,7 +168,7 @@ async def test_queue_full_answers_429_with_retry_after(client: TestClient, redis
     assert resp.status == 429 and resp.headers["Retry-After"] == "1"
     assert "queue is full" in (await resp.json())["error"]["message"]
     assert len(await queued(redis, 3)) == 3  # the refused one was not enqueued...
-    assert await redis.get(keys.idempotency_key("late")) is None  # ...and its key can be used again
+    assert await redis.get(keys.idempotency_key(RUN, "late")) is None  # ...and its key can be used again
 
 
 async def test_sync_request_times_out_explicitly_and_stays_queued(redis_url: str, redis: Redis) -> None:

@@ -1,8 +1,9 @@
-"""Two runs on one Redis share no request stream, no consumer group, no admission count and no
-readiness (issue 62; issue 66 found `bt:prefill:requests` and `bt:prefill:inflight` global): one
-run's full queue does not refuse another's requests, a run's dispatcher reads, holds and reconciles
-only its own run's, and a run's front door is gated by its own run's dispatchers and decoders
-alone. A real redis-server, the real front doors and a real dispatcher (`services.dispatcher.serve`)."""
+"""Two runs on one Redis share no request stream, no consumer group, no admission count, no
+idempotency key and no readiness (issue 62; issue 66 found `bt:prefill:requests` and
+`bt:prefill:inflight` global): one run's full queue does not refuse another's requests, a client's
+idempotency key is its run's, a run's dispatcher reads, holds and reconciles only its own run's,
+and a run's front door is gated by its own run's dispatchers and decoders alone. A real
+redis-server, the real front doors and a real dispatcher (`services.dispatcher.serve`)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,24 @@ async def test_one_runs_full_queue_does_not_refuse_another_runs_requests(redis_u
     assert [await serving.inflight(redis, run) for run in (A, B)] == [DEPTH, DEPTH]
     for run in (A, B):
         assert await redis.xlen(keys.prefill_requests_stream(run)) == DEPTH
+
+
+async def test_a_clients_idempotency_key_is_its_runs(redis_url: str, redis: Redis) -> None:
+    """The same `Idempotency-Key` sent to two runs' front doors is two requests, one on each run's
+    stream (not run A's id for run B, which B's dispatcher would never see); again to A, A's."""
+    key = {"Idempotency-Key": "retry-me"}
+    async with (
+        TestClient(TestServer(create_app(settings_for(redis_url, A)))) as door_a,
+        TestClient(TestServer(create_app(settings_for(redis_url, B)))) as door_b,
+    ):
+        first = await door_a.post("/v1/prefill", json={"prompt": [1, 2, 3]}, headers=key)
+        other = await door_b.post("/v1/prefill", json={"prompt": [1, 2, 3]}, headers=key)
+        again = await door_a.post("/v1/prefill", json={"prompt": [1, 2, 3]}, headers=key)
+        assert (first.status, other.status, again.status) == (202, 202, 200)
+        ids = [(await r.json())["id"] for r in (first, other, again)]
+    assert ids[0] != ids[1] and ids[2] == ids[0]
+    for run in (A, B):
+        assert await redis.xlen(keys.prefill_requests_stream(run)) == 1
 
 
 async def test_a_runs_dispatcher_reads_holds_and_reconciles_only_its_own_runs_requests(
