@@ -200,7 +200,10 @@ class DuplicateAnswer(Arm):
         newest = await r.xrevrange(streams[0], count=1) if streams else []
         if newest:
             result = decode(newest[0][1][FIELD])
-            record |= {"request": result.id, "answered_again": await serving.answer(r, result, streams[0].decode())}
+            record |= {
+                "request": result.id,
+                "answered_again": await serving.answer(r, live.run, result, streams[0].decode()),
+            }
         report = await r.xrevrange(keys.prefill_reports_stream(live.run), count=1)
         if report:
             await r.xadd(keys.prefill_reports_stream(live.run), report[0][1])
