@@ -123,16 +123,27 @@ def near(measured: float, expected: float) -> bool:
     return abs(measured - expected) <= TOLERANCE * expected
 
 
+async def measure_shaped(plan: KernelPlan, sources: list[str], expected: float) -> Measured:
+    """`measure`, once more if the first came in short of the shaped rate: the senders are Python
+    processes, and with the suite's other worker busy on a 2-core machine they were seen starved to
+    0.78-0.79 of it (a fresh-clone `make test`, 2026-12-06; alone the same tests pass). A rate above
+    the shaping is never measured again: that would be the shaping failing."""
+    got = await measure(plan, sources)
+    if got.total < (1 - TOLERANCE) * expected:
+        got = await measure(plan, sources)
+    return got
+
+
 async def test_one_connection_gets_the_per_connection_cap(wan: KernelPlan) -> None:
-    got = await measure(wan, wan.worker_addresses("dc-a", 0)[:1])
+    got = await measure_shaped(wan, wan.worker_addresses("dc-a", 0)[:1], CAP_BPS)
     assert near(got.total, CAP_BPS), (got, CAP_BPS)
 
 
 @pytest.mark.parametrize("n", [2, 8])
 async def test_connections_together_get_the_link_or_their_caps(wan: KernelPlan, n: int) -> None:
     # 2 connections: window-bound (2 x 2.62 MB/s); 8: link-bound (10 MB/s, shared equally)
-    got = await measure(wan, wan.worker_addresses("dc-a", 0)[:n])
     expected = min(LINK_BPS, n * CAP_BPS)
+    got = await measure_shaped(wan, wan.worker_addresses("dc-a", 0)[:n], expected)
     assert near(got.total, expected), (got, expected)
     assert len(got.rates) == n
     assert all(r <= CAP_BPS * (1 + TOLERANCE) for r in got.rates), got
