@@ -218,7 +218,7 @@ class Dispatcher:
         self._input()
         assert isinstance(m, BubbleEnd)
         self.metrics.bubble_ended(m.actual_ms, m.predicted_ms)
-        closed = BubbleClosed(m.worker, (m.iteration, m.position), m.actual_ms / 1000, m.finished)
+        closed = BubbleClosed(m.worker, (m.iteration, m.position), m.actual_ms / 1000, m.finished, m.refused_ms / 1000)
         self._decided += self.state.bubble_end(closed, time.time())
 
     async def on_report(self, d: Delivery) -> None:

@@ -113,7 +113,8 @@ class BubbleAnnouncer:
         is here (safe from the prefill thread); `arrived_at()`: since when (wall clock), if known."""
         predicted = self.predictor.predict(pos)
         t0 = time.time()
-        ends_at = time.monotonic() + predicted if predicted > 0 else None  # pieces fit into what is left
+        room = self.predictor.room(pos)  # blocks fit into what is left (fill.may_start); None: nothing known
+        ends_at = None if room is None else time.monotonic() + room
         # A worker that takes no prefill (its prefill failed batch after batch, or it is leaving the
         # run) announces nothing: no dispatcher fills its bubbles, and admission must not count them.
         announce = filler is None or filler.taking
@@ -150,6 +151,8 @@ class BubbleAnnouncer:
                 awaited.cancel()
         t1 = time.time()
         length = max(0.0, (arrived_at() or t1) - t0)  # the bubble: its start to the input's arrival
+        full_at = filler.full_at if filler is not None else None
+        refused = max(0.0, t0 + length - full_at) if full_at is not None else 0.0  # its rest nothing fit
         self.predictor.observe(pos, predicted, length, it)
         if self.metrics is not None:
             self.metrics.bubble(length, predicted)
@@ -168,6 +171,7 @@ class BubbleAnnouncer:
                     at=t1,
                     finished=finished,
                     queued_ms=filler.queue.queued_s * 1000 if filler is not None else 0.0,
+                    refused_ms=refused * 1000,
                 ),
             )
         self.telemetry.span("wait", it, t0, t1, mb, predicted_ms=predicted * 1000, input_at=arrived_at() or t1)

@@ -2,11 +2,12 @@
 `filler.py` decides when, and in which thread, this runs).
 
 A block is one layer of one request, or with `piece_tokens` (a GPU) one piece of a layer's tokens.
-Each starts only while training's awaited input has not arrived, and a piece only if its measured
-time fits what is left of the bubble by its prediction (`shared.policies.fill.may_start_piece`).
-Pieces are timed on the device without waiting for them (`LaneClock`). A finished request's first
-token is read off the device later, by whoever answers it (`Finishing`): the prefill thread never
-waits for the GPU but to keep itself one block ahead (`Lane.pace`).
+Each starts only while training's awaited input has not arrived, and only if its expected time
+(the profile's, or as measured here) fits what is left of the bubble by its prediction: the fit
+rule, `shared.policies.fill.may_start`, which the simulator obeys too. A CPU's layers are timed on
+the host's clock as they run; pieces on the device without waiting for them (`LaneClock`). A
+finished request's first token is read off the device later, by whoever answers it (`Finishing`):
+the prefill thread never waits for the GPU but to keep itself one block ahead (`Lane.pace`).
 
 With a device profile the run keeps to its profiled schedule (`Schedule`): a block starts once the
 previous one is due (a started block counts for its whole profiled time, the thread sleeping out
@@ -33,11 +34,11 @@ from shared.control.status import FailureReason
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.model.streams import LaneClock
 from shared.policies.fill import (
-    PieceTimes,
+    BlockTimes,
+    Start,
     late_on_worker,
     left_s,
-    may_start_block,
-    may_start_piece,
+    may_start,
     moved_on_worker,
 )
 from shared.policies.prefill_cost import PrefillProfile
@@ -95,7 +96,7 @@ class BatchCompute:
     ) -> None:
         self.model, self.guest, self.profile = model, guest, profile
         self.piece_tokens = piece_tokens  # a layer in pieces of this many tokens (None: whole layers)
-        self.pieces = PieceTimes()
+        self.blocks = BlockTimes()  # measured, where there is no profile
         self.clock = LaneClock(model.lane)
         #: how far prefill batches ran past their profiled schedule (seconds); the runner takes it
         #: each iteration (`take_lag`), the thread adds to it (a float under the GIL)
@@ -221,27 +222,32 @@ class BatchCompute:
         q.outcomes.append(o)
         return o
 
-    def _may_start(self, state: PrefillState, arrived: Arrived, ends_at: float | None) -> tuple[bool, bool]:
-        """Whether the next block may start, and if not, whether because the bubble is full (the
-        next piece would not fit what is left of it) rather than over."""
-        if self.piece_tokens is None:
-            return may_start_block(input_arrived=arrived()), False
-        tokens = min(self.piece_tokens, len(state.tokens) - state.piece_done)
+    def _may_start(self, state: PrefillState, arrived: Arrived, ends_at: float | None) -> Start:
+        """The fit rule for the next block of `state` (`shared.policies.fill.may_start`)."""
+        tokens = self._next_block_tokens(state)
         left_s = None if ends_at is None else ends_at - time.monotonic()
         input_arrived = arrived()
-        piece_s = self.piece_s(tokens)
-        in_flight = self.clock.in_flight_tokens() if self.profile is None else 0  # a profile waits for them
-        busy_s = (self.pieces.predict(in_flight) or 0.0) if in_flight else 0.0
-        go = may_start_piece(input_arrived=input_arrived, piece_s=piece_s, left_s=left_s, busy_s=busy_s)
-        return go, not go and not input_arrived
+        block_s = self.block_s(tokens)
+        busy_s = 0.0
+        if self.piece_tokens is not None and self.profile is None:  # a profile's schedule waits for them
+            in_flight = self.clock.in_flight_tokens()
+            busy_s = (self.blocks.predict(in_flight) or 0.0) if in_flight else 0.0
+        return may_start(input_arrived=input_arrived, block_s=block_s, left_s=left_s, busy_s=busy_s)
 
-    def piece_s(self, tokens: int) -> float | None:
-        """A piece's predicted time: the profile's, or as measured on the device (None: not yet)."""
+    def _next_block_tokens(self, state: PrefillState) -> int:
+        """The prompt tokens the next block of `state` computes: the whole prompt (a layer), or a piece."""
+        if self.piece_tokens is None:
+            return len(state.tokens)
+        return min(self.piece_tokens, len(state.tokens) - state.piece_done)
+
+    def block_s(self, tokens: int) -> float | None:
+        """A block's expected time: the profile's, or as measured here (None: not yet)."""
         if self.profile is not None:
             return self.profile.block_s(tokens)
-        for n, seconds in self.clock.measured():
-            self.pieces.observe(n, seconds)
-        return self.pieces.predict(tokens)
+        if self.piece_tokens is not None:
+            for n, seconds in self.clock.measured():
+                self.blocks.observe(n, seconds)
+        return self.blocks.predict(tokens)
 
     def _run_blocks(
         self, state: PrefillState, to_layer: int, arrived: Arrived, schedule: Schedule, ends_at: float | None
@@ -253,13 +259,16 @@ class BatchCompute:
         while state.next_layer < to_layer and not state.done:
             if (wait := schedule.wait_s(time.monotonic())) > 0:
                 time.sleep(wait)  # the previous block still runs; sleeping releases the GIL
-            go, full = self._may_start(state, arrived, ends_at)
-            if not go:
-                return ran, None, full
+            start = self._may_start(state, arrived, ends_at)
+            if start is not Start.GO:
+                return ran, None, start is Start.FULL
             try:
                 if self.piece_tokens is None:
-                    self.model.run_layers(state, max_layers=1)
+                    t0 = time.monotonic()
+                    self.model.run_layers(state, max_layers=1)  # on the host: done when it returns
                     tokens = len(state.tokens)
+                    if self.profile is None:
+                        self.blocks.observe(tokens, time.monotonic() - t0)
                 elif self.profile is not None:  # its time is the profile's
                     tokens = self.model.run_piece(state, self.piece_tokens)
                 else:

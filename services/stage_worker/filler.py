@@ -100,6 +100,9 @@ class Filler:
         #: Why this worker takes no more prefill, where its guest is healthy: it leaves the run
         #: (a drain, `leave`), or its fill executor failed (`fence`).
         self.off: str | None = None
+        #: When, in the last bubble, the fit rule refused the next block (wall clock; None: it never
+        #: did): the bubble's rest from then on was left empty (`BubbleEnd.refused_ms`).
+        self.full_at: float | None = None
 
     @property
     def taking(self) -> bool:
@@ -176,10 +179,12 @@ class Filler:
     async def fill(
         self, arrived: Arrived, training_input: asyncio.Future[Any], ends_at: float | None = None
     ) -> tuple[str, ...]:
-        """Run the queue until training input has arrived (`arrived()` turns true), or (in pieces)
-        the next piece would not fit what is left of the bubble by its predicted end `ends_at`
-        (monotonic clock; None: not predicted). Returns the batches that finished in this bubble."""
+        """Run the queue until training input has arrived (`arrived()` turns true), or the next
+        block would not fit what is left of the bubble by its predicted end `ends_at` (monotonic
+        clock; None: not predicted; the fit rule, `fill.may_start`). Returns the batches that
+        finished in this bubble."""
         self.queue.open()
+        self.full_at = None
         first = True  # the bubble's first run starts in the event loop (`_run`); later ones in the thread
         try:
             while self.taking and not arrived() and not training_input.done():
@@ -209,6 +214,7 @@ class Filler:
                 else:
                     self.queue.ran(q.batch.batch_id, finished=False, left_s=q.left_s())
                     if run.full:  # nothing more fits: the bubble's rest stays empty
+                        self.full_at = run.ended
                         break
         finally:
             finished = self.queue.close()

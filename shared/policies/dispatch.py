@@ -240,8 +240,8 @@ class DispatchState(Filling, Leaving):
         if c is None:
             return Decisions(ignored=(Ignored(f"bubble end of {e.worker}", "no bubble or batch of it known"),))
         if c.bubble is not None and (e.tag is None or c.bubble.tag == e.tag):
-            if e.actual_s is not None:
-                self._admission.bubble(c.bubble.started, e.actual_s, e.worker, c.bubble.tag)
+            if e.actual_s is not None:  # what it offered prefill: the rest the fit rule refused is not
+                self._admission.bubble(c.bubble.started, max(0.0, e.actual_s - e.refused_s), e.worker, c.bubble.tag)
             c.bubble = None
         if e.actual_s is not None:
             c.lengths.append(e.actual_s)

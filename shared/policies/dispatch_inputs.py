@@ -115,6 +115,8 @@ class BubbleClosed:
     actual_s: float | None = None  # its length, start to the training input's arrival
     #: batches that finished in it: their credit comes back now, before their reports
     finished: tuple[str, ...] = ()
+    #: its rest the fit rule left empty, no block fitting it (`fill.may_start`): not capacity
+    refused_s: float = 0.0
 
 
 @dataclass(frozen=True)

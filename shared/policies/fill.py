@@ -8,16 +8,15 @@ Redis I/O and clocks hold no rule of their own.
   half of predicted prefill queued on every worker (its credit, `shared.policies.dispatch`). A batch
   that arrives joins the queue whether or not a bubble is open; only a batch delivered again (a
   previous process of this slot held it, unacked) goes back unrun.
-* **A bubble runs the queue until training input arrives.** From the moment a bubble opens, the
-  batches run in arrival order, one block (one layer of one request) at a time, each started only
-  while the awaited input has not arrived (`may_start_block`). No prediction refuses or stops work:
-  the block running when the input comes finishes (a GPU kernel is not cut short) and training
-  resumes at its end, which is BubbleTea's only cost to training.
-* **In pieces (a GPU), a piece starts only if it fits.** A layer of a long prompt runs in pieces of
-  `piece_tokens` tokens, and a piece starts only if its measured time, with a margin, fits what is
-  left of the bubble by its prediction, or is too short to matter (`may_start_piece`): so a piece
-  never runs past a bubble by more than a fraction of a millisecond. One that does not fit ends the
-  bubble's prefill; the batch waits at the head for the next.
+* **A bubble runs the queue while the next block fits.** From the moment a bubble opens, the
+  batches run in arrival order, one block at a time: one layer of one request on a CPU, one piece
+  of `piece_tokens` tokens of a layer on a GPU. A block starts only while the awaited input has not
+  arrived, and only if its expected time with a margin fits what is left of the bubble by its
+  prediction, or is too short to matter (`may_start`, the fit rule: the live worker on every
+  device and the simulator obey it alike). The block running when the input comes finishes (a GPU
+  kernel is not cut short) and training resumes at its end: BubbleTea's only cost to training, which
+  the rule keeps under the grace unless a bubble ends before its prediction. A block that does not
+  fit ends the bubble's prefill (FULL); the batch waits at the head for the next bubble.
 * **A batch the input interrupted stays at the head**, its progress kept where it is (in memory on
   a live worker), and continues in the worker's next bubble.
 * **A bubble's end says what it used**: the batches that finished in it (`close`), so the dispatcher
@@ -33,6 +32,7 @@ Redis I/O and clocks hold no rule of their own.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from shared.spec.config import BubbleTea
@@ -102,55 +102,97 @@ def moved_on_worker(moved_by: float | None, bubble_started: float) -> bool:
     return moved_by is not None and bubble_started >= moved_by
 
 
-def may_start_block(*, input_arrived: bool) -> bool:
-    """Whether the next block may start: only the awaited training input stops prefill."""
-    return not input_arrived
+class Start(enum.StrEnum):
+    """Whether the next block of prefill starts in the open bubble, and if not, why."""
+
+    GO = "go"
+    INPUT = "input"  # training's awaited input is here: training resumes
+    FULL = "full"  # it would not fit what is left of the bubble: the bubble's rest stays empty
 
 
-#: A piece is predicted to take this many times its measured time (its time varies: the attention
-#: over the layer's earlier pieces grows, and the GPU is shared with training).
-PIECE_MARGIN = 1.5
-#: What a piece may run past a bubble's predicted end: one this short starts whatever the
+#: A block is predicted to take this many times its expected time (its time varies: attention over
+#: a layer's earlier pieces grows, the device is shared with training, the host is busy).
+BLOCK_MARGIN = 1.5
+#: What a block may run past a bubble's predicted end: one this short starts whatever the
 #: prediction says (were the input to arrive at once, training would wait this long at most).
 OVERRUN_GRACE_S = 0.25e-3
 
 
-def may_start_piece(
+def may_start(
     *,
     input_arrived: bool,
-    piece_s: float | None,
+    block_s: float | None,
     left_s: float | None,
-    margin: float = PIECE_MARGIN,
+    margin: float = BLOCK_MARGIN,
     grace_s: float = OVERRUN_GRACE_S,
     busy_s: float = 0.0,
-) -> bool:
-    """Whether the next piece of a layer may start (pieces: `piece_tokens`; a GPU). Never once the
-    input is here; otherwise only if its predicted time (`piece_s`, measured; None: not measured
-    yet) with the `margin` fits what is left of the bubble by its prediction (`left_s`; None: no
-    prediction) after the work still on the device (`busy_s`: the pieces launched and not done,
-    predicted; the host runs one piece ahead of the device, and the next starts only after them:
-    issue 62), or is within `grace_s` (a piece that short costs training next to nothing even
-    past a bubble's predicted end). So a piece never runs past a bubble by much more than the
-    grace, while a bubble that outlives its prediction still takes short pieces to its end."""
+) -> Start:
+    """The fit rule: whether the next block may start, on every device and in the simulator. A
+    block is one layer of one prompt (a CPU) or one piece of one (a GPU: `piece_tokens`).
+
+    Never once the input is here (INPUT). Otherwise only if its expected time (`block_s`: the
+    device profile's, or as measured on this worker; None: not measured yet) with the `margin` fits
+    what is left of the bubble by its prediction (`left_s`; None: no prediction) after the work
+    still on the device (`busy_s`: blocks launched and not done, predicted; a GPU's host runs one
+    block ahead of the device), or is within `grace_s` (a block that short costs training next to
+    nothing even past a bubble's predicted end); else FULL. So a block never runs past a bubble's
+    predicted end by much more than the grace, while a bubble that outlives its prediction still
+    takes short blocks to its end. A bubble shorter than predicted can still be overrun (the
+    predictor takes the shortest of the recent ones at its position: rarely)."""
     if input_arrived:
-        return False
-    if piece_s is None or left_s is None:
-        return True
-    predicted = piece_s * margin
-    return predicted <= grace_s or predicted <= left_s - busy_s
+        return Start.INPUT
+    if block_s is None or left_s is None:
+        return Start.GO
+    predicted = block_s * margin
+    return Start.GO if predicted <= grace_s or predicted <= left_s - busy_s else Start.FULL
 
 
-#: How fast the measured piece time follows new measurements (per measurement).
-PIECE_TIME_WEIGHT = 0.2
+def blocks_that_fit(
+    start: float,
+    ends_at: float | None,
+    durations: list[float],
+    margin: float = BLOCK_MARGIN,
+    grace_s: float = OVERRUN_GRACE_S,
+) -> int:
+    """How many of the blocks `durations` (run back to back from `start`) the fit rule starts in a
+    bubble predicted to end at `ends_at` (None: no prediction) before the first it refuses: the
+    simulator's executor lays a run out with it, asking `may_start` block by block."""
+    t = start
+    for n, d in enumerate(durations):
+        left = None if ends_at is None else ends_at - t
+        if may_start(input_arrived=False, block_s=d, left_s=left, margin=margin, grace_s=grace_s) is not Start.GO:
+            return n
+        t += d
+    return len(durations)
+
+
+def usable_s(bubble_s: float, block_s: float, margin: float = BLOCK_MARGIN, grace_s: float = OVERRUN_GRACE_S) -> float:
+    """The seconds the fit rule can fill of a bubble of `bubble_s` (as predicted) with blocks of
+    `block_s` back to back, the queue never empty: the blocks it starts, less any part of the last
+    past the bubble's end. The capacity figures count this, not the whole bubble: the rest is what
+    the rule refuses (under one block and its margin)."""
+    if bubble_s <= 0 or block_s <= 0:
+        return max(0.0, bubble_s)
+    if block_s * margin <= grace_s:  # every block starts: the bubble fills to its end
+        return bubble_s
+    room = bubble_s - block_s * margin
+    if room < 0:
+        return 0.0
+    started = math.floor(room / block_s + 1e-9) + 1
+    return min(bubble_s, started * block_s)
+
+
+#: How fast the measured block time follows new measurements (per measurement).
+BLOCK_TIME_WEIGHT = 0.2
 
 
 @dataclass
-class PieceTimes:
-    """A piece's time as measured on this worker: seconds per token of piece, weighted toward the
-    recent (a piece's time is nearly proportional to its tokens once it is long enough to be worth
-    cutting, and the GPU's other work moves it)."""
+class BlockTimes:
+    """A block's time as measured on this worker (a layer on a CPU, a piece on a GPU): seconds per
+    token of block, weighted toward the recent (a block's time is nearly proportional to its tokens
+    once it is long enough to matter, and the device's other work moves it)."""
 
-    weight: float = PIECE_TIME_WEIGHT
+    weight: float = BLOCK_TIME_WEIGHT
     per_token_s: float | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -161,7 +203,7 @@ class PieceTimes:
         self.per_token_s = rate if old is None else old + self.weight * (rate - old)
 
     def predict(self, tokens: int) -> float | None:
-        """Seconds for a piece of `tokens` tokens; None until one was measured."""
+        """Seconds for a block of `tokens` tokens; None until one was measured."""
         return None if self.per_token_s is None else self.per_token_s * tokens
 
 

@@ -137,6 +137,10 @@ class BubbleEnd(Message, frozen=True, kw_only=True, tag="bubble_end"):
     finished: tuple[str, ...] = ()
     #: The prefill work still queued on the worker (predicted ms), by its own count.
     queued_ms: float = 0.0
+    #: The bubble's rest the fit rule left empty (ms): from when its next block would not fit what
+    #: was left of the bubble (`shared.policies.fill.may_start`) to the input's arrival; admission
+    #: counts the bubble less this.
+    refused_ms: float = 0.0
 
 
 class PrefillOff(Message, frozen=True, kw_only=True, tag="prefill_off"):

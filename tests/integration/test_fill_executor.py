@@ -717,12 +717,13 @@ async def test_a_piece_that_does_not_fit_what_is_left_of_the_bubble_waits_for_th
         await asyncio.sleep(0.05)  # the batch is queued
         done = await asyncio.wait_for(filler.fill(lambda: False, take, time.monotonic() + 0.001), 10)
         assert done == () and filler.queue.ids() == ["b1"]
+        assert filler.full_at is not None  # its rest left empty: `BubbleEnd.refused_ms` counts from here
         (o,) = filler.batches["b1"].outcomes
         assert o.state is not None and o.state.next_layer == 0 and not handled.done()
         fill = asyncio.create_task(filler.fill(take.done, take, time.monotonic() + 60))
         await asyncio.wait_for(asyncio.shield(handled), 60)  # answered and reported
         take.set_result(None)  # the input arrives: the bubble ends
-        assert await asyncio.wait_for(fill, 10) == ("b1",)
+        assert await asyncio.wait_for(fill, 10) == ("b1",) and filler.full_at is None
         found = await serving.lookup(bus.redis, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.result is not None

@@ -43,3 +43,17 @@ def test_the_typical_bubble_is_the_median_of_the_predictions_by_position() -> No
     p.observe(7, 0.0, 0.030, iteration=1)  # a position the model had not predicted
     assert p.typical() == 0.010  # of 2, 4, 10, 30 ms: the upper middle, as the dispatcher takes it
     assert BubblePredictor().typical() == 0.0
+
+
+def test_the_fit_rules_room_is_0_where_the_model_expects_no_bubble_and_unknown_without_a_model() -> None:
+    """Issue 63: a position the analytic model gives no bubble (a bus hop's wait) gets room 0, so
+    only blocks within the grace start; with no model at all nothing is known (None: only the input
+    stops prefill); a warm-up bubble or history makes it known."""
+    p = BubblePredictor(prior={0: 0.100})
+    assert p.room(0) == 0.100 and p.room(8) == 0.0
+    p.observe(8, 0.0, 0.0006, iteration=0)
+    assert p.room(8) == 0.0006  # its warm-up bubble: known now
+    blind = BubblePredictor()
+    assert blind.room(0) is None
+    blind.observe(0, 0.0, 0.050, iteration=1)
+    assert blind.room(0) == 0.050

@@ -533,3 +533,13 @@ def test_the_indexed_dispatcher_decides_exactly_as_a_full_scan(seed: int, kw: di
         assert got == want, name
         assert snapshot(fast) == snapshot(full)
     assert fast.counts.batches > 200 and fast.counts.done > 30  # it did dispatch
+
+
+def test_admission_counts_a_bubble_less_the_rest_the_fit_rule_refused() -> None:
+    """Issue 63: a worker's `BubbleEnd.refused_ms` is bubble time no block fitted: not capacity."""
+    s = state()
+    start(s, "w0", 0.010, now=0.0)
+    s.bubble_end(BubbleClosed("w0", None, 0.010, (), refused_s=0.004), 0.010)
+    start(s, "w0", 0.010, now=0.020)
+    s.bubble_end(BubbleClosed("w0", None, 0.010, ()), 0.030)
+    assert s._admission._usable_s == pytest.approx(0.006 + 0.010)

@@ -4,16 +4,18 @@ fake clock."""
 import pytest
 
 from shared.policies.fill import (
+    BLOCK_MARGIN,
     OVERRUN_GRACE_S,
-    PIECE_MARGIN,
     Arrival,
+    BlockTimes,
     FillQueue,
-    PieceTimes,
+    Start,
+    blocks_that_fit,
     late_on_worker,
     left_s,
-    may_start_block,
-    may_start_piece,
+    may_start,
     resume_layer,
+    usable_s,
 )
 
 
@@ -52,8 +54,10 @@ def test_a_bubble_runs_the_queue_in_arrival_order_and_nothing_runs_outside_one()
     assert q.head().batch_id == "b"  # type: ignore[union-attr]
 
 
-def test_only_the_training_input_stops_a_block_from_starting() -> None:
-    assert may_start_block(input_arrived=False) and not may_start_block(input_arrived=True)
+def test_without_a_time_or_a_prediction_only_the_training_input_stops_a_block_from_starting() -> None:
+    assert may_start(input_arrived=False, block_s=None, left_s=0.001) is Start.GO
+    assert may_start(input_arrived=False, block_s=0.010, left_s=None) is Start.GO
+    assert may_start(input_arrived=True, block_s=None, left_s=None) is Start.INPUT
 
 
 def test_an_interrupted_batch_stays_at_the_head_and_the_bubble_end_says_what_finished() -> None:
@@ -96,34 +100,53 @@ def test_a_saved_state_is_resumed_only_in_its_own_datacenter() -> None:
     assert resume_layer(3, "dc-a", "dc-a") == 3 and resume_layer(3, "dc-a", "dc-b") == 0
 
 
-def test_a_piece_starts_only_if_it_fits_what_is_left_of_the_bubble_or_is_within_the_grace() -> None:
-    piece = 0.002  # 2 ms measured
-    assert may_start_piece(input_arrived=False, piece_s=piece, left_s=piece * PIECE_MARGIN)
-    assert not may_start_piece(input_arrived=False, piece_s=piece, left_s=piece * PIECE_MARGIN * 0.99)
-    assert not may_start_piece(input_arrived=False, piece_s=piece, left_s=-0.010)  # past the predicted end
-    short = OVERRUN_GRACE_S / PIECE_MARGIN  # costs training at most the grace: it starts anyway
-    assert may_start_piece(input_arrived=False, piece_s=short, left_s=-0.010)
-    assert not may_start_piece(input_arrived=False, piece_s=short * 1.01, left_s=0.0)
+def test_a_block_starts_only_if_it_fits_what_is_left_of_the_bubble_or_is_within_the_grace() -> None:
+    """One rule for a CPU's layer and a GPU's piece (issue 63)."""
+    block = 0.002  # 2 ms, the profile's or measured
+    assert may_start(input_arrived=False, block_s=block, left_s=block * BLOCK_MARGIN) is Start.GO
+    assert may_start(input_arrived=False, block_s=block, left_s=block * BLOCK_MARGIN * 0.99) is Start.FULL
+    assert may_start(input_arrived=False, block_s=block, left_s=-0.010) is Start.FULL  # past the predicted end
+    short = OVERRUN_GRACE_S / BLOCK_MARGIN  # costs training at most the grace: it starts anyway
+    assert may_start(input_arrived=False, block_s=short, left_s=-0.010) is Start.GO
+    assert may_start(input_arrived=False, block_s=short * 1.01, left_s=0.0) is Start.FULL
     # not measured yet, or no prediction: only the input stops it
-    assert may_start_piece(input_arrived=False, piece_s=None, left_s=-1.0)
-    assert may_start_piece(input_arrived=False, piece_s=1.0, left_s=None)
+    assert may_start(input_arrived=False, block_s=None, left_s=-1.0) is Start.GO
+    assert may_start(input_arrived=False, block_s=1.0, left_s=None) is Start.GO
     # the input is here: nothing starts, however much room
-    assert not may_start_piece(input_arrived=True, piece_s=1e-6, left_s=10.0)
-    assert not may_start_piece(input_arrived=True, piece_s=None, left_s=None)
+    assert may_start(input_arrived=True, block_s=1e-6, left_s=10.0) is Start.INPUT
 
 
-def test_a_piece_fits_only_after_the_work_still_on_the_device() -> None:
+def test_a_block_fits_only_after_the_work_still_on_the_device() -> None:
     """Issue 62: the host runs a piece ahead of the device; the next piece starts on the device only
     after it, so what it must fit is what is left once that is done (before, a bubble could overrun
     by a whole piece times the margin)."""
-    fits = {"input_arrived": False, "piece_s": 0.002, "left_s": 0.004, "grace_s": 0.0}
-    assert may_start_piece(**fits)  # 2 ms x 1.5 fits 4 ms
-    assert not may_start_piece(**fits, busy_s=0.002)  # 2 ms still running: 3 ms do not fit 2 ms
-    assert may_start_piece(**fits, busy_s=0.001)
+    fits = {"input_arrived": False, "block_s": 0.002, "left_s": 0.004, "grace_s": 0.0}
+    assert may_start(**fits) is Start.GO  # type: ignore[arg-type]  # 2 ms x 1.5 fits 4 ms
+    assert may_start(**fits, busy_s=0.002) is Start.FULL  # type: ignore[arg-type]  # 3 ms do not fit 2 ms
+    assert may_start(**fits, busy_s=0.001) is Start.GO  # type: ignore[arg-type]
 
 
-def test_piece_times_follow_the_measurements_per_token() -> None:
-    t = PieceTimes(weight=0.5)
+def test_the_blocks_that_fit_a_bubble_stop_at_the_first_refused() -> None:
+    """10 ms predicted, blocks of 3 ms, each needing 4.5 ms left (its margin): those at 0 and 3 ms
+    start; at 6 ms only 4 ms is left."""
+    assert blocks_that_fit(0.0, 0.010, [0.003] * 5) == 2
+    assert blocks_that_fit(0.0, 0.010, [0.003, 0.003, 0.002]) == 3  # a shorter last one fits 4 ms
+    assert blocks_that_fit(0.0, 0.010, [0.003, 0.008, 0.0001]) == 1  # the first refused ends it
+    assert blocks_that_fit(0.0, None, [0.003] * 5) == 5  # no prediction: all
+    assert blocks_that_fit(0.0, 0.0, [1e-4] * 3) == 3  # within the grace: all
+
+
+def test_what_the_fit_rule_can_fill_of_a_bubble_is_what_it_starts() -> None:
+    """The capacity figures count this: the blocks that start, never the rest nothing fits."""
+    for bubble, block in [(0.010, 0.003), (0.0305, 0.002), (0.004, 0.003), (0.010, 0.0001), (0.0, 0.001)]:
+        n = blocks_that_fit(0.0, bubble, [block] * 1000)
+        assert usable_s(bubble, block) == pytest.approx(min(bubble, n * block))
+    assert usable_s(0.010, 0.003) == pytest.approx(0.006)  # 2 blocks: the last 4 ms refused
+    assert usable_s(0.004, 0.003) == 0.0  # not even one fits
+
+
+def test_block_times_follow_the_measurements_per_token() -> None:
+    t = BlockTimes(weight=0.5)
     assert t.predict(256) is None
     t.observe(256, 0.256)  # 1 ms a token
     assert t.predict(128) == pytest.approx(0.128)
