@@ -1,11 +1,13 @@
 """A worker's fill executor on the virtual clock: keeps its `FillQueue`, as services/stage_worker/filler.py does.
 
 * A batch that arrives joins the worker's queue (its credit), bubble or not.
-* From a bubble's start until training input arrives, the queue runs in arrival order, one block
-  (one layer of one request, or one piece of a layer with `piece_tokens`) at a time, each counting
-  for its profiled time (`PrefillProfile.block_s`, with the host's launch floor), and a finished
-  request for the profile's `sync_s` more (its first token read). Nothing but the input stops it.
-  A layer's pieces count for their mean (the same total; the cut falls on a piece boundary).
+* From a bubble's start the queue runs in arrival order, one block (one layer of one request, or one
+  piece of a layer with `piece_tokens`: the pieces the live worker runs, `PrefillProfile.pieces`)
+  at a time, each counting for its profiled time (`PrefillProfile.block_s`, with the host's launch
+  floor), and a finished request for the profile's `sync_s` more (its first token read). A block
+  starts only while the input has not arrived and only if it fits what is left of the bubble by
+  its prediction (`fill.may_start`, the fit rule the live worker obeys): the first that does not
+  fit ends the bubble's prefill, its rest left empty (`refused_s`).
 * When the input arrives the block already running completes (a GPU kernel is not cut short):
   training resumes at that block's end, which is how BubbleTea can slow training. The batch it cut
   stays at the head of the queue with its progress and continues in the next bubble.
@@ -31,13 +33,24 @@ those of asking block by block.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.policies.decisions import Batch
 from shared.policies.dispatch import Progress
 from shared.policies.events import EventQueue
-from shared.policies.fill import FillQueue, late_on_worker, left_s, moved_on_worker, resume_layer
+from shared.policies.fill import (
+    BLOCK_MARGIN,
+    OVERRUN_GRACE_S,
+    FillQueue,
+    Start,
+    late_on_worker,
+    left_s,
+    may_start,
+    moved_on_worker,
+    resume_layer,
+)
 from shared.policies.prefill_cost import PrefillProfile
 
 
@@ -59,7 +72,9 @@ class Host(Protocol):
 
     def late(self, requests: list[SimRequest], now: float) -> None: ...
 
-    def prefill_span(self, worker: int, start: float, end: float) -> None: ...
+    def prefill_span(self, worker: int, start: float, end: float, worked_s: float) -> None:
+        """A run of prefill from `start` to `end`, `worked_s` of it computing prompt tokens."""
+        ...
 
 
 @dataclass(slots=True)
@@ -80,27 +95,88 @@ class _Progress:
 
 @dataclass(slots=True)
 class _Part:
-    """One item's blocks in the running run: `blocks` of `block_s` from `start`, from piece `piece`
-    of `layer` (`per` pieces a layer), and `sync_s` after the last if they finish the item."""
+    """One item's blocks in the running run: `blocks` blocks from `start`, from piece `piece` of
+    `layer`, a layer being `pieces` (each block's time, in order; one: a whole layer), and `sync_s`
+    after the last if they finish the item."""
 
     index: int
     layer: int
     piece: int
-    per: int
+    pieces: tuple[float, ...]
     start: float
-    block_s: float
     blocks: int
     sync_s: float
+    #: of each block's time, the part that computed prompt tokens (its fixed part apart)
+    work: tuple[float, ...] = ()
     late: bool = False  # come to past its due: failed, nothing run
     unrun: bool = False  # come to, not started, once it may have moved: left, nothing run
+    #: the time of a layer's first i pieces, i = 0..len(pieces); and of their work
+    offsets: tuple[float, ...] = ()
+    work_offsets: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.offsets, self.work_offsets = _running_sums(self.pieces), _running_sums(self.work)
+
+    @property
+    def per(self) -> int:
+        return len(self.pieces)
 
     @property
     def end(self) -> float:
-        return self.start + self.blocks * self.block_s + self.sync_s
+        return self.start + self.elapsed(self.blocks) + self.sync_s
+
+    def elapsed(self, k: int) -> float:
+        """The time of this part's first `k` blocks."""
+        return self._over(self.offsets, k)
+
+    def worked(self, k: int) -> float:
+        """The time of this part's first `k` blocks that computed prompt tokens."""
+        return self._over(self.work_offsets, k)
+
+    def _over(self, offsets: tuple[float, ...], k: int) -> float:
+        if len(offsets) < 2:
+            return 0.0
+        per, a = len(offsets) - 1, self.piece + k
+        return (a // per) * offsets[-1] + offsets[a % per] - offsets[self.piece]
+
+    def started_before(self, at: float) -> int:
+        """How many of its blocks started before `at` (each runs to its end)."""
+        if not self.pieces or at <= self.start:
+            return 0
+        per, offsets = self.per, self.offsets
+        layer_s = offsets[-1]
+        x = at - self.start + offsets[self.piece]
+        full = math.floor(x / layer_s)
+        rest = x - full * layer_s
+        j = bisect_left(offsets, rest - 1e-9 * self.pieces[0], 0, per)
+        return max(0, min(self.blocks, full * per + j - self.piece))
+
+    def fitting(self, ends_at: float | None) -> int:
+        """How many of its blocks the fit rule starts before the first it refuses (`fill.may_start`),
+        in a bubble predicted to end at `ends_at` (None: no prediction)."""
+        longest = max(self.pieces, default=0.0) * BLOCK_MARGIN  # the most may_start predicts for one
+        if ends_at is None or not self.blocks or longest <= OVERRUN_GRACE_S:
+            return self.blocks
+        k = self.started_before(ends_at - longest)  # these fit for sure: they start early enough
+        while k < self.blocks:
+            d = self.pieces[(self.piece + k) % self.per]
+            left = ends_at - (self.start + self.elapsed(k))
+            if may_start(input_arrived=False, block_s=d, left_s=left) is not Start.GO:
+                break
+            k += 1
+        return k
 
     def cut(self, blocks: int) -> None:
         """Only the first `blocks` ran: the item did not finish here."""
         self.blocks, self.sync_s = blocks, 0.0
+
+
+def _running_sums(values: tuple[float, ...]) -> tuple[float, ...]:
+    acc, out = 0.0, [0.0]
+    for v in values:
+        acc += v
+        out.append(acc)
+    return tuple(out)
 
 
 class Executor:
@@ -124,6 +200,10 @@ class Executor:
         self._parts: list[_Part] = []
         self._started = 0.0
         self._version = 0  # invalidates the end event of a run cut short
+        self._ends_at: float | None = None  # the open bubble's predicted end (None: no prediction)
+        #: when, in the open bubble, the fit rule refused a block (its rest stays empty)
+        self.full_at: float | None = None
+        self.ran_in_bubble = False  # whether a block ran in the open (or last) bubble
 
     # --- batches from the dispatcher -------------------------------------------------------
 
@@ -140,8 +220,12 @@ class Executor:
 
     # --- the bubble (called by training) ---------------------------------------------------
 
-    def open(self, now: float) -> None:
+    def open(self, now: float, room_s: float | None = None) -> None:
+        """A bubble opened at `now`, taken to last `room_s` by the fit rule (None: nothing known,
+        only the input stops prefill; `BubblePredictor.room`)."""
         self.queue.open()
+        self._ends_at = None if room_s is None else now + room_s
+        self.full_at, self.ran_in_bubble = None, False
         self._next(now)
 
     def input_arrived(self, now: float) -> float:
@@ -151,7 +235,7 @@ class Executor:
         cut = now
         for i, part in enumerate(self._parts):
             if now < part.end:
-                done = max(0, math.ceil((now - part.start) / part.block_s - 1e-9))
+                done = part.started_before(now)
                 if done < part.blocks:  # else in its first token's read: the item finishes
                     part.cut(done)
                 cut = part.end
@@ -170,9 +254,13 @@ class Executor:
 
     # --- running ---------------------------------------------------------------------------
 
+    def refused_s(self, input_at: float) -> float:
+        """The open bubble's rest the fit rule left empty, its input having arrived at `input_at`."""
+        return max(0.0, input_at - self.full_at) if self.full_at is not None else 0.0
+
     def _next(self, now: float) -> None:
         head = self.queue.head()
-        if head is None:
+        if head is None or self.full_at is not None:  # nothing to run, or nothing more fits
             return
         p = self.progress[head.batch_id]
         t, parts = now, []
@@ -185,21 +273,31 @@ class Executor:
             else:
                 layer = resume_layer(item.from_layer, self.saved_in.get(item.id, ""), self.dc)
             if not begun and moved_on_worker(item.moves_from, now):
-                parts.append(_Part(index, layer, piece, 1, t, 0.0, 0, 0.0, unrun=True))
+                parts.append(_Part(index, layer, piece, (), t, 0, 0.0, unrun=True))
                 continue
             need = left_s(item.seconds, item.from_layer, item.to_layer, layer) if begun else item.seconds
             if late_on_worker(item.due, t, need):  # as it begins, or resumes after a cut
-                parts.append(_Part(index, layer, piece, 1, t, 0.0, 0, 0.0, late=True))
+                parts.append(_Part(index, layer, piece, (), t, 0, 0.0, late=True))
                 continue
-            tokens = item.payload.tokens  # a SimRequest
-            per = len(self.profile.pieces(tokens))
-            block = self.profile.layer_s(tokens) / per
-            part = _Part(index, layer, piece, per, t, block, (item.to_layer - layer) * per - piece, self.profile.sync_s)
+            pieces, work = self._pieces(item.payload.tokens)  # a SimRequest
+            blocks = (item.to_layer - layer) * len(pieces) - piece
+            part = _Part(index, layer, piece, pieces, t, blocks, self.profile.sync_s, work)
             parts.append(part)
+            if (fit := part.fitting(self._ends_at)) < part.blocks:  # the rest of the bubble stays empty
+                part.cut(fit)
+                self.full_at = part.end
+                t = part.end
+                break
             t = part.end
         self._running, self._parts, self._started = p, parts, now
         self._version += 1
         self.q.at(t, self._planned_end, self._version)
+
+    def _pieces(self, tokens: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The time of each block of one layer of a `tokens`-token prompt (one: a whole layer), and
+        of each the part that computes its tokens (`PrefillProfile.token_s`)."""
+        sizes = self.profile.pieces(tokens)
+        return tuple(self.profile.block_s(n) for n in sizes), tuple(self.profile.token_s(n) for n in sizes)
 
     def _planned_end(self, now: float, version: int) -> None:
         if version != self._version or self._running is None:
@@ -213,7 +311,7 @@ class Executor:
         p, parts = self._running, self._parts
         assert p is not None
         self._running, self._parts = None, []
-        answered, late, ran = [], [], 0
+        answered, late, ran, worked = [], [], 0, 0.0
         for part in parts:
             item = p.batch.items[part.index]
             if part.unrun:
@@ -230,6 +328,7 @@ class Executor:
             p.started.setdefault(item.id, part.layer)
             p.seconds[item.id] = p.seconds.get(item.id, 0.0) + part.end - part.start
             ran += part.blocks
+            worked += part.worked(part.blocks)
             pieces = part.piece + part.blocks
             reached = part.layer + pieces // part.per
             p.item, p.layer, p.piece = part.index, reached, pieces % part.per
@@ -241,7 +340,8 @@ class Executor:
             else:
                 break
         if ran:
-            self.host.prefill_span(self.worker, self._started, now)
+            self.ran_in_bubble = self.ran_in_bubble or self.queue.in_bubble
+            self.host.prefill_span(self.worker, self._started, now, worked)
         for payload, done in answered:
             self.host.answered([payload], done)
         if late:

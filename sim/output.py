@@ -46,11 +46,20 @@ def figures(r: SimResult) -> dict[str, Any]:
     p50, p99 = ttft_ms(ttfts, 50), ttft_ms(ttfts, 99)
     answered = len(s.ttfts_s)
     events, wall = r.off.events + on.events, r.off.wall_s + on.wall_s
+    worked = s.worked_share or 0.0  # of the prefill time, the share that computed prompt tokens
+    overruns = [o * 1000 for o in s.overruns_s]
+    gpus = out["gpus"]
     out.update(
         iteration_ms=_ms(on.iteration_s),
         bubble_fraction_on=round(u.bubble, 4),
         utilization_on=round(u.busy, 4),
         fill_ratio=round(u.fill_ratio, 4),
+        # the headline: training, and the prefill time that computed prompt tokens (blocks' fixed parts apart)
+        useful_utilization_on=round(u.training + u.prefill * worked, 4),
+        useful_fill_ratio=round(u.fill_ratio * worked, 4),
+        overrun_p50_ms=None if not overruns else round(_pct(overruns, 50), 4),
+        overrun_p99_ms=None if not overruns else round(_pct(overruns, 99), 4),
+        filled_bubbles=len(overruns),
         train_slowdown_pct=round(slowdown_pct(on.iteration_s, r.off.iteration_s), 3) + 0.0,  # no -0.0
         ttft_p50_ms=None if p50 is None else round(p50, 2),
         ttft_p99_ms=None if p99 is None else round(p99, 2),
@@ -63,6 +72,7 @@ def figures(r: SimResult) -> dict[str, Any]:
         requests_unfinished=s.sent - s.rejected - answered - sum(s.failed.values()) - s.moved,
         bubble_token_share=None if s.bubble_token_share is None else round(s.bubble_token_share, 4),
         prefill_tokens_per_s=round(s.tokens / on.makespan, 1) if on.makespan > 0 else 0.0,
+        prefill_tokens_per_gpu_s=round(s.tokens / on.makespan / gpus, 2) if on.makespan > 0 else 0.0,
         recomputed_share=None if s.recomputed_share is None else round(s.recomputed_share, 4),
         events=events,
         wall_s=round(wall, 3),
@@ -98,8 +108,8 @@ def lines(r: SimResult, f: dict[str, Any]) -> list[str]:
     )
     out += [
         f"  BubbleTea on ({load}): iteration {f['iteration_ms']:.2f} ms "
-        f"(training slowdown {f['train_slowdown_pct']:+.2f}%), utilization {f['utilization_on']:.1%}, "
-        f"fill ratio {f['fill_ratio']:.1%}",
+        f"(training slowdown {f['train_slowdown_pct']:+.2f}%), utilization {f['utilization_on']:.1%} "
+        f"(useful {f['useful_utilization_on']:.1%}: the blocks' fixed parts apart), fill ratio {f['fill_ratio']:.1%}",
         f"  requests: {f['requests_sent']} sent, {f['requests_served']} served, {f['requests_expired']} expired, "
         f"{f['requests_rejected']} rejected, {f['requests_unfinished']} unfinished at the end; {ttft}; "
         f"{f['prefill_tokens_per_s']:.0f} prompt tokens/s",
@@ -158,6 +168,12 @@ def _run_entry(name: str, label: str, f: dict[str, Any], *, on: bool) -> dict[st
     if on:
         metrics.update(bubble_fill_ratio=f["fill_ratio"], requests_answered=f["requests_served"])
     return {"name": name, "label": label, "metrics": metrics}
+
+
+def _pct(values: list[float], p: float) -> float:
+    got = runstats.percentile(values, p)
+    assert got is not None
+    return got
 
 
 def _ms(seconds: float) -> float:

@@ -92,6 +92,12 @@ def simulate(spec: ClusterSpec, options: SimOptions, progress: Progress | None =
     off = run_off(setup, options.iterations, progress)
     if not options.bubbletea:
         return SimResult(setup, options, off, None, None)
+    return simulate_on(setup, off, options, progress)
+
+
+def simulate_on(setup: SimSetup, off: RunResult, options: SimOptions, progress: Progress | None = None) -> SimResult:
+    """The BubbleTea-on run of `simulate`, beside an `off` run of the same setup (a load sweep
+    simulates the off run once)."""
     rate = None
     if options.trace is not None:
         arrivals = replayed(options.trace, max_tokens=setup.max_prompt_tokens, time_scale=options.time_scale)
@@ -173,14 +179,16 @@ def run_on(
 
 
 def capacity_rate(setup: SimSetup, off: RunResult, options: SimOptions) -> float:
-    """Requests/s the bubbles could hold: bubble seconds per second over all workers, divided by
-    one mean prompt's whole prefill time. The default load, so the bubbles have work to fill."""
+    """Requests/s the bubbles could hold: the bubble seconds per second over all workers that the fit
+    rule can fill with a mean prompt's blocks (`fill.usable_s`), divided by one mean prompt's whole
+    prefill time. The default load, so the bubbles have work to fill."""
     profile, layers = setup.serving.profile, setup.model.layers
 
     def per_layer_s(tokens: int) -> float:  # a whole prompt's time (pieces, launches, its read) a layer
         return profile.request_s(tokens, layers) / layers
 
-    rate = capacity_requests_per_s(off.spans, per_layer_s, layers, options.input_len)
+    block = profile.block_s(profile.pieces(options.input_len)[0])  # what the fit rule weighs: a layer or a piece
+    rate = capacity_requests_per_s(off.spans, per_layer_s, layers, options.input_len, fit_block_s=block)
     if rate <= 0:
         raise SimError("the pipeline has no bubbles to fill: give --request-rate to simulate a load anyway")
     return rate

@@ -58,6 +58,18 @@ class ServingStats:
     #: prompt layers run, and of those the ones run again (their saved state was in another DC)
     layers_run: int = 0
     layers_recomputed: int = 0
+    #: prefill runs' seconds, and of them the seconds that computed prompt tokens (blocks' fixed parts apart)
+    prefill_s: float = 0.0
+    worked_s: float = 0.0
+    #: bubbles' rests the fit rule left empty (seconds, summed)
+    refused_s: float = 0.0
+    #: per bubble that ran prefill: how long training waited past its input's arrival (seconds)
+    overruns_s: list[float] = field(default_factory=list)
+
+    @property
+    def worked_share(self) -> float | None:
+        """Of the prefill time, the share that computed prompt tokens (None: no prefill ran)."""
+        return self.worked_s / self.prefill_s if self.prefill_s > 0 else None
 
     @property
     def recomputed_share(self) -> float | None:
@@ -106,9 +118,11 @@ class Serving:
 
     # --- the guest of training -------------------------------------------------------------
 
-    def bubble_start(self, worker: int, iteration: int, position: int, predicted_s: float, now: float) -> None:
+    def bubble_start(
+        self, worker: int, iteration: int, position: int, predicted_s: float, now: float, room_s: float | None = None
+    ) -> None:
         ex = self.executors[worker]
-        ex.open(now)
+        ex.open(now, room_s)
         self._opened[worker] = now
         opened = BubbleOpened(
             worker=self.cfg.workers[worker],
@@ -138,10 +152,16 @@ class Serving:
         return self.executors[worker].input_arrived(now)
 
     def bubble_end(self, worker: int, iteration: int, position: int, now: float) -> None:
-        finished = self.executors[worker].close(now)
+        ex = self.executors[worker]
+        input_at = self._input_at.pop(worker, now)
+        refused = ex.refused_s(input_at)  # the rest the fit rule left empty
+        finished = ex.close(now)
+        if ex.ran_in_bubble:
+            self.stats.overruns_s.append(max(0.0, now - input_at))
+        self.stats.refused_s += refused
         start = self._opened.pop(worker, now)
-        actual = max(0.0, self._input_at.pop(worker, now) - start)  # start to the input's arrival
-        closed = BubbleClosed(self.cfg.workers[worker], (iteration, position), actual, finished)
+        actual = max(0.0, input_at - start)  # start to the input's arrival
+        closed = BubbleClosed(self.cfg.workers[worker], (iteration, position), actual, finished, refused)
         self.q.at(now + self.cfg.bus_s, self._on_bubble_end, closed)
 
     # --- the host of the executors ---------------------------------------------------------
@@ -165,8 +185,10 @@ class Serving:
             if r.id not in self._moved:  # moved to the decoder while held: that was its answer
                 self.stats.failed[FailureReason.DEADLINE.value] += 1
 
-    def prefill_span(self, worker: int, start: float, end: float) -> None:
+    def prefill_span(self, worker: int, start: float, end: float, worked_s: float) -> None:
         self.spans.append((worker, self.iteration_of(worker), start, end))
+        self.stats.prefill_s += end - start
+        self.stats.worked_s += worked_s
 
     # --- the dispatcher --------------------------------------------------------------------
 

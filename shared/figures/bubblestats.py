@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 
 from shared.control import keys
 from shared.control.status import ControlEvent
-from shared.figures.runstats import Span, bubble_end, read_stream, steady, utilization
+from shared.figures.runstats import Span, bubble_end, full_window, read_stream, steady, utilization
+from shared.policies.fill import usable_s
 from shared.wire import ControlSeen
 
 if TYPE_CHECKING:
@@ -178,16 +179,44 @@ def overruns_ms(spans: Iterable[Span]) -> list[float]:
     return out
 
 
-def capacity_requests_per_s(spans_off: list[Span], block_s: Callable[[int], float], layers: int, tokens: int) -> float:
+def capacity_requests_per_s(
+    spans_off: list[Span],
+    block_s: Callable[[int], float],
+    layers: int,
+    tokens: int,
+    fit_block_s: float | None = None,
+) -> float:
     """The prompts of `tokens` tokens per (real) second the bubbles of a run without BubbleTea could
     hold: its bubble seconds per second, summed over workers (steady window), over what one such
     prompt costs (`layers` blocks of `block_s(tokens)` real seconds); 0 for a prompt that costs
-    nothing. The simulator's default load, and what `capacity.offer` offers a share of."""
-    u = utilization(spans_off)
+    nothing. The simulator's default load, and what `capacity.offer` offers a share of.
+
+    With `fit_block_s` (the block the fit rule weighs: a layer, or a piece), each bubble counts for
+    what the rule can fill of it (`fill.usable_s`), not its whole length: the rest is refused."""
     per_request = layers * block_s(tokens)
-    return u.workers * u.bubble / per_request if per_request > 0 else 0.0
+    if per_request <= 0:
+        return 0.0
+    if fit_block_s is None:
+        u = utilization(spans_off)
+        return u.workers * u.bubble / per_request
+    return usable_bubble_s_per_s(spans_off, fit_block_s) / per_request
 
 
-def capacity_tokens_per_s(spans_off: list[Span], block_s: Callable[[int], float], layers: int, tokens: int) -> float:
+def usable_bubble_s_per_s(spans_off: list[Span], fit_block_s: float) -> float:
+    """The bubble seconds per second the fit rule can fill with blocks of `fit_block_s`, summed
+    over workers, over the steady window (as `runstats.utilization` counts the bubbles)."""
+    kept = steady(spans_off)
+    if not kept:
+        return 0.0
+    start, end = full_window(kept)
+    if end <= start:
+        return 0.0
+    waits = (s for s in kept if s.kind == "wait")
+    return sum(usable_s(min(s.end, end) - max(s.start, start), fit_block_s) for s in waits) / (end - start)
+
+
+def capacity_tokens_per_s(
+    spans_off: list[Span], block_s: Callable[[int], float], layers: int, tokens: int, fit_block_s: float | None = None
+) -> float:
     """`capacity_requests_per_s` in prompt tokens per (real) second."""
-    return capacity_requests_per_s(spans_off, block_s, layers, tokens) * tokens
+    return capacity_requests_per_s(spans_off, block_s, layers, tokens, fit_block_s) * tokens

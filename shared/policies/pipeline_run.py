@@ -51,7 +51,12 @@ class Guest(Protocol):
         """The worker entered the run (its typical predicted bubble): as a live worker's `WorkerJoined`."""
         ...
 
-    def bubble_start(self, worker: int, iteration: int, position: int, predicted_s: float, now: float) -> None: ...
+    def bubble_start(
+        self, worker: int, iteration: int, position: int, predicted_s: float, now: float, room_s: float | None = None
+    ) -> None:
+        """A bubble opened, predicted to last `predicted_s`; the fit rule takes it to last `room_s`
+        (`BubblePredictor.room`; None: nothing known)."""
+        ...
 
     def input_arrived(self, worker: int, now: float) -> float:
         """The awaited input is here: when training may resume (now, or when the running block ends)."""
@@ -179,8 +184,9 @@ class PipelineRun:
         st.blocked_since = now
         if self.guest is not None:
             walk = st.walk
-            st.predicted_s = self.predictors[w].predict(walk.pos)
-            self.guest.bubble_start(w, walk.iteration, walk.pos, st.predicted_s, now)
+            predictor = self.predictors[w]
+            st.predicted_s = predictor.predict(walk.pos)
+            self.guest.bubble_start(w, walk.iteration, walk.pos, st.predicted_s, now, predictor.room(walk.pos))
 
     def _wait_at_step(self, st: _Slot, w: int, now: float) -> bool:
         """The collectives' barrier across the replica's stages: True if slot `w` waits there; the

@@ -51,6 +51,11 @@ class PrefillProfile:
         """One block of `tokens` tokens: a whole layer, or one piece of one."""
         return max(self.fixed_s + self.per_token_s * tokens, self.launch_s)
 
+    def token_s(self, tokens: int) -> float:
+        """Of one block of `tokens` tokens, the part that computes them: its time less the fixed
+        part and any wait for the launch floor (what useful utilization counts)."""
+        return self.per_token_s * tokens
+
     def pieces(self, tokens: int) -> list[int]:
         """The tokens of each block one layer of a `tokens`-token prompt runs in."""
         size = self.piece_tokens

@@ -109,6 +109,17 @@ def test_capacity_is_the_off_runs_bubble_time_over_a_prompts_cost() -> None:
     assert capacity_requests_per_s(timeline(prefill=False), lambda tokens: 0.0, 4, 96) == 0.0  # free: no figure
 
 
+def test_capacity_counts_each_bubble_for_what_the_fit_rule_can_fill_of_it() -> None:
+    """Issue 63: with blocks of 0.15 s (0.225 s with the margin), a 0.4 s bubble takes blocks at 0
+    and 0.15 s (at 0.3 s only 0.1 s is left): 0.3 s of it, so 0.6 bubble-seconds per second, not
+    0.8; blocks of 2 ms fill it to within a block."""
+    block = lambda tokens: 0.15  # noqa: E731
+    got = capacity_requests_per_s(timeline(prefill=False), block, 4, 96, fit_block_s=0.15)
+    assert got == pytest.approx(0.6 / 0.6)
+    small = capacity_requests_per_s(timeline(prefill=False), lambda tokens: 0.002, 4, 96, fit_block_s=0.002)
+    assert 0.8 / 0.008 * 0.99 < small < 0.8 / 0.008
+
+
 def test_the_training_cost_is_the_steady_mean_a_median_cannot_see_a_slowed_minority() -> None:
     """Issue 62: 2 iterations in 10 slowed by half leave the median unmoved; the steady mean (wall time
     over iterations, the first left out: the targets') and the p90 ratio show them."""
