@@ -1,36 +1,77 @@
-"""How fast the simulator runs at scale: 512, 2,048 and 8,192 GPUs with BubbleTea on.
+"""The simulator at scale: BubbleTea's figures against the offered load at 512, 2,048 and 8,192
+GPUs, and how fast the simulator runs them.
 
 Each case is 4 datacenters of G/4 GPUs, TP=8, PP=16 (4 consecutive stages per DC, 3 WAN hops),
 DP = G/128, so G/8 pipeline slots; a 64-layer model with a device profile, 16 microbatches of one
 2k-token sequence, a 400 Gb/s, 20 ms WAN with 64 connections per transfer; a 32-layer served model
-with a prefill profile, Poisson requests of ~512-token prompts at half the rate the bubbles could hold.
-Each case simulates BubbleTea off (the priors) and on; `s_per_iter_<G>` is wall seconds per
-simulated iteration of the BubbleTea-on run, `events_per_s` the event rate of the largest case;
-`cpu_s_per_iter_<G>` is the same run's CPU seconds (the machine is shared: wall time includes
-waiting for a core). Last line: one JSON object. Target (issue 11): one 8,192-GPU iteration in under 5 s.
+whose prefill block (one layer of one prompt) counts 0.5 ms + 4 us per token, Poisson requests of
+~512-token prompts (256-768) at a **load**: a share of what the bubbles could hold
+(`sim.run.capacity_rate`: the bubble time the fit rule can fill, over a mean prompt's cost).
 
-    python bench/sim_scale.py            # 512, 2,048, 8,192 GPUs, 3 iterations each
-    python bench/sim_scale.py --quick    # 512 and 2,048 GPUs, 2 iterations
+The sweep simulates BubbleTea off once per scale, then on at each load (0.5, 0.8, 1.0, 1.2 by
+default) for each seed; a point's figures are the medians over the seeds:
+
+* `utilization`: training and prefill time over the steady window (`runstats.utilization`);
+* `useful_utilization` (**the headline**): the same with only the prefill time that computed prompt
+  tokens, the blocks' fixed parts (and first-token reads) apart;
+* `fill` and `useful_fill`: of the bubble time, the prefill (and the useful prefill) in it;
+* `slowdown_pct`: the steady iteration time with BubbleTea on over off (the steady mean: the
+  median of the iterations after the first);
+* `overrun_p50_ms`, `overrun_p99_ms`: per bubble that ran prefill, training's wait past its input;
+* `tokens_per_gpu_s`: prompt tokens answered per GPU-second (simulated);
+* `s_per_iter` and `cpu_s_per_iter`: the host's wall and CPU seconds per simulated iteration of
+  the on run (the machine is shared: wall time includes waiting for a core).
+
+The clock of every figure but the last two is the simulated device's. The sweep is drawn (`--picture`,
+default docs/sim-scale-sweep.png): utilization (both) and slowdown against load, per scale.
+Last line: one JSON object. Targets (issue 63): at load 1.0-1.2, useful utilization >= 0.94 and
+slowdown < 0.5% at every scale; at 0.8 slowdown < 0.5%; one 8,192-GPU iteration in under 1 s.
+
+    python bench/sim_scale.py                 # 512, 2,048, 8,192 GPUs; loads 0.5-1.2; seeds 0-2
+    python bench/sim_scale.py --quick         # 512 and 2,048 GPUs, loads 0.8 and 1.2, one seed
+    python bench/sim_scale.py --gpus 8192 --loads 1.0 --seeds 0   # one point (the speed figure)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from shared.spec.config import ClusterSpec, parse_spec
 from sim.output import figures
-from sim.run import RunResult, SimOptions, simulate
+from sim.run import RunResult, SimOptions, SimResult, run_off, simulate_on
+from sim.setup import build
 
 INPUT_LEN = 512
-#: The load as a share of what the bubbles could hold (sim.run.capacity_rate).
-LOAD = 0.5
+LOADS = (0.5, 0.8, 1.0, 1.2)
+SIZES = (512, 2048, 8192)
+SEEDS = (0, 1, 2)
+ITERATIONS = 3
+PICTURE = Path(__file__).resolve().parents[1] / "docs" / "sim-scale-sweep.png"
+#: a point's figures (medians over its seeds)
+FIGURES = (
+    "utilization",
+    "useful_utilization",
+    "fill",
+    "useful_fill",
+    "slowdown_pct",
+    "overrun_p50_ms",
+    "overrun_p99_ms",
+    "tokens_per_gpu_s",
+    "request_rate",
+    "requests_sent",
+    "requests_served",
+    "s_per_iter",
+    "cpu_s_per_iter",
+)
 
 
-def scale_spec(gpus: int) -> ClusterSpec:
+def scale_spec(gpus: int, fixed_ms: float = 0.5) -> ClusterSpec:
     dp = gpus // (16 * 8)
     raw: dict[str, Any] = {
         "name": f"scale-{gpus}",
@@ -41,14 +82,14 @@ def scale_spec(gpus: int) -> ClusterSpec:
         },
         "model": {"layers": 64, "d_model": 4096, "heads": 32, "seq_len": 2048, "vocab": 32000},
         "parallelism": {"pp": 16, "dp": dp, "tp": 8},
-        "training": {"schedule": "1f1b", "microbatches": 16, "microbatch_size": 1, "iterations": 3},
+        "training": {"schedule": "1f1b", "microbatches": 16, "microbatch_size": 1, "iterations": ITERATIONS},
         "device": {
             "fwd_ms_per_layer": 2.0,
             "bwd_ms_per_layer": 4.0,
             "allreduce_ms": 100.0,
             "step_ms": 10.0,
             "memory_gib": 80,
-            "prefill_ms_per_layer": 0.5,
+            "prefill_ms_per_layer": fixed_ms,
             "prefill_us_per_token": 4.0,
         },
         "bubbletea": {"max_batch_requests": 32},
@@ -68,60 +109,158 @@ def dispatcher_inputs(on: RunResult) -> int:
     return s.sent + 2 * bubbles + s.batches
 
 
-def run_case(gpus: int, iterations: int) -> dict[str, Any]:
-    spec = scale_spec(gpus)
-    t0 = time.perf_counter()
-    result = simulate(spec, SimOptions(iterations=iterations, input_len=INPUT_LEN, load=LOAD, seed=0))
-    wall = time.perf_counter() - t0
-    f = figures(result)
-    on = result.on
+def one_run(result: SimResult, iterations: int) -> dict[str, Any]:
+    """The figures of one BubbleTea-on run (one seed)."""
+    f, on = figures(result), result.on
     assert on is not None
-    row = {
-        "gpus": gpus,
-        "slots": f["slots"],
-        "iteration_ms": f["iteration_ms"],
-        "bubble_fraction": f["bubble_fraction"],
-        "utilization_off": f["utilization_off"],
-        "utilization_on": f["utilization_on"],
-        "fill_ratio": f["fill_ratio"],
-        "train_slowdown_pct": f["train_slowdown_pct"],
+    return {
+        "utilization": f["utilization_on"],
+        "useful_utilization": f["useful_utilization_on"],
+        "fill": f["fill_ratio"],
+        "useful_fill": f["useful_fill_ratio"],
+        "slowdown_pct": f["train_slowdown_pct"],
+        "overrun_p50_ms": f["overrun_p50_ms"] or 0.0,
+        "overrun_p99_ms": f["overrun_p99_ms"] or 0.0,
+        "tokens_per_gpu_s": f["prefill_tokens_per_gpu_s"],
+        "request_rate": f["request_rate"],  # per simulated second: `load` x the capacity
+        "requests_sent": f["requests_sent"],
         "requests_served": f["requests_served"],
-        "recomputed_share": f["recomputed_share"],
+        "events": on.events,
         # what one dispatcher would take in a second of this job (requests, bubble starts and ends,
-        # batch reports: one per batch): sized against bench/dispatcher.py's inputs per core-second
+        # batch reports), against bench/dispatcher.py's inputs per core-second
         "dispatcher_inputs_per_s": round(dispatcher_inputs(on) / on.makespan) if on.makespan > 0 else None,
-        "events_on": on.events,
-        "s_per_iter_on": round(on.wall_s / iterations, 3),
-        "s_per_iter_off": round(result.off.wall_s / iterations, 3),
-        "cpu_s_per_iter_on": round(on.cpu_s / iterations, 3),
-        "events_per_s": round(on.events / on.wall_s),
-        "wall_s": round(wall, 2),
+        "s_per_iter": round(on.wall_s / iterations, 3),
+        "cpu_s_per_iter": round(on.cpu_s / iterations, 3),
     }
-    print(
-        f"{gpus:>5} GPUs ({row['slots']} slots): {row['s_per_iter_on']:.2f} s per simulated iteration with "
-        f"BubbleTea on ({row['cpu_s_per_iter_on']:.2f} s CPU; {row['s_per_iter_off']:.2f} s off), "
-        f"{row['events_on']} events at {row['events_per_s']}/s; "
-        f"iteration {row['iteration_ms']:.0f} ms, bubbles {row['bubble_fraction']:.1%}, utilization "
-        f"{row['utilization_off']:.1%} -> {row['utilization_on']:.1%}, fill {row['fill_ratio']:.1%}, "
-        f"slowdown {row['train_slowdown_pct']:+.2f}%",
-        flush=True,
-    )
-    return row
+
+
+def sweep_scale(gpus: int, loads: list[float], seeds: list[int], iterations: int, fixed_ms: float) -> dict[str, Any]:
+    """One scale: BubbleTea off once, then on at every load and seed; a point per load (medians)."""
+    setup = build(scale_spec(gpus, fixed_ms))
+    off = run_off(setup, iterations)
+    base = figures(SimResult(setup, SimOptions(iterations=iterations), off, None, None))
+    points = []
+    for load in loads:
+        runs = []
+        for seed in seeds:
+            options = SimOptions(iterations=iterations, input_len=INPUT_LEN, load=load, seed=seed)
+            runs.append(one_run(simulate_on(setup, off, options), iterations))
+        point = {"load": load, **{k: _median([r[k] for r in runs]) for k in FIGURES}, "runs": runs}
+        points.append(point)
+        print(
+            f"{gpus:>5} GPUs, load {load:.1f}: utilization {point['utilization']:.3f} (useful "
+            f"{point['useful_utilization']:.3f}), fill {point['fill']:.3f} (useful {point['useful_fill']:.3f}), "
+            f"slowdown {point['slowdown_pct']:+.2f}%, overrun p50 {point['overrun_p50_ms']:.2f} ms p99 "
+            f"{point['overrun_p99_ms']:.2f} ms, {point['tokens_per_gpu_s']:.0f} prompt tokens/GPU-s; "
+            f"{point['s_per_iter']:.2f} s per simulated iteration ({point['cpu_s_per_iter']:.2f} s CPU), "
+            f"{len(seeds)} seed(s)",
+            flush=True,
+        )
+    return {
+        "gpus": gpus,
+        "slots": base["slots"],
+        "iteration_ms_off": base["iteration_ms_off"],
+        "bubble_fraction": base["bubble_fraction"],
+        "utilization_off": base["utilization_off"],
+        "events_off": off.events,
+        "s_per_iter_off": round(off.wall_s / iterations, 3),
+        "points": points,
+    }
+
+
+def targets(scales: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 63's targets, judged on the medians (None: no point to judge)."""
+    high = [p for s in scales for p in s["points"] if p["load"] >= 1.0]
+    mid = [p for s in scales for p in s["points"] if p["load"] == 0.8]
+    speed = [p["s_per_iter"] for s in scales if s["gpus"] == 8192 for p in s["points"]]
+    return {
+        "useful_utilization_ge_0_94_at_load_1_to_1_2": all(p["useful_utilization"] >= 0.94 for p in high)
+        if high
+        else None,
+        "slowdown_lt_0_5_pct_at_load_1_to_1_2": all(p["slowdown_pct"] < 0.5 for p in high) if high else None,
+        "slowdown_lt_0_5_pct_at_load_0_8": all(p["slowdown_pct"] < 0.5 for p in mid) if mid else None,
+        "s_per_iter_8192_lt_1": (max(speed) < 1.0) if speed else None,
+    }
+
+
+def picture(scales: list[dict[str, Any]], path: Path) -> Path:
+    """Utilization (all of it, and the useful) and the training slowdown against load, per scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (util, slow) = plt.subplots(1, 2, figsize=(10, 4))
+    for s in scales:
+        loads = [p["load"] for p in s["points"]]
+        line = util.plot(loads, [p["utilization"] for p in s["points"]], "o-", label=f"{s['gpus']:,} GPUs")
+        util.plot(loads, [p["useful_utilization"] for p in s["points"]], "s--", color=line[0].get_color(),
+                  label=f"{s['gpus']:,} GPUs, useful")  # fmt: skip
+        slow.plot(loads, [p["slowdown_pct"] for p in s["points"]], "o-", label=f"{s['gpus']:,} GPUs")
+    off = scales[0]["utilization_off"]
+    util.axhline(off, color="grey", linestyle=":", label="BubbleTea off")
+    util.axhline(0.94, color="black", linestyle="-.", linewidth=0.8, label="the papers' 94%")
+    util.set_xlabel("offered load (share of what the bubbles could hold)")
+    util.set_ylabel("GPU utilization (steady window)")
+    util.set_ylim(0, 1.02)
+    util.legend(fontsize=7, loc="lower right")
+    slow.axhline(0.5, color="black", linestyle="-.", linewidth=0.8, label="target: 0.5%")
+    slow.set_xlabel("offered load")
+    slow.set_ylabel("training slowdown (%, steady iteration)")
+    slow.legend(fontsize=7)
+    fig.suptitle("The simulator at scale: BubbleTea with the fit rule (medians over seeds)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _median(values: list[Any]) -> Any:
+    return round(statistics.median(values), 4)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="512 and 2,048 GPUs, 2 iterations")
-    ap.add_argument("--iterations", type=int, default=None, help="simulated iterations per case (default 3)")
+    ap.add_argument("--quick", action="store_true", help="512 and 2,048 GPUs, loads 0.8 and 1.2, seed 0")
+    ap.add_argument("--gpus", type=_ints, default=None, help="the scales, comma-separated (default 512,2048,8192)")
+    ap.add_argument("--loads", type=_floats, default=None, help="the loads, comma-separated (default 0.5,0.8,1.0,1.2)")
+    ap.add_argument("--seeds", type=_ints, default=None, help="the seeds, comma-separated (default 0,1,2)")
+    ap.add_argument("--iterations", type=int, default=ITERATIONS, help="simulated iterations per run (default 3)")
+    ap.add_argument("--fixed-ms", type=float, default=0.5, help="a prefill block's fixed part, ms (default 0.5)")
+    ap.add_argument("--picture", type=Path, default=None, help=f"where to draw the sweep (default {PICTURE}; "
+                    "--quick: none unless given)")  # fmt: skip
     args = ap.parse_args(argv)
-    sizes = (512, 2048) if args.quick else (512, 2048, 8192)
-    iterations = args.iterations or (2 if args.quick else 3)
-    rows = [run_case(g, iterations) for g in sizes]
-    out: dict[str, Any] = {f"s_per_iter_{r['gpus']}": r["s_per_iter_on"] for r in rows}
-    out.update({f"cpu_s_per_iter_{r['gpus']}": r["cpu_s_per_iter_on"] for r in rows})
-    out["events_per_s"] = rows[-1]["events_per_s"]
-    out["iterations"] = iterations
-    out["cases"] = rows
+    sizes = args.gpus or ([512, 2048] if args.quick else list(SIZES))
+    loads = args.loads or ([0.8, 1.2] if args.quick else list(LOADS))
+    seeds = args.seeds or ([0] if args.quick else list(SEEDS))
+    t0 = time.perf_counter()
+    scales = [sweep_scale(g, loads, seeds, args.iterations, args.fixed_ms) for g in sizes]
+    out: dict[str, Any] = {
+        "bench": "sim_scale",
+        "clock": "simulated device (figures); host wall and CPU (s_per_iter, cpu_s_per_iter)",
+        "prefill_block": f"{args.fixed_ms:g} ms + 4 us per token, whole layers",
+        "input_len": INPUT_LEN,
+        "iterations": args.iterations,
+        "seeds": seeds,
+        "loads": loads,
+    }
+    out.update({f"s_per_iter_{s['gpus']}": max(p["s_per_iter"] for p in s["points"]) for s in scales})
+    out.update({f"cpu_s_per_iter_{s['gpus']}": max(p["cpu_s_per_iter"] for p in s["points"]) for s in scales})
+    out["targets"] = targets(scales)
+    path = args.picture or (None if args.quick else PICTURE)
+    if path is not None:
+        out["picture"] = str(picture(scales, path))
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    out["scales"] = scales
     print(json.dumps(out))
     return 0
 
