@@ -110,18 +110,21 @@ class Filling:
         if not self._any_live(now):  # every waiting request has expired: nothing is packed anywhere
             return Decisions()
         batches: list[Batch] = []
-        skip: set[str] = set()
+        skipped = 0  # the index's head: workers that took nothing in this pass (`CreditIndex.first`)
+        barren: dict[str, bool] = {}  # per datacenter: nothing waiting may go there (`_offers_any`)
         while self._waiting:
-            worker = self._index.first(skip)
+            worker = self._index.first(skipped)
             if worker is None:
                 break
             c = self.workers[worker]
             if now - c.last_seen > self.stage_window_s:  # out until its next bubble event
                 self._index.discard(worker)
                 continue
-            batch = self._fill_worker(c, now, trigger)
+            if c.dc not in barren:
+                barren[c.dc] = not self._offers_any(c.dc, now)
+            batch = None if barren[c.dc] else self._fill_worker(c, now, trigger)
             if batch is None:  # nothing it may take now (memory, datacenter): the next one
-                skip.add(worker)
+                skipped += 1
                 continue
             batches.append(batch)
         return Decisions(batches=tuple(batches))
@@ -155,6 +158,13 @@ class Filling:
             if d is None or d >= now:
                 return True
         return False
+
+    def _offers_any(self, dc: str, now: float) -> bool:
+        """Whether a request waiting now may go to a worker in datacenter `dc` (not pinned to another
+        DC's saved state, not expired): if not, none of that DC's workers is asked in this pass
+        (sending only takes requests away). At 8,192 GPUs a pass with only resumed requests
+        pinned elsewhere asked all 1,024 workers to pack the same queue (issue 63)."""
+        return any(c.deadline is None or c.deadline >= now for c in self._candidates(dc, now))
 
     def _candidates(self, dc: str, now: float) -> Iterator[Candidate]:
         """The waiting requests a worker in datacenter `dc` may take, in packing order, read lazily

@@ -40,12 +40,15 @@ class CreditIndex:
         if key is not None:
             del self._sorted[bisect_left(self._sorted, key)]
 
-    def first(self, skip: set[str]) -> str | None:
-        """The roomiest worker not in `skip` (workers that took nothing in this pass)."""
-        for _, worker in self._sorted:
-            if worker not in skip:
-                return worker
-        return None
+    def first(self, skipped: int) -> str | None:
+        """The roomiest worker after the `skipped` roomiest (those that took nothing in this pass).
+
+        Within a pass the workers that took nothing are always the index's head: each was the
+        roomiest left when it was asked, and a worker that takes work only loses room (it moves
+        back, never ahead of them). So the next to ask is at position `skipped`, not found by
+        scanning past them: a pass that asked every one of the 1,024 workers of an 8,192-GPU
+        simulation scanned half a million entries (issue 63: 88 of 192 s at load 0.8)."""
+        return self._sorted[skipped][1] if skipped < len(self._sorted) else None
 
     def clear(self) -> None:
         self._keys.clear()
