@@ -41,10 +41,20 @@ def generated(
     return _draw(rate, burstiness, min(lo, hi), hi, seed)
 
 
+#: Prompt lengths are drawn this many at a time: the same numbers as one at a time (a test pins
+#: it), without numpy's cost per call on each of an 8,192-GPU simulation's ~6,000 requests a second.
+_LENGTHS_AT_ONCE = 1024
+
+
 def _draw(rate: float, burstiness: float, lo: int, hi: int, seed: int) -> Arrivals:
     times, lengths = np.random.default_rng(seed), np.random.default_rng(seed + 1)
-    for t in arrival_offsets(rate, burstiness, times):
-        yield t, int(lengths.integers(lo, hi + 1))
+    yield from zip(arrival_offsets(rate, burstiness, times), _lengths(lengths, lo, hi), strict=False)  # both endless
+
+
+def _lengths(rng: np.random.Generator, lo: int, hi: int) -> Iterator[int]:
+    """Prompt lengths uniform in [lo, hi], endlessly."""
+    while True:
+        yield from rng.integers(lo, hi + 1, size=_LENGTHS_AT_ONCE).tolist()
 
 
 def replayed(path: str | Path, *, max_tokens: int, time_scale: float = 1.0) -> Arrivals:

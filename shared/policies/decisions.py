@@ -144,6 +144,10 @@ class Decisions:
     spent: tuple[Spent, ...] = ()
 
     def __add__(self, other: Decisions) -> Decisions:
+        if other is NOTHING:  # most inputs decide nothing more: no copy of what was decided
+            return self
+        if self is NOTHING:
+            return other
         return Decisions(
             self.batches + other.batches,
             self.failed + other.failed,
@@ -155,3 +159,8 @@ class Decisions:
 
     def __bool__(self) -> bool:
         return bool(self.batches or self.failed or self.finished or self.lost or self.ignored or self.spent)
+
+
+#: No decision: what most inputs return. One value serves them all (`Decisions` is immutable), and
+#: adding it copies nothing: a simulated 8,192-GPU iteration feeds the dispatcher ~60,000 inputs.
+NOTHING = Decisions()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from shared.policies.decisions import Batch, BatchItem, Decisions, Ignored, Trigger, Why
+from shared.policies.decisions import NOTHING, Batch, BatchItem, Decisions, Ignored, Trigger, Why
 from shared.policies.dispatch_index import CreditIndex
 from shared.policies.dispatch_inputs import Adopted, Counts, Credit, InFlight, Request
 from shared.policies.packing import Assignment, Candidate, WaitingQueue, layered_cost, pack_ordered
@@ -103,12 +103,12 @@ class Filling:
         time, until nothing waits or no worker takes anything. Visits only indexed workers: the
         others have no room (the same decisions as visiting all of them)."""
         if not self._waiting:  # nothing to pack
-            return Decisions()
+            return NOTHING
         if now < self._clock:  # time went back: a worker left out as not recent may be again
             self._rebuild_index()
         self._clock = now
         if not self._any_live(now):  # every waiting request has expired: nothing is packed anywhere
-            return Decisions()
+            return NOTHING
         batches: list[Batch] = []
         skipped = 0  # the index's head: workers that took nothing in this pass (`CreditIndex.first`)
         barren: dict[str, bool] = {}  # per datacenter: nothing waiting may go there (`_offers_any`)
@@ -127,7 +127,7 @@ class Filling:
                 skipped += 1
                 continue
             batches.append(batch)
-        return Decisions(batches=tuple(batches))
+        return Decisions(batches=tuple(batches)) if batches else NOTHING
 
     def _fill_worker(self, c: Credit, now: float, trigger: Trigger) -> Batch | None:
         """One batch for `c`: at most half its window (so it holds two or more batches, and a

@@ -29,9 +29,11 @@ class CreditIndex:
 
     def update(self, worker: str, room: float) -> None:
         """`worker` has `room` seconds to spare now: in the index if positive, out otherwise."""
+        key = (-room, worker)
+        if self._keys.get(worker) == key:  # its room did not change: it stays where it is
+            return
         self.discard(worker)
         if room > 0:
-            key = (-room, worker)
             self._keys[worker] = key
             insort(self._sorted, key)
 

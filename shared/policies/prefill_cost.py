@@ -21,6 +21,8 @@ from shared.spec.config import ClusterSpec
 FORGET = 0.98
 #: No prefill is predicted to take less than this (1 microsecond of device time).
 MIN_SECONDS = 1e-6
+#: A little ridge keeps the 3x3 normal equations solvable with few distinct prompt lengths.
+_RIDGE = 1e-12 * np.eye(3)
 
 
 def _features(tokens: int) -> tuple[float, float, float]:
@@ -57,15 +59,24 @@ class PrefillProfile:
         return self.per_token_s * tokens
 
     def pieces(self, tokens: int) -> list[int]:
-        """The tokens of each block one layer of a `tokens`-token prompt runs in."""
+        """The tokens of each block one layer of a `tokens`-token prompt runs in: whole pieces,
+        then what is left."""
         size = self.piece_tokens
         if size is None or tokens <= size:
             return [tokens]
-        return [min(size, tokens - start) for start in range(0, tokens, size)]
+        whole, rest = divmod(tokens, size)
+        return [size] * whole + [rest] if rest else [size] * whole
 
     def layer_s(self, tokens: int) -> float:
-        """One layer of a `tokens`-token prompt, all its pieces."""
-        return sum(self.block_s(n) for n in self.pieces(tokens))
+        """One layer of a `tokens`-token prompt, all its pieces (summed in order, as they run)."""
+        size = self.piece_tokens
+        if size is None or tokens <= size:
+            return self.block_s(tokens)
+        whole, rest = divmod(tokens, size)
+        block, total = self.block_s(size), 0.0
+        for _ in range(whole):
+            total += block
+        return total + self.block_s(rest) if rest else total
 
     def request_s(self, tokens: int, layers: int) -> float:
         """A whole prompt of `tokens` tokens through `layers` layers, its first token read."""
@@ -163,11 +174,10 @@ class PrefillCostModel:
 
     def _refit(self) -> None:
         self._stale = False
-        # A little ridge keeps the 3x3 normal equations solvable with few distinct prompt lengths.
-        a = np.array(self._xtx) + 1e-12 * np.eye(3)
+        a = np.array(self._xtx) + _RIDGE
         try:
-            sol = np.linalg.solve(a, np.array(self._xty))
+            c0, c1, c2 = np.linalg.solve(a, np.array(self._xty)).tolist()
         except np.linalg.LinAlgError:
             return  # keep the previous fit
-        if np.all(np.isfinite(sol)):
-            self._coef = (float(sol[0]), float(sol[1]), float(sol[2]))
+        if math.isfinite(c0) and math.isfinite(c1) and math.isfinite(c2):
+            self._coef = (c0, c1, c2)

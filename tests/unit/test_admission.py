@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from shared.control.status import FailureReason
@@ -198,3 +200,29 @@ def test_the_correction_holds_while_it_works() -> None:
         a.waited(raw, 1.5 * raw, given_s=1.0)  # the model's error: 1.5 times, however corrected
     assert a.correction() == pytest.approx(1.5)
     assert a.finish_in(0.3, 0.0, now) == pytest.approx(1.5 * (a.raw_finish_in(0.3, 0.0, now) or 0))
+
+
+def test_the_first_rounds_rate_kept_as_they_change_is_the_sum_over_every_worker() -> None:
+    """`_first_round_rate` is kept as the rounds change (every arrival reads it); over a random
+    sequence of tagged bubbles it is exactly the straightforward sum over every worker's round."""
+
+    def summed(a: Admission) -> float | None:  # the straightforward computation, as it was
+        rates = [r.rate() for r in a._rounds.values()] if a._rounds else [None]
+        return None if None in rates else sum(r for r in rates if r is not None)
+
+    rng, seen = random.Random(7), 0
+    for _ in range(20):
+        a = Admission(window_s=1e9)  # the first round's rate throughout
+        t, at = 0.0, {"w0": (0, rng.randrange(8))}
+        for _ in range(400):
+            if rng.random() < 0.02:  # a worker joins now and then, often after the others came round
+                at[f"w{len(at)}"] = (rng.randrange(3), rng.randrange(8))
+            w = rng.choice(list(at))
+            it, pos = at[w]
+            at[w] = (it + rng.randrange(2), rng.randrange(8))  # on, or back to an earlier position
+            t += rng.choice([0.0, rng.random()])  # bubbles at one instant too (a round of no span)
+            a.bubble(t, rng.choice([0.0, rng.random()]), w, (it, pos))
+            assert a._first_round_rate() == summed(a)
+            seen += a._first_round_rate() is not None
+        assert a.came_round(t) == (summed(a) is not None)
+    assert seen > 0

@@ -58,3 +58,16 @@ def test_a_profile_from_the_spec_has_its_overheads_and_pieces_where_a_worker_run
     assert gpu.pieces(600) == [256, 256, 88] and cpu.pieces(600) == [600]
     # no prefill profile: real compute time, whatever the overheads say
     assert PrefillProfile.of_spec(parse_spec({**base, "device": overheads})) is None
+
+
+def test_a_layers_pieces_and_time_are_the_blocks_one_by_one() -> None:
+    """`pieces` and `layer_s` (on the simulator's hot path, written out) are the straightforward
+    ones: blocks of `piece_tokens` from the prompt's start, their times summed in order."""
+    rng = random.Random(3)
+    for _ in range(300):
+        size = rng.choice([None, 1, 7, 64, 256])
+        p = PrefillProfile(rng.random() * 1e-3, rng.random() * 1e-5, rng.choice([0.0, 2e-4]), 1e-5, size)
+        tokens = rng.randint(1, 3000)
+        pieces = [tokens] if size is None else [min(size, tokens - s) for s in range(0, tokens, size)]
+        assert p.pieces(tokens) == pieces
+        assert p.layer_s(tokens) == sum(p.block_s(n) for n in pieces)  # exactly

@@ -6,6 +6,7 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bubbletea.cli import main as cli_main
@@ -380,6 +381,20 @@ def test_prompts_are_clamped_to_what_the_front_door_accepts() -> None:
     assert setup.spec.prefill.max_prompt_tokens == 512 and setup.max_prompt_tokens == 64
     lengths = [n for _, n in itertools.islice(generated(50.0, input_len=96, range_ratio=0.5, max_tokens=64), 200)]
     assert max(lengths) == 64 and min(lengths) >= 48
+
+
+@pytest.mark.parametrize(("seed", "lo", "hi"), [(0, 256, 768), (5, 48, 64), (9, 1, 2048)])
+def test_prompt_lengths_drawn_many_at_a_time_are_those_drawn_one_at_a_time(seed: int, lo: int, hi: int) -> None:
+    """`generated` draws its lengths in blocks (numpy's cost per call); the requests are those of
+    drawing each as it is sent, past a block's end too."""
+    rng = np.random.default_rng(seed + 1)
+    one_by_one = [int(rng.integers(lo, hi + 1)) for _ in range(2500)]
+    input_len, ratio = (lo + hi) // 2, (hi - lo) / (lo + hi)
+    drawn = list(
+        itertools.islice(generated(80.0, input_len=input_len, range_ratio=ratio, max_tokens=hi, seed=seed), 2500)
+    )
+    assert min(n for _, n in drawn) >= lo and max(n for _, n in drawn) <= hi
+    assert [n for _, n in drawn] == one_by_one[: len(drawn)]
 
 
 def test_the_simulator_says_what_share_of_the_prompt_tokens_the_bubbles_take_at_an_objective(
