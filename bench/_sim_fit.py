@@ -23,6 +23,7 @@ fraction (off) and the fill ratio (on) come out as `sim_*` keys.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 from dataclasses import replace
 from typing import Any
@@ -83,6 +84,30 @@ def fit_training(spec: ClusterSpec, spans: list[Span]) -> dict[str, float]:
     out["step_ms"] = statistics.median(steps) if steps else 0.0
     out["allreduce_ms"] = reduces[len(reduces) // 10] if reduces else 0.0
     return out
+
+
+def fit_bus_s(stage_dc: tuple[str, ...] | list[str], spans: list[Span]) -> float | None:
+    """The bus hop of a live run (s): the median, over the tensors a waiting stage received from a
+    stage in its own datacenter, of their arrival (the wait's `input_at`) less their sender's
+    compute span's end (the send follows it at once). What the host adds to every hop (the
+    outbox, Redis or the socket, the receiver's wake-up), which the time scale does not stretch:
+    at k = 1 it is milliseconds on a pipeline of stages a few milliseconds long, and a simulator
+    with a fixed 0.3 ms hop missed the bubbles by 11% (issue 63). None: no such tensor waited for."""
+    compute = {(s.replica, s.stage, s.iteration, s.kind, s.microbatch): s for s in spans if s.kind in ("fwd", "bwd")}
+    by_worker: dict[tuple[int, int], list[Span]] = {}
+    for s in spans:
+        by_worker.setdefault((s.replica, s.stage), []).append(s)
+    hops = []
+    for (replica, stage), mine in by_worker.items():
+        mine.sort(key=lambda s: s.start)
+        for wait, after in itertools.pairwise(mine):
+            if wait.kind != "wait" or wait.input_at is None or after.kind not in ("fwd", "bwd"):
+                continue
+            peer = stage - 1 if after.kind == "fwd" else stage + 1  # who sent what it waited for
+            sent = compute.get((replica, peer, after.iteration, after.kind, after.microbatch))
+            if sent is not None and 0 <= peer < len(stage_dc) and stage_dc[peer] == stage_dc[stage]:
+                hops.append(wait.input_at - sent.end)
+    return statistics.median(hops) if hops else None
 
 
 def stage_seconds(spec: ClusterSpec, spans: list[Span], kind: str) -> tuple[float, ...]:

@@ -29,6 +29,10 @@ Beside the live and simulated iteration time, each case has the analytic model's
 (`iteration_model`, `iteration_model_rel_err` against live; `iteration_sim_model_rel_err` between
 the simulator and the model): the one engine with no bus hops, on the same scaled spec.
 
+With BubbleTea on, each side's overrun too (`overrun_share_live` / `_sim`: training's wait past its
+input in filled bubbles, a share of the workers' steady time), compared as a difference in points
+(`overrun_share_abs_err`): with the fit rule it is near 0 on both sides, where a ratio means nothing.
+
 Prints a table, then one JSON line last (keys ending in `_rel_err`, `max_rel_err`; per case
 `lag_ms`: how far live training compute fell behind the device profile, summed over workers and
 iterations; `prefill_lag_share`: the share of live prefill time that was prefill running behind its
@@ -70,12 +74,14 @@ from shared.spec.settings import load_settings
 from shared.spec.timescale import calibrate, scale_spec
 from shared.wire import FIELD, PrefillRequest, decode
 from sim.run import run_off, run_on
-from sim.setup import DEFAULT_PREFILL, build
+from sim.setup import BUS_S, DEFAULT_PREFILL, build
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._gen_specs import generated  # noqa: E402
+from bench._sim_compare import FIGURES, figures, line, overrun_share, r4, rel, summary  # noqa: E402
+from bench._sim_fit import fit_bus_s  # noqa: E402
 
 SPECS = (ROOT / "configs" / "demo.yaml", ROOT / "configs" / "wan-bound.yaml")
 SHARINGS = ("fair", "temporal")
@@ -83,7 +89,6 @@ SHARINGS = ("fair", "temporal")
 #: for it. 5 s keeps each run's tail short (the figures are over the training window only).
 REQUEST_TIMEOUT_S = 5
 SEED = 0
-FIGURES = ("iteration", "bubble_fraction", "fill_ratio")
 #: How long one read of the request stream blocks (the watcher is cancelled when the run ends).
 WATCH_BLOCK_MS = 1000
 
@@ -196,25 +201,23 @@ async def run_live(
     return Live(result, spans, requests)
 
 
-def simulate(spec: ClusterSpec, live: Live) -> tuple[float, list[runstats.Span]]:
-    """The case simulated: (steady iteration s, spans). With BubbleTea on, the requests the live
-    front door accepted arrive at the same moments relative to the steady window's start as live."""
+def simulate(spec: ClusterSpec, live: Live) -> tuple[float, list[runstats.Span], float]:
+    """The case simulated: (steady iteration s, spans, the bus hop s). With BubbleTea on, the
+    requests the live front door accepted arrive at the same moments relative to the steady window's
+    start as live. The bus hop is the live run's (`_sim_fit.fit_bus_s`), the one figure taken from
+    it: the host's latency, which the time scale does not stretch."""
     setup = build(spec)
+    bus_s = fit_bus_s(setup.pipeline.stage_dc, live.spans) or BUS_S
+    setup = build(spec, bus_s=bus_s)
     iterations = len(live.train.iteration_s)
     off = run_off(setup, iterations)
     if not spec.bubbletea.enabled:
-        return off.iteration_s, off.spans
+        return off.iteration_s, off.spans, bus_s
     if not live.requests:
         raise RuntimeError("the live run accepted no request")
     shift = runstats.steady_window(off.spans)[0] - runstats.steady_window(live.spans)[0]
     on = run_on(setup, iterations, off.priors, iter([(t + shift, n) for t, n in live.requests]))
-    return on.iteration_s, on.spans
-
-
-def figures(iteration_s: float, spans: list[runstats.Span], bubbletea: bool) -> dict[str, float | None]:
-    u = runstats.utilization(spans)
-    fill = u.fill_ratio if bubbletea else None
-    return {"iteration": iteration_s * 1000, "bubble_fraction": u.bubble, "fill_ratio": fill}
+    return on.iteration_s, on.spans, bus_s
 
 
 async def run_case(
@@ -244,19 +247,23 @@ async def run_case(
     input_len = load_input_len(setup.max_prompt_tokens)
     live = await run_live(raw, url, workdir, rate=rate, load_s=load_s, input_len=input_len)
     wall = time.perf_counter() - t0
-    sim_iter, sim_spans = simulate(spec, live)
+    sim_iter, sim_spans, bus_s = simulate(spec, live)
     got_live = figures(live.train.steady_iteration_s() / k, live.spans, case.bubbletea)
     got_sim = figures(sim_iter / k, sim_spans, case.bubbletea)
     row: dict[str, Any] = {"case": case.name, "iterations": len(live.train.iteration_s), "device_time_scale": k}
+    row["bus_ms"] = round(bus_s * 1000, 3)  # real ms: the live run's hop, which the simulator took
     for f in FIGURES:
         a, b = got_live[f], got_sim[f]
-        row[f"{f}_live"], row[f"{f}_sim"] = _r(a), _r(b)
-        row[f"{f}_rel_err"] = _rel(b, a)
+        row[f"{f}_live"], row[f"{f}_sim"] = r4(a), r4(b)
+        row[f"{f}_rel_err"] = rel(b, a)
     # the analytic model: the same engine with no bus hops, on the same scaled spec
     model_ms = steady_iteration_s(analytic(setup.pipeline, len(live.train.iteration_s)).iteration_times) * 1000 / k
-    row["iteration_model"] = _r(model_ms)
-    row["iteration_model_rel_err"] = _rel(model_ms, got_live["iteration"])
-    row["iteration_sim_model_rel_err"] = _rel(got_sim["iteration"], model_ms)
+    if case.bubbletea:  # both on the same scaled clock: a share needs no k
+        a, b = overrun_share(live.spans), overrun_share(sim_spans)
+        row.update(overrun_share_live=r4(a), overrun_share_sim=r4(b), overrun_share_abs_err=r4(abs(b - a)))
+    row["iteration_model"] = r4(model_ms)
+    row["iteration_model_rel_err"] = rel(model_ms, got_live["iteration"])
+    row["iteration_sim_model_rel_err"] = rel(got_sim["iteration"], model_ms)
     row.update(lag_ms=round(live.train.lag_ms, 1), prefill_lag_ms=round(live.train.prefill_lag_ms, 1))
     # What limits agreement: the share of live worker time training compute ran behind the profile,
     # the share of live prefill time that was prefill running behind its profile (neither of which
@@ -269,49 +276,8 @@ async def run_case(
         row["load_from_s"] = round(live.requests[0][0] - runstats.steady_window(live.spans)[0], 3)
         row["requests"], row["input_len"] = len(live.requests), input_len
     row["live_s"] = round(wall, 1)
-    say(_line(row), sys.stderr)
+    say(line(row), sys.stderr)
     return row
-
-
-def _r(v: float | None) -> float | None:
-    return None if v is None else round(v, 4)
-
-
-def _rel(value: float | None, reference: float | None) -> float | None:
-    """|value - reference| / |reference| (None where either is missing or the reference is 0)."""
-    if value is None or reference is None or reference == 0:
-        return None
-    return round(abs(value - reference) / abs(reference), 4)
-
-
-def _line(r: dict[str, Any]) -> str:
-    def cell(f: str) -> str:
-        if r[f"{f}_live"] is None:
-            return " " * 28
-        scale = 1.0 if f == "iteration" else 100.0
-        return f"{r[f'{f}_live'] * scale:8.2f} {r[f'{f}_sim'] * scale:8.2f} {r[f'{f}_rel_err'] * 100:5.1f}%  "
-
-    lag = f"{r['prefill_lag_share']:.1%}" if "prefill_lag_share" in r else ""
-    model = f"{r['iteration_model']:8.2f} {r['iteration_model_rel_err'] * 100:5.1f}%"
-    return (
-        f"| {r['case']:<24} | " + " | ".join(cell(f) for f in FIGURES) + f" | {model} | {r['lag_ms']:8.1f} | {lag:>8} |"
-    )
-
-
-def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-
-    def worst(f: str) -> float | None:
-        errs = [r[f"{f}_rel_err"] for r in rows if r.get(f"{f}_rel_err") is not None]
-        return max(errs) if errs else None
-
-    for f in FIGURES:
-        out[f"{f}_rel_err"] = worst(f)
-    out["max_rel_err"] = max((v for v in out.values() if v is not None), default=None)  # live against sim
-    out["iteration_model_rel_err"] = worst("iteration_model")
-    out["iteration_sim_model_rel_err"] = worst("iteration_sim_model")
-    out["cases"] = {r["case"]: {k: v for k, v in r.items() if k != "case"} for r in rows}
-    return out
 
 
 def cases_for(args: argparse.Namespace, workdir: Path) -> list[Case]:

@@ -67,3 +67,24 @@ def test_training_times_are_fitted_per_stage_and_per_layer() -> None:
     fitted = _sim_fit.fit_training(SPEC, spans)
     assert fitted["fwd_ms_per_layer"] == pytest.approx(4 / 3)  # the median of 1 and 5/3 ms a layer
     assert fitted["step_ms"] == pytest.approx(1.0) and fitted["allreduce_ms"] == 0.0
+
+
+def test_the_bus_hop_is_the_median_wait_for_a_tensor_from_the_same_datacenter() -> None:
+    """Stage 1 waits for stage 0's forward (sent at its span's end, 1.0 s) and gets it at 1.002 s:
+    a 2 ms hop; stage 0 waits for stage 1's backward, 3 ms; a hop across datacenters (stage 2 in
+    another DC) and a wait not for a tensor (before the step) are left out."""
+    spans = [
+        Span(0, 0, 1, "fwd", 0.9, 1.0, 0),
+        Span(0, 1, 1, "wait", 0.95, 1.002, 0, 10.0, 1.002),
+        Span(0, 1, 1, "fwd", 1.002, 1.1, 0),
+        Span(0, 2, 1, "wait", 1.05, 1.2, 0, 10.0, 1.15),  # from stage 1, across the WAN
+        Span(0, 2, 1, "fwd", 1.2, 1.3, 0),
+        Span(0, 1, 1, "bwd", 1.4, 1.5, 0),
+        Span(0, 0, 1, "wait", 1.45, 1.503, 0, 10.0, 1.503),
+        Span(0, 0, 1, "bwd", 1.503, 1.6, 0),
+        Span(0, 0, 1, "wait", 1.6, 1.7, None, 10.0, 1.7),
+        Span(0, 0, 1, "step", 1.7, 1.8),
+    ]
+    hop = _sim_fit.fit_bus_s(("a", "a", "b"), spans)
+    assert hop == pytest.approx(0.0025)
+    assert _sim_fit.fit_bus_s(("a", "b", "c"), spans) is None  # no tensor from its own DC
