@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
 from shared.control import keys
+from shared.control.leases import release_dispatcher_if_held_by
 from shared.control.status import DispatcherRole
 from shared.policies.leadership import Decision, Leadership, Move, Seen
 from shared.runtime.logs import get_logger
@@ -47,8 +48,6 @@ end
 if not v then return {'', 0} end
 return {v, redis.call('PTTL', KEYS[1])}
 """
-# A stopping leader hands the lease over at once: compare-and-delete.
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 class DispatcherLease:
@@ -125,7 +124,7 @@ class DispatcherLease:
             return
         self._act(self.policy.step_down("stopping"))
         try:
-            await self.r.eval(_RELEASE, 1, self.key, self.me)
+            await release_dispatcher_if_held_by(self.r, self.run, self.me)
         except TRANSIENT_ERRORS as exc:
             log.warning("dispatcher lease not released; it ends by itself", run=self.run, error=repr(exc))
 

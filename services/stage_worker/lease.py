@@ -35,7 +35,6 @@ log = get_logger(__name__)
 
 # Compare-and-renew / compare-and-delete: only the holder may touch its lease.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 #: A slot's end marker, written only by its lease's holder.
 _END = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -156,7 +155,7 @@ class SlotLease:
                     continue
                 # A finishing worker writes its end before it releases: leased, its end is visible.
                 if (await self.ended(s))[0] is LeaseState.DONE:
-                    await self.r.eval(_RELEASE, 1, self._key(s), self.holder)
+                    await release_if_held_by(self.r, self.run, s.replica, s.stage, self.holder)
                     done.add(s)
                     continue
                 await self._took(s)
@@ -387,4 +386,4 @@ class SlotLease:
 
     async def release(self) -> None:
         if self.slot is not None:
-            await self.r.eval(_RELEASE, 1, self._key(self.slot), self.holder)
+            await release_if_held_by(self.r, self.run, self.slot.replica, self.slot.stage, self.holder)

@@ -123,12 +123,13 @@ async def release_dead(r: Redis, run: str, pp: int, dp: int, holder: str) -> lis
 
 
 async def release_if_held_by(r: Redis, run: str, replica: int, stage: int, holder: str) -> bool:
-    """Delete the slot's lease if `holder` (known dead) still holds it; True if it did."""
+    """Delete the slot's lease if `holder` still holds it (a worker known dead, or one handing its
+    slot over as it stops); True if it did. The one compare-and-delete every lease release uses."""
     return bool(await r.eval(_RELEASE_IF, 1, keys.lease_key(run, replica, stage), holder))
 
 
 async def release_dispatcher_if_held_by(r: Redis, run: str, holder: str) -> bool:
-    """Delete the run's dispatcher lease if `holder` (a dispatcher known dead: its supervisor saw
-    its process exit) still holds it, so its successor leads at once rather than at the lease's
-    end; True if it did."""
+    """Delete the run's dispatcher lease if `holder` still holds it (a dispatcher known dead: its
+    supervisor saw its process exit; or one stepping down as it stops), so its successor leads at
+    once rather than at the lease's end; True if it did."""
     return bool(await r.eval(_RELEASE_IF, 1, keys.dispatcher_lease_key(run), holder))
