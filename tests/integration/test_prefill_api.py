@@ -121,6 +121,10 @@ async def test_native_submit_status_and_idempotency(client: TestClient, redis: R
     got = await (await client.get(f"/v1/prefill/{rid}")).json()
     assert got["status"] == "done" and got["result"]["token"] == 66
     assert (await client.get("/v1/prefill/pf-nope")).status == 404
+    # docs/api.md: answers and idempotency keys live an hour (the queued status goes with the answer)
+    assert await redis.exists(keys.prefill_status_key(rid)) == 0
+    for key in (keys.prefill_result_key(rid), keys.idempotency_key(RUN, "k1")):
+        assert 3_500 < await redis.ttl(key) <= keys.PREFILL_RECORD_TTL_S == 3_600, key
 
 
 async def test_a_failed_answer_is_reported(client: TestClient, redis: Redis) -> None:
