@@ -94,7 +94,11 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
             async with http.get(f"{api}/ready") as resp:
                 ready = await resp.json()
                 assert resp.status == 200 and ready["state"] == "serving", ready
-            ids = [await submit(http, api, {"prompt": f"prompt number {i}"}) for i in range(20)]
+            # a generous objective: the subject is `up` serving, not the 500 ms default on a loaded host
+            # (k = 1 here: with the suite's other worker busy, 1-2 of 20 failed at 500 ms, before the
+            # fit rule too, explicitly, with `deadline`)
+            body = {"ttft_objective_ms": 10_000}
+            ids = [await submit(http, api, {"prompt": f"prompt number {i}", **body}) for i in range(20)]
             answers = {}
             async with asyncio.timeout(60):
                 while len(answers) < len(ids):
@@ -102,7 +106,8 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
                         if rid not in answers and (a := await status(http, api, rid))["status"] != "queued":
                             answers[rid] = a
                     await asyncio.sleep(0.2)
-            assert all(a["status"] == "done" and a["result"]["text"] for a in answers.values()), answers
+            wrong = {rid: a for rid, a in answers.items() if a["status"] != "done" or not a["result"]["text"]}
+            assert not wrong, wrong  # only the answers that are not a done one with text: a log shows them whole
 
             # every service, each of its own /metrics, as a Prometheus server would scrape them
             workers = [f"stage_worker-r{d}s{k}" for d in range(2) for k in range(2)]
