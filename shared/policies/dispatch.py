@@ -243,8 +243,8 @@ class DispatchState(Filling, Leaving):
             if e.actual_s is not None:  # what it offered prefill: the rest the fit rule refused is not
                 self._admission.bubble(c.bubble.started, max(0.0, e.actual_s - e.refused_s), e.worker, c.bubble.tag)
             c.bubble = None
-        if e.actual_s is not None:  # its credit, too, counts only what the fit rule let run
-            c.lengths.append(max(0.0, e.actual_s - e.refused_s))
+        if e.actual_s is not None:
+            c.lengths.append(e.actual_s)
         for batch_id in e.finished:
             self._release(c, batch_id)
         c.last_seen = now

@@ -544,13 +544,3 @@ def test_admission_counts_a_bubble_less_the_rest_the_fit_rule_refused() -> None:
     s.bubble_end(BubbleClosed("w0", None, 0.010, ()), 0.030)
     assert s._admission._usable_s == pytest.approx(0.006 + 0.010)
 
-
-def test_a_worker_whose_bubbles_the_fit_rule_refuses_gets_less_credit() -> None:
-    """Issue 63: a worker's typical bubble (its credit) counts what the fit rule let run: one whose
-    bubbles are too short for a block gets no more work to hold, where its queue would wait past
-    the requests' objectives (`bubbletea up` under load failed one at 500 ms that way)."""
-    s = state()
-    for i in range(4):
-        start(s, "w0", 0.010, now=i * 0.1)
-        s.bubble_end(BubbleClosed("w0", None, 0.010, (), refused_s=0.010), i * 0.1 + 0.01)
-    assert s.workers["w0"].typical_s() == 0.0
