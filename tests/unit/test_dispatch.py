@@ -543,4 +543,3 @@ def test_admission_counts_a_bubble_less_the_rest_the_fit_rule_refused() -> None:
     start(s, "w0", 0.010, now=0.020)
     s.bubble_end(BubbleClosed("w0", None, 0.010, ()), 0.030)
     assert s._admission._usable_s == pytest.approx(0.006 + 0.010)
-
