@@ -63,7 +63,9 @@ def offer(
     spans_off: list[Span], block_s: Callable[[int], float], layers: int, tokens: int, share: float = DEFAULT_SHARE
 ) -> Offer:
     """The request rate that offers `share` of the capacity the off run's bubbles measured, for
-    prompts of `tokens` tokens on average: each bubble counted for what the fit rule can fill of it
-    with such a prompt's blocks (a layer: the prompts offered are shorter than a GPU's piece)."""
-    capacity = capacity_tokens_per_s(spans_off, block_s, layers, tokens, fit_block_s=block_s(tokens))
+    prompts of `tokens` tokens on average: their whole bubble time. Not what the fit rule can fill
+    of it (as the simulator counts it): on a live host a block's time is measured under load, and
+    a loaded suite measured blocks longer than every bubble, offered nothing and answered nothing
+    (2026-12-06)."""
+    capacity = capacity_tokens_per_s(spans_off, block_s, layers, tokens)
     return Offer(capacity, share * capacity / tokens)
