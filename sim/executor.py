@@ -44,10 +44,9 @@ from shared.policies.fill import (
     BLOCK_MARGIN,
     OVERRUN_GRACE_S,
     FillQueue,
-    Start,
+    blocks_that_fit,
     late_on_worker,
     left_s,
-    may_start,
     moved_on_worker,
     resume_layer,
 )
@@ -158,13 +157,8 @@ class _Part:
         if ends_at is None or not self.blocks or longest <= OVERRUN_GRACE_S:
             return self.blocks
         k = self.started_before(ends_at - longest)  # these fit for sure: they start early enough
-        while k < self.blocks:
-            d = self.pieces[(self.piece + k) % self.per]
-            left = ends_at - (self.start + self.elapsed(k))
-            if may_start(input_arrived=False, block_s=d, left_s=left) is not Start.GO:
-                break
-            k += 1
-        return k
+        rest = (self.pieces[(self.piece + i) % self.per] for i in range(k, self.blocks))
+        return k + blocks_that_fit(self.start + self.elapsed(k), ends_at, rest)
 
     def cut(self, blocks: int) -> None:
         """Only the first `blocks` ran: the item did not finish here."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shared.spec.config import BubbleTea
@@ -150,20 +151,21 @@ def may_start(
 def blocks_that_fit(
     start: float,
     ends_at: float | None,
-    durations: list[float],
+    durations: Iterable[float],
     margin: float = BLOCK_MARGIN,
     grace_s: float = OVERRUN_GRACE_S,
 ) -> int:
     """How many of the blocks `durations` (run back to back from `start`) the fit rule starts in a
     bubble predicted to end at `ends_at` (None: no prediction) before the first it refuses: the
-    simulator's executor lays a run out with it, asking `may_start` block by block."""
-    t = start
-    for n, d in enumerate(durations):
+    simulator's executor lays a run out with it, asking `may_start` block by block (read lazily:
+    it stops at the first refused)."""
+    t, started = start, 0
+    for d in durations:
         left = None if ends_at is None else ends_at - t
         if may_start(input_arrived=False, block_s=d, left_s=left, margin=margin, grace_s=grace_s) is not Start.GO:
-            return n
-        t += d
-    return len(durations)
+            break
+        t, started = t + d, started + 1
+    return started
 
 
 def usable_s(bubble_s: float, block_s: float, margin: float = BLOCK_MARGIN, grace_s: float = OVERRUN_GRACE_S) -> float:
