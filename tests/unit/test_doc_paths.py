@@ -1,6 +1,7 @@
 """The README and docs/ name only code that exists: every `path/to/file.py:name` names a file of
 the repository that defines `name` (a function, a class, a method as `Class.method`, or a module
-constant), and every `path/to/file.py` in backticks names a file that exists. A module moved or a
+constant), every `path/to/file.py` in backticks names a file that exists, and every dotted
+`package.module.name` in backticks names a module of ours that defines it. A module moved or a
 function renamed fails here with the page and the reference."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ BASES = (ROOT, ROOT / "bubbletea-vllm")
 REFERENCE = re.compile(r"((?:[\w.-]+/)+[\w.-]+\.py):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
 #: `dir/file.py` in backticks, alone or followed by `:name`.
 PATH = re.compile(r"`((?:[\w.-]+/)+[\w.-]+\.py)(?::[\w.]+)?`")
+#: `package.module[.name[.member]]` in backticks, for our own top-level packages.
+DOTTED = re.compile(r"`((?:services|shared|bubbletea|sim|loadgen|bench)(?:\.\w+)+)`")
 
 
 def resolve(path: str) -> Path | None:
@@ -70,6 +73,41 @@ def test_every_file_function_reference_names_a_definition_that_exists() -> None:
 def test_every_python_path_in_backticks_exists() -> None:
     broken = sorted(
         {f"{page.name}: {path}" for page in PAGES for path in PATH.findall(page.read_text()) if resolve(path) is None}
+    )
+    assert not broken, "\n".join(broken)
+
+
+def dotted_resolves(dotted: str) -> bool:
+    """Whether `a.b.c.d` is a module (`a/b/c/d.py` or a package) or names defined in the longest
+    module prefix of it (a name, or `Class.member`)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:cut])
+        module = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if module.is_file():
+            rest = ".".join(parts[cut:])
+            if not rest:
+                return True
+            plain, dotted_names = names_in(module)
+            return rest in (dotted_names if "." in rest else plain)
+    return False
+
+
+def spec_field(dotted: str) -> bool:
+    """`bubbletea.hold_ms` is the spec's `bubbletea` section, not our package: no module of that name."""
+    head, _, rest = dotted.partition(".")
+    first = rest.split(".")[0]
+    return head == "bubbletea" and not (ROOT / head / f"{first}.py").is_file() and not (ROOT / head / first).is_dir()
+
+
+def test_every_dotted_name_in_backticks_names_a_definition_that_exists() -> None:
+    broken = sorted(
+        {
+            f"{page.name}: {name}"
+            for page in PAGES
+            for name in DOTTED.findall(page.read_text())
+            if not spec_field(name) and not dotted_resolves(name)
+        }
     )
     assert not broken, "\n".join(broken)
 
