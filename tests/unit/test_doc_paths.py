@@ -22,6 +22,8 @@ REFERENCE = re.compile(r"((?:[\w.-]+/)+[\w.-]+\.py):([A-Za-z_]\w*(?:\.[A-Za-z_]\
 PATH = re.compile(r"`((?:[\w.-]+/)+[\w.-]+\.py)(?::[\w.]+)?`")
 #: `package.module[.name[.member]]` in backticks, for our own top-level packages.
 DOTTED = re.compile(r"`((?:services|shared|bubbletea|sim|loadgen|bench)(?:\.\w+)+)`")
+#: `from package.module import name` in the pages' code blocks, for our own top-level packages.
+IMPORT = re.compile(r"from ((?:services|shared|bubbletea|sim|loadgen|bench)(?:\.\w+)+) import (\w+)")
 
 
 def resolve(path: str) -> Path | None:
@@ -107,6 +109,18 @@ def test_every_dotted_name_in_backticks_names_a_definition_that_exists() -> None
             for page in PAGES
             for name in DOTTED.findall(page.read_text())
             if not spec_field(name) and not dotted_resolves(name)
+        }
+    )
+    assert not broken, "\n".join(broken)
+
+
+def test_every_import_in_a_code_block_names_a_definition_that_exists() -> None:
+    broken = sorted(
+        {
+            f"{page.name}: from {module} import {name}"
+            for page in PAGES
+            for module, name in IMPORT.findall(page.read_text())
+            if not dotted_resolves(f"{module}.{name}")
         }
     )
     assert not broken, "\n".join(broken)
