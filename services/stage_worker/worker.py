@@ -21,20 +21,20 @@ import msgspec
 import torch
 
 from services.stage_worker import chaos
-from services.stage_worker.bubbles import GuestMemory
-from services.stage_worker.filler import Filler
+from services.stage_worker.fill.announcer import GuestMemory
+from services.stage_worker.fill.executor import Filler
 from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
 from services.stage_worker.leaving import ASK_S, told_to_leave
-from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.membership import take_part
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import PrefillPort, StagePort, StatePort
-from services.stage_worker.port_state import CheckpointStore
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.stage_port import PrefillPort, StagePort, StatePort
+from services.stage_worker.port.state import CheckpointStore
+from services.stage_worker.port.transport import Transport, plane_addresses
 from services.stage_worker.recovery import Generations
-from services.stage_worker.runner import Profile, StageRunner
-from services.stage_worker.trainer import StageTrainer
-from services.stage_worker.transport import Transport, plane_addresses
-from services.stage_worker.warm import Warm, guest_model, model_bytes, warm_up
+from services.stage_worker.train.runner import Profile, StageRunner
+from services.stage_worker.train.trainer import StageTrainer
+from services.stage_worker.train.warm import Warm, guest_model, model_bytes, warm_up
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import keys

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from services.stage_worker import port_prefill
-from services.stage_worker.bubbles import BubbleAnnouncer
-from services.stage_worker.filler import Filler
+from services.stage_worker.fill.announcer import BubbleAnnouncer
+from services.stage_worker.fill.executor import Filler
 from services.stage_worker.lease import Slot
-from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.outbox import Outbox
-from services.stage_worker.port import ELSEWHERE, LOST, PrefillPort, StagePort
+from services.stage_worker.port import prefill as port_prefill
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.outbox import Outbox
+from services.stage_worker.port.stage_port import ELSEWHERE, LOST, PrefillPort, StagePort
 from services.stage_worker.telemetry import StageTelemetry
 from shared.bus import Bus, Delivery, Reject
 from shared.bus.connection import blocking_client
@@ -612,7 +612,7 @@ async def test_a_sticky_cuda_error_in_prefill_stops_the_worker_rather_than_train
     next call, or compute garbage. The fill executor raises it past its fence, out of the bubble's
     wait, so the worker stops and recovery replaces it (issue 62: it was caught as a RuntimeError, the
     request failed, and training carried on over a dead context). The request is failed, not lost."""
-    from services.stage_worker.guest import DeviceLost
+    from services.stage_worker.fill.guest_faults import DeviceLost
 
     model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
 

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-from services.stage_worker.filler import Filler
-from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.port import PrefillPort, StagePort
+from services.stage_worker.fill.executor import Filler
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from shared.bus import Bus, Delivery
 from shared.control import serving
 from shared.control.status import ItemOutcome

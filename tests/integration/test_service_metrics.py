@@ -29,10 +29,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from services.dispatcher.serve import serve as serve_dispatcher
-from services.stage_worker.filler import Filler
-from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.fill.executor import Filler
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import PrefillPort, StagePort
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from services.wan_broker.broker import serve as serve_broker
 from shared.bus import HOLD, Bus, Delivery, Outcome
 from shared.control import keys, serving

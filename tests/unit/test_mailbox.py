@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.port.mailbox import Mailbox
 
 KEY = ("grad", 3, 1)
 

@@ -2,10 +2,10 @@
 
 One `StageRunner` per worker process. Torch work runs in a thread (`in_torch_thread`) so the
 event loop keeps receiving tensors meanwhile. Every tensor goes through the stage's port
-(`port.py`: the data plane, never Redis); the bus carries their announcements. With a device
+(`port/stage_port.py`: the data plane, never Redis); the bus carries their announcements. With a device
 profile each compute action is padded to its profiled duration (lag is reported when real compute
 is slower). A receive whose tensor is not there, and the step's collectives waiting for the other
-stages, are bubbles (`bubbles.py`); the iteration's spans go out together (`telemetry.py`).
+stages, are bubbles (`fill/announcer.py`); the iteration's spans go out together (`telemetry.py`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from typing import Any, NoReturn
 
 import torch
 
-from services.stage_worker.bubbles import BubbleAnnouncer
-from services.stage_worker.filler import Filler
+from services.stage_worker.fill.announcer import BubbleAnnouncer
+from services.stage_worker.fill.executor import Filler
 from services.stage_worker.lease import Slot, SlotError
-from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.outbox import Outbox
-from services.stage_worker.port import StagePort
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.outbox import Outbox
+from services.stage_worker.port.stage_port import StagePort
 from services.stage_worker.saving import hand_over_state, stop_requested
 from services.stage_worker.telemetry import StageTelemetry
-from services.stage_worker.trainer import StageTrainer
+from services.stage_worker.train.trainer import StageTrainer
 from shared.bus import Bus
 from shared.control import keys
 from shared.dataplane import PlaneError
@@ -272,7 +272,7 @@ class StageRunner:
 
     def _send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
         """Put the tensor for stage `dst` on the data plane and go on computing (training is the
-        owner: a send never delays the next operation; `transport.py` says how it travels)."""
+        owner: a send never delays the next operation; `port/transport.py` says how it travels)."""
         self._plane().send(what, it, mb, tensor, dst)
 
     async def _plane_failed(self, error: str) -> NoReturn:
@@ -332,7 +332,7 @@ class StageRunner:
                 mean, latest = await self._plane().all_reduce_mean(flat, t0)
             except PlaneError as exc:
                 # info, as a transfer's failure: a stop on purpose closes the peers' connections too;
-                # the membership loop says which it was (services/stage_worker/transport.py `_fail`)
+                # the membership loop says which it was (services/stage_worker/port/transport.py `_fail`)
                 log.info("gradient all-reduce failed; learning why from the slots", slot=self.slot.name, error=str(exc))
                 await self._plane_failed(str(exc))
             await self.in_torch_thread(self.trainer.load_grads, mean)

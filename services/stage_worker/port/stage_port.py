@@ -13,9 +13,9 @@ What it owns, and where each goes (docs/architecture.md, "Where each tensor live
   norm), on the data plane's groups;
 * **the stage's saved state** (`save_checkpoint`, `load_checkpoint`, `checkpoint_iterations`,
   `hand_over`): the recovery checkpoints and the state handed over for `bubbletea train --save`
-  (`port_state.py`);
+  (`state.py`);
 * **prefill's tensors** (`keep_prefills`, `load_snapshot`): finished KV caches out, and
-  the snapshots of preempted prefills out and in (`port_prefill.py`).
+  the snapshots of preempted prefills out and in (`prefill.py`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from redis.asyncio.client import Pipeline
 
-from services.stage_worker.port_prefill import ELSEWHERE, LOST, KvStored, PrefillPort, Saved, encode_snapshot
-from services.stage_worker.port_state import StatePort
-from services.stage_worker.transport import Transport, stages_group, tie_group
+from services.stage_worker.port.prefill import ELSEWHERE, LOST, KvStored, PrefillPort, Saved, encode_snapshot
+from services.stage_worker.port.state import StatePort
+from services.stage_worker.port.transport import Transport, stages_group, tie_group
 from shared.bus import Delivery
 from shared.control import keys
 from shared.dataplane import in_thread, kvstore

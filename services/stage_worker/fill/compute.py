@@ -1,5 +1,5 @@
 """A queued prefill batch run on the `PrefillModel`, one block at a time (the fill executor's compute:
-`filler.py` decides when, and in which thread, this runs).
+`executor.py` decides when, and in which thread, this runs).
 
 A block is one layer of one request, or with `piece_tokens` (a GPU) one piece of a layer's tokens.
 Each starts only while training's awaited input has not arrived, and only if its expected time
@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
-from services.stage_worker.guest import Guest
-from services.stage_worker.port_prefill import Saved
-from services.stage_worker.reporting import Outcome
+from services.stage_worker.fill.guest_faults import Guest
+from services.stage_worker.fill.reporting import Outcome
+from services.stage_worker.port.prefill import Saved
 from shared.control.status import FailureReason
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.model.streams import LaneClock
@@ -159,7 +159,7 @@ class BatchCompute:
                         o.seconds += self.profile.sync_s
                 except ValueError as exc:
                     o.failure = (FailureReason.MODEL_REFUSED, str(exc))
-                except Exception as exc:  # the guest failed (filler.py's docstring)
+                except Exception as exc:  # the guest failed (executor.py's docstring)
                     error = self.guest.failed(o, exc)
                 if (wait := schedule.wait_s(time.monotonic())) > 0:
                     time.sleep(wait)  # done on the device once due (the next block would wait as long)
@@ -213,7 +213,7 @@ class BatchCompute:
                 state = saved if isinstance(saved, PrefillState) else self.model.start(item.tokens)
             except ValueError as exc:  # a prompt this model cannot run (e.g. another spec's limits)
                 o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.MODEL_REFUSED, str(exc)))
-            except Exception as exc:  # the guest failed (filler.py's docstring)
+            except Exception as exc:  # the guest failed (executor.py's docstring)
                 o = Outcome(item, item.from_layer, 0.0)
                 self.guest.failed(o, exc)
             else:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from redis.asyncio.client import Pipeline
 
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import Cut, Finished, KvStored, StagePort
+from services.stage_worker.port.stage_port import Cut, Finished, KvStored, StagePort
 from shared.bus import Bus
 from shared.control import keys, serving
 from shared.control.status import FailureReason, ItemOutcome, RequestStatus

@@ -2,7 +2,7 @@
 
 Training is the owner, prefill the guest. The queue and its rules are the pure `FillQueue`
 (shared/policies/fill.py); this module only obeys it, with threads, the bus and the stage port
-(`port.py`: snapshots in, and out with the KV caches):
+(`port/stage_port.py`: snapshots in, and out with the KV caches):
 
 * A batch that arrives joins the queue (the dispatcher's credit on this worker), bubble or not;
   one delivered again (this slot's previous process held it) goes straight back, unrun, and so
@@ -22,7 +22,7 @@ Training is the owner, prefill the guest. The queue and its rules are the pure `
   leaves it for the dispatcher to requeue.
 * **A failing guest never stops the owner.** Whatever the prefill model raises fails the request
   it ran and hands the rest of its batch back; training goes on. After a few failed batches in a
-  row the worker takes no more prefill (`guest.py`; docs/architecture.md, "A failing guest").
+  row the worker takes no more prefill (`guest_faults.py`; docs/architecture.md, "A failing guest").
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from services.stage_worker.fill_compute import Answered, Arrived, BatchCompute, Queued, Run, run_to_end
-from services.stage_worker.guest import Guest
+from services.stage_worker.fill.compute import Answered, Arrived, BatchCompute, Queued, Run, run_to_end
+from services.stage_worker.fill.guest_faults import Guest
+from services.stage_worker.fill.reporting import Outcome, Reporter
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import StagePort
-from services.stage_worker.port_prefill import Saved
-from services.stage_worker.reporting import Outcome, Reporter
+from services.stage_worker.port.prefill import Saved
+from services.stage_worker.port.stage_port import StagePort
 from shared.bus import Bus, Delivery, Reject
 from shared.model.prefill import PrefillModel
 from shared.policies.fill import Arrival, FillQueue

@@ -34,8 +34,8 @@ import msgspec
 import torch
 
 from services.stage_worker.lease import Slot
-from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.outbox import Outbox, wan_transfer
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.outbox import Outbox, wan_transfer
 from shared.bus import Delivery, Reject
 from shared.control import keys
 from shared.control.leases import slot_name
