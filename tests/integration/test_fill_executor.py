@@ -179,7 +179,7 @@ async def test_training_input_preempts_at_the_next_layer_and_the_next_bubble_goe
         # it. The block in progress at arrival finishes; none starts after it. The batch stays.
         assert put_at is not None and done == ()
         started_before = sum(1 for c in checks if c < put_at)
-        (o,) = filler.batches["b1"].outcomes
+        (o,) = filler.batches["b1"].queued.outcomes
         assert o.reached == started_before == during + 1, (o.reached, started_before)
         assert filler.queue.ids() == ["b1"] and filler.queue.held[0].started and not handled.done()
         assert await reports(bus) == [] and spans
@@ -240,7 +240,7 @@ async def test_a_cancelled_fill_stops_its_thread_at_the_next_block_and_the_batch
         ran = len(blocks)
         # the prefill thread is idle: a call queued on it now runs before any further block would
         assert await asyncio.wrap_future(filler._thread.submit(lambda: len(blocks))) == ran < LAYERS
-        (o,) = filler.batches["b1"].outcomes
+        (o,) = filler.batches["b1"].queued.outcomes
         assert o.reached == ran and filler.queue.ids() == ["b1"] and not handled.done()
         del model.run_layers
         take.cancel()
@@ -274,7 +274,7 @@ async def test_a_cut_request_that_could_not_finish_by_its_due_time_when_it_resum
         )
         handled = deliver(filler, batch(item, 1))
         await one_bubble(filler, arrive_during_block=1, model=model)
-        (o,) = filler.batches["b1"].outcomes
+        (o,) = filler.batches["b1"].queued.outcomes
         assert o.reached == 2 and o.failure is None  # begun in time, cut
         await asyncio.sleep(1.5)  # the next bubble opens 1.5 s later
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
@@ -355,7 +355,7 @@ async def test_a_request_finished_in_a_cut_batch_is_answered_before_the_batch_en
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         reqs, filler, handled = await two_requests_batched(bus, model, "q")
         await one_bubble(filler, arrive_during_block=5, model=model, nth=True)  # the second request's second block
-        await asyncio.gather(*filler.batches["b-q"].answering)
+        await asyncio.gather(*filler.batches["b-q"].answers.on_the_way)
         first, second = [await serving.lookup(bus.redis, r.id) for r in reqs]
         assert first is not None and first.status is RequestStatus.DONE
         assert second is not None and second.status is RequestStatus.QUEUED and not handled.done()
@@ -371,8 +371,8 @@ async def test_an_answered_request_holds_no_tensors_while_its_batch_goes_on(redi
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         _, filler, handled = await two_requests_batched(bus, model, "t")
         await one_bubble(filler, arrive_during_block=5, model=model, nth=True)  # the second request's second block
-        await asyncio.gather(*filler.batches["b-t"].answering)
-        first, second = filler.batches["b-t"].outcomes
+        await asyncio.gather(*filler.batches["b-t"].answers.on_the_way)
+        first, second = filler.batches["b-t"].queued.outcomes
         assert first.sent and first.result is not None and first.result.kv == [] and first.state is None
         assert not second.answered and second.state is not None and not handled.done()  # cut: it goes on
         await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
@@ -688,7 +688,7 @@ async def test_a_layer_in_pieces_stops_within_a_piece_and_the_next_bubble_goes_o
         handled = deliver(filler, batch(item, 1))
         # the input lands during the 10th piece: layer 2's second piece
         await one_bubble(filler, arrive_during_block=9, model=model, nth=True, method="run_piece")
-        (o,) = filler.batches["b1"].outcomes
+        (o,) = filler.batches["b1"].queued.outcomes
         assert o.state is not None and (o.state.next_layer, o.state.piece_done) == (2, 128)
         assert o.reached == 2 and not handled.done()
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
@@ -718,7 +718,7 @@ async def test_a_piece_that_does_not_fit_what_is_left_of_the_bubble_waits_for_th
         done = await asyncio.wait_for(filler.fill(lambda: False, take, time.monotonic() + 0.001), 10)
         assert done == () and filler.queue.ids() == ["b1"]
         assert filler.full_at is not None  # its rest left empty: `BubbleEnd.refused_ms` counts from here
-        (o,) = filler.batches["b1"].outcomes
+        (o,) = filler.batches["b1"].queued.outcomes
         assert o.state is not None and o.state.next_layer == 0 and not handled.done()
         fill = asyncio.create_task(filler.fill(take.done, take, time.monotonic() + 60))
         await asyncio.wait_for(asyncio.shield(handled), 60)  # answered and reported

@@ -139,7 +139,7 @@ async def live(bus: Bus, case: Case, attempt: int = 0) -> Seen:
     await asyncio.wait_for(take, 30)
     arrival.cancel()
     lag = filler.compute.take_lag()  # how late its last block ended on a starved host, counted by the worker
-    (o,) = filler.batches[batch.batch_id].outcomes  # cut: still held, its state in memory
+    (o,) = filler.batches[batch.batch_id].queued.outcomes  # cut: still held, its state in memory
     assert o.state is not None
     blocks = o.state.next_layer * (len(PROMPT) // (piece or len(PROMPT))) + o.state.piece_done // (piece or len(PROMPT))
     await filler.close()  # the cut batch goes back, reported

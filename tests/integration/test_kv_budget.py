@@ -10,7 +10,8 @@ import torch
 from redis.asyncio import Redis
 
 from services.prefill_queue.api import kv_params
-from services.stage_worker.fill.reporting import Outcome, Reporter
+from services.stage_worker.fill.batch import Outcome
+from services.stage_worker.fill.reporting import Reporter
 from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from shared.bus import Bus
 from shared.control import keys, serving

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import traceback
 
-from services.stage_worker.fill.reporting import Outcome
+from services.stage_worker.fill.batch import Outcome
 from services.stage_worker.metrics import WorkerMetrics
 from shared.bus import Bus
 from shared.control import keys
