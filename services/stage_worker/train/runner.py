@@ -29,6 +29,7 @@ from services.stage_worker.port.outbox import Outbox
 from services.stage_worker.port.stage_port import StagePort
 from services.stage_worker.saving import hand_over_state, stop_requested
 from services.stage_worker.telemetry import StageTelemetry
+from services.stage_worker.train.timing import Profile
 from services.stage_worker.train.trainer import StageTrainer
 from shared.bus import Bus
 from shared.control import keys
@@ -51,16 +52,6 @@ from shared.wire import IterationDone
 PLANE_FAILURE_GRACE_S = 3 * keys.LEASE_TTL_MS / 1000 + 2 * keys.LEASE_RENEW_S
 
 log = get_logger(__name__)
-
-
-@dataclass
-class Profile:
-    """Seconds each operation counts for; None = as long as the real computation takes."""
-
-    fwd: float | None = None
-    bwd: float | None = None
-    allreduce: float = 0.0
-    step: float = 0.0
 
 
 @dataclass
