@@ -27,9 +27,8 @@ from services.stage_worker.leaving import ASK_S, told_to_leave
 from services.stage_worker.membership import take_part
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port.mailbox import Mailbox
-from services.stage_worker.port.stage_port import PrefillPort, StagePort, StatePort
-from services.stage_worker.port.state import CheckpointStore
-from services.stage_worker.port.transport import Transport, plane_addresses
+from services.stage_worker.port.stage_port import StagePort, build_port
+from services.stage_worker.port.transport import plane_addresses
 from services.stage_worker.recovery import Generations
 from services.stage_worker.train.runner import StageRunner
 from services.stage_worker.train.timing import Profile, profile_and_prior
@@ -184,7 +183,19 @@ async def _train(
     gens = Generations(bus.redis, settings.run, lease.all_slots, url=bus.url, name=bus.name)  # named as its bus
     runner = await _runner(bus, settings, placement, lease, slot, trainer, profile, prior, prefill, metrics, device)
     plane = DataPlane(settings.require_redis_url(), settings.run, plane_addresses(settings, slot, placement))
-    port = runner.port = _port(bus, settings, placement, lease, slot, runner, plane, gens)
+    tied = runner.trainer.tied is not None
+    port = runner.port = build_port(
+        bus.redis,
+        settings,
+        placement,
+        slot,
+        lease.all_slots,
+        plane,
+        runner.outbox,
+        runner.mailbox,
+        lambda: gens.current,
+        tied=tied,
+    )
     inbox = bus.consumer(
         keys.inbox(settings.run, slot.replica, slot.stage),
         "worker",
@@ -282,42 +293,6 @@ async def _runner(
         runner.resume_from = (saved_it, stage_state(settings.resume, slot.stage, spec.parallelism.pp))
         log.info("resuming from a save", slot=slot.name, directory=str(settings.resume), after_iteration=saved_it)
     return runner
-
-
-def _port(
-    bus: Bus,
-    settings: Settings,
-    placement: Placement,
-    lease: SlotLease,
-    slot: Slot,
-    runner: StageRunner,
-    plane: DataPlane,
-    gens: Generations,
-) -> StagePort:
-    """The stage's port: training's tensors on the data plane, its saved state, prefill's tensors."""
-    spec, run = settings.spec, settings.run
-    transport = Transport(
-        runner.outbox,
-        plane,
-        spec,
-        run,
-        slot,
-        placement,
-        runner.mailbox,
-        generation=lambda: gens.current,
-        tied=runner.trainer.tied is not None,
-    )
-    state_dir = settings.state_dir
-    checkpoints = CheckpointStore(bus.redis, run, lease.all_slots, state_dir) if spec.training.recovers else None
-    prefill = PrefillPort(
-        bus.redis,
-        run,
-        spec.prefill.kv_ttl_s,
-        spec.prefill.kv_budget_mb << 20,
-        host=plane.addresses[0],
-        dc=placement.stage_dc[slot.stage],
-    )
-    return StagePort(prefill, transport, StatePort(bus.redis, run, slot, state_dir, checkpoints))
 
 
 async def _serve_prefill(
