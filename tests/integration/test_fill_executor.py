@@ -27,6 +27,7 @@ from services.stage_worker.port import prefill as port_prefill
 from services.stage_worker.port.mailbox import Mailbox
 from services.stage_worker.port.outbox import Outbox
 from services.stage_worker.port.stage_port import ELSEWHERE, LOST, PrefillPort, StagePort
+from services.stage_worker.port.tensors import Direction, TensorKey
 from services.stage_worker.telemetry import StageTelemetry
 from shared.bus import Bus, Delivery, Reject
 from shared.bus.connection import blocking_client
@@ -108,7 +109,7 @@ async def one_bubble(
     the batch answered and reported). Returns the times the batch checked for input (once before
     each block: the first in the event loop, the rest in the prefill thread), the arrival time,
     and the batches the bubble finished."""
-    mailbox, key = Mailbox(), ("grad", 0, 0)
+    mailbox, key = Mailbox(), TensorKey(Direction.GRAD, 0, 0)
     checks: list[float] = []
     put_at: float | None = None
 
@@ -230,7 +231,7 @@ async def test_a_cancelled_fill_stops_its_thread_at_the_next_block_and_the_batch
             return PrefillModel.run_layers(model, state, *args, **kw)
 
         model.run_layers = counted  # type: ignore[method-assign]
-        mailbox, key = Mailbox(), ("grad", 0, 0)
+        mailbox, key = Mailbox(), TensorKey(Direction.GRAD, 0, 0)
         take = asyncio.ensure_future(mailbox.take(key))
         fill = asyncio.create_task(filler.fill(lambda: mailbox.arrived(key), take))
         assert await asyncio.to_thread(third.wait, 60)

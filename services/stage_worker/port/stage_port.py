@@ -33,6 +33,7 @@ from services.stage_worker.port.mailbox import Mailbox
 from services.stage_worker.port.outbox import Outbox
 from services.stage_worker.port.prefill import ELSEWHERE, LOST, KvStored, PrefillPort, Saved, encode_snapshot
 from services.stage_worker.port.state import CheckpointStore, StatePort
+from services.stage_worker.port.tensors import Direction
 from services.stage_worker.port.transport import Transport, stages_group, tie_group
 from shared.bus import Delivery
 from shared.control import keys
@@ -87,9 +88,9 @@ class StagePort:
         if self.transport is not None:
             self.transport.reset()
 
-    def send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
+    def send(self, direction: Direction, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
         """Put an activation or gradient for stage `dst` on its way (never blocks the schedule)."""
-        self._tx().send(what, it, mb, tensor, dst)
+        self._tx().send(direction, it, mb, tensor, dst)
 
     def release(self, buf: torch.Tensor) -> None:
         """A received tensor is dead (its backward ran): its buffer goes back to the receive pool."""
