@@ -7,7 +7,7 @@ phase offset by its index). In a bubble it runs its queue as a device would, eac
 `request_s` scaled by its prompt (no compute: it sleeps on the event loop), and announces the
 bubble's start (with what it holds) and end (the batches that finished in it) on the run's bubble
 stream. A finished batch is answered and reported in one pipelined round trip, as
-`services/stage_worker/reporting.py` does, then acked. What it measures: each request's wait from
+`services/stage_worker/fill/reporting.py` does, then acked. What it measures: each request's wait from
 its acceptance (`PrefillRequest.submitted`) to its batch arriving here (host clock), and the
 requests it answered.
 """

@@ -64,7 +64,7 @@ from bubbletea.launcher.kernel_wan import KernelWanError, default_wan_mode
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import WAN_BROKER
 from bubbletea.launcher.train import run_training
-from services.stage_worker.outbox import Outbox, wan_transfer
+from services.stage_worker.port.outbox import Outbox, wan_transfer
 from shared.bus import Bus
 from shared.control import keys
 from shared.control.health import wait_live

@@ -23,7 +23,7 @@ import asyncio
 import time
 
 from services.stage_worker.lease import SlotLease
-from services.stage_worker.runner import StageRunner
+from services.stage_worker.train.runner import StageRunner
 from shared.control import keys
 from shared.policies.recovery import still_leaving, whole_run_stops
 from shared.runtime.logs import get_logger

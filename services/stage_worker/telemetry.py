@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from services.stage_worker.outbox import Outbox
+from services.stage_worker.port.outbox import Outbox
 from shared.control import keys
 from shared.runtime.logs import get_logger
 from shared.wire import SpanRecord

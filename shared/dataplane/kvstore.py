@@ -3,7 +3,7 @@ Redis store, `prefill.kv_store: redis`).
 
 * A **snapshot** is a prefill stopped at a layer boundary (the input of its next block and the
   KV of the blocks before it). Any worker can resume it in a later bubble, bit-exactly. It stays
-  on the worker that took it (`services/stage_worker/port_prefill.py`); Redis holds its handle.
+  on the worker that took it (`services/stage_worker/port/prefill.py`); Redis holds its handle.
 * A **KV cache** is what a finished prefill hands to a decode service: the handle in the answer
   (`kv_transfer_params`) names its key, format, size and expiry; `fetch_kv` reads it back.
 

@@ -1,6 +1,6 @@
 """The fill policy (pure): a worker's queue of prefill work, and what runs when.
 
-Training is the owner, prefill the guest. The worker's fill executor (services/stage_worker/filler.py)
+Training is the owner, prefill the guest. The worker's fill executor (services/stage_worker/fill/executor.py)
 and the simulator's (sim/executor.py) keep their queue in a `FillQueue` and obey it; their threads,
 Redis I/O and clocks hold no rule of their own.
 

@@ -1,7 +1,7 @@
 """The device time scale: an emulated device this machine can keep.
 
 A device profile makes each operation *count* for a stated time: the worker runs the real
-computation, then pads to the profiled duration (`services/stage_worker/runner.py`, `filler.py`).
+computation, then pads to the profiled duration (`services/stage_worker/train/runner.py`, `fill/compute.py`).
 That is honest only while the real work fits inside the time it pads to. When four workers, the
 front door, the dispatcher, the load generator and Redis share two cores, it may not: real compute
 runs past the profile (lag), and the late work then delays training in a way the emulated device

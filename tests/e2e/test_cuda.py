@@ -35,7 +35,7 @@ import torch
 import yaml
 
 from bubbletea.launcher.train import run_training
-from services.stage_worker.warm import guest_model
+from services.stage_worker.train.warm import guest_model
 from shared.dataplane import kvstore
 from shared.model.devices import select_device
 from shared.model.prefill import PrefillResult

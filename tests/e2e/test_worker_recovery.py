@@ -204,7 +204,7 @@ async def test_a_spare_is_ready_before_it_is_needed_and_takes_a_lost_slot_over(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
     """A fifth worker for four slots waits as a spare, its corpus and served model loaded meanwhile
-    (`warm.py`); a worker killed mid-run, it takes the slot as soon as Redis saw the worker's
+    (`stage_worker/train/warm.py`); a worker killed mid-run, it takes the slot as soon as Redis saw the worker's
     connections close (`lease_liveness`), and the stage's state from the live peer, and the run ends
     with every iteration trained once."""
     # long enough that the spare is up (it first waits a lease's lifetime for a free slot) mid-run

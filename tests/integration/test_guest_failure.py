@@ -18,9 +18,9 @@ import torch
 from prometheus_client import generate_latest
 
 from services.stage_worker import chaos
-from services.stage_worker.filler import Filler
+from services.stage_worker.fill.executor import Filler
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import PrefillPort, StagePort
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from shared.bus import Bus, Delivery
 from shared.control import keys, serving
 from shared.control.status import FailureReason, ItemOutcome, RequestStatus

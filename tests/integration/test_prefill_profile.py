@@ -16,9 +16,10 @@ import time
 import pytest
 import torch
 
-from services.stage_worker.filler import Filler
-from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.port import PrefillPort, StagePort
+from services.stage_worker.fill.executor import Filler
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
+from services.stage_worker.port.tensors import Direction, TensorKey
 from shared.bus import Bus, Delivery
 from shared.control import serving
 from shared.control.status import ItemOutcome
@@ -54,7 +55,7 @@ async def bubble(
     port = StagePort(PrefillPort(bus.redis, RUN, kv_ttl_s=0))
     filler = Filler(bus, RUN, "r0s0", MODEL, "m", port, on_span, FillQueue(), profile)
     item = PrefillItem(id="q", tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
-    mailbox, key = Mailbox(), ("grad", 0, 0)
+    mailbox, key = Mailbox(), TensorKey(Direction.GRAD, 0, 0)
 
     def arrive() -> None:
         mailbox.put(key, torch.zeros(1))

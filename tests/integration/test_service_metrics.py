@@ -29,10 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from services.dispatcher.serve import serve as serve_dispatcher
-from services.stage_worker.filler import Filler
-from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.fill.executor import Filler
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import PrefillPort, StagePort
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
+from services.stage_worker.port.tensors import Direction, TensorKey
 from services.wan_broker.broker import serve as serve_broker
 from shared.bus import HOLD, Bus, Delivery, Outcome
 from shared.control import keys, serving
@@ -433,7 +434,7 @@ async def test_worker_prefill_metrics_follow_a_real_batch(redis_url: str) -> Non
         port = StagePort(PrefillPort(bus.redis, "fm", kv_ttl_s=0))
         filler = Filler(bus, "fm", "r0s0", model, "tiny", port, spans, FillQueue(), None, m)
         item = PrefillItem(id="p1", tokens=req.tokens, from_layer=0, to_layer=2, reply_to=req.reply_to)
-        mailbox, key = Mailbox(), ("grad", 0, 0)
+        mailbox, key = Mailbox(), TensorKey(Direction.GRAD, 0, 0)
         take = asyncio.ensure_future(mailbox.take(key))
         t0 = time.monotonic()
         # the batch runs whole (its input comes only once the batch is answered)

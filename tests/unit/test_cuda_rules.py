@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.stage_worker.bubbles import GuestMemory
-from services.stage_worker.warm import guest_model
+from services.stage_worker.fill.announcer import GuestMemory
+from services.stage_worker.train.warm import guest_model
 from shared.dataplane import kvstore
 from shared.model.devices import gpu_sharers, guest_dtype
 from shared.model.gpt import GPTConfig

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.stage_worker.trainer import StageTrainer
+from services.stage_worker.train.trainer import StageTrainer
 from shared.dataplane.tensors import from_blob, to_blob
 from shared.model.data import ByteCorpus
 from shared.model.devices import (

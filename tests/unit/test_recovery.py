@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.stage_worker.trainer import StageTrainer
+from services.stage_worker.train.trainer import StageTrainer
 from shared.model.data import ByteCorpus
 from shared.policies.recovery import (
     FROM_SCRATCH,

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.stage_worker.trainer import StageTrainer
+from services.stage_worker.train.trainer import StageTrainer
 from shared.model.data import ByteCorpus
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel

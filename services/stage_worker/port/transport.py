@@ -34,8 +34,9 @@ import msgspec
 import torch
 
 from services.stage_worker.lease import Slot
-from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.outbox import Outbox, wan_transfer
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.outbox import Outbox, wan_transfer
+from services.stage_worker.port.tensors import Direction, TensorKey
 from shared.bus import Delivery, Reject
 from shared.control import keys
 from shared.control.leases import slot_name
@@ -135,9 +136,9 @@ class Transport:
     #: first waits for ours (its receive needs our groups).
     formed: asyncio.Event = field(default_factory=asyncio.Event)
     error: str = ""
-    _posted: set[tuple[str, int, int]] = field(default_factory=set)  # this generation's (reset clears it)
-    _landed: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
-    _released: set[tuple[str, int, int]] = field(default_factory=set)
+    _posted: set[TensorKey] = field(default_factory=set)  # this generation's (reset clears it)
+    _landed: dict[TensorKey, torch.Tensor] = field(default_factory=dict)  # held for their WAN release
+    _released: set[TensorKey] = field(default_factory=set)
     _grants: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     _tasks: set[asyncio.Future[Any]] = field(default_factory=set)
 
@@ -174,7 +175,8 @@ class Transport:
 
     # --- sending ---------------------------------------------------------------------------
 
-    def send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
+    def send(self, direction: Direction, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
+        what = direction.value
         gen = self.generation()
         src_dc, dst_dc = self.placement.stage_dc[self.slot.stage], self.placement.stage_dc[dst]
         ready = TensorReady(
@@ -266,7 +268,10 @@ class Transport:
         assert isinstance(m, TensorReady)
         if m.run != self.run:
             raise Reject(f"the inbox of run {self.run} got a TensorReady of run {m.run}")
-        key = (m.what, m.iteration, m.microbatch)
+        try:
+            key = TensorKey.of(m)
+        except ValueError:
+            raise Reject(f"a TensorReady names no direction along the pipeline: {m.what!r}") from None
         gen = self.generation()
         if m.generation != gen:
             if not m.release and m.generation == self.plane.previous_generation:
@@ -300,9 +305,7 @@ class Transport:
         else:
             self.mailbox.put(key, tensor)
 
-    def _receive(
-        self, m: TensorReady, key: tuple[str, int, int] | None = None, gen: int = -1
-    ) -> asyncio.Future[torch.Tensor]:
+    def _receive(self, m: TensorReady, key: TensorKey | None = None, gen: int = -1) -> asyncio.Future[torch.Tensor]:
         """Post the receive of the tensor `m` announces, on the groups of its generation. With a
         `key`, a tensor not held for a WAN release arrives (`Mailbox.landed`) the moment the
         receive returns, in its thread: the prefill thread sees it then, and the bubble's overrun

@@ -2,10 +2,10 @@
 
 One `StageRunner` per worker process. Torch work runs in a thread (`in_torch_thread`) so the
 event loop keeps receiving tensors meanwhile. Every tensor goes through the stage's port
-(`port.py`: the data plane, never Redis); the bus carries their announcements. With a device
+(`port/stage_port.py`: the data plane, never Redis); the bus carries their announcements. With a device
 profile each compute action is padded to its profiled duration (lag is reported when real compute
 is slower). A receive whose tensor is not there, and the step's collectives waiting for the other
-stages, are bubbles (`bubbles.py`); the iteration's spans go out together (`telemetry.py`).
+stages, are bubbles (`fill/announcer.py`); the iteration's spans go out together (`telemetry.py`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,18 @@ from typing import Any, NoReturn
 
 import torch
 
-from services.stage_worker.bubbles import BubbleAnnouncer
-from services.stage_worker.filler import Filler
+from services.stage_worker.fill.announcer import BubbleAnnouncer
+from services.stage_worker.fill.executor import Filler
 from services.stage_worker.lease import Slot, SlotError
-from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.outbox import Outbox
-from services.stage_worker.port import StagePort
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.outbox import Outbox
+from services.stage_worker.port.stage_port import StagePort
+from services.stage_worker.port.tensors import Direction, IterationTensors, TensorKey
 from services.stage_worker.saving import hand_over_state, stop_requested
 from services.stage_worker.telemetry import StageTelemetry
-from services.stage_worker.trainer import StageTrainer
+from services.stage_worker.train.timing import Profile
+from services.stage_worker.train.trainer import StageTrainer
 from shared.bus import Bus
 from shared.control import keys
 from shared.dataplane import PlaneError
@@ -51,16 +53,6 @@ from shared.wire import IterationDone
 PLANE_FAILURE_GRACE_S = 3 * keys.LEASE_TTL_MS / 1000 + 2 * keys.LEASE_RENEW_S
 
 log = get_logger(__name__)
-
-
-@dataclass
-class Profile:
-    """Seconds each operation counts for; None = as long as the real computation takes."""
-
-    fwd: float | None = None
-    bwd: float | None = None
-    allreduce: float = 0.0
-    step: float = 0.0
 
 
 @dataclass
@@ -191,7 +183,7 @@ class StageRunner:
         if self.metrics is not None:
             self.metrics.iteration(started, done.ended, loss, self.lag_s, prefill_lag_ms / 1000)
         self.outbox.raise_if_failed()
-        self.mailbox.forget_before(lambda k, it=it: k[1] >= it)
+        self.mailbox.forget_before(lambda k: k.iteration >= it)
         log.info(
             "iteration done",
             slot=self.slot.name,
@@ -215,33 +207,29 @@ class StageRunner:
     async def _iteration(self, walk: SlotWalk) -> None:
         """Drive the walk through one iteration, up to its END: each step's effect, for real."""
         it = walk.iteration
-        held: dict[tuple[str, int], torch.Tensor] = {}
-        received: dict[tuple[str, int], torch.Tensor] = {}  # plane buffers, back to the pool after BWD
+        tensors = IterationTensors()
         total_sq: float | None = None  # the global gradient norm, squared, from the collectives
         while (a := walk.current()) is not END:
             assert a is not None, "a walk ends only after an iteration's END"
             op, mb, pos = a.op, a.mb, walk.pos
             if op is Op.FWD:
-                out = await self._compute(
-                    "fwd", it, mb, self.profile.fwd, self.trainer.forward, it, mb, held.pop(("act", mb), None)
-                )
-                if out is not None:
-                    held[("out", mb)] = out
+                x = tensors.act.take_input(mb)
+                out = await self._compute("fwd", it, mb, self.profile.fwd, self.trainer.forward, it, mb, x)
+                tensors.act.computed(mb, out)  # goes on as the next stage's activation
             elif op is Op.BWD:
-                gin = await self._compute(
-                    "bwd", it, mb, self.profile.bwd, self.trainer.backward, mb, held.pop(("grad", mb), None)
-                )
-                if gin is not None:
-                    held[("gin", mb)] = gin
-                for what in ("act", "grad"):  # the stage's input and its gradient are dead now
-                    if (buf := received.pop((what, mb), None)) is not None:
+                grad = tensors.grad.take_input(mb)
+                gin = await self._compute("bwd", it, mb, self.profile.bwd, self.trainer.backward, mb, grad)
+                tensors.grad.computed(mb, gin)  # goes back as the previous stage's gradient
+                for cache in (tensors.act, tensors.grad):  # the stage's input and its gradient are dead now
+                    if (buf := cache.dead_buffer(mb)) is not None:
                         self._plane().release(buf)
             elif op is Op.SEND_ACT or op is Op.SEND_GRAD:
                 _, dst, what, _, _ = walk.sent()
-                self._send(what, it, mb, held.pop(("out" if what == "act" else "gin", mb)), dst)
+                direction = Direction(what)
+                self._send(direction, it, mb, tensors[direction].take_output(mb), dst)
             elif op is Op.RECV_ACT or op is Op.RECV_GRAD:
-                what = walk.awaited()[2]
-                held[(what, mb)] = received[(what, mb)] = await self._recv((what, it, mb), it, pos)
+                key = TensorKey(Direction(walk.awaited()[2]), it, mb)
+                tensors[key.direction].received(mb, await self._recv(key, pos))
             elif op is Op.ALLREDUCE:
                 await self._allreduce(it)
             elif op is Phase.COLLECTIVES:
@@ -270,10 +258,10 @@ class StageRunner:
         assert self.port is not None, "the worker sets the port before training"
         return self.port
 
-    def _send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
+    def _send(self, direction: Direction, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
         """Put the tensor for stage `dst` on the data plane and go on computing (training is the
-        owner: a send never delays the next operation; `transport.py` says how it travels)."""
-        self._plane().send(what, it, mb, tensor, dst)
+        owner: a send never delays the next operation; `port/transport.py` says how it travels)."""
+        self._plane().send(direction, it, mb, tensor, dst)
 
     async def _plane_failed(self, error: str) -> NoReturn:
         """Give the recovery path (which cancels this task) a lease's lifetime, then fail."""
@@ -283,7 +271,7 @@ class StageRunner:
             f"within {PLANE_FAILURE_GRACE_S:.0f} s"
         )
 
-    async def _take(self, key: tuple[Any, ...]) -> Any:
+    async def _take(self, key: TensorKey) -> Any:
         """The tensor `key` from the mailbox, or, if the data plane fails first (a peer died
         mid-transfer), a `SlotError` after `PLANE_FAILURE_GRACE_S` unless the recovery path
         cuts this iteration short before (it cancels this wait)."""
@@ -305,14 +293,14 @@ class StageRunner:
         if self.filler is not None:
             self.bubbles.joined()
 
-    async def _recv(self, key: tuple[Any, ...], it: int, pos: int) -> torch.Tensor:
+    async def _recv(self, key: TensorKey, pos: int) -> torch.Tensor:
         """Take a tensor from the mailbox; if it has not arrived yet, this is a bubble (one that
         landed and waits only for the event loop to put it is not)."""
         if self.mailbox.arrived(key):
             return await self._take(key)
         take = asyncio.ensure_future(self._take(key))
         arrived, arrived_at = partial(self.mailbox.arrived, key), partial(self.mailbox.arrived_at, key)
-        return await self.bubbles.wait(it, pos, key[2], take, arrived, arrived_at, self.filler)
+        return await self.bubbles.wait(key.iteration, pos, key.microbatch, take, arrived, arrived_at, self.filler)
 
     async def _allreduce(self, it: int) -> None:
         """Average gradients with the DP peers of this stage: a gloo all-reduce of the stage's
@@ -332,7 +320,7 @@ class StageRunner:
                 mean, latest = await self._plane().all_reduce_mean(flat, t0)
             except PlaneError as exc:
                 # info, as a transfer's failure: a stop on purpose closes the peers' connections too;
-                # the membership loop says which it was (services/stage_worker/transport.py `_fail`)
+                # the membership loop says which it was (services/stage_worker/port/transport.py `_fail`)
                 log.info("gradient all-reduce failed; learning why from the slots", slot=self.slot.name, error=str(exc))
                 await self._plane_failed(str(exc))
             await self.in_torch_thread(self.trainer.load_grads, mean)

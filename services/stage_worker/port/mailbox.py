@@ -10,27 +10,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable
+from collections.abc import Callable
 from typing import Any
+
+from services.stage_worker.port.tensors import TensorKey
 
 
 class Mailbox:
-    """Keyed one-shot slots. `put` is idempotent (a redelivered message is dropped), `take` waits."""
+    """One-shot slots, one per received tensor (`TensorKey`). `put` is idempotent (a redelivered
+    message is dropped), `take` waits."""
 
     def __init__(self) -> None:
-        self._items: dict[Hashable, Any] = {}
-        self._waiters: dict[Hashable, asyncio.Future[Any]] = {}
-        self._taken: set[Hashable] = set()
-        self._arrived_at: dict[Hashable, float] = {}
-        self._landed: set[Hashable] = set()
+        self._items: dict[TensorKey, Any] = {}
+        self._waiters: dict[TensorKey, asyncio.Future[Any]] = {}
+        self._taken: set[TensorKey] = set()
+        self._arrived_at: dict[TensorKey, float] = {}
+        self._landed: set[TensorKey] = set()
 
-    def landed(self, key: Hashable, at: float) -> None:
+    def landed(self, key: TensorKey, at: float) -> None:
         """`key` is here as of `at` (wall clock), though not yet `put`. Safe to call from any thread
         (the receive's): a set add and a dict setdefault are atomic under the GIL."""
         self._arrived_at.setdefault(key, at)
         self._landed.add(key)
 
-    def put(self, key: Hashable, value: Any) -> None:
+    def put(self, key: TensorKey, value: Any) -> None:
         if key in self._taken or key in self._items:
             return  # duplicate delivery (at-least-once bus): the first copy wins
         self._arrived_at.setdefault(key, time.time())  # `landed` may have stamped it sooner
@@ -41,19 +44,19 @@ class Mailbox:
         else:
             self._items[key] = value
 
-    def ready(self, key: Hashable) -> bool:
+    def ready(self, key: TensorKey) -> bool:
         return key in self._items
 
-    def arrived(self, key: Hashable) -> bool:
+    def arrived(self, key: TensorKey) -> bool:
         """Whether `key` has landed or was put (taken or not). Safe to call from another thread: a
         prefill thread polls it between layers (set/dict membership is atomic under the GIL)."""
         return key in self._landed or key in self._items or key in self._taken
 
-    def arrived_at(self, key: Hashable) -> float | None:
+    def arrived_at(self, key: TensorKey) -> float | None:
         """When `key` arrived (wall clock: landed, else put), or None if it has not."""
         return self._arrived_at.get(key)
 
-    async def take(self, key: Hashable) -> Any:
+    async def take(self, key: TensorKey) -> Any:
         if key in self._items:
             self._taken.add(key)
             return self._items.pop(key)
@@ -71,7 +74,7 @@ class Mailbox:
         self._arrived_at.clear()
         self._landed.clear()
 
-    def forget_before(self, keep: Any) -> None:
+    def forget_before(self, keep: Callable[[TensorKey], bool]) -> None:
         """Drop bookkeeping of taken keys for which ``keep(key)`` is false (bounded memory)."""
         self._taken = {k for k in self._taken if keep(k)}
         self._arrived_at = {k: t for k, t in self._arrived_at.items() if keep(k)}

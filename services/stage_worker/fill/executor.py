@@ -2,7 +2,7 @@
 
 Training is the owner, prefill the guest. The queue and its rules are the pure `FillQueue`
 (shared/policies/fill.py); this module only obeys it, with threads, the bus and the stage port
-(`port.py`: snapshots in, and out with the KV caches):
+(`port/stage_port.py`: snapshots in, and out with the KV caches):
 
 * A batch that arrives joins the queue (the dispatcher's credit on this worker), bubble or not;
   one delivered again (this slot's previous process held it) goes straight back, unrun, and so
@@ -13,7 +13,7 @@ Training is the owner, prefill the guest. The queue and its rules are the pure `
   resumes training within one block's time. A batch's first block in a bubble runs in the worker's
   event loop, the thread that is on a core as the bubble opens; the rest in the prefill thread
   (`_run` says why).
-* A request is answered as soon as it is done (`_answering`), whether its batch goes on or not; a
+* A request is answered as soon as it is done (`answers.py`), whether its batch goes on or not; a
   batch the input cut stays at the head with its progress in memory, and continues in the next
   bubble. `fill` returns the batches that finished
   in the bubble, which its `BubbleEnd` names (the dispatcher's credit for them comes back then).
@@ -22,7 +22,7 @@ Training is the owner, prefill the guest. The queue and its rules are the pure `
   leaves it for the dispatcher to requeue.
 * **A failing guest never stops the owner.** Whatever the prefill model raises fails the request
   it ran and hands the rest of its batch back; training goes on. After a few failed batches in a
-  row the worker takes no more prefill (`guest.py`; docs/architecture.md, "A failing guest").
+  row the worker takes no more prefill (`guest_faults.py`; docs/architecture.md, "A failing guest").
 """
 
 from __future__ import annotations
@@ -32,14 +32,17 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from services.stage_worker.fill_compute import Answered, Arrived, BatchCompute, Queued, Run, run_to_end
-from services.stage_worker.guest import Guest
+from services.stage_worker.fill.answers import Answers
+from services.stage_worker.fill.batch import Arrived, Queued, Run
+from services.stage_worker.fill.compute import BatchCompute, run_to_end
+from services.stage_worker.fill.guest_faults import Guest
+from services.stage_worker.fill.reporting import Reporter
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import StagePort
-from services.stage_worker.port_prefill import Saved
-from services.stage_worker.reporting import Outcome, Reporter
+from services.stage_worker.port.prefill import Saved
+from services.stage_worker.port.stage_port import StagePort
 from shared.bus import Bus, Delivery, Reject
 from shared.model.prefill import PrefillModel
 from shared.policies.fill import Arrival, FillQueue
@@ -49,6 +52,14 @@ from shared.runtime.priority import lower_this_thread, prefill_nice, prefill_sli
 from shared.wire import PrefillBatch
 
 log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A batch held here: how far its runs got (the compute's), and how its answers get out."""
+
+    queued: Queued
+    answers: Answers
 
 
 async def until_done(future: asyncio.Future[Any]) -> None:
@@ -91,7 +102,7 @@ class Filler:
             initializer=lower_this_thread,
             initargs=(prefill_nice(), prefill_slice_us()),
         )
-        self.batches: dict[str, Queued] = {}
+        self.batches: dict[str, Held] = {}
         self.guest = Guest(bus, run, worker, metrics)
         self.compute = BatchCompute(model, self.guest, profile, piece_tokens)
         self._work = asyncio.Event()
@@ -145,11 +156,11 @@ class Filler:
         predicted = sum(it.predicted_ms for it in batch.items) / 1000
         arrival = self.queue.arrive(batch.batch_id, predicted, time.monotonic())
         assert arrival is Arrival.QUEUE
-        q = Queued(batch, asyncio.get_running_loop().create_future(), states)
-        self.batches[batch.batch_id] = q
+        held = Held(Queued(batch, states), Answers(asyncio.get_running_loop().create_future()))
+        self.batches[batch.batch_id] = held
         self._work.set()
         asyncio.get_running_loop().call_later(self.queue.hold_s, self._give_back_expired)
-        await asyncio.shield(q.done)  # acked once answered and reported
+        await asyncio.shield(held.answers.done)  # acked once answered and reported
 
     def leave(self, why: str) -> None:
         """The worker was told to leave the run (a drain: it finishes the iteration in progress,
@@ -197,8 +208,9 @@ class Filler:
                     finally:
                         waiter.cancel()
                     continue
-                q = self.batches[head.batch_id]
-                run, first = await self._run(q, arrived, ends_at, in_loop=first), False
+                held = self.batches[head.batch_id]
+                q = held.queued
+                run, first = await self._run(held, arrived, ends_at, in_loop=first), False
                 if self.guest.poisoned is not None:  # the device is lost: past the fence, the worker stops
                     raise self.guest.poisoned
                 if run.blocks:
@@ -207,7 +219,7 @@ class Filler:
                     self.queue.ran(q.batch.batch_id, finished=True)
                     del self.batches[q.batch.batch_id]
                     q.states.clear()  # resumed items' states never started hold device memory
-                    self._background(self._finish(q, preempted=run.error is not None), q.done)
+                    self._background(self._finish(held, preempted=run.error is not None), held.answers.done)
                     if not (verdict := self.guest.batch_ended(q.batch.batch_id, run.error)).take:
                         self._hand_back(self.queue.drain())  # and takes no more prefill
                         self._background(self.guest.say_off(verdict.why))
@@ -223,8 +235,8 @@ class Filler:
                 self._hand_back(self.queue.drain())
         return finished
 
-    async def _run(self, q: Queued, arrived: Arrived, ends_at: float | None, *, in_loop: bool) -> Run:
-        """Run `q` from where it stopped until it is done or the input arrives: with `in_loop`
+    async def _run(self, held: Held, arrived: Arrived, ends_at: float | None, *, in_loop: bool) -> Run:
+        """Run `held` from where it stopped until it is done or the input arrives: with `in_loop`
         (the bubble's first run) its first block here, in the worker's event loop, and the rest in
         the prefill thread; a later run all in the prefill thread, already awake then, which leaves
         the loop free for what it has to send (the last run's answers and report).
@@ -245,7 +257,8 @@ class Filler:
         def arrived_or_cut() -> bool:
             return cut.is_set() or arrived()
 
-        steps = self.compute.steps(q, arrived_or_cut, ends_at, self._answering(q))
+        answered = held.answers.callback(self.reporter.answer)  # queued on this loop before the run's end
+        steps = self.compute.steps(held.queued, arrived_or_cut, ends_at, answered)
         if in_loop:
             try:
                 next(steps)
@@ -260,39 +273,14 @@ class Filler:
             await until_done(running)
             raise
 
-    def _answering(self, q: Queued) -> Answered:
-        """What a run of `q` calls with each outcome as it is answered, in the prefill thread or this
-        loop: its answer is sent from this loop at once, or with the others answered meanwhile if an
-        answer is on its way (one round trip at a time). The call is queued on the loop before the
-        run's own end is, so a report (`_finish`) waits for every answer of its batch."""
-        loop = asyncio.get_running_loop()
-
-        def answered(o: Outcome) -> None:
-            o.sent, o.answered_at = True, time.time()
-            loop.call_soon_threadsafe(self._send_answer, q, o)
-
-        return answered
-
-    def _send_answer(self, q: Queued, o: Outcome) -> None:
-        q.unsent.append(o)
-        if q.sending is None or q.sending.done():  # else the one sending takes it next
-            q.sending = asyncio.create_task(self._send_unsent(q))
-            q.answering.append(q.sending)
-
-    async def _send_unsent(self, q: Queued) -> None:
-        """Send `q`'s answers not sent yet, and those answered meanwhile, until none is left."""
-        while q.unsent:
-            sending, q.unsent = q.unsent, []
-            await self.reporter.answer(sending)
-
     def _hand_back(self, batch_ids: list[str]) -> None:
         """These batches go back to the dispatcher, reporting how far they got."""
         for batch_id in batch_ids:
-            q = self.batches.pop(batch_id, None)
-            if q is None:  # not held (only after a fault `fence` reports): nothing to report
+            held = self.batches.pop(batch_id, None)
+            if held is None:  # not held (only after a fault `fence` reports): nothing to report
                 log.error("a batch to hand back is not held here", worker=self.reporter.worker, batch=batch_id)
                 continue
-            self._background(self._finish(q, preempted=True), q.done)
+            self._background(self._finish(held, preempted=True), held.answers.done)
 
     def fence(self, exc: Exception) -> None:
         """The fill executor itself failed in a bubble (a bug of ours, not the prefill model's error,
@@ -312,11 +300,10 @@ class Filler:
         self.queue.drain()
         self._hand_back(list(self.batches))  # every batch held here, queued or not
 
-    async def _finish(self, q: Queued, *, preempted: bool) -> None:
-        """Report `q` (its early answers first, so a report never overtakes them)."""
-        if q.answering:
-            await asyncio.gather(*q.answering)
-        await self.reporter.finish_batch(q.batch, q.outcomes, preempted=preempted)
+    async def _finish(self, held: Held, *, preempted: bool) -> None:
+        """Report `held` (its early answers first, so a report never overtakes them)."""
+        await held.answers.all_sent()
+        await self.reporter.finish_batch(held.queued.batch, held.queued.outcomes, preempted=preempted)
 
     async def _load_snapshots(self, batch: PrefillBatch) -> dict[str, Saved]:
         """The saved states of resumed items (None when one has expired; `LOST` when its holder is

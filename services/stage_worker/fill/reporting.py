@@ -17,56 +17,26 @@ batch only after this, so a worker killed mid-batch leaves it for the dispatcher
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field, replace
 
 from redis.asyncio.client import Pipeline
 
+from services.stage_worker.fill.batch import Outcome
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import Cut, Finished, KvStored, StagePort
+from services.stage_worker.port.stage_port import Cut, Finished, KvStored, StagePort
 from shared.bus import Bus
 from shared.control import keys, serving
-from shared.control.status import FailureReason, ItemOutcome, RequestStatus
-from shared.model.finishing import Finishing
-from shared.model.prefill import PrefillResult, PrefillState
+from shared.control.status import ItemOutcome, RequestStatus
+from shared.model.prefill import PrefillResult
 from shared.runtime.logs import get_logger
-from shared.wire import FIELD, PrefillBatch, PrefillItem, PrefillProgress, PrefillReport, encode
+from shared.wire import FIELD, PrefillBatch, PrefillProgress, PrefillReport, encode
 from shared.wire import PrefillResult as ResultMessage
 
 log = get_logger(__name__)
 
 #: "KV budget full" is logged at most this often (with how many caches were skipped meanwhile).
 BUDGET_LOG_EVERY_S = 60.0
-
-
-@dataclass
-class Outcome:
-    """How far one item got on this worker: `reached` layers done in `seconds`, from layer
-    `started` (None: the item's `from_layer`; lower when its saved state was elsewhere or lost)."""
-
-    item: PrefillItem
-    reached: int
-    seconds: float
-    state: PrefillState | None = None
-    result: PrefillResult | None = None
-    #: finished, its first token still on its way off the device (`read` makes it `result`)
-    pending: Finishing | None = None
-    failure: tuple[FailureReason, str] | None = None
-    started: int | None = None
-    sent: bool = False  # its answer is on its way (sent as soon as it was answered)
-    answered_at: float = 0.0  # wall clock: when its answer was sent (0: not yet)
-
-    @property
-    def answered(self) -> bool:
-        """Finished here: answered, ok or failed."""
-        return self.result is not None or self.pending is not None or self.failure is not None
-
-    async def read(self) -> None:
-        """Its first token off the device, now that an answer needs it: waited for and sampled in
-        a thread, not in the event loop."""
-        if self.pending is not None:
-            self.result, self.pending = await asyncio.to_thread(self.pending.result), None
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """A queued prefill batch run on the `PrefillModel`, one block at a time (the fill executor's compute:
-`filler.py` decides when, and in which thread, this runs).
+`executor.py` decides when, and in which thread, this runs).
 
 A block is one layer of one request, or with `piece_tokens` (a GPU) one piece of a layer's tokens.
 Each starts only while training's awaited input has not arrived, and only if its expected time
@@ -22,14 +22,12 @@ profile, it is done when its last block and its first token's read are due on th
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from collections.abc import Generator
+from dataclasses import dataclass
 
-from services.stage_worker.guest import Guest
-from services.stage_worker.port_prefill import Saved
-from services.stage_worker.reporting import Outcome
+from services.stage_worker.fill.batch import Answered, Arrived, Outcome, Queued, Run
+from services.stage_worker.fill.guest_faults import Guest
 from shared.control.status import FailureReason
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.model.streams import LaneClock
@@ -43,47 +41,23 @@ from shared.policies.fill import (
 )
 from shared.policies.prefill_cost import PrefillProfile
 from shared.runtime.timing import Schedule
-from shared.wire import PrefillBatch, PrefillItem
-
-Arrived = Callable[[], bool]
-#: Called by a run, in whichever thread runs it, with each outcome answered (done, or failed) as it is:
-#: its answer goes at once (the filler sends it from the event loop).
-Answered = Callable[[Outcome], None]
+from shared.wire import PrefillItem
 
 
 @dataclass
-class Queued:
-    """A batch on this worker and how far it got: its items before `cursor` are done (or failed);
-    `current`, when set, is the one cut part way, its state in memory."""
+class _Running:
+    """A run in progress: when it began (wall clock; `schedule` from the monotonic clock's
+    `origin`), the blocks it ran, and the guest's error if the prefill model raised."""
 
-    batch: PrefillBatch
-    done: asyncio.Future[None]  # set once answered and reported: the delivery is acked then
-    states: dict[str, Saved]  # resumed items' saved states, loaded on arrival
-    outcomes: list[Outcome] = field(default_factory=list)  # every item started here, in order
-    cursor: int = 0
-    current: Outcome | None = None
-    answering: list[asyncio.Task[None]] = field(default_factory=list)  # answers on their way
-    unsent: list[Outcome] = field(default_factory=list)  # answered, waiting for the answers on their way
-    sending: asyncio.Task[None] | None = None  # the answers on their way, if any
-
-    def left_s(self) -> float:
-        """The predicted seconds of what is left of it (the dispatcher's prediction)."""
-        return sum(it.predicted_ms for it in self.batch.items[self.cursor :]) / 1000
-
-
-@dataclass
-class Run:
-    """One run of a batch in one bubble: when it ran, the blocks it ran, whether the batch is done."""
-
-    started: float  # wall clock when its first block began
-    ended: float
-    blocks: int
-    finished: bool
-    #: the prefill model raised (the exception, in words): the batch stops here, its running request
-    #: failed and the rest handed back
+    started: float
+    origin: float
+    schedule: Schedule
+    blocks: int = 0
     error: str | None = None
-    #: the next piece would not fit what is left of the bubble: nothing more starts in it
-    full: bool = False
+
+    def device_free(self) -> float:
+        """When the device is free for the next block (monotonic): now, or when the last is due."""
+        return max(self.schedule.due, time.monotonic())
 
 
 class BatchCompute:
@@ -108,71 +82,87 @@ class BatchCompute:
         """Steps through `q` from where it stopped, pausing (yield) after each block, so that
         whichever thread advances it runs the next block; returns the `Run`. `ends_at`: the
         bubble's predicted end (monotonic clock; None: no prediction); `answered` takes each
-        outcome as it is answered."""
-        started, origin = time.time(), time.monotonic()
-        schedule = Schedule(origin)
-        blocks = 0
-        error: str | None = None
-        full = False
-        items = q.batch.items
-        while q.cursor < len(items):
-            item = items[q.cursor]
-            if q.current is not None and self._too_late_to_resume(q.current):
-                answered(q.current)
-                q.current, q.cursor = None, q.cursor + 1
-                continue
-            o = q.current or self._begin(q, item, started)
-            if o.answered:  # failed before any block: done with it
-                answered(o)
-                q.cursor += 1
-                if (error := self.guest.error_of(o)) is not None:
-                    break
-                continue
-            if o.state is None:  # left unrun: moved to the decoder (reported not started)
-                q.cursor += 1
-                continue
-            t0 = max(schedule.due, time.monotonic())  # from when the device is free for it
-            ran, raised, full = yield from self._run_blocks(o.state, item.to_layer, arrived, schedule, ends_at)
-            blocks += ran
-            o.seconds += max(schedule.due, time.monotonic()) - t0
-            o.reached = o.state.next_layer
-            if raised is not None:
-                error = self.guest.failed(o, raised)
-                q.current, q.cursor = None, q.cursor + 1
-                answered(o)
-                break
-            if o.reached < item.to_layer and not o.state.done:  # the input came: it goes on later
-                q.current = o
-                break
+        outcome as it is answered. The run stops at the batch's end, where the fit rule refuses a
+        block (`Start.INPUT`, `Start.FULL`: the batch goes on in a later bubble), or where the
+        guest failed (`Run.error`: the batch ends here)."""
+        origin = time.monotonic()
+        run = _Running(time.time(), origin, Schedule(origin))
+        start = Start.GO
+        while start is Start.GO and run.error is None and q.cursor < len(q.batch.items):
+            start = yield from self._next_item(q, run, arrived, ends_at, answered)
+        return self._ended(q, run, full=start is Start.FULL)
+
+    def _next_item(
+        self, q: Queued, run: _Running, arrived: Arrived, ends_at: float | None, answered: Answered
+    ) -> Generator[None, None, Start]:
+        """The item at `q`'s cursor, run as far as it may. `Start.GO`: on to the next item (this one
+        is done, failed or left unrun); `INPUT` or `FULL`: the fit rule cut it, and the run stops."""
+        o = self._resume_or_begin(q, run.started)
+        if o.state is None:  # answered before any block (failed), or left unrun (moved to the decoder)
             q.current, q.cursor = None, q.cursor + 1
-            if o.state.done:
-                try:
-                    pending = self.model.finish_async(
-                        o.state, temperature=item.temperature, seed=item.seed, top_logprobs=item.logprobs
-                    )
-                    if pending.ready():  # on the host already (a CPU): read here, as it always was
-                        o.result = pending.result()
-                    else:  # on its way off a GPU: read by the answer, in a thread (`Outcome.read`)
-                        o.pending = pending
-                    if self.profile is not None:  # its first token's read, on the device's clock
-                        schedule.add(self.profile.sync_s)
-                        o.seconds += self.profile.sync_s
-                except ValueError as exc:
-                    o.failure = (FailureReason.MODEL_REFUSED, str(exc))
-                except Exception as exc:  # the guest failed (filler.py's docstring)
-                    error = self.guest.failed(o, exc)
-                if (wait := schedule.wait_s(time.monotonic())) > 0:
-                    time.sleep(wait)  # done on the device once due (the next block would wait as long)
+            if o.answered:
                 answered(o)
-                if error is not None:
-                    break
+                run.error = self.guest.error_of(o)
+            return Start.GO
+        t0 = run.device_free()
+        ran, start, raised = yield from self._run_blocks(o.state, o.item.to_layer, arrived, run.schedule, ends_at)
+        run.blocks += ran
+        o.seconds += run.device_free() - t0
+        o.reached = o.state.next_layer
+        if raised is not None:
+            run.error = self.guest.failed(o, raised)  # (its state dropped)
+        elif start is not Start.GO:  # the input came, or the bubble is full: it goes on later
+            q.current = o
+            return start
+        q.current, q.cursor = None, q.cursor + 1
+        if o.state is not None and o.state.done:
+            run.error = self._finish(o, o.state, run.schedule)
+        if o.answered:
+            answered(o)
+        return Start.GO
+
+    def _resume_or_begin(self, q: Queued, bubble_started: float) -> Outcome:
+        """The outcome at `q`'s cursor: the one an earlier bubble cut (failed now if it would finish
+        too late, `_too_late_to_resume`), or one beginning now (`_begin`)."""
+        if q.current is None:
+            return self._begin(q, q.batch.items[q.cursor], bubble_started)
+        self._too_late_to_resume(q.current)
+        return q.current
+
+    def _finish(self, o: Outcome, state: PrefillState, schedule: Schedule) -> str | None:
+        """`o`'s last block ran: its first token sampled, read off the device here or later (by the
+        answer), done once due on the schedule. Returns the guest's error if the model raised."""
+        item, error = o.item, None
+        try:
+            pending = self.model.finish_async(
+                state, temperature=item.temperature, seed=item.seed, top_logprobs=item.logprobs
+            )
+            if pending.ready():  # on the host already (a CPU): read here, as it always was
+                o.result = pending.result()
+            else:  # on its way off a GPU: read by the answer, in a thread (`Outcome.read`)
+                o.pending = pending
+            if self.profile is not None:  # its first token's read, on the device's clock
+                schedule.add(self.profile.sync_s)
+                o.seconds += self.profile.sync_s
+        except ValueError as exc:
+            o.failure = (FailureReason.MODEL_REFUSED, str(exc))
+        except Exception as exc:  # the guest failed (executor.py's docstring)
+            error = self.guest.failed(o, exc)
+        if (wait := schedule.wait_s(time.monotonic())) > 0:
+            time.sleep(wait)  # done on the device once due (the next block would wait as long)
+        return error
+
+    def _ended(self, q: Queued, run: _Running, *, full: bool) -> Run:
+        """The run's end: on the device, when its last block is due, or when its real work ended if
+        that was later (the difference added to `lag_s`)."""
         done = time.monotonic()  # the run's real work ended
-        if self.profile is not None and blocks:
-            self.lag_s += schedule.behind(done)
-            if (wait := schedule.wait_s(done)) > 0:
+        if self.profile is not None and run.blocks:
+            self.lag_s += run.schedule.behind(done)
+            if (wait := run.schedule.wait_s(done)) > 0:
                 time.sleep(wait)  # the last block still runs on the device
-        ended = started + max(schedule.due, done) - origin
-        return Run(started, ended, blocks, error is None and q.cursor >= len(items), error, full)
+        ended = run.started + max(run.schedule.due, done) - run.origin
+        finished = run.error is None and q.cursor >= len(q.batch.items)
+        return Run(run.started, ended, run.blocks, finished, run.error, full)
 
     def _too_late_to_resume(self, o: Outcome) -> bool:
         """Whether `o`, cut by training input in an earlier bubble, would now finish after its
@@ -213,7 +203,7 @@ class BatchCompute:
                 state = saved if isinstance(saved, PrefillState) else self.model.start(item.tokens)
             except ValueError as exc:  # a prompt this model cannot run (e.g. another spec's limits)
                 o = Outcome(item, item.from_layer, 0.0, failure=(FailureReason.MODEL_REFUSED, str(exc)))
-            except Exception as exc:  # the guest failed (filler.py's docstring)
+            except Exception as exc:  # the guest failed (executor.py's docstring)
                 o = Outcome(item, item.from_layer, 0.0)
                 self.guest.failed(o, exc)
             else:
@@ -251,37 +241,43 @@ class BatchCompute:
 
     def _run_blocks(
         self, state: PrefillState, to_layer: int, arrived: Arrived, schedule: Schedule, ends_at: float | None
-    ) -> Generator[None, None, tuple[int, Exception | None, bool]]:
+    ) -> Generator[None, None, tuple[int, Start, Exception | None]]:
         """Blocks of one request up to `to_layer` while they may start, each started once the
-        run's `schedule` has the previous one done, pausing after each. Returns how many ran,
-        what the model raised if it did (the run stops there), and whether the bubble is full."""
+        run's `schedule` has the previous one done, pausing after each. Returns how many ran, the
+        fit rule's refusal that stopped them (`Start.GO`: none, they all ran), and what the model
+        raised if it did (the run stops there)."""
         ran = 0
         while state.next_layer < to_layer and not state.done:
             if (wait := schedule.wait_s(time.monotonic())) > 0:
                 time.sleep(wait)  # the previous block still runs; sleeping releases the GIL
             start = self._may_start(state, arrived, ends_at)
             if start is not Start.GO:
-                return ran, None, start is Start.FULL
+                return ran, start, None
             try:
-                if self.piece_tokens is None:
-                    t0 = time.monotonic()
-                    self.model.run_layers(state, max_layers=1)  # on the host: done when it returns
-                    tokens = len(state.tokens)
-                    if self.profile is None:
-                        self.blocks.observe(tokens, time.monotonic() - t0)
-                elif self.profile is not None:  # its time is the profile's
-                    tokens = self.model.run_piece(state, self.piece_tokens)
-                else:
-                    mark = self.clock.begin()
-                    tokens = self.model.run_piece(state, self.piece_tokens)
-                    self.clock.end(mark, tokens)
+                tokens = self._run_block(state)
             except Exception as exc:  # the guest failed: the caller fails the request, training goes on
-                return ran, exc, False
+                return ran, Start.GO, exc
             if self.profile is not None:
                 schedule.add(self.profile.block_s(tokens))
             ran += 1
             yield
-        return ran, None, False
+        return ran, Start.GO, None
+
+    def _run_block(self, state: PrefillState) -> int:
+        """One block of `state`: a layer (timed here without a profile), or a piece (timed on the
+        device's lane without one). Returns the prompt tokens it computed."""
+        if self.piece_tokens is None:
+            t0 = time.monotonic()
+            self.model.run_layers(state, max_layers=1)  # on the host: done when it returns
+            if self.profile is None:
+                self.blocks.observe(len(state.tokens), time.monotonic() - t0)
+            return len(state.tokens)
+        if self.profile is not None:  # its time is the profile's
+            return self.model.run_piece(state, self.piece_tokens)
+        mark = self.clock.begin()
+        tokens = self.model.run_piece(state, self.piece_tokens)
+        self.clock.end(mark, tokens)
+        return tokens
 
     def take_lag(self) -> float:
         """Prefill lag behind the profile since the last call, seconds."""

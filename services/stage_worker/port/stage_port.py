@@ -13,27 +13,34 @@ What it owns, and where each goes (docs/architecture.md, "Where each tensor live
   norm), on the data plane's groups;
 * **the stage's saved state** (`save_checkpoint`, `load_checkpoint`, `checkpoint_iterations`,
   `hand_over`): the recovery checkpoints and the state handed over for `bubbletea train --save`
-  (`port_state.py`);
+  (`state.py`);
 * **prefill's tensors** (`keep_prefills`, `load_snapshot`): finished KV caches out, and
-  the snapshots of preempted prefills out and in (`port_prefill.py`).
+  the snapshots of preempted prefills out and in (`prefill.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from services.stage_worker.port_prefill import ELSEWHERE, LOST, KvStored, PrefillPort, Saved, encode_snapshot
-from services.stage_worker.port_state import StatePort
-from services.stage_worker.transport import Transport, stages_group, tie_group
+from services.stage_worker.lease import Slot
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.outbox import Outbox
+from services.stage_worker.port.prefill import ELSEWHERE, LOST, KvStored, PrefillPort, Saved, encode_snapshot
+from services.stage_worker.port.state import CheckpointStore, StatePort
+from services.stage_worker.port.tensors import Direction
+from services.stage_worker.port.transport import Transport, stages_group, tie_group
 from shared.bus import Delivery
 from shared.control import keys
-from shared.dataplane import in_thread, kvstore
+from shared.dataplane import DataPlane, in_thread, kvstore
 from shared.model.prefill import KV, PrefillState
+from shared.policies.placement import Placement
+from shared.spec.settings import Settings
 
 __all__ = ["ELSEWHERE", "LOST", "Cut", "Finished", "KvStored", "PrefillPort", "Saved", "StagePort", "StatePort"]
 
@@ -81,9 +88,9 @@ class StagePort:
         if self.transport is not None:
             self.transport.reset()
 
-    def send(self, what: str, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
+    def send(self, direction: Direction, it: int, mb: int, tensor: torch.Tensor, dst: int) -> None:
         """Put an activation or gradient for stage `dst` on its way (never blocks the schedule)."""
-        self._tx().send(what, it, mb, tensor, dst)
+        self._tx().send(direction, it, mb, tensor, dst)
 
     def release(self, buf: torch.Tensor) -> None:
         """A received tensor is dead (its backward ran): its buffer goes back to the receive pool."""
@@ -209,3 +216,35 @@ class StagePort:
     async def close_prefill(self) -> None:
         """Prefill's tensors: stop serving this worker's snapshots (last: they die with the worker)."""
         await self.prefill.close()
+
+
+def build_port(
+    redis: Redis,
+    settings: Settings,
+    placement: Placement,
+    slot: Slot,
+    slots: Sequence[Slot],
+    plane: DataPlane,
+    outbox: Outbox,
+    mailbox: Mailbox,
+    generation: Callable[[], int],
+    *,
+    tied: bool,
+) -> StagePort:
+    """The port of `slot`'s worker: training's tensors on `plane` (announced on `outbox`, received
+    into `mailbox`, stamped with the run's current `generation`; `tied`: the stage holds a tied
+    embedding), its saved state (checkpoints where the run recovers; every slot's in `slots`), and
+    prefill's tensors."""
+    spec, run = settings.spec, settings.run
+    transport = Transport(outbox, plane, spec, run, slot, placement, mailbox, generation=generation, tied=tied)
+    state_dir = settings.state_dir
+    checkpoints = CheckpointStore(redis, run, slots, state_dir) if spec.training.recovers else None
+    prefill = PrefillPort(
+        redis,
+        run,
+        spec.prefill.kv_ttl_s,
+        spec.prefill.kv_budget_mb << 20,
+        host=plane.addresses[0],
+        dc=placement.stage_dc[slot.stage],
+    )
+    return StagePort(prefill, transport, StatePort(redis, run, slot, state_dir, checkpoints))

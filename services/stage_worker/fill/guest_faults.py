@@ -1,4 +1,4 @@
-"""The fill executor's side of a failing guest (services/stage_worker/filler.py runs it): a request
+"""The fill executor's side of a failing guest (services/stage_worker/fill/executor.py runs it): a request
 whose prefill model raised fails, saying so, and drops what it held on the device (its tensors; the
 allocator's cache is not emptied: `torch.cuda.empty_cache` is never on a hot path); each failed
 batch is counted (`shared.policies.guest`), logged with its traceback and in the metrics; and when
@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 import traceback
 
+from services.stage_worker.fill.batch import Outcome
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.reporting import Outcome
 from shared.bus import Bus
 from shared.control import keys
 from shared.control.status import FailureReason

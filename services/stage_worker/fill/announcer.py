@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from services.stage_worker.filler import Filler
-from services.stage_worker.guest import DeviceLost
+from services.stage_worker.fill.executor import Filler
+from services.stage_worker.fill.guest_faults import DeviceLost
 from services.stage_worker.lease import Slot
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.outbox import Outbox
+from services.stage_worker.port.outbox import Outbox
 from services.stage_worker.telemetry import StageTelemetry
 from shared.control import keys
 from shared.model.devices import gpu_sharers
