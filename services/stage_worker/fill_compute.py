@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from services.stage_worker.guest import Guest
 from services.stage_worker.port_prefill import Saved
 from services.stage_worker.reporting import Outcome
-from shared.control.status import FailureReason
+from shared.model.lanes import LaneClock
 from shared.model.prefill import PrefillModel, PrefillState
-from shared.model.streams import LaneClock
 from shared.policies.fill import (
     BlockTimes,
     Start,
@@ -44,6 +43,7 @@ from shared.policies.fill import (
 from shared.policies.prefill_cost import PrefillProfile
 from shared.runtime.timing import Schedule
 from shared.wire import PrefillBatch, PrefillItem
+from shared.wire.status import FailureReason
 
 Arrived = Callable[[], bool]
 #: Called by a run, in whichever thread runs it, with each outcome answered (done, or failed) as it is:

@@ -31,9 +31,9 @@ from services.stage_worker.port_prefill import ELSEWHERE, LOST, KvStored, Prefil
 from services.stage_worker.port_state import StatePort
 from services.stage_worker.transport import Transport, stages_group, tie_group
 from shared.bus import Delivery
-from shared.control import keys
 from shared.dataplane import in_thread, kvstore
 from shared.model.prefill import KV, PrefillState
+from shared.wire import keys
 
 __all__ = ["ELSEWHERE", "LOST", "Cut", "Finished", "KvStored", "PrefillPort", "Saved", "StagePort", "StatePort"]
 

@@ -26,13 +26,13 @@ from redis.asyncio.client import Pipeline
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port import Cut, Finished, KvStored, StagePort
 from shared.bus import Bus
-from shared.control import keys, serving
-from shared.control.status import FailureReason, ItemOutcome, RequestStatus
+from shared.control import serving
 from shared.model.finishing import Finishing
 from shared.model.prefill import PrefillResult, PrefillState
 from shared.runtime.logs import get_logger
-from shared.wire import FIELD, PrefillBatch, PrefillItem, PrefillProgress, PrefillReport, encode
+from shared.wire import FIELD, PrefillBatch, PrefillItem, PrefillProgress, PrefillReport, encode, keys
 from shared.wire import PrefillResult as ResultMessage
+from shared.wire.status import FailureReason, ItemOutcome, RequestStatus
 
 log = get_logger(__name__)
 

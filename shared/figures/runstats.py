@@ -44,8 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from shared.control import keys
-from shared.wire import SpanRecord, decode
+from shared.wire import SpanRecord, decode, keys
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

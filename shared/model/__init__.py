@@ -7,7 +7,7 @@ Without torch (safe for the HTTP front door and the dispatcher):
   Face `tokenizer.json` (`HFTokenizer`), and the served model's (`tokenizer_for`).
 - `info`: the served model's shape (`ModelInfo`) read from a Hugging Face checkpoint
   directory's config.json (`read_config`, `info_from_config`), `CheckpointError`; it imports
-  neither the spec nor `shape`, so `shared.spec.config` reads `training.model` with it.
+  neither the spec nor `shape`, so `shared.config.spec` reads `training.model` with it.
 - `shape`: the model's shape (`GPTConfig`), its stage split (`split_layers`), the KV-cache
   size of a prompt (`estimate_kv_bytes`), and the served model's shape (`model_info`: from a
   checkpoint directory's config.json, or the spec).

@@ -5,7 +5,7 @@ pipeline stages; `estimate_kv_bytes` is the size of a prompt's KV cache before i
 
 `model_info(prefill_spec)` is the shape of whatever model serves prefill (the seeded or trained
 nanoGPT, or a Hugging Face checkpoint directory), read without torch: from a checkpoint directory's
-`config.json` (`shared.model.info`), otherwise from `prefill.model`. The front door takes its
+`config.json` (`shared.config.model_info`), otherwise from `prefill.model`. The front door takes its
 limits from it and the dispatcher its layer count and KV sizes.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.model.info import FLOAT32_BYTES, ModelInfo, info_from_config, read_config
-from shared.spec.config import Prefill
-from shared.spec.training import ModelSpec
+from shared.config.model_info import FLOAT32_BYTES, ModelInfo, info_from_config, read_config
+from shared.config.spec import Prefill
+from shared.config.training import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Stage placement: which datacenter runs each pipeline stage.
 
 `place` is Atlas's; `round_robin` is the naive placement it is compared against (docs/paper.md).
-Both return a `Placement`; `shared.spec.plan.placement_of` picks one by the spec's
+Both return a `Placement`; `shared.policies.pipeline_plan.placement_of` picks one by the spec's
 ``parallelism.placement``. `balanced_split` cuts the layers into stages by a stated cost
-(``parallelism.split: params``; `shared.spec.plan.stage_layer_ranges` states the cost).
+(``parallelism.split: params``; `shared.policies.pipeline_plan.stage_layer_ranges` states the cost).
 
 Rule (Atlas): sort DCs by GPUs, largest first (ties by name, for determinism); each DC takes
 ``floor(gpus / (TP * DP))`` *consecutive* stages until every stage is placed. A stage's whole DP

@@ -35,7 +35,7 @@ log = get_logger(__name__)
 DEFAULT_MAXMEMORY = "1gb"
 #: At the limit writes fail ("OOM command not allowed"), reads go on: nothing is ever evicted, so
 #: queued work, answers and pending entries are never dropped silently (the front door answers
-#: errors instead). Every key that may go has a TTL or a bound of its own (shared/control/keys.py).
+#: errors instead). Every key that may go has a TTL or a bound of its own (shared/wire/keys.py).
 MAXMEMORY_POLICY = "noeviction"
 #: How hard Redis works to reclaim expired keys (1-10; Redis's default is 1). KV caches are large
 #: (~0.5 MB each) and live seconds: at effort 1, on a busy machine, expired ones outlived their TTL

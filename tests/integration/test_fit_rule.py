@@ -22,6 +22,7 @@ from services.stage_worker.filler import Filler
 from services.stage_worker.mailbox import Mailbox
 from services.stage_worker.port import PrefillPort, StagePort
 from shared.bus import Bus, Delivery
+from shared.config.spec import BusConfig
 from shared.control import serving
 from shared.model.prefill import PrefillModel
 from shared.model.shape import GPTConfig
@@ -30,7 +31,6 @@ from shared.policies.dispatch import Progress
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
-from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillRequest
 from sim.executor import Executor, SimRequest
 

@@ -13,10 +13,10 @@ from services.prefill_queue.api import kv_params
 from services.stage_worker.port import PrefillPort, StagePort
 from services.stage_worker.reporting import Outcome, Reporter
 from shared.bus import Bus
-from shared.control import keys, serving
+from shared.control import serving
 from shared.dataplane import kvstore
 from shared.model.prefill import PrefillResult as ModelResult
-from shared.wire import PrefillItem, PrefillResult, decode
+from shared.wire import PrefillItem, PrefillResult, decode, keys
 
 
 async def test_store_within_budget_counts_bytes_and_refuses_past_the_budget(redis: Redis) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from shared.control.status import ControlEvent
 from shared.figures.bubblestats import (
     bubble_dispatch,
     control_shares,
@@ -17,6 +16,7 @@ from shared.figures.bubblestats import (
 )
 from shared.figures.runstats import Span, utilization
 from shared.wire import ControlSeen
+from shared.wire.status import ControlEvent
 
 
 def wait(

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared.config.spec import Prefill
+from shared.config.training import ModelSpec
 from shared.model.causal import CausalLM
 from shared.model.families.nanogpt import NanoGPT
 from shared.model.gpt import Block, build_full, build_stage
@@ -21,8 +23,6 @@ from shared.model.prefill import (
 )
 from shared.model.shape import GPTConfig, estimate_kv_bytes, model_info
 from shared.model.tokenizer import BYTES, decode, encode
-from shared.spec.config import Prefill
-from shared.spec.training import ModelSpec
 
 CFG = GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256)
 SEED = 7

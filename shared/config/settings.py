@@ -31,7 +31,7 @@ Read once at the edge (a service's ``__main__`` or the CLI) and passed inward. T
                        event loops (training at nice 5, prefill at nice 15: `shared.runtime.priority`);
                        ``normal``: every thread at nice 0
 ``BUBBLETEA_TIME_SCALE`` the device time scale k >= 1: one profiled millisecond lasts k real ones
-                       (device profile, WAN, work sent ahead: `shared.spec.timescale`); the launchers
+                       (device profile, WAN, work sent ahead: `shared.config.timescale`); the launchers
                        measure and set it (default 1)
 ``BUBBLETEA_RESUME``    a stage worker restores its stage from this save directory (``bubbletea train --resume``)
 ``BUBBLETEA_STATE_DIR`` where stage workers keep a run's saved state, in ``<dir>/<run>/``: its
@@ -65,12 +65,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
+from shared.config.spec import ClusterSpec, ConfigError, check_decode, load_spec
+from shared.config.timescale import LIMIT_SCALE, scale_spec
+from shared.config.training import MAX_ITERATIONS, UNTIL_STOPPED, Training
 from shared.runtime.logs import get_logger
 from shared.runtime.priority import PRIORITIES
 from shared.runtime.redis_server import maxmemory_error
-from shared.spec.config import ClusterSpec, ConfigError, check_decode, load_spec
-from shared.spec.timescale import LIMIT_SCALE, scale_spec
-from shared.spec.training import MAX_ITERATIONS, UNTIL_STOPPED, Training
 
 log = get_logger(__name__)
 

@@ -7,14 +7,14 @@ Placement, activation size, layers and compute time per stage, the device profil
 
 from __future__ import annotations
 
-from shared.model.info import read_config, ties_embeddings
+from shared.config.model_info import read_config, ties_embeddings
+from shared.config.spec import ClusterSpec
 from shared.model.shape import split_layers
 from shared.policies.pipeline_model import PipelineInputs, PipelineResult
 from shared.policies.pipeline_run import simulate
 from shared.policies.placement import Placement, balanced_split, place, round_robin
 from shared.policies.walk import has_step_collectives
 from shared.policies.wan import LinkModel
-from shared.spec.config import ClusterSpec
 
 #: Bytes per activation element on the wire (float32).
 ACT_ELEMENT_BYTES = 4

@@ -21,7 +21,7 @@ by k, host times kept. The dispatch policy stretches its own windows the same wa
 host's own latencies (the bus, the event loops) shrink relative to a bubble: the figures report those
 as a share of the bubble at k = 1 (`control_share_*`).
 
-The services read the scale from ``BUBBLETEA_TIME_SCALE`` (`shared.spec.settings`); ratios (fill ratio,
+The services read the scale from ``BUBBLETEA_TIME_SCALE`` (`shared.config.settings`); ratios (fill ratio,
 slowdown, lag share, utilization) are the same on either clock, and times reported as emulated
 milliseconds are divided by k.
 """
@@ -42,7 +42,7 @@ from typing import TypeVar
 import msgspec
 import msgspec.inspect as mi
 
-from shared.spec.config import ClusterSpec, ConfigError
+from shared.config.spec import ClusterSpec, ConfigError
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -133,7 +133,7 @@ def choose_scale(
 
 
 def field_clock(field_type: mi.Type) -> str | None:
-    """The clock a spec field's type declares (`shared.spec.fields.DEVICE`, `DEVICE_RATE`, `HOST`), if any;
+    """The clock a spec field's type declares (`shared.config.fields.DEVICE`, `DEVICE_RATE`, `HOST`), if any;
     an optional field (`X | None`) declares it on X."""
     if isinstance(field_type, mi.UnionType):
         marks = {field_clock(t) for t in field_type.types} - {None}
@@ -217,7 +217,7 @@ def _time_ops(spec: ClusterSpec) -> dict[str, float]:
     from shared.model.gpt import build_stage
     from shared.model.prefill import PrefillModel
     from shared.model.shape import GPTConfig
-    from shared.spec.plan import profile_ms
+    from shared.policies.pipeline_plan import profile_ms
 
     torch.set_num_threads(1)  # as a worker runs
     out: dict[str, float] = {}
@@ -263,7 +263,7 @@ def measure(spec: ClusterSpec, processes: int) -> list[OpCost]:
     """The profiled operations' real cost here with `processes` computing at once: a forward and
     backward of one stage on one microbatch (a middle stage: no embedding or loss), and one
     prefill block of a `PREFILL_TOKENS`-token prompt."""
-    from shared.spec.plan import profile_ms
+    from shared.policies.pipeline_plan import profile_ms
 
     prof = profile_ms(spec)
     ctx = get_context("spawn")
@@ -297,7 +297,7 @@ def len_tokens(spec: ClusterSpec) -> int:
 
 def calibrate(spec: ClusterSpec, processes: int | None = None, max_scale: float | None = None) -> Calibration:
     """Measure and choose (a run's launcher calls this before starting its workers)."""
-    from shared.spec.plan import profile_ms
+    from shared.policies.pipeline_plan import profile_ms
 
     n = processes or spec.parallelism.pp * spec.parallelism.dp
     if profile_ms(spec) is None and not (spec.bubbletea.enabled and _prefill_profiled(spec)):
