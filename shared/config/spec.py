@@ -12,6 +12,7 @@ checks that span sections. The training sections (model, parallelism, training, 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -21,16 +22,13 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from shared.config.deprecated import DEPRECATED as DEPRECATED  # re-exported: where specs used to find them
-from shared.config.deprecated import deprecated_fields as deprecated_fields
-from shared.config.deprecated import spec_builtins as spec_builtins
+from shared.config.deprecated import deprecated_fields
 from shared.config.fields import DEVICE, DEVICE_RATE, HOST, Millis, Name, Section
 from shared.config.messages import validation_message
 from shared.config.model_info import CheckpointError, info_from_config, read_config
 from shared.config.training import Device, ModelSpec, Parallelism, Training
-from shared.runtime.logs import get_logger
 
-log = get_logger(__name__)
+log = logging.getLogger(__name__)  # the standard logger: the config package sits below `shared.runtime`
 
 
 class ConfigError(ValueError):

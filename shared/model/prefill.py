@@ -35,8 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from shared.config.model_info import CheckpointError as CheckpointError  # re-exported: it used to live here
-from shared.config.model_info import ModelInfo
+from shared.config.model_info import CheckpointError, ModelInfo
 from shared.config.spec import Prefill
 from shared.model.causal import KV as KV  # re-exported: (k, v) of one layer, each (1, kv_heads, T, head_dim)
 from shared.model.causal import CausalLM
