@@ -33,10 +33,10 @@ from redis.asyncio import Redis
 
 from shared.config.spec import ClusterSpec, parse_spec
 from shared.figures import runstats
-from shared.figures.runstats import Span
 from shared.model.shape import model_info
 from shared.policies.fill import piece_tokens
 from shared.policies.pipeline_plan import layers_per_stage
+from shared.policies.spans import Span
 from shared.wire import FIELD, PrefillReport, PrefillRequest, decode, keys
 from shared.wire.status import ItemOutcome
 from sim.run import run_off, run_on

@@ -67,9 +67,10 @@ from bubbletea.launcher.train import run_training
 from services.stage_worker.outbox import Outbox, wan_transfer
 from shared.bus import Bus
 from shared.config.settings import load_settings
+from shared.config.timescale import profile_ms
 from shared.control.health import wait_live
 from shared.figures.training import lag_share
-from shared.policies.pipeline_plan import activation_bytes, predict, profile_ms
+from shared.policies.pipeline_plan import activation_bytes, predict
 from shared.policies.wan import LinkModel
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import LinkReport, Ping, decode, keys

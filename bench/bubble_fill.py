@@ -70,11 +70,11 @@ from _gpu_job import SIZES, Prepared, prepare
 
 from bubbletea.launcher.train import TrainResult
 from bubbletea.progress import StepBar, say
+from shared.config.env_values import PRIORITIES
 from shared.config.spec import parse_spec
-from shared.config.timescale import calibrate
 from shared.figures.capacity import offer, prefill_block_s
+from shared.model.calibration import calibrate
 from shared.model.shape import model_info
-from shared.runtime.priority import PRIORITIES
 from shared.runtime.redis_server import EmbeddedRedis
 
 

@@ -271,7 +271,7 @@ def capacity_rate(config: Path, k: float) -> float:
 def time_scale(arg: str, config: Path) -> float:
     if arg != "auto":
         return float(arg)
-    from shared.config.timescale import calibrate
+    from shared.model.calibration import calibrate
 
     cal = calibrate(load_spec(config))
     print(cal.line(), file=sys.stderr, flush=True)

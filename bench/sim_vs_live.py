@@ -64,11 +64,13 @@ from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
 from bubbletea.progress import StepBar, say
 from loadgen.datasets import length_range
+from shared.config.deprecated import spec_builtins
 from shared.config.settings import load_settings
-from shared.config.spec import ClusterSpec, load_spec, spec_builtins
-from shared.config.timescale import calibrate, scale_spec
+from shared.config.spec import ClusterSpec, load_spec
+from shared.config.timescale import scale_spec
 from shared.figures import runstats
 from shared.figures.training import lag_share, steady_iteration_s
+from shared.model.calibration import calibrate
 from shared.policies.pipeline_run import simulate as analytic
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import FIELD, PrefillRequest, decode, keys

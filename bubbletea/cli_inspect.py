@@ -76,7 +76,7 @@ def add_parsers(sub: Any) -> None:
 def plan(args: argparse.Namespace) -> int:
     from bubbletea.plan import plan_data, plan_report
     from bubbletea.preflight import check_run
-    from shared.policies.pipeline_plan import profile_ms
+    from shared.config.timescale import profile_ms
 
     settings = load_settings(args.config)
     spec = settings.base_spec or settings.spec

@@ -20,7 +20,8 @@ from bubbletea.cli_common import (
     wan_override,
 )
 from bubbletea.preflight import check_run
-from shared.config.settings import Settings, load_settings, objective_ms
+from shared.config.env_values import objective_ms
+from shared.config.settings import Settings, load_settings
 from shared.config.spec import ClusterSpec, ConfigError, check_decode
 from shared.config.training import UNTIL_STOPPED
 from shared.runtime.logs import setup_logging

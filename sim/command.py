@@ -12,7 +12,8 @@ import msgspec
 from tqdm import tqdm
 
 from loadgen.options import Renamed
-from shared.config.settings import DEFAULT_SPEC, objective_ms
+from shared.config.env_values import objective_ms
+from shared.config.settings import DEFAULT_SPEC
 from shared.config.spec import ClusterSpec, ConfigError, load_spec
 from shared.policies.placement import PlacementError
 from sim.output import figures, lines, write_folder

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from shared.config.model_info import CheckpointError, ModelInfo
 from shared.config.spec import ClusterSpec
+from shared.config.timescale import profile_ms
 from shared.model.shape import max_prompt_tokens, model_info
 from shared.policies.pipeline_model import PipelineInputs
-from shared.policies.pipeline_plan import layers_per_stage, model_inputs, placement_of, profile_ms
+from shared.policies.pipeline_plan import layers_per_stage, model_inputs, placement_of
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.prompt_placement import mode_of
 from sim.serving import ServingConfig

@@ -32,8 +32,9 @@ from bubbletea.launcher.services import PREFILL_QUEUE
 from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.train import TrainResult, run_training
 from shared.bus import Bus
+from shared.config.deprecated import spec_builtins
 from shared.config.settings import Settings, load_settings
-from shared.config.spec import ClusterSpec, spec_builtins
+from shared.config.spec import ClusterSpec
 from shared.control.health import wait_live
 from shared.figures import runstats
 from shared.figures.bubblestats import bubble_dispatch, run_control

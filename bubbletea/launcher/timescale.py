@@ -10,7 +10,7 @@ from collections.abc import Callable
 from bubbletea.progress import ClockBar
 from shared.config.settings import Settings
 from shared.config.spec import ClusterSpec, ConfigError
-from shared.config.timescale import WINDOW_S, calibrate
+from shared.model.calibration import WINDOW_S, calibrate
 
 #: Seconds one measuring process takes to start (spawn, import torch, build its models) with a core
 #: to itself: `demo.yaml`'s four processes took 28 s on two busy cores.

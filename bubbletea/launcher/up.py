@@ -53,8 +53,8 @@ from bubbletea.launcher.vllm import managed_vllm
 from bubbletea.launcher.wan_modes import WorkerLaunch, worker_launches
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS
+from shared.config.deprecated import spec_builtins
 from shared.config.settings import Settings
-from shared.config.spec import spec_builtins
 from shared.control.health import live_instances
 from shared.control.leases import read_slots, release_dead, release_dispatcher_if_held_by
 from shared.figures import runstats

@@ -40,6 +40,7 @@ from shared.bus.connection import TRANSIENT_ERRORS
 from shared.config.model_info import CheckpointError
 from shared.config.settings import Settings
 from shared.config.spec import ClusterSpec
+from shared.config.timescale import profile_ms
 from shared.control.health import Heartbeat, instance_id
 from shared.control.leases import holder_client_name
 from shared.dataplane import DataPlane
@@ -50,7 +51,7 @@ from shared.model.training import load_corpus
 from shared.model.trainstate import check_resume, stage_state
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillQueue, piece_tokens
-from shared.policies.pipeline_plan import placement_of, predict, profile_ms
+from shared.policies.pipeline_plan import placement_of, predict
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.restarts import EXIT_CONFIG

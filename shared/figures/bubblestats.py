@@ -32,8 +32,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.figures.runstats import Span, bubble_end, full_window, read_stream, steady, utilization
+from shared.figures.runstats import bubble_end, full_window, read_stream, steady, utilization
 from shared.policies.fill import usable_s
+from shared.policies.spans import Span
 from shared.wire import ControlSeen, keys
 from shared.wire.status import ControlEvent
 

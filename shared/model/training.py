@@ -25,8 +25,7 @@ from shared.model.corpus import DataError, TokenCorpus
 from shared.model.data import ByteCorpus
 from shared.model.gpt import StageModule, build_stage
 from shared.model.hf_stage import HFStage
-from shared.model.shape import GPTConfig
-from shared.policies.pipeline_plan import stage_layer_ranges
+from shared.model.shape import GPTConfig, stage_layer_ranges
 
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config.spec import ClusterSpec, ConfigError
-from shared.policies.pipeline_plan import stage_layer_ranges
+from shared.model.shape import stage_layer_ranges
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_DIR = "optimizer"

@@ -80,7 +80,7 @@ def time_scale() -> str:
     if os.environ.get("BUBBLETEA_TIME_SCALE"):
         return os.environ["BUBBLETEA_TIME_SCALE"]
     from shared.config.settings import load_settings
-    from shared.config.timescale import calibrate
+    from shared.model.calibration import calibrate
 
     return f"{calibrate(load_settings(ROOT / 'configs' / 'demo.yaml', env={}).spec).scale:g}"
 

@@ -47,7 +47,7 @@ kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e '.[dev]')"
 )
 
-from shared.config.settings import ENV_VARS  # noqa: E402
+from shared.config.env import ENV_VARS  # noqa: E402
 from shared.config.spec import load_spec  # noqa: E402
 from shared.policies.pipeline_plan import placement_of  # noqa: E402
 

@@ -251,7 +251,7 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
 
     from bubbletea.commands import build_parser
     from loadgen.cli import parse_config
-    from shared.config.settings import ENV_VARS
+    from shared.config.env import ENV_VARS
 
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]

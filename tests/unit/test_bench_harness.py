@@ -9,7 +9,7 @@ import pytest
 
 from bench import _harness
 from shared.figures.bubblestats import capacity_requests_per_s, capacity_tokens_per_s
-from shared.figures.runstats import Span
+from shared.policies.spans import Span
 from shared.wire import ControlSeen
 from shared.wire.status import ControlEvent
 

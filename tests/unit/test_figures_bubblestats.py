@@ -14,7 +14,8 @@ from shared.figures.bubblestats import (
     recomputed_share,
     report_latencies_ms,
 )
-from shared.figures.runstats import Span, utilization
+from shared.figures.runstats import utilization
+from shared.policies.spans import Span
 from shared.wire import ControlSeen
 from shared.wire.status import ControlEvent
 

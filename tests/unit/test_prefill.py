@@ -7,20 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared.config.model_info import CheckpointError
 from shared.config.spec import Prefill
 from shared.config.training import ModelSpec
 from shared.model.causal import CausalLM
 from shared.model.families.nanogpt import NanoGPT
 from shared.model.gpt import Block, build_full, build_stage
-from shared.model.prefill import (
-    CheckpointError,
-    PrefillModel,
-    PrefillResult,
-    PrefillState,
-    kv_bytes,
-    sample,
-    save_checkpoint,
-)
+from shared.model.prefill import PrefillModel, PrefillResult, PrefillState, kv_bytes, sample, save_checkpoint
 from shared.model.shape import GPTConfig, estimate_kv_bytes, model_info
 from shared.model.tokenizer import BYTES, decode, encode
 

@@ -9,7 +9,7 @@ import pytest
 
 from bench import _sim_fit
 from shared.config.spec import parse_spec
-from shared.figures.runstats import Span
+from shared.policies.spans import Span
 from shared.wire import PrefillProgress, PrefillReport, PrefillRequest
 from shared.wire.status import ItemOutcome
 

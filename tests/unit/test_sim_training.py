@@ -11,13 +11,13 @@ import msgspec
 import pytest
 
 from shared.config.spec import ClusterSpec, load_spec, parse_spec
-from shared.figures.runstats import Span
 from shared.figures.training import steady_iteration_s
 from shared.policies.events import EventQueue
 from shared.policies.pipeline_model import PipelineInputs
 from shared.policies.pipeline_plan import model_inputs
 from shared.policies.pipeline_run import PipelineRun, simulate
 from shared.policies.schedules import Op, schedule
+from shared.policies.spans import Span
 from sim.run import run_off
 from sim.setup import build
 

@@ -9,8 +9,9 @@ import pytest
 
 from shared.config.settings import DEFAULT_SPEC, load_settings
 from shared.config.spec import ConfigError, LinkOverride, load_spec
-from shared.config.timescale import SHARE, WARN_SCALE, WINDOW_S, OpCost, _repeat, choose_scale, scale_spec
-from shared.policies.pipeline_plan import predict, profile_ms
+from shared.config.timescale import SHARE, WARN_SCALE, OpCost, choose_scale, profile_ms, scale_spec
+from shared.model.calibration import WINDOW_S, _repeat
+from shared.policies.pipeline_plan import predict
 
 
 def test_the_scale_keeps_the_worst_operation_within_its_share() -> None:
