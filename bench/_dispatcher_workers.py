@@ -22,8 +22,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared.bus.streams import ensure_group
-from shared.control import keys, serving
-from shared.control.status import ItemOutcome, RequestStatus
+from shared.control import serving
 from shared.policies.fill import FillQueue
 from shared.wire import (
     FIELD,
@@ -35,7 +34,9 @@ from shared.wire import (
     PrefillResult,
     decode,
     encode,
+    keys,
 )
+from shared.wire.status import ItemOutcome, RequestStatus
 
 #: The prompt length a request's `request_s` is for (it scales with the prompt, as a layer's matmuls do).
 PROMPT_TOKENS = 96

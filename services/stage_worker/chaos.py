@@ -22,7 +22,7 @@ import torch
 
 from shared.model.prefill import PrefillModel, PrefillState
 
-ENV = "BUBBLETEA_CHAOS_PREFILL"  # read and checked by `shared.spec.settings` (`Settings.chaos_prefill`)
+ENV = "BUBBLETEA_CHAOS_PREFILL"  # read and checked by `shared.config.settings` (`Settings.chaos_prefill`)
 #: What `oom` asks the device for: more than any has.
 OOM_BYTES = 1 << 50
 

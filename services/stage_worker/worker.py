@@ -36,29 +36,28 @@ from services.stage_worker.train.trainer import StageTrainer
 from services.stage_worker.train.warm import Warm, guest_model, model_bytes, warm_up
 from shared.bus import Bus, Consumer
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.control import keys
+from shared.config.model_info import CheckpointError
+from shared.config.settings import Settings
 from shared.control.health import Heartbeat, instance_id
 from shared.control.leases import holder_client_name
 from shared.dataplane import DataPlane
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.model.corpus import DataError
 from shared.model.devices import DeviceError, check_kind, describe, select_device, slot_index
-from shared.model.info import CheckpointError
 from shared.model.prefill import PrefillModel
 from shared.model.training import load_corpus
 from shared.model.trainstate import check_resume, stage_state
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillQueue, piece_tokens
+from shared.policies.pipeline_plan import placement_of
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.restarts import EXIT_CONFIG
 from shared.runtime import priority
 from shared.runtime.logs import get_logger
-from shared.runtime.service import stopped_by
-from shared.runtime.telemetry import MetricsServer
-from shared.spec.plan import placement_of
-from shared.spec.settings import Settings
-from shared.wire import PrefillBatch, SlotGrant, TensorReady, WorkerFailed
+from shared.service.main import stopped_by
+from shared.service.telemetry import MetricsServer
+from shared.wire import PrefillBatch, SlotGrant, TensorReady, WorkerFailed, keys
 
 SERVICE = "stage_worker"
 SWITCH_INTERVAL_S = 0.0001

@@ -27,10 +27,9 @@ from redis.asyncio import Redis
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from shared.control import keys
 from shared.dataplane.tensors import from_blob, to_blob
 from shared.model.prefill import KV, PrefillState
-from shared.wire import PrefillSnapshot, TensorBlob, WireError
+from shared.wire import PrefillSnapshot, TensorBlob, WireError, keys
 
 #: The `format` metadata of a stored KV cache; bumped if the layout ever changes.
 KV_FORMAT = "bubbletea-kv/1"

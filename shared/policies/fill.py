@@ -36,7 +36,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shared.spec.config import BubbleTea
+from shared.config.spec import BubbleTea
 
 #: A worker keeps a batch this long at most while no bubble takes it (training paused or over),
 #: then hands it back and the dispatcher queues its requests again: the spec's default

@@ -25,11 +25,10 @@ from bubbletea.launcher.procs import Proc, spawn, stop_all
 from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER
 from bubbletea.launcher.train import run_training
 from shared.bus.connection import blocking_client
-from shared.control import keys
+from shared.config.settings import load_settings
 from shared.policies.lease_liveness import SETTLE_S
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.settings import load_settings
-from shared.wire import IterationDone, decode
+from shared.wire import IterationDone, decode, keys
 from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
 
 #: Far more than the kill point (iteration 4), so the run is still training when the kill lands

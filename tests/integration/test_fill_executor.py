@@ -31,16 +31,16 @@ from services.stage_worker.port.tensors import Direction, TensorKey
 from services.stage_worker.telemetry import StageTelemetry
 from shared.bus import Bus, Delivery, Reject
 from shared.bus.connection import blocking_client
-from shared.control import keys, serving
-from shared.control.status import FailureReason, ItemOutcome, RequestStatus
+from shared.config.spec import BusConfig
+from shared.control import serving
 from shared.dataplane import kvstore
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
-from shared.spec.config import BusConfig
-from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, decode
+from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, decode, keys
+from shared.wire.status import FailureReason, ItemOutcome, RequestStatus
 
 RUN = "fill"
 LAYERS = 24

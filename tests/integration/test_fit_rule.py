@@ -23,6 +23,7 @@ from services.stage_worker.port.mailbox import Mailbox
 from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from services.stage_worker.port.tensors import Direction, TensorKey
 from shared.bus import Bus, Delivery
+from shared.config.spec import BusConfig
 from shared.control import serving
 from shared.model.prefill import PrefillModel
 from shared.model.shape import GPTConfig
@@ -31,7 +32,6 @@ from shared.policies.dispatch import Progress
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
-from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillRequest
 from sim.executor import Executor, SimRequest
 

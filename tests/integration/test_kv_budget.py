@@ -14,10 +14,10 @@ from services.stage_worker.fill.batch import Outcome
 from services.stage_worker.fill.reporting import Reporter
 from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from shared.bus import Bus
-from shared.control import keys, serving
+from shared.control import serving
 from shared.dataplane import kvstore
 from shared.model.prefill import PrefillResult as ModelResult
-from shared.wire import PrefillItem, PrefillResult, decode
+from shared.wire import PrefillItem, PrefillResult, decode, keys
 
 
 async def test_store_within_budget_counts_bytes_and_refuses_past_the_budget(redis: Redis) -> None:

@@ -21,14 +21,14 @@ from services.stage_worker.port.mailbox import Mailbox
 from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from services.stage_worker.port.tensors import Direction, TensorKey
 from shared.bus import Bus, Delivery
+from shared.config.spec import BusConfig
 from shared.control import serving
-from shared.control.status import ItemOutcome
 from shared.model.prefill import PrefillModel
 from shared.model.shape import GPTConfig
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
-from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillRequest
+from shared.wire.status import ItemOutcome
 from tests.integration.test_fill_executor import arriving_during_block, reports
 
 RUN = "fill"  # the reports helper reads this run's report stream

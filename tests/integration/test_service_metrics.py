@@ -36,17 +36,16 @@ from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from services.stage_worker.port.tensors import Direction, TensorKey
 from services.wan_broker.broker import serve as serve_broker
 from shared.bus import HOLD, Bus, Delivery, Outcome
-from shared.control import keys, serving
+from shared.config.settings import Settings, load_settings
+from shared.config.spec import BusConfig
+from shared.control import serving
 from shared.control.health import live_instances, wait_live
-from shared.control.status import ItemOutcome
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel
 from shared.policies.fill import FillQueue
-from shared.runtime import telemetry
 from shared.runtime.redis_server import EmbeddedRedis, packaged_redis_server
-from shared.runtime.telemetry import MetricsServer, StreamMetrics, group_backlog
-from shared.spec.config import BusConfig
-from shared.spec.settings import Settings, load_settings
+from shared.service import telemetry
+from shared.service.telemetry import MetricsServer, StreamMetrics, group_backlog
 from shared.wire import (
     FIELD,
     BubbleEnd,
@@ -60,7 +59,9 @@ from shared.wire import (
     Transfer,
     decode,
     encode,
+    keys,
 )
+from shared.wire.status import ItemOutcome
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

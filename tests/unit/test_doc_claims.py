@@ -16,8 +16,8 @@ import pytest
 from bubbletea.cli_up import DEFAULT_OBJECTIVE_MS
 from bubbletea.launcher.procs import ServiceFailed
 from bubbletea.launcher.train import _follow
-from shared.control import keys
-from shared.spec.settings import load_settings
+from shared.config.settings import load_settings
+from shared.wire import keys
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from services.stage_worker.train.warm import guest_model
+from shared.config.spec import load_spec
 from shared.model.prefill import PrefillModel
-from shared.spec.config import load_spec
 
 SPEC = load_spec(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from bubbletea.cli import main as cli_main
+from shared.config.spec import load_spec
 from shared.policies.decisions import Batch, BatchItem, Trigger, Why
 from shared.policies.dispatch import Progress
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
-from shared.spec.config import load_spec
 from sim.executor import Executor, SimRequest
 from sim.output import figures
 from sim.run import SimOptions, SimResult, simulate

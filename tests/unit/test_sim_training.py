@@ -10,14 +10,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.figures.runstats import Span
+from shared.config.spec import ClusterSpec, load_spec, parse_spec
 from shared.figures.training import steady_iteration_s
 from shared.policies.events import EventQueue
 from shared.policies.pipeline_model import PipelineInputs
+from shared.policies.pipeline_plan import model_inputs
 from shared.policies.pipeline_run import PipelineRun, simulate
 from shared.policies.schedules import Op, schedule
-from shared.spec.config import ClusterSpec, load_spec, parse_spec
-from shared.spec.plan import model_inputs
+from shared.policies.spans import Span
 from sim.run import run_off
 from sim.setup import build
 

@@ -29,12 +29,11 @@ from services.stage_worker.lease import Slot
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port.outbox import Outbox
 from services.stage_worker.telemetry import StageTelemetry
-from shared.control import keys
 from shared.model.devices import gpu_sharers
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.guest import guest_memory_cap
 from shared.runtime.logs import get_logger
-from shared.wire import BubbleEnd, BubbleStart, WorkerJoined
+from shared.wire import BubbleEnd, BubbleStart, WorkerJoined, keys
 
 log = get_logger(__name__)
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.stage_worker.port.prefill import Saved
-from shared.control.status import FailureReason
 from shared.model.finishing import Finishing
 from shared.model.prefill import PrefillResult, PrefillState
 from shared.wire import PrefillBatch, PrefillItem
+from shared.wire.status import FailureReason
 
 #: Whether training's awaited input has arrived (polled between blocks, from any thread).
 Arrived = Callable[[], bool]

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 
 from services.stage_worker.fill.batch import Answered, Arrived, Outcome, Queued, Run
 from services.stage_worker.fill.guest_faults import Guest
-from shared.control.status import FailureReason
+from shared.model.lanes import LaneClock
 from shared.model.prefill import PrefillModel, PrefillState
-from shared.model.streams import LaneClock
 from shared.policies.fill import (
     BlockTimes,
     Start,
@@ -42,6 +41,7 @@ from shared.policies.fill import (
 from shared.policies.prefill_cost import PrefillProfile
 from shared.runtime.timing import Schedule
 from shared.wire import PrefillItem
+from shared.wire.status import FailureReason
 
 
 @dataclass

@@ -13,12 +13,11 @@ import traceback
 from services.stage_worker.fill.batch import Outcome
 from services.stage_worker.metrics import WorkerMetrics
 from shared.bus import Bus
-from shared.control import keys
-from shared.control.status import FailureReason
 from shared.model.devices import is_sticky_cuda_error
 from shared.policies.guest import GuestHealth, GuestVerdict
 from shared.runtime.logs import get_logger
-from shared.wire import PrefillOff
+from shared.wire import PrefillOff, keys
+from shared.wire.status import FailureReason
 
 log = get_logger(__name__)
 

@@ -26,12 +26,12 @@ from services.stage_worker.fill.batch import Outcome
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port.stage_port import Cut, Finished, KvStored, StagePort
 from shared.bus import Bus
-from shared.control import keys, serving
-from shared.control.status import ItemOutcome, RequestStatus
+from shared.control import serving
 from shared.model.prefill import PrefillResult
 from shared.runtime.logs import get_logger
-from shared.wire import FIELD, PrefillBatch, PrefillProgress, PrefillReport, encode
+from shared.wire import FIELD, PrefillBatch, PrefillProgress, PrefillReport, encode, keys
 from shared.wire import PrefillResult as ResultMessage
+from shared.wire.status import ItemOutcome, RequestStatus
 
 log = get_logger(__name__)
 

@@ -32,15 +32,14 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.control import keys
+from shared.config.spec import DEFAULT_KV_BUDGET_MB
 from shared.dataplane import kvstore
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.dataplane.kv_client import KvClient
 from shared.model.prefill import PrefillState
 from shared.policies.fill import resumes_from_saved_state
 from shared.runtime.logs import get_logger
-from shared.spec.config import DEFAULT_KV_BUDGET_MB
-from shared.wire import PrefillSnapshot, WireError, decode, encode
+from shared.wire import PrefillSnapshot, WireError, decode, encode, keys
 
 log = get_logger(__name__)
 

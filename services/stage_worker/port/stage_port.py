@@ -36,11 +36,11 @@ from services.stage_worker.port.state import CheckpointStore, StatePort
 from services.stage_worker.port.tensors import Direction
 from services.stage_worker.port.transport import Transport, stages_group, tie_group
 from shared.bus import Delivery
-from shared.control import keys
+from shared.config.settings import Settings
 from shared.dataplane import DataPlane, in_thread, kvstore
 from shared.model.prefill import KV, PrefillState
 from shared.policies.placement import Placement
-from shared.spec.settings import Settings
+from shared.wire import keys
 
 __all__ = ["ELSEWHERE", "LOST", "Cut", "Finished", "KvStored", "PrefillPort", "Saved", "StagePort", "StatePort"]
 

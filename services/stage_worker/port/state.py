@@ -30,8 +30,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotError
-from shared.control import keys
 from shared.policies.recovery import superseded
+from shared.wire import keys
 
 
 def write_file(path: Path, data: bytes) -> None:

@@ -38,16 +38,15 @@ from services.stage_worker.port.mailbox import Mailbox
 from services.stage_worker.port.outbox import Outbox, wan_transfer
 from services.stage_worker.port.tensors import Direction, TensorKey
 from shared.bus import Delivery, Reject
-from shared.control import keys
+from shared.config.settings import Settings
+from shared.config.spec import ClusterSpec
 from shared.control.leases import slot_name
 from shared.dataplane import DataPlane, GroupSpec, PairSpec, PlaneError, in_thread, tag_of
 from shared.dataplane.tensors import dtype_name, torch_dtype
 from shared.policies.placement import Placement
 from shared.policies.wan import transfer_priority
 from shared.runtime.logs import get_logger
-from shared.spec.config import ClusterSpec
-from shared.spec.settings import Settings
-from shared.wire import SlotDone, SlotGrant, SlotRequest, TensorReady
+from shared.wire import SlotDone, SlotGrant, SlotRequest, TensorReady, keys
 
 log = get_logger(__name__)
 

@@ -33,7 +33,7 @@ from services.stage_worker.telemetry import StageTelemetry
 from services.stage_worker.train.timing import Profile
 from services.stage_worker.train.trainer import StageTrainer
 from shared.bus import Bus
-from shared.control import keys
+from shared.config.spec import ClusterSpec
 from shared.dataplane import PlaneError
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.placement import Placement
@@ -43,8 +43,7 @@ from shared.policies.walk import END, Phase, SlotWalk, has_step_collectives
 from shared.runtime.logs import get_logger
 from shared.runtime.priority import lower_this_thread, train_nice
 from shared.runtime.timing import sleep_until
-from shared.spec.config import ClusterSpec
-from shared.wire import IterationDone
+from shared.wire import IterationDone, keys
 
 #: After a data-plane failure, how long the runner waits for the recovery path (a peer's lease
 #: expiring, a new generation) to cut its iteration short before it gives up itself: three lease

@@ -11,9 +11,10 @@ import torch
 
 from services.stage_worker.lease import Slot
 from services.stage_worker.train.trainer import StageTrainer
+from shared.config.spec import ClusterSpec
+from shared.config.timescale import profile_ms
 from shared.model.devices import synchronize
-from shared.spec.config import ClusterSpec
-from shared.spec.plan import predict, profile_ms
+from shared.policies.pipeline_plan import predict
 
 #: Data seed of the start-up timing probe (kept apart from the training data seed).
 TIMING_SEED = 0x5EED

@@ -8,7 +8,7 @@ Everything runs on `device` (`shared.model.devices`): the model (built on the CP
 from the same weights, then moved), the optimizer state, the microbatches, received activations and
 gradients (moved there on arrival here), and the all-reduce's sum. Tensors handed back for the wire
 are on the CPU. On a GPU every method runs on training's own high-priority stream
-(`shared.model.streams.Lane`) and ends by waiting for that stream, not the device: a step's time is
+(`shared.model.lanes.Lane`) and ends by waiting for that stream, not the device: a step's time is
 training's GPU time, prefill's kernels (on a low-priority stream) never hold it up, and no copy off
 the GPU blocks the event loop. On the CPU every move is a no-op and there is no stream: the same
 tensors, the same operations, bit for bit.
@@ -21,13 +21,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from shared.config.spec import ClusterSpec
 from shared.model.devices import synchronize
 from shared.model.gpt import lm_loss
 from shared.model.hf_stage import HFStage
+from shared.model.lanes import Lane, on_lane
 from shared.model.optim import clip_and_step, grad_sq_norm, make_optimizer
-from shared.model.streams import Lane, on_lane
 from shared.model.training import Corpus, build_training_stage, layer_count, norm_parameters, tied_parameter
-from shared.spec.config import ClusterSpec
 
 
 class StageTrainer:

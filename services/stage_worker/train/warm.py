@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.config.spec import ClusterSpec
 from shared.model.devices import guest_dtype
 from shared.model.prefill import PrefillModel
 from shared.model.training import Corpus, load_corpus
 from shared.runtime.logs import get_logger
-from shared.spec.config import ClusterSpec
 
 log = get_logger(__name__)
 

@@ -15,7 +15,7 @@ Count = Annotated[int, Meta(ge=1, le=1_000_000)]
 Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
 
 # Every duration (and rate) in the spec declares its clock (docs/config.md, "Clocks"); the time
-# scale k (`shared.spec.timescale.scale_spec`) reads these marks, so no field is stretched by a list
+# scale k (`shared.config.timescale.scale_spec`) reads these marks, so no field is stretched by a list
 # kept elsewhere, and a test refuses a duration without one.
 #: Device time: what the emulated hardware takes, and margins sized against its bubbles. At a time
 #: scale k it lasts k times as long in real time.

@@ -1,8 +1,9 @@
 """The served model's shape (`ModelInfo`), and a Hugging Face checkpoint directory's `config.json`
 read into it, without torch and without the cluster spec.
 
-`shared.spec.config` reads `training.model`'s shape from here while it validates a spec, and
-`shared.model.shape` builds on it (`model_info(prefill_spec)`), so this module imports neither.
+In the config package because `shared.config.spec` reads `training.model`'s shape from here while
+it validates a spec; `shared.model.shape` builds on it (`model_info(prefill_spec)`). It imports
+neither.
 `CheckpointError` is what every torch-free reader of a checkpoint raises.
 """
 

@@ -25,11 +25,11 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.model.info import CheckpointError
+from shared.config.model_info import CheckpointError
+from shared.config.settings import Settings, load_settings, mask_url
+from shared.config.spec import ConfigError
 from shared.policies.restarts import EXIT_CONFIG  # a bad spec, an unloadable checkpoint, a missing device
 from shared.runtime.logs import get_logger, setup_logging
-from shared.spec.config import ConfigError
-from shared.spec.settings import Settings, load_settings, mask_url
 
 log = get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""Training and prefill on streams of their own (`shared.model.streams`): on the CPU nothing
+"""Training and prefill on streams of their own (`shared.model.lanes`): on the CPU nothing
 changes; every trainer method that touches the device runs on training's lane; on a GPU training's
 stream outranks prefill's and prefill's blocks really run on its own."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from services.stage_worker.train.trainer import StageTrainer
+from shared.config.spec import parse_spec
 from shared.model.data import ByteCorpus
 from shared.model.gpt import GPTConfig
+from shared.model.lanes import Lane, LaneClock, Urgency, stream_priority
 from shared.model.prefill import PrefillModel
-from shared.model.streams import Lane, LaneClock, Urgency, stream_priority
-from shared.spec.config import parse_spec
 
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
 SPEC = parse_spec(

@@ -3,15 +3,16 @@
 Every field, its default and its allowed range are documented in `docs/config.md`. A bad value
 fails at load time with a `ConfigError` that names the field (as a path such as
 ``datacenters[1].gpus``) and says what is allowed. Services get these objects passed in; nothing
-reads the file or the environment after start-up (see `shared.spec.settings` for the environment).
+reads the file or the environment after start-up (see `shared.config.settings` for the environment).
 
 Here: the spec itself (`ClusterSpec`), its WAN, serving and bus sections, and loading with the
 checks that span sections. The training sections (model, parallelism, training, device) are in
-`shared.spec.training`; the base, field types and clock marks every section uses in `shared.spec.fields`.
+`shared.config.training`; the base, field types and clock marks every section uses in `shared.config.fields`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -21,16 +22,13 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from shared.model.info import CheckpointError, info_from_config, read_config
-from shared.runtime.logs import get_logger
-from shared.spec.deprecated import DEPRECATED as DEPRECATED  # re-exported: where specs used to find them
-from shared.spec.deprecated import deprecated_fields as deprecated_fields
-from shared.spec.deprecated import spec_builtins as spec_builtins
-from shared.spec.fields import DEVICE, DEVICE_RATE, HOST, Millis, Name, Section
-from shared.spec.messages import validation_message
-from shared.spec.training import Device, ModelSpec, Parallelism, Training
+from shared.config.deprecated import deprecated_fields
+from shared.config.fields import DEVICE, DEVICE_RATE, HOST, Millis, Name, Section
+from shared.config.messages import validation_message
+from shared.config.model_info import CheckpointError, info_from_config, read_config
+from shared.config.training import Device, ModelSpec, Parallelism, Training
 
-log = get_logger(__name__)
+log = logging.getLogger(__name__)  # the standard logger: the config package sits below `shared.runtime`
 
 
 class ConfigError(ValueError):

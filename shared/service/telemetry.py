@@ -30,9 +30,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.control import keys
 from shared.runtime.auth import bearer_ok
 from shared.runtime.logs import get_logger
+from shared.wire import keys
 
 if TYPE_CHECKING:
     from shared.bus.consumer import Consumer

@@ -15,7 +15,7 @@ on training's lane, the gradients' copy for the all-reduce included
 (`StageTrainer.flat_grads_on_cpu`).
 
 On the CPU a lane has no stream: `scope` enters nothing and `wait` does nothing, so every CPU run
-computes exactly what it did before (tests/unit/test_streams.py pins it).
+computes exactly what it did before (tests/unit/test_lanes.py pins it).
 """
 
 from __future__ import annotations

@@ -7,14 +7,14 @@ Placement, activation size, layers and compute time per stage, the device profil
 
 from __future__ import annotations
 
-from shared.model.info import read_config, ties_embeddings
-from shared.model.shape import split_layers
+from shared.config.model_info import read_config, ties_embeddings
+from shared.config.spec import ClusterSpec
+from shared.model.shape import stage_layer_ranges
 from shared.policies.pipeline_model import PipelineInputs, PipelineResult
 from shared.policies.pipeline_run import simulate
-from shared.policies.placement import Placement, balanced_split, place, round_robin
+from shared.policies.placement import Placement, place, round_robin
 from shared.policies.walk import has_step_collectives
 from shared.policies.wan import LinkModel
-from shared.spec.config import ClusterSpec
 
 #: Bytes per activation element on the wire (float32).
 ACT_ELEMENT_BYTES = 4
@@ -36,18 +36,6 @@ def activation_bytes(spec: ClusterSpec) -> int:
     return spec.training.microbatch_size * spec.model.seq_len * spec.model.d_model * ACT_ELEMENT_BYTES
 
 
-def stage_layer_ranges(spec: ClusterSpec) -> list[tuple[int, int]]:
-    """Each stage's ``[start, end)`` layers, by `parallelism.split` (the cost stated in config.md)."""
-    m, stages = spec.model, spec.parallelism.pp
-    if spec.parallelism.split == "layers":
-        return split_layers(m.layers, stages)
-    layer = 12.0 * m.d_model * m.d_model
-    costs = [layer] * m.layers
-    costs[0] += m.vocab * m.d_model  # the embedding
-    costs[-1] += m.vocab * m.d_model  # the head (tied or not, it is a vocab x d_model matmul)
-    return balanced_split(costs, stages)
-
-
 def layers_per_stage(spec: ClusterSpec) -> list[int]:
     return [b - a for a, b in stage_layer_ranges(spec)]
 
@@ -56,14 +44,6 @@ def stage_times(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: fl
     """Forward and backward seconds per microbatch for each stage."""
     layers = layers_per_stage(spec)
     return [n * fwd_ms_per_layer / 1000 for n in layers], [n * bwd_ms_per_layer / 1000 for n in layers]
-
-
-def profile_ms(spec: ClusterSpec) -> tuple[float, float] | None:
-    """(forward, backward) ms per layer per microbatch from the device profile, or None."""
-    dev = spec.device
-    if dev.fwd_ms_per_layer is None:
-        return None
-    return dev.fwd_ms_per_layer, dev.bwd_ms_per_layer or 2 * dev.fwd_ms_per_layer
 
 
 def step_collectives(spec: ClusterSpec) -> bool:

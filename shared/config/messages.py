@@ -1,5 +1,5 @@
 """A spec's validation errors as a person reads them: the field first, then what it allows, or,
-for an unknown key, the one meant (`validation_message`, used by `shared.spec.config.parse_spec`)."""
+for an unknown key, the one meant (`validation_message`, used by `shared.config.spec.parse_spec`)."""
 
 from __future__ import annotations
 

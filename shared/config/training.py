@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
-from shared.spec.fields import DEVICE, HOST, Millis, Section
+from shared.config.fields import DEVICE, HOST, Millis, Section
 
 
 class ModelSpec(Section, frozen=True):
