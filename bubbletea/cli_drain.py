@@ -2,7 +2,7 @@
 `bubbletea slots`, what a datacenter's batch script needs to know of the run's slots.
 
 The worker finishes the iteration in progress (its step included), hands its queued prefill back,
-and gives its slot to a spare or a replacement (`services/stage_worker/leaving.py`); its peers take
+and gives its slot to a spare or a replacement (`services/stage_worker/membership/leaving.py`); its peers take
 it from there as from a lost worker, without rewinding (docs/architecture.md, "A lost worker"). A
 SIGTERM to the worker's process asks the same (an orchestrator evicting its pod); this command is
 for when you have no process to signal: the worker is on another host, or in a container.

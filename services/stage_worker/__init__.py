@@ -9,7 +9,7 @@ One training step, the main flow:
 1. `__main__.py:main` -> `worker.py:serve`: lease a slot (`SlotLease.acquire`), start health and metrics.
 2. `worker.py:_train`: build the stage (`_trainer`, `train/timing.py:profile_and_prior`, `_runner`,
    `port/stage_port.py:build_port`, with BubbleTea `_start_fill`).
-3. `membership.py:take_part`: join a generation, form the data plane, then `StageRunner.run_all`.
+3. `membership/take_part.py:take_part`: join a generation, form the data plane, then `StageRunner.run_all`.
 4. `train/runner.py:StageRunner._iteration`: walk the slot's schedule (`shared/policies/walk.py`).
 5. FWD / BWD: `train/trainer.py:StageTrainer.forward` / `.backward`, in the torch thread (`_compute`).
 6. SEND: `port/stage_port.py:StagePort.send` -> `port/transport.py:Transport.send` (data plane + `TensorReady`).

@@ -3,7 +3,7 @@
 If a peer's lease expires (its process died) and the run checkpoints (`training.checkpoint_every`),
 the run pauses: this worker drops the cut-short iteration, joins a new recovery generation, waits
 for a replacement to take the slot, restores the newest checkpoint every slot has and trains on
-from there (`membership.py` drives it through `recovery.py`'s protocol). Without checkpoints, or
+from there (`membership/take_part.py` drives it through `membership/generations.py`'s protocol). Without checkpoints, or
 when no replacement comes within `training.recovery_timeout_s`, it publishes `WorkerFailed` naming
 the slot and stops with an error instead of waiting forever for tensors that will never come.
 """
@@ -22,14 +22,14 @@ import torch
 from services.stage_worker import chaos
 from services.stage_worker.fill.announcer import GuestMemory
 from services.stage_worker.fill.executor import Filler
-from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
-from services.stage_worker.leaving import ASK_S, told_to_leave
-from services.stage_worker.membership import take_part
+from services.stage_worker.membership.generations import Generations
+from services.stage_worker.membership.lease import RunStopped, Slot, SlotError, SlotLease
+from services.stage_worker.membership.leaving import ASK_S, told_to_leave
+from services.stage_worker.membership.take_part import take_part
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port.mailbox import Mailbox
 from services.stage_worker.port.stage_port import StagePort, build_port
 from services.stage_worker.port.transport import plane_addresses
-from services.stage_worker.recovery import Generations
 from services.stage_worker.train.runner import StageRunner
 from services.stage_worker.train.timing import Profile, profile_and_prior
 from services.stage_worker.train.trainer import StageTrainer

@@ -206,8 +206,9 @@ ENV: tuple[EnvVar, ...] = (
         "BUBBLETEA_LEASE_LIVENESS",
         "`on` (default): a spare or a replacement takes a dead worker's slot once Redis has seen every connection of "
         "that worker close and it missed a lease renewal, in two looks a renewal apart, before its lease expires ([ar"
-        "chitecture.md](architecture.md#a-lost-worker-servicesstage_workerrecoverypy-membershippy-sharedpoliciesrecov"
-        "erypy)); `off`: only the lease's expiry (3 s) frees it. A Redis whose ACL refuses `CLIENT LIST`, or whose "
+        "chitecture.md](architecture.md#a-lost-worker-servicesstage_workermembershipgenerationspy-take_partpy-"
+        "sharedpoliciesrecoverypy)); `off`: only the lease's expiry (3 s) frees it. A Redis whose ACL refuses "
+        "`CLIENT LIST`, or whose "
         "`CLIENT LIST` does not show the worker's own connection (a proxy, a cluster), turns it off, with a warning",
         ev.on_off("BUBBLETEA_LEASE_LIVENESS"),
         ev.setting("lease_liveness"),

@@ -23,8 +23,8 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import Proc, spawn, stop_all
 from bubbletea.launcher.services import STAGE_WORKER
-from services.stage_worker.lease import Slot, SlotLease
-from services.stage_worker.recovery import Generations
+from services.stage_worker.membership.generations import Generations
+from services.stage_worker.membership.lease import Slot, SlotLease
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import keys
 from tests.e2e.serving import wait_until

@@ -22,7 +22,7 @@ import torch
 
 from services.stage_worker.fill.announcer import BubbleAnnouncer
 from services.stage_worker.fill.executor import Filler
-from services.stage_worker.lease import Slot
+from services.stage_worker.membership.lease import Slot
 from services.stage_worker.port import prefill as port_prefill
 from services.stage_worker.port.mailbox import Mailbox
 from services.stage_worker.port.outbox import Outbox

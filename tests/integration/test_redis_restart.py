@@ -14,8 +14,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
 from services.prefill_queue.app import create_app
-from services.stage_worker import lease as lease_mod
-from services.stage_worker.lease import SlotError, SlotLease
+from services.stage_worker.membership import lease as lease_mod
+from services.stage_worker.membership.lease import SlotError, SlotLease
 from services.wan_broker.broker import serve as serve_broker
 from shared.bus import Bus
 from shared.control.health import Heartbeat, live_instances, wait_live

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from services.stage_worker.lease import Slot, SlotError, SlotLease
+from services.stage_worker.membership.lease import Slot, SlotError, SlotLease
 from shared.wire import keys
 from shared.wire.status import LeaseState
 
@@ -168,7 +168,7 @@ async def test_a_holder_that_went_quiet_renews_before_it_handles_anything_and_le
     """`fence` is free while the last renewal is recent (no round trip); once it is older than
     FENCE_AFTER_S (the worker was stalled, or cut off), it renews first: a lease still its own is
     kept, one another worker took raises SlotError."""
-    from services.stage_worker.lease import FENCE_AFTER_S
+    from services.stage_worker.membership.lease import FENCE_AFTER_S
 
     a = SlotLease(redis, "fence", pp=1, dp=1, holder="a")
     await a.acquire()

@@ -91,7 +91,7 @@ def test_the_runner_the_filler_and_reporting_move_tensors_only_through_the_stage
         "services.stage_worker.port.transport.Transport",
         "services.stage_worker.port.state",
         "services.stage_worker.port.prefill.PrefillPort",
-        "services.stage_worker.recovery.CheckpointStore",
+        "services.stage_worker.membership.generations.CheckpointStore",
     }
     assembly = {"port/stage_port.py", "port/state.py", "port/prefill.py", "port/transport.py", "worker.py"}
     movers = ("train/runner.py", "fill/executor.py", "fill/reporting.py")

@@ -25,7 +25,7 @@ import torch
 
 from services.stage_worker.fill.executor import Filler
 from services.stage_worker.fill.guest_faults import DeviceLost
-from services.stage_worker.lease import Slot
+from services.stage_worker.membership.lease import Slot
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port.outbox import Outbox
 from services.stage_worker.telemetry import StageTelemetry

@@ -28,7 +28,7 @@ import torch
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from services.stage_worker.lease import Slot
+from services.stage_worker.membership.lease import Slot
 from services.stage_worker.port.mailbox import Mailbox
 from services.stage_worker.port.outbox import Outbox
 from services.stage_worker.port.prefill import ELSEWHERE, LOST, KvStored, PrefillPort, Saved, encode_snapshot

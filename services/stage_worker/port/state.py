@@ -29,7 +29,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from services.stage_worker.lease import Slot, SlotError
+from services.stage_worker.membership.lease import Slot, SlotError
 from shared.policies.recovery import superseded
 from shared.wire import keys
 

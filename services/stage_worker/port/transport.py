@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import torch
 
-from services.stage_worker.lease import Slot
+from services.stage_worker.membership.lease import Slot
 from services.stage_worker.port.mailbox import Mailbox
 from services.stage_worker.port.outbox import Outbox, wan_transfer
 from services.stage_worker.port.tensors import Direction, TensorKey

@@ -22,13 +22,13 @@ import torch
 
 from services.stage_worker.fill.announcer import BubbleAnnouncer
 from services.stage_worker.fill.executor import Filler
-from services.stage_worker.lease import Slot, SlotError
+from services.stage_worker.membership.lease import Slot, SlotError
+from services.stage_worker.membership.saving import hand_over_state, stop_requested
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port.mailbox import Mailbox
 from services.stage_worker.port.outbox import Outbox
 from services.stage_worker.port.stage_port import StagePort
 from services.stage_worker.port.tensors import Direction, IterationTensors, TensorKey
-from services.stage_worker.saving import hand_over_state, stop_requested
 from services.stage_worker.telemetry import StageTelemetry
 from services.stage_worker.train.timing import Profile
 from services.stage_worker.train.trainer import StageTrainer

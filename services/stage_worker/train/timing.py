@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.stage_worker.lease import Slot
+from services.stage_worker.membership.lease import Slot
 from services.stage_worker.train.trainer import StageTrainer
 from shared.config.spec import ClusterSpec
 from shared.config.timescale import profile_ms

@@ -1,6 +1,6 @@
 """A worker's part in its run: join, train, and after a lost peer join again and resume.
 
-The protocol is `recovery.py`'s (generations, the barrier, the resume point); this module drives
+The protocol is `generations.py`'s (generations, the barrier, the resume point); this module drives
 one worker through it with its lease, its inbox and its runner, until the run ends, it is told to
 stop, or a failure it cannot ride out (raised as `SlotError` naming the slot).
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
-from services.stage_worker.lease import SlotError, SlotLease
-from services.stage_worker.leaving import leave_at_boundary, leave_now
+from services.stage_worker.membership.generations import Generations
+from services.stage_worker.membership.lease import SlotError, SlotLease
+from services.stage_worker.membership.leaving import leave_at_boundary, leave_now
 from services.stage_worker.port.transport import FINISH_GRACE_S
-from services.stage_worker.recovery import Generations
 from services.stage_worker.train.runner import StageRunner
 from shared.bus import Consumer
 from shared.dataplane import PlaneError

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.stage_worker.lease import SlotLease
+from services.stage_worker.membership.lease import SlotLease
 from services.stage_worker.train.runner import StageRunner
 from shared.policies.recovery import still_leaving, whole_run_stops
 from shared.runtime.logs import get_logger

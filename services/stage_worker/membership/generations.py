@@ -11,7 +11,7 @@ again when it notices a lost peer (or that the generation moved on without it):
 2. **barrier**: it adds its slot to the generation's joined set and waits until every slot is there
    (so every lease is held by a live worker again). If the generation moves on meanwhile (another
    replacement arrived), it enters the newer one, and so it does if the move comes while it forms
-   the generation's data-plane groups (`membership.py`: the peers went on to the newer one, and the
+   the generation's data-plane groups (`take_part.py`: the peers went on to the newer one, and the
    old groups would never form). Two replacements arriving together cost one extra round, never a
    split: a worker only ever joins the current generation.
 3. **resume point**: each worker says, as it joins, which iteration it last stepped (the state it
@@ -35,7 +35,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from services.stage_worker.lease import Slot, SlotError
+from services.stage_worker.membership.lease import Slot, SlotError
 from shared.bus.connection import TRANSIENT_ERRORS, Outage, blocking_client
 from shared.policies.recovery import FROM_SCRATCH, Resume, Source, plan_resume
 from shared.runtime.logs import get_logger

@@ -1,0 +1,1 @@
+"""A worker's membership of its run (see take_part.py)."""
