@@ -34,7 +34,7 @@ async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_poi
     await asyncio.gather(*(g.enter(after_loss=False) for g in start))
     peers = start[:3]
     for g in peers:
-        g.current = 1
+        g.member.generation = 1  # they trained in generation 1
     await redis.set(f"bt:{run}:gen", 1)
     replacement = Generations(redis, run, SLOTS)
 

@@ -37,6 +37,7 @@ from redis.asyncio import Redis
 
 from services.stage_worker.membership.lease import Slot, SlotError
 from shared.bus.connection import TRANSIENT_ERRORS, Outage, blocking_client
+from shared.policies.membership_moves import Membership
 from shared.policies.recovery import FROM_SCRATCH, Resume, Source, plan_resume
 from shared.runtime.logs import get_logger
 from shared.wire import keys
@@ -60,23 +61,49 @@ MOVES_KEPT = 64
 
 
 class Generations:
-    def __init__(self, r: Redis, run: str, slots: Iterable[Slot], *, url: str | None = None, name: str = "") -> None:
+    def __init__(
+        self,
+        r: Redis,
+        run: str,
+        slots: Iterable[Slot],
+        *,
+        url: str | None = None,
+        name: str = "",
+        member: Membership | None = None,
+    ) -> None:
         self.r, self.run = r, run
         #: Where `moved` opens its blocking reader of the announced moves (None: it only looks).
         self.url, self.name = url, name
         self.all = list(slots)
         self.slots = [s.name for s in self.all]
-        #: The generation this worker trains in (0: not joined yet).
-        self.current = 0
-        #: The iteration this worker last stepped (what it says as it joins; -1: none).
-        self.stepped = FROM_SCRATCH
+        #: This worker's membership: the generation it trains in, what it last stepped.
+        self.member = member if member is not None else Membership()
+        #: Runs each time this worker enters a newer generation, before it says it joined: the one
+        #: reset of its runtime state (`take_part.py` sets it).
+        self.on_enter: Callable[[int], None] | None = None
+
+    @property
+    def current(self) -> int:
+        """The generation this worker trains in (0: not joined yet)."""
+        return self.member.generation
+
+    @property
+    def stepped(self) -> int:
+        """The iteration this worker last stepped (what it says as it joins; -1: none)."""
+        return self.member.stepped
+
+    def _enter_newer(self, gen: int) -> None:
+        """The one place this worker moves to a newer generation: its own or a replacement's."""
+        self.member.entered(gen)
+        if self.on_enter is not None:
+            self.on_enter(gen)
 
     async def read(self) -> int:
         return int(await self.r.get(keys.generation_key(self.run)) or 0)
 
     async def enter(self, *, after_loss: bool) -> int:
         """Join a new generation: INCR for a starting worker; after a loss, move on from the one we
-        trained in (or adopt a newer one). Sets `current` before anything else can see us join."""
+        trained in (or adopt a newer one). Enters it (`on_enter`) before anything else can see us join."""
         gen_key = keys.generation_key(self.run)
         if after_loss:
             gen = int(await self.r.eval(_MOVE_ON, 1, gen_key, self.current, keys.RUN_STATE_TTL_S))
@@ -85,7 +112,7 @@ class Generations:
                 pipe.incr(gen_key)
                 pipe.expire(gen_key, keys.RUN_STATE_TTL_S)
                 gen = int((await pipe.execute())[0])
-        self.current = gen
+        self._enter_newer(gen)
         await self._announce(gen)
         return gen
 
@@ -126,10 +153,9 @@ class Generations:
             if wake is not None:
                 await wake.aclose()
 
-    async def barrier(self, slot: Slot, timeout_s: float, on_enter: Callable[[int], None] | None = None) -> int:
-        """Wait until every slot joined the current generation (entering newer ones as they come);
-        returns it. `on_enter(gen)` runs each time we move to a newer one (to drop what we held).
-        Raises SlotError naming the slots still missing after `timeout_s`."""
+    async def barrier(self, slot: Slot, timeout_s: float) -> int:
+        """Wait until every slot joined the current generation (entering newer ones as they come,
+        `on_enter`); returns it. Raises SlotError naming the slots still missing after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         outage = Outage(f"recovery barrier of run {self.run}")
         joined_gen = 0
@@ -142,9 +168,7 @@ class Generations:
                 joined, newest = await self._look(self.current)
                 outage.ok()
                 if newest > self.current:  # a replacement began a newer generation: follow it
-                    self.current = newest
-                    if on_enter is not None:
-                        on_enter(newest)
+                    self._enter_newer(newest)
                     continue
                 missing = [s for s in self.slots if s not in joined]
                 if not missing:

@@ -247,7 +247,7 @@ class SlotLease:
 
     async def confirm(self) -> None:
         """Renew now, before this worker acts for its slot where a stale holder would do harm
-        (joining a generation: `membership.take_part._join`). SlotError if the lease is another's: a worker
+        (joining a generation: `joining.py:join`). SlotError if the lease is another's: a worker
         cut off from Redis (a partition, no FIN) whose slot a spare took learns of the move of the
         generation and of its lost lease together when the network heals, and `watch` may be in its
         backoff; without this it joined the new generation beside its replacement (issue 62,

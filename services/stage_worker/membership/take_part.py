@@ -1,28 +1,27 @@
 """A worker's part in its run: join, train, and after a lost peer join again and resume.
 
-The protocol is `generations.py`'s (generations, the barrier, the resume point); this module drives
-one worker through it with its lease, its inbox and its runner, until the run ends, it is told to
-stop, or a failure it cannot ride out (raised as `SlotError` naming the slot).
+The protocol is `generations.py`'s (generations, the barrier, the resume point); `joining.py` does
+one join. This module is the shell of `shared.policies.membership_moves`: it waits for the first
+event, asks the policy for the next move, logs it and executes it, until the run ends, the worker
+is told to stop or to leave, or a failure it cannot ride out (raised as `SlotError` naming the slot).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from functools import partial
+from typing import Any
 
 from services.stage_worker.membership.generations import Generations
+from services.stage_worker.membership.joining import first_of, join, reset_runtime
 from services.stage_worker.membership.lease import SlotError, SlotLease
 from services.stage_worker.membership.leaving import leave_at_boundary, leave_now
 from services.stage_worker.port.transport import FINISH_GRACE_S
 from services.stage_worker.train.runner import StageRunner
 from shared.bus import Consumer
-from shared.dataplane import PlaneError
-from shared.policies.recovery import FROM_SCRATCH, OWN_CHECKPOINT, Resume, Source, needs_state
+from shared.policies.membership_moves import FINAL, Decision, Event, Move, Phase, Seen, next_move
 from shared.runtime.logs import get_logger
-
-#: How long a worker waits for all its peers to lease their slots.
-START_TIMEOUT_S = 180.0
-#: What `_join` returns when the generation moved on while it formed: join again (never an iteration).
-REJOIN = -1
 
 log = get_logger(__name__)
 
@@ -39,98 +38,170 @@ async def take_part(
     """Join the run, train; after a lost peer, join again and resume, until the end or a stop. Told
     to `leave` (a drain: SIGTERM, `bubbletea drain`), finish the iteration in progress and hand the
     slot over, the run going on (`leaving.py`)."""
-    slot, tr = runner.slot, runner.spec.training
     leave = leave if leave is not None else asyncio.Event()
+    member = gens.member
+    gens.on_enter = partial(reset_runtime, runner)
     async with inbox:
-        stopping = asyncio.create_task(stop.wait(), name="stop")
-        crashed = asyncio.create_task(inbox.crashed.wait(), name="inbox")
-        leaving = asyncio.create_task(_first(leave, lease.drain), name="leave")
+        part = _Part(runner, inbox, lease, watch, gens, stop, leave)
         try:
-            after_loss = False
+            seen = await part.join()
             while True:
-                halt = asyncio.create_task(_first(stop, leave, lease.drain), name="halt")
-                try:
-                    start = await _join(runner, lease, watch, gens, halt, stop, after_loss=after_loss)
-                finally:
-                    halt.cancel()
-                if start == REJOIN:
-                    after_loss = True
-                    continue
-                if start is None:  # told to stop or leave while waiting for the peers (they may never come)
-                    if leaving.done():
-                        await leave_now(runner, lease, "before it trained in this generation")
-                        return
-                    log.info("stopped before training started", slot=slot.name)
-                    await lease.mark_stopped(f"slot {slot.name} was stopped before training started")
+                decision = next_move(member, seen, time.monotonic())
+                phase = member.phase
+                _log(runner, phase, member.generation, decision)
+                member.apply(decision)
+                if decision.move in FINAL:
+                    await part.end_training()
+                    await _end(part, decision, phase)
                     return
-                log.info("all slots held; training", slot=slot.name, iterations=tr.iterations, start=start)
-                train = asyncio.create_task(runner.run_all(start), name="train")
-                lost = asyncio.create_task(lease.peer_lost.wait(), name="lost")
-                # a run without checkpoints does not resume: only a lost lease ends it
-                watch_generation = gens.moved() if tr.recovers else asyncio.Event().wait()
-                moved = asyncio.create_task(watch_generation, name="moved")
-                waiting = {train, watch, stopping, crashed, lost, moved}
-                while True:
-                    done, _ = await asyncio.wait(waiting | {leaving}, return_when=asyncio.FIRST_COMPLETED)
-                    if leaving in done:  # at the next step boundary; the pipeline goes on till then
-                        runner.leaving = True
-                        log.info("asked to leave: finishing the iteration in progress", slot=slot.name)
-                        if runner.filler is not None:  # its prefill moves to workers that stay, now
-                            runner.filler.leave(f"slot {slot.name} is leaving the run (drained)")
-                        leaving = asyncio.create_task(_first(asyncio.Event()), name="left")  # said once
-                    if done & waiting:
-                        break
-                for t in (train, lost, moved):
-                    t.cancel()
-                await asyncio.gather(train, lost, moved, return_exceptions=True)
-                if train in done:
-                    train.result()  # re-raise a training error
-                    await _finish_sends(runner)
-                    await runner.outbox.close()
-                    if runner.left_after is not None:
-                        await leave_at_boundary(runner, lease, runner.left_after)
-                        return
-                    await lease.finish()
-                    log.info(
-                        "training finished",
-                        slot=slot.name,
-                        iterations=tr.iterations,
-                        over_predicted_bubbles=round(runner.predictor.over_predicted_share(), 3),
-                    )
-                    return
-                if watch in done:
-                    watch.result()  # raises SlotError naming the slot
-                if crashed in done:
-                    raise RuntimeError(f"inbox consumer crashed: {inbox.error!r}")
-                if stopping in done:
-                    log.info("stopped before the end of training", slot=slot.name, iteration=runner.iteration)
-                    await lease.mark_stopped(f"slot {slot.name} was stopped at iteration {runner.iteration}")
-                    return
-                if runner.leaving:  # a peer was lost meanwhile: no boundary to wait for
-                    await leave_now(runner, lease, f"while the run recovered at iteration {runner.iteration}")
-                    return
-                log.warning(
-                    "the run pauses to recover: iteration cut short",
-                    slot=slot.name,
-                    iteration=runner.iteration,
-                    generation=gens.current,
-                    why="a peer lost its worker" if lost in done else "a replacement joined the run",
-                )
-                after_loss = True
+                seen = await _go_on(part, decision, seen)
         finally:
-            for t in (stopping, crashed, leaving):
-                t.cancel()
+            await part.close()
             await runner.outbox.close()
 
 
-async def _first(*events: asyncio.Event) -> None:
-    """Until any of `events` is set."""
-    waits = [asyncio.create_task(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
+async def _go_on(part: _Part, decision: Decision, seen: Seen) -> Seen:
+    """Execute a move that the part goes on after; returns what ended the next wait."""
+    runner = part.runner
+    match decision.move:
+        case Move.JOIN:
+            await part.end_training()
+            return await part.join()
+        case Move.TRAIN:
+            part.train(decision.start)
+        case Move.FINISH_ITERATION:  # at the next step boundary; the pipeline goes on till then
+            runner.leaving = True
+            if runner.filler is not None:  # its prefill moves to workers that stay, now
+                runner.filler.leave(f"slot {runner.slot.name} is leaving the run (drained)")
+            part.said_leaving()
+            rest = seen.without({Event.TOLD_TO_LEAVE})
+            if rest.events:  # what came with it is decided next
+                return rest
+    return await part.first()
+
+
+async def _end(part: _Part, decision: Decision, phase: Phase) -> None:
+    """Execute a final move (`FINAL`): the training's tasks are over."""
+    runner, lease = part.runner, part.lease
+    slot = runner.slot.name
+    match decision.move:
+        case Move.FINISH | Move.HAND_OVER:
+            await _finish_sends(runner)
+            await runner.outbox.close()
+            if decision.left_after is not None:
+                await leave_at_boundary(runner, lease, decision.left_after)
+            else:
+                await lease.finish()
+        case Move.LEAVE_NOW:
+            when = f"while the run recovered at iteration {runner.iteration}"
+            await leave_now(runner, lease, "before it trained in this generation" if phase is Phase.JOINING else when)
+        case Move.STOP:
+            when = "before training started" if phase is Phase.JOINING else f"at iteration {runner.iteration}"
+            await lease.mark_stopped(f"slot {slot} was stopped {when}")
+        case Move.FAIL:
+            part.raise_failure(decision)
+
+
+class _Part:
+    """One worker's part: what the moves act on, and the tasks it races while it trains, each named
+    by the event its end means. The lease's watch, the stop, the inbox's crash and the leave last
+    the whole part (the leave until it is said once); the training, a peer's loss and the
+    generation's move last one generation's training."""
+
+    def __init__(
+        self,
+        runner: StageRunner,
+        inbox: Consumer,
+        lease: SlotLease,
+        watch: asyncio.Task[None],
+        gens: Generations,
+        stop: asyncio.Event,
+        leave: asyncio.Event,
+    ) -> None:
+        self.runner, self.inbox, self.lease, self.watch, self.gens = runner, inbox, lease, watch, gens
+        self.stop, self.leave = stop, leave
+        self.leaving = asyncio.create_task(first_of(leave, lease.drain), name="leave")
+        self.lasting: dict[asyncio.Task[Any], Event] = {
+            watch: Event.LEASE_LOST,
+            asyncio.create_task(stop.wait(), name="stop"): Event.STOPPED,
+            asyncio.create_task(inbox.crashed.wait(), name="inbox"): Event.INBOX_CRASHED,
+            self.leaving: Event.TOLD_TO_LEAVE,
+        }
+        self.training: dict[asyncio.Task[Any], Event] = {}
+        self.trainer: asyncio.Task[None] | None = None
+
+    async def join(self) -> Seen:
+        """Join a new generation (`joining.py:join`)."""
+        return await join(self.runner, self.lease, self.watch, self.gens, self.stop, self.leave)
+
+    def train(self, start: int) -> None:
+        """Train from iteration `start`, watching for a lost peer and a move of the generation."""
+        self.trainer = asyncio.create_task(self.runner.run_all(start), name="train")
+        # a run without checkpoints does not resume: only a lost lease ends it
+        moved = self.gens.moved() if self.runner.spec.training.recovers else asyncio.Event().wait()
+        self.training = {
+            self.trainer: Event.TRAINED,
+            asyncio.create_task(self.lease.peer_lost.wait(), name="lost"): Event.PEER_LOST,
+            asyncio.create_task(moved, name="moved"): Event.MOVED,
+        }
+
+    async def first(self) -> Seen:
+        """Every event found done when the first one is."""
+        waiting = {**self.lasting, **self.training}
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        events = {waiting[t] for t in done}
+        if self.trainer in done and self.trainer.exception() is not None:
+            events.discard(Event.TRAINED)
+            events.add(Event.TRAINING_FAILED)
+        return Seen(frozenset(events), left_after=self.runner.left_after)
+
+    def said_leaving(self) -> None:
+        """The leave is answered once: it no longer ends a wait."""
+        self.lasting.pop(self.leaving, None)
+
+    async def end_training(self) -> None:
+        """Cancel this generation's training (a cut-short iteration) and its watchers, and wait."""
+        tasks, self.training = list(self.training), {}
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def raise_failure(self, decision: Decision) -> None:
+        """Raise the failure a FAIL names: its task's own error, or the join's as a `SlotError`."""
+        match decision.cause:
+            case Event.TRAINING_FAILED if self.trainer is not None:
+                self.trainer.result()
+            case Event.LEASE_LOST:
+                self.watch.result()  # a lost lease or a peer stopped: SlotError naming the slot
+            case Event.INBOX_CRASHED:
+                raise RuntimeError(f"inbox consumer crashed: {self.inbox.error!r}")
+        raise SlotError(decision.error or f"slot {self.runner.slot.name}: {decision.why}")
+
+    async def close(self) -> None:
+        """Cancel what is still waited on (never the lease's watch: the worker's own) and wait."""
+        tasks = [t for t in (*self.lasting, self.leaving, *self.training) if t is not self.watch]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _log(runner: StageRunner, phase: Phase, generation: int, decision: Decision) -> None:
+    """One line per decision, its why as the message."""
+    tr = runner.spec.training
+    fields: dict[str, Any] = {"slot": runner.slot.name, **decision.fields(), "generation": generation}
+    if phase is Phase.TRAINING:
+        fields["iteration"] = runner.iteration
+    match decision.move:
+        case Move.TRAIN:
+            fields.update(iterations=tr.iterations, start=decision.start)
+        case Move.FINISH:
+            fields.update(
+                iterations=tr.iterations, over_predicted_bubbles=round(runner.predictor.over_predicted_share(), 3)
+            )
+        case Move.HAND_OVER:
+            fields["left_after"] = decision.left_after
+    warn = decision.move in (Move.FAIL, Move.JOIN)  # a failure, or a recovery
+    (log.warning if warn else log.info)(decision.why, **fields)
 
 
 async def _finish_sends(runner: StageRunner) -> None:
@@ -138,117 +209,3 @@ async def _finish_sends(runner: StageRunner) -> None:
     are out, so the peers downstream get their last tensors."""
     if runner.port is not None and not await runner.port.flush(FINISH_GRACE_S):
         log.warning("sends still under way at the end of training", slot=runner.slot.name, waited_s=FINISH_GRACE_S)
-
-
-async def _join(
-    runner: StageRunner,
-    lease: SlotLease,
-    watch: asyncio.Task[None],
-    gens: Generations,
-    stopping: asyncio.Task[None],
-    stop: asyncio.Event,
-    *,
-    after_loss: bool,
-) -> int | None:
-    """Join a new generation and wait for every slot; take the state it resumes from. Returns the
-    iteration to train from, or None if told to stop (or leave) meanwhile. `stopping`: a stop, a
-    leave or a drain (ends the wait for the slots); `stop`: the run's stop alone (ends the data
-    plane's formation too)."""
-    slot, tr = runner.slot, runner.spec.training
-
-    def enter(gen: int) -> None:  # before anything of the new generation can arrive
-        runner.mailbox.reset()
-        runner.enter_generation(gen)
-
-    lease.check_peers = False
-    await lease.confirm()  # a holder whose slot was taken meanwhile must not join (SlotError)
-    enter(await gens.enter(after_loss=after_loss))
-    # the state this worker holds, once the cut-short iteration's last operation is done
-    gens.stepped = await runner.in_torch_thread(lambda: runner.trainer.stepped)
-    runner.announce_joined()  # while the barrier waits for the others: its first batch gets staged
-    timeout = tr.recovery_timeout_s if after_loss else START_TIMEOUT_S
-    barrier = asyncio.create_task(gens.barrier(slot, timeout, on_enter=enter), name="barrier")
-    await asyncio.wait({barrier, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not barrier.done():
-        barrier.cancel()
-        await asyncio.gather(barrier, return_exceptions=True)
-        if watch.done():
-            watch.result()  # our own lease was lost: raises SlotError
-        return None  # told to stop
-    gen = barrier.result()
-    port = runner.port
-    if port is not None and port.transport is not None:  # this generation's groups, with every peer
-        # A stop of the run calls the formation off: the peers it waits for are stopping too. (Told
-        # to leave, it forms: its peers wait for its end of the groups, and it leaves a step later.)
-        # So does a move of the generation: a replacement that began the next one just as this
-        # barrier passed takes the peers there, and this generation's groups would never form (a
-        # worker waited the plane's whole timeout, then failed: issue 62). It joins the new one.
-        forming = asyncio.create_task(port.form(gen), name="form")
-        stopped = asyncio.create_task(stop.wait(), name="stopped")
-        moved = asyncio.create_task(gens.moved(), name="moved")
-        await asyncio.wait({forming, stopped, moved}, return_when=asyncio.FIRST_COMPLETED)
-        for t in (stopped, moved):
-            t.cancel()
-        await asyncio.gather(stopped, moved, return_exceptions=True)
-        if not forming.done():
-            forming.cancel()
-            await asyncio.gather(forming, return_exceptions=True)
-            if stop.is_set():
-                return None  # told to stop
-            log.warning(
-                "the run's generation moved on while its groups formed: joining it", slot=slot.name, generation=gen
-            )
-            return REJOIN
-        try:
-            forming.result()
-        except PlaneError as exc:
-            raise SlotError(f"slot {slot.name} could not join the data plane of generation {gen}: {exc}") from None
-    store = port if port is not None and port.checkpoints else None
-    plan = await gens.resume_point(store.checkpoint_iterations if store is not None else None)
-    saved = None
-    if (
-        plan.source is Source.SCRATCH and runner.resume_from is not None
-    ):  # `bubbletea train --resume`, no checkpoint yet
-        resume, saved = runner.resume_from
-        plan = Resume(resume, Source.CHECKPOINT)
-        if store is not None:  # a replacement (started without the save) and its peers resume from it too
-            await store.save_checkpoint(resume, saved)
-    if after_loss or plan.after != FROM_SCRATCH:
-        runner.report_cut_short(gens.stepped, plan)  # before the cut-short iteration's loss is dropped
-        await _take_state(runner, plan, saved, gens.stepped)
-    lease.peer_lost.clear()
-    lease.check_peers = True
-    log.info("joined the run", slot=slot.name, generation=gen, resume_after=plan.after, source=str(plan.source))
-    return plan.after + 1
-
-
-async def _take_state(runner: StageRunner, plan: Resume, saved: bytes | None, stepped: int) -> None:
-    """This worker's state for the generation's `plan`: kept (it holds the state the run resumes
-    from), handed over by a live peer of its stage over the data plane, or a checkpoint's (or the
-    initial weights); whatever a cut-short iteration left behind is dropped either way."""
-    slot, port, trainer = runner.slot, runner.port, runner.trainer
-    blob = saved
-    source = plan.source_of(slot.stage)
-    if plan.source is Source.PEERS and source == OWN_CHECKPOINT:  # no live peer has it: this slot's own file
-        assert port is not None and port.checkpoints
-        blob = await port.load_checkpoint(plan.after)
-    elif plan.source is Source.PEERS and source is not None:  # some worker of this stage lacks it
-        assert port is not None
-        mine = await runner.in_torch_thread(trainer.checkpoint) if slot.replica == source else None
-        try:
-            blob = await port.share_state(mine, source)
-        except PlaneError as exc:
-            raise SlotError(f"slot {slot.name} could not take its stage's state from replica {source}: {exc}") from None
-    elif plan.source is Source.CHECKPOINT and blob is None:
-        assert port is not None and port.checkpoints
-        blob = await port.load_checkpoint(plan.after)
-    if not needs_state(plan, slot.replica, slot.stage, stepped):
-        await runner.in_torch_thread(trainer.discard)  # it holds the state the run resumes from
-        return
-    try:
-        await runner.in_torch_thread(trainer.restore, blob, plan.after)
-    except (KeyError, RuntimeError, ValueError) as exc:
-        raise SlotError(
-            f"slot {slot.name} cannot restore the state of iteration {plan.after} of run {runner.run} "
-            f"({exc}); it was written for another spec: start a new run id (BUBBLETEA_RUN)"
-        ) from None
