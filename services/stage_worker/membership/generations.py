@@ -24,6 +24,8 @@ Tensors carry the generation they were sent in; a receiver drops another generat
 the run resumed; the broker may still deliver them). No stage can finish an iteration of the new
 generation before every stage has restored (its gradient depends on all of them), so no checkpoint
 is written between the barrier and the last restore.
+
+Tests: tests/integration/test_recovery_generations.py, tests/e2e/test_recovery_formation.py.
 """
 
 from __future__ import annotations

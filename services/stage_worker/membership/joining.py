@@ -6,6 +6,8 @@ the **commit point** (`_commit`): the plan becomes this worker's state (the cut-
 reported or dropped, the state kept, restored or taken from a peer) and its lease checks its peers
 again. A failure on the way is a value (`Event.JOIN_FAILED` with why), which `take_part.py`'s
 policy turns into a raise; nothing after a failure takes effect.
+
+Tests: tests/e2e/test_worker_recovery.py, test_recovery_formation.py, test_worker_failure.py.
 """
 
 from __future__ import annotations

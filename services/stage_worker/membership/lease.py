@@ -12,6 +12,8 @@ TTL) it takes the slot back with SET NX: nobody could take it while Redis was do
 by another worker on reconnect is lost (SlotError); so is every slot if Redis restarted without
 an append-only file (the run's tensors in flight are gone: the run fails, saying so). For
 `PEER_GRACE_S` after a reconnect the peers' leases are not checked, so they can re-take theirs.
+
+Tests: tests/integration/test_slot_lease.py, test_lease_liveness.py, test_redis_restart.py.
 """
 
 from __future__ import annotations

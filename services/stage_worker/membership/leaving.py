@@ -15,6 +15,8 @@ executor's `close`). Then:
   Its peers notice within a lease renewal and recover (docs/architecture.md, "A lost worker"): a
   spare or a replacement takes the slot and the stage's state from a live peer, or from that
   checkpoint; nothing is trained twice. The worker exits 0.
+
+Tests: tests/e2e/test_drain.py; the rules, tests/unit/test_recovery.py.
 """
 
 from __future__ import annotations

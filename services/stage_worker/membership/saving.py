@@ -3,6 +3,8 @@
 Every worker finishes the same iteration before a clean stop (the launcher names it in Redis), so
 the save holds one iteration; replica 0 of each stage hands its weights and trainer state over
 through the port, for the launcher to write the save directory.
+
+Tests: tests/e2e/test_train_save.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ The protocol is `generations.py`'s (generations, the barrier, the resume point);
 one join. This module is the shell of `shared.policies.membership_moves`: it waits for the first
 event, asks the policy for the next move, logs it and executes it, until the run ends, the worker
 is told to stop or to leave, or a failure it cannot ride out (raised as `SlotError` naming the slot).
+
+Tests: the policy, tests/unit/test_membership_moves.py; the shell, tests/e2e/test_worker_recovery.py,
+test_drain.py, test_worker_failure.py.
 """
 
 from __future__ import annotations
