@@ -90,11 +90,15 @@ async def test_a_live_holder_stalled_past_the_grace_with_its_connection_closed_k
         start = await redis.pttl(key)
         while await redis.pttl(key) <= start:  # noqa: ASYNC110 (a TTL: nothing to wait on) until it renews
             await asyncio.sleep(0.01)
+        renewed = asyncio.get_running_loop().time()
         proc.send_signal(signal.SIGSTOP)
         for c in await redis.client_list(_type="normal"):
             if c["name"] == holder_client_name("h4"):
                 await redis.client_kill_filter(_id=c["id"])
-        await asyncio.sleep(1.6)  # past a renewal interval and the grace: one look took it for gone
+        # Stopped 1.6 s from its renewal, past a renewal interval and the grace (one look took it for
+        # gone), counted from the renewal rather than after the kill: on a loaded host the kill's round
+        # trips would stretch the stall towards the spare's second look (2.3 s), which rightly frees it.
+        await asyncio.sleep(max(0.0, renewed + 1.6 - asyncio.get_running_loop().time()))
         proc.send_signal(signal.SIGCONT)
         await asyncio.sleep(2.0)  # it reconnects and renews; the spare looks on
         assert not waiting.done() and await redis.get(key) == b"h4"
