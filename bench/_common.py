@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import signal
 import sys
@@ -64,12 +63,6 @@ def stop_child(proc: BaseProcess, wait_s: float = 10.0) -> None:
     if proc.is_alive():
         proc.kill()
         proc.join()
-
-
-def p99(values: list[float]) -> float:
-    """The nearest-rank 99th percentile."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def verdict(problems: list[str], ok: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import _churn_figures as figs
 import chaos
 
 from shared.control import keys
+from shared.figures.percentiles import percentile
 from shared.wire import FIELD, PrefillBatch, decode
 
 
@@ -95,7 +96,7 @@ def figures(
         backs = [figs.recovered_in(figs.back_after(r["at"], r["generation"], joined, slots)) for r in records]
         out["recovered"] = sum(b != float("inf") for b in backs)
         for p in (50, 99):
-            out[f"back_p{p}_s"] = figs.rounded(figs.percentile(backs, p))
+            out[f"back_p{p}_s"] = figs.rounded(percentile(backs, p))
         out["back_max_s"] = figs.rounded(max(backs, default=None))
     return out
 

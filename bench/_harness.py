@@ -33,8 +33,9 @@ from shared.figures.bubblestats import (
     recomputed_share,
     report_latencies_ms,
 )
+from shared.figures.percentiles import percentile
 from shared.figures.requests import requests_lost, slo_attainment, ttft_ms
-from shared.figures.runstats import Span, percentile, prefill_lag_share, utilization
+from shared.figures.runstats import Span, prefill_lag_share, utilization
 from shared.figures.training import slowdown_pct, steady_mean_s, steady_quantile_s
 from shared.wire import ControlSeen
 

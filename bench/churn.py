@@ -67,6 +67,7 @@ import chaos  # noqa: E402
 from bubbletea.launcher.load import run_loadgen  # noqa: E402
 from shared.bus.connection import TRANSIENT_ERRORS as REDIS_ERRORS  # noqa: E402
 from shared.control import keys  # noqa: E402
+from shared.figures.percentiles import percentile  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from shared.spec.config import load_spec  # noqa: E402
 
@@ -232,7 +233,7 @@ class Arm:
             "faults_by_kind": {k: sum(f["kind"] == k for f in self.faults) for k in {f["kind"] for f in self.faults}},
             "survived": sum(b is not None for b in back) + sum("back_at" in f for f in control_faults),
             "back_p50_s": figs.rounded(figs.median(backs)),
-            "back_p99_s": figs.rounded(figs.percentile(backs, 99)),
+            "back_p99_s": figs.rounded(percentile(backs, 99)),
             "back_max_s": figs.rounded(max(backs, default=None)),
             "control_back_max_s": figs.rounded(max(control, default=None)),
             "useful_iterations": trained["useful_iterations"],

@@ -52,7 +52,7 @@ from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import DISPATCHER
 from shared.control import keys
 from shared.control.health import HEARTBEAT_INTERVAL_S
-from shared.figures.runstats import percentile
+from shared.figures.percentiles import percentile
 from shared.runtime.redis_server import EmbeddedRedis
 
 #: The GPU check's offered load (bench/gpu_check.py, one H100, 2026-11-28: 80% of its bubbles).

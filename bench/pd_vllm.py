@@ -86,7 +86,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import _cpu, _pd_sweep, _vllm  # noqa: E402
 from bench._pd_load import Outcome, arm, arrivals, one, prompts  # noqa: E402
-from shared.figures.runstats import percentile  # noqa: E402
+from shared.figures.percentiles import percentile  # noqa: E402
 
 ARMS = ("vllm_alone", "bubbletea_vllm")
 #: Warm-up requests per arm before the first pair (uncounted): vLLM's first steps, the front

@@ -48,6 +48,7 @@ from redis.asyncio import Redis  # noqa: E402
 from bubbletea.launcher.procs import Proc, spawn, stop_all  # noqa: E402
 from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER  # noqa: E402
 from shared.control import keys  # noqa: E402
+from shared.figures.percentiles import percentile  # noqa: E402
 from shared.policies.lease_liveness import SETTLE_S  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis  # noqa: E402
 from shared.spec.config import load_spec  # noqa: E402
@@ -173,7 +174,7 @@ def figures(kills: list[dict[str, Any]], joined: dict[int, list[float]], slots: 
     }
     for label, values in (("taken", taken), ("back", back)):
         for p in (50, 99):
-            out[f"{label}_p{p}_s"] = figs.rounded(figs.percentile(values, p))
+            out[f"{label}_p{p}_s"] = figs.rounded(percentile(values, p))
         out[f"{label}_max_s"] = figs.rounded(max(values, default=None))
     return out
 

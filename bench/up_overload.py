@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from loadgen.cli import run_benchmark, run_loop  # noqa: E402
 from loadgen.config import BenchmarkConfig  # noqa: E402
-from shared.figures.runstats import percentile  # noqa: E402
+from shared.figures.percentiles import percentile  # noqa: E402
 
 #: What `bubbletea up` states when the spec names no objective (bubbletea/cli_up.py).
 OBJECTIVE_DEVICE_MS = 500.0
