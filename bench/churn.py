@@ -24,7 +24,7 @@ Figures (one JSON line last; every fault and every request sent counts):
   restart arm; a fault never recovered counts, as infinite: "inf"), `control_back_max_s` (a control
   service's kill to `up` saying it is healthy again, Redis's to serving again),
   `useful_iterations` (iterations every stage of some replica stepped, each counted once:
-  `_churn_figures`) and `useful_per_hour`,
+  `churn_figures`) and `useful_per_hour`,
   `redone_iterations`, `losses_equal` (every replica's loss against single-process training of the
   spec the run trained), `slo_attainment` of the requests sent, `requests_lost` (no answer within
   the load generator's timeout);
@@ -60,10 +60,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import _churn_figures as figs  # noqa: E402
-import _common  # noqa: E402
 import chaos  # noqa: E402
 
+from bench.lib import churn_figures as figs  # noqa: E402
+from bench.lib.arms import arms_of  # noqa: E402
 from bubbletea.launcher.load import run_loadgen  # noqa: E402
 from shared.bus.connection import TRANSIENT_ERRORS as REDIS_ERRORS  # noqa: E402
 from shared.control import keys  # noqa: E402
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.duration = 120.0
-    args.arms = _common.arms_of(p, args.arms, ARMS)
+    args.arms = arms_of(p, args.arms, ARMS)
     if args.duration <= 0 or args.mtbf <= 0 or (args.every is not None and args.every <= 0) or args.control_mtbf < 0:
         p.error("--duration, --mtbf and --every must be above 0, --control-mtbf at least 0")
     result = asyncio.run(bench(args))

@@ -31,13 +31,17 @@ import queue
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import _common
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
+
 import uvloop
-from _common import WARMUP, stderr
 from bubbletea_vllm.kvclient import KvClient as ConnectorClient
 
+from bench.lib.children import spawn_child, stop_child, stop_on_sigterm
+from bench.lib.output import emit, stderr, verdict
+from bench.lib.transfers import WARMUP
 from shared.bus import Bus
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.dataplane.kv_client import KvClient
@@ -78,7 +82,7 @@ async def run(repeat: int) -> dict[str, Any]:
     client = KvClient()
     async with EmbeddedRedis() as server, Bus(server.url) as bus:
         ready = mp.get_context("spawn").Queue()
-        proc = _common.spawn_child(holder_main, (ids, KV_CACHE_BYTES, ready), "kv-holder")
+        proc = spawn_child(holder_main, (ids, KV_CACHE_BYTES, ready), "kv-holder")
         try:
             try:
                 holder = await asyncio.to_thread(ready.get, True, 60)
@@ -102,7 +106,7 @@ async def run(repeat: int) -> dict[str, Any]:
                     redis_get.append(t2 - t1)
         finally:
             await client.close()
-            _common.stop_child(proc, 0)
+            stop_child(proc, 0)
     if client.connects != 1:
         problems.append(f"the fetcher opened {client.connects} connections to the holder, not 1")
     p50, p99 = statistics.median(plane) * 1000, _p99_ms(plane)
@@ -118,7 +122,7 @@ async def run(repeat: int) -> dict[str, Any]:
         "kv_connections": client.connects,
         "kv_fetch_connector_ms_p50": round(c50, 2),
         "kv_fetch_connector_ms_p99": round(c99, 2),
-        **_common.verdict(problems, f"all {len(ids)} fetches and GETs returned their exact bytes, on one connection"),
+        **verdict(problems, f"all {len(ids)} fetches and GETs returned their exact bytes, on one connection"),
     }
 
 
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat if args.repeat is not None else (20 if args.quick else 50)
     if repeat < 1:
         ap.error("--repeat must be at least 1")
-    _common.stop_on_sigterm()
+    stop_on_sigterm()
     started = time.perf_counter()
     try:
         result = {"bench": "transport_kv", **asyncio.run(run(repeat))}
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         stderr("interrupted: holder and redis-server stopped")
         return 130
     result.update(repeat=repeat, warmup=WARMUP, quick=args.quick, seconds=round(time.perf_counter() - started, 1))
-    _common.emit(result)
+    emit(result)
     return 0
 
 

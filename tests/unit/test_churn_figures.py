@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import _churn_figures as figs
+from bench.lib import churn_figures as figs
 from shared.figures.percentiles import percentile
 from shared.wire import IterationDone
 

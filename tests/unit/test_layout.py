@@ -303,8 +303,8 @@ LONG_FUNCTIONS: dict[str, str] = {
     "bench/chaos.py::chaos": "one chaos run's set-up, faults and checks in order",
     "bench/soak.py::main": "its arguments, then one soak run in order",
     "bench/takeover.py::arm": "one arm's processes started, killed and measured in order",
-    "bench/_harness.py::summarise": "one case's figures, one line each",
-    "bench/_atlas_summary.py::summarize": "the JSON line's figures and targets, one line each",
+    "bench/lib/harness.py::summarise": "one case's figures, one line each",
+    "bench/lib/atlas_summary.py::summarize": "the JSON line's figures and targets, one line each",
 }
 
 

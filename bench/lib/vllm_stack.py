@@ -28,7 +28,7 @@ import yaml
 
 from bubbletea.launcher.procs import child_setup
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: The connector as vLLM's --kv-transfer-config names it (bubbletea_vllm.CONNECTOR, MODULE).
 KV_TRANSFER_CONFIG = {
     "kv_connector": "BubbleTeaConnector",

@@ -6,8 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from _common import verdict
-
+from bench.lib.output import verdict
 from shared.figures.percentiles import percentile
 from shared.figures.training import speedup
 from shared.policies.wan import BUS_HOP_S

@@ -14,7 +14,7 @@ from the claims (`valid`, `why`): the prefill compute kept up with its profile, 
 the same losses with BubbleTea on and off, every bubble the figures count had its dispatcher
 record. A claim of a run that is not valid is never called met (`targets_met`).
 
-A script in bench/ imports this as ``import _harness``; tests as ``from bench import _harness``.
+Scripts and tests import it as ``from bench.lib import harness``.
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import _churn_figures as figs
-import chaos
-
+from bench import chaos
+from bench.lib import churn_figures as figs
 from shared.control import keys
 from shared.figures.percentiles import percentile
 from shared.wire import FIELD, PrefillBatch, decode

@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from bench._pd_load import Outcome, arrivals, one, prompts
+from bench.lib.pd_load import Outcome, arrivals, one, prompts
 
 #: Offered loads (requests/s) of a default sweep: from light to past what the bubbles hold on two
 #: cores (about 8/s with the tiny Llama, docs/benchmarks.md) and into where vLLM alone falls behind.
@@ -71,7 +71,7 @@ def point(
             "sent_late_max_ms": figures.get("sent_late_max_ms"),
             "wall_s": figures.get("wall_s"),  # the arm's first sending to its last answer
             "host_load_1m": figures.get("host_load_1m"),
-            # where the machine's CPU went while the arm ran (bench/_cpu.py): the cores are shared
+            # where the machine's CPU went while the arm ran (bench/lib/cpu_time.py): the cores are shared
             **{k: figures.get(k) for k in ("machine_busy_share", "vllm_cpu_s", "bubbletea_cpu_s")},
         }
         if name == "bubbletea_vllm":
