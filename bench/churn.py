@@ -108,9 +108,16 @@ class Arm:
     async def start_up(self) -> None:
         cmd = (sys.executable, "-m", "bubbletea.cli", "up", "--config", str(self.args.config))
         proc = await asyncio.create_subprocess_exec(
-            *cmd, "--run", self.run, "--out", str(self.folder), env=self.env(), cwd=ROOT,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            *cmd,
+            "--run",
+            self.run,
+            "--out",
+            str(self.folder),
+            env=self.env(),
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         self.up = chaos.Up(proc)
         await self.up.wait_for(r"Ctrl-C stops everything", UP_TIMEOUT_S)
 
@@ -286,8 +293,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         args.duration, mtbf_s=args.mtbf, every_s=args.every, control_mtbf_s=args.control_mtbf, seed=args.seed
     )
     out = Path(tempfile.mkdtemp(prefix="bubbletea-churn-"))
-    print(f"churn: k = {k:g}, {rate:.2f} requests/s ({args.load:.0%} of capacity), {len(faults)} faults an arm; {out}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"churn: k = {k:g}, {rate:.2f} requests/s ({args.load:.0%} of capacity), {len(faults)} faults an arm; {out}",
+        file=sys.stderr,
+        flush=True,
+    )
     results: dict[str, dict[str, Any]] = {}
     for name in args.arms:
         arm = Arm(name, args, k, rate, out / name)
@@ -325,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtbf", type=float, default=30.0, help="mean seconds between stage-worker kills (default 30)")
     p.add_argument("--every", type=float, help="kill a stage worker every this many seconds exactly instead")
     p.add_argument(
-        "--control-mtbf", type=float, default=0.0,
+        "--control-mtbf",
+        type=float,
+        default=0.0,
         help="mean seconds between kills of the dispatcher, the front door and Redis, in turn (default 0: none)",
-    )  # fmt: skip
+    )
     p.add_argument("--drain", action="store_true", help="SIGTERM the workers (a drain) instead of SIGKILL")
     p.add_argument("--load", type=float, default=0.8, help="offered load, a share of the bubbles' capacity")
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="the TTFT objective, device ms (default 1000)")

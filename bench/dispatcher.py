@@ -215,9 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, metavar="N", help="one case only: N replicas (with --rate)")
     ap.add_argument("--rate", type=float, metavar="RPS", help="one case only: this many requests/s (with --replicas)")
     ap.add_argument(
-        "--injectors", type=int, default=2, metavar="N",
+        "--injectors",
+        type=int,
+        default=2,
+        metavar="N",
         help="injector processes for the saturating case (default 2; more on a machine with more cores)",
-    )  # fmt: skip
+    )
     args = ap.parse_args(argv)
     if (args.replicas is None) != (args.rate is None):
         ap.error("--replicas and --rate go together (one case)")

@@ -124,9 +124,14 @@ class Run:
         env.pop("BUBBLETEA_API_KEY", None)
         cmd = (sys.executable, "-m", "bubbletea.cli", "up", "--config", str(self.args.config), "--run", self.run)
         proc = await asyncio.create_subprocess_exec(
-            *cmd, "--out", str(self.folder), env=env, cwd=ROOT,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            *cmd,
+            "--out",
+            str(self.folder),
+            env=env,
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         self.up = chaos.Up(proc)
         await self.up.wait_for(r"Ctrl-C stops everything", churn.UP_TIMEOUT_S)
         self.spec = load_spec(self.run_folder / "spec.yaml")  # what up gave its services

@@ -214,9 +214,13 @@ HISTOGRAMS = {  # (where, name) -> the per-pair key: means over one arm, host re
 
 
 async def run_arm(
-    http: aiohttp.ClientSession, name: str, urls: dict[str, str], times: list[float], ps: list[list[int]],
+    http: aiohttp.ClientSession,
+    name: str,
+    urls: dict[str, str],
+    times: list[float],
+    ps: list[list[int]],
     args: argparse.Namespace,
-) -> tuple[list[Outcome], dict[str, Any]]:  # fmt: skip
+) -> tuple[list[Outcome], dict[str, Any]]:
     """One arm, with vLLM's prompt-token counters and the services' histograms read around it."""
     vllm = urls["vllm"]
     target = vllm if name == ARMS[0] else urls["front"]
@@ -288,11 +292,15 @@ def table(res: dict[str, Any]) -> str:
     got = [f"{x['answered']}/{x['sent']}" for x in (a, b)]
     rows.append(f"{'answered / sent':<22} {got[0]:>12} {got[1]:>15}")
     rows.append(f"{'failed':<22} {json.dumps(a['failed']):>12} {json.dumps(b['failed']):>15}")
-    rows.append(f"prefill tokens off vLLM: {res['prefill_tokens_off_vllm_share']} of those sent; vLLM computed "
-                f"{res['vllm_local_compute_per_request']} prompt token(s) a request "
-                f"(alone: {res['vllm_alone_local_share']} of them)")  # fmt: skip
-    rows.append(f"bubbletea: waited {res['bubble_queue_mean_ms']} ms for a bubble, prefilled in "
-                f"{res['bubble_prefill_mean_ms']} ms (means, host ms); time scale k = {res['time_scale']}")  # fmt: skip
+    rows.append(
+        f"prefill tokens off vLLM: {res['prefill_tokens_off_vllm_share']} of those sent; vLLM computed "
+        f"{res['vllm_local_compute_per_request']} prompt token(s) a request "
+        f"(alone: {res['vllm_alone_local_share']} of them)"
+    )
+    rows.append(
+        f"bubbletea: waited {res['bubble_queue_mean_ms']} ms for a bubble, prefilled in "
+        f"{res['bubble_prefill_mean_ms']} ms (means, host ms); time scale k = {res['time_scale']}"
+    )
     return "\n".join(rows)
 
 
@@ -346,14 +354,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16, metavar="N", help="output tokens a request; default 16")
     ap.add_argument("--seed", type=int, default=2026, help="the arrivals' and prompts' seed; default 2026")
     ap.add_argument(
-        "--request-timeout", type=float, default=120.0, metavar="S",
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
         help="a request unanswered after S seconds counts as failed (timeout); default 120",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--model", metavar="DIR",
+        "--model",
+        metavar="DIR",
         help="an HF Llama-family checkpoint directory for both vLLM and the bubbles "
         "(default: a tiny seeded Llama made in a temporary directory)",
-    )  # fmt: skip
+    )
     ap.add_argument("--keep", metavar="DIR", help="run in DIR and keep the logs (vllm.log, up/up.log) there")
     pd_sweep.add_arguments(ap)
     args = ap.parse_args(argv)
@@ -369,8 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--max-tokens must be at least 2 (time per output token needs a second token)")
     python = vllm_stack.vllm_python()
     if python is None:
-        _say("pd_vllm: skipped: vLLM's environment is missing (`make vllm` builds .venv-vllm; "
-             "or set BUBBLETEA_VLLM_PYTHON to its python)")  # fmt: skip
+        _say(
+            "pd_vllm: skipped: vLLM's environment is missing (`make vllm` builds .venv-vllm; "
+            "or set BUBBLETEA_VLLM_PYTHON to its python)"
+        )
         return 2
     signal.signal(signal.SIGTERM, _terminate)
     # Ctrl-C stops everything, also when this was started with SIGINT ignored (in the background of a
