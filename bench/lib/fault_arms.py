@@ -19,9 +19,9 @@ import time
 from typing import Any, Protocol
 
 from bubbletea.launcher.procs import Proc
-from shared.control import keys, serving
-from shared.spec.config import ClusterSpec
-from shared.wire import FIELD, BubbleStart, decode
+from shared.config.spec import ClusterSpec
+from shared.control import serving
+from shared.wire import FIELD, BubbleStart, decode, keys
 
 #: After a fault the run must have gone on without a recovery for this long to count as kept.
 CHECK_AFTER_S = 6.0

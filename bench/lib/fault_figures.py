@@ -8,9 +8,8 @@ from typing import Any
 
 from bench import chaos
 from bench.lib import churn_figures as figs
-from shared.control import keys
 from shared.figures.percentiles import percentile
-from shared.wire import FIELD, PrefillBatch, decode
+from shared.wire import FIELD, PrefillBatch, decode, keys
 
 
 def duplicates(url: str, run: str, spec: Any) -> dict[str, int]:

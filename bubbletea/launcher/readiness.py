@@ -18,9 +18,9 @@ import aiohttp
 
 from bubbletea.launcher.procs import Proc, ServiceFailed, wait_http_healthy
 from shared.bus import Bus
+from shared.config.settings import Settings
 from shared.control.health import live_instances
-from shared.control.status import ServingState
-from shared.spec.settings import Settings
+from shared.wire.status import ServingState
 
 #: How long every service gets to report healthy, and then serving to be ready.
 HEALTHY_TIMEOUT_S = 90.0

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
-from shared.control import keys
 from shared.control.leases import ClientListRefused, look_at_holders, release_if_held_by, slot_end, slot_name
-from shared.control.status import LeaseState
 from shared.policies.lease_liveness import HolderWatch
 from shared.runtime.logs import get_logger
+from shared.wire import keys
+from shared.wire.status import LeaseState
 
 log = get_logger(__name__)
 

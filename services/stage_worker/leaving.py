@@ -23,10 +23,10 @@ import asyncio
 import time
 
 from services.stage_worker.lease import SlotLease
-from services.stage_worker.runner import StageRunner
-from shared.control import keys
+from services.stage_worker.train.runner import StageRunner
 from shared.policies.recovery import still_leaving, whole_run_stops
 from shared.runtime.logs import get_logger
+from shared.wire import keys
 
 log = get_logger(__name__)
 

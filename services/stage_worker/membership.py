@@ -11,9 +11,9 @@ import asyncio
 
 from services.stage_worker.lease import SlotError, SlotLease
 from services.stage_worker.leaving import leave_at_boundary, leave_now
+from services.stage_worker.port.transport import FINISH_GRACE_S
 from services.stage_worker.recovery import Generations
-from services.stage_worker.runner import StageRunner
-from services.stage_worker.transport import FINISH_GRACE_S
+from services.stage_worker.train.runner import StageRunner
 from shared.bus import Consumer
 from shared.dataplane import PlaneError
 from shared.policies.recovery import FROM_SCRATCH, OWN_CHECKPOINT, Resume, Source, needs_state

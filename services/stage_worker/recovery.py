@@ -37,9 +37,9 @@ from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotError
 from shared.bus.connection import TRANSIENT_ERRORS, Outage, blocking_client
-from shared.control import keys
 from shared.policies.recovery import FROM_SCRATCH, Resume, Source, plan_resume
 from shared.runtime.logs import get_logger
+from shared.wire import keys
 
 log = get_logger(__name__)
 

@@ -12,10 +12,10 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from services.stage_worker.port import StagePort
-from services.stage_worker.trainer import StageTrainer
-from shared.control import keys
+from services.stage_worker.port.stage_port import StagePort
+from services.stage_worker.train.trainer import StageTrainer
 from shared.runtime.logs import get_logger
+from shared.wire import keys
 
 log = get_logger(__name__)
 

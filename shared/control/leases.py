@@ -14,10 +14,10 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared.control import keys
-from shared.control.status import LeaseState
 from shared.policies.lease_liveness import HolderSeen
 from shared.policies.readiness import SlotView
+from shared.wire import keys
+from shared.wire.status import LeaseState
 
 
 def slot_name(replica: int, stage: int) -> str:

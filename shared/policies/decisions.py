@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from shared.control.status import FailureReason
+from shared.wire.status import FailureReason
 
 
 class Trigger(enum.StrEnum):

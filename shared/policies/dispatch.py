@@ -65,7 +65,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shared.control.status import FailureReason
+from shared.config.spec import BubbleTea
 from shared.policies.admission import BEST_HALF_LIFE_S, Admission
 from shared.policies.decisions import Decisions, Finished, Ignored, LostBatch, Spent, Trigger
 from shared.policies.dispatch_fill import Filling
@@ -90,7 +90,7 @@ from shared.policies.dispatch_leaving import Leaving
 from shared.policies.fill import HOLD_STAGED_S
 from shared.policies.packing import WaitingQueue
 from shared.policies.prefill_cost import PrefillCostModel
-from shared.spec.config import BubbleTea
+from shared.wire.status import FailureReason
 
 
 @dataclass

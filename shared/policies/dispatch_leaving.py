@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.control.status import FailureReason
 from shared.policies import prompt_placement as placement
 from shared.policies.admission import Admission
 from shared.policies.decisions import Failure
 from shared.policies.dispatch_inputs import Counts, Credit, Request
 from shared.policies.packing import WaitingQueue
+from shared.wire.status import FailureReason
 
 
 class Leaving:

@@ -56,7 +56,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.control.status import LeaseState, ServingState
+from shared.wire.status import LeaseState, ServingState
 
 #: How long a client is told to wait before retrying (`Retry-After`), per state: a starting run is
 #: serving within an iteration or two; a stalled or lost one needs an operator or a restart.

@@ -13,8 +13,8 @@ from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotLease
 from shared.bus.connection import command_client
-from shared.control import keys
 from shared.control.leases import holder_client_name
+from shared.wire import keys
 
 #: A stage worker's lease, alone: its connections named for the holder, renewed every second.
 HOLDER = """

@@ -22,9 +22,8 @@ from services.prefill_queue.app import create_app
 from services.stage_worker.lease import SlotLease
 from services.stage_worker.recovery import Generations
 from shared.bus import Bus
-from shared.control import keys
-from shared.spec.settings import Settings, load_settings
-from shared.wire import BubbleEnd, BubbleStart
+from shared.config.settings import Settings, load_settings
+from shared.wire import BubbleEnd, BubbleStart, keys
 
 RUN = "ready-test"
 

@@ -10,10 +10,10 @@ import pytest
 from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotError
-from services.stage_worker.port_state import CheckpointStore
+from services.stage_worker.port.state import CheckpointStore
 from services.stage_worker.recovery import Generations
-from shared.control import keys
 from shared.policies.recovery import Resume, Source
+from shared.wire import keys
 
 SLOTS = [Slot(0, 0), Slot(0, 1), Slot(1, 0), Slot(1, 1)]
 

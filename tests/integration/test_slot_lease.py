@@ -8,8 +8,8 @@ import pytest
 from redis.asyncio import Redis
 
 from services.stage_worker.lease import Slot, SlotError, SlotLease
-from shared.control import keys
-from shared.control.status import LeaseState
+from shared.wire import keys
+from shared.wire.status import LeaseState
 
 
 async def test_every_slot_goes_to_exactly_one_worker(redis: Redis) -> None:
@@ -144,7 +144,7 @@ async def test_a_dead_workers_lease_is_released_by_its_supervisor_and_only_its_o
 
 
 async def test_a_drained_peer_is_noticed_at_once_and_its_slot_taken_by_a_spare(redis: Redis) -> None:
-    from shared.control.status import LeaseState
+    from shared.wire.status import LeaseState
 
     peer, leaver = SlotLease(redis, "drain", 1, 2, "p", recoverable=True), SlotLease(redis, "drain", 1, 2, "l")
     await peer.acquire()

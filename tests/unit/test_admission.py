@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from shared.control.status import FailureReason
 from shared.policies.admission import BEST_HALF_LIFE_S, MARGIN, Admission
 from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request
 from shared.policies.prefill_cost import PrefillCostModel
+from shared.wire.status import FailureReason
 
 
 def test_no_rate_until_a_whole_window_of_bubbles_was_seen() -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.control.status import FailureReason
+from shared.config.spec import BubbleTea
 from shared.policies.decisions import Batch, Decisions, Trigger
 from shared.policies.dispatch import (
     BATCH_GRACE_S,
@@ -24,7 +24,7 @@ from shared.policies.dispatch import (
 from shared.policies.fill import HOLD_STAGED_S, FillQueue
 from shared.policies.packing import Candidate, order_key
 from shared.policies.prefill_cost import PrefillCostModel
-from shared.spec.config import BubbleTea
+from shared.wire.status import FailureReason
 
 LAYERS = 4
 

@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from shared.control.status import FailureReason
 from shared.policies import prompt_placement as placement
 from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Request, WorkerReady
 from shared.policies.fill import moved_on_worker
@@ -22,6 +21,7 @@ from shared.policies.prompt_placement import (
     FrontDoorHops,
     Where,
 )
+from shared.wire.status import FailureReason
 
 
 @pytest.mark.parametrize("seed", range(5))
