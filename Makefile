@@ -128,9 +128,9 @@ test-stress: install
 demo: install
 	$(VENV)/bin/bubbletea demo
 
-# bench/_*.py are helpers, not benchmarks; bench/transport.py only runs the three bench/transport_*.py again
+# bench/lib/ holds the helpers, not benchmarks; bench/transport.py only runs the three bench/transport_*.py again
 bench: install
-	@for b in bench/[!_]*.py; do [ $$b = bench/transport.py ] && continue; \
+	@for b in bench/*.py; do [ $$b = bench/transport.py ] && continue; \
 	  if [ $$b = bench/pd_vllm.py ] && [ ! -x $(VLLM_VENV)/bin/python ]; then echo "== $$b: skipped (no vLLM environment: make vllm)"; continue; fi; \
 	  echo "== $$b"; $(PY) $$b --quick || exit 1; done
 

@@ -56,10 +56,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
+
 import uvloop
 import yaml
-from _atlas_summary import SCHEMA, summarize
 
+from bench.lib.atlas_summary import SCHEMA, summarize
 from bubbletea.launcher.kernel_wan import KernelWanError, default_wan_mode
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import WAN_BROKER

@@ -3,7 +3,7 @@ under an open-loop load at a stated share of the bubbles' capacity.
 
 Every run uses the same spec and seed (WAN-bound, with a training device profile:
 configs/wan-bound.yaml) over real services on a private redis-server. A pair is a run with
-BubbleTea off, then one with it on (`_harness.interleave`: off, on, off, on, ...). The off run
+BubbleTea off, then one with it on (`harness.interleave`: off, on, off, on, ...). The off run
 gives the **capacity**: the prompt tokens per second its bubbles could hold (its bubble seconds per
 second over every worker, over what a ~96-token prompt costs on the prefill profile;
 `bubblestats.capacity_tokens_per_s`). With BubbleTea on, the load generator (its own process) sends
@@ -26,7 +26,7 @@ Cases: DP=2 (four workers) and DP=1 (two), each in two modes:
     python bench/bubble_fill.py --quick --sweep # 50, 80, 100, 120% of capacity: a table and a picture
 
 Prints a table per case and one JSON line per case; the last line is always the headline case.
-Every key names its clock (`_harness`: ``_device_ms`` is device time, real ms / k; ``_ms`` alone
+Every key names its clock (`harness`: ``_device_ms`` is device time, real ms / k; ``_ms`` alone
 is host time). Every bubble and every request counts:
 
 * dispatch_p50_ms / dispatch_p99_ms: bubble start on the worker to its first prefill running, over
@@ -46,7 +46,7 @@ is host time). Every bubble and every request counts:
   recorded), apart from the claims; targets / targets_met: the issue's goals, met only if valid.
 
 Here: the cases, their pairs and goals, the sweep, the command line; one run (its spec, its load,
-what it recorded) is bench/_bubble_fill_run.py; the figures are `_harness.summarise`.
+what it recorded) is bench/lib/bubble_fill_run.py; the figures are `harness.summarise`.
 """
 
 from __future__ import annotations
@@ -61,13 +61,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _harness
-import _sim_fit
-import uvloop
-from _bubble_fill_run import ALL_MODES, MODES, PROMPT_TOKENS, bench_spec, one_run
-from _cpu_shares import by_service
-from _gpu_job import SIZES, Prepared, prepare
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
 
+import uvloop
+
+from bench.lib import harness, sim_fit
+from bench.lib.bubble_fill_run import ALL_MODES, MODES, PROMPT_TOKENS, bench_spec, one_run
+from bench.lib.cpu_shares import by_service
+from bench.lib.gpu_job import SIZES, Prepared, prepare
 from bubbletea.launcher.train import TrainResult
 from bubbletea.progress import StepBar, say
 from shared.config.env_values import PRIORITIES
@@ -96,7 +97,7 @@ async def run_case(
 ) -> dict[str, Any]:
     """`pairs` interleaved off/on runs of one case, the on runs offered `share` of the capacity
     their off run measured (at most `max_rate` requests per real second), summarised
-    (`_harness.summarise`)."""
+    (`harness.summarise`)."""
     kw: dict[str, Any] = {"iterations": iterations, "dp": dp, "mode": mode, "slo_device_ms": slo_device_ms}
     kw["dump"], kw["job"] = dump, job
     spec = parse_spec(bench_spec(enabled=True, iterations=1, dp=dp, mode=mode, job=job))
@@ -107,7 +108,7 @@ async def run_case(
         say(f"  dp={dp} {mode} load={share:.0%}: pair {i + 1}/{pairs}", sys.stderr)
         return await one_run(url, workdir, enabled=False, **kw)
 
-    async def on(i: int, got: tuple[TrainResult, dict[str, Any]]) -> _harness.Pair:
+    async def on(i: int, got: tuple[TrainResult, dict[str, Any]]) -> harness.Pair:
         result_off, off_t = got
         offered = offer(off_t["spans"], cost, model_info(spec.prefill).layers, tokens, share)
         rate = offered.rate_per_s if max_rate is None else min(offered.rate_per_s, max_rate)
@@ -117,7 +118,7 @@ async def run_case(
         # the run with BubbleTea off took from its launch
         result_on, on_t = await one_run(url, workdir, enabled=True, rate=rate, load_s=off_t["wall_s"], record=sim, **kw)
         last[:] = [result_off, off_t, result_on, on_t]
-        return _harness.Pair(
+        return harness.Pair(
             iteration_s_off=result_off.steady_iteration_s(),
             iteration_s_on=result_on.steady_iteration_s(),
             iterations_off=list(result_off.iteration_s),
@@ -134,12 +135,12 @@ async def run_case(
         )
 
     last: list[Any] = []  # the last pair's results and records (--sim)
-    done: list[_harness.Pair] = await _harness.interleave(pairs, off, on)
+    done: list[harness.Pair] = await harness.interleave(pairs, off, on)
     out = {"dp": dp, "mode": mode, "iterations": iterations, "offered_share": share}
-    out |= _harness.summarise(done, time_scale=k, slo_device_ms=slo_device_ms)
+    out |= harness.summarise(done, time_scale=k, slo_device_ms=slo_device_ms)
     if sim:
-        out |= await asyncio.to_thread(_sim_fit.compare_last, last, iterations)
-    out |= _harness.targets(out, GOALS[min(GOALS, key=lambda g: abs(g - share))])
+        out |= await asyncio.to_thread(sim_fit.compare_last, last, iterations)
+    out |= harness.targets(out, GOALS[min(GOALS, key=lambda g: abs(g - share))])
     out["cpu_share_by_service"] = by_service(p.cpu for p in done)
     return out
 
@@ -282,13 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--job",
         choices=sorted(SIZES),
-        help="--mode real only: train and serve the GPU check's Llama job of this size (bench/_gpu_job.py) "
+        help="--mode real only: train and serve the GPU check's Llama job of this size (bench/lib/gpu_job.py) "
         "with Azure-trace prompt lengths, instead of the small GPT and 96-token prompts",
     )
     ap.add_argument(
         "--sim",
         action="store_true",
-        help="after each case, simulate its last pair with device times fitted from it (bench/_sim_fit.py): "
+        help="after each case, simulate its last pair with device times fitted from it (bench/lib/sim_fit.py): "
         "sim_* keys, the simulator's relative error on iteration time, bubble fraction and fill",
     )
     ap.add_argument(

@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 
 from shared.bus import Bus, Delivery
 from shared.config.spec import BusConfig
+from shared.figures.percentiles import percentile
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import FIELD, Message, Ping, Pong, encode, keys
 
@@ -150,7 +151,9 @@ async def request_reply(bus: Bus, n: int) -> list[float]:
 
 
 def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=1000, method="inclusive")[int(q * 10) - 1]
+    value = percentile(xs, q)
+    assert value is not None, "no latency measured"
+    return value
 
 
 async def main(quick: bool) -> dict[str, float]:

@@ -24,7 +24,7 @@ Figures (one JSON line last; every fault and every request sent counts):
   restart arm; a fault never recovered counts, as infinite: "inf"), `control_back_max_s` (a control
   service's kill to `up` saying it is healthy again, Redis's to serving again),
   `useful_iterations` (iterations every stage of some replica stepped, each counted once:
-  `_churn_figures`) and `useful_per_hour`,
+  `churn_figures`) and `useful_per_hour`,
   `redone_iterations`, `losses_equal` (every replica's loss against single-process training of the
   spec the run trained), `slo_attainment` of the requests sent, `requests_lost` (no answer within
   the load generator's timeout);
@@ -60,13 +60,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import _churn_figures as figs  # noqa: E402
-import _common  # noqa: E402
 import chaos  # noqa: E402
 
+from bench.lib import churn_figures as figs  # noqa: E402
+from bench.lib.arms import arms_of  # noqa: E402
 from bubbletea.launcher.load import run_loadgen  # noqa: E402
 from shared.bus.connection import TRANSIENT_ERRORS as REDIS_ERRORS  # noqa: E402
 from shared.config.spec import load_spec  # noqa: E402
+from shared.figures.percentiles import percentile  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from shared.wire import keys  # noqa: E402
 
@@ -107,9 +108,16 @@ class Arm:
     async def start_up(self) -> None:
         cmd = (sys.executable, "-m", "bubbletea.cli", "up", "--config", str(self.args.config))
         proc = await asyncio.create_subprocess_exec(
-            *cmd, "--run", self.run, "--out", str(self.folder), env=self.env(), cwd=ROOT,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            *cmd,
+            "--run",
+            self.run,
+            "--out",
+            str(self.folder),
+            env=self.env(),
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         self.up = chaos.Up(proc)
         await self.up.wait_for(r"Ctrl-C stops everything", UP_TIMEOUT_S)
 
@@ -232,7 +240,7 @@ class Arm:
             "faults_by_kind": {k: sum(f["kind"] == k for f in self.faults) for k in {f["kind"] for f in self.faults}},
             "survived": sum(b is not None for b in back) + sum("back_at" in f for f in control_faults),
             "back_p50_s": figs.rounded(figs.median(backs)),
-            "back_p99_s": figs.rounded(figs.percentile(backs, 99)),
+            "back_p99_s": figs.rounded(percentile(backs, 99)),
             "back_max_s": figs.rounded(max(backs, default=None)),
             "control_back_max_s": figs.rounded(max(control, default=None)),
             "useful_iterations": trained["useful_iterations"],
@@ -285,8 +293,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         args.duration, mtbf_s=args.mtbf, every_s=args.every, control_mtbf_s=args.control_mtbf, seed=args.seed
     )
     out = Path(tempfile.mkdtemp(prefix="bubbletea-churn-"))
-    print(f"churn: k = {k:g}, {rate:.2f} requests/s ({args.load:.0%} of capacity), {len(faults)} faults an arm; {out}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"churn: k = {k:g}, {rate:.2f} requests/s ({args.load:.0%} of capacity), {len(faults)} faults an arm; {out}",
+        file=sys.stderr,
+        flush=True,
+    )
     results: dict[str, dict[str, Any]] = {}
     for name in args.arms:
         arm = Arm(name, args, k, rate, out / name)
@@ -324,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtbf", type=float, default=30.0, help="mean seconds between stage-worker kills (default 30)")
     p.add_argument("--every", type=float, help="kill a stage worker every this many seconds exactly instead")
     p.add_argument(
-        "--control-mtbf", type=float, default=0.0,
+        "--control-mtbf",
+        type=float,
+        default=0.0,
         help="mean seconds between kills of the dispatcher, the front door and Redis, in turn (default 0: none)",
-    )  # fmt: skip
+    )
     p.add_argument("--drain", action="store_true", help="SIGTERM the workers (a drain) instead of SIGKILL")
     p.add_argument("--load", type=float, default=0.8, help="offered load, a share of the bubbles' capacity")
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="the TTFT objective, device ms (default 1000)")
@@ -338,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.duration = 120.0
-    args.arms = _common.arms_of(p, args.arms, ARMS)
+    args.arms = arms_of(p, args.arms, ARMS)
     if args.duration <= 0 or args.mtbf <= 0 or (args.every is not None and args.every <= 0) or args.control_mtbf < 0:
         p.error("--duration, --mtbf and --every must be above 0, --control-mtbf at least 0")
     result = asyncio.run(bench(args))

@@ -1,6 +1,6 @@
 """The dispatcher's capacity: a real dispatcher process and a real redis-server, fed by emulated
-stage workers (bench/_dispatcher_workers.py: bubbles, batches taken, reports; no torch) and an
-open-loop injector process (bench/_inject.py; several for the saturating case) that accepts
+stage workers (bench/lib/emulated_workers.py: bubbles, batches taken, reports; no torch) and an
+open-loop injector process (bench/lib/injector.py; several for the saturating case) that accepts
 Poisson requests straight into Redis (the front door's own accept script: the front door is not
 what is measured here).
 
@@ -43,15 +43,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
+
 import uvloop
 import yaml
-from _dispatcher_workers import PROMPT_TOKENS, Emulated, Shape, hold_slots
 from redis.asyncio import Redis
 
+from bench.lib.emulated_workers import PROMPT_TOKENS, Emulated, Shape, hold_slots
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import DISPATCHER
 from shared.control.health import HEARTBEAT_INTERVAL_S
-from shared.figures.runstats import percentile
+from shared.figures.percentiles import percentile
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import keys
 
@@ -106,9 +108,9 @@ async def added(r: Redis, run: str) -> int | None:
 
 
 async def injectors(url: str, run: str, rate: float, seconds: float, reply_to: str, n: int) -> int:
-    """`n` injector processes at `rate / n` each for `seconds`, accepting for `run` (bench/_inject.py);
+    """`n` injector processes at `rate / n` each for `seconds`, accepting for `run` (bench/lib/injector.py);
     the requests sent."""
-    script = str(Path(__file__).with_name("_inject.py"))
+    script = str(Path(__file__).with_name("lib") / "injector.py")
     procs = []
     for i in range(n):
         args = (url, run, str(rate / n), str(seconds), reply_to, f"i{i}-", str(i + 1))
@@ -213,9 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, metavar="N", help="one case only: N replicas (with --rate)")
     ap.add_argument("--rate", type=float, metavar="RPS", help="one case only: this many requests/s (with --replicas)")
     ap.add_argument(
-        "--injectors", type=int, default=2, metavar="N",
+        "--injectors",
+        type=int,
+        default=2,
+        metavar="N",
         help="injector processes for the saturating case (default 2; more on a machine with more cores)",
-    )  # fmt: skip
+    )
     args = ap.parse_args(argv)
     if (args.replicas is None) != (args.rate is None):
         ap.error("--replicas and --rate go together (one case)")

@@ -5,7 +5,7 @@ Every arm is a fresh `bubbletea up` (the demo's spec unless `--config`, PP x DP 
 redis-server with an append-only file, with one spare stage worker of our own beside it (started
 as compose or Slurm start theirs: from Redis alone it learns of a slot to take), under the open-loop
 load at `--load` (0.8) of the bubbles' capacity: Poisson arrivals over real HTTP with a TTFT
-objective, as `bench/churn.py` sends them. The arms (`bench/_fault_arms.py`):
+objective, as `bench/churn.py` sends them. The arms (`bench/lib/fault_arms.py`):
 
 * `calm`: no fault, the reference every other arm's losses must equal exactly;
 * `stall-0.3s`, `stall-1s`: a slot holder SIGSTOPped, then SIGCONT: it must keep its slot and
@@ -51,15 +51,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import _churn_figures as figs  # noqa: E402
-import _common  # noqa: E402
-import _fault_arms  # noqa: E402
-import _fault_figures as ff  # noqa: E402
-import _lost_host  # noqa: E402
 import chaos  # noqa: E402
 import churn  # noqa: E402
 from redis.asyncio import Redis  # noqa: E402
 
+from bench.lib import churn_figures as figs  # noqa: E402
+from bench.lib import fault_arms, lost_host  # noqa: E402
+from bench.lib import fault_figures as ff  # noqa: E402
+from bench.lib.arms import arms_of  # noqa: E402
 from bubbletea.launcher.load import run_loadgen  # noqa: E402
 from bubbletea.launcher.procs import Proc, spawn, stop_all  # noqa: E402
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER  # noqa: E402
@@ -76,7 +75,7 @@ DEFAULT_EVERY_S = 20.0
 
 
 class Run:
-    """One arm's run: its Redis, its `up`, the processes we start beside it (`_fault_arms.Live`)."""
+    """One arm's run: its Redis, its `up`, the processes we start beside it (`fault_arms.Live`)."""
 
     def __init__(self, arm: str, args: argparse.Namespace, k: float, folder: Path) -> None:
         import random
@@ -91,7 +90,7 @@ class Run:
         self.rng = random.Random(args.seed)
         self.up: chaos.Up | None = None
         self.extras: list[Proc] = []
-        self.host: _lost_host.LostHost | None = None
+        self.host: lost_host.LostHost | None = None
         self._r: Redis | None = None
         self.stopped = False
         self.spec = load_spec(args.config)
@@ -111,7 +110,7 @@ class Run:
 
     async def open_host(self) -> None:
         """The lost host's namespace, and Redis listening on its link too (as the kernel WAN does)."""
-        self.host = await asyncio.to_thread(_lost_host.LostHost(0, uuid.uuid4().hex[:4]).build)
+        self.host = await asyncio.to_thread(lost_host.LostHost(0, uuid.uuid4().hex[:4]).build)
         await self.redis().config_set("bind", f"127.0.0.1 {self.host.root_address}")
         await self.redis().config_set("protected-mode", "no")  # the link reaches no other machine
 
@@ -125,9 +124,14 @@ class Run:
         env.pop("BUBBLETEA_API_KEY", None)
         cmd = (sys.executable, "-m", "bubbletea.cli", "up", "--config", str(self.args.config), "--run", self.run)
         proc = await asyncio.create_subprocess_exec(
-            *cmd, "--out", str(self.folder), env=env, cwd=ROOT,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            *cmd,
+            "--out",
+            str(self.folder),
+            env=env,
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         self.up = chaos.Up(proc)
         await self.up.wait_for(r"Ctrl-C stops everything", churn.UP_TIMEOUT_S)
         self.spec = load_spec(self.run_folder / "spec.yaml")  # what up gave its services
@@ -226,7 +230,7 @@ def every_s(name: str) -> float:
 
 
 async def run_arm(name: str, args: argparse.Namespace, k: float, rate: float, folder: Path) -> dict[str, Any]:
-    arm = _fault_arms.arms(None).get(name)
+    arm = fault_arms.arms(None).get(name)
     every = every_s(name)
     n = 0 if arm is None else args.faults
     # calm runs as long as the longest arm: every arm's iterations have a calm loss to equal
@@ -235,13 +239,13 @@ async def run_arm(name: str, args: argparse.Namespace, k: float, rate: float, fo
     live = Run(name, args, k, folder)
     records: list[dict[str, Any]] = []
     try:
-        if isinstance(arm, _fault_arms.LostHost):
+        if isinstance(arm, fault_arms.LostHost):
             await live.open_host()
             arm.host = live.host
         await live.start_up()
         if arm is None or arm.spare:
             spare = await live.start_worker("stage_worker-spare")
-            await _fault_arms.wait(
+            await fault_arms.wait(
                 lambda: any("spare ready" in ln for ln in spare.tail), 120, "the spare never got ready"
             )
         if arm is not None:
@@ -303,7 +307,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    names = ["calm", *_fault_arms.arms(None)]
+    names = ["calm", *fault_arms.arms(None)]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default=",".join(names), help=f"which arms, in order (default {','.join(names)})")
     p.add_argument("--faults", type=int, default=5, help="faults injected an arm (default 5)")
@@ -313,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, default=churn.DEFAULT_CONFIG, help="the spec up runs (default: the demo's)")
     p.add_argument("--seed", type=int, default=0, help="the faults' and the load's seed")
     args = p.parse_args(argv)
-    args.arms = _common.arms_of(p, args.arms, tuple(names))
+    args.arms = arms_of(p, args.arms, tuple(names))
     if args.faults < 1:
         p.error("--faults must be at least 1")
-    if "lost-host" in args.arms and (why := _lost_host.usable()):
+    if "lost-host" in args.arms and (why := lost_host.usable()):
         p.error(f"the lost-host arm cannot run here: {why}; leave it out of --arms")
     if "calm" in args.arms and args.arms[0] != "calm":
         p.error("calm must come first: the other arms' losses are compared with it")

@@ -103,8 +103,11 @@ def fuzz(base_url: str, cases: int, seed: int = 0) -> dict[str, Any]:
         for op in operations:
             t0 = time.perf_counter()
             _fuzz_operation(op, base_url, per_op, seed + passes, totals)
-            print(f"pass {passes} {op.method.upper()} {op.path}: {totals['cases']} cases so far, "
-                  f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)  # fmt: skip
+            print(
+                f"pass {passes} {op.method.upper()} {op.path}: {totals['cases']} cases so far, "
+                f"{time.perf_counter() - t0:.1f}s",
+                file=sys.stderr,
+            )
         passes += 1
     totals["passes"] = passes
     return totals
@@ -143,8 +146,9 @@ def _fuzz_operation(op: Any, base_url: str, examples: int, seed: int, totals: di
 
 def _example(totals: dict[str, Any], op: Any, case: Any, why: str) -> None:
     if len(totals["examples"]) < 10:
-        totals["examples"].append({"operation": f"{op.method.upper()} {op.path}", "body": repr(case.body)[:200],
-                                   "why": why})  # fmt: skip
+        totals["examples"].append(
+            {"operation": f"{op.method.upper()} {op.path}", "body": repr(case.body)[:200], "why": why}
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,18 +7,18 @@ measured capacity, uncapped unless `--max-rate` says so; the figures of `bench/b
 (every bubble, every request). It prints the device, the GPU share and the job first and one JSON
 line last, with them in it.
 
-* **The job** (`--job`, bench/_gpu_job.py): `full`, the default on a GPU: a Llama of hidden 1,024,
+* **The job** (`--job`, bench/lib/gpu_job.py): `full`, the default on a GPU: a Llama of hidden 1,024,
   8 layers a stage, 1,024-token sequences, trained with bf16 autocast and serving its own prefill,
   over a 25 Gb/s, 20 ms WAN, with prompt lengths from the Azure 2023 conversation trace; `tiny`,
   the default on a CPU: the same path, small (the smoke test); `small-gpt`: the 64-wide GPT and
   96-token prompts of `bench/bubble_fill.py`.
-* **A share of the GPU per worker** (`--gpu-share`, bench/_gpu_share.py): with more workers than
+* **A share of the GPU per worker** (`--gpu-share`, bench/lib/gpu_share.py): with more workers than
   GPUs, `mps` (the default there) starts a CUDA MPS control daemon of the check's own and caps each
   worker at its share of the SMs; `none` leaves them time-sliced. A machine where MPS cannot start
   says so and runs time-sliced.
 * `--dump DIR`: every run's spans and dispatcher records, and every bubble that had work and
   stayed empty with its predicted and actual length.
-* **The simulator on this device** (always; bench/_sim_fit.py): the device's times learned from the
+* **The simulator on this device** (always; bench/lib/sim_fit.py): the device's times learned from the
   last pair (training's blocks, step and all-reduce from its spans; a prefill block's fixed part and
   per-token part from its batch reports, in pieces as the workers ran them), the spec simulated with
   them, and its relative error against live on iteration time, bubble fraction and fill (`sim_*`).
@@ -39,9 +39,12 @@ import tempfile
 from contextlib import redirect_stdout
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
+
 import bubble_fill
-from _gpu_job import SIZES
-from _gpu_share import CHOICES, CONTROL, Mps, Share, choose
+
+from bench.lib.gpu_job import SIZES
+from bench.lib.gpu_share import CHOICES, CONTROL, Mps, Share, choose
 
 
 def device_line() -> dict[str, object]:

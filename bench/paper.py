@@ -12,7 +12,7 @@ Prints the table (the 5 Gb/s, 40 ms case), then the sweeps, writes the pictures 
     python bench/paper.py            # every sweep point, scale up to 4,096 GPUs (under a minute)
     python bench/paper.py --quick    # fewer points, scale up to 512 GPUs
 
-The cases it compares, simulated, and the DP-across-DCs baseline are in bench/_paper_cases.py; here
+The cases it compares, simulated, and the DP-across-DCs baseline are in bench/lib/paper_cases.py; here
 are the table, the sweeps and the pictures of docs/paper.md, in that page's order.
 """
 
@@ -37,7 +37,7 @@ from shared.policies.schedules import compute_bubble_fraction
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._paper_cases import (  # noqa: E402
+from bench.lib.paper_cases import (  # noqa: E402
     Case,
     dp_cases,
     load_raw,

@@ -1,8 +1,8 @@
 """vLLM alone against BubbleTea prefill with vLLM decode, at the same open-loop Poisson load.
 
-One vLLM server (CPU, float32, prefix caching off, with the BubbleTea KV connector: bench/_vllm.py)
+One vLLM server (CPU, float32, prefix caching off, with the BubbleTea KV connector: bench/lib/vllm_stack.py)
 and one `bubbletea up --decode vllm --vllm-url URL` in front of it (PP=2 x DP=2 training with a
-device profile, prefilling in its bubbles: `_vllm.serving_spec`). Two arms share that vLLM:
+device profile, prefilling in its bubbles: `vllm_stack.serving_spec`). Two arms share that vLLM:
 
 * ``vllm_alone``: POST vLLM's /v1/completions directly (vLLM prefills and decodes);
 * ``bubbletea_vllm``: POST the front door's /v1/completions (the prompt is prefilled in a training
@@ -49,7 +49,7 @@ prefill phase: in the bubbletea arm, loading the KV cache and computing one posi
 hop to vLLM and its first step); ``sent_late_max_ms`` (the load generator's worst lateness against
 the schedule) and ``host_load_1m`` (the machine's load average after the arm: the machine may be
 shared); ``machine_busy_share``, ``vllm_cpu_s`` and ``bubbletea_cpu_s``: where the CPU went while the
-arm ran (`bench/_cpu.py`; training runs in both arms, and without a GPU the bubbles share vLLM's cores).
+arm ran (`bench/lib/cpu_time.py`; training runs in both arms, and without a GPU the bubbles share vLLM's cores).
 
     python bench/pd_vllm.py --quick          # 20 s per arm, 1 pair (a few minutes, vLLM's start included)
     python bench/pd_vllm.py                  # 60 s per arm, 2 pairs
@@ -84,9 +84,9 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import _cpu, _pd_sweep, _vllm  # noqa: E402
-from bench._pd_load import Outcome, arm, arrivals, one, prompts  # noqa: E402
-from shared.figures.runstats import percentile  # noqa: E402
+from bench.lib import cpu_time, pd_sweep, vllm_stack  # noqa: E402
+from bench.lib.pd_load import Outcome, arm, arrivals, one, prompts  # noqa: E402
+from shared.figures.percentiles import percentile  # noqa: E402
 
 ARMS = ("vllm_alone", "bubbletea_vllm")
 #: Warm-up requests per arm before the first pair (uncounted): vLLM's first steps, the front
@@ -96,7 +96,7 @@ WARMUP = 3
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 #: The longest prompt the serving spec takes (`prefill.max_prompt_tokens`); vLLM's context is 512.
 MAX_PROMPT = 256
-#: The process trees this bench starts, by what their command line holds (`bench._cpu.used`).
+#: The process trees this bench starts, by what their command line holds (`bench.lib.cpu_time.used`).
 CPU_TREES = {"vllm": "vllm.entrypoints", "bubbletea": "bubbletea.cli"}
 
 
@@ -185,10 +185,10 @@ def result(
 
 async def _settled(http: aiohttp.ClientSession, url: str, name: str, **labels: str) -> float:
     """A counter once it stops moving (vLLM publishes its stats a step after a request ends)."""
-    last = await _vllm.metric(http, url, name, **labels)
+    last = await vllm_stack.metric(http, url, name, **labels)
     for _ in range(20):
         await asyncio.sleep(0.5)
-        now = await _vllm.metric(http, url, name, **labels)
+        now = await vllm_stack.metric(http, url, name, **labels)
         if now == last:
             return now
         last = now
@@ -196,13 +196,13 @@ async def _settled(http: aiohttp.ClientSession, url: str, name: str, **labels: s
 
 
 async def _mean_s(http: aiohttp.ClientSession, url: str, name: str, before: tuple[float, float]) -> float | None:
-    s = await _vllm.metric(http, url, name + "_sum") - before[0]
-    n = await _vllm.metric(http, url, name + "_count") - before[1]
+    s = await vllm_stack.metric(http, url, name + "_sum") - before[0]
+    n = await vllm_stack.metric(http, url, name + "_count") - before[1]
     return s / n if n else None
 
 
 async def _hist(http: aiohttp.ClientSession, url: str, name: str) -> tuple[float, float]:
-    return await _vllm.metric(http, url, name + "_sum"), await _vllm.metric(http, url, name + "_count")
+    return await vllm_stack.metric(http, url, name + "_sum"), await vllm_stack.metric(http, url, name + "_count")
 
 
 HISTOGRAMS = {  # (where, name) -> the per-pair key: means over one arm, host real ms
@@ -214,20 +214,24 @@ HISTOGRAMS = {  # (where, name) -> the per-pair key: means over one arm, host re
 
 
 async def run_arm(
-    http: aiohttp.ClientSession, name: str, urls: dict[str, str], times: list[float], ps: list[list[int]],
+    http: aiohttp.ClientSession,
+    name: str,
+    urls: dict[str, str],
+    times: list[float],
+    ps: list[list[int]],
     args: argparse.Namespace,
-) -> tuple[list[Outcome], dict[str, Any]]:  # fmt: skip
+) -> tuple[list[Outcome], dict[str, Any]]:
     """One arm, with vLLM's prompt-token counters and the services' histograms read around it."""
     vllm = urls["vllm"]
     target = vllm if name == ARMS[0] else urls["front"]
     ext0 = await _settled(http, vllm, BY_SOURCE, source="external_kv_transfer")
     loc0 = await _settled(http, vllm, BY_SOURCE, source="local_compute")
     hists = {key: await _hist(http, urls[where], h) for (where, h), key in HISTOGRAMS.items()}
-    cpu0 = _cpu.sample()
+    cpu0 = cpu_time.sample()
     t0 = time.perf_counter()
     outcomes, late = await arm(http, target, times, ps, args.max_tokens, args.request_timeout)
     wall = time.perf_counter() - t0
-    cpu = _cpu.used(cpu0, _cpu.sample(), CPU_TREES)
+    cpu = cpu_time.used(cpu0, cpu_time.sample(), CPU_TREES)
     ext = await _settled(http, vllm, BY_SOURCE, source="external_kv_transfer") - ext0
     loc = await _settled(http, vllm, BY_SOURCE, source="local_compute") - loc0
     figures: dict[str, Any] = {"wall_s": round(wall, 1), "sent_late_max_ms": _ms(late)}
@@ -288,11 +292,15 @@ def table(res: dict[str, Any]) -> str:
     got = [f"{x['answered']}/{x['sent']}" for x in (a, b)]
     rows.append(f"{'answered / sent':<22} {got[0]:>12} {got[1]:>15}")
     rows.append(f"{'failed':<22} {json.dumps(a['failed']):>12} {json.dumps(b['failed']):>15}")
-    rows.append(f"prefill tokens off vLLM: {res['prefill_tokens_off_vllm_share']} of those sent; vLLM computed "
-                f"{res['vllm_local_compute_per_request']} prompt token(s) a request "
-                f"(alone: {res['vllm_alone_local_share']} of them)")  # fmt: skip
-    rows.append(f"bubbletea: waited {res['bubble_queue_mean_ms']} ms for a bubble, prefilled in "
-                f"{res['bubble_prefill_mean_ms']} ms (means, host ms); time scale k = {res['time_scale']}")  # fmt: skip
+    rows.append(
+        f"prefill tokens off vLLM: {res['prefill_tokens_off_vllm_share']} of those sent; vLLM computed "
+        f"{res['vllm_local_compute_per_request']} prompt token(s) a request "
+        f"(alone: {res['vllm_alone_local_share']} of them)"
+    )
+    rows.append(
+        f"bubbletea: waited {res['bubble_queue_mean_ms']} ms for a bubble, prefilled in "
+        f"{res['bubble_prefill_mean_ms']} ms (means, host ms); time scale k = {res['time_scale']}"
+    )
     return "\n".join(rows)
 
 
@@ -311,12 +319,12 @@ def serve_and_run(args: argparse.Namespace, python: Path) -> tuple[Any, float | 
             model = Path(args.model).resolve()
         else:
             _say("pd_vllm: making a tiny Llama")
-            model = _vllm.make_tiny_llama(work / "tiny-llama")
+            model = vllm_stack.make_tiny_llama(work / "tiny-llama")
         t0 = time.perf_counter()
         _say(f"pd_vllm: starting vLLM ({python}) on {model.name}")
-        vllm = stack.enter_context(_vllm.vllm_server(python, model, work / "vllm.log", nice=args.vllm_nice))
+        vllm = stack.enter_context(vllm_stack.vllm_server(python, model, work / "vllm.log", nice=args.vllm_nice))
         _say(f"pd_vllm: vLLM at {vllm} after {time.perf_counter() - t0:.0f} s; starting bubbletea up --decode vllm")
-        spec = _vllm.serving_spec(work, model, request_timeout_s=args.request_timeout)
+        spec = vllm_stack.serving_spec(work, model, request_timeout_s=args.request_timeout)
         up_log = work / "up" / "up.log"
         stopped: dict[str, bool] = {}
 
@@ -326,12 +334,12 @@ def serve_and_run(args: argparse.Namespace, python: Path) -> tuple[Any, float | 
 
         stack.callback(said_stopped)
         objective = ("--ttft-objective-ms", str(args.ttft_objective_ms))  # placement auto: vLLM is the decoder
-        up = _vllm.bubbletea_up(spec, work / "up", "--decode", "vllm", "--vllm-url", vllm, *objective)
+        up = vllm_stack.bubbletea_up(spec, work / "up", "--decode", "vllm", "--vllm-url", vllm, *objective)
         front = stack.enter_context(up)
         k = time_scale(up_log.read_text(errors="replace"))
         _say(f"pd_vllm: front door at {front} (device time scale {k}); load {args.rate:g}/s for {args.duration:g} s")
         urls = {"vllm": vllm, "front": front}
-        got = asyncio.run(_pd_sweep.sweep(urls, args, run_arm, summary, _say) if args.sweep else bench(urls, args))
+        got = asyncio.run(pd_sweep.sweep(urls, args, run_arm, summary, _say) if args.sweep else bench(urls, args))
     return got, k, stopped.get("clean", False)
 
 
@@ -346,16 +354,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16, metavar="N", help="output tokens a request; default 16")
     ap.add_argument("--seed", type=int, default=2026, help="the arrivals' and prompts' seed; default 2026")
     ap.add_argument(
-        "--request-timeout", type=float, default=120.0, metavar="S",
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
         help="a request unanswered after S seconds counts as failed (timeout); default 120",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--model", metavar="DIR",
+        "--model",
+        metavar="DIR",
         help="an HF Llama-family checkpoint directory for both vLLM and the bubbles "
         "(default: a tiny seeded Llama made in a temporary directory)",
-    )  # fmt: skip
+    )
     ap.add_argument("--keep", metavar="DIR", help="run in DIR and keep the logs (vllm.log, up/up.log) there")
-    _pd_sweep.add_arguments(ap)
+    pd_sweep.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.sweep:
         os.environ.setdefault("BUBBLETEA_TIME_SCALE", "1")  # k = 1: the objective's device ms are real ms
@@ -367,10 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"prompt lengths must satisfy 1 <= --prompt-min <= --prompt-max <= {MAX_PROMPT}")
     if args.max_tokens < 2:
         ap.error("--max-tokens must be at least 2 (time per output token needs a second token)")
-    python = _vllm.vllm_python()
+    python = vllm_stack.vllm_python()
     if python is None:
-        _say("pd_vllm: skipped: vLLM's environment is missing (`make vllm` builds .venv-vllm; "
-             "or set BUBBLETEA_VLLM_PYTHON to its python)")  # fmt: skip
+        _say(
+            "pd_vllm: skipped: vLLM's environment is missing (`make vllm` builds .venv-vllm; "
+            "or set BUBBLETEA_VLLM_PYTHON to its python)"
+        )
         return 2
     signal.signal(signal.SIGTERM, _terminate)
     # Ctrl-C stops everything, also when this was started with SIGINT ignored (in the background of a
@@ -382,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _say("pd_vllm: interrupted; everything it started is stopped")
         return 130
-    res = _pd_sweep.result(got, k, args) if args.sweep else result(*got, k=k, args=args)
+    res = pd_sweep.result(got, k, args) if args.sweep else result(*got, k=k, args=args)
     res["bench_s"] = round(time.perf_counter() - t0, 1)
     res["host_cpus"] = os.cpu_count()
     # `up` said it stopped cleanly: false when it had died before the end (its services, in its
@@ -391,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     if not clean:
         where = Path(args.keep) / "up" / "up.log" if args.keep else "--keep DIR keeps it"
         _say(f"pd_vllm: warning: bubbletea up did not say it stopped cleanly (its log: {where})")
-    _say(_pd_sweep.table(res) if args.sweep else table(res))
+    _say(pd_sweep.table(res) if args.sweep else table(res))
     print(json.dumps(res))
     return 0
 

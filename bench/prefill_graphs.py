@@ -23,9 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from _gpu_job import SIZES, make_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
 
+import torch
+
+from bench.lib.gpu_job import SIZES, make_model
 from shared.model.checkpoint import load_causal_lm
 from shared.model.prefill import PrefillModel
 from shared.policies.fill import GPU_PIECE_TOKENS

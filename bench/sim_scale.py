@@ -194,8 +194,13 @@ def picture(scales: list[dict[str, Any]], path: Path) -> Path:
     for s in scales:
         loads = [p["load"] for p in s["points"]]
         line = util.plot(loads, [p["utilization"] for p in s["points"]], "o-", label=f"{s['gpus']:,} GPUs")
-        util.plot(loads, [p["useful_utilization"] for p in s["points"]], "s--", color=line[0].get_color(),
-                  label=f"{s['gpus']:,} GPUs, useful")  # fmt: skip
+        util.plot(
+            loads,
+            [p["useful_utilization"] for p in s["points"]],
+            "s--",
+            color=line[0].get_color(),
+            label=f"{s['gpus']:,} GPUs, useful",
+        )
         slow.plot(loads, [p["slowdown_pct"] for p in s["points"]], "o-", label=f"{s['gpus']:,} GPUs")
     off = scales[0]["utilization_off"]
     util.axhline(off, color="grey", linestyle=":", label="BubbleTea off")
@@ -236,8 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=_ints, default=None, help="the seeds, comma-separated (default 0,1,2)")
     ap.add_argument("--iterations", type=int, default=ITERATIONS, help="simulated iterations per run (default 3)")
     ap.add_argument("--fixed-ms", type=float, default=0.5, help="a prefill block's fixed part, ms (default 0.5)")
-    ap.add_argument("--picture", type=Path, default=None, help=f"where to draw the sweep (default {PICTURE}; "
-                    "--quick: none unless given)")  # fmt: skip
+    ap.add_argument(
+        "--picture",
+        type=Path,
+        default=None,
+        help=f"where to draw the sweep (default {PICTURE}; --quick: none unless given)",
+    )
     args = ap.parse_args(argv)
     sizes = args.gpus or ([512, 2048] if args.quick else list(SIZES))
     loads = args.loads or ([0.8, 1.2] if args.quick else list(LOADS))

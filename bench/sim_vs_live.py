@@ -23,7 +23,7 @@ iteration time, the bubble fraction and (BubbleTea on) the fill ratio.
     python bench/sim_vs_live.py --config FILE      # any spec (with a device profile), fair and temporal
     python bench/sim_vs_live.py --prefill-scale 3  # a prefill profile 3x slower, one a small machine keeps
     python bench/sim_vs_live.py --generated 4      # 4 drawn specs (3-4 DCs, uneven links, both
-                                                   # schedules; bench/_gen_specs.py), BubbleTea off
+                                                   # schedules; bench/lib/drawn_specs.py), BubbleTea off
 
 Beside the live and simulated iteration time, each case has the analytic model's
 (`iteration_model`, `iteration_model_rel_err` against live; `iteration_sim_model_rel_err` between
@@ -80,9 +80,9 @@ from sim.setup import BUS_S, DEFAULT_PREFILL, build
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._gen_specs import generated  # noqa: E402
-from bench._sim_compare import FIGURES, figures, line, overrun_share, r4, rel, summary  # noqa: E402
-from bench._sim_fit import fit_bus_s  # noqa: E402
+from bench.lib.drawn_specs import generated  # noqa: E402
+from bench.lib.sim_compare import FIGURES, figures, line, overrun_share, r4, rel, summary  # noqa: E402
+from bench.lib.sim_fit import fit_bus_s  # noqa: E402
 
 SPECS = (ROOT / "configs" / "demo.yaml", ROOT / "configs" / "wan-bound.yaml")
 SHARINGS = ("fair", "temporal")
@@ -205,7 +205,7 @@ async def run_live(
 def simulate(spec: ClusterSpec, live: Live) -> tuple[float, list[runstats.Span], float]:
     """The case simulated: (steady iteration s, spans, the bus hop s). With BubbleTea on, the
     requests the live front door accepted arrive at the same moments relative to the steady window's
-    start as live. The bus hop is the live run's (`_sim_fit.fit_bus_s`), the one figure taken from
+    start as live. The bus hop is the live run's (`sim_fit.fit_bus_s`), the one figure taken from
     it: the host's latency, which the time scale does not stretch."""
     setup = build(spec)
     bus_s = fit_bus_s(setup.pipeline.stage_dc, live.spans) or BUS_S

@@ -23,12 +23,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _common import command_words
 from redis import Redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.lib.procfs import command_words  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
 

@@ -14,7 +14,7 @@ waits for it to be ready. Two arms in one invocation, the same in all but one se
 * **expiry** (`off`): once the dead worker's lease expired (`LEASE_TTL_MS`), as before.
 
 Figures per arm (host wall clock, seconds, over every kill): kill to the slot leased by the spare
-(its log), and kill to training again (every slot joined a later generation: `_churn_figures`), p50,
+(its log), and kill to training again (every slot joined a later generation: `churn_figures`), p50,
 p99 and max; kills survived (training again within `--timeout`). Side by side: liveness's p50s over
 expiry's. One JSON line last.
 
@@ -39,15 +39,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-import _churn_figures as figs  # noqa: E402
-import _common  # noqa: E402
 from redis.asyncio import Redis  # noqa: E402
 
+from bench.lib import churn_figures as figs  # noqa: E402
+from bench.lib.arms import arms_of  # noqa: E402
 from bubbletea.launcher.procs import Proc, spawn, stop_all  # noqa: E402
 from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER  # noqa: E402
 from shared.config.spec import load_spec  # noqa: E402
+from shared.figures.percentiles import percentile  # noqa: E402
 from shared.policies.lease_liveness import SETTLE_S  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis  # noqa: E402
 from shared.wire import keys  # noqa: E402
@@ -173,7 +173,7 @@ def figures(kills: list[dict[str, Any]], joined: dict[int, list[float]], slots: 
     }
     for label, values in (("taken", taken), ("back", back)):
         for p in (50, 99):
-            out[f"{label}_p{p}_s"] = figs.rounded(figs.percentile(values, p))
+            out[f"{label}_p{p}_s"] = figs.rounded(percentile(values, p))
         out[f"{label}_max_s"] = figs.rounded(max(values, default=None))
     return out
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.kills = 3
-    args.arms = _common.arms_of(p, args.arms, ARMS)
+    args.arms = arms_of(p, args.arms, ARMS)
     if args.kills < 1 or args.every < 0 or args.time_scale < 1:
         p.error("--kills must be at least 1, --every at least 0, --time-scale at least 1")
     print(json.dumps(asyncio.run(bench(args))))

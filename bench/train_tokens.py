@@ -28,7 +28,7 @@ Figures, per case:
   a warm-up, left out). ``iteration_ms_*`` is that steady time;
 * ``peak_rss_mb_*``: the peak resident set size (``VmHWM`` of /proc/<pid>/status, MB = 1e6 bytes)
   of each stage-worker process, the largest over the workers. A background thread
-  (bench/_worker_memory.py) polls /proc every 0.2 s during the run for descendants of this process
+  (bench/lib/worker_memory.py) polls /proc every 0.2 s during the run for descendants of this process
   running ``services.stage_worker`` and keeps each one's latest VmHWM (the kernel's own high-water
   mark, so a peak between two polls still counts). On a GPU this is host memory, not GPU memory.
   ``workers_seen_*`` says how many workers the poller saw (PP x DP when it saw all);
@@ -60,8 +60,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
+
 import yaml
-from _worker_memory import STAGE_WORKER_MODULE, WorkerMemory
+
+from bench.lib.worker_memory import STAGE_WORKER_MODULE, WorkerMemory
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 1_000_000

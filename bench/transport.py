@@ -25,13 +25,18 @@ import argparse
 import asyncio
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import _common
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
+
 import transport_kv
 import transport_redis
 import transport_throughput
-from _common import WARMUP, stderr
+
+from bench.lib.children import stop_on_sigterm
+from bench.lib.output import emit, stderr
+from bench.lib.transfers import WARMUP
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     repeat, repeat_64 = transport_throughput.repeats(ap, args)
     if args.iterations < 1:
         ap.error("--iterations must be at least 1")
-    _common.stop_on_sigterm()
+    stop_on_sigterm()
 
     started = time.perf_counter()
     parts: dict[str, dict[str, Any]] = {}
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
         seconds=round(time.perf_counter() - started, 1),
     )
-    _common.emit(result)
+    emit(result)
     return 0
 
 

@@ -31,16 +31,21 @@ import queue
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import _common
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
+
 import uvloop
-from _common import WARMUP, stderr
 from bubbletea_vllm.kvclient import KvClient as ConnectorClient
 
+from bench.lib.children import spawn_child, stop_child, stop_on_sigterm
+from bench.lib.output import emit, stderr, verdict
+from bench.lib.transfers import WARMUP
 from shared.bus import Bus
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.dataplane.kv_client import KvClient
+from shared.figures.percentiles import percentile
 from shared.runtime.redis_server import EmbeddedRedis
 
 #: A KV cache of the demo model (4 layers, d_model 64; K and V, float32) for a 256-token prompt.
@@ -77,7 +82,7 @@ async def run(repeat: int) -> dict[str, Any]:
     client = KvClient()
     async with EmbeddedRedis() as server, Bus(server.url) as bus:
         ready = mp.get_context("spawn").Queue()
-        proc = _common.spawn_child(holder_main, (ids, KV_CACHE_BYTES, ready), "kv-holder")
+        proc = spawn_child(holder_main, (ids, KV_CACHE_BYTES, ready), "kv-holder")
         try:
             try:
                 holder = await asyncio.to_thread(ready.get, True, 60)
@@ -101,12 +106,12 @@ async def run(repeat: int) -> dict[str, Any]:
                     redis_get.append(t2 - t1)
         finally:
             await client.close()
-            _common.stop_child(proc, 0)
+            stop_child(proc, 0)
     if client.connects != 1:
         problems.append(f"the fetcher opened {client.connects} connections to the holder, not 1")
-    p50, p99 = statistics.median(plane) * 1000, _common.p99(plane) * 1000
+    p50, p99 = statistics.median(plane) * 1000, _p99_ms(plane)
     get50 = statistics.median(redis_get) * 1000
-    c50, c99 = statistics.median(connector) * 1000, _common.p99(connector) * 1000
+    c50, c99 = statistics.median(connector) * 1000, _p99_ms(connector)
     stderr(f"  plane fetch p50 {p50:.2f} ms, p99 {p99:.2f} ms; Redis GET p50 {get50:.2f} ms")
     stderr(f"  the vLLM connector's client: p50 {c50:.2f} ms, p99 {c99:.2f} ms")
     return {
@@ -117,8 +122,14 @@ async def run(repeat: int) -> dict[str, Any]:
         "kv_connections": client.connects,
         "kv_fetch_connector_ms_p50": round(c50, 2),
         "kv_fetch_connector_ms_p99": round(c99, 2),
-        **_common.verdict(problems, f"all {len(ids)} fetches and GETs returned their exact bytes, on one connection"),
+        **verdict(problems, f"all {len(ids)} fetches and GETs returned their exact bytes, on one connection"),
     }
+
+
+def _p99_ms(seconds: list[float]) -> float:
+    value = percentile(seconds, 99)
+    assert value is not None, "no timed fetch"
+    return value * 1000
 
 
 def _connector_fetches(holder: str, ids: list[str], problems: list[str]) -> list[float]:
@@ -148,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat if args.repeat is not None else (20 if args.quick else 50)
     if repeat < 1:
         ap.error("--repeat must be at least 1")
-    _common.stop_on_sigterm()
+    stop_on_sigterm()
     started = time.perf_counter()
     try:
         result = {"bench": "transport_kv", **asyncio.run(run(repeat))}
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         stderr("interrupted: holder and redis-server stopped")
         return 130
     result.update(repeat=repeat, warmup=WARMUP, quick=args.quick, seconds=round(time.perf_counter() - started, 1))
-    _common.emit(result)
+    emit(result)
     return 0
 
 

@@ -41,12 +41,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
+
 import redis.asyncio
 import yaml
-from _common import MIB, ROOT, stderr
 
+from bench.lib.children import stop_on_sigterm
+from bench.lib.output import emit, stderr, verdict
+from bench.lib.transfers import MIB
 from shared.runtime.redis_server import EmbeddedRedis
+
+ROOT = Path(__file__).resolve().parent.parent
 
 #: `no_tensor_in_redis` bounds: no stream entry over 64 KiB, and the 2 MiB-activation run's Redis
 #: peak at most this many MiB above the tiny model's.
@@ -197,7 +202,7 @@ async def run(iterations: int) -> dict[str, Any]:
         "training_s_small": round(small["seconds"], 1),
         "training_s_large": round(large["seconds"], 1),
         "training_failures": 0,  # a failed run raised: no JSON line
-        **_common.verdict(problems, f"both runs trained {iterations} iterations to a finite loss; {seen}"),
+        **verdict(problems, f"both runs trained {iterations} iterations to a finite loss; {seen}"),
     }
 
 
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.iterations < 1:
         ap.error("--iterations must be at least 1")
-    _common.stop_on_sigterm()
+    stop_on_sigterm()
     started = time.perf_counter()
     try:
         result = {"bench": "transport_redis", **asyncio.run(run(args.iterations))}
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         stderr("interrupted: services and redis-servers stopped")
         return 130
     result.update(iterations=args.iterations, quick=args.quick, seconds=round(time.perf_counter() - started, 1))
-    _common.emit(result)
+    emit(result)
     return 0
 
 

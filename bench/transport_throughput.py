@@ -20,7 +20,7 @@ receiver's 1-byte ack on a multiprocessing Pipe, written once the receiver holds
 as a usable torch tensor. Nothing is subtracted. Per size and way: 2 warm-up transfers, then the
 median of N timed ones. GB/s = bytes / median seconds, 1 GB = 1e9 bytes.
 
-``valid``: the receiver (bench/_tensor_receiver.py) checked the contents of the 2 warm-ups (before
+``valid``: the receiver (bench/lib/tensor_receiver.py) checked the contents of the 2 warm-ups (before
 its ack) and of the last timed transfer (after it) of every size and way; ``why`` says what arrived
 wrong, if anything.
 The claims are ``ratio_vs_redis_64mb`` >= 10 and ``ratio_vs_socket_64mb`` >= 0.5 (``targets_met``).
@@ -44,15 +44,19 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import _common
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
+
 import msgspec
 import redis
 import torch
-from _common import MIB, WARMUP, stderr
-from _tensor_receiver import ACK, RECV_TIMEOUT_S, Plan, byte_view, make_tensor, receiver_main
 
+from bench.lib.children import spawn_child, stop_child, stop_on_sigterm
+from bench.lib.output import emit, stderr, verdict
+from bench.lib.tensor_receiver import ACK, RECV_TIMEOUT_S, Plan, byte_view, make_tensor, receiver_main
+from bench.lib.transfers import MIB, WARMUP
 from shared.dataplane import DataPlane, PairSpec
 from shared.dataplane.tensors import to_blob
 from shared.runtime.redis_server import EmbeddedRedis
@@ -75,7 +79,7 @@ class Receiver:
 
     def __init__(self) -> None:
         self.conn, child = mp.get_context("spawn").Pipe()
-        self.proc = _common.spawn_child(receiver_main, (child,), "transport-receiver")
+        self.proc = spawn_child(receiver_main, (child,), "transport-receiver")
         child.close()
         self.problems: list[str] = []
         self.checked = 0
@@ -110,7 +114,7 @@ class Receiver:
         if graceful:
             with contextlib.suppress(OSError):
                 self.conn.send(None)
-        _common.stop_child(self.proc, 10 if graceful else 0)
+        stop_child(self.proc, 10 if graceful else 0)
         self.conn.close()
 
 
@@ -226,7 +230,7 @@ def run(repeat: int, repeat_64: int, connections: int) -> dict[str, Any]:
         f"plane / redis at 64 MiB: {result['ratio_vs_redis_64mb']:.1f}x (target >= 10); "
         f"plane / socket: {result['ratio_vs_socket_64mb']:.2f} (target >= 0.5)"
     )
-    result.update(_common.verdict(rx.problems, f"all {rx.checked} checked transfers arrived exactly"))
+    result.update(verdict(rx.problems, f"all {rx.checked} checked transfers arrived exactly"))
     return result
 
 
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     add_args(ap)
     args = ap.parse_args(argv)
     repeat, repeat_64 = repeats(ap, args)
-    _common.stop_on_sigterm()
+    stop_on_sigterm()
     started = time.perf_counter()
     try:
         result = {"bench": "transport_throughput", **run(repeat, repeat_64, args.connections)}
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         stderr("interrupted: receiver and redis-server stopped")
         return 130
     result.update(repeat=repeat, repeat_64mb=repeat_64, warmup=WARMUP, connections=args.connections, quick=args.quick)
-    _common.emit({**result, "seconds": round(time.perf_counter() - started, 1)})
+    emit({**result, "seconds": round(time.perf_counter() - started, 1)})
     return 0
 
 

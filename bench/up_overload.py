@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from loadgen.cli import run_benchmark, run_loop  # noqa: E402
 from loadgen.config import BenchmarkConfig  # noqa: E402
-from shared.figures.runstats import percentile  # noqa: E402
+from shared.figures.percentiles import percentile  # noqa: E402
 
 #: What `bubbletea up` states when the spec names no objective (bubbletea/cli_up.py).
 OBJECTIVE_DEVICE_MS = 500.0
@@ -203,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     flags = ("--decode",) if args.decode else ()
     with tempfile.TemporaryDirectory() as tmp, up(Path(tmp), *flags) as (url, k, worker):
         objective_ms = OBJECTIVE_DEVICE_MS * k
-        print(f"up_overload: up at {url}, k = {k:g}: objective {objective_ms:.0f} real ms; "
-              f"{args.rate:g}/s for {args.duration:g} s", file=sys.stderr)  # fmt: skip
+        print(
+            f"up_overload: up at {url}, k = {k:g}: objective {objective_ms:.0f} real ms; "
+            f"{args.rate:g}/s for {args.duration:g} s",
+            file=sys.stderr,
+        )
         cfg = BenchmarkConfig(
             base_url=url,
             request_rate=args.rate,

@@ -190,7 +190,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_verbose_argument(ap, top=True)
     ap.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo(sub)
+    cli_up.add_parser(sub)
+    _add_train(sub)
+    _add_simulate(sub)
+    cli_inspect.add_parsers(sub)
+    cli_drain.add_parser(sub)
+    _add_report(sub)
+    from bubbletea.initmodel import add_parser as add_init_model
 
+    add_init_model(sub)
+    _add_redis(sub)
+    for name, parser in sub.choices.items():
+        if name != "report":  # its own parser (bubbletea.report.command) owns the arguments
+            add_verbose_argument(parser)
+    return ap
+
+
+def _add_demo(sub: Any) -> None:
+    """`bubbletea demo`: the main job."""
     p = sub.add_parser(
         "demo",
         help="the main job: fair vs Atlas vs Atlas+BubbleTea, with a table and pictures",
@@ -210,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")
     p.set_defaults(func=_demo)
 
-    cli_up.add_parser(sub)
 
+def _add_train(sub: Any) -> None:
+    """`bubbletea train`: one training job over live services."""
     p = sub.add_parser(
         "train",
         help="run one training job over live services (broker + a worker per slot)",
@@ -242,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_train)
 
+
+def _add_simulate(sub: Any) -> None:
+    """`bubbletea simulate`: the spec on a virtual clock (its arguments are the simulator's)."""
     p = sub.add_parser(
         "simulate",
         help="simulate the spec on a virtual clock with BubbleTea off and on (any scale, in seconds)",
@@ -256,9 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_arguments(p)
     p.set_defaults(func=_simulate)
 
-    cli_inspect.add_parsers(sub)
-    cli_drain.add_parser(sub)
 
+def _add_report(sub: Any) -> None:
+    """`bubbletea report`: its own parser (`bubbletea.report.command`) reads the arguments."""
     p = sub.add_parser(
         "report",
         help="draw a run folder's pictures and comparison table",
@@ -268,10 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=None)
 
-    from bubbletea.initmodel import add_parser as add_init_model
 
-    add_init_model(sub)
-
+def _add_redis(sub: Any) -> None:
+    """`bubbletea redis`: an embedded redis-server for running services by hand."""
     p = sub.add_parser(
         "redis",
         help="run an embedded redis-server on a free port until Ctrl-C",
@@ -280,7 +301,3 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=_port, default=None, help="port to listen on (default: a free one)")
     p.set_defaults(func=_redis)
-    for name, parser in sub.choices.items():
-        if name != "report":  # its own parser (bubbletea.report.command) owns the arguments
-            add_verbose_argument(parser)
-    return ap

@@ -134,9 +134,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--positions", type=int, default=256, help="max_position_embeddings (default: 256)")
     p.add_argument("--tokenizer-vocab", type=int, default=1000, help="BPE vocabulary to train (default: 1000)")
     p.add_argument(
-        "--text", type=Path, nargs="+", default=None, help="text files to train the tokenizer on (default: this "
-        "checkout's README.md and docs/*.md)",
-    )  # fmt: skip
+        "--text",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="text files to train the tokenizer on (default: this checkout's README.md and docs/*.md)",
+    )
     p.add_argument(
         "--weights",
         action="store_true",

@@ -26,11 +26,15 @@ def plan_data(spec: ClusterSpec, fwd_ms_per_layer: float, bwd_ms_per_layer: floa
         link = LinkModel.from_params(spec.link(a, b), spec.wan.mode)
         links.append(
             {
-                "src": a, "dst": b, "hops": sum(1 for _, x, y in pl.hops() if (x, y) == (a, b)),
-                "gbps": link.bandwidth * 8 / 1e9, "latency_ms": link.latency * 1000,
-                "per_transfer_cap_gbps": link.flow_cap * 8 / 1e9, "activation_alone_ms": link.alone_s(act) * 1000,
+                "src": a,
+                "dst": b,
+                "hops": sum(1 for _, x, y in pl.hops() if (x, y) == (a, b)),
+                "gbps": link.bandwidth * 8 / 1e9,
+                "latency_ms": link.latency * 1000,
+                "per_transfer_cap_gbps": link.flow_cap * 8 / 1e9,
+                "activation_alone_ms": link.alone_s(act) * 1000,
             }
-        )  # fmt: skip
+        )
     analytic = {}
     for sharing in ("fair", "temporal", "fifo"):
         r = predict(spec, fwd_ms_per_layer, bwd_ms_per_layer, sharing=sharing)

@@ -83,9 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="loadgen", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
-    server = p.add_argument_group("server")
-    server.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"the API's address (default: {DEFAULT_BASE_URL})")
-    server.add_argument(
+    _server_options(p.add_argument_group("server"))
+    _load_options(p.add_argument_group("load"))
+    data = p.add_argument_group("dataset")
+    _random_options(data)
+    _trace_options(data)
+    _result_options(p.add_argument_group("results"))
+    return p
+
+
+def _server_options(g: argparse._ArgumentGroup) -> None:
+    """The server options: where requests go and how each is sent."""
+    g.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"the API's address (default: {DEFAULT_BASE_URL})")
+    g.add_argument(
         "--endpoint",
         choices=ENDPOINT_NAMES,
         default="/v1/completions",
@@ -93,30 +103,30 @@ def build_parser() -> argparse.ArgumentParser:
         "(the default); /v1/prefill (or native): POST /v1/prefill, then poll GET /v1/prefill/{id} until done "
         "or failed",
     )
-    server.add_argument("--model", help="the model to ask for (default: the first one GET /v1/models lists)")
-    server.add_argument(
+    g.add_argument("--model", help="the model to ask for (default: the first one GET /v1/models lists)")
+    g.add_argument(
         "--api-key", help="sent as 'Authorization: Bearer KEY' (default: $BUBBLETEA_API_KEY, else $OPENAI_API_KEY)"
     )
-    server.add_argument(
+    g.add_argument(
         "--header",
         nargs="+",
         metavar="KEY=VALUE",
         help="extra HTTP headers sent with every request, e.g. --header x-run=7 x-team=a (never recorded)",
     )
-    server.add_argument(
+    g.add_argument(
         "--timeout",
         type=float,
         default=120.0,
         metavar="SECONDS",
         help="give up on a request after this long; it counts as a 'timeout' error (default: 120)",
     )
-    server.add_argument(
+    g.add_argument(
         "--stream",
         action=argparse.BooleanOptionalAction,
         help="completions only: ask for server-sent events and take the TTFT at the first chunk with a choice, "
         "as vLLM does (the default); --no-stream reads one JSON answer and takes the TTFT when it is complete",
     )
-    server.add_argument(
+    g.add_argument(
         "--ready-check-timeout-sec",
         type=float,
         default=0.0,
@@ -124,44 +134,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="retry GET /v1/models for up to S seconds while the API is unreachable or answers 5xx; "
         "0 asks once (default: 0)",
     )
-    server.add_argument(
+    g.add_argument(
         "--ready-state",
         metavar="STATE",
         help="with --ready-check-timeout-sec: start only once GET /ready names this serving state, e.g. "
         "serving (training runs; joining is taken as ready otherwise, its requests waiting for the first bubbles)",
     )
 
-    load = p.add_argument_group("load")
-    load.add_argument(
+
+def _load_options(g: argparse._ArgumentGroup) -> None:
+    """The load options: when requests are sent."""
+    g.add_argument(
         "--request-rate",
         type=float,
         metavar="RPS",
         help="mean requests per second; inf sends every request at once (default: inf). Not with --trace",
     )
-    load.add_argument(
+    g.add_argument(
         "--burstiness",
         type=float,
         metavar="K",
         help="shape of the gamma distribution of inter-arrival times: 1 = Poisson, < 1 burstier, > 1 smoother; "
         "the mean rate stays --request-rate (default: 1.0). Not with --trace",
     )
-    load.add_argument(
-        "--max-concurrency", type=int, metavar="N", help="at most N requests in flight (default: no limit)"
-    )
-    load.add_argument(
+    g.add_argument("--max-concurrency", type=int, metavar="N", help="at most N requests in flight (default: no limit)")
+    g.add_argument(
         "--num-prompts",
         type=int,
         metavar="N",
         help="send N requests (default: 100, unless --duration is given; with both, whichever ends first)",
     )
-    load.add_argument(
+    g.add_argument(
         "--duration",
         type=float,
         metavar="SECONDS",
         help="send until this much time has passed; with --trace, replay the part of the trace within it",
     )
-    load.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default: 0)")
-    load.add_argument(
+    g.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default: 0)")
+    g.add_argument(
         "--num-warmups",
         type=int,
         default=0,
@@ -169,15 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="first send the first prompt N times and wait for the answers; not measured (default: 0)",
     )
 
-    data = p.add_argument_group("dataset")
-    data.add_argument(
+
+def _random_options(g: argparse._ArgumentGroup) -> None:
+    """The dataset options of random prompts (and which dataset)."""
+    g.add_argument(
         "--dataset-name",
         "--dataset",
         dest="dataset",
         choices=("random", "trace"),
         help="random: random prompts of --random-input-len tokens (the default); trace: the one --trace names",
     )
-    data.add_argument(
+    g.add_argument(
         "--random-input-len",
         "--input-len",
         dest="input_len",
@@ -185,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help="mean prompt length (default: 128)",
     )
-    data.add_argument(
+    g.add_argument(
         "--random-range-ratio",
         "--range-ratio",
         dest="range_ratio",
@@ -194,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt lengths are uniform integers in [floor(len*(1-R)), ceil(len*(1+R))] (as vLLM), at least 1; "
         "0 <= R < 1 (default: 0.0)",
     )
-    data.add_argument(
+    g.add_argument(
         "--random-output-len",
         dest="output_len",
         type=int,
@@ -202,26 +214,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="mean max_tokens asked for: uniform integers in [floor(len*(1-R)), ceil(len*(1+R))] with R the "
         "--random-range-ratio (as vLLM), at least 1; 1 is exactly 1 (default: 1, prefill only)",
     )
-    data.add_argument(
+    g.add_argument(
         "--input-lens-from",
         metavar="TRACE",
         help="random dataset: draw each prompt's length from this Azure trace CSV's ContextTokens (seeded, with "
         "replacement), clamped to --max-input-len; arrivals stay --request-rate's. Not with --input-len",
     )
-    data.add_argument(
+
+
+def _trace_options(g: argparse._ArgumentGroup) -> None:
+    """The dataset options of a replayed trace, and what is asked of each request."""
+    g.add_argument(
         "--trace",
         metavar="FILE",
         help="replay an Azure LLM inference trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens): arrivals follow "
         "its timestamps, prompt lengths its ContextTokens",
     )
-    data.add_argument(
+    g.add_argument(
         "--trace-speedup",
         dest="time_scale",
         type=float,
         metavar="X",
         help="replay the trace X times faster (default: 1.0). Only with --trace",
     )
-    data.add_argument(
+    g.add_argument(
         "--time-scale",
         dest="time_scale",
         type=float,
@@ -229,29 +245,31 @@ def build_parser() -> argparse.ArgumentParser:
         new="--trace-speedup",
         help=argparse.SUPPRESS,  # the old spelling: it works, with a warning
     )
-    data.add_argument(
+    g.add_argument(
         "--max-input-len",
         type=int,
         metavar="TOKENS",
         help="clamp trace prompts to this length, counting how many were cut (default: 256). Only with --trace "
         "or --input-lens-from",
     )
-    data.add_argument(
+    g.add_argument(
         "--max-output-len",
         type=int,
         metavar="TOKENS",
         help="ask each trace request for its GeneratedTokens, clamped to [1, TOKENS] "
         "(default: 1, prefill only). Only with --trace",
     )
-    data.add_argument(
+    g.add_argument(
         "--ignore-eos",
         action="store_true",
         help="accepted for vLLM's command lines and recorded, not sent: the served model has no end-of-sequence "
         "token, so a completion always runs to max_tokens unless a stop sequence ends it",
     )
 
-    out = p.add_argument_group("results")
-    out.add_argument(
+
+def _result_options(g: argparse._ArgumentGroup) -> None:
+    """The results options: what is reported and where it is saved."""
+    g.add_argument(
         "--goodput",
         nargs="+",
         metavar="METRIC:MS",
@@ -259,41 +277,40 @@ def build_parser() -> argparse.ArgumentParser:
         "one; reports good requests per second (metrics: ttft, tpot, e2el; a request with one output token "
         "meets any tpot objective, as in vLLM)",
     )
-    out.add_argument(
+    g.add_argument(
         "--percentile-metrics",
         default=",".join(report.DEFAULT_METRICS),
         metavar="LIST",
         help="comma-separated metrics to report percentiles of: ttft, tpot, itl, e2el (for a prefill, max_tokens "
         "1, the end-to-end latency is the TTFT and there is no tpot nor itl) (default: ttft,tpot,itl)",
     )
-    out.add_argument(
+    g.add_argument(
         "--metric-percentiles",
         default="50,90,99",
         metavar="LIST",
         help="comma-separated percentiles to report (default: 50,90,99)",
     )
-    out.add_argument(
+    g.add_argument(
         "--save-result",
         action="store_true",
         help="write the results as JSON, named as vLLM does: "
         "{label}-{request_rate}qps[-concurrency{N}]-{model}-{date}.json",
     )
-    out.add_argument(
+    g.add_argument(
         "--result-dir", metavar="DIR", help="with --save-result: the folder (created if needed; default: here)"
     )
-    out.add_argument("--result-filename", metavar="NAME", help="with --save-result: the file name instead")
-    out.add_argument(
+    g.add_argument("--result-filename", metavar="NAME", help="with --save-result: the file name instead")
+    g.add_argument(
         "--metadata",
         nargs="+",
         metavar="KEY=VALUE",
         help="pairs added to the result JSON's top level, e.g. --metadata version=0.3 tp=1",
     )
-    out.add_argument(
+    g.add_argument(
         "--label", help="recorded as 'label', and the saved file's name starts with it (default: the backend)"
     )
-    out.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE")
-    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    return p
+    g.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 #: Options that only make sense for one dataset: given with the other, they are a usage error

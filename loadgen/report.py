@@ -2,7 +2,8 @@
 
 The numbers follow `vllm bench serve` so results can be compared, under vLLM's keys: throughputs
 are over the benchmark's wall-clock duration (first send to last answer), latency statistics are
-over the successful requests only, percentiles are numpy's (linear interpolation), std is the
+over the successful requests only, percentiles are numpy's rule (linear interpolation, in
+`shared.figures.percentiles`), std is the
 population std, and the per-request lists (`ttfts`, `itls`, `input_lens`, `output_lens`, `errors`)
 have one entry per request in send order. The decoding metrics are vLLM's: a request's TPOT is
 (e2el - ttft) / (output tokens - 1) when it has more than one output token, and the ITLs of all
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from loadgen.outcome import Outcome
+from shared.figures.percentiles import percentile
 
 #: The latency metrics a report can show, with vLLM's names and headings. A prefill (max_tokens 1)
 #: answers with its first and only token, so its end-to-end latency is its TTFT and it has no TPOT
@@ -154,7 +156,7 @@ def _stats(values: list[float], metric: str, percentiles: Sequence[float]) -> di
         f"std_{metric}_ms": float(arr.std()) if have else None,
     }
     for p in percentiles:
-        out[f"p{percentile_name(p)}_{metric}_ms"] = float(np.percentile(arr, p)) if have else None
+        out[f"p{percentile_name(p)}_{metric}_ms"] = percentile(values, p)
     return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.figures import runstats
+from shared.figures.percentiles import percentile
 from shared.figures.requests import ttft_ms
 from shared.figures.training import slowdown_pct
 from shared.wire.status import FailureReason
@@ -171,7 +172,7 @@ def _run_entry(name: str, label: str, f: dict[str, Any], *, on: bool) -> dict[st
 
 
 def _pct(values: list[float], p: float) -> float:
-    got = runstats.percentile(values, p)
+    got = percentile(values, p)
     assert got is not None
     return got
 

@@ -105,8 +105,12 @@ class BubbleTeaWorker:
             self._finished.add(load.req_id)
         logger.debug(
             "request %s: loaded positions %d..%d from %s in %.1f ms",
-            load.req_id, load.start, load.end, load.handle.holder, seconds * 1e3,
-        )  # fmt: skip
+            load.req_id,
+            load.start,
+            load.end,
+            load.handle.holder,
+            seconds * 1e3,
+        )
 
     def _failed(self, load: Load, why: str) -> None:
         logger.error("request %s: the BubbleTea KV cache was not loaded: %s", load.req_id, why)

@@ -39,6 +39,7 @@ from shared.control.health import wait_live
 from shared.figures import runstats
 from shared.figures.bubblestats import bubble_dispatch, run_control
 from shared.figures.capacity import DEFAULT_SHARE, offer, prefill_block_s
+from shared.figures.percentiles import percentile
 from shared.figures.requests import requests_lost, slo_attainment, ttft_ms
 from shared.figures.training import slowdown_pct, speedup
 from shared.model.shape import model_info
@@ -268,7 +269,7 @@ def _metrics(
             bubbles_with_work=d.with_work,
             bubbles_filled=d.filled,
             bubbles_with_work_filled=len(d.filled_latencies_ms),
-            dispatch_p99_ms=runstats.percentile(list(d.latencies_ms), 99),
+            dispatch_p99_ms=percentile(list(d.latencies_ms), 99),
         )
         m.update(
             prefill_tokens_per_s=round(load["input_throughput"] * scale, 1),  # per emulated second

@@ -22,8 +22,9 @@ endpoints for a Prometheus ``file_sd_configs``), and then follows the run:
 * on the way out the run folder gets the run's spans and summary, and the report pictures
   (`bubbletea report` can redraw them).
 
-Over 300 lines on purpose: one command's start-up, health and readiness waits and shutdown, in
-the order they run; supervision lives in supervise.py and the Redis watch in redis_watch.py.
+Over 300 lines on purpose: one command's start-up and shutdown, in the order they run; the health
+and readiness waits live in readiness.py, supervision in supervise.py and the Redis watch in
+redis_watch.py.
 """
 
 from __future__ import annotations
@@ -38,15 +39,14 @@ import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import aiohttp
 import msgspec
 import yaml
 
-from bubbletea.launcher.procs import Proc, ServiceFailed, open_redis, spawn, stop_all, wait_http_healthy
+from bubbletea.launcher.procs import Proc, open_redis, spawn, stop_all
+from bubbletea.launcher.readiness import metrics_endpoints, wait_healthy, wait_ready, wait_restarted, write_targets
 from bubbletea.launcher.redis_watch import keep_redis_alive
-from bubbletea.launcher.services import DISPATCHER, SERVICES
+from bubbletea.launcher.services import DISPATCHER, SERVICES, ServiceDef
 from bubbletea.launcher.supervise import Supervisor
 from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.vllm import managed_vllm
@@ -55,16 +55,12 @@ from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.config.deprecated import spec_builtins
 from shared.config.settings import Settings
-from shared.control.health import live_instances
+from shared.config.spec import ClusterSpec
 from shared.control.leases import read_slots, release_dead, release_dispatcher_if_held_by
 from shared.figures import runstats
 from shared.policies.prompt_placement import Mode, mode_of
 from shared.runtime.redis_server import EmbeddedRedis, free_port
-from shared.wire.status import LeaseState, ServingState
-
-#: How long every service gets to report healthy, and then serving to be ready.
-HEALTHY_TIMEOUT_S = 90.0
-READY_TIMEOUT_S = 90.0
+from shared.wire.status import LeaseState
 
 
 def say(text: str = "") -> None:
@@ -120,115 +116,23 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
             spec_file.write_text(yaml.safe_dump(spec_builtins(spec), sort_keys=False))
         scale = await pick_time_scale(settings, say)
         launches = await wan.enter_async_context(worker_launches(settings, url))
-        launch_of: dict[str, WorkerLaunch] = {}
         port = spec.http.port or free_port()  # 0 in the spec: any free port, chosen here to print it
-        env = {
-            "REDIS_URL": url,
-            "BUBBLETEA_CONFIG": str(spec_file),
-            "BUBBLETEA_RUN": run,
-            "BUBBLETEA_LOG_LEVEL": settings.log_level,
-            "BUBBLETEA_HTTP_HOST": spec.http.host,
-            "BUBBLETEA_HTTP_PORT": str(port),
-            "BUBBLETEA_METRICS_PORT": "0",  # each picks a free port and advertises it in its heartbeat
-            "BUBBLETEA_STATE_DIR": str((folder / "state").absolute()),  # the workers' checkpoints
-        }
-        slots = spec.parallelism.pp * spec.parallelism.dp
-        for svc in SERVICES:
-            if svc.decode_only and not (spec.decode.enabled and spec.decode.engine == "builtin"):
-                continue
-            for i in range(slots if svc.per_slot else 1):
-                label = f"{svc.name}-{i}" if svc.per_slot else svc.name
-                launch_of[label] = launch = launches[i] if svc.per_slot else WorkerLaunch()
-                procs.append(
-                    await spawn(
-                        svc,
-                        {**env, **launch.env},
-                        quiet=not verbose,
-                        log_file=logs / f"{label}.log",
-                        label=label,
-                        prefix=launch.prefix,
-                    )
-                )
-                say(f"==> started {label} (pid {procs[-1].proc.pid})")
-        api = f"http://{spec.http.host}:{port}"
-
-        async def respawn(dead: Proc) -> Proc:
-            """The same service, environment (the front door: its port) and label; the same log."""
-            launch = launch_of.get(dead.label, WorkerLaunch())
-            p = await spawn(
-                dead.svc,
-                {**env, **launch.env},
-                quiet=not verbose,
-                log_file=logs / f"{dead.label}.log",
-                label=dead.label,
-                prefix=launch.prefix,
-            )
-            say(f"==> started {p.label} (pid {p.proc.pid})")
-            return p
-
-        async def healthy(p: Proc) -> None:
-            await _wait_restarted(p, url, settings, api)
-            if p.proc.returncode is None:  # its /metrics moved (a free port): Prometheus follows the file
-                pids = {q.proc.pid for q in procs}
-                _write_targets(folder / "prometheus-targets.json", await _metrics_endpoints(url, settings, api, pids))
-
-        await _wait_healthy(procs, url, settings, api)
-        state = await _wait_ready(procs, api)
-        endpoints = await _metrics_endpoints(url, settings, api)
-        _write_targets(folder / "prometheus-targets.json", endpoints)
-        until = "until Ctrl-C" if spec.training.until_stopped else f"for {spec.training.iterations} iterations"
-        say("")
-        say(f"==> BubbleTea is up: run {run}, PP={spec.parallelism.pp} x DP={spec.parallelism.dp}, {slots} workers")
-        say(f"    serving: {state}; training {until}")
-        say(f"    API:  {api}   (OpenAI-compatible: POST {api}/v1/completions; docs/api.md)")
-        body = '{"prompt": "Hello"}'
-        auth = ' -H "Authorization: Bearer $BUBBLETEA_API_KEY"' if settings.api_key else ""
-        say(f"    try:  curl -s {api}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
-        if spec.decode.enabled:
-            who = f"vLLM at {spec.decode.vllm_url} (docs/vllm.md)" if spec.decode.engine == "vllm" else "the decoder"
-            say(f"    whole completions (max_tokens > 1): prefilled in the bubbles, decoded by {who}")
-            mode = mode_of(spec.prefill.placement, spec.decode.enabled)
-            objective = spec.prefill.ttft_objective_ms
-            if mode is Mode.AUTO and objective is not None:
-                say(f"    a prompt the bubbles cannot compute within {objective:g} ms: computed by {who} (auto)")
-            elif mode is Mode.DECODER:
-                say(f"    every prompt computed by {who} (placement decoder)")
-        say(f"    metrics: {len(endpoints)} endpoints, in {folder / 'prometheus-targets.json'} (Prometheus file_sd)")
-        for label, metrics_url in endpoints:
-            say(f"      {label:<18} {metrics_url}")
-        say(f"    logs: {logs}/<service>.log (warnings and errors also here{'' if verbose else '; -v for all'})")
-        stateless = "a dead front door, dispatcher, WAN broker or decoder"
-        restarted = "every service" if spec.training.recovers else stateless
-        say(f"    Ctrl-C stops everything; {restarted} is restarted if it dies")
-        say("")
+        up = _Services(settings, spec, url, port, folder, verbose, procs)
+        await up.start_all(launches)
+        await wait_healthy(procs, url, settings, up.api, say)
+        state = await wait_ready(procs, up.api, say)
+        endpoints = await metrics_endpoints(url, settings, up.api)
+        write_targets(folder / "prometheus-targets.json", endpoints)
+        _say_up(settings, spec, state, up.api, endpoints, folder, verbose)
         try:
-
-            async def departed() -> bool:  # a slot some worker left on purpose, not yet taken again
-                async with Bus(url, spec.bus, name="up") as bus:
-                    views = await read_slots(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp)
-                return any(v.ended is LeaseState.LEFT and not v.held for v in views)
-
-            async def buried(dead: Proc) -> None:  # a dead worker's or dispatcher's lease: released now
-                if not dead.svc.per_slot and dead.svc is not DISPATCHER:
-                    return
-                holder = f"{socket.gethostname()}-{dead.proc.pid}"  # as it named itself (instance_id)
-                try:
-                    async with Bus(url, spec.bus, name="up") as bus:
-                        if dead.svc is DISPATCHER:
-                            await release_dispatcher_if_held_by(bus.redis, run, f"{DISPATCHER.name}-{holder}")
-                        else:
-                            await release_dead(bus.redis, run, spec.parallelism.pp, spec.parallelism.dp, holder)
-                except TRANSIENT_ERRORS:  # Redis away: the lease expires by itself, as before
-                    pass
-
             supervisor = Supervisor(
                 procs,
-                respawn=respawn,
-                healthy=healthy,
+                respawn=up.respawn,
+                healthy=up.healthy,
                 say=say,
                 restart_workers=spec.training.recovers,
-                departed=departed,
-                buried=buried,
+                departed=up.departed,
+                buried=up.buried,
             )
             if embedded is None:
                 return await supervisor.follow()
@@ -244,6 +148,132 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
         say("==> stopped cleanly" if not bad else f"==> stopped; exit codes: {bad}")
 
 
+class _Services:
+    """The run's service processes in `procs` (the list `_run_up` stops and the supervisor
+    follows): how each is started, started again after a death, and its leases buried."""
+
+    def __init__(
+        self, settings: Settings, spec: ClusterSpec, url: str, port: int, folder: Path, verbose: bool, procs: list[Proc]
+    ) -> None:
+        self.settings = settings
+        self.spec = spec
+        self.url = url
+        self.folder = folder
+        self.verbose = verbose
+        self.procs = procs
+        self.api = f"http://{spec.http.host}:{port}"
+        self.launch_of: dict[str, WorkerLaunch] = {}
+        self.env = {
+            "REDIS_URL": url,
+            "BUBBLETEA_CONFIG": str(folder / "spec.yaml"),
+            "BUBBLETEA_RUN": settings.run,
+            "BUBBLETEA_LOG_LEVEL": settings.log_level,
+            "BUBBLETEA_HTTP_HOST": spec.http.host,
+            "BUBBLETEA_HTTP_PORT": str(port),
+            "BUBBLETEA_METRICS_PORT": "0",  # each picks a free port and advertises it in its heartbeat
+            "BUBBLETEA_STATE_DIR": str((folder / "state").absolute()),  # the workers' checkpoints
+        }
+
+    async def start_all(self, launches: list[WorkerLaunch]) -> None:
+        """Every service of the table, one stage worker per slot, in the table's order."""
+        spec = self.spec
+        slots = spec.parallelism.pp * spec.parallelism.dp
+        for svc in SERVICES:
+            if svc.decode_only and not (spec.decode.enabled and spec.decode.engine == "builtin"):
+                continue
+            for i in range(slots if svc.per_slot else 1):
+                label = f"{svc.name}-{i}" if svc.per_slot else svc.name
+                self.launch_of[label] = launches[i] if svc.per_slot else WorkerLaunch()
+                self.procs.append(await self._start(svc, label))
+
+    async def _start(self, svc: ServiceDef, label: str) -> Proc:
+        launch = self.launch_of.get(label, WorkerLaunch())
+        p = await spawn(
+            svc,
+            {**self.env, **launch.env},
+            quiet=not self.verbose,
+            log_file=self.folder / "logs" / f"{label}.log",
+            label=label,
+            prefix=launch.prefix,
+        )
+        say(f"==> started {label} (pid {p.proc.pid})")
+        return p
+
+    async def respawn(self, dead: Proc) -> Proc:
+        """The same service, environment (the front door: its port) and label; the same log."""
+        return await self._start(dead.svc, dead.label)
+
+    async def healthy(self, p: Proc) -> None:
+        await wait_restarted(p, self.url, self.settings, self.api)
+        if p.proc.returncode is None:  # its /metrics moved (a free port): Prometheus follows the file
+            pids = {q.proc.pid for q in self.procs}
+            endpoints = await metrics_endpoints(self.url, self.settings, self.api, pids)
+            write_targets(self.folder / "prometheus-targets.json", endpoints)
+
+    async def departed(self) -> bool:
+        """A slot some worker left on purpose, not yet taken again."""
+        pp, dp = self.spec.parallelism.pp, self.spec.parallelism.dp
+        async with Bus(self.url, self.spec.bus, name="up") as bus:
+            views = await read_slots(bus.redis, self.settings.run, pp, dp)
+        return any(v.ended is LeaseState.LEFT and not v.held for v in views)
+
+    async def buried(self, dead: Proc) -> None:
+        """A dead worker's or dispatcher's lease: released now."""
+        if not dead.svc.per_slot and dead.svc is not DISPATCHER:
+            return
+        run, pp, dp = self.settings.run, self.spec.parallelism.pp, self.spec.parallelism.dp
+        holder = f"{socket.gethostname()}-{dead.proc.pid}"  # as it named itself (instance_id)
+        try:
+            async with Bus(self.url, self.spec.bus, name="up") as bus:
+                if dead.svc is DISPATCHER:
+                    await release_dispatcher_if_held_by(bus.redis, run, f"{DISPATCHER.name}-{holder}")
+                else:
+                    await release_dead(bus.redis, run, pp, dp, holder)
+        except TRANSIENT_ERRORS:  # Redis away: the lease expires by itself, as before
+            pass
+
+
+def _say_up(
+    settings: Settings,
+    spec: ClusterSpec,
+    state: str,
+    api: str,
+    endpoints: list[tuple[str, str]],
+    folder: Path,
+    verbose: bool,
+) -> None:
+    """What is up, where to send a prompt, where the metrics and logs are, and what Ctrl-C does."""
+    slots = spec.parallelism.pp * spec.parallelism.dp
+    until = "until Ctrl-C" if spec.training.until_stopped else f"for {spec.training.iterations} iterations"
+    say("")
+    say(
+        f"==> BubbleTea is up: run {settings.run}, PP={spec.parallelism.pp} x DP={spec.parallelism.dp}, {slots} workers"
+    )
+    say(f"    serving: {state}; training {until}")
+    say(f"    API:  {api}   (OpenAI-compatible: POST {api}/v1/completions; docs/api.md)")
+    body = '{"prompt": "Hello"}'
+    auth = ' -H "Authorization: Bearer $BUBBLETEA_API_KEY"' if settings.api_key else ""
+    say(f"    try:  curl -s {api}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+    if spec.decode.enabled:
+        who = f"vLLM at {spec.decode.vllm_url} (docs/vllm.md)" if spec.decode.engine == "vllm" else "the decoder"
+        say(f"    whole completions (max_tokens > 1): prefilled in the bubbles, decoded by {who}")
+        mode = mode_of(spec.prefill.placement, spec.decode.enabled)
+        objective = spec.prefill.ttft_objective_ms
+        if mode is Mode.AUTO and objective is not None:
+            say(f"    a prompt the bubbles cannot compute within {objective:g} ms: computed by {who} (auto)")
+        elif mode is Mode.DECODER:
+            say(f"    every prompt computed by {who} (placement decoder)")
+    say(f"    metrics: {len(endpoints)} endpoints, in {folder / 'prometheus-targets.json'} (Prometheus file_sd)")
+    for label, metrics_url in endpoints:
+        say(f"      {label:<18} {metrics_url}")
+    logs = folder / "logs"
+    say(f"    logs: {logs}/<service>.log (warnings and errors also here{'' if verbose else '; -v for all'})")
+    stateless = "a dead front door, dispatcher, WAN broker or decoder"
+    restarted = "every service" if spec.training.recovers else stateless
+    say(f"    Ctrl-C stops everything; {restarted} is restarted if it dies")
+    say("")
+
+
 async def _first(main: Coroutine[Any, Any, int], guard: Coroutine[Any, Any, None]) -> int:
     """`main`'s result, unless `guard` (which runs until cancelled) fails first: its error then."""
     first, second = asyncio.ensure_future(main), asyncio.ensure_future(guard)
@@ -256,112 +286,6 @@ async def _first(main: Coroutine[Any, Any, int], guard: Coroutine[Any, Any, None
         for t in (first, second):
             t.cancel()
         await asyncio.gather(first, second, return_exceptions=True)
-
-
-async def _wait_healthy(procs: list[Proc], url: str, settings: Settings, api: str) -> None:
-    """The front door answers /health; every other service has a heartbeat (workers: one each)."""
-    for p in procs:
-        if p.svc.http:
-            await wait_http_healthy(p, api, timeout=HEALTHY_TIMEOUT_S)
-    want: dict[str, int] = {}
-    for p in procs:
-        if not p.svc.http:
-            want[p.svc.name] = want.get(p.svc.name, 0) + 1
-    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
-    async with Bus(url, settings.spec.bus, name="up") as bus:
-        while True:
-            _raise_if_dead(procs)
-            live = await live_instances(bus.redis)
-            have: dict[str, int] = {}
-            for inst in live:
-                if inst["service"] in want and inst.get("run", settings.run) == settings.run:
-                    have[inst["service"]] = have.get(inst["service"], 0) + 1
-            missing = {n: k - have.get(n, 0) for n, k in want.items() if have.get(n, 0) < k}
-            if not missing:
-                for name in want:
-                    say(f"==> {name} healthy ({have[name]})")
-                return
-            if time.monotonic() > deadline:
-                raise ServiceFailed(f"not healthy within {HEALTHY_TIMEOUT_S:.0f}s: {missing}")
-            await asyncio.sleep(0.2)  # heartbeats are TTL keys: nothing to wait on but time
-
-
-async def _wait_restarted(p: Proc, url: str, settings: Settings, api: str) -> None:
-    """A restarted process is healthy: the front door answers /health, another service has a
-    heartbeat from its new pid. Returns early if it died again (the supervisor sees that death)."""
-    if p.svc.http:
-        try:
-            await wait_http_healthy(p, api, timeout=HEALTHY_TIMEOUT_S)
-        except ServiceFailed:
-            if p.proc.returncode is None:
-                raise  # alive but not healthy in time
-        return
-    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
-    async with Bus(url, settings.spec.bus, name="up") as bus:
-        while p.proc.returncode is None:
-            live = await live_instances(bus.redis, p.svc.name)
-            if any(inst.get("pid") == p.proc.pid for inst in live):
-                return
-            if time.monotonic() > deadline:
-                raise ServiceFailed(
-                    f"{p.label} (pid {p.proc.pid}) restarted but not healthy within {HEALTHY_TIMEOUT_S:.0f}s"
-                )
-            await asyncio.sleep(0.2)  # heartbeats are TTL keys: nothing to wait on but time
-
-
-async def _wait_ready(procs: list[Proc], api: str) -> str:
-    """Poll the front door's /ready until 200 with training running (a dispatcher fills its
-    bubbles): `joining`, requests already taken while the workers set up, is not yet "up". The last
-    reason is in the error if it never comes. Returns the serving state's reason."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    last = "no answer"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
-        while True:
-            _raise_if_dead(procs)
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with http.get(f"{api}/ready") as resp:
-                    body = await resp.json()
-                    if resp.status == 200 and body.get("state") != ServingState.JOINING:
-                        say("==> serving ready")
-                        return str(body.get("reason", "ready"))
-                    last = str(body.get("reason", body))
-            if time.monotonic() > deadline:
-                raise ServiceFailed(f"serving not ready within {READY_TIMEOUT_S:.0f}s: {last}")
-            await asyncio.sleep(0.2)  # readiness is a verdict re-published every 0.25 s: poll it
-
-
-async def _metrics_endpoints(
-    url: str, settings: Settings, api: str, pids: set[int] | None = None
-) -> list[tuple[str, str]]:
-    """(label, /metrics URL) of every service: the front door's API, the others' heartbeats (only
-    those of `pids` if given: a killed process's heartbeat outlives it by its TTL)."""
-    out = [("prefill_queue", f"{api}/metrics")]
-    async with Bus(url, settings.spec.bus, name="up") as bus:
-        live = await live_instances(bus.redis)
-    for inst in live:
-        if pids is not None and inst.get("pid") not in pids:
-            continue
-        if inst.get("metrics_url") and inst.get("run", settings.run) == settings.run:
-            label = inst["service"] + (f"-{inst['slot']}" if inst.get("slot") else "")
-            out.append((label, inst["metrics_url"]))
-    return out
-
-
-def _write_targets(path: Path, endpoints: list[tuple[str, str]]) -> None:
-    """Prometheus `file_sd_configs` targets: one group per endpoint, labelled with its service."""
-    groups = []
-    for label, metrics_url in endpoints:
-        u = urlsplit(metrics_url)
-        groups.append({"targets": [u.netloc], "labels": {"job": label.split("-")[0], "bubbletea_service": label}})
-    path.write_text(json.dumps(groups, indent=2))
-
-
-def _raise_if_dead(procs: list[Proc]) -> None:
-    for p in procs:
-        if p.proc.returncode is not None and p.proc.returncode != 0:
-            raise ServiceFailed(
-                f"{p.label} (pid {p.proc.pid}) exited with code {p.proc.returncode}; last output:\n" + "\n".join(p.tail)
-            )
 
 
 async def _write_run_folder(url: str, settings: Settings, folder: Path, started: float, scale: float) -> None:

@@ -86,9 +86,12 @@ async def managed_vllm(
     with log_file.open("ab") as sink:
         proc = await asyncio.create_subprocess_exec(
             *command(python, model, spec.prefill.model_name, port),
-            stdout=sink, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=sink,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
             preexec_fn=functools.partial(child_setup, PREFILL_QUEUE.nice),
-        )  # fmt: skip
+        )
     url = f"http://127.0.0.1:{port}"
     say(f"==> started vllm (pid {proc.pid}) serving {model}; loading it takes a minute or so (log: {log_file})")
     try:

@@ -21,6 +21,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from bubbletea.report.compute import iteration_starts, kind_of
+from shared.figures.percentiles import percentile
 from shared.figures.runstats import USAGE_PARTS, Usage, UsagePart, share, worker_order
 from shared.policies.spans import Span
 
@@ -274,7 +275,8 @@ def ttft_figure(runs: Sequence[tuple[str, Sequence[float]]], time_scale: float |
 
 
 def _cdf(ax: Axes, label: str, xs: np.ndarray, color: str) -> None:
-    p50, p99 = np.percentile(xs, [50, 99])
+    p50, p99 = (percentile(xs.tolist(), q) for q in (50, 99))
+    assert p50 is not None and p99 is not None, "a run without TTFTs is not drawn"
     ys = np.arange(1, xs.size + 1) / xs.size
     name = f"{label}  (n={xs.size}, p50 {p50:.1f} ms, p99 {p99:.1f} ms)"
     ax.step(

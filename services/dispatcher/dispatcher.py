@@ -46,6 +46,7 @@ from shared.config.spec import ClusterSpec
 from shared.control import serving
 from shared.control.health import instance_id
 from shared.control.leases import generation_joined, read_slots
+from shared.figures.percentiles import percentile
 from shared.model.shape import model_info
 from shared.policies.decisions import Decisions
 from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request, WorkerReady
@@ -393,7 +394,6 @@ class Dispatcher:
         the last `DECISIONS_KEPT` flushes (an input handled to its decisions written, ms)."""
         out = {"run": self.run, "serving": self.verdict.state.value, **self.state.info()}
         if self.decision_s:
-            lat = sorted(self.decision_s)
             for q in (50, 99):
-                out[f"decision_ms_p{q}"] = round(1000 * lat[min(len(lat) - 1, len(lat) * q // 100)], 3)
+                out[f"decision_ms_p{q}"] = round(1000 * (percentile(self.decision_s, q) or 0.0), 3)
         return out

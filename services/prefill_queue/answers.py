@@ -121,8 +121,12 @@ def opening(c: Completion, top: dict[str, Any]) -> dict[str, Any] | None:
     """The first event of a streamed chat: the assistant's role, no text yet (as OpenAI and vLLM send)."""
     if c.chat is None:
         return None
-    event = {**top, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}]}  # fmt: skip
+    event = {
+        **top,
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ],
+    }
     return {**event, "usage": None} if c.include_usage else event
 
 

@@ -94,9 +94,11 @@ class Metrics:
             registry=r,
         )
         self.placed_tokens = Counter(
-            "bubbletea:placement_prompt_tokens", "Prompt tokens of answered prompts, by where computed.",
-            ["placement"], registry=r,
-        )  # fmt: skip
+            "bubbletea:placement_prompt_tokens",
+            "Prompt tokens of answered prompts, by where computed.",
+            ["placement"],
+            registry=r,
+        )
         self.placed_ttft = Histogram(
             "bubbletea:placement_time_to_first_token_seconds",
             "Submission to first token, by where the prompt was computed.",

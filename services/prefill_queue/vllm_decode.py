@@ -73,9 +73,15 @@ class VllmDecoder:
         return self.model
 
     def body(
-        self, model: str, req: PrefillRequest, first: int | None, handle: dict[str, Any], max_tokens: int,
-        stop: tuple[str, ...], ignore_eos: bool,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        model: str,
+        req: PrefillRequest,
+        first: int | None,
+        handle: dict[str, Any],
+        max_tokens: int,
+        stop: tuple[str, ...],
+        ignore_eos: bool,
+    ) -> dict[str, Any]:
         """vLLM's /v1/completions request that continues `req` after its first token; with no
         `first` (the prompt placed on the decoder), the whole completion, vLLM computing the prompt."""
         body: dict[str, Any] = {
@@ -96,9 +102,15 @@ class VllmDecoder:
         return body
 
     async def continue_completion(
-        self, req: PrefillRequest, first: int | None, handle: dict[str, Any], max_tokens: int,
-        stop: tuple[str, ...], ignore_eos: bool, timeout_s: float,
-    ) -> AsyncGenerator[DecodeChunk, None]:  # fmt: skip
+        self,
+        req: PrefillRequest,
+        first: int | None,
+        handle: dict[str, Any],
+        max_tokens: int,
+        stop: tuple[str, ...],
+        ignore_eos: bool,
+        timeout_s: float,
+    ) -> AsyncGenerator[DecodeChunk, None]:
         """The chunks of `req`'s completion after its first token, as vLLM streams them; the last
         is marked done (a failure too). With no `first`: from the first token (index 0), the prompt
         computed by vLLM itself (`prompt_placement`: the decoder's own prefill)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from services.wan_broker.metrics import BrokerMetrics
 from shared.bus import Bus
+from shared.figures.percentiles import percentile
 from shared.policies.wan import LinkModel, LinkSharing, Sent
 from shared.runtime.logs import get_logger
 from shared.runtime.timing import SPIN_S, sleep_until
@@ -98,13 +99,12 @@ class LinkDriver:
 
     def stats(self) -> dict[str, float]:
         elapsed = max(self.now(), 1e-9)
-        late = sorted(self.late_ms)
         return {
             "utilization": self.sharing.stats.busy_s / elapsed,
             "bytes_sent": self.sharing.stats.bytes_sent,
             "transfers": self.sharing.stats.transfers,
             "in_flight": self.sharing.in_flight(),
-            "late_p99_ms": late[int(0.99 * (len(late) - 1))] if late else 0.0,
+            "late_p99_ms": percentile(self.late_ms, 99) or 0.0,
             "busy_s": self.sharing.stats.busy_s,
         }
 

@@ -344,8 +344,11 @@ def plan_kernel_net(
 
     dcs: list[DcNet] = []
     for i, name in enumerate(names):
-        conns = max([spec.link(name, o).connections for o in names if o != name]
-                    + [spec.link(o, name).connections for o in names if o != name] + [1])  # fmt: skip
+        conns = max(
+            [spec.link(name, o).connections for o in names if o != name]
+            + [spec.link(o, name).connections for o in names if o != name]
+            + [1]
+        )
         n_workers = slots[name] if max_workers_per_dc is None else min(slots[name], max_workers_per_dc)
         if FIRST_WORKER_HOST + n_workers * conns - 1 > LAST_HOST:
             raise ValueError(

@@ -6,7 +6,9 @@ the benchmarks (`bench/`) compute the same figures from their own runs. Import t
 need; this package imports none of them.
 
 - `runstats`: a run's spans (`Span`, read from the bus and written to spans.jsonl), the steady
-  window, per-worker usage, utilization, bubble fraction, fill ratio, prefill lag, percentiles.
+  window, per-worker usage, utilization, bubble fraction, fill ratio, prefill lag.
+- `percentiles`: the one percentile rule (linear interpolation, numpy's default) of every figure,
+  bench and report.
 - `bubblestats`: the per-bubble figures: dispatch latency over every bubble, control shares,
   prediction error, overrun, and the bubbles' capacity.
 - `capacity`: the load a run offers, as a share of that capacity, and what a prompt costs.

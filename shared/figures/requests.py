@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from shared.figures.runstats import percentile
+from shared.figures.percentiles import percentile
 
 
 def ttft_ms(ttfts_ms: list[float], p: float, time_scale: float = 1.0) -> float | None:

@@ -223,19 +223,6 @@ def prefill_lag_share(prefill_lag_ms: float, spans: Iterable[Span]) -> float:
     return prefill_lag_ms / prefill_ms if prefill_ms > 0 else 0.0
 
 
-def percentile(values: list[float], p: float) -> float | None:
-    """The p-th percentile (0-100) by linear interpolation; None for no values."""
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 

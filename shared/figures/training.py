@@ -11,6 +11,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from shared.figures.percentiles import percentile
+
 
 def steady_iteration_s(iteration_s: Sequence[float]) -> float:
     """The steady iteration time: the median of the iterations, leaving out the first (warm-up)
@@ -29,9 +31,12 @@ def steady_mean_s(iteration_s: Sequence[float]) -> float:
 
 
 def steady_quantile_s(iteration_s: Sequence[float], q: float) -> float:
-    """The `q` quantile of the steady iterations (nearest rank; the first left out, as above)."""
-    times = sorted(iteration_s[1:] if len(iteration_s) > 2 else iteration_s)
-    return times[min(len(times) - 1, max(0, round(q * (len(times) - 1))))]
+    """The `q` quantile of the steady iterations (`percentiles.percentile`'s rule; the first left
+    out, as above)."""
+    times = iteration_s[1:] if len(iteration_s) > 2 else iteration_s
+    value = percentile(times, q * 100)
+    assert value is not None, "no iteration"
+    return value
 
 
 def slowdown_pct(iteration_on: float, iteration_off: float) -> float:

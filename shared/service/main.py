@@ -159,15 +159,20 @@ async def wait_for_redis(url: str, wait_s: float, stop: asyncio.Event) -> bool:
                 if not failures:
                     log.warning(
                         "redis unreachable; retrying with backoff until the deadline, then exiting",
-                        url=mask_url(url), deadline=until, wait_s=wait_s, error=str(exc),
-                    )  # fmt: skip
+                        url=mask_url(url),
+                        deadline=until,
+                        wait_s=wait_s,
+                        error=str(exc),
+                    )
                 failures += 1
                 delay = backoff().compute(failures)
                 if time.monotonic() + delay > deadline:
                     log.error(
                         "redis still unreachable at the deadline; exiting (start Redis, or check REDIS_URL)",
-                        url=mask_url(url), waited_s=wait_s, error=str(exc),
-                    )  # fmt: skip
+                        url=mask_url(url),
+                        waited_s=wait_s,
+                        error=str(exc),
+                    )
                     return False
                 try:
                     await asyncio.wait_for(stop.wait(), delay)

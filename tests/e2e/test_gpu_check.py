@@ -55,7 +55,7 @@ def test_gpu_check_runs_on_real_compute_and_says_where(tmp_path: Path) -> None:
     assert got["bubbles_total"] >= got["bubbles_with_work"] >= 0 and got["bubbles_total"] >= got["bubbles_filled"] >= 0
     assert got["losses_equal"] is True  # prefill in the bubbles changed nothing training computed
     assert 0 <= got["slo_attainment"] <= 1 and "valid" in got and "targets" in got
-    # the simulator on the device times learned from the pair (bench/_sim_fit.py); its error is the
+    # the simulator on the device times learned from the pair (bench/lib/sim_fit.py); its error is the
     # GPU's figure to meet (5%), not a CPU's, whose host contention no simulator models
     assert got["sim_fitted"]["fwd_ms_per_layer"] > 0 and got["sim_fitted"]["bwd_ms_per_layer"] > 0
     if "sim_why" not in got:  # prefill fitted: both runs simulated

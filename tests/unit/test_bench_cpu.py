@@ -1,11 +1,11 @@
-"""bench/_cpu.py: where a bench's CPU went (the machine's busy share, each process tree's seconds)."""
+"""bench/lib/cpu_time.py: where a bench's CPU went (the machine's busy share, each process tree's seconds)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from bench._cpu import Sample, sample, used
+from bench.lib.cpu_time import Sample, sample, used
 
 #: A child that spends 0.4 s of CPU, says so, and waits.
 SPIN = (

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench import _harness
+from bench.lib import harness
 from shared.figures.bubblestats import capacity_requests_per_s, capacity_tokens_per_s
 from shared.policies.spans import Span
 from shared.wire import ControlSeen
@@ -43,7 +43,7 @@ def seen(spans: list[Span]) -> list[ControlSeen]:
     return [*starts, ControlSeen(run="r", worker="r0s0", event=ControlEvent.REPORT, at=1.0, seen=1.004)]
 
 
-def pair(**kw: Any) -> _harness.Pair:
+def pair(**kw: Any) -> harness.Pair:
     on = timeline(prefill=True)
     args: dict[str, Any] = {
         "iteration_s_off": 1.0,
@@ -63,11 +63,11 @@ def pair(**kw: Any) -> _harness.Pair:
         "capacity_tokens_per_s": 1000.0,
         "offered_rps": 5.0,
     }
-    return _harness.Pair(**(args | kw))
+    return harness.Pair(**(args | kw))
 
 
 def test_every_request_sent_counts_against_the_objective() -> None:
-    s = _harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)
+    s = harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)
     assert s["requests_sent"] == 10 and s["requests_answered"] == 7
     assert s["slo_attainment"] == pytest.approx(0.6)  # 6 within 1000 device ms, of 10 sent
     assert s["ttft_p50_device_ms"] == pytest.approx(2000.0 / K)  # device ms: real over k
@@ -75,7 +75,7 @@ def test_every_request_sent_counts_against_the_objective() -> None:
 
 
 def test_every_bubble_with_work_counts_and_the_fill_is_inside_the_bubble() -> None:
-    s = _harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)
+    s = harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)
     assert (s["bubbles_total"], s["bubbles_with_work"], s["bubbles_filled"]) == (6, 6, 3)
     # three filled 5 ms in, three empty at their whole 400 real ms: 100 device ms at k = 4
     assert s["dispatch_p99_ms"] == pytest.approx(100.0, rel=0.01)
@@ -89,13 +89,13 @@ def test_every_bubble_with_work_counts_and_the_fill_is_inside_the_bubble() -> No
 
 def test_a_run_that_is_not_valid_meets_no_claim() -> None:
     goals = {"slowdown < 1%": lambda s: s["train_slowdown_pct"] < 1}
-    good = _harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)
-    assert good["valid"] and _harness.targets(good, goals)["targets_met"]
-    bad = _harness.summarise([pair(losses_equal=False)], time_scale=K, slo_device_ms=1000.0)
+    good = harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)
+    assert good["valid"] and harness.targets(good, goals)["targets_met"]
+    bad = harness.summarise([pair(losses_equal=False)], time_scale=K, slo_device_ms=1000.0)
     assert not bad["valid"] and "losses differ" in bad["why"]
-    verdict = _harness.targets(bad, goals)
+    verdict = harness.targets(bad, goals)
     assert verdict["targets"] == {"slowdown < 1%": True} and not verdict["targets_met"]
-    lagging = _harness.summarise([pair(prefill_lag_ms=200.0)], time_scale=K, slo_device_ms=1000.0)
+    lagging = harness.summarise([pair(prefill_lag_ms=200.0)], time_scale=K, slo_device_ms=1000.0)
     assert not lagging["valid"] and "behind its profile" in lagging["why"]  # 200 ms of 900 ms of prefill
 
 
@@ -125,7 +125,7 @@ def test_the_training_cost_is_the_steady_mean_a_median_cannot_see_a_slowed_minor
     over iterations, the first left out: the targets') and the p90 ratio show them."""
     off = [2.0] + [1.0] * 10  # a slow first (warm-up), then 1 s each
     on = [2.0] + [1.0] * 8 + [1.5, 1.5]
-    s = _harness.summarise(
+    s = harness.summarise(
         [pair(iteration_s_off=1.0, iteration_s_on=1.0, iterations_off=off, iterations_on=on)],
         time_scale=K,
         slo_device_ms=1000.0,
@@ -133,4 +133,4 @@ def test_the_training_cost_is_the_steady_mean_a_median_cannot_see_a_slowed_minor
     assert s["train_slowdown_pct"] == 0.0  # the medians: both 1 s
     assert s["train_slowdown_mean_pct"] == pytest.approx(10.0)  # 11 s over 10 against 10 s over 10
     assert s["train_p90_on_over_off"] == pytest.approx(1.5)
-    assert _harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)["train_slowdown_mean_pct"] is None
+    assert harness.summarise([pair()], time_scale=K, slo_device_ms=1000.0)["train_slowdown_mean_pct"] is None

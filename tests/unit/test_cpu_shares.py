@@ -1,17 +1,14 @@
 """The benchmarks' CPU table names each process by its service: a stage worker forked by the
 launcher's fork server shows the server's command line until it sets its own title, and must not
-be left named "python" (bench/_cpu_shares.py)."""
+be left named "python" (bench/lib/cpu_shares.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 #: A child that looks like a fork server's child at first, then takes a stage worker's title.
 CHILD = """
@@ -24,11 +21,10 @@ time.sleep(30)
 
 
 @pytest.fixture
-def cpu_shares(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.syspath_prepend(str(BENCH))  # bench scripts import their helpers as top-level modules
-    import _cpu_shares
+def cpu_shares() -> Any:
+    from bench.lib import cpu_shares as module
 
-    return _cpu_shares
+    return module
 
 
 def test_a_forked_worker_is_named_by_the_title_it_takes_after_the_first_sample(cpu_shares: Any) -> None:

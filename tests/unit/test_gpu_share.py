@@ -1,4 +1,4 @@
-"""The GPU check's share of the GPU per worker (bench/_gpu_share.py): when it asks for MPS, each
+"""The GPU check's share of the GPU per worker (bench/lib/gpu_share.py): when it asks for MPS, each
 worker's cap, and that a machine where MPS cannot start says so and runs time-sliced."""
 
 from __future__ import annotations
@@ -9,15 +9,12 @@ from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture
-def gpu_share(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.syspath_prepend(str(BENCH))  # bench scripts import their helpers as top-level modules
-    import _gpu_share
+def gpu_share() -> Any:
+    from bench.lib import gpu_share as module
 
-    return _gpu_share
+    return module
 
 
 def test_workers_sharing_a_gpu_get_mps_each_capped_at_its_share(gpu_share: Any) -> None:

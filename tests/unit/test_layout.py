@@ -16,7 +16,8 @@ Every check looks at every import in a file, function bodies included.
 
 * `shared/policies` is pure: it imports nothing that does I/O or reads a clock (`asyncio`, `redis`,
   `socket`, `threading`, `time`, `subprocess`, `aiohttp`, the bus): a decision takes `now` as an input.
-* No product or benchmark module runs past 400 lines: past it, it is split by purpose.
+* A product or benchmark module past 400 lines, or a function past 80, is listed with a one-line
+  reason (`LONG_MODULES`, `LONG_FUNCTIONS`); an exemption no longer needed is a warning, not a failure.
 * `shared/` has no loose module: its code lives in subpackages whose names say what for.
 * The subpackages of `shared/` are layers (`LAYERS`, lowest first, `config` the ground floor): an
   import between two of them runs down, never up, so no two of them tie both ways.
@@ -25,9 +26,12 @@ Every check looks at every import in a file, function bodies included.
 from __future__ import annotations
 
 import ast
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The product's packages, and the folder each lies in (the vLLM connector is its own distribution).
@@ -267,14 +271,103 @@ def test_find_cycles_finds_them() -> None:
     assert find_cycles({"a": {"a"}}) == [["a", "a"]]
 
 
-#: The most lines a product or benchmark module may have: past it, split it by purpose.
-MAX_LINES = 400
+#: The most lines a product or benchmark module may have unlisted. Past it, a module is cut where its
+#: meaning changes, or listed in `LONG_MODULES` with why it stays whole: the cap is a warning, not a target.
+MAX_MODULE_LINES = 400
+#: The most lines a function may have unlisted: its `def` line to its last line (decorators left out,
+#: the docstring and comments counted: they are what a reader scrolls past), as `ast` reports them.
+MAX_FUNCTION_LINES = 80
+
+#: Modules allowed past MAX_MODULE_LINES: path -> why it stays one file.
+LONG_MODULES: dict[str, str] = {
+    "loadgen/options.py": "one parser: every option and the check across options read in one place",
+    "shared/dataplane/kernel_net.py": "the kernel WAN's pure plan: its topology and shaping explained beside the code",
+    "bench/pd_vllm.py": "one bench: its docstring defines every figure, beside the code that computes it",
+}
+
+#: Functions allowed past MAX_FUNCTION_LINES: "path::Class.function" -> why it stays one function.
+LONG_FUNCTIONS: dict[str, str] = {
+    # being shortened by other parts of issue 65
+    "services/stage_worker/membership.py::take_part": "being split (issue 65)",
+    # tables: one entry a line, read down, nothing to cut by meaning
+    "services/prefill_queue/openapi.py::spec": "the OpenAPI document as one literal, read as the document",
+    "services/prefill_queue/metrics.py::Metrics.__init__": "the front door's metrics, one declaration each",
+    "services/dispatcher/metrics.py::DispatcherMetrics.__init__": "the dispatcher's metrics, one declaration each",
+    "services/stage_worker/metrics.py::WorkerMetrics.__init__": "the stage worker's metrics, one declaration each",
+    # one lifetime: resources started and stopped in pairs inside one function, so their order reads at once
+    "services/stage_worker/worker.py::serve": "the worker's start-up and stop order, each start beside its stop",
+    "services/wan_broker/broker.py::serve": "the broker's link drivers started and stopped in one order",
+    "services/dispatcher/serve.py::lead": "one leader term: its consumers started, the tick loop, then each stopped",
+    "services/prefill_queue/decoding.py::whole": "one response's prefill then decode, JSON or events, in one flow",
+    "bubbletea/launcher/train.py::run_training": "one training run's set-up, loop and teardown in order",
+    # benchmarks: one run's steps in order, each a few lines
+    "bench/bubble_fill.py::main": "its arguments, then the cases run in order",
+    "bench/chaos.py::chaos": "one chaos run's set-up, faults and checks in order",
+    "bench/soak.py::main": "its arguments, then one soak run in order",
+    "bench/takeover.py::arm": "one arm's processes started, killed and measured in order",
+    "bench/lib/harness.py::summarise": "one case's figures, one line each",
+    "bench/lib/atlas_summary.py::summarize": "the JSON line's figures and targets, one line each",
+}
 
 
-def test_no_module_runs_past_400_lines() -> None:
-    files = source_files(*PACKAGES) + sorted((ROOT / "bench").glob("*.py"))
-    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"split these by purpose: {long}"
+# Every warning is an error in this suite (pyproject.toml); this one is only to be seen.
+@pytest.mark.filterwarnings("default:stale size exemption")
+def test_long_modules_and_functions_are_listed_with_a_reason() -> None:
+    """Past the caps only what `LONG_MODULES` and `LONG_FUNCTIONS` list; a listed one now short or
+    gone is a warning (the refactor that shortened it may land before the list is trimmed)."""
+    files = source_files(*PACKAGES) + sorted((ROOT / "bench").rglob("*.py"))
+    long_modules, long_functions = {}, {}
+    for path in files:
+        rel = str(path.relative_to(ROOT))
+        source = path.read_text(encoding="utf-8")
+        if (n := len(source.splitlines())) > MAX_MODULE_LINES:
+            long_modules[rel] = f"{rel}: {n} lines (the cap is {MAX_MODULE_LINES})"
+        for name, node in functions(ast.parse(source, filename=rel)):
+            if (n := (node.end_lineno or node.lineno) - node.lineno + 1) > MAX_FUNCTION_LINES:
+                long_functions[f"{rel}::{name}"] = (
+                    f"{rel}:{node.lineno} {name}: {n} lines (the cap is {MAX_FUNCTION_LINES})"
+                )
+    unlisted = [
+        why for key, why in {**long_modules, **long_functions}.items() if key not in {**LONG_MODULES, **LONG_FUNCTIONS}
+    ]
+    stale = [k for k in LONG_MODULES if k not in long_modules] + [k for k in LONG_FUNCTIONS if k not in long_functions]
+    for key in stale:
+        warnings.warn(
+            StaleExemption(f"stale size exemption: {key} is short now (or gone): take it off the list"), stacklevel=1
+        )
+    assert not unlisted, "cut these where their meaning changes, or list them with a one-line reason:\n" + "\n".join(
+        unlisted
+    )
+
+
+class StaleExemption(UserWarning):
+    """A listed long module or function that is no longer long."""
+
+
+def functions(tree: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function in `tree`, nested ones too, with its qualified name (`Class.method`, `outer.inner`)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield prefix + node.name, node
+            yield from functions(node, f"{prefix}{node.name}.")
+        elif isinstance(node, ast.ClassDef):
+            yield from functions(node, f"{prefix}{node.name}.")
+        else:
+            yield from functions(node, prefix)
+
+
+def test_the_size_check_names_functions_by_their_qualified_name() -> None:
+    """The checker itself: methods and nested functions are named through their class or function."""
+    source = """
+class A:
+    def m(self):
+        def inner():
+            pass
+if True:
+    async def f():
+        pass
+"""
+    assert [name for name, _ in functions(ast.parse(source))] == ["A.m", "A.m.inner", "f"]
 
 
 def test_shared_has_no_loose_module() -> None:

@@ -7,8 +7,9 @@ import argparse
 
 import pytest
 
-from bench import _pd_load, pd_vllm
-from bench._pd_load import Outcome
+from bench import pd_vllm
+from bench.lib import pd_load
+from bench.lib.pd_load import Outcome
 
 
 def test_the_schedule_is_seeded_poisson_within_the_duration() -> None:
@@ -41,8 +42,8 @@ def test_time_per_output_token_is_the_decode_time_over_the_tokens_after_the_firs
 
 
 def test_text_is_what_a_reader_sees_not_pieces_of_unfinished_characters() -> None:
-    assert _pd_load.visible("a") and _pd_load.visible(" ") and _pd_load.visible("\ufffdb")
-    assert not _pd_load.visible("") and not _pd_load.visible("\ufffd\ufffd") and not _pd_load.visible(None)
+    assert pd_load.visible("a") and pd_load.visible(" ") and pd_load.visible("\ufffdb")
+    assert not pd_load.visible("") and not pd_load.visible("\ufffd\ufffd") and not pd_load.visible(None)
 
 
 def test_every_request_sent_counts_and_failed_ones_stay_out_of_the_percentiles() -> None:
@@ -97,26 +98,26 @@ def test_the_json_line_pools_requests_and_names_each_figure() -> None:
 
 
 def test_the_sweep_counts_every_request_sent_in_its_attainment_and_goodput() -> None:
-    from bench import _pd_sweep
+    from bench.lib import pd_sweep
 
     fast = Outcome(ttft_s=0.1, second_s=0.11, e2e_s=0.25, tokens=16)  # TPOT 10 ms
     slow_tokens = Outcome(ttft_s=0.1, second_s=0.3, e2e_s=3.1, tokens=16)  # TPOT 200 ms
     late = Outcome(ttft_s=0.7, second_s=0.71, e2e_s=0.85, tokens=16)
     outcomes = [fast, fast, slow_tokens, late, Outcome(failed="http_429")]
-    assert _pd_sweep.attainment(outcomes, 0.5) == 0.6  # 3 of 5 sent: the 429 and the late one miss
-    assert _pd_sweep.goodput_rps(outcomes, 0.5, 0.1, duration_s=2.0) == 1.0  # 2 meet both, over 2 s
-    assert _pd_sweep.attainment([], 0.5) is None
+    assert pd_sweep.attainment(outcomes, 0.5) == 0.6  # 3 of 5 sent: the 429 and the late one miss
+    assert pd_sweep.goodput_rps(outcomes, 0.5, 0.1, duration_s=2.0) == 1.0  # 2 meet both, over 2 s
+    assert pd_sweep.attainment([], 0.5) is None
 
 
 def test_the_sweep_verdicts_are_the_issues_targets() -> None:
-    from bench import _pd_sweep
+    from bench.lib import pd_sweep
 
     def arm(slo: float, p99: float | None, failed: dict[str, int]) -> dict[str, object]:
         return {"slo_attainment": slo, "ttft_p99_ms": p99, "failed": failed}
 
     light = {"vllm_alone": arm(1.0, 80.0, {}), "bubbletea_vllm": arm(0.995, 450.0, {})}
     heavy = {"vllm_alone": arm(0.6, 900.0, {}), "bubbletea_vllm": arm(0.7, 800.0, {"http_429": 30})}
-    v = _pd_sweep.verdicts([light, heavy], 500.0)
+    v = pd_sweep.verdicts([light, heavy], 500.0)
     assert v == {
         "slo_attainment_within_0_01_everywhere": True,
         "ttft_p99_within_objective_where_vllm_alone_is": True,
@@ -124,21 +125,21 @@ def test_the_sweep_verdicts_are_the_issues_targets() -> None:
         "failed_other_than_429": 0,
     }
     light["bubbletea_vllm"] = arm(0.98, 520.0, {"http_429": 1, "timeout": 2})
-    v = _pd_sweep.verdicts([light, heavy], 500.0)
+    v = pd_sweep.verdicts([light, heavy], 500.0)
     assert not any(v[k] for k in list(v)[:3]) and v["failed_other_than_429"] == 2
 
 
 def test_a_verdict_no_point_qualifies_for_is_null_not_true() -> None:
     """Issue 62: where vLLM alone never meets the objective, "p99 within the objective where vLLM
     alone is" and "no 429 there" held vacuously; they are None."""
-    from bench import _pd_sweep
+    from bench.lib import pd_sweep
 
     heavy = {
         "vllm_alone": {"slo_attainment": 0.5, "ttft_p99_ms": 900.0, "failed": {}},
         "bubbletea_vllm": {"slo_attainment": 0.5, "ttft_p99_ms": 950.0, "failed": {"http_429": 3}},
     }
-    v = _pd_sweep.verdicts([heavy], 500.0)
+    v = pd_sweep.verdicts([heavy], 500.0)
     assert v["ttft_p99_within_objective_where_vllm_alone_is"] is None
     assert v["no_429_where_vllm_alone_meets_objective"] is None
     assert v["slo_attainment_within_0_01_everywhere"] is True
-    assert _pd_sweep.verdicts([], 500.0)["slo_attainment_within_0_01_everywhere"] is None
+    assert pd_sweep.verdicts([], 500.0)["slo_attainment_within_0_01_everywhere"] is None

@@ -1,4 +1,4 @@
-"""The GPU check's simulator fit (bench/_sim_fit.py): the device's times learned from a live pair's
+"""The GPU check's simulator fit (bench/lib/sim_fit.py): the device's times learned from a live pair's
 records, so the simulator can run a spec that has no device profile."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bench import _sim_fit
+from bench.lib import sim_fit
 from shared.config.spec import parse_spec
 from shared.policies.spans import Span
 from shared.wire import PrefillProgress, PrefillReport, PrefillRequest
@@ -47,12 +47,12 @@ def test_prefill_times_are_fitted_per_piece_from_fresh_requests_run_whole() -> N
     ]
     recorded = [*(_request(i, n) for i, n in enumerate(lengths)), _request(8, 50), _request(9, 50)]
     recorded += [_report(*done), _report(*noise)]
-    fitted = _sim_fit.fit_prefill(recorded, layers, piece_tokens=100)
+    fitted = sim_fit.fit_prefill(recorded, layers, piece_tokens=100)
     assert fitted is not None
     assert fitted["prefill_ms_per_layer"] == pytest.approx(0.2, rel=1e-6)
     assert fitted["prefill_us_per_token"] == pytest.approx(3.0, rel=1e-6)
     # one prompt length is not enough to tell the fixed part from the per-token part
-    assert _sim_fit.fit_prefill([_request(0, 40), _report(done[0])], layers, piece_tokens=100) is None
+    assert sim_fit.fit_prefill([_request(0, 40), _report(done[0])], layers, piece_tokens=100) is None
 
 
 def test_training_times_are_fitted_per_stage_and_per_layer() -> None:
@@ -63,8 +63,8 @@ def test_training_times_are_fitted_per_stage_and_per_layer() -> None:
             spans.append(Span(0, stage, it, "fwd", t, t + fwd, 0))
             spans.append(Span(0, stage, it, "bwd", t, t + 2 * fwd, 0))
             spans.append(Span(0, stage, it, "step", t, t + 0.001))
-    assert _sim_fit.stage_seconds(SPEC, spans, "fwd") == pytest.approx((0.003, 0.005))
-    fitted = _sim_fit.fit_training(SPEC, spans)
+    assert sim_fit.stage_seconds(SPEC, spans, "fwd") == pytest.approx((0.003, 0.005))
+    fitted = sim_fit.fit_training(SPEC, spans)
     assert fitted["fwd_ms_per_layer"] == pytest.approx(4 / 3)  # the median of 1 and 5/3 ms a layer
     assert fitted["step_ms"] == pytest.approx(1.0) and fitted["allreduce_ms"] == 0.0
 
@@ -85,6 +85,6 @@ def test_the_bus_hop_is_the_median_wait_for_a_tensor_from_the_same_datacenter() 
         Span(0, 0, 1, "wait", 1.6, 1.7, None, 10.0, 1.7),
         Span(0, 0, 1, "step", 1.7, 1.8),
     ]
-    hop = _sim_fit.fit_bus_s(("a", "a", "b"), spans)
+    hop = sim_fit.fit_bus_s(("a", "a", "b"), spans)
     assert hop == pytest.approx(0.0025)
-    assert _sim_fit.fit_bus_s(("a", "b", "c"), spans) is None  # no tensor from its own DC
+    assert sim_fit.fit_bus_s(("a", "b", "c"), spans) is None  # no tensor from its own DC

@@ -139,10 +139,10 @@ def test_every_tensor_crosses_the_bus_once() -> None:
 
 
 def test_the_simulator_and_the_analytic_model_agree_on_specs_nobody_tuned_them_for() -> None:
-    """Drawn specs (bench/_gen_specs.py: 3-4 datacenters, uneven and asymmetric links, both
+    """Drawn specs (bench/lib/drawn_specs.py: 3-4 datacenters, uneven and asymmetric links, both
     schedules, the step's collectives on or off): the simulator's steady iteration, with its bus
     hops, within 5% of the analytic model's. `bench/sim_vs_live.py --generated N` adds live runs."""
-    from bench._gen_specs import generated
+    from bench.lib.drawn_specs import generated
 
     seen = set()
     for raw in generated(12, seed=0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench._vllm import vllm_python
+from bench.lib.vllm_stack import vllm_python
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

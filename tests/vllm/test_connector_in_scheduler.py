@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench._vllm import vllm_python
+from bench.lib.vllm_stack import vllm_python
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.dataplane.kvstore import kv_file
 

@@ -18,7 +18,15 @@ import aiohttp
 import pytest
 from bubbletea_vllm.kvclient import KvClient, KvUnavailable
 
-from bench._vllm import MODEL_NAME, bubbletea_up, make_tiny_llama, metric, serving_spec, vllm_python, vllm_server
+from bench.lib.vllm_stack import (
+    MODEL_NAME,
+    bubbletea_up,
+    make_tiny_llama,
+    metric,
+    serving_spec,
+    vllm_python,
+    vllm_server,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from bench._pd_load import Outcome, arrivals, one, prompts
+from bench.lib.pd_load import Outcome, arrivals, one, prompts
 
 #: Offered loads (requests/s) of a default sweep: from light to past what the bubbles hold on two
 #: cores (about 8/s with the tiny Llama, docs/benchmarks.md) and into where vLLM alone falls behind.
@@ -44,16 +44,23 @@ def goodput_rps(outcomes: list[Outcome], objective_s: float, tpot_s: float, dura
     good = sum(
         1
         for o in outcomes
-        if o.failed is None and o.ttft_s is not None and o.ttft_s <= objective_s
+        if o.failed is None
+        and o.ttft_s is not None
+        and o.ttft_s <= objective_s
         and (o.tpot_s is None or o.tpot_s <= tpot_s)
-    )  # fmt: skip
+    )
     return round(good / duration_s, 3)
 
 
 def point(
-    rate: float, arms: dict[str, tuple[list[Outcome], dict[str, Any]]], summary: Callable[[list[Outcome]], dict],
-    prompt_tokens: int, objective_s: float, tpot_s: float, duration_s: float,
-) -> dict[str, Any]:  # fmt: skip
+    rate: float,
+    arms: dict[str, tuple[list[Outcome], dict[str, Any]]],
+    summary: Callable[[list[Outcome]], dict],
+    prompt_tokens: int,
+    objective_s: float,
+    tpot_s: float,
+    duration_s: float,
+) -> dict[str, Any]:
     """One load's figures, both arms side by side."""
     out: dict[str, Any] = {"rate_rps": rate}
     for name, (outcomes, figures) in arms.items():
@@ -71,7 +78,7 @@ def point(
             "sent_late_max_ms": figures.get("sent_late_max_ms"),
             "wall_s": figures.get("wall_s"),  # the arm's first sending to its last answer
             "host_load_1m": figures.get("host_load_1m"),
-            # where the machine's CPU went while the arm ran (bench/_cpu.py): the cores are shared
+            # where the machine's CPU went while the arm ran (bench/lib/cpu_time.py): the cores are shared
             **{k: figures.get(k) for k in ("machine_busy_share", "vllm_cpu_s", "bubbletea_cpu_s")},
         }
         if name == "bubbletea_vllm":
@@ -147,8 +154,13 @@ def picture(points: list[dict[str, Any]], path: Path, objective_ms: float) -> Pa
     ax.set_xlabel("offered load (requests/s, Poisson)")
     ax.set_ylabel(f"goodput (requests/s within TTFT {objective_ms:g} ms)")
     share = ax.twinx()
-    share.plot(rates, [p["bubbletea_vllm"]["bubble_token_share"] for p in points], "^--", color="tab:green",
-               label="prompt tokens computed in bubbles")  # fmt: skip
+    share.plot(
+        rates,
+        [p["bubbletea_vllm"]["bubble_token_share"] for p in points],
+        "^--",
+        color="tab:green",
+        label="prompt tokens computed in bubbles",
+    )
     share.set_ylim(0, 1.05)
     share.set_ylabel("share of prompt tokens in bubbles")
     lines = ax.get_legend_handles_labels()
@@ -161,18 +173,24 @@ def picture(points: list[dict[str, Any]], path: Path, objective_ms: float) -> Pa
 
 
 def table(res: dict[str, Any]) -> str:
-    rows = [f"{'load':>6} {'arm':<15} {'ttft p50':>9} {'ttft p99':>9} {'SLO':>6} {'goodput':>8} {'bubbles':>8} "
-            f"{'busy':>5} {'vllm s':>7} {'bt s':>6} failed"]  # fmt: skip
+    rows = [
+        f"{'load':>6} {'arm':<15} {'ttft p50':>9} {'ttft p99':>9} {'SLO':>6} {'goodput':>8} {'bubbles':>8} "
+        f"{'busy':>5} {'vllm s':>7} {'bt s':>6} failed"
+    ]
     for p in res["points"]:
         for name in ("vllm_alone", "bubbletea_vllm"):
             a = p[name]
-            rows.append(f"{p['rate_rps']:>6g} {name:<15} {a['ttft_p50_ms']!s:>9} {a['ttft_p99_ms']!s:>9} "
-                        f"{a['slo_attainment']!s:>6} {a['goodput_rps']!s:>8} {a.get('bubble_token_share', '')!s:>8} "
-                        f"{a.get('machine_busy_share')!s:>5} {a.get('vllm_cpu_s')!s:>7} "
-                        f"{a.get('bubbletea_cpu_s')!s:>6} "
-                        f"{json.dumps(a['failed'])}")  # fmt: skip
-    rows.append(f"TTFT objective {res['ttft_objective_ms']:g} ms, TPOT objective {res['tpot_objective_ms']:g} ms, "
-                f"k = {res['time_scale']}; targets: {json.dumps(res['targets'])}")  # fmt: skip
+            rows.append(
+                f"{p['rate_rps']:>6g} {name:<15} {a['ttft_p50_ms']!s:>9} {a['ttft_p99_ms']!s:>9} "
+                f"{a['slo_attainment']!s:>6} {a['goodput_rps']!s:>8} {a.get('bubble_token_share', '')!s:>8} "
+                f"{a.get('machine_busy_share')!s:>5} {a.get('vllm_cpu_s')!s:>7} "
+                f"{a.get('bubbletea_cpu_s')!s:>6} "
+                f"{json.dumps(a['failed'])}"
+            )
+    rows.append(
+        f"TTFT objective {res['ttft_objective_ms']:g} ms, TPOT objective {res['tpot_objective_ms']:g} ms, "
+        f"k = {res['time_scale']}; targets: {json.dumps(res['targets'])}"
+    )
     return "\n".join(rows)
 
 
@@ -206,23 +224,35 @@ def add_arguments(ap: Any) -> None:
         "at time scale 1: goodput and the bubbles' share of the prompt tokens",
     )
     ap.add_argument(
-        "--sweep-rates", type=_rates, default=SWEEP_RATES, metavar="R,R,...",
+        "--sweep-rates",
+        type=_rates,
+        default=SWEEP_RATES,
+        metavar="R,R,...",
         help=f"the sweep's loads in requests/s; default {default_rates}",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--ttft-objective-ms", type=float, default=500.0, metavar="MS",
+        "--ttft-objective-ms",
+        type=float,
+        default=500.0,
+        metavar="MS",
         help="the TTFT objective: the front door's (bubbletea up --ttft-objective-ms) and the SLO's; default 500",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--tpot-objective-ms", type=float, default=100.0, metavar="MS",
+        "--tpot-objective-ms",
+        type=float,
+        default=100.0,
+        metavar="MS",
         help="the time-per-output-token objective goodput also asks; default 100",
-    )  # fmt: skip
+    )
     ap.add_argument("--picture", metavar="PNG", help="with --sweep: draw goodput and the bubbles' share against load")
     ap.add_argument(
-        "--vllm-nice", type=int, default=0, metavar="N",
+        "--vllm-nice",
+        type=int,
+        default=0,
+        metavar="N",
         help="vLLM's scheduling niceness; default 0. `up` runs its front door at 10, yielding the shared "
         "cores to training; 10 gives vLLM the same place in both arms",
-    )  # fmt: skip
+    )
 
 
 def _rates(text: str) -> tuple[float, ...]:

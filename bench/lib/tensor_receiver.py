@@ -1,7 +1,7 @@
 """The receiving end of bench/transport_throughput.py: a process that receives each transfer the
 sender announces (a Redis stream, a data-plane pair, a raw socket), acks it on a Pipe, and checks
 the contents of the warm-ups (before its ack) and of each size's last transfer (after it).
-Not a benchmark (`make bench` skips bench/_*.py)."""
+Not a benchmark (`make bench` runs only bench/*.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from typing import Any
 import msgspec
 import redis
 import torch
-from _common import WARMUP
 
+from bench.lib.transfers import WARMUP
 from shared.dataplane import DataPlane, PairSpec
 from shared.dataplane.tensors import from_blob
 from shared.runtime.lifetime import die_with_parent

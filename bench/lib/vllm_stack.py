@@ -28,7 +28,7 @@ import yaml
 
 from bubbletea.launcher.procs import child_setup
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: The connector as vLLM's --kv-transfer-config names it (bubbletea_vllm.CONNECTOR, MODULE).
 KV_TRANSFER_CONFIG = {
     "kv_connector": "BubbleTeaConnector",
@@ -73,9 +73,16 @@ def make_tiny_llama(directory: Path) -> Path:
     from bubbletea.initmodel import default_texts, init_model
 
     init_model(
-        directory, "llama", layers=4, hidden=256, heads=4, kv_heads=2, positions=512,
-        tokenizer_vocab=1000, texts=default_texts(),
-    )  # fmt: skip
+        directory,
+        "llama",
+        layers=4,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        positions=512,
+        tokenizer_vocab=1000,
+        texts=default_texts(),
+    )
     cfg = transformers.AutoConfig.from_pretrained(directory)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
@@ -101,9 +108,13 @@ def vllm_server(python: Path, model: Path, log: Path, *, connector: bool = True,
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
             preexec_fn=functools.partial(child_setup, nice),  # as `up` starts its own: niced, dying with us
-        )  # fmt: skip
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -176,11 +187,16 @@ def bubbletea_up(spec: Path, out: Path, *args: str) -> Iterator[str]:
     cmd = [sys.executable, "-m", "bubbletea.cli", "up", "--config", str(spec), "--out", str(out / "runs"), *args]
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             # Ctrl-C (SIGINT) stops it even when this runs in the background of a shell, which
             # starts it with SIGINT ignored: inherited, `up` would never stop on the one sent below
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )  # fmt: skip
+        )
     try:
         deadline = time.monotonic() + 480  # with --decode vllm, up waits for vLLM to load first
         while True:

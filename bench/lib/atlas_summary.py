@@ -6,8 +6,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from _common import verdict
-
+from bench.lib.output import verdict
+from shared.figures.percentiles import percentile
 from shared.figures.training import speedup
 from shared.policies.wan import BUS_HOP_S
 
@@ -113,7 +113,7 @@ def summarize(
         ),
         "lag_share_max": round(lag_share, 4),
         "control_hop_ms_p50": round(statistics.median(hops), 3) if hops else None,
-        "control_hop_ms_p90": round(sorted(hops)[int(0.9 * (len(hops) - 1))], 3) if hops else None,
+        "control_hop_ms_p90": round(percentile(hops, 90), 3) if hops else None,
         "model_control_hop_ms": None if model_mode else BUS_HOP_S * 1000,
         "link_efficiency_min": _r(eff_min, 3),
         "link_efficiency_fair": _r(fair["link_efficiency"], 3),

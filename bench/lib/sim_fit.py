@@ -189,7 +189,7 @@ def compare(
 
 
 def compare_last(last: list[Any], iterations: int) -> dict[str, Any]:
-    """`--sim`: the last pair against the simulator with the device times fitted from it (`_sim_fit`)."""
+    """`--sim`: the last pair against the simulator with the device times fitted from it (`sim_fit`)."""
     result_off, off_t, result_on, on_t = last
     spec = on_t["spec"]
     pieces = piece_tokens(spec["bubbletea"].get("piece_tokens", 0), on_gpu=workers_on_gpu(spec))

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import _churn_figures as figs
-import chaos
-
+from bench import chaos
+from bench.lib import churn_figures as figs
+from shared.figures.percentiles import percentile
 from shared.wire import FIELD, PrefillBatch, decode, keys
 
 
@@ -94,7 +94,7 @@ def figures(
         backs = [figs.recovered_in(figs.back_after(r["at"], r["generation"], joined, slots)) for r in records]
         out["recovered"] = sum(b != float("inf") for b in backs)
         for p in (50, 99):
-            out[f"back_p{p}_s"] = figs.rounded(figs.percentile(backs, p))
+            out[f"back_p{p}_s"] = figs.rounded(percentile(backs, p))
         out["back_max_s"] = figs.rounded(max(backs, default=None))
     return out
 

@@ -14,7 +14,7 @@ from the claims (`valid`, `why`): the prefill compute kept up with its profile, 
 the same losses with BubbleTea on and off, every bubble the figures count had its dispatcher
 record. A claim of a run that is not valid is never called met (`targets_met`).
 
-A script in bench/ imports this as ``import _harness``; tests as ``from bench import _harness``.
+Scripts and tests import it as ``from bench.lib import harness``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from shared.figures.bubblestats import (
     recomputed_share,
     report_latencies_ms,
 )
+from shared.figures.percentiles import percentile
 from shared.figures.requests import requests_lost, slo_attainment, ttft_ms
-from shared.figures.runstats import percentile, prefill_lag_share, utilization
+from shared.figures.runstats import prefill_lag_share, utilization
 from shared.figures.training import slowdown_pct, steady_mean_s, steady_quantile_s
 from shared.policies.spans import Span
 from shared.wire import ControlSeen

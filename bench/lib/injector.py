@@ -3,7 +3,7 @@ Redis with the front door's own script, batched per wake-up. Run as a process of
 several can offer more than one Python process can (the dispatcher, not the injector, is to be the
 limit: issue 62). It prints how many it sent.
 
-    python bench/_inject.py REDIS_URL RUN RATE SECONDS REPLY_TO ID_PREFIX SEED
+    python bench/lib/injector.py REDIS_URL RUN RATE SECONDS REPLY_TO ID_PREFIX SEED
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from shared.control import serving
 from shared.wire import PrefillRequest

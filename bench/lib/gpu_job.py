@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "loadgen" / "traces" / "azure2023_conv_synthetic.csv"
 
 
@@ -42,7 +42,7 @@ class Job:
         return workdir / f"llama-{self.size}"
 
     def spec_overrides(self, model_dir: Path, pp: int) -> dict[str, Any]:
-        """What the job changes in the bench's spec (`_bubble_fill_run.bench_spec`)."""
+        """What the job changes in the bench's spec (`bubble_fill_run.bench_spec`)."""
         return {
             "wan": {
                 "sharing": "temporal",

@@ -136,13 +136,6 @@ def serving(load: dict[str, Any], slo_ms: float) -> dict[str, Any]:
     }
 
 
-def percentile(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, round(p / 100 * (len(v) - 1))))]
-
-
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from _common import command_words
+from bench.lib.procfs import command_words
 
 #: The module a stage worker runs (``python -m services.stage_worker``): what the poller looks for.
 STAGE_WORKER_MODULE = "services.stage_worker"

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import _sim_fit
 import msgspec
 import yaml
-from _cpu_shares import CpuSampler
 from redis.asyncio import Redis
 
+from bench.lib import sim_fit
+from bench.lib.cpu_shares import CpuSampler
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
@@ -27,9 +27,9 @@ from shared.policies.spans import Span
 from shared.wire import ControlSeen
 
 if TYPE_CHECKING:
-    from _gpu_job import Prepared
+    from bench.lib.gpu_job import Prepared
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "wan-bound.yaml").read_text())
 
 
@@ -53,7 +53,7 @@ def bench_spec(
     job: Prepared | None = None,
 ) -> dict[str, Any]:
     """The bench's spec: configs/wan-bound.yaml's pipeline, or with `job` (real mode) the GPU
-    check's Llama job (bench/_gpu_job.py)."""
+    check's Llama job (bench/lib/gpu_job.py)."""
     spec = copy.deepcopy(BASE)
     if mode == "profiled":
         spec["device"] |= PREFILL_PROFILE
@@ -111,7 +111,7 @@ async def one_run(
     """One training run, BubbleTea off or on (then under the load: `rate` requests per real second
     for `load_s`); with `dump` (`--dump DIR`) its spans and the dispatcher's records are written
     there too; with `record` (BubbleTea on) the requests accepted and the batch reports are kept
-    (`_sim_fit.record`, in `recorded`), and the spec (`spec`)."""
+    (`sim_fit.record`, in `recorded`), and the spec (`spec`)."""
     spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp, mode=mode, slo_device_ms=slo_device_ms, job=job)
     path = workdir / f"bt-{'on' if enabled else 'off'}.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -127,7 +127,7 @@ async def one_run(
         sampler = CpuSampler()
         sampling = asyncio.create_task(sampler.run())
         recorded: list[Any] = []
-        watching = _sim_fit.record(url, run, recorded) if record else None
+        watching = sim_fit.record(url, run, recorded) if record else None
         try:
             async with front_door(env, out=out) as door:
                 assert door.url is not None

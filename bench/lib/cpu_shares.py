@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import command_words
+from bench.lib.procfs import command_words
 
 
 class CpuSampler:

@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from bench import _vllm
+from bench.lib import vllm_stack
 
 
 def arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
@@ -66,7 +66,7 @@ def visible(text: Any) -> bool:
 
 def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {
-        "model": _vllm.MODEL_NAME,
+        "model": vllm_stack.MODEL_NAME,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,

@@ -106,7 +106,7 @@ class Stall(Arm):
 
 
 class LostHost(Arm):
-    """A slot holder on a host of its own (`_lost_host.LostHost`) whose packets are all dropped:
+    """A slot holder on a host of its own (`lost_host.LostHost`) whose packets are all dropped:
     no FIN, no reset; its connections stay open in Redis's client list. Each fault starts a worker
     there as a spare, stalls one of `up`'s workers past its lease so that the host's worker takes
     its slot (`up` would hand a slot it frees to its own restarted worker first), then cuts the host

@@ -1,0 +1,16 @@
+"""What /proc says of a process a bench started: its command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def command_words(pid: int) -> list[str] | None:
+    """The command line of `pid` as words, None if it is gone. Split on NULs and on spaces: a stage
+    worker forked by a launcher (`bubbletea/launcher/forked.py`) writes its command line as one
+    string with spaces (setproctitle), an exec'd process has one NUL-separated argument each."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").split()
