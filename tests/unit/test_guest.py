@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shared.control.status import ServingState
-from shared.policies.dispatch import Progress
+from shared.policies.dispatch_inputs import Progress
 from shared.policies.guest import MAX_FAILURES, GuestHealth
 from shared.policies.readiness import ServingGate, SlotView
 from shared.spec.config import ConfigError

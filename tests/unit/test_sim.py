@@ -11,7 +11,7 @@ import pytest
 
 from bubbletea.cli import main as cli_main
 from shared.policies.decisions import Batch, BatchItem, Trigger, Why
-from shared.policies.dispatch import Progress
+from shared.policies.dispatch_inputs import Progress
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
