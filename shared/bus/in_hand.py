@@ -4,7 +4,8 @@ flight or held after its handler returned `HOLD` (until the service releases it)
 Each carries when its idle time in Redis was last reset (its handler's start, its holding, or a
 refresh by the reclaim loop): the reclaim loop refreshes those that grow old, so that a slow but
 live handler, or a held entry, is not taken over by a peer (`shared.bus.reclaim`). The consumer's
-read loop and its reclaim loop share one `InHand`.
+read loop and its reclaim loop share one `InHand`. tests/integration/test_bus.py covers it (a slow
+live handler not stolen, a held entry ours until released, drain).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ Every quarter of `claim_idle_ms` it refreshes the idle time of entries still bei
 handlers, dead consumers: XAUTOCLAIM) and hands them to its consumer, and now and then trims
 fully-acked entries from the stream. `Reclaimer` is an object the consumer holds
 (`shared.bus.consumer.Consumer`); the tables it reads are the consumer's `InHand`.
+tests/integration/test_bus.py covers it (a killed consumer's entries reclaimed, a slow live
+handler not stolen, trimming).
 """
 
 from __future__ import annotations

@@ -56,8 +56,9 @@ run, a dispatcher counts the batches its predecessors sent that the workers stil
 **One object per invariant.** `DispatchState` composes a credit book (`credit_book.CreditBook`:
 each worker's credit, the batches it holds, the index of the workers with room) and a waiting room
 (`waiting_room.WaitingRoom`: every known request, the queue of those waiting); its entry points
-feed them, and its fill pass packs the room into the roomiest workers' credit. Its inputs and
-tables are `dispatch_inputs.py`. **Cost at scale**: a trigger visits only the workers with room
+feed them, a fill pass (`handout.Handout`) packs the room into the roomiest workers' credit, and
+`refusals` says how a request leaves unanswered. Its inputs and tables are `dispatch_inputs.py`.
+**Cost at scale**: a trigger visits only the workers with room
 (`dispatch_index.CreditIndex`) and packing reads the head of a queue kept in packing order
 (`packing.WaitingQueue`).
 """

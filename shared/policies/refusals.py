@@ -5,6 +5,7 @@ Small functions over the waiting room (`waiting_room.WaitingRoom`) and admission
 (`admission.Admission`); `DispatchState` calls them and counts what they return. Where a prompt
 goes is `prompt_placement`'s decision; admission's rate is the prediction it decides on. A move is
 a `Moved`, not a failure: the front door has the decoder compute it.
+tests/unit/test_prompt_placement.py and tests/unit/test_admission.py pin them.
 """
 
 from __future__ import annotations
