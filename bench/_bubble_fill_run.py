@@ -20,9 +20,10 @@ from redis.asyncio import Redis
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
+from shared.config.settings import load_settings
 from shared.figures.bubblestats import empty_with_work, run_control
-from shared.figures.runstats import Span, run_spans, write_spans
-from shared.spec.settings import load_settings
+from shared.figures.runstats import run_spans, write_spans
+from shared.policies.spans import Span
 from shared.wire import ControlSeen
 
 if TYPE_CHECKING:

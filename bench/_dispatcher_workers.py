@@ -7,7 +7,7 @@ phase offset by its index). In a bubble it runs its queue as a device would, eac
 `request_s` scaled by its prompt (no compute: it sleeps on the event loop), and announces the
 bubble's start (with what it holds) and end (the batches that finished in it) on the run's bubble
 stream. A finished batch is answered and reported in one pipelined round trip, as
-`services/stage_worker/reporting.py` does, then acked. What it measures: each request's wait from
+`services/stage_worker/fill/reporting.py` does, then acked. What it measures: each request's wait from
 its acceptance (`PrefillRequest.submitted`) to its batch arriving here (host clock), and the
 requests it answered.
 """
@@ -22,8 +22,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared.bus.streams import ensure_group
-from shared.control import keys, serving
-from shared.control.status import ItemOutcome, RequestStatus
+from shared.control import serving
 from shared.policies.fill import FillQueue
 from shared.wire import (
     FIELD,
@@ -35,7 +34,9 @@ from shared.wire import (
     PrefillResult,
     decode,
     encode,
+    keys,
 )
+from shared.wire.status import ItemOutcome, RequestStatus
 
 #: The prompt length a request's `request_s` is for (it scales with the prompt, as a layer's matmuls do).
 PROMPT_TOKENS = 96

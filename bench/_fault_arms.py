@@ -19,9 +19,9 @@ import time
 from typing import Any, Protocol
 
 from bubbletea.launcher.procs import Proc
-from shared.control import keys, serving
-from shared.spec.config import ClusterSpec
-from shared.wire import FIELD, BubbleStart, decode
+from shared.config.spec import ClusterSpec
+from shared.control import serving
+from shared.wire import FIELD, BubbleStart, decode, keys
 
 #: After a fault the run must have gone on without a recovery for this long to count as kept.
 CHECK_AFTER_S = 6.0
@@ -153,7 +153,7 @@ class LostHost(Arm):
         took = await _wait_async(taken, 60, poll_s=0.05)
         taken_s = time.time() - at if took else None
         # the partition heals: the host's worker, its slot taken, must stop on its own, having
-        # written nothing (its lease is another's: `services/stage_worker/lease.py`)
+        # written nothing (its lease is another's: `services/stage_worker/membership/lease.py`)
         await asyncio.sleep(HEAL_AFTER_S)
         await asyncio.to_thread(self.host.restore)
         healed = time.time()

@@ -9,8 +9,7 @@ from typing import Any
 import _churn_figures as figs
 import chaos
 
-from shared.control import keys
-from shared.wire import FIELD, PrefillBatch, decode
+from shared.wire import FIELD, PrefillBatch, decode, keys
 
 
 def duplicates(url: str, run: str, spec: Any) -> dict[str, int]:

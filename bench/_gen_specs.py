@@ -23,7 +23,7 @@ DC_NAMES = ("dc-a", "dc-b", "dc-c", "dc-d")
 
 
 def generated_spec(rng: random.Random, index: int) -> dict[str, Any]:
-    """One drawn spec, as plain data (`shared.spec.config.parse_spec` reads it)."""
+    """One drawn spec, as plain data (`shared.config.spec.parse_spec` reads it)."""
     n_dc = rng.choice((3, 4))
     pp = n_dc + rng.choice((0, 1))
     dp = rng.choice((1, 2))

@@ -34,8 +34,9 @@ from shared.figures.bubblestats import (
     report_latencies_ms,
 )
 from shared.figures.requests import requests_lost, slo_attainment, ttft_ms
-from shared.figures.runstats import Span, percentile, prefill_lag_share, utilization
+from shared.figures.runstats import percentile, prefill_lag_share, utilization
 from shared.figures.training import slowdown_pct, steady_mean_s, steady_quantile_s
+from shared.policies.spans import Span
 from shared.wire import ControlSeen
 
 T = TypeVar("T")

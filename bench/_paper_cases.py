@@ -10,9 +10,9 @@ from typing import Any
 
 import yaml
 
+from shared.config.spec import ClusterSpec, parse_spec
+from shared.policies.pipeline_plan import ACT_ELEMENT_BYTES
 from shared.policies.wan import LinkModel
-from shared.spec.config import ClusterSpec, parse_spec
-from shared.spec.plan import ACT_ELEMENT_BYTES
 from sim.output import figures
 from sim.run import SimOptions, simulate
 

@@ -31,15 +31,14 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
-from shared.control import keys
-from shared.control.status import ItemOutcome
+from shared.config.spec import ClusterSpec, parse_spec
 from shared.figures import runstats
-from shared.figures.runstats import Span
 from shared.model.shape import model_info
 from shared.policies.fill import piece_tokens
-from shared.spec.config import ClusterSpec, parse_spec
-from shared.spec.plan import layers_per_stage
-from shared.wire import FIELD, PrefillReport, PrefillRequest, decode
+from shared.policies.pipeline_plan import layers_per_stage
+from shared.policies.spans import Span
+from shared.wire import FIELD, PrefillReport, PrefillRequest, decode, keys
+from shared.wire.status import ItemOutcome
 from sim.run import run_off, run_on
 from sim.setup import build
 

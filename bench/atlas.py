@@ -64,16 +64,16 @@ from bubbletea.launcher.kernel_wan import KernelWanError, default_wan_mode
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import WAN_BROKER
 from bubbletea.launcher.train import run_training
-from services.stage_worker.outbox import Outbox, wan_transfer
+from services.stage_worker.port.outbox import Outbox, wan_transfer
 from shared.bus import Bus
-from shared.control import keys
+from shared.config.settings import load_settings
+from shared.config.timescale import profile_ms
 from shared.control.health import wait_live
 from shared.figures.training import lag_share
+from shared.policies.pipeline_plan import activation_bytes, predict
 from shared.policies.wan import LinkModel
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.plan import activation_bytes, predict, profile_ms
-from shared.spec.settings import load_settings
-from shared.wire import LinkReport, Ping, decode
+from shared.wire import LinkReport, Ping, decode, keys
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The base spec: WAN-bound, with a device profile (each operation counts for a known time) and a

@@ -70,12 +70,12 @@ from _gpu_job import SIZES, Prepared, prepare
 
 from bubbletea.launcher.train import TrainResult
 from bubbletea.progress import StepBar, say
+from shared.config.env_values import PRIORITIES
+from shared.config.spec import parse_spec
 from shared.figures.capacity import offer, prefill_block_s
+from shared.model.calibration import calibrate
 from shared.model.shape import model_info
-from shared.runtime.priority import PRIORITIES
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.config import parse_spec
-from shared.spec.timescale import calibrate
 
 
 async def run_case(
@@ -201,7 +201,7 @@ async def bench(
 
 def time_scale(arg: str, dp: int, max_scale: float | None) -> float:
     """`--time-scale`: a number, or `auto`: this machine measured with the workers of the largest
-    case computing at once (shared/spec/timescale.py); above 20 it runs all the same, warning once."""
+    case computing at once (shared/config/timescale.py); above 20 it runs all the same, warning once."""
     if arg != "auto":
         return float(arg)
     spec = parse_spec(bench_spec(enabled=True, iterations=1, dp=dp))
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "--time-scale",
         default="auto",
         metavar="K",
-        help="the device time scale (one profiled ms = K real ms, shared/spec/timescale.py): auto (the default) "
+        help="the device time scale (one profiled ms = K real ms, shared/config/timescale.py): auto (the default) "
         "measures this machine first and picks it; or a number >= 1",
     )
     ap.add_argument("--max-time-scale", type=float, metavar="K", help="refuse a measured scale above K (default: none)")

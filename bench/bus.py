@@ -27,10 +27,9 @@ import uvloop
 from redis.asyncio import Redis
 
 from shared.bus import Bus, Delivery
-from shared.control import keys
+from shared.config.spec import BusConfig
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.config import BusConfig
-from shared.wire import FIELD, Message, Ping, Pong, encode
+from shared.wire import FIELD, Message, Ping, Pong, encode, keys
 
 PIPELINE = 500  # XADDs per round trip for both publishers: the same batching on both sides
 

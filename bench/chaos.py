@@ -58,11 +58,10 @@ from redis import Redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shared.control import keys  # noqa: E402
+from shared.config.spec import ClusterSpec, load_spec  # noqa: E402
 from shared.model.reference import train_reference_for  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
-from shared.spec.config import ClusterSpec, load_spec  # noqa: E402
-from shared.wire import IterationDone, decode  # noqa: E402
+from shared.wire import IterationDone, decode, keys  # noqa: E402
 
 SERVICES = ("prefill_queue", "dispatcher", "wan_broker", "stage_worker-{}")
 #: How long a client retries one request (same Idempotency-Key) while the front door is down.

@@ -66,9 +66,9 @@ import chaos  # noqa: E402
 
 from bubbletea.launcher.load import run_loadgen  # noqa: E402
 from shared.bus.connection import TRANSIENT_ERRORS as REDIS_ERRORS  # noqa: E402
-from shared.control import keys  # noqa: E402
+from shared.config.spec import load_spec  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
-from shared.spec.config import load_spec  # noqa: E402
+from shared.wire import keys  # noqa: E402
 
 ARMS = ("calm", "churn", "restart")
 DEFAULT_CONFIG = ROOT / "configs" / "demo.yaml"
@@ -258,7 +258,7 @@ class Arm:
 def capacity_rate(config: Path, k: float) -> float:
     """Requests per real second the bubbles of `config` hold at time scale `k` (the simulator's
     capacity for the load's mean prompt)."""
-    from shared.spec.timescale import scale_spec
+    from shared.config.timescale import scale_spec
     from sim.run import SimOptions, capacity_rate, run_off
     from sim.setup import build
 
@@ -271,7 +271,7 @@ def capacity_rate(config: Path, k: float) -> float:
 def time_scale(arg: str, config: Path) -> float:
     if arg != "auto":
         return float(arg)
-    from shared.spec.timescale import calibrate
+    from shared.model.calibration import calibrate
 
     cal = calibrate(load_spec(config))
     print(cal.line(), file=sys.stderr, flush=True)

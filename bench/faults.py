@@ -63,9 +63,9 @@ from redis.asyncio import Redis  # noqa: E402
 from bubbletea.launcher.load import run_loadgen  # noqa: E402
 from bubbletea.launcher.procs import Proc, spawn, stop_all  # noqa: E402
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER  # noqa: E402
-from shared.control import keys  # noqa: E402
+from shared.config.spec import load_spec  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
-from shared.spec.config import load_spec  # noqa: E402
+from shared.wire import keys  # noqa: E402
 
 #: Seconds of load before the first fault, and after the last one's planned time.
 WARM_S, TAIL_S = 15.0, 15.0

@@ -42,8 +42,8 @@ from schemathesis.specs.openapi import schemas as _oas_schemas  # noqa: F401
 # with "SystemError: AST constructor recursion depth mismatch" (seen in a full `make test`).
 from services.prefill_queue.app import create_app
 from services.prefill_queue.server import Runner
-from shared.runtime.service import serve_app
-from shared.spec.settings import Settings, load_settings
+from shared.config.settings import Settings, load_settings
+from shared.service.main import serve_app
 
 SCHEMA_CHECKS = [
     oas_checks.status_code_conformance,

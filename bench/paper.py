@@ -31,8 +31,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from shared.figures.training import speedup
+from shared.policies.pipeline_plan import placement_of
 from shared.policies.schedules import compute_bubble_fraction
-from shared.spec.plan import placement_of
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

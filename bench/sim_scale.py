@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shared.spec.config import ClusterSpec, parse_spec
+from shared.config.spec import ClusterSpec, parse_spec
 from sim.output import figures
 from sim.run import RunResult, SimOptions, SimResult, run_off, simulate_on
 from sim.setup import build

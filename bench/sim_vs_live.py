@@ -10,7 +10,7 @@ door accepts less), and the simulator replays exactly the requests the live fron
 read off its request stream as they were queued (submission time and prompt length), at the same
 moments relative to the steady window.
 
-Both sides run on the device time scale (`shared.spec.timescale`: measured here per case unless
+Both sides run on the device time scale (`shared.config.timescale`: measured here per case unless
 `--time-scale K`): the live services get it from the environment, the simulator runs the scaled
 spec, the load's rate is per emulated second, and iteration times are reported in emulated ms.
 
@@ -64,15 +64,16 @@ from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
 from bubbletea.progress import StepBar, say
 from loadgen.datasets import length_range
-from shared.control import keys
+from shared.config.deprecated import spec_builtins
+from shared.config.settings import load_settings
+from shared.config.spec import ClusterSpec, load_spec
+from shared.config.timescale import scale_spec
 from shared.figures import runstats
 from shared.figures.training import lag_share, steady_iteration_s
+from shared.model.calibration import calibrate
 from shared.policies.pipeline_run import simulate as analytic
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.config import ClusterSpec, load_spec, spec_builtins
-from shared.spec.settings import load_settings
-from shared.spec.timescale import calibrate, scale_spec
-from shared.wire import FIELD, PrefillRequest, decode
+from shared.wire import FIELD, PrefillRequest, decode, keys
 from sim.run import run_off, run_on
 from sim.setup import BUS_S, DEFAULT_PREFILL, build
 
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "--time-scale",
         default="auto",
         metavar="K",
-        help="the device time scale of every case (shared/spec/timescale.py): auto (the default) measures this "
+        help="the device time scale of every case (shared/config/timescale.py): auto (the default) measures this "
         "machine for each case's spec; or a number >= 1 (1: the profile as written)",
     )
     args = ap.parse_args(argv)

@@ -47,10 +47,10 @@ from redis.asyncio import Redis  # noqa: E402
 
 from bubbletea.launcher.procs import Proc, spawn, stop_all  # noqa: E402
 from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER  # noqa: E402
-from shared.control import keys  # noqa: E402
+from shared.config.spec import load_spec  # noqa: E402
 from shared.policies.lease_liveness import SETTLE_S  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis  # noqa: E402
-from shared.spec.config import load_spec  # noqa: E402
+from shared.wire import keys  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "demo.yaml"
 ARMS = {"liveness": "on", "expiry": "off"}

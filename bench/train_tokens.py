@@ -184,9 +184,9 @@ def count_params(spec: Any) -> int:
     """Parameters of the spec's model, each tensor once, built by the project's own modules."""
     import torch
 
+    from shared.config.model_info import info_from_config, read_config
     from shared.model.checkpoint import FAMILIES
     from shared.model.gpt import build_full
-    from shared.model.info import info_from_config, read_config
     from shared.model.shape import GPTConfig
 
     if spec.training.model is None:
@@ -200,8 +200,8 @@ def count_params(spec: Any) -> int:
 def run_case(case: str, raw: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Train `raw` once over live services on a private Redis; its figures."""
     from bubbletea.launcher.train import run_training
+    from shared.config.settings import load_settings
     from shared.runtime.redis_server import EmbeddedRedis
-    from shared.spec.settings import load_settings
 
     path = workdir / f"{case}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))

@@ -120,7 +120,7 @@ async def train_watched(spec: dict[str, Any], tag: str, workdir: Path) -> dict[s
     and its `ServiceFailed` raised (what is measured is what Redis carries, so a failure is fatal)."""
     from bubbletea.launcher.procs import ServiceFailed
     from bubbletea.launcher.train import run_training
-    from shared.spec.settings import load_settings
+    from shared.config.settings import load_settings
 
     path = workdir / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(spec))

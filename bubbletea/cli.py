@@ -51,10 +51,10 @@ def _describe(exc: BaseException, out: str | None = None) -> tuple[int, str] | N
     from bubbletea.cli_common import CommandError
     from bubbletea.launcher.kernel_wan import KernelWanError
     from bubbletea.launcher.procs import ServiceFailed
-    from shared.model.info import CheckpointError
+    from shared.config.model_info import CheckpointError
+    from shared.config.spec import ConfigError
     from shared.policies.placement import PlacementError
     from shared.runtime.redis_server import RedisServerError
-    from shared.spec.config import ConfigError
 
     if isinstance(exc, CommandError):
         return exc.code, str(exc)
@@ -78,7 +78,7 @@ def _describe(exc: BaseException, out: str | None = None) -> tuple[int, str] | N
 
 
 def _mask(url: str) -> str:
-    from shared.spec.settings import mask_url
+    from shared.config.settings import mask_url
 
     return mask_url(url)
 

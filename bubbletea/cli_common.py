@@ -9,12 +9,12 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from shared.spec.config import ConfigError
-from shared.spec.timescale import WARN_SCALE
+from shared.config.spec import ConfigError
+from shared.config.timescale import WARN_SCALE
 
 #: Every user error of every command starts with this (argparse's own usage errors included).
 PREFIX = "bubbletea: error: "
-#: Every command that reads a spec reads it the same way (`shared.spec.settings.load_settings`).
+#: Every command that reads a spec reads it the same way (`shared.config.settings.load_settings`).
 CONFIG_HELP = "cluster spec (default: $BUBBLETEA_CONFIG, else configs/demo.yaml)"
 
 

@@ -2,7 +2,7 @@
 `bubbletea slots`, what a datacenter's batch script needs to know of the run's slots.
 
 The worker finishes the iteration in progress (its step included), hands its queued prefill back,
-and gives its slot to a spare or a replacement (`services/stage_worker/leaving.py`); its peers take
+and gives its slot to a spare or a replacement (`services/stage_worker/membership/leaving.py`); its peers take
 it from there as from a lost worker, without rewinding (docs/architecture.md, "A lost worker"). A
 SIGTERM to the worker's process asks the same (an orchestrator evicting its pod); this command is
 for when you have no process to signal: the worker is on another host, or in a container.
@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from bubbletea.cli_common import CONFIG_HELP, CommandError
-from shared.spec.settings import load_settings
+from shared.config.settings import load_settings
 
 SLOT = re.compile(r"^r(\d+)s(\d+)$")
 #: How long `drain` waits, by default, for the worker to have left.
@@ -80,9 +80,9 @@ def drain(args: argparse.Namespace) -> int:
 async def _drain(url: str, run: str, replica: int, stage: int, slot: str, args: argparse.Namespace) -> int:
     from redis.asyncio import Redis
 
-    from shared.control import keys
     from shared.control.leases import slot_end
-    from shared.control.status import LeaseState
+    from shared.wire import keys
+    from shared.wire.status import LeaseState
 
     r = Redis.from_url(url, socket_timeout=10)
     try:
@@ -113,7 +113,7 @@ async def _drain(url: str, run: str, replica: int, stage: int, slot: str, args: 
 def slots(args: argparse.Namespace) -> int:
     import json
 
-    from shared.spec.plan import placement_of
+    from shared.policies.pipeline_plan import placement_of
 
     settings = load_settings(args.config)
     spec = settings.spec
@@ -140,7 +140,7 @@ async def _live(url: str, run: str, spec: Any, mine: set[str]) -> dict[str, int]
     from redis.asyncio import Redis
 
     from shared.control.leases import read_slots
-    from shared.control.status import LeaseState
+    from shared.wire.status import LeaseState
 
     r = Redis.from_url(url, socket_timeout=10)
     try:

@@ -1,6 +1,6 @@
 """The `bubbletea` commands that look without running anything: `plan`, `check-config` and
 `health`, each with `--json`. Every command reads its spec the same way: `--config FILE`, else
-`$BUBBLETEA_CONFIG`, else `configs/demo.yaml` (`shared.spec.settings.load_settings`)."""
+`$BUBBLETEA_CONFIG`, else `configs/demo.yaml` (`shared.config.settings.load_settings`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import msgspec
 
 from bubbletea.cli_common import CONFIG_HELP, PREFIX, CommandError, add_spec_arguments
 from bubbletea.launcher.services import SERVICES
-from shared.spec.config import ClusterSpec, ConfigError
-from shared.spec.settings import load_settings
+from shared.config.settings import load_settings
+from shared.config.spec import ClusterSpec, ConfigError
 
 SERVICE_NAMES = tuple(svc.name for svc in SERVICES)
 
@@ -76,7 +76,7 @@ def add_parsers(sub: Any) -> None:
 def plan(args: argparse.Namespace) -> int:
     from bubbletea.plan import plan_data, plan_report
     from bubbletea.preflight import check_run
-    from shared.spec.plan import profile_ms
+    from shared.config.timescale import profile_ms
 
     settings = load_settings(args.config)
     spec = settings.base_spec or settings.spec

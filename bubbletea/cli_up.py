@@ -20,10 +20,11 @@ from bubbletea.cli_common import (
     wan_override,
 )
 from bubbletea.preflight import check_run
+from shared.config.env_values import objective_ms
+from shared.config.settings import Settings, load_settings
+from shared.config.spec import ClusterSpec, ConfigError, check_decode
+from shared.config.training import UNTIL_STOPPED
 from shared.runtime.logs import setup_logging
-from shared.spec.config import ClusterSpec, ConfigError, check_decode
-from shared.spec.settings import Settings, load_settings, objective_ms
-from shared.spec.training import UNTIL_STOPPED
 
 #: The TTFT objective `up` serves with when neither the spec nor --ttft-objective-ms names one
 #: (device ms): an interactive objective vLLM alone meets on the bench machine (docs/vllm.md).

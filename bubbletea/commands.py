@@ -29,9 +29,9 @@ from bubbletea.cli_common import (
     wan_override,
 )
 from bubbletea.preflight import check_run
+from shared.config.settings import load_settings
+from shared.config.timescale import SHARE
 from shared.runtime.logs import setup_logging
-from shared.spec.settings import load_settings
-from shared.spec.timescale import SHARE
 
 T = TypeVar("T")
 

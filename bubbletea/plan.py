@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.config.spec import ClusterSpec
+from shared.policies.pipeline_plan import activation_bytes, layers_per_stage, placement_of, predict
 from shared.policies.schedules import compute_bubble_fraction
 from shared.policies.wan import LinkModel
-from shared.spec.config import ClusterSpec
-from shared.spec.plan import activation_bytes, layers_per_stage, placement_of, predict
 
 #: How `bubbletea plan` names each `parallelism.placement` (shared/policies/placement.py).
 PLACEMENT_RULES = {

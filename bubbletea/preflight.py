@@ -1,7 +1,7 @@
 """The checks every run command (demo, up, train, plan, simulate) runs at start, and `check-config`
 runs alone, so that a spec `check-config` passes never fails a run at start (issue 37):
 
-* the spec's fields and cross-field rules, and duplicate keys (`shared.spec.config.load_spec`);
+* the spec's fields and cross-field rules, and duplicate keys (`shared.config.spec.load_spec`);
 * the environment's BUBBLETEA_* variables, each error naming its variable (`load_settings`, and
   here the ones that name files: BUBBLETEA_REDIS_SERVER, BUBBLETEA_RESUME);
 * the placement of the stages on the datacenters (what `plan` and the workers compute);
@@ -16,17 +16,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shared.model.info import CheckpointError
+from shared.config.model_info import CheckpointError
+from shared.config.settings import Settings
+from shared.config.spec import ClusterSpec, ConfigError
 from shared.policies.placement import PlacementError
 from shared.runtime.redis_server import RedisServerError, find_redis_server
-from shared.spec.config import ClusterSpec, ConfigError
-from shared.spec.settings import Settings
 
 
 def check_run(settings: Settings) -> None:
     """Raise ConfigError, in one line naming the field or variable, for what a run of `settings`
     would refuse at start."""
-    from shared.spec.plan import placement_of
+    from shared.policies.pipeline_plan import placement_of
 
     spec = settings.base_spec or settings.spec
     source = settings.spec_path

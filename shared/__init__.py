@@ -1,11 +1,15 @@
-"""Code shared by every BubbleTea service, one subpackage per purpose.
+"""Code shared by every BubbleTea service, one subpackage per purpose, in layers: each imports only
+those listed above it (tests/unit/test_layout.py, `LAYERS`).
 
-shared.bus, shared.wire   the control plane's bus (Redis Streams) and its messages
-shared.control            what else rides Redis: stream and key names, statuses, records, leases
-shared.dataplane          tensors between workers and KV caches to decoders (never Redis)
-shared.spec               the cluster spec, the environment's overrides, the device time scale
-shared.model              the models: stages, prefill, tokenizers, checkpoints
-shared.policies           the pure decisions, and the one pipeline walk every clock drives
+shared.config             the ground floor: the cluster spec, the environment (`env.ENV`), errors,
+                          a checkpoint's shape, the device time scale's rule
+shared.runtime            logs, thread priorities, the embedded Redis, child processes, precise sleeps
+shared.wire               the messages, every stream and key name, every status
+shared.bus                the control plane's bus (Redis Streams)
+shared.model              the models: stages, prefill, tokenizers, checkpoints, lanes, calibration
+shared.policies           the pure decisions, the one pipeline walk every clock drives, the plan
+shared.control            what else rides Redis: the serving plane's records, leases, heartbeats
 shared.figures            the one definition of every figure printed
-shared.runtime            logs, metrics, priorities, the embedded Redis, the common `__main__`
+shared.dataplane          tensors between workers and KV caches to decoders (never Redis)
+shared.service            the common `__main__` of every service, and its `/metrics`
 """

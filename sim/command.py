@@ -12,9 +12,10 @@ import msgspec
 from tqdm import tqdm
 
 from loadgen.options import Renamed
+from shared.config.env_values import objective_ms
+from shared.config.settings import DEFAULT_SPEC
+from shared.config.spec import ClusterSpec, ConfigError, load_spec
 from shared.policies.placement import PlacementError
-from shared.spec.config import ClusterSpec, ConfigError, load_spec
-from shared.spec.settings import DEFAULT_SPEC, objective_ms
 from sim.output import figures, lines, write_folder
 from sim.run import SimOptions, simulate
 from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError

@@ -1,4 +1,4 @@
-"""A worker's fill executor on the virtual clock: keeps its `FillQueue`, as services/stage_worker/filler.py does.
+"""A worker's fill executor on the virtual clock: keeps its `FillQueue`, as services/stage_worker/fill/executor.py does.
 
 * A batch that arrives joins the worker's queue (its credit), bubble or not.
 * From a bubble's start the queue runs in arrival order, one block (one layer of one request, or one

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shared.control.status import FailureReason
 from shared.figures import runstats
 from shared.figures.requests import ttft_ms
 from shared.figures.training import slowdown_pct
+from shared.wire.status import FailureReason
 from sim.run import SimResult
 
 LABEL_OFF = "Simulated: BubbleTea off"

@@ -22,12 +22,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.config.spec import ClusterSpec
 from shared.figures.bubblestats import capacity_requests_per_s
-from shared.figures.runstats import Span
 from shared.figures.training import steady_iteration_s
 from shared.policies.events import EventQueue
 from shared.policies.pipeline_run import PipelineRun, priors
-from shared.spec.config import ClusterSpec
+from shared.policies.spans import Span
 from sim.serving import Serving, ServingStats
 from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError, SimSetup, build
 from sim.workload import Arrivals, generated, replayed

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from shared.control.status import FailureReason
+from shared.config.spec import BubbleTea
 from shared.policies.decisions import Batch, Decisions
 from shared.policies.dispatch import DispatchState
 from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Progress, Request, WorkerReady
@@ -22,7 +22,7 @@ from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.prompt_placement import Mode
-from shared.spec.config import BubbleTea
+from shared.wire.status import FailureReason
 from sim.executor import Executor, SimRequest
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.model.info import CheckpointError, ModelInfo
+from shared.config.model_info import CheckpointError, ModelInfo
+from shared.config.spec import ClusterSpec
+from shared.config.timescale import profile_ms
 from shared.model.shape import max_prompt_tokens, model_info
 from shared.policies.pipeline_model import PipelineInputs
+from shared.policies.pipeline_plan import layers_per_stage, model_inputs, placement_of
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.prompt_placement import mode_of
-from shared.spec.config import ClusterSpec
-from shared.spec.plan import layers_per_stage, model_inputs, placement_of, profile_ms
 from sim.serving import ServingConfig
 
 #: The prefill profile of a spec that has none: the demo's (0.25 ms + 8 us per token per layer).

@@ -32,6 +32,9 @@ from bubbletea.launcher.services import PREFILL_QUEUE
 from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.train import TrainResult, run_training
 from shared.bus import Bus
+from shared.config.deprecated import spec_builtins
+from shared.config.settings import Settings, load_settings
+from shared.config.spec import ClusterSpec
 from shared.control.health import wait_live
 from shared.figures import runstats
 from shared.figures.bubblestats import bubble_dispatch, run_control
@@ -41,8 +44,6 @@ from shared.figures.training import slowdown_pct, speedup
 from shared.model.shape import model_info
 from shared.runtime.logs import get_logger
 from shared.runtime.redis_server import EmbeddedRedis, free_port
-from shared.spec.config import ClusterSpec, spec_builtins
-from shared.spec.settings import Settings, load_settings
 from shared.wire import ControlSeen
 
 log = get_logger(__name__)

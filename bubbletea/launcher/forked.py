@@ -43,7 +43,7 @@ from shared.runtime.lifetime import die_with_parent
 #: `__main__` itself: runpy warns when a package's `__main__` is imported before it runs it), and
 #: what its first optimizer step imports (AdamW's `_use_grad_for_differentiable` imports
 #: torch._dynamo, about 0.6 s).
-PRELOAD = ("services.stage_worker.worker", "shared.runtime.service", "torch._dynamo")
+PRELOAD = ("services.stage_worker.worker", "shared.service.main", "torch._dynamo")
 
 _context: ForkServerContext | None = None
 

@@ -20,11 +20,11 @@ from redis.exceptions import RedisError
 
 from bubbletea.launcher import forked
 from bubbletea.launcher.services import PREFILL_QUEUE, ServiceDef, command
-from shared.control import keys
+from shared.config.settings import mask_url
 from shared.runtime.lifetime import die_with_parent
 from shared.runtime.logs import get_logger
 from shared.runtime.redis_server import EmbeddedRedis, free_port
-from shared.spec.settings import mask_url
+from shared.wire import keys
 
 log = get_logger(__name__)
 

@@ -8,7 +8,7 @@ restart policy's decision (`shared.policies.restarts.on_exit`); this shell execu
   keeps its port) after the policy's backoff, and waited on until healthy again. A stateless
   service's state lives in Redis (queued requests, pending stream entries, answers), so a new
   instance carries on; a new stage worker takes the free slot and the run resumes from its newest
-  checkpoint (services/stage_worker/recovery.py). One line says so:
+  checkpoint (services/stage_worker/membership/generations.py). One line says so:
   ``==> dispatcher died (exit code -9); restarting in 0.5s (restart 1)``, then
   ``==> dispatcher restarted (pid N): healthy``;
 * `GiveUp` (a crash loop, exit code `EXIT_CONFIG`, a worker lost in a run without checkpoints):

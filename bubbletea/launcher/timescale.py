@@ -1,4 +1,4 @@
-"""The device time scale of a launcher's run (`shared.spec.timescale`): the user's, or measured here."""
+"""The device time scale of a launcher's run (`shared.config.timescale`): the user's, or measured here."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 from collections.abc import Callable
 
 from bubbletea.progress import ClockBar
-from shared.spec.config import ClusterSpec, ConfigError
-from shared.spec.settings import Settings
-from shared.spec.timescale import WINDOW_S, calibrate
+from shared.config.settings import Settings
+from shared.config.spec import ClusterSpec, ConfigError
+from shared.model.calibration import WINDOW_S, calibrate
 
 #: Seconds one measuring process takes to start (spawn, import torch, build its models) with a core
 #: to itself: `demo.yaml`'s four processes took 28 s on two busy cores.

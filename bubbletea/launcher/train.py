@@ -25,15 +25,14 @@ from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
 from bubbletea.launcher.wan_modes import worker_launches
 from bubbletea.progress import StepBar, say
 from shared.bus import Bus
-from shared.control import keys
+from shared.config.settings import Settings
+from shared.config.spec import ConfigError
+from shared.config.training import UNTIL_STOPPED
 from shared.figures.training import steady_iteration_s
 from shared.model.trainstate import check_resume, check_save_target, write_save
 from shared.policies.recovery import clean_stop_iteration, save_due
 from shared.runtime.logs import get_logger
-from shared.spec.config import ConfigError
-from shared.spec.settings import Settings
-from shared.spec.training import UNTIL_STOPPED
-from shared.wire import IterationDone, LinkReport, WorkerFailed, decode
+from shared.wire import IterationDone, LinkReport, WorkerFailed, decode, keys
 
 log = get_logger(__name__)
 

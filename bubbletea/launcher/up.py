@@ -53,14 +53,14 @@ from bubbletea.launcher.vllm import managed_vllm
 from bubbletea.launcher.wan_modes import WorkerLaunch, worker_launches
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS
+from shared.config.deprecated import spec_builtins
+from shared.config.settings import Settings
 from shared.control.health import live_instances
 from shared.control.leases import read_slots, release_dead, release_dispatcher_if_held_by
-from shared.control.status import LeaseState, ServingState
 from shared.figures import runstats
 from shared.policies.prompt_placement import Mode, mode_of
 from shared.runtime.redis_server import EmbeddedRedis, free_port
-from shared.spec.config import spec_builtins
-from shared.spec.settings import Settings
+from shared.wire.status import LeaseState, ServingState
 
 #: How long every service gets to report healthy, and then serving to be ready.
 HEALTHY_TIMEOUT_S = 90.0

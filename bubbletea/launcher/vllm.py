@@ -25,8 +25,8 @@ import aiohttp
 
 from bubbletea.launcher.procs import ServiceFailed, child_setup
 from bubbletea.launcher.services import PREFILL_QUEUE
+from shared.config.spec import ClusterSpec, ConfigError
 from shared.runtime.redis_server import free_port
-from shared.spec.config import ClusterSpec, ConfigError
 
 #: What --kv-transfer-config names (bubbletea_vllm.CONNECTOR and MODULE).
 KV_TRANSFER_CONFIG = {

@@ -25,9 +25,9 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from redis.asyncio import Redis
 
+from shared.config.settings import Settings
+from shared.policies.pipeline_plan import placement_of
 from shared.runtime.logs import get_logger
-from shared.spec.plan import placement_of
-from shared.spec.settings import Settings
 
 log = get_logger(__name__)
 

@@ -21,7 +21,7 @@ from bubbletea.report.data import (
     load_run_folder,
 )
 from bubbletea.report.write import write_report
-from shared.figures.runstats import Span  # the run folder's span record (defined with the figures)
+from shared.policies.spans import Span  # the run folder's span record (defined with the figures)
 
 __all__ = [
     "METRIC_COLUMNS",

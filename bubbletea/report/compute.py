@@ -10,7 +10,8 @@ import math
 from collections.abc import Sequence
 
 from bubbletea.report.data import KNOWN_KINDS, METRIC_COLUMNS, MetricColumn, Summary
-from shared.figures.runstats import TRAINING_KINDS, Span
+from shared.figures.runstats import TRAINING_KINDS
+from shared.policies.spans import Span
 
 NULL_CELL = "\N{EN DASH}"  # a dash: "not measured" (e.g. TTFT when BubbleTea is off), not zero
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.figures.runstats import TRAINING_KINDS, Span
+from shared.figures.runstats import TRAINING_KINDS
+from shared.policies.spans import Span
 
 SUMMARY_FILE = "summary.json"
 SPANS_FILE = "spans.jsonl"

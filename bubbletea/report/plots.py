@@ -21,7 +21,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from bubbletea.report.compute import iteration_starts, kind_of
-from shared.figures.runstats import USAGE_PARTS, Span, Usage, UsagePart, share, worker_order
+from shared.figures.runstats import USAGE_PARTS, Usage, UsagePart, share, worker_order
+from shared.policies.spans import Span
 
 DPI = 120
 WIDTH_IN = 12.0

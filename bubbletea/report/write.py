@@ -11,7 +11,8 @@ from urllib.parse import quote
 
 from bubbletea.report.compute import NULL_CELL, markdown_table, select_iterations
 from bubbletea.report.data import ReportError, RunFolder, load_run_folder
-from shared.figures.runstats import Span, Usage, steady_usage
+from shared.figures.runstats import Usage, steady_usage
+from shared.policies.spans import Span
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

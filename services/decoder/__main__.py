@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from services.decoder.decoder import SERVICE, serve
-from shared.runtime.service import run_service
+from shared.service.main import run_service
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,19 +38,19 @@ import msgspec
 
 from services.decoder.metrics import DecoderMetrics
 from shared.bus import Bus, Delivery
-from shared.control import keys, serving
+from shared.config.settings import Settings
+from shared.config.spec import ClusterSpec
+from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
-from shared.control.status import FailureReason, RequestStatus
 from shared.dataplane import kvstore
 from shared.dataplane.kv_client import KvClient
 from shared.model.generate import Continuation
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import find_stop, tokenizer_for
 from shared.runtime.logs import get_logger
-from shared.runtime.telemetry import MetricsServer
-from shared.spec.config import ClusterSpec
-from shared.spec.settings import Settings
-from shared.wire import DecodeChunk, DecodeRequest, WireError
+from shared.service.telemetry import MetricsServer
+from shared.wire import DecodeChunk, DecodeRequest, WireError, keys
+from shared.wire.status import FailureReason, RequestStatus
 
 SERVICE = "decoder"
 

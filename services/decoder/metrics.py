@@ -19,8 +19,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.process_collector import ProcessCollector
 
-from shared.control.status import FailureReason
-from shared.runtime.telemetry import FAST_BUCKETS, StreamMetrics
+from shared.service.telemetry import FAST_BUCKETS, StreamMetrics
+from shared.wire.status import FailureReason
 
 #: Seconds per output token: from a fast GPU's few ms to a small CPU's tenths of a second.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)

@@ -6,7 +6,7 @@ import sys
 
 from services.dispatcher.dispatcher import SERVICE
 from services.dispatcher.serve import serve
-from shared.runtime.service import run_service
+from shared.service.main import run_service
 
 
 def main(argv: list[str] | None = None) -> int:

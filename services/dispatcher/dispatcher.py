@@ -42,17 +42,16 @@ from services.dispatcher.telemetry import ControlTelemetry
 from services.dispatcher.writes import Writes, execute
 from shared.bus import HOLD, Bus, Delivery, Outcome
 from shared.bus.connection import TRANSIENT_ERRORS, ride_out
-from shared.control import keys, serving
+from shared.config.spec import ClusterSpec
+from shared.control import serving
 from shared.control.health import instance_id
 from shared.control.leases import generation_joined, read_slots
-from shared.control.status import ControlEvent, FailureReason, RequestStatus, ServingState
 from shared.model.shape import model_info
 from shared.policies.decisions import Decisions
 from shared.policies.dispatch import DispatchState
 from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Progress, Request, WorkerReady
 from shared.policies.readiness import ServingGate, Verdict
 from shared.runtime.logs import get_logger
-from shared.spec.config import ClusterSpec
 from shared.wire import (
     BubbleEnd,
     BubbleStart,
@@ -61,7 +60,9 @@ from shared.wire import (
     PrefillRequest,
     WorkerJoined,
     encode,
+    keys,
 )
+from shared.wire.status import ControlEvent, FailureReason, RequestStatus, ServingState
 
 SERVICE = "dispatcher"
 #: Decision latencies kept for the heartbeat's percentiles (the last this many flushes).

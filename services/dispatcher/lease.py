@@ -19,11 +19,11 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
-from shared.control import keys
 from shared.control.leases import release_dispatcher_if_held_by
-from shared.control.status import DispatcherRole
 from shared.policies.leadership import Decision, Leadership, Move, Seen
 from shared.runtime.logs import get_logger
+from shared.wire import keys
+from shared.wire.status import DispatcherRole
 
 log = get_logger(__name__)
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import time
 
-from shared.control import keys
-from shared.control.status import FailureReason, RequestStatus
 from shared.policies.decisions import Batch, Decisions, Failure, Moved
-from shared.wire import PrefillBatch, PrefillItem, PrefillRequest, PrefillResult
+from shared.wire import PrefillBatch, PrefillItem, PrefillRequest, PrefillResult, keys
+from shared.wire.status import FailureReason, RequestStatus
 
 
 def batch_message(run: str, batch: Batch[PrefillRequest]) -> PrefillBatch:

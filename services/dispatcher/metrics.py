@@ -11,10 +11,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.process_collector import ProcessCollector
 from redis.asyncio import Redis
 
-from shared.control.status import FailureReason, ServingState
 from shared.policies.dispatch import DispatchState
-from shared.runtime.telemetry import FAST_BUCKETS, StreamMetrics
+from shared.service.telemetry import FAST_BUCKETS, StreamMetrics
 from shared.wire import PrefillRequest
+from shared.wire.status import FailureReason, ServingState
 
 #: prefill_batches_total's outcomes
 SENT, LOST = "sent", "lost"

@@ -29,12 +29,12 @@ from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS, Outage, sleep_unless
 from shared.bus.consumer import AfterRead, Consumer
 from shared.bus.delivery import Handlers
-from shared.control import keys, serving
+from shared.config.settings import Settings
+from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
 from shared.runtime.logs import get_logger
-from shared.runtime.telemetry import MetricsServer
-from shared.spec.settings import Settings
-from shared.wire import BubbleEnd, BubbleStart, PrefillOff, PrefillReport, PrefillRequest, WorkerJoined
+from shared.service.telemetry import MetricsServer
+from shared.wire import BubbleEnd, BubbleStart, PrefillOff, PrefillReport, PrefillRequest, WorkerJoined, keys
 
 #: A progress line in the log this often.
 LOG_EVERY_S = 10.0

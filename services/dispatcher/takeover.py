@@ -23,10 +23,9 @@ from redis.exceptions import ResponseError
 from shared.bus.connection import ride_out
 from shared.bus.consumer import Consumer
 from shared.bus.streams import claim_all, parse_id
-from shared.control import keys
-from shared.model.info import ModelInfo
+from shared.config.model_info import ModelInfo
 from shared.policies.dispatch_inputs import Adopted
-from shared.wire import FIELD, PrefillBatch, WireError, decode
+from shared.wire import FIELD, PrefillBatch, WireError, decode, keys
 
 
 async def claim(c: Consumer) -> int:

@@ -6,9 +6,8 @@ to the run's spans stream (shared/figures/runstats.py reads them)."""
 from __future__ import annotations
 
 from shared.bus import Bus
-from shared.control import keys
-from shared.control.status import ControlEvent
-from shared.wire import ControlSeen
+from shared.wire import ControlSeen, keys
+from shared.wire.status import ControlEvent
 
 #: `ControlSeen` records kept while Redis does not answer (about a minute of a busy run's bubbles).
 MAX_TELEMETRY = 10_000

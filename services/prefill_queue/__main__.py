@@ -8,8 +8,8 @@ import sys
 from services.prefill_queue.api import served_model
 from services.prefill_queue.app import SERVICE, create_app
 from services.prefill_queue.server import Runner
-from shared.runtime.service import run_service, serve_app
-from shared.spec.settings import Settings
+from shared.config.settings import Settings
+from shared.service.main import run_service, serve_app
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:

@@ -16,9 +16,9 @@ from aiohttp import web
 from services.prefill_queue.api import FAILED_RETRY_AFTER_S, FAILURE_STATUS
 from services.prefill_queue.state import HOPS, METRICS, Stopping
 from services.prefill_queue.validation import BadRequest, Completion
-from shared.control.status import PromptPlacement, RequestStatus
 from shared.model.tokenizer import BYTES, Tokenizer, token_text
 from shared.wire import PrefillRequest, PrefillResult
+from shared.wire.status import PromptPlacement, RequestStatus
 
 #: A request's deadline is the dispatcher's to enforce (it fails an expired request explicitly,
 #: `FailureReason.DEADLINE`, a 504 here). The front door waits this much past the deadline for that

@@ -14,15 +14,15 @@ from aiohttp import web
 from services.prefill_queue.state import BUS, DECODER_LOAD, GATE, HOPS, METRICS, SETTINGS, instance_results_stream
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
 from shared.bus.connection import TRANSIENT_ERRORS
+from shared.config.model_info import CheckpointError, ModelInfo
+from shared.config.spec import Prefill
 from shared.control import serving
 from shared.control.health import live_instances
 from shared.control.serving import Readiness
-from shared.control.status import FailureReason, RequestStatus
-from shared.model.info import CheckpointError, ModelInfo
 from shared.model.shape import max_prompt_tokens, model_info
 from shared.model.tokenizer import Tokenizer, tokenizer_for
-from shared.spec.config import Prefill
 from shared.wire import PrefillRequest, PrefillResult
+from shared.wire.status import FailureReason, RequestStatus
 
 #: How long a 429 tells the client to wait before retrying: about one pipeline iteration.
 RETRY_AFTER_S = 1

@@ -45,14 +45,14 @@ from services.prefill_queue.vllm_decode import VllmDecoder
 from shared.bus import Bus, Delivery
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.bus.delivery import Handlers
+from shared.config.settings import Settings
 from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
-from shared.control.status import RequestStatus, ServingState
 from shared.policies.prompt_placement import FrontDoorHops, Mode
 from shared.runtime.auth import bearer_ok
 from shared.runtime.logs import get_logger
-from shared.spec.settings import Settings
 from shared.wire import DecodeChunk, PrefillResult
+from shared.wire.status import RequestStatus, ServingState
 
 SERVICE = "prefill_queue"
 #: /health answers 503 if Redis does not answer a PING within this time.

@@ -24,8 +24,7 @@ from aiohttp import web
 from services.prefill_queue.answers import DEADLINE_GRACE_S
 from services.prefill_queue.state import BUS, SETTINGS, STOPPING, WAITERS, instance_results_stream
 from services.prefill_queue.validation import BadRequest
-from shared.control import keys
-from shared.wire import DecodeChunk, DecodeRequest, PrefillRequest
+from shared.wire import DecodeChunk, DecodeRequest, PrefillRequest, keys
 
 #: A decode wait wakes at least this often to notice the front door stopping.
 POLL_S = 0.5

@@ -34,8 +34,8 @@ from services.prefill_queue.validation import (
     parse_completion,
     request_object,
 )
+from shared.config.spec import Prefill
 from shared.model.chat_template import ChatTemplate, ChatTemplateError, chat_template_for
-from shared.spec.config import Prefill
 
 #: Every field /v1/chat/completions accepts; the ones /v1/completions shares are honoured as it
 #: honours them (or refused with a 400 naming them). Anything else is refused as unknown.

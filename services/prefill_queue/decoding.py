@@ -34,10 +34,10 @@ from services.prefill_queue.builtin_decode import continue_completion
 from services.prefill_queue.state import SETTINGS, VLLM, WAITERS
 from services.prefill_queue.validation import BadRequest, Completion
 from services.prefill_queue.vllm_decode import deadline_s
-from shared.control.status import RequestStatus
 from shared.model.tokenizer import Tokenizer, find_stop
 from shared.runtime.logs import get_logger
 from shared.wire import DecodeChunk, PrefillRequest, PrefillResult
+from shared.wire.status import RequestStatus
 
 log = get_logger(__name__)
 

@@ -25,10 +25,10 @@ from services.prefill_queue.builtin_decode import continue_completion
 from services.prefill_queue.state import DECODER_LOAD, METRICS, SETTINGS, VLLM
 from services.prefill_queue.validation import Completion
 from services.prefill_queue.vllm_decode import deadline_s
-from shared.control.status import FailureReason, PromptPlacement, RequestStatus
 from shared.model.tokenizer import Tokenizer
 from shared.policies.prompt_placement import DecoderLoad
 from shared.wire import DecodeChunk, PrefillRequest, PrefillResult
+from shared.wire.status import FailureReason, PromptPlacement, RequestStatus
 
 #: A decoder-computed completion's first chunk and the rest of its stream, by request id, until its
 #: continuation takes them (`rest`).

@@ -10,11 +10,10 @@ from aiohttp import web
 from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.vllm_decode import VllmDecoder
 from shared.bus import Bus
-from shared.control import keys
+from shared.config.settings import Settings
 from shared.control.serving import Readiness
 from shared.policies.prompt_placement import DecoderLoad, FrontDoorHops
-from shared.spec.settings import Settings
-from shared.wire import DecodeChunk, PrefillResult
+from shared.wire import DecodeChunk, PrefillResult, keys
 
 
 class Waiters:

@@ -26,11 +26,11 @@ from typing import Any
 
 import aiohttp
 
-from shared.control.status import FailureReason, RequestStatus
+from shared.config.spec import Decode
 from shared.dataplane.kv_client import KvClient
 from shared.runtime.logs import get_logger
-from shared.spec.config import Decode
 from shared.wire import DecodeChunk, PrefillRequest
+from shared.wire.status import FailureReason, RequestStatus
 
 log = get_logger(__name__)
 

@@ -7,7 +7,7 @@ import os
 import sys
 
 from services.stage_worker.worker import SERVICE, check_device, serve
-from shared.runtime.service import run_service
+from shared.service.main import run_service
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ worker's prefill model fail for real after a number of blocks ran:
 ``raise`` and ``oom`` are the same with N = 0. It is for the failure tests (tests/e2e/
 test_guest_failure.py, tests/e2e/test_cuda.py) and for trying the behaviour by hand: the worker's
 fill executor fails the request, hands the rest of its batch back and trains on, and after a few
-failed batches in a row takes no more prefill (services/stage_worker/filler.py).
+failed batches in a row takes no more prefill (services/stage_worker/fill/executor.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from shared.model.prefill import PrefillModel, PrefillState
 
-ENV = "BUBBLETEA_CHAOS_PREFILL"  # read and checked by `shared.spec.settings` (`Settings.chaos_prefill`)
+ENV = "BUBBLETEA_CHAOS_PREFILL"  # read and checked by `shared.config.settings` (`Settings.chaos_prefill`)
 #: What `oom` asks the device for: more than any has.
 OOM_BYTES = 1 << 50
 

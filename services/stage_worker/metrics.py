@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.process_collector import ProcessCollector
 from redis.asyncio import Redis
 
-from shared.control.status import ItemOutcome
-from shared.runtime.telemetry import FAST_BUCKETS, SLOW_BUCKETS, StreamMetrics
+from shared.service.telemetry import FAST_BUCKETS, SLOW_BUCKETS, StreamMetrics
 from shared.wire import PrefillProgress
+from shared.wire.status import ItemOutcome
 
 
 class WorkerMetrics:

@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from services.stage_worker.outbox import Outbox
-from shared.control import keys
+from services.stage_worker.port.outbox import Outbox
 from shared.runtime.logs import get_logger
-from shared.wire import SpanRecord
+from shared.wire import SpanRecord, keys
 
 #: The prefill-lag warning is logged at most this often (with the sum since the last one).
 LAG_WARN_EVERY_S = 60.0

@@ -3,7 +3,7 @@
 If a peer's lease expires (its process died) and the run checkpoints (`training.checkpoint_every`),
 the run pauses: this worker drops the cut-short iteration, joins a new recovery generation, waits
 for a replacement to take the slot, restores the newest checkpoint every slot has and trains on
-from there (`membership.py` drives it through `recovery.py`'s protocol). Without checkpoints, or
+from there (`membership/take_part.py` drives it through `membership/generations.py`'s protocol). Without checkpoints, or
 when no replacement comes within `training.recovery_timeout_s`, it publishes `WorkerFailed` naming
 the slot and stops with an error instead of waiting forever for tensors that will never come.
 """
@@ -14,59 +14,55 @@ import asyncio
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable
 
 import msgspec
 import torch
 
 from services.stage_worker import chaos
-from services.stage_worker.bubbles import GuestMemory
-from services.stage_worker.filler import Filler
-from services.stage_worker.lease import RunStopped, Slot, SlotError, SlotLease
-from services.stage_worker.leaving import ASK_S, told_to_leave
-from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.membership import take_part
+from services.stage_worker.fill.announcer import GuestMemory
+from services.stage_worker.fill.executor import Filler
+from services.stage_worker.membership.generations import Generations
+from services.stage_worker.membership.lease import RunStopped, Slot, SlotError, SlotLease
+from services.stage_worker.membership.leaving import ASK_S, told_to_leave
+from services.stage_worker.membership.take_part import take_part
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import PrefillPort, StagePort, StatePort
-from services.stage_worker.port_state import CheckpointStore
-from services.stage_worker.recovery import Generations
-from services.stage_worker.runner import Profile, StageRunner
-from services.stage_worker.trainer import StageTrainer
-from services.stage_worker.transport import Transport, plane_addresses
-from services.stage_worker.warm import Warm, guest_model, model_bytes, warm_up
-from shared.bus import Bus
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.stage_port import StagePort, build_port
+from services.stage_worker.port.transport import plane_addresses
+from services.stage_worker.train.runner import StageRunner
+from services.stage_worker.train.timing import Profile, profile_and_prior
+from services.stage_worker.train.trainer import StageTrainer
+from services.stage_worker.train.warm import Warm, guest_model, model_bytes, warm_up
+from shared.bus import Bus, Consumer
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.control import keys
+from shared.config.model_info import CheckpointError
+from shared.config.settings import Settings
 from shared.control.health import Heartbeat, instance_id
 from shared.control.leases import holder_client_name
 from shared.dataplane import DataPlane
 from shared.dataplane.kv import KvServer, KvShelf
 from shared.model.corpus import DataError
-from shared.model.devices import DeviceError, check_kind, describe, select_device, slot_index, synchronize
-from shared.model.info import CheckpointError
+from shared.model.devices import DeviceError, check_kind, describe, select_device, slot_index
+from shared.model.prefill import PrefillModel
 from shared.model.training import load_corpus
 from shared.model.trainstate import check_resume, stage_state
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillQueue, piece_tokens
+from shared.policies.pipeline_plan import placement_of
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.restarts import EXIT_CONFIG
 from shared.runtime import priority
 from shared.runtime.logs import get_logger
-from shared.runtime.service import stopped_by
-from shared.runtime.telemetry import MetricsServer
-from shared.spec.config import ClusterSpec
-from shared.spec.plan import placement_of, predict, profile_ms
-from shared.spec.settings import Settings
-from shared.wire import PrefillBatch, SlotGrant, TensorReady, WorkerFailed
+from shared.service.main import stopped_by
+from shared.service.telemetry import MetricsServer
+from shared.wire import PrefillBatch, SlotGrant, TensorReady, WorkerFailed, keys
 
 SERVICE = "stage_worker"
 SWITCH_INTERVAL_S = 0.0001
 #: Prefill batches a worker holds at once (its credit: a few, each at most half its window); more wait in the stream.
 FILL_CONCURRENCY = 64
-#: Data seed of the start-up timing probe (kept apart from the training data seed).
-TIMING_SEED = 0x5EED
 
 log = get_logger(__name__)
 
@@ -177,30 +173,102 @@ async def _train(
     readings: dict[str, Callable[[], object]],
     warm: asyncio.Future[Warm] | None = None,
 ) -> None:
-    spec, run = settings.spec, settings.run
-    try:  # what the launcher's check_training refuses; a worker started on its own says it too
-        ready = await warm if warm is not None else None  # a spare loaded these while it waited
+    """Build this slot's stage (its models, runner and port, and with BubbleTea its fill
+    executor), take part in the run until it ends or this worker leaves, then close the stage in
+    the reverse order."""
+    ready, trainer = await _trainer(settings, slot, device, warm)
+    profile, prior = await asyncio.to_thread(profile_and_prior, settings.spec, slot, trainer)
+    prefill = await _guest(settings, slot, device, ready)
+    gens = Generations(bus.redis, settings.run, lease.all_slots, url=bus.url, name=bus.name)  # named as its bus
+    runner = await _runner(bus, settings, placement, lease, slot, trainer, profile, prior, prefill, metrics, device)
+    plane = DataPlane(settings.require_redis_url(), settings.run, plane_addresses(settings, slot, placement))
+    tied = runner.trainer.tied is not None
+    port = runner.port = build_port(
+        bus.redis,
+        settings,
+        placement,
+        slot,
+        lease.all_slots,
+        plane,
+        runner.outbox,
+        runner.mailbox,
+        lambda: gens.current,
+        tied=tied,
+    )
+    inbox = bus.consumer(
+        keys.inbox(settings.run, slot.replica, slot.stage),
+        "worker",
+        {TensorReady: port.on_ready, SlotGrant: port.on_grant},
+        name=slot.name,
+        fence=lease.fence,  # a worker whose slot may be another's renews first (lost: it stops)
+    )
+    metrics.streams.add(inbox)
+    fill: Consumer | None = None
+    kv_server: KvServer | None = None
+    if prefill is not None:
+        kv_server = await _serve_prefill(settings, port, plane, readings)
+        fill = await _start_fill(bus, settings, lease, slot, runner, port, prefill, metrics, device)
+    stop_run, leave = asyncio.Event(), asyncio.Event()
+    routing = asyncio.create_task(_route_stop(stop, stop_run, leave, runner, lease.holder), name="stop-route")
+    try:
+        await take_part(runner, inbox, lease, watch, gens, stop_run, leave)
+    finally:
+        routing.cancel()
+        await _close(runner, port, fill, kv_server)
+
+
+async def _trainer(
+    settings: Settings, slot: Slot, device: torch.device, warm: asyncio.Future[Warm] | None
+) -> tuple[Warm | None, StageTrainer]:
+    """What a spare loaded while it waited (`warm`; None: not a spare), and the stage's trainer over
+    that corpus or one loaded now. What the launcher's `check_training` refuses stops the worker
+    here too, saying so (`EXIT_CONFIG`)."""
+    spec = settings.spec
+    try:
+        ready = await warm if warm is not None else None
         corpus = ready.corpus if ready is not None else await asyncio.to_thread(load_corpus, spec)
-        trainer = await asyncio.to_thread(StageTrainer, spec, slot.replica, slot.stage, corpus, device)
+        return ready, await asyncio.to_thread(StageTrainer, spec, slot.replica, slot.stage, corpus, device)
     except (CheckpointError, DataError) as exc:
         log.error("cannot train the spec's model or data", slot=slot.name, error=str(exc))
         raise SystemExit(EXIT_CONFIG) from None
-    profile, prior = await asyncio.to_thread(_profile_and_prior, spec, slot, trainer)
-    mailbox = Mailbox()
-    gens = Generations(bus.redis, run, lease.all_slots, url=bus.url, name=bus.name)  # named as its bus: the holder
+
+
+async def _guest(settings: Settings, slot: Slot, device: torch.device, ready: Warm | None) -> PrefillModel | None:
+    """With BubbleTea, the guest's prefill model (a spare's, `ready`, when it built it while it
+    waited); failing on purpose where `BUBBLETEA_CHAOS_PREFILL` asks."""
+    spec = settings.spec
+    if not spec.bubbletea.enabled:
+        return None
+    prefill = await asyncio.to_thread(guest_model, spec, device, ready.prefill if ready is not None else None)
+    if settings.chaos_prefill:
+        prefill = chaos.failing(prefill, settings.chaos_prefill)
+        log.warning(
+            "fault injection: this worker's prefill fails on purpose",
+            slot=slot.name,
+            **{chaos.ENV: settings.chaos_prefill},
+        )
+    return prefill
+
+
+async def _runner(
+    bus: Bus,
+    settings: Settings,
+    placement: Placement,
+    lease: SlotLease,
+    slot: Slot,
+    trainer: StageTrainer,
+    profile: Profile,
+    prior: dict[int, float],
+    prefill: PrefillModel | None,
+    metrics: WorkerMetrics,
+    device: torch.device,
+) -> StageRunner:
+    """The stage's runner: its timing and bubble prior, the device memory a guest may use, and where
+    it starts (a save to resume from, `bubbletea train --resume`)."""
+    spec, run = settings.spec, settings.run
     memory = int(spec.device.memory_gib * (1 << 30))
-    prefill = None
-    if spec.bubbletea.enabled:
-        built = ready.prefill if ready is not None else None
-        prefill = await asyncio.to_thread(guest_model, spec, device, built)
+    if prefill is not None:
         memory -= model_bytes(prefill)  # the guest's weights live beside the owner's
-        if settings.chaos_prefill:
-            prefill = chaos.failing(prefill, settings.chaos_prefill)
-            log.warning(
-                "fault injection: this worker's prefill fails on purpose",
-                slot=slot.name,
-                **{chaos.ENV: settings.chaos_prefill},
-            )
     runner = StageRunner(
         bus,
         spec,
@@ -208,7 +276,7 @@ async def _train(
         slot,
         placement,
         trainer,
-        mailbox,
+        Mailbox(),
         BubblePredictor(prior),
         profile,
         free_memory_bytes=max(0, memory - trainer.state_bytes()),
@@ -223,97 +291,86 @@ async def _train(
         saved_it = check_resume(settings.resume, spec)
         runner.resume_from = (saved_it, stage_state(settings.resume, slot.stage, spec.parallelism.pp))
         log.info("resuming from a save", slot=slot.name, directory=str(settings.resume), after_iteration=saved_it)
-    plane = DataPlane(settings.require_redis_url(), run, plane_addresses(settings, slot, placement))
-    transport = Transport(
-        runner.outbox,
-        plane,
-        spec,
+    return runner
+
+
+async def _serve_prefill(
+    settings: Settings, port: StagePort, plane: DataPlane, readings: dict[str, Callable[[], object]]
+) -> KvServer | None:
+    """Serve what prefill leaves on this worker: the preempted prefills' snapshots, for whoever
+    resumes them, and with `prefill.kv_store: plane` the KV caches computed here (returns their
+    server: decoders fetch them over TCP from its data-plane host, on a port of its own)."""
+    spec = settings.spec
+    kv_server = None
+    if spec.prefill.kv_store == "plane" and spec.prefill.kv_ttl_s > 0:
+        shelf = KvShelf(spec.prefill.kv_ttl_s, spec.prefill.kv_budget_mb << 20)
+        kv_server = server = KvServer(shelf, plane.addresses[0])
+        readings["kv_holder"] = lambda: server.holder  # "host:port" is the holder in every KV handle
+        readings["kv_held"] = lambda: server.held  # caches held now: 0 once every decode freed its own
+        readings["kv_served"] = lambda: server.served  # fetches answered with a cache
+        await server.start()
+    # resumed items computed again because their snapshot is in another DC
+    readings["snapshots_elsewhere"] = lambda: port.prefill.elsewhere
+    port.prefill.kv_server = kv_server
+    await port.prefill.start()  # preempted prefills' snapshots stay here, served to whoever resumes them
+    return kv_server
+
+
+async def _start_fill(
+    bus: Bus,
+    settings: Settings,
+    lease: SlotLease,
+    slot: Slot,
+    runner: StageRunner,
+    port: StagePort,
+    prefill: PrefillModel,
+    metrics: WorkerMetrics,
+    device: torch.device,
+) -> Consumer:
+    """The fill executor (`runner.filler`), and the consumer of this slot's fill stream, started."""
+    spec, run = settings.spec, settings.run
+    on_gpu = device.type == "cuda"
+    runner.filler = Filler(
+        bus,
         run,
-        slot,
-        placement,
-        mailbox,
-        generation=lambda: gens.current,
-        tied=trainer.tied is not None,
+        slot.name,
+        prefill,
+        spec.prefill.model_name,
+        port,
+        runner.prefill_span,
+        FillQueue.from_spec(spec.bubbletea),
+        PrefillProfile.of_spec(spec, on_gpu=on_gpu),
+        metrics,
+        piece_tokens(spec.bubbletea.piece_tokens, on_gpu=on_gpu),
     )
-    state_dir = settings.state_dir
-    checkpoints = CheckpointStore(bus.redis, run, lease.all_slots, state_dir) if spec.training.recovers else None
-    runner.port = port = StagePort(
-        PrefillPort(
-            bus.redis,
-            run,
-            spec.prefill.kv_ttl_s,
-            spec.prefill.kv_budget_mb << 20,
-            host=plane.addresses[0],
-            dc=placement.stage_dc[slot.stage],
-        ),
-        transport,
-        StatePort(bus.redis, run, slot, state_dir, checkpoints),
-    )
-    inbox = bus.consumer(
-        keys.inbox(run, slot.replica, slot.stage),
-        "worker",
-        {TensorReady: port.on_ready, SlotGrant: port.on_grant},
+    fill = bus.consumer(
+        keys.fill_stream(run, slot.replica, slot.stage),
+        keys.FILL_GROUP,
+        {PrefillBatch: runner.filler.on_batch},
         name=slot.name,
-        fence=lease.fence,  # a worker whose slot may be another's renews first (lost: it stops)
+        config=msgspec.structs.replace(spec.bus, concurrency=FILL_CONCURRENCY),
+        fence=lease.fence,
     )
-    metrics.streams.add(inbox)
-    fill = kv_server = None
-    if prefill is not None:
-        if spec.prefill.kv_store == "plane" and spec.prefill.kv_ttl_s > 0:
-            # The KV caches this worker computes stay here; decoders fetch them over TCP from its
-            # data-plane host, on a port of its own: "host:port" is the holder in every KV handle.
-            shelf = KvShelf(spec.prefill.kv_ttl_s, spec.prefill.kv_budget_mb << 20)
-            kv_server = server = KvServer(shelf, plane.addresses[0])
-            readings["kv_holder"] = lambda: server.holder
-            readings["kv_held"] = lambda: server.held  # caches held now: 0 once every decode freed its own
-            readings["kv_served"] = lambda: server.served  # fetches answered with a cache
-            await server.start()
-        # resumed items computed again because their snapshot is in another DC
-        readings["snapshots_elsewhere"] = lambda: port.prefill.elsewhere
-        port.prefill.kv_server = kv_server
-        await port.prefill.start()  # preempted prefills' snapshots stay here, served to whoever resumes them
-        runner.filler = Filler(
-            bus,
-            run,
-            slot.name,
-            prefill,
-            spec.prefill.model_name,
-            port,
-            runner.prefill_span,
-            FillQueue.from_spec(spec.bubbletea),
-            PrefillProfile.of_spec(spec, on_gpu=device.type == "cuda"),
-            metrics,
-            piece_tokens(spec.bubbletea.piece_tokens, on_gpu=device.type == "cuda"),
-        )
-        fill = bus.consumer(
-            keys.fill_stream(run, slot.replica, slot.stage),
-            keys.FILL_GROUP,
-            {PrefillBatch: runner.filler.on_batch},
-            name=slot.name,
-            config=msgspec.structs.replace(spec.bus, concurrency=FILL_CONCURRENCY),
-            fence=lease.fence,
-        )
-        metrics.streams.add(fill)
-        await fill.start()
-    stop_run, leave = asyncio.Event(), asyncio.Event()
-    routing = asyncio.create_task(_route_stop(stop, stop_run, leave, runner, lease.holder), name="stop-route")
-    try:
-        await take_part(runner, inbox, lease, watch, gens, stop_run, leave)
-    finally:
-        routing.cancel()
-        runner.close()
-        await port.close()
-        if runner.filler is not None:
-            # Hand back what is queued, answer and report what ran; from now on a batch the fill
-            # consumer still delivers goes straight back, rather than waiting unrun until the
-            # dispatcher's lost-batch timeout.
-            await runner.filler.close()
-        if fill is not None:
-            # A batch still unreported stays pending; the dispatcher requeues it when no report comes.
-            await fill.stop(grace_s=1.0)
-        if kv_server is not None:  # last: the caches die with the worker (a later fetch fails, saying so)
-            await kv_server.close()
-        await port.close_prefill()  # its snapshots too
+    metrics.streams.add(fill)
+    await fill.start()
+    return fill
+
+
+async def _close(runner: StageRunner, port: StagePort, fill: Consumer | None, kv_server: KvServer | None) -> None:
+    """Close the stage, the reverse of its set-up."""
+    runner.close()
+    await port.close()
+    if runner.filler is not None:
+        # Hand back what is queued, answer and report what ran; from now on a batch the fill
+        # consumer still delivers goes straight back, rather than waiting unrun until the
+        # dispatcher's lost-batch timeout.
+        await runner.filler.close()
+    if fill is not None:
+        # A batch still unreported stays pending; the dispatcher requeues it when no report comes.
+        await fill.stop(grace_s=1.0)
+    if kv_server is not None:  # last: the caches die with the worker (a later fetch fails, saying so)
+        await kv_server.close()
+    await port.close_prefill()  # its snapshots too
 
 
 async def _route_stop(
@@ -336,57 +393,3 @@ async def _route_stop(
     except TRANSIENT_ERRORS:  # no Redis to ask (TimeoutError is an OSError): a stop, as before
         drain = False
     (leave if drain else stop_run).set()
-
-
-def _profile_and_prior(spec: ClusterSpec, slot: Slot, trainer: StageTrainer) -> tuple[Profile, dict[int, float]]:
-    """The device profile, and the analytic model's bubble lengths for this slot (the prediction
-    before any history). Without a profile, per-layer times are measured on this stage."""
-    dev = spec.device
-    prof = profile_ms(spec)
-    if prof is not None:
-        fwd_ms, bwd_ms = prof
-        layers = trainer.layers
-        profile = Profile(
-            fwd=fwd_ms * layers / 1000,
-            bwd=bwd_ms * layers / 1000,
-            allreduce=dev.allreduce_ms / 1000,
-            step=dev.step_ms / 1000,
-        )
-    else:
-        fwd_ms, bwd_ms = _measure_ms_per_layer(trainer)
-        profile = Profile(allreduce=dev.allreduce_ms / 1000)
-    result = predict(spec, fwd_ms, bwd_ms, iterations=2)
-    prior = {
-        b.position: b.length
-        for b in result.bubbles
-        if (b.replica, b.stage, b.iteration) == (slot.replica, slot.stage, 1)
-    }
-    return profile, prior
-
-
-def _measure_ms_per_layer(trainer: StageTrainer, reps: int = 3) -> tuple[float, float]:
-    """Time this stage's forward and backward on a real microbatch (after a warm-up pass), on its
-    device (synchronised, so a GPU's time is measured and not its kernel launches)."""
-    d_model, dev = trainer.spec.model.d_model, trainer.device
-    layers = max(1, trainer.layers)
-    fwd, bwd = [], []
-    for i in range(reps + 1):
-        x, _ = trainer.corpus.batch(0, i, trainer.mbs, trainer.seq, seed=TIMING_SEED)  # not a training batch
-        inp: torch.Tensor = (
-            x.to(dev)
-            if trainer.model.is_first
-            else torch.randn(trainer.mbs, trainer.seq, d_model, device=dev, requires_grad=True)
-        )
-        synchronize(dev)
-        t0 = time.perf_counter()
-        out = trainer.model(inp)
-        synchronize(dev)
-        t1 = time.perf_counter()
-        out.float().mean().backward()
-        synchronize(dev)
-        t2 = time.perf_counter()
-        if i:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    trainer.model.zero_grad(set_to_none=True)
-    return min(fwd) * 1000 / layers, min(bwd) * 1000 / layers

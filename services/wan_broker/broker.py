@@ -25,13 +25,12 @@ from services.wan_broker.links import LinkDriver
 from services.wan_broker.metrics import BrokerMetrics
 from shared.bus import HOLD, Bus, Delivery, Outcome, Reject
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
-from shared.control import keys
+from shared.config.settings import Settings
 from shared.control.health import Heartbeat, instance_id
 from shared.policies.wan import LinkModel
 from shared.runtime.logs import get_logger
-from shared.runtime.telemetry import MetricsServer
-from shared.spec.settings import Settings
-from shared.wire import LinkReport, SlotDone, SlotRequest, Transfer
+from shared.service.telemetry import MetricsServer
+from shared.wire import LinkReport, SlotDone, SlotRequest, Transfer, keys
 
 SERVICE = "wan_broker"
 REPORT_INTERVAL_S = 1.0
@@ -58,7 +57,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         def release(entry: str) -> None:
             consumer_ref[0].release(entry)  # type: ignore[attr-defined]
 
-        # the same link models as the analytic model's (shared.spec.plan.model_inputs): one clock in mode model
+        # the same link models as the analytic model's (shared.policies.pipeline_plan.model_inputs):
+        # one clock in mode model
         models = {(a, b): LinkModel.from_params(spec.link(a, b), mode) for a, b in directed_links(settings)}
         drivers: dict[tuple[str, str], LinkDriver | SlotDriver] = {
             (a, b): (

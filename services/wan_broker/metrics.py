@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.process_collector import ProcessCollector
 from redis.asyncio import Redis
 
-from shared.runtime.telemetry import SLOW_BUCKETS, StreamMetrics
+from shared.service.telemetry import SLOW_BUCKETS, StreamMetrics
 
 LINK = ["run", "src_dc", "dst_dc"]
 

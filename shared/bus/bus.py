@@ -14,7 +14,7 @@ from shared.bus.connection import RIDE_OUT_S, command_client, ride_out
 from shared.bus.consumer import AfterRead, Consumer, Fence
 from shared.bus.deadletters import DeadLetter, LastWord, read_dead_letters
 from shared.bus.delivery import Handlers
-from shared.spec.config import BusConfig
+from shared.config.spec import BusConfig
 from shared.wire import FIELD, Message, encode
 
 

@@ -59,8 +59,8 @@ from shared.bus.delivery import HOLD, Delivery, Handlers, Reject, route
 from shared.bus.in_hand import InHand
 from shared.bus.reclaim import READ_BATCH, Entries, Reclaimer
 from shared.bus.streams import delivery_counts, ensure_group, group_is_gone
+from shared.config.spec import BusConfig
 from shared.runtime.logs import get_logger
-from shared.spec.config import BusConfig
 from shared.wire import FIELD, WireError, decode, kind_of
 
 log = get_logger(__name__)

@@ -10,9 +10,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared.bus.connection import TRANSIENT_ERRORS
-from shared.control import keys
 from shared.runtime.logs import get_logger
-from shared.wire import FIELD
+from shared.wire import FIELD, keys
 
 log = get_logger(__name__)
 

@@ -22,8 +22,8 @@ from redis.exceptions import ResponseError
 from shared.bus.connection import TRANSIENT_ERRORS, Connected, backoff
 from shared.bus.in_hand import InHand
 from shared.bus.streams import ensure_group, group_is_gone, trim_acked
+from shared.config.spec import BusConfig
 from shared.runtime.logs import get_logger
-from shared.spec.config import BusConfig
 
 log = get_logger(__name__)
 

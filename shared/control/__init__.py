@@ -1,3 +1,3 @@
-"""The control plane: what rides Redis (stream and key names, statuses, the serving plane's
-records, slot leases, heartbeats). The bus and the messages are `shared.bus` and `shared.wire`.
+"""The control plane's records in Redis: the serving plane's records, slot leases, heartbeats. The
+bus is `shared.bus`; the messages, the stream and key names and the statuses are `shared.wire`.
 """

@@ -17,8 +17,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
-from shared.control import keys
 from shared.runtime.logs import get_logger
+from shared.wire import keys
 
 log = get_logger(__name__)
 

@@ -2,7 +2,7 @@
 and a dead holder's lease (a worker's, the dispatcher's) released by its supervisor.
 
 A worker holds its (replica, stage) slot with a TTL key and, when it leaves on purpose, writes the
-slot's end marker (a hash: `LeaseState` and reason); see services/stage_worker/lease.py, which
+slot's end marker (a hash: `LeaseState` and reason); see services/stage_worker/membership/lease.py, which
 writes them. Reading needs no worker code, so it lives here.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared.control import keys
-from shared.control.status import LeaseState
 from shared.policies.lease_liveness import HolderSeen
 from shared.policies.readiness import SlotView
+from shared.wire import keys
+from shared.wire.status import LeaseState
 
 
 def slot_name(replica: int, stage: int) -> str:
@@ -98,7 +98,7 @@ async def read_slots(r: Redis, run: str, pp: int, dp: int) -> list[SlotView]:
 
 async def generation_joined(r: Redis, run: str, slots: int) -> bool:
     """Whether every slot joined the run's current recovery generation: its workers are past their
-    set-up (model built, checkpoint restored) and train together (services/stage_worker/recovery.py)."""
+    set-up (model built, checkpoint restored) and train together (services/stage_worker/membership/generations.py)."""
     gen: Any = await r.get(keys.generation_key(run))
     if gen is None:
         return False

@@ -30,9 +30,8 @@ import msgspec
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from shared.control import keys
-from shared.control.status import FailureReason, RequestStatus, ServingState
-from shared.wire import FIELD, PrefillRequest, PrefillResult, WireError, decode, encode
+from shared.wire import FIELD, PrefillRequest, PrefillResult, WireError, decode, encode, keys
+from shared.wire.status import FailureReason, RequestStatus, ServingState
 
 _ACCEPT = """
 if ARGV[6] ~= '' then

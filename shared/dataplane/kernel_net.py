@@ -66,9 +66,9 @@ import ipaddress
 import math
 from dataclasses import dataclass
 
+from shared.config.spec import ClusterSpec, LinkParams
 from shared.dataplane.htb import bits, burst_bytes, gso_segments, quantum_bytes
-from shared.spec.config import ClusterSpec, LinkParams
-from shared.spec.plan import placement_of
+from shared.policies.pipeline_plan import placement_of
 
 MIB = 1 << 20
 

@@ -3,7 +3,7 @@ Redis store, `prefill.kv_store: redis`).
 
 * A **snapshot** is a prefill stopped at a layer boundary (the input of its next block and the
   KV of the blocks before it). Any worker can resume it in a later bubble, bit-exactly. It stays
-  on the worker that took it (`services/stage_worker/port_prefill.py`); Redis holds its handle.
+  on the worker that took it (`services/stage_worker/port/prefill.py`); Redis holds its handle.
 * A **KV cache** is what a finished prefill hands to a decode service: the handle in the answer
   (`kv_transfer_params`) names its key, format, size and expiry; `fetch_kv` reads it back.
 
@@ -27,10 +27,9 @@ from redis.asyncio import Redis
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from shared.control import keys
 from shared.dataplane.tensors import from_blob, to_blob
 from shared.model.prefill import KV, PrefillState
-from shared.wire import PrefillSnapshot, TensorBlob, WireError
+from shared.wire import PrefillSnapshot, TensorBlob, WireError, keys
 
 #: The `format` metadata of a stored KV cache; bumped if the layout ever changes.
 KV_FORMAT = "bubbletea-kv/1"

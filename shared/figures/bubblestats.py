@@ -32,11 +32,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.control import keys
-from shared.control.status import ControlEvent
-from shared.figures.runstats import Span, bubble_end, full_window, read_stream, steady, utilization
+from shared.figures.runstats import bubble_end, full_window, read_stream, steady, utilization
 from shared.policies.fill import usable_s
-from shared.wire import ControlSeen
+from shared.policies.spans import Span
+from shared.wire import ControlSeen, keys
+from shared.wire.status import ControlEvent
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.config.spec import ClusterSpec
 from shared.figures.bubblestats import capacity_tokens_per_s
-from shared.figures.runstats import Span
-from shared.spec.config import ClusterSpec
+from shared.policies.spans import Span
 
 #: The share of the bubbles' capacity a run offers by default: below saturation, as a service
 #: would run, so the objective holds for (nearly) every request.

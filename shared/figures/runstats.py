@@ -27,8 +27,8 @@ one training operation at a time and runs prefill only inside a wait, so on a li
 (no two spans of one class overlap on a worker, and prefill never overlaps training) every figure
 equals the plain sum of span durations over the window (tests/unit/test_figures_runstats.py pins this).
 
-Spans are `Span` values: a run folder's spans.jsonl holds them, and the wire's `SpanRecord`s are
-turned into them as they are read (`run_spans`, `Span.from_record`).
+Spans are `Span` values (`shared.policies.spans`): a run folder's spans.jsonl holds them, and the
+wire's `SpanRecord`s are turned into them as they are read (`run_spans`, `Span.from_record`).
 
 Over 300 lines on purpose: the one definition of every run figure lives in one module, so no
 figure can be computed two ways.
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from shared.control import keys
-from shared.wire import SpanRecord, decode
+from shared.policies.spans import Span
+from shared.wire import SpanRecord, decode, keys
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -54,49 +54,6 @@ if TYPE_CHECKING:
 TRAINING_KINDS = frozenset({"fwd", "bwd", "allreduce", "step"})
 
 Window = tuple[float, float]
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """One interval of one worker's time, in wall-clock seconds (a line of spans.jsonl)."""
-
-    replica: int
-    stage: int
-    iteration: int
-    kind: str  # fwd, bwd, wait, allreduce, step, prefill; anything else is "other" work
-    start: float
-    end: float
-    microbatch: int | None = None
-    #: wait spans: the bubble's predicted length (ms) and when the awaited input arrived (wall clock)
-    predicted_ms: float | None = None
-    input_at: float | None = None
-
-    @classmethod
-    def from_record(cls, record: SpanRecord) -> Span:
-        """The span a worker sent on the wire (where microbatch -1 means none)."""
-        mb = record.microbatch if record.microbatch >= 0 else None
-        predicted = record.predicted_ms if record.predicted_ms >= 0 else None
-        arrived = record.input_at if record.input_at > 0 else None
-        return cls(
-            record.replica,
-            record.stage,
-            record.iteration,
-            record.span,
-            record.start,
-            record.end,
-            mb,
-            predicted,
-            arrived,
-        )
-
-    @property
-    def worker(self) -> str:
-        """The worker's display name, "r<replica>s<stage>", as used throughout the project."""
-        return f"r{self.replica}s{self.stage}"
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
 
 
 # --- the window ------------------------------------------------------------------------------

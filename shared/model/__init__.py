@@ -5,12 +5,11 @@ Without torch (safe for the HTTP front door and the dispatcher):
 
 - `tokenizer`: the `Tokenizer` protocol, bytes (`ByteTokenizer`, `encode`, `decode`), a Hugging
   Face `tokenizer.json` (`HFTokenizer`), and the served model's (`tokenizer_for`).
-- `info`: the served model's shape (`ModelInfo`) read from a Hugging Face checkpoint
-  directory's config.json (`read_config`, `info_from_config`), `CheckpointError`; it imports
-  neither the spec nor `shape`, so `shared.spec.config` reads `training.model` with it.
-- `shape`: the model's shape (`GPTConfig`), its stage split (`split_layers`), the KV-cache
-  size of a prompt (`estimate_kv_bytes`), and the served model's shape (`model_info`: from a
-  checkpoint directory's config.json, or the spec).
+- `shape`: the model's shape (`GPTConfig`), its stage split (`split_layers`, `stage_layer_ranges`),
+  the KV-cache size of a prompt (`estimate_kv_bytes`), and the served model's shape (`model_info`:
+  from a checkpoint directory's config.json, read by `shared.config.model_info`, or the spec).
+- `calibration`: what the profiled operations really cost here, and the device time scale that
+  keeps them (`calibrate`; it runs torch in processes of its own).
 
 With torch:
 
@@ -24,6 +23,7 @@ With torch:
   `sample`) and nanoGPT state_dict files.
 - `reference`: the single-process reference trainer (`train_reference`).
 - `seeds`: derived seeds and local generators.
+- `lanes`: training's and prefill's CUDA streams (`Lane`).
 
 `tests/unit/test_imports.py` checks that the services that need no tensors stay torch-free.
 """

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shared.model.info import CheckpointError, ModelInfo, config_flag
+from shared.config.model_info import CheckpointError, ModelInfo, config_flag
 
 KV = tuple[Tensor, Tensor]  # (k, v) of one layer, each float32 (1, kv_heads, T, head_dim)
 

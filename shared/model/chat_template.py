@@ -28,9 +28,9 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from shared.model.info import CheckpointError, read_json_object
+from shared.config.model_info import CheckpointError, read_json_object
+from shared.config.spec import Prefill
 from shared.model.shape import is_checkpoint_dir
-from shared.spec.config import Prefill
 
 #: The file a single template is saved in by transformers (it takes priority over the config's).
 TEMPLATE_FILE = "chat_template.jinja"

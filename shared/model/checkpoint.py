@@ -29,11 +29,11 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from shared.config.model_info import SUPPORTED_MODEL_TYPES, CheckpointError, info_from_config, read_config
 from shared.model.causal import CausalLM, LoadableLM
 from shared.model.families.gpt2 import GPT2
 from shared.model.families.llama import Llama
 from shared.model.gpt import StageModule
-from shared.model.info import SUPPORTED_MODEL_TYPES, CheckpointError, info_from_config, read_config
 
 #: The family module of each supported `model_type`.
 FAMILIES: dict[str, type[LoadableLM]] = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama}

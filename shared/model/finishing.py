@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from shared.model.causal import KV
+from shared.model.lanes import Lane
 from shared.model.prefill_state import PrefillResult
 from shared.model.sampling import sample
-from shared.model.streams import Lane
 from shared.model.tokenizer import Tokenizer, token_text
 
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from shared.model.causal import KV
-from shared.model.streams import Lane
+from shared.model.lanes import Lane
 from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)

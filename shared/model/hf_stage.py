@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from shared.config.model_info import ModelInfo, info_from_config
 from shared.model.causal import LoadableLM, config_float
 from shared.model.checkpoint import FAMILIES, checked_state, read_tensors
-from shared.model.info import ModelInfo, info_from_config
 from shared.model.seeds import generator
 
 DEFAULT_INITIALIZER_RANGE = 0.02

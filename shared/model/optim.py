@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from shared.spec.training import Training
+from shared.config.training import Training
 
 #: torch's `clip_grad_norm_` adds this to the norm before dividing.
 CLIP_EPS = 1e-6

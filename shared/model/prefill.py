@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from shared.config.model_info import CheckpointError, ModelInfo
+from shared.config.spec import Prefill
 from shared.model.causal import KV as KV  # re-exported: (k, v) of one layer, each (1, kv_heads, T, head_dim)
 from shared.model.causal import CausalLM
 from shared.model.checkpoint import check_state_dict, load_causal_lm
@@ -42,16 +44,13 @@ from shared.model.families.nanogpt import NanoGPT
 from shared.model.finishing import Finishing, to_host
 from shared.model.gpt import StageModule
 from shared.model.graphs import GraphedBlocks, capture_plan
-from shared.model.info import CheckpointError as CheckpointError  # re-exported: it used to live here
-from shared.model.info import ModelInfo
+from shared.model.lanes import Lane
 from shared.model.prefill_state import PrefillResult as PrefillResult  # re-exported: defined beside
 from shared.model.prefill_state import PrefillState as PrefillState
 from shared.model.sampling import sample as sample  # re-exported: the one sampling rule, decoders' too
 from shared.model.shape import GPTConfig
 from shared.model.shape import estimate_kv_bytes as estimate_kv_bytes  # re-exported: it used to live here
-from shared.model.streams import Lane
 from shared.model.tokenizer import BYTES, Tokenizer, tokenizer_for
-from shared.spec.config import Prefill
 
 
 class PrefillModel:
@@ -101,7 +100,7 @@ class PrefillModel:
     def place(self, device: torch.device, dtype: torch.dtype | None = None) -> PrefillModel:
         """Move the weights to `device` (cast to `dtype` if given; buffers, rotary frequencies, stay
         float32), to run on a low-priority stream of its own there (on a GPU training's kernels go
-        first; `shared.model.streams`), a done prefill's head on one as urgent as training's."""
+        first; `shared.model.lanes`), a done prefill's head on one as urgent as training's."""
         self.module.to(device)
         for p in self.module.parameters() if dtype is not None else ():
             p.data = p.data.to(dtype)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import msgspec
 from torch import nn
 
+from shared.config.spec import ClusterSpec
+from shared.config.training import Parallelism, Training
 from shared.model.data import ByteCorpus
 from shared.model.gpt import StageModule, build_full, lm_loss
 from shared.model.optim import clip_and_step, make_optimizer
 from shared.model.shape import GPTConfig
 from shared.model.training import Corpus, TrainingStage, build_training_stage, load_corpus
-from shared.spec.config import ClusterSpec
-from shared.spec.training import Parallelism, Training
 
 
 def train_reference(

@@ -1,11 +1,12 @@
 """The model's shape and the arithmetic on it, without torch (the dispatcher plans with this).
 
 `GPTConfig` is the shape `shared.model.gpt` builds; `split_layers` is how its blocks are cut into
-pipeline stages; `estimate_kv_bytes` is the size of a prompt's KV cache before it is computed.
+pipeline stages (`stage_layer_ranges`: by the spec's `parallelism.split`, evenly or by each
+layer's cost with `balanced_split`); `estimate_kv_bytes` is the size of a prompt's KV cache before it is computed.
 
 `model_info(prefill_spec)` is the shape of whatever model serves prefill (the seeded or trained
 nanoGPT, or a Hugging Face checkpoint directory), read without torch: from a checkpoint directory's
-`config.json` (`shared.model.info`), otherwise from `prefill.model`. The front door takes its
+`config.json` (`shared.config.model_info`), otherwise from `prefill.model`. The front door takes its
 limits from it and the dispatcher its layer count and KV sizes.
 """
 
@@ -14,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.model.info import FLOAT32_BYTES, ModelInfo, info_from_config, read_config
-from shared.spec.config import Prefill
-from shared.spec.training import ModelSpec
+from shared.config.model_info import FLOAT32_BYTES, ModelInfo, info_from_config, read_config
+from shared.config.spec import ClusterSpec, Prefill
+from shared.config.training import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,50 @@ def max_prompt_tokens(spec: Prefill, info: ModelInfo) -> int:
     """The longest prompt the front door accepts (and the simulator's load may hold):
     `prefill.max_prompt_tokens`, capped by what the served model `info` can take."""
     return min(spec.max_prompt_tokens, info.max_model_len)
+
+
+def balanced_split(costs: list[float], stages: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of `costs` (every stage at least one item) whose largest sum is as small
+    as it can be; ties go to the earlier stages. `ValueError` if there are fewer items than stages."""
+    n = len(costs)
+    if stages < 1 or stages > n:
+        raise ValueError(f"cannot split {n} layers into {stages} stages (at least one layer each)")
+
+    def cut(limit: float) -> list[tuple[int, int]] | None:
+        ranges: list[tuple[int, int]] = []
+        start, total = 0, 0.0
+        for i, c in enumerate(costs):
+            left_items, left_stages = n - i, stages - len(ranges)
+            if i > start and (total + c > limit or left_items < left_stages):
+                ranges.append((start, i))
+                start, total = i, 0.0
+            total += c
+        ranges.append((start, n))
+        return ranges if len(ranges) <= stages and max(costs) <= limit else None
+
+    lo, hi = max(costs), sum(costs)
+    for _ in range(100):  # bisect the smallest feasible largest-stage cost
+        mid = (lo + hi) / 2
+        if cut(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    ranges = cut(hi)
+    assert ranges is not None
+    while len(ranges) < stages:  # fewer stages than asked: split the widest (never raises the largest sum)
+        i = max(range(len(ranges)), key=lambda j: ranges[j][1] - ranges[j][0])
+        a, b = ranges[i]
+        ranges[i : i + 1] = [(a, b - 1), (b - 1, b)]
+    return ranges
+
+
+def stage_layer_ranges(spec: ClusterSpec) -> list[tuple[int, int]]:
+    """Each stage's ``[start, end)`` layers, by `parallelism.split` (the cost stated in config.md)."""
+    m, stages = spec.model, spec.parallelism.pp
+    if spec.parallelism.split == "layers":
+        return split_layers(m.layers, stages)
+    layer = 12.0 * m.d_model * m.d_model
+    costs = [layer] * m.layers
+    costs[0] += m.vocab * m.d_model  # the embedding
+    costs[-1] += m.vocab * m.d_model  # the head (tied or not, it is a vocab x d_model matmul)
+    return balanced_split(costs, stages)

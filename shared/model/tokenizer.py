@@ -22,9 +22,9 @@ from typing import Protocol
 
 from tokenizers import Tokenizer as _RustTokenizer
 
-from shared.model.info import CheckpointError
+from shared.config.model_info import CheckpointError
+from shared.config.spec import Prefill
 from shared.model.shape import is_checkpoint_dir
-from shared.spec.config import Prefill
 
 BYTE_VOCAB = 256  # ids 0..255, one per byte value
 #: The tokenizer file of a Hugging Face checkpoint directory.

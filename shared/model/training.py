@@ -18,15 +18,14 @@ from typing import Any
 
 from torch import nn
 
+from shared.config.model_info import CheckpointError, info_from_config, read_config
+from shared.config.spec import ClusterSpec, ConfigError
 from shared.model.checkpoint import FAMILIES, checked_state, read_tensors
 from shared.model.corpus import DataError, TokenCorpus
 from shared.model.data import ByteCorpus
 from shared.model.gpt import StageModule, build_stage
 from shared.model.hf_stage import HFStage
-from shared.model.info import CheckpointError, info_from_config, read_config
-from shared.model.shape import GPTConfig
-from shared.spec.config import ClusterSpec, ConfigError
-from shared.spec.plan import stage_layer_ranges
+from shared.model.shape import GPTConfig, stage_layer_ranges
 
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.spec.config import ClusterSpec, ConfigError
-from shared.spec.plan import stage_layer_ranges
+from shared.config.spec import ClusterSpec, ConfigError
+from shared.model.shape import stage_layer_ranges
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_DIR = "optimizer"
@@ -57,7 +57,7 @@ def model_identity(spec: ClusterSpec) -> dict[str, Any]:
     identity: dict[str, Any] = {"family": "small-gpt", "layers": m.layers, "d_model": m.d_model, "heads": m.heads}
     identity["vocab"] = m.vocab
     if spec.training.model is not None:
-        from shared.model.info import read_config
+        from shared.config.model_info import read_config
 
         config = read_config(spec.training.model)
         identity["family"] = config["model_type"]

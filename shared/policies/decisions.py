@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from shared.control.status import FailureReason
+from shared.wire.status import FailureReason
 
 #: What the caller attached to a request (its wire message), passed through to its decisions.
 P = TypeVar("P")

@@ -70,6 +70,7 @@ from collections.abc import Iterable
 from dataclasses import InitVar, dataclass, field
 from typing import Generic
 
+from shared.config.spec import BubbleTea
 from shared.policies import refusals
 from shared.policies.admission import BEST_HALF_LIFE_S, Admission
 from shared.policies.credit_book import CreditBook
@@ -96,7 +97,6 @@ from shared.policies.fill import HOLD_STAGED_S
 from shared.policies.handout import Handout
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.policies.waiting_room import WaitingRoom
-from shared.spec.config import BubbleTea
 
 
 @dataclass

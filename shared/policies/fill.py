@@ -1,6 +1,6 @@
 """The fill policy (pure): a worker's queue of prefill work, and what runs when.
 
-Training is the owner, prefill the guest. The worker's fill executor (services/stage_worker/filler.py)
+Training is the owner, prefill the guest. The worker's fill executor (services/stage_worker/fill/executor.py)
 and the simulator's (sim/executor.py) keep their queue in a `FillQueue` and obey it; their threads,
 Redis I/O and clocks hold no rule of their own.
 
@@ -36,7 +36,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shared.spec.config import BubbleTea
+from shared.config.spec import BubbleTea
 
 #: A worker keeps a batch this long at most while no bubble takes it (training paused or over),
 #: then hands it back and the dispatcher queues its requests again: the spec's default

@@ -2,7 +2,7 @@
 
 Training owns the worker; prefill is its guest. A prefill batch that raises (a `RuntimeError` in
 the model, `torch.OutOfMemoryError` on a GPU) fails that batch's running request, hands the rest
-back, and training goes on (services/stage_worker/filler.py). One failure may be the request's (an
+back, and training goes on (services/stage_worker/fill/executor.py). One failure may be the request's (an
 odd prompt, a transient out-of-memory beside training's peak); a worker whose prefill fails batch
 after batch has a broken guest (bad weights, a device that cannot fit both), and every batch sent
 there is a request failed. So after `max_failures` failed batches in a row the worker stops taking

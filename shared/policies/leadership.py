@@ -36,7 +36,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from shared.control.status import DispatcherRole
+from shared.wire.status import DispatcherRole
 
 #: A leader stops acting this long before its lease could end in Redis: its acks, checked against
 #: the lease here and sent a moment later (`shared.bus.acks.GATHER_S`), must land while it holds it.

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 #: take a live holder's slot on a busy machine (2026-11-29).
 GRACE_S = 0.3
 #: After a Redis (re)start, how long before a missing connection says anything: the clients' reconnect
-#: backoff is a few seconds (services/stage_worker/lease.py's PEER_GRACE_S is the same allowance).
+#: backoff is a few seconds (services/stage_worker/membership/lease.py's PEER_GRACE_S is the same allowance).
 SETTLE_S = 10.0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from shared.figures.runstats import Span
+from shared.policies.spans import Span
 from shared.policies.wan import LinkModel
 
 Worker = tuple[int, int]  # (replica, stage)

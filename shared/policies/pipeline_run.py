@@ -31,12 +31,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from shared.figures.runstats import Span
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.events import EventQueue
 from shared.policies.pipeline_model import Bubble, PipelineInputs, PipelineResult
 from shared.policies.schedules import Op, schedule
 from shared.policies.socket_wan import SocketWan
+from shared.policies.spans import Span
 from shared.policies.walk import COLLECTIVES, Key, Phase, SlotWalk
 from shared.policies.wan import LinkSharing, transfer_priority
 

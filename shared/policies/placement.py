@@ -1,9 +1,9 @@
 """Stage placement: which datacenter runs each pipeline stage.
 
 `place` is Atlas's; `round_robin` is the naive placement it is compared against (docs/paper.md).
-Both return a `Placement`; `shared.spec.plan.placement_of` picks one by the spec's
-``parallelism.placement``. `balanced_split` cuts the layers into stages by a stated cost
-(``parallelism.split: params``; `shared.spec.plan.stage_layer_ranges` states the cost).
+Both return a `Placement`; `shared.policies.pipeline_plan.placement_of` picks one by the spec's
+``parallelism.placement``. Which layers each stage runs is the model's split
+(`shared.model.shape.stage_layer_ranges`).
 
 Rule (Atlas): sort DCs by GPUs, largest first (ties by name, for determinism); each DC takes
 ``floor(gpus / (TP * DP))`` *consecutive* stages until every stage is placed. A stage's whole DP
@@ -105,38 +105,3 @@ def round_robin(datacenters: Sequence[tuple[str, int]], pp: int, dp: int, tp: in
         f"group stays inside one DC): {held}, {len(stage_dc)} in all; the other {pp - len(stage_dc)} "
         f"stage(s), dealt on in turn, need {', '.join(lacks)}"
     )
-
-
-def balanced_split(costs: list[float], stages: int) -> list[tuple[int, int]]:
-    """Contiguous ranges of `costs` (every stage at least one item) whose largest sum is as small
-    as it can be; ties go to the earlier stages. `ValueError` if there are fewer items than stages."""
-    n = len(costs)
-    if stages < 1 or stages > n:
-        raise ValueError(f"cannot split {n} layers into {stages} stages (at least one layer each)")
-
-    def cut(limit: float) -> list[tuple[int, int]] | None:
-        ranges: list[tuple[int, int]] = []
-        start, total = 0, 0.0
-        for i, c in enumerate(costs):
-            left_items, left_stages = n - i, stages - len(ranges)
-            if i > start and (total + c > limit or left_items < left_stages):
-                ranges.append((start, i))
-                start, total = i, 0.0
-            total += c
-        ranges.append((start, n))
-        return ranges if len(ranges) <= stages and max(costs) <= limit else None
-
-    lo, hi = max(costs), sum(costs)
-    for _ in range(100):  # bisect the smallest feasible largest-stage cost
-        mid = (lo + hi) / 2
-        if cut(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    ranges = cut(hi)
-    assert ranges is not None
-    while len(ranges) < stages:  # fewer stages than asked: split the widest (never raises the largest sum)
-        i = max(range(len(ranges)), key=lambda j: ranges[j][1] - ranges[j][0])
-        a, b = ranges[i]
-        ranges[i : i + 1] = [(a, b - 1), (b - 1, b)]
-    return ranges

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shared.config.spec import ClusterSpec
 from shared.policies.fill import piece_tokens
-from shared.spec.config import ClusterSpec
 
 #: Weight of older reports decays by this factor per new report (memory of ~50 reports).
 FORGET = 0.98

@@ -31,8 +31,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from shared.control.status import PromptPlacement
 from shared.policies.recent import Recent
+from shared.wire.status import PromptPlacement
 
 #: Of a request's objective, the share kept for the decoder's own prefill (auto): the bubbles take a
 #: prompt only if predicted to finish it before this share of the objective is left, and a prompt

@@ -39,7 +39,7 @@ Once training was seen running, a run that no longer holds every slot is:
 * RECOVERING: a slot lost its worker (its lease expired without an end marker) less than
   `recovery_s` ago, or every slot is held again but not every worker rejoined yet, in a run that
   checkpoints: the run pauses for a replacement and resumes from
-  a checkpoint (services/stage_worker/recovery.py). Requests already queued are kept: they wait
+  a checkpoint (services/stage_worker/membership/generations.py). Requests already queued are kept: they wait
   for the resumed run's bubbles (a lost worker costs latency, not answers). New ones are refused
   (503, Retry-After 5 s): the replacement may never come (a host lost for good and no spare
   worker), and a request taken then would only wait out its deadline for a 504.
@@ -56,7 +56,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.control.status import LeaseState, ServingState
+from shared.wire.status import LeaseState, ServingState
 
 #: How long a client is told to wait before retrying (`Retry-After`), per state: a starting run is
 #: serving within an iteration or two; a stalled or lost one needs an operator or a restart.

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.control.status import FailureReason
 from shared.policies import prompt_placement as placement
 from shared.policies.admission import Admission
 from shared.policies.decisions import Failure, Moved, P
 from shared.policies.dispatch_inputs import Request
 from shared.policies.waiting_room import WaitingRoom
+from shared.wire.status import FailureReason
 
 
 def on_arrival(

@@ -6,7 +6,7 @@ the driver brings the clock and the effects:
 
 * the analytic model and the simulator (`shared.policies.pipeline_run`): a virtual clock, compute
   as profiled durations, links as the broker's policy objects;
-* the live stage worker (`services/stage_worker/runner.py`): the wall clock, real torch, the
+* the live stage worker (`services/stage_worker/train/runner.py`): the wall clock, real torch, the
   stage's port.
 
 Two steps exist only in the walk, not in the schedule's list:

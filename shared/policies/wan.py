@@ -44,7 +44,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from itertools import chain
 
-from shared.spec.config import LinkParams
+from shared.config.spec import LinkParams
 
 POLICIES = ("fair", "temporal", "fifo")
 #: The WAN modes (`wan.mode`): how cross-DC bytes meet the link (module docstring).

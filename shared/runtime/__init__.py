@@ -1,3 +1,3 @@
-"""What every process runs on: logging, metrics, thread priorities, the embedded Redis, the
-common `__main__`, child processes, precise sleeps, the API key check.
+"""What every process runs on: logging, thread priorities, the embedded Redis, child processes,
+precise sleeps, the API key check. The common `__main__` and `/metrics` are `shared.service`.
 """

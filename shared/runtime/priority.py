@@ -44,8 +44,6 @@ TRAIN_NICE = 5
 PREFILL_NICE = 15
 #: The EEVDF slice the prefill thread asks for (microseconds; the kernel clamps it to 0.1-100 ms).
 PREFILL_SLICE_US = 100
-#: The values of BUBBLETEA_COMPUTE_PRIORITY.
-PRIORITIES = ("low", "normal")
 
 _warned = False
 _enabled = True

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from shared.config.env_values import maxmemory_error
 from shared.runtime.lifetime import die_with_parent, signals_held
 from shared.runtime.logs import get_logger
 
@@ -35,7 +36,7 @@ log = get_logger(__name__)
 DEFAULT_MAXMEMORY = "1gb"
 #: At the limit writes fail ("OOM command not allowed"), reads go on: nothing is ever evicted, so
 #: queued work, answers and pending entries are never dropped silently (the front door answers
-#: errors instead). Every key that may go has a TTL or a bound of its own (shared/control/keys.py).
+#: errors instead). Every key that may go has a TTL or a bound of its own (shared/wire/keys.py).
 MAXMEMORY_POLICY = "noeviction"
 #: How hard Redis works to reclaim expired keys (1-10; Redis's default is 1). KV caches are large
 #: (~0.5 MB each) and live seconds: at effort 1, on a busy machine, expired ones outlived their TTL
@@ -44,19 +45,8 @@ MAXMEMORY_POLICY = "noeviction"
 ACTIVE_EXPIRE_EFFORT = "5"
 
 
-#: A redis-server memory size: bytes, or a number with a unit (``512mb``, ``2gb``, ``100k``...).
-_MEMORY = re.compile(r"\d+(?:[kmg]b?|b)?", re.IGNORECASE)
-
-
 class RedisServerError(RuntimeError):
     """No redis-server binary, the server did not come up, or a bad setting for it (one line)."""
-
-
-def maxmemory_error(value: str) -> str | None:
-    """What is wrong with `value` as ``BUBBLETEA_REDIS_MAXMEMORY``, or None if redis-server takes it."""
-    if _MEMORY.fullmatch(value):
-        return None
-    return f"BUBBLETEA_REDIS_MAXMEMORY: expected a redis-server memory size such as 512mb or 2gb, got {value!r}"
 
 
 def maxmemory_setting() -> str:

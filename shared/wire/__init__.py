@@ -8,6 +8,7 @@ dead-letters such entries instead of half-handling them.
 
 The kinds live by plane: `base` (the base class, `TensorBlob`, `Ping`/`Pong`), `training` and
 `serving`; this module is the wire's one index: the union of every kind, and `encode`/`decode`.
+Every stream name and key prefix is in `keys`, every status in `status`.
 Tensors travel as dtype + shape + raw bytes (`shared.dataplane.tensors`), never pickle.
 """
 

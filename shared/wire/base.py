@@ -13,7 +13,7 @@ from typing import Final
 import msgspec
 
 #: Bump when a message changes incompatibly; peers at another version are refused loudly.
-#: 2: statuses are enums (`shared.control.status`); unread batch/report timing fields removed.
+#: 2: statuses are enums (`shared.wire.status`); unread batch/report timing fields removed.
 WIRE_VERSION: Final = 2
 
 #: The stream entry field that holds the encoded message.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.control.status import FailureReason, ItemOutcome, PromptPlacement, RequestStatus
 from shared.wire.base import Message, TensorBlob
+from shared.wire.status import FailureReason, ItemOutcome, PromptPlacement, RequestStatus
 
 
 class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill_request"):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.control.status import ControlEvent
 from shared.wire.base import Message
+from shared.wire.status import ControlEvent
 
 
 class TensorReady(Message, frozen=True, kw_only=True, tag="tensor_ready"):

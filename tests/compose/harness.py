@@ -79,8 +79,8 @@ def time_scale() -> str:
     saw 429s at k = 1, and none at k = 15, the k `up` measured that day)."""
     if os.environ.get("BUBBLETEA_TIME_SCALE"):
         return os.environ["BUBBLETEA_TIME_SCALE"]
-    from shared.spec.settings import load_settings
-    from shared.spec.timescale import calibrate
+    from shared.config.settings import load_settings
+    from shared.model.calibration import calibrate
 
     return f"{calibrate(load_settings(ROOT / 'configs' / 'demo.yaml', env={}).spec).scale:g}"
 

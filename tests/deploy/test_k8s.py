@@ -4,7 +4,7 @@ Each overlay is rendered with `kubectl kustomize`, and every document it yields 
 the newest Kubernetes schemas `kubernetes-validate` ships, strictly (an unknown field is an error).
 Then what the schemas cannot see: every ConfigMap, Secret, volume claim and Service a workload names
 is in the same render, each datacenter overlay runs the spec's slots of its DC plus one spare (the
-slots computed with the project's own placement, `shared.spec.plan.placement_of`), the probes and
+slots computed with the project's own placement, `shared.policies.pipeline_plan.placement_of`), the probes and
 Prometheus annotations use the ports and paths the services really serve (and compose's Prometheus
 scrapes), and Redis's password only ever comes from the Secret.
 
@@ -47,9 +47,9 @@ kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e '.[dev]')"
 )
 
-from shared.spec.config import load_spec  # noqa: E402
-from shared.spec.plan import placement_of  # noqa: E402
-from shared.spec.settings import ENV_VARS  # noqa: E402
+from shared.config.env import ENV_VARS  # noqa: E402
+from shared.config.spec import load_spec  # noqa: E402
+from shared.policies.pipeline_plan import placement_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -13,9 +13,8 @@ import aiohttp
 import yaml
 
 from shared.bus.connection import blocking_client
-from shared.control import keys
-from shared.control.status import ItemOutcome
-from shared.wire import IterationDone, PrefillReport, WorkerFailed, decode
+from shared.wire import IterationDone, PrefillReport, WorkerFailed, decode, keys
+from shared.wire.status import ItemOutcome
 
 #: PP=2 x DP=2 with a device profile: each stage's forward counts for 40 ms, so every worker
 #: waits tens of milliseconds for its peer in each iteration: bubbles to fill.

@@ -35,15 +35,15 @@ import torch
 import yaml
 
 from bubbletea.launcher.train import run_training
-from services.stage_worker.warm import guest_model
+from services.stage_worker.train.warm import guest_model
+from shared.config.settings import load_settings
+from shared.config.spec import parse_spec
 from shared.dataplane import kvstore
 from shared.model.devices import select_device
 from shared.model.prefill import PrefillResult
 from shared.model.reference import train_reference_for
 from shared.model.tokenizer import encode
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.config import parse_spec
-from shared.spec.settings import load_settings
 
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
 #: A test that runs on a GPU: marked `cuda` and skipped cleanly without one.

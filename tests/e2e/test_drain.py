@@ -21,12 +21,11 @@ from bubbletea.commands import build_parser
 from bubbletea.launcher.procs import Proc, spawn, stop_all
 from bubbletea.launcher.services import STAGE_WORKER
 from shared.bus.connection import blocking_client
-from shared.control import keys
+from shared.config.settings import load_settings
 from shared.control.leases import read_slots
-from shared.control.status import LeaseState
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.settings import load_settings
-from shared.wire import IterationDone, decode
+from shared.wire import IterationDone, decode, keys
+from shared.wire.status import LeaseState
 from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
 from tests.e2e.test_worker_recovery import check_trained_once, slot_of, start_run
 

@@ -21,10 +21,10 @@ from redis.asyncio import Redis
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
 from services.stage_worker import chaos
+from shared.config.settings import load_settings
 from shared.control.health import live_instances
 from shared.model.reference import train_reference_for
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.settings import load_settings
 from tests.e2e.serving import ONE_REPLICA, SPEC, final_answers, service_env, submit, wait_ready, wait_until, write_spec
 
 

@@ -27,10 +27,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from bubbletea.launcher.train import run_training
+from shared.config.settings import load_settings
 from shared.model.checkpoint import load_causal_lm
 from shared.model.corpus import TokenCorpus, train_bpe_tokenizer
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.settings import load_settings
 
 ITERATIONS, MICROBATCHES, MBS, SEQ, DP = 5, 3, 2, 32, 2
 LR, WARMUP, MIN_RATIO, CLIP = 3e-3, 2, 0.1, 0.5

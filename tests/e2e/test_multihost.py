@@ -23,12 +23,11 @@ import yaml
 from redis.asyncio import Redis
 
 from bubbletea.launcher.kernel_wan import KernelWanError, check_privileges, kernel_wan
-from shared.control import keys
+from shared.config.spec import load_spec
 from shared.dataplane.kernel_net import plan_kernel_net
 from shared.model.reference import train_reference_for
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.config import load_spec
-from shared.wire import IterationDone, decode
+from shared.wire import IterationDone, decode, keys
 
 # Kernel WANs share the host (namespaces, addresses, ip_forward): one such test at a time (conftest).
 pytestmark = [pytest.mark.kernel_wan]

@@ -39,11 +39,11 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import Proc, front_door, spawn, start_front_door, stop_all
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
-from shared.control import keys, serving
+from shared.config.settings import load_settings
+from shared.config.spec import Prefill
+from shared.control import serving
 from shared.model.prefill import PrefillModel
-from shared.spec.config import Prefill
-from shared.spec.settings import load_settings
-from shared.wire import IterationDone, PrefillBatch, PrefillReport, decode
+from shared.wire import IterationDone, PrefillBatch, PrefillReport, decode, keys
 from tests.e2e.serving import (
     ONE_REPLICA,
     SPEC,

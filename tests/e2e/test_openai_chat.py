@@ -23,7 +23,7 @@ from openai import AsyncOpenAI
 
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
-from shared.spec.settings import load_settings
+from shared.config.settings import load_settings
 from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, wait_for_iteration, write_spec
 
 #: A generous bound for a loaded 2-core machine (a completion waits for a bubble).

@@ -20,11 +20,11 @@ from openai import AsyncOpenAI
 
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
-from shared.control import keys
+from shared.config.settings import load_settings
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import decode as decode_text
 from shared.model.tokenizer import encode as encode_text
-from shared.spec.settings import load_settings
+from shared.wire import keys
 from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, wait_for_iteration, wait_until, write_spec
 
 PROMPT = "Hello, BubbleTea"

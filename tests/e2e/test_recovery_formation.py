@@ -23,10 +23,10 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import Proc, spawn, stop_all
 from bubbletea.launcher.services import STAGE_WORKER
-from services.stage_worker.lease import Slot, SlotLease
-from services.stage_worker.recovery import Generations
-from shared.control import keys
+from services.stage_worker.membership.generations import Generations
+from services.stage_worker.membership.lease import Slot, SlotLease
 from shared.runtime.redis_server import EmbeddedRedis
+from shared.wire import keys
 from tests.e2e.serving import wait_until
 from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
 

@@ -25,9 +25,9 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
+from shared.config.settings import load_settings
 from shared.control import serving
-from shared.control.status import RequestStatus
-from shared.spec.settings import load_settings
+from shared.wire.status import RequestStatus
 from tests.e2e.serving import SPEC, service_env, submit, wait_for_first_bubble, write_spec
 
 #: The largest argument any command may carry: a control message, a handle or a small key.

@@ -20,8 +20,8 @@ from redis.asyncio import Redis
 from bubbletea.launcher.kernel_wan import default_wan_mode
 from bubbletea.launcher.procs import spawn, stop_all, wait_http_healthy
 from bubbletea.launcher.services import SERVICES
-from shared.control import keys
 from shared.runtime.redis_server import EmbeddedRedis, free_port
+from shared.wire import keys
 from tests.e2e.serving import ONE_REPLICA, SPEC, as_from_a_terminal, replicas, service_env, wait_until, write_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +169,7 @@ def test_demo_compares_three_runs_and_writes_the_report(tmp_path: Path) -> None:
     mode, why = (named, "--wan") if named else default_wan_mode()
     assert r.stdout.splitlines()[0] == f"==> WAN mode {mode} ({why})", r.stdout[:300]
     assert "==> prefill_queue is healthy" in r.stdout
-    assert "==> device time scale " in r.stdout  # measured here and said (shared/spec/timescale.py)
+    assert "==> device time scale " in r.stdout  # measured here and said (shared/config/timescale.py)
     for step in ("[1/3] Fair sharing", "[2/3] Atlas", "[3/3] Atlas + BubbleTea"):
         assert step in r.stdout
     assert r.stdout.count("iteration ") >= 12  # progress of every run is visible
@@ -251,7 +251,7 @@ def test_compose_matches_the_service_table_and_the_settings() -> None:
 
     from bubbletea.commands import build_parser
     from loadgen.cli import parse_config
-    from shared.spec.settings import ENV_VARS
+    from shared.config.env import ENV_VARS
 
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]
@@ -340,7 +340,7 @@ def _check_compose_vllm(vllm: dict, services: dict) -> None:
 
     import bubbletea_vllm
 
-    from shared.spec.config import load_spec
+    from shared.config.spec import load_spec
 
     cmd = vllm["command"]
     assert cmd[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]

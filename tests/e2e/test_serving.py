@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
-from shared.control import keys
+from shared.config.settings import load_settings
 from shared.control.health import live_instances
 from shared.dataplane import kvstore
 from shared.dataplane.kv_client import KvClient
@@ -30,8 +30,7 @@ from shared.figures import runstats
 from shared.model.prefill import PrefillModel
 from shared.runtime import priority
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.settings import load_settings
-from shared.wire import SpanRecord
+from shared.wire import SpanRecord, keys
 from tests.e2e.serving import (
     SPEC,
     final_answers,

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from bubbletea.launcher.train import run_training
+from shared.config.settings import load_settings
 from shared.model.gpt import build_full
 from shared.model.reference import train_reference_for
 from shared.model.shape import GPTConfig
 from shared.model.trainstate import saved_iteration
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.settings import load_settings
 from tests.e2e.serving import wait_for_iteration
 from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
 

@@ -18,13 +18,12 @@ import yaml
 from redis.asyncio import Redis
 
 from bubbletea.launcher.train import run_training
-from shared.control import keys
+from shared.config.settings import load_settings
 from shared.model.reference import train_reference_for
 from shared.policies import schedules
 from shared.policies.bubbles import HISTORY, WARMUP_ITERATIONS
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.settings import load_settings
-from shared.wire import BubbleEnd, BubbleStart, SpanRecord, decode
+from shared.wire import BubbleEnd, BubbleStart, SpanRecord, decode, keys
 from tests.e2e.serving import replicas, wait_for_iteration
 
 SPEC = {

@@ -17,8 +17,8 @@ import aiohttp
 
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
+from shared.config.settings import load_settings
 from shared.runtime.redis_server import free_port
-from shared.spec.settings import load_settings
 from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, wait_for_iteration, wait_until, write_spec
 from tests.e2e.test_openai_client import _kv_held
 

@@ -16,9 +16,8 @@ import yaml
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER
 from shared.bus.connection import blocking_client
-from shared.control import keys
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.wire import IterationDone, decode
+from shared.wire import IterationDone, decode, keys
 from tests.e2e.serving import replicas
 
 SPEC = {

@@ -25,11 +25,10 @@ from bubbletea.launcher.procs import Proc, spawn, stop_all
 from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER
 from bubbletea.launcher.train import run_training
 from shared.bus.connection import blocking_client
-from shared.control import keys
+from shared.config.settings import load_settings
 from shared.policies.lease_liveness import SETTLE_S
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.settings import load_settings
-from shared.wire import IterationDone, decode
+from shared.wire import IterationDone, decode, keys
 from tests.e2e.test_training_correctness import ONE_REPLICA, write_spec
 
 #: Far more than the kill point (iteration 4), so the run is still training when the kill lands
@@ -204,7 +203,7 @@ async def test_a_spare_is_ready_before_it_is_needed_and_takes_a_lost_slot_over(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
     """A fifth worker for four slots waits as a spare, its corpus and served model loaded meanwhile
-    (`warm.py`); a worker killed mid-run, it takes the slot as soon as Redis saw the worker's
+    (`stage_worker/train/warm.py`); a worker killed mid-run, it takes the slot as soon as Redis saw the worker's
     connections close (`lease_liveness`), and the stage's state from the live peer, and the run ends
     with every iteration trained once."""
     # long enough that the spare is up (it first waits a lease's lifetime for a free slot) mid-run

@@ -8,7 +8,7 @@ import asyncio
 import sys
 
 from shared.bus import Bus, Delivery
-from shared.spec.config import BusConfig
+from shared.config.spec import BusConfig
 from shared.wire import Ping
 
 

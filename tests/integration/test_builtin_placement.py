@@ -20,14 +20,14 @@ from redis.asyncio import Redis
 from services.decoder.decoder import serve
 from services.prefill_queue.app import create_app
 from services.prefill_queue.state import GATE
-from shared.control import keys, serving
-from shared.control.status import RequestStatus, ServingState
+from shared.config.settings import Settings, load_settings
+from shared.control import serving
 from shared.model.generate import generate
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import decode, encode
-from shared.spec.settings import Settings, load_settings
-from shared.wire import FIELD, PrefillRequest, PrefillResult
+from shared.wire import FIELD, PrefillRequest, PrefillResult, keys
 from shared.wire import decode as decode_msg
+from shared.wire.status import RequestStatus, ServingState
 
 PROMPT = "Computed by the decoder"
 RUN = "placement"

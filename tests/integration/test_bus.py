@@ -15,10 +15,9 @@ from redis.asyncio import Redis
 
 from shared.bus import HOLD, Bus, Delivery, Outcome, trim_acked
 from shared.bus.consumer import Consumer
-from shared.control import keys
+from shared.config.spec import BusConfig
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.config import BusConfig
-from shared.wire import FIELD, Ping, Pong
+from shared.wire import FIELD, Ping, Pong, keys
 
 FAST = BusConfig(claim_idle_ms=150, block_ms=200, max_deliveries=3, drain_grace_s=2.0)
 

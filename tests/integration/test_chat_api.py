@@ -20,10 +20,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
 from services.prefill_queue.app import create_app
+from shared.config.settings import Settings
 from shared.control import serving
 from shared.model.corpus import BPE_EOS, train_bpe_tokenizer
 from shared.model.tokenizer import HFTokenizer
-from shared.spec.settings import Settings
 from tests.integration.test_prefill_api import REQUESTS, RUN, ok_result, read_sse, settings_for, take_requests
 
 TEMPLATE = (
@@ -156,7 +156,7 @@ async def test_the_api_key_and_the_openapi_document_cover_chat(redis_url: str, t
 
 
 async def test_a_broken_chat_template_stops_the_start_naming_it(redis_url: str, tmp_path: Path) -> None:
-    from shared.model.info import CheckpointError
+    from shared.config.model_info import CheckpointError
 
     d = model_dir(tmp_path / "model", template=False)
     (d / "chat_template.jinja").write_text("{% if %}")

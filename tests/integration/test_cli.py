@@ -19,8 +19,8 @@ import pytest
 from redis.asyncio import Redis
 
 from bubbletea.cli import main as cli_main
-from shared.control import keys
 from shared.runtime.redis_server import EmbeddedRedis, free_port
+from shared.wire import keys
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -314,8 +314,8 @@ def test_a_directory_to_serve_needs_weights_and_init_model_weights_writes_them(t
         p.unlink()
     assert run("init-model", str(model), "--layers", "2", "--hidden", "32", "--weights").returncode == 0
     assert run("check-config", str(spec)).returncode == 0
+    from shared.config.spec import load_spec
     from shared.model.prefill import PrefillModel
-    from shared.spec.config import load_spec
 
     served = PrefillModel.from_spec(load_spec(spec).prefill)  # what the workers load: it serves
     assert served.layers == 2 and served.prefill(served.tokenizer.encode("hello")).prompt_tokens >= 1

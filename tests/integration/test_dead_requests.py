@@ -15,10 +15,10 @@ import msgspec
 from redis.asyncio import Redis
 
 from shared.bus import Bus, Delivery, Reject
-from shared.control import keys, serving
-from shared.control.status import FailureReason, RequestStatus
-from shared.spec.config import BusConfig
-from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
+from shared.config.spec import BusConfig
+from shared.control import serving
+from shared.wire import FIELD, PrefillRequest, PrefillResult, decode, keys
+from shared.wire.status import FailureReason, RequestStatus
 
 GROUP = "dispatcher"
 RUN = "dead"

@@ -18,15 +18,14 @@ from redis.asyncio import Redis
 
 from services.decoder.decoder import serve
 from shared.bus import Bus
-from shared.control import keys
-from shared.control.status import FailureReason, RequestStatus
+from shared.config.settings import Settings, load_settings
 from shared.dataplane import kvstore
 from shared.model.generate import generate
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import decode
-from shared.spec.settings import Settings, load_settings
-from shared.wire import FIELD, DecodeChunk, DecodeRequest
+from shared.wire import FIELD, DecodeChunk, DecodeRequest, keys
 from shared.wire import decode as decode_msg
+from shared.wire.status import FailureReason, RequestStatus
 
 REPLY = "bt:test:decode-replies"
 RUN = "decode"

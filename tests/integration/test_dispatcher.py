@@ -16,13 +16,12 @@ from redis.asyncio import Redis
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.serve import last_writes, serve
 from shared.bus import Bus, Delivery
-from shared.control import keys, serving
+from shared.config.settings import load_settings
+from shared.config.spec import BusConfig
+from shared.control import serving
 from shared.control.health import Heartbeat
-from shared.control.status import ControlEvent, FailureReason, RequestStatus
 from shared.policies.decisions import Decisions, Spent
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.config import BusConfig
-from shared.spec.settings import load_settings
 from shared.wire import (
     FIELD,
     BubbleEnd,
@@ -35,7 +34,9 @@ from shared.wire import (
     WorkerJoined,
     decode,
     encode,
+    keys,
 )
+from shared.wire.status import ControlEvent, FailureReason, RequestStatus
 
 
 async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str, redis: Redis) -> None:

@@ -27,13 +27,12 @@ from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from services.dispatcher.lease import DispatcherLease
 from shared.bus import Bus, Delivery
 from shared.bus.streams import claim_all
-from shared.control import keys, serving
+from shared.config.settings import load_settings
+from shared.config.spec import BusConfig
+from shared.control import serving
 from shared.control.leases import release_dispatcher_if_held_by
-from shared.control.status import DispatcherRole, ItemOutcome, RequestStatus
 from shared.model.shape import model_info
 from shared.policies.leadership import Move
-from shared.spec.config import BusConfig
-from shared.spec.settings import load_settings
 from shared.wire import (
     FIELD,
     PrefillBatch,
@@ -43,7 +42,9 @@ from shared.wire import (
     PrefillResult,
     WorkerJoined,
     decode,
+    keys,
 )
+from shared.wire.status import DispatcherRole, ItemOutcome, RequestStatus
 from tests.integration.test_dispatcher import Acks
 
 ROOT = Path(__file__).resolve().parents[2]

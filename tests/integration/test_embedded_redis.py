@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from shared.bus import Bus, Delivery
+from shared.config.spec import BusConfig
 from shared.runtime.redis_server import EmbeddedRedis, RedisServerError, find_redis_server, packaged_redis_server
-from shared.spec.config import BusConfig
 from shared.wire import Ping
 
 

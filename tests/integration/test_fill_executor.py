@@ -20,26 +20,27 @@ from typing import Any
 import pytest
 import torch
 
-from services.stage_worker import port_prefill
-from services.stage_worker.bubbles import BubbleAnnouncer
-from services.stage_worker.filler import Filler
-from services.stage_worker.lease import Slot
-from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.outbox import Outbox
-from services.stage_worker.port import ELSEWHERE, LOST, PrefillPort, StagePort
+from services.stage_worker.fill.announcer import BubbleAnnouncer
+from services.stage_worker.fill.executor import Filler
+from services.stage_worker.membership.lease import Slot
+from services.stage_worker.port import prefill as port_prefill
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.outbox import Outbox
+from services.stage_worker.port.stage_port import ELSEWHERE, LOST, PrefillPort, StagePort
+from services.stage_worker.port.tensors import Direction, TensorKey
 from services.stage_worker.telemetry import StageTelemetry
 from shared.bus import Bus, Delivery, Reject
 from shared.bus.connection import blocking_client
-from shared.control import keys, serving
-from shared.control.status import FailureReason, ItemOutcome, RequestStatus
+from shared.config.spec import BusConfig
+from shared.control import serving
 from shared.dataplane import kvstore
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel, PrefillState
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
-from shared.spec.config import BusConfig
-from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, decode
+from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, decode, keys
+from shared.wire.status import FailureReason, ItemOutcome, RequestStatus
 
 RUN = "fill"
 LAYERS = 24
@@ -108,7 +109,7 @@ async def one_bubble(
     the batch answered and reported). Returns the times the batch checked for input (once before
     each block: the first in the event loop, the rest in the prefill thread), the arrival time,
     and the batches the bubble finished."""
-    mailbox, key = Mailbox(), ("grad", 0, 0)
+    mailbox, key = Mailbox(), TensorKey(Direction.GRAD, 0, 0)
     checks: list[float] = []
     put_at: float | None = None
 
@@ -179,7 +180,7 @@ async def test_training_input_preempts_at_the_next_layer_and_the_next_bubble_goe
         # it. The block in progress at arrival finishes; none starts after it. The batch stays.
         assert put_at is not None and done == ()
         started_before = sum(1 for c in checks if c < put_at)
-        (o,) = filler.batches["b1"].outcomes
+        (o,) = filler.batches["b1"].queued.outcomes
         assert o.reached == started_before == during + 1, (o.reached, started_before)
         assert filler.queue.ids() == ["b1"] and filler.queue.held[0].started and not handled.done()
         assert await reports(bus) == [] and spans
@@ -230,7 +231,7 @@ async def test_a_cancelled_fill_stops_its_thread_at_the_next_block_and_the_batch
             return PrefillModel.run_layers(model, state, *args, **kw)
 
         model.run_layers = counted  # type: ignore[method-assign]
-        mailbox, key = Mailbox(), ("grad", 0, 0)
+        mailbox, key = Mailbox(), TensorKey(Direction.GRAD, 0, 0)
         take = asyncio.ensure_future(mailbox.take(key))
         fill = asyncio.create_task(filler.fill(lambda: mailbox.arrived(key), take))
         assert await asyncio.to_thread(third.wait, 60)
@@ -240,7 +241,7 @@ async def test_a_cancelled_fill_stops_its_thread_at_the_next_block_and_the_batch
         ran = len(blocks)
         # the prefill thread is idle: a call queued on it now runs before any further block would
         assert await asyncio.wrap_future(filler._thread.submit(lambda: len(blocks))) == ran < LAYERS
-        (o,) = filler.batches["b1"].outcomes
+        (o,) = filler.batches["b1"].queued.outcomes
         assert o.reached == ran and filler.queue.ids() == ["b1"] and not handled.done()
         del model.run_layers
         take.cancel()
@@ -274,7 +275,7 @@ async def test_a_cut_request_that_could_not_finish_by_its_due_time_when_it_resum
         )
         handled = deliver(filler, batch(item, 1))
         await one_bubble(filler, arrive_during_block=1, model=model)
-        (o,) = filler.batches["b1"].outcomes
+        (o,) = filler.batches["b1"].queued.outcomes
         assert o.reached == 2 and o.failure is None  # begun in time, cut
         await asyncio.sleep(1.5)  # the next bubble opens 1.5 s later
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
@@ -355,7 +356,7 @@ async def test_a_request_finished_in_a_cut_batch_is_answered_before_the_batch_en
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         reqs, filler, handled = await two_requests_batched(bus, model, "q")
         await one_bubble(filler, arrive_during_block=5, model=model, nth=True)  # the second request's second block
-        await asyncio.gather(*filler.batches["b-q"].answering)
+        await asyncio.gather(*filler.batches["b-q"].answers.on_the_way)
         first, second = [await serving.lookup(bus.redis, r.id) for r in reqs]
         assert first is not None and first.status is RequestStatus.DONE
         assert second is not None and second.status is RequestStatus.QUEUED and not handled.done()
@@ -371,8 +372,8 @@ async def test_an_answered_request_holds_no_tensors_while_its_batch_goes_on(redi
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         _, filler, handled = await two_requests_batched(bus, model, "t")
         await one_bubble(filler, arrive_during_block=5, model=model, nth=True)  # the second request's second block
-        await asyncio.gather(*filler.batches["b-t"].answering)
-        first, second = filler.batches["b-t"].outcomes
+        await asyncio.gather(*filler.batches["b-t"].answers.on_the_way)
+        first, second = filler.batches["b-t"].queued.outcomes
         assert first.sent and first.result is not None and first.result.kv == [] and first.state is None
         assert not second.answered and second.state is not None and not handled.done()  # cut: it goes on
         await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
@@ -612,7 +613,7 @@ async def test_a_sticky_cuda_error_in_prefill_stops_the_worker_rather_than_train
     next call, or compute garbage. The fill executor raises it past its fence, out of the bubble's
     wait, so the worker stops and recovery replaces it (issue 62: it was caught as a RuntimeError, the
     request failed, and training carried on over a dead context). The request is failed, not lost."""
-    from services.stage_worker.guest import DeviceLost
+    from services.stage_worker.fill.guest_faults import DeviceLost
 
     model = PrefillModel(GPTConfig(layers=2, d_model=32, heads=4, seq_len=64, vocab=256), seed=1)
 
@@ -688,7 +689,7 @@ async def test_a_layer_in_pieces_stops_within_a_piece_and_the_next_bubble_goes_o
         handled = deliver(filler, batch(item, 1))
         # the input lands during the 10th piece: layer 2's second piece
         await one_bubble(filler, arrive_during_block=9, model=model, nth=True, method="run_piece")
-        (o,) = filler.batches["b1"].outcomes
+        (o,) = filler.batches["b1"].queued.outcomes
         assert o.state is not None and (o.state.next_layer, o.state.piece_done) == (2, 128)
         assert o.reached == 2 and not handled.done()
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
@@ -718,7 +719,7 @@ async def test_a_piece_that_does_not_fit_what_is_left_of_the_bubble_waits_for_th
         done = await asyncio.wait_for(filler.fill(lambda: False, take, time.monotonic() + 0.001), 10)
         assert done == () and filler.queue.ids() == ["b1"]
         assert filler.full_at is not None  # its rest left empty: `BubbleEnd.refused_ms` counts from here
-        (o,) = filler.batches["b1"].outcomes
+        (o,) = filler.batches["b1"].queued.outcomes
         assert o.state is not None and o.state.next_layer == 0 and not handled.done()
         fill = asyncio.create_task(filler.fill(take.done, take, time.monotonic() + 60))
         await asyncio.wait_for(asyncio.shield(handled), 60)  # answered and reported

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.stage_worker.filler import Filler
-from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.port import PrefillPort, StagePort
+from services.stage_worker.fill.executor import Filler
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
+from services.stage_worker.port.tensors import Direction, TensorKey
 from shared.bus import Bus, Delivery
+from shared.config.spec import BusConfig
 from shared.control import serving
 from shared.model.prefill import PrefillModel
 from shared.model.shape import GPTConfig
@@ -30,7 +32,6 @@ from shared.policies.dispatch_inputs import Progress
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
-from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillRequest
 from sim.executor import Executor, SimRequest
 
@@ -128,7 +129,7 @@ async def live(bus: Bus, case: Case, attempt: int = 0) -> Seen:
     handled = asyncio.create_task(filler.on_batch(Delivery(f"{attempt + 1}-0", "s", batch, 1)))
     while not filler.queue.held:  # noqa: ASYNC110  # queued before its bubble opens (its credit): no event tells
         await asyncio.sleep(0.001)
-    mailbox, key = Mailbox(), ("grad", 0, 0)
+    mailbox, key = Mailbox(), TensorKey(Direction.GRAD, 0, 0)
     loop = asyncio.get_running_loop()
     take = asyncio.ensure_future(mailbox.take(key))
     t0 = time.monotonic()
@@ -139,7 +140,7 @@ async def live(bus: Bus, case: Case, attempt: int = 0) -> Seen:
     await asyncio.wait_for(take, 30)
     arrival.cancel()
     lag = filler.compute.take_lag()  # how late its last block ended on a starved host, counted by the worker
-    (o,) = filler.batches[batch.batch_id].outcomes  # cut: still held, its state in memory
+    (o,) = filler.batches[batch.batch_id].queued.outcomes  # cut: still held, its state in memory
     assert o.state is not None
     blocks = o.state.next_layer * (len(PROMPT) // (piece or len(PROMPT))) + o.state.piece_done // (piece or len(PROMPT))
     await filler.close()  # the cut batch goes back, reported

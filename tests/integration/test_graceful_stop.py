@@ -17,11 +17,11 @@ from services.prefill_queue import state
 from services.prefill_queue.app import create_app
 from services.prefill_queue.server import Runner
 from services.prefill_queue.state import STOPPING
-from shared.control import keys, serving
-from shared.control.status import RequestStatus
-from shared.runtime.service import serve_app
-from shared.spec.settings import load_settings
-from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
+from shared.config.settings import load_settings
+from shared.control import serving
+from shared.service.main import serve_app
+from shared.wire import FIELD, PrefillRequest, PrefillResult, decode, keys
+from shared.wire.status import RequestStatus
 
 #: The grace period when the answer does not come: the test waits it out. When the answer comes,
 #: the production grace (`state.STOP_GRACE_S`, 5 s) leaves it all the time a busy machine needs.

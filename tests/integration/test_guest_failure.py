@@ -18,18 +18,18 @@ import torch
 from prometheus_client import generate_latest
 
 from services.stage_worker import chaos
-from services.stage_worker.filler import Filler
+from services.stage_worker.fill.executor import Filler
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import PrefillPort, StagePort
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from shared.bus import Bus, Delivery
-from shared.control import keys, serving
-from shared.control.status import FailureReason, ItemOutcome, RequestStatus
+from shared.config.spec import BusConfig
+from shared.control import serving
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel
 from shared.policies.fill import FillQueue
 from shared.policies.guest import MAX_FAILURES
-from shared.spec.config import BusConfig
-from shared.wire import PrefillBatch, PrefillItem, PrefillOff, PrefillRequest, decode
+from shared.wire import PrefillBatch, PrefillItem, PrefillOff, PrefillRequest, decode, keys
+from shared.wire.status import FailureReason, ItemOutcome, RequestStatus
 from tests.integration.test_fill_executor import RUN, deliver, one_bubble, reports
 
 LAYERS = 4

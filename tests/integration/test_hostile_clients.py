@@ -25,10 +25,10 @@ from redis.asyncio import Redis
 from services.prefill_queue.app import create_app
 from services.prefill_queue.server import Runner
 from services.prefill_queue.validation import MAX_JSON_DEPTH, json_too_deep
+from shared.config.settings import Settings
 from shared.control import serving
 from shared.runtime.logs import KeyValueFormatter
-from shared.runtime.service import serve_app
-from shared.spec.settings import Settings
+from shared.service.main import serve_app
 from tests.integration.test_prefill_api import REQUESTS, RUN, ok_result, settings_for, take_requests
 
 HEADER_TIMEOUT_S = 1.0

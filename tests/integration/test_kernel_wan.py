@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from bubbletea.launcher.kernel_wan import KernelWanError, check_privileges, default_wan_mode, kernel_wan, teardown
+from shared.config.spec import ClusterSpec, load_spec, parse_spec
 from shared.dataplane.kernel_net import KernelPlan, link_rates, plan_kernel_net
-from shared.spec.config import ClusterSpec, load_spec, parse_spec
 
 # Kernel WANs share the host (namespaces, addresses, ip_forward): one such test at a time (conftest).
 pytestmark = [pytest.mark.kernel_wan]

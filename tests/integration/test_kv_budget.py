@@ -10,13 +10,14 @@ import torch
 from redis.asyncio import Redis
 
 from services.prefill_queue.api import kv_params
-from services.stage_worker.port import PrefillPort, StagePort
-from services.stage_worker.reporting import Outcome, Reporter
+from services.stage_worker.fill.batch import Outcome
+from services.stage_worker.fill.reporting import Reporter
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from shared.bus import Bus
-from shared.control import keys, serving
+from shared.control import serving
 from shared.dataplane import kvstore
 from shared.model.prefill import PrefillResult as ModelResult
-from shared.wire import PrefillItem, PrefillResult, decode
+from shared.wire import PrefillItem, PrefillResult, decode, keys
 
 
 async def test_store_within_budget_counts_bytes_and_refuses_past_the_budget(redis: Redis) -> None:
@@ -47,7 +48,7 @@ async def test_past_the_budget_the_answer_comes_without_a_kv_cache_saying_why(
         size = len(kvstore.kv_file("r0", "m", range(16), 5, _tiny(16).kv))
         port = StagePort(PrefillPort(bus.redis, "run", kv_ttl_s=30, kv_budget_bytes=size * 3 // 2))  # one, not two
         reporter = Reporter(bus, "run", "r0s0", "m", port)
-        with caplog.at_level(logging.WARNING, logger="services.stage_worker.reporting"):
+        with caplog.at_level(logging.WARNING, logger="services.stage_worker.fill.reporting"):
             for i in range(3):
                 item = PrefillItem(id=f"r{i}", tokens=tuple(range(16)), from_layer=0, to_layer=2, reply_to="out")
                 await reporter.answer([Outcome(item, 2, 0.01, result=_tiny(16))])

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from shared.config.spec import Prefill
 from shared.dataplane import kvstore
 from shared.dataplane.kv import (
     BAD_REQUEST,
@@ -29,7 +30,6 @@ from shared.dataplane.kv import (
 )
 from shared.dataplane.kv_client import KvClient
 from shared.model.prefill import PrefillModel
-from shared.spec.config import Prefill
 from tests.e2e.serving import wait_until
 
 HOST = "127.0.0.1"

@@ -11,15 +11,15 @@ import time
 
 from redis.asyncio import Redis
 
-from services.stage_worker.lease import Slot, SlotLease
+from services.stage_worker.membership.lease import Slot, SlotLease
 from shared.bus.connection import command_client
-from shared.control import keys
 from shared.control.leases import holder_client_name
+from shared.wire import keys
 
 #: A stage worker's lease, alone: its connections named for the holder, renewed every second.
 HOLDER = """
 import asyncio, sys
-from services.stage_worker.lease import SlotLease
+from services.stage_worker.membership.lease import SlotLease
 from shared.bus.connection import command_client
 from shared.control.leases import holder_client_name
 

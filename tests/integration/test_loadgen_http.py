@@ -38,10 +38,10 @@ from loadgen.report import format_summary
 from services.prefill_queue.app import create_app
 from services.prefill_queue.completions import choice, usage
 from shared.bus.connection import blocking_client
-from shared.control import keys, serving
-from shared.control.status import FailureReason, RequestStatus
-from shared.spec.settings import Settings, load_settings
-from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
+from shared.config.settings import Settings, load_settings
+from shared.control import serving
+from shared.wire import FIELD, PrefillRequest, PrefillResult, decode, keys
+from shared.wire.status import FailureReason, RequestStatus
 
 MAX_PROMPT = 64
 #: The front door's run (its request stream, its in-flight count).
@@ -486,7 +486,7 @@ async def test_ready_check_warmups_headers_and_saved_results(tmp_path: Path) -> 
 
 async def test_the_ready_check_waits_for_serving_and_says_why_it_gave_up(redis_url: str, redis: Redis) -> None:
     """BubbleTea serves only while training runs: with a wait, loadgen also waits for /ready."""
-    from shared.control.status import ServingState
+    from shared.wire.status import ServingState
 
     verdict = serving.Readiness(
         instance="dispatcher-test",
@@ -506,7 +506,7 @@ async def test_the_ready_check_waits_for_serving_and_says_why_it_gave_up(redis_u
 async def test_ready_state_serving_waits_past_joining(redis_url: str, redis: Redis) -> None:
     """`--ready-state serving`: /ready answers 200 while the workers set up (joining), but the load
     starts only once training runs: here it gives up saying so, then starts once serving."""
-    from shared.control.status import ServingState
+    from shared.wire.status import ServingState
 
     def verdict(state: ServingState) -> serving.Readiness:
         return serving.Readiness(

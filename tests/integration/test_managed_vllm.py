@@ -13,7 +13,7 @@ import pytest
 from bubbletea.launcher.procs import ServiceFailed
 from bubbletea.launcher.services import PREFILL_QUEUE
 from bubbletea.launcher.vllm import managed_vllm
-from shared.spec.config import parse_spec
+from shared.config.spec import parse_spec
 from tests.e2e.serving import SPEC
 
 #: Says its niceness and its parent-death signal (prctl PR_GET_PDEATHSIG), then fails to load.

@@ -21,10 +21,10 @@ from services.prefill_queue.api import FAILURE_STATUS
 from services.prefill_queue.app import create_app
 from services.prefill_queue.state import SETTINGS
 from shared.bus.connection import blocking_client
-from shared.control import keys, serving
-from shared.control.status import FailureReason, RequestStatus
-from shared.spec.settings import Settings, load_settings
-from shared.wire import FIELD, PrefillRequest, PrefillResult, decode
+from shared.config.settings import Settings, load_settings
+from shared.control import serving
+from shared.wire import FIELD, PrefillRequest, PrefillResult, decode, keys
+from shared.wire.status import FailureReason, RequestStatus
 
 
 def IN_BUBBLES(tokens: int) -> dict[str, object]:  # the name reads as a constant in the expected bodies

@@ -16,18 +16,19 @@ import time
 import pytest
 import torch
 
-from services.stage_worker.filler import Filler
-from services.stage_worker.mailbox import Mailbox
-from services.stage_worker.port import PrefillPort, StagePort
+from services.stage_worker.fill.executor import Filler
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
+from services.stage_worker.port.tensors import Direction, TensorKey
 from shared.bus import Bus, Delivery
+from shared.config.spec import BusConfig
 from shared.control import serving
-from shared.control.status import ItemOutcome
 from shared.model.prefill import PrefillModel
 from shared.model.shape import GPTConfig
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
-from shared.spec.config import BusConfig
 from shared.wire import PrefillBatch, PrefillItem, PrefillRequest
+from shared.wire.status import ItemOutcome
 from tests.integration.test_fill_executor import arriving_during_block, reports
 
 RUN = "fill"  # the reports helper reads this run's report stream
@@ -54,7 +55,7 @@ async def bubble(
     port = StagePort(PrefillPort(bus.redis, RUN, kv_ttl_s=0))
     filler = Filler(bus, RUN, "r0s0", MODEL, "m", port, on_span, FillQueue(), profile)
     item = PrefillItem(id="q", tokens=PROMPT, from_layer=0, to_layer=LAYERS, reply_to=req.reply_to)
-    mailbox, key = Mailbox(), ("grad", 0, 0)
+    mailbox, key = Mailbox(), TensorKey(Direction.GRAD, 0, 0)
 
     def arrive() -> None:
         mailbox.put(key, torch.zeros(1))

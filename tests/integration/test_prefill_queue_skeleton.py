@@ -10,9 +10,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
 from services.prefill_queue.app import create_app
-from shared.control import keys
+from shared.config.settings import Settings, load_settings
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.spec.settings import Settings, load_settings
+from shared.wire import keys
 
 
 def settings_for(url: str) -> Settings:

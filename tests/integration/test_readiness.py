@@ -19,12 +19,11 @@ from redis.asyncio import Redis
 
 from services.dispatcher.serve import serve
 from services.prefill_queue.app import create_app
-from services.stage_worker.lease import SlotLease
-from services.stage_worker.recovery import Generations
+from services.stage_worker.membership.generations import Generations
+from services.stage_worker.membership.lease import SlotLease
 from shared.bus import Bus
-from shared.control import keys
-from shared.spec.settings import Settings, load_settings
-from shared.wire import BubbleEnd, BubbleStart
+from shared.config.settings import Settings, load_settings
+from shared.wire import BubbleEnd, BubbleStart, keys
 
 RUN = "ready-test"
 

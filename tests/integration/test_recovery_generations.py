@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from services.stage_worker.lease import Slot, SlotError
-from services.stage_worker.port_state import CheckpointStore
-from services.stage_worker.recovery import Generations
-from shared.control import keys
+from services.stage_worker.membership.generations import Generations
+from services.stage_worker.membership.lease import Slot, SlotError
+from services.stage_worker.port.state import CheckpointStore
 from shared.policies.recovery import Resume, Source
+from shared.wire import keys
 
 SLOTS = [Slot(0, 0), Slot(0, 1), Slot(1, 0), Slot(1, 1)]
 
@@ -34,7 +34,7 @@ async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_poi
     await asyncio.gather(*(g.enter(after_loss=False) for g in start))
     peers = start[:3]
     for g in peers:
-        g.current = 1
+        g.member.generation = 1  # they trained in generation 1
     await redis.set(f"bt:{run}:gen", 1)
     replacement = Generations(redis, run, SLOTS)
 
@@ -100,9 +100,9 @@ async def test_a_worker_training_in_an_old_generation_wakes_on_the_move_not_at_i
 ) -> None:
     """A replacement entering announces its generation: a peer's `moved` returns at once, long
     before its next look at the counter (here never: LOOK_S is a minute)."""
-    from services.stage_worker import recovery
+    from services.stage_worker.membership import generations
 
-    monkeypatch.setattr(recovery, "LOOK_S", 60.0)
+    monkeypatch.setattr(generations, "LOOK_S", 60.0)
     peer = Generations(redis, "wake", SLOTS, url=redis_url, name="stage_worker:peer")
     await peer.enter(after_loss=False)
     watching = asyncio.create_task(peer.moved())
@@ -116,9 +116,9 @@ async def test_a_worker_training_in_an_old_generation_wakes_on_the_move_not_at_i
 
 
 async def test_without_a_reader_a_move_is_seen_at_the_next_look(redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.stage_worker import recovery
+    from services.stage_worker.membership import generations
 
-    monkeypatch.setattr(recovery, "LOOK_S", 0.05)
+    monkeypatch.setattr(generations, "LOOK_S", 0.05)
     peer = Generations(redis, "look", SLOTS)  # no url: it only looks
     await peer.enter(after_loss=False)
     watching = asyncio.create_task(peer.moved())

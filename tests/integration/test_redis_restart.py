@@ -14,15 +14,14 @@ from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
 from services.prefill_queue.app import create_app
-from services.stage_worker import lease as lease_mod
-from services.stage_worker.lease import SlotError, SlotLease
+from services.stage_worker.membership import lease as lease_mod
+from services.stage_worker.membership.lease import SlotError, SlotLease
 from services.wan_broker.broker import serve as serve_broker
 from shared.bus import Bus
-from shared.control import keys
 from shared.control.health import Heartbeat, live_instances, wait_live
 from shared.dataplane.store import RedisStore
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.wire import FIELD, LinkReport, Ping, decode
+from shared.wire import FIELD, LinkReport, Ping, decode, keys
 from tests.integration.test_prefill_api import REQUESTS, settings_for
 from tests.integration.test_wan_broker import settings as broker_settings
 from tests.integration.test_wan_broker import transfer

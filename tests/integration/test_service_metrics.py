@@ -29,23 +29,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from services.dispatcher.serve import serve as serve_dispatcher
-from services.stage_worker.filler import Filler
-from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.fill.executor import Filler
 from services.stage_worker.metrics import WorkerMetrics
-from services.stage_worker.port import PrefillPort, StagePort
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
+from services.stage_worker.port.tensors import Direction, TensorKey
 from services.wan_broker.broker import serve as serve_broker
 from shared.bus import HOLD, Bus, Delivery, Outcome
-from shared.control import keys, serving
+from shared.config.settings import Settings, load_settings
+from shared.config.spec import BusConfig
+from shared.control import serving
 from shared.control.health import live_instances, wait_live
-from shared.control.status import ItemOutcome
 from shared.model.gpt import GPTConfig
 from shared.model.prefill import PrefillModel
 from shared.policies.fill import FillQueue
-from shared.runtime import telemetry
 from shared.runtime.redis_server import EmbeddedRedis, packaged_redis_server
-from shared.runtime.telemetry import MetricsServer, StreamMetrics, group_backlog
-from shared.spec.config import BusConfig
-from shared.spec.settings import Settings, load_settings
+from shared.service import telemetry
+from shared.service.telemetry import MetricsServer, StreamMetrics, group_backlog
 from shared.wire import (
     FIELD,
     BubbleEnd,
@@ -59,7 +59,9 @@ from shared.wire import (
     Transfer,
     decode,
     encode,
+    keys,
 )
+from shared.wire.status import ItemOutcome
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -433,7 +435,7 @@ async def test_worker_prefill_metrics_follow_a_real_batch(redis_url: str) -> Non
         port = StagePort(PrefillPort(bus.redis, "fm", kv_ttl_s=0))
         filler = Filler(bus, "fm", "r0s0", model, "tiny", port, spans, FillQueue(), None, m)
         item = PrefillItem(id="p1", tokens=req.tokens, from_layer=0, to_layer=2, reply_to=req.reply_to)
-        mailbox, key = Mailbox(), ("grad", 0, 0)
+        mailbox, key = Mailbox(), TensorKey(Direction.GRAD, 0, 0)
         take = asyncio.ensure_future(mailbox.take(key))
         t0 = time.monotonic()
         # the batch runs whole (its input comes only once the batch is answered)

@@ -13,8 +13,8 @@ import pytest
 from bench.sim_vs_live import Case, case_spec, load_input_len, main, watch_requests
 from loadgen.datasets import length_range
 from shared.bus import Bus
-from shared.control import keys, serving
-from shared.wire import PrefillRequest
+from shared.control import serving
+from shared.wire import PrefillRequest, keys
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from services.stage_worker.lease import Slot, SlotError, SlotLease
-from shared.control import keys
-from shared.control.status import LeaseState
+from services.stage_worker.membership.lease import Slot, SlotError, SlotLease
+from shared.wire import keys
+from shared.wire.status import LeaseState
 
 
 async def test_every_slot_goes_to_exactly_one_worker(redis: Redis) -> None:
@@ -144,7 +144,7 @@ async def test_a_dead_workers_lease_is_released_by_its_supervisor_and_only_its_o
 
 
 async def test_a_drained_peer_is_noticed_at_once_and_its_slot_taken_by_a_spare(redis: Redis) -> None:
-    from shared.control.status import LeaseState
+    from shared.wire.status import LeaseState
 
     peer, leaver = SlotLease(redis, "drain", 1, 2, "p", recoverable=True), SlotLease(redis, "drain", 1, 2, "l")
     await peer.acquire()
@@ -168,7 +168,7 @@ async def test_a_holder_that_went_quiet_renews_before_it_handles_anything_and_le
     """`fence` is free while the last renewal is recent (no round trip); once it is older than
     FENCE_AFTER_S (the worker was stalled, or cut off), it renews first: a lease still its own is
     kept, one another worker took raises SlotError."""
-    from services.stage_worker.lease import FENCE_AFTER_S
+    from services.stage_worker.membership.lease import FENCE_AFTER_S
 
     a = SlotLease(redis, "fence", pp=1, dp=1, holder="a")
     await a.acquire()

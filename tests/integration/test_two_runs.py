@@ -22,11 +22,11 @@ from services.dispatcher.serve import serve
 from services.prefill_queue.api import read_decoders, read_gate
 from services.prefill_queue.app import create_app
 from services.prefill_queue.state import GATE
-from shared.control import keys, serving
+from shared.config.settings import Settings, load_settings
+from shared.control import serving
 from shared.control.health import Heartbeat
-from shared.control.status import RequestStatus, ServingState
-from shared.spec.settings import Settings, load_settings
-from shared.wire import PrefillRequest
+from shared.wire import PrefillRequest, keys
+from shared.wire.status import RequestStatus, ServingState
 
 A, B = "run-a", "run-b"
 DEPTH = 2  # prefill.max_queue_depth of each run

@@ -21,13 +21,12 @@ from services.wan_broker.broker import serve
 from services.wan_broker.links import SETTLE_S, LinkDriver
 from shared.bus import Bus
 from shared.bus.connection import blocking_client
-from shared.control import keys
+from shared.config.settings import Settings, load_settings
 from shared.control.health import wait_live
 from shared.policies import slots
 from shared.policies.wan import LinkModel, Sent
 from shared.runtime.timing import SPIN_S
-from shared.spec.settings import Settings, load_settings
-from shared.wire import FIELD, LinkReport, Ping, SlotDone, SlotGrant, SlotRequest, Transfer, decode, encode
+from shared.wire import FIELD, LinkReport, Ping, SlotDone, SlotGrant, SlotRequest, Transfer, decode, encode, keys
 from tests.e2e.serving import wait_until
 
 # 80 kB/s: a 4,000-byte transfer takes 50 ms alone; 10 ms one-way latency

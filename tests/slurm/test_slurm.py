@@ -34,10 +34,9 @@ import redis
 import yaml
 
 from bench import chaos
-from shared.control import keys
+from shared.config.spec import ClusterSpec, load_spec
 from shared.dataplane.kernel_net import plan_kernel_net
-from shared.spec.config import ClusterSpec, load_spec
-from shared.wire import IterationDone, WorkerFailed, decode
+from shared.wire import IterationDone, WorkerFailed, decode, keys
 from tests.slurm.harness import ROOT, TIMINGS, SlurmCluster, free_port, slurm_problem
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]

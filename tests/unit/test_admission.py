@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from shared.control.status import FailureReason
 from shared.policies.admission import BEST_HALF_LIFE_S, MARGIN, Admission
 from shared.policies.dispatch import DispatchState
 from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Progress, Request
 from shared.policies.prefill_cost import PrefillCostModel
+from shared.wire.status import FailureReason
 
 
 def test_no_rate_until_a_whole_window_of_bubbles_was_seen() -> None:

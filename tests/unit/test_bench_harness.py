@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from bench import _harness
-from shared.control.status import ControlEvent
 from shared.figures.bubblestats import capacity_requests_per_s, capacity_tokens_per_s
-from shared.figures.runstats import Span
+from shared.policies.spans import Span
 from shared.wire import ControlSeen
+from shared.wire.status import ControlEvent
 
 K = 4.0  # the time scale: one device ms = 4 real ms
 

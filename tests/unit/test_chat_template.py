@@ -18,15 +18,15 @@ import pytest
 from tokenizers import processors
 from transformers import PreTrainedTokenizerFast
 
+from shared.config.model_info import CheckpointError
+from shared.config.spec import Prefill
 from shared.model.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     chat_template_for,
     load_chat_template,
 )
-from shared.model.info import CheckpointError
 from shared.model.tokenizer import HFTokenizer
-from shared.spec.config import Prefill
 from tests.unit.test_hf_models import byte_bpe_tokenizer
 
 CHATML = (

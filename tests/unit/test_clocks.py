@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.config.spec import ClusterSpec, parse_spec
+from shared.config.timescale import scale_spec, spec_clocks
 from shared.policies.decisions import Batch, Decisions
 from shared.policies.dispatch import DispatchState
 from shared.policies.dispatch_inputs import (
@@ -22,8 +24,6 @@ from shared.policies.dispatch_inputs import (
     Request,
     WorkerReady,
 )
-from shared.spec.config import ClusterSpec, parse_spec
-from shared.spec.timescale import scale_spec, spec_clocks
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Field names that are durations or rates by their unit.
@@ -35,7 +35,7 @@ def test_every_duration_of_the_spec_declares_its_clock() -> None:
     timed = {path for path in clocks if TIMED.search(path.rsplit(".", 1)[-1])}
     assert len(timed) >= 20
     undeclared = sorted(p for p in timed if clocks[p] is None)
-    assert not undeclared, f"durations without a clock (shared.spec.fields DEVICE / HOST): {undeclared}"
+    assert not undeclared, f"durations without a clock (shared.config.fields DEVICE / HOST): {undeclared}"
     assert {p for p, c in clocks.items() if c} == timed  # and nothing else claims one
 
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.stage_worker.bubbles import GuestMemory
-from services.stage_worker.warm import guest_model
+from services.stage_worker.fill.announcer import GuestMemory
+from services.stage_worker.train.warm import guest_model
+from shared.config.spec import parse_spec
 from shared.dataplane import kvstore
 from shared.model.devices import gpu_sharers, guest_dtype
 from shared.model.gpt import GPTConfig
 from shared.model.graphs import BUCKETS, bucket, capture_plan, graph_for
 from shared.model.prefill import PrefillModel
 from shared.policies.guest import guest_memory_cap
-from shared.spec.config import parse_spec
 
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false (a CPU-only torch build, or no visible GPU)"
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.stage_worker.trainer import StageTrainer
+from services.stage_worker.train.trainer import StageTrainer
+from shared.config.spec import ConfigError, parse_spec
 from shared.dataplane.tensors import from_blob, to_blob
 from shared.model.data import ByteCorpus
 from shared.model.devices import (
@@ -21,7 +22,6 @@ from shared.model.devices import (
     slot_index,
     synchronize,
 )
-from shared.spec.config import ConfigError, parse_spec
 
 DC = [{"name": "a", "gpus": 4}]
 

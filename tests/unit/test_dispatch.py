@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.control.status import FailureReason
+from shared.config.spec import BubbleTea
 from shared.policies.decisions import Batch, Decisions, Trigger
 from shared.policies.dispatch import DispatchState
 from shared.policies.dispatch_inputs import (
@@ -26,7 +26,7 @@ from shared.policies.handout import Handout
 from shared.policies.packing import Candidate, order_key
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.policies.waiting_room import WaitingRoom
-from shared.spec.config import BubbleTea
+from shared.wire.status import FailureReason
 
 LAYERS = 4
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from shared.control.status import ControlEvent
 from shared.figures.bubblestats import (
     bubble_dispatch,
     control_shares,
@@ -15,8 +14,10 @@ from shared.figures.bubblestats import (
     recomputed_share,
     report_latencies_ms,
 )
-from shared.figures.runstats import Span, utilization
+from shared.figures.runstats import utilization
+from shared.policies.spans import Span
 from shared.wire import ControlSeen
+from shared.wire.status import ControlEvent
 
 
 def wait(

@@ -12,7 +12,6 @@ from bubbletea.report.data import load_run_folder
 from bubbletea.report.write import usage_by_run
 from shared.figures.runstats import (
     TRAINING_KINDS,
-    Span,
     share,
     span_dict,
     steady,
@@ -21,6 +20,7 @@ from shared.figures.runstats import (
     utilization,
     write_spans,
 )
+from shared.policies.spans import Span
 from shared.wire import SpanRecord
 
 # (stage, kind, start, end) of one 1-second iteration of a 2-stage pipeline; times are multiples of

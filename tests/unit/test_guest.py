@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from shared.control.status import ServingState
+from shared.config.settings import load_settings
+from shared.config.spec import ConfigError
 from shared.policies.dispatch_inputs import Progress
 from shared.policies.guest import MAX_FAILURES, GuestHealth
 from shared.policies.readiness import ServingGate, SlotView
-from shared.spec.config import ConfigError
-from shared.spec.settings import load_settings
+from shared.wire.status import ServingState
 from tests.unit.test_dispatch import end, join, one, req, start, state
 
 

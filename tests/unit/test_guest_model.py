@@ -1,4 +1,4 @@
-"""The guest model a stage worker builds at set-up (`services.stage_worker.warm.guest_model`):
+"""The guest model a stage worker builds at set-up (`services.stage_worker.train.warm.guest_model`):
 warmed up there, so that a first request does not pay for the process's first forward in its
 bubble, and never a reason for training to stop."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.stage_worker.warm import guest_model
+from services.stage_worker.train.warm import guest_model
+from shared.config.spec import load_spec
 from shared.model.prefill import PrefillModel
-from shared.spec.config import load_spec
 
 SPEC = load_spec(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
 

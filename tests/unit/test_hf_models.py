@@ -36,11 +36,12 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from shared.config.model_info import CheckpointError
+from shared.config.spec import Prefill
 from shared.model.checkpoint import load_causal_lm
-from shared.model.prefill import CheckpointError, PrefillModel, PrefillState, kv_bytes
+from shared.model.prefill import PrefillModel, PrefillState, kv_bytes
 from shared.model.shape import model_info
 from shared.model.tokenizer import HFTokenizer, tokenizer_for
-from shared.spec.config import Prefill
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 300

@@ -24,7 +24,7 @@ TORCH_FREE = [
     "services.dispatcher.dispatcher",
     "services.dispatcher.__main__",
     "loadgen.cli",
-    "shared.spec.plan",
+    "shared.policies.pipeline_plan",
     "shared.model",
     "shared.model.shape",
     "shared.model.tokenizer",

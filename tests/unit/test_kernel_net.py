@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.config.spec import ClusterSpec, load_spec, parse_spec
 from shared.dataplane.htb import MAX_BURST_S, MIN_BURST, burst_bytes, gso_segments
 from shared.dataplane.kernel_net import (
     DEFAULT_CLASSID,
@@ -20,8 +21,7 @@ from shared.dataplane.kernel_net import (
     run_base,
     run_tag,
 )
-from shared.spec.config import ClusterSpec, load_spec, parse_spec
-from shared.spec.plan import placement_of
+from shared.policies.pipeline_plan import placement_of
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 SPECS = ["demo.yaml", "wan-bound.yaml"]

@@ -18,6 +18,8 @@ Every check looks at every import in a file, function bodies included.
   `socket`, `threading`, `time`, `subprocess`, `aiohttp`, the bus): a decision takes `now` as an input.
 * No product or benchmark module runs past 400 lines: past it, it is split by purpose.
 * `shared/` has no loose module: its code lives in subpackages whose names say what for.
+* The subpackages of `shared/` are layers (`LAYERS`, lowest first, `config` the ground floor): an
+  import between two of them runs down, never up, so no two of them tie both ways.
 
 The classes (read the same way; a base is resolved through its module's imports and definitions,
 and "a base" is one another product class derives from, directly or not). One object owns each
@@ -295,6 +297,53 @@ def test_shared_has_no_loose_module() -> None:
     """`shared/` is laid out by purpose: its code lives in subpackages whose names say what for."""
     loose = sorted(p.name for p in (ROOT / "shared").glob("*.py") if p.name != "__init__.py")
     assert not loose
+
+
+# --- the layers of `shared/` ------------------------------------------------------------------
+
+#: The subpackages of `shared/`, lowest first: each imports only those below it (never one above,
+#: nor two importing each other). `config` (the spec, the environment, errors) is the ground floor;
+#: `runtime` (logging, priorities, the embedded Redis), `wire` (messages, stream and key names,
+#: statuses) and `bus` carry the processes; `model` computes; `policies` decide (pure) over the
+#: model's shape; `control` keeps the control plane's records in Redis with the policies' values;
+#: `figures` measure a run with the policies' rules; `dataplane` moves tensors; `service` is the
+#: skeleton every service's `__main__` runs on.
+LAYERS = ("config", "runtime", "wire", "bus", "model", "policies", "control", "figures", "dataplane", "service")
+
+
+def runs_up(own: str, module: str) -> bool:
+    """Whether `shared.<own>` importing `module` reaches a subpackage of `shared/` above it in
+    `LAYERS` (or one `LAYERS` does not name)."""
+    names = module.split(".")
+    if names[0] != "shared" or len(names) < 2 or names[1] == own:
+        return False
+    return own not in LAYERS or names[1] not in LAYERS or LAYERS.index(names[1]) > LAYERS.index(own)
+
+
+def test_every_import_between_the_subpackages_of_shared_runs_down() -> None:
+    subpackages = {p.name for p in (ROOT / "shared").iterdir() if (p / "__init__.py").is_file()}
+    assert subpackages == set(LAYERS), f"name every subpackage of shared/ in LAYERS, in its place: {subpackages}"
+    bad = [
+        f"{path.relative_to(ROOT)}:{imp.line} imports {imp.module}"
+        for path in source_files("shared")
+        if len(path.relative_to(ROOT).parts) > 2  # not shared/__init__.py
+        for imp in imports(path)
+        if runs_up(path.relative_to(ROOT).parts[1], imp.module)
+    ]
+    assert not bad, (
+        f"an import runs up the layers of shared/ ({' < '.join(LAYERS)}): move the code down, or the "
+        "importer up:\n" + "\n".join(bad)
+    )
+
+
+def test_an_import_that_runs_up_is_refused() -> None:
+    """The checker itself: config importing the model (in a function body too) runs up; the model
+    importing config, or a module of its own package, runs down."""
+    source = "def f():\n    from shared.model import gpt\nimport shared.config.spec\nfrom . import x\n"
+    assert [i.module for i in imports_in(ast.parse(source), "shared.config") if runs_up("config", i.module)] == [
+        "shared.model.gpt"
+    ]
+    assert [i.module for i in imports_in(ast.parse(source), "shared.model") if runs_up("model", i.module)] == []
 
 
 # --- classes: one object per invariant, no mixin stubbing its partner ----------------------------

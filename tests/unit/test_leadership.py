@@ -2,8 +2,8 @@
 
 import pytest
 
-from shared.control.status import DispatcherRole
 from shared.policies.leadership import AFTER_END_S, MARGIN_S, RETRY_S, Leadership, Move, Seen
+from shared.wire.status import DispatcherRole
 
 TTL_S, RENEW_S = 3.0, 1.0
 

@@ -3,9 +3,9 @@ import logging
 
 import pytest
 
+from shared.config.settings import load_settings
+from shared.config.spec import ConfigError
 from shared.runtime.logs import JsonFormatter, KeyValueFormatter
-from shared.spec.config import ConfigError
-from shared.spec.settings import load_settings
 
 
 def render(msg: str, **fields: object) -> str:

@@ -8,9 +8,10 @@ import threading
 
 import pytest
 
-from services.stage_worker.mailbox import Mailbox
+from services.stage_worker.port.mailbox import Mailbox
+from services.stage_worker.port.tensors import Direction, TensorKey
 
-KEY = ("grad", 3, 1)
+KEY = TensorKey(Direction.GRAD, 3, 1)
 
 
 async def test_a_tensor_that_landed_in_another_thread_has_arrived_before_the_loop_puts_it() -> None:

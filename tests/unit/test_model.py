@@ -1,11 +1,11 @@
 import pytest
 import torch
 
+from shared.config.training import ModelSpec
 from shared.model.data import ByteCorpus, decode, encode
 from shared.model.gpt import StageModule, build_full, build_stage, lm_loss
 from shared.model.reference import train_reference
 from shared.model.shape import GPTConfig, split_layers
-from shared.spec.training import ModelSpec
 
 CFG = GPTConfig(layers=4, d_model=32, heads=4, seq_len=16, vocab=256)
 SEED = 7

@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 
+from shared.config.spec import parse_spec
+from shared.config.training import Training
 from shared.model.optim import clip_coefficient, grad_sq_norm, lr_at
-from shared.policies.placement import balanced_split
-from shared.spec.config import parse_spec
-from shared.spec.plan import stage_layer_ranges
-from shared.spec.training import Training
+from shared.model.shape import balanced_split, stage_layer_ranges
 
 
 def test_warmup_then_cosine_to_the_floor_then_flat() -> None:

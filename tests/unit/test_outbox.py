@@ -4,7 +4,7 @@ receiver's small release message (the tensor itself never rides Redis)."""
 
 import time
 
-from services.stage_worker.outbox import wan_transfer
+from services.stage_worker.port.outbox import wan_transfer
 from shared.wire import TensorReady, decode
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.spec.config import load_spec
-from shared.spec.plan import placement_of
+from shared.config.spec import load_spec
+from shared.policies.pipeline_plan import placement_of
 from sim.run import SimOptions, simulate
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -5,12 +5,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from shared.config.spec import load_spec
 from shared.policies.pipeline_model import PipelineInputs
+from shared.policies.pipeline_plan import model_inputs, predict
 from shared.policies.pipeline_run import simulate
 from shared.policies.schedules import SCHEDULES, compute_bubble_fraction
 from shared.policies.wan import LinkModel, SlotControl
-from shared.spec.config import load_spec
-from shared.spec.plan import model_inputs, predict
 
 
 def local(p: int, dp: int, m: int, sched: str, fwd: float = 1.0, bwd: float = 1.0) -> PipelineInputs:

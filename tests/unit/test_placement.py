@@ -1,8 +1,8 @@
 import pytest
 
+from shared.config.spec import parse_spec
+from shared.policies.pipeline_plan import placement_of
 from shared.policies.placement import PlacementError, place, round_robin
-from shared.spec.config import parse_spec
-from shared.spec.plan import placement_of
 
 PAPER_DCS = [("us-east", 128), ("us-west", 64), ("eu-west", 64)]
 

@@ -7,22 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared.config.model_info import CheckpointError
+from shared.config.spec import Prefill
+from shared.config.training import ModelSpec
 from shared.model.causal import CausalLM
 from shared.model.families.nanogpt import NanoGPT
 from shared.model.gpt import Block, build_full, build_stage
-from shared.model.prefill import (
-    CheckpointError,
-    PrefillModel,
-    PrefillResult,
-    PrefillState,
-    kv_bytes,
-    sample,
-    save_checkpoint,
-)
+from shared.model.prefill import PrefillModel, PrefillResult, PrefillState, kv_bytes, sample, save_checkpoint
 from shared.model.shape import GPTConfig, estimate_kv_bytes, model_info
 from shared.model.tokenizer import BYTES, decode, encode
-from shared.spec.config import Prefill
-from shared.spec.training import ModelSpec
 
 CFG = GPTConfig(layers=4, d_model=32, heads=4, seq_len=64, vocab=256)
 SEED = 7

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
+from shared.config.spec import parse_spec
 from shared.policies.prefill_cost import PrefillCostModel, PrefillProfile
-from shared.spec.config import parse_spec
 
 
 def test_learns_a_quadratic_cost_from_reports() -> None:

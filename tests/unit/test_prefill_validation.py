@@ -177,8 +177,8 @@ def test_a_request_may_name_its_own_ttft_objective() -> None:
 
 def test_the_usage_says_where_each_prompt_was_computed() -> None:
     from services.prefill_queue.answers import usage
-    from shared.control.status import PromptPlacement, RequestStatus
     from shared.wire import PrefillResult
+    from shared.wire.status import PromptPlacement, RequestStatus
 
     bubbles = PrefillResult(id="a", status=RequestStatus.DONE, prompt_tokens=5)
     decoder = PrefillResult(id="b", status=RequestStatus.DONE, prompt_tokens=7, placement=PromptPlacement.DECODER)

@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from shared.control.status import FailureReason
 from shared.policies import prompt_placement as placement
 from shared.policies.dispatch import DispatchState
 from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Request, WorkerReady
@@ -23,6 +22,7 @@ from shared.policies.prompt_placement import (
     FrontDoorHops,
     Where,
 )
+from shared.wire.status import FailureReason
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.control.status import FailureReason, LeaseState, ServingState
 from shared.policies.dispatch import DispatchState
 from shared.policies.dispatch_inputs import Request
 from shared.policies.readiness import ServingGate, SlotView
+from shared.wire.status import FailureReason, LeaseState, ServingState
 
 HELD = [SlotView("r0s0", True), SlotView("r0s1", True)]
 

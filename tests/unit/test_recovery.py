@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from services.stage_worker.trainer import StageTrainer
+from services.stage_worker.train.trainer import StageTrainer
+from shared.config.spec import parse_spec
 from shared.model.data import ByteCorpus
 from shared.policies.recovery import (
     FROM_SCRATCH,
@@ -23,7 +24,6 @@ from shared.policies.recovery import (
     superseded,
     whole_run_stops,
 )
-from shared.spec.config import parse_spec
 
 SPEC = parse_spec(
     {

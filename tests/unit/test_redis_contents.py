@@ -1,5 +1,5 @@
 """What may ride Redis is written down (docs/architecture.md, "What may ride Redis") and pinned here:
-every key and stream name `shared/control/keys.py` builds is classified there as a control stream, a handle
+every key and stream name `shared/wire/keys.py` builds is classified there as a control stream, a handle
 or a small key, and the only tensor-sized exception is the one the page names. The stage worker's
 runner, fill executor and reporting reach tensors only through the stage port.
 
@@ -13,7 +13,7 @@ import inspect
 import re
 from pathlib import Path
 
-from shared.control import keys
+from shared.wire import keys
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = {"control", "handle", "small", "exception"}
@@ -23,7 +23,7 @@ EXCEPTIONS = {"kv_cache_key"}
 
 
 def documented() -> dict[str, str]:
-    """name in shared/control/keys.py -> its kind, from the page's table."""
+    """name in shared/wire/keys.py -> its kind, from the page's table."""
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     section = text.split("\n## What may ride Redis\n", 1)[1].split("\n## ", 1)[0]
     found: dict[str, str] = {}
@@ -38,7 +38,7 @@ def documented() -> dict[str, str]:
 
 
 def key_names() -> set[str]:
-    """Every key or stream name (or pattern) shared/control/keys.py builds: its functions, and its string
+    """Every key or stream name (or pattern) shared/wire/keys.py builds: its functions, and its string
     constants under the prefix."""
     names = set()
     for name, value in vars(keys).items():
@@ -53,9 +53,9 @@ def key_names() -> set[str]:
 def test_every_key_and_stream_is_classified_on_the_page() -> None:
     doc = documented()
     missing = key_names() - set(doc)
-    assert not missing, f"shared/control/keys.py builds names docs/architecture.md does not classify: {sorted(missing)}"
+    assert not missing, f"shared/wire/keys.py builds names docs/architecture.md does not classify: {sorted(missing)}"
     stale = set(doc) - key_names()
-    assert not stale, f"docs/architecture.md classifies names shared/control/keys.py no longer has: {sorted(stale)}"
+    assert not stale, f"docs/architecture.md classifies names shared/wire/keys.py no longer has: {sorted(stale)}"
     assert set(doc.values()) <= KINDS, {n: k for n, k in doc.items() if k not in KINDS}
 
 
@@ -88,22 +88,25 @@ def test_the_runner_the_filler_and_reporting_move_tensors_only_through_the_stage
         "shared.dataplane.plane",
         "shared.dataplane.kv",
         "shared.dataplane.kv_client",
-        "services.stage_worker.transport.Transport",
-        "services.stage_worker.port_state",
-        "services.stage_worker.port_prefill.PrefillPort",
-        "services.stage_worker.recovery.CheckpointStore",
+        "services.stage_worker.port.transport.Transport",
+        "services.stage_worker.port.state",
+        "services.stage_worker.port.prefill.PrefillPort",
+        "services.stage_worker.membership.generations.CheckpointStore",
     }
-    assembly = {"port.py", "port_state.py", "port_prefill.py", "transport.py", "worker.py"}
+    assembly = {"port/stage_port.py", "port/state.py", "port/prefill.py", "port/transport.py", "worker.py"}
+    movers = ("train/runner.py", "fill/executor.py", "fill/reporting.py")
     checked = []
-    for path in sorted((ROOT / "services" / "stage_worker").glob("*.py")):
-        if path.name in assembly:
+    home = ROOT / "services" / "stage_worker"
+    for path in sorted(home.rglob("*.py")):
+        name = path.relative_to(home).as_posix()
+        if name in assembly:
             continue
-        checked.append(path.name)
+        checked.append(name)
         reached = sorted(_imports(path) & below)
-        assert not reached, f"{path.name} reaches past the stage port: {reached}"
+        assert not reached, f"{name} reaches past the stage port: {reached}"
         source = path.read_text(encoding="utf-8")
-        assert ".plane." not in source, f"{path.name} reaches into the data plane past the port"
-        if path.name in ("runner.py", "filler.py", "reporting.py"):  # (leases and generations write small keys)
+        assert ".plane." not in source, f"{name} reaches into the data plane past the port"
+        if name in movers:  # (leases and generations write small keys)
             for call in ("redis.set(", "redis.hset(", "pipe.set(", "pipe.hset("):
-                assert call not in source, f"{path.name} writes to Redis what the port should: {call!r}"
-    assert {"runner.py", "filler.py", "reporting.py"} <= set(checked)
+                assert call not in source, f"{name} writes to Redis what the port should: {call!r}"
+    assert set(movers) <= set(checked)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from bench import chaos
+from shared.config.spec import ClusterSpec, parse_spec
 from shared.model.reference import train_reference_for
-from shared.spec.config import ClusterSpec, parse_spec
 from shared.wire import IterationDone
 
 #: The e2e tier's small pipeline (PP=2 x DP=2), trained here by the single-process reference only.

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from bubbletea.cli import main as cli_main
+from shared.config.spec import load_spec
 from shared.policies.decisions import Batch, BatchItem, Trigger, Why
 from shared.policies.dispatch_inputs import Progress
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
-from shared.spec.config import load_spec
 from sim.executor import Executor, SimRequest
 from sim.output import figures
 from sim.run import SimOptions, SimResult, simulate
@@ -180,7 +180,7 @@ def test_only_the_input_stops_a_bubble_and_the_bubble_end_names_what_finished() 
 
 
 def test_a_finished_request_is_answered_when_it_is_done_though_its_batch_goes_on() -> None:
-    """As the live worker answers it (services/stage_worker/fill_compute.py): at its own end, not
+    """As the live worker answers it (services/stage_worker/fill/compute.py): at its own end, not
     its run's (which the second request, cut by the input, ends at 7 ms)."""
     q, ex, host = _executor()
     ex.on_batch(0.0, _batch("b1", 100, 4, n=2))

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from bench import _sim_fit
-from shared.control.status import ItemOutcome
-from shared.figures.runstats import Span
-from shared.spec.config import parse_spec
+from shared.config.spec import parse_spec
+from shared.policies.spans import Span
 from shared.wire import PrefillProgress, PrefillReport, PrefillRequest
+from shared.wire.status import ItemOutcome
 
 SPEC = parse_spec(
     {

@@ -10,14 +10,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.figures.runstats import Span
+from shared.config.spec import ClusterSpec, load_spec, parse_spec
 from shared.figures.training import steady_iteration_s
 from shared.policies.events import EventQueue
 from shared.policies.pipeline_model import PipelineInputs
+from shared.policies.pipeline_plan import model_inputs
 from shared.policies.pipeline_run import PipelineRun, simulate
 from shared.policies.schedules import Op, schedule
-from shared.spec.config import ClusterSpec, load_spec, parse_spec
-from shared.spec.plan import model_inputs
+from shared.policies.spans import Span
 from sim.run import run_off
 from sim.setup import build
 
@@ -112,7 +112,7 @@ def _run(inp: PipelineInputs, iterations: int, bus_s: float) -> list[Span]:
 
 
 def test_waiting_at_the_all_reduce_is_inside_its_span_as_on_a_live_worker() -> None:
-    """services/stage_worker/runner.py: one `allreduce` span from the slot's arrival to the end,
+    """services/stage_worker/train/runner.py: one `allreduce` span from the slot's arrival to the end,
     the same instant for every DP peer; no `wait` (no bubble) at the barrier."""
     inp = model_inputs(load_spec(CONFIGS / "demo.yaml"), 10.0, 20.0)
     spans = _run(dataclasses.replace(inp, fwd_s=(0.01, 0.013)), 2, 0.0)

@@ -1,4 +1,4 @@
-"""The device time scale (`shared.spec.timescale`): the smallest scale that keeps every operation's real
+"""The device time scale (`shared.config.timescale`): the smallest scale that keeps every operation's real
 cost within its share of the profiled time, a profile the machine cannot keep refused naming the
 operation, and the spec scaled consistently (device and WAN slower together)."""
 
@@ -7,10 +7,11 @@ import time
 import msgspec
 import pytest
 
-from shared.spec.config import ConfigError, LinkOverride, load_spec
-from shared.spec.plan import predict, profile_ms
-from shared.spec.settings import DEFAULT_SPEC, load_settings
-from shared.spec.timescale import SHARE, WARN_SCALE, WINDOW_S, OpCost, _repeat, choose_scale, scale_spec
+from shared.config.settings import DEFAULT_SPEC, load_settings
+from shared.config.spec import ConfigError, LinkOverride, load_spec
+from shared.config.timescale import SHARE, WARN_SCALE, OpCost, choose_scale, profile_ms, scale_spec
+from shared.model.calibration import WINDOW_S, _repeat
+from shared.policies.pipeline_plan import predict
 
 
 def test_the_scale_keeps_the_worst_operation_within_its_share() -> None:

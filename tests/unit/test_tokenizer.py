@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.model.info import CheckpointError
+from shared.config.model_info import CheckpointError
+from shared.config.spec import Prefill
 from shared.model.tokenizer import (
     BYTES,
     ByteTokenizer,
@@ -19,7 +20,6 @@ from shared.model.tokenizer import (
     token_text,
     tokenizer_for,
 )
-from shared.spec.config import Prefill
 
 TEXTS = ["", "Hello, world", "naïve café", "日本語", "emoji 🫖 tea", "tab\tnew\nline\x00nul"]
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from shared.config.spec import ConfigError, parse_spec
 from shared.model.corpus import train_bpe_tokenizer
 from shared.model.training import TrainingInputError, check_training
 from shared.model.trainstate import ResumeError, SaveError, check_resume, check_save_target, trainer_state
-from shared.spec.config import ConfigError, parse_spec
 
 LLAMA: dict[str, Any] = {
     "model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from shared.config.spec import LinkParams
 from shared.policies.wan import (
     BUS_HOP_S,
     HEADER_OVERHEAD,
@@ -13,7 +14,6 @@ from shared.policies.wan import (
     Sent,
     SlotControl,
 )
-from shared.spec.config import LinkParams
 
 LINK = LinkModel(bandwidth=100.0, latency=1.0, flow_cap=100.0)
 

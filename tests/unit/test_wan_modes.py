@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from bubbletea.launcher.wan_modes import launcher_wan_mode, spec_names_wan_mode
-from shared.spec.settings import load_settings
+from shared.config.settings import load_settings
 
 DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shared.config.model_info import CheckpointError, ModelInfo, config_flag, ties_embeddings
 from shared.model.causal import (
     KV,
     LoadableLM,
@@ -32,7 +33,6 @@ from shared.model.causal import (
     extend_cache,
     refuse_flag,
 )
-from shared.model.info import CheckpointError, ModelInfo, config_flag, ties_embeddings
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(masked_)?bias")

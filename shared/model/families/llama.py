@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shared.config.model_info import CheckpointError, ModelInfo, config_flag, config_int, ties_embeddings
 from shared.model.causal import (
     KV,
     LoadableLM,
@@ -41,7 +42,6 @@ from shared.model.causal import (
     extend_cache,
     refuse_flag,
 )
-from shared.model.info import CheckpointError, ModelInfo, config_flag, config_int, ties_embeddings
 
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10_000.0
