@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.policies.decisions import Batch
-from shared.policies.dispatch import Progress
+from shared.policies.dispatch_inputs import Progress
 from shared.policies.events import EventQueue
 from shared.policies.fill import (
     BLOCK_MARGIN,
@@ -65,7 +65,7 @@ class SimRequest:
 class Host(Protocol):
     """Where the executor's reports and answers go (`sim.serving.Serving`)."""
 
-    def report(self, worker: int, batch: Batch, progress: list[Progress], now: float) -> None: ...
+    def report(self, worker: int, batch: Batch[SimRequest], progress: list[Progress], now: float) -> None: ...
 
     def answered(self, requests: list[SimRequest], now: float) -> None: ...
 
@@ -81,7 +81,7 @@ class _Progress:
     """How far a batch on the queue got: the item it is at, that item's layer, and per item the
     layer it started from here and its seconds so far."""
 
-    batch: Batch
+    batch: Batch[SimRequest]
     item: int = 0
     layer: int = -1  # -1: the item has not started
     piece: int = 0  # pieces of `layer` done (in memory: a snapshot keeps whole layers only)
@@ -201,7 +201,7 @@ class Executor:
 
     # --- batches from the dispatcher -------------------------------------------------------
 
-    def on_batch(self, now: float, batch: Batch) -> None:
+    def on_batch(self, now: float, batch: Batch[SimRequest]) -> None:
         self.queue.arrive(batch.batch_id, batch.predicted_s, now)
         self.progress[batch.batch_id] = _Progress(batch)
         self.q.at(now + self.queue.hold_s, self._expire)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from shared.config.spec import BubbleTea
 from shared.policies.decisions import Batch, Decisions
-from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request, WorkerReady
+from shared.policies.dispatch import DispatchState
+from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Progress, Request, WorkerReady
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
@@ -86,7 +87,7 @@ class Serving:
 
     def __init__(self, cfg: ServingConfig, queue: EventQueue, arrivals: Iterator[tuple[float, int]]) -> None:
         self.cfg, self.q, self._arrivals = cfg, queue, arrivals
-        self.state = DispatchState.from_spec(cfg.bubbletea, cfg.layers)
+        self.state = DispatchState[SimRequest].from_spec(cfg.bubbletea, cfg.layers)
         saved_in: dict[str, str] = {}  # request id -> DC of the state it resumes from
         self.executors = [
             Executor(
@@ -166,7 +167,7 @@ class Serving:
 
     # --- the host of the executors ---------------------------------------------------------
 
-    def report(self, worker: int, batch: Batch, progress: list[Progress], now: float) -> None:
+    def report(self, worker: int, batch: Batch[SimRequest], progress: list[Progress], now: float) -> None:
         if not any(p.seconds > 0 for p in progress):
             self.stats.returned += 1
         self.q.at(now + self.cfg.bus_s, self._on_report, (batch.batch_id, self.cfg.workers[worker], progress))
@@ -209,24 +210,23 @@ class Serving:
             self.state.counts.layers_recomputed,
         )
 
-    def _on_request(self, now: float, req: Request) -> None:
+    def _on_request(self, now: float, req: Request[SimRequest]) -> None:
         self._execute(self.state.add_request(req, now), now)
 
     def _tick(self, now: float, _: object = None) -> None:
         self._execute(self.state.tick(now), now)
         self.q.at(now + self.state.tick_s, self._tick)
 
-    def _execute(self, ds: Decisions, now: float) -> None:
+    def _execute(self, ds: Decisions[SimRequest], now: float) -> None:
         for batch in ds.batches:
             self.stats.batches += 1
             self.q.at(now + self.cfg.bus_s, self.executors[self._index[batch.worker]].on_batch, batch)
         for f in ds.failed:
-            if f.reason is FailureReason.TO_DECODER:  # computed by the decoder: not a failure
-                self._moved.add(f.id)
-                self.stats.moved += 1
-                self.stats.moved_tokens += f.payload.tokens
-            else:
-                self.stats.failed[f.reason.value] += 1
+            self.stats.failed[f.reason.value] += 1
+        for m in ds.moved:  # computed by the decoder: not a failure
+            self._moved.add(m.id)
+            self.stats.moved += 1
+            self.stats.moved_tokens += m.payload.tokens
 
     # --- the front door --------------------------------------------------------------------
 

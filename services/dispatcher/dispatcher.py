@@ -36,7 +36,7 @@ from collections import deque
 from typing import Protocol
 
 from services.dispatcher.lease import DispatcherLease
-from services.dispatcher.messages import batch_message, failure_result
+from services.dispatcher.messages import answers, batch_message, unused_states
 from services.dispatcher.metrics import DispatcherMetrics
 from services.dispatcher.telemetry import ControlTelemetry
 from services.dispatcher.writes import Writes, execute
@@ -49,7 +49,8 @@ from shared.control.leases import generation_joined, read_slots
 from shared.figures.percentiles import percentile
 from shared.model.shape import model_info
 from shared.policies.decisions import Decisions
-from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request, WorkerReady
+from shared.policies.dispatch import DispatchState
+from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Progress, Request, WorkerReady
 from shared.policies.readiness import ServingGate, Verdict
 from shared.runtime.logs import get_logger
 from shared.wire import (
@@ -101,7 +102,7 @@ class Dispatcher:
         bt = spec.bubbletea
         self.bus, self.spec, self.run = bus, spec, run
         self.model_info = model_info(spec.prefill)  # the served model's layers and KV size (config.json if HF)
-        self.state = DispatchState.from_spec(
+        self.state = DispatchState[PrefillRequest].from_spec(
             spec.bubbletea, self.model_info.layers, time_scale=time_scale, batch_prefix=secrets.token_hex(3)
         )
         self.acks: Acks | None = None  # the request stream's consumer, once it exists
@@ -119,8 +120,9 @@ class Dispatcher:
         )
         self.verdict = Verdict.of(ServingState.STARTING, "the dispatcher is starting")
         self.metrics.serving_state(self.verdict.state)
-        self._arriving: list[Request] = []  # requests of the read being handled
-        self._decided = Decisions()  # what the read being handled decided, executed by `flush`
+        self._arriving: list[Request[PrefillRequest]] = []  # requests of the read being handled
+        #: what the read being handled decided, executed by `flush`
+        self._decided: Decisions[PrefillRequest] = Decisions()
         #: when the first stream input since the last flush was handled (perf_counter), and per flush
         #: of a read its decision latency: that input's handling to the decisions written (seconds;
         #: the timer's own flushes are not counted)
@@ -321,17 +323,14 @@ class Dispatcher:
         if self.lease is not None and not self.lease.leads():
             self.lease.refused("its lease lapsed before it wrote what it decided (a stall, or Redis away)")
             return True  # nothing written, nothing acked
-        tickets = [f.ticket for f in ds.failed] + [f.ticket for f in ds.finished]
+        tickets = [f.ticket for f in ds.failed] + [m.ticket for m in ds.moved] + [f.ticket for f in ds.finished]
         held, entries = (self.acks, tickets) if self.acks is not None else (None, [])
         if read is None or not done:
             read, done = None, []
         w = Writes(
             batches=[(b.address, encode(batch_message(self.run, b))) for b in ds.batches],
-            answers=[(failure_result(f), f.payload.reply_to) for f in ds.failed],
-            # Partial prefills no batch resumes from again go now, not at their TTL (under
-            # overload, requests failing at their deadline left ~0.5 GB of them).
-            gone=[keys.prefill_snapshot_key(self.run, s.id, s.layer) for s in ds.spent]
-            + [keys.prefill_snapshot_key(self.run, f.id, n) for f in ds.failed for n in range(1, self.state.layers)],
+            answers=answers(ds),
+            gone=unused_states(self.run, ds, self.state.layers),
             acks=[(c.stream, c.group, ids) for c, ids in ((held, entries), (read, done)) if c is not None],
         )
         if not w:  # nothing to write: the acks alone wait for the next round trip of their
@@ -358,7 +357,7 @@ class Dispatcher:
             self.decision_s.append(time.perf_counter() - self._since)
             self._since = None
 
-    def _done(self, ds: Decisions) -> None:
+    def _done(self, ds: Decisions[PrefillRequest]) -> None:
         """What follows the writes: acks, metrics, one log line per decision (batches and ignored
         inputs at debug)."""
         self.metrics.batches_sent(len(ds.batches))
@@ -369,14 +368,14 @@ class Dispatcher:
                 log.debug("ignored", what=ignored.what, why=ignored.why)
         for f in ds.failed:
             self.metrics.request_failed(f.reason)
-            if f.reason not in (FailureReason.OVERLOADED, FailureReason.TO_DECODER):  # those: the 429, the move
+            if f.reason is not FailureReason.OVERLOADED:  # that one: the 429
                 log.info("request failed", id=f.id, reason=f.reason.value, detail=f.detail)
             elif log.isEnabledFor(10):
-                log.debug(
-                    "request refused" if f.reason is FailureReason.OVERLOADED else "moved to the decoder",
-                    id=f.id,
-                    detail=f.detail,
-                )
+                log.debug("request refused", id=f.id, detail=f.detail)
+        for m in ds.moved:
+            self.metrics.request_moved()
+            if log.isEnabledFor(10):
+                log.debug("moved to the decoder", id=m.id, detail=m.why)
         for _ in ds.finished:
             self.metrics.request_finished()
         for lost in ds.lost:

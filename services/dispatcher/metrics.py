@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from shared.policies.dispatch import DispatchState
 from shared.service.telemetry import FAST_BUCKETS, StreamMetrics
+from shared.wire import PrefillRequest
 from shared.wire.status import FailureReason, ServingState
 
 #: prefill_batches_total's outcomes
@@ -146,10 +147,15 @@ class DispatcherMetrics:
     def request_failed(self, reason: FailureReason) -> None:
         self._failures.labels(self.run, reason.value).inc()
 
+    def request_moved(self) -> None:
+        """A request moved to the decoder: counted under `to_decoder` (not a failure, as the
+        counter's help says), so one counter shows where every unanswered prompt went."""
+        self._failures.labels(self.run, FailureReason.TO_DECODER.value).inc()
+
     def request_finished(self) -> None:
         self._finished.inc()
 
-    async def refresh(self, redis: Redis, state: DispatchState | None) -> None:
+    async def refresh(self, redis: Redis, state: DispatchState[PrefillRequest] | None) -> None:
         """The gauges at scrape time; a standby (no `state`) holds nothing."""
         await self.streams.refresh(redis)
         workers = state.workers.values() if state is not None else ()

@@ -32,9 +32,10 @@ the group is recreated if it vanished, unsent acks are kept and retried, and the
 runs again. Shutdown (`stop`) stops reading, lets in-flight handlers finish within the grace
 period, cancels the rest (they stay pending and are redelivered), flushes acks, then closes.
 
-The read and handle loops are one state machine over the in-flight and held tables, so they stay
-together here; the reclaim loop over the same tables is `reclaim.py`'s mixin. Beside it, what stands
-alone: `delivery.py` (handler table), `acks.py` (batched acks), `deadletters.py`, `streams.py`.
+The read and handle loops are one state machine, so they stay together here. The entries in hand
+(in flight or held) are an `InHand` (`in_hand.py`), which this consumer shares with the reclaim loop,
+a `Reclaimer` it holds (`reclaim.py`). Beside them, what stands alone: `delivery.py` (handler
+table), `acks.py` (batched acks), `deadletters.py`, `streams.py`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ from shared.bus.acks import Acks
 from shared.bus.connection import BLOCKING_SLACK_S, TRANSIENT_ERRORS, Connected, backoff, blocking_client
 from shared.bus.deadletters import LastWord, dead_letter
 from shared.bus.delivery import HOLD, Delivery, Handlers, Reject, route
-from shared.bus.reclaim import READ_BATCH, Reclaiming
+from shared.bus.in_hand import InHand
+from shared.bus.reclaim import READ_BATCH, Entries, Reclaimer
 from shared.bus.streams import delivery_counts, ensure_group, group_is_gone
 from shared.config.spec import BusConfig
 from shared.runtime.logs import get_logger
@@ -84,7 +86,7 @@ AfterRead = Callable[[list[str]], Awaitable[bool]]
 Fence = Callable[[], Awaitable[None]]
 
 
-class Consumer(Reclaiming):
+class Consumer:
     def __init__(
         self,
         bus: Connected,
@@ -107,15 +109,14 @@ class Consumer(Reclaiming):
             raise ValueError(f"a consumer of {stream} needs a handler table with at least one message kind")
         self._handlers = dict(handlers)
         self._reader = blocking_client(bus.url, name=f"reader-{name}")
-        self._inflight: dict[str, asyncio.Task[object]] = {}
-        self._started_at: dict[str, float] = {}  # when each in-flight handler began
-        #: Entries whose handler returned HOLD: pending, ours, refreshed, until `release`.
-        self._held: dict[str, float] = {}
+        #: Entries in flight, and those whose handler returned HOLD (pending, ours, refreshed, until `release`).
+        self._in_hand = InHand(sequential=sequential, slots=1 if sequential else config.concurrency)
         self._slot_freed = asyncio.Event()
         self._acks = Acks(bus, stream, group)
         self._stopping = False
         self._read_task = self._reclaim_task = self._ack_task = None  # type: asyncio.Task[None] | None
         self._resync = asyncio.Event()  # set when the own-pending pass must run again
+        self._reclaimer = Reclaimer(bus, stream, group, name, config, self._in_hand, self._take_over, self._resync)
         #: Set if a background loop died of an unexpected error; services watch it and exit.
         self.crashed = asyncio.Event()
         self.error: BaseException | None = None
@@ -125,7 +126,7 @@ class Consumer(Reclaiming):
     async def start(self) -> Consumer:
         await ensure_group(self.bus.redis, self.stream, self.group)
         self._read_task = asyncio.create_task(self._read_loop(), name=f"read:{self.stream}")
-        self._reclaim_task = asyncio.create_task(self._reclaim_loop(), name=f"reclaim:{self.stream}")
+        self._reclaim_task = asyncio.create_task(self._reclaimer.run(), name=f"reclaim:{self.stream}")
         self._ack_task = asyncio.create_task(self._acks.run(), name=f"ack:{self.stream}")
         for task in (self._read_task, self._reclaim_task, self._ack_task):
             task.add_done_callback(self._loop_ended)
@@ -140,8 +141,8 @@ class Consumer(Reclaiming):
         self._stopping = True
         await _cancel_and_wait(self._read_task)
         pending: set[asyncio.Task[object]] = set()
-        if self._inflight:
-            _, pending = await asyncio.wait(set(self._inflight.values()), timeout=grace)
+        if tasks := self._in_hand.tasks():
+            _, pending = await asyncio.wait(tasks, timeout=grace)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -192,8 +193,8 @@ class Consumer(Reclaiming):
     def forget_held(self, ids: list[str]) -> None:
         """Held entries the caller acked itself (`ack_on`): no longer held here."""
         for entry_id in ids:
-            self._held.pop(entry_id, None)
-        self.stats.held = len(self._held)
+            self._in_hand.release(entry_id)
+        self.stats.held = self._in_hand.held
 
     def release_all(self, ids: list[str]) -> None:
         """`release` each of `ids`."""
@@ -203,8 +204,8 @@ class Consumer(Reclaiming):
     def release(self, entry_id: str) -> None:
         """Ack an entry its handler held (`HOLD`): its effect has now happened. Unknown ids (already
         released, or held by a previous incarnation) are acked too: acking is idempotent."""
-        self._held.pop(entry_id, None)
-        self.stats.held = len(self._held)
+        self._in_hand.release(entry_id)
+        self.stats.held = self._in_hand.held
         self._acks.add(entry_id)
 
     # --- reading ---------------------------------------------------------------------------
@@ -216,7 +217,7 @@ class Consumer(Reclaiming):
             if self._resync.is_set():
                 self._resync.clear()
                 cursor = "0"
-            free = (1 if self.sequential else self.config.concurrency) - self._busy()
+            free = self._in_hand.free()
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
@@ -262,21 +263,24 @@ class Consumer(Reclaiming):
             cursor = entries[-1][0].decode()
             await self._spawn_redelivered(entries)
 
-    async def _spawn_redelivered(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
+    async def _take_over(self, claimed: Entries) -> None:
+        """Handle entries the reclaim loop took over from the group (idle too long elsewhere)."""
+        self.stats.reclaimed += len(claimed)
+        log.info("reclaimed idle entries", stream=self.stream, count=len(claimed), first=claimed[0][0].decode())
+        if self._fence is not None:
+            await self._fence()
+        await self._spawn_redelivered(claimed)
+
+    async def _spawn_redelivered(self, entries: Entries) -> None:
         """Start handlers for entries delivered before (own pending, or reclaimed)."""
-        mine = self._inflight.keys() | self._held.keys()
-        fresh = [(i.decode(), f) for i, f in entries if i.decode() not in mine]
+        fresh = [(i.decode(), f) for i, f in entries if i.decode() not in self._in_hand]
         if not fresh:
             return
         ids = [i for i, _ in fresh]
         counts = await delivery_counts(
-            self.bus.redis, self.stream, self.group, self.name, ids, count=len(ids) + len(self._inflight) + 16
+            self.bus.redis, self.stream, self.group, self.name, ids, count=len(ids) + self._in_hand.in_flight + 16
         )
         self._spawn_all([(entry_id, fields, counts.get(entry_id, 1)) for entry_id, fields in fresh])
-
-    def _busy(self) -> int:
-        """Handler slots in use: tasks running (a sequential consumer's batch is one)."""
-        return len(set(self._inflight.values())) if self.sequential else len(self._inflight)
 
     def _spawn_all(self, entries: list[tuple[str, dict[bytes, bytes] | None, int]]) -> None:
         """Handlers for `entries` (id, fields, attempt): a task each, or one for them all, in
@@ -291,18 +295,13 @@ class Consumer(Reclaiming):
 
     def _track(self, ids: list[str], work: Coroutine[Any, Any, object]) -> None:
         task = asyncio.create_task(work, name=f"handle:{ids[0]}")
-        now = time.monotonic()
-        for entry_id in ids:
-            self._inflight[entry_id] = task
-            self._started_at[entry_id] = now
-        self.stats.in_flight = len(self._inflight)
+        self._in_hand.track(ids, task, time.monotonic())
+        self.stats.in_flight = self._in_hand.in_flight
         task.add_done_callback(functools.partial(self._done, ids))
 
     def _done(self, ids: list[str], _task: asyncio.Task[object]) -> None:
-        for entry_id in ids:
-            self._inflight.pop(entry_id, None)
-            self._started_at.pop(entry_id, None)
-        self.stats.in_flight = len(self._inflight)
+        self._in_hand.handled(ids)
+        self.stats.in_flight = self._in_hand.in_flight
         self._slot_freed.set()
 
     async def _handle_in_order(self, entries: list[tuple[str, dict[bytes, bytes] | None, int]]) -> None:
@@ -376,8 +375,8 @@ class Consumer(Reclaiming):
                 ms=(time.perf_counter() - t0) * 1000,
             )
         if outcome is HOLD:
-            self._held[entry_id] = time.monotonic()
-            self.stats.held = len(self._held)
+            self._in_hand.hold(entry_id, time.monotonic())
+            self.stats.held = self._in_hand.held
             return False
         return self._done_with(entry_id, ack)
 

@@ -1,16 +1,26 @@
-"""A consumer's reclaim loop (mixed into `shared.bus.consumer.Consumer`, whose tables it reads):
-refresh the idle time of entries still being handled or held, take over entries idle too long
-(failed handlers, dead consumers), and trim fully-acked entries from the stream now and then."""
+"""A consumer's reclaim loop: keep the entries it has in hand its own, and take over the group's
+abandoned ones.
+
+Every quarter of `claim_idle_ms` it refreshes the idle time of entries still being handled or held
+(XCLAIM JUSTID: not a new delivery), takes over entries idle longer than `claim_idle_ms` (failed
+handlers, dead consumers: XAUTOCLAIM) and hands them to its consumer, and now and then trims
+fully-acked entries from the stream. `Reclaimer` is an object the consumer holds
+(`shared.bus.consumer.Consumer`); the tables it reads are the consumer's `InHand`.
+tests/integration/test_bus.py covers it (a killed consumer's entries reclaimed, a slow live
+handler not stolen, trimming).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.exceptions import ResponseError
 
 from shared.bus.connection import TRANSIENT_ERRORS, Connected, backoff
+from shared.bus.in_hand import InHand
 from shared.bus.streams import ensure_group, group_is_gone, trim_acked
 from shared.config.spec import BusConfig
 from shared.runtime.logs import get_logger
@@ -23,30 +33,32 @@ TRIM_INTERVAL_S = 5.0
 #: load, small enough that one read does not hog the loop (a sequential consumer reclaims as many).
 READ_BATCH = 256
 
+#: Entries as Redis returns them: (id, fields), the fields None for one deleted from the stream.
+Entries = list[tuple[bytes, dict[bytes, bytes] | None]]
+#: What takes over entries reclaimed from the group (the consumer: fence, then handle them).
+TakeOver = Callable[[Entries], Awaitable[None]]
 
-class Reclaiming:
-    """The reclaim half of `Consumer` (declared here for the type checker)."""
 
-    bus: Connected
-    stream: str
-    group: str
-    name: str
-    config: BusConfig
-    sequential: bool
-    _inflight: dict[str, asyncio.Task[object]]
-    _started_at: dict[str, float]
-    _held: dict[str, float]
-    _resync: asyncio.Event
-    _fence: Any  # Fence | None
-    stats: Any  # ConsumerStats
+class Reclaimer:
+    """The reclaim loop of consumer `name` of `group` on `stream` (`run`, a task of its consumer's).
+    A pass that fails on the connection sets `resync`: the consumer re-reads its own pending
+    entries, as a reply may have been lost."""
 
-    def _busy(self) -> int:
-        raise NotImplementedError
+    def __init__(
+        self,
+        bus: Connected,
+        stream: str,
+        group: str,
+        name: str,
+        config: BusConfig,
+        in_hand: InHand,
+        take_over: TakeOver,
+        resync: asyncio.Event,
+    ) -> None:
+        self.bus, self.stream, self.group, self.name, self.config = bus, stream, group, name, config
+        self.in_hand, self.take_over, self.resync = in_hand, take_over, resync
 
-    async def _spawn_redelivered(self, entries: Any) -> None:
-        raise NotImplementedError
-
-    async def _reclaim_loop(self) -> None:
+    async def run(self) -> None:
         # Every quarter of claim_idle: a live slow handler's entry is refreshed before it is half
         # idle, leaving half of claim_idle as margin for scheduling jitter before a peer may steal it.
         interval = max(self.config.claim_idle_ms / 4000, 0.005)
@@ -64,7 +76,7 @@ class Reclaiming:
             except TRANSIENT_ERRORS as exc:
                 failures += 1
                 log.warning("reclaim pass failed; will retry", stream=self.stream, error=repr(exc))
-                self._resync.set()
+                self.resync.set()
                 await asyncio.sleep(backoff().compute(failures))
             except ResponseError as exc:
                 if not group_is_gone(exc):
@@ -72,23 +84,18 @@ class Reclaiming:
                 await ensure_group(self.bus.redis, self.stream, self.group)
 
     async def _refresh_slow_handlers(self) -> None:
-        """Reset the idle time of entries whose handlers are still running (not a new delivery)."""
-        horizon = time.monotonic() - self.config.claim_idle_ms / 4000
-        slow = [i for table in (self._started_at, self._held) for i, t in table.items() if t < horizon]
+        """Reset the idle time of entries whose handlers are still running, or held (not a new delivery)."""
+        slow = self.in_hand.older_than(time.monotonic() - self.config.claim_idle_ms / 4000)
         if slow:
             await self.bus.redis.xclaim(
                 self.stream, self.group, self.name, min_idle_time=0, message_ids=list[Any](slow), justid=True
             )
-            now = time.monotonic()
-            for table in (self._started_at, self._held):
-                for i in slow:
-                    if i in table:
-                        table[i] = now
+            self.in_hand.refreshed(slow, time.monotonic())
 
     async def _reclaim_idle(self) -> None:
         """Take over entries idle longer than claim_idle_ms (failed handlers, dead consumers)."""
         start = "0-0"
-        while (free := self._reclaim_room()) > 0:
+        while (free := self._room()) > 0:
             reply: Any = await self.bus.redis.xautoclaim(
                 self.stream, self.group, self.name, min_idle_time=self.config.claim_idle_ms, start_id=start, count=free
             )
@@ -100,18 +107,14 @@ class Reclaiming:
                     id=deleted.decode(),
                 )
             if claimed:
-                self.stats.reclaimed += len(claimed)
-                log.info("reclaimed idle entries", stream=self.stream, count=len(claimed), first=claimed[0][0].decode())
-                if self._fence is not None:
-                    await self._fence()
-                await self._spawn_redelivered(claimed)
+                await self.take_over(claimed)
             start = next_start.decode() if isinstance(next_start, bytes) else next_start
             if start == "0-0":
                 return
 
-    def _reclaim_room(self) -> int:
+    def _room(self) -> int:
         """Entries this consumer may take over now: a sequential one only while idle (a batch at
         a time keeps the stream's order), any other up to its free handler slots."""
-        if self.sequential:
-            return READ_BATCH if self._busy() == 0 else 0
-        return self.config.concurrency - len(self._inflight)
+        if self.in_hand.sequential:
+            return READ_BATCH if self.in_hand.busy() == 0 else 0
+        return self.in_hand.free()

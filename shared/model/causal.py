@@ -23,6 +23,7 @@ The families (`shared.model.families`) are nanoGPT-sized modules, one per archit
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,7 +36,7 @@ from shared.config.model_info import CheckpointError, ModelInfo, config_flag
 KV = tuple[Tensor, Tensor]  # (k, v) of one layer, each float32 (1, kv_heads, T, head_dim)
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, ABC):
     """A decoder-only language model run layer by layer (see the module docstring).
 
     Subclasses set `info` and implement `embed`, `block` and `head`; they are frozen inference
@@ -44,10 +45,12 @@ class CausalLM(nn.Module):
 
     info: ModelInfo
 
+    @abstractmethod
     def embed(self, ids: Tensor, positions: Tensor) -> Tensor:
         """Token ids int64 (1, T) at `positions` int64 (T,) -> the first block's input float32 (1, T, C)."""
         raise NotImplementedError
 
+    @abstractmethod
     def block(self, i: int, hidden: Tensor, positions: Tensor, past: KV | None) -> tuple[Tensor, KV]:
         """Block `i` over the new positions: (1, T, C) -> ((1, T, C), the layer's full cache (k, v)).
 
@@ -56,6 +59,7 @@ class CausalLM(nn.Module):
         """
         raise NotImplementedError
 
+    @abstractmethod
     def head(self, hidden_last: Tensor) -> Tensor:
         """Final norm and language-model head of one position: float32 (1, C) -> logits (vocab,)."""
         raise NotImplementedError
@@ -145,14 +149,17 @@ class LoadableLM(CausalLM):
     tied: bool = False
 
     @classmethod
+    @abstractmethod
     def from_config(cls, config: Mapping[str, Any], info: ModelInfo) -> LoadableLM:
         raise NotImplementedError
 
+    @abstractmethod
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm and head of every position: float (..., C) -> logits (..., vocab); `head`
         is this for one position."""
         raise NotImplementedError
 
+    @abstractmethod
     def rename(self, name: str) -> str | None:
         """This module's name for the checkpoint's tensor `name`; None for one known to be ignorable
         (e.g. `rotary_emb.inv_freq`). A name this module does not have is an unexpected tensor."""

@@ -1,17 +1,22 @@
 """What the dispatch policy decides, as values: the service executes them and logs each one's why.
 
 `DispatchState` (shared/policies/dispatch.py) returns a `Decisions` from every entry point; the
-dispatcher service sends its batches, answers its failures, acks the requests it finished, and
-writes one log line per decision from the `why` it carries. The simulator consumes the same values.
+dispatcher service sends its batches, answers its failures and moves, acks the requests it
+finished, and writes one log line per decision from the `why` it carries. The simulator consumes
+the same values. They are generic in `P`, what the caller attached to each request (the
+dispatcher's `PrefillRequest`, the simulator's `SimRequest`): it comes back typed.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from shared.wire.status import FailureReason
+
+#: What the caller attached to a request (its wire message), passed through to its decisions.
+P = TypeVar("P")
 
 
 class Trigger(enum.StrEnum):
@@ -26,11 +31,11 @@ class Trigger(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class BatchItem:
+class BatchItem(Generic[P]):
     """One request's share of a batch: run blocks [from_layer, to_layer), predicted `seconds`."""
 
     id: str
-    payload: Any  # what the service attached to the request (the wire message), passed through
+    payload: P  # what the service attached to the request (the wire message), passed through
     from_layer: int
     to_layer: int
     seconds: float
@@ -70,13 +75,13 @@ class Why:
 
 
 @dataclass(frozen=True)
-class Batch:
+class Batch(Generic[P]):
     """Send `items` to `worker` at `address`: it queues them for its bubbles."""
 
     batch_id: str
     worker: str
     address: str
-    items: tuple[BatchItem, ...]
+    items: tuple[BatchItem[P], ...]
     why: Why
 
     @property
@@ -85,14 +90,25 @@ class Batch:
 
 
 @dataclass(frozen=True)
-class Failure:
+class Failure(Generic[P]):
     """Fail request `id` explicitly (answer it with `reason`), then ack its `ticket`."""
 
     id: str
     ticket: str
-    payload: Any
+    payload: P
     reason: FailureReason
     detail: str
+
+
+@dataclass(frozen=True)
+class Moved(Generic[P]):
+    """Request `id` goes to the decoder: the bubbles cannot compute it by its objective. Answer it
+    as moved (the front door has the decoder compute it), then ack its `ticket`. Not a failure."""
+
+    id: str
+    ticket: str
+    payload: P
+    why: str
 
 
 @dataclass(frozen=True)
@@ -135,15 +151,16 @@ class Ignored:
 
 
 @dataclass(frozen=True)
-class Decisions:
-    batches: tuple[Batch, ...] = ()
-    failed: tuple[Failure, ...] = ()
+class Decisions(Generic[P]):
+    batches: tuple[Batch[P], ...] = ()
+    failed: tuple[Failure[P], ...] = ()
     finished: tuple[Finished, ...] = ()
     lost: tuple[LostBatch, ...] = ()
     ignored: tuple[Ignored, ...] = ()
     spent: tuple[Spent, ...] = ()
+    moved: tuple[Moved[P], ...] = ()
 
-    def __add__(self, other: Decisions) -> Decisions:
+    def __add__(self, other: Decisions[P]) -> Decisions[P]:
         if other is NOTHING:  # most inputs decide nothing more: no copy of what was decided
             return self
         if self is NOTHING:
@@ -155,12 +172,15 @@ class Decisions:
             self.lost + other.lost,
             self.ignored + other.ignored,
             self.spent + other.spent,
+            self.moved + other.moved,
         )
 
     def __bool__(self) -> bool:
-        return bool(self.batches or self.failed or self.finished or self.lost or self.ignored or self.spent)
+        return bool(
+            self.batches or self.failed or self.finished or self.lost or self.ignored or self.spent or self.moved
+        )
 
 
 #: No decision: what most inputs return. One value serves them all (`Decisions` is immutable), and
 #: adding it copies nothing: a simulated 8,192-GPU iteration feeds the dispatcher ~60,000 inputs.
-NOTHING = Decisions()
+NOTHING: Decisions[Any] = Decisions()

@@ -53,104 +53,106 @@ finished ones) and logs each one's why. The simulator feeds it the same inputs f
 says so (`worker_off`): it gets no credit until a new process joins in its slot. **Taking over** a
 run, a dispatcher counts the batches its predecessors sent that the workers still hold (`adopt`).
 
-**Cost at scale**: a trigger visits only the workers with room (`dispatch_index.CreditIndex`) and
-packing reads the head of a queue kept in packing order (`packing.WaitingQueue`). One state machine
-in three files: inputs and tables (`dispatch_inputs.py`), events and the queue (here), credit and
-packing (`dispatch_fill.py`).
+**One object per invariant.** `DispatchState` composes a credit book (`credit_book.CreditBook`:
+each worker's credit, the batches it holds, the index of the workers with room) and a waiting room
+(`waiting_room.WaitingRoom`: every known request, the queue of those waiting); its entry points
+feed them, a fill pass (`handout.Handout`) packs the room into the roomiest workers' credit, and
+`refusals` says how a request leaves unanswered. Its inputs and tables are `dispatch_inputs.py`.
+**Cost at scale**: a trigger visits only the workers with room
+(`dispatch_index.CreditIndex`) and packing reads the head of a queue kept in packing order
+(`packing.WaitingQueue`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+from typing import Generic
 
 from shared.config.spec import BubbleTea
+from shared.policies import refusals
 from shared.policies.admission import BEST_HALF_LIFE_S, Admission
-from shared.policies.decisions import Decisions, Finished, Ignored, LostBatch, Spent, Trigger
-from shared.policies.dispatch_fill import Filling
-from shared.policies.dispatch_index import CreditIndex, OpenBubbles
-from shared.policies.dispatch_inputs import BATCH_GRACE_S as BATCH_GRACE_S
-from shared.policies.dispatch_inputs import RATE_WINDOW_S as RATE_WINDOW_S
-from shared.policies.dispatch_inputs import RECENT_BUBBLES as RECENT_BUBBLES
-from shared.policies.dispatch_inputs import RESUME_WAIT_S as RESUME_WAIT_S
-from shared.policies.dispatch_inputs import STAGE_WINDOW_S as STAGE_WINDOW_S
-from shared.policies.dispatch_inputs import STALE_BUBBLE_S as STALE_BUBBLE_S
-from shared.policies.dispatch_inputs import TICK_S as TICK_S
-from shared.policies.dispatch_inputs import Bubble as Bubble
-from shared.policies.dispatch_inputs import BubbleClosed as BubbleClosed
-from shared.policies.dispatch_inputs import BubbleOpened as BubbleOpened
-from shared.policies.dispatch_inputs import Counts as Counts
-from shared.policies.dispatch_inputs import Credit as Credit
-from shared.policies.dispatch_inputs import InFlight as InFlight
-from shared.policies.dispatch_inputs import Progress as Progress
-from shared.policies.dispatch_inputs import Request as Request
-from shared.policies.dispatch_inputs import WorkerReady as WorkerReady
-from shared.policies.dispatch_leaving import Leaving
+from shared.policies.credit_book import CreditBook
+from shared.policies.decisions import Decisions, Failure, Finished, Ignored, LostBatch, Moved, P, Spent, Trigger
+from shared.policies.dispatch_inputs import (
+    BATCH_GRACE_S,
+    RATE_WINDOW_S,
+    RESUME_WAIT_S,
+    STAGE_WINDOW_S,
+    STALE_BUBBLE_S,
+    TICK_S,
+    Adopted,
+    Bubble,
+    BubbleClosed,
+    BubbleOpened,
+    Counts,
+    Credit,
+    InFlight,
+    Progress,
+    Request,
+    WorkerReady,
+)
 from shared.policies.fill import HOLD_STAGED_S
-from shared.policies.packing import WaitingQueue
+from shared.policies.handout import Handout
 from shared.policies.prefill_cost import PrefillCostModel
-from shared.wire.status import FailureReason
+from shared.policies.waiting_room import WaitingRoom
 
 
 @dataclass
-class DispatchState(Filling, Leaving):
+class DispatchState(Generic[P]):
+    """The dispatcher's state machine: a credit book and a waiting room, fed by its entry points.
+    `P` is what the caller attaches to each request (`Request.payload`)."""
+
     layers: int
     max_batch: int = 32
     order: str = "deadline"
     cost: PrefillCostModel = field(default_factory=PrefillCostModel)
-    credit_bubbles: float = 1.5  # work held on a worker, in its typical bubbles
-    max_credit_s: float = 1.0  # at most this much work held on one worker
-    hold_s: float = HOLD_STAGED_S  # how long a worker may keep work no bubble took (then hands it back)
+    credit_bubbles: InitVar[float] = 1.5  # work held on a worker, in its typical bubbles
+    max_credit_s: InitVar[float] = 1.0  # at most this much work held on one worker
+    hold_s: InitVar[float] = HOLD_STAGED_S  # how long a worker may keep work no bubble took (then hands it back)
     enabled: bool = True  # BubbleTea off: bubbles are ignored, requests wait for their deadlines
     batch_prefix: str = "b"  # batch ids are <prefix>-<n>: unique per dispatcher incarnation
     #: One device second lasts this many real seconds: the windows above (`STAGE_WINDOW_S`, ...)
     #: are stretched by it; the durations given as arguments come stretched already (a scaled spec).
     time_scale: float = 1.0
     #: the windows in real seconds (set from the constants and `time_scale`)
-    stage_window_s: float = field(default=STAGE_WINDOW_S, init=False)
-    batch_grace_s: float = field(default=BATCH_GRACE_S, init=False)
     stale_bubble_s: float = field(default=STALE_BUBBLE_S, init=False)
     resume_wait_s: float = field(default=RESUME_WAIT_S, init=False)
-    requests: dict[str, Request] = field(default_factory=dict)
-    workers: dict[str, Credit] = field(default_factory=dict)
-    in_flight: dict[str, InFlight] = field(default_factory=dict)
     counts: Counts = field(default_factory=Counts)
-    # Running totals and an index that make a trigger cost what it changes, not the cluster's
-    # size (see the module's docstring); the decisions do not depend on them.
-    #: requests with `on_worker is None` (waiting here): nothing to pack costs O(1)
-    _waiting: int = field(default=0, init=False, repr=False)
-    #: their predicted seconds, as each was counted when it joined the queue (for admission)
-    _queued_s: float = field(default=0.0, init=False, repr=False)
-    #: the credit in use on every worker, summed, and its batches (for admission)
-    _held_s: float = field(default=0.0, init=False, repr=False)
-    _held_n: int = field(default=0, init=False, repr=False)
+    book: CreditBook = field(init=False, repr=False)
+    room: WaitingRoom[P] = field(init=False, repr=False)
+    handout: Handout[P] = field(init=False, repr=False)
     _admission: Admission = field(init=False, repr=False)
-    #: the waiting requests in packing order
-    _queue: WaitingQueue = field(init=False, repr=False)
-    #: the workers with room, roomiest first
-    _index: CreditIndex = field(init=False, repr=False)
-    #: when each open bubble is taken as closed, soonest first
-    _open: OpenBubbles = field(init=False, repr=False)
-    _clock: float = field(default=-math.inf, init=False, repr=False)  # the latest `now` of a fill
     #: a fresh bubble start was seen (training runs): before it, no objective can be promised
     _bubble_seen: bool = field(default=False, init=False, repr=False)
-    #: requests in batches an earlier dispatcher sent, that their workers hold (`adopt`): -> (worker, layer)
-    _adopted: dict[str, tuple[str, int]] = field(default_factory=dict, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self._queue = WaitingQueue(self.order)
-        self._index = CreditIndex()
-        self._open = OpenBubbles()
+    def __post_init__(self, credit_bubbles: float, max_credit_s: float, hold_s: float) -> None:
         k = self.time_scale
-        self.stage_window_s, self.batch_grace_s = STAGE_WINDOW_S * k, BATCH_GRACE_S * k
         self.stale_bubble_s, self.resume_wait_s = STALE_BUBBLE_S * k, RESUME_WAIT_S * k
+        self.book = CreditBook(
+            credit_bubbles=credit_bubbles,
+            max_credit_s=max_credit_s,
+            hold_s=hold_s,
+            stage_window_s=STAGE_WINDOW_S * k,
+            batch_grace_s=BATCH_GRACE_S * k,
+        )
+        self.room = WaitingRoom(self.order, self.cost, self.layers)
+        self.handout = Handout(
+            self.room,
+            self.book,
+            layers=self.layers,
+            cost=self.cost,
+            max_batch=self.max_batch,
+            batch_prefix=self.batch_prefix,
+            counts=self.counts,
+        )
         self._admission = Admission(RATE_WINDOW_S * k, BEST_HALF_LIFE_S * k)
 
     @classmethod
     def from_spec(
         cls, bt: BubbleTea, layers: int, *, time_scale: float = 1.0, batch_prefix: str = "b"
-    ) -> DispatchState:
+    ) -> DispatchState[P]:
         """The state a dispatcher (or the simulator) runs for the spec's `bubbletea` section
         (already scaled by `time_scale`) serving a model of `layers` blocks."""
         return cls(
@@ -166,6 +168,23 @@ class DispatchState(Filling, Leaving):
             time_scale=time_scale,
         )
 
+    # --- views -----------------------------------------------------------------------------
+
+    @property
+    def requests(self) -> dict[str, Request[P]]:
+        """Every known request, by id (the waiting room's)."""
+        return self.room.requests
+
+    @property
+    def workers(self) -> dict[str, Credit]:
+        """Every worker's record, by name (the credit book's)."""
+        return self.book.workers
+
+    @property
+    def in_flight(self) -> dict[str, InFlight]:
+        """The batches sent and not yet reported, by id (the credit book's)."""
+        return self.book.in_flight
+
     @property
     def tick_s(self) -> float:
         """How often the service should call `tick` (real s)."""
@@ -179,8 +198,8 @@ class DispatchState(Filling, Leaving):
     def work_for(self, worker: str) -> bool:
         """Whether a bubble of `worker` opening now has work to take, as far as the dispatcher
         knows: requests wait here, or work is held there."""
-        c = self.workers.get(worker)
-        return self._waiting > 0 or (c is not None and c.held_s > 0)
+        c = self.book.workers.get(worker)
+        return self.room.waiting > 0 or (c is not None and c.held_s > 0)
 
     @property
     def recomputed_share(self) -> float | None:
@@ -189,69 +208,78 @@ class DispatchState(Filling, Leaving):
         run = self.counts.layers_run
         return self.counts.layers_recomputed / run if run else None
 
+    def info(self) -> dict[str, object]:
+        """Counters for the service's heartbeat and progress log."""
+        return {
+            "queued": self.room.waiting,
+            "on_workers": len(self.room.requests) - self.room.waiting,
+            "held_ms": round(self.book.held_s * 1000, 1),
+            "open_bubbles": sum(1 for c in self.book.workers.values() if c.bubble is not None),
+            "batches_in_flight": len(self.book.in_flight),
+            **vars(self.counts),
+        }
+
     # --- inputs ----------------------------------------------------------------------------
 
-    def add_request(self, req: Request, now: float) -> Decisions:
+    def add_request(self, req: Request[P], now: float) -> Decisions[P]:
         return self.add_requests((req,), now)  # one at a time: the simulator and tests
 
-    def add_requests(self, reqs: Iterable[Request], now: float) -> Decisions:
-        """Requests arriving together (one read of the stream): each admitted or refused in turn,
-        then one pass puts the admitted where there is room."""
-        failed, ignored = [], []
+    def add_requests(self, reqs: Iterable[Request[P]], now: float) -> Decisions[P]:
+        """Requests arriving together (one read of the stream): each admitted, refused or moved in
+        turn, then one pass puts the admitted where there is room."""
+        failed: list[Failure[P]] = []
+        moved: list[Moved[P]] = []
+        ignored: list[Ignored] = []
         for req in reqs:
-            if req.id in self.requests:  # a redelivered request is already known
+            if req.id in self.room.requests:  # a redelivered request is already known
                 ignored.append(Ignored(f"request {req.id}", "already queued or running"))
                 continue
-            if (held := self._adopted.pop(req.id, None)) is not None:  # already on a worker (`adopt`)
+            if (held := self.book.claim(req.id)) is not None:  # already on a worker (`adopt`)
                 req.on_worker, req.next_layer = held
             if self.enabled and req.on_worker is None and req.next_layer == 0:
-                turned = self._placed_elsewhere(req, now)  # refused, or moved to the decoder
-                if turned is not None:
+                turned = refusals.on_arrival(req, self.room, self.book.held_s, self._admission, self._bubble_seen, now)
+                if isinstance(turned, Moved):  # to the decoder
+                    self.counts.moved += 1
+                    moved.append(turned)
+                    continue
+                if turned is not None:  # refused
+                    self.counts.overloaded += 1
                     failed.append(turned)
                     continue
-            self.requests[req.id] = req
-            self._queue.know(req.id, req.deadline, req.arrival)
-            if req.on_worker is None:
-                self._enqueue(req)
+            self.room.admit(req)
             self.counts.requests += 1
-        return Decisions(failed=tuple(failed), ignored=tuple(ignored)) + self._fill_all(now, Trigger.REQUEST)
+        out = Decisions(failed=tuple(failed), ignored=tuple(ignored), moved=tuple(moved))
+        return out + self.handout.fill(now, Trigger.REQUEST)
 
-    def bubble_start(self, b: BubbleOpened, now: float) -> Decisions:
+    def bubble_start(self, b: BubbleOpened, now: float) -> Decisions[P]:
         if not self.enabled:
             return Decisions(ignored=(Ignored(f"bubble of {b.worker}", "BubbleTea is disabled in the spec"),))
         if now - b.started > self.stale_bubble_s:
             why = f"started {now - b.started:.1f}s ago: history (read from the backlog after a restart)"
             return Decisions(ignored=(Ignored(f"bubble of {b.worker}", why),))
-        c = self._seen(b.worker, b.address, b.dc, b.free_memory, now)
-        c.bubble = Bubble(b.started, b.predicted_s, b.tag)
-        self._open.opened(c.worker, c.bubble, b.predicted_s or c.typical_s(), self.stage_window_s)
+        c = self.book.seen(b.worker, b.address, b.dc, b.free_memory, now)
+        self.book.opened(c, Bubble(b.started, b.predicted_s, b.tag))
         self._bubble_seen = True
-        self._reindex(c)
-        return self._fill_all(now, Trigger.BUBBLE_START)
+        return self.handout.fill(now, Trigger.BUBBLE_START)
 
-    def bubble_end(self, e: BubbleClosed, now: float) -> Decisions:
+    def bubble_end(self, e: BubbleClosed, now: float) -> Decisions[P]:
         """Training input arrived: the bubble is over (what runs stops at a layer boundary). Its
         length joins the worker's typical bubble; the batches that finished in it give their
         credit back now. With a `tag`, only the bubble it names is closed (an end that overtook
         the next start leaves that one open)."""
         if not self.enabled:
             return Decisions()
-        c = self.workers.get(e.worker)
+        c = self.book.workers.get(e.worker)
         if c is None:
             return Decisions(ignored=(Ignored(f"bubble end of {e.worker}", "no bubble or batch of it known"),))
         if c.bubble is not None and (e.tag is None or c.bubble.tag == e.tag):
             if e.actual_s is not None:  # what it offered prefill: the rest the fit rule refused is not
                 self._admission.bubble(c.bubble.started, max(0.0, e.actual_s - e.refused_s), e.worker, c.bubble.tag)
             c.bubble = None
-        if e.actual_s is not None:
-            c.lengths.append(e.actual_s)
-        for batch_id in e.finished:
-            self._release(c, batch_id)
-        c.last_seen = now
-        self._reindex(c)
-        return self._fill_all(now, Trigger.BUBBLE_END)
+        self.book.ended(c, e.actual_s, e.finished, now)
+        return self.handout.fill(now, Trigger.BUBBLE_END)
 
-    def worker_joined(self, j: WorkerReady, now: float) -> Decisions:
+    def worker_joined(self, j: WorkerReady, now: float) -> Decisions[P]:
         """A worker set up and entered the run: it is in no bubble, and its first may open at once.
         It gets its first credit now, sized by the typical bubble it announced (unless it has
         bubbles on record: a worker rejoining after a recovery), so that bubble, too, starts with
@@ -261,38 +289,26 @@ class DispatchState(Filling, Leaving):
         if now - j.at > self.stale_bubble_s:
             why = f"joined {now - j.at:.1f}s ago: history (read from the backlog after a restart)"
             return Decisions(ignored=(Ignored(f"worker {j.worker}", why),))
-        c = self._seen(j.worker, j.address, j.dc, j.free_memory, now)
-        c.bubble = None  # a bubble of its previous life, whose end never came
-        c.off = None  # a new process in the slot: its guest starts afresh
-        if not c.lengths and j.typical_s > 0:
-            c.lengths.append(j.typical_s)
-        self._reindex(c)
-        return self._fill_all(now, Trigger.JOINED)
+        self.book.joined(self.book.seen(j.worker, j.address, j.dc, j.free_memory, now), j.typical_s)
+        return self.handout.fill(now, Trigger.JOINED)
 
-    def worker_off(self, worker: str, why: str, now: float) -> Decisions:
+    def worker_off(self, worker: str, why: str, now: float) -> Decisions[P]:
         """`worker` takes no more prefill: it is offered nothing until a new process joins in its
         slot. What it holds comes back with its reports (it hands it all back)."""
-        c = self.workers.setdefault(worker, Credit(worker))
-        c.off, c.bubble, c.last_seen = why, None, now
-        self._reindex(c)
+        self.book.off(worker, why, now)
         return Decisions()
 
-    def report(self, batch_id: str, worker: str, progress: list[Progress], now: float) -> Decisions:
+    def report(self, batch_id: str, worker: str, progress: list[Progress], now: float) -> Decisions[P]:
         """A worker finished a batch, or handed it back (unrun, or part run)."""
-        if (flight := self.in_flight.pop(batch_id, None)) is None:
+        if not self.book.reported(batch_id, worker):
             # Sent by a previous dispatcher, or already requeued as lost: its requests are being
             # handled afresh, and anything it answered stays answered (first answer wins).
             return Decisions(ignored=(Ignored(f"report of batch {batch_id}", "not in flight"),))
-        for rid in flight.ids:  # an adopted batch's, reported before its request came back: it queues
-            self._adopted.pop(rid, None)
-        c = self.workers.get(worker)
-        if c is not None:
-            self._release(c, batch_id)
-            self._reindex(c)
+        c = self.book.workers.get(worker)
         finished: list[Finished] = []
         spent: list[Spent] = []
         for p in progress:
-            req = self.requests.get(p.id)
+            req = self.room.requests.get(p.id)
             if req is None or req.on_worker != worker:
                 continue  # stale or duplicate
             self._learn(req, p)
@@ -303,65 +319,52 @@ class DispatchState(Filling, Leaving):
                 req.state_dc = c.dc if c is not None else ""
                 left = (req.deadline - now) / 2 if req.deadline is not None else math.inf
                 req.own_dc_until = now + max(0.0, min(self.resume_wait_s, left))
-            req.next_layer, req.on_worker = max(req.next_layer, p.reached_layer), None
+            req.next_layer = max(req.next_layer, p.reached_layer)
             if p.finished or req.next_layer >= self.layers:
-                self._waited(req, p.answered_at if p.answered_at is not None else now)
+                self.room.leave(req)  # from its worker: it was not waiting
+                refusals.waited(self._admission, req, p.answered_at if p.answered_at is not None else now)
                 finished.append(Finished(req.id, req.ticket))
-                del self.requests[p.id]
-                self._queue.forget(p.id)
             else:
-                self._enqueue(req)
+                self.room.back(req)
         self.counts.done += len(finished)
-        return Decisions(finished=tuple(finished), spent=tuple(spent)) + self._fill_all(now, Trigger.REPORT)
+        out: Decisions[P] = Decisions(finished=tuple(finished), spent=tuple(spent))
+        return out + self.handout.fill(now, Trigger.REPORT)
 
-    def tick(self, now: float) -> Decisions:
-        """The timer: close bubbles open far past their prediction, fail requests past their
-        deadline, requeue batches that never reported (unless their worker is still heard from)."""
-        ignored = self._open.close_stuck(now, self.workers, self._reindex)  # a worker died in its bubble
-        failed = self._expire(now)
+    def tick(self, now: float) -> Decisions[P]:
+        """The timer: close bubbles open far past their prediction, move or fail requests whose time
+        is up, requeue batches that never reported (unless their worker is still heard from)."""
+        ignored = self.book.close_stuck(now)  # a worker died in its bubble
+        moved, failed = refusals.expire(self.room, self._admission, self.book.running, self.tick_s, now)
+        self.counts.moved += len(moved)
+        self.counts.expired += len(failed)
         lost: list[LostBatch] = []
-        for batch_id, b in list(self.in_flight.items()):
-            if batch_id in self.in_flight and b.report_by < now:
-                c = self.workers.get(b.worker)
-                if not b.extended and c is not None and now - c.last_seen <= self.batch_grace_s:  # alive
-                    b.extended, b.report_by = True, now + self.hold_s + c.held_s + self.batch_grace_s  # once more
-                    ignored.append(Ignored(f"batch {batch_id}", f"late; worker heard {now - c.last_seen:.3f}s ago"))
-                    continue
-                lost += self._worker_lost(b.worker, now)
-        out = Decisions(failed=failed, lost=tuple(lost), ignored=tuple(ignored))
-        return out + self._fill_all(now, Trigger.TICK) if lost else out
+        for batch_id, b in self.book.overdue(now):
+            if (heard := self.book.late_but_alive(b, now)) is not None:  # alive: it waits once more
+                ignored.append(Ignored(f"batch {batch_id}", f"late; worker heard {heard:.3f}s ago"))
+                continue
+            lost += self._worker_lost(b.worker, now)
+        out = Decisions(failed=failed, lost=tuple(lost), ignored=tuple(ignored), moved=moved)
+        return out + self.handout.fill(now, Trigger.TICK) if lost else out
 
-    def fail_waiting(self, why: str, now: float) -> Decisions:
+    def fail_waiting(self, why: str, now: float) -> Decisions[P]:
         """Nothing can serve (the readiness gate says so): fail every request not running in an
         open bubble now, with `why`. One that runs finishes (or is failed once it is handed back)."""
-        gone = self._not_running()
-        self.counts.unavailable += len(gone)
-        return Decisions(failed=self._drop(gone, FailureReason.UNAVAILABLE, lambda r: why))
+        failed = refusals.unavailable(self.room, self.book.running, why)
+        self.counts.unavailable += len(failed)
+        return Decisions(failed=failed)
 
-    def info(self) -> dict[str, object]:
-        """Counters for the service's heartbeat and progress log."""
-        on_workers = sum(1 for r in self.requests.values() if r.on_worker is not None)
-        return {
-            "queued": len(self.requests) - on_workers,
-            "on_workers": on_workers,
-            "held_ms": round(self._held_s * 1000, 1),
-            "open_bubbles": sum(1 for c in self.workers.values() if c.bubble is not None),
-            "batches_in_flight": len(self.in_flight),
-            **vars(self.counts),
-        }
+    def adopt(self, b: Adopted, now: float) -> Decisions[P]:
+        """A batch an earlier dispatcher of the run sent, that its worker still holds: counted in
+        the worker's credit and in flight as if sent now (its report is this dispatcher's to take,
+        or its loss), and its requests marked there as they come back (`add_requests`), not sent
+        a second time. The worker gets no credit from it: only its next bubble event gives some."""
+        if not self.book.adopt(b, now):
+            return Decisions(ignored=(Ignored(f"batch {b.batch_id}", "already in flight"),))
+        return Decisions()
 
-    # --- decisions -------------------------------------------------------------------------
+    # --- what reports teach, and what their absence means ----------------------------------
 
-    def _seen(self, worker: str, address: str, dc: str, free_memory: int, now: float) -> Credit:
-        """The worker's record, refreshed from one of its events."""
-        c = self.workers.get(worker)
-        if c is None:
-            c = self.workers[worker] = Credit(worker)
-        c.address, c.free_memory, c.last_seen = address, free_memory, now
-        c.dc = dc or c.dc
-        return c
-
-    def _learn(self, req: Request, p: Progress) -> None:
+    def _learn(self, req: Request[P], p: Progress) -> None:
         """What a report teaches: the cost model (every run, scaled to a whole prompt) and the
         layers run, of them those run again (its state was in another DC, or lost)."""
         started = req.next_layer if p.started_layer is None else p.started_layer
@@ -374,27 +377,13 @@ class DispatchState(Filling, Leaving):
         self.counts.layers_recomputed += max(0, min(req.next_layer, p.reached_layer) - started)
 
     def _worker_lost(self, worker: str, now: float) -> list[LostBatch]:
-        """A batch of `worker` never reported back: the worker is presumed dead. All its batches in
-        flight are lost, their requests queue again at their last reported layer, and it gets no
-        credit until its next bubble event."""
+        """A batch of `worker` never reported back: the worker is presumed dead (`CreditBook.lost`).
+        Its batches' requests queue again at their last reported layer."""
         lost = []
-        for batch_id, b in list(self.in_flight.items()):
-            if b.worker != worker:
-                continue
-            del self.in_flight[batch_id]
-            for rid in b.ids:  # an adopted batch's request that has not come back yet: it queues when it does
-                self._adopted.pop(rid, None)
-            back = [r for r in (self.requests.get(i) for i in b.ids) if r is not None and r.on_worker == worker]
+        for batch_id, b in self.book.lost(worker):
+            back = [r for r in (self.room.requests.get(i) for i in b.ids) if r is not None and r.on_worker == worker]
             for r in back:
-                r.on_worker = None
-                self._enqueue(r)
+                self.room.back(r)
             self.counts.requeued += len(back)
             lost.append(LostBatch(batch_id, worker, len(back), now - b.report_by))
-        c = self.workers.get(worker)
-        if c is not None:
-            for batch_id in list(c.held):
-                self._release(c, batch_id)
-            c.bubble = None
-            c.lengths.clear()
-            self._index.discard(worker)
         return lost

@@ -2,7 +2,7 @@
 
 The inputs (`Request`, `BubbleOpened`, `BubbleClosed`, `WorkerReady`, `Progress`, `Adopted`) are what a service
 or the simulator feeds `DispatchState`; the tables (`Credit`, `Bubble`, `InFlight`, `Counts`) are
-what it keeps.
+what it keeps: the credit book (`credit_book.py`) and the waiting room (`waiting_room.py`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic
+
+from shared.policies.decisions import P
 
 #: Bubble lengths remembered per worker: its typical bubble, which sizes its credit.
 RECENT_BUBBLES = 8
@@ -43,14 +45,17 @@ RESUME_WAIT_S = 0.25
 
 
 @dataclass
-class Request:
+class Request(Generic[P]):
+    """A prompt to prefill, from its arrival until it is answered, failed or moved. `payload` is
+    what the caller attached (its wire message): the policy hands it back in its decisions."""
+
     id: str
     tokens: int
     arrival: float
     kv_bytes: int
     deadline: float | None = None
     ticket: str = ""  # what the service acks once the request is answered or failed (its bus entry)
-    payload: Any = None  # passed through to the batches (the service's wire message)
+    payload: P = field(kw_only=True)
     next_layer: int = 0
     on_worker: str | None = None  # the worker holding it now (queued there or running), if any
     #: while it waits with a saved partial prefill: the datacenter holding that state, and until

@@ -2,7 +2,8 @@
 their handler tables (naming stream and kind, keeping the payload), and a request whose deadline
 passes in the queue is failed explicitly, then its held entry acked; a spent partial prefill is
 deleted; a worker that joins gets its first credit; what a read decides goes out in one round
-trip; a request is looked up in Redis only when it is delivered again."""
+trip; a request is looked up in Redis only when it is delivered again; a move to the decoder is
+answered as one."""
 
 from __future__ import annotations
 
@@ -107,6 +108,40 @@ async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(red
         # redelivered after a restart: already answered, so acked at once and not queued again
         assert await d.on_request(Delivery("1-0", "s", req, 2)) is None and d.state.requests == {}
         assert encode(got.result)  # the stored answer is a whole message
+
+
+async def test_a_request_moved_to_the_decoder_is_answered_moved_not_failed(redis_url: str) -> None:
+    """A request with an objective that may move, before any bubble: the policy moves it at once
+    (`Moved`, its own decision, not a failure). Its answer says MOVED (reason to_decoder) for the
+    front door to have the decoder compute it, its held entry is acked, its saved states go, it is
+    counted out of flight, and the failure log stays quiet."""
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        d = Dispatcher(bus, load_settings(None).spec, f"moved-{time.time_ns()}")
+        acks = Acks(d.run)
+        d.acks = acks
+        now = time.time()
+        req = PrefillRequest(
+            id="moves",
+            model="m",
+            tokens=(1, 2, 3),
+            submitted=now,
+            reply_to="bt:test:results",
+            deadline=now + 60,
+            objective=now + 0.5,  # with a decoder to move to (`may_move`), and no bubble seen yet
+            may_move=True,
+        )
+        assert await serving.accept(bus.redis, d.run, req, 10)
+        snapshot = keys.prefill_snapshot_key(d.run, "moves", 1)
+        await bus.redis.set(snapshot, b"state", ex=300)
+        assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None
+        await d.requests_read([])  # decided and written in the read's flush
+        assert acks.released == ["1-0"] and "moves" not in d.state.requests
+        got = await serving.lookup(bus.redis, "moves")
+        assert got is not None and got.status is RequestStatus.MOVED and got.result is not None
+        assert got.result.reason is FailureReason.TO_DECODER and "no bubble yet" in got.result.error
+        assert not await bus.redis.exists(snapshot)
+        assert await serving.inflight(bus.redis, d.run) == 0
+        assert d.state.counts.moved == 1
 
 
 async def test_spent_partial_prefills_are_deleted_and_others_kept(redis_url: str) -> None:

@@ -28,7 +28,7 @@ from shared.control import serving
 from shared.model.prefill import PrefillModel
 from shared.model.shape import GPTConfig
 from shared.policies.decisions import Batch, BatchItem, Trigger, Why
-from shared.policies.dispatch import Progress
+from shared.policies.dispatch_inputs import Progress
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from shared.policies.admission import BEST_HALF_LIFE_S, MARGIN, Admission
-from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request
+from shared.policies.dispatch import DispatchState
+from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Progress, Request
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.wire.status import FailureReason
 
@@ -108,7 +109,7 @@ def test_past_capacity_the_dispatcher_refuses_the_excess_at_arrival() -> None:
         s.bubble_end(BubbleClosed("w", i, 0.017), now=now)
         s.tick(now)
         # a 0.1 s request every 10 ms: 10 s of work a second, six times the capacity
-        ds = s.add_request(Request(f"r{i}", 100, now, 1, deadline=now + 0.5, ticket=f"t{i}"), now)
+        ds = s.add_request(Request(f"r{i}", 100, now, 1, deadline=now + 0.5, ticket=f"t{i}", payload=None), now)
         for f in ds.failed:
             assert f.reason is FailureReason.OVERLOADED and f.ticket == f"t{i}"
             refused_late += now > 2.5
@@ -132,7 +133,9 @@ def test_a_dispatcher_refuses_past_capacity_once_its_pipeline_came_round_once() 
             s.bubble_start(BubbleOpened(w, f"fill:{w}", 0.02, 0, started=now, tag=(i, 1)), now)
             s.bubble_end(BubbleClosed(w, (i, 1), 0.03), now=now)
         for j in range(10):  # ten 0.1 s requests every 0.1 s: 10 s of work a second, 0.6 s/s served
-            ds = s.add_request(Request(f"r{i}.{j}", 100, now, 1, deadline=now + 1.0, ticket=f"t{i}.{j}"), now)
+            ds = s.add_request(
+                Request(f"r{i}.{j}", 100, now, 1, deadline=now + 1.0, ticket=f"t{i}.{j}", payload=None), now
+            )
             refused_at += [now for f in ds.failed if f.reason is FailureReason.OVERLOADED]
     assert s._admission.rate(1.0) == pytest.approx(0.6)
     assert refused_at and min(refused_at) == pytest.approx(0.1)  # the first round closed at 0.1 s
@@ -173,8 +176,8 @@ def test_the_dispatcher_learns_a_wait_from_when_the_worker_answered_not_from_its
         s.bubble_start(BubbleOpened("w", "fill:w", 0.02, 1 << 30, started=now, tag=i), now)
         s.bubble_end(BubbleClosed("w", i, 0.01), now=now)
     now = 3.0
-    s.add_request(Request("ahead", 400, now, 1, deadline=now + 1.9, ticket="t0"), now)  # 0.4 s of work
-    s.add_request(Request("r", 100, now, 1, deadline=now + 1.9, ticket="t1"), now)
+    s.add_request(Request("ahead", 400, now, 1, deadline=now + 1.9, ticket="t0", payload=None), now)  # 0.4 s of work
+    s.add_request(Request("r", 100, now, 1, deadline=now + 1.9, ticket="t1", payload=None), now)
     predicted = s.requests["r"].predicted_wait_s
     assert predicted is not None and predicted == pytest.approx(0.5, rel=0.05)
     answered = {"ahead": now + 0.4, "r": now + 1.5 * predicted}  # "ahead" waited too little to count

@@ -11,7 +11,8 @@ import pytest
 from shared.config.spec import ClusterSpec, parse_spec
 from shared.config.timescale import scale_spec, spec_clocks
 from shared.policies.decisions import Batch, Decisions
-from shared.policies.dispatch import (
+from shared.policies.dispatch import DispatchState
+from shared.policies.dispatch_inputs import (
     BATCH_GRACE_S,
     RESUME_WAIT_S,
     STAGE_WINDOW_S,
@@ -19,7 +20,6 @@ from shared.policies.dispatch import (
     TICK_S,
     BubbleClosed,
     BubbleOpened,
-    DispatchState,
     Progress,
     Request,
     WorkerReady,
@@ -86,10 +86,10 @@ def test_docs_config_lists_every_clock() -> None:
 
 def test_the_policy_windows_stretch_with_the_scale() -> None:
     s = DispatchState.from_spec(scale_spec(spec(), 5.0).bubbletea, 4, time_scale=5.0)
-    assert (s.stage_window_s, s.batch_grace_s, s.stale_bubble_s, s.tick_s) == pytest.approx(
+    assert (s.book.stage_window_s, s.book.batch_grace_s, s.stale_bubble_s, s.tick_s) == pytest.approx(
         (5 * STAGE_WINDOW_S, 5 * BATCH_GRACE_S, 5 * STALE_BUBBLE_S, 5 * TICK_S)
     )
-    assert s.max_credit_s == pytest.approx(5 * spec().bubbletea.max_credit_ms / 1000)
+    assert s.book.max_credit_s == pytest.approx(5 * spec().bubbletea.max_credit_ms / 1000)
     assert s.resume_wait_s == pytest.approx(5 * RESUME_WAIT_S)
     assert s.cost.predict(128) == pytest.approx(5 * DispatchState.from_spec(spec().bubbletea, 4).cost.predict(128))
 
@@ -137,8 +137,8 @@ def test_the_dispatch_policy_decides_the_same_at_any_time_scale(seed: int) -> No
             deadline = now + timeout * rnd.choice((1.0, 0.01))
             calls = (
                 "add_request",
-                (Request(f"q{n}", tokens, now, 1000, deadline=deadline, ticket=f"t{n}"),),
-                (Request(f"q{n}", tokens, now * k, 1000, deadline=deadline * k, ticket=f"t{n}"),),
+                (Request(f"q{n}", tokens, now, 1000, deadline=deadline, ticket=f"t{n}", payload=None),),
+                (Request(f"q{n}", tokens, now * k, 1000, deadline=deadline * k, ticket=f"t{n}", payload=None),),
             )
         elif op < 0.55:
             w = rnd.choice(workers)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from shared.policies.decisions import Batch, Decisions
-from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Progress, Request, WorkerReady
+from shared.policies.dispatch import DispatchState
+from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Progress, Request, WorkerReady
 from shared.policies.fill import Arrival, FillQueue
 from shared.policies.prefill_cost import PrefillCostModel
 
@@ -142,7 +143,11 @@ class System:
         for _ in range(self.rnd.choice((1, 1, 2, 5))):
             self.seq += 1
             tokens = self.rnd.choice((5, 10, 40))
-            reqs.append(Request(f"q{self.seq}", tokens, self.now, 100, deadline=self.now + self.rnd.uniform(0.05, 2)))
+            reqs.append(
+                Request(
+                    f"q{self.seq}", tokens, self.now, 100, deadline=self.now + self.rnd.uniform(0.05, 2), payload=None
+                )
+            )
         self.execute(self.state.add_requests(reqs, self.now))
 
     # --- the invariant ---------------------------------------------------------------------

@@ -9,21 +9,23 @@ import pytest
 
 from shared.config.spec import BubbleTea
 from shared.policies.decisions import Batch, Decisions, Trigger
-from shared.policies.dispatch import (
+from shared.policies.dispatch import DispatchState
+from shared.policies.dispatch_inputs import (
     BATCH_GRACE_S,
     RESUME_WAIT_S,
     STAGE_WINDOW_S,
     STALE_BUBBLE_S,
     BubbleClosed,
     BubbleOpened,
-    DispatchState,
     Progress,
     Request,
     WorkerReady,
 )
 from shared.policies.fill import HOLD_STAGED_S, FillQueue
+from shared.policies.handout import Handout
 from shared.policies.packing import Candidate, order_key
 from shared.policies.prefill_cost import PrefillCostModel
+from shared.policies.waiting_room import WaitingRoom
 from shared.wire.status import FailureReason
 
 LAYERS = 4
@@ -74,19 +76,21 @@ def finished(ds: Decisions) -> list[str]:
 
 def req(i: int, tokens: int = 10, *, deadline: float | None = None, kv: int = 100, at: float | None = None) -> Request:
     arrival = float(i) if at is None else at
-    return Request(id=f"r{i}", tokens=tokens, arrival=arrival, kv_bytes=kv, deadline=deadline, ticket=f"t{i}")
+    return Request(
+        id=f"r{i}", tokens=tokens, arrival=arrival, kv_bytes=kv, deadline=deadline, ticket=f"t{i}", payload=None
+    )
 
 
 def test_a_worker_holds_a_bubble_and_a_half_of_work_before_any_bubble_opens() -> None:
     s = state()
     for i in range(8):
         s.add_request(req(i, 10), now=0.0)  # 10 ms each; no worker yet: they wait
-    assert s._waiting == 8
+    assert s.room.waiting == 8
     ds = join(s, "w1", 0.040, now=0.0)  # credit 1.5 x 40 = 60 ms, at most half of it a batch
     b1, b2 = ds.batches
     assert ids(b1) == ["r0", "r1", "r2"] and ids(b2) == ["r3", "r4", "r5"]
     assert b1.address == "fill:w1" and b1.predicted_s == pytest.approx(0.030)
-    assert s.workers["w1"].held_s == pytest.approx(0.060) and s._waiting == 2
+    assert s.workers["w1"].held_s == pytest.approx(0.060) and s.room.waiting == 2
     assert all(s.requests[f"r{i}"].on_worker == "w1" for i in range(6))
     assert not s.add_request(req(9, 10), now=0.0).batches  # its credit is in use
 
@@ -120,9 +124,9 @@ def test_an_open_bubble_adds_its_predicted_length_to_the_window_until_it_ends() 
     assert s.workers["w1"].held_s == pytest.approx(0.030)
     ds = start(s, "w1", 0.050, now=0.1)  # 50 ms more while it is open
     assert sum(b.predicted_s for b in ds.batches) == pytest.approx(0.050)
-    assert s.room_s(s.workers["w1"]) <= 0
+    assert s.book.room_s(s.workers["w1"]) <= 0
     end(s, "w1", 0.050, now=0.15)
-    assert s.room_s(s.workers["w1"]) < 0  # back to its typical bubbles: nothing more until work is used
+    assert s.book.room_s(s.workers["w1"]) < 0  # back to its typical bubbles: nothing more until work is used
 
 
 def test_the_roomiest_worker_takes_a_request_first_and_ties_go_by_name() -> None:
@@ -139,7 +143,7 @@ def test_a_bubble_end_gives_back_the_credit_of_what_finished_in_it_and_the_repor
     s = state()
     join(s, "w1", 0.020, now=0.0)  # 30 ms of credit, batches of at most 15
     b1, b2 = s.add_requests([req(i, 5) for i in range(8)], now=0.0).batches  # 5 ms each, read together
-    assert ids(b1) == ["r0", "r1", "r2"] and ids(b2) == ["r3", "r4", "r5"] and s._waiting == 2
+    assert ids(b1) == ["r0", "r1", "r2"] and ids(b2) == ["r3", "r4", "r5"] and s.room.waiting == 2
     start(s, "w1", 0.004, now=0.1)  # 4 ms more while it is open: r6
     top_up = end(s, "w1", 0.020, now=0.12, done=(b1.batch_id,))  # the bubble used b1: its credit is back at once
     assert ids(one(top_up)) == ["r7"] and b1.batch_id not in s.workers["w1"].held
@@ -239,7 +243,7 @@ def test_a_batch_that_never_reports_back_is_requeued_and_its_worker_gets_no_cred
     assert (lost.batch_id, lost.worker, lost.requests) == (b.batch_id, "w1", 1)
     assert lost.overdue_s == pytest.approx(0.5)
     assert s.requests["r0"].on_worker is None and s.counts.requeued == 1 and not s.workers["w1"].held
-    assert s.room_s(s.workers["w1"]) <= 0  # until it is heard of again
+    assert s.book.room_s(s.workers["w1"]) <= 0  # until it is heard of again
     # a late report from the presumed-dead worker changes nothing; another worker takes r0
     assert s.report(b.batch_id, "w1", [Progress("r0", 4, 0.01)], now=due + 1).ignored
     assert ids(one(join(s, "w2", 0.1, now=due + 1))) == ["r0"]
@@ -291,7 +295,7 @@ def test_a_lost_worker_loses_all_its_batches_at_once() -> None:
     s.add_requests([req(i, 10) for i in range(6)], now=0.0)
     assert len(s.in_flight) == 2
     ds = s.tick(now=HOLD_STAGED_S + BATCH_GRACE_S + 1.0)
-    assert len(ds.lost) == 2 and s.in_flight == {} and s._held_s == 0.0
+    assert len(ds.lost) == 2 and s.in_flight == {} and s.book.held_s == 0.0
     assert all(r.on_worker is None for r in s.requests.values())
 
 
@@ -366,8 +370,8 @@ def test_admission_counts_the_work_held_on_workers_ahead() -> None:
         t += 1.0
     for i in range(30):  # 30 ms each: 0.3 s held on w1 (its credit) and the rest waiting
         s.add_request(req(i, 30, deadline=t + 10.0), now=t)
-    assert s._held_s == pytest.approx(0.3 + 0.0, abs=0.031)
-    ahead = s._queued_s + s._held_s
+    assert s.book.held_s == pytest.approx(0.3 + 0.0, abs=0.031)
+    ahead = s.room.queued_s + s.book.held_s
     assert ahead == pytest.approx(0.9, abs=0.001)
     (f,) = s.add_request(req(99, 30, deadline=t + 0.9 / 0.2), now=t).failed  # behind 0.9 s at 0.2/s: 4.65 s
     assert f.reason is FailureReason.OVERLOADED and "0.90s of prefill queued ahead" in f.detail
@@ -422,7 +426,7 @@ class Driver:
     def step(self, name: str, args: tuple[object, ...], now: float) -> Decisions:
         s, rnd = self.s, self.rnd
         if name == "requests":
-            reqs = [Request(i, t, a, k, deadline=d, ticket=f"t{i}") for i, t, a, k, d in args]  # type: ignore[misc]
+            reqs = [Request(i, t, a, k, deadline=d, ticket=f"t{i}", payload=None) for i, t, a, k, d in args]  # type: ignore[misc]
             ds = s.add_requests(reqs, now)
         elif name == "start":
             w, p, free, started, tag, dc = args
@@ -466,46 +470,71 @@ def test_the_dispatchers_running_totals_stay_exact() -> None:
     d = Driver(s, rnd)
     for name, args, now in random_steps(rnd, 4000, [f"w{i}" for i in range(8)]):
         d.step(name, args, now)
-        assert s._waiting == sum(r.on_worker is None for r in s.requests.values())
+        assert s.room.waiting == sum(r.on_worker is None for r in s.requests.values())
         for c in s.workers.values():
             assert c.held_s == pytest.approx(sum(v[0] for v in c.held.values()), abs=1e-9)
             assert c.held_bytes == sum(v[1] for v in c.held.values())
-        assert s._held_s == pytest.approx(sum(c.held_s for c in s.workers.values()), abs=1e-9)
-        assert s._held_n == sum(len(c.held) for c in s.workers.values())
+        assert s.book.held_s == pytest.approx(sum(c.held_s for c in s.workers.values()), abs=1e-9)
+        assert s.book.held_n == sum(len(c.held) for c in s.workers.values())
     assert s.counts.batches > 300 and s.counts.done > 50
 
 
-class FullScan(DispatchState):
-    """The dispatcher without its index, as the reference: every pass looks at every worker, ranks
-    them by room (ties by name) afresh, and packing sorts the whole queue (`pack`)."""
+class FullScanRoom(WaitingRoom[None]):
+    """The waiting room without its queue kept in order: packing sorts the whole queue (`pack`)."""
 
-    def _fill_all(self, now: float, trigger: Trigger) -> Decisions:
+    def __init__(self, order: str, cost: PrefillCostModel, layers: int) -> None:
+        super().__init__(order, cost, layers)
+        self.key = order_key(order)
+
+    def candidates(self, dc: str, now: float) -> Iterator[Candidate]:
+        waiting = [r for r in self.requests.values() if r.on_worker is None]
+        rank = {rid: e[-2] for rid, e in self.queue._entries.items()}  # ties in the order they became known
+        waiting.sort(key=lambda r: (self.key(Candidate(r.id, 0, 0, r.arrival, 0, r.deadline)), rank[r.id]))
+        for r in waiting:
+            if not (r.state_dc and r.state_dc != dc and now < r.own_dc_until):
+                yield Candidate(r.id, r.tokens, r.next_layer, r.arrival, r.kv_bytes, r.deadline)
+
+
+class FullScanHandout(Handout[None]):
+    """The hand-out without the credit index: every pass looks at every worker and ranks them by
+    room (ties by name) afresh."""
+
+    def fill(self, now: float, trigger: Trigger) -> Decisions:
+        book, room = self.book, self.room
         batches = []
         skip: set[str] = set()
-        self._clock = now
-        while self._waiting and self._any_live(now):
+        while room.waiting and room.any_live(now):
             ranked = sorted(
-                (c for c in self.workers.values() if self.room_s(c) > 0 and c.worker not in skip),
-                key=lambda c: (-self.room_s(c), c.worker),
+                (c for c in book.workers.values() if book.room_s(c) > 0 and c.worker not in skip),
+                key=lambda c: (-book.room_s(c), c.worker),
             )
-            ranked = [c for c in ranked if now - c.last_seen <= self.stage_window_s]
+            ranked = [c for c in ranked if now - c.last_seen <= book.stage_window_s]
             if not ranked:
                 break
-            b = self._fill_worker(ranked[0], now, trigger)
+            b = self.fill_worker(ranked[0], now, trigger)
             if b is None:
                 skip.add(ranked[0].worker)
             else:
                 batches.append(b)
         return Decisions(batches=tuple(batches))
 
-    def _candidates(self, dc: str, now: float) -> Iterator[Candidate]:
-        waiting = [r for r in self.requests.values() if r.on_worker is None]
-        rank = {rid: e[-2] for rid, e in self._queue._entries.items()}  # ties in the order they became known
-        key = order_key(self.order)
-        waiting.sort(key=lambda r: (key(Candidate(r.id, 0, 0, r.arrival, 0, r.deadline)), rank[r.id]))
-        for r in waiting:
-            if not (r.state_dc and r.state_dc != dc and now < r.own_dc_until):
-                yield Candidate(r.id, r.tokens, r.next_layer, r.arrival, r.kv_bytes, r.deadline)
+
+class FullScan(DispatchState[None]):
+    """The dispatcher without its index, as the reference: a `FullScanRoom` and a `FullScanHandout`."""
+
+    def __post_init__(self, credit_bubbles: float, max_credit_s: float, hold_s: float) -> None:
+        super().__post_init__(credit_bubbles, max_credit_s, hold_s)
+        self.room = FullScanRoom(self.order, self.cost, self.layers)
+        h = self.handout
+        self.handout = FullScanHandout(
+            self.room,
+            self.book,
+            layers=h.layers,
+            cost=h.cost,
+            max_batch=h.max_batch,
+            batch_prefix=h.batch_prefix,
+            counts=h.counts,
+        )
 
 
 def snapshot(s: DispatchState) -> object:
@@ -514,7 +543,7 @@ def snapshot(s: DispatchState) -> object:
         {w: (c.bubble, list(c.lengths), dict(c.held), c.last_seen) for w, c in s.workers.items()},
         s.in_flight,
         s.counts,
-        s._waiting,
+        s.room.waiting,
     )
 
 

@@ -2,8 +2,7 @@
 workers still hold are counted, in credit and in flight, and their requests, delivered to it again,
 are not sent a second time. A fake clock drives it; nothing needs Redis."""
 
-from shared.policies.dispatch import BATCH_GRACE_S, Progress
-from shared.policies.dispatch_inputs import Adopted
+from shared.policies.dispatch_inputs import BATCH_GRACE_S, Adopted, Progress
 from shared.policies.fill import HOLD_STAGED_S
 from tests.unit.test_dispatch import LAYERS, finished, ids, join, one, req, start, state
 

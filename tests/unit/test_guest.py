@@ -7,7 +7,7 @@ import pytest
 
 from shared.config.settings import load_settings
 from shared.config.spec import ConfigError
-from shared.policies.dispatch import Progress
+from shared.policies.dispatch_inputs import Progress
 from shared.policies.guest import MAX_FAILURES, GuestHealth
 from shared.policies.readiness import ServingGate, SlotView
 from shared.wire.status import ServingState

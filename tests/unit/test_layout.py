@@ -21,6 +21,22 @@ Every check looks at every import in a file, function bodies included.
 * `shared/` has no loose module: its code lives in subpackages whose names say what for.
 * The subpackages of `shared/` are layers (`LAYERS`, lowest first, `config` the ground floor): an
   import between two of them runs down, never up, so no two of them tie both ways.
+
+The classes (read the same way; a base is resolved through its module's imports and definitions,
+and "a base" is one another product class derives from, directly or not). One object owns each
+invariant; a class is not cut into mixins that hold no state and lean on each other:
+
+* No stub in a base: a method of a base whose body (past its docstring) is only `raise
+  NotImplementedError` is refused, unless it is an interface's: decorated `@abstractmethod` (an
+  `abc.ABC`), or in a `typing.Protocol`. A mixin stubbing what its partner or its host defines is
+  what this refuses.
+* No attribute declared "for the type checker": a bare class-level annotation (`x: T`, no value)
+  in a base is refused when the base does not set `x` up itself (in its body, or `self.x = ...`
+  in its `__init__`, `__post_init__` or `__new__`) while a class deriving from it, or another base
+  of one, gives `x` a value or defines it. Records (dataclasses, named tuples, typed dicts, msgspec
+  structs, enums), Protocols and ABC interfaces are not asked: their annotations are their fields
+  or their contract. `test_the_class_checks_find_a_mixin_and_pass_interfaces_and_records` pins
+  both rules on a small source.
 """
 
 from __future__ import annotations
@@ -419,3 +435,263 @@ def test_an_import_that_runs_up_is_refused() -> None:
         "shared.model.gpt"
     ]
     assert [i.module for i in imports_in(ast.parse(source), "shared.model") if runs_up("model", i.module)] == []
+
+
+# --- classes: one object per invariant, no mixin stubbing its partner ----------------------------
+
+#: Bases whose classes make fields of their class-level annotations, or declare an interface.
+RECORD_BASES = {
+    "typing.Protocol",
+    "typing_extensions.Protocol",
+    "typing.NamedTuple",
+    "typing.TypedDict",
+    "typing_extensions.TypedDict",
+    "msgspec.Struct",
+    "abc.ABC",
+    "enum.Enum",
+}
+PROTOCOLS = {"typing.Protocol", "typing_extensions.Protocol"}
+
+
+@dataclass
+class Klass:
+    """A product class as its source says: its qualified name, its bases (qualified where an import
+    or a definition in its module says what they are), and its body."""
+
+    name: str
+    node: ast.ClassDef
+    bases: list[str]
+
+
+def _dotted(expr: ast.expr) -> str:
+    """`a.b.C` for a base written `a.b.C` or `a.b.C[T]`; "" for anything else."""
+    if isinstance(expr, ast.Subscript):
+        return _dotted(expr.value)
+    if isinstance(expr, ast.Attribute):
+        head = _dotted(expr.value)
+        return f"{head}.{expr.attr}" if head else ""
+    return expr.id if isinstance(expr, ast.Name) else ""
+
+
+def classes_in(modules: dict[str, tuple[str, str]]) -> dict[str, Klass]:
+    """Every class of `modules` (module name -> (its package, its source)), by qualified name."""
+    out: dict[str, Klass] = {}
+    for module, (package, source) in modules.items():
+        tree = ast.parse(source)
+        names = {n.name: f"{module}.{n.name}" for n in tree.body if isinstance(n, ast.ClassDef)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update({a.asname: a.name for a in node.names if a.asname})
+                names.update({a.name.partition(".")[0]: a.name.partition(".")[0] for a in node.names if not a.asname})
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(node, package)
+                names.update({a.asname or a.name: f"{base}.{a.name}" for a in node.names})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = []
+                for b in map(_dotted, node.bases):
+                    head, _, rest = b.partition(".")
+                    bases.append(".".join(filter(None, (names.get(head, head), rest))))
+                out[f"{module}.{node.name}"] = Klass(f"{module}.{node.name}", node, bases)
+    return out
+
+
+def product_classes() -> dict[str, Klass]:
+    modules = {}
+    for path in source_files(*PACKAGES):
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        modules[name] = (package, path.read_text(encoding="utf-8"))
+    return classes_in(modules)
+
+
+def _ancestors(name: str, classes: dict[str, Klass]) -> set[str]:
+    """Every base of class `name`, transitively through the product's classes (qualified)."""
+    seen: set[str] = set()
+    todo = list(classes[name].bases)
+    while todo:
+        b = todo.pop()
+        if b not in seen:
+            seen.add(b)
+            todo += classes[b].bases if b in classes else []
+    return seen
+
+
+def _decorated(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef, name: str) -> bool:
+    """Whether `node` has the decorator `name` (`@name`, `@mod.name`, `@name(...)`)."""
+    decorators = (d.func if isinstance(d, ast.Call) else d for d in node.decorator_list)
+    return any(_dotted(d).rpartition(".")[2] == name for d in decorators)
+
+
+def _methods(node: ast.ClassDef) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _only_raises_not_implemented(f: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    body = f.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # its docstring
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+        return False
+    exc = body[0].exc
+    return _dotted(exc.func if isinstance(exc, ast.Call) else exc) == "NotImplementedError"
+
+
+def _is_interface(name: str, classes: dict[str, Klass]) -> bool:
+    """A Protocol, or an ABC interface: it derives from `abc.ABC` or has an `@abstractmethod`."""
+    ancestors = _ancestors(name, classes)
+    abstract = any(_decorated(f, "abstractmethod") for f in _methods(classes[name].node))
+    return bool(ancestors & (PROTOCOLS | {"abc.ABC"})) or abstract
+
+
+def _bases_of_others(classes: dict[str, Klass]) -> set[str]:
+    return {b for c in classes.values() for b in _ancestors(c.name, classes) if b in classes}
+
+
+def mixin_stubs(classes: dict[str, Klass]) -> list[str]:
+    """`Class.method` for each stub (a body of only `raise NotImplementedError`) in a class another
+    derives from, unless it is an interface's: `@abstractmethod`, or in a Protocol."""
+    found = []
+    for name in sorted(_bases_of_others(classes)):
+        protocol = bool(_ancestors(name, classes) & PROTOCOLS)
+        for f in _methods(classes[name].node):
+            if _only_raises_not_implemented(f) and not protocol and not _decorated(f, "abstractmethod"):
+                found.append(f"{name}.{f.name}")
+    return found
+
+
+SETUP = ("__init__", "__post_init__", "__new__")
+
+
+def _given(node: ast.ClassDef, *, setup_only: bool) -> set[str]:
+    """The attributes class `node` gives a value: in its body (`x = ...`, `x: T = ...`, a dataclass's
+    `x: T`), and `self.x = ...` (or `+=`, or `: T =`) in its methods, or in its set-up only
+    (`__init__`, `__post_init__`, `__new__`) with `setup_only`."""
+    out = set()
+    dataclass_ = _decorated(node, "dataclass")
+    for n in node.body:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and (n.value is not None or dataclass_):
+            out.add(n.target.id)
+        elif isinstance(n, ast.Assign):
+            out.update(t.id for t in n.targets if isinstance(t, ast.Name))
+    for f in _methods(node):
+        if setup_only and f.name not in SETUP:
+            continue
+        for n in ast.walk(f):
+            one = isinstance(n, ast.AnnAssign | ast.AugAssign)
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if one else []
+            for t in targets:
+                for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                        out.add(e.attr)
+    return out
+
+
+def redeclared(classes: dict[str, Klass]) -> list[str]:
+    """`Class.attribute` for each bare class-level annotation (`x: T`, no value) in a class another
+    derives from, that the class does not set up itself (`_given` with `setup_only`) and that a
+    class deriving from it, or another base of one (its partner), gives a value or defines as a
+    method: declared "for the type checker". Records (dataclasses, named tuples, typed dicts,
+    msgspec structs, enums: their annotations are fields) and interfaces (`_is_interface`) are
+    not asked."""
+    found = []
+    for name in sorted(_bases_of_others(classes)):
+        c = classes[name]
+        if _decorated(c.node, "dataclass") or _ancestors(name, classes) & RECORD_BASES or _is_interface(name, classes):
+            continue
+        heirs = [k.name for k in classes.values() if name in _ancestors(k.name, classes)]
+        above = _ancestors(name, classes) | {name}
+        others = {a for h in heirs for a in _ancestors(h, classes) if a in classes and a not in above} | set(heirs)
+        given = set().union(*(_given(classes[k].node, setup_only=False) for k in others))
+        given |= {f.name for k in others for f in _methods(classes[k].node)}
+        own = _given(c.node, setup_only=True)
+        for n in c.node.body:
+            bare = isinstance(n, ast.AnnAssign) and n.value is None and isinstance(n.target, ast.Name)
+            if bare and n.target.id not in own and n.target.id in given:
+                found.append(f"{name}.{n.target.id}")
+    return found
+
+
+def test_no_mixin_stubs_its_partner() -> None:
+    classes = product_classes()
+    assert not mixin_stubs(classes), "compose objects that own their state; an interface says @abstractmethod"
+
+
+def test_no_attribute_is_redeclared_for_the_type_checker() -> None:
+    classes = product_classes()
+    assert not redeclared(classes), "compose objects that own their state instead of mixing in one"
+
+
+MIXED = """
+import abc
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Half:
+    held: float  # the host's, declared here for the type checker
+
+    def room(self) -> float:
+        return self.window() - self.held
+
+    def window(self) -> float:  # the partner's
+        raise NotImplementedError
+
+
+@dataclass
+class Host(Half):
+    held: float = 0.0
+
+    def window(self) -> float:
+        return 1.0
+
+
+class Shape(abc.ABC):
+    sides: int  # an interface says what its implementers have
+
+    @abc.abstractmethod
+    def area(self) -> float:
+        raise NotImplementedError
+
+
+class Square(Shape):
+    sides = 4
+
+    def area(self) -> float:
+        return 1.0
+
+
+class Sized(Protocol):
+    size: int
+
+    def grow(self) -> None:
+        raise NotImplementedError
+
+
+class Box(Sized):
+    def __init__(self) -> None:
+        self.size = 0
+
+    def grow(self) -> None:
+        self.size += 1
+
+
+class Base:
+    count: int  # its own, set in its own __init__
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class Child(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 1
+"""
+
+
+def test_the_class_checks_find_a_mixin_and_pass_interfaces_and_records() -> None:
+    classes = classes_in({"m": ("", MIXED)})
+    assert classes["m.Host"].bases == ["m.Half"] and classes["m.Shape"].bases == ["abc.ABC"]
+    assert mixin_stubs(classes) == ["m.Half.window"]
+    assert redeclared(classes) == ["m.Half.held"]

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from shared.policies import prompt_placement as placement
-from shared.policies.dispatch import BubbleClosed, BubbleOpened, DispatchState, Request, WorkerReady
+from shared.policies.dispatch import DispatchState
+from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Request, WorkerReady
 from shared.policies.fill import moved_on_worker
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.policies.prompt_placement import (
@@ -108,20 +109,21 @@ def test_before_the_first_bubble_a_request_with_an_objective_moves_or_is_refused
     cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])
     s = DispatchState(layers=4, max_batch=8, cost=cost)
     s.worker_joined(WorkerReady("w", "fill:w", 0.05, 10**9, at=0.0), 0.0)  # joined, not yet training
-    ds = s.add_request(Request("moves", 50, 0.0, 1, deadline=60.0, objective=0.5, may_move=True), 0.0)
-    ds += s.add_request(Request("refused", 50, 0.0, 1, deadline=60.0, objective=0.5), 0.0)
-    ds += s.add_request(Request("waits", 50, 0.0, 1, deadline=60.0), 0.0)
-    got = {f.id: f.reason for f in ds.failed}
-    assert got == {"moves": FailureReason.TO_DECODER, "refused": FailureReason.OVERLOADED}
-    assert all("no bubble yet" in f.detail for f in ds.failed) and "waits" in s.requests
+    ds = s.add_request(Request("moves", 50, 0.0, 1, deadline=60.0, objective=0.5, may_move=True, payload=None), 0.0)
+    ds += s.add_request(Request("refused", 50, 0.0, 1, deadline=60.0, objective=0.5, payload=None), 0.0)
+    ds += s.add_request(Request("waits", 50, 0.0, 1, deadline=60.0, payload=None), 0.0)
+    assert [m.id for m in ds.moved] == ["moves"]  # a move of its own, not a failure
+    assert [(f.id, f.reason) for f in ds.failed] == [("refused", FailureReason.OVERLOADED)]
+    assert all("no bubble yet" in why for why in [m.why for m in ds.moved] + [f.detail for f in ds.failed])
+    assert "waits" in s.requests
     s.bubble_start(BubbleOpened("w", "fill:w", 0.05, 0, started=0.1, tag=(0, 3)), 0.1)
     s.bubble_end(BubbleClosed("w", (0, 3), 0.05), now=0.15)
-    ds = s.add_request(Request("early", 50, 0.15, 1, deadline=60.0, objective=0.6), 0.15)
+    ds = s.add_request(Request("early", 50, 0.15, 1, deadline=60.0, objective=0.6, payload=None), 0.15)
     assert [(f.id, f.reason) for f in ds.failed] == [("early", FailureReason.OVERLOADED)]
     assert "has not come round once" in ds.failed[0].detail
     s.bubble_start(BubbleOpened("w", "fill:w", 0.05, 0, started=0.2, tag=(1, 3)), 0.2)  # round: 0.5 s/s
     s.bubble_end(BubbleClosed("w", (1, 3), 0.05), now=0.25)
-    ds = s.add_request(Request("taken", 50, 0.25, 1, deadline=60.0, objective=0.6), 0.25)
+    ds = s.add_request(Request("taken", 50, 0.25, 1, deadline=60.0, objective=0.6, payload=None), 0.25)
     assert not ds.failed and "taken" in s.requests
     assert placement.on_arrival(None, 1.0, 1.0, False, 0.0, started=False).where is None
     assert placement.on_arrival(None, None, None, False, 0.0, started=False).where is Where.BUBBLES
@@ -130,14 +132,18 @@ def test_before_the_first_bubble_a_request_with_an_objective_moves_or_is_refused
 def test_the_dispatcher_moves_what_the_bubbles_cannot_finish_by_its_objective() -> None:
     s, now = saturated_state()
     # 20 ms of prompt: ~0.12 s in the bubbles, within 0.5 s less the reserve
-    ds = s.add_request(Request("fits", 20, now, 1, deadline=now + 60, objective=now + 0.5, may_move=True), now)
+    ds = s.add_request(
+        Request("fits", 20, now, 1, deadline=now + 60, objective=now + 0.5, may_move=True, payload=None), now
+    )
     assert not ds.failed and "fits" in s.requests
     # 200 ms of prompt: ~1.3 s in the bubbles, past its objective: moved at once, saying why
-    ds = s.add_request(Request("big", 200, now, 1, deadline=now + 60, objective=now + 0.5, may_move=True), now)
-    assert [(f.id, f.reason) for f in ds.failed] == [("big", FailureReason.TO_DECODER)]
-    assert "bubbles would finish it" in ds.failed[0].detail and s.counts.moved == 1
+    ds = s.add_request(
+        Request("big", 200, now, 1, deadline=now + 60, objective=now + 0.5, may_move=True, payload=None), now
+    )
+    assert not ds.failed and [m.id for m in ds.moved] == ["big"]
+    assert "bubbles would finish it" in ds.moved[0].why and s.counts.moved == 1
     # without a decoder the same request is refused (a 429), not moved
-    ds = s.add_request(Request("big2", 200, now, 1, deadline=now + 60, objective=now + 0.5), now)
+    ds = s.add_request(Request("big2", 200, now, 1, deadline=now + 60, objective=now + 0.5, payload=None), now)
     assert [(f.id, f.reason) for f in ds.failed] == [("big2", FailureReason.OVERLOADED)]
     assert ds.failed[0].detail.startswith("overloaded")
 
@@ -145,12 +151,12 @@ def test_the_dispatcher_moves_what_the_bubbles_cannot_finish_by_its_objective() 
 def test_a_waiting_request_moves_to_the_decoder_when_its_margin_runs_out() -> None:
     cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])
     s = started(DispatchState(layers=4, max_batch=8, cost=cost))  # no rate yet: admitted
-    s.add_request(Request("r", 50, 0.0, 1, deadline=60.0, objective=0.5, may_move=True, ticket="t"), 0.0)
-    s.add_request(Request("stays", 50, 0.0, 1, deadline=60.0, objective=0.5, ticket="u"), 0.0)
+    s.add_request(Request("r", 50, 0.0, 1, deadline=60.0, objective=0.5, may_move=True, ticket="t", payload=None), 0.0)
+    s.add_request(Request("stays", 50, 0.0, 1, deadline=60.0, objective=0.5, ticket="u", payload=None), 0.0)
     move_at = placement.moves_at(0.5, 0.5, 0.05)  # 0.3 s; moved at the last tick before it
-    assert not s.tick(move_at - s.tick_s - 0.01).failed  # its margin has not run out
+    assert not s.tick(move_at - s.tick_s - 0.01).moved  # its margin has not run out
     ds = s.tick(move_at - s.tick_s + 0.01)
-    assert [(f.id, f.reason, f.ticket) for f in ds.failed] == [("r", FailureReason.TO_DECODER, "t")]
+    assert not ds.failed and [(m.id, m.ticket) for m in ds.moved] == [("r", "t")]
     assert "r" not in s.requests and s.counts.moved == 1
     # one with no decoder waits until its objective, and is failed there: never queued past it
     assert not s.tick(0.49).failed
@@ -168,16 +174,18 @@ def test_a_batch_item_says_by_when_its_prompt_has_moved_and_a_worker_leaves_it_u
     cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])
     s = started(DispatchState(layers=4, max_batch=8, cost=cost))
     s.worker_joined(WorkerReady("w", "fill:w", 0.2, 10**9, at=0.0), 0.0)
-    ds = s.add_request(Request("r", 50, 0.0, 1, deadline=60.0, objective=0.5, may_move=True, ticket="t"), 0.0)
-    ds += s.add_request(Request("stays", 50, 0.0, 1, deadline=60.0, objective=0.5, ticket="u"), 0.0)
+    ds = s.add_request(
+        Request("r", 50, 0.0, 1, deadline=60.0, objective=0.5, may_move=True, ticket="t", payload=None), 0.0
+    )
+    ds += s.add_request(Request("stays", 50, 0.0, 1, deadline=60.0, objective=0.5, ticket="u", payload=None), 0.0)
     items = {i.id: i for b in ds.batches for i in b.items}
     assert set(items) == {"r", "stays"} and items["stays"].moves_from is None
     moved_by = items["r"].moves_from
     assert moved_by == pytest.approx(placement.moves_at(0.5, 0.5, 0.05))
     earliest = moved_by - s.tick_s
-    assert not s.tick(earliest - 0.001).failed
+    assert not s.tick(earliest - 0.001).moved
     ds = s.tick(earliest)  # any tick from its earliest moves it: one comes by `moved_by`
-    assert [(f.id, f.reason) for f in ds.failed] == [("r", FailureReason.TO_DECODER)]
+    assert not ds.failed and [m.id for m in ds.moved] == ["r"]
     assert moved_on_worker(moved_by, moved_by) and not moved_on_worker(moved_by, moved_by - 0.001)
     assert not moved_on_worker(None, 1e9)
 
@@ -188,10 +196,10 @@ def test_the_share_kept_is_of_the_time_to_when_it_is_due_its_deadline_if_that_co
     s = started(
         DispatchState(layers=4, max_batch=8, cost=PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)]))
     )
-    s.add_request(Request("r", 50, 0.0, 1, deadline=120.0, objective=600.0, may_move=True), 0.0)
-    assert not s.tick(1.0).failed and "r" in s.requests
-    moved = s.tick(placement.moves_at(120.0, 120.0, 0.05) - s.tick_s + 0.01).failed
-    assert [f.reason for f in moved] == [FailureReason.TO_DECODER]
+    s.add_request(Request("r", 50, 0.0, 1, deadline=120.0, objective=600.0, may_move=True, payload=None), 0.0)
+    assert not s.tick(1.0).moved and "r" in s.requests
+    ds = s.tick(placement.moves_at(120.0, 120.0, 0.05) - s.tick_s + 0.01)
+    assert not ds.failed and [m.id for m in ds.moved] == ["r"]
 
 
 def test_the_front_door_keeps_its_own_hops_of_an_objective_up_to_a_share() -> None:

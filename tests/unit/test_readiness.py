@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.policies.dispatch import DispatchState, Request
+from shared.policies.dispatch import DispatchState
+from shared.policies.dispatch_inputs import Request
 from shared.policies.readiness import ServingGate, SlotView
 from shared.wire.status import FailureReason, LeaseState, ServingState
 
@@ -133,12 +134,12 @@ def test_disabled_bubbletea_never_serves() -> None:
 
 @pytest.mark.parametrize("running_in_open_bubble", [False, True])
 def test_fail_waiting_fails_what_waits_and_lets_running_work_finish(running_in_open_bubble: bool) -> None:
-    from shared.policies.dispatch import BubbleOpened
+    from shared.policies.dispatch_inputs import BubbleOpened
 
     s = DispatchState(layers=4, max_batch=8)
     if running_in_open_bubble:  # the request goes to the worker whose bubble is open, and runs there
         s.bubble_start(BubbleOpened("w", "addr", predicted_s=10.0, free_memory=1 << 30, started=0.0), now=0.0)
-    s.add_request(Request("a", tokens=8, arrival=0.0, kv_bytes=1, ticket="t-a"), now=0.0)
+    s.add_request(Request("a", tokens=8, arrival=0.0, kv_bytes=1, ticket="t-a", payload=None), now=0.0)
     out = s.fail_waiting("training finished: run r1 trained all its iterations", now=1.0)
     if running_in_open_bubble:  # held by the worker whose bubble is open: it finishes there
         assert out.failed == () and "a" in s.requests

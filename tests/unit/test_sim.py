@@ -12,7 +12,7 @@ import pytest
 from bubbletea.cli import main as cli_main
 from shared.config.spec import load_spec
 from shared.policies.decisions import Batch, BatchItem, Trigger, Why
-from shared.policies.dispatch import Progress
+from shared.policies.dispatch_inputs import Progress
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
 from shared.policies.prefill_cost import PrefillProfile
