@@ -22,9 +22,7 @@ PENDING = frozenset(
         "services/dispatcher/takeover.py",
         "services/dispatcher/telemetry.py",
         "services/dispatcher/writes.py",
-        "shared/policies/dispatch_fill.py",
         "shared/policies/dispatch_inputs.py",
-        "shared/policies/dispatch_leaving.py",
     }
 )
 
