@@ -12,6 +12,8 @@
   front door's own count of every answered prompt has here);
 * `bubbletea:num_requests_running`: completions being decoded now (set at scrape time);
 * `bubbletea:request_success_total{finished_reason}` and `bubbletea:request_failures_total{reason}`.
+
+Tested by: tests/integration/test_decoder.py.
 """
 
 from __future__ import annotations

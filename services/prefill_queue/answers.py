@@ -2,7 +2,10 @@
 for the prefill answers, the HTTP status of a failed one, and the JSON shapes (head, choice,
 usage) with the request metrics they feed. A chat request's answer is the same with its choices
 reshaped (`shaped`: `message` or `delta` for `text`, chat logprobs) and a role chunk opening its
-stream (`opening`)."""
+stream (`opening`).
+
+Tested by: tests/integration/test_prefill_api.py, tests/unit/test_front_door_objective.py,
+tests/unit/test_prefill_validation.py."""
 
 from __future__ import annotations
 

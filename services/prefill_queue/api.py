@@ -1,4 +1,7 @@
-"""The prefill API handlers: OpenAI-compatible completions (prefill only) and the native async API."""
+"""The prefill API handlers: OpenAI-compatible completions (prefill only) and the native async API.
+
+Tested by: tests/integration/test_prefill_api.py, tests/integration/test_two_runs.py,
+tests/unit/test_front_door_objective.py."""
 
 from __future__ import annotations
 

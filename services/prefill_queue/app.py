@@ -5,6 +5,9 @@ messages rendered with the model's chat template), the native asynchronous
 ``POST /v1/prefill`` and ``GET /v1/prefill/{id}``, ``GET /v1/models``, ``/health``, ``/ready``,
 ``/metrics`` and ``/openapi.json``. Accepted requests go to the request stream; answers come
 back on this instance's results stream (see `shared.control.serving`).
+
+Tested by: tests/integration/test_prefill_queue_skeleton.py, tests/integration/test_readiness.py,
+tests/integration/test_hostile_clients.py.
 """
 
 from __future__ import annotations

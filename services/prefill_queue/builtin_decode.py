@@ -10,6 +10,8 @@ that does not end by the request's deadline ends with a 504 saying how far it go
 With `prompt` the decoder computes the prompt itself (`shared.policies.prompt_placement` placed it
 there) and the chunks start at the first token (index 0); else they continue a prefill from the
 first token's KV cache, at index 1.
+
+Tested by: tests/integration/test_builtin_placement.py, tests/e2e/test_openai_client.py.
 """
 
 from __future__ import annotations

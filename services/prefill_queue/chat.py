@@ -11,6 +11,8 @@ the decoder when ``max_tokens`` > 1 and decoding is on. Only the shape differs: 
 
 A model without a chat template (nanoGPT, or a directory whose tokenizer files hold none) gets a
 400 that says so; malformed messages get a 400 naming the field (``messages[1].role``).
+
+Tested by: tests/unit/test_chat_request.py, tests/integration/test_chat_api.py, tests/e2e/test_openai_chat.py.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ ends it, its finish reason), then chunks of further text as the decoder produces
 when ``stream_options.include_usage`` is set, then ``data: [DONE]``. The stream starts only once the
 first answer is in, so a request that fails before anything was sent still gets its HTTP error
 status; a failure after that is an ``error`` event.
+
+Tested by: tests/integration/test_prefill_api.py, tests/integration/test_loadgen_http.py,
+tests/e2e/test_openai_client.py.
 """
 
 from __future__ import annotations

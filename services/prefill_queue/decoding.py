@@ -8,6 +8,9 @@ has its stream already (`on_decoder.rest`).
 then each prompt's decoding, as one JSON body or as server-sent events (a chunk per piece of new
 text); the text is made from all of a choice's tokens with the model's tokenizer (`_Text`), cut at
 a stop string, held back while it ends in an unfinished character.
+
+Tested by: tests/e2e/test_openai_client.py, tests/integration/test_builtin_placement.py,
+tests/e2e/test_openai_chat.py.
 """
 
 from __future__ import annotations

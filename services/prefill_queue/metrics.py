@@ -2,6 +2,9 @@
 
 Names follow vLLM's (`vllm:time_to_first_token_seconds` ...) with our own prefix, and the request
 metrics carry vLLM's `model_name` label, so a vLLM dashboard needs only the prefix changed.
+
+Tested by: tests/integration/test_prefill_api.py, tests/integration/test_prefill_queue_skeleton.py,
+tests/unit/test_front_door_objective.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ token is the prompt's answer, as a bubble's would be (`PrefillResult`, placement
 of the stream is kept for the completion's continuation (`rest`), so the prompt is computed once.
 If the decoder cannot meet the objective either, the answer is a refusal (OVERLOADED: a 429 with
 Retry-After).
+
+Tested by: tests/integration/test_builtin_placement.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The OpenAPI description of the prefill API, served at /openapi.json."""
+"""The OpenAPI description of the prefill API, served at /openapi.json.
+
+Tested by: tests/unit/test_prefill_validation.py, tests/unit/test_chat_request.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""What the prefill_queue app holds: typed app keys, and the waiters for synchronous requests."""
+"""What the prefill_queue app holds: typed app keys, and the waiters for synchronous requests.
+
+Tested by: tests/integration/test_graceful_stop.py, tests/integration/test_two_runs.py,
+tests/integration/test_prefill_api.py."""
 
 from __future__ import annotations
 

@@ -3,6 +3,9 @@
 Two shapes: the OpenAI completions body (``POST /v1/completions``) and the native body
 (``POST /v1/prefill``). Both become one `ParsedRequest`. Prompts are text (tokenized by the served
 model's tokenizer, `Limits.tokenizer`) or a list of token ids.
+
+Tested by: tests/unit/test_prefill_validation.py, tests/unit/test_chat_request.py,
+tests/integration/test_hostile_clients.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Every metric carries the run (`run`) and the slot (`worker`, e.g. ``r0s1``); the prefill ones also
 the served model (`model_name`). The runner, the fill executor and its reporter each record a value
 in one line where they already have it; the stream gauges are read at scrape time (`refresh`).
+
+Tested by: tests/integration/test_service_metrics.py, tests/integration/test_guest_failure.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Every span (forward, backward, wait, all-reduce, step, prefill) goes out with it
 others in one round trip (`flush`); a resumed generation drops what a cut-short iteration
 recorded (`drop`). The prefill-lag warning is never hidden, but is logged at most once a
 `LAG_WARN_EVERY_S`.
+
+Tested by: tests/e2e/test_training_correctness.py, tests/e2e/test_serving.py,
+tests/integration/test_fill_executor.py.
 """
 
 from __future__ import annotations

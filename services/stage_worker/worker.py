@@ -6,6 +6,9 @@ for a replacement to take the slot, restores the newest checkpoint every slot ha
 from there (`membership/take_part.py` drives it through `membership/generations.py`'s protocol). Without checkpoints, or
 when no replacement comes within `training.recovery_timeout_s`, it publishes `WorkerFailed` naming
 the slot and stops with an error instead of waiting forever for tensors that will never come.
+
+Tested by: tests/e2e/test_training_correctness.py, tests/e2e/test_worker_failure.py,
+tests/e2e/test_worker_recovery.py.
 """
 
 from __future__ import annotations

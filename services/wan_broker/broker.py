@@ -10,6 +10,9 @@ here (they move on the workers' data plane); what the broker does depends on `wa
   worker transmits on grant and reports `SlotDone`; the request is acked then.
 
 Per-link utilisation goes to the run's events stream every second.
+
+Tested by: tests/integration/test_wan_broker.py, tests/integration/test_service_metrics.py,
+tests/integration/test_redis_restart.py.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ each `SlotGrant` to the requesting worker's inbox, logs why, and keeps each requ
 pending (`HOLD`) until its `SlotDone`, so a broker that dies forgets nothing: its successor
 re-reads the requests still open and grants them again (a worker ignores a grant it already had).
 A grant whose end never comes is reclaimed by the arbiter's `expire`, run with the link reports.
+
+Tested by: tests/integration/test_wan_broker.py.
 """
 
 from __future__ import annotations

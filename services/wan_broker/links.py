@@ -4,6 +4,8 @@ Path kept open for real WANs: today the broker holds the payload and appends it 
 inbox at the emulated arrival time. Over a real WAN the same decisions become grants: the broker
 would tell the sender "transmit now" when the policy starts a transfer, and the sender would report
 "done" when its last byte is acknowledged; the policy object is unchanged.
+
+Tested by: tests/integration/test_wan_broker.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Every link metric carries the run (`run`) and the directed link (`src_dc`, `dst_dc`). Each link
 driver records a delivered transfer in one call; utilisation and transfers in flight are read from
 the drivers at scrape time (`refresh`), as the broker's `LinkReport` reads them.
+
+Tested by: tests/integration/test_service_metrics.py.
 """
 
 from __future__ import annotations

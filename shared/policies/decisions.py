@@ -5,6 +5,8 @@ dispatcher service sends its batches, answers its failures and moves, acks the r
 finished, and writes one log line per decision from the `why` it carries. The simulator consumes
 the same values. They are generic in `P`, what the caller attached to each request (the
 dispatcher's `PrefillRequest`, the simulator's `SimRequest`): it comes back typed.
+
+Tested by: tests/unit/test_dispatch.py, tests/unit/test_sim.py, tests/unit/test_credit_agreement.py.
 """
 
 from __future__ import annotations

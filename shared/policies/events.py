@@ -2,6 +2,8 @@
 
 Every event is `(time, seq, fn, arg)`; running it calls `fn(time, arg)`. Tuples and bound methods
 keep the loop cheap: an 8,192-GPU iteration is a few million of them.
+
+Tested by: tests/unit/test_sim.py, tests/unit/test_sim_training.py.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ Redis I/O and clocks hold no rule of their own.
   rest again.
 * A preempted prefill resumes from its saved state only in the datacenter that saved it
   (`resume_layer`); a worker in another DC computes it again from its prompt.
+
+Tested by: tests/unit/test_fill_policy.py, tests/unit/test_prefill_pieces.py, tests/unit/test_sim.py.
 """
 
 from __future__ import annotations

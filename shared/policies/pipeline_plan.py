@@ -3,6 +3,8 @@
 Placement, activation size, layers and compute time per stage, the device profile, and `predict`
 (the model run on those inputs). The stage workers use it for their first bubble predictions;
 `bubbletea plan` (bubbletea/plan.py) and the benchmarks print what it predicts.
+
+Tested by: tests/unit/test_pipeline_model.py, tests/unit/test_timescale.py, tests/unit/test_sim_training.py.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ training resumes when the guest says: at once, or when the prefill block already
 started block runs to completion, which is how BubbleTea can slow training).
 
 The analytic model (`simulate`, below) is this engine with no guest and no bus hops.
+
+Tested by: tests/unit/test_pipeline_model.py, tests/unit/test_sim_training.py.
 """
 
 from __future__ import annotations

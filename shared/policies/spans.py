@@ -2,6 +2,8 @@
 on the wire (`SpanRecord`, read back with `Span.from_record`) and a run folder's spans.jsonl holds
 them; the analytic model (`pipeline_run`) produces the same, so the figures
 (`shared.figures.runstats`) compute one way over both.
+
+Tested by: tests/unit/test_sim_fit.py, tests/unit/test_figures_bubblestats.py, tests/unit/test_figures_runstats.py.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ Each bubble offers the dispatcher the device memory the guest may use (its KV ca
 the CPU that is the spec's figure; on a GPU it is measured once training's first step has peaked
 (`GuestMemory`: `torch.cuda.mem_get_info`, then `shared.policies.guest.guest_memory_cap`), and
 until then the guest is offered none, so prefill never takes memory that first peak needs.
+
+Tested by: tests/integration/test_fill_executor.py, tests/unit/test_cuda_rules.py.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ its report are sent (`done`).
 A run calls `Answers.callback`'s function from whichever thread runs it; the answer is queued on
 the event loop before the run's own end is, so a report (the executor's `_finish`, after
 `all_sent`) never overtakes an answer of its batch.
+
+Tested by: tests/integration/test_fill_executor.py.
 """
 
 from __future__ import annotations

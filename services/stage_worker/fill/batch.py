@@ -4,6 +4,8 @@ item's progress (`Outcome`), and one run of a batch in one bubble (`Run`).
 The executor (`executor.py`) decides when and in which thread a batch runs; the compute
 (`compute.py`) moves the batch's cursor, one block at a time. The answering state lives apart
 (`answers.py`): the compute only calls `Answered` with each outcome as it is answered.
+
+Tested by: tests/integration/test_fill_executor.py, tests/integration/test_kv_budget.py.
 """
 
 from __future__ import annotations

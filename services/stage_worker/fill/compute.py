@@ -18,6 +18,9 @@ A request is answered as soon as it is done (`Answered`, called by the run), not
 the batch's later requests, or the rest of the bubble, would otherwise delay its first token past
 the time the worker checked it could meet (`late_on_worker` counts its own blocks only). With a
 profile, it is done when its last block and its first token's read are due on the schedule.
+
+Tested by: tests/integration/test_fill_executor.py, tests/integration/test_prefill_profile.py,
+tests/integration/test_fit_rule.py.
 """
 
 from __future__ import annotations

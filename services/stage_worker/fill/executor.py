@@ -23,6 +23,9 @@ Training is the owner, prefill the guest. The queue and its rules are the pure `
 * **A failing guest never stops the owner.** Whatever the prefill model raises fails the request
   it ran and hands the rest of its batch back; training goes on. After a few failed batches in a
   row the worker takes no more prefill (`guest_faults.py`; docs/architecture.md, "A failing guest").
+
+Tested by: tests/integration/test_fill_executor.py, tests/integration/test_guest_failure.py,
+tests/integration/test_prefill_profile.py.
 """
 
 from __future__ import annotations

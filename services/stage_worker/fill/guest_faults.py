@@ -3,7 +3,10 @@ whose prefill model raised fails, saying so, and drops what it held on the devic
 allocator's cache is not emptied: `torch.cuda.empty_cache` is never on a hot path); each failed
 batch is counted (`shared.policies.guest`), logged with its traceback and in the metrics; and when
 the worker stops taking prefill the dispatcher is told (`PrefillOff` on the run's bubbles stream).
-docs/architecture.md ("A failing guest") has the whole behaviour."""
+docs/architecture.md ("A failing guest") has the whole behaviour.
+
+Tested by: tests/integration/test_guest_failure.py, tests/integration/test_fill_executor.py,
+tests/e2e/test_guest_failure.py."""
 
 from __future__ import annotations
 

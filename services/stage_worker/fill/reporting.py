@@ -13,6 +13,8 @@ whole batch reports. The answers, the snapshot handles and the report go to Redi
 round trip, in that order (Redis runs them in order: a report the dispatcher reads follows its
 answers). The fill executor acks the
 batch only after this, so a worker killed mid-batch leaves it for the dispatcher to requeue.
+
+Tested by: tests/integration/test_kv_budget.py, tests/integration/test_fill_executor.py.
 """
 
 from __future__ import annotations

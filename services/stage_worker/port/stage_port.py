@@ -16,6 +16,9 @@ What it owns, and where each goes (docs/architecture.md, "Where each tensor live
   (`state.py`);
 * **prefill's tensors** (`keep_prefills`, `load_snapshot`): finished KV caches out, and
   the snapshots of preempted prefills out and in (`prefill.py`).
+
+Tested by: tests/integration/test_fill_executor.py, tests/integration/test_kv_budget.py,
+tests/integration/test_prefill_profile.py.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ A file is written whole (to a temporary name, then renamed) before its reference
 never sees half of one. A replacement worker reads its slot's checkpoint from the path its dead
 predecessor wrote: on one host any directory does; workers on several hosts that may replace each
 other need one directory every host shares (docs/deploy.md).
+
+Tested by: tests/integration/test_recovery_generations.py, tests/e2e/test_train_save.py,
+tests/e2e/test_worker_recovery.py.
 """
 
 from __future__ import annotations

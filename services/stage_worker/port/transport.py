@@ -18,6 +18,9 @@ another generation is drained if this worker still has that generation's groups,
 
 A data-plane failure in the current generation (a peer died mid-transfer) sets `failed`; the
 runner waits a lease's lifetime for the recovery path to take over before giving up.
+
+Tested by: tests/e2e/test_training_correctness.py, tests/e2e/test_multihost.py,
+tests/e2e/test_recovery_formation.py.
 """
 
 from __future__ import annotations

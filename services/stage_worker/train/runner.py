@@ -6,6 +6,8 @@ event loop keeps receiving tensors meanwhile. Every tensor goes through the stag
 profile each compute action is padded to its profiled duration (lag is reported when real compute
 is slower). A receive whose tensor is not there, and the step's collectives waiting for the other
 stages, are bubbles (`fill/announcer.py`); the iteration's spans go out together (`telemetry.py`).
+
+Tested by: tests/e2e/test_training_correctness.py, tests/e2e/test_serving.py, tests/e2e/test_worker_recovery.py.
 """
 
 from __future__ import annotations

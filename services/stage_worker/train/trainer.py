@@ -12,6 +12,8 @@ are on the CPU. On a GPU every method runs on training's own high-priority strea
 training's GPU time, prefill's kernels (on a low-priority stream) never hold it up, and no copy off
 the GPU blocks the event loop. On the CPU every move is a no-op and there is no stream: the same
 tensors, the same operations, bit for bit.
+
+Tested by: tests/unit/test_recovery.py, tests/unit/test_lanes.py, tests/e2e/test_training_correctness.py.
 """
 
 from __future__ import annotations

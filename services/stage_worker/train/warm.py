@@ -6,6 +6,8 @@ every slot of the run needs alike: the training corpus and the served prefill mo
 the slot's device is known only once it has one). When it takes a slot, those are there; what is
 left is the slot's own stage and its data plane. The training stage itself depends on the slot
 (its stage, its device), so it is built after, as by any worker.
+
+Tested by: tests/unit/test_guest_model.py, tests/unit/test_cuda_rules.py, tests/e2e/test_cuda.py.
 """
 
 from __future__ import annotations
