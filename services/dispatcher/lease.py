@@ -8,6 +8,8 @@ process's terms wait on (`leading`, `deposed`; services/dispatcher/serve.py).
 What the leader writes to the workers is fenced by the same key (`fence`, checked by the scripts
 of services/dispatcher/writes.py in the same atomic step as the writes); a write refused there,
 or not tried because the lease lapsed here (`leads`), ends the term at once (`refused`).
+
+Tested by: tests/unit/test_leadership.py, tests/integration/test_dispatcher_leadership.py.
 """
 
 from __future__ import annotations

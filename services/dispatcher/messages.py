@@ -1,6 +1,9 @@
 """What the dispatcher writes for its decisions: a batch as the worker's `PrefillBatch`, a failure
 or a move as the request's `PrefillResult` (the wire messages, built from the policy's values), and
-the saved partial prefills they leave unused."""
+the saved partial prefills they leave unused.
+
+Tested by: tests/integration/test_dispatcher.py (batches, failures, moves as written).
+"""
 
 from __future__ import annotations
 

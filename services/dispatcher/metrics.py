@@ -3,6 +3,8 @@
 Every metric carries the run (`run`); those about the served model also `model_name`. The
 dispatcher records each value in one call where it has it (a bubble's end, a batch sent, a request
 failed or finished); the gauges read from its state and from Redis are set at scrape time (`refresh`).
+
+Tested by: tests/integration/test_service_metrics.py, tests/unit/test_monitoring_assets.py.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ the lease says those are fenced; and which adopts the batches they sent that the
 deposed leader stops its consumers at once, withdraws its readiness and waits as a standby again
 (it does not exit: `bubbletea up` would count each loss as a death towards its crash-loop limit,
 and a standby beside the leader is what takes over). A stopping leader hands the lease over.
+
+Tested by: tests/integration/test_dispatcher_leadership.py, tests/integration/test_service_metrics.py.
 """
 
 from __future__ import annotations

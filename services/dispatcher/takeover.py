@@ -11,6 +11,8 @@
   its batch is answered and reported, so the entries its group has not acked (pending, or not read
   yet) are the batches it holds. The term adopts them (`DispatchState.adopt`): their requests,
   delivered to it again, are not sent a second time, and their reports are its own.
+
+Tested by: tests/integration/test_dispatcher_leadership.py, tests/unit/test_dispatch_takeover.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """What the dispatcher saw, for the run's figures: a `ControlSeen` record per bubble start and
 batch report (which bubbles opened with work; the control plane's latency; the layers a report's
 requests ran and ran again), kept here and published by the dispatcher's timer in one round trip
-to the run's spans stream (shared/figures/runstats.py reads them)."""
+to the run's spans stream (shared/figures/runstats.py reads them).
+
+Tested by: tests/integration/test_dispatcher.py (which bubbles opened with work).
+"""
 
 from __future__ import annotations
 

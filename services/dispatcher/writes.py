@@ -10,6 +10,8 @@ and the acks. MULTI/EXEC runs them with nothing in between, so all see the same 
 written, or (the lease is another's, or nobody's) nothing is, and the entries stay pending for the
 dispatcher that leads now, which claims them. A deposed leader
 resumed from a stall cannot hand a worker a batch even in the instant after it resumes.
+
+Tested by: tests/integration/test_dispatcher_leadership.py (fenced), tests/integration/test_dispatcher.py.
 """
 
 from __future__ import annotations

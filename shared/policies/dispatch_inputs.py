@@ -3,6 +3,8 @@
 The inputs (`Request`, `BubbleOpened`, `BubbleClosed`, `WorkerReady`, `Progress`, `Adopted`) are what a service
 or the simulator feeds `DispatchState`; the tables (`Credit`, `Bubble`, `InFlight`, `Counts`) are
 what it keeps: the credit book (`credit_book.py`) and the waiting room (`waiting_room.py`).
+
+Tested by: tests/unit/test_dispatch.py, tests/unit/test_dispatch_takeover.py.
 """
 
 from __future__ import annotations

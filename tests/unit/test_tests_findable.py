@@ -12,20 +12,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NAMED = re.compile(r"tests/\S+?\.py")
 
-# being restructured (issue 65); the merger names their tests
-PENDING = frozenset(
-    {
-        "services/dispatcher/lease.py",
-        "services/dispatcher/messages.py",
-        "services/dispatcher/metrics.py",
-        "services/dispatcher/serve.py",
-        "services/dispatcher/takeover.py",
-        "services/dispatcher/telemetry.py",
-        "services/dispatcher/writes.py",
-        "shared/policies/dispatch_inputs.py",
-    }
-)
-
 
 def _modules() -> list[Path]:
     """The services' and policies' modules, entry points (`__init__`, `__main__`) left out."""
@@ -45,12 +31,11 @@ def test_every_module_with_logic_has_its_test_file_or_names_its_tests() -> None:
     test_files = {p.name for p in ROOT.glob("tests/**/test_*.py")}
     lost = []
     for path in _modules():
-        rel = path.relative_to(ROOT).as_posix()
         tree = ast.parse(path.read_text())
-        if rel in PENDING or not _has_logic(tree):
+        if not _has_logic(tree):
             continue
         if f"test_{path.stem}.py" not in test_files and not NAMED.search(ast.get_docstring(tree) or ""):
-            lost.append(rel)
+            lost.append(path.relative_to(ROOT).as_posix())
     assert not lost, "no test_<module>.py and no 'Tested by: tests/...py' in the docstring: " + ", ".join(lost)
 
 
@@ -62,9 +47,3 @@ def test_every_test_a_docstring_names_exists() -> None:
         if not (ROOT / named).is_file()
     ]
     assert not missing, "a docstring names a test file that does not exist: " + "; ".join(missing)
-
-
-def test_pending_modules_still_exist() -> None:
-    """A pending module that was renamed or removed leaves the list with it."""
-    gone = sorted(rel for rel in PENDING if not (ROOT / rel).is_file())
-    assert not gone, f"PENDING lists modules that are gone: {gone}"
