@@ -3,8 +3,9 @@
 Routes: the OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the
 messages rendered with the model's chat template), the native asynchronous
 ``POST /v1/prefill`` and ``GET /v1/prefill/{id}``, ``GET /v1/models``, ``/health``, ``/ready``,
-``/metrics`` and ``/openapi.json``. Accepted requests go to the request stream; answers come
-back on this instance's results stream (see `shared.control.serving`).
+``/metrics``, ``/openapi.json`` and the run's live page ``/dashboard`` (`dashboard`). Accepted
+requests go to the request stream; answers come back on this instance's results stream (see
+`shared.control.serving`).
 
 Tested by: tests/integration/test_prefill_queue_skeleton.py, tests/integration/test_readiness.py,
 tests/integration/test_hostile_clients.py.
@@ -23,7 +24,7 @@ from aiohttp import web
 from aiohttp.hdrs import CONTENT_TYPE
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.prefill_queue import api, chat, completions, on_decoder, openapi
+from services.prefill_queue import api, chat, completions, dashboard, on_decoder, openapi
 from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.state import (
     BUS,
@@ -85,6 +86,7 @@ def create_app(settings: Settings) -> web.Application:
     on_decoder.setup(app)
     app.on_shutdown.append(_begin_stopping)
     app.cleanup_ctx.append(_bus_ctx)
+    dashboard.setup(app)  # its reader starts before the results consumer that feeds it answers
     app.cleanup_ctx.append(_heartbeat_ctx)
     app.cleanup_ctx.append(_results_ctx)
     app.cleanup_ctx.append(_gate_ctx)
@@ -145,6 +147,7 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
             m.prefill_time.observe(r.prefill_ms / 1000)
             m.ttft.observe((r.queue_ms + r.prefill_ms) / 1000)  # submission to the answer
         app[WAITERS].deliver(r)
+        app[dashboard.DASHBOARD].on_result(r)
 
     async def on_chunk(d: Delivery) -> None:
         chunk = d.message
