@@ -314,6 +314,8 @@ def _report(folder: Path, scale: float) -> None:
     say(f"==> report: {folder / 'report.md'} ({len(written)} files: tables and pictures)")
     for p in written:
         say(f"    {p}")
+    if (folder / "dashboard.html").exists():
+        say(f"==> the run's page (timeline, figures; zoom and hover): open {folder / 'dashboard.html'} in a browser")
 
 
 async def _until_a_service_dies(procs: list[Proc]) -> None:

@@ -254,6 +254,8 @@ def _say_up(
     body = '{"prompt": "Hello"}'
     auth = ' -H "Authorization: Bearer $BUBBLETEA_API_KEY"' if settings.api_key else ""
     say(f"    try:  curl -s {api}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+    key = "?key=$BUBBLETEA_API_KEY" if settings.api_key else ""
+    say(f"    page: {api}/dashboard{key}   (the run live: bubbles, figures, faults; docs/running.md)")
     if spec.decode.enabled:
         who = f"vLLM at {spec.decode.vllm_url} (docs/vllm.md)" if spec.decode.engine == "vllm" else "the decoder"
         say(f"    whole completions (max_tokens > 1): prefilled in the bubbles, decoded by {who}")

@@ -11,6 +11,8 @@ from urllib.parse import quote
 
 from bubbletea.report.compute import NULL_CELL, markdown_table, select_iterations
 from bubbletea.report.data import ReportError, RunFolder, load_run_folder
+from shared.figures.dashboard import view_of_spans
+from shared.figures.dashboard_page import render
 from shared.figures.runstats import Usage, steady_usage
 from shared.policies.spans import Span
 
@@ -67,7 +69,27 @@ def write_folder_report(folder: RunFolder, out: Path) -> list[Path]:
     table_path, report_path = out / "table.md", out / "report.md"
     _write_text(table_path, table)
     _write_text(report_path, report_markdown(folder, table, pictures))
-    return [p.path for p in pictures] + [table_path, report_path]
+    return [p.path for p in pictures] + [table_path, report_path, *_dashboards(folder, out)]
+
+
+def _dashboards(folder: RunFolder, out: Path) -> list[Path]:
+    """The run page of each run with spans (dashboard-<run>.html, self-contained: the live page's
+    drawing with the run inlined), and dashboard.html: the run with the most prefill in its bubbles."""
+    written, prefill_s = [], {}
+    for run in folder.summary.runs:
+        spans = folder.spans[run.name]
+        if not spans:
+            continue
+        view = view_of_spans(run.label, spans, folder.summary.time_scale or 1.0, folder.ttfts_ms[run.name])
+        path = out / f"dashboard-{run.name}.html"
+        _write_text(path, render(title=run.label, view=view))
+        written.append(path)
+        prefill_s[path] = sum(s.duration for s in spans if s.kind == "prefill")
+    if prefill_s:
+        main = out / "dashboard.html"
+        _write_text(main, max(prefill_s, key=lambda p: prefill_s[p]).read_text(encoding="utf-8"))
+        written.insert(0, main)
+    return written
 
 
 def _timelines(folder: RunFolder, out: Path) -> list[Picture]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -259,6 +260,10 @@ def test_write_report_writes_every_picture_and_links_them(tmp_path: Path) -> Non
         "ttft.png",
         "table.md",
         "report.md",
+        "dashboard.html",
+        "dashboard-fair.html",
+        "dashboard-atlas.html",
+        "dashboard-bubbletea.html",
     ]
     assert all(p.parent == run_dir and p.is_file() for p in written)
     for p in written:
@@ -283,7 +288,14 @@ def test_write_report_skips_pictures_with_nothing_to_show(tmp_path: Path) -> Non
     runs = [{"name": "only", "label": "Only"}, {"name": "absent", "label": "No folder at all"}]
     (run_dir / "summary.json").write_text(json.dumps({"runs": runs}))
     written = write_report(run_dir, tmp_path / "out")
-    assert [p.name for p in written] == ["timeline-only.png", "utilization.png", "table.md", "report.md"]
+    assert [p.name for p in written] == [
+        "timeline-only.png",
+        "utilization.png",
+        "table.md",
+        "report.md",
+        "dashboard.html",
+        "dashboard-only.html",
+    ]
     assert "ttft.png" not in (tmp_path / "out" / "report.md").read_text()
 
 
@@ -393,3 +405,16 @@ def test_timelines_and_ttfts_are_drawn_on_the_device_clock_when_k_is_known() -> 
     ttft = ttft_figure([("run", [40.0, 80.0, 120.0])], time_scale=4.0).axes[0]
     assert "device ms (real ms / k, k = 4)" in ttft.get_xlabel()
     assert any("p50 20.0 ms" in t.get_text() for t in ttft.get_legend().get_texts())
+
+
+def test_the_run_page_is_written_self_contained_with_the_run_inlined(tmp_path: Path) -> None:
+    """dashboard.html: the live page's drawing, the run with the most prefill inlined, no external URL."""
+    run_dir = make_run_folder(tmp_path / "run")
+    write_report(run_dir)
+    html = (run_dir / "dashboard.html").read_text()
+    assert html == (run_dir / "dashboard-bubbletea.html").read_text()
+    assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", html)
+    boot = json.loads(html.split('<script id="bt-data" type="application/json">')[1].split("</script>")[0])
+    kinds = {seg[2] for seg in boot["view"]["segments"]}
+    assert {"compute", "bubble", "prefill"} <= kinds
+    assert boot["view"]["run"] == "Atlas + BubbleTea"
