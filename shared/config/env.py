@@ -99,7 +99,8 @@ ENV: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "BUBBLETEA_API_KEY",
-        "if set, the prefill API (`/v1/*`) requires `Authorization: Bearer <key>` (401 otherwise). Never logged",
+        "if set, the prefill API (`/v1/*`) requires `Authorization: Bearer <key>` (401 otherwise), and the run's "
+        "page `/dashboard` the key as `?key=<key>` or that header. Never logged",
         str,
         ev.setting("api_key"),
     ),
