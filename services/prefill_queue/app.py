@@ -3,9 +3,9 @@
 Routes: the OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the
 messages rendered with the model's chat template), the native asynchronous
 ``POST /v1/prefill`` and ``GET /v1/prefill/{id}``, ``GET /v1/models``, ``/health``, ``/ready``,
-``/metrics``, ``/openapi.json`` and the run's live page ``/dashboard`` (`dashboard`). Accepted
-requests go to the request stream; answers come back on this instance's results stream (see
-`shared.control.serving`).
+``/metrics`` and ``/openapi.json`` (`probes`), and the run's live page ``/dashboard`` (`dashboard`).
+Accepted requests go to the request stream; answers come back on this instance's results stream
+(see `shared.control.serving`).
 
 Tested by: tests/integration/test_prefill_queue_skeleton.py, tests/integration/test_readiness.py,
 tests/integration/test_hostile_clients.py.
@@ -14,7 +14,6 @@ tests/integration/test_hostile_clients.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,9 +21,8 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.hdrs import CONTENT_TYPE
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.prefill_queue import api, chat, completions, dashboard, on_decoder, openapi
+from services.prefill_queue import api, chat, completions, dashboard, on_decoder, probes
 from services.prefill_queue.metrics import Metrics
 from services.prefill_queue.state import (
     BUS,
@@ -33,6 +31,7 @@ from services.prefill_queue.state import (
     HOPS,
     INSTANCE,
     METRICS,
+    SERVICE,
     SETTINGS,
     STARTED,
     STOP_GRACE_S,
@@ -52,15 +51,12 @@ from shared.bus.delivery import Handlers
 from shared.config.settings import Settings
 from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
-from shared.policies.prompt_placement import FrontDoorHops, Mode
+from shared.policies.prompt_placement import FrontDoorHops
 from shared.runtime.auth import bearer_ok
 from shared.runtime.logs import get_logger
 from shared.wire import DecodeChunk, PrefillResult
-from shared.wire.status import RequestStatus, ServingState
+from shared.wire.status import RequestStatus
 
-SERVICE = "prefill_queue"
-#: /health answers 503 if Redis does not answer a PING within this time.
-HEALTH_REDIS_TIMEOUT_S = 1.0
 #: Retry-After of the 503 a request gets while Redis does not answer (a restart takes seconds).
 REDIS_DOWN_RETRY_AFTER_S = 2
 log = get_logger(__name__)
@@ -96,10 +92,10 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_post("/v1/prefill", api.submit)
     app.router.add_get("/v1/prefill/{id}", api.status)
     app.router.add_get("/v1/models", api.models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/openapi.json", openapi_json)
+    app.router.add_get("/health", probes.health)
+    app.router.add_get("/ready", probes.ready)
+    app.router.add_get("/metrics", probes.metrics)
+    app.router.add_get("/openapi.json", probes.openapi_json)
     return app
 
 
@@ -330,74 +326,3 @@ def error_response(
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     hdrs = {k: v for k, v in (headers or {}).items() if k.lower() not in ("content-type", "content-length")}
     return web.json_response(body, status=status, headers=hdrs)
-
-
-# --- operational endpoints -----------------------------------------------------------------
-
-
-async def _redis_ok(app: web.Application) -> str | None:
-    """None if Redis answers a PING in time, else the reason."""
-    try:
-        async with asyncio.timeout(HEALTH_REDIS_TIMEOUT_S):  # not wait_for: see shared/bus/connection.py
-            await app[BUS].redis.ping()
-    except TRANSIENT_ERRORS as exc:  # includes TimeoutError
-        app[METRICS].redis_up.set(0)
-        return repr(exc)
-    app[METRICS].redis_up.set(1)
-    return None
-
-
-async def health(request: web.Request) -> web.Response:
-    """200 when this process can reach Redis; 503 (with the reason) when it cannot."""
-    app = request.app
-    body: dict[str, Any] = {"service": SERVICE, "uptime_s": round(time.time() - app[STARTED], 3)}
-    problem = await _redis_ok(app)
-    if problem is not None:
-        return web.json_response({**body, "status": "unavailable", "redis": problem}, status=503)
-    return web.json_response({**body, "status": "ok", "redis": "ok"})
-
-
-async def ready(request: web.Request) -> web.Response:
-    """200 when requests can be served: Redis answers, and a dispatcher says training is running
-    with bubbles to fill. 503 otherwise, with the reason, the serving state and Retry-After."""
-    app = request.app
-    problem = await _redis_ok(app)
-    if problem is not None:
-        return web.json_response({"status": "not ready", "state": "redis", "reason": problem}, status=503)
-    await api.read_gate(app)  # fresh, not up to a poll interval old: a probe asks rarely
-    v = app[GATE].verdict
-    if v is None:
-        reason = "no dispatcher is running: requests are accepted but wait in the queue until one starts"
-        return web.json_response({"status": "not ready", "state": "no_dispatcher", "reason": reason}, status=503)
-    body = {"state": v.state.value, "reason": v.reason, "run": v.run}
-    if not v.ready:
-        headers = {"Retry-After": str(v.retry_after_s)}
-        return web.json_response({"status": "not ready", **body}, status=503, headers=headers)
-    if (v.state is ServingState.JOINING or not v.came_round) and _objective_waits_for_training(app):
-        until = "its first bubble" if v.state is ServingState.JOINING else "the pipeline has come round once"
-        body["reason"] = f"{v.reason}; until {until} a request with a TTFT objective is refused (429)"
-        return web.json_response({"status": "not ready", **body}, status=503, headers={"Retry-After": "1"})
-    return web.json_response({"status": "ready", **body})
-
-
-def _objective_waits_for_training(app: web.Application) -> bool:
-    """Whether this front door's requests (its default TTFT objective, no decoder to compute them)
-    are refused while the run's workers set up, and until the pipeline has come round once: the
-    dispatcher cannot say when the first bubble comes, nor then how fast the bubbles serve
-    (`prompt_placement.on_arrival`). /ready says 503 then, so that a probe (compose's
-    healthcheck, Kubernetes') sends traffic once it would be served."""
-    objective = app[SETTINGS].spec.prefill.ttft_objective_ms
-    return bool(objective) and completions.default_mode(app) is Mode.BUBBLES
-
-
-async def metrics(request: web.Request) -> web.Response:
-    m = request.app[METRICS]
-    with contextlib.suppress(*TRANSIENT_ERRORS):  # if Redis is down the gauge keeps its last value
-        m.waiting.set(await serving.inflight(request.app[BUS].redis, request.app[SETTINGS].run))
-    m.running.labels(m.model_name).set(len(request.app[WAITERS]))
-    return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-async def openapi_json(request: web.Request) -> web.Response:
-    p = request.app[SETTINGS].spec.prefill
-    return web.json_response(openapi.spec(p.model_name, api.limits(request.app).max_prompt_tokens))

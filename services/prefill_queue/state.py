@@ -18,6 +18,8 @@ from shared.control.serving import Readiness
 from shared.policies.prompt_placement import DecoderLoad, FrontDoorHops
 from shared.wire import DecodeChunk, PrefillResult, keys
 
+SERVICE = "prefill_queue"
+
 
 class Waiters:
     """Futures of the synchronous requests this instance is answering, by request id; and, for
