@@ -123,6 +123,7 @@ class Hub:
             down = now - self._redis_down
             self.view.fault("redis-restart", self._redis_down, f"Redis did not answer for {down:.1f} s, then did again")
             self._redis_down = None
+            self._holders.clear()  # a Redis that lost its keys shows every lease gone until renewed: not a loss
 
     async def _look(self, r: Redis, now: float) -> None:
         """Leases (a holder gone with no end marker: lost; a new one: a takeover; an end marker

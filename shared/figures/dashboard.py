@@ -112,9 +112,7 @@ class DashboardView:
             case LinkReport(src_dc=src, dst_dc=dst):
                 self._links[f"{src}->{dst}"] = message
             case WorkerFailed(slot=slot, reason=reason):
-                w = slot_worker(slot)
-                self._lost.setdefault(w, now)
-                self.fault("worker-lost", now, f"worker {w} lost: {reason}", w)
+                self.slot_lost(slot_worker(slot), now, reason)
             case WorkerJoined(stage=stage, replica=replica, worker=holder, at=at):
                 w = worker_id(stage, replica)
                 if self._lost.pop(w, None) is not None:
