@@ -170,6 +170,9 @@ def report_markdown(folder: RunFolder, table: str, pictures: list[Picture]) -> s
             if section == "timeline":
                 lines += ["", f"### {picture.heading}"]
             lines += ["", f"![{_alt(picture.heading)}]({quote(picture.path.name)})"]
+    if any(folder.spans[r.name] for r in s.runs):
+        page = "the same page `bubbletea up` serves live at /dashboard: zoom and hover on the timeline"
+        lines += ["", f"The run's page, to open in a browser: [dashboard.html](dashboard.html) ({page})."]
     lines += ["", "How to read every picture: docs/report.md.", ""]
     return "\n".join(lines)
 

@@ -105,6 +105,9 @@ class Hub:
                     self._redis_down = time.time()
                     log.info("dashboard: Redis not answering", error=repr(exc))
                 await asyncio.sleep(0.5)
+            except Exception as exc:  # the page is telemetry: it never stops the front door, nor itself
+                log.warning("dashboard: reading the run failed; reading on in 1 s", error=repr(exc))
+                await asyncio.sleep(1.0)
 
     async def _backlog(self, r: Redis) -> dict[str, str]:
         """The window's spans and events so far; the ids to read on from."""
