@@ -39,6 +39,13 @@ FIGURES = {
 TOTALS = {"answered-total", "moved-total", "refused-total", "failed-total"}
 #: Sample names that only grow (Prometheus counters and a histogram's parts).
 MONOTONE = ("_total", "_count", "_sum", "_bucket")
+#: The README's screenshot waits for this much timeline, in device ms (a test's own does not wait).
+SCREENSHOT_SPAN_MS = 20_000
+TIMELINE_SPANS = f"""
+const segs = Array.from(document.querySelectorAll('svg#timeline rect.seg'));
+const starts = segs.map(r => parseFloat(r.dataset.startMs)), ends = segs.map(r => parseFloat(r.dataset.endMs));
+return segs.length > 0 && Math.max(...ends) - Math.min(...starts) >= {SCREENSHOT_SPAN_MS};
+"""
 #: The page lags the front door by its update period ("at most a few a second") and a network hop:
 #: its figures must have caught up with a /metrics read this long before the page was read.
 PAGE_LAG_S = 2.0
@@ -46,9 +53,11 @@ PAGE_LAG_S = 2.0
 pytestmark = pytest.mark.timeout(300)
 
 
-def console_errors(browser: WebDriver) -> list[dict[str, Any]]:
-    """The console's errors since the last call (Chromium's browser log, level SEVERE)."""
-    return [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+def console_errors(browser: WebDriver, since: float = 0.0) -> list[dict[str, Any]]:
+    """The console's errors since the last call (Chromium's browser log, level SEVERE), those
+    logged from `since` on (time.time()): an earlier page's late messages are not this one's."""
+    log = browser.get_log("browser")
+    return [e for e in log if e["level"] == "SEVERE" and e["timestamp"] >= since * 1000]
 
 
 def wait(browser: WebDriver, what: str, script: str, timeout: float) -> Any:
@@ -62,9 +71,10 @@ def wait(browser: WebDriver, what: str, script: str, timeout: float) -> Any:
         raise AssertionError(f"the page showed no {what} within {timeout:.0f} s") from None
 
 
-def open_page(browser: WebDriver, up: Up) -> None:
-    """/dashboard loaded and its first snapshot drawn (`body[data-ready="1"]`). Its status first,
-    so that a front door without the page fails at once, saying so (a browser shows a 404 too)."""
+def open_page(browser: WebDriver, up: Up) -> float:
+    """/dashboard loaded and its first snapshot drawn (`body[data-ready="1"]`); the time.time() it
+    was asked for. Its status first, so that a front door without the page fails at once, saying
+    so (a browser shows a 404 too)."""
     try:
         with urllib.request.urlopen(f"{up.api}/dashboard", timeout=10) as resp:
             kind = resp.headers.get("Content-Type", "")
@@ -72,8 +82,10 @@ def open_page(browser: WebDriver, up: Up) -> None:
         with e:
             raise AssertionError(f"GET {up.api}/dashboard: {e.code} {e.reason}") from None
     assert kind.startswith("text/html"), f"GET /dashboard: Content-Type {kind!r}"
+    opened = time.time()
     browser.get(f"{up.api}/dashboard")
     wait(browser, "first snapshot drawn", "return document.body && document.body.dataset.ready === '1'", 30)
+    return opened
 
 
 def test_the_browser_reports_console_errors(browser: WebDriver) -> None:
@@ -86,18 +98,10 @@ def test_the_browser_reports_console_errors(browser: WebDriver) -> None:
     assert [e for e in errors if "deliberate" in e["message"]], errors
 
 
-def test_the_front_door_answers_the_browser(browser: WebDriver, up: Up) -> None:
-    """The browser reaches `up`'s front door: its /health, as Chromium shows a JSON document."""
-    browser.get(f"{up.api}/health")
-    body = json.loads(browser.find_element("tag name", "body").text)
-    assert body["status"] == "ok", body
-    browser.get_log("browser")  # a JSON document's missing favicon is no concern of the page's
-
-
 def test_the_page_loads_with_no_console_error(browser: WebDriver, up: Up) -> None:
-    open_page(browser, up)
+    opened = open_page(browser, up)
     assert browser.execute_script("return document.querySelector('#time-scale').textContent.trim()")
-    assert console_errors(browser) == []
+    assert console_errors(browser, since=opened) == []
 
 
 def test_a_bubble_with_prefill_appears_within_30_s_of_ready(
@@ -105,15 +109,17 @@ def test_a_bubble_with_prefill_appears_within_30_s_of_ready(
 ) -> None:
     """A `rect.seg[data-kind=prefill]` on some worker's timeline, inside a bubble of that worker,
     at most 30 s after /ready said serving, while prompts are sent. Then the screenshot."""
-    open_page(browser, up)
+    opened = open_page(browser, up)
     left = max(up.ready_at + BUBBLE_WITHIN_S - time.monotonic(), 1.0)
     found = wait(browser, "prefill inside a bubble", PREFILL_IN_A_BUBBLE, left)
     assert found["worker"], found
     shot = os.environ.get("BUBBLETEA_SCREENSHOT")
     path = ROOT / shot if shot else tmp_path / "dashboard.png"
+    if shot:  # the README's picture: a timeline drawn across most of its window, not its first seconds
+        wait(browser, f"{SCREENSHOT_SPAN_MS} device ms of timeline", TIMELINE_SPANS, timeout=60)
     assert browser.save_screenshot(str(path)), path
     assert path.stat().st_size > 10_000, path  # a page drawn, not a blank one
-    assert console_errors(browser) == []
+    assert console_errors(browser, since=opened) == []
 
 
 #: The first prefill rect that lies within a bubble rect of the same worker, as {worker, start, end}.
@@ -156,7 +162,7 @@ def test_the_figures_agree_with_metrics(browser: WebDriver, up: Up, load: Load) 
     door's /metrics, read about then: a total may only have grown from the page's read to the scrape
     after it (never more on the page than the front door has counted), and the page has caught up
     with a scrape PAGE_LAG_S old. Polled until one read agrees, up to 30 s (the load never stops)."""
-    open_page(browser, up)
+    opened = open_page(browser, up)
     figures = browser.execute_script(FIGURES_NOW)
     names = {name for name, _, _ in figures}
     assert names >= FIGURES, f"figures missing from the page: {sorted(FIGURES - names)}"
@@ -181,7 +187,16 @@ def test_the_figures_agree_with_metrics(browser: WebDriver, up: Up, load: Load) 
         reads.append((time.monotonic(), after))
         time.sleep(0.5)  # the page pushes nothing a test can wait on: read it again
     assert page[named["answered-total"]] > 0, page  # the load was answered, and the page counted it
-    assert console_errors(browser) == []
+    assert console_errors(browser, since=opened) == []
+
+
+def test_the_front_door_answers_the_browser(browser: WebDriver, up: Up) -> None:
+    """The browser reaches `up`'s front door: its /health, as Chromium shows a JSON document. (After
+    the page's tests: the browser asks this origin for /favicon.ico once, so the page's first load,
+    as a new user's, is the one that shows whether the page names an icon of its own.)"""
+    browser.get(f"{up.api}/health")
+    body = json.loads(browser.find_element("tag name", "body").text)
+    assert body["status"] == "ok", body
 
 
 def stage_workers(redis_url: str) -> list[dict[str, Any]]:
@@ -204,7 +219,7 @@ def test_a_killed_worker_appears_as_a_marked_fault(browser: WebDriver, up: Up, l
     """SIGKILL of one stage worker's process (as `kill -9`): the open page shows a `worker-lost`
     fault naming its slot, and marks it on the timeline. (`up` restarts the worker, which takes the
     slot back; the page may say so too.) Last in this file: the run is disturbed after it."""
-    open_page(browser, up)
+    opened = open_page(browser, up)
     workers = sorted(stage_workers(up.redis_url), key=lambda b: b["slot"])
     assert len(workers) == 2, workers
     victim = workers[-1]  # the last stage's: PP=2 x DP=1, so r0s1, on the page 1.0
@@ -216,4 +231,4 @@ def test_a_killed_worker_appears_as_a_marked_fault(browser: WebDriver, up: Up, l
                 "return f && f.textContent.trim();", timeout=60)  # fmt: skip
     assert name in text, text
     assert browser.execute_script("return document.querySelectorAll('svg#timeline .fault-mark').length") > 0
-    assert console_errors(browser) == []
+    assert console_errors(browser, since=opened) == []
