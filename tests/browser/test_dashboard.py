@@ -7,7 +7,8 @@ page while the bubbles fill is kept: `BUBBLETEA_SCREENSHOT=docs/dashboard.png` w
 
 What the tests read of the page (ids, classes, data attributes) is the page's contract, which its
 docs state; the looks are free. The tests run in order in one module, against one `up`: the
-killed worker comes last. (xdist's `--dist loadfile` keeps a file's tests on one worker, in order.)"""
+killed worker comes after the page's other tests. (xdist's `--dist loadfile` keeps a file's tests
+on one worker, in order.)"""
 
 from __future__ import annotations
 
@@ -190,15 +191,6 @@ def test_the_figures_agree_with_metrics(browser: WebDriver, up: Up, load: Load) 
     assert console_errors(browser, since=opened) == []
 
 
-def test_the_front_door_answers_the_browser(browser: WebDriver, up: Up) -> None:
-    """The browser reaches `up`'s front door: its /health, as Chromium shows a JSON document. (After
-    the page's tests: the browser asks this origin for /favicon.ico once, so the page's first load,
-    as a new user's, is the one that shows whether the page names an icon of its own.)"""
-    browser.get(f"{up.api}/health")
-    body = json.loads(browser.find_element("tag name", "body").text)
-    assert body["status"] == "ok", body
-
-
 def stage_workers(redis_url: str) -> list[dict[str, Any]]:
     """Every live stage worker's heartbeat (pid, slot)."""
     r = Redis.from_url(redis_url)
@@ -218,7 +210,7 @@ def page_name(slot: str) -> str:
 def test_a_killed_worker_appears_as_a_marked_fault(browser: WebDriver, up: Up, load: Load) -> None:
     """SIGKILL of one stage worker's process (as `kill -9`): the open page shows a `worker-lost`
     fault naming its slot, and marks it on the timeline. (`up` restarts the worker, which takes the
-    slot back; the page may say so too.) Last in this file: the run is disturbed after it."""
+    slot back; the page may say so too.) The last of the page's tests: the run is disturbed after it."""
     opened = open_page(browser, up)
     workers = sorted(stage_workers(up.redis_url), key=lambda b: b["slot"])
     assert len(workers) == 2, workers
@@ -232,3 +224,13 @@ def test_a_killed_worker_appears_as_a_marked_fault(browser: WebDriver, up: Up, l
     assert name in text, text
     assert browser.execute_script("return document.querySelectorAll('svg#timeline .fault-mark').length") > 0
     assert console_errors(browser, since=opened) == []
+
+
+def test_the_front_door_answers_the_browser(browser: WebDriver, up: Up) -> None:
+    """The browser reaches `up`'s front door: its /health, as Chromium shows a JSON document. (Last:
+    the browser asks this origin for /favicon.ico once, so the page's first load, as a new user's,
+    shows whether the page names an icon of its own; and that request of this document's, which
+    may come after the next page has opened, is no other test's console error.)"""
+    browser.get(f"{up.api}/health")
+    body = json.loads(browser.find_element("tag name", "body").text)
+    assert body["status"] == "ok", body
