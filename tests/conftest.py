@@ -50,7 +50,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 #: Each tier's marker, by the folder its tests live in (not file by file, where one could be missed).
-TIER_MARKERS = {"integration": "integration", "e2e": "e2e", "compose": "compose", "slurm": "slurm"}
+TIER_MARKERS = {t: t for t in ("integration", "e2e", "compose", "slurm", "browser")}
 _TESTS = Path(__file__).resolve().parent
 
 

@@ -63,9 +63,9 @@ def test_the_test_tiers_are_named_the_same_everywhere() -> None:
     ignored = set(re.findall(r"--ignore=tests/(\w+)", makefile))
     folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
     run = sorted(folders - ignored)
-    said = "the unit, integration, e2e, compose and deploy tiers"
-    assert sorted(["unit", "integration", "e2e", "compose", "deploy"]) == run, run
+    said = "the unit, integration, e2e, browser, compose and deploy tiers"
+    assert sorted(["unit", "integration", "e2e", "browser", "compose", "deploy"]) == run, run
     testing = (ROOT / "docs" / "testing.md").read_text()
     assert said in " ".join(README.split()) and said in " ".join(testing.split())
-    assert "unit, integration, e2e, compose and deploy tiers" in makefile
+    assert "unit, integration, e2e, browser, compose and deploy tiers" in makefile
     assert ignored == {"vllm", "slurm"}

@@ -1,12 +1,16 @@
-"""The monitoring assets agree with the services: every metric the Grafana dashboard queries is one
-a service exposes (under the job that scrapes it), Prometheus scrapes the four compose services,
+"""The monitoring assets agree with the services: every metric each panel of the Grafana dashboard
+queries is one a service exposes (under the job that scrapes it), read from the real registries of
+every metrics class of the services Prometheus scrapes, Prometheus scrapes the four compose services,
 Grafana's provisioning points at that Prometheus and at the dashboard's folder, and each service's
 metrics class builds and writes an exposition that parses, with help text on every metric."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +36,19 @@ PENDING: set[str] = set()
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
 
 
+def service_metrics() -> dict[str, Any]:
+    """Each compose service's real metrics object (no mock), keyed by the Prometheus job that scrapes it."""
+    return {
+        "prefill_queue": FrontDoorMetrics(),
+        "dispatcher": DispatcherMetrics("run", "m"),
+        "stage_worker": WorkerMetrics("run", "r0s0", "m"),
+        "wan_broker": BrokerMetrics("run"),
+    }
+
+
 def registries() -> dict[str, CollectorRegistry]:
     """Each compose service's registry, keyed by the Prometheus job that scrapes it."""
-    return {
-        "prefill_queue": FrontDoorMetrics().registry,
-        "dispatcher": DispatcherMetrics("run", "m").registry,
-        "stage_worker": WorkerMetrics("run", "r0s0", "m").registry,
-        "wan_broker": BrokerMetrics("run").registry,
-    }
+    return {job: m.registry for job, m in service_metrics().items()}
 
 
 def exposed(registry: CollectorRegistry) -> set[str]:
@@ -85,8 +94,17 @@ def dashboard() -> dict[str, Any]:
     return json.loads(DASHBOARD.read_text(encoding="utf-8"))
 
 
+def panels(items: list[dict[str, Any]] | None = None) -> Iterator[dict[str, Any]]:
+    """Every panel of the dashboard, those inside a (collapsed) row's `panels` too; rows left out."""
+    for p in dashboard()["panels"] if items is None else items:
+        if p.get("type") == "row":
+            yield from panels(p.get("panels", []))
+        else:
+            yield p
+
+
 def exprs() -> list[str]:
-    return [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
+    return [t["expr"] for p in panels() for t in p.get("targets", [])]
 
 
 def test_the_expression_reader_finds_metric_names_only() -> None:
@@ -108,6 +126,45 @@ def test_every_dashboard_metric_is_exposed_by_a_service() -> None:
         for name, job in job_selectors(e):
             assert job in regs, f"{e}: no Prometheus job {job!r}"
             assert name in regs[job], f"{e}: job {job} does not expose {name}"
+
+
+def test_every_panel_queries_only_metrics_a_service_exports() -> None:
+    """Panel by panel (the failure names the panel): each queries some metric, and every metric
+    name in its PromQL is a sample a service's real registry exports (a histogram's `_bucket`,
+    `_sum` and `_count`, a counter's `_total`)."""
+    every = set().union(*(exposed(r) for r in registries().values()))
+    seen = 0
+    for p in panels():
+        used = set().union(*(metric_names(t["expr"]) for t in p.get("targets", [])))
+        assert used, f"panel {p['title']!r} queries no metric"
+        missing = used - every - PENDING
+        assert not missing, f"panel {p['title']!r} queries metrics no service exports: {sorted(missing)}"
+        seen += 1
+    assert seen == len(list(panels())) > 20
+
+
+def test_the_registries_read_are_every_scraped_service_s_metrics_classes() -> None:
+    """The registries this file checks the dashboard against are built from every metrics class
+    of each service Prometheus scrapes (`services/<job>/metrics.py`): a metrics class added to a
+    service cannot be missed here, and with it the metrics it exports."""
+    built = {job: type(m) for job, m in service_metrics().items()}
+    jobs = {j["job_name"] for j in yaml.safe_load(PROMETHEUS.read_text(encoding="utf-8"))["scrape_configs"]}
+    assert set(built) == jobs
+    for job in jobs:
+        module = importlib.import_module(f"services.{job}.metrics")
+        classes = {
+            c for _, c in inspect.getmembers(module, inspect.isclass)
+            if c.__module__ == module.__name__ and c.__name__.endswith("Metrics")
+        }  # fmt: skip
+        assert classes == {built[job]}, f"services/{job}/metrics.py: {classes} against {built[job]} built here"
+
+
+@pytest.mark.parametrize("job", ["prefill_queue", "dispatcher", "stage_worker", "wan_broker"])
+def test_the_names_read_as_exported_include_every_sample_written(job: str) -> None:
+    """`exposed` (which the checks above trust) holds every sample name the registry writes."""
+    registry = registries()[job]
+    written = {s.name for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert written and written <= exposed(registry), sorted(written - exposed(registry))
 
 
 def test_the_dashboard_covers_what_the_issue_asks_for() -> None:
