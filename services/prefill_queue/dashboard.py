@@ -145,7 +145,9 @@ class Hub:
             self._slot(worker_id(k, d), slot_name(d, k), h.decode() if h else None, end, now)
         if gen is not None:
             g = int(gen)
-            if self._generation is not None and g > self._generation:
+            # every starting worker moves the generation on as it joins: a move is a recovery only
+            # once the run has trained
+            if self._generation is not None and g > self._generation and self.view.trained:
                 self.view.fault("recovery", now, f"the run moved to recovery generation {g}")
             self._generation = g
         holder = leader.decode() if leader else None

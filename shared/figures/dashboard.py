@@ -126,6 +126,11 @@ class DashboardView:
         """A request this front door answered, with its TTFT (real ms)."""
         self._answers.append((at, ttft_ms))
 
+    @property
+    def trained(self) -> bool:
+        """Whether an iteration has been seen: before it, the run is still forming."""
+        return bool(self._iterations)
+
     def fault(self, kind: str, at: float, text: str, worker: str = "") -> None:
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}; one of {FAULT_KINDS}")

@@ -119,6 +119,29 @@ async def test_a_lost_lease_then_a_new_holder_is_a_fault_and_a_takeover(client: 
     assert taken.worker == "0.0" and "h3" in taken.text
 
 
+async def test_the_generation_moving_as_workers_join_is_no_recovery_and_a_move_after_training_is(
+    client: TestClient, redis: Redis
+) -> None:
+    """Every starting worker moves the run's generation on as it joins (INCR): before the run has
+    trained, those moves are its formation, not a fault; a move once it has trained is a recovery."""
+    gen = keys.generation_key(RUN)
+    hub = client.app[dashboard.DASHBOARD]
+    for g in (1, 2, 3, 4):  # four workers join
+        await redis.set(gen, g)
+        await _until(lambda g=g: hub._generation == g)
+    assert not any(f.kind == "recovery" for f in hub.view._faults)
+    t0 = time.time()
+    await put(
+        redis,
+        keys.events_stream(RUN),
+        IterationDone(run=RUN, replica=0, stage=1, iteration=1, started=t0, ended=t0 + 0.07, loss=2.5),
+    )
+    await _until(lambda: hub.view.trained)
+    await redis.set(gen, 5)  # a replacement joined after a loss
+    await _until(lambda: any(f.kind == "recovery" for f in hub.view._faults))
+    assert [f.text for f in hub.view._faults if f.kind == "recovery"] == ["the run moved to recovery generation 5"]
+
+
 async def _until(cond: Any, timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not cond():  # noqa: ASYNC110 (the hub's state has no event to wait on)

@@ -17,7 +17,7 @@
   }
   function fmt(v, name) {
     if (v === null || v === undefined) return "–";
-    if (/ratio|utilization|attainment|fraction/.test(name)) return (100 * v).toFixed(1) + " %";
+    if (/(^|-)(ratio|utilization|attainment|fraction)(-|$)/.test(name)) return (100 * v).toFixed(1) + " %";
     if (/total/.test(name)) return String(Math.round(v));
     return Math.abs(v) >= 100 ? v.toFixed(0) : v.toFixed(2);
   }
@@ -92,7 +92,7 @@
       const svg = el("svg", { width: 220, height: 50, "data-series": name }, series);
       const t0 = pts[0][0], t1 = pts[pts.length - 1][0];
       let vmax = Math.max(...pts.map((p) => p[1]));
-      if (/ratio|utilization|attainment/.test(name)) vmax = 1;
+      if (/(^|-)(ratio|utilization|attainment)(-|$)/.test(name)) vmax = 1;
       const d = pts.map((p, i) => `${i ? "L" : "M"}${(4 + 212 * (p[0] - t0) / Math.max(1, t1 - t0)).toFixed(1)},${(44 - 38 * p[1] / Math.max(1e-9, vmax)).toFixed(1)}`).join("");
       el("path", { d, fill: "none", stroke: "#4c78a8" }, svg);
       el("text", { x: 4, y: 11 }, svg).textContent = name;
