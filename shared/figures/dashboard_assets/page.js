@@ -4,7 +4,7 @@
 (function () {
   const NS = "http://www.w3.org/2000/svg";
   const boot = JSON.parse(document.getElementById("bt-data").textContent);
-  const ROW = 22, LEFT = 60, TOP = 18;
+  const ROW = 22, LEFT = 90, TOP = 18;
   let view = null;            // the last view: figures, wan, faults, ...
   const segs = new Map();     // seq -> [seq, worker, kind, start_ms, end_ms, iteration]
   let zoom = null;            // [lo, hi] device ms when zoomed (report, or a paused live page)
@@ -28,9 +28,17 @@
     for (const [k, s] of segs) if (s[4] < lo) segs.delete(k);
     view = v;
   }
+  // The live page opens on the last few iterations (a bubble is a few device ms: over the whole
+  // window it would be a hairline); the report opens on the whole run. The wheel zooms either.
+  const LIVE_ITERATIONS = 4;
   function range() {
     if (zoom) return zoom;
-    return [view.now_ms - view.window_ms, view.now_ms];
+    let lo = view.now_ms - view.window_ms;
+    const its = view.iterations || [];
+    if (!boot.view && its.length) lo = Math.max(lo, view.now_ms - LIVE_ITERATIONS * its[its.length - 1][2]);
+    let first = Infinity;
+    for (const s of segs.values()) first = Math.min(first, s[3]);
+    return [Math.max(lo, Math.min(first, view.now_ms - 1)), view.now_ms];
   }
   function drawTimeline() {
     const svg = document.getElementById("timeline");
