@@ -59,6 +59,7 @@ from shared.bus.delivery import HOLD, Delivery, Handlers, Reject, route
 from shared.bus.in_hand import InHand
 from shared.bus.reclaim import READ_BATCH, Entries, Reclaimer
 from shared.bus.streams import delivery_counts, ensure_group, group_is_gone
+from shared.bus.unblock import end_blocking_read
 from shared.config.spec import BusConfig
 from shared.runtime.logs import get_logger
 from shared.wire import FIELD, WireError, decode, kind_of
@@ -108,7 +109,9 @@ class Consumer:
         if not handlers:
             raise ValueError(f"a consumer of {stream} needs a handler table with at least one message kind")
         self._handlers = dict(handlers)
-        self._reader = blocking_client(bus.url, name=f"reader-{name}")
+        self._reader_name = f"reader-{name}"
+        self._reader = blocking_client(bus.url, name=self._reader_name)
+        self._reading = False  # a read is under way (sent, or blocked on the server)
         #: Entries in flight, and those whose handler returned HOLD (pending, ours, refreshed, until `release`).
         self._in_hand = InHand(sequential=sequential, slots=1 if sequential else config.concurrency)
         self._slot_freed = asyncio.Event()
@@ -139,6 +142,8 @@ class Consumer:
         # The flag, not only the cancel, ends the read loop: redis-py may surface a cancelled
         # blocking read as a ConnectionError, which the loop would otherwise retry.
         self._stopping = True
+        if self._reading and self._read_task is not None:
+            await end_blocking_read(self.bus.redis, self._reader_name, self._read_task)
         await _cancel_and_wait(self._read_task)
         pending: set[asyncio.Task[object]] = set()
         if tasks := self._in_hand.tasks():
@@ -210,6 +215,22 @@ class Consumer:
 
     # --- reading ---------------------------------------------------------------------------
 
+    async def _read(self, cursor: str, free: int) -> Any:
+        """One XREADGROUP, blocking for new entries; `_reading` while it is under way (`stop` then
+        ends it on the server too: `end_blocking_read`)."""
+        self._reading = True
+        try:
+            async with asyncio.timeout(self.config.block_ms / 1000 + BLOCKING_SLACK_S):
+                return await self._reader.xreadgroup(
+                    self.group,
+                    self.name,
+                    {self.stream: cursor},
+                    count=READ_BATCH if self.sequential else min(free, READ_BATCH),
+                    block=None if cursor != ">" else self.config.block_ms,
+                )
+        finally:
+            self._reading = False
+
     async def _read_loop(self) -> None:
         cursor = "0"  # "0": our own pending entries first; ">": new entries
         failures = 0
@@ -223,14 +244,7 @@ class Consumer:
                 await self._slot_freed.wait()
                 continue
             try:
-                async with asyncio.timeout(self.config.block_ms / 1000 + BLOCKING_SLACK_S):
-                    reply: Any = await self._reader.xreadgroup(
-                        self.group,
-                        self.name,
-                        {self.stream: cursor},
-                        count=READ_BATCH if self.sequential else min(free, READ_BATCH),
-                        block=None if cursor != ">" else self.config.block_ms,
-                    )
+                reply = await self._read(cursor, free)
                 failures = 0
             except TRANSIENT_ERRORS as exc:  # includes TimeoutError (an OSError) from asyncio.timeout
                 if self._stopping:

@@ -264,6 +264,44 @@ async def test_drain_finishes_in_flight_work_within_grace(redis_url: str, redis:
     assert await redis.xlen("s") == 8  # the later four wait in the stream, unread
 
 
+async def test_a_stopping_consumer_ends_its_blocked_read_on_the_server_too(redis_url: str, redis: Redis) -> None:
+    """A blocked XREADGROUP cancelled only in the process stays blocked on the server until the server
+    sees its connection close, and an entry added first is handed to it: into the stopped consumer's
+    pending list, to wait `claim_idle_ms` for a claim (the drain test above failed so, now and then,
+    under load). Stopping ends the read on the server (CLIENT UNBLOCK) before the loop ends, so an
+    entry added at once waits unread for the next reader. Blocks of 10 s: no read ends by itself."""
+    slow_reads = BusConfig(claim_idle_ms=60_000, block_ms=10_000, max_deliveries=3, drain_grace_s=2.0)
+    started = Seen()
+    release = asyncio.Event()
+
+    async def slow(d: Delivery) -> None:
+        started.add(d)
+        await release.wait()
+
+    async def blocked(name: str) -> bool:
+        return any(c["name"] == name and "b" in c["flags"] for c in await redis.client_list(_type="normal"))
+
+    async with Bus(redis_url, slow_reads) as bus:
+        c = await bus.consumer("s", "g", {Ping: slow}).start()
+        await bus.publish_many("s", pings(1))
+        await started.until(1)
+        reader = f"reader-{c.name}"
+        async with asyncio.timeout(10):
+            while not await blocked(reader):  # noqa: ASYNC110 (the server's state: nothing to wait on)
+                await asyncio.sleep(0.01)
+        stopping = asyncio.create_task(c.stop(grace_s=10))  # the handler holds the stop open
+        assert c._read_task is not None
+        await asyncio.wait({c._read_task})
+        await bus.publish_many("s", pings(1, start=10))  # at once: a dropped connection's close races it
+        # ended by the server, not by dropping the connection (whose close could come after the entry)
+        readers = [cl for cl in await redis.client_list(_type="normal") if cl["name"] == reader]
+        assert readers and not await blocked(reader), readers
+        release.set()
+        await stopping
+    assert await pending_count(redis, "s", "g") == 0
+    assert await redis.xlen("s") == 2
+
+
 async def test_drain_cancels_after_grace_and_work_is_redelivered(redis_url: str, redis: Redis) -> None:
     started = Seen()
     never = asyncio.Event()
