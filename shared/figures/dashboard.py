@@ -202,13 +202,23 @@ class DashboardView:
         last_it = self._iterations[-1] if self._iterations else None
         losses = [it for it in self._iterations if it[3] is not None]
         out = [
-            _fig("fill-ratio", u.fill_ratio if u.workers else None, "fill ratio (prefill in the bubbles)"),
-            _fig("utilization", u.busy if u.workers else None, "utilization, BubbleTea on"),
-            _fig("utilization-off", u.training if u.workers else None, "utilization, BubbleTea off (training)"),
-            _fig("bubble-fraction", u.bubble if u.workers else None, "bubble fraction"),
+            _fig("fill-ratio", u.fill_ratio if u.workers else None, "fill ratio (prefill in the bubbles)", share=True),
+            _fig("utilization", u.busy if u.workers else None, "utilization, BubbleTea on", share=True),
+            _fig(
+                "utilization-off",
+                u.training if u.workers else None,
+                "utilization, BubbleTea off (training)",
+                share=True,
+            ),
+            _fig("bubble-fraction", u.bubble if u.workers else None, "bubble fraction", share=True),
             _fig("ttft-p50-ms", p50, "TTFT p50 (device ms)"),
             _fig("ttft-p99-ms", p99, "TTFT p99 (device ms)"),
-            _fig("slo-attainment", slo, "SLO attainment" if self.objective_ms else "SLO attainment (no objective)"),
+            _fig(
+                "slo-attainment",
+                slo,
+                "SLO attainment" if self.objective_ms else "SLO attainment (no objective)",
+                share=True,
+            ),
             _fig("iteration-ms", last_it[2] if last_it else None, "iteration (device ms)"),
             _fig("loss", losses[-1][3] if losses else None, "loss"),
         ]
@@ -250,8 +260,11 @@ class DashboardView:
         }
 
 
-def _fig(name: str, value: float | None, label: str, metric: str | None = None) -> dict[str, Any]:
-    return {"name": name, "value": value, "label": label, "metric": metric}
+def _fig(
+    name: str, value: float | None, label: str, metric: str | None = None, *, share: bool = False
+) -> dict[str, Any]:
+    """A figure as the page draws it; `share`: a part of a whole, shown as a percentage."""
+    return {"name": name, "value": value, "label": label, "metric": metric, "share": share}
 
 
 def _link(name: str, r: LinkReport) -> dict[str, Any]:

@@ -15,10 +15,11 @@
     if (parent) parent.appendChild(e);
     return e;
   }
-  function fmt(v, name) {
+  function fmt(f) {
+    const v = f.value;
     if (v === null || v === undefined) return "–";
-    if (/(^|-)(ratio|utilization|attainment|fraction)(-|$)/.test(name)) return (100 * v).toFixed(1) + " %";
-    if (/total/.test(name)) return String(Math.round(v));
+    if (f.share) return (100 * v).toFixed(1) + " %";
+    if (/-total$/.test(f.name)) return String(Math.round(v));
     return Math.abs(v) >= 100 ? v.toFixed(0) : v.toFixed(2);
   }
   function merge(v, snapshot) {
@@ -88,19 +89,20 @@
       d.dataset.value = f.value === null ? "" : String(f.value);
       if (f.metric) d.dataset.metric = f.metric;
       d.innerHTML = `<div class="v"></div><div class="l"></div>`;
-      d.firstChild.textContent = fmt(f.value, f.name);
+      d.firstChild.textContent = fmt(f);
       d.lastChild.textContent = f.label;
       box.appendChild(d);
     }
     const series = document.getElementById("series");
     series.textContent = "";
+    const shares = new Set(view.figures.filter((f) => f.share).map((f) => f.name));
     for (const name in view.series) {
       const pts = view.series[name];
       if (pts.length < 2) continue;
       const svg = el("svg", { width: 220, height: 50, "data-series": name }, series);
       const t0 = pts[0][0], t1 = pts[pts.length - 1][0];
       let vmax = Math.max(...pts.map((p) => p[1]));
-      if (/(^|-)(ratio|utilization|attainment)(-|$)/.test(name)) vmax = 1;
+      if (shares.has(name)) vmax = 1;
       const d = pts.map((p, i) => `${i ? "L" : "M"}${(4 + 212 * (p[0] - t0) / Math.max(1, t1 - t0)).toFixed(1)},${(44 - 38 * p[1] / Math.max(1e-9, vmax)).toFixed(1)}`).join("");
       el("path", { d, fill: "none", stroke: "#4c78a8" }, svg);
       el("text", { x: 4, y: 11 }, svg).textContent = name;
