@@ -32,7 +32,7 @@ from shared.figures.dashboard import OUTCOMES, DashboardView, worker_id
 from shared.figures.dashboard_page import render
 from shared.runtime.auth import bearer_ok
 from shared.runtime.logs import get_logger
-from shared.wire import PrefillResult, decode, keys
+from shared.wire import FIELD, PrefillResult, WireError, decode, keys
 from shared.wire.status import LeaseState
 
 #: The page shows the last this many seconds (real) of the run.
@@ -95,8 +95,7 @@ class Hub:
                 for stream, entries in rows or ():
                     for entry_id, fields in entries:
                         ids[stream.decode()] = entry_id.decode()
-                        with contextlib.suppress(Exception):  # a message this page does not know is skipped
-                            self.view.add(decode(fields[b"m"]), now)
+                        self._add(fields, now)
                 if time.monotonic() >= next_look:
                     await self._look(r, now)
                     next_look = time.monotonic() + LOOK_EVERY_S
@@ -116,10 +115,20 @@ class Hub:
         for stream in (keys.spans_stream(self.run), keys.events_stream(self.run)):
             rows: Any = await r.xrevrange(stream, count=BACKLOG)
             for _, fields in reversed(rows):
-                with contextlib.suppress(Exception):
-                    self.view.add(decode(fields[b"m"]), now)
+                self._add(fields, now)
             ids[stream] = rows[0][0].decode() if rows else "0-0"
         return ids
+
+    def _add(self, fields: dict[bytes, bytes], now: float) -> None:
+        """One entry of the run's streams to the view. A malformed one is skipped: the page only
+        watches; the stream's own consumers dead-letter it."""
+        if (raw := fields.get(FIELD)) is None:
+            return
+        try:
+            message = decode(raw)
+        except WireError:
+            return
+        self.view.add(message, now)
 
     def _redis_back(self, now: float) -> None:
         if self._redis_down is not None:

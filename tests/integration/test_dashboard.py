@@ -106,6 +106,27 @@ async def test_snapshot_then_updates_from_the_runs_streams(client: TestClient, r
     assert 'bubbletea:request_total{outcome="success"} 0.0' in metrics  # the page's totals are on /metrics
 
 
+async def test_a_malformed_entry_on_the_runs_streams_is_skipped_and_the_page_reads_on(
+    client: TestClient, redis: Redis
+) -> None:
+    """The page only watches the streams (their consumers dead-letter what is malformed): an entry
+    that is not a message, or has no message field, is passed over and what follows is drawn."""
+    await redis.xadd(keys.spans_stream(RUN), {FIELD: b"not msgpack"})
+    await redis.xadd(keys.spans_stream(RUN), {b"other": b"x"})
+    await put(redis, keys.spans_stream(RUN), *spans(time.time()))
+    async with client.get("/dashboard/events") as resp:
+        name, view = await read_event(resp)
+        assert name == "snapshot"
+        assert {s[2] for s in view["segments"]} == {"compute", "bubble", "prefill"}
+        await redis.xadd(keys.events_stream(RUN), {FIELD: b"\xff"})
+        await put(redis, keys.events_stream(RUN), WorkerFailed(run=RUN, slot="r0s1", reason="killed"))
+        faults: list[dict[str, Any]] = []
+        while not faults:
+            name, update = await read_event(resp)
+            faults = update["faults"]
+        assert faults[0]["kind"] == "worker-lost"
+
+
 async def test_a_lost_lease_then_a_new_holder_is_a_fault_and_a_takeover(client: TestClient, redis: Redis) -> None:
     lease = keys.lease_key(RUN, 0, 0)
     await redis.set(lease, "h1")
