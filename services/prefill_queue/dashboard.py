@@ -45,6 +45,9 @@ LOOK_EVERY_S = 1.0
 BLOCK_MS = 250
 #: Updates a page may be behind before it is dropped (a few seconds: a slow page then reconnects).
 CLIENT_QUEUE = 8
+#: A write to a page that takes longer ends it: a page whose host vanished (no FIN) or that stopped
+#: reading would otherwise hold its handler until TCP gives up (minutes).
+WRITE_S = 10.0
 #: Spans read back at start: the window of a large run (tens of workers, tens of spans a second each).
 BACKLOG = 5_000
 log = get_logger(__name__)
@@ -281,11 +284,15 @@ async def events(request: web.Request) -> web.StreamResponse:
     snapshot = hub.view.view(time.time())
     hub.clients.add(q)
     try:
-        await resp.write(hub.event("snapshot", snapshot))
-        while (data := await q.get()) is not None:
-            await resp.write(data)
+        data: bytes | None = hub.event("snapshot", snapshot)
+        while data is not None:
+            async with asyncio.timeout(WRITE_S):
+                await resp.write(data)
+            data = await q.get()
     except ConnectionResetError:
         pass  # the page went
+    except TimeoutError:
+        log.info("dashboard: a page stopped reading; dropped", peer=request.remote)
     finally:
         hub.clients.discard(q)
     return resp

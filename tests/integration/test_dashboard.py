@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -125,6 +127,42 @@ async def test_a_malformed_entry_on_the_runs_streams_is_skipped_and_the_page_rea
             name, update = await read_event(resp)
             faults = update["faults"]
         assert faults[0]["kind"] == "worker-lost"
+
+
+async def test_a_page_that_stops_reading_is_dropped_after_its_write_times_out(
+    redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A page whose host vanished without a FIN, or that stopped reading, blocks the writes to it
+    once the buffers fill: its handler ends after `WRITE_S` rather than when TCP gives up. Here a
+    client with a small receive buffer asks for the events and never reads a byte."""
+    monkeypatch.setattr(dashboard, "WRITE_S", 0.5)
+    caplog.set_level(logging.INFO, logger=dashboard.__name__)
+    async with TestServer(create_app(settings_for(redis_url))) as server:
+        hub = server.app[dashboard.DASHBOARD]
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (server.host, server.port))
+        try:
+            request = f"GET /dashboard/events HTTP/1.1\r\nHost: {server.host}\r\n\r\n".encode()
+            await asyncio.get_running_loop().sock_sendall(sock, request)
+            await _until(lambda: len(hub.clients) == 1)
+
+            async def spans_on() -> None:  # updates of some size, until the buffers between are full
+                while True:
+                    await put(redis, keys.spans_stream(RUN), *[sp for j in range(200) for sp in spans(time.time())])
+                    await asyncio.sleep(0.05)
+
+            feeding = asyncio.create_task(spans_on())
+            try:
+                # its handler's write timed out (the hub alone would only stop queueing to it)
+                await _until(lambda: any("stopped reading" in r.getMessage() for r in caplog.records), timeout=60)
+                assert not hub.clients
+            finally:
+                feeding.cancel()
+                await asyncio.gather(feeding, return_exceptions=True)
+        finally:
+            sock.close()
 
 
 async def test_a_lost_lease_then_a_new_holder_is_a_fault_and_a_takeover(client: TestClient, redis: Redis) -> None:
