@@ -211,7 +211,9 @@ async def broker_accuracy(url: str, workdir: Path, n: int) -> float:
             for i in range(n):
                 payload = Ping(seq=i, sent_ns=0)
                 nbytes = rng.choice([200, 2_000, 20_000])
-                transfer = wan_transfer(run, payload, f"x{i}", "dc-a", "dc-b", f"bt:{run}:sink", (i,), nbytes)
+                transfer = wan_transfer(
+                    run, payload, f"x{i}", "dc-a", "dc-b", f"{keys.PREFIX}:{keys.run_tag(run)}:sink", (i,), nbytes
+                )
                 outbox.send(keys.wan_stream(run), transfer)
                 await asyncio.sleep(rng.uniform(0.0, 0.004))  # arrivals spread over time, bursts included
             await outbox.close()

@@ -179,7 +179,7 @@ class Arm:
             while time.monotonic() < deadline:
                 with contextlib.suppress(OSError, *REDIS_ERRORS):
                     trained = await r.xrange(keys.events_stream(self.run), min=after, count=1)
-                    results = await r.keys("bt:prefill:results:*")
+                    results = await r.keys(keys.prefill_results_stream(self.run, "*"))
                     answered = [await r.xrange(k, min=after, count=1) for k in results]
                     if trained and any(answered):
                         record["back_at"] = time.time()

@@ -138,7 +138,9 @@ async def run_case(
     proc = await spawn(DISPATCHER, env, out=sys.stderr, quiet=True)
     try:
         # processes of their own, not this one's event loop: the dispatcher, not the injector, the limit
-        injector = asyncio.create_task(injectors(url, run, rate, WARMUP_S + seconds, f"bt:dbench:{run}", n_injectors))
+        injector = asyncio.create_task(
+            injectors(url, run, rate, WARMUP_S + seconds, keys.prefill_results_stream(run, "dbench"), n_injectors)
+        )
         await asyncio.sleep(WARMUP_S)
         r = Redis.from_url(url, protocol=2)
         c0, a0, t0 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()

@@ -83,7 +83,7 @@ def wait_ready(url: str, up: subprocess.Popen[bytes], timeout: float) -> None:
 
 
 def family(key: str) -> str:
-    """A key's family: its name with ids and numbers left out (bt:<run>:prefill:snap:<id>:<layer>
+    """A key's family: its name with ids and numbers left out (bt:{<run>}:prefill:snap:<id>:<layer>
     -> bt:*:prefill:snap), so the memory of each kind of record can be added up."""
     parts = key.split(":")
     if len(parts) > 2 and parts[1] not in ("prefill", "decode", "serving", "health", "dead", "ping", "pong"):

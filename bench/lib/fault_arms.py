@@ -196,7 +196,7 @@ class DuplicateAnswer(Arm):
         r = live.redis()
         at, gen, holders = await _before(live)
         record: dict[str, Any] = {"at": at, "generation": gen}
-        streams = sorted(await r.keys(keys.prefill_results_stream("*")))
+        streams = sorted(await r.keys(keys.prefill_results_stream(live.run, "*")))
         newest = await r.xrevrange(streams[0], count=1) if streams else []
         if newest:
             result = decode(newest[0][1][FIELD])

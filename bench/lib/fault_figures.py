@@ -20,7 +20,7 @@ def duplicates(url: str, run: str, spec: Any) -> dict[str, int]:
     r = SyncRedis.from_url(url, socket_timeout=30)
     try:
         answered: Counter[str] = Counter()
-        for stream in r.scan_iter(keys.prefill_results_stream("*")):
+        for stream in r.scan_iter(keys.prefill_results_stream(run, "*")):
             answered.update(decode(f[FIELD]).id for _, f in r.xrange(stream))
         batches: dict[str, set[str]] = {}
         for d in range(spec.parallelism.dp):

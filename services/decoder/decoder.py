@@ -58,8 +58,8 @@ log = get_logger(__name__)
 
 
 class Decoder:
-    def __init__(self, bus: Bus, spec: ClusterSpec, model: PrefillModel) -> None:
-        self.bus, self.spec, self.model = bus, spec, model
+    def __init__(self, bus: Bus, spec: ClusterSpec, model: PrefillModel, run: str) -> None:
+        self.bus, self.spec, self.model, self.run = bus, spec, model, run
         self.metrics = DecoderMetrics(spec.prefill.model_name)
         #: KV caches on the data plane: one kept connection per holder (closed by `close`).
         self.kv = KvClient()
@@ -84,7 +84,7 @@ class Decoder:
             if req.kv_holder:
                 data, why = await self.kv.fetch(req.kv_holder, req.id)
                 return (kvstore.read_kv_file(data) if data is not None else None), why
-            stored = await kvstore.fetch_kv(self.bus.redis, req.id)
+            stored = await kvstore.fetch_kv(self.bus.redis, self.run, req.id)
         except WireError as exc:
             return None, f"the KV cache of {req.id} is unreadable: {exc}"
         return stored, f"no KV cache for {req.id}: it expired (prefill.kv_ttl_s) or was never stored"
@@ -108,7 +108,7 @@ class Decoder:
             if not freed:  # expired meanwhile, or its holder is gone: nothing left behind either way
                 log.info("KV cache not freed", id=req.id, reason=why)
         else:
-            await kvstore.delete_kv(self.bus.redis, req.id)
+            await kvstore.delete_kv(self.bus.redis, self.run, req.id)
 
     async def _decode(self, req: DecodeRequest) -> None:
         if req.prompt:
@@ -202,7 +202,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec = settings.spec
     model = await asyncio.to_thread(PrefillModel.from_spec, spec.prefill)
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE) as bus:
-        d = Decoder(bus, spec, model)
+        d = Decoder(bus, spec, model, settings.run)
         me = f"{SERVICE}-{instance_id()}"
 
         async def refresh() -> None:

@@ -136,7 +136,7 @@ class Dispatcher:
         self._input()
         assert isinstance(req, PrefillRequest)
         if d.attempt > 1:  # delivered again (a restart, a reclaim): it may have been answered meanwhile
-            found = await serving.lookup(self.bus.redis, req.id)
+            found = await serving.lookup(self.bus.redis, self.run, req.id)
             if found is not None and found.status is not RequestStatus.QUEUED:
                 return None  # answered before: ack
         self._arriving.append(

@@ -229,7 +229,7 @@ async def submit(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     """GET /v1/prefill/{id}: queued, done (with the result) or failed (with the reason)."""
     request_id = request.match_info["id"]
-    found = await serving.lookup(request.app[BUS].redis, request_id)
+    found = await serving.lookup(request.app[BUS].redis, request.app[SETTINGS].run, request_id)
     if found is None:
         raise BadRequest(
             f"no request {request_id!r} (unknown, or older than a day)", status=404, type_="not_found_error"

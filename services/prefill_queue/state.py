@@ -124,4 +124,4 @@ VLLM: web.AppKey[VllmDecoder | None] = web.AppKey("vllm")
 
 
 def instance_results_stream(app: web.Application) -> str:
-    return keys.prefill_results_stream(app[INSTANCE])
+    return keys.prefill_results_stream(app[SETTINGS].run, app[INSTANCE])

@@ -1,4 +1,8 @@
-"""The dead-letter stream's records: what a consumer writes (with its ack, atomically) and what is read back."""
+"""The dead-letter streams' records: what a consumer writes (with its ack, atomically) and what is read back.
+
+A stream's dead letters go to the dead-letter stream of its hash tag (`keys.dead_letter_stream`: a
+run's, ``bt:{<run>}:dead``, or ``bt:dead`` for a stream with no tag), so the record and the source's
+XACK are one MULTI on one slot of a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ async def dead_letter(
     attempts: int,
     last_word: LastWord | None = None,
 ) -> bool:
-    """Move `consumer`'s entry to the dead-letter stream and ack it in its group, atomically
+    """Move `consumer`'s entry to its stream's dead-letter stream and ack it in its group, atomically
     (MULTI/EXEC): it is never both lost and acked; `last_word` first, if any. False if Redis could
     not be reached (by either): the entry then stays pending, to be retried."""
     if last_word is not None:
@@ -73,7 +77,7 @@ async def dead_letter(
     }
     try:
         async with r.pipeline(transaction=True) as pipe:
-            pipe.xadd(keys.DEAD_LETTER_STREAM, record, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
+            pipe.xadd(keys.dead_letter_stream(stream), record, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
             pipe.xack(stream, group, entry_id)
             await pipe.execute()
     except TRANSIENT_ERRORS as exc:
@@ -102,9 +106,10 @@ def dead_letter_payload(raw: bytes) -> dict[Any, Any]:
     }
 
 
-async def read_dead_letters(r: Redis, count: int) -> list[DeadLetter]:
-    """The oldest `count` entries of the dead-letter stream."""
-    rows: Any = await r.xrange(keys.DEAD_LETTER_STREAM, count=count)
+async def read_dead_letters(r: Redis, count: int, stream: str = keys.UNTAGGED_DEAD_LETTER_STREAM) -> list[DeadLetter]:
+    """The oldest `count` entries of the dead-letter stream `stream` (a run's is
+    `keys.run_dead_letter_stream`; every one matches `keys.DEAD_LETTER_PATTERN`)."""
+    rows: Any = await r.xrange(stream, count=count)
     out = []
     for entry_id, f in rows:
         out.append(

@@ -2,8 +2,9 @@
 
 Each call names its run: the request stream and the in-flight count are the run's
 (`keys.prefill_requests_stream`, `keys.prefill_inflight_key`), so two runs on one Redis neither
-read each other's requests nor count them against each other's limit; a request's own records
-(answer, status) are keyed by its id alone.
+read each other's requests nor count them against each other's limit; so is a request's record (one
+hash: its status, then its answer, `keys.prefill_request_key`). Every script and MULTI here touches
+the keys of one run alone, under its hash tag: one slot of a Redis Cluster.
 
 * `accept`: admission control and enqueue in one step: count the request in flight (refusing it
   beyond the limit), mark it queued, append it to the request stream. A 2xx is only answered
@@ -43,21 +44,25 @@ if n > tonumber(ARGV[1]) then
   redis.call('DECR', KEYS[1])
   return 0
 end
-redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[7], ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('XADD', KEYS[3], '*', ARGV[4], ARGV[2])
 if ARGV[6] ~= '' then redis.call('SET', KEYS[4], ARGV[6], 'EX', ARGV[3]) end
 return n
 """
 
-# With a fence (KEYS[5], ARGV[6]: a dispatcher lease and its holder), nothing is written unless the
+# The first answer wins: HSETNX of the record's result field; only that one clears the queued
+# status, restarts the record's TTL from the answer, counts the request out of flight and notifies.
+# With a fence (KEYS[4], ARGV[8]: a dispatcher lease and its holder), nothing is written unless the
 # lease holds that value: a deposed dispatcher's answer is refused (-1).
 _ANSWER = """
-if KEYS[5] and redis.call('GET', KEYS[5]) ~= ARGV[6] then return -1 end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
-  redis.call('DEL', KEYS[2])
-  if tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], ARGV[1])
-  redis.call('EXPIRE', KEYS[4], ARGV[5])
+if KEYS[4] and redis.call('GET', KEYS[4]) ~= ARGV[8] then return -1 end
+if redis.call('HSETNX', KEYS[1], ARGV[6], ARGV[1]) == 1 then
+  redis.call('HDEL', KEYS[1], ARGV[7])
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('DECR', KEYS[2]) end
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], ARGV[1])
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
   return 1
 end
 return 0
@@ -102,7 +107,7 @@ def accept_args(
         _ACCEPT,
         4,
         keys.prefill_inflight_key(run),
-        keys.prefill_status_key(req.id),
+        keys.prefill_request_key(run, req.id),
         keys.prefill_requests_stream(run),
         keys.idempotency_key(run, idempotency_key or ""),
         max_inflight,
@@ -111,6 +116,7 @@ def accept_args(
         FIELD,
         RequestStatus.QUEUED.value,
         req.id if idempotency_key is not None else "",
+        keys.PREFILL_STATUS_FIELD,
     )
 
 
@@ -136,9 +142,8 @@ def _answer_args(
     fenced = () if fence is None else (fence[0],)
     return (
         _ANSWER,
-        4 + len(fenced),
-        keys.prefill_result_key(result.id),
-        keys.prefill_status_key(result.id),
+        3 + len(fenced),
+        keys.prefill_request_key(run, result.id),
         keys.prefill_inflight_key(run),
         reply_to,
         *fenced,
@@ -147,6 +152,8 @@ def _answer_args(
         FIELD,
         RESULTS_MAXLEN,
         keys.PREFILL_RESULTS_TTL_S,
+        keys.PREFILL_RESULT_FIELD,
+        keys.PREFILL_STATUS_FIELD,
         *(() if fence is None else (fence[1],)),
     )
 
@@ -220,12 +227,14 @@ class Lookup:
     result: PrefillResult | None = None
 
 
-async def lookup(r: Redis, request_id: str) -> Lookup | None:
-    """The request's status (with its answer when answered), or None (unknown or expired).
+async def lookup(r: Redis, run: str, request_id: str) -> Lookup | None:
+    """The status of `run`'s request (with its answer when answered), or None (unknown or expired).
 
-    Both keys in one MGET: read one after the other, an answer landing in between (status key
-    deleted, result key written) would make a live request look unknown."""
-    found: Any = await r.mget(keys.prefill_result_key(request_id), keys.prefill_status_key(request_id))
+    Both fields of its record in one HMGET: read one after the other, an answer landing in between
+    (status deleted, result written) would make a live request look unknown."""
+    found: Any = await r.hmget(
+        keys.prefill_request_key(run, request_id), [keys.PREFILL_RESULT_FIELD, keys.PREFILL_STATUS_FIELD]
+    )
     raw, status = found
     if raw is not None:
         msg = decode(raw)

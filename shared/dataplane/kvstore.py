@@ -141,9 +141,9 @@ def safetensors_metadata(data: bytes) -> dict[str, str]:
     return dict(meta) if isinstance(meta, dict) else {}
 
 
-async def store_kv(r: Redis, request_id: str, data: bytes, ttl_s: int) -> tuple[str, int]:
-    """Store KV cache bytes (`kv_file`) for `ttl_s` seconds; returns (key, bytes stored)."""
-    key = keys.kv_cache_key(request_id)
+async def store_kv(r: Redis, run: str, request_id: str, data: bytes, ttl_s: int) -> tuple[str, int]:
+    """Store KV cache bytes (`kv_file`) of `run`'s request for `ttl_s` seconds; returns (key, bytes stored)."""
+    key = keys.kv_cache_key(run, request_id)
     await r.set(key, data, ex=ttl_s)
     return key, len(data)
 
@@ -177,16 +177,17 @@ class Stored:
 
 
 async def store_kv_within_budget(
-    r: Redis, request_id: str, data: bytes, ttl_s: int, budget_bytes: int, now: float
+    r: Redis, run: str, request_id: str, data: bytes, ttl_s: int, budget_bytes: int, now: float
 ) -> Stored:
-    """Store KV cache bytes for `ttl_s` seconds unless the caches stored in the last `ttl_s` (a
-    counter per time bucket, `keys.kv_budget_bucket_key`) and this one exceed `budget_bytes`; the
-    check and the store are one step (Lua), so concurrent workers never overshoot together."""
+    """Store KV cache bytes of `run`'s request for `ttl_s` seconds unless `run`'s caches stored in the
+    last `ttl_s` (a counter per time bucket, `keys.kv_budget_bucket_key`) and this one exceed
+    `budget_bytes`; the check and the store are one step (Lua), so concurrent workers never overshoot
+    together. The cache and the counters are the run's keys: one hash tag, one slot of a cluster."""
     width = max(1, -(-ttl_s // KV_BUDGET_BUCKETS))  # ceil
     last = int(now) // width
     first = (int(now) - ttl_s) // width
-    buckets = [keys.kv_budget_bucket_key(b) for b in range(first, last + 1)]
-    key = keys.kv_cache_key(request_id)
+    buckets = [keys.kv_budget_bucket_key(run, b) for b in range(first, last + 1)]
+    key = keys.kv_cache_key(run, request_id)
     reply: Any = await r.eval(
         _STORE_WITHIN_BUDGET, 1 + len(buckets), key, *buckets, data, ttl_s, budget_bytes, ttl_s + 2 * width
     )
@@ -194,12 +195,12 @@ async def store_kv_within_budget(
     return Stored(key if stored else "", len(data), used, budget_bytes)
 
 
-async def fetch_kv(r: Redis, request_id: str) -> StoredKV | None:
-    """The KV cache of a finished prefill, or None once it expired (or was used and deleted)."""
-    raw: Any = await r.get(keys.kv_cache_key(request_id))
+async def fetch_kv(r: Redis, run: str, request_id: str) -> StoredKV | None:
+    """The KV cache of `run`'s finished prefill, or None once it expired (or was used and deleted)."""
+    raw: Any = await r.get(keys.kv_cache_key(run, request_id))
     return read_kv_file(raw) if raw is not None else None
 
 
-async def delete_kv(r: Redis, request_id: str) -> bool:
-    """A decode service deletes a KV cache once it used it: none is left behind."""
-    return bool(await r.delete(keys.kv_cache_key(request_id)))
+async def delete_kv(r: Redis, run: str, request_id: str) -> bool:
+    """A decode service deletes a KV cache of `run` once it used it: none is left behind."""
+    return bool(await r.delete(keys.kv_cache_key(run, request_id)))

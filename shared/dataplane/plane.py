@@ -41,6 +41,7 @@ import torch.distributed as dist
 from shared.dataplane.pool import BufferPool
 from shared.dataplane.store import RedisStore
 from shared.runtime.logs import get_logger
+from shared.wire import keys
 
 log = get_logger(__name__)
 
@@ -241,7 +242,7 @@ class DataPlane:
         the DP group and the other `groups` (`all_reduce_sum` runs on them by key). All groups
         form concurrently, so no order between workers can deadlock. Setting `called_off` ends the
         wait for peers at once (a `PlaneError`)."""
-        prefix = f"bt:{self.run}:plane:{generation}:"
+        prefix = keys.plane_prefix(self.run, generation)
         jobs: dict[tuple[str, int], Callable[[], dist.ProcessGroup]] = {}
         for addr in self.addresses:  # created here, once, before the threads below share them
             device_for(addr)

@@ -157,7 +157,8 @@ class StreamMetrics:
         )
         self.dead_letter_length = Gauge(
             "bubbletea:dead_letter_stream_length",
-            f"Entries in the dead-letter stream {keys.DEAD_LETTER_STREAM} (every service's), read at scrape time.",
+            "Entries in the dead-letter streams of the streams this process consumes (its run's "
+            "bt:{<run>}:dead, every service's of the run), read at scrape time.",
             registry=registry,
         )
         self.add(*consumers)
@@ -180,7 +181,8 @@ class StreamMetrics:
             lag, pending = await group_backlog(redis, stream, group)
             self.lag.labels(stream, group).set(lag)
             self.pending.labels(stream, group).set(pending)
-        self.dead_letter_length.set(await redis.xlen(keys.DEAD_LETTER_STREAM))
+        dead_streams = dict.fromkeys(keys.dead_letter_stream(c.stream) for c in self.consumers)
+        self.dead_letter_length.set(sum([await redis.xlen(s) for s in dead_streams]))
 
 
 async def group_backlog(redis: Redis, stream: str, group: str) -> tuple[int, int]:

@@ -8,14 +8,69 @@ from __future__ import annotations
 
 PREFIX = "bt"
 
+# --- hash tags ------------------------------------------------------------------------------
+# Every key and stream of a run is ``bt:{<run>}:<rest>``: the run id in braces is its Redis Cluster
+# hash tag, so all of a run's keys hash to one slot, and every Lua script, MULTI and multi-key
+# command (each touches the keys of one run) runs on one node of a cluster. A cluster spreads runs
+# over its masters; one run's keys live on one master. The few keys of no run (health, ping/pong,
+# the untagged streams' dead letters) are each touched alone. (docs/architecture.md, "Keys by hash
+# tag".)
+
+#: What a run id may not contain: the braces delimit the hash tag.
+_TAG_BRACES = "{}"
+
+
+def run_tag(run: str) -> str:
+    """The Redis Cluster hash tag of `run`'s keys, ``{<run>}``. A run id with a brace would end the
+    tag early (or open another), so it is refused (ValueError)."""
+    if not run or any(c in run for c in _TAG_BRACES):
+        raise ValueError(f"a run id must be non-empty and hold no '{{' or '}}' (its keys' hash tag): got {run!r}")
+    return f"{{{run}}}"
+
+
+def hash_tag(key: str) -> str | None:
+    """The hash tag of `key` as Redis Cluster reads it: the text between the first ``{`` and the
+    first ``}`` after it, if that is not empty; None when the whole key is hashed."""
+    start = key.find("{")
+    if start < 0:
+        return None
+    end = key.find("}", start + 1)
+    if end <= start + 1:
+        return None
+    return key[start + 1 : end]
+
+
+def _of(run: str) -> str:
+    """The prefix of every key of `run`: ``bt:{<run>}``."""
+    return f"{PREFIX}:{run_tag(run)}"
+
+
 # --- streams -------------------------------------------------------------------------------
 
-#: Poison messages from every stream: entries that failed to decode, or whose handler failed
-#: `bus.max_deliveries` times. Each entry records the source stream, group, id, error and the
-#: original payload, so nothing is lost and an operator can replay it.
-DEAD_LETTER_STREAM = f"{PREFIX}:dead"
 
-#: The dead-letter stream is trimmed (approximately) at this length. It only grows on bugs or
+def dead_letter_stream(source_stream: str) -> str:
+    """Where poison messages from `source_stream` go: entries that failed to decode, or whose
+    handler failed `bus.max_deliveries` times. Each entry records the source stream, group, id,
+    error and the original payload, so nothing is lost and an operator can replay it. One stream
+    per hash tag (``bt:{<run>}:dead`` for a run's streams, `UNTAGGED_DEAD_LETTER_STREAM` for the
+    others), so the dead letter and the source's XACK are one MULTI on one slot."""
+    tag = hash_tag(source_stream)
+    return UNTAGGED_DEAD_LETTER_STREAM if tag is None else f"{PREFIX}:{{{tag}}}:dead"
+
+
+def run_dead_letter_stream(run: str) -> str:
+    """The dead letters of every stream of `run` (`dead_letter_stream` of any of its streams)."""
+    return f"{_of(run)}:dead"
+
+
+#: The dead letters of streams with no hash tag (the bus check's ping/pong, tests' own streams).
+UNTAGGED_DEAD_LETTER_STREAM = f"{PREFIX}:dead"
+
+#: SCAN pattern of every dead-letter stream (``bt:dead`` and each run's ``bt:{<run>}:dead``), for
+#: an operator looking for them all.
+DEAD_LETTER_PATTERN = f"{PREFIX}:*dead"
+
+#: A dead-letter stream is trimmed (approximately) at this length. It only grows on bugs or
 #: bad input; 1,000 entries is far more than an operator reads before fixing the cause, and with
 #: the payload and error caps below its bytes are bounded: ~1,100 entries (XADD's ``~`` trims whole
 #: nodes of 100) x (64 KiB + 1 KiB + ~200 B) = ~72 MB at the very worst.
@@ -55,36 +110,42 @@ HEALTH_TTL_BEATS = 3
 
 
 # --- a training run's streams and keys ------------------------------------------------------
-# Everything a run creates is prefixed with its run id, so runs (e.g. the benchmark's several
-# configurations) never see each other's messages.
+# Everything a run creates is prefixed with its run id as a hash tag (``bt:{<run>}:``), so runs
+# (e.g. the benchmark's several configurations) never see each other's messages, and a run's keys
+# share one Redis Cluster slot.
 #
 # Bounds: the work streams (wan, inboxes, bubbles, fill, reports) are trimmed by their consumers
 # once every group acked an entry (`shared.bus.streams.trim_acked`, every 5 s), so they hold only
 # unread work; `bus.max_stream_len` warns (never drops) past a backlog. Telemetry (spans, events)
 # is trimmed by length at every publish. Keys (snapshots, leases, end markers, weights) have TTLs.
 # A finished run's streams stay until deleted (each costs at most its telemetry bounds, a few MB):
-# `redis-cli --scan --pattern 'bt:<run>:*' | xargs redis-cli unlink` removes one.
+# `redis-cli --scan --pattern 'bt:{<run>}:*' | xargs redis-cli unlink` removes one (`run_pattern`).
+
+
+def run_pattern(run: str) -> str:
+    """SCAN pattern of every key and stream of `run` (braces are not special in a MATCH pattern)."""
+    return f"{_of(run)}:*"
 
 
 def wan_stream(run: str) -> str:
     """Transfer requests from workers to the wan_broker."""
-    return f"{PREFIX}:{run}:wan"
+    return f"{_of(run)}:wan"
 
 
 def inbox(run: str, replica: int, stage: int) -> str:
     """A stage worker's inbox: activations, gradients and all-reduce shards addressed to it."""
-    return f"{PREFIX}:{run}:w:{replica}:{stage}"
+    return f"{_of(run)}:w:{replica}:{stage}"
 
 
 def bubbles_stream(run: str) -> str:
     """BubbleStart / BubbleEnd events from every worker (read by the dispatcher)."""
-    return f"{PREFIX}:{run}:bubbles"
+    return f"{_of(run)}:bubbles"
 
 
 def fill_stream(run: str, replica: int, stage: int) -> str:
     """Prefill batches from the dispatcher to one worker (kept apart from its training inbox, so
     a flood of prefill work never sits in front of an activation)."""
-    return f"{PREFIX}:{run}:fill:{replica}:{stage}"
+    return f"{_of(run)}:fill:{replica}:{stage}"
 
 
 #: The consumer group a worker reads its fill stream in (its slot the consumer). An entry it has not
@@ -95,7 +156,7 @@ FILL_GROUP = "worker"
 
 def prefill_reports_stream(run: str) -> str:
     """Workers' reports on the prefill batches they ran (read by the dispatcher)."""
-    return f"{PREFIX}:{run}:prefill:reports"
+    return f"{_of(run)}:prefill:reports"
 
 
 def prefill_snapshot_key(run: str, request_id: str, layer: int) -> str:
@@ -104,7 +165,7 @@ def prefill_snapshot_key(run: str, request_id: str, layer: int) -> str:
     never in Redis), for the worker that resumes it. The layer is part of the key: a later snapshot
     never overwrites the one the dispatcher knows about, so a worker that dies mid-batch cannot
     leave a mismatched state. Deleting the handle (the dispatcher, once spent) frees the state."""
-    return f"{PREFIX}:{run}:prefill:snap:{request_id}:{layer}"
+    return f"{_of(run)}:prefill:snap:{request_id}:{layer}"
 
 
 #: A snapshot (its handle here, its state on the holder's shelf) waits for a later bubble; five
@@ -115,7 +176,7 @@ PREFILL_SNAPSHOT_TTL_S = 300
 
 def spans_stream(run: str) -> str:
     """Timeline spans of every worker (telemetry: trimmed by length, loss of old spans is fine)."""
-    return f"{PREFIX}:{run}:spans"
+    return f"{_of(run)}:spans"
 
 
 #: Spans are telemetry: keep the last 100k (trimmed at every publish, ``MAXLEN ~``). A span is
@@ -126,7 +187,7 @@ SPANS_MAXLEN = 100_000
 
 def events_stream(run: str) -> str:
     """Run progress: IterationDone, WorkerFailed, LinkReport."""
-    return f"{PREFIX}:{run}:events"
+    return f"{_of(run)}:events"
 
 
 #: Events are small (~100 B) and few; 100k (~10 MB at most) covers thousands of iterations of a
@@ -136,13 +197,13 @@ EVENTS_MAXLEN = 100_000
 
 def lease_key(run: str, replica: int, stage: int) -> str:
     """Which worker process holds slot (replica, stage): a TTL lease it renews."""
-    return f"{PREFIX}:{run}:lease:{replica}:{stage}"
+    return f"{_of(run)}:lease:{replica}:{stage}"
 
 
 def lease_end_key(run: str, replica: int, stage: int) -> str:
     """How slot (replica, stage) ended: a hash with its `LeaseState` (``state``) and ``reason``, so
     peers that notice the lease gone tell a finished or stopped worker from a lost one."""
-    return f"{PREFIX}:{run}:lease:{replica}:{stage}:end"
+    return f"{_of(run)}:lease:{replica}:{stage}:end"
 
 
 #: An end marker outlives any run's tail (peers still finishing their last steps), then goes.
@@ -152,32 +213,38 @@ LEASE_END_TTL_S = 3_600
 def generation_key(run: str) -> str:
     """The run's recovery generation (an integer): every worker that joins the run, at start or
     after noticing a lost peer, moves it on; workers train together only within one generation."""
-    return f"{PREFIX}:{run}:gen"
+    return f"{_of(run)}:gen"
 
 
 def generation_moves_stream(run: str) -> str:
     """Each move of the run's generation, announced as it happens (a field `gen`), so that workers
     training in the old one wake at once rather than at their next look at `generation_key`, which
     stays the authority: a reader only wakes on an entry, and never decodes it."""
-    return f"{PREFIX}:{run}:gen:moves"
+    return f"{_of(run)}:gen:moves"
 
 
 def generation_joined_key(run: str, generation: int) -> str:
     """The slots that joined `generation` (a set): when it holds every slot, the generation trains."""
-    return f"{PREFIX}:{run}:gen:{generation}:joined"
+    return f"{_of(run)}:gen:{generation}:joined"
 
 
 def generation_resume_key(run: str, generation: int) -> str:
     """Where `generation` resumes (`shared.policies.recovery.Resume`, encoded: from the live peers'
     state or a checkpoint, after which iteration), written once (SET NX) by the first worker through
     the barrier, so every worker reads the same."""
-    return f"{PREFIX}:{run}:gen:{generation}:resume"
+    return f"{_of(run)}:gen:{generation}:resume"
 
 
 def generation_stepped_key(run: str, generation: int) -> str:
     """The iteration each slot last stepped as it joined `generation` (a hash: slot -> iteration,
     -1 for none): the state the live workers hold, which the resume point is planned from."""
-    return f"{PREFIX}:{run}:gen:{generation}:stepped"
+    return f"{_of(run)}:gen:{generation}:stepped"
+
+
+def plane_prefix(run: str, generation: int) -> str:
+    """The prefix of the data plane's rendezvous keys of `generation` (`shared.dataplane.store`:
+    a few keys per group, each with a TTL)."""
+    return f"{_of(run)}:plane:{generation}:"
 
 
 def checkpoint_key(run: str, replica: int, stage: int) -> str:
@@ -185,7 +252,7 @@ def checkpoint_key(run: str, replica: int, stage: int) -> str:
     (the stage's weights and AdamW moments, safetensors, under BUBBLETEA_STATE_DIR: the bytes never
     ride Redis). Bound: the newest `CHECKPOINTS_KEPT` per slot, and `RUN_STATE_TTL_S` after the
     last write."""
-    return f"{PREFIX}:{run}:ckpt:{replica}:{stage}"
+    return f"{_of(run)}:ckpt:{replica}:{stage}"
 
 
 #: Slots are at most one checkpoint apart (a stage cannot finish an iteration before every other
@@ -207,7 +274,7 @@ def dispatcher_lease_key(run: str) -> str:
     """Which dispatcher leads the run (its instance name): a TTL lease it renews, compare-and-renew.
     Only the holder dispatches (its writes to the workers are fenced by this key's value); every
     other dispatcher of the run waits as a standby (`shared.policies.leadership`)."""
-    return f"{PREFIX}:{run}:dispatcher"
+    return f"{_of(run)}:dispatcher"
 
 
 #: The dispatcher's lease lives and is renewed as a worker's does: a dead or stalled leader is
@@ -220,19 +287,20 @@ DISPATCHER_LEASE_RENEW_S = LEASE_RENEW_S
 # --- the serving plane ------------------------------------------------------------------------
 # A run's request streams and in-flight count carry its run id, like the rest of the run: two runs
 # on one Redis never share a consumer group or an admission limit; so are a client's idempotency
-# keys (its own choice). A request's own records (answer, status, KV cache) and a front door's
-# results stream are keyed by ids that are unique across runs, and stay unprefixed.
+# keys (its own choice). A request's own record (status, answer), its KV cache in Redis and a front
+# door's results stream are the run's too (under its hash tag), though their ids are unique across
+# runs: every script that writes them writes the run's in-flight count and streams as well.
 
 
 def prefill_requests_stream(run: str) -> str:
     """The run's accepted prefill requests, from every front door of the run to its dispatcher (its
     group's consumers are the run's dispatchers alone: another run on the same Redis has its own)."""
-    return f"{PREFIX}:{run}:prefill:requests"
+    return f"{_of(run)}:prefill:requests"
 
 
-def prefill_results_stream(instance: str) -> str:
-    """Where the answers to one prefill_queue instance's requests are delivered."""
-    return f"{PREFIX}:prefill:results:{instance}"
+def prefill_results_stream(run: str, instance: str) -> str:
+    """Where the answers to one prefill_queue instance's requests of `run` are delivered."""
+    return f"{_of(run)}:prefill:results:{instance}"
 
 
 #: A front door's results stream: its consumer trims acked answers every 5 s; every answer also
@@ -246,44 +314,48 @@ PREFILL_RESULTS_MAXLEN = 100_000
 PREFILL_RESULTS_TTL_S = 3_600
 
 
-def prefill_result_key(request_id: str) -> str:
-    """The stored answer to a request, for GET /v1/prefill/{id} from any instance."""
-    return f"{PREFIX}:prefill:result:{request_id}"
+def prefill_request_key(run: str, request_id: str) -> str:
+    """A request's record, one hash for GET /v1/prefill/{id} from any instance: field
+    `PREFILL_STATUS_FIELD` while it waits (`RequestStatus.QUEUED`), `PREFILL_RESULT_FIELD` (the
+    encoded `PrefillResult`) once answered. Bound: `PREFILL_RECORD_TTL_S`."""
+    return f"{_of(run)}:prefill:req:{request_id}"
 
 
-def prefill_status_key(request_id: str) -> str:
-    """A request's status while it has no answer yet (`RequestStatus.QUEUED`)."""
-    return f"{PREFIX}:prefill:status:{request_id}"
+#: The fields of `prefill_request_key`: the status while queued, the answer once there is one (the
+#: first answer sets it, HSETNX: a later one changes nothing).
+PREFILL_STATUS_FIELD = "status"
+PREFILL_RESULT_FIELD = "result"
 
 
-def kv_cache_key(request_id: str) -> str:
+def kv_cache_key(run: str, request_id: str) -> str:
     """A finished prefill's KV cache, for a decode service to fetch (see `shared.dataplane.kvstore`). Bound:
     its TTL, `prefill.kv_ttl_s`, and the byte budget `prefill.kv_budget_mb` (below)."""
-    return f"{PREFIX}:prefill:kv:{request_id}"
+    return f"{_of(run)}:prefill:kv:{request_id}"
 
 
-def kv_budget_bucket_key(bucket: int) -> str:
-    """Bytes of KV caches stored during one time bucket (`shared.dataplane.kvstore.KV_BUDGET_BUCKETS` buckets
-    span `prefill.kv_ttl_s`): the sum over the live buckets is what the caches can still hold, counted
-    against `prefill.kv_budget_mb`. Each counter expires once every cache it counted has expired."""
-    return f"{PREFIX}:prefill:kvbytes:{bucket}"
+def kv_budget_bucket_key(run: str, bucket: int) -> str:
+    """Bytes of `run`'s KV caches stored during one time bucket (`shared.dataplane.kvstore.KV_BUDGET_BUCKETS`
+    buckets span `prefill.kv_ttl_s`): the sum over the live buckets is what the caches can still hold,
+    counted against `prefill.kv_budget_mb` (a budget per run). Each counter expires once every cache it
+    counted has expired."""
+    return f"{_of(run)}:prefill:kvbytes:{bucket}"
 
 
 def idempotency_key(run: str, key: str) -> str:
     """Maps a client's Idempotency-Key to the request id it created in the run. Per run: the key is
     the client's choice, not unique across runs, and the same key sent to another run on the same
     Redis is another request (not the first run's, which that run's dispatcher never sees)."""
-    return f"{PREFIX}:{run}:prefill:idem:{key}"
+    return f"{_of(run)}:prefill:idem:{key}"
 
 
 def prefill_inflight_key(run: str) -> str:
     """The run's requests accepted and not yet answered, across its front doors (admission control:
     another run's do not count against its `prefill.max_queue_depth`). One integer, no TTL: it is
     the count itself, bounded by `prefill.max_queue_depth`."""
-    return f"{PREFIX}:{run}:prefill:inflight"
+    return f"{_of(run)}:prefill:inflight"
 
 
-#: Answers, statuses and idempotency keys live an hour: long enough for any client to collect them
+#: Requests' records (status, answer) and idempotency keys live an hour: long enough for any client to collect them
 #: (a synchronous request waits `prefill.request_timeout_s`, at most a day, but polls come within
 #: seconds), bounded so an abandoned request's records do not accumulate: an answer is ~0.5 KiB, so
 #: at 20 req/s an hour of records is ~72k x ~0.7 KiB (with the status and idempotency keys) = ~50 MB
@@ -294,13 +366,13 @@ PREFILL_RECORD_TTL_S = 3_600
 def run_stop_key(run: str) -> str:
     """Set (by `bubbletea up` before it stops its services) when the whole run is being stopped: a
     worker's SIGTERM then stops the run, as it did before drains, rather than ask it to leave."""
-    return f"{PREFIX}:{run}:stopping"
+    return f"{_of(run)}:stopping"
 
 
 def drain_key(run: str, slot: str) -> str:
     """Set (by `bubbletea drain SLOT`) to ask the worker of `slot` to leave the run at its next step
     boundary, its slot handed to a spare or a replacement. Bound: `LEASE_END_TTL_S`."""
-    return f"{PREFIX}:{run}:drain:{slot}"
+    return f"{_of(run)}:drain:{slot}"
 
 
 def leaving_key(run: str, slot: str) -> str:
@@ -311,39 +383,39 @@ def leaving_key(run: str, slot: str) -> str:
     not taken for a stop of the whole run. When more than one counts at once (compose down,
     scancel, a deleted StatefulSet: SIGTERM to every worker), the run stops instead. Bound:
     `LEASE_END_TTL_S` (only to clean up)."""
-    return f"{PREFIX}:{run}:leaving:{slot}"
+    return f"{_of(run)}:leaving:{slot}"
 
 
 def save_request_key(run: str) -> str:
     """Set (by `bubbletea train --save`) to ask the run's workers for their state after the
     iterations it saves (`training.save_every`, and the last). Bound: `WEIGHTS_TTL_S`."""
-    return f"{PREFIX}:{run}:save"
+    return f"{_of(run)}:save"
 
 
 def weights_key(run: str, iteration: int, stage: int) -> str:
     """The path of one pipeline stage's weights after `iteration` (a safetensors file under
     BUBBLETEA_STATE_DIR, named as the saved checkpoint stores them; the bytes never ride Redis),
     written by the stage's replica-0 worker when the run was asked to save."""
-    return f"{PREFIX}:{run}:weights:{iteration}:{stage}"
+    return f"{_of(run)}:weights:{iteration}:{stage}"
 
 
 def saved_state_patterns(run: str) -> tuple[str, str]:
     """SCAN patterns of every `weights_key` and `train_state_key` of a run."""
-    return f"{PREFIX}:{run}:weights:*", f"{PREFIX}:{run}:trainstate:*"
+    return f"{_of(run)}:weights:*", f"{_of(run)}:trainstate:*"
 
 
 def stop_after_key(run: str) -> str:
     """Set by `bubbletea train --save` when told to stop: every worker finishes this iteration,
     hands its state over for the save and stops (a clean stop at one iteration for all).
     Bound: `WEIGHTS_TTL_S`."""
-    return f"{PREFIX}:{run}:stop-after"
+    return f"{_of(run)}:stop-after"
 
 
 def train_state_key(run: str, iteration: int, stage: int) -> str:
     """Beside `weights_key`: the path of the stage's resumable state after `iteration` (its
     parameters and AdamW's, the trainer's checkpoint, a file), which `bubbletea train --resume`
     restores."""
-    return f"{PREFIX}:{run}:trainstate:{iteration}:{stage}"
+    return f"{_of(run)}:trainstate:{iteration}:{stage}"
 
 
 #: The saved weights' paths wait this long for the launcher that asked for them (it deletes them
@@ -354,13 +426,13 @@ WEIGHTS_TTL_S = 3_600
 def decode_requests_stream(run: str) -> str:
     """Prompts to continue, from the run's front doors to its decoders (`DecodeRequest`). Like the
     request stream, a work stream: trimmed by its consumers once acked (`bus.max_stream_len`)."""
-    return f"{PREFIX}:{run}:decode:requests"
+    return f"{_of(run)}:decode:requests"
 
 
 def serving_key(run: str, instance: str) -> str:
     """One of the run's dispatchers' readiness verdict (`shared.control.serving.Readiness`, JSON),
     for the run's front doors (another run's dispatcher never gates them)."""
-    return f"{PREFIX}:{run}:serving:{instance}"
+    return f"{_of(run)}:serving:{instance}"
 
 
 def serving_instances_key(run: str) -> str:
@@ -368,7 +440,7 @@ def serving_instances_key(run: str) -> str:
     (no SCAN over the keyspace) and drop the members whose key expired. Bounded by the run's live
     dispatchers (a few) plus the dead ones not yet noticed by a reader; every verdict also resets
     its TTL below, so with no dispatcher left the set goes too."""
-    return f"{PREFIX}:{run}:serving-instances"
+    return f"{_of(run)}:serving-instances"
 
 
 SERVING_INSTANCES_TTL_S = 60

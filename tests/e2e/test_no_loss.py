@@ -151,13 +151,13 @@ async def settle(
         await asyncio.sleep(0.25)  # a client polls the native API: there is no push to wait on
 
 
-async def stored_statuses(redis_url: str, ids: list[str]) -> dict[str, str]:
+async def stored_statuses(redis_url: str, run: str, ids: list[str]) -> dict[str, str]:
     """Each request's status straight from Redis: "queued", "done", "failed" or "unknown"."""
     r = Redis.from_url(redis_url)
     try:
         out = {}
         for rid in ids:
-            found = await serving.lookup(r, rid)
+            found = await serving.lookup(r, run, rid)
             out[rid] = "unknown" if found is None else found.status.value
         return out
     finally:
@@ -292,7 +292,7 @@ async def test_requests_survive_a_killed_dispatcher(tmp_path: Path, redis_url: s
             await wait_until(
                 lambda: no_batch_pending(redis_url, run), "the workers finished the dead dispatcher's batches"
             )
-            orphaned = [rid for rid, s in (await stored_statuses(redis_url, ids_before)).items() if s == "queued"]
+            orphaned = [rid for rid, s in (await stored_statuses(redis_url, run, ids_before)).items() if s == "queued"]
             ids_meanwhile = await submit_all(http, door.url, meanwhile)  # accepted with no dispatcher
             procs.append(await spawn(DISPATCHER, env, out=out, quiet=True))
             ids = ids_before + ids_meanwhile
@@ -339,7 +339,7 @@ async def test_requests_survive_a_killed_front_door(tmp_path: Path, redis_url: s
             await wait_for_iteration(redis_url, run, 1)
             ids = await submit_all(http, first.url, bodies)
             await kill(first)
-            at_kill = await stored_statuses(redis_url, ids)
+            at_kill = await stored_statuses(redis_url, run, ids)
             second = await start_front_door(env, out=out)
             procs.append(second)
             assert second.url is not None and second.url != first.url

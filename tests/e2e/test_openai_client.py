@@ -187,7 +187,7 @@ async def test_official_client_gets_whole_completions_decoded_from_the_bubbles_k
                 )
 
             await wait_until(all_freed, "the decoder freeing every KV cache it fetched", timeout=30)
-            assert not [k async for k in _kv_keys(redis_url)], "a KV cache went through Redis"
+            assert not [k async for k in _kv_keys(redis_url, run)], "a KV cache went through Redis"
         finally:
             await client.close()
             training.cancel()
@@ -226,12 +226,12 @@ async def _kv_held(redis_url: str, run: str) -> dict[str, tuple[int, int]]:
     return {w["kv_holder"]: (w["kv_served"], w["kv_held"]) for w in workers}
 
 
-async def _kv_keys(redis_url: str) -> AsyncIterator[bytes]:
+async def _kv_keys(redis_url: str, run: str) -> AsyncIterator[bytes]:
     from redis.asyncio import Redis
 
     r = Redis.from_url(redis_url)
     try:
-        async for k in r.scan_iter(match=keys.kv_cache_key("*")):
+        async for k in r.scan_iter(match=keys.kv_cache_key(run, "*")):
             yield k
     finally:
         await r.aclose()

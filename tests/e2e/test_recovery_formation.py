@@ -72,7 +72,7 @@ async def worker_forming(tmp_path: Path, redis_server: EmbeddedRedis, redis: Red
         f.gen = await f.peer.barrier(PEER, START_S)
 
         async def forming() -> bool:
-            return bool(await redis.keys(f"bt:{run}:plane:{f.gen}:*"))
+            return bool(await redis.keys(keys.plane_prefix(run, f.gen) + "*"))
 
         await wait_until(forming, f"the worker forming generation {f.gen}'s groups", START_S)
         yield f

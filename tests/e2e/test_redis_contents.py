@@ -100,7 +100,7 @@ async def test_no_command_sent_to_redis_carries_a_tensor(tmp_path: Path, redis_u
                 result = await asyncio.wait_for(training_run, 240)
             assert len(result.losses) == training["iterations"]
             r = Redis.from_url(redis_url, protocol=2)
-            answers = [await serving.lookup(r, rid) for rid in ids]
+            answers = [await serving.lookup(r, run, rid) for rid in ids]
             await r.aclose()
     finally:
         watcher.cancel()

@@ -141,7 +141,7 @@ async def test_prompts_submitted_during_training_are_answered_with_computed_toke
             assert stored.prompt == body["prompt"] and stored.first_token == want.token
             for (k, v), (wk, wv) in zip(stored.kv, want.kv, strict=True):
                 assert torch.equal(k, wk) and torch.equal(v, wv)
-        assert not await r.keys(keys.kv_cache_key("*")), "a KV cache went through Redis"
+        assert not await r.keys(keys.kv_cache_key(run, "*")), "a KV cache went through Redis"
 
         # Every prefill started inside one of its worker's bubbles. (How soon after the training
         # input it stopped is a timing figure, on a busy machine at the scheduler's mercy: the

@@ -56,13 +56,13 @@ async def test_a_dead_lettered_request_is_failed_through_the_answer_path_and_cou
             deadline = time.monotonic() + 30
             while c.stats.dead_lettered < 2:
                 assert time.monotonic() < deadline, (c.stats, await answers(redis))
-                await redis.xread({keys.DEAD_LETTER_STREAM: "$"}, block=100)  # wakes as one is written
+                await redis.xread({keys.run_dead_letter_stream(RUN): "$"}, block=100)  # wakes as one is written
     got = {a.id: a for a in await answers(redis)}
     assert set(got) == {"r-1", "r-2"}
     assert all(a.status is RequestStatus.FAILED and a.reason is FailureReason.DEAD_LETTERED for a in got.values())
     assert "cannot take it" in got["r-1"].error
     assert int(await redis.get(INFLIGHT)) == 0
-    found = await serving.lookup(redis, "r-1")
+    found = await serving.lookup(redis, RUN, "r-1")
     assert found is not None and found.status is RequestStatus.FAILED
 
 

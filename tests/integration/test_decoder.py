@@ -51,7 +51,7 @@ async def decoder(settings: Settings) -> AsyncIterator[PrefillModel]:
 
 async def prefill_and_store(redis: Redis, model: PrefillModel, rid: str, prompt: list[int], **kw: Any) -> int:
     res = model.prefill(prompt, **kw)
-    await kvstore.store_kv(redis, rid, kvstore.kv_file(rid, "m", prompt, res.token, res.kv), ttl_s=60)
+    await kvstore.store_kv(redis, RUN, rid, kvstore.kv_file(rid, "m", prompt, res.token, res.kv), ttl_s=60)
     return res.token
 
 
@@ -88,7 +88,7 @@ async def test_decoding_equals_a_local_full_generation(
     assert chunks[-1].done and chunks[-1].finish_reason == "length" and chunks[-1].status is RequestStatus.DONE
     # used, then deleted: none left behind (the decoder deletes it after sending the last chunk)
     async with asyncio.timeout(60):
-        while await redis.exists(keys.kv_cache_key("r1")):  # noqa: ASYNC110
+        while await redis.exists(keys.kv_cache_key(RUN, "r1")):  # noqa: ASYNC110
             await asyncio.sleep(0.02)  # a key's deletion: no event to wait on
 
 

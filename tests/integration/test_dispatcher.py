@@ -55,7 +55,7 @@ async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str,
             errors: dict[str, bytes] = {}
             cursor = "0"
             while len(errors) < len(streams):
-                reply = await redis.xread({keys.DEAD_LETTER_STREAM: cursor}, block=30_000)
+                reply = await redis.xread({keys.run_dead_letter_stream("t"): cursor}, block=30_000)
                 assert reply, f"dead letters so far: {errors}"
                 for entry_id, f in reply[0][1]:
                     cursor = entry_id.decode()
@@ -101,7 +101,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(red
         await d.flush()
         assert acks.released == ["1-0"]
         assert not await bus.redis.exists(snapshot)  # it will not resume: its saved state is gone
-        got = await serving.lookup(bus.redis, "late")
+        got = await serving.lookup(bus.redis, d.run, "late")
         assert got is not None and got.status is RequestStatus.FAILED and got.result is not None
         assert got.result.reason is FailureReason.DEADLINE and "deadline passed" in got.result.error
         assert await serving.inflight(bus.redis, d.run) == 0
@@ -136,7 +136,7 @@ async def test_a_request_moved_to_the_decoder_is_answered_moved_not_failed(redis
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None
         await d.requests_read([])  # decided and written in the read's flush
         assert acks.released == ["1-0"] and "moves" not in d.state.requests
-        got = await serving.lookup(bus.redis, "moves")
+        got = await serving.lookup(bus.redis, d.run, "moves")
         assert got is not None and got.status is RequestStatus.MOVED and got.result is not None
         assert got.result.reason is FailureReason.TO_DECODER and "no bubble yet" in got.result.error
         assert not await bus.redis.exists(snapshot)

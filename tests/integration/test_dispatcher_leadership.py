@@ -109,7 +109,7 @@ async def test_a_leader_whose_lease_another_took_writes_no_batch_answer_or_ack_t
             d._decided += d.state.tick(time.time() + 2)
         await arrive(request("q3"))  # and a batch
         assert [it.id for b in await batches(redis, fill) for it in b.items] == sent  # no other batch
-        found = await serving.lookup(redis, "q2")
+        found = await serving.lookup(redis, run, "q2")
         assert found is not None and found.status is RequestStatus.QUEUED  # not answered
         pending: Any = await redis.xpending(requests, SERVICE)
         assert pending["pending"] == 3 and acks.released == []  # nothing acked: left to the leader

@@ -184,7 +184,7 @@ async def test_training_input_preempts_at_the_next_layer_and_the_next_bubble_goe
         assert o.reached == started_before == during + 1, (o.reached, started_before)
         assert filler.queue.ids() == ["b1"] and filler.queue.held[0].started and not handled.done()
         assert await reports(bus) == [] and spans
-        queued = await serving.lookup(bus.redis, req.id)
+        queued = await serving.lookup(bus.redis, RUN, req.id)
         assert queued is not None and queued.status is RequestStatus.QUEUED
 
         # Bubble 2: it goes on where it stopped; the answer equals one uninterrupted prefill.
@@ -192,12 +192,12 @@ async def test_training_input_preempts_at_the_next_layer_and_the_next_bubble_goe
         assert done == ("b1",)
         (rep,) = await reports(bus)
         assert rep.progress[0].outcome is ItemOutcome.DONE and rep.progress[0].reached_layer == LAYERS
-        found = await serving.lookup(bus.redis, req.id)
+        found = await serving.lookup(bus.redis, RUN, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.status is RequestStatus.DONE and found.result is not None
         got = found.result
         assert (got.token, got.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))
-        stored = await kvstore.fetch_kv(bus.redis, req.id)
+        stored = await kvstore.fetch_kv(bus.redis, RUN, req.id)
         assert stored is not None and stored.meta["format"] == kvstore.KV_FORMAT
         assert stored.prompt == list(PROMPT) and stored.first_token == want.token
         assert all(
@@ -247,7 +247,7 @@ async def test_a_cancelled_fill_stops_its_thread_at_the_next_block_and_the_batch
         take.cancel()
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         assert done == ("b1",)
-        found = await serving.lookup(bus.redis, req.id)
+        found = await serving.lookup(bus.redis, RUN, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.result is not None
         assert (found.result.token, found.result.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))
@@ -280,7 +280,7 @@ async def test_a_cut_request_that_could_not_finish_by_its_due_time_when_it_resum
         await asyncio.sleep(1.5)  # the next bubble opens 1.5 s later
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         assert done == ("b1",) and o.reached == 2  # nothing more ran
-        found = await serving.lookup(bus.redis, req.id)
+        found = await serving.lookup(bus.redis, RUN, req.id)
         assert found is not None and found.status is RequestStatus.FAILED and found.result is not None
         assert found.result.reason is FailureReason.DEADLINE and "cut by training input" in found.result.error
         (rep,) = await reports(bus)
@@ -314,7 +314,7 @@ async def test_a_cut_batch_no_bubble_takes_goes_back_snapshotted_and_resumes_exa
         # left for the dispatcher, which deletes it once it accepts the report (a stale copy of this
         # batch must not delete the state a live one resumes from)
         assert await bus.redis.exists(snap_key)
-        found = await serving.lookup(bus.redis, req.id)
+        found = await serving.lookup(bus.redis, RUN, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.result is not None
         assert (found.result.token, found.result.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))
@@ -357,7 +357,7 @@ async def test_a_request_finished_in_a_cut_batch_is_answered_before_the_batch_en
         reqs, filler, handled = await two_requests_batched(bus, model, "q")
         await one_bubble(filler, arrive_during_block=5, model=model, nth=True)  # the second request's second block
         await asyncio.gather(*filler.batches["b-q"].answers.on_the_way)
-        first, second = [await serving.lookup(bus.redis, r.id) for r in reqs]
+        first, second = [await serving.lookup(bus.redis, RUN, r.id) for r in reqs]
         assert first is not None and first.status is RequestStatus.DONE
         assert second is not None and second.status is RequestStatus.QUEUED and not handled.done()
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
@@ -669,7 +669,7 @@ async def test_a_resumed_request_whose_holder_is_gone_is_computed_again_from_its
         await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         (rep,) = await reports(bus)
         assert rep.progress[0].started_layer == 0  # computed again from its prompt
-        found = await serving.lookup(bus.redis, req.id)
+        found = await serving.lookup(bus.redis, RUN, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.status is RequestStatus.DONE and found.result is not None
         assert (found.result.token, found.result.logprob) == (want.token, pytest.approx(want.logprob, abs=1e-6))
@@ -694,7 +694,7 @@ async def test_a_layer_in_pieces_stops_within_a_piece_and_the_next_bubble_goes_o
         assert o.reached == 2 and not handled.done()
         _, _, done = await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
         assert done == ("b1",)
-        found = await serving.lookup(bus.redis, req.id)
+        found = await serving.lookup(bus.redis, RUN, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.result is not None
         assert found.result.token == want.token and found.result.logprob == pytest.approx(want.logprob, abs=1e-5)
@@ -725,7 +725,7 @@ async def test_a_piece_that_does_not_fit_what_is_left_of_the_bubble_waits_for_th
         await asyncio.wait_for(asyncio.shield(handled), 60)  # answered and reported
         take.set_result(None)  # the input arrives: the bubble ends
         assert await asyncio.wait_for(fill, 10) == ("b1",) and filler.full_at is None
-        found = await serving.lookup(bus.redis, req.id)
+        found = await serving.lookup(bus.redis, RUN, req.id)
         want = model.prefill(list(PROMPT))
         assert found is not None and found.result is not None
         assert found.result.token == want.token and found.result.logprob == pytest.approx(want.logprob, abs=1e-5)
@@ -747,7 +747,7 @@ async def test_a_profiles_launch_floor_and_first_token_read_count_on_the_worker(
         [progress] = report.progress
         assert progress.outcome is ItemOutcome.DONE
         assert progress.seconds >= LAYERS * 0.005 + 0.1 - 1e-3  # counted from the first block's start
-        found = await serving.lookup(bus.redis, req.id)
+        found = await serving.lookup(bus.redis, RUN, req.id)
         assert found is not None and found.result is not None  # answered once done on the device, not before
         assert found.result.finished >= before + LAYERS * 0.005 + 0.1 - 1e-3
 
@@ -760,7 +760,7 @@ async def two_items_in_one_bubble(redis_url: str, name: str, **fields: tuple[flo
     async with Bus(redis_url, BusConfig(), name="test") as bus:
         reqs, filler, handled = await two_requests_batched(bus, model, name, **fields)
         await one_bubble(filler, arrive_during_block=None, model=model, finished=handled)
-        found = [await serving.lookup(bus.redis, r.id) for r in reqs]
+        found = [await serving.lookup(bus.redis, RUN, r.id) for r in reqs]
         (rep,) = await reports(bus)
     return found, rep
 

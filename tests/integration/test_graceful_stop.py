@@ -76,4 +76,4 @@ async def test_a_stopping_front_door_answers_or_fails_what_is_in_flight(
         await asyncio.wait_for(server, 30)  # the server returns: the process exits 0
         with pytest.raises(aiohttp.ClientConnectionError):
             await http.get(f"{url}/health")  # and no longer listens
-    assert (await serving.lookup(redis, req.id)) is not None  # nothing lost: queued, or answered
+    assert (await serving.lookup(redis, RUN, req.id)) is not None  # nothing lost: queued, or answered

@@ -69,7 +69,7 @@ async def test_a_block_that_raises_fails_its_request_hands_back_the_rest_and_the
             (ItemOutcome.FAILED, 1),
             (ItemOutcome.PARTIAL, 0),  # not started: the dispatcher queues it again
         ]
-        ok, bad, later = [await serving.lookup(bus.redis, rid) for rid in ("ok", "bad", "later")]
+        ok, bad, later = [await serving.lookup(bus.redis, RUN, rid) for rid in ("ok", "bad", "later")]
         assert ok is not None and ok.status is RequestStatus.DONE
         assert bad is not None and bad.status is RequestStatus.FAILED and bad.result is not None
         assert bad.result.reason is FailureReason.PREFILL_ERROR
@@ -108,7 +108,7 @@ async def test_after_failed_batches_in_a_row_the_worker_takes_no_more_prefill(re
         for gone in (f"b{MAX_FAILURES}", "late"):
             (p,) = by_batch[gone].progress
             assert p.outcome is ItemOutcome.PARTIAL and p.reached_layer == 0
-        failed = await serving.lookup(bus.redis, "q0")
+        failed = await serving.lookup(bus.redis, RUN, "q0")
         assert failed is not None and failed.result is not None and "can't allocate memory" in failed.result.error
 
         # the dispatcher is told, on the stream it reads bubble events from
@@ -146,7 +146,7 @@ async def test_on_a_gpu_running_out_of_memory_fails_the_request_and_gives_the_me
         items = await accepted(bus, ["gpu-oom"])
         handled = deliver(f, PrefillBatch(run=RUN, worker="r0s0", batch_id="g1", items=tuple(items)))
         await one_bubble(f, arrive_during_block=None, model=model, finished=handled)
-        found = await serving.lookup(bus.redis, "gpu-oom")
+        found = await serving.lookup(bus.redis, RUN, "gpu-oom")
         assert found is not None and found.result is not None
         assert found.result.reason is FailureReason.PREFILL_ERROR and "OutOfMemoryError" in found.result.error
     assert torch.cuda.memory_allocated(dev) <= before  # nothing of the failed run is left on the GPU

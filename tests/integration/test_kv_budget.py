@@ -22,17 +22,21 @@ from shared.wire import PrefillItem, PrefillResult, decode, keys
 
 async def test_store_within_budget_counts_bytes_and_refuses_past_the_budget(redis: Redis) -> None:
     now = 1_700_000_000.0
-    first = await kvstore.store_kv_within_budget(redis, "a", b"x" * 600, 30, 1000, now)
-    assert first.key == keys.kv_cache_key("a") and first.used == 600
-    second = await kvstore.store_kv_within_budget(redis, "b", b"y" * 600, 30, 1000, now + 1)
+    run = "kvb"
+    first = await kvstore.store_kv_within_budget(redis, run, "a", b"x" * 600, 30, 1000, now)
+    assert first.key == keys.kv_cache_key(run, "a") and first.used == 600
+    second = await kvstore.store_kv_within_budget(redis, run, "b", b"y" * 600, 30, 1000, now + 1)
     assert second.key == "" and second.used == 600  # 1200 > 1000: not stored
-    assert await redis.get(keys.kv_cache_key("b")) is None
-    assert await redis.get(keys.kv_cache_key("a")) == b"x" * 600
-    assert 0 < await redis.ttl(keys.kv_cache_key("a")) <= 30
+    assert await redis.get(keys.kv_cache_key(run, "b")) is None
+    assert await redis.get(keys.kv_cache_key(run, "a")) == b"x" * 600
+    assert 0 < await redis.ttl(keys.kv_cache_key(run, "a")) <= 30
+    # the budget is the run's (its keys share its hash tag): another run's caches do not count
+    other = await kvstore.store_kv_within_budget(redis, "kvb-other", "b", b"y" * 600, 30, 1000, now + 1)
+    assert other.key == keys.kv_cache_key("kvb-other", "b") and other.used == 600
     # once the first cache's TTL (and its bucket) is over, the budget is free again
-    later = await kvstore.store_kv_within_budget(redis, "c", b"z" * 600, 30, 1000, now + 30 + 4)
+    later = await kvstore.store_kv_within_budget(redis, run, "c", b"z" * 600, 30, 1000, now + 30 + 4)
     assert later.key and later.used == 600
-    for key in await redis.keys(keys.kv_budget_bucket_key(0).rsplit(":", 1)[0] + ":*"):
+    for key in await redis.keys(keys.kv_budget_bucket_key(run, 0).rsplit(":", 1)[0] + ":*"):
         assert 0 < await redis.ttl(key) <= 30 + 2 * 2  # every counter expires
 
 
@@ -55,12 +59,12 @@ async def test_past_the_budget_the_answer_comes_without_a_kv_cache_saying_why(
         answers = [decode(f[b"m"]) for _, f in await redis.xrange("out")]
     assert all(isinstance(a, PrefillResult) and a.ok for a in answers) and len(answers) == 3
     stored, *skipped = answers
-    assert isinstance(stored, PrefillResult) and stored.kv_key == keys.kv_cache_key("r0") and not stored.kv_note
+    assert isinstance(stored, PrefillResult) and stored.kv_key == keys.kv_cache_key("run", "r0") and not stored.kv_note
     for a in skipped:
         assert isinstance(a, PrefillResult) and a.kv_key == "" and "budget" in a.kv_note
         handle = kv_params(a)
         assert handle["store"] == "none" and "prefill.kv_budget_mb" in handle["why"]
-    assert await redis.get(keys.kv_cache_key("r1")) is None
+    assert await redis.get(keys.kv_cache_key("run", "r1")) is None
     budget_logs = [r for r in caplog.records if "budget full" in r.getMessage()]
     assert len(budget_logs) == 1  # two caches skipped, one line (at most one a minute)
     assert 0 < await redis.ttl("out") <= keys.PREFILL_RESULTS_TTL_S  # the results stream expires

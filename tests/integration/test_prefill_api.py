@@ -122,8 +122,9 @@ async def test_native_submit_status_and_idempotency(client: TestClient, redis: R
     assert got["status"] == "done" and got["result"]["token"] == 66
     assert (await client.get("/v1/prefill/pf-nope")).status == 404
     # docs/api.md: answers and idempotency keys live an hour (the queued status goes with the answer)
-    assert await redis.exists(keys.prefill_status_key(rid)) == 0
-    for key in (keys.prefill_result_key(rid), keys.idempotency_key(RUN, "k1")):
+    record = keys.prefill_request_key(RUN, rid)
+    assert await redis.hkeys(record) == [keys.PREFILL_RESULT_FIELD.encode()]
+    for key in (record, keys.idempotency_key(RUN, "k1")):
         assert 3_500 < await redis.ttl(key) <= keys.PREFILL_RECORD_TTL_S == 3_600, key
 
 

@@ -35,7 +35,7 @@ async def test_peers_and_a_replacement_converge_on_one_generation_and_resume_poi
     peers = start[:3]
     for g in peers:
         g.member.generation = 1  # they trained in generation 1
-    await redis.set(f"bt:{run}:gen", 1)
+    await redis.set(keys.generation_key(run), 1)
     replacement = Generations(redis, run, SLOTS)
 
     moved_on: list[Generations] = []

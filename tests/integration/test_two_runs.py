@@ -118,7 +118,7 @@ async def test_a_runs_dispatcher_reads_holds_and_reconciles_only_its_own_runs_re
         await until(b_reconciled, "run B's in-flight count lowered to its own unacked requests")
         assert await redis.xinfo_groups(theirs) == []  # no dispatcher group ever read run A's
         for rid in ids[A]:
-            found = await serving.lookup(redis, rid)
+            found = await serving.lookup(redis, A, rid)
             assert found is not None and found.status is RequestStatus.QUEUED  # nobody answered them
         assert await serving.inflight(redis, A) == 57  # run B's reconcile never touched it
     finally:

@@ -254,7 +254,7 @@ async def test_bad_requests_are_dead_lettered(broker: Broker, redis_url: str, re
         letters: list[str] = []
         cursor = "0"
         while len(letters) < 3:
-            reply: Any = await redis.xread({keys.DEAD_LETTER_STREAM: cursor}, block=30_000)
+            reply: Any = await redis.xread({keys.dead_letter_stream(stream): cursor}, block=30_000)
             assert reply
             for entry_id, fields in reply[0][1]:
                 cursor = entry_id.decode()
@@ -276,7 +276,7 @@ async def test_a_slot_request_to_a_model_mode_broker_is_dead_lettered_saying_why
     )  # fmt: skip
     async with Bus(redis_url) as bus:
         await bus.publish(stream, req)
-    reply: Any = await redis.xread({keys.DEAD_LETTER_STREAM: "0"}, block=30_000)
+    reply: Any = await redis.xread({keys.dead_letter_stream(stream): "0"}, block=30_000)
     assert reply, "nothing was dead-lettered"
     errors = [fields[b"error"].decode() for _, fields in reply[0][1]]
     assert any("wan.mode is 'model': a SlotRequest belongs to wan.mode kernel or none" in e for e in errors), errors

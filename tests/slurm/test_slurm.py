@@ -339,7 +339,7 @@ def run_processes(run: str) -> list[str]:
 
 def test_scancel_leaves_no_process_and_no_redis_key(cluster_and_run: tuple[SlurmCluster, Run]) -> None:
     cluster, run = cluster_and_run
-    assert run.redis.keys(f"bt:{run.run}:*"), "the run has keys while its control job runs"
+    assert run.redis.keys(keys.run_pattern(run.run)), "the run has keys while its control job runs"
     cluster.run("scancel", run.control_job, *run.worker_jobs.values())
     t0 = time.monotonic()
     wait_for(lambda: not run_processes(run.run), 60, "every process of the run to end", cluster)
@@ -357,7 +357,7 @@ def test_scancel_leaves_no_process_and_no_redis_key(cluster_and_run: tuple[Slurm
     try:
         r = redis.Redis(port=port, socket_timeout=5)
         wait_for(lambda: _pings(r), 10, "a Redis on the control job's folder", cluster)
-        assert r.keys(f"bt:{run.run}:*") == []
+        assert r.keys(keys.run_pattern(run.run)) == []
         r.close()
     finally:
         server.terminate()

@@ -138,7 +138,9 @@ class PrefillPort:
         if self.kv_server is not None:
             s = self.kv_server.shelf.put(request_id, data, now)
             return KvStored(s.key, s.size, s.used, s.budget, self.kv_server.holder if s.key else "")
-        s = await kvstore.store_kv_within_budget(self.redis, request_id, data, self.kv_ttl_s, self.kv_budget_bytes, now)
+        s = await kvstore.store_kv_within_budget(
+            self.redis, self.run, request_id, data, self.kv_ttl_s, self.kv_budget_bytes, now
+        )
         return KvStored(s.key, s.size, s.used, s.budget)
 
     # --- snapshots out and in --------------------------------------------------------------
