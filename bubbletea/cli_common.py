@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
+from shared.config import env_values
 from shared.config.spec import ConfigError
 from shared.config.timescale import WARN_SCALE
 
@@ -32,6 +33,15 @@ def merge_spec_argument(args: Any) -> None:
     if args.config and args.config != spec:
         raise ConfigError(f"two specs named ({spec} and --config {args.config}): name one")
     args.config = spec
+
+
+def run_id_argument(value: str) -> str:
+    """The `type` of every `--run`: a run id as BUBBLETEA_RUN takes it (no brace: the run id is the hash
+    tag of its Redis keys)."""
+    try:
+        return env_values.run_id(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("BUBBLETEA_RUN: ")) from None
 
 
 class CommandError(Exception):

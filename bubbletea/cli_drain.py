@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from bubbletea.cli_common import CONFIG_HELP, CommandError
+from bubbletea.cli_common import CONFIG_HELP, CommandError, run_id_argument
 from shared.config.settings import load_settings
 
 SLOT = re.compile(r"^r(\d+)s(\d+)$")
@@ -35,7 +35,7 @@ def add_parser(sub: Any) -> None:
         "goes on. Waits until the worker has left (exit 0), or --timeout passes (exit 1). Needs REDIS_URL.",
     )
     p.add_argument("slot", metavar="SLOT", help="the slot to drain, e.g. r0s1")
-    p.add_argument("--run", help="the run id (default: $BUBBLETEA_RUN)")
+    p.add_argument("--run", type=run_id_argument, help="the run id (default: $BUBBLETEA_RUN)")
     p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument(
         "--timeout", type=float, default=WAIT_S, help=f"seconds to wait for it to leave (default {WAIT_S:g})"
@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
         "LEFT=.. DONE=.. STOPPED=.. for a batch script to eval (deploy/slurm/workers.sbatch does).",
     )
     p.add_argument("--dc", help="the datacenter (default: $BUBBLETEA_DC)")
-    p.add_argument("--run", help="the run id, with --live (default: $BUBBLETEA_RUN)")
+    p.add_argument("--run", type=run_id_argument, help="the run id, with --live (default: $BUBBLETEA_RUN)")
     p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument(
         "--live", action="store_true", help="also count the slots left (drained) and not taken again, done, stopped"

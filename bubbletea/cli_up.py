@@ -16,6 +16,7 @@ from bubbletea.cli_common import (
     add_scale_argument,
     add_spec_arguments,
     add_wan_argument,
+    run_id_argument,
     scale_override,
     wan_override,
 )
@@ -43,7 +44,7 @@ def add_parser(sub: Any) -> None:
         "pictures). Like demo, it first picks the device time scale (BUBBLETEA_TIME_SCALE=K sets it).",
     )
     add_spec_arguments(p)
-    p.add_argument("--run", help="run id scoping streams and leases (default: up-<unix time>)")
+    p.add_argument("--run", type=run_id_argument, help="run id scoping streams and leases (default: up-<unix time>)")
     add_wan_argument(p)
     add_scale_argument(p)
     p.add_argument("--out", default="runs", help="where the run folder goes (default: runs/)")

@@ -25,6 +25,7 @@ from bubbletea.cli_common import (
     add_spec_arguments,
     add_verbose_argument,
     add_wan_argument,
+    run_id_argument,
     scale_override,
     wan_override,
 )
@@ -238,7 +239,7 @@ def _add_train(sub: Any) -> None:
         "training.iterations, print loss and iteration time, stop. Uses an embedded Redis unless REDIS_URL is set.",
     )
     add_spec_arguments(p)
-    p.add_argument("--run", help="run id scoping streams and leases (default: train-<unix time>)")
+    p.add_argument("--run", type=run_id_argument, help="run id scoping streams and leases (default: train-<unix time>)")
     add_wan_argument(p)
     p.add_argument(
         "--save",

@@ -91,7 +91,10 @@ def redis_url(url: str) -> str:
 
 def run_id(value: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", value):
-        raise ConfigError(f"BUBBLETEA_RUN: letters, digits, '.', '_' and '-' only (1-64 chars), got {value!r}")
+        raise ConfigError(
+            "BUBBLETEA_RUN: letters, digits, '.', '_' and '-' only (1-64 chars; a brace would break the hash "
+            f"tag of the run's Redis keys, bt:{{<run>}}:...), got {value!r}"
+        )
     return value
 
 

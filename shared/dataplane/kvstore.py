@@ -166,6 +166,19 @@ return {1, used + size}
 """
 
 
+def _bucket_width(ttl_s: int) -> int:
+    return max(1, -(-ttl_s // KV_BUDGET_BUCKETS))  # ceil
+
+
+def budget_keys(run: str, request_id: str, ttl_s: int, now: float) -> list[str]:
+    """The keys `store_kv_within_budget`'s script touches: the cache's, then the counters of the
+    buckets that span the last `ttl_s` (the current one last). All `run`'s: one hash tag."""
+    width = _bucket_width(ttl_s)
+    last = int(now) // width
+    first = (int(now) - ttl_s) // width
+    return [keys.kv_cache_key(run, request_id), *(keys.kv_budget_bucket_key(run, b) for b in range(first, last + 1))]
+
+
 @dataclass(frozen=True)
 class Stored:
     """What `store_kv_within_budget` did: `key` is "" when the cache was not stored (over budget)."""
@@ -183,11 +196,8 @@ async def store_kv_within_budget(
     last `ttl_s` (a counter per time bucket, `keys.kv_budget_bucket_key`) and this one exceed
     `budget_bytes`; the check and the store are one step (Lua), so concurrent workers never overshoot
     together. The cache and the counters are the run's keys: one hash tag, one slot of a cluster."""
-    width = max(1, -(-ttl_s // KV_BUDGET_BUCKETS))  # ceil
-    last = int(now) // width
-    first = (int(now) - ttl_s) // width
-    buckets = [keys.kv_budget_bucket_key(run, b) for b in range(first, last + 1)]
-    key = keys.kv_cache_key(run, request_id)
+    width = _bucket_width(ttl_s)
+    key, *buckets = budget_keys(run, request_id, ttl_s, now)
     reply: Any = await r.eval(
         _STORE_WITHIN_BUDGET, 1 + len(buckets), key, *buckets, data, ttl_s, budget_bytes, ttl_s + 2 * width
     )
