@@ -2,7 +2,7 @@
 
 For `/v1/completions` with ``max_tokens > 1`` the front door has the prompt prefilled inside the
 pipeline bubbles as for any request; the answer carries the first token and the KV cache's handle.
-The front door then publishes a `DecodeRequest` on its run's `bt:<run>:decode:requests`, and one of
+The front door then publishes a `DecodeRequest` on its run's `bt:{<run>}:decode:requests`, and one of
 the run's decoders (BUBBLETEA_RUN, as every service of the run):
 
 1. loads the KV cache: from the memory of the worker that prefilled it, over the data plane

@@ -34,7 +34,7 @@ class FailureReason(enum.StrEnum):
     #: not a failure: the bubbles cannot compute it by its objective; the decoder does (status MOVED)
     TO_DECODER = "to_decoder"
     #: the dispatcher could not handle it (its entry was dead-lettered: the dead-letter stream,
-    #: bt:dead, says why); answered so, not left to its client's timeout
+    #: the run's bt:{<run>}:dead, says why); answered so, not left to its client's timeout
     DEAD_LETTERED = "dead_lettered"
 
 

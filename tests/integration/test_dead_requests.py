@@ -1,6 +1,6 @@
 """A request the dispatcher cannot handle is answered, failed, and counted out of flight (issue 62):
 before, a dead-lettered request was never answered (its client waited out its deadline) and never
-counted down, so the run's `bt:<run>:prefill:inflight` crept toward `prefill.max_queue_depth` and ended in permanent
+counted down, so the run's `bt:{<run>}:prefill:inflight` crept toward `prefill.max_queue_depth` and ended in permanent
 429s. And the count is reconciled with the request stream, so no drift lasts.
 
 A real redis-server, the bus's real consumer, the serving scripts the services run."""
@@ -62,6 +62,8 @@ async def test_a_dead_lettered_request_is_failed_through_the_answer_path_and_cou
     assert all(a.status is RequestStatus.FAILED and a.reason is FailureReason.DEAD_LETTERED for a in got.values())
     assert "cannot take it" in got["r-1"].error
     assert int(await redis.get(INFLIGHT)) == 0
+    # the run's dead letters are in the run's own dead-letter stream (its tag: one slot with its XACKs)
+    assert await redis.xlen(keys.run_dead_letter_stream(RUN)) >= 2
     found = await serving.lookup(redis, RUN, "r-1")
     assert found is not None and found.status is RequestStatus.FAILED
 

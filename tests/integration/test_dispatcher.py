@@ -218,7 +218,7 @@ async def test_a_read_of_requests_goes_out_in_one_round_trip_and_only_redeliveri
         assert d.state.workers["r0s0"].held  # the requests went to the worker
         again = PrefillRequest(id="q0", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:r")
         await d.on_request(Delivery("0-0", "s", again, 2))  # delivered again: looked up
-        assert calls and calls[0] == "MGET"
+        assert calls and calls[0] == "HMGET"
 
 
 async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_came(redis_url: str) -> None:

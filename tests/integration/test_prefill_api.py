@@ -116,6 +116,7 @@ async def test_native_submit_status_and_idempotency(client: TestClient, redis: R
     assert len(await queued(redis, 1)) == 1  # enqueued once
     assert (await (await client.get(f"/v1/prefill/{rid}")).json())["status"] == "queued"
     req = (await queued(redis, 1))[0]
+    assert keys.hash_tag(req.reply_to) == RUN  # the front door's results stream is the run's: one slot
     assert await serving.answer(redis, RUN, ok_result(req, 66), req.reply_to)
     assert not await serving.answer(redis, RUN, ok_result(req, 67), req.reply_to)  # first answer wins
     got = await (await client.get(f"/v1/prefill/{rid}")).json()

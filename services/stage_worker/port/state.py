@@ -5,9 +5,9 @@ Both are files under the run's state directory (`Settings.state_dir`, BUBBLETEA_
 ``<dir>/<run>/``), never Redis values: a checkpoint is a stage's weights and AdamW's moments, up to
 three times the stage's size. Redis holds only **references**, the files' absolute paths:
 
-* ``bt:<run>:ckpt:<r>:<k>`` (a hash, iteration -> path): which checkpoints slot (r, k) has, what the
+* ``bt:{<run>}:ckpt:<r>:<k>`` (a hash, iteration -> path): which checkpoints slot (r, k) has, what the
   recovery protocol reads to pick the newest one every slot has (`Generations.resume_point`);
-* ``bt:<run>:weights:<i>:<k>`` and ``bt:<run>:trainstate:<i>:<k>`` (strings, a path each): the state
+* ``bt:{<run>}:weights:<i>:<k>`` and ``bt:{<run>}:trainstate:<i>:<k>`` (strings, a path each): the state
   stage k handed over after iteration i, which the `bubbletea train --save` launcher reads (it
   starts the workers on its own host, so it reads their files) and deletes, files included.
 
