@@ -11,8 +11,9 @@ from aiohttp import web
 from services.prefill_queue.answers import hops_seen
 from services.prefill_queue.api import new_request
 from services.prefill_queue.metrics import Metrics
-from services.prefill_queue.state import DECODER_LOAD, HOPS, INSTANCE, METRICS
+from services.prefill_queue.state import DECODER_LOAD, HOPS, INSTANCE, METRICS, SETTINGS
 from services.prefill_queue.validation import ParsedRequest
+from shared.config.settings import load_settings
 from shared.policies.prompt_placement import DecoderLoad, FrontDoorHops
 
 PARSED = ParsedRequest("m", (1, 2, 3), 0.0, None, 0, "", timeout_s=60.0, objective_s=0.5)
@@ -21,6 +22,7 @@ PARSED = ParsedRequest("m", (1, 2, 3), 0.0, None, 0, "", timeout_s=60.0, objecti
 def app_with_hops(*seconds: float) -> web.Application:
     app = web.Application()
     app[INSTANCE] = "fd-test"
+    app[SETTINGS] = load_settings(None, env={"BUBBLETEA_RUN": "objective"})  # its run names the results stream
     app[METRICS] = Metrics()
     app[HOPS] = FrontDoorHops()
     for s in seconds:
