@@ -300,6 +300,7 @@ LONG_MODULES: dict[str, str] = {
     "shared/dataplane/kernel_net.py": "the kernel WAN's pure plan: its topology and shaping explained beside the code",
     "bench/pd_vllm.py": "one bench: its docstring defines every figure, beside the code that computes it",
     "shared/bus/consumer.py": "one consumer's read, handle and drain; its reclaimer and in-hand table are apart",
+    "shared/wire/keys.py": "every Redis key and stream in one place, each with its bound and its hash tag",
 }
 
 #: Functions allowed past MAX_FUNCTION_LINES: "path::Class.function" -> why it stays one function.
