@@ -24,7 +24,7 @@ from shared.control.health import live_instances
 from shared.control.serving import Readiness
 from shared.model.shape import max_prompt_tokens, model_info
 from shared.model.tokenizer import Tokenizer, tokenizer_for
-from shared.wire import PrefillRequest, PrefillResult
+from shared.wire import PrefillRequest, PrefillResult, keys
 from shared.wire.status import FailureReason, RequestStatus
 
 #: How long a 429 tells the client to wait before retrying: about one pipeline iteration.
@@ -232,10 +232,13 @@ async def status(request: web.Request) -> web.Response:
     found = await serving.lookup(request.app[BUS].redis, request.app[SETTINGS].run, request_id)
     if found is None:
         raise BadRequest(
-            f"no request {request_id!r} (unknown, or older than a day)", status=404, type_="not_found_error"
+            f"no request {request_id!r} (unknown, older than an hour, or answered and read more than "
+            f"{keys.PREFILL_READ_GRACE_S}s ago)", status=404, type_="not_found_error"
         )
     body: dict[str, Any] = {"id": request_id, "status": found.status}
     r = found.result
+    if r is not None:  # the client has its answer: its record goes within the grace
+        await serving.read_by_client(request.app[BUS].redis, request.app[SETTINGS].run, [request_id])
     if r is not None and r.ok:
         body["result"] = result_body(r)
     elif r is not None:

@@ -14,6 +14,7 @@ tests/integration/test_hostile_clients.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +32,7 @@ from services.prefill_queue.state import (
     HOPS,
     INSTANCE,
     METRICS,
+    READ_EVERY_S,
     SERVICE,
     SETTINGS,
     STARTED,
@@ -153,7 +155,30 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
     handlers: Handlers = {PrefillResult: on_result, DecodeChunk: on_chunk}
     consumer = app[BUS].consumer(instance_results_stream(app), SERVICE, handlers, name=app[INSTANCE])
     async with consumer:
-        yield
+        marking = asyncio.create_task(_mark_read(app), name="mark-read")
+        try:
+            yield
+        finally:
+            marking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await marking
+            await _mark_read_once(app)  # what was delivered last still goes within the grace
+
+
+async def _mark_read_once(app: web.Application) -> None:
+    read = app[WAITERS].take_read()
+    try:
+        await serving.read_by_client(app[BUS].redis, app[SETTINGS].run, read)
+    except TRANSIENT_ERRORS as exc:
+        # Redis away: those records keep their hour (bounded memory, nothing lost); not retried
+        log.warning("could not mark answers read; their records keep their hour", count=len(read), error=repr(exc))
+
+
+async def _mark_read(app: web.Application) -> None:
+    """Every `READ_EVERY_S`, the answers delivered since are marked read (`keys.PREFILL_READ_GRACE_S`)."""
+    while True:
+        await asyncio.sleep(READ_EVERY_S)
+        await _mark_read_once(app)
 
 
 async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:

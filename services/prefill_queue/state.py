@@ -20,6 +20,14 @@ from shared.wire import DecodeChunk, PrefillResult, keys
 
 SERVICE = "prefill_queue"
 
+#: Answers delivered and not yet marked read in Redis, at most (a Redis away for long): past it, an
+#: answer's record keeps its hour (`keys.PREFILL_RECORD_TTL_S`) rather than the front door's memory grow.
+READ_BACKLOG = 100_000
+
+#: How often a front door marks the answers it delivered as read (`serving.read_by_client`): one round
+#: trip for all of them, off the path of the answers themselves.
+READ_EVERY_S = 1.0
+
 
 class Waiters:
     """Futures of the synchronous requests this instance is answering, by request id; and, for
@@ -28,6 +36,7 @@ class Waiters:
     def __init__(self) -> None:
         self._futures: dict[str, asyncio.Future[PrefillResult]] = {}
         self._chunks: dict[str, asyncio.Queue[DecodeChunk]] = {}
+        self._read: list[str] = []  # answers handed to their clients, whose records may go soon
 
     def expect_chunks(self, request_id: str) -> asyncio.Queue[DecodeChunk]:
         q: asyncio.Queue[DecodeChunk] = asyncio.Queue()
@@ -51,7 +60,15 @@ class Waiters:
         if fut is None or fut.done():
             return False
         fut.set_result(result)
+        if len(self._read) < READ_BACKLOG:
+            self._read.append(result.id)
         return True
+
+    def take_read(self) -> list[str]:
+        """The ids of the answers delivered since the last call (`serving.read_by_client` shortens
+        their records' lives)."""
+        read, self._read = self._read, []
+        return read
 
     def forget(self, request_id: str) -> None:
         self._futures.pop(request_id, None)

@@ -219,6 +219,18 @@ async def reconcile_inflight(r: Redis, run: str, group: str) -> int | None:
     return None if int(n) < 0 else int(n)
 
 
+async def read_by_client(r: Redis, run: str, request_ids: list[str]) -> None:
+    """`run`'s answers to `request_ids` were read by their clients: each record now goes within
+    `keys.PREFILL_READ_GRACE_S` (EXPIRE ... LT: a record closer to its end keeps its own). One round
+    trip for all; the records share the run's tag, so one node takes it on a cluster."""
+    if not request_ids:
+        return
+    async with r.pipeline(transaction=False) as pipe:
+        for rid in request_ids:
+            pipe.expire(keys.prefill_request_key(run, rid), keys.PREFILL_READ_GRACE_S, lt=True)
+        await pipe.execute()
+
+
 @dataclass(frozen=True)
 class Lookup:
     """What Redis knows of a request: its status, and its answer once it has one."""

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 
 from services.prefill_queue.api import FAILURE_STATUS
 from services.prefill_queue.app import create_app
-from services.prefill_queue.state import SETTINGS
+from services.prefill_queue.state import READ_EVERY_S, SETTINGS
 from shared.bus.connection import blocking_client
 from shared.config.settings import Settings, load_settings
 from shared.control import serving
@@ -122,11 +122,21 @@ async def test_native_submit_status_and_idempotency(client: TestClient, redis: R
     got = await (await client.get(f"/v1/prefill/{rid}")).json()
     assert got["status"] == "done" and got["result"]["token"] == 66
     assert (await client.get("/v1/prefill/pf-nope")).status == 404
-    # docs/api.md: answers and idempotency keys live an hour (the queued status goes with the answer)
+    # docs/api.md: an answer read by its client (this GET) goes within 2 minutes; idempotency keys
+    # live an hour (the queued status goes with the answer)
     record = keys.prefill_request_key(RUN, rid)
     assert await redis.hkeys(record) == [keys.PREFILL_RESULT_FIELD.encode()]
-    for key in (record, keys.idempotency_key(RUN, "k1")):
-        assert 3_500 < await redis.ttl(key) <= keys.PREFILL_RECORD_TTL_S == 3_600, key
+    assert 0 < await redis.ttl(record) <= keys.PREFILL_READ_GRACE_S == 120
+    assert 3_500 < await redis.ttl(keys.idempotency_key(RUN, "k1")) <= keys.PREFILL_RECORD_TTL_S == 3_600
+
+
+async def test_an_answer_nobody_read_keeps_its_hour(client: TestClient, redis: Redis) -> None:
+    """docs/api.md: an answer no client has read (an abandoned 202) keeps its record an hour."""
+    rid = (await (await client.post("/v1/prefill", json={"prompt": [1, 2]})).json())["id"]
+    req = (await queued(redis, 1))[0]
+    assert await serving.answer(redis, RUN, ok_result(req, 5), req.reply_to)
+    await asyncio.sleep(READ_EVERY_S * 1.5)  # a front door's marking round passes: nothing to mark
+    assert 3_500 < await redis.ttl(keys.prefill_request_key(RUN, rid)) <= keys.PREFILL_RECORD_TTL_S
 
 
 async def test_a_failed_answer_is_reported(client: TestClient, redis: Redis) -> None:
@@ -165,6 +175,25 @@ async def test_a_failed_completion_answers_the_http_status_of_its_reason(
     if resp.status in (429, 503):
         assert int(resp.headers["Retry-After"]) > 0
     assert (await resp.json())["error"]["message"] == f"the prefill failed: it failed: {reason}"
+
+
+async def test_an_answer_delivered_to_its_waiting_client_goes_within_the_grace(
+    client: TestClient, redis: Redis
+) -> None:
+    """docs/api.md: the front door marks an answer it handed to a waiting client as read: its record
+    goes within `keys.PREFILL_READ_GRACE_S`, not the hour (what keeps Redis flat under load)."""
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}))
+    got: Any = await redis.xread({REQUESTS: "0"}, count=1, block=30_000)
+    req = decode(got[0][1][0][1][FIELD])
+    assert isinstance(req, PrefillRequest)
+    assert await serving.answer(redis, RUN, ok_result(req, 7), req.reply_to)
+    assert (await asyncio.wait_for(call, 60)).status == 200
+    record = keys.prefill_request_key(RUN, req.id)
+    for _ in range(50):  # marked within READ_EVERY_S (one round trip for every answer since)
+        if 0 < await redis.ttl(record) <= keys.PREFILL_READ_GRACE_S:
+            break
+        await asyncio.sleep(0.1)
+    assert 0 < await redis.ttl(record) <= keys.PREFILL_READ_GRACE_S
 
 
 async def test_queue_full_answers_429_with_retry_after(client: TestClient, redis: Redis) -> None:

@@ -39,6 +39,8 @@ def test_answers_and_idempotency_keys_live_the_hour_the_api_says() -> None:
     assert keys.PREFILL_RECORD_TTL_S == 3_600
     api = " ".join((ROOT / "docs" / "api.md").read_text().split())
     assert "live an hour (`keys.PREFILL_RECORD_TTL_S`" in api
+    assert keys.PREFILL_READ_GRACE_S == 120
+    assert "an answer its client has read goes 2 minutes later (`keys.PREFILL_READ_GRACE_S`)" in api
 
 
 async def test_bubbletea_train_ends_the_run_when_a_worker_dies() -> None:
