@@ -233,7 +233,9 @@ async def status(request: web.Request) -> web.Response:
     if found is None:
         raise BadRequest(
             f"no request {request_id!r} (unknown, older than an hour, or answered and read more than "
-            f"{keys.PREFILL_READ_GRACE_S}s ago)", status=404, type_="not_found_error"
+            f"{keys.PREFILL_READ_GRACE_S}s ago)",
+            status=404,
+            type_="not_found_error",
         )
     body: dict[str, Any] = {"id": request_id, "status": found.status}
     r = found.result
