@@ -38,7 +38,10 @@ inputs reach 90% of those offered and its decision p99 is under 2 ms.
 The sweep: each mix at 32 workers (quick; 64 in full), then the 8,192-GPU mix at more workers
 until no arm holds. Headlines per arm: the largest input rate held, and from its per-input costs the
 dispatcher cores and Redis shards (masters) the 8,192- and 65,536-GPU jobs need at 0.7 core a
-process (65,536: the 8,192 mix scaled linearly by GPUs, x8). Last line: one JSON object.
+process (65,536: the 8,192 mix scaled linearly by GPUs, x8), assuming the load spreads evenly over
+shards and dispatchers (a hash tag and a dispatcher per datacenter: not built); ``*_marginal``: the
+same from a line fitted to each process's CPU against the inputs over the 8,192-GPU mix's driven
+cases (the fixed part, timers and polls, counted once, not per input). Last line: one JSON object.
 
     python bench/control_plane.py --quick        # about 2-3 minutes with both arms
     python bench/control_plane.py                # 10 s a case, the sweep up to the whole 8,192 job
@@ -59,14 +62,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout:
 import uvloop
 
 from bench.lib.cp_case import Backend, Node, run_case
-from bench.lib.cp_figures import CORE_BUDGET, DECISION_P99_MS, sizing
+from bench.lib.cp_figures import CORE_BUDGET, DECISION_P99_MS, marginal, sizing
 from bench.lib.cp_mix import DOCUMENTED_INPUTS_PER_S, PP, Mix, from_simulator
 from bench.lib.output import emit, stderr
 from shared.runtime.redis_server import EmbeddedRedis
 
 ARMS = ("single", "cluster")
 SIZES = (512, 2_048, 8_192)
-QUICK_SWEEP = (64, 128, 256)
+QUICK_SWEEP = (64, 128, 192, 256)
 FULL_SWEEP = (128, 192, 256, 384, 512, 768, 1024)
 SCALE_TO = 65_536
 
@@ -140,6 +143,7 @@ def headline(rows: list[dict[str, Any]], arm: str, big: float) -> dict[str, Any]
     drove the most: said in ``costs_from``)."""
     mine = [r for r in rows if r["arm"] == arm]
     held = [r for r in mine if r["held"]]
+    swept = [r for r in mine if r["driven"] and r["mix_gpus"] == SIZES[-1]]
     best = max(held or mine, key=lambda r: r["measured"]["inputs_per_s"], default=None)
     if best is None:
         return {}
@@ -153,6 +157,9 @@ def headline(rows: list[dict[str, Any]], arm: str, big: float) -> dict[str, Any]
         "redis_used_memory_bytes": [n["used_memory_bytes"] for n in best["redis_nodes"]],
         "sizing_8192": sizing(best, big),
         f"sizing_{SCALE_TO}": sizing(best, big * SCALE_TO / SIZES[-1]),
+        # the same from the marginal cost over the 8,192-GPU mix's driven cases (a fixed part apart)
+        "sizing_8192_marginal": marginal(swept, big),
+        f"sizing_{SCALE_TO}_marginal": marginal(swept, big * SCALE_TO / SIZES[-1]),
     }
 
 

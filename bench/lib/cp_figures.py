@@ -96,6 +96,7 @@ def figures(
         "bubble_start_to_work_p50_ms": _r(percentile(waits, 50)),
         "bubble_start_to_work_p99_ms": _r(percentile(waits, 99)),
         "bubbles_with_work_share": round(len(waits) / starts, 3) if starts else None,
+        "bubble_start_to_work_samples": len(waits),
         "refused": beat.get("overloaded"),
         "expired": beat.get("expired"),
         "held": driven and p99 is not None and p99 < DECISION_P99_MS,
@@ -127,4 +128,37 @@ def sizing(row: dict[str, Any], inputs_per_s: float) -> dict[str, Any]:
         "one_dispatcher_under_0_7_core": d_cores < CORE_BUDGET,
         "one_master_under_0_7_core": m_cores < CORE_BUDGET,
         "fits_3_shards_under_0_7_core": m_cores / 3 < CORE_BUDGET and r_cores / 3 < CORE_BUDGET,
+    }
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def marginal(rows: list[dict[str, Any]], inputs_per_s: float) -> dict[str, Any]:
+    """The same sizing from the marginal cost: each process's core share against the inputs a
+    second over `rows` (the driven cases of one mix and arm), a line (a fixed part, the timer and
+    polls, plus a cost a input), extrapolated to `inputs_per_s`. None with fewer than 2 cases."""
+    if len({r["workers"] for r in rows}) < 2:
+        return {"why": "fewer than 2 driven cases of the mix"}
+    xs = [r["measured"]["inputs_per_s"] for r in rows]
+    a, b = _line(xs, [r["dispatcher"]["cpu"] for r in rows])
+    masters = [i for i, n in enumerate(rows[0]["redis_nodes"]) if n["role"] == "master"]
+    ma, mb = _line(xs, [sum(r["redis_nodes"][i]["cpu"] for i in masters) for r in rows])
+    d_cores, m_cores = a + b * inputs_per_s, ma + mb * inputs_per_s
+    return {
+        "from_cases": len(rows),
+        "dispatcher_fixed_cores": round(a, 3),
+        "dispatcher_us_per_input": round(1e6 * b, 2),
+        "redis_masters_fixed_cores": round(ma, 3),
+        "redis_masters_us_per_input": round(1e6 * mb, 2),
+        "dispatcher_cores": round(d_cores, 2),
+        "dispatchers_at_0_7_core": max(1, math.ceil(d_cores / CORE_BUDGET)),
+        "redis_master_cores": round(m_cores, 2),
+        "shards_at_0_7_core": max(1, math.ceil(m_cores / CORE_BUDGET)),
+        "fits_3_shards_under_0_7_core": m_cores / 3 < CORE_BUDGET,
     }

@@ -40,10 +40,9 @@ def test_a_tiny_case_counts_the_mix_it_drives_and_reports_every_figure() -> None
         assert 0.5 * offered[kind] < measured[kind] < 1.5 * offered[kind], (kind, offered, measured)
     assert measured["reports_per_s"] > 0 and measured["answers_read_per_s"] > 0
     assert 10 < measured["lease_renewals_per_s"] < 24  # 16 workers, one renewal a second each
-    assert (
-        case["inputs"] == round(measured["inputs_per_s"] * 2) or abs(case["inputs"] - 2 * measured["inputs_per_s"]) < 2
-    )
-    assert 0 < case["sent"] and case["answered"] <= case["sent"] and case["refused"] == 0
+    # the inputs counted are the kinds counted, over the 2 s window
+    assert case["inputs"] == pytest.approx(2 * (measured["inputs_per_s"]), abs=1)
+    assert case["sent"] > 0 and case["answered"] <= case["sent"] and case["refused"] == 0
     assert case["dispatcher"]["cpu"] > 0 and case["dispatcher"]["cpu_us_per_input"] > 0
     (node,) = case["redis_nodes"]
     assert node["role"] == "master" and node["cpu_us_per_input"] > 0 and node["used_memory_bytes"] > 0
