@@ -131,20 +131,35 @@ async def one_case(arm: str, mix: Mix, seconds: float, workdir: Path) -> dict[st
 
 async def bench(
     mixes: dict[int, Mix], cases: list[tuple[int, int]], sweep: list[int], arms: list[str], seconds: float
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Every fixed case on every arm, then the 8,192-GPU mix at each of `sweep`'s worker counts
-    until no arm holds (a machine that cannot drive one will not drive the next)."""
+    until no arm holds (a machine that cannot drive one will not drive the next). An arm other than
+    ``single`` whose case fails (its backend or the dispatcher on it) is left out from there on, with
+    why: the cases, and `single`, go on."""
     rows: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+
+    async def each(gpus: int, workers: int, tmp: Path) -> list[dict[str, Any]]:
+        out = []
+        for arm in [a for a in arms if a not in failed]:
+            try:
+                out.append(await one_case(arm, mixes[gpus].scaled(workers), seconds, tmp))
+            except Exception as exc:
+                if arm == "single":
+                    raise
+                failed[arm] = f"failed at the {gpus}-GPU mix, {workers} workers: {exc!r}"
+                stderr(f"arm {arm} left out: {failed[arm]}")
+        return out
+
     with tempfile.TemporaryDirectory() as tmp:
         for gpus, workers in cases:
-            for arm in arms:
-                rows.append(await one_case(arm, mixes[gpus].scaled(workers), seconds, Path(tmp)))
+            rows += await each(gpus, workers, Path(tmp))
         for workers in sweep:
-            held = [await one_case(arm, mixes[SIZES[-1]].scaled(workers), seconds, Path(tmp)) for arm in arms]
+            held = await each(SIZES[-1], workers, Path(tmp))
             rows += held
             if not any(r["held"] for r in held):
                 break
-    return rows
+    return rows, failed
 
 
 def headline(rows: list[dict[str, Any]], arm: str, big: float) -> dict[str, Any]:
@@ -216,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         each = 32 if args.quick else 64
         cases, sweep = [(g, each) for g in SIZES], list(QUICK_SWEEP if args.quick else FULL_SWEEP)
     seconds = args.seconds or (5.0 if args.quick else 10.0)
-    rows = uvloop.run(bench(mixes, cases, sweep, arms, seconds))
+    rows, failed = uvloop.run(bench(mixes, cases, sweep, arms, seconds))
+    skipped |= failed
+    arms = [a for a in arms if a not in failed]
     big = round(mixes[SIZES[-1]].inputs_per_s if SIZES[-1] in mixes else DOCUMENTED_INPUTS_PER_S[SIZES[-1]], 1)
     out: dict[str, Any] = {
         "bench": "control_plane",
