@@ -141,10 +141,10 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def marginal(rows: list[dict[str, Any]], inputs_per_s: float) -> dict[str, Any]:
     """The same sizing from the marginal cost: each process's core share against the inputs a
-    second over `rows` (the driven cases of one mix and arm), a line (a fixed part, the timer and
+    second over `rows` (the held cases of one mix and arm), a line (a fixed part, the timer and
     polls, plus a cost a input), extrapolated to `inputs_per_s`. None with fewer than 2 cases."""
     if len({r["workers"] for r in rows}) < 2:
-        return {"why": "fewer than 2 driven cases of the mix"}
+        return {"why": "fewer than 2 held cases of the mix"}
     xs = [r["measured"]["inputs_per_s"] for r in rows]
     a, b = _line(xs, [r["dispatcher"]["cpu"] for r in rows])
     masters = [i for i, n in enumerate(rows[0]["redis_nodes"]) if n["role"] == "master"]
