@@ -1,7 +1,8 @@
-"""What /proc says of a process a bench started: its command line."""
+"""What /proc says of a process a bench started: its command line, its CPU time."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -14,3 +15,13 @@ def command_words(pid: int) -> list[str] | None:
     except OSError:
         return None
     return raw.replace(b"\0", b" ").decode(errors="replace").split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of `pid` (every thread of it, not its children); None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()  # after the command's name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
