@@ -148,7 +148,6 @@ def _cluster_client(url: str, *, max_connections: int, **options: Any) -> RedisC
         plain_url(url),
         max_connections=max_connections,
         retry=no_retry(),
-        cluster_error_retry_attempts=0,
         protocol=2,
         socket_timeout=None,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
@@ -313,7 +312,6 @@ def client_for(url: str, **options: Any) -> Redis:
     options.setdefault("protocol", 2)
     if is_cluster_url(url):
         options.setdefault("retry", no_retry())
-        options.setdefault("cluster_error_retry_attempts", 0)
         return cast(Redis, RedisCluster.from_url(plain_url(url), **options))
     return Redis.from_url(url, **options)
 

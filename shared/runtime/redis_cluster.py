@@ -144,6 +144,7 @@ class EmbeddedCluster:
                 _until(deadline, "a replica to follow its master", lambda c=c, m=master_id: _replicate(c, m))
             _until(deadline, "cluster_state:ok on every node", lambda: all(_state_ok(c) for c in clients))
             _until(deadline, "every replica's link up", lambda: all(_link_up(c) for c in replicas))
+            _until(deadline, "every node to see the replicas", lambda: all(_masters(c) == self.masters for c in clients))
         finally:
             for c in clients:
                 c.close()
@@ -212,6 +213,11 @@ def _until(deadline: float, what: str, done: object) -> None:
 
 def _known(c: redis.Redis) -> int:
     return len(_text(c.execute_command("CLUSTER", "NODES")).splitlines())
+
+
+def _masters(c: redis.Redis) -> int:
+    lines = _text(c.execute_command("CLUSTER", "NODES")).splitlines()
+    return sum(1 for line in lines if "master" in line.split()[2].split(","))
 
 
 def _replicate(c: redis.Redis, master_id: str) -> bool:
