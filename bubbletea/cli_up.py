@@ -106,6 +106,12 @@ def add_parser(sub: Any) -> None:
         "restart of it loses no accepted request (default: off, or $BUBBLETEA_REDIS_PERSIST=1; ignored "
         "with REDIS_URL, whose server has its own settings)",
     )
+    p.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="run everything on an embedded Redis Cluster (3 masters, 1 replica each) instead of one "
+        "embedded redis-server (not with REDIS_URL or --persist; docs/running.md)",
+    )
     p.set_defaults(func=run)
 
 
@@ -168,7 +174,14 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("up", "WARNING")
     persist = args.persist or os.environ.get("BUBBLETEA_REDIS_PERSIST", "").lower() in ("1", "true", "yes", "on")
     return uvloop.run(
-        run_up(settings, out_root=Path(args.out), verbose=args.verbose, persist=persist, vllm_python=vllm)
+        run_up(
+            settings,
+            out_root=Path(args.out),
+            verbose=args.verbose,
+            persist=persist,
+            vllm_python=vllm,
+            redis_cluster=args.redis_cluster,
+        )
     )
 
 

@@ -108,6 +108,9 @@ class EmbeddedCluster:
                 # A replica's first sync starts at once, not after Redis's default 5 s wait for others.
                 "--repl-diskless-sync-delay",
                 "0",
+                # Stopping: a master does not wait (Redis's default: up to 10 s) for its replicas.
+                "--shutdown-timeout",
+                "0",
             ],
         )
         self.bus_ports[server.port] = cluster_port
@@ -180,6 +183,9 @@ class EmbeddedCluster:
 
     def stop(self) -> None:
         """Stop every node (by PID; idempotent) and remove the cluster's files."""
+        for server in self.servers:  # all told first, then each waited for
+            if server.proc is not None and server.proc.poll() is None:
+                server.proc.terminate()
         for server in self.servers:
             server.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
