@@ -79,7 +79,6 @@ def drain(args: argparse.Namespace) -> int:
 
 async def _drain(url: str, run: str, replica: int, stage: int, slot: str, args: argparse.Namespace) -> int:
     from shared.bus.connection import client_for
-
     from shared.control.leases import slot_end
     from shared.wire import keys
     from shared.wire.status import LeaseState
@@ -138,7 +137,6 @@ async def _live(url: str, run: str, spec: Any, mine: set[str]) -> dict[str, int]
     were stopped with the run. A batch script tells a drained worker's exit 0 from a finished one's
     by `done`, not by `left`: a waiting spare may have taken the slot before the script asks."""
     from shared.bus.connection import client_for
-
     from shared.control.leases import read_slots
     from shared.wire.status import LeaseState
 

@@ -145,7 +145,6 @@ def health(args: argparse.Namespace) -> int:
     import asyncio
 
     from shared.bus.connection import client_for
-
     from shared.control.health import live_instances
 
     settings = load_settings(args.config)

@@ -106,12 +106,8 @@ def add_parser(sub: Any) -> None:
         "restart of it loses no accepted request (default: off, or $BUBBLETEA_REDIS_PERSIST=1; ignored "
         "with REDIS_URL, whose server has its own settings)",
     )
-    p.add_argument(
-        "--redis-cluster",
-        action="store_true",
-        help="run everything on an embedded Redis Cluster (3 masters, 1 replica each) instead of one "
-        "embedded redis-server (not with REDIS_URL or --persist; docs/running.md)",
-    )
+    cluster_help = "run on an embedded Redis Cluster, 3 masters x 1 replica (not with REDIS_URL or --persist)"
+    p.add_argument("--redis-cluster", action="store_true", help=cluster_help)
     p.set_defaults(func=run)
 
 

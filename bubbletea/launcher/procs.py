@@ -19,11 +19,11 @@ from redis.exceptions import RedisError
 
 from bubbletea.launcher import forked
 from bubbletea.launcher.services import PREFILL_QUEUE, ServiceDef, command
+from shared.bus.connection import sync_client_for
 from shared.config.settings import mask_url
+from shared.config.spec import ConfigError
 from shared.runtime.lifetime import die_with_parent
 from shared.runtime.logs import get_logger
-from shared.bus.connection import sync_client_for
-from shared.config.spec import ConfigError
 from shared.runtime.redis_cluster import EmbeddedCluster
 from shared.runtime.redis_server import EmbeddedRedis, free_port
 from shared.wire import keys

@@ -23,8 +23,8 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from shared.bus.connection import client_for, is_cluster_url
 
+from shared.bus.connection import client_for, is_cluster_url
 from shared.config.settings import Settings
 from shared.policies.pipeline_plan import placement_of
 from shared.runtime.logs import get_logger

@@ -136,7 +136,10 @@ class RedisStore(dist.Store):
         if not keys:
             return False
         # One EXISTS a key: on a cluster each goes to its own slot's node.
-        return all(self._call(lambda k=k: self._redis.exists(self._key(k))) for k in keys)
+        return all(self._exists(k) for k in keys)
+
+    def _exists(self, key: str) -> bool:
+        return bool(self._call(lambda: self._redis.exists(self._key(key))))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self._timeout).total_seconds()
@@ -155,9 +158,13 @@ class RedisStore(dist.Store):
                 raise RuntimeError(
                     f"data-plane rendezvous: no peer wrote {missing} under {self._prefix!r} within {limit:.0f} s"
                 )
-            if self._call(lambda: self._redis.blpop([wake], timeout=min(WAKE_S, max(left, 0.01)))) is not None:
+            if self._woken(wake, min(WAKE_S, max(left, 0.01))):
                 # Pass the wake-up on to the next waiter of this key (the token stays, with its TTL).
                 self._call(lambda: self._redis.rpush(wake, 1))
+
+    def _woken(self, wake: str, block_s: float) -> bool:
+        """Block on the wake list `wake` for up to `block_s`; whether a token came."""
+        return self._call(lambda: self._redis.blpop([wake], timeout=block_s)) is not None
 
     def delete_key(self, key: str) -> bool:
         return bool(self._call(lambda: self._redis.delete(self._key(key))))

@@ -17,6 +17,8 @@ to hundreds of ms) an order of magnitude short of a false failover.
 
 Nodes keep ``cluster-require-full-coverage no``: while one master is down, the slots of the others
 keep serving (only its own slots wait for the failover).
+
+Tested by: tests/integration/test_redis_cluster.py, tests/e2e/test_up_redis_cluster.py.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class EmbeddedCluster:
         maxmemory: str | None = None,
     ) -> None:
         if masters < 1 or replicas < 0:
-            raise ValueError(f"a cluster needs at least one master and no negative replicas (got {masters}, {replicas})")
+            raise ValueError(f"a cluster needs a master at least, and replicas >= 0 (got {masters}, {replicas})")
         self.masters, self.replicas = masters, replicas
         self.binary = binary or find_redis_server()
         self.node_timeout_ms = node_timeout_ms
@@ -133,6 +135,7 @@ class EmbeddedCluster:
         clients = [_client(s.port) for s in self.servers]
         try:
             masters, replicas = clients[: self.masters], clients[self.masters :]
+            masters_n = self.masters
             per = SLOTS // self.masters
             for i, c in enumerate(masters):
                 end = SLOTS - 1 if i == self.masters - 1 else (i + 1) * per - 1
@@ -147,7 +150,7 @@ class EmbeddedCluster:
                 _until(deadline, "a replica to follow its master", lambda c=c, m=master_id: _replicate(c, m))
             _until(deadline, "cluster_state:ok on every node", lambda: all(_state_ok(c) for c in clients))
             _until(deadline, "every replica's link up", lambda: all(_link_up(c) for c in replicas))
-            _until(deadline, "every node to see the replicas", lambda: all(_masters(c) == self.masters for c in clients))
+            _until(deadline, "every node to see the replicas", lambda: all(_masters(c) == masters_n for c in clients))
         finally:
             for c in clients:
                 c.close()
@@ -250,9 +253,7 @@ def _node(line: str, alive: dict[int, EmbeddedRedis]) -> Node:
     fields = line.split()
     port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
     flags = fields[2].split(",")
-    slots = tuple(
-        (int(a), int(b or a)) for a, _, b in (s.partition("-") for s in fields[8:] if not s.startswith("["))
-    )
+    slots = tuple((int(a), int(b or a)) for a, _, b in (s.partition("-") for s in fields[8:] if not s.startswith("[")))
     server = alive.get(port)
     return Node(
         port=port,
