@@ -21,6 +21,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from shared.bus.connection import client_for
 from shared.bus.streams import ensure_group
 from shared.control import serving
 from shared.policies.fill import FillQueue
@@ -74,8 +75,8 @@ class Emulated:
         return f"r{self.replica}s{self.stage}"
 
     async def run_until(self, stop: asyncio.Event) -> None:
-        reader = Redis.from_url(self.url, protocol=2)
-        writer = Redis.from_url(self.url, protocol=2)
+        reader = client_for(self.url)
+        writer = client_for(self.url)
         try:
             stream = keys.fill_stream(self.run, self.replica, self.stage)
             await ensure_group(writer, stream, "worker")
@@ -219,7 +220,7 @@ class Emulated:
 async def hold_slots(url: str, run: str, pp: int, dp: int, stop: asyncio.Event) -> None:
     """Every slot held (renewed each second) and every worker joined the run's generation: what the
     dispatcher's readiness gate reads to say training runs."""
-    r = Redis.from_url(url, protocol=2)
+    r = client_for(url)
     try:
         await r.set(keys.generation_key(run), 1)
         names = [f"r{d}s{k}" for d in range(dp) for k in range(pp)]

@@ -14,10 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from redis.asyncio import Redis
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from shared.bus.connection import client_for
 from shared.control import serving
 from shared.wire import PrefillRequest
 
@@ -28,7 +27,7 @@ ACCEPT_BATCH = 200
 async def inject(url: str, run: str, rate: float, until: float, reply_to: str, prefix: str = "d", seed: int = 1) -> int:
     """Poisson arrivals at `rate`/s until `until` (monotonic), each accepted for `run` with the front
     door's script, batched per wake-up; how many were sent."""
-    r = Redis.from_url(url, protocol=2)
+    r = client_for(url)
     rng, n, sent = random.Random(seed), 0, 0
     due = time.monotonic()
     try:
