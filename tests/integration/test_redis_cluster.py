@@ -6,6 +6,7 @@ promoted and a client's writes, retried by `ride_out`, succeed again within a st
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -14,8 +15,9 @@ from redis.asyncio import RedisCluster
 from shared.bus import Bus, Delivery
 from shared.bus.connection import blocking_client, command_client, is_cluster_url, node_of, plain_url, ride_out
 from shared.config.spec import BusConfig
+from shared.control.health import live_instances
 from shared.runtime.redis_cluster import NODE_TIMEOUT_MS, SLOTS, EmbeddedCluster
-from shared.wire import Ping
+from shared.wire import Ping, keys
 
 FAST = BusConfig(claim_idle_ms=150, block_ms=200, max_deliveries=3, drain_grace_s=2.0)
 
@@ -73,6 +75,19 @@ async def test_a_command_client_and_a_consumer_work_through_the_cluster(redis_cl
         await bus.publish_many("cluster-s", [Ping(seq=i, sent_ns=0) for i in range(50)])
         await asyncio.wait_for(done.wait(), 30)
     assert seen == set(range(50))
+
+
+async def test_heartbeats_on_every_master_are_all_found(redis_cluster: EmbeddedCluster) -> None:
+    r = command_client(redis_cluster.url)
+    try:
+        names = [f"svc{i}" for i in range(12)]
+        assert len({redis_cluster.master_of(keys.health_key(n, "i")).port for n in names}) == 3  # spread
+        for n in names:
+            await r.set(keys.health_key(n, "i"), json.dumps({"service": n, "instance": "i"}), ex=30)
+        assert sorted(d["service"] for d in await live_instances(r)) == sorted(names)
+    finally:
+        await r.delete(*[keys.health_key(n, "i") for n in names])
+        await r.aclose()
 
 
 async def test_a_blocking_read_returns_when_an_entry_arrives(redis_cluster: EmbeddedCluster) -> None:
