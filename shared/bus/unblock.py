@@ -21,10 +21,9 @@ import asyncio
 import contextlib
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared.bus.connection import TRANSIENT_ERRORS, node_of
+from shared.bus.connection import TRANSIENT_ERRORS, Client, node_of
 
 #: Looks at the server: a read sent just before the stop may reach it after the first look.
 TRIES = 4
@@ -34,7 +33,7 @@ WAIT_S = 0.05
 BOUND_S = 0.5
 
 
-async def end_blocking_read(redis: Redis, reader_name: str, read: asyncio.Task[None], stream: str) -> bool:
+async def end_blocking_read(redis: Client, reader_name: str, read: asyncio.Task[None], stream: str) -> bool:
     """Unblock the reader's read of `stream` on the server until the read loop `read` ends;
     whether it did (if not, the caller cancels it)."""
     node = node_of(redis, stream)

@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.asyncio import Redis, RedisCluster
 
-from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.bus.connection import TRANSIENT_ERRORS, Client, Outage
 from shared.runtime.logs import get_logger
 from shared.wire import keys
 
@@ -84,7 +84,7 @@ class Heartbeat:
             await self.beat()
 
 
-async def live_instances(r: Redis, service: str | None = None) -> list[dict[str, Any]]:
+async def live_instances(r: Client, service: str | None = None) -> list[dict[str, Any]]:
     """Every instance (of `service`, if given) whose health key has not expired, sorted by service.
     On a Redis Cluster the SCAN runs on every master (the keys spread over their slots)."""
     out = []

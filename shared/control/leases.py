@@ -14,7 +14,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared.bus.connection import is_cluster, node_of
+from shared.bus.connection import Client, is_cluster, node_of
 from shared.policies.lease_liveness import HolderSeen
 from shared.policies.readiness import SlotView
 from shared.wire import keys
@@ -36,7 +36,7 @@ class ClientListRefused(RuntimeError):
     cluster with the leases on several nodes): only the lease's expiry tells a dead holder."""
 
 
-def _lease_node_target(r: Redis, lease_keys: list[str]) -> dict[str, Any]:
+def _lease_node_target(r: Client, lease_keys: list[str]) -> dict[str, Any]:
     """Where a look's CLIENT LIST and INFO go: on a Redis Cluster, the one node holding the lease
     keys (a holder renewing its lease keeps a connection to that node, named for it); nothing to
     add on a plain Redis. Leases on several nodes cannot be judged from one: ClientListRefused,
@@ -52,7 +52,7 @@ def _lease_node_target(r: Redis, lease_keys: list[str]) -> dict[str, Any]:
     return {"target_nodes": next(iter(nodes.values()))}
 
 
-async def server_info(r: Redis, section: str, key: str) -> dict[str, Any]:
+async def server_info(r: Client, section: str, key: str) -> dict[str, Any]:
     """INFO `section` of the server holding `key` (on a Redis Cluster, its slot's master: a
     failover changes its run_id, as a restart does)."""
     info: Any = await r.info(section, **_lease_node_target(r, [key]))
