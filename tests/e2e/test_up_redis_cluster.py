@@ -1,6 +1,7 @@
 """`bubbletea up --redis-cluster`: the whole system on an embedded Redis Cluster (3 masters, 1
 replica each): every service healthy, serving ready, a prompt answered, a clean stop on SIGTERM with
-every node of the cluster gone; and the flags it cannot be combined with refused in one line."""
+every node of the cluster gone; the flags it cannot be combined with refused in one line; and
+`bubbletea redis --cluster`, which starts one by hand."""
 
 from __future__ import annotations
 
@@ -93,3 +94,26 @@ def test_up_refuses_redis_cluster_with_persist_or_redis_url(tmp_path: Path) -> N
         base, cwd=ROOT, env={**env, "REDIS_URL": "redis://127.0.0.1:1/0"}, capture_output=True, text=True, timeout=60
     )
     assert url.returncode == 2 and "REDIS_URL is set" in url.stderr, url.stdout + url.stderr
+
+
+def test_redis_cluster_subcommand_prints_its_url_and_nodes_and_stops_every_node_on_sigterm() -> None:
+    from redis.cluster import RedisCluster
+
+    cmd = [sys.executable, "-m", "bubbletea.cli", "redis", "--cluster"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT) as proc:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("REDIS_URL=redis+cluster://127.0.0.1:"), url
+        node_line = r"# node 127\.0\.0\.1:(\d+) pid=(\d+) (master|replica)$"
+        nodes = [re.match(node_line, proc.stdout.readline().strip()) for _ in range(6)]
+        assert all(nodes) and sorted(m.group(3) for m in nodes if m) == ["master"] * 3 + ["replica"] * 3
+        client = RedisCluster.from_url(url.removeprefix("REDIS_URL=").replace("redis+cluster", "redis"))
+        try:
+            assert client.set("k", "v") and client.get("k") == b"v"
+        finally:
+            client.close()
+        proc.send_signal(signal.SIGTERM)
+        # Quick: its nodes take their SIGTERM (not blocked as the command's own stop signals are).
+        assert proc.wait(10) == 0
+    for m in nodes:
+        assert m is not None and not _alive(int(m.group(2)))
