@@ -104,22 +104,43 @@ async def test_a_blocking_read_returns_when_an_entry_arrives(redis_cluster: Embe
 
 
 async def test_a_killed_master_is_followed_by_its_promoted_replica() -> None:
-    # A cluster of its own: this test kills a node.
-    cluster = await asyncio.to_thread(EmbeddedCluster().start)
+    """SIGKILL (by PID) the master of a key and of a stream a consumer reads: its replica is promoted,
+    a client's write retried by `ride_out` lands on it within `FAILOVER_BOUND_S`, and the consumer
+    (its blocking reads on the dead node) goes on reading what is published after."""
+    cluster = await asyncio.to_thread(EmbeddedCluster().start)  # its own: this test kills a node
     r = command_client(cluster.url)
+    seen: set[int] = set()
+    changed = asyncio.Event()
+
+    async def handle(d: Delivery) -> None:
+        assert isinstance(d.message, Ping)
+        seen.add(d.message.seq)
+        changed.set()
+
+    async def until(n: int) -> None:
+        async with asyncio.timeout(FAILOVER_BOUND_S + 30):
+            while len(seen) < n:
+                changed.clear()
+                await changed.wait()
+
     try:
         seed = cluster.servers[0].port
         # A key off the seed's slots: the URL names the seed, and a new client must still reach it.
         key = next(k for k in (f"key{i}" for i in range(100)) if cluster.master_of(k).port != seed)
+        stream = f"{{{key}}}:stream"  # the key's hash tag: the same master
         await r.set(key, "before")
         old = cluster.master_of(key)
         replica = next(n for n in cluster.nodes() if n.master_id == old.node_id)
-        killed_at = time.monotonic()
-        cluster.kill(old.port)
-        await ride_out(lambda: r.set(key, "after"), "cluster failover test", give_up_s=FAILOVER_BOUND_S + 10)
-        took = time.monotonic() - killed_at
-        new = cluster.master_of(key)
-        assert new.port == replica.port, "the killed master's own replica serves its slots"
+        async with Bus(cluster.url, FAST) as bus, bus.consumer(stream, "g", {Ping: handle}):
+            await bus.publish_many(stream, [Ping(seq=i, sent_ns=0) for i in range(10)])
+            await until(10)
+            killed_at = time.monotonic()
+            cluster.kill(old.port)
+            await ride_out(lambda: r.set(key, "after"), "cluster failover test", give_up_s=FAILOVER_BOUND_S + 10)
+            took = time.monotonic() - killed_at
+            await bus.publish_many(stream, [Ping(seq=i, sent_ns=0) for i in range(10, 20)])
+            await until(20)
+        assert cluster.master_of(key).port == replica.port, "the killed master's own replica serves its slots"
         assert await r.get(key) == b"after"
         assert took < FAILOVER_BOUND_S, f"writes resumed {took:.1f} s after the kill"
         print(f"writes resumed {took:.1f} s after the master was killed")
