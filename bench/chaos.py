@@ -53,11 +53,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from redis import Redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from shared.bus.connection import sync_client_for  # noqa: E402
 from shared.config.spec import ClusterSpec, load_spec  # noqa: E402
 from shared.model.reference import train_reference_for  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
@@ -197,7 +197,7 @@ async def wait_ready(http: aiohttp.ClientSession, api: str, timeout: float) -> N
 
 def iterations_done(url: str, run: str) -> list[IterationDone]:
     """Every "iteration done" report of the run, in the order sent."""
-    r = Redis.from_url(url)
+    r = sync_client_for(url, protocol=None)
     try:
         return [m for _, f in r.xrange(keys.events_stream(run)) if isinstance(m := decode(f[b"m"]), IterationDone)]
     finally:

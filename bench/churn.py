@@ -66,6 +66,7 @@ from bench.lib import churn_figures as figs  # noqa: E402
 from bench.lib.arms import arms_of  # noqa: E402
 from bubbletea.launcher.load import run_loadgen  # noqa: E402
 from shared.bus.connection import TRANSIENT_ERRORS as REDIS_ERRORS  # noqa: E402
+from shared.bus.connection import client_for, sync_client_for  # noqa: E402
 from shared.config.spec import load_spec  # noqa: E402
 from shared.figures.percentiles import percentile  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
@@ -130,9 +131,7 @@ class Arm:
         self.lines += self.up.lines
 
     def generation(self) -> int:
-        from redis import Redis
-
-        r = Redis.from_url(self.redis.url, socket_timeout=5)
+        r = sync_client_for(self.redis.url, protocol=None, socket_timeout=5)
         try:
             return int(r.get(keys.generation_key(self.run)) or 0)
         finally:
@@ -170,10 +169,8 @@ class Arm:
         and a request has been answered (entries of the events and results streams, whose ids are
         their times); not once it was started again (issue 62: stamped after the 2 s sleep, every
         Redis fault counted survived). Not within `within_s`: never back (infinite in the figures)."""
-        from redis.asyncio import Redis
-
         after = f"{int(restarted * 1000)}-0"
-        r = Redis.from_url(self.redis.url, protocol=2, socket_timeout=5)
+        r = client_for(self.redis.url, socket_timeout=5)
         deadline = time.monotonic() + within_s
         try:
             while time.monotonic() < deadline:

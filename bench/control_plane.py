@@ -18,7 +18,7 @@ busy with bubbles as in the simulation, requests in proportion) through real pro
 
 Arms, side by side (each case runs every arm, one after the other, on a fresh backend):
 (a) ``single``: one redis-server; (b) ``cluster``: a Redis Cluster of 3 masters with a replica each
-(`shared.runtime.redis_server.EmbeddedCluster`), the dispatcher on it. A run's keys carry its hash tag,
+(`shared.runtime.redis_cluster.EmbeddedCluster`), the dispatcher on it. A run's keys carry its hash tag,
 so one run lives on one master: the cluster's other masters show what they spend idle (the
 per-node CPU is reported as it is; no run per datacenter is faked). Where the cluster backend is not
 importable, arm (b) is left out and the JSON says why.
@@ -65,6 +65,7 @@ from bench.lib.cp_case import Backend, Node, run_case
 from bench.lib.cp_figures import CORE_BUDGET, DECISION_P99_MS, marginal, sizing
 from bench.lib.cp_mix import DOCUMENTED_INPUTS_PER_S, PP, Mix, from_simulator
 from bench.lib.output import emit, stderr
+from shared.runtime.redis_cluster import EmbeddedCluster
 from shared.runtime.redis_server import EmbeddedRedis
 
 ARMS = ("single", "cluster")
@@ -74,42 +75,14 @@ FULL_SWEEP = (128, 192, 256, 384, 512, 768, 1024)
 SCALE_TO = 65_536
 
 
-def _cluster_class() -> Any:
-    """`EmbeddedCluster` (issue 66), from `shared.runtime.redis_cluster` or `shared.runtime.redis_server`;
-    an ImportError where neither has it."""
-    import importlib
-
-    for name in ("shared.runtime.redis_cluster", "shared.runtime.redis_server"):
-        try:
-            return importlib.import_module(name).EmbeddedCluster
-        except (ImportError, AttributeError):
-            continue
-    raise ImportError("no EmbeddedCluster in shared.runtime.redis_cluster or shared.runtime.redis_server")
-
-
-def cluster_missing() -> str | None:
-    """Why arm (b) cannot run here (None: it can)."""
-    try:
-        _cluster_class()
-    except ImportError as exc:
-        return f"{exc}: the cluster backend is not merged"
-    return None
-
-
 def start_backend(arm: str) -> Backend:
     if arm == "single":
         redis = EmbeddedRedis().start()
         assert redis.proc is not None
         return Backend(redis.url, [Node("master", redis.proc.pid, redis.port)], redis.stop)
-    cluster = _cluster_class()(masters=3, replicas=1)
-    cluster.start()
-    listed = cluster.nodes() if callable(cluster.nodes) else cluster.nodes  # a method or a list
-    nodes = [Node(_get(n, "role"), int(_get(n, "pid")), int(_get(n, "port"))) for n in listed if _get(n, "pid")]
+    cluster = EmbeddedCluster(masters=3, replicas=1).start()
+    nodes = [Node(n.role, n.pid, n.port) for n in cluster.nodes() if n.pid]
     return Backend(cluster.url, nodes, cluster.stop)
-
-
-def _get(node: Any, name: str) -> Any:
-    return node[name] if isinstance(node, dict) else getattr(node, name)
 
 
 async def one_case(arm: str, mix: Mix, seconds: float, workdir: Path) -> dict[str, Any]:
@@ -215,14 +188,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    skipped: dict[str, str] = {}
-    if "cluster" in args.arms and (why := cluster_missing()) is not None:
-        skipped["cluster"] = why
-        stderr(f"arm cluster left out: {why}")
-    arms = [a for a in args.arms if a not in skipped]
-    if not arms:
-        print(f"no arm can run: {skipped}", file=sys.stderr)
-        return 2
+    arms = list(args.arms)
     mixes = {g: from_simulator(g) for g in ([args.gpus] if args.gpus else SIZES)}
     for m in mixes.values():
         stderr(f"{m.gpus}-GPU mix: {m.inputs_per_s:,.0f} inputs/s on {m.workers} workers ({m.source})")
@@ -233,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         cases, sweep = [(g, each) for g in SIZES], list(QUICK_SWEEP if args.quick else FULL_SWEEP)
     seconds = args.seconds or (5.0 if args.quick else 10.0)
     rows, failed = uvloop.run(bench(mixes, cases, sweep, arms, seconds))
-    skipped |= failed
+    skipped = failed
     arms = [a for a in arms if a not in failed]
     big = round(mixes[SIZES[-1]].inputs_per_s if SIZES[-1] in mixes else DOCUMENTED_INPUTS_PER_S[SIZES[-1]], 1)
     out: dict[str, Any] = {

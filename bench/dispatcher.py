@@ -52,6 +52,7 @@ from redis.asyncio import Redis
 from bench.lib.emulated_workers import PROMPT_TOKENS, Emulated, Shape, hold_slots
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import DISPATCHER
+from shared.bus.connection import client_for
 from shared.control.health import HEARTBEAT_INTERVAL_S
 from shared.figures.percentiles import percentile
 from shared.runtime.redis_server import EmbeddedRedis
@@ -85,7 +86,7 @@ async def heartbeat(url: str, after: float) -> dict[str, Any]:
     """The dispatcher's first heartbeat written at or after `after` (wall clock): one that covers the
     measured load. It beats every `HEARTBEAT_INTERVAL_S`; a dispatcher slow to start on a busy
     machine had beaten only once, before any decision, when the load ended (a CI run, 2026-12-02)."""
-    r = Redis.from_url(url, protocol=2)
+    r = client_for(url)
     give_up = time.monotonic() + 3 * HEARTBEAT_INTERVAL_S
     try:
         while True:
@@ -142,7 +143,7 @@ async def run_case(
             injectors(url, run, rate, WARMUP_S + seconds, keys.prefill_results_stream(run, "dbench"), n_injectors)
         )
         await asyncio.sleep(WARMUP_S)
-        r = Redis.from_url(url, protocol=2)
+        r = client_for(url)
         c0, a0, t0 = cpu_s(proc.proc.pid), sum(w.answered for w in workers), time.monotonic()
         m0, s0 = sum(w.sent for w in workers), await added(r, run)
         waits0 = [len(w.fill_waits_s) for w in workers]

@@ -62,6 +62,7 @@ from bench.lib.arms import arms_of  # noqa: E402
 from bubbletea.launcher.load import run_loadgen  # noqa: E402
 from bubbletea.launcher.procs import Proc, spawn, stop_all  # noqa: E402
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER  # noqa: E402
+from shared.bus.connection import client_for  # noqa: E402
 from shared.config.spec import load_spec  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from shared.wire import keys  # noqa: E402
@@ -105,7 +106,7 @@ class Run:
 
     def redis(self) -> Redis:
         if self._r is None:
-            self._r = Redis.from_url(self.server.url, protocol=2, socket_timeout=10)
+            self._r = client_for(self.server.url, socket_timeout=10)
         return self._r
 
     async def open_host(self) -> None:

@@ -56,7 +56,6 @@ from typing import Any
 
 import uvloop
 import yaml
-from redis.asyncio import Redis
 
 from bubbletea.launcher.demo import LOAD_INPUT_LEN, LOAD_RANGE_RATIO
 from bubbletea.launcher.load import run_loadgen
@@ -83,6 +82,7 @@ sys.path.insert(0, str(ROOT))
 from bench.lib.drawn_specs import generated  # noqa: E402
 from bench.lib.sim_compare import FIGURES, figures, line, overrun_share, r4, rel, summary  # noqa: E402
 from bench.lib.sim_fit import fit_bus_s  # noqa: E402
+from shared.bus.connection import client_for  # noqa: E402
 
 SPECS = (ROOT / "configs" / "demo.yaml", ROOT / "configs" / "wan-bound.yaml")
 SHARINGS = ("fair", "temporal")
@@ -149,7 +149,7 @@ def load_input_len(max_prompt_tokens: int) -> int:
 async def watch_requests(url: str, stream: str, into: list[tuple[float, int]]) -> None:
     """Every request queued on `stream` from now on, appended to `into` as it comes (read before
     the dispatcher's consumer group trims it), until cancelled."""
-    r = Redis.from_url(url, socket_timeout=None)
+    r = client_for(url, protocol=None, socket_timeout=None)
     try:
         # "From now on" is the newest entry's id, taken once: reading from "$" again after a block
         # that timed out would miss a request queued between the two reads.
@@ -193,7 +193,7 @@ async def run_live(
                 for task in (client, seen):
                     task.cancel()
                 await asyncio.gather(client, seen, return_exceptions=True)
-    r = Redis.from_url(url)
+    r = client_for(url, protocol=None)
     try:
         spans = await runstats.run_spans(r, tag)
     finally:

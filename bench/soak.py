@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.lib.procfs import command_words  # noqa: E402
+from shared.bus.connection import sync_client_for  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         stderr=subprocess.DEVNULL,
         cwd=ROOT,
     )
-    r = Redis.from_url(redis_srv.url)
+    r = sync_client_for(redis_srv.url, protocol=None)
     samples: list[dict[str, Any]] = []
     families: dict[str, float] = {}
     load: subprocess.Popen[bytes] | None = None

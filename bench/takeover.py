@@ -40,12 +40,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from redis.asyncio import Redis  # noqa: E402
 
 from bench.lib import churn_figures as figs  # noqa: E402
 from bench.lib.arms import arms_of  # noqa: E402
 from bubbletea.launcher.procs import Proc, spawn, stop_all  # noqa: E402
 from bubbletea.launcher.services import STAGE_WORKER, WAN_BROKER  # noqa: E402
+from shared.bus.connection import client_for  # noqa: E402
 from shared.config.spec import load_spec  # noqa: E402
 from shared.figures.percentiles import percentile  # noqa: E402
 from shared.policies.lease_liveness import SETTLE_S  # noqa: E402
@@ -91,7 +91,7 @@ async def arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
         "BUBBLETEA_LEASE_LIVENESS": ARMS[name],
         "BUBBLETEA_METRICS_PORT": "off",
     }
-    r = Redis.from_url(redis.url, protocol=2, socket_timeout=None)
+    r = client_for(redis.url, socket_timeout=None)
     procs: list[Proc] = []
     count = 0
 

@@ -43,12 +43,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
 
-import redis.asyncio
 import yaml
 
 from bench.lib.children import stop_on_sigterm
 from bench.lib.output import emit, stderr, verdict
 from bench.lib.transfers import MIB
+from shared.bus.connection import client_for
 from shared.runtime.redis_server import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ class RedisSampler:
     """Polls INFO memory and reads every stream entry as it appears (see the module docstring)."""
 
     def __init__(self, url: str) -> None:
-        self.r = redis.asyncio.Redis.from_url(url, protocol=2)
+        self.r = client_for(url)
         self.cursors: dict[bytes, bytes] = {}
         self.max_entry = (0, "")
         self.max_used = 0

@@ -50,13 +50,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench.lib
 
 import msgspec
-import redis
 import torch
 
 from bench.lib.children import spawn_child, stop_child, stop_on_sigterm
 from bench.lib.output import emit, stderr, verdict
 from bench.lib.tensor_receiver import ACK, RECV_TIMEOUT_S, Plan, byte_view, make_tensor, receiver_main
 from bench.lib.transfers import MIB, WARMUP
+from shared.bus.connection import sync_client_for
 from shared.dataplane import DataPlane, PairSpec
 from shared.dataplane.tensors import to_blob
 from shared.runtime.redis_server import EmbeddedRedis
@@ -138,7 +138,7 @@ def timed(send: Callable[[torch.Tensor], Any], rx: Receiver, plan: Plan, after: 
 
 
 def via_redis(rx: Receiver, url: str, plan: Plan) -> tuple[Times, float]:
-    r = redis.Redis.from_url(url, protocol=2)
+    r = sync_client_for(url)
     stream = "bench:transport"
     encode_s: list[float] = []
     sent: list[Any] = []

@@ -78,13 +78,12 @@ def drain(args: argparse.Namespace) -> int:
 
 
 async def _drain(url: str, run: str, replica: int, stage: int, slot: str, args: argparse.Namespace) -> int:
-    from redis.asyncio import Redis
-
+    from shared.bus.connection import client_for
     from shared.control.leases import slot_end
     from shared.wire import keys
     from shared.wire.status import LeaseState
 
-    r = Redis.from_url(url, socket_timeout=10)
+    r = client_for(url, socket_timeout=10)
     try:
         holder = await r.get(keys.lease_key(run, replica, stage))
         if holder is None:
@@ -137,12 +136,11 @@ async def _live(url: str, run: str, spec: Any, mine: set[str]) -> dict[str, int]
     """How many of `mine` a worker left on purpose and nobody holds yet, finished training, and
     were stopped with the run. A batch script tells a drained worker's exit 0 from a finished one's
     by `done`, not by `left`: a waiting spare may have taken the slot before the script asks."""
-    from redis.asyncio import Redis
-
+    from shared.bus.connection import client_for
     from shared.control.leases import read_slots
     from shared.wire.status import LeaseState
 
-    r = Redis.from_url(url, socket_timeout=10)
+    r = client_for(url, socket_timeout=10)
     try:
         views = [v for v in await read_slots(r, run, spec.parallelism.pp, spec.parallelism.dp) if v.name in mine]
     finally:

@@ -144,14 +144,13 @@ def health(args: argparse.Namespace) -> int:
     """Exit 0 if SERVICE has a live heartbeat in Redis (for compose healthchecks), else 1."""
     import asyncio
 
-    from redis.asyncio import Redis
-
+    from shared.bus.connection import client_for
     from shared.control.health import live_instances
 
     settings = load_settings(args.config)
 
     async def check() -> list[dict[str, object]]:
-        r = Redis.from_url(settings.require_redis_url(), protocol=2, socket_timeout=None)
+        r = client_for(settings.require_redis_url(), socket_timeout=None)
         try:
             return await live_instances(r, args.service)
         finally:

@@ -107,6 +107,8 @@ def add_parser(sub: Any) -> None:
         "restart of it loses no accepted request (default: off, or $BUBBLETEA_REDIS_PERSIST=1; ignored "
         "with REDIS_URL, whose server has its own settings)",
     )
+    cluster_help = "run on an embedded Redis Cluster, 3 masters x 1 replica (not with REDIS_URL or --persist)"
+    p.add_argument("--redis-cluster", action="store_true", help=cluster_help)
     p.set_defaults(func=run)
 
 
@@ -169,7 +171,14 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("up", "WARNING")
     persist = args.persist or os.environ.get("BUBBLETEA_REDIS_PERSIST", "").lower() in ("1", "true", "yes", "on")
     return uvloop.run(
-        run_up(settings, out_root=Path(args.out), verbose=args.verbose, persist=persist, vllm_python=vllm)
+        run_up(
+            settings,
+            out_root=Path(args.out),
+            verbose=args.verbose,
+            persist=persist,
+            vllm_python=vllm,
+            redis_cluster=args.redis_cluster,
+        )
     )
 
 

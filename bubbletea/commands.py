@@ -153,6 +153,7 @@ def _port(value: str) -> int:
 def _redis(args: argparse.Namespace) -> int:
     import socket
 
+    from shared.runtime.redis_cluster import EmbeddedCluster
     from shared.runtime.redis_server import EmbeddedRedis
 
     if args.port is not None:  # taken? say so in one line, before redis-server says it in twenty
@@ -165,11 +166,22 @@ def _redis(args: argparse.Namespace) -> int:
                     f"--port {args.port}: {why}: choose another port, or leave --port out for one", 1
                 ) from None
     setup_logging("redis", "WARNING")
+    server: EmbeddedRedis | EmbeddedCluster
+    if args.cluster:
+        if args.port is not None:
+            raise CommandError("--port names one server's port: not with --cluster (its nodes take free ports)", 2)
+        server = EmbeddedCluster().start()
+    else:
+        server = EmbeddedRedis(port=args.port).start()
     stop_signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # delivered to sigwait, not the default handler
-    server = EmbeddedRedis(port=args.port).start()
-    print(f"REDIS_URL={server.url}", flush=True)
     try:
+        # Blocked after the servers started: a child inherits the blocked mask, and a redis-server
+        # with SIGTERM blocked ignores its stop (then is SIGKILLed 5 s later). Delivered to sigwait.
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        print(f"REDIS_URL={server.url}", flush=True)
+        if isinstance(server, EmbeddedCluster):
+            for node in server.nodes():
+                print(f"# node 127.0.0.1:{node.port} pid={node.pid} {node.role}", flush=True)
         signal.sigwait(stop_signals)
     finally:
         server.stop()
@@ -301,4 +313,10 @@ def _add_redis(sub: Any) -> None:
         "and print its REDIS_URL, for running services by hand.",
     )
     p.add_argument("--port", type=_port, default=None, help="port to listen on (default: a free one)")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="start a Redis Cluster instead (3 masters, 1 replica each, on free ports); prints its "
+        "redis+cluster:// URL and each node's port, pid and role",
+    )
     p.set_defaults(func=_redis)

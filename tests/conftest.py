@@ -1,6 +1,11 @@
 """Fixtures shared by every tier. Integration tests get a real redis-server on a free port,
 started with the same code the launcher uses (`shared.runtime.redis_server.EmbeddedRedis`).
 
+With ``BUBBLETEA_TEST_REDIS=cluster`` (`make test-cluster`), the `redis_url` and `redis` fixtures
+give a Redis Cluster instead (`redis_cluster`: 3 masters, 1 replica each, one a session, from
+shared/runtime/redis_cluster.py), so integration tests written for one Redis run on a cluster
+unchanged. A test that needs the cluster itself asks for `redis_cluster`.
+
 `--cpu-hogs N` keeps N processes spinning on the CPU for the whole session: the suite run on a
 busy machine (`make test-stress`), where which process reaches a receive first, or how long a
 sleep really lasts, is the scheduler's choice. Every test must pass that way too."""
@@ -9,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -16,10 +22,15 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 
+from shared.bus.connection import client_for
 from shared.runtime.logs import KeyValueFormatter
+from shared.runtime.redis_cluster import EmbeddedCluster
 from shared.runtime.redis_server import EmbeddedRedis
+
+#: ``BUBBLETEA_TEST_REDIS=cluster``: the standard Redis fixtures give a Redis Cluster.
+ON_CLUSTER = os.environ.get("BUBBLETEA_TEST_REDIS", "").strip().lower() == "cluster"
 
 _HOGS = pytest.StashKey[list[subprocess.Popen[bytes]]]()
 
@@ -101,19 +112,33 @@ def redis_server() -> Iterator[EmbeddedRedis]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[EmbeddedCluster]:
+    """The session's embedded Redis Cluster (3 masters, 1 replica each). A test that kills a node
+    starts a cluster of its own instead."""
+    cluster = EmbeddedCluster().start()
+    yield cluster
+    cluster.stop()
+
+
 @pytest.fixture
-async def redis_url(redis_server: EmbeddedRedis) -> AsyncIterator[str]:
-    """URL of a clean database on the session's private redis-server."""
-    r = Redis.from_url(redis_server.url, protocol=2)
-    await r.flushall()
+async def redis_url(request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """URL of a clean database on the session's private redis-server (or, under
+    ``BUBBLETEA_TEST_REDIS=cluster``, of the session's cluster, every master flushed)."""
+    server: EmbeddedRedis | EmbeddedCluster = request.getfixturevalue("redis_cluster" if ON_CLUSTER else "redis_server")
+    r = client_for(server.url)
+    if isinstance(r, RedisCluster):
+        await r.flushall(target_nodes=RedisCluster.PRIMARIES)
+    else:
+        await r.flushall()
     await r.aclose()
-    yield redis_server.url
+    yield server.url
 
 
 @pytest.fixture
 async def redis(redis_url: str) -> AsyncIterator[Redis]:
     # socket_timeout=None, as the bus's clients: with redis-py 8's defaults a task cancelled during a
-    # command may go on (tests/integration/test_redis_cancellation.py)
-    r = Redis.from_url(redis_url, protocol=2, socket_timeout=None)
+    # command may go on (tests/integration/test_redis_cancellation.py). A RedisCluster on a cluster.
+    r = client_for(redis_url, socket_timeout=None)
     yield r
     await r.aclose()

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import yaml
-from redis.asyncio import Redis
 
 from bench.lib import sim_fit
 from bench.lib.cpu_shares import CpuSampler
 from bubbletea.launcher.load import run_loadgen
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import TrainResult, run_training
+from shared.bus.connection import client_for
 from shared.config.settings import load_settings
 from shared.figures.bubblestats import empty_with_work, run_control
 from shared.figures.runstats import run_spans, write_spans
@@ -147,7 +147,7 @@ async def one_run(
         if record:
             extra |= {"recorded": recorded, "spec": spec}
     extra["wall_s"] = time.monotonic() - launched
-    r = Redis.from_url(url)
+    r = client_for(url, protocol=None)
     try:
         spans = [s for s in await run_spans(r, run) if s.iteration < iterations]
         seen = [c for c in await run_control(r, run) if c.at <= max((s.end for s in spans), default=0.0)]

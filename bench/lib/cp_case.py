@@ -7,7 +7,6 @@ process spent in the measured window.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import json
 import math
@@ -27,9 +26,9 @@ from bench.lib.cp_figures import figures
 from bench.lib.cp_mix import PP, Mix
 from bench.lib.cp_workers import HOLDER
 from bench.lib.procfs import cpu_seconds
-from bench.lib.redis_client import connect
 from bubbletea.launcher.procs import spawn, stop_all
 from bubbletea.launcher.services import DISPATCHER
+from shared.bus.connection import client_for
 from shared.control.health import HEARTBEAT_INTERVAL_S
 from shared.wire import keys
 
@@ -62,10 +61,8 @@ class Backend:
 
 
 def reply_stream(run: str, instance: str) -> str:
-    """The front door's results stream: `keys.prefill_results_stream`, which takes the run too once
-    keys carry the run's hash tag (issue 66)."""
-    fn: Any = keys.prefill_results_stream
-    return fn(run, instance) if len(inspect.signature(fn).parameters) == 2 else fn(instance)
+    """The front door's results stream (the run's: its hash tag)."""
+    return keys.prefill_results_stream(run, instance)
 
 
 def spec(dp: int) -> dict[str, Any]:
@@ -102,7 +99,7 @@ async def _node_info(nodes: list[Node], section: str, field: str) -> list[int | 
 
 async def _accepted(url: str, run: str) -> int | None:
     """Requests accepted into the run's stream so far (XINFO entries-added; None before Redis 7)."""
-    r = connect(url)
+    r = client_for(url)
     try:
         info: Any = await r.xinfo_stream(keys.prefill_requests_stream(run))
         n = info.get("entries-added")
@@ -113,7 +110,7 @@ async def _accepted(url: str, run: str) -> int | None:
 
 async def _heartbeat(url: str, pid: int, after: float) -> dict[str, Any]:
     """The dispatcher's first heartbeat at or after `after` (wall clock), read by its own key."""
-    r = connect(url)
+    r = client_for(url)
     key = keys.health_key("dispatcher", f"{socket.gethostname()}-{pid}")
     give_up = time.monotonic() + 3 * HEARTBEAT_INTERVAL_S
     try:
@@ -141,7 +138,7 @@ async def run_case(backend: Backend, arm: str, mix: Mix, seconds: float, workdir
     dp = mix.workers // PP
     path = workdir / f"{run}.yaml"
     path.write_text(yaml.safe_dump(spec(dp)))
-    r = connect(backend.url)
+    r = client_for(backend.url)
     await r.set(keys.generation_key(run), 1)
     await r.sadd(keys.generation_joined_key(run, 1), *[f"r{d}s{k}" for d in range(dp) for k in range(PP)])
     for d in range(dp):  # every slot held before the dispatcher looks (the workers renew them)

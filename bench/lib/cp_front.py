@@ -21,12 +21,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.lib.injector import inject
-from bench.lib.redis_client import connect
+from shared.bus.connection import client_for
 
 
 async def answers(url: str, stream: str, until: float, window: tuple[float, float]) -> tuple[int, int]:
     """Answers read from `stream` until `until` (wall clock), and of them those read in `window`."""
-    r = connect(url)
+    r = client_for(url)
     last, n, inside = "0-0", 0, 0
     try:
         while time.time() < until + 0.5:  # the last answers of what was sent

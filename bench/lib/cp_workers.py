@@ -25,8 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.lib.emulated_workers import Emulated, Shape
-from bench.lib.redis_client import connect
 from services.stage_worker.membership.lease import _RENEW
+from shared.bus.connection import client_for
 from shared.wire import keys
 
 HOLDER = "bench"
@@ -35,7 +35,7 @@ HOLDER = "bench"
 async def renew(url: str, run: str, workers: list[Emulated], stop: asyncio.Event, done: list[float]) -> None:
     """Each worker's lease (set before the dispatcher started) renewed every LEASE_RENEW_S (phases
     spread), one EVAL each."""
-    r = connect(url)
+    r = client_for(url)
     try:
 
         async def one(w: Emulated) -> None:

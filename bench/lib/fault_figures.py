@@ -8,6 +8,7 @@ from typing import Any
 
 from bench import chaos
 from bench.lib import churn_figures as figs
+from shared.bus.connection import sync_client_for
 from shared.figures.percentiles import percentile
 from shared.wire import FIELD, PrefillBatch, decode, keys
 
@@ -15,9 +16,8 @@ from shared.wire import FIELD, PrefillBatch, decode, keys
 def duplicates(url: str, run: str, spec: Any) -> dict[str, int]:
     """Requests answered twice (one id twice in the front doors' result streams) and scheduled twice
     (one id in two different batches of the fill streams)."""
-    from redis import Redis as SyncRedis
 
-    r = SyncRedis.from_url(url, socket_timeout=30)
+    r = sync_client_for(url, protocol=None, socket_timeout=30)
     try:
         answered: Counter[str] = Counter()
         for stream in r.scan_iter(keys.prefill_results_stream(run, "*")):

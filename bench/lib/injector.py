@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.lib.redis_client import connect
+from shared.bus.connection import client_for
 from shared.control import serving
 from shared.wire import PrefillRequest
 
@@ -27,7 +27,7 @@ ACCEPT_BATCH = 200
 async def inject(url: str, run: str, rate: float, until: float, reply_to: str, prefix: str = "d", seed: int = 1) -> int:
     """Poisson arrivals at `rate`/s until `until` (monotonic), each accepted for `run` with the front
     door's script, batched per wake-up; how many were sent."""
-    r = connect(url)
+    r = client_for(url)
     rng, n, sent = random.Random(seed), 0, 0
     due = time.monotonic()
     try:

@@ -29,8 +29,8 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-from redis.asyncio import Redis
 
+from shared.bus.connection import client_for
 from shared.config.spec import ClusterSpec, parse_spec
 from shared.figures import runstats
 from shared.model.shape import model_info
@@ -49,7 +49,7 @@ WATCH_BLOCK_MS = 200
 async def watch(url: str, streams: list[str], into: list[Any]) -> None:
     """Every message queued on `streams` from now on, appended to `into` as it comes (read before
     the consumer groups' trimming drops it), until cancelled."""
-    r = Redis.from_url(url, socket_timeout=None)
+    r = client_for(url, protocol=None, socket_timeout=None)
     try:
         last: dict[Any, Any] = {}
         for s in streams:  # "from now on": each stream's newest id, taken once

@@ -15,10 +15,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
-import redis
 import torch
 
 from bench.lib.transfers import WARMUP
+from shared.bus.connection import sync_client_for
 from shared.dataplane import DataPlane, PairSpec
 from shared.dataplane.tensors import from_blob
 from shared.runtime.lifetime import die_with_parent
@@ -85,7 +85,7 @@ def receive(conn: Connection, plan: Plan, get: Callable[[tuple[int, ...]], torch
 
 
 def recv_redis(conn: Connection, url: str, stream: str, plan: Plan) -> None:
-    r = redis.Redis.from_url(url, protocol=2, socket_timeout=RECV_TIMEOUT_S + 10)
+    r = sync_client_for(url, socket_timeout=RECV_TIMEOUT_S + 10)
     decoder = msgspec.msgpack.Decoder(TensorBlob)
     cursor: list[bytes | str] = ["0-0"]
 

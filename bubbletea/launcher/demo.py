@@ -44,6 +44,7 @@ from shared.figures.requests import requests_lost, slo_attainment, ttft_ms
 from shared.figures.training import slowdown_pct, speedup
 from shared.model.shape import model_info
 from shared.runtime.logs import get_logger
+from shared.runtime.redis_cluster import EmbeddedCluster
 from shared.runtime.redis_server import EmbeddedRedis, free_port
 from shared.wire import ControlSeen
 
@@ -90,7 +91,7 @@ def phase_spec(spec: ClusterSpec, phase: Phase) -> dict[str, Any]:
 
 
 async def run_demo(settings: Settings, *, hold: bool = False, out_root: Path | None = None) -> int:
-    embedded: EmbeddedRedis | None = None
+    embedded: EmbeddedRedis | EmbeddedCluster | None = None
     procs: list[Proc] = []
     folder = (out_root or Path("runs")) / time.strftime("demo-%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)

@@ -15,14 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from redis import Redis
 from redis.exceptions import RedisError
 
 from bubbletea.launcher import forked
 from bubbletea.launcher.services import PREFILL_QUEUE, ServiceDef, command
+from shared.bus.connection import sync_client_for
 from shared.config.settings import mask_url
+from shared.config.spec import ConfigError
 from shared.runtime.lifetime import die_with_parent
 from shared.runtime.logs import get_logger
+from shared.runtime.redis_cluster import EmbeddedCluster
 from shared.runtime.redis_server import EmbeddedRedis, free_port
 from shared.wire import keys
 
@@ -102,13 +104,25 @@ def child_setup(nice: int) -> None:
 
 
 def open_redis(
-    redis_url: str | None, *, persist_dir: Path | None = None, check: bool = True
-) -> tuple[str, EmbeddedRedis | None, str]:
+    redis_url: str | None, *, persist_dir: Path | None = None, check: bool = True, cluster: bool = False
+) -> tuple[str, EmbeddedRedis | EmbeddedCluster | None, str]:
     """The bus to use: `redis_url` if given, else a freshly started embedded redis-server (the
     caller stops it). With `persist_dir` the embedded server keeps an append-only file there
     (fsync on every write), so a restart of it loses no accepted request. Returns (url, the
     embedded server or None, a line saying which). A `redis_url` that does not answer PING raises
-    redis-py's ConnectionError at once (unless not `check`)."""
+    redis-py's ConnectionError at once (unless not `check`). With `cluster` (`up --redis-cluster`)
+    the embedded one is a Redis Cluster (3 masters, 1 replica each: shared/runtime/redis_cluster.py)."""
+    if cluster:
+        if redis_url:
+            raise ConfigError(
+                "--redis-cluster starts an embedded cluster, and REDIS_URL is set: unset it, or point REDIS_URL "
+                "at your cluster (redis+cluster://host:port) without --redis-cluster"
+            )
+        if persist_dir is not None:
+            raise ConfigError("--persist keeps one embedded Redis's append-only file: not with --redis-cluster")
+        nodes = EmbeddedCluster().start()
+        pids = ",".join(str(s.proc.pid) for s in nodes.servers if s.proc is not None)
+        return nodes.url, nodes, f"Redis: {nodes.url} (embedded cluster, 3 masters + 3 replicas, pids {pids})"
     if redis_url:
         if check:
             _ping(redis_url)  # unreachable: one line now (bubbletea.cli), not each service's after its deadline
@@ -129,9 +143,7 @@ def open_redis(
 
 def _ping(url: str) -> None:
     """PING the Redis at `url` once (redis-py's ConnectionError if it does not answer)."""
-    import redis
-
-    client = redis.Redis.from_url(url, protocol=2, socket_connect_timeout=5, socket_timeout=5)
+    client = sync_client_for(url, socket_connect_timeout=5, socket_timeout=5)
     try:
         client.ping()
     finally:
@@ -238,7 +250,7 @@ def mark_runs_stopping(workers: Sequence[Proc]) -> None:
     for url, run in {(env.get("REDIS_URL"), env.get("BUBBLETEA_RUN")) for env in envs}:
         if not url or not run:
             continue
-        r = Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        r = sync_client_for(url, socket_timeout=2, socket_connect_timeout=2)
         try:
             r.set(keys.run_stop_key(run), "stopped by its launcher", ex=keys.LEASE_END_TTL_S)
         except RedisError as exc:

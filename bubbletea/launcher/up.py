@@ -59,6 +59,7 @@ from shared.config.spec import ClusterSpec
 from shared.control.leases import read_slots, release_dead, release_dispatcher_if_held_by
 from shared.figures import runstats
 from shared.policies.prompt_placement import Mode, mode_of
+from shared.runtime.redis_cluster import EmbeddedCluster
 from shared.runtime.redis_server import EmbeddedRedis, free_port
 from shared.wire.status import LeaseState
 
@@ -68,7 +69,13 @@ def say(text: str = "") -> None:
 
 
 async def run_up(
-    settings: Settings, *, out_root: Path, verbose: bool = False, persist: bool = False, vllm_python: Path | None = None
+    settings: Settings,
+    *,
+    out_root: Path,
+    verbose: bool = False,
+    persist: bool = False,
+    vllm_python: Path | None = None,
+    redis_cluster: bool = False,
 ) -> int:
     """Run until Ctrl-C, SIGTERM (as a service manager or `kill` stops it: the same clean stop,
     exit 0), a dead service, or the end of a finite run."""
@@ -84,7 +91,14 @@ async def run_up(
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
-        return await _run_up(settings, out_root=out_root, verbose=verbose, persist=persist, vllm_python=vllm_python)
+        return await _run_up(
+            settings,
+            out_root=out_root,
+            verbose=verbose,
+            persist=persist,
+            vllm_python=vllm_python,
+            redis_cluster=redis_cluster,
+        )
     except asyncio.CancelledError:
         if not terminated.is_set():
             raise  # Ctrl-C: asyncio turns it into KeyboardInterrupt
@@ -93,7 +107,9 @@ async def run_up(
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist: bool, vllm_python: Path | None) -> int:
+async def _run_up(
+    settings: Settings, *, out_root: Path, verbose: bool, persist: bool, vllm_python: Path | None, redis_cluster: bool
+) -> int:
     spec = settings.base_spec or settings.spec  # unscaled: the services apply the time scale
     run = settings.run if settings.run != "run" else f"up-{int(time.time())}"
     settings = dataclasses.replace(settings, run=run)
@@ -103,12 +119,14 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
     # The services read the spec from a file: the one in effect (with any --iterations) goes there.
     spec_file = folder / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec_builtins(spec), sort_keys=False))
-    embedded: EmbeddedRedis | None = None
+    embedded: EmbeddedRedis | EmbeddedCluster | None = None
     procs: list[Proc] = []
     started = time.time()
     wan = contextlib.AsyncExitStack()  # kernel mode: the namespaces the workers run in; a vLLM up started
     try:
-        url, embedded, where = open_redis(settings.redis_url, persist_dir=folder / "redis" if persist else None)
+        url, embedded, where = open_redis(
+            settings.redis_url, persist_dir=folder / "redis" if persist else None, cluster=redis_cluster
+        )
         say(f"==> {where}")
         if vllm_python is not None:  # --decode vllm without --vllm-url: ours, stopped after the services
             vllm_url = await wan.enter_async_context(managed_vllm(spec, vllm_python, logs / "vllm.log", say))
@@ -134,7 +152,7 @@ async def _run_up(settings: Settings, *, out_root: Path, verbose: bool, persist:
                 departed=up.departed,
                 buried=up.buried,
             )
-            if embedded is None:
+            if not isinstance(embedded, EmbeddedRedis):  # a cluster's nodes fail over instead
                 return await supervisor.follow()
             return await _first(supervisor.follow(), keep_redis_alive(embedded, say))
         finally:  # also on Ctrl-C: what ran so far is worth a report

@@ -23,8 +23,8 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from redis.asyncio import Redis
 
+from shared.bus.connection import client_for, is_cluster_url
 from shared.config.settings import Settings
 from shared.policies.pipeline_plan import placement_of
 from shared.runtime.logs import get_logger
@@ -85,6 +85,11 @@ async def worker_launches(settings: Settings, redis_url: str) -> AsyncIterator[l
     from shared.dataplane.kernel_net import plan_kernel_net, run_base
 
     check_privileges()  # one clear line (KernelWanError) without root / ip / tc
+    if is_cluster_url(redis_url):
+        raise ValueError(
+            "--wan kernel rebinds the run's Redis for the namespaces (CONFIG SET bind): not done for a Redis "
+            "Cluster: use --wan emulated with a cluster, or one Redis with --wan kernel"
+        )
     host = urlsplit(redis_url).hostname or ""
     if host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(
@@ -94,7 +99,7 @@ async def worker_launches(settings: Settings, redis_url: str) -> AsyncIterator[l
     plan = plan_kernel_net(spec, settings.run, base=run_base(settings.run))
     placement = placement_of(spec)
     async with kernel_wan(plan):
-        redis = Redis.from_url(redis_url, protocol=2, socket_timeout=None)  # see shared/bus/connection.py
+        redis = client_for(redis_url, socket_timeout=None)  # see shared/bus/connection.py
         old_bind = str((await redis.config_get("bind")).get("bind") or "127.0.0.1")
         old_protected = str((await redis.config_get("protected-mode")).get("protected-mode") or "yes")
         controls = sorted({plan.control_address(dc.name) for dc in spec.datacenters})

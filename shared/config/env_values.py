@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -84,8 +85,24 @@ def port(value: str) -> int:
 
 
 def redis_url(url: str) -> str:
+    """One Redis (``redis://``, ``rediss://``, ``unix://``) or a Redis Cluster
+    (``redis+cluster://host:port``, ``rediss+cluster://``: any one node; shared/bus/connection.py)."""
+    if url.startswith(("redis+cluster://", "rediss+cluster://")):
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or not port or parts.path not in ("", "/", "/0"):
+            raise ConfigError(
+                f"REDIS_URL: a cluster URL is redis+cluster://host:port (one node of the cluster; database 0 only), "
+                f"got {url!r}"
+            )
+        return url
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"REDIS_URL: expected redis://host:port/db, rediss:// or unix://, got {url!r}")
+        raise ConfigError(
+            f"REDIS_URL: expected redis://host:port/db, rediss://, unix:// or redis+cluster://host:port, got {url!r}"
+        )
     return url
 
 

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 
-from shared.bus.connection import TRANSIENT_ERRORS, Outage
+from shared.bus.connection import TRANSIENT_ERRORS, Client, Outage
 from shared.runtime.logs import get_logger
 from shared.wire import keys
 
@@ -84,10 +84,12 @@ class Heartbeat:
             await self.beat()
 
 
-async def live_instances(r: Redis, service: str | None = None) -> list[dict[str, Any]]:
-    """Every instance (of `service`, if given) whose health key has not expired, sorted by service."""
+async def live_instances(r: Client, service: str | None = None) -> list[dict[str, Any]]:
+    """Every instance (of `service`, if given) whose health key has not expired, sorted by service.
+    On a Redis Cluster the SCAN runs on every master (the keys spread over their slots)."""
     out = []
-    async for key in r.scan_iter(match=keys.HEALTH_KEY_PATTERN, count=500):
+    every_master: dict[str, Any] = {"target_nodes": RedisCluster.PRIMARIES} if isinstance(r, RedisCluster) else {}
+    async for key in r.scan_iter(match=keys.HEALTH_KEY_PATTERN, count=500, **every_master):
         raw = await r.get(key)
         if raw:
             inst = json.loads(raw)

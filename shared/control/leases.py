@@ -14,6 +14,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from shared.bus.connection import Client, is_cluster, node_of
 from shared.policies.lease_liveness import HolderSeen
 from shared.policies.readiness import SlotView
 from shared.wire import keys
@@ -31,7 +32,31 @@ def holder_client_name(holder: str) -> str:
 
 
 class ClientListRefused(RuntimeError):
-    """Redis refused CLIENT LIST (an ACL without it): only the lease's expiry tells a dead holder."""
+    """Redis refused CLIENT LIST (an ACL without it), or cannot answer it for every lease (a
+    cluster with the leases on several nodes): only the lease's expiry tells a dead holder."""
+
+
+def _lease_node_target(r: Client, lease_keys: list[str]) -> dict[str, Any]:
+    """Where a look's CLIENT LIST and INFO go: on a Redis Cluster, the one node holding the lease
+    keys (a holder renewing its lease keeps a connection to that node, named for it); nothing to
+    add on a plain Redis. Leases on several nodes cannot be judged from one: ClientListRefused,
+    which turns the check off (once, with this reason) and leaves the leases' expiry."""
+    if not is_cluster(r) or not lease_keys:
+        return {}
+    nodes = {node.name: node for node in (node_of(r, k) for k in lease_keys) if node is not None}
+    if len(nodes) != 1:
+        raise ClientListRefused(
+            f"the run's leases are on {len(nodes)} Redis Cluster nodes (keys without one hash tag): "
+            "CLIENT LIST of one node cannot tell their holders' connections"
+        )
+    return {"target_nodes": next(iter(nodes.values()))}
+
+
+async def server_info(r: Client, section: str, key: str) -> dict[str, Any]:
+    """INFO `section` of the server holding `key` (on a Redis Cluster, its slot's master: a
+    failover changes its run_id, as a restart does)."""
+    info: Any = await r.info(section, **_lease_node_target(r, [key]))
+    return dict(info)
 
 
 @dataclass(frozen=True)
@@ -46,7 +71,8 @@ class Look:
 
 async def look_at_holders(r: Redis, run: str, slots: list[tuple[int, int]], me: str = "") -> Look:
     """What a spare sees of each held slot's holder (`shared.policies.lease_liveness`): whether a
-    connection named for it is open, how long ago it renewed, and Redis's uptime. Slots not held are
+    connection named for it is open, how long ago it renewed, and Redis's uptime (on a Redis
+    Cluster: of the node holding the leases, `_lease_node_target`). Slots not held are
     left out. The leases are read first: a holder then seen with no connection open had not renewed
     for at least that long (a live one that reconnects meanwhile is seen connected)."""
     async with r.pipeline(transaction=False) as pipe:
@@ -54,11 +80,12 @@ async def look_at_holders(r: Redis, run: str, slots: list[tuple[int, int]], me: 
             pipe.get(keys.lease_key(run, d, k))
             pipe.pttl(keys.lease_key(run, d, k))
         found: Any = await pipe.execute()
+    target = _lease_node_target(r, [keys.lease_key(run, d, k) for d, k in slots])
     try:
-        clients: Any = await r.client_list(_type="normal")
+        clients: Any = await r.client_list(_type="normal", **target)
     except ResponseError as exc:
         raise ClientListRefused(str(exc)) from exc
-    info: Any = await r.info("server")
+    info: Any = await r.info("server", **target)
     up_s = float(info.get("uptime_in_seconds", 0))
     names = {c.get("name", "") for c in clients}
     sees_itself = not me or holder_client_name(me) in names

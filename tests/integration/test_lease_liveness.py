@@ -8,11 +8,12 @@ import asyncio
 import signal
 import sys
 import time
+from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 
 from services.stage_worker.membership.lease import Slot, SlotLease
-from shared.bus.connection import command_client
+from shared.bus.connection import client_for, command_client
 from shared.control.leases import holder_client_name
 from shared.wire import keys
 
@@ -139,8 +140,9 @@ async def test_a_live_holder_whose_connections_are_closed_under_it_keeps_its_slo
 async def test_a_redis_that_refuses_client_list_leaves_the_expiry_to_free_the_slot(
     redis: Redis, redis_url: str
 ) -> None:
-    await redis.execute_command("ACL", "SETUSER", "nolist", "on", ">pw", "~*", "+@all", "-client")
-    limited = Redis.from_url(redis_url.replace("redis://", "redis://nolist:pw@"), protocol=2, socket_timeout=None)
+    everywhere: dict[str, Any] = {"target_nodes": RedisCluster.ALL_NODES} if isinstance(redis, RedisCluster) else {}
+    await redis.execute_command("ACL", "SETUSER", "nolist", "on", ">pw", "~*", "+@all", "-client", **everywhere)
+    limited = client_for(redis_url.replace("://", "://nolist:pw@", 1), socket_timeout=None)
     try:
         await SlotLease(redis, "acl", 1, 1, "h3").acquire()
         spare = spare_of(limited, "acl")
@@ -152,7 +154,7 @@ async def test_a_redis_that_refuses_client_list_leaves_the_expiry_to_free_the_sl
         await redis.delete(keys.lease_key("acl", 0, 0))  # the lease expires
         assert await asyncio.wait_for(waiting, 5) == Slot(0, 0)
     finally:
-        await redis.execute_command("ACL", "DELUSER", "nolist")
+        await redis.execute_command("ACL", "DELUSER", "nolist", **everywhere)
         await limited.aclose()
 
 

@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from shared.bus.connection import TRANSIENT_ERRORS, Outage
-from shared.control.leases import ClientListRefused, look_at_holders, release_if_held_by, slot_end, slot_name
+from shared.control.leases import (
+    ClientListRefused,
+    look_at_holders,
+    release_if_held_by,
+    server_info,
+    slot_end,
+    slot_name,
+)
 from shared.policies.lease_liveness import HolderWatch
 from shared.runtime.logs import get_logger
 from shared.wire import keys
@@ -259,7 +266,9 @@ class SlotLease:
         self.renewed_at = sent
 
     async def _redis_run_id(self) -> str:
-        info = await self.r.info("server")
+        """The run_id of the server holding our lease (a Redis Cluster: its slot's master)."""
+        assert self.slot is not None
+        info = await server_info(self.r, "server", self._key(self.slot))
         return str(info.get("run_id", ""))
 
     async def _check_not_wiped(self) -> None:
@@ -267,7 +276,7 @@ class SlotLease:
         assert self.slot is not None
         if await self._redis_run_id() == self.redis_run_id:
             return
-        persistence = await self.r.info("persistence")
+        persistence = await server_info(self.r, "persistence", self._key(self.slot))
         if not int(persistence.get("aof_enabled", 0)):
             raise SlotError(
                 f"Redis restarted without persistence (no append-only file) while slot {self.slot.name} was "
