@@ -40,7 +40,7 @@ from services.dispatcher.messages import answers, batch_message, unused_states
 from services.dispatcher.metrics import DispatcherMetrics
 from services.dispatcher.telemetry import ControlTelemetry
 from services.dispatcher.writes import Writes, execute
-from shared.bus import HOLD, Bus, Delivery, Outcome
+from shared.bus import HOLD, Bus, Delivery, Outcome, Reject
 from shared.bus.connection import TRANSIENT_ERRORS, ride_out
 from shared.config.spec import ClusterSpec
 from shared.control import serving
@@ -135,6 +135,8 @@ class Dispatcher:
         req = d.message
         self._input()
         assert isinstance(req, PrefillRequest)
+        if keys.hash_tag(req.reply_to) != self.run:  # no front door of the run reads there: never answerable
+            raise Reject(f"request {req.id} asks for its answer on {req.reply_to!r}, outside run {self.run}'s streams")
         if d.attempt > 1:  # delivered again (a restart, a reclaim): it may have been answered meanwhile
             found = await serving.lookup(self.bus.redis, self.run, req.id)
             if found is not None and found.status is not RequestStatus.QUEUED:

@@ -15,7 +15,7 @@ from shared.bus.consumer import AfterRead, Consumer, Fence
 from shared.bus.deadletters import DeadLetter, LastWord, read_dead_letters
 from shared.bus.delivery import Handlers
 from shared.config.spec import BusConfig
-from shared.wire import FIELD, Message, encode, keys
+from shared.wire import FIELD, Message, encode
 
 
 def default_consumer_name(prefix: str = "c") -> str:
@@ -134,7 +134,7 @@ class Bus:
             fence=fence,
         )
 
-    async def dead_letters(self, count: int = 100, stream: str = keys.UNTAGGED_DEAD_LETTER_STREAM) -> list[DeadLetter]:
-        """The oldest `count` entries of a dead-letter stream (for operators and tests): `bt:dead` (the
-        streams with no hash tag) unless told another (a run's: `keys.run_dead_letter_stream`)."""
+    async def dead_letters(self, stream: str, count: int = 100) -> list[DeadLetter]:
+        """The oldest `count` entries of a dead-letter stream (for operators and tests): a run's
+        (`keys.run_dead_letter_stream`), or a stream's (`keys.dead_letter_stream`)."""
         return await read_dead_letters(self.redis, count, stream)

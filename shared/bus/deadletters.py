@@ -1,7 +1,7 @@
 """The dead-letter streams' records: what a consumer writes (with its ack, atomically) and what is read back.
 
 A stream's dead letters go to the dead-letter stream of its hash tag (`keys.dead_letter_stream`: a
-run's, ``bt:{<run>}:dead``, or ``bt:dead`` for a stream with no tag), so the record and the source's
+run's, ``bt:{<run>}:dead``, or ``bt:{<stream>}:dead`` for a stream with no tag), so the record and the source's
 XACK are one MULTI on one slot of a Redis Cluster."""
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def dead_letter_payload(raw: bytes) -> dict[Any, Any]:
     }
 
 
-async def read_dead_letters(r: Redis, count: int, stream: str = keys.UNTAGGED_DEAD_LETTER_STREAM) -> list[DeadLetter]:
+async def read_dead_letters(r: Redis, count: int, stream: str) -> list[DeadLetter]:
     """The oldest `count` entries of the dead-letter stream `stream` (a run's is
     `keys.run_dead_letter_stream`; every one matches `keys.DEAD_LETTER_PATTERN`)."""
     rows: Any = await r.xrange(stream, count=count)

@@ -31,8 +31,11 @@ import msgspec
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from shared.runtime.logs import get_logger
 from shared.wire import FIELD, PrefillRequest, PrefillResult, WireError, decode, encode, keys
 from shared.wire.status import FailureReason, RequestStatus, ServingState
+
+log = get_logger(__name__)
 
 _ACCEPT = """
 if ARGV[6] ~= '' then
@@ -200,6 +203,11 @@ async def fail_dead_request(r: Redis, run: str, raw: bytes | None, error: str) -
     if found is None:
         return
     rid, reply_to = found
+    if keys.hash_tag(reply_to) != run:
+        # no front door of the run reads there (on a cluster: another slot, which the answer script
+        # cannot touch); the request stays queued in its record until its TTL, as nobody waits on it
+        log.warning("dead request names a results stream outside its run: not answered", id=rid, reply_to=reply_to)
+        return
     failed = PrefillResult(
         id=rid,
         status=RequestStatus.FAILED,

@@ -52,10 +52,15 @@ def dead_letter_stream(source_stream: str) -> str:
     """Where poison messages from `source_stream` go: entries that failed to decode, or whose
     handler failed `bus.max_deliveries` times. Each entry records the source stream, group, id,
     error and the original payload, so nothing is lost and an operator can replay it. One stream
-    per hash tag (``bt:{<run>}:dead`` for a run's streams, `UNTAGGED_DEAD_LETTER_STREAM` for the
-    others), so the dead letter and the source's XACK are one MULTI on one slot."""
+    per hash tag: ``bt:{<run>}:dead`` for a run's streams, and for a stream with no tag, one under
+    the stream's whole name as its tag (``bt:{bt:ping}:dead``: Redis Cluster hashes an untagged key by
+    its whole name, so that is the source's own slot). The dead letter and the source's XACK are then
+    one MULTI on one slot, on a cluster as on one Redis."""
     tag = hash_tag(source_stream)
-    return UNTAGGED_DEAD_LETTER_STREAM if tag is None else f"{PREFIX}:{{{tag}}}:dead"
+    if tag is None and ("{" in source_stream or "}" in source_stream):
+        why = "its dead letters could not share its slot"
+        raise ValueError(f"stream {source_stream!r} has braces but no hash tag: {why}")
+    return f"{PREFIX}:{{{tag or source_stream}}}:dead"
 
 
 def run_dead_letter_stream(run: str) -> str:
@@ -63,10 +68,7 @@ def run_dead_letter_stream(run: str) -> str:
     return f"{_of(run)}:dead"
 
 
-#: The dead letters of streams with no hash tag (the bus check's ping/pong, tests' own streams).
-UNTAGGED_DEAD_LETTER_STREAM = f"{PREFIX}:dead"
-
-#: SCAN pattern of every dead-letter stream (``bt:dead`` and each run's ``bt:{<run>}:dead``), for
+#: SCAN pattern of every dead-letter stream (each run's ``bt:{<run>}:dead``, and ``bt:{<stream>}:dead``), for
 #: an operator looking for them all.
 DEAD_LETTER_PATTERN = f"{PREFIX}:*dead"
 

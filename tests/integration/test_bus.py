@@ -53,9 +53,13 @@ class Seen:
         await asyncio.wait_for(wait(), timeout)
 
 
+#: The dead-letter stream of the tests' stream "s" (in its slot: the name is its tag).
+DEAD = keys.dead_letter_stream("s")
+
+
 async def next_dead_letter(r: Redis, last_id: str = "0", timeout_ms: int = 60_000) -> tuple[str, dict]:
     """Block on the dead-letter stream until an entry newer than last_id arrives."""
-    reply = await r.xread({keys.UNTAGGED_DEAD_LETTER_STREAM: last_id}, count=1, block=timeout_ms)
+    reply = await r.xread({DEAD: last_id}, count=1, block=timeout_ms)
     assert reply, "no dead letter arrived"
     entry_id, fields = reply[0][1][0]
     return entry_id.decode(), fields
@@ -149,7 +153,7 @@ async def test_undecodable_message_is_dead_lettered_with_its_ack(redis_url: str,
     assert c.stats.dead_lettered == 1
     assert await pending_count(redis, "s", "g") == 0
     async with Bus(redis_url) as reader:
-        letters = await reader.dead_letters()
+        letters = await reader.dead_letters(DEAD)
     assert [d.source_id for d in letters] == [bad_id]
 
 
@@ -169,9 +173,9 @@ async def test_a_huge_poison_message_is_dead_lettered_truncated_with_its_length_
     assert int(dl[b"payload_bytes"]) == len(poison) and dl[b"payload_truncated"] == b"1"
     assert dl[b"payload_sha256"].decode() == hashlib.sha256(poison).hexdigest()
     assert c.stats.dead_lettered == 1
-    assert int(await redis.memory_usage(keys.UNTAGGED_DEAD_LETTER_STREAM)) < 2 * cap  # not ~1 MB
+    assert int(await redis.memory_usage(DEAD)) < 2 * cap  # not ~1 MB
     async with Bus(redis_url) as reader:
-        [letter] = await reader.dead_letters()
+        [letter] = await reader.dead_letters(DEAD)
     assert letter.truncated and letter.payload_bytes == len(poison) and len(letter.payload) == cap
 
 
@@ -203,7 +207,7 @@ async def test_transient_failure_succeeds_on_retry(redis_url: str, redis: Redis)
         await bus.publish_many("s", pings(3))
         await seen.until(3)
     assert all(a == [2] for a in seen.attempts.values())
-    assert await redis.xlen(keys.UNTAGGED_DEAD_LETTER_STREAM) == 0
+    assert await redis.xlen(DEAD) == 0
 
 
 async def test_survives_redis_restart_mid_stream(tmp_path: Path) -> None:

@@ -24,14 +24,15 @@ GROUP = "dispatcher"
 RUN = "dead"
 REQUESTS, INFLIGHT = keys.prefill_requests_stream(RUN), keys.prefill_inflight_key(RUN)
 FAST = BusConfig(block_ms=50, claim_idle_ms=200, max_deliveries=2)
+RESULTS = keys.prefill_results_stream(RUN, "front")  # a front door's: the run's tag
 
 
-def request(rid: str) -> PrefillRequest:
-    return PrefillRequest(id=rid, model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to="bt:test:results")
+def request(rid: str, reply_to: str = RESULTS) -> PrefillRequest:
+    return PrefillRequest(id=rid, model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to=reply_to)
 
 
-async def answers(redis: Redis) -> list[PrefillResult]:
-    rows: Any = await redis.xrange("bt:test:results")
+async def answers(redis: Redis, stream: str = RESULTS) -> list[PrefillResult]:
+    rows: Any = await redis.xrange(stream)
     return [m for _, f in rows if isinstance(m := decode(f[FIELD]), PrefillResult)]
 
 
@@ -41,7 +42,7 @@ async def test_a_dead_lettered_request_is_failed_through_the_answer_path_and_cou
     """One the handler rejects, and one written by another wire version (undecodable as ours, its
     id and reply stream still readable): each is answered failed at once, and in flight drops to 0."""
     assert await serving.accept(redis, RUN, request("r-1"), 100)
-    foreign = msgspec.msgpack.encode({"kind": "prefill_request", "v": 99, "id": "r-2", "reply_to": "bt:test:results"})
+    foreign = msgspec.msgpack.encode({"kind": "prefill_request", "v": 99, "id": "r-2", "reply_to": RESULTS})
     await redis.incr(INFLIGHT)  # a newer front door accepted it (and counted it)
     await redis.xadd(REQUESTS, {FIELD: foreign})
     assert int(await redis.get(INFLIGHT)) == 2
@@ -66,6 +67,28 @@ async def test_a_dead_lettered_request_is_failed_through_the_answer_path_and_cou
     assert await redis.xlen(keys.run_dead_letter_stream(RUN)) >= 2
     found = await serving.lookup(redis, RUN, "r-1")
     assert found is not None and found.status is RequestStatus.FAILED
+
+
+async def test_a_request_answered_outside_its_run_is_dead_lettered_unanswered(redis_url: str, redis: Redis) -> None:
+    """A request naming a results stream outside its run's tag (no front door of the run reads it; on
+    a cluster, another slot) is dead-lettered, not answered there: the consumer goes on, and the
+    next request is failed through the answer path as usual."""
+    elsewhere = keys.prefill_results_stream("another-run", "front")
+    assert await serving.accept(redis, RUN, request("astray", elsewhere), 100)
+    assert await serving.accept(redis, RUN, request("r-3"), 100)
+
+    async def refuse(d: Delivery) -> None:
+        raise Reject("cannot take it")
+
+    async with Bus(redis_url, FAST) as bus:
+        last_word = functools.partial(serving.fail_dead_request, bus.redis, RUN)
+        async with bus.consumer(REQUESTS, GROUP, {PrefillRequest: refuse}, last_word=last_word) as c:
+            deadline = time.monotonic() + 30
+            while c.stats.dead_lettered < 2:
+                assert time.monotonic() < deadline, c.stats
+                await redis.xread({keys.run_dead_letter_stream(RUN): "$"}, block=100)
+    assert [a.id for a in await answers(redis)] == ["r-3"]
+    assert await answers(redis, elsewhere) == []  # nothing written outside the run
 
 
 async def test_the_inflight_count_is_reconciled_with_the_unacked_requests(redis_url: str, redis: Redis) -> None:

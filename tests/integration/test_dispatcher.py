@@ -39,6 +39,11 @@ from shared.wire import (
 from shared.wire.status import ControlEvent, FailureReason, RequestStatus
 
 
+def front(d: Dispatcher) -> str:
+    """A front door's results stream in `d`'s run (the dispatcher refuses a request answered elsewhere)."""
+    return keys.prefill_results_stream(d.run, "front")
+
+
 async def test_every_stream_dead_letters_kinds_outside_its_table(redis_url: str, redis: Redis) -> None:
     settings = dataclasses.replace(load_settings(None), redis_url=redis_url, run="t")
     stop = asyncio.Event()
@@ -89,9 +94,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_fails_explicitly(red
         d = Dispatcher(bus, load_settings(None).spec, "run")
         d.acks = acks = Acks(d.run)
         now = time.time()
-        req = PrefillRequest(
-            id="late", model="m", tokens=(1, 2), submitted=now, deadline=now + 0.05, reply_to="bt:test:results"
-        )
+        req = PrefillRequest(id="late", model="m", tokens=(1, 2), submitted=now, deadline=now + 0.05, reply_to=front(d))
         assert await serving.accept(bus.redis, d.run, req, 10)
         snapshot = keys.prefill_snapshot_key("run", "late", 2)  # a partial prefill saved for it earlier
         await bus.redis.set(snapshot, b"state", ex=300)
@@ -125,7 +128,7 @@ async def test_a_request_moved_to_the_decoder_is_answered_moved_not_failed(redis
             model="m",
             tokens=(1, 2, 3),
             submitted=now,
-            reply_to="bt:test:results",
+            reply_to=front(d),
             deadline=now + 60,
             objective=now + 0.5,  # with a decoder to move to (`may_move`), and no bubble seen yet
             may_move=True,
@@ -162,7 +165,7 @@ async def test_a_joined_worker_gets_its_first_credit_on_its_fill_stream(redis_ur
         d = Dispatcher(bus, load_settings(None).spec, "run")
         d.acks = Acks(d.run)
         now = time.time()
-        req = PrefillRequest(id="early", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:results")
+        req = PrefillRequest(id="early", model="m", tokens=(1, 2, 3), submitted=now, reply_to=front(d))
         assert await serving.accept(bus.redis, d.run, req, 10)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None  # no worker yet: it waits
         await d.requests_read([])
@@ -202,7 +205,7 @@ async def test_a_read_of_requests_goes_out_in_one_round_trip_and_only_redeliveri
 
         bus.redis.execute_command = counting  # type: ignore[method-assign]
         for i in range(20):
-            req = PrefillRequest(id=f"q{i}", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:r")
+            req = PrefillRequest(id=f"q{i}", model="m", tokens=(1, 2, 3), submitted=now, reply_to=front(d))
             assert await d.on_request(Delivery(f"{i}-0", "s", req, 1)) is not None
         assert calls == []  # first deliveries: no lookup
         real_pipeline = bus.redis.pipeline
@@ -216,7 +219,7 @@ async def test_a_read_of_requests_goes_out_in_one_round_trip_and_only_redeliveri
         await d.requests_read([])
         assert len(pipelines) == 1 and calls == []  # one pipelined round trip for every batch
         assert d.state.workers["r0s0"].held  # the requests went to the worker
-        again = PrefillRequest(id="q0", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:r")
+        again = PrefillRequest(id="q0", model="m", tokens=(1, 2, 3), submitted=now, reply_to=front(d))
         await d.on_request(Delivery("0-0", "s", again, 2))  # delivered again: looked up
         assert calls and calls[0] == "HMGET"
 
@@ -246,7 +249,9 @@ async def test_it_records_which_bubbles_opened_with_work_and_how_late_reports_ca
                 predicted_ms=50.0, actual_ms=1.0, at=now + 0.001,
             ), 1)
         )  # fmt: skip
-        req = PrefillRequest(id="q", model="m", tokens=(1, 2, 3), submitted=now, reply_to="bt:test:results")
+        req = PrefillRequest(
+            id="q", model="m", tokens=(1, 2, 3), submitted=now, reply_to=keys.prefill_results_stream(RUN, "front")
+        )
         assert await serving.accept(bus.redis, d.run, req, 10)
         assert await d.on_request(Delivery("1-0", "s", req, 1)) is not None
         await d.requests_read([])  # held on r0s1 (its credit): work for it

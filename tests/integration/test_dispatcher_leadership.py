@@ -53,9 +53,14 @@ SPEC = load_settings(None).spec
 START_S, TAKEOVER_S = 60.0, 10.0
 
 
-def request(rid: str, tokens: int = 4, *, deadline: float | None = None) -> PrefillRequest:
+def request(run: str, rid: str, tokens: int = 4, *, deadline: float | None = None) -> PrefillRequest:
     return PrefillRequest(
-        id=rid, model="m", tokens=tuple(range(tokens)), submitted=time.time(), deadline=deadline, reply_to="bt:t:r"
+        id=rid,
+        model="m",
+        tokens=tuple(range(tokens)),
+        submitted=time.time(),
+        deadline=deadline,
+        reply_to=keys.prefill_results_stream(run, "front"),  # a front door of the run's: its tag
     )
 
 
@@ -100,14 +105,14 @@ async def test_a_leader_whose_lease_another_took_writes_no_batch_answer_or_ack_t
             await d.requests_read([])
 
         await d.on_joined(Delivery("j-0", keys.bubbles_stream(run), joined(run, 0, 1 << 30), 1))
-        await arrive(request("q1"), request("q2", deadline=time.time() + 1))
+        await arrive(request(run, "q1"), request(run, "q2", deadline=time.time() + 1))
         sent = [it.id for b in await batches(redis, fill) for it in b.items]
         assert sorted(sent) == ["q1", "q2"]  # it leads: written
         await redis.set(keys.dispatcher_lease_key(run), "dispatcher-b", px=3_000)  # another took over
         assert lease.leads()  # as far as its own clock knows
         if with_answer:  # q2's deadline passed on its worker: failed, an answer to write
             d._decided += d.state.tick(time.time() + 2)
-        await arrive(request("q3"))  # and a batch
+        await arrive(request(run, "q3"))  # and a batch
         assert [it.id for b in await batches(redis, fill) for it in b.items] == sent  # no other batch
         found = await serving.lookup(redis, run, "q2")
         assert found is not None and found.status is RequestStatus.QUEUED  # not answered
@@ -298,7 +303,7 @@ async def test_a_second_dispatcher_stands_by_reading_nothing_and_takes_over_at_o
         async with Bus(run_env["REDIS_URL"], name="test") as bus:
             await bus.publish(keys.bubbles_stream(run), joined(run, 0, 1 << 30))
             for i in range(5):
-                assert await serving.accept(bus.redis, run, request(f"q{i}"), 100)
+                assert await serving.accept(bus.redis, run, request(run, f"q{i}"), 100)
         await until(sent(redis, keys.fill_stream(run, 0, 0), {f"q{i}" for i in range(5)}), "the batches", START_S)
         assert await consumers(redis, run) == {name(a)}  # the standby never read a stream
         assert {v.instance for v in await serving.readiness(redis, run)} == {name(a)}  # nor says it serves
@@ -333,10 +338,10 @@ async def test_a_stalled_leader_is_replaced_by_the_standby_that_serves_its_queue
         async with Bus(run_env["REDIS_URL"], name="test") as bus:
             await bus.publish(keys.bubbles_stream(run), joined(run, 0, room))
             for rid in ("s1", "s2"):
-                assert await serving.accept(bus.redis, run, request(rid, small), 100)
+                assert await serving.accept(bus.redis, run, request(run, rid, small), 100)
             await until(sent(redis, fill0, {"s1", "s2"}), "the leader's batch for the first worker", START_S)
             for rid in ("g1", "g2", "g3"):
-                assert await serving.accept(bus.redis, run, request(rid, big), 100)
+                assert await serving.accept(bus.redis, run, request(run, rid, big), 100)
             await until(held_by(redis, run, name(a), 5), "the leader holding every request", START_S)
             before = [x.batch_id for x in await batches(redis, fill0)]
             a.proc.send_signal(signal.SIGSTOP)  # a stall: a GC pause, a VM paused

@@ -308,7 +308,8 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
         got = await until(url, lambda g: value(g, "bubbletea:bubble_start_queued_seconds_count", run=run) == 1)
         assert value(got, "bubbletea:bubble_start_queued_seconds_sum", run=run) == 0
         assert value(got, "bubbletea:bubbles_opened_empty_total", run=run) == 0  # nothing waited either
-        req = PrefillRequest(id="q1", model=model, tokens=tuple(range(1, 9)), submitted=now, reply_to="bt:test:results")
+        front = keys.prefill_results_stream(run, "t")  # a front door's (the run's tag)
+        req = PrefillRequest(id="q1", model=model, tokens=tuple(range(1, 9)), submitted=now, reply_to=front)
         assert await serving.accept(bus.redis, run, req, 10)
         # the request arrives while the bubble is open: the worker takes it at once (its credit)
         got = await until(
@@ -354,9 +355,7 @@ async def test_dispatcher_metrics_follow_bubbles_and_requests(dispatcher: Settin
         assert value(got, "bubbletea:bubble_seconds_total", run=run) == pytest.approx(9.97)
         assert value(got, "bubbletea:bubble_prediction_error_seconds_sum", run=run) == pytest.approx(0.03)
         # a request whose deadline passes while no bubble is open fails explicitly
-        late = PrefillRequest(
-            id="q2", model=model, tokens=(1, 2), submitted=now, deadline=now + 0.1, reply_to="bt:test:results"
-        )
+        late = PrefillRequest(id="q2", model=model, tokens=(1, 2), submitted=now, deadline=now + 0.1, reply_to=front)
         assert await serving.accept(bus.redis, run, late, 10)
         got = await until(url, lambda g: value(g, "bubbletea:request_failures_total", run=run, reason="deadline") == 1)
         assert value(got, "bubbletea:bubble_start_queued_seconds_count", run=run) == 1

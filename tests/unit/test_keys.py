@@ -82,12 +82,16 @@ def test_dead_letters_go_to_the_dead_letter_stream_of_their_stream_s_tag() -> No
         dead = keys.dead_letter_stream(stream)
         assert dead == keys.run_dead_letter_stream(RUN) == f"bt:{{{RUN}}}:dead"
         assert keys.hash_tag(dead) == keys.hash_tag(stream)  # the XADD and the XACK: one slot
-    assert keys.dead_letter_stream(keys.PING_STREAM) == keys.UNTAGGED_DEAD_LETTER_STREAM == "bt:dead"
+    # an untagged stream's dead letters: its whole name as their tag, the slot Redis Cluster gives it
+    assert keys.dead_letter_stream(keys.PING_STREAM) == "bt:{bt:ping}:dead"
+    assert keys.hash_tag(keys.dead_letter_stream("s")) == "s"
+    with pytest.raises(ValueError, match="no hash tag"):
+        keys.dead_letter_stream("a{}b")
     assert keys.dead_letter_stream("bt:{other}:x") == "bt:{other}:dead"
     import fnmatch  # Redis's MATCH: "*" any run (braces are not special)
 
     assert fnmatch.fnmatchcase(keys.run_dead_letter_stream(RUN), keys.DEAD_LETTER_PATTERN)
-    assert fnmatch.fnmatchcase(keys.UNTAGGED_DEAD_LETTER_STREAM, keys.DEAD_LETTER_PATTERN)
+    assert fnmatch.fnmatchcase(keys.dead_letter_stream(keys.PING_STREAM), keys.DEAD_LETTER_PATTERN)
     assert fnmatch.fnmatchcase(keys.lease_key(RUN, 0, 1), keys.run_pattern(RUN))
     assert not fnmatch.fnmatchcase(keys.lease_key(RUN + "x", 0, 1), keys.run_pattern(RUN))
 
