@@ -57,7 +57,9 @@ async def dead_letter(
 ) -> bool:
     """Move `consumer`'s entry to its stream's dead-letter stream and ack it in its group, atomically
     (MULTI/EXEC): it is never both lost and acked; `last_word` first, if any. False if Redis could
-    not be reached (by either): the entry then stays pending, to be retried."""
+    not be reached (by either): the entry then stays pending, to be retried. A last word that fails
+    otherwise (a bug, a command refused) is logged and named in the record, and the entry moves on:
+    left pending, it would fail the same way at every redelivery."""
     if last_word is not None:
         try:
             await last_word(raw, error)
@@ -66,6 +68,14 @@ async def dead_letter(
                 "a dead letter's last word failed; it stays pending", stream=stream, id=entry_id, error=repr(exc)
             )
             return False
+        except Exception as exc:  # a bug, or a command the server refuses: the entry must still move on
+            log.error(
+                "a dead letter's last word failed; dead-lettered without it",
+                stream=stream,
+                id=entry_id,
+                error=repr(exc),
+            )
+            error = f"{error}; its last word failed: {exc!r}"
     record: dict[Any, Any] = {
         "stream": stream,
         "group": group,

@@ -91,6 +91,34 @@ async def test_a_request_answered_outside_its_run_is_dead_lettered_unanswered(re
     assert await answers(redis, elsewhere) == []  # nothing written outside the run
 
 
+async def test_a_last_word_that_fails_leaves_the_entry_dead_lettered_not_pending(redis_url: str, redis: Redis) -> None:
+    """A last word that raises (a bug, a command the server refuses) does not keep the entry pending
+    to fail again at every redelivery: it is dead-lettered, the failure named in its record."""
+    assert await serving.accept(redis, RUN, request("r-bug"), 100)
+
+    async def refuse(d: Delivery) -> None:
+        raise Reject("cannot take it")
+
+    async def broken(raw: bytes | None, error: str) -> None:
+        raise ValueError("a bug in the last word")
+
+    async with Bus(redis_url, FAST) as bus:
+        async with bus.consumer(REQUESTS, GROUP, {PrefillRequest: refuse}, last_word=broken) as c:
+            deadline = time.monotonic() + 30
+            while c.stats.dead_lettered < 1:
+                assert time.monotonic() < deadline, c.stats
+                await redis.xread({keys.run_dead_letter_stream(RUN): "$"}, block=100)
+        assert c.error is None
+    [letter] = [x for x in await bus_letters(redis_url) if "r-bug" in str(x.payload)]
+    assert "cannot take it" in letter.error and "a bug in the last word" in letter.error
+    assert int((await redis.xpending(REQUESTS, GROUP))["pending"]) == 0
+
+
+async def bus_letters(redis_url: str) -> list[Any]:
+    async with Bus(redis_url) as bus:
+        return await bus.dead_letters(keys.run_dead_letter_stream(RUN), 1000)
+
+
 async def test_the_inflight_count_is_reconciled_with_the_unacked_requests(redis_url: str, redis: Redis) -> None:
     """A drifted count (decrements lost) is lowered to what the stream holds unacked: read and
     pending, plus not read yet."""
