@@ -135,8 +135,10 @@ async def test_entries_of_a_killed_consumer_are_reclaimed(redis_url: str, redis:
         seen = Seen()
         async with bus.consumer("s", "g", {Ping: seen}, name="survivor") as c:
             await seen.until(20)
-        assert c.stats.reclaimed == 20
-        assert all(a == [2] for a in seen.attempts.values())
+        assert c.stats.reclaimed >= 20
+        # each came to the survivor on its second delivery; a handled entry whose ack was still queued
+        # past this test's 150 ms claim idle may come a third time (at least once: a loaded machine)
+        assert all(a[0] == 2 for a in seen.attempts.values())
         assert await pending_count(redis, "s", "g") == 0
 
 
