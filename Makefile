@@ -108,7 +108,8 @@ TEST_WORKERS ?= 4
 test: lint typecheck
 	$(VENV)/bin/pytest -q -rsEf --durations=12 -n auto --maxprocesses $(TEST_WORKERS) --dist loadfile \
 	  --ignore=tests/vllm --ignore=tests/slurm tests
-	BUBBLETEA_TEST_REDIS=cluster $(VENV)/bin/pytest -q -rsEf --durations=8 $(CLUSTER_SWITCHED)
+	BUBBLETEA_TEST_REDIS=cluster $(VENV)/bin/pytest -q -rsEf --durations=8 -n auto --maxprocesses $(TEST_WORKERS) \
+	  --dist loadfile $(CLUSTER_SWITCHED)
 
 # The integration tests written for one Redis that matter most on a Redis Cluster (the bus, slot
 # leases and their liveness, admission and answers, dead letters, recovery, readiness, the
@@ -118,7 +119,9 @@ test: lint typecheck
 CLUSTER_SWITCHED := tests/integration/test_bus.py tests/integration/test_slot_lease.py \
   tests/integration/test_lease_liveness.py tests/integration/test_prefill_api.py \
   tests/integration/test_dead_requests.py tests/integration/test_recovery_generations.py \
-  tests/integration/test_readiness.py tests/integration/test_rendezvous_store.py
+  tests/integration/test_readiness.py tests/integration/test_rendezvous_store.py \
+  tests/integration/test_dispatcher_leadership.py \
+  tests/integration/test_dashboard.py::test_a_lost_lease_then_a_new_holder_is_a_fault_and_a_takeover
 # Those, the cluster's own tests and `up --redis-cluster` end to end.
 test-cluster: install
 	BUBBLETEA_TEST_REDIS=cluster $(VENV)/bin/pytest -q -rsEf --durations=8 $(CLUSTER_SWITCHED) \

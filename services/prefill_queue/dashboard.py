@@ -145,14 +145,16 @@ class Hub:
         `left`: a drain), the generation (a move: a recovery) and the dispatcher's lease (a new
         leader: a dispatcher restart or takeover)."""
         slots = [(d, k) for k in range(self.pp) for d in range(self.dp)]
-        async with r.pipeline(transaction=False) as pipe:
-            pipe.mget([keys.lease_key(self.run, d, k) for d, k in slots])
+        n = len(slots)
+        async with r.pipeline(transaction=False) as pipe:  # single-key commands: a cluster's pipeline refuses MGET
+            for d, k in slots:
+                pipe.get(keys.lease_key(self.run, d, k))
             for d, k in slots:
                 pipe.hget(keys.lease_end_key(self.run, d, k), "state")
             pipe.get(keys.generation_key(self.run))
             pipe.get(keys.dispatcher_lease_key(self.run))
             got: Any = await pipe.execute()
-        held, ends, gen, leader = got[0], got[1 : 1 + len(slots)], got[-2], got[-1]
+        held, ends, gen, leader = got[:n], got[n : 2 * n], got[-2], got[-1]
         for (d, k), h, end in zip(slots, held, ends, strict=True):
             self._slot(worker_id(k, d), slot_name(d, k), h.decode() if h else None, end, now)
         if gen is not None:

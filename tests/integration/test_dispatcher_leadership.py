@@ -363,7 +363,8 @@ async def test_a_stalled_leader_is_replaced_by_the_standby_that_serves_its_queue
             )
             for x in sent_all:  # the workers answer, and report: the new leader acks every request
                 for it in x.items:
-                    await serving.answer(redis, run, PrefillResult(id=it.id, status=RequestStatus.DONE), "bt:t:r")
+                    done_ = PrefillResult(id=it.id, status=RequestStatus.DONE)
+                    await serving.answer(redis, run, done_, keys.prefill_results_stream(run, "front"))
                 done = tuple(
                     PrefillProgress(id=it.id, outcome=ItemOutcome.DONE, reached_layer=info.layers, seconds=0.001)
                     for it in x.items

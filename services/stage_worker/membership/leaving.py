@@ -55,11 +55,15 @@ async def run_stopping(runner: StageRunner, lease: SlotLease) -> bool:
     slots = lease.all_slots
     deadline = time.monotonic() + QUORUM_S
     while True:
+        # one round trip of single-key GETs (redis-py refuses MGET in a Redis Cluster's pipeline)
         async with r.pipeline(transaction=False) as pipe:
             pipe.exists(keys.run_stop_key(runner.run))
-            pipe.mget([keys.leaving_key(runner.run, s.name) for s in slots])
-            pipe.mget([keys.lease_key(runner.run, s.replica, s.stage) for s in slots])
-            marked, told, held = await pipe.execute()
+            for s in slots:
+                pipe.get(keys.leaving_key(runner.run, s.name))
+            for s in slots:
+                pipe.get(keys.lease_key(runner.run, s.replica, s.stage))
+            marked, *got = await pipe.execute()
+        told, held = got[: len(slots)], got[len(slots) :]
         leaving = still_leaving(told, held)
         if whole_run_stops(marked_stopping=bool(marked), leaving=leaving, slots=len(slots)):
             return True
