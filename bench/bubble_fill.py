@@ -76,6 +76,7 @@ from shared.config.spec import parse_spec
 from shared.figures.capacity import offer, prefill_block_s
 from shared.model.calibration import calibrate
 from shared.model.shape import model_info
+from shared.runtime.redis_cluster import EmbeddedCluster
 from shared.runtime.redis_server import EmbeddedRedis
 
 
@@ -185,11 +186,13 @@ async def bench(
     dump: Path | None = None,
     job: str | None = None,
     sim: bool = False,
+    redis_cluster: bool = False,
 ) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         prepared = None if job is None else await asyncio.to_thread(prepare, job, Path(tmp), 2)
-        async with EmbeddedRedis() as redis:
+        server: EmbeddedRedis | EmbeddedCluster = EmbeddedCluster() if redis_cluster else EmbeddedRedis()
+        async with server as redis:
             with StepBar(len(cases), "cases", sys.stderr) as bar:  # a bar on a terminal (bubbletea.progress)
                 for dp, mode, share in cases:
                     kw: dict[str, Any] = {"dp": dp, "mode": mode, "pairs": pairs, "iterations": iterations}
@@ -273,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"run each case at {', '.join(f'{x * 100:.0f}%%' for x in SWEEP)} "
         "of capacity; print a table and write a picture (--out)",
     )
+    ap.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="run the services on an embedded Redis Cluster (3 masters, 1 replica each) instead of one redis-server",
+    )
     ap.add_argument("--out", default="runs", help="where --sweep writes its picture (default: runs/)")
     ap.add_argument(
         "--dump",
@@ -346,9 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     kw = {"pairs": args.pairs, "iterations": iterations, "slo_device_ms": args.ttft_slo_ms, "max_rate": args.max_rate}
     kw["dump"] = Path(args.dump) if args.dump else None
-    kw["job"], kw["sim"] = args.job, args.sim
+    kw["job"], kw["sim"], kw["redis_cluster"] = args.job, args.sim, args.redis_cluster
     results = uvloop.run(bench(cases, k=scale, **kw))
     for res in results:
+        res["redis"] = "embedded cluster, 3 masters + 3 replicas" if args.redis_cluster else "one embedded redis-server"
         res["bench_s"] = round(time.perf_counter() - t0, 1)
         res["compute_priority"] = args.priority
         res["device_time_scale"] = scale
