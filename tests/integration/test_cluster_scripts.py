@@ -231,6 +231,13 @@ async def test_the_dispatcher_s_fenced_writes(r: Redis) -> None:
     assert await execute(r, run, w, (lease, "me"))
     assert await r.xlen(fill) == 1 and (await serving.lookup(r, run, "w1")) is not None
     assert int((await r.xpending(stream, "dispatcher"))["pending"]) == 0
+    # fenced with no answer: one script; unfenced (no lease): a plain pipeline, spent snapshots deleted
+    snaps = [keys.prefill_snapshot_key(run, "w1", layer) for layer in (1, 2)]
+    for k in snaps:
+        await r.set(k, "host:1")
+    assert await execute(r, run, Writes(batches=[(fill, b"b2")], gone=snaps[:1]), (lease, "me"))
+    assert await execute(r, run, Writes(batches=[(fill, b"b3")], answers=[(failed, req.reply_to)], gone=snaps))
+    assert await r.xlen(fill) == 3 and await r.exists(*snaps) == 0
 
 
 async def test_a_dead_letter_and_its_ack(r: Redis, cluster: EmbeddedCluster) -> None:
