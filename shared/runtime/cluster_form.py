@@ -20,6 +20,7 @@ Tested by: tests/integration/test_cluster_form.py, tests/integration/test_redis_
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -198,9 +199,9 @@ def _form(nodes: Sequence[Address], clients: list[redis.Redis], masters_n: int, 
         clients[0].execute_command("CLUSTER", "MEET", _ip(address), address.port, _bus_port(address, c))
     ids = [_text(c.execute_command("CLUSTER", "MYID")) for c in clients]
     _until(deadline, "every node to know every other", lambda: all(_known(c) >= len(clients) for c in clients))
-    for i, c in enumerate(replicas):
-        master_id = ids[i % masters_n]
-        _until(deadline, "a replica to follow its master", lambda c=c, m=master_id: _replicate(c, m))
+    for i, replica in enumerate(replicas):
+        follows = functools.partial(_replicate, replica, ids[i % masters_n])
+        _until(deadline, "a replica to follow its master", follows)
     _until(deadline, "cluster_state:ok on every node", lambda: all(_state_ok(c) for c in clients))
     _until(deadline, "every replica's link up", lambda: all(_link_up(c) for c in replicas))
     _until(deadline, "every node to see the masters", lambda: all(_masters(c) == masters_n for c in clients))
@@ -209,7 +210,7 @@ def _form(nodes: Sequence[Address], clients: list[redis.Redis], masters_n: int, 
 def _ip(address: Address) -> str:
     """CLUSTER MEET takes an IP address: a host name is resolved here (as the first node will reach it)."""
     try:
-        return socket.getaddrinfo(address.host, address.port, proto=socket.IPPROTO_TCP)[0][4][0]
+        return str(socket.getaddrinfo(address.host, address.port, proto=socket.IPPROTO_TCP)[0][4][0])
     except OSError as exc:
         raise ClusterFormError(f"cannot resolve {address.host}: {exc}") from None
 
@@ -217,7 +218,7 @@ def _ip(address: Address) -> str:
 def _bus_port(address: Address, c: redis.Redis) -> int:
     """The node's cluster bus port: its ``cluster-port``, or Redis's default, port + 10000."""
     with contextlib.suppress(redis.ResponseError):  # CONFIG renamed away: assume the default
-        port = int(c.config_get("cluster-port").get("cluster-port", 0))
+        port = int(str(c.config_get("cluster-port").get("cluster-port") or 0))
         if port:
             return port
     return address.port + 10000
