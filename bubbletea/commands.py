@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from bubbletea import cli_drain, cli_inspect, cli_up
+from bubbletea import cli_drain, cli_inspect, cli_redis, cli_up
 from bubbletea.cli_common import (
     CommandError,
     CommandParser,
@@ -143,51 +143,6 @@ def _simulate(args: argparse.Namespace) -> int:
     return simulate_main(args)
 
 
-def _port(value: str) -> int:
-    """An argparse type: a TCP port a server can listen on."""
-    if not value.isdigit() or not 1 <= int(value) <= 65_535:
-        raise argparse.ArgumentTypeError(f"expected a port number from 1 to 65535, got {value!r}")
-    return int(value)
-
-
-def _redis(args: argparse.Namespace) -> int:
-    import socket
-
-    from shared.runtime.redis_cluster import EmbeddedCluster
-    from shared.runtime.redis_server import EmbeddedRedis
-
-    if args.port is not None:  # taken? say so in one line, before redis-server says it in twenty
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", args.port))
-            except OSError as exc:
-                why = exc.strerror or str(exc)
-                raise CommandError(
-                    f"--port {args.port}: {why}: choose another port, or leave --port out for one", 1
-                ) from None
-    setup_logging("redis", "WARNING")
-    server: EmbeddedRedis | EmbeddedCluster
-    if args.cluster:
-        if args.port is not None:
-            raise CommandError("--port names one server's port: not with --cluster (its nodes take free ports)", 2)
-        server = EmbeddedCluster().start()
-    else:
-        server = EmbeddedRedis(port=args.port).start()
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
-    try:
-        # Blocked after the servers started: a child inherits the blocked mask, and a redis-server
-        # with SIGTERM blocked ignores its stop (then is SIGKILLed 5 s later). Delivered to sigwait.
-        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-        print(f"REDIS_URL={server.url}", flush=True)
-        if isinstance(server, EmbeddedCluster):
-            for node in server.nodes():
-                print(f"# node 127.0.0.1:{node.port} pid={node.pid} {node.role}", flush=True)
-        signal.sigwait(stop_signals)
-    finally:
-        server.stop()
-    return 0
-
-
 def package_version() -> str:
     """The installed distribution's version (pyproject.toml's, as `pip show bubbletea` says)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -213,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bubbletea.initmodel import add_parser as add_init_model
 
     add_init_model(sub)
-    _add_redis(sub)
+    cli_redis.add_parser(sub)
     for name, parser in sub.choices.items():
         if name != "report":  # its own parser (bubbletea.report.command) owns the arguments
             add_verbose_argument(parser)
@@ -302,21 +257,3 @@ def _add_report(sub: Any) -> None:
         add_help=False,
     )
     p.set_defaults(func=None)
-
-
-def _add_redis(sub: Any) -> None:
-    """`bubbletea redis`: an embedded redis-server for running services by hand."""
-    p = sub.add_parser(
-        "redis",
-        help="run an embedded redis-server on a free port until Ctrl-C",
-        description="Start a private redis-server (from the PATH or the packaged binary) "
-        "and print its REDIS_URL, for running services by hand.",
-    )
-    p.add_argument("--port", type=_port, default=None, help="port to listen on (default: a free one)")
-    p.add_argument(
-        "--cluster",
-        action="store_true",
-        help="start a Redis Cluster instead (3 masters, 1 replica each, on free ports); prints its "
-        "redis+cluster:// URL and each node's port, pid and role",
-    )
-    p.set_defaults(func=_redis)

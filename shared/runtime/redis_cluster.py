@@ -3,10 +3,10 @@ cluster backend (`bubbletea redis --cluster`, `bubbletea up --redis-cluster`) an
 
 Each node is an `EmbeddedRedis` (the same binary choice, memory limit and clean-up by PID) started
 with ``cluster-enabled yes`` and its cluster config file in its own temporary directory. The
-cluster is built from Python, with no ``redis-cli``: each master takes an equal range of the 16,384
-slots (CLUSTER ADDSLOTSRANGE) and a config epoch of its own, every node meets the first
-(CLUSTER MEET), each replica follows its master (CLUSTER REPLICATE); then every node must report
-``cluster_state:ok`` and every replica ``master_link_status:up``.
+cluster is formed from Python, with no ``redis-cli``, by `shared.runtime.cluster_form` (what
+`bubbletea redis --form-cluster` runs on nodes started by others): each master takes an equal
+range of the 16,384 slots, the first node meets every other, each replica follows its master,
+until every node reports ``cluster_state:ok`` and every replica ``master_link_status:up``.
 
 `NODE_TIMEOUT_MS`: how long a master may not answer before the others mark it failed and its
 replica starts an election (won about 0.5-1 s later). Redis's default, 15 s, is sized for real
@@ -18,7 +18,8 @@ to hundreds of ms) an order of magnitude short of a false failover.
 Nodes keep ``cluster-require-full-coverage no``: while one master is down, the slots of the others
 keep serving (only its own slots wait for the failover).
 
-Tested by: tests/integration/test_redis_cluster.py, tests/e2e/test_up_redis_cluster.py.
+Tested by: tests/integration/test_redis_cluster.py, tests/integration/test_cluster_form.py,
+tests/e2e/test_up_redis_cluster.py.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import asyncio
 import contextlib
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from types import TracebackType
 
 import redis
 
+from shared.runtime.cluster_form import FORM_TIMEOUT_S, SLOTS, Address, form_cluster
 from shared.runtime.logs import get_logger
 from shared.runtime.redis_server import EmbeddedRedis, RedisServerError, find_redis_server, free_port
 
@@ -40,10 +41,7 @@ log = get_logger(__name__)
 
 #: The cluster-node-timeout of the embedded nodes (the module's docstring says why 3 s).
 NODE_TIMEOUT_MS = 3000
-#: Slots of a Redis Cluster.
-SLOTS = 16384
-#: How long forming the cluster (every node ok, every replica linked) may take.
-FORM_TIMEOUT_S = 60.0
+__all__ = ["FORM_TIMEOUT_S", "NODE_TIMEOUT_MS", "SLOTS", "EmbeddedCluster", "Node"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,8 @@ class EmbeddedCluster:
         self.maxmemory = maxmemory
         self.dir = tempfile.mkdtemp(prefix="bubbletea-cluster-")
         self.servers: list[EmbeddedRedis] = []
-        #: Each server's cluster bus port (not port + 10000, which may be taken or out of range).
+        #: Each server's cluster bus port (not port + 10000, which may be taken or out of range; the
+        #: forming reads it back from the node, CONFIG GET cluster-port).
         self.bus_ports: dict[int, int] = {}
 
     @property
@@ -118,42 +117,27 @@ class EmbeddedCluster:
         self.bus_ports[server.port] = cluster_port
         return server
 
-    def start(self, timeout: float = FORM_TIMEOUT_S) -> EmbeddedCluster:
+    def start(self, timeout: float = FORM_TIMEOUT_S, *, form: bool = True) -> EmbeddedCluster:
+        """Start every node, then form the cluster (`shared.runtime.cluster_form`); with
+        ``form=False`` the nodes are left running, empty and unformed (a test forms them itself)."""
         try:
             count = self.masters * (1 + self.replicas)
             self.servers = [self._server(i) for i in range(count)]
             for server in self.servers:
                 server.start()
-            self._form(time.monotonic() + timeout)
+            if form:
+                form_cluster(self.addresses, replicas=self.replicas, timeout=timeout)
         except BaseException:
             self.stop()
             raise
-        log.info("embedded redis cluster started", url=self.url, masters=self.masters, replicas=self.replicas)
+        if form:
+            log.info("embedded redis cluster started", url=self.url, masters=self.masters, replicas=self.replicas)
         return self
 
-    def _form(self, deadline: float) -> None:
-        clients = [_client(s.port) for s in self.servers]
-        try:
-            masters, replicas = clients[: self.masters], clients[self.masters :]
-            masters_n = self.masters
-            per = SLOTS // self.masters
-            for i, c in enumerate(masters):
-                end = SLOTS - 1 if i == self.masters - 1 else (i + 1) * per - 1
-                c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, end)
-                c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
-            for server in self.servers[1:]:
-                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", server.port, self.bus_ports[server.port])
-            ids = [_text(c.execute_command("CLUSTER", "MYID")) for c in clients]
-            _until(deadline, "every node to know every other", lambda: all(_known(c) >= len(clients) for c in clients))
-            for i, c in enumerate(replicas):
-                master_id = ids[i % self.masters]
-                _until(deadline, "a replica to follow its master", lambda c=c, m=master_id: _replicate(c, m))
-            _until(deadline, "cluster_state:ok on every node", lambda: all(_state_ok(c) for c in clients))
-            _until(deadline, "every replica's link up", lambda: all(_link_up(c) for c in replicas))
-            _until(deadline, "every node to see the replicas", lambda: all(_masters(c) == masters_n for c in clients))
-        finally:
-            for c in clients:
-                c.close()
+    @property
+    def addresses(self) -> list[Address]:
+        """Every node's address, the masters-to-be first."""
+        return [Address("127.0.0.1", s.port) for s in self.servers]
 
     def nodes(self) -> list[Node]:
         """Every node as a live node sees it (roles change on a failover); a dead one is ``alive=False``."""
@@ -209,43 +193,6 @@ def _client(port: int) -> redis.Redis:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _until(deadline: float, what: str, done: object) -> None:
-    """Wait until `done()` (a cluster forms over gossip: there is no event to wait on)."""
-    assert callable(done)
-    while not done():
-        if time.monotonic() > deadline:
-            raise RedisServerError(f"embedded redis cluster: timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def _known(c: redis.Redis) -> int:
-    return len(_text(c.execute_command("CLUSTER", "NODES")).splitlines())
-
-
-def _masters(c: redis.Redis) -> int:
-    lines = _text(c.execute_command("CLUSTER", "NODES")).splitlines()
-    return sum(1 for line in lines if "master" in line.split()[2].split(","))
-
-
-def _replicate(c: redis.Redis, master_id: str) -> bool:
-    try:
-        c.execute_command("CLUSTER", "REPLICATE", master_id)
-    except redis.ResponseError:
-        return False  # the master is not known as one here yet (gossip)
-    return True
-
-
-def _state_ok(c: redis.Redis) -> bool:
-    reply = c.execute_command("CLUSTER", "INFO")
-    return (reply.get("cluster_state") if isinstance(reply, dict) else _text(reply)) in ("ok",) or (
-        "cluster_state:ok" in _text(reply)
-    )
-
-
-def _link_up(c: redis.Redis) -> bool:
-    return bool(c.info("replication").get("master_link_status") == "up")
 
 
 def _node(line: str, alive: dict[int, EmbeddedRedis]) -> Node:

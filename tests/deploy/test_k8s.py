@@ -324,3 +324,50 @@ def test_a_drain_takes_one_worker_at_a_time_and_a_spare_survives_its_host(dc: st
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_redis_cluster_component_points_an_overlay_at_a_cluster(overlay: str, tmp_path: Path) -> None:
+    """components/redis-cluster, added to an overlay as the README says: every BubbleTea container's
+    REDIS_URL is a redis+cluster:// URL (the Secret's password, REDIS_HOST from the env ConfigMap,
+    database 0), REDIS_HOST names the cluster, the control overlay's own Redis is gone, and the
+    render still validates and names nothing it lacks; the rest is the overlay's."""
+    import os
+
+    k8s = os.path.relpath(K8S, tmp_path)  # kustomize takes no absolute paths to other kustomizations
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{k8s}/overlays/{overlay}]\ncomponents: [{k8s}/components/redis-cluster]\n"
+    )
+    out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+    before = render(overlay)
+    assert not [d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") == "redis"]
+    gone = {(d["kind"], d["metadata"]["name"]) for d in before} - {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert {n for _, n in gone if not n.startswith("bubbletea-env")} == (
+        {"redis", "redis-data"} if overlay == "control" else set()
+    )
+    assert [container(w)["name"] for w in workloads(docs)] == [
+        container(w)["name"] for w in workloads(before) if container(w)["name"] != "redis"
+    ]
+    for w in workloads(docs):
+        c = container(w)
+        env = env_of(c)
+        assert env["REDIS_URL"]["value"] == "redis+cluster://:$(REDIS_PASSWORD)@$(REDIS_HOST):6379"
+        assert env_config(docs, c)["REDIS_HOST"] == "redis-cluster"  # defined before REDIS_URL (envFrom)
+        assert "secretKeyRef" in env["REDIS_PASSWORD"]["valueFrom"]
+        old = container(next(b for b in workloads(before) if container(b)["name"] == c["name"]))
+        assert {k: v for k, v in env.items() if k != "REDIS_URL"} == {
+            k: v for k, v in env_of(old).items() if k != "REDIS_URL"
+        }
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for w in workloads(docs):  # every ConfigMap and claim it names is in the render
+        pod = w["spec"]["template"]["spec"]
+        for src in container(w).get("envFrom", []):
+            assert ("ConfigMap", src["configMapRef"]["name"]) in names
+        for v in pod.get("volumes", []):
+            if "persistentVolumeClaim" in v:
+                assert ("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]) in names
