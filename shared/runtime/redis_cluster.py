@@ -184,6 +184,21 @@ class EmbeddedCluster:
         self.kill(node.port)
         return node
 
+    def revive(self, port: int, timeout: float = FORM_TIMEOUT_S) -> Node:
+        """Start the node on `port` again after `kill`: the same port, directory and cluster config
+        file, with no data (the nodes never save). Its slots went to its promoted replica, which
+        has a newer config epoch, so it rejoins as that node's replica and syncs from it in full;
+        returns it once it is a replica with its link up."""
+        server = next(s for s in self.servers if s.port == port)
+        if server.proc is not None and server.proc.poll() is None:
+            raise RedisServerError(f"the node on port {port} is running: kill it first")
+        server.restart()
+        deadline = time.monotonic() + timeout
+        with _client(port) as c:
+            _until(deadline, f"node {port} to rejoin as a replica", lambda: _rejoined(c))
+        log.info("a killed cluster node rejoined as a replica", port=port, pid=server.proc.pid if server.proc else None)
+        return next(n for n in self.nodes() if n.port == port)
+
     def stop(self) -> None:
         """Stop every node (by PID; idempotent) and remove the cluster's files."""
         for server in self.servers:  # all told first, then each waited for
@@ -242,6 +257,11 @@ def _state_ok(c: redis.Redis) -> bool:
     return (reply.get("cluster_state") if isinstance(reply, dict) else _text(reply)) in ("ok",) or (
         "cluster_state:ok" in _text(reply)
     )
+
+
+def _rejoined(c: redis.Redis) -> bool:
+    info = c.info("replication")
+    return bool(info.get("role") == "slave" and info.get("master_link_status") == "up")
 
 
 def _link_up(c: redis.Redis) -> bool:

@@ -9,9 +9,10 @@ resume them, and one `PrefillReport` tells the dispatcher where every item got t
 
 Every tensor is copied into bytes in a thread (the stage port's `keep_prefills`), and an answered
 request's tensors are dropped then: its KV cache leaves the device as it is answered, not when its
-whole batch reports. The answers, the snapshot handles and the report go to Redis in one pipelined
-round trip, in that order (Redis runs them in order: a report the dispatcher reads follows its
-answers). The fill executor acks the
+whole batch reports. The answers and the snapshot handles go to Redis in one pipelined
+round trip, then the report in another (a report the dispatcher reads follows its answers); on a
+Redis Cluster the first round trip ends with a replica's acknowledgement (`WAIT`,
+shared/bus/replicated.py), so no report names answers a master's failover can take back. The fill executor acks the
 batch only after this, so a worker killed mid-batch leaves it for the dispatcher to requeue.
 
 Tested by: tests/integration/test_kv_budget.py, tests/integration/test_fill_executor.py.
@@ -28,6 +29,7 @@ from services.stage_worker.fill.batch import Outcome
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port.stage_port import Cut, Finished, KvStored, StagePort
 from shared.bus import Bus
+from shared.bus.replicated import replicated
 from shared.control import serving
 from shared.model.prefill import PrefillResult
 from shared.runtime.logs import get_logger
@@ -56,27 +58,34 @@ class Reporter:
 
     async def answer(self, outcomes: list[Outcome]) -> None:
         """Answer these finished outcomes now (their batch goes on): one round trip."""
-        async with self.bus.redis.pipeline(transaction=False) as pipe:
+
+        async def queue(pipe: Pipeline) -> None:
             await self._answers(pipe, outcomes)
-            await pipe.execute()
+
+        await replicated(self.bus.redis, keys.prefill_reports_stream(self.run), queue, "answers")
 
     async def finish_batch(self, batch: PrefillBatch, outcomes: list[Outcome], *, preempted: bool) -> None:
         """The batch is done here, or goes back: answer what finished and is not answered yet,
-        keep the states of items cut part way, and report every item, in one round trip.
+        keep the states of items cut part way, and report every item, in one round trip (two on
+        a cluster: the report once a replica holds the rest).
         `outcomes`: every item that started, in order (the rest did not)."""
         cut = [o for o in outcomes if not o.answered and o.state is not None and o.reached > o.item.from_layer]
         fresh = [o for o in outcomes if o.answered and not o.sent]
-        async with self.bus.redis.pipeline(transaction=False) as pipe:
-            handles = await self._answers(pipe, fresh, cut=cut)
-            self.port.write_handles(pipe, handles)
-            progress = [self._progress(o) for o in outcomes]
+
+        async def queue(pipe: Pipeline) -> None:
+            self.port.write_handles(pipe, await self._answers(pipe, fresh, cut=cut))
+
+        progress: list[PrefillProgress] = []
+
+        def report(pipe: Pipeline) -> None:  # after `queue` ran: each item's progress as answered
             ran = {o.item.id for o in outcomes}
-            progress += [
+            progress.extend(self._progress(o) for o in outcomes)
+            progress.extend(
                 PrefillProgress(id=it.id, outcome=ItemOutcome.PARTIAL, reached_layer=it.from_layer, seconds=0.0)
                 for it in batch.items
                 if it.id not in ran
-            ]
-            report = PrefillReport(
+            )
+            msg = PrefillReport(
                 run=self.run,
                 worker=self.worker,
                 batch_id=batch.batch_id,
@@ -84,8 +93,13 @@ class Reporter:
                 preempted=preempted,
                 at=time.time(),  # sent now: what comes before (the caches' and states' bytes) is not the hop
             )
-            pipe.xadd(keys.prefill_reports_stream(self.run), {FIELD: encode(report)})
-            await pipe.execute()
+            pipe.xadd(keys.prefill_reports_stream(self.run), {FIELD: encode(msg)})
+
+        # The answers and the saved states, held by a replica (on a cluster) before the report
+        # that names them: a dispatcher never acts on answers a failover can still take back.
+        await replicated(
+            self.bus.redis, keys.prefill_reports_stream(self.run), queue, "answers and states", then=report
+        )
         # The snapshots this batch resumed from are not deleted here: the dispatcher deletes them
         # once it accepts this report (`Spent`). This batch may be a stale copy (given up on as
         # lost while this worker paused) whose requests now resume elsewhere from the same state.
