@@ -84,7 +84,7 @@ async def replicated(
             if then is not None:
                 then(pipe)
             return list(await pipe.execute())[:n]
-    await r.initialize()  # type: ignore[attr-defined]  # RedisCluster: the slot map (once; then at once)
+    await r.initialize()  # RedisCluster: the slot map (once; then at once)
     node = node_of(r, key)
     async with r.pipeline(transaction=False) as pipe:
         await _queued(queue, pipe)

@@ -5,6 +5,8 @@ run's slot is SIGKILLed (by PID); each accept that fails in the outage is retrie
 idempotency key (as a client retries), and every request a 2xx would have been given for must then
 be on the promoted replica: its record, and its entry on the run's request stream. The old master
 is brought back and rejoins as a replica, and a second kill of the new master loses nothing either.
+A worker's slot lease, expired while the slot had no master, is taken back after each failover
+(services/stage_worker/membership/lease.py: a failover is not a Redis restarted empty).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import uuid
 import pytest
 from redis.asyncio import Redis
 
+from services.stage_worker.membership.lease import SlotLease
 from shared.bus.connection import client_for, command_client, ride_out
 from shared.bus.replicated import fence_key, replicated
 from shared.control import serving
@@ -126,8 +129,11 @@ async def test_no_accepted_request_is_lost_when_the_runs_master_is_killed_twice(
     cluster = await asyncio.to_thread(EmbeddedCluster().start)  # its own: this test kills nodes
     run = f"fo-{uuid.uuid4().hex[:6]}"
     r = command_client(cluster.url)
+    lease = SlotLease(r, run, pp=1, dp=1, holder="w0")
     try:
+        await lease.acquire()
         stream = keys.prefill_requests_stream(run)
+        assert cluster.master_of(stream).port == cluster.master_of(keys.lease_key(run, 0, 0)).port
         for kill in range(2):
             load = Accepts(r, run, rate=100)
             loader = asyncio.create_task(load.drive())
@@ -147,6 +153,10 @@ async def test_no_accepted_request_is_lost_when_the_runs_master_is_killed_twice(
             assert took < FAILOVER_BOUND_S, f"the slot took {took:.1f} s to come back"
             assert len(load.accepted) > 50
             assert await _missing(r, run, load.accepted) == [], f"kill {kill}: accepted requests lost"
+            # the lease expired while its master was down (longer than its TTL); the promoted replica
+            # continues the old master's data, so it is an outage to ride out, not Redis wiped
+            await lease.renew(last_ok=killed_at)
+            assert await r.get(keys.lease_key(run, 0, 0)) == b"w0"
             if kill == 0:  # the old master back, as a replica: the slot has one again for the next kill
                 await asyncio.to_thread(cluster.revive, old.port)
                 assert cluster.master_of(stream).port == replica.port
