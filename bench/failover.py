@@ -127,6 +127,7 @@ async def sent_answers(url: str, run: str) -> dict[str, list[bytes]]:
     r = client_for(url, socket_timeout=10)
     out: dict[str, list[bytes]] = {}
     try:
+        await r.initialize()  # the slot map, before a node is named
         node = r.get_node_from_key(keys.prefill_requests_stream(run))  # type: ignore[attr-defined]
         pattern = keys.prefill_results_stream(run, "*")
         async for name in r.scan_iter(match=pattern, count=1000, target_nodes=node):
