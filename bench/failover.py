@@ -29,6 +29,8 @@ Figures (one JSON line last; clock: the host's wall clock, seconds):
   single-process training), `joined_from` (the sources the workers resumed from, in their logs:
   `peers` after a recovery, `checkpoint` would be a step back), `restarts` (services `up` restarted:
   any is a service that exited), `up_exit_code`;
+* `accept_cost`: an accept's latency (one after another, on the cluster before the run starts)
+  with the replica's acknowledgement and without it, p50 and mean, ms;
 * `met`: lost 0, answered twice 0, duplicated 0, trained twice 0, no checkpoint resume after the
   start, no service restarted, every `back_after_s` < `BACK_TARGET_S`.
 
@@ -60,13 +62,13 @@ sys.path.insert(0, str(ROOT))
 import chaos  # noqa: E402
 import churn  # noqa: E402
 
-from shared.bus.connection import client_for  # noqa: E402
+from shared.bus.connection import client_for, command_client  # noqa: E402
 from shared.config.spec import load_spec  # noqa: E402
 from shared.control import serving  # noqa: E402
 from shared.figures.percentiles import percentile  # noqa: E402
 from shared.runtime.redis_cluster import EmbeddedCluster  # noqa: E402
 from shared.runtime.redis_server import free_port  # noqa: E402
-from shared.wire import PrefillResult, decode, encode, keys  # noqa: E402
+from shared.wire import PrefillRequest, PrefillResult, decode, encode, keys  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "demo.yaml"
 #: The issue's target: serving back within this after a master is killed.
@@ -74,6 +76,8 @@ BACK_TARGET_S = 5.0
 #: How long the bench waits for the killed master's replica to be promoted before it calls the
 #: kill unrecovered (the node timeout is 3 s; an election follows within about a second).
 PROMOTION_TIMEOUT_S = 60.0
+#: Accepts timed with and without the replica's acknowledgement (`wait_cost`).
+COST_ACCEPTS = 300
 JOINED = re.compile(r'msg="?joined the run"?.*source=(\w+)')
 
 
@@ -176,6 +180,35 @@ def joined_from(folder: Path) -> list[str]:
     return found
 
 
+async def wait_cost(url: str, n: int = COST_ACCEPTS) -> dict[str, float]:
+    """What the replica's acknowledgement costs an accept: `n` accepts one after another on the
+    cluster with it (`serving.accept`) and without (the same script alone), p50 and mean in ms."""
+    r = command_client(url)
+    run = f"cost-{uuid.uuid4().hex[:6]}"
+    timings: dict[str, list[float]] = {"with_wait": [], "without": []}
+    try:
+        for i in range(n):
+            for arm in ("with_wait", "without"):
+                req = cost_request(run, f"{arm}-{i}")
+                t = time.perf_counter()
+                if arm == "with_wait":
+                    await serving.accept(r, run, req, 10 * n)
+                else:
+                    await r.eval(*serving.accept_args(run, req, 10 * n))
+                timings[arm].append((time.perf_counter() - t) * 1000)
+    finally:
+        await r.aclose()
+    out = {f"{arm}_p50_ms": round(percentile(v, 50) or 0.0, 3) for arm, v in timings.items()}
+    out |= {f"{arm}_mean_ms": round(sum(v) / len(v), 3) for arm, v in timings.items()}
+    return out
+
+
+def cost_request(run: str, rid: str) -> PrefillRequest:
+    now = time.time()
+    reply_to = keys.prefill_results_stream(run, "cost")
+    return PrefillRequest(id=rid, model="m", tokens=(1, 2, 3), submitted=now, deadline=now + 60, reply_to=reply_to)
+
+
 async def kill_rounds(cluster: EmbeddedCluster, run: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """`--kills` times: SIGKILL the run's master, wait for its promoted replica, revive the dead node."""
     stream = keys.prefill_requests_stream(run)
@@ -207,6 +240,7 @@ async def failover(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="bubbletea-failover-"))
     print(f"failover: k = {k:g}, {rate:.2f} requests/s ({args.load:.0%} of capacity); {out}", file=sys.stderr)
     cluster = await asyncio.to_thread(EmbeddedCluster().start)
+    cost = await wait_cost(cluster.url)  # on the quiet cluster, before the run starts
     port, run = free_port(), f"failover-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "REDIS_URL": cluster.url, "BUBBLETEA_HTTP_PORT": str(port), "BUBBLETEA_RUN": run}
     env |= {"BUBBLETEA_TIME_SCALE": f"{k:g}", "BUBBLETEA_DECAY_ITERS": str(chaos.DECAY_ITERS)}
@@ -242,7 +276,9 @@ async def failover(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.to_thread(cluster.stop)
         (out / "up.out").write_text("\n".join(up.lines) + "\n")
         print(f"bubbletea up's output and the run folder: {out}", file=sys.stderr, flush=True)
-    return figures(args, k, rate, load, kills, final, sent, training, up, proc.returncode, out, t0)
+    return figures(args, k, rate, load, kills, final, sent, training, up, proc.returncode, out, t0) | {
+        "accept_cost": cost
+    }
 
 
 def figures(
