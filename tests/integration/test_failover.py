@@ -6,7 +6,8 @@ idempotency key (as a client retries), and every request a 2xx would have been g
 be on the promoted replica: its record, and its entry on the run's request stream. The old master
 is brought back and rejoins as a replica, and a second kill of the new master loses nothing either.
 A worker's slot lease, expired while the slot had no master, is taken back after each failover
-(services/stage_worker/membership/lease.py: a failover is not a Redis restarted empty).
+(services/stage_worker/membership/lease.py: a failover is not a Redis restarted empty), and a
+worker's batch finishing during an outage is written once Redis is back (fill/reporting.py).
 """
 
 from __future__ import annotations
@@ -16,15 +17,21 @@ import time
 import uuid
 
 import pytest
+import torch
 from redis.asyncio import Redis
 
+from services.stage_worker.fill.batch import Outcome
+from services.stage_worker.fill.reporting import Reporter
 from services.stage_worker.membership.lease import SlotLease
+from services.stage_worker.port.stage_port import PrefillPort, StagePort
+from shared.bus import Bus
 from shared.bus.connection import client_for, command_client, ride_out
 from shared.bus.replicated import fence_key, replicated
 from shared.control import serving
+from shared.model.prefill import PrefillResult as ModelResult
 from shared.runtime.redis_cluster import NODE_TIMEOUT_MS, EmbeddedCluster
 from shared.runtime.redis_server import EmbeddedRedis
-from shared.wire import PrefillRequest, keys
+from shared.wire import PrefillBatch, PrefillItem, PrefillReport, PrefillRequest, PrefillResult, decode, keys
 
 #: How long a killed master's slot may stay unwritable (node timeout, election, our 2 s backoff cap,
 #: a loaded 2-core box's slack), as in test_redis_cluster.py.
@@ -163,3 +170,35 @@ async def test_no_accepted_request_is_lost_when_the_runs_master_is_killed_twice(
     finally:
         await r.aclose()
         await asyncio.to_thread(cluster.stop)
+
+
+async def test_a_batchs_answers_and_report_ride_out_an_outage() -> None:
+    """A worker's batch finishing while its Redis is away (a failover takes seconds) is written once
+    Redis answers again, its answer and then its report, not dropped for the dispatcher to requeue."""
+    server = EmbeddedRedis().start()  # its own: this test kills it
+    try:
+        async with Bus(server.url) as bus:
+            reporter = Reporter(bus, "fo", "r0s0", "m", StagePort(PrefillPort(bus.redis, "fo", kv_ttl_s=0)))
+            reply_to = keys.prefill_results_stream("fo", "fd")
+            item = PrefillItem(id="q1", tokens=(1, 2), from_layer=0, to_layer=2, reply_to=reply_to)
+            outcome = Outcome(item, 2, 0.01, result=_tiny())
+            batch = PrefillBatch(run="fo", worker="r0s0", batch_id="b1", items=(item,))
+            await asyncio.to_thread(server.kill)
+            finishing = asyncio.create_task(reporter.finish_batch(batch, [outcome], preempted=False))
+            await asyncio.sleep(1.5)
+            assert not finishing.done(), "the writes wait for Redis"
+            await asyncio.to_thread(server.restart)
+            await asyncio.wait_for(finishing, 30)
+            [(_, answer)] = await bus.redis.xrange(reply_to)
+            [(_, report)] = await bus.redis.xrange(keys.prefill_reports_stream("fo"))
+        got = decode(answer[b"m"])
+        assert isinstance(got, PrefillResult) and got.id == "q1" and got.ok
+        sent = decode(report[b"m"])
+        assert isinstance(sent, PrefillReport) and [p.id for p in sent.progress] == ["q1"]
+    finally:
+        server.stop()
+
+
+def _tiny() -> ModelResult:
+    kv = [(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4)) for _ in range(2)]
+    return ModelResult(token=5, text="x", logprob=-0.1, top=[], prompt_tokens=2, kv=kv)
