@@ -80,10 +80,7 @@ class Accepts:
 
 async def _missing(r: Redis, run: str, ids: set[str]) -> list[str]:
     """The ids of `ids` whose record or request-stream entry the cluster does not hold."""
-    on_stream = {
-        serving.request_of(f[b"m"])
-        for _, f in await r.xrange(keys.prefill_requests_stream(run))  # type: ignore[misc]
-    }
+    on_stream = {serving.request_of(f[b"m"]) for _, f in await r.xrange(keys.prefill_requests_stream(run))}
     streamed = {found[0] for found in on_stream if found is not None}
     missing = []
     for rid in sorted(ids):
