@@ -39,6 +39,7 @@ from redis.asyncio.client import Pipeline
 
 from shared.bus.connection import is_cluster, node_of
 from shared.runtime.logs import get_logger
+from shared.wire import keys
 
 log = get_logger(__name__)
 
@@ -53,14 +54,6 @@ ACK_TIMEOUT_MS = 1000
 WARN_EVERY_S = 30.0
 
 _warned = {"at": -WARN_EVERY_S, "since": 0}
-
-
-def fence_key(key: str) -> str:
-    """The one-key write of the second round trip: `key`'s own hash tag (its slot), or `key` itself
-    hashed whole when it has none, and a short life."""
-    start, end = key.find("{"), key.find("}", key.find("{") + 1)
-    tag = key[start : end + 1] if 0 <= start < end - 1 else "{" + key + "}"
-    return f"bt:{tag}:replicated"
 
 
 async def replicated(
@@ -118,7 +111,7 @@ async def _queued(queue: Callable[[Pipeline], Awaitable[None] | None], pipe: Pip
 
 async def _wait_after_write(r: Redis, key: str) -> int:
     """A write in `key`'s slot, then WAIT, on one connection to the slot's master now."""
-    fence = fence_key(key)
+    fence = keys.replication_fence_key(key)
     async with r.pipeline(transaction=False) as pipe:
         pipe.set(fence, "1", px=60_000)
         pipe.execute_command("WAIT", REPLICAS, ACK_TIMEOUT_MS, target_nodes=node_of(r, fence))

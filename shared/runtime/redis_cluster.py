@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import redis
+from redis.crc import key_slot
 
 from shared.runtime.logs import get_logger
 from shared.runtime.redis_server import EmbeddedRedis, RedisServerError, find_redis_server, free_port
@@ -165,8 +166,7 @@ class EmbeddedCluster:
 
     def master_of(self, key: str) -> Node:
         """The master now serving `key`'s slot."""
-        with _client(self.servers[0].port) as c:
-            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
+        slot = key_slot(key.encode())  # computed here: the seed node may be the one killed
         for node in self.nodes():
             if node.role == "master" and node.alive and any(a <= slot <= b for a, b in node.slots):
                 return node

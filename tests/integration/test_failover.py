@@ -26,7 +26,7 @@ from services.stage_worker.membership.lease import SlotLease
 from services.stage_worker.port.stage_port import PrefillPort, StagePort
 from shared.bus import Bus
 from shared.bus.connection import client_for, command_client, ride_out
-from shared.bus.replicated import fence_key, replicated
+from shared.bus.replicated import replicated
 from shared.control import serving
 from shared.model.prefill import PrefillResult as ModelResult
 from shared.runtime.redis_cluster import NODE_TIMEOUT_MS, EmbeddedCluster
@@ -90,8 +90,8 @@ async def _missing(r: Redis, run: str, ids: set[str]) -> list[str]:
 
 
 def test_the_fence_key_shares_the_slot_of_its_key() -> None:
-    assert fence_key("bt:{run-1}:prefill:requests") == "bt:{run-1}:replicated"
-    assert fence_key("bt:ping") == "bt:{bt:ping}:replicated"
+    assert keys.replication_fence_key("bt:{run-1}:prefill:requests") == "bt:{run-1}:replicated"
+    assert keys.replication_fence_key("bt:ping") == "bt:{bt:ping}:replicated"
 
 
 async def test_replicated_on_one_redis_is_one_round_trip_without_wait(redis_server: EmbeddedRedis) -> None:
@@ -148,7 +148,7 @@ async def test_no_accepted_request_is_lost_when_the_runs_master_is_killed_twice(
             killed_at = time.monotonic()
             await asyncio.sleep(1.0)
             # accepts go on failing and being retried until the replica is promoted
-            await ride_out(lambda: r.set(fence_key(stream), "x"), "test", give_up_s=FAILOVER_BOUND_S)
+            await ride_out(lambda: r.set(keys.replication_fence_key(stream), "x"), "test", give_up_s=FAILOVER_BOUND_S)
             took = time.monotonic() - killed_at
             await asyncio.sleep(0.5)
             load.stop.set()

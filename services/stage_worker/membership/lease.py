@@ -10,12 +10,10 @@ A Redis outage is not a lost lease. While Redis does not answer, `watch` backs o
 (logging once); on reconnect it renews, and if our key expired meanwhile (the outage outlasted the
 TTL) it takes the slot back with SET NX: nobody could take it while Redis was down. A slot held
 by another worker on reconnect is lost (SlotError); so is every slot if Redis restarted without
-an append-only file (the run's tensors in flight are gone: the run fails, saying so): its
-replication id is new. A Redis Cluster failover is an outage, not a wipe: the promoted replica's
-``master_replid2`` is the id we leased on (it continues that history). For
+an append-only file (a new replication id; a failover's promoted replica continues ours). For
 `PEER_GRACE_S` after a reconnect the peers' leases are not checked, so they can re-take theirs.
 
-Tests: tests/integration/test_slot_lease.py, test_lease_liveness.py, test_redis_restart.py.
+Tests: tests/integration/test_slot_lease.py, test_lease_liveness.py, test_redis_restart.py, test_failover.py.
 """
 
 from __future__ import annotations
@@ -101,11 +99,9 @@ class SlotLease:
         self.check_peers = False
         self.recoverable = recoverable
         self.peer_lost = asyncio.Event()
-        #: Checks of the peers' leases that `watch` has completed: a passing check leaves no other
-        #: trace, and a test waits for one (e.g. the first after a Redis restart's grace period).
+        #: Peer checks `watch` completed (a passing one leaves no other trace; a test waits for one).
         self.peer_checks = 0
-        #: The replication id of the Redis server when we leased, or after the last outage (a
-        #: restart without persistence changes it; a failover keeps it as ``master_replid2``).
+        #: The Redis server's replication id when we leased, or after the last outage (`_check_not_wiped`).
         self.redis_replid = ""
         #: Set when this worker is asked to leave the run (`bubbletea drain`, seen at a renewal).
         self.drain = asyncio.Event()
@@ -225,7 +221,7 @@ class SlotLease:
     async def _took(self, s: Slot) -> None:
         """Slot `s` is ours: its predecessor's end marker (it left, say) and drain request go."""
         self.slot = s
-        self.redis_replid = await self._redis_replid()
+        self.redis_replid = (await self._replids())[0]
         await self.r.delete(self._end_key(s), keys.drain_key(self.run, s.name))
 
     async def renew(self, *, last_ok: float | None = None) -> None:
@@ -268,35 +264,23 @@ class SlotLease:
         await self.renew(last_ok=self.renewed_at)
         self.renewed_at = sent
 
-    async def _redis_replid(self) -> str:
-        """The replication id of the server holding our lease (a Redis Cluster: its slot's master):
-        a restart without persistence starts a new history; a replica promoted in a failover keeps
-        its old master's as ``master_replid2`` (`_check_not_wiped`)."""
+    async def _replids(self) -> tuple[str, str]:
+        """The replication ids of our lease's server (its own; the one a promoted replica continues)."""
         assert self.slot is not None
         info = await server_info(self.r, "replication", self._key(self.slot))
-        return str(info.get("master_replid", ""))
+        return str(info.get("master_replid", "")), str(info.get("master_replid2", ""))
 
     async def _check_not_wiped(self) -> None:
-        """SlotError if Redis restarted since we leased without AOF: its replication history is
-        not the one we leased on. A failover is not a wipe: the promoted replica holds a prefix of
-        its master's data, and names the history it continues (``master_replid2``), so the lease
-        is taken back as after an outage (`renew`)."""
+        """SlotError if Redis restarted since we leased without AOF (a new replication history)."""
         assert self.slot is not None
-        info = await server_info(self.r, "replication", self._key(self.slot))
-        if self.redis_replid in (str(info.get("master_replid", "")), str(info.get("master_replid2", ""))):
-            self.redis_replid = str(info.get("master_replid", ""))  # a failover: the history goes on here
-            return
-        persistence = await server_info(self.r, "persistence", self._key(self.slot))
-        if not int(persistence.get("aof_enabled", 0)):
-            raise SlotError(
-                f"Redis restarted without persistence (no append-only file) while slot {self.slot.name} was "
-                "training: the run's messages in flight are lost, so the run cannot continue"
-            )
-
-    async def _outage_over(self) -> None:
-        """After an outage our lease was renewed: the server's replication id now is the one the
-        next outage is compared with (a failover shorter than the lease's TTL, then another)."""
-        self.redis_replid = await self._redis_replid()
+        if self.redis_replid not in (ids := await self._replids()):  # neither the same server nor a failover
+            persistence = await server_info(self.r, "persistence", self._key(self.slot))
+            if not int(persistence.get("aof_enabled", 0)):
+                raise SlotError(
+                    f"Redis restarted without persistence (no append-only file) while slot {self.slot.name} "
+                    "was training: the run's messages in flight are lost, so the run cannot continue"
+                )
+        self.redis_replid = ids[0]
 
     async def wait_for_all(self, timeout_s: float) -> None:
         """Start barrier: return once every slot is held (`watch` keeps renewing ours meanwhile)."""
@@ -342,7 +326,7 @@ class SlotLease:
                 self.renewed_at = sent
                 if outage.ok() or late:
                     peers_from = time.monotonic() + PEER_GRACE_S
-                    await self._outage_over()
+                    self.redis_replid = (await self._replids())[0]  # what the next outage compares
                 if self.check_peers and time.monotonic() >= peers_from:
                     await self._check_peers()
                     self.peer_checks += 1
