@@ -113,14 +113,23 @@ class Load(chaos.Load):
             await asyncio.sleep(0.5)
 
 
-async def records(url: str, run: str, ids: list[str]) -> dict[str, PrefillResult | str]:
-    """Each request's record: its answer, or its status while it has none ("unknown": no record)."""
+async def records(url: str, run: str, ids: list[str], timeout_s: float) -> dict[str, PrefillResult | str]:
+    """Each request's record once it is answered or failed (or its status when `timeout_s` ran
+    out: "queued", or "unknown" for no record), read from Redis, not through `GET /v1/prefill/{id}`,
+    which shortens a record's life to `keys.PREFILL_READ_GRACE_S` once read."""
     r = client_for(url, socket_timeout=10)
     out: dict[str, PrefillResult | str] = {}
+    deadline = time.monotonic() + timeout_s
+    todo = list(ids)
     try:
-        for rid in ids:
-            found = await serving.lookup(r, run, rid)
-            out[rid] = "unknown" if found is None else found.result or str(found.status)
+        while todo:
+            for rid in todo:
+                found = await serving.lookup(r, run, rid)
+                out[rid] = "unknown" if found is None else found.result or str(found.status)
+            todo = [rid for rid in todo if not isinstance(out[rid], PrefillResult)]
+            if not todo or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)  # a poll of stored records: there is no push to wait on
     finally:
         await r.aclose()
     return out
@@ -261,9 +270,9 @@ async def failover(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(args.gap)
             load.stop.set()
             await loader
-            await load.settle(http, chaos.DEADLINE_MS / 1000 + 60)
+        print(f"failover: load over, {len(load.ids)} accepted; reading their records", file=sys.stderr, flush=True)
         ids = sorted(load.ids.values())
-        final = await records(cluster.url, run, ids)
+        final = await records(cluster.url, run, ids, chaos.DEADLINE_MS / 1000 + 60)
         sent = await sent_answers(cluster.url, run)
         await chaos.stop_up(proc)
         trained = load_spec(out / run / "spec.yaml")
@@ -296,6 +305,7 @@ def figures(
     t0: float,
 ) -> dict[str, Any]:
     statuses = Counter(v.status.value if isinstance(v, PrefillResult) else v for v in final.values())
+    unfinished = sorted(rid for rid, v in final.items() if not isinstance(v, PrefillResult))
     failed = Counter(str(v.reason) for v in final.values() if isinstance(v, PrefillResult) and v.status == "failed")
     lost = sum(n for st, n in statuses.items() if st not in ("done", "failed"))
     different, repeated = twice(final, sent)
@@ -327,6 +337,8 @@ def figures(
         "refused": {str(s): n for s, n in load.refused.items()},
         "client_retries": load.retries,
         "lost": lost,
+        "unfinished_by_status": {st: n for st, n in statuses.items() if st not in ("done", "failed")},
+        "unfinished_ids": unfinished[:10],
         "answered_twice": different,
         "answers_repeated": repeated,
         "duplicated": load.duplicated,
