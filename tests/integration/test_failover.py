@@ -159,7 +159,8 @@ async def test_no_accepted_request_is_lost_when_the_runs_master_is_killed_twice(
             assert await _missing(r, run, load.accepted) == [], f"kill {kill}: accepted requests lost"
             # the lease expired while its master was down (longer than its TTL); the promoted replica
             # continues the old master's data, so it is an outage to ride out, not Redis wiped
-            await lease.renew(last_ok=killed_at)
+            # `watch` and a consumer's `fence` both renew, at once: the second finds the first's take
+            await asyncio.gather(lease.renew(last_ok=killed_at), lease.renew(last_ok=killed_at))
             assert await r.get(keys.lease_key(run, 0, 0)) == b"w0"
             if kill == 0:  # the old master back, as a replica: the slot has one again for the next kill
                 await asyncio.to_thread(cluster.revive, old.port)

@@ -42,8 +42,9 @@ from shared.wire.status import LeaseState
 
 log = get_logger(__name__)
 
-# Compare-and-renew / compare-and-delete: only the holder may touch its lease.
+# Compare-and-renew; after an outage, take back if free or ours (our other renewal took it first).
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RETAKE = "return (redis.call('get',KEYS[1]) or ARGV[1])==ARGV[1] and redis.call('set',KEYS[1],ARGV[1],'px',ARGV[2])"
 #: A slot's end marker, written only by its lease's holder.
 _END = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -226,10 +227,9 @@ class SlotLease:
 
     async def renew(self, *, last_ok: float | None = None) -> None:
         """Renew our lease. If the last successful renewal (`last_ok`, monotonic) is older than the
-        TTL, Redis was unreachable in between and the key may have expired by itself: it is taken
-        back if still free, unless Redis restarted without an append-only file (then the run's
-        messages in flight are gone too, and the run fails saying so). Raises SlotError if the key
-        expired otherwise or another worker holds it."""
+        TTL, Redis was unreachable in between and the key may have expired: it is taken back if free,
+        unless Redis restarted without an append-only file (the run fails saying so). Raises
+        SlotError if the key expired otherwise or another worker holds it."""
         assert self.slot is not None
         key = self._key(self.slot)
         ok = await self.r.eval(_RENEW, 1, key, self.holder, keys.LEASE_TTL_MS)
@@ -238,7 +238,7 @@ class SlotLease:
         late = last_ok is not None and time.monotonic() - last_ok > keys.LEASE_TTL_MS / 1000
         if late:
             await self._check_not_wiped()
-            if await self.r.set(key, self.holder, nx=True, px=keys.LEASE_TTL_MS):
+            if await self.r.eval(_RETAKE, 1, key, self.holder, keys.LEASE_TTL_MS):
                 log.warning("lease expired during the Redis outage; taken back", run=self.run, slot=self.slot.name)
                 return
         raise SlotError(f"lost the lease of slot {self.slot.name} (expired or taken over)")
