@@ -10,7 +10,10 @@ the lease says those are fenced; and which adopts the batches they sent that the
 (services/dispatcher/takeover.py). A term ends when the process stops or the lease is lost; a
 deposed leader stops its consumers at once, withdraws its readiness and waits as a standby again
 (it does not exit: `bubbletea up` would count each loss as a death towards its crash-loop limit,
-and a standby beside the leader is what takes over). A stopping leader hands the lease over.
+and a standby beside the leader is what takes over). A stopping leader hands the lease over. A
+process that leads again (its lease lapsed in a Redis outage, a master's failover: no other took it)
+keeps what it measured of the bubbles' rate (`DispatchState.carry_admission`): a fresh measurement
+would refuse every request with an objective until every worker came round again.
 
 Tested by: tests/integration/test_dispatcher_leadership.py, tests/integration/test_service_metrics.py.
 """
@@ -34,6 +37,7 @@ from shared.bus.delivery import Handlers
 from shared.config.settings import Settings
 from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
+from shared.policies.dispatch import DispatchState
 from shared.runtime.logs import get_logger
 from shared.service.telemetry import MetricsServer
 from shared.wire import BubbleEnd, BubbleStart, PrefillOff, PrefillReport, PrefillRequest, WorkerJoined, keys
@@ -55,6 +59,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         lease = DispatcherLease(bus.redis, run, f"{SERVICE}-{instance_id()}")
         metrics = DispatcherMetrics(run, spec.prefill.model_name)
         term: list[Dispatcher] = []  # the term under way, if any
+        last: DispatchState[PrefillRequest] | None = None  # the state of this process's last term
         server = MetricsServer(
             metrics.registry,
             settings.metrics_host,
@@ -78,9 +83,12 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 if stop.is_set():
                     break
                 term[:] = [Dispatcher(bus, spec, run, settings.time_scale, lease=lease, metrics=metrics)]
+                if last is not None:  # the bubbles' rate this process measured (a failover's lapse)
+                    term[0].state.carry_admission(last)
                 try:
                     await lead(term[0], stop)
                 finally:
+                    last = term[0].state
                     term.clear()
         finally:
             done.set()

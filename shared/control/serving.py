@@ -8,7 +8,8 @@ the keys of one run alone, under its hash tag: one slot of a Redis Cluster.
 
 * `accept`: admission control and enqueue in one step: count the request in flight (refusing it
   beyond the limit), mark it queued, append it to the request stream. A 2xx is only answered
-  after this succeeded, so an accepted request is always on the bus.
+  after this succeeded, and on a cluster after a replica acknowledged it (`replicated`), so an
+  accepted request is always on the bus, a master's failover included.
 * `answer`: the first answer to a request wins (exactly-once in effect): store it, clear its
   queued mark, count it out of flight and notify the accepting front door, all or nothing.
   A duplicate answer (a redelivered batch) changes nothing. The dispatcher's answers are fenced
@@ -31,6 +32,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from shared.bus.replicated import replicated
 from shared.runtime.logs import get_logger
 from shared.wire import FIELD, PrefillRequest, PrefillResult, WireError, decode, encode, keys
 from shared.wire.status import FailureReason, RequestStatus, ServingState
@@ -133,7 +135,10 @@ async def accept(
     request it created is returned (a str). The key is recorded in the same script as the enqueue,
     so a front door killed (or Redis lost) in between can never leave a key naming a request that
     was never queued."""
-    n: Any = await r.eval(*accept_args(run, req, max_inflight, idempotency_key))
+    args = accept_args(run, req, max_inflight, idempotency_key)
+    # On a cluster, a replica holds the acceptance before the front door answers 2xx: a failover
+    # right after cannot lose an accepted request (shared/bus/replicated.py).
+    (n,) = await replicated(r, keys.prefill_requests_stream(run), lambda pipe: pipe.eval(*args), "accept")
     if isinstance(n, bytes):
         return n.decode()
     return int(n) > 0

@@ -190,6 +190,13 @@ class DispatchState(Generic[P]):
         """How often the service should call `tick` (real s)."""
         return TICK_S * self.time_scale
 
+    def carry_admission(self, before: DispatchState[P]) -> None:
+        """Take over what `before` (this process's last term) measured of the bubbles' rate. A
+        term that ends because the lease lapsed in a Redis outage (a master's failover) and begins
+        again seconds later serves the same run's pipeline: without this, it refused every request
+        with an objective until every worker had come round again (`came_round`)."""
+        self._admission = before._admission
+
     def came_round(self, now: float) -> bool:
         """Whether the bubbles' rate is measured (`Admission.came_round`): until then a request with
         a TTFT objective is moved to the decoder, or refused (`prompt_placement.on_arrival`)."""

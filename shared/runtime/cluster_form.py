@@ -91,7 +91,7 @@ def form_cluster(
         clients.extend(_connect(a, username, password) for a in nodes)
         states = [_state(c) for c in clients]
         if _one_cluster(clients, states):
-            _until(deadline, "cluster_state:ok on every node", lambda: all(_state_ok(c) for c in clients))
+            wait_until(deadline, "cluster_state:ok on every node", lambda: all(_state_ok(c) for c in clients))
             shape = _shape(clients[0], {s.node_id for s in states})
             if shape != Formed(False, masters_n, len(nodes) - masters_n):
                 raise ClusterFormError(
@@ -199,13 +199,13 @@ def _form(nodes: Sequence[Address], clients: list[redis.Redis], masters_n: int, 
     for address, c in zip(nodes[1:], clients[1:], strict=True):
         clients[0].execute_command("CLUSTER", "MEET", _ip(address), address.port, _bus_port(address, c))
     ids = [_text(c.execute_command("CLUSTER", "MYID")) for c in clients]
-    _until(deadline, "every node to know every other", lambda: all(_known(c) >= len(clients) for c in clients))
+    wait_until(deadline, "every node to know every other", lambda: all(_known(c) >= len(clients) for c in clients))
     for i, replica in enumerate(replicas):
         follows = functools.partial(_replicate, replica, ids[i % masters_n])
-        _until(deadline, "a replica to follow its master", follows)
-    _until(deadline, "cluster_state:ok on every node", lambda: all(_state_ok(c) for c in clients))
-    _until(deadline, "every replica's link up", lambda: all(_link_up(c) for c in replicas))
-    _until(deadline, "every node to see the masters", lambda: all(_masters(c) == masters_n for c in clients))
+        wait_until(deadline, "a replica to follow its master", follows)
+    wait_until(deadline, "cluster_state:ok on every node", lambda: all(_state_ok(c) for c in clients))
+    wait_until(deadline, "every replica's link up", lambda: all(_link_up(c) for c in replicas))
+    wait_until(deadline, "every node to see the masters", lambda: all(_masters(c) == masters_n for c in clients))
 
 
 def _ip(address: Address) -> str:
@@ -234,7 +234,7 @@ def _info(c: redis.Redis) -> dict[str, str]:
     return dict(line.split(":", 1) for line in reply.splitlines() if ":" in line)
 
 
-def _until(deadline: float, what: str, done: Callable[[], bool]) -> None:
+def wait_until(deadline: float, what: str, done: Callable[[], bool]) -> None:
     """Wait until `done()` (a cluster forms over gossip: there is no event to wait on)."""
     while not done():
         if time.monotonic() > deadline:

@@ -30,12 +30,14 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from types import TracebackType
 
 import redis
+from redis.crc import key_slot
 
-from shared.runtime.cluster_form import FORM_TIMEOUT_S, SLOTS, Address, form_cluster
+from shared.runtime.cluster_form import FORM_TIMEOUT_S, SLOTS, Address, form_cluster, wait_until
 from shared.runtime.logs import get_logger
 from shared.runtime.redis_server import EmbeddedRedis, RedisServerError, find_redis_server, free_port
 
@@ -166,8 +168,7 @@ class EmbeddedCluster:
 
     def master_of(self, key: str) -> Node:
         """The master now serving `key`'s slot."""
-        with _client(self.servers[0].port) as c:
-            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
+        slot = key_slot(key.encode())  # computed here: the seed node may be the one killed
         for node in self.nodes():
             if node.role == "master" and node.alive and any(a <= slot <= b for a, b in node.slots):
                 return node
@@ -184,6 +185,21 @@ class EmbeddedCluster:
         node = self.master_of(key)
         self.kill(node.port)
         return node
+
+    def revive(self, port: int, timeout: float = FORM_TIMEOUT_S) -> Node:
+        """Start the node on `port` again after `kill`: the same port, directory and cluster config
+        file, with no data (the nodes never save). Its slots went to its promoted replica, which
+        has a newer config epoch, so it rejoins as that node's replica and syncs from it in full;
+        returns it once it is a replica with its link up."""
+        server = next(s for s in self.servers if s.port == port)
+        if server.proc is not None and server.proc.poll() is None:
+            raise RedisServerError(f"the node on port {port} is running: kill it first")
+        server.restart()
+        deadline = time.monotonic() + timeout
+        with _client(port) as c:
+            wait_until(deadline, f"node {port} to rejoin as a replica", lambda: _rejoined(c))
+        log.info("a killed cluster node rejoined as a replica", port=port, pid=server.proc.pid if server.proc else None)
+        return next(n for n in self.nodes() if n.port == port)
 
     def stop(self) -> None:
         """Stop every node (by PID; idempotent) and remove the cluster's files."""
@@ -210,6 +226,11 @@ def _client(port: int) -> redis.Redis:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _rejoined(c: redis.Redis) -> bool:
+    info = c.info("replication")
+    return bool(info.get("role") == "slave" and info.get("master_link_status") == "up")
 
 
 def _node(line: str, alive: dict[int, EmbeddedRedis]) -> Node:

@@ -40,6 +40,14 @@ def hash_tag(key: str) -> str | None:
     return key[start + 1 : end]
 
 
+def replication_fence_key(key: str) -> str:
+    """A key in `key`'s slot for a one-key write before ``WAIT`` (shared/bus/replicated.py, after a
+    redirected pipeline): ``bt:{<tag>}:replicated`` with `key`'s hash tag, or its whole name as the
+    tag when it has none (the slot Redis Cluster hashes it to). Bound: a 60 s TTL."""
+    tag = hash_tag(key)
+    return f"{PREFIX}:{{{key if tag is None else tag}}}:replicated"
+
+
 def _of(run: str) -> str:
     """The prefix of every key of `run`: ``bt:{<run>}``."""
     return f"{PREFIX}:{run_tag(run)}"

@@ -229,3 +229,20 @@ def test_the_first_rounds_rate_kept_as_they_change_is_the_sum_over_every_worker(
             seen += a._first_round_rate() is not None
         assert a.came_round(t) == (summed(a) is not None)
     assert seen > 0
+
+
+def test_a_new_term_of_the_same_process_keeps_the_measured_rate() -> None:
+    """A dispatcher whose lease lapsed in a Redis failover leads again in a new term: with the
+    last term's admission carried over (`carry_admission`) the rate is known at once, where a fresh
+    state knows nothing until every worker comes round again."""
+    cost = PrefillCostModel(prior=[(10, 0.010), (100, 0.100), (1000, 1.0)])
+    before = DispatchState(layers=4, max_batch=8, cost=cost)
+    for i in range(5):
+        for w in ("w0", "w1"):
+            before.bubble_start(BubbleOpened(w, f"fill:{w}", 0.02, 0, started=i * 0.1, tag=(i, 1)), i * 0.1)
+            before.bubble_end(BubbleClosed(w, (i, 1), 0.03), now=i * 0.1)
+    assert before.came_round(0.5)
+    fresh = DispatchState(layers=4, max_batch=8, cost=cost)
+    assert not fresh.came_round(0.5)
+    fresh.carry_admission(before)
+    assert fresh.came_round(0.5) and fresh._admission.rate(0.5) == pytest.approx(0.6)

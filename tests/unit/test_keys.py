@@ -22,8 +22,8 @@ from shared.wire.status import RequestStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "run-7.a_b"
-#: keys.py's functions that build no key of a run
-HELPERS = {"run_tag", "hash_tag", "dead_letter_stream", "health_key"}
+#: keys.py's functions that build no key of a run, or one in another key's slot (its tag)
+HELPERS = {"run_tag", "hash_tag", "dead_letter_stream", "health_key", "replication_fence_key"}
 
 
 def run_key_builders() -> dict[str, Any]:

@@ -9,9 +9,12 @@ resume them, and one `PrefillReport` tells the dispatcher where every item got t
 
 Every tensor is copied into bytes in a thread (the stage port's `keep_prefills`), and an answered
 request's tensors are dropped then: its KV cache leaves the device as it is answered, not when its
-whole batch reports. The answers, the snapshot handles and the report go to Redis in one pipelined
-round trip, in that order (Redis runs them in order: a report the dispatcher reads follows its
-answers). The fill executor acks the
+whole batch reports. The answers and the snapshot handles go to Redis in one pipelined
+round trip, then the report in another (a report the dispatcher reads follows its answers); on a
+Redis Cluster the first round trip ends with a replica's acknowledgement (`WAIT`,
+shared/bus/replicated.py), so no report names answers a master's failover can take back. A
+Redis outage (a failover takes seconds) is ridden out (`ride_out`), the recorded writes sent again:
+computed answers are not dropped for the dispatcher's lost-batch timeout to requeue. The fill executor acks the
 batch only after this, so a worker killed mid-batch leaves it for the dispatcher to requeue.
 
 Tested by: tests/integration/test_kv_budget.py, tests/integration/test_fill_executor.py.
@@ -20,7 +23,9 @@ Tested by: tests/integration/test_kv_budget.py, tests/integration/test_fill_exec
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 from redis.asyncio.client import Pipeline
 
@@ -28,6 +33,8 @@ from services.stage_worker.fill.batch import Outcome
 from services.stage_worker.metrics import WorkerMetrics
 from services.stage_worker.port.stage_port import Cut, Finished, KvStored, StagePort
 from shared.bus import Bus
+from shared.bus.connection import ride_out
+from shared.bus.replicated import replicated
 from shared.control import serving
 from shared.model.prefill import PrefillResult
 from shared.runtime.logs import get_logger
@@ -39,6 +46,25 @@ log = get_logger(__name__)
 
 #: "KV budget full" is logged at most this often (with how many caches were skipped meanwhile).
 BUDGET_LOG_EVERY_S = 60.0
+
+
+class Recorded:
+    """Pipeline commands recorded once and replayed on each try's pipeline: a retry after an
+    outage sends the same answers, not answers computed (and their caches kept) again."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    @property
+    def pipe(self) -> Pipeline:
+        return cast(Pipeline, self)
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+    def replay(self, pipe: Pipeline) -> None:
+        for name, args, kwargs in self.calls:
+            getattr(pipe, name)(*args, **kwargs)
 
 
 @dataclass
@@ -56,27 +82,29 @@ class Reporter:
 
     async def answer(self, outcomes: list[Outcome]) -> None:
         """Answer these finished outcomes now (their batch goes on): one round trip."""
-        async with self.bus.redis.pipeline(transaction=False) as pipe:
-            await self._answers(pipe, outcomes)
-            await pipe.execute()
+        answers = Recorded()
+        await self._answers(answers.pipe, outcomes)
+        await self._write(answers, None, "answers")
 
     async def finish_batch(self, batch: PrefillBatch, outcomes: list[Outcome], *, preempted: bool) -> None:
         """The batch is done here, or goes back: answer what finished and is not answered yet,
-        keep the states of items cut part way, and report every item, in one round trip.
+        keep the states of items cut part way, and report every item, in one round trip (two on
+        a cluster: the report once a replica holds the rest).
         `outcomes`: every item that started, in order (the rest did not)."""
         cut = [o for o in outcomes if not o.answered and o.state is not None and o.reached > o.item.from_layer]
         fresh = [o for o in outcomes if o.answered and not o.sent]
-        async with self.bus.redis.pipeline(transaction=False) as pipe:
-            handles = await self._answers(pipe, fresh, cut=cut)
-            self.port.write_handles(pipe, handles)
-            progress = [self._progress(o) for o in outcomes]
-            ran = {o.item.id for o in outcomes}
-            progress += [
-                PrefillProgress(id=it.id, outcome=ItemOutcome.PARTIAL, reached_layer=it.from_layer, seconds=0.0)
-                for it in batch.items
-                if it.id not in ran
-            ]
-            report = PrefillReport(
+        answers = Recorded()
+        self.port.write_handles(answers.pipe, await self._answers(answers.pipe, fresh, cut=cut))
+        progress = [self._progress(o) for o in outcomes]
+        ran = {o.item.id for o in outcomes}
+        progress += [
+            PrefillProgress(id=it.id, outcome=ItemOutcome.PARTIAL, reached_layer=it.from_layer, seconds=0.0)
+            for it in batch.items
+            if it.id not in ran
+        ]
+
+        def report(pipe: Pipeline) -> None:
+            msg = PrefillReport(
                 run=self.run,
                 worker=self.worker,
                 batch_id=batch.batch_id,
@@ -84,14 +112,24 @@ class Reporter:
                 preempted=preempted,
                 at=time.time(),  # sent now: what comes before (the caches' and states' bytes) is not the hop
             )
-            pipe.xadd(keys.prefill_reports_stream(self.run), {FIELD: encode(report)})
-            await pipe.execute()
+            pipe.xadd(keys.prefill_reports_stream(self.run), {FIELD: encode(msg)})
+
+        await self._write(answers, report, f"answers and report of batch {batch.batch_id}")
         # The snapshots this batch resumed from are not deleted here: the dispatcher deletes them
         # once it accepts this report (`Spent`). This batch may be a stale copy (given up on as
         # lost while this worker paused) whose requests now resume elsewhere from the same state.
         if self.metrics is not None:  # counted once reported (an unreported batch is requeued)
             tokens = {o.item.id: o.result.prompt_tokens for o in outcomes if o.result}
             self.metrics.reported(progress, tokens)
+
+    async def _write(self, answers: Recorded, report: Callable[[Pipeline], None] | None, what: str) -> None:
+        """The recorded answers and saved states, then (`report`) the report naming them, held by a
+        replica in between on a cluster (a dispatcher never acts on answers a failover can take
+        back). Through an outage (a master's failover: seconds) it is retried, not dropped: the
+        answers are computed, and every write here may land twice (the first answer wins; a report
+        read twice changes nothing the second time)."""
+        key = keys.prefill_reports_stream(self.run)
+        await ride_out(lambda: replicated(self.bus.redis, key, answers.replay, what, then=report), what)
 
     def _progress(self, o: Outcome) -> PrefillProgress:
         outcome = ItemOutcome.DONE if o.result is not None else ItemOutcome.FAILED if o.failure else ItemOutcome.PARTIAL

@@ -10,10 +10,10 @@ A Redis outage is not a lost lease. While Redis does not answer, `watch` backs o
 (logging once); on reconnect it renews, and if our key expired meanwhile (the outage outlasted the
 TTL) it takes the slot back with SET NX: nobody could take it while Redis was down. A slot held
 by another worker on reconnect is lost (SlotError); so is every slot if Redis restarted without
-an append-only file (the run's tensors in flight are gone: the run fails, saying so). For
+an append-only file (a new replication id; a failover's promoted replica continues ours). For
 `PEER_GRACE_S` after a reconnect the peers' leases are not checked, so they can re-take theirs.
 
-Tests: tests/integration/test_slot_lease.py, test_lease_liveness.py, test_redis_restart.py.
+Tests: tests/integration/test_slot_lease.py, test_lease_liveness.py, test_redis_restart.py, test_failover.py.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from shared.wire.status import LeaseState
 
 log = get_logger(__name__)
 
-# Compare-and-renew / compare-and-delete: only the holder may touch its lease.
+# Compare-and-renew; after an outage, take back if free or ours (our other renewal took it first).
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RETAKE = "return (redis.call('get',KEYS[1]) or ARGV[1])==ARGV[1] and redis.call('set',KEYS[1],ARGV[1],'px',ARGV[2])"
 #: A slot's end marker, written only by its lease's holder.
 _END = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -99,11 +100,10 @@ class SlotLease:
         self.check_peers = False
         self.recoverable = recoverable
         self.peer_lost = asyncio.Event()
-        #: Checks of the peers' leases that `watch` has completed: a passing check leaves no other
-        #: trace, and a test waits for one (e.g. the first after a Redis restart's grace period).
+        #: Peer checks `watch` completed (a passing one leaves no other trace; a test waits for one).
         self.peer_checks = 0
-        #: The Redis server's run_id when we leased (a restart changes it).
-        self.redis_run_id = ""
+        #: The Redis server's replication id when we leased, or after the last outage (`_check_not_wiped`).
+        self.redis_replid = ""
         #: Set when this worker is asked to leave the run (`bubbletea drain`, seen at a renewal).
         self.drain = asyncio.Event()
         #: When the last successful renewal was sent (monotonic): `watch` and `confirm` keep it.
@@ -222,15 +222,14 @@ class SlotLease:
     async def _took(self, s: Slot) -> None:
         """Slot `s` is ours: its predecessor's end marker (it left, say) and drain request go."""
         self.slot = s
-        self.redis_run_id = await self._redis_run_id()
+        self.redis_replid = (await self._replids())[0]
         await self.r.delete(self._end_key(s), keys.drain_key(self.run, s.name))
 
     async def renew(self, *, last_ok: float | None = None) -> None:
         """Renew our lease. If the last successful renewal (`last_ok`, monotonic) is older than the
-        TTL, Redis was unreachable in between and the key may have expired by itself: it is taken
-        back if still free, unless Redis restarted without an append-only file (then the run's
-        messages in flight are gone too, and the run fails saying so). Raises SlotError if the key
-        expired otherwise or another worker holds it."""
+        TTL, Redis was unreachable in between and the key may have expired: it is taken back if free,
+        unless Redis restarted without an append-only file (the run fails saying so). Raises
+        SlotError if the key expired otherwise or another worker holds it."""
         assert self.slot is not None
         key = self._key(self.slot)
         ok = await self.r.eval(_RENEW, 1, key, self.holder, keys.LEASE_TTL_MS)
@@ -239,7 +238,7 @@ class SlotLease:
         late = last_ok is not None and time.monotonic() - last_ok > keys.LEASE_TTL_MS / 1000
         if late:
             await self._check_not_wiped()
-            if await self.r.set(key, self.holder, nx=True, px=keys.LEASE_TTL_MS):
+            if await self.r.eval(_RETAKE, 1, key, self.holder, keys.LEASE_TTL_MS):
                 log.warning("lease expired during the Redis outage; taken back", run=self.run, slot=self.slot.name)
                 return
         raise SlotError(f"lost the lease of slot {self.slot.name} (expired or taken over)")
@@ -265,23 +264,23 @@ class SlotLease:
         await self.renew(last_ok=self.renewed_at)
         self.renewed_at = sent
 
-    async def _redis_run_id(self) -> str:
-        """The run_id of the server holding our lease (a Redis Cluster: its slot's master)."""
+    async def _replids(self) -> tuple[str, str]:
+        """The replication ids of our lease's server (its own; the one a promoted replica continues)."""
         assert self.slot is not None
-        info = await server_info(self.r, "server", self._key(self.slot))
-        return str(info.get("run_id", ""))
+        info = await server_info(self.r, "replication", self._key(self.slot))
+        return str(info.get("master_replid", "")), str(info.get("master_replid2", ""))
 
     async def _check_not_wiped(self) -> None:
-        """SlotError if Redis restarted since we leased (its run_id changed) without AOF."""
+        """SlotError if Redis restarted since we leased without AOF (a new replication history)."""
         assert self.slot is not None
-        if await self._redis_run_id() == self.redis_run_id:
-            return
-        persistence = await server_info(self.r, "persistence", self._key(self.slot))
-        if not int(persistence.get("aof_enabled", 0)):
-            raise SlotError(
-                f"Redis restarted without persistence (no append-only file) while slot {self.slot.name} was "
-                "training: the run's messages in flight are lost, so the run cannot continue"
-            )
+        if self.redis_replid not in (ids := await self._replids()):  # neither the same server nor a failover
+            persistence = await server_info(self.r, "persistence", self._key(self.slot))
+            if not int(persistence.get("aof_enabled", 0)):
+                raise SlotError(
+                    f"Redis restarted without persistence (no append-only file) while slot {self.slot.name} "
+                    "was training: the run's messages in flight are lost, so the run cannot continue"
+                )
+        self.redis_replid = ids[0]
 
     async def wait_for_all(self, timeout_s: float) -> None:
         """Start barrier: return once every slot is held (`watch` keeps renewing ours meanwhile)."""
@@ -327,6 +326,7 @@ class SlotLease:
                 self.renewed_at = sent
                 if outage.ok() or late:
                     peers_from = time.monotonic() + PEER_GRACE_S
+                    self.redis_replid = (await self._replids())[0]  # what the next outage compares
                 if self.check_peers and time.monotonic() >= peers_from:
                     await self._check_peers()
                     self.peer_checks += 1
