@@ -65,6 +65,13 @@ class Emulated:
     fill_waits_s: list[float] = field(default_factory=list)
     answered: int = 0
     sent: int = 0  # messages to the dispatcher: bubble starts and ends, reports
+    #: host clock (wall) of each bubble start and end announced, each report sent, and each read
+    #: that brought batches (bench/control_plane.py counts them in its window)
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+    reports: list[float] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    arrival_oldest: list[float] = field(default_factory=list)  # per arrival: its oldest request's acceptance
     _queue: FillQueue = field(default_factory=lambda: FillQueue(hold_s=3600.0))
     _batches: dict[str, tuple[str, PrefillBatch, float]] = field(default_factory=dict)  # id -> (entry, batch, left s)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -95,15 +102,18 @@ class Emulated:
     async def _read(self, r: Redis, stream: str, stop: asyncio.Event) -> None:
         while not stop.is_set():
             reply: Any = await r.xreadgroup("worker", self.name, {stream: ">"}, count=256, block=200)
-            now = time.time()
+            now, oldest = time.time(), float("inf")
             for entry, fields in reply[0][1] if reply else []:
                 b = decode(fields[FIELD])
                 assert isinstance(b, PrefillBatch)
                 self.fill_waits_s += [now - it.submitted for it in b.items]
+                oldest = min([oldest, *(it.submitted for it in b.items)])
                 left = sum(self._cost(len(it.tokens)) for it in b.items)
                 self._batches[b.batch_id] = (entry.decode(), b, left)
                 self._queue.arrive(b.batch_id, sum(it.predicted_ms for it in b.items) / 1000, time.monotonic())
             if reply:
+                self.arrivals.append(now)
+                self.arrival_oldest.append(oldest)
                 self._arrived.set()
 
     def _cost(self, tokens: int) -> float:
@@ -177,6 +187,7 @@ class Emulated:
             it += 1
 
     async def _send(self, r: Redis, msg: BubbleStart | BubbleEnd) -> None:
+        (self.starts if isinstance(msg, BubbleStart) else self.ends).append(msg.at)
         await r.xadd(keys.bubbles_stream(self.run), {FIELD: encode(msg)})
         self.sent += 1
 
@@ -215,6 +226,7 @@ class Emulated:
             await pipe.execute()
         self.answered += len(batch.items)
         self.sent += 1
+        self.reports.append(time.time())
 
 
 async def hold_slots(url: str, run: str, pp: int, dp: int, stop: asyncio.Event) -> None:
