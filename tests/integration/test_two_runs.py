@@ -41,8 +41,11 @@ def settings_for(redis_url: str, run: str) -> Settings:
     return dataclasses.replace(s, redis_url=redis_url, run=run, spec=spec)
 
 
-def request(rid: str) -> PrefillRequest:
-    return PrefillRequest(id=rid, model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to="bt:test:results")
+def request(run: str, rid: str) -> PrefillRequest:
+    """A request of `run`, answered on a front door's results stream of that run (a dispatcher
+    dead-letters one answered outside its run)."""
+    reply_to = keys.prefill_results_stream(run, "front")
+    return PrefillRequest(id=rid, model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to=reply_to)
 
 
 async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 60.0) -> None:
@@ -99,7 +102,7 @@ async def test_a_runs_dispatcher_reads_holds_and_reconciles_only_its_own_runs_re
     ids = {A: ["a1", "a2"], B: ["b1"]}
     for run, rids in ids.items():
         for rid in rids:
-            assert await serving.accept(redis, run, request(rid), 100)
+            assert await serving.accept(redis, run, request(run, rid), 100)
     await redis.set(keys.prefill_inflight_key(A), 57)  # both drifted (decrements lost)
     await redis.set(keys.prefill_inflight_key(B), 50)
     ours, theirs = keys.prefill_requests_stream(B), keys.prefill_requests_stream(A)
