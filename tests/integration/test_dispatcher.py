@@ -11,11 +11,12 @@ import asyncio
 import dataclasses
 import time
 
+import pytest
 from redis.asyncio import Redis
 
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.serve import last_writes, serve
-from shared.bus import Bus, Delivery
+from shared.bus import Bus, Delivery, Reject
 from shared.config.settings import load_settings
 from shared.config.spec import BusConfig
 from shared.control import serving
@@ -156,6 +157,17 @@ async def test_spent_partial_prefills_are_deleted_and_others_kept(redis_url: str
         d._decided = Decisions(spent=(Spent("a", 2),))
         await d.flush()
         assert not await bus.redis.exists(spent) and await bus.redis.exists(kept)
+
+
+async def test_a_request_answered_outside_its_run_is_rejected(redis_url: str) -> None:
+    """architecture.md: a request whose results stream is not its run's is dead-lettered at once
+    (`Reject`): no front door of the run reads there, and on a cluster no script could answer there."""
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        d = Dispatcher(bus, load_settings(None).spec, "run")
+        stray = keys.prefill_results_stream("another-run", "front")
+        req = PrefillRequest(id="stray", model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to=stray)
+        with pytest.raises(Reject, match="outside run run's streams"):
+            await d.on_request(Delivery("1-0", "s", req, 1))
 
 
 async def test_a_joined_worker_gets_its_first_credit_on_its_fill_stream(redis_url: str) -> None:
