@@ -2,13 +2,18 @@
 
 A wake-up waits `GATHER_S` before it sends: the acks of the entries handled meanwhile (a busy
 consumer handles hundreds a second) share the round trip. An ack only tells Redis the effect
-happened; sent a moment later, a crash in between redelivers entries whose handlers are idempotent."""
+happened; sent a moment later, a crash in between redelivers entries whose handlers are idempotent.
+Until Redis confirms an XACK its entries stay in the consumer's `InHand` (`acking`): neither its
+own re-read of its pending entries nor its reclaim pass hands them to a handler again, and the
+reclaim loop keeps them from a peer."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from shared.bus.connection import TRANSIENT_ERRORS, Connected, backoff
+from shared.bus.in_hand import InHand
 from shared.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -21,10 +26,11 @@ class Acks:
     """Entry ids whose effects happened, waiting for their XACK. `run` sends them, many per round
     trip under load; after `close` it sends what is left and returns."""
 
-    def __init__(self, bus: Connected, stream: str, group: str) -> None:
+    def __init__(self, bus: Connected, stream: str, group: str, in_hand: InHand) -> None:
         self.bus = bus
         self.stream = stream
         self.group = group
+        self.in_hand = in_hand
         self._unsent: list[str] = []
         self._wakeup = asyncio.Event()
         self._closing = False
@@ -34,6 +40,7 @@ class Acks:
         return len(self._unsent)
 
     def add(self, entry_id: str) -> None:
+        self.in_hand.acking(entry_id, time.monotonic())
         self._unsent.append(entry_id)
         self._wakeup.set()
 
@@ -53,6 +60,7 @@ class Acks:
                 ids, self._unsent = self._unsent, []
                 try:
                     await self.bus.redis.xack(self.stream, self.group, *ids)
+                    self.in_hand.acked(ids)
                     failures = 0
                 except TRANSIENT_ERRORS as exc:
                     self._unsent[:0] = ids  # keep them: the effects happened, the acks must follow

@@ -18,7 +18,9 @@ Life of an entry, as this consumer sees it:
    owner's `last_word` on it (the dispatcher answers a request failed, `serving.fail_dead_request`).
 5. While a handler runs longer than a quarter of ``claim_idle_ms``, the reclaim loop refreshes the
    entry's idle time (XCLAIM JUSTID, which does not count as a delivery), so a slow but live
-   handler is not mistaken for a dead one; held entries are refreshed the same way.
+   handler is not mistaken for a dead one; held entries are refreshed the same way, and so are
+   entries whose effect is done but whose XACK Redis has not confirmed yet (they stay in hand
+   until then, so no re-read of the consumer's own pending entries hands them out again).
 
 **In order, in batches** (`sequential`): each read takes up to `READ_BATCH` entries and one task
 hands them to their handlers one after another, in stream order; then the consumer's `after_read`
@@ -115,7 +117,7 @@ class Consumer:
         #: Entries in flight, and those whose handler returned HOLD (pending, ours, refreshed, until `release`).
         self._in_hand = InHand(sequential=sequential, slots=1 if sequential else config.concurrency)
         self._slot_freed = asyncio.Event()
-        self._acks = Acks(bus, stream, group)
+        self._acks = Acks(bus, stream, group, self._in_hand)
         self._stopping = False
         self._read_task = self._reclaim_task = self._ack_task = None  # type: asyncio.Task[None] | None
         self._resync = asyncio.Event()  # set when the own-pending pass must run again
@@ -209,9 +211,9 @@ class Consumer:
     def release(self, entry_id: str) -> None:
         """Ack an entry its handler held (`HOLD`): its effect has now happened. Unknown ids (already
         released, or held by a previous incarnation) are acked too: acking is idempotent."""
+        self._acks.add(entry_id)  # first: in hand as acking since it was held
         self._in_hand.release(entry_id)
         self.stats.held = self._in_hand.held
-        self._acks.add(entry_id)
 
     # --- reading ---------------------------------------------------------------------------
 

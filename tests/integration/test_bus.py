@@ -362,6 +362,38 @@ async def test_idempotent_handlers_give_exactly_once_effect(redis_url: str, redi
     assert await pending_count(redis, "s", "g") == 0
 
 
+async def test_an_entry_whose_ack_is_slow_to_land_is_handled_once(
+    redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between a handler's end and Redis confirming its XACK the entry is still in hand: neither its
+    consumer's own reclaim pass nor a peer's takes it over, though the ack takes three claim_idle
+    periods to land (as it does on a stalled host or through a lost connection)."""
+    monkeypatch.setattr("shared.bus.acks.GATHER_S", 3 * FAST.claim_idle_ms / 1000)
+    n = 20
+    executions: Counter[int] = Counter()
+    done = Seen()
+
+    async def effect(d: Delivery) -> None:
+        assert isinstance(d.message, Ping)
+        executions[d.message.seq] += 1
+        done.add(d)
+
+    async with Bus(redis_url, FAST) as bus:
+        a = bus.consumer("s", "g", {Ping: effect}, name="a")
+        b = bus.consumer("s", "g", {Ping: effect}, name="b")
+        async with a, b:
+            await bus.publish_many("s", pings(n))
+            await done.until(n)
+            for _ in range(200):  # the acks land after GATHER_S
+                if await pending_count(redis, "s", "g") == 0:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(2 * FAST.claim_idle_ms / 1000)  # reclaim passes that would re-run them
+    assert sorted(executions) == list(range(n)) and set(executions.values()) == {1}, executions
+    assert a.stats.reclaimed == b.stats.reclaimed == 0
+    assert await pending_count(redis, "s", "g") == 0
+
+
 async def test_slow_live_handler_is_not_stolen_by_a_peer(redis_url: str, redis: Redis) -> None:
     """A handler running for many claim_idle periods keeps its entry: its idle time is refreshed."""
     release = asyncio.Event()
