@@ -14,6 +14,7 @@ from redis.asyncio import RedisCluster
 
 from shared.bus import Bus, Delivery
 from shared.bus.connection import blocking_client, command_client, is_cluster_url, node_of, plain_url, ride_out
+from shared.bus.consumer import Consumer
 from shared.config.spec import BusConfig
 from shared.control.health import live_instances
 from shared.runtime.redis_cluster import NODE_TIMEOUT_MS, SLOTS, EmbeddedCluster
@@ -117,11 +118,16 @@ async def test_a_killed_master_is_followed_by_its_promoted_replica() -> None:
         seen.add(d.message.seq)
         changed.set()
 
-    async def until(n: int) -> None:
-        async with asyncio.timeout(FAILOVER_BOUND_S + 30):
-            while len(seen) < n:
-                changed.clear()
-                await changed.wait()
+    async def until(n: int, consumer: Consumer) -> None:
+        try:
+            async with asyncio.timeout(FAILOVER_BOUND_S + 30):
+                while len(seen) < n:
+                    changed.clear()
+                    await changed.wait()
+        except TimeoutError:  # say why: a crashed loop, or reads failing or not coming back
+            raise AssertionError(
+                f"the consumer saw {sorted(seen)} of {n}; crashed: {consumer.error!r}; {consumer.stats}"
+            ) from None
 
     try:
         seed = cluster.servers[0].port
@@ -131,15 +137,15 @@ async def test_a_killed_master_is_followed_by_its_promoted_replica() -> None:
         await r.set(key, "before")
         old = cluster.master_of(key)
         replica = next(n for n in cluster.nodes() if n.master_id == old.node_id)
-        async with Bus(cluster.url, FAST) as bus, bus.consumer(stream, "g", {Ping: handle}):
+        async with Bus(cluster.url, FAST) as bus, bus.consumer(stream, "g", {Ping: handle}) as consumer:
             await bus.publish_many(stream, [Ping(seq=i, sent_ns=0) for i in range(10)])
-            await until(10)
+            await until(10, consumer)
             killed_at = time.monotonic()
             cluster.kill(old.port)
             await ride_out(lambda: r.set(key, "after"), "cluster failover test", give_up_s=FAILOVER_BOUND_S + 10)
             took = time.monotonic() - killed_at
             await bus.publish_many(stream, [Ping(seq=i, sent_ns=0) for i in range(10, 20)])
-            await until(20)
+            await until(20, consumer)
         assert cluster.master_of(key).port == replica.port, "the killed master's own replica serves its slots"
         assert await r.get(key) == b"after"
         assert took < FAILOVER_BOUND_S, f"writes resumed {took:.1f} s after the kill"
