@@ -7,7 +7,9 @@ lease it leads a **term** (`lead`), as a freshly started dispatcher does: a new 
 consumers first claim every entry the run's earlier dispatchers left pending (their requests, held
 until answered; what they read and had not acked), at once rather than after `bus.claim_idle_ms`:
 the lease says those are fenced; and which adopts the batches they sent that the workers hold
-(services/dispatcher/takeover.py). A term ends when the process stops or the lease is lost; a
+(services/dispatcher/takeover.py). While it leads it takes over, every second, what a deposed
+dispatcher let go on after a stall read before its fence stopped it (`takeover.sweep`).
+A term ends when the process stops or the lease is lost; a
 deposed leader stops its consumers at once, withdraws its readiness and waits as a standby again
 (it does not exit: `bubbletea up` would count each loss as a death towards its crash-loop limit,
 and a standby beside the leader is what takes over). A stopping leader hands the lease over. A
@@ -29,7 +31,7 @@ import time
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from services.dispatcher.lease import DispatcherLease
 from services.dispatcher.metrics import DispatcherMetrics
-from services.dispatcher.takeover import adopted, claim, held_batches
+from services.dispatcher.takeover import SWEEP_EVERY_S, adopted, claim, held_batches, sweep
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS, Outage, sleep_unless
 from shared.bus.consumer import AfterRead, Consumer
@@ -163,7 +165,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
         adopted=len(held),
     )
     next_log = time.monotonic() + LOG_EVERY_S
-    next_check = next_reconcile = time.monotonic()
+    next_check = next_reconcile = next_sweep = time.monotonic()
     outage = Outage("dispatcher tick")
     try:
         while not stop.is_set() and not lease.deposed.is_set():
@@ -175,6 +177,9 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + serving.READINESS_EVERY_S
                     await d.check_readiness()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + SWEEP_EVERY_S
+                    await sweep(consumers)
                 if time.monotonic() >= next_reconcile:
                     next_reconcile = time.monotonic() + serving.INFLIGHT_RECONCILE_S
                     await serving.reconcile_inflight(bus.redis, run, SERVICE)

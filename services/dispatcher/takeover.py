@@ -7,6 +7,11 @@
   run's earlier dispatchers, and the lease says they are gone or fenced. Each consumer's first read
   (its own pending entries) then delivers them, a request as delivered again (so it is looked up
   first: one answered meanwhile is only acked).
+* **What they read later** (`sweep`): a deposed leader let go on after a stall can read entries
+  before its fence stops it, after this term claimed; they would sit pending on it until
+  `bus.claim_idle_ms` (a report unread, its batch then taken for lost and its requests sent again).
+  The leader moves any entry pending on another consumer to itself every `SWEEP_EVERY_S` and
+  re-reads its own pending entries.
 * **Their batches on the workers** (`held_batches`): a worker acks a fill stream's entry only once
   its batch is answered and reported, so the entries its group has not acked (pending, or not read
   yet) are the batches it holds. The term adopts them (`DispatchState.adopt`): their requests,
@@ -24,15 +29,39 @@ from redis.exceptions import ResponseError
 
 from shared.bus.connection import ride_out
 from shared.bus.consumer import Consumer
-from shared.bus.streams import claim_all, parse_id
+from shared.bus.streams import claim_all, claim_strays, parse_id
 from shared.config.model_info import ModelInfo
 from shared.policies.dispatch_inputs import Adopted
+from shared.runtime.logs import get_logger
 from shared.wire import FIELD, PrefillBatch, WireError, decode, keys
+
+log = get_logger(__name__)
+
+#: How often a leader looks for entries pending on another consumer of its group (one XPENDING a
+#: stream when there are none): a deposed leader's late reads wait at most this, not claim_idle_ms.
+SWEEP_EVERY_S = 1.0
 
 
 async def claim(c: Consumer) -> int:
     """Move every entry pending in `c`'s group on its stream to `c` (riding a Redis outage out)."""
     return await ride_out(lambda: claim_all(c.bus.redis, c.stream, c.group, c.name), f"claim of {c.stream}")
+
+
+async def sweep(consumers: list[Consumer]) -> int:
+    """Move to each of `consumers` (this term's) the entries pending in its group on another
+    consumer, and have it re-read its own pending entries if any moved. Returns how many moved."""
+    total = 0
+    for c in consumers:
+        moved = await claim_strays(c.bus.redis, c.stream, c.group, c.name)
+        if moved:
+            c.resync()
+            total += sum(moved.values())
+            log.warning(
+                "took over entries another dispatcher read after this one leads (a deposed leader let go on)",
+                stream=c.stream,
+                moved=moved,
+            )
+    return total
 
 
 async def held_batches(r: Redis, run: str, pp: int, dp: int) -> list[tuple[str, PrefillBatch]]:

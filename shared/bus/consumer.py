@@ -190,6 +190,11 @@ class Consumer:
     ) -> None:
         await self.stop()
 
+    def resync(self) -> None:
+        """Re-read this consumer's own pending entries at its next read: entries someone moved to
+        it (`shared.bus.streams.claim_strays`) are handled then; those in hand are not again."""
+        self._resync.set()
+
     def ack_on(self, pipe: Pipeline, ids: list[str]) -> None:
         """Queue the XACK of `ids` on the caller's pipeline, after the effects it carries: the
         entries of the read being handled (`AfterRead`), or held ones whose effect is done (then

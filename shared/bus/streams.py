@@ -101,6 +101,25 @@ async def delivery_counts(
 _CLAIM_ALL = "return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'COUNT', ARGV[4], 'JUSTID')"
 
 
+async def claim_strays(r: Redis, stream: str, group: str, consumer: str) -> dict[str, int]:
+    """Move to `consumer` the entries pending in `group` on any other consumer (XCLAIM JUSTID, min
+    idle 0: not a delivery), leaving its own alone: for the one consumer a lease says may read the
+    group, when another (fenced, deposed) read entries after it took over. Returns how many moved,
+    by whom they were pending on; one XPENDING when there are none."""
+    summary: Any = await r.xpending(stream, group)
+    moved: dict[str, int] = {}
+    for row in summary.get("consumers") or []:
+        name = row["name"].decode() if isinstance(row["name"], bytes) else str(row["name"])
+        if name == consumer or not int(row["pending"]):
+            continue
+        rows: Any = await r.xpending_range(stream, group, "-", "+", int(row["pending"]), consumername=name)
+        ids = [x["message_id"] for x in rows]
+        if ids:
+            await r.xclaim(stream, group, consumer, min_idle_time=0, message_ids=ids, justid=True)
+            moved[name] = len(ids)
+    return moved
+
+
 async def claim_all(r: Redis, stream: str, group: str, consumer: str, *, count: int = 1_000) -> int:
     """Move every entry pending in `group` to `consumer` now, whoever holds it and however briefly
     idle (XAUTOCLAIM JUSTID from 0): for a consumer that knows the group's others are gone or

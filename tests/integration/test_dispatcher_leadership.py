@@ -25,6 +25,7 @@ from bubbletea.launcher.procs import Proc, spawn
 from bubbletea.launcher.services import DISPATCHER
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from services.dispatcher.lease import DispatcherLease
+from services.dispatcher.takeover import SWEEP_EVERY_S
 from shared.bus import Bus, Delivery
 from shared.bus.streams import claim_all
 from shared.config.settings import load_settings
@@ -374,5 +375,33 @@ async def test_a_stalled_leader_is_replaced_by_the_standby_that_serves_its_queue
                 )
                 await bus.publish(keys.prefill_reports_stream(run), report)
             await until(none_pending(redis, run), "every request acked", TAKEOVER_S)
+    finally:
+        await ds.stop()
+
+
+async def test_what_a_deposed_leader_holds_after_the_takeover_is_taken_over_within_a_sweep(
+    run_env: dict[str, str], redis: Redis
+) -> None:
+    """A deposed leader let go on after a stall can read entries before its fence stops it, after
+    the new leader claimed: those move to the leader within `takeover.SWEEP_EVERY_S` (not after
+    `bus.claim_idle_ms`, a minute here). The stale holder is made by this test: the leader's held
+    request moved (XCLAIM) to another dispatcher's name; the whole path (a stalled leader's late
+    read, then its report handled by its successor) is the stalled-leader test above."""
+    run, ds = run_env["BUBBLETEA_RUN"], Dispatchers(run_env)
+    requests = keys.prefill_requests_stream(run)
+    try:
+        a = await ds.start()
+        await ds.logged(a, "dispatcher ready")
+        async with Bus(run_env["REDIS_URL"], name="test") as bus:
+            assert await serving.accept(bus.redis, run, request(run, "late"), 100)  # no worker: held, queued
+            await until(held_by(redis, run, name(a), 1), "the leader holds the request", START_S)
+            [row] = await redis.xpending_range(requests, SERVICE, "-", "+", 10)
+            await redis.xclaim(requests, SERVICE, "dispatcher-deposed", 0, [row["message_id"]], justid=True)
+            assert await held_by(redis, run, "dispatcher-deposed", 1)()
+            took = await until(held_by(redis, run, name(a), 1), "the leader holds it again", TAKEOVER_S)
+            assert took < SWEEP_EVERY_S + 2.0  # a sweep, on a busy machine
+            await bus.publish(keys.bubbles_stream(run), joined(run, 0, 1 << 30))
+            await until(sent(redis, keys.fill_stream(run, 0, 0), {"late"}), "the leader's batch", TAKEOVER_S)
+        assert "took over entries another dispatcher read" in ds.log(a)
     finally:
         await ds.stop()
