@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -15,6 +17,8 @@ import yaml
 from shared.bus.connection import blocking_client
 from shared.wire import IterationDone, PrefillReport, WorkerFailed, decode, keys
 from shared.wire.status import ItemOutcome
+
+ROOT = Path(__file__).resolve().parents[2]
 
 #: PP=2 x DP=2 with a device profile: each stage's forward counts for 40 ms, so every worker
 #: waits tens of milliseconds for its peer in each iteration: bubbles to fill.
@@ -170,3 +174,32 @@ def as_from_a_terminal() -> None:
     restored. A suite started in the background by a script (`make test &`) inherits SIGINT
     ignored, and a child that ignores it would never see the test's Ctrl-C."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+async def start_up(*args: str, env: dict[str, str], **options: Any) -> asyncio.subprocess.Process:
+    """`bubbletea up` with `args`, in its own process group (the test kills it whole if it fails),
+    its output (stdout and stderr) a pipe to read with `read_until`."""
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "bubbletea.cli", "up", *args),
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+        **options,
+    )
+    assert proc.stdout is not None
+    return proc
+
+
+async def read_until(stream: asyncio.StreamReader, pattern: str, seen: list[str], timeout: float) -> re.Match[str]:
+    """Read `bubbletea up`'s output (kept in `seen`) until a line matches `pattern`."""
+    async with asyncio.timeout(timeout):
+        while True:
+            raw = await stream.readline()
+            if not raw:
+                raise AssertionError("bubbletea up exited early:\n" + "".join(seen))
+            line = raw.decode()
+            seen.append(line)
+            if m := re.search(pattern, line):
+                return m

@@ -23,7 +23,17 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import group_alive
 from shared.control.health import live_instances
-from tests.e2e.serving import ONE_REPLICA, SPEC, as_from_a_terminal, status, submit, wait_ready, wait_until
+from tests.e2e.serving import (
+    ONE_REPLICA,
+    SPEC,
+    as_from_a_terminal,
+    read_until,
+    start_up,
+    status,
+    submit,
+    wait_ready,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The device time scale of these tests, given rather than measured: each measurement is four
@@ -33,18 +43,6 @@ ROOT = Path(__file__).resolve().parents[2]
 GIVEN_SCALE = {"BUBBLETEA_TIME_SCALE": "1"}
 #: PP=2 x DP=1, two workers, for the tests whose subject is not the pipeline (restarts, a dead service).
 TWO_WORKERS = {**SPEC, **ONE_REPLICA}
-
-
-async def _read_until(stream: asyncio.StreamReader, pattern: str, seen: list[str], timeout: float) -> re.Match[str]:
-    async with asyncio.timeout(timeout):
-        while True:
-            raw = await stream.readline()
-            if not raw:
-                raise AssertionError("bubbletea up exited early:\n" + "".join(seen))
-            line = raw.decode()
-            seen.append(line)
-            if m := re.search(pattern, line):
-                return m
 
 
 async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -85,9 +83,9 @@ async def test_up_serves_until_stopped_and_every_service_shows_itself(tmp_path: 
     assert proc.stdout is not None
     seen: list[str] = []
     try:
-        await _read_until(proc.stdout, r"serving: .*training until Ctrl-C", seen, timeout=120)
-        api = (await _read_until(proc.stdout, r"API:\s+(http://\S+)", seen, timeout=10)).group(1)
-        folder = Path((await _read_until(proc.stdout, r"logs:\s+(\S+)/<service>\.log", seen, timeout=10)).group(1))
+        await read_until(proc.stdout, r"serving: .*training until Ctrl-C", seen, timeout=120)
+        api = (await read_until(proc.stdout, r"API:\s+(http://\S+)", seen, timeout=10)).group(1)
+        folder = Path((await read_until(proc.stdout, r"logs:\s+(\S+)/<service>\.log", seen, timeout=10)).group(1))
         endpoints = dict(re.findall(r"^\s+(\S+)\s+(http://\S+/metrics)$", "".join(seen), re.M))
         drain = asyncio.create_task(_drain(proc.stdout, seen))
         async with aiohttp.ClientSession() as http:
@@ -223,18 +221,11 @@ async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: P
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "127.0.0.1", "port": 0}}))
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | GIVEN_SCALE
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), "--out", str(tmp_path / "runs")),
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,  # its own group: killed whole if the test fails (see the finally)
-    )
+    proc = await start_up("--config", str(path), "--out", str(tmp_path / "runs"), env=env)
     assert proc.stdout is not None
     seen: list[str] = []
     try:
-        await _read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
+        await read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
         out = "".join(seen)
         pids = {label: int(pid) for label, pid in re.findall(r"==> started (\S+) \(pid (\d+)\)", out)}
         api = re.findall(r"API:\s+(http://\S+)", out)[0]
@@ -243,10 +234,10 @@ async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: P
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             # the dispatcher: restarted with a heartbeat of its own, and it fills bubbles again
             os.kill(pids["dispatcher"], signal.SIGKILL)
-            await _read_until(
+            await read_until(
                 proc.stdout, r"==> dispatcher died \(exit code -9\); restarting in 0.5s \(restart 1\)", seen, 10
             )
-            m = await _read_until(proc.stdout, r"==> dispatcher restarted \(pid (\d+)\): healthy", seen, 60)
+            m = await read_until(proc.stdout, r"==> dispatcher restarted \(pid (\d+)\): healthy", seen, 60)
             new_pid = int(m.group(1))
             assert new_pid != pids["dispatcher"]
             r = Redis.from_url(redis_url)
@@ -264,8 +255,8 @@ async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: P
 
             # the front door: restarted on the same port (the same API URL answers again)
             os.kill(pids["prefill_queue"], signal.SIGKILL)
-            await _read_until(proc.stdout, r"==> prefill_queue died \(exit code -9\); restarting in 0.5s", seen, 10)
-            m = await _read_until(proc.stdout, r"==> prefill_queue restarted \(pid (\d+)\): healthy", seen, 60)
+            await read_until(proc.stdout, r"==> prefill_queue died \(exit code -9\); restarting in 0.5s", seen, 10)
+            m = await read_until(proc.stdout, r"==> prefill_queue restarted \(pid (\d+)\): healthy", seen, 60)
             assert int(m.group(1)) != pids["prefill_queue"]
             async with http.get(f"{api}/health") as resp:
                 assert resp.status == 200
@@ -274,8 +265,8 @@ async def test_up_restarts_a_killed_dispatcher_front_door_and_worker(tmp_path: P
 
             # a stage worker: the run pauses, the new worker takes its slot, training resumes
             os.kill(pids["stage_worker-0"], signal.SIGKILL)
-            await _read_until(proc.stdout, r"==> stage_worker-0 died \(exit code -9\); restarting in 0.5s", seen, 10)
-            m = await _read_until(proc.stdout, r"==> stage_worker-0 restarted \(pid (\d+)\): healthy", seen, 60)
+            await read_until(proc.stdout, r"==> stage_worker-0 died \(exit code -9\); restarting in 0.5s", seen, 10)
+            m = await read_until(proc.stdout, r"==> stage_worker-0 restarted \(pid (\d+)\): healthy", seen, 60)
             assert int(m.group(1)) != pids["stage_worker-0"]
             answer = await _answered(http, api, "after a worker was killed")
             assert answer["status"] == "done" and answer["result"]["text"], answer
@@ -302,25 +293,17 @@ async def test_up_restarts_its_redis_and_stops_cleanly_on_sigterm(tmp_path: Path
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "127.0.0.1", "port": 0}}))
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | GIVEN_SCALE
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "bubbletea.cli", "up", "--persist", "--config", str(path)),
-        *("--out", str(tmp_path / "runs")),
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,  # its own group: killed whole if the test fails (see the finally)
-    )
+    proc = await start_up("--persist", "--config", str(path), "--out", str(tmp_path / "runs"), env=env)
     assert proc.stdout is not None
     seen: list[str] = []
     try:
-        await _read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
+        await read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
         out = "".join(seen)
         api = re.findall(r"API:\s+(http://\S+)", out)[0]
         redis_pid = int(re.findall(r"==> Redis: \S+ \(embedded .*pid=(\d+), AOF in", out)[0])
         os.kill(redis_pid, signal.SIGKILL)
-        await _read_until(proc.stdout, r"==> redis died \(exit code -9\); restarting in 0.5s", seen, 10)
-        await _read_until(proc.stdout, r"==> redis restarted \(pid \d+\)", seen, 30)
+        await read_until(proc.stdout, r"==> redis died \(exit code -9\); restarting in 0.5s", seen, 10)
+        await read_until(proc.stdout, r"==> redis restarted \(pid \d+\)", seen, 30)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             answer = await _answered(http, api, "after Redis was restarted")
         assert answer["status"] == "done" and answer["result"]["text"], answer
@@ -355,21 +338,13 @@ async def test_up_takes_host_port_and_api_key_as_vllm_serve_does(tmp_path: Path)
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BUBBLETEA_API_KEY")} | GIVEN_SCALE
     args = ("--host", "127.0.0.1", "--port", str(port), "--api-key", "sekrit", "--out", str(tmp_path / "runs"))
     args += ("--model", str(model), "--served-model-name", "my-llama")
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), *args),
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        preexec_fn=as_from_a_terminal,
-        start_new_session=True,  # its own group: killed whole if the test fails (see the finally)
-    )
+    proc = await start_up("--config", str(path), *args, env=env, preexec_fn=as_from_a_terminal)
     assert proc.stdout is not None
     seen: list[str] = []
     try:
-        api = (await _read_until(proc.stdout, r"API:\s+(http://\S+)", seen, timeout=120)).group(1)
+        api = (await read_until(proc.stdout, r"API:\s+(http://\S+)", seen, timeout=120)).group(1)
         assert api == f"http://127.0.0.1:{port}"
-        await _read_until(proc.stdout, r"Authorization: Bearer \$BUBBLETEA_API_KEY", seen, timeout=10)
+        await read_until(proc.stdout, r"Authorization: Bearer \$BUBBLETEA_API_KEY", seen, timeout=10)
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{api}/v1/models") as resp:
                 assert resp.status == 401
@@ -420,14 +395,11 @@ async def test_a_launcher_killed_with_sigkill_leaves_no_service_behind(tmp_path:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**TWO_WORKERS, "http": {"host": "127.0.0.1", "port": 0}}))
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | GIVEN_SCALE
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "bubbletea.cli", "up", "--config", str(path), "--out", str(tmp_path / "runs")),
-        cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    proc = await start_up("--config", str(path), "--out", str(tmp_path / "runs"), env=env)
     assert proc.stdout is not None
     seen: list[str] = []
     try:
-        await _read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
+        await read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()

@@ -16,19 +16,10 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from tests.e2e.serving import ONE_REPLICA, SPEC, status, submit, wait_ready
+from tests.e2e.serving import ONE_REPLICA, SPEC, read_until, start_up, status, submit, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 GIVEN_SCALE = {"BUBBLETEA_TIME_SCALE": "1"}  # as tests/e2e/test_launcher_up.py, which says why
-
-
-async def _read_until(stream: asyncio.StreamReader, pattern: str, seen: list[str], timeout: float) -> re.Match[str]:
-    async with asyncio.timeout(timeout):
-        while raw := await stream.readline():
-            seen.append(raw.decode())
-            if m := re.search(pattern, seen[-1]):
-                return m
-    raise AssertionError("bubbletea up exited early:\n" + "".join(seen))
 
 
 def _alive(pid: int) -> bool:
@@ -43,23 +34,15 @@ async def test_up_runs_on_an_embedded_redis_cluster(tmp_path: Path) -> None:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**SPEC, **ONE_REPLICA, "http": {"host": "127.0.0.1", "port": 0}}))
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | GIVEN_SCALE
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "bubbletea.cli", "up", "--redis-cluster", "--config", str(path)),
-        *("--out", str(tmp_path / "runs")),
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,  # its own group: killed whole if the test fails (see the finally)
-    )
+    proc = await start_up("--redis-cluster", "--config", str(path), "--out", str(tmp_path / "runs"), env=env)
     assert proc.stdout is not None
     seen: list[str] = []
     try:
         banner = r"==> Redis: (redis\+cluster://\S+) \(embedded cluster.*pids ([\d,]+)\)"
-        where = await _read_until(proc.stdout, banner, seen, 60)
+        where = await read_until(proc.stdout, banner, seen, 60)
         nodes = [int(p) for p in where.group(2).split(",")]
         assert len(nodes) == 6 and all(_alive(p) for p in nodes)
-        await _read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
+        await read_until(proc.stdout, r"Ctrl-C stops everything", seen, timeout=120)
         api = re.findall(r"API:\s+(http://\S+)", "".join(seen))[0]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             await wait_ready(http, api, timeout=30)
