@@ -11,11 +11,15 @@ request on the DC that is predicted to finish it soonest, by admission's own ari
 * **Only a fresh snapshot of a DC that can serve is used.** One older than `STALE_AFTER_S` (three
   publishes: a dispatcher missed two in a row, it is stopped, stalled or cut off) says nothing of
   now; a DC whose verdict refuses (training finished, stopped, stalled) serves nothing.
-* **A DC with no prediction waits behind those with one.** With a TTFT objective, a DC before its
-  first bubble or before its pipeline came round once (`Admission.came_round`) is not used at all:
-  nothing says when it would start the request (`prompt_placement.on_arrival`'s rule). A DC that
-  came round but saw no bubble in its window (no rate: paused) is assumed to meet it, as placement
-  assumes, but only when no DC has a prediction.
+* **A DC with no rate is predicted at the slowest measured DC's.** With a TTFT objective, a DC
+  before its first bubble or before its pipeline came round once (`Admission.came_round`) is not
+  used at all: nothing says when it would start the request (`prompt_placement.on_arrival`'s rule).
+  Otherwise (no objective; or a DC that came round but saw no bubble in its window: paused) it is
+  taken to serve at the slowest rate another DC measured. Ranked behind every DC with a rate
+  instead, it got no request until its first round was over: the first stages' DC comes round last
+  (its first bubble is the first iteration's cool-down), and its bubbles of the second iteration ran
+  63% full where the others' ran 90% (512 GPUs, load 1.0, 2026-12-06). When no DC has a rate,
+  the least queued is taken (placement assumes the bubbles meet the objective then).
 * **Soonest, then least queued, then name**: ties are broken the same way on every front door.
 * **The objective**: the chosen DC must finish the request within the objective less what
   placement keeps (`prompt_placement.kept_s`: the decoder's reserve, or admission's margin). When no
@@ -88,6 +92,7 @@ class RouteWhy(enum.StrEnum):
     """Why a request went where it did (a value on the log line and in the simulator's counts)."""
 
     SOONEST = "soonest"  # the DC predicted to finish it soonest (within its objective, if any)
+    ASSUMED = "assumed"  # the same, a DC with no rate measured yet, predicted at the slowest DC's rate
     UNPREDICTED = "unpredicted"  # no usable DC has a prediction (no rate): the least queued, assumed to meet it
     NONE_MEETS = "none_meets"  # no DC is predicted to finish it by its objective: the decoder, or a refusal
     NOT_ROUND = "not_round"  # an objective, and no usable DC has come round once: nothing says when
@@ -131,18 +136,28 @@ def route(
         fresh = [s for s in fresh if s.started and s.came_round]
         if not fresh:
             return Route(None, RouteWhy.NOT_ROUND, detail="no datacenter's pipeline has come round once yet")
-    timed = [(f, s) for s in fresh if (f := s.finish_in(request_cost)) is not None]
+    timed = _predicted(fresh, request_cost)
     if not timed:  # no rate anywhere: paused, or before any window (placement assumes they meet it)
         best = min(fresh, key=lambda s: (s.ahead_s, s.dc))
         return Route(best.dc, RouteWhy.UNPREDICTED, detail=f"no rate measured; {best.ahead_s:.3f}s queued there")
     finish, best = min(timed, key=lambda fs: (fs[0], fs[1].ahead_s, fs[1].dc))
+    why = RouteWhy.SOONEST if best.rate else RouteWhy.ASSUMED
     if objective_s is None:
-        return Route(best.dc, RouteWhy.SOONEST, finish, f"finishes it in about {finish:.3f}s")
+        return Route(best.dc, why, finish, f"finishes it in about {finish:.3f}s")
     room = objective_s - kept_s(objective_s, may_move, decoder_s)
     if finish <= room:
-        return Route(best.dc, RouteWhy.SOONEST, finish, f"finishes it in about {finish:.3f}s, {room:.3f}s allowed")
-    why = f"the soonest, {best.dc}, would finish it in about {finish:.3f}s; {max(0.0, room):.3f}s allowed"
-    return Route(None, RouteWhy.NONE_MEETS, finish, why)
+        return Route(best.dc, why, finish, f"finishes it in about {finish:.3f}s, {room:.3f}s allowed")
+    detail = f"the soonest, {best.dc}, would finish it in about {finish:.3f}s; {max(0.0, room):.3f}s allowed"
+    return Route(None, RouteWhy.NONE_MEETS, finish, detail)
+
+
+def _predicted(fresh: list[DcSnapshot], request_cost: float) -> list[tuple[float, DcSnapshot]]:
+    """Each DC's predicted finish; a DC with no rate is predicted at the slowest measured one's."""
+    rates = [s.rate for s in fresh if s.rate]
+    if not rates:
+        return []
+    slowest = min(rates)
+    return [(predicted_finish_s(s.ahead_s, request_cost, s.rate or slowest, s.correction) or 0.0, s) for s in fresh]
 
 
 @dataclass

@@ -76,11 +76,18 @@ def test_with_an_objective_a_dc_before_its_first_round_is_not_used() -> None:
     assert (r.dc, r.why) == ("a", RouteWhy.SOONEST)
 
 
-def test_a_dc_with_no_rate_is_used_only_when_no_dc_has_one() -> None:
-    paused = snap("a", ahead_s=0.0, rate=None)
-    assert route([paused, snap("b", ahead_s=0.5)], 0.0, 1.0, 0.0).dc == "b"
-    r = route([paused, snap("c", ahead_s=0.2, rate=None)], 0.0, 1.0, 0.0)
-    assert (r.dc, r.why, r.finish_in_s) == ("a", RouteWhy.UNPREDICTED, None)  # the least queued, assumed to meet it
+def test_a_dc_with_no_rate_is_predicted_at_the_slowest_measured_rate() -> None:
+    unmeasured = snap("a", ahead_s=0.3, rate=None)
+    slow, fast = snap("b", ahead_s=0.5, rate=1.0), snap("c", ahead_s=0.8, rate=2.0)
+    r = route([unmeasured, slow, fast], 0.0, None, 0.0)  # 0.3 at b's rate 1 is the soonest
+    assert (r.dc, r.why, r.finish_in_s) == ("a", RouteWhy.ASSUMED, pytest.approx(0.3))
+    r = route([snap("a", ahead_s=0.45, rate=None), slow, fast], 0.0, None, 0.0)  # c: 0.4
+    assert (r.dc, r.why) == ("c", RouteWhy.SOONEST)
+    # with an objective, one that came round but saw no bubble in its window (paused) likewise
+    assert route([unmeasured, slow], 0.0, 1.0, 0.0).dc == "a"
+    # none has a rate: the least queued, assumed to meet it (placement's rule)
+    r = route([unmeasured, snap("d", ahead_s=0.2, rate=None)], 0.0, 1.0, 0.0)
+    assert (r.dc, r.why, r.finish_in_s) == ("d", RouteWhy.UNPREDICTED, None)
 
 
 def test_when_none_meets_the_objective_the_route_says_so() -> None:
