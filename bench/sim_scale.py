@@ -153,6 +153,7 @@ def sweep_scale(
     fixed_ms: float,
     dispatch: tuple[DispatchMode, ...] = (DispatchMode.ONE,),
     objective_ms: float | None = None,
+    snapshot_every_ms: float | None = None,
 ) -> dict[str, Any]:
     """One scale: BubbleTea off once, then on at every load, dispatch mode and seed; a point per load
     and mode (medians)."""
@@ -163,7 +164,10 @@ def sweep_scale(
     for load, mode in itertools.product(loads, dispatch):
         runs = []
         for seed in seeds:
-            options = SimOptions(iterations=iterations, input_len=INPUT_LEN, load=load, seed=seed, dispatch=mode)
+            every = None if snapshot_every_ms is None else snapshot_every_ms / 1000
+            options = SimOptions(
+                iterations=iterations, input_len=INPUT_LEN, load=load, seed=seed, dispatch=mode, snapshot_every_s=every
+            )
             runs.append(one_run(simulate_on(setup, off, options), iterations))
         point = {"load": load, "dispatch": mode.value, **{k: _median([r[k] for r in runs]) for k in FIGURES}}
         attained = [r["slo_attainment"] for r in runs if r["slo_attainment"] is not None]
@@ -275,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--ttft-objective-ms", type=float, default=None, help="the requests' TTFT objective (default none)")
     ap.add_argument(
+        "--snapshot-every-ms",
+        type=float,
+        default=None,
+        help="per DC: how often the dispatchers publish their snapshots and the front door reads them "
+        "(default: the live readiness interval, 250 ms)",
+    )
+    ap.add_argument(
         "--picture",
         type=Path,
         default=None,
@@ -287,7 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     modes = tuple(DispatchMode(m.strip().replace("-", "_")) for m in args.dispatch.split(",") if m.strip())
     scales = [
-        sweep_scale(g, loads, seeds, args.iterations, args.fixed_ms, modes, args.ttft_objective_ms) for g in sizes
+        sweep_scale(
+            g, loads, seeds, args.iterations, args.fixed_ms, modes, args.ttft_objective_ms, args.snapshot_every_ms
+        )
+        for g in sizes
     ]
     out: dict[str, Any] = {
         "bench": "sim_scale",
@@ -299,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "loads": loads,
         "dispatch": [m.value for m in modes],
         "ttft_objective_ms": args.ttft_objective_ms,
+        "snapshot_every_ms": args.snapshot_every_ms,
     }
     out.update({f"s_per_iter_{s['gpus']}": max(p["s_per_iter"] for p in s["points"]) for s in scales})
     out.update({f"cpu_s_per_iter_{s['gpus']}": max(p["cpu_s_per_iter"] for p in s["points"]) for s in scales})

@@ -8,8 +8,9 @@ are executed the same way in both modes: batches go to their worker's executor a
 failures are counted by reason, moves to the decoder noted. A dispatcher per DC knows only its DC's
 workers, so a preempted prefill resumes only there: nothing is recomputed across DCs.
 
-Per DC, every `dc_routing.PUBLISH_EVERY_S` each dispatcher publishes its snapshot (`DispatchState.snapshot`),
-which lands on the bus a hop later, where the front door reads it (`sim.front_door`).
+Per DC, every `dc_routing.PUBLISH_EVERY_S` (`ServingConfig.snapshot_every_s`) each dispatcher
+publishes its snapshot (`DispatchState.snapshot`), which lands on the bus a hop later, where the
+front door reads it (`sim.front_door`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Dispatchers:
         self.moved: set[str] = set()  # requests a dispatcher placed on the decoder (their answer), by id
         #: where a snapshot goes once on the bus (`FrontDoor.posted`); per DC only
         self.post: Callable[[float, list[DcSnapshot]], None] | None = None
+        self.every_s = PUBLISH_EVERY_S  # how often they publish (per DC only)
 
     def start(self) -> None:
         tick_s = next(iter(self.states.values())).tick_s
@@ -126,7 +128,7 @@ class Dispatchers:
         if self.post is not None:
             snaps = [state.snapshot(dc, True, now) for dc, state in self.states.items()]
             self.q.at(now + self.bus_s, self.post, snaps)
-        self.q.at(now + PUBLISH_EVERY_S, self._publish)
+        self.q.at(now + self.every_s, self._publish)
 
     def _execute(self, ds: Decisions[SimRequest], now: float) -> None:
         for batch in ds.batches:

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
-from shared.policies.dc_routing import PUBLISH_EVERY_S, DcSnapshot, Route, Router, RouteWhy
+from shared.policies.dc_routing import PUBLISH_EVERY_S, STALE_AFTER_S, DcSnapshot, Route, Router, RouteWhy
 from shared.policies.dispatch_inputs import Request
 from shared.policies.events import EventQueue
 from shared.policies.prompt_placement import Mode
@@ -56,7 +56,7 @@ class FrontDoor:
         stats: Admitted,
     ) -> None:
         self.cfg, self.dispatch, self.q, self._arrivals, self.stats = cfg, dispatch, queue, arrivals, stats
-        self.router = Router()
+        self.router = Router(stale_after_s=STALE_AFTER_S * cfg.snapshot_every_s / PUBLISH_EVERY_S)
         self._board: dict[str, DcSnapshot] = {}  # the snapshots on the bus, by DC (the readiness keys)
         self._dcs = sorted(dispatch.states)
         self._seq = 0
@@ -65,7 +65,7 @@ class FrontDoor:
         self._next_arrival()
         if self.dispatch.mode is DispatchMode.PER_DC:
             self.dispatch.post = self.posted
-            self.q.at(PUBLISH_EVERY_S / 2, self._poll)
+            self.q.at(self.cfg.snapshot_every_s / 2, self._poll)
 
     # --- the snapshots -------------------------------------------------------------------------
 
@@ -76,7 +76,7 @@ class FrontDoor:
 
     def _poll(self, now: float, _: object = None) -> None:
         self.q.at(now + self.cfg.bus_s, self._read, list(self._board.values()))
-        self.q.at(now + PUBLISH_EVERY_S, self._poll)
+        self.q.at(now + self.cfg.snapshot_every_s, self._poll)
 
     def _read(self, now: float, snaps: list[DcSnapshot]) -> None:
         for s in snaps:

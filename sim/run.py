@@ -56,6 +56,7 @@ class SimOptions:
     bus_s: float = BUS_S
     bubbletea: bool = True  # run the second, BubbleTea-on simulation
     dispatch: DispatchMode = DispatchMode.ONE  # one dispatcher, or one per datacenter (`sim.dispatchers`)
+    snapshot_every_s: float | None = None  # per DC: how often snapshots are published and read (None: live's)
 
 
 @dataclass
@@ -119,8 +120,13 @@ def simulate_on(setup: SimSetup, off: RunResult, options: SimOptions, progress: 
             burstiness=options.burstiness,
             seed=options.seed,
         )
-    if options.dispatch is not setup.serving.dispatch:
-        setup = replace(setup, serving=replace(setup.serving, dispatch=options.dispatch))
+    serving = replace(setup.serving, dispatch=options.dispatch)
+    if options.snapshot_every_s is not None:
+        if not options.snapshot_every_s > 0:
+            raise SimError(f"the snapshots' interval must be > 0 s, got {options.snapshot_every_s}")
+        serving = replace(serving, snapshot_every_s=options.snapshot_every_s)
+    if serving != setup.serving:
+        setup = replace(setup, serving=serving)
     on = run_on(setup, options.iterations, off.priors, arrivals, progress)
     return SimResult(setup, options, off, on, rate)
 

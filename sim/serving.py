@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from shared.config.spec import BubbleTea
+from shared.policies.dc_routing import PUBLISH_EVERY_S
 from shared.policies.decisions import Batch
 from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Progress, WorkerReady
 from shared.policies.events import EventQueue
@@ -47,6 +48,9 @@ class ServingConfig:
     placement: Mode = Mode.BUBBLES
     #: one dispatcher for the run, or one per datacenter with the front door routing (`sim.dispatchers`)
     dispatch: DispatchMode = DispatchMode.ONE
+    #: per DC: how often each dispatcher publishes its snapshot and the front door reads them (the
+    #: live readiness interval; shorter to see what the snapshots' staleness costs)
+    snapshot_every_s: float = PUBLISH_EVERY_S
 
 
 @dataclass
@@ -99,6 +103,7 @@ class Serving:
         self.dispatch = Dispatchers(
             cfg.dispatch, cfg.workers, cfg.datacenters, cfg.bubbletea, cfg.layers, queue, cfg.bus_s, self.stats
         )
+        self.dispatch.every_s = cfg.snapshot_every_s
         saved_in: dict[str, str] = {}  # request id -> DC of the state it resumes from
         self.executors = [
             Executor(
