@@ -83,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "finish it soonest, on the snapshots they publish (shared/policies/dc_routing.py)",
     )
     p.add_argument(
+        "--snapshot-every-ms",
+        type=float,
+        metavar="MS",
+        help="with --dispatch per-dc: how often the dispatchers publish their snapshots and the front door reads "
+        "them (default: the live readiness interval, 250 ms)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print the figures as one JSON object on stdout (the human lines go to stderr)",
@@ -114,6 +121,7 @@ def main(args: argparse.Namespace) -> int:
             bubbletea=not args.off_only,
             max_rate=MAX_DEFAULT_RATE,
             dispatch=DispatchMode(args.dispatch.replace("-", "_")),
+            snapshot_every_s=None if args.snapshot_every_ms is None else args.snapshot_every_ms / 1000,
         )
         runs = 1 if args.off_only else 2
         with tqdm(total=iterations * runs, unit="it", desc="simulating", leave=False, disable=None) as bar:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from shared.policies.dc_routing import PUBLISH_EVERY_S, STALE_AFTER_S, DcSnapshot, Route, Router, RouteWhy
 from shared.policies.dispatch_inputs import Request
@@ -29,9 +29,7 @@ from shared.policies.prompt_placement import Mode
 from shared.wire.status import FailureReason
 from sim.dispatchers import ALL, Dispatchers, DispatchMode
 from sim.executor import SimRequest
-
-if TYPE_CHECKING:
-    from sim.serving import ServingConfig
+from sim.serving_config import ServingConfig
 
 
 class Admitted(Protocol):

@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from shared.policies.admission import predicted_finish_s
+from shared.policies.admission import Admission, predicted_finish_s
 from shared.policies.prompt_placement import kept_s
 
 #: A DC's dispatcher publishes its snapshot this often: with its readiness verdict, every
@@ -74,6 +74,14 @@ class DcSnapshot:
     correction: float = 1.0  # `Admission.correction`: how much longer recent waits were than predicted
     started: bool = True  # a bubble was seen: training runs in this DC
     came_round: bool = True  # `Admission.came_round`: its rate is measured
+
+    @classmethod
+    def of(cls, dc: str, ready: bool, admission: Admission, ahead_s: float, started: bool, now: float) -> DcSnapshot:
+        """What a dispatcher owning `dc` publishes (`DispatchState.snapshot`): its verdict, and what its
+        `admission` would judge a request arriving now on, behind `ahead_s` (its queue's and its
+        workers' held work, as `refusals.on_arrival` counts it); `started`: it has seen a bubble."""
+        rate, correction = admission.rate(now), admission.correction()
+        return cls(dc, ready, ahead_s, rate, now, correction, started, admission.came_round(now))
 
     def aged(self, now: float, added_s: float = 0.0) -> DcSnapshot:
         """This snapshot as of `now`, with `added_s` more work sent since: what was queued drains at

@@ -203,13 +203,8 @@ class DispatchState(Generic[P]):
         a TTFT objective is moved to the decoder, or refused (`prompt_placement.on_arrival`)."""
         return self._admission.came_round(now)
 
-    def snapshot(self, dc: str, ready: bool, now: float) -> DcSnapshot:
-        """What this dispatcher, owning datacenter `dc`, publishes for the front doors to route on
-        (`dc_routing`): its readiness verdict and admission's prediction inputs, as a request
-        arriving now would be judged by them (`refusals.on_arrival`)."""
-        a = self._admission
-        ahead_s = self.room.queued_s + self.book.held_s
-        return DcSnapshot(dc, ready, ahead_s, a.rate(now), now, a.correction(), self._bubble_seen, a.came_round(now))
+    def snapshot(self, dc: str, ready: bool, now: float) -> DcSnapshot:  # for the front doors: `DcSnapshot.of`
+        return DcSnapshot.of(dc, ready, self._admission, self.room.queued_s + self.book.held_s, self._bubble_seen, now)
 
     def work_for(self, worker: str) -> bool:
         """Whether a bubble of `worker` opening now has work to take, as far as the dispatcher

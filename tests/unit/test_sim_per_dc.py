@@ -71,3 +71,16 @@ def test_the_command_selects_per_dc_and_says_what_it_routed(capsys: pytest.Captu
     f = json.loads(out.out)
     assert f["dispatch"] == "per_dc" and f["requests_served_by_dc"]
     assert "a dispatcher per datacenter: requests routed" in out.err
+
+
+def test_the_snapshots_interval_is_a_knob(capsys: pytest.CaptureFixture[str]) -> None:
+    """Published and read every 50 ms, the front door has its first snapshot sooner (fewer requests
+    sent blind) and routes on fresher ones; a bad interval is one sentence and status 2."""
+    base = ["simulate", "--config", str(DEMO), "--no-folder", "--iterations", "3", "--dispatch", "per-dc", "--json"]
+    assert cli_main(base) == 0
+    live = json.loads(capsys.readouterr().out)["requests_routed"]
+    assert cli_main([*base, "--snapshot-every-ms", "50"]) == 0
+    fast = json.loads(capsys.readouterr().out)["requests_routed"]
+    assert 0 < fast["none_fresh"] < live["none_fresh"]
+    assert cli_main([*base, "--snapshot-every-ms", "0"]) == 2
+    assert "interval must be > 0" in capsys.readouterr().err
