@@ -45,6 +45,8 @@ class Admitted(Protocol):
 
 
 class FrontDoor:
+    """The run's front door: `start` begins the arrivals (and, per DC, the reads of the snapshots)."""
+
     def __init__(
         self,
         cfg: ServingConfig,
