@@ -18,8 +18,9 @@ request on the DC that is predicted to finish it soonest, by admission's own ari
   taken to serve at the slowest rate another DC measured. Ranked behind every DC with a rate
   instead, it got no request until its first round was over: the first stages' DC comes round last
   (its first bubble is the first iteration's cool-down), and its bubbles of the second iteration ran
-  63% full where the others' ran 90% (512 GPUs, load 1.0, 2026-12-06). When no DC has a rate,
-  the least queued is taken (placement assumes the bubbles meet the objective then).
+  63% full where the others' ran 90-92% (80% with this rule; 512 GPUs, load 1.0, no objective,
+  2026-12-06). When no DC has a rate, the least queued is taken (placement assumes the bubbles meet
+  the objective then).
 * **Soonest, then least queued, then name**: ties are broken the same way on every front door.
 * **The objective**: the chosen DC must finish the request within the objective less what
   placement keeps (`prompt_placement.kept_s`: the decoder's reserve, or admission's margin). When no
@@ -31,14 +32,15 @@ request on the DC that is predicted to finish it soonest, by admission's own ari
 door routes many requests on the same snapshot; by the snapshot alone every one of them would go to
 the DC that looked emptiest then, and a burst would pile onto it while the others stood idle. So a
 request routed to a DC is added to that DC's queued work (its predicted seconds) in the front door's
-view, until a snapshot published after it was routed replaces the view (that one counts it: it
-reached the dispatcher first, but for one bus hop's worth, which no DC is told twice). And the view
-is aged: what was queued drains at the rate the bubbles serve it (`DcSnapshot.aged`). Counted
-without draining, the work a load sends between two snapshots piled up in the view; at the demo's
-capacity, with a 200 ms objective, the front door refused 48% of the requests sent as none would
-meet it, where one dispatcher refused 21% (`bubbletea simulate --dispatch per-dc`, 2026-12-06). Each
-front door counts only its own requests: with several, each sees the others' only at the next
-snapshot.
+view, until a snapshot published after it was routed replaces the view (that one counts it). A
+request routed within a bus hop before a publish reached its dispatcher after it and is counted by
+neither: a hop's worth of arrivals under-counted, none counted twice. And the view is aged: what
+was queued drains at the rate the bubbles serve it (`DcSnapshot.aged`). Counted without draining,
+the work a load sends between two snapshots piled up in the view: at the demo's capacity, with a
+200 ms objective, 70% of the requests sent were refused, 48% at the front door as no DC would meet
+it (aged: 48%, 19% at the front door), where one dispatcher refused 21% (`bubbletea simulate
+--dispatch per-dc`, 2026-12-06). Each front door counts only its own requests: with several, each
+sees the others' only at the next snapshot.
 
 Tested by tests/unit/test_dc_routing.py; the simulator's per-DC dispatch (`sim/front_door.py`)
 feeds it as the live front door would.
