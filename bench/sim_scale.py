@@ -35,6 +35,7 @@ slowdown < 0.5% at every scale; at 0.8 slowdown < 0.5%; one 8,192-GPU iteration 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config.spec import ClusterSpec, parse_spec
+from sim.dispatchers import DispatchMode
 from sim.output import figures
 from sim.run import RunResult, SimOptions, SimResult, run_off, simulate_on
 from sim.setup import build
@@ -68,10 +70,12 @@ FIGURES = (
     "requests_served",
     "s_per_iter",
     "cpu_s_per_iter",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
 )
 
 
-def scale_spec(gpus: int, fixed_ms: float = 0.5) -> ClusterSpec:
+def scale_spec(gpus: int, fixed_ms: float = 0.5, objective_ms: float | None = None) -> ClusterSpec:
     dp = gpus // (16 * 8)
     raw: dict[str, Any] = {
         "name": f"scale-{gpus}",
@@ -96,6 +100,7 @@ def scale_spec(gpus: int, fixed_ms: float = 0.5) -> ClusterSpec:
         "prefill": {
             "model": {"layers": 32, "d_model": 4096, "heads": 32, "seq_len": 4096, "vocab": 32000},
             "max_prompt_tokens": 2048,
+            **({"ttft_objective_ms": objective_ms} if objective_ms is not None else {}),
         },
     }
     return parse_spec(raw, source=f"scale-{gpus}")
@@ -125,6 +130,12 @@ def one_run(result: SimResult, iterations: int) -> dict[str, Any]:
         "request_rate": f["request_rate"],  # per simulated second: `load` x the capacity
         "requests_sent": f["requests_sent"],
         "requests_served": f["requests_served"],
+        "ttft_p50_ms": f["ttft_p50_ms"] or 0.0,
+        "ttft_p99_ms": f["ttft_p99_ms"] or 0.0,
+        "slo_attainment": f["slo_attainment"],  # answered within the objective, of those sent (None: none)
+        "requests_failed": f["requests_failed"],  # by reason
+        "requests_routed": f["requests_routed"],  # per DC dispatch: by `dc_routing.RouteWhy`
+        "requests_served_by_dc": f["requests_served_by_dc"],
         "events": on.events,
         # what one dispatcher would take in a second of this job (requests, bubble starts and ends,
         # batch reports), against bench/dispatcher.py's inputs per core-second
@@ -134,21 +145,39 @@ def one_run(result: SimResult, iterations: int) -> dict[str, Any]:
     }
 
 
-def sweep_scale(gpus: int, loads: list[float], seeds: list[int], iterations: int, fixed_ms: float) -> dict[str, Any]:
-    """One scale: BubbleTea off once, then on at every load and seed; a point per load (medians)."""
-    setup = build(scale_spec(gpus, fixed_ms))
+def sweep_scale(
+    gpus: int,
+    loads: list[float],
+    seeds: list[int],
+    iterations: int,
+    fixed_ms: float,
+    dispatch: tuple[DispatchMode, ...] = (DispatchMode.ONE,),
+    objective_ms: float | None = None,
+    snapshot_every_ms: float | None = None,
+) -> dict[str, Any]:
+    """One scale: BubbleTea off once, then on at every load, dispatch mode and seed; a point per load
+    and mode (medians)."""
+    setup = build(scale_spec(gpus, fixed_ms, objective_ms))
     off = run_off(setup, iterations)
     base = figures(SimResult(setup, SimOptions(iterations=iterations), off, None, None))
     points = []
-    for load in loads:
+    for load, mode in itertools.product(loads, dispatch):
         runs = []
         for seed in seeds:
-            options = SimOptions(iterations=iterations, input_len=INPUT_LEN, load=load, seed=seed)
+            every = None if snapshot_every_ms is None else snapshot_every_ms / 1000
+            options = SimOptions(
+                iterations=iterations, input_len=INPUT_LEN, load=load, seed=seed, dispatch=mode, snapshot_every_s=every
+            )
             runs.append(one_run(simulate_on(setup, off, options), iterations))
-        point = {"load": load, **{k: _median([r[k] for r in runs]) for k in FIGURES}, "runs": runs}
+        point = {"load": load, "dispatch": mode.value, **{k: _median([r[k] for r in runs]) for k in FIGURES}}
+        attained = [r["slo_attainment"] for r in runs if r["slo_attainment"] is not None]
+        point["slo_attainment"] = _median(attained) if attained else None
+        point["runs"] = runs
         points.append(point)
+        slo = "" if point["slo_attainment"] is None else f", SLO {point['slo_attainment']:.3f} of sent"
         print(
-            f"{gpus:>5} GPUs, load {load:.1f}: utilization {point['utilization']:.3f} (useful "
+            f"{gpus:>5} GPUs, load {load:.1f}, dispatch {mode.value}: TTFT p50 {point['ttft_p50_ms']:.1f} ms p99 "
+            f"{point['ttft_p99_ms']:.1f} ms{slo}; utilization {point['utilization']:.3f} (useful "
             f"{point['useful_utilization']:.3f}), fill {point['fill']:.3f} (useful {point['useful_fill']:.3f}), "
             f"slowdown {point['slowdown_pct']:+.2f}%, overrun p50 {point['overrun_p50_ms']:.2f} ms p99 "
             f"{point['overrun_p99_ms']:.2f} ms, {point['tokens_per_gpu_s']:.0f} prompt tokens/GPU-s; "
@@ -192,6 +221,8 @@ def picture(scales: list[dict[str, Any]], path: Path) -> Path:
 
     fig, (util, slow) = plt.subplots(1, 2, figsize=(10, 4))
     for s in scales:
+        mode = s["points"][0]["dispatch"]  # one line per scale: the first dispatch mode's
+        s = {**s, "points": [p for p in s["points"] if p["dispatch"] == mode]}
         loads = [p["load"] for p in s["points"]]
         line = util.plot(loads, [p["utilization"] for p in s["points"]], "o-", label=f"{s['gpus']:,} GPUs")
         util.plot(
@@ -242,6 +273,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=ITERATIONS, help="simulated iterations per run (default 3)")
     ap.add_argument("--fixed-ms", type=float, default=0.5, help="a prefill block's fixed part, ms (default 0.5)")
     ap.add_argument(
+        "--dispatch",
+        default="one",
+        help="one dispatcher, a dispatcher per datacenter, or both: one, per-dc or one,per-dc (default one)",
+    )
+    ap.add_argument("--ttft-objective-ms", type=float, default=None, help="the requests' TTFT objective (default none)")
+    ap.add_argument(
+        "--snapshot-every-ms",
+        type=float,
+        default=None,
+        help="per DC: how often the dispatchers publish their snapshots and the front door reads them "
+        "(default: the live readiness interval, 250 ms)",
+    )
+    ap.add_argument(
         "--picture",
         type=Path,
         default=None,
@@ -252,7 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     loads = args.loads or ([0.8, 1.2] if args.quick else list(LOADS))
     seeds = args.seeds or ([0] if args.quick else list(SEEDS))
     t0 = time.perf_counter()
-    scales = [sweep_scale(g, loads, seeds, args.iterations, args.fixed_ms) for g in sizes]
+    modes = tuple(DispatchMode(m.strip().replace("-", "_")) for m in args.dispatch.split(",") if m.strip())
+    scales = [
+        sweep_scale(
+            g, loads, seeds, args.iterations, args.fixed_ms, modes, args.ttft_objective_ms, args.snapshot_every_ms
+        )
+        for g in sizes
+    ]
     out: dict[str, Any] = {
         "bench": "sim_scale",
         "clock": "simulated device (figures); host wall and CPU (s_per_iter, cpu_s_per_iter)",
@@ -261,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         "iterations": args.iterations,
         "seeds": seeds,
         "loads": loads,
+        "dispatch": [m.value for m in modes],
+        "ttft_objective_ms": args.ttft_objective_ms,
+        "snapshot_every_ms": args.snapshot_every_ms,
     }
     out.update({f"s_per_iter_{s['gpus']}": max(p["s_per_iter"] for p in s["points"]) for s in scales})
     out.update({f"cpu_s_per_iter_{s['gpus']}": max(p["cpu_s_per_iter"] for p in s["points"]) for s in scales})

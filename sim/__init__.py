@@ -1,7 +1,10 @@
 """The discrete-event simulator: the live system's policies on a virtual clock (docs/simulator.md).
 
     sim.executor   a worker's fill executor (its FillQueue): prefill blocks inside its bubbles
-    sim.serving    the front door, the dispatcher (DispatchState) and the bus between them
+    sim.serving    the serving plane: the workers' executors, the dispatchers and the front door, the bus between them
+    sim.serving_config  what it is configured with
+    sim.dispatchers  one DispatchState for the run, or one per datacenter
+    sim.front_door   admission, placement and (per datacenter) routing of each request
     sim.workload   request arrivals: the load generator's processes or an Azure trace
     sim.setup      a cluster spec read as the simulator's inputs
     sim.run        one simulation: BubbleTea off, then on, and the run's figures

@@ -16,6 +16,7 @@ from shared.config.env_values import objective_ms
 from shared.config.settings import DEFAULT_SPEC
 from shared.config.spec import ClusterSpec, ConfigError, load_spec
 from shared.policies.placement import PlacementError
+from sim.dispatchers import DispatchMode
 from sim.output import figures, lines, write_folder
 from sim.run import SimOptions, simulate
 from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError
@@ -74,6 +75,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prompt tokens the bubbles take at the objective, the rest going to the decoder",
     )
     p.add_argument(
+        "--dispatch",
+        choices=("one", "per-dc"),
+        default="one",
+        help="one dispatcher for the run (default, as live today), or one per datacenter: each owns its DC's "
+        "workers' bubbles, credit and queue, and the front door routes each request to the DC predicted to "
+        "finish it soonest, on the snapshots they publish (shared/policies/dc_routing.py)",
+    )
+    p.add_argument(
+        "--snapshot-every-ms",
+        type=float,
+        metavar="MS",
+        help="with --dispatch per-dc: how often the dispatchers publish their snapshots and the front door reads "
+        "them (default: the live readiness interval, 250 ms)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print the figures as one JSON object on stdout (the human lines go to stderr)",
@@ -104,6 +120,8 @@ def main(args: argparse.Namespace) -> int:
             bus_s=args.bus_ms / 1000,
             bubbletea=not args.off_only,
             max_rate=MAX_DEFAULT_RATE,
+            dispatch=DispatchMode(args.dispatch.replace("-", "_")),
+            snapshot_every_s=None if args.snapshot_every_ms is None else args.snapshot_every_ms / 1000,
         )
         runs = 1 if args.off_only else 2
         with tqdm(total=iterations * runs, unit="it", desc="simulating", leave=False, disable=None) as bar:

@@ -60,6 +60,7 @@ class SimRequest:
     id: str
     tokens: int
     arrival: float
+    dc: str = ""  # the datacenter the front door routed it to (per-DC dispatch); "" with one dispatcher
 
 
 class Host(Protocol):

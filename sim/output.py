@@ -75,6 +75,12 @@ def figures(r: SimResult) -> dict[str, Any]:
         prefill_tokens_per_s=round(s.tokens / on.makespan, 1) if on.makespan > 0 else 0.0,
         prefill_tokens_per_gpu_s=round(s.tokens / on.makespan / gpus, 2) if on.makespan > 0 else 0.0,
         recomputed_share=None if s.recomputed_share is None else round(s.recomputed_share, 4),
+        dispatch=r.setup.serving.dispatch.value,
+        requests_failed=dict(sorted(s.failed.items())),  # by FailureReason (expired is DEADLINE's)
+        # answered within the TTFT objective, of the requests sent (None: no objective)
+        slo_attainment=_attainment(s.ttfts_s, s.sent, r.setup.serving.objective_s),
+        requests_routed=dict(sorted(s.routed.items())),  # per DC dispatch: by `dc_routing.RouteWhy`
+        requests_served_by_dc=dict(sorted(s.answered_in.items())),
         events=events,
         wall_s=round(wall, 3),
         events_per_s=round(events / wall) if wall > 0 else None,
@@ -116,6 +122,10 @@ def lines(r: SimResult, f: dict[str, Any]) -> list[str]:
         f"{f['prefill_tokens_per_s']:.0f} prompt tokens/s",
         f"  {f['events']} events in {f['wall_s']:.2f} s",
     ]
+    if f["dispatch"] == "per_dc":
+        routed = ", ".join(f"{n} {why}" for why, n in f["requests_routed"].items()) or "none"
+        served = ", ".join(f"{n} in {dc}" for dc, n in f["requests_served_by_dc"].items()) or "none"
+        out.insert(-1, f"  a dispatcher per datacenter: requests routed {routed}; served {served}")
     if f["requests_moved"] or s.serving.objective_s is not None:
         share = f["bubble_token_share"]
         objective = "none" if s.serving.objective_s is None else f"{s.serving.objective_s * 1000:g} ms"
@@ -169,6 +179,12 @@ def _run_entry(name: str, label: str, f: dict[str, Any], *, on: bool) -> dict[st
     if on:
         metrics.update(bubble_fill_ratio=f["fill_ratio"], requests_answered=f["requests_served"])
     return {"name": name, "label": label, "metrics": metrics}
+
+
+def _attainment(ttfts_s: list[float], sent: int, objective_s: float | None) -> float | None:
+    if objective_s is None or not sent:
+        return None
+    return round(sum(1 for t in ttfts_s if t <= objective_s) / sent, 4)
 
 
 def _pct(values: list[float], p: float) -> float:

@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shared.config.spec import ClusterSpec
@@ -28,6 +28,7 @@ from shared.figures.training import steady_iteration_s
 from shared.policies.events import EventQueue
 from shared.policies.pipeline_run import PipelineRun, priors
 from shared.policies.spans import Span
+from sim.dispatchers import DispatchMode
 from sim.serving import Serving, ServingStats
 from sim.setup import BUS_S, DEFAULT_FWD_MS, SimError, SimSetup, build
 from sim.workload import Arrivals, generated, replayed
@@ -54,6 +55,8 @@ class SimOptions:
     fwd_ms: float = DEFAULT_FWD_MS
     bus_s: float = BUS_S
     bubbletea: bool = True  # run the second, BubbleTea-on simulation
+    dispatch: DispatchMode = DispatchMode.ONE  # one dispatcher, or one per datacenter (`sim.dispatchers`)
+    snapshot_every_s: float | None = None  # per DC: how often snapshots are published and read (None: live's)
 
 
 @dataclass
@@ -117,6 +120,13 @@ def simulate_on(setup: SimSetup, off: RunResult, options: SimOptions, progress: 
             burstiness=options.burstiness,
             seed=options.seed,
         )
+    serving = replace(setup.serving, dispatch=options.dispatch)
+    if options.snapshot_every_s is not None:
+        if not options.snapshot_every_s > 0:
+            raise SimError(f"the snapshots' interval must be > 0 s, got {options.snapshot_every_s}")
+        serving = replace(serving, snapshot_every_s=options.snapshot_every_s)
+    if serving != setup.serving:
+        setup = replace(setup, serving=serving)
     on = run_on(setup, options.iterations, off.priors, arrivals, progress)
     return SimResult(setup, options, off, on, rate)
 

@@ -1,11 +1,13 @@
-"""The serving plane on the virtual clock: the front door, the dispatcher and every worker's fill executor.
+"""The serving plane on the virtual clock: the front door, the dispatchers and every worker's fill executor.
 
-The dispatcher is the live one's policy object, `DispatchState`, configured from the spec as
+The dispatchers are the live one's policy object, `DispatchState`, configured from the spec as
 services/dispatcher does it, fed the same inputs (requests, bubble starts and ends, reports, a
 50 ms timer) and executed the same way: batches go to the worker's executor, failures are counted
-by reason. Every message crosses the bus with a fixed latency (`bus_s`), as on Redis: bubble events
-and reports to the dispatcher, batches to the worker, answers to the front door. A request's time
-to first token runs from its arrival at the front door to its answer getting back there.
+by reason (`sim.dispatchers`). There is one for the run (`DispatchMode.ONE`, as live today) or one
+per datacenter (`PER_DC`), to which the front door routes each request (`sim.front_door`). Every
+message crosses the bus with a fixed latency (`bus_s`), as on Redis: bubble events and reports to
+the dispatcher, batches to the worker, answers to the front door. A request's time to first token
+runs from its arrival at the front door to its answer getting back there.
 """
 
 from __future__ import annotations
@@ -14,34 +16,15 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from shared.config.spec import BubbleTea
-from shared.policies.decisions import Batch, Decisions
-from shared.policies.dispatch import DispatchState
-from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Progress, Request, WorkerReady
+from shared.policies.decisions import Batch
+from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened, Progress, WorkerReady
 from shared.policies.events import EventQueue
 from shared.policies.fill import FillQueue
-from shared.policies.prefill_cost import PrefillProfile
-from shared.policies.prompt_placement import Mode
 from shared.wire.status import FailureReason
+from sim.dispatchers import Dispatchers
 from sim.executor import Executor, SimRequest
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    workers: tuple[str, ...]  # slot names, "r<replica>s<stage>", indexed like the training slots
-    datacenters: tuple[str, ...]  # each worker's DC (a preempted prefill resumes only in its own)
-    layers: int  # of the served model
-    bubbletea: BubbleTea  # the spec's section: both policies are built from it, as the services build them
-    profile: PrefillProfile
-    free_memory: int  # bytes a worker reports with each bubble
-    kv_bytes: Callable[[int], int]  # a prompt's KV cache size
-    timeout_s: float  # a request's deadline after its arrival
-    max_queue: int  # the front door's admission limit (beyond it: 429)
-    bus_s: float  # one hop over the bus
-    #: a request's TTFT objective after its arrival (`prefill.ttft_objective_ms`), if any
-    objective_s: float | None = None
-    #: where prompts may be computed (`prefill.placement`): the decoder's are counted, not timed
-    placement: Mode = Mode.BUBBLES
+from sim.front_door import FrontDoor
+from sim.serving_config import ServingConfig
 
 
 @dataclass
@@ -66,6 +49,9 @@ class ServingStats:
     refused_s: float = 0.0
     #: per bubble that ran prefill: how long training waited past its input's arrival (seconds)
     overruns_s: list[float] = field(default_factory=list)
+    #: per DC dispatch: how the front door routed requests (`dc_routing.RouteWhy`), and the answers by DC
+    routed: Counter[str] = field(default_factory=Counter)
+    answered_in: Counter[str] = field(default_factory=Counter)
 
     @property
     def worked_share(self) -> float | None:
@@ -86,8 +72,12 @@ class Serving:
     """The `Guest` of `shared.policies.pipeline_run.PipelineRun`."""
 
     def __init__(self, cfg: ServingConfig, queue: EventQueue, arrivals: Iterator[tuple[float, int]]) -> None:
-        self.cfg, self.q, self._arrivals = cfg, queue, arrivals
-        self.state = DispatchState[SimRequest].from_spec(cfg.bubbletea, cfg.layers)
+        self.cfg, self.q = cfg, queue
+        self.stats = ServingStats()
+        self.dispatch = Dispatchers(
+            cfg.dispatch, cfg.workers, cfg.datacenters, cfg.bubbletea, cfg.layers, queue, cfg.bus_s, self.stats
+        )
+        self.dispatch.every_s = cfg.snapshot_every_s
         saved_in: dict[str, str] = {}  # request id -> DC of the state it resumes from
         self.executors = [
             Executor(
@@ -102,20 +92,18 @@ class Serving:
             )
             for w in range(len(cfg.workers))
         ]
+        self.dispatch.executors = self.executors
+        self.front = FrontDoor(cfg, self.dispatch, queue, arrivals, self.stats)
         #: per worker: when its open bubble started, and when its awaited input arrived
         self._opened: dict[int, float] = {}
         self._input_at: dict[int, float] = {}
-        self._index = {name: w for w, name in enumerate(cfg.workers)}
-        self.stats = ServingStats()
         #: (worker, iteration, start, end) of each prefill run; `iteration_of` is training's
         self.spans: list[tuple[int, int, float, float]] = []
         self.iteration_of: Callable[[int], int] = lambda worker: 0
-        self._seq = 0
-        self._moved: set[str] = set()  # requests placed on the decoder (their answer), by id
 
     def start(self) -> None:
-        self._next_arrival()
-        self.q.at(self.state.tick_s, self._tick)
+        self.front.start()
+        self.dispatch.start()
 
     # --- the guest of training -------------------------------------------------------------
 
@@ -135,7 +123,7 @@ class Serving:
             dc=self.cfg.datacenters[worker],
             queued_s=ex.queue.queued_s,
         )
-        self.q.at(now + self.cfg.bus_s, self._on_bubble_start, opened)
+        self.q.at(now + self.cfg.bus_s, self.dispatch.on_bubble_start, opened)
 
     def joined(self, worker: int, typical_s: float, now: float) -> None:
         ready = WorkerReady(
@@ -146,7 +134,7 @@ class Serving:
             at=now,
             dc=self.cfg.datacenters[worker],
         )
-        self.q.at(now + self.cfg.bus_s, self._on_joined, ready)
+        self.q.at(now + self.cfg.bus_s, self.dispatch.on_joined, ready)
 
     def input_arrived(self, worker: int, now: float) -> float:
         self._input_at[worker] = now
@@ -163,98 +151,32 @@ class Serving:
         start = self._opened.pop(worker, now)
         actual = max(0.0, input_at - start)  # start to the input's arrival
         closed = BubbleClosed(self.cfg.workers[worker], (iteration, position), actual, finished, refused)
-        self.q.at(now + self.cfg.bus_s, self._on_bubble_end, closed)
+        self.q.at(now + self.cfg.bus_s, self.dispatch.on_bubble_end, closed)
 
     # --- the host of the executors ---------------------------------------------------------
 
     def report(self, worker: int, batch: Batch[SimRequest], progress: list[Progress], now: float) -> None:
         if not any(p.seconds > 0 for p in progress):
             self.stats.returned += 1
-        self.q.at(now + self.cfg.bus_s, self._on_report, (batch.batch_id, self.cfg.workers[worker], progress))
+        self.q.at(now + self.cfg.bus_s, self.dispatch.on_report, (batch.batch_id, self.cfg.workers[worker], progress))
 
     def answered(self, requests: list[SimRequest], now: float) -> None:
         back = now + self.cfg.bus_s  # the answer's trip to the front door
         for r in requests:
-            if r.id in self._moved:  # moved to the decoder while held on this worker: that was its answer
+            if r.id in self.dispatch.moved:  # moved to the decoder while held on this worker: that was its answer
                 continue
             self.stats.ttfts_s.append(back - r.arrival)
             self.stats.tokens += r.tokens
+            if r.dc:
+                self.stats.answered_in[r.dc] += 1
 
     def late(self, requests: list[SimRequest], now: float) -> None:
         """Failed on a worker that came to them past their due (`fill.late_on_worker`)."""
         for r in requests:
-            if r.id not in self._moved:  # moved to the decoder while held: that was its answer
+            if r.id not in self.dispatch.moved:  # moved to the decoder while held: that was its answer
                 self.stats.failed[FailureReason.DEADLINE.value] += 1
 
     def prefill_span(self, worker: int, start: float, end: float, worked_s: float) -> None:
         self.spans.append((worker, self.iteration_of(worker), start, end))
         self.stats.prefill_s += end - start
         self.stats.worked_s += worked_s
-
-    # --- the dispatcher --------------------------------------------------------------------
-
-    def _on_bubble_start(self, now: float, opened: BubbleOpened) -> None:
-        self._execute(self.state.bubble_start(opened, now), now)
-
-    def _on_joined(self, now: float, ready: WorkerReady) -> None:
-        self._execute(self.state.worker_joined(ready, now), now)
-
-    def _on_bubble_end(self, now: float, closed: BubbleClosed) -> None:
-        self._execute(self.state.bubble_end(closed, now), now)
-
-    def _on_report(self, now: float, arg: tuple[str, str, list[Progress]]) -> None:
-        batch_id, worker, progress = arg
-        self._execute(self.state.report(batch_id, worker, progress, now), now)
-        self.stats.layers_run, self.stats.layers_recomputed = (
-            self.state.counts.layers_run,
-            self.state.counts.layers_recomputed,
-        )
-
-    def _on_request(self, now: float, req: Request[SimRequest]) -> None:
-        self._execute(self.state.add_request(req, now), now)
-
-    def _tick(self, now: float, _: object = None) -> None:
-        self._execute(self.state.tick(now), now)
-        self.q.at(now + self.state.tick_s, self._tick)
-
-    def _execute(self, ds: Decisions[SimRequest], now: float) -> None:
-        for batch in ds.batches:
-            self.stats.batches += 1
-            self.q.at(now + self.cfg.bus_s, self.executors[self._index[batch.worker]].on_batch, batch)
-        for f in ds.failed:
-            self.stats.failed[f.reason.value] += 1
-        for m in ds.moved:  # computed by the decoder: not a failure
-            self._moved.add(m.id)
-            self.stats.moved += 1
-            self.stats.moved_tokens += m.payload.tokens
-
-    # --- the front door --------------------------------------------------------------------
-
-    def _next_arrival(self) -> None:
-        nxt = next(self._arrivals, None)
-        if nxt is not None:
-            self.q.at(max(nxt[0], self.q.now), self._on_arrival, nxt[1])
-
-    def _on_arrival(self, now: float, tokens: int) -> None:
-        self.stats.sent += 1
-        self.stats.offered_tokens += tokens
-        self._seq += 1
-        if self.cfg.placement is Mode.DECODER:  # the bubbles are not used
-            self.stats.moved += 1
-            self.stats.moved_tokens += tokens
-        elif len(self.state.requests) >= self.cfg.max_queue:
-            self.stats.rejected += 1
-        else:
-            rid = f"q{self._seq}"
-            req = Request(
-                id=rid,
-                tokens=tokens,
-                arrival=now,
-                kv_bytes=self.cfg.kv_bytes(tokens),
-                deadline=now + self.cfg.timeout_s,
-                payload=SimRequest(rid, tokens, now),
-                objective=now + self.cfg.objective_s if self.cfg.objective_s is not None else None,
-                may_move=self.cfg.placement is Mode.AUTO,
-            )
-            self.q.at(now + self.cfg.bus_s, self._on_request, req)
-        self._next_arrival()

@@ -18,7 +18,7 @@ from shared.policies.pipeline_model import PipelineInputs
 from shared.policies.pipeline_plan import layers_per_stage, model_inputs, placement_of
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.prompt_placement import mode_of
-from sim.serving import ServingConfig
+from sim.serving_config import ServingConfig
 
 #: The prefill profile of a spec that has none: the demo's (0.25 ms + 8 us per token per layer).
 DEFAULT_PREFILL = PrefillProfile(fixed_s=0.25e-3, per_token_s=8e-6)

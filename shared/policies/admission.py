@@ -111,6 +111,14 @@ def iteration_and_position(tag: object) -> tuple[int, int] | None:
     return None
 
 
+def predicted_finish_s(ahead_s: float, own_s: float, rate: float | None, correction: float = 1.0) -> float | None:
+    """The prediction itself: a request of `own_s` predicted seconds behind `ahead_s` of work,
+    served at `rate` bubble seconds per second, finishes in about this many seconds, times the
+    `correction` of recent waits (`Admission.correction`); None with no rate. `Admission` predicts
+    with it for its one dispatcher, and a front door (`dc_routing`) for each datacenter's."""
+    return (ahead_s + own_s) / rate * correction if rate else None
+
+
 @dataclass
 class Admission:
     window_s: float  # real seconds of bubbles the rate is measured over
@@ -204,14 +212,12 @@ class Admission:
 
     def raw_finish_in(self, ahead_s: float, own_s: float, now: float) -> float | None:
         """`finish_in` before its correction: the work over the bubbles' rate."""
-        rate = self.rate(now)
-        return (ahead_s + own_s) / rate if rate else None
+        return predicted_finish_s(ahead_s, own_s, self.rate(now))
 
     def finish_in(self, ahead_s: float, own_s: float, now: float) -> float | None:
         """When a request of `own_s` predicted seconds, arriving behind `ahead_s`, would finish in
         the bubbles (seconds from `now`); None while there is no rate (see `rate`)."""
-        raw = self.raw_finish_in(ahead_s, own_s, now)
-        return raw * self.correction() if raw is not None else None
+        return predicted_finish_s(ahead_s, own_s, self.rate(now), self.correction())
 
     def refusal(self, ahead_s: float, own_s: float, deadline: float | None, now: float) -> str | None:
         """Why a request of `own_s` predicted seconds, arriving behind `ahead_s`, cannot be served

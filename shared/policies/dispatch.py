@@ -74,6 +74,7 @@ from shared.config.spec import BubbleTea
 from shared.policies import refusals
 from shared.policies.admission import BEST_HALF_LIFE_S, Admission
 from shared.policies.credit_book import CreditBook
+from shared.policies.dc_routing import DcSnapshot
 from shared.policies.decisions import Decisions, Failure, Finished, Ignored, LostBatch, Moved, P, Spent, Trigger
 from shared.policies.dispatch_inputs import (
     BATCH_GRACE_S,
@@ -201,6 +202,9 @@ class DispatchState(Generic[P]):
         """Whether the bubbles' rate is measured (`Admission.came_round`): until then a request with
         a TTFT objective is moved to the decoder, or refused (`prompt_placement.on_arrival`)."""
         return self._admission.came_round(now)
+
+    def snapshot(self, dc: str, ready: bool, now: float) -> DcSnapshot:  # for the front doors: `DcSnapshot.of`
+        return DcSnapshot.of(dc, ready, self._admission, self.room.queued_s + self.book.held_s, self._bubble_seen, now)
 
     def work_for(self, worker: str) -> bool:
         """Whether a bubble of `worker` opening now has work to take, as far as the dispatcher
