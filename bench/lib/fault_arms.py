@@ -19,9 +19,12 @@ import time
 from typing import Any, Protocol
 
 from bubbletea.launcher.procs import Proc
+from shared.bus.streams import parse_id
 from shared.config.spec import ClusterSpec
 from shared.control import serving
-from shared.wire import FIELD, BubbleStart, decode, keys
+from shared.control.health import live_instances
+from shared.control.leases import release_dispatcher_if_held_by
+from shared.wire import FIELD, BubbleStart, PrefillBatch, decode, keys
 
 #: After a fault the run must have gone on without a recovery for this long to count as kept.
 CHECK_AFTER_S = 6.0
@@ -32,6 +35,13 @@ REDIS_DOWN_S, KILL_AFTER_REDIS_S = 2.0, 3.0
 #: A lost host's network comes back this long after it was cut; its worker must be gone within
 #: `EXIT_WITHIN_S` of that (its own Redis retries give up after `RIDE_OUT_S`, 30 s).
 HEAL_AFTER_S, EXIT_WITHIN_S = 10.0, 45.0
+#: The issue's target (66): a killed dispatcher's standby serving within this.
+SERVING_TARGET_S = 2.0
+#: How long a killed dispatcher's lease may stay with it, and its successor take to send a batch,
+#: before the kill counts as never taken over / never served (infinite in the figures).
+TAKEOVER_TIMEOUT_S = 30.0
+#: How often the lease is looked at after a kill (its holder's change has no event to wait on).
+LEASE_POLL_S = 0.01
 
 
 class Live(Protocol):
@@ -45,7 +55,7 @@ class Live(Protocol):
     async def generation(self) -> int: ...
     async def restart_redis(self, down_s: float) -> None: ...
     async def start_worker(self, label: str, *, host: Any = None) -> Proc: ...
-    async def start_dispatcher(self) -> Proc: ...
+    async def start_dispatcher(self, label: str = "dispatcher-second") -> Proc: ...
     async def wait_training_after(self, generation: int, timeout_s: float) -> bool: ...
     def service_pid(self, label: str) -> int: ...
     def label_of(self, pid: int) -> str | None: ...
@@ -70,6 +80,8 @@ class Arm:
     spare = True
     #: One line for `--help` and the docs.
     what = ""
+    #: Why the arm cannot run on a Redis Cluster (`bench/faults.py --redis-cluster`); None: it can.
+    not_on_cluster: str | None = None
 
     async def setup(self, live: Live) -> None:
         """Before the first fault (the run is training and serving)."""
@@ -115,6 +127,7 @@ class LostHost(Arm):
 
     name, expect, spare = "lost-host", "recovered", False  # the host's worker is the spare
     what = "a slot holder in its own network namespace whose packets are all dropped (no FIN)"
+    not_on_cluster = "the host reaches Redis over a link the one redis-server is bound to, not a cluster's nodes"
 
     def __init__(self, host: Any) -> None:
         self.host = host  # built by bench/faults.py before `up` starts: up's workers bind its root end
@@ -217,6 +230,7 @@ class RedisThenKill(Arm):
 
     name, expect = "redis-then-kill", "recovered"
     what = f"Redis killed and restarted ({REDIS_DOWN_S:g} s down), a worker killed {KILL_AFTER_REDIS_S:g} s after"
+    not_on_cluster = "it restarts the one redis-server on its append-only file (a master killed: bench/failover.py)"
 
     async def inject(self, live: Live, i: int) -> dict[str, Any]:
         at, gen, holders = await _before(live)
@@ -254,6 +268,135 @@ class DispatcherStall(Arm):
         after = (await r.get(keys.dispatcher_lease_key(live.run)) or b"").decode()
         record = {"at": at, "generation": gen, "stalled_s": seconds, "leader": leader, "leader_after": after}
         return record | {"taken_over": bool(after) and after != leader} | await _kept(live, gen, holders)
+
+
+class DispatcherKill(Arm):
+    """The run's leading dispatcher SIGKILLed (by its PID, read from the lease's value), a standby
+    beside it (issue 66). Each fault measures, from the kill:
+
+    * `takeover_s`: to the lease held by another dispatcher (`keys.dispatcher_lease_key`, looked at
+      every `LEASE_POLL_S`);
+    * `serving_s`: to the first `PrefillBatch` appended to any of the run's fill streams
+      (`keys.fill_stream`, read by XREAD) after the lease was last seen with the killed one: the
+      new leader's first dispatch, as a worker receives it. Batches are appended by a script that
+      checks the lease first (services/dispatcher/writes.py), so none written after the lease left
+      the killed dispatcher is its. Timed by its entry id (Redis's clock: this host's).
+
+    A dead process's lease is released by its supervisor, who saw it exit: `bubbletea up` does so
+    for its dispatcher (`_Services.buried`), and the bench for the one it started, the same way
+    (`release_dispatcher_if_held_by`, after reaping it); `lease_left_s` records what a death no
+    supervisor saw would wait instead (the lease's TTL left at the kill). Then the next standby:
+    `up` restarts its own dispatcher (`shared.policies.restarts`), and that one stands by; when the
+    killed one was ours, a new one of ours is started. Either way the next kill waits until a live
+    dispatcher other than the leader heartbeats as a standby (`standby_ready_s`)."""
+
+    name = "dispatcher-kill"
+    what = "the leading dispatcher SIGKILLed, a standby beside it"
+
+    async def setup(self, live: Live) -> None:
+        self.ours: Proc | None = await live.start_dispatcher("dispatcher-standby-0")
+        if await _standby(live, killed=None) is None:
+            raise RuntimeError("dispatcher-kill: the second dispatcher never stood by")
+
+    async def inject(self, live: Live, i: int) -> dict[str, Any]:
+        r = live.redis()
+        gen, holders = await live.generation(), await live.holders()
+        key = keys.dispatcher_lease_key(live.run)
+        standby = await _standby(live, killed=None, timeout_s=0.0)
+        leader = (await r.get(key) or b"").decode()
+        left_ms = await r.pttl(key)
+        pid = int(leader.rpartition("-")[2])
+        ours = self.ours if self.ours is not None and self.ours.proc.pid == pid else None
+        os.kill(pid, signal.SIGKILL)
+        at = time.time()
+        record: dict[str, Any] = {"at": at, "generation": gen, "leader": leader, "pid": pid}
+        record |= {"killed": "ours" if ours else "up's", "lease_left_s": round(max(left_ms, 0) / 1000, 3)}
+        held_last = None
+        if ours is not None:  # its supervisor (the bench) saw it die: its lease released, as up does
+            await ours.proc.wait()
+            self.ours, held_last = None, time.time()
+            record["released"] = await release_dispatcher_if_held_by(r, live.run, leader)
+        moved = await _lease_moved(r, key, leader, at, held_last)
+        record |= {k: v for k, v in moved.items() if k != "held_last"}
+        new_pid = int(moved["new_leader"].rpartition("-")[2]) if moved["new_leader"] else None
+        record["by_standby"] = new_pid is not None and new_pid == standby
+        record |= await _first_batch(live, moved["held_last"], at)
+        if ours is not None:  # the killed one was ours: up's leads or stands by; a new one of ours
+            self.ours = await live.start_dispatcher(f"dispatcher-standby-{i + 1}")
+        ready = await _standby(live, killed=pid)
+        record |= {"standby_started": ours is not None, "standby_pid": ready}
+        record["standby_ready_s"] = round(time.time() - at, 2) if ready is not None else None
+        return record | await _kept(live, gen, holders)
+
+
+async def _lease_moved(r: Any, key: str, leader: str, at: float, held_last: float | None) -> dict[str, Any]:
+    """Watch the dispatcher lease after `leader` was killed at `at`: when it was last seen with it
+    (`held_last`, a look's send time; at least `at`), first seen without it (`gone_s`) and first
+    seen with another (`takeover_s`, None: not within `TAKEOVER_TIMEOUT_S`), and who."""
+    last = max(at, held_last or at)
+    gone = None
+    deadline = time.monotonic() + TAKEOVER_TIMEOUT_S
+    while time.monotonic() < deadline:
+        sent = time.time()
+        holder = (await r.get(key) or b"").decode()
+        if holder == leader:
+            last = sent
+        else:
+            gone = gone if gone is not None else sent
+            if holder:
+                return {"held_last": last, "gone_s": round(gone - at, 3), "takeover_s": round(sent - at, 3)} | {
+                    "new_leader": holder
+                }
+        await asyncio.sleep(LEASE_POLL_S)  # a key's value: there is no event to wait on
+    gone_s = round(gone - at, 3) if gone is not None else None
+    return {"held_last": last, "gone_s": gone_s, "takeover_s": None, "new_leader": None}
+
+
+async def _first_batch(live: Live, since: float, at: float) -> dict[str, Any]:
+    """The first PrefillBatch appended to any of the run's fill streams at or after `since` (wall
+    clock), timed from `at` by its entry id; `serving_s` None: none within `TAKEOVER_TIMEOUT_S`."""
+    r = live.redis()
+    par = live.spec.parallelism
+    start = f"{int(since * 1000) - 1}-18446744073709551615"  # every entry from `since`'s millisecond on
+    last = {keys.fill_stream(live.run, d, k): start for d in range(par.dp) for k in range(par.pp)}
+    deadline = time.monotonic() + TAKEOVER_TIMEOUT_S
+    while (left := deadline - time.monotonic()) > 0:
+        got: Any = await r.xread(last, block=max(1, int(min(left, 1.0) * 1000)))
+        found = []
+        for stream, entries in got or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in entries:
+                last[name] = entry_id
+                if isinstance(m := decode(fields[FIELD]), PrefillBatch):
+                    found.append((parse_id(entry_id), m))
+        if found:
+            (ms, _), batch = min(found, key=lambda f: f[0])
+            return {"serving_s": round(ms / 1000 - at, 3), "first_batch": batch.batch_id, "to": batch.worker}
+    return {"serving_s": None, "first_batch": None, "to": None}
+
+
+async def _standby(live: Live, killed: int | None, timeout_s: float = 60.0) -> int | None:
+    """The PID of a live dispatcher standing by (its heartbeat says so, and the lease is another's),
+    not `killed`; None if there is none within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leader = (await live.redis().get(keys.dispatcher_lease_key(live.run)) or b"").decode()
+        leads = leader.rpartition("-")[2]
+        for inst in await live_instances(live.redis(), "dispatcher"):
+            pid = int(inst["pid"])  # (a heartbeat a beat old may say "standby" of the new leader)
+            if inst.get("role") == "standby" and leads.isdigit() and pid not in (killed, int(leads)) and _alive(pid):
+                return pid
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(0.2)  # heartbeats are TTL keys: nothing to wait on but time
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class CancelledFill(Arm):
@@ -316,6 +459,14 @@ def arms(host: Any) -> dict[str, Arm]:
         DuplicateAnswer(),
         RedisThenKill(),
         DispatcherStall(),
+        DispatcherKill(),
         CancelledFill(),
     ]
     return {a.name: a for a in every}
+
+
+def refused_on_cluster(names: list[str]) -> str | None:
+    """Which of the arms `names` cannot run on a Redis Cluster, and why, in one line (None: all can)."""
+    every = arms(None)
+    bad = [f"{n} ({why})" for n in names if n in every and (why := every[n].not_on_cluster)]
+    return f"cannot run on a cluster: {'; '.join(bad)}" if bad else None
