@@ -80,7 +80,8 @@ class Arm:
     spare = True
     #: One line for `--help` and the docs.
     what = ""
-    #: Why the arm cannot run on a Redis Cluster (`bench/faults.py --redis-cluster`); None: it can.
+    #: Why the arm cannot run on a Redis Cluster (`bench/faults.py --redis-cluster`), as "the arm
+    #: ..." goes on; None: it can.
     not_on_cluster: str | None = None
 
     async def setup(self, live: Live) -> None:
@@ -127,7 +128,7 @@ class LostHost(Arm):
 
     name, expect, spare = "lost-host", "recovered", False  # the host's worker is the spare
     what = "a slot holder in its own network namespace whose packets are all dropped (no FIN)"
-    not_on_cluster = "the host reaches Redis over a link the one redis-server is bound to, not a cluster's nodes"
+    not_on_cluster = "puts a worker behind a link the one redis-server listens on, which a cluster's nodes do not"
 
     def __init__(self, host: Any) -> None:
         self.host = host  # built by bench/faults.py before `up` starts: up's workers bind its root end
@@ -230,7 +231,7 @@ class RedisThenKill(Arm):
 
     name, expect = "redis-then-kill", "recovered"
     what = f"Redis killed and restarted ({REDIS_DOWN_S:g} s down), a worker killed {KILL_AFTER_REDIS_S:g} s after"
-    not_on_cluster = "it restarts the one redis-server on its append-only file (a master killed: bench/failover.py)"
+    not_on_cluster = "restarts the one redis-server on its append-only file (a master killed: bench/failover.py)"
 
     async def inject(self, live: Live, i: int) -> dict[str, Any]:
         at, gen, holders = await _before(live)
@@ -468,5 +469,5 @@ def arms(host: Any) -> dict[str, Arm]:
 def refused_on_cluster(names: list[str]) -> str | None:
     """Which of the arms `names` cannot run on a Redis Cluster, and why, in one line (None: all can)."""
     every = arms(None)
-    bad = [f"{n} ({why})" for n in names if n in every and (why := every[n].not_on_cluster)]
-    return f"cannot run on a cluster: {'; '.join(bad)}" if bad else None
+    bad = [f"the {n} arm {why}" for n in names if n in every and (why := every[n].not_on_cluster)]
+    return "; ".join(bad) if bad else None

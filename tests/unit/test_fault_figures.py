@@ -47,4 +47,4 @@ def test_the_arms_that_restart_redis_or_reach_it_from_a_namespace_are_refused_on
     assert fault_arms.refused_on_cluster(["calm", "dispatcher-kill", "dispatcher-stall", "stall-1s"]) is None
     refused = fault_arms.refused_on_cluster(["calm", "lost-host", "redis-then-kill"])
     assert refused is not None and "\n" not in refused
-    assert refused.startswith("cannot run on a cluster: lost-host (") and "; redis-then-kill (" in refused
+    assert refused.startswith("the lost-host arm ") and "; the redis-then-kill arm restarts" in refused
