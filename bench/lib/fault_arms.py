@@ -289,7 +289,8 @@ class DispatcherKill(Arm):
     supervisor saw would wait instead (the lease's TTL left at the kill). Then the next standby:
     `up` restarts its own dispatcher (`shared.policies.restarts`), and that one stands by; when the
     killed one was ours, a new one of ours is started. Either way the next kill waits until a live
-    dispatcher other than the leader heartbeats as a standby (`standby_ready_s`)."""
+    dispatcher other than the leader heartbeats as a standby (`standby_ready_s`: from the kill,
+    first looked at once the first batch was found)."""
 
     name = "dispatcher-kill"
     what = "the leading dispatcher SIGKILLed, a standby beside it"
