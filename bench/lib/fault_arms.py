@@ -18,13 +18,12 @@ import signal
 import time
 from typing import Any, Protocol
 
+from bench.lib import dispatcher_watch as watch
 from bubbletea.launcher.procs import Proc
-from shared.bus.streams import parse_id
 from shared.config.spec import ClusterSpec
 from shared.control import serving
-from shared.control.health import live_instances
 from shared.control.leases import release_dispatcher_if_held_by
-from shared.wire import FIELD, BubbleStart, PrefillBatch, decode, keys
+from shared.wire import FIELD, BubbleStart, decode, keys
 
 #: After a fault the run must have gone on without a recovery for this long to count as kept.
 CHECK_AFTER_S = 6.0
@@ -37,11 +36,6 @@ REDIS_DOWN_S, KILL_AFTER_REDIS_S = 2.0, 3.0
 HEAL_AFTER_S, EXIT_WITHIN_S = 10.0, 45.0
 #: The issue's target (66): a killed dispatcher's standby serving within this.
 SERVING_TARGET_S = 2.0
-#: How long a killed dispatcher's lease may stay with it, and its successor take to send a batch,
-#: before the kill counts as never taken over / never served (infinite in the figures).
-TAKEOVER_TIMEOUT_S = 30.0
-#: How often the lease is looked at after a kill (its holder's change has no event to wait on).
-LEASE_POLL_S = 0.01
 
 
 class Live(Protocol):
@@ -276,7 +270,7 @@ class DispatcherKill(Arm):
     beside it (issue 66). Each fault measures, from the kill:
 
     * `takeover_s`: to the lease held by another dispatcher (`keys.dispatcher_lease_key`, looked at
-      every `LEASE_POLL_S`);
+      every `dispatcher_watch.LEASE_POLL_S`);
     * `serving_s`: to the first `PrefillBatch` appended to any of the run's fill streams
       (`keys.fill_stream`, read by XREAD) after the lease was last seen with the killed one: the
       new leader's first dispatch, as a worker receives it. Batches are appended by a script that
@@ -297,14 +291,14 @@ class DispatcherKill(Arm):
 
     async def setup(self, live: Live) -> None:
         self.ours: Proc | None = await live.start_dispatcher("dispatcher-standby-0")
-        if await _standby(live, killed=None) is None:
+        if await watch.standby(live.redis(), live.run, killed=None) is None:
             raise RuntimeError("dispatcher-kill: the second dispatcher never stood by")
 
     async def inject(self, live: Live, i: int) -> dict[str, Any]:
         r = live.redis()
         gen, holders = await live.generation(), await live.holders()
         key = keys.dispatcher_lease_key(live.run)
-        standby = await _standby(live, killed=None, timeout_s=0.0)
+        standby = await watch.standby(r, live.run, killed=None, timeout_s=0.0)
         leader = (await r.get(key) or b"").decode()
         left_ms = await r.pttl(key)
         pid = int(leader.rpartition("-")[2])
@@ -318,87 +312,18 @@ class DispatcherKill(Arm):
             await ours.proc.wait()
             self.ours, held_last = None, time.time()
             record["released"] = await release_dispatcher_if_held_by(r, live.run, leader)
-        moved = await _lease_moved(r, key, leader, at, held_last)
+        moved = await watch.lease_moved(r, live.run, leader, at, held_last)
         record |= {k: v for k, v in moved.items() if k != "held_last"}
         new_pid = int(moved["new_leader"].rpartition("-")[2]) if moved["new_leader"] else None
         record["by_standby"] = new_pid is not None and new_pid == standby
-        record |= await _first_batch(live, moved["held_last"], at)
+        par = live.spec.parallelism
+        record |= await watch.first_batch(r, live.run, par.pp, par.dp, moved["held_last"], at)
         if ours is not None:  # the killed one was ours: up's leads or stands by; a new one of ours
             self.ours = await live.start_dispatcher(f"dispatcher-standby-{i + 1}")
-        ready = await _standby(live, killed=pid)
+        ready = await watch.standby(r, live.run, killed=pid)
         record |= {"standby_started": ours is not None, "standby_pid": ready}
         record["standby_ready_s"] = round(time.time() - at, 2) if ready is not None else None
         return record | await _kept(live, gen, holders)
-
-
-async def _lease_moved(r: Any, key: str, leader: str, at: float, held_last: float | None) -> dict[str, Any]:
-    """Watch the dispatcher lease after `leader` was killed at `at`: when it was last seen with it
-    (`held_last`, a look's send time; at least `at`), first seen without it (`gone_s`) and first
-    seen with another (`takeover_s`, None: not within `TAKEOVER_TIMEOUT_S`), and who."""
-    last = max(at, held_last or at)
-    gone = None
-    deadline = time.monotonic() + TAKEOVER_TIMEOUT_S
-    while time.monotonic() < deadline:
-        sent = time.time()
-        holder = (await r.get(key) or b"").decode()
-        if holder == leader:
-            last = sent
-        else:
-            gone = gone if gone is not None else sent
-            if holder:
-                return {"held_last": last, "gone_s": round(gone - at, 3), "takeover_s": round(sent - at, 3)} | {
-                    "new_leader": holder
-                }
-        await asyncio.sleep(LEASE_POLL_S)  # a key's value: there is no event to wait on
-    gone_s = round(gone - at, 3) if gone is not None else None
-    return {"held_last": last, "gone_s": gone_s, "takeover_s": None, "new_leader": None}
-
-
-async def _first_batch(live: Live, since: float, at: float) -> dict[str, Any]:
-    """The first PrefillBatch appended to any of the run's fill streams at or after `since` (wall
-    clock), timed from `at` by its entry id; `serving_s` None: none within `TAKEOVER_TIMEOUT_S`."""
-    r = live.redis()
-    par = live.spec.parallelism
-    start = f"{int(since * 1000) - 1}-18446744073709551615"  # every entry from `since`'s millisecond on
-    last = {keys.fill_stream(live.run, d, k): start for d in range(par.dp) for k in range(par.pp)}
-    deadline = time.monotonic() + TAKEOVER_TIMEOUT_S
-    while (left := deadline - time.monotonic()) > 0:
-        got: Any = await r.xread(last, block=max(1, int(min(left, 1.0) * 1000)))
-        found = []
-        for stream, entries in got or []:
-            name = stream.decode() if isinstance(stream, bytes) else stream
-            for entry_id, fields in entries:
-                last[name] = entry_id
-                if isinstance(m := decode(fields[FIELD]), PrefillBatch):
-                    found.append((parse_id(entry_id), m))
-        if found:
-            (ms, _), batch = min(found, key=lambda f: f[0])
-            return {"serving_s": round(ms / 1000 - at, 3), "first_batch": batch.batch_id, "to": batch.worker}
-    return {"serving_s": None, "first_batch": None, "to": None}
-
-
-async def _standby(live: Live, killed: int | None, timeout_s: float = 60.0) -> int | None:
-    """The PID of a live dispatcher standing by (its heartbeat says so, and the lease is another's),
-    not `killed`; None if there is none within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        leader = (await live.redis().get(keys.dispatcher_lease_key(live.run)) or b"").decode()
-        leads = leader.rpartition("-")[2]
-        for inst in await live_instances(live.redis(), "dispatcher"):
-            pid = int(inst["pid"])  # (a heartbeat a beat old may say "standby" of the new leader)
-            if inst.get("role") == "standby" and leads.isdigit() and pid not in (killed, int(leads)) and _alive(pid):
-                return pid
-        if time.monotonic() >= deadline:
-            return None
-        await asyncio.sleep(0.2)  # heartbeats are TTL keys: nothing to wait on but time
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class CancelledFill(Arm):
