@@ -29,7 +29,7 @@ finished ones) and logs each one's why. The simulator feeds it the same inputs f
   worker of that datacenter (a worker elsewhere would compute it again from its prompt).
 * **Admission** (`Admission`): a request arriving behind more prefill than the bubbles serve before
   its deadline (the queue's and all the work held on workers) is refused at once (`OVERLOADED`, a
-  429 with Retry-After), not left to expire in the queue; one a predecessor admitted is not again.
+  429 with Retry-After), not left to expire in the queue; one a predecessor admitted is not judged twice.
 * **Deadlines**: a request past its deadline that is not running in an open bubble is failed
   (`FailureReason.DEADLINE`); one a worker still runs finishes first. One queued on a worker
   carries when it is due (`PrefillItem.due`, its objective or deadline): the worker that comes to
