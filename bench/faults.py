@@ -2,10 +2,13 @@
 live run under load, and what the run did about each.
 
 Every arm is a fresh `bubbletea up` (the demo's spec unless `--config`, PP x DP workers) on a private
-redis-server with an append-only file, with one spare stage worker of our own beside it (started
-as compose or Slurm start theirs: from Redis alone it learns of a slot to take), under the open-loop
-load at `--load` (0.8) of the bubbles' capacity: Poisson arrivals over real HTTP with a TTFT
-objective, as `bench/churn.py` sends them. The arms (`bench/lib/fault_arms.py`):
+redis-server with an append-only file (with `--redis-cluster`: an embedded Redis Cluster of 3
+masters and 3 replicas, `REDIS_URL=redis+cluster://...` for every service, as `bench/failover.py`
+runs; the arms that restart Redis or reach it from a network namespace are refused there), with
+one spare stage worker of our own beside it (started as compose or Slurm start theirs: from Redis
+alone it learns of a slot to take), under the open-loop load at `--load` (0.8) of the bubbles'
+capacity: Poisson arrivals over real HTTP with a TTFT objective, as `bench/churn.py` sends them.
+The arms (`bench/lib/fault_arms.py`):
 
 * `calm`: no fault, the reference every other arm's losses must equal exactly;
 * `stall-0.3s`, `stall-1s`: a slot holder SIGSTOPped, then SIGCONT: it must keep its slot and
@@ -16,6 +19,9 @@ objective, as `bench/churn.py` sends them. The arms (`bench/lib/fault_arms.py`):
 * `duplicate-batch`, `duplicate-answer`: a PrefillBatch, an answer and a prefill report written twice;
 * `redis-then-kill`: Redis killed and restarted on its file, a worker killed 3 s after;
 * `dispatcher-stall`: the dispatcher stopped past the claim time with a second one beside it;
+* `dispatcher-kill`: the leading dispatcher SIGKILLed with a standby beside it: the standby must
+  send its first batch within 2 s (`serving_s`; `takeover_s`: to the lease taken), and schedule
+  nothing twice; `up` restarts its own (the next standby), a killed one of ours is replaced;
 * `cancelled-fill`: a worker killed the moment its neighbour opens a bubble (the neighbour's fill
   is cancelled mid-block).
 
@@ -27,11 +33,13 @@ iterations trained twice; every loss reported against the calm arm's for the sam
 replica, **exactly** (`losses_exact`), and against single-process training of the spec (1e-5);
 "kept" arms: faults after which every slot had the same holder and no recovery ran; "recovered"
 arms: fault to training again (every slot joined a later generation), p50 / p99 / max, a fault
-never recovered counted as infinite ("inf"); `met` says whether the arm did all it must. Clock: the
-host's wall clock, seconds.
+never recovered counted as infinite ("inf"); the dispatcher kill's `takeover_s` and `serving_s`,
+p50 / p99 / max, a kill never taken over or served counted as infinite; `met` says whether the arm
+did all it must. Clock: the host's wall clock, seconds.
 
     python bench/faults.py                       # every arm, 5 faults each
     python bench/faults.py --arms calm,lost-host --faults 3
+    python bench/faults.py --redis-cluster --arms calm,dispatcher-kill
 """
 
 from __future__ import annotations
@@ -64,9 +72,13 @@ from bubbletea.launcher.procs import Proc, spawn, stop_all  # noqa: E402
 from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER  # noqa: E402
 from shared.bus.connection import client_for  # noqa: E402
 from shared.config.spec import load_spec  # noqa: E402
+from shared.runtime.redis_cluster import EmbeddedCluster  # noqa: E402
 from shared.runtime.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from shared.wire import keys  # noqa: E402
 
+#: What the arms run on (`--redis-cluster`), as the JSON line says it.
+REDIS_ONE = "one redis-server, append-only file"
+REDIS_CLUSTER = "embedded cluster, 3 masters + 3 replicas"
 #: Seconds of load before the first fault, and after the last one's planned time.
 WARM_S, TAIL_S = 15.0, 15.0
 #: Seconds between faults: a lost host's fault first puts a worker on the host (a spare started,
@@ -87,7 +99,11 @@ class Run:
         self.api = f"http://127.0.0.1:{self.port}"
         self.redis_dir = folder / "redis"
         self.redis_dir.mkdir(parents=True, exist_ok=True)
-        self.server = EmbeddedRedis(persist=True, data_dir=str(self.redis_dir)).start()
+        self.server: EmbeddedRedis | EmbeddedCluster = (
+            EmbeddedCluster().start()
+            if args.redis_cluster
+            else EmbeddedRedis(persist=True, data_dir=str(self.redis_dir)).start()
+        )
         self.rng = random.Random(args.seed)
         self.up: chaos.Up | None = None
         self.extras: list[Proc] = []
@@ -156,10 +172,10 @@ class Run:
         self.extras.append(p)
         return p
 
-    async def start_dispatcher(self) -> Proc:
+    async def start_dispatcher(self, label: str = "dispatcher-second") -> Proc:
         env = self._env("127.0.0.1", self.plane_host)
-        log = self.run_folder / "logs" / "dispatcher-second.log"
-        p = await spawn(DISPATCHER, env, out=io.StringIO(), quiet=True, log_file=log, label="dispatcher-second")
+        log = self.run_folder / "logs" / f"{label}.log"
+        p = await spawn(DISPATCHER, env, out=io.StringIO(), quiet=True, log_file=log, label=label)
         self.extras.append(p)
         return p
 
@@ -177,6 +193,7 @@ class Run:
         return int(await self.redis().get(keys.generation_key(self.run)) or 0)
 
     async def restart_redis(self, down_s: float) -> None:
+        assert isinstance(self.server, EmbeddedRedis)  # the arm is refused on a cluster (`main`)
         self.server.kill()  # SIGKILL: the append-only file is all that survives
         await asyncio.sleep(down_s)
         port, data = self.server.port, str(self.redis_dir)
@@ -298,6 +315,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps(res), file=sys.stderr, flush=True)
     arms = [r for n, r in results.items() if n != "calm"]
     head = {"bench": "faults", "clock": "host wall", "time_scale_k": k, "rate_rps": round(rate, 3), "load": args.load}
+    head["redis"] = REDIS_CLUSTER if args.redis_cluster else REDIS_ONE
     head |= {"faults_per_arm": args.faults, "folder": str(out)}
     head |= {
         "all_met": all(r["met"] for r in arms) if arms else None,
@@ -317,10 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", default="auto", help="the device time scale k: auto (measured) or a number")
     p.add_argument("--config", type=Path, default=churn.DEFAULT_CONFIG, help="the spec up runs (default: the demo's)")
     p.add_argument("--seed", type=int, default=0, help="the faults' and the load's seed")
+    p.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="run each arm on an embedded Redis Cluster (3 masters, 1 replica each) instead of one redis-server",
+    )
     args = p.parse_args(argv)
     args.arms = arms_of(p, args.arms, tuple(names))
     if args.faults < 1:
         p.error("--faults must be at least 1")
+    if args.redis_cluster and (refused := fault_arms.refused_on_cluster(args.arms)):
+        p.error(f"--redis-cluster: {refused}; leave them out of --arms")
     if "lost-host" in args.arms and (why := lost_host.usable()):
         p.error(f"the lost-host arm cannot run here: {why}; leave it out of --arms")
     if "calm" in args.arms and args.arms[0] != "calm":

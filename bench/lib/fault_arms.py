@@ -18,9 +18,11 @@ import signal
 import time
 from typing import Any, Protocol
 
+from bench.lib import dispatcher_watch as watch
 from bubbletea.launcher.procs import Proc
 from shared.config.spec import ClusterSpec
 from shared.control import serving
+from shared.control.leases import release_dispatcher_if_held_by
 from shared.wire import FIELD, BubbleStart, decode, keys
 
 #: After a fault the run must have gone on without a recovery for this long to count as kept.
@@ -32,6 +34,8 @@ REDIS_DOWN_S, KILL_AFTER_REDIS_S = 2.0, 3.0
 #: A lost host's network comes back this long after it was cut; its worker must be gone within
 #: `EXIT_WITHIN_S` of that (its own Redis retries give up after `RIDE_OUT_S`, 30 s).
 HEAL_AFTER_S, EXIT_WITHIN_S = 10.0, 45.0
+#: The issue's target (66): a killed dispatcher's standby serving within this.
+SERVING_TARGET_S = 2.0
 
 
 class Live(Protocol):
@@ -45,7 +49,7 @@ class Live(Protocol):
     async def generation(self) -> int: ...
     async def restart_redis(self, down_s: float) -> None: ...
     async def start_worker(self, label: str, *, host: Any = None) -> Proc: ...
-    async def start_dispatcher(self) -> Proc: ...
+    async def start_dispatcher(self, label: str = "dispatcher-second") -> Proc: ...
     async def wait_training_after(self, generation: int, timeout_s: float) -> bool: ...
     def service_pid(self, label: str) -> int: ...
     def label_of(self, pid: int) -> str | None: ...
@@ -70,6 +74,9 @@ class Arm:
     spare = True
     #: One line for `--help` and the docs.
     what = ""
+    #: Why the arm cannot run on a Redis Cluster (`bench/faults.py --redis-cluster`), as "the arm
+    #: ..." goes on; None: it can.
+    not_on_cluster: str | None = None
 
     async def setup(self, live: Live) -> None:
         """Before the first fault (the run is training and serving)."""
@@ -115,6 +122,7 @@ class LostHost(Arm):
 
     name, expect, spare = "lost-host", "recovered", False  # the host's worker is the spare
     what = "a slot holder in its own network namespace whose packets are all dropped (no FIN)"
+    not_on_cluster = "puts a worker behind a link the one redis-server listens on, which a cluster's nodes do not"
 
     def __init__(self, host: Any) -> None:
         self.host = host  # built by bench/faults.py before `up` starts: up's workers bind its root end
@@ -217,6 +225,7 @@ class RedisThenKill(Arm):
 
     name, expect = "redis-then-kill", "recovered"
     what = f"Redis killed and restarted ({REDIS_DOWN_S:g} s down), a worker killed {KILL_AFTER_REDIS_S:g} s after"
+    not_on_cluster = "restarts the one redis-server on its append-only file (a master killed: bench/failover.py)"
 
     async def inject(self, live: Live, i: int) -> dict[str, Any]:
         at, gen, holders = await _before(live)
@@ -254,6 +263,67 @@ class DispatcherStall(Arm):
         after = (await r.get(keys.dispatcher_lease_key(live.run)) or b"").decode()
         record = {"at": at, "generation": gen, "stalled_s": seconds, "leader": leader, "leader_after": after}
         return record | {"taken_over": bool(after) and after != leader} | await _kept(live, gen, holders)
+
+
+class DispatcherKill(Arm):
+    """The run's leading dispatcher SIGKILLed (by its PID, read from the lease's value), a standby
+    beside it (issue 66). Each fault measures, from the kill:
+
+    * `takeover_s`: to the lease held by another dispatcher (`keys.dispatcher_lease_key`, looked at
+      every `dispatcher_watch.LEASE_POLL_S`);
+    * `serving_s`: to the first `PrefillBatch` appended to any of the run's fill streams
+      (`keys.fill_stream`, read by XREAD) after the lease was last seen with the killed one: the
+      new leader's first dispatch, as a worker receives it. Batches are appended by a script that
+      checks the lease first (services/dispatcher/writes.py), so none written after the lease left
+      the killed dispatcher is its. Timed by its entry id (Redis's clock: this host's).
+
+    A dead process's lease is released by its supervisor, who saw it exit: `bubbletea up` does so
+    for its dispatcher (`_Services.buried`), and the bench for the one it started, the same way
+    (`release_dispatcher_if_held_by`, after reaping it); `lease_left_s` records what a death no
+    supervisor saw would wait instead (the lease's TTL left at the kill). Then the next standby:
+    `up` restarts its own dispatcher (`shared.policies.restarts`), and that one stands by; when the
+    killed one was ours, a new one of ours is started. Either way the next kill waits until a live
+    dispatcher other than the leader heartbeats as a standby (`standby_ready_s`: from the kill,
+    first looked at once the first batch was found)."""
+
+    name = "dispatcher-kill"
+    what = "the leading dispatcher SIGKILLed, a standby beside it"
+
+    async def setup(self, live: Live) -> None:
+        self.ours: Proc | None = await live.start_dispatcher("dispatcher-standby-0")
+        if await watch.standby(live.redis(), live.run, killed=None) is None:
+            raise RuntimeError("dispatcher-kill: the second dispatcher never stood by")
+
+    async def inject(self, live: Live, i: int) -> dict[str, Any]:
+        r = live.redis()
+        gen, holders = await live.generation(), await live.holders()
+        key = keys.dispatcher_lease_key(live.run)
+        standby = await watch.standby(r, live.run, killed=None, timeout_s=0.0)
+        leader = (await r.get(key) or b"").decode()
+        left_ms = await r.pttl(key)
+        pid = int(leader.rpartition("-")[2])
+        ours = self.ours if self.ours is not None and self.ours.proc.pid == pid else None
+        os.kill(pid, signal.SIGKILL)
+        at = time.time()
+        record: dict[str, Any] = {"at": at, "generation": gen, "leader": leader, "pid": pid}
+        record |= {"killed": "ours" if ours else "up's", "lease_left_s": round(max(left_ms, 0) / 1000, 3)}
+        held_last = None
+        if ours is not None:  # its supervisor (the bench) saw it die: its lease released, as up does
+            await ours.proc.wait()
+            self.ours, held_last = None, time.time()
+            record["released"] = await release_dispatcher_if_held_by(r, live.run, leader)
+        moved = await watch.lease_moved(r, live.run, leader, at, held_last)
+        record |= {k: v for k, v in moved.items() if k != "held_last"}
+        new_pid = int(moved["new_leader"].rpartition("-")[2]) if moved["new_leader"] else None
+        record["by_standby"] = new_pid is not None and new_pid == standby
+        par = live.spec.parallelism
+        record |= await watch.first_batch(r, live.run, par.pp, par.dp, moved["held_last"], at)
+        if ours is not None:  # the killed one was ours: up's leads or stands by; a new one of ours
+            self.ours = await live.start_dispatcher(f"dispatcher-standby-{i + 1}")
+        ready = await watch.standby(r, live.run, killed=pid)
+        record |= {"standby_started": ours is not None, "standby_pid": ready}
+        record["standby_ready_s"] = round(time.time() - at, 2) if ready is not None else None
+        return record | await _kept(live, gen, holders)
 
 
 class CancelledFill(Arm):
@@ -316,6 +386,14 @@ def arms(host: Any) -> dict[str, Arm]:
         DuplicateAnswer(),
         RedisThenKill(),
         DispatcherStall(),
+        DispatcherKill(),
         CancelledFill(),
     ]
     return {a.name: a for a in every}
+
+
+def refused_on_cluster(names: list[str]) -> str | None:
+    """Which of the arms `names` cannot run on a Redis Cluster, and why, in one line (None: all can)."""
+    every = arms(None)
+    bad = [f"the {n} arm {why}" for n in names if n in every and (why := every[n].not_on_cluster)]
+    return "; ".join(bad) if bad else None

@@ -8,6 +8,7 @@ from typing import Any
 
 from bench import chaos
 from bench.lib import churn_figures as figs
+from bench.lib.fault_arms import SERVING_TARGET_S
 from shared.bus.connection import sync_client_for
 from shared.figures.percentiles import percentile
 from shared.wire import FIELD, PrefillBatch, decode, keys
@@ -89,6 +90,8 @@ def figures(
     }
     if arm is not None and arm.expect == "kept":
         out["kept"] = sum(bool(r.get("kept")) for r in records)
+    if arm is not None and arm.name == "dispatcher-kill":
+        out |= kill_figures(records)
     elif arm is not None:
         joined = live.joins()
         backs = [figs.recovered_in(figs.back_after(r["at"], r["generation"], joined, slots)) for r in records]
@@ -96,6 +99,21 @@ def figures(
         for p in (50, 99):
             out[f"back_p{p}_s"] = figs.rounded(percentile(backs, p))
         out["back_max_s"] = figs.rounded(max(backs, default=None))
+    return out
+
+
+def kill_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A dispatcher kill's figures (`fault_arms.DispatcherKill`): kill to the lease taken over
+    (`takeover_s`) and to the new leader's first batch (`serving_s`), p50 / p99 / max, every kill
+    counted (one never taken over or served as infinite); how many the standby took over."""
+    out: dict[str, Any] = {"taken_over": sum(r.get("takeover_s") is not None for r in records)}
+    out["by_standby"] = sum(bool(r.get("by_standby")) for r in records)
+    for figure in ("takeover_s", "serving_s"):
+        values = [figs.recovered_in(r.get(figure)) for r in records]
+        out[figure] = [figs.rounded(v) for v in values]
+        for p in (50, 99):
+            out[f"{figure[:-2]}_p{p}_s"] = figs.rounded(percentile(values, p))
+        out[f"{figure[:-2]}_max_s"] = figs.rounded(max(values, default=None))
     return out
 
 
@@ -119,6 +137,10 @@ def verdict(res: dict[str, Any], faults: int) -> dict[str, Any]:
         why.append(f"{faults - res['recovered']} of {faults} faults never recovered")
     if res["arm"] == "dispatcher-stall" and (stayed := sum(not r.get("taken_over") for r in res["records"])):
         why.append(f"{stayed} stalls the standby dispatcher did not take over")
+    if res["arm"] == "dispatcher-kill":
+        slow = [v for v in res["serving_s"] if v == "inf" or v >= SERVING_TARGET_S]
+        if slow:
+            why.append(f"{len(slow)} of {faults} kills not served by a new leader within {SERVING_TARGET_S:g} s")
     if res["arm"] == "lost-host":
         limit = keys.LEASE_TTL_MS / 1000 + 2
         slow = [r for r in res["records"] if r.get("taken_s") is None or r["taken_s"] > limit]

@@ -137,10 +137,9 @@ class Dispatcher:
         assert isinstance(req, PrefillRequest)
         if keys.hash_tag(req.reply_to) != self.run:  # no front door of the run reads there: never answerable
             raise Reject(f"request {req.id} asks for its answer on {req.reply_to!r}, outside run {self.run}'s streams")
-        if d.attempt > 1:  # delivered again (a restart, a reclaim): it may have been answered meanwhile
-            found = await serving.lookup(self.bus.redis, self.run, req.id)
-            if found is not None and found.status is not RequestStatus.QUEUED:
-                return None  # answered before: ack
+        found = await serving.lookup(self.bus.redis, self.run, req.id) if d.attempt > 1 else None
+        if found is not None and found.status is not RequestStatus.QUEUED:  # delivered again, answered meanwhile
+            return None  # ack
         self._arriving.append(
             Request(
                 id=req.id,
@@ -153,6 +152,7 @@ class Dispatcher:
                 objective=req.objective,
                 may_move=req.may_move,
                 decoder_s=req.decoder_s,
+                admitted=found is not None,  # delivered again (a restart, a takeover), queued: admitted then
             )
         )
         return HOLD  # acked once answered or failed

@@ -27,9 +27,9 @@ finished ones) and logs each one's why. The simulator feeds it the same inputs f
   reached) or out (answered); what a worker could not finish is queued again at its resume point.
   Its saved state stays with the worker that saved it, so for `RESUME_WAIT_S` it waits for a
   worker of that datacenter (a worker elsewhere would compute it again from its prompt).
-* **Admission** (`Admission`): a request that arrives behind more prefill than the bubbles serve
-  before its deadline (the queue's and all the work held on workers) is refused at once
-  (`FailureReason.OVERLOADED`, a 429 with Retry-After), not left to expire in the queue.
+* **Admission** (`Admission`): a request arriving behind more prefill than the bubbles serve before
+  its deadline (the queue's and all the work held on workers) is refused at once (`OVERLOADED`, a
+  429 with Retry-After), not left to expire in the queue; one a predecessor admitted is not judged twice.
 * **Deadlines**: a request past its deadline that is not running in an open bubble is failed
   (`FailureReason.DEADLINE`); one a worker still runs finishes first. One queued on a worker
   carries when it is due (`PrefillItem.due`, its objective or deadline): the worker that comes to
@@ -247,7 +247,7 @@ class DispatchState(Generic[P]):
                 continue
             if (held := self.book.claim(req.id)) is not None:  # already on a worker (`adopt`)
                 req.on_worker, req.next_layer = held
-            if self.enabled and req.on_worker is None and req.next_layer == 0:
+            if self.enabled and req.on_worker is None and req.next_layer == 0 and not req.admitted:
                 turned = refusals.on_arrival(req, self.room, self.book.held_s, self._admission, self._bubble_seen, now)
                 if isinstance(turned, Moved):  # to the decoder
                     self.counts.moved += 1

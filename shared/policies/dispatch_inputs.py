@@ -75,6 +75,12 @@ class Request(Generic[P]):
     #: admission's uncorrected prediction of its wait, from its arrival to its answer (None: none
     #: was made); its real wait corrects the next predictions (`Admission.waited`)
     predicted_wait_s: float | None = None
+    #: a dispatcher before this one held it, still queued (delivered again after a takeover or a
+    #: restart): it was admitted then (or was in the read it was judging as it died), and is not
+    #: judged again on arrival; its objective still fails it if the bubbles do not reach it in time.
+    #: A new leader measures the bubbles' rate afresh, and judged again it was refused (a 429 for
+    #: a request accepted) until the pipeline came round once (`Admission.came_round`)
+    admitted: bool = False
 
     @property
     def due(self) -> float | None:

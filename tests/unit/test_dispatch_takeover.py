@@ -2,8 +2,9 @@
 workers still hold are counted, in credit and in flight, and their requests, delivered to it again,
 are not sent a second time. A fake clock drives it; nothing needs Redis."""
 
-from shared.policies.dispatch_inputs import BATCH_GRACE_S, Adopted, Progress
+from shared.policies.dispatch_inputs import BATCH_GRACE_S, Adopted, Progress, Request
 from shared.policies.fill import HOLD_STAGED_S
+from shared.wire.status import FailureReason
 from tests.unit.test_dispatch import LAYERS, finished, ids, join, one, req, start, state
 
 #: a batch "old-1" the previous dispatcher sent to w0: r1 from its start, r2 resumed at layer 2
@@ -58,3 +59,19 @@ def test_a_batch_adopted_twice_counts_once() -> None:
     s.adopt(HELD, now=0.0)
     assert s.adopt(HELD, now=0.0).ignored
     assert s.workers["w0"].held_s == 0.015
+
+
+def test_a_request_its_predecessor_held_queued_is_not_judged_again_before_the_pipeline_came_round() -> None:
+    """A dispatcher taking over measures the bubbles' rate afresh: until the pipeline has come round
+    once it refuses (429) a request with an objective arriving. One its predecessor admitted and
+    held, delivered to it again still queued (`admitted`), is not judged again: it goes to a worker
+    with room at once (before: refused, though accepted, and the new leader sent no batch until the
+    pipeline came round, 1.3-1.8 s after taking over; bench/faults.py dispatcher-kill, 2026-12-06)."""
+    s = state()
+    start(s, "w0", 0.05, now=10.0, tag=(7, 1))  # a bubble opens as it takes over: room, no rate yet
+    assert not s.came_round(10.0)
+    fresh = Request("new", 10, 10.0, 100, deadline=70.0, objective=10.5, ticket="t-new", payload=None)
+    held = Request("held", 10, 9.5, 100, deadline=69.5, objective=10.5, ticket="t-held", payload=None, admitted=True)
+    ds = s.add_requests([held, fresh], now=10.0)
+    assert [(f.id, f.reason) for f in ds.failed] == [("new", FailureReason.OVERLOADED)]
+    assert ids(one(ds)) == ["held"] and s.requests["held"].on_worker == "w0"
