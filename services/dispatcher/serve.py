@@ -15,7 +15,8 @@ deposed leader stops its consumers at once, withdraws its readiness and waits as
 and a standby beside the leader is what takes over). A stopping leader hands the lease over. A
 process that leads again (its lease lapsed in a Redis outage, a master's failover: no other took it)
 keeps what it measured of the bubbles' rate (`DispatchState.carry_admission`): a fresh measurement
-would refuse every request with an objective until every worker came round again.
+would refuse every request with an objective until every worker came round again. A process that
+takes the lease from another starts from the rate its predecessor published (`takeover.measurement`).
 
 Tested by: tests/integration/test_dispatcher_leadership.py, tests/integration/test_service_metrics.py.
 """
@@ -31,7 +32,15 @@ import time
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from services.dispatcher.lease import DispatcherLease
 from services.dispatcher.metrics import DispatcherMetrics
-from services.dispatcher.takeover import SWEEP_EVERY_S, adopted, claim, held_batches, sweep
+from services.dispatcher.takeover import (
+    SWEEP_EVERY_S,
+    adopted,
+    claim,
+    held_batches,
+    measurement,
+    publish_measurement,
+    sweep,
+)
 from shared.bus import Bus
 from shared.bus.connection import TRANSIENT_ERRORS, Outage, sleep_unless
 from shared.bus.consumer import AfterRead, Consumer
@@ -87,6 +96,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 term[:] = [Dispatcher(bus, spec, run, settings.time_scale, lease=lease, metrics=metrics)]
                 if last is not None:  # the bubbles' rate this process measured (a failover's lapse)
                     term[0].state.carry_admission(last)
+                elif (measured := await measurement(bus.redis, run)) is not None:  # its predecessor's
+                    term[0].state.carry_admission(measured)
+                    log.info("the last leader's measurement taken over", rate=measured.rate, at=measured.at)
                 try:
                     await lead(term[0], stop)
                 finally:
@@ -177,6 +189,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + serving.READINESS_EVERY_S
                     await d.check_readiness()
+                    await publish_measurement(bus.redis, run, d.state)
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + SWEEP_EVERY_S
                     await sweep(consumers)

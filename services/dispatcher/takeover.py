@@ -12,6 +12,11 @@
   `bus.claim_idle_ms` (a report unread, its batch then taken for lost and its requests sent again).
   The leader moves any entry pending on another consumer to itself every `SWEEP_EVERY_S` and
   re-reads its own pending entries.
+* **What they measured** (`measurement`): the leader publishes its bubbles' rate and the
+  correction of its predictions (`publish_measurement`, every `serving.READINESS_EVERY_S`, kept
+  `keys.DISPATCHER_MEASURED_TTL_S`); a new leader in another process starts from it
+  (`DispatchState.carry_admission`) until its own first round is measured. Measuring afresh, it
+  refused every new request with an objective (a 429) for about an iteration after each takeover.
 * **Their batches on the workers** (`held_batches`): a worker acks a fill stream's entry only once
   its batch is answered and reported, so the entries its group has not acked (pending, or not read
   yet) are the batches it holds. The term adopts them (`DispatchState.adopt`): their requests,
@@ -22,15 +27,19 @@ Tested by: tests/integration/test_dispatcher_leadership.py, tests/unit/test_disp
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared.bus.connection import ride_out
+from shared.bus.connection import TRANSIENT_ERRORS, ride_out
 from shared.bus.consumer import Consumer
 from shared.bus.streams import claim_all, claim_strays, parse_id
 from shared.config.model_info import ModelInfo
+from shared.policies.dc_routing import DcSnapshot
+from shared.policies.dispatch import DispatchState
 from shared.policies.dispatch_inputs import Adopted
 from shared.runtime.logs import get_logger
 from shared.wire import FIELD, PrefillBatch, WireError, decode, keys
@@ -62,6 +71,29 @@ async def sweep(consumers: list[Consumer]) -> int:
                 moved=moved,
             )
     return total
+
+
+async def publish_measurement(r: Redis, run: str, state: DispatchState[Any]) -> None:
+    """The leader's measurement of the bubbles, for a leader after it (once it is measured)."""
+    now = time.time()
+    if state.came_round(now):
+        snap = state.snapshot("", True, now)
+        await r.set(keys.dispatcher_measured_key(run), msgspec.json.encode(snap), ex=keys.DISPATCHER_MEASURED_TTL_S)
+
+
+async def measurement(r: Redis, run: str) -> DcSnapshot | None:
+    """What the run's last leader measured of the bubbles (None: none within the TTL, unreadable,
+    or Redis away: this term measures afresh)."""
+    try:
+        raw: Any = await r.get(keys.dispatcher_measured_key(run))
+    except TRANSIENT_ERRORS as exc:
+        log.warning("the last leader's measurement not read", run=run, error=repr(exc))
+        return None
+    try:
+        return msgspec.json.decode(raw, type=DcSnapshot) if raw is not None else None
+    except msgspec.DecodeError as exc:  # (a ValidationError too)
+        log.warning("the last leader's measurement unreadable", run=run, error=repr(exc))
+        return None
 
 
 async def held_batches(r: Redis, run: str, pp: int, dp: int) -> list[tuple[str, PrefillBatch]]:

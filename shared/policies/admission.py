@@ -141,6 +141,8 @@ class Admission:
     #: the recent real waits over the uncorrected predicted ones (`waited`)
     _ratios: Recent = field(default_factory=lambda: Recent(CORRECTION_WINDOW, CORRECTION_QUANTILE))
     _correction: float = 1.0  # from `_ratios`, kept as they change: every arrival reads it
+    #: a predecessor's rate (`seed`), used until this one's own first round is measured
+    _seed_rate: float | None = None
 
     def bubble(self, started: float, usable_s: float, worker: str = "", tag: object = None) -> None:
         """A bubble of `worker` that opened at `started` (its `tag`, as the workers send it)
@@ -179,18 +181,29 @@ class Admission:
         return self._rounds_sum
 
     def came_round(self, now: float) -> bool:
-        """Whether the rate is measured: every worker came round once, or a whole window passed."""
-        return self._whole_window(now) or self._first_round_rate() is not None
+        """Whether the rate is measured: every worker came round once, or a whole window passed,
+        or a predecessor's measurement was taken over (`seed`)."""
+        return self._whole_window(now) or self._first_round_rate() is not None or self._seed_rate is not None
+
+    def seed(self, rate: float, correction: float) -> None:
+        """Start from what another dispatcher measured of the same pipeline (its leader before this
+        one): its `rate`, until this one's own first round is measured, and its `correction`, until
+        this one's own waits say otherwise. A new leader otherwise refused every request with an
+        objective until every worker had come round once (about an iteration)."""
+        self._seed_rate = rate if rate > 0 else None
+        if self._ratios.quantile() is None:  # no wait of its own seen yet
+            self._correction = min(MAX_CORRECTION, max(1.0, correction))
 
     def rate(self, now: float) -> float | None:
         """Usable bubble seconds per second (see the module docstring): over the first round until a
         whole window was seen; None before that round or when no bubble came in the window."""
         while self._bubbles and self._bubbles[0][0] < now - self.window_s:
             self._usable_s -= self._bubbles.popleft()[1]
-        if self._first is None or not self._bubbles:
+        if not self._whole_window(now):  # the first round's; a predecessor's until that is over
+            own = self._first_round_rate() if self._bubbles else None
+            return own if own is not None else self._seed_rate
+        if not self._bubbles:
             return None
-        if not self._whole_window(now):
-            return self._first_round_rate()
         rate = max(0.0, self._usable_s) / self.window_s
         best = self._best * 0.5 ** (max(0.0, now - self._best_at) / self.best_half_life_s)
         if rate >= best:

@@ -58,10 +58,8 @@ each worker's credit, the batches it holds, the index of the workers with room) 
 (`waiting_room.WaitingRoom`: every known request, the queue of those waiting); its entry points
 feed them, a fill pass (`handout.Handout`) packs the room into the roomiest workers' credit, and
 `refusals` says how a request leaves unanswered. Its inputs and tables are `dispatch_inputs.py`.
-**Cost at scale**: a trigger visits only the workers with room
-(`dispatch_index.CreditIndex`) and packing reads the head of a queue kept in packing order
-(`packing.WaitingQueue`).
-"""
+**Cost at scale**: a trigger visits only the workers with room (`dispatch_index.CreditIndex`) and
+packing reads the head of a queue kept in packing order (`packing.WaitingQueue`)."""
 
 from __future__ import annotations
 
@@ -191,12 +189,14 @@ class DispatchState(Generic[P]):
         """How often the service should call `tick` (real s)."""
         return TICK_S * self.time_scale
 
-    def carry_admission(self, before: DispatchState[P]) -> None:
-        """Take over what `before` (this process's last term) measured of the bubbles' rate. A
-        term that ends because the lease lapsed in a Redis outage (a master's failover) and begins
-        again seconds later serves the same run's pipeline: without this, it refused every request
-        with an objective until every worker had come round again (`came_round`)."""
-        self._admission = before._admission
+    def carry_admission(self, before: DispatchState[P] | DcSnapshot) -> None:
+        """Start from what was measured of the bubbles: all of `before`'s, this process's last term
+        (its lease lapsed in a failover), or a predecessor's published rate (`Admission.seed`); not
+        to refuse every request with an objective until every worker came round (`came_round`)."""
+        if not isinstance(before, DcSnapshot):
+            self._admission = before._admission
+        elif before.rate:
+            self._admission.seed(before.rate, before.correction)
 
     def came_round(self, now: float) -> bool:
         """Whether the bubbles' rate is measured (`Admission.came_round`): until then a request with

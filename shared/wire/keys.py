@@ -287,6 +287,18 @@ def dispatcher_lease_key(run: str) -> str:
     return f"{_of(run)}:dispatcher"
 
 
+def dispatcher_measured_key(run: str) -> str:
+    """What the run's leading dispatcher measured of the bubbles (its rate and the correction of
+    its predictions: `shared.policies.dc_routing.DcSnapshot`, JSON), rewritten as it leads: a
+    dispatcher that takes the lease over from another process starts from it."""
+    return f"{_of(run)}:dispatcher:measured"
+
+
+#: A measurement not rewritten for this long is not taken over: its dispatcher has been gone for
+#: many iterations of any pipeline, and what it measured may no longer be the pipeline's.
+DISPATCHER_MEASURED_TTL_S = 30
+
+
 #: The dispatcher's lease lives and is renewed as a worker's does: a dead or stalled leader is
 #: replaced within 3 s, and two missed renewals (a long GC pause, a slow Redis) are survived. A
 #: stopping leader deletes it, so its successor takes over at once.

@@ -25,7 +25,7 @@ from bubbletea.launcher.procs import Proc, spawn
 from bubbletea.launcher.services import DISPATCHER
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from services.dispatcher.lease import DispatcherLease
-from services.dispatcher.takeover import SWEEP_EVERY_S
+from services.dispatcher.takeover import SWEEP_EVERY_S, measurement, publish_measurement
 from shared.bus import Bus, Delivery
 from shared.bus.streams import claim_all
 from shared.config.settings import load_settings
@@ -33,7 +33,10 @@ from shared.config.spec import BusConfig
 from shared.control import serving
 from shared.control.leases import release_dispatcher_if_held_by
 from shared.model.shape import model_info
+from shared.policies.dispatch import DispatchState
+from shared.policies.dispatch_inputs import BubbleClosed, BubbleOpened
 from shared.policies.leadership import Move
+from shared.policies.prefill_cost import PrefillCostModel
 from shared.wire import (
     FIELD,
     PrefillBatch,
@@ -405,3 +408,24 @@ async def test_what_a_deposed_leader_holds_after_the_takeover_is_taken_over_with
         assert "took over entries another dispatcher read" in ds.log(a)
     finally:
         await ds.stop()
+
+
+async def test_the_leaders_measurement_is_published_for_the_next_leader_once_measured(redis: Redis) -> None:
+    """`publish_measurement` writes nothing before the pipeline came round, then the rate a new
+    leader starts from (`measurement`), with its TTL; an unreadable record is not taken over."""
+    run = f"measured-{time.time_ns()}"
+    state = DispatchState[Any](layers=4, max_batch=8, cost=PrefillCostModel(prior=[(10, 0.01), (1000, 1.0)]))
+    await publish_measurement(redis, run, state)
+    assert await measurement(redis, run) is None  # nothing measured yet: nothing published
+    now = time.time()
+    for i in range(3):
+        for w in ("w0", "w1"):
+            at = now - 0.3 + i * 0.1
+            state.bubble_start(BubbleOpened(w, f"fill:{w}", 0.02, 0, started=at, tag=(i, 1)), at)
+            state.bubble_end(BubbleClosed(w, (i, 1), 0.03), now=at)
+    await publish_measurement(redis, run, state)
+    got = await measurement(redis, run)
+    assert got is not None and got.rate == pytest.approx(0.6) and got.came_round
+    assert 0 < await redis.ttl(keys.dispatcher_measured_key(run)) <= keys.DISPATCHER_MEASURED_TTL_S
+    await redis.set(keys.dispatcher_measured_key(run), b"not json")
+    assert await measurement(redis, run) is None

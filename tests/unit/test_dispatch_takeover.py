@@ -2,6 +2,10 @@
 workers still hold are counted, in credit and in flight, and their requests, delivered to it again,
 are not sent a second time. A fake clock drives it; nothing needs Redis."""
 
+import pytest
+
+from shared.policies.admission import MAX_CORRECTION, Admission
+from shared.policies.dc_routing import DcSnapshot
 from shared.policies.dispatch_inputs import BATCH_GRACE_S, Adopted, Progress, Request
 from shared.policies.fill import HOLD_STAGED_S
 from shared.wire.status import FailureReason
@@ -75,3 +79,31 @@ def test_a_request_its_predecessor_held_queued_is_not_judged_again_before_the_pi
     ds = s.add_requests([held, fresh], now=10.0)
     assert [(f.id, f.reason) for f in ds.failed] == [("new", FailureReason.OVERLOADED)]
     assert ids(one(ds)) == ["held"] and s.requests["held"].on_worker == "w0"
+
+
+def test_a_new_leader_that_took_over_its_predecessors_measurement_admits_before_the_pipeline_came_round() -> None:
+    """A leader in another process starts from the rate its predecessor published (`carry_admission`
+    of its `DcSnapshot`): a request with an objective arriving before this one's pipeline came round
+    is judged on that rate and sent (before: refused, 429, for about an iteration after each
+    takeover; bench/faults.py dispatcher-kill, 2026-12-06). A published snapshot without a rate
+    changes nothing."""
+    s = state()
+    start(s, "w0", 0.05, now=10.0, tag=(7, 1))
+    s.carry_admission(DcSnapshot("", True, 0.0, None, 9.9))  # nothing measured: nothing taken over
+    assert not s.came_round(10.0)
+    s.carry_admission(DcSnapshot("", True, 0.0, 0.5, 9.9, correction=1.2))
+    assert s.came_round(10.0) and s._admission.rate(10.0) == 0.5 and s._admission.correction() == 1.2
+    fresh = Request("new", 10, 10.0, 100, deadline=70.0, objective=10.5, ticket="t-new", payload=None)
+    ds = s.add_requests([fresh], now=10.0)
+    assert not ds.failed and ids(one(ds)) == ["new"]
+
+
+def test_a_taken_over_rate_stands_until_the_leaders_own_first_round_is_measured() -> None:
+    """The predecessor's rate is used until every worker came round once under this leader; then
+    its own (a pipeline that changed in between is measured again within an iteration)."""
+    a = Admission(window_s=1e9)
+    a.seed(0.9, 3.0)
+    assert a.rate(0.0) == 0.9 and a.correction() == MAX_CORRECTION  # a correction is capped as its own
+    for i in range(3):
+        a.bubble(i * 0.1, 0.02, "w0", (i, 1))
+        assert a.rate(i * 0.1) == (0.9 if i < 1 else pytest.approx(0.2))
