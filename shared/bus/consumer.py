@@ -251,9 +251,9 @@ class Consumer:
                 await self._slot_freed.wait()
                 continue
             try:
-                reply = await self._read(cursor, free)
+                cursor = await self._read_and_hand_out(cursor, free)
                 failures = 0
-            except TRANSIENT_ERRORS as exc:  # includes TimeoutError (an OSError) from asyncio.timeout
+            except TRANSIENT_ERRORS as exc:  # the read, or a call after it (the fence, the delivery counts)
                 if self._stopping:
                     return
                 failures += 1
@@ -264,25 +264,29 @@ class Consumer:
                 )
                 await asyncio.sleep(delay)
                 cursor = "0"  # a reply may have been lost in flight: re-read our pending entries
-                continue
             except ResponseError as exc:
                 if not group_is_gone(exc):
                     raise
                 log.warning("consumer group missing (Redis restarted?); recreating", stream=self.stream)
-                await ensure_group(self.bus.redis, self.stream, self.group)
                 cursor = "0"
-                continue
-            entries: list[tuple[bytes, dict[bytes, bytes] | None]] = reply[0][1] if reply else []
-            if entries and self._fence is not None:
-                await self._fence()  # a stale reader (its slot another's) must not handle them
-            if cursor == ">":
-                self._spawn_all([(i.decode(), f, 1) for i, f in entries])
-                continue
-            if not entries:
-                cursor = ">"
-                continue
-            cursor = entries[-1][0].decode()
-            await self._spawn_redelivered(entries)
+                with contextlib.suppress(*TRANSIENT_ERRORS):  # else the next read fails, and backs off
+                    await ensure_group(self.bus.redis, self.stream, self.group)
+
+    async def _read_and_hand_out(self, cursor: str, free: int) -> str:
+        """One read at `cursor` and its entries handed to handlers; the next cursor. Every Redis call
+        here (the read, the fence, the delivery counts of entries read again) may fail on the
+        connection (a master's failover): the loop then backs off and re-reads its own pending."""
+        reply = await self._read(cursor, free)
+        entries: list[tuple[bytes, dict[bytes, bytes] | None]] = reply[0][1] if reply else []
+        if entries and self._fence is not None:
+            await self._fence()  # a stale reader (its slot another's) must not handle them
+        if cursor == ">":
+            self._spawn_all([(i.decode(), f, 1) for i, f in entries])
+            return ">"
+        if not entries:
+            return ">"
+        await self._spawn_redelivered(entries)
+        return entries[-1][0].decode()
 
     async def _take_over(self, claimed: Entries) -> None:
         """Handle entries the reclaim loop took over from the group (idle too long elsewhere)."""

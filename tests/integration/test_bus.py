@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.bus import HOLD, Bus, Delivery, Outcome, trim_acked
 from shared.bus.consumer import Consumer
@@ -586,3 +587,25 @@ async def test_a_consumer_whose_fence_fails_hands_nothing_to_its_handlers(redis_
         assert isinstance(c.error, Stale)
     assert sorted(seen.calls) == [0, 1, 2]  # nothing read after the fence failed was handled
     assert await pending_count(redis, "f", "g") >= 1  # what it read stays pending, for the holder
+
+
+async def test_a_connection_lost_between_a_read_and_its_hand_out_is_ridden_out(redis_url: str, redis: Redis) -> None:
+    """The read succeeded, then a call it makes before handing the entries out (the fence's lease
+    check, the delivery counts of entries read again) fails on the connection, as in a master's
+    failover: the consumer backs off and re-reads its own pending entries, it does not crash (a
+    failover run saw the read loop of a worker and of the WAN broker die so, and the services exit).
+    The fence here fails as its Redis call would: once, with redis-py's ConnectionError."""
+    seen, failed = Seen(), asyncio.Event()
+
+    async def fence() -> None:
+        if not failed.is_set():
+            failed.set()
+            raise RedisConnectionError("Error 111 connecting to the old master. Connection refused.")
+
+    async with Bus(redis_url, FAST) as bus, bus.consumer("f", "g", {Ping: seen}, fence=fence) as c:
+        await bus.publish_many("f", pings(5))
+        await seen.until(5)
+        assert not c.crashed.is_set() and c.error is None
+        assert c.stats.reconnects >= 1
+    assert sorted(seen.calls) == list(range(5))
+    assert await pending_count(redis, "f", "g") == 0
