@@ -70,6 +70,9 @@ class DispatcherLease:
         self.policy = Leadership(me, ttl_s=ttl_ms / 1000, renew_every_s=renew_every_s)
         self.leading = asyncio.Event()  # set while this dispatcher leads
         self.deposed = asyncio.Event()  # set when it stops leading, until it leads again
+        #: how many times it began to lead: a term that began at another count was deposed since,
+        #: though `deposed` may be clear again (it led again before the term looked)
+        self.terms = 0
         self.leader: str | None = None  # who leads, as the last step saw
         self.why = ""  # the last change's why
         self._wake = asyncio.Event()  # step now (a fenced write was refused)
@@ -134,6 +137,7 @@ class DispatcherLease:
         match d.move:
             case Move.LEAD:
                 log.info("dispatcher leads the run", run=self.run, dispatcher=self.me, why=d.why)
+                self.terms += 1
                 self.deposed.clear()
                 self.leading.set()
             case Move.STEP_DOWN:

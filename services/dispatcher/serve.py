@@ -119,6 +119,9 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     """One term as the run's leader, until `stop` or the lease is lost (`d.lease.deposed`)."""
     bus, run, lease = d.bus, d.run, d.lease
     assert lease is not None
+    # A term ends once it was deposed, even if the process leads again before it looks (it waits
+    # out an outage in backoff): the next term starts afresh, its consumers new.
+    began = lease.terms
     # Every stream is read in batches and handled in order; what a read decided is written in
     # one round trip (`Dispatcher.flush`), its entries' acks in it. Requests are held (acked once
     # answered or failed), so they take no handler slot however many wait.
@@ -180,7 +183,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     next_check = next_reconcile = next_sweep = time.monotonic()
     outage = Outage("dispatcher tick")
     try:
-        while not stop.is_set() and not lease.deposed.is_set():
+        while not stop.is_set() and not lease.deposed.is_set() and lease.terms == began:
             crashed = next((c for c in consumers if c.crashed.is_set()), None)
             if crashed is not None:
                 raise RuntimeError(f"consumer of {crashed.stream} crashed: {crashed.error!r}")
@@ -207,7 +210,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
                 async with asyncio.timeout(d.state.tick_s):
                     await _either(stop, lease.deposed)
     finally:
-        deposed = lease.deposed.is_set()
+        deposed = lease.deposed.is_set() or lease.terms != began
         for c in reversed(consumers):
             # Held requests stay pending for the next dispatcher: no grace needed for them; a
             # deposed leader's handlers could write nothing (its writes are refused).

@@ -429,3 +429,19 @@ async def test_the_leaders_measurement_is_published_for_the_next_leader_once_mea
     assert 0 < await redis.ttl(keys.dispatcher_measured_key(run)) <= keys.DISPATCHER_MEASURED_TTL_S
     await redis.set(keys.dispatcher_measured_key(run), b"not json")
     assert await measurement(redis, run) is None
+
+
+async def test_a_leader_deposed_then_leading_again_counts_a_new_term(redis: Redis) -> None:
+    """`deposed` is clear again once a dispatcher leads again; a term that slept through both (an
+    outage's backoff) tells by `terms` that it was deposed, and ends (services/dispatcher/serve.py):
+    a failover run's term that went on through one kept a requests consumer that read nothing more."""
+    run = f"terms-{time.time_ns()}"
+    lease = DispatcherLease(redis, run, "dispatcher-a", ttl_ms=400, renew_every_s=0.1)
+    assert (await lease.step_once()).move is Move.LEAD and lease.terms == 1
+    began = lease.terms
+    await redis.set(keys.dispatcher_lease_key(run), "dispatcher-b", px=200)  # another holds it a moment
+    await lease.step_once()
+    assert lease.deposed.is_set()
+    await asyncio.sleep(0.3)  # its lease ends
+    assert (await lease.step_once()).move is Move.LEAD
+    assert not lease.deposed.is_set() and lease.terms == began + 1
