@@ -190,13 +190,13 @@ class DispatchState(Generic[P]):
         return TICK_S * self.time_scale
 
     def carry_admission(self, before: DispatchState[P] | DcSnapshot) -> None:
-        """Start from what was measured of the bubbles: all of `before`'s, this process's last term
-        (its lease lapsed in a failover), or a predecessor's published rate (`Admission.seed`); not
-        to refuse every request with an objective until every worker came round (`came_round`)."""
+        """Start from what was measured of the bubbles (all of this process's last term's, or a
+        predecessor's published rate: `Admission.seed`), not refusing objectives until they came round."""
         if not isinstance(before, DcSnapshot):
-            self._admission = before._admission
+            self._admission, self._bubble_seen = before._admission, before._bubble_seen
         elif before.rate:
             self._admission.seed(before.rate, before.correction)
+            self._bubble_seen = self._bubble_seen or before.started  # training ran: "not started" is wrong
 
     def came_round(self, now: float) -> bool:
         """Whether the bubbles' rate is measured (`Admission.came_round`): until then a request with

@@ -107,3 +107,14 @@ def test_a_taken_over_rate_stands_until_the_leaders_own_first_round_is_measured(
     for i in range(3):
         a.bubble(i * 0.1, 0.02, "w0", (i, 1))
         assert a.rate(i * 0.1) == (0.9 if i < 1 else pytest.approx(0.2))
+
+
+def test_a_taken_over_measurement_says_training_runs_before_this_leader_sees_a_bubble() -> None:
+    """A new leader that took its predecessor's measurement over is ready at once; a request with an
+    objective arriving before its first bubble is queued on that measurement, not refused as if
+    training had not started (`up`'s restarted dispatcher refused one so, in a test)."""
+    s = state()
+    s.carry_admission(DcSnapshot("", True, 0.0, 0.5, 9.9))
+    fresh = Request("new", 10, 10.0, 100, deadline=70.0, objective=40.0, ticket="t-new", payload=None)
+    assert not s.add_requests([fresh], now=10.0).failed
+    assert s.requests["new"].on_worker is None  # queued for the next bubble
