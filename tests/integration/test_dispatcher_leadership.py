@@ -132,7 +132,9 @@ async def test_a_leader_stalled_past_its_lease_writes_nothing_and_leaves_what_it
     """Its clock saw the stall: it does not even try (its acks, which go unfenced, included)."""
     run = f"lapse-{time.time_ns()}"
     async with Bus(redis_url, BusConfig(), name="test") as bus:
-        lease = DispatcherLease(bus.redis, run, "dispatcher-a", ttl_ms=400, renew_every_s=0.1)
+        # a lease of 1 s: a step heard back within 0.75 s leads (a loaded machine's cluster took more
+        # than the 0.15 s a 400 ms lease left), and the stall below outlasts it
+        lease = DispatcherLease(bus.redis, run, "dispatcher-a", ttl_ms=1000, renew_every_s=0.25)
         assert (await lease.step_once()).move is Move.LEAD
         d = Dispatcher(bus, SPEC, run, lease=lease)
         d.acks = Acks(run)
@@ -140,7 +142,7 @@ async def test_a_leader_stalled_past_its_lease_writes_nothing_and_leaves_what_it
         await redis.xgroup_create(stream, SERVICE, id="0", mkstream=True)
         await redis.xadd(stream, {FIELD: b"x"})
         [[_, [(entry_id, _)]]] = await redis.xreadgroup(SERVICE, d.instance, {stream: ">"})
-        await asyncio.sleep(0.2)  # the stall itself: no renewal (nothing steps it), past 0.4 s less the margin
+        await asyncio.sleep(0.9)  # the stall itself: no renewal (nothing steps it), past 1 s less the margin
         await d.on_joined(Delivery(entry_id.decode(), stream, joined(run, 0, 1 << 30), 1))
         reader = Acks(run)
         reader.stream = stream
@@ -436,12 +438,12 @@ async def test_a_leader_deposed_then_leading_again_counts_a_new_term(redis: Redi
     outage's backoff) tells by `terms` that it was deposed, and ends (services/dispatcher/serve.py):
     a failover run's term that went on through one kept a requests consumer that read nothing more."""
     run = f"terms-{time.time_ns()}"
-    lease = DispatcherLease(redis, run, "dispatcher-a", ttl_ms=400, renew_every_s=0.1)
+    lease = DispatcherLease(redis, run, "dispatcher-a", ttl_ms=1500, renew_every_s=0.5)  # 1.25 s to hear back
     assert (await lease.step_once()).move is Move.LEAD and lease.terms == 1
     began = lease.terms
-    await redis.set(keys.dispatcher_lease_key(run), "dispatcher-b", px=200)  # another holds it a moment
+    await redis.set(keys.dispatcher_lease_key(run), "dispatcher-b", px=300)  # another holds it a moment
     await lease.step_once()
     assert lease.deposed.is_set()
-    await asyncio.sleep(0.3)  # its lease ends
+    await asyncio.sleep(0.4)  # its lease ends
     assert (await lease.step_once()).move is Move.LEAD
     assert not lease.deposed.is_set() and lease.terms == began + 1
