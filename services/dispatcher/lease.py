@@ -77,6 +77,11 @@ class DispatcherLease:
         self.why = ""  # the last change's why
         self._wake = asyncio.Event()  # step now (a fenced write was refused)
 
+    def leads_term(self, term: int) -> bool:
+        """Whether it leads still in the term that began at `term` (`terms` then): not deposed
+        since, though it may have led again meanwhile."""
+        return not self.deposed.is_set() and self.terms == term
+
     @property
     def role(self) -> DispatcherRole:
         return self.policy.role

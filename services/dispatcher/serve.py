@@ -183,7 +183,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     next_check = next_reconcile = next_sweep = time.monotonic()
     outage = Outage("dispatcher tick")
     try:
-        while not stop.is_set() and not lease.deposed.is_set() and lease.terms == began:
+        while not stop.is_set() and lease.leads_term(began):
             crashed = next((c for c in consumers if c.crashed.is_set()), None)
             if crashed is not None:
                 raise RuntimeError(f"consumer of {crashed.stream} crashed: {crashed.error!r}")
@@ -210,7 +210,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
                 async with asyncio.timeout(d.state.tick_s):
                     await _either(stop, lease.deposed)
     finally:
-        deposed = lease.deposed.is_set() or lease.terms != began
+        deposed = not lease.leads_term(began)
         for c in reversed(consumers):
             # Held requests stay pending for the next dispatcher: no grace needed for them; a
             # deposed leader's handlers could write nothing (its writes are refused).
