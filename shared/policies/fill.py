@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -186,29 +187,48 @@ def usable_s(bubble_s: float, block_s: float, margin: float = BLOCK_MARGIN, grac
     return min(bubble_s, started * block_s)
 
 
-#: How fast the measured block time follows new measurements (per measurement).
-BLOCK_TIME_WEIGHT = 0.2
+#: Measurements of a block's time a worker keeps, the most recent (`BlockTimes`).
+BLOCK_TIMES_KEPT = 16
+#: Without a block measured for this long, a worker predicts a block at the fastest it kept
+#: (`BlockTimes`): the prediction it had kept every block out, with nothing to correct it.
+BLOCK_TIME_STALE_S = 5.0
 
 
 @dataclass
 class BlockTimes:
     """A block's time as measured on this worker (a layer on a CPU, a piece on a GPU): seconds per
-    token of block, weighted toward the recent (a block's time is nearly proportional to its tokens
-    once it is long enough to matter, and the device's other work moves it)."""
+    token of block (a block's time is nearly proportional to its tokens once it is long enough to
+    matter, and the device's other work moves it).
 
-    weight: float = BLOCK_TIME_WEIGHT
-    per_token_s: float | None = None
+    The prediction is the upper quartile of the last `kept` measurements: one block a stall
+    slowed (the host descheduled the worker, a collection paused it) moves it by one rank, a device
+    slower for a while moves it once a quarter of them are. Measurements come only from blocks the
+    prediction let run, so one that refuses every block is never corrected by a measurement: a mean
+    of them had, after one block measured 100 times too slow on a loaded machine, refused every
+    block for a minute, until the prompt's deadline failed it (CI, 2026-12-06). So, past `stale_s`
+    without a measurement, a block is predicted at the fastest kept: a time this worker measured,
+    which lets one run if the device can run it that fast in the bubble, and measures it."""
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    kept: int = BLOCK_TIMES_KEPT
+    stale_s: float = BLOCK_TIME_STALE_S
+    _rates: deque[float] = field(default_factory=deque)
+    _last: float = -math.inf  # when the last was measured
+
+    def observe(self, tokens: int, seconds: float, now: float) -> None:
         if tokens < 1 or not seconds > 0:
             return
-        rate = seconds / tokens
-        old = self.per_token_s
-        self.per_token_s = rate if old is None else old + self.weight * (rate - old)
+        self._rates.append(seconds / tokens)
+        while len(self._rates) > self.kept:
+            self._rates.popleft()
+        self._last = now
 
-    def predict(self, tokens: int) -> float | None:
-        """Seconds for a block of `tokens` tokens; None until one was measured."""
-        return None if self.per_token_s is None else self.per_token_s * tokens
+    def predict(self, tokens: int, now: float) -> float | None:
+        """Seconds for a block of `tokens` tokens at `now`; None until one was measured."""
+        if not self._rates:
+            return None
+        ranked = sorted(self._rates)
+        rate = ranked[0] if now - self._last > self.stale_s else ranked[(3 * len(ranked)) // 4]
+        return rate * tokens
 
 
 #: Batch ids a worker remembers, to drop a second copy of one (`FillQueue.delivered`): a copy lands

@@ -272,8 +272,8 @@ async def test_a_hugging_face_checkpoint_serves_whole_completions_as_transformer
                 got = await client.completions.create(
                     model=settings.spec.prefill.model_name, prompt=prompts, max_tokens=24, temperature=0
                 )
-            except openai.APITimeoutError:
-                raise AssertionError(out.getvalue()[-6000:]) from None
+            except (openai.APITimeoutError, openai.APIStatusError) as exc:  # failed: the services' logs say why
+                raise AssertionError(f"{exc}\n{out.getvalue()[-6000:]}") from None
             models = await client.models.list()
         finally:
             await client.close()

@@ -146,15 +146,45 @@ def test_what_the_fit_rule_can_fill_of_a_bubble_is_what_it_starts() -> None:
 
 
 def test_block_times_follow_the_measurements_per_token() -> None:
-    t = BlockTimes(weight=0.5)
-    assert t.predict(256) is None
-    t.observe(256, 0.256)  # 1 ms a token
-    assert t.predict(128) == pytest.approx(0.128)
-    t.observe(100, 0.300)  # 3 ms a token: halfway there at weight 0.5
-    assert t.predict(10) == pytest.approx(0.020)
-    t.observe(0, 1.0)  # nothing to learn from
-    t.observe(10, 0.0)
-    assert t.predict(10) == pytest.approx(0.020)
+    t = BlockTimes(kept=4)
+    assert t.predict(256, 0.0) is None
+    t.observe(256, 0.256, 0.0)  # 1 ms a token
+    assert t.predict(128, 0.0) == pytest.approx(0.128)
+    for _ in range(3):
+        t.observe(100, 0.300, 0.1)  # 3 ms a token, three times: the upper quartile of four
+    assert t.predict(10, 0.1) == pytest.approx(0.030)
+    t.observe(0, 1.0, 0.2)  # nothing to learn from
+    t.observe(10, 0.0, 0.2)
+    assert t.predict(10, 0.2) == pytest.approx(0.030)
+    for _ in range(4):
+        t.observe(10, 0.010, 0.3)  # 1 ms a token again: the slow ones are no longer kept
+    assert t.predict(10, 0.3) == pytest.approx(0.010)
+
+
+def test_one_block_a_stall_slowed_does_not_keep_the_next_out_of_the_bubble() -> None:
+    """Blocks of 1 ms, then one the host stalled for 100 ms: the next still starts in a 10 ms bubble
+    (a mean of them predicted 21 ms: with the margin, no block fitted, nothing measured it again,
+    and a prompt cut by training input waited out its deadline, CI 2026-12-06)."""
+    t = BlockTimes()
+    for i in range(10):
+        t.observe(5, 0.001, i * 0.01)
+    t.observe(5, 0.100, 0.1)
+    assert may_start(input_arrived=False, block_s=t.predict(5, 0.11), left_s=0.010) is Start.GO
+
+
+def test_a_prediction_that_keeps_every_block_out_falls_back_to_the_fastest_measured() -> None:
+    """A quarter of the kept blocks slow (a busy spell): the prediction refuses a 10 ms bubble; with
+    no block measured for `stale_s`, the fastest kept is predicted, one block starts and is measured."""
+    t = BlockTimes(kept=8, stale_s=5.0)
+    for i in range(6):
+        t.observe(5, 0.001, i * 0.01)
+    t.observe(5, 0.100, 0.1)
+    t.observe(5, 0.100, 0.2)
+    assert may_start(input_arrived=False, block_s=t.predict(5, 3.0), left_s=0.010) is Start.FULL
+    assert may_start(input_arrived=False, block_s=t.predict(5, 5.3), left_s=0.010) is Start.GO
+    assert t.predict(5, 5.3) == pytest.approx(0.001)
+    t.observe(5, 0.001, 5.3)
+    assert t.predict(5, 5.4) == pytest.approx(0.100)  # fresh again: the upper quartile
 
 
 def test_a_worker_fails_an_item_it_cannot_finish_before_its_prompt_is_due() -> None:

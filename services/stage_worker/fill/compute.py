@@ -224,7 +224,7 @@ class BatchCompute:
         busy_s = 0.0
         if self.piece_tokens is not None and self.profile is None:  # a profile's schedule waits for them
             in_flight = self.clock.in_flight_tokens()
-            busy_s = (self.blocks.predict(in_flight) or 0.0) if in_flight else 0.0
+            busy_s = (self.blocks.predict(in_flight, time.monotonic()) or 0.0) if in_flight else 0.0
         return may_start(input_arrived=input_arrived, block_s=block_s, left_s=left_s, busy_s=busy_s)
 
     def _next_block_tokens(self, state: PrefillState) -> int:
@@ -238,9 +238,10 @@ class BatchCompute:
         if self.profile is not None:
             return self.profile.block_s(tokens)
         if self.piece_tokens is not None:
+            now = time.monotonic()
             for n, seconds in self.clock.measured():
-                self.blocks.observe(n, seconds)
-        return self.blocks.predict(tokens)
+                self.blocks.observe(n, seconds, now)
+        return self.blocks.predict(tokens, time.monotonic())
 
     def _run_blocks(
         self, state: PrefillState, to_layer: int, arrived: Arrived, schedule: Schedule, ends_at: float | None
@@ -273,7 +274,8 @@ class BatchCompute:
             t0 = time.monotonic()
             self.model.run_layers(state, max_layers=1)  # on the host: done when it returns
             if self.profile is None:
-                self.blocks.observe(len(state.tokens), time.monotonic() - t0)
+                done = time.monotonic()
+                self.blocks.observe(len(state.tokens), done - t0, done)
             return len(state.tokens)
         if self.profile is not None:  # its time is the profile's
             return self.model.run_piece(state, self.piece_tokens)
