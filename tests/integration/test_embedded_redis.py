@@ -84,3 +84,26 @@ async def test_the_embedded_server_has_a_memory_limit_and_never_evicts(monkeypat
                 await r.set(f"k{i}", b"x" * 100_000)
         assert await r.get("k0") == b"x" * 100_000
         await r.aclose()
+
+
+def test_a_port_another_redis_server_holds_is_not_taken_for_this_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A free port chosen, then taken by another server before this one binds it (the suite starts
+    many at once): another answering there does not pass for this one. Given that port, the start
+    fails saying so; with a port it chose, it takes another."""
+    from shared.runtime import redis_server
+
+    stranger = EmbeddedRedis().start()
+    try:
+        with pytest.raises(redis_server.PortTaken, match=r"port \d+ is taken by another process"):
+            EmbeddedRedis(port=stranger.port).start()
+        ports = iter([stranger.port, redis_server.free_port()])
+        monkeypatch.setattr(redis_server, "free_port", lambda: next(ports))
+        ours = EmbeddedRedis().start()
+        try:
+            assert ours.port != stranger.port and ours.proc is not None
+            assert redis_server._answering_pid(ours.port) == ours.proc.pid
+            assert redis_server._answering_pid(stranger.port) != ours.proc.pid
+        finally:
+            ours.stop()
+    finally:
+        stranger.stop()
