@@ -85,13 +85,32 @@ class DcSnapshot:
         rate, correction = admission.rate(now), admission.correction()
         return cls(dc, ready, ahead_s, rate, now, correction, started, admission.came_round(now))
 
-    def aged(self, now: float, added_s: float = 0.0) -> DcSnapshot:
-        """This snapshot as of `now`, with `added_s` more work sent since: what was queued drains at
-        the rate the bubbles serve it (the rate over the correction, as `finish_in` counts it)."""
-        drained = (now - self.at) * self.rate / self.correction if self.rate and now > self.at else 0.0
-        if not drained and not added_s:
-            return self
-        return replace(self, ahead_s=max(0.0, self.ahead_s + added_s - drained))
+    def aged(self, now: float, added: Iterable[tuple[float, float]] = ()) -> DcSnapshot:
+        """This snapshot as of `now`, with the work `added` since ((when, predicted seconds), oldest
+        first): the queue drains at the rate the bubbles serve it (the rate over the correction, as
+        `finish_in` counts it), what was queued from the publish and what was added from when it
+        was. Drained as one sum, a burst sent to an idle DC was drained before it was sent: a DC's
+        queue counted nothing of it, and every request of a burst went to the DC with the faster
+        rate (the live e2e test, 8 of 8 to one DC, 2026-12-07)."""
+        t, queued = self.at, self.ahead_s
+        for when, seconds in added:
+            t, queued = self.add(t, queued, when, seconds)
+        return self.as_of(now, t, queued)
+
+    @property
+    def drain_rate(self) -> float:
+        """Queued seconds its bubbles serve a second (the rate over the correction; 0: no rate)."""
+        return self.rate / self.correction if self.rate else 0.0
+
+    def add(self, t: float, queued: float, when: float, seconds: float) -> tuple[float, float]:
+        """The queue `queued` as of `t`, drained to `when`, with `seconds` added then: (when, queued)."""
+        when = max(when, t)
+        return when, max(0.0, queued - (when - t) * self.drain_rate) + seconds
+
+    def as_of(self, now: float, t: float, queued: float) -> DcSnapshot:
+        """This snapshot with its queue `queued` as of `t`, drained to `now`."""
+        queued = max(0.0, queued - max(0.0, now - t) * self.drain_rate)
+        return self if queued == self.ahead_s else replace(self, ahead_s=queued)
 
     def finish_in(self, own_s: float) -> float | None:
         """When this DC would finish a request of `own_s` predicted seconds (from its publish)."""
@@ -177,9 +196,11 @@ class Router:
 
     stale_after_s: float = STALE_AFTER_S
     _latest: dict[str, DcSnapshot] = field(default_factory=dict)  # as published, by DC
-    #: per DC, what was routed there (when, predicted seconds), oldest first, and their sum
+    #: per DC, what was routed there since its snapshot's publish (when, predicted seconds), oldest
+    #: first (only while its snapshot is fresh: at most `stale_after_s` of them), and its queue with
+    #: them added, as of the last (`DcSnapshot.add`: one step a request, not a pass over them all)
     _routed: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
-    _added_s: dict[str, float] = field(default_factory=dict)
+    _queued: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def published(self, snap: DcSnapshot) -> None:
         """A DC's snapshot was read; an older one than the view holds changes nothing. What was
@@ -190,15 +211,25 @@ class Router:
             return
         self._latest[snap.dc] = snap
         routed = self._routed.setdefault(snap.dc, deque())
-        added = self._added_s.get(snap.dc, 0.0)
         while routed and routed[0][0] <= snap.at:
-            added -= routed.popleft()[1]
-        self._added_s[snap.dc] = max(0.0, added) if routed else 0.0
+            routed.popleft()
+        t, queued = snap.at, snap.ahead_s
+        for when, seconds in routed:
+            t, queued = snap.add(t, queued, when, seconds)
+        self._queued[snap.dc] = (t, queued)
 
     def view(self, now: float) -> list[DcSnapshot]:
         """Each DC's newest snapshot as of `now` (`DcSnapshot.aged`), with the work routed there since
         its publish added to its queue."""
-        return [s.aged(now, self._added_s.get(dc, 0.0)) for dc, s in self._latest.items()]
+        return [s.as_of(now, *self._queued[dc]) for dc, s in self._latest.items()]
+
+    def judged_by(self, now: float) -> str | None:
+        """Where the live front door sends a request no DC was routed for (`route` gave none), so
+        that a DC's dispatcher judges it with its own, current state, as one dispatcher judges
+        every request (placement's rule: the decoder, or a 429): the least queued fresh DC that can
+        serve, by name on a tie (None: none fresh; the front door takes the DCs in turn)."""
+        fresh = usable(self.view(now), now, self.stale_after_s)
+        return min(fresh, key=lambda s: (s.ahead_s, s.dc)).dc if fresh else None
 
     def route(
         self,
@@ -221,5 +252,5 @@ class Router:
         )
         if r.dc is not None:
             self._routed.setdefault(r.dc, deque()).append((now, request_cost))
-            self._added_s[r.dc] = self._added_s.get(r.dc, 0.0) + request_cost
+            self._queued[r.dc] = self._latest[r.dc].add(*self._queued[r.dc], now, request_cost)
         return r

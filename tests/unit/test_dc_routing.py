@@ -108,7 +108,11 @@ def test_the_view_ages_the_snapshot_at_its_rate() -> None:
     assert s.aged(1.0) is s
     assert s.aged(1.2).ahead_s == pytest.approx(0.3)  # 0.2 s at 2/2 s a second
     assert s.aged(5.0).ahead_s == 0.0
-    assert s.aged(1.2, added_s=0.4).ahead_s == pytest.approx(0.7)
+    assert s.aged(1.2, [(1.0, 0.4)]).ahead_s == pytest.approx(0.7)
+    # what was sent drains from when it was sent, not from the publish: sent to an idle DC just now,
+    # it is all still queued (drained as one sum with the rest, it was gone before it was sent)
+    assert s.aged(5.0, [(5.0, 0.4)]).ahead_s == pytest.approx(0.4)
+    assert s.aged(5.0, [(4.9, 0.4), (4.95, 0.1)]).ahead_s == pytest.approx(0.4)  # 0.4-0.05, +0.1, -0.05
     assert snap("a", ahead_s=0.5, rate=None).aged(9.0).ahead_s == 0.5
 
 
