@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bubbletea.launcher.wan_modes import WorkerLaunch
+from shared.config.spec import ClusterSpec
+from shared.policies.pipeline_plan import dispatch_dcs
+
 
 @dataclass(frozen=True)
 class ServiceDef:
@@ -40,3 +44,16 @@ SERVICES: tuple[ServiceDef, ...] = (PREFILL_QUEUE, WAN_BROKER, STAGE_WORKER, DIS
 def command(svc: ServiceDef) -> list[str]:
     """The command line (after the interpreter) that starts `svc`."""
     return ["-m", svc.module]
+
+
+def instances(svc: ServiceDef, spec: ClusterSpec, launches: list[WorkerLaunch]) -> list[tuple[str, WorkerLaunch]]:
+    """The processes of `svc` a launcher starts for `spec`, each with its label and launch: a stage
+    worker per slot (`launches`, in slot order); a dispatcher per datacenter holding stages with
+    `bubbletea.dispatch: per_dc` (BUBBLETEA_DC names it); one of anything else."""
+    if svc.per_slot:
+        return [(f"{svc.name}-{i}", launch) for i, launch in enumerate(launches)]
+    if svc is DISPATCHER:
+        dcs = [dc for dc in dispatch_dcs(spec) if dc is not None]
+        if dcs:
+            return [(f"{svc.name}-{dc}", WorkerLaunch(env={"BUBBLETEA_DC": dc})) for dc in dcs]
+    return [(svc.name, WorkerLaunch())]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from bubbletea.launcher.procs import Proc, ServiceFailed, spawn, stop_all
-from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER
+from bubbletea.launcher.services import DISPATCHER, STAGE_WORKER, WAN_BROKER, instances
 from bubbletea.launcher.wan_modes import worker_launches
 from bubbletea.progress import StepBar, say
 from shared.bus import Bus
@@ -126,8 +126,9 @@ async def run_training(
         async with worker_launches(settings, redis_url) as launches:
             try:
                 procs.append(await spawn(WAN_BROKER, env, out=out, quiet=quiet))
-                if dispatcher:
-                    procs.append(await spawn(DISPATCHER, env, out=out, quiet=quiet))
+                if dispatcher:  # one, or one per datacenter (`bubbletea.dispatch: per_dc`)
+                    for _, d in instances(DISPATCHER, spec, []):
+                        procs.append(await spawn(DISPATCHER, {**env, **d.env}, out=out, quiet=quiet))
                 for w in launches:  # in kernel mode: inside their datacenter's namespace
                     procs.append(await spawn(STAGE_WORKER, {**env, **w.env}, out=out, quiet=quiet, prefix=w.prefix))
                 if save is not None:

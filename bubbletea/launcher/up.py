@@ -46,7 +46,7 @@ import yaml
 from bubbletea.launcher.procs import Proc, open_redis, spawn, stop_all
 from bubbletea.launcher.readiness import metrics_endpoints, wait_healthy, wait_ready, wait_restarted, write_targets
 from bubbletea.launcher.redis_watch import keep_redis_alive
-from bubbletea.launcher.services import DISPATCHER, SERVICES, ServiceDef
+from bubbletea.launcher.services import DISPATCHER, SERVICES, ServiceDef, instances
 from bubbletea.launcher.supervise import Supervisor
 from bubbletea.launcher.timescale import pick_time_scale
 from bubbletea.launcher.vllm import managed_vllm
@@ -195,13 +195,11 @@ class _Services:
     async def start_all(self, launches: list[WorkerLaunch]) -> None:
         """Every service of the table, one stage worker per slot, in the table's order."""
         spec = self.spec
-        slots = spec.parallelism.pp * spec.parallelism.dp
         for svc in SERVICES:
             if svc.decode_only and not (spec.decode.enabled and spec.decode.engine == "builtin"):
                 continue
-            for i in range(slots if svc.per_slot else 1):
-                label = f"{svc.name}-{i}" if svc.per_slot else svc.name
-                self.launch_of[label] = launches[i] if svc.per_slot else WorkerLaunch()
+            for label, launch in instances(svc, spec, launches):
+                self.launch_of[label] = launch
                 self.procs.append(await self._start(svc, label))
 
     async def _start(self, svc: ServiceDef, label: str) -> Proc:
@@ -244,7 +242,8 @@ class _Services:
         try:
             async with Bus(self.url, self.spec.bus, name="up") as bus:
                 if dead.svc is DISPATCHER:
-                    await release_dispatcher_if_held_by(bus.redis, run, f"{DISPATCHER.name}-{holder}")
+                    dc = self.launch_of.get(dead.label, WorkerLaunch()).env.get("BUBBLETEA_DC")
+                    await release_dispatcher_if_held_by(bus.redis, run, f"{DISPATCHER.name}-{holder}", dc)
                 else:
                     await release_dead(bus.redis, run, pp, dp, holder)
         except TRANSIENT_ERRORS:  # Redis away: the lease expires by itself, as before

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from services.dispatcher.dispatcher import SERVICE
-from services.dispatcher.serve import serve
+from services.dispatcher.serve import serve, served_dc
 from shared.service.main import run_service
 
 
@@ -14,7 +14,9 @@ def main(argv: list[str] | None = None) -> int:
         SERVICE,
         serve,
         argv,
-        description="BubbleTea dispatcher: packs queued prefill requests into the bubbles the run's workers announce.",
+        description="BubbleTea dispatcher: packs queued prefill requests into the bubbles the run's workers announce "
+        "(with bubbletea.dispatch: per_dc, those of the datacenter BUBBLETEA_DC names).",
+        check=served_dc,
     )
 
 

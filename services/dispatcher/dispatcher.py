@@ -10,8 +10,8 @@ its time). The streams, each read in batches and handled in order (`Bus.consumer
   its successor, without a task parked per request. A read's requests join the state together
   (`add_requests`). Redis is asked whether a request was answered already only when it is
   delivered again (a restart, a reclaim), never on its first delivery;
-* the run's bubble stream, `{BubbleStart, WorkerJoined, BubbleEnd}`;
-* the run's report stream, `{PrefillReport}`: how far each item of a batch got.
+* the bubble stream, `{BubbleStart, WorkerJoined, BubbleEnd}`; the report stream, `{PrefillReport}`.
+  Each is the run's, or with a dispatcher per datacenter its datacenter's (`keys.bubbles_stream`).
 
 What one read decided is executed once the read is handled (`flush`): every batch, failure answer
 and snapshot deletion in **one round trip**, then the acks, all fenced by the run's dispatcher
@@ -95,12 +95,12 @@ class Dispatcher:
         *,
         lease: DispatcherLease | None = None,
         metrics: DispatcherMetrics | None = None,
+        dc: str | None = None,
     ) -> None:
-        """`spec` is already on the time scale `time_scale` (`Settings.spec`). Under a `lease` (a
-        term of the run's leader: serve.py) it writes only while it holds it, and is named for it;
-        without one (a test, a benchmark's own), it writes unfenced."""
+        """`spec` is on the time scale `time_scale`. Under a `lease` (a term of the leader of the run or
+        of datacenter `dc`: serve.py) it writes only while it holds it, named for it; else unfenced."""
         bt = spec.bubbletea
-        self.bus, self.spec, self.run = bus, spec, run
+        self.bus, self.spec, self.run, self.dc = bus, spec, run, dc
         self.model_info = model_info(spec.prefill)  # the served model's layers and KV size (config.json if HF)
         self.state = DispatchState[PrefillRequest].from_spec(
             spec.bubbletea, self.model_info.layers, time_scale=time_scale, batch_prefix=secrets.token_hex(3)

@@ -64,9 +64,11 @@ class DispatcherLease:
         *,
         ttl_ms: int = keys.DISPATCHER_LEASE_TTL_MS,
         renew_every_s: float = keys.DISPATCHER_LEASE_RENEW_S,
+        dc: str | None = None,
     ) -> None:
         self.r, self.run, self.me, self.ttl_ms = r, run, me, ttl_ms
-        self.key = keys.dispatcher_lease_key(run)
+        self.dc = dc  # the datacenter it would lead (None: the run)
+        self.key = keys.dispatcher_lease_key(run, dc)
         self.policy = Leadership(me, ttl_s=ttl_ms / 1000, renew_every_s=renew_every_s)
         self.leading = asyncio.Event()  # set while this dispatcher leads
         self.deposed = asyncio.Event()  # set when it stops leading, until it leads again
@@ -134,7 +136,7 @@ class DispatcherLease:
             return
         self._act(self.policy.step_down("stopping"))
         try:
-            await release_dispatcher_if_held_by(self.r, self.run, self.me)
+            await release_dispatcher_if_held_by(self.r, self.run, self.me, self.dc)
         except TRANSIENT_ERRORS as exc:
             log.warning("dispatcher lease not released; it ends by itself", run=self.run, error=repr(exc))
 

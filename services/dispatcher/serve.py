@@ -46,9 +46,11 @@ from shared.bus.connection import TRANSIENT_ERRORS, Outage, sleep_unless
 from shared.bus.consumer import AfterRead, Consumer
 from shared.bus.delivery import Handlers
 from shared.config.settings import Settings
+from shared.config.spec import ConfigError
 from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
 from shared.policies.dispatch import DispatchState
+from shared.policies.pipeline_plan import dispatch_dcs, stages_of
 from shared.runtime.logs import get_logger
 from shared.service.telemetry import MetricsServer
 from shared.wire import BubbleEnd, BubbleStart, PrefillOff, PrefillReport, PrefillRequest, WorkerJoined, keys
@@ -64,10 +66,26 @@ LAST_WRITES_S = 3.0
 log = get_logger(__name__)
 
 
+def served_dc(settings: Settings) -> str | None:
+    """The datacenter this dispatcher serves: None, the whole run (`bubbletea.dispatch: one`), or
+    with `per_dc` the one BUBBLETEA_DC names; a `ConfigError` if it names none that holds stages."""
+    dcs = dispatch_dcs(settings.spec)
+    if dcs == [None]:
+        return None
+    if settings.dc not in dcs:
+        named = "is not set" if settings.dc is None else f"is {settings.dc!r}"
+        raise ConfigError(
+            f"bubbletea.dispatch is per_dc: a dispatcher serves one datacenter, and BUBBLETEA_DC {named} "
+            f"(one of {', '.join(str(d) for d in dcs)}: the datacenters that hold stages)"
+        )
+    return settings.dc
+
+
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     spec, run = settings.spec, settings.run
+    dc = served_dc(settings)
     async with Bus(settings.require_redis_url(), spec.bus, name=SERVICE, stop=stop) as bus:
-        lease = DispatcherLease(bus.redis, run, f"{SERVICE}-{instance_id()}")
+        lease = DispatcherLease(bus.redis, run, f"{SERVICE}-{instance_id()}", dc=dc)
         metrics = DispatcherMetrics(run, spec.prefill.model_name)
         term: list[Dispatcher] = []  # the term under way, if any
         last: DispatchState[PrefillRequest] | None = None  # the state of this process's last term
@@ -81,7 +99,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         url = await server.start()
 
         def info() -> dict[str, object]:
-            now = term[0].info() if term else {"run": run}
+            now = term[0].info() if term else {"run": run, **({"dc": dc} if dc else {})}
             return {**now, "role": lease.role.value, "leader": lease.leader or "", "metrics_url": url}
 
         hb = Heartbeat(bus.redis, SERVICE, instance_id(), info)
@@ -93,10 +111,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 await _either(stop, lease.leading)  # standing by
                 if stop.is_set():
                     break
-                term[:] = [Dispatcher(bus, spec, run, settings.time_scale, lease=lease, metrics=metrics)]
+                term[:] = [Dispatcher(bus, spec, run, settings.time_scale, lease=lease, metrics=metrics, dc=dc)]
                 if last is not None:  # the bubbles' rate this process measured (a failover's lapse)
                     term[0].state.carry_admission(last)
-                elif (measured := await measurement(bus.redis, run)) is not None:  # its predecessor's
+                elif (measured := await measurement(bus.redis, run, dc)) is not None:  # its predecessor's
                     term[0].state.carry_admission(measured)
                     log.info("the last leader's measurement taken over", rate=measured.rate, at=measured.at)
                 try:
@@ -116,8 +134,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
 
 async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
-    """One term as the run's leader, until `stop` or the lease is lost (`d.lease.deposed`)."""
-    bus, run, lease = d.bus, d.run, d.lease
+    """One term as the run's (or `d.dc`'s) leader, until `stop` or the lease is lost (`d.lease.deposed`)."""
+    bus, run, lease, dc = d.bus, d.run, d.lease, d.dc
     assert lease is not None
     # A term ends once it was deposed, even if the process leads again before it looks (it waits
     # out an outage in backoff): the next term starts afresh, its consumers new.
@@ -126,7 +144,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     # one round trip (`Dispatcher.flush`), its entries' acks in it. Requests are held (acked once
     # answered or failed), so they take no handler slot however many wait.
     requests = bus.consumer(
-        keys.prefill_requests_stream(run),
+        keys.prefill_requests_stream(run, dc),
         SERVICE,
         {PrefillRequest: d.on_request},
         name=d.instance,
@@ -147,10 +165,10 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     tables: tuple[tuple[str, Handlers], ...] = (
         # a bubble's end never overtakes its start
         (
-            keys.bubbles_stream(run),
+            keys.bubbles_stream(run, dc),
             {BubbleStart: d.on_start, WorkerJoined: d.on_joined, BubbleEnd: d.on_end, PrefillOff: d.on_off},
         ),
-        (keys.prefill_reports_stream(run), {PrefillReport: d.on_report}),
+        (keys.prefill_reports_stream(run, dc), {PrefillReport: d.on_report}),
     )
     for stream, table in tables:
         readers[stream] = bus.consumer(
@@ -162,7 +180,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     # entries, which each consumer's first read takes, and their batches the workers hold.
     claimed = sum([await claim(c) for c in consumers])
     p, now = d.spec.parallelism, time.time()
-    held = await held_batches(bus.redis, run, p.pp, p.dp)
+    held = await held_batches(bus.redis, run, stages_of(d.spec, dc), p.dp)
     for stream, batch in held:
         d.state.adopt(adopted(stream, batch, d.model_info), now)
     for c in consumers:
@@ -173,6 +191,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     log.info(
         "dispatcher ready",
         run=run,
+        dc=dc or "",
         enabled=d.spec.bubbletea.enabled,
         order=d.spec.bubbletea.order,
         batches=d.state.batch_prefix,
@@ -192,13 +211,13 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + serving.READINESS_EVERY_S
                     await d.check_readiness()
-                    await publish_measurement(bus.redis, run, d.state)
+                    await publish_measurement(bus.redis, run, d.state, dc, d.verdict.ready)
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + SWEEP_EVERY_S
                     await sweep(consumers)
                 if time.monotonic() >= next_reconcile:
                     next_reconcile = time.monotonic() + serving.INFLIGHT_RECONCILE_S
-                    await serving.reconcile_inflight(bus.redis, run, SERVICE)
+                    await serving.reconcile_inflight(bus.redis, run, SERVICE, dispatch_dcs(d.spec))
             except TRANSIENT_ERRORS as exc:
                 await sleep_unless(stop, outage.failed(exc))
                 continue

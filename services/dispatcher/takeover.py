@@ -73,19 +73,30 @@ async def sweep(consumers: list[Consumer]) -> int:
     return total
 
 
-async def publish_measurement(r: Redis, run: str, state: DispatchState[Any]) -> None:
-    """The leader's measurement of the bubbles, for a leader after it (once it is measured)."""
+async def publish_measurement(
+    r: Redis, run: str, state: DispatchState[Any], dc: str | None = None, ready: bool = True
+) -> None:
+    """The leader's measurement of the bubbles, for a leader after it (once it is measured); with a
+    dispatcher per datacenter (`dc`), its snapshot for the front doors too, with its verdict `ready`."""
     now = time.time()
-    if state.came_round(now):
-        snap = state.snapshot("", True, now)
-        await r.set(keys.dispatcher_measured_key(run), msgspec.json.encode(snap), ex=keys.DISPATCHER_MEASURED_TTL_S)
+    measured = state.came_round(now)
+    if not measured and dc is None:
+        return
+    async with r.pipeline(transaction=False) as pipe:
+        if measured:
+            snap = msgspec.json.encode(state.snapshot(dc or "", True, now))
+            pipe.set(keys.dispatcher_measured_key(run, dc), snap, ex=keys.DISPATCHER_MEASURED_TTL_S)
+        if dc is not None:
+            board = msgspec.json.encode(state.snapshot(dc, ready, now))
+            pipe.set(keys.dc_snapshot_key(run, dc), board, ex=keys.DC_SNAPSHOT_TTL_S)
+        await pipe.execute()
 
 
-async def measurement(r: Redis, run: str) -> DcSnapshot | None:
-    """What the run's last leader measured of the bubbles (None: none within the TTL, unreadable,
-    or Redis away: this term measures afresh)."""
+async def measurement(r: Redis, run: str, dc: str | None = None) -> DcSnapshot | None:
+    """What the run's (or `dc`'s) last leader measured of the bubbles (None: none within the TTL,
+    unreadable, or Redis away: this term measures afresh)."""
     try:
-        raw: Any = await r.get(keys.dispatcher_measured_key(run))
+        raw: Any = await r.get(keys.dispatcher_measured_key(run, dc))
     except TRANSIENT_ERRORS as exc:
         log.warning("the last leader's measurement not read", run=run, error=repr(exc))
         return None
@@ -96,10 +107,10 @@ async def measurement(r: Redis, run: str) -> DcSnapshot | None:
         return None
 
 
-async def held_batches(r: Redis, run: str, pp: int, dp: int) -> list[tuple[str, PrefillBatch]]:
-    """Every batch the run's workers hold, with its fill stream: the entries the workers' group has
-    not acked (riding a Redis outage out)."""
-    streams = [keys.fill_stream(run, d, k) for d in range(dp) for k in range(pp)]
+async def held_batches(r: Redis, run: str, stages: list[int], dp: int) -> list[tuple[str, PrefillBatch]]:
+    """Every batch the workers of `stages` hold (a dispatcher's: `pipeline_plan.stages_of`), with
+    its fill stream: the entries the workers' group has not acked (riding a Redis outage out)."""
+    streams = [keys.fill_stream(run, d, k) for d in range(dp) for k in stages]
 
     async def read() -> list[tuple[str, PrefillBatch]]:
         return [(s, b) for s in streams for b in await _held(r, s)]

@@ -14,7 +14,16 @@ from typing import Any
 
 from aiohttp import web
 
-from services.prefill_queue.state import BUS, DECODER_LOAD, GATE, HOPS, METRICS, SETTINGS, instance_results_stream
+from services.prefill_queue.state import (
+    BUS,
+    DECODER_LOAD,
+    GATE,
+    HOPS,
+    METRICS,
+    ROUTING,
+    SETTINGS,
+    instance_results_stream,
+)
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.config.model_info import CheckpointError, ModelInfo
@@ -24,8 +33,11 @@ from shared.control.health import live_instances
 from shared.control.serving import Readiness
 from shared.model.shape import max_prompt_tokens, model_info
 from shared.model.tokenizer import Tokenizer, tokenizer_for
+from shared.runtime.logs import get_logger
 from shared.wire import PrefillRequest, PrefillResult, keys
 from shared.wire.status import FailureReason, RequestStatus
+
+log = get_logger(__name__)
 
 #: How long a 429 tells the client to wait before retrying: about one pipeline iteration.
 RETRY_AFTER_S = 1
@@ -79,6 +91,15 @@ async def read_gate(app: web.Application) -> None:
     """Re-read the run's dispatchers' verdict now (a Redis error keeps the last one)."""
     with contextlib.suppress(*TRANSIENT_ERRORS):
         app[GATE].verdict = serving.combined(await serving.readiness(app[BUS].redis, app[SETTINGS].run))
+
+
+async def read_routing(app: web.Application) -> None:
+    """Re-read the datacenters' snapshots, with a dispatcher per datacenter (a Redis error keeps
+    the last ones, which age out of the routing: `dc_routing.STALE_AFTER_S`)."""
+    routing = app[ROUTING]
+    if routing is not None:
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            await routing.read(app[BUS].redis)
 
 
 async def read_decoders(app: web.Application) -> None:
@@ -153,8 +174,17 @@ async def enqueue(
     app = request.app
     req = new_request(app, parsed, request_id, may_move=may_move, received=received)
     settings = app[SETTINGS]
+    routing, dc = app[ROUTING], None
+    if routing is not None:
+        dc, route = routing.place(req)
+        log.debug("routed", id=request_id, dc=dc, why=route.why.value, detail=route.detail)
     accepted = await serving.accept(
-        app[BUS].redis, settings.run, req, settings.spec.prefill.max_queue_depth, idempotency_key=idempotency_key
+        app[BUS].redis,
+        settings.run,
+        req,
+        settings.spec.prefill.max_queue_depth,
+        idempotency_key=idempotency_key,
+        dc=dc,
     )
     if isinstance(accepted, str):
         raise Duplicate(accepted)

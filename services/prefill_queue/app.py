@@ -25,6 +25,7 @@ from aiohttp.hdrs import CONTENT_TYPE
 
 from services.prefill_queue import api, chat, completions, dashboard, on_decoder, probes
 from services.prefill_queue.metrics import Metrics
+from services.prefill_queue.routing import DcRouting
 from services.prefill_queue.state import (
     BUS,
     DECODERS_EVERY_S,
@@ -33,6 +34,7 @@ from services.prefill_queue.state import (
     INSTANCE,
     METRICS,
     READ_EVERY_S,
+    ROUTING,
     SERVICE,
     SETTINGS,
     STARTED,
@@ -53,6 +55,8 @@ from shared.bus.delivery import Handlers
 from shared.config.settings import Settings
 from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
+from shared.policies.pipeline_plan import dispatch_dcs
+from shared.policies.prefill_cost import PrefillCostModel
 from shared.policies.prompt_placement import FrontDoorHops
 from shared.runtime.auth import bearer_ok
 from shared.runtime.logs import get_logger
@@ -62,6 +66,12 @@ from shared.wire.status import RequestStatus
 #: Retry-After of the 503 a request gets while Redis does not answer (a restart takes seconds).
 REDIS_DOWN_RETRY_AFTER_S = 2
 log = get_logger(__name__)
+
+
+def routing_of(settings: Settings) -> DcRouting | None:
+    """The front door's routing across datacenters, with a dispatcher for each (else None)."""
+    dcs = [dc for dc in dispatch_dcs(settings.spec) if dc is not None]
+    return DcRouting(settings.run, dcs, PrefillCostModel.scaled(settings.time_scale)) if dcs else None
 
 
 def create_app(settings: Settings) -> web.Application:
@@ -79,6 +89,7 @@ def create_app(settings: Settings) -> web.Application:
     app[GATE] = Gate()
     app[STOPPING] = Stopping()
     app[HOPS] = FrontDoorHops()
+    app[ROUTING] = routing_of(settings)
     d = settings.spec.decode
     app[VLLM] = VllmDecoder(d) if d.enabled and d.engine == "vllm" else None
     on_decoder.setup(app)
@@ -193,6 +204,7 @@ async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:
         while True:
             was = gate.verdict.state.value if gate.verdict else "no dispatcher"
             await api.read_gate(app)  # a Redis error keeps the last verdict; /ready reports Redis
+            await api.read_routing(app)
             now = gate.verdict.state.value if gate.verdict else "no dispatcher"
             if now != was:
                 log.info("serving state", state=now, reason=gate.verdict.reason if gate.verdict else "")
@@ -205,6 +217,7 @@ async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:
             await asyncio.sleep(serving.READINESS_EVERY_S)  # a poll: the verdict is a key with a TTL
 
     await api.read_gate(app)
+    await api.read_routing(app)
     if builtin_decoder:
         await api.read_decoders(app)
     task = asyncio.create_task(watch(), name="readiness")

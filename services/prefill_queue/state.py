@@ -11,6 +11,7 @@ import time
 from aiohttp import web
 
 from services.prefill_queue.metrics import Metrics
+from services.prefill_queue.routing import DcRouting
 from services.prefill_queue.vllm_decode import VllmDecoder
 from shared.bus import Bus
 from shared.config.settings import Settings
@@ -136,6 +137,8 @@ STOPPING = web.AppKey("stopping", Stopping)
 HOPS = web.AppKey("front_door_hops", FrontDoorHops)
 #: This front door's view of the decoder's own prefill (`services.prefill_queue.on_decoder`).
 DECODER_LOAD = web.AppKey("decoder_load", DecoderLoad)
+#: Where each request goes with a dispatcher per datacenter (`bubbletea.dispatch: per_dc`), else None.
+ROUTING: web.AppKey[DcRouting | None] = web.AppKey("routing")
 #: The vLLM server that decodes (decode.engine: vllm), else None: the decoder service does.
 VLLM: web.AppKey[VllmDecoder | None] = web.AppKey("vllm")
 

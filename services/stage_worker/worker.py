@@ -52,7 +52,7 @@ from shared.model.training import load_corpus
 from shared.model.trainstate import check_resume, stage_state
 from shared.policies.bubbles import BubblePredictor
 from shared.policies.fill import FillQueue, piece_tokens
-from shared.policies.pipeline_plan import placement_of
+from shared.policies.pipeline_plan import dispatch_dc, placement_of
 from shared.policies.placement import Placement
 from shared.policies.prefill_cost import PrefillProfile
 from shared.policies.restarts import EXIT_CONFIG
@@ -345,6 +345,7 @@ async def _start_fill(
         PrefillProfile.of_spec(spec, on_gpu=on_gpu),
         metrics,
         piece_tokens(spec.bubbletea.piece_tokens, on_gpu=on_gpu),
+        dispatch_dc(spec, slot.stage),
     )
     fill = bus.consumer(
         keys.fill_stream(run, slot.replica, slot.stage),

@@ -219,7 +219,8 @@ ENV: tuple[EnvVar, ...] = (
     EnvVar(
         "BUBBLETEA_DC",
         "a stage worker takes only slots whose stage is placed in this datacenter: the workers started on one DC's "
-        "hosts (default: any free slot). An unknown name is refused at start",
+        "hosts (default: any free slot); with `bubbletea.dispatch: per_dc`, the datacenter a dispatcher serves "
+        "(required there). An unknown name is refused at start",
         str,
         ev.datacenter,
     ),

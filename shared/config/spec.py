@@ -97,6 +97,10 @@ class BubbleTea(Section, frozen=True):
     #: Serving is declared stalled (`/ready` 503, new requests 503, queued ones failed) when every
     #: slot is held but no bubble was announced for this long. Keep it above the longest iteration.
     unready_after_s: Annotated[float, Meta(gt=0, le=86_400), DEVICE] = 10.0
+    #: How many dispatchers serve the run: `one` for every worker and one request queue, or
+    #: `per_dc`, one for each datacenter that holds stages (its workers' bubbles, credit and
+    #: request queue; the front door routes each request to one: `shared.policies.dc_routing`).
+    dispatch: Literal["one", "per_dc"] = "one"
     # No longer used (accepted so older specs load; `deprecated_fields` names them): a worker fills
     # a bubble until its training input arrives, from work queued before the bubble opened, so
     # neither a margin at the bubble's end nor a dispatch delay at its start is budgeted any more.

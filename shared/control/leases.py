@@ -155,8 +155,8 @@ async def release_if_held_by(r: Redis, run: str, replica: int, stage: int, holde
     return bool(await r.eval(_RELEASE_IF, 1, keys.lease_key(run, replica, stage), holder))
 
 
-async def release_dispatcher_if_held_by(r: Redis, run: str, holder: str) -> bool:
-    """Delete the run's dispatcher lease if `holder` still holds it (a dispatcher known dead: its
-    supervisor saw its process exit; or one stepping down as it stops), so its successor leads at
-    once rather than at the lease's end; True if it did."""
-    return bool(await r.eval(_RELEASE_IF, 1, keys.dispatcher_lease_key(run), holder))
+async def release_dispatcher_if_held_by(r: Redis, run: str, holder: str, dc: str | None = None) -> bool:
+    """Delete the run's (or datacenter `dc`'s) dispatcher lease if `holder` still holds it (a
+    dispatcher known dead: its supervisor saw its process exit; or one stepping down as it stops),
+    so its successor leads at once rather than at the lease's end; True if it did."""
+    return bool(await r.eval(_RELEASE_IF, 1, keys.dispatcher_lease_key(run, dc), holder))

@@ -25,6 +25,7 @@ the keys of one run alone, under its hash tag: one slot of a Redis Cluster.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,26 +78,34 @@ return 0
 #: a drift is corrected within this, and the XINFO it costs is one per dispatcher this often.
 INFLIGHT_RECONCILE_S = 10.0
 
-# In flight is at most the request stream's entries its group has not acked (pending) or not read
-# (lag): a request is acked once answered or failed, and a dead letter with its record. It can be
-# fewer (an answered request's entry is acked a moment later; a dead dispatcher's, once reclaimed),
-# so the count is only ever lowered to that bound, never raised to it.
+# In flight is at most the request streams' entries their group has not acked (pending) or not read
+# (lag), summed over the run's request streams (KEYS[2..]: one, or one per datacenter): a request
+# is acked once answered or failed, and a dead letter with its record. It can be fewer (an answered
+# request's entry is acked a moment later; a dead dispatcher's, once reclaimed), so the count is
+# only ever lowered to that bound, never raised to it.
 _RECONCILE = """
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
-  local f = {}
-  for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
-  if f['name'] == ARGV[1] then
-    if type(f['lag']) ~= 'number' then return -1 end
-    local bound = f['pending'] + f['lag']
-    local n = tonumber(redis.call('GET', KEYS[1]) or '0')
-    if n > bound then
-      redis.call('SET', KEYS[1], bound)
-      return bound
+local bound = 0
+for k = 2, #KEYS do
+  local found = false
+  if redis.call('EXISTS', KEYS[k]) == 1 then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[k])) do
+      local f = {}
+      for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+      if f['name'] == ARGV[1] then
+        if type(f['lag']) ~= 'number' then return -1 end
+        bound = bound + f['pending'] + f['lag']
+        found = true
+      end
     end
-    return n
   end
+  if not found then return -1 end
 end
-return -1
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+if n > bound then
+  redis.call('SET', KEYS[1], bound)
+  return bound
+end
+return n
 """
 
 #: Each front door's results stream keeps its last answers (it reads them within milliseconds),
@@ -105,7 +114,7 @@ RESULTS_MAXLEN = keys.PREFILL_RESULTS_MAXLEN
 
 
 def accept_args(
-    run: str, req: PrefillRequest, max_inflight: int, idempotency_key: str | None = None
+    run: str, req: PrefillRequest, max_inflight: int, idempotency_key: str | None = None, dc: str | None = None
 ) -> tuple[Any, ...]:
     """`accept`'s script and its keys and arguments (for a pipeline that accepts many at once)."""
     return (
@@ -113,7 +122,7 @@ def accept_args(
         4,
         keys.prefill_inflight_key(run),
         keys.prefill_request_key(run, req.id),
-        keys.prefill_requests_stream(run),
+        keys.prefill_requests_stream(run, dc),
         keys.idempotency_key(run, idempotency_key or ""),
         max_inflight,
         encode(req),
@@ -126,19 +135,25 @@ def accept_args(
 
 
 async def accept(
-    r: Redis, run: str, req: PrefillRequest, max_inflight: int, *, idempotency_key: str | None = None
+    r: Redis,
+    run: str,
+    req: PrefillRequest,
+    max_inflight: int,
+    *,
+    idempotency_key: str | None = None,
+    dc: str | None = None,
 ) -> bool | str:
-    """Enqueue `req` on `run`'s request stream unless `max_inflight` of the run's requests are
-    already waiting; False = refused (429).
+    """Enqueue `req` on `run`'s request stream (or datacenter `dc`'s, where a dispatcher serves each)
+    unless `max_inflight` of the run's requests are already waiting; False = refused (429).
 
     With a client's `idempotency_key`: if it was used before, nothing is enqueued and the id of the
     request it created is returned (a str). The key is recorded in the same script as the enqueue,
     so a front door killed (or Redis lost) in between can never leave a key naming a request that
     was never queued."""
-    args = accept_args(run, req, max_inflight, idempotency_key)
+    args = accept_args(run, req, max_inflight, idempotency_key, dc)
     # On a cluster, a replica holds the acceptance before the front door answers 2xx: a failover
     # right after cannot lose an accepted request (shared/bus/replicated.py).
-    (n,) = await replicated(r, keys.prefill_requests_stream(run), lambda pipe: pipe.eval(*args), "accept")
+    (n,) = await replicated(r, keys.prefill_requests_stream(run, dc), lambda pipe: pipe.eval(*args), "accept")
     if isinstance(n, bytes):
         return n.decode()
     return int(n) > 0
@@ -223,12 +238,13 @@ async def fail_dead_request(r: Redis, run: str, raw: bytes | None, error: str) -
     await answer(r, run, failed, reply_to)
 
 
-async def reconcile_inflight(r: Redis, run: str, group: str) -> int | None:
-    """Lower `run`'s in-flight count to its request stream's unacked entries of `group` (pending +
+async def reconcile_inflight(r: Redis, run: str, group: str, dcs: Sequence[str | None] = (None,)) -> int | None:
+    """Lower `run`'s in-flight count to its request streams' unacked entries of `group` (pending +
     not read) if it is above them (a lost decrement), atomically with the scripts that move it; the
-    count now, or None when the bound cannot be known (no such group yet, or the stream trimmed
-    under it)."""
-    n: Any = await r.eval(_RECONCILE, 2, keys.prefill_inflight_key(run), keys.prefill_requests_stream(run), group)
+    count now, or None when the bound cannot be known (no such group yet on one of them, or a stream
+    trimmed under it). `dcs`: the run's dispatchers (`pipeline_plan.dispatch_dcs`), a stream each."""
+    streams = [keys.prefill_requests_stream(run, dc) for dc in dcs]
+    n: Any = await r.eval(_RECONCILE, 1 + len(streams), keys.prefill_inflight_key(run), *streams, group)
     return None if int(n) < 0 else int(n)
 
 

@@ -91,3 +91,22 @@ def predict(
     sharing: str | None = None,
 ) -> PipelineResult:
     return simulate(model_inputs(spec, fwd_ms_per_layer, bwd_ms_per_layer, sharing), iterations)
+
+
+def dispatch_dc(spec: ClusterSpec, stage: int) -> str | None:
+    """The datacenter whose dispatcher serves stage `stage`'s workers (its bubbles, batches and
+    reports): the stage's own with `bubbletea.dispatch: per_dc`, else None (the run's one)."""
+    return placement_of(spec).stage_dc[stage] if spec.bubbletea.dispatch == "per_dc" else None
+
+
+def dispatch_dcs(spec: ClusterSpec) -> list[str | None]:
+    """The run's dispatchers, by what each serves: [None] (one for the run), or each datacenter that
+    holds a stage, in stage order (a datacenter without a stage has no bubbles to fill)."""
+    if spec.bubbletea.dispatch != "per_dc":
+        return [None]
+    return list(dict.fromkeys(placement_of(spec).stage_dc))
+
+
+def stages_of(spec: ClusterSpec, dc: str | None) -> list[int]:
+    """The stages whose workers `dc`'s dispatcher serves (None: every stage)."""
+    return [k for k in range(spec.parallelism.pp) if dispatch_dc(spec, k) == dc or dc is None]

@@ -147,9 +147,18 @@ def inbox(run: str, replica: int, stage: int) -> str:
     return f"{_of(run)}:w:{replica}:{stage}"
 
 
-def bubbles_stream(run: str) -> str:
-    """BubbleStart / BubbleEnd events from every worker (read by the dispatcher)."""
-    return f"{_of(run)}:bubbles"
+def _dispatch(run: str, dc: str | None) -> str:
+    """The prefix of what one dispatcher owns: the run's (`dc` None: one dispatcher for the run,
+    `bubbletea.dispatch: one`) or one datacenter's (`per_dc`). Under the run's hash tag either way:
+    a request's record, its answer and the report naming it stay in one slot (one script, one
+    replicated pipeline), so a run is one slot however many dispatchers it has."""
+    return _of(run) if dc is None else f"{_of(run)}:dc:{dc}"
+
+
+def bubbles_stream(run: str, dc: str | None = None) -> str:
+    """BubbleStart / BubbleEnd events from every worker of the run or of datacenter `dc` (read by
+    its dispatcher)."""
+    return f"{_dispatch(run, dc)}:bubbles"
 
 
 def fill_stream(run: str, replica: int, stage: int) -> str:
@@ -164,9 +173,9 @@ def fill_stream(run: str, replica: int, stage: int) -> str:
 FILL_GROUP = "worker"
 
 
-def prefill_reports_stream(run: str) -> str:
-    """Workers' reports on the prefill batches they ran (read by the dispatcher)."""
-    return f"{_of(run)}:prefill:reports"
+def prefill_reports_stream(run: str, dc: str | None = None) -> str:
+    """Workers' reports on the prefill batches they ran (read by the run's dispatcher, or by `dc`'s)."""
+    return f"{_dispatch(run, dc)}:prefill:reports"
 
 
 def prefill_snapshot_key(run: str, request_id: str, layer: int) -> str:
@@ -280,18 +289,32 @@ LEASE_TTL_MS = 3_000
 LEASE_RENEW_S = 1.0
 
 
-def dispatcher_lease_key(run: str) -> str:
-    """Which dispatcher leads the run (its instance name): a TTL lease it renews, compare-and-renew.
-    Only the holder dispatches (its writes to the workers are fenced by this key's value); every
-    other dispatcher of the run waits as a standby (`shared.policies.leadership`)."""
-    return f"{_of(run)}:dispatcher"
+def dispatcher_lease_key(run: str, dc: str | None = None) -> str:
+    """Which dispatcher leads the run, or datacenter `dc` of it (its instance name): a TTL lease it
+    renews, compare-and-renew. Only the holder dispatches (its writes to the workers are fenced by
+    this key's value); every other dispatcher of the run (of `dc`) waits as a standby
+    (`shared.policies.leadership`)."""
+    return f"{_dispatch(run, dc)}:dispatcher"
 
 
-def dispatcher_measured_key(run: str) -> str:
-    """What the run's leading dispatcher measured of the bubbles (its rate and the correction of
-    its predictions: `shared.policies.dc_routing.DcSnapshot`, JSON), rewritten as it leads: a
-    dispatcher that takes the lease over from another process starts from it."""
-    return f"{_of(run)}:dispatcher:measured"
+def dispatcher_measured_key(run: str, dc: str | None = None) -> str:
+    """What the run's (or `dc`'s) leading dispatcher measured of the bubbles (its rate and the
+    correction of its predictions: `shared.policies.dc_routing.DcSnapshot`, JSON), rewritten as it
+    leads: a dispatcher that takes the lease over from another process starts from it."""
+    return f"{_dispatch(run, dc)}:dispatcher:measured"
+
+
+def dc_snapshot_key(run: str, dc: str) -> str:
+    """Datacenter `dc`'s dispatcher's `DcSnapshot` for the front doors (JSON; `bubbletea.dispatch:
+    per_dc`): its readiness verdict and what its admission predicts, rewritten with its readiness
+    (`serving.READINESS_EVERY_S`) and gone `DC_SNAPSHOT_TTL_S` after the last; a front door routes
+    each request on them (`dc_routing.Router`)."""
+    return f"{_dispatch(run, dc)}:snapshot"
+
+
+#: A datacenter's snapshot goes this long after its last rewrite: its dispatcher stopped (a front
+#: door does not route on one older than `dc_routing.STALE_AFTER_S` in any case).
+DC_SNAPSHOT_TTL_S = 10
 
 
 #: A measurement not rewritten for this long is not taken over: its dispatcher has been gone for
@@ -314,10 +337,11 @@ DISPATCHER_LEASE_RENEW_S = LEASE_RENEW_S
 # runs: every script that writes them writes the run's in-flight count and streams as well.
 
 
-def prefill_requests_stream(run: str) -> str:
+def prefill_requests_stream(run: str, dc: str | None = None) -> str:
     """The run's accepted prefill requests, from every front door of the run to its dispatcher (its
-    group's consumers are the run's dispatchers alone: another run on the same Redis has its own)."""
-    return f"{_of(run)}:prefill:requests"
+    group's consumers are the run's dispatchers alone: another run on the same Redis has its own);
+    with a dispatcher per datacenter, those routed to `dc`, to its dispatcher."""
+    return f"{_dispatch(run, dc)}:prefill:requests"
 
 
 def prefill_results_stream(run: str, instance: str) -> str:

@@ -25,7 +25,9 @@ import pytest
 from redis.asyncio import Redis
 
 from bubbletea.launcher import train
+from services.dispatcher.takeover import measurement, publish_measurement
 from services.dispatcher.writes import Writes, execute
+from services.prefill_queue.routing import DcRouting
 from services.stage_worker.membership.lease import Slot
 from services.stage_worker.membership.leaving import run_stopping
 from services.stage_worker.port.state import StatePort
@@ -33,9 +35,11 @@ from shared.bus import Bus
 from shared.bus.connection import command_client
 from shared.bus.deadletters import dead_letter
 from shared.bus.streams import claim_all, ensure_group
-from shared.config.spec import BusConfig
+from shared.config.spec import BubbleTea, BusConfig
 from shared.control import leases, serving
 from shared.dataplane import kvstore
+from shared.policies.dispatch import DispatchState
+from shared.policies.prefill_cost import PrefillCostModel
 from shared.runtime.redis_cluster import EmbeddedCluster
 from shared.wire import FIELD, PrefillRequest, PrefillResult, keys
 from shared.wire.status import RequestStatus, ServingState
@@ -61,6 +65,8 @@ COVERED = {
     "services/dispatcher/lease.py:DispatcherLease.step": f"{LEADERSHIP}::test_a_new_leader_takes_its_runs_earlier_"
     "dispatchers_entries_at_once_and_no_other_runs",
     "services/dispatcher/writes.py:execute": f"{HERE}::test_the_dispatcher_s_fenced_writes",
+    "services/dispatcher/takeover.py:publish_measurement": f"{HERE}::test_a_dispatcher_per_datacenter_s_keys",
+    "services/prefill_queue/routing.py:DcRouting.read": f"{HERE}::test_a_dispatcher_per_datacenter_s_keys",
     "services/prefill_queue/dashboard.py:Hub._look": f"{DASHBOARD}::test_a_lost_lease_then_a_new_holder_is_a_"
     "fault_and_a_takeover",
     "services/stage_worker/membership/generations.py:Generations._join": f"{GENERATIONS}::{CONVERGE}",
@@ -214,6 +220,26 @@ async def test_the_serving_scripts(r: Redis) -> None:
     assert [v.instance for v in await serving.readiness(r, run)] == ["d1"]
     await serving.withdraw_readiness(r, run, "d1")
     assert await serving.readiness(r, run) == []
+
+
+async def test_a_dispatcher_per_datacenter_s_keys(r: Redis) -> None:
+    """Accepted onto a datacenter's stream, the in-flight bound summed over both, each DC's
+    snapshot and measurement published and read back: every one on the run's slot."""
+    run = run_id("perdc")
+    assert await serving.accept(r, run, request(run, "a1"), 10, dc="dc-a")
+    assert await serving.accept(r, run, request(run, "b1"), 10, dc="dc-b")
+    assert await serving.accept(r, run, request(run, "b2"), 10, dc="dc-b")
+    for dc in ("dc-a", "dc-b"):
+        await ensure_group(r, keys.prefill_requests_stream(run, dc), "dispatcher")
+    await r.set(keys.prefill_inflight_key(run), 7)  # a lost decrement: lowered to the 3 unread
+    assert await serving.reconcile_inflight(r, run, "dispatcher", ["dc-a", "dc-b"]) == 3
+    assert await serving.reconcile_inflight(r, run, "dispatcher", ["dc-a", "dc-c"]) is None  # no group there
+    state = DispatchState[PrefillRequest].from_spec(BubbleTea(), 4)
+    await publish_measurement(r, run, state, "dc-a", ready=True)
+    routing = DcRouting(run, ["dc-a", "dc-b"], PrefillCostModel())
+    await routing.read(r)
+    assert [s.dc for s in routing.router.view(time.time())] == ["dc-a"]  # dc-b has published nothing
+    assert await measurement(r, run, "dc-a") is None  # not measured yet: nothing to take over
 
 
 async def test_the_dispatcher_s_fenced_writes(r: Redis) -> None:

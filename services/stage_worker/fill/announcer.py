@@ -71,6 +71,8 @@ class BubbleAnnouncer:
     metrics: WorkerMetrics | None = None
     #: On a GPU: measures `free_memory_bytes` once training's first step has peaked (0 until then).
     memory: GuestMemory | None = None
+    #: The datacenter whose dispatcher reads its bubbles (None: the run's one: `pipeline_plan.dispatch_dc`).
+    dispatch_dc: str | None = None
 
     async def measure_memory(self, in_torch_thread: Callable[[Callable[[], int]], Awaitable[int]]) -> None:
         """Training's first step has peaked: on a GPU, what the guest may use from the next bubble
@@ -85,7 +87,7 @@ class BubbleAnnouncer:
         first bubble may open the moment every slot has, so its first batch is staged here now,
         not sent after that bubble's start made a round trip through the bus."""
         self.outbox.send(
-            keys.bubbles_stream(self.run),
+            keys.bubbles_stream(self.run, self.dispatch_dc),
             WorkerJoined(
                 run=self.run,
                 worker=self.slot.name,
@@ -122,7 +124,7 @@ class BubbleAnnouncer:
         filler = filler if announce else None
         if announce:  # through the outbox, and prefill queued here starts now: no round trip first
             self.outbox.send(
-                keys.bubbles_stream(self.run),
+                keys.bubbles_stream(self.run, self.dispatch_dc),
                 BubbleStart(
                     run=self.run,
                     worker=self.slot.name,
@@ -159,7 +161,7 @@ class BubbleAnnouncer:
             self.metrics.bubble(length, predicted)
         if announce:  # even if prefill stopped in it: the dispatcher closes the bubble it was told of
             self.outbox.send(
-                keys.bubbles_stream(self.run),
+                keys.bubbles_stream(self.run, self.dispatch_dc),
                 BubbleEnd(
                     run=self.run,
                     worker=self.slot.name,

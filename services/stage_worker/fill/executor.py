@@ -94,10 +94,11 @@ class Filler:
         profile: PrefillProfile | None = None,
         metrics: WorkerMetrics | None = None,
         piece_tokens: int | None = None,
+        dispatch_dc: str | None = None,
     ) -> None:
         self.bus, self.run, self.model, self.port = bus, run, model, port
         self.on_span, self.queue = on_span, queue
-        self.reporter = Reporter(bus, run, worker, model_name, port, metrics)
+        self.reporter = Reporter(bus, run, worker, model_name, port, metrics, dispatch_dc)
         #: Prefill compute runs here, below training and the event loops (`shared.runtime.priority`).
         self._thread = ThreadPoolExecutor(
             1,
@@ -106,7 +107,7 @@ class Filler:
             initargs=(prefill_nice(), prefill_slice_us()),
         )
         self.batches: dict[str, Held] = {}
-        self.guest = Guest(bus, run, worker, metrics)
+        self.guest = Guest(bus, run, worker, metrics, dispatch_dc)
         self.compute = BatchCompute(model, self.guest, profile, piece_tokens)
         self._work = asyncio.Event()
         self._post: set[asyncio.Task[None]] = set()

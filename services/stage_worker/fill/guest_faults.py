@@ -31,8 +31,11 @@ class DeviceLost(RuntimeError):
 
 
 class Guest:
-    def __init__(self, bus: Bus, run: str, worker: str, metrics: WorkerMetrics | None) -> None:
+    def __init__(
+        self, bus: Bus, run: str, worker: str, metrics: WorkerMetrics | None, dispatch_dc: str | None = None
+    ) -> None:
         self.bus, self.run, self.worker, self.metrics = bus, run, worker, metrics
+        self.dispatch_dc = dispatch_dc  # whose dispatcher hears it is off (None: the run's one)
         self.health = GuestHealth()
         #: Set by a sticky CUDA error: the device is lost for this process, training too; the fill
         #: executor raises it past its fence, and the worker stops so that recovery replaces it.
@@ -86,4 +89,4 @@ class Guest:
     async def say_off(self, why: str) -> None:
         """Tell the dispatcher this worker takes no more prefill."""
         off = PrefillOff(run=self.run, worker=self.worker, reason=why, at=time.time())
-        await self.bus.publish(keys.bubbles_stream(self.run), off)
+        await self.bus.publish(keys.bubbles_stream(self.run, self.dispatch_dc), off)

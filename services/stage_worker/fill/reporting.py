@@ -76,6 +76,8 @@ class Reporter:
     #: Where the KV caches and snapshots go (the stage's port; nothing below it is called here).
     port: StagePort
     metrics: WorkerMetrics | None = None
+    #: The datacenter whose dispatcher reads its reports (None: the run's one).
+    dispatch_dc: str | None = None
     #: When "KV budget full" was last logged (monotonic), and how many caches were skipped since.
     _budget_logged: float = field(default=-BUDGET_LOG_EVERY_S, repr=False)
     _budget_skipped: int = field(default=0, repr=False)
@@ -112,7 +114,7 @@ class Reporter:
                 preempted=preempted,
                 at=time.time(),  # sent now: what comes before (the caches' and states' bytes) is not the hop
             )
-            pipe.xadd(keys.prefill_reports_stream(self.run), {FIELD: encode(msg)})
+            pipe.xadd(keys.prefill_reports_stream(self.run, self.dispatch_dc), {FIELD: encode(msg)})
 
         await self._write(answers, report, f"answers and report of batch {batch.batch_id}")
         # The snapshots this batch resumed from are not deleted here: the dispatcher deletes them
@@ -128,7 +130,7 @@ class Reporter:
         back). Through an outage (a master's failover: seconds) it is retried, not dropped: the
         answers are computed, and every write here may land twice (the first answer wins; a report
         read twice changes nothing the second time)."""
-        key = keys.prefill_reports_stream(self.run)
+        key = keys.prefill_reports_stream(self.run, self.dispatch_dc)
         await ride_out(lambda: replicated(self.bus.redis, key, answers.replay, what, then=report), what)
 
     def _progress(self, o: Outcome) -> PrefillProgress:

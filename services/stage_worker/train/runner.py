@@ -38,6 +38,7 @@ from shared.bus import Bus
 from shared.config.spec import ClusterSpec
 from shared.dataplane import PlaneError
 from shared.policies.bubbles import BubblePredictor
+from shared.policies.pipeline_plan import dispatch_dc
 from shared.policies.placement import Placement
 from shared.policies.recovery import Resume, checkpoint_due, reports_cut_short, save_due
 from shared.policies.schedules import Op, schedule
@@ -98,7 +99,15 @@ class StageRunner:
         self.telemetry = StageTelemetry(self.outbox, self.run, self.replica, self.stage, self.slot.name)
         dc = self.placement.stage_dc[self.stage]
         self.bubbles = BubbleAnnouncer(
-            self.outbox, self.run, self.slot, dc, self.predictor, self.free_memory_bytes, self.telemetry, self.metrics
+            self.outbox,
+            self.run,
+            self.slot,
+            dc,
+            self.predictor,
+            self.free_memory_bytes,
+            self.telemetry,
+            self.metrics,
+            dispatch_dc=dispatch_dc(self.spec, self.stage),
         )
         self._torch = ThreadPoolExecutor(
             1, thread_name_prefix=f"torch-{self.slot.name}", initializer=lower_this_thread, initargs=(train_nice(),)
