@@ -38,7 +38,8 @@ neither: a hop's worth of arrivals under-counted, none counted twice. And the vi
 was queued drains at the rate the bubbles serve it (`DcSnapshot.aged`). Counted without draining,
 the work a load sends between two snapshots piled up in the view: at the demo's capacity, with a
 200 ms objective, 70% of the requests sent were refused, 48% at the front door as no DC would meet
-it (aged: 48%, 19% at the front door), where one dispatcher refused 21% (`bubbletea simulate
+it (aged: 48%, 19% at the front door; each request drained from when it was routed, `DcSnapshot.aged`:
+45%, 16%, 2026-12-07), where one dispatcher refused 21% (`bubbletea simulate
 --dispatch per-dc`, 2026-12-06). Each front door counts only its own requests: with several, each
 sees the others' only at the next snapshot.
 
