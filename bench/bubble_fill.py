@@ -95,12 +95,13 @@ async def run_case(
     dump: Path | None = None,
     job: Prepared | None = None,
     sim: bool = False,
+    dispatch: str = "one",
 ) -> dict[str, Any]:
     """`pairs` interleaved off/on runs of one case, the on runs offered `share` of the capacity
     their off run measured (at most `max_rate` requests per real second), summarised
     (`harness.summarise`)."""
     kw: dict[str, Any] = {"iterations": iterations, "dp": dp, "mode": mode, "slo_device_ms": slo_device_ms}
-    kw["dump"], kw["job"] = dump, job
+    kw["dump"], kw["job"], kw["dispatch"] = dump, job, dispatch
     spec = parse_spec(bench_spec(enabled=True, iterations=1, dp=dp, mode=mode, job=job))
     tokens = PROMPT_TOKENS if job is None else job.prompt_tokens  # the load's mean prompt
     cost = prefill_block_s(spec, k, round(tokens))
@@ -187,6 +188,7 @@ async def bench(
     job: str | None = None,
     sim: bool = False,
     redis_cluster: bool = False,
+    dispatch: str = "one",
 ) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -197,7 +199,7 @@ async def bench(
                 for dp, mode, share in cases:
                     kw: dict[str, Any] = {"dp": dp, "mode": mode, "pairs": pairs, "iterations": iterations}
                     kw |= {"share": share, "slo_device_ms": slo_device_ms, "k": k, "max_rate": max_rate, "dump": dump}
-                    kw["job"], kw["sim"] = prepared, sim
+                    kw["job"], kw["sim"], kw["dispatch"] = prepared, sim, dispatch
                     out.append(await run_case(redis.url, Path(tmp), **kw))
                     bar.advance()
     return out
@@ -281,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the services on an embedded Redis Cluster (3 masters, 1 replica each) instead of one redis-server",
     )
+    ap.add_argument(
+        "--dispatch",
+        choices=("one", "per_dc"),
+        default="one",
+        help="bubbletea.dispatch: one dispatcher for the run (the default), or one per datacenter",
+    )
     ap.add_argument("--out", default="runs", help="where --sweep writes its picture (default: runs/)")
     ap.add_argument(
         "--dump",
@@ -355,9 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     kw = {"pairs": args.pairs, "iterations": iterations, "slo_device_ms": args.ttft_slo_ms, "max_rate": args.max_rate}
     kw["dump"] = Path(args.dump) if args.dump else None
     kw["job"], kw["sim"], kw["redis_cluster"] = args.job, args.sim, args.redis_cluster
+    kw["dispatch"] = args.dispatch
     results = uvloop.run(bench(cases, k=scale, **kw))
     for res in results:
         res["redis"] = "embedded cluster, 3 masters + 3 replicas" if args.redis_cluster else "one embedded redis-server"
+        res["dispatch"] = args.dispatch
         res["bench_s"] = round(time.perf_counter() - t0, 1)
         res["compute_priority"] = args.priority
         res["device_time_scale"] = scale

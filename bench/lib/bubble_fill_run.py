@@ -51,9 +51,10 @@ def bench_spec(
     mode: str = "profiled",
     slo_device_ms: float = 1000.0,
     job: Prepared | None = None,
+    dispatch: str = "one",
 ) -> dict[str, Any]:
     """The bench's spec: configs/wan-bound.yaml's pipeline, or with `job` (real mode) the GPU
-    check's Llama job (bench/lib/gpu_job.py)."""
+    check's Llama job (bench/lib/gpu_job.py); `dispatch`: `bubbletea.dispatch` (one, per_dc)."""
     spec = copy.deepcopy(BASE)
     if mode == "profiled":
         spec["device"] |= PREFILL_PROFILE
@@ -62,7 +63,7 @@ def bench_spec(
     spec["name"] = "bubbletea-bench"
     spec["parallelism"]["dp"] = dp
     spec["training"]["iterations"] = iterations
-    spec["bubbletea"] = {"enabled": enabled, "max_batch_requests": 16}
+    spec["bubbletea"] = {"enabled": enabled, "max_batch_requests": 16, "dispatch": dispatch}
     spec["prefill"] = {
         "model": {"layers": 4, "d_model": 64, "heads": 4, "seq_len": 256, "vocab": 256, "seed": 0},
         "max_prompt_tokens": 256,
@@ -107,12 +108,14 @@ async def one_run(
     dump: Path | None = None,
     job: Prepared | None = None,
     record: bool = False,
+    dispatch: str = "one",
 ) -> tuple[TrainResult, dict[str, Any]]:
     """One training run, BubbleTea off or on (then under the load: `rate` requests per real second
     for `load_s`); with `dump` (`--dump DIR`) its spans and the dispatcher's records are written
     there too; with `record` (BubbleTea on) the requests accepted and the batch reports are kept
     (`sim_fit.record`, in `recorded`), and the spec (`spec`)."""
-    spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp, mode=mode, slo_device_ms=slo_device_ms, job=job)
+    kw: dict[str, Any] = {"mode": mode, "slo_device_ms": slo_device_ms, "job": job, "dispatch": dispatch}
+    spec = bench_spec(enabled=enabled, iterations=iterations, dp=dp, **kw)
     path = workdir / f"bt-{'on' if enabled else 'off'}.yaml"
     path.write_text(yaml.safe_dump(spec))
     run = f"bench-bt-{'on' if enabled else 'off'}-{random.randrange(1 << 30):x}"
