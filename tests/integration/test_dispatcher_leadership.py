@@ -447,3 +447,26 @@ async def test_a_leader_deposed_then_leading_again_counts_a_new_term(redis: Redi
     await asyncio.sleep(0.4)  # its lease ends
     assert (await lease.step_once()).move is Move.LEAD
     assert not lease.deposed.is_set() and lease.terms == began + 1
+
+
+async def test_each_datacenters_dispatchers_share_their_own_lease(redis: Redis) -> None:
+    """With a dispatcher per datacenter, a DC's dispatchers contend for its lease alone: one leads
+    each DC, the other stands by; the run's lease is untouched; a leader released (it stopped, or
+    its supervisor saw it die) is replaced by its DC's standby, not by another DC's dispatcher."""
+    run = f"perdc-{time.time_ns()}"
+    a1, a2 = DispatcherLease(redis, run, "a1", dc="dc-a"), DispatcherLease(redis, run, "a2", dc="dc-a")
+    b1 = DispatcherLease(redis, run, "b1", dc="dc-b")
+    assert (await a1.step_once()).move is Move.LEAD
+    assert (await b1.step_once()).move is Move.LEAD  # another DC: its own lease
+    assert (await a2.step_once()).move is not Move.LEAD and a2.leader == "a1"
+    assert not await redis.exists(keys.dispatcher_lease_key(run))
+    assert await release_dispatcher_if_held_by(redis, run, "a1", "dc-a")
+    assert not await release_dispatcher_if_held_by(redis, run, "b1", "dc-a")  # not that DC's holder
+    assert (await a2.step_once()).move is Move.LEAD
+    assert (
+        await redis.get(keys.dispatcher_lease_key(run, "dc-a")),
+        await redis.get(keys.dispatcher_lease_key(run, "dc-b")),
+    ) == (
+        b"a2",
+        b"b1",
+    )
