@@ -113,14 +113,14 @@ test: lint typecheck
 
 # The integration tests written for one Redis that matter most on a Redis Cluster (the bus, slot
 # leases and their liveness, admission and answers, dead letters, recovery, readiness, the
-# rendezvous), run unchanged on an embedded cluster: BUBBLETEA_TEST_REDIS=cluster makes the
-# `redis_url`/`redis` fixtures give one (tests/conftest.py). `make test` runs them after the tiers
-# (the cluster's own tests, test_redis_cluster.py and test_up_redis_cluster.py, run in the tiers).
+# rendezvous, a dispatcher per datacenter end to end), run unchanged on an embedded cluster:
+# BUBBLETEA_TEST_REDIS=cluster makes the `redis_url`/`redis` fixtures give one (tests/conftest.py).
+# `make test` runs them after the tiers (the cluster's own tests, test_redis_cluster.py and test_up_redis_cluster.py, run in the tiers).
 CLUSTER_SWITCHED := tests/integration/test_bus.py tests/integration/test_slot_lease.py \
   tests/integration/test_lease_liveness.py tests/integration/test_prefill_api.py \
   tests/integration/test_dead_requests.py tests/integration/test_recovery_generations.py \
   tests/integration/test_readiness.py tests/integration/test_rendezvous_store.py \
-  tests/integration/test_dispatcher_leadership.py \
+  tests/integration/test_dispatcher_leadership.py tests/e2e/test_dispatch_per_dc.py \
   tests/integration/test_dashboard.py::test_a_lost_lease_then_a_new_holder_is_a_fault_and_a_takeover
 # Those, the cluster's own tests and `up --redis-cluster` end to end.
 test-cluster: install

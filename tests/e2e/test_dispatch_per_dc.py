@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
+from shared.bus.connection import client_for
 from shared.config.settings import load_settings
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import encode as encode_text
@@ -58,7 +59,7 @@ async def test_a_dispatcher_per_datacenter_serves_what_the_front_door_routes_to_
     assert len(dcs) == 2  # a stage in each datacenter
     env = service_env(redis_url, path, run)
     out = io.StringIO()
-    r = Redis.from_url(redis_url)
+    r = client_for(redis_url)  # one redis-server, or the cluster pass's (`make test`)
     async with front_door(env, out=out) as door:
         assert door.url is not None
         training = asyncio.create_task(run_training(settings, redis_url, out=out, progress=False, dispatcher=True))
