@@ -115,7 +115,8 @@ test: lint typecheck
 # leases and their liveness, admission and answers, dead letters, recovery, readiness, the
 # rendezvous, a dispatcher per datacenter end to end), run unchanged on an embedded cluster:
 # BUBBLETEA_TEST_REDIS=cluster makes the `redis_url`/`redis` fixtures give one (tests/conftest.py).
-# `make test` runs them after the tiers (the cluster's own tests, test_redis_cluster.py and test_up_redis_cluster.py, run in the tiers).
+# `make test` runs them after the tiers (the cluster's own tests, test_redis_cluster.py and
+# test_up_redis_cluster.py, run in the tiers).
 CLUSTER_SWITCHED := tests/integration/test_bus.py tests/integration/test_slot_lease.py \
   tests/integration/test_lease_liveness.py tests/integration/test_prefill_api.py \
   tests/integration/test_dead_requests.py tests/integration/test_recovery_generations.py \
