@@ -225,6 +225,13 @@ ENV: tuple[EnvVar, ...] = (
         ev.datacenter,
     ),
     EnvVar(
+        "BUBBLETEA_DISPATCH",
+        "`one` or `per_dc`: overrides `bubbletea.dispatch` (every service of the run must see the same: give it to "
+        "all, as a deployment gives them the spec)",
+        ev.one_of("BUBBLETEA_DISPATCH", ("one", "per_dc"), str),
+        ev.spec_field("bubbletea", "dispatch"),
+    ),
+    EnvVar(
         "BUBBLETEA_DECODE",
         "`on` or `off`: overrides `decode.enabled` (compose passes it to the front door); `vllm`: on, with "
         "`decode.engine: vllm`",

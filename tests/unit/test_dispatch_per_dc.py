@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from bubbletea.launcher.services import DISPATCHER, PREFILL_QUEUE, STAGE_WORKER, instances
 from bubbletea.launcher.wan_modes import WorkerLaunch
@@ -128,3 +129,14 @@ def test_a_request_no_datacenter_meets_is_judged_by_the_least_queued_dispatcher(
     routing.router.published(board("dc-c", ahead_s=0.0, ready=False))  # refuses: never chosen
     dc, route = routing.place(request(objective=0.5), now=0.0)
     assert (dc, route.why, route.dc) == ("dc-b", RouteWhy.NONE_MEETS, None)
+
+
+def test_bubbletea_dispatch_sets_it_for_every_service_and_refuses_another_value(tmp_path: Path) -> None:
+    from shared.config.settings import load_settings
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(SPEC))
+    assert load_settings(path, env={}).spec.bubbletea.dispatch == "one"
+    assert load_settings(path, env={"BUBBLETEA_DISPATCH": "per_dc"}).spec.bubbletea.dispatch == "per_dc"
+    with pytest.raises(ConfigError, match="BUBBLETEA_DISPATCH"):
+        load_settings(path, env={"BUBBLETEA_DISPATCH": "per-datacenter"})
