@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="MS",
         help="with --dispatch per-dc: how often the dispatchers publish their snapshots and the front door reads "
-        "them (default: the live readiness interval, 250 ms)",
+        "them (default: the live dispatcher's tick, 50 ms)",
     )
     p.add_argument(
         "--json",

@@ -5,8 +5,9 @@ With one dispatcher every request goes to it. With one per datacenter (`Dispatch
 front door routes each by `dc_routing.Router`, on the snapshots the dispatchers publish: a
 snapshot lands on the bus (Redis) a hop after its publish, and the front door reads the bus every
 `PUBLISH_EVERY_S`, half an interval out of phase with the publishes, the read a hop long, as the
-live front door polls the dispatchers' readiness keys. So the routing works on the staleness the
-live one would: half an interval and two hops at the least, one and a half at the most. Where no
+live front door polls the dispatchers' snapshot keys. So the routing works on the staleness the
+live one would: half an interval and two hops at the least, one and a half at the most (the live
+front door reads as often as they are published: `dc_routing.publish_every_s`). Where no
 DC is predicted to meet a request's objective, or none has come round once, placement's rule
 applies (`prompt_placement`): the decoder where it may take prompts (`auto`), a refusal
 (`OVERLOADED`) otherwise. Before the first snapshot is read, as the live front door accepts requests

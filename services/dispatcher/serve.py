@@ -39,6 +39,7 @@ from services.dispatcher.takeover import (
     held_batches,
     measurement,
     publish_measurement,
+    publish_snapshot,
     sweep,
 )
 from shared.bus import Bus
@@ -49,6 +50,7 @@ from shared.config.settings import Settings
 from shared.config.spec import ConfigError
 from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
+from shared.policies.dc_routing import publish_every_s
 from shared.policies.dispatch import DispatchState
 from shared.policies.pipeline_plan import dispatch_dcs, stages_of
 from shared.runtime.logs import get_logger
@@ -199,7 +201,8 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
         adopted=len(held),
     )
     next_log = time.monotonic() + LOG_EVERY_S
-    next_check = next_reconcile = next_sweep = time.monotonic()
+    next_check = next_reconcile = next_sweep = next_board = time.monotonic()
+    board_every_s = publish_every_s(d.state.time_scale, serving.READINESS_EVERY_S)  # per DC: the routing's
     outage = Outage("dispatcher tick")
     try:
         while not stop.is_set() and lease.leads_term(began):
@@ -211,7 +214,10 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + serving.READINESS_EVERY_S
                     await d.check_readiness()
-                    await publish_measurement(bus.redis, run, d.state, dc, d.verdict.ready)
+                    await publish_measurement(bus.redis, run, d.state, dc)
+                if dc is not None and time.monotonic() >= next_board:
+                    next_board = time.monotonic() + board_every_s
+                    await publish_snapshot(bus.redis, run, d.state, dc, d.verdict.ready)
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + SWEEP_EVERY_S
                     await sweep(consumers)

@@ -73,23 +73,19 @@ async def sweep(consumers: list[Consumer]) -> int:
     return total
 
 
-async def publish_measurement(
-    r: Redis, run: str, state: DispatchState[Any], dc: str | None = None, ready: bool = True
-) -> None:
-    """The leader's measurement of the bubbles, for a leader after it (once it is measured); with a
-    dispatcher per datacenter (`dc`), its snapshot for the front doors too, with its verdict `ready`."""
+async def publish_measurement(r: Redis, run: str, state: DispatchState[Any], dc: str | None = None) -> None:
+    """The leader's measurement of the bubbles, for a leader after it (once it is measured)."""
     now = time.time()
-    measured = state.came_round(now)
-    if not measured and dc is None:
-        return
-    async with r.pipeline(transaction=False) as pipe:
-        if measured:
-            snap = msgspec.json.encode(state.snapshot(dc or "", True, now))
-            pipe.set(keys.dispatcher_measured_key(run, dc), snap, ex=keys.DISPATCHER_MEASURED_TTL_S)
-        if dc is not None:
-            board = msgspec.json.encode(state.snapshot(dc, ready, now))
-            pipe.set(keys.dc_snapshot_key(run, dc), board, ex=keys.DC_SNAPSHOT_TTL_S)
-        await pipe.execute()
+    if state.came_round(now):
+        snap = msgspec.json.encode(state.snapshot(dc or "", True, now))
+        await r.set(keys.dispatcher_measured_key(run, dc), snap, ex=keys.DISPATCHER_MEASURED_TTL_S)
+
+
+async def publish_snapshot(r: Redis, run: str, state: DispatchState[Any], dc: str, ready: bool) -> None:
+    """A datacenter's dispatcher's snapshot for the front doors, with its verdict `ready`
+    (`keys.dc_snapshot_key`; every `dc_routing.publish_every_s`)."""
+    board = msgspec.json.encode(state.snapshot(dc, ready, time.time()))
+    await r.set(keys.dc_snapshot_key(run, dc), board, ex=keys.DC_SNAPSHOT_TTL_S)
 
 
 async def measurement(r: Redis, run: str, dc: str | None = None) -> DcSnapshot | None:

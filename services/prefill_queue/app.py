@@ -55,6 +55,7 @@ from shared.bus.delivery import Handlers
 from shared.config.settings import Settings
 from shared.control import serving
 from shared.control.health import Heartbeat, instance_id
+from shared.policies.dc_routing import publish_every_s
 from shared.policies.pipeline_plan import dispatch_dcs
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.policies.prompt_placement import FrontDoorHops
@@ -204,7 +205,6 @@ async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:
         while True:
             was = gate.verdict.state.value if gate.verdict else "no dispatcher"
             await api.read_gate(app)  # a Redis error keeps the last verdict; /ready reports Redis
-            await api.read_routing(app)
             now = gate.verdict.state.value if gate.verdict else "no dispatcher"
             if now != was:
                 log.info("serving state", state=now, reason=gate.verdict.reason if gate.verdict else "")
@@ -216,14 +216,23 @@ async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:
                     log.info("decoder for prompts", alive=gate.decoder_live)
             await asyncio.sleep(serving.READINESS_EVERY_S)  # a poll: the verdict is a key with a TTL
 
+    async def route() -> None:  # with a dispatcher per datacenter: their snapshots, as often as published
+        every_s = publish_every_s(app[SETTINGS].time_scale, serving.READINESS_EVERY_S)
+        while True:
+            await asyncio.sleep(every_s)
+            await api.read_routing(app)
+
     await api.read_gate(app)
     await api.read_routing(app)
     if builtin_decoder:
         await api.read_decoders(app)
-    task = asyncio.create_task(watch(), name="readiness")
+    tasks = [asyncio.create_task(watch(), name="readiness")]
+    if app[ROUTING] is not None:
+        tasks.append(asyncio.create_task(route(), name="routing"))
     yield
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # --- middlewares ---------------------------------------------------------------------------

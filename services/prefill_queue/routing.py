@@ -1,7 +1,8 @@
 """The front door's choice of datacenter, where a dispatcher serves each (`bubbletea.dispatch: per_dc`).
 
 Each datacenter's dispatcher publishes its `DcSnapshot` with its readiness verdict
-(`keys.dc_snapshot_key`, every `serving.READINESS_EVERY_S`); the front door reads them as often
+(`keys.dc_snapshot_key`, every `dc_routing.publish_every_s`: its tick, 50 device ms, and at least
+every readiness interval); the front door reads them as often
 (`read`, beside its readiness gate) into a `dc_routing.Router`, and routes each request it accepts
 on it (`place`): the accept script queues it on that datacenter's request stream. The policy is the
 simulator's (`sim/front_door.py`), with one difference: where no datacenter is predicted to meet a

@@ -1,7 +1,7 @@
 """Routing across datacenters (pure): which datacenter's dispatcher a front door sends a request to.
 
 With a dispatcher per datacenter (DC), each owns its DC's workers' bubbles, credit and request
-queue, and publishes a `DcSnapshot` every `PUBLISH_EVERY_S` (the readiness interval): whether it can
+queue, and publishes a `DcSnapshot` every `PUBLISH_EVERY_S` (its tick; `publish_every_s`): whether it can
 serve (its readiness verdict), admission's prediction inputs (the prefill queued ahead of a new
 request, its queue's and the work held on its workers; the bubbles' recent rate and the correction
 of recent waits; whether its pipeline came round once) and when it was published. `route` places a
@@ -55,14 +55,28 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from shared.policies.admission import Admission, predicted_finish_s
+from shared.policies.dispatch_inputs import TICK_S
 from shared.policies.prompt_placement import kept_s
 
-#: A DC's dispatcher publishes its snapshot this often: with its readiness verdict, every
-#: `shared.control.serving.READINESS_EVERY_S` (a test pins that they agree; a policy imports no Redis).
-PUBLISH_EVERY_S = 0.25
-#: A snapshot older than this is not used: three publishes, so that one lost or late write (a
-#: reconnect, a slow poll) does not take a DC out of the routing, and a dispatcher that stopped does.
-STALE_AFTER_S = 3 * PUBLISH_EVERY_S
+#: A DC's dispatcher publishes its snapshot this often (device s), and front doors read them as
+#: often: every tick of its timer (`dispatch_inputs.TICK_S`), and live at least every readiness
+#: interval (`publish_every_s`). At 250 ms, a snapshot was too old when used: a DC's bubbles come in
+#: one lump an iteration, and one taken before the lump sends work elsewhere (the simulator, 512 and
+#: 2,048 GPUs at load 1.0 with a 1 s objective: fill 0.81-0.82 and SLO 0.79-0.80 at 250 ms, 0.88 /
+#: 0.86 at 50 ms as with one dispatcher; docs/benchmarks.md, 2026-12-06).
+PUBLISH_EVERY_S = TICK_S
+#: A snapshot older than this (real s) is not used: three readiness intervals
+#: (`shared.control.serving.READINESS_EVERY_S`, a test pins that they agree; a policy imports no
+#: Redis), so that a few lost or late writes (a reconnect, a slow poll, a loaded host) do not take a
+#: DC out of the routing, and a dispatcher that stopped does.
+STALE_AFTER_S = 0.75
+
+
+def publish_every_s(time_scale: float, readiness_every_s: float) -> float:
+    """How often, in real seconds, a live dispatcher publishes its snapshot and a front door reads
+    them at the device time scale `time_scale`: every `PUBLISH_EVERY_S` device seconds, and at least
+    every readiness interval (`readiness_every_s`; on a slowed host the tick is longer)."""
+    return min(PUBLISH_EVERY_S * time_scale, readiness_every_s)
 
 
 @dataclass(frozen=True)

@@ -307,7 +307,7 @@ def dispatcher_measured_key(run: str, dc: str | None = None) -> str:
 def dc_snapshot_key(run: str, dc: str) -> str:
     """Datacenter `dc`'s dispatcher's `DcSnapshot` for the front doors (JSON; `bubbletea.dispatch:
     per_dc`): its readiness verdict and what its admission predicts, rewritten with its readiness
-    (`serving.READINESS_EVERY_S`) and gone `DC_SNAPSHOT_TTL_S` after the last; a front door routes
+    (`dc_routing.publish_every_s`: every tick) and gone `DC_SNAPSHOT_TTL_S` after the last; a front door routes
     each request on them (`dc_routing.Router`)."""
     return f"{_dispatch(run, dc)}:snapshot"
 

@@ -25,7 +25,7 @@ import pytest
 from redis.asyncio import Redis
 
 from bubbletea.launcher import train
-from services.dispatcher.takeover import measurement, publish_measurement
+from services.dispatcher.takeover import measurement, publish_measurement, publish_snapshot
 from services.dispatcher.writes import Writes, execute
 from services.prefill_queue.routing import DcRouting
 from services.stage_worker.membership.lease import Slot
@@ -65,7 +65,6 @@ COVERED = {
     "services/dispatcher/lease.py:DispatcherLease.step": f"{LEADERSHIP}::test_a_new_leader_takes_its_runs_earlier_"
     "dispatchers_entries_at_once_and_no_other_runs",
     "services/dispatcher/writes.py:execute": f"{HERE}::test_the_dispatcher_s_fenced_writes",
-    "services/dispatcher/takeover.py:publish_measurement": f"{HERE}::test_a_dispatcher_per_datacenter_s_keys",
     "services/prefill_queue/routing.py:DcRouting.read": f"{HERE}::test_a_dispatcher_per_datacenter_s_keys",
     "services/prefill_queue/dashboard.py:Hub._look": f"{DASHBOARD}::test_a_lost_lease_then_a_new_holder_is_a_"
     "fault_and_a_takeover",
@@ -235,7 +234,8 @@ async def test_a_dispatcher_per_datacenter_s_keys(r: Redis) -> None:
     assert await serving.reconcile_inflight(r, run, "dispatcher", ["dc-a", "dc-b"]) == 3
     assert await serving.reconcile_inflight(r, run, "dispatcher", ["dc-a", "dc-c"]) is None  # no group there
     state = DispatchState[PrefillRequest].from_spec(BubbleTea(), 4)
-    await publish_measurement(r, run, state, "dc-a", ready=True)
+    await publish_measurement(r, run, state, "dc-a")  # not measured yet: nothing written
+    await publish_snapshot(r, run, state, "dc-a", ready=True)
     routing = DcRouting(run, ["dc-a", "dc-b"], PrefillCostModel())
     await routing.read(r)
     assert [s.dc for s in routing.router.view(time.time())] == ["dc-a"]  # dc-b has published nothing

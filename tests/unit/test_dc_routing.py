@@ -9,6 +9,7 @@ from shared.policies import dc_routing
 from shared.policies.admission import Admission, predicted_finish_s
 from shared.policies.dc_routing import DcSnapshot, Router, RouteWhy, route
 from shared.policies.dispatch import DispatchState
+from shared.policies.dispatch_inputs import TICK_S
 from shared.policies.prompt_placement import MARGIN, RESERVE
 
 
@@ -16,9 +17,11 @@ def snap(dc: str, ahead_s: float = 0.0, rate: float | None = 1.0, at: float = 0.
     return DcSnapshot(dc=dc, ready=True, ahead_s=ahead_s, rate=rate, at=at, **kw)  # type: ignore[arg-type]
 
 
-def test_snapshots_are_published_with_the_readiness_verdict_and_stale_after_three() -> None:
-    assert dc_routing.PUBLISH_EVERY_S == READINESS_EVERY_S
+def test_snapshots_are_published_every_tick_and_stale_after_three_readiness_intervals() -> None:
+    assert dc_routing.PUBLISH_EVERY_S == TICK_S
     assert dc_routing.STALE_AFTER_S == 3 * READINESS_EVERY_S
+    assert dc_routing.publish_every_s(1.0, READINESS_EVERY_S) == TICK_S  # a real device: every tick
+    assert dc_routing.publish_every_s(10.0, READINESS_EVERY_S) == READINESS_EVERY_S  # a slowed host
 
 
 def test_the_prediction_is_admissions_own_arithmetic() -> None:
