@@ -30,6 +30,7 @@ from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control.leases import slot_name
 from shared.figures.dashboard import OUTCOMES, DashboardView, worker_id
 from shared.figures.dashboard_page import render
+from shared.policies.pipeline_plan import dispatch_dcs
 from shared.runtime.auth import bearer_ok
 from shared.runtime.logs import get_logger
 from shared.wire import FIELD, PrefillResult, WireError, decode, keys
@@ -67,7 +68,9 @@ class Hub:
         self._sent = 0  # the newest segment sent in an update
         self._holders: dict[str, str | None] = {}
         self._generation: int | None = None
-        self._dispatcher: str | None = None
+        #: the run's dispatchers (one, or one per datacenter: `pipeline_plan.dispatch_dcs`) and who leads each
+        self._dcs = dispatch_dcs(s.spec)
+        self._dispatcher: dict[str | None, str] = {}
         self._redis_down: float | None = None
 
     # --- what the front door sees itself ---------------------------------------------------
@@ -152,9 +155,10 @@ class Hub:
             for d, k in slots:
                 pipe.hget(keys.lease_end_key(self.run, d, k), "state")
             pipe.get(keys.generation_key(self.run))
-            pipe.get(keys.dispatcher_lease_key(self.run))
+            for dc in self._dcs:
+                pipe.get(keys.dispatcher_lease_key(self.run, dc))
             got: Any = await pipe.execute()
-        held, ends, gen, leader = got[:n], got[n : 2 * n], got[-2], got[-1]
+        held, ends, gen, leaders = got[:n], got[n : 2 * n], got[2 * n], got[2 * n + 1 :]
         for (d, k), h, end in zip(slots, held, ends, strict=True):
             self._slot(worker_id(k, d), slot_name(d, k), h.decode() if h else None, end, now)
         if gen is not None:
@@ -164,10 +168,13 @@ class Hub:
             if self._generation is not None and g > self._generation and self.view.trained:
                 self.view.fault("recovery", now, f"the run moved to recovery generation {g}")
             self._generation = g
-        holder = leader.decode() if leader else None
-        if holder and self._dispatcher and holder != self._dispatcher:
-            self.view.fault("dispatcher-restart", now, f"dispatcher {holder} leads the run (was {self._dispatcher})")
-        self._dispatcher = holder or self._dispatcher
+        for dc, leader in zip(self._dcs, leaders, strict=True):
+            holder, was = (leader.decode() if leader else None), self._dispatcher.get(dc)
+            if holder and was and holder != was:
+                what = "the run" if dc is None else f"datacenter {dc}"
+                self.view.fault("dispatcher-restart", now, f"dispatcher {holder} leads {what} (was {was})")
+            if holder:
+                self._dispatcher[dc] = holder
 
     def _slot(self, w: str, slot: str, holder: str | None, end: bytes | None, now: float) -> None:
         first = w not in self._holders

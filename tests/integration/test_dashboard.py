@@ -201,6 +201,17 @@ async def test_the_generation_moving_as_workers_join_is_no_recovery_and_a_move_a
     assert [f.text for f in hub.view._faults if f.kind == "recovery"] == ["the run moved to recovery generation 5"]
 
 
+async def test_a_new_dispatcher_leading_is_a_restart_on_the_live_page(client: TestClient, redis: Redis) -> None:
+    lease = keys.dispatcher_lease_key(RUN)
+    await redis.set(lease, "dispatcher-h1")
+    hub = client.app[dashboard.DASHBOARD]
+    await _until(lambda: hub._dispatcher.get(None) == "dispatcher-h1")
+    await redis.set(lease, "dispatcher-h2")
+    await _until(lambda: any(f.kind == "dispatcher-restart" for f in hub.view._faults))
+    (restart,) = [f.text for f in hub.view._faults if f.kind == "dispatcher-restart"]
+    assert restart == "dispatcher dispatcher-h2 leads the run (was dispatcher-h1)"
+
+
 async def _until(cond: Any, timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not cond():  # noqa: ASYNC110 (the hub's state has no event to wait on)
