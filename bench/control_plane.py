@@ -18,10 +18,15 @@ busy with bubbles as in the simulation, requests in proportion) through real pro
 
 Arms, side by side (each case runs every arm, one after the other, on a fresh backend):
 (a) ``single``: one redis-server; (b) ``cluster``: a Redis Cluster of 3 masters with a replica each
-(`shared.runtime.redis_cluster.EmbeddedCluster`), the dispatcher on it. A run's keys carry its hash tag,
-so one run lives on one master: the cluster's other masters show what they spend idle (the
-per-node CPU is reported as it is; no run per datacenter is faked). Where the cluster backend is not
-importable, arm (b) is left out and the JSON says why.
+(`shared.runtime.redis_cluster.EmbeddedCluster`), the dispatcher on it; (c) ``cluster-per-dc``: the
+same cluster and a dispatcher per datacenter (`bubbletea.dispatch: per_dc`: 4 dispatchers, each
+worker sending to its datacenter's; the front door puts the requests on the datacenters' streams in
+turn, not routed on their snapshots). A run's keys carry its hash tag, so one run lives on one
+master: the cluster's other masters show what they spend idle (the per-node CPU is reported as it
+is; no run per datacenter is faked). Where the cluster backend is not importable, arms (b) and (c)
+are left out and the JSON says why. The dispatcher's figures are all its processes together (CPU a
+input, to compare with one's; ``per_dc_cost``: per case, and from the marginal cost) and the
+busiest one's share of a core.
 
 Figures per case (host clock, real time), over a measured window after start-up and warm-up:
 inputs a second offered and measured (by kind; requests by XINFO entries-added), the
@@ -68,7 +73,9 @@ from bench.lib.output import emit, stderr
 from shared.runtime.redis_cluster import EmbeddedCluster
 from shared.runtime.redis_server import EmbeddedRedis
 
-ARMS = ("single", "cluster")
+ARMS = ("single", "cluster", "cluster-per-dc")
+#: The issue's bound on what a dispatcher per datacenter may add to the dispatching CPU a input.
+PER_DC_COST_BOUND = 1.10
 SIZES = (512, 2_048, 8_192)
 QUICK_SWEEP = (64, 128, 192, 256)
 FULL_SWEEP = (128, 192, 256, 384, 512, 768, 1024)
@@ -173,7 +180,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="5 s a case; each mix at 32 workers, the sweep to 256")
     ap.add_argument("--seconds", type=float, help="measured seconds a case (default 10, --quick 5)")
-    ap.add_argument("--arms", type=_arms, default=list(ARMS), help="single,cluster (default both)")
+    ap.add_argument("--arms", type=_arms, default=list(ARMS), help="single,cluster,cluster-per-dc (default all)")
     ap.add_argument("--gpus", type=int, choices=SIZES, help="one case only: this job's mix (with --workers)")
     ap.add_argument("--workers", type=int, metavar="N", help=f"one case only: N emulated workers (a multiple of {PP})")
     args = ap.parse_args(argv)
@@ -220,12 +227,48 @@ def main(argv: list[str] | None = None) -> int:
         "headline": {arm: headline(rows, arm, big) for arm in arms},
         "cases": rows,
     }
+    out["per_dc_cost"] = per_dc_cost(rows)
     out["targets"] = {
         f"decision_p99_ms < {DECISION_P99_MS:g} at the largest rate driven, {arm}": _largest_ok(rows, arm)
         for arm in arms
     }
+    ratio = out["per_dc_cost"].get("marginal_ratio")
+    out["targets"]["dispatcher CPU per input, per DC within 10% of one's (marginal)"] = (
+        None if ratio is None else ratio <= PER_DC_COST_BOUND
+    )
     emit(out)
     return 0
+
+
+def per_dc_cost(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A dispatcher per datacenter against one, on the same cluster: the dispatchers' CPU a input,
+    all of them together over one's, per case both arms ran (held or not: each its cost), and the
+    same from the marginal cost over the 8,192-GPU mix's held cases (each dispatcher's timer and
+    polls are a fixed part, counted per process, not per input)."""
+    one = {(r["mix_gpus"], r["workers"]): r for r in rows if r["arm"] == "cluster"}
+    cases = []
+    for r in rows:
+        base = one.get((r["mix_gpus"], r["workers"]))
+        if r["arm"] != "cluster-per-dc" or base is None:
+            continue
+        a, b = base["dispatcher"]["cpu_us_per_input"], r["dispatcher"]["cpu_us_per_input"]
+        cases.append(
+            {
+                "mix_gpus": r["mix_gpus"],
+                "workers": r["workers"],
+                "one_us": a,
+                "per_dc_us": b,
+                "ratio": round(b / a, 3) if a and b else None,
+                "per_dc_busiest_cpu": r["dispatcher"]["busiest_cpu"],
+            }
+        )
+    swept = {
+        arm: marginal([r for r in rows if r["arm"] == arm and r["held"] and r["mix_gpus"] == SIZES[-1]], 0.0)
+        for arm in ("cluster", "cluster-per-dc")
+    }
+    slopes = [swept[a].get("dispatcher_us_per_input") for a in ("cluster", "cluster-per-dc")]
+    ratio = round(slopes[1] / slopes[0], 3) if all(slopes) and slopes[0] > 0 else None
+    return {"cases": cases, "marginal_us_per_input": slopes, "marginal_ratio": ratio}
 
 
 def _largest_ok(rows: list[dict[str, Any]], arm: str) -> bool | None:

@@ -1,7 +1,7 @@
 """One case of bench/control_plane.py: a backend (one redis-server, or a Redis Cluster), a real
-dispatcher process on it, emulated workers (`bench/lib/cp_workers.py`, in processes of their own)
-and a front door (`bench/lib/cp_front.py`) producing a `Mix` scaled to `workers`, and what each
-process spent in the measured window.
+dispatcher process on it (or one per datacenter: arm `cluster-per-dc`), emulated workers
+(`bench/lib/cp_workers.py`, in processes of their own) and a front door (`bench/lib/cp_front.py`)
+producing a `Mix` scaled to `workers`, and what each process spent in the measured window.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from bench.lib.cp_mix import PP, Mix
 from bench.lib.cp_workers import HOLDER
 from bench.lib.procfs import cpu_seconds
 from bubbletea.launcher.procs import spawn, stop_all
-from bubbletea.launcher.services import DISPATCHER
+from bubbletea.launcher.services import DISPATCHER, instances
 from shared.bus.connection import client_for
+from shared.config.spec import parse_spec
 from shared.control.health import HEARTBEAT_INTERVAL_S
+from shared.policies.pipeline_plan import dispatch_dcs, placement_of
 from shared.wire import keys
 
 LIB = Path(__file__).resolve().parent
@@ -65,14 +67,15 @@ def reply_stream(run: str, instance: str) -> str:
     return keys.prefill_results_stream(run, instance)
 
 
-def spec(dp: int) -> dict[str, Any]:
-    """PP=16 over 4 datacenters (4 stages each), as the simulator's scale case."""
+def spec(dp: int, dispatch: str = "one") -> dict[str, Any]:
+    """PP=16 over 4 datacenters (4 stages each), as the simulator's scale case; `dispatch`:
+    `bubbletea.dispatch` (one, or per_dc: a dispatcher per datacenter)."""
     return {
         "name": "control-plane-bench",
         "datacenters": [{"name": f"dc-{i}", "gpus": dp * PP // 4} for i in range(4)],
         "model": {"layers": 32},
         "parallelism": {"pp": PP, "dp": dp},
-        "bubbletea": {"enabled": True, "max_batch_requests": 32},
+        "bubbletea": {"enabled": True, "max_batch_requests": 32, "dispatch": dispatch},
         "prefill": {"max_prompt_tokens": 256, "request_timeout_s": 30.0, "max_queue_depth": 10_000_000},
     }
 
@@ -97,15 +100,36 @@ async def _node_info(nodes: list[Node], section: str, field: str) -> list[int | 
     return out
 
 
-async def _accepted(url: str, run: str) -> int | None:
-    """Requests accepted into the run's stream so far (XINFO entries-added; None before Redis 7)."""
+async def _accepted(url: str, run: str, dcs: list[str | None]) -> int | None:
+    """Requests accepted into the run's request streams so far (XINFO entries-added; None before
+    Redis 7): one, or one per datacenter (`dcs`)."""
     r = client_for(url)
     try:
-        info: Any = await r.xinfo_stream(keys.prefill_requests_stream(run))
-        n = info.get("entries-added")
-        return None if n is None else int(n)
+        total = 0
+        for dc in dcs:
+            info: Any = await r.xinfo_stream(keys.prefill_requests_stream(run, dc))
+            n = info.get("entries-added")
+            if n is None:
+                return None
+            total += int(n)
+        return total
     finally:
         await r.aclose()
+
+
+async def _heartbeats(url: str, pids: list[int], after: float) -> dict[str, Any]:
+    """The dispatchers' first heartbeats at or after `after`, as one: the largest decision
+    percentiles, the refusals and expiries summed."""
+    beats = [await _heartbeat(url, pid, after) for pid in pids]
+    if len(beats) == 1:
+        return beats[0]
+    out: dict[str, Any] = {}
+    for k in ("decision_ms_p50", "decision_ms_p99"):
+        got = [b[k] for b in beats if b.get(k) is not None]
+        out[k] = max(got) if got else None
+    for k in ("overloaded", "expired"):
+        out[k] = sum(int(b.get(k) or 0) for b in beats)
+    return out
 
 
 async def _heartbeat(url: str, pid: int, after: float) -> dict[str, Any]:
@@ -137,7 +161,10 @@ async def run_case(backend: Backend, arm: str, mix: Mix, seconds: float, workdir
     run = f"cp-{mix.gpus}-{mix.workers}-{random.randrange(1 << 20):x}"
     dp = mix.workers // PP
     path = workdir / f"{run}.yaml"
-    path.write_text(yaml.safe_dump(spec(dp)))
+    raw = spec(dp, "per_dc" if arm == "cluster-per-dc" else "one")
+    path.write_text(yaml.safe_dump(raw))
+    parsed = parse_spec(raw)
+    dcs, stage_dcs = dispatch_dcs(parsed), list(placement_of(parsed).stage_dc)
     r = client_for(backend.url)
     await r.set(keys.generation_key(run), 1)
     await r.sadd(keys.generation_joined_key(run, 1), *[f"r{d}s{k}" for d in range(dp) for k in range(PP)])
@@ -146,7 +173,10 @@ async def run_case(backend: Backend, arm: str, mix: Mix, seconds: float, workdir
             await r.set(keys.lease_key(run, d, k), HOLDER, px=keys.LEASE_TTL_MS)
     await r.aclose()
     env = {"REDIS_URL": backend.url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": run, "BUBBLETEA_TIME_SCALE": "1"}
-    dispatcher = await spawn(DISPATCHER, env, out=sys.stderr, quiet=True)
+    dispatchers = [
+        await spawn(DISPATCHER, {**env, **launch.env}, out=sys.stderr, quiet=True)
+        for _, launch in instances(DISPATCHER, parsed, [])
+    ]
     t0 = time.time() + STARTUP_S + WARMUP_S
     window, until = (t0, t0 + seconds), t0 + seconds
     period = 1 / mix.bubbles_per_worker_s
@@ -154,41 +184,46 @@ async def run_case(backend: Backend, arm: str, mix: Mix, seconds: float, workdir
     n_procs = math.ceil(mix.workers / WORKERS_PER_PROC)
     cuts = [round(i * mix.workers / n_procs) for i in range(n_procs + 1)]
     base = {"url": backend.url, "run": run, "window": window, "until": until}
+    per_dc = dcs != [None]
     try:
         children = [
             await _child(
                 "cp_workers.py",
-                base | shape | {"first": a, "last": b, "total": mix.workers, "pp": PP},
+                base
+                | shape
+                | {"first": a, "last": b, "total": mix.workers, "pp": PP, "stage_dcs": stage_dcs, "per_dc": per_dc},
             )
             for a, b in itertools.pairwise(cuts)
         ]
         front = await _child(
             "cp_front.py",
-            base | {"rate": mix.requests_per_s, "reply_to": reply_stream(run, "cpbench"), "prefix": "c", "seed": 1},
+            base
+            | {"rate": mix.requests_per_s, "reply_to": reply_stream(run, "cpbench"), "prefix": "c", "seed": 1}
+            | {"dcs": dcs if per_dc else None},
         )
-        pids = [dispatcher.proc.pid] + [n.pid for n in backend.nodes] + [c.pid for c in children] + [front.pid]
+        pids = [d.proc.pid for d in dispatchers] + [n.pid for n in backend.nodes] + [c.pid for c in children]
+        pids.append(front.pid)
         await _until(window[0])
         c0, q0, k0 = (
             _cpu(pids),
-            await _accepted(backend.url, run),
+            await _accepted(backend.url, run, dcs),
             await _node_info(backend.nodes, "stats", "total_commands_processed"),
         )
         await _until(window[1])
         c1, q1, k1 = (
             _cpu(pids),
-            await _accepted(backend.url, run),
+            await _accepted(backend.url, run, dcs),
             await _node_info(backend.nodes, "stats", "total_commands_processed"),
         )
         outs = [json.loads((await c.communicate())[0].decode() or "{}") for c in [*children, front]]
-        if dispatcher.proc.returncode is not None:
-            raise RuntimeError(
-                f"the dispatcher exited ({dispatcher.proc.returncode}) during the case: its log is above"
-            )
-        beat = await _heartbeat(backend.url, dispatcher.proc.pid, after=time.time())
+        for d in dispatchers:
+            if d.proc.returncode is not None:
+                raise RuntimeError(f"a dispatcher exited ({d.proc.returncode}) during the case: its log is above")
+        beat = await _heartbeats(backend.url, [d.proc.pid for d in dispatchers], after=time.time())
         memory = await _node_info(backend.nodes, "memory", "used_memory")
     finally:
-        await stop_all([dispatcher])
+        await stop_all(dispatchers)
     accepted = None if q0 is None or q1 is None else q1 - q0
     used = [b - a for a, b in zip(c0, c1, strict=True)]
     commands = [None if a is None or b is None else b - a for a, b in zip(k0, k1, strict=True)]
-    return figures(arm, mix, seconds, backend, outs, accepted, used, commands, memory, beat)
+    return figures(arm, mix, seconds, backend, outs, accepted, used, commands, memory, beat, len(dispatchers))

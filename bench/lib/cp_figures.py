@@ -38,10 +38,14 @@ def figures(
     commands: list[int | None],
     memory: list[int | None],
     beat: dict[str, Any],
+    dispatchers: int = 1,
 ) -> dict[str, Any]:
-    """One case's row. `used`: CPU seconds in the window of the dispatcher, each node, each worker
-    process and the front door, in that order."""
+    """One case's row. `used`: CPU seconds in the window of each of the `dispatchers` (one, or one
+    per datacenter), each node, each worker process and the front door, in that order. The
+    dispatcher's figures are all of them together (its cost a input, to compare with one's), and the
+    busiest's share of a core."""
     workers, front = outs[:-1], outs[-1]
+    ours, used = used[:dispatchers], [sum(used[:dispatchers]), *used[dispatchers:]]
 
     def total(k: str) -> int:
         return sum(int(o.get(k, 0)) for o in workers)
@@ -87,7 +91,12 @@ def figures(
         "sent": front.get("sent"),
         "answered": total("answered"),
         "driven": driven,
-        "dispatcher": {"cpu": round(used[0] / seconds, 3), "cpu_us_per_input": _per_input_us(used[0], inputs)},
+        "dispatcher": {
+            "cpu": round(used[0] / seconds, 3),
+            "cpu_us_per_input": _per_input_us(used[0], inputs),
+            "processes": dispatchers,
+            "busiest_cpu": round(max(ours) / seconds, 3),
+        },
         "redis_nodes": nodes,
         "emulator_cpu": round(sum(used[1 + n : -1]) / seconds, 3),
         "front_door_cpu": round(used[-1] / seconds, 3),

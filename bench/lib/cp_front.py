@@ -5,8 +5,9 @@ door reads its answers (XREAD, blocking), until `until`.
     python bench/lib/cp_front.py CONFIG_JSON
 
 CONFIG_JSON: url, run, rate, reply_to, prefix, seed, window (wall-clock start and end of the
-measured window), until (wall clock). It prints one JSON object: requests sent, answers read, and
-answers read in the window.
+measured window), until (wall clock), dcs (a dispatcher per datacenter: the requests go to their
+streams in turn, not routed on their snapshots as the live front door does; else null). It prints
+one JSON object: requests sent, answers read, and answers read in the window.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg["reply_to"],
         cfg["prefix"],
         cfg["seed"],
+        cfg.get("dcs"),
     )
     sent, (read, read_in_window) = await asyncio.gather(
         sending, answers(cfg["url"], cfg["reply_to"], until, tuple(cfg["window"]))

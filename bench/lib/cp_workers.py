@@ -6,7 +6,8 @@ processes drive more workers than one Python process can): each worker of `bench
     python bench/lib/cp_workers.py CONFIG_JSON
 
 CONFIG_JSON: url, run, first, last (the workers' indices, of `total`), pp, period_s, bubble_s,
-request_s, window (wall-clock start and end of the measured window), until (wall clock). It prints
+request_s, window (wall-clock start and end of the measured window), until (wall clock), stage_dcs
+(each stage's datacenter), per_dc (each worker sends to its datacenter's dispatcher). It prints
 one JSON object: in the window, bubble starts and ends, reports, batch arrivals and lease renewals;
 and per bubble started in it with work waiting, start to that work's arrival (ms).
 """
@@ -74,10 +75,13 @@ def start_to_work_ms(w: Emulated, t0: float, t1: float) -> tuple[list[float], in
 async def main(cfg: dict[str, Any]) -> dict[str, Any]:
     shape = Shape(cfg["period_s"], cfg["bubble_s"], cfg["request_s"])
     pp, total, run, url = cfg["pp"], cfg["total"], cfg["run"], cfg["url"]
+    dcs = cfg["stage_dcs"]
     workers = [
-        Emulated(run, i // pp, i % pp, f"dc-{4 * (i % pp) // pp}", shape, i, total, url)
-        for i in range(cfg["first"], cfg["last"])
+        Emulated(run, i // pp, i % pp, dcs[i % pp], shape, i, total, url) for i in range(cfg["first"], cfg["last"])
     ]
+    if cfg["per_dc"]:
+        for w in workers:
+            w.dispatch_dc = w.dc
     stop, renewed = asyncio.Event(), []
     tasks = [asyncio.create_task(w.run_until(stop)) for w in workers]
     tasks.append(asyncio.create_task(renew(url, run, workers, stop, renewed)))

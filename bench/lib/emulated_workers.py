@@ -76,6 +76,8 @@ class Emulated:
     _batches: dict[str, tuple[str, PrefillBatch, float]] = field(default_factory=dict)  # id -> (entry, batch, left s)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
     _reporting: set[asyncio.Task[None]] = field(default_factory=set)
+    #: the datacenter whose dispatcher reads its bubbles and reports (None: the run's one)
+    dispatch_dc: str | None = None
 
     @property
     def name(self) -> str:
@@ -188,7 +190,7 @@ class Emulated:
 
     async def _send(self, r: Redis, msg: BubbleStart | BubbleEnd) -> None:
         (self.starts if isinstance(msg, BubbleStart) else self.ends).append(msg.at)
-        await r.xadd(keys.bubbles_stream(self.run), {FIELD: encode(msg)})
+        await r.xadd(keys.bubbles_stream(self.run, self.dispatch_dc), {FIELD: encode(msg)})
         self.sent += 1
 
     async def _report(self, r: Redis, entry: str, batch: PrefillBatch) -> None:
@@ -221,7 +223,7 @@ class Emulated:
                 preempted=False,
                 at=time.time(),
             )
-            pipe.xadd(keys.prefill_reports_stream(self.run), {FIELD: encode(report)})
+            pipe.xadd(keys.prefill_reports_stream(self.run, self.dispatch_dc), {FIELD: encode(report)})
             pipe.xack(keys.fill_stream(self.run, self.replica, self.stage), "worker", entry)
             await pipe.execute()
         self.answered += len(batch.items)

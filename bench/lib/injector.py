@@ -24,9 +24,19 @@ from shared.wire import PrefillRequest
 ACCEPT_BATCH = 200
 
 
-async def inject(url: str, run: str, rate: float, until: float, reply_to: str, prefix: str = "d", seed: int = 1) -> int:
+async def inject(
+    url: str,
+    run: str,
+    rate: float,
+    until: float,
+    reply_to: str,
+    prefix: str = "d",
+    seed: int = 1,
+    dcs: list[str] | None = None,
+) -> int:
     """Poisson arrivals at `rate`/s until `until` (monotonic), each accepted for `run` with the front
-    door's script, batched per wake-up; how many were sent."""
+    door's script, batched per wake-up; with `dcs` (a dispatcher per datacenter), onto their request
+    streams in turn; how many were sent."""
     r = client_for(url)
     rng, n, sent = random.Random(seed), 0, 0
     due = time.monotonic()
@@ -46,7 +56,8 @@ async def inject(url: str, run: str, rate: float, until: float, reply_to: str, p
             if batch:
                 async with r.pipeline(transaction=False) as pipe:
                     for req in batch:
-                        pipe.eval(*serving.accept_args(run, req, 10_000_000))
+                        dc = None if not dcs else dcs[int(req.id.removeprefix(prefix)) % len(dcs)]
+                        pipe.eval(*serving.accept_args(run, req, 10_000_000, None, dc))
                     await pipe.execute()
                 sent += len(batch)
             await asyncio.sleep(max(0.0, min(due - time.monotonic(), 0.005)))

@@ -65,3 +65,28 @@ def test_a_case_needs_both_its_mix_and_whole_pipelines() -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "multiple of 16" in proc.stderr
+
+
+def test_a_dispatcher_per_datacenter_arm_drives_the_mix_through_each_datacenters_dispatcher() -> None:
+    """Arm (c): the same tiny case on an embedded cluster with a dispatcher per datacenter (4): each
+    worker's bubbles and reports reach its datacenter's dispatcher and the requests the datacenters'
+    streams (counted over all four), every dispatcher's CPU is counted, and each answers."""
+    proc = subprocess.run(
+        [sys.executable, BENCH, "--gpus", "512", "--workers", "16", "--seconds", "2", "--arms", "cluster-per-dc"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    (case,) = out["cases"]
+    assert case["arm"] == "cluster-per-dc" and case["dispatcher"]["processes"] == 4
+    offered, measured = case["offered"], case["measured"]
+    for kind in ("requests_per_s", "bubble_events_per_s"):
+        assert 0.5 * offered[kind] < measured[kind] < 1.5 * offered[kind], (kind, offered, measured)
+    assert measured["reports_per_s"] > 0 and measured["answers_read_per_s"] > 0
+    d = case["dispatcher"]
+    assert d["cpu"] >= d["busiest_cpu"] > 0 and d["cpu_us_per_input"] > 0
+    assert len(case["redis_nodes"]) == 6 and case["refused"] == 0
+    assert out["per_dc_cost"]["cases"] == []  # arm (b) did not run: nothing to compare with
