@@ -23,10 +23,12 @@ from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
 from shared.bus.connection import client_for
 from shared.config.settings import load_settings
+from shared.control import serving
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import encode as encode_text
 from shared.policies.pipeline_plan import dispatch_dcs
 from shared.wire import keys
+from shared.wire.status import ServingState
 from tests.e2e.serving import ONE_REPLICA, SPEC, service_env, wait_for_iteration, write_spec
 
 #: A generous bound for a loaded 2-core machine (a completion waits for a bubble).
@@ -75,6 +77,7 @@ async def test_a_dispatcher_per_datacenter_serves_what_the_front_door_routes_to_
                 raise AssertionError(f"{exc!r}\n{out.getvalue()[-6000:]}") from None
             leaders = [await r.get(keys.dispatcher_lease_key(run, dc)) for dc in dcs]
             boards = [await r.get(keys.dc_snapshot_key(run, dc)) for dc in dcs]
+            verdicts = {v.instance: v.state for v in await serving.readiness(r, run)}
             routed = [await entries_added(r, keys.prefill_requests_stream(run, dc)) for dc in dcs]
             reported = [await entries_added(r, keys.prefill_reports_stream(run, dc)) for dc in dcs]
             run_wide = [
@@ -89,8 +92,10 @@ async def test_a_dispatcher_per_datacenter_serves_what_the_front_door_routes_to_
             await asyncio.gather(training, return_exceptions=True)
             await r.aclose()
 
-    # each datacenter led by its own dispatcher; nothing on the run-wide streams or lease
+    # each datacenter led by its own dispatcher, each saying it serves; nothing on the run-wide
+    # streams or lease
     assert all(leaders) and len(set(leaders)) == 2, leaders
+    assert verdicts == {leader.decode(): ServingState.SERVING for leader in leaders if leader}, verdicts
     assert run_wide == [0, 0, 0]
     # every request queued on one datacenter's stream, and both were used (a burst spreads: the
     # front door counts what it routed until the next snapshot)
