@@ -27,6 +27,17 @@ def _per_input_us(cpu_s: float, inputs: int) -> float | None:
     return round(1e6 * cpu_s / inputs, 2) if inputs else None
 
 
+def _dispatchers(used: list[float], inputs: int, seconds: float) -> dict[str, Any]:
+    """The dispatchers' figures from each one's CPU seconds `used`: all together, and the busiest."""
+    total = sum(used)
+    return {
+        "cpu": round(total / seconds, 3),
+        "cpu_us_per_input": _per_input_us(total, inputs),
+        "processes": len(used),
+        "busiest_cpu": round(max(used) / seconds, 3),
+    }
+
+
 def figures(
     arm: str,
     mix: Mix,
@@ -91,12 +102,7 @@ def figures(
         "sent": front.get("sent"),
         "answered": total("answered"),
         "driven": driven,
-        "dispatcher": {
-            "cpu": round(used[0] / seconds, 3),
-            "cpu_us_per_input": _per_input_us(used[0], inputs),
-            "processes": dispatchers,
-            "busiest_cpu": round(max(ours) / seconds, 3),
-        },
+        "dispatcher": _dispatchers(ours, inputs, seconds),
         "redis_nodes": nodes,
         "emulator_cpu": round(sum(used[1 + n : -1]) / seconds, 3),
         "front_door_cpu": round(used[-1] / seconds, 3),
