@@ -212,6 +212,22 @@ async def test_a_new_dispatcher_leading_is_a_restart_on_the_live_page(client: Te
     assert restart == "dispatcher dispatcher-h2 leads the run (was dispatcher-h1)"
 
 
+async def test_with_a_dispatcher_per_datacenter_a_new_leader_of_one_is_its_restart(
+    redis_url: str, redis: Redis
+) -> None:
+    settings = settings_for(redis_url, BUBBLETEA_DISPATCH="per_dc")
+    async with TestClient(TestServer(create_app(settings))) as c:
+        hub = c.app[dashboard.DASHBOARD]
+        a, b = keys.dispatcher_lease_key(RUN, "dc-a"), keys.dispatcher_lease_key(RUN, "dc-b")
+        await redis.set(a, "dispatcher-a1")
+        await redis.set(b, "dispatcher-b1")
+        await _until(lambda: hub._dispatcher == {"dc-a": "dispatcher-a1", "dc-b": "dispatcher-b1"})
+        await redis.set(a, "dispatcher-a2")
+        await _until(lambda: any(f.kind == "dispatcher-restart" for f in hub.view._faults))
+        restarts = [f.text for f in hub.view._faults if f.kind == "dispatcher-restart"]
+        assert restarts == ["dispatcher dispatcher-a2 leads datacenter dc-a (was dispatcher-a1)"]
+
+
 async def _until(cond: Any, timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not cond():  # noqa: ASYNC110 (the hub's state has no event to wait on)
