@@ -28,6 +28,7 @@ import contextlib
 import functools
 import gc
 import time
+from dataclasses import dataclass
 
 from services.dispatcher.dispatcher import SERVICE, Dispatcher
 from services.dispatcher.lease import DispatcherLease
@@ -201,8 +202,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
         adopted=len(held),
     )
     next_log = time.monotonic() + LOG_EVERY_S
-    next_check = next_reconcile = next_sweep = next_board = time.monotonic()
-    board_every_s = publish_every_s(d.state.time_scale, serving.READINESS_EVERY_S)  # per DC: the routing's
+    chores = Chores(d, consumers)
     outage = Outage("dispatcher tick")
     try:
         while not stop.is_set() and lease.leads_term(began):
@@ -211,19 +211,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
                 raise RuntimeError(f"consumer of {crashed.stream} crashed: {crashed.error!r}")
             try:  # a Redis outage is ridden out: back off, tick again (the state kept while the lease lasts)
                 await d.tick()
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + serving.READINESS_EVERY_S
-                    await d.check_readiness()
-                    await publish_measurement(bus.redis, run, d.state, dc)
-                if dc is not None and time.monotonic() >= next_board:
-                    next_board = time.monotonic() + board_every_s
-                    await publish_snapshot(bus.redis, run, d.state, dc, d.verdict.ready)
-                if time.monotonic() >= next_sweep:
-                    next_sweep = time.monotonic() + SWEEP_EVERY_S
-                    await sweep(consumers)
-                if time.monotonic() >= next_reconcile:
-                    next_reconcile = time.monotonic() + serving.INFLIGHT_RECONCILE_S
-                    await serving.reconcile_inflight(bus.redis, run, SERVICE, dispatch_dcs(d.spec))
+                await chores.run()
             except TRANSIENT_ERRORS as exc:
                 await sleep_unless(stop, outage.failed(exc))
                 continue
@@ -241,6 +229,47 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
             # deposed leader's handlers could write nothing (its writes are refused).
             await c.stop(grace_s=0 if deposed or c is requests else None)
         await last_writes(d, None)
+
+
+@dataclass
+class Every:
+    """A chore's timer: due at once, then once `every_s` has passed since it last was."""
+
+    every_s: float
+    _next: float = 0.0
+
+    def due(self, now: float) -> bool:
+        if now < self._next:
+            return False
+        self._next = now + self.every_s
+        return True
+
+
+class Chores:
+    """A leader's work beside its streams and its tick, each on its own timer: the readiness verdict
+    and the measurement a successor starts from; with a dispatcher per datacenter, the snapshot the
+    front doors route on (`dc_routing.publish_every_s`); the sweep of what a deposed leader read
+    (`takeover.sweep`); and the in-flight count checked against the request streams."""
+
+    def __init__(self, d: Dispatcher, consumers: list[Consumer]) -> None:
+        self.d, self.consumers = d, consumers
+        self.readiness = Every(serving.READINESS_EVERY_S)
+        self.board = Every(publish_every_s(d.state.time_scale, serving.READINESS_EVERY_S))
+        self.sweep = Every(SWEEP_EVERY_S)
+        self.reconcile = Every(serving.INFLIGHT_RECONCILE_S)
+
+    async def run(self) -> None:
+        """Those due now, in that order (a Redis error is the caller's: it rides the outage out)."""
+        d, r = self.d, self.d.bus.redis
+        if self.readiness.due(time.monotonic()):
+            await d.check_readiness()
+            await publish_measurement(r, d.run, d.state, d.dc)
+        if d.dc is not None and self.board.due(time.monotonic()):
+            await publish_snapshot(r, d.run, d.state, d.dc, d.verdict.ready)
+        if self.sweep.due(time.monotonic()):
+            await sweep(self.consumers)
+        if self.reconcile.due(time.monotonic()):
+            await serving.reconcile_inflight(r, d.run, SERVICE, dispatch_dcs(d.spec))
 
 
 async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
