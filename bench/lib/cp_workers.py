@@ -75,13 +75,11 @@ def start_to_work_ms(w: Emulated, t0: float, t1: float) -> tuple[list[float], in
 async def main(cfg: dict[str, Any]) -> dict[str, Any]:
     shape = Shape(cfg["period_s"], cfg["bubble_s"], cfg["request_s"])
     pp, total, run, url = cfg["pp"], cfg["total"], cfg["run"], cfg["url"]
-    dcs = cfg["stage_dcs"]
+    dcs, per_dc = cfg["stage_dcs"], cfg["per_dc"]
     workers = [
-        Emulated(run, i // pp, i % pp, dcs[i % pp], shape, i, total, url) for i in range(cfg["first"], cfg["last"])
+        Emulated(run, i // pp, i % pp, dcs[i % pp], shape, i, total, url, dispatch_dc=dcs[i % pp] if per_dc else None)
+        for i in range(cfg["first"], cfg["last"])
     ]
-    if cfg["per_dc"]:
-        for w in workers:
-            w.dispatch_dc = w.dc
     stop, renewed = asyncio.Event(), []
     tasks = [asyncio.create_task(w.run_until(stop)) for w in workers]
     tasks.append(asyncio.create_task(renew(url, run, workers, stop, renewed)))

@@ -43,20 +43,17 @@ async def inject(
     try:
         while time.monotonic() < until:
             now = time.monotonic()
-            batch = []
+            batch: list[tuple[PrefillRequest, str | None]] = []
             while due <= now and len(batch) < ACCEPT_BATCH:
                 n += 1
                 tokens = tuple(rng.randrange(256) for _ in range(rng.randint(64, 128)))
-                batch.append(
-                    PrefillRequest(
-                        id=f"{prefix}{n}", model="m", tokens=tokens, submitted=time.time(), reply_to=reply_to
-                    )
-                )
+                now_s = time.time()
+                req = PrefillRequest(id=f"{prefix}{n}", model="m", tokens=tokens, submitted=now_s, reply_to=reply_to)
+                batch.append((req, dcs[n % len(dcs)] if dcs else None))
                 due += rng.expovariate(rate)
             if batch:
                 async with r.pipeline(transaction=False) as pipe:
-                    for req in batch:
-                        dc = None if not dcs else dcs[int(req.id.removeprefix(prefix)) % len(dcs)]
+                    for req, dc in batch:
                         pipe.eval(*serving.accept_args(run, req, 10_000_000, None, dc))
                     await pipe.execute()
                 sent += len(batch)
