@@ -17,7 +17,8 @@ the front door hears no reports. Every datacenter is weighed with the same cost,
 between them does not depend on it; the objective's check does (a dispatcher's learned model may
 predict shorter or longer), and the chosen dispatcher judges the request again in any case.
 
-Tested by: tests/unit/test_dispatch_per_dc.py, tests/e2e/test_dispatch_per_dc.py.
+Tested by: tests/unit/test_dispatch_per_dc.py, tests/integration/test_front_door_routing.py,
+tests/e2e/test_dispatch_per_dc.py.
 """
 
 from __future__ import annotations
