@@ -6,7 +6,10 @@ Then what the schemas cannot see: every ConfigMap, Secret, volume claim and Serv
 is in the same render, each datacenter overlay runs the spec's slots of its DC plus one spare (the
 slots computed with the project's own placement, `shared.policies.pipeline_plan.placement_of`), the probes and
 Prometheus annotations use the ports and paths the services really serve (and compose's Prometheus
-scrapes), and Redis's password only ever comes from the Secret.
+scrapes), and Redis's password only ever comes from the Secret. With a dispatcher per datacenter
+(`components/dispatch-per-dc` on the control and datacenter overlays, `overlays/dispatcher-<dc>`
+beside them): one dispatcher for each datacenter `dispatch_dcs` gives, each naming its DC, every
+BubbleTea container in the per_dc mode, and nothing else changed.
 
 Skipped, saying why, where `kubectl` (1.27 or newer: kustomize v5) or `kubernetes-validate` (the
 `dev` extra) is missing.
@@ -48,13 +51,15 @@ kubernetes_validate = pytest.importorskip(
 )
 
 from shared.config.env import ENV_VARS  # noqa: E402
+from shared.config.settings import load_settings  # noqa: E402
 from shared.config.spec import load_spec  # noqa: E402
-from shared.policies.pipeline_plan import placement_of  # noqa: E402
+from shared.policies.pipeline_plan import dispatch_dcs, placement_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 DC_OVERLAYS = [o for o in OVERLAYS if o.startswith("dc-")]
+DISPATCHER_OVERLAYS = [o for o in OVERLAYS if o.startswith("dispatcher-")]
 #: The newest Kubernetes version whose schemas kubernetes-validate ships.
 K8S_VERSION = kubernetes_validate.latest_version()
 
@@ -127,6 +132,9 @@ def test_the_overlays_are_the_control_services_and_the_spec_datacenters() -> Non
     spec = load_spec(ROOT / "configs" / "demo.yaml")
     assert sorted(DC_OVERLAYS) == sorted(dc.name for dc in spec.datacenters)
     assert "control" in OVERLAYS
+    per_dc = load_settings(ROOT / "configs" / "demo.yaml", env={"BUBBLETEA_DISPATCH": "per_dc"}).spec
+    assert sorted(DISPATCHER_OVERLAYS) == sorted(f"dispatcher-{dc}" for dc in dispatch_dcs(per_dc))
+    assert set(OVERLAYS) == {"control", *DC_OVERLAYS, *DISPATCHER_OVERLAYS}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -371,3 +379,116 @@ def test_the_redis_cluster_component_points_an_overlay_at_a_cluster(overlay: str
         for v in pod.get("volumes", []):
             if "persistentVolumeClaim" in v:
                 assert ("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]) in names
+
+
+def with_components(overlay: str, components: list[str], tmp_path: Path) -> tuple[Doc, ...]:
+    """An overlay with components added after it, as the README says (a kustomization of one's own)."""
+    import os
+
+    here = tmp_path / overlay
+    here.mkdir(parents=True)
+    k8s = os.path.relpath(K8S, here)  # kustomize takes no absolute paths to other kustomizations
+    (here / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{k8s}/overlays/{overlay}]\n"
+        f"components: [{', '.join(f'{k8s}/components/{c}' for c in components)}]\n"
+    )
+    out = subprocess.run(["kubectl", "kustomize", str(here)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def effective_env(docs: tuple[Doc, ...], c: Doc) -> dict[str, str]:
+    """What a container's process sees of the plain settings: `env` over `envFrom`."""
+    return {**env_config(docs, c), **{k: e["value"] for k, e in env_of(c).items() if "value" in e}}
+
+
+def dispatchers(docs: tuple[Doc, ...]) -> list[Doc]:
+    return [w for w in workloads(docs) if container(w)["command"] == ["python", "-m", "services.dispatcher"]]
+
+
+@pytest.mark.parametrize("redis", [[], ["redis-cluster"]], ids=["one-redis", "redis-cluster"])
+def test_a_dispatcher_per_datacenter_switches_the_whole_run(redis: list[str], tmp_path: Path) -> None:
+    """The control and datacenter overlays with components/dispatch-per-dc, the dispatcher-<dc>
+    overlays beside them (on one Redis, or with the redis-cluster component everywhere): a
+    dispatcher for each datacenter dispatch_dcs gives and no other, each serving its DC as the
+    dispatcher itself accepts it, every BubbleTea container in the per_dc mode, the rest as before."""
+    from services.dispatcher.serve import served_dc
+
+    renders = {o: with_components(o, ["dispatch-per-dc", *redis], tmp_path) for o in ["control", *DC_OVERLAYS]}
+    for o in DISPATCHER_OVERLAYS:
+        renders[o] = with_components(o, redis, tmp_path) if redis else render(o)
+    served = []
+    for overlay, docs in renders.items():
+        for doc in docs:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        for w in workloads(docs):
+            c = container(w)
+            if c["name"] == "redis":
+                continue
+            env = effective_env(docs, c)
+            assert env["BUBBLETEA_DISPATCH"] == "per_dc", (overlay, w["metadata"]["name"])
+            if w in dispatchers(docs):
+                (spec_map,) = [m for m in of_kind(docs, "ConfigMap") if "spec.yaml" in m["data"]]
+                (tmp_path / "spec.yaml").write_text(spec_map["data"]["spec.yaml"])
+                settings = load_settings(tmp_path / "spec.yaml", env=env)
+                served.append(served_dc(settings))
+                assert w["metadata"]["name"] == f"dispatcher-{served[-1]}" == overlay
+                assert w["spec"]["selector"]["matchLabels"]["bubbletea.dev/datacenter"] == served[-1]
+                assert served[-1] in dispatch_dcs(settings.spec)
+    assert sorted(served) == sorted(dispatch_dcs(settings.spec))  # one per DC that holds stages
+    assert not dispatchers(renders["control"])  # the run's one dispatcher is gone
+    # the rest of the control overlay, and every datacenter's, as before but for the mode
+    for overlay in ["control", *DC_OVERLAYS]:
+        before = with_components(overlay, redis, tmp_path / "before") if redis else render(overlay)
+        after = {container(w)["name"]: w for w in workloads(renders[overlay])}
+        assert set(after) == {container(w)["name"] for w in workloads(before)} - {"dispatcher"}
+        for w in workloads(before):
+            if container(w)["name"] in after and container(w)["name"] != "redis":
+                c, old = container(after[container(w)["name"]]), container(w)
+                assert effective_env(renders[overlay], c) == {
+                    **effective_env(before, old),
+                    "BUBBLETEA_DISPATCH": "per_dc",
+                }
+                assert {k: v for k, v in c.items() if k not in ("env", "envFrom")} == {
+                    k: v for k, v in old.items() if k not in ("env", "envFrom")
+                }
+
+
+@pytest.mark.parametrize("overlay", DISPATCHER_OVERLAYS)
+def test_a_datacenter_dispatcher_is_the_control_overlays_dispatcher_for_its_dc(overlay: str) -> None:
+    """Probes, ports, annotations, resources, one replica with Recreate: the run's dispatcher's; its
+    own name, labels and selector (its DC's), and BUBBLETEA_DC and BUBBLETEA_DISPATCH added."""
+    dc = overlay.removeprefix("dispatcher-")
+    (mine,) = dispatchers(render(overlay))
+    (one,) = dispatchers(render("control"))
+    assert not [w for w in workloads(render(overlay)) if w is not mine]  # the dispatcher alone
+    assert mine["metadata"]["name"] == f"dispatcher-{dc}"
+    labels = mine["spec"]["template"]["metadata"]["labels"]
+    assert labels == {**one["spec"]["template"]["metadata"]["labels"], "bubbletea.dev/datacenter": dc}
+    assert mine["spec"]["selector"]["matchLabels"] == {
+        **one["spec"]["selector"]["matchLabels"],
+        "bubbletea.dev/datacenter": dc,
+    }
+    assert mine["spec"]["replicas"] == one["spec"]["replicas"] == 1
+    assert mine["spec"]["strategy"] == one["spec"]["strategy"] == {"type": "Recreate"}
+    assert mine["spec"]["template"]["metadata"]["annotations"] == one["spec"]["template"]["metadata"]["annotations"]
+    c, c1 = container(mine), container(one)
+    assert {k: v for k, v in c.items() if k not in ("env", "envFrom")} == {
+        k: v for k, v in c1.items() if k not in ("env", "envFrom")
+    }
+    env = env_of(c)
+    assert env.pop("BUBBLETEA_DC") == {"name": "BUBBLETEA_DC", "value": dc}
+    assert env.pop("BUBBLETEA_DISPATCH") == {"name": "BUBBLETEA_DISPATCH", "value": "per_dc"}
+    assert {k: v for k, v in env.items() if k != "REDIS_PASSWORD"} == {
+        k: v for k, v in env_of(c1).items() if k != "REDIS_PASSWORD"
+    }
+    assert env_config(render(overlay), c) == env_config(render("control"), c1)  # Redis where control's is
+
+
+@pytest.mark.parametrize("overlay", ["control", *DC_OVERLAYS])
+def test_without_the_component_the_run_has_one_dispatcher(overlay: str) -> None:
+    docs = render(overlay)
+    for w in workloads(docs):
+        assert "BUBBLETEA_DISPATCH" not in effective_env(docs, container(w))  # the spec's: one
+    assert len(dispatchers(docs)) == (1 if overlay == "control" else 0)
