@@ -122,6 +122,7 @@ CLUSTER_SWITCHED := tests/integration/test_bus.py tests/integration/test_slot_le
   tests/integration/test_dead_requests.py tests/integration/test_recovery_generations.py \
   tests/integration/test_readiness.py tests/integration/test_rendezvous_store.py \
   tests/integration/test_dispatcher_leadership.py tests/e2e/test_dispatch_per_dc.py \
+  tests/integration/test_front_door_routing.py \
   tests/integration/test_dashboard.py::test_a_lost_lease_then_a_new_holder_is_a_fault_and_a_takeover
 # Those, the cluster's own tests and `up --redis-cluster` end to end.
 test-cluster: install

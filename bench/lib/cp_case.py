@@ -62,11 +62,6 @@ class Backend:
     stop: Callable[[], None]
 
 
-def reply_stream(run: str, instance: str) -> str:
-    """The front door's results stream (the run's: its hash tag)."""
-    return keys.prefill_results_stream(run, instance)
-
-
 def spec(dp: int, dispatch: str = "one") -> dict[str, Any]:
     """PP=16 over 4 datacenters (4 stages each), as the simulator's scale case; `dispatch`:
     `bubbletea.dispatch` (one, or per_dc: a dispatcher per datacenter)."""
@@ -198,7 +193,7 @@ async def run_case(backend: Backend, arm: str, mix: Mix, seconds: float, workdir
         front = await _child(
             "cp_front.py",
             base
-            | {"rate": mix.requests_per_s, "reply_to": reply_stream(run, "cpbench"), "prefix": "c", "seed": 1}
+            | {"rate": mix.requests_per_s, "instance": "cpbench", "prefix": "c", "seed": 1}
             | {"dcs": dcs if per_dc else None},
         )
         pids = [d.proc.pid for d in dispatchers] + [n.pid for n in backend.nodes] + [c.pid for c in children]

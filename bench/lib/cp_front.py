@@ -4,10 +4,12 @@ door reads its answers (XREAD, blocking), until `until`.
 
     python bench/lib/cp_front.py CONFIG_JSON
 
-CONFIG_JSON: url, run, rate, reply_to, prefix, seed, window (wall-clock start and end of the
-measured window), until (wall clock), dcs (a dispatcher per datacenter: the requests go to their
-streams in turn, not routed on their snapshots as the live front door does; else null). It prints
-one JSON object: requests sent, answers read, and answers read in the window.
+CONFIG_JSON: url, run, rate, instance (the front door's name), prefix, seed, window (wall-clock
+start and end of the measured window), until (wall clock), dcs (a dispatcher per datacenter: the
+requests go to their streams in turn, not routed on their snapshots as the live front door does,
+and their answers come on a results stream per datacenter, read each by its own XREAD as the live
+front door's consumers do; else null). It prints one JSON object: requests sent, answers read, and
+answers read in the window.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.lib.injector import inject
 from shared.bus.connection import client_for
+from shared.wire import keys
 
 
 async def answers(url: str, stream: str, until: float, window: tuple[float, float]) -> tuple[int, int]:
@@ -43,21 +46,21 @@ async def answers(url: str, stream: str, until: float, window: tuple[float, floa
 
 
 async def main(cfg: dict[str, Any]) -> dict[str, Any]:
-    until = cfg["until"]
+    until, run, dcs = cfg["until"], cfg["run"], cfg.get("dcs")
+    streams = {dc or "": keys.prefill_results_stream(run, cfg["instance"], dc) for dc in dcs or [None]}
     sending = inject(
         cfg["url"],
-        cfg["run"],
+        run,
         cfg["rate"],
         time.monotonic() + (until - time.time()),
-        cfg["reply_to"],
+        streams if dcs else streams[""],
         cfg["prefix"],
         cfg["seed"],
-        cfg.get("dcs"),
+        dcs,
     )
-    sent, (read, read_in_window) = await asyncio.gather(
-        sending, answers(cfg["url"], cfg["reply_to"], until, tuple(cfg["window"]))
-    )
-    return {"sent": sent, "answers_read": read, "answers_in_window": read_in_window}
+    reading = [answers(cfg["url"], stream, until, tuple(cfg["window"])) for stream in streams.values()]
+    sent, *read = await asyncio.gather(sending, *reading)
+    return {"sent": sent, "answers_read": sum(n for n, _ in read), "answers_in_window": sum(i for _, i in read)}
 
 
 if __name__ == "__main__":

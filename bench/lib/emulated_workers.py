@@ -87,7 +87,7 @@ class Emulated:
         reader = client_for(self.url)
         writer = client_for(self.url)
         try:
-            stream = keys.fill_stream(self.run, self.replica, self.stage)
+            stream = keys.fill_stream(self.run, self.replica, self.stage, self.dispatch_dc)
             await ensure_group(writer, stream, "worker")
             tasks = [
                 asyncio.create_task(self._read(reader, stream, stop)),
@@ -208,7 +208,7 @@ class Emulated:
                     worker=self.name,
                     finished=now,
                 )
-                serving.queue_answer(pipe, self.run, result, it.reply_to)
+                serving.queue_answer(pipe, self.run, result, it.reply_to, dc=self.dispatch_dc)
             progress = tuple(
                 PrefillProgress(
                     id=it.id, outcome=ItemOutcome.DONE, reached_layer=it.to_layer, seconds=self._cost(len(it.tokens))
@@ -224,7 +224,7 @@ class Emulated:
                 at=time.time(),
             )
             pipe.xadd(keys.prefill_reports_stream(self.run, self.dispatch_dc), {FIELD: encode(report)})
-            pipe.xack(keys.fill_stream(self.run, self.replica, self.stage), "worker", entry)
+            pipe.xack(keys.fill_stream(self.run, self.replica, self.stage, self.dispatch_dc), "worker", entry)
             await pipe.execute()
         self.answered += len(batch.items)
         self.sent += 1

@@ -12,6 +12,7 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -29,14 +30,15 @@ async def inject(
     run: str,
     rate: float,
     until: float,
-    reply_to: str,
+    reply_to: str | Mapping[str, str],
     prefix: str = "d",
     seed: int = 1,
     dcs: list[str] | None = None,
 ) -> int:
     """Poisson arrivals at `rate`/s until `until` (monotonic), each accepted for `run` with the front
     door's script, batched per wake-up; with `dcs` (a dispatcher per datacenter), onto their request
-    streams in turn; how many were sent."""
+    streams in turn, each answered on `reply_to`'s stream for its datacenter (a front door's results
+    stream in that datacenter's tag); how many were sent."""
     r = client_for(url)
     rng, n, sent = random.Random(seed), 0, 0
     due = time.monotonic()
@@ -48,8 +50,10 @@ async def inject(
                 n += 1
                 tokens = tuple(rng.randrange(256) for _ in range(rng.randint(64, 128)))
                 now_s = time.time()
-                req = PrefillRequest(id=f"{prefix}{n}", model="m", tokens=tokens, submitted=now_s, reply_to=reply_to)
-                batch.append((req, dcs[n % len(dcs)] if dcs else None))
+                dc = dcs[n % len(dcs)] if dcs else None
+                to = reply_to if isinstance(reply_to, str) else reply_to[dc or ""]
+                req = PrefillRequest(id=f"{prefix}{n}", model="m", tokens=tokens, submitted=now_s, reply_to=to)
+                batch.append((req, dc))
                 due += rng.expovariate(rate)
             if batch:
                 async with r.pipeline(transaction=False) as pipe:

@@ -18,7 +18,7 @@ and snapshot deletion in **one round trip**, then the acks, all fenced by the ru
 lease (services/dispatcher/writes.py: a deposed leader writes none of it). A timer feeds the state
 `tick(now)`: deadlines passed, batches that never reported back.
 
-Every `serving.READINESS_EVERY_S` the dispatcher judges whether prefill can be served at all (the
+Every `verdicts.READINESS_EVERY_S` the dispatcher judges whether prefill can be served at all (the
 pure `ServingGate` of shared/policies/readiness.py, fed the run's slot leases and the bubbles seen)
 and publishes the verdict for the front doors (`/ready`, and a 503 for new requests when nothing
 can serve). When the verdict says so (training finished, stopped, lost a worker, or stalled), it
@@ -36,14 +36,14 @@ from collections import deque
 from typing import Protocol
 
 from services.dispatcher.lease import DispatcherLease
-from services.dispatcher.messages import answers, batch_message, unused_states
+from services.dispatcher.messages import answers, batch_message, unanswerable, unused_states
 from services.dispatcher.metrics import DispatcherMetrics
 from services.dispatcher.telemetry import ControlTelemetry
 from services.dispatcher.writes import Writes, execute
 from shared.bus import HOLD, Bus, Delivery, Outcome, Reject
 from shared.bus.connection import TRANSIENT_ERRORS, ride_out
 from shared.config.spec import ClusterSpec
-from shared.control import serving
+from shared.control import serving, verdicts
 from shared.control.health import instance_id
 from shared.control.leases import generation_joined, read_slots
 from shared.figures.percentiles import percentile
@@ -135,9 +135,9 @@ class Dispatcher:
         req = d.message
         self._input()
         assert isinstance(req, PrefillRequest)
-        if keys.hash_tag(req.reply_to) != self.run:  # no front door of the run reads there: never answerable
-            raise Reject(f"request {req.id} asks for its answer on {req.reply_to!r}, outside run {self.run}'s streams")
-        found = await serving.lookup(self.bus.redis, self.run, req.id) if d.attempt > 1 else None
+        if (why := unanswerable(self.run, self.dc, req)) is not None:
+            raise Reject(why)
+        found = await serving.lookup(self.bus.redis, self.run, req.id, self.dc) if d.attempt > 1 else None
         if found is not None and found.status is not RequestStatus.QUEUED:  # delivered again, answered meanwhile
             return None  # ack
         self._arriving.append(
@@ -173,7 +173,7 @@ class Dispatcher:
         assert isinstance(m, BubbleStart)
         opened = BubbleOpened(
             worker=m.worker,
-            address=keys.fill_stream(self.run, m.replica, m.stage),
+            address=keys.fill_stream(self.run, m.replica, m.stage, self.dc),
             predicted_s=m.predicted_ms / 1000,
             free_memory=m.free_memory_bytes,
             started=m.at,
@@ -199,7 +199,7 @@ class Dispatcher:
         log.info("worker joined", worker=m.worker, typical_bubble_ms=round(m.typical_bubble_ms, 2))
         ready = WorkerReady(
             worker=m.worker,
-            address=keys.fill_stream(self.run, m.replica, m.stage),
+            address=keys.fill_stream(self.run, m.replica, m.stage, self.dc),
             typical_s=m.typical_bubble_ms / 1000,
             free_memory=m.free_memory_bytes,
             at=m.at,
@@ -294,7 +294,7 @@ class Dispatcher:
             level("serving state", state=verdict.state.value, was=self.verdict.state.value, reason=verdict.reason)
         self.verdict = verdict
         self.metrics.serving_state(verdict.state)
-        record = serving.Readiness(
+        record = verdicts.Readiness(
             instance=self.instance,
             run=self.run,
             state=verdict.state,
@@ -304,7 +304,7 @@ class Dispatcher:
             came_round=self.state.came_round(now),
         )
         try:
-            await serving.publish_readiness(self.bus.redis, record)
+            await verdicts.publish_readiness(self.bus.redis, record)
         except TRANSIENT_ERRORS as exc:
             log.warning("readiness not published", error=repr(exc))
         if verdict.fail_queued:
@@ -330,9 +330,9 @@ class Dispatcher:
         if read is None or not done:
             read, done = None, []
         w = Writes(
-            batches=[(b.address, encode(batch_message(self.run, b))) for b in ds.batches],
+            batches=[(b.address, encode(batch_message(self.run, b, self.dc))) for b in ds.batches],
             answers=answers(ds),
-            gone=unused_states(self.run, ds, self.state.layers),
+            gone=unused_states(self.run, ds, self.state.layers, self.dc),
             acks=[(c.stream, c.group, ids) for c, ids in ((held, entries), (read, done)) if c is not None],
         )
         if not w:  # nothing to write: the acks alone wait for the next round trip of their
@@ -343,7 +343,7 @@ class Dispatcher:
             return False
         fence = self.lease.fence() if self.lease is not None else None
         written = await ride_out(
-            lambda: execute(self.bus.redis, self.run, w, fence), "dispatcher decisions", unless=self.bus.stop
+            lambda: execute(self.bus.redis, self.run, w, fence, self.dc), "dispatcher decisions", unless=self.bus.stop
         )
         if not written and self.lease is not None:
             self.lease.refused("Redis refused its writes: the lease is not its own")

@@ -49,7 +49,7 @@ from shared.bus.consumer import AfterRead, Consumer
 from shared.bus.delivery import Handlers
 from shared.config.settings import Settings
 from shared.config.spec import ConfigError
-from shared.control import serving
+from shared.control import serving, verdicts
 from shared.control.health import Heartbeat, instance_id
 from shared.policies.dc_routing import publish_every_s
 from shared.policies.dispatch import DispatchState
@@ -154,7 +154,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
         sequential=True,
         after_read=d.requests_read,
         # a request dead-lettered is answered, failed, and counted out of flight
-        last_word=functools.partial(serving.fail_dead_request, bus.redis, run),
+        last_word=functools.partial(serving.fail_dead_request, bus.redis, run, dc=dc),
     )
     d.acks = requests
     readers: dict[str, Consumer] = {}
@@ -183,7 +183,7 @@ async def lead(d: Dispatcher, stop: asyncio.Event) -> None:
     # entries, which each consumer's first read takes, and their batches the workers hold.
     claimed = sum([await claim(c) for c in consumers])
     p, now = d.spec.parallelism, time.time()
-    held = await held_batches(bus.redis, run, stages_of(d.spec, dc), p.dp)
+    held = await held_batches(bus.redis, run, stages_of(d.spec, dc), p.dp, dc)
     for stream, batch in held:
         d.state.adopt(adopted(stream, batch, d.model_info), now)
     for c in consumers:
@@ -253,8 +253,8 @@ class Chores:
 
     def __init__(self, d: Dispatcher, consumers: list[Consumer]) -> None:
         self.d, self.consumers = d, consumers
-        self.readiness = Every(serving.READINESS_EVERY_S)
-        self.board = Every(publish_every_s(d.state.time_scale, serving.READINESS_EVERY_S))
+        self.readiness = Every(verdicts.READINESS_EVERY_S)
+        self.board = Every(publish_every_s(d.state.time_scale, verdicts.READINESS_EVERY_S))
         self.sweep = Every(SWEEP_EVERY_S)
         self.reconcile = Every(serving.INFLIGHT_RECONCILE_S)
 
@@ -269,7 +269,7 @@ class Chores:
         if self.sweep.due(time.monotonic()):
             await sweep(self.consumers)
         if self.reconcile.due(time.monotonic()):
-            await serving.reconcile_inflight(r, d.run, SERVICE, dispatch_dcs(d.spec))
+            await serving.reconcile_inflight(r, d.run, SERVICE, d.dc)
 
 
 async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
@@ -291,7 +291,7 @@ async def last_writes(d: Dispatcher | None, hb: Heartbeat | None, within_s: floa
         with contextlib.suppress(TimeoutError, *TRANSIENT_ERRORS):
             async with asyncio.timeout(within_s):
                 await d.telemetry.flush()
-                await serving.withdraw_readiness(d.bus.redis, d.run, d.instance)
+                await verdicts.withdraw_readiness(d.bus.redis, d.run, d.instance)
     if hb is not None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within_s):

@@ -13,7 +13,7 @@
   The leader moves any entry pending on another consumer to itself every `SWEEP_EVERY_S` and
   re-reads its own pending entries.
 * **What they measured** (`measurement`): the leader publishes its bubbles' rate and the
-  correction of its predictions (`publish_measurement`, every `serving.READINESS_EVERY_S`, kept
+  correction of its predictions (`publish_measurement`, every `verdicts.READINESS_EVERY_S`, kept
   `keys.DISPATCHER_MEASURED_TTL_S`); a new leader in another process starts from it
   (`DispatchState.carry_admission`) until its own first round is measured. Measuring afresh, it
   refused every new request with an objective (a 429) for about an iteration after each takeover.
@@ -103,10 +103,12 @@ async def measurement(r: Redis, run: str, dc: str | None = None) -> DcSnapshot |
         return None
 
 
-async def held_batches(r: Redis, run: str, stages: list[int], dp: int) -> list[tuple[str, PrefillBatch]]:
-    """Every batch the workers of `stages` hold (a dispatcher's: `pipeline_plan.stages_of`), with
-    its fill stream: the entries the workers' group has not acked (riding a Redis outage out)."""
-    streams = [keys.fill_stream(run, d, k) for d in range(dp) for k in stages]
+async def held_batches(
+    r: Redis, run: str, stages: list[int], dp: int, dc: str | None = None
+) -> list[tuple[str, PrefillBatch]]:
+    """Every batch the workers of `stages` hold (datacenter `dc`'s dispatcher's: `pipeline_plan.stages_of`),
+    with its fill stream: the entries the workers' group has not acked (riding a Redis outage out)."""
+    streams = [keys.fill_stream(run, d, k, dc) for d in range(dp) for k in stages]
 
     async def read() -> list[tuple[str, PrefillBatch]]:
         return [(s, b) for s in streams for b in await _held(r, s)]

@@ -58,9 +58,10 @@ class Writes:
         return bool(self.batches or self.answers or self.gone)
 
 
-async def execute(r: Redis, run: str, w: Writes, fence: tuple[str, str] | None = None) -> bool:
-    """Write `w`, `run`'s dispatcher's, in one round trip; with a `fence` (the lease's key and the value it must hold),
-    only while the lease holds it. Returns whether it was written (False: refused, nothing was)."""
+async def execute(r: Redis, run: str, w: Writes, fence: tuple[str, str] | None = None, dc: str | None = None) -> bool:
+    """Write `w`, `run`'s dispatcher's (datacenter `dc`'s), in one round trip; with a `fence` (the
+    lease's key and the value it must hold), only while the lease holds it. Returns whether it was
+    written (False: refused, nothing was). Everything in `w` is under the dispatcher's tag."""
     acks = [(stream, group, ids) for stream, group, ids in w.acks if ids]
     if fence is not None and not w.answers:  # one script: atomic alone, no MULTI needed
         return bool(await r.eval(*_fenced(fence, w.batches, w.gone, acks)))
@@ -69,7 +70,7 @@ async def execute(r: Redis, run: str, w: Writes, fence: tuple[str, str] | None =
             for address, data in w.batches:
                 pipe.xadd(address, {FIELD: data})
             for result, reply_to in w.answers:
-                serving.queue_answer(pipe, run, result, reply_to)
+                serving.queue_answer(pipe, run, result, reply_to, dc=dc)
             if w.gone:
                 pipe.delete(*w.gone)
             for stream, group, ids in acks:  # after the effects: a request is acked once answered
@@ -78,7 +79,7 @@ async def execute(r: Redis, run: str, w: Writes, fence: tuple[str, str] | None =
             return True
         pipe.eval(*_fenced(fence, w.batches, w.gone, []))
         for result, reply_to in w.answers:
-            serving.queue_answer(pipe, run, result, reply_to, fence)
+            serving.queue_answer(pipe, run, result, reply_to, fence, dc)
         if acks:  # after the answers: a request is acked once answered
             pipe.eval(*_fenced(fence, [], [], acks))
         replies: Any = await pipe.execute()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from services.prefill_queue.state import (
@@ -23,14 +24,15 @@ from services.prefill_queue.state import (
     ROUTING,
     SETTINGS,
     instance_results_stream,
+    served_dcs,
 )
 from services.prefill_queue.validation import BadRequest, Limits, ParsedRequest, parse_native
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.config.model_info import CheckpointError, ModelInfo
 from shared.config.spec import Prefill
-from shared.control import serving
+from shared.control import serving, verdicts
 from shared.control.health import live_instances
-from shared.control.serving import Readiness
+from shared.control.verdicts import Readiness
 from shared.model.shape import max_prompt_tokens, model_info
 from shared.model.tokenizer import Tokenizer, tokenizer_for
 from shared.runtime.logs import get_logger
@@ -90,7 +92,7 @@ async def refuse_if_not_serving(app: web.Application) -> None:
 async def read_gate(app: web.Application) -> None:
     """Re-read the run's dispatchers' verdict now (a Redis error keeps the last one)."""
     with contextlib.suppress(*TRANSIENT_ERRORS):
-        app[GATE].verdict = serving.combined(await serving.readiness(app[BUS].redis, app[SETTINGS].run))
+        app[GATE].verdict = verdicts.combined(await verdicts.readiness(app[BUS].redis, app[SETTINGS].run))
 
 
 async def read_routing(app: web.Application) -> None:
@@ -174,11 +176,16 @@ async def enqueue(
     app = request.app
     req = new_request(app, parsed, request_id, may_move=may_move, received=received)
     settings = app[SETTINGS]
-    routing, dc = app[ROUTING], None
+    routing, dc, claimed = app[ROUTING], None, None
     if routing is not None:
         dc, route = routing.place(req)
         if log.isEnabledFor(10):  # at debug: a line a request would cost the accept path its time
             log.debug("routed", id=request_id, dc=dc, why=route.why.value, detail=route.detail)
+        if idempotency_key is not None:  # the key is the run's: claimed there, then accepted in `dc`'s tag
+            claimed = await serving.claim_idempotency(app[BUS].redis, settings.run, idempotency_key, dc, request_id)
+            if claimed is not None:  # used before: that request, where it went (enqueued if it never was)
+                dc, request_id = claimed
+        req = msgspec.structs.replace(req, id=request_id, reply_to=instance_results_stream(app, dc))
     accepted = await serving.accept(
         app[BUS].redis,
         settings.run,
@@ -189,6 +196,8 @@ async def enqueue(
     )
     if isinstance(accepted, str):
         raise Duplicate(accepted)
+    if claimed is not None and accepted:
+        raise Duplicate(request_id)
     if not accepted:
         app[METRICS].requests.labels("rejected").inc()
         raise BadRequest(
@@ -260,18 +269,20 @@ async def submit(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     """GET /v1/prefill/{id}: queued, done (with the result) or failed (with the reason)."""
     request_id = request.match_info["id"]
-    found = await serving.lookup(request.app[BUS].redis, request.app[SETTINGS].run, request_id)
-    if found is None:
+    app = request.app
+    where = await serving.find(app[BUS].redis, app[SETTINGS].run, request_id, served_dcs(app))
+    if where is None:
         raise BadRequest(
             f"no request {request_id!r} (unknown, older than an hour, or answered and read more than "
             f"{keys.PREFILL_READ_GRACE_S}s ago)",
             status=404,
             type_="not_found_error",
         )
+    dc, found = where
     body: dict[str, Any] = {"id": request_id, "status": found.status}
     r = found.result
     if r is not None:  # the client has its answer: its record goes within the grace
-        await serving.read_by_client(request.app[BUS].redis, request.app[SETTINGS].run, [request_id])
+        await serving.read_by_client(app[BUS].redis, app[SETTINGS].run, [request_id], dc)
     if r is not None and r.ok:
         body["result"] = result_body(r)
     elif r is not None:

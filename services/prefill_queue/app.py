@@ -46,6 +46,7 @@ from services.prefill_queue.state import (
     Stopping,
     Waiters,
     instance_results_stream,
+    served_dcs,
 )
 from services.prefill_queue.validation import MAX_JSON_DEPTH, BadRequest, json_too_deep
 from services.prefill_queue.vllm_decode import VllmDecoder
@@ -53,7 +54,7 @@ from shared.bus import Bus, Delivery
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.bus.delivery import Handlers
 from shared.config.settings import Settings
-from shared.control import serving
+from shared.control import serving, verdicts
 from shared.control.health import Heartbeat, instance_id
 from shared.policies.dc_routing import publish_every_s
 from shared.policies.pipeline_plan import dispatch_dcs
@@ -145,28 +146,36 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
     """Answers to this instance's requests wake the waiting HTTP handlers."""
     m = app[METRICS]
 
-    async def on_result(d: Delivery) -> None:
-        r = d.message
-        assert isinstance(r, PrefillResult)  # the handler table routes only this kind here
-        m.requests.labels("success" if r.ok else "moved" if r.status is RequestStatus.MOVED else "failed").inc()
-        if r.ok:
-            m.placed_prompt(r.placement, r.prompt_tokens, (r.queue_ms + r.prefill_ms) / 1000)
-            m.prompt_tokens.labels(m.model_name).inc(r.prompt_tokens)
-            m.request_prompt_tokens.labels(m.model_name).observe(r.prompt_tokens)
-            m.queue_time.observe(r.queue_ms / 1000)
-            m.prefill_time.observe(r.prefill_ms / 1000)
-            m.ttft.observe((r.queue_ms + r.prefill_ms) / 1000)  # submission to the answer
-        app[WAITERS].deliver(r)
-        app[dashboard.DASHBOARD].on_result(r)
+    def on_result(dc: str | None) -> Callable[[Delivery], Awaitable[None]]:
+        async def handle(d: Delivery) -> None:
+            r = d.message
+            assert isinstance(r, PrefillResult)  # the handler table routes only this kind here
+            m.requests.labels("success" if r.ok else "moved" if r.status is RequestStatus.MOVED else "failed").inc()
+            if r.ok:
+                m.placed_prompt(r.placement, r.prompt_tokens, (r.queue_ms + r.prefill_ms) / 1000)
+                m.prompt_tokens.labels(m.model_name).inc(r.prompt_tokens)
+                m.request_prompt_tokens.labels(m.model_name).observe(r.prompt_tokens)
+                m.queue_time.observe(r.queue_ms / 1000)
+                m.prefill_time.observe(r.prefill_ms / 1000)
+                m.ttft.observe((r.queue_ms + r.prefill_ms) / 1000)  # submission to the answer
+            app[WAITERS].deliver(r, dc)
+            app[dashboard.DASHBOARD].on_result(r)
+
+        return handle
 
     async def on_chunk(d: Delivery) -> None:
         chunk = d.message
         assert isinstance(chunk, DecodeChunk)
         app[WAITERS].deliver_chunk(chunk)
 
-    handlers: Handlers = {PrefillResult: on_result, DecodeChunk: on_chunk}
-    consumer = app[BUS].consumer(instance_results_stream(app), SERVICE, handlers, name=app[INSTANCE])
-    async with consumer:
+    # The run's stream (the decoder's chunks; the answers, with one dispatcher), and with a
+    # dispatcher per datacenter one in each datacenter's tag, where its answers are written.
+    streams: dict[str | None, Handlers] = {None: {PrefillResult: on_result(None), DecodeChunk: on_chunk}}
+    streams.update({dc: {PrefillResult: on_result(dc)} for dc in served_dcs(app) if dc is not None})
+    async with contextlib.AsyncExitStack() as consumers:
+        for dc, handlers in streams.items():
+            stream = instance_results_stream(app, dc)
+            await consumers.enter_async_context(app[BUS].consumer(stream, SERVICE, handlers, name=app[INSTANCE]))
         marking = asyncio.create_task(_mark_read(app), name="mark-read")
         try:
             yield
@@ -178,12 +187,12 @@ async def _results_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _mark_read_once(app: web.Application) -> None:
-    read = app[WAITERS].take_read()
-    try:
-        await serving.read_by_client(app[BUS].redis, app[SETTINGS].run, read)
-    except TRANSIENT_ERRORS as exc:
-        # Redis away: those records keep their hour (bounded memory, nothing lost); not retried
-        log.warning("could not mark answers read; their records keep their hour", count=len(read), error=repr(exc))
+    for dc, read in app[WAITERS].take_read().items():
+        try:
+            await serving.read_by_client(app[BUS].redis, app[SETTINGS].run, read, dc)
+        except TRANSIENT_ERRORS as exc:
+            # Redis away: those records keep their hour (bounded memory, nothing lost); not retried
+            log.warning("could not mark answers read; their records keep their hour", count=len(read), error=repr(exc))
 
 
 async def _mark_read(app: web.Application) -> None:
@@ -194,7 +203,7 @@ async def _mark_read(app: web.Application) -> None:
 
 
 async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Keep the dispatchers' readiness verdict fresh (read every `serving.READINESS_EVERY_S`)."""
+    """Keep the dispatchers' readiness verdict fresh (read every `verdicts.READINESS_EVERY_S`)."""
 
     spec = app[SETTINGS].spec
     builtin_decoder = spec.decode.enabled and app[VLLM] is None  # prompts may be placed on it if alive
@@ -214,10 +223,10 @@ async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:
                 decoders_read = time.monotonic()
                 if gate.decoder_live != had:
                     log.info("decoder for prompts", alive=gate.decoder_live)
-            await asyncio.sleep(serving.READINESS_EVERY_S)  # a poll: the verdict is a key with a TTL
+            await asyncio.sleep(verdicts.READINESS_EVERY_S)  # a poll: the verdict is a key with a TTL
 
     async def route() -> None:  # with a dispatcher per datacenter: their snapshots, as often as published
-        every_s = publish_every_s(app[SETTINGS].time_scale, serving.READINESS_EVERY_S)
+        every_s = publish_every_s(app[SETTINGS].time_scale, verdicts.READINESS_EVERY_S)
         while True:
             await asyncio.sleep(every_s)
             await api.read_routing(app)

@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.prefill_queue import api, completions, openapi
-from services.prefill_queue.state import BUS, GATE, METRICS, SERVICE, SETTINGS, STARTED, WAITERS
+from services.prefill_queue.state import BUS, GATE, METRICS, SERVICE, SETTINGS, STARTED, WAITERS, served_dcs
 from shared.bus.connection import TRANSIENT_ERRORS
 from shared.control import serving
 from shared.policies.prompt_placement import Mode
@@ -83,7 +83,8 @@ def _objective_waits_for_training(app: web.Application) -> bool:
 async def metrics(request: web.Request) -> web.Response:
     m = request.app[METRICS]
     with contextlib.suppress(*TRANSIENT_ERRORS):  # if Redis is down the gauge keeps its last value
-        m.waiting.set(await serving.inflight(request.app[BUS].redis, request.app[SETTINGS].run))
+        app = request.app
+        m.waiting.set(await serving.inflight(app[BUS].redis, app[SETTINGS].run, served_dcs(app)))
     m.running.labels(m.model_name).set(len(request.app[WAITERS]))
     return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -15,7 +15,7 @@ from services.prefill_queue.routing import DcRouting
 from services.prefill_queue.vllm_decode import VllmDecoder
 from shared.bus import Bus
 from shared.config.settings import Settings
-from shared.control.serving import Readiness
+from shared.control.verdicts import Readiness
 from shared.policies.prompt_placement import DecoderLoad, FrontDoorHops
 from shared.wire import DecodeChunk, PrefillResult, keys
 
@@ -37,7 +37,8 @@ class Waiters:
     def __init__(self) -> None:
         self._futures: dict[str, asyncio.Future[PrefillResult]] = {}
         self._chunks: dict[str, asyncio.Queue[DecodeChunk]] = {}
-        self._read: list[str] = []  # answers handed to their clients, whose records may go soon
+        # answers handed to their clients, whose records may go soon: (datacenter routed to, id)
+        self._read: list[tuple[str | None, str]] = []
 
     def expect_chunks(self, request_id: str) -> asyncio.Queue[DecodeChunk]:
         q: asyncio.Queue[DecodeChunk] = asyncio.Queue()
@@ -56,20 +57,24 @@ class Waiters:
         self._futures[request_id] = fut
         return fut
 
-    def deliver(self, result: PrefillResult) -> bool:
+    def deliver(self, result: PrefillResult, dc: str | None = None) -> bool:
+        """Hand `result` (of a request routed to `dc`) to the request waiting for it, if any."""
         fut = self._futures.pop(result.id, None)
         if fut is None or fut.done():
             return False
         fut.set_result(result)
         if len(self._read) < READ_BACKLOG:
-            self._read.append(result.id)
+            self._read.append((dc, result.id))
         return True
 
-    def take_read(self) -> list[str]:
-        """The ids of the answers delivered since the last call (`serving.read_by_client` shortens
-        their records' lives)."""
+    def take_read(self) -> dict[str | None, list[str]]:
+        """The ids of the answers delivered since the last call, by the datacenter their requests
+        were routed to (`serving.read_by_client` shortens their records' lives)."""
         read, self._read = self._read, []
-        return read
+        by_dc: dict[str | None, list[str]] = {}
+        for dc, rid in read:
+            by_dc.setdefault(dc, []).append(rid)
+        return by_dc
 
     def forget(self, request_id: str) -> None:
         self._futures.pop(request_id, None)
@@ -143,5 +148,14 @@ ROUTING: web.AppKey[DcRouting | None] = web.AppKey("routing")
 VLLM: web.AppKey[VllmDecoder | None] = web.AppKey("vllm")
 
 
-def instance_results_stream(app: web.Application) -> str:
-    return keys.prefill_results_stream(app[SETTINGS].run, app[INSTANCE])
+def instance_results_stream(app: web.Application, dc: str | None = None) -> str:
+    """This front door's results stream: the run's (the decoder's chunks; every answer with one
+    dispatcher), or, with a dispatcher per datacenter, the one in datacenter `dc`'s tag that the
+    answers to the requests it routed there come to."""
+    return keys.prefill_results_stream(app[SETTINGS].run, app[INSTANCE], dc)
+
+
+def served_dcs(app: web.Application) -> list[str | None]:
+    """The run's dispatchers, by datacenter (`pipeline_plan.dispatch_dcs`): [None] with one."""
+    routing = app[ROUTING]
+    return [None] if routing is None else list(routing.dcs)

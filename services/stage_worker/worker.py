@@ -348,7 +348,7 @@ async def _start_fill(
         dispatch_dc(spec, slot.stage),
     )
     fill = bus.consumer(
-        keys.fill_stream(run, slot.replica, slot.stage),
+        keys.fill_stream(run, slot.replica, slot.stage, dispatch_dc(spec, slot.stage)),
         keys.FILL_GROUP,
         {PrefillBatch: runner.filler.on_batch},
         name=slot.name,

@@ -66,7 +66,7 @@ from shared.policies.prompt_placement import kept_s
 #: 0.86 at 50 ms as with one dispatcher; docs/benchmarks.md, 2026-12-06).
 PUBLISH_EVERY_S = TICK_S
 #: A snapshot older than this (real s) is not used: three readiness intervals
-#: (`shared.control.serving.READINESS_EVERY_S`, a test pins that they agree; a policy imports no
+#: (`shared.control.verdicts.READINESS_EVERY_S`, a test pins that they agree; a policy imports no
 #: Redis), so that a few lost or late writes (a reconnect, a slow poll, a loaded host) do not take a
 #: DC out of the routing, and a dispatcher that stopped does.
 STALE_AFTER_S = 0.75

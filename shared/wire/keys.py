@@ -10,11 +10,13 @@ PREFIX = "bt"
 
 # --- hash tags ------------------------------------------------------------------------------
 # Every key and stream of a run is ``bt:{<run>}:<rest>``: the run id in braces is its Redis Cluster
-# hash tag, so all of a run's keys hash to one slot, and every Lua script, MULTI and multi-key
-# command (each touches the keys of one run) runs on one node of a cluster. A cluster spreads runs
-# over its masters; one run's keys live on one master. The few keys of no run (health, ping/pong,
-# the untagged streams' dead letters) are each touched alone. (docs/architecture.md, "Keys by hash
-# tag".)
+# hash tag, so the run's keys hash to one slot, and every Lua script, MULTI and multi-key command
+# (each touches the keys of one tag) runs on one node of a cluster. With a dispatcher per datacenter
+# (`bubbletea.dispatch: per_dc`), what each datacenter's dispatcher owns is under a tag of its own,
+# ``bt:{<run>:<dc>}:<rest>`` (`dispatch_tag`): its streams, its workers' fill streams, its requests'
+# records and count, so one run's datacenters spread over a cluster's masters. The few keys of no
+# run (health, ping/pong, the untagged streams' dead letters) are each touched alone.
+# (docs/architecture.md, "Keys by hash tag".)
 
 #: What a run id may not contain: the braces delimit the hash tag.
 _TAG_BRACES = "{}"
@@ -129,12 +131,13 @@ HEALTH_TTL_BEATS = 3
 # unread work; `bus.max_stream_len` warns (never drops) past a backlog. Telemetry (spans, events)
 # is trimmed by length at every publish. Keys (snapshots, leases, end markers, weights) have TTLs.
 # A finished run's streams stay until deleted (each costs at most its telemetry bounds, a few MB):
-# `redis-cli --scan --pattern 'bt:{<run>}:*' | xargs redis-cli unlink` removes one (`run_pattern`).
+# `redis-cli --scan --pattern 'bt:{<run>[:}]*' | xargs redis-cli unlink` removes one (`run_pattern`).
 
 
 def run_pattern(run: str) -> str:
-    """SCAN pattern of every key and stream of `run` (braces are not special in a MATCH pattern)."""
-    return f"{_of(run)}:*"
+    """SCAN pattern of every key and stream of `run`, its datacenters' (``bt:{<run>:<dc>}:``) too
+    (braces are not special in a MATCH pattern; a run id holds no ':', so no other run's match)."""
+    return f"{PREFIX}:{{{run}[:}}]*"
 
 
 def wan_stream(run: str) -> str:
@@ -147,12 +150,27 @@ def inbox(run: str, replica: int, stage: int) -> str:
     return f"{_of(run)}:w:{replica}:{stage}"
 
 
+def dispatch_tag(run: str, dc: str | None) -> str:
+    """The hash tag of what one dispatcher owns: the run's, ``{<run>}`` (`dc` None: one dispatcher
+    for the run, `bubbletea.dispatch: one`), or one datacenter's, ``{<run>:<dc>}`` (`per_dc`), so a
+    run's datacenters spread over a cluster's masters. Everything one script, MULTI or replicated
+    pipeline of the serving plane touches is under one of these: the dispatcher's streams and lease,
+    its workers' fill streams, its requests' records and in-flight count, the saved partial prefills
+    it resumes, and the results streams its answers go to (docs/architecture.md, "Keys by hash
+    tag"). A run id holds no ':' (`env_values.run_id`), so ``{a:b}`` is run ``a``'s datacenter ``b``
+    and never a run of its own. A datacenter name with a brace is refused (ValueError)."""
+    if dc is None:
+        return run_tag(run)
+    if not dc or any(c in dc for c in _TAG_BRACES):
+        raise ValueError(
+            f"a datacenter name must be non-empty and hold no '{{' or '}}' (its keys' hash tag): got {dc!r}"
+        )
+    return run_tag(f"{run}:{dc}")
+
+
 def _dispatch(run: str, dc: str | None) -> str:
-    """The prefix of what one dispatcher owns: the run's (`dc` None: one dispatcher for the run,
-    `bubbletea.dispatch: one`) or one datacenter's (`per_dc`). Under the run's hash tag either way:
-    a request's record, its answer and the report naming it stay in one slot (one script, one
-    replicated pipeline), so a run is one slot however many dispatchers it has."""
-    return _of(run) if dc is None else f"{_of(run)}:dc:{dc}"
+    """The prefix of what one dispatcher owns (`dispatch_tag`): ``bt:{<run>}`` or ``bt:{<run>:<dc>}``."""
+    return f"{PREFIX}:{dispatch_tag(run, dc)}"
 
 
 def bubbles_stream(run: str, dc: str | None = None) -> str:
@@ -161,10 +179,11 @@ def bubbles_stream(run: str, dc: str | None = None) -> str:
     return f"{_dispatch(run, dc)}:bubbles"
 
 
-def fill_stream(run: str, replica: int, stage: int) -> str:
+def fill_stream(run: str, replica: int, stage: int, dc: str | None = None) -> str:
     """Prefill batches from the dispatcher to one worker (kept apart from its training inbox, so
-    a flood of prefill work never sits in front of an activation)."""
-    return f"{_of(run)}:fill:{replica}:{stage}"
+    a flood of prefill work never sits in front of an activation); `dc`: the datacenter whose
+    dispatcher serves the worker (None: the run's one), whose tag its batches are written under."""
+    return f"{_dispatch(run, dc)}:fill:{replica}:{stage}"
 
 
 #: The consumer group a worker reads its fill stream in (its slot the consumer). An entry it has not
@@ -178,13 +197,14 @@ def prefill_reports_stream(run: str, dc: str | None = None) -> str:
     return f"{_dispatch(run, dc)}:prefill:reports"
 
 
-def prefill_snapshot_key(run: str, request_id: str, layer: int) -> str:
+def prefill_snapshot_key(run: str, request_id: str, layer: int, dc: str | None = None) -> str:
     """The handle of a preempted prefill's state (hidden + KV of finished layers) at `layer`: the
     "host:port" of the worker holding it (the state itself stays on that worker's snapshot shelf,
     never in Redis), for the worker that resumes it. The layer is part of the key: a later snapshot
     never overwrites the one the dispatcher knows about, so a worker that dies mid-batch cannot
-    leave a mismatched state. Deleting the handle (the dispatcher, once spent) frees the state."""
-    return f"{_of(run)}:prefill:snap:{request_id}:{layer}"
+    leave a mismatched state. Deleting the handle (the dispatcher, once spent) frees the state.
+    `dc`: the datacenter of the worker that wrote it (its dispatcher's tag: written with its answers)."""
+    return f"{_dispatch(run, dc)}:prefill:snap:{request_id}:{layer}"
 
 
 #: A snapshot (its handle here, its state on the holder's shelf) waits for a later bubble; five
@@ -344,9 +364,11 @@ def prefill_requests_stream(run: str, dc: str | None = None) -> str:
     return f"{_dispatch(run, dc)}:prefill:requests"
 
 
-def prefill_results_stream(run: str, instance: str) -> str:
-    """Where the answers to one prefill_queue instance's requests of `run` are delivered."""
-    return f"{_of(run)}:prefill:results:{instance}"
+def prefill_results_stream(run: str, instance: str, dc: str | None = None) -> str:
+    """Where the answers to one prefill_queue instance's requests of `run` are delivered (and the
+    decoder's chunks); with a dispatcher per datacenter, the answers to those it routed to `dc` go
+    to one of these per datacenter, in `dc`'s tag, where the answer script writes them."""
+    return f"{_dispatch(run, dc)}:prefill:results:{instance}"
 
 
 #: A front door's results stream: its consumer trims acked answers every 5 s; every answer also
@@ -360,11 +382,12 @@ PREFILL_RESULTS_MAXLEN = 100_000
 PREFILL_RESULTS_TTL_S = 3_600
 
 
-def prefill_request_key(run: str, request_id: str) -> str:
+def prefill_request_key(run: str, request_id: str, dc: str | None = None) -> str:
     """A request's record, one hash for GET /v1/prefill/{id} from any instance: field
     `PREFILL_STATUS_FIELD` while it waits (`RequestStatus.QUEUED`), `PREFILL_RESULT_FIELD` (the
-    encoded `PrefillResult`) once answered. Bound: `PREFILL_RECORD_TTL_S`."""
-    return f"{_of(run)}:prefill:req:{request_id}"
+    encoded `PrefillResult`) once answered. Bound: `PREFILL_RECORD_TTL_S`. `dc`: the datacenter it
+    was routed to (its dispatcher's tag), where it is accepted and answered."""
+    return f"{_dispatch(run, dc)}:prefill:req:{request_id}"
 
 
 #: The fields of `prefill_request_key`: the status while queued, the answer once there is one (the
@@ -388,17 +411,20 @@ def kv_budget_bucket_key(run: str, bucket: int) -> str:
 
 
 def idempotency_key(run: str, key: str) -> str:
-    """Maps a client's Idempotency-Key to the request id it created in the run. Per run: the key is
-    the client's choice, not unique across runs, and the same key sent to another run on the same
-    Redis is another request (not the first run's, which that run's dispatcher never sees)."""
+    """Maps a client's Idempotency-Key to the request id it created in the run (with a dispatcher
+    per datacenter, ``<dc> <id>``: claimed in the run's tag before the request is accepted in its
+    datacenter's, `serving.accept`). Per run: the key is the client's choice, not unique across runs,
+    and the same key sent to another run on the same Redis is another request (not the first run's,
+    which that run's dispatcher never sees)."""
     return f"{_of(run)}:prefill:idem:{key}"
 
 
-def prefill_inflight_key(run: str) -> str:
-    """The run's requests accepted and not yet answered, across its front doors (admission control:
-    another run's do not count against its `prefill.max_queue_depth`). One integer, no TTL: it is
+def prefill_inflight_key(run: str, dc: str | None = None) -> str:
+    """The requests accepted and not yet answered of the run's dispatcher (or of datacenter `dc`'s),
+    across its front doors (admission control: another run's do not count against its
+    `prefill.max_queue_depth`, nor another datacenter's against `dc`'s). One integer, no TTL: it is
     the count itself, bounded by `prefill.max_queue_depth`."""
-    return f"{_of(run)}:prefill:inflight"
+    return f"{_dispatch(run, dc)}:prefill:inflight"
 
 
 #: Requests' records (status, answer) and idempotency keys live an hour: long enough for any client to collect them
@@ -498,6 +524,6 @@ def serving_instances_key(run: str) -> str:
 
 SERVING_INSTANCES_TTL_S = 60
 
-#: A verdict is rewritten every `READINESS_EVERY_S` (shared.control.serving); one that is not rewritten for
+#: A verdict is rewritten every `READINESS_EVERY_S` (shared.control.verdicts); one that is not rewritten for
 #: this long belongs to a dispatcher that is gone, and goes.
 SERVING_TTL_S = 3

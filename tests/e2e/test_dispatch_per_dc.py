@@ -23,7 +23,7 @@ from bubbletea.launcher.procs import front_door
 from bubbletea.launcher.train import run_training
 from shared.bus.connection import client_for
 from shared.config.settings import load_settings
-from shared.control import serving
+from shared.control import verdicts
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import encode as encode_text
 from shared.policies.pipeline_plan import dispatch_dcs
@@ -77,7 +77,7 @@ async def test_a_dispatcher_per_datacenter_serves_what_the_front_door_routes_to_
                 raise AssertionError(f"{exc!r}\n{out.getvalue()[-6000:]}") from None
             leaders = [await r.get(keys.dispatcher_lease_key(run, dc)) for dc in dcs]
             boards = [await r.get(keys.dc_snapshot_key(run, dc)) for dc in dcs]
-            verdicts = {v.instance: v.state for v in await serving.readiness(r, run)}
+            states = {v.instance: v.state for v in await verdicts.readiness(r, run)}
             routed = [await entries_added(r, keys.prefill_requests_stream(run, dc)) for dc in dcs]
             reported = [await entries_added(r, keys.prefill_reports_stream(run, dc)) for dc in dcs]
             run_wide = [
@@ -95,7 +95,7 @@ async def test_a_dispatcher_per_datacenter_serves_what_the_front_door_routes_to_
     # each datacenter led by its own dispatcher, each saying it serves; nothing on the run-wide
     # streams or lease
     assert all(leaders) and len(set(leaders)) == 2, leaders
-    assert verdicts == {leader.decode(): ServingState.SERVING for leader in leaders if leader}, verdicts
+    assert states == {leader.decode(): ServingState.SERVING for leader in leaders if leader}, states
     assert run_wide == [0, 0, 0]
     # every request queued on one datacenter's stream, and both were used (a burst spreads: the
     # front door counts what it routed until the next snapshot)

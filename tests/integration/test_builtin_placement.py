@@ -21,7 +21,7 @@ from services.decoder.decoder import serve
 from services.prefill_queue.app import create_app
 from services.prefill_queue.state import GATE
 from shared.config.settings import Settings, load_settings
-from shared.control import serving
+from shared.control import serving, verdicts
 from shared.model.generate import generate
 from shared.model.prefill import PrefillModel
 from shared.model.tokenizer import decode, encode
@@ -96,10 +96,10 @@ async def test_auto_places_prompts_on_the_decoder_while_the_bubbles_cannot_serve
 ) -> None:
     """auto is the default with decode on: training finished, the bubbles cannot serve (where
     bubbles-only answers 503), and the decoder computes the prompt."""
-    verdict = serving.Readiness(
+    verdict = verdicts.Readiness(
         instance="d1", run=RUN, state=ServingState.FINISHED, reason="training finished", retry_after_s=5, at=time.time()
     )
-    await serving.publish_readiness(redis, verdict)
+    await verdicts.publish_readiness(redis, verdict)
     client = await front_door(redis_url, None, decoder_alive=True)
     try:
         resp = await client.post(

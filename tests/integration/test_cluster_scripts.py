@@ -36,12 +36,12 @@ from shared.bus.connection import command_client
 from shared.bus.deadletters import dead_letter
 from shared.bus.streams import claim_all, ensure_group
 from shared.config.spec import BubbleTea, BusConfig
-from shared.control import leases, serving
+from shared.control import leases, serving, verdicts
 from shared.dataplane import kvstore
 from shared.policies.dispatch import DispatchState
 from shared.policies.prefill_cost import PrefillCostModel
 from shared.runtime.redis_cluster import EmbeddedCluster
-from shared.wire import FIELD, PrefillRequest, PrefillResult, keys
+from shared.wire import FIELD, PrefillRequest, PrefillResult, encode, keys
 from shared.wire.status import RequestStatus, ServingState
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,11 +96,13 @@ COVERED = {
     "shared/control/serving.py:accept": f"{HERE}::test_the_serving_scripts",
     "shared/control/serving.py:answer": f"{HERE}::test_the_serving_scripts",
     "shared/control/serving.py:queue_answer": f"{HERE}::test_the_dispatcher_s_fenced_writes",
-    "shared/control/serving.py:publish_readiness": f"{HERE}::test_the_serving_scripts",
+    "shared/control/serving.py:claim_idempotency": f"{HERE}::test_a_dispatcher_per_datacenter_s_keys",
+    "shared/control/serving.py:find": f"{HERE}::test_a_dispatcher_per_datacenter_s_keys",
+    "shared/control/verdicts.py:publish_readiness": f"{HERE}::test_the_serving_scripts",
     "shared/control/serving.py:read_by_client": f"{HERE}::test_the_serving_scripts",
-    "shared/control/serving.py:readiness": f"{HERE}::test_the_serving_scripts",
+    "shared/control/verdicts.py:readiness": f"{HERE}::test_the_serving_scripts",
     "shared/control/serving.py:reconcile_inflight": f"{HERE}::test_the_serving_scripts",
-    "shared/control/serving.py:withdraw_readiness": f"{HERE}::test_the_serving_scripts",
+    "shared/control/verdicts.py:withdraw_readiness": f"{HERE}::test_the_serving_scripts",
     "shared/dataplane/kvstore.py:store_kv_within_budget": f"{HERE}::test_the_kv_budget_script",
     "shared/dataplane/store.py:RedisStore.add.incr": "tests/integration/test_rendezvous_store.py::test_add_wakes_"
     "a_waiter_too",
@@ -194,8 +196,8 @@ def run_id(what: str) -> str:
     return f"{what}-{time.time_ns()}"
 
 
-def request(run: str, rid: str) -> PrefillRequest:
-    reply_to = keys.prefill_results_stream(run, "front")
+def request(run: str, rid: str, dc: str | None = None) -> PrefillRequest:
+    reply_to = keys.prefill_results_stream(run, "front", dc)
     return PrefillRequest(id=rid, model="m", tokens=(1, 2, 3), submitted=time.time(), reply_to=reply_to)
 
 
@@ -212,27 +214,55 @@ async def test_the_serving_scripts(r: Redis) -> None:
     found = await serving.lookup(r, run, "q1")
     assert found is not None and found.status is RequestStatus.DONE
     await serving.read_by_client(r, run, ["q1"])
-    verdict = serving.Readiness(
+    verdict = verdicts.Readiness(
         run=run, instance="d1", state=ServingState.SERVING, reason="", retry_after_s=1, at=time.time()
     )
-    await serving.publish_readiness(r, verdict)
-    assert [v.instance for v in await serving.readiness(r, run)] == ["d1"]
-    await serving.withdraw_readiness(r, run, "d1")
-    assert await serving.readiness(r, run) == []
+    await verdicts.publish_readiness(r, verdict)
+    assert [v.instance for v in await verdicts.readiness(r, run)] == ["d1"]
+    await verdicts.withdraw_readiness(r, run, "d1")
+    assert await verdicts.readiness(r, run) == []
 
 
 async def test_a_dispatcher_per_datacenter_s_keys(r: Redis) -> None:
-    """Accepted onto a datacenter's stream, the in-flight bound summed over both, each DC's
-    snapshot and measurement published and read back: every one on the run's slot."""
+    """A request's whole path with a dispatcher per datacenter, each step on its datacenter's slot:
+    a client's key claimed in the run's tag, then accepted in a datacenter's; batched and answered
+    by that datacenter's dispatcher (fenced by its lease); found by a GET that names no datacenter;
+    the in-flight count reconciled per datacenter; snapshots and measurements published and read."""
     run = run_id("perdc")
-    assert await serving.accept(r, run, request(run, "a1"), 10, dc="dc-a")
-    assert await serving.accept(r, run, request(run, "b1"), 10, dc="dc-b")
-    assert await serving.accept(r, run, request(run, "b2"), 10, dc="dc-b")
+    assert await serving.claim_idempotency(r, run, "k1", "dc-b", "b1") is None  # the key is b1's now
+    assert await serving.claim_idempotency(r, run, "k1", "dc-a", "other") == ("dc-b", "b1")
+    assert await serving.accept(r, run, request(run, "a1", "dc-a"), 10, dc="dc-a")
+    assert await serving.accept(r, run, request(run, "b1", "dc-b"), 10, idempotency_key="k1", dc="dc-b")
+    # a retry of the claimed key finds its record: the id, nothing enqueued again
+    assert await serving.accept(r, run, request(run, "b1", "dc-b"), 10, idempotency_key="k1", dc="dc-b") == "b1"
+    assert await serving.accept(r, run, request(run, "b2", "dc-b"), 10, dc="dc-b")
     for dc in ("dc-a", "dc-b"):
         await ensure_group(r, keys.prefill_requests_stream(run, dc), "dispatcher")
-    await r.set(keys.prefill_inflight_key(run), 7)  # a lost decrement: lowered to the 3 unread
-    assert await serving.reconcile_inflight(r, run, "dispatcher", ["dc-a", "dc-b"]) == 3
-    assert await serving.reconcile_inflight(r, run, "dispatcher", ["dc-a", "dc-c"]) is None  # no group there
+    await r.set(keys.prefill_inflight_key(run, "dc-b"), 7)  # a lost decrement: lowered to dc-b's 2 unread
+    assert await serving.reconcile_inflight(r, run, "dispatcher", "dc-b") == 2
+    assert await serving.reconcile_inflight(r, run, "dispatcher", "dc-c") is None  # no group there
+    assert await serving.inflight(r, run, ["dc-a", "dc-b"]) == 3
+    # dc-b's dispatcher: a batch to its worker, an answer, the entry acked, fenced by dc-b's lease
+    lease, stream = keys.dispatcher_lease_key(run, "dc-b"), keys.prefill_requests_stream(run, "dc-b")
+    await r.set(lease, "me", px=10_000)
+    got: Any = await r.xreadgroup("dispatcher", "me", {stream: ">"}, count=1)
+    ticket = got[0][1][0][0].decode()
+    done = PrefillResult(id="b1", status=RequestStatus.DONE, token=1)
+    fill = keys.fill_stream(run, 0, 1, "dc-b")
+    w = Writes(
+        batches=[(fill, b"batch")],
+        answers=[(done, request(run, "b1", "dc-b").reply_to)],
+        gone=[keys.prefill_snapshot_key(run, "b1", 2, "dc-b")],
+        acks=[(stream, "dispatcher", [ticket])],
+    )
+    assert await execute(r, run, w, (lease, "me"), "dc-b")
+    found = await serving.find(r, run, "b1", ["dc-a", "dc-b"])
+    assert found is not None and found[0] == "dc-b" and found[1].status is RequestStatus.DONE
+    assert await serving.find(r, run, "nope", ["dc-a", "dc-b"]) is None
+    await serving.read_by_client(r, run, ["b1"], "dc-b")
+    assert 0 < await r.ttl(keys.prefill_request_key(run, "b1", "dc-b")) <= keys.PREFILL_READ_GRACE_S
+    await serving.fail_dead_request(r, run, encode(request(run, "a1", "dc-a")), "poison", "dc-a")
+    assert (await serving.lookup(r, run, "a1", "dc-a")).status is RequestStatus.FAILED  # type: ignore[union-attr]
     state = DispatchState[PrefillRequest].from_spec(BubbleTea(), 4)
     await publish_measurement(r, run, state, "dc-a")  # not measured yet: nothing written
     await publish_snapshot(r, run, state, "dc-a", ready=True)

@@ -30,7 +30,7 @@ from shared.bus import Bus, Delivery
 from shared.bus.streams import claim_all
 from shared.config.settings import load_settings
 from shared.config.spec import BusConfig
-from shared.control import serving
+from shared.control import serving, verdicts
 from shared.control.leases import release_dispatcher_if_held_by
 from shared.model.shape import model_info
 from shared.policies.dispatch import DispatchState
@@ -312,7 +312,7 @@ async def test_a_second_dispatcher_stands_by_reading_nothing_and_takes_over_at_o
                 assert await serving.accept(bus.redis, run, request(run, f"q{i}"), 100)
         await until(sent(redis, keys.fill_stream(run, 0, 0), {f"q{i}" for i in range(5)}), "the batches", START_S)
         assert await consumers(redis, run) == {name(a)}  # the standby never read a stream
-        assert {v.instance for v in await serving.readiness(redis, run)} == {name(a)}  # nor says it serves
+        assert {v.instance for v in await verdicts.readiness(redis, run)} == {name(a)}  # nor says it serves
         assert "dispatcher ready" not in ds.log(b)
         a.proc.terminate()  # a rolling update: the leader stops, and hands the lease over
         took = await until(led_by(redis, run, name(b)), "the standby leads", TAKEOVER_S)

@@ -39,7 +39,7 @@ from services.prefill_queue.app import create_app
 from services.prefill_queue.completions import choice, usage
 from shared.bus.connection import blocking_client
 from shared.config.settings import Settings, load_settings
-from shared.control import serving
+from shared.control import serving, verdicts
 from shared.wire import FIELD, PrefillRequest, PrefillResult, decode, keys
 from shared.wire.status import FailureReason, RequestStatus
 
@@ -488,7 +488,7 @@ async def test_the_ready_check_waits_for_serving_and_says_why_it_gave_up(redis_u
     """BubbleTea serves only while training runs: with a wait, loadgen also waits for /ready."""
     from shared.wire.status import ServingState
 
-    verdict = serving.Readiness(
+    verdict = verdicts.Readiness(
         instance="dispatcher-test",
         run=RUN,
         state=ServingState.STARTING,
@@ -496,11 +496,11 @@ async def test_the_ready_check_waits_for_serving_and_says_why_it_gave_up(redis_u
         retry_after_s=2,
         at=time.time(),
     )
-    await serving.publish_readiness(redis, verdict)
+    await verdicts.publish_readiness(redis, verdict)
     async with api(redis_url) as url:
         with pytest.raises(ApiUnavailable, match="not ready to serve: training of run r has not started"):
             await run_benchmark(config(url, num_prompts=1, ready_check_timeout_s=2.0))
-        await serving.withdraw_readiness(redis, RUN, "dispatcher-test")
+        await verdicts.withdraw_readiness(redis, RUN, "dispatcher-test")
 
 
 async def test_ready_state_serving_waits_past_joining(redis_url: str, redis: Redis) -> None:
@@ -508,18 +508,18 @@ async def test_ready_state_serving_waits_past_joining(redis_url: str, redis: Red
     starts only once training runs: here it gives up saying so, then starts once serving."""
     from shared.wire.status import ServingState
 
-    def verdict(state: ServingState) -> serving.Readiness:
-        return serving.Readiness(
+    def verdict(state: ServingState) -> verdicts.Readiness:
+        return verdicts.Readiness(
             instance="dispatcher-test", run=RUN, state=state, reason=f"run r is {state.value}", retry_after_s=1,
             at=time.time(),
         )  # fmt: skip
 
-    await serving.publish_readiness(redis, verdict(ServingState.JOINING))
+    await verdicts.publish_readiness(redis, verdict(ServingState.JOINING))
     async with api(redis_url) as url:
         client_config = config(url, num_prompts=1, ready_check_timeout_s=1.0, ready_state="serving")
         with pytest.raises(ApiUnavailable, match="not ready to serve: run r is joining"):
             await run_benchmark(client_config)
-        await serving.publish_readiness(redis, verdict(ServingState.SERVING))
+        await verdicts.publish_readiness(redis, verdict(ServingState.SERVING))
         result = await run_benchmark(client_config)
-        await serving.withdraw_readiness(redis, RUN, "dispatcher-test")
+        await verdicts.withdraw_readiness(redis, RUN, "dispatcher-test")
     assert result["completed"] + result["failed"] == 1  # it started: the request was sent

@@ -23,7 +23,7 @@ from services.prefill_queue.api import read_decoders, read_gate
 from services.prefill_queue.app import create_app
 from services.prefill_queue.state import GATE
 from shared.config.settings import Settings, load_settings
-from shared.control import serving
+from shared.control import serving, verdicts
 from shared.control.health import Heartbeat
 from shared.wire import PrefillRequest, keys
 from shared.wire.status import RequestStatus, ServingState
@@ -135,11 +135,11 @@ async def test_a_runs_front_door_is_gated_only_by_its_own_runs_dispatchers_and_d
     """Run B's dispatcher saying B is finished refuses B's requests (503), not run A's (no
     dispatcher of A's is alive: A's wait for one); run B's decoder, which reads B's decode stream,
     is not one A's front door places prompts on."""
-    finished = serving.Readiness(
+    finished = verdicts.Readiness(
         instance="dispatcher-b", run=B, state=ServingState.FINISHED, reason="run B finished", retry_after_s=5,
         at=time.time(),
     )  # fmt: skip
-    await serving.publish_readiness(redis, finished)
+    await verdicts.publish_readiness(redis, finished)
     decoder_b = Heartbeat(redis, "decoder", "decoder-b", lambda: {"run": B})
     await decoder_b.start()
     try:

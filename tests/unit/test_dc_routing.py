@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.control.serving import READINESS_EVERY_S
+from shared.control.verdicts import READINESS_EVERY_S
 from shared.policies import dc_routing
 from shared.policies.admission import Admission, predicted_finish_s
 from shared.policies.dc_routing import DcSnapshot, Router, RouteWhy, route

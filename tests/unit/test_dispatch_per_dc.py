@@ -4,11 +4,14 @@ starts, and where the front door sends a request (`services/prefill_queue/routin
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from redis.crc import key_slot
 
 from bubbletea.launcher.services import DISPATCHER, PREFILL_QUEUE, STAGE_WORKER, instances
 from bubbletea.launcher.wan_modes import WorkerLaunch
@@ -45,21 +48,33 @@ def test_a_run_has_one_dispatcher_or_one_per_datacenter_that_holds_stages() -> N
         assert dispatch_dc(per_dc, k) == dc and stages_of(per_dc, dc) == [k]
 
 
-def test_each_datacenter_owns_its_streams_lease_and_snapshot_under_the_runs_tag() -> None:
-    builders = [
+def test_each_datacenter_owns_its_keys_under_a_hash_tag_of_its_own() -> None:
+    builders: list[Callable[..., str]] = [
         keys.bubbles_stream,
         keys.prefill_reports_stream,
         keys.prefill_requests_stream,
         keys.dispatcher_lease_key,
         keys.dispatcher_measured_key,
+        keys.prefill_inflight_key,
+        lambda run, dc=None: keys.fill_stream(run, 0, 1, dc),
+        lambda run, dc=None: keys.prefill_request_key(run, "q1", dc),
+        lambda run, dc=None: keys.prefill_results_stream(run, "door-1", dc),
+        lambda run, dc=None: keys.prefill_snapshot_key(run, "q1", 3, dc),
     ]
     for build in builders:
         run_wide, a, b = build("r1"), build("r1", "dc-a"), build("r1", "dc-b")
-        assert len({run_wide, a, b}) == 3, build.__name__
-        # one slot for the run: a request's record, its answer and the report naming it stay together
-        assert {keys.hash_tag(k) for k in (run_wide, a, b)} == {"r1"}
-    assert keys.dc_snapshot_key("r1", "dc-a") != keys.dc_snapshot_key("r1", "dc-b")
-    assert keys.hash_tag(keys.dc_snapshot_key("r1", "dc-a")) == "r1"
+        # the run's with one dispatcher; with one per datacenter, each datacenter's own tag: what one
+        # script or replicated pipeline writes (a record, its answer, the report naming it) shares it
+        assert [keys.hash_tag(k) for k in (run_wide, a, b)] == ["r1", "r1:dc-a", "r1:dc-b"]
+        assert all(fnmatch.fnmatchcase(k, keys.run_pattern("r1")) for k in (run_wide, a, b))
+        assert not fnmatch.fnmatchcase(a, keys.run_pattern("r")) and not fnmatch.fnmatchcase(a, keys.run_pattern("r1:"))
+    assert keys.hash_tag(keys.dc_snapshot_key("r1", "dc-a")) == "r1:dc-a"
+    # so one run's datacenters hash to slots of their own (a cluster spreads them over its masters)
+    assert len({key_slot(keys.bubbles_stream("r1", dc).encode()) for dc in (None, "dc-a", "dc-b")}) == 3
+    # what every datacenter shares stays the run's: a client's key, the readiness verdicts
+    assert keys.hash_tag(keys.idempotency_key("r1", "k")) == "r1"
+    with pytest.raises(ValueError, match="datacenter name"):
+        keys.bubbles_stream("r1", "dc{a}")
 
 
 def settings(dc: str | None, dispatch: str = "per_dc") -> Settings:

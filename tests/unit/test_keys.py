@@ -23,7 +23,15 @@ from shared.wire.status import RequestStatus
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "run-7.a_b"
 #: keys.py's functions that build no key of a run, or one in another key's slot (its tag)
-HELPERS = {"run_tag", "hash_tag", "dead_letter_stream", "health_key", "replication_fence_key"}
+HELPERS = {
+    "run_tag",
+    "hash_tag",
+    "dead_letter_stream",
+    "health_key",
+    "replication_fence_key",
+    "dispatch_tag",
+    "run_pattern",
+}
 
 
 def run_key_builders() -> dict[str, Any]:
@@ -39,10 +47,10 @@ def run_key_builders() -> dict[str, Any]:
 
 
 def built(fn: Any, run: str) -> list[str]:
-    """What `fn` builds for `run`, the other parameters filled in (ints 3, strings "x")."""
-    args = [run] + [
-        3 if p.annotation in (int, "int") else "x" for p in list(inspect.signature(fn).parameters.values())[1:]
-    ]
+    """What `fn` builds for `run`, the other parameters filled in (ints 3, strings "x"; a datacenter
+    left at its default, None: a dispatcher per datacenter's keys are tests/unit/test_dispatch_per_dc.py's)."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    args = [run] + [3 if p.annotation in (int, "int") else "x" for p in params if p.default is inspect.Parameter.empty]
     got = fn(*args)
     return list(got) if isinstance(got, tuple) else [got]
 
@@ -60,9 +68,12 @@ def test_every_key_of_a_run_carries_the_run_as_its_hash_tag() -> None:
     assert {"prefill_request_key", "prefill_results_stream", "kv_cache_key", "kv_budget_bucket_key"} <= set(builders)
     assert {"generation_key", "lease_key", "checkpoint_key", "plane_prefix", "idempotency_key"} <= set(builders)
     for name, fn in builders.items():
+        # one that must name a datacenter ("x") is that datacenter's, under its tag (keys.dispatch_tag)
+        dc = inspect.signature(fn).parameters.get("dc")
+        tag = f"{RUN}:x" if dc is not None and dc.default is inspect.Parameter.empty else RUN
         for key in built(fn, RUN):
-            assert key.startswith(f"bt:{{{RUN}}}:"), (name, key)
-            assert keys.hash_tag(key) == RUN, (name, key)
+            assert key.startswith(f"bt:{{{tag}}}:"), (name, key)
+            assert keys.hash_tag(key) == tag, (name, key)
     assert keys.run_tag(RUN) == "{run-7.a_b}"
 
 

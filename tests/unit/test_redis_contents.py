@@ -42,7 +42,7 @@ def key_names() -> set[str]:
     constants under the prefix."""
     names = set()
     for name, value in vars(keys).items():
-        if name.startswith("_") or inspect.ismodule(value) or name in ("PREFIX", "run_tag", "hash_tag"):
+        if name.startswith("_") or inspect.ismodule(value) or name in ("PREFIX", "run_tag", "hash_tag", "dispatch_tag"):
             continue
         builds = inspect.isfunction(value) and value.__module__ == keys.__name__
         if builds or (isinstance(value, str) and value.startswith(f"{keys.PREFIX}:")):

@@ -173,7 +173,7 @@ class Reporter:
                     worker=self.worker,
                     finished=now,
                 )
-                serving.queue_answer(pipe, self.run, failed, o.item.reply_to)
+                serving.queue_answer(pipe, self.run, failed, o.item.reply_to, dc=self.dispatch_dc)
             o.sent = True
             o.answered_at = o.answered_at or now
             # answered: its tensors leave the device now (the KV cache is bytes, kept above), not at the batch's end
@@ -216,7 +216,7 @@ class Reporter:
             prefill_ms=prefill_ms,
             finished=now,
         )
-        serving.queue_answer(pipe, self.run, result, o.item.reply_to)
+        serving.queue_answer(pipe, self.run, result, o.item.reply_to, dc=self.dispatch_dc)
 
     def _over_budget(self, stored: KvStored) -> None:
         """Log the first skipped cache, then at most once a minute with the count since."""

@@ -102,6 +102,9 @@ class PrefillPort:
     host: str = "127.0.0.1"
     #: This worker's datacenter: snapshots held in another are not fetched (module docstring).
     dc: str = ""
+    #: The datacenter whose dispatcher serves this worker (`pipeline_plan.dispatch_dc`; None: the
+    #: run's one): the snapshot handles are written under its tag, with this worker's answers.
+    dispatch_dc: str | None = None
     #: Resumed items computed again from their prompt because their snapshot is in another DC.
     elsewhere: int = 0
     #: This worker's snapshots, served to the worker that resumes each (started by `start`).
@@ -151,7 +154,7 @@ class PrefillPort:
         request then fails when it would resume)."""
         holder = await self.start()
         assert self.snapshots is not None
-        key = keys.prefill_snapshot_key(self.run, request_id, layer)
+        key = keys.prefill_snapshot_key(self.run, request_id, layer, self.dispatch_dc)
         stored = self.snapshots.shelf.put(key, data, time.time())
         if not stored.key:
             log.warning(

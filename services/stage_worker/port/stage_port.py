@@ -42,6 +42,7 @@ from shared.bus import Delivery
 from shared.config.settings import Settings
 from shared.dataplane import DataPlane, in_thread, kvstore
 from shared.model.prefill import KV, PrefillState
+from shared.policies.pipeline_plan import dispatch_dc
 from shared.policies.placement import Placement
 from shared.wire import keys
 
@@ -249,5 +250,6 @@ def build_port(
         spec.prefill.kv_budget_mb << 20,
         host=plane.addresses[0],
         dc=placement.stage_dc[slot.stage],
+        dispatch_dc=dispatch_dc(spec, slot.stage),
     )
     return StagePort(prefill, transport, StatePort(redis, run, slot, state_dir, checkpoints))
