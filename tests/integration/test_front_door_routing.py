@@ -123,3 +123,15 @@ async def test_a_claimed_key_whose_request_was_never_enqueued_is_enqueued_by_the
     assert (dc, req.id, keys.hash_tag(req.reply_to)) == (dcs[1], "pf-claimed", f"{RUN}:{dcs[1]}")
     again = await client.post("/v1/prefill", json={"prompt": [4, 5]}, headers={"Idempotency-Key": "k2"})
     assert (await again.json())["id"] == "pf-claimed" and len(await routed(redis, dcs)) == 1
+
+
+async def test_a_datacenter_s_full_queue_refuses_the_request_routed_there(client: TestClient, redis: Redis) -> None:
+    """docs/config.md: `prefill.max_queue_depth` bounds each dispatcher's queue. A request routed to
+    a full datacenter gets its 429 (the client's retry is routed again), not another's queue."""
+    dcs = dispatch_dcs(client.server.app[SETTINGS].spec)
+    await redis.set(keys.prefill_inflight_key(RUN, dcs[0]), 2)  # full; before any snapshot, dcs[0] comes first
+    resp = await client.post("/v1/prefill", json={"prompt": [1]})
+    assert resp.status == 429 and "queue is full" in (await resp.json())["error"]["message"]
+    assert await routed(redis, dcs) == []
+    resp = await client.post("/v1/prefill", json={"prompt": [1]})  # the next in turn: dcs[1], not full
+    assert resp.status == 202 and [dc for dc, _ in await routed(redis, dcs)] == [dcs[1]]
