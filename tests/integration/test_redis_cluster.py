@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import pytest
-from redis.asyncio import RedisCluster
+from redis.asyncio import Redis, RedisCluster
 
 from shared.bus import Bus, Delivery
 from shared.bus.connection import blocking_client, command_client, is_cluster_url, node_of, plain_url, ride_out
@@ -72,10 +73,26 @@ async def test_a_command_client_and_a_consumer_work_through_the_cluster(redis_cl
         if len(seen) == 50:
             done.set()
 
-    async with Bus(redis_cluster.url, FAST) as bus, bus.consumer("cluster-s", "g", {Ping: handle}):
+    asked = await getkeys_calls(redis_cluster)
+    async with Bus(redis_cluster.url, FAST) as bus, bus.consumer("cluster-s", "g", {Ping: handle}) as consumer:
         await bus.publish_many("cluster-s", [Ping(seq=i, sent_ns=0) for i in range(50)])
         await asyncio.wait_for(done.wait(), 30)
     assert seen == set(range(50))
+    # its reads go to the stream's node: the client never asks a node where XREADGROUP's keys are
+    assert consumer.stats.handled == 50 and await getkeys_calls(redis_cluster) == asked
+
+
+async def getkeys_calls(cluster: EmbeddedCluster) -> int:
+    """COMMAND GETKEYS calls every node has answered (INFO commandstats)."""
+    total = 0
+    for node in cluster.nodes():
+        r = Redis(host="127.0.0.1", port=node.port, protocol=2)
+        try:
+            stats: Any = await r.info("commandstats")
+        finally:
+            await r.aclose()
+        total += int(stats.get("cmdstat_command|getkeys", {}).get("calls", 0))
+    return total
 
 
 async def test_heartbeats_on_every_master_are_all_found(redis_cluster: EmbeddedCluster) -> None:
