@@ -70,6 +70,11 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("service", choices=SERVICE_NAMES, metavar="SERVICE", help=f"one of {', '.join(SERVICE_NAMES)}")
     p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--json", action="store_true", help='print {"service": ..., "live": [...]} (exit code unchanged)')
+    p.add_argument(
+        "--dc",
+        metavar="DC",
+        help="only instances serving datacenter DC (a dispatcher per datacenter: bubbletea.dispatch per_dc)",
+    )
     p.set_defaults(func=health)
 
 
@@ -156,12 +161,13 @@ def health(args: argparse.Namespace) -> int:
         finally:
             await r.aclose()
 
-    live = asyncio.run(check())
+    live = [i for i in asyncio.run(check()) if args.dc is None or i.get("dc") == args.dc]
     if args.json:
         print(json.dumps({"service": args.service, "live": live}, default=str))
     else:
         for inst in live:
             print(f"{args.service} {inst['instance']} ok")
     if not live:
-        print(f"{args.service}: no live instance (no heartbeat in Redis)", file=sys.stderr)
+        of = "" if args.dc is None else f" serving datacenter {args.dc}"
+        print(f"{args.service}: no live instance{of} (no heartbeat in Redis)", file=sys.stderr)
     return 0 if live else 1

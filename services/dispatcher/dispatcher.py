@@ -393,7 +393,7 @@ class Dispatcher:
     def info(self) -> dict[str, object]:
         """The heartbeat's body: the state's counters, and the decision latency's percentiles over
         the last `DECISIONS_KEPT` flushes (an input handled to its decisions written, ms)."""
-        out = {"run": self.run, "serving": self.verdict.state.value, **self.state.info()}
+        out = {"run": self.run, "dc": self.dc or "", "serving": self.verdict.state.value, **self.state.info()}
         if self.decision_s:
             for q in (50, 99):
                 out[f"decision_ms_p{q}"] = round(1000 * (percentile(self.decision_s, q) or 0.0), 3)

@@ -102,7 +102,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         url = await server.start()
 
         def info() -> dict[str, object]:
-            now = term[0].info() if term else {"run": run, **({"dc": dc} if dc else {})}
+            now = term[0].info() if term else {"run": run, "dc": dc or ""}
             return {**now, "role": lease.role.value, "leader": lease.leader or "", "metrics_url": url}
 
         hb = Heartbeat(bus.redis, SERVICE, instance_id(), info)

@@ -16,6 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import redis as redis_lib
 from redis.asyncio import Redis
 
 from bubbletea.cli import main as cli_main
@@ -494,3 +495,21 @@ async def test_drain_and_slots_say_what_is_wrong_and_count_the_slots_left(redis:
         await asyncio.to_thread(run, "slots", "--dc", "dc-z", env=env),
         "bubbletea: error: --dc: the spec's datacenters are dc-a, dc-b, got 'dc-z' (or set BUBBLETEA_DC)",
     )
+
+
+def test_health_dc_checks_the_dispatchers_of_one_datacenter(redis_server: EmbeddedRedis) -> None:
+    """`bubbletea health dispatcher --dc DC`: a dispatcher per datacenter is healthy where one of its
+    own beats (its heartbeat names its datacenter), whatever the others' do."""
+    r = redis_lib.Redis.from_url(redis_server.url)
+    try:
+        beat = {"service": "dispatcher", "instance": "d-a1", "run": "run", "dc": "dc-a", "role": "leader"}
+        r.set(keys.health_key("dispatcher", "d-a1"), json.dumps(beat), ex=30)
+        env = {"REDIS_URL": redis_server.url}
+        ok = run("health", "dispatcher", "--dc", "dc-a", env=env)
+        assert ok.returncode == 0 and ok.stdout.strip() == "dispatcher d-a1 ok"
+        missing = run("health", "dispatcher", "--dc", "dc-b", env=env)
+        assert missing.returncode == 1 and "no live instance serving datacenter dc-b" in missing.stderr
+        assert run("health", "dispatcher", env=env).returncode == 0  # any datacenter's
+    finally:
+        r.delete(keys.health_key("dispatcher", "d-a1"))
+        r.close()
