@@ -39,6 +39,9 @@ LIB = Path(__file__).resolve().parent
 #: bubbles and costs) before the measured window opens.
 STARTUP_S = 2.5
 WARMUP_S = 2.0
+#: How long the slots' leases are first set for: the whole start-up, however many dispatchers start
+#: first (the workers then renew each to its 3 s, `keys.LEASE_TTL_MS`).
+STARTUP_LEASE_S = 60.0
 #: A request's cost on its emulated device (0.2 ms a 96-token prompt, as bench/dispatcher.py):
 #: the control plane, not the compute, is measured.
 REQUEST_S = 0.0002
@@ -163,9 +166,14 @@ async def run_case(backend: Backend, arm: str, mix: Mix, seconds: float, workdir
     r = client_for(backend.url)
     await r.set(keys.generation_key(run), 1)
     await r.sadd(keys.generation_joined_key(run, 1), *[f"r{d}s{k}" for d in range(dp) for k in range(PP)])
-    for d in range(dp):  # every slot held before the dispatcher looks (the workers renew them)
+    # Every slot held before the dispatchers look, for as long as the start-up may take: the workers'
+    # processes start after the dispatchers (four of them in arm (c)) and renew each lease to its 3 s
+    # then. Set with those 3 s, a lease could expire first, and a renewal (compare-and-renew) never
+    # takes a lapsed lease back: the slot stayed lost for the whole case, every dispatcher judged the
+    # run recovering and rechecked its readiness at every bubble start (arm (c) drove ~1,000 inputs/s).
+    for d in range(dp):
         for k in range(PP):
-            await r.set(keys.lease_key(run, d, k), HOLDER, px=keys.LEASE_TTL_MS)
+            await r.set(keys.lease_key(run, d, k), HOLDER, px=int(STARTUP_LEASE_S * 1000))
     await r.aclose()
     env = {"REDIS_URL": backend.url, "BUBBLETEA_CONFIG": str(path), "BUBBLETEA_RUN": run, "BUBBLETEA_TIME_SCALE": "1"}
     dispatchers = [

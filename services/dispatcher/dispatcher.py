@@ -187,7 +187,7 @@ class Dispatcher:
         self.metrics.bubble_started(m.queued_ms / 1000, self.state.work_for(m.worker))
         if now - m.at <= self.state.stale_bubble_s:  # a bubble from the backlog says nothing about training now
             self.gate.saw_bubble(m.at)
-            if not self.verdict.ready:  # training runs: say so now, not at the next periodic check
+            if not self.verdict.ready and self.gate.recheck_due(time.monotonic()):  # training runs: say so now
                 await self.check_readiness()
         self._decided += self.state.bubble_start(opened, now)
         self.telemetry.seen(ControlEvent.BUBBLE_START, m.worker, m.at, now, with_work=with_work)

@@ -109,6 +109,15 @@ class Verdict:
         )
 
 
+#: A bubble start seen while the verdict is not ready asks for a readiness check at once (training
+#: runs: say so now, not at the next periodic check), at most this often. Not at every one: where the
+#: verdict stays unready while bubbles come (every worker stopped taking prefill; a datacenter's
+#: dispatcher whose peer datacenter lost a slot), a check at each of thousands of bubble starts a
+#: second (two round trips and a MULTI each) took half of a dispatcher's CPU. A fifth of the periodic
+#: interval (`verdicts.READINESS_EVERY_S`, 0.25 s): a run that starts is still told within 50 ms.
+BUBBLE_RECHECK_S = 0.05
+
+
 class ServingGate:
     """Judges readiness from slot views and bubble times; remembers when training was last seen running."""
 
@@ -128,6 +137,8 @@ class ServingGate:
         #: Workers that stopped taking prefill, and why (`prefill_off`); a worker joining anew is
         #: taken off the list (`prefill_on`).
         self.no_prefill: dict[str, str] = {}
+        #: When a bubble start last asked for a check (`recheck_due`; a monotonic clock).
+        self._rechecked_at = -BUBBLE_RECHECK_S
 
     def prefill_off(self, worker: str, why: str) -> None:
         self.no_prefill[worker] = why
@@ -138,6 +149,14 @@ class ServingGate:
     def saw_bubble(self, at: float) -> None:
         self.last_bubble_at = at if self.last_bubble_at is None else max(self.last_bubble_at, at)
         self.started = True
+
+    def recheck_due(self, now: float) -> bool:
+        """Whether a fresh bubble start, seen while the verdict is not ready, should check readiness
+        now (`now`: a monotonic clock): at most every `BUBBLE_RECHECK_S`."""
+        if now - self._rechecked_at < BUBBLE_RECHECK_S:
+            return False
+        self._rechecked_at = now
+        return True
 
     def assess(self, slots: Sequence[SlotView], now: float, *, joined: bool = True) -> Verdict:
         """`joined`: every slot's worker joined the run's current generation (past its set-up, or

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import time
 
+import msgspec
 import pytest
 from redis.asyncio import Redis
 
@@ -22,6 +23,7 @@ from shared.config.spec import BusConfig
 from shared.control import serving
 from shared.control.health import Heartbeat
 from shared.policies.decisions import Decisions, Spent
+from shared.policies.readiness import BUBBLE_RECHECK_S
 from shared.runtime.redis_server import EmbeddedRedis
 from shared.wire import (
     FIELD,
@@ -297,3 +299,33 @@ async def test_a_stopping_dispatcher_whose_redis_died_tries_its_last_writes_for_
         took = time.monotonic() - t0
     assert d.telemetry.kept, "written to a Redis that is gone?"
     assert took < 4.0, f"the last writes took {took:.1f}s"
+
+
+async def test_bubbles_coming_while_it_is_not_ready_check_readiness_at_most_every_50_ms(redis_url: str) -> None:
+    """A fresh bubble start seen while the verdict is not ready checks readiness at once (training
+    runs: say so now), but not at every one: with every worker off prefill the verdict stays unready
+    while bubbles come, and a check (two reads and a MULTI) at each of thousands a second was half
+    of a dispatcher's CPU (`readiness.BUBBLE_RECHECK_S`)."""
+    RUN = f"recheck-{time.time_ns()}"
+    async with Bus(redis_url, BusConfig(), name="test") as bus:
+        d = Dispatcher(bus, load_settings(None).spec, RUN)
+        checks = 0
+        check = d.check_readiness
+
+        async def counted() -> None:
+            nonlocal checks
+            checks += 1
+            await check()
+
+        d.check_readiness = counted  # type: ignore[method-assign]
+        now = time.time()
+        for it in range(200):  # a burst: every one fresh, the verdict never ready (no slot is held)
+            msg = BubbleStart(
+                run=RUN, worker="r0s1", replica=0, stage=1, dc="dc-a", iteration=it, position=0,
+                predicted_ms=5.0, free_memory_bytes=1 << 30, at=now,
+            )  # fmt: skip
+            await d.on_start(Delivery(f"{it}-0", keys.bubbles_stream(RUN), msg, 1))
+        assert not d.verdict.ready and 1 <= checks <= 1 + (time.time() - now) / BUBBLE_RECHECK_S
+        await asyncio.sleep(BUBBLE_RECHECK_S)
+        await d.on_start(Delivery("x-0", keys.bubbles_stream(RUN), msgspec.structs.replace(msg, at=time.time()), 1))
+        assert checks >= 2  # the next one, past the interval, checks again

@@ -6,7 +6,7 @@ import pytest
 
 from shared.policies.dispatch import DispatchState
 from shared.policies.dispatch_inputs import Request
-from shared.policies.readiness import ServingGate, SlotView
+from shared.policies.readiness import BUBBLE_RECHECK_S, ServingGate, SlotView
 from shared.wire.status import FailureReason, LeaseState, ServingState
 
 HELD = [SlotView("r0s0", True), SlotView("r0s1", True)]
@@ -148,3 +148,10 @@ def test_fail_waiting_fails_what_waits_and_lets_running_work_finish(running_in_o
         assert (f.id, f.ticket, f.reason) == ("a", "t-a", FailureReason.UNAVAILABLE)
         assert "trained all its iterations" in f.detail and s.requests == {}
         assert s.info()["unavailable"] == 1
+
+
+def test_bubbles_seen_while_unready_ask_for_a_check_at_most_every_bubble_recheck_s() -> None:
+    g = ServingGate(run="r", enabled=True, unready_after_s=5.0)
+    asked = [g.recheck_due(100.0 + i * 0.001) for i in range(60)]  # 60 bubble starts in 60 ms
+    assert asked.count(True) == 2 and asked[0] and (asked[50] or asked[51])  # at 0 and at 50 ms (float sums)
+    assert BUBBLE_RECHECK_S == 0.05 and g.recheck_due(100.2)
