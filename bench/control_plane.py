@@ -21,9 +21,11 @@ Arms, side by side (each case runs every arm, one after the other, on a fresh ba
 (`shared.runtime.redis_cluster.EmbeddedCluster`), the dispatcher on it; (c) ``cluster-per-dc``: the
 same cluster and a dispatcher per datacenter (`bubbletea.dispatch: per_dc`: 4 dispatchers, each
 worker sending to its datacenter's; the front door puts the requests on the datacenters' streams in
-turn, not routed on their snapshots). A run's keys carry its hash tag, so one run lives on one
-master: the cluster's other masters show what they spend idle (the per-node CPU is reported as it
-is; no run per datacenter is faked). Where the cluster backend is not importable, arms (b) and (c)
+turn, not routed on their snapshots). With one dispatcher a run's keys carry its hash tag, so the
+run lives on one master and the others show what they spend idle; with a dispatcher per datacenter
+each datacenter's keys carry a tag of their own (`{<run>:<dc>}`), so the run's load spreads over
+the masters those tags hash to (the per-node CPU is reported as it is). Where the cluster backend
+is not importable, arms (b) and (c)
 are left out and the JSON says why. The dispatcher's figures are all its processes together (CPU a
 input, to compare with one's; ``per_dc_cost``: per case, and from the marginal cost) and the
 busiest one's share of a core.
