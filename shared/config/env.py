@@ -288,6 +288,7 @@ OTHER_ENV_VARS = frozenset(v.name for v in ENV if v.command) | {
     "BUBBLETEA_VLLM_PYTHON",
     "BUBBLETEA_COMPOSE_TESTS",
     "BUBBLETEA_SLURM_TESTS",
+    "BUBBLETEA_HOME",  # deploy/slurm's scripts: the checkout they run from (their steps inherit it)
 }
 
 

@@ -409,6 +409,7 @@ def test_an_unknown_bubbletea_variable_is_warned_about_with_the_one_meant() -> N
         "BUBBLETEA_ITERATION is not a variable BubbleTea reads; it is ignored: did you mean BUBBLETEA_ITERATIONS?"
     ]
     assert unknown_env({"BUBBLETEA_SPEC": "x", "BUBBLETEA_PROGRESS": "0"}) == []  # read by compose and the CLI
+    assert unknown_env({"BUBBLETEA_HOME": "/srv/bubbletea"}) == []  # read by deploy/slurm's scripts
 
 
 def test_a_spec_written_into_a_run_folder_keeps_its_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
