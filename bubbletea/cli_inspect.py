@@ -57,8 +57,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--shell",
         action="store_true",
-        help="print what a batch script needs of the spec in effect as NAME=value lines to eval, HTTP_PORT=.. (the "
-        "front door's port, BUBBLETEA_HTTP_PORT in); the summary line goes to stderr (deploy/slurm/control.sbatch)",
+        help="print what a batch script needs of the spec in effect as NAME=value lines to eval: HTTP_PORT (the "
+        "front door's port, BUBBLETEA_HTTP_PORT in), DISPATCH (bubbletea.dispatch, BUBBLETEA_DISPATCH in) and "
+        "DISPATCH_DCS (with per_dc, the datacenters a dispatcher serves, space-separated); the summary line goes "
+        "to stderr (deploy/slurm/control.sbatch)",
     )
     p.set_defaults(func=check_config)
 
@@ -111,7 +113,10 @@ def _summary(spec: ClusterSpec) -> dict[str, Any]:
 
 
 def check_config(args: argparse.Namespace) -> int:
+    import shlex
+
     from bubbletea.preflight import check_run
+    from shared.policies.pipeline_plan import dispatch_dcs
 
     if args.shell and (args.show or args.json):  # each of them owns stdout
         raise CommandError("--shell prints NAME=value lines alone: drop --show and --json")
@@ -134,6 +139,8 @@ def check_config(args: argparse.Namespace) -> int:
         return 0
     if args.shell:  # the port as the front door will bind it: the spec's, or BUBBLETEA_HTTP_PORT's
         print(f"HTTP_PORT={settings.spec.http.port}")
+        dcs = [dc for dc in dispatch_dcs(settings.spec) if dc is not None]  # none with one dispatcher
+        print(f"DISPATCH={settings.spec.bubbletea.dispatch}\nDISPATCH_DCS={shlex.quote(' '.join(dcs))}")
     if args.show:
         sys.stdout.write(msgspec.yaml.encode(spec).decode())
         sys.stdout.flush()

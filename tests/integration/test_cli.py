@@ -411,9 +411,12 @@ def test_check_config_shell_prints_the_front_doors_port_for_a_batch_script() -> 
     """What deploy/slurm/control.sbatch evals: the port in effect (BUBBLETEA_HTTP_PORT over the
     spec's), the summary on stderr, and a refused spec still one line and exit 2."""
     r = run("check-config", "configs/demo.yaml", "--shell")
-    assert r.returncode == 0 and r.stdout == "HTTP_PORT=8000\n" and r.stderr.startswith("configs/demo.yaml: ok")
+    one = "DISPATCH=one\nDISPATCH_DCS=''\n"
+    assert r.returncode == 0 and r.stdout == "HTTP_PORT=8000\n" + one and r.stderr.startswith("configs/demo.yaml: ok")
     r = run("check-config", "configs/demo.yaml", "--shell", env={"BUBBLETEA_HTTP_PORT": "18123"})
-    assert r.returncode == 0 and r.stdout == "HTTP_PORT=18123\n", r.stderr
+    assert r.returncode == 0 and r.stdout == "HTTP_PORT=18123\n" + one, r.stderr
+    r = run("check-config", "configs/demo.yaml", "--shell", env={"BUBBLETEA_DISPATCH": "per_dc"})
+    assert r.returncode == 0 and r.stdout == "HTTP_PORT=8000\nDISPATCH=per_dc\nDISPATCH_DCS='dc-a dc-b'\n", r.stderr
     one_line_error(
         run("check-config", "configs/demo.yaml", "--shell", "--json"),
         "bubbletea: error: --shell prints NAME=value lines alone: drop --show and --json",
