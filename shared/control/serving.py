@@ -187,10 +187,13 @@ async def claim_idempotency(r: Redis, run: str, key: str, dc: str, request_id: s
     """With a dispatcher per datacenter: claim the client's `key` for `request_id`, to be accepted in
     `dc`; None when it is now this request's, else (datacenter, id) of the request it was claimed for
     before (accept that one, `accept`, and answer with its id). The claim lives in the run's tag (a
-    client's key is the run's, whichever datacenter takes the request), with the records' hour."""
-    got: Any = await r.eval(
-        _CLAIM, 1, keys.idempotency_key(run, key), json.dumps([dc, request_id]), keys.PREFILL_RECORD_TTL_S
-    )
+    client's key is the run's, whichever datacenter takes the request), with the records' hour. On a
+    cluster a replica holds the claim before the request is accepted (`replicated`): a failover of
+    the run's master in between cannot take the claim back while the request it names stands, and
+    the client's retry then claim (and enqueue) a second request."""
+    idem = keys.idempotency_key(run, key)
+    args = (_CLAIM, 1, idem, json.dumps([dc, request_id]), keys.PREFILL_RECORD_TTL_S)
+    (got,) = await replicated(r, idem, lambda pipe: pipe.eval(*args), "idempotency claim")
     if got is None:
         return None
     found = json.loads(got)

@@ -223,6 +223,26 @@ async def test_the_serving_scripts(r: Redis) -> None:
     assert await verdicts.readiness(r, run) == []
 
 
+async def test_a_claim_is_on_a_replica_before_the_request_is_accepted(r: Redis, cluster: EmbeddedCluster) -> None:
+    """A client's key claimed with a dispatcher per datacenter waits for its replica (WAIT), as the
+    accept does: a failover of the run's master cannot take the claim back while its request stands."""
+    run = run_id("claim")
+    master = cluster.master_of(keys.idempotency_key(run, "k"))
+    waits = await wait_calls(master.port)
+    assert await serving.claim_idempotency(r, run, "k", "dc-a", "q1") is None
+    assert await wait_calls(master.port) == waits + 1
+
+
+async def wait_calls(port: int) -> int:
+    """WAIT commands the node on `port` has answered (INFO commandstats)."""
+    node = Redis(host="127.0.0.1", port=port, protocol=2)
+    try:
+        stats: Any = await node.info("commandstats")
+    finally:
+        await node.aclose()
+    return int(stats.get("cmdstat_wait", {}).get("calls", 0))
+
+
 async def test_a_dispatcher_per_datacenter_s_keys(r: Redis) -> None:
     """A request's whole path with a dispatcher per datacenter, each step on its datacenter's slot:
     a client's key claimed in the run's tag, then accepted in a datacenter's; batched and answered
