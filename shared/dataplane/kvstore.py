@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from shared.bus.replicated import replicated
 from shared.dataplane.tensors import from_blob, to_blob
 from shared.model.prefill import KV, PrefillState
 from shared.wire import PrefillSnapshot, TensorBlob, WireError, keys
@@ -195,12 +196,23 @@ async def store_kv_within_budget(
     """Store KV cache bytes of `run`'s request for `ttl_s` seconds unless `run`'s caches stored in the
     last `ttl_s` (a counter per time bucket, `keys.kv_budget_bucket_key`) and this one exceed
     `budget_bytes`; the check and the store are one step (Lua), so concurrent workers never overshoot
-    together. The cache and the counters are the run's keys: one hash tag, one slot of a cluster."""
+    together. The cache and the counters are the run's keys: one hash tag, one slot of a cluster. On a
+    cluster a replica holds the cache before this returns (`replicated`), so the answer that names it,
+    written after, never outlives it in a failover (with a dispatcher per datacenter the answer is in
+    its datacenter's tag, perhaps on another master, and the answer's own WAIT does not cover it)."""
     width = _bucket_width(ttl_s)
     key, *buckets = budget_keys(run, request_id, ttl_s, now)
-    reply: Any = await r.eval(
-        _STORE_WITHIN_BUDGET, 1 + len(buckets), key, *buckets, data, ttl_s, budget_bytes, ttl_s + 2 * width
+    args: tuple[Any, ...] = (
+        _STORE_WITHIN_BUDGET,
+        1 + len(buckets),
+        key,
+        *buckets,
+        data,
+        ttl_s,
+        budget_bytes,
+        ttl_s + 2 * width,
     )
+    (reply,) = await replicated(r, key, lambda pipe: pipe.eval(*args), "KV cache")
     stored, used = int(reply[0]), int(reply[1])
     return Stored(key if stored else "", len(data), used, budget_bytes)
 

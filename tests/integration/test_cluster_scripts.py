@@ -354,10 +354,14 @@ async def test_the_lease_scripts(r: Redis) -> None:
     assert await leases.release_dispatcher_if_held_by(r, run, "d1")
 
 
-async def test_the_kv_budget_script(r: Redis) -> None:
+async def test_the_kv_budget_script(r: Redis, cluster: EmbeddedCluster) -> None:
+    """The budget script on the run's slot; a cache stored is on a replica (WAIT) before the answer
+    naming it, perhaps on another master (a datacenter's tag), is written."""
     run = run_id("kv")
+    waits = await wait_calls(cluster.master_of(keys.kv_cache_key(run, "q")).port)
     stored = await kvstore.store_kv_within_budget(r, run, "q", b"x" * 100, 30, 1_000, time.time())
     assert stored.key == keys.kv_cache_key(run, "q")
+    assert await wait_calls(cluster.master_of(stored.key).port) == waits + 1
     refused = await kvstore.store_kv_within_budget(r, run, "q2", b"x" * 1_000, 30, 1_000, time.time())
     assert refused.key == "" and refused.used == 100
 
