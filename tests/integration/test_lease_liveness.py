@@ -19,12 +19,16 @@ from shared.wire import keys
 
 #: A stage worker's lease, alone: its connections named for the holder, renewed every second.
 HOLDER = """
-import asyncio, sys
+import asyncio, os, sys
 from services.stage_worker.membership.lease import SlotLease
 from shared.bus.connection import command_client
 from shared.control.leases import holder_client_name
 
 async def main(url, run, holder):
+    try:  # ahead of the suite's other processes: resumed from a stall, it runs at once (as root)
+        os.nice(-10)
+    except OSError:
+        pass
     lease = SlotLease(command_client(url, name=holder_client_name(holder)), run, 1, 1, holder)
     await lease.acquire()
     print("held", flush=True)
@@ -100,7 +104,10 @@ async def test_a_live_holder_stalled_past_the_grace_with_its_connection_closed_k
         # gone), counted from the renewal rather than after the kill: on a loaded host the kill's round
         # trips would stretch the stall towards the spare's second look (2.3 s), which rightly frees it.
         # At 1.6 s a loaded suite's holder, resumed, took more than the 0.7 s left to reconnect and
-        # renew (a fresh-clone run, 2026-12-07): 1.45 s leaves it 0.85 s, the first look 0.15 s.
+        # renew (a fresh-clone run, 2026-12-07): 1.45 s leaves it 0.85 s, the first look 0.15 s. At
+        # 1.45 s it missed once more on a slower day (k = 8.9), starved by the suite's other
+        # processes after its SIGCONT: the holder now runs ahead of them (nice -10), so what is
+        # tested is the spare's two looks, not how soon a loaded scheduler resumes a process.
         await asyncio.sleep(max(0.0, renewed + 1.45 - asyncio.get_running_loop().time()))
         proc.send_signal(signal.SIGCONT)
         await asyncio.sleep(2.0)  # it reconnects and renews; the spare looks on
