@@ -44,7 +44,7 @@ def unanswerable(run: str, dc: str | None, req: PrefillRequest) -> str | None:
     """Why `req` can never be answered by `run`'s dispatcher (`dc`'s), or None: it asks for its
     answer on a stream outside the dispatcher's tag, where no front door reads for it (on a
     cluster, another slot, which the answer script cannot write)."""
-    if f"{{{keys.hash_tag(req.reply_to)}}}" == keys.dispatch_tag(run, dc):
+    if keys.under_dispatch_tag(req.reply_to, run, dc):
         return None
     where = f"run {run}'s" if dc is None else f"datacenter {dc}'s (run {run})"
     return f"request {req.id} asks for its answer on {req.reply_to!r}, outside {where} streams"

@@ -98,28 +98,22 @@ return 0
 #: a drift is corrected within this, and the XINFO it costs is one per dispatcher this often.
 INFLIGHT_RECONCILE_S = 10.0
 
-# In flight is at most the request stream's entries its group has not acked (pending) or not read
-# (lag), summed over the request streams the count covers (KEYS[2..]: one, its dispatcher's): a request
-# is acked once answered or failed, and a dead letter with its record. It can be fewer (an answered
-# request's entry is acked a moment later; a dead dispatcher's, once reclaimed), so the count is
-# only ever lowered to that bound, never raised to it.
+# In flight is at most the request stream's (KEYS[2]) entries its group has not acked (pending) or
+# not read (lag): a request is acked once answered or failed, and a dead letter with its record. It
+# can be fewer (an answered request's entry is acked a moment later; a dead dispatcher's, once
+# reclaimed), so the count is only ever lowered to that bound, never raised to it.
 _RECONCILE = """
-local bound = 0
-for k = 2, #KEYS do
-  local found = false
-  if redis.call('EXISTS', KEYS[k]) == 1 then
-    for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[k])) do
-      local f = {}
-      for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
-      if f['name'] == ARGV[1] then
-        if type(f['lag']) ~= 'number' then return -1 end
-        bound = bound + f['pending'] + f['lag']
-        found = true
-      end
-    end
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+local bound = nil
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
+  local f = {}
+  for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+  if f['name'] == ARGV[1] then
+    if type(f['lag']) ~= 'number' then return -1 end
+    bound = f['pending'] + f['lag']
   end
-  if not found then return -1 end
 end
+if bound == nil then return -1 end
 local n = tonumber(redis.call('GET', KEYS[1]) or '0')
 if n > bound then
   redis.call('SET', KEYS[1], bound)
@@ -271,7 +265,7 @@ async def fail_dead_request(r: Redis, run: str, raw: bytes | None, error: str, d
     if found is None:
         return
     rid, reply_to = found
-    if f"{{{keys.hash_tag(reply_to)}}}" != keys.dispatch_tag(run, dc):
+    if not keys.under_dispatch_tag(reply_to, run, dc):
         # no front door of the run reads there (on a cluster: another slot, which the answer script
         # cannot touch); the request stays queued in its record until its TTL, as nobody waits on it
         log.warning("dead request names a results stream outside its run: not answered", id=rid, reply_to=reply_to)

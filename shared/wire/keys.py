@@ -168,6 +168,12 @@ def dispatch_tag(run: str, dc: str | None) -> str:
     return run_tag(f"{run}:{dc}")
 
 
+def under_dispatch_tag(key: str, run: str, dc: str | None) -> bool:
+    """Whether `key` is under `dispatch_tag(run, dc)`: in the slot of what that dispatcher owns (a
+    reply stream outside it is one its answer script cannot write, and no front door reads for it)."""
+    return f"{{{hash_tag(key)}}}" == dispatch_tag(run, dc)
+
+
 def _dispatch(run: str, dc: str | None) -> str:
     """The prefix of what one dispatcher owns (`dispatch_tag`): ``bt:{<run>}`` or ``bt:{<run>:<dc>}``."""
     return f"{PREFIX}:{dispatch_tag(run, dc)}"

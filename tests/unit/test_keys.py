@@ -30,6 +30,7 @@ HELPERS = {
     "health_key",
     "replication_fence_key",
     "dispatch_tag",
+    "under_dispatch_tag",
     "run_pattern",
 }
 

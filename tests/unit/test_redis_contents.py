@@ -37,12 +37,16 @@ def documented() -> dict[str, str]:
     return found
 
 
+#: keys.py's names that build no key: the prefix, and the hash tags' helpers.
+TAG_HELPERS = ("PREFIX", "run_tag", "hash_tag", "dispatch_tag", "under_dispatch_tag")
+
+
 def key_names() -> set[str]:
     """Every key or stream name (or pattern) shared/wire/keys.py builds: its functions, and its string
     constants under the prefix."""
     names = set()
     for name, value in vars(keys).items():
-        if name.startswith("_") or inspect.ismodule(value) or name in ("PREFIX", "run_tag", "hash_tag", "dispatch_tag"):
+        if name.startswith("_") or inspect.ismodule(value) or name in TAG_HELPERS:
             continue
         builds = inspect.isfunction(value) and value.__module__ == keys.__name__
         if builds or (isinstance(value, str) and value.startswith(f"{keys.PREFIX}:")):
