@@ -36,7 +36,7 @@ from shared.control.verdicts import Readiness
 from shared.model.shape import max_prompt_tokens, model_info
 from shared.model.tokenizer import Tokenizer, tokenizer_for
 from shared.runtime.logs import get_logger
-from shared.wire import PrefillRequest, PrefillResult, keys
+from shared.wire import PrefillRequest, PrefillResult, WireError, keys
 from shared.wire.status import FailureReason, RequestStatus
 
 log = get_logger(__name__)
@@ -182,7 +182,10 @@ async def enqueue(
         if log.isEnabledFor(10):  # at debug: a line a request would cost the accept path its time
             log.debug("routed", id=request_id, dc=dc, why=route.why.value, detail=route.detail)
         if idempotency_key is not None:  # the key is the run's: claimed there, then accepted in `dc`'s tag
-            claimed = await serving.claim_idempotency(app[BUS].redis, settings.run, idempotency_key, dc, request_id)
+            try:
+                claimed = await serving.claim_idempotency(app[BUS].redis, settings.run, idempotency_key, dc, request_id)
+            except WireError as exc:  # the key names a request of another dispatch mode (a run restarted so)
+                raise BadRequest(f"this Idempotency-Key cannot be reused here: {exc}", status=409) from None
             if claimed is not None:  # used before: that request, where it went (enqueued if it never was)
                 dc, request_id = claimed
         req = msgspec.structs.replace(req, id=request_id, reply_to=instance_results_stream(app, dc))

@@ -190,7 +190,10 @@ async def claim_idempotency(r: Redis, run: str, key: str, dc: str, request_id: s
     (got,) = await replicated(r, idem, lambda pipe: pipe.eval(*args), "idempotency claim")
     if got is None:
         return None
-    found = json.loads(got)
+    try:
+        found = json.loads(got)
+    except ValueError:  # not JSON: a plain id, written with one dispatcher for the run (`accept`)
+        found = None
     if not (isinstance(found, list) and len(found) == 2 and all(isinstance(x, str) for x in found)):
         raise WireError(f"idempotency key {key!r} of run {run} holds {got!r}, not a claim [dc, id]")
     return found[0], found[1]

@@ -135,3 +135,14 @@ async def test_a_datacenter_s_full_queue_refuses_the_request_routed_there(client
     assert await routed(redis, dcs) == []
     resp = await client.post("/v1/prefill", json={"prompt": [1]})  # the next in turn: dcs[1], not full
     assert resp.status == 202 and [dc for dc, _ in await routed(redis, dcs)] == [dcs[1]]
+
+
+async def test_a_key_used_under_one_dispatcher_is_refused_with_409(client: TestClient, redis: Redis) -> None:
+    """A client's key whose value is a plain request id (written while the run had one dispatcher,
+    before it was restarted with one per datacenter) is no claim: a 409 that says so, nothing queued."""
+    dcs = dispatch_dcs(client.server.app[SETTINGS].spec)
+    await redis.set(keys.idempotency_key(RUN, "old"), "pf-from-one-dispatcher", ex=60)
+    resp = await client.post("/v1/prefill", json={"prompt": [1]}, headers={"Idempotency-Key": "old"})
+    body = await resp.json()
+    assert resp.status == 409 and "not a claim" in body["error"]["message"], body
+    assert await routed(redis, dcs) == []
