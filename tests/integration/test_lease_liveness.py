@@ -82,38 +82,59 @@ async def test_a_live_holder_stalled_past_the_grace_with_its_connection_closed_k
     """Issue 62: one look of a spare's took a live worker for gone after its connection closed under
     it and its event loop stalled past the 0.3 s grace (a GC pause, a graph capture). Two looks a
     renewal apart, with no renewal between, do not: here it is stopped 1.45 s just after a renewal,
-    its connection closed, and it keeps its slot."""
+    its connection closed, and it keeps its slot.
+
+    A loaded suite can stretch the stall itself (this test's own loop sends the SIGCONT late): a try
+    whose holder was stopped longer than `STALL_S` + `STALL_SLACK_S` since its renewal (as Redis saw
+    it) is not the case under test, and is tried again (at most `STALL_TRIES`); one stopped as
+    meant must keep its slot."""
+    for attempt in range(STALL_TRIES):
+        kept, stalled_s = await _stalled_once(redis, redis_url, f"stall-{attempt}")
+        if stalled_s <= STALL_S + STALL_SLACK_S:
+            assert kept, f"stopped {stalled_s:.2f} s after its renewal, it lost its slot"
+            return
+    raise AssertionError(f"no try stopped the holder for {STALL_S} s as meant: the last {stalled_s:.2f} s")
+
+
+#: The holder is stopped this long from its renewal: past a renewal interval and the grace (the
+#: spare's first look, 1.3 s, takes it for gone), well before its second look (2.3 s), which rightly
+#: frees a holder still silent then. At 1.6 s a loaded suite's holder, resumed, took more than the
+#: 0.7 s left to reconnect and renew (a fresh-clone run, 2026-12-07); at 1.45 s the SIGCONT itself
+#: went out late on a slower day, hence the check of how long the stop really was.
+STALL_S = 1.45
+STALL_SLACK_S = 0.25
+STALL_TRIES = 3
+
+
+async def _stalled_once(redis: Redis, redis_url: str, run: str) -> tuple[bool, float]:
+    """One try: the holder of `run`'s slot stopped `STALL_S` from a renewal, its connection closed;
+    whether it kept its slot, and how long it was really stopped from that renewal (by its TTL)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", HOLDER, redis_url, "stall", "h4", stdout=asyncio.subprocess.PIPE
+        sys.executable, "-c", HOLDER, redis_url, run, "h4", stdout=asyncio.subprocess.PIPE
     )
     spare_redis = named(redis_url)
+    loop = asyncio.get_running_loop()
     try:
         assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"held\n"  # type: ignore[union-attr]
-        spare = spare_of(spare_redis, "stall")
+        spare = spare_of(spare_redis, run)
         waiting = asyncio.create_task(spare.wait_as_spare(asyncio.Event(), poll_s=0.05))
-        key = keys.lease_key("stall", 0, 0)
+        key = keys.lease_key(run, 0, 0)
         start = await redis.pttl(key)
-        while await redis.pttl(key) <= start:  # noqa: ASYNC110 (a TTL: nothing to wait on) until it renews
+        while (left := await redis.pttl(key)) <= start:  # noqa: ASYNC110 (a TTL: nothing to wait on)
             await asyncio.sleep(0.01)
-        renewed = asyncio.get_running_loop().time()
+        renewed = loop.time() - (keys.LEASE_TTL_MS - left) / 1000  # when it renewed, by its TTL
         proc.send_signal(signal.SIGSTOP)
         for c in await redis.client_list(_type="normal"):
             if c["name"] == holder_client_name("h4"):
                 await redis.client_kill_filter(_id=c["id"])
-        # Stopped 1.45 s from its renewal, past a renewal interval and the grace (one look took it for
-        # gone), counted from the renewal rather than after the kill: on a loaded host the kill's round
-        # trips would stretch the stall towards the spare's second look (2.3 s), which rightly frees it.
-        # At 1.6 s a loaded suite's holder, resumed, took more than the 0.7 s left to reconnect and
-        # renew (a fresh-clone run, 2026-12-07): 1.45 s leaves it 0.85 s, the first look 0.15 s. At
-        # 1.45 s it missed once more on a slower day (k = 8.9), starved by the suite's other
-        # processes after its SIGCONT: the holder now runs ahead of them (nice -10), so what is
-        # tested is the spare's two looks, not how soon a loaded scheduler resumes a process.
-        await asyncio.sleep(max(0.0, renewed + 1.45 - asyncio.get_running_loop().time()))
+        await asyncio.sleep(max(0.0, renewed + STALL_S - loop.time()))
         proc.send_signal(signal.SIGCONT)
+        stalled_s = loop.time() - renewed
         await asyncio.sleep(2.0)  # it reconnects and renews; the spare looks on
-        assert not waiting.done() and await redis.get(key) == b"h4"
+        kept = not waiting.done() and await redis.get(key) == b"h4"
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
+        return kept, stalled_s
     finally:
         await spare_redis.aclose()
         if proc.returncode is None:
